@@ -1,0 +1,29 @@
+"""A run's checkpoint: its working conversation and the state Build reads with it.
+
+The session event log is the system of record; a checkpoint is the run's working copy,
+versioned for optimistic concurrency. Reasoning items live only here (never logged).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from .items import ConversationItem, SummaryItem
+
+__all__ = ["Checkpoint"]
+
+NEUTRAL_FACTOR_PPM = 1_000_000
+
+
+class Checkpoint(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_id: str
+    version: int
+    items: tuple[ConversationItem, ...] = ()
+    summary: SummaryItem | None = None
+    # Session sequence the summary covers: items at or below it are never admitted again.
+    replaced_through_sequence: int = 0
+    # The estimator's per-model correction, pinned when the checkpoint was written so a
+    # rebuild of this checkpoint cuts history at the same place.
+    estimator_factor_ppm: int = NEUTRAL_FACTOR_PPM

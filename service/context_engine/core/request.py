@@ -1,0 +1,121 @@
+"""The provider-neutral ModelRequest that Build returns.
+
+Plain frozen dataclasses (not pydantic): they are built on every request and validated by
+construction in assemble.py. `canonical()` is what `request_sha256` hashes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .rows import Row
+from .trust import TrustLevel
+
+__all__ = ["Block", "CacheBreakpoint", "Message", "ModelRequest", "ToolDefinition"]
+
+BlockKind = Literal["text", "tool_call", "tool_result", "reasoning"]
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    row: Row
+    trust: TrustLevel
+    kind: BlockKind
+    item_id: str = ""
+    source_sequence: int = 0
+    text: str = ""  # text; for a tool result, its enveloped content
+    call_id: str = ""
+    tool_name: str = ""
+    arguments_json: str = ""
+    is_error: bool = False
+    artifact_ref: str = ""
+    provider: str = ""  # reasoning only
+    opaque: str = ""  # reasoning only
+
+    def canonical(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "row": int(self.row),
+            "trust": self.trust.name,
+            "kind": self.kind,
+            "item_id": self.item_id,
+            "source_sequence": self.source_sequence,
+        }
+        extra = {
+            "text": self.text,
+            "call_id": self.call_id,
+            "tool_name": self.tool_name,
+            "arguments_json": self.arguments_json,
+            "artifact_ref": self.artifact_ref,
+            "provider": self.provider,
+            "opaque": self.opaque,
+        }
+        out.update({k: v for k, v in extra.items() if v})
+        if self.is_error:
+            out["is_error"] = True
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    role: Literal["user", "assistant"]
+    blocks: tuple[Block, ...]
+
+    def canonical(self) -> dict[str, Any]:
+        return {"role": self.role, "blocks": [b.canonical() for b in self.blocks]}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolDefinition:
+    name: str
+    description: str
+    input_schema_json: str
+
+    def canonical(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "input_schema_json": self.input_schema_json,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class CacheBreakpoint:
+    name: str
+    through_item: str
+    ttl: str = "5m"
+    priority: int = 0
+    through_input_item: str = ""
+
+    def canonical(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "through_item": self.through_item,
+            "through_input_item": self.through_input_item,
+            "ttl": self.ttl,
+            "priority": self.priority,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRequest:
+    provider: str
+    model_id: str
+    system: tuple[Block, ...]
+    tools: tuple[ToolDefinition, ...]
+    messages: tuple[Message, ...]
+    max_output_tokens: int
+    session_key: str
+    cache_breakpoints: tuple[CacheBreakpoint, ...] = field(default=())
+
+    def canonical(self) -> dict[str, Any]:
+        return {
+            "provider": self.provider,
+            "model_id": self.model_id,
+            "system": [b.canonical() for b in self.system],
+            "tools": [t.canonical() for t in self.tools],
+            "messages": [m.canonical() for m in self.messages],
+            "cache_breakpoints": [c.canonical() for c in self.cache_breakpoints],
+            "max_output_tokens": self.max_output_tokens,
+            "session_key": self.session_key,
+        }

@@ -1,0 +1,86 @@
+"""Validators that keep malformed conversations out: at append time and before a request
+leaves the service.
+
+Rule: a tool call and its result are one unit. A result must answer an earlier,
+unanswered call; a request must not contain a call without its result or a result
+without its call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .errors import InvalidFieldError, PreconditionError
+from .items import ConversationItem, ToolCall, ToolResult
+from .request import Message
+
+__all__ = ["validate_append", "validate_tool_pairs"]
+
+
+def validate_append(existing: Sequence[ConversationItem], new: Sequence[ConversationItem]) -> None:
+    """Reject items that would leave the run's conversation malformed.
+
+    Raises:
+        InvalidFieldError: a result without an unanswered call, a duplicate call id or
+            item id; the field path names the item (``items[i]...``).
+    """
+    calls: set[str] = set()
+    pending: set[str] = set()
+    ids = {i.item_id for i in existing}
+    for item in existing:
+        if isinstance(item, ToolCall):
+            calls.add(item.call_id)
+            pending.add(item.call_id)
+        elif isinstance(item, ToolResult):
+            pending.discard(item.call_id)
+    for index, item in enumerate(new):
+        if item.item_id in ids:
+            raise InvalidFieldError(
+                f"item id {item.item_id!r} is already used in this run",
+                field=f"items[{index}].item_id",
+            )
+        ids.add(item.item_id)
+        if isinstance(item, ToolCall):
+            if item.call_id in calls:
+                raise InvalidFieldError(
+                    f"tool call id {item.call_id!r} is already used in this run",
+                    field=f"items[{index}].tool_call.call_id",
+                )
+            calls.add(item.call_id)
+            pending.add(item.call_id)
+        elif isinstance(item, ToolResult):
+            if item.call_id not in pending:
+                problem = "was already answered" if item.call_id in calls else "has no call"
+                raise InvalidFieldError(
+                    f"tool result for call {item.call_id!r} {problem} in this run",
+                    field=f"items[{index}].tool_result.call_id",
+                    reason="ORPHANED_TOOL_ITEM",
+                )
+            pending.discard(item.call_id)
+
+
+def validate_tool_pairs(messages: Sequence[Message]) -> None:
+    """Reject an assembled request containing an orphaned tool call or result.
+
+    Raises:
+        PreconditionError: ORPHANED_TOOL_ITEM, naming the call id.
+    """
+    pending: dict[str, str] = {}
+    for message in messages:
+        for block in message.blocks:
+            if block.kind == "tool_call":
+                pending[block.call_id] = block.item_id
+            elif block.kind == "tool_result":
+                if pending.pop(block.call_id, None) is None:
+                    raise PreconditionError(
+                        f"tool result for call {block.call_id!r} has no preceding call",
+                        reason="ORPHANED_TOOL_ITEM",
+                        metadata={"call_id": block.call_id},
+                    )
+    if pending:
+        call_id = sorted(pending)[0]
+        raise PreconditionError(
+            f"tool call {call_id!r} has no result yet; append its result before building",
+            reason="ORPHANED_TOOL_ITEM",
+            metadata={"call_id": call_id},
+        )
