@@ -43,7 +43,9 @@ def generate(out: Path) -> None:
         text = IMPORT_RE.sub("from context_engine._gen.context_engine.v1 import", path.read_text())
         path.write_text(text)
     for pkg in [out, out / "context_engine", out / "context_engine" / "v1"]:
-        (pkg / "__init__.py").write_text('"""Generated gRPC stubs. Do not edit; run `make proto`."""\n')
+        (pkg / "__init__.py").write_text(
+            '"""Generated gRPC stubs. Do not edit; run `make proto`."""\n'
+        )
 
 
 def main() -> int:

@@ -238,18 +238,28 @@ def _render(row: Row, item: ContextItem, secret: bytes) -> Block:
             )
         case ReasoningItem():
             return Block(
-                row, trust, "reasoning", item.item_id, seq, provider=item.provider, opaque=item.opaque
+                row,
+                trust,
+                "reasoning",
+                item.item_id,
+                seq,
+                provider=item.provider,
+                opaque=item.opaque,
             )
         case SummaryItem():
             return text(
                 "Summary of earlier conversation (platform record):\n" + item.text, "summary"
             )
         case SkillBodyItem():
-            return text(f"Skill {item.name} ({item.version}) loaded:\n{item.body}", f"skill:{item.name}")
+            return text(
+                f"Skill {item.name} ({item.version}) loaded:\n{item.body}", f"skill:{item.name}"
+            )
         case WorkingStateItem():
             return text(item.text, "working-state")
         case CorrectionLineItem():
-            return text(f"Correction (overrides the snapshot): {item.text}", item.source or "memory")
+            return text(
+                f"Correction (overrides the snapshot): {item.text}", item.source or "memory"
+            )
         case RecallLineItem():
             return text(item.text, item.source or "memory")
         case KnowledgePassageItem():

@@ -72,7 +72,9 @@ class PrefixBlock(BaseModel):
     text: str
 
     def to_block(self) -> Block:
-        return Block(row=self.row, trust=self.trust, kind="text", item_id=self.item_id, text=self.text)
+        return Block(
+            row=self.row, trust=self.trust, kind="text", item_id=self.item_id, text=self.text
+        )
 
 
 class ContextPlan(BaseModel):
@@ -202,7 +204,10 @@ _Rendered = list[tuple[Row, ContextItem]]
 def _render_rows(spec: PlanSpec, roster: Roster, secret: bytes) -> _Rendered:
     """Region A items in row order. Empty rows render no item at all (no bytes)."""
     out: _Rendered = [
-        (Row.PLATFORM_POLICY, PlatformPolicyItem(version=spec.policy.version, text=spec.policy.text)),
+        (
+            Row.PLATFORM_POLICY,
+            PlatformPolicyItem(version=spec.policy.version, text=spec.policy.text),
+        ),
         (Row.FRAMING, FramingItem(text=FRAMING_TEXT)),
     ]
     if spec.agent.instructions:
@@ -225,7 +230,9 @@ def _render_rows(spec: PlanSpec, roster: Roster, secret: bytes) -> _Rendered:
         out.append(
             (
                 Row.DEFERRED_TOOL_INDEX,
-                DeferredIndexEntry(item_id=f"tool:{tool.name}", name=tool.name, line=tool.name, trust=trust),
+                DeferredIndexEntry(
+                    item_id=f"tool:{tool.name}", name=tool.name, line=tool.name, trust=trust
+                ),
             )
         )
     for skill in spec.skills:
@@ -245,7 +252,9 @@ def _render_rows(spec: PlanSpec, roster: Roster, secret: bytes) -> _Rendered:
         out.append(
             (
                 Row.MEMORY_SNAPSHOT,
-                SnapshotItem(item_id=f"memory:{memory.item_id}", text=memory.text, source=memory.source),
+                SnapshotItem(
+                    item_id=f"memory:{memory.item_id}", text=memory.text, source=memory.source
+                ),
             )
         )
     return out
@@ -270,10 +279,14 @@ def _render_text(item: ContextItem, secret: bytes) -> str:
             return wrap(body, trust=trust, item_id=item.item_id, source="tool-index", secret=secret)
         case SkillCatalogItem():
             body = f"Skill {item.name} ({item.version}): {item.description}"
-            return wrap(body, trust=trust, item_id=item.item_id, source="skill-catalog", secret=secret)
+            return wrap(
+                body, trust=trust, item_id=item.item_id, source="skill-catalog", secret=secret
+            )
         case SnapshotItem():
             body = f"[{item.source}] {item.text}" if item.source else item.text
-            return wrap(body, trust=trust, item_id=item.item_id, source="memory:snapshot", secret=secret)
+            return wrap(
+                body, trust=trust, item_id=item.item_id, source="memory:snapshot", secret=secret
+            )
     raise TypeError(f"no Region A renderer for {type(item).__name__}")
 
 

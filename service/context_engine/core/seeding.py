@@ -29,7 +29,5 @@ def carried_history(logged: Sequence[ConversationItem]) -> tuple[ConversationIte
     calls = {i.call_id for i in items if isinstance(i, ToolCall)}
     answered = {i.call_id for i in items if isinstance(i, ToolResult) and i.call_id in calls}
     return tuple(
-        i
-        for i in items
-        if not (isinstance(i, ToolCall | ToolResult) and i.call_id not in answered)
+        i for i in items if not (isinstance(i, ToolCall | ToolResult) and i.call_id not in answered)
     )

@@ -70,13 +70,12 @@ def validate_tool_pairs(messages: Sequence[Message]) -> None:
         for block in message.blocks:
             if block.kind == "tool_call":
                 pending[block.call_id] = block.item_id
-            elif block.kind == "tool_result":
-                if pending.pop(block.call_id, None) is None:
-                    raise PreconditionError(
-                        f"tool result for call {block.call_id!r} has no preceding call",
-                        reason="ORPHANED_TOOL_ITEM",
-                        metadata={"call_id": block.call_id},
-                    )
+            elif block.kind == "tool_result" and pending.pop(block.call_id, None) is None:
+                raise PreconditionError(
+                    f"tool result for call {block.call_id!r} has no preceding call",
+                    reason="ORPHANED_TOOL_ITEM",
+                    metadata={"call_id": block.call_id},
+                )
     if pending:
         call_id = sorted(pending)[0]
         raise PreconditionError(

@@ -1,0 +1,474 @@
+"""Proto <-> core conversion: the one seam, validating first.
+
+Every function that reads a request either returns valid core values or raises
+InvalidFieldError naming the field path as the caller spelled it. Nothing below this
+module imports the generated stubs.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+from uuid import UUID
+
+from google.protobuf.timestamp_pb2 import Timestamp
+from pydantic import ValidationError
+
+from .._gen.context_engine.v1 import context_engine_pb2 as pb
+from ..core import items as ci
+from ..core.assemble import StepContext
+from ..core.canonical import canonical_json_text, parse_json_object
+from ..core.enums import PlanReason, SessionKind, SideEffect
+from ..core.errors import InvalidFieldError
+from ..core.plan import ClassUsage, ContextPlan
+from ..core.request import Block, CacheBreakpoint, ModelRequest
+from ..core.spec import (
+    AgentSpec,
+    MemoryItemSpec,
+    MemorySnapshotSpec,
+    PersonaSpec,
+    PlanSpec,
+    PlatformPolicySpec,
+    Principal,
+    SessionEnvironment,
+    SkillSpec,
+    ToolSpec,
+)
+from ..core.trust import TrustLevel
+
+__all__ = [
+    "block_to_proto",
+    "item_from_proto",
+    "items_from_proto",
+    "parse_uuid",
+    "plan_spec_from_proto",
+    "plan_to_proto",
+    "request_to_proto",
+    "step_from_proto",
+    "timestamp_to_datetime",
+]
+
+_PROVIDER_TO_PROTO = {"anthropic": pb.PROVIDER_ANTHROPIC, "openai": pb.PROVIDER_OPENAI}
+_PROVIDER_FROM_PROTO = {v: k for k, v in _PROVIDER_TO_PROTO.items()}
+
+
+def parse_uuid(value: str, field: str, *, required: bool = True) -> UUID | None:
+    if not value:
+        if required:
+            raise InvalidFieldError(f"{field} is required", field=field)
+        return None
+    try:
+        return UUID(value)
+    except ValueError:
+        raise InvalidFieldError(f"{field} is not a UUID", field=field) from None
+
+
+def require_uuid(value: str, field: str) -> UUID:
+    parsed = parse_uuid(value, field)
+    assert parsed is not None
+    return parsed
+
+
+def _trust(value: int, field: str) -> TrustLevel:
+    try:
+        return TrustLevel(value)
+    except ValueError:
+        raise InvalidFieldError(
+            f"{field} must be a TrustLevel other than UNSPECIFIED", field=field
+        ) from None
+
+
+def _json_object(text: str, field: str, *, default: dict[str, Any] | None = None) -> dict[str, Any]:
+    if not text:
+        if default is not None:
+            return default
+        raise InvalidFieldError(f"{field} is required", field=field)
+    try:
+        return parse_json_object(text)
+    except (ValueError, RecursionError):
+        raise InvalidFieldError(f"{field} must be a JSON object", field=field) from None
+
+
+def _validated(build: Any, field: str) -> Any:
+    try:
+        return build()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        path = f"{field}.{where}" if where else field
+        raise InvalidFieldError(f"{path}: {first.get('msg', 'invalid')}", field=path) from None
+
+
+# --- plan spec -----------------------------------------------------------------------------
+
+
+def plan_spec_from_proto(
+    spec: pb.PlanSpec, default_policy: PlatformPolicySpec, field: str = "spec"
+) -> PlanSpec:
+    if not spec.model_id:
+        raise InvalidFieldError("spec.model_id is required", field=f"{field}.model_id")
+    names: set[str] = set()
+    tools: list[ToolSpec] = []
+    for n, tool in enumerate(spec.tools):
+        path = f"{field}.tools[{n}]"
+        if not tool.name:
+            raise InvalidFieldError(f"{path}.name is required", field=f"{path}.name")
+        if tool.name in names:
+            raise InvalidFieldError(f"tool {tool.name!r} is listed twice", field=f"{path}.name")
+        names.add(tool.name)
+        tools.append(
+            _validated(
+                lambda tool=tool, path=path: ToolSpec(
+                    name=tool.name,
+                    description=tool.description,
+                    input_schema=_json_object(
+                        tool.input_schema_json,
+                        f"{path}.input_schema_json",
+                        default={"type": "object"},
+                    ),
+                    output_schema=(
+                        _json_object(tool.output_schema_json, f"{path}.output_schema_json")
+                        if tool.output_schema_json
+                        else None
+                    ),
+                    side_effect=SideEffect(tool.side_effect),
+                    required_scopes=tuple(tool.required_scopes),
+                    server=tool.server,
+                    model_visible=tool.model_visible if tool.HasField("model_visible") else True,
+                    builtin=tool.builtin,
+                    session_binding=tool.session_binding,
+                    policy=_json_object(tool.policy_json, f"{path}.policy_json", default={}),
+                ),
+                path,
+            )
+        )
+    skills = []
+    for n, skill in enumerate(spec.skills):
+        path = f"{field}.skills[{n}]"
+        if not skill.name:
+            raise InvalidFieldError(f"{path}.name is required", field=f"{path}.name")
+        trust = (
+            _trust(skill.trust, f"{path}.trust")
+            if skill.trust
+            else TrustLevel.TRUSTED_CONFIGURATION
+        )
+        skills.append(
+            SkillSpec(
+                name=skill.name, description=skill.description, version=skill.version, trust=trust
+            )
+        )
+    snapshot_items = []
+    for n, item in enumerate(spec.snapshot.items):
+        path = f"{field}.snapshot.items[{n}]"
+        if not item.item_id:
+            raise InvalidFieldError(f"{path}.item_id is required", field=f"{path}.item_id")
+        snapshot_items.append(
+            MemoryItemSpec(
+                item_id=item.item_id,
+                text=item.text,
+                source=item.source,
+                person_ids=tuple(item.person_ids),
+            )
+        )
+    policy = (
+        PlatformPolicySpec(version=spec.policy.version or "custom", text=spec.policy.text)
+        if spec.HasField("policy") and spec.policy.text
+        else default_policy
+    )
+    env = spec.environment
+    for name, value in (
+        ("policy_cap_tokens", spec.policy_cap_tokens),
+        ("reserve_output_tokens", spec.reserve_output_tokens),
+    ):
+        if value < 0:
+            raise InvalidFieldError(f"{field}.{name} must not be negative", field=f"{field}.{name}")
+    return _validated(
+        lambda: PlanSpec(
+            model_id=spec.model_id,
+            agent=AgentSpec(
+                agent_id=spec.agent.agent_id,
+                version=spec.agent.version,
+                instructions=spec.agent.instructions,
+                enabled_tools=tuple(spec.agent.enabled_tools),
+                deferred_tools=tuple(spec.agent.deferred_tools),
+            ),
+            principal=Principal(
+                principal_id=spec.principal.principal_id,
+                scopes=tuple(spec.principal.scopes),
+                scope_label=spec.principal.scope_label,
+            ),
+            tools=tuple(tools),
+            persona=PersonaSpec(
+                revision=spec.persona.revision, entries=tuple(spec.persona.entries)
+            ),
+            skills=tuple(skills),
+            snapshot=MemorySnapshotSpec(
+                snapshot_id=spec.snapshot.snapshot_id,
+                recall_trace_id=spec.snapshot.recall_trace_id,
+                watermark=spec.snapshot.watermark,
+                items=tuple(snapshot_items),
+            ),
+            environment=SessionEnvironment(
+                kind=SessionKind(env.kind) if env.kind else SessionKind.INTERACTIVE,
+                surface=env.surface,
+                browser_profile_id=env.browser_profile_id,
+                allowed_origins=tuple(env.allowed_origins),
+                bound_capabilities=tuple(env.bound_capabilities),
+                time_zone=env.time_zone or "UTC",
+            ),
+            policy=policy,
+            policy_cap_tokens=spec.policy_cap_tokens,
+            reserve_output_tokens=spec.reserve_output_tokens,
+        ),
+        field,
+    )
+
+
+def plan_reason_from_proto(value: int, field: str) -> PlanReason:
+    try:
+        reason = PlanReason(value)
+    except ValueError:
+        reason = PlanReason.UNSPECIFIED
+    if reason in (PlanReason.UNSPECIFIED, PlanReason.SESSION_OPENED):
+        raise InvalidFieldError(f"{field} must name why the epoch rotates", field=field)
+    return reason
+
+
+def plan_to_proto(plan: ContextPlan, created_at: datetime | None = None) -> pb.ContextPlan:
+    out = pb.ContextPlan(
+        session_id=plan.session_id,
+        epoch=plan.epoch,
+        prefix_sha256=plan.prefix_sha256,
+        prefix_tokens=plan.prefix_tokens,
+        model_id=plan.model_id,
+        provider=_PROVIDER_TO_PROTO.get(plan.provider, pb.PROVIDER_UNSPECIFIED),
+        tool_names=plan.tool_names,
+        tool_schema_sha256=plan.tool_schema_sha256,
+        authority_scope_hashes=plan.authority_scope_hashes,
+        snapshot_id=plan.snapshot_id,
+        snapshot_watermark=plan.snapshot_watermark,
+        skill_pins=[pb.SkillPin(name=n, version=v) for n, v in plan.skill_pins],
+        policy_version=plan.policy_version,
+        builder_version=plan.builder_version,
+        reason=int(plan.reason),
+        skipped_tool_names=plan.skipped_tool_names,
+        deferred_tool_names=plan.deferred_tool_names,
+        spec_sha256=plan.spec_sha256,
+        prefix_classes=[_class_usage(c) for c in plan.prefix_classes],
+        prefix_document=plan.prefix_document.encode("utf-8"),
+    )
+    if created_at is not None:
+        out.created_at.FromDatetime(created_at)
+    return out
+
+
+def _class_usage(c: ClassUsage) -> pb.ClassUsage:
+    return pb.ClassUsage(
+        class_name=c.class_name,
+        tokens=c.tokens,
+        items=c.items,
+        cap_tokens=c.cap_tokens,
+        cap_items=c.cap_items,
+    )
+
+
+# --- conversation items --------------------------------------------------------------------
+
+
+def item_from_proto(item: pb.ConversationItem, field: str, new_id: str) -> ci.ConversationItem:
+    """One item; `new_id` is used when the caller left item_id empty."""
+    item_id = item.item_id or new_id
+    kind = item.WhichOneof("kind")
+    if kind is None:
+        raise InvalidFieldError(
+            f"{field} has no kind set (user_message, assistant_message, tool_call, tool_result"
+            " or reasoning)",
+            field=f"{field}.kind",
+            reason="UNKNOWN_ITEM_KIND",
+        )
+    if kind == "user_message":
+        return user_message_from_proto(item.user_message, item_id, f"{field}.user_message")
+    if kind == "assistant_message":
+        return ci.AssistantMessage(item_id=item_id, text=item.assistant_message.text)
+    if kind == "tool_call":
+        call = item.tool_call
+        path = f"{field}.tool_call"
+        _require(call.call_id, f"{path}.call_id")
+        _require(call.tool_name, f"{path}.tool_name")
+        arguments = _json_object(call.arguments_json, f"{path}.arguments_json", default={})
+        return ci.ToolCall(
+            item_id=item_id,
+            call_id=call.call_id,
+            tool_name=call.tool_name,
+            arguments_json=canonical_json_text(json.dumps(arguments)),
+        )
+    if kind == "tool_result":
+        result = item.tool_result
+        path = f"{field}.tool_result"
+        _require(result.call_id, f"{path}.call_id")
+        return ci.ToolResult(
+            item_id=item_id,
+            call_id=result.call_id,
+            tool_name=result.tool_name,
+            content=result.content,
+            trust=_trust(result.trust, f"{path}.trust"),
+            source=result.source,
+            is_error=result.is_error,
+            artifact_ref=result.artifact_ref,
+            context_content=result.context_content,
+        )
+    if kind == "reasoning":
+        reasoning = item.reasoning
+        path = f"{field}.reasoning"
+        provider = _PROVIDER_FROM_PROTO.get(reasoning.provider)
+        if provider is None:
+            raise InvalidFieldError(f"{path}.provider is required", field=f"{path}.provider")
+        if not reasoning.opaque:
+            raise InvalidFieldError(f"{path}.opaque is required", field=f"{path}.opaque")
+        return ci.ReasoningItem(
+            item_id=item_id,
+            provider=provider,
+            opaque=base64.b64encode(reasoning.opaque).decode("ascii"),
+        )
+    raise InvalidFieldError(
+        f"{field} has an unknown kind {kind!r}", field=field, reason="UNKNOWN_ITEM_KIND"
+    )
+
+
+def user_message_from_proto(message: pb.UserMessage, item_id: str, field: str) -> ci.UserMessage:
+    attachments = []
+    for n, a in enumerate(message.attachments):
+        path = f"{field}.attachments[{n}]"
+        if a.kind not in ("image", "pdf", "text_file"):
+            raise InvalidFieldError(
+                f"{path}.kind must be image, pdf or text_file", field=f"{path}.kind"
+            )
+        if a.pages < 0 or a.text_length < 0:
+            raise InvalidFieldError(f"{path} counts must not be negative", field=path)
+        attachments.append(
+            ci.Attachment(kind=a.kind, ref=a.ref, pages=a.pages, text_length=a.text_length)
+        )
+    if not message.text and not attachments:
+        raise InvalidFieldError(f"{field} is empty", field=f"{field}.text")
+    return ci.UserMessage(item_id=item_id, text=message.text, attachments=tuple(attachments))
+
+
+def items_from_proto(
+    items: Sequence[pb.ConversationItem], new_ids: Sequence[str], field: str = "items"
+) -> list[ci.ConversationItem]:
+    if not items:
+        raise InvalidFieldError(f"{field} must not be empty", field=field)
+    return [item_from_proto(item, f"{field}[{n}]", new_ids[n]) for n, item in enumerate(items)]
+
+
+def _require(value: str, field: str) -> None:
+    if not value:
+        raise InvalidFieldError(f"{field} is required", field=field)
+
+
+# --- build ----------------------------------------------------------------------------------
+
+
+def timestamp_to_datetime(ts: Timestamp) -> datetime:
+    return ts.ToDatetime(tzinfo=UTC)
+
+
+def step_from_proto(step: pb.StepContext) -> StepContext:
+    def lines(values: Sequence[pb.RecallLine], cls: type[Any], field: str) -> tuple[Any, ...]:
+        out = []
+        for n, line in enumerate(values):
+            _require(line.item_id, f"step.{field}[{n}].item_id")
+            out.append(cls(item_id=f"memory:{line.item_id}", text=line.text, source=line.source))
+        return tuple(out)
+
+    knowledge = []
+    for n, passage in enumerate(step.knowledge):
+        path = f"step.knowledge[{n}]"
+        _require(passage.item_id, f"{path}.item_id")
+        knowledge.append(
+            ci.KnowledgePassageItem(
+                item_id=f"knowledge:{passage.item_id}",
+                text=passage.text,
+                citation=passage.citation,
+                trust=_trust(passage.trust, f"{path}.trust")
+                if passage.trust
+                else TrustLevel.EXTERNAL_UNTRUSTED,
+                rank=n,
+            )
+        )
+    return StepContext(
+        recall=lines(step.recall, ci.RecallLineItem, "recall"),
+        corrections=lines(step.corrections, ci.CorrectionLineItem, "corrections"),
+        knowledge=tuple(knowledge),
+    )
+
+
+def block_to_proto(block: Block) -> pb.ContentBlock:
+    out = pb.ContentBlock(
+        row=int(block.row),
+        trust=int(block.trust),
+        item_id=block.item_id,
+        source_sequence=block.source_sequence,
+    )
+    if block.kind == "text":
+        out.text = block.text
+    elif block.kind == "tool_call":
+        out.tool_call.CopyFrom(
+            pb.ToolCall(
+                call_id=block.call_id,
+                tool_name=block.tool_name,
+                arguments_json=block.arguments_json,
+            )
+        )
+    elif block.kind == "tool_result":
+        out.tool_result.CopyFrom(
+            pb.ToolResult(
+                call_id=block.call_id,
+                tool_name=block.tool_name,
+                content=block.text,
+                trust=int(block.trust),
+                is_error=block.is_error,
+                artifact_ref=block.artifact_ref,
+            )
+        )
+    elif block.kind == "reasoning":
+        out.reasoning.CopyFrom(
+            pb.ReasoningItem(
+                provider=_PROVIDER_TO_PROTO[block.provider], opaque=base64.b64decode(block.opaque)
+            )
+        )
+    return out
+
+
+def breakpoint_to_proto(bp: CacheBreakpoint) -> pb.CacheBreakpoint:
+    return pb.CacheBreakpoint(
+        name=bp.name,
+        through_item=bp.through_item,
+        through_input_item=bp.through_input_item,
+        ttl=bp.ttl,
+        priority=bp.priority,
+    )
+
+
+def request_to_proto(request: ModelRequest) -> pb.ModelRequest:
+    return pb.ModelRequest(
+        provider=_PROVIDER_TO_PROTO.get(request.provider, pb.PROVIDER_UNSPECIFIED),
+        model_id=request.model_id,
+        system=[block_to_proto(b) for b in request.system],
+        tools=[
+            pb.ToolDefinition(
+                name=t.name, description=t.description, input_schema_json=t.input_schema_json
+            )
+            for t in request.tools
+        ],
+        messages=[
+            pb.Message(role=m.role, blocks=[block_to_proto(b) for b in m.blocks])
+            for m in request.messages
+        ],
+        cache_breakpoints=[breakpoint_to_proto(b) for b in request.cache_breakpoints],
+        max_output_tokens=request.max_output_tokens,
+        session_key=request.session_key,
+    )

@@ -1,0 +1,92 @@
+"""The one place core and store errors become gRPC statuses.
+
+Each status carries google.rpc details: ErrorInfo (a stable reason, domain, metadata) and,
+when one field is at fault, BadRequest naming it. Unexpected exceptions become INTERNAL
+with no detail from the exception (it could carry content); they are logged instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from functools import wraps
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+from ..core.errors import (
+    ConflictError,
+    InvalidFieldError,
+    NotFoundError,
+    PreconditionError,
+    RequestError,
+)
+from ..store.db import StoreUnavailableError
+
+__all__ = ["DOMAIN", "grpc_errors", "status_for"]
+
+DOMAIN = "context-engine"
+_log = logging.getLogger("context_engine.api")
+
+# Table, not branches: the first matching class decides the code (subclasses first).
+_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (ConflictError, grpc.StatusCode.ABORTED),
+    (PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (InvalidFieldError, grpc.StatusCode.INVALID_ARGUMENT),
+    (RequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (StoreUnavailableError, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+def status_for(exc: Exception) -> tuple[grpc.StatusCode, status_pb2.Status]:
+    code = next((c for cls, c in _CODES if isinstance(exc, cls)), grpc.StatusCode.INTERNAL)
+    details: list[Any] = []
+    if isinstance(exc, RequestError):
+        message = exc.message
+        details.append(
+            error_details_pb2.ErrorInfo(reason=exc.reason, domain=DOMAIN, metadata=exc.metadata)
+        )
+        if exc.field:
+            violation = error_details_pb2.BadRequest.FieldViolation(
+                field=exc.field, description=exc.message
+            )
+            details.append(error_details_pb2.BadRequest(field_violations=[violation]))
+    elif isinstance(exc, StoreUnavailableError):
+        message = "the database is unavailable; retry with backoff"
+        details.append(error_details_pb2.ErrorInfo(reason="STORE_UNAVAILABLE", domain=DOMAIN))
+    else:
+        message = "internal error"
+    packed = []
+    for detail in details:
+        holder = any_pb2.Any()
+        holder.Pack(detail)
+        packed.append(holder)
+    proto = status_pb2.Status(code=getattr(code_pb2, code.name), message=message, details=packed)
+    return code, proto
+
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def grpc_errors(method: F) -> F:
+    """Decorate a servicer method: typed errors become statuses with details."""
+
+    @wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except (RequestError, StoreUnavailableError) as exc:
+            code, proto = status_for(exc)
+        except Exception:
+            _log.exception("unhandled error in %s", method.__name__)
+            code, proto = status_for(RuntimeError())
+        await context.abort(
+            code,
+            proto.message,
+            trailing_metadata=(("grpc-status-details-bin", proto.SerializeToString()),),
+        )
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,177 @@
+"""The ContextEngine gRPC servicer: convert, call the engine, convert back.
+
+Every method is wrapped by `grpc_errors`, the one place errors become statuses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from uuid import UUID
+
+import grpc
+
+from .._gen.context_engine.v1 import context_engine_pb2 as pb
+from .._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from ..core.errors import InvalidFieldError
+from . import convert
+from .engine import ChildSeed, Engine
+from .errors import grpc_errors
+
+__all__ = ["ContextEngineServicer"]
+
+
+def _request_sha256(request: object) -> str:
+    data = request.SerializeToString(deterministic=True)  # type: ignore[attr-defined]
+    return hashlib.sha256(data).hexdigest()
+
+
+def _tenant(request: object) -> str:
+    tenant = getattr(request, "tenant_id", "")
+    if not tenant:
+        raise InvalidFieldError("tenant_id is required", field="tenant_id")
+    if len(tenant) > 200:
+        raise InvalidFieldError("tenant_id is longer than 200 characters", field="tenant_id")
+    return str(tenant)
+
+
+class ContextEngineServicer(pb_grpc.ContextEngineServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    @grpc_errors
+    async def Plan(
+        self, request: pb.PlanRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PlanResponse:
+        tenant = _tenant(request)
+        session_id = convert.require_uuid(request.session_id, "session_id")
+        if not request.HasField("spec"):
+            raise InvalidFieldError("spec is required", field="spec")
+        spec = convert.plan_spec_from_proto(request.spec, self.engine.default_policy)
+        plan, created, matches = await self.engine.plan(tenant, session_id, spec)
+        return pb.PlanResponse(
+            plan=convert.plan_to_proto(plan), created=created, spec_matches=matches
+        )
+
+    @grpc_errors
+    async def GetPlan(
+        self, request: pb.GetPlanRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetPlanResponse:
+        tenant = _tenant(request)
+        session_id = convert.require_uuid(request.session_id, "session_id")
+        if request.epoch < 0:
+            raise InvalidFieldError("epoch must not be negative", field="epoch")
+        stored = await self.engine.get_plan(tenant, session_id, request.epoch)
+        return pb.GetPlanResponse(plan=convert.plan_to_proto(stored.plan))
+
+    @grpc_errors
+    async def Rotate(
+        self, request: pb.RotateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RotateResponse:
+        tenant = _tenant(request)
+        session_id = convert.require_uuid(request.session_id, "session_id")
+        if request.from_epoch < 1:
+            raise InvalidFieldError(
+                "from_epoch must be the current epoch (>= 1)", field="from_epoch"
+            )
+        reason = convert.plan_reason_from_proto(request.reason, "reason")
+        spec = (
+            convert.plan_spec_from_proto(request.spec, self.engine.default_policy)
+            if request.HasField("spec")
+            else None
+        )
+        plan = await self.engine.rotate(
+            tenant, session_id, request.from_epoch, reason, spec, request.detail
+        )
+        return pb.RotateResponse(plan=convert.plan_to_proto(plan))
+
+    @grpc_errors
+    async def StartRun(
+        self, request: pb.StartRunRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StartRunResponse:
+        tenant = _tenant(request)
+        session_id = convert.require_uuid(request.session_id, "session_id")
+        run_id = convert.parse_uuid(request.run_id, "run_id", required=False) or UUID(
+            self.engine.new_id()
+        )
+        seed_kind = request.WhichOneof("seed")
+        seed: object
+        if seed_kind == "user_message":
+            seed = convert.user_message_from_proto(
+                request.user_message, request.seed_item_id or self.engine.new_id(), "user_message"
+            )
+        elif seed_kind == "child":
+            parent = convert.require_uuid(request.child.parent_run_id, "child.parent_run_id")
+            if not request.child.instruction:
+                raise InvalidFieldError("child.instruction is required", field="child.instruction")
+            seed = ChildSeed(parent, request.child.instruction)
+        else:
+            raise InvalidFieldError("one of user_message or child is required", field="seed")
+        started = await self.engine.start_run(
+            tenant,
+            session_id,
+            run_id,
+            seed,
+            request.idempotency_key,
+            _request_sha256(request),  # type: ignore[arg-type]
+        )
+        run = pb.Run(
+            run_id=str(started.run_id),
+            session_id=str(started.session_id),
+            parent_run_id=str(started.parent_run_id or ""),
+            epoch=started.epoch,
+        )
+        if started.seed_event_sequence is not None:
+            run.seed_event_sequence = started.seed_event_sequence
+        return pb.StartRunResponse(run=run, checkpoint_version=started.checkpoint_version)
+
+    @grpc_errors
+    async def AppendItems(
+        self, request: pb.AppendItemsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AppendItemsResponse:
+        tenant = _tenant(request)
+        session_id = convert.require_uuid(request.session_id, "session_id")
+        run_id = convert.require_uuid(request.run_id, "run_id")
+        if request.expected_checkpoint_version < 1:
+            raise InvalidFieldError(
+                "expected_checkpoint_version must be the latest version (>= 1)",
+                field="expected_checkpoint_version",
+            )
+        new_ids = [self.engine.new_id() for _ in request.items]
+        items = convert.items_from_proto(request.items, new_ids)
+        result = await self.engine.append_items(
+            tenant,
+            session_id,
+            run_id,
+            request.expected_checkpoint_version,
+            items,
+            request.idempotency_key,
+            _request_sha256(request),
+        )
+        return pb.AppendItemsResponse(**result)
+
+    @grpc_errors
+    async def Build(
+        self, request: pb.BuildRequest, context: grpc.aio.ServicerContext
+    ) -> pb.BuildResponse:
+        tenant = _tenant(request)
+        session_id = convert.require_uuid(request.session_id, "session_id")
+        run_id = convert.require_uuid(request.run_id, "run_id")
+        if request.checkpoint_version < 0:
+            raise InvalidFieldError(
+                "checkpoint_version must not be negative", field="checkpoint_version"
+            )
+        now = convert.timestamp_to_datetime(request.now) if request.HasField("now") else None
+        step = convert.step_from_proto(request.step)
+        result = await self.engine.build(
+            tenant, session_id, run_id, request.checkpoint_version, now, step
+        )
+        plan = result.plan
+        return pb.BuildResponse(
+            request=convert.request_to_proto(result.assembled.request),
+            prefix_sha256=plan.prefix_sha256,
+            prefix_tokens=plan.prefix_tokens,
+            epoch=plan.epoch,
+            checkpoint_version=result.checkpoint_version,
+            request_sha256=result.assembled.request_sha256,
+            request_sequence=result.request_sequence,
+        )

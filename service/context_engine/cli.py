@@ -1,0 +1,91 @@
+"""`context-engine serve | migrate | fake-provider`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from .config import ConfigError, load_settings
+
+__all__ = ["main"]
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .api.server import serve
+
+    settings = load_settings(
+        {"listen": args.listen, "database_url": args.database_url, "data_dir": args.data_dir}
+    )
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(settings))
+    return 0
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    from .store import apply_migrations, connect_pool
+
+    settings = load_settings({"database_url": args.database_url, "data_dir": args.data_dir})
+
+    async def run() -> list[str]:
+        dsn = settings.database_url
+        if not dsn:
+            from .embedded_db import start_embedded
+
+            dsn, _server = start_embedded(settings.data_dir)
+        pool = await connect_pool(dsn, min_size=1, max_size=1)
+        try:
+            async with pool.acquire() as conn:
+                return await apply_migrations(conn)
+        finally:
+            await pool.close()
+
+    applied = asyncio.run(run())
+    print("applied: " + (", ".join(applied) if applied else "nothing (up to date)"))
+    return 0
+
+
+def _fake_provider(args: argparse.Namespace) -> int:
+    from .fake_provider.__main__ import main as fake_main
+
+    return int(fake_main(["--listen", args.listen]) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="context-engine", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gRPC server")
+    serve.add_argument("--listen", default=None, help="HOST:PORT (default 127.0.0.1:50051)")
+    serve.add_argument("--database-url", default=None, help="PostgreSQL DSN (or DATABASE_URL)")
+    serve.add_argument("--data-dir", default=None, help="embedded database directory")
+    serve.set_defaults(func=_serve)
+
+    migrate = sub.add_parser("migrate", help="apply database migrations")
+    migrate.add_argument("--database-url", default=None)
+    migrate.add_argument("--data-dir", default=None)
+    migrate.set_defaults(func=_migrate)
+
+    fake = sub.add_parser("fake-provider", help="run the caching fake model provider")
+    fake.add_argument("--listen", default="127.0.0.1:8089")
+    fake.set_defaults(func=_fake_provider)
+
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"context-engine: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Connection pool, JSON codecs and the mapping of "PostgreSQL is away" to one error."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import asyncpg
+
+from ..core.errors import EngineError
+
+__all__ = ["StoreUnavailableError", "connect_pool", "transaction"]
+
+# Errors that mean the database is unreachable or restarting, not that a query was wrong.
+_UNAVAILABLE = (
+    OSError,
+    ConnectionError,
+    TimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.TooManyConnectionsError,
+    asyncpg.AdminShutdownError,
+    asyncpg.InterfaceError,
+    asyncpg.ConnectionDoesNotExistError,
+)
+
+
+class StoreUnavailableError(EngineError):
+    """PostgreSQL cannot be reached; the caller should retry with backoff (UNAVAILABLE)."""
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    for pg_type in ("json", "jsonb"):
+        await conn.set_type_codec(
+            pg_type,
+            encoder=lambda v: json.dumps(v, ensure_ascii=False, separators=(",", ":")),
+            decoder=json.loads,
+            schema="pg_catalog",
+        )
+
+
+async def connect_pool(
+    dsn: str,
+    *,
+    min_size: int = 1,
+    max_size: int = 10,
+    command_timeout: float = 10.0,
+    connect_timeout: float = 5.0,
+) -> asyncpg.Pool:
+    """Open a pool. Raises StoreUnavailableError when the database cannot be reached."""
+    try:
+        pool = await asyncpg.create_pool(
+            dsn,
+            min_size=min_size,
+            max_size=max_size,
+            command_timeout=command_timeout,
+            timeout=connect_timeout,
+            init=_init_connection,
+        )
+    except _UNAVAILABLE as exc:
+        raise StoreUnavailableError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from exc
+    assert pool is not None
+    return pool
+
+
+@asynccontextmanager
+async def acquire(pool: asyncpg.Pool, timeout: float = 5.0) -> AsyncIterator[Any]:
+    """A pooled connection; unreachable-database failures become StoreUnavailableError."""
+    try:
+        async with pool.acquire(timeout=timeout) as conn:
+            yield conn
+    except _UNAVAILABLE as exc:
+        raise StoreUnavailableError(f"PostgreSQL unavailable: {type(exc).__name__}") from exc
+
+
+@asynccontextmanager
+async def transaction(pool: asyncpg.Pool, timeout: float = 5.0) -> AsyncIterator[Any]:
+    """A connection inside a transaction: all of a write lands, or none of it."""
+    async with acquire(pool, timeout) as conn:
+        try:
+            async with conn.transaction():
+                yield conn
+        except _UNAVAILABLE as exc:
+            raise StoreUnavailableError(f"PostgreSQL unavailable: {type(exc).__name__}") from exc

@@ -1,0 +1,111 @@
+"""The append-only session event log."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from pydantic import TypeAdapter
+
+from ..core.items import ConversationItem
+from .sessions import allocate_sequences
+
+__all__ = [
+    "EVENT_TYPE_OF_ITEM",
+    "NewEvent",
+    "append_events",
+    "item_payload",
+    "read_carried_items",
+    "read_events",
+]
+
+# The log's event type for each loggable conversation item kind. Reasoning items are
+# absent on purpose: they are never logged (ADR-0007).
+EVENT_TYPE_OF_ITEM: dict[str, str] = {
+    "user_message": "user.message.created",
+    "assistant_message": "assistant.message.created",
+    "tool_call": "tool.call.created",
+    "tool_result": "tool.result.created",
+}
+
+_ITEMS: TypeAdapter[ConversationItem] = TypeAdapter(ConversationItem)
+
+
+@dataclass(frozen=True, slots=True)
+class NewEvent:
+    type: str
+    payload: dict[str, Any]
+    run_id: UUID | None = None
+    item_id: str | None = None
+    in_history: bool = False
+
+
+def item_payload(item: ConversationItem) -> dict[str, Any]:
+    """An item as stored: everything but where it sits in the log (sequence, run)."""
+    return item.model_dump(mode="json", exclude={"sequence", "run_id"})
+
+
+async def append_events(
+    conn: Any, tenant_id: str, session_id: UUID, events: Sequence[NewEvent]
+) -> list[int]:
+    """Append events in order; returns their sequences. Call with the session locked."""
+    if not events:
+        return []
+    first = await allocate_sequences(conn, tenant_id, session_id, len(events))
+    sequences = list(range(first, first + len(events)))
+    await conn.executemany(
+        "INSERT INTO session_events"
+        " (tenant_id, session_id, sequence, type, run_id, item_id, in_history, payload)"
+        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        [
+            (tenant_id, session_id, seq, e.type, e.run_id, e.item_id, e.in_history, e.payload)
+            for seq, e in zip(sequences, events, strict=True)
+        ],
+    )
+    return sequences
+
+
+async def read_carried_items(
+    conn: Any, tenant_id: str, session_id: UUID, below_sequence: int, above_sequence: int = 0
+) -> list[ConversationItem]:
+    """Conversation items of top-level runs with above < sequence < below, oldest first."""
+    rows = await conn.fetch(
+        "SELECT sequence, run_id, payload FROM session_events"
+        " WHERE tenant_id = $1 AND session_id = $2 AND in_history"
+        " AND sequence < $3 AND sequence > $4 ORDER BY sequence",
+        tenant_id,
+        session_id,
+        below_sequence,
+        above_sequence,
+    )
+    return [
+        _ITEMS.validate_python(
+            {**r["payload"], "sequence": r["sequence"], "run_id": str(r["run_id"] or "")}
+        )
+        for r in rows
+    ]
+
+
+async def read_events(
+    conn: Any,
+    tenant_id: str,
+    session_id: UUID,
+    *,
+    types: Sequence[str] | None = None,
+    after_sequence: int = 0,
+    limit: int = 1000,
+) -> list[dict[str, Any]]:
+    """Raw events for inspection (inspect, explain), oldest first."""
+    rows = await conn.fetch(
+        "SELECT sequence, type, run_id, item_id, payload, created_at FROM session_events"
+        " WHERE tenant_id = $1 AND session_id = $2 AND sequence > $3"
+        " AND ($4::text[] IS NULL OR type = ANY($4)) ORDER BY sequence LIMIT $5",
+        tenant_id,
+        session_id,
+        after_sequence,
+        list(types) if types is not None else None,
+        limit,
+    )
+    return [dict(r) for r in rows]

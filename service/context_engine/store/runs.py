@@ -1,0 +1,94 @@
+"""Runs and their versioned checkpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from ..core.checkpoint import Checkpoint
+from ..core.errors import ConflictError, NotFoundError
+
+__all__ = ["RunRow", "insert_checkpoint", "insert_run", "read_checkpoint", "read_run"]
+
+
+@dataclass(frozen=True, slots=True)
+class RunRow:
+    run_id: UUID
+    session_id: UUID
+    parent_run_id: UUID | None
+    seed_event_sequence: int | None
+    epoch: int
+
+
+async def insert_run(conn: Any, tenant_id: str, run: RunRow) -> None:
+    """Insert a run. Raises ConflictError when the run id is taken."""
+    status = await conn.execute(
+        "INSERT INTO runs (tenant_id, session_id, run_id, parent_run_id, seed_event_sequence,"
+        " epoch) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+        tenant_id,
+        run.session_id,
+        run.run_id,
+        run.parent_run_id,
+        run.seed_event_sequence,
+        run.epoch,
+    )
+    if status.endswith(" 0"):
+        raise ConflictError(f"run {run.run_id} already exists", field="run_id", reason="RUN_STATE")
+
+
+async def read_run(conn: Any, tenant_id: str, session_id: UUID, run_id: UUID) -> RunRow:
+    """Raises NotFoundError for a run that is not in this tenant's session."""
+    row = await conn.fetchrow(
+        "SELECT session_id, parent_run_id, seed_event_sequence, epoch FROM runs"
+        " WHERE tenant_id = $1 AND run_id = $2 AND session_id = $3",
+        tenant_id,
+        run_id,
+        session_id,
+    )
+    if row is None:
+        raise NotFoundError(f"run {run_id} not found", field="run_id", reason="RUN_NOT_FOUND")
+    return RunRow(
+        run_id=run_id,
+        session_id=row["session_id"],
+        parent_run_id=row["parent_run_id"],
+        seed_event_sequence=row["seed_event_sequence"],
+        epoch=row["epoch"],
+    )
+
+
+async def insert_checkpoint(conn: Any, tenant_id: str, checkpoint: Checkpoint) -> None:
+    """Write a checkpoint version. Raises ConflictError when that version exists."""
+    status = await conn.execute(
+        "INSERT INTO run_checkpoints (tenant_id, run_id, version, body, estimator_factor_ppm)"
+        " VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
+        tenant_id,
+        UUID(checkpoint.run_id),
+        checkpoint.version,
+        checkpoint.model_dump(mode="json"),
+        checkpoint.estimator_factor_ppm,
+    )
+    if status.endswith(" 0"):
+        raise ConflictError(
+            f"checkpoint version {checkpoint.version} was written concurrently",
+            field="expected_checkpoint_version",
+            reason="CHECKPOINT_VERSION_CONFLICT",
+        )
+
+
+async def read_checkpoint(conn: Any, tenant_id: str, run_id: UUID, version: int = 0) -> Checkpoint:
+    """The given version, or the latest when version is 0."""
+    row = await conn.fetchrow(
+        "SELECT body FROM run_checkpoints WHERE tenant_id = $1 AND run_id = $2"
+        " AND ($3 = 0 OR version = $3) ORDER BY version DESC LIMIT 1",
+        tenant_id,
+        run_id,
+        version,
+    )
+    if row is None:
+        raise NotFoundError(
+            f"run {run_id} has no checkpoint version {version}",
+            field="checkpoint_version",
+            reason="RUN_NOT_FOUND",
+        )
+    return Checkpoint.model_validate(row["body"])

@@ -1,0 +1,51 @@
+"""Sessions: creation, the per-session write lock and the sequence allocator."""
+
+from __future__ import annotations
+
+from typing import Any
+from uuid import UUID
+
+from ..core.errors import NotFoundError
+
+__all__ = ["allocate_sequences", "ensure_session", "lock_session"]
+
+
+async def ensure_session(conn: Any, tenant_id: str, session_id: UUID) -> None:
+    await conn.execute(
+        "INSERT INTO sessions (tenant_id, session_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+        tenant_id,
+        session_id,
+    )
+
+
+async def lock_session(conn: Any, tenant_id: str, session_id: UUID) -> int:
+    """Lock the session row for this transaction; returns its current epoch.
+
+    Every write to a session takes this lock first, so a session's writes serialize and
+    its sequence has no gaps or races.
+
+    Raises:
+        NotFoundError: no such session for this tenant.
+    """
+    epoch = await conn.fetchval(
+        "SELECT current_epoch FROM sessions WHERE tenant_id = $1 AND session_id = $2 FOR UPDATE",
+        tenant_id,
+        session_id,
+    )
+    if epoch is None:
+        raise NotFoundError(
+            f"session {session_id} not found", field="session_id", reason="SESSION_NOT_FOUND"
+        )
+    return int(epoch)
+
+
+async def allocate_sequences(conn: Any, tenant_id: str, session_id: UUID, count: int) -> int:
+    """Reserve `count` sequences; returns the first. Call with the session locked."""
+    last = await conn.fetchval(
+        "UPDATE sessions SET last_sequence = last_sequence + $3"
+        " WHERE tenant_id = $1 AND session_id = $2 RETURNING last_sequence",
+        tenant_id,
+        session_id,
+        count,
+    )
+    return int(last) - count + 1

@@ -1,0 +1,425 @@
+"""The first whole slice through a real gRPC server and real PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from typing import Any
+from uuid import UUID
+
+import grpc
+import pytest
+from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from .helpers import (
+    TENANT,
+    assistant,
+    call,
+    details,
+    new_id,
+    open_session,
+    result,
+    spec,
+    start_run,
+)
+
+
+def _ts(dt: datetime) -> Any:
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    ts = Timestamp()
+    ts.FromDatetime(dt)
+    return ts
+
+
+async def _build(
+    stub: Any, session_id: str, run_id: str, now: datetime, **kw: Any
+) -> pb.BuildResponse:
+    return await stub.Build(
+        pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id, now=_ts(now), **kw)
+    )
+
+
+def _rows(response: pb.BuildResponse) -> list[int]:
+    return [b.row for m in response.request.messages for b in m.blocks]
+
+
+async def _count(pool: Any, table: str, session_id: str) -> int:
+    column = "session_id"
+    if table == "run_checkpoints":
+        return int(
+            await pool.fetchval(
+                "SELECT count(*) FROM run_checkpoints c JOIN runs r USING (tenant_id, run_id)"
+                " WHERE r.session_id = $1",
+                UUID(session_id),
+            )
+        )
+    return int(
+        await pool.fetchval(f"SELECT count(*) FROM {table} WHERE {column} = $1", UUID(session_id))
+    )
+
+
+async def test_plan_run_append_build(stub: Any, pool: Any) -> None:
+    session_id, plan = await open_session(stub)
+    assert plan.epoch == 1 and len(plan.prefix_sha256) == 64 and plan.prefix_tokens > 0
+    assert (
+        list(plan.tool_names)
+        == sorted(plan.tool_names)
+        == ["calendar.list", "clock.now", "web.fetch"]
+    )
+    started = await start_run(stub, session_id, "Find me a train to Lyon")
+    run_id = started.run.run_id
+    assert started.run.HasField("seed_event_sequence")
+    appended = await stub.AppendItems(
+        pb.AppendItemsRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            run_id=run_id,
+            expected_checkpoint_version=1,
+            items=[call("c1"), result("c1", "Trains: 08:00, 10:00")],
+        )
+    )
+    assert appended.checkpoint_version == 2 and len(appended.item_ids) == 2
+
+    now = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+    first = await _build(stub, session_id, run_id, now)
+    second = await _build(stub, session_id, run_id, now)
+    assert first.request.SerializeToString(deterministic=True) == second.request.SerializeToString(
+        deterministic=True
+    )
+    assert first.request_sha256 == second.request_sha256
+    assert first.prefix_sha256 == plan.prefix_sha256 and first.epoch == 1
+
+    system_rows = [b.row for b in first.request.system]
+    assert system_rows == [pb.ROW_PLATFORM_POLICY, pb.ROW_FRAMING, pb.ROW_AGENT_INSTRUCTIONS]
+    assert [t.name for t in first.request.tools] == ["calendar.list", "clock.now", "web.fetch"]
+    # The run's original user message is a completed exchange now: it precedes the fresh
+    # rows, which follow the tool result; nothing trails.
+    assert _rows(first) == [pb.ROW_CONVERSATION] * 3 + [pb.ROW_RUNTIME_METADATA]
+    roles = [m.role for m in first.request.messages]
+    assert roles == ["user", "assistant", "user"]
+    tool_result = first.request.messages[2].blocks[0]
+    assert tool_result.tool_result.content.startswith('<untrusted source="tool:web.fetch"')
+    assert tool_result.trust == pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED
+
+    recorded = await pool.fetch(
+        "SELECT payload FROM session_events WHERE session_id = $1"
+        " AND type = 'model.request.started' ORDER BY sequence",
+        UUID(session_id),
+    )
+    assert [r["payload"]["prefix_sha256"] for r in recorded] == [plan.prefix_sha256] * 2
+    assert recorded[0]["payload"]["request_sha256"] == first.request_sha256
+
+
+async def test_trailing_user_message_is_last(stub: Any) -> None:
+    session_id, _ = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "hello")).run.run_id
+    built = await _build(stub, session_id, run_id, datetime(2026, 1, 1, tzinfo=UTC))
+    assert _rows(built) == [pb.ROW_RUNTIME_METADATA, pb.ROW_USER_INPUT]
+    assert built.request.messages[-1].blocks[-1].text.startswith("<user ")
+
+
+async def test_prefix_stable_across_midnight(stub: Any) -> None:
+    session_id, plan = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "what day is it?")).run.run_id
+    # Europe/Berlin: 22:59 UTC is 23:59 local; 23:01 UTC is 00:01 the next day.
+    before = await _build(stub, session_id, run_id, datetime(2026, 3, 1, 22, 59, tzinfo=UTC))
+    after = await _build(stub, session_id, run_id, datetime(2026, 3, 1, 23, 1, tzinfo=UTC))
+    assert before.prefix_sha256 == after.prefix_sha256 == plan.prefix_sha256
+    assert (
+        before.request.system == after.request.system
+        and before.request.tools == after.request.tools
+    )
+    runtime = [
+        b.text
+        for r in (before, after)
+        for m in r.request.messages
+        for b in m.blocks
+        if b.row == pb.ROW_RUNTIME_METADATA
+    ]
+    assert "2026-03-01 (Sunday)" in runtime[0] and "2026-03-02 (Monday)" in runtime[1]
+    assert before.request_sha256 != after.request_sha256
+
+
+async def test_seeding_reads_the_log_below_the_seed(stub: Any) -> None:
+    session_id, _ = await open_session(stub)
+    first = await start_run(stub, session_id, "first question")
+    reasoning = pb.ConversationItem(
+        reasoning=pb.ReasoningItem(provider=pb.PROVIDER_ANTHROPIC, opaque=b'{"type":"thinking"}')
+    )
+    await stub.AppendItems(
+        pb.AppendItemsRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            run_id=first.run.run_id,
+            expected_checkpoint_version=1,
+            items=[reasoning, call("c1"), result("c1", "page"), assistant("first answer")],
+        )
+    )
+    second = await start_run(stub, session_id, "second question")
+    assert second.run.seed_event_sequence > first.run.seed_event_sequence
+    # Written to the first run after the second was seeded: below nothing the second reads.
+    await stub.AppendItems(
+        pb.AppendItemsRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            run_id=first.run.run_id,
+            expected_checkpoint_version=2,
+            items=[assistant("late addendum")],
+        )
+    )
+    built = await _build(stub, session_id, second.run.run_id, datetime(2026, 1, 1, tzinfo=UTC))
+    kinds = [b.WhichOneof("kind") for m in built.request.messages for b in m.blocks]
+    texts = [b.text for m in built.request.messages for b in m.blocks if b.text]
+    assert "reasoning" not in kinds, "reasoning items never cross a run boundary"
+    assert kinds == ["text", "tool_call", "tool_result", "text", "text", "text"]
+    assert "first answer" in texts and "late addendum" not in texts
+    assert texts[-1].startswith("<user ") and "second question" in texts[-1]
+
+    # A child run seeds from its parent's instruction over an empty history.
+    child = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            child=pb.ChildSeed(parent_run_id=second.run.run_id, instruction="Summarize trains"),
+        )
+    )
+    assert not child.run.HasField("seed_event_sequence")
+    built = await _build(stub, session_id, child.run.run_id, datetime(2026, 1, 1, tzinfo=UTC))
+    assert _rows(built) == [pb.ROW_RUNTIME_METADATA, pb.ROW_USER_INPUT]
+    assert "Summarize trains" in built.request.messages[-1].blocks[-1].text
+
+
+async def test_bad_input_is_named_and_writes_nothing(stub: Any, pool: Any) -> None:
+    session_id, _ = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "hi")).run.run_id
+    before = {t: await _count(pool, t, session_id) for t in ("session_events", "run_checkpoints")}
+
+    cases: list[tuple[Any, grpc.StatusCode, str, str]] = [
+        (
+            pb.AppendItemsRequest(
+                tenant_id=TENANT,
+                session_id="not-a-uuid",
+                run_id=run_id,
+                expected_checkpoint_version=1,
+                items=[assistant("x")],
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_FIELD",
+            "session_id",
+        ),
+        (
+            pb.AppendItemsRequest(
+                tenant_id=TENANT,
+                session_id=new_id(),
+                run_id=run_id,
+                expected_checkpoint_version=1,
+                items=[assistant("x")],
+            ),
+            grpc.StatusCode.NOT_FOUND,
+            "SESSION_NOT_FOUND",
+            "session_id",
+        ),
+        (
+            pb.AppendItemsRequest(
+                tenant_id="tenant-b",
+                session_id=session_id,
+                run_id=run_id,
+                expected_checkpoint_version=1,
+                items=[assistant("x")],
+            ),
+            grpc.StatusCode.NOT_FOUND,
+            "SESSION_NOT_FOUND",
+            "session_id",
+        ),
+        (
+            pb.AppendItemsRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                run_id=run_id,
+                expected_checkpoint_version=1,
+                items=[assistant("ok"), result("nope", "orphan")],
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "ORPHANED_TOOL_ITEM",
+            "items[1].tool_result.call_id",
+        ),
+        (
+            pb.AppendItemsRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                run_id=run_id,
+                expected_checkpoint_version=1,
+                items=[assistant("ok"), pb.ConversationItem(item_id="x")],
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "UNKNOWN_ITEM_KIND",
+            "items[1].kind",
+        ),
+        (
+            pb.AppendItemsRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                run_id=new_id(),
+                expected_checkpoint_version=1,
+                items=[assistant("x")],
+            ),
+            grpc.StatusCode.NOT_FOUND,
+            "RUN_NOT_FOUND",
+            "run_id",
+        ),
+        (
+            pb.AppendItemsRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                run_id=run_id,
+                expected_checkpoint_version=7,
+                items=[assistant("x")],
+            ),
+            grpc.StatusCode.ABORTED,
+            "CHECKPOINT_VERSION_CONFLICT",
+            "expected_checkpoint_version",
+        ),
+        (
+            pb.AppendItemsRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                run_id=run_id,
+                expected_checkpoint_version=1,
+                items=[
+                    pb.ConversationItem(
+                        tool_call=pb.ToolCall(
+                            call_id="c", tool_name="web.fetch", arguments_json="[1,"
+                        )
+                    )
+                ],
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_FIELD",
+            "items[0].tool_call.arguments_json",
+        ),
+    ]
+    for request, code, reason, field in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.AppendItems(request)
+        assert caught.value.code() == code, (field, caught.value.details())
+        got_reason, fields, _ = details(caught.value)
+        assert (got_reason, fields) == (reason, [field])
+
+    # A foreign tenant's session reads exactly like a missing one.
+    missing_id = new_id()
+    with pytest.raises(grpc.aio.AioRpcError) as foreign:
+        await stub.GetPlan(pb.GetPlanRequest(tenant_id="tenant-b", session_id=session_id))
+    with pytest.raises(grpc.aio.AioRpcError) as missing:
+        await stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=missing_id))
+    assert foreign.value.code() == missing.value.code() == grpc.StatusCode.NOT_FOUND
+    assert foreign.value.details().replace(session_id, "?") == missing.value.details().replace(
+        missing_id, "?"
+    )
+    assert details(foreign.value) == details(missing.value)
+
+    after = {t: await _count(pool, t, session_id) for t in before}
+    assert after == before, "a failed request writes nothing"
+
+
+async def test_plan_is_idempotent_and_reports_a_changed_spec(stub: Any) -> None:
+    session_id, plan = await open_session(stub)
+    again = await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=spec()))
+    assert (again.created, again.spec_matches, again.plan.prefix_sha256) == (
+        False,
+        True,
+        plan.prefix_sha256,
+    )
+    changed = spec()
+    changed.agent.instructions = "Be terse."
+    differs = await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=changed))
+    assert (differs.created, differs.spec_matches, differs.plan.epoch) == (False, False, 1)
+    assert differs.plan.prefix_sha256 == plan.prefix_sha256
+
+
+async def test_plan_rejects_bad_specs(stub: Any) -> None:
+    bad = spec(model_id="no-such-model")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=bad))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert details(caught.value)[:2] == ("UNKNOWN_MODEL", ["spec.model_id"])
+    bad = spec()
+    bad.tools[1].input_schema_json = "{not json"
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=bad))
+    assert details(caught.value)[1] == ["spec.tools[1].input_schema_json"]
+
+
+async def test_rotate_once_under_a_race(stub: Any, pool: Any) -> None:
+    session_id, plan = await open_session(stub)
+    changed = spec()
+    changed.agent.instructions = "New instructions."
+
+    async def rotate() -> Any:
+        return await stub.Rotate(
+            pb.RotateRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                from_epoch=1,
+                reason=pb.PLAN_REASON_AGENT_CHANGED,
+                spec=changed,
+            )
+        )
+
+    outcomes = await asyncio.gather(rotate(), rotate(), rotate(), return_exceptions=True)
+    winners = [o for o in outcomes if isinstance(o, pb.RotateResponse)]
+    losers = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+    assert len(winners) == 1 and len(losers) == 2
+    assert all(e.code() == grpc.StatusCode.ABORTED for e in losers)
+    assert winners[0].plan.epoch == 2 and winners[0].plan.prefix_sha256 != plan.prefix_sha256
+    rotated = await pool.fetch(
+        "SELECT payload FROM session_events WHERE session_id = $1"
+        " AND type = 'context.epoch.rotated'",
+        UUID(session_id),
+    )
+    assert [r["payload"]["reason"] for r in rotated] == ["agent_changed"]
+    current = await stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id))
+    assert current.plan.epoch == 2
+    first = await stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id, epoch=1))
+    assert first.plan.prefix_sha256 == plan.prefix_sha256
+
+
+async def test_idempotent_writes(stub: Any, pool: Any) -> None:
+    session_id, _ = await open_session(stub)
+    request = pb.StartRunRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        idempotency_key="k1",
+        user_message=pb.UserMessage(text="hi"),
+    )
+    a = await stub.StartRun(request)
+    b = await stub.StartRun(request)
+    assert a == b
+    runs = await pool.fetchval("SELECT count(*) FROM runs WHERE session_id = $1", UUID(session_id))
+    assert runs == 1
+    other = pb.StartRunRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        idempotency_key="k1",
+        user_message=pb.UserMessage(text="bye"),
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.StartRun(other)
+    assert details(caught.value)[:2] == ("IDEMPOTENCY_KEY_REUSED", ["idempotency_key"])
+
+
+async def test_health_and_reflection(grpc_server: Any) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_server.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = await health.Check(
+            health_pb2.HealthCheckRequest(service="context_engine.v1.ContextEngine")
+        )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = reflect.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        )
+        names = [s.name async for r in responses for s in r.list_services_response.service]
+        assert "context_engine.v1.ContextEngine" in names and "grpc.health.v1.Health" in names
