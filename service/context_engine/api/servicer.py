@@ -16,6 +16,10 @@ from ..core.errors import InvalidFieldError
 from . import convert
 from .engine import ChildSeed, Engine
 from .errors import grpc_errors
+from .rpc_compaction import CompactionRpcs
+from .rpc_skills import SkillsRpcs
+from .rpc_usage import UsageRpcs
+from .rpc_working_state import WorkingStateRpcs
 
 __all__ = ["ContextEngineServicer"]
 
@@ -34,7 +38,13 @@ def _tenant(request: object) -> str:
     return str(tenant)
 
 
-class ContextEngineServicer(pb_grpc.ContextEngineServicer):
+class ContextEngineServicer(
+    UsageRpcs,
+    SkillsRpcs,
+    WorkingStateRpcs,
+    CompactionRpcs,
+    pb_grpc.ContextEngineServicer,
+):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 

@@ -99,6 +99,31 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_UNKNOWN_MODEL: _ClassVar[ErrorReason]
     ERROR_REASON_BUDGET_EXCEEDED: _ClassVar[ErrorReason]
     ERROR_REASON_RUN_STATE: _ClassVar[ErrorReason]
+    ERROR_REASON_SKILL_LIMIT: _ClassVar[ErrorReason]
+    ERROR_REASON_SKILL_NOT_IN_CATALOG: _ClassVar[ErrorReason]
+    ERROR_REASON_WORKING_STATE_CAP: _ClassVar[ErrorReason]
+    ERROR_REASON_CONSTRAINT_PROTECTED: _ClassVar[ErrorReason]
+    ERROR_REASON_COMPACTION_DEPTH_EXCEEDED: _ClassVar[ErrorReason]
+    ERROR_REASON_SUMMARY_LAUNDERS_UNTRUSTED: _ClassVar[ErrorReason]
+    ERROR_REASON_COMPACTION_MISMATCH: _ClassVar[ErrorReason]
+    ERROR_REASON_REQUEST_TOO_LARGE: _ClassVar[ErrorReason]
+    ERROR_REASON_REQUEST_NOT_FOUND: _ClassVar[ErrorReason]
+
+class Writer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WRITER_UNSPECIFIED: _ClassVar[Writer]
+    WRITER_MODEL: _ClassVar[Writer]
+    WRITER_USER: _ClassVar[Writer]
+    WRITER_RUNTIME: _ClassVar[Writer]
+
+class TaskStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TASK_STATUS_UNSPECIFIED: _ClassVar[TaskStatus]
+    TASK_STATUS_OPEN: _ClassVar[TaskStatus]
+    TASK_STATUS_IN_PROGRESS: _ClassVar[TaskStatus]
+    TASK_STATUS_BLOCKED: _ClassVar[TaskStatus]
+    TASK_STATUS_DONE: _ClassVar[TaskStatus]
+    TASK_STATUS_CANCELLED: _ClassVar[TaskStatus]
 TRUST_LEVEL_UNSPECIFIED: TrustLevel
 TRUST_LEVEL_PLATFORM: TrustLevel
 TRUST_LEVEL_TRUSTED_CONFIGURATION: TrustLevel
@@ -165,6 +190,25 @@ ERROR_REASON_IDEMPOTENCY_KEY_REUSED: ErrorReason
 ERROR_REASON_UNKNOWN_MODEL: ErrorReason
 ERROR_REASON_BUDGET_EXCEEDED: ErrorReason
 ERROR_REASON_RUN_STATE: ErrorReason
+ERROR_REASON_SKILL_LIMIT: ErrorReason
+ERROR_REASON_SKILL_NOT_IN_CATALOG: ErrorReason
+ERROR_REASON_WORKING_STATE_CAP: ErrorReason
+ERROR_REASON_CONSTRAINT_PROTECTED: ErrorReason
+ERROR_REASON_COMPACTION_DEPTH_EXCEEDED: ErrorReason
+ERROR_REASON_SUMMARY_LAUNDERS_UNTRUSTED: ErrorReason
+ERROR_REASON_COMPACTION_MISMATCH: ErrorReason
+ERROR_REASON_REQUEST_TOO_LARGE: ErrorReason
+ERROR_REASON_REQUEST_NOT_FOUND: ErrorReason
+WRITER_UNSPECIFIED: Writer
+WRITER_MODEL: Writer
+WRITER_USER: Writer
+WRITER_RUNTIME: Writer
+TASK_STATUS_UNSPECIFIED: TaskStatus
+TASK_STATUS_OPEN: TaskStatus
+TASK_STATUS_IN_PROGRESS: TaskStatus
+TASK_STATUS_BLOCKED: TaskStatus
+TASK_STATUS_DONE: TaskStatus
+TASK_STATUS_CANCELLED: TaskStatus
 
 class PlanSpec(_message.Message):
     __slots__ = ("model_id", "agent", "principal", "tools", "persona", "skills", "snapshot", "environment", "policy", "policy_cap_tokens", "reserve_output_tokens")
@@ -311,7 +355,7 @@ class PlatformPolicy(_message.Message):
     def __init__(self, version: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class ContextPlan(_message.Message):
-    __slots__ = ("session_id", "epoch", "prefix_sha256", "prefix_tokens", "model_id", "provider", "tool_names", "tool_schema_sha256", "authority_scope_hashes", "snapshot_id", "snapshot_watermark", "skill_pins", "cache_breakpoints", "policy_version", "builder_version", "created_at", "reason", "skipped_tool_names", "deferred_tool_names", "spec_sha256", "prefix_classes", "prefix_document")
+    __slots__ = ("session_id", "epoch", "prefix_sha256", "prefix_tokens", "model_id", "provider", "tool_names", "tool_schema_sha256", "authority_scope_hashes", "snapshot_id", "snapshot_watermark", "skill_pins", "cache_breakpoints", "policy_version", "builder_version", "created_at", "reason", "skipped_tool_names", "deferred_tool_names", "spec_sha256", "prefix_classes", "prefix_document", "pinned_tools", "recall_trace_id", "session_kind", "invalidated")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +378,10 @@ class ContextPlan(_message.Message):
     SPEC_SHA256_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CLASSES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_DOCUMENT_FIELD_NUMBER: _ClassVar[int]
+    PINNED_TOOLS_FIELD_NUMBER: _ClassVar[int]
+    RECALL_TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_KIND_FIELD_NUMBER: _ClassVar[int]
+    INVALIDATED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     prefix_sha256: str
@@ -356,7 +404,25 @@ class ContextPlan(_message.Message):
     spec_sha256: str
     prefix_classes: _containers.RepeatedCompositeFieldContainer[ClassUsage]
     prefix_document: bytes
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prefix_sha256: _Optional[str] = ..., prefix_tokens: _Optional[int] = ..., model_id: _Optional[str] = ..., provider: _Optional[_Union[Provider, str]] = ..., tool_names: _Optional[_Iterable[str]] = ..., tool_schema_sha256: _Optional[str] = ..., authority_scope_hashes: _Optional[_Iterable[str]] = ..., snapshot_id: _Optional[str] = ..., snapshot_watermark: _Optional[int] = ..., skill_pins: _Optional[_Iterable[_Union[SkillPin, _Mapping]]] = ..., cache_breakpoints: _Optional[_Iterable[_Union[CacheBreakpoint, _Mapping]]] = ..., policy_version: _Optional[str] = ..., builder_version: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[_Union[PlanReason, str]] = ..., skipped_tool_names: _Optional[_Iterable[str]] = ..., deferred_tool_names: _Optional[_Iterable[str]] = ..., spec_sha256: _Optional[str] = ..., prefix_classes: _Optional[_Iterable[_Union[ClassUsage, _Mapping]]] = ..., prefix_document: _Optional[bytes] = ...) -> None: ...
+    pinned_tools: _containers.RepeatedCompositeFieldContainer[PinnedTool]
+    recall_trace_id: str
+    session_kind: SessionKind
+    invalidated: bool
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prefix_sha256: _Optional[str] = ..., prefix_tokens: _Optional[int] = ..., model_id: _Optional[str] = ..., provider: _Optional[_Union[Provider, str]] = ..., tool_names: _Optional[_Iterable[str]] = ..., tool_schema_sha256: _Optional[str] = ..., authority_scope_hashes: _Optional[_Iterable[str]] = ..., snapshot_id: _Optional[str] = ..., snapshot_watermark: _Optional[int] = ..., skill_pins: _Optional[_Iterable[_Union[SkillPin, _Mapping]]] = ..., cache_breakpoints: _Optional[_Iterable[_Union[CacheBreakpoint, _Mapping]]] = ..., policy_version: _Optional[str] = ..., builder_version: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[_Union[PlanReason, str]] = ..., skipped_tool_names: _Optional[_Iterable[str]] = ..., deferred_tool_names: _Optional[_Iterable[str]] = ..., spec_sha256: _Optional[str] = ..., prefix_classes: _Optional[_Iterable[_Union[ClassUsage, _Mapping]]] = ..., prefix_document: _Optional[bytes] = ..., pinned_tools: _Optional[_Iterable[_Union[PinnedTool, _Mapping]]] = ..., recall_trace_id: _Optional[str] = ..., session_kind: _Optional[_Union[SessionKind, str]] = ..., invalidated: _Optional[bool] = ...) -> None: ...
+
+class PinnedTool(_message.Message):
+    __slots__ = ("name", "defined", "required_scopes", "side_effect", "spec_sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DEFINED_FIELD_NUMBER: _ClassVar[int]
+    REQUIRED_SCOPES_FIELD_NUMBER: _ClassVar[int]
+    SIDE_EFFECT_FIELD_NUMBER: _ClassVar[int]
+    SPEC_SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    defined: bool
+    required_scopes: _containers.RepeatedScalarFieldContainer[str]
+    side_effect: SideEffect
+    spec_sha256: str
+    def __init__(self, name: _Optional[str] = ..., defined: _Optional[bool] = ..., required_scopes: _Optional[_Iterable[str]] = ..., side_effect: _Optional[_Union[SideEffect, str]] = ..., spec_sha256: _Optional[str] = ...) -> None: ...
 
 class SkillPin(_message.Message):
     __slots__ = ("name", "version")
@@ -495,14 +561,16 @@ class AssistantMessage(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class ToolCall(_message.Message):
-    __slots__ = ("call_id", "tool_name", "arguments_json")
+    __slots__ = ("call_id", "tool_name", "arguments_json", "task_id")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
     call_id: str
     tool_name: str
     arguments_json: str
-    def __init__(self, call_id: _Optional[str] = ..., tool_name: _Optional[str] = ..., arguments_json: _Optional[str] = ...) -> None: ...
+    task_id: str
+    def __init__(self, call_id: _Optional[str] = ..., tool_name: _Optional[str] = ..., arguments_json: _Optional[str] = ..., task_id: _Optional[str] = ...) -> None: ...
 
 class ToolResult(_message.Message):
     __slots__ = ("call_id", "tool_name", "content", "trust", "source", "is_error", "artifact_ref", "context_content")
@@ -555,7 +623,7 @@ class ChildSeed(_message.Message):
     def __init__(self, parent_run_id: _Optional[str] = ..., instruction: _Optional[str] = ...) -> None: ...
 
 class StartRunRequest(_message.Message):
-    __slots__ = ("tenant_id", "session_id", "run_id", "idempotency_key", "user_message", "child", "seed_item_id")
+    __slots__ = ("tenant_id", "session_id", "run_id", "idempotency_key", "user_message", "child", "seed_item_id", "admission")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -563,6 +631,7 @@ class StartRunRequest(_message.Message):
     USER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CHILD_FIELD_NUMBER: _ClassVar[int]
     SEED_ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_FIELD_NUMBER: _ClassVar[int]
     tenant_id: str
     session_id: str
     run_id: str
@@ -570,15 +639,26 @@ class StartRunRequest(_message.Message):
     user_message: UserMessage
     child: ChildSeed
     seed_item_id: str
-    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., run_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., user_message: _Optional[_Union[UserMessage, _Mapping]] = ..., child: _Optional[_Union[ChildSeed, _Mapping]] = ..., seed_item_id: _Optional[str] = ...) -> None: ...
+    admission: RunAdmission
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., run_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., user_message: _Optional[_Union[UserMessage, _Mapping]] = ..., child: _Optional[_Union[ChildSeed, _Mapping]] = ..., seed_item_id: _Optional[str] = ..., admission: _Optional[_Union[RunAdmission, _Mapping]] = ...) -> None: ...
+
+class RunAdmission(_message.Message):
+    __slots__ = ("scopes", "browser_profile_id")
+    SCOPES_FIELD_NUMBER: _ClassVar[int]
+    BROWSER_PROFILE_ID_FIELD_NUMBER: _ClassVar[int]
+    scopes: _containers.RepeatedScalarFieldContainer[str]
+    browser_profile_id: str
+    def __init__(self, scopes: _Optional[_Iterable[str]] = ..., browser_profile_id: _Optional[str] = ...) -> None: ...
 
 class StartRunResponse(_message.Message):
-    __slots__ = ("run", "checkpoint_version")
+    __slots__ = ("run", "checkpoint_version", "rotated_plan")
     RUN_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROTATED_PLAN_FIELD_NUMBER: _ClassVar[int]
     run: Run
     checkpoint_version: int
-    def __init__(self, run: _Optional[_Union[Run, _Mapping]] = ..., checkpoint_version: _Optional[int] = ...) -> None: ...
+    rotated_plan: ContextPlan
+    def __init__(self, run: _Optional[_Union[Run, _Mapping]] = ..., checkpoint_version: _Optional[int] = ..., rotated_plan: _Optional[_Union[ContextPlan, _Mapping]] = ...) -> None: ...
 
 class AppendItemsRequest(_message.Message):
     __slots__ = ("tenant_id", "session_id", "run_id", "expected_checkpoint_version", "idempotency_key", "items")
@@ -607,14 +687,16 @@ class AppendItemsResponse(_message.Message):
     def __init__(self, checkpoint_version: _Optional[int] = ..., sequences: _Optional[_Iterable[int]] = ..., item_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepContext(_message.Message):
-    __slots__ = ("recall", "corrections", "knowledge")
+    __slots__ = ("recall", "corrections", "knowledge", "recall_floor_lines")
     RECALL_FIELD_NUMBER: _ClassVar[int]
     CORRECTIONS_FIELD_NUMBER: _ClassVar[int]
     KNOWLEDGE_FIELD_NUMBER: _ClassVar[int]
+    RECALL_FLOOR_LINES_FIELD_NUMBER: _ClassVar[int]
     recall: _containers.RepeatedCompositeFieldContainer[RecallLine]
     corrections: _containers.RepeatedCompositeFieldContainer[RecallLine]
     knowledge: _containers.RepeatedCompositeFieldContainer[KnowledgePassage]
-    def __init__(self, recall: _Optional[_Iterable[_Union[RecallLine, _Mapping]]] = ..., corrections: _Optional[_Iterable[_Union[RecallLine, _Mapping]]] = ..., knowledge: _Optional[_Iterable[_Union[KnowledgePassage, _Mapping]]] = ...) -> None: ...
+    recall_floor_lines: int
+    def __init__(self, recall: _Optional[_Iterable[_Union[RecallLine, _Mapping]]] = ..., corrections: _Optional[_Iterable[_Union[RecallLine, _Mapping]]] = ..., knowledge: _Optional[_Iterable[_Union[KnowledgePassage, _Mapping]]] = ..., recall_floor_lines: _Optional[int] = ...) -> None: ...
 
 class RecallLine(_message.Message):
     __slots__ = ("item_id", "text", "source")
@@ -713,7 +795,7 @@ class ToolDefinition(_message.Message):
     def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., input_schema_json: _Optional[str] = ...) -> None: ...
 
 class BuildResponse(_message.Message):
-    __slots__ = ("request", "prefix_sha256", "prefix_tokens", "epoch", "checkpoint_version", "request_sha256", "request_sequence")
+    __slots__ = ("request", "prefix_sha256", "prefix_tokens", "epoch", "checkpoint_version", "request_sha256", "request_sequence", "needs_compaction", "pressure", "budget", "provider_payload", "provider_api", "estimated_input_tokens", "input_budget_tokens")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SHA256_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -721,6 +803,13 @@ class BuildResponse(_message.Message):
     CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_SHA256_FIELD_NUMBER: _ClassVar[int]
     REQUEST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_COMPACTION_FIELD_NUMBER: _ClassVar[int]
+    PRESSURE_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_API_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request: ModelRequest
     prefix_sha256: str
     prefix_tokens: int
@@ -728,4 +817,359 @@ class BuildResponse(_message.Message):
     checkpoint_version: int
     request_sha256: str
     request_sequence: int
-    def __init__(self, request: _Optional[_Union[ModelRequest, _Mapping]] = ..., prefix_sha256: _Optional[str] = ..., prefix_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., request_sha256: _Optional[str] = ..., request_sequence: _Optional[int] = ...) -> None: ...
+    needs_compaction: bool
+    pressure: PressureReport
+    budget: _containers.RepeatedCompositeFieldContainer[ClassUsage]
+    provider_payload: bytes
+    provider_api: str
+    estimated_input_tokens: int
+    input_budget_tokens: int
+    def __init__(self, request: _Optional[_Union[ModelRequest, _Mapping]] = ..., prefix_sha256: _Optional[str] = ..., prefix_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., request_sha256: _Optional[str] = ..., request_sequence: _Optional[int] = ..., needs_compaction: _Optional[bool] = ..., pressure: _Optional[_Union[PressureReport, _Mapping]] = ..., budget: _Optional[_Iterable[_Union[ClassUsage, _Mapping]]] = ..., provider_payload: _Optional[bytes] = ..., provider_api: _Optional[str] = ..., estimated_input_tokens: _Optional[int] = ..., input_budget_tokens: _Optional[int] = ...) -> None: ...
+
+class PressureReport(_message.Message):
+    __slots__ = ("fits", "steps", "body_tokens_before", "body_tokens_after", "body_budget_tokens", "legacy_tool_excerpts", "history_cut_index", "history_items_dropped")
+    FITS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    BODY_TOKENS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    BODY_TOKENS_AFTER_FIELD_NUMBER: _ClassVar[int]
+    BODY_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEGACY_TOOL_EXCERPTS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_CUT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_ITEMS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    fits: bool
+    steps: _containers.RepeatedCompositeFieldContainer[YieldStep]
+    body_tokens_before: int
+    body_tokens_after: int
+    body_budget_tokens: int
+    legacy_tool_excerpts: _containers.RepeatedScalarFieldContainer[str]
+    history_cut_index: int
+    history_items_dropped: int
+    def __init__(self, fits: _Optional[bool] = ..., steps: _Optional[_Iterable[_Union[YieldStep, _Mapping]]] = ..., body_tokens_before: _Optional[int] = ..., body_tokens_after: _Optional[int] = ..., body_budget_tokens: _Optional[int] = ..., legacy_tool_excerpts: _Optional[_Iterable[str]] = ..., history_cut_index: _Optional[int] = ..., history_items_dropped: _Optional[int] = ...) -> None: ...
+
+class YieldStep(_message.Message):
+    __slots__ = ("step", "tokens_freed", "item_ids")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FREED_FIELD_NUMBER: _ClassVar[int]
+    ITEM_IDS_FIELD_NUMBER: _ClassVar[int]
+    step: str
+    tokens_freed: int
+    item_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[str] = ..., tokens_freed: _Optional[int] = ..., item_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetBuildRequest(_message.Message):
+    __slots__ = ("tenant_id", "session_id", "request_sequence")
+    TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    tenant_id: str
+    session_id: str
+    request_sequence: int
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., request_sequence: _Optional[int] = ...) -> None: ...
+
+class ReportUsageRequest(_message.Message):
+    __slots__ = ("tenant_id", "session_id", "request_sequence", "model_id", "input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens", "output_tokens", "idempotency_key")
+    TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_READ_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CREATION_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    tenant_id: str
+    session_id: str
+    request_sequence: int
+    model_id: str
+    input_tokens: int
+    cache_read_input_tokens: int
+    cache_creation_input_tokens: int
+    output_tokens: int
+    idempotency_key: str
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., request_sequence: _Optional[int] = ..., model_id: _Optional[str] = ..., input_tokens: _Optional[int] = ..., cache_read_input_tokens: _Optional[int] = ..., cache_creation_input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+
+class ReportUsageResponse(_message.Message):
+    __slots__ = ("factor_ppm", "samples", "signed_error_ppm", "cached_prefix_ppm")
+    FACTOR_PPM_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_ERROR_PPM_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PREFIX_PPM_FIELD_NUMBER: _ClassVar[int]
+    factor_ppm: int
+    samples: int
+    signed_error_ppm: int
+    cached_prefix_ppm: int
+    def __init__(self, factor_ppm: _Optional[int] = ..., samples: _Optional[int] = ..., signed_error_ppm: _Optional[int] = ..., cached_prefix_ppm: _Optional[int] = ...) -> None: ...
+
+class LoadSkillRequest(_message.Message):
+    __slots__ = ("tenant_id", "session_id", "name", "body", "trust", "run_id")
+    TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    TRUST_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    tenant_id: str
+    session_id: str
+    name: str
+    body: str
+    trust: TrustLevel
+    run_id: str
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., name: _Optional[str] = ..., body: _Optional[str] = ..., trust: _Optional[_Union[TrustLevel, str]] = ..., run_id: _Optional[str] = ...) -> None: ...
+
+class LoadSkillResponse(_message.Message):
+    __slots__ = ("loaded", "newly_loaded")
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    NEWLY_LOADED_FIELD_NUMBER: _ClassVar[int]
+    loaded: _containers.RepeatedScalarFieldContainer[str]
+    newly_loaded: bool
+    def __init__(self, loaded: _Optional[_Iterable[str]] = ..., newly_loaded: _Optional[bool] = ...) -> None: ...
+
+class EraseSubjectRequest(_message.Message):
+    __slots__ = ("tenant_id", "person_id")
+    TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    PERSON_ID_FIELD_NUMBER: _ClassVar[int]
+    tenant_id: str
+    person_id: str
+    def __init__(self, tenant_id: _Optional[str] = ..., person_id: _Optional[str] = ...) -> None: ...
+
+class EraseSubjectResponse(_message.Message):
+    __slots__ = ("invalidated_session_ids", "bound_run_ids", "redacted_items")
+    INVALIDATED_SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    BOUND_RUN_IDS_FIELD_NUMBER: _ClassVar[int]
+    REDACTED_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    invalidated_session_ids: _containers.RepeatedScalarFieldContainer[str]
+    bound_run_ids: _containers.RepeatedScalarFieldContainer[str]
+    redacted_items: int
+    def __init__(self, invalidated_session_ids: _Optional[_Iterable[str]] = ..., bound_run_ids: _Optional[_Iterable[str]] = ..., redacted_items: _Optional[int] = ...) -> None: ...
+
+class TaskState(_message.Message):
+    __slots__ = ("task_id", "title", "status")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    title: str
+    status: TaskStatus
+    def __init__(self, task_id: _Optional[str] = ..., title: _Optional[str] = ..., status: _Optional[_Union[TaskStatus, str]] = ...) -> None: ...
+
+class Fact(_message.Message):
+    __slots__ = ("statement", "source_event_ids", "trust")
+    STATEMENT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_EVENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRUST_FIELD_NUMBER: _ClassVar[int]
+    statement: str
+    source_event_ids: _containers.RepeatedScalarFieldContainer[int]
+    trust: TrustLevel
+    def __init__(self, statement: _Optional[str] = ..., source_event_ids: _Optional[_Iterable[int]] = ..., trust: _Optional[_Union[TrustLevel, str]] = ...) -> None: ...
+
+class WorkingStateUpdate(_message.Message):
+    __slots__ = ("objective", "add_constraints", "upsert_tasks", "add_facts", "resolve_questions", "next_action", "remove_constraints", "add_questions")
+    OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
+    ADD_CONSTRAINTS_FIELD_NUMBER: _ClassVar[int]
+    UPSERT_TASKS_FIELD_NUMBER: _ClassVar[int]
+    ADD_FACTS_FIELD_NUMBER: _ClassVar[int]
+    RESOLVE_QUESTIONS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ACTION_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_CONSTRAINTS_FIELD_NUMBER: _ClassVar[int]
+    ADD_QUESTIONS_FIELD_NUMBER: _ClassVar[int]
+    objective: str
+    add_constraints: _containers.RepeatedScalarFieldContainer[str]
+    upsert_tasks: _containers.RepeatedCompositeFieldContainer[TaskState]
+    add_facts: _containers.RepeatedCompositeFieldContainer[Fact]
+    resolve_questions: _containers.RepeatedScalarFieldContainer[str]
+    next_action: str
+    remove_constraints: _containers.RepeatedScalarFieldContainer[str]
+    add_questions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, objective: _Optional[str] = ..., add_constraints: _Optional[_Iterable[str]] = ..., upsert_tasks: _Optional[_Iterable[_Union[TaskState, _Mapping]]] = ..., add_facts: _Optional[_Iterable[_Union[Fact, _Mapping]]] = ..., resolve_questions: _Optional[_Iterable[str]] = ..., next_action: _Optional[str] = ..., remove_constraints: _Optional[_Iterable[str]] = ..., add_questions: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WorkingStateEntry(_message.Message):
+    __slots__ = ("text", "writer", "source_sequence", "trust")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    WRITER_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    TRUST_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    writer: Writer
+    source_sequence: int
+    trust: TrustLevel
+    def __init__(self, text: _Optional[str] = ..., writer: _Optional[_Union[Writer, str]] = ..., source_sequence: _Optional[int] = ..., trust: _Optional[_Union[TrustLevel, str]] = ...) -> None: ...
+
+class WorkingState(_message.Message):
+    __slots__ = ("objective", "constraints", "tasks", "facts", "open_questions", "next_action")
+    OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINTS_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    FACTS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_QUESTIONS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ACTION_FIELD_NUMBER: _ClassVar[int]
+    objective: WorkingStateEntry
+    constraints: _containers.RepeatedCompositeFieldContainer[WorkingStateEntry]
+    tasks: _containers.RepeatedCompositeFieldContainer[TaskState]
+    facts: _containers.RepeatedCompositeFieldContainer[Fact]
+    open_questions: _containers.RepeatedCompositeFieldContainer[WorkingStateEntry]
+    next_action: str
+    def __init__(self, objective: _Optional[_Union[WorkingStateEntry, _Mapping]] = ..., constraints: _Optional[_Iterable[_Union[WorkingStateEntry, _Mapping]]] = ..., tasks: _Optional[_Iterable[_Union[TaskState, _Mapping]]] = ..., facts: _Optional[_Iterable[_Union[Fact, _Mapping]]] = ..., open_questions: _Optional[_Iterable[_Union[WorkingStateEntry, _Mapping]]] = ..., next_action: _Optional[str] = ...) -> None: ...
+
+class UpdateWorkingStateRequest(_message.Message):
+    __slots__ = ("tenant_id", "session_id", "run_id", "expected_checkpoint_version", "writer", "update", "idempotency_key")
+    TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WRITER_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    tenant_id: str
+    session_id: str
+    run_id: str
+    expected_checkpoint_version: int
+    writer: Writer
+    update: WorkingStateUpdate
+    idempotency_key: str
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., run_id: _Optional[str] = ..., expected_checkpoint_version: _Optional[int] = ..., writer: _Optional[_Union[Writer, str]] = ..., update: _Optional[_Union[WorkingStateUpdate, _Mapping]] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+
+class UpdateWorkingStateResponse(_message.Message):
+    __slots__ = ("checkpoint_version", "state", "event_sequence")
+    CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_version: int
+    state: WorkingState
+    event_sequence: int
+    def __init__(self, checkpoint_version: _Optional[int] = ..., state: _Optional[_Union[WorkingState, _Mapping]] = ..., event_sequence: _Optional[int] = ...) -> None: ...
+
+class ListControlToolsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListControlToolsResponse(_message.Message):
+    __slots__ = ("tools",)
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    tools: _containers.RepeatedCompositeFieldContainer[ToolSpec]
+    def __init__(self, tools: _Optional[_Iterable[_Union[ToolSpec, _Mapping]]] = ...) -> None: ...
+
+class ElidedSpan(_message.Message):
+    __slots__ = ("item_id", "trust", "byte_length", "artifact_ref", "event_id")
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    TRUST_FIELD_NUMBER: _ClassVar[int]
+    BYTE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_REF_FIELD_NUMBER: _ClassVar[int]
+    EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    item_id: str
+    trust: TrustLevel
+    byte_length: int
+    artifact_ref: str
+    event_id: int
+    def __init__(self, item_id: _Optional[str] = ..., trust: _Optional[_Union[TrustLevel, str]] = ..., byte_length: _Optional[int] = ..., artifact_ref: _Optional[str] = ..., event_id: _Optional[int] = ...) -> None: ...
+
+class CompactionResult(_message.Message):
+    __slots__ = ("summary", "source_event_ids", "elided", "replaced_through_sequence", "depth", "tokens_before", "tokens_after", "compactor_version", "prompt_version")
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_EVENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    ELIDED_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_THROUGH_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_AFTER_FIELD_NUMBER: _ClassVar[int]
+    COMPACTOR_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    summary: str
+    source_event_ids: _containers.RepeatedScalarFieldContainer[int]
+    elided: _containers.RepeatedCompositeFieldContainer[ElidedSpan]
+    replaced_through_sequence: int
+    depth: int
+    tokens_before: int
+    tokens_after: int
+    compactor_version: str
+    prompt_version: str
+    def __init__(self, summary: _Optional[str] = ..., source_event_ids: _Optional[_Iterable[int]] = ..., elided: _Optional[_Iterable[_Union[ElidedSpan, _Mapping]]] = ..., replaced_through_sequence: _Optional[int] = ..., depth: _Optional[int] = ..., tokens_before: _Optional[int] = ..., tokens_after: _Optional[int] = ..., compactor_version: _Optional[str] = ..., prompt_version: _Optional[str] = ...) -> None: ...
+
+class PrepareCompactionRequest(_message.Message):
+    __slots__ = ("tenant_id", "session_id", "run_id", "checkpoint_version", "through_sequence")
+    TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    THROUGH_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    tenant_id: str
+    session_id: str
+    run_id: str
+    checkpoint_version: int
+    through_sequence: int
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., run_id: _Optional[str] = ..., checkpoint_version: _Optional[int] = ..., through_sequence: _Optional[int] = ...) -> None: ...
+
+class PrepareCompactionResponse(_message.Message):
+    __slots__ = ("prompt", "prompt_version", "summarizer_input", "elided", "retained_constraints", "open_questions", "source_event_ids", "replaced_through_sequence", "depth", "tokens_before", "checkpoint_version")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SUMMARIZER_INPUT_FIELD_NUMBER: _ClassVar[int]
+    ELIDED_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_CONSTRAINTS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_QUESTIONS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_EVENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_THROUGH_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    prompt_version: str
+    summarizer_input: str
+    elided: _containers.RepeatedCompositeFieldContainer[ElidedSpan]
+    retained_constraints: _containers.RepeatedScalarFieldContainer[str]
+    open_questions: _containers.RepeatedScalarFieldContainer[str]
+    source_event_ids: _containers.RepeatedScalarFieldContainer[int]
+    replaced_through_sequence: int
+    depth: int
+    tokens_before: int
+    checkpoint_version: int
+    def __init__(self, prompt: _Optional[str] = ..., prompt_version: _Optional[str] = ..., summarizer_input: _Optional[str] = ..., elided: _Optional[_Iterable[_Union[ElidedSpan, _Mapping]]] = ..., retained_constraints: _Optional[_Iterable[str]] = ..., open_questions: _Optional[_Iterable[str]] = ..., source_event_ids: _Optional[_Iterable[int]] = ..., replaced_through_sequence: _Optional[int] = ..., depth: _Optional[int] = ..., tokens_before: _Optional[int] = ..., checkpoint_version: _Optional[int] = ...) -> None: ...
+
+class CommitCompactionRequest(_message.Message):
+    __slots__ = ("tenant_id", "session_id", "run_id", "expected_checkpoint_version", "result", "idempotency_key")
+    TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    tenant_id: str
+    session_id: str
+    run_id: str
+    expected_checkpoint_version: int
+    result: CompactionResult
+    idempotency_key: str
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., run_id: _Optional[str] = ..., expected_checkpoint_version: _Optional[int] = ..., result: _Optional[_Union[CompactionResult, _Mapping]] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+
+class CommitCompactionResponse(_message.Message):
+    __slots__ = ("checkpoint_version", "event_sequence")
+    CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_version: int
+    event_sequence: int
+    def __init__(self, checkpoint_version: _Optional[int] = ..., event_sequence: _Optional[int] = ...) -> None: ...
+
+class OfferFactCandidatesRequest(_message.Message):
+    __slots__ = ("tenant_id", "session_id")
+    TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    tenant_id: str
+    session_id: str
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class FactCandidate(_message.Message):
+    __slots__ = ("fact", "authority", "run_id")
+    FACT_FIELD_NUMBER: _ClassVar[int]
+    AUTHORITY_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    fact: Fact
+    authority: str
+    run_id: str
+    def __init__(self, fact: _Optional[_Union[Fact, _Mapping]] = ..., authority: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+
+class OfferFactCandidatesResponse(_message.Message):
+    __slots__ = ("candidates", "event_sequence")
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    candidates: _containers.RepeatedCompositeFieldContainer[FactCandidate]
+    event_sequence: int
+    def __init__(self, candidates: _Optional[_Iterable[_Union[FactCandidate, _Mapping]]] = ..., event_sequence: _Optional[int] = ...) -> None: ...

@@ -74,6 +74,51 @@ class ContextEngineStub:
                 request_serializer=context__engine_dot_v1_dot_context__engine__pb2.BuildRequest.SerializeToString,
                 response_deserializer=context__engine_dot_v1_dot_context__engine__pb2.BuildResponse.FromString,
                 _registered_method=True)
+        self.GetBuild = channel.unary_unary(
+                '/context_engine.v1.ContextEngine/GetBuild',
+                request_serializer=context__engine_dot_v1_dot_context__engine__pb2.GetBuildRequest.SerializeToString,
+                response_deserializer=context__engine_dot_v1_dot_context__engine__pb2.BuildResponse.FromString,
+                _registered_method=True)
+        self.ReportUsage = channel.unary_unary(
+                '/context_engine.v1.ContextEngine/ReportUsage',
+                request_serializer=context__engine_dot_v1_dot_context__engine__pb2.ReportUsageRequest.SerializeToString,
+                response_deserializer=context__engine_dot_v1_dot_context__engine__pb2.ReportUsageResponse.FromString,
+                _registered_method=True)
+        self.LoadSkill = channel.unary_unary(
+                '/context_engine.v1.ContextEngine/LoadSkill',
+                request_serializer=context__engine_dot_v1_dot_context__engine__pb2.LoadSkillRequest.SerializeToString,
+                response_deserializer=context__engine_dot_v1_dot_context__engine__pb2.LoadSkillResponse.FromString,
+                _registered_method=True)
+        self.EraseSubject = channel.unary_unary(
+                '/context_engine.v1.ContextEngine/EraseSubject',
+                request_serializer=context__engine_dot_v1_dot_context__engine__pb2.EraseSubjectRequest.SerializeToString,
+                response_deserializer=context__engine_dot_v1_dot_context__engine__pb2.EraseSubjectResponse.FromString,
+                _registered_method=True)
+        self.UpdateWorkingState = channel.unary_unary(
+                '/context_engine.v1.ContextEngine/UpdateWorkingState',
+                request_serializer=context__engine_dot_v1_dot_context__engine__pb2.UpdateWorkingStateRequest.SerializeToString,
+                response_deserializer=context__engine_dot_v1_dot_context__engine__pb2.UpdateWorkingStateResponse.FromString,
+                _registered_method=True)
+        self.ListControlTools = channel.unary_unary(
+                '/context_engine.v1.ContextEngine/ListControlTools',
+                request_serializer=context__engine_dot_v1_dot_context__engine__pb2.ListControlToolsRequest.SerializeToString,
+                response_deserializer=context__engine_dot_v1_dot_context__engine__pb2.ListControlToolsResponse.FromString,
+                _registered_method=True)
+        self.PrepareCompaction = channel.unary_unary(
+                '/context_engine.v1.ContextEngine/PrepareCompaction',
+                request_serializer=context__engine_dot_v1_dot_context__engine__pb2.PrepareCompactionRequest.SerializeToString,
+                response_deserializer=context__engine_dot_v1_dot_context__engine__pb2.PrepareCompactionResponse.FromString,
+                _registered_method=True)
+        self.CommitCompaction = channel.unary_unary(
+                '/context_engine.v1.ContextEngine/CommitCompaction',
+                request_serializer=context__engine_dot_v1_dot_context__engine__pb2.CommitCompactionRequest.SerializeToString,
+                response_deserializer=context__engine_dot_v1_dot_context__engine__pb2.CommitCompactionResponse.FromString,
+                _registered_method=True)
+        self.OfferFactCandidates = channel.unary_unary(
+                '/context_engine.v1.ContextEngine/OfferFactCandidates',
+                request_serializer=context__engine_dot_v1_dot_context__engine__pb2.OfferFactCandidatesRequest.SerializeToString,
+                response_deserializer=context__engine_dot_v1_dot_context__engine__pb2.OfferFactCandidatesResponse.FromString,
+                _registered_method=True)
 
 
 class ContextEngineServicer:
@@ -142,6 +187,79 @@ class ContextEngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetBuild(self, request, context):
+        """Rebuilds the request recorded by a model.request.started event from its recorded
+        inputs (Build is pure, so this returns the same bytes). For explain and inspect.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportUsage(self, request, context):
+        """Reports a model response's actual usage. Feeds the per-model estimator correction
+        (persisted; pinned on later checkpoints) and the cache metrics.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadSkill(self, request, context):
+        """Loads a skill body into Region B (row 11). Sticky for the session; at most two load;
+        a third load fails rather than evicting. Idempotent for an already loaded skill.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EraseSubject(self, request, context):
+        """Erasure of a person: redacts every persisted snapshot holding their items,
+        invalidates the plans built on them (the next plan rotates with
+        snapshot_invalidated) and reports the runs already bound to those snapshots.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWorkingState(self, request, context):
+        """The context.update_working_state control tool: a typed transition on the run's
+        working state. Never needs approval; cannot remove a user-set constraint.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListControlTools(self, request, context):
+        """Definitions of the engine's control tools (context.update_working_state), ready to
+        put in a PlanSpec's tools.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrepareCompaction(self, request, context):
+        """Prepares compaction: the summarizer input for the worker's own model call, with
+        trusted content only (untrusted spans already elided to typed pointers).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitCompaction(self, request, context):
+        """Validates and stores a compaction result as the run's next checkpoint.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OfferFactCandidates(self, request, context):
+        """Facts that survived to the end of the session with trusted provenance, offered to
+        memory formation as candidates (never as beliefs). Records
+        memory.fact_candidates.offered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ContextEngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -174,6 +292,51 @@ def add_ContextEngineServicer_to_server(servicer, server):
                     servicer.Build,
                     request_deserializer=context__engine_dot_v1_dot_context__engine__pb2.BuildRequest.FromString,
                     response_serializer=context__engine_dot_v1_dot_context__engine__pb2.BuildResponse.SerializeToString,
+            ),
+            'GetBuild': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBuild,
+                    request_deserializer=context__engine_dot_v1_dot_context__engine__pb2.GetBuildRequest.FromString,
+                    response_serializer=context__engine_dot_v1_dot_context__engine__pb2.BuildResponse.SerializeToString,
+            ),
+            'ReportUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportUsage,
+                    request_deserializer=context__engine_dot_v1_dot_context__engine__pb2.ReportUsageRequest.FromString,
+                    response_serializer=context__engine_dot_v1_dot_context__engine__pb2.ReportUsageResponse.SerializeToString,
+            ),
+            'LoadSkill': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadSkill,
+                    request_deserializer=context__engine_dot_v1_dot_context__engine__pb2.LoadSkillRequest.FromString,
+                    response_serializer=context__engine_dot_v1_dot_context__engine__pb2.LoadSkillResponse.SerializeToString,
+            ),
+            'EraseSubject': grpc.unary_unary_rpc_method_handler(
+                    servicer.EraseSubject,
+                    request_deserializer=context__engine_dot_v1_dot_context__engine__pb2.EraseSubjectRequest.FromString,
+                    response_serializer=context__engine_dot_v1_dot_context__engine__pb2.EraseSubjectResponse.SerializeToString,
+            ),
+            'UpdateWorkingState': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWorkingState,
+                    request_deserializer=context__engine_dot_v1_dot_context__engine__pb2.UpdateWorkingStateRequest.FromString,
+                    response_serializer=context__engine_dot_v1_dot_context__engine__pb2.UpdateWorkingStateResponse.SerializeToString,
+            ),
+            'ListControlTools': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListControlTools,
+                    request_deserializer=context__engine_dot_v1_dot_context__engine__pb2.ListControlToolsRequest.FromString,
+                    response_serializer=context__engine_dot_v1_dot_context__engine__pb2.ListControlToolsResponse.SerializeToString,
+            ),
+            'PrepareCompaction': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareCompaction,
+                    request_deserializer=context__engine_dot_v1_dot_context__engine__pb2.PrepareCompactionRequest.FromString,
+                    response_serializer=context__engine_dot_v1_dot_context__engine__pb2.PrepareCompactionResponse.SerializeToString,
+            ),
+            'CommitCompaction': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitCompaction,
+                    request_deserializer=context__engine_dot_v1_dot_context__engine__pb2.CommitCompactionRequest.FromString,
+                    response_serializer=context__engine_dot_v1_dot_context__engine__pb2.CommitCompactionResponse.SerializeToString,
+            ),
+            'OfferFactCandidates': grpc.unary_unary_rpc_method_handler(
+                    servicer.OfferFactCandidates,
+                    request_deserializer=context__engine_dot_v1_dot_context__engine__pb2.OfferFactCandidatesRequest.FromString,
+                    response_serializer=context__engine_dot_v1_dot_context__engine__pb2.OfferFactCandidatesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -348,6 +511,249 @@ class ContextEngine:
             '/context_engine.v1.ContextEngine/Build',
             context__engine_dot_v1_dot_context__engine__pb2.BuildRequest.SerializeToString,
             context__engine_dot_v1_dot_context__engine__pb2.BuildResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBuild(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/context_engine.v1.ContextEngine/GetBuild',
+            context__engine_dot_v1_dot_context__engine__pb2.GetBuildRequest.SerializeToString,
+            context__engine_dot_v1_dot_context__engine__pb2.BuildResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/context_engine.v1.ContextEngine/ReportUsage',
+            context__engine_dot_v1_dot_context__engine__pb2.ReportUsageRequest.SerializeToString,
+            context__engine_dot_v1_dot_context__engine__pb2.ReportUsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadSkill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/context_engine.v1.ContextEngine/LoadSkill',
+            context__engine_dot_v1_dot_context__engine__pb2.LoadSkillRequest.SerializeToString,
+            context__engine_dot_v1_dot_context__engine__pb2.LoadSkillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EraseSubject(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/context_engine.v1.ContextEngine/EraseSubject',
+            context__engine_dot_v1_dot_context__engine__pb2.EraseSubjectRequest.SerializeToString,
+            context__engine_dot_v1_dot_context__engine__pb2.EraseSubjectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWorkingState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/context_engine.v1.ContextEngine/UpdateWorkingState',
+            context__engine_dot_v1_dot_context__engine__pb2.UpdateWorkingStateRequest.SerializeToString,
+            context__engine_dot_v1_dot_context__engine__pb2.UpdateWorkingStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListControlTools(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/context_engine.v1.ContextEngine/ListControlTools',
+            context__engine_dot_v1_dot_context__engine__pb2.ListControlToolsRequest.SerializeToString,
+            context__engine_dot_v1_dot_context__engine__pb2.ListControlToolsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareCompaction(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/context_engine.v1.ContextEngine/PrepareCompaction',
+            context__engine_dot_v1_dot_context__engine__pb2.PrepareCompactionRequest.SerializeToString,
+            context__engine_dot_v1_dot_context__engine__pb2.PrepareCompactionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitCompaction(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/context_engine.v1.ContextEngine/CommitCompaction',
+            context__engine_dot_v1_dot_context__engine__pb2.CommitCompactionRequest.SerializeToString,
+            context__engine_dot_v1_dot_context__engine__pb2.CommitCompactionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OfferFactCandidates(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/context_engine.v1.ContextEngine/OfferFactCandidates',
+            context__engine_dot_v1_dot_context__engine__pb2.OfferFactCandidatesRequest.SerializeToString,
+            context__engine_dot_v1_dot_context__engine__pb2.OfferFactCandidatesResponse.FromString,
             options,
             channel_credentials,
             insecure,
