@@ -22,6 +22,10 @@ Rule V8. In processing order tools -> system -> messages, no ``ttl="1h"`` marker
          ``ttl="5m"`` (or TTL-less) one ("Mixing different TTLs").
 Rule V9. Extended thinking: ``budget_tokens`` >= 1024 and < ``max_tokens``; a final
          assistant (prefill) message does not end with whitespace.
+Rule V10. With thinking enabled, when the request ends in a tool loop (the last user turn
+          carries ``tool_result`` blocks), the assistant turn before it starts with a
+          ``thinking``/``redacted_thinking`` block ("Extended thinking": preserving thinking
+          blocks during tool use).
 """
 
 from __future__ import annotations
@@ -121,7 +125,8 @@ def parse_request(
     markers: list[_Marker] = []
     _tools(body.get("tools"), blocks, markers)
     _system(body.get("system"), blocks, markers)
-    _messages(body.get("messages"), blocks, markers)
+    normalized = _messages(body.get("messages"), blocks, markers)
+    _check_thinking_in_tool_loop(body.get("thinking"), normalized)
     _automatic_marker(body.get("cache_control"), blocks, markers)
     _check_markers(markers)
 
@@ -134,7 +139,9 @@ def parse_request(
     salt = canonical_bytes(
         {"thinking": body.get("thinking"), "tool_choice": body.get("tool_choice")}
     )
-    return MessagesRequest(model=model, max_tokens=max_tokens or 0, blocks=final, messages_salt=salt)
+    return MessagesRequest(
+        model=model, max_tokens=max_tokens or 0, blocks=final, messages_salt=salt
+    )
 
 
 def _check_thinking(thinking: Any, max_tokens: int | None) -> None:
@@ -190,7 +197,9 @@ def _add_block(
         if isinstance(nested, list):
             for k, inner in enumerate(nested):
                 if isinstance(inner, dict):
-                    m = _marker_of(inner.get("cache_control"), f"{path}.content.{k}", len(blocks) - 1)
+                    m = _marker_of(
+                        inner.get("cache_control"), f"{path}.content.{k}", len(blocks) - 1
+                    )
                     if m is not None:
                         markers.append(m)
 
@@ -246,12 +255,15 @@ def _check_text(block: dict[str, Any], path: str) -> None:
         raise _bad("messages: text content blocks must be non-empty")
 
 
-def _messages(messages: Any, blocks: list[AnthropicBlock], markers: list[_Marker]) -> None:
+_Messages = list[tuple[str, list[dict[str, Any]]]]
+
+
+def _messages(messages: Any, blocks: list[AnthropicBlock], markers: list[_Marker]) -> _Messages:
     if messages is None:
         raise _bad("messages: Field required")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages: at least one message is required")
-    normalized: list[tuple[str, list[dict[str, Any]]]] = []
+    normalized: _Messages = []
     seen_tool_use: set[str] = set()
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
@@ -291,6 +303,31 @@ def _messages(messages: Any, blocks: list[AnthropicBlock], markers: list[_Marker
         tail = last_blocks[-1]
         if tail.get("type") == "text" and tail["text"] != tail["text"].rstrip():
             raise _bad("messages: final assistant content cannot end with trailing whitespace")
+    return normalized
+
+
+def _check_thinking_in_tool_loop(thinking: Any, messages: _Messages) -> None:
+    """Rule V10."""
+    if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "adaptive"):
+        return
+    last_user = max((i for i, (role, _) in enumerate(messages) if role == "user"), default=None)
+    if last_user is None or not any(b["type"] == "tool_result" for b in messages[last_user][1]):
+        return
+    assistant = max(
+        (i for i, (role, _) in enumerate(messages[:last_user]) if role == "assistant"),
+        default=None,
+    )
+    if assistant is None or not messages[assistant][1]:
+        return
+    first = messages[assistant][1][0]["type"]
+    if first not in ("thinking", "redacted_thinking"):
+        raise _bad(
+            f"messages.{assistant}.content.0.type: Expected `thinking` or `redacted_thinking`, "
+            f"but found `{first}`. When `thinking` is enabled, a final `assistant` message must "
+            "start with a thinking block (preceeding the lastmost set of `tool_use` and "
+            "`tool_result` blocks). We recommend you include thinking blocks from previous "
+            "turns. To avoid this requirement, disable `thinking`."
+        )
 
 
 def _check_block(block: Any, role: str, path: str, seen_tool_use: set[str]) -> None:
@@ -329,7 +366,7 @@ def _check_block(block: Any, role: str, path: str, seen_tool_use: set[str]) -> N
         raise _bad(f"{path}.data: Field required")
 
 
-def _check_pairing(messages: list[tuple[str, list[dict[str, Any]]]]) -> None:
+def _check_pairing(messages: _Messages) -> None:
     """Rule V5 over turns (consecutive same-role messages merged, Rule V3)."""
     turns: list[tuple[str, list[tuple[int, int, dict[str, Any]]]]] = []
     for i, (role, blocks) in enumerate(messages):

@@ -69,8 +69,15 @@ ANTHROPIC_LOOKBACK_BLOCKS = 20
 """A breakpoint at block ``b`` checks boundaries ``b, b-1, ..., b-20`` (Rule A4)."""
 
 # Minimum cacheable prompt length, "Cache limitations" in the prompt-caching docs. First
-# matching model-id prefix wins; ids are matched with and without a date suffix.
+# matching model-id prefix wins, so longer ids come first. The rows marked "reported" were
+# taken from secondary write-ups of the docs, not from the docs page itself.
 ANTHROPIC_MIN_CACHEABLE_TOKENS: tuple[tuple[str, int], ...] = (
+    ("claude-opus-5", 512),  # reported
+    ("claude-fable-5", 512),  # reported
+    ("claude-mythos-5", 512),  # reported
+    ("claude-sonnet-5", 1024),  # reported
+    ("claude-opus-4-8", 1024),  # reported
+    ("claude-opus-4-7", 2048),  # reported
     ("claude-opus-4-6", 4096),
     ("claude-opus-4-5", 4096),
     ("claude-haiku-4-5", 4096),

@@ -150,9 +150,7 @@ class Script:
     ) -> Reply:
         """Queue one tool call (optionally preceded by text and thinking)."""
         call = ToolCall(name=name, arguments=dict(arguments or {}), id=id)
-        return self.push(
-            Reply(text=text, tool_calls=(call,), thinking=thinking, provider=provider)
-        )
+        return self.push(Reply(text=text, tool_calls=(call,), thinking=thinking, provider=provider))
 
     def push_error(
         self, status: int, message: str, *, type: str | None = None, provider: str | None = None

@@ -17,7 +17,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["BYTES_PER_TOKEN", "canonical_bytes", "count_tokens", "strip_cache_control", "token_chunks"]
+__all__ = [
+    "BYTES_PER_TOKEN",
+    "canonical_bytes",
+    "count_tokens",
+    "strip_cache_control",
+    "token_chunks",
+]
 
 BYTES_PER_TOKEN = 4
 
