@@ -17,8 +17,46 @@ __all__ = ["canonical_bytes", "canonical_json_text", "parse_json_object", "sha25
 
 
 def canonical_bytes(value: Any) -> bytes:
-    """RFC 8785 bytes of a JSON-compatible value (dicts, lists, str, int, bool, None)."""
+    """RFC 8785 bytes of a JSON-compatible value (dicts, lists, str, int, bool, None).
+
+    Fast path: for values without floats whose keys are all ASCII, the standard library's
+    compact, key-sorted, non-ASCII-preserving output is byte-identical to RFC 8785 (same
+    string escapes, integers in decimal, UTF-16 and code-point key order agree on ASCII).
+    Anything else — floats, non-ASCII keys, integers beyond 2**53 — takes the reference
+    implementation. tests/unit/test_canonical.py checks the equivalence property.
+    """
+    if _fast_path_ok(value):
+        return json.dumps(
+            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        ).encode("utf-8")
     return rfc8785.dumps(value)
+
+
+_MAX_SAFE_INT = 2**53 - 1
+
+
+def _fast_path_ok(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind is str or kind is bool or item is None:
+            continue
+        if kind is int:
+            if -_MAX_SAFE_INT <= item <= _MAX_SAFE_INT:
+                continue
+            return False
+        if kind is dict:
+            for key, sub in item.items():
+                if type(key) is not str or not key.isascii():
+                    return False
+                stack.append(sub)
+            continue
+        if kind is list or kind is tuple:
+            stack.extend(item)
+            continue
+        return False  # floats and anything unusual: the reference implementation decides
+    return True
 
 
 def sha256_hex(data: bytes) -> str:

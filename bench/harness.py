@@ -1,0 +1,260 @@
+"""Shared benchmark machinery: a scratch database, a server subprocess, seeded sessions
+and a closed-loop load generator. Everything talks to 127.0.0.1 only, and every loop is
+bounded in time and count."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+
+BASE_DSN = os.environ.get(
+    "BENCH_DATABASE_URL",
+    os.environ.get("TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
+)
+TENANT = "bench"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@asynccontextmanager
+async def scratch_database() -> AsyncIterator[str]:
+    """A fresh, migrated database, dropped afterwards."""
+    from context_engine.store import apply_migrations
+
+    name = f"ce_bench_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    admin = await asyncpg.connect(BASE_DSN)
+    await admin.execute(f'CREATE DATABASE "{name}"')
+    await admin.close()
+    dsn = BASE_DSN.rpartition("/")[0] + "/" + name
+    conn = await asyncpg.connect(dsn)
+    await apply_migrations(conn)
+    await conn.close()
+    try:
+        yield dsn
+    finally:
+        admin = await asyncpg.connect(BASE_DSN)
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+
+
+@asynccontextmanager
+async def server_process(dsn: str, *extra: str) -> AsyncIterator[str]:
+    """`context-engine serve` in a subprocess (its own core); yields its address."""
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    env = {**os.environ, "CONTEXT_ENGINE_LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "context_engine.cli",
+            "serve",
+            "--listen",
+            target,
+            "--database-url",
+            dsn,
+            *extra,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        await wait_serving(target, proc)
+        yield target
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def wait_serving(target: str, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + 60
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                err = proc.stderr.read().decode() if proc.stderr else ""
+                raise RuntimeError(f"server exited: {err[-2000:]}")
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"server at {target} did not become ready")
+
+
+def plan_spec(tools: int = 6, snapshot_items: int = 0, skills: int = 0) -> pb.PlanSpec:
+    schema = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
+    return pb.PlanSpec(
+        model_id="claude-sonnet-4-5",
+        agent=pb.AgentSpec(agent_id="bench", version="1", instructions="You are a careful agent."),
+        principal=pb.Principal(principal_id="p", scopes=["read"], scope_label="owner"),
+        tools=[
+            pb.ToolSpec(
+                name=f"tool_{n:02d}",
+                description=f"Tool number {n}. Looks things up.",
+                input_schema_json=json.dumps(schema),
+                side_effect=pb.SIDE_EFFECT_NONE,
+            )
+            for n in range(tools)
+        ],
+        skills=[
+            pb.SkillCatalogEntry(name=f"skill_{n}", description="Does a thing well.", version="1")
+            for n in range(skills)
+        ],
+        snapshot=pb.MemorySnapshot(
+            snapshot_id="snap",
+            recall_trace_id="trace",
+            watermark=1,
+            items=[
+                pb.MemoryItem(
+                    item_id=f"m{n}", text=f"The user prefers option {n}.", source="belief"
+                )
+                for n in range(snapshot_items)
+            ],
+        ),
+        environment=pb.SessionEnvironment(surface="chat", time_zone="UTC"),
+    )
+
+
+async def seed_session(stub: Any, turns: int, *, tools: int = 6) -> tuple[str, str]:
+    """A session with `turns` completed turns (user, tool call, tool result, answer) and a
+    fresh run on top. Returns (session_id, run_id of the fresh run)."""
+    session_id = str(uuid.uuid4())
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=plan_spec(tools)))
+    for turn in range(turns):
+        started = await stub.StartRun(
+            pb.StartRunRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                user_message=pb.UserMessage(text=f"Question {turn}: what about item {turn}?"),
+            )
+        )
+        call_id = f"c{turn}"
+        await stub.AppendItems(
+            pb.AppendItemsRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                run_id=started.run.run_id,
+                expected_checkpoint_version=started.checkpoint_version,
+                items=[
+                    pb.ConversationItem(
+                        tool_call=pb.ToolCall(
+                            call_id=call_id,
+                            tool_name="tool_00",
+                            arguments_json=json.dumps({"q": str(turn)}),
+                        )
+                    ),
+                    pb.ConversationItem(
+                        tool_result=pb.ToolResult(
+                            call_id=call_id,
+                            tool_name="tool_00",
+                            trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED,
+                            content=f"Result {turn}: " + "lorem ipsum dolor sit amet " * 8,
+                        )
+                    ),
+                    pb.ConversationItem(
+                        assistant_message=pb.AssistantMessage(text=f"Answer {turn}: it is fine.")
+                    ),
+                ],
+            )
+        )
+    fresh = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=TENANT, session_id=session_id, user_message=pb.UserMessage(text="And now?")
+        )
+    )
+    return session_id, fresh.run.run_id
+
+
+def build_request(session_id: str, run_id: str) -> pb.BuildRequest:
+    request = pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id)
+    request.now.FromSeconds(1_790_000_000)
+    return request
+
+
+@dataclass
+class LoadResult:
+    calls: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    latencies_ms: list[float] = field(default_factory=list)
+    error_codes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def throughput(self) -> float:
+        return self.calls / self.seconds if self.seconds else 0.0
+
+    def pct(self, p: float) -> float:
+        if not self.latencies_ms:
+            return float("nan")
+        data = sorted(self.latencies_ms)
+        return data[min(len(data) - 1, int(p / 100 * len(data)))]
+
+    @property
+    def p50(self) -> float:
+        return statistics.median(self.latencies_ms) if self.latencies_ms else float("nan")
+
+
+async def closed_loop(
+    call: Callable[[int], Awaitable[Any]],
+    *,
+    concurrency: int,
+    seconds: float,
+    max_calls: int = 10**7,
+) -> LoadResult:
+    """`concurrency` workers each issue the next call as soon as the last one returns."""
+    result = LoadResult()
+    stop_at = time.monotonic() + seconds
+    counter = 0
+
+    async def worker() -> None:
+        nonlocal counter
+        while time.monotonic() < stop_at and counter < max_calls:
+            counter += 1
+            n = counter
+            started = time.perf_counter()
+            try:
+                await call(n)
+            except grpc.aio.AioRpcError as exc:
+                result.errors += 1
+                result.error_codes[exc.code().name] = result.error_codes.get(exc.code().name, 0) + 1
+            else:
+                result.calls += 1
+                result.latencies_ms.append((time.perf_counter() - started) * 1000)
+
+    begin = time.monotonic()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    result.seconds = time.monotonic() - begin
+    return result
+
+
+def stub_for(channel: grpc.aio.Channel) -> pb_grpc.ContextEngineStub:
+    return pb_grpc.ContextEngineStub(channel)
