@@ -1,0 +1,76 @@
+"""Plan cost: Plan with a 40-tool roster, skills and a snapshot, and Rotate; per-call
+medians over a fixed number of calls, against GetPlan (a read of the same plan) measured in
+the same run as the baseline."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+import uuid
+
+import grpc
+
+from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+
+from .harness import TENANT, plan_spec, scratch_database, server_process, stub_for
+
+
+async def _timed(coro: object) -> float:
+    started = time.perf_counter()
+    await coro  # type: ignore[misc]
+    return (time.perf_counter() - started) * 1000
+
+
+async def run(calls: int) -> None:
+    spec = plan_spec(tools=40, snapshot_items=30, skills=10)
+    async with (
+        scratch_database() as dsn,
+        server_process(dsn) as target,
+        grpc.aio.insecure_channel(target) as channel,
+    ):
+        stub = stub_for(channel)
+        plan_ms, rotate_ms, read_ms = [], [], []
+        for _ in range(calls):
+            session_id = str(uuid.uuid4())
+            plan_ms.append(
+                await _timed(
+                    stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=spec))
+                )
+            )
+            read_ms.append(
+                await _timed(
+                    stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id))
+                )
+            )
+            rotate_ms.append(
+                await _timed(
+                    stub.Rotate(
+                        pb.RotateRequest(
+                            tenant_id=TENANT,
+                            session_id=session_id,
+                            from_epoch=1,
+                            reason=pb.PLAN_REASON_AGENT_CHANGED,
+                        )
+                    )
+                )
+            )
+    base = statistics.median(read_ms)
+    print(f"plan cost: 40 tools, 10 skills, 30 snapshot items; {calls} sessions")
+    for name, values in (("GetPlan (baseline)", read_ms), ("Plan", plan_ms), ("Rotate", rotate_ms)):
+        med = statistics.median(values)
+        print(f"  {name:18s} median {med:7.2f} ms   ({med / base:5.1f}x GetPlan)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--calls", type=int, default=50)
+    args = parser.parse_args(argv)
+    asyncio.run(run(args.calls))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
