@@ -5,10 +5,15 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 LISTEN  ?= 127.0.0.1:50051
+TS      := clients/typescript
+# Go toolchain, protoc and Go libraries for the Go client, all from Debian's packages (the
+# Go module proxy is not needed: clients/go/check.sh builds in GOPATH mode over these).
+GO_DEBS := golang-go protobuf-compiler protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev \
+           golang-google-genproto-dev golang-google-protobuf-dev golang-github-golang-protobuf-1-5-dev
 
-.PHONY: install run test test-unit test-integration lint proto proto-check demo bench clean
+.PHONY: install install-go run test test-unit test-integration lint proto proto-check demo bench clean
 
-install: $(STAMP)
+install: $(STAMP) $(TS)/node_modules/.installed install-go
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,6 +21,20 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	rm -f $(VENV)/.installed-*
 	touch $@
+
+## The TypeScript client's packages (npm ci also builds it); tests/e2e/test_node_client.py.
+$(TS)/node_modules/.installed: $(TS)/package.json $(TS)/package-lock.json
+	@if command -v npm >/dev/null 2>&1; then \
+	  cd $(TS) && npm ci --no-audit --no-fund && touch node_modules/.installed; \
+	else echo "npm not found: install Node.js >= 18 and npm for the TypeScript client" >&2; fi
+
+## The Go client's toolchain (tests/e2e/test_go_client.py), installed as root where missing.
+install-go:
+	@if dpkg -s $(GO_DEBS) >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends $(GO_DEBS) >/dev/null; \
+	else echo "the Go client check needs: apt-get install $(GO_DEBS)" >&2; fi
 
 ## Run the service; with no DATABASE_URL it starts an embedded PostgreSQL under .context-engine/.
 run: install
@@ -32,14 +51,21 @@ lint: install
 	$(BIN)/ruff format --check service tests bench scripts
 	$(BIN)/ruff check service tests bench scripts
 	$(BIN)/mypy
+	$(BIN)/ruff format --check clients/python/src/context_engine_client/*.py
+	$(BIN)/ruff check clients/python/src/context_engine_client/*.py
+	cd clients/python && ../../$(BIN)/mypy
 
-## Regenerate the committed gRPC stubs from proto/.
+## Regenerate the committed gRPC stubs from proto/ (service, Python and TypeScript clients, Go).
 proto: install
 	$(BIN)/python scripts/gen_protos.py
+	clients/go/generate.sh
 
 ## Fails when the committed stubs differ from what proto/ generates.
 proto-check: install
 	$(BIN)/python scripts/gen_protos.py --check
+	@tmp=$$(mktemp -d) && clients/go/generate.sh $$tmp \
+	  && diff -r $$tmp/contextenginev1 clients/go/contextenginev1 \
+	  && rm -rf $$tmp && echo "Go stubs are current"
 
 ## A few turns through a live server (start it with `make run` in another terminal).
 demo: install

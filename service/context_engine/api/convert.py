@@ -7,7 +7,6 @@ module imports the generated stubs.
 
 from __future__ import annotations
 
-import base64
 import json
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -22,9 +21,13 @@ from ..core import items as ci
 from ..core.assemble import StepContext
 from ..core.canonical import canonical_json_text, parse_json_object
 from ..core.enums import PlanReason, SessionKind, SideEffect
+from ..core.epochs import Admission
 from ..core.errors import InvalidFieldError
 from ..core.plan import ClassUsage, ContextPlan
-from ..core.request import Block, CacheBreakpoint, ModelRequest
+from ..core.pressure import PressureReport
+from ..core.request import Block, CacheBreakpoint, Message, ModelRequest, ToolDefinition
+from ..core.roster import PinnedTool
+from ..core.rows import Row
 from ..core.spec import (
     AgentSpec,
     MemoryItemSpec,
@@ -40,12 +43,16 @@ from ..core.spec import (
 from ..core.trust import TrustLevel
 
 __all__ = [
+    "block_from_proto",
     "block_to_proto",
+    "budget_to_proto",
     "item_from_proto",
     "items_from_proto",
     "parse_uuid",
     "plan_spec_from_proto",
     "plan_to_proto",
+    "pressure_to_proto",
+    "request_from_proto",
     "request_to_proto",
     "step_from_proto",
     "timestamp_to_datetime",
@@ -247,7 +254,7 @@ def plan_to_proto(plan: ContextPlan, created_at: datetime | None = None) -> pb.C
         provider=_PROVIDER_TO_PROTO.get(plan.provider, pb.PROVIDER_UNSPECIFIED),
         tool_names=plan.tool_names,
         tool_schema_sha256=plan.tool_schema_sha256,
-        authority_scope_hashes=plan.authority_scope_hashes,
+        authority_scope_hashes=plan.authority_scope_hashes or (),
         snapshot_id=plan.snapshot_id,
         snapshot_watermark=plan.snapshot_watermark,
         skill_pins=[pb.SkillPin(name=n, version=v) for n, v in plan.skill_pins],
@@ -259,10 +266,37 @@ def plan_to_proto(plan: ContextPlan, created_at: datetime | None = None) -> pb.C
         spec_sha256=plan.spec_sha256,
         prefix_classes=[_class_usage(c) for c in plan.prefix_classes],
         prefix_document=plan.prefix_document.encode("utf-8"),
+        pinned_tools=[_pinned_tool(t) for t in plan.pinned_tools],
+        recall_trace_id=plan.recall_trace_id,
+        session_kind=int(plan.session_kind),
+        invalidated=plan.invalidated,
     )
     if created_at is not None:
         out.created_at.FromDatetime(created_at)
     return out
+
+
+def _pinned_tool(tool: PinnedTool) -> pb.PinnedTool:
+    return pb.PinnedTool(
+        name=tool.name,
+        defined=tool.defined,
+        required_scopes=tool.required_scopes,
+        side_effect=int(tool.side_effect),
+        spec_sha256=tool.spec_sha256,
+    )
+
+
+def admission_from_proto(admission: pb.RunAdmission) -> Admission:
+    """A StartRun's RunAdmission (present): the run's effective scopes and selected
+    browser profile, both stated (an empty list or string means none)."""
+    for n, scope in enumerate(admission.scopes):
+        if not scope:
+            raise InvalidFieldError(
+                "admission.scopes must not hold an empty scope", field=f"admission.scopes[{n}]"
+            )
+    return Admission(
+        scopes=tuple(admission.scopes), browser_profile_id=admission.browser_profile_id
+    )
 
 
 def _class_usage(c: ClassUsage) -> pb.ClassUsage:
@@ -304,6 +338,7 @@ def item_from_proto(item: pb.ConversationItem, field: str, new_id: str) -> ci.Co
             call_id=call.call_id,
             tool_name=call.tool_name,
             arguments_json=canonical_json_text(json.dumps(arguments)),
+            task_id=call.task_id,
         )
     if kind == "tool_result":
         result = item.tool_result
@@ -328,11 +363,17 @@ def item_from_proto(item: pb.ConversationItem, field: str, new_id: str) -> ci.Co
             raise InvalidFieldError(f"{path}.provider is required", field=f"{path}.provider")
         if not reasoning.opaque:
             raise InvalidFieldError(f"{path}.opaque is required", field=f"{path}.opaque")
-        return ci.ReasoningItem(
-            item_id=item_id,
-            provider=provider,
-            opaque=base64.b64encode(reasoning.opaque).decode("ascii"),
-        )
+        # The core keeps the provider's JSON text verbatim (items.ReasoningItem.opaque);
+        # the renderers replay it as the JSON object it is, so it must be one.
+        try:
+            opaque = reasoning.opaque.decode("utf-8")
+            parse_json_object(opaque)
+        except (ValueError, RecursionError):
+            raise InvalidFieldError(
+                f"{path}.opaque must be the provider's reasoning item as a JSON object",
+                field=f"{path}.opaque",
+            ) from None
+        return ci.ReasoningItem(item_id=item_id, provider=provider, opaque=opaque)
     raise InvalidFieldError(
         f"{field} has an unknown kind {kind!r}", field=field, reason="UNKNOWN_ITEM_KIND"
     )
@@ -399,11 +440,36 @@ def step_from_proto(step: pb.StepContext) -> StepContext:
                 rank=n,
             )
         )
+    if step.recall_floor_lines < 0:
+        raise InvalidFieldError(
+            "step.recall_floor_lines must not be negative", field="step.recall_floor_lines"
+        )
     return StepContext(
         recall=lines(step.recall, ci.RecallLineItem, "recall"),
         corrections=lines(step.corrections, ci.CorrectionLineItem, "corrections"),
         knowledge=tuple(knowledge),
+        recall_floor_lines=step.recall_floor_lines,
     )
+
+
+def pressure_to_proto(report: PressureReport) -> pb.PressureReport:
+    return pb.PressureReport(
+        fits=report.fits,
+        steps=[
+            pb.YieldStep(step=s.step, tokens_freed=s.tokens_freed, item_ids=s.item_ids)
+            for s in report.steps
+        ],
+        body_tokens_before=report.body_tokens_before,
+        body_tokens_after=report.body_tokens_after,
+        body_budget_tokens=report.body_budget_tokens,
+        legacy_tool_excerpts=report.legacy_tool_excerpts,
+        history_cut_index=report.history_cut_index,
+        history_items_dropped=report.history_items_dropped,
+    )
+
+
+def budget_to_proto(budget: Sequence[ClassUsage]) -> list[pb.ClassUsage]:
+    return [_class_usage(c) for c in budget]
 
 
 def block_to_proto(block: Block) -> pb.ContentBlock:
@@ -437,7 +503,7 @@ def block_to_proto(block: Block) -> pb.ContentBlock:
     elif block.kind == "reasoning":
         out.reasoning.CopyFrom(
             pb.ReasoningItem(
-                provider=_PROVIDER_TO_PROTO[block.provider], opaque=base64.b64decode(block.opaque)
+                provider=_PROVIDER_TO_PROTO[block.provider], opaque=block.opaque.encode("utf-8")
             )
         )
     return out
@@ -471,4 +537,76 @@ def request_to_proto(request: ModelRequest) -> pb.ModelRequest:
         cache_breakpoints=[breakpoint_to_proto(b) for b in request.cache_breakpoints],
         max_output_tokens=request.max_output_tokens,
         session_key=request.session_key,
+    )
+
+
+def block_from_proto(block: pb.ContentBlock) -> Block:
+    """The inverse of block_to_proto (for explain, which reads recorded BuildResponses)."""
+    row, trust = Row(block.row), TrustLevel(block.trust)
+    base = {"item_id": block.item_id, "source_sequence": block.source_sequence}
+    kind = block.WhichOneof("kind")
+    if kind == "tool_call":
+        c = block.tool_call
+        return Block(
+            row,
+            trust,
+            "tool_call",
+            **base,
+            call_id=c.call_id,
+            tool_name=c.tool_name,
+            arguments_json=c.arguments_json,
+        )
+    if kind == "tool_result":
+        r = block.tool_result
+        return Block(
+            row,
+            trust,
+            "tool_result",
+            **base,
+            text=r.content,
+            call_id=r.call_id,
+            tool_name=r.tool_name,
+            is_error=r.is_error,
+            artifact_ref=r.artifact_ref,
+        )
+    if kind == "reasoning":
+        return Block(
+            row,
+            trust,
+            "reasoning",
+            **base,
+            provider=_PROVIDER_FROM_PROTO.get(block.reasoning.provider, ""),
+            opaque=block.reasoning.opaque.decode("utf-8"),
+        )
+    return Block(row, trust, "text", **base, text=block.text)
+
+
+def request_from_proto(request: pb.ModelRequest) -> ModelRequest:
+    """The inverse of request_to_proto (for explain)."""
+    return ModelRequest(
+        provider=_PROVIDER_FROM_PROTO.get(request.provider, ""),
+        model_id=request.model_id,
+        system=tuple(block_from_proto(b) for b in request.system),
+        tools=tuple(
+            ToolDefinition(t.name, t.description, t.input_schema_json) for t in request.tools
+        ),
+        messages=tuple(
+            Message(
+                "assistant" if m.role == "assistant" else "user",
+                tuple(block_from_proto(b) for b in m.blocks),
+            )
+            for m in request.messages
+        ),
+        max_output_tokens=request.max_output_tokens,
+        session_key=request.session_key,
+        cache_breakpoints=tuple(
+            CacheBreakpoint(
+                b.name,
+                through_item=b.through_item,
+                ttl=b.ttl,
+                priority=b.priority,
+                through_input_item=b.through_input_item,
+            )
+            for b in request.cache_breakpoints
+        ),
     )

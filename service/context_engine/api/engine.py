@@ -16,18 +16,34 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import asyncpg
 
+from .. import telemetry
+from ..core import epochs as epoch_rules
 from ..core.assemble import Assembled, BuildInputs, StepContext, assemble
+from ..core.build_record import INPUTS_KEY, inputs_to_record
 from ..core.checkpoint import Checkpoint
 from ..core.enums import PlanReason
-from ..core.errors import ConflictError, InvalidFieldError, PreconditionError
+from ..core.errors import (
+    BudgetExceededError,
+    ConflictError,
+    InvalidFieldError,
+    PreconditionError,
+)
+from ..core.excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
 from ..core.items import ConversationItem, UserMessage
 from ..core.plan import ContextPlan, ModelFacts, make_plan
 from ..core.seeding import carried_history, seed_cut
+from ..core.skills import body_items
+from ..core.snapshot import nonempty as snapshot_nonempty
 from ..core.spec import PlanSpec
 from ..core.validate import validate_append
-from ..store import events, idempotency, plans, runs, sessions
+from ..core.working_state import Writer, render_block
+from ..providers import RenderedPayload, render
+from ..store import events, idempotency, plans, runs, sessions, snapshots
+from ..store import skills as skill_store
 from ..store.db import acquire, transaction
 from ..store.events import EVENT_TYPE_OF_ITEM, NewEvent, item_payload
+from . import usage as usage_api
+from . import working_state as ws_api
 
 __all__ = ["BuildResult", "ChildSeed", "Engine", "RunStarted"]
 
@@ -48,6 +64,7 @@ class RunStarted:
     seed_event_sequence: int | None
     epoch: int
     checkpoint_version: int
+    rotated_epoch: int | None = None  # set when admission rotated the plan for this run
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -57,6 +74,7 @@ class RunStarted:
             "seed_event_sequence": self.seed_event_sequence,
             "epoch": self.epoch,
             "checkpoint_version": self.checkpoint_version,
+            "rotated_epoch": self.rotated_epoch,
         }
 
     @classmethod
@@ -68,6 +86,7 @@ class RunStarted:
             seed_event_sequence=d["seed_event_sequence"],
             epoch=d["epoch"],
             checkpoint_version=d["checkpoint_version"],
+            rotated_epoch=d.get("rotated_epoch"),
         )
 
 
@@ -77,6 +96,7 @@ class BuildResult:
     plan: ContextPlan
     checkpoint_version: int
     request_sequence: int
+    rendered: RenderedPayload | None = None  # provider payload; None without a request
 
 
 class Engine:
@@ -90,8 +110,13 @@ class Engine:
         clock: Callable[[], datetime],
         new_id: Callable[[], str],
         new_secret: Callable[[], bytes],
+        tokenizer_of: Callable[[str], str] | None = None,
+        inline_maximum_bytes: int = DEFAULT_INLINE_MAXIMUM_BYTES,
     ) -> None:
         self.pool = pool
+        # Which tokenizer counts for a model: a correction learned for another resets.
+        self._tokenizer_of = tokenizer_of or (lambda model_id: "heuristic")
+        self._inline_maximum_bytes = inline_maximum_bytes
         self._model_facts = model_facts
         self._token_counter = token_counter
         self.default_policy = default_policy
@@ -106,6 +131,14 @@ class Engine:
 
     def now(self) -> datetime:
         return self._clock()
+
+    def count_tokens_for(self, model_id: str) -> TokenCounter:
+        """The model's token counter (working-state and compaction measurements)."""
+        return self._token_counter(model_id)
+
+    def tokenizer_of(self, model_id: str) -> str:
+        """The tokenizer counting for the model (estimator corrections are per tokenizer)."""
+        return self._tokenizer_of(model_id)
 
     # --- plans ------------------------------------------------------------------------
 
@@ -135,6 +168,19 @@ class Engine:
             epoch = await sessions.lock_session(conn, tenant, session_id)
             if epoch > 0:
                 current = await plans.read_plan(conn, tenant, session_id)
+                if current.plan.invalidated:
+                    # An erasure redacted this snapshot: the next plan recalls again, from
+                    # the spec the worker sends now.
+                    rotated = await self._rotate_locked(
+                        conn,
+                        tenant,
+                        session_id,
+                        current,
+                        PlanReason.SNAPSHOT_INVALIDATED,
+                        spec,
+                        "plan after erasure",
+                    )
+                    return rotated.plan, False, True
                 return current.plan, False, current.plan.spec_sha256 == candidate.spec_sha256
             await plans.insert_plan(conn, tenant, session_id, candidate, spec, secret)
             await plans.set_current_epoch(conn, tenant, session_id, 1)
@@ -143,12 +189,17 @@ class Engine:
             )
         return candidate, True, True
 
+    def forget_cached_plans(self, tenant: str, session_id: UUID) -> None:
+        """Drop this replica's cached plans of a session (an erasure rewrote them)."""
+        for key in [k for k in self._plans if k[:2] == (tenant, session_id)]:
+            del self._plans[key]
+
     async def get_plan(self, tenant: str, session_id: UUID, epoch: int = 0) -> plans.StoredPlan:
         if epoch:
             cached = self._plans.get((tenant, session_id, epoch))
             if cached is not None:
                 return cached
-        async with acquire(self.pool) as conn:
+        async with telemetry.span("store.read_plan"), acquire(self.pool) as conn:
             stored = await plans.read_plan(conn, tenant, session_id, epoch)
         self._plans[(tenant, session_id, stored.plan.epoch)] = stored
         return stored
@@ -178,20 +229,105 @@ class Engine:
                     metadata={"current_epoch": str(epoch)},
                 )
             current = await plans.read_plan(conn, tenant, session_id)
-            new_spec = spec or current.spec
-            secret = self._new_secret()
-            plan = self._make_plan(new_spec, session_id, epoch + 1, reason, secret)
-            await plans.insert_plan(conn, tenant, session_id, plan, new_spec, secret)
-            await plans.set_current_epoch(conn, tenant, session_id, plan.epoch)
-            extra = {
-                "from_epoch": epoch,
-                "from_prefix_sha256": current.plan.prefix_sha256,
-                "detail": detail,
-            }
-            await events.append_events(
-                conn, tenant, session_id, [_plan_event("context.epoch.rotated", plan, extra)]
+            rotated = await self._rotate_locked(
+                conn, tenant, session_id, current, reason, spec, detail
             )
-        return plan
+        return rotated.plan
+
+    async def _rotate_locked(
+        self,
+        conn: Any,
+        tenant: str,
+        session_id: UUID,
+        current: plans.StoredPlan,
+        reason: PlanReason,
+        spec: PlanSpec | None,
+        detail: str,
+    ) -> plans.StoredPlan:
+        """Start the epoch after `current` inside the caller's transaction (session locked).
+
+        Rebuilds from `spec` (or the pinned spec), except prefix_hash_canonicalized, which
+        copies the plan with canonical hashes under the same secret (core/epochs.py).
+        """
+        epoch = current.plan.epoch + 1
+        if reason is PlanReason.PREFIX_HASH_CANONICALIZED:
+            if spec is not None:
+                raise InvalidFieldError(
+                    "prefix_hash_canonicalized copies the pinned plan; it takes no spec",
+                    field="spec",
+                )
+            plan = epoch_rules.canonicalized_copy(current.plan, epoch=epoch)
+            new_spec, secret = current.spec, current.secret
+        else:
+            new_spec, secret = spec or current.spec, self._new_secret()
+            plan = self._make_plan(new_spec, session_id, epoch, reason, secret)
+        await plans.insert_plan(conn, tenant, session_id, plan, new_spec, secret)
+        await plans.set_current_epoch(conn, tenant, session_id, plan.epoch)
+        extra = {
+            "from_epoch": current.plan.epoch,
+            "from_prefix_sha256": current.plan.prefix_sha256,
+            "detail": detail,
+        }
+        await events.append_events(
+            conn, tenant, session_id, [_plan_event("context.epoch.rotated", plan, extra)]
+        )
+        return plans.StoredPlan(plan=plan, spec=new_spec, secret=secret)
+
+    def _builder_reproduces(self, session_id: UUID, stored: plans.StoredPlan) -> bool:
+        """Whether the current builder renders the stored plan's bytes from its spec and
+        secret (a plan it reproduces stays current across a builder upgrade)."""
+        plan = stored.plan
+        try:
+            again = self._make_plan(stored.spec, session_id, plan.epoch, plan.reason, stored.secret)
+        except (InvalidFieldError, PreconditionError):
+            return False
+        return epoch_rules.rendered_identity(again) == epoch_rules.rendered_identity(plan)
+
+    async def _admit(
+        self,
+        conn: Any,
+        tenant: str,
+        session_id: UUID,
+        admission: epoch_rules.Admission | None,
+    ) -> plans.StoredPlan | None:
+        """A new run's admission, before it pins its tools: rotate once when the rules of
+        core/epochs.py say so. -> the rotated plan, or None when the plan stays."""
+        current = await plans.read_plan(conn, tenant, session_id)
+        decision = epoch_rules.admit_run(
+            current.plan,
+            current.spec,
+            admission,
+            builder_reproduces=lambda: self._builder_reproduces(session_id, current),
+        )
+        if decision.reason is None:
+            return None
+        return await self._rotate_locked(
+            conn,
+            tenant,
+            session_id,
+            current,
+            decision.reason,
+            decision.spec,
+            f"run admission: {decision.detail}",
+        )
+
+    async def _rotate_invalidated(self, tenant: str, session_id: UUID) -> plans.StoredPlan:
+        """Build found the current plan's snapshot invalidated by an erasure: rotate with
+        snapshot_invalidated (once, whoever gets the lock first) and build on the new plan."""
+        async with transaction(self.pool) as conn:
+            await sessions.lock_session(conn, tenant, session_id)
+            current = await plans.read_plan(conn, tenant, session_id)
+            if not current.plan.invalidated:
+                return current
+            return await self._rotate_locked(
+                conn,
+                tenant,
+                session_id,
+                current,
+                PlanReason.SNAPSHOT_INVALIDATED,
+                None,
+                "build after erasure",
+            )
 
     # --- runs -------------------------------------------------------------------------
 
@@ -203,6 +339,7 @@ class Engine:
         seed: UserMessage | ChildSeed,
         idempotency_key: str,
         request_sha256: str,
+        admission: epoch_rules.Admission | None = None,
     ) -> RunStarted:
         async with transaction(self.pool) as conn:
             epoch = await sessions.lock_session(conn, tenant, session_id)
@@ -217,6 +354,10 @@ class Engine:
                     field="session_id",
                     reason="PLAN_NOT_FOUND",
                 )
+            # Admission precedes the seed: the run pins the epoch it starts on.
+            rotated = await self._admit(conn, tenant, session_id, admission)
+            if rotated is not None:
+                epoch = rotated.plan.epoch
             if isinstance(seed, UserMessage):
                 # The seeding event and the run row share this transaction, so the run's
                 # seed_event_sequence can never point at an event that did not land.
@@ -247,11 +388,29 @@ class Engine:
                     ],
                 )
             await runs.insert_run(conn, tenant, run)
+            # Working state is folded from the log below the seed (a child's starts empty).
+            state = await ws_api.seed_state(conn, tenant, session_id, run.seed_event_sequence)
+            # The first checkpoint pins the model's current estimator correction.
+            factor = await usage_api.session_factor(conn, tenant, session_id, self.tokenizer_of)
             await runs.insert_checkpoint(
-                conn, tenant, Checkpoint(run_id=str(run_id), version=1, items=(first,))
+                conn,
+                tenant,
+                Checkpoint(
+                    run_id=str(run_id),
+                    version=1,
+                    items=(first,),
+                    working_state=state,
+                    estimator_factor_ppm=factor,
+                ),
             )
             result = RunStarted(
-                run_id, session_id, run.parent_run_id, run.seed_event_sequence, epoch, 1
+                run_id,
+                session_id,
+                run.parent_run_id,
+                run.seed_event_sequence,
+                epoch,
+                1,
+                rotated.plan.epoch if rotated is not None else None,
             )
             await idempotency.remember_response(
                 conn,
@@ -292,6 +451,7 @@ class Engine:
                     metadata={"latest_version": str(checkpoint.version)},
                 )
             validate_append(checkpoint.items, new_items)
+            runtime = ws_api.runtime_transition(checkpoint, new_items)
             in_history = run.parent_run_id is None
             loggable = [i for i in new_items if i.kind in EVENT_TYPE_OF_ITEM]
             sequences = await events.append_events(
@@ -305,9 +465,30 @@ class Engine:
                 replace_item(i, sequence=by_id.get(i.item_id, 0), run_id=str(run_id))
                 for i in new_items
             )
+            # A new checkpoint pins the model's current correction: rebuilding it later cuts
+            # the same, whatever usage is reported meanwhile.
+            factor = await usage_api.session_factor(conn, tenant, session_id, self.tokenizer_of)
             new_checkpoint = checkpoint.model_copy(
-                update={"version": checkpoint.version + 1, "items": checkpoint.items + placed}
+                update={
+                    "version": checkpoint.version + 1,
+                    "items": checkpoint.items + placed,
+                    "estimator_factor_ppm": factor,
+                }
             )
+            if runtime is not None:  # task states on tool outcomes; ask_user questions
+                transition, _ = await ws_api.record_transition(
+                    conn,
+                    tenant,
+                    session_id,
+                    run_id,
+                    checkpoint.working_state,
+                    runtime,
+                    writer=Writer.RUNTIME,
+                    checkpoint_version=new_checkpoint.version,
+                )
+                new_checkpoint = new_checkpoint.model_copy(
+                    update={"working_state": transition.state}
+                )
             await runs.insert_checkpoint(conn, tenant, new_checkpoint)
             result = {
                 "checkpoint_version": new_checkpoint.version,
@@ -329,9 +510,22 @@ class Engine:
         checkpoint_version: int,
         now: datetime | None,
         step: StepContext,
+        *,
+        epoch: int = 0,
+        record: bool = True,
+        skills_loaded: int | None = None,
     ) -> BuildResult:
-        stored = await self.get_plan(tenant, session_id)
-        async with acquire(self.pool) as conn:
+        """Assemble, render and record the run's next request.
+
+        `epoch` 0 builds against the current plan; GetBuild passes the recorded epoch and
+        `record=False` to rebuild a recorded request without recording it again, and
+        `skills_loaded` (recorded) so skills loaded later do not enter the rebuild.
+        """
+        stored = await self.get_plan(tenant, session_id, epoch)
+        if record and stored.plan.invalidated:
+            stored = await self._rotate_invalidated(tenant, session_id)
+        telemetry.annotate(epoch=stored.plan.epoch, prefix_sha256=stored.plan.prefix_sha256)
+        async with telemetry.span("store.read"), acquire(self.pool) as conn:
             run = await runs.read_run(conn, tenant, session_id, run_id)
             checkpoint = await runs.read_checkpoint(conn, tenant, run_id, checkpoint_version)
             logged = await events.read_carried_items(
@@ -341,19 +535,35 @@ class Engine:
                 below_sequence=seed_cut(run.seed_event_sequence),
                 above_sequence=checkpoint.replaced_through_sequence,
             )
+            loaded = await skill_store.read_loaded(conn, tenant, session_id)
+        if skills_loaded is not None:
+            loaded = loaded[:skills_loaded]  # sticky and append-only: a prefix is the past
         plan = stored.plan
-        clock = (now or self._clock()).astimezone(_zone(plan.time_zone))
-        assembled = assemble(
-            BuildInputs(
-                tenant_id=tenant,
-                plan=plan,
+        instant = now or self._clock()
+        clock = instant.astimezone(_zone(plan.time_zone))
+        inputs = BuildInputs(
+            tenant_id=tenant,
+            plan=plan,
+            secret=stored.secret,
+            checkpoint=checkpoint,
+            carried=carried_history(logged),
+            now=clock,
+            step=step,
+            skill_bodies=body_items(loaded),
+            working_state=render_block(
+                checkpoint.working_state,
                 secret=stored.secret,
-                checkpoint=checkpoint,
-                carried=carried_history(logged),
-                now=clock,
-                step=step,
-            )
+                count_tokens=self.count_tokens_for(plan.model_id),
+            ),
+            count_tokens=self.count_tokens_for(plan.model_id),
+            inline_maximum_bytes=self._inline_maximum_bytes,
         )
+        try:
+            assembled = telemetry.traced("assemble", assemble)(inputs)
+        except BudgetExceededError as exc:
+            if record:
+                await self._record_budget_exceeded(tenant, session_id, run_id, plan, exc, inputs)
+            raise
         payload = {
             "run_id": str(run_id),
             "epoch": plan.epoch,
@@ -361,16 +571,122 @@ class Engine:
             "prefix_tokens": plan.prefix_tokens,
             "request_sha256": assembled.request_sha256,
             "checkpoint_version": checkpoint.version,
+            # The estimate ReportUsage reconciles against, and what it was made with.
+            "model_id": plan.model_id,
+            "estimated_input_tokens": assembled.estimated_input_tokens,
+            "body_estimated_tokens": assembled.body_estimated_tokens,
+            "input_budget_tokens": assembled.input_budget_tokens,
+            "estimator_factor_ppm": assembled.estimator_factor_ppm,
+            INPUTS_KEY: inputs_to_record(instant, step),
+            "skills_loaded": len(loaded),
+        }
+        # Rendered before anything is recorded: a request no provider can take writes nothing.
+        rendered = (
+            telemetry.traced("render", render)(assembled.request)
+            if assembled.request is not None
+            else None
+        )
+        if not record:
+            return BuildResult(assembled, plan, checkpoint.version, 0, rendered)
+        pressure = assembled.pressure
+        noted = (
+            [_pressure_event(run_id, plan, checkpoint.version, assembled)]
+            if pressure is not None and pressure.yielded
+            else []
+        )
+        async with telemetry.span("store.write"), transaction(self.pool) as conn:
+            await sessions.lock_session(conn, tenant, session_id)
+            # context.budget.pressure precedes the request it shaped; with no request (the
+            # body needs compaction) it is the only record of this Build.
+            if noted:
+                await events.append_events(conn, tenant, session_id, noted)
+            seq = 0
+            if assembled.request is not None:
+                seq = await self._record_request(conn, tenant, session_id, run_id, plan, payload)
+        return BuildResult(assembled, plan, checkpoint.version, seq, rendered)
+
+    async def _record_budget_exceeded(
+        self,
+        tenant: str,
+        session_id: UUID,
+        run_id: UUID,
+        plan: ContextPlan,
+        exc: BudgetExceededError,
+        inputs: BuildInputs,
+    ) -> None:
+        """context.budget.exceeded: the never-yield set alone did not fit the body."""
+        payload = {
+            "run_id": str(run_id),
+            "epoch": plan.epoch,
+            "checkpoint_version": inputs.checkpoint.version,
+            "estimator_factor_ppm": inputs.estimator_factor_ppm,
+            **exc.metadata,
         }
         async with transaction(self.pool) as conn:
             await sessions.lock_session(conn, tenant, session_id)
-            (seq,) = await events.append_events(
+            await events.append_events(
                 conn,
                 tenant,
                 session_id,
-                [NewEvent("model.request.started", payload, run_id=run_id)],
+                [NewEvent("context.budget.exceeded", payload, run_id=run_id)],
             )
-        return BuildResult(assembled, plan, checkpoint.version, seq)
+
+    async def _record_request(
+        self,
+        conn: Any,
+        tenant: str,
+        session_id: UUID,
+        run_id: UUID,
+        plan: ContextPlan,
+        payload: dict[str, Any],
+    ) -> int:
+        """Record model.request.started, first binding the run to the plan's nonempty
+        snapshot (context.snapshot.used) if this is its first request on this epoch.
+
+        Under the session lock this is the erasure fence: an erasure either ran first (the
+        plan is invalidated and nothing is recorded) or finds this binding.
+
+        Raises:
+            ConflictError: EPOCH_CONFLICT when an erasure invalidated the plan meanwhile.
+        """
+        if await snapshots.plan_invalidated(conn, tenant, session_id, plan.epoch):
+            raise ConflictError(
+                "an erasure invalidated this plan's snapshot while the request was built;"
+                " build again",
+                field="session_id",
+                reason="EPOCH_CONFLICT",
+            )
+        bind = snapshot_nonempty(plan) and not await snapshots.is_bound(
+            conn, tenant, run_id, plan.epoch
+        )
+        used = {
+            "run_id": str(run_id),
+            "epoch": plan.epoch,
+            "snapshot_id": plan.snapshot_id,
+            "recall_trace_id": plan.recall_trace_id,
+            "snapshot_watermark": plan.snapshot_watermark,
+        }
+        new_events = [NewEvent("context.snapshot.used", used, run_id=run_id)] if bind else []
+        new_events.append(NewEvent("model.request.started", payload, run_id=run_id))
+        sequences = await events.append_events(conn, tenant, session_id, new_events)
+        if bind:
+            await snapshots.bind_run(conn, tenant, session_id, run_id, plan, sequences[0])
+        return sequences[-1]
+
+
+def _pressure_event(
+    run_id: UUID, plan: ContextPlan, checkpoint_version: int, assembled: Assembled
+) -> NewEvent:
+    assert assembled.pressure is not None
+    payload = {
+        "run_id": str(run_id),
+        "epoch": plan.epoch,
+        "checkpoint_version": checkpoint_version,
+        "needs_compaction": assembled.needs_compaction,
+        "estimator_factor_ppm": assembled.estimator_factor_ppm,
+        **assembled.pressure.to_json(),
+    }
+    return NewEvent("context.budget.pressure", payload, run_id=run_id)
 
 
 def replace_item(item: ConversationItem, **changes: Any) -> Any:
@@ -400,6 +716,11 @@ def _plan_event(kind: str, plan: ContextPlan, extra: dict[str, Any]) -> NewEvent
             "tool_names": list(plan.tool_names),
             "deferred_tool_names": list(plan.deferred_tool_names),
             "skipped_tool_names": list(plan.skipped_tool_names),
+            "skipped_skill_names": list(plan.skipped_skill_names),
+            "skipped_memory_ids": list(plan.skipped_memory_ids),
+            "authority_scope_hashes": list(plan.authority_scope_hashes or ()),
+            "snapshot_id": plan.snapshot_id,
+            "recall_trace_id": plan.recall_trace_id,
             **extra,
         },
     )

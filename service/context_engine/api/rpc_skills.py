@@ -1,9 +1,69 @@
-"""gRPC methods for skills; composed into ContextEngineServicer."""
+"""gRPC methods for skills and erasure; composed into ContextEngineServicer."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import grpc
+
+from .._gen.context_engine.v1 import context_engine_pb2 as pb
+from ..core.errors import InvalidFieldError
+from ..core.trust import TrustLevel
+from . import convert
+from . import skills as skills_api
+from .errors import grpc_errors
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 __all__ = ["SkillsRpcs"]
 
 
+def _tenant(value: str) -> str:
+    if not value:
+        raise InvalidFieldError("tenant_id is required", field="tenant_id")
+    if len(value) > 200:
+        raise InvalidFieldError("tenant_id is longer than 200 characters", field="tenant_id")
+    return value
+
+
 class SkillsRpcs:
-    """Methods not defined here answer UNIMPLEMENTED (the generated base)."""
+    """Expects `engine` from ContextEngineServicer."""
+
+    engine: Engine
+
+    @grpc_errors
+    async def LoadSkill(
+        self, request: pb.LoadSkillRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadSkillResponse:
+        tenant = _tenant(request.tenant_id)
+        session_id = convert.require_uuid(request.session_id, "session_id")
+        if not request.name:
+            raise InvalidFieldError("name is required", field="name")
+        if not request.body:
+            raise InvalidFieldError("body is required", field="body")
+        trust: TrustLevel | None = None
+        if request.trust:
+            try:
+                trust = TrustLevel(request.trust)
+            except ValueError:
+                raise InvalidFieldError("trust is not a TrustLevel", field="trust") from None
+        run_id = convert.parse_uuid(request.run_id, "run_id", required=False)
+        loaded, newly = await skills_api.load_skill(
+            self.engine, tenant, session_id, request.name, request.body, trust, run_id
+        )
+        return pb.LoadSkillResponse(loaded=loaded, newly_loaded=newly)
+
+    @grpc_errors
+    async def EraseSubject(
+        self, request: pb.EraseSubjectRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EraseSubjectResponse:
+        tenant = _tenant(request.tenant_id)
+        if not request.person_id:
+            raise InvalidFieldError("person_id is required", field="person_id")
+        erasure = await skills_api.erase_subject(self.engine, tenant, request.person_id)
+        return pb.EraseSubjectResponse(
+            invalidated_session_ids=[str(s) for s in erasure.invalidated_session_ids],
+            bound_run_ids=[str(r) for r in erasure.bound_run_ids],
+            redacted_items=erasure.redacted_items,
+        )

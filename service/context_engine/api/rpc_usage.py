@@ -2,8 +2,85 @@
 
 from __future__ import annotations
 
+import hashlib
+from typing import TYPE_CHECKING
+
+import grpc
+
+from .._gen.context_engine.v1 import context_engine_pb2 as pb
+from ..core.errors import InvalidFieldError
+from . import convert
+from . import usage as usage_api
+from .errors import grpc_errors
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
 __all__ = ["UsageRpcs"]
+
+_COUNTS = (
+    "input_tokens",
+    "cache_read_input_tokens",
+    "cache_creation_input_tokens",
+    "output_tokens",
+)
 
 
 class UsageRpcs:
-    """Methods not defined here answer UNIMPLEMENTED (the generated base)."""
+    """Expects `engine` from ContextEngineServicer."""
+
+    engine: Engine
+
+    @grpc_errors
+    async def ReportUsage(
+        self, request: pb.ReportUsageRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportUsageResponse:
+        report = _report_from_proto(request)
+        session_id = convert.require_uuid(request.session_id, "session_id")
+        outcome = await usage_api.report_usage(
+            self.engine.pool,
+            request.tenant_id,
+            session_id,
+            report,
+            self.engine.tokenizer_of,
+        )
+        return pb.ReportUsageResponse(
+            factor_ppm=outcome.factor_ppm,
+            samples=outcome.samples,
+            signed_error_ppm=outcome.signed_error_ppm,
+            cached_prefix_ppm=outcome.cached_prefix_ppm,
+        )
+
+
+def _report_from_proto(request: pb.ReportUsageRequest) -> usage_api.UsageReport:
+    """Validate before anything is read or written."""
+    if not request.tenant_id:
+        raise InvalidFieldError("tenant_id is required", field="tenant_id")
+    if len(request.tenant_id) > 200:
+        raise InvalidFieldError("tenant_id is longer than 200 characters", field="tenant_id")
+    if request.request_sequence < 1:
+        raise InvalidFieldError(
+            "request_sequence must be a BuildResponse.request_sequence (>= 1)",
+            field="request_sequence",
+        )
+    if not request.model_id:
+        raise InvalidFieldError("model_id is required", field="model_id")
+    for name in _COUNTS:
+        if getattr(request, name) < 0:
+            raise InvalidFieldError(f"{name} must not be negative", field=name)
+    report = usage_api.UsageReport(
+        request_sequence=request.request_sequence,
+        model_id=request.model_id,
+        input_tokens=request.input_tokens,
+        cache_read_input_tokens=request.cache_read_input_tokens,
+        cache_creation_input_tokens=request.cache_creation_input_tokens,
+        output_tokens=request.output_tokens,
+        idempotency_key=request.idempotency_key,
+        request_sha256=hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest(),
+    )
+    if report.actual_input_tokens == 0:
+        raise InvalidFieldError(
+            "the report reads no input tokens (input, cache read and cache creation are 0)",
+            field="input_tokens",
+        )
+    return report

@@ -1,9 +1,227 @@
-"""gRPC methods for working state; composed into ContextEngineServicer."""
+"""gRPC methods for working state; composed into ContextEngineServicer.
+
+UpdateWorkingState (the context.update_working_state control tool), ListControlTools and
+OfferFactCandidates, with the proto <-> core conversion for their messages, validating
+first: a malformed request names its field and writes nothing.
+"""
 
 from __future__ import annotations
 
-__all__ = ["WorkingStateRpcs"]
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from .._gen.context_engine.v1 import context_engine_pb2 as pb
+from ..core.canonical import canonical_json_text
+from ..core.errors import InvalidFieldError
+from ..core.spec import ToolSpec
+from ..core.trust import TrustLevel
+from ..core.working_state import (
+    UPDATE_TOOL,
+    Entry,
+    Fact,
+    NewFact,
+    TaskStatus,
+    TaskUpsert,
+    WorkingState,
+    WorkingStateUpdate,
+    Writer,
+)
+from . import convert
+from . import working_state as ws_api
+from .errors import grpc_errors
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = [
+    "CONTROL_TOOLS",
+    "WorkingStateRpcs",
+    "request_sha256",
+    "state_to_proto",
+    "tenant_of",
+    "tool_spec_to_proto",
+    "update_from_proto",
+]
+
+# The engine's control tools, advertised through ListControlTools.
+CONTROL_TOOLS: tuple[ToolSpec, ...] = (UPDATE_TOOL,)
+
+
+def tenant_of(request: object) -> str:
+    tenant = str(getattr(request, "tenant_id", ""))
+    if not tenant:
+        raise InvalidFieldError("tenant_id is required", field="tenant_id")
+    if len(tenant) > 200:
+        raise InvalidFieldError("tenant_id is longer than 200 characters", field="tenant_id")
+    return tenant
+
+
+def request_sha256(request: Any) -> str:
+    return hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
+
+
+def _enum(cls: Any, value: int, field: str) -> Any:
+    try:
+        return cls(value)
+    except ValueError:
+        raise InvalidFieldError(
+            f"{field} must be a {cls.__name__} other than UNSPECIFIED", field=field
+        ) from None
+
+
+def update_from_proto(update: pb.WorkingStateUpdate, field: str = "update") -> WorkingStateUpdate:
+    """Raises InvalidFieldError naming the field (`update.upsert_tasks[1].status`, ...)."""
+    tasks = [
+        TaskUpsert(
+            task_id=t.task_id,
+            title=t.title,
+            status=_enum(TaskStatus, t.status, f"{field}.upsert_tasks[{n}].status")
+            if t.status
+            else None,
+        )
+        for n, t in enumerate(update.upsert_tasks)
+    ]
+    facts = []
+    for n, f in enumerate(update.add_facts):
+        path = f"{field}.add_facts[{n}]"
+        facts.append(
+            NewFact(
+                statement=f.statement,
+                source_event_ids=tuple(f.source_event_ids),
+                # An unspecified claim claims nothing: the evidence alone decides.
+                trust=_enum(TrustLevel, f.trust, f"{path}.trust")
+                if f.trust
+                else TrustLevel.PLATFORM,
+            )
+        )
+    return WorkingStateUpdate(
+        objective=update.objective if update.HasField("objective") else None,
+        remove_constraints=tuple(update.remove_constraints),
+        add_constraints=tuple(update.add_constraints),
+        upsert_tasks=tuple(tasks),
+        add_facts=tuple(facts),
+        add_questions=tuple(update.add_questions),
+        resolve_questions=tuple(update.resolve_questions),
+        next_action=update.next_action if update.HasField("next_action") else None,
+    )
+
+
+def _entry(entry: Entry) -> pb.WorkingStateEntry:
+    return pb.WorkingStateEntry(
+        text=entry.text,
+        writer=int(entry.writer),
+        source_sequence=entry.source_sequence,
+        trust=int(entry.trust),
+    )
+
+
+def _fact(fact: Fact) -> pb.Fact:
+    return pb.Fact(
+        statement=fact.statement,
+        source_event_ids=list(fact.source_event_ids),
+        trust=int(fact.trust),
+    )
+
+
+def state_to_proto(state: WorkingState) -> pb.WorkingState:
+    out = pb.WorkingState(
+        constraints=[_entry(c) for c in state.constraints],
+        tasks=[
+            pb.TaskState(task_id=t.task_id, title=t.title, status=int(t.status))
+            for t in state.tasks
+        ],
+        facts=[_fact(f) for f in state.facts],
+        open_questions=[_entry(q) for q in state.open_questions],
+        next_action=state.next_action.text if state.next_action else "",
+    )
+    if state.objective is not None:
+        out.objective.CopyFrom(_entry(state.objective))
+    return out
+
+
+def tool_spec_to_proto(tool: ToolSpec) -> pb.ToolSpec:
+    return pb.ToolSpec(
+        name=tool.name,
+        description=tool.description,
+        input_schema_json=canonical_json_text(json.dumps(tool.input_schema)),
+        output_schema_json=canonical_json_text(json.dumps(tool.output_schema))
+        if tool.output_schema is not None
+        else "",
+        side_effect=int(tool.side_effect),
+        required_scopes=list(tool.required_scopes),
+        server=tool.server,
+        model_visible=tool.model_visible,
+        builtin=tool.builtin,
+        session_binding=tool.session_binding,
+        policy_json=canonical_json_text(json.dumps(tool.policy)),
+    )
+
+
+def _candidate(candidate: Mapping[str, Any]) -> pb.FactCandidate:
+    fact = Fact.model_validate(candidate["fact"])
+    return pb.FactCandidate(
+        fact=_fact(fact), authority=candidate["authority"], run_id=candidate["run_id"]
+    )
 
 
 class WorkingStateRpcs:
-    """Methods not defined here answer UNIMPLEMENTED (the generated base)."""
+    """Expects `engine` from ContextEngineServicer."""
+
+    engine: Engine
+
+    @grpc_errors
+    async def UpdateWorkingState(
+        self, request: pb.UpdateWorkingStateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UpdateWorkingStateResponse:
+        tenant = tenant_of(request)
+        session_id = convert.require_uuid(request.session_id, "session_id")
+        run_id = convert.require_uuid(request.run_id, "run_id")
+        if request.expected_checkpoint_version < 1:
+            raise InvalidFieldError(
+                "expected_checkpoint_version must be the latest version (>= 1)",
+                field="expected_checkpoint_version",
+            )
+        writer = _enum(Writer, request.writer, "writer")
+        if not request.HasField("update"):
+            raise InvalidFieldError("update is required", field="update")
+        update = update_from_proto(request.update)
+        if not update.touched():
+            raise InvalidFieldError("update changes nothing", field="update")
+        result = await ws_api.update_working_state(
+            self.engine,
+            tenant,
+            session_id,
+            run_id,
+            request.expected_checkpoint_version,
+            writer,
+            update,
+            request.idempotency_key,
+            request_sha256(request),
+        )
+        return pb.UpdateWorkingStateResponse(
+            checkpoint_version=result["checkpoint_version"],
+            event_sequence=result["event_sequence"],
+            state=state_to_proto(WorkingState.model_validate(result["state"])),
+        )
+
+    @grpc_errors
+    async def ListControlTools(
+        self, request: pb.ListControlToolsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListControlToolsResponse:
+        return pb.ListControlToolsResponse(tools=[tool_spec_to_proto(t) for t in CONTROL_TOOLS])
+
+    @grpc_errors
+    async def OfferFactCandidates(
+        self, request: pb.OfferFactCandidatesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.OfferFactCandidatesResponse:
+        tenant = tenant_of(request)
+        session_id = convert.require_uuid(request.session_id, "session_id")
+        result = await ws_api.offer_fact_candidates(self.engine, tenant, session_id)
+        return pb.OfferFactCandidatesResponse(
+            candidates=[_candidate(c) for c in result["candidates"]],
+            event_sequence=result["event_sequence"],
+        )

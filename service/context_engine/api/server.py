@@ -2,11 +2,17 @@
 
 SIGTERM flips health to NOT_SERVING first (so load balancers stop sending), then gives
 in-flight RPCs the grace period to finish.
+
+Health: the overall status ("") is liveness: SERVING while the process serves. The
+ContextEngine service's status is readiness: it follows a `SELECT 1` against PostgreSQL
+every readiness interval, so a replica that cannot reach the database stops taking
+traffic without being restarted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -14,6 +20,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -28,26 +35,57 @@ from ..core.framing import DEFAULT_POLICY_TEXT, DEFAULT_POLICY_VERSION
 from ..core.spec import PlatformPolicySpec
 from ..models import ModelCatalog
 from ..store import apply_migrations, connect_pool
+from ..store.db import StoreUnavailableError
+from ..store.migrate import pending_migrations
+from ..telemetry import Telemetry
 from .engine import Engine
+from .interceptors import (
+    UNAUTHENTICATED_SERVICES,
+    AuthInterceptor,
+    BearerTokens,
+    ClientCertificates,
+    RpcObserver,
+    SizeLimitInterceptor,
+)
 from .servicer import ContextEngineServicer
 
-__all__ = ["RunningServer", "build_engine", "build_server", "serve"]
+__all__ = [
+    "RunningServer",
+    "StartupError",
+    "build_engine",
+    "build_server",
+    "serve",
+    "server_options",
+]
 
 _log = logging.getLogger("context_engine.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ContextEngine"].full_name
 
 
-def build_engine(pool: asyncpg.Pool, catalog: ModelCatalog | None = None) -> Engine:
-    catalog = catalog or ModelCatalog.builtin()
+def build_engine(
+    pool: asyncpg.Pool,
+    catalog: ModelCatalog | None = None,
+    settings: Settings | None = None,
+) -> Engine:
+    """The engine over `pool`; the catalog and output limits come from `settings` (the
+    operator's model registry file and tiktoken directory) unless a catalog is given."""
+    settings = settings or Settings()
+    catalog = catalog or ModelCatalog.load(settings.models_file, settings.tiktoken_dir)
     return Engine(
         pool,
         model_facts=catalog.facts,
         token_counter=catalog.counter,
+        tokenizer_of=catalog.tokenizer,
+        inline_maximum_bytes=settings.inline_maximum_bytes,
         default_policy=PlatformPolicySpec(version=DEFAULT_POLICY_VERSION, text=DEFAULT_POLICY_TEXT),
         clock=lambda: datetime.now(UTC),
         new_id=lambda: str(uuid.uuid4()),
         new_secret=lambda: os.urandom(32),
     )
+
+
+class StartupError(Exception):
+    """The server cannot start (database unreachable, schema behind); the message says why."""
 
 
 @dataclass
@@ -56,10 +94,42 @@ class RunningServer:
     port: int
     health: Any
     engine: Engine
+    telemetry: Telemetry | None = None
+    readiness: asyncio.Task[None] | None = None
 
     async def stop(self, grace: float) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.readiness is not None:
+            self.readiness.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.readiness
+
+
+async def _database_reachable(pool: asyncpg.Pool, timeout: float) -> bool:
+    try:
+        async with asyncio.timeout(timeout), pool.acquire() as conn:
+            await conn.fetchval("SELECT 1")
+    except Exception:  # any failure means "not ready"; the reason is logged by type only
+        return False
+    return True
+
+
+async def _follow_readiness(
+    pool: asyncpg.Pool, health_servicer: Any, tel: Telemetry, interval: float, timeout: float
+) -> None:
+    """Keep the service's health status equal to PostgreSQL reachability."""
+    ready = True
+    while True:
+        await asyncio.sleep(interval)
+        now_ready = await _database_reachable(pool, timeout)
+        tel.set_gauge("context_engine.store.ready", 1.0 if now_ready else 0.0)
+        if now_ready != ready:
+            ready = now_ready
+            _log.warning("readiness: PostgreSQL %s", "reachable" if ready else "unreachable")
+            serving = health_pb2.HealthCheckResponse
+            status = serving.SERVING if ready else serving.NOT_SERVING
+            await health_servicer.set(SERVICE_NAME, status)
 
 
 async def build_server(
@@ -68,13 +138,40 @@ async def build_server(
     *,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     max_message_bytes: int = 16 * 1024 * 1024,
+    telemetry: Telemetry | None = None,
+    auth: BearerTokens | ClientCertificates | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+    readiness_interval: float = 5.0,
+    readiness_timeout: float = 2.0,
 ) -> RunningServer:
-    """Create, bind and start a server. Port 0 binds a free port (returned)."""
+    """Create, bind and start a server. Port 0 binds a free port (returned).
+
+    Interceptors, outermost first: OpenTelemetry span, RpcObserver, auth (when `auth` is
+    given), the request size limit (`max_message_bytes`), then `interceptors`.
+    `credentials` makes the listener TLS (mTLS when they require client certificates).
+    """
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor
+    from opentelemetry.instrumentation.grpc.filters import negate, service_name
+
+    tel = telemetry or Telemetry()
+    chain: list[grpc.aio.ServerInterceptor] = [
+        aio_server_interceptor(
+            tracer_provider=tel.tracer_provider,
+            filter_=negate(service_name(*UNAUTHENTICATED_SERVICES)),
+        ),
+        RpcObserver(tel),
+        *([AuthInterceptor(auth)] if auth is not None else []),
+        SizeLimitInterceptor(max_message_bytes),
+        *interceptors,
+    ]
+    # The transport accepts up to twice the limit so an oversize request reaches the size
+    # interceptor and fails with structured details rather than a bare transport error.
+    transport_limit = min(2 * max_message_bytes, 2**31 - 1)
     server = grpc.aio.server(
-        interceptors=list(interceptors),
+        interceptors=chain,
         options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", transport_limit),
+            ("grpc.max_send_message_length", transport_limit),
         ],
     )
     pb_grpc.add_ContextEngineServicer_to_server(ContextEngineServicer(engine), server)
@@ -83,13 +180,41 @@ async def build_server(
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(listen)
+    if credentials is not None:
+        port = server.add_secure_port(listen, credentials)
+    else:
+        port = server.add_insecure_port(listen)
     if port == 0:
         raise OSError(f"cannot bind {listen}")
     await server.start()
     for name in (SERVICE_NAME, ""):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, port, health_servicer, engine)
+    readiness = asyncio.create_task(
+        _follow_readiness(engine.pool, health_servicer, tel, readiness_interval, readiness_timeout),
+        name="context-engine-readiness",
+    )
+    return RunningServer(server, port, health_servicer, engine, tel, readiness)
+
+
+def server_options(settings: Settings) -> dict[str, Any]:
+    """build_server keyword arguments from settings: limits, auth, TLS, readiness."""
+    options: dict[str, Any] = {
+        "max_message_bytes": settings.max_request_bytes,
+        "readiness_interval": settings.readiness_interval_seconds,
+        "readiness_timeout": settings.readiness_timeout_seconds,
+    }
+    if settings.auth == "bearer":
+        options["auth"] = BearerTokens(settings.bearer_tokens())
+    elif settings.auth == "mtls":
+        options["auth"] = ClientCertificates(settings.tls_client_tenants)
+    if settings.tls_cert_file:
+        ca = Path(settings.tls_client_ca_file).read_bytes() if settings.tls_client_ca_file else None
+        options["credentials"] = grpc.ssl_server_credentials(
+            [(Path(settings.tls_key_file).read_bytes(), Path(settings.tls_cert_file).read_bytes())],
+            root_certificates=ca,
+            require_client_auth=ca is not None,
+        )
+    return options
 
 
 async def serve(settings: Settings) -> None:
@@ -101,13 +226,47 @@ async def serve(settings: Settings) -> None:
 
         dsn, embedded = start_embedded(settings.data_dir)
         _log.info("started embedded PostgreSQL in %s", settings.data_dir)
-    pool = await connect_pool(dsn, min_size=settings.pool_min_size, max_size=settings.pool_max_size)
+    try:
+        pool = await connect_pool(
+            dsn, min_size=settings.pool_min_size, max_size=settings.pool_max_size
+        )
+    except StoreUnavailableError as exc:
+        raise StartupError(f"cannot reach PostgreSQL: {exc}") from None
     async with pool.acquire() as conn:
-        applied = await apply_migrations(conn)
-    if applied:
-        _log.info("applied migrations %s", ", ".join(applied))
-    running = await build_server(build_engine(pool), settings.listen)
-    _log.info("context-engine serving on %s (port %d)", settings.listen, running.port)
+        if settings.migrate_on_start:
+            applied = await apply_migrations(conn)
+            if applied:
+                _log.info("applied migrations %s", ", ".join(applied))
+            pending = []
+        else:
+            pending = await pending_migrations(conn)
+    if pending:
+        await pool.close()
+        raise StartupError(
+            f"the database schema is behind (pending: {', '.join(pending)});"
+            " run `context-engine migrate` first"
+        )
+    try:
+        tel = Telemetry.from_environment(settings.metrics_listen)
+    except OSError as exc:
+        await pool.close()
+        raise StartupError(f"metrics_listen {settings.metrics_listen}: {exc.strerror}") from None
+    running = await build_server(
+        build_engine(pool, settings=settings),
+        settings.listen,
+        telemetry=tel,
+        **server_options(settings),
+    )
+    _log.info(
+        "context-engine serving on %s (port %d, tls %s, auth %s)",
+        settings.listen,
+        running.port,
+        "on" if settings.tls_cert_file else "off",
+        settings.auth,
+    )
+    if tel.metrics_port:
+        host = settings.metrics_listen.rpartition(":")[0]
+        _log.info("prometheus metrics on http://%s:%d/metrics", host, tel.metrics_port)
     print(
         f"context-engine listening on {settings.listen.rpartition(':')[0]}:{running.port}",
         flush=True,
@@ -119,5 +278,6 @@ async def serve(settings: Settings) -> None:
     await stop.wait()
     _log.info("shutting down: draining for up to %.1fs", settings.shutdown_grace_seconds)
     await running.stop(settings.shutdown_grace_seconds)
+    tel.shutdown()
     await pool.close()
     del embedded

@@ -14,8 +14,9 @@ from .._gen.context_engine.v1 import context_engine_pb2 as pb
 from .._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from ..core.errors import InvalidFieldError
 from . import convert
-from .engine import ChildSeed, Engine
+from .engine import BuildResult, ChildSeed, Engine
 from .errors import grpc_errors
+from .rpc_builds import BuildsRpcs
 from .rpc_compaction import CompactionRpcs
 from .rpc_skills import SkillsRpcs
 from .rpc_usage import UsageRpcs
@@ -39,6 +40,7 @@ def _tenant(request: object) -> str:
 
 
 class ContextEngineServicer(
+    BuildsRpcs,
     UsageRpcs,
     SkillsRpcs,
     WorkingStateRpcs,
@@ -116,13 +118,19 @@ class ContextEngineServicer(
             seed = ChildSeed(parent, request.child.instruction)
         else:
             raise InvalidFieldError("one of user_message or child is required", field="seed")
+        admission = (
+            convert.admission_from_proto(request.admission)
+            if request.HasField("admission")
+            else None
+        )
         started = await self.engine.start_run(
             tenant,
             session_id,
             run_id,
             seed,
             request.idempotency_key,
-            _request_sha256(request),  # type: ignore[arg-type]
+            _request_sha256(request),
+            admission,
         )
         run = pb.Run(
             run_id=str(started.run_id),
@@ -132,7 +140,11 @@ class ContextEngineServicer(
         )
         if started.seed_event_sequence is not None:
             run.seed_event_sequence = started.seed_event_sequence
-        return pb.StartRunResponse(run=run, checkpoint_version=started.checkpoint_version)
+        response = pb.StartRunResponse(run=run, checkpoint_version=started.checkpoint_version)
+        if started.rotated_epoch is not None:  # admission rotated: the plan the run pins
+            rotated = await self.engine.get_plan(tenant, session_id, started.rotated_epoch)
+            response.rotated_plan.CopyFrom(convert.plan_to_proto(rotated.plan))
+        return response
 
     @grpc_errors
     async def AppendItems(
@@ -175,13 +187,31 @@ class ContextEngineServicer(
         result = await self.engine.build(
             tenant, session_id, run_id, request.checkpoint_version, now, step
         )
+        return self.build_response(result)
+
+    def build_response(self, result: BuildResult) -> pb.BuildResponse:
+        """The BuildResponse of an engine build; Build and GetBuild both answer with it."""
         plan = result.plan
-        return pb.BuildResponse(
-            request=convert.request_to_proto(result.assembled.request),
+        assembled = result.assembled
+        response = pb.BuildResponse(
             prefix_sha256=plan.prefix_sha256,
             prefix_tokens=plan.prefix_tokens,
             epoch=plan.epoch,
             checkpoint_version=result.checkpoint_version,
-            request_sha256=result.assembled.request_sha256,
+            request_sha256=assembled.request_sha256,
             request_sequence=result.request_sequence,
+            needs_compaction=assembled.needs_compaction,
+            budget=convert.budget_to_proto(assembled.budget),
+            estimated_input_tokens=assembled.estimated_input_tokens,
+            input_budget_tokens=assembled.input_budget_tokens,
         )
+        # No request when the body needs compaction: the worker compacts and builds again.
+        if assembled.request is not None:
+            response.request.CopyFrom(convert.request_to_proto(assembled.request))
+        # The pressure report is present whenever a yield ran (and never otherwise).
+        if assembled.pressure is not None and assembled.pressure.yielded:
+            response.pressure.CopyFrom(convert.pressure_to_proto(assembled.pressure))
+        if result.rendered is not None:
+            response.provider_payload = result.rendered.body
+            response.provider_api = result.rendered.api
+        return response

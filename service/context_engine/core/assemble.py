@@ -10,19 +10,28 @@ the row table before anything renders.
 Rule 3 (clock): the date in row 14 comes from the `now` argument, already in the session's
 time zone (the shell resolves the zone; reading tz data is I/O).
 Rule 4 (pairs): the assembled request is validated for orphaned tool items before it leaves.
+Rule 5 (budget): the prefix is the plan's exact count; only the body is estimated, with
+the correction factor pinned on the checkpoint. Carried results over the inline limit get
+legacy excerpts first; then pressure.fit_body pays the never-yield set, runs the yield
+ladder and cuts history. A body that does not fit after every cheaper yield is reported as
+needs_compaction with no request: Build never compacts inline.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Literal
 
+from .body_estimate import block_tokens
+from .budget import ContextBudget, allocate
+from .cache_hints import cache_breakpoints
 from .canonical import canonical_bytes, sha256_hex
-from .checkpoint import Checkpoint
-from .enums import SessionKind
+from .checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint
 from .envelope import wrap
+from .estimator import heuristic_count
+from .excerpts import DEFAULT_INLINE_MAXIMUM_BYTES, legacy_excerpt
 from .items import (
     AssistantMessage,
     ContextItem,
@@ -41,8 +50,9 @@ from .items import (
     check_placement,
     trust_of,
 )
-from .plan import ContextPlan, session_key
-from .request import Block, CacheBreakpoint, Message, ModelRequest, ToolDefinition
+from .plan import ClassUsage, ContextPlan, session_key
+from .pressure import Fitted, PressureReport, fit_body
+from .request import Block, Message, ModelRequest, ToolDefinition
 from .rows import Row
 from .validate import validate_tool_pairs
 
@@ -58,6 +68,8 @@ class StepContext:
     recall: tuple[RecallLineItem, ...] = ()
     corrections: tuple[CorrectionLineItem, ...] = ()
     knowledge: tuple[KnowledgePassageItem, ...] = ()
+    # Recall lines never trimmed under pressure, counted from the best-ranked.
+    recall_floor_lines: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,13 +83,32 @@ class BuildInputs:
     step: StepContext = StepContext()
     skill_bodies: tuple[SkillBodyItem, ...] = ()
     working_state: WorkingStateItem | None = None
+    # The model's raw token counter (exact tokenizer or the conservative heuristic).
+    count_tokens: Callable[[str], int] = heuristic_count
+    # Legacy tool results over this many bytes get head/tail excerpts (output setting).
+    inline_maximum_bytes: int = DEFAULT_INLINE_MAXIMUM_BYTES
+
+    @property
+    def estimator_factor_ppm(self) -> int:
+        """The correction factor pinned on the checkpoint this build reads."""
+        return self.checkpoint.estimator_factor_ppm or NEUTRAL_FACTOR_PPM
 
 
 @dataclass(frozen=True, slots=True)
 class Assembled:
-    request: ModelRequest
+    """Build's result. When the body does not fit even after every cheaper yield,
+    `needs_compaction` is true and there is no request (`request` None, hash empty)."""
+
+    request: ModelRequest | None
     request_sha256: str
     placed: tuple[tuple[Row, ContextItem], ...]  # every Region B item, in order
+    needs_compaction: bool = False
+    pressure: PressureReport | None = None  # always set by assemble(); .yielded says if
+    budget: tuple[ClassUsage, ...] = ()  # prefix classes (exact) + body classes (estimated)
+    estimated_input_tokens: int = 0  # prefix exact + body estimated
+    input_budget_tokens: int = 0  # min(window, policy cap) - output reserve
+    body_estimated_tokens: int = 0
+    estimator_factor_ppm: int = NEUTRAL_FACTOR_PPM
 
 
 def split_run_items(
@@ -101,14 +132,36 @@ def assemble(inputs: BuildInputs) -> Assembled:
     Raises:
         EngineError: an item type without a declared region, or in the wrong row.
         PreconditionError: the request would carry an orphaned tool call or result.
+        BudgetExceededError: the never-yield set alone exceeds the body.
     """
-    placed = _place(inputs)
-    for row, item in placed:
+    carried, excerpted = _legacy_excerpts(inputs.carried, inputs.inline_maximum_bytes)
+    inputs = replace(inputs, carried=carried)
+    candidates = _place(inputs)
+    for row, item in candidates:
         check_placement(item, row)
-    messages = _messages(placed, inputs.secret)
-    validate_tool_pairs(messages)
     plan = inputs.plan
-    ttl = "1h" if plan.session_kind is SessionKind.SCHEDULED else "5m"
+    budget = allocate(
+        context_window=plan.context_window,
+        policy_cap_tokens=plan.policy_cap_tokens,
+        reserve_output_tokens=plan.max_output_tokens,
+        prefix_tokens=plan.prefix_tokens,
+    )
+    fitted = fit_body(
+        candidates,
+        carried=carried,
+        pending=_pending_pairs(inputs.checkpoint.items),
+        budget=budget,
+        cost=_cost(inputs),
+        model_id=plan.model_id,
+        summary_floor=inputs.checkpoint.replaced_through_sequence,
+        recall_floor_lines=inputs.step.recall_floor_lines,
+        excerpted=excerpted,
+    )
+    if not fitted.fits:
+        return _outcome(inputs, budget, fitted, None, "")
+    placed = list(fitted.placed)
+    messages = _messages(placed, inputs.secret, fitted.truncated)
+    validate_tool_pairs(messages)
     request = ModelRequest(
         provider=plan.provider,
         model_id=plan.model_id,
@@ -117,13 +170,74 @@ def assemble(inputs: BuildInputs) -> Assembled:
         messages=messages,
         max_output_tokens=plan.max_output_tokens,
         session_key=session_key(inputs.tenant_id, plan.session_id),
-        cache_breakpoints=(
-            CacheBreakpoint("after_system", through_item="row:system", ttl=ttl, priority=0),
-            CacheBreakpoint("after_tools", through_item="row:tools", ttl=ttl, priority=1),
-        ),
+        cache_breakpoints=cache_breakpoints(plan.session_kind, placed, inputs.checkpoint.run_id),
     )
     digest = sha256_hex(canonical_bytes(request.canonical()))
-    return Assembled(request=request, request_sha256=digest, placed=tuple(placed))
+    return _outcome(inputs, budget, fitted, request, digest)
+
+
+def _outcome(
+    inputs: BuildInputs,
+    budget: ContextBudget,
+    fitted: Fitted,
+    request: ModelRequest | None,
+    digest: str,
+) -> Assembled:
+    plan = inputs.plan
+    return Assembled(
+        request=request,
+        request_sha256=digest,
+        placed=fitted.placed,
+        needs_compaction=not fitted.fits,
+        pressure=fitted.report,
+        budget=(*plan.prefix_classes, *fitted.usage),
+        estimated_input_tokens=plan.prefix_tokens + fitted.body_tokens,
+        input_budget_tokens=budget.input_tokens,
+        body_estimated_tokens=fitted.body_tokens,
+        estimator_factor_ppm=inputs.estimator_factor_ppm,
+    )
+
+
+def _legacy_excerpts(
+    carried: tuple[ConversationItem, ...], limit: int
+) -> tuple[tuple[ConversationItem, ...], tuple[ToolResult, ...]]:
+    """Carried results over the inline limit, replaced by excerpts on copies (ADR-0137)."""
+    out: list[ConversationItem] = []
+    excerpted: list[ToolResult] = []
+    for item in carried:
+        excerpt = legacy_excerpt(item, limit) if isinstance(item, ToolResult) else None
+        if excerpt is not None:
+            excerpted.append(excerpt)
+        out.append(excerpt if excerpt is not None else item)
+    return tuple(out), tuple(excerpted)
+
+
+def _pending_pairs(items: Sequence[ConversationItem]) -> tuple[ConversationItem, ...]:
+    """The active loop's pending pairs: the latest model turn's tool calls and the results
+    answering them. They never yield (the model is about to read those results)."""
+    completed, _ = split_run_items(items)
+    end = len(completed)
+    while end > 0 and isinstance(completed[end - 1], _INPUT_TYPES):
+        end -= 1
+    start = end
+    while start > 0 and not isinstance(completed[start - 1], _INPUT_TYPES):
+        start -= 1
+    calls = {i.call_id for i in completed[start:end] if isinstance(i, ToolCall)}
+    return tuple(
+        i
+        for i in completed[start:]
+        if isinstance(i, ToolCall | ToolResult) and i.call_id in calls
+    )
+
+
+def _cost(inputs: BuildInputs) -> Callable[[Row, ContextItem, bool], int]:
+    """A placed item's estimated tokens as rendered, under the checkpoint's pinned factor."""
+    count, factor, secret = inputs.count_tokens, inputs.estimator_factor_ppm, inputs.secret
+
+    def cost(row: Row, item: ContextItem, truncated: bool) -> int:
+        return block_tokens(_render(row, item, secret, truncated), item, count, factor)
+
+    return cost
 
 
 def _place(inputs: BuildInputs) -> list[tuple[Row, ContextItem]]:
@@ -165,12 +279,16 @@ def _latest_turn_reasoning_only(items: tuple[ConversationItem, ...]) -> list[Con
     return [i for n, i in enumerate(items) if not isinstance(i, ReasoningItem) or n >= start]
 
 
+# English names by ISO weekday index: strftime("%A") would follow the process locale.
+_WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+
+
 def _runtime(inputs: BuildInputs) -> RuntimeMetadataItem:
     plan = inputs.plan
     return RuntimeMetadataItem(
         item_id="runtime",
         date=inputs.now.date().isoformat(),
-        weekday=inputs.now.strftime("%A"),
+        weekday=_WEEKDAYS[inputs.now.weekday()],
         time_zone=plan.time_zone,
         principal_scope=plan.principal_scope,
         surface=plan.surface,
@@ -183,12 +301,17 @@ def _runtime(inputs: BuildInputs) -> RuntimeMetadataItem:
 _ASSISTANT_TYPES = (AssistantMessage, ToolCall, ReasoningItem)
 
 
-def _messages(placed: list[tuple[Row, ContextItem]], secret: bytes) -> tuple[Message, ...]:
-    """Render placed items to blocks and merge consecutive same-role blocks into messages."""
+def _messages(
+    placed: list[tuple[Row, ContextItem]], secret: bytes, truncated: frozenset[int] = frozenset()
+) -> tuple[Message, ...]:
+    """Render placed items to blocks and merge consecutive same-role blocks into messages.
+
+    `truncated` holds the identities of items (pointers, excerpts) whose envelope is marked
+    truncated."""
     out: list[tuple[Role, list[Block]]] = []
     for row, item in placed:
         role: Role = "assistant" if isinstance(item, _ASSISTANT_TYPES) else "user"
-        block = _render(row, item, secret)
+        block = _render(row, item, secret, id(item) in truncated)
         if out and out[-1][0] == role:
             out[-1][1].append(block)
         else:
@@ -196,7 +319,7 @@ def _messages(placed: list[tuple[Row, ContextItem]], secret: bytes) -> tuple[Mes
     return tuple(Message(role, tuple(blocks)) for role, blocks in out)
 
 
-def _render(row: Row, item: ContextItem, secret: bytes) -> Block:
+def _render(row: Row, item: ContextItem, secret: bytes, truncated: bool = False) -> Block:
     """One Region B item's block. Exhaustive; an unknown item type raises."""
     trust = trust_of(item)
     seq = getattr(item, "sequence", 0)
@@ -230,7 +353,14 @@ def _render(row: Row, item: ContextItem, secret: bytes) -> Block:
                 "tool_result",
                 item.item_id,
                 seq,
-                text=wrap(content, trust=trust, item_id=item.item_id, source=source, secret=secret),
+                text=wrap(
+                    content,
+                    trust=trust,
+                    item_id=item.item_id,
+                    source=source,
+                    secret=secret,
+                    truncated=truncated,
+                ),
                 call_id=item.call_id,
                 tool_name=item.tool_name,
                 is_error=item.is_error,

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from .compaction import CompactionResult
 from .items import ConversationItem, SummaryItem
+from .working_state import WorkingState
 
 __all__ = ["Checkpoint"]
 
@@ -24,6 +26,10 @@ class Checkpoint(BaseModel):
     summary: SummaryItem | None = None
     # Session sequence the summary covers: items at or below it are never admitted again.
     replaced_through_sequence: int = 0
+    # The committed compaction the summary came from: provenance, elided spans, depth.
+    compaction: CompactionResult | None = None
+    # The run's working state (row 12); seeded from the log, changed by typed transitions.
+    working_state: WorkingState = WorkingState()
     # The estimator's per-model correction, pinned when the checkpoint was written so a
     # rebuild of this checkpoint cuts history at the same place.
     estimator_factor_ppm: int = NEUTRAL_FACTOR_PPM

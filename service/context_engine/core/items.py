@@ -204,6 +204,7 @@ class ToolCall(_Logged):
     call_id: str
     tool_name: str
     arguments_json: str  # canonical JSON object
+    task_id: str = ""  # the working-state task the call works on (runtime task transitions)
 
 
 class ToolResult(_Logged):

@@ -18,8 +18,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from .canonical import canonical_bytes, sha256_hex
+from .caps import CLASS_CAPS, PREFIX_CEILING_TOKENS
 from .enums import PlanReason, SessionKind
-from .envelope import escape_content, wrap
+from .envelope import wrap
+from .errors import PreconditionError
 from .framing import BUILDER_VERSION, FRAMING_TEXT
 from .items import (
     AgentInstructionsItem,
@@ -35,9 +37,12 @@ from .items import (
     trust_of,
 )
 from .request import Block, ToolDefinition
-from .roster import Roster, resolve_roster
+from .roster import PinnedTool, Roster, index_line, pinned_tools, resolve_roster, scope_hashes
 from .rows import Row
-from .spec import PlanSpec, ToolSpec
+from .skills import pin_catalog
+from .snapshot import memory_item_id, pin_snapshot
+from .spec import MemoryItemSpec, PlanSpec, SkillSpec, ToolSpec
+from .tool_schema import definition_item, definition_tokens
 from .trust import TrustLevel
 
 __all__ = ["ClassUsage", "ContextPlan", "ModelFacts", "make_plan", "session_key"]
@@ -97,7 +102,8 @@ class ContextPlan(BaseModel):
     deferred_tool_names: tuple[str, ...]
     skipped_tool_names: tuple[str, ...]
     tool_schema_sha256: str
-    authority_scope_hashes: tuple[str, ...]
+    # Sorted SHA-256 of the principal's scopes, outside the prompt; None on a legacy plan.
+    authority_scope_hashes: tuple[str, ...] | None = None
     snapshot_id: str
     snapshot_watermark: int
     recall_trace_id: str
@@ -114,6 +120,13 @@ class ContextPlan(BaseModel):
     surface: str
     time_zone: str
     allowed_origins: tuple[str, ...]
+    # What a worker's call-time policy check needs: every advertised tool, defined first.
+    pinned_tools: tuple[PinnedTool, ...] = ()
+    # Catalog entries and snapshot items that fit no slot at plan time (no silent leaving).
+    skipped_skill_names: tuple[str, ...] = ()
+    skipped_memory_ids: tuple[str, ...] = ()
+    # Set by an erasure that redacted this plan's snapshot: the next plan rotates.
+    invalidated: bool = False
 
 
 def session_key(tenant_id: str, session_id: str) -> str:
@@ -131,9 +144,26 @@ def make_plan(
     model: ModelFacts,
     count_tokens: TokenCounter,
 ) -> ContextPlan:
-    """Resolve, render, measure and hash Region A. Pure: same arguments, same plan."""
-    roster = resolve_roster(spec)
-    rendered = _render_rows(spec, roster, secret)
+    """Resolve, render, measure and hash Region A. Pure: same arguments, same plan.
+
+    Raises:
+        PreconditionError: PREFIX_CLASS_OVER_CAP naming the class (tool_definitions for a
+            required or explicitly enabled tool over the token cap; persona).
+    """
+    catalog, left_skills = pin_catalog(
+        spec.skills, lambda s: count_tokens(_render_text(_catalog_entry(s), secret))
+    )
+    memories, left_memories = pin_snapshot(
+        spec.snapshot.items, lambda m: count_tokens(_render_text(_memory_entry(m), secret))
+    )
+    roster = resolve_roster(
+        spec,
+        has_skills=bool(catalog),
+        definition_tokens=lambda t: definition_tokens(definition_item(t), count_tokens),
+        index_tokens=lambda t: count_tokens(_render_text(_index_entry(t), secret)),
+    )
+    rendered = _render_rows(spec, roster, catalog, memories)
+    _check_persona(spec, rendered, secret, count_tokens)
     tools = tuple(_definition(t) for t in roster.defined)
     for row, item in rendered:
         check_placement(item, row)
@@ -175,13 +205,11 @@ def make_plan(
         deferred_tool_names=tuple(t.name for t in roster.deferred),
         skipped_tool_names=roster.skipped,
         tool_schema_sha256=sha256_hex(canonical_bytes(pinned)),
-        authority_scope_hashes=tuple(
-            sorted(sha256_hex(s.encode("utf-8")) for s in spec.principal.scopes)
-        ),
+        authority_scope_hashes=scope_hashes(spec.principal.scopes),
         snapshot_id=spec.snapshot.snapshot_id,
         snapshot_watermark=spec.snapshot.watermark,
         recall_trace_id=spec.snapshot.recall_trace_id,
-        skill_pins=tuple((s.name, s.version) for s in spec.skills),
+        skill_pins=tuple((s.name, s.version) for s in catalog),
         policy_version=spec.policy.version,
         builder_version=BUILDER_VERSION,
         spec_sha256=spec.sha256(),
@@ -193,6 +221,9 @@ def make_plan(
         surface=spec.environment.surface,
         time_zone=spec.environment.time_zone,
         allowed_origins=spec.environment.allowed_origins if offers_browser else (),
+        pinned_tools=pinned_tools(roster),
+        skipped_skill_names=tuple(s.name for s in left_skills),
+        skipped_memory_ids=tuple(m.item_id for m in left_memories),
     )
 
 
@@ -201,8 +232,14 @@ def make_plan(
 _Rendered = list[tuple[Row, ContextItem]]
 
 
-def _render_rows(spec: PlanSpec, roster: Roster, secret: bytes) -> _Rendered:
-    """Region A items in row order. Empty rows render no item at all (no bytes)."""
+def _render_rows(
+    spec: PlanSpec,
+    roster: Roster,
+    catalog: tuple[SkillSpec, ...],
+    memories: tuple[MemoryItemSpec, ...],
+) -> _Rendered:
+    """Region A items in row order. Empty rows render no item at all (no bytes): an empty
+    persona, index, catalog or snapshot leaves the prefix byte-identical to one without."""
     out: _Rendered = [
         (
             Row.PLATFORM_POLICY,
@@ -225,39 +262,52 @@ def _render_rows(spec: PlanSpec, roster: Roster, secret: bytes) -> _Rendered:
         out.append(
             (Row.PERSONA, PersonaItem(revision=spec.persona.revision, entries=spec.persona.entries))
         )
-    for tool in roster.deferred:
-        trust = TrustLevel.TRUSTED_CONFIGURATION if tool.builtin else TrustLevel.EXTERNAL_UNTRUSTED
-        out.append(
-            (
-                Row.DEFERRED_TOOL_INDEX,
-                DeferredIndexEntry(
-                    item_id=f"tool:{tool.name}", name=tool.name, line=tool.name, trust=trust
-                ),
-            )
-        )
-    for skill in spec.skills:
-        out.append(
-            (
-                Row.SKILL_CATALOG,
-                SkillCatalogItem(
-                    item_id=f"skill:{skill.name}",
-                    name=skill.name,
-                    description=skill.description,
-                    version=skill.version,
-                    trust=skill.trust,
-                ),
-            )
-        )
-    for memory in spec.snapshot.items:
-        out.append(
-            (
-                Row.MEMORY_SNAPSHOT,
-                SnapshotItem(
-                    item_id=f"memory:{memory.item_id}", text=memory.text, source=memory.source
-                ),
-            )
-        )
+    out += [(Row.DEFERRED_TOOL_INDEX, _index_entry(t)) for t in roster.deferred]
+    out += [(Row.SKILL_CATALOG, _catalog_entry(s)) for s in catalog]
+    out += [(Row.MEMORY_SNAPSHOT, _memory_entry(m)) for m in memories]
     return out
+
+
+def _index_entry(tool: ToolSpec) -> DeferredIndexEntry:
+    """Row 6: builtin entries are trusted configuration; a discovered tool's description is
+    external content and renders enveloped."""
+    trust = TrustLevel.TRUSTED_CONFIGURATION if tool.builtin else TrustLevel.EXTERNAL_UNTRUSTED
+    return DeferredIndexEntry(
+        item_id=f"tool:{tool.name}", name=tool.name, line=index_line(tool), trust=trust
+    )
+
+
+def _catalog_entry(skill: SkillSpec) -> SkillCatalogItem:
+    return SkillCatalogItem(
+        item_id=f"skill:{skill.name}",
+        name=skill.name,
+        description=skill.description,
+        version=skill.version,
+        trust=skill.trust,
+    )
+
+
+def _memory_entry(memory: MemoryItemSpec) -> SnapshotItem:
+    return SnapshotItem(
+        item_id=memory_item_id(memory.item_id), text=memory.text, source=memory.source
+    )
+
+
+def _check_persona(
+    spec: PlanSpec, rendered: _Rendered, secret: bytes, count: TokenCounter
+) -> None:
+    """The persona row never yields: over 30 entries or 2,000 tokens the plan fails."""
+    cap = CLASS_CAPS["persona"]
+    tokens = sum(count(_render_text(i, secret)) for r, i in rendered if r is Row.PERSONA)
+    entries = len(spec.persona.entries)
+    if entries > cap.cap_items or tokens > cap.cap_tokens:
+        raise PreconditionError(
+            f"the persona row ({entries} entries, {tokens:,} tokens) is over its cap"
+            f" ({cap.cap_items} entries / {cap.cap_tokens:,} tokens); it is never truncated",
+            field="spec.persona.entries",
+            reason="PREFIX_CLASS_OVER_CAP",
+            metadata={"class": "persona", "tokens": str(tokens), "items": str(entries)},
+        )
 
 
 def _texts(rendered: _Rendered, secret: bytes) -> list[str]:
@@ -275,7 +325,7 @@ def _render_text(item: ContextItem, secret: bytes) -> str:
         case PersonaItem():
             return "Persona:\n" + "\n".join(f"- {e}" for e in item.entries)
         case DeferredIndexEntry():
-            body = f"Deferred tool (call through tool.call): {item.line}"
+            body = f"Deferred tool (call it through tool.call; ? marks optional): {item.line}"
             return wrap(body, trust=trust, item_id=item.item_id, source="tool-index", secret=secret)
         case SkillCatalogItem():
             body = f"Skill {item.name} ({item.version}): {item.description}"
@@ -291,12 +341,7 @@ def _render_text(item: ContextItem, secret: bytes) -> str:
 
 
 def _definition(tool: ToolSpec) -> ToolDefinitionItem:
-    return ToolDefinitionItem(
-        item_id=f"tool:{tool.name}",
-        name=tool.name,
-        description=escape_content(tool.description),
-        input_schema_json=canonical_bytes(tool.input_schema).decode("utf-8"),
-    )
+    return definition_item(tool)  # the provider-visible form (tool_schema.py)
 
 
 def _tool_json(tool: ToolDefinitionItem) -> dict[str, Any]:
@@ -314,11 +359,31 @@ _CLASS_OF_ROW: dict[Row, str] = {
 }
 
 
+# Where a caller fixes each prefix class (the BadRequest field of an over-cap error).
+_FIELD_OF_CLASS: dict[str, str] = {
+    "platform_policy": "spec.policy.text",
+    "agent_instructions": "spec.agent.instructions",
+    "persona": "spec.persona.entries",
+    "tool_definitions": "spec.tools",
+    "deferred_tool_index": "spec.tools",
+    "skill_catalog": "spec.skills",
+    "memory_snapshot": "spec.snapshot.items",
+}
+
+
 def _class_usage(
     system: tuple[PrefixBlock, ...],
     tools: tuple[ToolDefinitionItem, ...],
     count: TokenCounter,
 ) -> tuple[ClassUsage, ...]:
+    """Measure each prefix class exactly against its cap, and refuse a prefix that does
+    not fit: prefix classes never yield (no truncation, ever).
+
+    Raises:
+        PreconditionError: PREFIX_CLASS_OVER_CAP for a class over its item or token cap,
+            PREFIX_OVER_CEILING for a prefix over 22,000 tokens (naming its largest
+            class); metadata "class" names the class.
+    """
     tokens: dict[str, int] = {}
     items: dict[str, int] = {}
     for block in system:
@@ -330,6 +395,53 @@ def _class_usage(
     )
     items["tool_definitions"] = len(tools)
     order = [*_CLASS_OF_ROW.values(), "tool_definitions"]
-    return tuple(
-        ClassUsage(class_name=n, tokens=tokens.get(n, 0), items=items.get(n, 0)) for n in order
+    classes = tuple(
+        ClassUsage(
+            class_name=n,
+            tokens=tokens.get(n, 0),
+            items=items.get(n, 0),
+            cap_tokens=CLASS_CAPS[n].cap_tokens,
+            cap_items=CLASS_CAPS[n].cap_items,
+        )
+        for n in order
     )
+    _check_prefix_caps(classes)
+    return classes
+
+
+def _check_prefix_caps(classes: tuple[ClassUsage, ...]) -> None:
+    for c in classes:
+        over_items = c.cap_items and c.items > c.cap_items
+        if over_items or (c.cap_tokens and c.tokens > c.cap_tokens):
+            what = (
+                f"{c.items} items (cap {c.cap_items})"
+                if over_items
+                else f"{c.tokens} tokens (cap {c.cap_tokens})"
+            )
+            raise PreconditionError(
+                f"prefix class {c.class_name} is {what}; the prefix never yields:"
+                " shorten it or take content out of it",
+                field=_FIELD_OF_CLASS.get(c.class_name),
+                reason="PREFIX_CLASS_OVER_CAP",
+                metadata=_cap_metadata(c),
+            )
+    total = sum(c.tokens for c in classes)
+    if total > PREFIX_CEILING_TOKENS:
+        largest = max(classes, key=lambda c: (c.tokens, c.class_name))
+        raise PreconditionError(
+            f"the prefix is {total} tokens, over its {PREFIX_CEILING_TOKENS}-token ceiling;"
+            f" its largest class is {largest.class_name} ({largest.tokens} tokens)",
+            field=_FIELD_OF_CLASS.get(largest.class_name),
+            reason="PREFIX_OVER_CEILING",
+            metadata={**_cap_metadata(largest), "prefix_tokens": str(total)},
+        )
+
+
+def _cap_metadata(c: ClassUsage) -> dict[str, str]:
+    return {
+        "class": c.class_name,
+        "tokens": str(c.tokens),
+        "items": str(c.items),
+        "cap_tokens": str(c.cap_tokens),
+        "cap_items": str(c.cap_items),
+    }

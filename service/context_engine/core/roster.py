@@ -1,39 +1,355 @@
-"""Which tools a plan advertises, resolved once at session open and pinned.
+"""Which tools a plan advertises, resolved once at session open and pinned on the plan.
 
-Rule 1: hidden tools (model_visible=false) go first, before anything else looks at them.
-Rule 2: authorization and session environment filter next: a tool whose required scopes
-are not all granted, or whose session binding is not selected, is absent.
-Rule 3: an operational session's typed tasks send no tools to a model: it pins none.
-Rule 4: the defined set renders sorted by name.
+Rule 1: tools with model_visible=false are removed before anything else looks at them.
+Rule 2: authorization and the session environment filter next. A tool whose required scopes
+are not all granted, or whose session binding has no selected binding, is absent: it was
+never a candidate, so it is not "skipped" either.
+Rule 3: an operational session's typed tasks send no tools to a model: it pins an empty set.
+Rule 4: skill.load is a candidate only while the pinned skill catalog is non-empty, and
+tool.call only while something is deferred and the agent enables it (a control tool with no
+valid argument only invites guessed names).
+Rule 5: definitions are handed out in one order (`_ORIGIN_ORDER`): in a session bound to a
+website profile the browser tools first (required), then tool.call when it is needed, then
+the agent's enabled_tools in first-occurrence order minus its configured deferrals, then
+discovered tools: reads first, then by server or device, then by name (`_discovered_key`).
+Rule 6: definitions fit 30 items and 9,000 tokens, measured on the provider-visible form.
+What happens to a tool that does not fit is a table (`_WHEN_FULL`): a required or explicit
+tool over the token cap fails the plan; anything else overflows to the index.
+Rule 7: with tool.call, every candidate without a definition becomes an index entry, the
+configured deferrals first and then the overflow, in the order above, under 40 entries and
+2,000 tokens. Without tool.call nothing is deferred. Whatever fits neither is skipped and
+its name recorded on the plan event: no tool leaves the roster silently.
+Rule 8: the defined set renders sorted by name; index entries render in index order.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from enum import Enum
+from typing import Any, TypeVar
 
-from .enums import SessionKind
+from pydantic import BaseModel, ConfigDict
+
+from .canonical import canonical_bytes, sha256_hex
+from .caps import CLASS_CAPS
+from .enums import SessionKind, SideEffect
+from .errors import PreconditionError
 from .spec import PlanSpec, ToolSpec
 
-__all__ = ["Roster", "resolve_roster"]
+__all__ = [
+    "BROWSER_TOOLS",
+    "SKILL_LOAD",
+    "TOOL_CALL",
+    "PinnedTool",
+    "Roster",
+    "first_sentence",
+    "fit_in_order",
+    "index_line",
+    "pinned_tools",
+    "resolve_roster",
+    "scope_hashes",
+]
+
+TOOL_CALL = "tool.call"
+SKILL_LOAD = "skill.load"
+# ADR-0130: a session bound to a website profile must define these, in this order.
+BROWSER_TOOLS = ("browser.navigate", "browser.observe", "browser.act")
+
+_DEFINITIONS = CLASS_CAPS["tool_definitions"]
+_INDEX = CLASS_CAPS["deferred_tool_index"]
+
+Measure = Callable[[ToolSpec], int]
+T = TypeVar("T")
+
+
+class _Origin(Enum):
+    REQUIRED = "required"  # browser tools of a website-profile session
+    CONTROL = "control"  # tool.call, when something is deferred
+    EXPLICIT = "explicit"  # named in AgentSpec.enabled_tools
+    DISCOVERED = "discovered"  # everything else the principal may use
+
+
+class _Full(Enum):
+    FAIL = "fail the plan"
+    OVERFLOW = "overflow to the index"
+
+
+# What a candidate that does not fit the definition class becomes: (item cap, token cap).
+# A configured tool past the thirtieth slot is cut as silently as a discovered one; an
+# explicitly enabled capability over the token cap is a configuration error.
+_WHEN_FULL: dict[_Origin, tuple[_Full, _Full]] = {
+    _Origin.REQUIRED: (_Full.FAIL, _Full.FAIL),
+    _Origin.CONTROL: (_Full.FAIL, _Full.FAIL),
+    _Origin.EXPLICIT: (_Full.OVERFLOW, _Full.FAIL),
+    _Origin.DISCOVERED: (_Full.OVERFLOW, _Full.OVERFLOW),
+}
+
+# Reads keep their definitions: a deferred tool costs an extra model step, and a read is
+# usually a request's first. UNSPECIFIED is treated as the most consequential.
+_SIDE_EFFECT_RANK: dict[SideEffect, int] = {
+    SideEffect.NONE: 0,
+    SideEffect.WORKSPACE_READ: 0,
+    SideEffect.NETWORK_READ: 0,
+    SideEffect.WORKSPACE_WRITE: 1,
+    SideEffect.NETWORK_WRITE: 1,
+    SideEffect.EXTERNAL_ACTION: 1,
+    SideEffect.UNSPECIFIED: 2,
+}
 
 
 @dataclass(frozen=True, slots=True)
 class Roster:
     defined: tuple[ToolSpec, ...]  # advertised by definition, sorted by name
     deferred: tuple[ToolSpec, ...]  # advertised by index entry, in index order
-    skipped: tuple[str, ...]  # fit neither; recorded on the plan event
+    skipped: tuple[str, ...]  # fit neither; recorded on the plan event, in rank order
 
 
-def resolve_roster(spec: PlanSpec) -> Roster:
+class PinnedTool(BaseModel):
+    """What a worker's call-time policy check needs about one advertised tool.
+
+    A revoked tool stays pinned and advertised; the worker denies the call.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    defined: bool  # True: row 5 definition; False: row 6 index entry
+    required_scopes: tuple[str, ...]
+    side_effect: SideEffect
+    builtin: bool
+    spec_sha256: str  # of the tool's canonical pinned spec
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    tool: ToolSpec
+    origin: _Origin
+
+
+def scope_hashes(scopes: Iterable[str]) -> tuple[str, ...]:
+    """authority_scope_hashes: sorted SHA-256 hex of each distinct scope (outside the prompt)."""
+    return tuple(sorted({sha256_hex(s.encode("utf-8")) for s in scopes}))
+
+
+def pinned_tools(roster: Roster) -> tuple[PinnedTool, ...]:
+    """The pinned view: definitions (sorted by name), then index entries (index order)."""
+    return tuple(
+        PinnedTool(
+            name=tool.name,
+            defined=defined,
+            required_scopes=tool.required_scopes,
+            side_effect=tool.side_effect,
+            builtin=tool.builtin,
+            spec_sha256=sha256_hex(canonical_bytes(tool.canonical())),
+        )
+        for defined, tools in ((True, roster.defined), (False, roster.deferred))
+        for tool in tools
+    )
+
+
+def fit_in_order(
+    items: Sequence[T], *, cap_items: int, cap_tokens: int, measure: Callable[[T], int]
+) -> tuple[tuple[T, ...], tuple[T, ...]]:
+    """First-fit in order under an item cap and a token cap: (fitted, left out).
+
+    An item that does not fit is left out and the next one is tried, so a large entry never
+    leaves a slot empty that a smaller one after it could have used.
+    """
+    fitted: list[T] = []
+    left: list[T] = []
+    tokens = 0
+    for item in items:
+        if len(fitted) < cap_items:
+            cost = measure(item)
+            if tokens + cost <= cap_tokens:
+                fitted.append(item)
+                tokens += cost
+                continue
+        left.append(item)
+    return tuple(fitted), tuple(left)
+
+
+def resolve_roster(
+    spec: PlanSpec,
+    *,
+    has_skills: bool,
+    definition_tokens: Measure,
+    index_tokens: Measure,
+) -> Roster:
+    """Select, order and cap the tools a plan advertises (Rules 1-8).
+
+    `definition_tokens` measures a tool's provider-visible definition; `index_tokens` its
+    rendered index entry. Both are the plan's exact counts, passed in so this stays pure.
+
+    Raises:
+        PreconditionError: PREFIX_CLASS_OVER_CAP (class tool_definitions) when a required or
+            explicitly enabled tool exceeds the token cap, or a required browser tool cannot
+            be defined; INVALID_FIELD when a website-profile session lacks a browser tool.
+    """
     if spec.environment.kind is SessionKind.OPERATIONAL:
         return Roster((), (), ())
+    candidates = _candidates(spec, has_skills)
+    required = _required(spec, candidates)
+    enabled = tuple(dict.fromkeys(spec.agent.enabled_tools))
+    taken = {t.name for t in required} | {TOOL_CALL}
+    deferrals = set(spec.agent.deferred_tools) - taken
+    explicit = [
+        _Candidate(candidates[n], _Origin.EXPLICIT)
+        for n in enabled
+        if n in candidates and n not in taken
+    ]
+    discovered = [
+        _Candidate(t, _Origin.DISCOVERED)
+        for t in sorted(candidates.values(), key=_discovered_key)
+        if t.name not in taken and t.name not in enabled
+    ]
+    ranked = [*explicit, *discovered]
+    configured = [c.tool for c in ranked if c.tool.name in deferrals]
+    ordinary = [c for c in ranked if c.tool.name not in deferrals]
+    mandatory = [_Candidate(t, _Origin.REQUIRED) for t in required]
+
+    defined, overflow = _define([*mandatory, *ordinary], definition_tokens)
+    tool_call = candidates.get(TOOL_CALL) if TOOL_CALL in enabled else None
+    if tool_call is not None and (configured or overflow):
+        control = _Candidate(tool_call, _Origin.CONTROL)
+        with_call, call_overflow = _define([*mandatory, control, *ordinary], definition_tokens)
+        deferred, unindexed = fit_in_order(
+            [*configured, *call_overflow],
+            cap_items=_INDEX.cap_items,
+            cap_tokens=_INDEX.cap_tokens,
+            measure=index_tokens,
+        )
+        if deferred:  # tool.call is advertised only while the plan defers something
+            return Roster(_by_name(with_call), deferred, tuple(t.name for t in unindexed))
+    skipped = (*configured, *overflow)
+    return Roster(_by_name(defined), (), tuple(t.name for t in skipped))
+
+
+def _candidates(spec: PlanSpec, has_skills: bool) -> dict[str, ToolSpec]:
+    """Rules 1, 2 and 4 (skill.load); first occurrence of a name wins."""
     granted = set(spec.principal.scopes)
     bound = set(spec.environment.bound_capabilities)
-    candidates = [
-        tool
-        for tool in spec.tools
-        if tool.model_visible
-        and granted.issuperset(tool.required_scopes)
-        and (not tool.session_binding or tool.session_binding in bound)
+    visible = [t for t in spec.tools if t.model_visible]
+    authorized = [
+        t
+        for t in visible
+        if granted.issuperset(t.required_scopes)
+        and (not t.session_binding or t.session_binding in bound)
     ]
-    return Roster(tuple(sorted(candidates, key=lambda t: t.name)), (), ())
+    out: dict[str, ToolSpec] = {}
+    for tool in authorized:
+        if tool.name == SKILL_LOAD and not has_skills:
+            continue
+        out.setdefault(tool.name, tool)
+    return out
+
+
+def _required(spec: PlanSpec, candidates: dict[str, ToolSpec]) -> list[ToolSpec]:
+    if not spec.environment.browser_profile_id:
+        return []
+    missing = [n for n in BROWSER_TOOLS if n not in candidates]
+    if missing:
+        raise PreconditionError(
+            "a session bound to a website profile must define "
+            + ", ".join(BROWSER_TOOLS)
+            + f"; not available to this principal and session: {', '.join(missing)}",
+            field="spec.tools",
+            reason="INVALID_FIELD",
+            metadata={"class": "tool_definitions", "missing": ",".join(missing)},
+        )
+    return [candidates[n] for n in BROWSER_TOOLS]
+
+
+def _discovered_key(tool: ToolSpec) -> tuple[int, str, str]:
+    return (_SIDE_EFFECT_RANK[tool.side_effect], tool.server, tool.name)
+
+
+def _define(
+    ranked: Sequence[_Candidate], measure: Measure
+) -> tuple[tuple[ToolSpec, ...], tuple[ToolSpec, ...]]:
+    """Hand out definition slots in rank order: (defined, overflow in rank order)."""
+    defined: list[ToolSpec] = []
+    overflow: list[ToolSpec] = []
+    tokens = 0
+    for candidate in ranked:
+        at_item_cap, over_token_cap = _WHEN_FULL[candidate.origin]
+        if len(defined) >= _DEFINITIONS.cap_items:
+            _refuse_or_overflow(at_item_cap, candidate, "items", overflow)
+            continue
+        cost = measure(candidate.tool)
+        if tokens + cost > _DEFINITIONS.cap_tokens:
+            _refuse_or_overflow(
+                over_token_cap, candidate, "tokens", overflow, used=tokens, cost=cost
+            )
+            continue
+        defined.append(candidate.tool)
+        tokens += cost
+    return tuple(defined), tuple(overflow)
+
+
+def _refuse_or_overflow(
+    action: _Full,
+    candidate: _Candidate,
+    limit: str,
+    overflow: list[ToolSpec],
+    *,
+    used: int = 0,
+    cost: int = 0,
+) -> None:
+    if action is _Full.OVERFLOW:
+        overflow.append(candidate.tool)
+        return
+    cap = _DEFINITIONS.cap_items if limit == "items" else _DEFINITIONS.cap_tokens
+    raise PreconditionError(
+        f"{candidate.origin.value} tool {candidate.tool.name!r} does not fit the tool"
+        f" definitions class ({limit} cap {cap:,}; {used:,} tokens used, it needs {cost:,})",
+        reason="PREFIX_CLASS_OVER_CAP",
+        metadata={
+            "class": "tool_definitions",
+            "tool": candidate.tool.name,
+            "limit": limit,
+            "cap": str(cap),
+            "tokens": str(used + cost),
+        },
+    )
+
+
+def _by_name(tools: Iterable[ToolSpec]) -> tuple[ToolSpec, ...]:
+    return tuple(sorted(tools, key=lambda t: t.name))
+
+
+# --- the deferred index line ---------------------------------------------------------------
+
+_SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
+
+
+def first_sentence(text: str) -> str:
+    """The description's first sentence, whitespace collapsed (all of it when it has none)."""
+    flat = " ".join(text.split())
+    end = _SENTENCE_END.search(flat)
+    return flat[: end.end()] if end else flat
+
+
+def index_line(tool: ToolSpec) -> str:
+    """`name(required..., optional?...): First sentence.`
+
+    Required parameters follow the schema's `required` array; optional ones follow by name,
+    never in the order of `properties`: the plan event stores the spec as jsonb, which keeps
+    array order but not object key order, and the prefix must re-render from it.
+    """
+    schema: dict[str, Any] = tool.input_schema
+    listed = schema.get("required")
+    required = (
+        list(dict.fromkeys(r for r in listed if isinstance(r, str)))
+        if isinstance(listed, list)
+        else []
+    )
+    properties = schema.get("properties")
+    names = properties.keys() if isinstance(properties, dict) else ()
+    optional = sorted(n for n in names if n not in set(required))
+    params = ", ".join([*required, *(f"{n}?" for n in optional)])
+    sentence = first_sentence(tool.description)
+    head = f"{tool.name}({params})"
+    return f"{head}: {sentence}" if sentence else head

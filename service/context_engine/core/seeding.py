@@ -24,10 +24,24 @@ def seed_cut(seed_event_sequence: int | None) -> int:
 
 
 def carried_history(logged: Sequence[ConversationItem]) -> tuple[ConversationItem, ...]:
-    """Project logged conversation items (oldest first) into the history a run carries."""
+    """Project logged conversation items (oldest first) into the history a run carries.
+
+    Calls and results pair by (run, call id) in log order: call ids are unique within a
+    run only, so a dead run's unanswered call must not be "answered" by a later run that
+    reuses its id.
+    """
     items = [i for i in logged if not isinstance(i, ReasoningItem)]
-    calls = {i.call_id for i in items if isinstance(i, ToolCall)}
-    answered = {i.call_id for i in items if isinstance(i, ToolResult) and i.call_id in calls}
-    return tuple(
-        i for i in items if not (isinstance(i, ToolCall | ToolResult) and i.call_id not in answered)
-    )
+    pending: dict[tuple[str, str], int] = {}
+    keep = [True] * len(items)
+    for n, item in enumerate(items):
+        if isinstance(item, ToolCall):
+            key = (item.run_id, item.call_id)
+            if key in pending:
+                keep[pending[key]] = False  # a reused id while the first is unanswered
+            pending[key] = n
+        elif isinstance(item, ToolResult):
+            if pending.pop((item.run_id, item.call_id), None) is None:
+                keep[n] = False  # a result without its call
+    for index in pending.values():
+        keep[index] = False  # a call without its result
+    return tuple(i for i, k in zip(items, keep, strict=True) if k)

@@ -69,6 +69,12 @@ def validate_tool_pairs(messages: Sequence[Message]) -> None:
     for message in messages:
         for block in message.blocks:
             if block.kind == "tool_call":
+                if block.call_id in pending:
+                    raise PreconditionError(
+                        f"tool call id {block.call_id!r} is pending twice in one request",
+                        reason="ORPHANED_TOOL_ITEM",
+                        metadata={"call_id": block.call_id},
+                    )
                 pending[block.call_id] = block.item_id
             elif block.kind == "tool_result" and pending.pop(block.call_id, None) is None:
                 raise PreconditionError(

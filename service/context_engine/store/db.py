@@ -68,10 +68,18 @@ async def connect_pool(
 @asynccontextmanager
 async def acquire(pool: asyncpg.Pool, timeout: float = 5.0) -> AsyncIterator[Any]:
     """A pooled connection; unreachable-database failures become StoreUnavailableError."""
+    handed_out = False
     try:
         async with pool.acquire(timeout=timeout) as conn:
+            handed_out = True
             yield conn
     except _UNAVAILABLE as exc:
+        raise StoreUnavailableError(f"PostgreSQL unavailable: {type(exc).__name__}") from exc
+    except asyncpg.PostgresError as exc:
+        if handed_out:
+            raise
+        # Refused while connecting (database dropped or closed to connections, credentials
+        # revoked): for this replica PostgreSQL is away, not the request wrong.
         raise StoreUnavailableError(f"PostgreSQL unavailable: {type(exc).__name__}") from exc
 
 

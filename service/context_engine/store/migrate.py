@@ -11,7 +11,7 @@ from pathlib import Path
 
 import asyncpg
 
-__all__ = ["apply_migrations", "migration_files"]
+__all__ = ["apply_migrations", "migration_files", "pending_migrations"]
 
 _LOCK_KEY = 0x636F6E74657874  # "context" as an int: one advisory lock for migrations
 
@@ -21,6 +21,17 @@ def migration_files() -> list[tuple[str, str]]:
     root = resources.files("context_engine") / "_migrations"
     files = sorted((p for p in root.iterdir() if p.name.endswith(".sql")), key=lambda p: p.name)
     return [(Path(p.name).stem, p.read_text(encoding="utf-8")) for p in files]
+
+
+async def pending_migrations(conn: asyncpg.Connection) -> list[str]:
+    """Versions not yet applied (all of them on an empty database); changes nothing."""
+    exists = await conn.fetchval("SELECT to_regclass('schema_migrations') IS NOT NULL")
+    done = (
+        {r["version"] for r in await conn.fetch("SELECT version FROM schema_migrations")}
+        if exists
+        else set()
+    )
+    return [version for version, _ in migration_files() if version not in done]
 
 
 async def apply_migrations(conn: asyncpg.Connection) -> list[str]:

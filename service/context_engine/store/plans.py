@@ -9,6 +9,7 @@ from uuid import UUID
 from ..core.errors import NotFoundError
 from ..core.plan import ContextPlan
 from ..core.spec import PlanSpec
+from . import snapshots
 
 __all__ = ["StoredPlan", "insert_plan", "read_plan", "set_current_epoch"]
 
@@ -36,6 +37,8 @@ async def insert_plan(
         spec.model_dump(mode="json"),
         secret,
     )
+    # Erasure's index of whose memories this snapshot holds, written with the plan.
+    await snapshots.record_people(conn, tenant_id, session_id, plan.epoch, spec)
 
 
 async def set_current_epoch(conn: Any, tenant_id: str, session_id: UUID, epoch: int) -> None:

@@ -1,0 +1,45 @@
+# syntax=docker/dockerfile:1
+# context-engine, in two stages. The builder turns the source tree into wheels (the
+# project's and every dependency's); the runtime installs only those wheels into a slim
+# Python, runs as an unprivileged user and checks its own gRPC health.
+#
+#   docker build -t context-engine .
+#   docker run -p 50051:50051 -e DATABASE_URL=postgresql://user:pass@db/ctx context-engine
+#
+# The image has no embedded PostgreSQL: set DATABASE_URL (or CONTEXT_ENGINE_DATABASE_URL).
+# Every setting is an environment variable CONTEXT_ENGINE_<NAME> (docs/operations.md).
+# tests/e2e/test_dockerfile_steps.py keeps this file honest without a Docker engine: it
+# runs these RUN steps' equivalents (build the wheel, install it into a fresh venv, check
+# the packaged migrations and data, run `context-engine --help` and `migrate`).
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS builder
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY migrations/ migrations/
+COPY service/ service/
+RUN pip wheel --no-deps --wheel-dir /wheels .
+RUN pip wheel --wheel-dir /wheels /wheels/context_engine-*.whl
+
+FROM ${PYTHON_IMAGE} AS runtime
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PATH=/opt/venv/bin:$PATH
+RUN python -m venv /opt/venv
+RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
+    /opt/venv/bin/pip install --no-index --find-links /wheels context-engine
+COPY deploy/healthcheck.py /opt/venv/bin/context-engine-healthcheck
+RUN groupadd --system --gid 10001 engine \
+    && useradd --system --uid 10001 --gid engine --no-create-home --home-dir /nonexistent \
+       --shell /usr/sbin/nologin engine
+USER 10001:10001
+EXPOSE 50051
+# Liveness of the process; readiness (PostgreSQL reachable) is the orchestrator's probe of
+# service context_engine.v1.ContextEngine (deploy/k8s).
+HEALTHCHECK --interval=10s --timeout=3s --start-period=15s --retries=3 \
+    CMD ["python", "/opt/venv/bin/context-engine-healthcheck", "127.0.0.1:50051"]
+ENTRYPOINT ["context-engine", "serve", "--listen", "0.0.0.0:50051"]

@@ -1,0 +1,21 @@
+#!/bin/sh
+# Vet the Go client and build the example worker without the Go module proxy: GOPATH mode
+# over the Go libraries Debian packages (/usr/share/gocode; `make install` installs them).
+# With the proxy reachable, plain module mode works too: `go mod tidy && go vet ./...`.
+# Usage: check.sh [OUTPUT_BINARY]   (default: a temporary file, removed afterwards)
+set -eu
+here=$(cd "$(dirname "$0")" && pwd)
+gopath=$(mktemp -d)
+trap 'rm -rf "$gopath"' EXIT
+mkdir -p "$gopath/src/github.com/context-engine/context-engine/clients"
+ln -s "$here" "$gopath/src/github.com/context-engine/context-engine/clients/go"
+cd "$gopath/src/github.com/context-engine/context-engine/clients/go"
+unformatted=$(gofmt -l contextenginev1 examples)
+if [ -n "$unformatted" ]; then
+  echo "gofmt would change: $unformatted" >&2
+  exit 1
+fi
+export GO111MODULE=off GOPATH="$gopath:/usr/share/gocode" GOFLAGS=
+go vet ./...
+go build -o "${1:-$gopath/worker}" ./examples/worker
+echo "go vet and build: ok"

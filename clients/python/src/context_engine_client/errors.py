@@ -1,0 +1,200 @@
+"""Typed errors: every failed RPC becomes a `ContextEngineError` subclass chosen by status.
+
+The server sends google.rpc details with each status: ErrorInfo (a stable `reason` such as
+"ORPHANED_TOOL_ITEM", a domain, metadata such as the offending class) and, when one field
+is at fault, BadRequest field violations ("items[1].tool_result.call_id"). They are decoded
+here once, so a worker matches on `reason` and `field_violations`, never on message text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+
+__all__ = [
+    "Aborted",
+    "ClientError",
+    "ContextEngineError",
+    "DeadlineExceeded",
+    "FailedPrecondition",
+    "FieldViolation",
+    "Internal",
+    "InvalidArgument",
+    "NeedsCompaction",
+    "NotFound",
+    "PermissionDenied",
+    "ResourceExhausted",
+    "ToolLoopLimit",
+    "Unauthenticated",
+    "Unavailable",
+    "Unimplemented",
+    "from_rpc_error",
+]
+
+_DETAILS_KEY = "grpc-status-details-bin"
+
+
+@dataclass(frozen=True, slots=True)
+class FieldViolation:
+    """One google.rpc.BadRequest field violation: the field path and what is wrong."""
+
+    field: str
+    description: str
+
+
+class ClientError(Exception):
+    """Base of everything this package raises."""
+
+
+class ContextEngineError(ClientError):
+    """A failed RPC, with the decoded status details.
+
+    Attributes:
+        code: the gRPC status code.
+        message: the status message (never contains request content).
+        reason: ErrorInfo.reason (ErrorReason without the prefix), "" when absent.
+        domain: ErrorInfo.domain.
+        metadata: ErrorInfo.metadata, e.g. {"class": "agent_instructions"}.
+        field_violations: BadRequest field violations, in order.
+    """
+
+    retryable = False
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        *,
+        reason: str = "",
+        domain: str = "",
+        metadata: Mapping[str, str] | None = None,
+        field_violations: tuple[FieldViolation, ...] = (),
+    ) -> None:
+        super().__init__(f"{code.name}: {message}" + (f" [{reason}]" if reason else ""))
+        self.code = code
+        self.message = message
+        self.reason = reason
+        self.domain = domain
+        self.metadata: dict[str, str] = dict(metadata or {})
+        self.field_violations = field_violations
+
+    @property
+    def field(self) -> str | None:
+        """The first offending field path, if the server named one."""
+        return self.field_violations[0].field if self.field_violations else None
+
+
+class InvalidArgument(ContextEngineError):
+    """The request is wrong; the same request fails again."""
+
+
+class NotFound(ContextEngineError):
+    """An unknown id, or one owned by another tenant (indistinguishable)."""
+
+
+class FailedPrecondition(ContextEngineError):
+    """The state forbids the call (a plan that cannot open, a run in the wrong state)."""
+
+
+class Aborted(ContextEngineError):
+    """A lost optimistic race (checkpoint version, epoch): re-read and retry."""
+
+
+class ResourceExhausted(ContextEngineError):
+    """The request is larger than the server accepts, or a rate limit was hit."""
+
+
+class Unauthenticated(ContextEngineError):
+    """No valid credentials (bearer token or client certificate)."""
+
+
+class PermissionDenied(ContextEngineError):
+    """The identity may not act for the requested tenant."""
+
+
+class Unavailable(ContextEngineError):
+    """The server or its database is unreachable; retry with backoff."""
+
+    retryable = True
+
+
+class DeadlineExceeded(ContextEngineError):
+    """The call's deadline passed before the server answered."""
+
+    retryable = True
+
+
+class Unimplemented(ContextEngineError):
+    """The server does not implement this RPC (an older server)."""
+
+
+class Internal(ContextEngineError):
+    """The server failed; the caller did nothing wrong."""
+
+
+# Table, not branches: status code -> error class. Anything unlisted is a plain
+# ContextEngineError.
+_BY_CODE: dict[grpc.StatusCode, type[ContextEngineError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.ABORTED: Aborted,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.UNIMPLEMENTED: Unimplemented,
+    grpc.StatusCode.INTERNAL: Internal,
+}
+
+
+def from_rpc_error(error: grpc.RpcError) -> ContextEngineError:
+    """Decode a grpc error (sync or aio) into the typed error for its status."""
+    code: grpc.StatusCode = error.code()
+    message: str = error.details() or ""
+    trailing: Any = error.trailing_metadata() or ()
+    raw = next((value for key, value in trailing if key == _DETAILS_KEY), None)
+    reason, domain, metadata, violations = "", "", {}, []
+    if isinstance(raw, bytes):
+        status = status_pb2.Status.FromString(raw)
+        message = status.message or message
+        for detail in status.details:
+            info = error_details_pb2.ErrorInfo()
+            bad = error_details_pb2.BadRequest()
+            if detail.Is(info.DESCRIPTOR) and detail.Unpack(info):
+                reason, domain, metadata = info.reason, info.domain, dict(info.metadata)
+            elif detail.Is(bad.DESCRIPTOR) and detail.Unpack(bad):
+                violations += [FieldViolation(v.field, v.description) for v in bad.field_violations]
+    cls = _BY_CODE.get(code, ContextEngineError)
+    return cls(
+        code,
+        message,
+        reason=reason,
+        domain=domain,
+        metadata=metadata,
+        field_violations=tuple(violations),
+    )
+
+
+class NeedsCompaction(ClientError):
+    """Build reported needs_compaction and the tool loop was given no summarizer."""
+
+    def __init__(self, build: Any) -> None:
+        super().__init__(
+            "the run's body does not fit even after every cheaper yield: compact "
+            "(Run.compact) and build again"
+        )
+        self.build = build
+
+
+class ToolLoopLimit(ClientError):
+    """The tool loop took max_steps model turns without a final answer."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__(f"no final answer after {steps} model turns")
+        self.steps = steps

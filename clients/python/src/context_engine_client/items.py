@@ -1,0 +1,200 @@
+"""Small constructors for the messages a worker writes most, and the tool-loop value types.
+
+Everything here returns plain generated messages (`pb.ConversationItem`, `pb.ToolSpec`),
+so a worker can mix these helpers with hand-built protos freely.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._gen.context_engine.v1 import context_engine_pb2 as pb
+
+__all__ = [
+    "ModelTurn",
+    "ToolCallRequest",
+    "ToolOutput",
+    "Usage",
+    "assistant_message",
+    "reasoning",
+    "tool",
+    "tool_call",
+    "tool_result",
+    "user_message",
+]
+
+
+def _json(value: Mapping[str, Any] | str) -> str:
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+
+
+def user_message(text: str, *, item_id: str = "") -> pb.ConversationItem:
+    """A user's message (further input inside a run)."""
+    return pb.ConversationItem(item_id=item_id, user_message=pb.UserMessage(text=text))
+
+
+def assistant_message(text: str, *, item_id: str = "") -> pb.ConversationItem:
+    """The model's text."""
+    return pb.ConversationItem(item_id=item_id, assistant_message=pb.AssistantMessage(text=text))
+
+
+def tool_call(
+    call_id: str,
+    name: str,
+    arguments: Mapping[str, Any] | str,
+    *,
+    task_id: str = "",
+    item_id: str = "",
+) -> pb.ConversationItem:
+    """The model's tool call; `arguments` is a JSON object (a mapping or its text)."""
+    return pb.ConversationItem(
+        item_id=item_id,
+        tool_call=pb.ToolCall(
+            call_id=call_id, tool_name=name, arguments_json=_json(arguments), task_id=task_id
+        ),
+    )
+
+
+def tool_result(
+    call_id: str,
+    name: str,
+    content: str,
+    *,
+    trust: int = pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED,
+    source: str = "",
+    is_error: bool = False,
+    artifact_ref: str = "",
+    item_id: str = "",
+) -> pb.ConversationItem:
+    """A tool's result. Trust defaults to EXTERNAL_UNTRUSTED: say so when it is better."""
+    return pb.ConversationItem(
+        item_id=item_id,
+        tool_result=pb.ToolResult(
+            call_id=call_id,
+            tool_name=name,
+            content=content,
+            trust=trust,  # type: ignore[arg-type]
+            source=source or f"tool:{name}",
+            is_error=is_error,
+            artifact_ref=artifact_ref,
+        ),
+    )
+
+
+def reasoning(provider: int, opaque: bytes, *, item_id: str = "") -> pb.ConversationItem:
+    """A provider-opaque reasoning item, replayed verbatim within its run only."""
+    return pb.ConversationItem(
+        item_id=item_id,
+        reasoning=pb.ReasoningItem(provider=provider, opaque=opaque),  # type: ignore[arg-type]
+    )
+
+
+def tool(
+    name: str,
+    description: str,
+    input_schema: Mapping[str, Any] | str,
+    *,
+    required_scopes: Sequence[str] = (),
+    side_effect: int = pb.SIDE_EFFECT_NONE,
+    builtin: bool = True,
+    server: str = "",
+) -> pb.ToolSpec:
+    """A tool for a PlanSpec's candidate list."""
+    return pb.ToolSpec(
+        name=name,
+        description=description,
+        input_schema_json=_json(input_schema),
+        required_scopes=list(required_scopes),
+        side_effect=side_effect,  # type: ignore[arg-type]
+        builtin=builtin,
+        server=server,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """A model response's token usage, as ReportUsage wants it.
+
+    `input_tokens` is the uncached input (Anthropic's input_tokens; OpenAI's input_tokens
+    minus cached_tokens).
+    """
+
+    input_tokens: int
+    output_tokens: int = 0
+    cache_read_input_tokens: int = 0
+    cache_creation_input_tokens: int = 0
+
+    @classmethod
+    def from_anthropic(cls, usage: Mapping[str, Any]) -> Usage:
+        """From an Anthropic Messages response's `usage` object."""
+        return cls(
+            input_tokens=int(usage.get("input_tokens") or 0),
+            output_tokens=int(usage.get("output_tokens") or 0),
+            cache_read_input_tokens=int(usage.get("cache_read_input_tokens") or 0),
+            cache_creation_input_tokens=int(usage.get("cache_creation_input_tokens") or 0),
+        )
+
+    @classmethod
+    def from_openai(cls, usage: Mapping[str, Any]) -> Usage:
+        """From an OpenAI Responses response's `usage` object."""
+        details = usage.get("input_tokens_details") or {}
+        cached = int(details.get("cached_tokens") or 0)
+        return cls(
+            input_tokens=int(usage.get("input_tokens") or 0) - cached,
+            output_tokens=int(usage.get("output_tokens") or 0),
+            cache_read_input_tokens=cached,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallRequest:
+    """A tool call the model asked for."""
+
+    call_id: str
+    name: str
+    arguments: Mapping[str, Any] | str = field(default_factory=dict)
+    task_id: str = ""
+
+    def arguments_json(self) -> str:
+        return _json(self.arguments)
+
+    def parsed_arguments(self) -> Any:
+        return json.loads(self.arguments_json())
+
+
+@dataclass(frozen=True, slots=True)
+class ToolOutput:
+    """What a tool returned, with the trust its content deserves."""
+
+    content: str
+    trust: int = pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED
+    is_error: bool = False
+    source: str = ""
+    artifact_ref: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelTurn:
+    """One model response, reduced to what the engine logs.
+
+    `reasoning` holds (provider, opaque JSON bytes) pairs, replayed verbatim within the run.
+    A turn without tool calls ends the tool loop.
+    """
+
+    text: str = ""
+    tool_calls: Sequence[ToolCallRequest] = ()
+    reasoning: Sequence[tuple[int, bytes]] = ()
+    usage: Usage | None = None
+
+    def items(self) -> list[pb.ConversationItem]:
+        """The turn as conversation items: reasoning, text, then tool calls."""
+        out = [reasoning(provider, opaque) for provider, opaque in self.reasoning]
+        if self.text:
+            out.append(assistant_message(self.text))
+        out += [
+            tool_call(c.call_id, c.name, c.arguments, task_id=c.task_id) for c in self.tool_calls
+        ]
+        return out

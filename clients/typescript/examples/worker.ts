@@ -1,0 +1,139 @@
+// An example agent worker: one session, one turn, a tool loop against a real provider API.
+//
+//   npm run build
+//   CONTEXT_ENGINE_TARGET=127.0.0.1:50051 ANTHROPIC_API_KEY=... \
+//     node dist/examples/worker.js "Trains from Paris to Lyon tomorrow?"
+//
+// The engine never calls a model: the worker does, by POSTing `build.providerPayload`
+// as-is to the API named by `build.providerApi`. To try it without a provider account,
+// run the caching fake provider (`context-engine fake-provider --listen 127.0.0.1:8089`)
+// and set ANTHROPIC_BASE_URL=http://127.0.0.1:8089 ANTHROPIC_API_KEY=test.
+
+import {
+  type BuildResult,
+  ContextEngineClient,
+  type ModelTurn,
+  type PlanSpec,
+  type ToolCallRequest,
+  type ToolOutput,
+  tool,
+  usageFromAnthropic,
+  usageFromOpenAI,
+} from '../src/index.js';
+
+const env = process.env;
+const target = env.CONTEXT_ENGINE_TARGET ?? '127.0.0.1:50051';
+const tenantId = env.CONTEXT_ENGINE_TENANT ?? 'example';
+
+const spec: PlanSpec = {
+  model_id: env.MODEL_ID ?? 'claude-sonnet-4-5',
+  agent: {
+    agent_id: 'trips',
+    version: '1',
+    instructions: 'You help people plan train trips. Use web.fetch to read timetables.',
+  },
+  principal: { principal_id: 'ada', scopes: ['web.read'], scope_label: 'Ada (owner)' },
+  tools: [
+    tool(
+      'web.fetch',
+      'Fetch a web page and return its text.',
+      { type: 'object', properties: { url: { type: 'string' } }, required: ['url'] },
+      { requiredScopes: ['web.read'], sideEffect: 'SIDE_EFFECT_NETWORK_READ' },
+    ),
+  ],
+  environment: { surface: 'chat', time_zone: 'Europe/Paris' },
+};
+
+// Each provider API: where to POST the payload, how to authenticate, how to read the reply.
+const PROVIDERS: Record<
+  string,
+  { url: string; headers: Record<string, string>; parse: (body: any) => ModelTurn }
+> = {
+  'anthropic.messages': {
+    url: `${env.ANTHROPIC_BASE_URL ?? 'https://api.anthropic.com'}/v1/messages`,
+    headers: { 'x-api-key': env.ANTHROPIC_API_KEY ?? '', 'anthropic-version': '2023-06-01' },
+    parse: (body) => ({
+      text: body.content
+        .filter((b: any) => b.type === 'text')
+        .map((b: any) => b.text)
+        .join(''),
+      toolCalls: body.content
+        .filter((b: any) => b.type === 'tool_use')
+        .map((b: any) => ({ callId: b.id, name: b.name, arguments: b.input })),
+      reasoning: body.content
+        .filter((b: any) => b.type === 'thinking' || b.type === 'redacted_thinking')
+        .map((b: any) => ({
+          provider: 'PROVIDER_ANTHROPIC' as const,
+          opaque: Buffer.from(JSON.stringify(b)),
+        })),
+      usage: usageFromAnthropic(body.usage ?? {}),
+    }),
+  },
+  'openai.responses': {
+    url: `${env.OPENAI_BASE_URL ?? 'https://api.openai.com'}/v1/responses`,
+    headers: { authorization: `Bearer ${env.OPENAI_API_KEY ?? ''}` },
+    parse: (body) => ({
+      text: body.output
+        .filter((o: any) => o.type === 'message')
+        .flatMap((o: any) => o.content.map((c: any) => c.text ?? ''))
+        .join(''),
+      toolCalls: body.output
+        .filter((o: any) => o.type === 'function_call')
+        .map((o: any) => ({ callId: o.call_id, name: o.name, arguments: o.arguments })),
+      reasoning: body.output
+        .filter((o: any) => o.type === 'reasoning')
+        .map((o: any) => ({
+          provider: 'PROVIDER_OPENAI' as const,
+          opaque: Buffer.from(JSON.stringify(o)),
+        })),
+      usage: usageFromOpenAI(body.usage ?? {}),
+    }),
+  },
+};
+
+async function callModel(build: BuildResult): Promise<ModelTurn> {
+  const api = PROVIDERS[build.providerApi];
+  if (!api || build.providerPayload.length === 0) {
+    throw new Error(`no provider payload for ${JSON.stringify(build.providerApi)}`);
+  }
+  console.log(
+    `build #${build.requestSequence}: prefix ${build.prefixSha256.slice(0, 16)}… ` +
+      `request ${build.requestSha256.slice(0, 12)}… (${build.providerApi})`,
+  );
+  const response = await fetch(api.url, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json', ...api.headers },
+    body: new Uint8Array(build.providerPayload), // the bytes as built, unchanged
+  });
+  if (!response.ok) throw new Error(`${api.url}: HTTP ${response.status}`);
+  return api.parse(await response.json());
+}
+
+// A toy tool: a real worker dispatches to its tool registry and policy engine here.
+async function runTool(call: ToolCallRequest): Promise<ToolOutput> {
+  console.log(`tool ${call.name} ${JSON.stringify(call.arguments)}`);
+  if (call.name !== 'web.fetch') {
+    return { content: `unknown tool ${call.name}`, isError: true, trust: 'TRUST_LEVEL_PLATFORM' };
+  }
+  return { content: '08:04 TGV 6601 Paris Gare de Lyon -> Lyon Part-Dieu 10:00', source: 'tool:web.fetch' };
+}
+
+async function main(): Promise<void> {
+  const question = process.argv[2] ?? 'Trains from Paris to Lyon tomorrow?';
+  const engine = new ContextEngineClient({ target, tenantId, token: env.CONTEXT_ENGINE_TOKEN });
+  try {
+    const session = await engine.openSession(spec);
+    console.log(`session ${session.sessionId}: epoch ${session.plan.epoch}, prefix ${session.plan.prefix_tokens} tokens`);
+    const run = await session.startRun(question);
+    const result = await run.toolLoop({ callModel, runTool, now: () => new Date() });
+    console.log(`answer: ${result.final.text}`);
+    console.log(`distinct prefix hashes: ${new Set(result.builds.map((b) => b.prefixSha256)).size}`);
+  } finally {
+    engine.close();
+  }
+}
+
+main().catch((error) => {
+  console.error(error);
+  process.exitCode = 1;
+});

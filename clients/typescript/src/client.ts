@@ -1,0 +1,501 @@
+// The typed wrapper: a client per tenant, a Session per session, a Run per turn.
+//
+//   const engine = new ContextEngineClient({ target: '127.0.0.1:50051', tenantId: 'acme' });
+//   const session = await engine.openSession(spec);
+//   const run = await session.startRun('Trains to Lyon tomorrow?');
+//   const result = await run.toolLoop({ callModel, runTool });
+//
+// Rules the wrapper keeps so a worker does not have to:
+// 1. A Run tracks the latest checkpoint version it wrote and sends it as
+//    expected_checkpoint_version; a lost race surfaces as AbortedError.
+// 2. Every write carries an idempotency key, so the channel's retry policy (UNAVAILABLE
+//    only) may resend it safely.
+// 3. Every failed RPC rejects with a typed ContextEngineError (reason + field violations).
+// 4. Build is pure on the server: the same checkpoint and clock return the same bytes.
+
+import { randomUUID } from 'node:crypto';
+import * as grpc from '@grpc/grpc-js';
+import * as protoLoader from '@grpc/proto-loader';
+
+import { NeedsCompactionError, ToolLoopLimitError, fromServiceError } from './errors.js';
+import {
+  type ModelTurn,
+  type ToolCallRequest,
+  type ToolOutput,
+  type Usage,
+  toolResult,
+  turnItems,
+} from './items.js';
+import { PROTO_DIR } from './paths.js';
+import type {
+  AppendItemsResponse,
+  BuildResponse,
+  ContextPlan,
+  ConversationItem,
+  ModelRequest,
+  PlanReason,
+  PlanSpec,
+  PrepareCompactionResponse,
+  PressureReport,
+  ProtoGrpcType,
+  RawContextEngineClient,
+  ReportUsageResponse,
+  RunAdmission,
+  StepContext,
+} from './types.js';
+
+export const SERVICE = 'context_engine.v1.ContextEngine';
+
+/** proto-loader options the generated types were made with (package.json "generate"). */
+export const LOAD_OPTIONS: protoLoader.Options = {
+  keepCase: true,
+  longs: Number,
+  enums: String,
+  defaults: true,
+  oneofs: true,
+  includeDirs: [PROTO_DIR],
+};
+
+// Transparent retries of UNAVAILABLE only: every write carries an idempotency key (Rule 2).
+const SERVICE_CONFIG = JSON.stringify({
+  methodConfig: [
+    {
+      name: [{ service: SERVICE }],
+      retryPolicy: {
+        maxAttempts: 4,
+        initialBackoff: '0.1s',
+        maxBackoff: '2s',
+        backoffMultiplier: 2,
+        retryableStatusCodes: ['UNAVAILABLE'],
+      },
+    },
+  ],
+});
+
+let loaded: ProtoGrpcType | undefined;
+
+/** The loaded package definition (proto/ is parsed once per process). */
+export function protoPackage(): ProtoGrpcType {
+  if (!loaded) {
+    const definition = protoLoader.loadSync('context_engine/v1/context_engine.proto', LOAD_OPTIONS);
+    loaded = grpc.loadPackageDefinition(definition) as unknown as ProtoGrpcType;
+  }
+  return loaded;
+}
+
+export interface ClientOptions {
+  /** "host:port"; a sidecar listens on 127.0.0.1:50051. */
+  target: string;
+  /** Sent on every request; with auth on it must match the authenticated identity. */
+  tenantId: string;
+  /** Bearer token, sent as `authorization: Bearer <token>`. */
+  token?: string;
+  /** TLS or mTLS credentials; plaintext when absent. */
+  credentials?: grpc.ChannelCredentials;
+  /** Per-call deadline in milliseconds (default 30 s). */
+  timeoutMs?: number;
+  /** Extra channel options. */
+  channelOptions?: grpc.ChannelOptions;
+}
+
+// The generated client's last overload of each method is (request, callback); inference
+// from an overloaded method uses that one, which is all these need.
+type ReqOf<M> = M extends (request: infer Req, callback: grpc.requestCallback<any>) => unknown
+  ? Req
+  : never;
+type ResOf<M> = M extends (request: any, callback: grpc.requestCallback<infer Res>) => unknown
+  ? Res
+  : never;
+/** The engine's unary RPCs by name (PascalCase, as in the proto). */
+export type MethodName =
+  | 'Plan'
+  | 'GetPlan'
+  | 'Rotate'
+  | 'StartRun'
+  | 'AppendItems'
+  | 'Build'
+  | 'GetBuild'
+  | 'ReportUsage'
+  | 'LoadSkill'
+  | 'EraseSubject'
+  | 'UpdateWorkingState'
+  | 'ListControlTools'
+  | 'PrepareCompaction'
+  | 'CommitCompaction'
+  | 'OfferFactCandidates';
+export type RequestOf<K extends MethodName> = ReqOf<RawContextEngineClient[K]>;
+export type ResponseOf<K extends MethodName> = ResOf<RawContextEngineClient[K]>;
+
+const newKey = (): string => randomUUID();
+
+/** Longest tool name the providers accept (OpenAI's 64; Anthropic allows 128). */
+export const MAX_WIRE_NAME = 64;
+
+/**
+ * The name a provider sees for a tool: providers accept [A-Za-z0-9_-] only, so the engine
+ * sends "web.fetch" as "web-fetch". Map a model's answer back with BuildResult.toolName.
+ */
+export function wireToolName(name: string): string {
+  return name.replace(/[^A-Za-z0-9_-]/g, '-').slice(0, MAX_WIRE_NAME) || '-';
+}
+
+function timestamp(date: Date): { seconds: number; nanos: number } {
+  const ms = date.getTime();
+  const seconds = Math.floor(ms / 1000);
+  return { seconds, nanos: (ms - seconds * 1000) * 1_000_000 };
+}
+
+export class ContextEngineClient {
+  readonly tenantId: string;
+  readonly raw: RawContextEngineClient;
+  private readonly token?: string;
+  private readonly timeoutMs: number;
+
+  constructor(options: ClientOptions) {
+    if (!options.tenantId) throw new TypeError('tenantId is required');
+    this.tenantId = options.tenantId;
+    this.token = options.token;
+    this.timeoutMs = options.timeoutMs ?? 30_000;
+    const Stub = protoPackage().context_engine.v1.ContextEngine;
+    this.raw = new Stub(options.target, options.credentials ?? grpc.credentials.createInsecure(), {
+      'grpc.service_config': SERVICE_CONFIG,
+      ...options.channelOptions,
+    });
+  }
+
+  close(): void {
+    this.raw.close();
+  }
+
+  /** Call one unary RPC by name with this client's metadata, deadline and typed errors. */
+  call<K extends MethodName>(method: K, request: RequestOf<K>): Promise<ResponseOf<K>> {
+    const metadata = new grpc.Metadata();
+    if (this.token) metadata.set('authorization', `Bearer ${this.token}`);
+    const deadline = new Date(Date.now() + this.timeoutMs);
+    const rpc = this.raw[method] as unknown as (
+      request: RequestOf<K>,
+      metadata: grpc.Metadata,
+      options: grpc.CallOptions,
+      callback: grpc.requestCallback<ResponseOf<K>>,
+    ) => grpc.ClientUnaryCall;
+    return new Promise((resolve, reject) => {
+      rpc.call(this.raw, request, metadata, { deadline }, (error, response) => {
+        if (error) reject(fromServiceError(error));
+        else resolve(response as ResponseOf<K>);
+      });
+    });
+  }
+
+  /** Plan a session (epoch 1), or return an existing session's current plan. */
+  async openSession(spec: PlanSpec, opts: { sessionId?: string } = {}): Promise<Session> {
+    const sessionId = opts.sessionId ?? newKey();
+    const response = await this.call('Plan', {
+      tenant_id: this.tenantId,
+      session_id: sessionId,
+      spec,
+    });
+    return new Session(this, sessionId, response.plan!, response.created, response.spec_matches);
+  }
+
+  /** Attach to an existing session (reads its current plan, or a given epoch). */
+  async session(sessionId: string, epoch = 0): Promise<Session> {
+    const response = await this.call('GetPlan', {
+      tenant_id: this.tenantId,
+      session_id: sessionId,
+      epoch,
+    });
+    return new Session(this, sessionId, response.plan!, false, true);
+  }
+
+  /** Report a model response's actual usage for the request Build recorded. */
+  reportUsage(
+    sessionId: string,
+    requestSequence: number,
+    modelId: string,
+    usage: Usage,
+    idempotencyKey?: string,
+  ): Promise<ReportUsageResponse> {
+    return this.call('ReportUsage', {
+      tenant_id: this.tenantId,
+      session_id: sessionId,
+      request_sequence: requestSequence,
+      model_id: modelId,
+      input_tokens: usage.inputTokens,
+      output_tokens: usage.outputTokens ?? 0,
+      cache_read_input_tokens: usage.cacheReadInputTokens ?? 0,
+      cache_creation_input_tokens: usage.cacheCreationInputTokens ?? 0,
+      idempotency_key: idempotencyKey ?? `usage:${sessionId}:${requestSequence}`,
+    });
+  }
+}
+
+/** One Build: the request to send and how it was made. */
+export class BuildResult {
+  constructor(readonly response: BuildResponse) {}
+
+  /** JSON bytes ready to POST to the provider named by providerApi. */
+  get providerPayload(): Buffer {
+    return this.response.provider_payload;
+  }
+  /** "anthropic.messages" or "openai.responses". */
+  get providerApi(): string {
+    return this.response.provider_api;
+  }
+  get prefixSha256(): string {
+    return this.response.prefix_sha256;
+  }
+  get requestSha256(): string {
+    return this.response.request_sha256;
+  }
+  /** True when no request was built: compact, then build again. */
+  get needsCompaction(): boolean {
+    return this.response.needs_compaction;
+  }
+  /** The model.request.started event; pass it to reportUsage. */
+  get requestSequence(): number {
+    return this.response.request_sequence;
+  }
+  get checkpointVersion(): number {
+    return this.response.checkpoint_version;
+  }
+  get epoch(): number {
+    return this.response.epoch;
+  }
+  /** The provider-neutral request (blocks tagged with row and trust). */
+  get request(): ModelRequest | null {
+    return this.response.request;
+  }
+  get pressure(): PressureReport | null {
+    return this.response.pressure;
+  }
+  /** providerPayload decoded from JSON. */
+  payload(): unknown {
+    return JSON.parse(this.providerPayload.toString('utf8'));
+  }
+  /** The tool behind a name the model used ("web-fetch" -> "web.fetch"); else unchanged. */
+  toolName(wireName: string): string {
+    const tool = this.request?.tools.find((t) => wireToolName(t.name) === wireName);
+    return tool?.name ?? wireName;
+  }
+}
+
+export class Session {
+  constructor(
+    readonly client: ContextEngineClient,
+    readonly sessionId: string,
+    public plan: ContextPlan,
+    readonly created: boolean,
+    readonly specMatches: boolean,
+  ) {}
+
+  get tenantId(): string {
+    return this.client.tenantId;
+  }
+
+  /** Start a top-level run (one turn) seeded by the user's message. */
+  async startRun(
+    text: string,
+    opts: { runId?: string; admission?: RunAdmission; idempotencyKey?: string } = {},
+  ): Promise<Run> {
+    const response = await this.client.call('StartRun', {
+      tenant_id: this.tenantId,
+      session_id: this.sessionId,
+      run_id: opts.runId ?? '',
+      idempotency_key: opts.idempotencyKey ?? newKey(),
+      user_message: { text },
+      admission: opts.admission ?? null,
+    });
+    if (response.rotated_plan) this.plan = response.rotated_plan;
+    return new Run(this, response.run!.run_id, response.checkpoint_version, response.run!.epoch);
+  }
+
+  /** Attach to an existing run at a known checkpoint version (no RPC). */
+  run(runId: string, checkpointVersion: number): Run {
+    return new Run(this, runId, checkpointVersion, this.plan.epoch);
+  }
+
+  /** Start a new prefix epoch from the current one. A lost race rejects with AbortedError. */
+  async rotate(reason: PlanReason, opts: { spec?: PlanSpec; detail?: string } = {}) {
+    const response = await this.client.call('Rotate', {
+      tenant_id: this.tenantId,
+      session_id: this.sessionId,
+      from_epoch: this.plan.epoch,
+      reason,
+      spec: opts.spec ?? null,
+      detail: opts.detail ?? '',
+    });
+    this.plan = response.plan!;
+    return this.plan;
+  }
+
+  /** Report the usage of the response to `build`'s request. */
+  reportUsage(build: BuildResult, usage: Usage, idempotencyKey?: string) {
+    const modelId = build.request?.model_id || this.plan.model_id;
+    return this.client.reportUsage(
+      this.sessionId,
+      build.requestSequence,
+      modelId,
+      usage,
+      idempotencyKey,
+    );
+  }
+}
+
+export interface BuildOptions {
+  /** The clock row 14 renders; the server's clock when absent. */
+  now?: Date;
+  /** In-turn recall, corrections and knowledge passages. */
+  step?: StepContext;
+  /** Build from this version instead of the run's latest known one. */
+  checkpointVersion?: number;
+}
+
+export interface ToolLoopOptions {
+  /** Send the build to the model; return what it said. */
+  callModel: (build: BuildResult) => Promise<ModelTurn>;
+  /** Run one tool call; a string is an EXTERNAL_UNTRUSTED result. */
+  runTool: (call: ToolCallRequest) => Promise<ToolOutput | string>;
+  /** A fixed clock or a function read before each build. */
+  now?: Date | (() => Date);
+  step?: StepContext;
+  /** Writes the compaction summary when the body does not fit. */
+  summarize?: (prepared: PrepareCompactionResponse) => Promise<string>;
+  maxSteps?: number;
+  /** Report each turn's usage (default true). */
+  reportUsage?: boolean;
+}
+
+export interface ToolLoopResult {
+  final: ModelTurn;
+  builds: BuildResult[];
+  /** One per model turn that reported usage. */
+  reports: ReportUsageResponse[];
+}
+
+export class Run {
+  constructor(
+    readonly session: Session,
+    readonly runId: string,
+    public checkpointVersion: number,
+    readonly epoch: number,
+  ) {}
+
+  private get ids() {
+    return {
+      tenant_id: this.session.tenantId,
+      session_id: this.session.sessionId,
+      run_id: this.runId,
+    };
+  }
+
+  private get client(): ContextEngineClient {
+    return this.session.client;
+  }
+
+  /** Append items in order; tracks the new checkpoint version. */
+  async append(items: ConversationItem[], idempotencyKey?: string): Promise<AppendItemsResponse> {
+    const response = await this.client.call('AppendItems', {
+      ...this.ids,
+      expected_checkpoint_version: this.checkpointVersion,
+      idempotency_key: idempotencyKey ?? newKey(),
+      items,
+    });
+    this.checkpointVersion = response.checkpoint_version;
+    return response;
+  }
+
+  /** Assemble the next model request from this run's latest known checkpoint. */
+  async build(opts: BuildOptions = {}): Promise<BuildResult> {
+    const response = await this.client.call('Build', {
+      ...this.ids,
+      checkpoint_version: opts.checkpointVersion ?? this.checkpointVersion,
+      now: opts.now ? timestamp(opts.now) : null,
+      step: opts.step ?? null,
+    });
+    return new BuildResult(response);
+  }
+
+  reportUsage(build: BuildResult, usage: Usage, idempotencyKey?: string) {
+    return this.session.reportUsage(build, usage, idempotencyKey);
+  }
+
+  /** PrepareCompaction -> the worker's summarizer -> CommitCompaction. */
+  async compact(
+    summarize: (prepared: PrepareCompactionResponse) => Promise<string>,
+    compactorVersion = '@context-engine/client@0.1.0',
+  ): Promise<number> {
+    const prepared = await this.client.call('PrepareCompaction', {
+      ...this.ids,
+      checkpoint_version: this.checkpointVersion,
+    });
+    const summary = await summarize(prepared);
+    const response = await this.client.call('CommitCompaction', {
+      ...this.ids,
+      expected_checkpoint_version: prepared.checkpoint_version,
+      idempotency_key: newKey(),
+      result: {
+        summary,
+        source_event_ids: prepared.source_event_ids,
+        elided: prepared.elided,
+        replaced_through_sequence: prepared.replaced_through_sequence,
+        depth: prepared.depth,
+        tokens_before: prepared.tokens_before,
+        // Conservative when the worker does not know: one token per three UTF-8 bytes.
+        tokens_after: Math.ceil(Buffer.byteLength(summary, 'utf8') / 3),
+        compactor_version: compactorVersion,
+        prompt_version: prepared.prompt_version,
+      },
+    });
+    this.checkpointVersion = response.checkpoint_version;
+    return this.checkpointVersion;
+  }
+
+  /**
+   * Build -> model -> tools -> append, until the model answers without tool calls. The
+   * model's items and the tool results go in one append per step, so the log never holds
+   * a call without its result.
+   */
+  async toolLoop(opts: ToolLoopOptions): Promise<ToolLoopResult> {
+    const builds: BuildResult[] = [];
+    const reports: ReportUsageResponse[] = [];
+    const maxSteps = opts.maxSteps ?? 16;
+    let compactions = 0;
+    while (builds.length < maxSteps) {
+      const now = typeof opts.now === 'function' ? opts.now() : opts.now;
+      const built = await this.build({ now, step: opts.step });
+      if (built.needsCompaction) {
+        // The server caps summary depth at 2; a third attempt would fail there.
+        if (!opts.summarize || compactions >= 2) throw new NeedsCompactionError(built);
+        await this.compact(opts.summarize);
+        compactions += 1;
+        continue;
+      }
+      builds.push(built);
+      const answered = await opts.callModel(built);
+      // Tool calls arrive under the provider's wire names; log and run the real ones.
+      const turn: ModelTurn = {
+        ...answered,
+        toolCalls: answered.toolCalls?.map((c) => ({ ...c, name: built.toolName(c.name) })),
+      };
+      if ((opts.reportUsage ?? true) && turn.usage) {
+        reports.push(await this.reportUsage(built, turn.usage));
+      }
+      const items = turnItems(turn);
+      for (const call of turn.toolCalls ?? []) {
+        const output = await opts.runTool(call);
+        const out: ToolOutput = typeof output === 'string' ? { content: output } : output;
+        items.push(
+          toolResult(call.callId, call.name, out.content, {
+            trust: out.trust,
+            source: out.source,
+            isError: out.isError,
+            artifactRef: out.artifactRef,
+          }),
+        );
+      }
+      if (items.length) await this.append(items);
+      if (!turn.toolCalls?.length) return { final: turn, builds, reports };
+    }
+    throw new ToolLoopLimitError(maxSteps);
+  }
+}

@@ -1,0 +1,178 @@
+// Typed errors: every failed RPC becomes a ContextEngineError (a subclass per status code)
+// with the google.rpc details the server sends decoded once: ErrorInfo (a stable `reason`
+// such as "ORPHANED_TOOL_ITEM", metadata such as the offending class) and BadRequest field
+// violations ("items[0].tool_result.call_id"). Match on `reason` and `field`, never on text.
+
+import path from 'node:path';
+import { status as Status, type ServiceError } from '@grpc/grpc-js';
+import protobuf from 'protobufjs';
+
+import { PROTO_DIR } from './paths.js';
+
+export interface FieldViolation {
+  field: string;
+  description: string;
+}
+
+/** Base of everything this package throws. */
+export class ClientError extends Error {
+  override name = 'ClientError';
+}
+
+/** A failed RPC with its decoded status details. */
+export class ContextEngineError extends ClientError {
+  override name = 'ContextEngineError';
+  constructor(
+    readonly code: Status,
+    message: string,
+    readonly reason: string = '',
+    readonly domain: string = '',
+    readonly metadata: Record<string, string> = {},
+    readonly fieldViolations: FieldViolation[] = [],
+  ) {
+    super(`${Status[code]}: ${message}${reason ? ` [${reason}]` : ''}`);
+  }
+
+  /** The status code's name, e.g. "ABORTED". */
+  get codeName(): string {
+    return Status[this.code];
+  }
+
+  /** The first offending field path, if the server named one. */
+  get field(): string | undefined {
+    return this.fieldViolations[0]?.field;
+  }
+
+  /** True for UNAVAILABLE and DEADLINE_EXCEEDED: retry with backoff. */
+  get retryable(): boolean {
+    return this.code === Status.UNAVAILABLE || this.code === Status.DEADLINE_EXCEEDED;
+  }
+}
+
+/** The request is wrong; the same request fails again. */
+export class InvalidArgumentError extends ContextEngineError {
+  override name = 'InvalidArgumentError';
+}
+/** An unknown id, or one owned by another tenant (indistinguishable). */
+export class NotFoundError extends ContextEngineError {
+  override name = 'NotFoundError';
+}
+/** The state forbids the call (a plan that cannot open, a run in the wrong state). */
+export class FailedPreconditionError extends ContextEngineError {
+  override name = 'FailedPreconditionError';
+}
+/** A lost optimistic race (checkpoint version, epoch): re-read and retry. */
+export class AbortedError extends ContextEngineError {
+  override name = 'AbortedError';
+}
+/** The server or its database is unreachable; retry with backoff. */
+export class UnavailableError extends ContextEngineError {
+  override name = 'UnavailableError';
+}
+/** No valid credentials, or not allowed to act for the tenant. */
+export class AuthError extends ContextEngineError {
+  override name = 'AuthError';
+}
+/** The server does not implement this RPC (an older server). */
+export class UnimplementedError extends ContextEngineError {
+  override name = 'UnimplementedError';
+}
+/** The request is larger than the server accepts. */
+export class ResourceExhaustedError extends ContextEngineError {
+  override name = 'ResourceExhaustedError';
+}
+
+type ErrorClass = new (
+  code: Status,
+  message: string,
+  reason?: string,
+  domain?: string,
+  metadata?: Record<string, string>,
+  fieldViolations?: FieldViolation[],
+) => ContextEngineError;
+
+// Table, not branches: status code -> error class; anything unlisted is the base class.
+const BY_CODE: Partial<Record<Status, ErrorClass>> = {
+  [Status.INVALID_ARGUMENT]: InvalidArgumentError,
+  [Status.NOT_FOUND]: NotFoundError,
+  [Status.FAILED_PRECONDITION]: FailedPreconditionError,
+  [Status.ABORTED]: AbortedError,
+  [Status.UNAVAILABLE]: UnavailableError,
+  [Status.UNAUTHENTICATED]: AuthError,
+  [Status.PERMISSION_DENIED]: AuthError,
+  [Status.RESOURCE_EXHAUSTED]: ResourceExhaustedError,
+  [Status.UNIMPLEMENTED]: UnimplementedError,
+};
+
+let detailTypes: protobuf.Root | undefined;
+
+function rpcRoot(): protobuf.Root {
+  if (!detailTypes) {
+    detailTypes = new protobuf.Root().loadSync(
+      ['status.proto', 'error_details.proto'].map((f) => path.join(PROTO_DIR, 'google', 'rpc', f)),
+      { keepCase: true },
+    );
+  }
+  return detailTypes;
+}
+
+interface Details {
+  message?: string;
+  reason: string;
+  domain: string;
+  metadata: Record<string, string>;
+  violations: FieldViolation[];
+}
+
+function decodeDetails(raw: Buffer): Details {
+  const root = rpcRoot();
+  const decode = (typeName: string, bytes: Uint8Array) => {
+    const type = root.lookupType(typeName);
+    return type.toObject(type.decode(bytes), { defaults: true, arrays: true, objects: true });
+  };
+  const out: Details = { reason: '', domain: '', metadata: {}, violations: [] };
+  const status = decode('google.rpc.Status', raw);
+  out.message = status.message;
+  for (const detail of status.details as { type_url: string; value: Uint8Array }[]) {
+    const typeName = detail.type_url.slice(detail.type_url.lastIndexOf('/') + 1);
+    if (typeName === 'google.rpc.ErrorInfo') {
+      const info = decode(typeName, detail.value);
+      Object.assign(out, { reason: info.reason, domain: info.domain, metadata: { ...info.metadata } });
+    } else if (typeName === 'google.rpc.BadRequest') {
+      for (const v of decode(typeName, detail.value).field_violations as FieldViolation[]) {
+        out.violations.push({ field: v.field, description: v.description });
+      }
+    }
+  }
+  return out;
+}
+
+/** Decode a grpc-js ServiceError into the typed error for its status. */
+export function fromServiceError(error: ServiceError): ContextEngineError {
+  let details: Details = { reason: '', domain: '', metadata: {}, violations: [] };
+  const raw = error.metadata?.get('grpc-status-details-bin')[0];
+  try {
+    if (raw instanceof Buffer) details = decodeDetails(raw);
+  } catch {
+    // Undecodable details still leave a typed error with the status code and message.
+  }
+  const Cls = BY_CODE[error.code] ?? ContextEngineError;
+  const message = details.message || error.details || error.message;
+  return new Cls(error.code, message, details.reason, details.domain, details.metadata, details.violations);
+}
+
+/** Build reported needsCompaction and the tool loop was given no summarizer. */
+export class NeedsCompactionError extends ClientError {
+  override name = 'NeedsCompactionError';
+  constructor(readonly build: unknown) {
+    super('the body does not fit even after every cheaper yield: compact and build again');
+  }
+}
+
+/** The tool loop took maxSteps model turns without a final answer. */
+export class ToolLoopLimitError extends ClientError {
+  override name = 'ToolLoopLimitError';
+  constructor(readonly steps: number) {
+    super(`no final answer after ${steps} model turns`);
+  }
+}

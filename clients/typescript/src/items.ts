@@ -1,0 +1,149 @@
+// Small constructors for the messages a worker writes most, and the tool-loop value types.
+// They return plain proto-loader objects, so they mix freely with hand-written ones.
+
+import type { ConversationItem, ToolSpec, TrustLevel, SideEffect } from './types.js';
+
+type Json = Record<string, unknown>;
+
+const asJson = (value: Json | string): string =>
+  typeof value === 'string' ? value : JSON.stringify(value);
+
+export function userMessage(text: string, itemId = ''): ConversationItem {
+  return { item_id: itemId, user_message: { text } };
+}
+
+export function assistantMessage(text: string, itemId = ''): ConversationItem {
+  return { item_id: itemId, assistant_message: { text } };
+}
+
+export function toolCall(
+  callId: string,
+  name: string,
+  args: Json | string,
+  opts: { taskId?: string; itemId?: string } = {},
+): ConversationItem {
+  return {
+    item_id: opts.itemId ?? '',
+    tool_call: {
+      call_id: callId,
+      tool_name: name,
+      arguments_json: asJson(args),
+      task_id: opts.taskId ?? '',
+    },
+  };
+}
+
+export interface ToolResultOptions {
+  /** Defaults to TRUST_LEVEL_EXTERNAL_UNTRUSTED: say so when the content deserves more. */
+  trust?: TrustLevel;
+  source?: string;
+  isError?: boolean;
+  artifactRef?: string;
+  itemId?: string;
+}
+
+export function toolResult(
+  callId: string,
+  name: string,
+  content: string,
+  opts: ToolResultOptions = {},
+): ConversationItem {
+  return {
+    item_id: opts.itemId ?? '',
+    tool_result: {
+      call_id: callId,
+      tool_name: name,
+      content,
+      trust: opts.trust ?? 'TRUST_LEVEL_EXTERNAL_UNTRUSTED',
+      source: opts.source ?? `tool:${name}`,
+      is_error: opts.isError ?? false,
+      artifact_ref: opts.artifactRef ?? '',
+    },
+  };
+}
+
+export function tool(
+  name: string,
+  description: string,
+  inputSchema: Json | string,
+  opts: { requiredScopes?: string[]; sideEffect?: SideEffect; builtin?: boolean } = {},
+): ToolSpec {
+  return {
+    name,
+    description,
+    input_schema_json: asJson(inputSchema),
+    required_scopes: opts.requiredScopes ?? [],
+    side_effect: opts.sideEffect ?? 'SIDE_EFFECT_NONE',
+    builtin: opts.builtin ?? true,
+  };
+}
+
+/** A model response's token usage, as ReportUsage wants it (input = uncached input). */
+export interface Usage {
+  inputTokens: number;
+  outputTokens?: number;
+  cacheReadInputTokens?: number;
+  cacheCreationInputTokens?: number;
+}
+
+/** From an Anthropic Messages response's `usage` object. */
+export function usageFromAnthropic(usage: Record<string, number | undefined>): Usage {
+  return {
+    inputTokens: usage.input_tokens ?? 0,
+    outputTokens: usage.output_tokens ?? 0,
+    cacheReadInputTokens: usage.cache_read_input_tokens ?? 0,
+    cacheCreationInputTokens: usage.cache_creation_input_tokens ?? 0,
+  };
+}
+
+/** From an OpenAI Responses response's `usage` object. */
+export function usageFromOpenAI(usage: {
+  input_tokens?: number;
+  output_tokens?: number;
+  input_tokens_details?: { cached_tokens?: number };
+}): Usage {
+  const cached = usage.input_tokens_details?.cached_tokens ?? 0;
+  return {
+    inputTokens: (usage.input_tokens ?? 0) - cached,
+    outputTokens: usage.output_tokens ?? 0,
+    cacheReadInputTokens: cached,
+  };
+}
+
+/** A tool call the model asked for. */
+export interface ToolCallRequest {
+  callId: string;
+  name: string;
+  arguments: Json | string;
+  taskId?: string;
+}
+
+/** What a tool returned, with the trust its content deserves. */
+export interface ToolOutput {
+  content: string;
+  trust?: TrustLevel;
+  isError?: boolean;
+  source?: string;
+  artifactRef?: string;
+}
+
+/** One model response reduced to what the engine logs. No tool calls ends the loop. */
+export interface ModelTurn {
+  text?: string;
+  toolCalls?: ToolCallRequest[];
+  /** Provider-opaque reasoning items (JSON bytes), replayed verbatim within the run. */
+  reasoning?: { provider: 'PROVIDER_ANTHROPIC' | 'PROVIDER_OPENAI'; opaque: Uint8Array }[];
+  usage?: Usage;
+}
+
+/** The turn as conversation items: reasoning, text, then tool calls. */
+export function turnItems(turn: ModelTurn): ConversationItem[] {
+  const items: ConversationItem[] = (turn.reasoning ?? []).map((r) => ({
+    reasoning: { provider: r.provider, opaque: Buffer.from(r.opaque) },
+  }));
+  if (turn.text) items.push(assistantMessage(turn.text));
+  for (const call of turn.toolCalls ?? []) {
+    items.push(toolCall(call.callId, call.name, call.arguments, { taskId: call.taskId }));
+  }
+  return items;
+}

@@ -1,0 +1,176 @@
+"""Compaction orchestration: prepare the worker's summarizer input, commit its result.
+
+Prepare reads; commit is one transaction under the session row lock that re-prepares from
+the same checkpoint (the log below the seed is immutable, so it computes the same thing),
+validates the worker's result against it, and writes the run's next checkpoint and the
+context.compacted event together. Neither touches the plan: the prefix cannot move.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
+
+from ..core.checkpoint import Checkpoint
+from ..core.compaction import (
+    CompactionResult,
+    Prepared,
+    check_result,
+    compacted_checkpoint,
+    elided_content,
+    prepare,
+)
+from ..core.errors import ConflictError, InvalidFieldError
+from ..core.items import ConversationItem
+from ..core.seeding import carried_history, seed_cut
+from ..store import events, idempotency, runs, sessions
+from ..store import working_state as ws_store
+from ..store.db import acquire, transaction
+from ..store.events import NewEvent
+
+if TYPE_CHECKING:
+    from .engine import Engine, TokenCounter
+
+__all__ = ["COMPACTED", "commit_compaction", "prepare_compaction"]
+
+COMPACTED = "context.compacted"
+
+
+async def _inputs(
+    conn: Any, tenant_id: str, session_id: UUID, run_id: UUID, version: int
+) -> tuple[Checkpoint, tuple[ConversationItem, ...], dict[str, str]]:
+    """The checkpoint, its carried history (as Build reads it) and the logged text of
+    every span an earlier compaction elided."""
+    run = await runs.read_run(conn, tenant_id, session_id, run_id)
+    checkpoint = await runs.read_checkpoint(conn, tenant_id, run_id, version)
+    logged = await events.read_carried_items(
+        conn,
+        tenant_id,
+        session_id,
+        below_sequence=seed_cut(run.seed_event_sequence),
+        above_sequence=checkpoint.replaced_through_sequence,
+    )
+    earlier = checkpoint.compaction.elided if checkpoint.compaction else ()
+    found = await ws_store.read_events_at(
+        conn, tenant_id, session_id, [s.event_id for s in earlier]
+    )
+    contents = {
+        s.item_id: elided_content(*found[s.event_id]) for s in earlier if s.event_id in found
+    }
+    return checkpoint, carried_history(logged), contents
+
+
+async def _counter(engine: Engine, tenant_id: str, session_id: UUID) -> TokenCounter:
+    stored = await engine.get_plan(tenant_id, session_id)
+    return engine.count_tokens_for(stored.plan.model_id)
+
+
+async def prepare_compaction(
+    engine: Engine,
+    tenant_id: str,
+    session_id: UUID,
+    run_id: UUID,
+    checkpoint_version: int,
+    through_sequence: int,
+) -> Prepared:
+    """PrepareCompaction: the summarizer input for the given (or latest) checkpoint."""
+    count_tokens = await _counter(engine, tenant_id, session_id)
+    async with acquire(engine.pool) as conn:
+        checkpoint, carried, contents = await _inputs(
+            conn, tenant_id, session_id, run_id, checkpoint_version
+        )
+    return prepare(
+        checkpoint,
+        carried,
+        through_sequence=through_sequence,
+        count_tokens=count_tokens,
+        earlier_contents=contents,
+    )
+
+
+def _reprepare(
+    checkpoint: Checkpoint,
+    carried: tuple[ConversationItem, ...],
+    contents: dict[str, str],
+    through: int,
+    count_tokens: TokenCounter,
+) -> Prepared:
+    field = "result.replaced_through_sequence"
+    if through < 1:
+        raise InvalidFieldError(
+            f"{field} is required: commit the value PrepareCompaction returned",
+            field=field,
+            reason="COMPACTION_MISMATCH",
+        )
+    try:
+        return prepare(
+            checkpoint,
+            carried,
+            through_sequence=through,
+            count_tokens=count_tokens,
+            earlier_contents=contents,
+        )
+    except InvalidFieldError as exc:
+        if exc.field != "through_sequence":
+            raise
+        raise InvalidFieldError(
+            f"{field} {through} is not what PrepareCompaction prepared: {exc.message}",
+            field=field,
+            reason="COMPACTION_MISMATCH",
+        ) from None
+
+
+async def commit_compaction(
+    engine: Engine,
+    tenant_id: str,
+    session_id: UUID,
+    run_id: UUID,
+    expected_version: int,
+    result: CompactionResult,
+    idempotency_key: str,
+    request_sha256: str,
+) -> dict[str, Any]:
+    """CommitCompaction: validate and store the result. -> {checkpoint_version,
+    event_sequence}"""
+    count_tokens = await _counter(engine, tenant_id, session_id)
+    async with transaction(engine.pool) as conn:
+        await sessions.lock_session(conn, tenant_id, session_id)
+        stored = await idempotency.recall_response(
+            conn, tenant_id, session_id, idempotency_key, "CommitCompaction", request_sha256
+        )
+        if stored is not None:
+            return stored
+        checkpoint, carried, contents = await _inputs(conn, tenant_id, session_id, run_id, 0)
+        if expected_version != checkpoint.version:
+            raise ConflictError(
+                f"expected_checkpoint_version {expected_version} is not the latest"
+                f" ({checkpoint.version}); prepare again",
+                field="expected_checkpoint_version",
+                reason="CHECKPOINT_VERSION_CONFLICT",
+                metadata={"latest_version": str(checkpoint.version)},
+            )
+        prepared = _reprepare(
+            checkpoint, carried, contents, result.replaced_through_sequence, count_tokens
+        )
+        record = check_result(prepared, result, count_tokens)
+        new_checkpoint = compacted_checkpoint(checkpoint, record)
+        await runs.insert_checkpoint(conn, tenant_id, new_checkpoint)
+        payload = {
+            **record.model_dump(mode="json"),
+            "checkpoint_version": new_checkpoint.version,
+            "from_checkpoint_version": checkpoint.version,
+        }
+        (sequence,) = await events.append_events(
+            conn, tenant_id, session_id, [NewEvent(COMPACTED, payload, run_id=run_id)]
+        )
+        response = {"checkpoint_version": new_checkpoint.version, "event_sequence": sequence}
+        await idempotency.remember_response(
+            conn,
+            tenant_id,
+            session_id,
+            idempotency_key,
+            "CommitCompaction",
+            request_sha256,
+            response,
+        )
+    return response

@@ -1,0 +1,424 @@
+"""Server interceptors: observe every RPC, authenticate the caller, bound request size.
+
+Rules:
+1. Order, outermost first: the OpenTelemetry span -> `RpcObserver` (log line, metrics)
+   -> `AuthInterceptor` -> `SizeLimitInterceptor` -> the servicer. So a rejected call
+   still has a span, a log line and a status code.
+2. With auth on, the tenant is the authenticated identity's. A request's tenant_id must
+   be empty (it is then filled in) or equal; anything else is PERMISSION_DENIED. No
+   credentials -> UNAUTHENTICATED. The health service needs no credentials: probes carry
+   none, and it reveals nothing.
+3. Secrets are compared in constant time: every configured token is compared (as a
+   SHA-256 digest, so lengths match) on every call, whichever matches.
+4. Deadlines: grpc.aio cancels a call's task when its deadline passes, and the
+   cancellation reaches the awaited PostgreSQL query (asyncpg cancels it server-side);
+   an open transaction rolls back, so a call that runs out of time writes nothing. The
+   observer reports such a call as DEADLINE_EXCEEDED.
+5. Nothing here logs, raises or annotates with request content: only ids, hashes, sizes,
+   codes and error reasons (telemetry.RPC_FIELDS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import inspect
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+from .. import telemetry
+from .._gen.context_engine.v1 import context_engine_pb2 as pb
+from ..telemetry import RPC_FIELDS, RpcState, Telemetry
+from .errors import DOMAIN
+
+__all__ = [
+    "UNAUTHENTICATED_SERVICES",
+    "AuthInterceptor",
+    "BearerTokens",
+    "ClientCertificates",
+    "RpcObserver",
+    "SizeLimitInterceptor",
+]
+
+UNAUTHENTICATED_SERVICES = frozenset({"grpc.health.v1.Health"})
+_DETAILS_KEY = "grpc-status-details-bin"
+
+Behavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+def _service_of(method: str) -> str:
+    return method.lstrip("/").partition("/")[0]
+
+
+def _wrap(
+    handler: grpc.RpcMethodHandler | None,
+    unary: Callable[[Behavior], Behavior],
+    stream: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
+) -> grpc.RpcMethodHandler | None:
+    """Wrap a handler's behavior: unary-unary methods with `unary`, streaming ones with
+    `stream` (left as they are when it is None). The ContextEngine service is unary-unary
+    throughout; the streams are health Watch and reflection."""
+    if handler is None:
+        return None
+    builders = (
+        ("unary_unary", grpc.unary_unary_rpc_method_handler, unary),
+        ("unary_stream", grpc.unary_stream_rpc_method_handler, stream),
+        ("stream_unary", grpc.stream_unary_rpc_method_handler, stream),
+        ("stream_stream", grpc.stream_stream_rpc_method_handler, stream),
+    )
+    for attr, build, wrap in builders:
+        behavior = getattr(handler, attr)
+        if behavior is not None:
+            if wrap is None:
+                return handler
+            return build(  # type: ignore[no-any-return]
+                wrap(behavior),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+    return handler
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext,
+    code: grpc.StatusCode,
+    message: str,
+    reason: str = "",
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Abort with google.rpc details, like api/errors.py does for servicer errors."""
+    details = []
+    if reason:
+        holder = any_pb2.Any()
+        holder.Pack(
+            error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata=metadata or {})
+        )
+        details.append(holder)
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=message, details=details)
+    await context.abort(
+        code, message, trailing_metadata=((_DETAILS_KEY, status.SerializeToString()),)
+    )
+
+
+# --- observing -----------------------------------------------------------------------
+
+
+def _proto_fields(message: Any) -> dict[str, Any]:
+    """The RPC_FIELDS a message carries, non-empty only."""
+    names = message.DESCRIPTOR.fields_by_name
+    return {
+        name: getattr(message, name)
+        for name in RPC_FIELDS
+        if name in names and getattr(message, name) not in ("", 0)
+    }
+
+
+def _response_fields(response: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for nested in ("run", "plan", "rotated_plan"):
+        if nested in response.DESCRIPTOR.fields_by_name and response.HasField(nested):
+            out.update(_proto_fields(getattr(response, nested)))
+    out.update(_proto_fields(response))
+    return out
+
+
+def _reason_name(value: int) -> str:
+    return pb.PlanReason.Name(value).removeprefix("PLAN_REASON_").lower()
+
+
+def _on_plan(request: pb.PlanRequest, response: pb.PlanResponse) -> None:
+    if response.created:
+        telemetry.record_session_opened(response.plan.model_id)
+
+
+def _on_rotate(request: pb.RotateRequest, response: pb.RotateResponse) -> None:
+    telemetry.record_rotation(_reason_name(response.plan.reason))
+
+
+def _on_start_run(request: pb.StartRunRequest, response: pb.StartRunResponse) -> None:
+    telemetry.record_run_started()
+    if response.HasField("rotated_plan"):
+        telemetry.record_rotation(_reason_name(response.rotated_plan.reason))
+
+
+def _on_build(request: pb.BuildRequest, response: pb.BuildResponse) -> None:
+    if response.estimated_input_tokens > 0 and "build" not in telemetry.recorded():
+        telemetry.record_build(response.request.model_id, response.estimated_input_tokens)
+    if response.HasField("pressure") and "pressure" not in telemetry.recorded():
+        telemetry.record_pressure(
+            response.pressure.fits, [step.step for step in response.pressure.steps]
+        )
+
+
+def _on_report_usage(request: Any, response: Any) -> None:
+    telemetry.record_usage(request.model_id, response.signed_error_ppm, response.cached_prefix_ppm)
+
+
+def _on_commit_compaction(request: Any, response: Any) -> None:
+    telemetry.record_compaction(request.result.depth)
+
+
+# Method -> (the kind a handler may have recorded itself, what the successful response
+# adds to the tracked metrics). A kind already recorded is not derived again (telemetry
+# rule 4); "" means the function checks kinds itself.
+_ON_RESPONSE: Mapping[str, tuple[str, Callable[[Any, Any], None]]] = {
+    "Plan": ("session", _on_plan),
+    "Rotate": ("rotation", _on_rotate),
+    "StartRun": ("run", _on_start_run),
+    "Build": ("", _on_build),
+    "ReportUsage": ("usage", _on_report_usage),
+    "CommitCompaction": ("compaction", _on_commit_compaction),
+}
+
+
+def _error_info(context: grpc.aio.ServicerContext) -> tuple[str, dict[str, str]]:
+    """ErrorInfo (reason, metadata) from the status details an abort attached."""
+    for key, value in context.trailing_metadata() or ():
+        if key == _DETAILS_KEY and isinstance(value, bytes):
+            for detail in status_pb2.Status.FromString(value).details:
+                info = error_details_pb2.ErrorInfo()
+                if detail.Unpack(info):
+                    return info.reason, dict(info.metadata)
+    return "", {}
+
+
+class RpcObserver(grpc.aio.ServerInterceptor):
+    """Per unary RPC: make `telemetry` current, then record duration, request size, the
+    tracked metrics its response implies, span fields and one log line."""
+
+    def __init__(self, telemetry_: Telemetry, *, skip: Iterable[str] = UNAUTHENTICATED_SERVICES):
+        self._telemetry = telemetry_
+        self._skip = frozenset(skip)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if _service_of(details.method) in self._skip:
+            return handler
+        method = details.method.rpartition("/")[2]
+        return _wrap(handler, lambda behavior: self._observe(method, behavior))
+
+    def _observe(self, method: str, behavior: Behavior) -> Behavior:
+        tel = self._telemetry
+
+        async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            state = RpcState(method)
+            token = telemetry.begin(tel, state)
+            started = time.perf_counter()
+            code, reason = grpc.StatusCode.OK, ""
+            try:
+                response = await behavior(request, context)
+                if method in _ON_RESPONSE:
+                    kind, on_response = _ON_RESPONSE[method]
+                    if not kind or kind not in state.recorded:
+                        on_response(request, response)
+                state.fields.update(_response_fields(response))
+                return response
+            except asyncio.CancelledError:
+                remaining = context.time_remaining()
+                expired = remaining is not None and remaining <= 0.001
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+                raise
+            except Exception:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                reason, metadata = _error_info(context)
+                if reason == "BUDGET_EXCEEDED":
+                    telemetry.record_budget_exceeded(metadata.get("class", ""))
+                raise
+            finally:
+                for name, value in _proto_fields(request).items():
+                    state.fields.setdefault(name, value)
+                if code is not grpc.StatusCode.OK:
+                    _mark_span(code, reason)
+                tel.finish_rpc(
+                    state,
+                    code=code.name,
+                    duration_s=time.perf_counter() - started,
+                    request_bytes=request.ByteSize(),
+                    reason=reason,
+                )
+                telemetry.end(token)
+
+        return observed
+
+
+def _mark_span(code: grpc.StatusCode, reason: str) -> None:
+    from opentelemetry import trace
+    from opentelemetry.trace import Status, StatusCode
+
+    current = trace.get_current_span()
+    if current.is_recording():
+        current.set_attribute("rpc.grpc.status_code", code.value[0])
+        current.set_status(Status(StatusCode.ERROR, reason or code.name))
+
+
+# --- authentication ------------------------------------------------------------------
+
+
+class BearerTokens:
+    """`authorization: Bearer TOKEN` -> tenant, compared in constant time (rule 3)."""
+
+    def __init__(self, tokens: Mapping[str, str]) -> None:
+        if not tokens:
+            raise ValueError("no bearer tokens configured")
+        self._digests = [(_digest(token), tenant) for token, tenant in tokens.items()]
+
+    def tenant(self, context: grpc.aio.ServicerContext) -> str | None:
+        presented = ""
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization" and isinstance(value, str):
+                scheme, _, credential = value.partition(" ")
+                if scheme.lower() == "bearer":
+                    presented = credential.strip()
+        if not presented:
+            return None
+        digest = _digest(presented)
+        found: str | None = None
+        for candidate, tenant in self._digests:
+            if hmac.compare_digest(candidate, digest):
+                found = tenant
+        return found
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8")).digest()
+
+
+# auth_context keys (grpc's names) an identity is read from, most specific first.
+_CERT_IDENTITY_KEYS = ("x509_subject_alternative_name", "x509_common_name")
+
+
+class ClientCertificates:
+    """The verified client certificate's identity -> tenant.
+
+    The TLS handshake already required a certificate chaining to the configured CA. With
+    a mapping, the first SAN (then the subject CN) found in it names the tenant; without
+    one, the subject CN is the tenant.
+    """
+
+    def __init__(self, tenants: Mapping[str, str]) -> None:
+        self._tenants = dict(tenants)
+
+    def tenant(self, context: grpc.aio.ServicerContext) -> str | None:
+        auth = context.auth_context() or {}
+        identities = [
+            value.decode("utf-8", "replace")
+            for key in _CERT_IDENTITY_KEYS
+            for value in auth.get(key, ())
+        ]
+        if not self._tenants:
+            names = [v.decode("utf-8", "replace") for v in auth.get("x509_common_name", ())]
+            return names[0] if names else None
+        return next((self._tenants[i] for i in identities if i in self._tenants), None)
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Authenticate every call (except UNAUTHENTICATED_SERVICES) and pin its tenant."""
+
+    def __init__(
+        self,
+        identify: BearerTokens | ClientCertificates,
+        *,
+        open_services: Iterable[str] = UNAUTHENTICATED_SERVICES,
+    ) -> None:
+        self._identify = identify
+        self._open = frozenset(open_services)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if _service_of(details.method) in self._open:
+            return handler
+        return _wrap(handler, self._unary, self._stream)
+
+    async def _check(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        tenant = self._identify.tenant(context)
+        if tenant is None:
+            await _abort(context, grpc.StatusCode.UNAUTHENTICATED, "no valid credentials")
+            return
+        if request is None or "tenant_id" not in request.DESCRIPTOR.fields_by_name:
+            return
+        if not request.tenant_id:
+            request.tenant_id = tenant
+        elif not hmac.compare_digest(request.tenant_id.encode(), tenant.encode()):
+            await _abort(
+                context,
+                grpc.StatusCode.PERMISSION_DENIED,
+                "tenant_id does not match the authenticated identity",
+            )
+
+    def _unary(self, behavior: Behavior) -> Behavior:
+        async def authenticated(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await self._check(request, context)
+            return await behavior(request, context)
+
+        return authenticated
+
+    def _stream(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        """Streaming methods: credentials only (a stream's messages carry no tenant here)."""
+        if not inspect.isasyncgenfunction(behavior):
+
+            async def checked(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                await self._check(None, context)
+                return await behavior(requests, context)
+
+            return checked
+
+        async def authenticated(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            await self._check(None, context)
+            async for item in behavior(requests, context):
+                yield item
+
+        return authenticated
+
+
+# --- limits --------------------------------------------------------------------------
+
+
+class SizeLimitInterceptor(grpc.aio.ServerInterceptor):
+    """A request larger than `max_bytes` fails RESOURCE_EXHAUSTED with ErrorInfo
+    REQUEST_TOO_LARGE (metadata: limit_bytes, request_bytes) and changes nothing.
+
+    The transport limit is set above `max_bytes` (api/server.py), so an oversize request
+    normally reaches this check and gets the structured error; one beyond the transport
+    limit gets grpc's own RESOURCE_EXHAUSTED without details.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max = max_bytes
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        return _wrap(await continuation(details), self._unary)
+
+    def _unary(self, behavior: Behavior) -> Behavior:
+        limit = self._max
+
+        async def limited(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            size = request.ByteSize()
+            if size > limit:
+                await _abort(
+                    context,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"request is {size} bytes; the limit is {limit}",
+                    "REQUEST_TOO_LARGE",
+                    {"limit_bytes": str(limit), "request_bytes": str(size)},
+                )
+            return await behavior(request, context)
+
+        return limited

@@ -1,0 +1,152 @@
+"""Skill loads and subject erasure: load (store) -> decide (core) -> record (store).
+
+Both are writes under session row locks, one transaction each: a load that fails, or an
+erasure that fails part way, writes nothing.
+
+LoadSkill (core/skills.py): the body must be in the plan's pinned catalog, at most two load
+per session within 6,000 tokens, a third fails rather than evicting; loads are sticky and
+Build renders them in load order (row 11). Records skill.loaded.
+
+EraseSubject (core/snapshot.py): every persisted snapshot holding the person's memories is
+redacted and its plan invalidated (the next Plan, run admission or Build rotates with
+snapshot_invalidated); the runs already bound to those snapshots (context.snapshot.used)
+are reported. Records context.snapshot.invalidated per affected session.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from uuid import UUID
+
+from ..core.envelope import wrap
+from ..core.errors import PreconditionError
+from ..core.skills import LoadedSkill, admit_load, body_text, body_trust
+from ..core.snapshot import redact_person
+from ..core.trust import TrustLevel
+from ..store import events, plans, runs, sessions, snapshots
+from ..store import skills as skill_store
+from ..store.db import transaction
+from ..store.events import NewEvent
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["Erasure", "erase_subject", "load_skill"]
+
+SKILL_LOADED = "skill.loaded"
+SNAPSHOT_INVALIDATED = "context.snapshot.invalidated"
+
+
+@dataclass(frozen=True, slots=True)
+class Erasure:
+    invalidated_session_ids: tuple[UUID, ...]
+    bound_run_ids: tuple[UUID, ...]
+    redacted_items: int
+
+
+async def load_skill(
+    engine: Engine,
+    tenant: str,
+    session_id: UUID,
+    name: str,
+    body: str,
+    trust: TrustLevel | None,
+    run_id: UUID | None,
+) -> tuple[list[str], bool]:
+    """Load a skill body for the session. -> (loaded names in load order, newly loaded).
+
+    Raises:
+        PreconditionError: PLAN_NOT_FOUND, SKILL_NOT_IN_CATALOG or SKILL_LIMIT.
+        InvalidFieldError: a trust no body may carry.
+        NotFoundError: an unknown session or run.
+    """
+    async with transaction(engine.pool) as conn:
+        epoch = await sessions.lock_session(conn, tenant, session_id)
+        if epoch == 0:
+            raise PreconditionError(
+                f"session {session_id} has no plan; call Plan first",
+                field="session_id",
+                reason="PLAN_NOT_FOUND",
+            )
+        if run_id is not None:
+            await runs.read_run(conn, tenant, session_id, run_id)
+        current = await plans.read_plan(conn, tenant, session_id)
+        loaded = await skill_store.read_loaded(conn, tenant, session_id)
+        names = [s.name for s in loaded]
+        version = dict(current.plan.skill_pins).get(name, "")
+        entry = next((s for s in current.spec.skills if s.name == name), None)
+        effective = body_trust(
+            entry.trust if entry is not None else TrustLevel.EXTERNAL_UNTRUSTED, trust
+        )
+        item_id = f"skill-body:{name}"
+        rendered = wrap(
+            body_text(name, version, body),
+            trust=effective,
+            item_id=item_id,
+            source=f"skill:{name}",
+            secret=current.secret,
+        )
+        tokens = engine.count_tokens_for(current.plan.model_id)(rendered)
+        if not admit_load(loaded, current.plan.skill_pins, name, tokens):
+            return names, False
+        skill = LoadedSkill(name=name, version=version, body=body, trust=effective, tokens=tokens)
+        payload = {
+            "name": name,
+            "version": version,
+            "trust": effective.name,
+            "tokens": tokens,
+            "position": len(loaded),
+            "epoch": current.plan.epoch,
+        }
+        (sequence,) = await events.append_events(
+            conn, tenant, session_id, [NewEvent(SKILL_LOADED, payload, run_id=run_id)]
+        )
+        await skill_store.insert_loaded(
+            conn, tenant, session_id, len(loaded), skill, run_id, sequence
+        )
+    return [*names, name], True
+
+
+async def erase_subject(engine: Engine, tenant: str, person_id: str) -> Erasure:
+    """Redact a person's memories from every persisted snapshot of the tenant.
+
+    Sessions are locked in one order (sorted ids), so two erasures cannot deadlock; each
+    session's holdings are re-read under its lock, so a rotation that copied the snapshot
+    just before is redacted too.
+    """
+    invalidated: list[UUID] = []
+    bound: list[UUID] = []
+    redacted = 0
+    async with transaction(engine.pool) as conn:
+        holding = await snapshots.plans_holding(conn, tenant, person_id)
+        for session_id in sorted(holding):
+            current_epoch = await sessions.lock_session(conn, tenant, session_id)
+            epochs = (await snapshots.plans_holding(conn, tenant, person_id, session_id)).get(
+                session_id, []
+            )
+            removed_here = 0
+            for epoch in epochs:
+                plan, spec = await snapshots.read_plan_row(conn, tenant, session_id, epoch)
+                plan, spec, removed = redact_person(plan, spec, person_id)
+                if removed:
+                    await snapshots.write_redacted_plan(conn, tenant, session_id, plan, spec)
+                    removed_here += removed
+                    if epoch == current_epoch:
+                        invalidated.append(session_id)
+            await snapshots.forget_person(conn, tenant, person_id, session_id, epochs)
+            runs_here = await snapshots.bound_runs(conn, tenant, session_id, epochs)
+            bound += runs_here
+            redacted += removed_here
+            payload = {
+                "epochs": epochs,
+                "current_epoch_invalidated": session_id in invalidated,
+                "redacted_items": removed_here,
+                "bound_run_ids": [str(r) for r in runs_here],
+            }
+            await events.append_events(
+                conn, tenant, session_id, [NewEvent(SNAPSHOT_INVALIDATED, payload)]
+            )
+    for session_id in holding:
+        engine.forget_cached_plans(tenant, session_id)
+    return Erasure(tuple(invalidated), tuple(bound), redacted)

@@ -1,0 +1,231 @@
+"""ReportUsage: reconcile the estimator against what the provider actually read.
+
+Rule 1: the estimate is the one recorded on the request's model.request.started event
+(prefix exact + body estimated); the actual is input + cache read + cache creation tokens.
+Rule 2: the per-model correction factor (core.estimator.reconcile) is per tenant, persisted
+in estimator_corrections, and resets when the model changes: a report answered by another
+model than the request was built for is recorded but moves no factor, and a factor learned
+for another tokenizer (a registry change) starts over.
+Rule 3: a request's usage is counted once per idempotency key; a retry returns the first
+response and writes nothing. Every write is one transaction under the session lock.
+Rule 4: checkpoints pin the factor current when they are written (pinned_factor), so a
+rebuild of the same checkpoint cuts history at the same place whatever was reported since.
+The signed error of each report is returned (UsageOutcome) for the telemetry shell.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+from uuid import UUID
+
+import asyncpg
+
+from ..core.checkpoint import NEUTRAL_FACTOR_PPM
+from ..core.errors import NotFoundError
+from ..core.estimator import PPM, Correction, reconcile, signed_error_ppm
+from ..store import events, sessions
+from ..store import usage as store
+from ..store.db import transaction
+from ..store.events import NewEvent
+
+__all__ = ["REQUEST_EVENT", "USAGE_EVENT", "UsageOutcome", "UsageReport", "pinned_factor"]
+
+REQUEST_EVENT = "model.request.started"
+USAGE_EVENT = "model.usage.reported"
+
+
+@dataclass(frozen=True, slots=True)
+class UsageReport:
+    """A validated ReportUsage request."""
+
+    request_sequence: int
+    model_id: str
+    input_tokens: int
+    cache_read_input_tokens: int
+    cache_creation_input_tokens: int
+    output_tokens: int
+    idempotency_key: str
+    request_sha256: str
+
+    @property
+    def actual_input_tokens(self) -> int:
+        return self.input_tokens + self.cache_read_input_tokens + self.cache_creation_input_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class UsageOutcome:
+    """What ReportUsage answers, and what telemetry records (signed error per model)."""
+
+    model_id: str
+    factor_ppm: int
+    samples: int
+    signed_error_ppm: int
+    cached_prefix_ppm: int
+    estimated_input_tokens: int
+    actual_input_tokens: int
+    absorbed: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> UsageOutcome:
+        return cls(**data)
+
+
+async def pinned_factor(
+    conn: Any, tenant_id: str, model_id: str, tokenizer_of: Callable[[str], str]
+) -> int:
+    """The factor a checkpoint written now pins for `model_id` (neutral when none was
+    learned, or when it was learned for another tokenizer)."""
+    stored = await store.read_correction(conn, tenant_id, model_id)
+    if stored is None or stored.tokenizer != tokenizer_of(model_id):
+        return NEUTRAL_FACTOR_PPM
+    return stored.correction.factor_ppm
+
+
+async def session_factor(
+    conn: Any, tenant_id: str, session_id: UUID, tokenizer_of: Callable[[str], str]
+) -> int:
+    """pinned_factor for the model of the session's current plan."""
+    model_id = await store.session_model(conn, tenant_id, session_id)
+    if model_id is None:
+        return NEUTRAL_FACTOR_PPM
+    return await pinned_factor(conn, tenant_id, model_id, tokenizer_of)
+
+
+async def report_usage(
+    pool: asyncpg.Pool,
+    tenant_id: str,
+    session_id: UUID,
+    report: UsageReport,
+    tokenizer_of: Callable[[str], str],
+) -> UsageOutcome:
+    """Record one request's usage and fold it into the model's correction factor.
+
+    Raises:
+        NotFoundError: SESSION_NOT_FOUND, or REQUEST_NOT_FOUND when request_sequence is not
+            a model.request.started event of this session.
+        InvalidFieldError: IDEMPOTENCY_KEY_REUSED for a key reused with other figures.
+    """
+    async with transaction(pool) as conn:
+        await sessions.lock_session(conn, tenant_id, session_id)
+        earlier = await store.read_report(
+            conn,
+            tenant_id,
+            session_id,
+            report.request_sequence,
+            report.idempotency_key,
+            report.request_sha256,
+        )
+        if earlier is not None:
+            return UsageOutcome.from_json(earlier)
+        recorded = await _recorded_request(conn, tenant_id, session_id, report.request_sequence)
+        outcome, correction = await _reconcile(conn, tenant_id, report, recorded, tokenizer_of)
+        if correction is not None:
+            await store.write_correction(
+                conn, tenant_id, correction, tokenizer_of(correction.model_id)
+            )
+        await store.insert_report(conn, tenant_id, session_id, _report_row(report, outcome))
+        run_id = recorded.get("run_id")
+        await events.append_events(
+            conn,
+            tenant_id,
+            session_id,
+            [
+                NewEvent(
+                    USAGE_EVENT,
+                    {
+                        "request_sequence": report.request_sequence,
+                        "input_tokens": report.input_tokens,
+                        "cache_read_input_tokens": report.cache_read_input_tokens,
+                        "cache_creation_input_tokens": report.cache_creation_input_tokens,
+                        "output_tokens": report.output_tokens,
+                        **outcome.to_json(),
+                    },
+                    run_id=UUID(run_id) if run_id else None,
+                )
+            ],
+        )
+    return outcome
+
+
+async def _recorded_request(
+    conn: Any, tenant_id: str, session_id: UUID, sequence: int
+) -> dict[str, Any]:
+    found = await events.read_events(
+        conn, tenant_id, session_id, types=[REQUEST_EVENT], after_sequence=sequence - 1, limit=1
+    )
+    if not found or found[0]["sequence"] != sequence:
+        raise NotFoundError(
+            f"no model request was recorded at sequence {sequence} in this session",
+            field="request_sequence",
+            reason="REQUEST_NOT_FOUND",
+        )
+    payload: dict[str, Any] = found[0]["payload"]
+    return payload
+
+
+async def _reconcile(
+    conn: Any,
+    tenant_id: str,
+    report: UsageReport,
+    recorded: dict[str, Any],
+    tokenizer_of: Callable[[str], str],
+) -> tuple[UsageOutcome, Correction | None]:
+    estimated = int(recorded.get("estimated_input_tokens", 0))
+    prefix = int(recorded.get("prefix_tokens", 0))
+    planned_model = str(recorded.get("model_id", report.model_id))
+    actual = report.actual_input_tokens
+    stored = await store.read_correction(conn, tenant_id, planned_model, for_update=True)
+    previous = (
+        stored.correction
+        if stored is not None and stored.tokenizer == tokenizer_of(planned_model)
+        else None
+    )
+    # Another model answered than the request was estimated for: its tokens say nothing
+    # about this estimate's tokenizer, so nothing is learned (the factor resets on a change).
+    absorbed = report.model_id == planned_model and estimated > 0 and actual > 0
+    correction: Correction | None = None
+    if absorbed:
+        used = int(recorded.get("estimator_factor_ppm", NEUTRAL_FACTOR_PPM)) or PPM
+        current = previous.factor_ppm if previous is not None else PPM
+        # reconcile() reads `estimated` as made under the current factor; this request was
+        # built under the factor its checkpoint pinned, so restate it under the current one.
+        restated = -(-estimated * current // used)
+        correction = reconcile(previous, planned_model, restated, actual)
+    shown = correction or previous or Correction.initial(planned_model)
+    outcome = UsageOutcome(
+        model_id=report.model_id,
+        factor_ppm=shown.factor_ppm,
+        samples=shown.samples,
+        signed_error_ppm=signed_error_ppm(estimated, actual) if estimated > 0 else 0,
+        cached_prefix_ppm=min(PPM, report.cache_read_input_tokens * PPM // prefix)
+        if prefix > 0
+        else 0,
+        estimated_input_tokens=estimated,
+        actual_input_tokens=actual,
+        absorbed=absorbed,
+    )
+    return outcome, correction
+
+
+def _report_row(report: UsageReport, outcome: UsageOutcome) -> dict[str, Any]:
+    return {
+        "request_sequence": report.request_sequence,
+        "idempotency_key": report.idempotency_key,
+        "request_sha256": report.request_sha256,
+        "model_id": report.model_id,
+        "estimated_input_tokens": outcome.estimated_input_tokens,
+        "actual_input_tokens": outcome.actual_input_tokens,
+        "input_tokens": report.input_tokens,
+        "cache_read_input_tokens": report.cache_read_input_tokens,
+        "cache_creation_input_tokens": report.cache_creation_input_tokens,
+        "output_tokens": report.output_tokens,
+        "signed_error_ppm": outcome.signed_error_ppm,
+        "cached_prefix_ppm": outcome.cached_prefix_ppm,
+        "absorbed": outcome.absorbed,
+        "response": outcome.to_json(),
+    }

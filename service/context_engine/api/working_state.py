@@ -1,0 +1,274 @@
+"""Working-state orchestration: load (store) -> transition (core) -> record (store).
+
+Every transition is one transaction under the session row lock: the
+context.working_state.updated event and the run's next checkpoint land together, and a
+transition that fails writes neither. The event records the typed update itself, so a new
+run's state is a fold over the log (core.working_state.carry), never a checkpoint copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
+
+from ..core.checkpoint import Checkpoint
+from ..core.errors import ConflictError, EngineError, InvalidFieldError
+from ..core.items import ConversationItem
+from ..core.trust import TrustLevel
+from ..core.working_state import (
+    Fact,
+    Transition,
+    WorkingState,
+    WorkingStateUpdate,
+    Writer,
+    apply_update,
+    carry,
+    lowest_trust,
+    runtime_update,
+    source_trust,
+)
+from ..store import events, idempotency, runs, sessions
+from ..store import working_state as ws_store
+from ..store.db import transaction
+from ..store.events import NewEvent
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = [
+    "FACT_CANDIDATES_OFFERED",
+    "FACT_CANDIDATE_AUTHORITY",
+    "carried_state",
+    "offer_fact_candidates",
+    "record_transition",
+    "runtime_transition",
+    "seed_state",
+    "update_working_state",
+]
+
+TokenCounter = Callable[[str], int]
+
+FACT_CANDIDATES_OFFERED = "memory.fact_candidates.offered"
+# Formation enters an offered fact above an extractor inference, below a user statement.
+FACT_CANDIDATE_AUTHORITY = "AFFIRMED"
+# A candidate's evidence must be at least this trusted: the user's own words or better.
+_TRUSTED_EVIDENCE = frozenset(
+    {TrustLevel.PLATFORM, TrustLevel.TRUSTED_CONFIGURATION, TrustLevel.USER}
+)
+
+
+async def carried_state(
+    conn: Any, tenant_id: str, session_id: UUID, below_sequence: int
+) -> WorkingState:
+    """The working state the log strictly below `below_sequence` carries into a new run."""
+    return carry(
+        await ws_store.read_working_state_updates(conn, tenant_id, session_id, below_sequence)
+    )
+
+
+async def seed_state(
+    conn: Any, tenant_id: str, session_id: UUID, seed_event_sequence: int | None
+) -> WorkingState:
+    """A new run's first working state: carried from the log below its seed for a
+    top-level run; empty for a child run, whose working state is its own."""
+    if seed_event_sequence is None:
+        return WorkingState()
+    return await carried_state(conn, tenant_id, session_id, seed_event_sequence)
+
+
+async def record_transition(
+    conn: Any,
+    tenant_id: str,
+    session_id: UUID,
+    run_id: UUID,
+    state: WorkingState,
+    update: WorkingStateUpdate,
+    *,
+    writer: Writer,
+    checkpoint_version: int,
+    count_tokens: TokenCounter | None = None,
+) -> tuple[Transition, int]:
+    """Apply a transition and append its event. Call with the session locked, inside the
+    transaction that writes the checkpoint. -> (transition, event sequence)
+
+    Raises:
+        RequestError: the transition is refused (nothing is appended).
+    """
+    sequence = await ws_store.next_sequence(conn, tenant_id, session_id)
+    transition = apply_update(
+        state, update, writer=writer, sequence=sequence, count_tokens=count_tokens
+    )
+    payload = {
+        "writer": writer.name.lower(),
+        "update": update.model_dump(mode="json"),
+        "evicted": transition.evicted,
+        "superseded_objective": transition.superseded_objective,
+        "checkpoint_version": checkpoint_version,
+    }
+    (appended,) = await events.append_events(
+        conn,
+        tenant_id,
+        session_id,
+        [NewEvent(ws_store.WORKING_STATE_UPDATED, payload, run_id=run_id)],
+    )
+    if appended != sequence:
+        raise EngineError(f"working-state event landed at {appended}, expected {sequence}")
+    return transition, sequence
+
+
+def runtime_transition(
+    checkpoint: Checkpoint, new_items: Sequence[ConversationItem]
+) -> WorkingStateUpdate | None:
+    """The runtime's own writes for items about to be appended, validated before any write.
+
+    Raises:
+        InvalidFieldError: a tool call names a task the working state does not hold.
+    """
+    update = runtime_update(checkpoint.working_state, checkpoint.items, new_items)
+    if update is not None:
+        apply_update(checkpoint.working_state, update, writer=Writer.RUNTIME, sequence=0)
+    return update
+
+
+async def _lowered_facts(
+    conn: Any, tenant_id: str, session_id: UUID, update: WorkingStateUpdate
+) -> WorkingStateUpdate:
+    """Each new fact's trust, lowered to the least trusted of its claim and its evidence.
+
+    Raises:
+        InvalidFieldError: evidence that is not a conversation event of this session.
+    """
+    if not update.add_facts:
+        return update
+    wanted = [i for f in update.add_facts for i in f.source_event_ids]
+    found = await ws_store.read_events_at(conn, tenant_id, session_id, wanted)
+    facts = []
+    for n, fact in enumerate(update.add_facts):
+        levels = [fact.trust]
+        for k, sequence in enumerate(fact.source_event_ids):
+            event = found.get(sequence)
+            level = source_trust(*event) if event is not None else None
+            if level is None:
+                raise InvalidFieldError(
+                    f"event {sequence} is not a conversation event of this session",
+                    field=f"update.add_facts[{n}].source_event_ids[{k}]",
+                )
+            levels.append(level)
+        facts.append(fact.model_copy(update={"trust": lowest_trust(levels)}))
+    return update.model_copy(update={"add_facts": tuple(facts)})
+
+
+async def update_working_state(
+    engine: Engine,
+    tenant_id: str,
+    session_id: UUID,
+    run_id: UUID,
+    expected_version: int,
+    writer: Writer,
+    update: WorkingStateUpdate,
+    idempotency_key: str,
+    request_sha256: str,
+) -> dict[str, Any]:
+    """UpdateWorkingState: one typed transition -> checkpoint + event.
+
+    -> {"checkpoint_version", "event_sequence", "state"} (state as JSON).
+    """
+    stored_plan = await engine.get_plan(tenant_id, session_id)
+    count_tokens = engine.count_tokens_for(stored_plan.plan.model_id)
+    async with transaction(engine.pool) as conn:
+        await sessions.lock_session(conn, tenant_id, session_id)
+        stored = await idempotency.recall_response(
+            conn, tenant_id, session_id, idempotency_key, "UpdateWorkingState", request_sha256
+        )
+        if stored is not None:
+            return stored
+        await runs.read_run(conn, tenant_id, session_id, run_id)
+        checkpoint = await runs.read_checkpoint(conn, tenant_id, run_id)
+        if expected_version != checkpoint.version:
+            raise ConflictError(
+                f"expected_checkpoint_version {expected_version} is not the latest"
+                f" ({checkpoint.version})",
+                field="expected_checkpoint_version",
+                reason="CHECKPOINT_VERSION_CONFLICT",
+                metadata={"latest_version": str(checkpoint.version)},
+            )
+        update = await _lowered_facts(conn, tenant_id, session_id, update)
+        version = checkpoint.version + 1
+        transition, sequence = await record_transition(
+            conn,
+            tenant_id,
+            session_id,
+            run_id,
+            checkpoint.working_state,
+            update,
+            writer=writer,
+            checkpoint_version=version,
+            count_tokens=count_tokens,
+        )
+        await runs.insert_checkpoint(
+            conn,
+            tenant_id,
+            checkpoint.model_copy(update={"version": version, "working_state": transition.state}),
+        )
+        result = {
+            "checkpoint_version": version,
+            "event_sequence": sequence,
+            "state": transition.state.model_dump(mode="json"),
+        }
+        await idempotency.remember_response(
+            conn,
+            tenant_id,
+            session_id,
+            idempotency_key,
+            "UpdateWorkingState",
+            request_sha256,
+            result,
+        )
+    return result
+
+
+def _trusted_candidate(fact: Fact, evidence: dict[int, tuple[str, dict[str, Any]]]) -> bool:
+    if fact.trust not in _TRUSTED_EVIDENCE or not fact.source_event_ids:
+        return False
+    levels = [source_trust(*evidence[i]) if i in evidence else None for i in fact.source_event_ids]
+    return all(level in _TRUSTED_EVIDENCE for level in levels)
+
+
+async def offer_fact_candidates(engine: Engine, tenant_id: str, session_id: UUID) -> dict[str, Any]:
+    """The facts the session's log ends with whose every source is trusted, as candidates.
+
+    Recomputed from the log (the fold every new run uses), re-checked against the evidence
+    events themselves, and recorded as memory.fact_candidates.offered. Candidates, never
+    beliefs: formation applies its own gates.
+    -> {"candidates": [{"fact", "authority", "run_id"}], "event_sequence"}
+    """
+    async with transaction(engine.pool) as conn:
+        await sessions.lock_session(conn, tenant_id, session_id)
+        state = await carried_state(conn, tenant_id, session_id, 2**62)
+        evidence = await ws_store.read_events_at(
+            conn, tenant_id, session_id, [i for f in state.facts for i in f.source_event_ids]
+        )
+        run_id = await ws_store.latest_top_level_run(conn, tenant_id, session_id)
+        candidates = [
+            {
+                "fact": fact.model_dump(mode="json"),
+                "authority": FACT_CANDIDATE_AUTHORITY,
+                "run_id": str(run_id or ""),
+            }
+            for fact in state.facts
+            if _trusted_candidate(fact, evidence)
+        ]
+        (sequence,) = await events.append_events(
+            conn,
+            tenant_id,
+            session_id,
+            [
+                NewEvent(
+                    FACT_CANDIDATES_OFFERED,
+                    {"candidates": candidates, "offered": len(candidates)},
+                    run_id=run_id,
+                )
+            ],
+        )
+    return {"candidates": candidates, "event_sequence": sequence}

@@ -1,0 +1,144 @@
+"""Cache hints: the provider cache markers of a request (CacheBreakpoint), outside the prompt.
+
+Rule 1 (the table): every marker a request may carry is one row of BREAKPOINTS — its name,
+its priority (lower sends first; a provider with fewer breakpoints drops the highest) and
+whether it caches Region A or the history window. Two prefix breakpoints (after_system,
+after_tools) then the history window (carried_history, run): a four-breakpoint provider
+sends all four and a smaller budget drops the run marker first.
+Rule 2 (TTL): both prefix breakpoints carry one TTL, from the plan's session kind: the
+one-hour TTL for a scheduled occurrence, the default for every other session. The history
+window always keeps the default: its markers move every step, so a one-hour write there
+would pay the premium on every request, and a shorter entry must not precede a longer one.
+The TTL is not prefix identity: nothing here enters prefix_sha256.
+Rule 3 (carried-history marker): closes the compacted summary (row 9) and the retained
+carried history (row 10 items of earlier runs). A run that carries nothing has none.
+Rule 4 (run marker): closes the longest prefix the run's next step repeats — the completed
+conversation in row 10 — stopping before the first replayed provider continuation (a
+reasoning item: the next step replays only its own latest turn's, ADR-0007) and before the
+fresh step context (rows 11-14) and trailing user input (row 15), which follow it and move
+every step. Absent when it would close the same item as the carried-history marker.
+Rule 5 (through_input_item): each history marker also names the latest user message or
+tool result at or before its through_item (OpenAI's implicit lookback finds prefixes that
+end at an input); empty when there is none.
+Rule 6: a marker names an item by id; items without an id cannot be named, so a marker
+closes the last nameable item of its prefix (earlier, never later).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .enums import SessionKind
+from .items import ContextItem, ReasoningItem, ToolResult, UserMessage
+from .request import CacheBreakpoint
+from .rows import Row
+
+__all__ = [
+    "BREAKPOINTS",
+    "DEFAULT_TTL",
+    "PREFIX_TTL_BY_SESSION_KIND",
+    "BreakpointSpec",
+    "cache_breakpoints",
+    "history_window",
+    "prefix_breakpoints",
+]
+
+DEFAULT_TTL = "5m"
+LONG_TTL = "1h"
+
+# ADR-0132: a scheduled occurrence's single autonomous run waits on children, slow tools
+# and the async queue, so its prefix is kept an hour. Every other kind: the default.
+PREFIX_TTL_BY_SESSION_KIND: dict[SessionKind, str] = {SessionKind.SCHEDULED: LONG_TTL}
+
+
+@dataclass(frozen=True, slots=True)
+class BreakpointSpec:
+    name: str
+    priority: int
+    prefix: bool  # True: caches Region A (plan TTL); False: the history window (default)
+    through_item: str = ""  # fixed for prefix breakpoints; history markers name an item
+
+
+BREAKPOINTS: tuple[BreakpointSpec, ...] = (
+    BreakpointSpec("after_system", 0, prefix=True, through_item="row:system"),
+    BreakpointSpec("after_tools", 1, prefix=True, through_item="row:tools"),
+    BreakpointSpec("carried_history", 2, prefix=False),
+    BreakpointSpec("run", 3, prefix=False),
+)
+_SPEC = {b.name: b for b in BREAKPOINTS}
+
+_WINDOW_ROWS = frozenset({Row.COMPACTED_SUMMARY, Row.CONVERSATION})
+_INPUT_TYPES = (UserMessage, ToolResult)
+
+
+def prefix_breakpoints(session_kind: SessionKind) -> tuple[CacheBreakpoint, ...]:
+    """The two Region A breakpoints, both with the plan's TTL (Rule 2)."""
+    ttl = PREFIX_TTL_BY_SESSION_KIND.get(session_kind, DEFAULT_TTL)
+    return tuple(
+        CacheBreakpoint(b.name, through_item=b.through_item, ttl=ttl, priority=b.priority)
+        for b in BREAKPOINTS
+        if b.prefix
+    )
+
+
+def history_window(
+    placed: Sequence[tuple[Row, ContextItem]], run_id: str
+) -> tuple[CacheBreakpoint, ...]:
+    """The history window over Region B as placed by assembly: zero, one or two markers.
+
+    `placed` is every Region B item in assembly order; `run_id` is the building run's id
+    (row 10 items with another run id, and the summary, are carried history).
+    """
+    window = [item for row, item in placed if row in _WINDOW_ROWS]
+    repeated: list[ContextItem] = []
+    for item in window:
+        if isinstance(item, ReasoningItem):
+            break  # Rule 4: the next step no longer carries this continuation
+        repeated.append(item)
+    carried_len = 0
+    while carried_len < len(repeated) and not _of_run(repeated[carried_len], run_id):
+        carried_len += 1
+
+    out: list[CacheBreakpoint] = []
+    carried = _marker("carried_history", repeated[:carried_len])
+    if carried is not None:
+        out.append(carried)
+    run = _marker("run", repeated)
+    if run is not None and (carried is None or run.through_item != carried.through_item):
+        out.append(run)
+    return tuple(out)
+
+
+def cache_breakpoints(
+    session_kind: SessionKind, placed: Sequence[tuple[Row, ContextItem]], run_id: str
+) -> tuple[CacheBreakpoint, ...]:
+    """Every marker of a request, in priority order: Region A first, then the window."""
+    return (*prefix_breakpoints(session_kind), *history_window(placed, run_id))
+
+
+def _of_run(item: ContextItem, run_id: str) -> bool:
+    return bool(run_id) and getattr(item, "run_id", "") == run_id
+
+
+def _marker(name: str, prefix: Sequence[ContextItem]) -> CacheBreakpoint | None:
+    """A history marker closing `prefix` at its last nameable item (Rules 5, 6)."""
+    closing = next((n for n in range(len(prefix) - 1, -1, -1) if prefix[n].item_id), None)
+    if closing is None:
+        return None
+    through_input = next(
+        (
+            prefix[n].item_id
+            for n in range(closing, -1, -1)
+            if isinstance(prefix[n], _INPUT_TYPES) and prefix[n].item_id
+        ),
+        "",
+    )
+    spec = _SPEC[name]
+    return CacheBreakpoint(
+        name,
+        through_item=prefix[closing].item_id,
+        ttl=DEFAULT_TTL,
+        priority=spec.priority,
+        through_input_item=through_input,
+    )

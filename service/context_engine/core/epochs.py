@@ -1,0 +1,239 @@
+"""Prefix epochs: the pure decisions that start one at a run's admission, and the one
+rotation that rebuilds nothing.
+
+Rule 1: a new run's admission, before the run pins its tools, is the only point where
+authority refreshes. A retried StartRun returns its first answer and re-admits nothing, so
+runs with pinned tools, pending calls or parked approvals never refresh authority.
+Rule 2: one admission rotates at most once. The reason is the first that applies in
+`REASON_PRIORITY`; the rebuild carries every change found (the run's scopes, the selected
+browser profile, the remaining snapshot, the current builder).
+Rule 3: newly granted scopes (a SHA-256 not in plan.authority_scope_hashes) rotate with
+run_authority_changed; scope reduction alone keeps the prefix, because revocation is
+enforced at call time. A legacy plan without hashes rebuilds once. A session kind that
+pins no tools has no advertisement for authority to change.
+Rule 4: a changed selected browser profile rotates with browser_profile_changed, even with
+unchanged scopes.
+Rule 5: an invalidated snapshot (erasure) rotates with snapshot_invalidated.
+Rule 6: a plan recorded by another builder version stays current when the current builder
+reproduces its bytes; otherwise it rotates once with builder_upgraded.
+Rule 7: a plan whose recorded document hashes to its prefix_sha256 but is not canonical
+(scopes in a hash-seed order, before ADR-0134) is copied as a new epoch with canonical
+hashes and reason prefix_hash_canonicalized: the same bytes reach the provider under the
+same secret, nothing is rebuilt under a parked run, nothing is re-cached.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .canonical import canonical_bytes, sha256_hex
+from .enums import PlanReason, SessionKind
+from .errors import PreconditionError
+from .framing import BUILDER_VERSION
+from .plan import ContextPlan
+from .roster import PinnedTool, scope_hashes
+from .spec import PlanSpec, Principal, SessionEnvironment
+
+__all__ = [
+    "REASON_PRIORITY",
+    "Admission",
+    "Decision",
+    "admit_run",
+    "canonical_document",
+    "canonicalized_copy",
+    "is_canonical",
+    "newly_granted",
+    "rendered_identity",
+]
+
+# Rule 2: which reason names an admission's single rotation when several apply.
+REASON_PRIORITY: tuple[PlanReason, ...] = (
+    PlanReason.SNAPSHOT_INVALIDATED,
+    PlanReason.RUN_AUTHORITY_CHANGED,
+    PlanReason.BROWSER_PROFILE_CHANGED,
+    PlanReason.BUILDER_UPGRADED,
+    PlanReason.PREFIX_HASH_CANONICALIZED,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A new run's authority, as StartRun states it. None: the run states nothing."""
+
+    scopes: tuple[str, ...] | None = None
+    browser_profile_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What admission does to the session's plan."""
+
+    reasons: tuple[PlanReason, ...] = ()  # every reason found, in priority order
+    spec: PlanSpec | None = None  # the spec a rebuild uses; None for a copy or no rotation
+
+    @property
+    def reason(self) -> PlanReason | None:
+        return self.reasons[0] if self.reasons else None
+
+    @property
+    def copy(self) -> bool:
+        return self.reason is PlanReason.PREFIX_HASH_CANONICALIZED
+
+    @property
+    def detail(self) -> str:
+        return ",".join(r.name.lower() for r in self.reasons)
+
+
+def newly_granted(plan: ContextPlan, scopes: tuple[str, ...]) -> tuple[str, ...]:
+    """Scope hashes the run holds that the plan was not built with (sorted)."""
+    pinned = set(plan.authority_scope_hashes or ())
+    return tuple(h for h in scope_hashes(scopes) if h not in pinned)
+
+
+def admit_run(
+    plan: ContextPlan,
+    spec: PlanSpec,
+    admission: Admission | None,
+    *,
+    builder_reproduces: Callable[[], bool],
+) -> Decision:
+    """Decide, before a new run pins its tools, whether the session's plan rotates.
+
+    `spec` is the plan's pinned spec; `builder_reproduces` re-renders the plan with the
+    current builder and says whether its bytes are the plan's (called only when the plan
+    records another builder version).
+    """
+    admission = admission or Admission()
+    found: set[PlanReason] = set()
+    if plan.invalidated:
+        found.add(PlanReason.SNAPSHOT_INVALIDATED)
+    if _authority_changed(plan, spec, admission):
+        found.add(PlanReason.RUN_AUTHORITY_CHANGED)
+    if (
+        admission.browser_profile_id is not None
+        and admission.browser_profile_id != spec.environment.browser_profile_id
+    ):
+        found.add(PlanReason.BROWSER_PROFILE_CHANGED)
+    if plan.builder_version != BUILDER_VERSION and not builder_reproduces():
+        found.add(PlanReason.BUILDER_UPGRADED)
+    if not found and not is_canonical(plan) and _hash_matches_document(plan):
+        found.add(PlanReason.PREFIX_HASH_CANONICALIZED)
+    reasons = tuple(r for r in REASON_PRIORITY if r in found)
+    if not reasons or reasons[0] is PlanReason.PREFIX_HASH_CANONICALIZED:
+        return Decision(reasons)
+    return Decision(reasons, _rebuilt_spec(spec, admission))
+
+
+def _authority_changed(plan: ContextPlan, spec: PlanSpec, admission: Admission) -> bool:
+    if spec.environment.kind is SessionKind.OPERATIONAL:
+        return False  # its kind pins an empty set whatever the scopes (Rule 3)
+    if plan.authority_scope_hashes is None:
+        return True  # a legacy plan rebuilds once, at the next unpinned run
+    return admission.scopes is not None and bool(newly_granted(plan, admission.scopes))
+
+
+def _rebuilt_spec(spec: PlanSpec, admission: Admission) -> PlanSpec:
+    """The pinned spec with the admitted run's permissions and browser profile applied.
+
+    Validated again (not model_copy'd) so the scopes are stored sorted.
+    """
+    principal = spec.principal
+    if admission.scopes is not None:
+        principal = Principal.model_validate(
+            {**principal.model_dump(), "scopes": list(admission.scopes)}
+        )
+    environment = spec.environment
+    if admission.browser_profile_id is not None:
+        environment = SessionEnvironment.model_validate(
+            {**environment.model_dump(), "browser_profile_id": admission.browser_profile_id}
+        )
+    return spec.model_copy(update={"principal": principal, "environment": environment})
+
+
+# --- builder identity -------------------------------------------------------------------
+
+
+def rendered_identity(plan: ContextPlan) -> bytes:
+    """What a provider receives from the plan, and what it advertises: the bytes a newer
+    builder must reproduce for the plan to stay current (Rule 6)."""
+    return canonical_bytes(
+        {
+            "system": [b.to_block().canonical() for b in plan.system],
+            "tools": [
+                {"name": t.name, "description": t.description, "schema": t.input_schema_json}
+                for t in plan.tools
+            ],
+            "tool_names": list(plan.tool_names),
+            "deferred_tool_names": list(plan.deferred_tool_names),
+            "model_id": plan.model_id,
+            "provider": plan.provider,
+        }
+    )
+
+
+# --- canonical hashes (ADR-0134) ----------------------------------------------------------
+
+
+def canonical_document(document: str) -> str:
+    """The prefix document with every set-valued field sorted, as RFC 8785 text."""
+    parsed: dict[str, Any] = json.loads(document)
+    parsed["tool_specs"] = [_canonical_spec(s) for s in parsed.get("tool_specs", [])]
+    return canonical_bytes(parsed).decode("utf-8")
+
+
+def _canonical_spec(spec: Any) -> Any:
+    if isinstance(spec, dict) and isinstance(spec.get("required_scopes"), list):
+        return {**spec, "required_scopes": sorted(set(spec["required_scopes"]))}
+    return spec
+
+
+def is_canonical(plan: ContextPlan) -> bool:
+    return canonical_document(plan.prefix_document) == plan.prefix_document
+
+
+def _hash_matches_document(plan: ContextPlan) -> bool:
+    return sha256_hex(plan.prefix_document.encode("utf-8")) == plan.prefix_sha256
+
+
+def canonicalized_copy(plan: ContextPlan, *, epoch: int) -> ContextPlan:
+    """Rule 7: the same plan as a new epoch, with canonical hashes.
+
+    Raises:
+        PreconditionError: the plan's hash does not match its recorded document, so it is
+            not a pre-ADR-0134 plan whose bytes can be kept: rotate with a rebuild reason.
+    """
+    if not _hash_matches_document(plan):
+        raise PreconditionError(
+            "the plan's prefix_sha256 does not match its recorded document; it cannot be"
+            " canonicalized without a rebuild",
+            field="reason",
+            reason="INVALID_FIELD",
+        )
+    document = canonical_document(plan.prefix_document)
+    specs: list[Any] = json.loads(document).get("tool_specs", [])
+    by_name = {s["name"]: s for s in specs if isinstance(s, dict) and "name" in s}
+    pinned = tuple(
+        PinnedTool.model_validate(
+            {
+                **p.model_dump(),
+                "required_scopes": sorted(set(p.required_scopes)),
+                "spec_sha256": sha256_hex(canonical_bytes(by_name[p.name]))
+                if p.name in by_name
+                else p.spec_sha256,
+            }
+        )
+        for p in plan.pinned_tools
+    )
+    return plan.model_copy(
+        update={
+            "epoch": epoch,
+            "reason": PlanReason.PREFIX_HASH_CANONICALIZED,
+            "prefix_document": document,
+            "prefix_sha256": sha256_hex(document.encode("utf-8")),
+            "tool_schema_sha256": sha256_hex(canonical_bytes(specs)),
+            "pinned_tools": pinned,
+        }
+    )

@@ -1,0 +1,810 @@
+"""Token estimation for the elastic request body: exact where we hold the tokenizer, a
+conservative byte-class heuristic where we do not, corrected against observed usage.
+
+Contract
+--------
+Rule 1. Pure. Every function here is a function of its arguments: no clock, no randomness, no
+        I/O. The tokenizer is handed in by the shell, already constructed (a counting function
+        or a ``tiktoken.Encoding``-like object); this module never reads rank files.
+Rule 2. Conservative. Every figure rounds up: ``estimate = ceil(raw * factor_ppm / 1_000_000)``
+        per text, plus ``MESSAGE_FRAMING_TOKENS`` per message. The allocator's 5% safety
+        margin sits on top of this, not inside it.
+Rule 3. Per model. The model's registry entry names its tokenizer (``o200k_base``,
+        ``cl100k_base`` or ``heuristic``). A model whose exact tokenizer was not supplied falls
+        back to the heuristic; the shell logs that when it fails to load the encoding.
+Rule 4. No floats. Correction factors are integer parts-per-million (``1_000_000 == 1.0``) and
+        the heuristic adds integer milli-tokens, so every number that can move a cut is exact
+        and identical across machines.
+Rule 5. Memoization may only save time. The heuristic keeps an LRU keyed by the exact text;
+        it cannot change a returned number.
+
+The heuristic (models without an exact tokenizer, i.e. Anthropic)
+-----------------------------------------------------------------
+Anthropic does not publish its tokenizer, so the heuristic is calibrated against the two exact
+tokenizers we do hold: for every text it aims at ``max(o200k_base, cl100k_base)``, never below.
+Byte-level BPE tokenizers first split text into pre-tokens (a word with its leading space, a
+run of 1-3 digits, a punctuation run, a whitespace run) and then merge bytes within each
+pre-token, so the estimate mirrors that structure instead of using a flat chars/4 ratio, which
+is 15-25% under on code and JSON and 3x under on base64 or CJK:
+
+* ASCII words are split into case pieces (``getHTTPResponse`` -> ``get``, ``HTTP``,
+  ``Response``). A lower/title-case piece costs about one token up to eight letters and more
+  beyond; each letter pair outside the 250 commonest English/code bigrams adds most of a token
+  (that is how BPE splits a rare word). All-caps pieces cost more (``ENDMARKER`` is 3 tokens).
+* A word that does not look like language -- one class change (lower/upper/digit) per three
+  characters, or 40% rare letter pairs -- is *junk* (base64, hex, UUIDs, hashes, random ids) and
+  is charged per character, because BPE spends one token per 1.4-1.8 such characters.
+* Digits cost per group of three (both tokenizers split numbers that way).
+* Punctuation runs cost one token plus a fraction per character change; a lone punctuation
+  character glued to the next word (``.append``, ``_name``) mostly merges into it.
+* Whitespace: a single space before a word is free (it merges), a newline or an indentation run
+  costs about one token each, a newline right after punctuation (``):\\n``) merges.
+* Non-ASCII characters are weighted per script (CJK, Hangul, Cyrillic, Greek, Arabic, Indic,
+  accented Latin, general punctuation), calibrated so that both real prose and random strings
+  of the script's common characters stay covered. Any other code point is charged one token
+  per UTF-8 byte, which is a hard upper bound for a byte-level BPE.
+* Each text pays a small edge constant (pre-token boundaries at its ends), and no estimate ever
+  exceeds the text's UTF-8 length -- again a hard bound, since every token holds >= 1 byte.
+
+Weights were fitted by linear programming (minimise the mean over-estimate on English prose,
+code and JSON subject to ``estimate >= max(o200k, cl100k)`` on every calibration sample) over
+CPython standard-library source, docstrings and documentation topics, generated JSON tool
+output, base64/hex/UUID blobs, random alphanumeric and punctuation strings and a hand-written
+corpus of twelve non-Latin and accented-Latin languages, then rounded up. ``bench/estimator.py``
+reports the signed error against both tokenizers.
+
+Known limits, stated rather than hidden: the proxies are not Claude's tokenizer, which can
+count more than either; the per-model correction factor learned from real usage (``reconcile``)
+is what closes that gap, and it can only raise estimates (see ``reconcile``). Strings of
+*uniformly random* rare CJK/Hangul syllables tokenize near one token per byte and can
+undercount; real text in those scripts is covered with a wide margin.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from enum import StrEnum
+from functools import lru_cache
+from types import MappingProxyType
+from typing import Any, Final, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .model_registry import ModelRegistry
+
+__all__ = [
+    "ATTACHMENT_BLOCK_TOKENS",
+    "ATTACHMENT_TOKEN_BUDGET",
+    "CORRECTION_WINDOW",
+    "IMAGE_TOKENS",
+    "MAX_FACTOR_PPM",
+    "MESSAGE_FRAMING_TOKENS",
+    "MIN_FACTOR_PPM",
+    "PDF_PAGE_TOKENS",
+    "PPM",
+    "REQUEST_FRAMING_TOKENS",
+    "TEXT_FILE_TOKENS_PER_BYTE",
+    "AttachmentKind",
+    "AttachmentRef",
+    "Correction",
+    "Encoder",
+    "ExactCounter",
+    "HeuristicCounter",
+    "ModelTokenEstimator",
+    "TokenCounter",
+    "TokenEstimator",
+    "apply_factor",
+    "estimate_attachment_tokens",
+    "heuristic_count",
+    "reconcile",
+    "signed_error_ppm",
+]
+
+PPM: Final = 1_000_000
+
+# Provider message framing. OpenAI chat formats spend 3 tokens per message
+# (<|start|>{role}<|message|> ... <|end|>) plus 1 when a name is set; Anthropic's turn markers
+# are of the same size. 4 covers both; it is added unscaled because it does not depend on text.
+MESSAGE_FRAMING_TOKENS: Final = 4
+# Once per request: the assistant reply priming (<|start|>assistant<|message|>).
+REQUEST_FRAMING_TOKENS: Final = 3
+
+# --- Attachments (ADR-0120) -----------------------------------------------------------------
+# Anthropic downsizes any image above ~1.15 megapixels (1568 px long edge), which caps an image
+# at ~1,600 tokens; gpt-4o high detail tops out at 85 + 8 * 170 = 1,445 and gpt-4.1 at 1,536
+# patches. Models that count more (gpt-4o-mini, the patch-multiplier minis) say so with
+# ``image_tokens`` in the registry.
+IMAGE_TOKENS: Final = 1_600
+# A PDF page is sent as a rendered page image plus its extracted text: Anthropic documents
+# 1,500-3,000 tokens per page and dense pages measure ~3,150 on Opus.
+PDF_PAGE_TOKENS: Final = 3_200
+# Only the inlined length is known, not the text; one token per UTF-8 byte is the hard bound.
+TEXT_FILE_TOKENS_PER_BYTE: Final = 1
+# The content block wrapping each reference (type, media type, source framing).
+ATTACHMENT_BLOCK_TOKENS: Final = 8
+# Request-wide ceiling on attachment *content*: the adapter sends markers instead of content
+# beyond it, so it bounds what is sent. Keep equal to agent_core.model.attachments' budget.
+ATTACHMENT_TOKEN_BUDGET: Final = 64_000
+
+# --- Correction factor ----------------------------------------------------------------------
+# The applied factor never goes below 1.0: the base estimate is already an upper bound, and a
+# factor learned on one content mix (say English, where the heuristic runs ~10% over) and
+# applied to another (code, where it runs ~2% over) would under-count by more than the 5%
+# margin. Over-estimation stays visible in ``Correction.observed_ppm``.
+MIN_FACTOR_PPM: Final = PPM
+# A ratio beyond 4x means a mis-registered tokenizer or a bogus usage report, not drift.
+MAX_FACTOR_PPM: Final = 4 * PPM
+_MIN_SAMPLE_PPM: Final = PPM // 10
+# Running mean over the first samples, then an exponentially weighted mean with weight 1/8:
+# the first report sets the factor outright (fast convergence), one outlier moves it by 1/8.
+CORRECTION_WINDOW: Final = 8
+
+
+# =============================================================================================
+# Heuristic tables
+# =============================================================================================
+
+# Weight of each feature, in milli-tokens. Feature counts come from ``_heuristic_features``.
+_WEIGHTS_MT: Final[Mapping[str, int]] = MappingProxyType(
+    {
+        # Lower/title-case ASCII word pieces, by length (1..12), and per letter beyond 12.
+        "word_1": 1000,
+        "word_2": 1000,
+        "word_3": 1000,
+        "word_4": 1000,
+        "word_5": 1000,
+        "word_6": 1000,
+        "word_7": 1000,
+        "word_8": 1000,
+        "word_9": 1000,
+        "word_10": 1380,
+        "word_11": 1380,
+        "word_12": 1380,
+        "word_long_char": 660,
+        "caps_word": 1310,
+        "caps_char": 250,
+        "rare_bigram": 790,
+        "vowel_end": 1790,
+        "junk_word": 1150,
+        "junk_char": 620,
+        "junk_transition": 230,
+        "digit_group": 1010,
+        "newline": 1380,
+        "newline_after_punct": 0,
+        "indent": 1490,
+        "lone_space": 1000,
+        "long_whitespace": 0,
+        "punct_run": 920,
+        "punct_change": 130,
+        "punct_change_long": 720,
+        "punct_repeat": 20,
+        "prefix_underscore": 20,
+        "prefix_dot": 160,
+        "prefix_quote": 1000,
+        "prefix_open": 1000,
+        "prefix_other": 60,
+        "space_before_non_ascii": 640,
+        "script_latin": 1240,
+        "script_greek": 1000,
+        "script_cyrillic": 900,
+        "script_arabic": 970,
+        "script_indic": 1260,
+        "script_cjk": 1490,
+        "script_hangul": 1440,
+        "script_general_punct": 1800,
+        "other_byte": 1000,
+        "text_edge": 1850,
+    }
+)
+_FEATURES: Final = tuple(_WEIGHTS_MT)
+_INDEX: Final = MappingProxyType({name: i for i, name in enumerate(_FEATURES)})
+_WEIGHT_VECTOR: Final = tuple(_WEIGHTS_MT[name] for name in _FEATURES)
+
+# Non-ASCII code point ranges with a calibrated per-character weight; anything else is charged
+# per UTF-8 byte ("other_byte"). Sorted by start, non-overlapping.
+_SCRIPT_RANGES: Final = (
+    (0x00A0, 0x024F, "script_latin"),  # Latin-1 Supplement, Latin Extended-A/B
+    (0x0370, 0x03FF, "script_greek"),
+    (0x0400, 0x052F, "script_cyrillic"),
+    (0x0600, 0x06FF, "script_arabic"),
+    (0x0900, 0x0DFF, "script_indic"),  # Devanagari .. Sinhala
+    (0x1E00, 0x1EFF, "script_latin"),  # Latin Extended Additional (Vietnamese)
+    (0x2000, 0x206F, "script_general_punct"),  # dashes, curly quotes, ellipsis
+    (0x3000, 0x30FF, "script_cjk"),  # CJK punctuation, Hiragana, Katakana
+    (0x3400, 0x4DBF, "script_cjk"),  # CJK Extension A
+    (0x4E00, 0x9FFF, "script_cjk"),  # CJK Unified Ideographs
+    (0xAC00, 0xD7AF, "script_hangul"),
+    (0xFF00, 0xFFEF, "script_cjk"),  # full-width forms
+)
+_SCRIPT_STARTS: Final = tuple(start for start, _, _ in _SCRIPT_RANGES)
+
+_PREFIX_FEATURE: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "_": "prefix_underscore",
+        ".": "prefix_dot",
+        '"': "prefix_quote",
+        "'": "prefix_quote",
+        "`": "prefix_quote",
+        "(": "prefix_open",
+        "[": "prefix_open",
+        "{": "prefix_open",
+        "<": "prefix_open",
+    }
+)
+
+# The 250 commonest letter pairs in English prose and code (lower-cased).
+_COMMON_BIGRAM_TEXT: Final = (
+    "ab ac ad ag ai ak al am an ap ar as at au av ax ay ba be bi bj bl bo br bs bu by ca cc "
+    "ce ch ci ck cl co cr ct cu da dd de di dl do dr ds du ea ec ed ee ef eg ei el em en eo "
+    "ep eq er es et ev ew ex ey fa fe ff fi fl fo fr ft fu ge gh gi gl gn gr gs gu ha he hi "
+    "ho hr ht ia ib ic id ie if ig il im in io ip ir is it iv ix iz je ke ks la ld le lf li "
+    "ll lo ls lt lu ly ma mb me mi mm mo mp ms mu na nc nd ne nf ng ni nk nl nn no ns nt nu "
+    "nv ny ob oc od of og oi ok ol om on oo op or os ot ou ov ow pa pe pi pl po pp pr pt pu "
+    "py qu ra rc rd re rg ri rk rm rn ro rr rs rt ru ry sa sc se sh si sl so sp ss st su sy "
+    "ta tc td te th ti tl to tp tr ts tt tu tw ty ua ub uc ue uf ui ul um un up ur us ut va "
+    "ve vi wa we wh wi wo wr xc xe xi xp xt yo yp ys yt ze"
+)
+_COMMON_BIGRAMS: Final = frozenset(_COMMON_BIGRAM_TEXT.split())
+
+# A word is junk when it changes character class at least once per this many milli-chars...
+_JUNK_TRANSITIONS_PER_1000_CHARS: Final = 300
+_JUNK_MIN_CHARS: Final = 4
+# ...or when this share (per mille) of its letter pairs is rare.
+_JUNK_RARE_PAIRS_PER_1000: Final = 400
+_JUNK_RARE_MIN_CHARS: Final = 5
+_MAX_WORD_TABLE: Final = 12
+_LONG_WHITESPACE_CHARS: Final = 64
+
+_RUN_RE: Final = re.compile(r"[A-Za-z0-9]+|[ \t\n\r\f\v]+|[^\x00-\x7f]+|[\x00-\x7f]")
+_PIECE_RE: Final = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|[0-9]+")
+_ALNUM, _SPACE, _NON_ASCII, _PUNCT = range(4)
+
+# Texts longer than this are not memoized, so the cache cannot pin large strings in memory.
+_MEMO_MAX_CHARS: Final = 64 * 1024
+
+
+# =============================================================================================
+# Heuristic
+# =============================================================================================
+
+
+def heuristic_count(text: str) -> int:
+    """Conservative token count for ``text`` without a tokenizer (see the module docstring).
+
+    Deterministic, pure and never above the text's UTF-8 length. Empty text counts 0.
+    """
+    if len(text) <= _MEMO_MAX_CHARS:
+        return _heuristic_count_memo(text)
+    return _heuristic_count(text)
+
+
+@lru_cache(maxsize=8192)
+def _heuristic_count_memo(text: str) -> int:
+    return _heuristic_count(text)
+
+
+def _heuristic_count(text: str) -> int:
+    if not text:
+        return 0
+    features = _heuristic_features(text)
+    milli = sum(count * weight for count, weight in zip(features, _WEIGHT_VECTOR, strict=True))
+    tokens = -(-milli // 1000)
+    # Every BPE token covers at least one byte.
+    return min(tokens, len(text.encode("utf-8", "surrogatepass")))
+
+
+def _run_kind(run: str) -> int:
+    first = run[0]
+    if first.isascii():
+        if first.isalnum():
+            return _ALNUM
+        if first in " \t\n\r\f\v":
+            return _SPACE
+        return _PUNCT
+    return _NON_ASCII
+
+
+def _heuristic_features(text: str) -> list[int]:
+    """Feature counts for ``text``, aligned with ``_FEATURES`` (empty text: all zero)."""
+    counts = [0] * len(_FEATURES)
+    if not text:
+        return counts
+    counts[_INDEX["text_edge"]] = 1
+    runs = _RUN_RE.findall(text)
+    kinds = [_run_kind(run) for run in runs]
+    total = len(runs)
+    i = 0
+    while i < total:
+        run = runs[i]
+        kind = kinds[i]
+        after = i + 1
+        if kind == _ALNUM:
+            _add_word(run, counts)
+        elif kind == _NON_ASCII:
+            for char in run:
+                feature, weight_units = _non_ascii_feature(char)
+                counts[_INDEX[feature]] += weight_units
+        elif kind == _SPACE:
+            next_run = runs[after] if after < total else None
+            _add_whitespace(run, i > 0 and kinds[i - 1] == _PUNCT, next_run, counts)
+        else:
+            while after < total and kinds[after] == _PUNCT:
+                after += 1
+            _add_punctuation(
+                "".join(runs[i:after]),
+                preceded_by_space=i > 0 and kinds[i - 1] == _SPACE,
+                next_run=runs[after] if after < total else None,
+                counts=counts,
+            )
+        i = after
+    return counts
+
+
+def _add_word(word: str, counts: list[int]) -> None:
+    length = len(word)
+    if length >= _JUNK_MIN_CHARS:
+        transitions = _class_transitions(word)
+        if transitions * 1000 >= _JUNK_TRANSITIONS_PER_1000_CHARS * length or (
+            length >= _JUNK_RARE_MIN_CHARS and _mostly_rare_pairs(word)
+        ):
+            counts[_INDEX["junk_word"]] += 1
+            counts[_INDEX["junk_char"]] += length
+            counts[_INDEX["junk_transition"]] += transitions
+            return
+    for piece in _PIECE_RE.findall(word):
+        size = len(piece)
+        if piece[0].isdigit():
+            counts[_INDEX["digit_group"]] += -(-size // 3)
+        elif size >= 2 and piece.isupper():
+            counts[_INDEX["caps_word"]] += 1
+            counts[_INDEX["caps_char"]] += size
+        else:
+            counts[_INDEX[f"word_{min(size, _MAX_WORD_TABLE)}"]] += 1
+            counts[_INDEX["word_long_char"]] += max(0, size - _MAX_WORD_TABLE)
+            lower = piece.lower()
+            counts[_INDEX["vowel_end"]] += size >= 4 and lower[-1] in "aiou"
+            counts[_INDEX["rare_bigram"]] += sum(
+                lower[j : j + 2] not in _COMMON_BIGRAMS for j in range(size - 1)
+            )
+
+
+def _class_transitions(word: str) -> int:
+    # Upper -> lower is how every capitalised word starts, so it is not a transition.
+    transitions = 0
+    previous = -1
+    for char in word:
+        current = 2 if char.isdigit() else (1 if char.isupper() else 0)
+        if previous >= 0 and current != previous and not (previous == 1 and current == 0):
+            transitions += 1
+        previous = current
+    return transitions
+
+
+def _mostly_rare_pairs(word: str) -> bool:
+    lower = word.lower()
+    pairs = 0
+    rare = 0
+    for j in range(len(lower) - 1):
+        pair = lower[j : j + 2]
+        if pair.isalpha():
+            pairs += 1
+            rare += pair not in _COMMON_BIGRAMS
+    return pairs > 0 and rare * 1000 >= _JUNK_RARE_PAIRS_PER_1000 * pairs
+
+
+def _add_whitespace(
+    run: str, after_punctuation: bool, next_run: str | None, counts: list[int]
+) -> None:
+    last_newline = max(run.rfind("\n"), run.rfind("\r"))
+    if last_newline >= 0:
+        # Both tokenizers glue newlines directly after punctuation into its pre-token.
+        merged = after_punctuation and run[0] in "\r\n"
+        counts[_INDEX["newline_after_punct" if merged else "newline"]] += 1
+    trailing = len(run) - last_newline - 1
+    if trailing == 1:
+        # A lone space merges into a following word or punctuation run, not into digits.
+        if next_run is None or (next_run[0].isascii() and next_run[0].isdigit()):
+            counts[_INDEX["lone_space"]] += 1
+        elif not next_run[0].isascii():
+            counts[_INDEX["space_before_non_ascii"]] += 1
+    elif trailing >= 2:
+        counts[_INDEX["indent"]] += 1
+    counts[_INDEX["long_whitespace"]] += len(run) // _LONG_WHITESPACE_CHARS
+
+
+def _add_punctuation(
+    run: str, *, preceded_by_space: bool, next_run: str | None, counts: list[int]
+) -> None:
+    length = len(run)
+    # A single punctuation character not preceded by a space joins the following word's
+    # pre-token (".append", "_name", "(self"); a longer run or a spaced one stands alone.
+    if (
+        length == 1
+        and not preceded_by_space
+        and next_run is not None
+        and next_run[0].isascii()
+        and next_run[0].isalpha()
+    ):
+        counts[_INDEX[_PREFIX_FEATURE.get(run, "prefix_other")]] += 1
+        return
+    changes = sum(run[j] != run[j - 1] for j in range(1, length))
+    counts[_INDEX["punct_run"]] += 1
+    counts[_INDEX["punct_change_long" if length >= 4 else "punct_change"]] += changes
+    counts[_INDEX["punct_repeat"]] += length - 1 - changes
+
+
+@lru_cache(maxsize=4096)
+def _non_ascii_feature(char: str) -> tuple[str, int]:
+    # Both tokenizers learned few merges for non-ASCII capitals ("ΑΑΑ" is six cl100k tokens):
+    # charge them at the byte bound whatever their script.
+    if char.isupper():
+        return "other_byte", len(char.encode("utf-8", "surrogatepass"))
+    code = ord(char)
+    index = bisect.bisect_right(_SCRIPT_STARTS, code) - 1
+    if index >= 0:
+        _, end, feature = _SCRIPT_RANGES[index]
+        if code <= end:
+            return feature, 1
+    return "other_byte", len(char.encode("utf-8", "surrogatepass"))
+
+
+# =============================================================================================
+# Counters: one per tokenizer
+# =============================================================================================
+
+
+class TokenCounter(Protocol):
+    """Counts the tokens of one text under one tokenizer, without framing or correction."""
+
+    @property
+    def tokenizer(self) -> str:
+        """The registry tokenizer name this counter implements."""
+        ...
+
+    @property
+    def exact(self) -> bool:
+        """True when counts are the tokenizer's own, False for an estimate."""
+        ...
+
+    def count_text(self, text: str) -> int:
+        """Token count of ``text``; must be a pure function of ``text``."""
+        ...
+
+
+class Encoder(Protocol):
+    """The part of ``tiktoken.Encoding`` the core uses (structural; no tiktoken import here)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def encode_ordinary(self, text: str) -> list[int]: ...
+
+
+class ExactCounter:
+    """Exact counts from a tokenizer the shell constructed (a counting function or encoding)."""
+
+    __slots__ = ("_count", "_tokenizer")
+
+    def __init__(self, tokenizer: str, count: Callable[[str], int]) -> None:
+        self._tokenizer = tokenizer
+        self._count = count
+
+    @classmethod
+    def from_encoding(cls, encoding: Encoder) -> ExactCounter:
+        """Count with ``encoding.encode_ordinary``: special-token text in user content is
+        counted as the ordinary text it is, never rejected or interpreted."""
+
+        def count(text: str) -> int:
+            return len(encoding.encode_ordinary(text))
+
+        return cls(encoding.name, count)
+
+    @property
+    def tokenizer(self) -> str:
+        return self._tokenizer
+
+    @property
+    def exact(self) -> bool:
+        return True
+
+    def count_text(self, text: str) -> int:
+        return self._count(text)
+
+    def __repr__(self) -> str:
+        return f"ExactCounter({self._tokenizer!r})"
+
+
+class HeuristicCounter:
+    """The conservative byte-class heuristic as a :class:`TokenCounter`."""
+
+    __slots__ = ()
+
+    @property
+    def tokenizer(self) -> str:
+        return "heuristic"
+
+    @property
+    def exact(self) -> bool:
+        return False
+
+    def count_text(self, text: str) -> int:
+        return heuristic_count(text)
+
+    def __repr__(self) -> str:
+        return "HeuristicCounter()"
+
+
+_HEURISTIC: Final = HeuristicCounter()
+
+
+# =============================================================================================
+# Attachments (ADR-0120)
+# =============================================================================================
+
+
+class AttachmentKind(StrEnum):
+    IMAGE = "image"
+    PDF = "pdf"
+    TEXT_FILE = "text_file"
+
+
+class AttachmentRef(BaseModel):
+    """A file or image reference in an owner-written user message.
+
+    ``label`` is the reference text the message carries (file name or marker); it is counted
+    for every reference. Content is counted only when ``within_item_limits`` is true, because
+    the adapter sends a marker instead of a file that fails the per-item limits. ``pages`` is
+    required for (and only for) a PDF; ``inlined_bytes`` for (and only for) a text file.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: AttachmentKind
+    label: str
+    within_item_limits: bool
+    pages: int | None = Field(default=None, ge=1)
+    inlined_bytes: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _fields_match_kind(self) -> AttachmentRef:
+        if (self.pages is not None) != (self.kind is AttachmentKind.PDF):
+            raise ValueError("pages is required for a pdf and not allowed otherwise")
+        if (self.inlined_bytes is not None) != (self.kind is AttachmentKind.TEXT_FILE):
+            raise ValueError("inlined_bytes is required for a text_file and not allowed otherwise")
+        return self
+
+
+def _attachment_content_tokens(ref: AttachmentRef, image_tokens: int) -> int:
+    if not ref.within_item_limits:
+        return 0
+    if ref.kind is AttachmentKind.IMAGE:
+        return image_tokens
+    if ref.kind is AttachmentKind.PDF:
+        assert ref.pages is not None  # guaranteed by the model validator
+        return ref.pages * PDF_PAGE_TOKENS
+    assert ref.inlined_bytes is not None
+    return ref.inlined_bytes * TEXT_FILE_TOKENS_PER_BYTE
+
+
+def estimate_attachment_tokens(
+    refs: Iterable[AttachmentRef],
+    count_label: Callable[[str], int],
+    *,
+    image_tokens: int = IMAGE_TOKENS,
+) -> int:
+    """Upper bound on what the adapter sends for ``refs``.
+
+    Every reference pays its label (``count_label``) plus ``ATTACHMENT_BLOCK_TOKENS``; the
+    content of references within the per-item limits is summed and capped at
+    ``ATTACHMENT_TOKEN_BUDGET``, the request-wide budget beyond which the adapter sends markers.
+    """
+    labels = 0
+    content = 0
+    for ref in refs:
+        labels += count_label(ref.label) + ATTACHMENT_BLOCK_TOKENS
+        content += _attachment_content_tokens(ref, image_tokens)
+    return labels + min(content, ATTACHMENT_TOKEN_BUDGET)
+
+
+# =============================================================================================
+# Correction factor
+# =============================================================================================
+
+
+class Correction(BaseModel):
+    """Per-model correction learned from actual usage.
+
+    ``observed_ppm`` is the smoothed ratio actual / uncorrected estimate -- the drift, visible
+    in both directions. ``factor_ppm`` is what estimates are multiplied by: ``observed_ppm``
+    clamped to ``[MIN_FACTOR_PPM, MAX_FACTOR_PPM]``, so it can raise estimates but never lower
+    them. ``observed_ppm`` defaults to ``factor_ppm`` when omitted.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_id: str = Field(min_length=1)
+    factor_ppm: int = Field(ge=MIN_FACTOR_PPM, le=MAX_FACTOR_PPM)
+    samples: int = Field(ge=0)
+    observed_ppm: int = Field(ge=_MIN_SAMPLE_PPM, le=MAX_FACTOR_PPM)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _observed_defaults_to_factor(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "observed_ppm" not in data and "factor_ppm" in data:
+            return {**data, "observed_ppm": data["factor_ppm"]}
+        return data
+
+    @classmethod
+    def initial(cls, model_id: str) -> Correction:
+        """The neutral correction: factor 1.0, no samples."""
+        return cls(model_id=model_id, factor_ppm=PPM, samples=0, observed_ppm=PPM)
+
+
+def apply_factor(raw: int, factor_ppm: int) -> int:
+    """``ceil(raw * factor_ppm / 1_000_000)`` in integers."""
+    return -(-raw * factor_ppm // PPM)
+
+
+def _clamp(value: int, low: int, high: int) -> int:
+    return max(low, min(high, value))
+
+
+def reconcile(
+    previous: Correction | None, model_id: str, estimated: int, actual: int
+) -> Correction:
+    """Fold one observed request into the model's correction and return the new correction.
+
+    ``estimated`` is the estimate the request was built with -- under ``previous``'s factor when
+    ``previous`` is for ``model_id``, under factor 1.0 otherwise -- and ``actual`` the input
+    tokens the provider reported for the same span. The sample is the implied ratio
+    actual / uncorrected estimate; the first sample is taken outright, later ones are averaged
+    (running mean up to ``CORRECTION_WINDOW`` samples, then weight 1/``CORRECTION_WINDOW``),
+    with every rounding going upward. A ``previous`` for another model is discarded: the
+    factor resets when the model changes. A zero ``estimated`` or ``actual`` carries no ratio
+    and returns the (possibly reset) correction unchanged.
+
+    Raises:
+        ValueError: ``estimated`` or ``actual`` is negative.
+    """
+    if estimated < 0 or actual < 0:
+        raise ValueError(f"token counts must be >= 0 (estimated={estimated}, actual={actual})")
+    base = (
+        previous
+        if previous is not None and previous.model_id == model_id
+        else Correction.initial(model_id)
+    )
+    if estimated == 0 or actual == 0:
+        return base
+    implied = _clamp(-(-actual * base.factor_ppm // estimated), _MIN_SAMPLE_PPM, MAX_FACTOR_PPM)
+    window = min(base.samples + 1, CORRECTION_WINDOW)
+    observed = base.observed_ppm + -(-(implied - base.observed_ppm) // window)
+    return Correction(
+        model_id=model_id,
+        factor_ppm=_clamp(observed, MIN_FACTOR_PPM, MAX_FACTOR_PPM),
+        samples=base.samples + 1,
+        observed_ppm=observed,
+    )
+
+
+def signed_error_ppm(estimated: int, actual: int) -> int:
+    """Signed estimator error ``(estimated - actual) / actual`` in ppm; negative means an
+    under-estimate. Rounds toward negative infinity, so an under-estimate never reads smaller.
+
+    Raises:
+        ValueError: ``actual`` is not positive or ``estimated`` is negative.
+    """
+    if actual <= 0 or estimated < 0:
+        raise ValueError(f"need actual > 0 and estimated >= 0 (got {estimated}, {actual})")
+    return (estimated - actual) * PPM // actual
+
+
+# =============================================================================================
+# The estimator port and its implementation
+# =============================================================================================
+
+
+class TokenEstimator(Protocol):
+    """Per-model token estimates for the elastic body. Implementations must be pure."""
+
+    def count_text(self, text: str, model_id: str) -> int:
+        """Raw count under the model's tokenizer (or the heuristic), no correction."""
+        ...
+
+    def estimate_text(self, text: str, model_id: str) -> int:
+        """``ceil(count_text * factor_ppm / 1e6)``."""
+        ...
+
+    def estimate_message(self, text: str, model_id: str) -> int:
+        """``estimate_text`` plus ``MESSAGE_FRAMING_TOKENS``."""
+        ...
+
+    def estimate_attachments(self, refs: Sequence[AttachmentRef], model_id: str) -> int:
+        """Labels for every reference plus capped content (ADR-0120)."""
+        ...
+
+
+class ModelTokenEstimator:
+    """:class:`TokenEstimator` over a model registry, exact counters and corrections.
+
+    ``counters`` maps tokenizer name to a counter built by the shell from a loaded encoding; a
+    model whose tokenizer is absent from it uses the heuristic. ``corrections`` holds at most
+    one correction per model id. Instances are immutable; ``with_correction`` returns a new one.
+    """
+
+    __slots__ = ("_corrections", "_counters", "_registry")
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        counters: Mapping[str, TokenCounter] | None = None,
+        corrections: Iterable[Correction] = (),
+    ) -> None:
+        self._registry = registry
+        resolved = dict(counters or {})
+        for name, counter in resolved.items():
+            if counter.tokenizer != name:
+                raise ValueError(f"counter for {name!r} implements {counter.tokenizer!r}")
+        self._counters: Mapping[str, TokenCounter] = MappingProxyType(resolved)
+        by_model: dict[str, Correction] = {}
+        for correction in corrections:
+            if correction.model_id in by_model:
+                raise ValueError(f"two corrections for model {correction.model_id!r}")
+            by_model[correction.model_id] = correction
+        self._corrections: Mapping[str, Correction] = MappingProxyType(by_model)
+
+    @property
+    def registry(self) -> ModelRegistry:
+        return self._registry
+
+    def counter_for(self, model_id: str) -> TokenCounter:
+        """The counter used for ``model_id``.
+
+        Raises:
+            UnknownModelError: the model is not registered.
+        """
+        tokenizer = self._registry.get(model_id).tokenizer
+        return self._counters.get(tokenizer, _HEURISTIC)
+
+    def is_exact(self, model_id: str) -> bool:
+        return self.counter_for(model_id).exact
+
+    def correction_for(self, model_id: str) -> Correction | None:
+        return self._corrections.get(model_id)
+
+    def factor_ppm(self, model_id: str) -> int:
+        correction = self._corrections.get(model_id)
+        return PPM if correction is None else correction.factor_ppm
+
+    def with_correction(self, correction: Correction) -> ModelTokenEstimator:
+        """A copy with ``correction`` replacing any correction for the same model."""
+        others = [c for c in self._corrections.values() if c.model_id != correction.model_id]
+        return ModelTokenEstimator(self._registry, self._counters, [*others, correction])
+
+    def count_text(self, text: str, model_id: str) -> int:
+        return self.counter_for(model_id).count_text(text)
+
+    def estimate_text(self, text: str, model_id: str) -> int:
+        return apply_factor(self.count_text(text, model_id), self.factor_ppm(model_id))
+
+    def estimate_message(self, text: str, model_id: str) -> int:
+        return self.estimate_text(text, model_id) + MESSAGE_FRAMING_TOKENS
+
+    def estimate_messages(self, texts: Iterable[str], model_id: str) -> int:
+        """Sum of ``estimate_message`` over ``texts`` (each rounded up on its own)."""
+        return sum(self.estimate_message(text, model_id) for text in texts)
+
+    def estimate_attachments(self, refs: Sequence[AttachmentRef], model_id: str) -> int:
+        image_tokens = self._registry.get(model_id).image_tokens or IMAGE_TOKENS
+        return estimate_attachment_tokens(
+            refs,
+            lambda label: self.estimate_text(label, model_id),
+            image_tokens=image_tokens,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"ModelTokenEstimator({self._registry!r}, counters={sorted(self._counters)}, "
+            f"corrections={sorted(self._corrections)})"
+        )

@@ -1,0 +1,343 @@
+"""Fitting the body into its budget: never-yield first, then the ladder, then the cut.
+
+Rule 1 (never-yield): the current user message (the run's own user messages and trailing
+input), the working-state block, the correction lines, loaded skill bodies, runtime
+metadata and the pending pairs of the active loop (the latest model turn's tool calls and
+their results) are paid first. If they alone exceed the body, the request fails with
+BUDGET_EXCEEDED naming the class — the rule the prefix follows, for the same reason.
+Rule 2 (the run is not history): the active run's earlier exchanges are never cut; only
+their tool results may yield (to pointers). The summary is never cut either. If these do
+not fit after every cheaper yield, the body needs compaction.
+Rule 3 (the ladder): yield_ladder.run_ladder, in its fixed order, no further than needed.
+Rule 4 (the cut): carried history takes the remainder and select_history picks the suffix;
+the floor is protected by the ladder, so the remainder is at least min(floor, history).
+Rule 5 (purity): costs come from the `cost` argument (a pure, conservative estimate of an
+item as rendered); identical inputs give identical decisions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .budget import ContextBudget
+from .caps import CLASS_CAPS
+from .errors import BudgetExceededError
+from .history_cut import select_history
+from .items import (
+    ContextItem,
+    CorrectionLineItem,
+    KnowledgePassageItem,
+    RecallLineItem,
+    ToolResult,
+    UserMessage,
+)
+from .plan import ClassUsage
+from .rows import Row
+from .yield_ladder import Body, Truncatable, YieldStep, pointer_for, run_ladder
+
+__all__ = ["BODY_CLASSES", "Cost", "Fitted", "PressureReport", "fit_body"]
+
+# (row, item, rendered as truncated) -> estimated tokens, conservative and pure.
+Cost = Callable[[Row, ContextItem, bool], int]
+Placed = tuple[Row, ContextItem]
+
+# Body classes in the order they are reported; the never-yield ones are marked.
+BODY_CLASSES: tuple[tuple[str, bool], ...] = (
+    ("history", False),
+    ("tool_results", False),
+    ("skill_bodies", True),
+    ("working_state", True),
+    ("corrections", True),
+    ("recall", False),
+    ("knowledge", False),
+    ("runtime_metadata", True),
+    ("user_message", True),
+)
+_NEVER_YIELD = frozenset(name for name, never in BODY_CLASSES if never)
+
+
+@dataclass(frozen=True, slots=True)
+class PressureReport:
+    fits: bool
+    steps: tuple[YieldStep, ...]
+    body_tokens_before: int
+    body_tokens_after: int
+    body_budget_tokens: int
+    legacy_tool_excerpts: tuple[str, ...]
+    history_cut_index: int
+    history_items_dropped: int
+
+    @property
+    def yielded(self) -> bool:
+        return bool(self.steps)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "fits": self.fits,
+            "steps": [
+                {"step": s.step, "tokens_freed": s.tokens_freed, "item_ids": list(s.item_ids)}
+                for s in self.steps
+            ],
+            "body_tokens_before": self.body_tokens_before,
+            "body_tokens_after": self.body_tokens_after,
+            "body_budget_tokens": self.body_budget_tokens,
+            "legacy_tool_excerpts": list(self.legacy_tool_excerpts),
+            "history_cut_index": self.history_cut_index,
+            "history_items_dropped": self.history_items_dropped,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Fitted:
+    placed: tuple[Placed, ...]  # what the request carries, pointers substituted
+    truncated: frozenset[int]  # id() of placed items that render marked truncated
+    report: PressureReport
+    usage: tuple[ClassUsage, ...]
+    body_tokens: int  # estimated body tokens of the request (or of the need, if unfit)
+
+    @property
+    def fits(self) -> bool:
+        return self.report.fits
+
+
+class _IndexedCosts:
+    """The estimator select_history reads: the current cost of each carried item."""
+
+    def __init__(self, items: Sequence[ContextItem], costs: Sequence[int]) -> None:
+        self._index = {id(item): n for n, item in enumerate(items)}
+        self._costs = costs
+
+    def estimate(self, items: Sequence[ContextItem], model_id: str) -> int:
+        return sum(self._costs[self._index[id(item)]] for item in items)
+
+
+def fit_body(
+    placed: Sequence[Placed],
+    *,
+    carried: Sequence[ContextItem],
+    pending: Sequence[ContextItem],
+    budget: ContextBudget,
+    cost: Cost,
+    model_id: str,
+    summary_floor: int,
+    recall_floor_lines: int = 0,
+    excerpted: Sequence[ContextItem] = (),
+) -> Fitted:
+    """Decide what of the placed Region B items the request carries.
+
+    `placed` is every candidate in row order; `carried` names (by identity) the carried
+    history among them, `pending` the active loop's pending pairs, `excerpted` the carried
+    results already replaced by legacy excerpts (they render marked truncated).
+
+    Raises:
+        BudgetExceededError: the never-yield set alone exceeds the body; metadata "class"
+            names the class that does not fit.
+    """
+    carried_ids = {id(i) for i in carried}
+    pending_ids = {id(i) for i in pending}
+    excerpted_ids = frozenset(id(i) for i in excerpted)
+    # Costs first: rendering is what rejects an item type assembly cannot render.
+    costs = [cost(row, item, id(item) in excerpted_ids) for row, item in placed]
+    classes = [_class_of(row, item, carried_ids) for row, item in placed]
+    never = [
+        kind in _NEVER_YIELD or id(item) in pending_ids
+        for (_, item), kind in zip(placed, classes, strict=True)
+    ]
+    _check_never_yield(placed, classes, costs, never, pending_ids, budget)
+
+    carried_items: list[ContextItem] = []
+    carried_costs: list[int] = []
+    carried_results: list[Truncatable] = []
+    run_results: list[Truncatable] = []
+    knowledge: list[tuple[ContextItem, int]] = []
+    recall: list[tuple[ContextItem, int]] = []
+    fixed = 0
+    for (row, item), kind, tokens, keep in zip(placed, classes, costs, never, strict=True):
+        if keep:
+            fixed += tokens
+        elif id(item) in carried_ids:
+            if isinstance(item, ToolResult):
+                pointer = _pointer_cost(row, item, cost)
+                carried_results.append(Truncatable(len(carried_items), tokens, pointer, item))
+            carried_items.append(item)
+            carried_costs.append(tokens)
+        elif kind == "knowledge":
+            knowledge.append((item, tokens))
+        elif kind == "recall":
+            recall.append((item, tokens))
+        elif isinstance(item, ToolResult):
+            run_results.append(Truncatable(-1, tokens, _pointer_cost(row, item, cost), item))
+        else:
+            fixed += tokens  # the summary and the run's earlier exchanges: never cut
+    # Lowest-ranked passages drop first; the stable sort keeps arrival order within a rank.
+    knowledge.sort(key=lambda pair: _rank(pair[0]))
+
+    def cut_at(current: Sequence[int], history_tokens: int) -> int:
+        return select_history(
+            carried_items,
+            summary_floor,
+            history_tokens,
+            _IndexedCosts(carried_items, current),
+            model_id,
+        )
+
+    body = Body(
+        budget=budget.body_tokens,
+        fixed=fixed,
+        history_floor=budget.history_tokens,
+        tool_result_cap=budget.tool_result_tokens,
+        knowledge=knowledge,
+        recall=recall,
+        recall_floor=max(0, recall_floor_lines),
+        carried_costs=carried_costs,
+        run_results=run_results,
+        carried_results=carried_results,
+        cut_at=cut_at,
+    )
+    fits = run_ladder(body)
+    cut = body.cut() if fits else len(carried_items)
+    dropped = {id(i) for i, _ in knowledge[body.knowledge_kept :]}
+    dropped |= {id(i) for i, _ in recall[body.recall_kept :]}
+    dropped |= {id(i) for i in carried_items[:cut]}
+    pointers = {id(t.item): t for t in (*carried_results, *run_results) if t.truncated}
+
+    out: list[Placed] = []
+    truncated: set[int] = set(excerpted_ids)
+    used: list[tuple[str, int]] = []
+    for (row, item), kind, tokens in zip(placed, classes, costs, strict=True):
+        if id(item) in dropped:
+            continue
+        if id(item) in pointers:
+            tokens = pointers[id(item)].pointer_cost
+            item = pointer_for(_as_result(item))
+            truncated.add(id(item))
+        out.append((row, item))
+        used.append((kind, tokens))
+    after = sum(t for _, t in used) if fits else body.need()
+    report = PressureReport(
+        fits=fits,
+        steps=tuple(body.steps),
+        body_tokens_before=sum(costs),
+        body_tokens_after=after,
+        body_budget_tokens=budget.body_tokens,
+        legacy_tool_excerpts=tuple(i.item_id for i in excerpted),
+        history_cut_index=cut,
+        history_items_dropped=cut,
+    )
+    return Fitted(
+        placed=tuple(out) if fits else (),
+        truncated=frozenset(truncated),
+        report=report,
+        usage=_usage(used, budget),
+        body_tokens=after,
+    )
+
+
+# --- classification ---------------------------------------------------------------------
+
+
+def _class_of(row: Row, item: ContextItem, carried_ids: set[int]) -> str:
+    """The budget class of one placed item. Exhaustive over rows; an unknown row raises."""
+    if isinstance(item, ToolResult):
+        return "tool_results"
+    match row:
+        case Row.COMPACTED_SUMMARY:
+            return "history"
+        case Row.CONVERSATION:
+            if id(item) not in carried_ids and isinstance(item, UserMessage):
+                return "user_message"  # the run's own user message(s)
+            return "history"
+        case Row.SKILL_BODIES:
+            return "skill_bodies"
+        case Row.WORKING_STATE:
+            return "working_state"
+        case Row.RECALL if isinstance(item, CorrectionLineItem):
+            return "corrections"
+        case Row.RECALL if isinstance(item, RecallLineItem):
+            return "recall"
+        case Row.RECALL if isinstance(item, KnowledgePassageItem):
+            return "knowledge"
+        case Row.RUNTIME_METADATA:
+            return "runtime_metadata"
+        case Row.USER_INPUT:
+            return "user_message"
+    raise TypeError(f"no budget class for {type(item).__name__} in row {row.value}")
+
+
+_PENDING = "pending_tool_pairs"
+
+
+def _check_never_yield(
+    placed: Sequence[Placed],
+    classes: Sequence[str],
+    costs: Sequence[int],
+    never: Sequence[bool],
+    pending_ids: set[int],
+    budget: ContextBudget,
+) -> None:
+    """Raise BUDGET_EXCEEDED when the never-yield set alone exceeds the body.
+
+    The class named is the first never-yield class over its own cap, else the largest.
+    """
+    totals: dict[str, int] = {}
+    for (_, item), kind, tokens, keep in zip(placed, classes, costs, never, strict=True):
+        if keep:
+            name = _PENDING if id(item) in pending_ids else kind
+            totals[name] = totals.get(name, 0) + tokens
+    spent = sum(totals.values())
+    if spent <= budget.body_tokens:
+        return
+    over_cap = [
+        name
+        for name, tokens in totals.items()
+        if name in CLASS_CAPS and 0 < CLASS_CAPS[name].cap_tokens < tokens
+    ]
+    offender = over_cap[0] if over_cap else max(totals, key=lambda n: (totals[n], n))
+    raise BudgetExceededError(
+        f"the never-yield set needs {spent} tokens but the body has {budget.body_tokens};"
+        f" {offender} alone takes {totals[offender]}",
+        metadata={
+            "class": offender,
+            "class_tokens": str(totals[offender]),
+            "never_yield_tokens": str(spent),
+            "body_budget_tokens": str(budget.body_tokens),
+        },
+    )
+
+
+def _pointer_cost(row: Row, item: ToolResult, cost: Cost) -> int:
+    return cost(row, pointer_for(item), True)
+
+
+def _as_result(item: ContextItem) -> ToolResult:
+    assert isinstance(item, ToolResult)
+    return item
+
+
+def _rank(item: ContextItem) -> int:
+    return item.rank if isinstance(item, KnowledgePassageItem) else 0
+
+
+def _usage(used: Sequence[tuple[str, int]], budget: ContextBudget) -> tuple[ClassUsage, ...]:
+    tokens: dict[str, int] = {}
+    items: dict[str, int] = {}
+    for kind, count in used:
+        tokens[kind] = tokens.get(kind, 0) + count
+        items[kind] = items.get(kind, 0) + 1
+    out = []
+    for name, _ in BODY_CLASSES:
+        cap = CLASS_CAPS.get(name)
+        cap_tokens = cap.cap_tokens if cap is not None else 0
+        if name == "tool_results":
+            cap_tokens = budget.tool_result_tokens
+        out.append(
+            ClassUsage(
+                class_name=name,
+                tokens=tokens.get(name, 0),
+                items=items.get(name, 0),
+                cap_tokens=cap_tokens,
+                cap_items=cap.cap_items if cap is not None else 0,
+            )
+        )
+    return tuple(out)

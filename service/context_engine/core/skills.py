@@ -1,0 +1,133 @@
+"""Skills: the catalog pinned in Region A (row 7) and the bodies loaded into Region B (row 11).
+
+Rule 1: the catalog pins at plan time, at most 20 entries and 1,500 tokens, first-fit in
+the order given. An entry that does not fit is not in the catalog and cannot be loaded.
+Rule 2: a body loads only for a skill in the plan's pinned catalog (SKILL_NOT_IN_CATALOG).
+Rule 3: a loaded body is sticky for the session and renders in load order. A skill is never
+deselected: a body that came and went would rewrite the cached body on every step.
+Rule 4: at most 2 bodies and 6,000 tokens. A third load, or one past 6,000 tokens, fails
+with SKILL_LIMIT; nothing is evicted. Loading a loaded skill again changes nothing.
+Rule 5: a body never yields: Build carries every loaded body or fails.
+Rule 6: a body takes its catalog entry's trust. A load may lower a TRUSTED_CONFIGURATION
+entry to an enveloped level, never raise an enveloped one, and never claim PLATFORM or
+MODEL trust for a body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .caps import CLASS_CAPS
+from .errors import InvalidFieldError, PreconditionError
+from .items import SkillBodyItem
+from .roster import fit_in_order
+from .spec import SkillSpec
+from .trust import TrustLevel
+
+__all__ = [
+    "LoadedSkill",
+    "admit_load",
+    "body_items",
+    "body_text",
+    "body_trust",
+    "pin_catalog",
+]
+
+_CATALOG = CLASS_CAPS["skill_catalog"]
+_BODIES = CLASS_CAPS["skill_bodies"]
+
+# Trust a load may not claim for a body (Rule 6).
+_NEVER_BODY_TRUST = frozenset({TrustLevel.PLATFORM, TrustLevel.MODEL})
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedSkill:
+    name: str
+    version: str
+    body: str
+    trust: TrustLevel
+    tokens: int  # measured at load time with the plan's model tokenizer
+
+
+def pin_catalog(
+    skills: Sequence[SkillSpec], measure: Callable[[SkillSpec], int]
+) -> tuple[tuple[SkillSpec, ...], tuple[SkillSpec, ...]]:
+    """Rule 1: (pinned catalog, entries left out)."""
+    return fit_in_order(
+        skills, cap_items=_CATALOG.cap_items, cap_tokens=_CATALOG.cap_tokens, measure=measure
+    )
+
+
+def body_text(name: str, version: str, body: str) -> str:
+    """The text row 11 renders for a body (inside its envelope when its trust needs one)."""
+    return f"Skill {name} ({version}) loaded:\n{body}"
+
+
+def body_trust(catalog_trust: TrustLevel, requested: TrustLevel | None) -> TrustLevel:
+    """Rule 6.
+
+    Raises:
+        InvalidFieldError: the load claims PLATFORM or MODEL trust for a body.
+    """
+    if requested in _NEVER_BODY_TRUST:
+        raise InvalidFieldError(f"a skill body cannot carry {requested.name} trust", field="trust")
+    if requested is None or catalog_trust is not TrustLevel.TRUSTED_CONFIGURATION:
+        return catalog_trust
+    return requested
+
+
+def admit_load(
+    loaded: Sequence[LoadedSkill],
+    catalog: Sequence[tuple[str, str]],
+    name: str,
+    body_tokens: int,
+) -> bool:
+    """Decide a load (Rules 2-4): True to load, False when the skill is already loaded.
+
+    Raises:
+        PreconditionError: SKILL_NOT_IN_CATALOG, or SKILL_LIMIT (metadata names the class,
+            the loaded skills and the limit that binds).
+    """
+    if any(s.name == name for s in loaded):
+        return False
+    if name not in {n for n, _ in catalog}:
+        raise PreconditionError(
+            f"skill {name!r} is not in the plan's pinned skill catalog",
+            field="name",
+            reason="SKILL_NOT_IN_CATALOG",
+        )
+    used = sum(s.tokens for s in loaded)
+    over_items = len(loaded) >= _BODIES.cap_items
+    if over_items or used + body_tokens > _BODIES.cap_tokens:
+        limit = (
+            f"at most {_BODIES.cap_items} skills load per session"
+            if over_items
+            else f"skill bodies are capped at {_BODIES.cap_tokens:,} tokens"
+            f" ({used:,} used, this body needs {body_tokens:,})"
+        )
+        raise PreconditionError(
+            f"cannot load skill {name!r}: {limit}; a loaded skill is never evicted",
+            field="name",
+            reason="SKILL_LIMIT",
+            metadata={
+                "class": "skill_bodies",
+                "limit": "items" if over_items else "tokens",
+                "loaded": ",".join(s.name for s in loaded),
+            },
+        )
+    return True
+
+
+def body_items(loaded: Sequence[LoadedSkill]) -> tuple[SkillBodyItem, ...]:
+    """Row 11 items, in load order (Rule 3)."""
+    return tuple(
+        SkillBodyItem(
+            item_id=f"skill-body:{s.name}",
+            name=s.name,
+            version=s.version,
+            body=s.body,
+            trust=s.trust,
+        )
+        for s in loaded
+    )

@@ -1,0 +1,139 @@
+"""The provider-visible form of a tool definition, and what it costs in the prompt.
+
+Rule 1: the model sees a tool's name, description and input schema, and nothing else of
+the pinned ToolSpec. Output schema, policy, scopes, timeouts and limits are hashed into the
+plan's identity but never sent, so they never count against the tool-definition class.
+Rule 2: the input schema is sent without redundant generated "title" annotations and
+without empty "default" annotations. Every validation keyword and every non-empty default
+is kept. Only schema positions are rewritten: a property *named* "title" or "default" is
+a property, and values under enum/const/examples are data, never schemas.
+Rule 3: a definition costs the conservative larger form: the largest of its provider
+serializations (Anthropic Messages, OpenAI Responses, the engine's own ToolDefinition)
+counted with the model's tokenizer, plus a per-tool allowance for provider framing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+from .canonical import canonical_bytes
+from .envelope import escape_content
+from .items import ToolDefinitionItem
+from .request import ToolDefinition
+from .spec import ToolSpec
+
+__all__ = [
+    "PROVIDER_FRAMING_TOKENS",
+    "definition_item",
+    "definition_tokens",
+    "visible_input_schema",
+]
+
+TokenCounter = Callable[[str], int]
+
+# The provider wraps each definition in a few tokens of its own (role markers, separators).
+# Counted once per tool so the cap holds whatever the provider adds around the JSON.
+PROVIDER_FRAMING_TOKENS = 8
+
+# JSON Schema keywords whose value is a map of name -> subschema.
+_SCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"}
+)
+# Keywords whose value is one subschema.
+_SCHEMA_ONE = frozenset(
+    {
+        "additionalProperties",
+        "additionalItems",
+        "items",
+        "contains",
+        "not",
+        "if",
+        "then",
+        "else",
+        "propertyNames",
+        "unevaluatedItems",
+        "unevaluatedProperties",
+        "contentSchema",
+    }
+)
+# Keywords whose value is a list of subschemas (`items` in its draft-4 tuple form too).
+_SCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+
+_SEPARATORS = re.compile(r"[\s_\-.]+")
+
+
+def _same_words(title: str, name: str) -> bool:
+    """ "Max Results" titles "max_results": a generator derived it from the name."""
+    return _SEPARATORS.sub("", title).casefold() == _SEPARATORS.sub("", name).casefold()
+
+
+def _empty(value: Any) -> bool:
+    # False and 0 are meaningful defaults; only absence-like values are empty.
+    return value is None or (isinstance(value, str | list | dict) and len(value) == 0)
+
+
+def _visible(schema: Any, name: str | None) -> Any:
+    """One schema position; `name` is the property or definition name that owns it."""
+    if not isinstance(schema, dict):
+        return schema  # a boolean schema, or malformed input passed through verbatim
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "title" and isinstance(value, str) and name and _same_words(value, name):
+            continue
+        if key == "default" and _empty(value):
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: _visible(v, k) for k, v in value.items()}
+        elif key in _SCHEMA_ONE and isinstance(value, dict):
+            out[key] = _visible(value, None)
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [_visible(v, None) for v in value]
+        else:
+            out[key] = value
+    return out
+
+
+def visible_input_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """The input schema as the model receives it (Rule 2).
+
+    The root's title is always generated (a model class name); the tool's own name and
+    description already say what the input is.
+    """
+    root = {k: v for k, v in schema.items() if k != "title"}
+    visible = _visible(root, None)
+    assert isinstance(visible, dict)
+    return visible
+
+
+def definition_item(tool: ToolSpec) -> ToolDefinitionItem:
+    """The model-visible definition (row 5) of a pinned tool."""
+    return ToolDefinitionItem(
+        item_id=f"tool:{tool.name}",
+        name=tool.name,
+        description=escape_content(tool.description),
+        input_schema_json=canonical_bytes(visible_input_schema(tool.input_schema)).decode("utf-8"),
+    )
+
+
+def _forms(item: ToolDefinitionItem) -> tuple[dict[str, Any], ...]:
+    schema = json.loads(item.input_schema_json)
+    return (
+        {"name": item.name, "description": item.description, "input_schema": schema},
+        {
+            "type": "function",
+            "name": item.name,
+            "description": item.description,
+            "parameters": schema,
+            "strict": False,
+        },
+        ToolDefinition(item.name, item.description, item.input_schema_json).canonical(),
+    )
+
+
+def definition_tokens(item: ToolDefinitionItem, count: TokenCounter) -> int:
+    """What one definition costs against the tool-definition class (Rule 3)."""
+    largest = max(count(canonical_bytes(form).decode("utf-8")) for form in _forms(item))
+    return largest + PROVIDER_FRAMING_TOKENS

@@ -1,0 +1,862 @@
+"""Working state: the run's structured record, changed by typed transitions only.
+
+Rule 1 (writers): three writers, each allowed a fixed set of fields (WRITER_FIELDS). The
+model writes through the context.update_working_state control tool, the user directly, the
+runtime only what it observes: task states on tool outcomes, and the questions
+conversation.ask_user asks and their answers (`runtime_update`). Nobody's prose is parsed.
+Rule 2 (protection): only the user may remove a constraint the user set, or supersede an
+objective the user set (CONSTRAINT_PROTECTED). The model may remove its own constraints.
+Rule 3 (bounds): LIST_CAPS. Constraints never evict: at the cap add_constraints fails
+(WORKING_STATE_CAP) and nothing changes. Tasks, facts and open questions evict at their
+caps: completed entries first, then the stalest (oldest last-written sequence) first.
+Rule 4 (block): the rendered block is capped at BLOCK_TOKENS. Evictable entries are hidden
+at render in the same order (the state and the log keep them); objective, constraints and
+next_action never hide, so a transition that would put them alone over the cap fails.
+Rule 5 (trust): every entry records its writer, trust and source sequence. A fact's trust
+is the lowest of its claim and its sources' (`lowest_trust`); below USER it renders only as
+an attributed claim with its source event ids, and where its trust has an envelope, inside
+that nonced envelope. Every entry's text is delimiter-escaped, and continuation lines are
+indented, so no entry can close an envelope or start a line that forges an attribution
+(only constraint and question lines start with "- [writer #sequence]").
+Rule 6 (carry): a new run's state is a fold over the log's working-state events (`carry`),
+never a copy of a checkpoint; each run boundary applies CARRY_RULES.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum, IntEnum
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+from .enums import SideEffect
+from .envelope import escape_content, wrap
+from .errors import BudgetExceededError, InvalidFieldError, PreconditionError, RequestError
+from .items import ConversationItem, ToolCall, ToolResult, WorkingStateItem
+from .spec import ToolSpec
+from .trust import TrustLevel, envelope_tag
+
+__all__ = [
+    "ASK_USER_TOOL",
+    "BLOCK_TOKENS",
+    "CARRY_RULES",
+    "COMPLETED",
+    "LIST_CAPS",
+    "MAX_ENTRY_CHARS",
+    "SOURCE_TRUST_OF_EVENT",
+    "UPDATE_TOOL",
+    "UPDATE_TOOL_NAME",
+    "WRITER_FIELDS",
+    "Carry",
+    "Entry",
+    "Fact",
+    "LoggedUpdate",
+    "NewFact",
+    "Task",
+    "TaskStatus",
+    "TaskUpsert",
+    "Transition",
+    "WorkingState",
+    "WorkingStateUpdate",
+    "Writer",
+    "apply_update",
+    "at_run_boundary",
+    "carry",
+    "lowest_trust",
+    "render_block",
+    "runtime_update",
+    "source_trust",
+]
+
+TokenCounter = Callable[[str], int]
+T = TypeVar("T")
+
+
+class Writer(IntEnum):
+    """Numbering matches the proto's Writer."""
+
+    MODEL = 1
+    USER = 2
+    RUNTIME = 3
+
+
+class TaskStatus(IntEnum):
+    """Numbering matches the proto's TaskStatus."""
+
+    OPEN = 1
+    IN_PROGRESS = 2
+    BLOCKED = 3
+    DONE = 4
+    CANCELLED = 5
+
+
+COMPLETED = frozenset({TaskStatus.DONE, TaskStatus.CANCELLED})
+
+LIST_CAPS: dict[str, int] = {"constraints": 20, "tasks": 30, "facts": 40, "open_questions": 20}
+BLOCK_TOKENS = 1_000
+# An entry longer than this could never render inside the block; refuse it up front.
+MAX_ENTRY_CHARS = 2_000
+MAX_TASK_ID_CHARS = 200
+
+# The trust an entry of each writer carries. A runtime entry is an open question copied
+# from the model's conversation.ask_user call, so it is the model's text.
+_WRITER_TRUST: dict[Writer, TrustLevel] = {
+    Writer.MODEL: TrustLevel.MODEL,
+    Writer.USER: TrustLevel.USER,
+    Writer.RUNTIME: TrustLevel.MODEL,
+}
+
+_ALL_FIELDS = frozenset(
+    {
+        "objective",
+        "add_constraints",
+        "remove_constraints",
+        "upsert_tasks",
+        "add_facts",
+        "add_questions",
+        "resolve_questions",
+        "next_action",
+    }
+)
+# Which fields each writer may touch (Rule 1). Questions are added by the runtime when
+# conversation.ask_user fires; the runtime touches nothing it does not observe.
+WRITER_FIELDS: dict[Writer, frozenset[str]] = {
+    Writer.MODEL: _ALL_FIELDS - {"add_questions"},
+    Writer.USER: _ALL_FIELDS,
+    Writer.RUNTIME: frozenset({"upsert_tasks", "add_questions", "resolve_questions"}),
+}
+
+# The proto numbers trust levels from most to least trusted, so "lowest" is the largest.
+_ASSERTED = frozenset({TrustLevel.PLATFORM, TrustLevel.TRUSTED_CONFIGURATION, TrustLevel.USER})
+
+# The trust of a fact source, by the event type it is logged as. Events of any other type
+# are not evidence a fact can rest on.
+SOURCE_TRUST_OF_EVENT: dict[str, TrustLevel | None] = {
+    "user.message.created": TrustLevel.USER,
+    "assistant.message.created": TrustLevel.MODEL,
+    "tool.call.created": TrustLevel.MODEL,
+    "tool.result.created": None,  # the result's own trust, from its payload
+}
+
+ASK_USER_TOOL = "conversation.ask_user"
+UPDATE_TOOL_NAME = "context.update_working_state"
+
+
+# --- the model -----------------------------------------------------------------------------
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Entry(_Frozen):
+    text: str
+    writer: Writer
+    source_sequence: int  # the context.working_state.updated event that wrote it
+    trust: TrustLevel
+
+
+class Task(_Frozen):
+    task_id: str
+    title: str
+    status: TaskStatus
+    writer: Writer
+    source_sequence: int  # last written; the age eviction reads
+
+
+class Fact(_Frozen):
+    statement: str
+    source_event_ids: tuple[int, ...]
+    trust: TrustLevel
+    writer: Writer
+    source_sequence: int
+
+
+class WorkingState(_Frozen):
+    objective: Entry | None = None
+    constraints: tuple[Entry, ...] = ()
+    tasks: tuple[Task, ...] = ()  # first-seen order; completed ones until the run ends
+    facts: tuple[Fact, ...] = ()
+    open_questions: tuple[Entry, ...] = ()
+    next_action: Entry | None = None
+
+    def is_empty(self) -> bool:
+        return self == WorkingState()
+
+
+class TaskUpsert(_Frozen):
+    task_id: str
+    title: str = ""  # empty: keep the title (required for a new task)
+    status: TaskStatus | None = None  # None: keep (OPEN for a new task)
+
+
+class NewFact(_Frozen):
+    statement: str
+    source_event_ids: tuple[int, ...]
+    trust: TrustLevel  # already lowered to its sources' (`lowest_trust`)
+
+
+class WorkingStateUpdate(_Frozen):
+    """One typed transition. Fields apply in declaration order (removals before additions,
+    so a constraint can be replaced at the cap)."""
+
+    objective: str | None = None
+    remove_constraints: tuple[str, ...] = ()
+    add_constraints: tuple[str, ...] = ()
+    upsert_tasks: tuple[TaskUpsert, ...] = ()
+    add_facts: tuple[NewFact, ...] = ()
+    add_questions: tuple[str, ...] = ()
+    resolve_questions: tuple[str, ...] = ()
+    next_action: str | None = None
+
+    def touched(self) -> frozenset[str]:
+        return frozenset(
+            name
+            for name in _ALL_FIELDS
+            if getattr(self, name) is not None and getattr(self, name) != ()
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    state: WorkingState
+    evicted: dict[str, list[str]]  # list name -> what its cap pushed out, oldest first
+    superseded_objective: str | None  # recorded, never silently replaced
+
+
+def lowest_trust(levels: Iterable[TrustLevel]) -> TrustLevel:
+    """The least trusted of `levels` (PLATFORM when there are none)."""
+    return max(levels, default=TrustLevel.PLATFORM)
+
+
+def source_trust(event_type: str, payload: dict[str, Any]) -> TrustLevel | None:
+    """The trust of a logged event as fact evidence, or None when it cannot be evidence."""
+    if event_type not in SOURCE_TRUST_OF_EVENT:
+        return None
+    fixed = SOURCE_TRUST_OF_EVENT[event_type]
+    if fixed is not None:
+        return fixed
+    try:
+        return TrustLevel(int(payload.get("trust", TrustLevel.EXTERNAL_UNTRUSTED)))
+    except (TypeError, ValueError):
+        return TrustLevel.EXTERNAL_UNTRUSTED
+
+
+# --- transitions -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Ctx:
+    writer: Writer
+    sequence: int
+
+    def entry(self, text: str) -> Entry:
+        return Entry(
+            text=text,
+            writer=self.writer,
+            source_sequence=self.sequence,
+            trust=_WRITER_TRUST[self.writer],
+        )
+
+
+def _text(value: str, field: str) -> str:
+    if not value.strip():
+        raise InvalidFieldError(f"{field} must not be empty", field=field)
+    if len(value) > MAX_ENTRY_CHARS:
+        raise InvalidFieldError(f"{field} is longer than {MAX_ENTRY_CHARS} characters", field=field)
+    return value
+
+
+def _set_objective(state: WorkingState, value: str, ctx: _Ctx) -> WorkingState:
+    _text(value, "update.objective")
+    current = state.objective
+    if current is not None and current.text == value:
+        return state
+    if current is not None and current.writer is Writer.USER and ctx.writer is not Writer.USER:
+        raise PreconditionError(
+            "the objective was set by the user; only the user can supersede it",
+            field="update.objective",
+            reason="CONSTRAINT_PROTECTED",
+            metadata={"writer": current.writer.name},
+        )
+    return state.model_copy(update={"objective": ctx.entry(value)})
+
+
+def _remove_constraints(state: WorkingState, values: tuple[str, ...], ctx: _Ctx) -> WorkingState:
+    kept = list(state.constraints)
+    for n, text in enumerate(values):
+        field = f"update.remove_constraints[{n}]"
+        found = next((c for c in kept if c.text == text), None)
+        if found is None:
+            raise InvalidFieldError("no such constraint (exact text required)", field=field)
+        if found.writer is Writer.USER and ctx.writer is not Writer.USER:
+            raise PreconditionError(
+                "the user set this constraint; only the user can remove it",
+                field=field,
+                reason="CONSTRAINT_PROTECTED",
+            )
+        kept.remove(found)
+    return state.model_copy(update={"constraints": tuple(kept)})
+
+
+def _add_constraints(state: WorkingState, values: tuple[str, ...], ctx: _Ctx) -> WorkingState:
+    constraints = list(state.constraints)
+    for n, text in enumerate(values):
+        _text(text, f"update.add_constraints[{n}]")
+        if all(c.text != text for c in constraints):
+            constraints.append(ctx.entry(text))
+    cap = LIST_CAPS["constraints"]
+    if len(constraints) > cap:
+        raise PreconditionError(
+            f"working state holds at most {cap} constraints and they never evict; remove one"
+            " (the user, or the model for its own) before adding another",
+            field="update.add_constraints",
+            reason="WORKING_STATE_CAP",
+            metadata={
+                "list": "constraints",
+                "cap": str(cap),
+                "current": str(len(state.constraints)),
+            },
+        )
+    return state.model_copy(update={"constraints": tuple(constraints)})
+
+
+def _upsert_tasks(state: WorkingState, values: tuple[TaskUpsert, ...], ctx: _Ctx) -> WorkingState:
+    tasks = list(state.tasks)
+    for n, upsert in enumerate(values):
+        field = f"update.upsert_tasks[{n}]"
+        if not upsert.task_id or len(upsert.task_id) > MAX_TASK_ID_CHARS:
+            raise InvalidFieldError(
+                f"task_id is required (at most {MAX_TASK_ID_CHARS} characters)",
+                field=f"{field}.task_id",
+            )
+        if upsert.title:
+            _text(upsert.title, f"{field}.title")
+        at = next((i for i, t in enumerate(tasks) if t.task_id == upsert.task_id), None)
+        if at is None:
+            if ctx.writer is Writer.RUNTIME:
+                raise InvalidFieldError(
+                    f"no task {upsert.task_id!r} in the working state",
+                    field=f"{field}.task_id",
+                )
+            if not upsert.title:
+                raise InvalidFieldError("a new task needs a title", field=f"{field}.title")
+            tasks.append(
+                Task(
+                    task_id=upsert.task_id,
+                    title=upsert.title,
+                    status=upsert.status or TaskStatus.OPEN,
+                    writer=ctx.writer,
+                    source_sequence=ctx.sequence,
+                )
+            )
+            continue
+        old = tasks[at]
+        tasks[at] = old.model_copy(
+            update={
+                "title": upsert.title or old.title,
+                "status": upsert.status or old.status,
+                "source_sequence": ctx.sequence,
+            }
+        )
+    return state.model_copy(update={"tasks": tuple(tasks)})
+
+
+def _add_facts(state: WorkingState, values: tuple[NewFact, ...], ctx: _Ctx) -> WorkingState:
+    facts = list(state.facts)
+    for n, new in enumerate(values):
+        field = f"update.add_facts[{n}]"
+        _text(new.statement, f"{field}.statement")
+        if not new.source_event_ids or any(i < 1 for i in new.source_event_ids):
+            raise InvalidFieldError(
+                "a fact needs the session sequences of the events it rests on",
+                field=f"{field}.source_event_ids",
+            )
+        ids = tuple(sorted(set(new.source_event_ids)))
+        at = next((i for i, f in enumerate(facts) if f.statement == new.statement), None)
+        if at is not None:
+            # The same statement again: one entry resting on the union of its evidence, as
+            # trusted as the least trusted evidence.
+            old = facts.pop(at)
+            ids = tuple(sorted(set(ids) | set(old.source_event_ids)))
+            new = new.model_copy(update={"trust": lowest_trust((old.trust, new.trust))})
+        facts.append(
+            Fact(
+                statement=new.statement,
+                source_event_ids=ids,
+                trust=new.trust,
+                writer=ctx.writer,
+                source_sequence=ctx.sequence,
+            )
+        )
+    return state.model_copy(update={"facts": tuple(facts)})
+
+
+def _add_questions(state: WorkingState, values: tuple[str, ...], ctx: _Ctx) -> WorkingState:
+    questions = list(state.open_questions)
+    for n, text in enumerate(values):
+        _text(text, f"update.add_questions[{n}]")
+        if all(q.text != text for q in questions):
+            questions.append(ctx.entry(text))
+    return state.model_copy(update={"open_questions": tuple(questions)})
+
+
+def _resolve_questions(state: WorkingState, values: tuple[str, ...], ctx: _Ctx) -> WorkingState:
+    questions = list(state.open_questions)
+    for n, text in enumerate(values):
+        found = next((q for q in questions if q.text == text), None)
+        if found is None:
+            raise InvalidFieldError(
+                "no such open question (exact text required)",
+                field=f"update.resolve_questions[{n}]",
+            )
+        questions.remove(found)
+    return state.model_copy(update={"open_questions": tuple(questions)})
+
+
+def _set_next_action(state: WorkingState, value: str, ctx: _Ctx) -> WorkingState:
+    if value and len(value) > MAX_ENTRY_CHARS:
+        raise InvalidFieldError(
+            f"update.next_action is longer than {MAX_ENTRY_CHARS} characters",
+            field="update.next_action",
+        )
+    # An empty next_action clears it: the turn's scratchpad is done.
+    return state.model_copy(update={"next_action": ctx.entry(value) if value.strip() else None})
+
+
+# The transition, one step per field, in the order they apply.
+_STEPS: tuple[tuple[str, Callable[[WorkingState, Any, _Ctx], WorkingState]], ...] = (
+    ("objective", _set_objective),
+    ("remove_constraints", _remove_constraints),
+    ("add_constraints", _add_constraints),
+    ("upsert_tasks", _upsert_tasks),
+    ("add_facts", _add_facts),
+    ("add_questions", _add_questions),
+    ("resolve_questions", _resolve_questions),
+    ("next_action", _set_next_action),
+)
+
+
+def _evict(
+    entries: tuple[T, ...], cap: int, key: Callable[[T], tuple[int, int]]
+) -> tuple[tuple[T, ...], list[T]]:
+    """Keep at most `cap` entries, dropping the smallest `key` first (ties: oldest index)."""
+    if len(entries) <= cap:
+        return entries, []
+    order = sorted(range(len(entries)), key=lambda i: (*key(entries[i]), i))
+    drop = set(order[: len(entries) - cap])
+    return (
+        tuple(e for i, e in enumerate(entries) if i not in drop),
+        [entries[i] for i in sorted(drop, key=order.index)],
+    )
+
+
+def _task_age(t: Task) -> tuple[int, int]:
+    return (0 if t.status in COMPLETED else 1, t.source_sequence)
+
+
+def _fact_age(f: Fact) -> tuple[int, int]:
+    return (1, f.source_sequence)
+
+
+def _entry_age(e: Entry) -> tuple[int, int]:
+    return (1, e.source_sequence)
+
+
+def _bound_lists(state: WorkingState) -> tuple[WorkingState, dict[str, list[str]]]:
+    """Rule 3 for the evicting lists."""
+    tasks, gone_tasks = _evict(state.tasks, LIST_CAPS["tasks"], _task_age)
+    facts, gone_facts = _evict(state.facts, LIST_CAPS["facts"], _fact_age)
+    questions, gone_q = _evict(state.open_questions, LIST_CAPS["open_questions"], _entry_age)
+    evicted = {
+        name: values
+        for name, values in (
+            ("tasks", [t.task_id for t in gone_tasks]),
+            ("facts", [f.statement for f in gone_facts]),
+            ("open_questions", [q.text for q in gone_q]),
+        )
+        if values
+    }
+    bounded = state.model_copy(update={"tasks": tasks, "facts": facts, "open_questions": questions})
+    return bounded, evicted
+
+
+# Fields whose entries never hide, and so may not grow the block past its cap.
+_FIXED_FIELDS = ("add_constraints", "objective", "next_action")
+
+
+def apply_update(
+    state: WorkingState,
+    update: WorkingStateUpdate,
+    *,
+    writer: Writer,
+    sequence: int,
+    count_tokens: TokenCounter | None = None,
+) -> Transition:
+    """Apply one typed transition. All or nothing: on any error the state is unchanged.
+
+    With `count_tokens`, a transition that grows the never-hiding part of the block
+    (objective, constraints, next_action) past BLOCK_TOKENS fails. The log fold (`carry`)
+    passes none: what the log holds was checked when it was written.
+
+    Raises:
+        InvalidFieldError: a field the writer may not touch, or a malformed value.
+        PreconditionError: WORKING_STATE_CAP or CONSTRAINT_PROTECTED.
+    """
+    forbidden = sorted(update.touched() - WRITER_FIELDS[writer])
+    if forbidden:
+        raise InvalidFieldError(
+            f"the {writer.name.lower()} writer may not set {forbidden[0]}",
+            field=f"update.{forbidden[0]}",
+        )
+    ctx = _Ctx(writer, sequence)
+    before = state.objective
+    for name, step in _STEPS:
+        value = getattr(update, name)
+        if value is None or value == ():
+            continue
+        state = step(state, value, ctx)
+    state, evicted = _bound_lists(state)
+    grown = [f for f in _FIXED_FIELDS if f in update.touched()]
+    if count_tokens is not None and grown:
+        tokens = count_tokens(_render_text(_fixed_part(state), b"\0" * 32, ()))
+        if tokens > BLOCK_TOKENS:
+            raise PreconditionError(
+                f"objective, constraints and next action alone would take {tokens} tokens;"
+                f" the working-state block holds {BLOCK_TOKENS} and they never evict",
+                field=f"update.{grown[0]}",
+                reason="WORKING_STATE_CAP",
+                metadata={"class": "working_state", "cap_tokens": str(BLOCK_TOKENS)},
+            )
+    superseded = (
+        before.text
+        if before is not None and state.objective is not None and state.objective != before
+        else None
+    )
+    return Transition(state, evicted, superseded)
+
+
+# --- carry ---------------------------------------------------------------------------------
+
+
+class Carry(Enum):
+    KEEP = "carries"
+    OPEN_ONLY = "open entries carry; completed ones drop from context and stay in the log"
+    RESET = "resets at every new run"
+
+
+# What crosses a run boundary, per field (the spec's carry table). The objective carries
+# until the user states a new one: transitions already refuse anyone else superseding a
+# user's objective. Open questions carry until an answer resolves them.
+CARRY_RULES: dict[str, Carry] = {
+    "objective": Carry.KEEP,
+    "constraints": Carry.KEEP,
+    "tasks": Carry.OPEN_ONLY,
+    "facts": Carry.KEEP,
+    "open_questions": Carry.KEEP,
+    "next_action": Carry.RESET,
+}
+
+_CARRY_APPLY: dict[Carry, Callable[[Any], Any]] = {
+    Carry.KEEP: lambda value: value,
+    Carry.OPEN_ONLY: lambda tasks: tuple(t for t in tasks if t.status not in COMPLETED),
+    Carry.RESET: lambda value: None,
+}
+
+
+def at_run_boundary(state: WorkingState) -> WorkingState:
+    """The state a new run starts from, given the state the log ended in."""
+    return state.model_copy(
+        update={
+            name: _CARRY_APPLY[rule](getattr(state, name)) for name, rule in CARRY_RULES.items()
+        }
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class LoggedUpdate:
+    """A context.working_state.updated event as the fold reads it."""
+
+    sequence: int
+    run_id: str
+    writer: Writer
+    update: WorkingStateUpdate
+
+
+def carry(updates: Sequence[LoggedUpdate]) -> WorkingState:
+    """Fold the log's working-state events (oldest first) into the state a new run carries.
+
+    The fold replays every transition, applying CARRY_RULES wherever the run changes, and
+    once more at the end. A transition that no longer applies (two runs that overlapped in
+    time wrote to states the other did not see) is skipped whole, as it was all or nothing
+    when written; the fold itself never fails.
+    """
+    state = WorkingState()
+    run: str | None = None
+    for logged in sorted(updates, key=lambda u: u.sequence):
+        if run is not None and logged.run_id != run:
+            state = at_run_boundary(state)
+        run = logged.run_id
+        try:
+            state = apply_update(
+                state, logged.update, writer=logged.writer, sequence=logged.sequence
+            ).state
+        except RequestError:
+            continue
+    return at_run_boundary(state)
+
+
+# --- runtime writes ----------------------------------------------------------------------
+
+
+def _ask_user_question(call: ToolCall) -> str | None:
+    try:
+        arguments = json.loads(call.arguments_json)
+    except ValueError:
+        return None
+    question = arguments.get("question") if isinstance(arguments, dict) else None
+    return question if isinstance(question, str) and question.strip() else None
+
+
+def runtime_update(
+    state: WorkingState,
+    existing: Sequence[ConversationItem],
+    new: Sequence[ConversationItem],
+) -> WorkingStateUpdate | None:
+    """The runtime's own transition for items being appended, or None when there is none.
+
+    A conversation.ask_user call adds its "question" argument to open_questions and its
+    result resolves it; a call with a task_id moves that task to in_progress and its result
+    to done (blocked when the result is an error). Nothing else is observed; no text is
+    parsed except the ask_user call's typed arguments.
+
+    Raises:
+        InvalidFieldError: a tool call names a task_id the working state does not hold.
+    """
+    calls = {i.call_id: i for i in (*existing, *new) if isinstance(i, ToolCall)}
+    known = {t.task_id for t in state.tasks}
+    is_open = {q.text for q in state.open_questions}
+    added: list[str] = []
+    resolved: list[str] = []
+    tasks: list[TaskUpsert] = []
+    for index, item in enumerate(new):
+        if isinstance(item, ToolCall):
+            question = _ask_user_question(item) if item.tool_name == ASK_USER_TOOL else None
+            if question is not None and question not in is_open:
+                added.append(question[:MAX_ENTRY_CHARS])
+                is_open.add(question)
+            if item.task_id:
+                if item.task_id not in known:
+                    raise InvalidFieldError(
+                        f"no task {item.task_id!r} in the run's working state",
+                        field=f"items[{index}].tool_call.task_id",
+                    )
+                tasks.append(TaskUpsert(task_id=item.task_id, status=TaskStatus.IN_PROGRESS))
+        elif isinstance(item, ToolResult) and item.call_id in calls:
+            call = calls[item.call_id]
+            question = _ask_user_question(call) if call.tool_name == ASK_USER_TOOL else None
+            if question is not None and question in is_open:
+                resolved.append(question[:MAX_ENTRY_CHARS])
+                is_open.discard(question)
+            if call.task_id in known:
+                status = TaskStatus.BLOCKED if item.is_error else TaskStatus.DONE
+                tasks.append(TaskUpsert(task_id=call.task_id, status=status))
+    if not (added or resolved or tasks):
+        return None
+    return WorkingStateUpdate(
+        upsert_tasks=tuple(tasks), add_questions=tuple(added), resolve_questions=tuple(resolved)
+    )
+
+
+# --- rendering -----------------------------------------------------------------------------
+
+_HEADER = (
+    "Working state (the platform's record, kept through context.update_working_state; each"
+    " entry names its writer and the event that wrote it):"
+)
+
+
+def _one(text: str) -> str:
+    """An entry's text, escaped, with continuation lines indented so it cannot start a new
+    entry line of its own."""
+    lines = escape_content(text).splitlines() or [""]
+    return "\n    ".join(lines)
+
+
+def _label(entry: Entry | Task | Fact) -> str:
+    return f"[{entry.writer.name.lower()} #{entry.source_sequence}]"
+
+
+def _events(ids: Sequence[int]) -> str:
+    return ", ".join(f"#{i}" for i in ids)
+
+
+def _fact_line(fact: Fact, index: int, secret: bytes) -> str:
+    events = _events(fact.source_event_ids)
+    if fact.trust in _ASSERTED:
+        return f"- Established (events {events}): {_one(fact.statement)}"
+    attribution = f"- Claim, not established (events {events}; {fact.trust.name.lower()}) states"
+    if envelope_tag(fact.trust) is None:
+        return f"{attribution}: {_one(fact.statement)}"
+    item_id = f"working-state:fact:{fact.source_sequence}:{index}"
+    source = "events:" + ",".join(str(i) for i in fact.source_event_ids)
+    quoted = wrap(fact.statement, trust=fact.trust, item_id=item_id, source=source, secret=secret)
+    return f"{attribution}:\n{quoted}"
+
+
+def _render_text(state: WorkingState, secret: bytes, hidden: Iterable[tuple[str, int]]) -> str:
+    gone = frozenset(hidden)
+    lines = [_HEADER]
+    if state.objective is not None:
+        lines.append(f"Objective: {_label(state.objective)} {_one(state.objective.text)}")
+    if state.constraints:
+        lines.append("Constraints (in force; never dropped):")
+        lines += [f"- {_label(c)} {_one(c.text)}" for c in state.constraints]
+    tasks = [t for n, t in enumerate(state.tasks) if ("tasks", n) not in gone]
+    if tasks:
+        lines.append("Tasks:")
+        lines += [
+            f"- Task {_one(t.task_id)} ({t.status.name.lower()}) {_label(t)}: {_one(t.title)}"
+            for t in tasks
+        ]
+    facts = [(n, f) for n, f in enumerate(state.facts) if ("facts", n) not in gone]
+    if facts:
+        lines.append("Established facts:")
+        lines += [_fact_line(f, n, secret) for n, f in facts]
+    questions = [q for n, q in enumerate(state.open_questions) if ("open_questions", n) not in gone]
+    if questions:
+        lines.append("Open questions (unanswered):")
+        lines += [f"- {_label(q)} {_one(q.text)}" for q in questions]
+    if state.next_action is not None:
+        lines.append(f"Next action: {_label(state.next_action)} {_one(state.next_action.text)}")
+    if gone:
+        counts = {name: sum(1 for g, _ in gone if g == name) for name, _ in sorted(gone)}
+        shown = ", ".join(f"{n} {name.replace('_', ' ')}" for name, n in counts.items())
+        lines.append(f"(Not shown for space, oldest first: {shown}. The log keeps them.)")
+    return "\n".join(lines)
+
+
+def _fixed_part(state: WorkingState) -> WorkingState:
+    return state.model_copy(update={"tasks": (), "facts": (), "open_questions": ()})
+
+
+def _hide_order(state: WorkingState) -> list[tuple[str, int]]:
+    """Completed tasks first, then every evictable entry, stalest first (Rule 4)."""
+    keyed: list[tuple[tuple[int, int], int, tuple[str, int]]] = []
+    keyed += [(_task_age(t), 0, ("tasks", n)) for n, t in enumerate(state.tasks)]
+    keyed += [(_fact_age(f), 1, ("facts", n)) for n, f in enumerate(state.facts)]
+    keyed += [(_entry_age(q), 2, ("open_questions", n)) for n, q in enumerate(state.open_questions)]
+    return [key for _, _, key in sorted(keyed)]
+
+
+def render_block(
+    state: WorkingState,
+    *,
+    secret: bytes,
+    count_tokens: TokenCounter,
+    cap_tokens: int = BLOCK_TOKENS,
+) -> WorkingStateItem | None:
+    """Row 12: the working-state block, within its token cap; None for an empty state.
+
+    Raises:
+        BudgetExceededError: objective, constraints and next action alone exceed the cap
+            (transitions refuse that, so only a changed token counter can get here).
+    """
+    if state.is_empty():
+        return None
+    hidden: list[tuple[str, int]] = []
+    order = _hide_order(state)
+    while True:
+        text = _render_text(state, secret, hidden)
+        if count_tokens(text) <= cap_tokens:
+            return WorkingStateItem(item_id="working-state", text=text, trust=TrustLevel.PLATFORM)
+        if len(hidden) == len(order):
+            raise BudgetExceededError(
+                f"the working-state block needs more than {cap_tokens} tokens for entries that"
+                " never evict",
+                metadata={"class": "working_state", "cap_tokens": str(cap_tokens)},
+            )
+        hidden.append(order[len(hidden)])
+
+
+# --- the control tool ----------------------------------------------------------------------
+
+_STATUS_NAMES = [s.name.lower() for s in TaskStatus]
+
+UPDATE_TOOL = ToolSpec(
+    name=UPDATE_TOOL_NAME,
+    description=(
+        "Update the run's working state: the objective, constraints, tasks, established"
+        " facts, resolved questions and your next action. Use it instead of restating state"
+        " in prose; the platform shows the result in every later request. Constraints are"
+        " append-only: you may remove only constraints you added, never the user's. A fact"
+        " must name the session event ids it rests on; a fact resting on external content is"
+        " shown as an attributed claim, never as established. No approval is needed."
+    ),
+    input_schema={
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "objective": {
+                "type": ["string", "null"],
+                "description": "The new objective; null leaves it. A user's objective stays.",
+            },
+            "add_constraints": {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": f"Constraints to add (at most {LIST_CAPS['constraints']} in all).",
+            },
+            "remove_constraints": {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": "Constraints you added that no longer apply (exact text).",
+            },
+            "upsert_tasks": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "task_id": {"type": "string"},
+                        "title": {"type": "string"},
+                        "status": {"type": "string", "enum": _STATUS_NAMES},
+                    },
+                    "required": ["task_id"],
+                },
+                "description": "Tasks to add or change, by task_id.",
+            },
+            "add_facts": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "statement": {"type": "string"},
+                        "source_event_ids": {
+                            "type": "array",
+                            "items": {"type": "integer", "minimum": 1},
+                            "minItems": 1,
+                        },
+                    },
+                    "required": ["statement", "source_event_ids"],
+                },
+                "description": "Facts the session established, with the events they rest on.",
+            },
+            "resolve_questions": {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": "Open questions an answer has resolved (exact text).",
+            },
+            "next_action": {
+                "type": ["string", "null"],
+                "description": "Your next step within this turn; null leaves it.",
+            },
+        },
+    },
+    side_effect=SideEffect.NONE,
+    builtin=True,
+    policy={"control_tool": True, "requires_approval": False, "read_only_outside_run": True},
+)

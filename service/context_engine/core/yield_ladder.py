@@ -1,0 +1,247 @@
+"""The yield ladder: what gives up tokens when the body will not fit, in a fixed order.
+
+Rule 1 (order): knowledge passages, then in-turn recall, then tool results, then history
+compaction. Cheapest and most recoverable loss first; the table below is the order, and it
+is checked against the caps table's Yields column so the two cannot drift apart.
+Rule 2 (no further than needed): a rung yields one unit at a time and stops as soon as its
+class is within its cap and the body fits; a later rung never yields for pressure while an
+earlier one can still free tokens (a class over its own cap yields regardless). "Fits"
+counts history at its floor, min(8,000, what history has), so the cheaper classes yield to
+protect the floor and history takes the rest.
+Rule 3 (units): a knowledge passage drops whole, lowest-ranked first (a shortened passage
+is a misquotation); recall drops its lowest-ranked lines, never below its floor; a tool
+result becomes a typed pointer, oldest first, keeping its envelope, label, byte count and
+artifact reference (the pair stays whole: call and pointer still match).
+Rule 4 (compaction is a write): the last rung only reports; Build never compacts inline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .caps import CLASS_CAPS, Yields
+from .items import ContextItem, ToolResult
+
+__all__ = [
+    "LADDER",
+    "Body",
+    "Rung",
+    "Truncatable",
+    "YieldStep",
+    "pointer_for",
+    "run_ladder",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Rung:
+    step: str  # the PressureReport step name
+    class_name: str  # the caps-table class that yields
+
+
+LADDER: tuple[Rung, ...] = (
+    Rung("drop_knowledge", "knowledge"),
+    Rung("trim_recall", "recall"),
+    Rung("truncate_tool_results", "tool_results"),
+    Rung("compact", "history"),
+)
+
+_ORDER = (Yields.FIRST, Yields.SECOND, Yields.THIRD, Yields.FOURTH)
+assert [CLASS_CAPS[r.class_name].yields for r in LADDER] == list(_ORDER), (
+    "the ladder must follow the caps table's yield order"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class YieldStep:
+    step: str
+    tokens_freed: int
+    item_ids: tuple[str, ...]
+
+
+def pointer_for(result: ToolResult) -> ToolResult:
+    """The typed pointer a truncated result becomes: same call, trust, tool, error flag and
+    artifact reference; the content says what existed, how large, and where it lives."""
+    size = len(result.content.encode("utf-8"))
+    where = f"artifact:{result.artifact_ref}" if result.artifact_ref else f"event {result.sequence}"
+    text = (
+        f"[truncated] tool.result {result.item_id} {result.tool_name} "
+        f"({result.trust.name.lower()}, {size:,} bytes) -> {where}"
+    )
+    return result.model_copy(update={"content": text, "context_content": ""})
+
+
+@dataclass(slots=True)
+class Truncatable:
+    """One tool result the third rung may turn into a pointer."""
+
+    carried_index: int  # index into Body.carried_costs, or -1 for a run result
+    full_cost: int
+    pointer_cost: int
+    item: ContextItem
+    truncated: bool = False
+
+    @property
+    def cost(self) -> int:
+        return self.pointer_cost if self.truncated else self.full_cost
+
+    @property
+    def saving(self) -> int:
+        return self.full_cost - self.pointer_cost
+
+
+CutAt = Callable[[Sequence[int], int], int]
+
+
+@dataclass(slots=True)
+class Body:
+    """The body's yieldable state, in estimated tokens. Mutated only by run_ladder."""
+
+    budget: int  # the body budget (after the margin)
+    fixed: int  # never-yield set + summary + the run's non-result items
+    history_floor: int
+    tool_result_cap: int
+    knowledge: list[tuple[ContextItem, int]]  # best-ranked first
+    recall: list[tuple[ContextItem, int]]  # best-ranked first
+    recall_floor: int  # lines never trimmed, from the best-ranked
+    carried_costs: list[int]  # current cost of each carried item (oldest first)
+    run_results: list[Truncatable]  # the run's truncatable results, oldest first
+    carried_results: list[Truncatable]  # carried results, oldest first
+    cut_at: CutAt  # (carried costs, history tokens) -> cut index
+    knowledge_kept: int = 0
+    recall_kept: int = 0
+    steps: list[YieldStep] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.knowledge_kept = len(self.knowledge)
+        self.recall_kept = len(self.recall)
+
+    # --- measures ---------------------------------------------------------------------
+
+    def knowledge_tokens(self) -> int:
+        return sum(c for _, c in self.knowledge[: self.knowledge_kept])
+
+    def recall_tokens(self) -> int:
+        return sum(c for _, c in self.recall[: self.recall_kept])
+
+    def run_result_tokens(self) -> int:
+        return sum(t.cost for t in self.run_results)
+
+    def history_total(self) -> int:
+        return sum(self.carried_costs)
+
+    def paid(self) -> int:
+        """Everything but history."""
+        return (
+            self.fixed + self.run_result_tokens() + self.knowledge_tokens() + self.recall_tokens()
+        )
+
+    def need(self) -> int:
+        return self.paid() + min(self.history_floor, self.history_total())
+
+    def fits(self) -> bool:
+        return self.need() <= self.budget
+
+    def history_tokens(self) -> int:
+        """What the history cut reads: the remainder (>= the floor whenever the body fits)."""
+        return self.budget - self.paid()
+
+    def cut(self) -> int:
+        return self.cut_at(self.carried_costs, self.history_tokens())
+
+    def results_in_request(self, cut: int) -> list[Truncatable]:
+        retained = [t for t in self.carried_results if t.carried_index >= cut]
+        return retained + self.run_results
+
+    def tool_results_over_cap(self) -> bool:
+        return sum(t.cost for t in self.results_in_request(self.cut())) > self.tool_result_cap
+
+
+def run_ladder(body: Body) -> bool:
+    """Yield in the ladder's order, no further than needed. Returns whether the body fits;
+    the steps taken are appended to body.steps."""
+    _drop_knowledge(body)
+    _trim_recall(body)
+    _truncate_tool_results(body)
+    if not body.fits():
+        body.steps.append(YieldStep("compact", 0, ()))
+        return False
+    return True
+
+
+def _record(body: Body, step: str, freed: int, ids: list[str]) -> None:
+    if ids:
+        body.steps.append(YieldStep(step, freed, tuple(ids)))
+
+
+def _drop_knowledge(body: Body) -> None:
+    cap = CLASS_CAPS["knowledge"]
+    freed, ids = 0, []
+    while body.knowledge_kept > 0 and (
+        body.knowledge_kept > cap.cap_items
+        or body.knowledge_tokens() > cap.cap_tokens
+        or not body.fits()
+    ):
+        body.knowledge_kept -= 1
+        item, cost = body.knowledge[body.knowledge_kept]
+        freed += cost
+        ids.append(item.item_id)
+    _record(body, "drop_knowledge", freed, ids)
+
+
+def _trim_recall(body: Body) -> None:
+    cap = CLASS_CAPS["recall"]
+    freed, ids = 0, []
+    while body.recall_kept > body.recall_floor and (
+        body.recall_tokens() > cap.cap_tokens or not body.fits()
+    ):
+        body.recall_kept -= 1
+        item, cost = body.recall[body.recall_kept]
+        freed += cost
+        ids.append(item.item_id)
+    _record(body, "trim_recall", freed, ids)
+
+
+def _truncate_tool_results(body: Body) -> None:
+    freed, ids = 0, []
+    while True:
+        chosen = _next_for_pressure(body) if not body.fits() else None
+        if chosen is None and body.fits() and body.tool_results_over_cap():
+            chosen = _next_for_cap(body)
+        if chosen is None:
+            break
+        chosen.truncated = True
+        if chosen.carried_index >= 0:
+            body.carried_costs[chosen.carried_index] = chosen.pointer_cost
+        freed += chosen.saving
+        ids.append(chosen.item.item_id)
+    _record(body, "truncate_tool_results", freed, ids)
+
+
+def _oldest_first(body: Body) -> list[Truncatable]:
+    # Carried results are older than every result of the run.
+    return [*body.carried_results, *body.run_results]
+
+
+def _next_for_pressure(body: Body) -> Truncatable | None:
+    """The oldest result whose truncation lowers what the body needs (a carried result
+    beyond history's floor frees nothing the fit counts, so it is not truncated for it)."""
+    need = body.need()
+    for candidate in _oldest_first(body):
+        if candidate.truncated or candidate.saving <= 0:
+            continue
+        if candidate.carried_index < 0:
+            return candidate
+        after = body.history_total() - candidate.saving
+        if body.paid() + min(body.history_floor, after) < need:
+            return candidate
+    return None
+
+
+def _next_for_cap(body: Body) -> Truncatable | None:
+    """The oldest result in the request that still has content to give up."""
+    for candidate in body.results_in_request(body.cut()):
+        if not candidate.truncated and candidate.saving > 0:
+            return candidate
+    return None

@@ -1,0 +1,296 @@
+"""``context-engine explain``: why did a request miss the provider cache?
+
+Takes two Build responses — two files (a serialized BuildResponse, binary or JSON), or two
+request sequences of one session that a running server rebuilds through GetBuild — and
+names the first byte in which their prompts differ, the row and item that byte belongs
+to, and what it means:
+
+Rule 1: the prompts are compared as their provider caches them: the neutral request of
+each response is rendered unit by unit in cache order (providers.prompt_units: Anthropic
+tools -> system -> message blocks; OpenAI instructions -> tools -> input items) and the
+units' bytes are concatenated. The first differing byte is an offset in that stream, and
+the unit holding it names its payload path, row and item.
+Rule 2 (verdict): a difference in Region A (rows 1-8) within one epoch is a defect — the
+prefix must be byte-stable for the life of an epoch. Across an epoch rotation it is the
+rotation's known cost. A difference in Region B (rows 9-15) is expected: the body is
+rebuilt on every request. When B's prompt merely extends A's, nothing differs: B can
+reuse everything A cached.
+Rule 3: a response whose provider_payload is not what its request renders to is reported
+(the response came from another builder version), and the comparison still uses the
+rendered units.
+Exit status: 1 for a Region A defect, 2 for unusable input, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from google.protobuf import json_format
+
+from ._gen.context_engine.v1 import context_engine_pb2 as pb
+from .api.convert import request_from_proto
+from .core.rows import ROW_TABLE, Region, Row
+from .providers import PromptUnit, prompt_units, render
+
+__all__ = [
+    "Explanation",
+    "add_arguments",
+    "explain",
+    "fetch_builds",
+    "format_explanation",
+    "load_build_response",
+    "run",
+]
+
+_SNIPPET = 40
+
+# What a Region B difference in each row usually means (Rule 2).
+_ROW_HINTS: dict[Row, str] = {
+    Row.COMPACTED_SUMMARY: "a compaction replaced the summary: the history window re-caches",
+    Row.CONVERSATION: (
+        "history changed: a history cut, tool-result truncation, compaction or a new turn"
+    ),
+    Row.SKILL_BODIES: "a skill was loaded",
+    Row.WORKING_STATE: "the working state changed",
+    Row.RECALL: "in-turn recall, corrections or knowledge changed (recomputed every step)",
+    Row.RUNTIME_METADATA: "runtime metadata changed (the date, scope or surface)",
+    Row.USER_INPUT: "the trailing user input differs",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    identical: bool  # the two prompts are byte-identical
+    extends: bool  # B's prompt starts with all of A's (nothing of A's differs)
+    offset: int  # first differing byte in the cache-order prompt (shared bytes before it)
+    path: str = ""  # payload path of the unit holding it (A's, else B's)
+    row: Row | None = None
+    item_id: str = ""
+    unit_offset: int = 0  # the byte within that unit
+    region: Region | None = None
+    defect: bool = False
+    verdict: str = ""
+    snippet_a: str = ""
+    snippet_b: str = ""
+    notes: tuple[str, ...] = field(default=())
+
+
+def explain(a: pb.BuildResponse, b: pb.BuildResponse) -> Explanation:
+    """Compare two Build responses (Rules 1-3).
+
+    Raises:
+        ValueError: a response carries no request (it reported needs_compaction).
+    """
+    for label, response in (("A", a), ("B", b)):
+        if not response.HasField("request") or not response.request.model_id:
+            raise ValueError(f"build {label} carries no request (needs_compaction?)")
+    request_a, request_b = request_from_proto(a.request), request_from_proto(b.request)
+    notes = [
+        f"{label}: provider_payload is not what its request renders to (another builder"
+        " version?); comparing the rendered prompt"
+        for label, response, request in (("A", a, request_a), ("B", b, request_b))
+        if response.provider_payload and render(request).body != response.provider_payload
+    ]
+    if request_a.provider != request_b.provider or request_a.model_id != request_b.model_id:
+        notes.append(
+            f"provider/model changed ({request_a.provider}/{request_a.model_id} -> "
+            f"{request_b.provider}/{request_b.model_id}): no cache entry can be shared"
+        )
+    units_a, units_b = prompt_units(request_a), prompt_units(request_b)
+    offset = 0
+    for n in range(min(len(units_a), len(units_b))):
+        ua, ub = units_a[n], units_b[n]
+        if ua.data != ub.data:
+            at = _common_prefix(ua.data, ub.data)
+            return _difference(a, b, ua, ub, offset + at, at, notes)
+        offset += len(ua.data)
+    if len(units_a) == len(units_b):
+        return Explanation(
+            identical=True,
+            extends=True,
+            offset=offset,
+            verdict="identical prompts: everything A cached, B reads",
+            notes=tuple(notes),
+        )
+    if len(units_a) < len(units_b):
+        return Explanation(
+            identical=False,
+            extends=True,
+            offset=offset,
+            path=units_b[len(units_a)].path,
+            verdict=(
+                f"B repeats all {offset} bytes of A's prompt and appends to it: no byte of A"
+                " differs, so B can read whatever A cached"
+            ),
+            notes=tuple(notes),
+        )
+    gone = units_a[len(units_b)]
+    return _difference(a, b, gone, None, offset, 0, notes)
+
+
+def _common_prefix(x: bytes, y: bytes) -> int:
+    n = 0
+    for cx, cy in zip(x, y, strict=False):
+        if cx != cy:
+            break
+        n += 1
+    return n
+
+
+def _snippet(unit: PromptUnit | None, at: int) -> str:
+    if unit is None:
+        return "(nothing: the prompt ends here)"
+    window = unit.data[max(0, at - _SNIPPET) : at + _SNIPPET]
+    return window.decode("utf-8", errors="replace")
+
+
+def _difference(
+    a: pb.BuildResponse,
+    b: pb.BuildResponse,
+    ua: PromptUnit,
+    ub: PromptUnit | None,
+    offset: int,
+    at: int,
+    notes: list[str],
+) -> Explanation:
+    region = ua.region
+    if region is Region.PREFIX:
+        same_epoch = a.epoch == b.epoch
+        defect = same_epoch
+        verdict = (
+            f"Region A (row {int(ua.row)}, {ROW_TABLE[ua.row].content}) differs within epoch"
+            f" {a.epoch}: a DEFECT — the prefix must be byte-stable for the life of an epoch"
+            if same_epoch
+            else f"Region A changed with an epoch rotation ({a.epoch} -> {b.epoch}): expected,"
+            " the known cost of re-caching the prefix once"
+        )
+        if same_epoch and a.prefix_sha256 != b.prefix_sha256:
+            notes.append("prefix_sha256 differs within one epoch")
+    else:
+        defect = False
+        hint = _ROW_HINTS.get(ua.row, "")
+        verdict = (
+            f"Region B (row {int(ua.row)}, {ROW_TABLE[ua.row].content}): expected — the body"
+            f" is rebuilt on every request; {hint}"
+        )
+    return Explanation(
+        identical=False,
+        extends=False,
+        offset=offset,
+        path=ua.path,
+        row=ua.row,
+        item_id=ua.item_id,
+        unit_offset=at,
+        region=region,
+        defect=defect,
+        verdict=verdict,
+        snippet_a=_snippet(ua, at),
+        snippet_b=_snippet(ub, at),
+        notes=tuple(notes),
+    )
+
+
+def format_explanation(
+    e: Explanation, a: pb.BuildResponse, b: pb.BuildResponse, labels: Sequence[str] = ("A", "B")
+) -> str:
+    def side(label: str, r: pb.BuildResponse) -> str:
+        return (
+            f"{label}: request {r.request_sequence or '-'}, epoch {r.epoch}, prefix"
+            f" {r.prefix_sha256[:12] or '-'}, {r.provider_api or 'no payload'}"
+        )
+
+    lines = [side(labels[0], a), side(labels[1], b)]
+    if e.identical or e.extends:
+        lines.append(e.verdict)
+    else:
+        where = f"{e.path} (byte {e.unit_offset} of that unit)"
+        row = f"row {int(e.row)} {ROW_TABLE[e.row].content}" if e.row is not None else "-"
+        region = "A" if e.region is Region.PREFIX else "B"
+        lines += [
+            f"first difference: byte {e.offset} of the prompt in cache order",
+            f"  at {where}",
+            f"  {row} (Region {region}), item {e.item_id or '(platform text)'}",
+            f"  {labels[0]}: {e.snippet_a!r}",
+            f"  {labels[1]}: {e.snippet_b!r}",
+            f"verdict: {e.verdict}",
+        ]
+    lines += [f"note: {n}" for n in e.notes]
+    return "\n".join(lines)
+
+
+# --- input --------------------------------------------------------------------------------
+
+
+def load_build_response(path: Path) -> pb.BuildResponse:
+    """A BuildResponse from a file: JSON (protobuf JSON mapping) or binary."""
+    data = path.read_bytes()
+    response = pb.BuildResponse()
+    if data.lstrip()[:1] == b"{":
+        json_format.Parse(data.decode("utf-8"), response)
+    else:
+        response.ParseFromString(data)
+    return response
+
+
+async def fetch_builds(
+    target: str,
+    tenant_id: str,
+    session_id: str,
+    sequences: Sequence[int],
+    *,
+    token: str = "",
+) -> list[pb.BuildResponse]:
+    """Rebuild recorded requests through GetBuild on a running server."""
+    from ._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.ContextEngineStub(channel)
+        return [
+            await stub.GetBuild(
+                pb.GetBuildRequest(
+                    tenant_id=tenant_id, session_id=session_id, request_sequence=sequence
+                ),
+                metadata=metadata,
+            )
+            for sequence in sequences
+        ]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "builds",
+        nargs=2,
+        help="two BuildResponse files (binary or JSON), or with --session two request"
+        " sequences (BuildResponse.request_sequence)",
+    )
+    parser.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT")
+    parser.add_argument("--tenant", default="", help="tenant of the session (with --session)")
+    parser.add_argument("--session", default="", help="rebuild the two requests via GetBuild")
+    parser.add_argument("--token", default="", help="bearer token, when the server wants one")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.session:
+            sequences = [int(s) for s in args.builds]
+            a, b = asyncio.run(
+                fetch_builds(args.target, args.tenant, args.session, sequences, token=args.token)
+            )
+        else:
+            a, b = (load_build_response(Path(p)) for p in args.builds)
+        explanation = explain(a, b)
+    except (OSError, ValueError, json_format.ParseError) as exc:
+        print(f"context-engine explain: {exc}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as exc:
+        print(f"context-engine explain: GetBuild failed: {exc}", file=sys.stderr)
+        return 2
+    print(format_explanation(explanation, a, b))
+    return 1 if explanation.defect else 0

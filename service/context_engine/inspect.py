@@ -1,0 +1,467 @@
+"""`context-engine inspect SESSION`: a session's epochs and requests at a glance.
+
+Reads PostgreSQL directly (an operator's tool, not an API): the session's plans, its
+`model.request.started` events and its `context.*` events, and prints
+
+- the epochs, each with its reason and prefix hash;
+- one line per request: sequence, run, epoch, prefix hash (red when it is not its
+  epoch's plan hash: the stability defect the spec names), and a bar of tokens by class
+  against the request's input budget, with the pressure steps that ran;
+- the other context events (rotations, compactions, budget pressure and overflow).
+
+Rules:
+1. No message content is printed: only ids, hashes, reasons, class names and numbers from
+   the allow-list `_SAFE_KEYS`; payload text is never read into the output.
+2. Payload shapes vary by builder version, so every field is optional: what is present is
+   rendered, what is absent is omitted. `classes_of` and `budget_of` are the one place
+   that knows the shapes.
+3. The bar is a pure function of (classes, budget, width): `bar_cells`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+__all__ = [
+    "Epoch",
+    "RequestLine",
+    "SessionView",
+    "bar_cells",
+    "budget_of",
+    "classes_of",
+    "load_session",
+    "render",
+    "run_inspect",
+]
+
+BAR_WIDTH = 40
+# Class -> colour. Unknown classes take the fallback colours in order of first appearance.
+_COLOURS: Mapping[str, str] = {
+    "prefix": "blue",
+    "platform_policy": "blue",
+    "framing": "blue",
+    "agent_instructions": "bright_blue",
+    "persona": "bright_blue",
+    "tool_definitions": "cyan",
+    "deferred_tool_index": "cyan",
+    "skill_catalog": "bright_cyan",
+    "memory_snapshot": "magenta",
+    "summary": "yellow",
+    "history": "green",
+    "body": "green",
+    "skill_bodies": "bright_green",
+    "working_state": "bright_yellow",
+    "recall": "bright_magenta",
+    "knowledge": "purple",
+    "tool_results": "dark_orange",
+    "runtime": "grey70",
+    "user_input": "white",
+    "output_reserve": "grey37",
+}
+_FALLBACK = ("red3", "orange3", "gold3", "chartreuse3", "turquoise2", "orchid")
+# Payload keys that may be printed (rule 1): ids, reasons, hashes, classes and numbers.
+_SAFE_KEYS = (
+    "epoch",
+    "from_epoch",
+    "reason",
+    "depth",
+    "fits",
+    "needs_compaction",
+    "class",
+    "class_name",
+    "step",
+    "steps",
+    "tokens_before",
+    "tokens_after",
+    "body_tokens_before",
+    "body_tokens_after",
+    "body_budget_tokens",
+    "model_id",
+    "replaced_through_sequence",
+    "skill",
+    "name",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Epoch:
+    epoch: int
+    reason: str
+    prefix_sha256: str
+    prefix_tokens: int
+    model_id: str
+    tools: int
+    created_at: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLine:
+    sequence: int
+    run_id: str
+    epoch: int
+    prefix_sha256: str
+    classes: tuple[tuple[str, int], ...]
+    budget_tokens: int
+    estimated_tokens: int
+    pressure: str
+
+
+@dataclass(frozen=True, slots=True)
+class SessionView:
+    tenant_id: str
+    session_id: str
+    current_epoch: int
+    created_at: str
+    epochs: tuple[Epoch, ...]
+    requests: tuple[RequestLine, ...]
+    events: tuple[tuple[int, str, str], ...]  # (sequence, type, safe summary)
+    runs: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+# --- payload shapes (rule 2) ---------------------------------------------------------
+
+
+def classes_of(payload: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
+    """Tokens by class from a model.request.started payload, in the order given.
+
+    Accepts a list of {class_name|class|name, tokens} ("budget", "class_usage", "classes")
+    or a mapping class -> tokens ("class_tokens", "tokens_by_class"); without any, the
+    exact prefix ("prefix_tokens") and the estimated body ("body_estimated_tokens") as the
+    classes "prefix" and "body".
+    """
+    for key in ("budget", "class_usage", "classes", "class_tokens", "tokens_by_class"):
+        value = payload.get(key)
+        if isinstance(value, Mapping):
+            return tuple((str(k), _int(v)) for k, v in value.items())
+        if isinstance(value, list) and value:
+            out = []
+            for entry in value:
+                if isinstance(entry, Mapping):
+                    name = entry.get("class_name") or entry.get("class") or entry.get("name")
+                    out.append((str(name or "?"), _int(entry.get("tokens"))))
+            return tuple(out)
+    coarse = (
+        ("prefix", _int(payload.get("prefix_tokens"))),
+        ("body", _int(payload.get("body_estimated_tokens"))),
+    )
+    return tuple((name, tokens) for name, tokens in coarse if tokens)
+
+
+def budget_of(payload: Mapping[str, Any]) -> tuple[int, int]:
+    """(input budget, estimated input tokens) from a payload; 0 where absent."""
+    budget = _int(payload.get("input_budget_tokens") or payload.get("budget_tokens"))
+    estimated = _int(payload.get("estimated_input_tokens") or payload.get("input_tokens"))
+    return budget, estimated
+
+
+def _pressure_of(payload: Mapping[str, Any]) -> str:
+    pressure = payload.get("pressure")
+    parts = []
+    if isinstance(pressure, Mapping):
+        steps = [
+            str(s.get("step", "?")) if isinstance(s, Mapping) else str(s)
+            for s in pressure.get("steps") or ()
+        ]
+        parts.append(("fits" if pressure.get("fits", True) else "OVER") + ":" + ",".join(steps))
+    if payload.get("needs_compaction"):
+        parts.append("needs_compaction")
+    return " ".join(p.rstrip(":") for p in parts)
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _safe_summary(payload: Mapping[str, Any]) -> str:
+    parts = []
+    for key in _SAFE_KEYS:
+        value = payload.get(key)
+        if value in (None, "", [], {}):
+            continue
+        if key == "steps" and isinstance(value, list):
+            value = ",".join(
+                str(s.get("step", "?")) if isinstance(s, Mapping) else str(s) for s in value
+            )
+        elif isinstance(value, Mapping | list):
+            continue
+        parts.append(f"{key}={value}")
+    prefix = payload.get("prefix_sha256")
+    if isinstance(prefix, str) and prefix:
+        parts.append(f"prefix={prefix[:12]}")
+    return " ".join(parts)
+
+
+# --- the bar (rule 3) ----------------------------------------------------------------
+
+
+def bar_cells(
+    classes: Sequence[tuple[str, int]], budget: int, width: int = BAR_WIDTH
+) -> list[tuple[str, int]]:
+    """Cells per class for a bar of `width` cells that represents `budget` tokens.
+
+    Largest-remainder rounding, so the cells add up to round(total / budget * width); a
+    class with tokens always gets at least one cell while room is left. Over budget (or
+    with no budget recorded) the bar is full and shows the classes' proportions; the
+    caller prints the percentage beside it.
+    """
+    total = sum(max(t, 0) for _, t in classes)
+    scale = max(budget, total)
+    if scale <= 0 or width <= 0:
+        return []
+    target = round(total * width / scale)
+    exact = [(name, max(t, 0) * width / scale) for name, t in classes]
+    cells = [[name, int(x)] for name, x in exact]
+    for i, (_, x) in enumerate(exact):
+        if x > 0 and cells[i][1] == 0:
+            cells[i][1] = 1
+    used = sum(c for _, c in cells)
+    order = sorted(range(len(exact)), key=lambda i: (-(exact[i][1] % 1), i))
+    for i in order:
+        if used >= target:
+            break
+        cells[i][1] += 1
+        used += 1
+    while used > width:  # the at-least-one rule can overshoot a full bar
+        i = max(range(len(cells)), key=lambda j: (cells[j][1], -j))
+        cells[i][1] -= 1
+        used -= 1
+    return [(name, n) for name, n in cells if n > 0]
+
+
+def _colours(names: Iterable[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    spare = iter(_FALLBACK * 8)
+    for name in names:
+        if name not in out:
+            out[name] = _COLOURS.get(name) or next(spare, "white")
+    return out
+
+
+def _bar(line: RequestLine, colours: Mapping[str, str], width: int, largest: int) -> Text:
+    """The request's bar; without a recorded budget, scaled to the session's largest."""
+    budget = line.budget_tokens
+    text = Text()
+    cells = bar_cells(line.classes, budget or largest, width)
+    for name, n in cells:
+        text.append("█" * n, style=colours[name])
+    used = sum(n for _, n in cells)
+    text.append("·" * max(width - used, 0), style="grey30")
+    total = sum(t for _, t in line.classes)
+    shown = max(total, line.estimated_tokens)
+    if budget:
+        pct = shown * 100 / budget
+        style = "bold red" if pct > 100 else ("yellow" if pct >= 90 else "")
+        text.append(f" {shown:,}/{budget:,} ({pct:.0f}%)", style=style)
+    elif shown:
+        text.append(f" {shown:,} (no budget recorded; scaled to the largest)", style="grey50")
+    return text
+
+
+# --- rendering -----------------------------------------------------------------------
+
+
+def render(view: SessionView, console: Console, width: int = BAR_WIDTH) -> None:
+    """Print the session: header, epochs, requests with bars, context events."""
+    plan_hash = {e.epoch: e.prefix_sha256 for e in view.epochs}
+    hashes_per_epoch: dict[int, set[str]] = {}
+    for r in view.requests:
+        hashes_per_epoch.setdefault(r.epoch, set()).add(r.prefix_sha256)
+    defects = sorted(
+        epoch
+        for epoch, hashes in hashes_per_epoch.items()
+        if len(hashes) > 1 or (epoch in plan_hash and hashes != {plan_hash[epoch]})
+    )
+    header = Text.assemble(
+        ("session ", "bold"),
+        view.session_id,
+        ("  tenant ", "bold"),
+        view.tenant_id,
+        ("  epoch ", "bold"),
+        str(view.current_epoch),
+        ("  runs ", "bold"),
+        str(view.runs),
+        ("  requests ", "bold"),
+        str(len(view.requests)),
+        ("  created ", "bold"),
+        view.created_at,
+    )
+    verdict = (
+        Text(f"prefix hash changed within epoch(s) {defects}: a stability defect", "bold red")
+        if defects
+        else Text(
+            f"one prefix hash per epoch ({len(view.epochs)} epoch(s))",
+            "green" if len(view.epochs) <= 1 else "yellow",
+        )
+    )
+    console.print(Panel(Group(header, verdict), title="context-engine inspect", expand=False))
+
+    epochs = Table(title="Plans (epochs)", title_justify="left")
+    for column in ("epoch", "reason", "prefix_sha256", "prefix tokens", "model", "tools", "at"):
+        epochs.add_column(column, justify="right" if "tokens" in column else "left")
+    for e in view.epochs:
+        epochs.add_row(
+            str(e.epoch),
+            e.reason,
+            e.prefix_sha256[:16],
+            f"{e.prefix_tokens:,}",
+            e.model_id,
+            str(e.tools),
+            e.created_at,
+        )
+    console.print(epochs)
+
+    colours = _colours(name for r in view.requests for name, _ in r.classes)
+    largest = max((sum(t for _, t in r.classes) for r in view.requests), default=0)
+    requests = Table(
+        title="Requests (tokens by class against the input budget)", title_justify="left"
+    )
+    for column in ("seq", "run", "epoch", "prefix", "budget", "pressure"):
+        requests.add_column(column, no_wrap=column in ("budget", "prefix"))
+    for r in view.requests:
+        ok = plan_hash.get(r.epoch, r.prefix_sha256) == r.prefix_sha256
+        requests.add_row(
+            str(r.sequence),
+            r.run_id[:8],
+            str(r.epoch),
+            Text(r.prefix_sha256[:12], style="" if ok else "bold red"),
+            _bar(r, colours, width, largest),
+            Text(r.pressure, style="yellow" if r.pressure else ""),
+        )
+    console.print(requests)
+    if colours:
+        legend = Text("classes: ")
+        for name, colour in colours.items():
+            legend.append("█ ", style=colour)
+            legend.append(name + "  ")
+        console.print(legend)
+
+    if view.events:
+        events = Table(title="Context events", title_justify="left")
+        for column in ("seq", "type", "detail"):
+            events.add_column(column)
+        for sequence, kind, summary in view.events:
+            events.add_row(str(sequence), kind, summary)
+        console.print(events)
+
+
+# --- loading -------------------------------------------------------------------------
+
+
+def _json(value: Any) -> dict[str, Any]:
+    if isinstance(value, str):
+        value = json.loads(value)
+    return value if isinstance(value, dict) else {}
+
+
+async def load_session(conn: Any, session_id: UUID, tenant_id: str | None) -> SessionView:
+    """Read one session. Raises LookupError when it is missing or ambiguous across tenants."""
+    rows = await conn.fetch(
+        "SELECT tenant_id, current_epoch, created_at FROM sessions"
+        " WHERE session_id = $1 AND ($2::text IS NULL OR tenant_id = $2) ORDER BY tenant_id",
+        session_id,
+        tenant_id,
+    )
+    if not rows:
+        raise LookupError(f"session {session_id} not found")
+    if len(rows) > 1:
+        tenants = ", ".join(r["tenant_id"] for r in rows)
+        raise LookupError(
+            f"session {session_id} exists for several tenants ({tenants}): pass --tenant"
+        )
+    session = rows[0]
+    tenant = session["tenant_id"]
+    plans = await conn.fetch(
+        "SELECT epoch, reason, prefix_sha256, plan, created_at FROM context_plans"
+        " WHERE tenant_id = $1 AND session_id = $2 ORDER BY epoch",
+        tenant,
+        session_id,
+    )
+    events = await conn.fetch(
+        "SELECT sequence, type, run_id, payload FROM session_events"
+        " WHERE tenant_id = $1 AND session_id = $2"
+        " AND (type = 'model.request.started' OR type LIKE 'context.%')"
+        " ORDER BY sequence",
+        tenant,
+        session_id,
+    )
+    runs = await conn.fetchval(
+        "SELECT count(*) FROM runs WHERE tenant_id = $1 AND session_id = $2", tenant, session_id
+    )
+    epochs = []
+    for row in plans:
+        plan = _json(row["plan"])
+        epochs.append(
+            Epoch(
+                epoch=row["epoch"],
+                reason=str(row["reason"]).lower(),
+                prefix_sha256=row["prefix_sha256"],
+                prefix_tokens=_int(plan.get("prefix_tokens")),
+                model_id=str(plan.get("model_id", "")),
+                tools=len(plan.get("tool_names") or ()),
+                created_at=row["created_at"].isoformat(timespec="seconds"),
+            )
+        )
+    requests, others, counts = [], [], {}
+    # A run's context.budget.pressure event precedes the request it shaped.
+    pressure_of_run: dict[str, str] = {}
+    for row in events:
+        payload = _json(row["payload"])
+        counts[row["type"]] = counts.get(row["type"], 0) + 1
+        run = str(row["run_id"] or payload.get("run_id", ""))
+        if row["type"] == "context.budget.pressure":
+            pressure_of_run[run] = _pressure_of({"pressure": payload, **payload})
+        if row["type"] == "model.request.started":
+            budget, estimated = budget_of(payload)
+            requests.append(
+                RequestLine(
+                    sequence=row["sequence"],
+                    run_id=run,
+                    epoch=_int(payload.get("epoch")),
+                    prefix_sha256=str(payload.get("prefix_sha256", "")),
+                    classes=classes_of(payload),
+                    budget_tokens=budget,
+                    estimated_tokens=estimated,
+                    pressure=_pressure_of(payload) or pressure_of_run.pop(run, ""),
+                )
+            )
+        elif row["type"] != "context.plan.created":
+            others.append((row["sequence"], row["type"], _safe_summary(payload)))
+    return SessionView(
+        tenant_id=tenant,
+        session_id=str(session_id),
+        current_epoch=session["current_epoch"],
+        created_at=session["created_at"].isoformat(timespec="seconds"),
+        epochs=tuple(epochs),
+        requests=tuple(requests),
+        events=tuple(others),
+        runs=int(runs or 0),
+        counts=counts,
+    )
+
+
+async def run_inspect(
+    dsn: str, session: str, tenant_id: str | None, console: Console, width: int = BAR_WIDTH
+) -> None:
+    """Connect, load and print one session. Raises LookupError / ValueError for bad input."""
+    import asyncpg
+
+    session_id = UUID(session)
+    conn = await asyncpg.connect(dsn)
+    try:
+        view = await load_session(conn, session_id, tenant_id)
+    finally:
+        await conn.close()
+    render(view, console, width)

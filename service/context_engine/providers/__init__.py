@@ -1,0 +1,87 @@
+"""Provider renderers: the neutral ModelRequest as Anthropic Messages or OpenAI Responses
+JSON bytes. PURE, like the core: no I/O, no clock, no randomness.
+
+``render(request)`` picks the renderer of request.provider (``RENDERERS``) and returns the
+payload bytes and the API name BuildResponse carries (``provider_payload``,
+``provider_api``). ``prompt_units(request)`` is the same prompt unit by unit, in the order
+the provider caches it, with the row and item of each unit (what ``explain`` diffs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..core.errors import EngineError
+from ..core.request import ModelRequest
+from . import anthropic, openai
+from .layout import PromptUnit, RenderedPayload
+from .names import check_wire_names, tool_name_from_wire, wire_tool_name
+from .usage import (
+    PPM,
+    Usage,
+    cached_prefix_ppm,
+    ratio_ppm,
+    reuse_ppm,
+    session_cached_prefix_ppm,
+    usage_from_anthropic,
+    usage_from_openai,
+    usage_from_provider,
+)
+
+__all__ = [
+    "PPM",
+    "RENDERERS",
+    "PromptUnit",
+    "RenderedPayload",
+    "Renderer",
+    "Usage",
+    "cached_prefix_ppm",
+    "check_wire_names",
+    "prompt_units",
+    "ratio_ppm",
+    "render",
+    "reuse_ppm",
+    "session_cached_prefix_ppm",
+    "tool_name_from_wire",
+    "usage_from_anthropic",
+    "usage_from_openai",
+    "usage_from_provider",
+    "wire_tool_name",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Renderer:
+    api: str
+    render: Callable[[ModelRequest], RenderedPayload]
+    prompt_units: Callable[[ModelRequest], tuple[PromptUnit, ...]]
+
+
+# The plan's provider -> its renderer.
+RENDERERS: dict[str, Renderer] = {
+    "anthropic": Renderer(anthropic.API, anthropic.render, anthropic.prompt_units),
+    "openai": Renderer(openai.API, openai.render, openai.prompt_units),
+}
+
+
+def _renderer(provider: str) -> Renderer:
+    renderer = RENDERERS.get(provider)
+    if renderer is None:
+        raise EngineError(f"no renderer for provider {provider!r}")
+    return renderer
+
+
+def render(request: ModelRequest) -> RenderedPayload:
+    """The provider payload of `request`, for its plan's provider.
+
+    Raises:
+        EngineError: an unknown provider, or a reasoning payload that is not JSON.
+        PreconditionError: two tool names share a wire name.
+    """
+    return _renderer(request.provider).render(request)
+
+
+def prompt_units(request: ModelRequest) -> tuple[PromptUnit, ...]:
+    """The prompt of `request` unit by unit, in its provider's cache order."""
+    return _renderer(request.provider).prompt_units(request)

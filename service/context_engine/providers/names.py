@@ -1,0 +1,58 @@
+"""Tool names on the wire.
+
+Both APIs restrict tool names to ``[A-Za-z0-9_-]`` (Anthropic up to 128 characters, OpenAI
+up to 64), while our names use dots ("web.fetch", "context.update_working_state").
+
+Rule 1: the wire name is the tool name with every character outside ``[A-Za-z0-9_-]``
+replaced by "-", cut to ``MAX_WIRE_NAME`` characters ("web.fetch" -> "web-fetch"). It
+reads naturally to the model and is the same in every request of a session.
+Rule 2: the mapping is not reversible on its own, so a request is only renderable when its
+names map one to one; a worker maps a wire name back with the request's own names
+(``tool_name_from_wire``). Two names that collide fail the render loudly.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from ..core.errors import PreconditionError
+
+__all__ = ["MAX_WIRE_NAME", "check_wire_names", "tool_name_from_wire", "wire_tool_name"]
+
+MAX_WIRE_NAME = 64  # the stricter of the two providers (OpenAI)
+_NOT_WIRE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def wire_tool_name(name: str) -> str:
+    """The name a provider sees for tool `name` (Rule 1)."""
+    return _NOT_WIRE.sub("-", name)[:MAX_WIRE_NAME] or "-"
+
+
+def check_wire_names(names: Iterable[str]) -> None:
+    """Raise when two distinct tool names share a wire name (Rule 2).
+
+    Raises:
+        PreconditionError: naming both tools; rename one in the worker's registry.
+    """
+    seen: dict[str, str] = {}
+    for name in sorted(set(names)):
+        wire = wire_tool_name(name)
+        other = seen.setdefault(wire, name)
+        if other != name:
+            raise PreconditionError(
+                f"tools {other!r} and {name!r} both render as {wire!r} for the provider;"
+                " rename one of them",
+                field="spec.tools",
+                metadata={"wire_name": wire},
+            )
+
+
+def tool_name_from_wire(names: Iterable[str], wire: str) -> str:
+    """The tool name behind `wire` among a request's tool names.
+
+    Raises:
+        KeyError: no tool of the request renders as `wire`.
+    """
+    table = {wire_tool_name(n): n for n in names}
+    return table[wire]

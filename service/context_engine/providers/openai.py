@@ -1,0 +1,168 @@
+"""Neutral ModelRequest -> OpenAI Responses API request body (``POST /v1/responses``).
+
+Rule 1 (order): ``instructions`` (the Region A system blocks, joined by a blank line),
+then ``tools``, then ``input``: the order the prompt is cached in.
+Rule 2 (bytes): RFC 8785 JSON, as for Anthropic; schemas, arguments and reasoning items are
+re-parsed from their canonical or opaque JSON.
+Rule 3 (items): one input item per neutral block, in order: user text -> a ``message`` with
+one ``input_text`` part; assistant text -> a ``message`` with string content; a tool call ->
+``function_call``; a tool result -> ``function_call_output`` whose ``output`` is the
+enveloped content, verbatim; an empty text block sends nothing. Tools are ``function``
+tools with ``strict: false`` (the API's strict default would reject ordinary schemas).
+Rule 4 (reasoning): a reasoning item from OpenAI is replayed verbatim from its opaque JSON
+(id, summary, encrypted content), never rendered into text; one from another provider is
+not sent.
+Rule 5 (cache): the Responses API caches implicitly and takes no markers; the request
+carries ``prompt_cache_key`` = request.session_key, so every run, step and epoch of one
+session routes to the same cache and no other session shares it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.canonical import canonical_bytes
+from ..core.errors import EngineError
+from ..core.request import Block, ModelRequest
+from ..core.rows import Row
+from .layout import PromptUnit, RenderedPayload
+from .names import check_wire_names, wire_tool_name
+
+__all__ = ["API", "INSTRUCTIONS_SEPARATOR", "prompt_units", "render"]
+
+API = "openai.responses"
+INSTRUCTIONS_SEPARATOR = "\n\n"
+_PROVIDER = "openai"
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    obj: Any  # a tool or input item; for instructions, the segment's text
+    row: Row
+    item_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    instructions: list[_Piece]
+    tools: list[_Piece]
+    items: list[_Piece]
+
+
+def render(request: ModelRequest) -> RenderedPayload:
+    """The Responses API body for `request`.
+
+    Raises:
+        PreconditionError: two tool names share a wire name.
+        EngineError: a reasoning item's opaque payload is not a JSON object.
+    """
+    layout = _layout(request)
+    body: dict[str, Any] = {
+        "model": request.model_id,
+        "input": [p.obj for p in layout.items],
+        "max_output_tokens": request.max_output_tokens,
+        "prompt_cache_key": request.session_key,
+    }
+    if layout.instructions:
+        body["instructions"] = "".join(p.obj for p in layout.instructions)
+    if layout.tools:
+        body["tools"] = [p.obj for p in layout.tools]
+    return RenderedPayload(API, canonical_bytes(body))
+
+
+def prompt_units(request: ModelRequest) -> tuple[PromptUnit, ...]:
+    """The prompt as OpenAI caches it: instructions segments, tools, input items."""
+    layout = _layout(request)
+    out = [
+        PromptUnit(f"instructions[{n}]", p.row, p.item_id, p.obj.encode("utf-8"))
+        for n, p in enumerate(layout.instructions)
+    ]
+    out += [
+        PromptUnit(f"tools[{n}]", p.row, p.item_id, canonical_bytes(p.obj))
+        for n, p in enumerate(layout.tools)
+    ]
+    out += [
+        PromptUnit(f"input[{n}]", p.row, p.item_id, canonical_bytes(p.obj))
+        for n, p in enumerate(layout.items)
+    ]
+    return tuple(out)
+
+
+def _layout(request: ModelRequest) -> _Layout:
+    check_wire_names(
+        [t.name for t in request.tools]
+        + [b.tool_name for m in request.messages for b in m.blocks if b.kind == "tool_call"]
+    )
+    texts = [b for b in request.system if b.text]
+    instructions = [
+        _Piece((INSTRUCTIONS_SEPARATOR if n else "") + b.text, b.row, b.item_id)
+        for n, b in enumerate(texts)
+    ]
+    tools = [
+        _Piece(
+            _tool(t.name, t.description, t.input_schema_json),
+            Row.TOOL_DEFINITIONS,
+            f"tool:{t.name}",
+        )
+        for t in request.tools
+    ]
+    items = [
+        _Piece(obj, block.row, block.item_id)
+        for message in request.messages
+        for block in message.blocks
+        if (obj := _item(message.role, block)) is not None
+    ]
+    return _Layout(instructions, tools, items)
+
+
+def _tool(name: str, description: str, schema_json: str) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "type": "function",
+        "name": wire_tool_name(name),
+        "parameters": json.loads(schema_json),
+        "strict": False,
+    }
+    if description:
+        out["description"] = description
+    return out
+
+
+def _item(role: str, block: Block) -> dict[str, Any] | None:
+    """One neutral block's input item (Rules 3, 4); None when it sends nothing."""
+    match block.kind:
+        case "text":
+            if not block.text:
+                return None
+            if role == "assistant":
+                return {"type": "message", "role": "assistant", "content": block.text}
+            return {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": block.text}],
+            }
+        case "tool_call":
+            return {
+                "type": "function_call",
+                "call_id": block.call_id,
+                "name": wire_tool_name(block.tool_name),
+                "arguments": block.arguments_json or "{}",
+            }
+        case "tool_result":
+            return {"type": "function_call_output", "call_id": block.call_id, "output": block.text}
+        case "reasoning":
+            if block.provider != _PROVIDER:
+                return None
+            return _opaque(block)
+    raise EngineError(f"no OpenAI rendering for block kind {block.kind!r}")
+
+
+def _opaque(block: Block) -> dict[str, Any]:
+    try:
+        value = json.loads(block.opaque)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise EngineError(f"reasoning item {block.item_id!r} is not a JSON object")
+    return value

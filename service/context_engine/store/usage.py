@@ -1,0 +1,126 @@
+"""Estimator corrections and usage reports (migrations/0002_usage.sql).
+
+Every query is tenant-scoped: one tenant's reports never move another tenant's factor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from ..core.errors import InvalidFieldError
+from ..core.estimator import Correction
+
+__all__ = [
+    "StoredCorrection",
+    "insert_report",
+    "read_correction",
+    "read_report",
+    "session_model",
+    "write_correction",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredCorrection:
+    correction: Correction
+    tokenizer: str  # what the factor was learned for
+
+
+async def read_correction(
+    conn: Any, tenant_id: str, model_id: str, *, for_update: bool = False
+) -> StoredCorrection | None:
+    row = await conn.fetchrow(
+        "SELECT factor_ppm, observed_ppm, samples, tokenizer FROM estimator_corrections"
+        " WHERE tenant_id = $1 AND model_id = $2" + (" FOR UPDATE" if for_update else ""),
+        tenant_id,
+        model_id,
+    )
+    if row is None:
+        return None
+    return StoredCorrection(
+        Correction(
+            model_id=model_id,
+            factor_ppm=row["factor_ppm"],
+            samples=row["samples"],
+            observed_ppm=row["observed_ppm"],
+        ),
+        row["tokenizer"],
+    )
+
+
+async def write_correction(
+    conn: Any, tenant_id: str, correction: Correction, tokenizer: str
+) -> None:
+    await conn.execute(
+        "INSERT INTO estimator_corrections"
+        " (tenant_id, model_id, factor_ppm, observed_ppm, samples, tokenizer, updated_at)"
+        " VALUES ($1, $2, $3, $4, $5, $6, now())"
+        " ON CONFLICT (tenant_id, model_id) DO UPDATE SET factor_ppm = EXCLUDED.factor_ppm,"
+        " observed_ppm = EXCLUDED.observed_ppm, samples = EXCLUDED.samples,"
+        " tokenizer = EXCLUDED.tokenizer, updated_at = now()",
+        tenant_id,
+        correction.model_id,
+        correction.factor_ppm,
+        correction.observed_ppm,
+        correction.samples,
+        tokenizer,
+    )
+
+
+async def session_model(conn: Any, tenant_id: str, session_id: UUID) -> str | None:
+    """The model of the session's current plan (None before the first plan)."""
+    value = await conn.fetchval(
+        "SELECT p.plan->>'model_id' FROM sessions s JOIN context_plans p"
+        " ON p.tenant_id = s.tenant_id AND p.session_id = s.session_id"
+        " AND p.epoch = s.current_epoch WHERE s.tenant_id = $1 AND s.session_id = $2",
+        tenant_id,
+        session_id,
+    )
+    return str(value) if value is not None else None
+
+
+async def read_report(
+    conn: Any,
+    tenant_id: str,
+    session_id: UUID,
+    request_sequence: int,
+    key: str,
+    request_sha256: str,
+) -> dict[str, Any] | None:
+    """The stored response of an earlier report with this key, or None.
+
+    Raises:
+        InvalidFieldError: IDEMPOTENCY_KEY_REUSED when the key came with another report.
+    """
+    row = await conn.fetchrow(
+        "SELECT request_sha256, response FROM usage_reports WHERE tenant_id = $1"
+        " AND session_id = $2 AND request_sequence = $3 AND idempotency_key = $4",
+        tenant_id,
+        session_id,
+        request_sequence,
+        key,
+    )
+    if row is None:
+        return None
+    if row["request_sha256"] != request_sha256:
+        raise InvalidFieldError(
+            "this request's usage was already reported under this idempotency key with"
+            " different figures",
+            field="idempotency_key",
+            reason="IDEMPOTENCY_KEY_REUSED",
+        )
+    response: dict[str, Any] = row["response"]
+    return response
+
+
+async def insert_report(conn: Any, tenant_id: str, session_id: UUID, row: dict[str, Any]) -> None:
+    columns = ("tenant_id", "session_id", *row)
+    placeholders = ", ".join(f"${n}" for n in range(1, len(columns) + 1))
+    await conn.execute(
+        f"INSERT INTO usage_reports ({', '.join(columns)}) VALUES ({placeholders})",
+        tenant_id,
+        session_id,
+        *row.values(),
+    )

@@ -1,0 +1,82 @@
+"""Log reads for working state and compaction: the working-state events a carry folds,
+fact evidence and elided spans by sequence, and the session's next sequence."""
+
+from __future__ import annotations
+
+from typing import Any
+from uuid import UUID
+
+from ..core.working_state import LoggedUpdate, WorkingStateUpdate, Writer
+
+__all__ = [
+    "WORKING_STATE_UPDATED",
+    "latest_top_level_run",
+    "next_sequence",
+    "read_events_at",
+    "read_working_state_updates",
+]
+
+WORKING_STATE_UPDATED = "context.working_state.updated"
+
+
+async def read_working_state_updates(
+    conn: Any, tenant_id: str, session_id: UUID, below_sequence: int
+) -> list[LoggedUpdate]:
+    """Working-state events of the session's top-level runs strictly below a sequence,
+    oldest first. A child run's working state is its own and never carries."""
+    rows = await conn.fetch(
+        "SELECT e.sequence, e.run_id, e.payload FROM session_events e"
+        " JOIN runs r ON r.tenant_id = e.tenant_id AND r.run_id = e.run_id"
+        " WHERE e.tenant_id = $1 AND e.session_id = $2 AND e.type = $3 AND e.sequence < $4"
+        " AND r.parent_run_id IS NULL ORDER BY e.sequence",
+        tenant_id,
+        session_id,
+        WORKING_STATE_UPDATED,
+        below_sequence,
+    )
+    return [
+        LoggedUpdate(
+            sequence=r["sequence"],
+            run_id=str(r["run_id"]),
+            writer=Writer[r["payload"]["writer"].upper()],
+            update=WorkingStateUpdate.model_validate(r["payload"]["update"]),
+        )
+        for r in rows
+    ]
+
+
+async def read_events_at(
+    conn: Any, tenant_id: str, session_id: UUID, sequences: list[int]
+) -> dict[int, tuple[str, dict[str, Any]]]:
+    """(type, payload) of the session's events at the given sequences; absent ones omitted."""
+    if not sequences:
+        return {}
+    rows = await conn.fetch(
+        "SELECT sequence, type, payload FROM session_events"
+        " WHERE tenant_id = $1 AND session_id = $2 AND sequence = ANY($3::bigint[])",
+        tenant_id,
+        session_id,
+        sorted(set(sequences)),
+    )
+    return {r["sequence"]: (r["type"], r["payload"]) for r in rows}
+
+
+async def next_sequence(conn: Any, tenant_id: str, session_id: UUID) -> int:
+    """The sequence the session's next event will get. Call with the session locked."""
+    last = await conn.fetchval(
+        "SELECT last_sequence FROM sessions WHERE tenant_id = $1 AND session_id = $2",
+        tenant_id,
+        session_id,
+    )
+    return int(last) + 1
+
+
+async def latest_top_level_run(conn: Any, tenant_id: str, session_id: UUID) -> UUID | None:
+    """The session's most recently seeded top-level run, if any."""
+    value = await conn.fetchval(
+        "SELECT run_id FROM runs WHERE tenant_id = $1 AND session_id = $2"
+        " AND parent_run_id IS NULL ORDER BY seed_event_sequence DESC NULLS LAST LIMIT 1",
+        tenant_id,
+        session_id,
+    )
+    return value if value is None else UUID(str(value))

@@ -1,0 +1,544 @@
+"""OpenTelemetry for the service: spans, the tracked metrics, one JSON log line per RPC.
+
+Rules:
+1. Nothing recorded here carries message content. Spans, metrics and log lines carry ids,
+   hashes, counts, codes and durations, and only the fields named in `RPC_FIELDS`; a log
+   record's exception is reduced to its type and frames, because an exception's message
+   may quote the input that caused it.
+2. Each server owns one `Telemetry` (its providers and instruments). The RPC observer
+   (api/interceptors.py) makes it current for the duration of a call, so `span()`,
+   `annotate()` and the `record_*()` functions called from engine code reach the right
+   one, and do nothing outside an RPC.
+3. The instruments are one table, `METRICS`; docs/operations.md lists the same names.
+4. A `record_*()` function called by a handler marks its kind as recorded for the call;
+   the observer then skips deriving the same measurement from the response, so nothing
+   is counted twice and every RPC with a response is counted at least once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar, Token
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, ParamSpec, TypeVar
+
+from opentelemetry import trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
+
+from . import __version__
+
+__all__ = [
+    "MALFORMED",
+    "METRICS",
+    "RPC_FIELDS",
+    "JsonFormatter",
+    "RpcState",
+    "Telemetry",
+    "annotate",
+    "configure_logging",
+    "record_budget_exceeded",
+    "record_build",
+    "record_compaction",
+    "record_pressure",
+    "record_rotation",
+    "record_run_started",
+    "record_session_opened",
+    "record_usage",
+    "recorded",
+    "safe_fields",
+    "span",
+    "traced",
+]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+SCOPE = "context_engine"
+# Estimator error below this (in ppm, negative = underestimate) counts as an underestimate
+# beyond the safety margin: the spec's 5% margin.
+UNDERESTIMATE_PPM = -50_000
+
+_UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_TENANT = re.compile(r"[A-Za-z0-9._:@/+=-]{1,200}")
+
+# The only fields an RPC's log line and span may carry, each with the shape it must have.
+# Values come from requests too, so a field of the wrong shape (a caller could put
+# anything in `run_id`) is written as "<malformed>", never verbatim.
+RPC_FIELDS: Mapping[str, Callable[[Any], bool]] = {
+    "tenant_id": lambda v: isinstance(v, str) and _TENANT.fullmatch(v) is not None,
+    "session_id": lambda v: isinstance(v, str) and _UUID.fullmatch(v) is not None,
+    "run_id": lambda v: isinstance(v, str) and _UUID.fullmatch(v) is not None,
+    "epoch": lambda v: isinstance(v, int),
+    "prefix_sha256": lambda v: isinstance(v, str) and _HEX64.fullmatch(v) is not None,
+    "request_sha256": lambda v: isinstance(v, str) and _HEX64.fullmatch(v) is not None,
+    "request_sequence": lambda v: isinstance(v, int),
+    "checkpoint_version": lambda v: isinstance(v, int),
+}
+MALFORMED = "<malformed>"
+
+
+def safe_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Only RPC_FIELDS, each verbatim when well-formed and MALFORMED otherwise."""
+    return {
+        key: value if RPC_FIELDS[key](value) else MALFORMED
+        for key, value in fields.items()
+        if key in RPC_FIELDS
+    }
+
+
+_DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_SIZE_BUCKETS = tuple(float(4**k * 256) for k in range(10))  # 256 B .. 64 MiB
+_TOKEN_BUCKETS = tuple(float(1000 * 2**k) for k in range(11))  # 1k .. 1M tokens
+_RATIO_BUCKETS = (0.5, 0.8, 0.9, 0.95, 0.98, 0.99, 1.0)
+_ESTIMATOR_BUCKETS = (0.8, 0.9, 0.95, 0.98, 1.0, 1.02, 1.05, 1.1, 1.2, 1.5)
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    kind: str  # "counter" | "histogram" | "gauge"
+    unit: str
+    description: str
+    buckets: tuple[float, ...] = ()
+
+
+# name -> instrument. Prometheus names: dots become underscores, the unit is appended
+# ("_seconds", "_bytes", "_ratio") and counters end in "_total" (docs/operations.md).
+METRICS: Mapping[str, Metric] = {
+    "context_engine.rpc.duration": Metric(
+        "histogram", "s", "Server time per RPC, by method and status code.", _DURATION_BUCKETS
+    ),
+    "context_engine.rpc.request.size": Metric(
+        "histogram", "By", "Serialized size of each request message, by method.", _SIZE_BUCKETS
+    ),
+    "context_engine.build.input_tokens": Metric(
+        "histogram",
+        "{token}",
+        "Estimated input tokens of each built request (prefix exact, body estimated).",
+        _TOKEN_BUCKETS,
+    ),
+    "context_engine.sessions.opened": Metric(
+        "counter", "{session}", "Sessions whose first plan (epoch 1) was created."
+    ),
+    "context_engine.epochs.rotated": Metric(
+        "counter", "{epoch}", "Prefix epochs started after the first, by reason."
+    ),
+    "context_engine.runs.started": Metric("counter", "{run}", "Runs (turns) started."),
+    "context_engine.prefix.cached_ratio": Metric(
+        "histogram",
+        "1",
+        "Share of the prefix served from the provider cache, per reported request.",
+        _RATIO_BUCKETS,
+    ),
+    "context_engine.estimator.ratio": Metric(
+        "histogram",
+        "1",
+        "Estimated / actual input tokens per reported request (below 1: underestimate).",
+        _ESTIMATOR_BUCKETS,
+    ),
+    "context_engine.estimator.signed_error": Metric(
+        "gauge", "1", "Latest signed estimator error per model: (estimated - actual) / actual."
+    ),
+    "context_engine.estimator.underestimates": Metric(
+        "counter", "{request}", "Reported requests underestimated by more than the 5% margin."
+    ),
+    "context_engine.compactions": Metric(
+        "counter", "{compaction}", "Compactions committed, by resulting summary depth."
+    ),
+    "context_engine.budget.pressure": Metric(
+        "counter", "{build}", "Builds on which a yield step ran, by whether the result fits."
+    ),
+    "context_engine.budget.yield_steps": Metric("counter", "{step}", "Yield steps taken, by step."),
+    "context_engine.budget.exceeded": Metric(
+        "counter", "{build}", "Builds refused because the never-yield set does not fit."
+    ),
+    "context_engine.store.ready": Metric(
+        "gauge", "1", "1 while PostgreSQL answers the readiness probe, else 0."
+    ),
+}
+
+
+# --- the per-RPC state the observer keeps --------------------------------------------
+
+
+@dataclass(slots=True)
+class RpcState:
+    """What one RPC's log line and span will say; filled from request, engine, response."""
+
+    method: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    recorded: set[str] = field(default_factory=set)
+
+
+_current: ContextVar[tuple[Telemetry, RpcState] | None] = ContextVar(
+    "context_engine_telemetry", default=None
+)
+
+
+def begin(telemetry: Telemetry, state: RpcState) -> Token[tuple[Telemetry, RpcState] | None]:
+    """Make `telemetry` and `state` current for this RPC (the observer calls this)."""
+    return _current.set((telemetry, state))
+
+
+def end(token: Token[tuple[Telemetry, RpcState] | None]) -> None:
+    _current.reset(token)
+
+
+class span:
+    """A child span of the current RPC's span; a no-op outside an RPC.
+
+    Usable as `with` and as `async with` (so it can share a line with `async with
+    acquire(...)`). Attribute values must be ids, counts or flags, never content (rule 1).
+    """
+
+    def __init__(self, name: str, **attributes: str | int | bool) -> None:
+        self._name = name
+        self._attributes = {f"context_engine.{k}": v for k, v in attributes.items()}
+        self._cm: Any = None
+
+    def __enter__(self) -> None:
+        current = _current.get()
+        if current is not None:
+            self._cm = current[0].tracer.start_as_current_span(
+                self._name, attributes=self._attributes
+            )
+            self._cm.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._cm is not None:
+            self._cm.__exit__(*exc)
+            self._cm = None
+
+    async def __aenter__(self) -> None:
+        self.__enter__()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.__exit__(*exc)
+
+
+def traced(name: str, fn: Callable[P, R]) -> Callable[P, R]:
+    """`fn` run inside a child span `name`: `traced("assemble", assemble)(inputs)`."""
+
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        with span(name):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def annotate(**fields: Any) -> None:
+    """Add fields from RPC_FIELDS to the current RPC's log line and span."""
+    current = _current.get()
+    if current is None:
+        return
+    state = current[1]
+    for key, value in fields.items():
+        if key not in RPC_FIELDS:
+            raise ValueError(f"{key} is not an RPC field")
+        if value not in (None, "", 0):
+            state.fields[key] = value if isinstance(value, int) else str(value)
+
+
+def recorded() -> frozenset[str]:
+    """The kinds the current RPC's handler has recorded itself (rule 4)."""
+    current = _current.get()
+    return frozenset(current[1].recorded) if current is not None else frozenset()
+
+
+def _record(kind: str, fn: Callable[[Telemetry], None]) -> None:
+    current = _current.get()
+    if current is None:
+        return
+    current[1].recorded.add(kind)
+    fn(current[0])
+
+
+# --- the functions handlers call -------------------------------------------------------
+
+
+def record_session_opened(model_id: str) -> None:
+    """A session's first plan was created."""
+    _record("session", lambda t: t.add("context_engine.sessions.opened", 1, model=model_id))
+
+
+def record_rotation(reason: str) -> None:
+    """A new prefix epoch started (reason: the PlanReason's lower-case name)."""
+    _record("rotation", lambda t: t.add("context_engine.epochs.rotated", 1, reason=reason))
+
+
+def record_run_started() -> None:
+    _record("run", lambda t: t.add("context_engine.runs.started", 1))
+
+
+def record_build(model_id: str, estimated_input_tokens: int) -> None:
+    """A request was built: its estimated input size."""
+    _record(
+        "build",
+        lambda t: t.record(
+            "context_engine.build.input_tokens", estimated_input_tokens, model=model_id
+        ),
+    )
+
+
+def record_pressure(fits: bool, steps: Sequence[str]) -> None:
+    """A yield ladder ran on a Build: whether the result fits, and the steps taken."""
+
+    def fn(t: Telemetry) -> None:
+        t.add("context_engine.budget.pressure", 1, fits=str(fits).lower())
+        for step in steps:
+            t.add("context_engine.budget.yield_steps", 1, step=step)
+
+    _record("pressure", fn)
+
+
+def record_budget_exceeded(class_name: str) -> None:
+    """A Build was refused: the never-yield set of `class_name` does not fit."""
+    _record(
+        "exceeded",
+        lambda t: t.add("context_engine.budget.exceeded", 1, **{"class": class_name or "body"}),
+    )
+
+
+def record_usage(
+    model_id: str, signed_error_ppm: int, cached_prefix_ppm: int, *, first_of_epoch: bool = False
+) -> None:
+    """A usage report: estimator error and prefix cache share of one request.
+
+    The cached prefix ratio is measured after the first request of an epoch (which writes
+    the cache); pass first_of_epoch=True for that request and only the estimator is fed.
+    """
+
+    def fn(t: Telemetry) -> None:
+        t.record("context_engine.estimator.ratio", 1 + signed_error_ppm / 1_000_000, model=model_id)
+        t.set_gauge(
+            "context_engine.estimator.signed_error", signed_error_ppm / 1_000_000, model=model_id
+        )
+        if signed_error_ppm < UNDERESTIMATE_PPM:
+            t.add("context_engine.estimator.underestimates", 1, model=model_id)
+        if not first_of_epoch:
+            t.record(
+                "context_engine.prefix.cached_ratio", cached_prefix_ppm / 1_000_000, model=model_id
+            )
+
+    _record("usage", fn)
+
+
+def record_compaction(depth: int) -> None:
+    """A compaction was committed; depth is the resulting summary's (1 or 2)."""
+    _record("compaction", lambda t: t.add("context_engine.compactions", 1, depth=str(depth)))
+
+
+# --- providers and instruments ---------------------------------------------------------
+
+
+class Telemetry:
+    """One server's tracer, meter and instruments, and what must be shut down with it."""
+
+    def __init__(
+        self,
+        tracer_provider: TracerProvider | None = None,
+        meter_provider: MeterProvider | None = None,
+        *,
+        on_shutdown: Sequence[Callable[[], object]] = (),
+    ) -> None:
+        self.tracer_provider = tracer_provider or TracerProvider(sampler=ALWAYS_OFF)
+        self.meter_provider = meter_provider or MeterProvider()
+        self.tracer = self.tracer_provider.get_tracer(SCOPE, __version__)
+        meter = self.meter_provider.get_meter(SCOPE, __version__)
+        self._instruments: dict[str, Any] = {}
+        for name, metric in METRICS.items():
+            if metric.kind == "counter":
+                inst: Any = meter.create_counter(name, metric.unit, metric.description)
+            elif metric.kind == "gauge":
+                inst = meter.create_gauge(name, metric.unit, metric.description)
+            else:
+                inst = meter.create_histogram(
+                    name,
+                    metric.unit,
+                    metric.description,
+                    explicit_bucket_boundaries_advisory=metric.buckets,
+                )
+            self._instruments[name] = inst
+        self._on_shutdown = list(on_shutdown)
+        # The Prometheus endpoint's bound port (0: none); useful when configured as port 0.
+        self.metrics_port = 0
+
+    @classmethod
+    def from_environment(
+        cls, metrics_listen: str = "", environ: Mapping[str, str] | None = None
+    ) -> Telemetry:
+        """Production telemetry: OTLP when OTEL_EXPORTER_OTLP_*ENDPOINT is set, and a
+        Prometheus endpoint on `metrics_listen` (HOST:PORT) when given."""
+        env = os.environ if environ is None else environ
+        resource = Resource.create(
+            {"service.version": __version__}
+            | ({} if env.get("OTEL_SERVICE_NAME") else {"service.name": "context-engine"})
+        )
+        general = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+        traces_endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or general
+        metrics_endpoint = env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or general
+        # Sampling: the standard ratio knob, parent-based so a worker's sampled trace
+        # continues here; without an exporter nothing is recorded at all.
+        try:
+            ratio = float(env.get("OTEL_TRACES_SAMPLER_ARG") or "1.0")
+        except ValueError:
+            ratio = 1.0
+        tracer_provider = TracerProvider(
+            resource=resource,
+            sampler=ParentBased(TraceIdRatioBased(ratio)) if traces_endpoint else ALWAYS_OFF,
+        )
+        readers: list[MetricReader] = []
+        on_shutdown: list[Callable[[], object]] = []
+        if traces_endpoint:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+            tracer_provider.add_span_processor(
+                BatchSpanProcessor(OTLPSpanExporter(endpoint=traces_endpoint))
+            )
+        if metrics_endpoint:
+            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+                OTLPMetricExporter,
+            )
+            from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+            readers.append(
+                PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=metrics_endpoint))
+            )
+        metrics_port = 0
+        if metrics_listen:
+            import prometheus_client
+            from opentelemetry.exporter.prometheus import PrometheusMetricReader
+
+            registry = prometheus_client.CollectorRegistry()
+            readers.append(PrometheusMetricReader(registry=registry))
+            host, _, port = metrics_listen.rpartition(":")
+            server, _thread = prometheus_client.start_http_server(
+                int(port), addr=host.strip("[]"), registry=registry
+            )
+            metrics_port = server.server_port
+            on_shutdown.append(server.shutdown)
+            on_shutdown.append(server.server_close)
+        meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+        telemetry = cls(tracer_provider, meter_provider, on_shutdown=on_shutdown)
+        telemetry.metrics_port = metrics_port
+        return telemetry
+
+    def add(self, name: str, amount: int, **attributes: str) -> None:
+        self._instruments[name].add(amount, attributes)
+
+    def record(self, name: str, value: float, **attributes: str) -> None:
+        if value >= 0:  # histograms take non-negative values only
+            self._instruments[name].record(value, attributes)
+
+    def set_gauge(self, name: str, value: float, **attributes: str) -> None:
+        self._instruments[name].set(value, attributes)
+
+    def shutdown(self) -> None:
+        """Flush exporters and stop the Prometheus endpoint."""
+        for fn in self._on_shutdown:
+            fn()
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
+
+    # The observer's side: one call at the end of each RPC.
+    def finish_rpc(
+        self,
+        state: RpcState,
+        *,
+        code: str,
+        duration_s: float,
+        request_bytes: int,
+        reason: str = "",
+    ) -> None:
+        """Record the RPC's duration and size, set its span's fields, write its log line."""
+        self.record("context_engine.rpc.duration", duration_s, **_rpc_attrs(state, code))
+        self.record(
+            "context_engine.rpc.request.size", request_bytes, **{"rpc.method": state.method}
+        )
+        fields = safe_fields(state.fields)
+        current_span = trace.get_current_span()
+        if current_span.is_recording():
+            for key, value in fields.items():
+                current_span.set_attribute(f"context_engine.{key}", value)
+            if reason:
+                current_span.set_attribute("context_engine.error_reason", reason)
+        line: dict[str, Any] = {
+            "method": state.method,
+            "code": code,
+            "duration_ms": round(duration_s * 1000, 3),
+            "request_bytes": request_bytes,
+            **fields,
+        }
+        if reason:
+            line["reason"] = reason
+        context = current_span.get_span_context()
+        if context.is_valid:
+            line["trace_id"] = f"{context.trace_id:032x}"
+        _rpc_log.info("rpc", extra={"fields": line})
+
+
+def _rpc_attrs(state: RpcState, code: str) -> dict[str, str]:
+    return {"rpc.method": state.method, "rpc.grpc.status_code": code}
+
+
+# --- logging -------------------------------------------------------------------------
+
+_rpc_log = logging.getLogger("context_engine.rpc")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line. An exception is reduced to its type and frames (rule 1)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        out.update(getattr(record, "fields", None) or {})
+        if record.exc_info and record.exc_info[0] is not None:
+            out["exc_type"] = record.exc_info[0].__name__
+            out["exc_frames"] = [
+                f"{frame.filename}:{frame.lineno} {frame.name}"
+                for frame in traceback.extract_tb(record.exc_info[2])
+            ]
+        return json.dumps(out, ensure_ascii=False, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    """Human-readable lines; the same fields, the same exception reduction."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = getattr(record, "fields", None) or {}
+        text = f"{self.formatTime(record)} {record.levelname} {record.name} {record.getMessage()}"
+        text += "".join(f" {k}={v}" for k, v in fields.items())
+        if record.exc_info and record.exc_info[0] is not None:
+            text += f" exc_type={record.exc_info[0].__name__}"
+        return text
+
+
+_FORMATTERS: Mapping[str, type[logging.Formatter]] = {
+    "json": JsonFormatter,
+    "text": TextFormatter,
+}
+
+
+def configure_logging(level: str, log_format: str) -> None:
+    """Route every logger to stderr through the chosen formatter."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(_FORMATTERS[log_format]())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)

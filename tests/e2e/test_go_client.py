@@ -1,0 +1,77 @@
+"""The Go client (clients/go): stubs current, vetted, and the example worker runs.
+
+The Go toolchain, protoc with its Go plugins and the Go libraries come from Debian's
+packages (`make install` installs them as root); the module proxy is not needed. Without
+them this test fails with the install command, it does not skip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import filecmp
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+GO = Path(__file__).resolve().parents[2] / "clients" / "go"
+DEBIAN_PACKAGES = (
+    "golang-go protobuf-compiler protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev "
+    "golang-google-genproto-dev golang-google-protobuf-dev golang-github-golang-protobuf-1-5-dev"
+)
+TIMEOUT_S = 600  # bounds a hung toolchain; not a performance assertion
+
+
+async def _run(*argv: str | Path) -> tuple[int, str]:
+    process = await asyncio.create_subprocess_exec(
+        *map(str, argv),
+        cwd=GO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        out, _ = await asyncio.wait_for(process.communicate(), TIMEOUT_S)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise AssertionError(f"{argv} did not finish within {TIMEOUT_S}s") from None
+    return int(process.returncode or 0), out.decode("utf-8", "replace")
+
+
+def _require_toolchain() -> None:
+    missing = [
+        tool
+        for tool in ("go", "gofmt", "protoc", "protoc-gen-go", "protoc-gen-go-grpc")
+        if shutil.which(tool) is None
+    ]
+    if not Path("/usr/share/gocode/src/google.golang.org/grpc").is_dir():
+        missing.append("/usr/share/gocode (Debian's Go libraries)")
+    assert not missing, (
+        f"the Go client check needs {', '.join(missing)}: run `make install` as root, or "
+        f"apt-get install {DEBIAN_PACKAGES}"
+    )
+
+
+async def test_go_stubs_are_current(tmp_path: Path) -> None:
+    _require_toolchain()
+    code, out = await _run(GO / "generate.sh", tmp_path)
+    assert code == 0, out
+    fresh, committed = tmp_path / "contextenginev1", GO / "contextenginev1"
+    cmp = filecmp.dircmp(fresh, committed)
+    stale = cmp.left_only + cmp.right_only + cmp.diff_files
+    assert not stale, f"Go stubs are stale; run `make proto`: {stale}"
+
+
+async def test_go_example_vets_builds_and_runs(grpc_server: Any, tmp_path: Path) -> None:
+    _require_toolchain()
+    binary = tmp_path / "worker"
+    code, out = await _run(GO / "check.sh", binary)
+    assert code == 0, f"go vet / build failed:\n{out}"
+
+    code, out = await _run(binary, "-target", f"127.0.0.1:{grpc_server.port}", "-tenant", "go")
+    assert code == 0, f"the example worker failed:\n{out}"
+    assert "rejected: ORPHANED_TOOL_ITEM at items[0].tool_result.call_id" in out, out
+    assert out.rstrip().endswith("ok: one prefix hash, identical rebuilds"), out

@@ -1,0 +1,107 @@
+"""The TypeScript client (clients/typescript) drives a short session against the real server.
+
+Runs `node --test clients/typescript/test/` with the in-process server's address in
+CONTEXT_ENGINE_TARGET, then the example worker (examples/worker.ts) end to end, its model
+calls going to the caching fake provider (Anthropic Messages API) on loopback.
+
+The package is built first (`npm run build`: proto-loader-gen-types from the committed
+proto copy, then tsc), so a stale build can never pass; when node_modules is missing it is
+installed with `npm ci` (normally `make install` did that). Node.js and npm are required:
+without them this test fails, it does not skip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from context_engine.fake_provider import FakeProvider
+
+pytestmark = pytest.mark.integration
+
+PACKAGE = Path(__file__).resolve().parents[2] / "clients" / "typescript"
+# Generous bounds so a hung process fails the test instead of hanging the suite.
+INSTALL_TIMEOUT_S = 600
+RUN_TIMEOUT_S = 300
+
+
+async def _run(*argv: str, env: dict[str, str] | None = None, timeout: float) -> tuple[int, str]:
+    process = await asyncio.create_subprocess_exec(
+        *argv,
+        cwd=PACKAGE,
+        env={**os.environ, **(env or {})},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        out, _ = await asyncio.wait_for(process.communicate(), timeout)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise AssertionError(f"{' '.join(argv)} did not finish within {timeout}s") from None
+    return int(process.returncode or 0), out.decode("utf-8", "replace")
+
+
+def _require(tool: str) -> str:
+    path = shutil.which(tool)
+    assert path, (
+        f"{tool} is not installed: the TypeScript client test needs Node.js >= 18 and npm "
+        "(Debian: apt-get install nodejs npm)"
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+async def node() -> str:
+    """Node.js, with the package installed (if needed) and freshly built."""
+    node, npm = _require("node"), _require("npm")
+    if not (PACKAGE / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        code, out = await _run(npm, "ci", "--no-audit", "--no-fund", timeout=INSTALL_TIMEOUT_S)
+        assert code == 0, f"npm ci failed in {PACKAGE}:\n{out}"
+    code, out = await _run(npm, "run", "build", timeout=RUN_TIMEOUT_S)
+    assert code == 0, f"npm run build failed:\n{out}"
+    return node
+
+
+async def test_node_client_drives_a_session(grpc_server: Any, node: str) -> None:
+    code, out = await _run(
+        node,
+        "--test",
+        "test/",
+        env={"CONTEXT_ENGINE_TARGET": f"127.0.0.1:{grpc_server.port}"},
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert code == 0, f"node --test failed:\n{out}"
+    assert "# fail 0" in out and "# cancelled 0" in out, out
+    passed = [line for line in out.splitlines() if line.startswith("# pass ")]
+    assert passed and int(passed[0].split()[-1]) >= 3, out
+
+
+async def test_example_worker_runs_a_tool_loop(grpc_server: Any, node: str) -> None:
+    """examples/worker.ts: Build -> POST provider_payload -> tool -> append -> answer."""
+    with FakeProvider() as fake:
+        fake.script.push_tool_call("web.fetch", {"url": "https://trains.example"})
+        fake.script.push_text("Take the 08:04 TGV.")
+        code, out = await _run(
+            node,
+            "dist/examples/worker.js",
+            "Trains from Paris to Lyon tomorrow?",
+            env={
+                "CONTEXT_ENGINE_TARGET": f"127.0.0.1:{grpc_server.port}",
+                "CONTEXT_ENGINE_TENANT": "node-example",
+                "ANTHROPIC_BASE_URL": fake.base_url,
+                "ANTHROPIC_API_KEY": "test",
+            },
+            timeout=RUN_TIMEOUT_S,
+        )
+        sent = [r for r in fake.requests if r.status == 200]
+    assert code == 0, out
+    assert 'tool web.fetch {"url":"https://trains.example"}' in out, out
+    assert "answer: Take the 08:04 TGV." in out, out
+    assert "distinct prefix hashes: 1" in out, out
+    assert len(sent) == 2, "one provider call per step: the tool call, then the answer"

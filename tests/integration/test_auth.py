@@ -1,0 +1,359 @@
+"""Authentication, tenant isolation and request size limits through a real server.
+
+Bearer tokens and mTLS (certificates made here with `cryptography`); the tenant comes
+from the identity; a foreign session is NOT_FOUND exactly like a missing one; an
+oversize request is RESOURCE_EXHAUSTED with REQUEST_TOO_LARGE and writes nothing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from context_engine.api.interceptors import BearerTokens
+from context_engine.api.server import build_engine, build_server, server_options
+from context_engine.config import load_settings
+
+from .helpers import call, details, new_id, result, spec
+
+pytestmark = pytest.mark.integration
+
+TOKEN_A = "token-a-" + "a" * 32
+TOKEN_B = "token-b-" + "b" * 32
+
+
+def _bearer(token: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),)
+
+
+async def _sessions(pool: Any, session_id: str) -> list[str]:
+    rows = await pool.fetch(
+        "SELECT tenant_id FROM sessions WHERE session_id = $1", UUID(session_id)
+    )
+    return [r["tenant_id"] for r in rows]
+
+
+# --- bearer ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+async def bearer_stub(pool: Any) -> AsyncIterator[tuple[Any, grpc.aio.Channel]]:
+    running = await build_server(
+        build_engine(pool),
+        "127.0.0.1:0",
+        auth=BearerTokens({TOKEN_A: "tenant-a", TOKEN_B: "tenant-b"}),
+    )
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    yield pb_grpc.ContextEngineStub(channel), channel
+    await channel.close()
+    await running.stop(0)
+
+
+async def test_bearer_no_or_wrong_token_is_unauthenticated(bearer_stub: Any, pool: Any) -> None:
+    stub, _ = bearer_stub
+    session_id = new_id()
+    request = pb.PlanRequest(session_id=session_id, spec=spec())
+    for metadata in ((), _bearer("not-a-token-" + "x" * 30), (("authorization", TOKEN_A),)):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Plan(request, metadata=metadata)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert await _sessions(pool, session_id) == []
+
+
+async def test_bearer_tenant_comes_from_the_token(bearer_stub: Any, pool: Any) -> None:
+    stub, _ = bearer_stub
+    session_id = new_id()
+    plan = await stub.Plan(
+        pb.PlanRequest(session_id=session_id, spec=spec()), metadata=_bearer(TOKEN_A)
+    )
+    assert plan.created
+    assert await _sessions(pool, session_id) == ["tenant-a"]
+    # The same tenant, named explicitly, is accepted.
+    got = await stub.GetPlan(
+        pb.GetPlanRequest(tenant_id="tenant-a", session_id=session_id), metadata=_bearer(TOKEN_A)
+    )
+    assert got.plan.prefix_sha256 == plan.plan.prefix_sha256
+
+
+async def test_bearer_foreign_tenant_is_denied_and_writes_nothing(
+    bearer_stub: Any, pool: Any
+) -> None:
+    stub, _ = bearer_stub
+    session_id = new_id()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Plan(
+            pb.PlanRequest(tenant_id="tenant-b", session_id=session_id, spec=spec()),
+            metadata=_bearer(TOKEN_A),
+        )
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert await _sessions(pool, session_id) == []
+
+
+async def test_foreign_session_is_indistinguishable_from_a_missing_one(bearer_stub: Any) -> None:
+    stub, _ = bearer_stub
+    owned = new_id()
+    await stub.Plan(pb.PlanRequest(session_id=owned, spec=spec()), metadata=_bearer(TOKEN_A))
+    missing = new_id()
+    errors = []
+    for session_id in (owned, missing):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.GetPlan(pb.GetPlanRequest(session_id=session_id), metadata=_bearer(TOKEN_B))
+        errors.append(info.value)
+    foreign, absent = errors
+    assert foreign.code() == absent.code() == grpc.StatusCode.NOT_FOUND
+    assert details(foreign) == details(absent)
+    assert foreign.details().replace(owned, "ID") == absent.details().replace(missing, "ID")
+
+
+async def test_health_needs_no_credentials_but_reflection_does(bearer_stub: Any) -> None:
+    _, channel = bearer_stub
+    health = health_pb2_grpc.HealthStub(channel)
+    response = await health.Check(health_pb2.HealthCheckRequest(service=""))
+    assert response.status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    call_ = reflection.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in call_:
+            pass
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    call_ = reflection.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+        metadata=_bearer(TOKEN_A),
+    )
+    names = [s.name async for r in call_ for s in r.list_services_response.service]
+    assert "context_engine.v1.ContextEngine" in names
+
+
+# --- mTLS --------------------------------------------------------------------------
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _pem_key(key: Any) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+class _CA:
+    def __init__(self, cn: str) -> None:
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        now = dt.datetime.now(dt.UTC)
+        self.cert = (
+            x509.CertificateBuilder()
+            .subject_name(_name(cn))
+            .issuer_name(_name(cn))
+            .public_key(self.key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .sign(self.key, hashes.SHA256())
+        )
+
+    @property
+    def pem(self) -> bytes:
+        return self.cert.public_bytes(serialization.Encoding.PEM)
+
+    def issue(self, cn: str, sans: list[x509.GeneralName], *, server: bool) -> tuple[bytes, bytes]:
+        """(certificate PEM, key PEM)."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = dt.datetime.now(dt.UTC)
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(_name(cn))
+            .issuer_name(self.cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.ExtendedKeyUsage(
+                    [
+                        x509.oid.ExtendedKeyUsageOID.SERVER_AUTH
+                        if server
+                        else x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH
+                    ]
+                ),
+                critical=False,
+            )
+        )
+        if sans:
+            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        cert = builder.sign(self.key, hashes.SHA256())
+        return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
+
+
+WORKER_B_URI = "spiffe://agents.example/ns/prod/sa/worker-b"
+
+
+@pytest.fixture(scope="module")
+async def mtls(pool: Any, tmp_path_factory: Any) -> AsyncIterator[dict[str, Any]]:
+    """A server configured through Settings: auth "mtls", tenants by CN or mapped SAN."""
+    tmp: Path = tmp_path_factory.mktemp("mtls")
+    ca, rogue = _CA("test client CA"), _CA("rogue CA")
+    server_cert, server_key = ca.issue(
+        "context-engine",
+        [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
+        server=True,
+    )
+    files = {
+        "tls_cert_file": server_cert,
+        "tls_key_file": server_key,
+        "tls_client_ca_file": ca.pem,
+    }
+    for name, data in files.items():
+        (tmp / name).write_bytes(data)
+    config = tmp / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "auth": "mtls",
+                **{name: str(tmp / name) for name in files},
+                "tls_client_tenants": {WORKER_B_URI: "tenant-b", "worker-a": "tenant-a"},
+            }
+        )
+    )
+    settings = load_settings(environ={"CONTEXT_ENGINE_CONFIG": str(config)})
+    running = await build_server(build_engine(pool), "127.0.0.1:0", **server_options(settings))
+    clients = {
+        "a": ca.issue("worker-a", [], server=False),
+        "b": ca.issue(
+            "worker-b-host", [x509.UniformResourceIdentifier(WORKER_B_URI)], server=False
+        ),
+        "unmapped": ca.issue("someone-else", [], server=False),
+        "rogue": rogue.issue("worker-a", [], server=False),
+    }
+    channels: dict[str, grpc.aio.Channel] = {}
+
+    def channel(who: str | None) -> Any:
+        if who is None:
+            creds = grpc.ssl_channel_credentials(root_certificates=ca.pem)
+        else:
+            cert, key = clients[who]
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=ca.pem, private_key=key, certificate_chain=cert
+            )
+        chan = grpc.aio.secure_channel(f"127.0.0.1:{running.port}", creds)
+        channels[who or "none"] = chan
+        return pb_grpc.ContextEngineStub(chan)
+
+    yield {"channel": channel}
+    for chan in channels.values():
+        await chan.close()
+    await running.stop(0)
+
+
+async def test_mtls_tenant_from_common_name_and_mapped_san(mtls: Any, pool: Any) -> None:
+    a, b = mtls["channel"]("a"), mtls["channel"]("b")
+    session_a, session_b = new_id(), new_id()
+    await a.Plan(pb.PlanRequest(session_id=session_a, spec=spec()))
+    await b.Plan(pb.PlanRequest(tenant_id="tenant-b", session_id=session_b, spec=spec()))
+    assert await _sessions(pool, session_a) == ["tenant-a"]
+    assert await _sessions(pool, session_b) == ["tenant-b"]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await b.GetPlan(pb.GetPlanRequest(session_id=session_a))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await a.Plan(pb.PlanRequest(tenant_id="tenant-b", session_id=new_id(), spec=spec()))
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+async def test_mtls_unmapped_certificate_is_unauthenticated(mtls: Any) -> None:
+    stub = mtls["channel"]("unmapped")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Plan(pb.PlanRequest(session_id=new_id(), spec=spec()))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize("who", ["rogue", None])
+async def test_mtls_rejects_foreign_ca_and_missing_certificate(mtls: Any, who: Any) -> None:
+    stub = mtls["channel"](who)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Plan(pb.PlanRequest(session_id=new_id(), spec=spec()), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+# --- size limits -------------------------------------------------------------------
+
+
+async def test_oversize_request_is_resource_exhausted_and_writes_nothing(pool: Any) -> None:
+    limit = 64 * 1024
+    running = await build_server(build_engine(pool), "127.0.0.1:0", max_message_bytes=limit)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    try:
+        stub = pb_grpc.ContextEngineStub(channel)
+        session_id = new_id()
+        await stub.Plan(pb.PlanRequest(tenant_id="tenant-a", session_id=session_id, spec=spec()))
+        run = await stub.StartRun(
+            pb.StartRunRequest(
+                tenant_id="tenant-a", session_id=session_id, user_message=pb.UserMessage(text="hi")
+            )
+        )
+        for size in (limit + 1, 3 * limit):  # over the limit; over the transport limit too
+            request = pb.AppendItemsRequest(
+                tenant_id="tenant-a",
+                session_id=session_id,
+                run_id=run.run.run_id,
+                expected_checkpoint_version=1,
+                items=[call("c1"), result("c1", "x" * size)],
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.AppendItems(request)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            if size < 2 * limit:
+                reason, _, metadata = details(info.value)
+                assert reason == "REQUEST_TOO_LARGE"
+                assert metadata["limit_bytes"] == str(limit)
+                assert int(metadata["request_bytes"]) > limit
+        # Nothing was written: version 1 is still the latest.
+        ok = await stub.AppendItems(
+            pb.AppendItemsRequest(
+                tenant_id="tenant-a",
+                session_id=session_id,
+                run_id=run.run.run_id,
+                expected_checkpoint_version=1,
+                items=[call("c1"), result("c1", "small")],
+            )
+        )
+        assert ok.checkpoint_version == 2
+    finally:
+        await channel.close()
+        await running.stop(0)

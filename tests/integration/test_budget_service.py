@@ -1,0 +1,383 @@
+"""Budgets through the real gRPC server and real PostgreSQL: tiny windows (via
+PlanSpec.policy_cap_tokens), pressure recorded as a write and never resolved inline, the
+never-yield set failing loudly, and ReportUsage reconciling a per-model factor that a
+checkpoint pins. Each test uses a tenant of its own: corrections are per tenant."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+from uuid import UUID
+
+import grpc
+import pytest
+
+from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+
+from .helpers import assistant, call, details, new_id, result, spec
+
+MODEL = "gpt-4o"  # exact o200k_base counts: sizes below are predictable
+RESERVE = 1_000
+
+
+def _tenant() -> str:
+    return f"budget-{uuid.uuid4().hex[:12]}"
+
+
+def _words(n: int, word: str = "lorem") -> str:
+    return " ".join([word] * n)
+
+
+async def _open(stub: Any, tenant: str, room: int, **kw: Any) -> tuple[str, pb.ContextPlan]:
+    """A session whose window leaves `room` tokens above prefix + reserve (0: the model's)."""
+    probe = await stub.Plan(
+        pb.PlanRequest(
+            tenant_id=tenant,
+            session_id=new_id(),
+            spec=spec(model_id=MODEL, reserve_output_tokens=RESERVE, **kw),
+        )
+    )
+    cap = probe.plan.prefix_tokens + RESERVE + room if room else 0
+    session_id = new_id()
+    response = await stub.Plan(
+        pb.PlanRequest(
+            tenant_id=tenant,
+            session_id=session_id,
+            spec=spec(model_id=MODEL, reserve_output_tokens=RESERVE, policy_cap_tokens=cap, **kw),
+        )
+    )
+    assert response.plan.prefix_tokens == probe.plan.prefix_tokens
+    return session_id, response.plan
+
+
+async def _start(stub: Any, tenant: str, session_id: str, text: str) -> str:
+    started = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=tenant, session_id=session_id, user_message=pb.UserMessage(text=text)
+        )
+    )
+    return str(started.run.run_id)
+
+
+async def _append(
+    stub: Any, tenant: str, session_id: str, run_id: str, version: int, *items: Any
+) -> int:
+    response = await stub.AppendItems(
+        pb.AppendItemsRequest(
+            tenant_id=tenant,
+            session_id=session_id,
+            run_id=run_id,
+            expected_checkpoint_version=version,
+            items=list(items),
+        )
+    )
+    return int(response.checkpoint_version)
+
+
+async def _build(stub: Any, tenant: str, session_id: str, run_id: str, **kw: Any) -> Any:
+    return await stub.Build(
+        pb.BuildRequest(tenant_id=tenant, session_id=session_id, run_id=run_id, **kw)
+    )
+
+
+async def _events(pool: Any, tenant: str, session_id: str, kind: str) -> list[dict[str, Any]]:
+    rows = await pool.fetch(
+        "SELECT sequence, payload FROM session_events WHERE tenant_id = $1 AND session_id = $2"
+        " AND type = $3 ORDER BY sequence",
+        tenant,
+        UUID(session_id),
+        kind,
+    )
+    return [{"sequence": r["sequence"], **r["payload"]} for r in rows]
+
+
+def _body_budget(response: Any) -> int:
+    available = response.input_budget_tokens - response.prefix_tokens
+    return available - -(-available * 50_000 // 1_000_000)
+
+
+def _carried_sequences(response: Any, current_run_seq: int) -> list[int]:
+    return [
+        b.source_sequence
+        for m in response.request.messages
+        for b in m.blocks
+        if b.row == pb.ROW_CONVERSATION and 0 < b.source_sequence < current_run_seq
+    ]
+
+
+# --- pressure --------------------------------------------------------------------------
+
+
+async def test_pressure_that_fits_drops_knowledge_lowest_ranked_first(stub: Any, pool: Any) -> None:
+    tenant = _tenant()
+    session_id, plan = await _open(stub, tenant, room=3_000)
+    run_id = await _start(stub, tenant, session_id, "What does the handbook say?")
+    plain = await _build(stub, tenant, session_id, run_id)
+    assert plain.request_sequence > 0 and not plain.HasField("pressure")
+    assert plain.input_budget_tokens == plan.prefix_tokens + 3_000
+    slack = _body_budget(plain) - (plain.estimated_input_tokens - plain.prefix_tokens)
+    passage = _words(slack * 6 // 10)  # one fits, two do not
+    step = pb.StepContext(
+        knowledge=[
+            pb.KnowledgePassage(item_id="best", text=passage, citation="handbook p1"),
+            pb.KnowledgePassage(item_id="worse", text=passage, citation="handbook p9"),
+        ]
+    )
+    built = await _build(stub, tenant, session_id, run_id, step=step)
+    assert not built.needs_compaction and built.request_sequence > 0
+    assert built.pressure.fits
+    assert [(s.step, list(s.item_ids)) for s in built.pressure.steps] == [
+        ("drop_knowledge", ["knowledge:worse"])
+    ]
+    items = {b.item_id for m in built.request.messages for b in m.blocks}
+    assert "knowledge:best" in items and "knowledge:worse" not in items
+    assert built.estimated_input_tokens - built.prefix_tokens <= _body_budget(built)
+    assert built.request.max_output_tokens == RESERVE
+    budget = {c.class_name: c for c in built.budget}
+    assert budget["knowledge"].items == 1 and budget["knowledge"].cap_items == 3
+    assert budget["agent_instructions"].cap_tokens == 4_000
+    # Recorded before the request it shaped, with fits and the steps taken.
+    (pressure,) = await _events(pool, tenant, session_id, "context.budget.pressure")
+    assert pressure["fits"] is True and pressure["sequence"] < built.request_sequence
+    assert [s["step"] for s in pressure["steps"]] == ["drop_knowledge"]
+    assert pressure["steps"][0]["item_ids"] == ["knowledge:worse"]
+
+
+async def test_a_body_that_cannot_fit_needs_compaction_and_returns_no_request(
+    stub: Any, pool: Any
+) -> None:
+    tenant = _tenant()
+    session_id, _ = await _open(stub, tenant, room=4_000)
+    first = await _start(stub, tenant, session_id, "Tell me everything.")
+    await _append(stub, tenant, session_id, first, 1, assistant(_words(6_000)))
+    run_id = await _start(stub, tenant, session_id, "And now?")
+    step = pb.StepContext(knowledge=[pb.KnowledgePassage(item_id="k", text=_words(50))])
+    before = await _events(pool, tenant, session_id, "model.request.started")
+    built = await _build(stub, tenant, session_id, run_id, step=step)
+    assert built.needs_compaction
+    assert not built.HasField("request") and built.request_sequence == 0
+    assert built.request_sha256 == "" and built.provider_payload == b""
+    assert not built.pressure.fits
+    assert [s.step for s in built.pressure.steps] == ["drop_knowledge", "compact"]
+    assert built.pressure.body_tokens_after > built.pressure.body_budget_tokens
+    # Pressure is resolved by a write (compaction), never inline: nothing was sent.
+    assert await _events(pool, tenant, session_id, "model.request.started") == before
+    (pressure,) = await _events(pool, tenant, session_id, "context.budget.pressure")
+    assert pressure["fits"] is False and pressure["needs_compaction"] is True
+    assert [s["step"] for s in pressure["steps"]] == ["drop_knowledge", "compact"]
+    # Determinism: the same inputs report the same pressure.
+    again = await _build(stub, tenant, session_id, run_id, step=step)
+    assert again.pressure == built.pressure
+
+
+async def test_old_tool_results_truncate_to_pointers_keeping_pairs(stub: Any) -> None:
+    tenant = _tenant()
+    session_id, _ = await _open(stub, tenant, room=6_000)
+    run_id = await _start(stub, tenant, session_id, "Compare the three pages.")
+    version = 1
+    for n in range(3):
+        version = await _append(
+            stub,
+            tenant,
+            session_id,
+            run_id,
+            version,
+            call(f"call_{n}"),
+            result(f"call_{n}", _words(1_800, f"page{n}")),
+        )
+    built = await _build(stub, tenant, session_id, run_id)
+    assert built.pressure.fits and not built.needs_compaction
+    (truncation,) = built.pressure.steps
+    assert truncation.step == "truncate_tool_results"
+    blocks = [b for m in built.request.messages for b in m.blocks if b.HasField("tool_result")]
+    calls = [b for m in built.request.messages for b in m.blocks if b.HasField("tool_call")]
+    assert sorted(b.tool_result.call_id for b in blocks) == sorted(
+        b.tool_call.call_id for b in calls
+    )
+    truncated = [b for b in blocks if "[truncated] tool.result" in b.tool_result.content]
+    assert truncated and blocks[-1] not in truncated  # the pending result never yields
+    assert [b.item_id for b in truncated] == list(truncation.item_ids)  # oldest first
+    for b in truncated:
+        assert 'truncated="true"' in b.tool_result.content
+        assert b.trust == pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED
+        assert "(external_untrusted, " in b.tool_result.content
+
+
+# --- the never-yield set ---------------------------------------------------------------
+
+
+async def test_a_never_yield_set_over_the_body_fails_and_records_exceeded(
+    stub: Any, pool: Any
+) -> None:
+    tenant = _tenant()
+    session_id, _ = await _open(stub, tenant, room=2_000)
+    run_id = await _start(stub, tenant, session_id, _words(5_000))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _build(stub, tenant, session_id, run_id)
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    reason, _, metadata = details(caught.value)
+    assert reason == "BUDGET_EXCEEDED" and metadata["class"] == "user_message"
+    (exceeded,) = await _events(pool, tenant, session_id, "context.budget.exceeded")
+    assert exceeded["class"] == "user_message" and exceeded["run_id"] == run_id
+    assert int(exceeded["never_yield_tokens"]) > int(exceeded["body_budget_tokens"])
+    assert await _events(pool, tenant, session_id, "model.request.started") == []
+
+
+async def test_a_prefix_class_over_its_cap_fails_the_plan_naming_it(stub: Any) -> None:
+    tenant = _tenant()
+    session_id = new_id()
+    too_long = spec(model_id=MODEL)
+    too_long.agent.instructions = _words(4_500)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Plan(pb.PlanRequest(tenant_id=tenant, session_id=session_id, spec=too_long))
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    reason, fields, metadata = details(caught.value)
+    assert reason == "PREFIX_CLASS_OVER_CAP" and metadata["class"] == "agent_instructions"
+    assert fields == ["spec.agent.instructions"]
+    with pytest.raises(grpc.aio.AioRpcError) as missing:
+        await stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session_id))
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND  # nothing was written
+
+
+# --- ReportUsage and the pinned factor -------------------------------------------------
+
+
+async def _factor(pool: Any, tenant: str) -> tuple[int, int] | None:
+    row = await pool.fetchrow(
+        "SELECT factor_ppm, samples FROM estimator_corrections"
+        " WHERE tenant_id = $1 AND model_id = $2",
+        tenant,
+        MODEL,
+    )
+    return (row["factor_ppm"], row["samples"]) if row else None
+
+
+def _usage(tenant: str, session_id: str, sequence: int, **kw: Any) -> pb.ReportUsageRequest:
+    return pb.ReportUsageRequest(
+        tenant_id=tenant,
+        session_id=session_id,
+        request_sequence=sequence,
+        model_id=kw.pop("model_id", MODEL),
+        **kw,
+    )
+
+
+async def test_report_usage_moves_the_factor_and_a_rebuild_of_the_same_checkpoint_cuts_the_same(
+    stub: Any, pool: Any
+) -> None:
+    tenant = _tenant()
+    session_id, _ = await _open(stub, tenant, room=14_000)
+    for n in range(8):
+        earlier = await _start(stub, tenant, session_id, f"question {n}")
+        await _append(stub, tenant, session_id, earlier, 1, assistant(_words(1_200, f"w{n}")))
+    run_id = await _start(stub, tenant, session_id, "And the last one?")
+    seed = await pool.fetchval(
+        "SELECT seed_event_sequence FROM runs WHERE tenant_id = $1 AND run_id = $2",
+        tenant,
+        UUID(run_id),
+    )
+    first = await _build(stub, tenant, session_id, run_id)
+    kept_before = _carried_sequences(first, seed)
+    assert 0 < len(kept_before) < 16  # the history cut binds
+
+    # The provider read twice what we estimated: the factor rises, the error is negative.
+    actual = 2 * first.estimated_input_tokens
+    report = _usage(
+        tenant,
+        session_id,
+        first.request_sequence,
+        input_tokens=actual - 300,
+        cache_read_input_tokens=300,
+        output_tokens=50,
+        idempotency_key="u-1",
+    )
+    answered = await stub.ReportUsage(report)
+    assert answered.factor_ppm > 1_900_000 and answered.samples == 1
+    assert answered.signed_error_ppm == (first.estimated_input_tokens - actual) * 10**6 // actual
+    assert answered.cached_prefix_ppm == min(10**6, 300 * 10**6 // first.prefix_tokens)
+    assert await _factor(pool, tenant) == (answered.factor_ppm, 1)
+    # Idempotent by key: a retry answers the same and counts nothing twice.
+    assert await stub.ReportUsage(report) == answered
+    assert await _factor(pool, tenant) == (answered.factor_ppm, 1)
+    changed = _usage(
+        tenant, session_id, first.request_sequence, input_tokens=7, idempotency_key="u-1"
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as reused:
+        await stub.ReportUsage(changed)
+    assert reused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert details(reused.value)[0] == "IDEMPOTENCY_KEY_REUSED"
+
+    # A rebuild of the same checkpoint reads the factor pinned on it: the same cut, bytes.
+    again = await _build(stub, tenant, session_id, run_id, checkpoint_version=1)
+    assert again.request_sha256 == first.request_sha256
+    assert again.estimated_input_tokens == first.estimated_input_tokens
+    assert _carried_sequences(again, seed) == kept_before
+
+    # A new checkpoint pins the current factor: the body is estimated at twice the size,
+    # so the cut moves later.
+    version = await _append(stub, tenant, session_id, run_id, 1, assistant("Let me check."))
+    pinned = await pool.fetchval(
+        "SELECT estimator_factor_ppm FROM run_checkpoints WHERE tenant_id = $1"
+        " AND run_id = $2 AND version = $3",
+        tenant,
+        UUID(run_id),
+        version,
+    )
+    assert pinned == answered.factor_ppm
+    later = await _build(stub, tenant, session_id, run_id)
+    assert len(_carried_sequences(later, seed)) < len(kept_before)
+
+    # Another tenant's budgets are untouched.
+    assert await _factor(pool, _tenant()) is None
+
+
+async def test_report_usage_from_another_model_is_recorded_but_learns_nothing(
+    stub: Any, pool: Any
+) -> None:
+    tenant = _tenant()
+    session_id, _ = await _open(stub, tenant, room=0)
+    run_id = await _start(stub, tenant, session_id, "hi")
+    built = await _build(stub, tenant, session_id, run_id)
+    other = await stub.ReportUsage(
+        _usage(
+            tenant,
+            session_id,
+            built.request_sequence,
+            model_id="gpt-4.1",
+            input_tokens=5 * built.estimated_input_tokens,
+        )
+    )
+    assert other.factor_ppm == 1_000_000 and other.samples == 0
+    assert await _factor(pool, tenant) is None
+    (reported,) = await _events(pool, tenant, session_id, "model.usage.reported")
+    assert reported["absorbed"] is False and reported["model_id"] == "gpt-4.1"
+
+
+async def test_report_usage_rejects_bad_input_and_unknown_requests(stub: Any, pool: Any) -> None:
+    tenant = _tenant()
+    session_id, _ = await _open(stub, tenant, room=0)
+    run_id = await _start(stub, tenant, session_id, "hi")
+    built = await _build(stub, tenant, session_id, run_id)
+    cases = [
+        (_usage(tenant, session_id, 0, input_tokens=5), "request_sequence"),
+        (_usage(tenant, session_id, built.request_sequence, input_tokens=-1), "input_tokens"),
+        (_usage(tenant, session_id, built.request_sequence, model_id=""), "model_id"),
+        (_usage(tenant, session_id, built.request_sequence), "input_tokens"),
+    ]
+    for request, field in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await stub.ReportUsage(request)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert details(bad.value)[1] == [field]
+    not_a_request = built.request_sequence - 1  # the run's seeding message
+    with pytest.raises(grpc.aio.AioRpcError) as missing:
+        await stub.ReportUsage(_usage(tenant, session_id, not_a_request, input_tokens=5))
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    assert details(missing.value)[0] == "REQUEST_NOT_FOUND"
+    with pytest.raises(grpc.aio.AioRpcError) as foreign:
+        await stub.ReportUsage(
+            _usage(_tenant(), session_id, built.request_sequence, input_tokens=5)
+        )
+    assert foreign.value.code() == grpc.StatusCode.NOT_FOUND
+    assert await _events(pool, tenant, session_id, "model.usage.reported") == []
+    assert await _factor(pool, tenant) is None

@@ -1,0 +1,166 @@
+"""GetBuild rebuilds a recorded request byte for byte; explain reads requests through it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from datetime import UTC, datetime
+from typing import Any
+from uuid import UUID
+
+import grpc
+import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+from context_engine.core.build_record import INPUTS_KEY
+from context_engine.core.rows import Region, Row
+from context_engine.explain import explain, fetch_builds, run
+
+from .helpers import TENANT, call, details, new_id, open_session, result, spec, start_run
+
+
+def _ts(dt: datetime) -> Timestamp:
+    ts = Timestamp()
+    ts.FromDatetime(dt)
+    return ts
+
+
+STEP = pb.StepContext(
+    recall=[pb.RecallLine(item_id="m1", text="Prefers trains.", source="belief")],
+    knowledge=[pb.KnowledgePassage(item_id="k1", text="TGV timetable.", citation="sncf")],
+)
+
+
+async def _get(stub: Any, session_id: str, sequence: int, tenant: str = TENANT) -> Any:
+    return await stub.GetBuild(
+        pb.GetBuildRequest(tenant_id=tenant, session_id=session_id, request_sequence=sequence)
+    )
+
+
+async def test_get_build_returns_the_recorded_bytes(stub: Any, pool: Any, grpc_server: Any) -> None:
+    session_id, _ = await open_session(stub)
+    started = await start_run(stub, session_id, "Find a train.")
+    run_id = started.run.run_id
+    first = await stub.Build(
+        pb.BuildRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            run_id=run_id,
+            now=_ts(datetime(2026, 3, 14, 22, 59, tzinfo=UTC)),
+            step=STEP,
+        )
+    )
+    await stub.AppendItems(
+        pb.AppendItemsRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            run_id=run_id,
+            expected_checkpoint_version=started.checkpoint_version,
+            items=[call("c1"), result("c1", "the page")],
+        )
+    )
+    # No clock given: the server reads its own, and GetBuild must still reproduce it.
+    second = await stub.Build(
+        pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id)
+    )
+    assert first.provider_payload and first.provider_api == "anthropic.messages"
+    for built in (first, second):
+        again = await _get(stub, session_id, built.request_sequence)
+        assert again == built, "GetBuild answers with the Build response, byte for byte"
+
+    async with pool.acquire() as conn:
+        payload = await conn.fetchval(
+            "SELECT payload FROM session_events WHERE session_id = $1 AND sequence = $2",
+            UUID(session_id),
+            first.request_sequence,
+        )
+    inputs = payload[INPUTS_KEY]
+    assert inputs["now"] == "2026-03-14T22:59:00+00:00"
+    assert [r["text"] for r in inputs["step"]["recall"]] == ["Prefers trains."]
+
+    a, b = await fetch_builds(
+        f"127.0.0.1:{grpc_server.port}",
+        TENANT,
+        session_id,
+        [first.request_sequence, second.request_sequence],
+    )
+    explained = explain(a, b)
+    assert explained.region is Region.BODY and not explained.defect
+    assert explained.row in (Row.CONVERSATION, Row.RECALL)
+
+
+async def test_the_explain_command_reads_a_session_through_get_build(
+    stub: Any, grpc_server: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    session_id, _ = await open_session(stub)
+    started = await start_run(stub, session_id, "hello")
+    sequences = []
+    for day in (14, 15):
+        built = await stub.Build(
+            pb.BuildRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                run_id=started.run.run_id,
+                now=_ts(datetime(2026, 3, day, 12, tzinfo=UTC)),
+            )
+        )
+        sequences.append(str(built.request_sequence))
+    args = argparse.Namespace(
+        builds=sequences,
+        session=session_id,
+        tenant=TENANT,
+        target=f"127.0.0.1:{grpc_server.port}",
+        token="",
+    )
+    # The command runs its own event loop; the server keeps serving on this one.
+    assert await asyncio.to_thread(run, args) == 0
+    out = capsys.readouterr().out
+    assert "row 14 runtime metadata (Region B)" in out and "expected" in out
+
+
+async def test_get_build_of_an_unknown_request_is_not_found(stub: Any) -> None:
+    session_id, _ = await open_session(stub)
+    started = await start_run(stub, session_id, "hello")
+    built = await stub.Build(
+        pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=started.run.run_id)
+    )
+    for tenant, sequence in (
+        (TENANT, built.request_sequence + 100),
+        (TENANT, built.request_sequence - 1),  # an event, but not a recorded request
+        ("tenant-other", built.request_sequence),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _get(stub, session_id, sequence, tenant)
+        assert caught.value.code() is grpc.StatusCode.NOT_FOUND
+        reason, fields, _ = details(caught.value)
+        assert reason == "REQUEST_NOT_FOUND" and fields == ["request_sequence"]
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _get(stub, session_id, 0)
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_skill_loaded_after_a_build_does_not_change_its_rebuild(stub: Any) -> None:
+    with_skill = spec()
+    with_skill.skills.append(
+        pb.SkillCatalogEntry(name="trip-planning", description="Plans trips.", version="1")
+    )
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=with_skill))
+    started = await start_run(stub, session_id, "hello")
+    build = pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=started.run.run_id)
+    before = await stub.Build(build)
+    await stub.LoadSkill(
+        pb.LoadSkillRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            name="trip-planning",
+            body="Always compare two routes.",
+            trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION,
+            run_id=started.run.run_id,
+        )
+    )
+    after = await stub.Build(build)
+    assert after.request_sha256 != before.request_sha256, "the skill body entered row 11"
+    assert await _get(stub, session_id, before.request_sequence) == before
+    assert await _get(stub, session_id, after.request_sequence) == after

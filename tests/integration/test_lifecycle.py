@@ -1,0 +1,362 @@
+"""Lifecycle: a real `context-engine serve` process, its configuration, readiness, shutdown,
+deadlines and migrations.
+
+- SIGTERM: health goes NOT_SERVING while an in-flight call (held on a session row lock)
+  is still running; the call then finishes; the process exits 0.
+- Configuration from a file and the environment is validated at start: a bad value exits
+  2 with a message naming the setting.
+- Readiness follows PostgreSQL reachability (a database of the test's own is closed to
+  connections and reopened; the shared server is never stopped).
+- A call whose deadline passes while it waits on PostgreSQL fails DEADLINE_EXCEEDED, its
+  query is cancelled server-side, and it writes nothing.
+- `migrate` is a separate step: `serve` with migrate_on_start=false refuses a database
+  whose schema is behind, and starts once `migrate` has run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+import asyncpg
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from context_engine import cli
+from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from context_engine.api.server import SERVICE_NAME, build_engine, build_server
+from context_engine.config import ConfigError, load_settings
+from context_engine.store import connect_pool
+
+from .helpers import (
+    TENANT,
+    admin_execute,
+    assistant,
+    create_database,
+    drop_database,
+    new_id,
+    open_session,
+    spec,
+    start_run,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _env(**settings: Any) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONTEXT_ENGINE_")}
+    env.pop("DATABASE_URL", None)
+    env.update({f"CONTEXT_ENGINE_{k.upper()}": str(v) for k, v in settings.items()})
+    return env
+
+
+async def _cli(*args: str, env: dict[str, str]) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "context_engine.cli",
+        *args,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
+async def _listening_port(proc: asyncio.subprocess.Process) -> int:
+    """The port from the "listening on HOST:PORT" line `serve` prints when it is up."""
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(proc.stdout.readline(), 60)
+    assert b"listening on" in line, line
+    return int(line.decode().rsplit(":", 1)[1])
+
+
+async def _lock_session(dsn: str, session_id: str) -> asyncpg.Connection:
+    """Hold the session's row lock in an open transaction, as a concurrent writer would."""
+    conn = await asyncpg.connect(dsn)
+    await conn.execute("BEGIN")
+    await conn.execute(
+        "SELECT 1 FROM sessions WHERE tenant_id = $1 AND session_id = $2 FOR UPDATE",
+        TENANT,
+        UUID(session_id),
+    )
+    return conn
+
+
+async def _lock_waiters(conn: asyncpg.Connection) -> int:
+    return int(
+        await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+        )
+    )
+
+
+def _append(session_id: str, run_id: str, version: int) -> pb.AppendItemsRequest:
+    return pb.AppendItemsRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        run_id=run_id,
+        expected_checkpoint_version=version,
+        items=[assistant("done")],
+    )
+
+
+@pytest.fixture
+async def own_database() -> AsyncIterator[str]:
+    dsn = await create_database()
+    yield dsn
+    await drop_database(dsn)
+
+
+# --- shutdown ----------------------------------------------------------------------
+
+
+async def test_sigterm_goes_not_serving_and_in_flight_call_finishes(own_database: str) -> None:
+    proc = await _cli(
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--database-url",
+        own_database,
+        env=_env(shutdown_grace_seconds=60, log_format="json"),
+    )
+    try:
+        port = await _listening_port(proc)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.ContextEngineStub(channel)
+            session_id, _ = await open_session(stub)
+            run = (await start_run(stub, session_id, "hello")).run
+            watch = health_pb2_grpc.HealthStub(channel).Watch(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+            )
+            assert (await watch.read()).status == SERVING
+
+            locker = await _lock_session(own_database, session_id)
+            in_flight = asyncio.ensure_future(stub.AppendItems(_append(session_id, run.run_id, 1)))
+            await wait_for(lambda: _lock_waiters(locker), what="the call to wait on the lock")
+
+            proc.send_signal(signal.SIGTERM)
+            assert (await watch.read()).status == NOT_SERVING
+            watch.cancel()
+            assert not in_flight.done()
+
+            await locker.execute("ROLLBACK")
+            await locker.close()
+            response = await in_flight
+            assert response.checkpoint_version == 2
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.stderr is not None
+    lines = (await proc.stderr.read()).decode().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    assert any(r["msg"].startswith("shutting down") for r in records)
+    appended = [r for r in records if r.get("method") == "AppendItems"]
+    assert appended and appended[-1]["code"] == "OK"
+
+
+# --- configuration -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("file_settings", "env_settings", "named"),
+    [
+        ({}, {"pool_min_size": "0"}, "CONTEXT_ENGINE_POOL_MIN_SIZE"),
+        ({"max_request_bytes": "lots"}, {}, "max_request_bytes"),
+        ({"listne": "127.0.0.1:1"}, {}, "listne"),
+        ({"auth": "bearer"}, {}, "auth_tokens"),
+        ({}, {"log_level": "chatty"}, "CONTEXT_ENGINE_LOG_LEVEL"),
+        ({"tls_cert_file": "/nonexistent/cert.pem"}, {}, "tls_cert_file"),
+        ({}, {"metrics_listen": "9464"}, "CONTEXT_ENGINE_METRICS_LISTEN"),
+    ],
+)
+def test_bad_configuration_exits_2_naming_the_setting(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    file_settings: dict[str, Any],
+    env_settings: dict[str, str],
+    named: str,
+) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(file_settings))
+    for key in list(os.environ):
+        if key.startswith("CONTEXT_ENGINE_"):
+            monkeypatch.delenv(key)
+    for key, value in _env(config=config, **env_settings).items():
+        if key.startswith("CONTEXT_ENGINE_"):
+            monkeypatch.setenv(key, value)
+    code = cli.main(["serve", "--database-url", "postgresql://127.0.0.1:1/never"])
+    assert code == 2
+    message = capsys.readouterr().err
+    assert message.startswith("context-engine: invalid configuration")
+    assert named in message
+
+
+async def test_bad_configuration_stops_the_real_process(tmp_path: Path) -> None:
+    proc = await _cli(
+        "serve",
+        "--database-url",
+        "postgresql://127.0.0.1:1/never",
+        env=_env(pool_min_size=5, pool_max_size=2),
+    )
+    _, stderr = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2
+    assert "pool_min_size (5) must not exceed pool_max_size (2)" in stderr.decode()
+
+
+def test_settings_merge_file_then_environment_then_arguments(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"listen": "127.0.0.1:7000", "pool_max_size": 4}))
+    environ = {
+        "CONTEXT_ENGINE_CONFIG": str(config),
+        "CONTEXT_ENGINE_POOL_MAX_SIZE": "6",
+        "CONTEXT_ENGINE_MIGRATE_ON_START": "false",
+    }
+    settings = load_settings({"listen": "127.0.0.1:7001"}, environ=environ)
+    assert (settings.listen, settings.pool_max_size, settings.migrate_on_start) == (
+        "127.0.0.1:7001",
+        6,
+        False,
+    )
+    with pytest.raises(ConfigError, match="CONTEXT_ENGINE_CONFIG"):
+        load_settings(environ={"CONTEXT_ENGINE_CONFIG": str(tmp_path / "missing.json")})
+
+
+def test_auth_token_values_never_appear_in_configuration_errors() -> None:
+    secret = "s3cr3t-" + "q" * 20
+    environ = {
+        "CONTEXT_ENGINE_AUTH": "bearer",
+        "CONTEXT_ENGINE_AUTH_TOKENS": json.dumps({secret: ""}),
+    }
+    with pytest.raises(ConfigError) as info:
+        load_settings(environ=environ)
+    assert secret not in str(info.value)
+    assert secret not in repr(
+        load_settings(environ={"CONTEXT_ENGINE_AUTH_TOKENS": json.dumps({secret: "t"})})
+    )
+
+
+# --- migrations --------------------------------------------------------------------
+
+
+async def test_migrate_is_a_separate_step() -> None:
+    dsn = await create_database(migrate=False)
+    try:
+        proc = await _cli(
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--database-url",
+            dsn,
+            env=_env(migrate_on_start="false"),
+        )
+        _, stderr = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 1
+        assert "context-engine migrate" in stderr.decode()
+
+        proc = await _cli("migrate", "--database-url", dsn, env=_env())
+        stdout, _ = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0 and b"applied: 0001" in stdout
+
+        proc = await _cli(
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--database-url",
+            dsn,
+            env=_env(migrate_on_start="false"),
+        )
+        try:
+            port = await _listening_port(proc)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+                assert reply.status == SERVING
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 60) == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    finally:
+        await drop_database(dsn)
+
+
+# --- readiness ---------------------------------------------------------------------
+
+
+async def test_readiness_follows_postgresql_reachability(own_database: str) -> None:
+    name = own_database.rpartition("/")[2]
+    pool = await connect_pool(own_database, min_size=1, max_size=2)
+    running = await build_server(
+        build_engine(pool), "127.0.0.1:0", readiness_interval=0.05, readiness_timeout=2
+    )
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+            assert (await watch.read()).status == SERVING
+
+            await admin_execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+            await admin_execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                f" WHERE datname = '{name}' AND pid <> pg_backend_pid()"
+            )
+            assert (await watch.read()).status == NOT_SERVING
+            # Liveness ("") is not readiness: the process stays up.
+            overall = await health.Check(health_pb2.HealthCheckRequest(service=""))
+            assert overall.status == SERVING
+            stub = pb_grpc.ContextEngineStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=spec()))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+
+            await admin_execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+            assert (await watch.read()).status == SERVING
+            watch.cancel()
+    finally:
+        await running.stop(0)
+        await pool.close()
+
+
+# --- deadlines ---------------------------------------------------------------------
+
+
+async def test_deadline_while_waiting_on_postgresql_writes_nothing(
+    stub: Any, database_dsn: str
+) -> None:
+    session_id, _ = await open_session(stub)
+    run = (await start_run(stub, session_id, "hello")).run
+    locker = await _lock_session(database_dsn, session_id)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.AppendItems(_append(session_id, run.run_id, 1), timeout=0.5)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+        # The server gave up too: its query no longer waits on the lock we still hold.
+        async def nobody_waits() -> bool:
+            return await _lock_waiters(locker) == 0
+
+        await wait_for(nobody_waits, what="the server to cancel its waiting query")
+    finally:
+        await locker.execute("ROLLBACK")
+        await locker.close()
+    # Nothing was written: version 1 is still the one to append to.
+    response = await stub.AppendItems(_append(session_id, run.run_id, 1))
+    assert response.checkpoint_version == 2

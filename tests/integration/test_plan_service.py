@@ -1,0 +1,632 @@
+"""The plan as a service: revocation, every epoch rotation reason (through Rotate and
+through StartRun admission), the concurrent-rotation race between two replicas, skill
+loads, subject erasure and the persona row — over a real gRPC server and PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+from uuid import UUID
+
+import grpc
+import pytest
+
+from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from context_engine.core.canonical import canonical_bytes, sha256_hex
+
+from .helpers import TENANT, details, new_id, spec, tool
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+async def _open(stub: Any, plan_spec: pb.PlanSpec) -> tuple[str, pb.ContextPlan]:
+    session_id = new_id()
+    response = await stub.Plan(
+        pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=plan_spec)
+    )
+    return session_id, response.plan
+
+
+async def _start(
+    stub: Any,
+    session_id: str,
+    text: str = "hello",
+    *,
+    scopes: list[str] | None = None,
+    profile: str | None = None,
+    key: str = "",
+) -> pb.StartRunResponse:
+    request = pb.StartRunRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        user_message=pb.UserMessage(text=text),
+        idempotency_key=key,
+    )
+    if scopes is not None or profile is not None:
+        request.admission.CopyFrom(
+            pb.RunAdmission(scopes=scopes or [], browser_profile_id=profile or "")
+        )
+    return await stub.StartRun(request)
+
+
+async def _build(stub: Any, session_id: str, run_id: str) -> pb.BuildResponse:
+    return await stub.Build(pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id))
+
+
+async def _events(pool: Any, session_id: str, *types: str) -> list[dict[str, Any]]:
+    rows = await pool.fetch(
+        "SELECT sequence, type, run_id, payload FROM session_events WHERE session_id = $1"
+        " AND ($2::text[] IS NULL OR type = ANY($2)) ORDER BY sequence",
+        UUID(session_id),
+        list(types) or None,
+    )
+    return [dict(r) for r in rows]
+
+
+async def _rotations(pool: Any, session_id: str) -> list[str]:
+    return [
+        e["payload"]["reason"] for e in await _events(pool, session_id, "context.epoch.rotated")
+    ]
+
+
+async def _current(stub: Any, session_id: str) -> pb.ContextPlan:
+    response = await stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id))
+    return response.plan
+
+
+def _text(response: pb.BuildResponse) -> str:
+    parts = [b.text for b in response.request.system]
+    parts += [b.text for m in response.request.messages for b in m.blocks]
+    return "\n".join(parts)
+
+
+async def _rewrite_plan(pool: Any, session_id: str, change: Any) -> None:
+    """Rewrite the current stored plan (simulating one written by an older builder)."""
+    row = await pool.fetchrow(
+        "SELECT p.epoch, p.plan FROM context_plans p JOIN sessions s USING (tenant_id, session_id)"
+        " WHERE p.session_id = $1 AND p.epoch = s.current_epoch",
+        UUID(session_id),
+    )
+    plan = change(dict(row["plan"]))
+    await pool.execute(
+        "UPDATE context_plans SET plan = $3, prefix_sha256 = $4"
+        " WHERE session_id = $1 AND epoch = $2",
+        UUID(session_id),
+        row["epoch"],
+        plan,
+        plan["prefix_sha256"],
+    )
+
+
+def _mail_spec(**kw: Any) -> pb.PlanSpec:
+    out = spec(**kw)
+    out.tools.append(
+        tool("mail.send", scopes=("mail.send",), side_effect=pb.SIDE_EFFECT_NETWORK_WRITE)
+    )
+    return out
+
+
+# --- revocation ---------------------------------------------------------------------------
+
+
+async def test_one_prefix_hash_across_a_revocation(stub: Any, pool: Any) -> None:
+    session_id, plan = await _open(stub, spec())
+    assert "web.fetch" in plan.tool_names
+    pinned = {p.name: p for p in plan.pinned_tools}
+    assert list(pinned["web.fetch"].required_scopes) == ["web.read"]
+    assert pinned["web.fetch"].defined and len(pinned["web.fetch"].spec_sha256) == 64
+    hashes = set()
+    for scopes in (["calendar.read", "web.read"], ["calendar.read"], []):
+        started = await _start(stub, session_id, scopes=scopes)
+        assert not started.HasField("rotated_plan") and started.run.epoch == 1
+        built = await _build(stub, session_id, started.run.run_id)
+        hashes.add(built.prefix_sha256)
+        # The revoked tool stays advertised; the worker's policy check denies the call.
+        assert "web.fetch" in [t.name for t in built.request.tools]
+    assert hashes == {plan.prefix_sha256}
+    assert await _rotations(pool, session_id) == []
+    assert (await _current(stub, session_id)).authority_scope_hashes == plan.authority_scope_hashes
+
+
+# --- every rotation reason through Rotate ------------------------------------------------
+
+_ROTATE_REASONS = [
+    r
+    for r in pb.PlanReason.values()
+    if r not in (pb.PLAN_REASON_UNSPECIFIED, pb.PLAN_REASON_SESSION_OPENED)
+]
+
+
+@pytest.mark.parametrize("reason", _ROTATE_REASONS, ids=pb.PlanReason.Name)
+async def test_every_reason_rotates_through_rotate(stub: Any, pool: Any, reason: int) -> None:
+    session_id, plan = await _open(stub, spec())
+    request = pb.RotateRequest(
+        tenant_id=TENANT, session_id=session_id, from_epoch=1, reason=reason, detail="test"
+    )
+    if reason != pb.PLAN_REASON_PREFIX_HASH_CANONICALIZED:
+        changed = spec()
+        changed.agent.instructions = "Help the user plan trips by train."
+        request.spec.CopyFrom(changed)
+    rotated = (await stub.Rotate(request)).plan
+    assert (rotated.epoch, rotated.reason) == (2, reason)
+    events = await _events(pool, session_id, "context.epoch.rotated")
+    assert [e["payload"]["reason"] for e in events] == [pb.PlanReason.Name(reason)[12:].lower()]
+    assert events[0]["payload"]["from_epoch"] == 1
+    if reason == pb.PLAN_REASON_PREFIX_HASH_CANONICALIZED:
+        # A copy: the same bytes, nothing to re-cache.
+        assert rotated.prefix_sha256 == plan.prefix_sha256
+        assert rotated.prefix_document == plan.prefix_document
+    else:
+        assert rotated.prefix_sha256 != plan.prefix_sha256
+
+
+async def test_a_canonicalizing_rotation_takes_no_spec(stub: Any) -> None:
+    session_id, _ = await _open(stub, spec())
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Rotate(
+            pb.RotateRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                from_epoch=1,
+                reason=pb.PLAN_REASON_PREFIX_HASH_CANONICALIZED,
+                spec=spec(),
+            )
+        )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert details(caught.value)[1] == ["spec"]
+    assert (await _current(stub, session_id)).epoch == 1
+
+
+# --- rotation reasons through StartRun admission -------------------------------------------
+
+
+async def test_newly_granted_scopes_rotate_before_the_run_pins(stub: Any, pool: Any) -> None:
+    session_id, plan = await _open(stub, _mail_spec())
+    assert "mail.send" not in plan.tool_names
+    scopes = ["calendar.read", "mail.send", "web.read"]
+    first = await _start(stub, session_id, scopes=scopes, key="admit-1")
+    rotated = first.rotated_plan
+    assert (rotated.epoch, rotated.reason) == (2, pb.PLAN_REASON_RUN_AUTHORITY_CHANGED)
+    assert "mail.send" in rotated.tool_names and first.run.epoch == 2
+    expected = sorted(sha256_hex(s.encode()) for s in scopes)
+    assert list(rotated.authority_scope_hashes) == expected
+    events = await _events(pool, session_id)
+    kinds = [e["type"] for e in events]
+    # The rotation lands before the seeding message: the run pins the new epoch.
+    assert kinds.index("context.epoch.rotated") < kinds.index("user.message.created")
+    # A retry returns the first answer and re-admits nothing; the next run keeps the plan.
+    assert await _start(stub, session_id, scopes=scopes, key="admit-1") == first
+    again = await _start(stub, session_id, scopes=scopes)
+    assert not again.HasField("rotated_plan") and again.run.epoch == 2
+    # Reduction after a grant keeps the prefix too.
+    assert not (await _start(stub, session_id, scopes=["mail.send"])).HasField("rotated_plan")
+    assert await _rotations(pool, session_id) == ["run_authority_changed"]
+
+
+async def test_a_changed_browser_profile_rotates(stub: Any, pool: Any) -> None:
+    browser = spec(
+        environment=pb.SessionEnvironment(surface="chat", allowed_origins=["https://shop.example"])
+    )
+    for name in ("browser.navigate", "browser.observe", "browser.act"):
+        browser.tools.append(tool(name, builtin=True))
+    session_id, _ = await _open(stub, browser)
+    scopes = ["calendar.read", "web.read"]
+    assert not (await _start(stub, session_id, scopes=scopes, profile="")).HasField("rotated_plan")
+    started = await _start(stub, session_id, scopes=scopes, profile="profile-7")
+    assert started.rotated_plan.reason == pb.PLAN_REASON_BROWSER_PROFILE_CHANGED
+    assert {"browser.navigate", "browser.observe", "browser.act"} <= set(
+        started.rotated_plan.tool_names
+    )
+    built = await _build(stub, session_id, started.run.run_id)
+    assert "browser.navigate accepts: https://shop.example" in _text(built)
+    assert not (await _start(stub, session_id, scopes=scopes, profile="profile-7")).HasField(
+        "rotated_plan"
+    )
+    assert await _rotations(pool, session_id) == ["browser_profile_changed"]
+
+
+async def test_a_website_profile_session_without_browser_tools_cannot_open(stub: Any) -> None:
+    bound = spec(environment=pb.SessionEnvironment(browser_profile_id="profile-1"))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _open(stub, bound)
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert details(caught.value)[2]["class"] == "tool_definitions"
+
+
+async def test_a_builder_upgrade_rotates_only_a_plan_it_does_not_reproduce(
+    stub: Any, pool: Any
+) -> None:
+    session_id, plan = await _open(stub, spec())
+
+    def older_version(p: dict[str, Any]) -> dict[str, Any]:
+        return {**p, "builder_version": "context-builder@0"}
+
+    await _rewrite_plan(pool, session_id, older_version)
+    # Same bytes under the current builder: the plan stays current.
+    assert not (await _start(stub, session_id)).HasField("rotated_plan")
+
+    def older_bytes(p: dict[str, Any]) -> dict[str, Any]:
+        system = [dict(b) for b in p["system"]]
+        system[1]["text"] = "An older builder's framing text."
+        return {**p, "system": system}
+
+    await _rewrite_plan(pool, session_id, older_bytes)
+    started = await _start(stub, session_id)
+    assert started.rotated_plan.reason == pb.PLAN_REASON_BUILDER_UPGRADED
+    assert started.rotated_plan.prefix_sha256 == plan.prefix_sha256  # the builder's own bytes
+    assert not (await _start(stub, session_id)).HasField("rotated_plan")
+    assert await _rotations(pool, session_id) == ["builder_upgraded"]
+    rotated = (await _events(pool, session_id, "context.epoch.rotated"))[0]["payload"]
+    assert rotated["detail"] == "run admission: builder_upgraded"
+
+
+async def test_a_legacy_hash_is_canonicalized_without_new_bytes(stub: Any, pool: Any) -> None:
+    two_scopes = spec()
+    two_scopes.tools.append(tool("mail.search", scopes=("mail.read", "calendar.read")))
+    two_scopes.principal.scopes.append("mail.read")
+    # An enveloped row in Region A: a rebuild (new secret) would change its bytes, a copy not.
+    two_scopes.snapshot.CopyFrom(
+        pb.MemorySnapshot(snapshot_id="s", items=[pb.MemoryItem(item_id="m1", text="Tea.")])
+    )
+    session_id, plan = await _open(stub, two_scopes)
+    first = await _start(stub, session_id)
+    before = await _build(stub, session_id, first.run.run_id)
+
+    def legacy(p: dict[str, Any]) -> dict[str, Any]:
+        document = json.loads(p["prefix_document"])
+        for tool_spec in document["tool_specs"]:
+            tool_spec["required_scopes"] = list(reversed(tool_spec["required_scopes"]))
+        text = canonical_bytes(document).decode()
+        return {**p, "prefix_document": text, "prefix_sha256": sha256_hex(text.encode())}
+
+    await _rewrite_plan(pool, session_id, legacy)
+    assert (await _current(stub, session_id)).prefix_sha256 != plan.prefix_sha256
+    second = await _start(stub, session_id)
+    copy = second.rotated_plan
+    assert copy.reason == pb.PLAN_REASON_PREFIX_HASH_CANONICALIZED
+    assert copy.prefix_sha256 == plan.prefix_sha256
+    after = await _build(stub, session_id, second.run.run_id)
+    # The provider receives the same prefix bytes under the same secret.
+    assert list(after.request.system) == list(before.request.system)
+    assert list(after.request.tools) == list(before.request.tools)
+    assert await _rotations(pool, session_id) == ["prefix_hash_canonicalized"]
+
+
+# --- two replicas, one epoch --------------------------------------------------------------
+
+
+@pytest.fixture
+async def second_replica(pool: Any) -> AsyncIterator[Any]:
+    from context_engine.api.server import build_engine, build_server
+
+    running = await build_server(build_engine(pool), "127.0.0.1:0")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    yield pb_grpc.ContextEngineStub(channel)
+    await channel.close()
+    await running.stop(0)
+
+
+async def test_two_replicas_rotating_at_once_make_one_epoch(
+    stub: Any, second_replica: Any, pool: Any
+) -> None:
+    session_id, _ = await _open(stub, spec())
+
+    def rotate(on: Any) -> Any:
+        changed = spec()
+        changed.agent.version = "4"
+        return on.Rotate(
+            pb.RotateRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                from_epoch=1,
+                reason=pb.PLAN_REASON_AGENT_CHANGED,
+                spec=changed,
+            )
+        )
+
+    outcomes = await asyncio.gather(
+        *(rotate(s) for s in (stub, second_replica, stub, second_replica)),
+        return_exceptions=True,
+    )
+    winners = [o for o in outcomes if isinstance(o, pb.RotateResponse)]
+    losers = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+    assert len(winners) == 1 and winners[0].plan.epoch == 2
+    assert len(losers) == 3 and all(e.code() == grpc.StatusCode.ABORTED for e in losers)
+    # Admissions racing on both replicas with the same new grant rotate exactly once.
+    scopes = ["calendar.read", "mail.send", "web.read"]
+    started = await asyncio.gather(
+        *(_start(s, session_id, scopes=scopes) for s in (stub, second_replica) * 3)
+    )
+    assert sum(r.HasField("rotated_plan") for r in started) == 1
+    assert {r.run.epoch for r in started} == {3}
+    assert await _rotations(pool, session_id) == ["agent_changed", "run_authority_changed"]
+
+
+# --- skills -------------------------------------------------------------------------------
+
+
+def _skills_spec() -> pb.PlanSpec:
+    out = spec()
+    out.agent.enabled_tools.extend(["skill.load", "calendar.list", "clock.now", "web.fetch"])
+    out.tools.append(tool("skill.load", builtin=True))
+    out.skills.extend(
+        [
+            pb.SkillCatalogEntry(name="triage", description="Sort the inbox.", version="1"),
+            pb.SkillCatalogEntry(name="refunds", description="Handle refunds.", version="2"),
+            pb.SkillCatalogEntry(
+                name="travel",
+                description="Book travel.",
+                version="1",
+                trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED,
+            ),
+        ]
+    )
+    return out
+
+
+async def _load(stub: Any, session_id: str, name: str, body: str = "") -> pb.LoadSkillResponse:
+    return await stub.LoadSkill(
+        pb.LoadSkillRequest(
+            tenant_id=TENANT, session_id=session_id, name=name, body=body or f"How to {name}."
+        )
+    )
+
+
+async def test_skill_loads_are_sticky_capped_and_never_evict(stub: Any, pool: Any) -> None:
+    session_id, plan = await _open(stub, _skills_spec())
+    assert "skill.load" in plan.tool_names
+    assert [(p.name, p.version) for p in plan.skill_pins] == [
+        ("triage", "1"),
+        ("refunds", "2"),
+        ("travel", "1"),
+    ]
+    first = await _load(stub, session_id, "refunds")
+    assert (list(first.loaded), first.newly_loaded) == (["refunds"], True)
+    again = await _load(stub, session_id, "refunds", "Another body.")
+    assert (list(again.loaded), again.newly_loaded) == (["refunds"], False)
+    assert list((await _load(stub, session_id, "triage")).loaded) == ["refunds", "triage"]
+    for name, reason in (("travel", "SKILL_LIMIT"), ("payroll", "SKILL_NOT_IN_CATALOG")):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _load(stub, session_id, name)
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert details(caught.value)[0] == reason
+    assert len(await _events(pool, session_id, "skill.loaded")) == 2
+    # Bodies render in row 11, in load order, on every run (sticky), across a rotation.
+    changed = _skills_spec()
+    changed.agent.version = "4"
+    await stub.Rotate(
+        pb.RotateRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            from_epoch=1,
+            reason=pb.PLAN_REASON_AGENT_CHANGED,
+            spec=changed,
+        )
+    )
+    for text in ("first run", "second run"):
+        run = await _start(stub, session_id, text)
+        built = await _build(stub, session_id, run.run.run_id)
+        bodies = [
+            b for m in built.request.messages for b in m.blocks if b.row == pb.ROW_SKILL_BODIES
+        ]
+        assert [b.item_id for b in bodies] == ["skill-body:refunds", "skill-body:triage"]
+        assert "How to refunds." in bodies[0].text
+
+
+def _words(count: Any, more_than: int, prefix: str = "") -> str:
+    """Distinct words until the server's own token counter says more than `more_than`."""
+    words: list[str] = []
+    while count(prefix + " ".join(words)) <= more_than:
+        words.extend(f"step{len(words) + i}" for i in range(50))
+    return " ".join(words)
+
+
+async def test_a_skill_body_over_6000_tokens_fails(stub: Any, grpc_server: Any) -> None:
+    count = grpc_server.engine.count_tokens_for("claude-sonnet-4-5")
+    session_id, _ = await _open(stub, _skills_spec())
+    big = _words(count, 6_000, "Skill triage (1) loaded:\n")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _load(stub, session_id, "triage", big)
+    reason, fields, metadata = details(caught.value)
+    assert (reason, fields, metadata["limit"]) == ("SKILL_LIMIT", ["name"], "tokens")
+    fits = _words(count, 4_000)
+    assert list((await _load(stub, session_id, "triage", fits)).loaded) == ["triage"]
+
+
+async def test_skill_load_is_not_advertised_without_a_catalog(stub: Any) -> None:
+    no_catalog = _skills_spec()
+    del no_catalog.skills[:]
+    _, plan = await _open(stub, no_catalog)
+    assert "skill.load" not in plan.tool_names and not plan.skipped_tool_names
+
+
+# --- memory snapshot and erasure ----------------------------------------------------------
+
+
+def _memory_spec(trace: str) -> pb.PlanSpec:
+    return spec(
+        snapshot=pb.MemorySnapshot(
+            snapshot_id=f"snap-{trace}",
+            recall_trace_id=trace,
+            watermark=7,
+            items=[
+                pb.MemoryItem(item_id="m1", text="Ana is allergic to nuts.", person_ids=["ana"]),
+                pb.MemoryItem(item_id="m2", text="The office is in Lyon.", source="belief"),
+            ],
+        )
+    )
+
+
+async def test_a_run_binds_to_its_snapshot_before_the_first_request(stub: Any, pool: Any) -> None:
+    session_id, plan = await _open(stub, _memory_spec("trace-a"))
+    assert (plan.snapshot_id, plan.recall_trace_id, plan.snapshot_watermark) == (
+        "snap-trace-a",
+        "trace-a",
+        7,
+    )
+    run = (await _start(stub, session_id)).run.run_id
+    await _build(stub, session_id, run)
+    await _build(stub, session_id, run)
+    events = await _events(pool, session_id, "context.snapshot.used", "model.request.started")
+    assert [e["type"] for e in events] == [
+        "context.snapshot.used",
+        "model.request.started",
+        "model.request.started",
+    ]
+    assert events[0]["payload"]["recall_trace_id"] == "trace-a"
+    assert events[0]["payload"]["epoch"] == 1 and str(events[0]["run_id"]) == run
+    # A session without a snapshot binds nothing.
+    bare, _ = await _open(stub, spec())
+    await _build(stub, bare, (await _start(stub, bare)).run.run_id)
+    assert await _events(pool, bare, "context.snapshot.used") == []
+
+
+async def test_erasure_redacts_invalidates_and_reports_bound_runs(stub: Any, pool: Any) -> None:
+    person = f"ana-{new_id()}"
+
+    def with_person(trace: str) -> pb.PlanSpec:
+        out = _memory_spec(trace)
+        out.snapshot.items[0].person_ids[:] = [person]
+        return out
+
+    a, _ = await _open(stub, with_person("trace-a"))
+    bound_run = (await _start(stub, a)).run.run_id
+    await _build(stub, a, bound_run)
+    changed = with_person("trace-a2")
+    changed.agent.version = "4"
+    await stub.Rotate(
+        pb.RotateRequest(
+            tenant_id=TENANT,
+            session_id=a,
+            from_epoch=1,
+            reason=pb.PLAN_REASON_AGENT_CHANGED,
+            spec=changed,
+        )
+    )
+    b, _ = await _open(stub, with_person("trace-b"))
+    unbound_run = (await _start(stub, b)).run.run_id  # started, never built: never bound
+    untouched, untouched_plan = await _open(stub, _memory_spec("trace-c"))
+
+    erased = await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    assert sorted(erased.invalidated_session_ids) == sorted([a, b])
+    assert list(erased.bound_run_ids) == [bound_run]
+    assert erased.redacted_items == 3  # both epochs of a, and b
+    for session_id in (a, b):
+        current = await _current(stub, session_id)
+        assert current.invalidated
+        assert b"allergic" not in current.prefix_document
+    first_epoch = await stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=a, epoch=1))
+    assert b"allergic" not in first_epoch.plan.prefix_document
+    assert not (await _current(stub, untouched)).invalidated
+    assert (await _current(stub, untouched)).prefix_sha256 == untouched_plan.prefix_sha256
+
+    # The next request of a run rotates first and recalls from what remains.
+    built = await _build(stub, a, bound_run)
+    assert built.epoch == 3 and "allergic" not in _text(built) and "Lyon" in _text(built)
+    assert await _rotations(pool, a) == ["agent_changed", "snapshot_invalidated"]
+    used = await _events(pool, a, "context.snapshot.used")
+    assert [e["payload"]["epoch"] for e in used] == [1, 3]
+    # The next run admission rotates too; the next Plan recalls from the worker's spec.
+    admitted = await _start(stub, b)
+    assert admitted.rotated_plan.reason == pb.PLAN_REASON_SNAPSHOT_INVALIDATED
+    assert "allergic" not in _text(await _build(stub, b, unbound_run))
+    again = await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    assert (list(again.invalidated_session_ids), list(again.bound_run_ids)) == ([], [])
+    assert again.redacted_items == 0
+    events = await _events(pool, a, "context.snapshot.invalidated")
+    assert [e["payload"]["bound_run_ids"] for e in events] == [[bound_run]]
+
+
+async def test_plan_after_erasure_rotates_with_the_fresh_recall(stub: Any, pool: Any) -> None:
+    person = f"ana-{new_id()}"
+    first = _memory_spec("trace-1")
+    first.snapshot.items[0].person_ids[:] = [person]
+    session_id, _ = await _open(stub, first)
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    fresh = _memory_spec("trace-2")
+    del fresh.snapshot.items[0]
+    response = await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=fresh))
+    assert not response.created and response.spec_matches
+    assert (response.plan.epoch, response.plan.reason) == (2, pb.PLAN_REASON_SNAPSHOT_INVALIDATED)
+    assert response.plan.recall_trace_id == "trace-2" and not response.plan.invalidated
+    assert await _rotations(pool, session_id) == ["snapshot_invalidated"]
+
+
+# --- persona ------------------------------------------------------------------------------
+
+
+async def test_an_empty_persona_is_byte_identical_to_none(stub: Any) -> None:
+    _, without = await _open(stub, spec())
+    _, empty = await _open(stub, spec(persona=pb.Persona(revision="r1")))
+    assert empty.prefix_sha256 == without.prefix_sha256
+    assert empty.prefix_document == without.prefix_document
+    assert empty.spec_sha256 != without.spec_sha256
+
+
+async def test_a_persona_edit_is_one_persona_changed_rotation(stub: Any, pool: Any) -> None:
+    session_id, plan = await _open(
+        stub, spec(persona=pb.Persona(revision="r1", entries=["Warm and brief."]))
+    )
+    edited = spec(persona=pb.Persona(revision="r2", entries=["Formal.", "Signs as Max."]))
+    unchanged = await stub.Plan(
+        pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=edited)
+    )
+    assert not unchanged.spec_matches and unchanged.plan.epoch == 1
+    rotated = await stub.Rotate(
+        pb.RotateRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            from_epoch=1,
+            reason=pb.PLAN_REASON_PERSONA_CHANGED,
+            spec=edited,
+        )
+    )
+    assert rotated.plan.epoch == 2 and rotated.plan.prefix_sha256 != plan.prefix_sha256
+    run = await _start(stub, session_id)
+    assert not run.HasField("rotated_plan")
+    persona = [
+        b
+        for b in (await _build(stub, session_id, run.run.run_id)).request.system
+        if b.row == pb.ROW_PERSONA
+    ]
+    assert [b.text for b in persona] == ["Persona:\n- Formal.\n- Signs as Max."]
+    assert persona[0].trust == pb.TRUST_LEVEL_TRUSTED_CONFIGURATION
+    assert await _rotations(pool, session_id) == ["persona_changed"]
+
+
+# --- plan-time failures and the operational session ----------------------------------------
+
+
+async def test_an_explicit_tool_over_the_token_cap_fails_the_plan(
+    stub: Any, grpc_server: Any
+) -> None:
+    description = _words(grpc_server.engine.count_tokens_for("claude-sonnet-4-5"), 9_000)
+    huge = spec()
+    huge.tools.append(tool("report.build", description=description))
+    huge.agent.enabled_tools.append("report.build")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _open(stub, huge)
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    reason, _, metadata = details(caught.value)
+    assert reason == "PREFIX_CLASS_OVER_CAP"
+    assert (metadata["class"], metadata["tool"]) == ("tool_definitions", "report.build")
+    discovered = spec()
+    discovered.tools.append(tool("report.build", description=description))
+    _, plan = await _open(stub, discovered)
+    assert list(plan.skipped_tool_names) == ["report.build"]
+
+
+async def test_an_operational_session_pins_no_tools_and_keeps_them_pinned(
+    stub: Any, pool: Any
+) -> None:
+    operational = _mail_spec(environment=pb.SessionEnvironment(kind=pb.SESSION_KIND_OPERATIONAL))
+    session_id, plan = await _open(stub, operational)
+    assert list(plan.tool_names) == [] and list(plan.pinned_tools) == []
+    assert plan.session_kind == pb.SESSION_KIND_OPERATIONAL
+    started = await _start(stub, session_id, scopes=["calendar.read", "mail.send", "web.read"])
+    assert not started.HasField("rotated_plan")
+    assert list((await _build(stub, session_id, started.run.run_id)).request.tools) == []
+    assert await _rotations(pool, session_id) == []

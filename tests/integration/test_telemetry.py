@@ -1,0 +1,504 @@
+"""Telemetry through a real server: spans, the tracked metrics, JSON log lines, no content.
+
+Spans and metrics go to in-memory exporters; OTLP goes to a collector started here on
+loopback; the Prometheus endpoint is scraped over HTTP on loopback. A canary string is
+sent in every content field and must appear in no log line, span and error message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf import any_pb2
+from google.protobuf.timestamp_pb2 import Timestamp
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from opentelemetry.proto.collector.metrics.v1 import (
+    metrics_service_pb2,
+    metrics_service_pb2_grpc,
+)
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from context_engine import telemetry
+from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from context_engine.api.interceptors import RpcObserver
+from context_engine.api.server import build_engine, build_server
+from context_engine.telemetry import JsonFormatter, RpcState, Telemetry
+
+from .helpers import TENANT, assistant, call, new_id, result, spec, tool, user
+
+pytestmark = pytest.mark.integration
+
+CANARY = "CANARY-7f3e9a1c-do-not-log"
+SERVICE = "/context_engine.v1.ContextEngine/"
+
+
+class _Lines(logging.Handler):
+    """Every log record of the process, formatted as the service formats them."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.setFormatter(JsonFormatter())
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+@pytest.fixture(scope="module")
+def log_lines() -> Iterator[_Lines]:
+    handler = _Lines()
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    yield handler
+    root.removeHandler(handler)
+    root.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+async def traced(pool: Any, log_lines: _Lines) -> AsyncIterator[dict[str, Any]]:
+    spans = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    reader = InMemoryMetricReader()
+    tel = Telemetry(tracer_provider, MeterProvider(metric_readers=[reader]))
+    running = await build_server(build_engine(pool), "127.0.0.1:0", telemetry=tel)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    yield {
+        "stub": pb_grpc.ContextEngineStub(channel),
+        "spans": spans,
+        "reader": reader,
+        "logs": log_lines,
+    }
+    await channel.close()
+    await running.stop(0)
+    tel.shutdown()
+
+
+def _points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:
+    """Metric name -> its data points, from one collection."""
+    out: dict[str, list[Any]] = {}
+    data = reader.get_metrics_data()
+    for resource in data.resource_metrics if data else ():
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                out.setdefault(metric.name, []).extend(metric.data.data_points)
+    return out
+
+
+def _total(points: dict[str, list[Any]], name: str, **attributes: Any) -> float:
+    """Sum of counter values (or histogram counts) whose attributes include `attributes`."""
+    total = 0.0
+    for point in points.get(name, ()):
+        if all(point.attributes.get(k) == v for k, v in attributes.items()):
+            total += getattr(point, "value", None) or getattr(point, "count", 0)
+    return total
+
+
+def _now() -> Timestamp:
+    ts = Timestamp()
+    ts.FromDatetime(datetime(2026, 3, 1, 12, 0, tzinfo=UTC))
+    return ts
+
+
+async def _session_with_a_tool_loop(stub: Any, text: str) -> dict[str, Any]:
+    """Plan, StartRun, AppendItems (assistant, call, result) and Build; `text` everywhere."""
+    session_id = new_id()
+    the_spec = spec()
+    the_spec.agent.instructions = f"Help the user. {text}"
+    the_spec.tools.append(tool("docs.search", description=f"Search the docs. {text}"))
+    plan = await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=the_spec))
+    run = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=TENANT, session_id=session_id, user_message=pb.UserMessage(text=text)
+        )
+    )
+    run_id = run.run.run_id
+    await stub.AppendItems(
+        pb.AppendItemsRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            run_id=run_id,
+            expected_checkpoint_version=1,
+            items=[assistant(text), call("c1", args={"q": text}), result("c1", text)],
+        )
+    )
+    built = await stub.Build(
+        pb.BuildRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            run_id=run_id,
+            now=_now(),
+            step=pb.StepContext(recall=[pb.RecallLine(item_id="m1", text=text, source="memory")]),
+        )
+    )
+    return {"session_id": session_id, "run_id": run_id, "plan": plan.plan, "build": built}
+
+
+def _server_spans(spans: InMemorySpanExporter, method: str) -> list[ReadableSpan]:
+    return [
+        s
+        for s in spans.get_finished_spans()
+        if s.name == SERVICE + method and s.kind == SpanKind.SERVER
+    ]
+
+
+# --- spans -------------------------------------------------------------------------
+
+
+async def test_a_span_per_rpc_with_child_spans(traced: dict[str, Any]) -> None:
+    traced["spans"].clear()
+    flow = await _session_with_a_tool_loop(traced["stub"], "hello")
+    for method in ("Plan", "StartRun", "AppendItems", "Build"):
+        assert len(_server_spans(traced["spans"], method)) == 1, method
+    (build,) = _server_spans(traced["spans"], "Build")
+    children = [
+        s
+        for s in traced["spans"].get_finished_spans()
+        if s.parent is not None and s.parent.span_id == build.context.span_id
+    ]
+    assert {"store.read_plan", "store.read", "assemble", "render", "store.write"} <= {
+        s.name for s in children
+    }
+    assert all(s.context.trace_id == build.context.trace_id for s in children)
+    attributes = dict(build.attributes or {})
+    assert attributes["context_engine.session_id"] == flow["session_id"]
+    assert attributes["context_engine.run_id"] == flow["run_id"]
+    assert attributes["context_engine.epoch"] == flow["plan"].epoch
+    assert attributes["context_engine.prefix_sha256"] == flow["plan"].prefix_sha256
+    assert attributes["rpc.grpc.status_code"] == 0
+
+
+async def test_a_failed_rpc_span_carries_its_code_and_reason(traced: dict[str, Any]) -> None:
+    traced["spans"].clear()
+    with pytest.raises(grpc.aio.AioRpcError):
+        await traced["stub"].GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=new_id()))
+    (span,) = _server_spans(traced["spans"], "GetPlan")
+    assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
+    assert span.attributes["context_engine.error_reason"] == "SESSION_NOT_FOUND"
+    assert not span.status.is_ok
+
+
+# --- metrics -----------------------------------------------------------------------
+
+
+async def test_rpc_and_session_metrics_are_recorded(traced: dict[str, Any]) -> None:
+    stub, reader = traced["stub"], traced["reader"]
+    before = _points(reader)
+    flow = await _session_with_a_tool_loop(stub, "hello")
+    await stub.Rotate(
+        pb.RotateRequest(
+            tenant_id=TENANT,
+            session_id=flow["session_id"],
+            from_epoch=1,
+            reason=pb.PLAN_REASON_MODEL_CHANGED,
+        )
+    )
+    after = _points(reader)
+
+    def delta(name: str, **attributes: Any) -> float:
+        return _total(after, name, **attributes) - _total(before, name, **attributes)
+
+    assert delta("context_engine.sessions.opened", model="claude-sonnet-4-5") == 1
+    assert delta("context_engine.runs.started") == 1
+    assert delta("context_engine.epochs.rotated", reason="model_changed") == 1
+    for method in ("Plan", "StartRun", "AppendItems", "Build", "Rotate"):
+        labels = {"rpc.method": method, "rpc.grpc.status_code": "OK"}
+        assert delta("context_engine.rpc.duration", **labels) == 1, method
+        assert delta("context_engine.rpc.request.size", **{"rpc.method": method}) == 1
+    if flow["build"].estimated_input_tokens:
+        assert delta("context_engine.build.input_tokens") == 1
+
+
+def _budget_exceeded_status() -> bytes:
+    info = any_pb2.Any()
+    info.Pack(
+        error_details_pb2.ErrorInfo(
+            reason="BUDGET_EXCEEDED", domain="context-engine", metadata={"class": "constraints"}
+        )
+    )
+    return status_pb2.Status(
+        code=code_pb2.FAILED_PRECONDITION, message="over", details=[info]
+    ).SerializeToString()
+
+
+class _CannedEngine:
+    """Responses a finished engine returns, so the observer's derivations are tested
+    independently of how far the budget, usage and compaction work has come."""
+
+    async def Build(self, request: pb.BuildRequest, context: Any) -> pb.BuildResponse:
+        if request.run_id == "overflow":
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "over",
+                trailing_metadata=(("grpc-status-details-bin", _budget_exceeded_status()),),
+            )
+        return pb.BuildResponse(
+            request=pb.ModelRequest(model_id="m-1"),
+            epoch=1,
+            estimated_input_tokens=12_000,
+            pressure=pb.PressureReport(
+                fits=False,
+                steps=[pb.YieldStep(step="drop_knowledge"), pb.YieldStep(step="compact")],
+            ),
+            needs_compaction=True,
+        )
+
+    async def ReportUsage(self, request: Any, context: Any) -> Any:
+        if request.idempotency_key == "handler-records":
+            telemetry.record_usage(request.model_id, 10_000, 0, first_of_epoch=True)
+        return pb.ReportUsageResponse(signed_error_ppm=-80_000, cached_prefix_ppm=950_000)
+
+    async def CommitCompaction(self, request: Any, context: Any) -> Any:
+        return pb.CommitCompactionResponse(checkpoint_version=3)
+
+
+@pytest.fixture(scope="module")
+async def canned() -> AsyncIterator[dict[str, Any]]:
+    reader = InMemoryMetricReader()
+    tel = Telemetry(meter_provider=MeterProvider(metric_readers=[reader]))
+    server = grpc.aio.server(interceptors=[RpcObserver(tel)])
+    engine = _CannedEngine()
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            getattr(engine, name),
+            request_deserializer=getattr(pb, f"{req}Request").FromString,
+            response_serializer=lambda m: m.SerializeToString(),
+        )
+        for name, req in (
+            ("Build", "Build"),
+            ("ReportUsage", "ReportUsage"),
+            ("CommitCompaction", "CommitCompaction"),
+        )
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("context_engine.v1.ContextEngine", handlers),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    yield {"stub": pb_grpc.ContextEngineStub(channel), "reader": reader}
+    await channel.close()
+    await server.stop(0)
+
+
+async def test_budget_usage_and_compaction_metrics_follow_responses(
+    canned: dict[str, Any],
+) -> None:
+    stub, reader = canned["stub"], canned["reader"]
+    await stub.Build(pb.BuildRequest(run_id="r"))
+    with pytest.raises(grpc.aio.AioRpcError):
+        await stub.Build(pb.BuildRequest(run_id="overflow"))
+    await stub.ReportUsage(pb.ReportUsageRequest(model_id="m-1"))
+    await stub.CommitCompaction(pb.CommitCompactionRequest(result=pb.CompactionResult(depth=2)))
+    points = _points(reader)
+    assert _total(points, "context_engine.budget.pressure", fits="false") == 1
+    assert _total(points, "context_engine.budget.yield_steps", step="drop_knowledge") == 1
+    assert _total(points, "context_engine.budget.yield_steps", step="compact") == 1
+    assert _total(points, "context_engine.budget.exceeded", **{"class": "constraints"}) == 1
+    assert _total(points, "context_engine.build.input_tokens", model="m-1") == 1
+    assert _total(points, "context_engine.compactions", depth="2") == 1
+    assert _total(points, "context_engine.estimator.underestimates", model="m-1") == 1
+    (ratio,) = points["context_engine.prefix.cached_ratio"]
+    assert (ratio.count, ratio.sum) == (1, pytest.approx(0.95))
+    (accuracy,) = points["context_engine.estimator.ratio"]
+    assert accuracy.sum == pytest.approx(0.92)
+    (error,) = points["context_engine.estimator.signed_error"]
+    assert error.value == pytest.approx(-0.08)
+    code = {"rpc.method": "Build", "rpc.grpc.status_code": "FAILED_PRECONDITION"}
+    assert _total(points, "context_engine.rpc.duration", **code) == 1
+
+
+async def test_a_handler_that_records_is_not_counted_twice(canned: dict[str, Any]) -> None:
+    stub, reader = canned["stub"], canned["reader"]
+    before = _points(reader)
+    await stub.ReportUsage(pb.ReportUsageRequest(model_id="m-2", idempotency_key="handler-records"))
+    after = _points(reader)
+    assert _total(after, "context_engine.estimator.ratio", model="m-2") == 1
+    assert _total(before, "context_engine.estimator.ratio", model="m-2") == 0
+    # first_of_epoch: the cache is being written, so no cached-prefix sample for it.
+    assert _total(after, "context_engine.prefix.cached_ratio", model="m-2") == 0
+
+
+def test_record_functions_outside_an_rpc_do_nothing() -> None:
+    reader = InMemoryMetricReader()
+    tel = Telemetry(meter_provider=MeterProvider(metric_readers=[reader]))
+    telemetry.record_compaction(1)
+    with telemetry.span("assemble"):
+        pass
+    assert _total(_points(reader), "context_engine.compactions") == 0
+    token = telemetry.begin(tel, RpcState("Test"))
+    try:
+        telemetry.record_compaction(1)
+        telemetry.record_rotation("agent_changed")
+    finally:
+        telemetry.end(token)
+    points = _points(reader)
+    assert _total(points, "context_engine.compactions", depth="1") == 1
+    assert _total(points, "context_engine.epochs.rotated", reason="agent_changed") == 1
+
+
+# --- logs and content --------------------------------------------------------------
+
+
+async def test_log_lines_are_json_and_nothing_carries_content(traced: dict[str, Any]) -> None:
+    stub, spans, logs = traced["stub"], traced["spans"], traced["logs"]
+    spans.clear()
+    start = len(logs.lines)
+    flow = await _session_with_a_tool_loop(stub, CANARY)
+    # The canary really went through: the built request carries it.
+    assert CANARY in flow["build"].SerializeToString().decode("utf-8", "replace")
+
+    errors: list[grpc.aio.AioRpcError] = []
+    bad_requests = [
+        lambda: stub.AppendItems(  # an orphaned tool result whose content is the canary
+            pb.AppendItemsRequest(
+                tenant_id=TENANT,
+                session_id=flow["session_id"],
+                run_id=flow["run_id"],
+                expected_checkpoint_version=2,
+                items=[result("nope", CANARY)],
+            )
+        ),
+        lambda: stub.AppendItems(  # a stale version, with content
+            pb.AppendItemsRequest(
+                tenant_id=TENANT,
+                session_id=flow["session_id"],
+                run_id=flow["run_id"],
+                expected_checkpoint_version=1,
+                items=[user(CANARY)],
+            )
+        ),
+        lambda: stub.StartRun(
+            pb.StartRunRequest(tenant_id=TENANT, session_id=new_id(), run_id=CANARY)
+        ),
+    ]
+    for send in bad_requests:  # one at a time: a call starts when it is created
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await send()
+        errors.append(info.value)
+
+    lines = logs.lines[start:]
+    records = [json.loads(line) for line in lines]  # every line is one JSON object
+    rpc_lines = [r for r in records if r["logger"] == "context_engine.rpc"]
+    methods = [r["method"] for r in rpc_lines]
+    assert methods[:4] == ["Plan", "StartRun", "AppendItems", "Build"]
+    build_line = rpc_lines[3]
+    assert build_line["session_id"] == flow["session_id"]
+    assert build_line["run_id"] == flow["run_id"]
+    assert build_line["epoch"] == flow["plan"].epoch
+    assert build_line["prefix_sha256"] == flow["plan"].prefix_sha256
+    assert build_line["code"] == "OK"
+    assert isinstance(build_line["duration_ms"], float)
+    assert [r["code"] for r in rpc_lines[4:]] == ["INVALID_ARGUMENT", "ABORTED", "INVALID_ARGUMENT"]
+    assert rpc_lines[-1]["run_id"] == telemetry.MALFORMED  # a caller's text is never echoed
+
+    for line in lines:
+        assert CANARY not in line
+    for span in spans.get_finished_spans():
+        texts = [str(v) for v in (span.attributes or {}).values()]
+        texts += [str(span.status.description or ""), span.name]
+        for event in span.events:
+            texts += [event.name, *(str(v) for v in (event.attributes or {}).values())]
+        assert not any(CANARY in text for text in texts), span.name
+    for error in errors:
+        assert CANARY not in (error.details() or "")
+        raw = dict(error.trailing_metadata() or ()).get("grpc-status-details-bin", b"")
+        assert CANARY.encode() not in raw
+
+
+def test_an_exception_in_a_log_record_is_reduced_to_type_and_frames() -> None:
+    try:
+        raise ValueError(f"bad input: {CANARY}")
+    except ValueError:
+        record = logging.getLogger("x").makeRecord(
+            "x", logging.ERROR, __file__, 1, "failed", (), exc_info=__import__("sys").exc_info()
+        )
+    line = JsonFormatter().format(record)
+    parsed = json.loads(line)
+    assert parsed["exc_type"] == "ValueError" and parsed["exc_frames"]
+    assert CANARY not in line
+
+
+# --- exporters ---------------------------------------------------------------------
+
+
+async def test_prometheus_endpoint_serves_the_metrics() -> None:
+    tel = Telemetry.from_environment("127.0.0.1:0", environ={})
+    try:
+        token = telemetry.begin(tel, RpcState("Build"))
+        try:
+            telemetry.record_session_opened("m-1")
+            telemetry.record_pressure(True, ["drop_knowledge"])
+        finally:
+            telemetry.end(token)
+        tel.finish_rpc(RpcState("Build"), code="OK", duration_s=0.012, request_bytes=300)
+        url = f"http://127.0.0.1:{tel.metrics_port}/metrics"
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+    finally:
+        tel.shutdown()
+    text = body.decode()
+    assert 'context_engine_sessions_opened_total{model="m-1"' in text
+    assert "context_engine_budget_pressure_total" in text
+    assert "context_engine_rpc_duration_seconds_bucket" in text
+    assert "context_engine_rpc_request_size_bytes_bucket" in text
+
+
+class _Collector(
+    trace_service_pb2_grpc.TraceServiceServicer, metrics_service_pb2_grpc.MetricsServiceServicer
+):
+    def __init__(self) -> None:
+        self.spans: list[str] = []
+        self.metrics: list[str] = []
+
+    async def Export(self, request: Any, context: Any) -> Any:
+        if isinstance(request, trace_service_pb2.ExportTraceServiceRequest):
+            for resource in request.resource_spans:
+                for scope in resource.scope_spans:
+                    self.spans += [s.name for s in scope.spans]
+            return trace_service_pb2.ExportTraceServiceResponse()
+        for resource in request.resource_metrics:
+            for scope in resource.scope_metrics:
+                self.metrics += [m.name for m in scope.metrics]
+        return metrics_service_pb2.ExportMetricsServiceResponse()
+
+
+async def test_otlp_export_when_the_endpoint_is_configured(pool: Any) -> None:
+    collector = _Collector()
+    server = grpc.aio.server()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(collector, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    tel = Telemetry.from_environment(
+        "", environ={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}"}
+    )
+    running = await build_server(build_engine(pool), "127.0.0.1:0", telemetry=tel)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = pb_grpc.ContextEngineStub(channel)
+            await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=spec()))
+        await running.stop(0)
+        await asyncio.to_thread(tel.shutdown)  # flushes both exporters to the collector
+    finally:
+        await server.stop(0)
+    assert SERVICE + "Plan" in collector.spans
+    assert "store.read_plan" not in collector.spans  # Plan reads no stored plan
+    assert "context_engine.rpc.duration" in collector.metrics
+    assert "context_engine.sessions.opened" in collector.metrics

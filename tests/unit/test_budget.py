@@ -1,0 +1,539 @@
+"""Budget conformance and tool-pair integrity gates through assemble(), over generated
+sessions: long tool loops, huge tool results, tiny windows, summaries present.
+
+No request exceeds the window; the output reserve is intact; the body a request carries is
+what the allocator granted; no orphan under any yield path; never-yield items are never
+yielded; the prefix never yields (plan time). Plus the allocator's arithmetic."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from context_engine.core import (
+    BudgetExceededError,
+    BuildInputs,
+    Checkpoint,
+    ModelFacts,
+    PlanReason,
+    PlanSpec,
+    PreconditionError,
+    StepContext,
+    TrustLevel,
+    assemble,
+    make_plan,
+)
+from context_engine.core.body_estimate import block_tokens
+from context_engine.core.budget import allocate
+from context_engine.core.caps import (
+    CLASS_CAPS,
+    HISTORY_FLOOR_TOKENS,
+    PREFIX_CEILING_TOKENS,
+    SAFETY_MARGIN_PPM,
+)
+from context_engine.core.items import (
+    AssistantMessage,
+    ConversationItem,
+    CorrectionLineItem,
+    KnowledgePassageItem,
+    RecallLineItem,
+    SummaryItem,
+    ToolCall,
+    ToolResult,
+    UserMessage,
+    WorkingStateItem,
+)
+from context_engine.core.plan import ClassUsage, _check_prefix_caps
+from context_engine.core.request import ModelRequest
+from context_engine.core.spec import AgentSpec, PlatformPolicySpec
+from context_engine.core.yield_ladder import LADDER
+
+GATE = settings(max_examples=150, deadline=None)
+SECRET = b"k" * 32
+NOW = datetime(2026, 3, 1, 12, tzinfo=UTC)
+ORDER = [r.step for r in LADDER]
+
+
+def count(text: str) -> int:
+    """A pure, fast stand-in tokenizer (4 bytes per token, rounded up)."""
+    return -(-len(text.encode("utf-8")) // 4)
+
+
+def _plan(window: int, cap: int, reserve: int):  # type: ignore[no-untyped-def]
+    spec = PlanSpec(
+        model_id="m",
+        agent=AgentSpec(agent_id="a", version="1", instructions="Be brief."),
+        policy=PlatformPolicySpec(version="v1", text="Platform policy."),
+        policy_cap_tokens=cap,
+        reserve_output_tokens=reserve,
+    )
+    facts = ModelFacts("m", "anthropic", window, 8_192)
+    return make_plan(
+        spec,
+        session_id="s",
+        epoch=1,
+        reason=PlanReason.SESSION_OPENED,
+        secret=SECRET,
+        model=facts,
+        count_tokens=count,
+    )
+
+
+# --- generated sessions -----------------------------------------------------------------
+
+
+@dataclass
+class Session:
+    carried: list[ConversationItem]
+    run: list[ConversationItem]
+    summary: SummaryItem | None
+    floor: int
+    step: StepContext
+    working_state: WorkingStateItem | None
+    body_room: int  # tokens between prefix + reserve and the policy cap
+    reserve: int
+    factor_ppm: int
+
+
+class _Ids:
+    def __init__(self) -> None:
+        self.seq = 0
+        self.n = 0
+
+    def next(self, kind: str) -> tuple[str, int]:
+        self.seq += 1
+        self.n += 1
+        return f"{kind}{self.n}", self.seq
+
+
+def _text(size: int) -> str:
+    return ("lorem ipsum dolor " * (size // 18 + 1))[:size]
+
+
+@st.composite
+def _loop(
+    draw: st.DrawFn, ids: _Ids, run_id: str, *, answered: bool = True
+) -> list[ConversationItem]:
+    items: list[ConversationItem] = []
+    calls = []
+    for _ in range(draw(st.integers(1, 3))):
+        item_id, seq = ids.next("c")
+        call = ToolCall(
+            item_id=item_id,
+            call_id=f"call_{item_id}",
+            tool_name="web.fetch",
+            arguments_json='{"q":"x"}',
+            sequence=seq,
+            run_id=run_id,
+        )
+        items.append(call)
+        calls.append(call)
+    if not answered:
+        return items
+    for call in draw(st.permutations(calls)):
+        item_id, seq = ids.next("t")
+        size = draw(st.sampled_from([10, 400, 3_000, 20_000, 60_000]))
+        items.append(
+            ToolResult(
+                item_id=item_id,
+                call_id=call.call_id,
+                tool_name="web.fetch",
+                content=_text(size),
+                trust=draw(st.sampled_from([TrustLevel.EXTERNAL_UNTRUSTED, TrustLevel.USER])),
+                artifact_ref=draw(st.sampled_from(["", f"a/{item_id}"])),
+                context_content=_text(300) if draw(st.booleans()) and size > 1_000 else "",
+                sequence=seq,
+                run_id=run_id,
+            )
+        )
+    return items
+
+
+@st.composite
+def sessions(draw: st.DrawFn) -> Session:
+    ids = _Ids()
+    carried: list[ConversationItem] = []
+    runs: list[list[ConversationItem]] = []
+    for r in range(draw(st.integers(0, 3))):
+        run_id = f"r{r}"
+        item_id, seq = ids.next("u")
+        items: list[ConversationItem] = [
+            UserMessage(
+                item_id=item_id,
+                text=_text(draw(st.integers(5, 4_000))),
+                sequence=seq,
+                run_id=run_id,
+            )
+        ]
+        for _ in range(draw(st.integers(0, 4))):
+            items += draw(_loop(ids, run_id))
+        item_id, seq = ids.next("a")
+        items.append(
+            AssistantMessage(
+                item_id=item_id,
+                text=_text(draw(st.integers(5, 8_000))),
+                sequence=seq,
+                run_id=run_id,
+            )
+        )
+        runs.append(items)
+        carried += items
+    summary, floor = None, 0
+    if runs and draw(st.booleans()):
+        covered = runs[: draw(st.integers(1, len(runs)))]
+        floor = covered[-1][-1].sequence
+        summary = SummaryItem(item_id="summary", text=_text(draw(st.integers(10, 3_000))))
+    run_id = "current"
+    item_id, seq = ids.next("u")
+    run: list[ConversationItem] = [
+        UserMessage(
+            item_id=item_id, text=_text(draw(st.integers(5, 2_000))), sequence=seq, run_id=run_id
+        )
+    ]
+    loops = draw(st.integers(0, 5))  # long tool loops
+    for _ in range(loops):
+        if draw(st.booleans()):
+            item_id, seq = ids.next("a")
+            run.append(
+                AssistantMessage(item_id=item_id, text=_text(200), sequence=seq, run_id=run_id)
+            )
+        run += draw(_loop(ids, run_id))
+    if draw(st.booleans()):
+        item_id, seq = ids.next("u")
+        run.append(UserMessage(item_id=item_id, text=_text(100), sequence=seq, run_id=run_id))
+    n_recall = draw(st.integers(0, 6))
+    step = StepContext(
+        recall=tuple(
+            RecallLineItem(item_id=f"rec{n}", text=_text(draw(st.integers(10, 3_000))))
+            for n in range(n_recall)
+        ),
+        corrections=tuple(
+            CorrectionLineItem(item_id=f"cor{n}", text=_text(80))
+            for n in range(draw(st.integers(0, 2)))
+        ),
+        knowledge=tuple(
+            KnowledgePassageItem(
+                item_id=f"kn{n}",
+                text=_text(draw(st.integers(10, 8_000))),
+                rank=draw(st.integers(0, 4)),
+            )
+            for n in range(draw(st.integers(0, 5)))
+        ),
+        recall_floor_lines=draw(st.integers(0, n_recall)),
+    )
+    working_state = (
+        WorkingStateItem(item_id="working-state", text=_text(draw(st.integers(10, 3_000))))
+        if draw(st.booleans())
+        else None
+    )
+    return Session(
+        carried=carried,
+        run=run,
+        summary=summary,
+        floor=floor,
+        step=step,
+        working_state=working_state,
+        body_room=draw(st.integers(0, 60_000)),
+        reserve=draw(st.integers(1, 9_000)),
+        factor_ppm=draw(st.sampled_from([1_000_000, 1_000_000, 1_300_000, 3_000_000])),
+    )
+
+
+def _build(session: Session, window: int = 200_000):  # type: ignore[no-untyped-def]
+    probe = _plan(window, 0, session.reserve)
+    cap = probe.prefix_tokens + session.reserve + session.body_room
+    plan = _plan(window, cap, session.reserve)
+    inputs = BuildInputs(
+        tenant_id="t",
+        plan=plan,
+        secret=SECRET,
+        checkpoint=Checkpoint(
+            run_id="current",
+            version=1,
+            items=tuple(session.run),
+            summary=session.summary,
+            replaced_through_sequence=session.floor,
+            estimator_factor_ppm=session.factor_ppm,
+        ),
+        carried=tuple(session.carried),
+        now=NOW,
+        step=session.step,
+        working_state=session.working_state,
+        count_tokens=count,
+        inline_maximum_bytes=16_384,
+    )
+    return plan, inputs
+
+
+def _blocks(request: ModelRequest) -> list:  # type: ignore[type-arg]
+    return [b for m in request.messages for b in m.blocks]
+
+
+def _orphans(request: ModelRequest) -> set[str]:
+    calls = {b.call_id for b in _blocks(request) if b.kind == "tool_call"}
+    results = {b.call_id for b in _blocks(request) if b.kind == "tool_result"}
+    return calls ^ results
+
+
+def _never_yield_ids(session: Session) -> set[str]:
+    """Items that must reach the request untouched: the run's user messages, corrections,
+    the working-state block and the pending pairs of the active loop."""
+    ids = {i.item_id for i in session.run if isinstance(i, UserMessage)}
+    ids |= {c.item_id for c in session.step.corrections}
+    if session.working_state is not None:
+        ids.add(session.working_state.item_id)
+    completed = list(session.run)
+    while completed and isinstance(completed[-1], UserMessage):
+        completed.pop()
+    # The latest model turn: its results (the trailing inputs), then its calls.
+    end = len(completed)
+    while end and isinstance(completed[end - 1], ToolResult | UserMessage):
+        end -= 1
+    start = end
+    while start and not isinstance(completed[start - 1], ToolResult | UserMessage):
+        start -= 1
+    calls = {i.call_id for i in completed[start:end] if isinstance(i, ToolCall)}
+    ids |= {
+        i.item_id
+        for i in completed[start:]
+        if isinstance(i, ToolCall | ToolResult) and i.call_id in calls
+    }
+    return ids
+
+
+@GATE
+@given(sessions())
+def test_budget_conformance_and_pair_integrity_on_every_path(session: Session) -> None:
+    plan, inputs = _build(session)
+    budget = allocate(
+        context_window=plan.context_window,
+        policy_cap_tokens=plan.policy_cap_tokens,
+        reserve_output_tokens=plan.max_output_tokens,
+        prefix_tokens=plan.prefix_tokens,
+    )
+    try:
+        built = assemble(inputs)
+    except BudgetExceededError as exc:
+        # Only when the never-yield set alone exceeds the body.
+        assert int(exc.metadata["never_yield_tokens"]) > budget.body_tokens
+        assert exc.metadata["class"] in {
+            "user_message",
+            "working_state",
+            "corrections",
+            "runtime_metadata",
+            "skill_bodies",
+            "pending_tool_pairs",
+        }
+        return
+    assert built.input_budget_tokens == budget.input_tokens
+    pressure = built.pressure
+    assert pressure is not None
+    names = [s.step for s in pressure.steps]
+    assert names == sorted(names, key=ORDER.index) and len(set(names)) == len(names)
+    if built.needs_compaction:
+        assert built.request is None and built.request_sha256 == "" and not pressure.fits
+        assert names[-1] == "compact"
+        return
+    request = built.request
+    assert request is not None and pressure.fits and "compact" not in names
+    # The reserve is intact and nothing exceeds the window: the body the request carries,
+    # measured independently from its blocks, is within what the allocator granted.
+    assert request.max_output_tokens == plan.max_output_tokens == session.reserve
+    body = sum(
+        block_tokens(b, AssistantMessage(text=""), count, session.factor_ppm)
+        for b in _blocks(request)
+    )
+    assert body == built.body_estimated_tokens == pressure.body_tokens_after
+    assert body <= budget.body_tokens
+    assert (
+        plan.prefix_tokens + body + plan.max_output_tokens
+        <= budget.total_tokens
+        <= plan.context_window
+    )
+    assert built.estimated_input_tokens == plan.prefix_tokens + body
+    # Tool pairs are atomic on every yield path.
+    assert _orphans(request) == set()
+    # Never-yield items are in the request, untruncated.
+    by_id = {b.item_id: b for b in _blocks(request)}
+    for item_id in _never_yield_ids(session):
+        assert item_id in by_id, item_id
+        assert "[truncated]" not in by_id[item_id].text
+    # Knowledge drops lowest-ranked first; recall keeps a best-ranked prefix, at least its
+    # floor; class caps hold.
+    ranked = sorted(session.step.knowledge, key=lambda k: k.rank)
+    kept = [k for k in ranked if k.item_id in by_id]
+    assert kept == ranked[: len(kept)]
+    assert len(kept) <= CLASS_CAPS["knowledge"].cap_items
+    recall_kept = [r for r in session.step.recall if r.item_id in by_id]
+    assert recall_kept == list(session.step.recall[: len(recall_kept)])
+    assert len(recall_kept) >= session.step.recall_floor_lines
+    # History is a contiguous suffix of the carried candidates above the floor.
+    candidates = [i.item_id for i in session.carried if i.sequence > session.floor]
+    retained = [i for i in candidates if i in by_id]
+    assert retained == candidates[len(candidates) - len(retained) :]
+    assert pressure.history_cut_index == len(candidates) - len(retained)
+    # A truncated result keeps its label, envelope, call and artifact reference.
+    for b in _blocks(request):
+        if b.kind == "tool_result" and "[truncated]" in b.text:
+            assert b.call_id and b.trust is not None
+            assert " bytes) -> " in b.text
+
+
+@GATE
+@given(sessions())
+def test_build_is_deterministic_under_pressure(session: Session) -> None:
+    _, inputs = _build(session)
+    try:
+        first = assemble(inputs)
+    except BudgetExceededError:
+        with pytest.raises(BudgetExceededError):
+            assemble(inputs)
+        return
+    second = assemble(inputs)
+    assert first.request_sha256 == second.request_sha256
+    assert first.pressure == second.pressure
+    assert first.placed == second.placed
+
+
+@GATE
+@given(sessions(), st.integers(1, 20_000))
+def test_more_room_never_yields_more(session: Session, extra: int) -> None:
+    """A synthetic overflow yields in order: shrinking the window only ever adds later
+    steps (and frees more), growing it only ever removes them."""
+    _, tight_inputs = _build(session)
+    roomy = Session(**{**session.__dict__, "body_room": session.body_room + extra})
+    _, roomy_inputs = _build(roomy)
+    try:
+        tight = assemble(tight_inputs)
+    except BudgetExceededError:
+        return
+    wide = assemble(roomy_inputs)
+    assert tight.pressure is not None and wide.pressure is not None
+    tight_steps = {s.step: s for s in tight.pressure.steps}
+    for step in wide.pressure.steps:
+        if step.step == "drop_knowledge":
+            # Whatever the roomier body dropped, the tighter one dropped too.
+            assert step.step in tight_steps
+            assert set(step.item_ids) <= set(tight_steps[step.step].item_ids)
+    if wide.needs_compaction:
+        assert tight.needs_compaction
+
+
+def test_a_never_yield_set_over_the_body_fails_naming_the_class() -> None:
+    session = Session(
+        carried=[],
+        run=[UserMessage(item_id="u1", text=_text(80_000), sequence=1, run_id="current")],
+        summary=None,
+        floor=0,
+        step=StepContext(),
+        working_state=None,
+        body_room=5_000,
+        reserve=1_000,
+        factor_ppm=1_000_000,
+    )
+    _, inputs = _build(session)
+    with pytest.raises(BudgetExceededError) as caught:
+        assemble(inputs)
+    assert caught.value.reason == "BUDGET_EXCEEDED"
+    assert caught.value.metadata["class"] == "user_message"
+
+
+# --- the allocator ----------------------------------------------------------------------
+
+
+@given(
+    window=st.integers(1, 2_000_000),
+    cap=st.integers(0, 2_000_000),
+    reserve=st.integers(0, 200_000),
+    prefix=st.integers(0, 30_000),
+)
+def test_the_allocator_subtracts_the_reserve_first_and_holds_the_margin(
+    window: int, cap: int, reserve: int, prefix: int
+) -> None:
+    budget = allocate(
+        context_window=window,
+        policy_cap_tokens=cap,
+        reserve_output_tokens=reserve,
+        prefix_tokens=prefix,
+    )
+    assert budget.total_tokens == (min(window, cap) if cap else window)
+    assert budget.input_tokens == budget.total_tokens - reserve
+    available = budget.input_tokens - prefix
+    assert budget.body_tokens + budget.margin_tokens == available
+    if available > 0:
+        assert budget.margin_tokens * 1_000_000 >= available * SAFETY_MARGIN_PPM
+        assert (budget.margin_tokens - 1) * 1_000_000 < available * SAFETY_MARGIN_PPM
+    assert budget.tool_result_tokens == max(0, budget.body_tokens // 4)
+    assert budget.history_tokens == HISTORY_FLOOR_TOKENS
+    # Absolute caps do not scale with the window.
+    assert (budget.agent_tokens, budget.tool_tokens, budget.knowledge_tokens) == (
+        4_000,
+        9_000,
+        3_000,
+    )
+
+
+# --- the prefix never yields ------------------------------------------------------------
+
+
+def test_a_prefix_class_over_its_cap_fails_the_plan_naming_it() -> None:
+    spec = PlanSpec(
+        model_id="m",
+        agent=AgentSpec(agent_id="a", version="1", instructions="x" * (4 * 4_000 + 400)),
+        policy=PlatformPolicySpec(version="v1", text="Platform policy."),
+    )
+    with pytest.raises(PreconditionError) as caught:
+        make_plan(
+            spec,
+            session_id="s",
+            epoch=1,
+            reason=PlanReason.SESSION_OPENED,
+            secret=SECRET,
+            model=ModelFacts("m", "anthropic", 200_000, 8_192),
+            count_tokens=count,
+        )
+    assert caught.value.reason == "PREFIX_CLASS_OVER_CAP"
+    assert caught.value.metadata["class"] == "agent_instructions"
+    assert caught.value.field == "spec.agent.instructions"
+
+
+def _usage(name: str, tokens: int, items: int = 1) -> ClassUsage:
+    cap = CLASS_CAPS[name]
+    return ClassUsage(
+        class_name=name,
+        tokens=tokens,
+        items=items,
+        cap_tokens=cap.cap_tokens,
+        cap_items=cap.cap_items,
+    )
+
+
+def test_an_item_cap_binds_like_a_token_cap() -> None:
+    with pytest.raises(PreconditionError) as caught:
+        _check_prefix_caps((_usage("tool_definitions", 100, items=31),))
+    assert caught.value.metadata["class"] == "tool_definitions"
+    assert caught.value.reason == "PREFIX_CLASS_OVER_CAP"
+
+
+def test_a_prefix_over_the_ceiling_fails_naming_its_largest_class() -> None:
+    classes: Sequence[ClassUsage] = (
+        _usage("platform_policy", 2_000),
+        _usage("framing", 1_000),
+        _usage("agent_instructions", 4_000),
+        _usage("persona", 2_000),
+        _usage("tool_definitions", 9_000, items=30),
+        _usage("deferred_tool_index", 2_000),
+        _usage("skill_catalog", 1_500),
+        _usage("memory_snapshot", 1_500),
+    )
+    assert sum(c.tokens for c in classes) > PREFIX_CEILING_TOKENS
+    with pytest.raises(PreconditionError) as caught:
+        _check_prefix_caps(tuple(classes))
+    assert caught.value.reason == "PREFIX_OVER_CEILING"
+    assert caught.value.metadata["class"] == "tool_definitions"
+    _check_prefix_caps(tuple(classes[:-1]))  # within the ceiling: no error

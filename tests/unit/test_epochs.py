@@ -1,0 +1,485 @@
+"""Epoch decisions at run admission, the canonicalizing copy, and the Region A rows the
+plan pins once per epoch: skill catalog and bodies, persona, memory snapshot."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from context_engine.core.canonical import canonical_bytes, sha256_hex
+from context_engine.core.enums import PlanReason, SessionKind
+from context_engine.core.epochs import (
+    REASON_PRIORITY,
+    Admission,
+    admit_run,
+    canonicalized_copy,
+    is_canonical,
+    newly_granted,
+    rendered_identity,
+)
+from context_engine.core.errors import InvalidFieldError, PreconditionError
+from context_engine.core.framing import BUILDER_VERSION
+from context_engine.core.plan import ContextPlan, ModelFacts, make_plan
+from context_engine.core.roster import PinnedTool, scope_hashes
+from context_engine.core.rows import Row
+from context_engine.core.skills import (
+    LoadedSkill,
+    admit_load,
+    body_items,
+    body_trust,
+    pin_catalog,
+)
+from context_engine.core.snapshot import nonempty, redact_person
+from context_engine.core.spec import (
+    AgentSpec,
+    MemoryItemSpec,
+    MemorySnapshotSpec,
+    PersonaSpec,
+    PlanSpec,
+    PlatformPolicySpec,
+    Principal,
+    SessionEnvironment,
+    SkillSpec,
+    ToolSpec,
+)
+from context_engine.core.trust import TrustLevel
+
+MODEL = ModelFacts("m", "anthropic", 200_000, 8_192)
+SECRET = b"e" * 32
+
+
+def count(text: str) -> int:
+    return math.ceil(len(text.encode("utf-8")) / 3)
+
+
+def _tool(name: str, scopes: tuple[str, ...] = ()) -> ToolSpec:
+    return ToolSpec(
+        name=name,
+        description=f"The {name} tool.",
+        input_schema={"type": "object"},
+        required_scopes=scopes,
+    )
+
+
+def _spec(**kw: object) -> PlanSpec:
+    base: dict[str, object] = {
+        "model_id": "m",
+        "agent": AgentSpec(agent_id="a", version="1", instructions="Be brief."),
+        "principal": Principal(scopes=("mail.read", "web")),
+        "tools": (
+            _tool("mail.search", ("mail.read",)),
+            _tool("mail.send", ("mail.send",)),
+            _tool("web.fetch", ("web",)),
+        ),
+        "snapshot": MemorySnapshotSpec(
+            snapshot_id="snap-1",
+            recall_trace_id="trace-1",
+            watermark=42,
+            items=(
+                MemoryItemSpec(item_id="m1", text="Ana prefers trains.", person_ids=("ana",)),
+                MemoryItemSpec(item_id="m2", text="Office is in Lyon.", source="belief"),
+            ),
+        ),
+        "policy": PlatformPolicySpec(version="v1", text="Platform policy."),
+    }
+    base.update(kw)
+    return PlanSpec.model_validate(base)
+
+
+def _plan(spec: PlanSpec, secret: bytes = SECRET, epoch: int = 1) -> ContextPlan:
+    return make_plan(
+        spec,
+        session_id="s",
+        epoch=epoch,
+        reason=PlanReason.SESSION_OPENED,
+        secret=secret,
+        model=MODEL,
+        count_tokens=count,
+    )
+
+
+def _never() -> bool:
+    raise AssertionError("the builder check ran for a plan of the current builder")
+
+
+# --- admission ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdmissionCase:
+    id: str
+    admission: Admission | None
+    expect: tuple[PlanReason, ...]
+    scopes_after: tuple[str, ...] | None = None  # the rebuilt spec's principal scopes
+    profile_after: str | None = None
+    spec_kw: tuple[tuple[str, object], ...] = ()
+    plan_change: tuple[tuple[str, object], ...] = ()
+    reproduces: Callable[[], bool] = _never
+
+
+ADMISSIONS = (
+    AdmissionCase("no admission keeps the plan", None, ()),
+    AdmissionCase("the same scopes keep the plan", Admission(("web", "mail.read")), ()),
+    AdmissionCase("order and repeats do not matter", Admission(("web", "web", "mail.read")), ()),
+    AdmissionCase("scope reduction alone keeps the prefix", Admission(("mail.read",)), ()),
+    AdmissionCase("no scopes at all is a reduction too", Admission(()), ()),
+    AdmissionCase(
+        "a newly granted scope rebuilds with the run's permissions",
+        Admission(("mail.read", "mail.send", "web")),
+        (PlanReason.RUN_AUTHORITY_CHANGED,),
+        scopes_after=("mail.read", "mail.send", "web"),
+    ),
+    AdmissionCase(
+        "a grant beside a reduction rebuilds with exactly the run's scopes",
+        Admission(("mail.send",)),
+        (PlanReason.RUN_AUTHORITY_CHANGED,),
+        scopes_after=("mail.send",),
+    ),
+    AdmissionCase(
+        "a legacy plan without scope hashes rebuilds once",
+        None,
+        (PlanReason.RUN_AUTHORITY_CHANGED,),
+        scopes_after=("mail.read", "web"),
+        plan_change=(("authority_scope_hashes", None),),
+    ),
+    AdmissionCase(
+        "an operational session's empty pinned set is not refreshed by new scopes",
+        Admission(("mail.read", "mail.send", "web")),
+        (),
+        spec_kw=(("environment", SessionEnvironment(kind=SessionKind.OPERATIONAL)),),
+    ),
+    AdmissionCase(
+        "a changed browser profile rotates even with unchanged scopes",
+        Admission(("mail.read", "web"), browser_profile_id="profile-2"),
+        (PlanReason.BROWSER_PROFILE_CHANGED,),
+        profile_after="profile-2",
+    ),
+    AdmissionCase(
+        "an unchanged (absent) browser profile keeps the plan",
+        Admission(("mail.read", "web"), browser_profile_id=""),
+        (),
+    ),
+    AdmissionCase(
+        "an invalidated snapshot rotates, and the rebuild carries the new scopes too",
+        Admission(("mail.read", "mail.send", "web")),
+        (PlanReason.SNAPSHOT_INVALIDATED, PlanReason.RUN_AUTHORITY_CHANGED),
+        scopes_after=("mail.read", "mail.send", "web"),
+        plan_change=(("invalidated", True),),
+    ),
+    AdmissionCase(
+        "a plan of another builder whose bytes it reproduces stays current",
+        None,
+        (),
+        plan_change=(("builder_version", "context-builder@0"),),
+        reproduces=lambda: True,
+    ),
+    AdmissionCase(
+        "a plan of another builder it does not reproduce rotates once",
+        None,
+        (PlanReason.BUILDER_UPGRADED,),
+        scopes_after=("mail.read", "web"),
+        plan_change=(("builder_version", "context-builder@0"),),
+        reproduces=lambda: False,
+    ),
+)
+
+
+@pytest.mark.parametrize("case", ADMISSIONS, ids=[c.id for c in ADMISSIONS])
+def test_admission(case: AdmissionCase) -> None:
+    spec = _spec(**dict(case.spec_kw))
+    plan = _plan(spec).model_copy(update=dict(case.plan_change))
+    decision = admit_run(plan, spec, case.admission, builder_reproduces=case.reproduces)
+    assert decision.reasons == case.expect
+    assert list(decision.reasons) == sorted(decision.reasons, key=REASON_PRIORITY.index)
+    if not case.expect:
+        assert decision.reason is None and decision.spec is None
+        return
+    assert decision.reason is case.expect[0] and not decision.copy
+    assert decision.spec is not None
+    if case.scopes_after is not None:
+        assert decision.spec.principal.scopes == case.scopes_after
+    if case.profile_after is not None:
+        assert decision.spec.environment.browser_profile_id == case.profile_after
+    # The rebuild keeps the pinned agent configuration.
+    assert decision.spec.agent == spec.agent and decision.spec.tools == spec.tools
+
+
+def test_a_rebuild_advertises_what_the_run_was_newly_granted() -> None:
+    spec = _spec()
+    plan = _plan(spec)
+    assert "mail.send" not in plan.tool_names
+    decision = admit_run(
+        plan, spec, Admission(("mail.read", "mail.send", "web")), builder_reproduces=_never
+    )
+    assert decision.spec is not None
+    rebuilt = _plan(decision.spec, epoch=2)
+    assert "mail.send" in rebuilt.tool_names
+    assert rebuilt.authority_scope_hashes == scope_hashes(("mail.read", "mail.send", "web"))
+    assert newly_granted(rebuilt, ("mail.send", "web")) == ()
+
+
+def test_revocation_keeps_the_hash_and_the_tool() -> None:
+    spec = _spec()
+    plan = _plan(spec)
+    assert "web.fetch" in plan.tool_names
+    decision = admit_run(plan, spec, Admission(("mail.read",)), builder_reproduces=_never)
+    assert decision.reason is None  # the plan, its hash and its advertised tools stay
+    pinned = {p.name: p for p in plan.pinned_tools}
+    assert pinned["web.fetch"].required_scopes == ("web",)  # what the call-time check needs
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sets(st.sampled_from(["a", "b", "c", "d"])),
+    st.sets(st.sampled_from(["a", "b", "c", "d"])),
+)
+def test_only_a_new_scope_rotates(pinned: set[str], run: set[str]) -> None:
+    spec = _spec(principal=Principal(scopes=tuple(pinned)), tools=(), snapshot=MemorySnapshotSpec())
+    plan = _plan(spec)
+    decision = admit_run(plan, spec, Admission(tuple(run)), builder_reproduces=_never)
+    rotates = decision.reason is PlanReason.RUN_AUTHORITY_CHANGED
+    assert rotates == (not run <= pinned)
+
+
+# --- the canonicalizing copy --------------------------------------------------------------
+
+
+def _legacy(plan: ContextPlan) -> ContextPlan:
+    """The same plan as written before ADR-0134: scopes in a hash-seed order."""
+    document = json.loads(plan.prefix_document)
+    for spec in document["tool_specs"]:
+        spec["required_scopes"] = list(reversed(spec["required_scopes"]))
+    text = canonical_bytes(document).decode("utf-8")
+    return plan.model_copy(
+        update={
+            "prefix_document": text,
+            "prefix_sha256": sha256_hex(text.encode("utf-8")),
+            "tool_schema_sha256": sha256_hex(canonical_bytes(document["tool_specs"])),
+            "pinned_tools": tuple(
+                PinnedTool.model_validate(
+                    {**p.model_dump(), "required_scopes": list(reversed(p.required_scopes))}
+                )
+                for p in plan.pinned_tools
+            ),
+        }
+    )
+
+
+def _two_scope_spec() -> PlanSpec:
+    return _spec(
+        principal=Principal(scopes=("mail.read", "mail.list", "web")),
+        tools=(_tool("mail.search", ("mail.read", "mail.list")), _tool("web.fetch", ("web",))),
+    )
+
+
+def test_a_legacy_plan_is_copied_with_canonical_hashes_and_the_same_bytes() -> None:
+    spec = _two_scope_spec()
+    canonical = _plan(spec)
+    legacy = _legacy(canonical)
+    assert is_canonical(canonical) and not is_canonical(legacy)
+    assert legacy.prefix_sha256 != canonical.prefix_sha256
+    decision = admit_run(legacy, spec, None, builder_reproduces=_never)
+    assert decision.reasons == (PlanReason.PREFIX_HASH_CANONICALIZED,)
+    assert decision.copy and decision.spec is None
+    copy = canonicalized_copy(legacy, epoch=2)
+    assert (copy.epoch, copy.reason) == (2, PlanReason.PREFIX_HASH_CANONICALIZED)
+    assert copy.prefix_sha256 == canonical.prefix_sha256
+    assert copy.prefix_document == canonical.prefix_document
+    assert copy.tool_schema_sha256 == canonical.tool_schema_sha256
+    assert copy.pinned_tools == canonical.pinned_tools
+    # Nothing the provider receives changed: nothing is re-cached.
+    assert rendered_identity(copy) == rendered_identity(legacy)
+    assert copy.system == legacy.system and copy.tools == legacy.tools
+    # And the copy is current: the next admission keeps it.
+    assert admit_run(copy, spec, None, builder_reproduces=_never).reason is None
+
+
+def test_a_rebuild_reason_supersedes_the_copy() -> None:
+    spec = _two_scope_spec()
+    legacy = _legacy(_plan(spec))
+    decision = admit_run(
+        legacy, spec, Admission(("mail.read", "mail.list", "web", "new")), builder_reproduces=_never
+    )
+    assert decision.reasons == (PlanReason.RUN_AUTHORITY_CHANGED,)
+
+
+def test_a_plan_whose_hash_matches_nothing_is_not_copied() -> None:
+    spec = _two_scope_spec()
+    broken = _legacy(_plan(spec)).model_copy(update={"prefix_sha256": "0" * 64})
+    assert admit_run(broken, spec, None, builder_reproduces=_never).reason is None
+    with pytest.raises(PreconditionError):
+        canonicalized_copy(broken, epoch=2)
+
+
+def test_the_builder_version_is_recorded_and_rendered_identity_is_stable() -> None:
+    spec = _spec()
+    plan = _plan(spec)
+    assert plan.builder_version == BUILDER_VERSION
+    assert rendered_identity(_plan(spec)) == rendered_identity(plan)
+    assert rendered_identity(_plan(spec, secret=b"x" * 32)) != rendered_identity(plan)
+
+
+# --- skills -------------------------------------------------------------------------------
+
+
+def _loaded(name: str, tokens: int = 100) -> LoadedSkill:
+    return LoadedSkill(name, "1", f"body of {name}", TrustLevel.TRUSTED_CONFIGURATION, tokens)
+
+
+_CATALOG = (("triage", "1"), ("refunds", "2"), ("travel", "1"))
+
+
+@pytest.mark.parametrize(
+    ("loaded", "name", "tokens", "outcome"),
+    [
+        ((), "triage", 100, True),
+        ((_loaded("triage"),), "triage", 100, False),  # sticky and idempotent
+        ((_loaded("triage"),), "refunds", 100, True),
+        ((_loaded("triage"), _loaded("refunds")), "travel", 1, "SKILL_LIMIT:items"),
+        ((_loaded("triage"), _loaded("refunds")), "triage", 1, False),
+        ((_loaded("triage", 5_000),), "refunds", 1_001, "SKILL_LIMIT:tokens"),
+        ((_loaded("triage", 5_000),), "refunds", 1_000, True),
+        ((), "payroll", 10, "SKILL_NOT_IN_CATALOG"),
+    ],
+)
+def test_skill_loads(
+    loaded: tuple[LoadedSkill, ...], name: str, tokens: int, outcome: bool | str
+) -> None:
+    if isinstance(outcome, bool):
+        assert admit_load(loaded, _CATALOG, name, tokens) is outcome
+        return
+    with pytest.raises(PreconditionError) as caught:
+        admit_load(loaded, _CATALOG, name, tokens)
+    reason, _, limit = outcome.partition(":")
+    assert caught.value.reason == reason
+    if limit:
+        assert caught.value.metadata["limit"] == limit
+        assert caught.value.metadata["class"] == "skill_bodies"
+
+
+@pytest.mark.parametrize(
+    ("catalog", "requested", "effective"),
+    [
+        (TrustLevel.TRUSTED_CONFIGURATION, None, TrustLevel.TRUSTED_CONFIGURATION),
+        (TrustLevel.TRUSTED_CONFIGURATION, TrustLevel.USER, TrustLevel.USER),
+        (TrustLevel.EXTERNAL_UNTRUSTED, None, TrustLevel.EXTERNAL_UNTRUSTED),
+        (
+            TrustLevel.EXTERNAL_UNTRUSTED,
+            TrustLevel.TRUSTED_CONFIGURATION,
+            TrustLevel.EXTERNAL_UNTRUSTED,
+        ),
+        (TrustLevel.EXTERNAL_UNTRUSTED, TrustLevel.USER, TrustLevel.EXTERNAL_UNTRUSTED),
+        (TrustLevel.TRUSTED_CONFIGURATION, TrustLevel.PLATFORM, None),
+        (TrustLevel.TRUSTED_CONFIGURATION, TrustLevel.MODEL, None),
+    ],
+)
+def test_a_body_never_gains_trust(
+    catalog: TrustLevel, requested: TrustLevel | None, effective: TrustLevel | None
+) -> None:
+    if effective is None:
+        with pytest.raises(InvalidFieldError):
+            body_trust(catalog, requested)
+    else:
+        assert body_trust(catalog, requested) is effective
+
+
+def test_bodies_render_in_load_order() -> None:
+    items = body_items([_loaded("refunds"), _loaded("triage")])
+    assert [i.name for i in items] == ["refunds", "triage"]
+    assert [i.item_id for i in items] == ["skill-body:refunds", "skill-body:triage"]
+
+
+def test_the_catalog_pins_20_skills_and_1500_tokens() -> None:
+    skills = tuple(SkillSpec(name=f"s{i:02d}") for i in range(21))
+    pinned, left = pin_catalog(skills, lambda s: 10)
+    assert [s.name for s in pinned] == [f"s{i:02d}" for i in range(20)]
+    assert [s.name for s in left] == ["s20"]
+    heavy = {"s00": 1_400, "s01": 200}
+    pinned, left = pin_catalog(skills[:3], lambda s: heavy.get(s.name, 50))
+    assert [s.name for s in pinned] == ["s00", "s02"] and [s.name for s in left] == ["s01"]
+    plan = _plan(_spec(skills=skills))
+    assert [n for n, _ in plan.skill_pins] == [f"s{i:02d}" for i in range(20)]
+    assert plan.skipped_skill_names == ("s20",)
+    assert sum(b.row is Row.SKILL_CATALOG for b in plan.system) == 20
+
+
+# --- persona ------------------------------------------------------------------------------
+
+
+def test_an_empty_persona_renders_no_bytes() -> None:
+    spec = _spec(skills=(SkillSpec(name="triage", description="Sort mail."),))
+    without = _plan(spec)
+    empty = _plan(spec.model_copy(update={"persona": PersonaSpec(revision="r7", entries=())}))
+    assert empty.prefix_document == without.prefix_document
+    assert empty.prefix_sha256 == without.prefix_sha256
+    assert empty.system == without.system
+    persona = PersonaSpec(revision="r8", entries=("Warm, brief.", "Signs as Max."))
+    edited = _plan(spec.model_copy(update={"persona": persona}))
+    (row,) = [b for b in edited.system if b.row is Row.PERSONA]
+    assert row.trust is TrustLevel.TRUSTED_CONFIGURATION
+    assert row.text == "Persona:\n- Warm, brief.\n- Signs as Max."
+    assert edited.prefix_sha256 != without.prefix_sha256
+    rows = [b.row for b in edited.system]
+    assert rows.index(Row.PERSONA) == rows.index(Row.AGENT_INSTRUCTIONS) + 1
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [tuple(f"entry {i}" for i in range(31)), ("x" * 6_100,)],
+    ids=["31 entries", "over 2,000 tokens"],
+)
+def test_a_persona_over_its_cap_fails_the_plan(entries: tuple[str, ...]) -> None:
+    with pytest.raises(PreconditionError) as caught:
+        _plan(_spec(persona=PersonaSpec(revision="r", entries=entries)))
+    assert caught.value.reason == "PREFIX_CLASS_OVER_CAP"
+    assert caught.value.metadata["class"] == "persona"
+
+
+def test_a_persona_at_its_cap_opens() -> None:
+    entries = tuple(f"entry {i}" for i in range(30))
+    plan = _plan(_spec(persona=PersonaSpec(revision="r", entries=entries)))
+    assert sum(b.row is Row.PERSONA for b in plan.system) == 1
+
+
+# --- memory snapshot ----------------------------------------------------------------------
+
+
+def test_the_snapshot_pins_40_items_with_its_trace_and_watermark() -> None:
+    items = tuple(MemoryItemSpec(item_id=f"m{i:02d}", text=f"fact {i}") for i in range(41))
+    snapshot = MemorySnapshotSpec(snapshot_id="s", recall_trace_id="t", watermark=9, items=items)
+    plan = _plan(_spec(snapshot=snapshot))
+    rows = [b for b in plan.system if b.row is Row.MEMORY_SNAPSHOT]
+    assert [b.item_id for b in rows] == [f"memory:m{i:02d}" for i in range(40)]
+    assert plan.skipped_memory_ids == ("m40",)
+    assert (plan.snapshot_id, plan.recall_trace_id, plan.snapshot_watermark) == ("s", "t", 9)
+    assert all(b.trust is TrustLevel.MEMORY for b in rows) and nonempty(plan)
+    big = tuple(MemoryItemSpec(item_id=f"b{i}", text="y" * 1_500) for i in range(4))
+    plan = _plan(_spec(snapshot=MemorySnapshotSpec(items=big)))
+    assert len(plan.skipped_memory_ids) >= 1
+    assert sum(count(b.text) for b in plan.system if b.row is Row.MEMORY_SNAPSHOT) <= 1_500
+    assert not nonempty(_plan(_spec(snapshot=MemorySnapshotSpec(snapshot_id="x"))))
+
+
+def test_erasure_redacts_the_persisted_snapshot_and_invalidates_its_plan() -> None:
+    spec = _spec()
+    plan = _plan(spec)
+    assert "Ana prefers trains." in plan.prefix_document
+    redacted, redacted_spec, removed = redact_person(plan, spec, "ana")
+    assert removed == 1 and redacted.invalidated
+    assert "Ana prefers trains." not in redacted.prefix_document
+    assert all("Ana prefers" not in b.text for b in redacted.system)
+    assert [m.item_id for m in redacted_spec.snapshot.items] == ["m2"]
+    assert redacted.prefix_sha256 == plan.prefix_sha256  # the bytes a bound run received
+    assert admit_run(redacted, redacted_spec, None, builder_reproduces=_never).reasons == (
+        PlanReason.SNAPSHOT_INVALIDATED,
+    )
+    again = _plan(redacted_spec, epoch=2)  # the rotation recalls from what remains
+    assert "Office is in Lyon." in again.prefix_document and not again.invalidated
+    untouched = redact_person(plan, spec, "bruno")
+    assert untouched == (plan, spec, 0)

@@ -1,0 +1,190 @@
+"""`context-engine explain`: the first differing byte, its row and item, and the verdict."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from google.protobuf import json_format
+from hypothesis import given
+from hypothesis import strategies as st
+
+from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+from context_engine.api.convert import request_from_proto, request_to_proto
+from context_engine.core import assemble
+from context_engine.core.request import ModelRequest
+from context_engine.core.rows import Region, Row
+from context_engine.explain import explain, format_explanation, load_build_response, run
+from context_engine.providers import prompt_units, render
+from tests.golden.loader import load_request
+
+from .strategies import SCENARIO_SETTINGS, SETTINGS, Scenario, scenarios
+
+LOOP = "anthropic_scheduled_tool_loop"
+
+
+def _response(request: ModelRequest, epoch: int = 1, sequence: int = 7) -> pb.BuildResponse:
+    payload = render(request)
+    return pb.BuildResponse(
+        request=request_to_proto(request),
+        prefix_sha256="ab" * 32,
+        epoch=epoch,
+        request_sequence=sequence,
+        provider_payload=payload.body,
+        provider_api=payload.api,
+    )
+
+
+def _edit_block(request: ModelRequest, item_id: str, text: str) -> ModelRequest:
+    messages = tuple(
+        replace(
+            m, blocks=tuple(replace(b, text=text) if b.item_id == item_id else b for b in m.blocks)
+        )
+        for m in request.messages
+    )
+    return replace(request, messages=messages)
+
+
+def _stream(request: ModelRequest) -> bytes:
+    return b"".join(u.data for u in prompt_units(request))
+
+
+def _first_difference(x: bytes, y: bytes) -> int:
+    return next(
+        (n for n, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), min(len(x), len(y))
+    )
+
+
+def test_identical_builds_share_everything() -> None:
+    request = load_request(LOOP)
+    e = explain(_response(request), _response(request))
+    assert e.identical and not e.defect and e.offset == len(_stream(request))
+
+
+def test_a_changed_date_is_region_b_and_expected() -> None:
+    a = load_request(LOOP)
+    runtime = next(b for m in a.messages for b in m.blocks if b.row is Row.RUNTIME_METADATA)
+    b = _edit_block(a, runtime.item_id, runtime.text.replace("2026-03-14", "2026-03-15"))
+    e = explain(_response(a), _response(b))
+    assert (e.row, e.item_id, e.region, e.defect) == (
+        Row.RUNTIME_METADATA,
+        runtime.item_id,
+        Region.BODY,
+        False,
+    )
+    assert e.offset == _first_difference(_stream(a), _stream(b))
+    assert "expected" in e.verdict
+    text = format_explanation(e, _response(a), _response(b))
+    assert "row 14" in text and "Region B" in text
+
+
+def test_a_changed_prefix_within_an_epoch_is_a_defect() -> None:
+    a = load_request(LOOP)
+    persona = next(n for n, blk in enumerate(a.system) if blk.row is Row.PERSONA)
+    system = list(a.system)
+    system[persona] = replace(system[persona], text=system[persona].text + " (edited)")
+    b = replace(a, system=tuple(system))
+    e = explain(_response(a), _response(b))
+    assert e.region is Region.PREFIX and e.row is Row.PERSONA and e.defect
+    assert e.path == f"system[{persona}]"
+    assert "DEFECT" in e.verdict
+    rotated = explain(_response(a, epoch=1), _response(b, epoch=2))
+    assert rotated.region is Region.PREFIX and not rotated.defect
+    assert "rotation" in rotated.verdict
+
+
+def test_a_prompt_that_only_grows_differs_nowhere() -> None:
+    b = load_request(LOOP)
+    last = b.messages[-1]
+    a = replace(b, messages=(*b.messages[:-1], replace(last, blocks=last.blocks[:1])))
+    e = explain(_response(a), _response(b))
+    assert e.extends and not e.identical and not e.defect
+    assert e.offset == len(_stream(a))
+
+
+def test_a_shrunk_history_names_what_was_dropped() -> None:
+    a = load_request(LOOP)
+    b = replace(a, messages=a.messages[1:])
+    e = explain(_response(a), _response(b))
+    assert e.region is Region.BODY and e.row is Row.COMPACTED_SUMMARY
+
+
+def test_an_openai_instructions_change_names_its_system_block() -> None:
+    a = load_request("openai_tool_loop")
+    system = list(a.system)
+    system[-1] = replace(system[-1], text=system[-1].text + "!")
+    b = replace(a, system=tuple(system))
+    e = explain(_response(a), _response(b))
+    assert e.path == f"instructions[{len(system) - 1}]"
+    assert e.row is system[-1].row and e.defect
+
+
+def test_a_payload_from_another_builder_is_noted() -> None:
+    request = load_request(LOOP)
+    stale = _response(request)
+    stale.provider_payload = b"{}"
+    e = explain(stale, _response(request))
+    assert e.identical and any("another builder" in n for n in e.notes)
+
+
+@SCENARIO_SETTINGS
+@given(scenarios(), st.sampled_from(["anthropic", "openai"]))
+def test_the_request_survives_the_proto_seam(sc: Scenario, provider: str) -> None:
+    assembled = assemble(sc.inputs())
+    assert assembled.request is not None
+    request = replace(assembled.request, provider=provider)
+    assert request_from_proto(request_to_proto(request)) == request
+
+
+@SETTINGS
+@given(st.data())
+def test_explain_finds_the_block_any_single_edit_lands_in(data: st.DataObject) -> None:
+    case = data.draw(st.sampled_from([LOOP, "openai_tool_loop", "anthropic_first_request"]))
+    a = load_request(case)
+    texts = [
+        b for m in a.messages for b in m.blocks if b.kind in ("text", "tool_result") and b.item_id
+    ]
+    target = data.draw(st.sampled_from(texts))
+    at = data.draw(st.integers(0, len(target.text)))
+    b = _edit_block(a, target.item_id, target.text[:at] + "\u2603" + target.text[at:])
+    e = explain(_response(a), _response(b))
+    assert e.item_id == target.item_id and e.row is target.row and not e.defect
+    assert e.offset == _first_difference(_stream(a), _stream(b))
+
+
+@pytest.mark.parametrize("form", ["json", "binary"])
+def test_the_command_reads_files_and_exits_1_on_a_defect(
+    tmp_path: Path, form: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a = load_request(LOOP)
+    system = list(a.system)
+    system[0] = replace(system[0], text="A different policy.")
+    b = replace(a, system=tuple(system))
+    paths = []
+    for name, response in (("a", _response(a)), ("b", _response(b))):
+        path = tmp_path / f"{name}.{form}"
+        if form == "json":
+            path.write_text(json_format.MessageToJson(response))
+        else:
+            path.write_bytes(response.SerializeToString())
+        assert load_build_response(path) == response
+        paths.append(str(path))
+    args = argparse.Namespace(builds=paths, session="", target="", tenant="", token="")
+    assert run(args) == 1
+    out = capsys.readouterr().out
+    assert "DEFECT" in out and "system[0]" in out
+    same = argparse.Namespace(
+        builds=[paths[0], paths[0]], session="", target="", tenant="", token=""
+    )
+    assert run(same) == 0
+    missing = argparse.Namespace(
+        builds=[paths[0], str(tmp_path / "nope")], session="", target="", tenant="", token=""
+    )
+    assert run(missing) == 2
+
+
+def test_a_build_without_a_request_cannot_be_explained() -> None:
+    with pytest.raises(ValueError, match="needs_compaction"):
+        explain(pb.BuildResponse(needs_compaction=True), _response(load_request(LOOP)))

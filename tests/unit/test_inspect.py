@@ -1,0 +1,120 @@
+"""`context-engine inspect`: the budget bar and the payload shapes it reads (pure parts)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rich.console import Console
+
+from context_engine.inspect import (
+    Epoch,
+    RequestLine,
+    SessionView,
+    bar_cells,
+    budget_of,
+    classes_of,
+    render,
+)
+
+classes = st.lists(
+    st.tuples(
+        st.sampled_from(["prefix", "history", "tool_results", "recall"]), st.integers(0, 10**6)
+    ),
+    max_size=8,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(classes, st.integers(0, 2 * 10**6), st.integers(1, 120))
+def test_bar_fits_its_width_and_scales_with_the_budget(
+    parts: list[tuple[str, int]], budget: int, width: int
+) -> None:
+    cells = bar_cells(parts, budget, width)
+    assert cells == bar_cells(parts, budget, width)  # deterministic
+    used = sum(n for _, n in cells)
+    assert all(n > 0 for _, n in cells)
+    total = sum(t for _, t in parts)
+    scale = max(budget, total)
+    if not total:
+        assert cells == []
+        return
+    # Cells: the classes' share of the budget, rounded, at least one cell per class that
+    # has tokens, never more than the width.
+    wanted = round(total * width / scale)
+    floors = [max(1, int(t * width / scale)) for _, t in parts if t > 0]
+    assert used == min(width, max(wanted, sum(floors)))
+    positive = [(name, t * width / scale) for name, t in parts if t > 0]
+    if len(positive) <= width:
+        assert [name for name, _ in cells] == [name for name, _ in positive]
+        # No class gets more than one cell beyond its exact share (rounded down, min 1).
+        for (_, n), (_, exact) in zip(cells, positive, strict=True):
+            assert n <= max(1, int(exact)) + 1
+
+
+def test_bar_over_budget_fills_the_bar_and_half_budget_fills_half() -> None:
+    assert bar_cells([("prefix", 300), ("history", 900)], 1200, 40) == [
+        ("prefix", 10),
+        ("history", 30),
+    ]
+    assert sum(n for _, n in bar_cells([("prefix", 250), ("history", 250)], 1000, 40)) == 20
+    assert bar_cells([], 1000, 40) == []
+    # Over budget, or without one, the bar is full and keeps the proportions.
+    assert bar_cells([("prefix", 300), ("history", 900)], 600, 40) == [
+        ("prefix", 10),
+        ("history", 30),
+    ]
+    assert sum(n for _, n in bar_cells([("a", 1), ("b", 3)], 0, 40)) == 40
+
+
+def test_payload_shapes() -> None:
+    assert classes_of({"prefix_tokens": 1200}) == (("prefix", 1200),)
+    listed = {
+        "budget": [
+            {"class_name": "tool_definitions", "tokens": 900},
+            {"class": "history", "tokens": 40},
+        ]
+    }
+    assert classes_of(listed) == (("tool_definitions", 900), ("history", 40))
+    assert classes_of({"class_tokens": {"history": 5, "recall": 7}}) == (
+        ("history", 5),
+        ("recall", 7),
+    )
+    assert budget_of({"input_budget_tokens": 190_000, "estimated_input_tokens": 3_000}) == (
+        190_000,
+        3_000,
+    )
+    assert budget_of({}) == (0, 0)
+
+
+def _view(second_hash: str) -> SessionView:
+    h1 = "a" * 64
+    return SessionView(
+        tenant_id="tenant-a",
+        session_id="00000000-0000-0000-0000-000000000001",
+        current_epoch=1,
+        created_at="2026-03-01T12:00:00+00:00",
+        epochs=(
+            Epoch(1, "session_opened", h1, 1200, "claude-sonnet-4-5", 3, "2026-03-01T12:00:00"),
+        ),
+        requests=(
+            RequestLine(5, "r" * 36, 1, h1, (("prefix", 1200), ("history", 300)), 10_000, 1500, ""),
+            RequestLine(
+                9, "r" * 36, 1, second_hash, (("prefix", 1200),), 0, 0, "fits:drop_knowledge"
+            ),
+        ),
+        events=((7, "context.budget.pressure", "fits=True steps=drop_knowledge"),),
+        runs=1,
+    )
+
+
+def test_render_shows_epochs_requests_bars_and_flags_a_changed_hash() -> None:
+    console = Console(record=True, width=160, color_system=None)
+    render(_view("a" * 64), console)
+    text = console.export_text()
+    assert "one prefix hash per epoch" in text
+    assert "session_opened" in text and "1,500/10,000 (15%)" in text
+    assert "context.budget.pressure" in text and "fits:drop_knowledge" in text
+
+    console = Console(record=True, width=160, color_system=None)
+    render(_view("b" * 64), console)
+    assert "stability defect" in console.export_text()

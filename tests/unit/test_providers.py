@@ -1,0 +1,574 @@
+"""Provider renderers and the history cache window, property-tested over generated builds.
+
+Hard gates: the renderers are deterministic and canonical; every tool call is answered in
+the provider's shape; envelopes reach the provider byte for byte; Anthropic gets at most
+four markers with no one-hour marker after a shorter one; a history marker never closes
+more than the next step (or the next run) repeats.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from context_engine.core import (
+    Checkpoint,
+    EngineError,
+    PreconditionError,
+    SessionKind,
+    assemble,
+    canonical_bytes,
+    session_key,
+)
+from context_engine.core.cache_hints import BREAKPOINTS, history_window
+from context_engine.core.items import (
+    AssistantMessage,
+    ReasoningItem,
+    RecallLineItem,
+    ToolCall,
+    ToolResult,
+    UserMessage,
+)
+from context_engine.core.request import Block, CacheBreakpoint, Message, ModelRequest
+from context_engine.core.rows import Region, Row
+from context_engine.core.trust import TrustLevel
+from context_engine.providers import (
+    RENDERERS,
+    anthropic,
+    openai,
+    prompt_units,
+    render,
+    tool_name_from_wire,
+    wire_tool_name,
+)
+
+from .strategies import SCENARIO_SETTINGS, Scenario, scenarios
+
+PROVIDERS = ("anthropic", "openai")
+
+
+def _request(sc: Scenario, provider: str = "anthropic", **overrides: Any) -> ModelRequest:
+    assembled = assemble(sc.inputs(**overrides))
+    assert assembled.request is not None
+    return replace(assembled.request, provider=provider)
+
+
+def _body(request: ModelRequest) -> dict[str, Any]:
+    return json.loads(render(request).body)
+
+
+def _anthropic_blocks(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every block in processing order: tools, system, message content."""
+    out = list(body.get("tools", [])) + list(body.get("system", []))
+    for message in body["messages"]:
+        out += message["content"]
+    return out
+
+
+# --- determinism and canonical bytes -----------------------------------------------------
+
+
+@SCENARIO_SETTINGS
+@given(scenarios(), st.sampled_from(PROVIDERS))
+def test_render_is_deterministic_and_canonical(sc: Scenario, provider: str) -> None:
+    request = _request(sc, provider)
+    first, second = render(request), render(_request(sc, provider))
+    assert first == second
+    assert first.body == canonical_bytes(json.loads(first.body)), "RFC 8785 bytes"
+    assert first.api == RENDERERS[provider].api
+    assert prompt_units(request) == prompt_units(_request(sc, provider))
+
+
+# --- tool pairs --------------------------------------------------------------------------
+
+
+@SCENARIO_SETTINGS
+@given(scenarios(modes=("loop", "answered")))
+def test_every_tool_use_is_answered_first_in_the_next_user_turn(sc: Scenario) -> None:
+    body = _body(_request(sc, "anthropic"))
+    messages = body["messages"]
+    assert messages[0]["role"] == "user", "the API requires a user turn first"
+    roles = [m["role"] for m in messages]
+    assert all(a != b for a, b in itertools.pairwise(roles)), "turns alternate"
+    for n, message in enumerate(messages):
+        uses = [b["id"] for b in message["content"] if b.get("type") == "tool_use"]
+        if not uses:
+            continue
+        following = messages[n + 1]["content"]
+        leading = []
+        for block in following:
+            if block.get("type") != "tool_result":
+                break
+            leading.append(block["tool_use_id"])
+        assert sorted(leading) == sorted(uses)
+
+
+@SCENARIO_SETTINGS
+@given(scenarios(modes=("loop", "answered")))
+def test_every_function_call_has_its_output_after_it(sc: Scenario) -> None:
+    body = _body(_request(sc, "openai"))
+    pending: set[str] = set()
+    for item in body["input"]:
+        if item.get("type") == "function_call":
+            pending.add(item["call_id"])
+        elif item.get("type") == "function_call_output":
+            assert item["call_id"] in pending
+            pending.discard(item["call_id"])
+    assert not pending
+
+
+# --- envelopes and reasoning --------------------------------------------------------------
+
+
+def _sent_texts(body: dict[str, Any], provider: str) -> list[str]:
+    if provider == "anthropic":
+        out = []
+        for block in _anthropic_blocks(body):
+            if block.get("type") == "text":
+                out.append(block["text"])
+            elif block.get("type") == "tool_result":
+                out.append(block.get("content", ""))
+        return out
+    out = [body.get("instructions", "")]
+    for item in body["input"]:
+        if item.get("type") == "message":
+            content = item["content"]
+            out += [content] if isinstance(content, str) else [p["text"] for p in content]
+        elif item.get("type") == "function_call_output":
+            out.append(item["output"])
+    return out
+
+
+@SCENARIO_SETTINGS
+@given(scenarios(), st.sampled_from(PROVIDERS))
+def test_envelopes_reach_the_provider_intact(sc: Scenario, provider: str) -> None:
+    request = _request(sc, provider)
+    sent = _sent_texts(_body(request), provider)
+    joined = "\x00".join(sent)
+    for message in request.messages:
+        for block in message.blocks:
+            if block.kind not in ("text", "tool_result") or not block.text.strip():
+                continue
+            if provider == "anthropic":
+                assert block.text in sent, "each block is sent whole, as one block"
+            else:
+                assert block.text in joined
+    for block in request.system:
+        if block.text.strip():
+            assert block.text in joined
+
+
+@SCENARIO_SETTINGS
+@given(scenarios(modes=("loop", "answered")), st.sampled_from(PROVIDERS))
+def test_reasoning_is_replayed_verbatim_and_never_as_text(sc: Scenario, provider: str) -> None:
+    request = _request(sc, provider)
+    body = _body(request)
+    items = (
+        [b for m in body["messages"] for b in m["content"]]
+        if provider == "anthropic"
+        else body["input"]
+    )
+    for message in request.messages:
+        for block in message.blocks:
+            if block.kind != "reasoning":
+                continue
+            opaque = json.loads(block.opaque)
+            if block.provider == provider:
+                assert opaque in items, "replayed as the provider's own object"
+            else:
+                assert opaque not in items, "another provider's continuation is not sent"
+            for text in _sent_texts(body, provider):
+                assert block.opaque not in text, "never rendered into text"
+
+
+def test_reasoning_that_is_not_a_json_object_fails_loudly() -> None:
+    request = _tiny_request(
+        Message(
+            "assistant",
+            (
+                Block(
+                    Row.CONVERSATION,
+                    TrustLevel.MODEL,
+                    "reasoning",
+                    "rs",
+                    0,
+                    provider="anthropic",
+                    opaque="[1]",
+                ),
+                Block(Row.CONVERSATION, TrustLevel.MODEL, "text", "a1", 2, text="hi"),
+            ),
+        ),
+    )
+    try:
+        render(request)
+    except EngineError as exc:
+        assert "rs" in str(exc)
+    else:
+        raise AssertionError("a non-object reasoning payload must not render")
+
+
+# --- markers: count, TTL order, priority ----------------------------------------------------
+
+
+def _markers(body: dict[str, Any]) -> list[dict[str, str]]:
+    return [b["cache_control"] for b in _anthropic_blocks(body) if "cache_control" in b]
+
+
+@SCENARIO_SETTINGS
+@given(scenarios(), st.sampled_from(list(SessionKind)))
+def test_at_most_four_markers_and_no_longer_ttl_after_a_shorter(
+    sc: Scenario, kind: SessionKind
+) -> None:
+    spec = sc.spec.model_copy(
+        update={"environment": sc.spec.environment.model_copy(update={"kind": kind})}
+    )
+    sc = replace(sc, spec=spec)
+    request = _request(sc, "anthropic")
+    markers = _markers(_body(request))
+    assert len(markers) <= anthropic.MAX_BREAKPOINTS
+    ttls = [m.get("ttl", "5m") for m in markers]
+    assert ttls == sorted(ttls, key=lambda t: t != "1h"), f"1h after 5m: {ttls}"
+    assert all(m["type"] == "ephemeral" for m in markers)
+    prefix = [bp for bp in request.cache_breakpoints if bp.name.startswith("after_")]
+    expected = "1h" if kind is SessionKind.SCHEDULED else "5m"
+    assert {bp.ttl for bp in prefix} == {expected}
+    assert all(bp.ttl == "5m" for bp in request.cache_breakpoints if bp not in prefix)
+    if kind is SessionKind.SCHEDULED:
+        assert ttls[0] == "1h", "the prefix markers come first and keep the hour"
+
+
+@SCENARIO_SETTINGS
+@given(scenarios(modes=("loop",)), st.integers(0, 4))
+def test_a_smaller_budget_drops_the_run_marker_first(sc: Scenario, budget: int) -> None:
+    request = _request(sc, "anthropic")
+    full = _markers(json.loads(anthropic.render(request).body))
+    fewer = _markers(json.loads(anthropic.render(request, max_breakpoints=budget).body))
+    assert len(fewer) == min(budget, len(full))
+    body = json.loads(anthropic.render(request, max_breakpoints=budget).body)
+    marked = [n for n, b in enumerate(_anthropic_blocks(body)) if "cache_control" in b]
+    full_marked = [
+        n
+        for n, b in enumerate(_anthropic_blocks(json.loads(anthropic.render(request).body)))
+        if "cache_control" in b
+    ]
+    assert set(marked) <= set(full_marked)
+    names = [bp.name for bp in sorted(request.cache_breakpoints, key=lambda b: b.priority)]
+    assert names == [b.name for b in BREAKPOINTS if b.name in names], "priority order"
+
+
+def test_priority_table_drops_the_run_marker_first() -> None:
+    priorities = {b.name: b.priority for b in BREAKPOINTS}
+    assert sorted(priorities, key=priorities.__getitem__) == [
+        "after_system",
+        "after_tools",
+        "carried_history",
+        "run",
+    ]
+
+
+# --- the history window -------------------------------------------------------------------
+
+
+def _position(units: tuple[Any, ...], item_id: str) -> int:
+    return next(n for n, u in enumerate(units) if u.item_id == item_id)
+
+
+def _assert_repeated(before: ModelRequest, after: ModelRequest, names: set[str]) -> None:
+    """Every marker of `before` named in `names` closes a prefix `after` repeats."""
+    for provider in PROVIDERS:
+        a = prompt_units(replace(before, provider=provider))
+        b = prompt_units(replace(after, provider=provider))
+        for bp in before.cache_breakpoints:
+            if bp.name not in names:
+                continue
+            units = [u for u in a if u.item_id == bp.through_item]
+            if not units:
+                continue  # the item sends nothing to this provider (its marker moves back)
+            end = _position(a, bp.through_item) + 1
+            assert [u.data for u in a[:end]] == [u.data for u in b[:end]], (
+                f"{bp.name} marker through {bp.through_item} is past what the next "
+                f"request repeats ({provider})"
+            )
+
+
+def _next_turn(sc: Scenario) -> tuple[Any, ...]:
+    """What the model and tools add on the next step: a call and its result."""
+    run = sc.checkpoint.run_id
+    top = max([i.sequence for i in (*sc.carried, *sc.checkpoint.items)] + [0])
+    return (
+        AssistantMessage(item_id="next-text", run_id=run, sequence=top + 1, text="next"),
+        ToolCall(
+            item_id="next-call",
+            run_id=run,
+            sequence=top + 2,
+            call_id="call_next",
+            tool_name="web.fetch",
+            arguments_json="{}",
+        ),
+        ToolResult(
+            item_id="next-result",
+            run_id=run,
+            sequence=top + 3,
+            call_id="call_next",
+            tool_name="web.fetch",
+            content="r",
+            trust=TrustLevel.EXTERNAL_UNTRUSTED,
+        ),
+    )
+
+
+@SCENARIO_SETTINGS
+@given(scenarios(modes=("fresh", "loop")))
+def test_markers_never_pass_what_the_next_step_repeats(sc: Scenario) -> None:
+    before = _request(sc)
+    checkpoint = sc.checkpoint.model_copy(
+        update={"items": sc.checkpoint.items + _next_turn(sc), "version": 99}
+    )
+    fresh_step = replace(
+        sc.step,
+        recall=(RecallLineItem(item_id="recall-next", text="changed since the last step"),),
+    )
+    after = _request(sc, checkpoint=checkpoint, step=fresh_step, now=sc.now + timedelta(days=1))
+    _assert_repeated(before, after, {"after_system", "after_tools", "carried_history", "run"})
+
+
+@SCENARIO_SETTINGS
+@given(scenarios(modes=("loop", "answered")))
+def test_the_carried_marker_holds_into_the_next_run(sc: Scenario) -> None:
+    before = _request(sc)
+    logged = tuple(i for i in sc.checkpoint.items if not isinstance(i, ReasoningItem))
+    top = max([i.sequence for i in (*sc.carried, *logged)] + [0])
+    checkpoint = Checkpoint(
+        run_id="run-next",
+        version=1,
+        items=(UserMessage(item_id="next-user", run_id="run-next", sequence=top + 1, text="q"),),
+        summary=sc.checkpoint.summary,
+        replaced_through_sequence=sc.checkpoint.replaced_through_sequence,
+    )
+    pairs_closed = not any(
+        isinstance(i, ToolCall)
+        and not any(isinstance(r, ToolResult) and r.call_id == i.call_id for r in logged)
+        for i in logged
+    )
+    carried = sc.carried + (logged if pairs_closed else ())
+    after = _request(sc, checkpoint=checkpoint, carried=carried)
+    _assert_repeated(before, after, {"after_system", "after_tools", "carried_history"})
+
+
+@SCENARIO_SETTINGS
+@given(scenarios(modes=("fresh", "loop", "answered")))
+def test_window_markers_name_row_9_or_10_items_and_their_inputs(sc: Scenario) -> None:
+    assembled = assemble(sc.inputs())
+    request = assembled.request
+    assert request is not None
+    window = [bp for bp in request.cache_breakpoints if not bp.name.startswith("after_")]
+    rows = {item.item_id: row for row, item in assembled.placed}
+    kinds = {item.item_id: item for _, item in assembled.placed}
+    assert len(window) <= 2
+    assert len({bp.through_item for bp in window}) == len(window)
+    for bp in window:
+        assert rows[bp.through_item] in (Row.COMPACTED_SUMMARY, Row.CONVERSATION)
+        assert not isinstance(kinds[bp.through_item], ReasoningItem)
+        if bp.through_input_item:
+            assert isinstance(kinds[bp.through_input_item], UserMessage | ToolResult)
+    carried_anything = sc.checkpoint.summary is not None or any(
+        i.sequence > sc.checkpoint.replaced_through_sequence for i in sc.carried
+    )
+    assert any(bp.name == "carried_history" for bp in window) == carried_anything
+
+
+def test_first_run_has_no_carried_marker_and_a_loop_marks_its_last_result() -> None:
+    run = "run-1"
+    user = UserMessage(item_id="u1", run_id=run, sequence=1, text="hi")
+    call = ToolCall(
+        item_id="c1", run_id=run, sequence=2, call_id="k1", tool_name="t", arguments_json="{}"
+    )
+    thought = ReasoningItem(item_id="r1", run_id=run, provider="anthropic", opaque="{}")
+    result = ToolResult(
+        item_id="t1",
+        run_id=run,
+        sequence=3,
+        call_id="k1",
+        tool_name="t",
+        content="x",
+        trust=TrustLevel.EXTERNAL_UNTRUSTED,
+    )
+    fresh = history_window([(Row.USER_INPUT, user)], run)
+    assert fresh == ()
+    loop = history_window([(Row.CONVERSATION, i) for i in (user, call, result)], run)
+    assert [(bp.name, bp.through_item, bp.through_input_item) for bp in loop] == [
+        ("run", "t1", "t1")
+    ]
+    continued = history_window([(Row.CONVERSATION, i) for i in (user, thought, call, result)], run)
+    assert [(bp.name, bp.through_item) for bp in continued] == [("run", "u1")]
+    earlier = UserMessage(item_id="u0", run_id="run-0", sequence=0, text="before")
+    answer = AssistantMessage(item_id="a0", run_id="run-0", text="answer")
+    both = history_window(
+        [(Row.CONVERSATION, i) for i in (earlier, answer, user, call, result)], run
+    )
+    assert [(bp.name, bp.through_item, bp.through_input_item) for bp in both] == [
+        ("carried_history", "a0", "u0"),
+        ("run", "t1", "t1"),
+    ]
+
+
+# --- provider specifics ---------------------------------------------------------------------
+
+
+def _tiny_request(*messages: Message, provider: str = "anthropic") -> ModelRequest:
+    return ModelRequest(
+        provider=provider,
+        model_id="m",
+        system=(Block(Row.PLATFORM_POLICY, TrustLevel.PLATFORM, "text", "", text="policy"),),
+        tools=(),
+        messages=messages,
+        max_output_tokens=1024,
+        session_key=session_key("t", "s"),
+    )
+
+
+def test_an_assistant_first_history_gets_the_fixed_placeholder_turn() -> None:
+    request = _tiny_request(
+        Message("assistant", (Block(Row.CONVERSATION, TrustLevel.MODEL, "text", "a", text="x"),)),
+        Message(
+            "user", (Block(Row.RUNTIME_METADATA, TrustLevel.PLATFORM, "text", "rt", text="today"),)
+        ),
+    )
+    body = _body(request)
+    assert body["messages"][0] == {
+        "role": "user",
+        "content": [{"type": "text", "text": anthropic.HISTORY_CUT_PLACEHOLDER}],
+    }
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user"]
+    assert _body(replace(request, provider="openai"))["input"][0]["role"] == "assistant"
+
+
+@SCENARIO_SETTINGS
+@given(scenarios())
+def test_openai_keys_the_cache_by_session_and_sends_no_markers(sc: Scenario) -> None:
+    request = _request(sc, "openai")
+    body = _body(request)
+    assert body["prompt_cache_key"] == session_key(sc.tenant_id, sc.session_id)
+    assert "cache_control" not in render(request).body.decode()
+    for tool in body.get("tools", []):
+        assert tool["type"] == "function" and tool["strict"] is False
+
+
+def test_tool_names_map_to_the_wire_and_back() -> None:
+    names = ["web.fetch", "context.update_working_state", "a-b_c"]
+    for name in names:
+        wire = wire_tool_name(name)
+        assert all(c.isalnum() or c in "_-" for c in wire)
+        assert tool_name_from_wire(names, wire) == name
+    colliding = replace(
+        _tiny_request(
+            Message("user", (Block(Row.USER_INPUT, TrustLevel.USER, "text", "u", text="hi"),))
+        ),
+        tools=(
+            _tool("a.b"),
+            _tool("a-b"),
+        ),
+    )
+    for provider in PROVIDERS:
+        try:
+            render(replace(colliding, provider=provider))
+        except PreconditionError as exc:
+            assert "a-b" in str(exc)
+        else:
+            raise AssertionError("colliding wire names must not render")
+
+
+def _tool(name: str) -> Any:
+    from context_engine.core.request import ToolDefinition
+
+    return ToolDefinition(name, "d", '{"type":"object"}')
+
+
+@SCENARIO_SETTINGS
+@given(scenarios())
+def test_prompt_units_cover_every_region_a_row_before_region_b(sc: Scenario) -> None:
+    for provider in PROVIDERS:
+        units = prompt_units(_request(sc, provider))
+        regions = [u.region for u in units]
+        assert regions == sorted(regions), "Region A units all precede Region B"
+        assert Region.BODY in regions
+
+
+def test_openai_renderer_module_names_its_api() -> None:
+    assert openai.API == "openai.responses" and anthropic.API == "anthropic.messages"
+
+
+def test_unknown_provider_fails_loudly() -> None:
+    try:
+        render(_tiny_request(provider="acme"))
+    except EngineError:
+        pass
+    else:
+        raise AssertionError("an unknown provider must not render")
+
+
+def test_history_markers_in_anthropic_land_on_their_items() -> None:
+    blocks = (Block(Row.CONVERSATION, TrustLevel.USER, "text", "u1", 1, text="<user>q</user>"),)
+    answer = (Block(Row.CONVERSATION, TrustLevel.MODEL, "text", "a1", 2, text="   "),)
+    tail = (Block(Row.RUNTIME_METADATA, TrustLevel.PLATFORM, "text", "runtime", text="today"),)
+    request = replace(
+        _tiny_request(Message("user", blocks), Message("assistant", answer), Message("user", tail)),
+        cache_breakpoints=(CacheBreakpoint("carried_history", "a1", "5m", 2, "u1"),),
+    )
+    body = _body(request)
+    # The whitespace-only answer is not sent; its marker moves back to the block before it
+    # and the two user turns merge.
+    assert [m["role"] for m in body["messages"]] == ["user"]
+    first = body["messages"][0]["content"][0]
+    assert first["cache_control"] == {"type": "ephemeral"}
+
+
+# --- usage and the cache ratios -------------------------------------------------------------
+
+
+def test_usage_is_normalized_the_anthropic_way() -> None:
+    from context_engine.providers import usage_from_provider
+
+    claude = usage_from_provider(
+        "anthropic.messages",
+        {
+            "input_tokens": 10,
+            "cache_read_input_tokens": 900,
+            "cache_creation_input_tokens": 90,
+            "output_tokens": 5,
+        },
+    )
+    gpt = usage_from_provider(
+        "openai.responses",
+        {"input_tokens": 1000, "input_tokens_details": {"cached_tokens": 896}, "output_tokens": 5},
+    )
+    assert (claude.total_input_tokens, claude.cache_read_input_tokens) == (1000, 900)
+    assert (gpt.input_tokens, gpt.cache_read_input_tokens, gpt.total_input_tokens) == (
+        104,
+        896,
+        1000,
+    )
+
+
+@given(st.integers(0, 10**7), st.integers(0, 10**7), st.integers(0, 10**7))
+def test_cache_ratios_are_bounded_integer_ppm(prefix: int, read: int, preceding: int) -> None:
+    from context_engine.providers import (
+        PPM,
+        cached_prefix_ppm,
+        reuse_ppm,
+        session_cached_prefix_ppm,
+    )
+
+    ratio = cached_prefix_ppm(prefix, read)
+    assert 0 <= ratio <= PPM and isinstance(ratio, int)
+    assert ratio == (PPM if prefix and read >= prefix else ratio)
+    assert reuse_ppm(read, preceding) == (read * PPM // preceding if preceding else 0)
+    # The first request of a session writes the cache and is not counted.
+    assert session_cached_prefix_ppm([(prefix, 0), (prefix, read)]) == ratio
+    assert session_cached_prefix_ppm([(prefix, read)]) == 0

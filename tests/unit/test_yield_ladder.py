@@ -1,0 +1,239 @@
+"""The yield ladder in isolation: a synthetic overflow yields in the specified order and no
+further than needed (Budget conformance gate), over generated bodies of token costs."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from context_engine.core.caps import CLASS_CAPS, Yields
+from context_engine.core.items import RecallLineItem, ToolResult
+from context_engine.core.trust import TrustLevel
+from context_engine.core.yield_ladder import (
+    LADDER,
+    Body,
+    Truncatable,
+    pointer_for,
+    run_ladder,
+)
+
+GATE = settings(max_examples=200, deadline=None)
+ORDER = [r.step for r in LADDER]
+KNOWLEDGE = CLASS_CAPS["knowledge"]
+RECALL = CLASS_CAPS["recall"]
+
+
+def _suffix_cut(costs: Sequence[int], tokens: int) -> int:
+    used = 0
+    for index in range(len(costs) - 1, -1, -1):
+        if used + costs[index] > tokens:
+            return index + 1
+        used += costs[index]
+    return 0
+
+
+def _item(n: int) -> RecallLineItem:
+    return RecallLineItem(item_id=f"i{n}", text="x")
+
+
+@dataclass
+class Spec:
+    budget: int
+    fixed: int
+    floor: int
+    cap: int
+    knowledge: list[int]
+    recall: list[int]
+    recall_floor: int
+    carried: list[tuple[int, int | None]]  # (cost, pointer cost if a tool result)
+    run: list[tuple[int, int]]
+
+    def body(self) -> Body:
+        carried_costs = [c for c, _ in self.carried]
+        carried_results = [
+            Truncatable(n, c, p, _item(1000 + n))
+            for n, (c, p) in enumerate(self.carried)
+            if p is not None
+        ]
+        return Body(
+            budget=self.budget,
+            fixed=self.fixed,
+            history_floor=self.floor,
+            tool_result_cap=self.cap,
+            knowledge=[(_item(n), c) for n, c in enumerate(self.knowledge)],
+            recall=[(_item(100 + n), c) for n, c in enumerate(self.recall)],
+            recall_floor=self.recall_floor,
+            carried_costs=carried_costs,
+            run_results=[
+                Truncatable(-1, c, p, _item(2000 + n)) for n, (c, p) in enumerate(self.run)
+            ],
+            carried_results=carried_results,
+            cut_at=_suffix_cut,
+        )
+
+
+@st.composite
+def specs(draw: st.DrawFn) -> Spec:
+    result = st.integers(0, 4_000).flatmap(
+        lambda c: st.tuples(st.just(c), st.integers(0, min(c, 60)))
+    )
+    carried = draw(
+        st.lists(
+            st.one_of(
+                st.tuples(st.integers(0, 2_000), st.none()), result.map(lambda t: (t[0], t[1]))
+            ),
+            max_size=12,
+        )
+    )
+    recall = draw(st.lists(st.integers(0, 900), max_size=6))
+    return Spec(
+        budget=draw(st.integers(0, 30_000)),
+        fixed=draw(st.integers(0, 6_000)),
+        floor=draw(st.sampled_from([0, 500, 8_000])),
+        cap=draw(st.integers(0, 8_000)),
+        knowledge=draw(st.lists(st.integers(0, 2_000), max_size=5)),
+        recall=recall,
+        recall_floor=draw(st.integers(0, len(recall) + 1)),
+        carried=carried,
+        run=draw(st.lists(result, max_size=6)),
+    )
+
+
+def _with(
+    body: Body,
+    *,
+    knowledge: int | None = None,
+    recall: int | None = None,
+    truncated: int | None = None,
+) -> Body:
+    """A copy of the final body with one rung rolled back: `truncated` keeps only that many
+    of the truncations, in the order they happened."""
+    other = copy.copy(body)
+    other.knowledge_kept = body.knowledge_kept if knowledge is None else knowledge
+    other.recall_kept = body.recall_kept if recall is None else recall
+    if truncated is not None:
+        order = _truncation_order(body)
+        keep = {id(t) for t in order[:truncated]}
+        other.carried_results = [copy.copy(t) for t in body.carried_results]
+        other.run_results = [copy.copy(t) for t in body.run_results]
+        other.carried_costs = list(body.carried_costs)
+        for old, new in zip(
+            [*body.carried_results, *body.run_results],
+            [*other.carried_results, *other.run_results],
+            strict=True,
+        ):
+            new.truncated = id(old) in keep
+            if new.carried_index >= 0:
+                other.carried_costs[new.carried_index] = new.cost
+    return other
+
+
+def _truncation_order(body: Body) -> list[Truncatable]:
+    ids = [i for s in body.steps if s.step == "truncate_tool_results" for i in s.item_ids]
+    by_id = {t.item.item_id: t for t in (*body.carried_results, *body.run_results)}
+    return [by_id[i] for i in ids]
+
+
+def _knowledge_over_cap(body: Body) -> bool:
+    return (
+        body.knowledge_kept > KNOWLEDGE.cap_items or body.knowledge_tokens() > KNOWLEDGE.cap_tokens
+    )
+
+
+@GATE
+@given(specs())
+def test_steps_follow_the_ladder_once_each(spec: Spec) -> None:
+    body = spec.body()
+    fits = run_ladder(body)
+    names = [s.step for s in body.steps]
+    assert names == sorted(names, key=ORDER.index) and len(set(names)) == len(names)
+    assert fits == body.fits()
+    assert ("compact" in names) == (not fits)
+    for step in body.steps:
+        assert step.step == "compact" or (step.item_ids and step.tokens_freed >= 0)
+
+
+@GATE
+@given(specs())
+def test_each_rung_yields_no_further_than_needed(spec: Spec) -> None:
+    body = spec.body()
+    run_ladder(body)
+    # Knowledge: one more passage back would break its cap or the fit (before recall or
+    # tool results yielded anything for pressure).
+    if body.knowledge_kept < len(body.knowledge):
+        more = _with(body, knowledge=body.knowledge_kept + 1, recall=len(body.recall), truncated=0)
+        assert _knowledge_over_cap(more) or not more.fits()
+    # Recall: one more line back would break its cap or the fit; never below its floor.
+    assert body.recall_kept >= min(body.recall_floor, len(body.recall))
+    if body.recall_kept < len(body.recall):
+        more = _with(body, recall=body.recall_kept + 1, truncated=0)
+        assert more.recall_tokens() > RECALL.cap_tokens or not more.fits()
+    # Tool results: undoing the last truncation would break the fit or the class cap.
+    order = _truncation_order(body)
+    if order:
+        undone = _with(body, truncated=len(order) - 1)
+        assert not undone.fits() or undone.tool_results_over_cap()
+
+
+@GATE
+@given(specs())
+def test_a_later_rung_yields_for_pressure_only_once_earlier_ones_cannot(spec: Spec) -> None:
+    body = spec.body()
+    fits = run_ladder(body)
+    if body.knowledge_kept > 0:
+        # Knowledge stopped yielding, so the body fit then: later rungs yielded only for
+        # their own caps.
+        assert _with(body, recall=len(body.recall), truncated=0).fits()
+    if body.recall_kept > min(body.recall_floor, len(body.recall)):
+        assert _with(body, truncated=0).fits()
+    if not fits:
+        # Compaction is reported only when every cheaper yield is exhausted.
+        assert body.knowledge_kept == 0
+        assert body.recall_kept == min(body.recall_floor, len(body.recall))
+        assert all(t.truncated or t.saving <= 0 for t in body.run_results)
+
+
+def test_the_ladder_table_is_the_caps_tables_yield_order() -> None:
+    assert [CLASS_CAPS[r.class_name].yields for r in LADDER] == [
+        Yields.FIRST,
+        Yields.SECOND,
+        Yields.THIRD,
+        Yields.FOURTH,
+    ]
+
+
+def test_a_pointer_keeps_label_envelope_facts_byte_count_and_artifact() -> None:
+    result = ToolResult(
+        item_id="tr1",
+        call_id="c1",
+        tool_name="web.fetch",
+        content="é" * 2_000,
+        trust=TrustLevel.EXTERNAL_UNTRUSTED,
+        source="tool:web.fetch",
+        artifact_ref="a/9d02",
+        sequence=42,
+        is_error=True,
+        context_content="excerpt",
+    )
+    pointer = pointer_for(result)
+    assert pointer.content == (
+        "[truncated] tool.result tr1 web.fetch (external_untrusted, 4,000 bytes) -> artifact:a/9d02"
+    )
+    assert pointer.context_content == ""
+    same = (
+        "item_id",
+        "call_id",
+        "tool_name",
+        "trust",
+        "source",
+        "artifact_ref",
+        "sequence",
+        "is_error",
+    )
+    assert all(getattr(pointer, f) == getattr(result, f) for f in same)
+    no_artifact = pointer_for(result.model_copy(update={"artifact_ref": ""}))
+    assert no_artifact.content.endswith("-> event 42")
