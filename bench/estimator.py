@@ -181,7 +181,7 @@ def json_samples(count: int = 300, seed: int = 20240607) -> list[Sample]:
 def non_latin_samples() -> list[Sample]:
     text = CORPUS_FILE.read_text(encoding="utf-8")
     sections = re.split(r"^## (\S+)\n", text, flags=re.MULTILINE)[1:]
-    samples = []
+    samples: list[Sample] = []
     for language, body in zip(sections[::2], sections[1::2], strict=True):
         paragraphs = [p.strip() for p in body.split("\n\n") if p.strip()]
         samples.extend(Sample("non-latin", f"{language}#{i}", p) for i, p in enumerate(paragraphs))
@@ -267,12 +267,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     failures: list[str] = []
     for model_id, label, proxies in FAMILIES:
         heuristic = not estimator.is_exact(model_id)
+
+        def estimate(text: str, model_id: str = model_id) -> int:
+            return estimator.estimate_text(text, model_id)
+
         for proxy in proxies:
-            rows = _measure(
-                samples,
-                lambda text, m=model_id: estimator.estimate_text(text, m),
-                counters[proxy].count_text,
-            )
+            rows = _measure(samples, estimate, counters[proxy].count_text)
             categories = [*sorted(rows), "all"]
             for category in categories:
                 chosen = (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -174,3 +175,62 @@ async def wait_for(condition: Any, *, timeout: float = 20.0, what: str = "condit
         if loop.time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+# --- working state and compaction (issue 6) -----------------------------------------------
+
+_ENVELOPE_HEADER = re.compile(
+    r'<(?P<tag>untrusted|memory|user) source="[^"]*" id="[^"]*"(?: truncated="true")?'
+    r' nonce="(?P<nonce>[0-9a-f]{16})">\n'
+)
+
+
+def outside_envelopes(text: str) -> str:
+    """The text with every well-formed envelope (header through its own closing marker)
+    removed: what a model reads as not enveloped."""
+    out, at = [], 0
+    while (m := _ENVELOPE_HEADER.search(text, at)) is not None:
+        close = f"\n</{m['tag']}:{m['nonce']}>"
+        end = text.find(close, m.end())
+        assert end >= 0, "an envelope never closes"
+        out.append(text[at : m.start()])
+        at = end + len(close)
+    out.append(text[at:])
+    return "".join(out)
+
+
+def block_texts(response: Any) -> list[tuple[int, int, str]]:
+    """(row, source_sequence, rendered text) of every Region B block of a BuildResponse."""
+    out = []
+    for message in response.request.messages:
+        for b in message.blocks:
+            kind = b.WhichOneof("kind")
+            text = (
+                b.tool_result.content
+                if kind == "tool_result"
+                else b.tool_call.arguments_json
+                if kind == "tool_call"
+                else b.text
+            )
+            out.append((b.row, b.source_sequence, text))
+    return out
+
+
+async def update_state(
+    stub: Any,
+    session_id: str,
+    run_id: str,
+    version: int,
+    writer: int = pb.WRITER_MODEL,
+    **fields: Any,
+) -> pb.UpdateWorkingStateResponse:
+    return await stub.UpdateWorkingState(
+        pb.UpdateWorkingStateRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            run_id=run_id,
+            expected_checkpoint_version=version,
+            writer=writer,
+            update=pb.WorkingStateUpdate(**fields),
+        )
+    )

@@ -128,7 +128,9 @@ def _with(
         ):
             new.truncated = id(old) in keep
             if new.carried_index >= 0:
-                other.carried_costs[new.carried_index] = new.cost
+                # A cap truncation never moved the cut: history counts it at full cost.
+                moved = new.truncated and not new.for_cap
+                other.carried_costs[new.carried_index] = new.cost if moved else new.full_cost
     return other
 
 

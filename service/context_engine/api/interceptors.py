@@ -348,7 +348,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if tenant is None:
             await _abort(context, grpc.StatusCode.UNAUTHENTICATED, "no valid credentials")
             return
-        if request is None or "tenant_id" not in request.DESCRIPTOR.fields_by_name:
+        descriptor = getattr(request, "DESCRIPTOR", None)
+        if descriptor is None or "tenant_id" not in descriptor.fields_by_name:
             return
         if not request.tenant_id:
             request.tenant_id = tenant
@@ -410,7 +411,9 @@ class SizeLimitInterceptor(grpc.aio.ServerInterceptor):
         limit = self._max
 
         async def limited(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            size = request.ByteSize()
+            # A request that failed to decode arrives as a placeholder without ByteSize; the
+            # registration answers it with INVALID_ARGUMENT after this check.
+            size = request.ByteSize() if hasattr(request, "ByteSize") else 0
             if size > limit:
                 await _abort(
                     context,

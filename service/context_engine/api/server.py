@@ -29,7 +29,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
-from .._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from ..config import Settings
 from ..core.framing import DEFAULT_POLICY_TEXT, DEFAULT_POLICY_VERSION
 from ..core.spec import PlatformPolicySpec
@@ -47,6 +46,7 @@ from .interceptors import (
     RpcObserver,
     SizeLimitInterceptor,
 )
+from .registration import add_servicer
 from .servicer import ContextEngineServicer
 
 __all__ = [
@@ -174,7 +174,7 @@ async def build_server(
             ("grpc.max_send_message_length", transport_limit),
         ],
     )
-    pb_grpc.add_ContextEngineServicer_to_server(ContextEngineServicer(engine), server)
+    add_servicer(ContextEngineServicer(engine), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

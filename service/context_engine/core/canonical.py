@@ -68,9 +68,22 @@ def canonical_json_text(document: str) -> str:
     return canonical_bytes(json.loads(document)).decode("utf-8")
 
 
+MAX_JSON_DEPTH = 64  # deeper documents are refused before anything recurses over them
+
+
 def parse_json_object(document: str) -> dict[str, Any]:
-    """Parse a JSON object; raises ValueError when it is not one."""
+    """Parse a JSON object; raises ValueError when it is not one or nests too deeply."""
     value = json.loads(document)
     if not isinstance(value, dict):
         raise ValueError("expected a JSON object")
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"JSON nests deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(node, dict):
+            node = list(node.values())
+        if not isinstance(node, list):
+            continue
+        stack.extend((child, depth + 1) for child in node)
     return value

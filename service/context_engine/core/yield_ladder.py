@@ -11,7 +11,9 @@ protect the floor and history takes the rest.
 Rule 3 (units): a knowledge passage drops whole, lowest-ranked first (a shortened passage
 is a misquotation); recall drops its lowest-ranked lines, never below its floor; a tool
 result becomes a typed pointer, oldest first, keeping its envelope, label, byte count and
-artifact reference (the pair stays whole: call and pointer still match).
+artifact reference (the pair stays whole: call and pointer still match). A carried result
+truncated for the class cap does not move the history cut: the freed tokens are not spent
+on older history, so history stays the recent suffix rather than a run of old pointers.
 Rule 4 (compaction is a write): the last rung only reports; Build never compacts inline.
 """
 
@@ -81,6 +83,7 @@ class Truncatable:
     pointer_cost: int
     item: ContextItem
     truncated: bool = False
+    for_cap: bool = False  # truncated to meet the class cap (not for the fit)
 
     @property
     def cost(self) -> int:
@@ -105,13 +108,14 @@ class Body:
     knowledge: list[tuple[ContextItem, int]]  # best-ranked first
     recall: list[tuple[ContextItem, int]]  # best-ranked first
     recall_floor: int  # lines never trimmed, from the best-ranked
-    carried_costs: list[int]  # current cost of each carried item (oldest first)
+    carried_costs: list[int]  # each carried item as the cut counts it (oldest first)
     run_results: list[Truncatable]  # the run's truncatable results, oldest first
     carried_results: list[Truncatable]  # carried results, oldest first
     cut_at: CutAt  # (carried costs, history tokens) -> cut index
     knowledge_kept: int = 0
     recall_kept: int = 0
     steps: list[YieldStep] = field(default_factory=list)
+    _cut_cache: tuple[tuple[int, ...], int, int] | None = None
 
     def __post_init__(self) -> None:
         self.knowledge_kept = len(self.knowledge)
@@ -148,7 +152,11 @@ class Body:
         return self.budget - self.paid()
 
     def cut(self) -> int:
-        return self.cut_at(self.carried_costs, self.history_tokens())
+        # Memoized on its exact inputs: saves time, can never change the answer.
+        key = (tuple(self.carried_costs), self.history_tokens())
+        if self._cut_cache is None or self._cut_cache[:2] != key:
+            self._cut_cache = (*key, self.cut_at(self.carried_costs, key[1]))
+        return self._cut_cache[2]
 
     def results_in_request(self, cut: int) -> list[Truncatable]:
         retained = [t for t in self.carried_results if t.carried_index >= cut]
@@ -209,10 +217,12 @@ def _truncate_tool_results(body: Body) -> None:
         chosen = _next_for_pressure(body) if not body.fits() else None
         if chosen is None and body.fits() and body.tool_results_over_cap():
             chosen = _next_for_cap(body)
+            if chosen is not None:
+                chosen.for_cap = True
         if chosen is None:
             break
         chosen.truncated = True
-        if chosen.carried_index >= 0:
+        if chosen.carried_index >= 0 and not chosen.for_cap:
             body.carried_costs[chosen.carried_index] = chosen.pointer_cost
         freed += chosen.saving
         ids.append(chosen.item.item_id)
@@ -227,14 +237,14 @@ def _oldest_first(body: Body) -> list[Truncatable]:
 def _next_for_pressure(body: Body) -> Truncatable | None:
     """The oldest result whose truncation lowers what the body needs (a carried result
     beyond history's floor frees nothing the fit counts, so it is not truncated for it)."""
-    need = body.need()
+    paid, history = body.paid(), body.history_total()
+    need = paid + min(body.history_floor, history)
     for candidate in _oldest_first(body):
         if candidate.truncated or candidate.saving <= 0:
             continue
         if candidate.carried_index < 0:
             return candidate
-        after = body.history_total() - candidate.saving
-        if body.paid() + min(body.history_floor, after) < need:
+        if paid + min(body.history_floor, history - candidate.saving) < need:
             return candidate
     return None
 

@@ -1,0 +1,277 @@
+"""Fuzz every RPC's request messages against a real server subprocess.
+
+Inputs: structured messages generated from the proto descriptors (random, oversized and
+empty fields, unknown enum values, deeply nested JSON schemas, ids of real sessions of this
+tenant and of another tenant) and raw bytes (truncated, random, invalid UTF-8 in string
+fields). Each must get a proper status — never INTERNAL or UNKNOWN — the server must stay
+up, and afterwards the database invariants that a partial write would break must hold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf.descriptor import FieldDescriptor
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+
+from .helpers import TENANT, spec
+
+SERVICE = pb.DESCRIPTOR.services_by_name["ContextEngine"]
+ALLOWED = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+TRIED: dict[str, int] = {}
+
+
+@pytest.fixture(scope="module")
+def server(database_dsn: str) -> Any:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    target = f"127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "context_engine.cli",
+            "serve",
+            "--listen",
+            target,
+            "--database-url",
+            database_dsn,
+        ],
+        env={**os.environ, "CONTEXT_ENGINE_LOG_LEVEL": "ERROR"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    channel = grpc.insecure_channel(target)
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+            break
+        except grpc.RpcError:
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+    stub = pb_grpc.ContextEngineStub(channel)
+    ids = _seed(stub)
+    yield channel, proc, ids
+    channel.close()
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+def _seed(stub: Any) -> dict[str, list[str]]:
+    """Real ids of this tenant and of another, for the fuzz to aim at."""
+    ids: dict[str, list[str]] = {"session": [], "run": []}
+    for tenant in (TENANT, "tenant-other"):
+        session_id = str(uuid.uuid4())
+        stub.Plan(pb.PlanRequest(tenant_id=tenant, session_id=session_id, spec=spec()))
+        run = stub.StartRun(
+            pb.StartRunRequest(
+                tenant_id=tenant, session_id=session_id, user_message=pb.UserMessage(text="hi")
+            )
+        )
+        ids["session"].append(session_id)
+        ids["run"].append(run.run.run_id)
+    return ids
+
+
+def _deep_json(depth: int) -> str:
+    return '{"type":"object","properties":{"a":' * depth + "{}" + "}}" * depth
+
+
+def _strings(name: str, ids: dict[str, list[str]]) -> st.SearchStrategy[str]:
+    base = st.one_of(
+        st.text(max_size=40),
+        st.just(""),
+        st.integers(min_value=1_000, max_value=300_000).map(lambda n: "\u00e9" * n),
+        st.sampled_from(["tenant-a", "tenant-other", "x" * 500]),
+    )
+    if name.endswith("session_id"):
+        return st.one_of(st.sampled_from(ids["session"]), st.uuids().map(str), base)
+    if name.endswith("run_id"):
+        return st.one_of(st.sampled_from(ids["run"]), st.uuids().map(str), base)
+    if name.endswith("_json"):
+        json_values = st.recursive(
+            st.none()
+            | st.booleans()
+            | st.integers()
+            | st.floats(allow_nan=False)
+            | st.text(max_size=8),
+            lambda inner: (
+                st.lists(inner, max_size=3)
+                | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+            ),
+            max_leaves=10,
+        )
+        return st.one_of(
+            json_values.map(json.dumps),
+            st.integers(min_value=60, max_value=900).map(_deep_json),
+            st.just("{"),
+            base,
+        )
+    return base
+
+
+@st.composite
+def _message(draw: Any, descriptor: Any, ids: dict[str, list[str]], depth: int = 0) -> Any:
+    cls = getattr(pb, descriptor.name, None) or _message_class(descriptor)
+    message = cls()
+    for field in descriptor.fields:
+        if field.containing_oneof is not None and draw(st.booleans()):
+            continue
+        if not draw(st.integers(0, 3)):
+            continue
+        repeated = field.is_repeated
+        count = draw(st.integers(0, 3)) if repeated else 1
+        for _ in range(count):
+            value = draw(_value(field, ids, depth))
+            if value is None:
+                continue
+            if field.type == FieldDescriptor.TYPE_MESSAGE:
+                (
+                    getattr(message, field.name).add() if repeated else getattr(message, field.name)
+                ).CopyFrom(value)
+            elif repeated:
+                getattr(message, field.name).append(value)
+            else:
+                setattr(message, field.name, value)
+    return message
+
+
+def _message_class(descriptor: Any) -> Any:
+    from google.protobuf import message_factory
+
+    return message_factory.GetMessageClass(descriptor)
+
+
+def _value(field: Any, ids: dict[str, list[str]], depth: int) -> st.SearchStrategy[Any]:
+    t = field.type
+    if t == FieldDescriptor.TYPE_MESSAGE:
+        if depth > 3:
+            return st.none()
+        return _message(field.message_type, ids, depth + 1)
+    if t == FieldDescriptor.TYPE_STRING:
+        return _strings(field.name, ids)
+    if t == FieldDescriptor.TYPE_BYTES:
+        return st.binary(max_size=64)
+    if t == FieldDescriptor.TYPE_BOOL:
+        return st.booleans()
+    if t == FieldDescriptor.TYPE_ENUM:
+        return st.integers(min_value=-3, max_value=40)
+    if t in (
+        FieldDescriptor.TYPE_INT32,
+        FieldDescriptor.TYPE_SINT32,
+        FieldDescriptor.TYPE_SFIXED32,
+    ):
+        return st.integers(min_value=-(2**31), max_value=2**31 - 1)
+    return st.integers(min_value=-(2**63), max_value=2**63 - 1)
+
+
+def _invalid_utf8(data: bytes) -> bytes:
+    # Field 1 (tenant_id in every request) as a length-delimited string of invalid UTF-8.
+    return bytes([0x0A, 0x03, 0xFF, 0xFE, 0xFD]) + data
+
+
+def _call(channel: grpc.Channel, method: str, payload: bytes) -> grpc.StatusCode:
+    rpc = channel.unary_unary(f"/context_engine.v1.ContextEngine/{method}")
+    TRIED[method] = TRIED.get(method, 0) + 1
+    try:
+        rpc(payload, timeout=30)
+    except grpc.RpcError as exc:
+        return exc.code()  # type: ignore[no-any-return]
+    return grpc.StatusCode.OK
+
+
+@st.composite
+def _case(draw: Any, ids: dict[str, list[str]]) -> tuple[str, bytes]:
+    method = draw(st.sampled_from([m for m in SERVICE.methods]))
+    message = draw(_message(method.input_type, ids))
+    if hasattr(message, "tenant_id") and draw(st.booleans()):
+        message.tenant_id = draw(st.sampled_from([TENANT, "tenant-other"]))
+    payload = message.SerializeToString()
+    mangle = draw(st.sampled_from(["none", "none", "truncate", "random", "utf8"]))
+    if mangle == "truncate" and payload:
+        payload = payload[: draw(st.integers(0, len(payload) - 1))]
+    elif mangle == "random":
+        payload = draw(st.binary(min_size=1, max_size=200))
+    elif mangle == "utf8":
+        payload = _invalid_utf8(payload)
+    return method.name, payload
+
+
+def test_fuzz_every_rpc(server: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    channel, proc, ids = server
+
+    @settings(
+        max_examples=int(os.environ.get("FUZZ_EXAMPLES", "400")),
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(_case(ids))
+    def fuzz(case: tuple[str, bytes]) -> None:
+        method, payload = case
+        code = _call(channel, method, payload)
+        assert code in ALLOWED, f"{method} answered {code.name} to {payload[:200]!r}"
+        assert proc.poll() is None, "the server died"
+
+    fuzz()
+    health = health_pb2_grpc.HealthStub(channel)
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
+    with capsys.disabled():
+        total = sum(TRIED.values())
+        print(f"\nfuzz: {total} inputs across {len(TRIED)} RPCs: {dict(sorted(TRIED.items()))}")
+    assert len(TRIED) == len(SERVICE.methods)
+
+
+async def test_no_partial_writes_after_fuzz(pool: Any, server: Any) -> None:
+    """Invariants that any partial write would break, over everything the fuzz touched."""
+    gaps = await pool.fetch(
+        "SELECT s.tenant_id, s.session_id FROM sessions s"
+        " LEFT JOIN session_events e USING (tenant_id, session_id)"
+        " GROUP BY s.tenant_id, s.session_id, s.last_sequence"
+        " HAVING count(e.sequence) <> s.last_sequence"
+        " OR coalesce(max(e.sequence), 0) <> s.last_sequence"
+    )
+    assert not gaps, f"event sequences with gaps: {gaps[:3]}"
+    planless = await pool.fetch(
+        "SELECT s.session_id FROM sessions s WHERE s.current_epoch > 0 AND"
+        " (SELECT count(*) FROM context_plans p WHERE p.tenant_id = s.tenant_id"
+        "  AND p.session_id = s.session_id) < s.current_epoch"
+    )
+    assert not planless, f"sessions missing plan epochs: {planless[:3]}"
+    no_checkpoint = await pool.fetch(
+        "SELECT r.run_id FROM runs r WHERE NOT EXISTS (SELECT 1 FROM run_checkpoints c"
+        " WHERE c.tenant_id = r.tenant_id AND c.run_id = r.run_id AND c.version = 1)"
+    )
+    assert not no_checkpoint, f"runs without their first checkpoint: {no_checkpoint[:3]}"
+    unseeded = await pool.fetch(
+        "SELECT r.run_id FROM runs r WHERE r.seed_event_sequence IS NOT NULL AND NOT EXISTS"
+        " (SELECT 1 FROM session_events e WHERE e.tenant_id = r.tenant_id"
+        "  AND e.session_id = r.session_id AND e.sequence = r.seed_event_sequence"
+        "  AND e.type = 'user.message.created' AND e.run_id = r.run_id)"
+    )
+    assert not unseeded, f"runs whose seed event is missing: {unseeded[:3]}"
