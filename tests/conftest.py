@@ -65,6 +65,7 @@ def _dsn_for(database: str) -> str:
 async def database_dsn() -> AsyncIterator[str]:
     """A fresh, migrated database for this test session."""
     import asyncpg
+
     from context_engine.store import apply_migrations
 
     name = f"ce_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
@@ -109,6 +110,7 @@ async def grpc_server(pool: Any) -> AsyncIterator[Any]:
 @pytest.fixture(scope="session")
 async def stub(grpc_server: Any) -> AsyncIterator[Any]:
     import grpc
+
     from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_server.port}")

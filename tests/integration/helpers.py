@@ -8,8 +8,9 @@ import uuid
 from typing import Any
 
 import grpc
-from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from google.rpc import error_details_pb2, status_pb2
+
+from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 
 TENANT = "tenant-a"
 

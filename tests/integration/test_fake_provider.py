@@ -18,6 +18,7 @@ from typing import Any
 import anthropic
 import openai
 import pytest
+
 from context_engine.fake_provider import (
     OPENAI_CACHE_INCREMENT,
     FakeProvider,

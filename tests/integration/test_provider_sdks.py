@@ -167,7 +167,7 @@ async def test_the_sdks_send_build_payloads_unchanged_and_the_cache_is_read(
     fake.script.push_text("The 07:04 TGV.", provider=provider)
     fake.script.push_text("The 18:56 TGV.", provider=provider)
     usages = []
-    for turn in range(3):
+    for _ in range(3):
         build = await worker.build()
         response, items = worker.send(build)
         record = fake.requests[-1]

@@ -9,9 +9,10 @@ from uuid import UUID
 
 import grpc
 import pytest
-from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 
 from .helpers import (
     TENANT,

@@ -39,9 +39,10 @@ def carried_history(logged: Sequence[ConversationItem]) -> tuple[ConversationIte
             if key in pending:
                 keep[pending[key]] = False  # a reused id while the first is unanswered
             pending[key] = n
-        elif isinstance(item, ToolResult):
-            if pending.pop((item.run_id, item.call_id), None) is None:
-                keep[n] = False  # a result without its call
+        elif (
+            isinstance(item, ToolResult) and pending.pop((item.run_id, item.call_id), None) is None
+        ):
+            keep[n] = False  # a result without its call
     for index in pending.values():
         keep[index] = False  # a call without its result
     return tuple(i for i, k in zip(items, keep, strict=True) if k)
