@@ -7,7 +7,6 @@ import base64
 import gzip
 import json
 import logging
-import string
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -295,7 +294,14 @@ def junk() -> st.SearchStrategy[str]:
         st.binary(min_size=1, max_size=600).map(lambda b: base64.b64encode(b).decode()),
         st.binary(min_size=1, max_size=300).map(bytes.hex),
         st.lists(st.uuids().map(str), min_size=1, max_size=20).map(" ".join),
-        st.text(string.ascii_letters + string.digits, min_size=1, max_size=200),
+        # Random ids and keys, made from random bytes as real ones are. A short or single-case
+        # letter string is, as far as any byte-class rule can tell, a word ("AulcHr", "FLLAF").
+        st.binary(min_size=9, max_size=150).map(
+            lambda b: base64.urlsafe_b64encode(b).decode().rstrip("=")
+        ),
+        st.tuples(
+            st.sampled_from(["req", "cus", "sk", "tok"]), st.binary(min_size=12, max_size=24)
+        ).map(lambda p: f"{p[0]}_{base64.b64encode(p[1]).decode().rstrip('=')}"),
     )
 
 
