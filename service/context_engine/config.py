@@ -59,7 +59,7 @@ class Settings(BaseModel):
     readiness_interval_seconds: float = Field(default=5.0, gt=0)
     readiness_timeout_seconds: float = Field(default=2.0, gt=0)
     # Largest accepted request message; larger fails RESOURCE_EXHAUSTED REQUEST_TOO_LARGE.
-    max_request_bytes: int = Field(default=16 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
+    max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
     # Prometheus scrape endpoint (HOST:PORT, /metrics). Empty: off. OTLP export is
     # configured by the standard OTEL_EXPORTER_OTLP_ENDPOINT environment variable.
     metrics_listen: str = ""

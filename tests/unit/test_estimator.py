@@ -323,9 +323,16 @@ def test_heuristic_is_deterministic_and_the_memo_cannot_change_it(text: str) -> 
 
 
 def test_long_texts_bypass_the_memo_and_still_agree() -> None:
-    text = "def f(x):\n    return x * 2  # doubled\n" * 5_000
-    assert len(text) > est._MEMO_MAX_CHARS
+    text = "def f(x):\n    return x * 2  # doubled\n" * 1_000
+    assert est._MEMO_MAX_CHARS < len(text) <= est._HEURISTIC_MAX_CHARS
     assert heuristic_count(text) == heuristic_count(text) == est._heuristic_count(text)
+
+
+def test_very_long_texts_count_their_byte_length_which_bounds_the_heuristic() -> None:
+    text = "déf f(x):\n    return x * 2  # doubled\n" * 5_000
+    assert len(text) > est._HEURISTIC_MAX_CHARS
+    assert heuristic_count(text) == len(text.encode("utf-8"))
+    assert heuristic_count(text) >= est._heuristic_count(text)
 
 
 @PROPERTY

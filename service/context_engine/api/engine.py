@@ -7,6 +7,7 @@ process clock, uuid4 and os.urandom, and this module is the only place that call
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -162,7 +163,11 @@ class Engine:
     ) -> tuple[ContextPlan, bool, bool]:
         """Open the session's plan, or return the current one. -> (plan, created, matches)."""
         secret = self._new_secret()
-        candidate = self._make_plan(spec, session_id, 1, PlanReason.SESSION_OPENED, secret)
+        # Rendering and counting a large spec is CPU work: off the event loop, so other
+        # sessions' RPCs keep flowing while it runs.
+        candidate = await asyncio.to_thread(
+            self._make_plan, spec, session_id, 1, PlanReason.SESSION_OPENED, secret
+        )
         async with transaction(self.pool) as conn:
             await sessions.ensure_session(conn, tenant, session_id)
             epoch = await sessions.lock_session(conn, tenant, session_id)
@@ -260,7 +265,9 @@ class Engine:
             new_spec, secret = current.spec, current.secret
         else:
             new_spec, secret = spec or current.spec, self._new_secret()
-            plan = self._make_plan(new_spec, session_id, epoch, reason, secret)
+            plan = await asyncio.to_thread(
+                self._make_plan, new_spec, session_id, epoch, reason, secret
+            )
         await plans.insert_plan(conn, tenant, session_id, plan, new_spec, secret)
         await plans.set_current_epoch(conn, tenant, session_id, plan.epoch)
         extra = {

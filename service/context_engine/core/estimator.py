@@ -278,13 +278,23 @@ _MEMO_MAX_CHARS: Final = 16 * 1024
 # =============================================================================================
 
 
+# Beyond this many characters the heuristic is not run: one token per UTF-8 byte is a hard
+# upper bound for any byte-level BPE tokenizer and costs nothing to compute, while the
+# feature scan runs at about a megabyte a second and would hold the event loop. Texts this
+# long are over every class cap except history's and yield (to pointers) first anyway.
+_HEURISTIC_MAX_CHARS: Final = 64 * 1024
+
+
 def heuristic_count(text: str) -> int:
     """Conservative token count for ``text`` without a tokenizer (see the module docstring).
 
-    Deterministic, pure and never above the text's UTF-8 length. Empty text counts 0.
+    Deterministic, pure and never above the text's UTF-8 length (which is what a text longer
+    than 64 KiB characters counts). Empty text counts 0.
     """
     if len(text) <= _MEMO_MAX_CHARS:
         return _heuristic_count_memo(text)
+    if len(text) > _HEURISTIC_MAX_CHARS:
+        return len(text.encode("utf-8", "surrogatepass"))
     return _heuristic_count(text)
 
 
