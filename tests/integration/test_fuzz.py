@@ -227,7 +227,7 @@ def test_fuzz_every_rpc(server: Any, capsys: pytest.CaptureFixture[str]) -> None
     channel, proc, ids = server
 
     @settings(
-        max_examples=int(os.environ.get("FUZZ_EXAMPLES", "400")),
+        max_examples=int(os.environ.get("FUZZ_EXAMPLES", "600")),
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )

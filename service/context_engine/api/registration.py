@@ -24,10 +24,18 @@ SERVICE_NAME = "context_engine.v1.ContextEngine"
 
 
 class _Undecodable:
-    __slots__ = ("message_name",)
+    """Stands in for a request that failed to decode. Interceptors that run before the
+    handler see an empty message of the right type (every attribute delegates to one);
+    the handler sees this class and answers INVALID_ARGUMENT."""
 
-    def __init__(self, message_name: str) -> None:
-        self.message_name = message_name
+    __slots__ = ("_empty", "message_name")
+
+    def __init__(self, cls: Any) -> None:
+        self._empty = cls()
+        self.message_name = cls.DESCRIPTOR.name
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._empty, name)
 
 
 def _decoder(cls: Any) -> Callable[[bytes], Any]:
@@ -35,17 +43,42 @@ def _decoder(cls: Any) -> Callable[[bytes], Any]:
         try:
             return cls.FromString(data)
         except (DecodeError, ValueError, RecursionError):
-            return _Undecodable(cls.DESCRIPTOR.name)
+            return _Undecodable(cls)
 
     return decode
 
 
+def _nul_field(message: Any, prefix: str = "") -> str | None:
+    """The path of the first string field holding U+0000, which PostgreSQL cannot store in
+    text or jsonb; None when there is none."""
+    for field, value in message.ListFields():
+        path = f"{prefix}{field.name}"
+        values = value if field.is_repeated else [value]
+        for n, item in enumerate(values):
+            where = f"{path}[{n}]" if field.is_repeated else path
+            if isinstance(item, str):
+                if "\x00" in item:
+                    return where
+            elif field.message_type is not None and not isinstance(item, bytes | int):
+                found = _nul_field(item, where + ".")
+                if found:
+                    return found
+    return None
+
+
 def _guarded(method: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        problem: InvalidFieldError | None = None
         if isinstance(request, _Undecodable):
-            code, status = status_for(
-                InvalidFieldError(f"the request is not a valid {request.message_name} message")
+            problem = InvalidFieldError(
+                f"the request is not a valid {request.message_name} message"
             )
+        elif (field := _nul_field(request)) is not None:
+            problem = InvalidFieldError(
+                f"{field} contains U+0000, which is not allowed", field=field
+            )
+        if problem is not None:
+            code, status = status_for(problem)
             await context.abort(
                 code,
                 status.message,

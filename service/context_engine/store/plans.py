@@ -60,7 +60,7 @@ async def read_plan(conn: Any, tenant_id: str, session_id: UUID, epoch: int = 0)
         "SELECT s.current_epoch, p.plan, p.spec, p.secret FROM sessions s"
         " LEFT JOIN context_plans p ON p.tenant_id = s.tenant_id"
         " AND p.session_id = s.session_id"
-        " AND p.epoch = CASE WHEN $3 = 0 THEN s.current_epoch ELSE $3 END"
+        " AND p.epoch = CASE WHEN $3::bigint = 0 THEN s.current_epoch ELSE $3::bigint END"
         " WHERE s.tenant_id = $1 AND s.session_id = $2",
         tenant_id,
         session_id,

@@ -80,7 +80,7 @@ async def read_checkpoint(conn: Any, tenant_id: str, run_id: UUID, version: int 
     """The given version, or the latest when version is 0."""
     row = await conn.fetchrow(
         "SELECT body FROM run_checkpoints WHERE tenant_id = $1 AND run_id = $2"
-        " AND ($3 = 0 OR version = $3) ORDER BY version DESC LIMIT 1",
+        " AND ($3::bigint = 0 OR version = $3::bigint) ORDER BY version DESC LIMIT 1",
         tenant_id,
         run_id,
         version,
