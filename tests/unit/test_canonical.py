@@ -52,3 +52,42 @@ def test_known_vectors() -> None:
         == b'{"a":[true,null,"\xc3\xa9\\n"],"b":1}'
     )
     assert canonical_json_text('{"z": 1.0, "a": 1e21}') == '{"a":1e+21,"z":1}'
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_composed_request_bytes_equal_the_full_serialization(data: st.DataObject) -> None:
+    from context_engine.core.request import Block, CacheBreakpoint, Message, ModelRequest
+    from context_engine.core.rows import Row
+    from context_engine.core.trust import TrustLevel
+
+    text = st.text(max_size=30)
+    blocks = st.lists(
+        st.builds(
+            Block,
+            row=st.sampled_from(list(Row)),
+            trust=st.sampled_from(list(TrustLevel)),
+            kind=st.sampled_from(["text", "tool_call", "tool_result", "reasoning"]),
+            item_id=text,
+            source_sequence=st.integers(0, 10**9),
+            text=text,
+            call_id=text,
+            is_error=st.booleans(),
+        ),
+        max_size=4,
+    )
+    request = ModelRequest(
+        provider=data.draw(st.sampled_from(["anthropic", "openai"])),
+        model_id=data.draw(text),
+        system=tuple(data.draw(blocks)),
+        tools=(),
+        messages=tuple(
+            Message(data.draw(st.sampled_from(["user", "assistant"])), tuple(data.draw(blocks)))
+            for _ in range(data.draw(st.integers(0, 3)))
+        ),
+        max_output_tokens=data.draw(st.integers(0, 10**6)),
+        session_key=data.draw(text),
+        cache_breakpoints=(CacheBreakpoint("after_system", data.draw(text), "5m", 0),),
+    )
+    assert request.canonical_bytes() == canonical_bytes(request.canonical())
+    assert request.canonical_bytes() == rfc8785.dumps(request.canonical())

@@ -27,6 +27,7 @@ from ..core.errors import (
     BudgetExceededError,
     ConflictError,
     InvalidFieldError,
+    NotFoundError,
     PreconditionError,
 )
 from ..core.excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
@@ -39,12 +40,13 @@ from ..core.spec import PlanSpec
 from ..core.validate import validate_append
 from ..core.working_state import Writer, render_block
 from ..providers import RenderedPayload, render
-from ..store import events, idempotency, plans, runs, sessions, snapshots
+from ..store import events, idempotency, plans, runs, sessions
 from ..store import skills as skill_store
 from ..store.db import acquire, transaction
 from ..store.events import EVENT_TYPE_OF_ITEM, NewEvent, item_payload
 from . import usage as usage_api
 from . import working_state as ws_api
+from .kept import Kept
 
 __all__ = ["BuildResult", "ChildSeed", "Engine", "RunStarted"]
 
@@ -126,6 +128,8 @@ class Engine:
         self._new_secret = new_secret
         # Plans are immutable per (tenant, session, epoch), so a replica may keep them.
         self._plans: dict[tuple[str, UUID, int], plans.StoredPlan] = {}
+        # Checkpoint versions and the log below a pinned seed never change (api/kept.py).
+        self._kept = Kept()
 
     def new_id(self) -> str:
         return self._new_id()
@@ -533,15 +537,24 @@ class Engine:
             stored = await self._rotate_invalidated(tenant, session_id)
         telemetry.annotate(epoch=stored.plan.epoch, prefix_sha256=stored.plan.prefix_sha256)
         async with telemetry.span("store.read"), acquire(self.pool) as conn:
-            run = await runs.read_run(conn, tenant, session_id, run_id)
-            checkpoint = await runs.read_checkpoint(conn, tenant, run_id, checkpoint_version)
-            logged = await events.read_carried_items(
-                conn,
-                tenant,
-                session_id,
-                below_sequence=seed_cut(run.seed_event_sequence),
-                above_sequence=checkpoint.replaced_through_sequence,
-            )
+            run, latest = await runs.read_run_head(conn, tenant, session_id, run_id)
+            version = checkpoint_version or latest
+            checkpoint = self._kept.get(("checkpoint", tenant, run_id, version))
+            if checkpoint is None:
+                checkpoint = await runs.read_checkpoint(conn, tenant, run_id, version)
+                self._kept.put(
+                    ("checkpoint", tenant, run_id, version), checkpoint, len(checkpoint.items) + 1
+                )
+            below = seed_cut(run.seed_event_sequence)
+            floor = checkpoint.replaced_through_sequence
+            carried_key = ("carried", tenant, session_id, below, floor)
+            carried = self._kept.get(carried_key)
+            if carried is None:
+                logged = await events.read_carried_items(
+                    conn, tenant, session_id, below_sequence=below, above_sequence=floor
+                )
+                carried = carried_history(logged)
+                self._kept.put(carried_key, carried, len(carried) + 1)
             loaded = await skill_store.read_loaded(conn, tenant, session_id)
         if skills_loaded is not None:
             loaded = loaded[:skills_loaded]  # sticky and append-only: a prefix is the past
@@ -553,7 +566,7 @@ class Engine:
             plan=plan,
             secret=stored.secret,
             checkpoint=checkpoint,
-            carried=carried_history(logged),
+            carried=carried,
             now=clock,
             step=step,
             skill_bodies=body_items(loaded),
@@ -597,19 +610,37 @@ class Engine:
             return BuildResult(assembled, plan, checkpoint.version, 0, rendered)
         pressure = assembled.pressure
         noted = (
-            [_pressure_event(run_id, plan, checkpoint.version, assembled)]
+            _pressure_event(run_id, plan, checkpoint.version, assembled).payload
             if pressure is not None and pressure.yielded
-            else []
+            else None
         )
-        async with telemetry.span("store.write"), transaction(self.pool) as conn:
-            await sessions.lock_session(conn, tenant, session_id)
-            # context.budget.pressure precedes the request it shaped; with no request (the
-            # body needs compaction) it is the only record of this Build.
-            if noted:
-                await events.append_events(conn, tenant, session_id, noted)
-            seq = 0
-            if assembled.request is not None:
-                seq = await self._record_request(conn, tenant, session_id, run_id, plan, payload)
+        # context.budget.pressure precedes the request it shaped; with no request (the body
+        # needs compaction) it is the only record of this Build. One round trip: see
+        # migrations/0005_record_request.sql for the lock, the erasure fence and the binding.
+        async with telemetry.span("store.write"), acquire(self.pool) as conn:
+            seq = await conn.fetchval(
+                "SELECT record_model_request($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+                tenant,
+                session_id,
+                plan.epoch,
+                run_id,
+                noted,
+                _snapshot_used(run_id, plan) if snapshot_nonempty(plan) else None,
+                plan.snapshot_id,
+                plan.recall_trace_id,
+                payload if assembled.request is not None else None,
+            )
+        if seq == _PLAN_INVALIDATED:
+            raise ConflictError(
+                "an erasure invalidated this plan's snapshot while the request was built;"
+                " build again",
+                field="session_id",
+                reason="EPOCH_CONFLICT",
+            )
+        if seq == _NO_SESSION:
+            raise NotFoundError(
+                f"session {session_id} not found", field="session_id", reason="SESSION_NOT_FOUND"
+            )
         return BuildResult(assembled, plan, checkpoint.version, seq, rendered)
 
     async def _record_budget_exceeded(
@@ -638,47 +669,20 @@ class Engine:
                 [NewEvent("context.budget.exceeded", payload, run_id=run_id)],
             )
 
-    async def _record_request(
-        self,
-        conn: Any,
-        tenant: str,
-        session_id: UUID,
-        run_id: UUID,
-        plan: ContextPlan,
-        payload: dict[str, Any],
-    ) -> int:
-        """Record model.request.started, first binding the run to the plan's nonempty
-        snapshot (context.snapshot.used) if this is its first request on this epoch.
 
-        Under the session lock this is the erasure fence: an erasure either ran first (the
-        plan is invalidated and nothing is recorded) or finds this binding.
+_PLAN_INVALIDATED, _NO_SESSION = -1, -2  # record_model_request's refusals
 
-        Raises:
-            ConflictError: EPOCH_CONFLICT when an erasure invalidated the plan meanwhile.
-        """
-        if await snapshots.plan_invalidated(conn, tenant, session_id, plan.epoch):
-            raise ConflictError(
-                "an erasure invalidated this plan's snapshot while the request was built;"
-                " build again",
-                field="session_id",
-                reason="EPOCH_CONFLICT",
-            )
-        bind = snapshot_nonempty(plan) and not await snapshots.is_bound(
-            conn, tenant, run_id, plan.epoch
-        )
-        used = {
-            "run_id": str(run_id),
-            "epoch": plan.epoch,
-            "snapshot_id": plan.snapshot_id,
-            "recall_trace_id": plan.recall_trace_id,
-            "snapshot_watermark": plan.snapshot_watermark,
-        }
-        new_events = [NewEvent("context.snapshot.used", used, run_id=run_id)] if bind else []
-        new_events.append(NewEvent("model.request.started", payload, run_id=run_id))
-        sequences = await events.append_events(conn, tenant, session_id, new_events)
-        if bind:
-            await snapshots.bind_run(conn, tenant, session_id, run_id, plan, sequences[0])
-        return sequences[-1]
+
+def _snapshot_used(run_id: UUID, plan: ContextPlan) -> dict[str, Any]:
+    """context.snapshot.used: binds a run to its plan's nonempty snapshot before its first
+    request on the epoch leaves (recorded once per run and epoch)."""
+    return {
+        "run_id": str(run_id),
+        "epoch": plan.epoch,
+        "snapshot_id": plan.snapshot_id,
+        "recall_trace_id": plan.recall_trace_id,
+        "snapshot_watermark": plan.snapshot_watermark,
+    }
 
 
 def _pressure_event(

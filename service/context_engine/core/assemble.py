@@ -22,12 +22,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
+from functools import lru_cache
 from typing import Literal
 
 from .body_estimate import block_tokens
 from .budget import ContextBudget, allocate
 from .cache_hints import cache_breakpoints
-from .canonical import canonical_bytes, sha256_hex
+from .canonical import sha256_hex
 from .checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint
 from .envelope import wrap
 from .estimator import heuristic_count
@@ -172,7 +173,7 @@ def assemble(inputs: BuildInputs) -> Assembled:
         session_key=session_key(inputs.tenant_id, plan.session_id),
         cache_breakpoints=cache_breakpoints(plan.session_kind, placed, inputs.checkpoint.run_id),
     )
-    digest = sha256_hex(canonical_bytes(request.canonical()))
+    digest = sha256_hex(request.canonical_bytes())
     return _outcome(inputs, budget, fitted, request, digest)
 
 
@@ -235,9 +236,43 @@ def _cost(inputs: BuildInputs) -> Callable[[Row, ContextItem, bool], int]:
     count, factor, secret = inputs.count_tokens, inputs.estimator_factor_ppm, inputs.secret
 
     def cost(row: Row, item: ContextItem, truncated: bool) -> int:
-        return block_tokens(_render(row, item, secret, truncated), item, count, factor)
+        try:
+            return _cost_memo(row, item, secret, truncated, count, factor)
+        except TypeError:  # an unhashable item: compute without the memo
+            return block_tokens(_render(row, item, secret, truncated), item, count, factor)
 
     return cost
+
+
+# Rendering and estimating a block are pure functions of immutable arguments (frozen items,
+# the plan secret, the counter, the pinned factor), so bounded memos change no result, only
+# how often the work is done. A run's carried history arrives as the same item objects on
+# every Build (the shell keeps them), so its keys hash in constant time and hit.
+_MEMO_SIZE = 8192
+
+
+@lru_cache(maxsize=_MEMO_SIZE)
+def _render_memo(row: Row, item: ContextItem, secret: bytes, truncated: bool) -> Block:
+    return _render(row, item, secret, truncated)
+
+
+@lru_cache(maxsize=_MEMO_SIZE)
+def _cost_memo(
+    row: Row,
+    item: ContextItem,
+    secret: bytes,
+    truncated: bool,
+    count: Callable[[str], int],
+    factor: int,
+) -> int:
+    return block_tokens(_render_memo(row, item, secret, truncated), item, count, factor)
+
+
+def _rendered(row: Row, item: ContextItem, secret: bytes, truncated: bool) -> Block:
+    try:
+        return _render_memo(row, item, secret, truncated)
+    except TypeError:
+        return _render(row, item, secret, truncated)
 
 
 def _place(inputs: BuildInputs) -> list[tuple[Row, ContextItem]]:
@@ -311,7 +346,7 @@ def _messages(
     out: list[tuple[Role, list[Block]]] = []
     for row, item in placed:
         role: Role = "assistant" if isinstance(item, _ASSISTANT_TYPES) else "user"
-        block = _render(row, item, secret, id(item) in truncated)
+        block = _rendered(row, item, secret, id(item) in truncated)
         if out and out[-1][0] == role:
             out[-1][1].append(block)
         else:

@@ -36,26 +36,29 @@ _MAX_SAFE_INT = 2**53 - 1
 
 
 def _fast_path_ok(value: Any) -> bool:
-    stack = [value]
+    # Scalars are checked where they stand; only containers go on the stack.
+    stack: list[Any] = [[value]]
     while stack:
-        item = stack.pop()
-        kind = type(item)
-        if kind is str or kind is bool or item is None:
-            continue
-        if kind is int:
-            if -_MAX_SAFE_INT <= item <= _MAX_SAFE_INT:
-                continue
-            return False
-        if kind is dict:
-            for key, sub in item.items():
+        container: Any = stack.pop()
+        if type(container) is dict:
+            for key in container:
                 if type(key) is not str or not key.isascii():
                     return False
-                stack.append(sub)
-            continue
-        if kind is list or kind is tuple:
-            stack.extend(item)
-            continue
-        return False  # floats and anything unusual: the reference implementation decides
+            members = container.values()
+        else:
+            members = container
+        for item in members:
+            kind = type(item)
+            if kind is str or kind is bool or item is None:
+                continue
+            if kind is int:
+                if -_MAX_SAFE_INT <= item <= _MAX_SAFE_INT:
+                    continue
+                return False
+            if kind is dict or kind is list or kind is tuple:
+                stack.append(item)
+                continue
+            return False  # floats and anything unusual: the reference implementation decides
     return True
 
 

@@ -7,8 +7,10 @@ construction in assemble.py. `canonical()` is what `request_sha256` hashes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Literal
 
+from .canonical import canonical_bytes
 from .rows import Row
 from .trust import TrustLevel
 
@@ -108,6 +110,32 @@ class ModelRequest:
     session_key: str
     cache_breakpoints: tuple[CacheBreakpoint, ...] = field(default=())
 
+    def canonical_bytes(self) -> bytes:
+        """RFC 8785 bytes of `canonical()`, composed from memoized per-block fragments.
+
+        Equal to `canonical_bytes(self.canonical())` (tests/unit/test_canonical.py checks
+        it): keys in sorted order, each block serialized canonically once per process.
+        """
+        messages = ",".join(
+            '{"blocks":['
+            + ",".join(_block_json(b) for b in m.blocks)
+            + '],"role":'
+            + _string(m.role)
+            + "}"
+            for m in self.messages
+        )
+        parts = [
+            '{"cache_breakpoints":' + _json(self.cache_breakpoints),
+            '"max_output_tokens":' + str(self.max_output_tokens),
+            '"messages":[' + messages + "]",
+            '"model_id":' + _string(self.model_id),
+            '"provider":' + _string(self.provider),
+            '"session_key":' + _string(self.session_key),
+            '"system":' + _json(self.system),
+            '"tools":' + _json(self.tools) + "}",
+        ]
+        return ",".join(parts).encode("utf-8")
+
     def canonical(self) -> dict[str, Any]:
         return {
             "provider": self.provider,
@@ -119,3 +147,24 @@ class ModelRequest:
             "max_output_tokens": self.max_output_tokens,
             "session_key": self.session_key,
         }
+
+
+# Memoized fragments of canonical_bytes: blocks, breakpoints and tools are frozen values,
+# so their canonical text never changes; a plan's system blocks and tools repeat on every
+# request of the session, and a run's history blocks on every step.
+_FRAGMENTS = 16_384
+
+
+@lru_cache(maxsize=_FRAGMENTS)
+def _block_json(block: Block) -> str:
+    return canonical_bytes(block.canonical()).decode("utf-8")
+
+
+@lru_cache(maxsize=256)
+def _json(values: tuple[Block | ToolDefinition | CacheBreakpoint, ...]) -> str:
+    return canonical_bytes([v.canonical() for v in values]).decode("utf-8")
+
+
+@lru_cache(maxsize=1024)
+def _string(value: str) -> str:
+    return canonical_bytes(value).decode("utf-8")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from .caps import CLASS_CAPS, Yields
 from .items import ContextItem, ToolResult
@@ -62,6 +63,7 @@ class YieldStep:
     item_ids: tuple[str, ...]
 
 
+@lru_cache(maxsize=8192)
 def pointer_for(result: ToolResult) -> ToolResult:
     """The typed pointer a truncated result becomes: same call, trust, tool, error flag and
     artifact reference; the content says what existed, how large, and where it lives."""
@@ -212,20 +214,35 @@ def _trim_recall(body: Body) -> None:
 
 
 def _truncate_tool_results(body: Body) -> None:
+    """Oldest first: first for the fit, then for the class cap.
+
+    The cap pass runs once, after the fit: truncating for the cap changes neither the
+    carried costs the cut reads (so the cut stays put) nor whether the body fits (it only
+    lowers what is paid), so one oldest-first pass with a running total takes exactly the
+    results a re-check after every truncation would take.
+    """
     freed, ids = 0, []
-    while True:
-        chosen = _next_for_pressure(body) if not body.fits() else None
-        if chosen is None and body.fits() and body.tool_results_over_cap():
-            chosen = _next_for_cap(body)
-            if chosen is not None:
-                chosen.for_cap = True
+    while not body.fits():
+        chosen = _next_for_pressure(body)
         if chosen is None:
             break
         chosen.truncated = True
-        if chosen.carried_index >= 0 and not chosen.for_cap:
+        if chosen.carried_index >= 0:
             body.carried_costs[chosen.carried_index] = chosen.pointer_cost
         freed += chosen.saving
         ids.append(chosen.item.item_id)
+    if body.fits():
+        in_request = body.results_in_request(body.cut())
+        total = sum(t.cost for t in in_request)
+        for candidate in in_request:
+            if total <= body.tool_result_cap:
+                break
+            if candidate.truncated or candidate.saving <= 0:
+                continue
+            candidate.truncated = candidate.for_cap = True
+            total -= candidate.saving
+            freed += candidate.saving
+            ids.append(candidate.item.item_id)
     _record(body, "truncate_tool_results", freed, ids)
 
 
@@ -249,9 +266,3 @@ def _next_for_pressure(body: Body) -> Truncatable | None:
     return None
 
 
-def _next_for_cap(body: Body) -> Truncatable | None:
-    """The oldest result in the request that still has content to give up."""
-    for candidate in body.results_in_request(body.cut()):
-        if not candidate.truncated and candidate.saving > 0:
-            return candidate
-    return None

@@ -92,3 +92,31 @@ async def read_checkpoint(conn: Any, tenant_id: str, run_id: UUID, version: int 
             reason="RUN_NOT_FOUND",
         )
     return Checkpoint.model_validate(row["body"])
+
+
+async def read_run_head(
+    conn: Any, tenant_id: str, session_id: UUID, run_id: UUID
+) -> tuple[RunRow, int]:
+    """The run and its latest checkpoint version, in one round trip.
+
+    Raises NotFoundError for a run that is not in this tenant's session.
+    """
+    row = await conn.fetchrow(
+        "SELECT r.parent_run_id, r.seed_event_sequence, r.epoch,"
+        " (SELECT max(c.version) FROM run_checkpoints c"
+        "  WHERE c.tenant_id = r.tenant_id AND c.run_id = r.run_id) AS latest"
+        " FROM runs r WHERE r.tenant_id = $1 AND r.run_id = $2 AND r.session_id = $3",
+        tenant_id,
+        run_id,
+        session_id,
+    )
+    if row is None:
+        raise NotFoundError(f"run {run_id} not found", field="run_id", reason="RUN_NOT_FOUND")
+    run = RunRow(
+        run_id=run_id,
+        session_id=session_id,
+        parent_run_id=row["parent_run_id"],
+        seed_event_sequence=row["seed_event_sequence"],
+        epoch=row["epoch"],
+    )
+    return run, int(row["latest"] or 0)

@@ -13,11 +13,8 @@ from ..core.plan import ContextPlan
 from ..core.spec import PlanSpec
 
 __all__ = [
-    "bind_run",
     "bound_runs",
     "forget_person",
-    "is_bound",
-    "plan_invalidated",
     "plans_holding",
     "read_plan_row",
     "record_people",
@@ -36,53 +33,6 @@ async def record_people(
         "INSERT INTO snapshot_people (tenant_id, person_id, session_id, epoch)"
         " VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
         [(tenant_id, p, session_id, epoch) for p in people],
-    )
-
-
-async def bind_run(
-    conn: Any,
-    tenant_id: str,
-    session_id: UUID,
-    run_id: UUID,
-    plan: ContextPlan,
-    sequence: int,
-) -> None:
-    """Record that the run used the plan's snapshot (context.snapshot.used at `sequence`)."""
-    await conn.execute(
-        "INSERT INTO snapshot_usages (tenant_id, session_id, run_id, epoch, snapshot_id,"
-        " recall_trace_id, sequence) VALUES ($1, $2, $3, $4, $5, $6, $7)",
-        tenant_id,
-        session_id,
-        run_id,
-        plan.epoch,
-        plan.snapshot_id,
-        plan.recall_trace_id,
-        sequence,
-    )
-
-
-async def is_bound(conn: Any, tenant_id: str, run_id: UUID, epoch: int) -> bool:
-    return bool(
-        await conn.fetchval(
-            "SELECT EXISTS (SELECT 1 FROM snapshot_usages"
-            " WHERE tenant_id = $1 AND run_id = $2 AND epoch = $3)",
-            tenant_id,
-            run_id,
-            epoch,
-        )
-    )
-
-
-async def plan_invalidated(conn: Any, tenant_id: str, session_id: UUID, epoch: int) -> bool:
-    """Whether an erasure invalidated the plan of this epoch (read under the lock)."""
-    return bool(
-        await conn.fetchval(
-            "SELECT coalesce((plan->>'invalidated')::boolean, false) FROM context_plans"
-            " WHERE tenant_id = $1 AND session_id = $2 AND epoch = $3",
-            tenant_id,
-            session_id,
-            epoch,
-        )
     )
 
 
