@@ -8,6 +8,7 @@ context.compacted event together. Neither touches the plan: the prefix cannot mo
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
@@ -79,7 +80,10 @@ async def prepare_compaction(
         checkpoint, carried, contents = await _inputs(
             conn, tenant_id, session_id, run_id, checkpoint_version
         )
-    return prepare(
+    # Elision and the quoting check scan every untrusted text in view: CPU work, off the
+    # event loop.
+    return await asyncio.to_thread(
+        prepare,
         checkpoint,
         carried,
         through_sequence=through_sequence,
@@ -149,10 +153,15 @@ async def commit_compaction(
                 reason="CHECKPOINT_VERSION_CONFLICT",
                 metadata={"latest_version": str(checkpoint.version)},
             )
-        prepared = _reprepare(
-            checkpoint, carried, contents, result.replaced_through_sequence, count_tokens
+        prepared = await asyncio.to_thread(
+            _reprepare,
+            checkpoint,
+            carried,
+            contents,
+            result.replaced_through_sequence,
+            count_tokens,
         )
-        record = check_result(prepared, result, count_tokens)
+        record = await asyncio.to_thread(check_result, prepared, result, count_tokens)
         new_checkpoint = compacted_checkpoint(checkpoint, record)
         await runs.insert_checkpoint(conn, tenant_id, new_checkpoint)
         payload = {
