@@ -37,7 +37,7 @@ install-go:
 	else echo "the Go client check needs: apt-get install $(GO_DEBS)" >&2; fi
 
 ## Run the service; with no DATABASE_URL it starts an embedded PostgreSQL under .context-engine/.
-run: install
+run: $(STAMP)
 	$(BIN)/context-engine serve --listen $(LISTEN)
 
 ## The whole test suite (unit, integration against real PostgreSQL, end-to-end clients).
@@ -68,11 +68,14 @@ proto-check: install
 	  && rm -rf $$tmp && echo "Go stubs are current"
 
 ## A few turns through a live server (start it with `make run` in another terminal).
-demo: install
+demo: $(STAMP)
 	$(BIN)/python -m context_engine.demo --target $(LISTEN)
 
+## Benchmarks (bench/): ratios measured in one run. LangChain lives only in .venv-bench.
 bench: install
-	$(BIN)/python -m bench
+	test -x .venv-bench/bin/python || $(PY) -m venv .venv-bench
+	.venv-bench/bin/python -m pip install --quiet -e '.[dev]' langchain-core
+	.venv-bench/bin/python -m bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .context-engine .pytest_cache .hypothesis

@@ -134,22 +134,17 @@ class SessionView:
 def classes_of(payload: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
     """Tokens by class from a model.request.started payload, in the order given.
 
-    Accepts a list of {class_name|class|name, tokens} ("budget", "class_usage", "classes")
-    or a mapping class -> tokens ("class_tokens", "tokens_by_class"); without any, the
-    exact prefix ("prefix_tokens") and the estimated body ("body_estimated_tokens") as the
-    classes "prefix" and "body".
+    The engine records "class_tokens" ([{class_name, tokens}], prefix exact, body
+    estimated); a request recorded before it did shows the exact prefix and the estimated
+    body as the classes "prefix" and "body".
     """
-    for key in ("budget", "class_usage", "classes", "class_tokens", "tokens_by_class"):
-        value = payload.get(key)
-        if isinstance(value, Mapping):
-            return tuple((str(k), _int(v)) for k, v in value.items())
-        if isinstance(value, list) and value:
-            out = []
-            for entry in value:
-                if isinstance(entry, Mapping):
-                    name = entry.get("class_name") or entry.get("class") or entry.get("name")
-                    out.append((str(name or "?"), _int(entry.get("tokens"))))
-            return tuple(out)
+    recorded = payload.get("class_tokens")
+    if isinstance(recorded, list) and recorded:
+        return tuple(
+            (str(entry.get("class_name") or "?"), _int(entry.get("tokens")))
+            for entry in recorded
+            if isinstance(entry, Mapping)
+        )
     coarse = (
         ("prefix", _int(payload.get("prefix_tokens"))),
         ("body", _int(payload.get("body_estimated_tokens"))),

@@ -68,17 +68,18 @@ def test_bar_over_budget_fills_the_bar_and_half_budget_fills_half() -> None:
 
 def test_payload_shapes() -> None:
     assert classes_of({"prefix_tokens": 1200}) == (("prefix", 1200),)
-    listed = {
-        "budget": [
-            {"class_name": "tool_definitions", "tokens": 900},
-            {"class": "history", "tokens": 40},
-        ]
-    }
-    assert classes_of(listed) == (("tool_definitions", 900), ("history", 40))
-    assert classes_of({"class_tokens": {"history": 5, "recall": 7}}) == (
-        ("history", 5),
-        ("recall", 7),
+    assert classes_of({"prefix_tokens": 1200, "body_estimated_tokens": 30}) == (
+        ("prefix", 1200),
+        ("body", 30),
     )
+    recorded = {
+        "prefix_tokens": 1200,
+        "class_tokens": [
+            {"class_name": "tool_definitions", "tokens": 900},
+            {"class_name": "history", "tokens": 40},
+        ],
+    }
+    assert classes_of(recorded) == (("tool_definitions", 900), ("history", 40))
     assert budget_of({"input_budget_tokens": 190_000, "estimated_input_tokens": 3_000}) == (
         190_000,
         3_000,

@@ -599,6 +599,10 @@ class Engine:
             "estimator_factor_ppm": assembled.estimator_factor_ppm,
             INPUTS_KEY: inputs_to_record(instant, step),
             "skills_loaded": len(loaded),
+            # Tokens per class (prefix exact, body estimated), for inspect's budget bars.
+            "class_tokens": [
+                {"class_name": c.class_name, "tokens": c.tokens} for c in assembled.budget
+            ],
         }
         # Rendered before anything is recorded: a request no provider can take writes nothing.
         rendered = (

@@ -225,9 +225,7 @@ def _pending_pairs(items: Sequence[ConversationItem]) -> tuple[ConversationItem,
         start -= 1
     calls = {i.call_id for i in completed[start:end] if isinstance(i, ToolCall)}
     return tuple(
-        i
-        for i in completed[start:]
-        if isinstance(i, ToolCall | ToolResult) and i.call_id in calls
+        i for i in completed[start:] if isinstance(i, ToolCall | ToolResult) and i.call_id in calls
     )
 
 

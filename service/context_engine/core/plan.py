@@ -293,9 +293,7 @@ def _memory_entry(memory: MemoryItemSpec) -> SnapshotItem:
     )
 
 
-def _check_persona(
-    spec: PlanSpec, rendered: _Rendered, secret: bytes, count: TokenCounter
-) -> None:
+def _check_persona(spec: PlanSpec, rendered: _Rendered, secret: bytes, count: TokenCounter) -> None:
     """The persona row never yields: over 30 entries or 2,000 tokens the plan fails."""
     cap = CLASS_CAPS["persona"]
     tokens = sum(count(_render_text(i, secret)) for r, i in rendered if r is Row.PERSONA)

@@ -264,5 +264,3 @@ def _next_for_pressure(body: Body) -> Truncatable | None:
         if paid + min(body.history_floor, history - candidate.saving) < need:
             return candidate
     return None
-
-

@@ -1,0 +1,77 @@
+"""Two replicas over one PostgreSQL, each with its own pool and server: writes racing under
+the same idempotency key take effect exactly once, and every caller gets the same answer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+from uuid import UUID
+
+import grpc
+import pytest
+
+from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+
+from .helpers import TENANT, assistant, call, open_session, result
+
+
+@pytest.fixture
+async def replicas(database_dsn: str) -> AsyncIterator[list[Any]]:
+    from context_engine.api.server import build_engine, build_server
+    from context_engine.store import connect_pool
+
+    pools, servers, channels = [], [], []
+    for _ in range(2):
+        pool = await connect_pool(database_dsn, min_size=1, max_size=4)
+        running = await build_server(build_engine(pool), "127.0.0.1:0")
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+        pools.append(pool)
+        servers.append(running)
+        channels.append(channel)
+    yield [pb_grpc.ContextEngineStub(c) for c in channels]
+    for channel in channels:
+        await channel.close()
+    for running in servers:
+        await running.stop(0)
+    for pool in pools:
+        await pool.close()
+
+
+async def test_idempotent_writes_take_effect_once_across_replicas(
+    replicas: list[Any], pool: Any
+) -> None:
+    first, second = replicas
+    session_id, _ = await open_session(first)
+    start = pb.StartRunRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        idempotency_key="start-1",
+        user_message=pb.UserMessage(text="one run, please"),
+    )
+    started = await asyncio.gather(*(r.StartRun(start) for r in replicas * 3))
+    assert len({s.SerializeToString(deterministic=True) for s in started}) == 1
+    run_id = started[0].run.run_id
+
+    append = pb.AppendItemsRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        run_id=run_id,
+        expected_checkpoint_version=1,
+        idempotency_key="append-1",
+        items=[call("c1"), result("c1", "page"), assistant("done")],
+    )
+    appended = await asyncio.gather(*(r.AppendItems(append) for r in (first, second) * 3))
+    assert len({a.SerializeToString(deterministic=True) for a in appended}) == 1
+    assert appended[0].checkpoint_version == 2
+
+    sid = UUID(session_id)
+    runs = await pool.fetchval("SELECT count(*) FROM runs WHERE session_id = $1", sid)
+    items = await pool.fetchval(
+        "SELECT count(*) FROM session_events WHERE session_id = $1 AND item_id IS NOT NULL", sid
+    )
+    versions = await pool.fetchval(
+        "SELECT max(version) FROM run_checkpoints WHERE run_id = $1", UUID(run_id)
+    )
+    assert (runs, items, versions) == (1, 4, 2)  # the seeding message + three items
