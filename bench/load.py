@@ -205,6 +205,8 @@ async def run_faults(sessions: int, seconds: float) -> bool:
             os.kill(pid, signal.SIGINT)  # PostgreSQL's fast shutdown
             outage["down"] = time.monotonic()
             await asyncio.sleep(total / 3)
+            while _alive(pid):  # a restart racing the old postmaster's exit fails
+                await asyncio.sleep(0.1)
             await asyncio.to_thread(pg.ensure_postgres_running)
             outage["up"] = time.monotonic()
 
@@ -228,6 +230,14 @@ async def run_faults(sessions: int, seconds: float) -> bool:
     ok = bool(recovered) and only_unavailable and fast and lost == (0, 0) and bool(ledger.errors)
     print(f"  fail fast, recover without restart, lose nothing: {'PASS' if ok else 'FAIL'}")
     return ok
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

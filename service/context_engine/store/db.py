@@ -65,6 +65,15 @@ async def connect_pool(
     return pool
 
 
+# SQLSTATE classes that mean the database is away, whatever the statement: 08 connection
+# exception, 57 operator intervention (admin or crash shutdown, cannot connect now).
+_AWAY_CLASSES = ("08", "57")
+
+
+def _database_away(exc: asyncpg.PostgresError) -> bool:
+    return str(getattr(exc, "sqlstate", "") or "")[:2] in _AWAY_CLASSES
+
+
 @asynccontextmanager
 async def acquire(pool: asyncpg.Pool, timeout: float = 5.0) -> AsyncIterator[Any]:
     """A pooled connection; unreachable-database failures become StoreUnavailableError."""
@@ -76,7 +85,7 @@ async def acquire(pool: asyncpg.Pool, timeout: float = 5.0) -> AsyncIterator[Any
     except _UNAVAILABLE as exc:
         raise StoreUnavailableError(f"PostgreSQL unavailable: {type(exc).__name__}") from exc
     except asyncpg.PostgresError as exc:
-        if handed_out:
+        if handed_out and not _database_away(exc):
             raise
         # Refused while connecting (database dropped or closed to connections, credentials
         # revoked): for this replica PostgreSQL is away, not the request wrong.
