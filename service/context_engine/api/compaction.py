@@ -12,7 +12,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
-from ..core.checkpoint import Checkpoint
+from ..core.checkpoint import Checkpoint, require_version
 from ..core.compaction import (
     CompactionResult,
     Prepared,
@@ -21,7 +21,7 @@ from ..core.compaction import (
     elided_content,
     prepare,
 )
-from ..core.errors import ConflictError, InvalidFieldError
+from ..core.errors import InvalidFieldError
 from ..core.items import ConversationItem
 from ..core.seeding import carried_history, seed_cut
 from ..store import events, idempotency, runs, sessions
@@ -145,14 +145,7 @@ async def commit_compaction(
         if stored is not None:
             return stored
         checkpoint, carried, contents = await _inputs(conn, tenant_id, session_id, run_id, 0)
-        if expected_version != checkpoint.version:
-            raise ConflictError(
-                f"expected_checkpoint_version {expected_version} is not the latest"
-                f" ({checkpoint.version}); prepare again",
-                field="expected_checkpoint_version",
-                reason="CHECKPOINT_VERSION_CONFLICT",
-                metadata={"latest_version": str(checkpoint.version)},
-            )
+        require_version(checkpoint, expected_version, "; prepare again")
         prepared = await asyncio.to_thread(
             _reprepare,
             checkpoint,

@@ -73,6 +73,16 @@ def parse_uuid(value: str, field: str, *, required: bool = True) -> UUID | None:
         raise InvalidFieldError(f"{field} is not a UUID", field=field) from None
 
 
+def require_expected_version(value: int) -> int:
+    """expected_checkpoint_version: the latest version the caller saw, so at least 1."""
+    if value < 1:
+        raise InvalidFieldError(
+            "expected_checkpoint_version must be the latest version (>= 1)",
+            field="expected_checkpoint_version",
+        )
+    return value
+
+
 def require_uuid(value: str, field: str) -> UUID:
     parsed = parse_uuid(value, field)
     assert parsed is not None

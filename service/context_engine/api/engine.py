@@ -21,7 +21,7 @@ from .. import telemetry
 from ..core import epochs as epoch_rules
 from ..core.assemble import Assembled, BuildInputs, StepContext, assemble
 from ..core.build_record import INPUTS_KEY, inputs_to_record
-from ..core.checkpoint import Checkpoint
+from ..core.checkpoint import Checkpoint, require_version
 from ..core.enums import PlanReason
 from ..core.errors import (
     BudgetExceededError,
@@ -453,14 +453,7 @@ class Engine:
                 return stored
             run = await runs.read_run(conn, tenant, session_id, run_id)
             checkpoint = await runs.read_checkpoint(conn, tenant, run_id)
-            if expected_version != checkpoint.version:
-                raise ConflictError(
-                    f"expected_checkpoint_version {expected_version} is not the latest"
-                    f" ({checkpoint.version})",
-                    field="expected_checkpoint_version",
-                    reason="CHECKPOINT_VERSION_CONFLICT",
-                    metadata={"latest_version": str(checkpoint.version)},
-                )
+            require_version(checkpoint, expected_version)
             validate_append(checkpoint.items, new_items)
             runtime = ws_api.runtime_transition(checkpoint, new_items)
             in_history = run.parent_run_id is None

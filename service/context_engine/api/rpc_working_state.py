@@ -180,11 +180,7 @@ class WorkingStateRpcs:
         tenant = tenant_of(request)
         session_id = convert.require_uuid(request.session_id, "session_id")
         run_id = convert.require_uuid(request.run_id, "run_id")
-        if request.expected_checkpoint_version < 1:
-            raise InvalidFieldError(
-                "expected_checkpoint_version must be the latest version (>= 1)",
-                field="expected_checkpoint_version",
-            )
+        convert.require_expected_version(request.expected_checkpoint_version)
         writer = _enum(Writer, request.writer, "writer")
         if not request.HasField("update"):
             raise InvalidFieldError("update is required", field="update")

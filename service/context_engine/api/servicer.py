@@ -153,11 +153,7 @@ class ContextEngineServicer(
         tenant = _tenant(request)
         session_id = convert.require_uuid(request.session_id, "session_id")
         run_id = convert.require_uuid(request.run_id, "run_id")
-        if request.expected_checkpoint_version < 1:
-            raise InvalidFieldError(
-                "expected_checkpoint_version must be the latest version (>= 1)",
-                field="expected_checkpoint_version",
-            )
+        convert.require_expected_version(request.expected_checkpoint_version)
         new_ids = [self.engine.new_id() for _ in request.items]
         items = convert.items_from_proto(request.items, new_ids)
         result = await self.engine.append_items(

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
-from ..core.checkpoint import Checkpoint
-from ..core.errors import ConflictError, EngineError, InvalidFieldError
+from ..core.checkpoint import Checkpoint, require_version
+from ..core.errors import EngineError, InvalidFieldError
 from ..core.items import ConversationItem
 from ..core.trust import TrustLevel
 from ..core.working_state import (
@@ -185,14 +185,7 @@ async def update_working_state(
             return stored
         await runs.read_run(conn, tenant_id, session_id, run_id)
         checkpoint = await runs.read_checkpoint(conn, tenant_id, run_id)
-        if expected_version != checkpoint.version:
-            raise ConflictError(
-                f"expected_checkpoint_version {expected_version} is not the latest"
-                f" ({checkpoint.version})",
-                field="expected_checkpoint_version",
-                reason="CHECKPOINT_VERSION_CONFLICT",
-                metadata={"latest_version": str(checkpoint.version)},
-            )
+        require_version(checkpoint, expected_version)
         update = await _lowered_facts(conn, tenant_id, session_id, update)
         version = checkpoint.version + 1
         transition, sequence = await record_transition(

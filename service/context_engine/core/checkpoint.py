@@ -9,10 +9,11 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from .compaction import CompactionResult
+from .errors import ConflictError
 from .items import ConversationItem, SummaryItem
 from .working_state import WorkingState
 
-__all__ = ["Checkpoint"]
+__all__ = ["Checkpoint", "require_version"]
 
 NEUTRAL_FACTOR_PPM = 1_000_000
 
@@ -33,3 +34,19 @@ class Checkpoint(BaseModel):
     # The estimator's per-model correction, pinned when the checkpoint was written so a
     # rebuild of this checkpoint cuts history at the same place.
     estimator_factor_ppm: int = NEUTRAL_FACTOR_PPM
+
+
+def require_version(checkpoint: Checkpoint, expected_version: int, hint: str = "") -> None:
+    """Optimistic concurrency: the caller must have seen the latest checkpoint.
+
+    Raises:
+        ConflictError: CHECKPOINT_VERSION_CONFLICT, with the latest version in metadata.
+    """
+    if expected_version != checkpoint.version:
+        raise ConflictError(
+            f"expected_checkpoint_version {expected_version} is not the latest"
+            f" ({checkpoint.version}){hint}",
+            field="expected_checkpoint_version",
+            reason="CHECKPOINT_VERSION_CONFLICT",
+            metadata={"latest_version": str(checkpoint.version)},
+        )
