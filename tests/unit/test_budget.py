@@ -8,7 +8,7 @@ yielded; the prefix never yields (plan time). Plus the allocator's arithmetic.""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 import pytest
@@ -537,3 +537,88 @@ def test_a_prefix_over_the_ceiling_fails_naming_its_largest_class() -> None:
     assert caught.value.reason == "PREFIX_OVER_CEILING"
     assert caught.value.metadata["class"] == "tool_definitions"
     _check_prefix_caps(tuple(classes[:-1]))  # within the ceiling: no error
+
+
+@st.composite
+def long_sessions(draw: st.DrawFn) -> Session:
+    """A generated session behind a long older history (40-120 turns of user text, tool
+    results and answers), renumbered so the old turns come first in the log."""
+    session = draw(sessions())
+    turns = draw(st.integers(40, 120))
+    old: list[ConversationItem] = []
+    for t in range(turns):
+        run_id, base = f"old{t}", 4 * t
+        old += [
+            UserMessage(
+                item_id=f"ou{t}",
+                text=_text(draw(st.sampled_from([40, 900, 3_000]))),
+                sequence=base + 1,
+                run_id=run_id,
+            ),
+            ToolCall(
+                item_id=f"oc{t}",
+                call_id=f"oc{t}",
+                tool_name="web.fetch",
+                arguments_json="{}",
+                sequence=base + 2,
+                run_id=run_id,
+            ),
+            ToolResult(
+                item_id=f"or{t}",
+                call_id=f"oc{t}",
+                tool_name="web.fetch",
+                content=_text(draw(st.sampled_from([10, 2_000, 20_000]))),
+                trust=TrustLevel.EXTERNAL_UNTRUSTED,
+                sequence=base + 3,
+                run_id=run_id,
+            ),
+            AssistantMessage(item_id=f"oa{t}", text=_text(200), sequence=base + 4, run_id=run_id),
+        ]
+    shift = 4 * turns
+
+    def moved(items: list[ConversationItem]) -> list[ConversationItem]:
+        return [
+            i.model_copy(update={"sequence": i.sequence + shift}) if i.sequence else i
+            for i in items
+        ]
+
+    return replace(
+        session,
+        carried=old + moved(session.carried),
+        run=moved(session.run),
+        summary=None,
+        floor=0,
+    )
+
+
+@GATE
+@given(long_sessions())
+def test_leaving_unreachable_history_uncosted_changes_no_decision(session: Session) -> None:
+    """Assembly that never costs history the body could not hold decides exactly what
+    assembly that costs every carried item decides: same request bytes, fit, yields and
+    cut (reported against the whole history)."""
+    from context_engine.core import pressure
+
+    _, inputs = _build(session)
+    real = pressure._unreachable
+    try:
+        windowed = assemble(inputs)
+    except BudgetExceededError:
+        return
+    pressure._unreachable = lambda *args: 0  # type: ignore[assignment]
+    try:
+        reference = assemble(inputs)
+    finally:
+        pressure._unreachable = real
+    assert windowed.request_sha256 == reference.request_sha256
+    assert windowed.needs_compaction == reference.needs_compaction
+    assert windowed.placed == reference.placed
+    w, r = windowed.pressure, reference.pressure
+    assert w is not None and r is not None
+    assert (w.fits, w.steps, w.body_tokens_after, w.history_cut_index) == (
+        r.fits,
+        r.steps,
+        r.body_tokens_after,
+        r.history_cut_index,
+    )
+    assert w.body_tokens_before <= r.body_tokens_before

@@ -4661,7 +4661,8 @@ type PressureReport struct {
 	Fits bool `protobuf:"varint,1,opt,name=fits,proto3" json:"fits,omitempty"`
 	// The yield steps taken, in the fixed order, each no further than needed.
 	Steps []*YieldStep `protobuf:"bytes,2,rep,name=steps,proto3" json:"steps,omitempty"`
-	// Estimated body tokens before yielding.
+	// Estimated body tokens before yielding, over the candidates a fitting request can reach
+	// (carried history older than what the whole body could hold is not costed).
 	BodyTokensBefore int64 `protobuf:"varint,3,opt,name=body_tokens_before,json=bodyTokensBefore,proto3" json:"body_tokens_before,omitempty"`
 	// Estimated body tokens after yielding.
 	BodyTokensAfter int64 `protobuf:"varint,4,opt,name=body_tokens_after,json=bodyTokensAfter,proto3" json:"body_tokens_after,omitempty"`

@@ -134,9 +134,15 @@ def fit_body(
         BudgetExceededError: the never-yield set alone exceeds the body; metadata "class"
             names the class that does not fit.
     """
+    excerpted_ids = frozenset(id(i) for i in excerpted)
+    reach = max(budget.body_tokens, budget.history_tokens)
+    unreachable = _unreachable(carried, reach, cost, excerpted_ids)
+    if unreachable:
+        gone = {id(i) for i in carried[:unreachable]}
+        placed = [(row, item) for row, item in placed if id(item) not in gone]
+        carried = carried[unreachable:]
     carried_ids = {id(i) for i in carried}
     pending_ids = {id(i) for i in pending}
-    excerpted_ids = frozenset(id(i) for i in excerpted)
     # Costs first: rendering is what rejects an item type assembly cannot render.
     costs = [cost(row, item, id(item) in excerpted_ids) for row, item in placed]
     classes = [_class_of(row, item, carried_ids) for row, item in placed]
@@ -222,8 +228,8 @@ def fit_body(
         body_tokens_after=after,
         body_budget_tokens=budget.body_tokens,
         legacy_tool_excerpts=tuple(i.item_id for i in excerpted),
-        history_cut_index=cut,
-        history_items_dropped=cut,
+        history_cut_index=unreachable + cut,
+        history_items_dropped=unreachable + cut,
     )
     return Fitted(
         placed=tuple(out) if fits else (),
@@ -232,6 +238,31 @@ def fit_body(
         usage=_usage(used, budget),
         body_tokens=after,
     )
+
+
+def _unreachable(
+    carried: Sequence[ContextItem], reach: int, cost: Cost, excerpted_ids: frozenset[int]
+) -> int:
+    """How many of the oldest carried items no decision can depend on.
+
+    `reach` is the larger of the body budget and history's floor. Walking newest first, the
+    least an item can cost is its pointer's cost (a tool result) or its own. Once those
+    least costs alone exceed `reach`, no suffix that starts earlier can fit the body, and
+    history stays above its floor however much yields — so neither the ladder, the fit nor
+    the cut decides anything differently without the older items, and they are not costed
+    at all. This is what makes a Build's work independent of the session's length. The
+    boundary item itself is kept (it is what exceeds `reach`).
+    """
+    least = 0
+    for index in range(len(carried) - 1, -1, -1):
+        item = carried[index]
+        tokens = cost(Row.CONVERSATION, item, id(item) in excerpted_ids)
+        if isinstance(item, ToolResult):
+            tokens = min(tokens, _pointer_cost(Row.CONVERSATION, item, cost))
+        least += tokens
+        if least > reach:
+            return index
+    return 0
 
 
 # --- classification ---------------------------------------------------------------------
