@@ -110,7 +110,9 @@ async def wait_serving(target: str, proc: subprocess.Popen[bytes] | None = None)
     raise TimeoutError(f"server at {target} did not become ready")
 
 
-def plan_spec(tools: int = 6, snapshot_items: int = 0, skills: int = 0) -> pb.PlanSpec:
+def plan_spec(
+    tools: int = 6, snapshot_items: int = 0, skills: int = 0, policy_cap_tokens: int = 0
+) -> pb.PlanSpec:
     schema = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
     return pb.PlanSpec(
         model_id="claude-sonnet-4-5",
@@ -141,14 +143,18 @@ def plan_spec(tools: int = 6, snapshot_items: int = 0, skills: int = 0) -> pb.Pl
             ],
         ),
         environment=pb.SessionEnvironment(surface="chat", time_zone="UTC"),
+        policy_cap_tokens=policy_cap_tokens,
     )
 
 
-async def seed_session(stub: Any, turns: int, *, tools: int = 6) -> tuple[str, str]:
+async def seed_session(
+    stub: Any, turns: int, *, tools: int = 6, policy_cap_tokens: int = 0
+) -> tuple[str, str]:
     """A session with `turns` completed turns (user, tool call, tool result, answer) and a
     fresh run on top. Returns (session_id, run_id of the fresh run)."""
     session_id = str(uuid.uuid4())
-    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=plan_spec(tools)))
+    spec = plan_spec(tools, policy_cap_tokens=policy_cap_tokens)
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=spec))
     for turn in range(turns):
         started = await stub.StartRun(
             pb.StartRunRequest(

@@ -597,19 +597,22 @@ def test_leaving_unreachable_history_uncosted_changes_no_decision(session: Sessi
     """Assembly that never costs history the body could not hold decides exactly what
     assembly that costs every carried item decides: same request bytes, fit, yields and
     cut (reported against the whole history)."""
-    from context_engine.core import pressure
+    import importlib
+
+    # The package exports the function `assemble`, which shadows the module's name.
+    assembly = importlib.import_module("context_engine.core.assemble")
 
     _, inputs = _build(session)
-    real = pressure._unreachable
+    real = assembly.reachable_start
     try:
         windowed = assemble(inputs)
     except BudgetExceededError:
         return
-    pressure._unreachable = lambda *args: 0  # type: ignore[assignment]
+    assembly.reachable_start = lambda *args: 0  # type: ignore[assignment]
     try:
         reference = assemble(inputs)
     finally:
-        pressure._unreachable = real
+        assembly.reachable_start = real
     assert windowed.request_sha256 == reference.request_sha256
     assert windowed.needs_compaction == reference.needs_compaction
     assert windowed.placed == reference.placed

@@ -52,7 +52,7 @@ from .items import (
     trust_of,
 )
 from .plan import ClassUsage, ContextPlan, session_key
-from .pressure import Fitted, PressureReport, fit_body
+from .pressure import Fitted, PressureReport, fit_body, reachable_start
 from .request import Block, Message, ModelRequest, ToolDefinition
 from .rows import Row
 from .validate import validate_tool_pairs
@@ -135,11 +135,6 @@ def assemble(inputs: BuildInputs) -> Assembled:
         PreconditionError: the request would carry an orphaned tool call or result.
         BudgetExceededError: the never-yield set alone exceeds the body.
     """
-    carried, excerpted = _legacy_excerpts(inputs.carried, inputs.inline_maximum_bytes)
-    inputs = replace(inputs, carried=carried)
-    candidates = _place(inputs)
-    for row, item in candidates:
-        check_placement(item, row)
     plan = inputs.plan
     budget = allocate(
         context_window=plan.context_window,
@@ -147,16 +142,25 @@ def assemble(inputs: BuildInputs) -> Assembled:
         reserve_output_tokens=plan.max_output_tokens,
         prefix_tokens=plan.prefix_tokens,
     )
+    cost = _cost(inputs)
+    # Only history a fitting request can reach is excerpted, placed and costed.
+    skipped = reachable_start(inputs.carried, budget, cost, inputs.inline_maximum_bytes)
+    carried, excerpted = _legacy_excerpts(inputs.carried[skipped:], inputs.inline_maximum_bytes)
+    inputs = replace(inputs, carried=carried)
+    candidates = _place(inputs)
+    for row, item in candidates:
+        check_placement(item, row)
     fitted = fit_body(
         candidates,
         carried=carried,
         pending=_pending_pairs(inputs.checkpoint.items),
         budget=budget,
-        cost=_cost(inputs),
+        cost=cost,
         model_id=plan.model_id,
         summary_floor=inputs.checkpoint.replaced_through_sequence,
         recall_floor_lines=inputs.step.recall_floor_lines,
         excerpted=excerpted,
+        skipped=skipped,
     )
     if not fitted.fits:
         return _outcome(inputs, budget, fitted, None, "")

@@ -23,9 +23,11 @@ from dataclasses import dataclass
 from .budget import ContextBudget
 from .caps import CLASS_CAPS
 from .errors import BudgetExceededError
+from .excerpts import legacy_excerpt
 from .history_cut import select_history
 from .items import (
     ContextItem,
+    ConversationItem,
     CorrectionLineItem,
     KnowledgePassageItem,
     RecallLineItem,
@@ -36,7 +38,7 @@ from .plan import ClassUsage
 from .rows import Row
 from .yield_ladder import Body, Truncatable, YieldStep, pointer_for, run_ladder
 
-__all__ = ["BODY_CLASSES", "Cost", "Fitted", "PressureReport", "fit_body"]
+__all__ = ["BODY_CLASSES", "Cost", "Fitted", "PressureReport", "fit_body", "reachable_start"]
 
 # (row, item, rendered as truncated) -> estimated tokens, conservative and pure.
 Cost = Callable[[Row, ContextItem, bool], int]
@@ -123,6 +125,7 @@ def fit_body(
     summary_floor: int,
     recall_floor_lines: int = 0,
     excerpted: Sequence[ContextItem] = (),
+    skipped: int = 0,
 ) -> Fitted:
     """Decide what of the placed Region B items the request carries.
 
@@ -135,12 +138,6 @@ def fit_body(
             names the class that does not fit.
     """
     excerpted_ids = frozenset(id(i) for i in excerpted)
-    reach = max(budget.body_tokens, budget.history_tokens)
-    unreachable = _unreachable(carried, reach, cost, excerpted_ids)
-    if unreachable:
-        gone = {id(i) for i in carried[:unreachable]}
-        placed = [(row, item) for row, item in placed if id(item) not in gone]
-        carried = carried[unreachable:]
     carried_ids = {id(i) for i in carried}
     pending_ids = {id(i) for i in pending}
     # Costs first: rendering is what rejects an item type assembly cannot render.
@@ -228,8 +225,8 @@ def fit_body(
         body_tokens_after=after,
         body_budget_tokens=budget.body_tokens,
         legacy_tool_excerpts=tuple(i.item_id for i in excerpted),
-        history_cut_index=unreachable + cut,
-        history_items_dropped=unreachable + cut,
+        history_cut_index=skipped + cut,
+        history_items_dropped=skipped + cut,
     )
     return Fitted(
         placed=tuple(out) if fits else (),
@@ -240,25 +237,34 @@ def fit_body(
     )
 
 
-def _unreachable(
-    carried: Sequence[ContextItem], reach: int, cost: Cost, excerpted_ids: frozenset[int]
+def reachable_start(
+    carried: Sequence[ConversationItem],
+    budget: ContextBudget,
+    cost: Cost,
+    inline_maximum_bytes: int,
 ) -> int:
-    """How many of the oldest carried items no decision can depend on.
+    """How many of the oldest carried items no decision can depend on (skip them).
 
     `reach` is the larger of the body budget and history's floor. Walking newest first, the
-    least an item can cost is its pointer's cost (a tool result) or its own. Once those
-    least costs alone exceed `reach`, no suffix that starts earlier can fit the body, and
-    history stays above its floor however much yields — so neither the ladder, the fit nor
-    the cut decides anything differently without the older items, and they are not costed
-    at all. This is what makes a Build's work independent of the session's length. The
-    boundary item itself is kept (it is what exceeds `reach`).
+    least an item can cost is its pointer's cost (a tool result, as its legacy excerpt
+    where it has one) or its own. Once those least costs alone exceed `reach`, no suffix
+    that starts earlier can fit the body, and history stays above its floor however much
+    yields — so neither the ladder, the fit nor the cut decides anything differently
+    without the older items, and they are not excerpted, placed or costed at all. This is
+    what makes a Build's work independent of the session's length. The boundary item itself
+    is kept (it is what exceeds `reach`). tests/unit/test_budget.py checks the equivalence.
     """
+    reach = max(budget.body_tokens, budget.history_tokens)
     least = 0
     for index in range(len(carried) - 1, -1, -1):
         item = carried[index]
-        tokens = cost(Row.CONVERSATION, item, id(item) in excerpted_ids)
-        if isinstance(item, ToolResult):
-            tokens = min(tokens, _pointer_cost(Row.CONVERSATION, item, cost))
+        excerpt = (
+            legacy_excerpt(item, inline_maximum_bytes) if isinstance(item, ToolResult) else None
+        )
+        shown: ContextItem = excerpt if excerpt is not None else item
+        tokens = cost(Row.CONVERSATION, shown, excerpt is not None)
+        if isinstance(shown, ToolResult):
+            tokens = min(tokens, _pointer_cost(Row.CONVERSATION, shown, cost))
         least += tokens
         if least > reach:
             return index
