@@ -630,3 +630,40 @@ async def test_an_operational_session_pins_no_tools_and_keeps_them_pinned(
     assert not started.HasField("rotated_plan")
     assert list((await _build(stub, session_id, started.run.run_id)).request.tools) == []
     assert await _rotations(pool, session_id) == []
+
+
+async def test_an_active_run_keeps_its_plan_across_another_runs_admission(stub: Any) -> None:
+    """Admission rotations pin the new run's plan only; an explicit rotation (an operator's
+    revocation) reaches every run at its next Build."""
+    with_mail = spec()
+    with_mail.tools.append(tool("mail.send", scopes=("mail.send",)))  # unlocked by the grant
+    session_id, first_plan = await _open(stub, with_mail)
+    parked = await _start(stub, session_id)
+    assert (await _build(stub, session_id, parked.run.run_id)).prefix_sha256 == (
+        first_plan.prefix_sha256
+    )
+    granted = await _start(stub, session_id, scopes=["calendar.read", "mail.send", "web.read"])
+    assert granted.HasField("rotated_plan")
+    rotated = granted.rotated_plan
+    assert rotated.prefix_sha256 != first_plan.prefix_sha256
+    again = await _build(stub, session_id, parked.run.run_id)
+    assert (again.epoch, again.prefix_sha256) == (1, first_plan.prefix_sha256)
+    fresh = await _build(stub, session_id, granted.run.run_id)
+    assert (fresh.epoch, fresh.prefix_sha256) == (rotated.epoch, rotated.prefix_sha256)
+
+    revoked = spec()  # the operator takes mail.send out of the prompt at once
+    operator = await stub.Rotate(
+        pb.RotateRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            from_epoch=rotated.epoch,
+            reason=pb.PLAN_REASON_OPERATOR_REVOCATION,
+            spec=revoked,
+        )
+    )
+    for run in (parked, granted):
+        after = await _build(stub, session_id, run.run.run_id)
+        assert (after.epoch, after.prefix_sha256) == (
+            operator.plan.epoch,
+            operator.plan.prefix_sha256,
+        )

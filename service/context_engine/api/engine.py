@@ -525,12 +525,12 @@ class Engine:
         `record=False` to rebuild a recorded request without recording it again, and
         `skills_loaded` (recorded) so skills loaded later do not enter the rebuild.
         """
-        stored = await self.get_plan(tenant, session_id, epoch)
-        if record and stored.plan.invalidated:
-            stored = await self._rotate_invalidated(tenant, session_id)
-        telemetry.annotate(epoch=stored.plan.epoch, prefix_sha256=stored.plan.prefix_sha256)
         async with telemetry.span("store.read"), acquire(self.pool) as conn:
-            run, latest = await runs.read_run_head(conn, tenant, session_id, run_id)
+            try:
+                run, latest, effective = await runs.read_run_head(conn, tenant, session_id, run_id)
+            except NotFoundError:
+                await self.get_plan(tenant, session_id)  # an unknown session is named first
+                raise
             version = checkpoint_version or latest
             checkpoint = self._kept.get(("checkpoint", tenant, run_id, version))
             if checkpoint is None:
@@ -551,6 +551,12 @@ class Engine:
             loaded = await skill_store.read_loaded(conn, tenant, session_id)
         if skills_loaded is not None:
             loaded = loaded[:skills_loaded]  # sticky and append-only: a prefix is the past
+        # An active run keeps its pinned plan across other runs' admission rotations; any
+        # other rotation reaches it at its next Build (store/runs.py, ADMISSION_REASONS).
+        stored = await self.get_plan(tenant, session_id, epoch or effective)
+        if record and stored.plan.invalidated:
+            stored = await self._rotate_invalidated(tenant, session_id)
+        telemetry.annotate(epoch=stored.plan.epoch, prefix_sha256=stored.plan.prefix_sha256)
         plan = stored.plan
         instant = now or self._clock()
         clock = instant.astimezone(_zone(plan.time_zone))
@@ -628,6 +634,8 @@ class Engine:
                 payload if assembled.request is not None else None,
             )
         if seq == _PLAN_INVALIDATED:
+            # The erasure may have run on another replica: re-read plans on the retry.
+            self.forget_cached_plans(tenant, session_id)
             raise ConflictError(
                 "an erasure invalidated this plan's snapshot while the request was built;"
                 " build again",

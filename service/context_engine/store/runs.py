@@ -94,21 +94,34 @@ async def read_checkpoint(conn: Any, tenant_id: str, run_id: UUID, version: int 
     return Checkpoint.model_validate(row["body"])
 
 
+# Rotations decided at a new run's admission: they pin the new run's plan and leave the
+# runs already active on theirs. Every other rotation (an operator's revocation, a model
+# or agent change, an erasure) applies to every run from its next Build.
+ADMISSION_REASONS = ("RUN_AUTHORITY_CHANGED", "BROWSER_PROFILE_CHANGED")
+
+
 async def read_run_head(
     conn: Any, tenant_id: str, session_id: UUID, run_id: UUID
-) -> tuple[RunRow, int]:
-    """The run and its latest checkpoint version, in one round trip.
+) -> tuple[RunRow, int, int]:
+    """The run, its latest checkpoint version and the plan epoch it builds on, in one
+    round trip. The epoch is the run's own, or a later one from a rotation that was not
+    another run's admission.
 
     Raises NotFoundError for a run that is not in this tenant's session.
     """
     row = await conn.fetchrow(
         "SELECT r.parent_run_id, r.seed_event_sequence, r.epoch,"
         " (SELECT max(c.version) FROM run_checkpoints c"
-        "  WHERE c.tenant_id = r.tenant_id AND c.run_id = r.run_id) AS latest"
+        "  WHERE c.tenant_id = r.tenant_id AND c.run_id = r.run_id) AS latest,"
+        " (SELECT max(p.epoch) FROM context_plans p"
+        "  WHERE p.tenant_id = r.tenant_id AND p.session_id = r.session_id"
+        "  AND (p.epoch = r.epoch OR (p.epoch > r.epoch AND p.reason <> ALL($4::text[]))))"
+        "  AS effective"
         " FROM runs r WHERE r.tenant_id = $1 AND r.run_id = $2 AND r.session_id = $3",
         tenant_id,
         run_id,
         session_id,
+        list(ADMISSION_REASONS),
     )
     if row is None:
         raise NotFoundError(f"run {run_id} not found", field="run_id", reason="RUN_NOT_FOUND")
@@ -119,4 +132,4 @@ async def read_run_head(
         seed_event_sequence=row["seed_event_sequence"],
         epoch=row["epoch"],
     )
-    return run, int(row["latest"] or 0)
+    return run, int(row["latest"] or 0), int(row["effective"] or row["epoch"])
