@@ -1,4 +1,4 @@
-"""`context-engine serve | migrate | inspect | fake-provider`."""
+"""`context-engine serve | migrate | inspect | explain | fake-provider`."""
 
 from __future__ import annotations
 
