@@ -603,16 +603,18 @@ def test_leaving_unreachable_history_uncosted_changes_no_decision(session: Sessi
     assembly = importlib.import_module("context_engine.core.assemble")
 
     _, inputs = _build(session)
-    real = assembly.reachable_start
+    real = assembly.window_reach
     try:
         windowed = assemble(inputs)
     except BudgetExceededError:
         return
-    assembly.reachable_start = lambda *args: 0  # type: ignore[assignment]
+    # Unbounded reach: every carried item is excerpted, placed and costed (core/carried.py),
+    # on a distinct copy of the history so nothing derived for the windowed build is reused.
+    assembly.window_reach = lambda budget: 2**62  # type: ignore[assignment]
     try:
-        reference = assemble(inputs)
+        reference = assemble(replace(inputs, carried=tuple(list(inputs.carried))))
     finally:
-        assembly.reachable_start = real
+        assembly.window_reach = real
     assert windowed.request_sha256 == reference.request_sha256
     assert windowed.needs_compaction == reference.needs_compaction
     assert windowed.placed == reference.placed

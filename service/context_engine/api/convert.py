@@ -52,10 +52,12 @@ __all__ = [
     "plan_spec_from_proto",
     "plan_to_proto",
     "pressure_to_proto",
+    "provider_to_proto",
     "request_from_proto",
     "request_to_proto",
     "step_from_proto",
     "timestamp_to_datetime",
+    "tool_to_proto",
 ]
 
 _PROVIDER_TO_PROTO = {"anthropic": pb.PROVIDER_ANTHROPIC, "openai": pb.PROVIDER_OPENAI}
@@ -529,17 +531,23 @@ def breakpoint_to_proto(bp: CacheBreakpoint) -> pb.CacheBreakpoint:
     )
 
 
+def provider_to_proto(provider: str) -> int:
+    return _PROVIDER_TO_PROTO.get(provider, pb.PROVIDER_UNSPECIFIED)
+
+
+def tool_to_proto(tool: ToolDefinition) -> pb.ToolDefinition:
+    return pb.ToolDefinition(
+        name=tool.name, description=tool.description, input_schema_json=tool.input_schema_json
+    )
+
+
 def request_to_proto(request: ModelRequest) -> pb.ModelRequest:
+    """Field by field; Build composes the same message from cached bytes (api/wire.py)."""
     return pb.ModelRequest(
-        provider=_PROVIDER_TO_PROTO.get(request.provider, pb.PROVIDER_UNSPECIFIED),
+        provider=provider_to_proto(request.provider),
         model_id=request.model_id,
         system=[block_to_proto(b) for b in request.system],
-        tools=[
-            pb.ToolDefinition(
-                name=t.name, description=t.description, input_schema_json=t.input_schema_json
-            )
-            for t in request.tools
-        ],
+        tools=[tool_to_proto(t) for t in request.tools],
         messages=[
             pb.Message(role=m.role, blocks=[block_to_proto(b) for b in m.blocks])
             for m in request.messages

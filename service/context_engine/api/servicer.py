@@ -13,7 +13,7 @@ import grpc
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
 from .._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from ..core.errors import InvalidFieldError
-from . import convert
+from . import convert, wire
 from .engine import BuildResult, ChildSeed, Engine
 from .errors import grpc_errors
 from .rpc_builds import BuildsRpcs
@@ -203,7 +203,7 @@ class ContextEngineServicer(
         )
         # No request when the body needs compaction: the worker compacts and builds again.
         if assembled.request is not None:
-            response.request.CopyFrom(convert.request_to_proto(assembled.request))
+            response.request.CopyFrom(wire.request_message(assembled.request))
         # The pressure report is present whenever a yield ran (and never otherwise).
         if assembled.pressure is not None and assembled.pressure.yielded:
             response.pressure.CopyFrom(convert.pressure_to_proto(assembled.pressure))

@@ -29,10 +29,11 @@ from .body_estimate import block_tokens
 from .budget import ContextBudget, allocate
 from .cache_hints import cache_breakpoints
 from .canonical import sha256_hex
+from .carried import CarriedView, carried_view
 from .checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint
 from .envelope import wrap
 from .estimator import heuristic_count
-from .excerpts import DEFAULT_INLINE_MAXIMUM_BYTES, legacy_excerpt
+from .excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
 from .items import (
     AssistantMessage,
     ContextItem,
@@ -52,7 +53,7 @@ from .items import (
     trust_of,
 )
 from .plan import ClassUsage, ContextPlan, session_key
-from .pressure import Fitted, PressureReport, fit_body, reachable_start
+from .pressure import Fitted, PressureReport, fit_body, window_reach
 from .request import Block, Message, ModelRequest, ToolDefinition
 from .rows import Row
 from .validate import validate_tool_pairs
@@ -142,14 +143,23 @@ def assemble(inputs: BuildInputs) -> Assembled:
         reserve_output_tokens=plan.max_output_tokens,
         prefix_tokens=plan.prefix_tokens,
     )
-    cost = _cost(inputs)
-    # Only history a fitting request can reach is excerpted, placed and costed.
-    skipped = reachable_start(inputs.carried, budget, cost, inputs.inline_maximum_bytes)
-    carried, excerpted = _legacy_excerpts(inputs.carried[skipped:], inputs.inline_maximum_bytes)
+    # Only history a fitting request can reach is excerpted, placed and costed, and that
+    # once per run's history (core/carried.py).
+    view = carried_view(
+        inputs.carried,
+        (inputs.secret, inputs.count_tokens, inputs.estimator_factor_ppm),
+        _cost(inputs),
+        lambda row, item, truncated: _rendered(row, item, inputs.secret, truncated),
+        inputs.inline_maximum_bytes,
+        window_reach(budget),
+    )
+    cost = _cost(inputs, view)
+    skipped, carried, excerpted = view.start, view.shown, view.excerpted
     inputs = replace(inputs, carried=carried)
     candidates = _place(inputs)
     for row, item in candidates:
-        check_placement(item, row)
+        if id(item) not in view.checked:
+            check_placement(item, row)
     fitted = fit_body(
         candidates,
         carried=carried,
@@ -165,7 +175,7 @@ def assemble(inputs: BuildInputs) -> Assembled:
     if not fitted.fits:
         return _outcome(inputs, budget, fitted, None, "")
     placed = list(fitted.placed)
-    messages = _messages(placed, inputs.secret, fitted.truncated)
+    messages = _messages(placed, inputs.secret, fitted.truncated, view.blocks)
     validate_tool_pairs(messages)
     request = ModelRequest(
         provider=plan.provider,
@@ -203,20 +213,6 @@ def _outcome(
     )
 
 
-def _legacy_excerpts(
-    carried: tuple[ConversationItem, ...], limit: int
-) -> tuple[tuple[ConversationItem, ...], tuple[ToolResult, ...]]:
-    """Carried results over the inline limit, replaced by excerpts on copies (ADR-0137)."""
-    out: list[ConversationItem] = []
-    excerpted: list[ToolResult] = []
-    for item in carried:
-        excerpt = legacy_excerpt(item, limit) if isinstance(item, ToolResult) else None
-        if excerpt is not None:
-            excerpted.append(excerpt)
-        out.append(excerpt if excerpt is not None else item)
-    return tuple(out), tuple(excerpted)
-
-
 def _pending_pairs(items: Sequence[ConversationItem]) -> tuple[ConversationItem, ...]:
     """The active loop's pending pairs: the latest model turn's tool calls and the results
     answering them. They never yield (the model is about to read those results)."""
@@ -233,11 +229,19 @@ def _pending_pairs(items: Sequence[ConversationItem]) -> tuple[ConversationItem,
     )
 
 
-def _cost(inputs: BuildInputs) -> Callable[[Row, ContextItem, bool], int]:
-    """A placed item's estimated tokens as rendered, under the checkpoint's pinned factor."""
+def _cost(
+    inputs: BuildInputs, view: CarriedView | None = None
+) -> Callable[[Row, ContextItem, bool], int]:
+    """A placed item's estimated tokens as rendered, under the checkpoint's pinned factor;
+    carried items (and their pointers) are looked up in their view."""
     count, factor, secret = inputs.count_tokens, inputs.estimator_factor_ppm, inputs.secret
+    known = view.costs if view is not None else {}
 
     def cost(row: Row, item: ContextItem, truncated: bool) -> int:
+        if row is Row.CONVERSATION:
+            tokens = known.get((id(item), truncated))
+            if tokens is not None:
+                return tokens
         try:
             return _cost_memo(row, item, secret, truncated, count, factor)
         except TypeError:  # an unhashable item: compute without the memo
@@ -339,16 +343,23 @@ _ASSISTANT_TYPES = (AssistantMessage, ToolCall, ReasoningItem)
 
 
 def _messages(
-    placed: list[tuple[Row, ContextItem]], secret: bytes, truncated: frozenset[int] = frozenset()
+    placed: list[tuple[Row, ContextItem]],
+    secret: bytes,
+    truncated: frozenset[int] = frozenset(),
+    known: dict[tuple[int, bool], Block] | None = None,
 ) -> tuple[Message, ...]:
     """Render placed items to blocks and merge consecutive same-role blocks into messages.
 
     `truncated` holds the identities of items (pointers, excerpts) whose envelope is marked
-    truncated."""
+    truncated; `known` the carried history's blocks, already rendered (core/carried.py)."""
     out: list[tuple[Role, list[Block]]] = []
+    known = known or {}
     for row, item in placed:
         role: Role = "assistant" if isinstance(item, _ASSISTANT_TYPES) else "user"
-        block = _rendered(row, item, secret, id(item) in truncated)
+        marked = id(item) in truncated
+        block = known.get((id(item), marked)) if row is Row.CONVERSATION else None
+        if block is None:
+            block = _rendered(row, item, secret, marked)
         if out and out[-1][0] == role:
             out[-1][1].append(block)
         else:

@@ -261,6 +261,11 @@ _JUNK_MIN_CHARS: Final = 4
 # ...or when this share (per mille) of its letter pairs is rare.
 _JUNK_RARE_PAIRS_PER_1000: Final = 400
 _JUNK_RARE_MIN_CHARS: Final = 5
+# ...or, from this length on, when both together (per mille of pairs plus per mille of
+# chars) reach this: ids encoded from low-entropy bytes ("req_AnYBaiEAAQABABF0") have a
+# few of each, camelCase identifiers (getElementById: 367) fewer.
+_JUNK_MIXED_PER_1000: Final = 380
+_JUNK_MIXED_MIN_CHARS: Final = 12
 _MAX_WORD_TABLE: Final = 12
 _LONG_WHITESPACE_CHARS: Final = 64
 
@@ -364,8 +369,12 @@ def _add_word(word: str, counts: list[int]) -> None:
     length = len(word)
     if length >= _JUNK_MIN_CHARS:
         transitions = _class_transitions(word)
-        if transitions * 1000 >= _JUNK_TRANSITIONS_PER_1000_CHARS * length or (
-            length >= _JUNK_RARE_MIN_CHARS and _mostly_rare_pairs(word)
+        changes = transitions * 1000 // length
+        rare = _rare_pairs_per_1000(word) if length >= _JUNK_RARE_MIN_CHARS else 0
+        if (
+            changes >= _JUNK_TRANSITIONS_PER_1000_CHARS
+            or rare >= _JUNK_RARE_PAIRS_PER_1000
+            or (length >= _JUNK_MIXED_MIN_CHARS and changes + rare >= _JUNK_MIXED_PER_1000)
         ):
             counts[_INDEX["junk_word"]] += 1
             counts[_INDEX["junk_char"]] += length
@@ -400,7 +409,7 @@ def _class_transitions(word: str) -> int:
     return transitions
 
 
-def _mostly_rare_pairs(word: str) -> bool:
+def _rare_pairs_per_1000(word: str) -> int:
     lower = word.lower()
     pairs = 0
     rare = 0
@@ -409,7 +418,7 @@ def _mostly_rare_pairs(word: str) -> bool:
         if pair.isalpha():
             pairs += 1
             rare += pair not in _COMMON_BIGRAMS
-    return pairs > 0 and rare * 1000 >= _JUNK_RARE_PAIRS_PER_1000 * pairs
+    return rare * 1000 // pairs if pairs else 0
 
 
 def _add_whitespace(

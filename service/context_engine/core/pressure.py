@@ -23,11 +23,9 @@ from dataclasses import dataclass
 from .budget import ContextBudget
 from .caps import CLASS_CAPS
 from .errors import BudgetExceededError
-from .excerpts import legacy_excerpt
 from .history_cut import select_history
 from .items import (
     ContextItem,
-    ConversationItem,
     CorrectionLineItem,
     KnowledgePassageItem,
     RecallLineItem,
@@ -38,7 +36,7 @@ from .plan import ClassUsage
 from .rows import Row
 from .yield_ladder import Body, Truncatable, YieldStep, pointer_for, run_ladder
 
-__all__ = ["BODY_CLASSES", "Cost", "Fitted", "PressureReport", "fit_body", "reachable_start"]
+__all__ = ["BODY_CLASSES", "Cost", "Fitted", "PressureReport", "fit_body", "window_reach"]
 
 # (row, item, rendered as truncated) -> estimated tokens, conservative and pure.
 Cost = Callable[[Row, ContextItem, bool], int]
@@ -237,38 +235,10 @@ def fit_body(
     )
 
 
-def reachable_start(
-    carried: Sequence[ConversationItem],
-    budget: ContextBudget,
-    cost: Cost,
-    inline_maximum_bytes: int,
-) -> int:
-    """How many of the oldest carried items no decision can depend on (skip them).
-
-    `reach` is the larger of the body budget and history's floor. Walking newest first, the
-    least an item can cost is its pointer's cost (a tool result, as its legacy excerpt
-    where it has one) or its own. Once those least costs alone exceed `reach`, no suffix
-    that starts earlier can fit the body, and history stays above its floor however much
-    yields — so neither the ladder, the fit nor the cut decides anything differently
-    without the older items, and they are not excerpted, placed or costed at all. This is
-    what makes a Build's work independent of the session's length. The boundary item itself
-    is kept (it is what exceeds `reach`). tests/unit/test_budget.py checks the equivalence.
-    """
-    reach = max(budget.body_tokens, budget.history_tokens)
-    least = 0
-    for index in range(len(carried) - 1, -1, -1):
-        item = carried[index]
-        excerpt = (
-            legacy_excerpt(item, inline_maximum_bytes) if isinstance(item, ToolResult) else None
-        )
-        shown: ContextItem = excerpt if excerpt is not None else item
-        tokens = cost(Row.CONVERSATION, shown, excerpt is not None)
-        if isinstance(shown, ToolResult):
-            tokens = min(tokens, _pointer_cost(Row.CONVERSATION, shown, cost))
-        least += tokens
-        if least > reach:
-            return index
-    return 0
+def window_reach(budget: ContextBudget) -> int:
+    """The most tokens any decision about carried history looks at: the larger of the body
+    budget and history's floor (core/carried.py leaves what lies beyond it uncosted)."""
+    return max(budget.body_tokens, budget.history_tokens)
 
 
 # --- classification ---------------------------------------------------------------------

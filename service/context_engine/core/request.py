@@ -11,6 +11,7 @@ from functools import lru_cache
 from typing import Any, Literal
 
 from .canonical import canonical_bytes
+from .identity_memo import IdentityMemo
 from .rows import Row
 from .trust import TrustLevel
 
@@ -155,9 +156,11 @@ class ModelRequest:
 _FRAGMENTS = 16_384
 
 
-@lru_cache(maxsize=_FRAGMENTS)
-def _block_json(block: Block) -> str:
+def _block_text(block: Block) -> str:
     return canonical_bytes(block.canonical()).decode("utf-8")
+
+
+_block_json = IdentityMemo(_block_text, _FRAGMENTS)
 
 
 @lru_cache(maxsize=256)

@@ -21,18 +21,26 @@ marker on its through_item's block (or the nearest sendable block before it). At
 one block are one. In processing order no one-hour marker follows a shorter one: a later
 marker's TTL is lowered to the shortest before it. ``"5m"`` is sent as the API default
 (no ``ttl`` key).
+
+Speed: each tool, system block and message block renders once per process to its
+canonical JSON text (memoized on the frozen neutral value; a session's tools and a run's
+history repeat on every Build), and the body is composed from those texts in RFC 8785 key
+order — the bytes ``canonical_bytes`` of the whole body would give, which
+tests/unit/test_providers.py checks on generated requests.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from ..core.canonical import canonical_bytes
 from ..core.errors import EngineError
-from ..core.request import Block, CacheBreakpoint, ModelRequest
+from ..core.identity_memo import IdentityMemo
+from ..core.request import Block, CacheBreakpoint, ModelRequest, ToolDefinition
 from ..core.rows import Row
 from .layout import PromptUnit, RenderedPayload
 from .names import check_wire_names, wire_tool_name
@@ -46,16 +54,36 @@ _TTL_RANK = {"5m": 0, "1h": 1}
 _PROVIDER = "anthropic"
 
 
-@dataclass(slots=True)
-class _Unit:
-    obj: dict[str, Any]
+@dataclass(frozen=True, slots=True)
+class _Rendered:
+    """One content block as rendered, shared by every request that carries it."""
+
+    obj: Mapping[str, Any]  # never mutated: markers live on the request's _Unit
+    text: str  # canonical JSON of obj
     row: Row
     item_id: str
     kind: str  # "tool" | "system" | "text" | "tool_use" | "tool_result" | "reasoning"
 
+
+@dataclass(slots=True)
+class _Unit:
+    """A rendered block's place in one request, with the cache marker it closes, if any."""
+
+    rendered: _Rendered
+    control: dict[str, str] | None = None
+
     @property
     def cacheable(self) -> bool:
-        return self.kind != "reasoning"  # thinking blocks cannot carry cache_control
+        return self.rendered.kind != "reasoning"  # thinking blocks cannot carry cache_control
+
+    @property
+    def kind(self) -> str:
+        return self.rendered.kind
+
+    def json(self) -> str:
+        if self.control is None:
+            return self.rendered.text
+        return _canonical_text({**self.rendered.obj, "cache_control": self.control})
 
 
 @dataclass(slots=True)
@@ -85,18 +113,22 @@ def render(request: ModelRequest, max_breakpoints: int = MAX_BREAKPOINTS) -> Ren
     """
     layout = _layout(request)
     _place_markers(layout, request.cache_breakpoints, max_breakpoints)
-    body: dict[str, Any] = {
-        "model": request.model_id,
-        "max_tokens": request.max_output_tokens,
-        "messages": [
-            {"role": role, "content": [u.obj for u in units]} for role, units in layout.turns
-        ],
-    }
+    # Keys in RFC 8785 order: max_tokens, messages, model, system, tools; a turn's content
+    # before its role.
+    turns = ",".join(
+        '{"content":[' + ",".join(u.json() for u in units) + '],"role":' + _string(role) + "}"
+        for role, units in layout.turns
+    )
+    parts = [
+        '{"max_tokens":' + str(request.max_output_tokens),
+        '"messages":[' + turns + "]",
+        '"model":' + _string(request.model_id),
+    ]
     if layout.system:
-        body["system"] = [u.obj for u in layout.system]
+        parts.append('"system":[' + ",".join(u.json() for u in layout.system) + "]")
     if layout.tools:
-        body["tools"] = [u.obj for u in layout.tools]
-    return RenderedPayload(API, canonical_bytes(body))
+        parts.append('"tools":[' + ",".join(u.json() for u in layout.tools) + "]")
+    return RenderedPayload(API, (",".join(parts) + "}").encode("utf-8"))
 
 
 def prompt_units(request: ModelRequest) -> tuple[PromptUnit, ...]:
@@ -105,9 +137,11 @@ def prompt_units(request: ModelRequest) -> tuple[PromptUnit, ...]:
     return tuple(
         PromptUnit(
             path,
-            unit.row,
-            unit.item_id,
-            canonical_bytes({"role": role, "block": unit.obj} if role else unit.obj),
+            unit.rendered.row,
+            unit.rendered.item_id,
+            canonical_bytes({"role": role, "block": dict(unit.rendered.obj)})
+            if role
+            else unit.rendered.text.encode("utf-8"),
         )
         for path, role, unit in layout.ordered()
     )
@@ -121,27 +155,16 @@ def _layout(request: ModelRequest) -> _Layout:
         [t.name for t in request.tools]
         + [b.tool_name for m in request.messages for b in m.blocks if b.kind == "tool_call"]
     )
-    tools = [
-        _Unit(
-            _tool(t.name, t.description, t.input_schema_json),
-            Row.TOOL_DEFINITIONS,
-            f"tool:{t.name}",
-            "tool",
-        )
-        for t in request.tools
-    ]
-    system = [
-        _Unit({"type": "text", "text": b.text}, b.row, b.item_id, "system")
-        for b in request.system
-        if b.text.strip()
-    ]
+    tools = [_Unit(_tool(t)) for t in request.tools]
+    system = [_Unit(r) for b in request.system if (r := _system(b)) is not None]
     turns: list[tuple[str, list[_Unit]]] = []
     anchors: list[tuple[str, _Unit | None]] = []
     last: _Unit | None = None
     for message in request.messages:
         units: list[_Unit] = []
         for block in message.blocks:
-            unit = _block(block)
+            rendered = _block(block)
+            unit = _Unit(rendered) if rendered is not None else None
             if unit is not None:
                 units.append(unit)
                 if unit.cacheable:
@@ -154,20 +177,48 @@ def _layout(request: ModelRequest) -> _Layout:
         else:
             turns.append((message.role, units))
     if turns and turns[0][0] == "assistant":
-        placeholder = {"type": "text", "text": HISTORY_CUT_PLACEHOLDER}
-        turns.insert(0, ("user", [_Unit(placeholder, Row.CONVERSATION, "", "text")]))
+        turns.insert(0, ("user", [_Unit(_PLACEHOLDER)]))
     turns = [(role, _results_first(units) if role == "user" else units) for role, units in turns]
     return _Layout(tools, system, turns, anchors)
 
 
-def _tool(name: str, description: str, schema_json: str) -> dict[str, Any]:
-    out: dict[str, Any] = {"name": wire_tool_name(name), "input_schema": json.loads(schema_json)}
-    if description:
-        out["description"] = description
-    return out
+# Rendering is a pure function of frozen neutral values; the memos change only how often it
+# runs. Bounded like core/request.py's fragments.
+_MEMO = 16_384
 
 
-def _block(block: Block) -> _Unit | None:
+@lru_cache(maxsize=256)
+def _string(value: str) -> str:
+    return _canonical_text(value)
+
+
+def _canonical_text(value: Any) -> str:
+    return canonical_bytes(value).decode("utf-8")
+
+
+def _rendered(obj: dict[str, Any], row: Row, item_id: str, kind: str) -> _Rendered:
+    return _Rendered(obj, _canonical_text(obj), row, item_id, kind)
+
+
+@lru_cache(maxsize=1024)
+def _tool(tool: ToolDefinition) -> _Rendered:
+    obj: dict[str, Any] = {
+        "name": wire_tool_name(tool.name),
+        "input_schema": json.loads(tool.input_schema_json),
+    }
+    if tool.description:
+        obj["description"] = tool.description
+    return _rendered(obj, Row.TOOL_DEFINITIONS, f"tool:{tool.name}", "tool")
+
+
+@lru_cache(maxsize=1024)
+def _system(block: Block) -> _Rendered | None:
+    if not block.text.strip():
+        return None
+    return _rendered({"type": "text", "text": block.text}, block.row, block.item_id, "system")
+
+
+def _render_block(block: Block) -> _Rendered | None:
     """One neutral block's content block (Rules 3, 5); None when it sends nothing."""
     match block.kind:
         case "text":
@@ -194,7 +245,15 @@ def _block(block: Block) -> _Unit | None:
         case _:
             raise EngineError(f"no Anthropic rendering for block kind {block.kind!r}")
     kind = {"tool_call": "tool_use"}.get(block.kind, block.kind)
-    return _Unit(obj, block.row, block.item_id, kind)
+    return _rendered(obj, block.row, block.item_id, kind)
+
+
+# A run's history blocks are the same objects on every Build (core/identity_memo.py).
+_block = IdentityMemo(_render_block, _MEMO)
+
+_PLACEHOLDER = _rendered(
+    {"type": "text", "text": HISTORY_CUT_PLACEHOLDER}, Row.CONVERSATION, "", "text"
+)
 
 
 def _opaque(block: Block) -> dict[str, Any]:
@@ -208,6 +267,8 @@ def _opaque(block: Block) -> dict[str, Any]:
 
 
 def _results_first(units: list[_Unit]) -> list[_Unit]:
+    if len(units) < 2:
+        return units
     results = [u for u in units if u.kind == "tool_result"]
     return results + [u for u in units if u.kind != "tool_result"]
 
@@ -233,7 +294,7 @@ def _place_markers(layout: _Layout, breakpoints: Sequence[CacheBreakpoint], budg
         control: dict[str, str] = {"type": "ephemeral"}
         if shortest == _TTL_RANK["1h"]:
             control["ttl"] = "1h"
-        ordered[index].obj["cache_control"] = control
+        ordered[index].control = control
 
 
 def _target(layout: _Layout, bp: CacheBreakpoint) -> _Unit | None:

@@ -15,17 +15,22 @@ not sent.
 Rule 5 (cache): the Responses API caches implicitly and takes no markers; the request
 carries ``prompt_cache_key`` = request.session_key, so every run, step and epoch of one
 session routes to the same cache and no other session shares it.
+
+Speed: tools and input items render once per process to canonical JSON text (memoized on
+the frozen neutral values) and the body is composed from them in RFC 8785 key order;
+tests/unit/test_providers.py checks the result is the canonical form of itself.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from ..core.canonical import canonical_bytes
 from ..core.errors import EngineError
-from ..core.request import Block, ModelRequest
+from ..core.request import Block, ModelRequest, ToolDefinition
 from ..core.rows import Row
 from .layout import PromptUnit, RenderedPayload
 from .names import check_wire_names, wire_tool_name
@@ -39,9 +44,11 @@ _PROVIDER = "openai"
 
 @dataclass(frozen=True, slots=True)
 class _Piece:
-    obj: Any  # a tool or input item; for instructions, the segment's text
+    obj: Any  # a tool or input item (never mutated: pieces are shared); for instructions,
+    # the segment's text
     row: Row
     item_id: str
+    text: str = ""  # canonical JSON of obj (tools and input items)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,17 +66,19 @@ def render(request: ModelRequest) -> RenderedPayload:
         EngineError: a reasoning item's opaque payload is not a JSON object.
     """
     layout = _layout(request)
-    body: dict[str, Any] = {
-        "model": request.model_id,
-        "input": [p.obj for p in layout.items],
-        "max_output_tokens": request.max_output_tokens,
-        "prompt_cache_key": request.session_key,
-    }
+    # Keys in RFC 8785 order: input, instructions, max_output_tokens, model,
+    # prompt_cache_key, tools.
+    parts = ['{"input":[' + ",".join(p.text for p in layout.items) + "]"]
     if layout.instructions:
-        body["instructions"] = "".join(p.obj for p in layout.instructions)
+        parts.append('"instructions":' + _text("".join(p.obj for p in layout.instructions)))
+    parts += [
+        '"max_output_tokens":' + str(request.max_output_tokens),
+        '"model":' + _text(request.model_id),
+        '"prompt_cache_key":' + _text(request.session_key),
+    ]
     if layout.tools:
-        body["tools"] = [p.obj for p in layout.tools]
-    return RenderedPayload(API, canonical_bytes(body))
+        parts.append('"tools":[' + ",".join(p.text for p in layout.tools) + "]")
+    return RenderedPayload(API, (",".join(parts) + "}").encode("utf-8"))
 
 
 def prompt_units(request: ModelRequest) -> tuple[PromptUnit, ...]:
@@ -80,11 +89,11 @@ def prompt_units(request: ModelRequest) -> tuple[PromptUnit, ...]:
         for n, p in enumerate(layout.instructions)
     ]
     out += [
-        PromptUnit(f"tools[{n}]", p.row, p.item_id, canonical_bytes(p.obj))
+        PromptUnit(f"tools[{n}]", p.row, p.item_id, p.text.encode("utf-8"))
         for n, p in enumerate(layout.tools)
     ]
     out += [
-        PromptUnit(f"input[{n}]", p.row, p.item_id, canonical_bytes(p.obj))
+        PromptUnit(f"input[{n}]", p.row, p.item_id, p.text.encode("utf-8"))
         for n, p in enumerate(layout.items)
     ]
     return tuple(out)
@@ -100,33 +109,44 @@ def _layout(request: ModelRequest) -> _Layout:
         _Piece((INSTRUCTIONS_SEPARATOR if n else "") + b.text, b.row, b.item_id)
         for n, b in enumerate(texts)
     ]
-    tools = [
-        _Piece(
-            _tool(t.name, t.description, t.input_schema_json),
-            Row.TOOL_DEFINITIONS,
-            f"tool:{t.name}",
-        )
-        for t in request.tools
-    ]
+    tools = [_tool(t) for t in request.tools]
     items = [
-        _Piece(obj, block.row, block.item_id)
+        piece
         for message in request.messages
         for block in message.blocks
-        if (obj := _item(message.role, block)) is not None
+        if (piece := _input_item(message.role, block)) is not None
     ]
     return _Layout(instructions, tools, items)
 
 
-def _tool(name: str, description: str, schema_json: str) -> dict[str, Any]:
-    out: dict[str, Any] = {
+# Rendering is a pure function of frozen neutral values; the memos change only how often it
+# runs. Bounded like core/request.py's fragments.
+@lru_cache(maxsize=1024)
+def _tool(tool: ToolDefinition) -> _Piece:
+    obj: dict[str, Any] = {
         "type": "function",
-        "name": wire_tool_name(name),
-        "parameters": json.loads(schema_json),
+        "name": wire_tool_name(tool.name),
+        "parameters": json.loads(tool.input_schema_json),
         "strict": False,
     }
-    if description:
-        out["description"] = description
-    return out
+    if tool.description:
+        obj["description"] = tool.description
+    return _Piece(obj, Row.TOOL_DEFINITIONS, f"tool:{tool.name}", _json(obj))
+
+
+@lru_cache(maxsize=16_384)
+def _input_item(role: str, block: Block) -> _Piece | None:
+    obj = _item(role, block)
+    return None if obj is None else _Piece(obj, block.row, block.item_id, _json(obj))
+
+
+def _json(value: Any) -> str:
+    return canonical_bytes(value).decode("utf-8")
+
+
+@lru_cache(maxsize=256)
+def _text(value: str) -> str:
+    return _json(value)
 
 
 def _item(role: str, block: Block) -> dict[str, Any] | None:
