@@ -2,7 +2,10 @@
 deadlines and migrations.
 
 - SIGTERM: health goes NOT_SERVING while an in-flight call (held on a session row lock)
-  is still running; the call then finishes; the process exits 0.
+  is still running; the call then finishes; the process exits 0. Under load (sixteen
+  callers building in a closed loop, four appends held on locks), every call a handler
+  had started finishes OK, the rest are refused UNAVAILABLE or CANCELLED (queued in the
+  transport when the stop began), and every acknowledged Build's record is in the log.
 - Configuration from a file and the environment is validated at start: a bad value exits
   2 with a message naming the setting.
 - Readiness follows PostgreSQL reachability (a database of the test's own is closed to
@@ -168,6 +171,125 @@ async def test_sigterm_goes_not_serving_and_in_flight_call_finishes(own_database
     assert any(r["msg"].startswith("shutting down") for r in records)
     appended = [r for r in records if r.get("method") == "AppendItems"]
     assert appended and appended[-1]["code"] == "OK"
+
+
+async def test_sigterm_under_load_drains_every_call_in_flight(own_database: str) -> None:
+    proc = await _cli(
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--database-url",
+        own_database,
+        env=_env(shutdown_grace_seconds=60, log_format="json"),
+    )
+    assert proc.stderr is not None
+    log = asyncio.ensure_future(proc.stderr.read())  # drained as it comes: a full pipe blocks
+    acknowledged: list[tuple[str, int]] = []  # (session, request_sequence) of OK Builds
+    refused: dict[str, int] = {}
+    try:
+        port = await _listening_port(proc)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.ContextEngineStub(channel)
+            held = []
+            for n in range(4):
+                session_id, _ = await open_session(stub)
+                held.append((session_id, (await start_run(stub, session_id, f"held {n}")).run))
+            builds = []
+            for n in range(2):
+                session_id, _ = await open_session(stub)
+                run = (await start_run(stub, session_id, f"load {n}")).run
+                builds.append(
+                    pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run.run_id)
+                )
+
+            locker = await asyncpg.connect(own_database)
+            await locker.execute("BEGIN")
+            await locker.execute(
+                "SELECT 1 FROM sessions WHERE tenant_id = $1 AND session_id = ANY($2::uuid[])"
+                " FOR UPDATE",
+                TENANT,
+                [UUID(s) for s, _ in held],
+            )
+            in_flight = [
+                asyncio.ensure_future(stub.AppendItems(_append(s, run.run_id, 1)))
+                for s, run in held
+            ]
+            # Counted from outside the locking transaction: inside it, PostgreSQL keeps the
+            # first pg_stat_activity snapshot for the transaction's lifetime.
+            watcher = await asyncpg.connect(own_database)
+            try:
+                await wait_for(
+                    lambda: _at_least(_lock_waiters(watcher), len(held)),
+                    what="the held appends to wait on their locks",
+                )
+            finally:
+                await watcher.close()
+            stopping = asyncio.Event()
+
+            async def builder(n: int) -> None:
+                request = builds[n % len(builds)]
+                while True:
+                    try:
+                        response = await stub.Build(request, timeout=30)
+                    except grpc.aio.AioRpcError as exc:
+                        refused[exc.code().name] = refused.get(exc.code().name, 0) + 1
+                        if stopping.is_set():
+                            return
+                        raise
+                    acknowledged.append((request.session_id, response.request_sequence))
+
+            load = [asyncio.ensure_future(builder(n)) for n in range(16)]
+            await wait_for(lambda: _truthy(len(acknowledged) >= 50), what="the load to get going")
+            stopping.set()
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            assert not any(call.done() for call in in_flight)
+
+            await locker.execute("ROLLBACK")
+            await locker.close()
+            responses = await asyncio.gather(*in_flight)
+            assert [r.checkpoint_version for r in responses] == [2] * len(held)
+            await asyncio.wait_for(asyncio.gather(*load), 60)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    # Refused after the stop: UNAVAILABLE once the listener is gone; CANCELLED for calls the
+    # transport had queued but no handler had started when the stop began (grpc core
+    # cancels those). No call a handler started ends in anything but OK.
+    assert set(refused) <= {"UNAVAILABLE", "CANCELLED"}, refused
+    lines = (await asyncio.wait_for(log, 60)).decode().splitlines()
+    served = [json.loads(line) for line in lines if line.strip()]
+    built = [r for r in served if r.get("method") == "Build"]
+    assert len(built) >= len(acknowledged)
+    assert {r["code"] for r in built} == {"OK"}, {r["code"] for r in built}
+    conn = await asyncpg.connect(own_database)
+    try:
+        logged = {
+            (str(r["session_id"]), r["sequence"])
+            for r in await conn.fetch(
+                "SELECT session_id, sequence FROM session_events"
+                " WHERE type = 'model.request.started'"
+            )
+        }
+        versions = await conn.fetch(
+            "SELECT max(version) AS v FROM run_checkpoints WHERE run_id = ANY($1::uuid[])"
+            " GROUP BY run_id",
+            [UUID(run.run_id) for _, run in held],
+        )
+    finally:
+        await conn.close()
+    assert acknowledged and set(acknowledged) <= logged
+    assert sorted(r["v"] for r in versions) == [2] * len(held)
+
+
+async def _at_least(count: Any, minimum: int) -> bool:
+    return int(await count) >= minimum
+
+
+async def _truthy(value: bool) -> bool:
+    return value
 
 
 # --- configuration -----------------------------------------------------------------

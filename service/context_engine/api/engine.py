@@ -527,7 +527,9 @@ class Engine:
         """
         async with telemetry.span("store.read"), acquire(self.pool) as conn:
             try:
-                run, latest, effective = await runs.read_run_head(conn, tenant, session_id, run_id)
+                run, latest, effective, skills = await runs.read_run_head(
+                    conn, tenant, session_id, run_id
+                )
             except NotFoundError:
                 await self.get_plan(tenant, session_id)  # an unknown session is named first
                 raise
@@ -548,7 +550,13 @@ class Engine:
                 )
                 carried = carried_history(logged)
                 self._kept.put(carried_key, carried, len(carried) + 1)
-            loaded = await skill_store.read_loaded(conn, tenant, session_id)
+            # Loaded skills are append-only and never unloaded: the first N are the same on
+            # every read, so a count names them (and none costs no round trip).
+            loaded_key = ("skills", tenant, session_id, skills)
+            loaded = self._kept.get(loaded_key) if skills else []
+            if loaded is None:
+                loaded = await skill_store.read_loaded(conn, tenant, session_id)
+                self._kept.put(("skills", tenant, session_id, len(loaded)), loaded, len(loaded))
         if skills_loaded is not None:
             loaded = loaded[:skills_loaded]  # sticky and append-only: a prefix is the past
         # An active run keeps its pinned plan across other runs' admission rotations; any

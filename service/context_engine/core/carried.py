@@ -4,7 +4,7 @@ Every Build of a run reads the same carried history: the shell keeps it and hand
 the same tuple of the same frozen items each time (api/kept.py). Everything assembly
 derives from that history item by item — the legacy excerpts that replace oversized
 results, each item's placement check, its estimated cost as rendered, its pointer's cost,
-its rendered block, and the running least cost `reachable_start` walks — depends only on
+its rendered block, and the least cost that bounds the window — depends only on
 the history and on the plan secret, the token counter, the pinned estimator factor and
 the inline limit. So it is derived once per such key and looked up after that; a Build's
 own work is then the run's new items plus the output.

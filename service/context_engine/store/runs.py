@@ -102,10 +102,10 @@ ADMISSION_REASONS = ("RUN_AUTHORITY_CHANGED", "BROWSER_PROFILE_CHANGED")
 
 async def read_run_head(
     conn: Any, tenant_id: str, session_id: UUID, run_id: UUID
-) -> tuple[RunRow, int, int]:
-    """The run, its latest checkpoint version and the plan epoch it builds on, in one
-    round trip. The epoch is the run's own, or a later one from a rotation that was not
-    another run's admission.
+) -> tuple[RunRow, int, int, int]:
+    """The run, its latest checkpoint version, the plan epoch it builds on and how many
+    skills the session has loaded, in one round trip. The epoch is the run's own, or a
+    later one from a rotation that was not another run's admission.
 
     Raises NotFoundError for a run that is not in this tenant's session.
     """
@@ -116,7 +116,9 @@ async def read_run_head(
         " (SELECT max(p.epoch) FROM context_plans p"
         "  WHERE p.tenant_id = r.tenant_id AND p.session_id = r.session_id"
         "  AND (p.epoch = r.epoch OR (p.epoch > r.epoch AND p.reason <> ALL($4::text[]))))"
-        "  AS effective"
+        "  AS effective,"
+        " (SELECT count(*) FROM loaded_skills s"
+        "  WHERE s.tenant_id = r.tenant_id AND s.session_id = r.session_id) AS skills"
         " FROM runs r WHERE r.tenant_id = $1 AND r.run_id = $2 AND r.session_id = $3",
         tenant_id,
         run_id,
@@ -132,4 +134,9 @@ async def read_run_head(
         seed_event_sequence=row["seed_event_sequence"],
         epoch=row["epoch"],
     )
-    return run, int(row["latest"] or 0), int(row["effective"] or row["epoch"])
+    return (
+        run,
+        int(row["latest"] or 0),
+        int(row["effective"] or row["epoch"]),
+        int(row["skills"]),
+    )
