@@ -127,15 +127,20 @@ async def own_database() -> AsyncIterator[str]:
 # --- shutdown ----------------------------------------------------------------------
 
 
-async def test_sigterm_goes_not_serving_and_in_flight_call_finishes(own_database: str) -> None:
-    proc = await _cli(
+async def _serve_for_shutdown(dsn: str) -> asyncio.subprocess.Process:
+    """`serve` on a free port with a long grace period, logging JSON lines to stderr."""
+    return await _cli(
         "serve",
         "--listen",
         "127.0.0.1:0",
         "--database-url",
-        own_database,
+        dsn,
         env=_env(shutdown_grace_seconds=60, log_format="json"),
     )
+
+
+async def test_sigterm_goes_not_serving_and_in_flight_call_finishes(own_database: str) -> None:
+    proc = await _serve_for_shutdown(own_database)
     try:
         port = await _listening_port(proc)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -174,14 +179,7 @@ async def test_sigterm_goes_not_serving_and_in_flight_call_finishes(own_database
 
 
 async def test_sigterm_under_load_drains_every_call_in_flight(own_database: str) -> None:
-    proc = await _cli(
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--database-url",
-        own_database,
-        env=_env(shutdown_grace_seconds=60, log_format="json"),
-    )
+    proc = await _serve_for_shutdown(own_database)
     assert proc.stderr is not None
     log = asyncio.ensure_future(proc.stderr.read())  # drained as it comes: a full pipe blocks
     acknowledged: list[tuple[str, int]] = []  # (session, request_sequence) of OK Builds
