@@ -30,6 +30,8 @@ from context_engine.core import (
 )
 from context_engine.core.body_estimate import block_tokens
 from context_engine.core.budget import allocate
+from context_engine.core.cache_hints import cache_breakpoints
+from context_engine.core.canonical import canonical_bytes
 from context_engine.core.caps import (
     CLASS_CAPS,
     HISTORY_FLOOR_TOKENS,
@@ -48,6 +50,7 @@ from context_engine.core.items import (
     UserMessage,
     WorkingStateItem,
 )
+from context_engine.core.messages import grouped
 from context_engine.core.plan import ClassUsage, _check_prefix_caps
 from context_engine.core.request import ModelRequest
 from context_engine.core.spec import AgentSpec, PlatformPolicySpec
@@ -627,3 +630,39 @@ def test_leaving_unreachable_history_uncosted_changes_no_decision(session: Sessi
         r.history_cut_index,
     )
     assert w.body_tokens_before <= r.body_tokens_before
+
+
+@GATE
+@given(sessions())
+def test_parts_derived_once_per_history_assemble_what_item_by_item_work_would(
+    session: Session,
+) -> None:
+    """A Build reuses what core/carried.py derived for the run's carried history: the
+    suffix's rows, its blocks merged into messages, its closed tool pairs and the two items
+    its cache markers can name. The request is what rendering, merging and marking every
+    placed item one by one gives, and a fresh copy of the history (derived afresh) builds
+    the same result."""
+    import importlib
+
+    assembly = importlib.import_module("context_engine.core.assemble")
+    plan, inputs = _build(session)
+    try:
+        built = assemble(inputs)
+    except BudgetExceededError:
+        return
+    assert assemble(replace(inputs, carried=tuple(list(inputs.carried)))) == built
+    if built.request is None:
+        return
+    # Pointers and legacy excerpts are the only tool results assembly made itself.
+    originals = {id(i) for i in (*inputs.carried, *inputs.checkpoint.items)}
+    blocks = [
+        assembly._render(
+            row, item, SECRET, isinstance(item, ToolResult) and id(item) not in originals
+        )
+        for row, item in built.placed
+    ]
+    assert built.request.messages == grouped([item for _, item in built.placed], blocks)
+    assert built.request.cache_breakpoints == cache_breakpoints(
+        plan.session_kind, built.placed, "current"
+    )
+    assert built.request.canonical_bytes() == canonical_bytes(built.request.canonical())

@@ -10,7 +10,12 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from context_engine.core.history_cut import select_history
+from context_engine.core.history_cut import (
+    negated_suffix_sums,
+    past_split_pairs,
+    select_history,
+    suffix_cut,
+)
 from context_engine.core.items import (
     AssistantMessage,
     ContextItem,
@@ -190,3 +195,17 @@ def test_the_floor_excludes_covered_items_and_a_pair_it_splits() -> None:
     assert select_history(items, 5, 10**6, CostTable(costs), "m") == 2
     assert select_history(items, 0, 10**6, CostTable(costs), "m") == 0
     assert select_history(items, 7, 10**6, CostTable(costs), "m") == 3
+
+
+@GATE
+@given(cut_inputs())
+def test_the_bisected_cut_assembly_uses_is_select_history(
+    case: tuple[History, int, int],
+) -> None:
+    """core/carried.py cuts a carried segment (all above the floor) by bisecting its
+    suffix sums (history_cut.suffix_cut), then rule 3: the same index the scan returns."""
+    history, floor, budget = case
+    above = [i for i in history.items if floor == 0 or i.sequence > floor]
+    costs = [history.costs[i.item_id] for i in above]
+    bisected = past_split_pairs(above, suffix_cut(negated_suffix_sums(costs), budget))
+    assert bisected == select_history(above, 0, budget, CostTable(history.costs), "m")

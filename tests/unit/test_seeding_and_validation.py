@@ -7,11 +7,11 @@ and its result are one unit, at append time and before a request leaves.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from context_engine.core import (
@@ -37,7 +37,13 @@ from context_engine.core.items import (
     UserMessage,
 )
 from context_engine.core.spec import PlatformPolicySpec
-from context_engine.core.validate import validate_append, validate_tool_pairs
+from context_engine.core.validate import (
+    ClosedRun,
+    closed_run,
+    validate_append,
+    validate_block_runs,
+    validate_tool_pairs,
+)
 
 from .strategies import (
     SCENARIO_SETTINGS,
@@ -473,6 +479,40 @@ def test_validate_tool_pairs_rejects_a_call_id_pending_twice() -> None:
     with pytest.raises(PreconditionError) as caught:
         validate_tool_pairs(messages)
     assert caught.value.reason == "ORPHANED_TOOL_ITEM"
+
+
+_BLOCKS = st.lists(
+    st.tuples(st.booleans(), st.sampled_from("abc")).map(
+        lambda pair: _call_block(pair[1]) if pair[0] else _result_block(pair[1])
+    ),
+    max_size=10,
+)
+
+
+def _outcome(check: Callable[[], None]) -> str:
+    try:
+        check()
+    except PreconditionError as error:
+        return f"{error.reason} {error.metadata}"
+    return "ok"
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_BLOCKS, min_size=1, max_size=4), st.data())
+def test_validating_in_runs_with_closed_runs_skipped_is_validating_the_whole(
+    runs: list[list[Block]], data: st.DataObject
+) -> None:
+    """Assembly validates a request as runs of blocks, passing over a carried suffix whose
+    pairs close on their own (validate.ClosedRun): the same verdict, naming the same call,
+    as walking every block."""
+    given_runs: list[Sequence[Block] | ClosedRun] = []
+    for run in runs:
+        closed = closed_run(run)
+        given_runs.append(closed if closed is not None and data.draw(st.booleans()) else run)
+    whole = _messages(("user", [b for run in runs for b in run]))
+    assert _outcome(lambda: validate_block_runs(given_runs)) == _outcome(
+        lambda: validate_tool_pairs(whole)
+    )
 
 
 def test_assemble_refuses_a_run_with_a_pending_call() -> None:

@@ -20,20 +20,20 @@ needs_compaction with no request: Build never compacts inline.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
-from typing import Literal
 
 from .body_estimate import block_tokens
 from .budget import ContextBudget, allocate
 from .cache_hints import cache_breakpoints
 from .canonical import sha256_hex
-from .carried import CarriedView, carried_view
+from .carried import carried_view
 from .checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint
 from .envelope import wrap
 from .estimator import heuristic_count
 from .excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
+from .identity_memo import IdentityMemo
 from .items import (
     AssistantMessage,
     ContextItem,
@@ -52,15 +52,14 @@ from .items import (
     check_placement,
     trust_of,
 )
+from .messages import grouped, joined
 from .plan import ClassUsage, ContextPlan, session_key
 from .pressure import Fitted, PressureReport, fit_body, window_reach
 from .request import Block, Message, ModelRequest, ToolDefinition
 from .rows import Row
-from .validate import validate_tool_pairs
+from .validate import ClosedRun, validate_block_runs
 
 __all__ = ["Assembled", "BuildInputs", "StepContext", "assemble", "split_run_items"]
-
-Role = Literal["user", "assistant"]
 
 _INPUT_TYPES = (UserMessage, ToolResult)
 
@@ -153,42 +152,69 @@ def assemble(inputs: BuildInputs) -> Assembled:
         inputs.inline_maximum_bytes,
         window_reach(budget),
     )
-    cost = _cost(inputs, view)
-    skipped, carried, excerpted = view.start, view.shown, view.excerpted
-    inputs = replace(inputs, carried=carried)
-    candidates = _place(inputs)
-    for row, item in candidates:
-        if id(item) not in view.checked:
-            check_placement(item, row)
+    # Items the summary covers are represented by it; admitting them again would state the
+    # same turns twice in two voices.
+    segment = view.segment(inputs.checkpoint.replaced_through_sequence)
+    head, tail = _place(inputs)
+    for row, item in (*head, *tail):
+        check_placement(item, row)
     fitted = fit_body(
-        candidates,
-        carried=carried,
+        head,
+        segment,
+        tail,
         pending=_pending_pairs(inputs.checkpoint.items),
         budget=budget,
-        cost=cost,
-        model_id=plan.model_id,
-        summary_floor=inputs.checkpoint.replaced_through_sequence,
+        cost=_cost(inputs),
         recall_floor_lines=inputs.step.recall_floor_lines,
-        excerpted=excerpted,
-        skipped=skipped,
+        skipped=view.start,
     )
     if not fitted.fits:
         return _outcome(inputs, budget, fitted, None, "")
-    placed = list(fitted.placed)
-    messages = _messages(placed, inputs.secret, fitted.truncated, view.blocks)
-    validate_tool_pairs(messages)
+    messages, runs = _messages(fitted, inputs.secret)
+    validate_block_runs(runs)
     request = ModelRequest(
         provider=plan.provider,
         model_id=plan.model_id,
-        system=tuple(b.to_block() for b in plan.system),
-        tools=tuple(ToolDefinition(t.name, t.description, t.input_schema_json) for t in plan.tools),
+        system=_system_blocks(plan),
+        tools=_tool_definitions(plan),
         messages=messages,
         max_output_tokens=plan.max_output_tokens,
         session_key=session_key(inputs.tenant_id, plan.session_id),
-        cache_breakpoints=cache_breakpoints(plan.session_kind, placed, inputs.checkpoint.run_id),
+        cache_breakpoints=cache_breakpoints(
+            plan.session_kind,
+            _window_items(fitted, inputs.checkpoint.run_id),
+            inputs.checkpoint.run_id,
+        ),
     )
     digest = sha256_hex(request.canonical_bytes())
     return _outcome(inputs, budget, fitted, request, digest)
+
+
+def _system(plan: ContextPlan) -> tuple[Block, ...]:
+    return tuple(b.to_block() for b in plan.system)
+
+
+def _tools(plan: ContextPlan) -> tuple[ToolDefinition, ...]:
+    return tuple(ToolDefinition(t.name, t.description, t.input_schema_json) for t in plan.tools)
+
+
+# A session's plan is the same object on every Build of its epoch (the shell caches it), so
+# its Region A blocks are made once and, being the same tuple, serialize from a memo too.
+_system_blocks = IdentityMemo(_system, 256, by_value=False)
+_tool_definitions = IdentityMemo(_tools, 256, by_value=False)
+
+
+def _window_items(fitted: Fitted, run_id: str) -> Sequence[tuple[Row, ContextItem]]:
+    """What cache_hints.history_window reads of the placed items. An untouched carried
+    suffix with no reasoning item and nothing of the building run is represented by the at
+    most two items a marker can name in it (core/carried.py, Retained.markable): the window
+    closes each marker at the last nameable item and names the last input at or before it,
+    and within such a suffix both are among those two."""
+    retained = fitted.retained
+    if retained is None or retained.has_reasoning or (run_id and run_id in retained.run_ids):
+        return fitted.placed
+    at, end = fitted.retained_at, fitted.retained_at + len(retained.pairs)
+    return (*fitted.placed[:at], *retained.markable, *fitted.placed[end:])
 
 
 def _outcome(
@@ -229,19 +255,12 @@ def _pending_pairs(items: Sequence[ConversationItem]) -> tuple[ConversationItem,
     )
 
 
-def _cost(
-    inputs: BuildInputs, view: CarriedView | None = None
-) -> Callable[[Row, ContextItem, bool], int]:
-    """A placed item's estimated tokens as rendered, under the checkpoint's pinned factor;
-    carried items (and their pointers) are looked up in their view."""
+def _cost(inputs: BuildInputs) -> Callable[[Row, ContextItem, bool], int]:
+    """A placed item's estimated tokens as rendered, under the checkpoint's pinned factor
+    (carried items are costed once per run: core/carried.py)."""
     count, factor, secret = inputs.count_tokens, inputs.estimator_factor_ppm, inputs.secret
-    known = view.costs if view is not None else {}
 
     def cost(row: Row, item: ContextItem, truncated: bool) -> int:
-        if row is Row.CONVERSATION:
-            tokens = known.get((id(item), truncated))
-            if tokens is not None:
-                return tokens
         try:
             return _cost_memo(row, item, secret, truncated, count, factor)
         except TypeError:  # an unhashable item: compute without the memo
@@ -281,17 +300,17 @@ def _rendered(row: Row, item: ContextItem, secret: bytes, truncated: bool) -> Bl
         return _render(row, item, secret, truncated)
 
 
-def _place(inputs: BuildInputs) -> list[tuple[Row, ContextItem]]:
-    """Region B items in the fixed order of the row table."""
+def _place(
+    inputs: BuildInputs,
+) -> tuple[list[tuple[Row, ContextItem]], list[tuple[Row, ContextItem]]]:
+    """Region B items in the fixed order of the row table: those before the carried
+    history (the summary) and those after it."""
     checkpoint = inputs.checkpoint
-    floor = checkpoint.replaced_through_sequence
     completed, trailing = split_run_items(checkpoint.items)
-    placed: list[tuple[Row, ContextItem]] = []
+    head: list[tuple[Row, ContextItem]] = []
     if checkpoint.summary is not None:
-        placed.append((Row.COMPACTED_SUMMARY, checkpoint.summary))
-    # Items the summary covers are represented by it; admitting them again would state the
-    # same turns twice in two voices.
-    placed += [(Row.CONVERSATION, i) for i in inputs.carried if i.sequence > floor]
+        head.append((Row.COMPACTED_SUMMARY, checkpoint.summary))
+    placed: list[tuple[Row, ContextItem]] = []
     placed += [(Row.CONVERSATION, i) for i in _latest_turn_reasoning_only(completed)]
     placed += [(Row.SKILL_BODIES, s) for s in inputs.skill_bodies]
     if inputs.working_state is not None:
@@ -302,7 +321,7 @@ def _place(inputs: BuildInputs) -> list[tuple[Row, ContextItem]]:
     placed += [(Row.RECALL, k) for k in sorted(step.knowledge, key=lambda k: k.rank)]
     placed.append((Row.RUNTIME_METADATA, _runtime(inputs)))
     placed += [(Row.USER_INPUT, u) for u in trailing]
-    return placed
+    return head, placed
 
 
 def _latest_turn_reasoning_only(items: tuple[ConversationItem, ...]) -> list[ConversationItem]:
@@ -326,45 +345,65 @@ _WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday",
 
 def _runtime(inputs: BuildInputs) -> RuntimeMetadataItem:
     plan = inputs.plan
+    return _runtime_item(
+        inputs.now.date().isoformat(),
+        _WEEKDAYS[inputs.now.weekday()],
+        plan.time_zone,
+        plan.principal_scope,
+        plan.surface,
+        tuple(plan.allowed_origins),
+    )
+
+
+# The same item for the same day and plan: its block and cost are then memo hits by
+# identity, as a run's carried items are.
+@lru_cache(maxsize=1024)
+def _runtime_item(
+    date: str,
+    weekday: str,
+    time_zone: str,
+    principal_scope: str,
+    surface: str,
+    allowed_origins: tuple[str, ...],
+) -> RuntimeMetadataItem:
     return RuntimeMetadataItem(
         item_id="runtime",
-        date=inputs.now.date().isoformat(),
-        weekday=_WEEKDAYS[inputs.now.weekday()],
-        time_zone=plan.time_zone,
-        principal_scope=plan.principal_scope,
-        surface=plan.surface,
-        allowed_origins=plan.allowed_origins,
+        date=date,
+        weekday=weekday,
+        time_zone=time_zone,
+        principal_scope=principal_scope,
+        surface=surface,
+        allowed_origins=allowed_origins,
     )
 
 
 # --- rendering -------------------------------------------------------------------------
 
-_ASSISTANT_TYPES = (AssistantMessage, ToolCall, ReasoningItem)
-
 
 def _messages(
-    placed: list[tuple[Row, ContextItem]],
-    secret: bytes,
-    truncated: frozenset[int] = frozenset(),
-    known: dict[tuple[int, bool], Block] | None = None,
-) -> tuple[Message, ...]:
-    """Render placed items to blocks and merge consecutive same-role blocks into messages.
+    fitted: Fitted, secret: bytes
+) -> tuple[tuple[Message, ...], list[Sequence[Block] | ClosedRun]]:
+    """Render the placed items to blocks and merge consecutive same-role blocks into
+    messages; also the blocks as runs, for validate_block_runs.
 
-    `truncated` holds the identities of items (pointers, excerpts) whose envelope is marked
-    truncated; `known` the carried history's blocks, already rendered (core/carried.py)."""
-    out: list[tuple[Role, list[Block]]] = []
-    known = known or {}
-    for row, item in placed:
-        role: Role = "assistant" if isinstance(item, _ASSISTANT_TYPES) else "user"
-        marked = id(item) in truncated
-        block = known.get((id(item), marked)) if row is Row.CONVERSATION else None
-        if block is None:
-            block = _rendered(row, item, secret, marked)
-        if out and out[-1][0] == role:
-            out[-1][1].append(block)
-        else:
-            out.append((role, [block]))
-    return tuple(Message(role, tuple(blocks)) for role, blocks in out)
+    The carried suffix comes rendered and merged (core/carried.py, Retained); the items
+    before it (the summary) and after it (the run's items, the fresh rows) are rendered
+    here, `fitted.truncated` naming those whose envelope is marked truncated. Merging is
+    the same wherever the groups come from."""
+    retained = fitted.retained
+    assert retained is not None  # every fitting body has one
+    at, end = fitted.retained_at, fitted.retained_at + len(retained.pairs)
+    before, after = fitted.placed[:at], fitted.placed[end:]
+    head = [_rendered(row, item, secret, id(item) in fitted.truncated) for row, item in before]
+    tail = [_rendered(row, item, secret, id(item) in fitted.truncated) for row, item in after]
+    messages = joined(
+        (
+            grouped([item for _, item in before], head),
+            retained.messages,
+            grouped([item for _, item in after], tail),
+        )
+    )
+    return messages, [head, retained.closed or retained.blocks, tail]
 
 
 def _render(row: Row, item: ContextItem, secret: bytes, truncated: bool = False) -> Block:

@@ -15,6 +15,7 @@ whose repr can vary must never decide a cut.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .caps import (
     CLASS_CAPS,
@@ -66,6 +67,7 @@ class ContextBudget:
         return f"{self.safety_margin_ppm / PPM:.6f}"
 
 
+@lru_cache(maxsize=1024)  # pure arithmetic on five ints, asked for on every Build
 def allocate(
     *,
     context_window: int,

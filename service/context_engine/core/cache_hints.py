@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 from .enums import SessionKind
 from .items import ContextItem, ReasoningItem, ToolResult, UserMessage
@@ -72,6 +73,7 @@ _WINDOW_ROWS = frozenset({Row.COMPACTED_SUMMARY, Row.CONVERSATION})
 _INPUT_TYPES = (UserMessage, ToolResult)
 
 
+@cache  # one answer per session kind
 def prefix_breakpoints(session_kind: SessionKind) -> tuple[CacheBreakpoint, ...]:
     """The two Region A breakpoints, both with the plan's TTL (Rule 2)."""
     ttl = PREFIX_TTL_BY_SESSION_KIND.get(session_kind, DEFAULT_TTL)

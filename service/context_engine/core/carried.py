@@ -9,25 +9,45 @@ the history and on the plan secret, the token counter, the pinned estimator fact
 the inline limit. So it is derived once per such key and looked up after that; a Build's
 own work is then the run's new items plus the output.
 
+Three layers, each derived once and kept on the one before:
+- CarriedView: the reachable window of the history, costed and rendered (per key).
+- Segment: the items above a summary floor, with their costs, classes and suffix sums,
+  so the history cut is one bisection (per floor).
+- Retained: the suffix a request carries after a cut, some results yielded to pointers,
+  with its per-class totals, its blocks merged into messages, whether its tool pairs close
+  on their own, and the two items its cache markers can name (per cut and yields). A run's
+  steps mostly repeat one cut and one set of yields, so a Build walks only its own items.
+
 Pure: no I/O, no clock. The table is keyed on the history tuple's identity and holds the
 tuple itself, so an entry is only ever used for the very object it was derived from (an
 id is never reused while the object it names is alive); equal but distinct histories
 derive their own, equal, entries. tests/unit/test_budget.py checks assembly with and
-without the table decides identically.
+without the table decides identically, and that the request equals what rendering,
+merging and marking every placed item one by one gives.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from .excerpts import legacy_excerpt
-from .items import ContextItem, ConversationItem, ToolResult, check_placement
-from .request import Block
+from .history_cut import negated_suffix_sums, past_split_pairs, suffix_cut
+from .items import (
+    ContextItem,
+    ConversationItem,
+    ReasoningItem,
+    ToolResult,
+    UserMessage,
+    check_placement,
+)
+from .messages import grouped
+from .request import Block, Message
 from .rows import Row
+from .validate import ClosedRun, closed_run
 from .yield_ladder import pointer_for
 
-__all__ = ["CarriedView", "carried_view"]
+__all__ = ["CarriedView", "Retained", "Segment", "carried_view"]
 
 # (row, item, rendered as truncated) -> estimated tokens; the same port as pressure.Cost.
 Cost = Callable[[Row, ContextItem, bool], int]
@@ -45,7 +65,94 @@ class CarriedView:
     costs: dict[tuple[int, bool], int]
     blocks: dict[tuple[int, bool], Block]
     pointers: tuple[ToolResult, ...]
-    checked: frozenset[int]  # id() of shown items whose placement in row 10 is checked
+    pointer_costs: dict[int, int]  # id(tool result among shown) -> its pointer's cost
+    render: Render
+    _segments: dict[int, Segment] = field(default_factory=dict, compare=False, repr=False)
+
+    def segment(self, floor: int) -> Segment:
+        """The shown items a Build places under summary floor `floor`, derived once."""
+        found = self._segments.get(floor)
+        if found is None:
+            found = self._segments[floor] = _segment(self, floor)
+        return found
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """The carried items a Build places (those above the summary floor), oldest first, with
+    what fit_body reads of each. Carried items are never in the never-yield set: their
+    class is history, or tool_results for a result, and each renders as `blocks` holds."""
+
+    items: tuple[ConversationItem, ...]
+    pairs: tuple[tuple[Row, ConversationItem], ...]  # (Row.CONVERSATION, item) per item
+    costs: tuple[int, ...]  # each item as placed (a legacy excerpt costed truncated)
+    classes: tuple[str, ...]  # "tool_results" for a result, else "history"
+    results: tuple[tuple[int, int, int], ...]  # (index, full cost, pointer cost) per result
+    excerpted: frozenset[int]  # id() of legacy excerpts among items (render truncated)
+    excerpted_items: tuple[ToolResult, ...]  # every legacy excerpt the view made
+    total: int  # sum(costs)
+    blocks: dict[tuple[int, bool], Block]  # the view's rendered blocks
+    # -(sum of costs[i:]) for i in 0..len: ascending, so the cut is one bisection.
+    _negated_suffix: tuple[int, ...]
+    render: Render  # the view's renderer, for pointers
+    _settled: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
+    _retained: dict[tuple[int, tuple[int, ...]], Retained] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def cut(self, history_tokens: int, costs: Sequence[int]) -> int:
+        """history_cut.select_history over these items at `costs` (their own, or with some
+        results yielded to pointers), the summary floor already applied (every item is
+        above it): rule 1 by one bisection (history_cut.suffix_cut), then rule 3."""
+        negated = self._negated_suffix
+        if tuple(costs) != self.costs:
+            negated = negated_suffix_sums(costs)
+        return self.settle(suffix_cut(negated, history_tokens))
+
+    def settle(self, cut: int) -> int:
+        """history_cut.past_split_pairs at `cut`; it depends only on the items."""
+        found = self._settled.get(cut)
+        if found is None:
+            found = self._settled[cut] = past_split_pairs(self.items, cut)
+        return found
+
+    def retained(self, cut: int, yielded: tuple[int, ...]) -> Retained:
+        """items[cut:] as a request carries them, the results at indexes `yielded` as their
+        pointers. A run's Builds mostly repeat one (cut, yielded) until the run moves on."""
+        key = (cut, yielded)
+        found = self._retained.get(key)
+        if found is None:
+            if len(self._retained) >= _RETAINED_PER_SEGMENT:
+                self._retained.clear()
+            found = self._retained[key] = _retained(self, cut, frozenset(yielded))
+        return found
+
+
+_INPUT_TYPES = (UserMessage, ToolResult)
+
+
+_RETAINED_PER_SEGMENT = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Retained:
+    """A carried suffix as the request carries it, some results yielded to pointers,
+    derived once: its rows, its per-class totals, its blocks merged into messages, and the
+    at most two items the cache markers can name within it (cache_hints.history_window
+    reads only those)."""
+
+    pairs: tuple[tuple[Row, ConversationItem], ...]
+    tokens: dict[str, int]  # class -> estimated tokens
+    counts: dict[str, int]  # class -> items
+    pointers: frozenset[int]  # id() of the pointers among pairs (they render truncated)
+    blocks: tuple[Block, ...]
+    closed: ClosedRun | None  # the blocks, if their tool pairs are whole on their own
+    messages: tuple[Message, ...]  # consecutive same-role blocks merged
+    run_ids: frozenset[str]
+    has_reasoning: bool
+    # The last nameable item and the last input with an id, in order: every marker a
+    # window over these items can produce names one of them (see history_window).
+    markable: tuple[tuple[Row, ConversationItem], ...]
 
 
 def carried_view(
@@ -80,6 +187,66 @@ def carried_view(
     return view
 
 
+def _segment(view: CarriedView, floor: int) -> Segment:
+    items = tuple(i for i in view.shown if i.sequence > floor)
+    excerpted = frozenset(id(e) for e in view.excerpted)
+    costs = tuple(view.costs[(id(i), id(i) in excerpted)] for i in items)
+    return Segment(
+        items=items,
+        pairs=tuple((Row.CONVERSATION, i) for i in items),
+        costs=costs,
+        classes=tuple("tool_results" if isinstance(i, ToolResult) else "history" for i in items),
+        results=tuple(
+            (n, costs[n], view.pointer_costs[id(i)])
+            for n, i in enumerate(items)
+            if isinstance(i, ToolResult)
+        ),
+        excerpted=excerpted,
+        excerpted_items=view.excerpted,
+        total=sum(costs),
+        blocks=view.blocks,
+        render=view.render,
+        _negated_suffix=negated_suffix_sums(costs),
+    )
+
+
+def _retained(segment: Segment, cut: int, yielded: frozenset[int]) -> Retained:
+    pairs = list(segment.pairs[cut:])
+    tokens: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    blocks: list[Block] = []
+    pointer_costs = {n: pointer for n, _, pointer in segment.results}
+    for n in range(cut, len(segment.items)):
+        kind, item = segment.classes[n], segment.items[n]
+        if n in yielded:
+            assert isinstance(item, ToolResult)
+            item = pointer_for(item)
+            pairs[n - cut] = (Row.CONVERSATION, item)
+            cost = pointer_costs[n]
+            blocks.append(segment.render(Row.CONVERSATION, item, True))
+        else:
+            cost = segment.costs[n]
+            blocks.append(segment.blocks[(id(item), id(item) in segment.excerpted)])
+        tokens[kind] = tokens.get(kind, 0) + cost
+        counts[kind] = counts.get(kind, 0) + 1
+    items = [item for _, item in pairs]
+    named = [n for n, i in enumerate(items) if i.item_id]
+    inputs = [n for n in named if isinstance(items[n], _INPUT_TYPES)]
+    markable = sorted({*named[-1:], *inputs[-1:]})
+    return Retained(
+        pairs=tuple(pairs),
+        tokens=tokens,
+        counts=counts,
+        pointers=frozenset(id(pairs[n - cut][1]) for n in yielded),
+        blocks=tuple(blocks),
+        closed=closed_run(blocks),
+        messages=grouped(items, blocks),
+        run_ids=frozenset(i.run_id for i in items),
+        has_reasoning=any(isinstance(i, ReasoningItem) for i in items),
+        markable=tuple((Row.CONVERSATION, items[n]) for n in markable),
+    )
+
+
 # Bounded: a replica serves many runs; each entry is one run's carried history.
 _TABLE_SIZE = 512
 _TABLE: dict[tuple[object, ...], CarriedView] = {}
@@ -93,6 +260,7 @@ def _derive(
     costs: dict[tuple[int, bool], int] = {}
     blocks: dict[tuple[int, bool], Block] = {}
     pointers: list[ToolResult] = []
+    pointer_costs: dict[int, int] = {}
     least, start = 0, 0
     for index in range(len(history) - 1, -1, -1):
         item = history[index]
@@ -108,6 +276,7 @@ def _derive(
             pointer_tokens = cost(Row.CONVERSATION, pointer, True)
             costs[(id(pointer), True)] = pointer_tokens
             pointers.append(pointer)
+            pointer_costs[id(item)] = pointer_tokens
             tokens = min(tokens, pointer_tokens)
         shown.append(item)
         least += tokens
@@ -129,5 +298,6 @@ def _derive(
         costs=costs,
         blocks=blocks,
         pointers=tuple(pointers),
-        checked=frozenset(id(i) for i in shown),
+        pointer_costs=pointer_costs,
+        render=render,
     )

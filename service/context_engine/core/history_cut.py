@@ -17,12 +17,21 @@ input return the same index.
 
 from __future__ import annotations
 
+import operator
+from bisect import bisect_left
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Protocol
 
 from .items import ContextItem, ToolCall, ToolResult
 
-__all__ = ["TokenEstimator", "select_history"]
+__all__ = [
+    "TokenEstimator",
+    "negated_suffix_sums",
+    "past_split_pairs",
+    "select_history",
+    "suffix_cut",
+]
 
 
 class TokenEstimator(Protocol):
@@ -50,7 +59,24 @@ def select_history(
             cut = index + 1
             break
         used += cost
-    return _past_split_pairs(items, cut)  # rule 3
+    return past_split_pairs(items, cut)  # rule 3
+
+
+def negated_suffix_sums(costs: Sequence[int]) -> tuple[int, ...]:
+    """-(sum of costs[i:]) for i in 0..len(costs): ascending when no cost is negative."""
+    return (*accumulate(reversed(costs), operator.sub, initial=0),)[::-1]
+
+
+def suffix_cut(negated_suffix: Sequence[int], history_tokens: int) -> int:
+    """Rule 1 by bisection, for items above the floor whose costs are never negative.
+
+    Scanning backward, the accumulated cost after including item i is the suffix sum from
+    i; those sums only grow as i falls, so the scan stops at the last index whose sum
+    exceeds `history_tokens`, and the cut is the first index whose sum does not.
+    `negated_suffix` is negated_suffix_sums(costs), derived once per history.
+    (tests/unit/test_history_cut.py checks the two agree.)"""
+    # A negative allowance admits nothing: the cut is the end (len = len(negated) - 1).
+    return min(bisect_left(negated_suffix, -history_tokens), len(negated_suffix) - 1)
 
 
 def _floor_index(items: Sequence[ContextItem], summary_floor: int) -> int:
@@ -62,7 +88,7 @@ def _floor_index(items: Sequence[ContextItem], summary_floor: int) -> int:
     return start
 
 
-def _past_split_pairs(items: Sequence[ContextItem], cut: int) -> int:
+def past_split_pairs(items: Sequence[ContextItem], cut: int) -> int:
     """Move the cut later until no retained result answers a call before the cut.
 
     Each move only drops items, so the retained set still fits; with a suffix there is one

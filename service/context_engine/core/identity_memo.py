@@ -6,12 +6,13 @@ three places. The carried history's blocks are the same objects on every Build o
 (core/carried.py keeps them), so an identity lookup answers first and the equality memo
 behind it still catches equal values that are distinct objects. Each entry holds its key
 object, so an id is never reused while its entry exists, and the hit is checked with `is`.
-Pure: only how often `function` runs changes, never what a call returns.
+Pure: only how often `function` runs changes, never what a call returns. A value of None
+is never remembered by identity (None marks a miss).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Generic, TypeVar
 
@@ -22,17 +23,38 @@ V = TypeVar("V")
 
 
 class IdentityMemo(Generic[K, V]):
-    def __init__(self, function: Callable[[K], V], maxsize: int = 16_384) -> None:
-        self._by_value = lru_cache(maxsize=maxsize)(function)
-        self._by_id: dict[int, tuple[K, V]] = {}
+    def __init__(
+        self, function: Callable[[K], V], maxsize: int = 16_384, *, by_value: bool = True
+    ) -> None:
+        # by_value=False: keys that are not hashable (or costly to hash) are only ever
+        # remembered by identity; an equal but distinct key computes afresh.
+        self._by_value = lru_cache(maxsize=maxsize)(function) if by_value else function
+        # Two tables cleared together: `_keys` keeps every key alive, so while its entry
+        # exists no other object can have its id, and `_values` can answer by id alone.
+        self._keys: dict[int, K] = {}
+        self._values: dict[int, V] = {}
         self._maxsize = maxsize
 
     def __call__(self, key: K) -> V:
-        hit = self._by_id.get(id(key))
-        if hit is not None and hit[0] is key:
-            return hit[1]
+        value = self._values.get(id(key))
+        if value is not None:
+            return value
+        return self._store(key)
+
+    def many(self, keys: Sequence[K]) -> list[V]:
+        """[self(k) for k in keys], the lookups done without a Python call per key."""
+        values = list(map(self._values.get, map(id, keys)))
+        miss = -1
+        while None in values:  # misses are few (new objects), so find each in C
+            miss = values.index(None, miss + 1)
+            values[miss] = self._store(keys[miss])
+        return values  # type: ignore[return-value]
+
+    def _store(self, key: K) -> V:
         value = self._by_value(key)
-        if len(self._by_id) >= self._maxsize:
-            self._by_id.clear()  # the equality memo still holds the values
-        self._by_id[id(key)] = (key, value)
+        if len(self._values) >= self._maxsize:
+            self._keys.clear()  # the equality memo still holds the values
+            self._values.clear()
+        self._keys[id(key)] = key
+        self._values[id(key)] = value
         return value

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -129,8 +130,10 @@ class ContextPlan(BaseModel):
     invalidated: bool = False
 
 
+@lru_cache(maxsize=4096)
 def session_key(tenant_id: str, session_id: str) -> str:
-    """CacheHints.session_key: shared by every run, step and epoch of one session only."""
+    """CacheHints.session_key: shared by every run, step and epoch of one session only.
+    Memoized: a pure function of two strings, asked for on every Build."""
     return "session-" + sha256_hex(canonical_bytes([tenant_id, session_id]))[:32]
 
 

@@ -12,18 +12,20 @@ Rule 3 (the ladder): yield_ladder.run_ladder, in its fixed order, no further tha
 Rule 4 (the cut): carried history takes the remainder and select_history picks the suffix;
 the floor is protected by the ladder, so the remainder is at least min(floor, history).
 Rule 5 (purity): costs come from the `cost` argument (a pure, conservative estimate of an
-item as rendered); identical inputs give identical decisions.
+item as rendered) and, for carried history, from its Segment (core/carried.py: the same
+estimate, derived once per run); identical inputs give identical decisions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .budget import ContextBudget
 from .caps import CLASS_CAPS
+from .carried import Retained, Segment
 from .errors import BudgetExceededError
-from .history_cut import select_history
 from .items import (
     ContextItem,
     CorrectionLineItem,
@@ -95,93 +97,70 @@ class Fitted:
     report: PressureReport
     usage: tuple[ClassUsage, ...]
     body_tokens: int  # estimated body tokens of the request (or of the need, if unfit)
+    # The carried suffix the request carries (None if it does not fit) and where in
+    # `placed` it starts: rendering reuses its merged messages.
+    retained: Retained | None = None
+    retained_at: int = 0
 
     @property
     def fits(self) -> bool:
         return self.report.fits
 
 
-class _IndexedCosts:
-    """The estimator select_history reads: the current cost of each carried item."""
-
-    def __init__(self, items: Sequence[ContextItem], costs: Sequence[int]) -> None:
-        self._index = {id(item): n for n, item in enumerate(items)}
-        self._costs = costs
-
-    def estimate(self, items: Sequence[ContextItem], model_id: str) -> int:
-        return sum(self._costs[self._index[id(item)]] for item in items)
-
-
 def fit_body(
-    placed: Sequence[Placed],
+    head: Sequence[Placed],
+    carried: Segment,
+    tail: Sequence[Placed],
     *,
-    carried: Sequence[ContextItem],
     pending: Sequence[ContextItem],
     budget: ContextBudget,
     cost: Cost,
-    model_id: str,
-    summary_floor: int,
     recall_floor_lines: int = 0,
-    excerpted: Sequence[ContextItem] = (),
     skipped: int = 0,
 ) -> Fitted:
     """Decide what of the placed Region B items the request carries.
 
-    `placed` is every candidate in row order; `carried` names (by identity) the carried
-    history among them, `pending` the active loop's pending pairs, `excerpted` the carried
-    results already replaced by legacy excerpts (they render marked truncated).
+    The candidates in row order are `head` (the summary), the carried history `carried`
+    (core/carried.py: its items, costs and classes derived once per run), then `tail` (the
+    run's items and the fresh rows). `pending` names (by identity) the active loop's pending
+    pairs among `tail`; carried items are never pending. `skipped` carried items lie beyond
+    the window and are reported as cut.
 
     Raises:
         BudgetExceededError: the never-yield set alone exceeds the body; metadata "class"
             names the class that does not fit.
     """
-    excerpted_ids = frozenset(id(i) for i in excerpted)
-    carried_ids = {id(i) for i in carried}
+    others = [*head, *tail]
     pending_ids = {id(i) for i in pending}
     # Costs first: rendering is what rejects an item type assembly cannot render.
-    costs = [cost(row, item, id(item) in excerpted_ids) for row, item in placed]
-    classes = [_class_of(row, item, carried_ids) for row, item in placed]
+    costs = [cost(row, item, False) for row, item in others]
+    classes = [_class_of(row, item) for row, item in others]
     never = [
         kind in _NEVER_YIELD or id(item) in pending_ids
-        for (_, item), kind in zip(placed, classes, strict=True)
+        for (_, item), kind in zip(others, classes, strict=True)
     ]
-    _check_never_yield(placed, classes, costs, never, pending_ids, budget)
+    _check_never_yield(others, classes, costs, never, pending_ids, budget)
 
-    carried_items: list[ContextItem] = []
-    carried_costs: list[int] = []
-    carried_results: list[Truncatable] = []
     run_results: list[Truncatable] = []
     knowledge: list[tuple[ContextItem, int]] = []
     recall: list[tuple[ContextItem, int]] = []
     fixed = 0
-    for (row, item), kind, tokens, keep in zip(placed, classes, costs, never, strict=True):
+    for (row, item), kind, spent, keep in zip(others, classes, costs, never, strict=True):
         if keep:
-            fixed += tokens
-        elif id(item) in carried_ids:
-            if isinstance(item, ToolResult):
-                pointer = _pointer_cost(row, item, cost)
-                carried_results.append(Truncatable(len(carried_items), tokens, pointer, item))
-            carried_items.append(item)
-            carried_costs.append(tokens)
+            fixed += spent
         elif kind == "knowledge":
-            knowledge.append((item, tokens))
+            knowledge.append((item, spent))
         elif kind == "recall":
-            recall.append((item, tokens))
+            recall.append((item, spent))
         elif isinstance(item, ToolResult):
-            run_results.append(Truncatable(-1, tokens, _pointer_cost(row, item, cost), item))
+            run_results.append(Truncatable(-1, spent, _pointer_cost(row, item, cost), item))
         else:
-            fixed += tokens  # the summary and the run's earlier exchanges: never cut
+            fixed += spent  # the summary and the run's earlier exchanges: never cut
     # Lowest-ranked passages drop first; the stable sort keeps arrival order within a rank.
     knowledge.sort(key=lambda pair: _rank(pair[0]))
-
-    def cut_at(current: Sequence[int], history_tokens: int) -> int:
-        return select_history(
-            carried_items,
-            summary_floor,
-            history_tokens,
-            _IndexedCosts(carried_items, current),
-            model_id,
-        )
+    carried_results = [
+        Truncatable(n, full, pointer, carried.items[n]) for n, full, pointer in carried.results
+    ]
 
     body = Body(
         budget=budget.body_tokens,
@@ -191,38 +170,56 @@ def fit_body(
         knowledge=knowledge,
         recall=recall,
         recall_floor=max(0, recall_floor_lines),
-        carried_costs=carried_costs,
+        carried_costs=list(carried.costs),
         run_results=run_results,
         carried_results=carried_results,
-        cut_at=cut_at,
+        cut_at=lambda current, history_tokens: carried.cut(history_tokens, current),
     )
     fits = run_ladder(body)
-    cut = body.cut() if fits else len(carried_items)
+    cut = body.cut() if fits else len(carried.items)
     dropped = {id(i) for i, _ in knowledge[body.knowledge_kept :]}
     dropped |= {id(i) for i, _ in recall[body.recall_kept :]}
-    dropped |= {id(i) for i in carried_items[:cut]}
-    pointers = {id(t.item): t for t in (*carried_results, *run_results) if t.truncated}
+    pointers = {id(t.item): t for t in run_results if t.truncated}
+    yielded = tuple(t.carried_index for t in carried_results if t.truncated)
 
-    out: list[Placed] = []
-    truncated: set[int] = set(excerpted_ids)
-    used: list[tuple[str, int]] = []
-    for (row, item), kind, tokens in zip(placed, classes, costs, strict=True):
+    truncated: set[int] = set(carried.excerpted)
+    tokens: dict[str, int] = {}
+    counts: dict[str, int] = {}
+
+    def emit(row: Row, item: ContextItem, kind: str, cost: int) -> Placed | None:
         if id(item) in dropped:
-            continue
+            return None
         if id(item) in pointers:
-            tokens = pointers[id(item)].pointer_cost
+            cost = pointers[id(item)].pointer_cost
             item = pointer_for(_as_result(item))
             truncated.add(id(item))
-        out.append((row, item))
-        used.append((kind, tokens))
-    after = sum(t for _, t in used) if fits else body.need()
+        tokens[kind] = tokens.get(kind, 0) + cost
+        counts[kind] = counts.get(kind, 0) + 1
+        return (row, item)
+
+    emitted = [
+        emit(row, item, kind, c)
+        for (row, item), kind, c in zip(others, classes, costs, strict=True)
+    ]
+    out = [p for p in emitted[: len(head)] if p is not None]
+    at = len(out)
+    # The carried suffix as derived for this cut and these yields: no per-item work here.
+    retained = carried.retained(cut, yielded) if fits else None
+    if retained is not None:
+        out += retained.pairs
+        truncated |= retained.pointers
+        for kind, n in retained.counts.items():
+            tokens[kind] = tokens.get(kind, 0) + retained.tokens[kind]
+            counts[kind] = counts.get(kind, 0) + n
+    out += [p for p in emitted[len(head) :] if p is not None]
+    after = sum(tokens.values()) if fits else body.need()
     report = PressureReport(
         fits=fits,
         steps=tuple(body.steps),
-        body_tokens_before=sum(costs),
+        body_tokens_before=sum(costs) + carried.total,
         body_tokens_after=after,
         body_budget_tokens=budget.body_tokens,
-        legacy_tool_excerpts=tuple(i.item_id for i in excerpted),
+        legacy_tool_excerpts=tuple(i.item_id for i in carried.excerpted_items),
         history_cut_index=skipped + cut,
         history_items_dropped=skipped + cut,
     )
@@ -230,8 +227,10 @@ def fit_body(
         placed=tuple(out) if fits else (),
         truncated=frozenset(truncated),
         report=report,
-        usage=_usage(used, budget),
+        usage=_usage(tokens, counts, budget),
         body_tokens=after,
+        retained=retained,
+        retained_at=at,
     )
 
 
@@ -244,15 +243,17 @@ def window_reach(budget: ContextBudget) -> int:
 # --- classification ---------------------------------------------------------------------
 
 
-def _class_of(row: Row, item: ContextItem, carried_ids: set[int]) -> str:
-    """The budget class of one placed item. Exhaustive over rows; an unknown row raises."""
+def _class_of(row: Row, item: ContextItem) -> str:
+    """The budget class of one placed item other than carried history (whose class is
+    history, or tool_results for a result: core/carried.py). Exhaustive over rows; an
+    unknown row raises."""
     if isinstance(item, ToolResult):
         return "tool_results"
     match row:
         case Row.COMPACTED_SUMMARY:
             return "history"
         case Row.CONVERSATION:
-            if id(item) not in carried_ids and isinstance(item, UserMessage):
+            if isinstance(item, UserMessage):
                 return "user_message"  # the run's own user message(s)
             return "history"
         case Row.SKILL_BODIES:
@@ -326,25 +327,25 @@ def _rank(item: ContextItem) -> int:
     return item.rank if isinstance(item, KnowledgePassageItem) else 0
 
 
-def _usage(used: Sequence[tuple[str, int]], budget: ContextBudget) -> tuple[ClassUsage, ...]:
-    tokens: dict[str, int] = {}
-    items: dict[str, int] = {}
-    for kind, count in used:
-        tokens[kind] = tokens.get(kind, 0) + count
-        items[kind] = items.get(kind, 0) + 1
-    out = []
-    for name, _ in BODY_CLASSES:
-        cap = CLASS_CAPS.get(name)
-        cap_tokens = cap.cap_tokens if cap is not None else 0
-        if name == "tool_results":
-            cap_tokens = budget.tool_result_tokens
-        out.append(
-            ClassUsage(
-                class_name=name,
-                tokens=tokens.get(name, 0),
-                items=items.get(name, 0),
-                cap_tokens=cap_tokens,
-                cap_items=cap.cap_items if cap is not None else 0,
-            )
-        )
-    return tuple(out)
+def _usage(
+    tokens: dict[str, int], counts: dict[str, int], budget: ContextBudget
+) -> tuple[ClassUsage, ...]:
+    return tuple(
+        _class_usage(name, tokens.get(name, 0), counts.get(name, 0), budget.tool_result_tokens)
+        for name, _ in BODY_CLASSES
+    )
+
+
+@lru_cache(maxsize=4096)  # frozen values; a run's Builds repeat most of them
+def _class_usage(name: str, tokens: int, items: int, tool_result_tokens: int) -> ClassUsage:
+    cap = CLASS_CAPS.get(name)
+    cap_tokens = cap.cap_tokens if cap is not None else 0
+    if name == "tool_results":
+        cap_tokens = tool_result_tokens
+    return ClassUsage(
+        class_name=name,
+        tokens=tokens,
+        items=items,
+        cap_tokens=cap_tokens,
+        cap_items=cap.cap_items if cap is not None else 0,
+    )

@@ -117,14 +117,7 @@ class ModelRequest:
         Equal to `canonical_bytes(self.canonical())` (tests/unit/test_canonical.py checks
         it): keys in sorted order, each block serialized canonically once per process.
         """
-        messages = ",".join(
-            '{"blocks":['
-            + ",".join(_block_json(b) for b in m.blocks)
-            + '],"role":'
-            + _string(m.role)
-            + "}"
-            for m in self.messages
-        )
+        messages = ",".join(_message_json.many(self.messages))
         parts = [
             '{"cache_breakpoints":' + _json(self.cache_breakpoints),
             '"max_output_tokens":' + str(self.max_output_tokens),
@@ -163,9 +156,22 @@ def _block_text(block: Block) -> str:
 _block_json = IdentityMemo(_block_text, _FRAGMENTS)
 
 
-@lru_cache(maxsize=256)
-def _json(values: tuple[Block | ToolDefinition | CacheBreakpoint, ...]) -> str:
+def _message_text(message: Message) -> str:
+    blocks = ",".join(_block_json.many(message.blocks))
+    return '{"blocks":[' + blocks + '],"role":' + _string(message.role) + "}"
+
+
+# A run's carried messages are the same objects on every Build (core/carried.py).
+_message_json = IdentityMemo(_message_text, _FRAGMENTS)
+
+
+def _values_text(values: tuple[Block | ToolDefinition | CacheBreakpoint, ...]) -> str:
     return canonical_bytes([v.canonical() for v in values]).decode("utf-8")
+
+
+# A plan's system blocks and tools are the same tuples on every Build (core/assemble.py);
+# hashing a tuple rehashes every member, so identity answers first.
+_json = IdentityMemo(_values_text, 256)
 
 
 @lru_cache(maxsize=1024)

@@ -9,12 +9,19 @@ without its call.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .errors import InvalidFieldError, PreconditionError
 from .items import ConversationItem, ToolCall, ToolResult
-from .request import Message
+from .request import Block, Message
 
-__all__ = ["validate_append", "validate_tool_pairs"]
+__all__ = [
+    "ClosedRun",
+    "closed_run",
+    "validate_append",
+    "validate_block_runs",
+    "validate_tool_pairs",
+]
 
 
 def validate_append(existing: Sequence[ConversationItem], new: Sequence[ConversationItem]) -> None:
@@ -65,23 +72,46 @@ def validate_tool_pairs(messages: Sequence[Message]) -> None:
     Raises:
         PreconditionError: ORPHANED_TOOL_ITEM, naming the call id.
     """
+    validate_block_runs([[b for m in messages for b in m.blocks]])
+
+
+@dataclass(frozen=True, slots=True)
+class ClosedRun:
+    """Blocks in which every tool call is answered and every result answers a call of
+    their own (closed_run checked it). Walked from any pending state whose call ids are
+    not among `call_ids`, they leave that state as they found it and raise nothing, so
+    validate_block_runs passes over them without looking at each block."""
+
+    blocks: tuple[Block, ...]
+    call_ids: frozenset[str]
+
+
+def closed_run(blocks: Sequence[Block]) -> ClosedRun | None:
+    """`blocks` as a ClosedRun, or None when they are not closed on their own."""
     pending: dict[str, str] = {}
-    for message in messages:
-        for block in message.blocks:
-            if block.kind == "tool_call":
-                if block.call_id in pending:
-                    raise PreconditionError(
-                        f"tool call id {block.call_id!r} is pending twice in one request",
-                        reason="ORPHANED_TOOL_ITEM",
-                        metadata={"call_id": block.call_id},
-                    )
-                pending[block.call_id] = block.item_id
-            elif block.kind == "tool_result" and pending.pop(block.call_id, None) is None:
-                raise PreconditionError(
-                    f"tool result for call {block.call_id!r} has no preceding call",
-                    reason="ORPHANED_TOOL_ITEM",
-                    metadata={"call_id": block.call_id},
-                )
+    try:
+        _walk(blocks, pending)
+    except PreconditionError:
+        return None
+    if pending:
+        return None
+    calls = frozenset(b.call_id for b in blocks if b.kind == "tool_call")
+    return ClosedRun(tuple(blocks), calls)
+
+
+def validate_block_runs(runs: Sequence[Sequence[Block] | ClosedRun]) -> None:
+    """validate_tool_pairs over the concatenation of `runs`, in order.
+
+    Raises:
+        PreconditionError: ORPHANED_TOOL_ITEM, naming the call id.
+    """
+    pending: dict[str, str] = {}
+    for run in runs:
+        if isinstance(run, ClosedRun):
+            if pending.keys().isdisjoint(run.call_ids):
+                continue
+            run = run.blocks
+        _walk(run, pending)
     if pending:
         call_id = sorted(pending)[0]
         raise PreconditionError(
@@ -89,3 +119,22 @@ def validate_tool_pairs(messages: Sequence[Message]) -> None:
             reason="ORPHANED_TOOL_ITEM",
             metadata={"call_id": call_id},
         )
+
+
+def _walk(blocks: Sequence[Block], pending: dict[str, str]) -> None:
+    """Pair each result with the pending call it answers; `pending` is updated in place."""
+    for block in blocks:
+        if block.kind == "tool_call":
+            if block.call_id in pending:
+                raise PreconditionError(
+                    f"tool call id {block.call_id!r} is pending twice in one request",
+                    reason="ORPHANED_TOOL_ITEM",
+                    metadata={"call_id": block.call_id},
+                )
+            pending[block.call_id] = block.item_id
+        elif block.kind == "tool_result" and pending.pop(block.call_id, None) is None:
+            raise PreconditionError(
+                f"tool result for call {block.call_id!r} has no preceding call",
+                reason="ORPHANED_TOOL_ITEM",
+                metadata={"call_id": block.call_id},
+            )

@@ -233,15 +233,16 @@ def _truncate_tool_results(body: Body) -> None:
         ids.append(chosen.item.item_id)
     if body.fits():
         in_request = body.results_in_request(body.cut())
-        total = sum(t.cost for t in in_request)
+        total = sum(t.pointer_cost if t.truncated else t.full_cost for t in in_request)
         for candidate in in_request:
             if total <= body.tool_result_cap:
                 break
-            if candidate.truncated or candidate.saving <= 0:
+            saving = candidate.full_cost - candidate.pointer_cost
+            if candidate.truncated or saving <= 0:
                 continue
             candidate.truncated = candidate.for_cap = True
-            total -= candidate.saving
-            freed += candidate.saving
+            total -= saving
+            freed += saving
             ids.append(candidate.item.item_id)
     _record(body, "truncate_tool_results", freed, ids)
 

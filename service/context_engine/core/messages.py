@@ -1,0 +1,50 @@
+"""Merging rendered blocks into messages: consecutive blocks of one role are one message.
+
+The model's own output (assistant text, tool calls, reasoning) is the assistant's; every
+other Region B item — user input, tool results, the summary, the fresh rows — is the
+user's. Merging is associative, so a request's messages can be put together from parts
+merged separately (core/carried.py merges a run's carried suffix once) by merging again
+where two parts meet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+from .items import AssistantMessage, ContextItem, ReasoningItem, ToolCall
+from .request import Block, Message
+
+__all__ = ["Role", "grouped", "joined", "role_of"]
+
+Role = Literal["user", "assistant"]
+
+_ASSISTANT_TYPES = (AssistantMessage, ToolCall, ReasoningItem)
+
+
+def role_of(item: ContextItem) -> Role:
+    return "assistant" if isinstance(item, _ASSISTANT_TYPES) else "user"
+
+
+def grouped(items: Sequence[ContextItem], blocks: Sequence[Block]) -> tuple[Message, ...]:
+    """`blocks` (one per item, in order) merged into messages by their items' roles."""
+    groups: list[tuple[Role, list[Block]]] = []
+    for item, block in zip(items, blocks, strict=True):
+        role = role_of(item)
+        if groups and groups[-1][0] == role:
+            groups[-1][1].append(block)
+        else:
+            groups.append((role, [block]))
+    return tuple(Message(role, tuple(blocks)) for role, blocks in groups)
+
+
+def joined(parts: Iterable[Sequence[Message]]) -> tuple[Message, ...]:
+    """Parts merged separately, merged again where one part's last message and the next
+    part's first share a role."""
+    out: list[Message] = []
+    for messages in parts:
+        if messages and out and out[-1].role == messages[0].role:
+            out[-1] = Message(out[-1].role, out[-1].blocks + messages[0].blocks)
+            messages = messages[1:]
+        out.extend(messages)
+    return tuple(out)
