@@ -14,7 +14,7 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from context_engine.core import (
@@ -124,6 +124,109 @@ def test_every_function_call_has_its_output_after_it(sc: Scenario) -> None:
 
 
 # --- envelopes and reasoning --------------------------------------------------------------
+
+
+@settings(SCENARIO_SETTINGS, max_examples=200)
+@given(
+    st.one_of(scenarios(), scenarios(modes=("loop", "answered"), carried_reasoning=True)),
+    st.integers(0, 4),
+    st.sampled_from(list(SessionKind)),
+    st.data(),
+)
+def test_anthropic_turns_composed_per_message_are_the_general_layout(
+    sc: Scenario, budget: int, kind: SessionKind, data: st.DataObject
+) -> None:
+    """Anthropic renders one turn per message from per-message memos when it can
+    (_turns_by_message); the bytes are what the general block-by-block layout gives, markers
+    included, also for requests assembly would not make (merged roles, empty blocks)."""
+    spec = sc.spec.model_copy(
+        update={"environment": sc.spec.environment.model_copy(update={"kind": kind})}
+    )
+    request = _request(replace(sc, spec=spec))
+    if request.messages:
+        # Change one message: reverse its blocks (a user turn's results then follow its
+        # text), split it so two of one role follow each other, or blank its text; then
+        # aim history markers at its blocks (a reasoning or blank one is closed by the last
+        # cacheable unit before it, possibly in an earlier message) or at any block.
+        n = data.draw(st.integers(0, len(request.messages) - 1))
+        message = request.messages[n]
+        change = data.draw(st.sampled_from(["none", "reverse", "split", "blank"]))
+        parts: tuple[Message, ...] = (message,)
+        if change == "reverse":
+            parts = (Message(message.role, message.blocks[::-1]),)
+        elif change == "split":
+            parts = (
+                Message(message.role, message.blocks[:1]),
+                Message(message.role, message.blocks[1:]),
+            )
+        elif change == "blank":
+            blank = tuple(replace(b, text=" ") if b.kind == "text" else b for b in message.blocks)
+            parts = (Message(message.role, blank),)
+        messages = (*request.messages[:n], *parts, *request.messages[n + 1 :])
+        near = [b.item_id for m in parts for b in m.blocks]
+        ids = [b.item_id for m in messages for b in m.blocks]
+        names = data.draw(st.lists(st.sampled_from(["carried_history", "run", "x"]), max_size=3))
+        marks = tuple(
+            CacheBreakpoint(
+                name,
+                data.draw(st.sampled_from(near if data.draw(st.booleans()) else ids)),
+                priority=2 + k,
+            )
+            for k, name in enumerate(names)
+        )
+        kept = tuple(b for b in request.cache_breakpoints if b.name.startswith("after_"))
+        request = replace(request, messages=messages, cache_breakpoints=kept + marks)
+    fast = anthropic.render(request, budget).body
+    general = anthropic._turns_by_message
+    anthropic._turns_by_message = lambda *args: None  # type: ignore[assignment]
+    try:
+        reference = anthropic.render(request, budget).body
+    finally:
+        anthropic._turns_by_message = general
+    assert fast == reference
+
+
+def _general(request: ModelRequest) -> bytes:
+    composed = anthropic._turns_by_message
+    anthropic._turns_by_message = lambda *args: None  # type: ignore[assignment]
+    try:
+        return anthropic.render(request).body
+    finally:
+        anthropic._turns_by_message = composed
+
+
+def test_a_marker_closes_the_unit_its_item_renders_to_after_results_move_first() -> None:
+    text = Block(Row.RUNTIME_METADATA, TrustLevel.PLATFORM, "text", "t", text="today")
+    call = Block(Row.CONVERSATION, TrustLevel.MODEL, "tool_call", "c", call_id="k", tool_name="x")
+    result = Block(
+        Row.CONVERSATION, TrustLevel.EXTERNAL_UNTRUSTED, "tool_result", "r", text="ok", call_id="k"
+    )
+    thinking = Block(
+        Row.CONVERSATION, TrustLevel.MODEL, "reasoning", "z", provider="anthropic", opaque="{}"
+    )
+    for through in ("t", "r", "z"):
+        request = ModelRequest(
+            "anthropic",
+            "m",
+            (),
+            (),
+            (
+                Message("assistant", (call,)),
+                Message("user", (text, result)),
+                Message("assistant", (thinking, call)),
+            ),
+            100,
+            "s",
+            (CacheBreakpoint("run", through, priority=3),),
+        )
+        body = anthropic.render(request).body
+        assert body == _general(request), through
+        marked = [b for b in _anthropic_blocks(json.loads(body)) if "cache_control" in b]
+        # Results lead the user turn; a reasoning block cannot be marked, so the marker
+        # through it closes the last cacheable unit before it in block order (the earlier
+        # user turn's result).
+        expected = {"t": "text", "r": "tool_result", "z": "tool_result"}[through]
+        assert [b["type"] for b in marked] == [expected]
 
 
 def _sent_texts(body: dict[str, Any], provider: str) -> list[str]:

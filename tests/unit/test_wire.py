@@ -8,6 +8,7 @@ from dataclasses import replace
 from hypothesis import given
 from hypothesis import strategies as st
 
+from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine.api import convert, wire
 from context_engine.core import assemble
 from context_engine.core.request import Block
@@ -42,3 +43,28 @@ def _reference_varint(value: int) -> bytes:
     from google.protobuf.internal.encoder import _VarintBytes  # the library's own encoder
 
     return bytes(_VarintBytes(value))
+
+
+@SCENARIO_SETTINGS
+@given(scenarios())
+def test_the_encoded_build_response_is_the_message_with_its_request(sc: Scenario) -> None:
+    """Build answers with the head's bytes followed by the encoded request field; parsed,
+    that is the BuildResponse with `request` set field by field, and interceptors reading
+    it see the same fields."""
+    assembled = assemble(sc.inputs())
+    assert assembled.request is not None
+    head = pb.BuildResponse(request_sha256=assembled.request_sha256, epoch=3)
+    head.pressure.fits = True
+    encoded = wire.EncodedBuildResponse(head, wire.request_bytes(assembled.request))
+    expected = pb.BuildResponse()
+    expected.CopyFrom(head)
+    expected.request.CopyFrom(convert.request_to_proto(assembled.request))
+    assert pb.BuildResponse.FromString(encoded.SerializeToString()) == expected
+    assert encoded.HasField("request") and encoded.HasField("pressure")
+    assert encoded.request == expected.request
+    assert (encoded.epoch, encoded.request_sha256) == (3, assembled.request_sha256)
+    empty = wire.EncodedBuildResponse(pb.BuildResponse(needs_compaction=True), None)
+    assert not empty.HasField("request")
+    assert pb.BuildResponse.FromString(empty.SerializeToString()) == pb.BuildResponse(
+        needs_compaction=True
+    )

@@ -22,6 +22,7 @@ from ..store import events
 from ..store.db import acquire
 from . import convert
 from .errors import grpc_errors
+from .wire import EncodedBuildResponse
 
 if TYPE_CHECKING:
     from .engine import BuildResult, Engine
@@ -36,13 +37,13 @@ class BuildsRpcs:
 
     engine: Engine
 
-    def build_response(self, result: BuildResult) -> pb.BuildResponse:
+    def build_response(self, result: BuildResult) -> EncodedBuildResponse:
         raise NotImplementedError  # ContextEngineServicer defines it
 
     @grpc_errors
     async def GetBuild(
         self, request: pb.GetBuildRequest, context: grpc.aio.ServicerContext
-    ) -> pb.BuildResponse:
+    ) -> EncodedBuildResponse:
         if not request.tenant_id:
             raise InvalidFieldError("tenant_id is required", field="tenant_id")
         tenant = request.tenant_id

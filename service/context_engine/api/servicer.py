@@ -170,7 +170,7 @@ class ContextEngineServicer(
     @grpc_errors
     async def Build(
         self, request: pb.BuildRequest, context: grpc.aio.ServicerContext
-    ) -> pb.BuildResponse:
+    ) -> wire.EncodedBuildResponse:
         tenant = _tenant(request)
         session_id = convert.require_uuid(request.session_id, "session_id")
         run_id = convert.require_uuid(request.run_id, "run_id")
@@ -185,8 +185,9 @@ class ContextEngineServicer(
         )
         return self.build_response(result)
 
-    def build_response(self, result: BuildResult) -> pb.BuildResponse:
-        """The BuildResponse of an engine build; Build and GetBuild both answer with it."""
+    def build_response(self, result: BuildResult) -> wire.EncodedBuildResponse:
+        """The BuildResponse of an engine build; Build and GetBuild both answer with it.
+        The request travels as bytes composed from memoized pieces (api/wire.py)."""
         plan = result.plan
         assembled = result.assembled
         response = pb.BuildResponse(
@@ -201,13 +202,14 @@ class ContextEngineServicer(
             estimated_input_tokens=assembled.estimated_input_tokens,
             input_budget_tokens=assembled.input_budget_tokens,
         )
-        # No request when the body needs compaction: the worker compacts and builds again.
-        if assembled.request is not None:
-            response.request.CopyFrom(wire.request_message(assembled.request))
         # The pressure report is present whenever a yield ran (and never otherwise).
         if assembled.pressure is not None and assembled.pressure.yielded:
             response.pressure.CopyFrom(convert.pressure_to_proto(assembled.pressure))
         if result.rendered is not None:
             response.provider_payload = result.rendered.body
             response.provider_api = result.rendered.api
-        return response
+        # No request when the body needs compaction: the worker compacts and builds again.
+        request = assembled.request
+        return wire.EncodedBuildResponse(
+            response, wire.request_bytes(request) if request is not None else None
+        )

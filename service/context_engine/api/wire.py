@@ -4,32 +4,79 @@
 hundred content blocks, and building each as a Python protobuf object on every Build costs
 more than the rest of the response. A block is a frozen value that repeats on every Build
 of a run (and a plan's system blocks and tools on every Build of a session), so each is
-serialized once per process and a request's bytes are the concatenation the protobuf
-encoding defines for repeated fields: a serialized message followed by more fields of the
-same message merges into it, and repeated fields append. The result is parsed once (in C)
-into the message the response carries. tests/unit/test_wire.py checks it equals
-`convert.request_to_proto` on generated requests.
+serialized once per process — and so is each message, since a run's carried messages are
+the same objects on every Build (core/carried.py) — and a request's bytes are the
+concatenation the protobuf encoding defines for repeated fields: a serialized message
+followed by more fields of the same message merges into it, and repeated fields append.
+Build sends those bytes as the BuildResponse's request field without parsing them
+(EncodedBuildResponse). tests/unit/test_wire.py checks the composed request equals
+`convert.request_to_proto` on generated requests, and the encoded response equals the
+message built field by field.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
 from ..core.identity_memo import IdentityMemo
 from ..core.request import Block, Message, ModelRequest, ToolDefinition
 from . import convert
 
-__all__ = ["request_message"]
+__all__ = ["EncodedBuildResponse", "field", "request_bytes", "request_message"]
 
-# ModelRequest and Message field numbers (proto/context_engine/v1/context_engine.proto).
+# BuildResponse, ModelRequest and Message field numbers
+# (proto/context_engine/v1/context_engine.proto).
+_REQUEST = 1
 _SYSTEM, _TOOLS, _MESSAGES = 3, 4, 5
 _ROLE, _BLOCKS = 1, 2
 _LENGTH_DELIMITED = 2
 
 
+class EncodedBuildResponse:
+    """A BuildResponse whose `request` field is already encoded: the handler returns it and
+    the registered serializer (api/registration.py) sends `SerializeToString()`, the small
+    head's bytes followed by the request field, so the request is neither parsed into
+    protobuf objects nor serialized again. Interceptors read it like the message: every
+    field comes from the head, except `request`, parsed on first access."""
+
+    __slots__ = ("_head", "_request", "_tail")
+
+    def __init__(self, head: pb.BuildResponse, request: bytes | None) -> None:
+        self._head = head
+        self._tail = field(_REQUEST, request) if request is not None else b""
+        self._request: pb.ModelRequest | None = None
+
+    def SerializeToString(self, deterministic: bool = False) -> bytes:
+        return self._head.SerializeToString(deterministic=deterministic) + self._tail
+
+    def to_message(self) -> pb.BuildResponse:
+        """The equivalent protobuf message (parsed from the bytes)."""
+        return pb.BuildResponse.FromString(self.SerializeToString())
+
+    def HasField(self, name: str) -> bool:
+        return bool(self._tail) if name == "request" else self._head.HasField(name)
+
+    @property
+    def request(self) -> pb.ModelRequest:
+        if self._request is None:
+            self._request = self.to_message().request
+        return self._request
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._head, name)
+
+
 def request_message(request: ModelRequest) -> pb.ModelRequest:
     """The protobuf ModelRequest of `request`, equal to convert.request_to_proto's."""
+    return pb.ModelRequest.FromString(request_bytes(request))
+
+
+def request_bytes(request: ModelRequest) -> bytes:
+    """`request` serialized as a protobuf ModelRequest, composed from memoized pieces: the
+    plan's system blocks and tools (the same tuples on every Build of an epoch) and each
+    message (a run's carried messages are the same objects on every Build)."""
     head = pb.ModelRequest(
         provider=convert.provider_to_proto(request.provider),
         model_id=request.model_id,
@@ -37,21 +84,34 @@ def request_message(request: ModelRequest) -> pb.ModelRequest:
         max_output_tokens=request.max_output_tokens,
         session_key=request.session_key,
     )
-    data = b"".join(
+    return b"".join(
         (
             head.SerializeToString(),
-            *(_field(_SYSTEM, _block(b)) for b in request.system),
-            *(_field(_TOOLS, _tool(t)) for t in request.tools),
-            *(_message_field(m) for m in request.messages),
+            _system_fields(request.system),
+            _tool_fields(request.tools),
+            *_message_field.many(request.messages),
         )
     )
-    return pb.ModelRequest.FromString(data)
 
 
-def _message_field(message: Message) -> bytes:
+def field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field: tag, length, payload. Appended to a serialized message,
+    it sets (or, repeated, appends to) that field: the encoding puts no order on fields."""
+    return _varint(number << 3 | _LENGTH_DELIMITED) + _varint(len(payload)) + payload
+
+
+def _message_field_bytes(message: Message) -> bytes:
     """ModelRequest.messages[i], tag and length included."""
-    body = _ROLE_FIELD[message.role] + b"".join(_block_field(b) for b in message.blocks)
-    return _field(_MESSAGES, body)
+    body = _ROLE_FIELD[message.role] + b"".join(_block_field.many(message.blocks))
+    return field(_MESSAGES, body)
+
+
+def _system_bytes(blocks: tuple[Block, ...]) -> bytes:
+    return b"".join(field(_SYSTEM, _block(b)) for b in blocks)
+
+
+def _tool_bytes(tools: tuple[ToolDefinition, ...]) -> bytes:
+    return b"".join(field(_TOOLS, _tool(t)) for t in tools)
 
 
 _ROLE_FIELD = {
@@ -64,19 +124,20 @@ def _block_bytes(block: Block) -> bytes:
     return convert.block_to_proto(block).SerializeToString()
 
 
-# A run's history blocks are the same objects on every Build (core/identity_memo.py).
+# A run's history blocks and messages are the same objects on every Build, and a plan's
+# system blocks and tools the same tuples (core/identity_memo.py). A message that misses
+# (one merged where the run's items meet the carried ones) is composed from block memos
+# rather than hashed whole.
 _block = IdentityMemo(_block_bytes)
-_block_field = IdentityMemo(lambda block: _field(_BLOCKS, _block(block)))
+_block_field = IdentityMemo(lambda block: field(_BLOCKS, _block(block)))
+_message_field = IdentityMemo(_message_field_bytes, by_value=False)
+_system_fields = IdentityMemo(_system_bytes, 256)
+_tool_fields = IdentityMemo(_tool_bytes, 256)
 
 
 @lru_cache(maxsize=1024)
 def _tool(tool: ToolDefinition) -> bytes:
     return convert.tool_to_proto(tool).SerializeToString()
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    """A length-delimited field: tag, length, payload."""
-    return _varint(number << 3 | _LENGTH_DELIMITED) + _varint(len(payload)) + payload
 
 
 def _varint(value: int) -> bytes:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import lru_cache
+from itertools import compress, repeat
+from operator import is_
 from typing import Generic, TypeVar
 
 __all__ = ["IdentityMemo"]
@@ -44,10 +46,12 @@ class IdentityMemo(Generic[K, V]):
     def many(self, keys: Sequence[K]) -> list[V]:
         """[self(k) for k in keys], the lookups done without a Python call per key."""
         values = list(map(self._values.get, map(id, keys)))
-        miss = -1
-        while None in values:  # misses are few (new objects), so find each in C
-            miss = values.index(None, miss + 1)
-            values[miss] = self._store(keys[miss])
+        # Misses (new objects) are few; find them without a Python call per key (`None in
+        # values` would call each value's __eq__).
+        missing = list(map(is_, values, repeat(None)))
+        if True in missing:
+            for n in compress(range(len(values)), missing):
+                values[n] = self._store(keys[n])
         return values  # type: ignore[return-value]
 
     def _store(self, key: K) -> V:

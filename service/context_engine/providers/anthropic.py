@@ -35,12 +35,14 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import compress, count, repeat
+from operator import attrgetter, eq, is_not, methodcaller
 from typing import Any
 
 from ..core.canonical import canonical_bytes
 from ..core.errors import EngineError
 from ..core.identity_memo import IdentityMemo
-from ..core.request import Block, CacheBreakpoint, ModelRequest, ToolDefinition
+from ..core.request import Block, CacheBreakpoint, Message, ModelRequest, ToolDefinition
 from ..core.rows import Row
 from .layout import PromptUnit, RenderedPayload
 from .names import check_wire_names, wire_tool_name
@@ -111,29 +113,37 @@ def render(request: ModelRequest, max_breakpoints: int = MAX_BREAKPOINTS) -> Ren
         PreconditionError: two tool names share a wire name.
         EngineError: a reasoning item's opaque payload is not a JSON object.
     """
-    layout = _layout(request)
-    _place_markers(layout, request.cache_breakpoints, max_breakpoints)
-    # Keys in RFC 8785 order: max_tokens, messages, model, system, tools; a turn's content
-    # before its role.
-    turns = ",".join(
-        '{"content":[' + ",".join(u.json() for u in units) + '],"role":' + _string(role) + "}"
-        for role, units in layout.turns
+    messages = _message_layout.many(request.messages)
+    check_wire_names(
+        [*(t.name for t in request.tools), *frozenset().union(*map(_CALLED, messages))]
     )
+    tools = [_Unit(_tool(t)) for t in request.tools]
+    system = [_Unit(r) for b in request.system if (r := _system(b)) is not None]
+    turns = _turns_by_message(messages, tools, system, request.cache_breakpoints, max_breakpoints)
+    if turns is None:  # a message that sends nothing, or two of one role in a row
+        layout = _layout(request, tools, system)
+        _place_markers(layout, request.cache_breakpoints, max_breakpoints)
+        turns = ",".join(_turn_text(role, units) for role, units in layout.turns)
     parts = [
         '{"max_tokens":' + str(request.max_output_tokens),
         '"messages":[' + turns + "]",
         '"model":' + _string(request.model_id),
     ]
-    if layout.system:
-        parts.append('"system":[' + ",".join(u.json() for u in layout.system) + "]")
-    if layout.tools:
-        parts.append('"tools":[' + ",".join(u.json() for u in layout.tools) + "]")
+    if system:
+        parts.append('"system":[' + ",".join(u.json() for u in system) + "]")
+    if tools:
+        parts.append('"tools":[' + ",".join(u.json() for u in tools) + "]")
     return RenderedPayload(API, (",".join(parts) + "}").encode("utf-8"))
+
+
+def _turn_text(role: str, units: Sequence[_Unit]) -> str:
+    # Keys in RFC 8785 order: a turn's content before its role.
+    return '{"content":[' + ",".join(u.json() for u in units) + '],"role":' + _string(role) + "}"
 
 
 def prompt_units(request: ModelRequest) -> tuple[PromptUnit, ...]:
     """The prompt as Anthropic caches it, unit by unit, markers excluded."""
-    layout = _layout(request)
+    layout = _prompt_layout(request)
     return tuple(
         PromptUnit(
             path,
@@ -150,13 +160,8 @@ def prompt_units(request: ModelRequest) -> tuple[PromptUnit, ...]:
 # --- layout ----------------------------------------------------------------------------
 
 
-def _layout(request: ModelRequest) -> _Layout:
-    check_wire_names(
-        [t.name for t in request.tools]
-        + [b.tool_name for m in request.messages for b in m.blocks if b.kind == "tool_call"]
-    )
-    tools = [_Unit(_tool(t)) for t in request.tools]
-    system = [_Unit(r) for b in request.system if (r := _system(b)) is not None]
+def _layout(request: ModelRequest, tools: list[_Unit], system: list[_Unit]) -> _Layout:
+    """Every block's unit, message by message (Rule 4): the general case."""
     turns: list[tuple[str, list[_Unit]]] = []
     anchors: list[tuple[str, _Unit | None]] = []
     last: _Unit | None = None
@@ -180,6 +185,145 @@ def _layout(request: ModelRequest) -> _Layout:
         turns.insert(0, ("user", [_Unit(_PLACEHOLDER)]))
     turns = [(role, _results_first(units) if role == "user" else units) for role, units in turns]
     return _Layout(tools, system, turns, anchors)
+
+
+def _prompt_layout(request: ModelRequest) -> _Layout:
+    check_wire_names(
+        [t.name for t in request.tools]
+        + [b.tool_name for m in request.messages for b in m.blocks if b.kind == "tool_call"]
+    )
+    tools = [_Unit(_tool(t)) for t in request.tools]
+    system = [_Unit(r) for b in request.system if (r := _system(b)) is not None]
+    return _layout(request, tools, system)
+
+
+# --- one turn per message: the common case, composed from per-message memos -----------
+
+
+@dataclass(frozen=True, slots=True)
+class _MessageLayout:
+    """One neutral message rendered as a turn of its own (Rules 3-5), shared by every
+    request that carries the message."""
+
+    role: str
+    units: tuple[_Rendered, ...]  # in turn order (a user turn's results first)
+    text: str  # the turn's canonical JSON, no markers
+    # item id -> index in `units` of the unit a marker through that item closes (Rule 6):
+    # the block's own, or the last cacheable one before it; -1 when that lies in an
+    # earlier message. First occurrence wins, as in _target.
+    anchors: dict[str, int]
+    last_cacheable: int  # index in `units` of the last cacheable unit in block order; -1
+    called: frozenset[str]  # tool names its calls use (check_wire_names)
+
+
+def _lay_out_message(message: Message) -> _MessageLayout:
+    rendered: list[_Rendered] = []
+    anchors: dict[str, int] = {}
+    last = -1  # index into `rendered` (block order)
+    for block in message.blocks:
+        unit = _block(block)
+        if unit is not None:
+            rendered.append(unit)
+            if unit.kind != "reasoning":
+                last = len(rendered) - 1
+        own = unit is not None and unit.kind != "reasoning"
+        anchors.setdefault(block.item_id, len(rendered) - 1 if own else last)
+    units = [_Unit(r) for r in rendered]
+    ordered = _results_first(units) if message.role == "user" else units
+    turn = [u.rendered for u in ordered]
+    # Indexes above are in block order; the turn's order may differ (results first).
+    where = {id(u): n for n, u in enumerate(ordered)}
+    to_turn = [where[id(u)] for u in units]
+    return _MessageLayout(
+        role=message.role,
+        units=tuple(turn),
+        text=_turn_text(message.role, ordered) if ordered else "",
+        anchors={k: (to_turn[v] if v >= 0 else -1) for k, v in anchors.items()},
+        last_cacheable=to_turn[last] if last >= 0 else -1,
+        called=frozenset(b.tool_name for b in message.blocks if b.kind == "tool_call"),
+    )
+
+
+# A run's carried messages are the same objects on every Build (core/identity_memo.py).
+_message_layout = IdentityMemo(_lay_out_message, 16_384, by_value=False)
+_CALLED = attrgetter("called")
+_ROLE = attrgetter("role")
+_TEXT = attrgetter("text")
+_ANCHORS = attrgetter("anchors")
+
+# Processing-order position of a unit: (section, message, unit); tools, system, messages.
+_Position = tuple[int, int, int]
+
+
+def _turns_by_message(
+    messages: list[_MessageLayout],
+    tools: list[_Unit],
+    system: list[_Unit],
+    breakpoints: Sequence[CacheBreakpoint],
+    budget: int,
+) -> str | None:
+    """The turns' JSON when every message sends something and no two neighbours share a
+    role, so each message is one turn: its memoized text, recomposed only where a marker
+    lands. None otherwise (the general _layout handles it). Markers follow _place_markers
+    exactly; tests/unit/test_providers.py checks the two paths give the same bytes."""
+    texts: list[str] = list(map(_TEXT, messages))
+    roles: list[str] = list(map(_ROLE, messages))
+    if "" in texts or True in map(eq, roles, roles[1:]):
+        return None
+    chosen: dict[_Position, str] = {}
+    for bp in sorted(breakpoints, key=lambda b: (b.priority, b.name)):
+        if len(chosen) >= budget:
+            break
+        position = _position_of(bp, messages, tools, system)
+        if position is not None:
+            chosen.setdefault(position, bp.ttl if bp.ttl in _TTL_RANK else "5m")
+    marked: dict[int, dict[int, dict[str, str]]] = {}
+    shortest = max(_TTL_RANK.values())
+    for position in sorted(chosen):
+        shortest = min(shortest, _TTL_RANK[chosen[position]])
+        control: dict[str, str] = {"type": "ephemeral"}
+        if shortest == _TTL_RANK["1h"]:
+            control["ttl"] = "1h"
+        section, message, unit = position
+        if section == 0:
+            tools[unit].control = control
+        elif section == 1:
+            system[unit].control = control
+        else:
+            marked.setdefault(message, {})[unit] = control
+    for n, controls in marked.items():
+        units = [_Unit(r, controls.get(k)) for k, r in enumerate(messages[n].units)]
+        texts[n] = _turn_text(roles[n], units)
+    if roles and roles[0] == "assistant":
+        texts.insert(0, _PLACEHOLDER_TURN)
+    return ",".join(texts)
+
+
+def _position_of(
+    bp: CacheBreakpoint,
+    messages: list[_MessageLayout],
+    tools: list[_Unit],
+    system: list[_Unit],
+) -> _Position | None:
+    """Where the unit _target would pick for `bp` sits, in processing order."""
+    if bp.name == "after_tools" or (bp.name == "after_system" and not system):
+        return (0, 0, len(tools) - 1) if tools else None
+    if bp.name == "after_system":
+        return (1, 0, len(system) - 1)
+    if not bp.through_item:
+        return None
+    # The first message naming the item, found without a Python step per message.
+    hits = list(map(methodcaller("get", bp.through_item), map(_ANCHORS, messages)))
+    n = next(compress(count(), map(is_not, hits, repeat(None))), None)
+    if n is None:
+        return None
+    index: int = hits[n]
+    while index < 0:  # the last cacheable unit of an earlier message
+        n -= 1
+        if n < 0:
+            return None
+        index = messages[n].last_cacheable
+    return (2, n, index)
 
 
 # Rendering is a pure function of frozen neutral values; the memos change only how often it
@@ -254,6 +398,7 @@ _block = IdentityMemo(_render_block, _MEMO)
 _PLACEHOLDER = _rendered(
     {"type": "text", "text": HISTORY_CUT_PLACEHOLDER}, Row.CONVERSATION, "", "text"
 )
+_PLACEHOLDER_TURN = _turn_text("user", [_Unit(_PLACEHOLDER)])
 
 
 def _opaque(block: Block) -> dict[str, Any]:

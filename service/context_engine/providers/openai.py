@@ -16,8 +16,9 @@ Rule 5 (cache): the Responses API caches implicitly and takes no markers; the re
 carries ``prompt_cache_key`` = request.session_key, so every run, step and epoch of one
 session routes to the same cache and no other session shares it.
 
-Speed: tools and input items render once per process to canonical JSON text (memoized on
-the frozen neutral values) and the body is composed from them in RFC 8785 key order;
+Speed: tools, input items and each message's items render once per process to canonical
+JSON text (memoized on the frozen neutral values; a run's carried messages are the same
+objects on every Build) and the body is composed from them in RFC 8785 key order;
 tests/unit/test_providers.py checks the result is the canonical form of itself.
 """
 
@@ -26,11 +27,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import lru_cache
+from operator import attrgetter
 from typing import Any
 
 from ..core.canonical import canonical_bytes
 from ..core.errors import EngineError
-from ..core.request import Block, ModelRequest, ToolDefinition
+from ..core.identity_memo import IdentityMemo
+from ..core.request import Block, Message, ModelRequest, ToolDefinition
 from ..core.rows import Row
 from .layout import PromptUnit, RenderedPayload
 from .names import check_wire_names, wire_tool_name
@@ -55,7 +58,21 @@ class _Piece:
 class _Layout:
     instructions: list[_Piece]
     tools: list[_Piece]
-    items: list[_Piece]
+    messages: list[_MessageItems]
+    text: str  # the input items' canonical JSON, comma-separated
+
+    @property
+    def items(self) -> list[_Piece]:
+        return [piece for m in self.messages for piece in m.pieces]
+
+
+@dataclass(frozen=True, slots=True)
+class _MessageItems:
+    """One neutral message's input items (each block renders on its own, Rule 3)."""
+
+    pieces: tuple[_Piece, ...]
+    text: str  # their canonical JSON, comma-separated ("" when none)
+    tool_names: frozenset[str]  # the tools its calls name, for check_wire_names
 
 
 def render(request: ModelRequest) -> RenderedPayload:
@@ -68,7 +85,7 @@ def render(request: ModelRequest) -> RenderedPayload:
     layout = _layout(request)
     # Keys in RFC 8785 order: input, instructions, max_output_tokens, model,
     # prompt_cache_key, tools.
-    parts = ['{"input":[' + ",".join(p.text for p in layout.items) + "]"]
+    parts = ['{"input":[' + layout.text + "]"]
     if layout.instructions:
         parts.append('"instructions":' + _text("".join(p.obj for p in layout.instructions)))
     parts += [
@@ -100,23 +117,35 @@ def prompt_units(request: ModelRequest) -> tuple[PromptUnit, ...]:
 
 
 def _layout(request: ModelRequest) -> _Layout:
-    check_wire_names(
-        [t.name for t in request.tools]
-        + [b.tool_name for m in request.messages for b in m.blocks if b.kind == "tool_call"]
-    )
+    messages = _message_items.many(request.messages)
+    called = frozenset().union(*map(_TOOL_NAMES, messages))
+    check_wire_names([*(t.name for t in request.tools), *called])
     texts = [b for b in request.system if b.text]
     instructions = [
         _Piece((INSTRUCTIONS_SEPARATOR if n else "") + b.text, b.row, b.item_id)
         for n, b in enumerate(texts)
     ]
     tools = [_tool(t) for t in request.tools]
-    items = [
-        piece
-        for message in request.messages
-        for block in message.blocks
-        if (piece := _input_item(message.role, block)) is not None
-    ]
-    return _Layout(instructions, tools, items)
+    text = ",".join(filter(None, map(_TEXT, messages)))
+    return _Layout(instructions, tools, messages, text)
+
+
+def _render_message(message: Message) -> _MessageItems:
+    pieces = tuple(
+        piece for block in message.blocks if (piece := _input_item(message.role, block)) is not None
+    )
+    return _MessageItems(
+        pieces,
+        ",".join(p.text for p in pieces),
+        frozenset(b.tool_name for b in message.blocks if b.kind == "tool_call"),
+    )
+
+
+# A run's carried messages are the same objects on every Build (core/identity_memo.py);
+# one that misses is rendered from the block memo below rather than hashed whole.
+_message_items = IdentityMemo(_render_message, 16_384, by_value=False)
+_TOOL_NAMES = attrgetter("tool_names")
+_TEXT = attrgetter("text")
 
 
 # Rendering is a pure function of frozen neutral values; the memos change only how often it
