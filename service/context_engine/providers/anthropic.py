@@ -32,12 +32,12 @@ tests/unit/test_providers.py checks on generated requests.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from itertools import compress, count, repeat
 from operator import attrgetter, eq, is_not, methodcaller
-from typing import Any
+from typing import Any, TypeVar
 
 from ..core.canonical import canonical_bytes
 from ..core.errors import EngineError
@@ -270,21 +270,9 @@ def _turns_by_message(
     roles: list[str] = list(map(_ROLE, messages))
     if "" in texts or True in map(eq, roles, roles[1:]):
         return None
-    chosen: dict[_Position, str] = {}
-    for bp in sorted(breakpoints, key=lambda b: (b.priority, b.name)):
-        if len(chosen) >= budget:
-            break
-        position = _position_of(bp, messages, tools, system)
-        if position is not None:
-            chosen.setdefault(position, bp.ttl if bp.ttl in _TTL_RANK else "5m")
     marked: dict[int, dict[int, dict[str, str]]] = {}
-    shortest = max(_TTL_RANK.values())
-    for position in sorted(chosen):
-        shortest = min(shortest, _TTL_RANK[chosen[position]])
-        control: dict[str, str] = {"type": "ephemeral"}
-        if shortest == _TTL_RANK["1h"]:
-            control["ttl"] = "1h"
-        section, message, unit = position
+    located = partial(_position_of, messages=messages, tools=tools, system=system)
+    for (section, message, unit), control in _controls(breakpoints, budget, located):
         if section == 0:
             tools[unit].control = control
         elif section == 1:
@@ -425,21 +413,42 @@ def _place_markers(layout: _Layout, breakpoints: Sequence[CacheBreakpoint], budg
     """Attach cache_control to the blocks the markers close (Rule 6)."""
     ordered = [u for _, _, u in layout.ordered()]
     position = {id(u): n for n, u in enumerate(ordered)}
-    chosen: dict[int, str] = {}
+
+    def located(bp: CacheBreakpoint) -> int | None:
+        unit = _target(layout, bp)
+        return position.get(id(unit)) if unit is not None else None
+
+    for index, control in _controls(breakpoints, budget, located):
+        ordered[index].control = control
+
+
+P = TypeVar("P", int, _Position)
+
+
+def _controls(
+    breakpoints: Sequence[CacheBreakpoint],
+    budget: int,
+    locate: Callable[[CacheBreakpoint], P | None],
+) -> list[tuple[P, dict[str, str]]]:
+    """(position, cache_control) of each marker sent, in processing order (Rule 6): at most
+    `budget` distinct positions, taken in priority order; a later marker's TTL lowered to
+    the shortest before it."""
+    chosen: dict[P, str] = {}
     for bp in sorted(breakpoints, key=lambda b: (b.priority, b.name)):
         if len(chosen) >= budget:
             break
-        unit = _target(layout, bp)
-        if unit is None or id(unit) not in position:
-            continue
-        chosen.setdefault(position[id(unit)], bp.ttl if bp.ttl in _TTL_RANK else "5m")
+        position = locate(bp)
+        if position is not None:
+            chosen.setdefault(position, bp.ttl if bp.ttl in _TTL_RANK else "5m")
+    out: list[tuple[P, dict[str, str]]] = []
     shortest = max(_TTL_RANK.values())
-    for index in sorted(chosen):
-        shortest = min(shortest, _TTL_RANK[chosen[index]])
+    for position in sorted(chosen):
+        shortest = min(shortest, _TTL_RANK[chosen[position]])
         control: dict[str, str] = {"type": "ephemeral"}
         if shortest == _TTL_RANK["1h"]:
             control["ttl"] = "1h"
-        ordered[index].control = control
+        out.append((position, control))
+    return out
 
 
 def _target(layout: _Layout, bp: CacheBreakpoint) -> _Unit | None:

@@ -45,6 +45,17 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
         )
 
 
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """The pool's reset on release, deliberately empty.
+
+    asyncpg's default resets every released connection with one more round trip
+    (pg_advisory_unlock_all, CLOSE ALL, UNLISTEN *, RESET ALL). This service leaves no
+    session state to reset: it issues no SET, LISTEN or cursor outside a transaction, and
+    its one session advisory lock (store/migrate.py) is unlocked in a finally. asyncpg still
+    rolls back a transaction left open before calling this. So every Build saves two round
+    trips (its read and its write each release a connection)."""
+
+
 async def connect_pool(
     dsn: str,
     *,
@@ -62,6 +73,7 @@ async def connect_pool(
             command_timeout=command_timeout,
             timeout=connect_timeout,
             init=_init_connection,
+            reset=_keep_session,
         )
     except _UNAVAILABLE as exc:
         raise StoreUnavailableError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from exc
