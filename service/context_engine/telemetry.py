@@ -208,7 +208,10 @@ class span:
 
     def __enter__(self) -> None:
         current = _current.get()
-        if current is not None:
+        # Under a span that is not recording (tracing off, or this trace not sampled) the
+        # samplers Telemetry configures (ALWAYS_OFF, ParentBased) would not record a child
+        # either; making one costs the SDK's id generation and context switching per call.
+        if current is not None and trace.get_current_span().is_recording():
             self._cm = current[0].tracer.start_as_current_span(
                 self._name, attributes=self._attributes
             )

@@ -10,6 +10,7 @@ from uuid import UUID
 
 import grpc
 
+from .. import telemetry
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
 from .._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from ..core.errors import InvalidFieldError
@@ -183,6 +184,10 @@ class ContextEngineServicer(
         result = await self.engine.build(
             tenant, session_id, run_id, request.checkpoint_version, now, step
         )
+        if result.assembled.estimated_input_tokens > 0:
+            # Recorded here, from the model id at hand: the observer would otherwise read it
+            # from the response's request, which travels encoded (api/wire.py).
+            telemetry.record_build(result.plan.model_id, result.assembled.estimated_input_tokens)
         return self.build_response(result)
 
     def build_response(self, result: BuildResult) -> wire.EncodedBuildResponse:
