@@ -111,7 +111,11 @@ async def wait_serving(target: str, proc: subprocess.Popen[bytes] | None = None)
 
 
 def plan_spec(
-    tools: int = 6, snapshot_items: int = 0, skills: int = 0, policy_cap_tokens: int = 0
+    tools: int = 6,
+    snapshot_items: int = 0,
+    skills: int = 0,
+    policy_cap_tokens: int = 0,
+    reserve_output_tokens: int = 0,
 ) -> pb.PlanSpec:
     schema = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
     return pb.PlanSpec(
@@ -144,16 +148,24 @@ def plan_spec(
         ),
         environment=pb.SessionEnvironment(surface="chat", time_zone="UTC"),
         policy_cap_tokens=policy_cap_tokens,
+        reserve_output_tokens=reserve_output_tokens,
     )
 
 
 async def seed_session(
-    stub: Any, turns: int, *, tools: int = 6, policy_cap_tokens: int = 0
+    stub: Any,
+    turns: int,
+    *,
+    tools: int = 6,
+    policy_cap_tokens: int = 0,
+    reserve_output_tokens: int = 0,
 ) -> tuple[str, str]:
     """A session with `turns` completed turns (user, tool call, tool result, answer) and a
     fresh run on top. Returns (session_id, run_id of the fresh run)."""
     session_id = str(uuid.uuid4())
-    spec = plan_spec(tools, policy_cap_tokens=policy_cap_tokens)
+    spec = plan_spec(
+        tools, policy_cap_tokens=policy_cap_tokens, reserve_output_tokens=reserve_output_tokens
+    )
     await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=spec))
     for turn in range(turns):
         started = await stub.StartRun(

@@ -1,6 +1,8 @@
 """Cost independent of session length: Build latency for sessions of 50, 500 and 5,000
-turns at the same context window (a 16,000-token policy cap, which fifty turns already
-fill, so every request is the same size), in one run. Prints the ratio 5,000 / 50. Bar: <= 1.2
+turns at the same context window (a 16,000-token policy cap with 4,096 tokens reserved for
+output, which fifty turns already fill, so every request is about the same size), in one
+run. Prints the ratio 5,000 / 50, and each length's request size and history cut: every
+Build must return a request (one that needs compaction would measure nothing). Bar: <= 1.2
 (a Build reads and assembles what fits, never the whole log)."""
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import grpc
 from .harness import build_request, scratch_database, seed_session, server_process, stub_for
 
 BAR = 1.2
+RESERVE_TOKENS = 4_096
 
 
 async def run(lengths: list[int], builds: int, window: int) -> bool:
@@ -26,19 +29,35 @@ async def run(lengths: list[int], builds: int, window: int) -> bool:
         grpc.aio.insecure_channel(target) as channel,
     ):
         stub = stub_for(channel)
-        sessions = {n: await seed_session(stub, n, policy_cap_tokens=window) for n in lengths}
-        for n, (session_id, run_id) in sessions.items():
-            request = build_request(session_id, run_id)
-            await stub.Build(request)  # warm the plan cache
-            samples = []
-            for _ in range(builds):
+        sessions = {
+            n: await seed_session(
+                stub, n, policy_cap_tokens=window, reserve_output_tokens=RESERVE_TOKENS
+            )
+            for n in lengths
+        }
+        requests = {n: build_request(*ids) for n, ids in sessions.items()}
+        shapes: dict[int, str] = {}
+        for n, request in requests.items():
+            built = await stub.Build(request)  # warm the plan cache and the kept history
+            if built.needs_compaction:
+                print(f"{n} turns: the request needs compaction; raise --window")
+                return False
+            shapes[n] = (
+                f"request {built.request.ByteSize():,} bytes,"
+                f" {built.pressure.history_items_dropped:,} carried items cut"
+            )
+        # Interleaved, one Build of each length per round, so both lengths see the same
+        # machine (a checkpoint or autovacuum after seeding would otherwise land on one).
+        samples: dict[int, list[float]] = {n: [] for n in requests}
+        for _ in range(builds):
+            for n, request in requests.items():
                 started = time.perf_counter()
                 await stub.Build(request)
-                samples.append((time.perf_counter() - started) * 1000)
-            medians[n] = statistics.median(samples)
+                samples[n].append((time.perf_counter() - started) * 1000)
+        medians = {n: statistics.median(s) for n, s in samples.items()}
     print(f"session length: median Build latency over {builds} sequential builds")
     for n, ms in medians.items():
-        print(f"  {n:5d} turns: {ms:7.2f} ms")
+        print(f"  {n:5d} turns: {ms:7.2f} ms  ({shapes[n]})")
     ratio = medians[lengths[-1]] / medians[lengths[0]]
     ok = ratio <= BAR
     print(

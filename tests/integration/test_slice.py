@@ -325,6 +325,37 @@ async def test_bad_input_is_named_and_writes_nothing(stub: Any, pool: Any) -> No
     assert after == before, "a failed request writes nothing"
 
 
+async def test_a_run_named_under_another_session_is_not_found(stub: Any, pool: Any) -> None:
+    """Runs are looked up by their own id (store/runs.py); one that belongs to another
+    session of the tenant reads like a missing one, for Build and for writes alike."""
+    session_id, _ = await open_session(stub)
+    other_id, _ = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "hi")).run.run_id
+    before = await _count(pool, "session_events", session_id)
+    calls = (
+        lambda: _build(stub, other_id, run_id, datetime(2026, 3, 1, tzinfo=UTC)),
+        lambda: stub.AppendItems(
+            pb.AppendItemsRequest(
+                tenant_id=TENANT,
+                session_id=other_id,
+                run_id=run_id,
+                expected_checkpoint_version=1,
+                items=[assistant("x")],
+            )
+        ),
+    )
+    for send in calls:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await send()
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        assert details(caught.value)[0] == "RUN_NOT_FOUND"
+    assert await _count(pool, "session_events", other_id) == 1  # its plan event only
+    assert await _count(pool, "session_events", session_id) == before
+    # The run itself still builds in its own session.
+    built = await _build(stub, session_id, run_id, datetime(2026, 3, 1, tzinfo=UTC))
+    assert built.request_sequence > 0
+
+
 async def test_plan_is_idempotent_and_reports_a_changed_spec(stub: Any) -> None:
     session_id, plan = await open_session(stub)
     again = await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=spec()))

@@ -38,15 +38,18 @@ async def insert_run(conn: Any, tenant_id: str, run: RunRow) -> None:
 
 
 async def read_run(conn: Any, tenant_id: str, session_id: UUID, run_id: UUID) -> RunRow:
-    """Raises NotFoundError for a run that is not in this tenant's session."""
+    """Raises NotFoundError for a run that is not in this tenant's session.
+
+    The run is found by its primary key and its session compared here: with the session in
+    the WHERE clause too, PostgreSQL may pick the (tenant, session, created_at) index and
+    filter every run of the session (measured: 0.75 ms at 5,000 runs, 0.2 ms at 50)."""
     row = await conn.fetchrow(
         "SELECT session_id, parent_run_id, seed_event_sequence, epoch FROM runs"
-        " WHERE tenant_id = $1 AND run_id = $2 AND session_id = $3",
+        " WHERE tenant_id = $1 AND run_id = $2",
         tenant_id,
         run_id,
-        session_id,
     )
-    if row is None:
+    if row is None or row["session_id"] != session_id:
         raise NotFoundError(f"run {run_id} not found", field="run_id", reason="RUN_NOT_FOUND")
     return RunRow(
         run_id=run_id,
@@ -107,25 +110,25 @@ async def read_run_head(
     skills the session has loaded, in one round trip. The epoch is the run's own, or a
     later one from a rotation that was not another run's admission.
 
-    Raises NotFoundError for a run that is not in this tenant's session.
+    Raises NotFoundError for a run that is not in this tenant's session. Found by primary
+    key, the session compared after (see read_run).
     """
     row = await conn.fetchrow(
-        "SELECT r.parent_run_id, r.seed_event_sequence, r.epoch,"
+        "SELECT r.session_id, r.parent_run_id, r.seed_event_sequence, r.epoch,"
         " (SELECT max(c.version) FROM run_checkpoints c"
         "  WHERE c.tenant_id = r.tenant_id AND c.run_id = r.run_id) AS latest,"
         " (SELECT max(p.epoch) FROM context_plans p"
         "  WHERE p.tenant_id = r.tenant_id AND p.session_id = r.session_id"
-        "  AND (p.epoch = r.epoch OR (p.epoch > r.epoch AND p.reason <> ALL($4::text[]))))"
+        "  AND (p.epoch = r.epoch OR (p.epoch > r.epoch AND p.reason <> ALL($3::text[]))))"
         "  AS effective,"
         " (SELECT count(*) FROM loaded_skills s"
         "  WHERE s.tenant_id = r.tenant_id AND s.session_id = r.session_id) AS skills"
-        " FROM runs r WHERE r.tenant_id = $1 AND r.run_id = $2 AND r.session_id = $3",
+        " FROM runs r WHERE r.tenant_id = $1 AND r.run_id = $2",
         tenant_id,
         run_id,
-        session_id,
         list(ADMISSION_REASONS),
     )
-    if row is None:
+    if row is None or row["session_id"] != session_id:
         raise NotFoundError(f"run {run_id} not found", field="run_id", reason="RUN_NOT_FOUND")
     run = RunRow(
         run_id=run_id,
