@@ -75,3 +75,49 @@ async def test_idempotent_writes_take_effect_once_across_replicas(
         "SELECT max(version) FROM run_checkpoints WHERE run_id = $1", UUID(run_id)
     )
     assert (runs, items, versions) == (1, 4, 2)  # the seeding message + three items
+
+
+async def test_a_replica_extending_its_kept_log_builds_what_a_cold_one_builds(
+    replicas: list[Any],
+) -> None:
+    """A replica keeps the log it has read and reads only the turns since (api/engine.py,
+    Engine._logged); one that has read nothing reads it all. Every run's Build is the same
+    request either way, call ids reused across runs included."""
+    warm, cold = replicas
+    session_id, _ = await open_session(warm)
+    now = pb.BuildRequest().now
+    now.FromSeconds(1_790_000_000)
+    built: list[tuple[pb.BuildRequest, pb.BuildResponse]] = []
+    for turn in range(4):
+        started = await warm.StartRun(
+            pb.StartRunRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                user_message=pb.UserMessage(text=f"question {turn}"),
+            )
+        )
+        run_id = started.run.run_id
+        build = pb.BuildRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            run_id=run_id,
+            checkpoint_version=started.checkpoint_version,
+            now=now,
+        )
+        built.append((build, await warm.Build(build)))  # the first Build of each run
+        await warm.AppendItems(
+            pb.AppendItemsRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                run_id=run_id,
+                expected_checkpoint_version=started.checkpoint_version,
+                items=[call("c1"), result("c1", f"page {turn}"), assistant(f"answer {turn}")],
+            )
+        )
+    # Newest run first: the cold replica reads each run's log whole (an older run's seed
+    # lies below what it has kept), so nothing it builds comes from an extension.
+    for build, response in reversed(built):
+        again = await cold.Build(build)
+        assert again.request_sha256 == response.request_sha256
+        assert again.provider_payload == response.provider_payload
+    assert len({r.request_sha256 for _, r in built}) == len(built)

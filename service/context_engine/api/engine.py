@@ -504,6 +504,34 @@ class Engine:
             )
         return result
 
+    async def _logged(
+        self, conn: Any, tenant: str, session_id: UUID, below: int, floor: int
+    ) -> tuple[ConversationItem, ...]:
+        """The session's logged history items with floor < sequence < below, oldest first.
+
+        The log is append-only and a sequence is committed before any later one is handed
+        out (the session row lock), so the items below one run's seed are a prefix of those
+        below a later run's. A replica keeps the longest prefix it has read per (session,
+        floor) and reads only what lies past it: a new run's first Build reads the turns
+        since the last run, not the whole log."""
+        prefix_key = ("logged", tenant, session_id, floor)
+        known: tuple[int, tuple[ConversationItem, ...]] | None = self._kept.get(prefix_key)
+        if known is not None and known[0] <= below:
+            start, prefix = known
+            more = await events.read_carried_items(
+                conn, tenant, session_id, below_sequence=below, above_sequence=max(floor, start - 1)
+            )
+            logged = prefix + tuple(more)
+        else:
+            logged = tuple(
+                await events.read_carried_items(
+                    conn, tenant, session_id, below_sequence=below, above_sequence=floor
+                )
+            )
+        if known is None or known[0] <= below:
+            self._kept.put(prefix_key, (below, logged), len(logged) + 1)
+        return logged
+
     # --- build ------------------------------------------------------------------------
 
     async def build(
@@ -545,9 +573,7 @@ class Engine:
             carried_key = ("carried", tenant, session_id, below, floor)
             carried = self._kept.get(carried_key)
             if carried is None:
-                logged = await events.read_carried_items(
-                    conn, tenant, session_id, below_sequence=below, above_sequence=floor
-                )
+                logged = await self._logged(conn, tenant, session_id, below, floor)
                 carried = carried_history(logged)
                 self._kept.put(carried_key, carried, len(carried) + 1)
             # Loaded skills are append-only and never unloaded: the first N are the same on
