@@ -4,8 +4,10 @@ A checkpoint version is never rewritten, and the session log below a run's pinne
 sequence is append-only, so the parsed checkpoint and the projected carried history of a
 (run, version) or (session, seed cut, summary floor) are the same on every Build. Keeping
 them spares the parse, and hands the core the same item objects every time, so its
-render and cost memos hit. The bound is on items held, not entries: a 5,000-turn history
-weighs what it holds.
+render and cost memos hit. The log below a later run's seed extends the log below an
+earlier one's (the log is append-only), so the longest prefix read per (session, floor) is
+kept too and extended rather than read again (Engine._logged). The bound is on items
+held, not entries: a 5,000-turn history weighs what it holds.
 """
 
 from __future__ import annotations
