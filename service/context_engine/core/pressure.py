@@ -186,14 +186,14 @@ def fit_body(
     tokens: dict[str, int] = {}
     counts: dict[str, int] = {}
 
-    def emit(row: Row, item: ContextItem, kind: str, cost: int) -> Placed | None:
+    def emit(row: Row, item: ContextItem, kind: str, spent: int) -> Placed | None:
         if id(item) in dropped:
             return None
         if id(item) in pointers:
-            cost = pointers[id(item)].pointer_cost
+            spent = pointers[id(item)].pointer_cost
             item = pointer_for(_as_result(item))
             truncated.add(id(item))
-        tokens[kind] = tokens.get(kind, 0) + cost
+        tokens[kind] = tokens.get(kind, 0) + spent
         counts[kind] = counts.get(kind, 0) + 1
         return (row, item)
 
