@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -95,9 +96,15 @@ async def acquire(pool: asyncpg.Pool, timeout: float = 5.0) -> AsyncIterator[Any
     """A pooled connection; unreachable-database failures become StoreUnavailableError."""
     handed_out = False
     try:
-        async with pool.acquire(timeout=timeout) as conn:
+        # asyncio.timeout rather than acquire(timeout=): on Python 3.11 asyncpg's timeout
+        # wraps the wait in a new Task, twice per Build.
+        async with asyncio.timeout(timeout):
+            conn = await pool.acquire()
+        try:
             handed_out = True
             yield conn
+        finally:
+            await pool.release(conn)
     except _UNAVAILABLE as exc:
         raise StoreUnavailableError(f"PostgreSQL unavailable: {type(exc).__name__}") from exc
     except asyncpg.PostgresError as exc:
