@@ -1,0 +1,57 @@
+"""The pool's edges against a real PostgreSQL: what an unreachable database looks like to
+a caller (store/db.py), and what a released connection carries to its next user."""
+
+from __future__ import annotations
+
+import asyncpg
+import pytest
+
+from context_engine.store.db import StoreUnavailableError, acquire, connect_pool
+
+
+@pytest.mark.parametrize(
+    "raised",
+    [
+        asyncpg.InternalClientError("protocol left mid-operation"),
+        asyncpg.ConnectionDoesNotExistError("connection was closed"),
+        ConnectionResetError("reset by peer"),
+    ],
+    ids=["internal-client-error", "connection-gone", "reset"],
+)
+async def test_a_dropped_connection_is_unavailable_not_internal(
+    database_dsn: str, raised: Exception
+) -> None:
+    """What asyncpg raises on a connection PostgreSQL dropped mid-statement (seen at COMMIT
+    and at release under `bench.load --faults`) reaches the caller as StoreUnavailableError,
+    which the servicer answers UNAVAILABLE; a query's own error is left as it is."""
+    pool = await connect_pool(database_dsn, min_size=1, max_size=1)
+    try:
+        with pytest.raises(StoreUnavailableError):
+            async with acquire(pool):
+                raise raised
+        with pytest.raises(asyncpg.UndefinedTableError):
+            async with acquire(pool) as conn:
+                await conn.fetchval("SELECT 1 FROM no_such_table")
+        async with acquire(pool) as conn:  # the pool still serves
+            assert await conn.fetchval("SELECT 1") == 1
+    finally:
+        await pool.close()
+
+
+async def test_a_transaction_left_open_does_not_reach_the_next_user(database_dsn: str) -> None:
+    """The pool skips asyncpg's reset query on release (the service keeps no session
+    state); asyncpg still rolls back a transaction left open, so the next user of the one
+    connection starts clean and nothing the abandoned transaction wrote is visible."""
+    pool = await connect_pool(database_dsn, min_size=1, max_size=1)
+    try:
+        async with acquire(pool) as conn:
+            await conn.execute("CREATE TABLE IF NOT EXISTS pool_probe (n int)")
+        async with acquire(pool) as conn:
+            await conn.execute("BEGIN")
+            await conn.execute("INSERT INTO pool_probe VALUES (1)")
+        async with acquire(pool) as conn:
+            assert not conn.is_in_transaction()
+            assert await conn.fetchval("SELECT count(*) FROM pool_probe") == 0
+            await conn.execute("DROP TABLE pool_probe")
+    finally:
+        await pool.close()
