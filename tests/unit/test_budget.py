@@ -612,10 +612,11 @@ def test_leaving_unreachable_history_uncosted_changes_no_decision(session: Sessi
     except BudgetExceededError:
         return
     # Unbounded reach: every carried item is excerpted, placed and costed (core/carried.py),
-    # on a distinct copy of the history so nothing derived for the windowed build is reused.
+    # on copies of the history's items, so nothing derived for the windowed build is reused
+    # (core/carried.py keeps what it derives per item object).
     assembly.window_reach = lambda budget: 2**62  # type: ignore[assignment]
     try:
-        reference = assemble(replace(inputs, carried=tuple(list(inputs.carried))))
+        reference = assemble(replace(inputs, carried=tuple(i.model_copy() for i in inputs.carried)))
     finally:
         assembly.window_reach = real
     assert windowed.request_sha256 == reference.request_sha256
@@ -650,7 +651,7 @@ def test_parts_derived_once_per_history_assemble_what_item_by_item_work_would(
         built = assemble(inputs)
     except BudgetExceededError:
         return
-    assert assemble(replace(inputs, carried=tuple(list(inputs.carried)))) == built
+    assert assemble(replace(inputs, carried=tuple(i.model_copy() for i in inputs.carried))) == built
     if built.request is None:
         return
     # Pointers and legacy excerpts are the only tool results assembly made itself.

@@ -166,7 +166,6 @@ def assemble(inputs: BuildInputs) -> Assembled:
         budget=budget,
         cost=_cost(inputs),
         recall_floor_lines=inputs.step.recall_floor_lines,
-        skipped=view.start,
     )
     if not fitted.fits:
         return _outcome(inputs, budget, fitted, None, "")

@@ -91,6 +91,7 @@ class Segment:
     excerpted: frozenset[int]  # id() of legacy excerpts among items (render truncated)
     excerpted_items: tuple[ToolResult, ...]  # every legacy excerpt the view made
     total: int  # sum(costs)
+    skipped: int  # items above the floor that lie beyond the window (reported as cut)
     blocks: dict[tuple[int, bool], Block]  # the view's rendered blocks
     # -(sum of costs[i:]) for i in 0..len: ascending, so the cut is one bisection.
     _negated_suffix: tuple[int, ...]
@@ -180,7 +181,7 @@ def carried_view(
     entry = _TABLE.get(slot)
     if entry is not None and entry.history is history:
         return entry
-    view = _derive(history, cost, render, inline_maximum_bytes, reach)
+    view = _derive(history, (*key, inline_maximum_bytes), cost, render, inline_maximum_bytes, reach)
     if len(_TABLE) >= _TABLE_SIZE:
         _TABLE.pop(next(iter(_TABLE)), None)  # oldest first (insertion order)
     _TABLE[slot] = view
@@ -204,6 +205,7 @@ def _segment(view: CarriedView, floor: int) -> Segment:
         excerpted=excerpted,
         excerpted_items=view.excerpted,
         total=sum(costs),
+        skipped=sum(1 for i in view.history[: view.start] if i.sequence > floor),
         blocks=view.blocks,
         render=view.render,
         _negated_suffix=negated_suffix_sums(costs),
@@ -251,10 +253,61 @@ def _retained(segment: Segment, cut: int, yielded: frozenset[int]) -> Retained:
 _TABLE_SIZE = 512
 _TABLE: dict[tuple[object, ...], CarriedView] = {}
 
+# Per context, id(item) -> (item, its facts); each entry holds its item, so an id is not
+# reused while it exists. Bounded per context and in contexts (each a plan's secret).
+_KNOWN_ITEMS = 65_536
+_KNOWN_CONTEXTS = 256
+_KNOWN: dict[tuple[object, ...], dict[int, tuple[ConversationItem, _Facts]]] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class _Facts:
+    """What the walk derives from one carried item, under one context."""
+
+    shown: ConversationItem  # the item, or its legacy excerpt
+    truncated: bool  # `shown` is a legacy excerpt (renders marked truncated)
+    tokens: int  # what `shown` costs as rendered
+    pointer: ToolResult | None  # a result's typed pointer
+    pointer_tokens: int
+    block: Block  # `shown` rendered
+
+
+def _facts(item: ConversationItem, cost: Cost, render: Render, limit: int) -> _Facts:
+    excerpt = legacy_excerpt(item, limit) if isinstance(item, ToolResult) else None
+    shown = excerpt if excerpt is not None else item
+    truncated = excerpt is not None
+    tokens = cost(Row.CONVERSATION, shown, truncated)
+    pointer, pointer_tokens = None, 0
+    if isinstance(shown, ToolResult):
+        pointer = pointer_for(shown)
+        pointer_tokens = cost(Row.CONVERSATION, pointer, True)
+    check_placement(shown, Row.CONVERSATION)
+    return _Facts(
+        shown,
+        truncated,
+        tokens,
+        pointer,
+        pointer_tokens,
+        render(Row.CONVERSATION, shown, truncated),
+    )
+
 
 def _derive(
-    history: tuple[ConversationItem, ...], cost: Cost, render: Render, limit: int, reach: int
+    history: tuple[ConversationItem, ...],
+    context: tuple[object, ...],
+    cost: Cost,
+    render: Render,
+    limit: int,
+    reach: int,
 ) -> CarriedView:
+    # A run's history is the previous run's plus its turns, as the same item objects
+    # (api/kept.py), so what was derived for an item is looked up by identity under the
+    # same context (secret, counter, factor, inline limit) instead of derived again.
+    known = _KNOWN.get(context)
+    if known is None or len(known) >= _KNOWN_ITEMS:
+        if len(_KNOWN) >= _KNOWN_CONTEXTS:
+            _KNOWN.clear()
+        known = _KNOWN[context] = {}
     shown: list[ConversationItem] = []
     excerpted: list[ToolResult] = []
     costs: dict[tuple[int, bool], int] = {}
@@ -264,32 +317,28 @@ def _derive(
     least, start = 0, 0
     for index in range(len(history) - 1, -1, -1):
         item = history[index]
-        excerpt = legacy_excerpt(item, limit) if isinstance(item, ToolResult) else None
-        if excerpt is not None:
-            item = excerpt
-            excerpted.append(excerpt)
-        truncated = excerpt is not None
-        tokens = cost(Row.CONVERSATION, item, truncated)
-        costs[(id(item), truncated)] = tokens
-        if isinstance(item, ToolResult):
-            pointer = pointer_for(item)
-            pointer_tokens = cost(Row.CONVERSATION, pointer, True)
-            costs[(id(pointer), True)] = pointer_tokens
-            pointers.append(pointer)
-            pointer_costs[id(item)] = pointer_tokens
-            tokens = min(tokens, pointer_tokens)
-        shown.append(item)
+        entry = known.get(id(item))
+        if entry is None or entry[0] is not item:
+            entry = known[id(item)] = (item, _facts(item, cost, render, limit))
+        facts = entry[1]
+        shown_item, truncated, tokens = facts.shown, facts.truncated, facts.tokens
+        if truncated:
+            assert isinstance(shown_item, ToolResult)
+            excerpted.append(shown_item)
+        costs[(id(shown_item), truncated)] = tokens
+        blocks[(id(shown_item), truncated)] = facts.block
+        if facts.pointer is not None:
+            costs[(id(facts.pointer), True)] = facts.pointer_tokens
+            pointers.append(facts.pointer)
+            pointer_costs[id(shown_item)] = facts.pointer_tokens
+            tokens = min(tokens, facts.pointer_tokens)
+        shown.append(shown_item)
         least += tokens
         if least > reach:
             start = index
             break
     shown.reverse()
     excerpted.reverse()
-    marked = {id(e) for e in excerpted}
-    for item in shown:
-        check_placement(item, Row.CONVERSATION)
-        truncated = id(item) in marked
-        blocks[(id(item), truncated)] = render(Row.CONVERSATION, item, truncated)
     return CarriedView(
         history=history,
         start=start,

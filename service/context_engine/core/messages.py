@@ -5,6 +5,11 @@ other Region B item — user input, tool results, the summary, the fresh rows �
 user's. Merging is associative, so a request's messages can be put together from parts
 merged separately (core/carried.py merges a run's carried suffix once) by merging again
 where two parts meet.
+
+Messages are interned: the same role over the same block objects is the same Message
+object, so the per-message memos downstream (canonical text, wire bytes, provider turns,
+all keyed on identity) hit for a group that repeats — a carried turn in every later run,
+a run's completed exchanges on every later step — even when it was merged anew.
 """
 
 from __future__ import annotations
@@ -15,11 +20,27 @@ from typing import Literal
 from .items import AssistantMessage, ContextItem, ReasoningItem, ToolCall
 from .request import Block, Message
 
-__all__ = ["Role", "grouped", "joined", "role_of"]
+__all__ = ["Role", "grouped", "joined", "message", "role_of"]
 
 Role = Literal["user", "assistant"]
 
 _ASSISTANT_TYPES = (AssistantMessage, ToolCall, ReasoningItem)
+
+
+def message(role: Role, blocks: tuple[Block, ...]) -> Message:
+    """Message(role, blocks), interned on the blocks' identities. Each entry holds its
+    message, which holds its blocks, so no id in a key is reused while the entry exists."""
+    key = (role, tuple(map(id, blocks)))
+    found = _INTERNED.get(key)
+    if found is None:
+        if len(_INTERNED) >= _INTERNED_SIZE:
+            _INTERNED.clear()
+        found = _INTERNED[key] = Message(role, blocks)
+    return found
+
+
+_INTERNED_SIZE = 16_384
+_INTERNED: dict[tuple[str, tuple[int, ...]], Message] = {}
 
 
 def role_of(item: ContextItem) -> Role:
@@ -35,7 +56,7 @@ def grouped(items: Sequence[ContextItem], blocks: Sequence[Block]) -> tuple[Mess
             groups[-1][1].append(block)
         else:
             groups.append((role, [block]))
-    return tuple(Message(role, tuple(blocks)) for role, blocks in groups)
+    return tuple(message(role, tuple(blocks)) for role, blocks in groups)
 
 
 def joined(parts: Iterable[Sequence[Message]]) -> tuple[Message, ...]:
@@ -44,7 +65,7 @@ def joined(parts: Iterable[Sequence[Message]]) -> tuple[Message, ...]:
     out: list[Message] = []
     for messages in parts:
         if messages and out and out[-1].role == messages[0].role:
-            out[-1] = Message(out[-1].role, out[-1].blocks + messages[0].blocks)
+            out[-1] = message(out[-1].role, out[-1].blocks + messages[0].blocks)
             messages = messages[1:]
         out.extend(messages)
     return tuple(out)
