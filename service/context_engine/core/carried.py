@@ -254,9 +254,9 @@ _TABLE_SIZE = 512
 _TABLE: dict[tuple[object, ...], CarriedView] = {}
 
 # Per context, id(item) -> (item, its facts); each entry holds its item, so an id is not
-# reused while it exists. Bounded per context and in contexts (each a plan's secret).
-_KNOWN_ITEMS = 65_536
-_KNOWN_CONTEXTS = 256
+# reused while it exists. A context is a plan's secret and counter, so a replica has one per
+# session epoch it serves; the bound is on items across all of them.
+_KNOWN_ITEMS = 131_072
 _KNOWN: dict[tuple[object, ...], dict[int, tuple[ConversationItem, _Facts]]] = {}
 
 
@@ -303,11 +303,9 @@ def _derive(
     # A run's history is the previous run's plus its turns, as the same item objects
     # (api/kept.py), so what was derived for an item is looked up by identity under the
     # same context (secret, counter, factor, inline limit) instead of derived again.
-    known = _KNOWN.get(context)
-    if known is None or len(known) >= _KNOWN_ITEMS:
-        if len(_KNOWN) >= _KNOWN_CONTEXTS:
-            _KNOWN.clear()
-        known = _KNOWN[context] = {}
+    if sum(map(len, _KNOWN.values())) >= _KNOWN_ITEMS:
+        _KNOWN.clear()  # bounded across contexts: each holds its items and their blocks
+    known = _KNOWN.setdefault(context, {})
     shown: list[ConversationItem] = []
     excerpted: list[ToolResult] = []
     costs: dict[tuple[int, bool], int] = {}
