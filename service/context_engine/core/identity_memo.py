@@ -5,7 +5,7 @@ block hashes thirteen fields, and a fifty-turn request looks up two hundred bloc
 three places. The carried history's blocks are the same objects on every Build of a run
 (core/carried.py keeps them), so an identity lookup answers first and the equality memo
 behind it still catches equal values that are distinct objects. Each entry holds its key
-object, so an id is never reused while its entry exists, and the hit is checked with `is`.
+object, so an id is never reused while its entry exists: a hit by id is the same object.
 Pure: only how often `function` runs changes, never what a call returns. A value of None
 is never remembered by identity (None marks a miss).
 """
