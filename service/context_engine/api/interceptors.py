@@ -85,6 +85,20 @@ def _wrap(
     return handler
 
 
+async def wrap_unless(
+    skip: frozenset[str],
+    continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+    details: grpc.HandlerCallDetails,
+    unary: Callable[[Behavior], Behavior],
+) -> grpc.RpcMethodHandler | None:
+    """The continuation's handler, its unary behavior wrapped with `unary` unless the
+    method belongs to a service in `skip`."""
+    handler = await continuation(details)
+    if _service_of(details.method) in skip:
+        return handler
+    return _wrap(handler, unary)
+
+
 async def _abort(
     context: grpc.aio.ServicerContext,
     code: grpc.StatusCode,
@@ -201,11 +215,10 @@ class RpcObserver(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
-        handler = await continuation(details)
-        if _service_of(details.method) in self._skip:
-            return handler
         method = details.method.rpartition("/")[2]
-        return _wrap(handler, lambda behavior: self._observe(method, behavior))
+        return await wrap_unless(
+            self._skip, continuation, details, lambda behavior: self._observe(method, behavior)
+        )
 
     def _observe(self, method: str, behavior: Behavior) -> Behavior:
         tel = self._telemetry

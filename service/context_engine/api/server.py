@@ -1,7 +1,9 @@
 """The server shell: grpc.aio with health checking and reflection, graceful shutdown.
 
-SIGTERM flips health to NOT_SERVING first (so load balancers stop sending), then gives
-in-flight RPCs the grace period to finish.
+SIGTERM flips health to NOT_SERVING first (so load balancers stop sending), then drains
+(api/drain.py: calls that still arrive are served for a while, then refused UNAVAILABLE
+until none is running or queued), then closes the listener and gives anything still
+running what is left of the grace period.
 
 Health: the overall status ("") is liveness: SERVING while the process serves. The
 ContextEngine service's status is readiness: it follows a `SELECT 1` against PostgreSQL
@@ -37,6 +39,7 @@ from ..store import apply_migrations, connect_pool
 from ..store.db import StoreUnavailableError
 from ..store.migrate import pending_migrations
 from ..telemetry import Telemetry
+from .drain import Drain
 from .engine import Engine
 from .interceptors import (
     UNAUTHENTICATED_SERVICES,
@@ -96,10 +99,17 @@ class RunningServer:
     engine: Engine
     telemetry: Telemetry | None = None
     readiness: asyncio.Task[None] | None = None
+    drain: Drain | None = None
 
-    async def stop(self, grace: float) -> None:
+    async def stop(self, grace: float, linger: float = 0.0) -> None:
+        """NOT_SERVING, drain (at most `linger` s of serving late arrivals), then stop the
+        listener; all within `grace` s. `stop(0)` stops at once."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+        if self.drain is not None:
+            await self.drain.drain(linger, grace)
+        await self.server.stop(max(deadline - loop.time(), 0.0))
         if self.readiness is not None:
             self.readiness.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -146,20 +156,23 @@ async def build_server(
 ) -> RunningServer:
     """Create, bind and start a server. Port 0 binds a free port (returned).
 
-    Interceptors, outermost first: OpenTelemetry span, RpcObserver, auth (when `auth` is
-    given), the request size limit (`max_message_bytes`), then `interceptors`.
+    Interceptors, outermost first: OpenTelemetry span, RpcObserver, the shutdown drain,
+    auth (when `auth` is given), the request size limit (`max_message_bytes`), then
+    `interceptors`.
     `credentials` makes the listener TLS (mTLS when they require client certificates).
     """
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
     from opentelemetry.instrumentation.grpc.filters import negate, service_name
 
     tel = telemetry or Telemetry()
+    drain = Drain()
     chain: list[grpc.aio.ServerInterceptor] = [
         aio_server_interceptor(
             tracer_provider=tel.tracer_provider,
             filter_=negate(service_name(*UNAUTHENTICATED_SERVICES)),
         ),
         RpcObserver(tel),
+        drain,
         *([AuthInterceptor(auth)] if auth is not None else []),
         SizeLimitInterceptor(max_message_bytes),
         *interceptors,
@@ -193,7 +206,7 @@ async def build_server(
         _follow_readiness(engine.pool, health_servicer, tel, readiness_interval, readiness_timeout),
         name="context-engine-readiness",
     )
-    return RunningServer(server, port, health_servicer, engine, tel, readiness)
+    return RunningServer(server, port, health_servicer, engine, tel, readiness, drain)
 
 
 def server_options(settings: Settings) -> dict[str, Any]:
@@ -277,7 +290,7 @@ async def serve(settings: Settings) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     _log.info("shutting down: draining for up to %.1fs", settings.shutdown_grace_seconds)
-    await running.stop(settings.shutdown_grace_seconds)
+    await running.stop(settings.shutdown_grace_seconds, settings.shutdown_linger_seconds)
     tel.shutdown()
     await pool.close()
     del embedded

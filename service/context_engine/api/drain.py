@@ -1,0 +1,94 @@
+"""Draining on shutdown: no call the transport accepted ends CANCELLED.
+
+grpc core cancels every call it has accepted but not yet handed to a handler the moment
+the server stops (a loaded event loop can have dozens queued), and those calls' clients
+see CANCELLED, which retry policies do not retry. So the listener is closed only once
+the transport is empty. After SIGTERM (health is NOT_SERVING by then):
+
+1. **Linger**: every call that arrives is served as usual, until none has arrived for
+   QUIET seconds (clients that watch health have gone) or `linger` seconds have passed.
+2. **Refuse**: a call that still arrives gets UNAVAILABLE with ErrorInfo reason
+   SHUTTING_DOWN before its handler runs (nothing is read or written; any replica may
+   take the retry). Calls already running finish. This lasts until none is running and
+   none has arrived for QUIET seconds, or the grace period ends.
+3. The caller then stops the server with what is left of the grace period.
+
+A client that keeps retrying the instant it is refused can still land a call in the few
+microseconds between the last refusal and the listener closing; grpc core cancels that
+one. A client that backs off before retrying, or watches health, cannot.
+
+The health service is not counted: a Watch stream would hold the drain open, and probes
+must see NOT_SERVING throughout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+
+from .interceptors import UNAUTHENTICATED_SERVICES, Behavior, _abort, wrap_unless
+
+__all__ = ["QUIET", "SHUTTING_DOWN", "Drain"]
+
+QUIET = 0.2  # seconds without a new call that count as "nobody is sending"
+SHUTTING_DOWN = "SHUTTING_DOWN"
+_POLL = 0.02
+
+
+class Drain(grpc.aio.ServerInterceptor):
+    """Counts running calls and, once refusing, answers new ones UNAVAILABLE."""
+
+    def __init__(
+        self,
+        *,
+        skip: Iterable[str] = UNAUTHENTICATED_SERVICES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._skip = frozenset(skip)
+        self._clock = clock
+        self.running = 0
+        self.refusing = False
+        self.last_arrival = clock()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        return await wrap_unless(self._skip, continuation, details, self._unary)
+
+    def _unary(self, behavior: Behavior) -> Behavior:
+        async def counted(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            self.last_arrival = self._clock()
+            if self.refusing:
+                await _abort(
+                    context,
+                    grpc.StatusCode.UNAVAILABLE,
+                    "the server is shutting down; retry on another replica",
+                    SHUTTING_DOWN,
+                )
+            self.running += 1
+            try:
+                return await behavior(request, context)
+            finally:
+                self.running -= 1
+
+        return counted
+
+    def _quiet(self) -> bool:
+        return self._clock() - self.last_arrival >= QUIET
+
+    async def drain(self, linger: float, grace: float) -> None:
+        """Linger (at most `linger` s), then refuse until idle; both within `grace` s."""
+        start = self._clock()
+        await self._until(lambda: self._quiet(), start + min(linger, grace))
+        self.refusing = True
+        await self._until(lambda: self.running == 0 and self._quiet(), start + grace)
+
+    async def _until(self, done: Callable[[], bool], deadline: float) -> None:
+        while not done() and self._clock() < deadline:
+            await asyncio.sleep(_POLL)
