@@ -1,6 +1,11 @@
 """A grpc.aio echo server answering every call with a fixed payload: the transport
 ceiling a Build of the same response size is compared against. Same event loop policy as
-`context-engine serve` (uvloop when installed)."""
+`context-engine serve` (uvloop when installed).
+
+With `--dsn`, each call first makes `--round-trips` trivial PostgreSQL round trips, each
+on a connection from the service's own pool (`store.connect_pool`, `store.db.acquire`):
+the storage floor, what a Build that reads its run and records its request would cost
+if assembling took no time at all."""
 
 from __future__ import annotations
 
@@ -12,10 +17,19 @@ import grpc
 METHOD = "/bench.Echo/Echo"
 
 
-async def serve(port: int, size: int) -> None:
+async def serve(port: int, size: int, dsn: str = "", round_trips: int = 0) -> None:
     payload = b"x" * size
+    pool = None
+    if dsn:
+        from context_engine.store import connect_pool
+        from context_engine.store.db import acquire
+
+        pool = await connect_pool(dsn, min_size=2, max_size=10)  # `serve`'s defaults
 
     async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        for _ in range(round_trips if pool is not None else 0):
+            async with acquire(pool) as conn:
+                await conn.fetchval("SELECT $1::int", 1)
         return payload
 
     handler = grpc.method_handlers_generic_handler(
@@ -34,6 +48,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--size", type=int, required=True)
+    parser.add_argument("--dsn", default="")
+    parser.add_argument("--round-trips", type=int, default=2)
     args = parser.parse_args()
     try:
         import uvloop
@@ -41,7 +57,7 @@ def main() -> None:
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve(args.port, args.size))
+    asyncio.run(serve(args.port, args.size, args.dsn, args.round_trips))
 
 
 if __name__ == "__main__":
