@@ -82,7 +82,16 @@ async def _echo(size: int, concurrency: int, seconds: float, *extra: str) -> Loa
     """Closed-loop load on bench.echo_server answering `size` bytes (`extra`: its flags)."""
     port = free_port()
     echo = subprocess.Popen(
-        [sys.executable, "-m", "bench.echo_server", "--port", str(port), "--size", str(size), *extra],
+        [
+            sys.executable,
+            "-m",
+            "bench.echo_server",
+            "--port",
+            str(port),
+            "--size",
+            str(size),
+            *extra,
+        ],
         stdout=subprocess.PIPE,
     )
     try:
