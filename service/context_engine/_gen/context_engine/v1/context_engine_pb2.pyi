@@ -108,6 +108,8 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_COMPACTION_MISMATCH: _ClassVar[ErrorReason]
     ERROR_REASON_REQUEST_TOO_LARGE: _ClassVar[ErrorReason]
     ERROR_REASON_REQUEST_NOT_FOUND: _ClassVar[ErrorReason]
+    ERROR_REASON_SHUTTING_DOWN: _ClassVar[ErrorReason]
+    ERROR_REASON_STORE_UNAVAILABLE: _ClassVar[ErrorReason]
 
 class Writer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -199,6 +201,8 @@ ERROR_REASON_SUMMARY_LAUNDERS_UNTRUSTED: ErrorReason
 ERROR_REASON_COMPACTION_MISMATCH: ErrorReason
 ERROR_REASON_REQUEST_TOO_LARGE: ErrorReason
 ERROR_REASON_REQUEST_NOT_FOUND: ErrorReason
+ERROR_REASON_SHUTTING_DOWN: ErrorReason
+ERROR_REASON_STORE_UNAVAILABLE: ErrorReason
 WRITER_UNSPECIFIED: Writer
 WRITER_MODEL: Writer
 WRITER_USER: Writer

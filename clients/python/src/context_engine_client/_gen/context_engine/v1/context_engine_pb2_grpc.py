@@ -34,8 +34,9 @@ class ContextEngineStub:
     the offending class. INVALID_ARGUMENT: the request is wrong. NOT_FOUND: an unknown id or
     one owned by another tenant (the two are indistinguishable). FAILED_PRECONDITION: a
     plan that cannot open or a state that forbids the call. ABORTED: a lost optimistic
-    race; re-read and retry. UNAVAILABLE: PostgreSQL is unreachable; retry with backoff.
-    A request that fails writes nothing.
+    race; re-read and retry. UNAVAILABLE: PostgreSQL is unreachable, or the server is
+    shutting down (reason SHUTTING_DOWN); retry with backoff. A request that fails writes
+    nothing.
     """
 
     def __init__(self, channel):
@@ -130,8 +131,9 @@ class ContextEngineServicer:
     the offending class. INVALID_ARGUMENT: the request is wrong. NOT_FOUND: an unknown id or
     one owned by another tenant (the two are indistinguishable). FAILED_PRECONDITION: a
     plan that cannot open or a state that forbids the call. ABORTED: a lost optimistic
-    race; re-read and retry. UNAVAILABLE: PostgreSQL is unreachable; retry with backoff.
-    A request that fails writes nothing.
+    race; re-read and retry. UNAVAILABLE: PostgreSQL is unreachable, or the server is
+    shutting down (reason SHUTTING_DOWN); retry with backoff. A request that fails writes
+    nothing.
     """
 
     def Plan(self, request, context):
@@ -355,8 +357,9 @@ class ContextEngine:
     the offending class. INVALID_ARGUMENT: the request is wrong. NOT_FOUND: an unknown id or
     one owned by another tenant (the two are indistinguishable). FAILED_PRECONDITION: a
     plan that cannot open or a state that forbids the call. ABORTED: a lost optimistic
-    race; re-read and retry. UNAVAILABLE: PostgreSQL is unreachable; retry with backoff.
-    A request that fails writes nothing.
+    race; re-read and retry. UNAVAILABLE: PostgreSQL is unreachable, or the server is
+    shutting down (reason SHUTTING_DOWN); retry with backoff. A request that fails writes
+    nothing.
     """
 
     @staticmethod

@@ -1,0 +1,91 @@
+"""Every ErrorInfo reason the service can send is in the proto's ErrorReason enum and in
+docs/api.md's table of reasons, and the enum names nothing the table does not explain.
+
+Reasons are found in the source: string constants passed as `reason=` and as the reason
+argument of the interceptors' `_abort`, and the module-level constants they are named by.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICE = ROOT / "service" / "context_engine"
+_REASON_ARG = 3  # _abort(context, code, message, reason, ...)
+
+
+def _constants(tree: ast.Module) -> dict[str, str]:
+    """Module-level NAME = "STRING" assignments."""
+    out = {}
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    out[target.id] = node.value.value
+    return out
+
+
+def _reasons_in(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = _constants(tree)
+
+    def value(node: ast.expr) -> str | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        if isinstance(node, ast.Name):
+            return names.get(node.id)
+        return None
+
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        candidates = [kw.value for kw in node.keywords if kw.arg == "reason"]
+        callee = node.func
+        if isinstance(callee, ast.Name) and callee.id == "_abort" and len(node.args) > _REASON_ARG:
+            candidates.append(node.args[_REASON_ARG])
+        found.update(v for v in map(value, candidates) if v)
+    return found
+
+
+def _service_reasons() -> set[str]:
+    paths = (p for p in SERVICE.rglob("*.py") if "_gen" not in p.parts)
+    return set().union(*map(_reasons_in, paths))
+
+
+def _enum_reasons() -> set[str]:
+    return {
+        name.removeprefix("ERROR_REASON_")
+        for name in pb.ErrorReason.DESCRIPTOR.values_by_name
+        if name != "ERROR_REASON_UNSPECIFIED"
+    }
+
+
+def _documented_reasons() -> set[str]:
+    text = (ROOT / "docs" / "api.md").read_text()
+    table = text[text.index("Reasons:") : text.index("## RPCs")]
+    return set(re.findall(r"^\| `([A-Z_]+)` \|", table, flags=re.MULTILINE))
+
+
+def test_the_scan_finds_the_reasons_it_should() -> None:
+    found = _service_reasons()
+    # One of each way a reason is written: a keyword constant, _abort's argument, a name.
+    assert {"INVALID_FIELD", "REQUEST_TOO_LARGE", "SHUTTING_DOWN"} <= found
+    assert len(found) >= 20
+
+
+def test_every_reason_sent_is_in_the_enum() -> None:
+    assert _service_reasons() - _enum_reasons() == set()
+
+
+def test_every_enum_reason_is_documented() -> None:
+    assert _enum_reasons() - _documented_reasons() == set()
+    assert _documented_reasons() - _enum_reasons() == set()
