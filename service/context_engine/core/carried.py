@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress, islice, repeat
+from operator import attrgetter, itemgetter
 
 from .excerpts import legacy_excerpt
 from .history_cut import negated_suffix_sums, past_split_pairs, suffix_cut
@@ -93,6 +95,8 @@ class Segment:
     total: int  # sum(costs)
     skipped: int  # items above the floor that lie beyond the window (reported as cut)
     blocks: dict[tuple[int, bool], Block]  # the view's rendered blocks
+    item_blocks: tuple[Block, ...]  # each item's block, as placed
+    is_result: tuple[bool, ...]  # per item: a tool result (class tool_results)
     # -(sum of costs[i:]) for i in 0..len: ascending, so the cut is one bisection.
     _negated_suffix: tuple[int, ...]
     render: Render  # the view's renderer, for pointers
@@ -189,30 +193,68 @@ def carried_view(
 
 
 def _segment(view: CarriedView, floor: int) -> Segment:
-    items = tuple(i for i in view.shown if i.sequence > floor)
-    excerpted = frozenset(id(e) for e in view.excerpted)
-    costs = tuple(view.costs[(id(i), id(i) in excerpted)] for i in items)
+    # Whole-tuple passes through C-level maps: this runs once per run and floor, over
+    # every item of the window (a run's first Build pays it).
+    items = tuple(compress(view.shown, map(floor.__lt__, map(_SEQUENCE, view.shown))))
+    excerpted = frozenset(map(id, view.excerpted))
+    ids = list(map(id, items))
+    keys = list(zip(ids, map(excerpted.__contains__, ids), strict=True))
+    costs = tuple(map(view.costs.__getitem__, keys))
+    results = {t for t in set(map(type, items)) if issubclass(t, ToolResult)}
+    is_result = tuple(map(results.__contains__, map(type, items)))
+    at = list(compress(range(len(items)), is_result))
+    pointer_costs = map(view.pointer_costs.__getitem__, compress(ids, is_result))
     return Segment(
         items=items,
-        pairs=tuple((Row.CONVERSATION, i) for i in items),
+        pairs=tuple(zip(repeat(Row.CONVERSATION), items)),
         costs=costs,
-        classes=tuple("tool_results" if isinstance(i, ToolResult) else "history" for i in items),
-        results=tuple(
-            (n, costs[n], view.pointer_costs[id(i)])
-            for n, i in enumerate(items)
-            if isinstance(i, ToolResult)
-        ),
+        classes=tuple(map(_CLASSES.__getitem__, is_result)),
+        results=tuple(zip(at, map(costs.__getitem__, at), pointer_costs, strict=True)),
         excerpted=excerpted,
         excerpted_items=view.excerpted,
         total=sum(costs),
-        skipped=sum(1 for i in view.history[: view.start] if i.sequence > floor),
+        skipped=sum(map(floor.__lt__, map(_SEQUENCE, islice(view.history, view.start)))),
         blocks=view.blocks,
+        item_blocks=tuple(map(view.blocks.__getitem__, keys)),
+        is_result=is_result,
         render=view.render,
         _negated_suffix=negated_suffix_sums(costs),
     )
 
 
+_SEQUENCE = attrgetter("sequence")
+_RUN_ID = attrgetter("run_id")
+_CLASSES = ("history", "tool_results")  # by "is a tool result"
+
+
 def _retained(segment: Segment, cut: int, yielded: frozenset[int]) -> Retained:
+    pairs: Sequence[tuple[Row, ConversationItem]]
+    blocks: Sequence[Block]
+    if yielded:
+        pairs, tokens, counts, blocks = _yielding(segment, cut, yielded)
+    else:  # nothing yielded, the common case: slices and two sums
+        pairs, blocks = segment.pairs[cut:], segment.item_blocks[cut:]
+        tokens, counts = _class_totals(segment, cut)
+    items = tuple(map(itemgetter(1), pairs))
+    markable = sorted({*_last(items, _named), *_last(items, _named_input)})
+    return Retained(
+        pairs=tuple(pairs),
+        tokens=tokens,
+        counts=counts,
+        pointers=frozenset(id(pairs[n - cut][1]) for n in yielded),
+        blocks=tuple(blocks),
+        closed=closed_run(blocks),
+        messages=grouped(items, blocks),
+        run_ids=frozenset(map(_RUN_ID, items)),
+        has_reasoning=any(issubclass(t, ReasoningItem) for t in set(map(type, items))),
+        markable=tuple((Row.CONVERSATION, items[n]) for n in markable),
+    )
+
+
+def _yielding(
+    segment: Segment, cut: int, yielded: frozenset[int]
+) -> tuple[list[tuple[Row, ConversationItem]], dict[str, int], dict[str, int], list[Block]]:
+    """items[cut:]'s rows, class totals and blocks, the results at `yielded` as pointers."""
     pairs = list(segment.pairs[cut:])
     tokens: dict[str, int] = {}
     counts: dict[str, int] = {}
@@ -228,25 +270,43 @@ def _retained(segment: Segment, cut: int, yielded: frozenset[int]) -> Retained:
             blocks.append(segment.render(Row.CONVERSATION, item, True))
         else:
             cost = segment.costs[n]
-            blocks.append(segment.blocks[(id(item), id(item) in segment.excerpted)])
+            blocks.append(segment.item_blocks[n])
         tokens[kind] = tokens.get(kind, 0) + cost
         counts[kind] = counts.get(kind, 0) + 1
-    items = [item for _, item in pairs]
-    named = [n for n, i in enumerate(items) if i.item_id]
-    inputs = [n for n in named if isinstance(items[n], _INPUT_TYPES)]
-    markable = sorted({*named[-1:], *inputs[-1:]})
-    return Retained(
-        pairs=tuple(pairs),
-        tokens=tokens,
-        counts=counts,
-        pointers=frozenset(id(pairs[n - cut][1]) for n in yielded),
-        blocks=tuple(blocks),
-        closed=closed_run(blocks),
-        messages=grouped(items, blocks),
-        run_ids=frozenset(i.run_id for i in items),
-        has_reasoning=any(isinstance(i, ReasoningItem) for i in items),
-        markable=tuple((Row.CONVERSATION, items[n]) for n in markable),
-    )
+    return pairs, tokens, counts, blocks
+
+
+def _class_totals(segment: Segment, cut: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Tokens and items per class over items[cut:], classes in order of first appearance
+    (as a walk over the items would insert them)."""
+    costs, flags = segment.costs[cut:], segment.is_result[cut:]
+    result_tokens = sum(compress(costs, flags))
+    results = sum(flags)
+    totals = {
+        True: (result_tokens, results),
+        False: (sum(costs) - result_tokens, len(costs) - results),
+    }
+    order = (flags[0], not flags[0]) if flags else ()
+    present = [flag for flag in order if totals[flag][1]]
+    tokens = {_CLASSES[flag]: totals[flag][0] for flag in present}
+    counts = {_CLASSES[flag]: totals[flag][1] for flag in present}
+    return tokens, counts
+
+
+def _named(item: ConversationItem) -> bool:
+    return bool(item.item_id)
+
+
+def _named_input(item: ConversationItem) -> bool:
+    return bool(item.item_id) and isinstance(item, _INPUT_TYPES)
+
+
+def _last(items: Sequence[ConversationItem], test: Callable[[ConversationItem], bool]) -> list[int]:
+    """[the index of the last item passing `test`], or []; found from the end."""
+    for n in range(len(items) - 1, -1, -1):
+        if test(items[n]):
+            return [n]
+    return []
 
 
 # Bounded: a replica serves many runs; each entry is one run's carried history.

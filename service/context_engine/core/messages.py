@@ -15,7 +15,9 @@ a run's completed exchanges on every later step — even when it was merged anew
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from itertools import groupby, repeat
+from operator import eq, is_not, itemgetter
+from typing import Literal, cast
 
 from .items import AssistantMessage, ContextItem, ReasoningItem, ToolCall
 from .request import Block, Message
@@ -49,14 +51,25 @@ def role_of(item: ContextItem) -> Role:
 
 def grouped(items: Sequence[ContextItem], blocks: Sequence[Block]) -> tuple[Message, ...]:
     """`blocks` (one per item, in order) merged into messages by their items' roles."""
-    groups: list[tuple[Role, list[Block]]] = []
-    for item, block in zip(items, blocks, strict=True):
-        role = role_of(item)
-        if groups and groups[-1][0] == role:
-            groups[-1][1].append(block)
-        else:
-            groups.append((role, [block]))
-    return tuple(message(role, tuple(blocks)) for role, blocks in groups)
+    if len(items) != len(blocks):
+        raise ValueError(f"{len(items)} items but {len(blocks)} blocks")
+    # Roles by type, so the pass over a long history is C-level maps, not a call per item.
+    types = list(map(type, items))
+    for kind in set(types) - _ROLES.keys():
+        _ROLES[kind] = "assistant" if issubclass(kind, _ASSISTANT_TYPES) else "user"
+    roles = list(map(_ROLES.__getitem__, types))
+    if not any(map(eq, roles, roles[1:])):
+        # Roles alternate, as in most histories: every message is one block, and if all of
+        # them were interned before, one lookup each finds them (keys as message() makes).
+        found = list(map(_INTERNED.get, zip(roles, zip(map(id, blocks)), strict=True)))
+        if all(map(is_not, found, repeat(None))):
+            return tuple(cast(list[Message], found))
+    runs = groupby(zip(roles, blocks, strict=True), key=_FIRST)
+    return tuple(message(role, tuple(map(_SECOND, run))) for role, run in runs)
+
+
+_ROLES: dict[type, Role] = {}
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
 def joined(parts: Iterable[Sequence[Message]]) -> tuple[Message, ...]:

@@ -1,0 +1,73 @@
+"""core/messages.py: merging blocks into messages.
+
+grouped() has two paths: the general grouping, and one lookup per block when roles
+alternate and every one-block message was interned before. Both must give what merging
+consecutive same-role blocks one by one gives, and the second call must hand back the
+very objects of the first (the per-message memos downstream key on identity).
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from context_engine.core.items import AssistantMessage, ContextItem, ToolCall, UserMessage
+from context_engine.core.messages import grouped, joined, role_of
+from context_engine.core.request import Block, Message
+from context_engine.core.rows import Row
+from context_engine.core.trust import TrustLevel
+
+_KINDS = st.sampled_from(["user", "assistant", "call"])
+
+
+def _item(kind: str, n: int) -> ContextItem:
+    if kind == "user":
+        return UserMessage(text=f"u{n}", sequence=n + 1)
+    if kind == "assistant":
+        return AssistantMessage(text=f"a{n}", sequence=n + 1)
+    return ToolCall(call_id=f"c{n}", tool_name="t", arguments_json="{}", sequence=n + 1)
+
+
+def _block(n: int) -> Block:
+    return Block(row=Row.CONVERSATION, trust=TrustLevel.USER, kind="text", text=str(n))
+
+
+def _one_by_one(items: list[ContextItem], blocks: list[Block]) -> tuple[Message, ...]:
+    out: list[Message] = []
+    for item, block in zip(items, blocks, strict=True):
+        role = role_of(item)
+        if out and out[-1].role == role:
+            out[-1] = Message(role, (*out[-1].blocks, block))
+        else:
+            out.append(Message(role, (block,)))
+    return tuple(out)
+
+
+@given(st.lists(_KINDS, max_size=40))
+@example(["user", "assistant", "user", "call", "user"])  # alternating: the lookup path
+@example(["assistant", "user", "call", "user", "assistant"])
+def test_grouped_merges_like_one_by_one_and_repeats_as_the_same_objects(
+    kinds: list[str],
+) -> None:
+    items = [_item(kind, n) for n, kind in enumerate(kinds)]
+    blocks = [_block(n) for n in range(len(items))]
+    first = grouped(items, blocks)
+    assert first == _one_by_one(items, blocks)
+    again = grouped(items, blocks)  # interned now: alternating roles take the lookup path
+    assert again == first
+    assert all(a is b for a, b in zip(again, first, strict=True))
+
+
+@given(st.lists(_KINDS, max_size=30), st.integers(0, 30))
+def test_parts_grouped_apart_and_joined_equal_the_whole(kinds: list[str], at: int) -> None:
+    items = [_item(kind, n) for n, kind in enumerate(kinds)]
+    blocks = [_block(n) for n in range(len(items))]
+    at = min(at, len(items))
+    parts = (grouped(items[:at], blocks[:at]), grouped(items[at:], blocks[at:]))
+    assert joined(parts) == grouped(items, blocks)
+
+
+def test_grouped_refuses_items_and_blocks_of_different_lengths() -> None:
+    with pytest.raises(ValueError, match="2 items but 1 blocks"):
+        grouped([_item("user", 0), _item("assistant", 1)], [_block(0)])
