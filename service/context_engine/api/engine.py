@@ -102,6 +102,9 @@ class BuildResult:
     rendered: RenderedPayload | None = None  # provider payload; None without a request
 
 
+_PLANS_KEPT = 4_096
+
+
 class Engine:
     def __init__(
         self,
@@ -126,8 +129,9 @@ class Engine:
         self._clock = clock
         self._new_id = new_id
         self._new_secret = new_secret
-        # Plans are immutable per (tenant, session, epoch), so a replica may keep them.
-        self._plans: dict[tuple[str, UUID, int], plans.StoredPlan] = {}
+        # Plans are immutable per (tenant, session, epoch), so a replica may keep them: the
+        # most recently used _PLANS_KEPT of them (a replica serves any number of sessions).
+        self._plans = Kept(max_weight=_PLANS_KEPT)
         # Checkpoint versions and the log below a pinned seed never change (api/kept.py).
         self._kept = Kept()
 
@@ -200,17 +204,16 @@ class Engine:
 
     def forget_cached_plans(self, tenant: str, session_id: UUID) -> None:
         """Drop this replica's cached plans of a session (an erasure rewrote them)."""
-        for key in [k for k in self._plans if k[:2] == (tenant, session_id)]:
-            del self._plans[key]
+        self._plans.drop_where(lambda key: key[:2] == (tenant, session_id))  # type: ignore[index]
 
     async def get_plan(self, tenant: str, session_id: UUID, epoch: int = 0) -> plans.StoredPlan:
         if epoch:
-            cached = self._plans.get((tenant, session_id, epoch))
+            cached: plans.StoredPlan | None = self._plans.get((tenant, session_id, epoch))
             if cached is not None:
                 return cached
         async with telemetry.span("store.read_plan"), acquire(self.pool) as conn:
             stored = await plans.read_plan(conn, tenant, session_id, epoch)
-        self._plans[(tenant, session_id, stored.plan.epoch)] = stored
+        self._plans.put((tenant, session_id, stored.plan.epoch), stored, 1)
         return stored
 
     async def rotate(
@@ -402,7 +405,7 @@ class Engine:
             # Working state is folded from the log below the seed (a child's starts empty).
             state = await ws_api.seed_state(conn, tenant, session_id, run.seed_event_sequence)
             # The first checkpoint pins the model's current estimator correction.
-            factor = await usage_api.session_factor(conn, tenant, session_id, self.tokenizer_of)
+            factor = await self._pinned_factor(conn, tenant, session_id, epoch)
             await runs.insert_checkpoint(
                 conn,
                 tenant,
@@ -445,7 +448,7 @@ class Engine:
         request_sha256: str,
     ) -> dict[str, Any]:
         async with transaction(self.pool) as conn:
-            await sessions.lock_session(conn, tenant, session_id)
+            epoch = await sessions.lock_session(conn, tenant, session_id)
             stored = await idempotency.recall_response(
                 conn, tenant, session_id, idempotency_key, "AppendItems", request_sha256
             )
@@ -471,7 +474,7 @@ class Engine:
             )
             # A new checkpoint pins the model's current correction: rebuilding it later cuts
             # the same, whatever usage is reported meanwhile.
-            factor = await usage_api.session_factor(conn, tenant, session_id, self.tokenizer_of)
+            factor = await self._pinned_factor(conn, tenant, session_id, epoch)
             new_checkpoint = checkpoint.model_copy(
                 update={
                     "version": checkpoint.version + 1,
@@ -503,6 +506,15 @@ class Engine:
                 conn, tenant, session_id, idempotency_key, "AppendItems", request_sha256, result
             )
         return result
+
+    async def _pinned_factor(self, conn: Any, tenant: str, session_id: UUID, epoch: int) -> int:
+        """The estimator factor a checkpoint written now pins: the correction for the model
+        of the session's current plan, `epoch` as read under the session lock. A plan never
+        changes its model, so a kept plan of that epoch names it without a query."""
+        kept: plans.StoredPlan | None = self._plans.get((tenant, session_id, epoch))
+        if kept is None:
+            return await usage_api.session_factor(conn, tenant, session_id, self.tokenizer_of)
+        return await usage_api.pinned_factor(conn, tenant, kept.plan.model_id, self.tokenizer_of)
 
     async def _logged(
         self, conn: Any, tenant: str, session_id: UUID, below: int, floor: int

@@ -13,7 +13,7 @@ held, not entries: a 5,000-turn history weighs what it holds.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 __all__ = ["Kept"]
@@ -45,3 +45,8 @@ class Kept:
         while self._weight > self._max:
             _, (_, dropped) = self._entries.popitem(last=False)
             self._weight -= dropped
+
+    def drop_where(self, doomed: Callable[[Hashable], bool]) -> None:
+        """Forget every entry whose key `doomed` names."""
+        for key in [k for k in self._entries if doomed(k)]:
+            self._weight -= self._entries.pop(key)[1]

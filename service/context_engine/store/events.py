@@ -9,8 +9,8 @@ from uuid import UUID
 
 from pydantic import TypeAdapter
 
+from ..core.errors import NotFoundError
 from ..core.items import ConversationItem
-from .sessions import allocate_sequences
 
 __all__ = [
     "EVENT_TYPE_OF_ITEM",
@@ -50,21 +50,44 @@ def item_payload(item: ConversationItem) -> dict[str, Any]:
 async def append_events(
     conn: Any, tenant_id: str, session_id: UUID, events: Sequence[NewEvent]
 ) -> list[int]:
-    """Append events in order; returns their sequences. Call with the session locked."""
+    """Append events in order; returns their sequences. Call with the session locked.
+
+    One round trip: the session's sequence counter moves and the events land in the same
+    statement (the lock taken before makes the counter ours)."""
     if not events:
         return []
-    first = await allocate_sequences(conn, tenant_id, session_id, len(events))
-    sequences = list(range(first, first + len(events)))
-    await conn.executemany(
-        "INSERT INTO session_events"
-        " (tenant_id, session_id, sequence, type, run_id, item_id, in_history, payload)"
-        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-        [
-            (tenant_id, session_id, seq, e.type, e.run_id, e.item_id, e.in_history, e.payload)
-            for seq, e in zip(sequences, events, strict=True)
-        ],
+    rows = await conn.fetch(
+        _APPEND,
+        tenant_id,
+        session_id,
+        len(events),
+        [e.type for e in events],
+        [e.run_id for e in events],
+        [e.item_id for e in events],
+        [e.in_history for e in events],
+        [e.payload for e in events],
     )
-    return sequences
+    if len(rows) != len(events):
+        raise NotFoundError(
+            f"session {session_id} not found", field="session_id", reason="SESSION_NOT_FOUND"
+        )
+    first = min(r["sequence"] for r in rows)
+    return list(range(first, first + len(events)))
+
+
+# Sequences continue the session's counter: the n-th event (from 1) gets last + n.
+_APPEND = (
+    "WITH allocated AS ("
+    " UPDATE sessions SET last_sequence = last_sequence + $3"
+    " WHERE tenant_id = $1 AND session_id = $2 RETURNING last_sequence - $3 AS last)"
+    " INSERT INTO session_events"
+    " (tenant_id, session_id, sequence, type, run_id, item_id, in_history, payload)"
+    " SELECT $1, $2, allocated.last + e.n, e.type, e.run_id, e.item_id, e.in_history, e.payload"
+    " FROM allocated,"
+    " unnest($4::text[], $5::uuid[], $6::text[], $7::boolean[], $8::jsonb[])"
+    " WITH ORDINALITY AS e(type, run_id, item_id, in_history, payload, n)"
+    " RETURNING sequence"
+)
 
 
 async def read_carried_items(

@@ -1,4 +1,5 @@
-"""Sessions: creation, the per-session write lock and the sequence allocator."""
+"""Sessions: creation and the per-session write lock (store/events.py moves the sequence
+counter as it appends)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from uuid import UUID
 
 from ..core.errors import NotFoundError
 
-__all__ = ["allocate_sequences", "ensure_session", "lock_session"]
+__all__ = ["ensure_session", "lock_session"]
 
 
 async def ensure_session(conn: Any, tenant_id: str, session_id: UUID) -> None:
@@ -37,15 +38,3 @@ async def lock_session(conn: Any, tenant_id: str, session_id: UUID) -> int:
             f"session {session_id} not found", field="session_id", reason="SESSION_NOT_FOUND"
         )
     return int(epoch)
-
-
-async def allocate_sequences(conn: Any, tenant_id: str, session_id: UUID, count: int) -> int:
-    """Reserve `count` sequences; returns the first. Call with the session locked."""
-    last = await conn.fetchval(
-        "UPDATE sessions SET last_sequence = last_sequence + $3"
-        " WHERE tenant_id = $1 AND session_id = $2 RETURNING last_sequence",
-        tenant_id,
-        session_id,
-        count,
-    )
-    return int(last) - count + 1
