@@ -47,6 +47,7 @@ from .helpers import (
     admin_execute,
     assistant,
     create_database,
+    details,
     drop_database,
     new_id,
     open_session,
@@ -225,10 +226,13 @@ async def test_sigterm_under_load_drains_every_call_in_flight(own_database: str)
             finally:
                 await watcher.close()
             stopping = asyncio.Event()
+            begun_after_stop = 0  # Builds sent after SIGTERM that were served
 
             async def builder(n: int) -> None:
                 request = builds[n % len(builds)]
+                nonlocal begun_after_stop
                 while True:
+                    after_stop = stopping.is_set()
                     try:
                         response = await stub.Build(request, timeout=30)
                     except grpc.aio.AioRpcError as exc:
@@ -237,11 +241,11 @@ async def test_sigterm_under_load_drains_every_call_in_flight(own_database: str)
                             return
                         raise
                     acknowledged.append((request.session_id, response.request_sequence))
+                    begun_after_stop += after_stop
 
             load = [asyncio.ensure_future(builder(n)) for n in range(16)]
             await wait_for(lambda: _truthy(len(acknowledged) >= 50), what="the load to get going")
             stopping.set()
-            before_stop = len(acknowledged)
             proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.5)
             assert not any(call.done() for call in in_flight)
@@ -251,8 +255,9 @@ async def test_sigterm_under_load_drains_every_call_in_flight(own_database: str)
             responses = await asyncio.gather(*in_flight)
             assert [r.checkpoint_version for r in responses] == [2] * len(held)
             await asyncio.wait_for(asyncio.gather(*load), 60)
-            # Served while lingering: callers that ignore health still got answers.
-            assert len(acknowledged) > before_stop
+            # Served while lingering: callers that ignore health still got answers, more
+            # than the calls they had under way when the signal came.
+            assert begun_after_stop > 2 * len(load), begun_after_stop
         assert await asyncio.wait_for(proc.wait(), 60) == 0
     finally:
         if proc.returncode is None:
@@ -288,6 +293,59 @@ async def test_sigterm_under_load_drains_every_call_in_flight(own_database: str)
         await conn.close()
     assert acknowledged and set(acknowledged) <= logged
     assert sorted(r["v"] for r in versions) == [2] * len(held)
+
+
+async def test_the_drain_lingers_then_refuses_and_ends_while_callers_keep_calling(
+    pool: Any,
+) -> None:
+    """Callers that never pause (as a retry policy with no backoff would) are served while
+    the drain lingers, then refused UNAVAILABLE with reason SHUTTING_DOWN, and do not hold
+    the drain open: the server stops long before its 60 s grace period would end."""
+    running = await build_server(build_engine(pool), "127.0.0.1:0")
+    outcomes: list[tuple[str, str]] = []  # (code, reason) of calls made after stop began
+    stopping: asyncio.Task[None] | None = None
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = pb_grpc.ContextEngineStub(channel)
+            session_id, _ = await open_session(stub)
+            request = pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id)
+            served_before = 0
+
+            async def caller() -> None:
+                nonlocal served_before
+                while stopping is None or not stopping.done():
+                    begun = stopping is not None
+                    try:
+                        await stub.GetPlan(request, timeout=10)
+                        code, reason = "OK", ""
+                    except grpc.aio.AioRpcError as exc:
+                        code, reason = exc.code().name, _reason(exc)
+                    if begun:
+                        outcomes.append((code, reason))
+                    else:
+                        served_before += 1
+
+            callers = [asyncio.ensure_future(caller()) for _ in range(4)]
+            await wait_for(lambda: _truthy(served_before >= 8), what="the callers to get going")
+            stopping = asyncio.ensure_future(running.stop(60, linger=0.5))
+            await asyncio.wait_for(asyncio.shield(stopping), 20)
+            await asyncio.wait_for(asyncio.gather(*callers), 20)
+    finally:
+        if stopping is None:
+            await running.stop(0)
+    # Served while lingering: more calls than the callers could have had under way when
+    # the stop began (without the linger they are refused at once).
+    assert outcomes.count(("OK", "")) > 2 * len(callers), outcomes
+    assert ("UNAVAILABLE", "SHUTTING_DOWN") in outcomes  # then refused
+    # Afterwards the listener is gone (UNAVAILABLE without details); a call caught in the
+    # instant it closed is CANCELLED by grpc core. Nothing else.
+    assert {code for code, _ in outcomes} <= {"OK", "UNAVAILABLE", "CANCELLED"}, outcomes
+
+
+def _reason(error: grpc.aio.AioRpcError) -> str:
+    """ErrorInfo.reason, or "" for a status without details (grpc's own)."""
+    raw = dict(error.trailing_metadata() or ()).get("grpc-status-details-bin")
+    return details(error)[0] if raw else ""
 
 
 async def _at_least(count: Any, minimum: int) -> bool:

@@ -2,7 +2,8 @@
 docs/api.md's table of reasons, and the enum names nothing the table does not explain.
 
 Reasons are found in the source: string constants passed as `reason=` and as the reason
-argument of the interceptors' `_abort`, and the module-level constants they are named by.
+argument of the interceptors' `abort_with`, the module-level constants they are named by,
+and the `reason` class attributes error types default to (core/errors.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICE = ROOT / "service" / "context_engine"
-_REASON_ARG = 3  # _abort(context, code, message, reason, ...)
+_REASON_ARG = 3  # abort_with(context, code, message, reason, ...)
 
 
 def _constants(tree: ast.Module) -> dict[str, str]:
@@ -46,14 +47,38 @@ def _reasons_in(path: Path) -> set[str]:
 
     found: set[str] = set()
     for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            found.update(v for v in map(value, _class_reasons(node)) if v)
         if not isinstance(node, ast.Call):
             continue
         candidates = [kw.value for kw in node.keywords if kw.arg == "reason"]
         callee = node.func
-        if isinstance(callee, ast.Name) and callee.id == "_abort" and len(node.args) > _REASON_ARG:
+        if (
+            isinstance(callee, ast.Name)
+            and callee.id == "abort_with"
+            and len(node.args) > _REASON_ARG
+        ):
             candidates.append(node.args[_REASON_ARG])
         found.update(v for v in map(value, candidates) if v)
     return found
+
+
+def _class_reasons(cls: ast.ClassDef) -> list[ast.expr]:
+    """The values a class body assigns to `reason` (an error type's default)."""
+    out: list[ast.expr] = []
+    for node in cls.body:
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
+        )
+        value = getattr(node, "value", None)
+        named = any(isinstance(t, ast.Name) and t.id == "reason" for t in targets)
+        if named and value is not None:
+            out.append(value)
+    return out
 
 
 def _service_reasons() -> set[str]:
@@ -77,8 +102,9 @@ def _documented_reasons() -> set[str]:
 
 def test_the_scan_finds_the_reasons_it_should() -> None:
     found = _service_reasons()
-    # One of each way a reason is written: a keyword constant, _abort's argument, a name.
-    assert {"INVALID_FIELD", "REQUEST_TOO_LARGE", "SHUTTING_DOWN"} <= found
+    # One of each way a reason is written: a keyword constant, abort_with's argument, a
+    # name, a class default.
+    assert {"INVALID_FIELD", "REQUEST_TOO_LARGE", "SHUTTING_DOWN", "BUDGET_EXCEEDED"} <= found
     assert len(found) >= 20
 
 

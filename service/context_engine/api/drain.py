@@ -1,21 +1,23 @@
-"""Draining on shutdown: no call the transport accepted ends CANCELLED.
+"""Draining on shutdown: calls queued in the transport are answered, not cancelled.
 
 grpc core cancels every call it has accepted but not yet handed to a handler the moment
 the server stops (a loaded event loop can have dozens queued), and those calls' clients
 see CANCELLED, which retry policies do not retry. So the listener is closed only once
-the transport is empty. After SIGTERM (health is NOT_SERVING by then):
+that queue has been worked off. After SIGTERM (health is NOT_SERVING by then):
 
 1. **Linger**: every call that arrives is served as usual, until none has arrived for
    QUIET seconds (clients that watch health have gone) or `linger` seconds have passed.
 2. **Refuse**: a call that still arrives gets UNAVAILABLE with ErrorInfo reason
-   SHUTTING_DOWN before its handler runs (nothing is read or written; any replica may
-   take the retry). Calls already running finish. This lasts until none is running and
-   none has arrived for QUIET seconds, or the grace period ends.
+   SHUTTING_DOWN before its handler runs (nothing is read or written; the client's retry
+   policy retries it). Calls already running finish. Once none has been running for
+   QUIET seconds, the queue behind them has been dispatched and refused too, and the
+   phase ends, however many retries keep arriving (each is refused in microseconds; what
+   moves a client to another replica is the listener closing, not more refusals).
 3. The caller then stops the server with what is left of the grace period.
 
-A client that keeps retrying the instant it is refused can still land a call in the few
-microseconds between the last refusal and the listener closing; grpc core cancels that
-one. A client that backs off before retrying, or watches health, cannot.
+Both phases end at the grace period at the latest. A call that lands in the moment
+between the last refusal and the listener closing (a client retrying at that instant),
+or whose request is still being received, is still cancelled by grpc core.
 
 The health service is not counted: a Watch stream would hold the drain open, and probes
 must see NOT_SERVING throughout.
@@ -30,7 +32,7 @@ from typing import Any
 
 import grpc
 
-from .interceptors import UNAUTHENTICATED_SERVICES, Behavior, _abort, wrap_unless
+from .interceptors import UNAUTHENTICATED_SERVICES, Behavior, abort_with, wrap_unless
 
 __all__ = ["QUIET", "SHUTTING_DOWN", "Drain"]
 
@@ -53,6 +55,7 @@ class Drain(grpc.aio.ServerInterceptor):
         self.running = 0
         self.refusing = False
         self.last_arrival = clock()
+        self._idle_since = clock()  # when `running` last fell to zero
 
     async def intercept_service(
         self,
@@ -65,7 +68,7 @@ class Drain(grpc.aio.ServerInterceptor):
         async def counted(request: Any, context: grpc.aio.ServicerContext) -> Any:
             self.last_arrival = self._clock()
             if self.refusing:
-                await _abort(
+                await abort_with(
                     context,
                     grpc.StatusCode.UNAVAILABLE,
                     "the server is shutting down; retry on another replica",
@@ -76,18 +79,25 @@ class Drain(grpc.aio.ServerInterceptor):
                 return await behavior(request, context)
             finally:
                 self.running -= 1
+                if not self.running:
+                    self._idle_since = self._clock()
 
         return counted
 
     def _quiet(self) -> bool:
         return self._clock() - self.last_arrival >= QUIET
 
+    def _idle(self, since: float) -> bool:
+        """Nothing has run for QUIET seconds (counted from `since` at the earliest)."""
+        return not self.running and self._clock() - max(self._idle_since, since) >= QUIET
+
     async def drain(self, linger: float, grace: float) -> None:
         """Linger (at most `linger` s), then refuse until idle; both within `grace` s."""
         start = self._clock()
-        await self._until(lambda: self._quiet(), start + min(linger, grace))
+        await self._until(self._quiet, start + min(linger, grace))
         self.refusing = True
-        await self._until(lambda: self.running == 0 and self._quiet(), start + grace)
+        refusing_since = self._clock()
+        await self._until(lambda: self._idle(refusing_since), start + grace)
 
     async def _until(self, done: Callable[[], bool], deadline: float) -> None:
         while not done() and self._clock() < deadline:

@@ -2,8 +2,9 @@
 
 Rules:
 1. Order, outermost first: the OpenTelemetry span -> `RpcObserver` (log line, metrics)
-   -> `AuthInterceptor` -> `SizeLimitInterceptor` -> the servicer. So a rejected call
-   still has a span, a log line and a status code.
+   -> the shutdown drain (api/drain.py) -> `AuthInterceptor` -> `SizeLimitInterceptor`
+   -> the servicer. So a rejected call still has a span, a log line and a status code;
+   during a shutdown every call is refused alike, before its credentials are looked at.
 2. With auth on, the tenant is the authenticated identity's. A request's tenant_id must
    be empty (it is then filled in) or equal; anything else is PERMISSION_DENIED. No
    credentials -> UNAUTHENTICATED. The health service needs no credentials: probes carry
@@ -44,6 +45,8 @@ __all__ = [
     "ClientCertificates",
     "RpcObserver",
     "SizeLimitInterceptor",
+    "abort_with",
+    "wrap_unless",
 ]
 
 UNAUTHENTICATED_SERVICES = frozenset({"grpc.health.v1.Health"})
@@ -99,7 +102,7 @@ async def wrap_unless(
     return _wrap(handler, unary)
 
 
-async def _abort(
+async def abort_with(
     context: grpc.aio.ServicerContext,
     code: grpc.StatusCode,
     message: str,
@@ -359,7 +362,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     async def _check(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         tenant = self._identify.tenant(context)
         if tenant is None:
-            await _abort(context, grpc.StatusCode.UNAUTHENTICATED, "no valid credentials")
+            await abort_with(context, grpc.StatusCode.UNAUTHENTICATED, "no valid credentials")
             return
         descriptor = getattr(request, "DESCRIPTOR", None)
         if descriptor is None or "tenant_id" not in descriptor.fields_by_name:
@@ -367,7 +370,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if not request.tenant_id:
             request.tenant_id = tenant
         elif not hmac.compare_digest(request.tenant_id.encode(), tenant.encode()):
-            await _abort(
+            await abort_with(
                 context,
                 grpc.StatusCode.PERMISSION_DENIED,
                 "tenant_id does not match the authenticated identity",
@@ -428,7 +431,7 @@ class SizeLimitInterceptor(grpc.aio.ServerInterceptor):
             # registration answers it with INVALID_ARGUMENT after this check.
             size = request.ByteSize() if hasattr(request, "ByteSize") else 0
             if size > limit:
-                await _abort(
+                await abort_with(
                     context,
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"request is {size} bytes; the limit is {limit}",
