@@ -36,7 +36,7 @@ from .interceptors import UNAUTHENTICATED_SERVICES, Behavior, abort_with, wrap_u
 
 __all__ = ["QUIET", "SHUTTING_DOWN", "Drain"]
 
-QUIET = 0.2  # seconds without a new call that count as "nobody is sending"
+QUIET = 0.2  # seconds without a new call (linger) or without a running one (refusing)
 SHUTTING_DOWN = "SHUTTING_DOWN"
 _POLL = 0.02
 
