@@ -540,6 +540,41 @@ async def test_erasure_redacts_invalidates_and_reports_bound_runs(stub: Any, poo
     assert [e["payload"]["bound_run_ids"] for e in events] == [[bound_run]]
 
 
+async def test_an_erasure_reaches_plans_another_replica_keeps(
+    stub: Any, second_replica: Any, pool: Any
+) -> None:
+    """Every replica keeps the plans it read; an erasure on one must reach the others'
+    copies at their next read, not only when the write fence refuses a Build."""
+    person = f"ana-{new_id()}"
+    memory = _memory_spec("trace-a")
+    memory.snapshot.items[0].person_ids[:] = [person]
+    session_id, _ = await _open(stub, memory)
+    run_id = (await _start(stub, session_id)).run.run_id
+    built = await _build(second_replica, session_id, run_id)  # the second replica keeps epoch 1
+    assert "allergic" in _text(built)
+    first = pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id, epoch=1)
+    assert b"allergic" in (await second_replica.GetPlan(first)).plan.prefix_document
+
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+
+    kept = (await second_replica.GetPlan(first)).plan
+    assert kept.invalidated and b"allergic" not in kept.prefix_document
+    # The recorded request held the erased memory: it is not served again, and says why.
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await second_replica.GetBuild(
+            pb.GetBuildRequest(
+                tenant_id=TENANT, session_id=session_id, request_sequence=built.request_sequence
+            )
+        )
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert details(refused.value)[0] == "REQUEST_REDACTED"
+    assert "allergic" not in (refused.value.details() or "")
+    # The next Build rotates first rather than meeting the write fence.
+    rebuilt = await _build(second_replica, session_id, run_id)
+    assert rebuilt.epoch == 2 and "allergic" not in _text(rebuilt) and "Lyon" in _text(rebuilt)
+    assert await _rotations(pool, session_id) == ["snapshot_invalidated"]
+
+
 async def test_plan_after_erasure_rotates_with_the_fresh_recall(stub: Any, pool: Any) -> None:
     person = f"ana-{new_id()}"
     first = _memory_spec("trace-1")

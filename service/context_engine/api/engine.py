@@ -206,10 +206,15 @@ class Engine:
         """Drop this replica's cached plans of a session (an erasure rewrote them)."""
         self._plans.drop_where(lambda key: key[:2] == (tenant, session_id))  # type: ignore[index]
 
-    async def get_plan(self, tenant: str, session_id: UUID, epoch: int = 0) -> plans.StoredPlan:
-        if epoch:
+    async def get_plan(
+        self, tenant: str, session_id: UUID, epoch: int = 0, revision: int | None = None
+    ) -> plans.StoredPlan:
+        """The plan of `epoch` (the current one when 0). A kept copy answers only for an
+        epoch named with the session's plans_revision the caller just read: an erasure on
+        any replica rewrites plans in place and bumps it, so an older copy is read again."""
+        if epoch and revision is not None:
             cached: plans.StoredPlan | None = self._plans.get((tenant, session_id, epoch))
-            if cached is not None:
+            if cached is not None and cached.revision >= revision:
                 return cached
         async with telemetry.span("store.read_plan"), acquire(self.pool) as conn:
             stored = await plans.read_plan(conn, tenant, session_id, epoch)
@@ -285,7 +290,7 @@ class Engine:
         await events.append_events(
             conn, tenant, session_id, [_plan_event("context.epoch.rotated", plan, extra)]
         )
-        return plans.StoredPlan(plan=plan, spec=new_spec, secret=secret)
+        return plans.StoredPlan(plan=plan, spec=new_spec, secret=secret, revision=current.revision)
 
     def _builder_reproduces(self, session_id: UUID, stored: plans.StoredPlan) -> bool:
         """Whether the current builder renders the stored plan's bytes from its spec and
@@ -567,13 +572,12 @@ class Engine:
         """
         async with telemetry.span("store.read"), acquire(self.pool) as conn:
             try:
-                run, latest, effective, skills = await runs.read_run_head(
-                    conn, tenant, session_id, run_id
-                )
+                head = await runs.read_run_head(conn, tenant, session_id, run_id)
             except NotFoundError:
                 await self.get_plan(tenant, session_id)  # an unknown session is named first
                 raise
-            version = checkpoint_version or latest
+            run, skills = head.run, head.skills_loaded
+            version = checkpoint_version or head.latest_version
             checkpoint = self._kept.get(("checkpoint", tenant, run_id, version))
             if checkpoint is None:
                 checkpoint = await runs.read_checkpoint(conn, tenant, run_id, version)
@@ -599,7 +603,9 @@ class Engine:
             loaded = loaded[:skills_loaded]  # sticky and append-only: a prefix is the past
         # An active run keeps its pinned plan across other runs' admission rotations; any
         # other rotation reaches it at its next Build (store/runs.py, ADMISSION_REASONS).
-        stored = await self.get_plan(tenant, session_id, epoch or effective)
+        stored = await self.get_plan(
+            tenant, session_id, epoch or head.effective_epoch, head.plans_revision
+        )
         if record and stored.plan.invalidated:
             stored = await self._rotate_invalidated(tenant, session_id)
         telemetry.annotate(epoch=stored.plan.epoch, prefix_sha256=stored.plan.prefix_sha256)

@@ -4,7 +4,8 @@ GetBuild rebuilds the request a model.request.started event recorded, from the i
 event holds (epoch, run, checkpoint version, clock, step context) and the log, without
 recording it again. Build is pure, so the rebuild is the recorded request: the method
 checks that against the recorded request_sha256 and fails loudly rather than answer with
-bytes the provider never saw.
+bytes the provider never saw. A request built on a plan an erasure has since redacted no
+longer rebuilds: it is refused with REQUEST_REDACTED, never answered from a kept copy.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import grpc
 
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
 from ..core.build_record import inputs_from_record
-from ..core.errors import EngineError, InvalidFieldError, NotFoundError
+from ..core.errors import EngineError, InvalidFieldError, NotFoundError, PreconditionError
 from ..store import events
 from ..store.db import acquire
 from . import convert
@@ -68,6 +69,16 @@ class BuildsRpcs:
             skills_loaded=payload.get("skills_loaded"),
         )
         if result.assembled.request_sha256 != payload.get("request_sha256"):
+            if result.plan.invalidated:
+                # An erasure redacted the plan's snapshot since: the recorded bytes held the
+                # erased memories, and they are not served again (core/snapshot.py).
+                raise PreconditionError(
+                    f"request {request.request_sequence} was built on epoch"
+                    f" {result.plan.epoch}, whose memory snapshot an erasure has since"
+                    " redacted; its recorded bytes are no longer served",
+                    field="request_sequence",
+                    reason="REQUEST_REDACTED",
+                )
             raise EngineError(
                 f"request {request.request_sequence} does not rebuild to its recorded bytes"
             )

@@ -1,4 +1,5 @@
-"""Immutable plans per (session, epoch)."""
+"""Plans per (session, epoch): written once, rewritten in place only by an erasure's
+redaction, which bumps the session's plans_revision (store/snapshots.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ class StoredPlan:
     plan: ContextPlan
     spec: PlanSpec
     secret: bytes
+    # The session's plans_revision when the plan was read (erasure bumps it on a rewrite).
+    revision: int = 0
 
 
 async def insert_plan(
@@ -57,7 +60,7 @@ async def read_plan(conn: Any, tenant_id: str, session_id: UUID, epoch: int = 0)
         NotFoundError: unknown session (SESSION_NOT_FOUND) or no such plan (PLAN_NOT_FOUND).
     """
     row = await conn.fetchrow(
-        "SELECT s.current_epoch, p.plan, p.spec, p.secret FROM sessions s"
+        "SELECT s.current_epoch, s.plans_revision, p.plan, p.spec, p.secret FROM sessions s"
         " LEFT JOIN context_plans p ON p.tenant_id = s.tenant_id"
         " AND p.session_id = s.session_id"
         " AND p.epoch = CASE WHEN $3::bigint = 0 THEN s.current_epoch ELSE $3::bigint END"
@@ -81,4 +84,5 @@ async def read_plan(conn: Any, tenant_id: str, session_id: UUID, epoch: int = 0)
         plan=ContextPlan.model_validate(row["plan"]),
         spec=PlanSpec.model_validate(row["spec"]),
         secret=bytes(row["secret"]),
+        revision=int(row["plans_revision"]),
     )

@@ -9,7 +9,15 @@ from uuid import UUID
 from ..core.checkpoint import Checkpoint
 from ..core.errors import ConflictError, NotFoundError
 
-__all__ = ["RunRow", "insert_checkpoint", "insert_run", "read_checkpoint", "read_run"]
+__all__ = [
+    "RunHead",
+    "RunRow",
+    "insert_checkpoint",
+    "insert_run",
+    "read_checkpoint",
+    "read_run",
+    "read_run_head",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,12 +111,21 @@ async def read_checkpoint(conn: Any, tenant_id: str, run_id: UUID, version: int 
 ADMISSION_REASONS = ("RUN_AUTHORITY_CHANGED", "BROWSER_PROFILE_CHANGED")
 
 
-async def read_run_head(
-    conn: Any, tenant_id: str, session_id: UUID, run_id: UUID
-) -> tuple[RunRow, int, int, int]:
-    """The run, its latest checkpoint version, the plan epoch it builds on and how many
-    skills the session has loaded, in one round trip. The epoch is the run's own, or a
-    later one from a rotation that was not another run's admission.
+@dataclass(frozen=True, slots=True)
+class RunHead:
+    """What a Build reads first, in one round trip (read_run_head)."""
+
+    run: RunRow
+    latest_version: int  # the run's latest checkpoint version
+    effective_epoch: int  # the plan epoch it builds on
+    skills_loaded: int  # how many skills the session has loaded
+    plans_revision: int  # the session's plans_revision (bumped when an erasure rewrites)
+
+
+async def read_run_head(conn: Any, tenant_id: str, session_id: UUID, run_id: UUID) -> RunHead:
+    """The run, its latest checkpoint version, the plan epoch it builds on, how many skills
+    the session has loaded and the session's plans revision, in one round trip. The epoch
+    is the run's own, or a later one from a rotation that was not another run's admission.
 
     Raises NotFoundError for a run that is not in this tenant's session. Found by primary
     key, the session compared after (see read_run).
@@ -122,7 +139,9 @@ async def read_run_head(
         "  AND (p.epoch = r.epoch OR (p.epoch > r.epoch AND p.reason <> ALL($3::text[]))))"
         "  AS effective,"
         " (SELECT count(*) FROM loaded_skills s"
-        "  WHERE s.tenant_id = r.tenant_id AND s.session_id = r.session_id) AS skills"
+        "  WHERE s.tenant_id = r.tenant_id AND s.session_id = r.session_id) AS skills,"
+        " (SELECT s.plans_revision FROM sessions s"
+        "  WHERE s.tenant_id = r.tenant_id AND s.session_id = r.session_id) AS revision"
         " FROM runs r WHERE r.tenant_id = $1 AND r.run_id = $2",
         tenant_id,
         run_id,
@@ -137,9 +156,10 @@ async def read_run_head(
         seed_event_sequence=row["seed_event_sequence"],
         epoch=row["epoch"],
     )
-    return (
-        run,
-        int(row["latest"] or 0),
-        int(row["effective"] or row["epoch"]),
-        int(row["skills"]),
+    return RunHead(
+        run=run,
+        latest_version=int(row["latest"] or 0),
+        effective_epoch=int(row["effective"] or row["epoch"]),
+        skills_loaded=int(row["skills"]),
+        plans_revision=int(row["revision"] or 0),
     )

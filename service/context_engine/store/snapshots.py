@@ -70,10 +70,13 @@ async def read_plan_row(
 async def write_redacted_plan(
     conn: Any, tenant_id: str, session_id: UUID, plan: ContextPlan, spec: PlanSpec
 ) -> None:
-    """Replace a plan's persisted snapshot with its redacted form (erasure only)."""
+    """Replace a plan's persisted snapshot with its redacted form (erasure only), and bump
+    the session's plans_revision so every replica's kept copy is read again."""
     await conn.execute(
-        "UPDATE context_plans SET plan = $4, spec = $5"
-        " WHERE tenant_id = $1 AND session_id = $2 AND epoch = $3",
+        "WITH rewritten AS (UPDATE context_plans SET plan = $4, spec = $5"
+        " WHERE tenant_id = $1 AND session_id = $2 AND epoch = $3 RETURNING 1)"
+        " UPDATE sessions SET plans_revision = plans_revision + 1"
+        " WHERE tenant_id = $1 AND session_id = $2 AND EXISTS (SELECT 1 FROM rewritten)",
         tenant_id,
         session_id,
         plan.epoch,

@@ -110,6 +110,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_REQUEST_NOT_FOUND: _ClassVar[ErrorReason]
     ERROR_REASON_SHUTTING_DOWN: _ClassVar[ErrorReason]
     ERROR_REASON_STORE_UNAVAILABLE: _ClassVar[ErrorReason]
+    ERROR_REASON_REQUEST_REDACTED: _ClassVar[ErrorReason]
 
 class Writer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -203,6 +204,7 @@ ERROR_REASON_REQUEST_TOO_LARGE: ErrorReason
 ERROR_REASON_REQUEST_NOT_FOUND: ErrorReason
 ERROR_REASON_SHUTTING_DOWN: ErrorReason
 ERROR_REASON_STORE_UNAVAILABLE: ErrorReason
+ERROR_REASON_REQUEST_REDACTED: ErrorReason
 WRITER_UNSPECIFIED: Writer
 WRITER_MODEL: Writer
 WRITER_USER: Writer
