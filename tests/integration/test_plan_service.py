@@ -575,6 +575,88 @@ async def test_an_erasure_reaches_plans_another_replica_keeps(
     assert await _rotations(pool, session_id) == ["snapshot_invalidated"]
 
 
+async def test_a_snapshot_naming_an_erased_person_is_refused(stub: Any, pool: Any) -> None:
+    person = f"ana-{new_id()}"
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    stale = _memory_spec("trace-stale")
+    stale.snapshot.items[1].person_ids[:] = ["someone-else", person]
+    session_id = new_id()
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=stale))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    reason, fields, _ = details(refused.value)
+    assert (reason, fields) == ("PERSON_ERASED", ["spec.snapshot.items[1].person_ids"])
+    assert person not in (refused.value.details() or "")
+    assert (
+        await pool.fetchval("SELECT count(*) FROM sessions WHERE session_id = $1", UUID(session_id))
+        == 0
+    )
+    # Rotate with a caller's spec is fenced the same way, and the plan stays as it was.
+    opened, plan = await _open(stub, _memory_spec("trace-fresh"))
+    with pytest.raises(grpc.aio.AioRpcError) as rotated:
+        await stub.Rotate(
+            pb.RotateRequest(
+                tenant_id=TENANT,
+                session_id=opened,
+                from_epoch=1,
+                reason=pb.PLAN_REASON_AGENT_CHANGED,
+                spec=stale,
+            )
+        )
+    assert details(rotated.value)[0] == "PERSON_ERASED"
+    assert (await _current(stub, opened)).prefix_sha256 == plan.prefix_sha256
+    assert await _rotations(pool, opened) == []
+    # Another tenant never erased that person: its snapshots are its own.
+    other = await stub.Plan(pb.PlanRequest(tenant_id="other", session_id=new_id(), spec=stale))
+    assert other.created
+
+
+async def test_a_plan_persisted_during_an_erasure_is_found_by_it(stub: Any, pool: Any) -> None:
+    """The people fence: a Plan that has begun persisting a snapshot naming the person when
+    the erasure starts commits first, and the erasure then finds and redacts it."""
+    person = f"ana-{new_id()}"
+    memory = _memory_spec("trace-racing")
+    memory.snapshot.items[0].person_ids[:] = [person]
+    session_id = new_id()
+    async with pool.acquire() as holder:
+        held = holder.transaction()
+        await held.start()
+        # An uncommitted row for the session: the Plan, past its fence, waits on it.
+        await holder.execute(
+            "INSERT INTO sessions (tenant_id, session_id) VALUES ($1, $2)", TENANT, UUID(session_id)
+        )
+        planning = asyncio.ensure_future(
+            stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=memory))
+        )
+        await _until_waiting(pool, "Lock", "transactionid")
+        erasing = asyncio.ensure_future(
+            stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+        )
+        await _until_waiting(pool, "Lock", "advisory")  # the erasure, behind the Plan's fence
+        await held.commit()
+    assert (await planning).created
+    erased = await erasing
+    assert list(erased.invalidated_session_ids) == [session_id]
+    assert erased.redacted_items == 1
+    current = await _current(stub, session_id)
+    assert current.invalidated and b"allergic" not in current.prefix_document
+
+
+async def _until_waiting(pool: Any, event_type: str, wait_event: str) -> None:
+    """Until some backend of this database waits on a lock of that kind (or fail)."""
+    for _ in range(500):
+        waiting = await pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND wait_event_type = $1 AND wait_event = $2",
+            event_type,
+            wait_event,
+        )
+        if waiting:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no backend came to wait for a lock ({wait_event})")
+
+
 async def test_plan_after_erasure_rotates_with_the_fresh_recall(stub: Any, pool: Any) -> None:
     person = f"ana-{new_id()}"
     first = _memory_spec("trace-1")

@@ -35,12 +35,13 @@ from ..core.items import ConversationItem, UserMessage
 from ..core.plan import ContextPlan, ModelFacts, make_plan
 from ..core.seeding import carried_history, seed_cut
 from ..core.skills import body_items
+from ..core.snapshot import first_naming, named_people
 from ..core.snapshot import nonempty as snapshot_nonempty
 from ..core.spec import PlanSpec
 from ..core.validate import validate_append
 from ..core.working_state import Writer, render_block
 from ..providers import RenderedPayload, render
-from ..store import events, idempotency, plans, runs, sessions
+from ..store import events, idempotency, plans, runs, sessions, snapshots
 from ..store import skills as skill_store
 from ..store.db import acquire, transaction
 from ..store.events import EVENT_TYPE_OF_ITEM, NewEvent, item_payload
@@ -177,6 +178,7 @@ class Engine:
             self._make_plan, spec, session_id, 1, PlanReason.SESSION_OPENED, secret
         )
         async with transaction(self.pool) as conn:
+            await _fence_snapshot(conn, tenant, spec)
             await sessions.ensure_session(conn, tenant, session_id)
             epoch = await sessions.lock_session(conn, tenant, session_id)
             if epoch > 0:
@@ -231,6 +233,8 @@ class Engine:
         detail: str,
     ) -> ContextPlan:
         async with transaction(self.pool) as conn:
+            if spec is not None:  # the pinned spec was fenced when it was first persisted
+                await _fence_snapshot(conn, tenant, spec)
             epoch = await sessions.lock_session(conn, tenant, session_id)
             if epoch == 0:
                 raise PreconditionError(
@@ -728,6 +732,24 @@ class Engine:
 
 
 _PLAN_INVALIDATED, _NO_SESSION = -1, -2  # record_model_request's refusals
+
+
+async def _fence_snapshot(conn: Any, tenant: str, spec: PlanSpec) -> None:
+    """The people fence for a snapshot a caller sent, taken before the session lock
+    (store/snapshots.py): refuse one naming an erased person (core/snapshot.py, Rule 4).
+
+    Raises:
+        PreconditionError: PERSON_ERASED, naming the first such item.
+    """
+    erased = await snapshots.fence_people(conn, tenant, named_people(spec))
+    index = first_naming(spec, erased)
+    if index is not None:
+        raise PreconditionError(
+            f"snapshot item {index} names a person erased from this tenant: the recall"
+            " predates the erasure; recall again",
+            field=f"spec.snapshot.items[{index}].person_ids",
+            reason="PERSON_ERASED",
+        )
 
 
 def _snapshot_used(run_id: UUID, plan: ContextPlan) -> dict[str, Any]:

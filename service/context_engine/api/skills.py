@@ -113,12 +113,16 @@ async def erase_subject(engine: Engine, tenant: str, person_id: str) -> Erasure:
 
     Sessions are locked in one order (sorted ids), so two erasures cannot deadlock; each
     session's holdings are re-read under its lock, so a rotation that copied the snapshot
-    just before is redacted too.
+    just before is redacted too. The person is recorded as erased: a later Plan or Rotate
+    whose snapshot still names them is refused (PERSON_ERASED).
     """
     invalidated: list[UUID] = []
     bound: list[UUID] = []
     redacted = 0
     async with transaction(engine.pool) as conn:
+        # First the person's fence: a snapshot being persisted now commits before this
+        # reads (and is found); one persisted after finds the person erased and is refused.
+        await snapshots.fence_erasure(conn, tenant, person_id)
         holding = await snapshots.plans_holding(conn, tenant, person_id)
         for session_id in sorted(holding):
             current_epoch = await sessions.lock_session(conn, tenant, session_id)

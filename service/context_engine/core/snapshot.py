@@ -9,6 +9,8 @@ items leave the pinned spec, their row 8 blocks leave the plan and its recorded 
 and the plan is marked invalidated, so the next plan or run admission rotates with
 snapshot_invalidated and recalls from what remains. The plan keeps its historical
 prefix_sha256: it names the bytes that were sent, which is what a bound run needs to know.
+Rule 4: a snapshot a caller sends (Plan, Rotate) that names an erased person is refused: the
+recall predates the erasure or ignored it, and persisting it would bring the memories back.
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ from .spec import MemoryItemSpec, PlanSpec
 if TYPE_CHECKING:  # plan.py pins snapshots with this module; the import goes one way
     from .plan import ContextPlan
 
-__all__ = ["memory_item_id", "nonempty", "pin_snapshot", "redact_person"]
+__all__ = [
+    "first_naming",
+    "memory_item_id",
+    "named_people",
+    "nonempty",
+    "pin_snapshot",
+    "redact_person",
+]
 
 _SNAPSHOT = CLASS_CAPS["memory_snapshot"]
 
@@ -42,6 +51,20 @@ def pin_snapshot(
     """Rule 1: (pinned items, items left out)."""
     return fit_in_order(
         items, cap_items=_SNAPSHOT.cap_items, cap_tokens=_SNAPSHOT.cap_tokens, measure=measure
+    )
+
+
+def named_people(spec: PlanSpec) -> list[str]:
+    """Everyone the snapshot's items name, sorted, once each."""
+    return sorted({p for m in spec.snapshot.items for p in m.person_ids})
+
+
+def first_naming(spec: PlanSpec, people: Sequence[str]) -> int | None:
+    """Rule 4: the index of the first snapshot item naming any of `people`, or None."""
+    named = set(people)
+    return next(
+        (n for n, m in enumerate(spec.snapshot.items) if named.intersection(m.person_ids)),
+        None,
     )
 
 

@@ -1,6 +1,13 @@
 """Snapshot bindings and erasure: which runs used which plan snapshot, and which persisted
 snapshots hold whose memories. Call every writer with the session locked: the session row
 lock is the fence between a run binding to a snapshot and an erasure redacting it.
+
+The people fence is the other one, between persisting a snapshot and erasing a person
+named in it: a transaction persisting a caller's snapshot holds each named person's
+advisory lock shared (fence_people), an erasure holds it exclusively (fence_erasure), and
+both take it before any session lock, so the order is the same everywhere and cannot
+deadlock. Either the erasure waits for the snapshot to commit and then finds it, or the
+snapshot's transaction waits for the erasure and then finds the person erased.
 """
 
 from __future__ import annotations
@@ -10,10 +17,13 @@ from typing import Any
 from uuid import UUID
 
 from ..core.plan import ContextPlan
+from ..core.snapshot import named_people
 from ..core.spec import PlanSpec
 
 __all__ = [
     "bound_runs",
+    "fence_erasure",
+    "fence_people",
     "forget_person",
     "plans_holding",
     "read_plan_row",
@@ -22,11 +32,56 @@ __all__ = [
 ]
 
 
+# One advisory lock per (tenant, person), in its own key space: hashtextextended spreads
+# them over 64 bits; two people sharing a key only ever wait for each other.
+_PERSON_LOCK = "hashtextextended('erasure' || chr(31) || $1 || chr(31) || {person}, 0)"
+
+
+async def fence_people(conn: Any, tenant_id: str, people: Sequence[str]) -> list[str]:
+    """Hold the named people's fence until the transaction ends; -> those already erased.
+
+    Two statements on purpose: the check must read a snapshot taken after the locks are
+    granted, so an erasure that committed while this waited is seen."""
+    if not people:
+        return []
+    named = sorted(set(people))
+    await conn.execute(
+        "SELECT pg_advisory_xact_lock_shared("
+        + _PERSON_LOCK.format(person="p")
+        + ") FROM unnest($2::text[]) AS p",
+        tenant_id,
+        named,
+    )
+    rows = await conn.fetch(
+        "SELECT person_id FROM erased_people WHERE tenant_id = $1 AND person_id = ANY($2)"
+        " ORDER BY person_id",
+        tenant_id,
+        named,
+    )
+    return [r["person_id"] for r in rows]
+
+
+async def fence_erasure(conn: Any, tenant_id: str, person_id: str) -> None:
+    """Hold the person's fence exclusively until the transaction ends, and record them as
+    erased: snapshots persisted before are committed (and found), later ones refused."""
+    await conn.execute(
+        "SELECT pg_advisory_xact_lock(" + _PERSON_LOCK.format(person="$2") + ")",
+        tenant_id,
+        person_id,
+    )
+    await conn.execute(
+        "INSERT INTO erased_people (tenant_id, person_id) VALUES ($1, $2)"
+        " ON CONFLICT (tenant_id, person_id) DO UPDATE SET erased_at = now()",
+        tenant_id,
+        person_id,
+    )
+
+
 async def record_people(
     conn: Any, tenant_id: str, session_id: UUID, epoch: int, spec: PlanSpec
 ) -> None:
     """Index the people whose memories the plan's persisted snapshot holds."""
-    people = sorted({p for m in spec.snapshot.items for p in m.person_ids})
+    people = named_people(spec)
     if not people:
         return
     await conn.executemany(
