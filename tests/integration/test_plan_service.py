@@ -72,6 +72,13 @@ async def _rotations(pool: Any, session_id: str) -> list[str]:
     ]
 
 
+def _rotation(session_id: str, reason: int, plan_spec: pb.PlanSpec) -> pb.RotateRequest:
+    """Rotate a session from its first epoch."""
+    return pb.RotateRequest(
+        tenant_id=TENANT, session_id=session_id, from_epoch=1, reason=reason, spec=plan_spec
+    )
+
+
 async def _current(stub: Any, session_id: str) -> pb.ContextPlan:
     response = await stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id))
     return response.plan
@@ -166,15 +173,7 @@ async def test_every_reason_rotates_through_rotate(stub: Any, pool: Any, reason:
 async def test_a_canonicalizing_rotation_takes_no_spec(stub: Any) -> None:
     session_id, _ = await _open(stub, spec())
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await stub.Rotate(
-            pb.RotateRequest(
-                tenant_id=TENANT,
-                session_id=session_id,
-                from_epoch=1,
-                reason=pb.PLAN_REASON_PREFIX_HASH_CANONICALIZED,
-                spec=spec(),
-            )
-        )
+        await stub.Rotate(_rotation(session_id, pb.PLAN_REASON_PREFIX_HASH_CANONICALIZED, spec()))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert details(caught.value)[1] == ["spec"]
     assert (await _current(stub, session_id)).epoch == 1
@@ -317,15 +316,7 @@ async def test_two_replicas_rotating_at_once_make_one_epoch(
     def rotate(on: Any) -> Any:
         changed = spec()
         changed.agent.version = "4"
-        return on.Rotate(
-            pb.RotateRequest(
-                tenant_id=TENANT,
-                session_id=session_id,
-                from_epoch=1,
-                reason=pb.PLAN_REASON_AGENT_CHANGED,
-                spec=changed,
-            )
-        )
+        return on.Rotate(_rotation(session_id, pb.PLAN_REASON_AGENT_CHANGED, changed))
 
     outcomes = await asyncio.gather(
         *(rotate(s) for s in (stub, second_replica, stub, second_replica)),
@@ -397,15 +388,7 @@ async def test_skill_loads_are_sticky_capped_and_never_evict(stub: Any, pool: An
     # Bodies render in row 11, in load order, on every run (sticky), across a rotation.
     changed = _skills_spec()
     changed.agent.version = "4"
-    await stub.Rotate(
-        pb.RotateRequest(
-            tenant_id=TENANT,
-            session_id=session_id,
-            from_epoch=1,
-            reason=pb.PLAN_REASON_AGENT_CHANGED,
-            spec=changed,
-        )
-    )
+    await stub.Rotate(_rotation(session_id, pb.PLAN_REASON_AGENT_CHANGED, changed))
     for text in ("first run", "second run"):
         run = await _start(stub, session_id, text)
         built = await _build(stub, session_id, run.run.run_id)
@@ -497,15 +480,7 @@ async def test_erasure_redacts_invalidates_and_reports_bound_runs(stub: Any, poo
     await _build(stub, a, bound_run)
     changed = with_person("trace-a2")
     changed.agent.version = "4"
-    await stub.Rotate(
-        pb.RotateRequest(
-            tenant_id=TENANT,
-            session_id=a,
-            from_epoch=1,
-            reason=pb.PLAN_REASON_AGENT_CHANGED,
-            spec=changed,
-        )
-    )
+    await stub.Rotate(_rotation(a, pb.PLAN_REASON_AGENT_CHANGED, changed))
     b, _ = await _open(stub, with_person("trace-b"))
     unbound_run = (await _start(stub, b)).run.run_id  # started, never built: never bound
     untouched, untouched_plan = await _open(stub, _memory_spec("trace-c"))
@@ -594,15 +569,7 @@ async def test_a_snapshot_naming_an_erased_person_is_refused(stub: Any, pool: An
     # Rotate with a caller's spec is fenced the same way, and the plan stays as it was.
     opened, plan = await _open(stub, _memory_spec("trace-fresh"))
     with pytest.raises(grpc.aio.AioRpcError) as rotated:
-        await stub.Rotate(
-            pb.RotateRequest(
-                tenant_id=TENANT,
-                session_id=opened,
-                from_epoch=1,
-                reason=pb.PLAN_REASON_AGENT_CHANGED,
-                spec=stale,
-            )
-        )
+        await stub.Rotate(_rotation(opened, pb.PLAN_REASON_AGENT_CHANGED, stale))
     assert details(rotated.value)[0] == "PERSON_ERASED"
     assert (await _current(stub, opened)).prefix_sha256 == plan.prefix_sha256
     assert await _rotations(pool, opened) == []
@@ -692,15 +659,7 @@ async def test_a_persona_edit_is_one_persona_changed_rotation(stub: Any, pool: A
         pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=edited)
     )
     assert not unchanged.spec_matches and unchanged.plan.epoch == 1
-    rotated = await stub.Rotate(
-        pb.RotateRequest(
-            tenant_id=TENANT,
-            session_id=session_id,
-            from_epoch=1,
-            reason=pb.PLAN_REASON_PERSONA_CHANGED,
-            spec=edited,
-        )
-    )
+    rotated = await stub.Rotate(_rotation(session_id, pb.PLAN_REASON_PERSONA_CHANGED, edited))
     assert rotated.plan.epoch == 2 and rotated.plan.prefix_sha256 != plan.prefix_sha256
     run = await _start(stub, session_id)
     assert not run.HasField("rotated_plan")
