@@ -272,7 +272,7 @@ def plan_to_proto(plan: ContextPlan, created_at: datetime | None = None) -> pb.C
         skill_pins=[pb.SkillPin(name=n, version=v) for n, v in plan.skill_pins],
         policy_version=plan.policy_version,
         builder_version=plan.builder_version,
-        reason=int(plan.reason),
+        reason=pb.PlanReason.ValueType(plan.reason),
         skipped_tool_names=plan.skipped_tool_names,
         deferred_tool_names=plan.deferred_tool_names,
         spec_sha256=plan.spec_sha256,
@@ -280,7 +280,7 @@ def plan_to_proto(plan: ContextPlan, created_at: datetime | None = None) -> pb.C
         prefix_document=plan.prefix_document.encode("utf-8"),
         pinned_tools=[_pinned_tool(t) for t in plan.pinned_tools],
         recall_trace_id=plan.recall_trace_id,
-        session_kind=int(plan.session_kind),
+        session_kind=pb.SessionKind.ValueType(plan.session_kind),
         invalidated=plan.invalidated,
     )
     if created_at is not None:
@@ -293,7 +293,7 @@ def _pinned_tool(tool: PinnedTool) -> pb.PinnedTool:
         name=tool.name,
         defined=tool.defined,
         required_scopes=tool.required_scopes,
-        side_effect=int(tool.side_effect),
+        side_effect=pb.SideEffect.ValueType(tool.side_effect),
         spec_sha256=tool.spec_sha256,
     )
 
@@ -486,8 +486,8 @@ def budget_to_proto(budget: Sequence[ClassUsage]) -> list[pb.ClassUsage]:
 
 def block_to_proto(block: Block) -> pb.ContentBlock:
     out = pb.ContentBlock(
-        row=int(block.row),
-        trust=int(block.trust),
+        row=pb.Row.ValueType(block.row),
+        trust=pb.TrustLevel.ValueType(block.trust),
         item_id=block.item_id,
         source_sequence=block.source_sequence,
     )
@@ -507,7 +507,7 @@ def block_to_proto(block: Block) -> pb.ContentBlock:
                 call_id=block.call_id,
                 tool_name=block.tool_name,
                 content=block.text,
-                trust=int(block.trust),
+                trust=pb.TrustLevel.ValueType(block.trust),
                 is_error=block.is_error,
                 artifact_ref=block.artifact_ref,
             )
@@ -531,7 +531,7 @@ def breakpoint_to_proto(bp: CacheBreakpoint) -> pb.CacheBreakpoint:
     )
 
 
-def provider_to_proto(provider: str) -> int:
+def provider_to_proto(provider: str) -> pb.Provider:
     return _PROVIDER_TO_PROTO.get(provider, pb.PROVIDER_UNSPECIFIED)
 
 
