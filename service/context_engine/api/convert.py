@@ -8,9 +8,9 @@ module imports the generated stubs.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypedDict, TypeVar, cast
 from uuid import UUID
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -111,7 +111,10 @@ def _json_object(text: str, field: str, *, default: dict[str, Any] | None = None
         raise InvalidFieldError(f"{field} must be a JSON object", field=field) from None
 
 
-def _validated(build: Any, field: str) -> Any:
+_T = TypeVar("_T")
+
+
+def _validated(build: Callable[[], _T], field: str) -> _T:
     try:
         return build()
     except ValidationError as exc:
@@ -122,6 +125,33 @@ def _validated(build: Any, field: str) -> Any:
 
 
 # --- plan spec -----------------------------------------------------------------------------
+
+
+def _tool_spec(tool: pb.ToolSpec, path: str) -> ToolSpec:
+    return _validated(
+        lambda: ToolSpec(
+            name=tool.name,
+            description=tool.description,
+            input_schema=_json_object(
+                tool.input_schema_json,
+                f"{path}.input_schema_json",
+                default={"type": "object"},
+            ),
+            output_schema=(
+                _json_object(tool.output_schema_json, f"{path}.output_schema_json")
+                if tool.output_schema_json
+                else None
+            ),
+            side_effect=SideEffect(tool.side_effect),
+            required_scopes=tuple(tool.required_scopes),
+            server=tool.server,
+            model_visible=tool.model_visible if tool.HasField("model_visible") else True,
+            builtin=tool.builtin,
+            session_binding=tool.session_binding,
+            policy=_json_object(tool.policy_json, f"{path}.policy_json", default={}),
+        ),
+        path,
+    )
 
 
 def plan_spec_from_proto(
@@ -138,32 +168,7 @@ def plan_spec_from_proto(
         if tool.name in names:
             raise InvalidFieldError(f"tool {tool.name!r} is listed twice", field=f"{path}.name")
         names.add(tool.name)
-        tools.append(
-            _validated(
-                lambda tool=tool, path=path: ToolSpec(
-                    name=tool.name,
-                    description=tool.description,
-                    input_schema=_json_object(
-                        tool.input_schema_json,
-                        f"{path}.input_schema_json",
-                        default={"type": "object"},
-                    ),
-                    output_schema=(
-                        _json_object(tool.output_schema_json, f"{path}.output_schema_json")
-                        if tool.output_schema_json
-                        else None
-                    ),
-                    side_effect=SideEffect(tool.side_effect),
-                    required_scopes=tuple(tool.required_scopes),
-                    server=tool.server,
-                    model_visible=tool.model_visible if tool.HasField("model_visible") else True,
-                    builtin=tool.builtin,
-                    session_binding=tool.session_binding,
-                    policy=_json_object(tool.policy_json, f"{path}.policy_json", default={}),
-                ),
-                path,
-            )
-        )
+        tools.append(_tool_spec(tool, path))
     skills = []
     for n, skill in enumerate(spec.skills):
         path = f"{field}.skills[{n}]"
@@ -426,7 +431,7 @@ def _require(value: str, field: str) -> None:
 
 
 def timestamp_to_datetime(ts: Timestamp) -> datetime:
-    return ts.ToDatetime(tzinfo=UTC)
+    return cast(datetime, ts.ToDatetime(tzinfo=UTC))
 
 
 def step_from_proto(step: pb.StepContext) -> StepContext:
@@ -558,10 +563,15 @@ def request_to_proto(request: ModelRequest) -> pb.ModelRequest:
     )
 
 
+class _BlockHead(TypedDict):
+    item_id: str
+    source_sequence: int
+
+
 def block_from_proto(block: pb.ContentBlock) -> Block:
     """The inverse of block_to_proto (for explain, which reads recorded BuildResponses)."""
     row, trust = Row(block.row), TrustLevel(block.trust)
-    base = {"item_id": block.item_id, "source_sequence": block.source_sequence}
+    base: _BlockHead = {"item_id": block.item_id, "source_sequence": block.source_sequence}
     kind = block.WhichOneof("kind")
     if kind == "tool_call":
         c = block.tool_call
