@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
+from enum import IntEnum
 from typing import Any, TypedDict, TypeVar, cast
 from uuid import UUID
 
@@ -100,6 +101,18 @@ def _trust(value: int, field: str) -> TrustLevel:
         ) from None
 
 
+_E = TypeVar("_E", bound=IntEnum)
+
+
+def _known(cls: type[_E], value: int, field: str) -> _E:
+    """An enum number as the core's enum. Proto3 enums are open, so a number the core does
+    not know is the caller's invalid field, not an internal error."""
+    try:
+        return cls(value)
+    except ValueError:
+        raise InvalidFieldError(f"{field} is not a known {cls.__name__}", field=field) from None
+
+
 def _json_object(text: str, field: str, *, default: dict[str, Any] | None = None) -> dict[str, Any]:
     if not text:
         if default is not None:
@@ -142,7 +155,7 @@ def _tool_spec(tool: pb.ToolSpec, path: str) -> ToolSpec:
                 if tool.output_schema_json
                 else None
             ),
-            side_effect=SideEffect(tool.side_effect),
+            side_effect=_known(SideEffect, tool.side_effect, f"{path}.side_effect"),
             required_scopes=tuple(tool.required_scopes),
             server=tool.server,
             model_visible=tool.model_visible if tool.HasField("model_visible") else True,
@@ -236,7 +249,9 @@ def plan_spec_from_proto(
                 items=tuple(snapshot_items),
             ),
             environment=SessionEnvironment(
-                kind=SessionKind(env.kind) if env.kind else SessionKind.INTERACTIVE,
+                kind=_known(SessionKind, env.kind, f"{field}.environment.kind")
+                if env.kind
+                else SessionKind.INTERACTIVE,
                 surface=env.surface,
                 browser_profile_id=env.browser_profile_id,
                 allowed_origins=tuple(env.allowed_origins),
