@@ -10,7 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -64,7 +65,10 @@ def request_sha256(request: Any) -> str:
     return hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
 
 
-def _enum(cls: Any, value: int, field: str) -> Any:
+_E = TypeVar("_E", bound=IntEnum)
+
+
+def _enum(cls: type[_E], value: int, field: str) -> _E:
     try:
         return cls(value)
     except ValueError:
