@@ -47,6 +47,9 @@ test: install
 test-unit: install
 	$(BIN)/python -m pytest -q tests/unit
 
+## ruff over the code and tests; strict mypy over the whole service (service/context_engine:
+## errors inside the generated _gen/ are ignored, its .pyi still types the callers) and the
+## Python client.
 lint: install
 	$(BIN)/ruff format --check service tests bench scripts
 	$(BIN)/ruff check service tests bench scripts

@@ -49,7 +49,7 @@ def _spec() -> pb.PlanSpec:
 
 async def run_demo(target: str) -> None:
     async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.ContextEngineStub(channel)
+        stub = pb_grpc.ContextEngineStub(channel)  # type: ignore[no-untyped-call]  # no .pyi for _grpc
         session_id = str(uuid.uuid4())
         plan = (
             await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=_spec()))

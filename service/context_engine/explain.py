@@ -251,7 +251,7 @@ async def fetch_builds(
 
     metadata = (("authorization", f"Bearer {token}"),) if token else None
     async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.ContextEngineStub(channel)
+        stub = pb_grpc.ContextEngineStub(channel)  # type: ignore[no-untyped-call]  # no .pyi for _grpc
         return [
             await stub.GetBuild(
                 pb.GetBuildRequest(

@@ -217,23 +217,23 @@ def bar_cells(
     if scale <= 0 or width <= 0:
         return []
     target = round(total * width / scale)
-    exact = [(name, max(t, 0) * width / scale) for name, t in classes]
-    cells = [[name, int(x)] for name, x in exact]
-    for i, (_, x) in enumerate(exact):
-        if x > 0 and cells[i][1] == 0:
-            cells[i][1] = 1
-    used = sum(c for _, c in cells)
-    order = sorted(range(len(exact)), key=lambda i: (-(exact[i][1] % 1), i))
+    exact = [max(t, 0) * width / scale for _, t in classes]
+    cells = [int(x) for x in exact]
+    for i, x in enumerate(exact):
+        if x > 0 and cells[i] == 0:
+            cells[i] = 1
+    used = sum(cells)
+    order = sorted(range(len(exact)), key=lambda i: (-(exact[i] % 1), i))
     for i in order:
         if used >= target:
             break
-        cells[i][1] += 1
+        cells[i] += 1
         used += 1
     while used > width:  # the at-least-one rule can overshoot a full bar
-        i = max(range(len(cells)), key=lambda j: (cells[j][1], -j))
-        cells[i][1] -= 1
+        i = max(range(len(cells)), key=lambda j: (cells[j], -j))
+        cells[i] -= 1
         used -= 1
-    return [(name, n) for name, n in cells if n > 0]
+    return [(name, n) for (name, _), n in zip(classes, cells, strict=True) if n > 0]
 
 
 def _colours(names: Iterable[str]) -> dict[str, str]:
@@ -409,7 +409,9 @@ async def load_session(conn: Any, session_id: UUID, tenant_id: str | None) -> Se
                 created_at=row["created_at"].isoformat(timespec="seconds"),
             )
         )
-    requests, others, counts = [], [], {}
+    requests: list[RequestLine] = []
+    others: list[tuple[int, str, str]] = []
+    counts: dict[str, int] = {}
     # A run's context.budget.pressure event precedes the request it shaped.
     pressure_of_run: dict[str, str] = {}
     for row in events:

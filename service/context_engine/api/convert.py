@@ -8,9 +8,10 @@ module imports the generated stubs.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from enum import IntEnum
+from typing import Any, TypedDict, TypeVar, cast
 from uuid import UUID
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -100,6 +101,18 @@ def _trust(value: int, field: str) -> TrustLevel:
         ) from None
 
 
+_E = TypeVar("_E", bound=IntEnum)
+
+
+def _known(cls: type[_E], value: int, field: str) -> _E:
+    """An enum number as the core's enum. Proto3 enums are open, so a number the core does
+    not know is the caller's invalid field, not an internal error."""
+    try:
+        return cls(value)
+    except ValueError:
+        raise InvalidFieldError(f"{field} is not a known {cls.__name__}", field=field) from None
+
+
 def _json_object(text: str, field: str, *, default: dict[str, Any] | None = None) -> dict[str, Any]:
     if not text:
         if default is not None:
@@ -111,7 +124,10 @@ def _json_object(text: str, field: str, *, default: dict[str, Any] | None = None
         raise InvalidFieldError(f"{field} must be a JSON object", field=field) from None
 
 
-def _validated(build: Any, field: str) -> Any:
+_T = TypeVar("_T")
+
+
+def _validated(build: Callable[[], _T], field: str) -> _T:
     try:
         return build()
     except ValidationError as exc:
@@ -122,6 +138,33 @@ def _validated(build: Any, field: str) -> Any:
 
 
 # --- plan spec -----------------------------------------------------------------------------
+
+
+def _tool_spec(tool: pb.ToolSpec, path: str) -> ToolSpec:
+    return _validated(
+        lambda: ToolSpec(
+            name=tool.name,
+            description=tool.description,
+            input_schema=_json_object(
+                tool.input_schema_json,
+                f"{path}.input_schema_json",
+                default={"type": "object"},
+            ),
+            output_schema=(
+                _json_object(tool.output_schema_json, f"{path}.output_schema_json")
+                if tool.output_schema_json
+                else None
+            ),
+            side_effect=_known(SideEffect, tool.side_effect, f"{path}.side_effect"),
+            required_scopes=tuple(tool.required_scopes),
+            server=tool.server,
+            model_visible=tool.model_visible if tool.HasField("model_visible") else True,
+            builtin=tool.builtin,
+            session_binding=tool.session_binding,
+            policy=_json_object(tool.policy_json, f"{path}.policy_json", default={}),
+        ),
+        path,
+    )
 
 
 def plan_spec_from_proto(
@@ -138,32 +181,7 @@ def plan_spec_from_proto(
         if tool.name in names:
             raise InvalidFieldError(f"tool {tool.name!r} is listed twice", field=f"{path}.name")
         names.add(tool.name)
-        tools.append(
-            _validated(
-                lambda tool=tool, path=path: ToolSpec(
-                    name=tool.name,
-                    description=tool.description,
-                    input_schema=_json_object(
-                        tool.input_schema_json,
-                        f"{path}.input_schema_json",
-                        default={"type": "object"},
-                    ),
-                    output_schema=(
-                        _json_object(tool.output_schema_json, f"{path}.output_schema_json")
-                        if tool.output_schema_json
-                        else None
-                    ),
-                    side_effect=SideEffect(tool.side_effect),
-                    required_scopes=tuple(tool.required_scopes),
-                    server=tool.server,
-                    model_visible=tool.model_visible if tool.HasField("model_visible") else True,
-                    builtin=tool.builtin,
-                    session_binding=tool.session_binding,
-                    policy=_json_object(tool.policy_json, f"{path}.policy_json", default={}),
-                ),
-                path,
-            )
-        )
+        tools.append(_tool_spec(tool, path))
     skills = []
     for n, skill in enumerate(spec.skills):
         path = f"{field}.skills[{n}]"
@@ -231,7 +249,9 @@ def plan_spec_from_proto(
                 items=tuple(snapshot_items),
             ),
             environment=SessionEnvironment(
-                kind=SessionKind(env.kind) if env.kind else SessionKind.INTERACTIVE,
+                kind=_known(SessionKind, env.kind, f"{field}.environment.kind")
+                if env.kind
+                else SessionKind.INTERACTIVE,
                 surface=env.surface,
                 browser_profile_id=env.browser_profile_id,
                 allowed_origins=tuple(env.allowed_origins),
@@ -272,7 +292,7 @@ def plan_to_proto(plan: ContextPlan, created_at: datetime | None = None) -> pb.C
         skill_pins=[pb.SkillPin(name=n, version=v) for n, v in plan.skill_pins],
         policy_version=plan.policy_version,
         builder_version=plan.builder_version,
-        reason=int(plan.reason),
+        reason=pb.PlanReason.ValueType(plan.reason),
         skipped_tool_names=plan.skipped_tool_names,
         deferred_tool_names=plan.deferred_tool_names,
         spec_sha256=plan.spec_sha256,
@@ -280,7 +300,7 @@ def plan_to_proto(plan: ContextPlan, created_at: datetime | None = None) -> pb.C
         prefix_document=plan.prefix_document.encode("utf-8"),
         pinned_tools=[_pinned_tool(t) for t in plan.pinned_tools],
         recall_trace_id=plan.recall_trace_id,
-        session_kind=int(plan.session_kind),
+        session_kind=pb.SessionKind.ValueType(plan.session_kind),
         invalidated=plan.invalidated,
     )
     if created_at is not None:
@@ -293,7 +313,7 @@ def _pinned_tool(tool: PinnedTool) -> pb.PinnedTool:
         name=tool.name,
         defined=tool.defined,
         required_scopes=tool.required_scopes,
-        side_effect=int(tool.side_effect),
+        side_effect=pb.SideEffect.ValueType(tool.side_effect),
         spec_sha256=tool.spec_sha256,
     )
 
@@ -426,7 +446,7 @@ def _require(value: str, field: str) -> None:
 
 
 def timestamp_to_datetime(ts: Timestamp) -> datetime:
-    return ts.ToDatetime(tzinfo=UTC)
+    return cast(datetime, ts.ToDatetime(tzinfo=UTC))
 
 
 def step_from_proto(step: pb.StepContext) -> StepContext:
@@ -486,8 +506,8 @@ def budget_to_proto(budget: Sequence[ClassUsage]) -> list[pb.ClassUsage]:
 
 def block_to_proto(block: Block) -> pb.ContentBlock:
     out = pb.ContentBlock(
-        row=int(block.row),
-        trust=int(block.trust),
+        row=pb.Row.ValueType(block.row),
+        trust=pb.TrustLevel.ValueType(block.trust),
         item_id=block.item_id,
         source_sequence=block.source_sequence,
     )
@@ -507,7 +527,7 @@ def block_to_proto(block: Block) -> pb.ContentBlock:
                 call_id=block.call_id,
                 tool_name=block.tool_name,
                 content=block.text,
-                trust=int(block.trust),
+                trust=pb.TrustLevel.ValueType(block.trust),
                 is_error=block.is_error,
                 artifact_ref=block.artifact_ref,
             )
@@ -531,7 +551,7 @@ def breakpoint_to_proto(bp: CacheBreakpoint) -> pb.CacheBreakpoint:
     )
 
 
-def provider_to_proto(provider: str) -> int:
+def provider_to_proto(provider: str) -> pb.Provider:
     return _PROVIDER_TO_PROTO.get(provider, pb.PROVIDER_UNSPECIFIED)
 
 
@@ -558,10 +578,15 @@ def request_to_proto(request: ModelRequest) -> pb.ModelRequest:
     )
 
 
+class _BlockHead(TypedDict):
+    item_id: str
+    source_sequence: int
+
+
 def block_from_proto(block: pb.ContentBlock) -> Block:
     """The inverse of block_to_proto (for explain, which reads recorded BuildResponses)."""
     row, trust = Row(block.row), TrustLevel(block.trust)
-    base = {"item_id": block.item_id, "source_sequence": block.source_sequence}
+    base: _BlockHead = {"item_id": block.item_id, "source_sequence": block.source_sequence}
     kind = block.WhichOneof("kind")
     if kind == "tool_call":
         c = block.tool_call

@@ -41,7 +41,7 @@ SHUTTING_DOWN = "SHUTTING_DOWN"
 _POLL = 0.02
 
 
-class Drain(grpc.aio.ServerInterceptor):
+class Drain(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
     """Counts running calls and, once refusing, answers new ones UNAVAILABLE."""
 
     def __init__(

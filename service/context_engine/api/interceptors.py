@@ -27,7 +27,7 @@ import hmac
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from google.protobuf import any_pb2
@@ -80,7 +80,7 @@ def _wrap(
         if behavior is not None:
             if wrap is None:
                 return handler
-            return build(  # type: ignore[no-any-return]
+            return build(
                 wrap(behavior),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
@@ -146,7 +146,7 @@ def _response_fields(response: Any) -> dict[str, Any]:
 
 
 def _reason_name(value: int) -> str:
-    return pb.PlanReason.Name(value).removeprefix("PLAN_REASON_").lower()
+    return cast(str, pb.PlanReason.Name(value)).removeprefix("PLAN_REASON_").lower()
 
 
 def _on_plan(request: pb.PlanRequest, response: pb.PlanResponse) -> None:
@@ -205,7 +205,7 @@ def _error_info(context: grpc.aio.ServicerContext) -> tuple[str, dict[str, str]]
     return "", {}
 
 
-class RpcObserver(grpc.aio.ServerInterceptor):
+class RpcObserver(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
     """Per unary RPC: make `telemetry` current, then record duration, request size, the
     tracked metrics its response implies, span fields and one log line."""
 
@@ -337,7 +337,7 @@ class ClientCertificates:
         return next((self._tenants[i] for i in identities if i in self._tenants), None)
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
+class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
     """Authenticate every call (except UNAUTHENTICATED_SERVICES) and pin its tenant."""
 
     def __init__(
@@ -404,7 +404,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 # --- limits --------------------------------------------------------------------------
 
 
-class SizeLimitInterceptor(grpc.aio.ServerInterceptor):
+class SizeLimitInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
     """A request larger than `max_bytes` fails RESOURCE_EXHAUSTED with ErrorInfo
     REQUEST_TOO_LARGE (metadata: limit_bytes, request_bytes) and changes nothing.
 

@@ -28,7 +28,7 @@ __all__ = ["CompactionRpcs", "result_from_proto", "span_to_proto"]
 def span_to_proto(span: ElidedSpan) -> pb.ElidedSpan:
     return pb.ElidedSpan(
         item_id=span.item_id,
-        trust=int(span.trust),
+        trust=pb.TrustLevel.ValueType(span.trust),
         byte_length=span.byte_length,
         artifact_ref=span.artifact_ref,
         event_id=span.event_id,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -64,7 +65,10 @@ def request_sha256(request: Any) -> str:
     return hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
 
 
-def _enum(cls: Any, value: int, field: str) -> Any:
+_E = TypeVar("_E", bound=IntEnum)
+
+
+def _enum(cls: type[_E], value: int, field: str) -> _E:
     try:
         return cls(value)
     except ValueError:
@@ -113,9 +117,9 @@ def update_from_proto(update: pb.WorkingStateUpdate, field: str = "update") -> W
 def _entry(entry: Entry) -> pb.WorkingStateEntry:
     return pb.WorkingStateEntry(
         text=entry.text,
-        writer=int(entry.writer),
+        writer=pb.Writer.ValueType(entry.writer),
         source_sequence=entry.source_sequence,
-        trust=int(entry.trust),
+        trust=pb.TrustLevel.ValueType(entry.trust),
     )
 
 
@@ -123,7 +127,7 @@ def _fact(fact: Fact) -> pb.Fact:
     return pb.Fact(
         statement=fact.statement,
         source_event_ids=list(fact.source_event_ids),
-        trust=int(fact.trust),
+        trust=pb.TrustLevel.ValueType(fact.trust),
     )
 
 
@@ -131,7 +135,7 @@ def state_to_proto(state: WorkingState) -> pb.WorkingState:
     out = pb.WorkingState(
         constraints=[_entry(c) for c in state.constraints],
         tasks=[
-            pb.TaskState(task_id=t.task_id, title=t.title, status=int(t.status))
+            pb.TaskState(task_id=t.task_id, title=t.title, status=pb.TaskStatus.ValueType(t.status))
             for t in state.tasks
         ],
         facts=[_fact(f) for f in state.facts],
@@ -151,7 +155,7 @@ def tool_spec_to_proto(tool: ToolSpec) -> pb.ToolSpec:
         output_schema_json=canonical_json_text(json.dumps(tool.output_schema))
         if tool.output_schema is not None
         else "",
-        side_effect=int(tool.side_effect),
+        side_effect=pb.SideEffect.ValueType(tool.side_effect),
         required_scopes=list(tool.required_scopes),
         server=tool.server,
         model_visible=tool.model_visible,

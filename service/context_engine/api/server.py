@@ -167,7 +167,7 @@ async def build_server(
     tel = telemetry or Telemetry()
     drain = Drain()
     chain: list[grpc.aio.ServerInterceptor] = [
-        aio_server_interceptor(
+        aio_server_interceptor(  # type: ignore[no-untyped-call]  # unannotated in otel
             tracer_provider=tel.tracer_provider,
             filter_=negate(service_name(*UNAUTHENTICATED_SERVICES)),
         ),

@@ -17,7 +17,7 @@ message built field by field.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
+from typing import Any, cast
 
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
 from ..core.identity_memo import IdentityMemo
@@ -49,11 +49,12 @@ class EncodedBuildResponse:
         self._request: pb.ModelRequest | None = None
 
     def SerializeToString(self, deterministic: bool = False) -> bytes:
-        return self._head.SerializeToString(deterministic=deterministic) + self._tail
+        head = cast(bytes, self._head.SerializeToString(deterministic=deterministic))
+        return head + self._tail
 
     def to_message(self) -> pb.BuildResponse:
         """The equivalent protobuf message (parsed from the bytes)."""
-        return pb.BuildResponse.FromString(self.SerializeToString())
+        return cast(pb.BuildResponse, pb.BuildResponse.FromString(self.SerializeToString()))
 
     def HasField(self, name: str) -> bool:
         return bool(self._tail) if name == "request" else self._head.HasField(name)
@@ -70,7 +71,7 @@ class EncodedBuildResponse:
 
 def request_message(request: ModelRequest) -> pb.ModelRequest:
     """The protobuf ModelRequest of `request`, equal to convert.request_to_proto's."""
-    return pb.ModelRequest.FromString(request_bytes(request))
+    return cast(pb.ModelRequest, pb.ModelRequest.FromString(request_bytes(request)))
 
 
 def request_bytes(request: ModelRequest) -> bytes:
@@ -121,7 +122,7 @@ _ROLE_FIELD = {
 
 
 def _block_bytes(block: Block) -> bytes:
-    return convert.block_to_proto(block).SerializeToString()
+    return cast(bytes, convert.block_to_proto(block).SerializeToString())
 
 
 # A run's history blocks and messages are the same objects on every Build, and a plan's
@@ -129,7 +130,7 @@ def _block_bytes(block: Block) -> bytes:
 # (one merged where the run's items meet the carried ones) is composed from block memos
 # rather than hashed whole.
 _block = IdentityMemo(_block_bytes)
-_block_field = IdentityMemo(lambda block: field(_BLOCKS, _block(block)))
+_block_field: IdentityMemo[Block, bytes] = IdentityMemo(lambda block: field(_BLOCKS, _block(block)))
 _message_field = IdentityMemo(_message_field_bytes, by_value=False)
 _system_fields = IdentityMemo(_system_bytes, 256)
 _tool_fields = IdentityMemo(_tool_bytes, 256)
@@ -137,7 +138,7 @@ _tool_fields = IdentityMemo(_tool_bytes, 256)
 
 @lru_cache(maxsize=1024)
 def _tool(tool: ToolDefinition) -> bytes:
-    return convert.tool_to_proto(tool).SerializeToString()
+    return cast(bytes, convert.tool_to_proto(tool).SerializeToString())
 
 
 def _varint(value: int) -> bytes:
