@@ -2,9 +2,11 @@
 
 Inputs: structured messages generated from the proto descriptors (random, oversized and
 empty fields, unknown enum values, deeply nested JSON schemas, ids of real sessions of this
-tenant and of another tenant) and raw bytes (truncated, random, invalid UTF-8 in string
-fields). Each must get a proper status — never INTERNAL or UNKNOWN — the server must stay
-up, and afterwards the database invariants that a partial write would break must hold.
+tenant and of another tenant), well-formed requests with one to three fields replaced by
+such values (they get past the first validation, into the checks behind it), and raw bytes
+(truncated, random, invalid UTF-8 in string fields). Each must get a proper status — never
+INTERNAL or UNKNOWN — the server must stay up, and afterwards the database invariants that
+a partial write would break must hold.
 """
 
 from __future__ import annotations
@@ -223,6 +225,121 @@ def _case(draw: Any, ids: dict[str, list[str]]) -> tuple[str, bytes]:
     return method.name, payload
 
 
+def _valid_requests(ids: dict[str, list[str]]) -> dict[str, Any]:
+    """One well-formed request per RPC that takes a session, aimed at this tenant's seeded
+    session: mutating a few fields of these reaches the checks past the first validation,
+    which wholly random messages seldom get through."""
+    session, run = ids["session"][0], ids["run"][0]
+    at = {"tenant_id": TENANT, "session_id": session}
+    on_run = {**at, "run_id": run}
+    step = pb.StepContext(
+        recall=[pb.RecallLine(item_id="r1", text="Ana likes trains.", source="memory")],
+        knowledge=[
+            pb.KnowledgePassage(
+                item_id="k1", text="Trains leave hourly.", citation="timetable p.2", trust=1
+            )
+        ],
+        recall_floor_lines=1,
+    )
+    memory = spec(
+        snapshot=pb.MemorySnapshot(
+            snapshot_id="s1",
+            recall_trace_id="t1",
+            watermark=3,
+            items=[pb.MemoryItem(item_id="m1", text="Ana is vegetarian.", person_ids=["ana"])],
+        )
+    )
+    return {
+        "Plan": pb.PlanRequest(tenant_id=TENANT, session_id=str(uuid.uuid4()), spec=memory),
+        "GetPlan": pb.GetPlanRequest(**at, epoch=1),
+        "Rotate": pb.RotateRequest(
+            **at, from_epoch=1, reason=pb.PLAN_REASON_AGENT_CHANGED, spec=memory
+        ),
+        "StartRun": pb.StartRunRequest(
+            **at,
+            idempotency_key="k",
+            user_message=pb.UserMessage(text="hello"),
+            admission=pb.RunAdmission(scopes=["web.read"]),
+        ),
+        "AppendItems": pb.AppendItemsRequest(
+            **on_run,
+            expected_checkpoint_version=1,
+            items=[
+                pb.ConversationItem(
+                    tool_call=pb.ToolCall(call_id="c1", tool_name="web.fetch", arguments_json="{}")
+                ),
+                pb.ConversationItem(
+                    tool_result=pb.ToolResult(
+                        call_id="c1", tool_name="web.fetch", content="page", trust=6
+                    )
+                ),
+                pb.ConversationItem(assistant_message=pb.AssistantMessage(text="done")),
+            ],
+        ),
+        "Build": pb.BuildRequest(**on_run, step=step),
+        "GetBuild": pb.GetBuildRequest(**at, request_sequence=3),
+        "ReportUsage": pb.ReportUsageRequest(
+            **at, request_sequence=3, model_id="claude-sonnet-4-5", input_tokens=900
+        ),
+        "LoadSkill": pb.LoadSkillRequest(**at, name="triage", body="Sort it.", trust=2),
+        "UpdateWorkingState": pb.UpdateWorkingStateRequest(
+            **on_run,
+            expected_checkpoint_version=1,
+            writer=pb.WRITER_USER,
+            update=pb.WorkingStateUpdate(
+                objective="Plan the trip",
+                upsert_tasks=[pb.TaskState(task_id="t1", title="Book", status=1)],
+                add_facts=[pb.Fact(statement="Leaves Monday", source_event_ids=[1], trust=3)],
+            ),
+        ),
+        "PrepareCompaction": pb.PrepareCompactionRequest(**on_run, checkpoint_version=1),
+        "CommitCompaction": pb.CommitCompactionRequest(
+            **on_run,
+            expected_checkpoint_version=1,
+            result=pb.CompactionResult(
+                summary="They talked.", source_event_ids=[1], replaced_through_sequence=1
+            ),
+        ),
+        "EraseSubject": pb.EraseSubjectRequest(tenant_id=TENANT, person_id="nobody"),
+    }
+
+
+def _fields_in(message: Any) -> list[tuple[Any, Any]]:
+    """(message, field) for every field of `message` and of the sub-messages it holds."""
+    out = [(message, f) for f in message.DESCRIPTOR.fields]
+    for field, value in message.ListFields():
+        if field.type != FieldDescriptor.TYPE_MESSAGE:
+            continue
+        for inner in value if field.is_repeated else [value]:
+            out += _fields_in(inner)
+    return out
+
+
+@st.composite
+def _mutated(draw: Any, ids: dict[str, list[str]]) -> tuple[str, bytes]:
+    """A well-formed request with one to three fields replaced by fuzzed values."""
+    seeds = _valid_requests(ids)
+    method = draw(st.sampled_from(sorted(seeds)))
+    message = type(seeds[method])()
+    message.CopyFrom(seeds[method])
+    for _ in range(draw(st.integers(1, 3))):
+        holder, field = draw(st.sampled_from(_fields_in(message)))
+        value = draw(_value(field, ids, depth=2))
+        if value is None:
+            holder.ClearField(field.name)
+        elif field.is_repeated:
+            target = getattr(holder, field.name)
+            if field.type == FieldDescriptor.TYPE_MESSAGE:
+                target.add().CopyFrom(value)
+            else:
+                target.append(value)
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
+            getattr(holder, field.name).CopyFrom(value)
+        else:
+            setattr(holder, field.name, value)
+    return method, message.SerializeToString()
+
+
 def test_fuzz_every_rpc(server: Any, capsys: pytest.CaptureFixture[str]) -> None:
     channel, proc, ids = server
 
@@ -231,7 +348,7 @@ def test_fuzz_every_rpc(server: Any, capsys: pytest.CaptureFixture[str]) -> None
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
-    @given(_case(ids))
+    @given(st.one_of(_case(ids), _mutated(ids)))
     def fuzz(case: tuple[str, bytes]) -> None:
         method, payload = case
         code = _call(channel, method, payload)

@@ -325,6 +325,69 @@ async def test_bad_input_is_named_and_writes_nothing(stub: Any, pool: Any) -> No
     assert after == before, "a failed request writes nothing"
 
 
+async def test_identifiers_longer_than_an_index_takes_are_named(stub: Any, pool: Any) -> None:
+    """Tenants, idempotency keys, people and skill names are keys of PostgreSQL indexes: one
+    over 200 characters is the caller's invalid field, never a failed write (INTERNAL)."""
+    session_id, _ = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "hi")).run.run_id
+    before = {t: await _count(pool, t, session_id) for t in ("session_events", "run_checkpoints")}
+    long = "\u00e9" * 201
+    named = spec()
+    named.snapshot.items.add(item_id="m1", text="Ana likes trains.", person_ids=["ana", long])
+    catalog = spec()
+    catalog.skills.add(name=long, description="Too long a name.", version="1")
+    cases: list[tuple[str, Any, str]] = [
+        ("Plan", pb.PlanRequest(tenant_id=long, session_id=new_id(), spec=spec()), "tenant_id"),
+        (
+            "Plan",
+            pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=named),
+            "spec.snapshot.items[0].person_ids[1]",
+        ),
+        (
+            "Plan",
+            pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=catalog),
+            "spec.skills[0].name",
+        ),
+        (
+            "StartRun",
+            pb.StartRunRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                idempotency_key=long,
+                user_message=pb.UserMessage(text="again"),
+            ),
+            "idempotency_key",
+        ),
+        (
+            "AppendItems",
+            pb.AppendItemsRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                run_id=run_id,
+                expected_checkpoint_version=1,
+                idempotency_key=long,
+                items=[assistant("x")],
+            ),
+            "idempotency_key",
+        ),
+        ("EraseSubject", pb.EraseSubjectRequest(tenant_id=TENANT, person_id=long), "person_id"),
+        (
+            "GetBuild",
+            pb.GetBuildRequest(tenant_id=long, session_id=session_id, request_sequence=1),
+            "tenant_id",
+        ),
+    ]
+    for method, request, field in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await getattr(stub, method)(request)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, field)
+        assert details(caught.value)[:2] == ("INVALID_FIELD", [field])
+    after = {t: await _count(pool, t, session_id) for t in before}
+    assert after == before, "a refused request writes nothing"
+    erased = "SELECT count(*) FROM erased_people WHERE person_id = $1"
+    assert await pool.fetchval(erased, long) == 0
+
+
 async def test_a_run_named_under_another_session_is_not_found(stub: Any, pool: Any) -> None:
     """Runs are looked up by their own id (store/runs.py); one that belongs to another
     session of the tenant reads like a missing one, for Build and for writes alike."""

@@ -1,16 +1,21 @@
-"""Proto -> core conversion (api/convert.py): an enum number the core does not know.
+"""Proto -> core conversion (api/convert.py): values the wire allows and the core cannot
+take are invalid fields (INVALID_ARGUMENT naming them), never internal errors.
 
-Proto3 enums are open, so a client can send any number; one the core has no member for is
-an invalid field (INVALID_ARGUMENT naming it), never an internal error.
+Proto3 enums are open, so a client can send any number; a Timestamp can carry nanos outside
+[0, 1e9) or a date no time zone can render.
 """
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+from zoneinfo import ZoneInfo
+
 import grpc
 import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
-from context_engine.api.convert import plan_spec_from_proto
+from context_engine.api.convert import plan_spec_from_proto, timestamp_to_datetime
 from context_engine.api.errors import status_for
 from context_engine.core import InvalidFieldError
 from context_engine.core.enums import SessionKind, SideEffect
@@ -51,3 +56,30 @@ def test_an_unknown_enum_number_is_an_invalid_field(spec: pb.PlanSpec, field: st
         plan_spec_from_proto(spec, POLICY)
     assert caught.value.field == field
     assert status_for(caught.value)[0] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize(
+    "stamp",
+    [
+        Timestamp(seconds=1_790_000_000, nanos=-1),
+        Timestamp(seconds=1_790_000_000, nanos=1_000_000_000),
+        Timestamp(seconds=2**62),
+        Timestamp(seconds=-(2**62)),
+        Timestamp(seconds=253_402_300_799),  # 9999-12-31: past year 9999 east of UTC
+        Timestamp(seconds=-62_135_596_800),  # 0001-01-01: before year 1 west of UTC
+    ],
+)
+def test_a_clock_no_zone_can_render_is_an_invalid_field(stamp: Timestamp) -> None:
+    with pytest.raises(InvalidFieldError) as caught:
+        timestamp_to_datetime(stamp, "now")
+    assert caught.value.field == "now"
+
+
+def test_the_widest_accepted_clocks_render_in_every_zone() -> None:
+    for day in (datetime(1, 1, 3, tzinfo=UTC), datetime(9999, 12, 29, 23, 59, tzinfo=UTC)):
+        stamp = Timestamp()
+        stamp.FromDatetime(day)
+        instant = timestamp_to_datetime(stamp, "now")
+        assert instant == day
+        for zone in ("Pacific/Kiritimati", "Etc/GMT+12", "Europe/Berlin"):
+            instant.astimezone(ZoneInfo(zone))  # raises OverflowError if out of range

@@ -1309,7 +1309,7 @@ type SkillCatalogEntry struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Skill name, the argument of skill.load.
+	// Skill name, the argument of skill.load; at most 200 characters.
 	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// One-paragraph description shown in the catalog.
 	Description string `protobuf:"bytes,2,opt,name=description,proto3" json:"description,omitempty"`
@@ -1467,7 +1467,8 @@ type MemoryItem struct {
 	Text string `protobuf:"bytes,2,opt,name=text,proto3" json:"text,omitempty"`
 	// Attribution shown to the model (for example "belief", "user_statement").
 	Source string `protobuf:"bytes,3,opt,name=source,proto3" json:"source,omitempty"`
-	// People the memory is about; used to find snapshots on erasure. Never rendered.
+	// People the memory is about; used to find snapshots on erasure. Never rendered. Each at
+	// most 200 characters; one EraseSubject has erased fails Plan and Rotate (PERSON_ERASED).
 	PersonIds []string `protobuf:"bytes,4,rep,name=person_ids,json=personIds,proto3" json:"person_ids,omitempty"`
 }
 
@@ -2278,8 +2279,8 @@ type PlanRequest struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Tenant owning the session. With authentication on, it must match the identity's
-	// tenant or be empty.
+	// Tenant owning the session (at most 200 characters). With authentication on, it must
+	// match the identity's tenant or be empty.
 	TenantId string `protobuf:"bytes,1,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
 	// The session (UUID). Created on first Plan.
 	SessionId string `protobuf:"bytes,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
@@ -2412,7 +2413,7 @@ type GetPlanRequest struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Tenant owning the session.
+	// Tenant owning the session (at most 200 characters).
 	TenantId string `protobuf:"bytes,1,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
 	// The session.
 	SessionId string `protobuf:"bytes,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
@@ -2526,7 +2527,7 @@ type RotateRequest struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Tenant owning the session.
+	// Tenant owning the session (at most 200 characters).
 	TenantId string `protobuf:"bytes,1,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
 	// The session.
 	SessionId string `protobuf:"bytes,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
@@ -3381,13 +3382,13 @@ type StartRunRequest struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Tenant owning the session.
+	// Tenant owning the session (at most 200 characters).
 	TenantId string `protobuf:"bytes,1,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
 	// The session.
 	SessionId string `protobuf:"bytes,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
 	// The new run's id (UUID). Empty: the server assigns one.
 	RunId string `protobuf:"bytes,3,opt,name=run_id,json=runId,proto3" json:"run_id,omitempty"`
-	// Makes retries safe: the same key returns the first call's result.
+	// Makes retries safe: the same key returns the first call's result (at most 200 characters).
 	IdempotencyKey string `protobuf:"bytes,4,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
 	// What the run answers.
 	//
@@ -3647,7 +3648,7 @@ type AppendItemsRequest struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Tenant owning the session.
+	// Tenant owning the session (at most 200 characters).
 	TenantId string `protobuf:"bytes,1,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
 	// The session.
 	SessionId string `protobuf:"bytes,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
@@ -3655,7 +3656,7 @@ type AppendItemsRequest struct {
 	RunId string `protobuf:"bytes,3,opt,name=run_id,json=runId,proto3" json:"run_id,omitempty"`
 	// The latest checkpoint version the caller saw; else ABORTED.
 	ExpectedCheckpointVersion int64 `protobuf:"varint,4,opt,name=expected_checkpoint_version,json=expectedCheckpointVersion,proto3" json:"expected_checkpoint_version,omitempty"`
-	// Makes retries safe: the same key returns the first call's result.
+	// Makes retries safe: the same key returns the first call's result (at most 200 characters).
 	IdempotencyKey string `protobuf:"bytes,5,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
 	// The items, in order. At least one.
 	Items []*ConversationItem `protobuf:"bytes,6,rep,name=items,proto3" json:"items,omitempty"`
@@ -4026,7 +4027,7 @@ type BuildRequest struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Tenant owning the session.
+	// Tenant owning the session (at most 200 characters).
 	TenantId string `protobuf:"bytes,1,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
 	// The session.
 	SessionId string `protobuf:"bytes,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
@@ -4035,6 +4036,8 @@ type BuildRequest struct {
 	// The checkpoint to build from; 0 builds from the latest.
 	CheckpointVersion int64 `protobuf:"varint,4,opt,name=checkpoint_version,json=checkpointVersion,proto3" json:"checkpoint_version,omitempty"`
 	// The clock: row 14's date comes from here. Absent: the server's clock at receipt.
+	// From 0001-01-03 up to 9999-12-30 UTC (every time zone can render it); else
+	// INVALID_FIELD.
 	Now *timestamppb.Timestamp `protobuf:"bytes,5,opt,name=now,proto3" json:"now,omitempty"`
 	// Per-step context.
 	Step *StepContext `protobuf:"bytes,6,opt,name=step,proto3" json:"step,omitempty"`
@@ -4857,7 +4860,7 @@ type GetBuildRequest struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Tenant owning the session.
+	// Tenant owning the session (at most 200 characters).
 	TenantId string `protobuf:"bytes,1,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
 	// The session.
 	SessionId string `protobuf:"bytes,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
@@ -4923,7 +4926,7 @@ type ReportUsageRequest struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Tenant owning the session.
+	// Tenant owning the session (at most 200 characters).
 	TenantId string `protobuf:"bytes,1,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
 	// The session.
 	SessionId string `protobuf:"bytes,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
@@ -4940,7 +4943,7 @@ type ReportUsageRequest struct {
 	CacheCreationInputTokens int64 `protobuf:"varint,7,opt,name=cache_creation_input_tokens,json=cacheCreationInputTokens,proto3" json:"cache_creation_input_tokens,omitempty"`
 	// Output tokens.
 	OutputTokens int64 `protobuf:"varint,8,opt,name=output_tokens,json=outputTokens,proto3" json:"output_tokens,omitempty"`
-	// Makes retries safe: a request's usage is counted once per key.
+	// Makes retries safe: a request's usage is counted once per key (at most 200 characters).
 	IdempotencyKey string `protobuf:"bytes,9,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
 }
 
@@ -5120,7 +5123,7 @@ type LoadSkillRequest struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Tenant owning the session.
+	// Tenant owning the session (at most 200 characters).
 	TenantId string `protobuf:"bytes,1,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
 	// The session.
 	SessionId string `protobuf:"bytes,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
@@ -5270,9 +5273,9 @@ type EraseSubjectRequest struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Tenant.
+	// Tenant (at most 200 characters).
 	TenantId string `protobuf:"bytes,1,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
-	// The person whose memories are erased (MemoryItem.person_ids).
+	// The person whose memories are erased (MemoryItem.person_ids); at most 200 characters.
 	PersonId string `protobuf:"bytes,2,opt,name=person_id,json=personId,proto3" json:"person_id,omitempty"`
 }
 
@@ -5812,7 +5815,7 @@ type UpdateWorkingStateRequest struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Tenant owning the session.
+	// Tenant owning the session (at most 200 characters).
 	TenantId string `protobuf:"bytes,1,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
 	// The session.
 	SessionId string `protobuf:"bytes,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
@@ -5824,7 +5827,7 @@ type UpdateWorkingStateRequest struct {
 	Writer Writer `protobuf:"varint,5,opt,name=writer,proto3,enum=context_engine.v1.Writer" json:"writer,omitempty"`
 	// The transition.
 	Update *WorkingStateUpdate `protobuf:"bytes,6,opt,name=update,proto3" json:"update,omitempty"`
-	// Makes retries safe.
+	// Makes retries safe (at most 200 characters).
 	IdempotencyKey string `protobuf:"bytes,7,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
 }
 
@@ -6272,7 +6275,7 @@ type PrepareCompactionRequest struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Tenant owning the session.
+	// Tenant owning the session (at most 200 characters).
 	TenantId string `protobuf:"bytes,1,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
 	// The session.
 	SessionId string `protobuf:"bytes,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
@@ -6496,7 +6499,7 @@ type CommitCompactionRequest struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Tenant owning the session.
+	// Tenant owning the session (at most 200 characters).
 	TenantId string `protobuf:"bytes,1,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
 	// The session.
 	SessionId string `protobuf:"bytes,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
@@ -6506,7 +6509,7 @@ type CommitCompactionRequest struct {
 	ExpectedCheckpointVersion int64 `protobuf:"varint,4,opt,name=expected_checkpoint_version,json=expectedCheckpointVersion,proto3" json:"expected_checkpoint_version,omitempty"`
 	// The result.
 	Result *CompactionResult `protobuf:"bytes,5,opt,name=result,proto3" json:"result,omitempty"`
-	// Makes retries safe.
+	// Makes retries safe (at most 200 characters).
 	IdempotencyKey string `protobuf:"bytes,6,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
 }
 
@@ -6646,7 +6649,7 @@ type OfferFactCandidatesRequest struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Tenant owning the session.
+	// Tenant owning the session (at most 200 characters).
 	TenantId string `protobuf:"bytes,1,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
 	// The session (ending).
 	SessionId string `protobuf:"bytes,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`

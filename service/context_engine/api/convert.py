@@ -86,6 +86,30 @@ def require_expected_version(value: int) -> int:
     return value
 
 
+# Identifiers are keys of PostgreSQL indexes, and a btree entry must fit in a third of a
+# page: 200 characters (at most 800 bytes of UTF-8) leaves room for the rest of the key.
+MAX_ID_CHARS = 200
+
+
+def require_id(value: str, field: str, *, required: bool = True) -> str:
+    """An identifier the caller chose (tenant, idempotency key, person, skill name).
+
+    Raises:
+        InvalidFieldError: empty when required, or longer than MAX_ID_CHARS.
+    """
+    if not value:
+        if required:
+            raise InvalidFieldError(f"{field} is required", field=field)
+        return value
+    if len(value) > MAX_ID_CHARS:
+        raise InvalidFieldError(f"{field} is longer than {MAX_ID_CHARS} characters", field=field)
+    return value
+
+
+def require_tenant(request: object) -> str:
+    return require_id(str(getattr(request, "tenant_id", "")), "tenant_id")
+
+
 def require_uuid(value: str, field: str) -> UUID:
     parsed = parse_uuid(value, field)
     assert parsed is not None
@@ -185,8 +209,7 @@ def plan_spec_from_proto(
     skills = []
     for n, skill in enumerate(spec.skills):
         path = f"{field}.skills[{n}]"
-        if not skill.name:
-            raise InvalidFieldError(f"{path}.name is required", field=f"{path}.name")
+        require_id(skill.name, f"{path}.name")
         trust = (
             _trust(skill.trust, f"{path}.trust")
             if skill.trust
@@ -207,7 +230,9 @@ def plan_spec_from_proto(
                 item_id=item.item_id,
                 text=item.text,
                 source=item.source,
-                person_ids=tuple(item.person_ids),
+                person_ids=tuple(
+                    require_id(p, f"{path}.person_ids[{k}]") for k, p in enumerate(item.person_ids)
+                ),
             )
         )
     policy = (
@@ -445,8 +470,30 @@ def _require(value: str, field: str) -> None:
 # --- build ----------------------------------------------------------------------------------
 
 
-def timestamp_to_datetime(ts: Timestamp) -> datetime:
-    return cast(datetime, ts.ToDatetime(tzinfo=UTC))
+# A clock the plan's time zone can render: datetime's own range, less a margin for the
+# largest UTC offset on either side (a zone east of UTC pushes 9999-12-31 past year 9999).
+_EARLIEST = datetime(1, 1, 3, tzinfo=UTC)
+_END = datetime(9999, 12, 30, tzinfo=UTC)  # exclusive
+
+
+def timestamp_to_datetime(ts: Timestamp, field: str) -> datetime:
+    """The caller's clock, as an aware UTC datetime.
+
+    Raises:
+        InvalidFieldError: nanos outside [0, 1e9), or a date outside what every time zone
+            can render (from 0001-01-03 up to, not including, 9999-12-30 UTC).
+    """
+    try:
+        instant = cast(datetime, ts.ToDatetime(tzinfo=UTC))
+    except ValueError:  # nanos or seconds outside what a Timestamp may hold
+        instant = None
+    if instant is None or not _EARLIEST <= instant < _END:
+        raise InvalidFieldError(
+            f"{field} must be a valid Timestamp from 0001-01-03 up to 9999-12-30 UTC"
+            " (nanos in [0, 999999999])",
+            field=field,
+        )
+    return instant
 
 
 def step_from_proto(step: pb.StepContext) -> StepContext:

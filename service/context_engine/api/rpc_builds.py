@@ -45,9 +45,7 @@ class BuildsRpcs:
     async def GetBuild(
         self, request: pb.GetBuildRequest, context: grpc.aio.ServicerContext
     ) -> EncodedBuildResponse:
-        if not request.tenant_id:
-            raise InvalidFieldError("tenant_id is required", field="tenant_id")
-        tenant = request.tenant_id
+        tenant = convert.require_tenant(request)
         session_id = convert.require_uuid(request.session_id, "session_id")
         if request.request_sequence < 1:
             raise InvalidFieldError(

@@ -17,7 +17,7 @@ from ..core.trust import TrustLevel
 from . import compaction as compaction_api
 from . import convert
 from .errors import grpc_errors
-from .rpc_working_state import request_sha256, tenant_of
+from .rpc_working_state import request_sha256
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -81,7 +81,7 @@ class CompactionRpcs:
     async def PrepareCompaction(
         self, request: pb.PrepareCompactionRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrepareCompactionResponse:
-        tenant = tenant_of(request)
+        tenant = convert.require_tenant(request)
         session_id = convert.require_uuid(request.session_id, "session_id")
         run_id = convert.require_uuid(request.run_id, "run_id")
         for name in ("checkpoint_version", "through_sequence"):
@@ -113,7 +113,7 @@ class CompactionRpcs:
     async def CommitCompaction(
         self, request: pb.CommitCompactionRequest, context: grpc.aio.ServicerContext
     ) -> pb.CommitCompactionResponse:
-        tenant = tenant_of(request)
+        tenant = convert.require_tenant(request)
         session_id = convert.require_uuid(request.session_id, "session_id")
         run_id = convert.require_uuid(request.run_id, "run_id")
         if request.expected_checkpoint_version < 1:
@@ -131,7 +131,7 @@ class CompactionRpcs:
             run_id,
             request.expected_checkpoint_version,
             result,
-            request.idempotency_key,
+            convert.require_id(request.idempotency_key, "idempotency_key", required=False),
             request_sha256(request),
         )
         return pb.CommitCompactionResponse(**committed)

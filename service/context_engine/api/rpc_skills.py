@@ -19,14 +19,6 @@ if TYPE_CHECKING:
 __all__ = ["SkillsRpcs"]
 
 
-def _tenant(value: str) -> str:
-    if not value:
-        raise InvalidFieldError("tenant_id is required", field="tenant_id")
-    if len(value) > 200:
-        raise InvalidFieldError("tenant_id is longer than 200 characters", field="tenant_id")
-    return value
-
-
 class SkillsRpcs:
     """Expects `engine` from ContextEngineServicer."""
 
@@ -36,7 +28,7 @@ class SkillsRpcs:
     async def LoadSkill(
         self, request: pb.LoadSkillRequest, context: grpc.aio.ServicerContext
     ) -> pb.LoadSkillResponse:
-        tenant = _tenant(request.tenant_id)
+        tenant = convert.require_tenant(request)
         session_id = convert.require_uuid(request.session_id, "session_id")
         if not request.name:
             raise InvalidFieldError("name is required", field="name")
@@ -58,10 +50,9 @@ class SkillsRpcs:
     async def EraseSubject(
         self, request: pb.EraseSubjectRequest, context: grpc.aio.ServicerContext
     ) -> pb.EraseSubjectResponse:
-        tenant = _tenant(request.tenant_id)
-        if not request.person_id:
-            raise InvalidFieldError("person_id is required", field="person_id")
-        erasure = await skills_api.erase_subject(self.engine, tenant, request.person_id)
+        tenant = convert.require_tenant(request)
+        person_id = convert.require_id(request.person_id, "person_id")
+        erasure = await skills_api.erase_subject(self.engine, tenant, person_id)
         return pb.EraseSubjectResponse(
             invalidated_session_ids=[str(s) for s in erasure.invalidated_session_ids],
             bound_run_ids=[str(r) for r in erasure.bound_run_ids],

@@ -54,10 +54,7 @@ class UsageRpcs:
 
 def _report_from_proto(request: pb.ReportUsageRequest) -> usage_api.UsageReport:
     """Validate before anything is read or written."""
-    if not request.tenant_id:
-        raise InvalidFieldError("tenant_id is required", field="tenant_id")
-    if len(request.tenant_id) > 200:
-        raise InvalidFieldError("tenant_id is longer than 200 characters", field="tenant_id")
+    convert.require_tenant(request)
     if request.request_sequence < 1:
         raise InvalidFieldError(
             "request_sequence must be a BuildResponse.request_sequence (>= 1)",
@@ -75,7 +72,9 @@ def _report_from_proto(request: pb.ReportUsageRequest) -> usage_api.UsageReport:
         cache_read_input_tokens=request.cache_read_input_tokens,
         cache_creation_input_tokens=request.cache_creation_input_tokens,
         output_tokens=request.output_tokens,
-        idempotency_key=request.idempotency_key,
+        idempotency_key=convert.require_id(
+            request.idempotency_key, "idempotency_key", required=False
+        ),
         request_sha256=hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest(),
     )
     if report.actual_input_tokens == 0:

@@ -43,22 +43,12 @@ __all__ = [
     "WorkingStateRpcs",
     "request_sha256",
     "state_to_proto",
-    "tenant_of",
     "tool_spec_to_proto",
     "update_from_proto",
 ]
 
 # The engine's control tools, advertised through ListControlTools.
 CONTROL_TOOLS: tuple[ToolSpec, ...] = (UPDATE_TOOL,)
-
-
-def tenant_of(request: object) -> str:
-    tenant = str(getattr(request, "tenant_id", ""))
-    if not tenant:
-        raise InvalidFieldError("tenant_id is required", field="tenant_id")
-    if len(tenant) > 200:
-        raise InvalidFieldError("tenant_id is longer than 200 characters", field="tenant_id")
-    return tenant
 
 
 def request_sha256(request: Any) -> str:
@@ -181,7 +171,7 @@ class WorkingStateRpcs:
     async def UpdateWorkingState(
         self, request: pb.UpdateWorkingStateRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateWorkingStateResponse:
-        tenant = tenant_of(request)
+        tenant = convert.require_tenant(request)
         session_id = convert.require_uuid(request.session_id, "session_id")
         run_id = convert.require_uuid(request.run_id, "run_id")
         convert.require_expected_version(request.expected_checkpoint_version)
@@ -199,7 +189,7 @@ class WorkingStateRpcs:
             request.expected_checkpoint_version,
             writer,
             update,
-            request.idempotency_key,
+            convert.require_id(request.idempotency_key, "idempotency_key", required=False),
             request_sha256(request),
         )
         return pb.UpdateWorkingStateResponse(
@@ -218,7 +208,7 @@ class WorkingStateRpcs:
     async def OfferFactCandidates(
         self, request: pb.OfferFactCandidatesRequest, context: grpc.aio.ServicerContext
     ) -> pb.OfferFactCandidatesResponse:
-        tenant = tenant_of(request)
+        tenant = convert.require_tenant(request)
         session_id = convert.require_uuid(request.session_id, "session_id")
         result = await ws_api.offer_fact_candidates(self.engine, tenant, session_id)
         return pb.OfferFactCandidatesResponse(

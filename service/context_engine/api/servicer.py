@@ -31,15 +31,6 @@ def _request_sha256(request: object) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _tenant(request: object) -> str:
-    tenant = getattr(request, "tenant_id", "")
-    if not tenant:
-        raise InvalidFieldError("tenant_id is required", field="tenant_id")
-    if len(tenant) > 200:
-        raise InvalidFieldError("tenant_id is longer than 200 characters", field="tenant_id")
-    return str(tenant)
-
-
 class ContextEngineServicer(
     BuildsRpcs,
     UsageRpcs,
@@ -55,7 +46,7 @@ class ContextEngineServicer(
     async def Plan(
         self, request: pb.PlanRequest, context: grpc.aio.ServicerContext
     ) -> pb.PlanResponse:
-        tenant = _tenant(request)
+        tenant = convert.require_tenant(request)
         session_id = convert.require_uuid(request.session_id, "session_id")
         if not request.HasField("spec"):
             raise InvalidFieldError("spec is required", field="spec")
@@ -69,7 +60,7 @@ class ContextEngineServicer(
     async def GetPlan(
         self, request: pb.GetPlanRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetPlanResponse:
-        tenant = _tenant(request)
+        tenant = convert.require_tenant(request)
         session_id = convert.require_uuid(request.session_id, "session_id")
         if request.epoch < 0:
             raise InvalidFieldError("epoch must not be negative", field="epoch")
@@ -80,7 +71,7 @@ class ContextEngineServicer(
     async def Rotate(
         self, request: pb.RotateRequest, context: grpc.aio.ServicerContext
     ) -> pb.RotateResponse:
-        tenant = _tenant(request)
+        tenant = convert.require_tenant(request)
         session_id = convert.require_uuid(request.session_id, "session_id")
         if request.from_epoch < 1:
             raise InvalidFieldError(
@@ -101,7 +92,7 @@ class ContextEngineServicer(
     async def StartRun(
         self, request: pb.StartRunRequest, context: grpc.aio.ServicerContext
     ) -> pb.StartRunResponse:
-        tenant = _tenant(request)
+        tenant = convert.require_tenant(request)
         session_id = convert.require_uuid(request.session_id, "session_id")
         run_id = convert.parse_uuid(request.run_id, "run_id", required=False) or UUID(
             self.engine.new_id()
@@ -129,7 +120,7 @@ class ContextEngineServicer(
             session_id,
             run_id,
             seed,
-            request.idempotency_key,
+            convert.require_id(request.idempotency_key, "idempotency_key", required=False),
             _request_sha256(request),
             admission,
         )
@@ -151,7 +142,7 @@ class ContextEngineServicer(
     async def AppendItems(
         self, request: pb.AppendItemsRequest, context: grpc.aio.ServicerContext
     ) -> pb.AppendItemsResponse:
-        tenant = _tenant(request)
+        tenant = convert.require_tenant(request)
         session_id = convert.require_uuid(request.session_id, "session_id")
         run_id = convert.require_uuid(request.run_id, "run_id")
         convert.require_expected_version(request.expected_checkpoint_version)
@@ -163,7 +154,7 @@ class ContextEngineServicer(
             run_id,
             request.expected_checkpoint_version,
             items,
-            request.idempotency_key,
+            convert.require_id(request.idempotency_key, "idempotency_key", required=False),
             _request_sha256(request),
         )
         return pb.AppendItemsResponse(**result)
@@ -172,14 +163,14 @@ class ContextEngineServicer(
     async def Build(
         self, request: pb.BuildRequest, context: grpc.aio.ServicerContext
     ) -> wire.EncodedBuildResponse:
-        tenant = _tenant(request)
+        tenant = convert.require_tenant(request)
         session_id = convert.require_uuid(request.session_id, "session_id")
         run_id = convert.require_uuid(request.run_id, "run_id")
         if request.checkpoint_version < 0:
             raise InvalidFieldError(
                 "checkpoint_version must not be negative", field="checkpoint_version"
             )
-        now = convert.timestamp_to_datetime(request.now) if request.HasField("now") else None
+        now = convert.timestamp_to_datetime(request.now, "now") if request.HasField("now") else None
         step = convert.step_from_proto(request.step)
         result = await self.engine.build(
             tenant, session_id, run_id, request.checkpoint_version, now, step
