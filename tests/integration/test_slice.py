@@ -388,6 +388,71 @@ async def test_identifiers_longer_than_an_index_takes_are_named(stub: Any, pool:
     assert await pool.fetchval(erased, long) == 0
 
 
+async def test_values_nothing_downstream_can_take_are_named(stub: Any, pool: Any) -> None:
+    """U+0000 (PostgreSQL stores no NUL in text or jsonb) and integers beyond 2^53 - 1
+    (canonical JSON carries none exactly, and plans, checkpoints and requests are hashed
+    as canonical JSON) are refused for every RPC, by field, before anything is read."""
+    session_id, _ = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "hi")).run.run_id
+    before = {t: await _count(pool, t, session_id) for t in ("session_events", "run_checkpoints")}
+    capped = spec()
+    capped.policy_cap_tokens = 2**53
+    remembered = spec()
+    remembered.snapshot.watermark = -(2**60)
+    attached = pb.ConversationItem(
+        user_message=pb.UserMessage(
+            text="see attached", attachments=[pb.Attachment(kind="pdf", ref="r", pages=2**62)]
+        )
+    )
+    on_run = {"tenant_id": TENANT, "session_id": session_id, "run_id": run_id}
+    cases: list[tuple[str, Any, str]] = [
+        (
+            "Plan",
+            pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=capped),
+            "spec.policy_cap_tokens",
+        ),
+        (
+            "Plan",
+            pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=remembered),
+            "spec.snapshot.watermark",
+        ),
+        (
+            "AppendItems",
+            pb.AppendItemsRequest(**on_run, expected_checkpoint_version=1, items=[attached]),
+            "items[0].user_message.attachments[0].pages",
+        ),
+        (
+            "AppendItems",
+            pb.AppendItemsRequest(
+                **on_run,
+                expected_checkpoint_version=1,
+                items=[assistant("ok"), assistant("a\x00b")],
+            ),
+            "items[1].assistant_message.text",
+        ),
+        (
+            "ReportUsage",
+            pb.ReportUsageRequest(
+                tenant_id=TENANT, session_id=session_id, request_sequence=1, input_tokens=2**63 - 1
+            ),
+            "input_tokens",
+        ),
+    ]
+    for method, request, field in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await getattr(stub, method)(request)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, field)
+        assert details(caught.value)[:2] == ("INVALID_FIELD", [field])
+    after = {t: await _count(pool, t, session_id) for t in before}
+    assert after == before, "a refused request writes nothing"
+    # The largest exact integer itself is a value like any other.
+    largest = spec()
+    largest.policy_cap_tokens = 2**53 - 1
+    assert (
+        await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=largest))
+    ).created
+
+
 async def test_a_run_named_under_another_session_is_not_found(stub: Any, pool: Any) -> None:
     """Runs are looked up by their own id (store/runs.py); one that belongs to another
     session of the tenant reads like a missing one, for Build and for writes alike."""

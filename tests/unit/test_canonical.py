@@ -1,14 +1,22 @@
-"""The canonical fast path is byte-identical to the RFC 8785 reference implementation."""
+"""The canonical fast path is byte-identical to the RFC 8785 reference implementation, and
+every JSON document the API accepts canonicalizes and reads back as the same value."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import pytest
 import rfc8785
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from context_engine.core.canonical import canonical_bytes, canonical_json_text
+from context_engine.core.canonical import (
+    MAX_SAFE_INTEGER,
+    canonical_bytes,
+    canonical_json_text,
+    parse_json_object,
+)
 
 _scalars = (
     st.none()
@@ -91,3 +99,49 @@ def test_composed_request_bytes_equal_the_full_serialization(data: st.DataObject
     )
     assert request.canonical_bytes() == canonical_bytes(request.canonical())
     assert request.canonical_bytes() == rfc8785.dumps(request.canonical())
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        '{"a": NaN}',
+        '{"a": [Infinity]}',
+        '{"a": {"b": -Infinity}}',
+        '{"a": 9007199254740992}',
+        '{"a": -9007199254740992}',
+        '{"": 1.2719778770148802e+16}',  # a double that canonicalizes to a 17-digit integer
+    ],
+)
+def test_numbers_canonical_json_cannot_carry_are_refused(document: str) -> None:
+    with pytest.raises(ValueError):
+        parse_json_object(document)
+
+
+@settings(max_examples=300)
+@given(
+    st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers()
+        | st.floats(allow_nan=True, allow_infinity=True)
+        | st.text(max_size=4),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner),
+        max_leaves=8,
+    )
+)
+def test_what_is_accepted_canonicalizes_and_reads_back(value: Any) -> None:
+    document = json.dumps({"v": value})
+    try:
+        parsed = parse_json_object(document)
+    except ValueError:
+        return  # refused: nothing downstream ever sees it
+    again = json.loads(canonical_bytes(parsed))
+    assert canonical_bytes(again) == canonical_bytes(parsed)
+
+
+def test_the_largest_exact_numbers_are_accepted() -> None:
+    edge = f'{{"a": [{MAX_SAFE_INTEGER}, -{MAX_SAFE_INTEGER}, 1e21, -0.0]}}'
+    assert (
+        canonical_bytes(parse_json_object(edge))
+        == b'{"a":[9007199254740991,-9007199254740991,1e+21,0]}'
+    )

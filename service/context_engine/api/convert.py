@@ -144,8 +144,10 @@ def _json_object(text: str, field: str, *, default: dict[str, Any] | None = None
         raise InvalidFieldError(f"{field} is required", field=field)
     try:
         return parse_json_object(text)
-    except (ValueError, RecursionError):
+    except RecursionError:
         raise InvalidFieldError(f"{field} must be a JSON object", field=field) from None
+    except ValueError as exc:  # the parser's own words: a position or a rule, never content
+        raise InvalidFieldError(f"{field} must be a JSON object: {exc}", field=field) from None
 
 
 _T = TypeVar("_T")

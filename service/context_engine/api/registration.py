@@ -3,7 +3,9 @@
 grpc's generated registration decodes requests before our code runs, and a request that
 is not a valid message (truncated, invalid UTF-8 in a string field) surfaces as a bare
 INTERNAL "Exception deserializing request!". That is the caller's mistake, so here a
-failed decode becomes INVALID_ARGUMENT with ErrorInfo, like every other bad input.
+failed decode becomes INVALID_ARGUMENT with ErrorInfo, like every other bad input. So does
+a decoded request holding what nothing downstream can take (_unstorable), checked once
+here for every RPC rather than field by field.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
+from ..core.canonical import MAX_SAFE_INTEGER
 from ..core.errors import InvalidFieldError
 from .errors import status_for
 
@@ -48,9 +51,15 @@ def _decoder(cls: Any) -> Callable[[bytes], Any]:
     return decode
 
 
-def _nul_field(message: Any, prefix: str = "") -> str | None:
-    """The path of the first string field holding U+0000, which PostgreSQL cannot store in
-    text or jsonb; None when there is none."""
+# Plans, checkpoints and requests are hashed as canonical JSON (RFC 8785), which carries
+# no integer beyond MAX_SAFE_INTEGER exactly: an int64 past it could never be hashed.
+_SAFE_INTEGER = MAX_SAFE_INTEGER
+
+
+def _unstorable(message: Any, prefix: str = "") -> tuple[str, str] | None:
+    """(path, why) of the first field the store or the hashes cannot take: a string
+    holding U+0000, which PostgreSQL cannot store in text or jsonb, or an integer beyond
+    what canonical JSON carries exactly. None when there is none."""
     for field, value in message.ListFields():
         path = f"{prefix}{field.name}"
         values = value if field.is_repeated else [value]
@@ -58,9 +67,12 @@ def _nul_field(message: Any, prefix: str = "") -> str | None:
             where = f"{path}[{n}]" if field.is_repeated else path
             if isinstance(item, str):
                 if "\x00" in item:
-                    return where
-            elif field.message_type is not None and not isinstance(item, bytes | int):
-                found = _nul_field(item, where + ".")
+                    return where, "contains U+0000, which is not allowed"
+            elif isinstance(item, int):
+                if abs(item) > _SAFE_INTEGER:
+                    return where, f"is beyond +/-{_SAFE_INTEGER} (2^53 - 1)"
+            elif field.message_type is not None and not isinstance(item, bytes):
+                found = _unstorable(item, where + ".")
                 if found:
                     return found
     return None
@@ -73,10 +85,9 @@ def _guarded(method: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any
             problem = InvalidFieldError(
                 f"the request is not a valid {request.message_name} message"
             )
-        elif (field := _nul_field(request)) is not None:
-            problem = InvalidFieldError(
-                f"{field} contains U+0000, which is not allowed", field=field
-            )
+        elif (found := _unstorable(request)) is not None:
+            field, why = found
+            problem = InvalidFieldError(f"{field} {why}", field=field)
         if problem is not None:
             code, status = status_for(problem)
             await context.abort(

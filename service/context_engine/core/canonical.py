@@ -13,7 +13,13 @@ from typing import Any
 
 import rfc8785
 
-__all__ = ["canonical_bytes", "canonical_json_text", "parse_json_object", "sha256_hex"]
+__all__ = [
+    "MAX_SAFE_INTEGER",
+    "canonical_bytes",
+    "canonical_json_text",
+    "parse_json_object",
+    "sha256_hex",
+]
 
 
 def canonical_bytes(value: Any) -> bytes:
@@ -73,10 +79,31 @@ def canonical_json_text(document: str) -> str:
 
 MAX_JSON_DEPTH = 64  # deeper documents are refused before anything recurses over them
 
+# The largest integer an IEEE double, and so canonical JSON (RFC 8785), carries exactly.
+MAX_SAFE_INTEGER = 2**53 - 1
+# RFC 8785 writes a number below 1e21 in magnitude without an exponent, so a double between
+# MAX_SAFE_INTEGER and 1e21 comes out as an integer literal no parser reads back exactly.
+_EXPONENT_FROM = 1e21
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"JSON has no {name}")  # json.loads accepts NaN and Infinity
+
+
+def _exact_number(node: Any) -> bool:
+    """A number canonical JSON writes and reads back as the same value."""
+    if isinstance(node, bool) or not isinstance(node, int | float):
+        return True
+    if isinstance(node, int):
+        return abs(node) <= MAX_SAFE_INTEGER
+    return not MAX_SAFE_INTEGER < abs(node) < _EXPONENT_FROM
+
 
 def parse_json_object(document: str) -> dict[str, Any]:
-    """Parse a JSON object; raises ValueError when it is not one or nests too deeply."""
-    value = json.loads(document)
+    """Parse a JSON object; raises ValueError when it is not one, nests too deeply, or holds
+    a number canonical JSON cannot carry exactly (NaN, infinities, integers beyond
+    MAX_SAFE_INTEGER): whatever passes here canonicalizes, and reads back the same."""
+    value = json.loads(document, parse_constant=_refuse_constant)
     if not isinstance(value, dict):
         raise ValueError("expected a JSON object")
     stack: list[tuple[Any, int]] = [(value, 1)]
@@ -87,6 +114,8 @@ def parse_json_object(document: str) -> dict[str, Any]:
         if isinstance(node, dict):
             node = list(node.values())
         if not isinstance(node, list):
+            if not _exact_number(node):
+                raise ValueError(f"JSON numbers are within +/-{MAX_SAFE_INTEGER} (2^53 - 1)")
             continue
         stack.extend((child, depth + 1) for child in node)
     return value
