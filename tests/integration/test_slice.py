@@ -325,12 +325,30 @@ async def test_bad_input_is_named_and_writes_nothing(stub: Any, pool: Any) -> No
     assert after == before, "a failed request writes nothing"
 
 
+def _opening(plan_spec: pb.PlanSpec) -> pb.PlanRequest:
+    return pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=plan_spec)
+
+
+async def _each_refused(
+    stub: Any, pool: Any, session_id: str, cases: list[tuple[str, Any, str]]
+) -> None:
+    """Each (method, request, field) is INVALID_ARGUMENT naming the field, and the session
+    has no more events or checkpoints after all of them than before."""
+    before = {t: await _count(pool, t, session_id) for t in ("session_events", "run_checkpoints")}
+    for method, request, field in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await getattr(stub, method)(request)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, field)
+        assert details(caught.value)[:2] == ("INVALID_FIELD", [field])
+    after = {t: await _count(pool, t, session_id) for t in before}
+    assert after == before, "a refused request writes nothing"
+
+
 async def test_identifiers_longer_than_an_index_takes_are_named(stub: Any, pool: Any) -> None:
     """Tenants, idempotency keys, people and skill names are keys of PostgreSQL indexes: one
     over 200 characters is the caller's invalid field, never a failed write (INTERNAL)."""
     session_id, _ = await open_session(stub)
     run_id = (await start_run(stub, session_id, "hi")).run.run_id
-    before = {t: await _count(pool, t, session_id) for t in ("session_events", "run_checkpoints")}
     long = "\u00e9" * 201
     named = spec()
     named.snapshot.items.add(item_id="m1", text="Ana likes trains.", person_ids=["ana", long])
@@ -340,12 +358,12 @@ async def test_identifiers_longer_than_an_index_takes_are_named(stub: Any, pool:
         ("Plan", pb.PlanRequest(tenant_id=long, session_id=new_id(), spec=spec()), "tenant_id"),
         (
             "Plan",
-            pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=named),
+            _opening(named),
             "spec.snapshot.items[0].person_ids[1]",
         ),
         (
             "Plan",
-            pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=catalog),
+            _opening(catalog),
             "spec.skills[0].name",
         ),
         (
@@ -377,13 +395,7 @@ async def test_identifiers_longer_than_an_index_takes_are_named(stub: Any, pool:
             "tenant_id",
         ),
     ]
-    for method, request, field in cases:
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await getattr(stub, method)(request)
-        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, field)
-        assert details(caught.value)[:2] == ("INVALID_FIELD", [field])
-    after = {t: await _count(pool, t, session_id) for t in before}
-    assert after == before, "a refused request writes nothing"
+    await _each_refused(stub, pool, session_id, cases)
     erased = "SELECT count(*) FROM erased_people WHERE person_id = $1"
     assert await pool.fetchval(erased, long) == 0
 
@@ -394,7 +406,6 @@ async def test_values_nothing_downstream_can_take_are_named(stub: Any, pool: Any
     as canonical JSON) are refused for every RPC, by field, before anything is read."""
     session_id, _ = await open_session(stub)
     run_id = (await start_run(stub, session_id, "hi")).run.run_id
-    before = {t: await _count(pool, t, session_id) for t in ("session_events", "run_checkpoints")}
     capped = spec()
     capped.policy_cap_tokens = 2**53
     remembered = spec()
@@ -408,12 +419,12 @@ async def test_values_nothing_downstream_can_take_are_named(stub: Any, pool: Any
     cases: list[tuple[str, Any, str]] = [
         (
             "Plan",
-            pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=capped),
+            _opening(capped),
             "spec.policy_cap_tokens",
         ),
         (
             "Plan",
-            pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=remembered),
+            _opening(remembered),
             "spec.snapshot.watermark",
         ),
         (
@@ -438,19 +449,11 @@ async def test_values_nothing_downstream_can_take_are_named(stub: Any, pool: Any
             "input_tokens",
         ),
     ]
-    for method, request, field in cases:
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await getattr(stub, method)(request)
-        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, field)
-        assert details(caught.value)[:2] == ("INVALID_FIELD", [field])
-    after = {t: await _count(pool, t, session_id) for t in before}
-    assert after == before, "a refused request writes nothing"
+    await _each_refused(stub, pool, session_id, cases)
     # The largest exact integer itself is a value like any other.
     largest = spec()
     largest.policy_cap_tokens = 2**53 - 1
-    assert (
-        await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=largest))
-    ).created
+    assert (await stub.Plan(_opening(largest))).created
 
 
 async def test_a_run_named_under_another_session_is_not_found(stub: Any, pool: Any) -> None:
@@ -502,13 +505,13 @@ async def test_plan_is_idempotent_and_reports_a_changed_spec(stub: Any) -> None:
 async def test_plan_rejects_bad_specs(stub: Any) -> None:
     bad = spec(model_id="no-such-model")
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=bad))
+        await stub.Plan(_opening(bad))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert details(caught.value)[:2] == ("UNKNOWN_MODEL", ["spec.model_id"])
     bad = spec()
     bad.tools[1].input_schema_json = "{not json"
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=bad))
+        await stub.Plan(_opening(bad))
     assert details(caught.value)[1] == ["spec.tools[1].input_schema_json"]
 
 
