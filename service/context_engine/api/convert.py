@@ -128,13 +128,16 @@ def _trust(value: int, field: str) -> TrustLevel:
 _E = TypeVar("_E", bound=IntEnum)
 
 
-def _known(cls: type[_E], value: int, field: str) -> _E:
+def known_enum(cls: type[_E], value: int, field: str) -> _E:
     """An enum number as the core's enum. Proto3 enums are open, so a number the core does
-    not know is the caller's invalid field, not an internal error."""
+    not know (UNSPECIFIED too, where the core has no member for it) is the caller's invalid
+    field, not an internal error."""
     try:
         return cls(value)
     except ValueError:
-        raise InvalidFieldError(f"{field} is not a known {cls.__name__}", field=field) from None
+        raise InvalidFieldError(
+            f"{field} is not a {cls.__name__} this engine accepts", field=field
+        ) from None
 
 
 def _json_object(text: str, field: str, *, default: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -181,7 +184,7 @@ def _tool_spec(tool: pb.ToolSpec, path: str) -> ToolSpec:
                 if tool.output_schema_json
                 else None
             ),
-            side_effect=_known(SideEffect, tool.side_effect, f"{path}.side_effect"),
+            side_effect=known_enum(SideEffect, tool.side_effect, f"{path}.side_effect"),
             required_scopes=tuple(tool.required_scopes),
             server=tool.server,
             model_visible=tool.model_visible if tool.HasField("model_visible") else True,
@@ -276,7 +279,7 @@ def plan_spec_from_proto(
                 items=tuple(snapshot_items),
             ),
             environment=SessionEnvironment(
-                kind=_known(SessionKind, env.kind, f"{field}.environment.kind")
+                kind=known_enum(SessionKind, env.kind, f"{field}.environment.kind")
                 if env.kind
                 else SessionKind.INTERACTIVE,
                 surface=env.surface,

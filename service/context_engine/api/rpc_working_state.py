@@ -10,8 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from enum import IntEnum
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -55,25 +54,13 @@ def request_sha256(request: Any) -> str:
     return hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
 
 
-_E = TypeVar("_E", bound=IntEnum)
-
-
-def _enum(cls: type[_E], value: int, field: str) -> _E:
-    try:
-        return cls(value)
-    except ValueError:
-        raise InvalidFieldError(
-            f"{field} must be a {cls.__name__} other than UNSPECIFIED", field=field
-        ) from None
-
-
 def update_from_proto(update: pb.WorkingStateUpdate, field: str = "update") -> WorkingStateUpdate:
     """Raises InvalidFieldError naming the field (`update.upsert_tasks[1].status`, ...)."""
     tasks = [
         TaskUpsert(
             task_id=t.task_id,
             title=t.title,
-            status=_enum(TaskStatus, t.status, f"{field}.upsert_tasks[{n}].status")
+            status=convert.known_enum(TaskStatus, t.status, f"{field}.upsert_tasks[{n}].status")
             if t.status
             else None,
         )
@@ -87,7 +74,7 @@ def update_from_proto(update: pb.WorkingStateUpdate, field: str = "update") -> W
                 statement=f.statement,
                 source_event_ids=tuple(f.source_event_ids),
                 # An unspecified claim claims nothing: the evidence alone decides.
-                trust=_enum(TrustLevel, f.trust, f"{path}.trust")
+                trust=convert.known_enum(TrustLevel, f.trust, f"{path}.trust")
                 if f.trust
                 else TrustLevel.PLATFORM,
             )
@@ -175,7 +162,7 @@ class WorkingStateRpcs:
         session_id = convert.require_uuid(request.session_id, "session_id")
         run_id = convert.require_uuid(request.run_id, "run_id")
         convert.require_expected_version(request.expected_checkpoint_version)
-        writer = _enum(Writer, request.writer, "writer")
+        writer = convert.known_enum(Writer, request.writer, "writer")
         if not request.HasField("update"):
             raise InvalidFieldError("update is required", field="update")
         update = update_from_proto(request.update)
