@@ -91,7 +91,9 @@ def _text(response: pb.BuildResponse) -> str:
 
 
 async def _rewrite_plan(pool: Any, session_id: str, change: Any) -> None:
-    """Rewrite the current stored plan (simulating one written by an older builder)."""
+    """Rewrite the current stored plan (simulating one written by an older builder). Like
+    every in-place rewrite (an erasure's), it bumps the session's plans_revision, so the
+    replicas' kept copies are read again."""
     row = await pool.fetchrow(
         "SELECT p.epoch, p.plan FROM context_plans p JOIN sessions s USING (tenant_id, session_id)"
         " WHERE p.session_id = $1 AND p.epoch = s.current_epoch",
@@ -105,6 +107,10 @@ async def _rewrite_plan(pool: Any, session_id: str, change: Any) -> None:
         row["epoch"],
         plan,
         plan["prefix_sha256"],
+    )
+    await pool.execute(
+        "UPDATE sessions SET plans_revision = plans_revision + 1 WHERE session_id = $1",
+        UUID(session_id),
     )
 
 
@@ -527,6 +533,7 @@ async def test_an_erasure_reaches_plans_another_replica_keeps(
     run_id = (await _start(stub, session_id)).run.run_id
     built = await _build(second_replica, session_id, run_id)  # the second replica keeps epoch 1
     assert "allergic" in _text(built)
+    assert not (await _start(second_replica, session_id)).HasField("rotated_plan")
     first = pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id, epoch=1)
     assert b"allergic" in (await second_replica.GetPlan(first)).plan.prefix_document
 
@@ -544,7 +551,10 @@ async def test_an_erasure_reaches_plans_another_replica_keeps(
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert details(refused.value)[0] == "REQUEST_REDACTED"
     assert "allergic" not in (refused.value.details() or "")
-    # The next Build rotates first rather than meeting the write fence.
+    # The next run's admission, on the replica that kept epoch 1, rotates (it reads the
+    # revision under the session lock); the run already going builds on the new epoch.
+    admitted = await _start(second_replica, session_id)
+    assert admitted.rotated_plan.reason == pb.PLAN_REASON_SNAPSHOT_INVALIDATED
     rebuilt = await _build(second_replica, session_id, run_id)
     assert rebuilt.epoch == 2 and "allergic" not in _text(rebuilt) and "Lyon" in _text(rebuilt)
     assert await _rotations(pool, session_id) == ["snapshot_invalidated"]

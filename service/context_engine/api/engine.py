@@ -312,10 +312,18 @@ class Engine:
         tenant: str,
         session_id: UUID,
         admission: epoch_rules.Admission | None,
+        epoch: int,
+        revision: int,
     ) -> plans.StoredPlan | None:
         """A new run's admission, before it pins its tools: rotate once when the rules of
-        core/epochs.py say so. -> the rotated plan, or None when the plan stays."""
-        current = await plans.read_plan(conn, tenant, session_id)
+        core/epochs.py say so. -> the rotated plan, or None when the plan stays.
+
+        `epoch` and `revision` are the session's, read under its lock: a kept plan of that
+        epoch and revision is the current one, and is not read again."""
+        current: plans.StoredPlan | None = self._plans.get((tenant, session_id, epoch))
+        if current is None or current.revision != revision:
+            current = await plans.read_plan(conn, tenant, session_id, epoch)
+            self._plans.put((tenant, session_id, epoch), current, 1)
         decision = epoch_rules.admit_run(
             current.plan,
             current.spec,
@@ -365,7 +373,7 @@ class Engine:
         admission: epoch_rules.Admission | None = None,
     ) -> RunStarted:
         async with transaction(self.pool) as conn:
-            epoch = await sessions.lock_session(conn, tenant, session_id)
+            epoch, revision = await sessions.lock_session_plans(conn, tenant, session_id)
             stored = await idempotency.recall_response(
                 conn, tenant, session_id, idempotency_key, "StartRun", request_sha256
             )
@@ -378,7 +386,7 @@ class Engine:
                     reason="PLAN_NOT_FOUND",
                 )
             # Admission precedes the seed: the run pins the epoch it starts on.
-            rotated = await self._admit(conn, tenant, session_id, admission)
+            rotated = await self._admit(conn, tenant, session_id, admission, epoch, revision)
             if rotated is not None:
                 epoch = rotated.plan.epoch
             if isinstance(seed, UserMessage):

@@ -8,7 +8,7 @@ from uuid import UUID
 
 from ..core.errors import NotFoundError
 
-__all__ = ["ensure_session", "lock_session"]
+__all__ = ["ensure_session", "lock_session", "lock_session_plans"]
 
 
 async def ensure_session(conn: Any, tenant_id: str, session_id: UUID) -> None:
@@ -38,3 +38,25 @@ async def lock_session(conn: Any, tenant_id: str, session_id: UUID) -> int:
             f"session {session_id} not found", field="session_id", reason="SESSION_NOT_FOUND"
         )
     return int(epoch)
+
+
+async def lock_session_plans(conn: Any, tenant_id: str, session_id: UUID) -> tuple[int, int]:
+    """lock_session, also returning the session's plans_revision: (epoch, revision).
+
+    Under the lock the pair is the committed one, and stays so until the transaction ends
+    (an erasure rewrites plans only with the session locked).
+
+    Raises:
+        NotFoundError: no such session for this tenant.
+    """
+    row = await conn.fetchrow(
+        "SELECT current_epoch, plans_revision FROM sessions"
+        " WHERE tenant_id = $1 AND session_id = $2 FOR UPDATE",
+        tenant_id,
+        session_id,
+    )
+    if row is None:
+        raise NotFoundError(
+            f"session {session_id} not found", field="session_id", reason="SESSION_NOT_FOUND"
+        )
+    return int(row["current_epoch"]), int(row["plans_revision"])
