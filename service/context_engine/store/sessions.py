@@ -28,16 +28,8 @@ async def lock_session(conn: Any, tenant_id: str, session_id: UUID) -> int:
     Raises:
         NotFoundError: no such session for this tenant.
     """
-    epoch = await conn.fetchval(
-        "SELECT current_epoch FROM sessions WHERE tenant_id = $1 AND session_id = $2 FOR UPDATE",
-        tenant_id,
-        session_id,
-    )
-    if epoch is None:
-        raise NotFoundError(
-            f"session {session_id} not found", field="session_id", reason="SESSION_NOT_FOUND"
-        )
-    return int(epoch)
+    epoch, _ = await lock_session_plans(conn, tenant_id, session_id)
+    return epoch
 
 
 async def lock_session_plans(conn: Any, tenant_id: str, session_id: UUID) -> tuple[int, int]:
