@@ -96,6 +96,8 @@ def _seed(stub: Any) -> dict[str, list[str]]:
                 tenant_id=tenant, session_id=session_id, user_message=pb.UserMessage(text="hi")
             )
         )
+        # A recorded request, so GetBuild and ReportUsage aimed at it get past NOT_FOUND.
+        stub.Build(pb.BuildRequest(tenant_id=tenant, session_id=session_id, run_id=run.run.run_id))
         ids["session"].append(session_id)
         ids["run"].append(run.run.run_id)
     return ids
@@ -132,7 +134,10 @@ def _strings(name: str, ids: dict[str, list[str]]) -> st.SearchStrategy[str]:
         return st.one_of(
             json_values.map(json.dumps),
             st.integers(min_value=60, max_value=900).map(_deep_json),
-            st.just("{"),
+            # Valid JSON that canonical JSON or PostgreSQL cannot carry.
+            st.sampled_from(
+                ['{"a": 1e400}', '{"a": "\\ud800"}', '{"a": "\\u0000"}', '{"a": 2e16}', "{"]
+            ),
             base,
         )
     return base
@@ -225,7 +230,7 @@ def _case(draw: Any, ids: dict[str, list[str]]) -> tuple[str, bytes]:
     return method.name, payload
 
 
-def _valid_requests(ids: dict[str, list[str]]) -> dict[str, Any]:
+def _valid_requests(ids: dict[str, list[str]], new_session: str) -> dict[str, Any]:
     """One well-formed request per RPC that takes a session, aimed at this tenant's seeded
     session: mutating a few fields of these reaches the checks past the first validation,
     which wholly random messages seldom get through."""
@@ -250,7 +255,7 @@ def _valid_requests(ids: dict[str, list[str]]) -> dict[str, Any]:
         )
     )
     return {
-        "Plan": pb.PlanRequest(tenant_id=TENANT, session_id=str(uuid.uuid4()), spec=memory),
+        "Plan": pb.PlanRequest(tenant_id=TENANT, session_id=new_session, spec=memory),
         "GetPlan": pb.GetPlanRequest(**at, epoch=1),
         "Rotate": pb.RotateRequest(
             **at, from_epoch=1, reason=pb.PLAN_REASON_AGENT_CHANGED, spec=memory
@@ -318,7 +323,7 @@ def _fields_in(message: Any) -> list[tuple[Any, Any]]:
 @st.composite
 def _mutated(draw: Any, ids: dict[str, list[str]]) -> tuple[str, bytes]:
     """A well-formed request with one to three fields replaced by fuzzed values."""
-    seeds = _valid_requests(ids)
+    seeds = _valid_requests(ids, str(draw(st.uuids())))
     method = draw(st.sampled_from(sorted(seeds)))
     message = type(seeds[method])()
     message.CopyFrom(seeds[method])

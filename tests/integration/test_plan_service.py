@@ -521,43 +521,65 @@ async def test_erasure_redacts_invalidates_and_reports_bound_runs(stub: Any, poo
     assert [e["payload"]["bound_run_ids"] for e in events] == [[bound_run]]
 
 
-async def test_an_erasure_reaches_plans_another_replica_keeps(
-    stub: Any, second_replica: Any, pool: Any
-) -> None:
-    """Every replica keeps the plans it read; an erasure on one must reach the others'
-    copies at their next read, not only when the write fence refuses a Build."""
+async def _erased_while_kept(stub: Any, second_replica: Any) -> tuple[str, str, int]:
+    """A session whose epoch-1 plan the second replica keeps (read by a Build and by a run's
+    admission there), then an erasure on the first replica of the person in its snapshot.
+    -> (session id, run id, the second replica's recorded request sequence)."""
     person = f"ana-{new_id()}"
     memory = _memory_spec("trace-a")
     memory.snapshot.items[0].person_ids[:] = [person]
     session_id, _ = await _open(stub, memory)
     run_id = (await _start(stub, session_id)).run.run_id
-    built = await _build(second_replica, session_id, run_id)  # the second replica keeps epoch 1
+    built = await _build(second_replica, session_id, run_id)
     assert "allergic" in _text(built)
     assert not (await _start(second_replica, session_id)).HasField("rotated_plan")
-    first = pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id, epoch=1)
-    assert b"allergic" in (await second_replica.GetPlan(first)).plan.prefix_document
-
     await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    return session_id, run_id, built.request_sequence
 
-    kept = (await second_replica.GetPlan(first)).plan
-    assert kept.invalidated and b"allergic" not in kept.prefix_document
+
+# Every replica keeps the plans it read; an erasure on one must reach the others' copies at
+# their next read, whichever read comes first (each path below refreshes the kept copy, so
+# each test takes a different one first).
+
+
+async def test_after_an_erasure_a_kept_request_is_not_rebuilt(
+    stub: Any, second_replica: Any, pool: Any
+) -> None:
+    session_id, _, sequence = await _erased_while_kept(stub, second_replica)
     # The recorded request held the erased memory: it is not served again, and says why.
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await second_replica.GetBuild(
-            pb.GetBuildRequest(
-                tenant_id=TENANT, session_id=session_id, request_sequence=built.request_sequence
-            )
+            pb.GetBuildRequest(tenant_id=TENANT, session_id=session_id, request_sequence=sequence)
         )
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert details(refused.value)[0] == "REQUEST_REDACTED"
     assert "allergic" not in (refused.value.details() or "")
-    # The next run's admission, on the replica that kept epoch 1, rotates (it reads the
-    # revision under the session lock); the run already going builds on the new epoch.
+
+
+async def test_after_an_erasure_admission_on_a_keeping_replica_rotates(
+    stub: Any, second_replica: Any, pool: Any
+) -> None:
+    session_id, run_id, _ = await _erased_while_kept(stub, second_replica)
+    # Admission reads the revision under the session lock; the run already going then
+    # builds on the new epoch.
     admitted = await _start(second_replica, session_id)
     assert admitted.rotated_plan.reason == pb.PLAN_REASON_SNAPSHOT_INVALIDATED
     rebuilt = await _build(second_replica, session_id, run_id)
     assert rebuilt.epoch == 2 and "allergic" not in _text(rebuilt) and "Lyon" in _text(rebuilt)
     assert await _rotations(pool, session_id) == ["snapshot_invalidated"]
+
+
+async def test_after_an_erasure_a_build_on_a_keeping_replica_rotates_first(
+    stub: Any, second_replica: Any, pool: Any
+) -> None:
+    session_id, run_id, _ = await _erased_while_kept(stub, second_replica)
+    # Build reads the revision with its run: it rotates rather than meet the write fence.
+    rebuilt = await _build(second_replica, session_id, run_id)
+    assert rebuilt.epoch == 2 and "allergic" not in _text(rebuilt)
+    assert await _rotations(pool, session_id) == ["snapshot_invalidated"]
+    first = pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id, epoch=1)
+    kept = (await second_replica.GetPlan(first)).plan
+    assert kept.invalidated and b"allergic" not in kept.prefix_document
 
 
 async def test_a_snapshot_naming_an_erased_person_is_refused(stub: Any, pool: Any) -> None:

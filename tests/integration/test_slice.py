@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
@@ -354,7 +355,23 @@ async def test_identifiers_longer_than_an_index_takes_are_named(stub: Any, pool:
     named.snapshot.items.add(item_id="m1", text="Ana likes trains.", person_ids=["ana", long])
     catalog = spec()
     catalog.skills.add(name=long, description="Too long a name.", version="1")
+    crowded = spec()  # each person named costs a lock-table entry while the plan persists
+    crowded.snapshot.items.add(
+        item_id="m1", text="Everyone.", person_ids=[f"p{n}" for n in range(257)]
+    )
     cases: list[tuple[str, Any, str]] = [
+        ("Plan", _opening(crowded), "spec.snapshot.items"),
+        (
+            "ReportUsage",
+            pb.ReportUsageRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                request_sequence=1,
+                model_id=long,
+                input_tokens=10,
+            ),
+            "model_id",
+        ),
         ("Plan", pb.PlanRequest(tenant_id=long, session_id=new_id(), spec=spec()), "tenant_id"),
         (
             "Plan",
@@ -396,8 +413,8 @@ async def test_identifiers_longer_than_an_index_takes_are_named(stub: Any, pool:
         ),
     ]
     await _each_refused(stub, pool, session_id, cases)
-    erased = "SELECT count(*) FROM erased_people WHERE person_id = $1"
-    assert await pool.fetchval(erased, long) == 0
+    erased = "SELECT count(*) FROM erased_people WHERE person_sha256 = $1"
+    assert await pool.fetchval(erased, hashlib.sha256(long.encode()).hexdigest()) == 0
 
 
 async def test_values_nothing_downstream_can_take_are_named(stub: Any, pool: Any) -> None:
@@ -440,6 +457,30 @@ async def test_values_nothing_downstream_can_take_are_named(stub: Any, pool: Any
                 items=[assistant("ok"), assistant("a\x00b")],
             ),
             "items[1].assistant_message.text",
+        ),
+        (
+            "AppendItems",
+            pb.AppendItemsRequest(
+                **on_run,
+                expected_checkpoint_version=1,
+                items=[
+                    pb.ConversationItem(
+                        reasoning=pb.ReasoningItem(
+                            provider=pb.PROVIDER_ANTHROPIC, opaque=b'{"signature": 1e400}'
+                        )
+                    )
+                ],
+            ),
+            "items[0].reasoning.opaque",
+        ),
+        (
+            "AppendItems",
+            pb.AppendItemsRequest(
+                **on_run,
+                expected_checkpoint_version=1,
+                items=[call("c1", args={"q": "\ud800"})],
+            ),
+            "items[0].tool_call.arguments_json",
         ),
         (
             "ReportUsage",

@@ -110,9 +110,14 @@ def test_composed_request_bytes_equal_the_full_serialization(data: st.DataObject
         '{"a": 9007199254740992}',
         '{"a": -9007199254740992}',
         '{"": 1.2719778770148802e+16}',  # a double that canonicalizes to a 17-digit integer
+        '{"a": 1e400}',  # parses to infinity
+        '{"a": "\\ud800"}',  # a lone surrogate: no UTF-8 for it
+        '{"\\udc00": 1}',
+        '{"a": ["\\u0000"]}',  # PostgreSQL's jsonb stores no U+0000
+        '{"\\u0000": 1}',
     ],
 )
-def test_numbers_canonical_json_cannot_carry_are_refused(document: str) -> None:
+def test_values_canonical_json_or_postgresql_cannot_carry_are_refused(document: str) -> None:
     with pytest.raises(ValueError):
         parse_json_object(document)
 

@@ -588,8 +588,8 @@ const (
 	// UNAVAILABLE: this replica cannot reach PostgreSQL; nothing was written. Retry with
 	// backoff (every write carries an idempotency key).
 	ErrorReason_ERROR_REASON_STORE_UNAVAILABLE ErrorReason = 25
-	// FAILED_PRECONDITION (GetBuild): the recorded request was built on a plan whose memory
-	// snapshot an erasure (EraseSubject) has since redacted; its bytes are not served again.
+	// FAILED_PRECONDITION (GetBuild): the recorded request held memories an erasure
+	// (EraseSubject) has since redacted from its plan's snapshot; its bytes are not served.
 	ErrorReason_ERROR_REASON_REQUEST_REDACTED ErrorReason = 26
 	// FAILED_PRECONDITION (Plan, Rotate): a snapshot item names a person EraseSubject has
 	// erased from this tenant; the recall predates the erasure. Recall again; nothing written.
@@ -1468,7 +1468,8 @@ type MemoryItem struct {
 	// Attribution shown to the model (for example "belief", "user_statement").
 	Source string `protobuf:"bytes,3,opt,name=source,proto3" json:"source,omitempty"`
 	// People the memory is about; used to find snapshots on erasure. Never rendered. Each at
-	// most 200 characters; one EraseSubject has erased fails Plan and Rotate (PERSON_ERASED).
+	// most 200 characters, at most 256 distinct people per snapshot; one EraseSubject has
+	// erased fails Plan and Rotate (PERSON_ERASED).
 	PersonIds []string `protobuf:"bytes,4,rep,name=person_ids,json=personIds,proto3" json:"person_ids,omitempty"`
 }
 
@@ -4932,7 +4933,7 @@ type ReportUsageRequest struct {
 	SessionId string `protobuf:"bytes,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
 	// The request the usage is for (BuildResponse.request_sequence).
 	RequestSequence int64 `protobuf:"varint,3,opt,name=request_sequence,json=requestSequence,proto3" json:"request_sequence,omitempty"`
-	// The model that answered.
+	// The model that answered (at most 200 characters).
 	ModelId string `protobuf:"bytes,4,opt,name=model_id,json=modelId,proto3" json:"model_id,omitempty"`
 	// Uncached input tokens the provider reported (Anthropic input_tokens; OpenAI
 	// input_tokens minus cached_tokens).

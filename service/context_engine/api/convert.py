@@ -91,6 +91,12 @@ def require_expected_version(value: int) -> int:
 MAX_ID_CHARS = 200
 
 
+# Persisting a snapshot holds one advisory lock per person it names (store/snapshots.py),
+# from PostgreSQL's shared lock table (about 64 per connection by default): a bound keeps
+# one Plan from exhausting it for everyone else. The snapshot pins at most 40 items anyway.
+MAX_SNAPSHOT_PEOPLE = 256
+
+
 def require_id(value: str, field: str, *, required: bool = True) -> str:
     """An identifier the caller chose (tenant, idempotency key, person, skill name).
 
@@ -224,6 +230,13 @@ def plan_spec_from_proto(
             SkillSpec(
                 name=skill.name, description=skill.description, version=skill.version, trust=trust
             )
+        )
+    people = {p for item in spec.snapshot.items for p in item.person_ids}
+    if len(people) > MAX_SNAPSHOT_PEOPLE:
+        raise InvalidFieldError(
+            f"{field}.snapshot.items name {len(people)} people; at most"
+            f" {MAX_SNAPSHOT_PEOPLE} per snapshot",
+            field=f"{field}.snapshot.items",
         )
     snapshot_items = []
     for n, item in enumerate(spec.snapshot.items):

@@ -60,8 +60,7 @@ def _report_from_proto(request: pb.ReportUsageRequest) -> usage_api.UsageReport:
             "request_sequence must be a BuildResponse.request_sequence (>= 1)",
             field="request_sequence",
         )
-    if not request.model_id:
-        raise InvalidFieldError("model_id is required", field="model_id")
+    convert.require_id(request.model_id, "model_id")  # indexed with the reports
     for name in _COUNTS:
         if getattr(request, name) < 0:
             raise InvalidFieldError(f"{name} must not be negative", field=name)

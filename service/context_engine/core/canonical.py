@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Any
 
 import rfc8785
@@ -96,13 +97,14 @@ def _exact_number(node: Any) -> bool:
         return True
     if isinstance(node, int):
         return abs(node) <= MAX_SAFE_INTEGER
-    return not MAX_SAFE_INTEGER < abs(node) < _EXPONENT_FROM
+    return math.isfinite(node) and not MAX_SAFE_INTEGER < abs(node) < _EXPONENT_FROM
 
 
 def parse_json_object(document: str) -> dict[str, Any]:
     """Parse a JSON object; raises ValueError when it is not one, nests too deeply, or holds
-    a number canonical JSON cannot carry exactly (NaN, infinities, integers beyond
-    MAX_SAFE_INTEGER): whatever passes here canonicalizes, and reads back the same."""
+    what canonical JSON or PostgreSQL cannot carry: NaN, infinities (1e400 parses to one),
+    numbers that do not read back exactly, lone surrogates, U+0000. Whatever passes here
+    canonicalizes, reads back the same, and can be stored; no message names content."""
     value = json.loads(document, parse_constant=_refuse_constant)
     if not isinstance(value, dict):
         raise ValueError("expected a JSON object")
@@ -112,10 +114,18 @@ def parse_json_object(document: str) -> dict[str, Any]:
         if depth > MAX_JSON_DEPTH:
             raise ValueError(f"JSON nests deeper than {MAX_JSON_DEPTH} levels")
         if isinstance(node, dict):
+            if any("\x00" in key for key in node):
+                raise ValueError("JSON strings hold no U+0000")
             node = list(node.values())
-        if not isinstance(node, list):
-            if not _exact_number(node):
-                raise ValueError(f"JSON numbers are within +/-{MAX_SAFE_INTEGER} (2^53 - 1)")
-            continue
-        stack.extend((child, depth + 1) for child in node)
+        if isinstance(node, list):
+            stack.extend((child, depth + 1) for child in node)
+        elif isinstance(node, str):
+            if "\x00" in node:
+                raise ValueError("JSON strings hold no U+0000")
+        elif not _exact_number(node):
+            raise ValueError(f"JSON numbers are within +/-{MAX_SAFE_INTEGER} (2^53 - 1)")
+    try:
+        canonical_bytes(value)  # infinities, lone surrogates: its own errors are ValueErrors
+    except ValueError:
+        raise ValueError("JSON holds a value canonical JSON (RFC 8785) cannot carry") from None
     return value

@@ -12,6 +12,7 @@ snapshot's transaction waits for the erasure and then finds the person erased.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 from uuid import UUID
@@ -33,32 +34,42 @@ __all__ = [
 
 
 # One advisory lock per (tenant, person), in its own key space: hashtextextended spreads
-# them over 64 bits; two people sharing a key only ever wait for each other.
+# them over 64 bits; two people sharing a key only ever wait for each other. A snapshot
+# names at most MAX_SNAPSHOT_PEOPLE people (api/convert.py), so one Plan holds at most that
+# many entries of PostgreSQL's shared lock table.
 _PERSON_LOCK = "hashtextextended('erasure' || chr(31) || $1 || chr(31) || {person}, 0)"
+
+
+def _erased_key(person_id: str) -> str:
+    """How erased_people names a person: a hash, so the record of an erasure does not
+    keep the erased person's id."""
+    return hashlib.sha256(person_id.encode("utf-8")).hexdigest()
 
 
 async def fence_people(conn: Any, tenant_id: str, people: Sequence[str]) -> list[str]:
     """Hold the named people's fence until the transaction ends; -> those already erased.
 
-    Two statements on purpose: the check must read a snapshot taken after the locks are
-    granted, so an erasure that committed while this waited is seen."""
+    The locks are taken in key order. Two statements on purpose: the check must read a
+    snapshot taken after the locks are granted, so an erasure that committed while this
+    waited is seen."""
     if not people:
         return []
     named = sorted(set(people))
     await conn.execute(
-        "SELECT pg_advisory_xact_lock_shared("
+        "SELECT pg_advisory_xact_lock_shared(k) FROM (SELECT DISTINCT "
         + _PERSON_LOCK.format(person="p")
-        + ") FROM unnest($2::text[]) AS p",
+        + " AS k FROM unnest($2::text[]) AS p ORDER BY k) AS keys",
         tenant_id,
         named,
     )
+    by_key = {_erased_key(p): p for p in named}
     rows = await conn.fetch(
-        "SELECT person_id FROM erased_people WHERE tenant_id = $1 AND person_id = ANY($2)"
-        " ORDER BY person_id",
+        "SELECT person_sha256 FROM erased_people WHERE tenant_id = $1"
+        " AND person_sha256 = ANY($2::text[])",
         tenant_id,
-        named,
+        list(by_key),
     )
-    return [r["person_id"] for r in rows]
+    return sorted(by_key[r["person_sha256"]] for r in rows)
 
 
 async def fence_erasure(conn: Any, tenant_id: str, person_id: str) -> None:
@@ -70,10 +81,10 @@ async def fence_erasure(conn: Any, tenant_id: str, person_id: str) -> None:
         person_id,
     )
     await conn.execute(
-        "INSERT INTO erased_people (tenant_id, person_id) VALUES ($1, $2)"
-        " ON CONFLICT (tenant_id, person_id) DO UPDATE SET erased_at = now()",
+        "INSERT INTO erased_people (tenant_id, person_sha256) VALUES ($1, $2)"
+        " ON CONFLICT (tenant_id, person_sha256) DO UPDATE SET erased_at = now()",
         tenant_id,
-        person_id,
+        _erased_key(person_id),
     )
 
 
