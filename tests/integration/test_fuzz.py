@@ -238,7 +238,11 @@ def _valid_requests(ids: dict[str, list[str]], new_session: str) -> dict[str, An
     at = {"tenant_id": TENANT, "session_id": session}
     on_run = {**at, "run_id": run}
     step = pb.StepContext(
-        recall=[pb.RecallLine(item_id="r1", text="Ana likes trains.", source="memory")],
+        recall=[
+            pb.RecallLine(
+                item_id="r1", text="Ana likes trains.", source="memory", person_ids=["ana"]
+            )
+        ],
         knowledge=[
             pb.KnowledgePassage(
                 item_id="k1", text="Trains leave hourly.", citation="timetable p.2", trust=1

@@ -641,19 +641,95 @@ async def test_a_plan_persisted_during_an_erasure_is_found_by_it(stub: Any, pool
     assert current.invalidated and b"allergic" not in current.prefix_document
 
 
-async def _until_waiting(pool: Any, event_type: str, wait_event: str) -> None:
-    """Until some backend of this database waits on a lock of that kind (or fail)."""
+async def _until_waiting(pool: Any, event_type: str, *wait_events: str) -> None:
+    """Until some backend of this database waits on a lock of one of those kinds (or fail)."""
     for _ in range(500):
         waiting = await pool.fetchval(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-            " AND wait_event_type = $1 AND wait_event = $2",
+            " AND wait_event_type = $1 AND wait_event = ANY($2::text[])",
             event_type,
-            wait_event,
+            list(wait_events),
         )
         if waiting:
             return
         await asyncio.sleep(0.01)
-    raise AssertionError(f"no backend came to wait for a lock ({wait_event})")
+    raise AssertionError(f"no backend came to wait for a lock ({', '.join(wait_events)})")
+
+
+def _recall_step(person: str) -> pb.StepContext:
+    return pb.StepContext(
+        recall=[
+            pb.RecallLine(item_id="r1", text="Ana is allergic to nuts.", person_ids=[person]),
+            pb.RecallLine(item_id="r2", text="The office is in Lyon."),
+        ]
+    )
+
+
+def _build_with(session_id: str, run_id: str, step: pb.StepContext) -> pb.BuildRequest:
+    return pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id, step=step)
+
+
+async def test_an_erasure_removes_recall_lines_from_recorded_requests(stub: Any, pool: Any) -> None:
+    person = f"ana-{new_id()}"
+    session_id, _ = await _open(stub, spec())
+    run_id = (await _start(stub, session_id)).run.run_id
+    built = await stub.Build(_build_with(session_id, run_id, _recall_step(person)))
+    assert "allergic" in _text(built)
+
+    erased = await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    assert (erased.redacted_requests, erased.redacted_items) == (1, 0)
+    assert list(erased.invalidated_session_ids) == []
+    (recorded,) = await _events(pool, session_id, "model.request.started")
+    assert recorded["payload"]["redacted"] is True
+    assert "allergic" not in json.dumps(recorded["payload"]) and "Lyon" in json.dumps(
+        recorded["payload"]
+    )
+    (noted,) = await _events(pool, session_id, "context.requests.redacted")
+    assert noted["payload"] == {"sequences": [built.request_sequence], "lines": 1}
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.GetBuild(
+            pb.GetBuildRequest(
+                tenant_id=TENANT, session_id=session_id, request_sequence=built.request_sequence
+            )
+        )
+    assert details(refused.value)[0] == "REQUEST_REDACTED"
+    # A stale recall naming the person fails the Build and records nothing.
+    with pytest.raises(grpc.aio.AioRpcError) as stale:
+        await stub.Build(_build_with(session_id, run_id, _recall_step(person)))
+    assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert details(stale.value)[:2] == ("PERSON_ERASED", ["step"])
+    assert len(await _events(pool, session_id, "model.request.started")) == 1
+    fresh = pb.StepContext(recall=[pb.RecallLine(item_id="r2", text="The office is in Lyon.")])
+    assert "Lyon" in _text(await stub.Build(_build_with(session_id, run_id, fresh)))
+
+
+async def test_a_request_recorded_during_an_erasure_is_found_by_it(stub: Any, pool: Any) -> None:
+    """The people fence on Build's write: a request naming the person that is being
+    recorded when the erasure starts commits first, and the erasure then redacts it."""
+    person = f"ana-{new_id()}"
+    session_id, _ = await _open(stub, spec())
+    run_id = (await _start(stub, session_id)).run.run_id
+    async with pool.acquire() as holder:
+        held = holder.transaction()
+        await held.start()
+        # The session row locked: the Build's write, past its fence, waits on it.
+        await holder.execute(
+            "SELECT 1 FROM sessions WHERE session_id = $1 FOR UPDATE", UUID(session_id)
+        )
+        building = asyncio.ensure_future(
+            stub.Build(_build_with(session_id, run_id, _recall_step(person)))
+        )
+        await _until_waiting(pool, "Lock", "tuple", "transactionid")
+        erasing = asyncio.ensure_future(
+            stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+        )
+        await _until_waiting(pool, "Lock", "advisory")  # the erasure, behind the Build's fence
+        await held.commit()
+    built = await building
+    assert (await erasing).redacted_requests == 1
+    (recorded,) = await _events(pool, session_id, "model.request.started")
+    assert recorded["sequence"] == built.request_sequence
+    assert "allergic" not in json.dumps(recorded["payload"])
 
 
 async def test_plan_after_erasure_rotates_with_the_fresh_recall(stub: Any, pool: Any) -> None:

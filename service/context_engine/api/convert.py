@@ -91,10 +91,11 @@ def require_expected_version(value: int) -> int:
 MAX_ID_CHARS = 200
 
 
-# Persisting a snapshot holds one advisory lock per person it names (store/snapshots.py),
-# from PostgreSQL's shared lock table (about 64 per connection by default): a bound keeps
-# one Plan from exhausting it for everyone else. The snapshot pins at most 40 items anyway.
-MAX_SNAPSHOT_PEOPLE = 256
+# Persisting a snapshot or recording a request holds one advisory lock per person its
+# memories name (store/snapshots.py, migrations/0008_request_people.sql), from PostgreSQL's
+# shared lock table (about 64 per connection by default): a bound per snapshot and per step
+# keeps one call from exhausting it for everyone else.
+MAX_PEOPLE_NAMED = 256
 
 
 def require_id(value: str, field: str, *, required: bool = True) -> str:
@@ -232,10 +233,10 @@ def plan_spec_from_proto(
             )
         )
     people = {p for item in spec.snapshot.items for p in item.person_ids}
-    if len(people) > MAX_SNAPSHOT_PEOPLE:
+    if len(people) > MAX_PEOPLE_NAMED:
         raise InvalidFieldError(
             f"{field}.snapshot.items name {len(people)} people; at most"
-            f" {MAX_SNAPSHOT_PEOPLE} per snapshot",
+            f" {MAX_PEOPLE_NAMED} per snapshot",
             field=f"{field}.snapshot.items",
         )
     snapshot_items = []
@@ -518,9 +519,28 @@ def step_from_proto(step: pb.StepContext) -> StepContext:
     def lines(values: Sequence[pb.RecallLine], cls: type[Any], field: str) -> tuple[Any, ...]:
         out = []
         for n, line in enumerate(values):
-            _require(line.item_id, f"step.{field}[{n}].item_id")
-            out.append(cls(item_id=f"memory:{line.item_id}", text=line.text, source=line.source))
+            path = f"step.{field}[{n}]"
+            _require(line.item_id, f"{path}.item_id")
+            people = tuple(
+                require_id(p, f"{path}.person_ids[{k}]") for k, p in enumerate(line.person_ids)
+            )
+            out.append(
+                cls(
+                    item_id=f"memory:{line.item_id}",
+                    text=line.text,
+                    source=line.source,
+                    person_ids=people,
+                )
+            )
         return tuple(out)
+
+    named = {p for line in (*step.recall, *step.corrections) for p in line.person_ids}
+    if len(named) > MAX_PEOPLE_NAMED:
+        raise InvalidFieldError(
+            f"step's recall and correction lines name {len(named)} people; at most"
+            f" {MAX_PEOPLE_NAMED}",
+            field="step.recall",
+        )
 
     knowledge = []
     for n, passage in enumerate(step.knowledge):

@@ -20,7 +20,7 @@ import asyncpg
 from .. import telemetry
 from ..core import epochs as epoch_rules
 from ..core.assemble import Assembled, BuildInputs, StepContext, assemble
-from ..core.build_record import INPUTS_KEY, inputs_to_record
+from ..core.build_record import INPUTS_KEY, PEOPLE_KEY, inputs_to_record, recalled_people
 from ..core.checkpoint import Checkpoint, require_version
 from ..core.enums import PlanReason
 from ..core.errors import (
@@ -661,6 +661,8 @@ class Engine:
             "input_budget_tokens": assembled.input_budget_tokens,
             "estimator_factor_ppm": assembled.estimator_factor_ppm,
             INPUTS_KEY: inputs_to_record(instant, step),
+            # Whom its recall lines are about, where an erasure finds them (Rule 4).
+            PEOPLE_KEY: recalled_people(step),
             "skills_loaded": len(loaded),
             # Tokens per class (prefix exact, body estimated), for inspect's budget bars.
             "class_tokens": [
@@ -706,6 +708,13 @@ class Engine:
                 field="session_id",
                 reason="EPOCH_CONFLICT",
             )
+        if seq == _PERSON_ERASED:
+            raise PreconditionError(
+                "a recall or correction line names a person erased from this tenant: the"
+                " recall predates the erasure; recall again",
+                field="step",
+                reason="PERSON_ERASED",
+            )
         if seq == _NO_SESSION:
             raise NotFoundError(
                 f"session {session_id} not found", field="session_id", reason="SESSION_NOT_FOUND"
@@ -739,7 +748,8 @@ class Engine:
             )
 
 
-_PLAN_INVALIDATED, _NO_SESSION = -1, -2  # record_model_request's refusals
+# record_model_request's refusals (migrations/0005 and 0008).
+_PLAN_INVALIDATED, _NO_SESSION, _PERSON_ERASED = -1, -2, -3
 
 
 async def _fence_snapshot(conn: Any, tenant: str, spec: PlanSpec) -> None:

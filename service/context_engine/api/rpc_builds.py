@@ -5,7 +5,8 @@ event holds (epoch, run, checkpoint version, clock, step context) and the log, w
 recording it again. Build is pure, so the rebuild is the recorded request: the method
 checks that against the recorded request_sha256 and fails loudly rather than answer with
 bytes the provider never saw. A request built on a plan an erasure has since redacted no
-longer rebuilds: it is refused with REQUEST_REDACTED, never answered from a kept copy.
+longer rebuilds, nor does one whose recall lines an erasure removed from its record: both
+are refused with REQUEST_REDACTED, never answered from a kept copy.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from uuid import UUID
 import grpc
 
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
-from ..core.build_record import inputs_from_record
+from ..core.build_record import REDACTED_KEY, inputs_from_record
 from ..core.errors import EngineError, InvalidFieldError, NotFoundError, PreconditionError
 from ..store import events
 from ..store.db import acquire
@@ -53,6 +54,8 @@ class BuildsRpcs:
                 field="request_sequence",
             )
         payload = await _recorded_request(self.engine, tenant, session_id, request.request_sequence)
+        if payload.get(REDACTED_KEY):
+            raise _redacted(request.request_sequence, "its recall lines")
         now, step = inputs_from_record(payload)
         result = await self.engine.build(
             tenant,
@@ -70,17 +73,20 @@ class BuildsRpcs:
             if result.plan.invalidated:
                 # An erasure redacted the plan's snapshot since: the recorded bytes held the
                 # erased memories, and they are not served again (core/snapshot.py).
-                raise PreconditionError(
-                    f"request {request.request_sequence} was built on epoch"
-                    f" {result.plan.epoch}, whose memory snapshot an erasure has since"
-                    " redacted; its recorded bytes are no longer served",
-                    field="request_sequence",
-                    reason="REQUEST_REDACTED",
-                )
+                raise _redacted(request.request_sequence, f"epoch {result.plan.epoch}'s snapshot")
             raise EngineError(
                 f"request {request.request_sequence} does not rebuild to its recorded bytes"
             )
         return self.build_response(replace(result, request_sequence=request.request_sequence))
+
+
+def _redacted(sequence: int, what: str) -> PreconditionError:
+    return PreconditionError(
+        f"request {sequence} held memories an erasure has since redacted from {what};"
+        " its recorded bytes are no longer served",
+        field="request_sequence",
+        reason="REQUEST_REDACTED",
+    )
 
 
 async def _recorded_request(

@@ -57,4 +57,5 @@ class SkillsRpcs:
             invalidated_session_ids=[str(s) for s in erasure.invalidated_session_ids],
             bound_run_ids=[str(r) for r in erasure.bound_run_ids],
             redacted_items=erasure.redacted_items,
+            redacted_requests=erasure.redacted_requests,
         )

@@ -10,7 +10,10 @@ Build renders them in load order (row 11). Records skill.loaded.
 EraseSubject (core/snapshot.py): every persisted snapshot holding the person's memories is
 redacted and its plan invalidated (the next Plan, run admission or Build rotates with
 snapshot_invalidated); the runs already bound to those snapshots (context.snapshot.used)
-are reported. Records context.snapshot.invalidated per affected session.
+are reported. Records context.snapshot.invalidated per affected session. Every recorded
+request whose recall or correction lines name the person loses those lines from its record
+and is marked redacted (core/build_record.py, Rule 4), which GetBuild refuses; records
+context.requests.redacted per affected session.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from uuid import UUID
 
+from ..core.build_record import redact_record
 from ..core.envelope import wrap
 from ..core.errors import PreconditionError
 from ..core.skills import LoadedSkill, admit_load, body_text, body_trust
@@ -36,6 +40,7 @@ __all__ = ["Erasure", "erase_subject", "load_skill"]
 
 SKILL_LOADED = "skill.loaded"
 SNAPSHOT_INVALIDATED = "context.snapshot.invalidated"
+REQUESTS_REDACTED = "context.requests.redacted"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +48,7 @@ class Erasure:
     invalidated_session_ids: tuple[UUID, ...]
     bound_run_ids: tuple[UUID, ...]
     redacted_items: int
+    redacted_requests: int
 
 
 async def load_skill(
@@ -109,48 +115,63 @@ async def load_skill(
 
 
 async def erase_subject(engine: Engine, tenant: str, person_id: str) -> Erasure:
-    """Redact a person's memories from every persisted snapshot of the tenant.
+    """Redact a person's memories from every persisted snapshot of the tenant, and their
+    recall and correction lines from every recorded request.
 
     Sessions are locked in one order (sorted ids), so two erasures cannot deadlock; each
     session's holdings are re-read under its lock, so a rotation that copied the snapshot
     just before is redacted too. The person is recorded as erased: a later Plan or Rotate
-    whose snapshot still names them is refused (PERSON_ERASED).
+    whose snapshot, or Build whose recall, still names them is refused (PERSON_ERASED).
     """
     invalidated: list[UUID] = []
     bound: list[UUID] = []
-    redacted = 0
+    redacted = requests = 0
     async with transaction(engine.pool) as conn:
-        # First the person's fence: a snapshot being persisted now commits before this
-        # reads (and is found); one persisted after finds the person erased and is refused.
+        # First the person's fence: a snapshot or request being recorded now commits before
+        # this reads (and is found); one recorded after finds the person erased and fails.
         await snapshots.fence_erasure(conn, tenant, person_id)
         holding = await snapshots.plans_holding(conn, tenant, person_id)
-        for session_id in sorted(holding):
+        naming = await snapshots.requests_naming(conn, tenant, person_id)
+        for session_id in sorted({*holding, *naming}):
             current_epoch = await sessions.lock_session(conn, tenant, session_id)
             epochs = (await snapshots.plans_holding(conn, tenant, person_id, session_id)).get(
                 session_id, []
             )
-            removed_here = 0
-            for epoch in epochs:
-                plan, spec = await snapshots.read_plan_row(conn, tenant, session_id, epoch)
-                plan, spec, removed = redact_person(plan, spec, person_id)
-                if removed:
-                    await snapshots.write_redacted_plan(conn, tenant, session_id, plan, spec)
-                    removed_here += removed
-                    if epoch == current_epoch:
-                        invalidated.append(session_id)
-            await snapshots.forget_person(conn, tenant, person_id, session_id, epochs)
-            runs_here = await snapshots.bound_runs(conn, tenant, session_id, epochs)
-            bound += runs_here
-            redacted += removed_here
-            payload = {
-                "epochs": epochs,
-                "current_epoch_invalidated": session_id in invalidated,
-                "redacted_items": removed_here,
-                "bound_run_ids": [str(r) for r in runs_here],
-            }
-            await events.append_events(
-                conn, tenant, session_id, [NewEvent(SNAPSHOT_INVALIDATED, payload)]
+            recorded = (await snapshots.requests_naming(conn, tenant, person_id, session_id)).get(
+                session_id, []
             )
+            news: list[NewEvent] = []
+            if epochs:
+                removed_here = 0
+                for epoch in epochs:
+                    plan, spec = await snapshots.read_plan_row(conn, tenant, session_id, epoch)
+                    plan, spec, removed = redact_person(plan, spec, person_id)
+                    if removed:
+                        await snapshots.write_redacted_plan(conn, tenant, session_id, plan, spec)
+                        removed_here += removed
+                        if epoch == current_epoch:
+                            invalidated.append(session_id)
+                await snapshots.forget_person(conn, tenant, person_id, session_id, epochs)
+                runs_here = await snapshots.bound_runs(conn, tenant, session_id, epochs)
+                bound += runs_here
+                redacted += removed_here
+                payload = {
+                    "epochs": epochs,
+                    "current_epoch_invalidated": session_id in invalidated,
+                    "redacted_items": removed_here,
+                    "bound_run_ids": [str(r) for r in runs_here],
+                }
+                news.append(NewEvent(SNAPSHOT_INVALIDATED, payload))
+            lines = 0
+            for sequence, recorded_payload in recorded:
+                rewritten, removed = redact_record(recorded_payload, person_id)
+                await snapshots.rewrite_request(conn, tenant, session_id, sequence, rewritten)
+                lines += removed
+            if recorded:
+                requests += len(recorded)
+                sequences = [sequence for sequence, _ in recorded]
+                news.append(NewEvent(REQUESTS_REDACTED, {"sequences": sequences, "lines": lines}))
+            await events.append_events(conn, tenant, session_id, news)
     for session_id in holding:
         engine.forget_cached_plans(tenant, session_id)
-    return Erasure(tuple(invalidated), tuple(bound), redacted)
+    return Erasure(tuple(invalidated), tuple(bound), redacted, requests)

@@ -10,6 +10,10 @@ items as their JSON dumps, anything else as its JSON value — so a field added 
 StepContext is recorded without touching this module, as long as it is one of those.
 Rule 3: reading a record that lacks its inputs (written before this module) is an error
 the caller reports; it never guesses.
+Rule 4: the people the step's recall and correction lines are about are recorded beside
+the inputs (PEOPLE_KEY), where an erasure finds them; redacting a person removes their
+lines from the recorded inputs and marks the record redacted (REDACTED_KEY), which GetBuild
+then refuses to rebuild.
 """
 
 from __future__ import annotations
@@ -24,9 +28,20 @@ from pydantic import BaseModel
 from .assemble import StepContext
 from .errors import PreconditionError
 
-__all__ = ["INPUTS_KEY", "inputs_from_record", "inputs_to_record"]
+__all__ = [
+    "INPUTS_KEY",
+    "PEOPLE_KEY",
+    "REDACTED_KEY",
+    "inputs_from_record",
+    "inputs_to_record",
+    "recalled_people",
+    "redact_record",
+]
 
 INPUTS_KEY = "build_inputs"
+PEOPLE_KEY = "people"
+REDACTED_KEY = "redacted"
+_LINES = ("recall", "corrections")  # the step fields whose lines name people
 
 
 def inputs_to_record(now: datetime, step: StepContext) -> dict[str, Any]:
@@ -68,3 +83,26 @@ def inputs_from_record(payload: dict[str, Any]) -> tuple[datetime, StepContext]:
         else:
             values[name] = value
     return datetime.fromisoformat(record["now"]), StepContext(**values)
+
+
+def recalled_people(step: StepContext) -> list[str]:
+    """Rule 4: everyone the step's recall and correction lines name, sorted, once each."""
+    recalled = {p for line in step.recall for p in line.person_ids}
+    return sorted(recalled.union(*(line.person_ids for line in step.corrections)))
+
+
+def redact_record(payload: dict[str, Any], person_id: str) -> tuple[dict[str, Any], int]:
+    """Rule 4: (the payload without the person's lines, how many lines were removed).
+    Removes nothing, and marks nothing, when no line names the person."""
+    step = dict(payload.get(INPUTS_KEY, {}).get("step", {}))
+    removed = 0
+    for name in _LINES:
+        lines = step.get(name, [])
+        kept = [line for line in lines if person_id not in line.get("person_ids", [])]
+        removed += len(lines) - len(kept)
+        step[name] = kept
+    if not removed:
+        return payload, 0
+    people = [p for p in payload.get(PEOPLE_KEY, []) if p != person_id]
+    inputs = {**payload[INPUTS_KEY], "step": step}
+    return {**payload, INPUTS_KEY: inputs, PEOPLE_KEY: people, REDACTED_KEY: True}, removed

@@ -275,6 +275,9 @@ class RecallLineItem(ContextItem):
     FIXED_TRUST = TrustLevel.MEMORY
     text: str
     source: str = ""
+    # Whom the line is about: never rendered; recorded with the request, where an erasure
+    # finds it (core/build_record.py, Rule 4).
+    person_ids: tuple[str, ...] = ()
 
 
 class CorrectionLineItem(ContextItem):
@@ -283,6 +286,9 @@ class CorrectionLineItem(ContextItem):
     FIXED_TRUST = TrustLevel.MEMORY
     text: str
     source: str = ""
+    # Whom the line is about: never rendered; recorded with the request, where an erasure
+    # finds it (core/build_record.py, Rule 4).
+    person_ids: tuple[str, ...] = ()
 
 
 class KnowledgePassageItem(ContextItem):

@@ -29,13 +29,15 @@ __all__ = [
     "plans_holding",
     "read_plan_row",
     "record_people",
+    "requests_naming",
+    "rewrite_request",
     "write_redacted_plan",
 ]
 
 
 # One advisory lock per (tenant, person), in its own key space: hashtextextended spreads
 # them over 64 bits; two people sharing a key only ever wait for each other. A snapshot
-# names at most MAX_SNAPSHOT_PEOPLE people (api/convert.py), so one Plan holds at most that
+# names at most MAX_PEOPLE_NAMED people (api/convert.py), so one Plan holds at most that
 # many entries of PostgreSQL's shared lock table.
 _PERSON_LOCK = "hashtextextended('erasure' || chr(31) || $1 || chr(31) || {person}, 0)"
 
@@ -176,3 +178,39 @@ async def bound_runs(
         list(epochs),
     )
     return [r["run_id"] for r in rows]
+
+
+async def requests_naming(
+    conn: Any, tenant_id: str, person_id: str, session_id: UUID | None = None
+) -> dict[UUID, list[tuple[int, dict[str, Any]]]]:
+    """Session -> (sequence, payload) of the recorded requests whose recall or correction
+    lines name the person (core/build_record.py, Rule 4; of one session when given)."""
+    rows = await conn.fetch(
+        "SELECT session_id, sequence, payload FROM session_events"
+        " WHERE tenant_id = $1 AND type = 'model.request.started'"
+        " AND payload -> 'people' ? $2 AND ($3::uuid IS NULL OR session_id = $3)"
+        " ORDER BY session_id, sequence",
+        tenant_id,
+        person_id,
+        session_id,
+    )
+    out: dict[UUID, list[tuple[int, dict[str, Any]]]] = {}
+    for r in rows:
+        out.setdefault(r["session_id"], []).append((int(r["sequence"]), r["payload"]))
+    return out
+
+
+async def rewrite_request(
+    conn: Any, tenant_id: str, session_id: UUID, sequence: int, payload: dict[str, Any]
+) -> None:
+    """Replace a recorded request's payload with its redacted form (erasure only: the one
+    in-place change to the log)."""
+    await conn.execute(
+        "UPDATE session_events SET payload = $4"
+        " WHERE tenant_id = $1 AND session_id = $2 AND sequence = $3"
+        " AND type = 'model.request.started'",
+        tenant_id,
+        session_id,
+        sequence,
+        payload,
+    )

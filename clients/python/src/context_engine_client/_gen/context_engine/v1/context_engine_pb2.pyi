@@ -707,14 +707,16 @@ class StepContext(_message.Message):
     def __init__(self, recall: _Optional[_Iterable[_Union[RecallLine, _Mapping]]] = ..., corrections: _Optional[_Iterable[_Union[RecallLine, _Mapping]]] = ..., knowledge: _Optional[_Iterable[_Union[KnowledgePassage, _Mapping]]] = ..., recall_floor_lines: _Optional[int] = ...) -> None: ...
 
 class RecallLine(_message.Message):
-    __slots__ = ("item_id", "text", "source")
+    __slots__ = ("item_id", "text", "source", "person_ids")
     ITEM_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PERSON_IDS_FIELD_NUMBER: _ClassVar[int]
     item_id: str
     text: str
     source: str
-    def __init__(self, item_id: _Optional[str] = ..., text: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+    person_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, item_id: _Optional[str] = ..., text: _Optional[str] = ..., source: _Optional[str] = ..., person_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KnowledgePassage(_message.Message):
     __slots__ = ("item_id", "text", "citation", "trust")
@@ -941,14 +943,16 @@ class EraseSubjectRequest(_message.Message):
     def __init__(self, tenant_id: _Optional[str] = ..., person_id: _Optional[str] = ...) -> None: ...
 
 class EraseSubjectResponse(_message.Message):
-    __slots__ = ("invalidated_session_ids", "bound_run_ids", "redacted_items")
+    __slots__ = ("invalidated_session_ids", "bound_run_ids", "redacted_items", "redacted_requests")
     INVALIDATED_SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     BOUND_RUN_IDS_FIELD_NUMBER: _ClassVar[int]
     REDACTED_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    REDACTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     invalidated_session_ids: _containers.RepeatedScalarFieldContainer[str]
     bound_run_ids: _containers.RepeatedScalarFieldContainer[str]
     redacted_items: int
-    def __init__(self, invalidated_session_ids: _Optional[_Iterable[str]] = ..., bound_run_ids: _Optional[_Iterable[str]] = ..., redacted_items: _Optional[int] = ...) -> None: ...
+    redacted_requests: int
+    def __init__(self, invalidated_session_ids: _Optional[_Iterable[str]] = ..., bound_run_ids: _Optional[_Iterable[str]] = ..., redacted_items: _Optional[int] = ..., redacted_requests: _Optional[int] = ...) -> None: ...
 
 class TaskState(_message.Message):
     __slots__ = ("task_id", "title", "status")
