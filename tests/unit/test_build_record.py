@@ -1,0 +1,57 @@
+"""core/build_record.py: what a request's record keeps of its inputs, and how an erasure
+takes a person's recall lines out of it (Rule 4)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+from context_engine.core.assemble import StepContext
+from context_engine.core.build_record import (
+    INPUTS_KEY,
+    PEOPLE_KEY,
+    REDACTED_KEY,
+    inputs_from_record,
+    inputs_to_record,
+    recalled_people,
+    redact_record,
+)
+from context_engine.core.items import CorrectionLineItem, RecallLineItem
+
+NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+STEP = StepContext(
+    recall=(
+        RecallLineItem(item_id="memory:r1", text="Ana is allergic to nuts.", person_ids=("ana",)),
+        RecallLineItem(item_id="memory:r2", text="Bo and Ana met.", person_ids=("bo", "ana")),
+        RecallLineItem(item_id="memory:r3", text="The office is in Lyon."),
+    ),
+    corrections=(CorrectionLineItem(item_id="memory:c1", text="Bo moved.", person_ids=("bo",)),),
+)
+
+
+def _record() -> dict[str, object]:
+    # Through JSON, as the store hands it back.
+    payload = {INPUTS_KEY: inputs_to_record(NOW, STEP), PEOPLE_KEY: recalled_people(STEP)}
+    return json.loads(json.dumps(payload))
+
+
+def test_the_record_keeps_the_people_and_reads_back_the_same_step() -> None:
+    record = _record()
+    assert record[PEOPLE_KEY] == ["ana", "bo"]
+    assert inputs_from_record(record) == (NOW, STEP)
+
+
+def test_redacting_a_person_removes_exactly_their_lines() -> None:
+    redacted, removed = redact_record(_record(), "ana")
+    assert removed == 2
+    assert redacted[REDACTED_KEY] is True and redacted[PEOPLE_KEY] == ["bo"]
+    _, step = inputs_from_record(redacted)
+    assert [line.item_id for line in step.recall] == ["memory:r3"]
+    assert [line.item_id for line in step.corrections] == ["memory:c1"]
+    assert "allergic" not in json.dumps(redacted)
+
+
+def test_a_person_no_line_names_changes_nothing() -> None:
+    record = _record()
+    assert redact_record(record, "cy") == (record, 0)
+    assert REDACTED_KEY not in record
