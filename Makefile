@@ -44,8 +44,12 @@ run: $(STAMP)
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
+## One layer at a time: pure units (no database), or integration against real PostgreSQL.
 test-unit: install
-	$(BIN)/python -m pytest -q tests/unit
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
+
+test-integration: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/integration
 
 ## ruff over the code and tests; strict mypy over the whole service (service/context_engine:
 ## errors inside the generated _gen/ are ignored, its .pyi still types the callers) and the

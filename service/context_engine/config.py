@@ -123,6 +123,18 @@ class Settings(BaseModel):
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ValueError(f"{name}: no such file: {path}")
+        if self.tiktoken_dir and not Path(self.tiktoken_dir).is_dir():
+            raise ValueError(f"tiktoken_dir: no such directory: {self.tiktoken_dir}")
+        if self.models_file:
+            # Read now, not when the engine is built after the database is up: a registry
+            # the server cannot load is a configuration error like any other (exit 2).
+            from .core.model_registry import ModelRegistryError
+            from .model_registry_loader import load_model_registry
+
+            try:
+                load_model_registry(self.models_file)
+            except ModelRegistryError as exc:
+                raise ValueError(f"models_file: {exc}") from None
         if self.auth == "bearer" and not self.bearer_tokens():
             raise ValueError('auth "bearer" needs auth_tokens or auth_tokens_file')
         if self.auth == "mtls" and not (self.tls_cert_file and self.tls_client_ca_file):

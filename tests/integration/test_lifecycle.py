@@ -424,6 +424,23 @@ def test_settings_merge_file_then_environment_then_arguments(tmp_path: Path) -> 
         load_settings(environ={"CONTEXT_ENGINE_CONFIG": str(tmp_path / "missing.json")})
 
 
+def test_a_models_file_or_tiktoken_dir_the_server_cannot_use_is_a_configuration_error(
+    tmp_path: Path,
+) -> None:
+    # Found at load time, not after the database connect (where it was a traceback).
+    broken = tmp_path / "models.json"
+    broken.write_text("{not json")
+    cases = {
+        "CONTEXT_ENGINE_MODELS_FILE": (str(tmp_path / "missing.json"), "cannot read"),
+        "CONTEXT_ENGINE_TIKTOKEN_DIR": (str(tmp_path / "nowhere"), "no such directory"),
+    }
+    for variable, (value, says) in cases.items():
+        with pytest.raises(ConfigError, match=says):
+            load_settings(environ={variable: value})
+    with pytest.raises(ConfigError, match="invalid JSON"):
+        load_settings(environ={"CONTEXT_ENGINE_MODELS_FILE": str(broken)})
+
+
 def test_auth_token_values_never_appear_in_configuration_errors() -> None:
     secret = "s3cr3t-" + "q" * 20
     environ = {

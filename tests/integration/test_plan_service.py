@@ -17,7 +17,7 @@ from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from context_engine.core.canonical import canonical_bytes, sha256_hex
 
-from .helpers import TENANT, details, new_id, spec, tool
+from .helpers import TENANT, call, details, new_id, result, spec, tool
 
 # --- helpers ------------------------------------------------------------------------------
 
@@ -237,8 +237,82 @@ async def test_a_website_profile_session_without_browser_tools_cannot_open(stub:
     bound = spec(environment=pb.SessionEnvironment(browser_profile_id="profile-1"))
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await _open(stub, bound)
+    # The spec is what is wrong: INVALID_ARGUMENT, as every INVALID_FIELD is.
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    reason, fields, metadata = details(caught.value)
+    assert (reason, fields, metadata["class"]) == (
+        "INVALID_FIELD",
+        ["spec.tools"],
+        "tool_definitions",
+    )
+
+
+def _with_tools(*names: str) -> pb.PlanSpec:
+    out = spec()
+    del out.tools[:]
+    out.tools.extend(tool(name) for name in names)
+    return out
+
+
+async def test_a_roster_whose_tools_collide_on_the_wire_cannot_open(stub: Any) -> None:
+    # "lookup.item" and "lookup-item" both reach the provider as "lookup-item": every Build
+    # would fail to render, so the Plan is refused, naming the field.
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _open(stub, _with_tools("lookup.item", "lookup-item"))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    reason, fields, metadata = details(caught.value)
+    assert (reason, fields, metadata) == (
+        "INVALID_FIELD",
+        ["spec.tools"],
+        {"wire_name": "lookup-item"},
+    )
+
+
+async def test_a_rotated_roster_colliding_with_a_call_in_the_history_fails_build_by_name(
+    stub: Any,
+) -> None:
+    session_id, _ = await _open(stub, _with_tools("lookup.item"))
+    started = await _start(stub, session_id)
+    await stub.AppendItems(
+        pb.AppendItemsRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            run_id=started.run.run_id,
+            expected_checkpoint_version=started.checkpoint_version,
+            items=[
+                call("c1", "lookup.item"),
+                result("c1", "found", name="lookup.item"),
+                pb.ConversationItem(assistant_message=pb.AssistantMessage(text="done")),
+            ],
+        )
+    )
+    await stub.Rotate(
+        _rotation(session_id, pb.PLAN_REASON_AGENT_CHANGED, _with_tools("lookup-item"))
+    )
+    later = await _start(stub, session_id, "again")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _build(stub, session_id, later.run.run_id)
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert details(caught.value)[2]["class"] == "tool_definitions"
+    assert details(caught.value)[0] == "TOOL_NAME_COLLISION"
+    assert details(caught.value)[2] == {"wire_name": "lookup-item"}
+
+
+async def test_starting_a_run_under_a_taken_run_id_is_a_precondition_not_a_race(
+    stub: Any,
+) -> None:
+    session_id, _ = await _open(stub, spec())
+    first = await _start(stub, session_id)
+    again = pb.StartRunRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        run_id=first.run.run_id,
+        user_message=pb.UserMessage(text="another"),
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.StartRun(again)
+    # ABORTED would tell the caller to re-read and retry, which fails every time.
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert details(caught.value)[:2] == ("RUN_STATE", ["run_id"])
 
 
 async def test_a_builder_upgrade_rotates_only_a_plan_it_does_not_reproduce(
@@ -851,3 +925,22 @@ async def test_an_active_run_keeps_its_plan_across_another_runs_admission(stub: 
             operator.plan.epoch,
             operator.plan.prefix_sha256,
         )
+
+
+async def test_a_plan_states_when_it_was_stored_and_the_region_a_markers_it_sends(
+    stub: Any,
+) -> None:
+    session_id, opened = await _open(stub, spec())
+    read = (await stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id))).plan
+    assert opened.created_at.seconds > 0 and read.created_at == opened.created_at
+    assert [(b.name, b.ttl) for b in opened.cache_breakpoints] == [
+        ("after_system", "5m"),
+        ("after_tools", "5m"),
+    ]
+    # The same markers open every request of the epoch.
+    started = await _start(stub, session_id)
+    built = await _build(stub, session_id, started.run.run_id)
+    assert list(built.request.cache_breakpoints)[:2] == list(opened.cache_breakpoints)
+    rotated = (await stub.Rotate(_rotation(session_id, pb.PLAN_REASON_AGENT_CHANGED, spec()))).plan
+    assert rotated.created_at.ToDatetime() >= opened.created_at.ToDatetime()
+    assert rotated.cache_breakpoints == opened.cache_breakpoints

@@ -313,8 +313,9 @@ def test_a_plan_whose_hash_matches_nothing_is_not_copied() -> None:
     spec = _two_scope_spec()
     broken = _legacy(_plan(spec)).model_copy(update={"prefix_sha256": "0" * 64})
     assert admit_run(broken, spec, None, builder_reproduces=_never).reason is None
-    with pytest.raises(PreconditionError):
+    with pytest.raises(InvalidFieldError) as caught:  # the Rotate's reason is what is wrong
         canonicalized_copy(broken, epoch=2)
+    assert caught.value.field == "reason"
 
 
 def test_the_builder_version_is_recorded_and_rendered_identity_is_stable() -> None:
@@ -375,6 +376,10 @@ def test_skill_loads(
             TrustLevel.EXTERNAL_UNTRUSTED,
         ),
         (TrustLevel.EXTERNAL_UNTRUSTED, TrustLevel.USER, TrustLevel.EXTERNAL_UNTRUSTED),
+        # A load may lower an enveloped entry further, never raise it.
+        (TrustLevel.USER, TrustLevel.EXTERNAL_UNTRUSTED, TrustLevel.EXTERNAL_UNTRUSTED),
+        (TrustLevel.USER, TrustLevel.MEMORY, TrustLevel.MEMORY),
+        (TrustLevel.MEMORY, TrustLevel.USER, TrustLevel.MEMORY),
         (TrustLevel.TRUSTED_CONFIGURATION, TrustLevel.PLATFORM, None),
         (TrustLevel.TRUSTED_CONFIGURATION, TrustLevel.MODEL, None),
     ],

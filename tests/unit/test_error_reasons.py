@@ -115,3 +115,65 @@ def test_every_reason_sent_is_in_the_enum() -> None:
 def test_every_enum_reason_is_documented() -> None:
     assert _enum_reasons() - _documented_reasons() == set()
     assert _documented_reasons() - _enum_reasons() == set()
+
+
+# The status each error type maps to (api/errors.py) and the default reason it carries.
+_STATUS_OF_ERROR = {
+    "RequestError": "INVALID_ARGUMENT",
+    "InvalidFieldError": "INVALID_ARGUMENT",
+    "NotFoundError": "NOT_FOUND",
+    "PreconditionError": "FAILED_PRECONDITION",
+    "BudgetExceededError": "FAILED_PRECONDITION",
+    "ConflictError": "ABORTED",
+}
+_DEFAULT_REASON = {
+    "NotFoundError": "SESSION_NOT_FOUND",
+    "BudgetExceededError": "BUDGET_EXCEEDED",
+}
+_STATUSES = "INVALID_ARGUMENT|NOT_FOUND|FAILED_PRECONDITION|ABORTED|RESOURCE_EXHAUSTED|UNAVAILABLE"
+
+
+def _raised_pairs(path: Path) -> set[tuple[str, str, str]]:
+    """(status, reason, where) of every error constructed directly by type name."""
+    tree = ast.parse(path.read_text())
+    names = _constants(tree)
+    out = set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            continue
+        kind = node.func.id
+        if kind not in _STATUS_OF_ERROR:
+            continue
+        given = [kw.value for kw in node.keywords if kw.arg == "reason"]
+        if given and isinstance(given[0], ast.Constant):
+            reason = given[0].value
+        elif given and isinstance(given[0], ast.Name) and given[0].id in names:
+            reason = names[given[0].id]
+        elif given:
+            continue  # a reason passed through (re-raised); its origin is checked there
+        else:
+            reason = _DEFAULT_REASON.get(kind, "INVALID_FIELD")
+        out.add((_STATUS_OF_ERROR[kind], reason, f"{path.name}:{node.lineno}"))
+    return out
+
+
+def _documented_statuses() -> dict[str, set[str]]:
+    text = (ROOT / "docs" / "api.md").read_text()
+    table = text[text.index("Reasons:") : text.index("## RPCs")]
+    rows = re.findall(r"^\| `([A-Z_]+)` \| ([^|]+) \|", table, flags=re.MULTILINE)
+    return {reason: set(re.findall(_STATUSES, cell)) for reason, cell in rows}
+
+
+def test_each_reason_is_sent_with_a_status_its_row_names() -> None:
+    """A reason sent under a status docs/api.md does not give it misleads every client
+    that branches on the status (the clients pick their error class by it)."""
+    documented = _documented_statuses()
+    paths = [p for p in SERVICE.rglob("*.py") if "_gen" not in p.parts]
+    pairs = set().union(*map(_raised_pairs, paths))
+    assert len(pairs) >= 30  # the scan sees the raises
+    wrong = sorted(
+        f"{where}: {reason} as {status}"
+        for status, reason, where in pairs
+        if status not in documented.get(reason, set())
+    )
+    assert wrong == []

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from context_engine.core.canonical import canonical_bytes
 from context_engine.core.enums import PlanReason, SessionKind, SideEffect
-from context_engine.core.errors import PreconditionError
+from context_engine.core.errors import InvalidFieldError, PreconditionError, RequestError
 from context_engine.core.plan import ContextPlan, ModelFacts, make_plan
 from context_engine.core.roster import (
     SKILL_LOAD,
@@ -318,10 +318,13 @@ def _resolve(case: Case) -> Roster:
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_roster_case(case: Case) -> None:
     if case.fails is not None:
-        with pytest.raises(PreconditionError) as caught:
+        with pytest.raises(RequestError) as caught:
             _resolve(case)
         reason, metadata = case.fails
         assert caught.value.reason == reason
+        # INVALID_FIELD is the request's fault (INVALID_ARGUMENT); the rest are the state's.
+        expected = InvalidFieldError if reason == "INVALID_FIELD" else PreconditionError
+        assert type(caught.value) is expected
         assert metadata.items() <= caught.value.metadata.items()
         return
     roster = _resolve(case)

@@ -20,7 +20,9 @@ type ContextEngineClient interface {
 	// Opens a session's plan: resolves and renders Region A, measures it exactly, hashes it
 	// and stores it as epoch 1. Idempotent: on a session that already has a plan it returns
 	// the current plan unchanged and reports whether the given spec differs from the pinned
-	// one (a difference takes effect only through Rotate).
+	// one (a difference takes effect only through Rotate). The spec is validated either way:
+	// an invalid spec is refused even on a session that has a plan. A plan an erasure
+	// invalidated is rotated from the given spec (snapshot_invalidated) and that is returned.
 	Plan(ctx context.Context, in *PlanRequest, opts ...grpc.CallOption) (*PlanResponse, error)
 	// Returns the session's current plan (or a given epoch).
 	GetPlan(ctx context.Context, in *GetPlanRequest, opts ...grpc.CallOption) (*GetPlanResponse, error)
@@ -220,7 +222,9 @@ type ContextEngineServer interface {
 	// Opens a session's plan: resolves and renders Region A, measures it exactly, hashes it
 	// and stores it as epoch 1. Idempotent: on a session that already has a plan it returns
 	// the current plan unchanged and reports whether the given spec differs from the pinned
-	// one (a difference takes effect only through Rotate).
+	// one (a difference takes effect only through Rotate). The spec is validated either way:
+	// an invalid spec is refused even on a session that has a plan. A plan an erasure
+	// invalidated is rotated from the given spec (snapshot_invalidated) and that is returned.
 	Plan(context.Context, *PlanRequest) (*PlanResponse, error)
 	// Returns the session's current plan (or a given epoch).
 	GetPlan(context.Context, *GetPlanRequest) (*GetPlanResponse, error)

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
 from ..core import items as ci
 from ..core.assemble import StepContext
+from ..core.cache_hints import prefix_breakpoints
 from ..core.canonical import canonical_json_text, parse_json_object
 from ..core.enums import PlanReason, SessionKind, SideEffect
 from ..core.epochs import Admission
@@ -346,6 +347,7 @@ def plan_to_proto(plan: ContextPlan, created_at: datetime | None = None) -> pb.C
         recall_trace_id=plan.recall_trace_id,
         session_kind=pb.SessionKind.ValueType(plan.session_kind),
         invalidated=plan.invalidated,
+        cache_breakpoints=map(breakpoint_to_proto, prefix_breakpoints(plan.session_kind)),
     )
     if created_at is not None:
         out.created_at.FromDatetime(created_at)

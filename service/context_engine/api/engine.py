@@ -40,7 +40,7 @@ from ..core.snapshot import nonempty as snapshot_nonempty
 from ..core.spec import PlanSpec
 from ..core.validate import validate_append
 from ..core.working_state import Writer, render_block
-from ..providers import RenderedPayload, render
+from ..providers import RenderedPayload, check_wire_names, render
 from ..store import events, idempotency, plans, runs, sessions, snapshots
 from ..store import skills as skill_store
 from ..store.db import acquire, transaction
@@ -157,7 +157,7 @@ class Engine:
     ) -> ContextPlan:
         _zone(spec.environment.time_zone)
         facts = self._model_facts(spec.model_id)
-        return make_plan(
+        plan = make_plan(
             spec,
             session_id=str(session_id),
             epoch=epoch,
@@ -166,10 +166,12 @@ class Engine:
             model=facts,
             count_tokens=self._token_counter(spec.model_id),
         )
+        _check_roster_wire_names(plan)
+        return plan
 
     async def plan(
         self, tenant: str, session_id: UUID, spec: PlanSpec
-    ) -> tuple[ContextPlan, bool, bool]:
+    ) -> tuple[plans.StoredPlan, bool, bool]:
         """Open the session's plan, or return the current one. -> (plan, created, matches)."""
         secret = self._new_secret()
         # Rendering and counting a large spec is CPU work: off the event loop, so other
@@ -195,14 +197,14 @@ class Engine:
                         spec,
                         "plan after erasure",
                     )
-                    return rotated.plan, False, True
-                return current.plan, False, current.plan.spec_sha256 == candidate.spec_sha256
-            await plans.insert_plan(conn, tenant, session_id, candidate, spec, secret)
+                    return rotated, False, True
+                return current, False, current.plan.spec_sha256 == candidate.spec_sha256
+            created_at = await plans.insert_plan(conn, tenant, session_id, candidate, spec, secret)
             await plans.set_current_epoch(conn, tenant, session_id, 1)
             await events.append_events(
                 conn, tenant, session_id, [_plan_event("context.plan.created", candidate, {})]
             )
-        return candidate, True, True
+        return plans.StoredPlan(candidate, spec, secret, created_at=created_at), True, True
 
     def forget_cached_plans(self, tenant: str, session_id: UUID) -> None:
         """Drop this replica's cached plans of a session (an erasure rewrote them)."""
@@ -231,7 +233,7 @@ class Engine:
         reason: PlanReason,
         spec: PlanSpec | None,
         detail: str,
-    ) -> ContextPlan:
+    ) -> plans.StoredPlan:
         async with transaction(self.pool) as conn:
             if spec is not None:  # the pinned spec was fenced when it was first persisted
                 await _fence_snapshot(conn, tenant, spec)
@@ -253,7 +255,7 @@ class Engine:
             rotated = await self._rotate_locked(
                 conn, tenant, session_id, current, reason, spec, detail
             )
-        return rotated.plan
+        return rotated
 
     async def _rotate_locked(
         self,
@@ -284,7 +286,7 @@ class Engine:
             plan = await asyncio.to_thread(
                 self._make_plan, new_spec, session_id, epoch, reason, secret
             )
-        await plans.insert_plan(conn, tenant, session_id, plan, new_spec, secret)
+        created_at = await plans.insert_plan(conn, tenant, session_id, plan, new_spec, secret)
         await plans.set_current_epoch(conn, tenant, session_id, plan.epoch)
         extra = {
             "from_epoch": current.plan.epoch,
@@ -294,7 +296,7 @@ class Engine:
         await events.append_events(
             conn, tenant, session_id, [_plan_event("context.epoch.rotated", plan, extra)]
         )
-        return plans.StoredPlan(plan=plan, spec=new_spec, secret=secret, revision=current.revision)
+        return plans.StoredPlan(plan, new_spec, secret, current.revision, created_at)
 
     def _builder_reproduces(self, session_id: UUID, stored: plans.StoredPlan) -> bool:
         """Whether the current builder renders the stored plan's bytes from its spec and
@@ -768,6 +770,15 @@ async def _fence_snapshot(conn: Any, tenant: str, spec: PlanSpec) -> None:
             field=f"spec.snapshot.items[{index}].person_ids",
             reason="PERSON_ERASED",
         )
+
+
+def _check_roster_wire_names(plan: ContextPlan) -> None:
+    """Refuse a roster whose tools (defined or deferred) collide on the wire: every Build
+    of the plan would fail rendering, so the spec is wrong, not the session's state."""
+    try:
+        check_wire_names([*plan.tool_names, *plan.deferred_tool_names])
+    except PreconditionError as exc:
+        raise InvalidFieldError(exc.message, field="spec.tools", metadata=exc.metadata) from None
 
 
 def _snapshot_used(run_id: UUID, plan: ContextPlan) -> dict[str, Any]:

@@ -51,9 +51,11 @@ class ContextEngineServicer(
         if not request.HasField("spec"):
             raise InvalidFieldError("spec is required", field="spec")
         spec = convert.plan_spec_from_proto(request.spec, self.engine.default_policy)
-        plan, created, matches = await self.engine.plan(tenant, session_id, spec)
+        stored, created, matches = await self.engine.plan(tenant, session_id, spec)
         return pb.PlanResponse(
-            plan=convert.plan_to_proto(plan), created=created, spec_matches=matches
+            plan=convert.plan_to_proto(stored.plan, stored.created_at),
+            created=created,
+            spec_matches=matches,
         )
 
     @grpc_errors
@@ -65,7 +67,7 @@ class ContextEngineServicer(
         if request.epoch < 0:
             raise InvalidFieldError("epoch must not be negative", field="epoch")
         stored = await self.engine.get_plan(tenant, session_id, request.epoch)
-        return pb.GetPlanResponse(plan=convert.plan_to_proto(stored.plan))
+        return pb.GetPlanResponse(plan=convert.plan_to_proto(stored.plan, stored.created_at))
 
     @grpc_errors
     async def Rotate(
@@ -83,10 +85,10 @@ class ContextEngineServicer(
             if request.HasField("spec")
             else None
         )
-        plan = await self.engine.rotate(
+        stored = await self.engine.rotate(
             tenant, session_id, request.from_epoch, reason, spec, request.detail
         )
-        return pb.RotateResponse(plan=convert.plan_to_proto(plan))
+        return pb.RotateResponse(plan=convert.plan_to_proto(stored.plan, stored.created_at))
 
     @grpc_errors
     async def StartRun(
@@ -135,7 +137,7 @@ class ContextEngineServicer(
         response = pb.StartRunResponse(run=run, checkpoint_version=started.checkpoint_version)
         if started.rotated_epoch is not None:  # admission rotated: the plan the run pins
             rotated = await self.engine.get_plan(tenant, session_id, started.rotated_epoch)
-            response.rotated_plan.CopyFrom(convert.plan_to_proto(rotated.plan))
+            response.rotated_plan.CopyFrom(convert.plan_to_proto(rotated.plan, rotated.created_at))
         return response
 
     @grpc_errors

@@ -78,7 +78,11 @@ def inputs_from_record(payload: dict[str, Any]) -> tuple[datetime, StepContext]:
         if isinstance(value, list):
             item_type = typing.get_args(hint)[0]
             if not (isinstance(item_type, type) and issubclass(item_type, BaseModel)):
-                raise PreconditionError(f"step.{name} cannot be read back", field="step")
+                raise PreconditionError(
+                    f"step.{name} cannot be read back",
+                    field="request_sequence",
+                    reason="REQUEST_NOT_FOUND",
+                )
             values[name] = tuple(item_type.model_validate(v) for v in value)
         else:
             values[name] = value

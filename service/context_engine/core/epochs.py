@@ -31,7 +31,7 @@ from typing import Any
 
 from .canonical import canonical_bytes, sha256_hex
 from .enums import PlanReason, SessionKind
-from .errors import PreconditionError
+from .errors import InvalidFieldError
 from .framing import BUILDER_VERSION
 from .plan import ContextPlan
 from .roster import PinnedTool, scope_hashes
@@ -202,15 +202,14 @@ def canonicalized_copy(plan: ContextPlan, *, epoch: int) -> ContextPlan:
     """Rule 7: the same plan as a new epoch, with canonical hashes.
 
     Raises:
-        PreconditionError: the plan's hash does not match its recorded document, so it is
+        InvalidFieldError: the plan's hash does not match its recorded document, so it is
             not a pre-ADR-0134 plan whose bytes can be kept: rotate with a rebuild reason.
     """
     if not _hash_matches_document(plan):
-        raise PreconditionError(
+        raise InvalidFieldError(
             "the plan's prefix_sha256 does not match its recorded document; it cannot be"
             " canonicalized without a rebuild",
             field="reason",
-            reason="INVALID_FIELD",
         )
     document = canonical_document(plan.prefix_document)
     specs: list[Any] = json.loads(document).get("tool_specs", [])

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict
 from .canonical import canonical_bytes, sha256_hex
 from .caps import CLASS_CAPS
 from .enums import SessionKind, SideEffect
-from .errors import PreconditionError
+from .errors import InvalidFieldError, PreconditionError
 from .spec import PlanSpec, ToolSpec
 
 __all__ = [
@@ -186,7 +186,8 @@ def resolve_roster(
     Raises:
         PreconditionError: PREFIX_CLASS_OVER_CAP (class tool_definitions) when a required or
             explicitly enabled tool exceeds the token cap, or a required browser tool cannot
-            be defined; INVALID_FIELD when a website-profile session lacks a browser tool.
+            be defined.
+        InvalidFieldError: spec.tools, when a website-profile session lacks a browser tool.
     """
     if spec.environment.kind is SessionKind.OPERATIONAL:
         return Roster((), (), ())
@@ -251,12 +252,11 @@ def _required(spec: PlanSpec, candidates: dict[str, ToolSpec]) -> list[ToolSpec]
         return []
     missing = [n for n in BROWSER_TOOLS if n not in candidates]
     if missing:
-        raise PreconditionError(
+        raise InvalidFieldError(
             "a session bound to a website profile must define "
             + ", ".join(BROWSER_TOOLS)
             + f"; not available to this principal and session: {', '.join(missing)}",
             field="spec.tools",
-            reason="INVALID_FIELD",
             metadata={"class": "tool_definitions", "missing": ",".join(missing)},
         )
     return [candidates[n] for n in BROWSER_TOOLS]

@@ -8,8 +8,9 @@ deselected: a body that came and went would rewrite the cached body on every ste
 Rule 4: at most 2 bodies and 6,000 tokens. A third load, or one past 6,000 tokens, fails
 with SKILL_LIMIT; nothing is evicted. Loading a loaded skill again changes nothing.
 Rule 5: a body never yields: Build carries every loaded body or fails.
-Rule 6: a body takes its catalog entry's trust. A load may lower a TRUSTED_CONFIGURATION
-entry to an enveloped level, never raise an enveloped one, and never claim PLATFORM or
+Rule 6: a body takes its catalog entry's trust, or the load's when that is lower (the
+less trusted of the two, TrustLevel's order): a worker that knows a body came from a less
+trusted place is believed, one that claims more is not. A load never claims PLATFORM or
 MODEL trust for a body.
 """
 
@@ -72,9 +73,9 @@ def body_trust(catalog_trust: TrustLevel, requested: TrustLevel | None) -> Trust
     """
     if requested in _NEVER_BODY_TRUST:
         raise InvalidFieldError(f"a skill body cannot carry {requested.name} trust", field="trust")
-    if requested is None or catalog_trust is not TrustLevel.TRUSTED_CONFIGURATION:
+    if requested is None:
         return catalog_trust
-    return requested
+    return max(catalog_trust, requested)  # a larger TrustLevel is less trusted
 
 
 def admit_load(

@@ -44,6 +44,7 @@ def check_wire_names(names: Iterable[str]) -> None:
                 f"tools {other!r} and {name!r} both render as {wire!r} for the provider;"
                 " rename one of them",
                 field="spec.tools",
+                reason="TOOL_NAME_COLLISION",
                 metadata={"wire_name": wire},
             )
 

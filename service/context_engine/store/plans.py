@@ -4,6 +4,7 @@ redaction, which bumps the session's plans_revision (store/snapshots.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 from uuid import UUID
 
@@ -22,15 +23,18 @@ class StoredPlan:
     secret: bytes
     # The session's plans_revision when the plan was read (erasure bumps it on a rewrite).
     revision: int = 0
+    # When the plan was stored (PostgreSQL's clock); ContextPlan.created_at.
+    created_at: datetime | None = None
 
 
 async def insert_plan(
     conn: Any, tenant_id: str, session_id: UUID, plan: ContextPlan, spec: PlanSpec, secret: bytes
-) -> None:
-    await conn.execute(
+) -> datetime:
+    """Store a plan; returns its created_at."""
+    created_at: datetime = await conn.fetchval(
         "INSERT INTO context_plans"
         " (tenant_id, session_id, epoch, reason, prefix_sha256, plan, spec, secret)"
-        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING created_at",
         tenant_id,
         session_id,
         plan.epoch,
@@ -42,6 +46,7 @@ async def insert_plan(
     )
     # Erasure's index of whose memories this snapshot holds, written with the plan.
     await snapshots.record_people(conn, tenant_id, session_id, plan.epoch, spec)
+    return created_at
 
 
 async def set_current_epoch(conn: Any, tenant_id: str, session_id: UUID, epoch: int) -> None:
@@ -60,7 +65,8 @@ async def read_plan(conn: Any, tenant_id: str, session_id: UUID, epoch: int = 0)
         NotFoundError: unknown session (SESSION_NOT_FOUND) or no such plan (PLAN_NOT_FOUND).
     """
     row = await conn.fetchrow(
-        "SELECT s.current_epoch, s.plans_revision, p.plan, p.spec, p.secret FROM sessions s"
+        "SELECT s.current_epoch, s.plans_revision, p.plan, p.spec, p.secret, p.created_at"
+        " FROM sessions s"
         " LEFT JOIN context_plans p ON p.tenant_id = s.tenant_id"
         " AND p.session_id = s.session_id"
         " AND p.epoch = CASE WHEN $3::bigint = 0 THEN s.current_epoch ELSE $3::bigint END"
@@ -85,4 +91,5 @@ async def read_plan(conn: Any, tenant_id: str, session_id: UUID, epoch: int = 0)
         spec=PlanSpec.model_validate(row["spec"]),
         secret=bytes(row["secret"]),
         revision=int(row["plans_revision"]),
+        created_at=row["created_at"],
     )

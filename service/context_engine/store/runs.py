@@ -7,7 +7,7 @@ from typing import Any
 from uuid import UUID
 
 from ..core.checkpoint import Checkpoint
-from ..core.errors import ConflictError, NotFoundError
+from ..core.errors import ConflictError, NotFoundError, PreconditionError
 
 __all__ = [
     "RunHead",
@@ -30,7 +30,12 @@ class RunRow:
 
 
 async def insert_run(conn: Any, tenant_id: str, run: RunRow) -> None:
-    """Insert a run. Raises ConflictError when the run id is taken."""
+    """Insert a run.
+
+    Raises:
+        PreconditionError: RUN_STATE when the run id is taken (not a lost race: retrying
+            the same StartRun with a new idempotency key fails again).
+    """
     status = await conn.execute(
         "INSERT INTO runs (tenant_id, session_id, run_id, parent_run_id, seed_event_sequence,"
         " epoch) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
@@ -42,7 +47,9 @@ async def insert_run(conn: Any, tenant_id: str, run: RunRow) -> None:
         run.epoch,
     )
     if status.endswith(" 0"):
-        raise ConflictError(f"run {run.run_id} already exists", field="run_id", reason="RUN_STATE")
+        raise PreconditionError(
+            f"run {run.run_id} already exists", field="run_id", reason="RUN_STATE"
+        )
 
 
 async def read_run(conn: Any, tenant_id: str, session_id: UUID, run_id: UUID) -> RunRow:

@@ -112,6 +112,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_STORE_UNAVAILABLE: _ClassVar[ErrorReason]
     ERROR_REASON_REQUEST_REDACTED: _ClassVar[ErrorReason]
     ERROR_REASON_PERSON_ERASED: _ClassVar[ErrorReason]
+    ERROR_REASON_TOOL_NAME_COLLISION: _ClassVar[ErrorReason]
 
 class Writer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -207,6 +208,7 @@ ERROR_REASON_SHUTTING_DOWN: ErrorReason
 ERROR_REASON_STORE_UNAVAILABLE: ErrorReason
 ERROR_REASON_REQUEST_REDACTED: ErrorReason
 ERROR_REASON_PERSON_ERASED: ErrorReason
+ERROR_REASON_TOOL_NAME_COLLISION: ErrorReason
 WRITER_UNSPECIFIED: Writer
 WRITER_MODEL: Writer
 WRITER_USER: Writer

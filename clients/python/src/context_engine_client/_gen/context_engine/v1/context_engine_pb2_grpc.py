@@ -36,7 +36,9 @@ class ContextEngineStub:
     plan that cannot open or a state that forbids the call. ABORTED: a lost optimistic
     race; re-read and retry. UNAVAILABLE: PostgreSQL is unreachable, or the server is
     shutting down (reason SHUTTING_DOWN); retry with backoff. A request that fails writes
-    nothing.
+    nothing, with two deliberate exceptions (docs/api.md, Conventions): a Build refused with
+    BUDGET_EXCEEDED logs context.budget.exceeded, and a Build that finds its plan invalidated
+    by an erasure commits that plan's snapshot_invalidated rotation before going on.
     """
 
     def __init__(self, channel):
@@ -133,14 +135,18 @@ class ContextEngineServicer:
     plan that cannot open or a state that forbids the call. ABORTED: a lost optimistic
     race; re-read and retry. UNAVAILABLE: PostgreSQL is unreachable, or the server is
     shutting down (reason SHUTTING_DOWN); retry with backoff. A request that fails writes
-    nothing.
+    nothing, with two deliberate exceptions (docs/api.md, Conventions): a Build refused with
+    BUDGET_EXCEEDED logs context.budget.exceeded, and a Build that finds its plan invalidated
+    by an erasure commits that plan's snapshot_invalidated rotation before going on.
     """
 
     def Plan(self, request, context):
         """Opens a session's plan: resolves and renders Region A, measures it exactly, hashes it
         and stores it as epoch 1. Idempotent: on a session that already has a plan it returns
         the current plan unchanged and reports whether the given spec differs from the pinned
-        one (a difference takes effect only through Rotate).
+        one (a difference takes effect only through Rotate). The spec is validated either way:
+        an invalid spec is refused even on a session that has a plan. A plan an erasure
+        invalidated is rotated from the given spec (snapshot_invalidated) and that is returned.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -359,7 +365,9 @@ class ContextEngine:
     plan that cannot open or a state that forbids the call. ABORTED: a lost optimistic
     race; re-read and retry. UNAVAILABLE: PostgreSQL is unreachable, or the server is
     shutting down (reason SHUTTING_DOWN); retry with backoff. A request that fails writes
-    nothing.
+    nothing, with two deliberate exceptions (docs/api.md, Conventions): a Build refused with
+    BUDGET_EXCEEDED logs context.budget.exceeded, and a Build that finds its plan invalidated
+    by an erasure commits that plan's snapshot_invalidated rotation before going on.
     """
 
     @staticmethod
