@@ -7,7 +7,9 @@ in estimator_corrections, and resets when the model changes: a report answered b
 model than the request was built for is recorded but moves no factor, and a factor learned
 for another tokenizer (a registry change) starts over.
 Rule 3: a request's usage is counted once per idempotency key; a retry returns the first
-response and writes nothing. Every write is one transaction under the session lock.
+response and writes nothing. Every write is one transaction under the session lock, and the
+correction's read-modify-write also under the (tenant, model) correction lock, so reports
+racing from different sessions or replicas each count once.
 Rule 4: checkpoints pin the factor current when they are written (pinned_factor), so a
 rebuild of the same checkpoint cuts history at the same place whatever was reported since.
 The signed error of each report is returned (UsageOutcome) for the telemetry shell.
@@ -179,7 +181,9 @@ async def _reconcile(
     prefix = int(recorded.get("prefix_tokens", 0))
     planned_model = str(recorded.get("model_id", report.model_id))
     actual = report.actual_input_tokens
-    stored = await store.read_correction(conn, tenant_id, planned_model, for_update=True)
+    # Reports of other sessions of this tenant race for the same correction (Rule 3).
+    await store.lock_correction(conn, tenant_id, planned_model)
+    stored = await store.read_correction(conn, tenant_id, planned_model)
     previous = (
         stored.correction
         if stored is not None and stored.tokenizer == tokenizer_of(planned_model)

@@ -1,6 +1,10 @@
 """Estimator corrections and usage reports (migrations/0002_usage.sql).
 
 Every query is tenant-scoped: one tenant's reports never move another tenant's factor.
+A report's read-modify-write of a correction holds lock_correction: reports of different
+sessions are not ordered by the session lock, and a row lock cannot guard a correction that
+has no row yet. Lock order: the session lock first, then this one; nothing that holds it
+takes a session lock, so the order is the same everywhere.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from ..core.estimator import Correction
 __all__ = [
     "StoredCorrection",
     "insert_report",
+    "lock_correction",
     "read_correction",
     "read_report",
     "session_model",
@@ -28,12 +33,24 @@ class StoredCorrection:
     tokenizer: str  # what the factor was learned for
 
 
-async def read_correction(
-    conn: Any, tenant_id: str, model_id: str, *, for_update: bool = False
-) -> StoredCorrection | None:
+async def lock_correction(conn: Any, tenant_id: str, model_id: str) -> None:
+    """Hold the (tenant, model) correction's lock until the transaction ends, whether or not
+    its row exists yet. A read after this (its own statement, so its snapshot is taken once
+    the lock is granted) sees every report that held it before."""
+    # Its own key space, 64 bits (hashtextextended): two corrections sharing a key only
+    # wait for each other.
+    await conn.execute(
+        "SELECT pg_advisory_xact_lock(hashtextextended('usage' || chr(31) || $1"
+        " || chr(31) || $2, 0))",
+        tenant_id,
+        model_id,
+    )
+
+
+async def read_correction(conn: Any, tenant_id: str, model_id: str) -> StoredCorrection | None:
     row = await conn.fetchrow(
         "SELECT factor_ppm, observed_ppm, samples, tokenizer FROM estimator_corrections"
-        " WHERE tenant_id = $1 AND model_id = $2" + (" FOR UPDATE" if for_update else ""),
+        " WHERE tenant_id = $1 AND model_id = $2",
         tenant_id,
         model_id,
     )
