@@ -13,12 +13,16 @@ racing from different sessions or replicas each count once.
 Rule 4: checkpoints pin the factor current when they are written (pinned_factor), so a
 rebuild of the same checkpoint cuts history at the same place whatever was reported since.
 The signed error of each report is returned (UsageOutcome) for the telemetry shell.
+Rule 5: a request is the first of its epoch when no earlier model.request.started of the
+session was built on the same epoch; it writes the provider's prefix cache, so its cached
+share says nothing about cache reuse (UsageOutcome.first_of_epoch; telemetry leaves it out
+of context_engine.prefix.cached_ratio).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 from uuid import UUID
 
@@ -68,6 +72,8 @@ class UsageOutcome:
     estimated_input_tokens: int
     actual_input_tokens: int
     absorbed: bool
+    # Rule 5. Responses stored before this field existed read as False.
+    first_of_epoch: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -126,6 +132,11 @@ async def report_usage(
             return UsageOutcome.from_json(earlier)
         recorded = await _recorded_request(conn, tenant_id, session_id, report.request_sequence)
         outcome, correction = await _reconcile(conn, tenant_id, report, recorded, tokenizer_of)
+        before = await store.previous_request_epoch(
+            conn, tenant_id, session_id, report.request_sequence
+        )
+        first = before is None or before != recorded.get("epoch")
+        outcome = replace(outcome, first_of_epoch=first)
         if correction is not None:
             await store.write_correction(
                 conn, tenant_id, correction, tokenizer_of(correction.model_id)

@@ -20,6 +20,7 @@ __all__ = [
     "StoredCorrection",
     "insert_report",
     "lock_correction",
+    "previous_request_epoch",
     "read_correction",
     "read_report",
     "session_model",
@@ -96,6 +97,22 @@ async def session_model(conn: Any, tenant_id: str, session_id: UUID) -> str | No
         session_id,
     )
     return str(value) if value is not None else None
+
+
+async def previous_request_epoch(
+    conn: Any, tenant_id: str, session_id: UUID, sequence: int
+) -> int | None:
+    """The epoch of the session's last model.request.started before `sequence`, or None when
+    there is none (one probe of session_events_by_type)."""
+    value = await conn.fetchval(
+        "SELECT payload->>'epoch' FROM session_events WHERE tenant_id = $1"
+        " AND session_id = $2 AND type = 'model.request.started' AND sequence < $3"
+        " ORDER BY sequence DESC LIMIT 1",
+        tenant_id,
+        session_id,
+        sequence,
+    )
+    return int(value) if value is not None else None
 
 
 async def read_report(
