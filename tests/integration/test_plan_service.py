@@ -479,6 +479,20 @@ async def test_skill_loads_are_sticky_capped_and_never_evict(stub: Any, pool: An
         assert "How to refunds." in bodies[0].text
 
 
+async def test_a_skill_name_over_200_characters_is_an_invalid_field(stub: Any) -> None:
+    """docs/api.md, Conventions: a skill name is an identifier the store indexes; over 200
+    characters it is INVALID_FIELD, not a catalog miss."""
+    session_id, _ = await _open(stub, _skills_spec())
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _load(stub, session_id, "s" * 201)
+    reason, fields, _ = details(caught.value)
+    assert (caught.value.code(), reason, fields) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_FIELD",
+        ["name"],
+    )
+
+
 def _words(count: Any, more_than: int, prefix: str = "") -> str:
     """Distinct words until the server's own token counter says more than `more_than`."""
     words: list[str] = []

@@ -1,9 +1,11 @@
 """Two replicas over one PostgreSQL, each with its own pool and server: writes racing under
-the same idempotency key take effect exactly once, and every caller gets the same answer."""
+the same idempotency key take effect exactly once, and every caller gets the same answer;
+usage reports racing for one tenant's correction factor each count once."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 from uuid import UUID
@@ -14,7 +16,7 @@ import pytest
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
-from .helpers import TENANT, assistant, call, open_session, result
+from .helpers import TENANT, assistant, call, new_id, open_session, result, spec
 
 
 @pytest.fixture
@@ -121,3 +123,57 @@ async def test_a_replica_extending_its_kept_log_builds_what_a_cold_one_builds(
         assert again.request_sha256 == response.request_sha256
         assert again.provider_payload == response.provider_payload
     assert len({r.request_sha256 for _, r in built}) == len(built)
+
+
+async def _built(stub: Any, tenant: str) -> tuple[str, pb.BuildResponse]:
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=tenant, session_id=session_id, spec=spec()))
+    run = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=tenant, session_id=session_id, user_message=pb.UserMessage(text="hello")
+        )
+    )
+    request = pb.BuildRequest(tenant_id=tenant, session_id=session_id, run_id=run.run.run_id)
+    request.now.FromSeconds(1_790_000_000)
+    return session_id, await stub.Build(request)
+
+
+async def test_first_usage_reports_racing_on_two_replicas_each_count_once(
+    replicas: list[Any], pool: Any
+) -> None:
+    """Four sessions of one tenant report their first request's usage at once, on
+    alternating replicas. The session lock does not order them, and no correction row
+    exists yet to lock: each absorbed report must still be one sample of the tenant's
+    factor (api/usage.py, Rule 3). Repeated on fresh tenants, as the race needs overlap."""
+    model = spec().model_id
+    lost: list[tuple[int, int]] = []
+    for _ in range(6):
+        tenant = f"usage-race-{uuid.uuid4().hex[:10]}"
+        built = [await _built(replicas[n % 2], tenant) for n in range(4)]
+        await asyncio.gather(
+            *(
+                replicas[n % 2].ReportUsage(
+                    pb.ReportUsageRequest(
+                        tenant_id=tenant,
+                        session_id=session_id,
+                        request_sequence=b.request_sequence,
+                        model_id=model,
+                        input_tokens=b.estimated_input_tokens * 2,
+                        output_tokens=10,
+                        idempotency_key=f"u-{n}",
+                    )
+                )
+                for n, (session_id, b) in enumerate(built)
+            )
+        )
+        samples = await pool.fetchval(
+            "SELECT samples FROM estimator_corrections WHERE tenant_id = $1 AND model_id = $2",
+            tenant,
+            model,
+        )
+        absorbed = await pool.fetchval(
+            "SELECT count(*) FROM usage_reports WHERE tenant_id = $1 AND absorbed", tenant
+        )
+        if (samples, absorbed) != (4, 4):
+            lost.append((absorbed, samples))
+    assert lost == [], "(absorbed reports, samples in the factor) of the attempts that lost some"

@@ -37,6 +37,7 @@ from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from context_engine.api.interceptors import RpcObserver
 from context_engine.api.server import build_engine, build_server
+from context_engine.api.usage import UsageOutcome
 from context_engine.telemetry import JsonFormatter, RpcState, Telemetry
 
 from .helpers import TENANT, assistant, call, new_id, result, spec, tool, user
@@ -334,6 +335,75 @@ async def test_a_handler_that_records_is_not_counted_twice(canned: dict[str, Any
     assert _total(before, "context_engine.estimator.ratio", model="m-2") == 0
     # first_of_epoch: the cache is being written, so no cached-prefix sample for it.
     assert _total(after, "context_engine.prefix.cached_ratio", model="m-2") == 0
+
+
+async def test_the_first_request_of_an_epoch_does_not_feed_the_cached_prefix_ratio(
+    traced: dict[str, Any],
+) -> None:
+    """docs/operations.md: cached_ratio leaves out the first request of each epoch (it writes
+    the provider's cache). The ReportUsage handler decides it from the log."""
+    stub, reader = traced["stub"], traced["reader"]
+    model = spec().model_id
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=spec()))
+
+    async def build_and_report(text: str) -> tuple[float, float]:
+        """(cached_ratio samples, estimator samples) the report added."""
+        run = await stub.StartRun(
+            pb.StartRunRequest(
+                tenant_id=TENANT, session_id=session_id, user_message=pb.UserMessage(text=text)
+            )
+        )
+        built = await stub.Build(
+            pb.BuildRequest(
+                tenant_id=TENANT, session_id=session_id, run_id=run.run.run_id, now=_now()
+            )
+        )
+        before = _points(reader)
+        await stub.ReportUsage(
+            pb.ReportUsageRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                request_sequence=built.request_sequence,
+                model_id=model,
+                input_tokens=built.estimated_input_tokens // 2,
+                cache_read_input_tokens=built.estimated_input_tokens // 2,
+                output_tokens=5,
+            )
+        )
+        after = _points(reader)
+
+        def added(name: str) -> float:
+            return _total(after, name, model=model) - _total(before, name, model=model)
+
+        return added("context_engine.prefix.cached_ratio"), added("context_engine.estimator.ratio")
+
+    assert await build_and_report("first") == (0, 1)  # epoch 1 writes the cache
+    assert await build_and_report("second") == (1, 1)  # and this one reads it
+    await stub.Rotate(
+        pb.RotateRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            from_epoch=1,
+            reason=pb.PLAN_REASON_MODEL_CHANGED,
+        )
+    )
+    assert await build_and_report("third") == (0, 1)  # epoch 2's first request
+    assert await build_and_report("fourth") == (1, 1)
+
+
+def test_a_usage_response_stored_without_first_of_epoch_reads_as_not_first() -> None:
+    stored = {
+        "model_id": "m",
+        "factor_ppm": 1_000_000,
+        "samples": 1,
+        "signed_error_ppm": 0,
+        "cached_prefix_ppm": 0,
+        "estimated_input_tokens": 10,
+        "actual_input_tokens": 10,
+        "absorbed": True,
+    }
+    assert UsageOutcome.from_json(stored).first_of_epoch is False
 
 
 def test_record_functions_outside_an_rpc_do_nothing() -> None:

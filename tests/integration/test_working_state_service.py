@@ -227,6 +227,44 @@ async def test_protected_constraints_caps_and_bad_input_write_nothing(stub: Any,
     assert len(swapped.state.constraints) == 20
 
 
+async def test_the_model_cannot_remove_a_constraint_the_user_also_stated(stub: Any) -> None:
+    """The model adds C, then the user states the same C: C is now the user's (spec: the
+    tool "cannot remove a constraint the user set")."""
+    session_id, _ = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "Plan my trip")).run.run_id
+    c = "Stay under 500 euros in total."
+    one = await update_state(stub, session_id, run_id, 1, add_constraints=[c])
+    two = await update_state(
+        stub, session_id, run_id, one.checkpoint_version, writer=pb.WRITER_USER, add_constraints=[c]
+    )
+    assert [(e.text, e.writer) for e in two.state.constraints] == [(c, pb.WRITER_USER)]
+    code, reason, fields = await _refused(
+        update_state(stub, session_id, run_id, two.checkpoint_version, remove_constraints=[c])
+    )
+    assert (code, reason, fields) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "CONSTRAINT_PROTECTED",
+        ["update.remove_constraints[0]"],
+    )
+
+
+async def test_the_model_cannot_supersede_an_objective_the_user_also_stated(stub: Any) -> None:
+    session_id, _ = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "Plan my trip")).run.run_id
+    o = "Book a train to Lyon for Friday."
+    one = await update_state(stub, session_id, run_id, 1, objective=o)
+    two = await update_state(
+        stub, session_id, run_id, one.checkpoint_version, writer=pb.WRITER_USER, objective=o
+    )
+    assert two.state.objective.writer == pb.WRITER_USER
+    code, reason, _ = await _refused(
+        update_state(
+            stub, session_id, run_id, two.checkpoint_version, objective="Book a flight instead."
+        )
+    )
+    assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "CONSTRAINT_PROTECTED")
+
+
 async def test_the_runtime_writes_questions_and_task_states_from_tool_outcomes(
     stub: Any, pool: Any
 ) -> None:
@@ -295,6 +333,29 @@ async def test_the_runtime_writes_questions_and_task_states_from_tool_outcomes(
     await _append(
         stub, session_id, run_id, appended.checkpoint_version, assistant("Which seat? Window?")
     )
+    assert (await _latest_state(pool, run_id))["open_questions"] == []
+
+
+async def test_an_ask_user_question_over_2000_characters_is_resolved_by_its_answer(
+    stub: Any, pool: Any
+) -> None:
+    """open_questions holds the question cut to 2,000 characters; its answer still resolves
+    it."""
+    session_id, _ = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "Help me choose")).run.run_id
+    question = "Which of these options do you prefer? " + "option, " * 300
+    ask = pb.ConversationItem(
+        tool_call=pb.ToolCall(
+            call_id="ask1",
+            tool_name="conversation.ask_user",
+            arguments_json=json.dumps({"question": question}),
+        )
+    )
+    asked = await _append(stub, session_id, run_id, 1, ask)
+    state = await _latest_state(pool, run_id)
+    assert [q["text"] for q in state["open_questions"]] == [question[:2_000]]
+    answer = result("ask1", "The first", trust=pb.TRUST_LEVEL_USER, name="conversation.ask_user")
+    await _append(stub, session_id, run_id, asked.checkpoint_version, answer)
     assert (await _latest_state(pool, run_id))["open_questions"] == []
 
 

@@ -30,6 +30,7 @@ from context_engine.core.working_state import (
     BLOCK_TOKENS,
     COMPLETED,
     LIST_CAPS,
+    MAX_ENTRY_CHARS,
     SOURCE_TRUST_OF_EVENT,
     UPDATE_TOOL,
     WRITER_FIELDS,
@@ -121,6 +122,39 @@ def test_only_the_user_supersedes_a_user_objective_and_it_is_recorded() -> None:
     # A model objective can be refined by the model.
     model = _update(Writer.MODEL, WorkingState(), WorkingStateUpdate(objective="draft"))
     assert _update(Writer.MODEL, model, WorkingStateUpdate(objective="better"), 11).objective
+
+
+def test_a_constraint_the_user_restates_becomes_the_users_in_place() -> None:
+    state = _update(Writer.MODEL, WorkingState(), WorkingStateUpdate(add_constraints=("A", "B")))
+    state = _update(Writer.USER, state, WorkingStateUpdate(add_constraints=("A",)), 11)
+    assert [(c.text, c.writer, c.source_sequence) for c in state.constraints] == [
+        ("A", Writer.USER, 11),
+        ("B", Writer.MODEL, 10),
+    ]
+    assert state.constraints[0].trust is TrustLevel.USER
+    with pytest.raises(PreconditionError) as refused:
+        _update(Writer.MODEL, state, WorkingStateUpdate(remove_constraints=("A",)), 12)
+    assert _reason(refused) == "CONSTRAINT_PROTECTED"
+    # Restating never lowers the writer: the model stating the user's constraint is a no-op.
+    assert _update(Writer.MODEL, state, WorkingStateUpdate(add_constraints=("A",)), 12) == state
+
+
+def test_an_objective_the_user_restates_becomes_the_users_and_is_not_superseded() -> None:
+    state = _update(Writer.MODEL, WorkingState(), WorkingStateUpdate(objective="Trip to Lyon"))
+    taken = apply_update(
+        state, WorkingStateUpdate(objective="Trip to Lyon"), writer=Writer.USER, sequence=11
+    )
+    assert taken.state.objective is not None
+    assert (taken.state.objective.writer, taken.state.objective.source_sequence) == (
+        Writer.USER,
+        11,
+    )
+    assert taken.superseded_objective is None
+    with pytest.raises(PreconditionError) as refused:
+        _update(Writer.MODEL, taken.state, WorkingStateUpdate(objective="Trip to Nice"), 12)
+    assert _reason(refused) == "CONSTRAINT_PROTECTED"
+    same = WorkingStateUpdate(objective="Trip to Lyon")
+    assert _update(Writer.MODEL, taken.state, same, 12) == taken.state
 
 
 @pytest.mark.parametrize("writer", list(Writer))
@@ -631,6 +665,20 @@ def test_ask_user_opens_a_question_and_its_answer_resolves_it() -> None:
     assert runtime_update(WorkingState(), (), [_call("c2", "web.fetch", {"question": "x"})]) is None
     assert runtime_update(WorkingState(), (), [_call("c3", "conversation.ask_user", {})]) is None
     assert runtime_update(WorkingState(), (), [UserMessage(item_id="u", text="Q?")]) is None
+
+
+def test_a_question_over_2000_characters_is_stored_cut_and_its_answer_resolves_it() -> None:
+    long = "Which of these do you prefer? " + "option, " * 300
+    ask = _call("c1", "conversation.ask_user", {"question": long})
+    opened = runtime_update(WorkingState(), (), [ask])
+    assert opened == WorkingStateUpdate(add_questions=(long[:MAX_ENTRY_CHARS],))
+    state = _update(Writer.RUNTIME, WorkingState(), opened, 5)
+    answered = runtime_update(state, (ask,), [_result("c1")])
+    assert answered == WorkingStateUpdate(resolve_questions=(long[:MAX_ENTRY_CHARS],))
+    assert _update(Writer.RUNTIME, state, answered, 6).open_questions == ()
+    # A question that is only blank within the stored length opens nothing.
+    blank = _call("c2", "conversation.ask_user", {"question": " " * MAX_ENTRY_CHARS + "Q?"})
+    assert runtime_update(WorkingState(), (), [blank]) is None
 
 
 @pytest.mark.parametrize(

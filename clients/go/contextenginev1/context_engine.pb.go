@@ -540,9 +540,12 @@ const (
 	ErrorReason_ERROR_REASON_INVALID_FIELD ErrorReason = 1
 	// The session does not exist for this tenant.
 	ErrorReason_ERROR_REASON_SESSION_NOT_FOUND ErrorReason = 2
-	// The run does not exist in this session for this tenant.
+	// NOT_FOUND: the run does not exist in this session for this tenant, or (field
+	// checkpoint_version) has no such checkpoint version.
 	ErrorReason_ERROR_REASON_RUN_NOT_FOUND ErrorReason = 3
-	// The session has no plan yet; call Plan first.
+	// The session has no plan yet (call Plan first), or GetPlan's epoch does not exist.
+	// NOT_FOUND where the plan is read (GetPlan, Build, UpdateWorkingState, compaction),
+	// FAILED_PRECONDITION where a write needs it (Rotate, StartRun, LoadSkill).
 	ErrorReason_ERROR_REASON_PLAN_NOT_FOUND ErrorReason = 4
 	// A Region A class is over its cap; metadata "class" names it.
 	ErrorReason_ERROR_REASON_PREFIX_CLASS_OVER_CAP ErrorReason = 5
@@ -562,15 +565,19 @@ const (
 	ErrorReason_ERROR_REASON_UNKNOWN_MODEL ErrorReason = 12
 	// The never-yield set alone does not fit the body; metadata names the class.
 	ErrorReason_ERROR_REASON_BUDGET_EXCEEDED ErrorReason = 13
-	// The run is not in a state that allows this call.
+	// FAILED_PRECONDITION: the run is not in a state that allows this call (nothing to
+	// compact), or StartRun's run_id is taken.
 	ErrorReason_ERROR_REASON_RUN_STATE ErrorReason = 14
 	// A third skill load, or skill bodies over their class cap.
 	ErrorReason_ERROR_REASON_SKILL_LIMIT ErrorReason = 15
 	// The skill is not in the plan's pinned catalog.
 	ErrorReason_ERROR_REASON_SKILL_NOT_IN_CATALOG ErrorReason = 16
-	// A working-state list is at its cap (constraints never evict).
+	// A working-state list is at its cap (constraints never evict), or the objective,
+	// constraints and next action alone would be over the block's token cap (metadata
+	// class working_state, cap_tokens).
 	ErrorReason_ERROR_REASON_WORKING_STATE_CAP ErrorReason = 17
-	// A writer tried to remove a constraint it may not remove.
+	// A writer tried to remove a constraint, or supersede an objective, it may not (the
+	// user's entries rank above the model's and the runtime's).
 	ErrorReason_ERROR_REASON_CONSTRAINT_PROTECTED ErrorReason = 18
 	// A third compaction: escalate to a child run instead.
 	ErrorReason_ERROR_REASON_COMPACTION_DEPTH_EXCEEDED ErrorReason = 19
@@ -580,7 +587,8 @@ const (
 	ErrorReason_ERROR_REASON_COMPACTION_MISMATCH ErrorReason = 21
 	// The request is larger than the server accepts.
 	ErrorReason_ERROR_REASON_REQUEST_TOO_LARGE ErrorReason = 22
-	// The recorded request or event does not exist.
+	// NOT_FOUND: no model.request.started event at that sequence. FAILED_PRECONDITION
+	// (GetBuild): the request was recorded without build inputs this build can read back.
 	ErrorReason_ERROR_REASON_REQUEST_NOT_FOUND ErrorReason = 23
 	// UNAVAILABLE: the server is draining after SIGTERM and did not start the call; nothing
 	// was read or written. Retry (with backoff) on another replica or after the restart.
@@ -4957,7 +4965,7 @@ type ReportUsageRequest struct {
 	SessionId string `protobuf:"bytes,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
 	// The request the usage is for (BuildResponse.request_sequence).
 	RequestSequence int64 `protobuf:"varint,3,opt,name=request_sequence,json=requestSequence,proto3" json:"request_sequence,omitempty"`
-	// The model that answered (at most 200 characters).
+	// The model that answered; required (at most 200 characters).
 	ModelId string `protobuf:"bytes,4,opt,name=model_id,json=modelId,proto3" json:"model_id,omitempty"`
 	// Uncached input tokens the provider reported (Anthropic input_tokens; OpenAI
 	// input_tokens minus cached_tokens).
@@ -4968,7 +4976,9 @@ type ReportUsageRequest struct {
 	CacheCreationInputTokens int64 `protobuf:"varint,7,opt,name=cache_creation_input_tokens,json=cacheCreationInputTokens,proto3" json:"cache_creation_input_tokens,omitempty"`
 	// Output tokens.
 	OutputTokens int64 `protobuf:"varint,8,opt,name=output_tokens,json=outputTokens,proto3" json:"output_tokens,omitempty"`
-	// Makes retries safe: a request's usage is counted once per key (at most 200 characters).
+	// Makes retries safe: a request's usage is counted once per key (at most 200
+	// characters). Empty is a key like any other: a second keyless report of the same
+	// request replays the first answer, or is IDEMPOTENCY_KEY_REUSED if its figures differ.
 	IdempotencyKey string `protobuf:"bytes,9,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
 }
 

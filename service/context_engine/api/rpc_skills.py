@@ -30,8 +30,8 @@ class SkillsRpcs:
     ) -> pb.LoadSkillResponse:
         tenant = convert.require_tenant(request)
         session_id = convert.require_uuid(request.session_id, "session_id")
-        if not request.name:
-            raise InvalidFieldError("name is required", field="name")
+        # An identifier the store indexes: bounded like every other (docs/api.md).
+        name = convert.require_id(request.name, "name")
         if not request.body:
             raise InvalidFieldError("body is required", field="body")
         trust: TrustLevel | None = None
@@ -42,7 +42,7 @@ class SkillsRpcs:
                 raise InvalidFieldError("trust is not a TrustLevel", field="trust") from None
         run_id = convert.parse_uuid(request.run_id, "run_id", required=False)
         loaded, newly = await skills_api.load_skill(
-            self.engine, tenant, session_id, request.name, request.body, trust, run_id
+            self.engine, tenant, session_id, name, request.body, trust, run_id
         )
         return pb.LoadSkillResponse(loaded=loaded, newly_loaded=newly)
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from .. import telemetry
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
 from ..core.errors import InvalidFieldError
 from . import convert
@@ -43,6 +44,14 @@ class UsageRpcs:
             session_id,
             report,
             self.engine.tokenizer_of,
+        )
+        # Recorded here: only the handler knows whether the request was the first of its
+        # epoch, whose cached share the prefix-cache metric leaves out (api/usage.py, Rule 5).
+        telemetry.record_usage(
+            outcome.model_id,
+            outcome.signed_error_ppm,
+            outcome.cached_prefix_ppm,
+            first_of_epoch=outcome.first_of_epoch,
         )
         return pb.ReportUsageResponse(
             factor_ppm=outcome.factor_ppm,

@@ -7,16 +7,22 @@ in estimator_corrections, and resets when the model changes: a report answered b
 model than the request was built for is recorded but moves no factor, and a factor learned
 for another tokenizer (a registry change) starts over.
 Rule 3: a request's usage is counted once per idempotency key; a retry returns the first
-response and writes nothing. Every write is one transaction under the session lock.
+response and writes nothing. Every write is one transaction under the session lock, and the
+correction's read-modify-write also under the (tenant, model) correction lock, so reports
+racing from different sessions or replicas each count once.
 Rule 4: checkpoints pin the factor current when they are written (pinned_factor), so a
 rebuild of the same checkpoint cuts history at the same place whatever was reported since.
 The signed error of each report is returned (UsageOutcome) for the telemetry shell.
+Rule 5: a request is the first of its epoch when no earlier model.request.started of the
+session was built on the same epoch; it writes the provider's prefix cache, so its cached
+share says nothing about cache reuse (UsageOutcome.first_of_epoch; telemetry leaves it out
+of context_engine.prefix.cached_ratio).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 from uuid import UUID
 
@@ -66,6 +72,8 @@ class UsageOutcome:
     estimated_input_tokens: int
     actual_input_tokens: int
     absorbed: bool
+    # Rule 5. Responses stored before this field existed read as False.
+    first_of_epoch: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -124,6 +132,11 @@ async def report_usage(
             return UsageOutcome.from_json(earlier)
         recorded = await _recorded_request(conn, tenant_id, session_id, report.request_sequence)
         outcome, correction = await _reconcile(conn, tenant_id, report, recorded, tokenizer_of)
+        before = await store.previous_request_epoch(
+            conn, tenant_id, session_id, report.request_sequence
+        )
+        first = before is None or before != recorded.get("epoch")
+        outcome = replace(outcome, first_of_epoch=first)
         if correction is not None:
             await store.write_correction(
                 conn, tenant_id, correction, tokenizer_of(correction.model_id)
@@ -179,7 +192,9 @@ async def _reconcile(
     prefix = int(recorded.get("prefix_tokens", 0))
     planned_model = str(recorded.get("model_id", report.model_id))
     actual = report.actual_input_tokens
-    stored = await store.read_correction(conn, tenant_id, planned_model, for_update=True)
+    # Reports of other sessions of this tenant race for the same correction (Rule 3).
+    await store.lock_correction(conn, tenant_id, planned_model)
+    stored = await store.read_correction(conn, tenant_id, planned_model)
     previous = (
         stored.correction
         if stored is not None and stored.tokenizer == tokenizer_of(planned_model)

@@ -6,6 +6,9 @@ runtime only what it observes: task states on tool outcomes, and the questions
 conversation.ask_user asks and their answers (`runtime_update`). Nobody's prose is parsed.
 Rule 2 (protection): only the user may remove a constraint the user set, or supersede an
 objective the user set (CONSTRAINT_PROTECTED). The model may remove its own constraints.
+A writer that states an existing constraint or the current objective again takes it over
+when it ranks above the entry's writer (WRITER_RANK: the user above the model), so a
+constraint the user also stated is the user's; restating never lowers an entry's writer.
 Rule 3 (bounds): LIST_CAPS. Constraints never evict: at the cap add_constraints fails
 (WORKING_STATE_CAP) and nothing changes. Tasks, facts and open questions evict at their
 caps: completed entries first, then the stalest (oldest last-written sequence) first.
@@ -50,6 +53,7 @@ __all__ = [
     "UPDATE_TOOL",
     "UPDATE_TOOL_NAME",
     "WRITER_FIELDS",
+    "WRITER_RANK",
     "Carry",
     "Entry",
     "Fact",
@@ -128,6 +132,17 @@ WRITER_FIELDS: dict[Writer, frozenset[str]] = {
     Writer.USER: _ALL_FIELDS,
     Writer.RUNTIME: frozenset({"upsert_tasks", "add_questions", "resolve_questions"}),
 }
+
+# Who may undo whose objective and constraints (Rule 2): a writer may remove or supersede
+# an entry of equal or lower rank, and takes over an entry it restates of lower rank. The
+# runtime ranks with the model: its entries are the model's text (_WRITER_TRUST), and it
+# may not write the objective or constraints anyway.
+WRITER_RANK: dict[Writer, int] = {Writer.MODEL: 0, Writer.RUNTIME: 0, Writer.USER: 1}
+
+
+def _outranks(writer: Writer, owner: Writer) -> bool:
+    return WRITER_RANK[writer] > WRITER_RANK[owner]
+
 
 # The proto numbers trust levels from most to least trusted, so "lowest" is the largest.
 _ASSERTED = frozenset({TrustLevel.PLATFORM, TrustLevel.TRUSTED_CONFIGURATION, TrustLevel.USER})
@@ -274,8 +289,12 @@ def _set_objective(state: WorkingState, value: str, ctx: _Ctx) -> WorkingState:
     _text(value, "update.objective")
     current = state.objective
     if current is not None and current.text == value:
+        # Restated: the stronger writer owns it from now on (Rule 2), so a model cannot
+        # supersede an objective the user has also stated.
+        if _outranks(ctx.writer, current.writer):
+            return state.model_copy(update={"objective": ctx.entry(value)})
         return state
-    if current is not None and current.writer is Writer.USER and ctx.writer is not Writer.USER:
+    if current is not None and _outranks(current.writer, ctx.writer):
         raise PreconditionError(
             "the objective was set by the user; only the user can supersede it",
             field="update.objective",
@@ -292,7 +311,7 @@ def _remove_constraints(state: WorkingState, values: tuple[str, ...], ctx: _Ctx)
         found = next((c for c in kept if c.text == text), None)
         if found is None:
             raise InvalidFieldError("no such constraint (exact text required)", field=field)
-        if found.writer is Writer.USER and ctx.writer is not Writer.USER:
+        if _outranks(found.writer, ctx.writer):
             raise PreconditionError(
                 "the user set this constraint; only the user can remove it",
                 field=field,
@@ -306,8 +325,12 @@ def _add_constraints(state: WorkingState, values: tuple[str, ...], ctx: _Ctx) ->
     constraints = list(state.constraints)
     for n, text in enumerate(values):
         _text(text, f"update.add_constraints[{n}]")
-        if all(c.text != text for c in constraints):
+        at = next((i for i, c in enumerate(constraints) if c.text == text), None)
+        if at is None:
             constraints.append(ctx.entry(text))
+        elif _outranks(ctx.writer, constraints[at].writer):
+            # The user stating the model's constraint makes it the user's (Rule 2), in place.
+            constraints[at] = ctx.entry(text)
     cap = LIST_CAPS["constraints"]
     if len(constraints) > cap:
         raise PreconditionError(
@@ -531,9 +554,12 @@ def apply_update(
                 reason="WORKING_STATE_CAP",
                 metadata={"class": "working_state", "cap_tokens": str(BLOCK_TOKENS)},
             )
+    # A restated objective taken over by a stronger writer is the same objective.
     superseded = (
         before.text
-        if before is not None and state.objective is not None and state.objective != before
+        if before is not None
+        and state.objective is not None
+        and state.objective.text != before.text
         else None
     )
     return Transition(state, evicted, superseded)
@@ -613,12 +639,17 @@ def carry(updates: Sequence[LoggedUpdate]) -> WorkingState:
 
 
 def _ask_user_question(call: ToolCall) -> str | None:
+    """The call's question as open_questions holds it: cut to MAX_ENTRY_CHARS, so the ask
+    and its answer compare the same text (None when there is no usable question)."""
     try:
         arguments = json.loads(call.arguments_json)
     except ValueError:
         return None
     question = arguments.get("question") if isinstance(arguments, dict) else None
-    return question if isinstance(question, str) and question.strip() else None
+    if not isinstance(question, str):
+        return None
+    stored = question[:MAX_ENTRY_CHARS]
+    return stored if stored.strip() else None
 
 
 def runtime_update(
@@ -628,10 +659,10 @@ def runtime_update(
 ) -> WorkingStateUpdate | None:
     """The runtime's own transition for items being appended, or None when there is none.
 
-    A conversation.ask_user call adds its "question" argument to open_questions and its
-    result resolves it; a call with a task_id moves that task to in_progress and its result
-    to done (blocked when the result is an error). Nothing else is observed; no text is
-    parsed except the ask_user call's typed arguments.
+    A conversation.ask_user call adds its "question" argument to open_questions (cut to
+    MAX_ENTRY_CHARS) and its result resolves it; a call with a task_id moves that task to
+    in_progress and its result to done (blocked when the result is an error). Nothing else
+    is observed; no text is parsed except the ask_user call's typed arguments.
 
     Raises:
         InvalidFieldError: a tool call names a task_id the working state does not hold.
@@ -646,7 +677,7 @@ def runtime_update(
         if isinstance(item, ToolCall):
             question = _ask_user_question(item) if item.tool_name == ASK_USER_TOOL else None
             if question is not None and question not in is_open:
-                added.append(question[:MAX_ENTRY_CHARS])
+                added.append(question)
                 is_open.add(question)
             if item.task_id:
                 if item.task_id not in known:
@@ -659,7 +690,7 @@ def runtime_update(
             call = calls[item.call_id]
             question = _ask_user_question(call) if call.tool_name == ASK_USER_TOOL else None
             if question is not None and question in is_open:
-                resolved.append(question[:MAX_ENTRY_CHARS])
+                resolved.append(question)
                 is_open.discard(question)
             if call.task_id in known:
                 status = TaskStatus.BLOCKED if item.is_error else TaskStatus.DONE

@@ -1,6 +1,10 @@
 """Estimator corrections and usage reports (migrations/0002_usage.sql).
 
 Every query is tenant-scoped: one tenant's reports never move another tenant's factor.
+A report's read-modify-write of a correction holds lock_correction: reports of different
+sessions are not ordered by the session lock, and a row lock cannot guard a correction that
+has no row yet. Lock order: the session lock first, then this one; nothing that holds it
+takes a session lock, so the order is the same everywhere.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from ..core.estimator import Correction
 __all__ = [
     "StoredCorrection",
     "insert_report",
+    "lock_correction",
+    "previous_request_epoch",
     "read_correction",
     "read_report",
     "session_model",
@@ -28,12 +34,24 @@ class StoredCorrection:
     tokenizer: str  # what the factor was learned for
 
 
-async def read_correction(
-    conn: Any, tenant_id: str, model_id: str, *, for_update: bool = False
-) -> StoredCorrection | None:
+async def lock_correction(conn: Any, tenant_id: str, model_id: str) -> None:
+    """Hold the (tenant, model) correction's lock until the transaction ends, whether or not
+    its row exists yet. A read after this (its own statement, so its snapshot is taken once
+    the lock is granted) sees every report that held it before."""
+    # Its own key space, 64 bits (hashtextextended): two corrections sharing a key only
+    # wait for each other.
+    await conn.execute(
+        "SELECT pg_advisory_xact_lock(hashtextextended('usage' || chr(31) || $1"
+        " || chr(31) || $2, 0))",
+        tenant_id,
+        model_id,
+    )
+
+
+async def read_correction(conn: Any, tenant_id: str, model_id: str) -> StoredCorrection | None:
     row = await conn.fetchrow(
         "SELECT factor_ppm, observed_ppm, samples, tokenizer FROM estimator_corrections"
-        " WHERE tenant_id = $1 AND model_id = $2" + (" FOR UPDATE" if for_update else ""),
+        " WHERE tenant_id = $1 AND model_id = $2",
         tenant_id,
         model_id,
     )
@@ -79,6 +97,22 @@ async def session_model(conn: Any, tenant_id: str, session_id: UUID) -> str | No
         session_id,
     )
     return str(value) if value is not None else None
+
+
+async def previous_request_epoch(
+    conn: Any, tenant_id: str, session_id: UUID, sequence: int
+) -> int | None:
+    """The epoch of the session's last model.request.started before `sequence`, or None when
+    there is none (one probe of session_events_by_type)."""
+    value = await conn.fetchval(
+        "SELECT payload->>'epoch' FROM session_events WHERE tenant_id = $1"
+        " AND session_id = $2 AND type = 'model.request.started' AND sequence < $3"
+        " ORDER BY sequence DESC LIMIT 1",
+        tenant_id,
+        session_id,
+        sequence,
+    )
+    return int(value) if value is not None else None
 
 
 async def read_report(
