@@ -232,7 +232,8 @@ async def test_laundering_mismatch_and_stale_commits_write_nothing(stub: Any, po
         ),
         (
             "ok",
-            {"replaced_through_sequence": prepared.replaced_through_sequence + 1},
+            # Past every compactable item (run 2's calendar pair is pending: never a cut).
+            {"replaced_through_sequence": prepared.replaced_through_sequence + 1000},
             grpc.StatusCode.INVALID_ARGUMENT,
             "COMPACTION_MISMATCH",
             "result.replaced_through_sequence",
@@ -343,3 +344,93 @@ async def test_compaction_fidelity_a_constraint_from_twenty_turns_ago_shows_verb
         version = 1
     await check(await _build(stub, session_id, run_id, now))
     assert hashes == {plan.prefix_sha256}
+
+
+# --- what a cut may take ---------------------------------------------------------------------
+
+
+def _tool_result_ids(built: pb.BuildResponse) -> list[str]:
+    return [
+        b.tool_result.call_id
+        for m in built.request.messages
+        for b in m.blocks
+        if b.WhichOneof("kind") == "tool_result"
+    ]
+
+
+async def test_a_half_answered_batch_is_never_split_and_the_run_stays_buildable(
+    stub: Any,
+) -> None:
+    """Two parallel calls, one answered: the batch is the active loop's pending pairs, so a
+    cut through the answered call stops before it, and once the second result is in the
+    next Build carries both pairs whole (a call and its result are one unit)."""
+    session_id, _ = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "Look up two things")).run.run_id
+    trusted = pb.TRUST_LEVEL_TRUSTED_CONFIGURATION
+    appended = await _append(
+        stub,
+        session_id,
+        run_id,
+        1,
+        assistant("Looking both up."),
+        call("a1", name="calendar.list"),
+        call("b1", name="calendar.list"),
+        result("a1", "Monday free", trust=trusted, name="calendar.list"),
+    )
+    prepared = await _prepare(stub, session_id, run_id, through_sequence=appended.sequences[1])
+    assert prepared.replaced_through_sequence == appended.sequences[0]
+    assert "calendar.list" not in prepared.summarizer_input
+    committed = await _commit(stub, session_id, run_id, prepared, "The user asked two things.")
+    done = await _append(
+        stub,
+        session_id,
+        run_id,
+        committed.checkpoint_version,
+        result("b1", "Tuesday free", trust=trusted, name="calendar.list"),
+    )
+    built = await _build(stub, session_id, run_id, START)
+    assert built.checkpoint_version == done.checkpoint_version
+    assert _tool_result_ids(built) == ["a1", "b1"]
+
+
+async def test_the_engine_cut_leaves_the_active_loops_pending_pair_verbatim(stub: Any) -> None:
+    """The model called a tool and has not read its result yet: the pending pair never
+    yields (spec: 'Four things never yield'), and compaction is the last yield."""
+    session_id, _ = await open_session(stub)
+    first = (await start_run(stub, session_id, "Earlier question about trains")).run.run_id
+    await _append(stub, session_id, first, 1, assistant("Earlier answer about trains."))
+    run_id = (await start_run(stub, session_id, "Fetch the hotel page")).run.run_id
+    page = "Hotel page. " + " ".join(f"room{n} costs {n * 7} euros" for n in range(300))
+    appended = await _append(
+        stub,
+        session_id,
+        run_id,
+        1,
+        assistant("Fetching it."),
+        call("p1", args={"q": "hotel"}),
+        result("p1", page),
+    )
+    prepared = await _prepare(stub, session_id, run_id)
+    assert prepared.replaced_through_sequence < appended.sequences[1]
+    assert not prepared.elided  # the page is not compacted, so not elided either
+    committed = await _commit(stub, session_id, run_id, prepared, "The user wants a hotel.")
+    built = await _build(stub, session_id, run_id, START)
+    assert built.checkpoint_version == committed.checkpoint_version
+    assert _tool_result_ids(built) == ["p1"]
+
+
+async def test_nothing_but_a_pending_pair_fails_as_nothing_to_compact(stub: Any) -> None:
+    """Once the run's question is compacted, only the pending pair is left: nothing is
+    compactable, and prepare says so (RUN_STATE) rather than summarizing it."""
+    session_id, _ = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "Fetch the hotel page")).run.run_id
+    appended = await _append(
+        stub, session_id, run_id, 1, call("p1", args={"q": "hotel"}), result("p1", "Hotel page.")
+    )
+    once = await _prepare(stub, session_id, run_id)
+    assert once.replaced_through_sequence < appended.sequences[0]
+    await _commit(stub, session_id, run_id, once, "The user wants a hotel page.")
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await _prepare(stub, session_id, run_id)
+    reason, _, _ = details(error.value)
+    assert (error.value.code(), reason) == (grpc.StatusCode.FAILED_PRECONDITION, "RUN_STATE")

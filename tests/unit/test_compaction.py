@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from context_engine.core import Checkpoint, PlanSpec, Row, assemble
+from context_engine.core.assemble import pending_pairs
 from context_engine.core.compaction import (
     MAX_DEPTH,
     PROMPT_VERSION,
@@ -378,6 +379,10 @@ def test_the_cut_is_a_prefix_of_whole_pairs(
     calls = {i.call_id for i in compacted if isinstance(i, ToolCall)}
     results = {i.call_id for i in compacted if isinstance(i, ToolResult)}
     assert calls == results, "pairs are compacted whole"
+    # The active loop's pending pairs never yield, and compaction is the last yield.
+    assert all(
+        i.sequence > prepared.replaced_through_sequence for i in pending_pairs(checkpoint.items)
+    )
     if through:
         assert prepared.replaced_through_sequence >= min(
             through, prepared.replaced_through_sequence
@@ -400,6 +405,54 @@ def test_the_engine_keeps_the_newest_quarter_when_it_chooses() -> None:
     prepared = prepare(checkpoint, carried, through_sequence=0, count_tokens=count_tokens)
     kept = 20 - prepared.replaced_through_sequence
     assert kept == 20 * RETAIN_PPM // 1_000_000
+
+
+def _call(call_id: str, seq: int, run_id: str = "b") -> ToolCall:
+    return ToolCall(
+        item_id=f"call-{run_id}-{call_id}",
+        call_id=call_id,
+        tool_name="calendar.list",
+        arguments_json="{}",
+        sequence=seq,
+        run_id=run_id,
+    )
+
+
+def _answer(call_id: str, seq: int, run_id: str = "b", text: str = "Free") -> ToolResult:
+    return ToolResult(
+        item_id=f"result-{run_id}-{call_id}",
+        call_id=call_id,
+        tool_name="calendar.list",
+        content=text,
+        trust=TrustLevel.TRUSTED_CONFIGURATION,
+        sequence=seq,
+        run_id=run_id,
+    )
+
+
+def test_the_active_loops_pending_pairs_are_never_compacted() -> None:
+    """A half-answered batch (a1 in, b1 pending) is the latest model turn's pending pairs:
+    neither an engine cut nor one through the answered call takes any of it."""
+    run = (
+        UserMessage(item_id="u", text="Look up two things", sequence=1, run_id="b"),
+        AssistantMessage(item_id="a", text="Looking both up.", sequence=2, run_id="b"),
+        _call("a1", 3),
+        _call("b1", 4),
+        _answer("a1", 5),
+    )
+    checkpoint = Checkpoint(run_id="b", version=2, items=run)
+    for through in (0, 3, 5, 99):
+        prepared = prepare(checkpoint, [], through_sequence=through, count_tokens=count_tokens)
+        assert prepared.replaced_through_sequence == 2, through
+        assert "calendar.list" not in prepared.summarizer_input
+    after = compacted_checkpoint(
+        checkpoint, check_result(prepared, _result(prepared, "Two lookups."), count_tokens)
+    )
+    assert [i.item_id for i in after.items] == ["call-b-a1", "call-b-b1", "result-b-a1"]
+    # With only the pending pair left there is nothing to compact (not an empty summary).
+    with pytest.raises(PreconditionError) as nothing:
+        prepare(after, [], through_sequence=0, count_tokens=count_tokens)
+    assert nothing.value.reason == "RUN_STATE"
 
 
 # --- depth -----------------------------------------------------------------------------------

@@ -8,9 +8,11 @@ Rule 1 (Region B only): compaction replaces the oldest end of the body — carri
 and the run's completed exchanges — with one summary at row 9. The prefix holds no
 history; nothing here reads or writes the plan, so the prefix hash cannot move.
 Rule 2 (what is compactable): a contiguous oldest run of logged items above the current
-floor, ending before the active loop's first unanswered tool call and before the trailing
-user input. Reasoning items are excluded by type (never summarized, ADR-0007). A cut that
-would split a tool pair moves later, so the pair is compacted whole.
+floor, ending before the active loop's pending pairs (Build's never-yield set,
+`assemble.pending_pairs`: the latest model turn's calls and the results in so far), before
+any unanswered call and before the trailing user input; when that leaves nothing, RUN_STATE.
+Reasoning items are excluded by type (never summarized, ADR-0007). A cut that would split a
+tool pair moves later, so the pair is compacted whole.
 Rule 3 (trusted content only): items whose trust is not in SUMMARIZABLE are not summarized;
 each becomes a typed pointer
     [elided] tool.result <id> (external_untrusted, N bytes) -> artifact:<ref>
@@ -312,17 +314,22 @@ def elided_content(event_type: str, payload: Mapping[str, Any]) -> str:
 def _compactable(
     checkpoint: Checkpoint, carried: Sequence[ConversationItem]
 ) -> list[ConversationItem]:
-    """Rule 2: the candidates, oldest first."""
+    """Rule 2: the candidates, oldest first. Every call among them has its result among
+    them, so no cut of them can leave half a pair in the body."""
     # assemble imports checkpoint, which imports this module: import at call time.
-    from .assemble import split_run_items
+    from .assemble import pending_pairs, split_run_items
 
     floor = checkpoint.replaced_through_sequence
     completed, _trailing = split_run_items(checkpoint.items)
     answered = {i.call_id for i in completed if isinstance(i, ToolResult)}
+    # Build's own never-yield set: the model is about to read those results, and compaction
+    # is the ladder's last yield. Stopping at the first of them also keeps an answered call
+    # of a half-answered batch with its result and its batch.
+    pending = {i.item_id for i in pending_pairs(checkpoint.items)}
     run: list[ConversationItem] = []
     for item in completed:
-        if isinstance(item, ToolCall) and item.call_id not in answered:
-            break  # the active loop's pending pair and everything after it stay
+        if item.item_id in pending or (isinstance(item, ToolCall) and item.call_id not in answered):
+            break  # the active loop's pending pairs and everything after them stay
         if not isinstance(item, ReasoningItem) and item.sequence > floor:
             run.append(item)
     history = [i for i in carried if i.sequence > floor and not isinstance(i, ReasoningItem)]
@@ -399,7 +406,8 @@ def prepare(
     candidates = _compactable(checkpoint, carried)
     if not candidates:
         raise PreconditionError(
-            "nothing is compactable: no completed item above the current floor",
+            "nothing is compactable: no completed item above the current floor before the"
+            " active loop's pending tool pairs",
             reason="RUN_STATE",
         )
     cut = _choose_cut(candidates, through_sequence, count_tokens)
