@@ -434,3 +434,36 @@ async def test_nothing_but_a_pending_pair_fails_as_nothing_to_compact(stub: Any)
         await _prepare(stub, session_id, run_id)
     reason, _, _ = details(error.value)
     assert (error.value.code(), reason) == (grpc.StatusCode.FAILED_PRECONDITION, "RUN_STATE")
+
+
+async def test_compacting_a_child_run_keeps_its_instruction_verbatim(stub: Any) -> None:
+    """A child run's first item is its parent's instruction (never logged, sequence 0).
+    It is not summarized, so compaction must leave it in the run: it is the run's task."""
+    session_id, _ = await open_session(stub)
+    parent = (await start_run(stub, session_id, "Plan the whole trip")).run.run_id
+    instruction = "Find three hotels in Lyon under 120 euros near Part-Dieu station."
+    child = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            child=pb.ChildSeed(parent_run_id=parent, instruction=instruction),
+        )
+    )
+    run_id = child.run.run_id
+    trusted = pb.TRUST_LEVEL_TRUSTED_CONFIGURATION
+    await _append(
+        stub,
+        session_id,
+        run_id,
+        1,
+        assistant("Searching hotels now."),
+        call("h1", name="calendar.list"),
+        result("h1", "Friday free", trust=trusted, name="calendar.list"),
+        assistant("Found Hotel A and Hotel B so far."),
+    )
+    prepared = await _prepare(stub, session_id, run_id, through_sequence=10**6)
+    assert instruction not in prepared.summarizer_input
+    committed = await _commit(stub, session_id, run_id, prepared, "The agent is searching hotels.")
+    built = await _build(stub, session_id, run_id, START)
+    assert built.checkpoint_version == committed.checkpoint_version
+    assert [t for _, _, t in block_texts(built) if instruction in t]

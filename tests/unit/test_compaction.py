@@ -455,6 +455,24 @@ def test_the_active_loops_pending_pairs_are_never_compacted() -> None:
     assert nothing.value.reason == "RUN_STATE"
 
 
+def test_a_childs_instruction_survives_compaction_verbatim() -> None:
+    instruction = UserMessage(item_id="instruction:b", text="Find three hotels", run_id="b")
+    run = (
+        instruction,
+        AssistantMessage(item_id="a", text="Searching.", sequence=5, run_id="b"),
+        _call("h1", 6),
+        _answer("h1", 7),
+        AssistantMessage(item_id="a2", text="Found two.", sequence=8, run_id="b"),
+    )
+    checkpoint = Checkpoint(run_id="b", version=2, items=run)
+    prepared = prepare(checkpoint, [], through_sequence=8, count_tokens=count_tokens)
+    assert "Find three hotels" not in prepared.summarizer_input
+    after = compacted_checkpoint(
+        checkpoint, check_result(prepared, _result(prepared, "Searching."), count_tokens)
+    )
+    assert after.items == (instruction,)
+
+
 # --- depth -----------------------------------------------------------------------------------
 
 

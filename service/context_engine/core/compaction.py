@@ -11,8 +11,9 @@ Rule 2 (what is compactable): a contiguous oldest run of logged items above the 
 floor, ending before the active loop's pending pairs (Build's never-yield set,
 `assemble.pending_pairs`: the latest model turn's calls and the results in so far), before
 any unanswered call and before the trailing user input; when that leaves nothing, RUN_STATE.
-Reasoning items are excluded by type (never summarized, ADR-0007). A cut that would split a
-tool pair moves later, so the pair is compacted whole.
+Reasoning items are excluded by type (never summarized, ADR-0007). A child run's
+instruction is never logged, so never compactable: it stays in the checkpoint verbatim. A
+cut that would split a tool pair moves later, so the pair is compacted whole.
 Rule 3 (trusted content only): items whose trust is not in SUMMARIZABLE are not summarized;
 each becomes a typed pointer
     [elided] tool.result <id> (external_untrusted, N bytes) -> artifact:<ref>
@@ -330,6 +331,8 @@ def _compactable(
     for item in completed:
         if item.item_id in pending or (isinstance(item, ToolCall) and item.call_id not in answered):
             break  # the active loop's pending pairs and everything after them stay
+        # A child's instruction (never logged: sequence 0) is never above the floor: it is
+        # the run's task, kept verbatim by compacted_checkpoint, not summarized.
         if not isinstance(item, ReasoningItem) and item.sequence > floor:
             run.append(item)
     history = [i for i in carried if i.sequence > floor and not isinstance(i, ReasoningItem)]
@@ -595,15 +598,18 @@ def compacted_checkpoint(checkpoint: Checkpoint, record: CompactionResult) -> Ch
     """The run's next checkpoint: the summary in, every item it replaced out.
 
     The run's own items at or below the floor leave the checkpoint (with any reasoning item
-    before them); carried history is cut at read time by the same floor.
+    before them); carried history is cut at read time by the same floor. A child run's
+    instruction (its parent's words, never logged: sequence 0) stays first, verbatim.
     """
     floor = record.replaced_through_sequence
     items = checkpoint.items
     last = max((n for n, i in enumerate(items) if 0 < i.sequence <= floor), default=-1)
+    # The child's instruction was never summarized (Rule 2): dropping it would lose the task.
+    instruction = [i for i in items[: last + 1] if isinstance(i, UserMessage) and not i.sequence]
     return checkpoint.model_copy(
         update={
             "version": checkpoint.version + 1,
-            "items": items[last + 1 :],
+            "items": (*instruction, *items[last + 1 :]),
             "summary": summary_item(record),
             "replaced_through_sequence": floor,
             "compaction": record,
