@@ -467,3 +467,34 @@ async def test_compacting_a_child_run_keeps_its_instruction_verbatim(stub: Any) 
     built = await _build(stub, session_id, run_id, START)
     assert built.checkpoint_version == committed.checkpoint_version
     assert [t for _, _, t in block_texts(built) if instruction in t]
+
+
+async def test_a_call_id_reused_by_another_run_does_not_widen_the_requested_cut(
+    stub: Any,
+) -> None:
+    """Call ids are unique within a run only: pairs are (run, call id). Compacting through
+    the first run's answer replaces exactly that, not the second run's 'c1' pair too."""
+    session_id, _ = await open_session(stub)
+    trusted = pb.TRUST_LEVEL_TRUSTED_CONFIGURATION
+    answers = []
+    for question, answer in (
+        ("What is on Monday?", "Monday: dentist"),
+        ("And Tuesday?", "Tuesday: free"),
+    ):
+        run = (await start_run(stub, session_id, question)).run.run_id
+        answers.append(
+            await _append(
+                stub,
+                session_id,
+                run,
+                1,
+                call("c1", name="calendar.list"),
+                result("c1", answer, trust=trusted, name="calendar.list"),
+                assistant(f"{answer}."),
+            )
+        )
+    three = (await start_run(stub, session_id, "Book the dentist again")).run.run_id
+    through = answers[0].sequences[-1]
+    prepared = await _prepare(stub, session_id, three, through_sequence=through)
+    assert prepared.replaced_through_sequence == through
+    assert "Tuesday" not in prepared.summarizer_input

@@ -473,6 +473,30 @@ def test_a_childs_instruction_survives_compaction_verbatim() -> None:
     assert after.items == (instruction,)
 
 
+def test_pairs_are_keyed_by_run_and_call_id() -> None:
+    """Two runs both used call id c1; a cut through the first run's answer stays there."""
+    carried = [
+        UserMessage(item_id="u1", text="Monday?", sequence=1, run_id="r1"),
+        _call("c1", 2, "r1"),
+        _answer("c1", 3, "r1", "Monday: dentist"),
+        AssistantMessage(item_id="a1", text="Dentist.", sequence=4, run_id="r1"),
+        UserMessage(item_id="u2", text="Tuesday?", sequence=5, run_id="r2"),
+        _call("c1", 6, "r2"),
+        _answer("c1", 7, "r2", "Tuesday: free"),
+        AssistantMessage(item_id="a2", text="Free.", sequence=8, run_id="r2"),
+    ]
+    checkpoint = Checkpoint(run_id="b", version=1, items=())
+    prepared = prepare(checkpoint, carried, through_sequence=4, count_tokens=count_tokens)
+    assert prepared.replaced_through_sequence == 4
+    # A cut inside the first pair still moves past its own result, and no further.
+    assert (
+        prepare(
+            checkpoint, carried, through_sequence=2, count_tokens=count_tokens
+        ).replaced_through_sequence
+        == 3
+    )
+
+
 # --- depth -----------------------------------------------------------------------------------
 
 

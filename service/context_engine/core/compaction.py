@@ -13,7 +13,8 @@ floor, ending before the active loop's pending pairs (Build's never-yield set,
 any unanswered call and before the trailing user input; when that leaves nothing, RUN_STATE.
 Reasoning items are excluded by type (never summarized, ADR-0007). A child run's
 instruction is never logged, so never compactable: it stays in the checkpoint verbatim. A
-cut that would split a tool pair moves later, so the pair is compacted whole.
+cut that would split a tool pair (paired by run and call id) moves later, so the pair is
+compacted whole.
 Rule 3 (trusted content only): items whose trust is not in SUMMARIZABLE are not summarized;
 each becomes a typed pointer
     [elided] tool.result <id> (external_untrusted, N bytes) -> artifact:<ref>
@@ -339,14 +340,19 @@ def _compactable(
     return sorted((*history, *run), key=lambda i: i.sequence)
 
 
+def _pair_key(item: ToolCall | ToolResult) -> tuple[str, str]:
+    # Call ids are unique within a run only: carried runs may reuse one (core/seeding.py).
+    return (item.run_id, item.call_id)
+
+
 def _round_up(items: Sequence[ConversationItem], cut: int) -> int:
     """Move the cut later until no tool pair straddles it."""
     while True:
-        calls = {i.call_id for i in items[:cut] if isinstance(i, ToolCall)}
+        calls = {_pair_key(i) for i in items[:cut] if isinstance(i, ToolCall)}
         late = [
             n
-            for n in range(cut, len(items))
-            if isinstance(items[n], ToolResult) and items[n].call_id in calls  # type: ignore[union-attr]
+            for n, i in enumerate(items)
+            if n >= cut and isinstance(i, ToolResult) and _pair_key(i) in calls
         ]
         if not late:
             return cut
