@@ -36,8 +36,11 @@ contains any of that text's
       digits, or 24 consecutive non-space characters of any kind (ids, URLs, codes,
       canaries — found even when glued to neighbouring text on either side),
 unless that same fragment also occurs in the trusted summarizer input (text the user or a
-trusted source supplied is not laundered by repeating it). The check errs toward refusing:
-a false refusal costs one more summarizer call, a miss launders a label.
+trusted source supplied is not laundered by repeating it). Working-state entries whose
+trust is not VETTED (the model's own, runtime questions included) are not trusted input:
+they license nothing, and only VETTED constraints are listed for the summary to retain
+verbatim. The check errs toward refusing: a false refusal costs one more summarizer call,
+a miss launders a label.
 Rule 6 (provenance): the committed summary states the union of its source event ids, and
 its rendered text ends with the typed pointers of every span it elided, so a label is never
 lost even when the summarizer drops a pointer.
@@ -76,6 +79,7 @@ __all__ = [
     "RETAIN_PPM",
     "SUMMARIZABLE",
     "SUMMARIZER_PROMPT",
+    "VETTED",
     "CompactionResult",
     "ElidedSpan",
     "Prepared",
@@ -97,6 +101,9 @@ RETAIN_PPM = 250_000
 SUMMARIZABLE = frozenset(
     {TrustLevel.PLATFORM, TrustLevel.TRUSTED_CONFIGURATION, TrustLevel.USER, TrustLevel.MODEL}
 )
+# Working-state entries that are retained verbatim and may license text (Rule 5): not the
+# model's own words.
+VETTED = SUMMARIZABLE - {TrustLevel.MODEL}
 
 # Rule 5's thresholds.
 WINDOW_CHARS = 40
@@ -428,10 +435,17 @@ def prepare(
     compacted = candidates[:cut]
     record = checkpoint.compaction
     state = checkpoint.working_state
+    # Only what the user (or a trusted source) wrote is retained verbatim or licenses text
+    # (Rule 5): the model's own entries (a runtime question is the model's ask_user text)
+    # may repeat what it read. They stay in the working-state block, which never yields.
     constraints = _unique(
-        [*(record.retained_constraints if record else ()), *(c.text for c in state.constraints)]
+        [
+            *(record.retained_constraints if record else ()),
+            *(c.text for c in state.constraints if c.trust in VETTED),
+        ]
     )
     questions = tuple(q.text for q in state.open_questions)
+    vetted_questions = [q.text for q in state.open_questions if q.trust in VETTED]
 
     untrusted = [i for i in compacted if trust_of(i) not in SUMMARIZABLE]
     spans = {i.item_id: _span(i, trust_of(i)) for i in untrusted}
@@ -449,7 +463,12 @@ def prepare(
     model = [i for i in trusted if trust_of(i) is TrustLevel.MODEL]
     others = [i for i in trusted if trust_of(i) is not TrustLevel.MODEL]
     base = "\n".join(
-        [*(_content(i) for i in others), summary.text if summary else "", *constraints, *questions]
+        [
+            *(_content(i) for i in others),
+            summary.text if summary else "",
+            *constraints,
+            *vetted_questions,
+        ]
     )
     quoted = quoting([_content(i) for i in model], [text for _, text in contents], base)
     for n, j in sorted(quoted.items()):
