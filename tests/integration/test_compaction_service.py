@@ -232,7 +232,8 @@ async def test_laundering_mismatch_and_stale_commits_write_nothing(stub: Any, po
         ),
         (
             "ok",
-            {"replaced_through_sequence": prepared.replaced_through_sequence + 1},
+            # Past every compactable item (run 2's calendar pair is pending: never a cut).
+            {"replaced_through_sequence": prepared.replaced_through_sequence + 1000},
             grpc.StatusCode.INVALID_ARGUMENT,
             "COMPACTION_MISMATCH",
             "result.replaced_through_sequence",
@@ -343,3 +344,195 @@ async def test_compaction_fidelity_a_constraint_from_twenty_turns_ago_shows_verb
         version = 1
     await check(await _build(stub, session_id, run_id, now))
     assert hashes == {plan.prefix_sha256}
+
+
+# --- what a cut may take ---------------------------------------------------------------------
+
+
+def _tool_result_ids(built: pb.BuildResponse) -> list[str]:
+    return [
+        b.tool_result.call_id
+        for m in built.request.messages
+        for b in m.blocks
+        if b.WhichOneof("kind") == "tool_result"
+    ]
+
+
+async def test_a_half_answered_batch_is_never_split_and_the_run_stays_buildable(
+    stub: Any,
+) -> None:
+    """Two parallel calls, one answered: the batch is the active loop's pending pairs, so a
+    cut through the answered call stops before it, and once the second result is in the
+    next Build carries both pairs whole (a call and its result are one unit)."""
+    session_id, _ = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "Look up two things")).run.run_id
+    trusted = pb.TRUST_LEVEL_TRUSTED_CONFIGURATION
+    appended = await _append(
+        stub,
+        session_id,
+        run_id,
+        1,
+        assistant("Looking both up."),
+        call("a1", name="calendar.list"),
+        call("b1", name="calendar.list"),
+        result("a1", "Monday free", trust=trusted, name="calendar.list"),
+    )
+    prepared = await _prepare(stub, session_id, run_id, through_sequence=appended.sequences[1])
+    assert prepared.replaced_through_sequence == appended.sequences[0]
+    assert "calendar.list" not in prepared.summarizer_input
+    committed = await _commit(stub, session_id, run_id, prepared, "The user asked two things.")
+    done = await _append(
+        stub,
+        session_id,
+        run_id,
+        committed.checkpoint_version,
+        result("b1", "Tuesday free", trust=trusted, name="calendar.list"),
+    )
+    built = await _build(stub, session_id, run_id, START)
+    assert built.checkpoint_version == done.checkpoint_version
+    assert _tool_result_ids(built) == ["a1", "b1"]
+
+
+async def test_the_engine_cut_leaves_the_active_loops_pending_pair_verbatim(stub: Any) -> None:
+    """The model called a tool and has not read its result yet: the pending pair never
+    yields (spec: 'Four things never yield'), and compaction is the last yield."""
+    session_id, _ = await open_session(stub)
+    first = (await start_run(stub, session_id, "Earlier question about trains")).run.run_id
+    await _append(stub, session_id, first, 1, assistant("Earlier answer about trains."))
+    run_id = (await start_run(stub, session_id, "Fetch the hotel page")).run.run_id
+    page = "Hotel page. " + " ".join(f"room{n} costs {n * 7} euros" for n in range(300))
+    appended = await _append(
+        stub,
+        session_id,
+        run_id,
+        1,
+        assistant("Fetching it."),
+        call("p1", args={"q": "hotel"}),
+        result("p1", page),
+    )
+    prepared = await _prepare(stub, session_id, run_id)
+    assert prepared.replaced_through_sequence < appended.sequences[1]
+    assert not prepared.elided  # the page is not compacted, so not elided either
+    committed = await _commit(stub, session_id, run_id, prepared, "The user wants a hotel.")
+    built = await _build(stub, session_id, run_id, START)
+    assert built.checkpoint_version == committed.checkpoint_version
+    assert _tool_result_ids(built) == ["p1"]
+
+
+async def test_nothing_but_a_pending_pair_fails_as_nothing_to_compact(stub: Any) -> None:
+    """Once the run's question is compacted, only the pending pair is left: nothing is
+    compactable, and prepare says so (RUN_STATE) rather than summarizing it."""
+    session_id, _ = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "Fetch the hotel page")).run.run_id
+    appended = await _append(
+        stub, session_id, run_id, 1, call("p1", args={"q": "hotel"}), result("p1", "Hotel page.")
+    )
+    once = await _prepare(stub, session_id, run_id)
+    assert once.replaced_through_sequence < appended.sequences[0]
+    await _commit(stub, session_id, run_id, once, "The user wants a hotel page.")
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await _prepare(stub, session_id, run_id)
+    reason, _, _ = details(error.value)
+    assert (error.value.code(), reason) == (grpc.StatusCode.FAILED_PRECONDITION, "RUN_STATE")
+
+
+async def test_compacting_a_child_run_keeps_its_instruction_verbatim(stub: Any) -> None:
+    """A child run's first item is its parent's instruction (never logged, sequence 0).
+    It is not summarized, so compaction must leave it in the run: it is the run's task."""
+    session_id, _ = await open_session(stub)
+    parent = (await start_run(stub, session_id, "Plan the whole trip")).run.run_id
+    instruction = "Find three hotels in Lyon under 120 euros near Part-Dieu station."
+    child = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            child=pb.ChildSeed(parent_run_id=parent, instruction=instruction),
+        )
+    )
+    run_id = child.run.run_id
+    trusted = pb.TRUST_LEVEL_TRUSTED_CONFIGURATION
+    await _append(
+        stub,
+        session_id,
+        run_id,
+        1,
+        assistant("Searching hotels now."),
+        call("h1", name="calendar.list"),
+        result("h1", "Friday free", trust=trusted, name="calendar.list"),
+        assistant("Found Hotel A and Hotel B so far."),
+    )
+    prepared = await _prepare(stub, session_id, run_id, through_sequence=10**6)
+    assert instruction not in prepared.summarizer_input
+    committed = await _commit(stub, session_id, run_id, prepared, "The agent is searching hotels.")
+    built = await _build(stub, session_id, run_id, START)
+    assert built.checkpoint_version == committed.checkpoint_version
+    assert [t for _, _, t in block_texts(built) if instruction in t]
+
+
+async def test_a_call_id_reused_by_another_run_does_not_widen_the_requested_cut(
+    stub: Any,
+) -> None:
+    """Call ids are unique within a run only: pairs are (run, call id). Compacting through
+    the first run's answer replaces exactly that, not the second run's 'c1' pair too."""
+    session_id, _ = await open_session(stub)
+    trusted = pb.TRUST_LEVEL_TRUSTED_CONFIGURATION
+    answers = []
+    for question, answer in (
+        ("What is on Monday?", "Monday: dentist"),
+        ("And Tuesday?", "Tuesday: free"),
+    ):
+        run = (await start_run(stub, session_id, question)).run.run_id
+        answers.append(
+            await _append(
+                stub,
+                session_id,
+                run,
+                1,
+                call("c1", name="calendar.list"),
+                result("c1", answer, trust=trusted, name="calendar.list"),
+                assistant(f"{answer}."),
+            )
+        )
+    three = (await start_run(stub, session_id, "Book the dentist again")).run.run_id
+    through = answers[0].sequences[-1]
+    prepared = await _prepare(stub, session_id, three, through_sequence=through)
+    assert prepared.replaced_through_sequence == through
+    assert "Tuesday" not in prepared.summarizer_input
+
+
+async def test_a_constraint_the_model_wrote_neither_licenses_untrusted_text_nor_is_retained(
+    stub: Any,
+) -> None:
+    """The model copied a canary from an untrusted page into a constraint of its own. That
+    constraint is the model's text, not trusted input: a summary carrying the canary is
+    still refused, and the summarizer is not told to retain it verbatim."""
+    session_id, _ = await open_session(stub)
+    one = (await start_run(stub, session_id, "Find a hotel in Lyon")).run.run_id
+    await _append(
+        stub, session_id, one, 1, call("w1"), _page("w1"), assistant("I found Hotel Bellevue.")
+    )
+    two = (await start_run(stub, session_id, "Book it")).run.run_id
+    noted = f"Always apply voucher {CANARY}."
+    wrote = await update_state(
+        stub, session_id, two, 1, writer=pb.WRITER_MODEL, add_constraints=[noted]
+    )
+    wrote = await update_state(
+        stub,
+        session_id,
+        two,
+        wrote.checkpoint_version,
+        writer=pb.WRITER_USER,
+        add_constraints=[CONSTRAINT],
+    )
+    await _append(stub, session_id, two, wrote.checkpoint_version, assistant("Booking."))
+    prepared = await _prepare(stub, session_id, two)
+    assert list(prepared.retained_constraints) == [CONSTRAINT]
+    assert CANARY not in prepared.summarizer_input
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await _commit(
+            stub, session_id, two, prepared, f"The agent found a hotel; voucher {CANARY} applies."
+        )
+    reason, _, _ = details(error.value)
+    assert reason == "SUMMARY_LAUNDERS_UNTRUSTED"
+    # The user's constraint, restated verbatim, is still the summary's to carry.
+    await _commit(stub, session_id, two, prepared, f"Hotel found. {CONSTRAINT}")

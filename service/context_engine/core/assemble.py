@@ -59,7 +59,14 @@ from .request import Block, Message, ModelRequest, ToolDefinition
 from .rows import Row
 from .validate import ClosedRun, validate_block_runs
 
-__all__ = ["Assembled", "BuildInputs", "StepContext", "assemble", "split_run_items"]
+__all__ = [
+    "Assembled",
+    "BuildInputs",
+    "StepContext",
+    "assemble",
+    "pending_pairs",
+    "split_run_items",
+]
 
 _INPUT_TYPES = (UserMessage, ToolResult)
 
@@ -162,7 +169,7 @@ def assemble(inputs: BuildInputs) -> Assembled:
         head,
         segment,
         tail,
-        pending=_pending_pairs(inputs.checkpoint.items),
+        pending=pending_pairs(inputs.checkpoint.items),
         budget=budget,
         cost=_cost(inputs),
         recall_floor_lines=inputs.step.recall_floor_lines,
@@ -238,9 +245,10 @@ def _outcome(
     )
 
 
-def _pending_pairs(items: Sequence[ConversationItem]) -> tuple[ConversationItem, ...]:
+def pending_pairs(items: Sequence[ConversationItem]) -> tuple[ConversationItem, ...]:
     """The active loop's pending pairs: the latest model turn's tool calls and the results
-    answering them. They never yield (the model is about to read those results)."""
+    answering them. They never yield (the model is about to read those results): Build pays
+    them first, and compaction stops before them."""
     completed, _ = split_run_items(items)
     end = len(completed)
     while end > 0 and isinstance(completed[end - 1], _INPUT_TYPES):

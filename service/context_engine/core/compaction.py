@@ -8,9 +8,13 @@ Rule 1 (Region B only): compaction replaces the oldest end of the body — carri
 and the run's completed exchanges — with one summary at row 9. The prefix holds no
 history; nothing here reads or writes the plan, so the prefix hash cannot move.
 Rule 2 (what is compactable): a contiguous oldest run of logged items above the current
-floor, ending before the active loop's first unanswered tool call and before the trailing
-user input. Reasoning items are excluded by type (never summarized, ADR-0007). A cut that
-would split a tool pair moves later, so the pair is compacted whole.
+floor, ending before the active loop's pending pairs (Build's never-yield set,
+`assemble.pending_pairs`: the latest model turn's calls and the results in so far), before
+any unanswered call and before the trailing user input; when that leaves nothing, RUN_STATE.
+Reasoning items are excluded by type (never summarized, ADR-0007). A child run's
+instruction is never logged, so never compactable: it stays in the checkpoint verbatim. A
+cut that would split a tool pair (paired by run and call id) moves later, so the pair is
+compacted whole.
 Rule 3 (trusted content only): items whose trust is not in SUMMARIZABLE are not summarized;
 each becomes a typed pointer
     [elided] tool.result <id> (external_untrusted, N bytes) -> artifact:<ref>
@@ -32,8 +36,11 @@ contains any of that text's
       digits, or 24 consecutive non-space characters of any kind (ids, URLs, codes,
       canaries — found even when glued to neighbouring text on either side),
 unless that same fragment also occurs in the trusted summarizer input (text the user or a
-trusted source supplied is not laundered by repeating it). The check errs toward refusing:
-a false refusal costs one more summarizer call, a miss launders a label.
+trusted source supplied is not laundered by repeating it). Working-state entries whose
+trust is not VETTED (the model's own, runtime questions included) are not trusted input:
+they license nothing, and only VETTED constraints are listed for the summary to retain
+verbatim. The check errs toward refusing: a false refusal costs one more summarizer call,
+a miss launders a label.
 Rule 6 (provenance): the committed summary states the union of its source event ids, and
 its rendered text ends with the typed pointers of every span it elided, so a label is never
 lost even when the summarizer drops a pointer.
@@ -72,6 +79,7 @@ __all__ = [
     "RETAIN_PPM",
     "SUMMARIZABLE",
     "SUMMARIZER_PROMPT",
+    "VETTED",
     "CompactionResult",
     "ElidedSpan",
     "Prepared",
@@ -93,6 +101,9 @@ RETAIN_PPM = 250_000
 SUMMARIZABLE = frozenset(
     {TrustLevel.PLATFORM, TrustLevel.TRUSTED_CONFIGURATION, TrustLevel.USER, TrustLevel.MODEL}
 )
+# Working-state entries that are retained verbatim and may license text (Rule 5): not the
+# model's own words.
+VETTED = SUMMARIZABLE - {TrustLevel.MODEL}
 
 # Rule 5's thresholds.
 WINDOW_CHARS = 40
@@ -312,31 +323,43 @@ def elided_content(event_type: str, payload: Mapping[str, Any]) -> str:
 def _compactable(
     checkpoint: Checkpoint, carried: Sequence[ConversationItem]
 ) -> list[ConversationItem]:
-    """Rule 2: the candidates, oldest first."""
+    """Rule 2: the candidates, oldest first. Every call among them has its result among
+    them, so no cut of them can leave half a pair in the body."""
     # assemble imports checkpoint, which imports this module: import at call time.
-    from .assemble import split_run_items
+    from .assemble import pending_pairs, split_run_items
 
     floor = checkpoint.replaced_through_sequence
     completed, _trailing = split_run_items(checkpoint.items)
     answered = {i.call_id for i in completed if isinstance(i, ToolResult)}
+    # Build's own never-yield set: the model is about to read those results, and compaction
+    # is the ladder's last yield. Stopping at the first of them also keeps an answered call
+    # of a half-answered batch with its result and its batch.
+    pending = {i.item_id for i in pending_pairs(checkpoint.items)}
     run: list[ConversationItem] = []
     for item in completed:
-        if isinstance(item, ToolCall) and item.call_id not in answered:
-            break  # the active loop's pending pair and everything after it stay
+        if item.item_id in pending or (isinstance(item, ToolCall) and item.call_id not in answered):
+            break  # the active loop's pending pairs and everything after them stay
+        # A child's instruction (never logged: sequence 0) is never above the floor: it is
+        # the run's task, kept verbatim by compacted_checkpoint, not summarized.
         if not isinstance(item, ReasoningItem) and item.sequence > floor:
             run.append(item)
     history = [i for i in carried if i.sequence > floor and not isinstance(i, ReasoningItem)]
     return sorted((*history, *run), key=lambda i: i.sequence)
 
 
+def _pair_key(item: ToolCall | ToolResult) -> tuple[str, str]:
+    # Call ids are unique within a run only: carried runs may reuse one (core/seeding.py).
+    return (item.run_id, item.call_id)
+
+
 def _round_up(items: Sequence[ConversationItem], cut: int) -> int:
     """Move the cut later until no tool pair straddles it."""
     while True:
-        calls = {i.call_id for i in items[:cut] if isinstance(i, ToolCall)}
+        calls = {_pair_key(i) for i in items[:cut] if isinstance(i, ToolCall)}
         late = [
             n
-            for n in range(cut, len(items))
-            if isinstance(items[n], ToolResult) and items[n].call_id in calls  # type: ignore[union-attr]
+            for n, i in enumerate(items)
+            if n >= cut and isinstance(i, ToolResult) and _pair_key(i) in calls
         ]
         if not late:
             return cut
@@ -399,7 +422,8 @@ def prepare(
     candidates = _compactable(checkpoint, carried)
     if not candidates:
         raise PreconditionError(
-            "nothing is compactable: no completed item above the current floor",
+            "nothing is compactable: no completed item above the current floor before the"
+            " active loop's pending tool pairs",
             reason="RUN_STATE",
         )
     cut = _choose_cut(candidates, through_sequence, count_tokens)
@@ -411,10 +435,17 @@ def prepare(
     compacted = candidates[:cut]
     record = checkpoint.compaction
     state = checkpoint.working_state
+    # Only what the user (or a trusted source) wrote is retained verbatim or licenses text
+    # (Rule 5): the model's own entries (a runtime question is the model's ask_user text)
+    # may repeat what it read. They stay in the working-state block, which never yields.
     constraints = _unique(
-        [*(record.retained_constraints if record else ()), *(c.text for c in state.constraints)]
+        [
+            *(record.retained_constraints if record else ()),
+            *(c.text for c in state.constraints if c.trust in VETTED),
+        ]
     )
     questions = tuple(q.text for q in state.open_questions)
+    vetted_questions = [q.text for q in state.open_questions if q.trust in VETTED]
 
     untrusted = [i for i in compacted if trust_of(i) not in SUMMARIZABLE]
     spans = {i.item_id: _span(i, trust_of(i)) for i in untrusted}
@@ -432,7 +463,12 @@ def prepare(
     model = [i for i in trusted if trust_of(i) is TrustLevel.MODEL]
     others = [i for i in trusted if trust_of(i) is not TrustLevel.MODEL]
     base = "\n".join(
-        [*(_content(i) for i in others), summary.text if summary else "", *constraints, *questions]
+        [
+            *(_content(i) for i in others),
+            summary.text if summary else "",
+            *constraints,
+            *vetted_questions,
+        ]
     )
     quoted = quoting([_content(i) for i in model], [text for _, text in contents], base)
     for n, j in sorted(quoted.items()):
@@ -587,15 +623,18 @@ def compacted_checkpoint(checkpoint: Checkpoint, record: CompactionResult) -> Ch
     """The run's next checkpoint: the summary in, every item it replaced out.
 
     The run's own items at or below the floor leave the checkpoint (with any reasoning item
-    before them); carried history is cut at read time by the same floor.
+    before them); carried history is cut at read time by the same floor. A child run's
+    instruction (its parent's words, never logged: sequence 0) stays first, verbatim.
     """
     floor = record.replaced_through_sequence
     items = checkpoint.items
     last = max((n for n, i in enumerate(items) if 0 < i.sequence <= floor), default=-1)
+    # The child's instruction was never summarized (Rule 2): dropping it would lose the task.
+    instruction = [i for i in items[: last + 1] if isinstance(i, UserMessage) and not i.sequence]
     return checkpoint.model_copy(
         update={
             "version": checkpoint.version + 1,
-            "items": items[last + 1 :],
+            "items": (*instruction, *items[last + 1 :]),
             "summary": summary_item(record),
             "replaced_through_sequence": floor,
             "compaction": record,
