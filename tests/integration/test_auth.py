@@ -121,6 +121,24 @@ async def test_foreign_session_is_indistinguishable_from_a_missing_one(bearer_st
     assert foreign.details().replace(owned, "ID") == absent.details().replace(missing, "ID")
 
 
+async def test_an_undecodable_request_with_credentials_is_invalid_argument(
+    bearer_stub: Any,
+) -> None:
+    # Auth fills an empty tenant_id in before the handler sees the request; on the
+    # placeholder a failed decode leaves, that write must not turn INVALID_ARGUMENT into
+    # UNKNOWN without details.
+    _, channel = bearer_stub
+    raw = channel.unary_unary(
+        "/context_engine.v1.ContextEngine/GetPlan",
+        request_serializer=lambda b: b,
+        response_deserializer=lambda b: b,
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await raw(b"\x0a\xff\xff", metadata=_bearer(TOKEN_A))  # session_id: invalid UTF-8
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert details(caught.value)[0] == "INVALID_FIELD"
+
+
 async def test_health_needs_no_credentials_but_reflection_does(bearer_stub: Any) -> None:
     _, channel = bearer_stub
     health = health_pb2_grpc.HealthStub(channel)

@@ -28,17 +28,21 @@ SERVICE_NAME = "context_engine.v1.ContextEngine"
 
 class _Undecodable:
     """Stands in for a request that failed to decode. Interceptors that run before the
-    handler see an empty message of the right type (every attribute delegates to one);
-    the handler sees this class and answers INVALID_ARGUMENT."""
+    handler see an empty message of the right type (every attribute read and write
+    delegates to one: auth fills in an empty tenant_id); the handler sees this class and
+    answers INVALID_ARGUMENT."""
 
     __slots__ = ("_empty", "message_name")
 
     def __init__(self, cls: Any) -> None:
-        self._empty = cls()
-        self.message_name = cls.DESCRIPTOR.name
+        object.__setattr__(self, "_empty", cls())
+        object.__setattr__(self, "message_name", cls.DESCRIPTOR.name)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._empty, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._empty, name, value)
 
 
 def _decoder(cls: Any) -> Callable[[bytes], Any]:
