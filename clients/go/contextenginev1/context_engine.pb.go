@@ -1129,7 +1129,9 @@ type ToolSpec struct {
 	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// Description shown to the model.
 	Description string `protobuf:"bytes,2,opt,name=description,proto3" json:"description,omitempty"`
-	// JSON Schema of the input, as a JSON document. Re-serialized canonically.
+	// JSON Schema of the input, as a JSON document with "type": "object" (both providers
+	// take a tool's input as an object; anything else is INVALID_FIELD). Empty means
+	// {"type": "object"}. Re-serialized canonically.
 	InputSchemaJson string `protobuf:"bytes,3,opt,name=input_schema_json,json=inputSchemaJson,proto3" json:"input_schema_json,omitempty"`
 	// JSON Schema of the output. Hashed, never sent to the model.
 	OutputSchemaJson string `protobuf:"bytes,4,opt,name=output_schema_json,json=outputSchemaJson,proto3" json:"output_schema_json,omitempty"`
@@ -3095,7 +3097,9 @@ type ToolResult struct {
 	ToolName string `protobuf:"bytes,2,opt,name=tool_name,json=toolName,proto3" json:"tool_name,omitempty"`
 	// Canonical content, verbatim.
 	Content string `protobuf:"bytes,3,opt,name=content,proto3" json:"content,omitempty"`
-	// Trust of the content. Required.
+	// Trust of the content. Required; not MODEL (a result renders in the user role, where
+	// the model's bare words could pass for an envelope: INVALID_FIELD). Below
+	// TRUSTED_CONFIGURATION it renders in a nonced envelope.
 	Trust TrustLevel `protobuf:"varint,4,opt,name=trust,proto3,enum=context_engine.v1.TrustLevel" json:"trust,omitempty"`
 	// Attribution shown on the envelope (for example "tool:web.fetch").
 	Source string `protobuf:"bytes,5,opt,name=source,proto3" json:"source,omitempty"`

@@ -133,6 +133,20 @@ def _trust(value: int, field: str) -> TrustLevel:
         ) from None
 
 
+def _result_trust(value: int, field: str) -> TrustLevel:
+    """A tool result's trust. Not MODEL: the model's own words render bare in the
+    assistant role, but a result renders in the user role, where bare text could forge a
+    user envelope. A delegated agent's answer is evidence: label it by where it came from."""
+    trust = _trust(value, field)
+    if trust is TrustLevel.MODEL:
+        raise InvalidFieldError(
+            f"{field}: a tool result cannot carry MODEL trust (it renders in the user role);"
+            " label it by its source, e.g. EXTERNAL_UNTRUSTED",
+            field=field,
+        )
+    return trust
+
+
 _E = TypeVar("_E", bound=IntEnum)
 
 
@@ -161,6 +175,19 @@ def _json_object(text: str, field: str, *, default: dict[str, Any] | None = None
         raise InvalidFieldError(f"{field} must be a JSON object: {exc}", field=field) from None
 
 
+def _object_schema(text: str, field: str) -> dict[str, Any]:
+    """A tool's input schema: both providers take a tool's input as a JSON object, and
+    Anthropic refuses an input_schema without "type": "object". Refused here, naming the
+    field, rather than by the provider on every Build of the plan."""
+    schema = _json_object(text, field, default={"type": "object"})
+    if schema.get("type") != "object":
+        raise InvalidFieldError(
+            f'{field} must be a JSON Schema with "type": "object" (tool input is an object)',
+            field=field,
+        )
+    return schema
+
+
 _T = TypeVar("_T")
 
 
@@ -182,11 +209,7 @@ def _tool_spec(tool: pb.ToolSpec, path: str) -> ToolSpec:
         lambda: ToolSpec(
             name=tool.name,
             description=tool.description,
-            input_schema=_json_object(
-                tool.input_schema_json,
-                f"{path}.input_schema_json",
-                default={"type": "object"},
-            ),
+            input_schema=_object_schema(tool.input_schema_json, f"{path}.input_schema_json"),
             output_schema=(
                 _json_object(tool.output_schema_json, f"{path}.output_schema_json")
                 if tool.output_schema_json
@@ -427,7 +450,7 @@ def item_from_proto(item: pb.ConversationItem, field: str, new_id: str) -> ci.Co
             call_id=result.call_id,
             tool_name=result.tool_name,
             content=result.content,
-            trust=_trust(result.trust, f"{path}.trust"),
+            trust=_result_trust(result.trust, f"{path}.trust"),
             source=result.source,
             is_error=result.is_error,
             artifact_ref=result.artifact_ref,
