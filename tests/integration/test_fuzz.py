@@ -1,10 +1,11 @@
 """Fuzz every RPC's request messages against a real server subprocess.
 
-Inputs: structured messages generated from the proto descriptors (random, oversized and
-empty fields, unknown enum values, deeply nested JSON schemas, ids of real sessions of this
-tenant and of another tenant), well-formed requests with one to three fields replaced by
-such values (they get past the first validation, into the checks behind it), and raw bytes
-(truncated, random, invalid UTF-8 in string fields). Each must get a proper status — never
+Inputs, once without auth and once with bearer auth on (the auth interceptor then sees
+every input, decodable or not): structured messages generated from the proto descriptors
+(random, oversized and empty fields, unknown enum values, deeply nested JSON schemas, ids
+of real sessions of this tenant and of another tenant), well-formed requests with one to
+three fields replaced by such values (they get past the first validation, into the checks
+behind it), and raw bytes (truncated, random, invalid UTF-8 in string fields). Each must get a proper status — never
 INTERNAL or UNKNOWN — the server must stay up, and afterwards the database invariants that
 a partial write would break must hold.
 """
@@ -41,11 +42,27 @@ ALLOWED = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 TRIED: dict[str, int] = {}
+# With bearer auth on, every call carries TENANT's token: a message naming another tenant
+# is PERMISSION_DENIED, and the auth interceptor runs on every input, decodable or not.
+TOKENS = {"fuzz-token-" + "f" * 24: TENANT, "fuzz-other-" + "o" * 24: "tenant-other"}
+AUTH_ALLOWED = ALLOWED | {grpc.StatusCode.PERMISSION_DENIED}
 
 
-@pytest.fixture(scope="module")
-def server(database_dsn: str) -> Any:
+def _bearer(tenant: str) -> tuple[tuple[str, str], ...]:
+    token = next(t for t, owner in TOKENS.items() if owner == tenant)
+    return (("authorization", f"Bearer {token}"),)
+
+
+@pytest.fixture(scope="module", params=["open", "bearer"])
+def server(request: pytest.FixtureRequest, database_dsn: str) -> Any:
     import socket
+
+    bearer = request.param == "bearer"
+    auth_env = (
+        {"CONTEXT_ENGINE_AUTH": "bearer", "CONTEXT_ENGINE_AUTH_TOKENS": json.dumps(TOKENS)}
+        if bearer
+        else {}
+    )
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -62,7 +79,7 @@ def server(database_dsn: str) -> Any:
             "--database-url",
             database_dsn,
         ],
-        env={**os.environ, "CONTEXT_ENGINE_LOG_LEVEL": "ERROR"},
+        env={**os.environ, "CONTEXT_ENGINE_LOG_LEVEL": "ERROR", **auth_env},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -78,26 +95,33 @@ def server(database_dsn: str) -> Any:
     else:
         pytest.fail("server did not become ready")
     stub = pb_grpc.ContextEngineStub(channel)
-    ids = _seed(stub)
-    yield channel, proc, ids
+    ids = _seed(stub, bearer)
+    yield channel, proc, ids, _bearer(TENANT) if bearer else ()
     channel.close()
     proc.terminate()
     proc.wait(timeout=20)
 
 
-def _seed(stub: Any) -> dict[str, list[str]]:
+def _seed(stub: Any, bearer: bool) -> dict[str, list[str]]:
     """Real ids of this tenant and of another, for the fuzz to aim at."""
     ids: dict[str, list[str]] = {"session": [], "run": []}
     for tenant in (TENANT, "tenant-other"):
         session_id = str(uuid.uuid4())
-        stub.Plan(pb.PlanRequest(tenant_id=tenant, session_id=session_id, spec=spec()))
+        auth = _bearer(tenant) if bearer else ()
+        stub.Plan(
+            pb.PlanRequest(tenant_id=tenant, session_id=session_id, spec=spec()), metadata=auth
+        )
         run = stub.StartRun(
             pb.StartRunRequest(
                 tenant_id=tenant, session_id=session_id, user_message=pb.UserMessage(text="hi")
-            )
+            ),
+            metadata=auth,
         )
         # A recorded request, so GetBuild and ReportUsage aimed at it get past NOT_FOUND.
-        stub.Build(pb.BuildRequest(tenant_id=tenant, session_id=session_id, run_id=run.run.run_id))
+        stub.Build(
+            pb.BuildRequest(tenant_id=tenant, session_id=session_id, run_id=run.run.run_id),
+            metadata=auth,
+        )
         ids["session"].append(session_id)
         ids["run"].append(run.run.run_id)
     return ids
@@ -203,11 +227,13 @@ def _invalid_utf8(data: bytes) -> bytes:
     return bytes([0x0A, 0x03, 0xFF, 0xFE, 0xFD]) + data
 
 
-def _call(channel: grpc.Channel, method: str, payload: bytes) -> grpc.StatusCode:
+def _call(
+    channel: grpc.Channel, method: str, payload: bytes, metadata: Any = ()
+) -> grpc.StatusCode:
     rpc = channel.unary_unary(f"/context_engine.v1.ContextEngine/{method}")
     TRIED[method] = TRIED.get(method, 0) + 1
     try:
-        rpc(payload, timeout=30)
+        rpc(payload, timeout=30, metadata=metadata)
     except grpc.RpcError as exc:
         return exc.code()  # type: ignore[no-any-return]
     return grpc.StatusCode.OK
@@ -350,26 +376,40 @@ def _mutated(draw: Any, ids: dict[str, list[str]]) -> tuple[str, bytes]:
 
 
 def test_fuzz_every_rpc(server: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    channel, proc, ids = server
+    channel, proc, ids, auth = server
+    allowed = AUTH_ALLOWED if auth else ALLOWED
+    TRIED.clear()
+    examples = int(os.environ.get("FUZZ_EXAMPLES", "600"))
 
     @settings(
-        max_examples=int(os.environ.get("FUZZ_EXAMPLES", "600")),
+        # The bearer pass checks the auth path on every kind of input; a third as many.
+        max_examples=examples // 3 if auth else examples,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
     @given(st.one_of(_case(ids), _mutated(ids)))
     def fuzz(case: tuple[str, bytes]) -> None:
         method, payload = case
-        code = _call(channel, method, payload)
-        assert code in ALLOWED, f"{method} answered {code.name} to {payload[:200]!r}"
+        code = _call(channel, method, payload, auth)
+        assert code in allowed, f"{method} answered {code.name} to {payload[:200]!r}"
         assert proc.poll() is None, "the server died"
 
     fuzz()
+    # Every RPC at least once with an empty message, an undecodable one (a string field
+    # holding invalid UTF-8) and bytes cut short, whatever the draw covered.
+    for method in SERVICE.methods:
+        for payload in (b"", b"\x12\xff\xff", b"\x12\x05ab"):
+            code = _call(channel, method.name, payload, auth)
+            assert code in allowed, f"{method.name} answered {code.name} to {payload!r}"
     health = health_pb2_grpc.HealthStub(channel)
     assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
     with capsys.disabled():
         total = sum(TRIED.values())
-        print(f"\nfuzz: {total} inputs across {len(TRIED)} RPCs: {dict(sorted(TRIED.items()))}")
+        mode = "bearer auth" if auth else "no auth"
+        print(
+            f"\nfuzz ({mode}): {total} inputs across {len(TRIED)} RPCs:"
+            f" {dict(sorted(TRIED.items()))}"
+        )
     assert len(TRIED) == len(SERVICE.methods)
 
 
