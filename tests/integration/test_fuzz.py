@@ -5,9 +5,9 @@ every input, decodable or not): structured messages generated from the proto des
 (random, oversized and empty fields, unknown enum values, deeply nested JSON schemas, ids
 of real sessions of this tenant and of another tenant), well-formed requests with one to
 three fields replaced by such values (they get past the first validation, into the checks
-behind it), and raw bytes (truncated, random, invalid UTF-8 in string fields). Each must get a proper status — never
-INTERNAL or UNKNOWN — the server must stay up, and afterwards the database invariants that
-a partial write would break must hold.
+behind it), and raw bytes (truncated, random, invalid UTF-8 in string fields). Each must
+get a proper status — never INTERNAL or UNKNOWN — the server must stay up, and afterwards
+the database invariants that a partial write would break must hold.
 """
 
 from __future__ import annotations
