@@ -38,6 +38,7 @@ def _block(d: dict[str, Any]) -> Block:
         artifact_ref=d.get("artifact_ref", ""),
         provider=d.get("provider", ""),
         opaque=d.get("opaque", ""),
+        run_id=d.get("run_id", ""),
     )
 
 

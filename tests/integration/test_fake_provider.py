@@ -294,6 +294,27 @@ def test_tool_use_needs_its_tool_result_first_in_the_next_turn(
     assert ok.stop_reason == "end_turn"
 
 
+def _one_tool_loop(tool_id: str) -> list[dict[str, Any]]:
+    call = {"type": "tool_use", "id": tool_id, "name": "lookup", "input": {"q": "x"}}
+    result = {"type": "tool_result", "tool_use_id": tool_id, "content": "42"}
+    return [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [call]},
+        {"role": "user", "content": [result]},
+    ]
+
+
+def test_tool_use_ids_must_match_the_api_pattern(claude: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.BadRequestError, match="should match pattern"):
+        ask(claude, tools=[TOOL], messages=_one_tool_loop("functions.lookup:0"))
+
+
+def test_tool_blocks_need_tools_defined(claude: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.BadRequestError, match="must define tools"):
+        ask(claude, messages=_one_tool_loop("toolu_1"))
+    assert ask(claude, tools=[TOOL], messages=_one_tool_loop("toolu_1")).stop_reason == "end_turn"
+
+
 def test_thinking_tool_loop_must_replay_the_thinking_block(
     claude: anthropic.Anthropic, fake: FakeProvider
 ) -> None:

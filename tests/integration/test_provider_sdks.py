@@ -22,7 +22,7 @@ from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine.fake_provider import FakeProvider, ManualClock
 from context_engine.providers import tool_name_from_wire, usage_from_provider
 
-from .helpers import TENANT, open_session, result
+from .helpers import TENANT, assistant, call, open_session, result, spec, start_run
 
 # Long enough that the prefix passes both providers' minimum cacheable length on the fake.
 POLICY = pb.PlatformPolicy(
@@ -238,3 +238,75 @@ async def test_the_payload_bytes_are_accepted_as_they_are(
         body = json.loads(answer.read())
     assert body["usage"]["output_tokens"] > 0
     assert fake.requests[-1].request == json.loads(build.provider_payload)
+
+
+async def _next_run(worker: Worker, text: str) -> None:
+    started = await start_run(worker.stub, worker.session_id, text)
+    worker.run_id, worker.version = started.run.run_id, started.checkpoint_version
+
+
+def _tool_blocks(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        b
+        for m in payload["messages"]
+        for b in m["content"]
+        if b["type"] in ("tool_use", "tool_result")
+    ]
+
+
+async def test_runs_reusing_a_call_id_outside_the_anthropic_alphabet_are_accepted(
+    stub: Any, fake: FakeProvider, claude: anthropic.Anthropic
+) -> None:
+    """Call ids are unique per run only and AppendItems takes any non-empty id; the Messages
+    API wants unique ids matching ^[a-zA-Z0-9_-]+$. The earlier pair keeps its mapped id."""
+    worker = Worker(stub, "anthropic", claude)
+    await worker.open("Trains to Lyon?")
+    odd = "functions.web_fetch:0"
+    await worker.append([call(odd), result(odd, "06:04 TGV"), assistant("The 06:04.")])
+    await _next_run(worker, "And back?")
+    await worker.append([call(odd), result(odd, "18:04 TGV")])
+    fake.script.push_text("The 18:04.", provider="anthropic")
+    worker.send(await worker.build())
+    assert fake.requests[-1].status == 200, fake.requests[-1].error
+    blocks = _tool_blocks(worker.payloads[-1])
+    assert [b.get("id") or b["tool_use_id"] for b in blocks] == [
+        "functions_web_fetch_0",
+        "functions_web_fetch_0",
+        "functions_web_fetch_0-2",
+        "functions_web_fetch_0-2",
+    ]
+
+
+async def test_a_rotation_to_no_tools_sends_the_carried_pairs_as_text(
+    stub: Any, fake: FakeProvider, claude: anthropic.Anthropic
+) -> None:
+    """The Messages API rejects tool_use/tool_result blocks in a request that defines no
+    tools; an operator revocation of the last tool keeps the carried pairs."""
+    worker = Worker(stub, "anthropic", claude)
+    await worker.open("Trains to Lyon?")
+    await worker.append([call("toolu_01"), result("toolu_01", "06:04 TGV"), assistant("6:04")])
+    plan = (
+        await stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=worker.session_id))
+    ).plan
+    revoked = spec(model_id=MODELS["anthropic"], policy=POLICY)
+    del revoked.tools[:]
+    rotated = await stub.Rotate(
+        pb.RotateRequest(
+            tenant_id=TENANT,
+            session_id=worker.session_id,
+            from_epoch=plan.epoch,
+            reason=pb.PLAN_REASON_OPERATOR_REVOCATION,
+            spec=revoked,
+        )
+    )
+    assert list(rotated.plan.tool_names) == []
+    await _next_run(worker, "Thanks!")
+    fake.script.push_text("You're welcome.", provider="anthropic")
+    build = await worker.build()
+    worker.send(build)
+    assert fake.requests[-1].status == 200, fake.requests[-1].error
+    payload = worker.payloads[-1]
+    assert "tools" not in payload and not _tool_blocks(payload)
+    texts = [b["text"] for m in payload["messages"] for b in m["content"]]
+    results = [b for m in build.request.messages for b in m.blocks if b.HasField("tool_result")]
+    assert [r.tool_result.content for r in results] == [t for t in texts if "06:04 TGV" in t]

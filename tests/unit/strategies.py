@@ -737,18 +737,23 @@ def scenarios(
     *,
     modes: Sequence[RunMode] = ("fresh", "loop", "answered"),
     carried_reasoning: bool = False,
+    reuse_call_ids: bool = False,
 ) -> Scenario:
     """A Build's inputs: plan spec, earlier runs (maybe partly summarized), the current
     run's checkpoint, step context, skill bodies, working state and an aware clock.
 
     With `carried_reasoning`, reasoning items of earlier runs (sequence 0, as they sit in
-    those runs' checkpoints) are left in the carried history handed to assembly.
+    those runs' checkpoints) are left in the carried history handed to assembly. With
+    `reuse_call_ids`, every run numbers its calls from 1 (call ids are unique per run only),
+    so the runs of one request share ids.
     """
     secret = draw(secrets)
     ledger = Ledger()
     runs: list[list[ConversationItem]] = []
     for n in range(draw(st.integers(0, 2))):
         mode = draw(st.sampled_from(["answered", "loop"]))
+        if reuse_call_ids:
+            ledger.calls = 0
         runs.append(draw(run_items(ledger, secret, f"run-{n}", mode, reasoning=carried_reasoning)))
     carried = tuple(i for run in runs for i in run)
     summary, floor = None, 0
@@ -761,6 +766,8 @@ def scenarios(
             text=draw(any_text),
             source_event_ids=tuple(i.sequence for i in covered if i.sequence),
         )
+    if reuse_call_ids:
+        ledger.calls = 0
     checkpoint = draw(checkpoints(secret, ledger=ledger, modes=modes, summary=summary, floor=floor))
     skill_bodies = tuple(
         SkillBodyItem(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -137,7 +138,11 @@ def test_every_function_call_has_its_output_after_it(sc: Scenario) -> None:
 
 @settings(SCENARIO_SETTINGS, max_examples=200)
 @given(
-    st.one_of(scenarios(), scenarios(modes=("loop", "answered"), carried_reasoning=True)),
+    st.one_of(
+        scenarios(),
+        scenarios(modes=("loop", "answered"), carried_reasoning=True),
+        scenarios(modes=("loop", "answered"), reuse_call_ids=True),
+    ),
     st.integers(0, 4),
     st.sampled_from(list(SessionKind)),
     st.data(),
@@ -218,7 +223,7 @@ def test_a_marker_closes_the_unit_its_item_renders_to_after_results_move_first()
             "anthropic",
             "m",
             (),
-            (),
+            (_tool("x"),),  # tool blocks need a defined tool (Rule 8)
             (
                 Message("assistant", (call,)),
                 Message("user", (text, result)),
@@ -601,6 +606,176 @@ def _tool(name: str) -> Any:
     from context_engine.core.request import ToolDefinition
 
     return ToolDefinition(name, "d", '{"type":"object"}')
+
+
+# --- call ids on the wire (providers/call_ids.py) ---------------------------------------------
+
+_ANTHROPIC_ID = re.compile(r"[a-zA-Z0-9_-]+")
+
+
+def _pair(run_id: str, call_id: str, n: int) -> tuple[Message, Message]:
+    call = Block(
+        Row.CONVERSATION,
+        TrustLevel.MODEL,
+        "tool_call",
+        f"c{n}",
+        call_id=call_id,
+        tool_name="web.fetch",
+        arguments_json='{"q":"x"}',
+        run_id=run_id,
+    )
+    result = Block(
+        Row.CONVERSATION,
+        TrustLevel.EXTERNAL_UNTRUSTED,
+        "tool_result",
+        f"r{n}",
+        text=f"<untrusted>{n}</untrusted>",
+        call_id=call_id,
+        tool_name="web.fetch",
+        run_id=run_id,
+    )
+    return Message("assistant", (call,)), Message("user", (result,))
+
+
+def _pairs_request(*pairs: tuple[str, str], provider: str = "anthropic") -> ModelRequest:
+    """A user turn, then each (run id, call id) pair as an assistant call and a user result."""
+    ask = Message("user", (Block(Row.CONVERSATION, TrustLevel.USER, "text", "u", text="go"),))
+    messages = [ask]
+    for n, (run_id, call_id) in enumerate(pairs):
+        messages += _pair(run_id, call_id, n)
+    return replace(_tiny_request(*messages, provider=provider), tools=(_tool("web.fetch"),))
+
+
+def _wire_ids(body: dict[str, Any], provider: str) -> tuple[list[str], list[str]]:
+    """(the calls' ids, the results' ids) in payload order."""
+    if provider == "anthropic":
+        blocks = [b for m in body["messages"] for b in m["content"]]
+        return (
+            [b["id"] for b in blocks if b.get("type") == "tool_use"],
+            [b["tool_use_id"] for b in blocks if b.get("type") == "tool_result"],
+        )
+    items = body["input"]
+    return (
+        [i["call_id"] for i in items if i.get("type") == "function_call"],
+        [i["call_id"] for i in items if i.get("type") == "function_call_output"],
+    )
+
+
+def test_a_call_id_reused_by_a_later_run_is_sent_unique_and_still_paired() -> None:
+    """Call ids are unique within a run only; both APIs pair by id and reject repeats. The
+    earliest pair keeps its id, a later one takes the first free "-<n>" suffix, and a
+    result always carries its own call's id."""
+    pairs = [("run-1", "call_0"), ("run-2", "call_0"), ("run-3", "call_0-2"), ("run-3", "x")]
+    for provider in PROVIDERS:
+        request = _pairs_request(*pairs, provider=provider)
+        calls, results = _wire_ids(_body(request), provider)
+        assert calls == ["call_0", "call_0-2", "call_0-2-2", "x"], provider
+        assert results == calls, provider
+    request = _pairs_request(*pairs)
+    assert anthropic.render(request).body == _general(request)
+
+
+def test_the_wire_ids_of_earlier_pairs_never_change_as_history_grows() -> None:
+    """Byte stability: appending pairs (reusing ids) leaves every earlier byte as it was."""
+    pairs = [(f"run-{n // 2}", f"call_{n % 2}") for n in range(6)]
+    for provider in PROVIDERS:
+        before: list[Any] = []
+        for n in range(1, len(pairs) + 1):
+            body = _body(_pairs_request(*pairs[:n], provider=provider))
+            sent = body["messages"] if provider == "anthropic" else body["input"]
+            assert sent[: len(before)] == before, (provider, n)
+            before = sent
+        calls, results = _wire_ids(body, provider)
+        assert len(set(calls)) == len(calls) and results == calls
+
+
+def test_call_ids_outside_the_anthropic_alphabet_are_mapped_and_still_paired() -> None:
+    """Anthropic requires ids matching ^[a-zA-Z0-9_-]+$ (AppendItems takes any non-empty
+    id, e.g. "functions.web_fetch:0"); OpenAI restricts no alphabet and gets them verbatim.
+    Two ids that map to one wire id stay distinct."""
+    pairs = [("run-1", "functions.web_fetch:0"), ("run-1", "functions.web_fetch|0")]
+    calls, results = _wire_ids(_body(_pairs_request(*pairs)), "anthropic")
+    assert calls == ["functions_web_fetch_0", "functions_web_fetch_0-2"]
+    assert results == calls
+    calls, results = _wire_ids(_body(_pairs_request(*pairs, provider="openai")), "openai")
+    assert calls == results == ["functions.web_fetch:0", "functions.web_fetch|0"]
+
+
+def test_parallel_calls_of_two_runs_sharing_an_id_pair_by_run() -> None:
+    """A call and its result pair by (run, call id), not by position: two runs' calls with
+    one id, answered in the other order, keep their own results."""
+    (a_call, a_result), (b_call, b_result) = (
+        _pair("run-a", "call_0", 1),
+        _pair("run-b", "call_0", 2),
+    )
+    ask = Message("user", (Block(Row.CONVERSATION, TrustLevel.USER, "text", "u", text="go"),))
+    for provider in PROVIDERS:
+        request = replace(
+            _tiny_request(
+                ask,
+                Message("assistant", a_call.blocks + b_call.blocks),
+                Message("user", b_result.blocks + a_result.blocks),
+                provider=provider,
+            ),
+            tools=(_tool("web.fetch"),),
+        )
+        calls, results = _wire_ids(_body(request), provider)
+        assert calls == ["call_0", "call_0-2"]
+        assert results == ["call_0-2", "call_0"], provider
+
+
+@SCENARIO_SETTINGS
+@given(scenarios(modes=("loop", "answered"), reuse_call_ids=True), st.sampled_from(PROVIDERS))
+def test_runs_that_reuse_call_ids_build_unique_well_formed_wire_ids(
+    sc: Scenario, provider: str
+) -> None:
+    request = _request(sc, provider)
+    calls, results = _wire_ids(_body(request), provider)
+    assert len(set(calls)) == len(calls), "repeated call ids reach the provider"
+    assert sorted(results) == sorted(calls), "every call answered by its own id"
+    if provider == "anthropic":
+        assert all(_ANTHROPIC_ID.fullmatch(i) for i in calls)
+
+
+# --- a request that defines no tools -------------------------------------------------------
+
+
+def test_without_tools_anthropic_sends_tool_pairs_as_text() -> None:
+    """The Messages API rejects tool_use/tool_result blocks in a request with no tools (a
+    rotation to an empty roster keeps the history's pairs): the call goes as assistant
+    text, the result as its enveloped text, byte for byte. OpenAI sends its items as is."""
+    request = replace(_pairs_request(("run-1", "call_0"), ("run-2", "call_0")), tools=())
+    body = _body(request)
+    assert "tools" not in body
+    blocks = [(m["role"], b) for m in body["messages"] for b in m["content"]]
+    assert {b["type"] for _, b in blocks} == {"text"}
+    call_text = anthropic.TOOL_CALL_AS_TEXT.format(name="web.fetch", arguments='{"q":"x"}')
+    assert [b["text"] for role, b in blocks if role == "assistant"] == [call_text] * 2
+    assert [b["text"] for role, b in blocks if role == "user"][1:] == [
+        "<untrusted>0</untrusted>",
+        "<untrusted>1</untrusted>",
+    ]
+    assert anthropic.render(request).body == _general(request)
+    assert render(request) == render(request), "deterministic"
+    openai_body = _body(replace(request, provider="openai"))
+    assert {"function_call", "function_call_output"} <= {i["type"] for i in openai_body["input"]}
+
+
+@SCENARIO_SETTINGS
+@given(scenarios(modes=("loop", "answered")))
+def test_a_build_without_tools_sends_no_tool_blocks_and_every_envelope_whole(
+    sc: Scenario,
+) -> None:
+    request = replace(_request(sc), tools=())
+    body = _body(request)
+    kinds = {b.get("type") for m in body["messages"] for b in m["content"]}
+    assert not kinds & {"tool_use", "tool_result"}
+    sent = _sent_texts(body, "anthropic")
+    for message in request.messages:
+        for block in message.blocks:
+            if block.kind == "tool_result" and block.text.strip():
+                assert block.text in sent, "a result's envelope is sent whole, as one block"
+    assert anthropic.render(request).body == _general(request)
 
 
 @SCENARIO_SETTINGS

@@ -398,7 +398,7 @@ def test_validate_append_names_the_offending_index(
 # --- validate_tool_pairs -----------------------------------------------------------------
 
 
-def _call_block(call_id: str) -> Block:
+def _call_block(call_id: str, run_id: str = "") -> Block:
     return Block(
         Row.CONVERSATION,
         TrustLevel.MODEL,
@@ -407,10 +407,11 @@ def _call_block(call_id: str) -> Block:
         call_id=call_id,
         tool_name="t",
         arguments_json="{}",
+        run_id=run_id,
     )
 
 
-def _result_block(call_id: str) -> Block:
+def _result_block(call_id: str, run_id: str = "") -> Block:
     return Block(
         Row.CONVERSATION,
         TrustLevel.EXTERNAL_UNTRUSTED,
@@ -419,6 +420,7 @@ def _result_block(call_id: str) -> Block:
         text="x",
         call_id=call_id,
         tool_name="t",
+        run_id=run_id,
     )
 
 
@@ -481,9 +483,28 @@ def test_validate_tool_pairs_rejects_a_call_id_pending_twice() -> None:
     assert caught.value.reason == "ORPHANED_TOOL_ITEM"
 
 
+def test_validate_tool_pairs_pairs_by_run_and_call_id() -> None:
+    """Call ids are unique within a run only: two runs' pending `call_0`s are two pairs,
+    and one run's result never answers the other run's call."""
+    validate_tool_pairs(
+        _messages(
+            ("assistant", [_call_block("call_0", "run-a"), _call_block("call_0", "run-b")]),
+            ("user", [_result_block("call_0", "run-b"), _result_block("call_0", "run-a")]),
+        )
+    )
+    with pytest.raises(PreconditionError) as caught:
+        validate_tool_pairs(
+            _messages(
+                ("assistant", [_call_block("call_0", "run-a")]),
+                ("user", [_result_block("call_0", "run-b")]),
+            )
+        )
+    assert caught.value.metadata == {"call_id": "call_0"}
+
+
 _BLOCKS = st.lists(
-    st.tuples(st.booleans(), st.sampled_from("abc")).map(
-        lambda pair: _call_block(pair[1]) if pair[0] else _result_block(pair[1])
+    st.tuples(st.booleans(), st.sampled_from("abc"), st.sampled_from(["", "run-2"])).map(
+        lambda t: _call_block(t[1], t[2]) if t[0] else _result_block(t[1], t[2])
     ),
     max_size=10,
 )

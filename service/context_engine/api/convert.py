@@ -620,6 +620,7 @@ def block_to_proto(block: Block) -> pb.ContentBlock:
         trust=pb.TrustLevel.ValueType(block.trust),
         item_id=block.item_id,
         source_sequence=block.source_sequence,
+        run_id=block.run_id,
     )
     if block.kind == "text":
         out.text = block.text
@@ -708,6 +709,7 @@ def block_from_proto(block: pb.ContentBlock) -> Block:
             call_id=c.call_id,
             tool_name=c.tool_name,
             arguments_json=c.arguments_json,
+            run_id=block.run_id,
         )
     if kind == "tool_result":
         r = block.tool_result
@@ -721,6 +723,7 @@ def block_from_proto(block: pb.ContentBlock) -> Block:
             tool_name=r.tool_name,
             is_error=r.is_error,
             artifact_ref=r.artifact_ref,
+            run_id=block.run_id,
         )
     if kind == "reasoning":
         return Block(

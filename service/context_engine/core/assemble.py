@@ -437,6 +437,7 @@ def _render(row: Row, item: ContextItem, secret: bytes, truncated: bool = False)
                 call_id=item.call_id,
                 tool_name=item.tool_name,
                 arguments_json=item.arguments_json,
+                run_id=item.run_id,
             )
         case ToolResult():
             content = item.context_content or item.content
@@ -459,6 +460,7 @@ def _render(row: Row, item: ContextItem, secret: bytes, truncated: bool = False)
                 tool_name=item.tool_name,
                 is_error=item.is_error,
                 artifact_ref=item.artifact_ref,
+                run_id=item.run_id,
             )
         case ReasoningItem():
             return Block(

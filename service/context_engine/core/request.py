@@ -35,6 +35,9 @@ class Block:
     artifact_ref: str = ""
     provider: str = ""  # reasoning only
     opaque: str = ""  # reasoning only
+    # Tool calls and results only: the run that logged the item. Call ids are unique within
+    # a run, so a pair is keyed by (run_id, call_id) (core/validate.py, providers/call_ids.py).
+    run_id: str = ""
 
     def canonical(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -52,6 +55,7 @@ class Block:
             "artifact_ref": self.artifact_ref,
             "provider": self.provider,
             "opaque": self.opaque,
+            "run_id": self.run_id,
         }
         out.update({k: v for k, v in extra.items() if v})
         if self.is_error:

@@ -3,7 +3,9 @@ leaves the service.
 
 Rule: a tool call and its result are one unit. A result must answer an earlier,
 unanswered call; a request must not contain a call without its result or a result
-without its call.
+without its call. Call ids are unique within a run only, so in a request (which carries
+earlier runs) a pair is keyed by (run id, call id), as core/seeding.py keys it: two runs
+may each use `call_0`, and neither answers the other's.
 """
 
 from __future__ import annotations
@@ -83,19 +85,19 @@ class ClosedRun:
     validate_block_runs passes over them without looking at each block."""
 
     blocks: tuple[Block, ...]
-    call_ids: frozenset[str]
+    call_ids: frozenset[tuple[str, str]]  # (run id, call id) of each call
 
 
 def closed_run(blocks: Sequence[Block]) -> ClosedRun | None:
     """`blocks` as a ClosedRun, or None when they are not closed on their own."""
-    pending: dict[str, str] = {}
+    pending: dict[tuple[str, str], str] = {}
     try:
         _walk(blocks, pending)
     except PreconditionError:
         return None
     if pending:
         return None
-    calls = frozenset(b.call_id for b in blocks if b.kind == "tool_call")
+    calls = frozenset((b.run_id, b.call_id) for b in blocks if b.kind == "tool_call")
     return ClosedRun(tuple(blocks), calls)
 
 
@@ -105,7 +107,7 @@ def validate_block_runs(runs: Sequence[Sequence[Block] | ClosedRun]) -> None:
     Raises:
         PreconditionError: ORPHANED_TOOL_ITEM, naming the call id.
     """
-    pending: dict[str, str] = {}
+    pending: dict[tuple[str, str], str] = {}
     for run in runs:
         if isinstance(run, ClosedRun):
             if pending.keys().isdisjoint(run.call_ids):
@@ -113,7 +115,7 @@ def validate_block_runs(runs: Sequence[Sequence[Block] | ClosedRun]) -> None:
             run = run.blocks
         _walk(run, pending)
     if pending:
-        call_id = sorted(pending)[0]
+        _, call_id = sorted(pending)[0]
         raise PreconditionError(
             f"tool call {call_id!r} has no result yet; append its result before building",
             reason="ORPHANED_TOOL_ITEM",
@@ -121,18 +123,22 @@ def validate_block_runs(runs: Sequence[Sequence[Block] | ClosedRun]) -> None:
         )
 
 
-def _walk(blocks: Sequence[Block], pending: dict[str, str]) -> None:
-    """Pair each result with the pending call it answers; `pending` is updated in place."""
+def _walk(blocks: Sequence[Block], pending: dict[tuple[str, str], str]) -> None:
+    """Pair each result with the pending call it answers, by (run id, call id); `pending`
+    is updated in place."""
     for block in blocks:
         if block.kind == "tool_call":
-            if block.call_id in pending:
+            key = (block.run_id, block.call_id)
+            if key in pending:
                 raise PreconditionError(
                     f"tool call id {block.call_id!r} is pending twice in one request",
                     reason="ORPHANED_TOOL_ITEM",
                     metadata={"call_id": block.call_id},
                 )
-            pending[block.call_id] = block.item_id
-        elif block.kind == "tool_result" and pending.pop(block.call_id, None) is None:
+            pending[key] = block.item_id
+        elif (
+            block.kind == "tool_result" and pending.pop((block.run_id, block.call_id), None) is None
+        ):
             raise PreconditionError(
                 f"tool result for call {block.call_id!r} has no preceding call",
                 reason="ORPHANED_TOOL_ITEM",

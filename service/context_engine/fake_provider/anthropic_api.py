@@ -14,7 +14,8 @@ Rule V4. Content is a non-empty string or list; text blocks are non-empty string
 Rule V5. Every ``tool_result`` names a ``tool_use`` id of the previous assistant turn; every
          ``tool_use`` of an assistant turn followed by a user turn is answered by a
          ``tool_result`` in the leading run of that user turn (results come first).
-Rule V6. ``tool_use`` ids are unique; tool names are unique and match ``TOOL_NAME``.
+Rule V6. ``tool_use`` ids are unique; they and ``tool_result.tool_use_id`` match
+         ``TOOL_USE_ID``; tool names are unique and match ``TOOL_NAME``.
 Rule V7. At most ``MAX_CACHE_BREAKPOINTS`` ``cache_control`` markers, counting the top-level
          automatic-caching marker; type ``ephemeral``; ``ttl`` ``5m`` or ``1h``; not on
          thinking blocks or empty text blocks.
@@ -26,6 +27,7 @@ Rule V10. With thinking enabled, when the request ends in a tool loop (the last 
           carries ``tool_result`` blocks), the assistant turn before it starts with a
           ``thinking``/``redacted_thinking`` block ("Extended thinking": preserving thinking
           blocks during tool use).
+Rule V11. A request with ``tool_use`` or ``tool_result`` blocks defines ``tools``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ __all__ = [
     "BLOCK_TYPES_BY_ROLE",
     "ERROR_TYPE_BY_STATUS",
     "MAX_CACHE_BREAKPOINTS",
+    "TOOL_USE_ID",
     "MessagesRequest",
     "error_body",
     "parse_request",
@@ -126,6 +129,7 @@ def parse_request(
     _tools(body.get("tools"), blocks, markers)
     _system(body.get("system"), blocks, markers)
     normalized = _messages(body.get("messages"), blocks, markers)
+    _check_tools_defined(body.get("tools"), normalized)
     _check_thinking_in_tool_loop(body.get("thinking"), normalized)
     _automatic_marker(body.get("cache_control"), blocks, markers)
     _check_markers(markers)
@@ -306,6 +310,14 @@ def _messages(messages: Any, blocks: list[AnthropicBlock], markers: list[_Marker
     return normalized
 
 
+def _check_tools_defined(tools: Any, messages: _Messages) -> None:
+    """Rule V11."""
+    if tools:
+        return
+    if any(b["type"] in ("tool_use", "tool_result") for _, blocks in messages for b in blocks):
+        raise _bad("Requests which include `tool_use` or `tool_result` blocks must define tools.")
+
+
 def _check_thinking_in_tool_loop(thinking: Any, messages: _Messages) -> None:
     """Rule V10."""
     if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "adaptive"):
@@ -330,6 +342,14 @@ def _check_thinking_in_tool_loop(thinking: Any, messages: _Messages) -> None:
         )
 
 
+TOOL_USE_ID = re.compile(r"^[a-zA-Z0-9_-]+$")
+
+
+def _check_tool_id(value: str, path: str) -> None:
+    if not TOOL_USE_ID.match(value):
+        raise _bad(f"{path}: String should match pattern '^[a-zA-Z0-9_-]+$'")
+
+
 def _check_block(block: Any, role: str, path: str, seen_tool_use: set[str]) -> None:
     """Rules V4, V6, V7 for one message content block."""
     if not isinstance(block, dict) or not isinstance(block.get("type"), str):
@@ -348,12 +368,14 @@ def _check_block(block: Any, role: str, path: str, seen_tool_use: set[str]) -> N
             raise _bad(f"{path}: tool_use blocks need string 'id' and 'name'")
         if not isinstance(block.get("input"), dict):
             raise _bad(f"{path}.input: Input should be a valid dictionary")
+        _check_tool_id(tool_id, f"{path}.id")
         if tool_id in seen_tool_use:
             raise _bad(f"{path}: `tool_use` ids must be unique")
         seen_tool_use.add(tool_id)
     elif kind == "tool_result":
         if not isinstance(block.get("tool_use_id"), str):
             raise _bad(f"{path}.tool_use_id: Field required")
+        _check_tool_id(block["tool_use_id"], f"{path}.tool_use_id")
         inner = block.get("content")
         if inner is not None and not isinstance(inner, str | list):
             raise _bad(f"{path}.content: Input should be a valid string or list")

@@ -21,6 +21,14 @@ marker on its through_item's block (or the nearest sendable block before it). At
 one block are one. In processing order no one-hour marker follows a shorter one: a later
 marker's TTL is lowered to the shortest before it. ``"5m"`` is sent as the API default
 (no ``ttl`` key).
+Rule 7 (call ids): ``tool_use.id`` and ``tool_result.tool_use_id`` are the pair's wire call
+id (providers/call_ids.py): the call id mapped into ``[A-Za-z0-9_-]``, unique in the
+request, the earliest pair keeping its id.
+Rule 8 (no tools): the API rejects tool_use and tool_result blocks in a request that
+defines no tools (a rotation to an empty roster keeps the history's pairs), so then a call
+is sent as assistant text (``TOOL_CALL_AS_TEXT``: its tool name and canonical arguments)
+and a result as user text: its content exactly as core enveloped it (Rule 3). A request
+renders all its pairs one way, so every request of an epoch does too.
 
 Speed: each tool, system block and message block renders once per process to its
 canonical JSON text (memoized on the frozen neutral value; a session's tools and a run's
@@ -44,14 +52,23 @@ from ..core.errors import EngineError
 from ..core.identity_memo import IdentityMemo
 from ..core.request import Block, CacheBreakpoint, Message, ModelRequest, ToolDefinition
 from ..core.rows import Row
+from .call_ids import BASE_IDS, VariantMemo, all_distinct, wire_call_ids
 from .layout import PromptUnit, RenderedPayload
 from .names import check_wire_names, wire_tool_name
 
-__all__ = ["API", "HISTORY_CUT_PLACEHOLDER", "MAX_BREAKPOINTS", "prompt_units", "render"]
+__all__ = [
+    "API",
+    "HISTORY_CUT_PLACEHOLDER",
+    "MAX_BREAKPOINTS",
+    "TOOL_CALL_AS_TEXT",
+    "prompt_units",
+    "render",
+]
 
 API = "anthropic.messages"
 MAX_BREAKPOINTS = 4
 HISTORY_CUT_PLACEHOLDER = "(The conversation continues from earlier turns not shown here.)"
+TOOL_CALL_AS_TEXT = "(Called tool {name} with input {arguments})"  # Rule 8
 _TTL_RANK = {"5m": 0, "1h": 1}
 _PROVIDER = "anthropic"
 
@@ -113,15 +130,12 @@ def render(request: ModelRequest, max_breakpoints: int = MAX_BREAKPOINTS) -> Ren
         PreconditionError: two tool names share a wire name.
         EngineError: a reasoning item's opaque payload is not a JSON object.
     """
-    messages = _message_layout.many(request.messages)
-    check_wire_names(
-        [*(t.name for t in request.tools), *frozenset().union(*map(_CALLED, messages))]
-    )
+    messages, moved = _message_layouts(request)
     tools = [_Unit(_tool(t)) for t in request.tools]
     system = [_Unit(r) for b in request.system if (r := _system(b)) is not None]
     turns = _turns_by_message(messages, tools, system, request.cache_breakpoints, max_breakpoints)
     if turns is None:  # a message that sends nothing, or two of one role in a row
-        layout = _layout(request, tools, system)
+        layout = _layout(request, tools, system, moved)
         _place_markers(layout, request.cache_breakpoints, max_breakpoints)
         turns = ",".join(_turn_text(role, units) for role, units in layout.turns)
     parts = [
@@ -159,16 +173,47 @@ def prompt_units(request: ModelRequest) -> tuple[PromptUnit, ...]:
 
 # --- layout ----------------------------------------------------------------------------
 
+# Message index -> its blocks' wire call ids, "" where unmoved (call_ids.wire_call_ids).
+_Moved = dict[int, tuple[str, ...]]
 
-def _layout(request: ModelRequest, tools: list[_Unit], system: list[_Unit]) -> _Layout:
+
+def _message_layouts(request: ModelRequest) -> tuple[list[_MessageLayout], _Moved]:
+    """Each message's layout, from the memos, and the blocks whose call id moved (Rule 7):
+    none in the common case, told by one pass over the memos' ids. Checks wire names."""
+    if not request.tools:  # Rule 8: no tool name or call id reaches the wire
+        return _text_layout.many(request.messages), {}
+    messages = _message_layout.many(request.messages)
+    check_wire_names(
+        [*(t.name for t in request.tools), *frozenset().union(*map(_CALLED, messages))]
+    )
+    if all_distinct(map(_CALL_IDS, messages)):
+        return messages, {}
+    moved = wire_call_ids(request.messages, _BASE_ID)
+    for n, wire in moved.items():
+        messages[n] = _relaid(request.messages[n], wire)
+    return messages, moved
+
+
+def _unit_of(block: Block, wire: str, as_text: bool) -> _Rendered | None:
+    """`block`'s unit; `wire` is its moved call id, or ""."""
+    if as_text:
+        return _text_block(block)
+    return _render_block(block, wire) if wire else _block(block)
+
+
+def _layout(
+    request: ModelRequest, tools: list[_Unit], system: list[_Unit], moved: _Moved
+) -> _Layout:
     """Every block's unit, message by message (Rule 4): the general case."""
+    as_text = not request.tools
     turns: list[tuple[str, list[_Unit]]] = []
     anchors: list[tuple[str, _Unit | None]] = []
     last: _Unit | None = None
-    for message in request.messages:
+    for n, message in enumerate(request.messages):
         units: list[_Unit] = []
-        for block in message.blocks:
-            rendered = _block(block)
+        wire = moved.get(n, ())
+        for k, block in enumerate(message.blocks):
+            rendered = _unit_of(block, wire[k] if wire else "", as_text)
             unit = _Unit(rendered) if rendered is not None else None
             if unit is not None:
                 units.append(unit)
@@ -188,13 +233,10 @@ def _layout(request: ModelRequest, tools: list[_Unit], system: list[_Unit]) -> _
 
 
 def _prompt_layout(request: ModelRequest) -> _Layout:
-    check_wire_names(
-        [t.name for t in request.tools]
-        + [b.tool_name for m in request.messages for b in m.blocks if b.kind == "tool_call"]
-    )
+    _, moved = _message_layouts(request)
     tools = [_Unit(_tool(t)) for t in request.tools]
     system = [_Unit(r) for b in request.system if (r := _system(b)) is not None]
-    return _layout(request, tools, system)
+    return _layout(request, tools, system, moved)
 
 
 # --- one turn per message: the common case, composed from per-message memos -----------
@@ -214,14 +256,17 @@ class _MessageLayout:
     anchors: dict[str, int]
     last_cacheable: int  # index in `units` of the last cacheable unit in block order; -1
     called: frozenset[str]  # tool names its calls use (check_wire_names)
+    call_ids: tuple[str, ...]  # its calls' base ids (Rule 7)
 
 
-def _lay_out_message(message: Message) -> _MessageLayout:
+def _lay_out_message(
+    message: Message, moved: tuple[str, ...] = (), as_text: bool = False
+) -> _MessageLayout:
     rendered: list[_Rendered] = []
     anchors: dict[str, int] = {}
     last = -1  # index into `rendered` (block order)
-    for block in message.blocks:
-        unit = _block(block)
+    for k, block in enumerate(message.blocks):
+        unit = _unit_of(block, moved[k] if moved else "", as_text)
         if unit is not None:
             rendered.append(unit)
             if unit.kind != "reasoning":
@@ -241,11 +286,17 @@ def _lay_out_message(message: Message) -> _MessageLayout:
         anchors={k: (to_turn[v] if v >= 0 else -1) for k, v in anchors.items()},
         last_cacheable=to_turn[last] if last >= 0 else -1,
         called=frozenset(b.tool_name for b in message.blocks if b.kind == "tool_call"),
+        call_ids=tuple(_BASE_ID(b.call_id) for b in message.blocks if b.kind == "tool_call"),
     )
 
 
-# A run's carried messages are the same objects on every Build (core/identity_memo.py).
+# A run's carried messages are the same objects on every Build (core/identity_memo.py),
+# and so are the ids that moved in them (providers/call_ids.py, Rule 2).
 _message_layout = IdentityMemo(_lay_out_message, 16_384, by_value=False)
+_text_layout = IdentityMemo(partial(_lay_out_message, as_text=True), 16_384, by_value=False)
+_relaid = VariantMemo(_lay_out_message)
+_BASE_ID = BASE_IDS[_PROVIDER]
+_CALL_IDS = attrgetter("call_ids")
 _CALLED = attrgetter("called")
 _ROLE = attrgetter("role")
 _TEXT = attrgetter("text")
@@ -350,8 +401,9 @@ def _system(block: Block) -> _Rendered | None:
     return _rendered({"type": "text", "text": block.text}, block.row, block.item_id, "system")
 
 
-def _render_block(block: Block) -> _Rendered | None:
-    """One neutral block's content block (Rules 3, 5); None when it sends nothing."""
+def _render_block(block: Block, call_id: str = "") -> _Rendered | None:
+    """One neutral block's content block (Rules 3, 5, 7); None when it sends nothing.
+    `call_id` is the pair's wire id when it moved; "" sends the call's base id."""
     match block.kind:
         case "text":
             if not block.text.strip():
@@ -360,12 +412,12 @@ def _render_block(block: Block) -> _Rendered | None:
         case "tool_call":
             obj = {
                 "type": "tool_use",
-                "id": block.call_id,
+                "id": call_id or _BASE_ID(block.call_id),
                 "name": wire_tool_name(block.tool_name),
                 "input": json.loads(block.arguments_json or "{}"),
             }
         case "tool_result":
-            obj = {"type": "tool_result", "tool_use_id": block.call_id}
+            obj = {"type": "tool_result", "tool_use_id": call_id or _BASE_ID(block.call_id)}
             if block.text:
                 obj["content"] = block.text
             if block.is_error:
@@ -380,8 +432,24 @@ def _render_block(block: Block) -> _Rendered | None:
     return _rendered(obj, block.row, block.item_id, kind)
 
 
+def _render_block_as_text(block: Block) -> _Rendered | None:
+    """A block of a request that defines no tools (Rule 8): tool blocks as text blocks."""
+    match block.kind:
+        case "tool_call":
+            arguments = block.arguments_json or "{}"
+            text = TOOL_CALL_AS_TEXT.format(name=block.tool_name, arguments=arguments)
+        case "tool_result":
+            if not block.text.strip():
+                return None
+            text = block.text
+        case _:
+            return _block(block)
+    return _rendered({"type": "text", "text": text}, block.row, block.item_id, "text")
+
+
 # A run's history blocks are the same objects on every Build (core/identity_memo.py).
 _block = IdentityMemo(_render_block, _MEMO)
+_text_block = IdentityMemo(_render_block_as_text, _MEMO)
 
 _PLACEHOLDER = _rendered(
     {"type": "text", "text": HISTORY_CUT_PLACEHOLDER}, Row.CONVERSATION, "", "text"

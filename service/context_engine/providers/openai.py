@@ -15,6 +15,11 @@ not sent.
 Rule 5 (cache): the Responses API caches implicitly and takes no markers; the request
 carries ``prompt_cache_key`` = request.session_key, so every run, step and epoch of one
 session routes to the same cache and no other session shares it.
+Rule 6 (call ids): a ``function_call`` and its ``function_call_output`` carry the pair's
+wire call id (providers/call_ids.py): the call id verbatim (the API restricts no alphabet),
+unique in the request, the earliest pair keeping its id. Function calls and their outputs
+are sent as they are when the request defines no tools: the Responses API documents no
+rule against it (Anthropic's renderer turns them into text then).
 
 Speed: tools, input items and each message's items render once per process to canonical
 JSON text (memoized on the frozen neutral values; a run's carried messages are the same
@@ -35,6 +40,7 @@ from ..core.errors import EngineError
 from ..core.identity_memo import IdentityMemo
 from ..core.request import Block, Message, ModelRequest, ToolDefinition
 from ..core.rows import Row
+from .call_ids import BASE_IDS, VariantMemo, all_distinct, wire_call_ids
 from .layout import PromptUnit, RenderedPayload
 from .names import check_wire_names, wire_tool_name
 
@@ -73,6 +79,7 @@ class _MessageItems:
     pieces: tuple[_Piece, ...]
     text: str  # their canonical JSON, comma-separated ("" when none)
     tool_names: frozenset[str]  # the tools its calls name, for check_wire_names
+    call_ids: tuple[str, ...]  # its calls' base ids (Rule 6)
 
 
 def render(request: ModelRequest) -> RenderedPayload:
@@ -118,6 +125,9 @@ def prompt_units(request: ModelRequest) -> tuple[PromptUnit, ...]:
 
 def _layout(request: ModelRequest) -> _Layout:
     messages = _message_items.many(request.messages)
+    if not all_distinct(map(_CALL_IDS, messages)):  # Rule 6: rare, and then walked once
+        for n, wire in wire_call_ids(request.messages, _BASE_ID).items():
+            messages[n] = _relaid(request.messages[n], wire)
     called = frozenset().union(*map(_TOOL_NAMES, messages))
     check_wire_names([*(t.name for t in request.tools), *called])
     texts = [b for b in request.system if b.text]
@@ -130,20 +140,28 @@ def _layout(request: ModelRequest) -> _Layout:
     return _Layout(instructions, tools, messages, text)
 
 
-def _render_message(message: Message) -> _MessageItems:
-    pieces = tuple(
-        piece for block in message.blocks if (piece := _input_item(message.role, block)) is not None
+def _render_message(message: Message, moved: tuple[str, ...] = ()) -> _MessageItems:
+    """`moved`: each block's wire call id where it is not the base id, else "" (Rule 6)."""
+    items = (
+        _input_item(message.role, block, moved[k] if moved else "")
+        for k, block in enumerate(message.blocks)
     )
+    pieces = tuple(piece for piece in items if piece is not None)
     return _MessageItems(
         pieces,
         ",".join(p.text for p in pieces),
         frozenset(b.tool_name for b in message.blocks if b.kind == "tool_call"),
+        tuple(_BASE_ID(b.call_id) for b in message.blocks if b.kind == "tool_call"),
     )
 
 
 # A run's carried messages are the same objects on every Build (core/identity_memo.py);
 # one that misses is rendered from the block memo below rather than hashed whole.
 _message_items = IdentityMemo(_render_message, 16_384, by_value=False)
+# A carried message's moved ids are the same on every Build (call_ids.py, Rule 2).
+_relaid = VariantMemo(_render_message)
+_BASE_ID = BASE_IDS[_PROVIDER]
+_CALL_IDS = attrgetter("call_ids")
 _TOOL_NAMES = attrgetter("tool_names")
 _TEXT = attrgetter("text")
 
@@ -164,8 +182,8 @@ def _tool(tool: ToolDefinition) -> _Piece:
 
 
 @lru_cache(maxsize=16_384)
-def _input_item(role: str, block: Block) -> _Piece | None:
-    obj = _item(role, block)
+def _input_item(role: str, block: Block, call_id: str = "") -> _Piece | None:
+    obj = _item(role, block, call_id)
     return None if obj is None else _Piece(obj, block.row, block.item_id, _json(obj))
 
 
@@ -178,8 +196,9 @@ def _text(value: str) -> str:
     return _json(value)
 
 
-def _item(role: str, block: Block) -> dict[str, Any] | None:
-    """One neutral block's input item (Rules 3, 4); None when it sends nothing."""
+def _item(role: str, block: Block, call_id: str = "") -> dict[str, Any] | None:
+    """One neutral block's input item (Rules 3, 4, 6); None when it sends nothing.
+    `call_id` is the pair's wire id when it moved; "" sends the call's base id."""
     match block.kind:
         case "text":
             if not block.text:
@@ -194,12 +213,13 @@ def _item(role: str, block: Block) -> dict[str, Any] | None:
         case "tool_call":
             return {
                 "type": "function_call",
-                "call_id": block.call_id,
+                "call_id": call_id or _BASE_ID(block.call_id),
                 "name": wire_tool_name(block.tool_name),
                 "arguments": block.arguments_json or "{}",
             }
         case "tool_result":
-            return {"type": "function_call_output", "call_id": block.call_id, "output": block.text}
+            wire_id = call_id or _BASE_ID(block.call_id)
+            return {"type": "function_call_output", "call_id": wire_id, "output": block.text}
         case "reasoning":
             if block.provider != _PROVIDER:
                 return None

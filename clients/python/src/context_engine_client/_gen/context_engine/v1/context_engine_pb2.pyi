@@ -777,11 +777,12 @@ class Message(_message.Message):
     def __init__(self, role: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[ContentBlock, _Mapping]]] = ...) -> None: ...
 
 class ContentBlock(_message.Message):
-    __slots__ = ("row", "trust", "item_id", "source_sequence", "text", "tool_call", "tool_result", "reasoning")
+    __slots__ = ("row", "trust", "item_id", "source_sequence", "run_id", "text", "tool_call", "tool_result", "reasoning")
     ROW_FIELD_NUMBER: _ClassVar[int]
     TRUST_FIELD_NUMBER: _ClassVar[int]
     ITEM_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
     TOOL_RESULT_FIELD_NUMBER: _ClassVar[int]
@@ -790,11 +791,12 @@ class ContentBlock(_message.Message):
     trust: TrustLevel
     item_id: str
     source_sequence: int
+    run_id: str
     text: str
     tool_call: ToolCall
     tool_result: ToolResult
     reasoning: ReasoningItem
-    def __init__(self, row: _Optional[_Union[Row, str]] = ..., trust: _Optional[_Union[TrustLevel, str]] = ..., item_id: _Optional[str] = ..., source_sequence: _Optional[int] = ..., text: _Optional[str] = ..., tool_call: _Optional[_Union[ToolCall, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResult, _Mapping]] = ..., reasoning: _Optional[_Union[ReasoningItem, _Mapping]] = ...) -> None: ...
+    def __init__(self, row: _Optional[_Union[Row, str]] = ..., trust: _Optional[_Union[TrustLevel, str]] = ..., item_id: _Optional[str] = ..., source_sequence: _Optional[int] = ..., run_id: _Optional[str] = ..., text: _Optional[str] = ..., tool_call: _Optional[_Union[ToolCall, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResult, _Mapping]] = ..., reasoning: _Optional[_Union[ReasoningItem, _Mapping]] = ...) -> None: ...
 
 class ToolDefinition(_message.Message):
     __slots__ = ("name", "description", "input_schema_json")
