@@ -361,3 +361,27 @@ def test_plan_and_request_hash_identically_under_different_hash_seeds() -> None:
     assert zero["set_order"] != other["set_order"]
     for key in ("prefix_sha256", "spec_sha256", "request_sha256"):
         assert zero[key] == other[key] == here[key], key
+
+
+def test_a_tool_blocks_run_id_is_not_hashed() -> None:
+    """Blocks carry their run id (pairing by run and call id) since 2026-11-30; the request
+    hash leaves it out, so every request recorded before still rebuilds to its hash."""
+    from context_engine.core.request import Block
+    from context_engine.core.rows import Row
+    from context_engine.core.trust import TrustLevel
+
+    def call(run_id: str) -> Block:
+        return Block(
+            Row.CONVERSATION,
+            TrustLevel.MODEL,
+            "tool_call",
+            "i1",
+            3,
+            call_id="c1",
+            tool_name="web.fetch",
+            arguments_json="{}",
+            run_id=run_id,
+        )
+
+    assert call("run-a").canonical() == call("").canonical()
+    assert "run_id" not in call("run-a").canonical()

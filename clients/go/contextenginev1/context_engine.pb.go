@@ -4339,7 +4339,8 @@ type ContentBlock struct {
 	// Session sequence of the event the item came from; 0 when none.
 	SourceSequence int64 `protobuf:"varint,4,opt,name=source_sequence,json=sourceSequence,proto3" json:"source_sequence,omitempty"`
 	// Tool calls and results only: the run that logged the item. Call ids are unique within
-	// a run only, so a call and its result pair by (run_id, call_id).
+	// a run only, so a call and its result pair by (run_id, call_id). Not part of
+	// request_sha256 (the blocks' order already decides the wire ids it affects).
 	RunId string `protobuf:"bytes,5,opt,name=run_id,json=runId,proto3" json:"run_id,omitempty"`
 	// The block.
 	//

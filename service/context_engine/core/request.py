@@ -55,8 +55,12 @@ class Block:
             "artifact_ref": self.artifact_ref,
             "provider": self.provider,
             "opaque": self.opaque,
-            "run_id": self.run_id,
         }
+        # run_id is not hashed. It decides a pair's wire id only when two runs reuse a call
+        # id, and then the blocks' order fixes which keeps it (providers/call_ids.py), so
+        # the bytes sent are a function of what is hashed; leaving it out keeps the
+        # request_sha256 of every request recorded before blocks carried it, which GetBuild
+        # checks its rebuild against.
         out.update({k: v for k, v in extra.items() if v})
         if self.is_error:
             out["is_error"] = True
