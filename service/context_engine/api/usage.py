@@ -131,10 +131,12 @@ async def report_usage(
         if earlier is not None:
             return UsageOutcome.from_json(earlier)
         recorded = await _recorded_request(conn, tenant_id, session_id, report.request_sequence)
-        outcome, correction = await _reconcile(conn, tenant_id, report, recorded, tokenizer_of)
+        # Read before _reconcile takes the tenant's correction lock, which every report of
+        # the tenant's sessions waits on until this transaction ends.
         before = await store.previous_request_epoch(
             conn, tenant_id, session_id, report.request_sequence
         )
+        outcome, correction = await _reconcile(conn, tenant_id, report, recorded, tokenizer_of)
         first = before is None or before != recorded.get("epoch")
         outcome = replace(outcome, first_of_epoch=first)
         if correction is not None:
