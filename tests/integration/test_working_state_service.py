@@ -545,3 +545,183 @@ async def test_the_control_tool_is_listed_and_plannable(stub: Any) -> None:
     run_id = (await start_run(stub, session_id, "hi")).run.run_id
     built = await _build(stub, session_id, run_id)
     assert "context.update_working_state" in [t.name for t in built.request.tools]
+
+
+# --- the block's bounds, questions, carry across overlapping runs, child-run evidence ----
+
+
+async def _fill_fixed_part_to_the_cap(stub: Any, session_id: str, run_id: str) -> int:
+    """Objective, constraints and next action as close to the 1,000-token block as the
+    transition check allows. -> checkpoint version."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa "
+    version = (
+        await update_state(
+            stub,
+            session_id,
+            run_id,
+            1,
+            writer=pb.WRITER_USER,
+            objective="Plan the offsite",
+            add_constraints=[f"rule {n}: " + words * 6 for n in range(4)],
+        )
+    ).checkpoint_version
+    lo, hi = 0, 2000  # longest accepted next_action, in characters
+    text = (words * 40)[:2000]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        try:
+            version = (
+                await update_state(
+                    stub, session_id, run_id, version, next_action="n" + text[: mid - 1]
+                )
+            ).checkpoint_version
+            lo = mid
+        except grpc.aio.AioRpcError as error:
+            assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+            hi = mid - 1
+    assert 0 < lo < 2000, lo
+    version = (
+        await update_state(stub, session_id, run_id, version, next_action="n" + text[: lo - 1])
+    ).checkpoint_version
+    return version
+
+
+async def test_a_task_beside_a_fixed_part_at_its_cap_hides_and_builds(stub: Any) -> None:
+    # The fixed part (objective, constraints, next action) is checked with room for the
+    # longest note of what is hidden, so an evictable entry added after still hides:
+    # before, the note pushed the block over its cap and every Build of the run failed.
+    session_id, _ = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "Plan the offsite")).run.run_id
+    version = await _fill_fixed_part_to_the_cap(stub, session_id, run_id)
+    await _build(stub, session_id, run_id)
+    await update_state(
+        stub,
+        session_id,
+        run_id,
+        version,
+        # More than the room left: some must hide, and the note of it must fit.
+        upsert_tasks=[
+            pb.TaskState(task_id=f"t{n}", title=f"Book venue {n} " + "with a long title " * 8)
+            for n in range(6)
+        ],
+    )
+    block = _block(await _build(stub, session_id, run_id))
+    assert "Plan the offsite" in block and "Not shown for space" in block
+
+
+async def test_an_ask_user_that_fails_leaves_its_question_open(stub: Any, pool: Any) -> None:
+    # Open questions carry until an answer resolves them; an error is not an answer.
+    session_id, _ = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "Book me a train")).run.run_id
+    ask = pb.ConversationItem(
+        tool_call=pb.ToolCall(
+            call_id="ask1",
+            tool_name="conversation.ask_user",
+            arguments_json=json.dumps({"question": "First or second class?"}),
+        )
+    )
+    timeout = pb.ConversationItem(
+        tool_result=pb.ToolResult(
+            call_id="ask1",
+            tool_name="conversation.ask_user",
+            content="timed out: the user did not answer",
+            trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION,
+            is_error=True,
+        )
+    )
+    version = 1
+    for item in (ask, timeout):
+        version = (
+            await stub.AppendItems(
+                pb.AppendItemsRequest(
+                    tenant_id=TENANT,
+                    session_id=session_id,
+                    run_id=run_id,
+                    expected_checkpoint_version=version,
+                    items=[item],
+                )
+            )
+        ).checkpoint_version
+    questions = [q["text"] for q in (await _latest_state(pool, run_id))["open_questions"]]
+    assert questions == ["First or second class?"]
+    later = (await start_run(stub, session_id, "Hello again")).run.run_id
+    carried = [q["text"] for q in (await _latest_state(pool, later))["open_questions"]]
+    assert carried == ["First or second class?"]
+
+
+async def test_a_constraint_beside_a_stale_resolution_in_an_overlapping_run_is_carried(
+    stub: Any, pool: Any
+) -> None:
+    # Runs A and B overlap; B resolves A's question, then A's user adds a constraint and
+    # resolves the same question in one accepted update. The fold replays that update
+    # field by field: the stale resolution is skipped, the constraint is the session's.
+    session_id, _ = await open_session(stub)
+    a = (await start_run(stub, session_id, "Plan a trip to Rome")).run.run_id
+    va = (
+        await update_state(
+            stub, session_id, a, 1, writer=pb.WRITER_USER, add_questions=["Which dates?"]
+        )
+    ).checkpoint_version
+    b = (await start_run(stub, session_id, "Dates are 3-5 June")).run.run_id
+    await update_state(
+        stub, session_id, b, 1, writer=pb.WRITER_USER, resolve_questions=["Which dates?"]
+    )
+    done = await update_state(
+        stub,
+        session_id,
+        a,
+        va,
+        writer=pb.WRITER_USER,
+        add_constraints=["No flights"],
+        resolve_questions=["Which dates?"],
+    )
+    assert [c.text for c in done.state.constraints] == ["No flights"]
+    c = (await start_run(stub, session_id, "Go on")).run.run_id
+    state = await _latest_state(pool, c)
+    assert [x["text"] for x in state["constraints"]] == ["No flights"]
+    assert state["open_questions"] == []
+
+
+async def test_a_child_runs_message_is_at_most_model_evidence(stub: Any) -> None:
+    # A child run's "user" is its parent agent: a fact resting on its message is the
+    # model's claim, shown attributed, never established, never offered to formation.
+    session_id, _ = await open_session(stub)
+    parent = (await start_run(stub, session_id, "Research hotels for me")).run.run_id
+    child = (
+        await stub.StartRun(
+            pb.StartRunRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                child=pb.ChildSeed(parent_run_id=parent, instruction="Find hotels in Lyon"),
+            )
+        )
+    ).run.run_id
+    appended = await stub.AppendItems(
+        pb.AppendItemsRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            run_id=child,
+            expected_checkpoint_version=1,
+            items=[
+                pb.ConversationItem(
+                    user_message=pb.UserMessage(text="The user is allergic to cats")
+                )
+            ],
+        )
+    )
+    child_seq = appended.sequences[0]
+    statement = "The user is allergic to cats"
+    updated = await update_state(
+        stub,
+        session_id,
+        parent,
+        1,
+        add_facts=[pb.Fact(statement=statement, source_event_ids=[child_seq])],
+    )
+    assert updated.state.facts[0].trust == pb.TRUST_LEVEL_MODEL
+    block = _block(await _build(stub, session_id, parent))
+    assert f"- Established (events #{child_seq}): {statement}" not in block
+    offered = await stub.OfferFactCandidates(
+        pb.OfferFactCandidatesRequest(tenant_id=TENANT, session_id=session_id)
+    )
+    assert statement not in [c.fact.statement for c in offered.candidates]

@@ -24,9 +24,9 @@ from ..core.working_state import (
     Writer,
     apply_update,
     carry,
+    evidence_trust,
     lowest_trust,
     runtime_update,
-    source_trust,
 )
 from ..store import events, idempotency, runs, sessions
 from ..store import working_state as ws_store
@@ -142,13 +142,13 @@ async def _lowered_facts(
     if not update.add_facts:
         return update
     wanted = [i for f in update.add_facts for i in f.source_event_ids]
-    found = await ws_store.read_events_at(conn, tenant_id, session_id, wanted)
+    found = await ws_store.read_evidence_at(conn, tenant_id, session_id, wanted)
     facts = []
     for n, fact in enumerate(update.add_facts):
         levels = [fact.trust]
         for k, sequence in enumerate(fact.source_event_ids):
             event = found.get(sequence)
-            level = source_trust(*event) if event is not None else None
+            level = evidence_trust(*event) if event is not None else None
             if level is None:
                 raise InvalidFieldError(
                     f"event {sequence} is not a conversation event of this session",
@@ -221,10 +221,12 @@ async def update_working_state(
     return result
 
 
-def _trusted_candidate(fact: Fact, evidence: dict[int, tuple[str, dict[str, Any]]]) -> bool:
+def _trusted_candidate(fact: Fact, evidence: dict[int, tuple[str, dict[str, Any], bool]]) -> bool:
     if fact.trust not in _TRUSTED_EVIDENCE or not fact.source_event_ids:
         return False
-    levels = [source_trust(*evidence[i]) if i in evidence else None for i in fact.source_event_ids]
+    levels = [
+        evidence_trust(*evidence[i]) if i in evidence else None for i in fact.source_event_ids
+    ]
     return all(level in _TRUSTED_EVIDENCE for level in levels)
 
 
@@ -239,7 +241,7 @@ async def offer_fact_candidates(engine: Engine, tenant_id: str, session_id: UUID
     async with transaction(engine.pool) as conn:
         await sessions.lock_session(conn, tenant_id, session_id)
         state = await carried_state(conn, tenant_id, session_id, 2**62)
-        evidence = await ws_store.read_events_at(
+        evidence = await ws_store.read_evidence_at(
             conn, tenant_id, session_id, [i for f in state.facts for i in f.source_event_ids]
         )
         run_id = await ws_store.latest_top_level_run(conn, tenant_id, session_id)

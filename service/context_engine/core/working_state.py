@@ -14,7 +14,8 @@ Rule 3 (bounds): LIST_CAPS. Constraints never evict: at the cap add_constraints 
 caps: completed entries first, then the stalest (oldest last-written sequence) first.
 Rule 4 (block): the rendered block is capped at BLOCK_TOKENS. Evictable entries are hidden
 at render in the same order (the state and the log keep them); objective, constraints and
-next_action never hide, so a transition that would put them alone over the cap fails.
+next_action never hide, so a transition that would put them alone, with the longest note
+of what is hidden, over the cap fails: every evictable entry stays hideable.
 Rule 5 (trust): every entry records its writer, trust and source sequence. A fact's trust
 is the lowest of its claim and its sources' (`lowest_trust`); below USER it renders only as
 an attributed claim with its source event ids, and where its trust has an envelope, inside
@@ -69,6 +70,7 @@ __all__ = [
     "apply_update",
     "at_run_boundary",
     "carry",
+    "evidence_trust",
     "lowest_trust",
     "render_block",
     "runtime_update",
@@ -245,6 +247,18 @@ class Transition:
 def lowest_trust(levels: Iterable[TrustLevel]) -> TrustLevel:
     """The least trusted of `levels` (PLATFORM when there are none)."""
     return max(levels, default=TrustLevel.PLATFORM)
+
+
+def evidence_trust(
+    event_type: str, payload: dict[str, Any], conversation: bool
+) -> TrustLevel | None:
+    """source_trust of an event, no higher than MODEL when it is not the session's
+    conversation: a child run's "user" is its parent agent, so its messages are the model's
+    words, not the user's (and never a trusted user source for formation)."""
+    level = source_trust(event_type, payload)
+    if level is None or conversation:
+        return level
+    return lowest_trust([level, TrustLevel.MODEL])
 
 
 def source_trust(event_type: str, payload: dict[str, Any]) -> TrustLevel | None:
@@ -545,7 +559,9 @@ def apply_update(
     state, evicted = _bound_lists(state)
     grown = [f for f in _FIXED_FIELDS if f in update.touched()]
     if count_tokens is not None and grown:
-        tokens = count_tokens(_render_text(_fixed_part(state), b"\0" * 32, ()))
+        # With room for the longest note of what is hidden: the evictable entries must
+        # always be hideable, or one added task could make every Build of the run fail.
+        tokens = count_tokens(_render_text(_fixed_part(state), b"\0" * 32, _ALL_HIDDEN))
         if tokens > BLOCK_TOKENS:
             raise PreconditionError(
                 f"objective, constraints and next action alone would take {tokens} tokens;"
@@ -616,9 +632,11 @@ def carry(updates: Sequence[LoggedUpdate]) -> WorkingState:
     """Fold the log's working-state events (oldest first) into the state a new run carries.
 
     The fold replays every transition, applying CARRY_RULES wherever the run changes, and
-    once more at the end. A transition that no longer applies (two runs that overlapped in
-    time wrote to states the other did not see) is skipped whole, as it was all or nothing
-    when written; the fold itself never fails.
+    once more at the end. A transition that no longer applies whole (two runs that
+    overlapped in time wrote to states the other did not see: one resolved a question the
+    other resolves again) is replayed field by field, in the order a transition applies
+    them, and only the fields that no longer apply are skipped: a constraint the user added
+    beside a stale resolution is still the session's. The fold itself never fails.
     """
     state = WorkingState()
     run: str | None = None
@@ -626,13 +644,28 @@ def carry(updates: Sequence[LoggedUpdate]) -> WorkingState:
         if run is not None and logged.run_id != run:
             state = at_run_boundary(state)
         run = logged.run_id
+        state = _replay(state, logged)
+    return at_run_boundary(state)
+
+
+def _replay(state: WorkingState, logged: LoggedUpdate) -> WorkingState:
+    """One logged transition: whole, or else each field that still applies (carry)."""
+    try:
+        return apply_update(
+            state, logged.update, writer=logged.writer, sequence=logged.sequence
+        ).state
+    except RequestError:
+        pass
+    for name, _ in _STEPS:
+        value = getattr(logged.update, name)
+        if value is None or value == ():
+            continue
+        part = WorkingStateUpdate(**{name: value})
         try:
-            state = apply_update(
-                state, logged.update, writer=logged.writer, sequence=logged.sequence
-            ).state
+            state = apply_update(state, part, writer=logged.writer, sequence=logged.sequence).state
         except RequestError:
             continue
-    return at_run_boundary(state)
+    return state
 
 
 # --- runtime writes ----------------------------------------------------------------------
@@ -660,8 +693,9 @@ def runtime_update(
     """The runtime's own transition for items being appended, or None when there is none.
 
     A conversation.ask_user call adds its "question" argument to open_questions (cut to
-    MAX_ENTRY_CHARS) and its result resolves it; a call with a task_id moves that task to
-    in_progress and its result to done (blocked when the result is an error). Nothing else
+    MAX_ENTRY_CHARS) and its result resolves it, unless the result is an error (no answer
+    came); a call with a task_id moves that task to in_progress and its result to done
+    (blocked when the result is an error). Nothing else
     is observed; no text is parsed except the ask_user call's typed arguments.
 
     Raises:
@@ -689,7 +723,8 @@ def runtime_update(
         elif isinstance(item, ToolResult) and item.call_id in calls:
             call = calls[item.call_id]
             question = _ask_user_question(call) if call.tool_name == ASK_USER_TOOL else None
-            if question is not None and question in is_open:
+            # An error (no answer came) is not an answer: the question stays open.
+            if question is not None and question in is_open and not item.is_error:
                 resolved.append(question)
                 is_open.discard(question)
             if call.task_id in known:
@@ -768,6 +803,12 @@ def _render_text(state: WorkingState, secret: bytes, hidden: Iterable[tuple[str,
         shown = ", ".join(f"{n} {name.replace('_', ' ')}" for name, n in counts.items())
         lines.append(f"(Not shown for space, oldest first: {shown}. The log keeps them.)")
     return "\n".join(lines)
+
+
+# Every evictable entry the caps allow, hidden: _render_text's longest "not shown" note.
+_ALL_HIDDEN = tuple(
+    (name, n) for name in ("tasks", "facts", "open_questions") for n in range(LIST_CAPS[name])
+)
 
 
 def _fixed_part(state: WorkingState) -> WorkingState:

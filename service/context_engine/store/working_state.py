@@ -13,6 +13,7 @@ __all__ = [
     "latest_top_level_run",
     "next_sequence",
     "read_events_at",
+    "read_evidence_at",
     "read_working_state_updates",
 ]
 
@@ -59,6 +60,23 @@ async def read_events_at(
         sorted(set(sequences)),
     )
     return {r["sequence"]: (r["type"], r["payload"]) for r in rows}
+
+
+async def read_evidence_at(
+    conn: Any, tenant_id: str, session_id: UUID, sequences: list[int]
+) -> dict[int, tuple[str, dict[str, Any], bool]]:
+    """(type, payload, in the session's conversation) of the events at the given sequences;
+    absent ones omitted. A child run's events are in the log but not the conversation."""
+    if not sequences:
+        return {}
+    rows = await conn.fetch(
+        "SELECT sequence, type, payload, in_history FROM session_events"
+        " WHERE tenant_id = $1 AND session_id = $2 AND sequence = ANY($3::bigint[])",
+        tenant_id,
+        session_id,
+        sorted(set(sequences)),
+    )
+    return {r["sequence"]: (r["type"], r["payload"], r["in_history"]) for r in rows}
 
 
 async def next_sequence(conn: Any, tenant_id: str, session_id: UUID) -> int:
