@@ -629,19 +629,8 @@ async def test_an_ask_user_that_fails_leaves_its_question_open(stub: Any, pool: 
             is_error=True,
         )
     )
-    version = 1
-    for item in (ask, timeout):
-        version = (
-            await stub.AppendItems(
-                pb.AppendItemsRequest(
-                    tenant_id=TENANT,
-                    session_id=session_id,
-                    run_id=run_id,
-                    expected_checkpoint_version=version,
-                    items=[item],
-                )
-            )
-        ).checkpoint_version
+    asked = await _append(stub, session_id, run_id, 1, ask)
+    await _append(stub, session_id, run_id, asked.checkpoint_version, timeout)
     questions = [q["text"] for q in (await _latest_state(pool, run_id))["open_questions"]]
     assert questions == ["First or second class?"]
     later = (await start_run(stub, session_id, "Hello again")).run.run_id
@@ -696,19 +685,8 @@ async def test_a_child_runs_message_is_at_most_model_evidence(stub: Any) -> None
             )
         )
     ).run.run_id
-    appended = await stub.AppendItems(
-        pb.AppendItemsRequest(
-            tenant_id=TENANT,
-            session_id=session_id,
-            run_id=child,
-            expected_checkpoint_version=1,
-            items=[
-                pb.ConversationItem(
-                    user_message=pb.UserMessage(text="The user is allergic to cats")
-                )
-            ],
-        )
-    )
+    told = pb.ConversationItem(user_message=pb.UserMessage(text="The user is allergic to cats"))
+    appended = await _append(stub, session_id, child, 1, told)
     child_seq = appended.sequences[0]
     statement = "The user is allergic to cats"
     updated = await update_state(
