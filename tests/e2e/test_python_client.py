@@ -22,6 +22,7 @@ from context_engine_client import (
     ToolCallRequest,
     ToolOutput,
     Usage,
+    assistant_message,
     pb,
     tool,
     tool_result,
@@ -184,3 +185,20 @@ async def test_errors_are_typed_with_reason_and_field(client: Any) -> None:
 
 def _assistant(text: str) -> pb.ConversationItem:
     return pb.ConversationItem(assistant_message=pb.AssistantMessage(text=text))
+
+
+async def test_a_build_over_4_mib_is_received_on_the_clients_own_channel(client: Any) -> None:
+    # gpt-4.1's window takes about 2.4 MB of text without compaction, and the response
+    # carries it twice (the neutral request and the provider payload): past gRPC's 4 MiB
+    # receive default, which the client raises.
+    spec = _spec()
+    spec.model_id = "gpt-4.1"
+    session = await client.open_session(spec)
+    run = await session.start_run("Summarise the notes below.")
+    words = ("international", "administration", "understanding", "responsibility")
+    for n in range(3):
+        text = " ".join(words[(k * 7 + n) % len(words)] for k in range(60_000))
+        await run.append(assistant_message(text))
+    built = await run.build(now=NOW)
+    assert not built.response.needs_compaction
+    assert built.response.ByteSize() > 4 * 1024 * 1024

@@ -136,7 +136,9 @@ export const MAX_WIRE_NAME = 64;
  * sends "web.fetch" as "web-fetch". Map a model's answer back with BuildResult.toolName.
  */
 export function wireToolName(name: string): string {
-  return name.replace(/[^A-Za-z0-9_-]/g, '-').slice(0, MAX_WIRE_NAME) || '-';
+  // Per code point, like the server (a character outside the BMP is one "-", not two).
+  const replaced = name.replace(/[^A-Za-z0-9_-]/gu, '-');
+  return Array.from(replaced).slice(0, MAX_WIRE_NAME).join('') || '-';
 }
 
 function timestamp(date: Date): { seconds: number; nanos: number } {
@@ -159,6 +161,9 @@ export class ContextEngineClient {
     const Stub = protoPackage().context_engine.v1.ContextEngine;
     this.raw = new Stub(options.target, options.credentials ?? grpc.credentials.createInsecure(), {
       'grpc.service_config': SERVICE_CONFIG,
+      // A Build for a long-window model can exceed gRPC's 4 MiB receive default; the server
+      // bounds what it sends (twice its max_request_bytes).
+      'grpc.max_receive_message_length': -1,
       ...options.channelOptions,
     });
   }

@@ -152,3 +152,46 @@ test('errors are typed with reason and field', async () => {
     return true;
   });
 });
+
+test('a tool named outside the BMP maps back from its wire name', async () => {
+  // The server replaces per code point: "search.\u{1F50D}" is sent as "search--".
+  const name = 'search.\u{1F50D}';
+  const session = await engine.openSession({
+    ...spec,
+    tools: [tool(name, 'Search.', { type: 'object' })],
+  });
+  const run = await session.startRun('Find it.');
+  const ran = [];
+  let sent;
+  await run.toolLoop({
+    now: NOW,
+    callModel: async (build) => {
+      if (sent === undefined) {
+        sent = build.payload().tools.map((t) => t.name);
+        return { toolCalls: [{ callId: 'toolu_01', name: sent[0], arguments: {} }] };
+      }
+      return { text: 'Found.' };
+    },
+    runTool: async (call) => {
+      ran.push(call.name);
+      return 'result';
+    },
+  });
+  assert.deepEqual(sent, ['search--']);
+  assert.deepEqual(ran, [name], 'the loop maps the wire name back to the real one');
+});
+
+test('a Build over 4 MiB is received on the default channel', async () => {
+  // gpt-4.1's window takes about 2.4 MB of text without compaction; the response carries
+  // it twice (neutral request and provider payload).
+  const words = ['international', 'administration', 'understanding', 'responsibility'];
+  const session = await engine.openSession({ ...spec, model_id: 'gpt-4.1' });
+  const run = await session.startRun('Summarise the notes below.');
+  for (let n = 0; n < 3; n++) {
+    const text = Array.from({ length: 60_000 }, (_, k) => words[(k * 7 + n) % words.length]);
+    await run.append([assistantMessage(text.join(' '))]);
+  }
+  const built = await run.build({ now: NOW });
+  assert.equal(built.response.needs_compaction, false);
+  assert.ok(built.providerPayload.length > 2 * 1024 * 1024, `${built.providerPayload.length}`);
+});

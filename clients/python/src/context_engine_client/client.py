@@ -125,7 +125,14 @@ class ContextEngineClient:
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ()
         )
-        opts = [("grpc.enable_retries", 1), ("grpc.service_config", _SERVICE_CONFIG), *options]
+        opts = [
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", _SERVICE_CONFIG),
+            # A Build for a long-window model can exceed gRPC's 4 MiB receive default; the
+            # server bounds what it sends (twice its max_request_bytes), so accept that.
+            ("grpc.max_receive_message_length", -1),
+            *options,
+        ]
         self._owns_channel = channel is None
         if channel is not None:
             self.channel = channel
