@@ -117,13 +117,19 @@ class PermissionDenied(ContextEngineError):
 
 
 class Unavailable(ContextEngineError):
-    """The server or its database is unreachable; retry with backoff."""
+    """The server or its database is unreachable; retry with backoff.
+
+    The channel has already retried the same request. A write may have landed before the
+    answer was lost: retry it with the idempotency_key it was sent with (pass one to
+    start_run / append / update_state to be able to), or a fresh key writes it twice.
+    """
 
     retryable = True
 
 
 class DeadlineExceeded(ContextEngineError):
-    """The call's deadline passed before the server answered."""
+    """The call's deadline passed before the server answered. As with Unavailable, a write
+    retried by hand must reuse its idempotency_key."""
 
     retryable = True
 
