@@ -719,3 +719,19 @@ def test_the_control_tool_mirrors_the_typed_update() -> None:
     fact = schema["properties"]["add_facts"]["items"]
     assert fact["required"] == ["statement", "source_event_ids"]
     json.dumps(schema)  # a JSON document, as the plan will canonicalize it
+
+
+def test_the_fold_skips_only_the_stale_entry_of_a_list() -> None:
+    # Runs A and B overlap: B resolves "Which dates?", then A's user resolves both it and
+    # "Which hotel?". Replaying A's update whole fails on the stale entry; the other
+    # resolution still applies.
+    opened = LoggedUpdate(
+        1, "a", Writer.USER, WorkingStateUpdate(add_questions=("Which dates?", "Which hotel?"))
+    )
+    by_b = LoggedUpdate(
+        2, "b", Writer.USER, WorkingStateUpdate(resolve_questions=("Which dates?",))
+    )
+    by_a = LoggedUpdate(
+        3, "a", Writer.USER, WorkingStateUpdate(resolve_questions=("Which dates?", "Which hotel?"))
+    )
+    assert carry([opened, by_b, by_a]).open_questions == ()

@@ -635,8 +635,9 @@ def carry(updates: Sequence[LoggedUpdate]) -> WorkingState:
     once more at the end. A transition that no longer applies whole (two runs that
     overlapped in time wrote to states the other did not see: one resolved a question the
     other resolves again) is replayed field by field, in the order a transition applies
-    them, and only the fields that no longer apply are skipped: a constraint the user added
-    beside a stale resolution is still the session's. The fold itself never fails.
+    them, and a list field that fails whole entry by entry: only what no longer applies is
+    skipped. A constraint the user added beside a stale resolution is still the session's,
+    and a question resolved beside a stale one is still resolved. The fold never fails.
     """
     state = WorkingState()
     run: str | None = None
@@ -649,22 +650,28 @@ def carry(updates: Sequence[LoggedUpdate]) -> WorkingState:
 
 
 def _replay(state: WorkingState, logged: LoggedUpdate) -> WorkingState:
-    """One logged transition: whole, or else each field that still applies (carry)."""
-    try:
-        return apply_update(
-            state, logged.update, writer=logged.writer, sequence=logged.sequence
-        ).state
-    except RequestError:
-        pass
+    """One logged transition: whole, or else each field, and each entry of a list field,
+    that still applies (carry): a stale resolution skips only that question."""
+
+    def applied(state: WorkingState, update: WorkingStateUpdate) -> WorkingState | None:
+        try:
+            return apply_update(state, update, writer=logged.writer, sequence=logged.sequence).state
+        except RequestError:
+            return None
+
+    whole = applied(state, logged.update)
+    if whole is not None:
+        return whole
     for name, _ in _STEPS:
         value = getattr(logged.update, name)
         if value is None or value == ():
             continue
-        part = WorkingStateUpdate(**{name: value})
-        try:
-            state = apply_update(state, part, writer=logged.writer, sequence=logged.sequence).state
-        except RequestError:
-            continue
+        field = applied(state, WorkingStateUpdate(**{name: value}))
+        if field is not None:
+            state = field
+        elif isinstance(value, tuple):  # a list field: entry by entry
+            for entry in value:
+                state = applied(state, WorkingStateUpdate(**{name: (entry,)})) or state
     return state
 
 

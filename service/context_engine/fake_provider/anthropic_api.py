@@ -219,7 +219,7 @@ def _tools(tools: Any, blocks: list[AnthropicBlock], markers: list[_Marker]) -> 
         if not isinstance(tool, dict):
             raise _bad(f"{path}: Input should be a valid dictionary")
         name = tool.get("name")
-        if not isinstance(name, str) or not TOOL_NAME.match(name):
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
             raise _bad(f"{path}.name: String should match pattern '{TOOL_NAME.pattern}'")
         if tool.get("type") in (None, "custom"):
             schema = tool.get("input_schema")
@@ -346,7 +346,7 @@ TOOL_USE_ID = re.compile(r"^[a-zA-Z0-9_-]+$")
 
 
 def _check_tool_id(value: str, path: str) -> None:
-    if not TOOL_USE_ID.match(value):
+    if not TOOL_USE_ID.fullmatch(value):
         raise _bad(f"{path}: String should match pattern '^[a-zA-Z0-9_-]+$'")
 
 
