@@ -572,3 +572,46 @@ async def test_otlp_export_when_the_endpoint_is_configured(pool: Any) -> None:
     assert "store.read_plan" not in collector.spans  # Plan reads no stored plan
     assert "context_engine.rpc.duration" in collector.metrics
     assert "context_engine.sessions.opened" in collector.metrics
+
+
+async def test_a_request_on_an_epoch_an_interleaved_run_left_is_not_first(
+    traced: dict[str, Any],
+) -> None:
+    """Runs on two epochs interleave (run A keeps epoch 1 across run B's admission): A's
+    second request is warm, though the request before it was on epoch 2."""
+    stub, reader = traced["stub"], traced["reader"]
+    model = spec().model_id
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=spec()))
+
+    async def start(text: str, **admission: Any) -> str:
+        request = pb.StartRunRequest(
+            tenant_id=TENANT, session_id=session_id, user_message=pb.UserMessage(text=text)
+        )
+        if admission:
+            request.admission.CopyFrom(pb.RunAdmission(**admission))
+        return str((await stub.StartRun(request)).run.run_id)
+
+    async def cached_samples_added(run_id: str) -> float:
+        built = await stub.Build(
+            pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id, now=_now())
+        )
+        before = _total(_points(reader), "context_engine.prefix.cached_ratio", model=model)
+        await stub.ReportUsage(
+            pb.ReportUsageRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                request_sequence=built.request_sequence,
+                model_id=model,
+                input_tokens=10,
+                output_tokens=5,
+            )
+        )
+        after = _total(_points(reader), "context_engine.prefix.cached_ratio", model=model)
+        return after - before
+
+    a = await start("on epoch 1")
+    assert await cached_samples_added(a) == 0  # epoch 1's first
+    b = await start("with more scope", scopes=["calendar.read", "web.read", "mail.read"])
+    assert await cached_samples_added(b) == 0  # epoch 2's first (B's admission rotated)
+    assert await cached_samples_added(a) == 1  # epoch 1 again: its cache was written

@@ -133,12 +133,11 @@ async def report_usage(
         recorded = await _recorded_request(conn, tenant_id, session_id, report.request_sequence)
         # Read before _reconcile takes the tenant's correction lock, which every report of
         # the tenant's sessions waits on until this transaction ends.
-        before = await store.previous_request_epoch(
-            conn, tenant_id, session_id, report.request_sequence
+        warm = await store.earlier_request_on_epoch(
+            conn, tenant_id, session_id, report.request_sequence, int(recorded.get("epoch", 0))
         )
         outcome, correction = await _reconcile(conn, tenant_id, report, recorded, tokenizer_of)
-        first = before is None or before != recorded.get("epoch")
-        outcome = replace(outcome, first_of_epoch=first)
+        outcome = replace(outcome, first_of_epoch=not warm)
         if correction is not None:
             await store.write_correction(
                 conn, tenant_id, correction, tokenizer_of(correction.model_id)

@@ -18,9 +18,9 @@ from ..core.estimator import Correction
 
 __all__ = [
     "StoredCorrection",
+    "earlier_request_on_epoch",
     "insert_report",
     "lock_correction",
-    "previous_request_epoch",
     "read_correction",
     "read_report",
     "session_model",
@@ -99,20 +99,27 @@ async def session_model(conn: Any, tenant_id: str, session_id: UUID) -> str | No
     return str(value) if value is not None else None
 
 
-async def previous_request_epoch(
-    conn: Any, tenant_id: str, session_id: UUID, sequence: int
-) -> int | None:
-    """The epoch of the session's last model.request.started before `sequence`, or None when
-    there is none (one probe of session_events_by_type)."""
-    value = await conn.fetchval(
-        "SELECT payload->>'epoch' FROM session_events WHERE tenant_id = $1"
-        " AND session_id = $2 AND type = 'model.request.started' AND sequence < $3"
-        " ORDER BY sequence DESC LIMIT 1",
+async def earlier_request_on_epoch(
+    conn: Any, tenant_id: str, session_id: UUID, sequence: int, epoch: int
+) -> bool:
+    """Whether a model.request.started before `sequence` was built on `epoch`. Runs on
+    different epochs interleave (a run keeps its plan across another run's admission), so
+    not only the previous request is looked at: every request since the event that opened
+    the epoch, on session_events_by_type, stopping at the first on it."""
+    found: bool = await conn.fetchval(
+        "SELECT EXISTS (SELECT 1 FROM session_events e WHERE e.tenant_id = $1"
+        " AND e.session_id = $2 AND e.type = 'model.request.started' AND e.sequence < $3"
+        " AND e.sequence > coalesce((SELECT max(o.sequence) FROM session_events o"
+        "  WHERE o.tenant_id = $1 AND o.session_id = $2"
+        "  AND o.type IN ('context.plan.created', 'context.epoch.rotated')"
+        "  AND (o.payload->>'epoch')::bigint = $4), 0)"
+        " AND (e.payload->>'epoch')::bigint = $4)",
         tenant_id,
         session_id,
         sequence,
+        epoch,
     )
-    return int(value) if value is not None else None
+    return found
 
 
 async def read_report(
