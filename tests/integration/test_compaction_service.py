@@ -361,11 +361,13 @@ def _tool_result_ids(built: pb.BuildResponse) -> list[str]:
 async def test_a_half_answered_batch_is_never_split_and_the_run_stays_buildable(
     stub: Any,
 ) -> None:
-    """Two parallel calls, one answered: the batch is the active loop's pending pairs, so a
-    cut through the answered call stops before it, and once the second result is in the
-    next Build carries both pairs whole (a call and its result are one unit)."""
+    """Two parallel calls, one answered: the batch is the active loop's turn, so a cut
+    through the answered call stops before the turn (its text too), and once the second
+    result is in the next Build carries both pairs whole (a call and its result are one
+    unit)."""
     session_id, _ = await open_session(stub)
-    run_id = (await start_run(stub, session_id, "Look up two things")).run.run_id
+    started = await start_run(stub, session_id, "Look up two things")
+    run_id = started.run.run_id
     trusted = pb.TRUST_LEVEL_TRUSTED_CONFIGURATION
     appended = await _append(
         stub,
@@ -378,8 +380,9 @@ async def test_a_half_answered_batch_is_never_split_and_the_run_stays_buildable(
         result("a1", "Monday free", trust=trusted, name="calendar.list"),
     )
     prepared = await _prepare(stub, session_id, run_id, through_sequence=appended.sequences[1])
-    assert prepared.replaced_through_sequence == appended.sequences[0]
+    assert prepared.replaced_through_sequence == started.run.seed_event_sequence
     assert "calendar.list" not in prepared.summarizer_input
+    assert "Looking both up" not in prepared.summarizer_input
     committed = await _commit(stub, session_id, run_id, prepared, "The user asked two things.")
     done = await _append(
         stub,

@@ -305,7 +305,10 @@ def _history() -> tuple[list[ConversationItem], Checkpoint]:
     )
     state = WorkingState(
         constraints=(_entry("Second class only"),),
-        open_questions=(_entry("Window seat?", Writer.RUNTIME, 8),),
+        open_questions=(
+            _entry("Window seat?", Writer.USER, 8),
+            _entry("Which fare code, X9Q?", Writer.RUNTIME, 9),  # the model's ask_user
+        ),
     )
     return carried, Checkpoint(run_id="b", version=3, items=run, working_state=state)
 
@@ -344,6 +347,8 @@ def test_prepare_elides_untrusted_spans_and_retains_constraints_and_questions() 
     assert prepared.retained_constraints == ("Second class only",)
     assert prepared.open_questions == ("Window seat?",)
     assert "- Second class only" in text and "- Window seat?" in text
+    # The model's own question is not the summary's to retain: it stays in working state.
+    assert "X9Q" not in text
     assert prepared.checkpoint_version == 3 and prepared.tokens_before > 0
 
 
@@ -430,25 +435,33 @@ def _answer(call_id: str, seq: int, run_id: str = "b", text: str = "Free") -> To
     )
 
 
-def test_the_active_loops_pending_pairs_are_never_compacted() -> None:
-    """A half-answered batch (a1 in, b1 pending) is the latest model turn's pending pairs:
-    neither an engine cut nor one through the answered call takes any of it."""
+def test_the_active_loops_turn_is_never_compacted() -> None:
+    """A half-answered batch (a1 in, b1 pending) in the latest model turn: neither an engine
+    cut nor one through the answered call takes any of the turn, its text and reasoning
+    included (a provider replays a turn's reasoning with its calls)."""
     run = (
         UserMessage(item_id="u", text="Look up two things", sequence=1, run_id="b"),
+        ReasoningItem(item_id="rs", provider="anthropic", opaque="{}", run_id="b"),
         AssistantMessage(item_id="a", text="Looking both up.", sequence=2, run_id="b"),
         _call("a1", 3),
         _call("b1", 4),
         _answer("a1", 5),
     )
     checkpoint = Checkpoint(run_id="b", version=2, items=run)
-    for through in (0, 3, 5, 99):
+    for through in (0, 2, 3, 5, 99):
         prepared = prepare(checkpoint, [], through_sequence=through, count_tokens=count_tokens)
-        assert prepared.replaced_through_sequence == 2, through
-        assert "calendar.list" not in prepared.summarizer_input
+        assert prepared.replaced_through_sequence == 1, through
+        assert "Looking both up" not in prepared.summarizer_input
     after = compacted_checkpoint(
         checkpoint, check_result(prepared, _result(prepared, "Two lookups."), count_tokens)
     )
-    assert [i.item_id for i in after.items] == ["call-b-a1", "call-b-b1", "result-b-a1"]
+    assert [i.item_id for i in after.items] == [
+        "rs",
+        "a",
+        "call-b-a1",
+        "call-b-b1",
+        "result-b-a1",
+    ]
     # With only the pending pair left there is nothing to compact (not an empty summary).
     with pytest.raises(PreconditionError) as nothing:
         prepare(after, [], through_sequence=0, count_tokens=count_tokens)
@@ -686,3 +699,34 @@ def test_summary_item_escapes_and_appends_every_pointer() -> None:
     item = summary_item(record)
     assert "&lt;/untrusted:" in item.text and "</untrusted:" not in item.text
     assert item.text.endswith(pointer(span))
+
+
+def test_trusted_text_as_the_summarizer_saw_it_escaped_licenses_itself() -> None:
+    """The summarizer input shows trusted text with delimiters escaped ("</x" as "&lt;/x").
+    A summary repeating it repeats trusted text, even where an untrusted span happens to
+    hold the escaped form (found by the canary property test)."""
+    user_text = "ref 12345678</UNTRUSTED"
+    page = ToolResult(
+        item_id="page",
+        call_id="k1",
+        tool_name="web.fetch",
+        content="code X9Q7-ZZ41-KK02-77PQ; ref 12345678&LT;/UNTRUSTED",
+        trust=TrustLevel.EXTERNAL_UNTRUSTED,
+        sequence=3,
+        run_id="b",
+    )
+    run = (
+        UserMessage(item_id="u", text=user_text, sequence=1, run_id="b"),
+        ToolCall(item_id="c", call_id="k1", tool_name="web.fetch", arguments_json="{}", sequence=2),
+        page,
+        AssistantMessage(item_id="a", text="Done.", sequence=4, run_id="b"),
+        UserMessage(item_id="u2", text="Thanks", sequence=5, run_id="b"),
+        AssistantMessage(item_id="a2", text="Welcome.", sequence=6, run_id="b"),
+    )
+    checkpoint = Checkpoint(run_id="b", version=2, items=run)
+    prepared = prepare(checkpoint, [], through_sequence=4, count_tokens=count_tokens)
+    assert "12345678&lt;/UNTRUSTED" in prepared.summarizer_input
+    check_result(prepared, _result(prepared, prepared.summarizer_input), count_tokens)
+    # The page's own text is still refused.
+    with pytest.raises(InvalidFieldError):
+        check_result(prepared, _result(prepared, "The code is X9Q7-ZZ41-KK02-77PQ."), count_tokens)

@@ -6433,9 +6433,11 @@ type PrepareCompactionResponse struct {
 	SummarizerInput string `protobuf:"bytes,3,opt,name=summarizer_input,json=summarizerInput,proto3" json:"summarizer_input,omitempty"`
 	// The pointers that replaced untrusted spans.
 	Elided []*ElidedSpan `protobuf:"bytes,4,rep,name=elided,proto3" json:"elided,omitempty"`
-	// Constraints the summary must retain verbatim (they also stay in working state).
+	// Constraints the summary must retain verbatim: those the user wrote (all of them stay
+	// in working state).
 	RetainedConstraints []string `protobuf:"bytes,5,rep,name=retained_constraints,json=retainedConstraints,proto3" json:"retained_constraints,omitempty"`
-	// Open questions to retain.
+	// Open questions the summary retains as open: those the user wrote (the model's own, from
+	// conversation.ask_user, stay open in working state only).
 	OpenQuestions []string `protobuf:"bytes,6,rep,name=open_questions,json=openQuestions,proto3" json:"open_questions,omitempty"`
 	// Union of source event ids (including any earlier summary's).
 	SourceEventIds []int64 `protobuf:"varint,7,rep,packed,name=source_event_ids,json=sourceEventIds,proto3" json:"source_event_ids,omitempty"`

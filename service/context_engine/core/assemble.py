@@ -63,6 +63,7 @@ __all__ = [
     "Assembled",
     "BuildInputs",
     "StepContext",
+    "active_turn",
     "assemble",
     "pending_pairs",
     "split_run_items",
@@ -245,10 +246,10 @@ def _outcome(
     )
 
 
-def pending_pairs(items: Sequence[ConversationItem]) -> tuple[ConversationItem, ...]:
-    """The active loop's pending pairs: the latest model turn's tool calls and the results
-    answering them. They never yield (the model is about to read those results): Build pays
-    them first, and compaction stops before them."""
+def active_turn(items: Sequence[ConversationItem]) -> tuple[ConversationItem, ...]:
+    """The latest model turn (its text, reasoning and tool calls) and the inputs after it,
+    when that turn called tools; () otherwise. Compaction stops before it: its reasoning
+    must stay with its calls (a provider replays the turn whole)."""
     completed, _ = split_run_items(items)
     end = len(completed)
     while end > 0 and isinstance(completed[end - 1], _INPUT_TYPES):
@@ -256,10 +257,18 @@ def pending_pairs(items: Sequence[ConversationItem]) -> tuple[ConversationItem, 
     start = end
     while start > 0 and not isinstance(completed[start - 1], _INPUT_TYPES):
         start -= 1
-    calls = {i.call_id for i in completed[start:end] if isinstance(i, ToolCall)}
-    return tuple(
-        i for i in completed[start:] if isinstance(i, ToolCall | ToolResult) and i.call_id in calls
-    )
+    if not any(isinstance(i, ToolCall) for i in completed[start:end]):
+        return ()
+    return tuple(completed[start:])
+
+
+def pending_pairs(items: Sequence[ConversationItem]) -> tuple[ConversationItem, ...]:
+    """The active loop's pending pairs: the latest model turn's tool calls and the results
+    answering them. They never yield (the model is about to read those results): Build pays
+    them first, and compaction stops before their turn (active_turn)."""
+    turn = active_turn(items)
+    calls = {i.call_id for i in turn if isinstance(i, ToolCall)}
+    return tuple(i for i in turn if isinstance(i, ToolCall | ToolResult) and i.call_id in calls)
 
 
 def _cost(inputs: BuildInputs) -> Callable[[Row, ContextItem, bool], int]:

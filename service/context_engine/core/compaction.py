@@ -8,9 +8,10 @@ Rule 1 (Region B only): compaction replaces the oldest end of the body — carri
 and the run's completed exchanges — with one summary at row 9. The prefix holds no
 history; nothing here reads or writes the plan, so the prefix hash cannot move.
 Rule 2 (what is compactable): a contiguous oldest run of logged items above the current
-floor, ending before the active loop's pending pairs (Build's never-yield set,
-`assemble.pending_pairs`: the latest model turn's calls and the results in so far), before
-any unanswered call and before the trailing user input; when that leaves nothing, RUN_STATE.
+floor, ending before the active loop's turn (`assemble.active_turn`: the latest model
+turn that called tools, its text and reasoning with its calls, and the results in so far;
+its pending pairs are Build's never-yield set), before any unanswered call and before the
+trailing user input; when that leaves nothing, RUN_STATE.
 Reasoning items are excluded by type (never summarized, ADR-0007). A child run's
 instruction is never logged, so never compactable: it stays in the checkpoint verbatim. A
 cut that would split a tool pair (paired by run and call id) moves later, so the pair is
@@ -35,12 +36,13 @@ contains any of that text's
   (c) identifier-like runs: 16 consecutive non-space characters mixing letters and
       digits, or 24 consecutive non-space characters of any kind (ids, URLs, codes,
       canaries — found even when glued to neighbouring text on either side),
-unless that same fragment also occurs in the trusted summarizer input (text the user or a
-trusted source supplied is not laundered by repeating it). Working-state entries whose
-trust is not VETTED (the model's own, runtime questions included) are not trusted input:
-they license nothing, and only VETTED constraints are listed for the summary to retain
-verbatim. The check errs toward refusing: a false refusal costs one more summarizer call,
-a miss launders a label.
+unless that same fragment also occurs in the trusted summarizer input, as given or as
+shown with its delimiters escaped (text the user or a trusted source supplied is not
+laundered by repeating it). Working-state entries whose trust is not VETTED (the model's
+own, runtime questions included) are not trusted input: they license nothing, and only
+VETTED constraints and questions are listed for the summary to retain (the rest stay in
+the working-state block, which never yields). The check errs toward refusing: a false
+refusal costs one more summarizer call, a miss launders a label.
 Rule 6 (provenance): the committed summary states the union of its source event ids, and
 its rendered text ends with the typed pointers of every span it elided, so a label is never
 lost even when the summarizer drops a pointer.
@@ -326,19 +328,20 @@ def _compactable(
     """Rule 2: the candidates, oldest first. Every call among them has its result among
     them, so no cut of them can leave half a pair in the body."""
     # assemble imports checkpoint, which imports this module: import at call time.
-    from .assemble import pending_pairs, split_run_items
+    from .assemble import active_turn, split_run_items
 
     floor = checkpoint.replaced_through_sequence
     completed, _trailing = split_run_items(checkpoint.items)
     answered = {i.call_id for i in completed if isinstance(i, ToolResult)}
-    # Build's own never-yield set: the model is about to read those results, and compaction
-    # is the ladder's last yield. Stopping at the first of them also keeps an answered call
-    # of a half-answered batch with its result and its batch.
-    pending = {i.item_id for i in pending_pairs(checkpoint.items)}
+    # Build's own never-yield set (the pending pairs) with the rest of their model turn: the
+    # model is about to read those results, compaction is the ladder's last yield, and the
+    # turn's reasoning must stay with its calls (a provider replays the turn whole).
+    # Stopping there also keeps an answered call of a half-answered batch with its batch.
+    active = {id(i) for i in active_turn(checkpoint.items)}
     run: list[ConversationItem] = []
     for item in completed:
-        if item.item_id in pending or (isinstance(item, ToolCall) and item.call_id not in answered):
-            break  # the active loop's pending pairs and everything after them stay
+        if id(item) in active or (isinstance(item, ToolCall) and item.call_id not in answered):
+            break  # the active loop's turn and everything after it stay
         # A child's instruction (never logged: sequence 0) is never above the floor: it is
         # the run's task, kept verbatim by compacted_checkpoint, not summarized.
         if not isinstance(item, ReasoningItem) and item.sequence > floor:
@@ -444,8 +447,9 @@ def prepare(
             *(c.text for c in state.constraints if c.trust in VETTED),
         ]
     )
-    questions = tuple(q.text for q in state.open_questions)
-    vetted_questions = [q.text for q in state.open_questions if q.trust in VETTED]
+    # Likewise questions: the model's own (an ask_user question may quote what it read) are
+    # neither retained nor licensing; they stay open in the working-state block.
+    questions = tuple(q.text for q in state.open_questions if q.trust in VETTED)
 
     untrusted = [i for i in compacted if trust_of(i) not in SUMMARIZABLE]
     spans = {i.item_id: _span(i, trust_of(i)) for i in untrusted}
@@ -467,7 +471,7 @@ def prepare(
             *(_content(i) for i in others),
             summary.text if summary else "",
             *constraints,
-            *vetted_questions,
+            *questions,
         ]
     )
     quoted = quoting([_content(i) for i in model], [text for _, text in contents], base)
@@ -502,6 +506,7 @@ def prepare(
         count_tokens(summary.text) if summary else 0
     )
     kept_model = [_content(i) for i in model if i.item_id not in spans]
+    trusted_text = "\n".join([base, *kept_model])
     return Prepared(
         prompt=SUMMARIZER_PROMPT,
         prompt_version=PROMPT_VERSION,
@@ -515,7 +520,9 @@ def prepare(
         tokens_before=tokens_before,
         checkpoint_version=checkpoint.version,
         span_contents=tuple((span.item_id, text) for span, text in contents),
-        trusted_text="\n".join([base, *kept_model]),
+        # As given and as the summarizer saw it (delimiters escaped): repeating either is
+        # repeating trusted text.
+        trusted_text=f"{trusted_text}\n{escape_content(trusted_text)}",
     )
 
 
