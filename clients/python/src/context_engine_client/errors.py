@@ -121,7 +121,8 @@ class Unavailable(ContextEngineError):
 
     The channel has already retried the same request. A write may have landed before the
     answer was lost: retry it with the idempotency_key it was sent with (pass one to
-    start_run / start_child_run / append / update_working_state to be able to), or a fresh key writes it twice.
+    start_run / start_child_run / append / update_working_state to be able to), or a
+    fresh key writes it twice.
     """
 
     retryable = True
