@@ -173,19 +173,26 @@ def _on_build(request: pb.BuildRequest, response: pb.BuildResponse) -> None:
         )
 
 
+def _on_report_usage(request: Any, response: Any) -> None:
+    # Only for a servicer that does not record usage itself: the response cannot say whether
+    # the request was the first of its epoch, so every report feeds cached_ratio. The
+    # service's own handler always records (api/rpc_usage.py), with first_of_epoch.
+    telemetry.record_usage(request.model_id, response.signed_error_ppm, response.cached_prefix_ppm)
+
+
 def _on_commit_compaction(request: Any, response: Any) -> None:
     telemetry.record_compaction(request.result.depth)
 
 
 # Method -> (the kind a handler may have recorded itself, what the successful response
 # adds to the tracked metrics). A kind already recorded is not derived again (telemetry
-# rule 4); "" means the function checks kinds itself. ReportUsage is not here: its handler
-# always records the usage itself, since only it knows a request's first_of_epoch.
+# rule 4); "" means the function checks kinds itself.
 _ON_RESPONSE: Mapping[str, tuple[str, Callable[[Any, Any], None]]] = {
     "Plan": ("session", _on_plan),
     "Rotate": ("rotation", _on_rotate),
     "StartRun": ("run", _on_start_run),
     "Build": ("", _on_build),
+    "ReportUsage": ("usage", _on_report_usage),
     "CommitCompaction": ("compaction", _on_commit_compaction),
 }
 
