@@ -330,7 +330,7 @@ def test_budget_conformance_and_pair_integrity_on_every_path(session: Session) -
             "corrections",
             "runtime_metadata",
             "skill_bodies",
-            "pending_tool_pairs",
+            "active_turn",
         }
         return
     assert built.input_budget_tokens == budget.input_tokens
@@ -667,3 +667,44 @@ def test_parts_derived_once_per_history_assemble_what_item_by_item_work_would(
         plan.session_kind, built.placed, "current"
     )
     assert built.request.canonical_bytes() == canonical_bytes(built.request.canonical())
+
+
+def test_an_active_turn_over_the_body_fails_naming_it_not_needing_compaction() -> None:
+    """Compaction never takes the active loop's turn (its reasoning stays with its calls),
+    so a turn too large for the body is BUDGET_EXCEEDED, not a needs_compaction that
+    PrepareCompaction could only answer with RUN_STATE."""
+    session = Session(
+        carried=[],
+        run=[
+            UserMessage(item_id="u1", text="Look it up.", sequence=1, run_id="current"),
+            AssistantMessage(item_id="a1", text=_text(80_000), sequence=2, run_id="current"),
+            ToolCall(
+                item_id="c1",
+                call_id="k1",
+                tool_name="web.fetch",
+                arguments_json="{}",
+                sequence=3,
+                run_id="current",
+            ),
+            ToolResult(
+                item_id="r1",
+                call_id="k1",
+                tool_name="web.fetch",
+                content="ok",
+                trust=TrustLevel.EXTERNAL_UNTRUSTED,
+                sequence=4,
+                run_id="current",
+            ),
+        ],
+        summary=None,
+        floor=0,
+        step=StepContext(),
+        working_state=None,
+        body_room=5_000,
+        reserve=1_000,
+        factor_ppm=1_000_000,
+    )
+    _, inputs = _build(session)
+    with pytest.raises(BudgetExceededError) as caught:
+        assemble(inputs)
+    assert caught.value.metadata["class"] == "active_turn"

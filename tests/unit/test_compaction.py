@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from context_engine.core import Checkpoint, PlanSpec, Row, assemble
-from context_engine.core.assemble import pending_pairs
+from context_engine.core.assemble import active_turn
 from context_engine.core.compaction import (
     MAX_DEPTH,
     PROMPT_VERSION,
@@ -384,9 +384,10 @@ def test_the_cut_is_a_prefix_of_whole_pairs(
     calls = {i.call_id for i in compacted if isinstance(i, ToolCall)}
     results = {i.call_id for i in compacted if isinstance(i, ToolResult)}
     assert calls == results, "pairs are compacted whole"
-    # The active loop's pending pairs never yield, and compaction is the last yield.
+    # The active loop's turn never yields, and compaction is the last yield.
     assert all(
-        i.sequence > prepared.replaced_through_sequence for i in pending_pairs(checkpoint.items)
+        i.sequence > prepared.replaced_through_sequence or i.sequence == 0
+        for i in active_turn(checkpoint.items)
     )
     if through:
         assert prepared.replaced_through_sequence >= min(

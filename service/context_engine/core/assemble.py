@@ -65,7 +65,6 @@ __all__ = [
     "StepContext",
     "active_turn",
     "assemble",
-    "pending_pairs",
     "split_run_items",
 ]
 
@@ -170,7 +169,7 @@ def assemble(inputs: BuildInputs) -> Assembled:
         head,
         segment,
         tail,
-        pending=pending_pairs(inputs.checkpoint.items),
+        pending=active_turn(inputs.checkpoint.items),
         budget=budget,
         cost=_cost(inputs),
         recall_floor_lines=inputs.step.recall_floor_lines,
@@ -248,8 +247,9 @@ def _outcome(
 
 def active_turn(items: Sequence[ConversationItem]) -> tuple[ConversationItem, ...]:
     """The latest model turn (its text, reasoning and tool calls) and the inputs after it,
-    when that turn called tools; () otherwise. Compaction stops before it: its reasoning
-    must stay with its calls (a provider replays the turn whole)."""
+    when that turn called tools; () otherwise. It never yields: Build pays it first (its
+    pending pairs are the results the model is about to read) and compaction stops before
+    it (its reasoning must stay with its calls: a provider replays the turn whole)."""
     completed, _ = split_run_items(items)
     end = len(completed)
     while end > 0 and isinstance(completed[end - 1], _INPUT_TYPES):
@@ -260,15 +260,6 @@ def active_turn(items: Sequence[ConversationItem]) -> tuple[ConversationItem, ..
     if not any(isinstance(i, ToolCall) for i in completed[start:end]):
         return ()
     return tuple(completed[start:])
-
-
-def pending_pairs(items: Sequence[ConversationItem]) -> tuple[ConversationItem, ...]:
-    """The active loop's pending pairs: the latest model turn's tool calls and the results
-    answering them. They never yield (the model is about to read those results): Build pays
-    them first, and compaction stops before their turn (active_turn)."""
-    turn = active_turn(items)
-    calls = {i.call_id for i in turn if isinstance(i, ToolCall)}
-    return tuple(i for i in turn if isinstance(i, ToolCall | ToolResult) and i.call_id in calls)
 
 
 def _cost(inputs: BuildInputs) -> Callable[[Row, ContextItem, bool], int]:

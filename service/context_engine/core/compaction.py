@@ -426,7 +426,7 @@ def prepare(
     if not candidates:
         raise PreconditionError(
             "nothing is compactable: no completed item above the current floor before the"
-            " active loop's pending tool pairs",
+            " active loop's turn (its text, reasoning and tool pairs)",
             reason="RUN_STATE",
         )
     cut = _choose_cut(candidates, through_sequence, count_tokens)

@@ -2,9 +2,11 @@
 
 Rule 1 (never-yield): the current user message (the run's own user messages and trailing
 input), the working-state block, the correction lines, loaded skill bodies, runtime
-metadata and the pending pairs of the active loop (the latest model turn's tool calls and
-their results) are paid first. If they alone exceed the body, the request fails with
-BUDGET_EXCEEDED naming the class — the rule the prefix follows, for the same reason.
+metadata and the active loop's turn (the latest model turn that called tools: its text,
+reasoning and calls, and the results in so far, `assemble.active_turn`; compaction never
+takes it either) are paid first. If they alone exceed the body, the request fails with
+BUDGET_EXCEEDED naming the class (`active_turn` for the turn) — the rule the prefix
+follows, for the same reason: no yield and no compaction could make them fit.
 Rule 2 (the run is not history): the active run's earlier exchanges are never cut; only
 their tool results may yield (to pointers). The summary is never cut either. If these do
 not fit after every cheaper yield, the body needs compaction.
@@ -121,9 +123,10 @@ def fit_body(
 
     The candidates in row order are `head` (the summary), the carried history `carried`
     (core/carried.py: its items, costs and classes derived once per run), then `tail` (the
-    run's items and the fresh rows). `pending` names (by identity) the active loop's pending
-    pairs among `tail`; carried items are never pending. Carried items above the summary
-    floor that lie beyond the window (`carried.skipped`) are reported as cut.
+    run's items and the fresh rows). `pending` names (by identity) the active loop's turn
+    among `tail` (assemble.active_turn; never yields); carried items are never pending.
+    Carried items above the summary floor that lie beyond the window (`carried.skipped`) are
+    reported as cut.
 
     Raises:
         BudgetExceededError: the never-yield set alone exceeds the body; metadata "class"
@@ -272,7 +275,7 @@ def _class_of(row: Row, item: ContextItem) -> str:
     raise TypeError(f"no budget class for {type(item).__name__} in row {row.value}")
 
 
-_PENDING = "pending_tool_pairs"
+_PENDING = "active_turn"
 
 
 def _check_never_yield(
