@@ -774,8 +774,34 @@ def test_a_build_without_tools_sends_no_tool_blocks_and_every_envelope_whole(
     sent = _sent_texts(body, "anthropic")
     for message in request.messages:
         for block in message.blocks:
-            if block.kind == "tool_result" and block.text.strip():
-                assert block.text in sent, "a result's envelope is sent whole, as one block"
+            if block.kind != "tool_result":
+                continue
+            lines = [anthropic.TOOL_ERROR_AS_TEXT] if block.is_error else []
+            lines += [block.text] if block.text.strip() else []
+            if lines:
+                # The envelope whole in one block, after the failure marker when it failed.
+                assert "\n".join(lines) in sent, "a result is sent whole, as one block"
+    assert anthropic.render(request).body == _general(request)
+
+
+def test_without_tools_a_failed_result_says_so_before_its_envelope() -> None:
+    """is_error has no field in a text block: the engine's own line says the call failed,
+    outside the tool's envelope; a failed result with no text still says it failed."""
+    plain = replace(_pairs_request(("run-1", "call_0"), ("run-1", "call_1")), tools=())
+    failed, empty = (
+        replace(m, blocks=(replace(m.blocks[0], is_error=True, text=t),))
+        for m, t in zip(plain.messages[2::2], ("<untrusted>0</untrusted>", ""), strict=True)
+    )
+    request = replace(
+        plain, messages=(plain.messages[0], plain.messages[1], failed, plain.messages[3], empty)
+    )
+    texts = [
+        b["text"] for m in _body(request)["messages"] if m["role"] == "user" for b in m["content"]
+    ][1:]
+    assert texts == [
+        f"{anthropic.TOOL_ERROR_AS_TEXT}\n<untrusted>0</untrusted>",
+        anthropic.TOOL_ERROR_AS_TEXT,
+    ]
     assert anthropic.render(request).body == _general(request)
 
 

@@ -27,8 +27,10 @@ request, the earliest pair keeping its id.
 Rule 8 (no tools): the API rejects tool_use and tool_result blocks in a request that
 defines no tools (a rotation to an empty roster keeps the history's pairs), so then a call
 is sent as assistant text (``TOOL_CALL_AS_TEXT``: its tool name and canonical arguments)
-and a result as user text: its content exactly as core enveloped it (Rule 3). A request
-renders all its pairs one way, so every request of an epoch does too.
+and a result as user text: its content exactly as core enveloped it (Rule 3), after
+``TOOL_ERROR_AS_TEXT`` on its own line when the call failed (``is_error`` has no other
+place to go). A request renders all its pairs one way, so every request of an epoch does
+too.
 
 Speed: each tool, system block and message block renders once per process to its
 canonical JSON text (memoized on the frozen neutral value; a session's tools and a run's
@@ -61,6 +63,7 @@ __all__ = [
     "HISTORY_CUT_PLACEHOLDER",
     "MAX_BREAKPOINTS",
     "TOOL_CALL_AS_TEXT",
+    "TOOL_ERROR_AS_TEXT",
     "prompt_units",
     "render",
 ]
@@ -69,6 +72,7 @@ API = "anthropic.messages"
 MAX_BREAKPOINTS = 4
 HISTORY_CUT_PLACEHOLDER = "(The conversation continues from earlier turns not shown here.)"
 TOOL_CALL_AS_TEXT = "(Called tool {name} with input {arguments})"  # Rule 8
+TOOL_ERROR_AS_TEXT = "(The tool call failed.)"  # Rule 8: a result's is_error, as text
 _TTL_RANK = {"5m": 0, "1h": 1}
 _PROVIDER = "anthropic"
 
@@ -439,9 +443,13 @@ def _render_block_as_text(block: Block) -> _Rendered | None:
             arguments = block.arguments_json or "{}"
             text = TOOL_CALL_AS_TEXT.format(name=block.tool_name, arguments=arguments)
         case "tool_result":
-            if not block.text.strip():
+            # The marker stands outside the envelope: the engine says the call failed,
+            # and the tool's own text stays exactly as core enveloped it.
+            lines = [TOOL_ERROR_AS_TEXT] if block.is_error else []
+            lines += [block.text] if block.text.strip() else []
+            if not lines:
                 return None
-            text = block.text
+            text = "\n".join(lines)
         case _:
             return _block(block)
     return _rendered({"type": "text", "text": text}, block.row, block.item_id, "text")
