@@ -273,7 +273,10 @@ def test_envelopes_reach_the_provider_intact(sc: Scenario, provider: str) -> Non
             if block.kind not in ("text", "tool_result") or not block.text.strip():
                 continue
             if provider == "anthropic":
-                assert block.text in sent, "each block is sent whole, as one block"
+                whole = block.text
+                if block.kind == "tool_result" and block.is_error and not request.tools:
+                    whole = f"{anthropic.TOOL_ERROR_AS_TEXT}\n{whole}"  # Rule 8
+                assert whole in sent, "each block is sent whole, as one block"
             else:
                 assert block.text in joined
     for block in request.system:
