@@ -882,8 +882,8 @@ async def test_an_explicit_tool_over_the_token_cap_fails_the_plan(
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await _open(stub, huge)
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    reason, _, metadata = details(caught.value)
-    assert reason == "PREFIX_CLASS_OVER_CAP"
+    reason, fields, metadata = details(caught.value)
+    assert (reason, fields) == ("PREFIX_CLASS_OVER_CAP", ["spec.tools"])
     assert (metadata["class"], metadata["tool"]) == ("tool_definitions", "report.build")
     discovered = spec()
     discovered.tools.append(tool("report.build", description=description))

@@ -326,6 +326,9 @@ def test_roster_case(case: Case) -> None:
         expected = InvalidFieldError if reason == "INVALID_FIELD" else PreconditionError
         assert type(caught.value) is expected
         assert metadata.items() <= caught.value.metadata.items()
+        # Every roster refusal names the field a caller fixes (BadRequest), as the other
+        # over-cap errors do: the tools are the caller's spec.tools.
+        assert caught.value.field == "spec.tools"
         return
     roster = _resolve(case)
     names = [t.name for t in roster.defined]

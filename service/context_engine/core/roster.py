@@ -184,9 +184,9 @@ def resolve_roster(
     rendered index entry. Both are the plan's exact counts, passed in so this stays pure.
 
     Raises:
-        PreconditionError: PREFIX_CLASS_OVER_CAP (class tool_definitions) when a required or
-            explicitly enabled tool exceeds the token cap, or a required browser tool cannot
-            be defined.
+        PreconditionError: PREFIX_CLASS_OVER_CAP (class tool_definitions, field spec.tools)
+            when a required or explicitly enabled tool exceeds the token cap, or a required
+            browser tool cannot be defined.
         InvalidFieldError: spec.tools, when a website-profile session lacks a browser tool.
     """
     if spec.environment.kind is SessionKind.OPERATIONAL:
@@ -305,6 +305,9 @@ def _refuse_or_overflow(
     raise PreconditionError(
         f"{candidate.origin.value} tool {candidate.tool.name!r} does not fit the tool"
         f" definitions class ({limit} cap {cap:,}; {used:,} tokens used, it needs {cost:,})",
+        # The field a caller fixes, as every other over-cap error names one (plan.py
+        # _FIELD_OF_CLASS: tool_definitions -> spec.tools).
+        field="spec.tools",
         reason="PREFIX_CLASS_OVER_CAP",
         metadata={
             "class": "tool_definitions",
