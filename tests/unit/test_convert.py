@@ -83,3 +83,35 @@ def test_the_widest_accepted_clocks_render_in_every_zone() -> None:
         assert instant == day
         for zone in ("Pacific/Kiritimati", "Etc/GMT+12", "Europe/Berlin"):
             instant.astimezone(ZoneInfo(zone))  # raises OverflowError if out of range
+
+
+@pytest.mark.parametrize(
+    ("listed", "field"),
+    [
+        (
+            pb.PlanSpec(model_id="m", tools=[pb.ToolSpec(name="a"), pb.ToolSpec(name="a")]),
+            "spec.tools[1].name",
+        ),
+        (
+            pb.PlanSpec(
+                model_id="m",
+                skills=[
+                    pb.SkillCatalogEntry(name="triage", version="1"),
+                    pb.SkillCatalogEntry(
+                        name="triage", version="2", trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED
+                    ),
+                ],
+            ),
+            "spec.skills[1].name",
+        ),
+    ],
+    ids=["tool", "skill"],
+)
+def test_a_name_listed_twice_is_an_invalid_field(listed: pb.PlanSpec, field: str) -> None:
+    """A skill listed twice would pin two catalog blocks under one item id, and LoadSkill
+    could take its version from one entry and its trust from the other: it is refused
+    like a tool listed twice, naming the second entry."""
+    with pytest.raises(InvalidFieldError) as caught:
+        plan_spec_from_proto(listed, POLICY)
+    assert caught.value.field == field
+    assert status_for(caught.value)[0] == grpc.StatusCode.INVALID_ARGUMENT

@@ -34,6 +34,7 @@ from context_engine.core.skills import (
     body_items,
     body_trust,
     pin_catalog,
+    pinned_entry,
 )
 from context_engine.core.snapshot import nonempty, redact_person
 from context_engine.core.spec import (
@@ -412,6 +413,38 @@ def test_the_catalog_pins_20_skills_and_1500_tokens() -> None:
     assert [n for n, _ in plan.skill_pins] == [f"s{i:02d}" for i in range(20)]
     assert plan.skipped_skill_names == ("s20",)
     assert sum(b.row is Row.SKILL_CATALOG for b in plan.system) == 20
+
+
+def test_a_load_takes_version_and_trust_from_the_pinned_entry() -> None:
+    """A spec stored before Plan refused duplicate names may list a skill twice: a trusted
+    entry that did not fit the catalog, then an untrusted one that was pinned. The body
+    takes the pinned entry's version and its trust, never the unpinned entry's."""
+    skills = (
+        SkillSpec(name="triage", version="1", trust=TrustLevel.TRUSTED_CONFIGURATION),
+        SkillSpec(name="triage", version="2", trust=TrustLevel.EXTERNAL_UNTRUSTED),
+        SkillSpec(name="refunds", version="1", trust=TrustLevel.USER),
+    )
+    pins = (("triage", "2"), ("refunds", "1"))
+    assert pinned_entry(skills, pins, "triage") == ("2", TrustLevel.EXTERNAL_UNTRUSTED)
+    assert pinned_entry(skills, pins, "refunds") == ("1", TrustLevel.USER)
+    # Two entries with the pinned name and version: the less trusted counts.
+    same = (skills[1].model_copy(update={"version": "1"}), skills[0])
+    assert pinned_entry(same, (("triage", "1"),), "triage")[1] is TrustLevel.EXTERNAL_UNTRUSTED
+    # Not pinned at all: the load is refused later (SKILL_NOT_IN_CATALOG); never trusted.
+    assert pinned_entry(skills, (), "triage") == ("", TrustLevel.EXTERNAL_UNTRUSTED)
+
+
+def test_a_name_listed_twice_pins_its_first_entry_only() -> None:
+    """Plan refuses a duplicate name; a stored spec that has one pins one catalog block per
+    name (one item id, one envelope nonce), the first entry's, as a tool's first wins."""
+    skills = (
+        SkillSpec(name="triage", version="1"),
+        SkillSpec(name="refunds", version="1"),
+        SkillSpec(name="triage", version="2"),
+    )
+    pinned, left = pin_catalog(skills, lambda s: 10)
+    assert [(s.name, s.version) for s in pinned] == [("triage", "1"), ("refunds", "1")]
+    assert left == ()
 
 
 # --- persona ------------------------------------------------------------------------------

@@ -1328,7 +1328,8 @@ type SkillCatalogEntry struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Skill name, the argument of skill.load; at most 200 characters.
+	// Skill name, the argument of skill.load; at most 200 characters. Listed once: a
+	// second entry under the same name is INVALID_FIELD.
 	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// One-paragraph description shown in the catalog.
 	Description string `protobuf:"bytes,2,opt,name=description,proto3" json:"description,omitempty"`

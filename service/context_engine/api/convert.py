@@ -243,9 +243,15 @@ def plan_spec_from_proto(
         names.add(tool.name)
         tools.append(_tool_spec(tool, path))
     skills = []
+    skill_names: set[str] = set()
     for n, skill in enumerate(spec.skills):
         path = f"{field}.skills[{n}]"
         require_id(skill.name, f"{path}.name")
+        # Like a tool, a skill is listed once: two entries would pin two catalog blocks under
+        # one item id, and a load could not say which entry's version and trust it takes.
+        if skill.name in skill_names:
+            raise InvalidFieldError(f"skill {skill.name!r} is listed twice", field=f"{path}.name")
+        skill_names.add(skill.name)
         trust = (
             _trust(skill.trust, f"{path}.trust")
             if skill.trust

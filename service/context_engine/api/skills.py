@@ -25,7 +25,7 @@ from uuid import UUID
 from ..core.build_record import redact_record
 from ..core.envelope import wrap
 from ..core.errors import PreconditionError
-from ..core.skills import LoadedSkill, admit_load, body_text, body_trust
+from ..core.skills import LoadedSkill, admit_load, body_text, body_trust, pinned_entry
 from ..core.snapshot import redact_person
 from ..core.trust import TrustLevel
 from ..store import events, plans, runs, sessions, snapshots
@@ -80,11 +80,8 @@ async def load_skill(
         current = await plans.read_plan(conn, tenant, session_id)
         loaded = await skill_store.read_loaded(conn, tenant, session_id)
         names = [s.name for s in loaded]
-        version = dict(current.plan.skill_pins).get(name, "")
-        entry = next((s for s in current.spec.skills if s.name == name), None)
-        effective = body_trust(
-            entry.trust if entry is not None else TrustLevel.EXTERNAL_UNTRUSTED, trust
-        )
+        version, catalog_trust = pinned_entry(current.spec.skills, current.plan.skill_pins, name)
+        effective = body_trust(catalog_trust, trust)
         item_id = f"skill-body:{name}"
         rendered = wrap(
             body_text(name, version, body),

@@ -2,16 +2,18 @@
 
 Rule 1: the catalog pins at plan time, at most 20 entries and 1,500 tokens, first-fit in
 the order given. An entry that does not fit is not in the catalog and cannot be loaded.
+A name is listed once (Plan refuses a second entry); should a stored spec list it twice,
+its first entry is the only candidate, as for tools.
 Rule 2: a body loads only for a skill in the plan's pinned catalog (SKILL_NOT_IN_CATALOG).
 Rule 3: a loaded body is sticky for the session and renders in load order. A skill is never
 deselected: a body that came and went would rewrite the cached body on every step.
 Rule 4: at most 2 bodies and 6,000 tokens. A third load, or one past 6,000 tokens, fails
 with SKILL_LIMIT; nothing is evicted. Loading a loaded skill again changes nothing.
 Rule 5: a body never yields: Build carries every loaded body or fails.
-Rule 6: a body takes its catalog entry's trust, or the load's when that is lower (the
-less trusted of the two, TrustLevel's order): a worker that knows a body came from a less
-trusted place is believed, one that claims more is not. A load never claims PLATFORM or
-MODEL trust for a body.
+Rule 6: a body takes its pinned catalog entry's trust (the entry its version comes from),
+or the load's when that is lower (the less trusted of the two, TrustLevel's order): a
+worker that knows a body came from a less trusted place is believed, one that claims more
+is not. A load never claims PLATFORM or MODEL trust for a body.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ __all__ = [
     "body_text",
     "body_trust",
     "pin_catalog",
+    "pinned_entry",
 ]
 
 _CATALOG = CLASS_CAPS["skill_catalog"]
@@ -55,9 +58,31 @@ def pin_catalog(
     skills: Sequence[SkillSpec], measure: Callable[[SkillSpec], int]
 ) -> tuple[tuple[SkillSpec, ...], tuple[SkillSpec, ...]]:
     """Rule 1: (pinned catalog, entries left out)."""
+    first: dict[str, SkillSpec] = {}
+    for skill in skills:
+        first.setdefault(skill.name, skill)
     return fit_in_order(
-        skills, cap_items=_CATALOG.cap_items, cap_tokens=_CATALOG.cap_tokens, measure=measure
+        tuple(first.values()),
+        cap_items=_CATALOG.cap_items,
+        cap_tokens=_CATALOG.cap_tokens,
+        measure=measure,
     )
+
+
+def pinned_entry(
+    skills: Sequence[SkillSpec], pins: Sequence[tuple[str, str]], name: str
+) -> tuple[str, TrustLevel]:
+    """The (version, trust) a load of `name` takes from the plan's pinned catalog (Rule 6).
+
+    Both come from the pinned entry: the pin gives the version, and the trust is that of the
+    spec entry with this name and version, never of another entry of the same name that did
+    not fit the catalog. A stored plan from before Plan refused duplicate names can match
+    more than one entry: the least trusted counts. No pinned entry: EXTERNAL_UNTRUSTED (and
+    admit_load refuses the load as SKILL_NOT_IN_CATALOG).
+    """
+    version = dict(pins).get(name)
+    trusts = [s.trust for s in skills if (s.name, s.version) == (name, version)]
+    return version or "", max(trusts, default=TrustLevel.EXTERNAL_UNTRUSTED)
 
 
 def body_text(name: str, version: str, body: str) -> str:
