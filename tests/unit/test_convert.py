@@ -115,3 +115,21 @@ def test_a_name_listed_twice_is_an_invalid_field(listed: pb.PlanSpec, field: str
         plan_spec_from_proto(listed, POLICY)
     assert caught.value.field == field
     assert status_for(caught.value)[0] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("trust", [pb.TRUST_LEVEL_PLATFORM, pb.TRUST_LEVEL_MODEL])
+def test_a_skill_catalog_entry_at_platform_or_model_trust_is_an_invalid_field(
+    trust: int,
+) -> None:
+    """A loaded body takes its catalog entry's trust and renders in the user role, where
+    PLATFORM and MODEL render bare: LoadSkill refuses both for a body, so the entry may not
+    carry them either (else a load claiming nothing inherits them)."""
+    listed = pb.PlanSpec(model_id="m", skills=[pb.SkillCatalogEntry(name="triage", trust=trust)])
+    with pytest.raises(InvalidFieldError) as caught:
+        plan_spec_from_proto(listed, POLICY)
+    assert caught.value.field == "spec.skills[0].trust"
+    assert status_for(caught.value)[0] == grpc.StatusCode.INVALID_ARGUMENT
+    for allowed in (pb.TRUST_LEVEL_TRUSTED_CONFIGURATION, pb.TRUST_LEVEL_MEMORY):
+        listed.skills[0].trust = allowed
+        (entry,) = plan_spec_from_proto(listed, POLICY).skills
+        assert entry.trust == allowed

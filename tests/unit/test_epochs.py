@@ -383,6 +383,12 @@ def test_skill_loads(
         (TrustLevel.MEMORY, TrustLevel.USER, TrustLevel.MEMORY),
         (TrustLevel.TRUSTED_CONFIGURATION, TrustLevel.PLATFORM, None),
         (TrustLevel.TRUSTED_CONFIGURATION, TrustLevel.MODEL, None),
+        # A stored entry at a level Plan now refuses hands neither to the body, which
+        # would render bare in the user role: it counts as the least trusted.
+        (TrustLevel.PLATFORM, None, TrustLevel.EXTERNAL_UNTRUSTED),
+        (TrustLevel.MODEL, None, TrustLevel.EXTERNAL_UNTRUSTED),
+        (TrustLevel.PLATFORM, TrustLevel.TRUSTED_CONFIGURATION, TrustLevel.EXTERNAL_UNTRUSTED),
+        (TrustLevel.MODEL, TrustLevel.USER, TrustLevel.EXTERNAL_UNTRUSTED),
     ],
 )
 def test_a_body_never_gains_trust(

@@ -1335,7 +1335,9 @@ type SkillCatalogEntry struct {
 	Description string `protobuf:"bytes,2,opt,name=description,proto3" json:"description,omitempty"`
 	// Pinned version.
 	Version string `protobuf:"bytes,3,opt,name=version,proto3" json:"version,omitempty"`
-	// Trust of the entry; below TRUSTED_CONFIGURATION it renders enveloped.
+	// Trust of the entry; below TRUSTED_CONFIGURATION it renders enveloped. Unspecified is
+	// TRUSTED_CONFIGURATION; PLATFORM and MODEL are INVALID_FIELD (a loaded body takes this
+	// trust and renders in the user role).
 	Trust TrustLevel `protobuf:"varint,4,opt,name=trust,proto3,enum=context_engine.v1.TrustLevel" json:"trust,omitempty"`
 }
 

@@ -147,6 +147,20 @@ def _result_trust(value: int, field: str) -> TrustLevel:
     return trust
 
 
+def _catalog_trust(value: int, field: str) -> TrustLevel:
+    """A skill catalog entry's trust. Not PLATFORM or MODEL: a loaded body takes its entry's
+    trust and renders in the user role, where either would render bare (LoadSkill refuses
+    both for the body itself; an entry must not hand them over)."""
+    trust = _trust(value, field)
+    if trust in (TrustLevel.PLATFORM, TrustLevel.MODEL):
+        raise InvalidFieldError(
+            f"{field}: a skill catalog entry cannot carry {trust.name} trust (its body would"
+            " render bare in the user role); use TRUSTED_CONFIGURATION or lower",
+            field=field,
+        )
+    return trust
+
+
 _E = TypeVar("_E", bound=IntEnum)
 
 
@@ -253,7 +267,7 @@ def plan_spec_from_proto(
             raise InvalidFieldError(f"skill {skill.name!r} is listed twice", field=f"{path}.name")
         skill_names.add(skill.name)
         trust = (
-            _trust(skill.trust, f"{path}.trust")
+            _catalog_trust(skill.trust, f"{path}.trust")
             if skill.trust
             else TrustLevel.TRUSTED_CONFIGURATION
         )

@@ -13,7 +13,9 @@ Rule 5: a body never yields: Build carries every loaded body or fails.
 Rule 6: a body takes its pinned catalog entry's trust (the entry its version comes from),
 or the load's when that is lower (the less trusted of the two, TrustLevel's order): a
 worker that knows a body came from a less trusted place is believed, one that claims more
-is not. A load never claims PLATFORM or MODEL trust for a body.
+is not. A load never claims PLATFORM or MODEL trust for a body, and a body never ends at
+either: Plan refuses a catalog entry at those levels, and one a stored spec still holds
+counts as EXTERNAL_UNTRUSTED (a body renders in the user role, where both render bare).
 """
 
 from __future__ import annotations
@@ -91,13 +93,17 @@ def body_text(name: str, version: str, body: str) -> str:
 
 
 def body_trust(catalog_trust: TrustLevel, requested: TrustLevel | None) -> TrustLevel:
-    """Rule 6.
+    """Rule 6. Never PLATFORM or MODEL.
 
     Raises:
         InvalidFieldError: the load claims PLATFORM or MODEL trust for a body.
     """
     if requested in _NEVER_BODY_TRUST:
         raise InvalidFieldError(f"a skill body cannot carry {requested.name} trust", field="trust")
+    if catalog_trust in _NEVER_BODY_TRUST:
+        # Defence in depth: Plan refuses such an entry, but a stored plan's spec may predate
+        # that rule. Nothing is known about where the body came from: the least trusted.
+        catalog_trust = TrustLevel.EXTERNAL_UNTRUSTED
     if requested is None:
         return catalog_trust
     return max(catalog_trust, requested)  # a larger TrustLevel is less trusted
