@@ -290,6 +290,34 @@ CASES: tuple[Case, ...] = (
         index=(),
         skipped=("b",),
     ),
+    Case(
+        "tool.call is charged after the explicit tools: no room for it skips the overflow",
+        tools=(tool(TOOL_CALL, builtin=True), tool("a"), tool("b"), tool("c.read")),
+        enabled=(TOOL_CALL, "a", "b"),
+        cost={"a": 4_000, "b": 4_950, "c.read": 100, TOOL_CALL: 100},
+        defined=("a", "b"),
+        index=(),
+        skipped=("c.read",),
+    ),
+    Case(
+        "no room for tool.call beside the explicit tools skips the configured deferrals too",
+        tools=(tool(TOOL_CALL, builtin=True), tool("a"), tool("b"), tool("d")),
+        enabled=(TOOL_CALL, "a", "b", "d"),
+        deferred=("d",),
+        cost={"a": 4_500, "b": 4_500, TOOL_CALL: 1},
+        defined=("a", "b"),
+        index=(),
+        skipped=("d",),
+    ),
+    Case(
+        "tool.call fits beside the explicit tools: the discovered overflow is indexed",
+        tools=(tool(TOOL_CALL, builtin=True), tool("a"), tool("b"), tool("c.read")),
+        enabled=(TOOL_CALL, "a", "b"),
+        cost={"a": 4_000, "b": 4_800, "c.read": 300, TOOL_CALL: 100},
+        defined=("a", "b", TOOL_CALL),
+        index=("c.read",),
+        skipped=(),
+    ),
 )
 
 
@@ -390,10 +418,23 @@ def test_roster_invariants(drawn: tuple[PlanSpec, dict[str, int], dict[str, int]
             index_tokens=lambda t: index_cost[t.name],
         )
     except PreconditionError as error:
-        # Only an explicitly enabled tool (or tool.call) can fail the plan, by tokens.
+        # Only an explicitly enabled tool can fail the plan, by tokens, and never because
+        # of tool.call: the same roster fails without it.
         assert error.metadata["class"] == "tool_definitions"
         assert error.metadata["tool"] in spec.agent.enabled_tools
+        assert error.metadata["tool"] != TOOL_CALL
         assert error.metadata["limit"] == "tokens"
+        without_call = AgentSpec(
+            enabled_tools=tuple(n for n in spec.agent.enabled_tools if n != TOOL_CALL),
+            deferred_tools=spec.agent.deferred_tools,
+        )
+        with pytest.raises(PreconditionError):
+            resolve_roster(
+                spec.model_copy(update={"agent": without_call}),
+                has_skills=has_skills,
+                definition_tokens=lambda t: cost[t.name],
+                index_tokens=lambda t: index_cost[t.name],
+            )
         return
     granted = set(spec.principal.scopes)
     candidates = {
@@ -713,6 +754,43 @@ def test_production_shaped_roster_with_tool_call_defers_instead_of_skipping() ->
     assert "mcp.slack.history(query, account?, cursor?, fields?, limit?): Use " in index[0].text
     pinned = {p.name: p.defined for p in plan.pinned_tools}
     assert sum(pinned.values()) == 30 and len(pinned) == 34
+
+
+def test_tool_call_never_makes_an_explicit_roster_that_fits_fail_the_plan() -> None:
+    """Explicit tools a and b fit the 9,000-token class together; a discovered tool c does
+    not. Enabling tool.call (so that c could be indexed) charged tool.call's definition
+    before the explicit tools, and b then "exceeded" the cap: a discovered tool made the
+    session fail to open. Spec: explicitly enabled capabilities fail at plan time only if
+    they exceed the cap. tool.call's tokens come after theirs; it is left out (and c
+    skipped) when it does not fit beside them."""
+
+    def cost(t: ToolSpec) -> int:
+        return definition_tokens(definition_item(t), count)
+
+    call = tool(TOOL_CALL, builtin=True)
+    a = tool("a", description="w" * 12_000)
+    b = tool("b", description="w" * 3 * (9_000 - cost(a) - 58))
+    assert cost(a) + cost(b) <= 9_000 < cost(a) + cost(b) + cost(call)
+    spec = PlanSpec(
+        model_id="m",
+        agent=AgentSpec(enabled_tools=("a", "b")),
+        tools=(a, b, tool("c"), call),
+        policy=PlatformPolicySpec(version="v", text="Policy."),
+    )
+    without = _plan(spec)
+    assert (without.tool_names, without.skipped_tool_names) == (("a", "b"), ("c",))
+    enabled = AgentSpec(enabled_tools=("a", "b", TOOL_CALL))
+    with_call = _plan(spec.model_copy(update={"agent": enabled}))
+    assert with_call.tool_names == ("a", "b")
+    assert (with_call.deferred_tool_names, with_call.skipped_tool_names) == ((), ("c",))
+    # With room for tool.call, c is indexed instead of skipped; a and b keep definitions.
+    big_c = tool("c", description="Big. " + "w" * 16_000)
+    smaller = spec.model_copy(
+        update={"agent": enabled, "tools": (a, tool("b", description="Short."), big_c, call)}
+    )
+    indexed = _plan(smaller)
+    assert indexed.tool_names == ("a", "b", TOOL_CALL)
+    assert (indexed.deferred_tool_names, indexed.skipped_tool_names) == (("c",), ())
 
 
 def test_builtin_index_entries_are_trusted_configuration() -> None:

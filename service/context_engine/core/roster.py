@@ -19,7 +19,12 @@ Rule 7: with tool.call, every candidate without a definition becomes an index en
 configured deferrals first and then the overflow, in the order above, under 40 entries and
 2,000 tokens. Without tool.call nothing is deferred. Whatever fits neither is skipped and
 its name recorded on the plan event: no tool leaves the roster silently.
-Rule 8: the defined set renders sorted by name; index entries render in index order.
+Rule 8: tool.call takes its definition slot ahead of the explicit tools (an explicit tool
+it pushes past the thirtieth slot is indexed), but its tokens are charged after theirs:
+whether an explicit roster fits is decided without tool.call, so a discovered tool that
+brings tool.call in can never fail the plan. When tool.call does not fit beside the
+required and explicit definitions, nothing is deferred, as without tool.call.
+Rule 9: the defined set renders sorted by name; index entries render in index order.
 """
 
 from __future__ import annotations
@@ -66,7 +71,6 @@ T = TypeVar("T")
 
 class _Origin(Enum):
     REQUIRED = "required"  # browser tools of a website-profile session
-    CONTROL = "control"  # tool.call, when something is deferred
     EXPLICIT = "explicit"  # named in AgentSpec.enabled_tools
     DISCOVERED = "discovered"  # everything else the principal may use
 
@@ -78,10 +82,10 @@ class _Full(Enum):
 
 # What a candidate that does not fit the definition class becomes: (item cap, token cap).
 # A configured tool past the thirtieth slot is cut as silently as a discovered one; an
-# explicitly enabled capability over the token cap is a configuration error.
+# explicitly enabled capability over the token cap is a configuration error. (tool.call is
+# not in the table: it is defined only where it fits, Rule 8.)
 _WHEN_FULL: dict[_Origin, tuple[_Full, _Full]] = {
     _Origin.REQUIRED: (_Full.FAIL, _Full.FAIL),
-    _Origin.CONTROL: (_Full.FAIL, _Full.FAIL),
     _Origin.EXPLICIT: (_Full.OVERFLOW, _Full.FAIL),
     _Origin.DISCOVERED: (_Full.OVERFLOW, _Full.OVERFLOW),
 }
@@ -178,7 +182,7 @@ def resolve_roster(
     definition_tokens: Measure,
     index_tokens: Measure,
 ) -> Roster:
-    """Select, order and cap the tools a plan advertises (Rules 1-8).
+    """Select, order and cap the tools a plan advertises (Rules 1-9).
 
     `definition_tokens` measures a tool's provider-visible definition; `index_tokens` its
     rendered index entry. Both are the plan's exact counts, passed in so this stays pure.
@@ -193,6 +197,7 @@ def resolve_roster(
         return Roster((), (), ())
     candidates = _candidates(spec, has_skills)
     required = _required(spec, candidates)
+    definition_tokens = _by_name_once(definition_tokens)  # a tool is measured once
     enabled = tuple(dict.fromkeys(spec.agent.enabled_tools))
     taken = {t.name for t in required} | {TOOL_CALL}
     deferrals = set(spec.agent.deferred_tools) - taken
@@ -206,26 +211,54 @@ def resolve_roster(
         for t in sorted(candidates.values(), key=_discovered_key)
         if t.name not in taken and t.name not in enabled
     ]
-    ranked = [*explicit, *discovered]
-    configured = [c.tool for c in ranked if c.tool.name in deferrals]
-    ordinary = [c for c in ranked if c.tool.name not in deferrals]
-    mandatory = [_Candidate(t, _Origin.REQUIRED) for t in required]
+    configured = [c.tool for c in (*explicit, *discovered) if c.tool.name in deferrals]
+    head = [
+        *(_Candidate(t, _Origin.REQUIRED) for t in required),
+        *(c for c in explicit if c.tool.name not in deferrals),
+    ]
+    tail = [c for c in discovered if c.tool.name not in deferrals]
 
-    defined, overflow = _define([*mandatory, *ordinary], definition_tokens)
+    # Without tool.call: this pass alone decides whether a required or explicit tool fails.
+    defined, overflow = _define([*head, *tail], definition_tokens)
     tool_call = candidates.get(TOOL_CALL) if TOOL_CALL in enabled else None
     if tool_call is not None and (configured or overflow):
-        control = _Candidate(tool_call, _Origin.CONTROL)
-        with_call, call_overflow = _define([*mandatory, control, *ordinary], definition_tokens)
-        deferred, unindexed = fit_in_order(
-            [*configured, *call_overflow],
-            cap_items=_INDEX.cap_items,
-            cap_tokens=_INDEX.cap_tokens,
-            measure=index_tokens,
-        )
-        if deferred:  # tool.call is advertised only while the plan defers something
-            return Roster(_by_name(with_call), deferred, tuple(t.name for t in unindexed))
+        with_call = _define_with_call(tool_call, head, tail, definition_tokens)
+        if with_call is not None:
+            call_defined, call_overflow = with_call
+            deferred, unindexed = fit_in_order(
+                [*configured, *call_overflow],
+                cap_items=_INDEX.cap_items,
+                cap_tokens=_INDEX.cap_tokens,
+                measure=index_tokens,
+            )
+            if deferred:  # tool.call is advertised only while the plan defers something
+                return Roster(_by_name(call_defined), deferred, tuple(t.name for t in unindexed))
     skipped = (*configured, *overflow)
     return Roster(_by_name(defined), (), tuple(t.name for t in skipped))
+
+
+def _define_with_call(
+    tool_call: ToolSpec, head: list[_Candidate], tail: list[_Candidate], measure: Measure
+) -> tuple[tuple[ToolSpec, ...], tuple[ToolSpec, ...]] | None:
+    """Rule 8: (defined with tool.call, overflow in rank order), or None when tool.call does
+    not fit beside the required and explicit definitions.
+
+    The head (required, then explicit) is defined one slot short, the slot tool.call takes;
+    its tokens are charged before tool.call's. That head is a prefix of the pass without
+    tool.call, which has already admitted every tool of it, so nothing here can fail.
+    """
+    defined, overflow = _define(head, measure, item_cap=_DEFINITIONS.cap_items - 1)
+    used = sum(measure(t) for t in defined)
+    call_tokens = measure(tool_call)
+    if used + call_tokens > _DEFINITIONS.cap_tokens:
+        return None
+    more, more_overflow = _define(
+        tail,
+        measure,
+        item_cap=_DEFINITIONS.cap_items - len(defined) - 1,
+        tokens_used=used + call_tokens,
+    )
+    return (*defined, tool_call, *more), (*overflow, *more_overflow)
 
 
 def _candidates(spec: PlanSpec, has_skills: bool) -> dict[str, ToolSpec]:
@@ -262,20 +295,39 @@ def _required(spec: PlanSpec, candidates: dict[str, ToolSpec]) -> list[ToolSpec]
     return [candidates[n] for n in BROWSER_TOOLS]
 
 
+def _by_name_once(measure: Measure) -> Measure:
+    """`measure`, computed once per tool name (candidate names are unique)."""
+    costs: dict[str, int] = {}
+
+    def once(tool: ToolSpec) -> int:
+        if tool.name not in costs:
+            costs[tool.name] = measure(tool)
+        return costs[tool.name]
+
+    return once
+
+
 def _discovered_key(tool: ToolSpec) -> tuple[int, str, str]:
     return (_SIDE_EFFECT_RANK[tool.side_effect], tool.server, tool.name)
 
 
 def _define(
-    ranked: Sequence[_Candidate], measure: Measure
+    ranked: Sequence[_Candidate],
+    measure: Measure,
+    *,
+    item_cap: int = _DEFINITIONS.cap_items,
+    tokens_used: int = 0,
 ) -> tuple[tuple[ToolSpec, ...], tuple[ToolSpec, ...]]:
-    """Hand out definition slots in rank order: (defined, overflow in rank order)."""
+    """Hand out definition slots in rank order: (defined, overflow in rank order).
+
+    `item_cap` is what is left of the item cap, `tokens_used` what is spent of the token cap.
+    """
     defined: list[ToolSpec] = []
     overflow: list[ToolSpec] = []
-    tokens = 0
+    tokens = tokens_used
     for candidate in ranked:
         at_item_cap, over_token_cap = _WHEN_FULL[candidate.origin]
-        if len(defined) >= _DEFINITIONS.cap_items:
+        if len(defined) >= item_cap:
             _refuse_or_overflow(at_item_cap, candidate, "items", overflow)
             continue
         cost = measure(candidate.tool)
