@@ -575,6 +575,33 @@ def test_hidden_parts_of_a_tool_cost_nothing_and_are_never_sent() -> None:
     )
 
 
+def test_the_tool_class_is_reported_and_budgeted_by_the_measure_that_admitted_it() -> None:
+    """The roster admits a definition by its conservative larger provider form plus provider
+    framing (definition_tokens). The plan's tool_definitions usage, and the prefix_tokens
+    that Build subtracts from the window as exact, counted the engine's own smaller
+    ToolDefinition JSON without framing: at least 8 tokens per tool too few."""
+    schema = {
+        "type": "object",
+        "properties": {"q": {"type": "string"}, "n": {"type": "integer"}},
+        "required": ["q"],
+    }
+    tools = tuple(tool(f"t{i:02d}", description="Search.", input_schema=schema) for i in range(20))
+    plan = make_plan(
+        PlanSpec(model_id="m", tools=tools, policy=_policy()),
+        session_id="s",
+        epoch=1,
+        reason=PlanReason.SESSION_OPENED,
+        secret=SECRET,
+        model=MODEL,
+        count_tokens=count,
+    )
+    classes = {c.class_name: c for c in plan.prefix_classes}
+    usage = classes["tool_definitions"]
+    assert usage.items == 20
+    assert usage.tokens == sum(definition_tokens(definition_item(t), count) for t in tools)
+    assert plan.prefix_tokens == sum(c.tokens for c in plan.prefix_classes)
+
+
 def _policy() -> PlatformPolicySpec:
     return PlatformPolicySpec(version="v1", text="Platform policy.")
 

@@ -1719,7 +1719,8 @@ type ContextPlan struct {
 	Epoch int64 `protobuf:"varint,2,opt,name=epoch,proto3" json:"epoch,omitempty"`
 	// SHA-256 (hex) of prefix_document.
 	PrefixSha256 string `protobuf:"bytes,3,opt,name=prefix_sha256,json=prefixSha256,proto3" json:"prefix_sha256,omitempty"`
-	// Exact token count of the rendered prefix (never estimated).
+	// Exact token count of the rendered prefix (never estimated): the sum of prefix_classes.
+	// Tool definitions count in their conservative larger provider form plus framing.
 	PrefixTokens int64 `protobuf:"varint,4,opt,name=prefix_tokens,json=prefixTokens,proto3" json:"prefix_tokens,omitempty"`
 	// The pinned model.
 	ModelId string `protobuf:"bytes,5,opt,name=model_id,json=modelId,proto3" json:"model_id,omitempty"`
@@ -1755,7 +1756,8 @@ type ContextPlan struct {
 	DeferredToolNames []string `protobuf:"bytes,19,rep,name=deferred_tool_names,json=deferredToolNames,proto3" json:"deferred_tool_names,omitempty"`
 	// SHA-256 of the canonical PlanSpec the plan was built from.
 	SpecSha256 string `protobuf:"bytes,20,opt,name=spec_sha256,json=specSha256,proto3" json:"spec_sha256,omitempty"`
-	// Exact token use of each Region A class.
+	// Exact token use of each Region A class. tool_definitions is measured as the roster
+	// admits a definition: its largest provider serialization plus provider framing.
 	PrefixClasses []*ClassUsage `protobuf:"bytes,21,rep,name=prefix_classes,json=prefixClasses,proto3" json:"prefix_classes,omitempty"`
 	// The canonical (RFC 8785) JSON document whose SHA-256 is prefix_sha256, so a worker in
 	// any language can recompute the hash with an off-the-shelf JCS library.

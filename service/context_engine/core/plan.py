@@ -4,7 +4,8 @@ Rule 1: prefix_sha256 = SHA-256 of the RFC 8785 bytes of the prefix document, wh
 every rendered Region A block, the model-visible tool definitions and the full pinned tool
 specs. A worker can recompute it from `prefix_document` with any JCS library.
 Rule 2: the prefix is counted with the model's tokenizer at plan time and the count is
-stored; Build never re-estimates it.
+stored; Build never re-estimates it. Tool definitions count as the roster admits them: the
+conservative larger provider form plus framing (tool_schema.definition_tokens).
 Rule 3: nothing time-dependent, random or per-request enters the prefix. The plan secret
 that keys envelope nonces is an argument and never enters a prompt or the document.
 """
@@ -391,9 +392,9 @@ def _class_usage(
         name = _CLASS_OF_ROW[block.row]
         tokens[name] = tokens.get(name, 0) + count(block.text)
         items[name] = items.get(name, 0) + 1
-    tokens["tool_definitions"] = sum(
-        count(canonical_bytes(_tool_json(t)).decode("utf-8")) for t in tools
-    )
+    # The measure the roster admitted them by (tool_schema.py, Rule 3): the largest provider
+    # form plus provider framing. prefix_tokens is subtracted as exact: never the smaller one.
+    tokens["tool_definitions"] = sum(definition_tokens(t, count) for t in tools)
     items["tool_definitions"] = len(tools)
     order = [*_CLASS_OF_ROW.values(), "tool_definitions"]
     classes = tuple(
