@@ -33,11 +33,13 @@ from context_engine.core.budget import allocate
 from context_engine.core.cache_hints import cache_breakpoints
 from context_engine.core.canonical import canonical_bytes
 from context_engine.core.caps import (
+    CEILING_CLASSES,
     CLASS_CAPS,
     HISTORY_FLOOR_TOKENS,
     PREFIX_CEILING_TOKENS,
     SAFETY_MARGIN_PPM,
 )
+from context_engine.core.enums import SideEffect
 from context_engine.core.items import (
     AssistantMessage,
     ConversationItem,
@@ -53,7 +55,15 @@ from context_engine.core.items import (
 from context_engine.core.messages import grouped
 from context_engine.core.plan import ClassUsage, _check_prefix_caps
 from context_engine.core.request import ModelRequest
-from context_engine.core.spec import AgentSpec, PlatformPolicySpec
+from context_engine.core.spec import (
+    AgentSpec,
+    MemoryItemSpec,
+    MemorySnapshotSpec,
+    PersonaSpec,
+    PlatformPolicySpec,
+    SkillSpec,
+    ToolSpec,
+)
 from context_engine.core.yield_ladder import LADDER
 
 GATE = settings(max_examples=150, deadline=None)
@@ -523,8 +533,14 @@ def test_an_item_cap_binds_like_a_token_cap() -> None:
     assert caught.value.reason == "PREFIX_CLASS_OVER_CAP"
 
 
-def test_a_prefix_over_the_ceiling_fails_naming_its_largest_class() -> None:
-    classes: Sequence[ClassUsage] = (
+def test_the_ceiling_is_the_sum_of_the_spec_classes_and_framing_is_not_one() -> None:
+    """Spec: "The prefix classes sum to a hard ceiling of 22,000 tokens", the seven classes
+    of its table, whose caps sum to exactly that. Framing (the engine's own text, its own
+    cap) was added into the sum, so a prefix with every spec class within its cap failed
+    PREFIX_OVER_CEILING naming tool_definitions, which the caller could not act on."""
+    assert sum(CLASS_CAPS[n].cap_tokens for n in CEILING_CLASSES) == PREFIX_CEILING_TOKENS
+    assert "framing" not in CEILING_CLASSES
+    full: Sequence[ClassUsage] = (
         _usage("platform_policy", 2_000),
         _usage("framing", 1_000),
         _usage("agent_instructions", 4_000),
@@ -534,12 +550,84 @@ def test_a_prefix_over_the_ceiling_fails_naming_its_largest_class() -> None:
         _usage("skill_catalog", 1_500),
         _usage("memory_snapshot", 1_500),
     )
-    assert sum(c.tokens for c in classes) > PREFIX_CEILING_TOKENS
+    assert sum(c.tokens for c in full) > PREFIX_CEILING_TOKENS
+    _check_prefix_caps(tuple(full))  # every class within its cap: within the ceiling
+
+
+def test_a_plan_with_every_spec_class_within_its_cap_opens_with_framing_on_top() -> None:
+    """The same through make_plan: every spec class near its cap, 21,990 tokens together,
+    plus the builder's framing text. The plan opens, and prefix_tokens still counts the
+    framing (Build subtracts the whole prefix)."""
+
+    def three(text: str) -> int:  # the shipped heuristic: 3 bytes per token, rounded up
+        return -(-len(text.encode("utf-8")) // 3)
+
+    def words(tokens: int) -> str:
+        return "w" * (3 * tokens)
+
+    def tool(name: str, description: str, builtin: bool = False) -> ToolSpec:
+        return ToolSpec(
+            name=name,
+            description=description,
+            input_schema={"type": "object"},
+            side_effect=SideEffect.NONE,
+            builtin=builtin,
+        )
+
+    call = tool("tool.call", "The tool.call tool.", builtin=True)
+    big = tuple(tool(f"big{i}", words(2_900)) for i in range(3))
+    deferred = tuple(tool(f"dfr{i:02d}", words(80) + ".") for i in range(20))
+    spec = PlanSpec(
+        model_id="m",
+        agent=AgentSpec(
+            agent_id="a",
+            version="1",
+            instructions=words(3_985),
+            enabled_tools=("tool.call",),
+            deferred_tools=tuple(t.name for t in deferred),
+        ),
+        persona=PersonaSpec(revision="r", entries=tuple(words(64) for _ in range(30))),
+        tools=(call, *big, *deferred),
+        skills=tuple(SkillSpec(name=f"s{i:02d}", description=words(69)) for i in range(20)),
+        snapshot=MemorySnapshotSpec(items=(MemoryItemSpec(item_id="m0", text=words(1_460)),)),
+        policy=PlatformPolicySpec(version="p", text=words(2_000)),
+    )
+    plan = make_plan(
+        spec,
+        session_id="s",
+        epoch=1,
+        reason=PlanReason.SESSION_OPENED,
+        secret=SECRET,
+        model=ModelFacts("m", "anthropic", 200_000, 8_192),
+        count_tokens=three,
+    )
+    classes = {c.class_name: c for c in plan.prefix_classes}
+    assert all(c.tokens <= c.cap_tokens for c in classes.values())
+    in_ceiling = sum(classes[n].tokens for n in CEILING_CLASSES)
+    assert 21_500 < in_ceiling <= PREFIX_CEILING_TOKENS < in_ceiling + classes["framing"].tokens
+    assert plan.prefix_tokens == in_ceiling + classes["framing"].tokens
+
+
+def test_a_prefix_over_the_ceiling_fails_naming_its_largest_class() -> None:
+    """With every class within its cap the ceiling cannot be passed; it guards the sum
+    anyway (a class without a token cap here stands for caps that drifted apart)."""
+    uncapped = _usage("agent_instructions", 5_000).model_copy(update={"cap_tokens": 0})
+    classes = (
+        _usage("platform_policy", 2_000),
+        _usage("framing", 1_000),
+        uncapped,
+        _usage("persona", 2_000),
+        _usage("tool_definitions", 9_000, items=30),
+        _usage("deferred_tool_index", 2_000),
+        _usage("skill_catalog", 1_500),
+        _usage("memory_snapshot", 1_500),
+    )
     with pytest.raises(PreconditionError) as caught:
-        _check_prefix_caps(tuple(classes))
+        _check_prefix_caps(classes)
     assert caught.value.reason == "PREFIX_OVER_CEILING"
     assert caught.value.metadata["class"] == "tool_definitions"
-    _check_prefix_caps(tuple(classes[:-1]))  # within the ceiling: no error
+    assert caught.value.metadata["ceiling_tokens"] == "23000"  # framing not in the sum
+    assert caught.value.field == "spec.tools"
 
 
 @st.composite

@@ -2,7 +2,9 @@
 
 Rule 1: only history scales with the window (it takes the remainder, floor 8,000).
 Rule 2: Region A classes never yield: over a cap, the plan fails naming the class.
-Rule 3: the prefix classes sum to a hard ceiling of 22,000 tokens.
+Rule 3: the prefix classes sum to a hard ceiling of 22,000 tokens: the spec's seven Region A
+classes (`CEILING_CLASSES`), whose caps sum to exactly that. Framing is not one of them: it
+is counted in prefix_tokens (the budget) and bounded by its own cap, never the ceiling.
 Rule 4: the output reserve is subtracted first (8,192 or the model's default).
 One table; the allocator, the planner and the docs read it.
 """
@@ -15,6 +17,7 @@ from enum import Enum
 from .rows import Region
 
 __all__ = [
+    "CEILING_CLASSES",
     "CLASS_CAPS",
     "HISTORY_FLOOR_TOKENS",
     "PREFIX_CEILING_TOKENS",
@@ -50,7 +53,9 @@ CLASS_CAPS: dict[str, ClassCap] = {
     for c in (
         ClassCap("platform_policy", Region.PREFIX, 2_000, 0, Yields.NEVER_FAILS_PLAN),
         # Framing is platform policy's companion text; it shares no cap in the spec's table,
-        # so it is bounded here by what the builder ships (see framing.py) and counted.
+        # so it is bounded here by what the builder ships (see framing.py) and counted in
+        # prefix_tokens, but not against the ceiling (Rule 3): the engine's own text must
+        # not make a prefix whose every class is within its cap fail.
         ClassCap("framing", Region.PREFIX, 1_000, 0, Yields.NEVER_FAILS_PLAN),
         ClassCap("agent_instructions", Region.PREFIX, 4_000, 0, Yields.NEVER_FAILS_PLAN),
         ClassCap("persona", Region.PREFIX, 2_000, 30, Yields.NEVER_FAILS_PLAN),
@@ -69,6 +74,16 @@ CLASS_CAPS: dict[str, ClassCap] = {
 }
 
 PREFIX_CEILING_TOKENS = 22_000
+# The classes the ceiling sums (the spec's table); their caps sum to the ceiling.
+CEILING_CLASSES = (
+    "platform_policy",
+    "agent_instructions",
+    "persona",
+    "tool_definitions",
+    "deferred_tool_index",
+    "skill_catalog",
+    "memory_snapshot",
+)
 HISTORY_FLOOR_TOKENS = 8_000
 TOOL_RESULTS_BODY_SHARE_PPM = 250_000  # 25% of the body
 SAFETY_MARGIN_PPM = 50_000  # 5%

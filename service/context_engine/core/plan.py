@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from .canonical import canonical_bytes, sha256_hex
-from .caps import CLASS_CAPS, PREFIX_CEILING_TOKENS
+from .caps import CEILING_CLASSES, CLASS_CAPS, PREFIX_CEILING_TOKENS
 from .enums import PlanReason, SessionKind
 from .envelope import wrap
 from .errors import PreconditionError
@@ -383,8 +383,8 @@ def _class_usage(
 
     Raises:
         PreconditionError: PREFIX_CLASS_OVER_CAP for a class over its item or token cap,
-            PREFIX_OVER_CEILING for a prefix over 22,000 tokens (naming its largest
-            class); metadata "class" names the class.
+            PREFIX_OVER_CEILING for a prefix whose ceiling classes (all but framing) sum
+            over 22,000 tokens (naming its largest class); metadata "class" names the class.
     """
     tokens: dict[str, int] = {}
     items: dict[str, int] = {}
@@ -427,15 +427,17 @@ def _check_prefix_caps(classes: tuple[ClassUsage, ...]) -> None:
                 reason="PREFIX_CLASS_OVER_CAP",
                 metadata=_cap_metadata(c),
             )
-    total = sum(c.tokens for c in classes)
+    # The spec's classes only: framing counts in prefix_tokens, not against the ceiling.
+    ceiling = [c for c in classes if c.class_name in CEILING_CLASSES]
+    total = sum(c.tokens for c in ceiling)
     if total > PREFIX_CEILING_TOKENS:
-        largest = max(classes, key=lambda c: (c.tokens, c.class_name))
+        largest = max(ceiling, key=lambda c: (c.tokens, c.class_name))
         raise PreconditionError(
-            f"the prefix is {total} tokens, over its {PREFIX_CEILING_TOKENS}-token ceiling;"
-            f" its largest class is {largest.class_name} ({largest.tokens} tokens)",
+            f"the prefix classes sum to {total} tokens, over their {PREFIX_CEILING_TOKENS}-token"
+            f" ceiling; the largest is {largest.class_name} ({largest.tokens} tokens)",
             field=_FIELD_OF_CLASS.get(largest.class_name),
             reason="PREFIX_OVER_CEILING",
-            metadata={**_cap_metadata(largest), "prefix_tokens": str(total)},
+            metadata={**_cap_metadata(largest), "ceiling_tokens": str(total)},
         )
 
 
