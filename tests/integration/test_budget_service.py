@@ -239,6 +239,44 @@ async def test_a_prefix_class_over_its_cap_fails_the_plan_naming_it(stub: Any) -
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND  # nothing was written
 
 
+async def test_a_capacity_with_no_room_for_a_body_fails_plan_and_rotate(stub: Any) -> None:
+    """A policy cap below the prefix, or an output reserve of the whole window, left every
+    Build of the session BUDGET_EXCEEDED naming user_message. Plan and Rotate (which
+    rebuilds the plan) refuse it at session open, naming the field to change."""
+    tenant = _tenant()
+    session_id = new_id()
+    capped = spec(model_id=MODEL, policy_cap_tokens=2_000)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Plan(pb.PlanRequest(tenant_id=tenant, session_id=session_id, spec=capped))
+    reason, fields, metadata = details(caught.value)
+    assert (caught.value.code(), reason, fields) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_FIELD",
+        ["spec.policy_cap_tokens"],
+    )
+    assert int(metadata["prefix_tokens"]) > 0
+    await stub.Plan(
+        pb.PlanRequest(tenant_id=tenant, session_id=session_id, spec=spec(model_id=MODEL))
+    )
+    reserved = spec(model_id=MODEL, reserve_output_tokens=10_000_000)  # over any window
+    with pytest.raises(grpc.aio.AioRpcError) as rotated:
+        await stub.Rotate(
+            pb.RotateRequest(
+                tenant_id=tenant,
+                session_id=session_id,
+                from_epoch=1,
+                reason=pb.PLAN_REASON_AGENT_CHANGED,
+                spec=reserved,
+            )
+        )
+    reason, fields, _ = details(rotated.value)
+    assert (rotated.value.code(), reason, fields) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_FIELD",
+        ["spec.reserve_output_tokens"],
+    )
+
+
 # --- ReportUsage and the pinned factor -------------------------------------------------
 
 

@@ -40,6 +40,7 @@ from context_engine.core.caps import (
     SAFETY_MARGIN_PPM,
 )
 from context_engine.core.enums import SideEffect
+from context_engine.core.errors import InvalidFieldError
 from context_engine.core.items import (
     AssistantMessage,
     ConversationItem,
@@ -251,7 +252,8 @@ def sessions(draw: st.DrawFn) -> Session:
         floor=floor,
         step=step,
         working_state=working_state,
-        body_room=draw(st.integers(0, 60_000)),
+        # 2: the least room Plan accepts (a one-token body after the 5% margin).
+        body_room=draw(st.integers(2, 60_000)),
         reserve=draw(st.integers(1, 9_000)),
         factor_ppm=draw(st.sampled_from([1_000_000, 1_000_000, 1_300_000, 3_000_000])),
     )
@@ -513,6 +515,47 @@ def test_a_prefix_class_over_its_cap_fails_the_plan_naming_it() -> None:
     assert caught.value.reason == "PREFIX_CLASS_OVER_CAP"
     assert caught.value.metadata["class"] == "agent_instructions"
     assert caught.value.field == "spec.agent.instructions"
+
+
+@pytest.mark.parametrize(
+    ("window", "cap", "reserve", "field"),
+    [
+        (200_000, 0, 300_000, "spec.reserve_output_tokens"),  # the reserve over the window
+        (200_000, 0, 200_000, "spec.reserve_output_tokens"),  # the reserve is the window
+        (200_000, 5_000, 0, "spec.policy_cap_tokens"),  # cap under the model's default reserve
+        (200_000, 200, 100, "spec.policy_cap_tokens"),  # cap under the prefix (271 tokens)
+        (8_400, 0, 0, "spec.reserve_output_tokens"),  # the model's default fills its window
+    ],
+)
+def test_a_capacity_with_no_room_for_a_body_fails_at_plan_time(
+    window: int, cap: int, reserve: int, field: str
+) -> None:
+    """Spec: the output reserve comes off the top of min(window, policy cap), and
+    prefix-size failures are caught at session open, not on turn forty. A reserve or a
+    policy cap that leaves the body nothing opened a session whose every Build failed
+    BUDGET_EXCEEDED naming user_message: the wrong class, on every turn. Plan refuses it,
+    naming the field to change."""
+    with pytest.raises(InvalidFieldError) as caught:
+        _plan(window, cap, reserve)
+    assert caught.value.reason == "INVALID_FIELD"
+    assert caught.value.field == field
+    assert int(caught.value.metadata["reserve_output_tokens"]) == (reserve or 8_192)
+
+
+def test_the_least_capacity_plan_accepts_leaves_a_one_token_body() -> None:
+    """The boundary is the allocator's own: capacity less reserve, prefix and the 5%
+    margin must leave the body at least one token."""
+    prefix = _plan(200_000, 0, 1_000).prefix_tokens
+    with pytest.raises(InvalidFieldError):
+        _plan(200_000, prefix + 1_000 + 1, 1_000)  # one token, all of it margin
+    plan = _plan(200_000, prefix + 1_000 + 2, 1_000)
+    budget = allocate(
+        context_window=plan.context_window,
+        policy_cap_tokens=plan.policy_cap_tokens,
+        reserve_output_tokens=plan.max_output_tokens,
+        prefix_tokens=plan.prefix_tokens,
+    )
+    assert budget.body_tokens == 1
 
 
 def _usage(name: str, tokens: int, items: int = 1) -> ClassUsage:

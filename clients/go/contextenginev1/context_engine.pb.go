@@ -852,8 +852,11 @@ type PlanSpec struct {
 	// Platform policy. Absent: the server's configured policy is used.
 	Policy *PlatformPolicy `protobuf:"bytes,9,opt,name=policy,proto3" json:"policy,omitempty"`
 	// Optional cap on the total context, below the model's window. 0: the model's window.
+	// Capacity (min(window, cap)) less the output reserve, the prefix and the body's 5%
+	// margin must leave a body: else Plan and Rotate refuse it (INVALID_FIELD).
 	PolicyCapTokens int64 `protobuf:"varint,10,opt,name=policy_cap_tokens,json=policyCapTokens,proto3" json:"policy_cap_tokens,omitempty"`
-	// Output tokens reserved off the top. 0: the model's default from the registry.
+	// Output tokens reserved off the top. 0: the model's default from the registry. A reserve
+	// that leaves no body even in the whole window is INVALID_FIELD.
 	ReserveOutputTokens int64 `protobuf:"varint,11,opt,name=reserve_output_tokens,json=reserveOutputTokens,proto3" json:"reserve_output_tokens,omitempty"`
 }
 

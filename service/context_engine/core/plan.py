@@ -19,11 +19,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from .budget import allocate
 from .canonical import canonical_bytes, sha256_hex
 from .caps import CEILING_CLASSES, CLASS_CAPS, PREFIX_CEILING_TOKENS
 from .enums import PlanReason, SessionKind
 from .envelope import wrap
-from .errors import PreconditionError
+from .errors import InvalidFieldError, PreconditionError
 from .framing import BUILDER_VERSION, FRAMING_TEXT
 from .items import (
     AgentInstructionsItem,
@@ -153,6 +154,8 @@ def make_plan(
     Raises:
         PreconditionError: PREFIX_CLASS_OVER_CAP naming the class (tool_definitions for a
             required or explicitly enabled tool over the token cap; persona).
+        InvalidFieldError: spec.reserve_output_tokens or spec.policy_cap_tokens, when the
+            capacity leaves no room for a body beside the prefix (_check_capacity).
     """
     catalog, left_skills = pin_catalog(
         spec.skills, lambda s: count_tokens(_render_text(_catalog_entry(s), secret))
@@ -190,6 +193,8 @@ def make_plan(
     document_bytes = canonical_bytes(document)
     classes = _class_usage(system, tools, count_tokens)
     reserve = spec.reserve_output_tokens or model.default_output_reserve
+    prefix_tokens = sum(c.tokens for c in classes)
+    _check_capacity(spec, model, reserve, prefix_tokens)
     offers_browser = "browser.navigate" in {t.name for t in roster.defined} | {
         t.name for t in roster.deferred
     }
@@ -198,7 +203,7 @@ def make_plan(
         epoch=epoch,
         reason=reason,
         prefix_sha256=sha256_hex(document_bytes),
-        prefix_tokens=sum(c.tokens for c in classes),
+        prefix_tokens=prefix_tokens,
         prefix_document=document_bytes.decode("utf-8"),
         model_id=spec.model_id,
         provider=model.provider,
@@ -439,6 +444,59 @@ def _check_prefix_caps(classes: tuple[ClassUsage, ...]) -> None:
             reason="PREFIX_OVER_CEILING",
             metadata={**_cap_metadata(largest), "ceiling_tokens": str(total)},
         )
+
+
+def _check_capacity(spec: PlanSpec, model: ModelFacts, reserve: int, prefix_tokens: int) -> None:
+    """Refuse a plan whose every Build would fail: capacity (min(window, policy cap)) less
+    the output reserve, the exact prefix and the body's safety margin must leave the body
+    at least one token, the allocator's own arithmetic (budget.allocate). A body smaller
+    than the history floor is accepted: history and the yielding classes give way, and
+    what never yields is checked per request (BUDGET_EXCEEDED).
+
+    The field at fault: the reserve when even the whole window leaves no body (the reserve
+    is the model's default when the spec gives none; a smaller one is the fix), else the
+    policy cap.
+
+    Raises:
+        InvalidFieldError: spec.reserve_output_tokens or spec.policy_cap_tokens.
+    """
+
+    def body(policy_cap: int) -> int:
+        return allocate(
+            context_window=model.context_window,
+            policy_cap_tokens=policy_cap,
+            reserve_output_tokens=reserve,
+            prefix_tokens=prefix_tokens,
+        ).body_tokens
+
+    if body(spec.policy_cap_tokens) > 0:
+        return
+    capacity = (
+        min(model.context_window, spec.policy_cap_tokens)
+        if spec.policy_cap_tokens > 0
+        else model.context_window
+    )
+    metadata = {
+        "capacity_tokens": str(capacity),
+        "context_window": str(model.context_window),
+        "reserve_output_tokens": str(reserve),
+        "prefix_tokens": str(prefix_tokens),
+    }
+    if body(0) <= 0:
+        raise InvalidFieldError(
+            f"an output reserve of {reserve:,} tokens leaves no room for the request in"
+            f" {spec.model_id}'s {model.context_window:,}-token window beside the"
+            f" {prefix_tokens:,}-token prefix: reserve less",
+            field="spec.reserve_output_tokens",
+            metadata=metadata,
+        )
+    raise InvalidFieldError(
+        f"a policy cap of {spec.policy_cap_tokens:,} tokens leaves no room for the request"
+        f" beside the {reserve:,}-token output reserve and the {prefix_tokens:,}-token prefix:"
+        " raise it (0: the model's window)",
+        field="spec.policy_cap_tokens",
+        metadata=metadata,
+    )
 
 
 def _cap_metadata(c: ClassUsage) -> dict[str, str]:
