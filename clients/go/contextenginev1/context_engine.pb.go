@@ -3995,7 +3995,9 @@ type KnowledgePassage struct {
 	Text string `protobuf:"bytes,2,opt,name=text,proto3" json:"text,omitempty"`
 	// Citation (document and location).
 	Citation string `protobuf:"bytes,3,opt,name=citation,proto3" json:"citation,omitempty"`
-	// Trust of the document.
+	// Trust of the document; unspecified is EXTERNAL_UNTRUSTED. Not PLATFORM or MODEL (a
+	// passage is a document rendered in the user role, where bare text could forge a user
+	// envelope: INVALID_FIELD). Below TRUSTED_CONFIGURATION it renders in a nonced envelope.
 	Trust TrustLevel `protobuf:"varint,4,opt,name=trust,proto3,enum=context_engine.v1.TrustLevel" json:"trust,omitempty"`
 }
 

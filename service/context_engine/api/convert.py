@@ -147,6 +147,27 @@ def _result_trust(value: int, field: str) -> TrustLevel:
     return trust
 
 
+# Trust a knowledge passage may not claim. A passage is a caller's document: never the
+# platform's own text (PLATFORM), and never the model's words (MODEL renders bare, and a
+# passage renders in the user role, where bare text could forge a user envelope). The
+# same two a skill body may not claim (core/skills.py, Rule 6).
+_NEVER_PASSAGE_TRUST = frozenset({TrustLevel.PLATFORM, TrustLevel.MODEL})
+
+
+def _passage_trust(value: int, field: str) -> TrustLevel:
+    """A knowledge passage's trust: EXTERNAL_UNTRUSTED when unspecified."""
+    if not value:
+        return TrustLevel.EXTERNAL_UNTRUSTED
+    trust = _trust(value, field)
+    if trust in _NEVER_PASSAGE_TRUST:
+        raise InvalidFieldError(
+            f"{field}: a knowledge passage cannot carry {trust.name} trust (it is a document"
+            " rendered in the user role); label it by its source, e.g. EXTERNAL_UNTRUSTED",
+            field=field,
+        )
+    return trust
+
+
 _E = TypeVar("_E", bound=IntEnum)
 
 
@@ -576,9 +597,7 @@ def step_from_proto(step: pb.StepContext) -> StepContext:
                 item_id=f"knowledge:{passage.item_id}",
                 text=passage.text,
                 citation=passage.citation,
-                trust=_trust(passage.trust, f"{path}.trust")
-                if passage.trust
-                else TrustLevel.EXTERNAL_UNTRUSTED,
+                trust=_passage_trust(passage.trust, f"{path}.trust"),
                 rank=n,
             )
         )
