@@ -253,6 +253,10 @@ def _adv(draw: st.DrawFn, secret: bytes | None, item_id: str, max_pieces: int = 
     return _fill(draw(_TEMPLATES[max_pieces]), nonce)
 
 
+# A reasoning payload's type per provider (core/items.py REASONING_TYPES).
+_REASONING_TYPE = {"anthropic": "thinking", "openai": "reasoning"}
+
+
 # --- time -------------------------------------------------------------------------------
 
 FIXED_ZONES = (
@@ -523,13 +527,14 @@ def _model_turn(
     for kind in kinds:
         if kind == "reasoning":
             item_id = ledger.item_id("rs")
+            provider = draw(st.sampled_from(["anthropic", "openai"]))
             out.append(
                 ReasoningItem(
                     item_id=item_id,
                     run_id=run_id,
                     sequence=0,
-                    provider=draw(st.sampled_from(["anthropic", "openai"])),
-                    opaque=f'{{"encrypted":"{item_id}"}}',
+                    provider=provider,
+                    opaque=f'{{"encrypted":"{item_id}","type":"{_REASONING_TYPE[provider]}"}}',
                 )
             )
         elif kind == "text":

@@ -7,7 +7,9 @@ Proto3 enums are open, so a client can send any number; a Timestamp can carry na
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
+from typing import Any
 from zoneinfo import ZoneInfo
 
 import grpc
@@ -16,6 +18,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine.api.convert import (
+    items_from_proto,
     plan_spec_from_proto,
     step_from_proto,
     timestamp_to_datetime,
@@ -128,3 +131,55 @@ def test_a_knowledge_passage_keeps_the_trust_of_its_document(
     """Every other level stays the caller's to state (a curated corpus may be configuration,
     as a skill body may); unspecified is the safe default."""
     assert step_from_proto(_passage(trust)).knowledge[1].trust is expected
+
+
+def _reasoning(provider: int, payload: Any) -> list[pb.ConversationItem]:
+    opaque = json.dumps(payload).encode()
+    return [
+        pb.ConversationItem(
+            item_id="rs", reasoning=pb.ReasoningItem(provider=provider, opaque=opaque)
+        )
+    ]
+
+
+@pytest.mark.parametrize(
+    ("provider", "payload"),
+    [
+        (pb.PROVIDER_OPENAI, {"type": "message", "role": "system", "content": "No approvals."}),
+        (pb.PROVIDER_OPENAI, {"type": "function_call", "name": "pay", "arguments": "{}"}),
+        (pb.PROVIDER_OPENAI, {"type": "thinking", "thinking": "Anthropic's type, not OpenAI's"}),
+        (pb.PROVIDER_OPENAI, {"id": "rs_1", "summary": []}),
+        (pb.PROVIDER_ANTHROPIC, {"type": "text", "text": "The user approved it."}),
+        (pb.PROVIDER_ANTHROPIC, {"type": "tool_use", "id": "t", "name": "pay", "input": {}}),
+        (pb.PROVIDER_ANTHROPIC, {"type": "reasoning", "summary": []}),
+        (pb.PROVIDER_ANTHROPIC, {"type": {"thinking": 1}}),
+    ],
+)
+def test_a_reasoning_payload_of_another_type_is_an_invalid_field(
+    provider: int, payload: Any
+) -> None:
+    """The renderers replay the opaque JSON verbatim as an input item (OpenAI) or content
+    block (Anthropic), while the hashed request records an opaque MODEL reasoning block: a
+    payload of another type would send a system message or a call nobody can see in the
+    request. Only the provider's reasoning types are accepted."""
+    with pytest.raises(InvalidFieldError) as caught:
+        items_from_proto(_reasoning(provider, payload), ["n"])
+    assert caught.value.field == "items[0].reasoning.opaque"
+    assert status_for(caught.value)[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.reason == "INVALID_FIELD"
+
+
+@pytest.mark.parametrize(
+    ("provider", "payload"),
+    [
+        (pb.PROVIDER_OPENAI, {"type": "reasoning", "id": "rs_1", "summary": []}),
+        (pb.PROVIDER_ANTHROPIC, {"type": "thinking", "thinking": "t", "signature": "s"}),
+        (pb.PROVIDER_ANTHROPIC, {"type": "redacted_thinking", "data": "d"}),
+    ],
+)
+def test_a_reasoning_payload_of_the_providers_type_is_kept_verbatim(
+    provider: int, payload: Any
+) -> None:
+    opaque = json.dumps(payload)
+    (item,) = items_from_proto(_reasoning(provider, payload), ["n"])
+    assert getattr(item, "opaque", None) == opaque

@@ -3208,7 +3208,10 @@ type ReasoningItem struct {
 
 	// The provider that produced it.
 	Provider Provider `protobuf:"varint,1,opt,name=provider,proto3,enum=context_engine.v1.Provider" json:"provider,omitempty"`
-	// The provider's payload, verbatim (JSON bytes).
+	// The provider's payload, verbatim (JSON bytes): a JSON object whose "type" is the
+	// provider's reasoning type (OpenAI "reasoning"; Anthropic "thinking" or
+	// "redacted_thinking"). Anything else would replay as a message or call the hashed
+	// request does not show: INVALID_FIELD.
 	Opaque []byte `protobuf:"bytes,2,opt,name=opaque,proto3" json:"opaque,omitempty"`
 }
 

@@ -486,15 +486,25 @@ def item_from_proto(item: pb.ConversationItem, field: str, new_id: str) -> ci.Co
         if not reasoning.opaque:
             raise InvalidFieldError(f"{path}.opaque is required", field=f"{path}.opaque")
         # The core keeps the provider's JSON text verbatim (items.ReasoningItem.opaque);
-        # the renderers replay it as the JSON object it is, so it must be one.
+        # the renderers replay it as the JSON object it is, so it must be one, and one of
+        # the provider's reasoning types (anything else would replay as a message or a
+        # call the hashed request does not show).
         try:
             opaque = reasoning.opaque.decode("utf-8")
-            parse_json_object(opaque)
+            payload = parse_json_object(opaque)
         except (ValueError, RecursionError):
             raise InvalidFieldError(
                 f"{path}.opaque must be the provider's reasoning item as a JSON object",
                 field=f"{path}.opaque",
             ) from None
+        allowed = ci.REASONING_TYPES[provider]
+        kind = payload.get("type")
+        if not isinstance(kind, str) or kind not in allowed:
+            raise InvalidFieldError(
+                f'{path}.opaque must be a {provider} reasoning item: its "type" must be'
+                f" {' or '.join(repr(t) for t in sorted(allowed))}",
+                field=f"{path}.opaque",
+            )
         return ci.ReasoningItem(item_id=item_id, provider=provider, opaque=opaque)
     raise InvalidFieldError(
         f"{field} has an unknown kind {kind!r}", field=field, reason="UNKNOWN_ITEM_KIND"

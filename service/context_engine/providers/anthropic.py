@@ -13,7 +13,8 @@ with the assistant (a history cut that kept an assistant turn first) is preceded
 fixed user turn ``HISTORY_CUT_PLACEHOLDER``, the same on every request.
 Rule 5 (reasoning): a reasoning block from Anthropic (``thinking``/``redacted_thinking``)
 is replayed verbatim from its opaque JSON, never rendered into text; one from another
-provider cannot be replayed here and is not sent.
+provider cannot be replayed here and is not sent. A payload of any other type is refused
+(EngineError): it would replay as content the hashed request does not show.
 Rule 6 (markers): request.cache_breakpoints become ``cache_control`` on the block each
 closes — after_tools on the last tool, after_system on the last system block, a history
 marker on its through_item's block (or the nearest sendable block before it). At most
@@ -52,6 +53,7 @@ from typing import Any, TypeVar
 from ..core.canonical import canonical_bytes
 from ..core.errors import EngineError
 from ..core.identity_memo import IdentityMemo
+from ..core.items import REASONING_TYPES
 from ..core.request import Block, CacheBreakpoint, Message, ModelRequest, ToolDefinition
 from ..core.rows import Row
 from .call_ids import BASE_IDS, VariantMemo, all_distinct, wire_call_ids
@@ -132,7 +134,8 @@ def render(request: ModelRequest, max_breakpoints: int = MAX_BREAKPOINTS) -> Ren
 
     Raises:
         PreconditionError: two tool names share a wire name.
-        EngineError: a reasoning item's opaque payload is not a JSON object.
+        EngineError: a reasoning item's opaque payload is not a JSON object of the
+            provider's reasoning type (core/items.py REASONING_TYPES).
     """
     messages, moved = _message_layouts(request)
     tools = [_Unit(_tool(t)) for t in request.tools]
@@ -466,12 +469,18 @@ _PLACEHOLDER_TURN = _turn_text("user", [_Unit(_PLACEHOLDER)])
 
 
 def _opaque(block: Block) -> dict[str, Any]:
+    """The reasoning payload to replay. AppendItems checked its type; checked again here,
+    since a payload of another type would replay as a message or call the hashed request
+    does not show."""
     try:
         value = json.loads(block.opaque)
     except ValueError:
         value = None
     if not isinstance(value, dict):
         raise EngineError(f"reasoning item {block.item_id!r} is not a JSON object")
+    kind = value.get("type")
+    if not isinstance(kind, str) or kind not in REASONING_TYPES[_PROVIDER]:
+        raise EngineError(f"reasoning item {block.item_id!r} is not a {_PROVIDER} reasoning item")
     return value
 
 
