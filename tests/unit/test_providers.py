@@ -284,7 +284,10 @@ def test_envelopes_reach_the_provider_intact(sc: Scenario, provider: str) -> Non
                     whole = f"{anthropic.TOOL_ERROR_AS_TEXT}\n{whole}"  # Rule 8
                 assert whole in sent, "each block is sent whole, as one block"
             else:
-                assert block.text in joined
+                whole = block.text
+                if block.kind == "tool_result" and block.is_error:
+                    whole = f"{openai.TOOL_ERROR_AS_TEXT}\n{whole}"  # Rule 3
+                assert whole in joined
     for block in request.system:
         if block.text.strip():
             assert block.text in joined
@@ -879,6 +882,33 @@ def test_without_tools_a_failed_result_says_so_before_its_envelope() -> None:
         anthropic.TOOL_ERROR_AS_TEXT,
     ]
     assert anthropic.render(request).body == _general(request)
+
+
+def test_openai_a_failed_result_says_so_before_its_envelope() -> None:
+    """A function_call_output has no error field, so a failed call's output was byte for
+    byte a successful one's: the model could not tell the call failed. The output's first
+    line is now the engine's, outside the tool's envelope, as in Anthropic's no-tools
+    form; a failed result with no text still says it failed. The neutral request (hashed)
+    is unchanged: it carries is_error already."""
+    plain = _pairs_request(("run-1", "call_0"), ("run-1", "call_1"), provider="openai")
+
+    def outputs(*results: tuple[str, bool]) -> list[str]:
+        first, second = (
+            replace(m, blocks=(replace(m.blocks[0], text=text, is_error=failed),))
+            for m, (text, failed) in zip(plain.messages[2::2], results, strict=True)
+        )
+        messages = (plain.messages[0], plain.messages[1], first, plain.messages[3], second)
+        body = _body(replace(plain, messages=messages))
+        assert "is_error" not in _keys(body)  # the Responses API has no such field
+        return [i["output"] for i in body["input"] if i["type"] == "function_call_output"]
+
+    enveloped = "<untrusted>0</untrusted>"
+    assert outputs((enveloped, False), ("", False)) == [enveloped, ""]
+    assert outputs((enveloped, True), ("", True)) == [
+        f"{openai.TOOL_ERROR_AS_TEXT}\n{enveloped}",
+        openai.TOOL_ERROR_AS_TEXT,
+    ]
+    assert openai.TOOL_ERROR_AS_TEXT == anthropic.TOOL_ERROR_AS_TEXT == "(The tool call failed.)"
 
 
 @SCENARIO_SETTINGS

@@ -29,9 +29,9 @@ Rule 8 (no tools): the API rejects tool_use and tool_result blocks in a request 
 defines no tools (a rotation to an empty roster keeps the history's pairs), so then a call
 is sent as assistant text (``TOOL_CALL_AS_TEXT``: its tool name and canonical arguments)
 and a result as user text: its content exactly as core enveloped it (Rule 3), after
-``TOOL_ERROR_AS_TEXT`` on its own line when the call failed (``is_error`` has no other
-place to go). A request renders all its pairs one way, so every request of an epoch does
-too.
+``TOOL_ERROR_AS_TEXT`` (providers/texts.py) on its own line when the call failed
+(``is_error`` has no other place to go; OpenAI's output says it the same way). A request
+renders all its pairs one way, so every request of an epoch does too.
 
 Speed: each tool, system block and message block renders once per process to its
 canonical JSON text (memoized on the frozen neutral value; a session's tools and a run's
@@ -59,6 +59,7 @@ from ..core.rows import Row
 from .call_ids import BASE_IDS, VariantMemo, all_distinct, wire_call_ids
 from .layout import PromptUnit, RenderedPayload
 from .names import check_wire_names, wire_tool_name
+from .texts import TOOL_ERROR_AS_TEXT  # Rule 8: a result's is_error, as text
 
 __all__ = [
     "API",
@@ -74,7 +75,6 @@ API = "anthropic.messages"
 MAX_BREAKPOINTS = 4
 HISTORY_CUT_PLACEHOLDER = "(The conversation continues from earlier turns not shown here.)"
 TOOL_CALL_AS_TEXT = "(Called tool {name} with input {arguments})"  # Rule 8
-TOOL_ERROR_AS_TEXT = "(The tool call failed.)"  # Rule 8: a result's is_error, as text
 _TTL_RANK = {"5m": 0, "1h": 1}
 _PROVIDER = "anthropic"
 

@@ -7,7 +7,9 @@ re-parsed from their canonical or opaque JSON.
 Rule 3 (items): one input item per neutral block, in order: user text -> a ``message`` with
 one ``input_text`` part; assistant text -> a ``message`` with string content; a tool call ->
 ``function_call``; a tool result -> ``function_call_output`` whose ``output`` is the
-enveloped content, verbatim; an empty text block sends nothing. Tools are ``function``
+enveloped content, verbatim, after ``TOOL_ERROR_AS_TEXT`` (providers/texts.py) on its own
+line when the call failed (the item has no error field; Anthropic's no-tools text form
+says it the same way); an empty text block sends nothing. Tools are ``function``
 tools with ``strict: false`` (the API's strict default would reject ordinary schemas).
 Rule 4 (reasoning): a reasoning item from OpenAI is replayed verbatim from its opaque JSON
 (id, summary, encrypted content), never rendered into text; one from another provider is
@@ -45,8 +47,9 @@ from ..core.rows import Row
 from .call_ids import BASE_IDS, VariantMemo, all_distinct, wire_call_ids
 from .layout import PromptUnit, RenderedPayload
 from .names import check_wire_names, wire_tool_name
+from .texts import TOOL_ERROR_AS_TEXT
 
-__all__ = ["API", "INSTRUCTIONS_SEPARATOR", "prompt_units", "render"]
+__all__ = ["API", "INSTRUCTIONS_SEPARATOR", "TOOL_ERROR_AS_TEXT", "prompt_units", "render"]
 
 API = "openai.responses"
 INSTRUCTIONS_SEPARATOR = "\n\n"
@@ -222,7 +225,10 @@ def _item(role: str, block: Block, call_id: str = "") -> dict[str, Any] | None:
             }
         case "tool_result":
             wire_id = call_id or _BASE_ID(block.call_id)
-            return {"type": "function_call_output", "call_id": wire_id, "output": block.text}
+            output = block.text
+            if block.is_error:  # Rule 3: the engine's line, outside the tool's envelope
+                output = f"{TOOL_ERROR_AS_TEXT}\n{output}" if output else TOOL_ERROR_AS_TEXT
+            return {"type": "function_call_output", "call_id": wire_id, "output": output}
         case "reasoning":
             if block.provider != _PROVIDER:
                 return None
