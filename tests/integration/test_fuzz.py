@@ -271,7 +271,10 @@ def _valid_requests(ids: dict[str, list[str]], new_session: str) -> dict[str, An
         ],
         knowledge=[
             pb.KnowledgePassage(
-                item_id="k1", text="Trains leave hourly.", citation="timetable p.2", trust=1
+                item_id="k1",
+                text="Trains leave hourly.",
+                citation="timetable p.2",
+                trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION,
             )
         ],
         recall_floor_lines=1,

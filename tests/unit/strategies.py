@@ -10,6 +10,7 @@ closing markers that carry the real nonce of the item the text ends up in.
 from __future__ import annotations
 
 import string
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta, timezone
@@ -66,6 +67,7 @@ __all__ = [
     "Ledger",
     "Scenario",
     "adversarial_text",
+    "as_read",
     "aware_datetimes",
     "carried_histories",
     "checkpoints",
@@ -122,8 +124,19 @@ _NAME = st.builds(
         st.text(string.ascii_lowercase + string.digits + "_.", max_size=7),
     ),
 )
-# Whitespace the delimiter is tolerant of (all `str.isspace()`), plus none at all.
-_WS = st.sampled_from(["", " ", "  ", "\t", "\n", "\r\n", "\x0b", "\x0c", "\u00a0", "\u3000"])
+# Whitespace the delimiter is tolerant of (all `str.isspace()`), plus none at all, plus
+# invisible characters a reader skips (zero-width space, word joiner, BOM, soft hyphen).
+_WS = st.sampled_from(
+    [
+        *("", "", " ", "  ", "\t", "\n", "\r\n", "\x0b", "\x0c", "\u00a0", "\u3000"),
+        *("\u200b", "\u2060", "\ufeff", "\u00ad", " \u200b"),
+    ]
+)
+# What reads as the delimiter's "<" and "/": the ASCII forms most often, else fullwidth,
+# small and look-alike forms (core/envelope.py, Rule 2).
+_OPEN = st.sampled_from(["<"] * 6 + ["\uff1c", "\ufe64", "\u2039", "\u3008"])
+_SLASH = st.sampled_from(["/"] * 4 + ["\uff0f", "\u2044"])
+_FULLWIDTH = str.maketrans({c: chr(ord(c) + 0xFEE0) for c in string.ascii_letters})
 
 secrets = st.binary(min_size=16, max_size=32)
 
@@ -140,6 +153,13 @@ def _case_variants(word: str) -> st.SearchStrategy[str]:
 
 
 _TAG_ANY_CASE = st.one_of([_case_variants(t) for t in TAGS])
+# A tag as read: any case, sometimes with a fullwidth letter (NFKC folds it back).
+_TAG_READ = st.one_of(
+    _TAG_ANY_CASE,
+    st.tuples(_TAG_ANY_CASE, st.integers(0, 8)).map(
+        lambda t: t[0][: t[1]] + t[0][t[1] : t[1] + 1].translate(_FULLWIDTH) + t[0][t[1] + 1 :]
+    ),
+)
 _FAKE_NONCE = st.text("0123456789abcdef", min_size=16, max_size=16)
 _NONCE_CHOICE = st.one_of(_FAKE_NONCE, st.sampled_from(["", _REAL, _REAL, _REAL_UPPER]))
 
@@ -166,23 +186,28 @@ _FIXED_PIECES = (
 )
 
 
-def _delimiter(tag: str, nonce: str, ws: tuple[str, str, str], kind: str) -> str:
+def _delimiter(
+    tag: str, nonce: str, ws: tuple[str, str, str], kind: str, marks: tuple[str, str]
+) -> str:
+    lt, slash = marks
     if kind == "close":
-        return f"<{ws[0]}/{ws[1]}{tag}{ws[2]}:{nonce}>"
+        return f"{lt}{ws[0]}{slash}{ws[1]}{tag}{ws[2]}:{nonce}>"
     if kind == "bare_close":
-        return f"<{ws[0]}/{ws[1]}{tag}>"
+        return f"{lt}{ws[0]}{slash}{ws[1]}{tag}>"
     if kind == "open":
-        return f"<{ws[0]}{tag}>"
-    return f'<{ws[0]}{tag} source="x" id="y" nonce="{nonce}">'
+        return f"{lt}{ws[0]}{tag}>"
+    return f'{lt}{ws[0]}{tag} source="x" id="y" nonce="{nonce}">'
 
 
-# One envelope delimiter: any tag, any case, whitespace variants, real or fake nonce.
+# One envelope delimiter: any tag, any case, whitespace and invisible-character variants,
+# look-alike brackets, slashes and letters, real or fake nonce.
 _DELIMITERS = st.builds(
     _delimiter,
-    _TAG_ANY_CASE,
+    _TAG_READ,
     _NONCE_CHOICE,
     st.tuples(_WS, _WS, _WS),
     st.sampled_from(["close", "close", "open", "open_attrs", "bare_close"]),
+    st.tuples(_OPEN, _SLASH),
 )
 _PIECE = st.one_of(any_text, st.sampled_from(_FIXED_PIECES), _DELIMITERS)
 _TEMPLATES = {n: st.lists(_PIECE, max_size=n).map("".join) for n in range(1, 9)}
@@ -191,6 +216,24 @@ _TEMPLATES = {n: st.lists(_PIECE, max_size=n).map("".join) for n in range(1, 9)}
 def _fill(template: str, nonce: str | None) -> str:
     real = nonce if nonce is not None else "0" * 16
     return template.replace(_REAL, real).replace(_REAL_UPPER, real.upper())
+
+
+# Angle brackets and slashes a model reads as "<" and "/" that NFKC leaves alone.
+_READ_AS = str.maketrans(
+    {
+        **dict.fromkeys("\u2039\u2329\u3008\u27e8\u276c\u276e\u2770\u02c2\u1438", "<"),
+        **dict.fromkeys("\u2044\u2215\u2571\u27cb\u29f8", "/"),
+    }
+)
+
+
+def as_read(text: str) -> str:
+    """Text as a model reads it, written independently of core/envelope.py: look-alike
+    brackets and slashes as "<" and "/", compatibility forms folded (NFKC: fullwidth,
+    mathematical letters, ligatures) and invisible format characters (Cf: zero-width
+    space, word joiner, BOM, soft hyphen) dropped. Search it for delimiters."""
+    folded = unicodedata.normalize("NFKC", text.translate(_READ_AS))
+    return "".join(c for c in folded if unicodedata.category(c) != "Cf")
 
 
 def adversarial_text(
@@ -208,6 +251,10 @@ def adversarial_text(
 def _adv(draw: st.DrawFn, secret: bytes | None, item_id: str, max_pieces: int = 4) -> str:
     nonce = item_nonce(secret, item_id) if secret is not None else None
     return _fill(draw(_TEMPLATES[max_pieces]), nonce)
+
+
+# A reasoning payload's type per provider (core/items.py REASONING_TYPES).
+_REASONING_TYPE = {"anthropic": "thinking", "openai": "reasoning"}
 
 
 # --- time -------------------------------------------------------------------------------
@@ -480,13 +527,14 @@ def _model_turn(
     for kind in kinds:
         if kind == "reasoning":
             item_id = ledger.item_id("rs")
+            provider = draw(st.sampled_from(["anthropic", "openai"]))
             out.append(
                 ReasoningItem(
                     item_id=item_id,
                     run_id=run_id,
                     sequence=0,
-                    provider=draw(st.sampled_from(["anthropic", "openai"])),
-                    opaque=f'{{"encrypted":"{item_id}"}}',
+                    provider=provider,
+                    opaque=f'{{"encrypted":"{item_id}","type":"{_REASONING_TYPE[provider]}"}}',
                 )
             )
         elif kind == "text":

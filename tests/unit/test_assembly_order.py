@@ -269,7 +269,9 @@ def test_only_the_latest_model_turns_reasoning_is_replayed(sc: Scenario) -> None
 
 def test_reasoning_of_earlier_turns_and_earlier_runs_is_dropped() -> None:
     def reasoning(item_id: str) -> ReasoningItem:
-        return ReasoningItem(item_id=item_id, provider="openai", opaque=f'{{"id":"{item_id}"}}')
+        return ReasoningItem(
+            item_id=item_id, provider="openai", opaque=f'{{"id":"{item_id}","type":"reasoning"}}'
+        )
 
     earlier_run = (
         UserMessage(item_id="old-u", text="hi", sequence=1, run_id="r0"),

@@ -59,3 +59,5 @@ def test_known_deviations_still_hold(deviation: dict[str, Any]) -> None:
         assert target == deviation["check"]["equals"]
     if "absent_key" in deviation["check"]:
         assert deviation["check"]["absent_key"] not in _keys(target)
+    if "starts_with" in deviation["check"]:
+        assert target.startswith(deviation["check"]["starts_with"])

@@ -52,7 +52,7 @@ from context_engine.core.working_state import (
     source_trust,
 )
 
-from .strategies import SETTINGS, adversarial_text, count_tokens, secrets
+from .strategies import SETTINGS, adversarial_text, as_read, count_tokens, secrets
 
 SECRET = b"s" * 32
 CANARY = "CANARY7f3a9c2e11d0"
@@ -550,7 +550,7 @@ def test_no_entry_escapes_its_place_in_the_block(case: tuple[WorkingState, bytes
     assert block is not None
     bare = outside_envelopes(block.text)
     # No delimiter outside a real envelope; no canary outside one either.
-    assert _ANY_DELIMITER.search(bare) is None
+    assert _ANY_DELIMITER.search(as_read(bare)) is None
     assert CANARY not in bare
     # Every line that looks like an entry is one the platform wrote: attributions are real.
     entries = [*state.constraints, *state.open_questions]

@@ -3216,7 +3216,10 @@ type ReasoningItem struct {
 
 	// The provider that produced it.
 	Provider Provider `protobuf:"varint,1,opt,name=provider,proto3,enum=context_engine.v1.Provider" json:"provider,omitempty"`
-	// The provider's payload, verbatim (JSON bytes).
+	// The provider's payload, verbatim (JSON bytes): a JSON object whose "type" is the
+	// provider's reasoning type (OpenAI "reasoning"; Anthropic "thinking" or
+	// "redacted_thinking"). Anything else would replay as a message or call the hashed
+	// request does not show: INVALID_FIELD.
 	Opaque []byte `protobuf:"bytes,2,opt,name=opaque,proto3" json:"opaque,omitempty"`
 }
 
@@ -4003,7 +4006,9 @@ type KnowledgePassage struct {
 	Text string `protobuf:"bytes,2,opt,name=text,proto3" json:"text,omitempty"`
 	// Citation (document and location).
 	Citation string `protobuf:"bytes,3,opt,name=citation,proto3" json:"citation,omitempty"`
-	// Trust of the document.
+	// Trust of the document; unspecified is EXTERNAL_UNTRUSTED. Not PLATFORM or MODEL (a
+	// passage is a document rendered in the user role, where bare text could forge a user
+	// envelope: INVALID_FIELD). Below TRUSTED_CONFIGURATION it renders in a nonced envelope.
 	Trust TrustLevel `protobuf:"varint,4,opt,name=trust,proto3,enum=context_engine.v1.TrustLevel" json:"trust,omitempty"`
 }
 

@@ -147,15 +147,37 @@ def _result_trust(value: int, field: str) -> TrustLevel:
     return trust
 
 
+# Trust a caller's document rendered in the user role (a knowledge passage, a skill
+# catalog entry whose body a load renders) may not claim: never the platform's own text
+# (PLATFORM), and never the model's words (MODEL renders bare, and bare text in the user
+# role could forge a user envelope). The same two a skill body may not claim
+# (core/skills.py, Rule 6).
+_NEVER_DOCUMENT_TRUST = frozenset({TrustLevel.PLATFORM, TrustLevel.MODEL})
+
+
 def _catalog_trust(value: int, field: str) -> TrustLevel:
     """A skill catalog entry's trust. Not PLATFORM or MODEL: a loaded body takes its entry's
     trust and renders in the user role, where either would render bare (LoadSkill refuses
     both for the body itself; an entry must not hand them over)."""
     trust = _trust(value, field)
-    if trust in (TrustLevel.PLATFORM, TrustLevel.MODEL):
+    if trust in _NEVER_DOCUMENT_TRUST:
         raise InvalidFieldError(
             f"{field}: a skill catalog entry cannot carry {trust.name} trust (its body would"
             " render bare in the user role); use TRUSTED_CONFIGURATION or lower",
+            field=field,
+        )
+    return trust
+
+
+def _passage_trust(value: int, field: str) -> TrustLevel:
+    """A knowledge passage's trust: EXTERNAL_UNTRUSTED when unspecified."""
+    if not value:
+        return TrustLevel.EXTERNAL_UNTRUSTED
+    trust = _trust(value, field)
+    if trust in _NEVER_DOCUMENT_TRUST:
+        raise InvalidFieldError(
+            f"{field}: a knowledge passage cannot carry {trust.name} trust (it is a document"
+            " rendered in the user role); label it by its source, e.g. EXTERNAL_UNTRUSTED",
             field=field,
         )
     return trust
@@ -485,15 +507,25 @@ def item_from_proto(item: pb.ConversationItem, field: str, new_id: str) -> ci.Co
         if not reasoning.opaque:
             raise InvalidFieldError(f"{path}.opaque is required", field=f"{path}.opaque")
         # The core keeps the provider's JSON text verbatim (items.ReasoningItem.opaque);
-        # the renderers replay it as the JSON object it is, so it must be one.
+        # the renderers replay it as the JSON object it is, so it must be one, and one of
+        # the provider's reasoning types (anything else would replay as a message or a
+        # call the hashed request does not show).
         try:
             opaque = reasoning.opaque.decode("utf-8")
-            parse_json_object(opaque)
+            payload = parse_json_object(opaque)
         except (ValueError, RecursionError):
             raise InvalidFieldError(
                 f"{path}.opaque must be the provider's reasoning item as a JSON object",
                 field=f"{path}.opaque",
             ) from None
+        allowed = ci.REASONING_TYPES[provider]
+        kind = payload.get("type")
+        if not isinstance(kind, str) or kind not in allowed:
+            raise InvalidFieldError(
+                f'{path}.opaque must be a {provider} reasoning item: its "type" must be'
+                f" {' or '.join(repr(t) for t in sorted(allowed))}",
+                field=f"{path}.opaque",
+            )
         return ci.ReasoningItem(item_id=item_id, provider=provider, opaque=opaque)
     raise InvalidFieldError(
         f"{field} has an unknown kind {kind!r}", field=field, reason="UNKNOWN_ITEM_KIND"
@@ -596,9 +628,7 @@ def step_from_proto(step: pb.StepContext) -> StepContext:
                 item_id=f"knowledge:{passage.item_id}",
                 text=passage.text,
                 citation=passage.citation,
-                trust=_trust(passage.trust, f"{path}.trust")
-                if passage.trust
-                else TrustLevel.EXTERNAL_UNTRUSTED,
+                trust=_passage_trust(passage.trust, f"{path}.trust"),
                 rank=n,
             )
         )

@@ -7,7 +7,16 @@ Rule 1: the nonce is HMAC-SHA256(plan secret, item id), truncated. It is determi
 content cannot predict its own closing marker.
 Rule 2: any occurrence of envelope delimiter syntax inside content is escaped at render
 time, including one carrying the right nonce; a closing marker inside content is content.
-Rule 3: attribute values are escaped too, so a source name cannot forge attributes.
+Delimiters are matched as a model reads them: in any case, with whitespace around the
+slash, and with each character folded as a reader folds it: compatibility forms to ASCII
+(NFKC: fullwidth "＜" and "／", fullwidth or mathematical letters, ligatures), invisible
+characters dropped (category Cf, such as U+200B and U+FEFF, and Unicode's other
+default-ignorable code points), look-alike angle brackets and slashes (``_LOOKALIKES``)
+read as "<" and "/". Escaping replaces the one character that opens a delimiter with
+``&lt;``; nothing else changes and nothing is normalized. Plain ASCII content can hold no
+look-alike and takes the plain match alone, so its bytes are what they always were.
+Rule 3: attribute values are escaped too, so a source name cannot forge attributes: & " < >
+and every character that reads as one of them (fullwidth forms, Rule 2's openers).
 """
 
 from __future__ import annotations
@@ -15,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+import unicodedata
+from functools import lru_cache
 
 from .trust import ENVELOPE_TAGS, TrustLevel, envelope_tag
 
@@ -22,13 +33,49 @@ __all__ = ["NONCE_HEX_CHARS", "escape_content", "item_nonce", "wrap"]
 
 NONCE_HEX_CHARS = 16  # 64 bits: unguessable per item, short enough to cost few tokens.
 
+_TAGS = sorted(set(ENVELOPE_TAGS.values()))
+
 # An opening or closing delimiter of any envelope tag, tolerant of whitespace and case
-# because a model reads "< /UNTRUSTED" as a delimiter just as well.
-_DELIMITER = re.compile(
-    r"<(\s*/?\s*)(" + "|".join(sorted(set(ENVELOPE_TAGS.values()))) + r")\b",
-    re.IGNORECASE,
+# because a model reads "< /UNTRUSTED" as a delimiter just as well. Possessive (*+): giving
+# whitespace back can never let "/" or a tag match, and backtracking made "<" followed by
+# n spaces cost n² steps.
+_DELIMITER = re.compile(r"<\s*+/?\s*+(?:" + "|".join(_TAGS) + r")\b", re.IGNORECASE)
+
+# Rule 2, look-alikes. Characters that read as "<" or "/" to a model but that NFKC leaves
+# alone (it already folds fullwidth and small forms: U+FF1C, U+FE64, U+FF0F).
+_LOOKALIKES = {
+    **dict.fromkeys("\u2039\u2329\u3008\u27e8\u276c\u276e\u2770\u02c2\u1438", "<"),
+    **dict.fromkeys("\u2044\u2215\u2571\u27cb\u29f8", "/"),
+}
+# Every character that can open a delimiter once folded (tests/unit/test_envelope.py checks
+# it holds every character NFKC folds to "<"). Plain ASCII content has none but "<".
+_OPENERS = "<\ufe64\uff1c" + "".join(k for k, v in _LOOKALIKES.items() if v == "<")
+# An opener worth a closer look: past whitespace and slashes, a tag's first letter or any
+# non-ASCII character (which may fold to one). Rejects "</div", "<b>", "a < 2" in C.
+_INITIALS = "".join(sorted({t[0] for t in _TAGS}))
+_CANDIDATE = re.compile(f"[{_OPENERS}](?=[\\s/]*+[{_INITIALS}\\x80-\\U0010ffff])", re.IGNORECASE)
+# Invisible characters a reader skips besides category Cf: the rest of Unicode's
+# Default_Ignorable_Code_Point (combining grapheme joiner, Hangul fillers, variation
+# selectors).
+_IGNORABLE = re.compile(
+    "[\u034f\u115f\u1160\u17b4\u17b5\u180b-\u180f\u3164\ufe00-\ufe0f\uffa0\U000e0100-\U000e01ef]"
 )
-_ATTR_ESCAPES = str.maketrans({"&": "&amp;", '"': "&quot;", "<": "&lt;", ">": "&gt;"})
+_SPACE = re.compile(r"\s")
+# What follows an opener in a delimiter, on the visible characters only (whitespace
+# dropped, lowercased), and each start of one: a cheap necessary condition that ends the
+# look at "<di" or "</x".
+_VISIBLE_TAGS = tuple(p + t for p in ("", "/") for t in _TAGS)
+_VISIBLE_STARTS = frozenset(t[:n] for t in _VISIBLE_TAGS for n in range(len(t)))
+# Rule 3: & " < > and the characters that read as them (their compatibility forms, and
+# every opener of Rule 2), so an attribute can neither end early nor hold a delimiter.
+_ATTR_ESCAPES = str.maketrans(
+    {
+        **dict.fromkeys("&\ufe60\uff06", "&amp;"),
+        **dict.fromkeys('"\uff02', "&quot;"),
+        **dict.fromkeys(_OPENERS, "&lt;"),
+        **dict.fromkeys(">\ufe65\uff1e", "&gt;"),
+    }
+)
 
 
 def item_nonce(secret: bytes, item_id: str) -> str:
@@ -38,8 +85,49 @@ def item_nonce(secret: bytes, item_id: str) -> str:
 
 
 def escape_content(text: str) -> str:
-    """Neutralize every envelope delimiter inside content; everything else is verbatim."""
-    return _DELIMITER.sub(lambda m: "&lt;" + m.group(1) + m.group(2), text)
+    """Neutralize every envelope delimiter inside content, look-alikes included (Rule 2):
+    its opening character becomes ``&lt;``; everything else is verbatim."""
+    if text.isascii():  # O(1) in CPython: no look-alike can occur, the plain match decides
+        return _DELIMITER.sub(_escaped, text)
+    pieces: list[str] = []
+    done = 0
+    for candidate in _CANDIDATE.finditer(text):
+        at = candidate.start()
+        if _DELIMITER.match(text, at) or _reads_as_delimiter(text, at):
+            pieces += (text[done:at], "&lt;")
+            done = at + 1
+    return "".join(pieces) + text[done:] if pieces else text
+
+
+def _escaped(match: re.Match[str]) -> str:
+    return "&lt;" + match.group()[1:]
+
+
+def _reads_as_delimiter(text: str, at: int) -> bool:
+    """Whether the text from the opener at `at` reads as a delimiter once each character
+    after it is folded (Rule 2). Looks only as far as it takes to decide: to the first
+    character no delimiter continues with, or to the one after the tag (the word boundary).
+    """
+    folded = ["<"]
+    visible = ""
+    for n in range(at + 1, len(text)):
+        piece, shown = _fold(text[n])
+        folded.append(piece)
+        if piece and visible.startswith(_VISIBLE_TAGS):
+            break
+        visible += shown
+        if visible not in _VISIBLE_STARTS and not visible.startswith(_VISIBLE_TAGS):
+            return False
+    return _DELIMITER.match("".join(folded)) is not None
+
+
+@lru_cache(maxsize=4096)
+def _fold(ch: str) -> tuple[str, str]:
+    """(`ch` as read: look-alike replaced, NFKC, invisible characters dropped; the same
+    lowercased without whitespace)."""
+    read = unicodedata.normalize("NFKC", _LOOKALIKES.get(ch, ch))
+    read = "".join(c for c in read if unicodedata.category(c) != "Cf" and not _IGNORABLE.match(c))
+    return read, "".join(c for c in read.lower() if not _SPACE.match(c))
 
 
 def wrap(

@@ -20,6 +20,7 @@ from .rows import ROW_TABLE, Region, Row
 from .trust import TrustLevel
 
 __all__ = [
+    "REASONING_TYPES",
     "AgentInstructionsItem",
     "AssistantMessage",
     "Attachment",
@@ -221,8 +222,18 @@ class ToolResult(_Logged):
     context_content: str = ""
 
 
+# The "type" a provider's reasoning payload carries: replayed verbatim, a payload of any
+# other type (a message, a tool call) would reach the provider as that, while the hashed
+# request shows an opaque MODEL reasoning block. AppendItems refuses it; so do renderers.
+REASONING_TYPES: dict[str, frozenset[str]] = {
+    "anthropic": frozenset({"thinking", "redacted_thinking"}),
+    "openai": frozenset({"reasoning"}),
+}
+
+
 class ReasoningItem(_Logged):
-    """Provider-opaque; replayed verbatim within its run, never rendered into text."""
+    """Provider-opaque; replayed verbatim within its run, never rendered into text. `opaque`
+    is a JSON object whose "type" is one of REASONING_TYPES[provider]."""
 
     ROWS = frozenset({Row.CONVERSATION})
     FIXED_TRUST = TrustLevel.MODEL

@@ -76,7 +76,8 @@ def render(request: ModelRequest) -> RenderedPayload:
     """The provider payload of `request`, for its plan's provider.
 
     Raises:
-        EngineError: an unknown provider, or a reasoning payload that is not JSON.
+        EngineError: an unknown provider, or a reasoning payload that is not a JSON
+            object of the provider's reasoning type.
         PreconditionError: two tool names share a wire name.
     """
     return _renderer(request.provider).render(request)

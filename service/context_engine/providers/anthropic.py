@@ -13,7 +13,8 @@ with the assistant (a history cut that kept an assistant turn first) is preceded
 fixed user turn ``HISTORY_CUT_PLACEHOLDER``, the same on every request.
 Rule 5 (reasoning): a reasoning block from Anthropic (``thinking``/``redacted_thinking``)
 is replayed verbatim from its opaque JSON, never rendered into text; one from another
-provider cannot be replayed here and is not sent.
+provider cannot be replayed here and is not sent. A payload of any other type is refused
+(EngineError): it would replay as content the hashed request does not show.
 Rule 6 (markers): request.cache_breakpoints become ``cache_control`` on the block each
 closes — after_tools on the last tool, after_system on the last system block, a history
 marker on its through_item's block (or the nearest sendable block before it). At most
@@ -28,9 +29,9 @@ Rule 8 (no tools): the API rejects tool_use and tool_result blocks in a request 
 defines no tools (a rotation to an empty roster keeps the history's pairs), so then a call
 is sent as assistant text (``TOOL_CALL_AS_TEXT``: its tool name and canonical arguments)
 and a result as user text: its content exactly as core enveloped it (Rule 3), after
-``TOOL_ERROR_AS_TEXT`` on its own line when the call failed (``is_error`` has no other
-place to go). A request renders all its pairs one way, so every request of an epoch does
-too.
+``TOOL_ERROR_AS_TEXT`` (providers/texts.py) on its own line when the call failed
+(``is_error`` has no other place to go; OpenAI's output says it the same way). A request
+renders all its pairs one way, so every request of an epoch does too.
 
 Speed: each tool, system block and message block renders once per process to its
 canonical JSON text (memoized on the frozen neutral value; a session's tools and a run's
@@ -52,11 +53,13 @@ from typing import Any, TypeVar
 from ..core.canonical import canonical_bytes
 from ..core.errors import EngineError
 from ..core.identity_memo import IdentityMemo
+from ..core.items import REASONING_TYPES
 from ..core.request import Block, CacheBreakpoint, Message, ModelRequest, ToolDefinition
 from ..core.rows import Row
 from .call_ids import BASE_IDS, VariantMemo, all_distinct, wire_call_ids
 from .layout import PromptUnit, RenderedPayload
 from .names import check_wire_names, wire_tool_name
+from .texts import TOOL_ERROR_AS_TEXT  # Rule 8: a result's is_error, as text
 
 __all__ = [
     "API",
@@ -72,7 +75,6 @@ API = "anthropic.messages"
 MAX_BREAKPOINTS = 4
 HISTORY_CUT_PLACEHOLDER = "(The conversation continues from earlier turns not shown here.)"
 TOOL_CALL_AS_TEXT = "(Called tool {name} with input {arguments})"  # Rule 8
-TOOL_ERROR_AS_TEXT = "(The tool call failed.)"  # Rule 8: a result's is_error, as text
 _TTL_RANK = {"5m": 0, "1h": 1}
 _PROVIDER = "anthropic"
 
@@ -132,7 +134,8 @@ def render(request: ModelRequest, max_breakpoints: int = MAX_BREAKPOINTS) -> Ren
 
     Raises:
         PreconditionError: two tool names share a wire name.
-        EngineError: a reasoning item's opaque payload is not a JSON object.
+        EngineError: a reasoning item's opaque payload is not a JSON object of the
+            provider's reasoning type (core/items.py REASONING_TYPES).
     """
     messages, moved = _message_layouts(request)
     tools = [_Unit(_tool(t)) for t in request.tools]
@@ -466,12 +469,18 @@ _PLACEHOLDER_TURN = _turn_text("user", [_Unit(_PLACEHOLDER)])
 
 
 def _opaque(block: Block) -> dict[str, Any]:
+    """The reasoning payload to replay. AppendItems checked its type; checked again here,
+    since a payload of another type would replay as a message or call the hashed request
+    does not show."""
     try:
         value = json.loads(block.opaque)
     except ValueError:
         value = None
     if not isinstance(value, dict):
         raise EngineError(f"reasoning item {block.item_id!r} is not a JSON object")
+    kind = value.get("type")
+    if not isinstance(kind, str) or kind not in REASONING_TYPES[_PROVIDER]:
+        raise EngineError(f"reasoning item {block.item_id!r} is not a {_PROVIDER} reasoning item")
     return value
 
 

@@ -7,11 +7,14 @@ re-parsed from their canonical or opaque JSON.
 Rule 3 (items): one input item per neutral block, in order: user text -> a ``message`` with
 one ``input_text`` part; assistant text -> a ``message`` with string content; a tool call ->
 ``function_call``; a tool result -> ``function_call_output`` whose ``output`` is the
-enveloped content, verbatim; an empty text block sends nothing. Tools are ``function``
+enveloped content, verbatim, after ``TOOL_ERROR_AS_TEXT`` (providers/texts.py) on its own
+line when the call failed (the item has no error field; Anthropic's no-tools text form
+says it the same way); an empty text block sends nothing. Tools are ``function``
 tools with ``strict: false`` (the API's strict default would reject ordinary schemas).
 Rule 4 (reasoning): a reasoning item from OpenAI is replayed verbatim from its opaque JSON
 (id, summary, encrypted content), never rendered into text; one from another provider is
-not sent.
+not sent. Its payload must be of type ``reasoning`` (EngineError otherwise): anything else
+would replay as a message or call the hashed request does not show.
 Rule 5 (cache): the Responses API caches implicitly and takes no markers; the request
 carries ``prompt_cache_key`` = request.session_key, so every run, step and epoch of one
 session routes to the same cache and no other session shares it.
@@ -38,13 +41,15 @@ from typing import Any
 from ..core.canonical import canonical_bytes
 from ..core.errors import EngineError
 from ..core.identity_memo import IdentityMemo
+from ..core.items import REASONING_TYPES
 from ..core.request import Block, Message, ModelRequest, ToolDefinition
 from ..core.rows import Row
 from .call_ids import BASE_IDS, VariantMemo, all_distinct, wire_call_ids
 from .layout import PromptUnit, RenderedPayload
 from .names import check_wire_names, wire_tool_name
+from .texts import TOOL_ERROR_AS_TEXT
 
-__all__ = ["API", "INSTRUCTIONS_SEPARATOR", "prompt_units", "render"]
+__all__ = ["API", "INSTRUCTIONS_SEPARATOR", "TOOL_ERROR_AS_TEXT", "prompt_units", "render"]
 
 API = "openai.responses"
 INSTRUCTIONS_SEPARATOR = "\n\n"
@@ -87,7 +92,8 @@ def render(request: ModelRequest) -> RenderedPayload:
 
     Raises:
         PreconditionError: two tool names share a wire name.
-        EngineError: a reasoning item's opaque payload is not a JSON object.
+        EngineError: a reasoning item's opaque payload is not a JSON object of the
+            provider's reasoning type (core/items.py REASONING_TYPES).
     """
     layout = _layout(request)
     # Keys in RFC 8785 order: input, instructions, max_output_tokens, model,
@@ -219,7 +225,10 @@ def _item(role: str, block: Block, call_id: str = "") -> dict[str, Any] | None:
             }
         case "tool_result":
             wire_id = call_id or _BASE_ID(block.call_id)
-            return {"type": "function_call_output", "call_id": wire_id, "output": block.text}
+            output = block.text
+            if block.is_error:  # Rule 3: the engine's line, outside the tool's envelope
+                output = f"{TOOL_ERROR_AS_TEXT}\n{output}" if output else TOOL_ERROR_AS_TEXT
+            return {"type": "function_call_output", "call_id": wire_id, "output": output}
         case "reasoning":
             if block.provider != _PROVIDER:
                 return None
@@ -228,10 +237,16 @@ def _item(role: str, block: Block, call_id: str = "") -> dict[str, Any] | None:
 
 
 def _opaque(block: Block) -> dict[str, Any]:
+    """The reasoning payload to replay. AppendItems checked its type; checked again here,
+    since a payload of another type would replay as a message or call the hashed request
+    does not show."""
     try:
         value = json.loads(block.opaque)
     except ValueError:
         value = None
     if not isinstance(value, dict):
         raise EngineError(f"reasoning item {block.item_id!r} is not a JSON object")
+    kind = value.get("type")
+    if not isinstance(kind, str) or kind not in REASONING_TYPES[_PROVIDER]:
+        raise EngineError(f"reasoning item {block.item_id!r} is not a {_PROVIDER} reasoning item")
     return value
