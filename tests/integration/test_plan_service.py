@@ -342,6 +342,62 @@ async def test_a_builder_upgrade_rotates_only_a_plan_it_does_not_reproduce(
     assert rotated["detail"] == "run admission: builder_upgraded"
 
 
+def _older_builder(p: dict[str, Any]) -> dict[str, Any]:
+    system = [dict(b) for b in p["system"]]
+    system[1]["text"] = "An older builder's framing text."
+    return {**p, "system": system, "builder_version": "context-builder@0"}
+
+
+async def test_a_builder_upgrade_at_a_reduced_admission_keeps_every_runs_tools(
+    stub: Any, pool: Any
+) -> None:
+    """builder_upgraded reaches every active run, so it rebuilds from the pinned authority,
+    not the admitted run's reduced scopes: "scope reduction alone preserves the prefix" and
+    revocation is enforced at call time. The owner's next run then finds nothing new: one
+    epoch for one upgrade, not a second run_authority_changed."""
+    session_id, plan = await _open(stub, spec())  # scopes calendar.read, web.read
+    assert "web.fetch" in plan.tool_names
+    parked = await _start(stub, session_id)  # an active run, e.g. parked on an approval
+    await _rewrite_plan(pool, session_id, _older_builder)
+    restricted = await _start(stub, session_id, scopes=["calendar.read"])
+    assert restricted.rotated_plan.reason == pb.PLAN_REASON_BUILDER_UPGRADED
+    assert "web.fetch" in restricted.rotated_plan.tool_names
+    resumed = await _build(stub, session_id, parked.run.run_id)
+    assert resumed.epoch == restricted.rotated_plan.epoch
+    assert "web.fetch" in [t.name for t in resumed.request.tools]
+    owner = await _start(stub, session_id, scopes=["calendar.read", "web.read"])
+    assert not owner.HasField("rotated_plan")
+    assert await _rotations(pool, session_id) == ["builder_upgraded"]
+
+
+async def test_after_an_erasure_a_grant_is_a_second_rotation_only_its_run_pins(
+    stub: Any, pool: Any
+) -> None:
+    """An erasure's rotation reaches every run, so it rebuilds from the pinned authority;
+    the admitted run's grant follows as its own run_authority_changed epoch. One rotation
+    carrying the grant would hand it to every active run ("it never grants the scheduled
+    run additional scopes")."""
+    person = f"ana-{new_id()}"
+    memory = _mail_spec(snapshot=_memory_spec("trace-g").snapshot)
+    memory.snapshot.items[0].person_ids[:] = [person]
+    session_id, _ = await _open(stub, memory)
+    parked = await _start(stub, session_id)
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    granted = await _start(stub, session_id, scopes=["calendar.read", "mail.send", "web.read"])
+    assert (granted.rotated_plan.epoch, granted.rotated_plan.reason) == (
+        3,
+        pb.PLAN_REASON_RUN_AUTHORITY_CHANGED,
+    )
+    assert granted.run.epoch == 3 and "mail.send" in granted.rotated_plan.tool_names
+    assert await _rotations(pool, session_id) == ["snapshot_invalidated", "run_authority_changed"]
+    resumed = await _build(stub, session_id, parked.run.run_id)
+    assert resumed.epoch == 2 and "allergic" not in _text(resumed)
+    assert "mail.send" not in [t.name for t in resumed.request.tools]
+    fresh = await _build(stub, session_id, granted.run.run_id)
+    assert fresh.epoch == 3 and "allergic" not in _text(fresh)
+    assert "mail.send" in [t.name for t in fresh.request.tools]
+
+
 async def test_a_legacy_hash_is_canonicalized_without_new_bytes(stub: Any, pool: Any) -> None:
     two_scopes = spec()
     two_scopes.tools.append(tool("mail.search", scopes=("mail.read", "calendar.read")))

@@ -3611,7 +3611,8 @@ type StartRunResponse struct {
 	CheckpointVersion int64 `protobuf:"varint,2,opt,name=checkpoint_version,json=checkpointVersion,proto3" json:"checkpoint_version,omitempty"`
 	// Set when admission rotated the epoch (run_authority_changed, browser_profile_changed,
 	// snapshot_invalidated, builder_upgraded, prefix_hash_canonicalized): the new plan the
-	// run pins.
+	// run pins. After an erasure, admission with a grant rotates twice (snapshot_invalidated,
+	// then run_authority_changed): this is the last.
 	RotatedPlan *ContextPlan `protobuf:"bytes,3,opt,name=rotated_plan,json=rotatedPlan,proto3" json:"rotated_plan,omitempty"`
 }
 

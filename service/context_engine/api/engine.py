@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from typing import Any
 from uuid import UUID
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -69,6 +70,8 @@ class RunStarted:
     epoch: int
     checkpoint_version: int
     rotated_epoch: int | None = None  # set when admission rotated the plan for this run
+    # Not stored with the answer (to_json): what this call did, for telemetry.
+    rotations: tuple[PlanReason, ...] = ()  # every rotation admission made, in order
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -316,9 +319,11 @@ class Engine:
         admission: epoch_rules.Admission | None,
         epoch: int,
         revision: int,
-    ) -> plans.StoredPlan | None:
-        """A new run's admission, before it pins its tools: rotate once when the rules of
-        core/epochs.py say so. -> the rotated plan, or None when the plan stays.
+    ) -> list[plans.StoredPlan]:
+        """A new run's admission, before it pins its tools: rotate when the rules of
+        core/epochs.py say so. -> the rotated plans, in order (the last is the one the run
+        pins); none when the plan stays. Two only after an erasure: its rotation from the
+        pinned authority, then the run's own (core/epochs.py, Rule 2).
 
         `epoch` and `revision` are the session's, read under its lock: a kept plan of that
         epoch and revision is the current one, and is not read again."""
@@ -326,23 +331,29 @@ class Engine:
         if current is None or current.revision != revision:
             current = await plans.read_plan(conn, tenant, session_id, epoch)
             self._plans.put((tenant, session_id, epoch), current, 1)
-        decision = epoch_rules.admit_run(
-            current.plan,
-            current.spec,
-            admission,
-            builder_reproduces=lambda: self._builder_reproduces(session_id, current),
-        )
-        if decision.reason is None:
-            return None
-        return await self._rotate_locked(
-            conn,
-            tenant,
-            session_id,
-            current,
-            decision.reason,
-            decision.spec,
-            f"run admission: {decision.detail}",
-        )
+        rotated: list[plans.StoredPlan] = []
+        # Each rotation clears its own reasons, so a second decision finds at most the
+        # run's own change; the bound makes that certain.
+        for _ in range(2):
+            decision = epoch_rules.admit_run(
+                current.plan,
+                current.spec,
+                admission,
+                builder_reproduces=partial(self._builder_reproduces, session_id, current),
+            )
+            if decision.reason is None:
+                break
+            current = await self._rotate_locked(
+                conn,
+                tenant,
+                session_id,
+                current,
+                decision.reason,
+                decision.spec,
+                f"run admission: {decision.detail}",
+            )
+            rotated.append(current)
+        return rotated
 
     async def _rotate_invalidated(self, tenant: str, session_id: UUID) -> plans.StoredPlan:
         """Build found the current plan's snapshot invalidated by an erasure: rotate with
@@ -389,8 +400,8 @@ class Engine:
                 )
             # Admission precedes the seed: the run pins the epoch it starts on.
             rotated = await self._admit(conn, tenant, session_id, admission, epoch, revision)
-            if rotated is not None:
-                epoch = rotated.plan.epoch
+            if rotated:
+                epoch = rotated[-1].plan.epoch
             if isinstance(seed, UserMessage):
                 # The seeding event and the run row share this transaction, so the run's
                 # seed_event_sequence can never point at an event that did not land.
@@ -443,7 +454,8 @@ class Engine:
                 run.seed_event_sequence,
                 epoch,
                 1,
-                rotated.plan.epoch if rotated is not None else None,
+                rotated[-1].plan.epoch if rotated else None,
+                tuple(r.plan.reason for r in rotated),
             )
             await idempotency.remember_response(
                 conn,
