@@ -997,6 +997,64 @@ async def test_an_active_run_keeps_its_plan_across_another_runs_admission(stub: 
         )
 
 
+async def _start_child(
+    stub: Any, session_id: str, parent_run_id: str, *, scopes: list[str] | None = None
+) -> pb.StartRunResponse:
+    request = pb.StartRunRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        child=pb.ChildSeed(parent_run_id=parent_run_id, instruction="Look it up."),
+    )
+    if scopes is not None:
+        request.admission.CopyFrom(pb.RunAdmission(scopes=scopes))
+    return await stub.StartRun(request)
+
+
+async def test_a_child_pins_its_parents_epoch_not_another_runs_grant(stub: Any) -> None:
+    """A child works for its parent: it builds on the epoch its parent builds on. Pinning
+    the session's current epoch would hand a restricted (scheduled) run's sub-run the tools
+    another run's grant unlocked ("it never grants the scheduled run additional scopes")."""
+    session_id, _ = await _open(stub, _mail_spec())
+    parked = await _start(stub, session_id)  # a restricted run on epoch 1
+    granted = await _start(stub, session_id, scopes=["calendar.read", "mail.send", "web.read"])
+    assert granted.rotated_plan.epoch == 2
+    child = await _start_child(stub, session_id, parked.run.run_id)
+    assert child.run.epoch == 1 and not child.HasField("rotated_plan")
+    built = await _build(stub, session_id, child.run.run_id)
+    assert built.epoch == 1 and "mail.send" not in [t.name for t in built.request.tools]
+    # The granted run's own child builds on the grant; a grandchild on its parent's epoch.
+    granted_child = await _start_child(stub, session_id, granted.run.run_id)
+    assert granted_child.run.epoch == 2
+    grandchild = await _start_child(stub, session_id, child.run.run_id)
+    assert grandchild.run.epoch == 1
+    # A rotation every run follows reaches the child's pin too: it starts on that epoch.
+    operator = await stub.Rotate(
+        pb.RotateRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            from_epoch=2,
+            reason=pb.PLAN_REASON_OPERATOR_REVOCATION,
+            spec=spec(),
+        )
+    )
+    later = await _start_child(stub, session_id, parked.run.run_id)
+    assert later.run.epoch == operator.plan.epoch == 3
+
+
+async def test_a_child_run_takes_no_admission(stub: Any, pool: Any) -> None:
+    """A child inherits its parent's authority and is never admitted: a child request that
+    states an admission is refused, naming the field, and nothing rotates."""
+    session_id, _ = await _open(stub, _mail_spec())
+    parent = await _start(stub, session_id)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _start_child(
+            stub, session_id, parent.run.run_id, scopes=["calendar.read", "mail.send"]
+        )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert details(caught.value)[:2] == ("INVALID_FIELD", ["admission"])
+    assert await _rotations(pool, session_id) == []
+
+
 async def test_a_plan_states_when_it_was_stored_and_the_region_a_markers_it_sends(
     stub: Any,
 ) -> None:

@@ -3272,7 +3272,8 @@ type Run struct {
 	ParentRunId string `protobuf:"bytes,3,opt,name=parent_run_id,json=parentRunId,proto3" json:"parent_run_id,omitempty"`
 	// Session sequence of the seeding user.message.created event; absent for a child run.
 	SeedEventSequence *int64 `protobuf:"varint,4,opt,name=seed_event_sequence,json=seedEventSequence,proto3,oneof" json:"seed_event_sequence,omitempty"`
-	// The plan epoch current when the run started.
+	// The plan epoch the run pinned: for a top-level run the one current after its
+	// admission; for a child run the one its parent built on when the child started.
 	Epoch int64 `protobuf:"varint,5,opt,name=epoch,proto3" json:"epoch,omitempty"`
 }
 
@@ -3425,7 +3426,9 @@ type StartRunRequest struct {
 	SeedItemId string `protobuf:"bytes,5,opt,name=seed_item_id,json=seedItemId,proto3" json:"seed_item_id,omitempty"`
 	// The new run's authority at admission. Newly granted scopes (beyond the plan's
 	// authority_scope_hashes) or a changed browser profile rotate the epoch before the run
-	// pins its tools; scope reduction alone keeps the prefix. Absent: keep the plan.
+	// pins its tools; scope reduction alone keeps the prefix. Absent: keep the plan. Only
+	// for a top-level run: a child inherits its parent's authority and epoch, and a child
+	// request with an admission is refused (INVALID_FIELD).
 	Admission *RunAdmission `protobuf:"bytes,6,opt,name=admission,proto3" json:"admission,omitempty"`
 }
 

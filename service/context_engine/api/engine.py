@@ -385,6 +385,10 @@ class Engine:
         request_sha256: str,
         admission: epoch_rules.Admission | None = None,
     ) -> RunStarted:
+        """Start a run. A top-level run is admitted first (`admission`, core/epochs.py) and
+        pins the epoch current after it. A child is not admitted: it works for its parent,
+        so it pins the epoch its parent builds on (store/runs.py read_run_head), never one
+        another run's admission made."""
         async with transaction(self.pool) as conn:
             epoch, revision = await sessions.lock_session_plans(conn, tenant, session_id)
             stored = await idempotency.recall_response(
@@ -398,10 +402,15 @@ class Engine:
                     field="session_id",
                     reason="PLAN_NOT_FOUND",
                 )
-            # Admission precedes the seed: the run pins the epoch it starts on.
-            rotated = await self._admit(conn, tenant, session_id, admission, epoch, revision)
-            if rotated:
-                epoch = rotated[-1].plan.epoch
+            rotated: list[plans.StoredPlan] = []
+            if isinstance(seed, ChildSeed):
+                parent = await runs.read_run_head(conn, tenant, session_id, seed.parent_run_id)
+                epoch = parent.effective_epoch
+            else:
+                # Admission precedes the seed: the run pins the epoch it starts on.
+                rotated = await self._admit(conn, tenant, session_id, admission, epoch, revision)
+                if rotated:
+                    epoch = rotated[-1].plan.epoch
             if isinstance(seed, UserMessage):
                 # The seeding event and the run row share this transaction, so the run's
                 # seed_event_sequence can never point at an event that did not land.
@@ -414,7 +423,6 @@ class Engine:
                 first = replace_item(seed, sequence=seq, run_id=str(run_id))
                 run = runs.RunRow(run_id, session_id, None, seq, epoch)
             else:
-                await runs.read_run(conn, tenant, session_id, seed.parent_run_id)
                 first = UserMessage(
                     item_id=f"instruction:{run_id}", text=seed.instruction, run_id=str(run_id)
                 )

@@ -110,6 +110,13 @@ class ContextEngineServicer(
             if not request.child.instruction:
                 raise InvalidFieldError("child.instruction is required", field="child.instruction")
             seed = ChildSeed(parent, request.child.instruction)
+            if request.HasField("admission"):
+                # A child works for its parent and builds on its parent's epoch: it is not
+                # admitted, so it can never be granted what its parent was not.
+                raise InvalidFieldError(
+                    "a child run inherits its parent's authority; admission is for a top-level run",
+                    field="admission",
+                )
         else:
             raise InvalidFieldError("one of user_message or child is required", field="seed")
         admission = (
