@@ -3615,7 +3615,8 @@ type StartRunResponse struct {
 	// Set when admission rotated the epoch (run_authority_changed, browser_profile_changed,
 	// snapshot_invalidated, builder_upgraded, prefix_hash_canonicalized): the new plan the
 	// run pins. After an erasure, admission with a grant rotates twice (snapshot_invalidated,
-	// then run_authority_changed): this is the last.
+	// then run_authority_changed): this is the last. A retry with the same idempotency key
+	// returns the first response, this field included.
 	RotatedPlan *ContextPlan `protobuf:"bytes,3,opt,name=rotated_plan,json=rotatedPlan,proto3" json:"rotated_plan,omitempty"`
 }
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from functools import partial
 from typing import Any
@@ -70,8 +70,10 @@ class RunStarted:
     epoch: int
     checkpoint_version: int
     rotated_epoch: int | None = None  # set when admission rotated the plan for this run
-    # Not stored with the answer (to_json): what this call did, for telemetry.
+    # Not stored with the answer (to_json): what this call did, for telemetry. A replayed
+    # answer (a retried StartRun) started nothing and rotated nothing.
     rotations: tuple[PlanReason, ...] = ()  # every rotation admission made, in order
+    replayed: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -395,7 +397,7 @@ class Engine:
                 conn, tenant, session_id, idempotency_key, "StartRun", request_sha256
             )
             if stored is not None:
-                return RunStarted.from_json(stored)
+                return replace(RunStarted.from_json(stored), replayed=True)
             if epoch == 0:
                 raise PreconditionError(
                     f"session {session_id} has no plan; call Plan first",

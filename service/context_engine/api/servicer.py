@@ -145,11 +145,14 @@ class ContextEngineServicer(
         if started.rotated_epoch is not None:  # admission rotated: the plan the run pins
             rotated = await self.engine.get_plan(tenant, session_id, started.rotated_epoch)
             response.rotated_plan.CopyFrom(convert.plan_to_proto(rotated.plan, rotated.created_at))
-        # Counted here, not derived from the response: it shows only the last rotation
-        # (after an erasure, admission rotates twice).
-        telemetry.record_run_started()
-        for reason in started.rotations:
-            telemetry.record_rotation(reason.name.lower())
+        # Counted here, not derived from the response: a replay answers with the first
+        # call's response (rotated_plan included) but started and rotated nothing.
+        if started.replayed:
+            telemetry.record_replay("run")
+        else:
+            telemetry.record_run_started()
+            for reason in started.rotations:
+                telemetry.record_rotation(reason.name.lower())
         return response
 
     @grpc_errors
