@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 from uuid import UUID
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -21,7 +21,13 @@ import asyncpg
 from .. import telemetry
 from ..core import epochs as epoch_rules
 from ..core.assemble import Assembled, BuildInputs, StepContext, assemble
-from ..core.build_record import INPUTS_KEY, PEOPLE_KEY, inputs_to_record, recalled_people
+from ..core.build_record import (
+    BUDGET_KEY,
+    INPUTS_KEY,
+    PEOPLE_KEY,
+    inputs_to_record,
+    recalled_people,
+)
 from ..core.checkpoint import Checkpoint, require_version
 from ..core.enums import PlanReason
 from ..core.errors import (
@@ -124,8 +130,12 @@ class Engine:
         new_secret: Callable[[], bytes],
         tokenizer_of: Callable[[str], str] | None = None,
         inline_maximum_bytes: int = DEFAULT_INLINE_MAXIMUM_BYTES,
+        cache_breakpoints_of: Callable[[str], int | None] | None = None,
     ) -> None:
         self.pool = pool
+        # A model's cache-marker budget (the registry's max_cache_breakpoints; None: the
+        # provider's own limit). Read at every render, Build and GetBuild alike.
+        self._cache_breakpoints_of = cache_breakpoints_of or (lambda model_id: None)
         # Which tokenizer counts for a model: a correction learned for another resets.
         self._tokenizer_of = tokenizer_of or (lambda model_id: "heuristic")
         self._inline_maximum_bytes = inline_maximum_bytes
@@ -599,12 +609,16 @@ class Engine:
         epoch: int = 0,
         record: bool = True,
         skills_loaded: int | None = None,
+        breakpoint_budget: int | Literal["registry"] | None = "registry",
     ) -> BuildResult:
         """Assemble, render and record the run's next request.
 
         `epoch` 0 builds against the current plan; GetBuild passes the recorded epoch and
-        `record=False` to rebuild a recorded request without recording it again, and
-        `skills_loaded` (recorded) so skills loaded later do not enter the rebuild.
+        `record=False` to rebuild a recorded request without recording it again,
+        `skills_loaded` (recorded) so skills loaded later do not enter the rebuild, and
+        `breakpoint_budget` (recorded) so the payload keeps the cache markers it was sent
+        with after an overlay changes the model's max_cache_breakpoints. "registry": the
+        model's budget now; None: the provider's own limit.
         """
         async with telemetry.span("store.read"), acquire(self.pool) as conn:
             try:
@@ -646,6 +660,11 @@ class Engine:
             stored = await self._rotate_invalidated(tenant, session_id)
         telemetry.annotate(epoch=stored.plan.epoch, prefix_sha256=stored.plan.prefix_sha256)
         plan = stored.plan
+        budget = (
+            self._cache_breakpoints_of(plan.model_id)
+            if breakpoint_budget == "registry"
+            else breakpoint_budget
+        )
         instant = now or self._clock()
         clock = instant.astimezone(_zone(plan.time_zone))
         inputs = BuildInputs(
@@ -688,6 +707,8 @@ class Engine:
             # Whom its recall lines are about, where an erasure finds them (Rule 4).
             PEOPLE_KEY: recalled_people(step),
             "skills_loaded": len(loaded),
+            # The cache-marker budget the payload was rendered with (GetBuild renders again).
+            BUDGET_KEY: budget,
             # Tokens per class (prefix exact, body estimated), for inspect's budget bars.
             "class_tokens": [
                 {"class_name": c.class_name, "tokens": c.tokens} for c in assembled.budget
@@ -695,7 +716,7 @@ class Engine:
         }
         # Rendered before anything is recorded: a request no provider can take writes nothing.
         rendered = (
-            telemetry.traced("render", render)(assembled.request)
+            telemetry.traced("render", render)(assembled.request, budget)
             if assembled.request is not None
             else None
         )
