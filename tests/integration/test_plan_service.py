@@ -146,10 +146,12 @@ async def test_one_prefix_hash_across_a_revocation(stub: Any, pool: Any) -> None
 
 # --- every rotation reason through Rotate ------------------------------------------------
 
+# Only a run's admission decides these (docs/api.md, Rotate).
+_ADMISSION_ONLY = [pb.PLAN_REASON_RUN_AUTHORITY_CHANGED, pb.PLAN_REASON_BROWSER_PROFILE_CHANGED]
 _ROTATE_REASONS = [
     r
     for r in pb.PlanReason.values()
-    if r not in (pb.PLAN_REASON_UNSPECIFIED, pb.PLAN_REASON_SESSION_OPENED)
+    if r not in (pb.PLAN_REASON_UNSPECIFIED, pb.PLAN_REASON_SESSION_OPENED, *_ADMISSION_ONLY)
 ]
 
 
@@ -174,6 +176,22 @@ async def test_every_reason_rotates_through_rotate(stub: Any, pool: Any, reason:
         assert rotated.prefix_document == plan.prefix_document
     else:
         assert rotated.prefix_sha256 != plan.prefix_sha256
+
+
+@pytest.mark.parametrize("reason", _ADMISSION_ONLY, ids=pb.PlanReason.Name)
+async def test_rotate_refuses_a_reason_only_admission_decides(
+    stub: Any, pool: Any, reason: int
+) -> None:
+    """A Build reads a plan with an admission reason as another run's admission and keeps
+    its own (store/runs.py): an operator's Rotate naming one would never reach the runs
+    already active, so it is refused rather than silently confined to new runs."""
+    session_id, _ = await _open(stub, _mail_spec())
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Rotate(_rotation(session_id, reason, spec()))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert details(caught.value)[:2] == ("INVALID_FIELD", ["reason"])
+    assert (await _current(stub, session_id)).epoch == 1
+    assert await _rotations(pool, session_id) == []
 
 
 async def test_a_canonicalizing_rotation_takes_no_spec(stub: Any) -> None:

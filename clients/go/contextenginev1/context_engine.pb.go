@@ -2555,7 +2555,11 @@ type RotateRequest struct {
 	SessionId string `protobuf:"bytes,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
 	// The epoch the caller rotates from; must be current, else ABORTED.
 	FromEpoch int64 `protobuf:"varint,3,opt,name=from_epoch,json=fromEpoch,proto3" json:"from_epoch,omitempty"`
-	// Why. Required.
+	// Why. Required. MODEL_CHANGED, AGENT_CHANGED, PERSONA_CHANGED, OPERATOR_REVOCATION,
+	// SNAPSHOT_INVALIDATED, BUILDER_UPGRADED or PREFIX_HASH_CANONICALIZED (takes no spec).
+	// RUN_AUTHORITY_CHANGED and BROWSER_PROFILE_CHANGED are decided only at a run's
+	// admission (StartRunRequest.admission) and are refused (INVALID_FIELD): a Build reads
+	// them as another run's admission, so they would never reach the active runs.
 	Reason PlanReason `protobuf:"varint,4,opt,name=reason,proto3,enum=context_engine.v1.PlanReason" json:"reason,omitempty"`
 	// The new spec; absent rebuilds from the pinned spec.
 	Spec *PlanSpec `protobuf:"bytes,5,opt,name=spec,proto3" json:"spec,omitempty"`

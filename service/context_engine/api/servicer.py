@@ -13,6 +13,7 @@ import grpc
 from .. import telemetry
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
 from .._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from ..core.epochs import ADMISSION_REASONS
 from ..core.errors import InvalidFieldError
 from . import convert, wire
 from .engine import BuildResult, ChildSeed, Engine
@@ -80,6 +81,15 @@ class ContextEngineServicer(
                 "from_epoch must be the current epoch (>= 1)", field="from_epoch"
             )
         reason = convert.plan_reason_from_proto(request.reason, "reason")
+        if reason in ADMISSION_REASONS:
+            # Only a run's admission decides these, and a Build reads a plan with such a
+            # reason as another run's admission (store/runs.py): an operator's rotation
+            # with one would never reach the runs already active.
+            raise InvalidFieldError(
+                f"{reason.name} is decided at a run's admission (StartRun.admission), not"
+                " by Rotate; name the change (for example OPERATOR_REVOCATION)",
+                field="reason",
+            )
         spec = (
             convert.plan_spec_from_proto(request.spec, self.engine.default_policy)
             if request.HasField("spec")

@@ -71,7 +71,8 @@ REASON_PRIORITY: tuple[PlanReason, ...] = (
 )
 
 # Rotations that only a run's admission decides: they pin the admitted run's plan and leave
-# the runs already active on theirs (store/runs.py, ADMISSION_REASONS).
+# the runs already active on theirs (store/runs.py reads them so). Rotate refuses them: an
+# operator's rotation names another reason and reaches every run.
 ADMISSION_REASONS: frozenset[PlanReason] = frozenset(
     {PlanReason.RUN_AUTHORITY_CHANGED, PlanReason.BROWSER_PROFILE_CHANGED}
 )
