@@ -17,7 +17,9 @@ rebuilt on every request. When B's prompt merely extends A's, nothing differs: B
 reuse everything A cached.
 Rule 3: a response whose provider_payload is not what its request renders to is reported
 (the response came from another builder version), and the comparison still uses the
-rendered units.
+rendered units. A payload with fewer cache markers than the provider allows is what its
+request renders to: the model registry's budget (max_cache_breakpoints), which explain does
+not read, dropped them.
 Exit status: 1 for a Region A defect, 2 for unusable input, 0 otherwise.
 """
 
@@ -35,8 +37,9 @@ from google.protobuf import json_format
 
 from ._gen.context_engine.v1 import context_engine_pb2 as pb
 from .api.convert import request_from_proto
+from .core.request import ModelRequest
 from .core.rows import ROW_TABLE, Region, Row
-from .providers import PromptUnit, prompt_units, render
+from .providers import PromptUnit, anthropic, prompt_units, render
 
 __all__ = [
     "Explanation",
@@ -81,6 +84,12 @@ class Explanation:
     notes: tuple[str, ...] = field(default=())
 
 
+def _renders_to(request: ModelRequest, payload: bytes) -> bool:
+    """Whether `request` renders to `payload` under some cache-marker budget (Rule 3)."""
+    budgets = (None, *range(anthropic.MAX_BREAKPOINTS - 1, -1, -1))
+    return any(render(request, budget).body == payload for budget in budgets)
+
+
 def explain(a: pb.BuildResponse, b: pb.BuildResponse) -> Explanation:
     """Compare two Build responses (Rules 1-3).
 
@@ -95,7 +104,7 @@ def explain(a: pb.BuildResponse, b: pb.BuildResponse) -> Explanation:
         f"{label}: provider_payload is not what its request renders to (another builder"
         " version?); comparing the rendered prompt"
         for label, response, request in (("A", a, request_a), ("B", b, request_b))
-        if response.provider_payload and render(request).body != response.provider_payload
+        if response.provider_payload and not _renders_to(request, response.provider_payload)
     ]
     if request_a.provider != request_b.provider or request_a.model_id != request_b.model_id:
         notes.append(

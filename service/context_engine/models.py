@@ -90,6 +90,13 @@ class ModelCatalog:
             default_output_reserve=info.default_output_reserve,
         )
 
+    def cache_breakpoints(self, model_id: str) -> int | None:
+        """How many cache markers a request to the model may carry (max_cache_breakpoints);
+        None for a model the registry no longer has (the provider's own limit)."""
+        if model_id not in self._registry:
+            return None
+        return self._registry.get(model_id).max_cache_breakpoints
+
     def _counter(self, model_id: str) -> Counter:
         info = self._registry.get(model_id) if model_id in self._registry else None
         if info is None:

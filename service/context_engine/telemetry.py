@@ -12,7 +12,9 @@ Rules:
 3. The instruments are one table, `METRICS`; docs/operations.md lists the same names.
 4. A `record_*()` function called by a handler marks its kind as recorded for the call;
    the observer then skips deriving the same measurement from the response, so nothing
-   is counted twice and every RPC with a response is counted at least once.
+   is counted twice and every RPC with a response is counted at least once, except an
+   idempotent replay: its handler calls `record_replay`, which marks the kind and counts
+   nothing (the first call counted it; a replayed response repeats what it reported).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ __all__ = [
     "record_build",
     "record_compaction",
     "record_pressure",
+    "record_replay",
     "record_rotation",
     "record_run_started",
     "record_session_opened",
@@ -281,6 +284,11 @@ def record_rotation(reason: str) -> None:
 
 def record_run_started() -> None:
     _record("run", lambda t: t.add("context_engine.runs.started", 1))
+
+
+def record_replay(kind: str) -> None:
+    """An idempotent replay of a call that counted `kind`: nothing to count again (rule 4)."""
+    _record(kind, lambda t: None)
 
 
 def record_build(model_id: str, estimated_input_tokens: int) -> None:

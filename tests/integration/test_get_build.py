@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
@@ -164,3 +165,75 @@ async def test_a_skill_loaded_after_a_build_does_not_change_its_rebuild(stub: An
     assert after.request_sha256 != before.request_sha256, "the skill body entered row 11"
     assert await _get(stub, session_id, before.request_sequence) == before
     assert await _get(stub, session_id, after.request_sequence) == after
+
+
+# --- the model's cache-marker budget (the registry's max_cache_breakpoints) -------------
+
+
+async def _server_with_budget(pool: Any, budget: int) -> tuple[Any, Any, Any]:
+    """A replica whose registry overlay lets the Anthropic model `claude-budget` send at
+    most `budget` cache markers. -> (stub, channel, running server)."""
+    from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+    from context_engine.api.server import build_engine, build_server
+    from context_engine.core.model_registry import ModelRegistry
+    from context_engine.model_registry_loader import read_packaged_models
+    from context_engine.models import ModelCatalog
+
+    overlay = {
+        "models": {
+            "claude-budget": {
+                "provider": "anthropic",
+                "family": "claude-sonnet-4",
+                "context_window": 200000,
+                "max_cache_breakpoints": budget,
+                "default_output_reserve": 8192,
+                "min_cacheable_tokens": 1024,
+                "tokenizer": "heuristic",
+            }
+        }
+    }
+    catalog = ModelCatalog(ModelRegistry.from_mappings(read_packaged_models(), overlay))
+    running = await build_server(build_engine(pool, catalog=catalog), "127.0.0.1:0")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    return pb_grpc.ContextEngineStub(channel), channel, running
+
+
+async def test_a_smaller_breakpoint_budget_sends_fewer_markers_and_replays_them(
+    pool: Any,
+) -> None:
+    """The spec: "a four-breakpoint provider sends all four and a smaller budget drops the
+    run marker first"; the registry states each model's budget. The budget a payload was
+    rendered with is recorded, so GetBuild returns the bytes sent even after an overlay
+    changes the model's budget (a later Build renders under the new one)."""
+    two, two_channel, two_server = await _server_with_budget(pool, 2)
+    four, four_channel, four_server = await _server_with_budget(pool, 4)
+    try:
+        session_id, _ = await open_session(two, model_id="claude-budget")
+        first = await start_run(two, session_id, "Find a train.")
+        await two.AppendItems(
+            pb.AppendItemsRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                run_id=first.run.run_id,
+                expected_checkpoint_version=1,
+                items=[pb.ConversationItem(assistant_message=pb.AssistantMessage(text="Sure."))],
+            )
+        )
+        second = await start_run(two, session_id, "And back.")
+        request = pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=second.run.run_id)
+        built = await two.Build(request)
+        wide = await four.Build(request)  # the same run under a four-marker budget
+        assert wide.provider_payload.count(b'"cache_control"') == 3  # no run marker yet
+        assert built.provider_payload.count(b'"cache_control"') == 2
+        # The two kept are the prefix's: the history marker drops first.
+        body = json.loads(built.provider_payload)
+        assert "cache_control" in body["tools"][-1] and "cache_control" in body["system"][-1]
+        assert b'"cache_control"' not in json.dumps(body["messages"]).encode()
+        assert built.request_sha256 == wide.request_sha256  # one neutral request
+        for replica in (two, four):
+            again = await _get(replica, session_id, built.request_sequence)
+            assert again.provider_payload == built.provider_payload
+    finally:
+        for channel, server in ((two_channel, two_server), (four_channel, four_server)):
+            await channel.close()
+            await server.stop(0)

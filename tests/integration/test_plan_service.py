@@ -146,10 +146,12 @@ async def test_one_prefix_hash_across_a_revocation(stub: Any, pool: Any) -> None
 
 # --- every rotation reason through Rotate ------------------------------------------------
 
+# Only a run's admission decides these (docs/api.md, Rotate).
+_ADMISSION_ONLY = [pb.PLAN_REASON_RUN_AUTHORITY_CHANGED, pb.PLAN_REASON_BROWSER_PROFILE_CHANGED]
 _ROTATE_REASONS = [
     r
     for r in pb.PlanReason.values()
-    if r not in (pb.PLAN_REASON_UNSPECIFIED, pb.PLAN_REASON_SESSION_OPENED)
+    if r not in (pb.PLAN_REASON_UNSPECIFIED, pb.PLAN_REASON_SESSION_OPENED, *_ADMISSION_ONLY)
 ]
 
 
@@ -174,6 +176,22 @@ async def test_every_reason_rotates_through_rotate(stub: Any, pool: Any, reason:
         assert rotated.prefix_document == plan.prefix_document
     else:
         assert rotated.prefix_sha256 != plan.prefix_sha256
+
+
+@pytest.mark.parametrize("reason", _ADMISSION_ONLY, ids=pb.PlanReason.Name)
+async def test_rotate_refuses_a_reason_only_admission_decides(
+    stub: Any, pool: Any, reason: int
+) -> None:
+    """A Build reads a plan with an admission reason as another run's admission and keeps
+    its own (store/runs.py): an operator's Rotate naming one would never reach the runs
+    already active, so it is refused rather than silently confined to new runs."""
+    session_id, _ = await _open(stub, _mail_spec())
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Rotate(_rotation(session_id, reason, spec()))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert details(caught.value)[:2] == ("INVALID_FIELD", ["reason"])
+    assert (await _current(stub, session_id)).epoch == 1
+    assert await _rotations(pool, session_id) == []
 
 
 async def test_a_canonicalizing_rotation_takes_no_spec(stub: Any) -> None:
@@ -340,6 +358,62 @@ async def test_a_builder_upgrade_rotates_only_a_plan_it_does_not_reproduce(
     assert await _rotations(pool, session_id) == ["builder_upgraded"]
     rotated = (await _events(pool, session_id, "context.epoch.rotated"))[0]["payload"]
     assert rotated["detail"] == "run admission: builder_upgraded"
+
+
+def _older_builder(p: dict[str, Any]) -> dict[str, Any]:
+    system = [dict(b) for b in p["system"]]
+    system[1]["text"] = "An older builder's framing text."
+    return {**p, "system": system, "builder_version": "context-builder@0"}
+
+
+async def test_a_builder_upgrade_at_a_reduced_admission_keeps_every_runs_tools(
+    stub: Any, pool: Any
+) -> None:
+    """builder_upgraded reaches every active run, so it rebuilds from the pinned authority,
+    not the admitted run's reduced scopes: "scope reduction alone preserves the prefix" and
+    revocation is enforced at call time. The owner's next run then finds nothing new: one
+    epoch for one upgrade, not a second run_authority_changed."""
+    session_id, plan = await _open(stub, spec())  # scopes calendar.read, web.read
+    assert "web.fetch" in plan.tool_names
+    parked = await _start(stub, session_id)  # an active run, e.g. parked on an approval
+    await _rewrite_plan(pool, session_id, _older_builder)
+    restricted = await _start(stub, session_id, scopes=["calendar.read"])
+    assert restricted.rotated_plan.reason == pb.PLAN_REASON_BUILDER_UPGRADED
+    assert "web.fetch" in restricted.rotated_plan.tool_names
+    resumed = await _build(stub, session_id, parked.run.run_id)
+    assert resumed.epoch == restricted.rotated_plan.epoch
+    assert "web.fetch" in [t.name for t in resumed.request.tools]
+    owner = await _start(stub, session_id, scopes=["calendar.read", "web.read"])
+    assert not owner.HasField("rotated_plan")
+    assert await _rotations(pool, session_id) == ["builder_upgraded"]
+
+
+async def test_after_an_erasure_a_grant_is_a_second_rotation_only_its_run_pins(
+    stub: Any, pool: Any
+) -> None:
+    """An erasure's rotation reaches every run, so it rebuilds from the pinned authority;
+    the admitted run's grant follows as its own run_authority_changed epoch. One rotation
+    carrying the grant would hand it to every active run ("it never grants the scheduled
+    run additional scopes")."""
+    person = f"ana-{new_id()}"
+    memory = _mail_spec(snapshot=_memory_spec("trace-g").snapshot)
+    memory.snapshot.items[0].person_ids[:] = [person]
+    session_id, _ = await _open(stub, memory)
+    parked = await _start(stub, session_id)
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    granted = await _start(stub, session_id, scopes=["calendar.read", "mail.send", "web.read"])
+    assert (granted.rotated_plan.epoch, granted.rotated_plan.reason) == (
+        3,
+        pb.PLAN_REASON_RUN_AUTHORITY_CHANGED,
+    )
+    assert granted.run.epoch == 3 and "mail.send" in granted.rotated_plan.tool_names
+    assert await _rotations(pool, session_id) == ["snapshot_invalidated", "run_authority_changed"]
+    resumed = await _build(stub, session_id, parked.run.run_id)
+    assert resumed.epoch == 2 and "allergic" not in _text(resumed)
+    assert "mail.send" not in [t.name for t in resumed.request.tools]
+    fresh = await _build(stub, session_id, granted.run.run_id)
+    assert fresh.epoch == 3 and "allergic" not in _text(fresh)
+    assert "mail.send" in [t.name for t in fresh.request.tools]
 
 
 async def test_a_legacy_hash_is_canonicalized_without_new_bytes(stub: Any, pool: Any) -> None:
@@ -992,6 +1066,64 @@ async def test_an_active_run_keeps_its_plan_across_another_runs_admission(stub: 
             operator.plan.epoch,
             operator.plan.prefix_sha256,
         )
+
+
+async def _start_child(
+    stub: Any, session_id: str, parent_run_id: str, *, scopes: list[str] | None = None
+) -> pb.StartRunResponse:
+    request = pb.StartRunRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        child=pb.ChildSeed(parent_run_id=parent_run_id, instruction="Look it up."),
+    )
+    if scopes is not None:
+        request.admission.CopyFrom(pb.RunAdmission(scopes=scopes))
+    return await stub.StartRun(request)
+
+
+async def test_a_child_pins_its_parents_epoch_not_another_runs_grant(stub: Any) -> None:
+    """A child works for its parent: it builds on the epoch its parent builds on. Pinning
+    the session's current epoch would hand a restricted (scheduled) run's sub-run the tools
+    another run's grant unlocked ("it never grants the scheduled run additional scopes")."""
+    session_id, _ = await _open(stub, _mail_spec())
+    parked = await _start(stub, session_id)  # a restricted run on epoch 1
+    granted = await _start(stub, session_id, scopes=["calendar.read", "mail.send", "web.read"])
+    assert granted.rotated_plan.epoch == 2
+    child = await _start_child(stub, session_id, parked.run.run_id)
+    assert child.run.epoch == 1 and not child.HasField("rotated_plan")
+    built = await _build(stub, session_id, child.run.run_id)
+    assert built.epoch == 1 and "mail.send" not in [t.name for t in built.request.tools]
+    # The granted run's own child builds on the grant; a grandchild on its parent's epoch.
+    granted_child = await _start_child(stub, session_id, granted.run.run_id)
+    assert granted_child.run.epoch == 2
+    grandchild = await _start_child(stub, session_id, child.run.run_id)
+    assert grandchild.run.epoch == 1
+    # A rotation every run follows reaches the child's pin too: it starts on that epoch.
+    operator = await stub.Rotate(
+        pb.RotateRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            from_epoch=2,
+            reason=pb.PLAN_REASON_OPERATOR_REVOCATION,
+            spec=spec(),
+        )
+    )
+    later = await _start_child(stub, session_id, parked.run.run_id)
+    assert later.run.epoch == operator.plan.epoch == 3
+
+
+async def test_a_child_run_takes_no_admission(stub: Any, pool: Any) -> None:
+    """A child inherits its parent's authority and is never admitted: a child request that
+    states an admission is refused, naming the field, and nothing rotates."""
+    session_id, _ = await _open(stub, _mail_spec())
+    parent = await _start(stub, session_id)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _start_child(
+            stub, session_id, parent.run.run_id, scopes=["calendar.read", "mail.send"]
+        )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert details(caught.value)[:2] == ("INVALID_FIELD", ["admission"])
+    assert await _rotations(pool, session_id) == []
 
 
 async def test_a_plan_states_when_it_was_stored_and_the_region_a_markers_it_sends(

@@ -227,6 +227,76 @@ async def test_rpc_and_session_metrics_are_recorded(traced: dict[str, Any]) -> N
         assert delta("context_engine.build.input_tokens") == 1
 
 
+async def test_a_retried_start_run_counts_its_run_and_rotation_once(
+    traced: dict[str, Any],
+) -> None:
+    """A retry with the same idempotency key answers with the first response, rotated_plan
+    included, byte for byte; it starts no run and rotates nothing, so it counts nothing:
+    epochs are "explicit, logged, and counted", and a lost response must not inflate the
+    epochs-per-session metric."""
+    stub, reader = traced["stub"], traced["reader"]
+    with_mail = spec()
+    with_mail.tools.append(tool("mail.send", scopes=("mail.send",)))
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=with_mail))
+    request = pb.StartRunRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        idempotency_key="retry-me",
+        user_message=pb.UserMessage(text="hello"),
+        admission=pb.RunAdmission(scopes=["calendar.read", "mail.send", "web.read"]),
+    )
+    before = _points(reader)
+    first = await stub.StartRun(request)
+    retried = await stub.StartRun(request)  # the first response was lost
+    after = _points(reader)
+    assert retried.SerializeToString() == first.SerializeToString()
+    assert first.rotated_plan.reason == pb.PLAN_REASON_RUN_AUTHORITY_CHANGED
+
+    def delta(name: str, **attributes: Any) -> float:
+        return _total(after, name, **attributes) - _total(before, name, **attributes)
+
+    assert delta("context_engine.runs.started") == 1
+    assert delta("context_engine.epochs.rotated", reason="run_authority_changed") == 1
+    labels = {"rpc.method": "StartRun", "rpc.grpc.status_code": "OK"}
+    assert delta("context_engine.rpc.duration", **labels) == 2  # both calls were served
+
+
+async def test_an_erasure_then_a_grant_counts_both_rotations(traced: dict[str, Any]) -> None:
+    """An admission after an erasure with a grant rotates twice (core/epochs.py, Rule 2);
+    the response shows the last, and both are counted."""
+    stub, reader = traced["stub"], traced["reader"]
+    person = f"ana-{new_id()}"
+    with_mail = spec(
+        snapshot=pb.MemorySnapshot(
+            snapshot_id="s",
+            items=[pb.MemoryItem(item_id="m1", text="Ana likes tea.", person_ids=[person])],
+        )
+    )
+    with_mail.tools.append(tool("mail.send", scopes=("mail.send",)))
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=with_mail))
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    before = _points(reader)
+    started = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            user_message=pb.UserMessage(text="hello"),
+            admission=pb.RunAdmission(scopes=["calendar.read", "mail.send", "web.read"]),
+        )
+    )
+    after = _points(reader)
+    assert started.rotated_plan.reason == pb.PLAN_REASON_RUN_AUTHORITY_CHANGED
+
+    def delta(name: str, **attributes: Any) -> float:
+        return _total(after, name, **attributes) - _total(before, name, **attributes)
+
+    assert delta("context_engine.epochs.rotated", reason="snapshot_invalidated") == 1
+    assert delta("context_engine.epochs.rotated", reason="run_authority_changed") == 1
+    assert delta("context_engine.runs.started") == 1
+
+
 def _budget_exceeded_status() -> bytes:
     info = any_pb2.Any()
     info.Pack(

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from context_engine.core.canonical import canonical_bytes, sha256_hex
 from context_engine.core.enums import PlanReason, SessionKind
 from context_engine.core.epochs import (
+    ADMISSION_REASONS,
     REASON_PRIORITY,
     Admission,
     admit_run,
@@ -167,11 +168,49 @@ ADMISSIONS = (
         (),
     ),
     AdmissionCase(
-        "an invalidated snapshot rotates, and the rebuild carries the new scopes too",
+        # Every run follows an erasure's rotation: a grant there would reach them all.
+        "an invalidated snapshot rotates from the pinned authority; the grant waits",
         Admission(("mail.read", "mail.send", "web")),
-        (PlanReason.SNAPSHOT_INVALIDATED, PlanReason.RUN_AUTHORITY_CHANGED),
-        scopes_after=("mail.read", "mail.send", "web"),
+        (PlanReason.SNAPSHOT_INVALIDATED,),
+        scopes_after=("mail.read", "web"),
         plan_change=(("invalidated", True),),
+    ),
+    AdmissionCase(
+        "an invalidated snapshot at a reduced admission keeps the pinned authority",
+        Admission(("mail.read",)),
+        (PlanReason.SNAPSHOT_INVALIDATED,),
+        scopes_after=("mail.read", "web"),
+        plan_change=(("invalidated", True),),
+    ),
+    AdmissionCase(
+        "an invalidated snapshot with a new browser profile keeps the pinned profile",
+        Admission(("mail.read", "web"), browser_profile_id="profile-2"),
+        (PlanReason.SNAPSHOT_INVALIDATED,),
+        profile_after="",
+        plan_change=(("invalidated", True),),
+    ),
+    AdmissionCase(
+        "a builder upgrade at a reduced admission keeps the pinned authority",
+        Admission(("mail.read",)),
+        (PlanReason.BUILDER_UPGRADED,),
+        scopes_after=("mail.read", "web"),
+        plan_change=(("builder_version", "context-builder@0"),),
+        reproduces=lambda: False,
+    ),
+    AdmissionCase(
+        "a builder upgrade with a grant is one admission rotation carrying both",
+        Admission(("mail.read", "mail.send")),
+        (PlanReason.RUN_AUTHORITY_CHANGED, PlanReason.BUILDER_UPGRADED),
+        scopes_after=("mail.read", "mail.send"),
+        plan_change=(("builder_version", "context-builder@0"),),
+        reproduces=lambda: False,
+    ),
+    AdmissionCase(
+        "a changed browser profile beside a reduction applies the profile only",
+        Admission(("mail.read",), browser_profile_id="profile-2"),
+        (PlanReason.BROWSER_PROFILE_CHANGED,),
+        scopes_after=("mail.read", "web"),
+        profile_after="profile-2",
     ),
     AdmissionCase(
         "a plan of another builder whose bytes it reproduces stays current",
@@ -209,6 +248,53 @@ def test_admission(case: AdmissionCase) -> None:
         assert decision.spec.environment.browser_profile_id == case.profile_after
     # The rebuild keeps the pinned agent configuration.
     assert decision.spec.agent == spec.agent and decision.spec.tools == spec.tools
+
+
+def _rebuilt(spec: PlanSpec, reason: PlanReason, epoch: int = 2) -> ContextPlan:
+    return make_plan(
+        spec,
+        session_id="s",
+        epoch=epoch,
+        reason=reason,
+        secret=SECRET,
+        model=MODEL,
+        count_tokens=count,
+    )
+
+
+def test_a_builder_upgrade_at_a_reduced_admission_is_one_epoch_for_every_run() -> None:
+    """A builder_upgraded rotation reaches every active run (it is not an admission reason),
+    so it must not carry the admitted run's reduction into their prompts ("scope reduction
+    alone preserves the prefix"; revocation is enforced at call time); and the owner's next
+    run, with the session's own scopes, finds nothing new: one epoch for one upgrade."""
+    spec = _spec()
+    old = _plan(spec).model_copy(update={"builder_version": "context-builder@0"})
+    decision = admit_run(old, spec, Admission(("mail.read",)), builder_reproduces=lambda: False)
+    assert decision.reasons == (PlanReason.BUILDER_UPGRADED,)
+    assert decision.spec is not None
+    rebuilt = _rebuilt(decision.spec, PlanReason.BUILDER_UPGRADED)
+    assert "web.fetch" in rebuilt.tool_names
+    owner = Admission(("mail.read", "web"))
+    assert admit_run(rebuilt, decision.spec, owner, builder_reproduces=_never).reason is None
+
+
+def test_after_an_erasure_the_runs_own_grant_is_a_second_admission_rotation() -> None:
+    """An erasure's rotation rebuilds from the pinned authority (every run follows it); the
+    admitted run's grant is then decided again on the rebuilt plan, as an admission reason
+    only that run pins, and nothing further is found after it."""
+    spec = _spec()
+    invalidated = _plan(spec).model_copy(update={"invalidated": True})
+    grant = Admission(("mail.read", "mail.send", "web"))
+    first = admit_run(invalidated, spec, grant, builder_reproduces=_never)
+    assert first.reasons == (PlanReason.SNAPSHOT_INVALIDATED,) and first.spec is not None
+    erased = _rebuilt(first.spec, PlanReason.SNAPSHOT_INVALIDATED)
+    assert "mail.send" not in erased.tool_names
+    second = admit_run(erased, first.spec, grant, builder_reproduces=_never)
+    assert second.reasons == (PlanReason.RUN_AUTHORITY_CHANGED,)
+    assert second.reason in ADMISSION_REASONS and second.spec is not None
+    granted = _rebuilt(second.spec, PlanReason.RUN_AUTHORITY_CHANGED, epoch=3)
+    assert "mail.send" in granted.tool_names
+    assert admit_run(granted, second.spec, grant, builder_reproduces=_never).reason is None
 
 
 def test_a_rebuild_advertises_what_the_run_was_newly_granted() -> None:

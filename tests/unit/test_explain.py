@@ -129,6 +129,18 @@ def test_a_payload_from_another_builder_is_noted() -> None:
     assert e.identical and any("another builder" in n for n in e.notes)
 
 
+def test_a_payload_under_a_smaller_breakpoint_budget_is_not_noted() -> None:
+    """A model whose registry budget (max_cache_breakpoints) is below the provider's sends
+    fewer markers; explain does not read the registry, and must not call that payload
+    another builder's."""
+    request = load_request(LOOP)
+    small = _response(request)
+    small.provider_payload = render(request, 1).body
+    assert small.provider_payload != render(request).body
+    e = explain(small, _response(request))
+    assert e.identical and e.notes == ()
+
+
 @SCENARIO_SETTINGS
 @given(scenarios(), st.sampled_from(["anthropic", "openai"]))
 def test_the_request_survives_the_proto_seam(sc: Scenario, provider: str) -> None:

@@ -456,6 +456,24 @@ def test_a_smaller_budget_drops_the_run_marker_first(sc: Scenario, budget: int) 
     assert names == [b.name for b in BREAKPOINTS if b.name in names], "priority order"
 
 
+@SCENARIO_SETTINGS
+@given(scenarios(modes=("loop",)), st.integers(0, 6))
+def test_render_applies_the_models_breakpoint_budget(sc: Scenario, budget: int) -> None:
+    """providers.render takes the model's budget (the registry's max_cache_breakpoints):
+    Anthropic sends what anthropic.render sends under it, never above the API's four; None
+    keeps the provider's own limit; OpenAI caches automatically and ignores it."""
+    request = _request(sc, "anthropic")
+    assert render(request, budget).body == anthropic.render(request, budget).body
+    assert render(request, None).body == render(request).body
+    assert len(_markers(json.loads(render(request, budget).body))) <= min(
+        budget, anthropic.MAX_BREAKPOINTS
+    )
+    if budget >= anthropic.MAX_BREAKPOINTS:
+        assert render(request, budget).body == render(request).body
+    openai_request = _request(sc, "openai")
+    assert render(openai_request, budget).body == render(openai_request).body
+
+
 def test_priority_table_drops_the_run_marker_first() -> None:
     priorities = {b.name: b.priority for b in BREAKPOINTS}
     assert sorted(priorities, key=priorities.__getitem__) == [

@@ -2563,7 +2563,11 @@ type RotateRequest struct {
 	SessionId string `protobuf:"bytes,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
 	// The epoch the caller rotates from; must be current, else ABORTED.
 	FromEpoch int64 `protobuf:"varint,3,opt,name=from_epoch,json=fromEpoch,proto3" json:"from_epoch,omitempty"`
-	// Why. Required.
+	// Why. Required. MODEL_CHANGED, AGENT_CHANGED, PERSONA_CHANGED, OPERATOR_REVOCATION,
+	// SNAPSHOT_INVALIDATED, BUILDER_UPGRADED or PREFIX_HASH_CANONICALIZED (takes no spec).
+	// RUN_AUTHORITY_CHANGED and BROWSER_PROFILE_CHANGED are decided only at a run's
+	// admission (StartRunRequest.admission) and are refused (INVALID_FIELD): a Build reads
+	// them as another run's admission, so they would never reach the active runs.
 	Reason PlanReason `protobuf:"varint,4,opt,name=reason,proto3,enum=context_engine.v1.PlanReason" json:"reason,omitempty"`
 	// The new spec; absent rebuilds from the pinned spec.
 	Spec *PlanSpec `protobuf:"bytes,5,opt,name=spec,proto3" json:"spec,omitempty"`
@@ -3283,7 +3287,8 @@ type Run struct {
 	ParentRunId string `protobuf:"bytes,3,opt,name=parent_run_id,json=parentRunId,proto3" json:"parent_run_id,omitempty"`
 	// Session sequence of the seeding user.message.created event; absent for a child run.
 	SeedEventSequence *int64 `protobuf:"varint,4,opt,name=seed_event_sequence,json=seedEventSequence,proto3,oneof" json:"seed_event_sequence,omitempty"`
-	// The plan epoch current when the run started.
+	// The plan epoch the run pinned: for a top-level run the one current after its
+	// admission; for a child run the one its parent built on when the child started.
 	Epoch int64 `protobuf:"varint,5,opt,name=epoch,proto3" json:"epoch,omitempty"`
 }
 
@@ -3436,7 +3441,9 @@ type StartRunRequest struct {
 	SeedItemId string `protobuf:"bytes,5,opt,name=seed_item_id,json=seedItemId,proto3" json:"seed_item_id,omitempty"`
 	// The new run's authority at admission. Newly granted scopes (beyond the plan's
 	// authority_scope_hashes) or a changed browser profile rotate the epoch before the run
-	// pins its tools; scope reduction alone keeps the prefix. Absent: keep the plan.
+	// pins its tools; scope reduction alone keeps the prefix. Absent: keep the plan. Only
+	// for a top-level run: a child inherits its parent's authority and epoch, and a child
+	// request with an admission is refused (INVALID_FIELD).
 	Admission *RunAdmission `protobuf:"bytes,6,opt,name=admission,proto3" json:"admission,omitempty"`
 }
 
@@ -3622,7 +3629,9 @@ type StartRunResponse struct {
 	CheckpointVersion int64 `protobuf:"varint,2,opt,name=checkpoint_version,json=checkpointVersion,proto3" json:"checkpoint_version,omitempty"`
 	// Set when admission rotated the epoch (run_authority_changed, browser_profile_changed,
 	// snapshot_invalidated, builder_upgraded, prefix_hash_canonicalized): the new plan the
-	// run pins.
+	// run pins. After an erasure, admission with a grant rotates twice (snapshot_invalidated,
+	// then run_authority_changed): this is the last. A retry with the same idempotency key
+	// returns the first response, this field included.
 	RotatedPlan *ContextPlan `protobuf:"bytes,3,opt,name=rotated_plan,json=rotatedPlan,proto3" json:"rotated_plan,omitempty"`
 }
 

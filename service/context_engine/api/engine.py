@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any
+from functools import partial
+from typing import Any, Literal
 from uuid import UUID
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -20,7 +21,13 @@ import asyncpg
 from .. import telemetry
 from ..core import epochs as epoch_rules
 from ..core.assemble import Assembled, BuildInputs, StepContext, assemble
-from ..core.build_record import INPUTS_KEY, PEOPLE_KEY, inputs_to_record, recalled_people
+from ..core.build_record import (
+    BUDGET_KEY,
+    INPUTS_KEY,
+    PEOPLE_KEY,
+    inputs_to_record,
+    recalled_people,
+)
 from ..core.checkpoint import Checkpoint, require_version
 from ..core.enums import PlanReason
 from ..core.errors import (
@@ -69,6 +76,10 @@ class RunStarted:
     epoch: int
     checkpoint_version: int
     rotated_epoch: int | None = None  # set when admission rotated the plan for this run
+    # Not stored with the answer (to_json): what this call did, for telemetry. A replayed
+    # answer (a retried StartRun) started nothing and rotated nothing.
+    rotations: tuple[PlanReason, ...] = ()  # every rotation admission made, in order
+    replayed: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -119,8 +130,12 @@ class Engine:
         new_secret: Callable[[], bytes],
         tokenizer_of: Callable[[str], str] | None = None,
         inline_maximum_bytes: int = DEFAULT_INLINE_MAXIMUM_BYTES,
+        cache_breakpoints_of: Callable[[str], int | None] | None = None,
     ) -> None:
         self.pool = pool
+        # A model's cache-marker budget (the registry's max_cache_breakpoints; None: the
+        # provider's own limit). Read at every render, Build and GetBuild alike.
+        self._cache_breakpoints_of = cache_breakpoints_of or (lambda model_id: None)
         # Which tokenizer counts for a model: a correction learned for another resets.
         self._tokenizer_of = tokenizer_of or (lambda model_id: "heuristic")
         self._inline_maximum_bytes = inline_maximum_bytes
@@ -316,9 +331,11 @@ class Engine:
         admission: epoch_rules.Admission | None,
         epoch: int,
         revision: int,
-    ) -> plans.StoredPlan | None:
-        """A new run's admission, before it pins its tools: rotate once when the rules of
-        core/epochs.py say so. -> the rotated plan, or None when the plan stays.
+    ) -> list[plans.StoredPlan]:
+        """A new run's admission, before it pins its tools: rotate when the rules of
+        core/epochs.py say so. -> the rotated plans, in order (the last is the one the run
+        pins); none when the plan stays. Two only after an erasure: its rotation from the
+        pinned authority, then the run's own (core/epochs.py, Rule 2).
 
         `epoch` and `revision` are the session's, read under its lock: a kept plan of that
         epoch and revision is the current one, and is not read again."""
@@ -326,23 +343,29 @@ class Engine:
         if current is None or current.revision != revision:
             current = await plans.read_plan(conn, tenant, session_id, epoch)
             self._plans.put((tenant, session_id, epoch), current, 1)
-        decision = epoch_rules.admit_run(
-            current.plan,
-            current.spec,
-            admission,
-            builder_reproduces=lambda: self._builder_reproduces(session_id, current),
-        )
-        if decision.reason is None:
-            return None
-        return await self._rotate_locked(
-            conn,
-            tenant,
-            session_id,
-            current,
-            decision.reason,
-            decision.spec,
-            f"run admission: {decision.detail}",
-        )
+        rotated: list[plans.StoredPlan] = []
+        # Each rotation clears its own reasons, so a second decision finds at most the
+        # run's own change; the bound makes that certain.
+        for _ in range(2):
+            decision = epoch_rules.admit_run(
+                current.plan,
+                current.spec,
+                admission,
+                builder_reproduces=partial(self._builder_reproduces, session_id, current),
+            )
+            if decision.reason is None:
+                break
+            current = await self._rotate_locked(
+                conn,
+                tenant,
+                session_id,
+                current,
+                decision.reason,
+                decision.spec,
+                f"run admission: {decision.detail}",
+            )
+            rotated.append(current)
+        return rotated
 
     async def _rotate_invalidated(self, tenant: str, session_id: UUID) -> plans.StoredPlan:
         """Build found the current plan's snapshot invalidated by an erasure: rotate with
@@ -374,23 +397,32 @@ class Engine:
         request_sha256: str,
         admission: epoch_rules.Admission | None = None,
     ) -> RunStarted:
+        """Start a run. A top-level run is admitted first (`admission`, core/epochs.py) and
+        pins the epoch current after it. A child is not admitted: it works for its parent,
+        so it pins the epoch its parent builds on (store/runs.py read_run_head), never one
+        another run's admission made."""
         async with transaction(self.pool) as conn:
             epoch, revision = await sessions.lock_session_plans(conn, tenant, session_id)
             stored = await idempotency.recall_response(
                 conn, tenant, session_id, idempotency_key, "StartRun", request_sha256
             )
             if stored is not None:
-                return RunStarted.from_json(stored)
+                return replace(RunStarted.from_json(stored), replayed=True)
             if epoch == 0:
                 raise PreconditionError(
                     f"session {session_id} has no plan; call Plan first",
                     field="session_id",
                     reason="PLAN_NOT_FOUND",
                 )
-            # Admission precedes the seed: the run pins the epoch it starts on.
-            rotated = await self._admit(conn, tenant, session_id, admission, epoch, revision)
-            if rotated is not None:
-                epoch = rotated.plan.epoch
+            rotated: list[plans.StoredPlan] = []
+            if isinstance(seed, ChildSeed):
+                parent = await runs.read_run_head(conn, tenant, session_id, seed.parent_run_id)
+                epoch = parent.effective_epoch
+            else:
+                # Admission precedes the seed: the run pins the epoch it starts on.
+                rotated = await self._admit(conn, tenant, session_id, admission, epoch, revision)
+                if rotated:
+                    epoch = rotated[-1].plan.epoch
             if isinstance(seed, UserMessage):
                 # The seeding event and the run row share this transaction, so the run's
                 # seed_event_sequence can never point at an event that did not land.
@@ -403,7 +435,6 @@ class Engine:
                 first = replace_item(seed, sequence=seq, run_id=str(run_id))
                 run = runs.RunRow(run_id, session_id, None, seq, epoch)
             else:
-                await runs.read_run(conn, tenant, session_id, seed.parent_run_id)
                 first = UserMessage(
                     item_id=f"instruction:{run_id}", text=seed.instruction, run_id=str(run_id)
                 )
@@ -443,7 +474,8 @@ class Engine:
                 run.seed_event_sequence,
                 epoch,
                 1,
-                rotated.plan.epoch if rotated is not None else None,
+                rotated[-1].plan.epoch if rotated else None,
+                tuple(r.plan.reason for r in rotated),
             )
             await idempotency.remember_response(
                 conn,
@@ -577,12 +609,16 @@ class Engine:
         epoch: int = 0,
         record: bool = True,
         skills_loaded: int | None = None,
+        breakpoint_budget: int | Literal["registry"] | None = "registry",
     ) -> BuildResult:
         """Assemble, render and record the run's next request.
 
         `epoch` 0 builds against the current plan; GetBuild passes the recorded epoch and
-        `record=False` to rebuild a recorded request without recording it again, and
-        `skills_loaded` (recorded) so skills loaded later do not enter the rebuild.
+        `record=False` to rebuild a recorded request without recording it again,
+        `skills_loaded` (recorded) so skills loaded later do not enter the rebuild, and
+        `breakpoint_budget` (recorded) so the payload keeps the cache markers it was sent
+        with after an overlay changes the model's max_cache_breakpoints. "registry": the
+        model's budget now; None: the provider's own limit.
         """
         async with telemetry.span("store.read"), acquire(self.pool) as conn:
             try:
@@ -624,6 +660,11 @@ class Engine:
             stored = await self._rotate_invalidated(tenant, session_id)
         telemetry.annotate(epoch=stored.plan.epoch, prefix_sha256=stored.plan.prefix_sha256)
         plan = stored.plan
+        budget = (
+            self._cache_breakpoints_of(plan.model_id)
+            if breakpoint_budget == "registry"
+            else breakpoint_budget
+        )
         instant = now or self._clock()
         clock = instant.astimezone(_zone(plan.time_zone))
         inputs = BuildInputs(
@@ -666,6 +707,8 @@ class Engine:
             # Whom its recall lines are about, where an erasure finds them (Rule 4).
             PEOPLE_KEY: recalled_people(step),
             "skills_loaded": len(loaded),
+            # The cache-marker budget the payload was rendered with (GetBuild renders again).
+            BUDGET_KEY: budget,
             # Tokens per class (prefix exact, body estimated), for inspect's budget bars.
             "class_tokens": [
                 {"class_name": c.class_name, "tokens": c.tokens} for c in assembled.budget
@@ -673,7 +716,7 @@ class Engine:
         }
         # Rendered before anything is recorded: a request no provider can take writes nothing.
         rendered = (
-            telemetry.traced("render", render)(assembled.request)
+            telemetry.traced("render", render)(assembled.request, budget)
             if assembled.request is not None
             else None
         )

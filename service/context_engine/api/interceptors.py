@@ -159,6 +159,9 @@ def _on_rotate(request: pb.RotateRequest, response: pb.RotateResponse) -> None:
 
 
 def _on_start_run(request: pb.StartRunRequest, response: pb.StartRunResponse) -> None:
+    # Only for a servicer that does not record: the response cannot say whether it was an
+    # idempotent replay, nor show an erasure's rotation before the run's own. The
+    # service's handler always records (api/servicer.py StartRun).
     telemetry.record_run_started()
     if response.HasField("rotated_plan"):
         telemetry.record_rotation(_reason_name(response.rotated_plan.reason))

@@ -18,7 +18,7 @@ from uuid import UUID
 import grpc
 
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
-from ..core.build_record import REDACTED_KEY, inputs_from_record
+from ..core.build_record import BUDGET_KEY, REDACTED_KEY, inputs_from_record
 from ..core.errors import EngineError, InvalidFieldError, NotFoundError, PreconditionError
 from ..store import events
 from ..store.db import acquire
@@ -68,6 +68,8 @@ class BuildsRpcs:
             record=False,
             # Skills are sticky and append-only: the first N loaded are the ones it saw.
             skills_loaded=payload.get("skills_loaded"),
+            # The markers it was sent with, whatever the registry says now.
+            breakpoint_budget=payload.get(BUDGET_KEY),
         )
         if result.assembled.request_sha256 != payload.get("request_sha256"):
             if result.plan.invalidated:

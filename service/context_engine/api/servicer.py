@@ -13,6 +13,7 @@ import grpc
 from .. import telemetry
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
 from .._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from ..core.epochs import ADMISSION_REASONS
 from ..core.errors import InvalidFieldError
 from . import convert, wire
 from .engine import BuildResult, ChildSeed, Engine
@@ -80,6 +81,15 @@ class ContextEngineServicer(
                 "from_epoch must be the current epoch (>= 1)", field="from_epoch"
             )
         reason = convert.plan_reason_from_proto(request.reason, "reason")
+        if reason in ADMISSION_REASONS:
+            # Only a run's admission decides these, and a Build reads a plan with such a
+            # reason as another run's admission (store/runs.py): an operator's rotation
+            # with one would never reach the runs already active.
+            raise InvalidFieldError(
+                f"{reason.name} is decided at a run's admission (StartRun.admission), not"
+                " by Rotate; name the change (for example OPERATOR_REVOCATION)",
+                field="reason",
+            )
         spec = (
             convert.plan_spec_from_proto(request.spec, self.engine.default_policy)
             if request.HasField("spec")
@@ -110,6 +120,13 @@ class ContextEngineServicer(
             if not request.child.instruction:
                 raise InvalidFieldError("child.instruction is required", field="child.instruction")
             seed = ChildSeed(parent, request.child.instruction)
+            if request.HasField("admission"):
+                # A child works for its parent and builds on its parent's epoch: it is not
+                # admitted, so it can never be granted what its parent was not.
+                raise InvalidFieldError(
+                    "a child run inherits its parent's authority; admission is for a top-level run",
+                    field="admission",
+                )
         else:
             raise InvalidFieldError("one of user_message or child is required", field="seed")
         admission = (
@@ -138,6 +155,14 @@ class ContextEngineServicer(
         if started.rotated_epoch is not None:  # admission rotated: the plan the run pins
             rotated = await self.engine.get_plan(tenant, session_id, started.rotated_epoch)
             response.rotated_plan.CopyFrom(convert.plan_to_proto(rotated.plan, rotated.created_at))
+        # Counted here, not derived from the response: a replay answers with the first
+        # call's response (rotated_plan included) but started and rotated nothing.
+        if started.replayed:
+            telemetry.record_replay("run")
+        else:
+            telemetry.record_run_started()
+            for reason in started.rotations:
+                telemetry.record_rotation(reason.name.lower())
         return response
 
     @grpc_errors

@@ -14,6 +14,10 @@ Rule 4: the people the step's recall and correction lines are about are recorded
 the inputs (PEOPLE_KEY), where an erasure finds them; redacting a person removes their
 lines from the recorded inputs and marks the record redacted (REDACTED_KEY), which GetBuild
 then refuses to rebuild.
+Rule 5: the cache-marker budget the payload was rendered with (the model registry's
+max_cache_breakpoints then) is recorded beside the inputs (BUDGET_KEY), so a rebuild sends
+the same markers after an overlay changes the model's budget. A record without it was
+rendered under the provider's own limit.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from .assemble import StepContext
 from .errors import PreconditionError
 
 __all__ = [
+    "BUDGET_KEY",
     "INPUTS_KEY",
     "PEOPLE_KEY",
     "REDACTED_KEY",
@@ -38,6 +43,7 @@ __all__ = [
     "redact_record",
 ]
 
+BUDGET_KEY = "max_cache_breakpoints"
 INPUTS_KEY = "build_inputs"
 PEOPLE_KEY = "people"
 REDACTED_KEY = "redacted"

@@ -4,9 +4,20 @@ rotation that rebuilds nothing.
 Rule 1: a new run's admission, before the run pins its tools, is the only point where
 authority refreshes. A retried StartRun returns its first answer and re-admits nothing, so
 runs with pinned tools, pending calls or parked approvals never refresh authority.
-Rule 2: one admission rotates at most once. The reason is the first that applies in
-`REASON_PRIORITY`; the rebuild carries every change found (the run's scopes, the selected
-browser profile, the remaining snapshot, the current builder).
+Rule 2: one admission rotates once, for the first reason that applies in
+`REASON_PRIORITY`, and the rebuild carries every change found (the remaining snapshot, the
+current builder, and the run's own changes of Rules 3 and 4). The run's own changes are
+its alone: its scopes enter the rebuilt spec only when they were newly granted
+(run_authority_changed), its browser profile only when it changed (browser_profile_changed).
+Every other reason rebuilds from the pinned spec, so a rotation that reaches every active
+run (builder_upgraded, snapshot_invalidated: not in `ADMISSION_REASONS`) never carries one
+run's scope reduction or grant into the others' prompts. So a builder upgrade admitted
+with a grant is one run_authority_changed rotation (the runs already active keep their
+plan, as for any admission); one admitted with a mere reduction is one builder_upgraded
+rotation from the pinned authority. The one exception to "once" is an erasure: its
+snapshot_invalidated rotation reaches every run, so it rebuilds from the pinned authority,
+and the run's own change is then decided again on the rebuilt plan: a second, admission
+rotation (the same two epochs a Build after the erasure and then the admission would give).
 Rule 3: newly granted scopes (a SHA-256 not in plan.authority_scope_hashes) rotate with
 run_authority_changed; scope reduction alone keeps the prefix, because revocation is
 enforced at call time. A legacy plan without hashes rebuilds once. A session kind that
@@ -38,6 +49,7 @@ from .roster import PinnedTool, scope_hashes
 from .spec import PlanSpec, Principal, SessionEnvironment
 
 __all__ = [
+    "ADMISSION_REASONS",
     "REASON_PRIORITY",
     "Admission",
     "Decision",
@@ -58,6 +70,13 @@ REASON_PRIORITY: tuple[PlanReason, ...] = (
     PlanReason.PREFIX_HASH_CANONICALIZED,
 )
 
+# Rotations that only a run's admission decides: they pin the admitted run's plan and leave
+# the runs already active on theirs (store/runs.py reads them so). Rotate refuses them: an
+# operator's rotation names another reason and reaches every run.
+ADMISSION_REASONS: frozenset[PlanReason] = frozenset(
+    {PlanReason.RUN_AUTHORITY_CHANGED, PlanReason.BROWSER_PROFILE_CHANGED}
+)
+
 
 @dataclass(frozen=True, slots=True)
 class Admission:
@@ -69,7 +88,8 @@ class Admission:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """What admission does to the session's plan."""
+    """What admission does to the session's plan: one rotation. After a
+    snapshot_invalidated rotation the caller decides again on the rebuilt plan (Rule 2)."""
 
     reasons: tuple[PlanReason, ...] = ()  # every reason found, in priority order
     spec: PlanSpec | None = None  # the spec a rebuild uses; None for a copy or no rotation
@@ -124,7 +144,11 @@ def admit_run(
     reasons = tuple(r for r in REASON_PRIORITY if r in found)
     if not reasons or reasons[0] is PlanReason.PREFIX_HASH_CANONICALIZED:
         return Decision(reasons)
-    return Decision(reasons, _rebuilt_spec(spec, admission))
+    if reasons[0] is PlanReason.SNAPSHOT_INVALIDATED:
+        # Rule 2: every run follows this rotation, so the run's own change waits for the
+        # decision on the rebuilt plan.
+        reasons = tuple(r for r in reasons if r not in ADMISSION_REASONS)
+    return Decision(reasons, _rebuilt_spec(spec, admission, reasons))
 
 
 def _authority_changed(plan: ContextPlan, spec: PlanSpec, admission: Admission) -> bool:
@@ -135,18 +159,21 @@ def _authority_changed(plan: ContextPlan, spec: PlanSpec, admission: Admission) 
     return admission.scopes is not None and bool(newly_granted(plan, admission.scopes))
 
 
-def _rebuilt_spec(spec: PlanSpec, admission: Admission) -> PlanSpec:
-    """The pinned spec with the admitted run's permissions and browser profile applied.
+def _rebuilt_spec(
+    spec: PlanSpec, admission: Admission, reasons: tuple[PlanReason, ...]
+) -> PlanSpec:
+    """The pinned spec, with the admitted run's permissions applied only when they were
+    newly granted and its browser profile only when it changed (Rule 2).
 
     Validated again (not model_copy'd) so the scopes are stored sorted.
     """
     principal = spec.principal
-    if admission.scopes is not None:
+    if PlanReason.RUN_AUTHORITY_CHANGED in reasons and admission.scopes is not None:
         principal = Principal.model_validate(
             {**principal.model_dump(), "scopes": list(admission.scopes)}
         )
     environment = spec.environment
-    if admission.browser_profile_id is not None:
+    if PlanReason.BROWSER_PROFILE_CHANGED in reasons and admission.browser_profile_id is not None:
         environment = SessionEnvironment.model_validate(
             {**environment.model_dump(), "browser_profile_id": admission.browser_profile_id}
         )

@@ -1,10 +1,15 @@
 """Provider renderers: the neutral ModelRequest as Anthropic Messages or OpenAI Responses
 JSON bytes. PURE, like the core: no I/O, no clock, no randomness.
 
-``render(request)`` picks the renderer of request.provider (``RENDERERS``) and returns the
-payload bytes and the API name BuildResponse carries (``provider_payload``,
-``provider_api``). ``prompt_units(request)`` is the same prompt unit by unit, in the order
-the provider caches it, with the row and item of each unit (what ``explain`` diffs).
+``render(request, max_breakpoints)`` picks the renderer of request.provider (``RENDERERS``)
+and returns the payload bytes and the API name BuildResponse carries (``provider_payload``,
+``provider_api``). ``max_breakpoints`` is the model's cache-marker budget from the model
+registry (``max_cache_breakpoints``): a provider with explicit markers (Anthropic) sends at
+most that many, dropping them in priority order (the run marker first); None leaves the
+provider's own limit. The budget is an input like the request: the same pair renders the
+same bytes, so a Build records the budget it rendered with and its replay (GetBuild)
+passes the recorded one. ``prompt_units(request)`` is the same prompt unit by unit, in the
+order the provider caches it, with the row and item of each unit (what ``explain`` diffs).
 """
 
 from __future__ import annotations
@@ -56,11 +61,15 @@ class Renderer:
     api: str
     render: Callable[[ModelRequest], RenderedPayload]
     prompt_units: Callable[[ModelRequest], tuple[PromptUnit, ...]]
+    # The renderer under a cache-marker budget; None: the provider places no markers.
+    render_within: Callable[[ModelRequest, int], RenderedPayload] | None = None
 
 
 # The plan's provider -> its renderer.
 RENDERERS: dict[str, Renderer] = {
-    "anthropic": Renderer(anthropic.API, anthropic.render, anthropic.prompt_units),
+    "anthropic": Renderer(
+        anthropic.API, anthropic.render, anthropic.prompt_units, anthropic.render
+    ),
     "openai": Renderer(openai.API, openai.render, openai.prompt_units),
 }
 
@@ -72,15 +81,19 @@ def _renderer(provider: str) -> Renderer:
     return renderer
 
 
-def render(request: ModelRequest) -> RenderedPayload:
-    """The provider payload of `request`, for its plan's provider.
+def render(request: ModelRequest, max_breakpoints: int | None = None) -> RenderedPayload:
+    """The provider payload of `request`, for its plan's provider, with at most
+    `max_breakpoints` cache markers (None: the provider's own limit).
 
     Raises:
         EngineError: an unknown provider, or a reasoning payload that is not a JSON
             object of the provider's reasoning type.
         PreconditionError: two tool names share a wire name.
     """
-    return _renderer(request.provider).render(request)
+    renderer = _renderer(request.provider)
+    if max_breakpoints is None or renderer.render_within is None:
+        return renderer.render(request)
+    return renderer.render_within(request, max_breakpoints)
 
 
 def prompt_units(request: ModelRequest) -> tuple[PromptUnit, ...]:

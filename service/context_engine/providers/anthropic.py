@@ -18,7 +18,8 @@ provider cannot be replayed here and is not sent. A payload of any other type is
 Rule 6 (markers): request.cache_breakpoints become ``cache_control`` on the block each
 closes — after_tools on the last tool, after_system on the last system block, a history
 marker on its through_item's block (or the nearest sendable block before it). At most
-``MAX_BREAKPOINTS``, taken in priority order, so the run marker drops first; two markers on
+the model's budget (the registry's ``max_cache_breakpoints``, never above the API's
+``MAX_BREAKPOINTS``), taken in priority order, so the run marker drops first; two markers on
 one block are one. In processing order no one-hour marker follows a shorter one: a later
 marker's TTL is lowered to the shortest before it. ``"5m"`` is sent as the API default
 (no ``ttl`` key).
@@ -130,13 +131,15 @@ class _Layout:
 
 
 def render(request: ModelRequest, max_breakpoints: int = MAX_BREAKPOINTS) -> RenderedPayload:
-    """The Messages API body for `request`; `max_breakpoints` models a smaller budget.
+    """The Messages API body for `request`, with at most `max_breakpoints` markers (the
+    model's budget; above the API's MAX_BREAKPOINTS counts as MAX_BREAKPOINTS).
 
     Raises:
         PreconditionError: two tool names share a wire name.
         EngineError: a reasoning item's opaque payload is not a JSON object of the
             provider's reasoning type (core/items.py REASONING_TYPES).
     """
+    max_breakpoints = min(max_breakpoints, MAX_BREAKPOINTS)  # the API refuses a fifth
     messages, moved = _message_layouts(request)
     tools = [_Unit(_tool(t)) for t in request.tools]
     system = [_Unit(r) for b in request.system if (r := _system(b)) is not None]

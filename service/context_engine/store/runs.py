@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
+from ..core import epochs
 from ..core.checkpoint import Checkpoint
 from ..core.errors import ConflictError, NotFoundError, PreconditionError
 
@@ -114,8 +115,10 @@ async def read_checkpoint(conn: Any, tenant_id: str, run_id: UUID, version: int 
 
 # Rotations decided at a new run's admission: they pin the new run's plan and leave the
 # runs already active on theirs. Every other rotation (an operator's revocation, a model
-# or agent change, an erasure) applies to every run from its next Build.
-ADMISSION_REASONS = ("RUN_AUTHORITY_CHANGED", "BROWSER_PROFILE_CHANGED")
+# or agent change, an erasure, a builder upgrade) applies to every run from its next Build.
+# Only admission decides these (core/epochs.py; Rotate refuses them), so a plan with such a
+# reason is always another run's admission.
+ADMISSION_REASONS = tuple(sorted(r.name for r in epochs.ADMISSION_REASONS))
 
 
 @dataclass(frozen=True, slots=True)
