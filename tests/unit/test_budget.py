@@ -38,6 +38,7 @@ from context_engine.core.caps import (
     PREFIX_CEILING_TOKENS,
     SAFETY_MARGIN_PPM,
 )
+from context_engine.core.estimator import heuristic_count
 from context_engine.core.items import (
     AssistantMessage,
     ConversationItem,
@@ -55,6 +56,7 @@ from context_engine.core.plan import ClassUsage, _check_prefix_caps
 from context_engine.core.request import ModelRequest
 from context_engine.core.spec import AgentSpec, PlatformPolicySpec
 from context_engine.core.yield_ladder import LADDER
+from context_engine.tokenizers import build_counters
 
 GATE = settings(max_examples=150, deadline=None)
 SECRET = b"k" * 32
@@ -708,3 +710,61 @@ def test_an_active_turn_over_the_body_fails_naming_it_not_needing_compaction() -
     with pytest.raises(BudgetExceededError) as caught:
         assemble(inputs)
     assert caught.value.metadata["class"] == "active_turn"
+
+
+def _fetch_run(content: str) -> list[ConversationItem]:
+    return [
+        UserMessage(item_id="u1", text="Fetch it.", sequence=1, run_id="current"),
+        ToolCall(
+            item_id="c1",
+            call_id="k1",
+            tool_name="web.fetch",
+            arguments_json="{}",
+            sequence=2,
+            run_id="current",
+        ),
+        ToolResult(
+            item_id="r1",
+            call_id="k1",
+            tool_name="web.fetch",
+            content=content,
+            trust=TrustLevel.EXTERNAL_UNTRUSTED,
+            sequence=3,
+            run_id="current",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("body_room", [11_000, 60_000])
+def test_a_whitespace_heavy_result_never_fits_on_an_estimate_below_its_real_size(
+    body_room: int,
+) -> None:
+    """Budget conformance for a heuristic (Anthropic) model: a pending tool result of blank
+    lines with trailing spaces (a scraped page) costs both proxy tokenizers a token per line,
+    which the heuristic priced at one token per whitespace run. Build said a body of 11,000
+    held it while its real size was 16,000; now Build refuses that body (the pending result
+    is never-yield) and, in a body that holds it, estimates at least the real size."""
+    exact = [c.count_text for c in build_counters().values()]
+    content = "x\n   \n   \n   \n" * 4_000  # 60,000 characters, under the byte-bound cut-off
+    session = Session(
+        carried=[],
+        run=_fetch_run(content),
+        summary=None,
+        floor=0,
+        step=StepContext(),
+        working_state=None,
+        body_room=body_room,
+        reserve=1_000,
+        factor_ppm=1_000_000,
+    )
+    _, inputs = _build(session)
+    inputs = replace(inputs, count_tokens=heuristic_count)
+    real = max(counter(content) for counter in exact)
+    assert real > 11_000
+    if body_room < real:
+        with pytest.raises(BudgetExceededError):
+            assemble(inputs)
+        return
+    built = assemble(inputs)
+    assert built.request is not None
+    assert built.body_estimated_tokens >= real
