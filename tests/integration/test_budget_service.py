@@ -203,6 +203,32 @@ async def test_old_tool_results_truncate_to_pointers_keeping_pairs(stub: Any) ->
         assert "(external_untrusted, " in b.tool_result.content
 
 
+async def test_an_image_is_costed_at_the_models_registry_figure(stub: Any) -> None:
+    """The registry's image_tokens (gpt-4o-mini: 48,200) reaches Build's estimate through
+    the server's catalog; it used to stop at an estimator path Build never called."""
+    tenant = _tenant()
+    session_id = new_id()
+    await stub.Plan(
+        pb.PlanRequest(tenant_id=tenant, session_id=session_id, spec=spec(model_id="gpt-4o-mini"))
+    )
+    run_id = str(
+        (
+            await stub.StartRun(
+                pb.StartRunRequest(
+                    tenant_id=tenant,
+                    session_id=session_id,
+                    user_message=pb.UserMessage(
+                        text="What is in this picture?",
+                        attachments=[pb.Attachment(kind="image", ref="photo.png")],
+                    ),
+                )
+            )
+        ).run.run_id
+    )
+    built = await _build(stub, tenant, session_id, run_id)
+    assert built.estimated_input_tokens - built.prefix_tokens >= 48_200
+
+
 # --- the never-yield set ---------------------------------------------------------------
 
 

@@ -38,9 +38,10 @@ from context_engine.core.caps import (
     PREFIX_CEILING_TOKENS,
     SAFETY_MARGIN_PPM,
 )
-from context_engine.core.estimator import heuristic_count
+from context_engine.core.estimator import IMAGE_TOKENS, heuristic_count, image_tokens_for
 from context_engine.core.items import (
     AssistantMessage,
+    Attachment,
     ConversationItem,
     CorrectionLineItem,
     KnowledgePassageItem,
@@ -56,6 +57,7 @@ from context_engine.core.plan import ClassUsage, _check_prefix_caps
 from context_engine.core.request import ModelRequest
 from context_engine.core.spec import AgentSpec, PlatformPolicySpec
 from context_engine.core.yield_ladder import LADDER
+from context_engine.models import ModelCatalog
 from context_engine.tokenizers import build_counters
 
 GATE = settings(max_examples=150, deadline=None)
@@ -768,3 +770,57 @@ def test_a_whitespace_heavy_result_never_fits_on_an_estimate_below_its_real_size
     built = assemble(inputs)
     assert built.request is not None
     assert built.body_estimated_tokens >= real
+
+
+def _image_message() -> UserMessage:
+    return UserMessage(
+        item_id="u1",
+        text="What is in this picture?",
+        attachments=(Attachment(kind="image", ref="photo.png"),),
+        sequence=1,
+        run_id="current",
+    )
+
+
+def test_an_image_costs_the_registry_figure_for_its_model() -> None:
+    """ADR-0120: the registry's image_tokens raises the estimator's flat per-image figure
+    where a model counts more (gpt-4o-mini: 48,200). Build's body estimate passed no figure,
+    so every image cost the flat 1,600 whatever the model; the shell now resolves the
+    model's figure with its counter (ModelCatalog.image_tokens) and Build costs images at
+    it. A registry figure below the flat one does not lower it."""
+    catalog = ModelCatalog.builtin()
+    info = catalog.info("gpt-4o-mini")
+    assert info.image_tokens == 48_200
+    assert catalog.image_tokens("gpt-4o-mini") == 48_200
+    assert catalog.image_tokens("claude-sonnet-4-5") == IMAGE_TOKENS
+    assert catalog.image_tokens("not-registered") == IMAGE_TOKENS
+    spec = PlanSpec(
+        model_id="gpt-4o-mini",
+        agent=AgentSpec(agent_id="a", version="1", instructions="Be brief."),
+        policy=PlatformPolicySpec(version="v1", text="Platform policy."),
+    )
+    counter = catalog.counter("gpt-4o-mini")
+    plan = make_plan(
+        spec,
+        session_id="s",
+        epoch=1,
+        reason=PlanReason.SESSION_OPENED,
+        secret=SECRET,
+        model=catalog.facts("gpt-4o-mini"),
+        count_tokens=counter,
+    )
+    inputs = BuildInputs(
+        tenant_id="t",
+        plan=plan,
+        secret=SECRET,
+        checkpoint=Checkpoint(run_id="current", version=1, items=(_image_message(),)),
+        carried=(),
+        now=NOW,
+        count_tokens=counter,
+        image_tokens=catalog.image_tokens("gpt-4o-mini"),
+    )
+    built = assemble(inputs)
+    assert built.body_estimated_tokens >= info.image_tokens
+    flat = assemble(replace(inputs, image_tokens=IMAGE_TOKENS))
+    assert built.body_estimated_tokens - flat.body_estimated_tokens == 48_200 - IMAGE_TOKENS
+    assert image_tokens_for(None) == image_tokens_for(500) == IMAGE_TOKENS

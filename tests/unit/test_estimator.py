@@ -658,6 +658,12 @@ def test_a_model_can_raise_the_per_image_figure() -> None:
         plain.estimate_attachments([_image()], "gpt-x")
         == label + ATTACHMENT_BLOCK_TOKENS + IMAGE_TOKENS
     )
+    # The registry figure raises the flat one where a model counts more; it never lowers it.
+    lower = ModelTokenEstimator(_registry(**{"gpt-x": {"image_tokens": 500}}))
+    assert (
+        lower.estimate_attachments([_image()], "gpt-x")
+        == label + ATTACHMENT_BLOCK_TOKENS + IMAGE_TOKENS
+    )
 
 
 @pytest.mark.parametrize(

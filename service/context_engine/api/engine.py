@@ -30,6 +30,7 @@ from ..core.errors import (
     NotFoundError,
     PreconditionError,
 )
+from ..core.estimator import IMAGE_TOKENS
 from ..core.excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
 from ..core.items import ConversationItem, UserMessage
 from ..core.plan import ContextPlan, ModelFacts, make_plan
@@ -118,11 +119,14 @@ class Engine:
         new_id: Callable[[], str],
         new_secret: Callable[[], bytes],
         tokenizer_of: Callable[[str], str] | None = None,
+        image_tokens_of: Callable[[str], int] | None = None,
         inline_maximum_bytes: int = DEFAULT_INLINE_MAXIMUM_BYTES,
     ) -> None:
         self.pool = pool
         # Which tokenizer counts for a model: a correction learned for another resets.
         self._tokenizer_of = tokenizer_of or (lambda model_id: "heuristic")
+        # What Build costs one image at for a model (the registry's figure where it is larger).
+        self._image_tokens_of = image_tokens_of or (lambda model_id: IMAGE_TOKENS)
         self._inline_maximum_bytes = inline_maximum_bytes
         self._model_facts = model_facts
         self._token_counter = token_counter
@@ -641,6 +645,7 @@ class Engine:
                 count_tokens=self.count_tokens_for(plan.model_id),
             ),
             count_tokens=self.count_tokens_for(plan.model_id),
+            image_tokens=self._image_tokens_of(plan.model_id),
             inline_maximum_bytes=self._inline_maximum_bytes,
         )
         try:

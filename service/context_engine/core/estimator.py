@@ -111,6 +111,7 @@ __all__ = [
     "apply_factor",
     "estimate_attachment_tokens",
     "heuristic_count",
+    "image_tokens_for",
     "reconcile",
     "signed_error_ppm",
 ]
@@ -128,7 +129,7 @@ REQUEST_FRAMING_TOKENS: Final = 3
 # Anthropic downsizes any image above ~1.15 megapixels (1568 px long edge), which caps an image
 # at ~1,600 tokens; gpt-4o high detail tops out at 85 + 8 * 170 = 1,445 and gpt-4.1 at 1,536
 # patches. Models that count more (gpt-4o-mini, the patch-multiplier minis) say so with
-# ``image_tokens`` in the registry.
+# ``image_tokens`` in the registry (``image_tokens_for``).
 IMAGE_TOKENS: Final = 1_600
 # A PDF page is sent as a rendered page image plus its extracted text: Anthropic documents
 # 1,500-3,000 tokens per page and dense pages measure ~3,150 on Opus.
@@ -728,6 +729,14 @@ def _attachment_content_tokens(ref: AttachmentRef, image_tokens: int) -> int:
     return ref.inlined_bytes * TEXT_FILE_TOKENS_PER_BYTE
 
 
+def image_tokens_for(registry_image_tokens: int | None) -> int:
+    """Per-image figure for a model whose registry entry says ``registry_image_tokens``.
+
+    The registry figure raises the flat ``IMAGE_TOKENS`` where a model counts more; it never
+    lowers it (the flat figure is the upper bound the estimate promises for any provider)."""
+    return max(IMAGE_TOKENS, registry_image_tokens or 0)
+
+
 def estimate_attachment_tokens(
     refs: Iterable[AttachmentRef],
     count_label: Callable[[str], int],
@@ -936,7 +945,7 @@ class ModelTokenEstimator:
         return sum(self.estimate_message(text, model_id) for text in texts)
 
     def estimate_attachments(self, refs: Sequence[AttachmentRef], model_id: str) -> int:
-        image_tokens = self._registry.get(model_id).image_tokens or IMAGE_TOKENS
+        image_tokens = image_tokens_for(self._registry.get(model_id).image_tokens)
         return estimate_attachment_tokens(
             refs,
             lambda label: self.estimate_text(label, model_id),
