@@ -450,6 +450,62 @@ def test_a_never_yield_set_over_the_body_fails_naming_the_class() -> None:
     assert caught.value.metadata["class"] == "user_message"
 
 
+def test_budget_exceeded_names_the_class_that_does_not_fit_not_a_full_working_state() -> None:
+    """A 100k-token user message against a 20k body is what does not fit; the working-state
+    block was admitted by render_block at <= 1,000 raw tokens. The error named the first
+    never-yield class over its own cap, comparing the block's cost as rendered (envelope,
+    framing, factor) with the raw cap, and so blamed the full but valid working state. It
+    now names the largest never-yield class."""
+    state_text = _text(3_990)
+    assert count(state_text) <= 1_000  # what render_block admits (BLOCK_TOKENS)
+    session = Session(
+        carried=[],
+        run=[UserMessage(item_id="u1", text=_text(400_000), sequence=1, run_id="current")],
+        summary=None,
+        floor=0,
+        step=StepContext(),
+        working_state=WorkingStateItem(
+            item_id="working-state", text=state_text, trust=TrustLevel.PLATFORM
+        ),
+        body_room=20_000,
+        reserve=1_000,
+        factor_ppm=1_000_000,
+    )
+    _, inputs = _build(session)
+    with pytest.raises(BudgetExceededError) as caught:
+        assemble(inputs)
+    assert caught.value.metadata["class"] == "user_message", caught.value.metadata
+    # Under a correction factor the state reads further over its raw cap; still not blamed.
+    _, inputs = _build(replace(session, factor_ppm=3_000_000))
+    with pytest.raises(BudgetExceededError) as caught:
+        assemble(inputs)
+    assert caught.value.metadata["class"] == "user_message", caught.value.metadata
+
+
+def test_budget_exceeded_names_the_largest_never_yield_class() -> None:
+    """With no single giant, the class named is the largest: the one whose removal comes
+    closest to making the never-yield set fit (here the working state, within its cap)."""
+    session = Session(
+        carried=[],
+        run=[UserMessage(item_id="u1", text=_text(2_000), sequence=1, run_id="current")],
+        summary=None,
+        floor=0,
+        step=StepContext(),
+        working_state=WorkingStateItem(
+            item_id="working-state", text=_text(3_900), trust=TrustLevel.PLATFORM
+        ),
+        body_room=800,
+        reserve=1_000,
+        factor_ppm=1_000_000,
+    )
+    _, inputs = _build(session)
+    with pytest.raises(BudgetExceededError) as caught:
+        assemble(inputs)
+    metadata = caught.value.metadata
+    assert metadata["class"] == "working_state", metadata
+    assert int(metadata["class_tokens"]) <= int(metadata["never_yield_tokens"])
+
+
 # --- the allocator ----------------------------------------------------------------------
 
 
