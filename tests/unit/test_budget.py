@@ -506,6 +506,65 @@ def test_budget_exceeded_names_the_largest_never_yield_class() -> None:
     assert int(metadata["class_tokens"]) <= int(metadata["never_yield_tokens"])
 
 
+def test_results_over_their_class_cap_do_not_make_knowledge_yield() -> None:
+    """'A synthetic overflow yields in the specified order and no more than necessary.' Two
+    earlier results of the run are over the tool-result class cap (25% of the body), so
+    they become pointers for the cap whatever else happens; the ladder used to drop a
+    528-token passage (within its own cap) for pressure first, because the cap pass ran
+    only after the fit, and the request then used ~255 of 38,000 body tokens."""
+
+    def call(n: int, seq: int) -> ToolCall:
+        return ToolCall(
+            item_id=f"c{n}",
+            call_id=f"k{n}",
+            tool_name="web.fetch",
+            arguments_json="{}",
+            sequence=seq,
+            run_id="current",
+        )
+
+    def result(n: int, seq: int, size: int) -> ToolResult:
+        return ToolResult(
+            item_id=f"r{n}",
+            call_id=f"k{n}",
+            tool_name="web.fetch",
+            content=_text(size),
+            trust=TrustLevel.EXTERNAL_UNTRUSTED,
+            sequence=seq,
+            run_id="current",
+        )
+
+    run = [
+        UserMessage(item_id="u1", text="Research this.", sequence=1, run_id="current"),
+        call(1, 2),
+        result(1, 3, 75_000),
+        call(2, 4),
+        result(2, 5, 75_000),
+        AssistantMessage(item_id="a1", text="One more.", sequence=6, run_id="current"),
+        call(3, 7),
+        result(3, 8, 100),
+    ]
+    passage = KnowledgePassageItem(item_id="kn1", text=_text(2_000), rank=0)
+    session = Session(
+        carried=[],
+        run=run,
+        summary=None,
+        floor=0,
+        step=StepContext(knowledge=(passage,)),
+        working_state=None,
+        body_room=40_000,
+        reserve=1_000,
+        factor_ppm=1_000_000,
+    )
+    _, inputs = _build(session)
+    built = assemble(inputs)
+    assert built.pressure is not None and built.pressure.fits
+    steps = {s.step: s for s in built.pressure.steps}
+    assert set(steps) == {"truncate_tool_results"}, steps
+    assert steps["truncate_tool_results"].item_ids == ("r1", "r2")
+    assert "kn1" in {i.item_id for _, i in built.placed}
+
+
 # --- the allocator ----------------------------------------------------------------------
 
 
