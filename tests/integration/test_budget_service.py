@@ -6,6 +6,7 @@ checkpoint pins. Each test uses a tenant of its own: corrections are per tenant.
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 from uuid import UUID
 
@@ -246,6 +247,53 @@ async def test_a_never_yield_set_over_the_body_fails_and_records_exceeded(
     (exceeded,) = await _events(pool, tenant, session_id, "context.budget.exceeded")
     assert exceeded["class"] == "user_message" and exceeded["run_id"] == run_id
     assert int(exceeded["never_yield_tokens"]) > int(exceeded["body_budget_tokens"])
+    assert await _events(pool, tenant, session_id, "model.request.started") == []
+
+
+@pytest.fixture
+async def own_server(pool: Any) -> AsyncIterator[Any]:
+    """A server of this test's own: its engine's token counter can be changed."""
+    from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+    from context_engine.api.server import build_engine, build_server
+
+    running = await build_server(build_engine(pool), "127.0.0.1:0")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    yield running, pb_grpc.ContextEngineStub(channel)
+    await channel.close()
+    await running.stop(0)
+
+
+async def test_a_working_state_over_its_block_under_a_changed_counter_records_exceeded(
+    own_server: Any, pool: Any
+) -> None:
+    """docs/api.md: a Build refused with BUDGET_EXCEEDED logs context.budget.exceeded. The
+    working-state block raised it while Build's inputs were made, before the try that
+    records the refusal, so that refusal left no trace. Only a changed token counter gets
+    there (transitions refuse the state otherwise): here the engine's counter becomes one
+    token per character after the state was written."""
+    running, stub = own_server
+    tenant = _tenant()
+    session_id, _ = await _open(stub, tenant, room=0)
+    run_id = await _start(stub, tenant, session_id, "Plan the trip.")
+    await stub.UpdateWorkingState(
+        pb.UpdateWorkingStateRequest(
+            tenant_id=tenant,
+            session_id=session_id,
+            run_id=run_id,
+            expected_checkpoint_version=1,
+            writer=pb.WRITER_USER,
+            update=pb.WorkingStateUpdate(objective=_words(300)),
+        )
+    )
+    running.engine._token_counter = lambda model_id: len  # 1,800 characters: 1,800 tokens
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _build(stub, tenant, session_id, run_id)
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    reason, _, metadata = details(caught.value)
+    assert reason == "BUDGET_EXCEEDED" and metadata["class"] == "working_state"
+    (exceeded,) = await _events(pool, tenant, session_id, "context.budget.exceeded")
+    assert exceeded["class"] == "working_state" and exceeded["run_id"] == run_id
+    assert exceeded["checkpoint_version"] == 2 and exceeded["cap_tokens"] == "1000"
     assert await _events(pool, tenant, session_id, "model.request.started") == []
 
 

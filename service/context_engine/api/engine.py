@@ -21,7 +21,7 @@ from .. import telemetry
 from ..core import epochs as epoch_rules
 from ..core.assemble import Assembled, BuildInputs, StepContext, assemble
 from ..core.build_record import INPUTS_KEY, PEOPLE_KEY, inputs_to_record, recalled_people
-from ..core.checkpoint import Checkpoint, require_version
+from ..core.checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint, require_version
 from ..core.enums import PlanReason
 from ..core.errors import (
     BudgetExceededError,
@@ -630,29 +630,33 @@ class Engine:
         plan = stored.plan
         instant = now or self._clock()
         clock = instant.astimezone(_zone(plan.time_zone))
-        inputs = BuildInputs(
-            tenant_id=tenant,
-            plan=plan,
-            secret=stored.secret,
-            checkpoint=checkpoint,
-            carried=carried,
-            now=clock,
-            step=step,
-            skill_bodies=body_items(loaded),
-            working_state=render_block(
-                checkpoint.working_state,
-                secret=stored.secret,
-                count_tokens=self.count_tokens_for(plan.model_id),
-            ),
-            count_tokens=self.count_tokens_for(plan.model_id),
-            image_tokens=self._image_tokens_of(plan.model_id),
-            inline_maximum_bytes=self._inline_maximum_bytes,
-        )
+        count_tokens = self.count_tokens_for(plan.model_id)
+        # The working-state block refuses never-yield fields over its cap (only a changed
+        # token counter gets there) with the same BUDGET_EXCEEDED as assemble, so it is
+        # rendered inside the try: either refusal is recorded as context.budget.exceeded.
         try:
+            inputs = BuildInputs(
+                tenant_id=tenant,
+                plan=plan,
+                secret=stored.secret,
+                checkpoint=checkpoint,
+                carried=carried,
+                now=clock,
+                step=step,
+                skill_bodies=body_items(loaded),
+                working_state=render_block(
+                    checkpoint.working_state, secret=stored.secret, count_tokens=count_tokens
+                ),
+                count_tokens=count_tokens,
+                image_tokens=self._image_tokens_of(plan.model_id),
+                inline_maximum_bytes=self._inline_maximum_bytes,
+            )
             assembled = telemetry.traced("assemble", assemble)(inputs)
         except BudgetExceededError as exc:
             if record:
-                await self._record_budget_exceeded(tenant, session_id, run_id, plan, exc, inputs)
+                await self._record_budget_exceeded(
+                    tenant, session_id, run_id, plan, exc, checkpoint
+                )
             raise
         payload = {
             "run_id": str(run_id),
@@ -735,14 +739,15 @@ class Engine:
         run_id: UUID,
         plan: ContextPlan,
         exc: BudgetExceededError,
-        inputs: BuildInputs,
+        checkpoint: Checkpoint,
     ) -> None:
-        """context.budget.exceeded: the never-yield set alone did not fit the body."""
+        """context.budget.exceeded: the never-yield set alone did not fit the body, or the
+        working state's never-yield fields did not fit its block."""
         payload = {
             "run_id": str(run_id),
             "epoch": plan.epoch,
-            "checkpoint_version": inputs.checkpoint.version,
-            "estimator_factor_ppm": inputs.estimator_factor_ppm,
+            "checkpoint_version": checkpoint.version,
+            "estimator_factor_ppm": checkpoint.estimator_factor_ppm or NEUTRAL_FACTOR_PPM,
             **exc.metadata,
         }
         async with transaction(self.pool) as conn:
