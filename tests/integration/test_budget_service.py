@@ -6,6 +6,7 @@ checkpoint pins. Each test uses a tenant of its own: corrections are per tenant.
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 from uuid import UUID
 
@@ -203,6 +204,32 @@ async def test_old_tool_results_truncate_to_pointers_keeping_pairs(stub: Any) ->
         assert "(external_untrusted, " in b.tool_result.content
 
 
+async def test_an_image_is_costed_at_the_models_registry_figure(stub: Any) -> None:
+    """The registry's image_tokens (gpt-4o-mini: 48,200) reaches Build's estimate through
+    the server's catalog; it used to stop at an estimator path Build never called."""
+    tenant = _tenant()
+    session_id = new_id()
+    await stub.Plan(
+        pb.PlanRequest(tenant_id=tenant, session_id=session_id, spec=spec(model_id="gpt-4o-mini"))
+    )
+    run_id = str(
+        (
+            await stub.StartRun(
+                pb.StartRunRequest(
+                    tenant_id=tenant,
+                    session_id=session_id,
+                    user_message=pb.UserMessage(
+                        text="What is in this picture?",
+                        attachments=[pb.Attachment(kind="image", ref="photo.png")],
+                    ),
+                )
+            )
+        ).run.run_id
+    )
+    built = await _build(stub, tenant, session_id, run_id)
+    assert built.estimated_input_tokens - built.prefix_tokens >= 48_200
+
+
 # --- the never-yield set ---------------------------------------------------------------
 
 
@@ -220,6 +247,53 @@ async def test_a_never_yield_set_over_the_body_fails_and_records_exceeded(
     (exceeded,) = await _events(pool, tenant, session_id, "context.budget.exceeded")
     assert exceeded["class"] == "user_message" and exceeded["run_id"] == run_id
     assert int(exceeded["never_yield_tokens"]) > int(exceeded["body_budget_tokens"])
+    assert await _events(pool, tenant, session_id, "model.request.started") == []
+
+
+@pytest.fixture
+async def own_server(pool: Any) -> AsyncIterator[Any]:
+    """A server of this test's own: its engine's token counter can be changed."""
+    from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+    from context_engine.api.server import build_engine, build_server
+
+    running = await build_server(build_engine(pool), "127.0.0.1:0")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    yield running, pb_grpc.ContextEngineStub(channel)
+    await channel.close()
+    await running.stop(0)
+
+
+async def test_a_working_state_over_its_block_under_a_changed_counter_records_exceeded(
+    own_server: Any, pool: Any
+) -> None:
+    """docs/api.md: a Build refused with BUDGET_EXCEEDED logs context.budget.exceeded. The
+    working-state block raised it while Build's inputs were made, before the try that
+    records the refusal, so that refusal left no trace. Only a changed token counter gets
+    there (transitions refuse the state otherwise): here the engine's counter becomes one
+    token per character after the state was written."""
+    running, stub = own_server
+    tenant = _tenant()
+    session_id, _ = await _open(stub, tenant, room=0)
+    run_id = await _start(stub, tenant, session_id, "Plan the trip.")
+    await stub.UpdateWorkingState(
+        pb.UpdateWorkingStateRequest(
+            tenant_id=tenant,
+            session_id=session_id,
+            run_id=run_id,
+            expected_checkpoint_version=1,
+            writer=pb.WRITER_USER,
+            update=pb.WorkingStateUpdate(objective=_words(300)),
+        )
+    )
+    running.engine._token_counter = lambda model_id: len  # 1,800 characters: 1,800 tokens
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _build(stub, tenant, session_id, run_id)
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    reason, _, metadata = details(caught.value)
+    assert reason == "BUDGET_EXCEEDED" and metadata["class"] == "working_state"
+    (exceeded,) = await _events(pool, tenant, session_id, "context.budget.exceeded")
+    assert exceeded["class"] == "working_state" and exceeded["run_id"] == run_id
+    assert exceeded["checkpoint_version"] == 2 and exceeded["cap_tokens"] == "1000"
     assert await _events(pool, tenant, session_id, "model.request.started") == []
 
 

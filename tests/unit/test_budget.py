@@ -41,8 +41,10 @@ from context_engine.core.caps import (
 )
 from context_engine.core.enums import SideEffect
 from context_engine.core.errors import InvalidFieldError
+from context_engine.core.estimator import IMAGE_TOKENS, heuristic_count, image_tokens_for
 from context_engine.core.items import (
     AssistantMessage,
+    Attachment,
     ConversationItem,
     CorrectionLineItem,
     KnowledgePassageItem,
@@ -66,6 +68,8 @@ from context_engine.core.spec import (
     ToolSpec,
 )
 from context_engine.core.yield_ladder import LADDER
+from context_engine.models import ModelCatalog
+from context_engine.tokenizers import build_counters
 
 GATE = settings(max_examples=150, deadline=None)
 SECRET = b"k" * 32
@@ -458,6 +462,121 @@ def test_a_never_yield_set_over_the_body_fails_naming_the_class() -> None:
     assert caught.value.metadata["class"] == "user_message"
 
 
+def test_budget_exceeded_names_the_class_that_does_not_fit_not_a_full_working_state() -> None:
+    """A 100k-token user message against a 20k body is what does not fit; the working-state
+    block was admitted by render_block at <= 1,000 raw tokens. The error named the first
+    never-yield class over its own cap, comparing the block's cost as rendered (envelope,
+    framing, factor) with the raw cap, and so blamed the full but valid working state. It
+    now names the largest never-yield class."""
+    state_text = _text(3_990)
+    assert count(state_text) <= 1_000  # what render_block admits (BLOCK_TOKENS)
+    session = Session(
+        carried=[],
+        run=[UserMessage(item_id="u1", text=_text(400_000), sequence=1, run_id="current")],
+        summary=None,
+        floor=0,
+        step=StepContext(),
+        working_state=WorkingStateItem(
+            item_id="working-state", text=state_text, trust=TrustLevel.PLATFORM
+        ),
+        body_room=20_000,
+        reserve=1_000,
+        factor_ppm=1_000_000,
+    )
+    _, inputs = _build(session)
+    with pytest.raises(BudgetExceededError) as caught:
+        assemble(inputs)
+    assert caught.value.metadata["class"] == "user_message", caught.value.metadata
+    # Under a correction factor the state reads further over its raw cap; still not blamed.
+    _, inputs = _build(replace(session, factor_ppm=3_000_000))
+    with pytest.raises(BudgetExceededError) as caught:
+        assemble(inputs)
+    assert caught.value.metadata["class"] == "user_message", caught.value.metadata
+
+
+def test_budget_exceeded_names_the_largest_never_yield_class() -> None:
+    """With no single giant, the class named is the largest: the one whose removal comes
+    closest to making the never-yield set fit (here the working state, within its cap)."""
+    session = Session(
+        carried=[],
+        run=[UserMessage(item_id="u1", text=_text(2_000), sequence=1, run_id="current")],
+        summary=None,
+        floor=0,
+        step=StepContext(),
+        working_state=WorkingStateItem(
+            item_id="working-state", text=_text(3_900), trust=TrustLevel.PLATFORM
+        ),
+        body_room=800,
+        reserve=1_000,
+        factor_ppm=1_000_000,
+    )
+    _, inputs = _build(session)
+    with pytest.raises(BudgetExceededError) as caught:
+        assemble(inputs)
+    metadata = caught.value.metadata
+    assert metadata["class"] == "working_state", metadata
+    assert int(metadata["class_tokens"]) <= int(metadata["never_yield_tokens"])
+
+
+def test_results_over_their_class_cap_do_not_make_knowledge_yield() -> None:
+    """'A synthetic overflow yields in the specified order and no more than necessary.' Two
+    earlier results of the run are over the tool-result class cap (25% of the body), so
+    they become pointers for the cap whatever else happens; the ladder used to drop a
+    528-token passage (within its own cap) for pressure first, because the cap pass ran
+    only after the fit, and the request then used ~255 of 38,000 body tokens."""
+
+    def call(n: int, seq: int) -> ToolCall:
+        return ToolCall(
+            item_id=f"c{n}",
+            call_id=f"k{n}",
+            tool_name="web.fetch",
+            arguments_json="{}",
+            sequence=seq,
+            run_id="current",
+        )
+
+    def result(n: int, seq: int, size: int) -> ToolResult:
+        return ToolResult(
+            item_id=f"r{n}",
+            call_id=f"k{n}",
+            tool_name="web.fetch",
+            content=_text(size),
+            trust=TrustLevel.EXTERNAL_UNTRUSTED,
+            sequence=seq,
+            run_id="current",
+        )
+
+    run = [
+        UserMessage(item_id="u1", text="Research this.", sequence=1, run_id="current"),
+        call(1, 2),
+        result(1, 3, 75_000),
+        call(2, 4),
+        result(2, 5, 75_000),
+        AssistantMessage(item_id="a1", text="One more.", sequence=6, run_id="current"),
+        call(3, 7),
+        result(3, 8, 100),
+    ]
+    passage = KnowledgePassageItem(item_id="kn1", text=_text(2_000), rank=0)
+    session = Session(
+        carried=[],
+        run=run,
+        summary=None,
+        floor=0,
+        step=StepContext(knowledge=(passage,)),
+        working_state=None,
+        body_room=40_000,
+        reserve=1_000,
+        factor_ppm=1_000_000,
+    )
+    _, inputs = _build(session)
+    built = assemble(inputs)
+    assert built.pressure is not None and built.pressure.fits
+    steps = {s.step: s for s in built.pressure.steps}
+    assert set(steps) == {"truncate_tool_results"}, steps
+    assert steps["truncate_tool_results"].item_ids == ("r1", "r2")
+    assert "kn1" in {i.item_id for _, i in built.placed}
+
+
 # --- the allocator ----------------------------------------------------------------------
 
 
@@ -839,3 +958,115 @@ def test_an_active_turn_over_the_body_fails_naming_it_not_needing_compaction() -
     with pytest.raises(BudgetExceededError) as caught:
         assemble(inputs)
     assert caught.value.metadata["class"] == "active_turn"
+
+
+def _fetch_run(content: str) -> list[ConversationItem]:
+    return [
+        UserMessage(item_id="u1", text="Fetch it.", sequence=1, run_id="current"),
+        ToolCall(
+            item_id="c1",
+            call_id="k1",
+            tool_name="web.fetch",
+            arguments_json="{}",
+            sequence=2,
+            run_id="current",
+        ),
+        ToolResult(
+            item_id="r1",
+            call_id="k1",
+            tool_name="web.fetch",
+            content=content,
+            trust=TrustLevel.EXTERNAL_UNTRUSTED,
+            sequence=3,
+            run_id="current",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("body_room", [11_000, 60_000])
+def test_a_whitespace_heavy_result_never_fits_on_an_estimate_below_its_real_size(
+    body_room: int,
+) -> None:
+    """Budget conformance for a heuristic (Anthropic) model: a pending tool result of blank
+    lines with trailing spaces (a scraped page) costs both proxy tokenizers a token per line,
+    which the heuristic priced at one token per whitespace run. Build said a body of 11,000
+    held it while its real size was 16,000; now Build refuses that body (the pending result
+    is never-yield) and, in a body that holds it, estimates at least the real size."""
+    exact = [c.count_text for c in build_counters().values()]
+    content = "x\n   \n   \n   \n" * 4_000  # 60,000 characters, under the byte-bound cut-off
+    session = Session(
+        carried=[],
+        run=_fetch_run(content),
+        summary=None,
+        floor=0,
+        step=StepContext(),
+        working_state=None,
+        body_room=body_room,
+        reserve=1_000,
+        factor_ppm=1_000_000,
+    )
+    _, inputs = _build(session)
+    inputs = replace(inputs, count_tokens=heuristic_count)
+    real = max(counter(content) for counter in exact)
+    assert real > 11_000
+    if body_room < real:
+        with pytest.raises(BudgetExceededError):
+            assemble(inputs)
+        return
+    built = assemble(inputs)
+    assert built.request is not None
+    assert built.body_estimated_tokens >= real
+
+
+def _image_message() -> UserMessage:
+    return UserMessage(
+        item_id="u1",
+        text="What is in this picture?",
+        attachments=(Attachment(kind="image", ref="photo.png"),),
+        sequence=1,
+        run_id="current",
+    )
+
+
+def test_an_image_costs_the_registry_figure_for_its_model() -> None:
+    """ADR-0120: the registry's image_tokens raises the estimator's flat per-image figure
+    where a model counts more (gpt-4o-mini: 48,200). Build's body estimate passed no figure,
+    so every image cost the flat 1,600 whatever the model; the shell now resolves the
+    model's figure with its counter (ModelCatalog.image_tokens) and Build costs images at
+    it. A registry figure below the flat one does not lower it."""
+    catalog = ModelCatalog.builtin()
+    info = catalog.info("gpt-4o-mini")
+    assert info.image_tokens == 48_200
+    assert catalog.image_tokens("gpt-4o-mini") == 48_200
+    assert catalog.image_tokens("claude-sonnet-4-5") == IMAGE_TOKENS
+    assert catalog.image_tokens("not-registered") == IMAGE_TOKENS
+    spec = PlanSpec(
+        model_id="gpt-4o-mini",
+        agent=AgentSpec(agent_id="a", version="1", instructions="Be brief."),
+        policy=PlatformPolicySpec(version="v1", text="Platform policy."),
+    )
+    counter = catalog.counter("gpt-4o-mini")
+    plan = make_plan(
+        spec,
+        session_id="s",
+        epoch=1,
+        reason=PlanReason.SESSION_OPENED,
+        secret=SECRET,
+        model=catalog.facts("gpt-4o-mini"),
+        count_tokens=counter,
+    )
+    inputs = BuildInputs(
+        tenant_id="t",
+        plan=plan,
+        secret=SECRET,
+        checkpoint=Checkpoint(run_id="current", version=1, items=(_image_message(),)),
+        carried=(),
+        now=NOW,
+        count_tokens=counter,
+        image_tokens=catalog.image_tokens("gpt-4o-mini"),
+    )
+    built = assemble(inputs)
+    assert built.body_estimated_tokens >= info.image_tokens
+    flat = assemble(replace(inputs, image_tokens=IMAGE_TOKENS))
+    assert built.body_estimated_tokens - flat.body_estimated_tokens == 48_200 - IMAGE_TOKENS
+    assert image_tokens_for(None) == image_tokens_for(500) == IMAGE_TOKENS

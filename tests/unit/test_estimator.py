@@ -305,8 +305,49 @@ def junk() -> st.SearchStrategy[str]:
     )
 
 
+# Whitespace as scraped pages, terminal output and Windows files carry it: blank lines with
+# trailing indentation, tab runs, CRLF, form feeds, long runs of one character and short mixes
+# of several, between words, punctuation and numbers.
+_WHITESPACE_UNITS = (" ", "\t", "\n", "\r\n", "\r", "\v", "\f")
+
+
+@st.composite
+def whitespace_run(draw: st.DrawFn) -> str:
+    segments = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(_WHITESPACE_UNITS),
+                st.one_of(st.integers(1, 4), st.integers(1, 40), st.integers(1, 300)),
+            ),
+            min_size=1,
+            max_size=12,
+        )
+    )
+    return "".join(unit * count for unit, count in segments)
+
+
+@st.composite
+def whitespace_heavy(draw: st.DrawFn) -> str:
+    solid = st.one_of(
+        st.sampled_from(COMMON_WORDS),
+        st.sampled_from(CODE_NAMES),
+        st.sampled_from(["<div>", "</p>", ")", ":", ".", "}", "|", "-->", "*", "#"]),
+        st.integers(0, 10**6).map(str),
+    )
+    parts = draw(st.lists(st.tuples(whitespace_run(), solid), min_size=1, max_size=10))
+    text = "".join(run + word for run, word in parts)
+    return text + draw(st.one_of(st.just(""), whitespace_run()))
+
+
+def control_text() -> st.SearchStrategy[str]:
+    control = st.characters(codec="ascii", categories=["Cc"])
+    return st.text(st.one_of(control, st.sampled_from("ab .:\n\t")), min_size=1, max_size=300)
+
+
 def mixed_text() -> st.SearchStrategy[str]:
-    part = st.one_of(english(), common_words(), code(), json_text(), non_latin(), junk())
+    part = st.one_of(
+        english(), common_words(), code(), json_text(), non_latin(), junk(), whitespace_heavy()
+    )
     return st.lists(part, min_size=1, max_size=4).map("\n".join)
 
 
@@ -497,6 +538,46 @@ def test_heuristic_covers_both_tokenizers_on_mixed_text(
     _assert_covers(text, exact)
 
 
+# Whitespace-heavy text (blank lines with trailing spaces, indentation between tags): both
+# tokenizers spend about a token per line break there, which per-run features priced at one.
+@PROPERTY
+@given(text=whitespace_heavy())
+@example(text="x\n   \n   \n   \n" * 100)
+@example(text="<div>\n\t\t\t\n\t\t\n  \t </div>" * 50)
+@example(text="\n\t\t\t" * 250)
+@example(text=" \n" * 500)
+@example(text=" \t" * 500)
+@example(text="):\r\n\r\n\n\n\n" * 40)
+def test_heuristic_covers_both_tokenizers_on_whitespace_heavy_text(
+    text: str, exact: Mapping[str, Callable[[str], int]]
+) -> None:
+    _assert_covers(text, exact)
+
+
+# Control characters cost both tokenizers about a token each; they were priced as punctuation.
+@PROPERTY
+@given(text=control_text())
+@example(text="\x7f" * 300)
+@example(text="\x00" * 300)
+@example(text="".join(map(chr, range(32))) * 5)
+def test_heuristic_covers_both_tokenizers_on_control_characters(
+    text: str, exact: Mapping[str, Callable[[str], int]]
+) -> None:
+    _assert_covers(text, exact)
+
+
+def test_whitespace_bound_leaves_prose_and_indentation_at_their_fitted_cost() -> None:
+    """The bound prices mixed and long runs; ordinary spacing, line breaks and indentation
+    keep the fitted features' cost, so prose and code are not estimated higher."""
+    for text in (
+        "The quick brown fox jumps over the lazy dog.\n\nIt was not amused.",
+        "def f(x):\n    if x:\n        return 1\n    return 2\n",
+        '{\n  "a": [\n    "b",\n    null\n  ]\n}',
+    ):
+        features = est._heuristic_features(text)
+        assert features[est._INDEX["whitespace_excess"]] == 0, text
+
+
 @PROPERTY
 @given(text=st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=200))
 def test_unknown_code_points_are_charged_at_the_byte_bound(
@@ -575,6 +656,12 @@ def test_a_model_can_raise_the_per_image_figure() -> None:
     )
     assert (
         plain.estimate_attachments([_image()], "gpt-x")
+        == label + ATTACHMENT_BLOCK_TOKENS + IMAGE_TOKENS
+    )
+    # The registry figure raises the flat one where a model counts more; it never lowers it.
+    lower = ModelTokenEstimator(_registry(**{"gpt-x": {"image_tokens": 500}}))
+    assert (
+        lower.estimate_attachments([_image()], "gpt-x")
         == label + ATTACHMENT_BLOCK_TOKENS + IMAGE_TOKENS
     )
 

@@ -140,6 +140,19 @@ def _truncation_order(body: Body) -> list[Truncatable]:
     return [by_id[i] for i in ids]
 
 
+def _capped_first(spec: Spec) -> int:
+    """How many truncations the cap took before any rung yielded: the run's results, oldest
+    first, until they alone are within the tool-result cap (they are in every request)."""
+    total, taken = sum(c for c, _ in spec.run), 0
+    for full, pointer in spec.run:
+        if total <= spec.cap:
+            break
+        if full - pointer > 0:
+            total -= full - pointer
+            taken += 1
+    return taken
+
+
 def _knowledge_over_cap(body: Body) -> bool:
     return (
         body.knowledge_kept > KNOWLEDGE.cap_items or body.knowledge_tokens() > KNOWLEDGE.cap_tokens
@@ -164,15 +177,19 @@ def test_steps_follow_the_ladder_once_each(spec: Spec) -> None:
 def test_each_rung_yields_no_further_than_needed(spec: Spec) -> None:
     body = spec.body()
     run_ladder(body)
+    capped = _capped_first(spec)
     # Knowledge: one more passage back would break its cap or the fit (before recall or
-    # tool results yielded anything for pressure).
+    # tool results yielded anything for pressure; the run's results already within their
+    # cap).
     if body.knowledge_kept < len(body.knowledge):
-        more = _with(body, knowledge=body.knowledge_kept + 1, recall=len(body.recall), truncated=0)
+        more = _with(
+            body, knowledge=body.knowledge_kept + 1, recall=len(body.recall), truncated=capped
+        )
         assert _knowledge_over_cap(more) or not more.fits()
     # Recall: one more line back would break its cap or the fit; never below its floor.
     assert body.recall_kept >= min(body.recall_floor, len(body.recall))
     if body.recall_kept < len(body.recall):
-        more = _with(body, recall=body.recall_kept + 1, truncated=0)
+        more = _with(body, recall=body.recall_kept + 1, truncated=capped)
         assert more.recall_tokens() > RECALL.cap_tokens or not more.fits()
     # Tool results: undoing the last truncation would break the fit or the class cap.
     order = _truncation_order(body)
@@ -186,12 +203,16 @@ def test_each_rung_yields_no_further_than_needed(spec: Spec) -> None:
 def test_a_later_rung_yields_for_pressure_only_once_earlier_ones_cannot(spec: Spec) -> None:
     body = spec.body()
     fits = run_ladder(body)
+    capped = _capped_first(spec)
+    assert [t.item.item_id for t in _truncation_order(body)[:capped]] == [
+        t.item.item_id for t in body.run_results if t.saving > 0
+    ][:capped]
     if body.knowledge_kept > 0:
         # Knowledge stopped yielding, so the body fit then: later rungs yielded only for
         # their own caps.
-        assert _with(body, recall=len(body.recall), truncated=0).fits()
+        assert _with(body, recall=len(body.recall), truncated=capped).fits()
     if body.recall_kept > min(body.recall_floor, len(body.recall)):
-        assert _with(body, truncated=0).fits()
+        assert _with(body, truncated=capped).fits()
     if not fits:
         # Compaction is reported only when every cheaper yield is exhausted.
         assert body.knowledge_kept == 0
@@ -239,3 +260,26 @@ def test_a_pointer_keeps_label_envelope_facts_byte_count_and_artifact() -> None:
     assert all(getattr(pointer, f) == getattr(result, f) for f in same)
     no_artifact = pointer_for(result.model_copy(update={"artifact_ref": ""}))
     assert no_artifact.content.endswith("-> event 42")
+
+
+def test_run_results_over_their_cap_are_truncated_before_knowledge_yields() -> None:
+    """A class cap is a cap: two run results over the tool-result cap are truncated for it
+    whatever else happens, so the passage that fits once they are must not drop first (the
+    cap pass used to run only after the fit, so knowledge dropped for tokens it frees)."""
+    spec = Spec(
+        budget=10_000,
+        fixed=1_000,
+        floor=0,
+        cap=2_500,
+        knowledge=[500],
+        recall=[],
+        recall_floor=0,
+        carried=[],
+        run=[(5_000, 20), (5_000, 20), (30, 20)],
+    )
+    body = spec.body()
+    assert run_ladder(body)
+    assert body.knowledge_kept == 1
+    assert [(s.step, s.item_ids) for s in body.steps] == [
+        ("truncate_tool_results", ("i2000", "i2001"))
+    ]

@@ -28,7 +28,7 @@ from ..core.build_record import (
     inputs_to_record,
     recalled_people,
 )
-from ..core.checkpoint import Checkpoint, require_version
+from ..core.checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint, require_version
 from ..core.enums import PlanReason
 from ..core.errors import (
     BudgetExceededError,
@@ -37,6 +37,7 @@ from ..core.errors import (
     NotFoundError,
     PreconditionError,
 )
+from ..core.estimator import IMAGE_TOKENS
 from ..core.excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
 from ..core.items import ConversationItem, UserMessage
 from ..core.plan import ContextPlan, ModelFacts, make_plan
@@ -129,6 +130,7 @@ class Engine:
         new_id: Callable[[], str],
         new_secret: Callable[[], bytes],
         tokenizer_of: Callable[[str], str] | None = None,
+        image_tokens_of: Callable[[str], int] | None = None,
         inline_maximum_bytes: int = DEFAULT_INLINE_MAXIMUM_BYTES,
         cache_breakpoints_of: Callable[[str], int | None] | None = None,
     ) -> None:
@@ -138,6 +140,8 @@ class Engine:
         self._cache_breakpoints_of = cache_breakpoints_of or (lambda model_id: None)
         # Which tokenizer counts for a model: a correction learned for another resets.
         self._tokenizer_of = tokenizer_of or (lambda model_id: "heuristic")
+        # What Build costs one image at for a model (the registry's figure where it is larger).
+        self._image_tokens_of = image_tokens_of or (lambda model_id: IMAGE_TOKENS)
         self._inline_maximum_bytes = inline_maximum_bytes
         self._model_facts = model_facts
         self._token_counter = token_counter
@@ -667,28 +671,33 @@ class Engine:
         )
         instant = now or self._clock()
         clock = instant.astimezone(_zone(plan.time_zone))
-        inputs = BuildInputs(
-            tenant_id=tenant,
-            plan=plan,
-            secret=stored.secret,
-            checkpoint=checkpoint,
-            carried=carried,
-            now=clock,
-            step=step,
-            skill_bodies=body_items(loaded),
-            working_state=render_block(
-                checkpoint.working_state,
-                secret=stored.secret,
-                count_tokens=self.count_tokens_for(plan.model_id),
-            ),
-            count_tokens=self.count_tokens_for(plan.model_id),
-            inline_maximum_bytes=self._inline_maximum_bytes,
-        )
+        count_tokens = self.count_tokens_for(plan.model_id)
+        # The working-state block refuses never-yield fields over its cap (only a changed
+        # token counter gets there) with the same BUDGET_EXCEEDED as assemble, so it is
+        # rendered inside the try: either refusal is recorded as context.budget.exceeded.
         try:
+            inputs = BuildInputs(
+                tenant_id=tenant,
+                plan=plan,
+                secret=stored.secret,
+                checkpoint=checkpoint,
+                carried=carried,
+                now=clock,
+                step=step,
+                skill_bodies=body_items(loaded),
+                working_state=render_block(
+                    checkpoint.working_state, secret=stored.secret, count_tokens=count_tokens
+                ),
+                count_tokens=count_tokens,
+                image_tokens=self._image_tokens_of(plan.model_id),
+                inline_maximum_bytes=self._inline_maximum_bytes,
+            )
             assembled = telemetry.traced("assemble", assemble)(inputs)
         except BudgetExceededError as exc:
             if record:
-                await self._record_budget_exceeded(tenant, session_id, run_id, plan, exc, inputs)
+                await self._record_budget_exceeded(
+                    tenant, session_id, run_id, plan, exc, checkpoint
+                )
             raise
         payload = {
             "run_id": str(run_id),
@@ -773,14 +782,15 @@ class Engine:
         run_id: UUID,
         plan: ContextPlan,
         exc: BudgetExceededError,
-        inputs: BuildInputs,
+        checkpoint: Checkpoint,
     ) -> None:
-        """context.budget.exceeded: the never-yield set alone did not fit the body."""
+        """context.budget.exceeded: the never-yield set alone did not fit the body, or the
+        working state's never-yield fields did not fit its block."""
         payload = {
             "run_id": str(run_id),
             "epoch": plan.epoch,
-            "checkpoint_version": inputs.checkpoint.version,
-            "estimator_factor_ppm": inputs.estimator_factor_ppm,
+            "checkpoint_version": checkpoint.version,
+            "estimator_factor_ppm": checkpoint.estimator_factor_ppm or NEUTRAL_FACTOR_PPM,
             **exc.metadata,
         }
         async with transaction(self.pool) as conn:

@@ -80,6 +80,7 @@ def build_engine(
         token_counter=catalog.counter,
         tokenizer_of=catalog.tokenizer,
         cache_breakpoints_of=catalog.cache_breakpoints,
+        image_tokens_of=catalog.image_tokens,
         inline_maximum_bytes=settings.inline_maximum_bytes,
         default_policy=PlatformPolicySpec(version=DEFAULT_POLICY_VERSION, text=DEFAULT_POLICY_TEXT),
         clock=lambda: datetime.now(UTC),

@@ -31,7 +31,7 @@ from .canonical import sha256_hex
 from .carried import carried_view
 from .checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint
 from .envelope import wrap
-from .estimator import heuristic_count
+from .estimator import IMAGE_TOKENS, heuristic_count
 from .excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
 from .identity_memo import IdentityMemo
 from .items import (
@@ -93,6 +93,9 @@ class BuildInputs:
     working_state: WorkingStateItem | None = None
     # The model's raw token counter (exact tokenizer or the conservative heuristic).
     count_tokens: Callable[[str], int] = heuristic_count
+    # The model's per-image figure (estimator.image_tokens_for its registry entry), which
+    # the shell resolves with the counter.
+    image_tokens: int = IMAGE_TOKENS
     # Legacy tool results over this many bytes get head/tail excerpts (output setting).
     inline_maximum_bytes: int = DEFAULT_INLINE_MAXIMUM_BYTES
 
@@ -153,7 +156,7 @@ def assemble(inputs: BuildInputs) -> Assembled:
     # once per run's history (core/carried.py).
     view = carried_view(
         inputs.carried,
-        (inputs.secret, inputs.count_tokens, inputs.estimator_factor_ppm),
+        (inputs.secret, inputs.count_tokens, inputs.estimator_factor_ppm, inputs.image_tokens),
         _cost(inputs),
         lambda row, item, truncated: _rendered(row, item, inputs.secret, truncated),
         inputs.inline_maximum_bytes,
@@ -266,12 +269,14 @@ def _cost(inputs: BuildInputs) -> Callable[[Row, ContextItem, bool], int]:
     """A placed item's estimated tokens as rendered, under the checkpoint's pinned factor
     (carried items are costed once per run: core/carried.py)."""
     count, factor, secret = inputs.count_tokens, inputs.estimator_factor_ppm, inputs.secret
+    images = inputs.image_tokens
 
     def cost(row: Row, item: ContextItem, truncated: bool) -> int:
         try:
-            return _cost_memo(row, item, secret, truncated, count, factor)
+            return _cost_memo(row, item, secret, truncated, count, factor, images)
         except TypeError:  # an unhashable item: compute without the memo
-            return block_tokens(_render(row, item, secret, truncated), item, count, factor)
+            block = _render(row, item, secret, truncated)
+            return block_tokens(block, item, count, factor, images)
 
     return cost
 
@@ -296,8 +301,11 @@ def _cost_memo(
     truncated: bool,
     count: Callable[[str], int],
     factor: int,
+    image_tokens: int,
 ) -> int:
-    return block_tokens(_render_memo(row, item, secret, truncated), item, count, factor)
+    return block_tokens(
+        _render_memo(row, item, secret, truncated), item, count, factor, image_tokens
+    )
 
 
 def _rendered(row: Row, item: ContextItem, secret: bytes, truncated: bool) -> Block:

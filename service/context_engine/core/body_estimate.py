@@ -5,8 +5,9 @@ the model's counter (exact for OpenAI tokenizers, the conservative heuristic els
 Rule 2: text counts are scaled by the correction factor pinned on the checkpoint and
 rounded up (estimator.apply_factor); message framing is added unscaled.
 Rule 3: attachments in a user message cost what the adapter sends (ADR-0120): labels for
-every reference plus a flat figure per image, per PDF page and the inlined length of a
-text file, capped at the request-wide attachment budget.
+every reference plus a figure per image (the model's: estimator.image_tokens_for, the flat
+IMAGE_TOKENS raised by the registry's image_tokens), a flat figure per PDF page and the
+inlined length of a text file, capped at the request-wide attachment budget.
 Rule 4: pure: the same block, counter and factor give the same number.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .estimator import (
+    IMAGE_TOKENS,
     MESSAGE_FRAMING_TOKENS,
     AttachmentKind,
     AttachmentRef,
@@ -29,8 +31,15 @@ __all__ = ["TextCounter", "attachment_refs", "block_tokens"]
 TextCounter = Callable[[str], int]
 
 
-def block_tokens(block: Block, item: ContextItem, count: TextCounter, factor_ppm: int) -> int:
-    """Estimated tokens of one rendered block (plus its item's attachments)."""
+def block_tokens(
+    block: Block,
+    item: ContextItem,
+    count: TextCounter,
+    factor_ppm: int,
+    image_tokens: int = IMAGE_TOKENS,
+) -> int:
+    """Estimated tokens of one rendered block (plus its item's attachments, each image at
+    `image_tokens`)."""
     texts = (
         block.text,
         block.call_id,
@@ -42,7 +51,9 @@ def block_tokens(block: Block, item: ContextItem, count: TextCounter, factor_ppm
     raw = sum(count(t) for t in texts if t)
     tokens = apply_factor(raw, factor_ppm) + MESSAGE_FRAMING_TOKENS
     if isinstance(item, UserMessage) and item.attachments:
-        tokens += estimate_attachment_tokens(attachment_refs(item.attachments), count)
+        tokens += estimate_attachment_tokens(
+            attachment_refs(item.attachments), count, image_tokens=image_tokens
+        )
     return tokens
 
 

@@ -54,8 +54,9 @@ class ModelInfo(BaseModel):
 
     ``default_output_reserve`` must leave room for input: it is strictly below
     ``context_window``. ``max_cache_breakpoints == 0`` means the provider caches automatically
-    (OpenAI). ``image_tokens`` overrides the estimator's flat per-image figure for models whose
-    image accounting exceeds it; ``None`` means "use the estimator's default".
+    (OpenAI). ``image_tokens`` raises the estimator's flat per-image figure for models whose
+    image accounting exceeds it (the estimate uses the larger of the two:
+    ``estimator.image_tokens_for``); ``None`` means "use the estimator's default".
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)

@@ -5,8 +5,9 @@ input), the working-state block, the correction lines, loaded skill bodies, runt
 metadata and the active loop's turn (the latest model turn that called tools: its text,
 reasoning and calls, and the results in so far, `assemble.active_turn`; compaction never
 takes it either) are paid first. If they alone exceed the body, the request fails with
-BUDGET_EXCEEDED naming the class (`active_turn` for the turn) — the rule the prefix
-follows, for the same reason: no yield and no compaction could make them fit.
+BUDGET_EXCEEDED naming the largest of their classes (`active_turn` for the turn) — the
+rule the prefix follows, for the same reason: no yield and no compaction could make them
+fit.
 Rule 2 (the run is not history): the active run's earlier exchanges are never cut; only
 their tool results may yield (to pointers). The summary is never cut either. If these do
 not fit after every cheaper yield, the body needs compaction.
@@ -288,7 +289,14 @@ def _check_never_yield(
 ) -> None:
     """Raise BUDGET_EXCEEDED when the never-yield set alone exceeds the body.
 
-    The class named is the first never-yield class over its own cap, else the largest.
+    The class named is the largest never-yield class (`active_turn` for the active loop's
+    turn; ties by name): the one whose removal comes closest to making the set fit, and
+    the only one whose removal can when any single one can. Not "a class over its own cap":
+    the never-yield caps are enforced where those classes are admitted, on their own
+    measure (the working state's raw text at render_block, skill bodies at load), while
+    the costs here are as rendered (envelope, framing, correction factor), so a class
+    within its cap could read as over it and be blamed for a user message that is the
+    real overflow.
     """
     totals: dict[str, int] = {}
     for (_, item), kind, tokens, keep in zip(placed, classes, costs, never, strict=True):
@@ -298,12 +306,7 @@ def _check_never_yield(
     spent = sum(totals.values())
     if spent <= budget.body_tokens:
         return
-    over_cap = [
-        name
-        for name, tokens in totals.items()
-        if name in CLASS_CAPS and 0 < CLASS_CAPS[name].cap_tokens < tokens
-    ]
-    offender = over_cap[0] if over_cap else max(totals, key=lambda n: (totals[n], n))
+    offender = max(totals, key=lambda n: (totals[n], n))
     raise BudgetExceededError(
         f"the never-yield set needs {spent} tokens but the body has {budget.body_tokens};"
         f" {offender} alone takes {totals[offender]}",

@@ -7,7 +7,10 @@ Rule 2 (no further than needed): a rung yields one unit at a time and stops as s
 class is within its cap and the body fits; a later rung never yields for pressure while an
 earlier one can still free tokens (a class over its own cap yields regardless). "Fits"
 counts history at its floor, min(8,000, what history has), so the cheaper classes yield to
-protect the floor and history takes the rest.
+protect the floor and history takes the rest. The run's own tool results are in every
+request, so where they alone are over the tool-result cap they are truncated for it
+before any rung yields for pressure: knowledge and recall never drop for tokens the cap
+frees anyway.
 Rule 3 (units): a knowledge passage drops whole, lowest-ranked first (a shortened passage
 is a misquotation); recall drops its lowest-ranked lines, never below its floor; a tool
 result becomes a typed pointer, oldest first, keeping its envelope, label, byte count and
@@ -171,9 +174,10 @@ class Body:
 def run_ladder(body: Body) -> bool:
     """Yield in the ladder's order, no further than needed. Returns whether the body fits;
     the steps taken are appended to body.steps."""
+    capped = _cap_run_results(body)
     _drop_knowledge(body)
     _trim_recall(body)
-    _truncate_tool_results(body)
+    _truncate_tool_results(body, *capped)
     if not body.fits():
         body.steps.append(YieldStep("compact", 0, ()))
         return False
@@ -213,15 +217,39 @@ def _trim_recall(body: Body) -> None:
     _record(body, "trim_recall", freed, ids)
 
 
-def _truncate_tool_results(body: Body) -> None:
-    """Oldest first: first for the fit, then for the class cap.
+def _cap_run_results(body: Body) -> tuple[int, list[str]]:
+    """Truncate the run's results, oldest first, until they alone are within the class cap.
+
+    They are in every request (the run is never cut), so whatever history the cut keeps,
+    the cap takes at least these: doing it before the rungs yield for pressure is what keeps
+    knowledge and recall from dropping for tokens the cap frees anyway. Carried results are
+    in the request only above the cut, which the rungs decide; they are capped afterwards.
+    Reported with the tool-result rung's step (freed tokens, item ids).
+    """
+    total = body.run_result_tokens()
+    freed, ids = 0, []
+    for candidate in body.run_results:
+        if total <= body.tool_result_cap:
+            break
+        if candidate.truncated or candidate.saving <= 0:
+            continue
+        candidate.truncated = candidate.for_cap = True
+        total -= candidate.saving
+        freed += candidate.saving
+        ids.append(candidate.item.item_id)
+    return freed, ids
+
+
+def _truncate_tool_results(body: Body, freed: int = 0, ids: list[str] | None = None) -> None:
+    """Oldest first: first for the fit, then for the class cap. `freed` and `ids` are what
+    `_cap_run_results` truncated before the rungs ran, reported with this rung's step.
 
     The cap pass runs once, after the fit: truncating for the cap changes neither the
     carried costs the cut reads (so the cut stays put) nor whether the body fits (it only
     lowers what is paid), so one oldest-first pass with a running total takes exactly the
     results a re-check after every truncation would take.
     """
-    freed, ids = 0, []
+    ids = [] if ids is None else ids
     while not body.fits():
         chosen = _next_for_pressure(body)
         if chosen is None:
