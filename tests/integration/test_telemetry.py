@@ -297,6 +297,112 @@ async def test_an_erasure_then_a_grant_counts_both_rotations(traced: dict[str, A
     assert delta("context_engine.runs.started") == 1
 
 
+async def test_a_retried_report_usage_records_its_usage_once(traced: dict[str, Any]) -> None:
+    """A retry with the same idempotency key answers with the first response and records
+    nothing (api/usage.py, Rule 3), so it must not feed the usage metrics again: a client
+    retrying a lost response (UNAVAILABLE invites it) would otherwise skew the cached
+    prefix ratio and the estimator error toward whatever it retried."""
+    stub, reader = traced["stub"], traced["reader"]
+    model = spec().model_id
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=spec()))
+    run = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=TENANT, session_id=session_id, user_message=pb.UserMessage(text="hello")
+        )
+    )
+    build = pb.BuildRequest(
+        tenant_id=TENANT, session_id=session_id, run_id=run.run.run_id, now=_now()
+    )
+    await stub.Build(build)  # writes the epoch's cache: the next request is warm
+    built = await stub.Build(build)
+    report = pb.ReportUsageRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        request_sequence=built.request_sequence,
+        model_id=model,
+        idempotency_key="usage-1",
+        input_tokens=built.estimated_input_tokens,  # twice the estimate: an underestimate
+        cache_read_input_tokens=built.estimated_input_tokens,
+        output_tokens=5,
+    )
+    before = _points(reader)
+    first = await stub.ReportUsage(report)
+    retried = await stub.ReportUsage(report)  # the first response was lost
+    after = _points(reader)
+    assert retried.SerializeToString() == first.SerializeToString()
+    assert first.signed_error_ppm < telemetry.UNDERESTIMATE_PPM
+
+    def delta(name: str, **attributes: Any) -> float:
+        return _total(after, name, **attributes) - _total(before, name, **attributes)
+
+    assert delta("context_engine.estimator.ratio", model=model) == 1
+    assert delta("context_engine.prefix.cached_ratio", model=model) == 1
+    assert delta("context_engine.estimator.underestimates", model=model) == 1
+    labels = {"rpc.method": "ReportUsage", "rpc.grpc.status_code": "OK"}
+    assert delta("context_engine.rpc.duration", **labels) == 2  # both calls were served
+
+
+async def test_a_retried_commit_compaction_counts_one_compaction_at_its_committed_depth(
+    traced: dict[str, Any],
+) -> None:
+    """A retry with the same idempotency key answers with the first response and commits
+    nothing, so the compactions metric (compactions per thousand turns, share reaching
+    depth 2) must not move again. The depth counted is the committed summary's: the
+    request's result.depth may be left 0 (core/compaction.py accepts it)."""
+    stub, reader = traced["stub"], traced["reader"]
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=spec()))
+    for text, call_id in (("Find a hotel in Lyon", "c1"), ("Check the calendar", "c2")):
+        run = await stub.StartRun(
+            pb.StartRunRequest(
+                tenant_id=TENANT, session_id=session_id, user_message=pb.UserMessage(text=text)
+            )
+        )
+        run_id = run.run.run_id
+        await stub.AppendItems(
+            pb.AppendItemsRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                run_id=run_id,
+                expected_checkpoint_version=1,
+                items=[call(call_id), result(call_id, "a page"), assistant("Found one.")],
+            )
+        )
+    prepared = await stub.PrepareCompaction(
+        pb.PrepareCompactionRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id)
+    )
+    assert prepared.depth == 1
+    commit = pb.CommitCompactionRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        run_id=run_id,
+        expected_checkpoint_version=prepared.checkpoint_version,
+        idempotency_key="compact-1",
+        result=pb.CompactionResult(
+            summary="The user wants a hotel in Lyon; the agent fetched a page (elided).",
+            source_event_ids=list(prepared.source_event_ids),
+            elided=list(prepared.elided),
+            replaced_through_sequence=prepared.replaced_through_sequence,
+            tokens_before=prepared.tokens_before,
+            tokens_after=20,
+            compactor_version="worker-compactor@1",
+            prompt_version=prepared.prompt_version,
+        ),  # depth left 0
+    )
+    before = _points(reader)
+    first = await stub.CommitCompaction(commit)
+    retried = await stub.CommitCompaction(commit)  # the first response was lost
+    after = _points(reader)
+    assert retried.SerializeToString() == first.SerializeToString()
+
+    def delta(name: str, **attributes: Any) -> float:
+        return _total(after, name, **attributes) - _total(before, name, **attributes)
+
+    assert delta("context_engine.compactions") == 1
+    assert delta("context_engine.compactions", depth="1") == 1
+
+
 def _budget_exceeded_status() -> bytes:
     info = any_pb2.Any()
     info.Pack(
