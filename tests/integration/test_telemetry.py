@@ -403,6 +403,109 @@ async def test_a_retried_commit_compaction_counts_one_compaction_at_its_committe
     assert delta("context_engine.compactions", depth="1") == 1
 
 
+def _memory_spec(person: str) -> pb.PlanSpec:
+    return spec(
+        snapshot=pb.MemorySnapshot(
+            snapshot_id="snap-1",
+            recall_trace_id="trace-1",
+            watermark=7,
+            items=[
+                pb.MemoryItem(item_id="m1", text="Ana is allergic to nuts.", person_ids=[person]),
+                pb.MemoryItem(item_id="m2", text="The office is in Lyon.", source="belief"),
+            ],
+        )
+    )
+
+
+async def test_a_rotation_a_build_or_plan_makes_after_an_erasure_is_counted(
+    traced: dict[str, Any], pool: Any
+) -> None:
+    """Spec, Prefix epochs: epochs are "explicit, logged, and counted"; epochs per session
+    is a tracked metric (target 1.0). After an erasure the next Build or Plan starts a
+    snapshot_invalidated epoch and logs context.epoch.rotated; neither response can say it
+    rotated (Plan answers created=false), so each call counts its own rotation, once."""
+    stub, reader = traced["stub"], traced["reader"]
+    person = f"ana-{new_id()}"
+    built_session, planned_session = new_id(), new_id()
+    for session_id in (built_session, planned_session):
+        await stub.Plan(
+            pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=_memory_spec(person))
+        )
+    started = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=TENANT, session_id=built_session, user_message=pb.UserMessage(text="hi")
+        )
+    )
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    before = _points(reader)
+
+    build = pb.BuildRequest(tenant_id=TENANT, session_id=built_session, run_id=started.run.run_id)
+    assert (await stub.Build(build)).epoch == 2  # the Build rotated first
+    replan = pb.PlanRequest(tenant_id=TENANT, session_id=planned_session, spec=spec())
+    replanned = await stub.Plan(replan)
+    assert (replanned.plan.epoch, replanned.created) == (2, False)
+    assert replanned.plan.reason == pb.PLAN_REASON_SNAPSHOT_INVALIDATED
+    # Neither call rotates again: the new plans are not invalidated.
+    assert (await stub.Build(build)).epoch == 2
+    assert (await stub.Plan(replan)).plan.epoch == 2
+    after = _points(reader)
+    rotated = await pool.fetchval(
+        "SELECT count(*) FROM session_events WHERE type = 'context.epoch.rotated'"
+        " AND session_id = ANY($1::uuid[])",
+        [built_session, planned_session],
+    )
+    assert rotated == 2  # both rotations are in the log
+
+    def delta(name: str, **attributes: Any) -> float:
+        return _total(after, name, **attributes) - _total(before, name, **attributes)
+
+    assert delta("context_engine.epochs.rotated", reason="snapshot_invalidated") == 2
+    assert delta("context_engine.epochs.rotated") == 2
+    assert delta("context_engine.sessions.opened") == 0
+
+
+async def test_a_build_that_rotates_and_then_fails_still_counts_its_rotation(
+    traced: dict[str, Any],
+) -> None:
+    """A Build commits its snapshot_invalidated rotation in a transaction of its own, which
+    stands if the Build then fails (docs/api.md); the next Build does not rotate again, so
+    the failed Build is the only call that can count that epoch."""
+    stub, reader = traced["stub"], traced["reader"]
+    person = f"ana-{new_id()}"
+    session_id = new_id()
+    await stub.Plan(
+        pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=_memory_spec(person))
+    )
+    started = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=TENANT, session_id=session_id, user_message=pb.UserMessage(text="hi")
+        )
+    )
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    before = _points(reader)
+    stale = pb.BuildRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        run_id=started.run.run_id,
+        # A recall made before the erasure: the Build is refused after it rotated.
+        step=pb.StepContext(
+            recall=[pb.RecallLine(item_id="r1", text="Ana is allergic.", person_ids=[person])]
+        ),
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.Build(stale)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    fresh = pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=started.run.run_id)
+    assert (await stub.Build(fresh)).epoch == 2  # rotated by the refused Build
+    after = _points(reader)
+
+    def delta(name: str, **attributes: Any) -> float:
+        return _total(after, name, **attributes) - _total(before, name, **attributes)
+
+    assert delta("context_engine.epochs.rotated", reason="snapshot_invalidated") == 1
+    assert delta("context_engine.epochs.rotated") == 1
+
+
 def _budget_exceeded_status() -> bytes:
     info = any_pb2.Any()
     info.Pack(
