@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -40,7 +40,7 @@ from context_engine.api.server import build_engine, build_server
 from context_engine.api.usage import UsageOutcome
 from context_engine.telemetry import JsonFormatter, RpcState, Telemetry
 
-from .helpers import TENANT, assistant, call, new_id, result, spec, tool, user
+from .helpers import TENANT, assistant, call, new_id, result, spec, tool, user, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -160,6 +160,19 @@ def _server_spans(spans: InMemorySpanExporter, method: str) -> list[ReadableSpan
     ]
 
 
+async def _until(condition: Callable[[], bool], what: str) -> None:
+    """Wait until `condition` holds. A refused call's status can reach the client before its
+    server has written the call's log line and ended its span: grpc.aio's context.abort
+    (api/errors.py) sends the status, then raises through the interceptors; a successful
+    call's response leaves after both. So a test reading a refused call's line or span
+    waits for it."""
+
+    async def holds() -> bool:
+        return condition()
+
+    await wait_for(holds, timeout=10, what=what)
+
+
 # --- spans -------------------------------------------------------------------------
 
 
@@ -190,6 +203,7 @@ async def test_a_failed_rpc_span_carries_its_code_and_reason(traced: dict[str, A
     traced["spans"].clear()
     with pytest.raises(grpc.aio.AioRpcError):
         await traced["stub"].GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=new_id()))
+    await _until(lambda: bool(_server_spans(traced["spans"], "GetPlan")), "the GetPlan span")
     (span,) = _server_spans(traced["spans"], "GetPlan")
     assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
     assert span.attributes["context_engine.error_reason"] == "SESSION_NOT_FOUND"
@@ -711,41 +725,73 @@ async def test_log_lines_are_json_and_nothing_carries_content(traced: dict[str, 
     spans.clear()
     start = len(logs.lines)
     flow = await _session_with_a_tool_loop(stub, CANARY)
+    other_session = new_id()
     # The canary really went through: the built request carries it.
     assert CANARY in flow["build"].SerializeToString().decode("utf-8", "replace")
 
     errors: list[grpc.aio.AioRpcError] = []
-    bad_requests = [
-        lambda: stub.AppendItems(  # an orphaned tool result whose content is the canary
+    # Each refused request, the method and the code it gets.
+    bad_requests: list[tuple[str, Any, str]] = [
+        (  # an orphaned tool result whose content is the canary
+            "AppendItems",
             pb.AppendItemsRequest(
                 tenant_id=TENANT,
                 session_id=flow["session_id"],
                 run_id=flow["run_id"],
                 expected_checkpoint_version=2,
                 items=[result("nope", CANARY)],
-            )
+            ),
+            "INVALID_ARGUMENT",
         ),
-        lambda: stub.AppendItems(  # a stale version, with content
+        (  # a stale version, with content
+            "AppendItems",
             pb.AppendItemsRequest(
                 tenant_id=TENANT,
                 session_id=flow["session_id"],
                 run_id=flow["run_id"],
                 expected_checkpoint_version=1,
                 items=[user(CANARY)],
-            )
+            ),
+            "ABORTED",
         ),
-        lambda: stub.StartRun(
-            pb.StartRunRequest(tenant_id=TENANT, session_id=new_id(), run_id=CANARY)
+        (
+            "StartRun",
+            pb.StartRunRequest(tenant_id=TENANT, session_id=other_session, run_id=CANARY),
+            "INVALID_ARGUMENT",
         ),
     ]
-    for send in bad_requests:  # one at a time: a call starts when it is created
+    for method, request, _ in bad_requests:  # one at a time: a call starts when it is created
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await send()
+            await getattr(stub, method)(request)
         errors.append(info.value)
 
+    # This test's calls only: a refused call of an earlier test may still be finishing.
+    ours = {flow["session_id"], other_session}
+
+    def our_rpc_lines() -> list[dict[str, Any]]:
+        records = [json.loads(line) for line in logs.lines[start:]]
+        return [
+            r
+            for r in records
+            if r["logger"] == "context_engine.rpc" and r.get("session_id") in ours
+        ]
+
+    def our_server_spans() -> list[ReadableSpan]:
+        return [
+            s
+            for s in spans.get_finished_spans()
+            if s.kind == SpanKind.SERVER
+            and (s.attributes or {}).get("context_engine.session_id") in ours
+        ]
+
+    await _until(
+        lambda: len(our_rpc_lines()) == len(our_server_spans()) == 7,
+        "a log line and a span for each of the 7 calls",
+    )
     lines = logs.lines[start:]
-    records = [json.loads(line) for line in lines]  # every line is one JSON object
-    rpc_lines = [r for r in records if r["logger"] == "context_engine.rpc"]
+    for line in lines:  # every line is one JSON object
+        assert isinstance(json.loads(line), dict)
+    rpc_lines = our_rpc_lines()
     methods = [r["method"] for r in rpc_lines]
     assert methods[:4] == ["Plan", "StartRun", "AppendItems", "Build"]
     build_line = rpc_lines[3]
@@ -755,8 +801,14 @@ async def test_log_lines_are_json_and_nothing_carries_content(traced: dict[str, 
     assert build_line["prefix_sha256"] == flow["plan"].prefix_sha256
     assert build_line["code"] == "OK"
     assert isinstance(build_line["duration_ms"], float)
-    assert [r["code"] for r in rpc_lines[4:]] == ["INVALID_ARGUMENT", "ABORTED", "INVALID_ARGUMENT"]
-    assert rpc_lines[-1]["run_id"] == telemetry.MALFORMED  # a caller's text is never echoed
+    # The refused calls' lines come in whatever order their servers finished them; each is
+    # told apart by its method and request size.
+    expected = [(method, request.ByteSize(), code) for method, request, code in bad_requests]
+    assert len(set(expected)) == len(expected)
+    logged = [(r["method"], r["request_bytes"], r["code"]) for r in rpc_lines[4:]]
+    assert sorted(logged) == sorted(expected)
+    (start_line,) = [r for r in rpc_lines[4:] if r["method"] == "StartRun"]
+    assert start_line["run_id"] == telemetry.MALFORMED  # a caller's text is never echoed
 
     for line in lines:
         assert CANARY not in line
