@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -40,7 +40,7 @@ from context_engine.api.server import build_engine, build_server
 from context_engine.api.usage import UsageOutcome
 from context_engine.telemetry import JsonFormatter, RpcState, Telemetry
 
-from .helpers import TENANT, assistant, call, new_id, result, spec, tool, user
+from .helpers import TENANT, assistant, call, new_id, result, spec, tool, user, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -160,6 +160,19 @@ def _server_spans(spans: InMemorySpanExporter, method: str) -> list[ReadableSpan
     ]
 
 
+async def _until(condition: Callable[[], bool], what: str) -> None:
+    """Wait until `condition` holds. A refused call's status can reach the client before its
+    server has written the call's log line and ended its span: grpc.aio's context.abort
+    (api/errors.py) sends the status, then raises through the interceptors; a successful
+    call's response leaves after both. So a test reading a refused call's line or span
+    waits for it."""
+
+    async def holds() -> bool:
+        return condition()
+
+    await wait_for(holds, timeout=10, what=what)
+
+
 # --- spans -------------------------------------------------------------------------
 
 
@@ -190,6 +203,7 @@ async def test_a_failed_rpc_span_carries_its_code_and_reason(traced: dict[str, A
     traced["spans"].clear()
     with pytest.raises(grpc.aio.AioRpcError):
         await traced["stub"].GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=new_id()))
+    await _until(lambda: bool(_server_spans(traced["spans"], "GetPlan")), "the GetPlan span")
     (span,) = _server_spans(traced["spans"], "GetPlan")
     assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
     assert span.attributes["context_engine.error_reason"] == "SESSION_NOT_FOUND"
@@ -295,6 +309,215 @@ async def test_an_erasure_then_a_grant_counts_both_rotations(traced: dict[str, A
     assert delta("context_engine.epochs.rotated", reason="snapshot_invalidated") == 1
     assert delta("context_engine.epochs.rotated", reason="run_authority_changed") == 1
     assert delta("context_engine.runs.started") == 1
+
+
+async def test_a_retried_report_usage_records_its_usage_once(traced: dict[str, Any]) -> None:
+    """A retry with the same idempotency key answers with the first response and records
+    nothing (api/usage.py, Rule 3), so it must not feed the usage metrics again: a client
+    retrying a lost response (UNAVAILABLE invites it) would otherwise skew the cached
+    prefix ratio and the estimator error toward whatever it retried."""
+    stub, reader = traced["stub"], traced["reader"]
+    model = spec().model_id
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=spec()))
+    run = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=TENANT, session_id=session_id, user_message=pb.UserMessage(text="hello")
+        )
+    )
+    build = pb.BuildRequest(
+        tenant_id=TENANT, session_id=session_id, run_id=run.run.run_id, now=_now()
+    )
+    await stub.Build(build)  # writes the epoch's cache: the next request is warm
+    built = await stub.Build(build)
+    report = pb.ReportUsageRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        request_sequence=built.request_sequence,
+        model_id=model,
+        idempotency_key="usage-1",
+        input_tokens=built.estimated_input_tokens,  # twice the estimate: an underestimate
+        cache_read_input_tokens=built.estimated_input_tokens,
+        output_tokens=5,
+    )
+    before = _points(reader)
+    first = await stub.ReportUsage(report)
+    retried = await stub.ReportUsage(report)  # the first response was lost
+    after = _points(reader)
+    assert retried.SerializeToString() == first.SerializeToString()
+    assert first.signed_error_ppm < telemetry.UNDERESTIMATE_PPM
+
+    def delta(name: str, **attributes: Any) -> float:
+        return _total(after, name, **attributes) - _total(before, name, **attributes)
+
+    assert delta("context_engine.estimator.ratio", model=model) == 1
+    assert delta("context_engine.prefix.cached_ratio", model=model) == 1
+    assert delta("context_engine.estimator.underestimates", model=model) == 1
+    labels = {"rpc.method": "ReportUsage", "rpc.grpc.status_code": "OK"}
+    assert delta("context_engine.rpc.duration", **labels) == 2  # both calls were served
+
+
+async def test_a_retried_commit_compaction_counts_one_compaction_at_its_committed_depth(
+    traced: dict[str, Any],
+) -> None:
+    """A retry with the same idempotency key answers with the first response and commits
+    nothing, so the compactions metric (compactions per thousand turns, share reaching
+    depth 2) must not move again. The depth counted is the committed summary's: the
+    request's result.depth may be left 0 (core/compaction.py accepts it)."""
+    stub, reader = traced["stub"], traced["reader"]
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=spec()))
+    for text, call_id in (("Find a hotel in Lyon", "c1"), ("Check the calendar", "c2")):
+        run = await stub.StartRun(
+            pb.StartRunRequest(
+                tenant_id=TENANT, session_id=session_id, user_message=pb.UserMessage(text=text)
+            )
+        )
+        run_id = run.run.run_id
+        await stub.AppendItems(
+            pb.AppendItemsRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                run_id=run_id,
+                expected_checkpoint_version=1,
+                items=[call(call_id), result(call_id, "a page"), assistant("Found one.")],
+            )
+        )
+    prepared = await stub.PrepareCompaction(
+        pb.PrepareCompactionRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id)
+    )
+    assert prepared.depth == 1
+    commit = pb.CommitCompactionRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        run_id=run_id,
+        expected_checkpoint_version=prepared.checkpoint_version,
+        idempotency_key="compact-1",
+        result=pb.CompactionResult(
+            summary="The user wants a hotel in Lyon; the agent fetched a page (elided).",
+            source_event_ids=list(prepared.source_event_ids),
+            elided=list(prepared.elided),
+            replaced_through_sequence=prepared.replaced_through_sequence,
+            tokens_before=prepared.tokens_before,
+            tokens_after=20,
+            compactor_version="worker-compactor@1",
+            prompt_version=prepared.prompt_version,
+        ),  # depth left 0
+    )
+    before = _points(reader)
+    first = await stub.CommitCompaction(commit)
+    retried = await stub.CommitCompaction(commit)  # the first response was lost
+    after = _points(reader)
+    assert retried.SerializeToString() == first.SerializeToString()
+
+    def delta(name: str, **attributes: Any) -> float:
+        return _total(after, name, **attributes) - _total(before, name, **attributes)
+
+    assert delta("context_engine.compactions") == 1
+    assert delta("context_engine.compactions", depth="1") == 1
+
+
+def _memory_spec(person: str) -> pb.PlanSpec:
+    return spec(
+        snapshot=pb.MemorySnapshot(
+            snapshot_id="snap-1",
+            recall_trace_id="trace-1",
+            watermark=7,
+            items=[
+                pb.MemoryItem(item_id="m1", text="Ana is allergic to nuts.", person_ids=[person]),
+                pb.MemoryItem(item_id="m2", text="The office is in Lyon.", source="belief"),
+            ],
+        )
+    )
+
+
+async def test_a_rotation_a_build_or_plan_makes_after_an_erasure_is_counted(
+    traced: dict[str, Any], pool: Any
+) -> None:
+    """Spec, Prefix epochs: epochs are "explicit, logged, and counted"; epochs per session
+    is a tracked metric (target 1.0). After an erasure the next Build or Plan starts a
+    snapshot_invalidated epoch and logs context.epoch.rotated; neither response can say it
+    rotated (Plan answers created=false), so each call counts its own rotation, once."""
+    stub, reader = traced["stub"], traced["reader"]
+    person = f"ana-{new_id()}"
+    built_session, planned_session = new_id(), new_id()
+    for session_id in (built_session, planned_session):
+        await stub.Plan(
+            pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=_memory_spec(person))
+        )
+    started = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=TENANT, session_id=built_session, user_message=pb.UserMessage(text="hi")
+        )
+    )
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    before = _points(reader)
+
+    build = pb.BuildRequest(tenant_id=TENANT, session_id=built_session, run_id=started.run.run_id)
+    assert (await stub.Build(build)).epoch == 2  # the Build rotated first
+    replan = pb.PlanRequest(tenant_id=TENANT, session_id=planned_session, spec=spec())
+    replanned = await stub.Plan(replan)
+    assert (replanned.plan.epoch, replanned.created) == (2, False)
+    assert replanned.plan.reason == pb.PLAN_REASON_SNAPSHOT_INVALIDATED
+    # Neither call rotates again: the new plans are not invalidated.
+    assert (await stub.Build(build)).epoch == 2
+    assert (await stub.Plan(replan)).plan.epoch == 2
+    after = _points(reader)
+    rotated = await pool.fetchval(
+        "SELECT count(*) FROM session_events WHERE type = 'context.epoch.rotated'"
+        " AND session_id = ANY($1::uuid[])",
+        [built_session, planned_session],
+    )
+    assert rotated == 2  # both rotations are in the log
+
+    def delta(name: str, **attributes: Any) -> float:
+        return _total(after, name, **attributes) - _total(before, name, **attributes)
+
+    assert delta("context_engine.epochs.rotated", reason="snapshot_invalidated") == 2
+    assert delta("context_engine.epochs.rotated") == 2
+    assert delta("context_engine.sessions.opened") == 0
+
+
+async def test_a_build_that_rotates_and_then_fails_still_counts_its_rotation(
+    traced: dict[str, Any],
+) -> None:
+    """A Build commits its snapshot_invalidated rotation in a transaction of its own, which
+    stands if the Build then fails (docs/api.md); the next Build does not rotate again, so
+    the failed Build is the only call that can count that epoch."""
+    stub, reader = traced["stub"], traced["reader"]
+    person = f"ana-{new_id()}"
+    session_id = new_id()
+    await stub.Plan(
+        pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=_memory_spec(person))
+    )
+    started = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=TENANT, session_id=session_id, user_message=pb.UserMessage(text="hi")
+        )
+    )
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    before = _points(reader)
+    stale = pb.BuildRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        run_id=started.run.run_id,
+        # A recall made before the erasure: the Build is refused after it rotated.
+        step=pb.StepContext(
+            recall=[pb.RecallLine(item_id="r1", text="Ana is allergic.", person_ids=[person])]
+        ),
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.Build(stale)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    fresh = pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=started.run.run_id)
+    assert (await stub.Build(fresh)).epoch == 2  # rotated by the refused Build
+    after = _points(reader)
+
+    def delta(name: str, **attributes: Any) -> float:
+        return _total(after, name, **attributes) - _total(before, name, **attributes)
+
+    assert delta("context_engine.epochs.rotated", reason="snapshot_invalidated") == 1
+    assert delta("context_engine.epochs.rotated") == 1
 
 
 def _budget_exceeded_status() -> bytes:
@@ -502,41 +725,73 @@ async def test_log_lines_are_json_and_nothing_carries_content(traced: dict[str, 
     spans.clear()
     start = len(logs.lines)
     flow = await _session_with_a_tool_loop(stub, CANARY)
+    other_session = new_id()
     # The canary really went through: the built request carries it.
     assert CANARY in flow["build"].SerializeToString().decode("utf-8", "replace")
 
     errors: list[grpc.aio.AioRpcError] = []
-    bad_requests = [
-        lambda: stub.AppendItems(  # an orphaned tool result whose content is the canary
+    # Each refused request, the method and the code it gets.
+    bad_requests: list[tuple[str, Any, str]] = [
+        (  # an orphaned tool result whose content is the canary
+            "AppendItems",
             pb.AppendItemsRequest(
                 tenant_id=TENANT,
                 session_id=flow["session_id"],
                 run_id=flow["run_id"],
                 expected_checkpoint_version=2,
                 items=[result("nope", CANARY)],
-            )
+            ),
+            "INVALID_ARGUMENT",
         ),
-        lambda: stub.AppendItems(  # a stale version, with content
+        (  # a stale version, with content
+            "AppendItems",
             pb.AppendItemsRequest(
                 tenant_id=TENANT,
                 session_id=flow["session_id"],
                 run_id=flow["run_id"],
                 expected_checkpoint_version=1,
                 items=[user(CANARY)],
-            )
+            ),
+            "ABORTED",
         ),
-        lambda: stub.StartRun(
-            pb.StartRunRequest(tenant_id=TENANT, session_id=new_id(), run_id=CANARY)
+        (
+            "StartRun",
+            pb.StartRunRequest(tenant_id=TENANT, session_id=other_session, run_id=CANARY),
+            "INVALID_ARGUMENT",
         ),
     ]
-    for send in bad_requests:  # one at a time: a call starts when it is created
+    for method, request, _ in bad_requests:  # one at a time: a call starts when it is created
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await send()
+            await getattr(stub, method)(request)
         errors.append(info.value)
 
+    # This test's calls only: a refused call of an earlier test may still be finishing.
+    ours = {flow["session_id"], other_session}
+
+    def our_rpc_lines() -> list[dict[str, Any]]:
+        records = [json.loads(line) for line in logs.lines[start:]]
+        return [
+            r
+            for r in records
+            if r["logger"] == "context_engine.rpc" and r.get("session_id") in ours
+        ]
+
+    def our_server_spans() -> list[ReadableSpan]:
+        return [
+            s
+            for s in spans.get_finished_spans()
+            if s.kind == SpanKind.SERVER
+            and (s.attributes or {}).get("context_engine.session_id") in ours
+        ]
+
+    await _until(
+        lambda: len(our_rpc_lines()) == len(our_server_spans()) == 7,
+        "a log line and a span for each of the 7 calls",
+    )
     lines = logs.lines[start:]
-    records = [json.loads(line) for line in lines]  # every line is one JSON object
-    rpc_lines = [r for r in records if r["logger"] == "context_engine.rpc"]
+    for line in lines:  # every line is one JSON object
+        assert isinstance(json.loads(line), dict)
+    rpc_lines = our_rpc_lines()
     methods = [r["method"] for r in rpc_lines]
     assert methods[:4] == ["Plan", "StartRun", "AppendItems", "Build"]
     build_line = rpc_lines[3]
@@ -546,8 +801,14 @@ async def test_log_lines_are_json_and_nothing_carries_content(traced: dict[str, 
     assert build_line["prefix_sha256"] == flow["plan"].prefix_sha256
     assert build_line["code"] == "OK"
     assert isinstance(build_line["duration_ms"], float)
-    assert [r["code"] for r in rpc_lines[4:]] == ["INVALID_ARGUMENT", "ABORTED", "INVALID_ARGUMENT"]
-    assert rpc_lines[-1]["run_id"] == telemetry.MALFORMED  # a caller's text is never echoed
+    # The refused calls' lines come in whatever order their servers finished them; each is
+    # told apart by its method and request size.
+    expected = [(method, request.ByteSize(), code) for method, request, code in bad_requests]
+    assert len(set(expected)) == len(expected)
+    logged = [(r["method"], r["request_bytes"], r["code"]) for r in rpc_lines[4:]]
+    assert sorted(logged) == sorted(expected)
+    (start_line,) = [r for r in rpc_lines[4:] if r["method"] == "StartRun"]
+    assert start_line["run_id"] == telemetry.MALFORMED  # a caller's text is never echoed
 
     for line in lines:
         assert CANARY not in line

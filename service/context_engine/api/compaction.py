@@ -3,12 +3,15 @@
 Prepare reads; commit is one transaction under the session row lock that re-prepares from
 the same checkpoint (the log below the seed is immutable, so it computes the same thing),
 validates the worker's result against it, and writes the run's next checkpoint and the
-context.compacted event together. Neither touches the plan: the prefix cannot move.
+context.compacted event together. Neither touches the plan: the prefix cannot move. A retry
+with the same idempotency key and request returns the first response and writes nothing
+(Committed.replayed: telemetry counts the compaction once).
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
@@ -32,9 +35,19 @@ from ..store.events import NewEvent
 if TYPE_CHECKING:
     from .engine import Engine, TokenCounter
 
-__all__ = ["COMPACTED", "commit_compaction", "prepare_compaction"]
+__all__ = ["COMPACTED", "Committed", "commit_compaction", "prepare_compaction"]
 
 COMPACTED = "context.compacted"
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """CommitCompaction's answer, and what telemetry records of it."""
+
+    response: dict[str, Any]  # {checkpoint_version, event_sequence}, as stored for a retry
+    depth: int  # the committed summary's depth (0 for a replay)
+    # A retry answered with the first response: it committed nothing, so counts nothing.
+    replayed: bool = False
 
 
 async def _inputs(
@@ -133,9 +146,8 @@ async def commit_compaction(
     result: CompactionResult,
     idempotency_key: str,
     request_sha256: str,
-) -> dict[str, Any]:
-    """CommitCompaction: validate and store the result. -> {checkpoint_version,
-    event_sequence}"""
+) -> Committed:
+    """CommitCompaction: validate and store the result."""
     count_tokens = await _counter(engine, tenant_id, session_id)
     async with transaction(engine.pool) as conn:
         await sessions.lock_session(conn, tenant_id, session_id)
@@ -143,7 +155,7 @@ async def commit_compaction(
             conn, tenant_id, session_id, idempotency_key, "CommitCompaction", request_sha256
         )
         if stored is not None:
-            return stored
+            return Committed(stored, 0, replayed=True)
         checkpoint, carried, contents = await _inputs(conn, tenant_id, session_id, run_id, 0)
         require_version(checkpoint, expected_version, "; prepare again")
         prepared = await asyncio.to_thread(
@@ -175,4 +187,4 @@ async def commit_compaction(
             request_sha256,
             response,
         )
-    return response
+    return Committed(response, record.depth)

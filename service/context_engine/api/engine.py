@@ -202,28 +202,32 @@ class Engine:
             await _fence_snapshot(conn, tenant, spec)
             await sessions.ensure_session(conn, tenant, session_id)
             epoch = await sessions.lock_session(conn, tenant, session_id)
-            if epoch > 0:
-                current = await plans.read_plan(conn, tenant, session_id)
-                if current.plan.invalidated:
-                    # An erasure redacted this snapshot: the next plan recalls again, from
-                    # the spec the worker sends now.
-                    rotated = await self._rotate_locked(
-                        conn,
-                        tenant,
-                        session_id,
-                        current,
-                        PlanReason.SNAPSHOT_INVALIDATED,
-                        spec,
-                        "plan after erasure",
-                    )
-                    return rotated, False, True
+            if epoch == 0:
+                created_at = await plans.insert_plan(
+                    conn, tenant, session_id, candidate, spec, secret
+                )
+                await plans.set_current_epoch(conn, tenant, session_id, 1)
+                await events.append_events(
+                    conn, tenant, session_id, [_plan_event("context.plan.created", candidate, {})]
+                )
+                return plans.StoredPlan(candidate, spec, secret, created_at=created_at), True, True
+            current = await plans.read_plan(conn, tenant, session_id)
+            if not current.plan.invalidated:
                 return current, False, current.plan.spec_sha256 == candidate.spec_sha256
-            created_at = await plans.insert_plan(conn, tenant, session_id, candidate, spec, secret)
-            await plans.set_current_epoch(conn, tenant, session_id, 1)
-            await events.append_events(
-                conn, tenant, session_id, [_plan_event("context.plan.created", candidate, {})]
+            # An erasure redacted this snapshot: the next plan recalls again, from the spec
+            # the worker sends now.
+            rotated = await self._rotate_locked(
+                conn,
+                tenant,
+                session_id,
+                current,
+                PlanReason.SNAPSHOT_INVALIDATED,
+                spec,
+                "plan after erasure",
             )
-        return plans.StoredPlan(candidate, spec, secret, created_at=created_at), True, True
+        # Its response says created=false, so only this call knows it started an epoch.
+        _count_rotation(rotated)
+        return rotated, False, True
 
     def forget_cached_plans(self, tenant: str, session_id: UUID) -> None:
         """Drop this replica's cached plans of a session (an erasure rewrote them)."""
@@ -290,6 +294,7 @@ class Engine:
 
         Rebuilds from `spec` (or the pinned spec), except prefix_hash_canonicalized, which
         copies the plan with canonical hashes under the same secret (core/epochs.py).
+        The caller counts the rotation once its transaction commits (_count_rotation).
         """
         epoch = current.plan.epoch + 1
         if reason is PlanReason.PREFIX_HASH_CANONICALIZED:
@@ -378,8 +383,8 @@ class Engine:
             await sessions.lock_session(conn, tenant, session_id)
             current = await plans.read_plan(conn, tenant, session_id)
             if not current.plan.invalidated:
-                return current
-            return await self._rotate_locked(
+                return current  # another call rotated first, and counted it
+            rotated = await self._rotate_locked(
                 conn,
                 tenant,
                 session_id,
@@ -388,6 +393,10 @@ class Engine:
                 None,
                 "build after erasure",
             )
+        # Counted here, once committed, not by the Build handler: the Build may still fail
+        # (PERSON_ERASED, BUDGET_EXCEEDED, ...) while its rotation stands.
+        _count_rotation(rotated)
+        return rotated
 
     # --- runs -------------------------------------------------------------------------
 
@@ -801,6 +810,14 @@ class Engine:
                 session_id,
                 [NewEvent("context.budget.exceeded", payload, run_id=run_id)],
             )
+
+
+def _count_rotation(stored: plans.StoredPlan) -> None:
+    """Count a rotation this call made (context_engine.epochs.rotated), after its
+    transaction committed: a rolled-back one started no epoch. Rotate's response and
+    StartRun's handler count theirs; Plan and Build count here, as their responses cannot
+    say whether the call rotated."""
+    telemetry.record_rotation(stored.plan.reason.name.lower())
 
 
 # record_model_request's refusals (migrations/0005 and 0008).

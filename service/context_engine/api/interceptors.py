@@ -178,12 +178,15 @@ def _on_build(request: pb.BuildRequest, response: pb.BuildResponse) -> None:
 
 def _on_report_usage(request: Any, response: Any) -> None:
     # Only for a servicer that does not record usage itself: the response cannot say whether
-    # the request was the first of its epoch, so every report feeds cached_ratio. The
-    # service's own handler always records (api/rpc_usage.py), with first_of_epoch.
+    # the request was the first of its epoch, so every report feeds cached_ratio, nor whether
+    # it was an idempotent replay. The service's own handler always records
+    # (api/rpc_usage.py), with first_of_epoch, and records a replay as nothing.
     telemetry.record_usage(request.model_id, response.signed_error_ppm, response.cached_prefix_ppm)
 
 
 def _on_commit_compaction(request: Any, response: Any) -> None:
+    # Only for a servicer that does not record: the response cannot say whether it was an
+    # idempotent replay. The service's handler always records (api/rpc_compaction.py).
     telemetry.record_compaction(request.result.depth)
 
 

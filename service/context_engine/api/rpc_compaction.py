@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from .. import telemetry
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
 from ..core.compaction import CompactionResult, ElidedSpan
 from ..core.errors import InvalidFieldError
@@ -134,4 +135,11 @@ class CompactionRpcs:
             convert.require_id(request.idempotency_key, "idempotency_key", required=False),
             request_sha256(request),
         )
-        return pb.CommitCompactionResponse(**committed)
+        # Recorded here, not derived from the response: a retry answers with the first
+        # call's response but commits nothing, and the depth is the committed summary's
+        # (the request may leave result.depth 0).
+        if committed.replayed:
+            telemetry.record_replay("compaction")
+        else:
+            telemetry.record_compaction(committed.depth)
+        return pb.CommitCompactionResponse(**committed.response)

@@ -46,13 +46,17 @@ class UsageRpcs:
             self.engine.tokenizer_of,
         )
         # Recorded here: only the handler knows whether the request was the first of its
-        # epoch, whose cached share the prefix-cache metric leaves out (api/usage.py, Rule 5).
-        telemetry.record_usage(
-            outcome.model_id,
-            outcome.signed_error_ppm,
-            outcome.cached_prefix_ppm,
-            first_of_epoch=outcome.first_of_epoch,
-        )
+        # epoch, whose cached share the prefix-cache metric leaves out (api/usage.py, Rule 5),
+        # and whether it replayed an earlier report's answer, which recorded no new usage.
+        if outcome.replayed:
+            telemetry.record_replay("usage")
+        else:
+            telemetry.record_usage(
+                outcome.model_id,
+                outcome.signed_error_ppm,
+                outcome.cached_prefix_ppm,
+                first_of_epoch=outcome.first_of_epoch,
+            )
         return pb.ReportUsageResponse(
             factor_ppm=outcome.factor_ppm,
             samples=outcome.samples,

@@ -7,9 +7,10 @@ in estimator_corrections, and resets when the model changes: a report answered b
 model than the request was built for is recorded but moves no factor, and a factor learned
 for another tokenizer (a registry change) starts over.
 Rule 3: a request's usage is counted once per idempotency key; a retry returns the first
-response and writes nothing. Every write is one transaction under the session lock, and the
-correction's read-modify-write also under the (tenant, model) correction lock, so reports
-racing from different sessions or replicas each count once.
+response and writes nothing (UsageOutcome.replayed: telemetry records nothing either).
+Every write is one transaction under the session lock, and the correction's
+read-modify-write also under the (tenant, model) correction lock, so reports racing from
+different sessions or replicas each count once.
 Rule 4: checkpoints pin the factor current when they are written (pinned_factor), so a
 rebuild of the same checkpoint cuts history at the same place whatever was reported since.
 The signed error of each report is returned (UsageOutcome) for the telemetry shell.
@@ -74,9 +75,14 @@ class UsageOutcome:
     absorbed: bool
     # Rule 5. Responses stored before this field existed read as False.
     first_of_epoch: bool = False
+    # Not stored with the answer (to_json): whether this call only replayed an earlier
+    # report's answer (Rule 3). It recorded nothing, so telemetry records nothing.
+    replayed: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        stored = asdict(self)
+        del stored["replayed"]
+        return stored
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> UsageOutcome:
@@ -129,7 +135,7 @@ async def report_usage(
             report.request_sha256,
         )
         if earlier is not None:
-            return UsageOutcome.from_json(earlier)
+            return replace(UsageOutcome.from_json(earlier), replayed=True)
         recorded = await _recorded_request(conn, tenant_id, session_id, report.request_sequence)
         # Read before _reconcile takes the tenant's correction lock, which every report of
         # the tenant's sessions waits on until this transaction ends.
