@@ -412,6 +412,28 @@ async def test_bad_configuration_stops_the_real_process(tmp_path: Path) -> None:
     assert "pool_min_size (5) must not exceed pool_max_size (2)" in stderr.decode()
 
 
+@pytest.mark.parametrize("content", ["[1]", "null", "42"])
+def test_a_config_file_that_is_not_an_object_exits_2_in_one_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    content: str,
+) -> None:
+    """The file is "an object of setting -> value"; valid JSON of another shape was a
+    TypeError traceback from dict.update instead of the documented exit 2."""
+    config = tmp_path / "config.json"
+    config.write_text(content, encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"CONTEXT_ENGINE_CONFIG.*expected a JSON object"):
+        load_settings(environ={"CONTEXT_ENGINE_CONFIG": str(config)})
+    for key in list(os.environ):
+        if key.startswith("CONTEXT_ENGINE_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("CONTEXT_ENGINE_CONFIG", str(config))
+    assert cli.main(["serve", "--database-url", "postgresql://127.0.0.1:1/never"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("context-engine: CONTEXT_ENGINE_CONFIG=")
+
+
 def test_settings_merge_file_then_environment_then_arguments(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"listen": "127.0.0.1:7000", "pool_max_size": 4}))
