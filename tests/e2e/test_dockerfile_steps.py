@@ -50,7 +50,6 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
-BASE_DSN = os.environ.get("TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 TIMEOUT_S = 600  # bounds a hung pip or server; not a performance assertion
 
 
@@ -283,8 +282,9 @@ async def test_dockerfile_install_steps_work(dockerfile: list[Stage], tmp_path: 
     assert code == 0 and "serve" in out and "migrate" in out, out
 
     name = f"ce_docker_{uuid.uuid4().hex[:12]}"
-    dsn = f"{BASE_DSN.rpartition('/')[0]}/{name}"
-    admin = await asyncpg.connect(BASE_DSN)
+    base = os.environ.get("TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+    dsn = f"{base.rpartition('/')[0]}/{name}"
+    admin = await asyncpg.connect(base)
     await admin.execute(f'CREATE DATABASE "{name}"')
     try:
         code, out = await _run(str(venv / "context-engine"), "migrate", "--database-url", dsn)
