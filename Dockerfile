@@ -6,8 +6,11 @@
 #   docker build -t context-engine .
 #   docker run -p 50051:50051 -e DATABASE_URL=postgresql://user:pass@db/ctx context-engine
 #
-# The image has no embedded PostgreSQL: set DATABASE_URL (or CONTEXT_ENGINE_DATABASE_URL).
-# Every setting is an environment variable CONTEXT_ENGINE_<NAME> (docs/operations.md).
+# The image has no embedded PostgreSQL: set DATABASE_URL (or CONTEXT_ENGINE_DATABASE_URL);
+# without one the engine exits 2, a configuration error.
+# Every setting is an environment variable CONTEXT_ENGINE_<NAME> (docs/operations.md); the
+# image only changes the listen default to every interface (CONTEXT_ENGINE_LISTEN), so the
+# entry point takes no flags that would override the environment.
 # tests/e2e/test_dockerfile_steps.py keeps this file honest without a Docker engine: it
 # runs these RUN steps' equivalents (build the wheel, install it into a fresh venv, check
 # the packaged migrations and data, run `context-engine --help` and `migrate`).
@@ -28,7 +31,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
-    PATH=/opt/venv/bin:$PATH
+    PATH=/opt/venv/bin:$PATH \
+    CONTEXT_ENGINE_LISTEN=0.0.0.0:50051
 RUN python -m venv /opt/venv
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     /opt/venv/bin/pip install --no-index --find-links /wheels context-engine
@@ -39,7 +43,8 @@ RUN groupadd --system --gid 10001 engine \
 USER 10001:10001
 EXPOSE 50051
 # Liveness of the process; readiness (PostgreSQL reachable) is the orchestrator's probe of
-# service context_engine.v1.ContextEngine (deploy/k8s).
+# service context_engine.v1.ContextEngine (deploy/k8s). With no target the probe reads the
+# port from CONTEXT_ENGINE_LISTEN, so it follows a listen address set at `docker run`.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=15s --retries=3 \
-    CMD ["python", "/opt/venv/bin/context-engine-healthcheck", "127.0.0.1:50051"]
-ENTRYPOINT ["context-engine", "serve", "--listen", "0.0.0.0:50051"]
+    CMD ["python", "/opt/venv/bin/context-engine-healthcheck"]
+ENTRYPOINT ["context-engine", "serve"]

@@ -4,7 +4,10 @@
     healthcheck.py [TARGET] [--service NAME] [--timeout SECONDS] [--tls-ca FILE
                    [--tls-cert FILE --tls-key FILE] [--tls-server-name NAME]]
 
-TARGET defaults to 127.0.0.1:50051. The overall status (service "", the default) is
+TARGET defaults to where this container's engine listens: CONTEXT_ENGINE_LISTEN (the
+image sets 0.0.0.0:50051), a wildcard host probed on loopback; 127.0.0.1:50051 without it.
+(Only the variable is read, not a CONTEXT_ENGINE_CONFIG file: give TARGET if the listen
+address comes from one.) The overall status (service "", the default) is
 liveness: SERVING while the process serves. `--service context_engine.v1.ContextEngine` is
 readiness: SERVING only while PostgreSQL answers. The image's HEALTHCHECK runs it; in
 Kubernetes the built-in `grpc:` probe does the same job, except on a TLS listener, which
@@ -16,11 +19,21 @@ service installs; it sends no credentials (the health service needs none).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def default_target(environ: Mapping[str, str] = os.environ) -> str:
+    """HOST:PORT of CONTEXT_ENGINE_LISTEN, a wildcard host replaced by loopback."""
+    host, _, port = (environ.get("CONTEXT_ENGINE_LISTEN") or "127.0.0.1:50051").rpartition(":")
+    if host in {"", "0.0.0.0", "::", "[::]"}:
+        host = "127.0.0.1"  # grpc binds [::] dual-stack, so IPv4 loopback reaches it too
+    return f"{host}:{port}"
 
 
 def _channel(args: argparse.Namespace) -> grpc.Channel:
@@ -39,7 +52,7 @@ def _channel(args: argparse.Namespace) -> grpc.Channel:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("target", nargs="?", default="127.0.0.1:50051")
+    parser.add_argument("target", nargs="?", default=default_target())
     parser.add_argument("--service", default="", help='"" (liveness) or a service name')
     parser.add_argument("--timeout", type=float, default=2.0)
     parser.add_argument("--tls-ca", default="", help="CA bundle (PEM): connect with TLS")

@@ -1,4 +1,10 @@
-"""`context-engine serve | migrate | inspect | explain | fake-provider`."""
+"""`context-engine serve | migrate | inspect | explain | fake-provider`.
+
+Exit codes: 0 done; 1 the database cannot be reached or refuses the connection (one line
+naming the server, the database and why), a listen address that cannot be bound, a
+schema behind with migrate_on_start off, or inspect's session not found; 2 a
+configuration error (one line naming the setting), including no database configured
+where the embedded PostgreSQL is not installed."""
 
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from .inspect import run_inspect
+    from .store import StoreUnavailableError
 
     settings = load_settings({"database_url": args.database_url})
     if not settings.database_url:
@@ -46,14 +53,14 @@ def _inspect(args: argparse.Namespace) -> int:
     console = Console(width=args.width) if args.width else Console()
     try:
         asyncio.run(run_inspect(settings.database_url, args.session, args.tenant, console))
-    except (LookupError, ValueError) as exc:
+    except (LookupError, ValueError, StoreUnavailableError) as exc:
         print(f"context-engine inspect: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
 def _migrate(args: argparse.Namespace) -> int:
-    from .store import apply_migrations, connect_pool
+    from .store import StoreUnavailableError, apply_migrations, connect_pool
 
     settings = load_settings({"database_url": args.database_url, "data_dir": args.data_dir})
 
@@ -70,7 +77,11 @@ def _migrate(args: argparse.Namespace) -> int:
         finally:
             await pool.close()
 
-    applied = asyncio.run(run())
+    try:
+        applied = asyncio.run(run())
+    except StoreUnavailableError as exc:
+        print(f"context-engine migrate: {exc}", file=sys.stderr)
+        return 1
     print("applied: " + (", ".join(applied) if applied else "nothing (up to date)"))
     return 0
 

@@ -180,9 +180,17 @@ def load_settings(
     config_file = env.get(_ENV_PREFIX + "CONFIG")
     if config_file:
         try:
-            values.update(json.loads(Path(config_file).read_text(encoding="utf-8")))
+            from_file = json.loads(Path(config_file).read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise ConfigError(f"{_ENV_PREFIX}CONFIG={config_file}: {exc}") from None
+        if not isinstance(from_file, dict):  # an array, a number, null: not settings
+            kinds = {list: "an array", str: "a string", bool: "a boolean"}
+            got = "null" if from_file is None else kinds.get(type(from_file), "a number")
+            raise ConfigError(
+                f"{_ENV_PREFIX}CONFIG={config_file}: expected a JSON object of"
+                f" setting -> value, got {got}"
+            )
+        values.update(from_file)
     for name in Settings.model_fields:
         raw = env.get(_ENV_PREFIX + name.upper())
         if raw is not None:

@@ -4,22 +4,37 @@ run and local use; production points DATABASE_URL at a real server."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any
+
+from .config import ConfigError
+from .store.db import StoreUnavailableError
 
 __all__ = ["start_embedded"]
 
 
 def start_embedded(data_dir: str) -> tuple[str, Any]:
-    """Start (or reuse) the embedded server; returns (dsn, handle). Keep the handle alive."""
+    """Start (or reuse) the embedded server; returns (dsn, handle). Keep the handle alive.
+
+    Raises ConfigError when pgserver is not installed (the container image): no database
+    is configured, a configuration error. Raises StoreUnavailableError when it is installed
+    but cannot start in `data_dir`."""
     try:
         import pgserver
-    except ImportError as exc:  # pragma: no cover - depends on the install extra
-        raise RuntimeError(
-            "no database configured and the embedded PostgreSQL is not installed; "
-            "set DATABASE_URL or install context-engine[embedded]"
-        ) from exc
+    except ImportError:
+        raise ConfigError(
+            "no database configured (database_url, CONTEXT_ENGINE_DATABASE_URL or"
+            " DATABASE_URL) and the embedded PostgreSQL is not installed"
+            " (pip install 'context-engine[embedded]')"
+        ) from None
     path = Path(data_dir).resolve()
-    path.mkdir(parents=True, exist_ok=True)
-    server = pgserver.get_server(str(path), cleanup_mode="stop")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        server = pgserver.get_server(str(path), cleanup_mode="stop")
+    except (OSError, subprocess.SubprocessError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise StoreUnavailableError(
+            f"cannot start the embedded PostgreSQL in {path}: {why}"
+        ) from None
     return server.get_uri(), server

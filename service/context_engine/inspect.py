@@ -452,11 +452,12 @@ async def load_session(conn: Any, session_id: UUID, tenant_id: str | None) -> Se
 async def run_inspect(
     dsn: str, session: str, tenant_id: str | None, console: Console, width: int = BAR_WIDTH
 ) -> None:
-    """Connect, load and print one session. Raises LookupError / ValueError for bad input."""
-    import asyncpg
+    """Connect, load and print one session. Raises LookupError / ValueError for bad input,
+    StoreUnavailableError when the database cannot be reached."""
+    from .store.db import connect
 
     session_id = UUID(session)
-    conn = await asyncpg.connect(dsn)
+    conn = await connect(dsn)  # StoreUnavailableError: one line naming why
     try:
         view = await load_session(conn, session_id, tenant_id)
     finally:

@@ -8,11 +8,14 @@
   termination grace than its own shutdown grace.
 - The sidecar's worker reaches the engine over localhost; Compose runs migrations before
   the engine, against postgres:15, from the repository's Dockerfile.
+- Every engine container listens, with the image's ENV under its own, on every interface
+  at the probed port; comments that quote a setting's default quote the real one.
 """
 
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,19 @@ PREFIX = "CONTEXT_ENGINE_"
 def _dockerfile(keyword: str) -> str:
     lines = (ROOT / "Dockerfile").read_text(encoding="utf-8").splitlines()
     return [line.split(None, 1)[1] for line in lines if line.startswith(keyword + " ")][-1]
+
+
+def _image_env() -> dict[str, str]:
+    """The Dockerfile's (runtime stage's) CONTEXT_ENGINE_* ENV settings."""
+    words = shlex.split(" ".join(_dockerfile_all("ENV")))
+    return {k: v for k, _, v in (w.partition("=") for w in words) if k.startswith(PREFIX)}
+
+
+def _dockerfile_all(keyword: str) -> list[str]:
+    """Every KEYWORD instruction of the last stage, backslash continuations joined."""
+    text = (ROOT / "Dockerfile").read_text(encoding="utf-8").replace("\\\n", " ")
+    stage = text.rpartition("\nFROM ")[2]
+    return [line.split(None, 1)[1] for line in stage.splitlines() if line.startswith(keyword + " ")]
 
 
 def _docs(path: Path) -> list[dict[str, Any]]:
@@ -107,6 +123,9 @@ def test_engine_container(index: int, tmp_path: Path) -> None:
         return
     port = int(_dockerfile("EXPOSE"))
     assert {"name": "grpc", "containerPort": port} in container["ports"], where
+    # Kubelet probes come from the node, so even the sidecar listens beyond loopback.
+    listen = _validate({**_image_env(), **env}, tmp_path, _secret_files(path)).listen
+    assert listen == f"0.0.0.0:{port}", where
     assert container["livenessProbe"]["grpc"] == {"port": port}, where
     assert container["readinessProbe"]["grpc"] == {"port": port, "service": SERVICE}, where
     assert container["startupProbe"]["grpc"]["port"] == port, where
@@ -115,6 +134,18 @@ def test_engine_container(index: int, tmp_path: Path) -> None:
     if settings.metrics_listen:
         metrics = int(settings.metrics_listen.rpartition(":")[2])
         assert {"name": "metrics", "containerPort": metrics} in container["ports"], where
+
+
+def test_comments_quote_the_real_max_request_bytes_default() -> None:
+    """The sizing comments reason from max_request_bytes' default; they said 16 MiB while
+    config.py says 4 MiB."""
+    default_mib = Settings().max_request_bytes // (1024 * 1024)
+    quoted = []
+    for path in [*K8S, COMPOSE]:
+        text = " ".join(path.read_text(encoding="utf-8").replace("#", " ").split())
+        quoted += re.findall(r"max_request_bytes[^.]*?(\d+) MiB by default", text)
+    assert quoted, "the sizing comments name the default"
+    assert set(quoted) == {str(default_mib)}
 
 
 def test_sidecar_worker_talks_over_localhost() -> None:

@@ -11,7 +11,12 @@ real, in a temporary directory standing in for the image:
   is made, the wheel is installed into it;
 - the installed package must carry every migration and data file of the source tree, and
   `context-engine --help`, `context-engine migrate` (on a fresh database), the ENTRYPOINT
-  (on a free port) and the HEALTHCHECK command must work from that venv.
+  (with the image's ENV, CONTEXT_ENGINE_LISTEN moved to a free loopback port as
+  `docker run -e` would) and the HEALTHCHECK command (following that variable) must work
+  from that venv.
+
+The ENTRYPOINT also runs (cheaply, `serve` stubbed or failing early) to show it honours
+CONTEXT_ENGINE_LISTEN and that without DATABASE_URL it stops with one line, exit 2.
 
 Offline adjustments, each marked where it is made: the wheel builds with
 --no-build-isolation (setuptools from the test venv instead of PyPI); dependency wheels are
@@ -29,6 +34,8 @@ import os
 import re
 import shlex
 import shutil
+import socket
+import subprocess
 import sys
 import sysconfig
 import uuid
@@ -43,7 +50,6 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
-BASE_DSN = os.environ.get("TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 TIMEOUT_S = 600  # bounds a hung pip or server; not a performance assertion
 
 
@@ -97,6 +103,11 @@ def dockerfile() -> list[Stage]:
     return stages
 
 
+def _image_env(stage: Stage) -> dict[str, str]:
+    """The stage's ENV settings (KEY=VALUE form; no variable expansion)."""
+    return dict(word.partition("=")[::2] for env in stage.all("ENV") for word in shlex.split(env))
+
+
 def _dockerignore_allows(path: str) -> bool:
     """Last matching rule wins, as in Docker; enough of the syntax for our own file."""
     allowed = True
@@ -120,15 +131,14 @@ def test_dockerfile_shape(dockerfile: list[Stage]) -> None:
     users = runtime.all("USER")
     assert users and users[-1].split(":")[0] not in {"root", "0"}, "runs as non-root"
     assert runtime.all("EXPOSE") == ["50051"]
-    assert json.loads(runtime.all("ENTRYPOINT")[-1]) == [
-        "context-engine",
-        "serve",
-        "--listen",
-        "0.0.0.0:50051",
-    ]
+    # Settings come from the environment only: a flag in the entry point would override
+    # CONTEXT_ENGINE_LISTEN (flags beat variables), so the listen default is an ENV.
+    assert json.loads(runtime.all("ENTRYPOINT")[-1]) == ["context-engine", "serve"]
+    assert _image_env(runtime)["CONTEXT_ENGINE_LISTEN"] == "0.0.0.0:50051"
     (health,) = runtime.all("HEALTHCHECK")
     command = json.loads(health.split("CMD", 1)[1])
     script = command[1]
+    assert command[2:] == [], "no target: the probe follows CONTEXT_ENGINE_LISTEN"
     copied = {dest: src for src, dest in (c.split() for c in runtime.all("COPY"))}
     assert copied[script] == "deploy/healthcheck.py" and (ROOT / copied[script]).is_file()
 
@@ -146,13 +156,26 @@ def test_dockerfile_shape(dockerfile: list[Stage]) -> None:
                 assert _dockerignore_allows(source.rstrip("/")), f".dockerignore drops {source}"
 
 
-async def _run(*argv: str, cwd: Path | None = None) -> tuple[int, str]:
+def _container_env(**extra: str) -> dict[str, str]:
+    """This process's environment without Python paths or engine settings, plus `extra`."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in {"PYTHONPATH", "VIRTUAL_ENV", "DATABASE_URL"}
+        and not k.startswith("CONTEXT_ENGINE_")
+    }
+    return {**env, **extra}
+
+
+async def _run(
+    *argv: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> tuple[int, str]:
     process = await asyncio.create_subprocess_exec(
         *argv,
         cwd=cwd,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
-        env={k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "VIRTUAL_ENV"}},
+        env=_container_env() if env is None else env,
     )
     try:
         out, _ = await asyncio.wait_for(process.communicate(), TIMEOUT_S)
@@ -259,8 +282,9 @@ async def test_dockerfile_install_steps_work(dockerfile: list[Stage], tmp_path: 
     assert code == 0 and "serve" in out and "migrate" in out, out
 
     name = f"ce_docker_{uuid.uuid4().hex[:12]}"
-    dsn = f"{BASE_DSN.rpartition('/')[0]}/{name}"
-    admin = await asyncpg.connect(BASE_DSN)
+    base = os.environ.get("TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+    dsn = f"{base.rpartition('/')[0]}/{name}"
+    admin = await asyncpg.connect(base)
     await admin.execute(f'CREATE DATABASE "{name}"')
     try:
         code, out = await _run(str(venv / "context-engine"), "migrate", "--database-url", dsn)
@@ -277,27 +301,37 @@ async def test_dockerfile_install_steps_work(dockerfile: list[Stage], tmp_path: 
         await admin.close()
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 async def _serve_and_probe(runtime: Stage, venv: Path, paths: dict[str, Path], dsn: str) -> None:
-    """The ENTRYPOINT on a free loopback port, probed by the HEALTHCHECK command."""
+    """The ENTRYPOINT as `docker run -e CONTEXT_ENGINE_LISTEN=127.0.0.1:PORT -e
+    DATABASE_URL=...` would start it, probed by the HEALTHCHECK command, which is given no
+    target and must find the server through the same variable."""
     entry = json.loads(runtime.all("ENTRYPOINT")[-1])
-    entry[entry.index("--listen") + 1] = "127.0.0.1:0"
+    listen = f"127.0.0.1:{_free_port()}"
+    env = _container_env(
+        **{k: v for k, v in _image_env(runtime).items() if k.startswith("CONTEXT_ENGINE_")},
+    )
+    env.update(CONTEXT_ENGINE_LISTEN=listen, DATABASE_URL=dsn)
     server = await asyncio.create_subprocess_exec(
         str(venv / entry[0]),
         *entry[1:],
-        "--database-url",
-        dsn,
+        env=env,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
     try:
         assert server.stdout is not None
-        port, seen = None, []
-        while port is None:
+        seen: list[str] = []
+        while not any("listening on" in line for line in seen):
             line = (await asyncio.wait_for(server.stdout.readline(), TIMEOUT_S)).decode()
             assert line, "the server exited before listening:\n" + "".join(seen)
             seen.append(line)
-            if match := re.search(r"listening on [\d.]+:(\d+)", line):
-                port = int(match.group(1))
+        assert f"listening on {listen}" in seen[-1], seen[-1]
         (health,) = runtime.all("HEALTHCHECK")
         probe = json.loads(health.split("CMD", 1)[1])
         probe = [
@@ -306,9 +340,62 @@ async def _serve_and_probe(runtime: Stage, venv: Path, paths: dict[str, Path], d
             else word.replace("/opt/venv", str(paths["/opt/venv"]))
             for word in probe
         ]
-        probe[-1] = f"127.0.0.1:{port}"
-        code, out = await _run(*probe)
+        code, out = await _run(*probe, env=env)
         assert code == 0 and "SERVING" in out, out
     finally:
         server.terminate()
         await asyncio.wait_for(server.wait(), TIMEOUT_S)
+
+
+def _entrypoint_cli(
+    argv: list[str], prelude: str, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """The entry point's `context-engine ARGS` through cli.main, after `prelude` (stubs)."""
+    script = (
+        f"import sys\n{prelude}\nfrom context_engine.cli import main\nsys.exit(main({argv!r}))\n"
+    )
+    env = {**env, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_the_image_honours_context_engine_listen(dockerfile: list[Stage]) -> None:
+    """Every setting is an environment variable, so a sidecar operator who sets
+    CONTEXT_ENGINE_LISTEN=127.0.0.1:50051 (the engine off the pod network) must get that
+    address, not one baked into the ENTRYPOINT; without it, the image's 0.0.0.0:50051."""
+    runtime = dockerfile[-1]
+    entry = json.loads(runtime.all("ENTRYPOINT")[-1])
+    assert entry[0] == "context-engine"
+    prelude = (
+        "import context_engine.api.server as server\n"
+        "async def fake(settings):\n"
+        "    print('LISTEN=' + settings.listen)\n"
+        "server.serve = fake\n"
+        "sys.modules['uvloop'] = None\n"
+    )
+    image = _image_env(runtime)
+    for listen, expected in (("127.0.0.1:50051", "127.0.0.1:50051"), (None, "0.0.0.0:50051")):
+        env = _container_env(**image, DATABASE_URL="postgresql://db/x")
+        if listen is not None:
+            env["CONTEXT_ENGINE_LISTEN"] = listen
+        done = _entrypoint_cli(entry[1:], prelude, env)
+        assert done.returncode == 0, done.stderr
+        assert f"LISTEN={expected}" in done.stdout, done.stdout
+
+
+def test_the_image_without_a_database_url_exits_2_with_one_clear_line(
+    dockerfile: list[Stage], tmp_path: Path
+) -> None:
+    """The image installs the engine without the [embedded] extra, so `docker run` without
+    DATABASE_URL has no database: a missing setting, the documented one-line exit 2 (it
+    was a RuntimeError traceback from embedded_db)."""
+    runtime = dockerfile[-1]
+    entry = json.loads(runtime.all("ENTRYPOINT")[-1])
+    argv = [*entry[1:], "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "pgdata")]
+    done = _entrypoint_cli(argv, "sys.modules['pgserver'] = None", _container_env())
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("context-engine: no database configured"), line
+    assert "DATABASE_URL" in line and "context-engine[embedded]" in line

@@ -123,6 +123,25 @@ async def start_run(stub: Any, session_id: str, text: str) -> pb.StartRunRespons
 # --- databases of a test's own, and waiting for a condition (lifecycle tests) ----------
 
 
+def base_dsn() -> str:
+    """The test server's maintenance database: TEST_DATABASE_URL, which tests/conftest.py
+    sets to the embedded PostgreSQL when it falls back to one."""
+    import os
+
+    return os.environ.get("TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+def dsn_on_test_server(database: str, *, user: str = "", password: str = "") -> str:
+    """A DSN for `database` on the test server, as `user` (default: the base DSN's)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(base_dsn())
+    login, _, host = parts.netloc.rpartition("@")
+    if user:
+        login = f"{user}:{password}" if password else user
+    return f"{parts.scheme}://{login}@{host}/{database}"
+
+
 async def create_database(*, migrate: bool = True) -> str:
     """A fresh database on the test server (TEST_DATABASE_URL); returns its DSN."""
     import os
@@ -131,7 +150,7 @@ async def create_database(*, migrate: bool = True) -> str:
 
     from context_engine.store import apply_migrations
 
-    base = os.environ.get("TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+    base = base_dsn()
     name = f"ce_own_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     admin = await asyncpg.connect(base)
     try:
@@ -150,12 +169,9 @@ async def create_database(*, migrate: bool = True) -> str:
 
 async def admin_execute(sql: str) -> None:
     """Run one statement on the test server's maintenance database."""
-    import os
-
     import asyncpg
 
-    base = os.environ.get("TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-    admin = await asyncpg.connect(base)
+    admin = await asyncpg.connect(base_dsn())
     try:
         await admin.execute(sql)
     finally:

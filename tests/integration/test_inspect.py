@@ -103,3 +103,11 @@ async def test_inspect_command_exit_codes(stub: Any, database_dsn: str) -> None:
     assert code == 1 and "not found" in err
     code, _, err = await inspect("not-a-uuid")
     assert code == 1
+    # An unreachable database: one line naming it, not an asyncpg traceback.
+    env["DATABASE_URL"] = "postgresql://postgres@127.0.0.1:1/postgres"  # nothing on port 1
+    code, _, err = await inspect(session_id)
+    assert code == 1 and "Traceback" not in err, err
+    assert err.strip() == (
+        "context-engine inspect: cannot connect to PostgreSQL at 127.0.0.1:1/postgres:"
+        " Connection refused"
+    )

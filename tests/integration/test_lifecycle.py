@@ -16,6 +16,9 @@ deadlines and migrations.
   query is cancelled server-side, and it writes nothing.
 - `migrate` is a separate step: `serve` with migrate_on_start=false refuses a database
   whose schema is behind, and starts once `migrate` has run.
+- Start-up failures are one line and exit 1, never a traceback: PostgreSQL unreachable or
+  refusing (no such database, no such role; the password never printed) for `serve` and
+  `migrate`, an embedded PostgreSQL that cannot start, a listen address in use.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -49,6 +53,7 @@ from .helpers import (
     create_database,
     details,
     drop_database,
+    dsn_on_test_server,
     new_id,
     open_session,
     spec,
@@ -407,6 +412,28 @@ async def test_bad_configuration_stops_the_real_process(tmp_path: Path) -> None:
     assert "pool_min_size (5) must not exceed pool_max_size (2)" in stderr.decode()
 
 
+@pytest.mark.parametrize("content", ["[1]", "null", "42"])
+def test_a_config_file_that_is_not_an_object_exits_2_in_one_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    content: str,
+) -> None:
+    """The file is "an object of setting -> value"; valid JSON of another shape was a
+    TypeError traceback from dict.update instead of the documented exit 2."""
+    config = tmp_path / "config.json"
+    config.write_text(content, encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"CONTEXT_ENGINE_CONFIG.*expected a JSON object"):
+        load_settings(environ={"CONTEXT_ENGINE_CONFIG": str(config)})
+    for key in list(os.environ):
+        if key.startswith("CONTEXT_ENGINE_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("CONTEXT_ENGINE_CONFIG", str(config))
+    assert cli.main(["serve", "--database-url", "postgresql://127.0.0.1:1/never"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("context-engine: CONTEXT_ENGINE_CONFIG=")
+
+
 def test_settings_merge_file_then_environment_then_arguments(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"listen": "127.0.0.1:7000", "pool_max_size": 4}))
@@ -500,6 +527,96 @@ async def test_migrate_is_a_separate_step() -> None:
                 await proc.wait()
     finally:
         await drop_database(dsn)
+
+
+# --- start-up failures: one line, exit 1 -------------------------------------------
+
+UNREACHABLE = "postgresql://postgres@127.0.0.1:1/postgres"  # nothing listens on port 1
+
+
+async def _fails_in_one_line(*args: str) -> tuple[int, str]:
+    """Run the CLI to its exit; (exit code, its last stderr line), which must be the
+    engine's own one-line reason after no traceback."""
+    proc = await _cli(*args, env=_env(log_format="text"))
+    try:
+        _, raw = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    stderr = raw.decode("utf-8", "replace")
+    assert "Traceback" not in stderr, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("context-engine"), stderr
+    return int(proc.returncode or 0), last
+
+
+@pytest.mark.parametrize(
+    ("user", "database", "says"),
+    [
+        ("", "ce_no_such_database", 'database "ce_no_such_database" does not exist'),
+        ("ce_no_such_role", "postgres", '"ce_no_such_role"'),  # no such role / bad password
+    ],
+)
+async def test_serve_refused_by_postgresql_exits_1_saying_why(
+    user: str, database: str, says: str
+) -> None:
+    """A typo in the database name or user is refused by the server with SQLSTATE 3D000 or
+    28xxx, which the connect did not map to "unavailable": it was an asyncpg traceback.
+    The line names the server and database but never the password in the URL."""
+    password = "pw-" + "z" * 12
+    dsn = dsn_on_test_server(database, user=user, password=password if user else "")
+    code, line = await _fails_in_one_line("serve", "--listen", "127.0.0.1:0", "--database-url", dsn)
+    assert code == 1
+    assert line.startswith("context-engine: cannot connect to PostgreSQL at "), line
+    assert says in line and f"/{database}:" in line, line
+    assert password not in line
+
+
+async def test_migrate_unreachable_or_refused_exits_1_in_one_line() -> None:
+    """`context-engine migrate` is the Kubernetes Job's command: a wrong URL must say so
+    in its log, not end in a traceback."""
+    code, line = await _fails_in_one_line("migrate", "--database-url", UNREACHABLE)
+    assert code == 1
+    assert line == (
+        "context-engine migrate: cannot connect to PostgreSQL at 127.0.0.1:1/postgres:"
+        " Connection refused"
+    )
+    missing = dsn_on_test_server("ce_no_such_database")
+    code, line = await _fails_in_one_line("migrate", "--database-url", missing)
+    assert code == 1 and 'database "ce_no_such_database" does not exist' in line, line
+
+
+async def test_an_embedded_database_that_cannot_start_exits_1_in_one_line(
+    tmp_path: Path,
+) -> None:
+    """With no database URL, a data directory the embedded PostgreSQL cannot use (here: a
+    path through a regular file) is a start-up failure like an unreachable server."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("", encoding="utf-8")
+    data_dir = str(blocker / "pgdata")
+    for args in (("serve", "--listen", "127.0.0.1:0"), ("migrate",)):
+        code, line = await _fails_in_one_line(*args, "--data-dir", data_dir)
+        assert code == 1
+        assert f"cannot start the embedded PostgreSQL in {data_dir}" in line, line
+
+
+async def test_serve_on_a_port_already_in_use_exits_1_naming_the_address(
+    own_database: str,
+) -> None:
+    """grpcio's bind failure was a RuntimeError traceback after the pool had opened; now it
+    is one line naming the address, and the pool is closed on the way out."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        listen = f"127.0.0.1:{busy.getsockname()[1]}"
+        code, line = await _fails_in_one_line(
+            "serve", "--listen", listen, "--database-url", own_database
+        )
+    assert code == 1
+    assert (
+        line == f"context-engine: cannot listen on {listen}: the address is in use or not available"
+    )
 
 
 # --- readiness ---------------------------------------------------------------------

@@ -195,12 +195,15 @@ async def build_server(
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    if credentials is not None:
-        port = server.add_secure_port(listen, credentials)
-    else:
-        port = server.add_insecure_port(listen)
+    try:
+        if credentials is not None:
+            port = server.add_secure_port(listen, credentials)
+        else:
+            port = server.add_insecure_port(listen)
+    except RuntimeError:  # grpcio's "Failed to bind to address ..."
+        port = 0
     if port == 0:
-        raise OSError(f"cannot bind {listen}")
+        raise OSError(f"cannot listen on {listen}: the address is in use or not available")
     await server.start()
     for name in (SERVICE_NAME, ""):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -236,17 +239,18 @@ async def serve(settings: Settings) -> None:
     """Run until SIGTERM/SIGINT: connect (or start the embedded database), migrate, serve."""
     dsn = settings.database_url
     embedded = None
-    if not dsn:
-        from ..embedded_db import start_embedded
-
-        dsn, embedded = start_embedded(settings.data_dir)
-        _log.info("started embedded PostgreSQL in %s", settings.data_dir)
     try:
+        if not dsn:
+            from ..embedded_db import start_embedded
+
+            # Raises ConfigError (exit 2) where the embedded PostgreSQL is not installed.
+            dsn, embedded = start_embedded(settings.data_dir)
+            _log.info("started embedded PostgreSQL in %s", settings.data_dir)
         pool = await connect_pool(
             dsn, min_size=settings.pool_min_size, max_size=settings.pool_max_size
         )
     except StoreUnavailableError as exc:
-        raise StartupError(f"cannot reach PostgreSQL: {exc}") from None
+        raise StartupError(str(exc)) from None
     async with pool.acquire() as conn:
         if settings.migrate_on_start:
             applied = await apply_migrations(conn)
@@ -266,12 +270,15 @@ async def serve(settings: Settings) -> None:
     except OSError as exc:
         await pool.close()
         raise StartupError(f"metrics_listen {settings.metrics_listen}: {exc.strerror}") from None
-    running = await build_server(
-        build_engine(pool, settings=settings),
-        settings.listen,
-        telemetry=tel,
-        **server_options(settings),
-    )
+    engine, options = build_engine(pool, settings=settings), server_options(settings)
+    try:
+        running = await build_server(engine, settings.listen, telemetry=tel, **options)
+    except OSError as exc:
+        # Found only after the migrations, because build_server starts serving as soon as
+        # it has bound; harmless, they are idempotent and every replica may apply them.
+        tel.shutdown()
+        await pool.close()
+        raise StartupError(str(exc)) from None
     _log.info(
         "context-engine serving on %s (port %d, tls %s, auth %s)",
         settings.listen,

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import asyncpg
 
 from ..core.errors import EngineError
 
-__all__ = ["StoreUnavailableError", "connect_pool", "transaction"]
+__all__ = ["StoreUnavailableError", "connect", "connect_pool", "transaction"]
 
 # Errors that mean the database is unreachable or restarting, not that a query was wrong.
 _UNAVAILABLE = (
@@ -65,7 +67,8 @@ async def connect_pool(
     command_timeout: float = 10.0,
     connect_timeout: float = 5.0,
 ) -> asyncpg.Pool:
-    """Open a pool. Raises StoreUnavailableError when the database cannot be reached."""
+    """Open a pool. Raises StoreUnavailableError when the database cannot be reached or
+    refuses the connection; its message is one line that names why (see _refusal)."""
     try:
         pool = await asyncpg.create_pool(
             dsn,
@@ -76,10 +79,60 @@ async def connect_pool(
             init=_init_connection,
             reset=_keep_session,
         )
-    except _UNAVAILABLE as exc:
-        raise StoreUnavailableError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from exc
+    except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
+        refused = _refusal(dsn, exc)
+        if refused is None:
+            raise
+        raise refused from exc
     assert pool is not None
     return pool
+
+
+async def connect(dsn: str, *, timeout: float = 5.0) -> asyncpg.Connection:
+    """One connection (the CLI's inspect); failures as in connect_pool."""
+    try:
+        return await asyncpg.connect(dsn, timeout=timeout)
+    except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
+        refused = _refusal(dsn, exc)
+        if refused is None:
+            raise
+        raise refused from exc
+
+
+# SQLSTATE classes PostgreSQL refuses a new connection with: 08 connection exception,
+# 28 invalid authorization (no such role, wrong password), 3D invalid catalog name (no
+# such database), 53 insufficient resources (too many connections), 57 operator
+# intervention (starting up, shutting down).
+_REFUSED_CLASSES = ("08", "28", "3D", "53", "57")
+
+
+def _refusal(dsn: str, exc: BaseException) -> StoreUnavailableError | None:
+    """StoreUnavailableError for a failed connect, one line naming the server, the
+    database and why; None for an error that is no connection refusal."""
+    if isinstance(exc, asyncpg.PostgresError):
+        if str(getattr(exc, "sqlstate", "") or "")[:2] not in _REFUSED_CLASSES:
+            return None
+        # The server's own words ('database "x" does not exist', 'role "x" does not
+        # exist', 'password authentication failed for user "x"'); they never carry the
+        # password.
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    elif isinstance(exc, TimeoutError):
+        why = "no answer in time"
+    elif isinstance(exc, OSError) and exc.errno:
+        why = os.strerror(exc.errno)  # "Connection refused"; the address is named below
+    else:
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return StoreUnavailableError(f"cannot connect to PostgreSQL at {_where(dsn)}: {why}")
+
+
+def _where(dsn: str) -> str:
+    """HOST[:PORT]/DATABASE of a DSN, without the user and password."""
+    parts = urlsplit(dsn)
+    host = unquote(parts.netloc.rpartition("@")[2]) or "localhost"
+    query = dict(parse_qsl(parts.query))
+    if "host" in query:  # a Unix socket directory given as ?host=/path
+        host = query["host"]
+    return f"{host}{parts.path}"
 
 
 # SQLSTATE classes that mean the database is away, whatever the statement: 08 connection
