@@ -28,7 +28,9 @@ items into depth 2, with the union of source event ids, elided spans and retaine
 constraints. A third fails with COMPACTION_DEPTH_EXCEEDED: escalate to a child run.
 Rule 5 (laundering): a summary is rejected (SUMMARY_LAUNDERS_UNTRUSTED) when it carries
 text from an elided span, or from any untrusted text still in the run's view (retained
-verbatim, it is still not the platform's to restate). Both sides are normalized (NFKC,
+verbatim, it is still not the platform's to restate). Both sides are normalized as a
+model reads them (invisible characters dropped: category Cf such as U+200B, U+00AD,
+U+2060, U+FEFF and the other default-ignorables, core/invisible.py; then NFKC,
 case-folded, whitespace runs collapsed to one space); the summary launders when it
 contains any of that text's
   (a) 40-character substrings,
@@ -59,6 +61,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .envelope import escape_content
 from .errors import InvalidFieldError, PreconditionError
+from .invisible import drop_invisible
 from .items import (
     AssistantMessage,
     ConversationItem,
@@ -187,7 +190,9 @@ class Prepared:
 
 
 def _normalize(text: str) -> str:
-    return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+    # Invisible characters go first, as a reader skips them: NFKC then composes what they
+    # kept apart ("e", U+200B, U+0301 reads as "é").
+    return " ".join(unicodedata.normalize("NFKC", drop_invisible(text)).casefold().split())
 
 
 def _runs(normalized: str) -> Iterator[str]:
