@@ -22,7 +22,11 @@ each becomes a typed pointer
 (`-> event:<sequence>` when there is no artifact). The model's own items that quote any
 untrusted text in the run's view (same rule as Rule 5) are elided too, labelled with the
 trust of what they quote: the model read that content, and repeating it is how a label
-gets laundered.
+gets laundered. The view is every untrusted conversation item of the run and its carried
+history, and every untrusted line of the step contexts the session's recorded Builds
+showed the model (`shown`: knowledge passages, EXTERNAL_UNTRUSTED by default, and recall
+and correction lines, which are MEMORY: not SUMMARIZABLE either). Those lines are never
+in the transcript, but the model's answers to them are.
 Rule 4 (depth): a first summary has depth 1; a second compaction merges it with newer
 items into depth 2, with the union of source event ids, elided spans and retained
 constraints. A third fails with COMPACTION_DEPTH_EXCEEDED: escalate to a child run.
@@ -64,8 +68,12 @@ from .errors import InvalidFieldError, PreconditionError
 from .invisible import drop_invisible
 from .items import (
     AssistantMessage,
+    ContextItem,
     ConversationItem,
+    CorrectionLineItem,
+    KnowledgePassageItem,
     ReasoningItem,
+    RecallLineItem,
     SummaryItem,
     ToolCall,
     ToolResult,
@@ -146,7 +154,10 @@ class _Frozen(BaseModel):
 
 class ElidedSpan(_Frozen):
     item_id: str
-    kind: str  # tool.result, assistant.message, tool.call, user.message
+    # tool.result, assistant.message, tool.call, user.message; for a shown line quoted by
+    # an elided item (never itself in `elided`): knowledge.passage, recall.line,
+    # correction.line
+    kind: str
     trust: TrustLevel  # below what SUMMARIZABLE admits, or what a quoting item quoted
     byte_length: int
     artifact_ref: str = ""
@@ -313,6 +324,30 @@ def _texts(item: ConversationItem) -> list[str]:
     return [_content(item)]
 
 
+_SHOWN_KIND: dict[type[ContextItem], str] = {
+    KnowledgePassageItem: "knowledge.passage",
+    RecallLineItem: "recall.line",
+    CorrectionLineItem: "correction.line",
+}
+
+
+def _shown_span(item: ContextItem) -> tuple[ElidedSpan, str] | None:
+    """A step line a Build showed the model, as a source the check compares against (Rule
+    3); None for a line whose trust the summarizer may repeat."""
+    if not isinstance(item, KnowledgePassageItem | RecallLineItem | CorrectionLineItem):
+        raise TypeError(f"{type(item).__name__} is not a step line a Build shows")
+    if trust_of(item) in SUMMARIZABLE:
+        return None
+    span = ElidedSpan(
+        item_id=item.item_id,
+        kind=_SHOWN_KIND[type(item)],
+        trust=trust_of(item),
+        byte_length=len(item.text.encode("utf-8")),
+        event_id=0,
+    )
+    return span, item.text
+
+
 def elided_content(event_type: str, payload: Mapping[str, Any]) -> str:
     """The text of a logged item an earlier compaction elided (for the depth-2 check)."""
     fields = {
@@ -399,12 +434,15 @@ def prepare(
     through_sequence: int,
     count_tokens: TokenCounter,
     earlier_contents: Mapping[str, str] | None = None,
+    shown: Sequence[ContextItem] = (),
 ) -> Prepared:
     """The summarizer input for compacting the run's oldest body items.
 
     `carried` is the run's carried history (as Build reads it); `through_sequence` 0 lets
     the engine choose the cut (RETAIN_PPM); `earlier_contents` maps the item ids an earlier
-    compaction elided to their logged text, for the commit-time check.
+    compaction elided to their logged text, for the commit-time check; `shown` holds the
+    step lines (knowledge passages, recall and correction lines) the recorded Builds
+    showed the model (Rule 3's view).
 
     Raises:
         PreconditionError: COMPACTION_DEPTH_EXCEEDED (a third compaction: escalate to a
@@ -464,6 +502,8 @@ def prepare(
     contents: list[tuple[ElidedSpan, str]] = [
         (_span(i, trust_of(i)), text) for i in in_view for text in _texts(i)
     ]
+    # What the model was shown beside the conversation: it may have quoted that too.
+    contents += [line for line in map(_shown_span, shown) if line is not None and line[1]]
     earlier = tuple(record.elided) if record else ()
     earlier_text = dict(earlier_contents or {})
     contents += [(s, earlier_text[s.item_id]) for s in earlier if earlier_text.get(s.item_id)]
