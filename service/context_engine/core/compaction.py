@@ -12,10 +12,13 @@ floor, ending before the active loop's turn (`assemble.active_turn`: the latest 
 turn that called tools, its text and reasoning with its calls, and the results in so far;
 its pending pairs are Build's never-yield set), before any unanswered call and before the
 trailing user input; when that leaves nothing, RUN_STATE.
-Reasoning items are excluded by type (never summarized, ADR-0007). A child run's
-instruction is never logged, so never compactable: it stays in the checkpoint verbatim. A
-cut that would split a tool pair (paired by run and call id) moves later, so the pair is
-compacted whole.
+Reasoning items are excluded by type (never summarized, ADR-0007). The run's own user
+messages are never compactable either: they are the current user message, which never
+yields (Build pays them first, core/pressure.py Rule 1), so they stay in the checkpoint
+verbatim, in order, after the summary; they are neither summarized nor counted as
+replaced, and they still license their text (Rule 5). A child run's instruction (its
+parent's words, never logged: sequence 0) is one of them. A cut that would split a tool
+pair (paired by run and call id) moves later, so the pair is compacted whole.
 Rule 3 (trusted content only): items whose trust is not in SUMMARIZABLE are not summarized;
 each becomes a typed pointer
     [elided] tool.result <id> (external_untrusted, N bytes) -> artifact:<ref>
@@ -382,9 +385,9 @@ def _compactable(
     for item in completed:
         if id(item) in active or (isinstance(item, ToolCall) and item.call_id not in answered):
             break  # the active loop's turn and everything after it stay
-        # A child's instruction (never logged: sequence 0) is never above the floor: it is
-        # the run's task, kept verbatim by compacted_checkpoint, not summarized.
-        if not isinstance(item, ReasoningItem) and item.sequence > floor:
+        # The run's own user messages (a child's instruction among them) never yield: they
+        # stay verbatim (compacted_checkpoint), never summarized.
+        if not isinstance(item, ReasoningItem | UserMessage) and item.sequence > floor:
             run.append(item)
     history = [i for i in carried if i.sequence > floor and not isinstance(i, ReasoningItem)]
     return sorted((*history, *run), key=lambda i: i.sequence)
@@ -511,9 +514,11 @@ def prepare(
     trusted = [i for i in compacted if i.item_id not in spans]
     model = [i for i in trusted if trust_of(i) is TrustLevel.MODEL]
     others = [i for i in trusted if trust_of(i) is not TrustLevel.MODEL]
+    # The run's own requests are not summarized but stay in view verbatim: the user's words.
+    asked = [i for i in checkpoint.items if isinstance(i, UserMessage)]
     base = "\n".join(
         [
-            *(_content(i) for i in others),
+            *(_content(i) for i in (*others, *asked)),
             summary.text if summary else "",
             *constraints,
             *questions,
@@ -675,18 +680,18 @@ def compacted_checkpoint(checkpoint: Checkpoint, record: CompactionResult) -> Ch
     """The run's next checkpoint: the summary in, every item it replaced out.
 
     The run's own items at or below the floor leave the checkpoint (with any reasoning item
-    before them); carried history is cut at read time by the same floor. A child run's
-    instruction (its parent's words, never logged: sequence 0) stays first, verbatim.
+    before them), except the run's own user messages (a child's instruction among them),
+    which stay verbatim and in order; carried history is cut at read time by the same floor.
     """
     floor = record.replaced_through_sequence
     items = checkpoint.items
     last = max((n for n, i in enumerate(items) if 0 < i.sequence <= floor), default=-1)
-    # The child's instruction was never summarized (Rule 2): dropping it would lose the task.
-    instruction = [i for i in items[: last + 1] if isinstance(i, UserMessage) and not i.sequence]
+    # Never summarized (Rule 2): the current user message never yields.
+    asked = [i for i in items[: last + 1] if isinstance(i, UserMessage)]
     return checkpoint.model_copy(
         update={
             "version": checkpoint.version + 1,
-            "items": (*instruction, *items[last + 1 :]),
+            "items": (*asked, *items[last + 1 :]),
             "summary": summary_item(record),
             "replaced_through_sequence": floor,
             "compaction": record,
