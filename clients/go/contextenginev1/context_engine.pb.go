@@ -3860,7 +3860,8 @@ type StepContext struct {
 	// Knowledge passages (row 13), ranked best first.
 	Knowledge []*KnowledgePassage `protobuf:"bytes,3,rep,name=knowledge,proto3" json:"knowledge,omitempty"`
 	// Recall lines never trimmed under pressure (the floor), counted from the best-ranked.
-	// Recall arrives ranked best first.
+	// Recall arrives ranked best first. The floor is paid with the never-yield set: one that
+	// does not fit the body fails Build with BUDGET_EXCEEDED (class recall).
 	RecallFloorLines int32 `protobuf:"varint,4,opt,name=recall_floor_lines,json=recallFloorLines,proto3" json:"recall_floor_lines,omitempty"`
 }
 
