@@ -672,9 +672,41 @@ def test_a_result_must_match_what_was_prepared() -> None:
         _result(prepared, "fine", source_event_ids=prepared.source_event_ids, tokens_before=1),
         count_tokens,
     )
-    assert record.tokens_before == prepared.tokens_before and record.tokens_after == count_tokens(
-        "fine"
-    )
+    assert record.tokens_before == prepared.tokens_before
+    assert record.tokens_after == count_tokens(summary_item(record).text)
+
+
+def test_tokens_after_counts_the_summary_row_as_rendered() -> None:
+    """tokens_after (the context.compacted figure an operator reads against tokens_before)
+    counted only the worker's summary text, while the row Build pays for also carries a
+    pointer line per elided span (Rule 6) that never goes away: 200 fetched pages recorded
+    as 2 tokens "after". It now counts the row as rendered, as tokens_before does."""
+    carried: list[ConversationItem] = []
+    for n in range(200):
+        carried += [
+            ToolCall(
+                item_id=f"c{n}",
+                call_id="k",
+                tool_name="web.fetch",
+                arguments_json="{}",
+                sequence=2 * n + 1,
+                run_id=f"r{n}",
+            ),
+            ToolResult(
+                item_id=f"p{n}",
+                call_id="k",
+                tool_name="web.fetch",
+                content="ok",
+                trust=TrustLevel.EXTERNAL_UNTRUSTED,
+                sequence=2 * n + 2,
+                run_id=f"r{n}",
+            ),
+        ]
+    checkpoint = Checkpoint(run_id="b", version=1, items=())
+    prepared = prepare(checkpoint, carried, through_sequence=400, count_tokens=count_tokens)
+    record = check_result(prepared, _result(prepared, "Done."), count_tokens)
+    assert record.tokens_after == count_tokens(summary_item(record).text)
+    assert record.tokens_after > 200 * count_tokens(pointer(record.elided[0])) // 2
 
 
 def test_compacted_checkpoint_drops_what_it_replaced_and_keeps_the_rest() -> None:

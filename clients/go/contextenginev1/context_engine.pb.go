@@ -6254,7 +6254,8 @@ type CompactionResult struct {
 	Depth int32 `protobuf:"varint,5,opt,name=depth,proto3" json:"depth,omitempty"`
 	// Estimated tokens of what was replaced.
 	TokensBefore int64 `protobuf:"varint,6,opt,name=tokens_before,json=tokensBefore,proto3" json:"tokens_before,omitempty"`
-	// Estimated tokens of the summary.
+	// Estimated tokens of the summary row as Build renders it: the summary and the pointer
+	// line of every elided span. The engine records its own count.
 	TokensAfter int64 `protobuf:"varint,7,opt,name=tokens_after,json=tokensAfter,proto3" json:"tokens_after,omitempty"`
 	// The compactor (worker side) version.
 	CompactorVersion string `protobuf:"bytes,8,opt,name=compactor_version,json=compactorVersion,proto3" json:"compactor_version,omitempty"`

@@ -587,7 +587,8 @@ def check_result(
     prepared: Prepared, result: CompactionResult, count_tokens: TokenCounter
 ) -> CompactionResult:
     """Validate a worker's result against what `prepare` computes now; return the record
-    to store (engine-computed provenance, the worker's summary and versions).
+    to store (engine-computed provenance, the worker's summary and versions, and
+    tokens_after: the summary row as rendered, pointer lines included).
 
     Empty provenance fields in `result` take the prepared values; non-empty ones must match.
 
@@ -643,18 +644,21 @@ def check_result(
             reason="SUMMARY_LAUNDERS_UNTRUSTED",
             metadata={"item_id": span_id},
         )
-    return CompactionResult(
+    record = CompactionResult(
         summary=result.summary,
         source_event_ids=prepared.source_event_ids,
         elided=prepared.elided,
         replaced_through_sequence=prepared.replaced_through_sequence,
         depth=prepared.depth,
         tokens_before=prepared.tokens_before,
-        tokens_after=count_tokens(result.summary),
+        tokens_after=0,
         compactor_version=result.compactor_version,
         prompt_version=prepared.prompt_version,
         retained_constraints=prepared.retained_constraints,
     )
+    # The row as Build renders it (escaped summary and every pointer line), as tokens_before
+    # counts what it replaced as rendered: the figure an operator compares with it.
+    return record.model_copy(update={"tokens_after": count_tokens(summary_item(record).text)})
 
 
 _POINTERS_HEADER = (
