@@ -917,6 +917,54 @@ def test_dropping_invisible_characters_is_linear() -> None:
     assert time.perf_counter() - started < 5.0
 
 
+def test_a_trusted_identifier_with_punctuation_at_its_edges_is_not_laundering() -> None:
+    """The summarizer is asked for the identifiers the agent needs from trusted turns. The
+    user gave an order id; an untrusted email repeats it followed by a comma. A summary
+    restating the id with a comma matched the 16-character run "b12cd34ef56gh78," of the
+    email, which the trusted text (the id followed by "?") did not hold: refused. The
+    exception now sets edge punctuation aside; the email's own text is still refused,
+    beside the id or glued to it."""
+    order = "AB12CD34EF56GH78"
+    tracking = "TRK55501234567890XY"
+    carried: list[ConversationItem] = [
+        UserMessage(item_id="u1", text=f"Where is my order {order}?", sequence=1, run_id="r1"),
+        ToolCall(
+            item_id="c",
+            call_id="m1",
+            tool_name="mail.search",
+            arguments_json="{}",
+            sequence=2,
+            run_id="r1",
+        ),
+        ToolResult(
+            item_id="mail",
+            call_id="m1",
+            tool_name="mail.search",
+            content=f"Your order {order}, placed Monday, ships as {tracking}: {order},{tracking}.",
+            trust=TrustLevel.EXTERNAL_UNTRUSTED,
+            sequence=3,
+            run_id="r1",
+        ),
+        AssistantMessage(item_id="a1", text="A shipping email arrived.", sequence=4, run_id="r1"),
+    ]
+    checkpoint = Checkpoint(run_id="b", version=1, items=())
+    prepared = prepare(checkpoint, carried, through_sequence=4, count_tokens=count_tokens)
+    for fine in (
+        f"The user asked about order {order}, and an email arrived.",
+        f"Order ({order}), placed by the user.",
+        f"Order `{order}`: an email arrived.",
+    ):
+        check_result(prepared, _result(prepared, fine), count_tokens)
+    for laundering in (
+        f"Order {order}, tracking {tracking}.",
+        f"Order {order},{tracking}.",
+        f"Placed Monday, ships as {tracking[:-1]}.",
+    ):
+        with pytest.raises(InvalidFieldError) as refused:
+            check_result(prepared, _result(prepared, laundering), count_tokens)
+        assert refused.value.reason == "SUMMARY_LAUNDERS_UNTRUSTED", laundering
+
+
 def test_trusted_text_as_the_summarizer_saw_it_escaped_licenses_itself() -> None:
     """The summarizer input shows trusted text with delimiters escaped ("</x" as "&lt;/x").
     A summary repeating it repeats trusted text, even where an untrusted span happens to

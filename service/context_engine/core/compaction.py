@@ -47,10 +47,14 @@ contains any of that text's
       canaries — found even when glued to neighbouring text on either side),
 unless that same fragment also occurs in the trusted summarizer input, as given or as
 shown with its delimiters escaped (text the user or a trusted source supplied is not
-laundered by repeating it). Working-state entries whose trust is not VETTED (the model's
-own, runtime questions included) are not trusted input: they license nothing, and only
-VETTED constraints and questions are listed for the summary to retain (the rest stay in
-the working-state block, which never yields). The check errs toward refusing: a false
+laundered by repeating it). The exception sets aside what is neither letter nor digit at
+a fragment's edges (punctuation, spaces): "ab12cd34ef56gh78," repeats the user's
+"ab12cd34ef56gh78?" though the comma came from the untrusted side. Only the edges: a
+fragment's inside is still compared whole, so untrusted text is refused as before.
+Working-state entries whose trust is not VETTED (the model's own, runtime questions
+included) are not trusted input: they license nothing, and only VETTED constraints and
+questions are listed for the summary to retain (the rest stay in the working-state block,
+which never yields). The check errs toward refusing: a false
 refusal costs one more summarizer call, a miss launders a label.
 Rule 6 (provenance): the committed summary states the union of its source event ids, and
 its rendered text ends with the typed pointers of every span it elided, so a label is never
@@ -231,6 +235,21 @@ def _fragments(normalized: str) -> Iterator[str]:
     yield from _runs(normalized)
 
 
+def _licensed(fragment: str, allowed: str) -> bool:
+    """Rule 5's exception: the fragment occurs in the (normalized) trusted text, or does
+    once the non-alphanumeric characters at its edges are set aside."""
+    text = fragment.lstrip("\x00")
+    if text in allowed:
+        return True
+    start, end = 0, len(text)
+    while start < end and not text[start].isalnum():
+        start += 1
+    while end > start and not text[end - 1].isalnum():
+        end -= 1
+    # Punctuation alone carries nothing to launder: an all-punctuation fragment is licensed.
+    return (start, end) != (0, len(text)) and text[start:end] in allowed
+
+
 def quoting(texts: Sequence[str], sources: Sequence[str], allowed: str = "") -> dict[int, int]:
     """Which of `texts` carry text from which of `sources` (Rule 5): text index -> the index
     of the first source it quotes. Fragments that also occur in `allowed` do not count."""
@@ -249,7 +268,7 @@ def quoting(texts: Sequence[str], sources: Sequence[str], allowed: str = "") -> 
             if holders is None:
                 continue
             if fragment not in permitted:
-                permitted[fragment] = fragment.lstrip("\x00") in allowed_n
+                permitted[fragment] = _licensed(fragment, allowed_n)
             if not permitted[fragment]:
                 for i in holders:
                     found.setdefault(i, j)
