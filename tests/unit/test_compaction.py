@@ -11,6 +11,7 @@ from __future__ import annotations
 import string
 import time
 import unicodedata
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -22,6 +23,7 @@ from context_engine.core import Checkpoint, PlanSpec, Row, assemble
 from context_engine.core.assemble import active_turn
 from context_engine.core.compaction import (
     MAX_DEPTH,
+    POINTER_LINES,
     PROMPT_VERSION,
     RETAIN_PPM,
     CompactionResult,
@@ -29,7 +31,9 @@ from context_engine.core.compaction import (
     Prepared,
     check_result,
     compacted_checkpoint,
+    group_pointer,
     pointer,
+    pointer_lines,
     prepare,
     quoting,
     summary_item,
@@ -46,6 +50,7 @@ from context_engine.core.items import (
     ToolResult,
     UserMessage,
 )
+from context_engine.core.plan import ModelFacts
 from context_engine.core.seeding import carried_history
 from context_engine.core.spec import PlatformPolicySpec
 from context_engine.core.trust import TrustLevel
@@ -260,8 +265,8 @@ def test_after_a_commit_no_build_shows_the_canary_or_lets_an_envelope_close(
         bare = outside_envelopes(block.text)
         assert canary.casefold() not in bare.casefold(), (block.row, block.item_id)
     summary_text = blocks[0].text
-    for span in record.elided:
-        assert pointer(span) in summary_text
+    for line in pointer_lines(record.elided):  # every span, one line each below the bound
+        assert line in summary_text
     assert outside_envelopes(summary_text) == summary_text  # closing attempts stay escaped
     assert "</untrusted:" not in summary_text.lower().replace("&lt;/untrusted:", "")
 
@@ -679,10 +684,10 @@ def test_a_result_must_match_what_was_prepared() -> None:
 def test_tokens_after_counts_the_summary_row_as_rendered() -> None:
     """tokens_after (the context.compacted figure an operator reads against tokens_before)
     counted only the worker's summary text, while the row Build pays for also carries a
-    pointer line per elided span (Rule 6) that never goes away: 200 fetched pages recorded
+    pointer line per elided span (Rule 6) that never goes away: 20 fetched pages recorded
     as 2 tokens "after". It now counts the row as rendered, as tokens_before does."""
     carried: list[ConversationItem] = []
-    for n in range(200):
+    for n in range(20):
         carried += [
             ToolCall(
                 item_id=f"c{n}",
@@ -703,10 +708,10 @@ def test_tokens_after_counts_the_summary_row_as_rendered() -> None:
             ),
         ]
     checkpoint = Checkpoint(run_id="b", version=1, items=())
-    prepared = prepare(checkpoint, carried, through_sequence=400, count_tokens=count_tokens)
+    prepared = prepare(checkpoint, carried, through_sequence=40, count_tokens=count_tokens)
     record = check_result(prepared, _result(prepared, "Done."), count_tokens)
     assert record.tokens_after == count_tokens(summary_item(record).text)
-    assert record.tokens_after > 200 * count_tokens(pointer(record.elided[0])) // 2
+    assert record.tokens_after > 20 * count_tokens(pointer(record.elided[0]))
 
 
 def test_compacted_checkpoint_drops_what_it_replaced_and_keeps_the_rest() -> None:
@@ -963,6 +968,109 @@ def test_a_trusted_identifier_with_punctuation_at_its_edges_is_not_laundering() 
         with pytest.raises(InvalidFieldError) as refused:
             check_result(prepared, _result(prepared, laundering), count_tokens)
         assert refused.value.reason == "SUMMARY_LAUNDERS_UNTRUSTED", laundering
+
+
+def _spans(
+    n: int, trusts: Sequence[TrustLevel] = (TrustLevel.EXTERNAL_UNTRUSTED,)
+) -> list[ElidedSpan]:
+    return [
+        ElidedSpan(
+            item_id=f"p{k}",
+            kind="tool.result",
+            trust=trusts[k % len(trusts)],
+            byte_length=10,
+            artifact_ref=f"a/{k}" if k % 2 else "",
+            event_id=2 * k + 2,
+        )
+        for k in range(n)
+    ]
+
+
+def test_pointer_lines_are_bounded_and_every_span_keeps_a_typed_label() -> None:
+    """The summary row is never cut and lists every elided span (Rule 6). Up to
+    POINTER_LINES spans each keep their own pointer; past that the newest keep theirs and
+    the older ones are grouped by kind and trust, one line per group that still says what
+    existed (kind, label, count, bytes) and where (first and last ids, event range). The
+    row's pointers stay bounded however many spans a compaction elides."""
+    few = _spans(POINTER_LINES)
+    assert pointer_lines(few) == [pointer(s) for s in few]
+    many = _spans(900, (TrustLevel.EXTERNAL_UNTRUSTED, TrustLevel.MEMORY))
+    lines = pointer_lines(many)
+    older = many[:-POINTER_LINES]
+    untrusted = [s for s in older if s.trust is TrustLevel.EXTERNAL_UNTRUSTED]
+    memory = [s for s in older if s.trust is TrustLevel.MEMORY]
+    assert lines == [
+        group_pointer(untrusted),
+        group_pointer(memory),
+        *(pointer(s) for s in many[-POINTER_LINES:]),
+    ]
+    assert lines[0] == (
+        "[elided] 434 tool.result spans p0 to p866 (external_untrusted, 4,340 bytes)"
+        " -> event:2 to event:1734"
+    )
+    assert lines[1].startswith("[elided] 434 tool.result spans p1 to p867 (memory,")
+    assert len(pointer_lines(_spans(5_000))) == POINTER_LINES + 1
+
+
+def test_a_compaction_through_everything_compactable_makes_the_build_fit() -> None:
+    """Build charges carried history at most its floor, but a compaction of the run's own
+    exchange takes every carried item before it, and each untrusted one left a pointer line
+    in the never-cut summary row: with 900 fetched pages in earlier runs the row alone
+    outgrew the body, Build kept saying needs_compaction and PrepareCompaction then had
+    nothing left (RUN_STATE). With the pointers bounded, the compaction answers it."""
+    carried: list[ConversationItem] = []
+    for n in range(900):
+        carried += [
+            ToolCall(
+                item_id=f"c{n}",
+                call_id="k",
+                tool_name="web.fetch",
+                arguments_json="{}",
+                sequence=2 * n + 1,
+                run_id=f"r{n}",
+            ),
+            ToolResult(
+                item_id=f"p{n}",
+                call_id="k",
+                tool_name="web.fetch",
+                content="ok",
+                trust=TrustLevel.EXTERNAL_UNTRUSTED,
+                sequence=2 * n + 2,
+                run_id=f"r{n}",
+            ),
+        ]
+    base = carried[-1].sequence
+    run = (
+        UserMessage(item_id="u", text="Write the report", sequence=base + 1, run_id="b"),
+        AssistantMessage(item_id="a", text="report " * 12_000, sequence=base + 2, run_id="b"),
+        UserMessage(item_id="u2", text="Shorter please", sequence=base + 3, run_id="b"),
+    )
+    checkpoint = Checkpoint(run_id="b", version=2, items=run)
+    model = ModelFacts(
+        model_id="claude-test",
+        provider="anthropic",
+        context_window=20_000,
+        default_output_reserve=2_000,
+    )
+    scenario = Scenario(
+        spec=SPEC,
+        secret=b"s" * 32,
+        checkpoint=checkpoint,
+        carried=tuple(carried),
+        now=NOON,
+        model=model,
+    )
+    assert assemble(scenario.inputs()).needs_compaction
+    prepared = prepare(checkpoint, carried, through_sequence=0, count_tokens=count_tokens)
+    assert prepared.replaced_through_sequence == base + 2 and len(prepared.elided) == 900
+    after = compacted_checkpoint(
+        checkpoint, check_result(prepared, _result(prepared, "Done."), count_tokens)
+    )
+    assert after.summary is not None
+    assert "[elided] 868 tool.result spans p0 to p867" in after.summary.text
+    rest = tuple(i for i in carried if i.sequence > after.replaced_through_sequence)
+    rebuilt = assemble(scenario.inputs(checkpoint=after, carried=rest))
+    assert not rebuilt.needs_compaction and rebuilt.request is not None
 
 
 def test_trusted_text_as_the_summarizer_saw_it_escaped_licenses_itself() -> None:

@@ -58,7 +58,15 @@ which never yields). The check errs toward refusing: a false
 refusal costs one more summarizer call, a miss launders a label.
 Rule 6 (provenance): the committed summary states the union of its source event ids, and
 its rendered text ends with the typed pointers of every span it elided, so a label is never
-lost even when the summarizer drops a pointer.
+lost even when the summarizer drops a pointer. The row is never cut, so the pointers are
+bounded: past POINTER_LINES spans, the newest POINTER_LINES keep a line each and the
+older ones are grouped by kind and trust into one line per group, still typed and
+labelled, with the count, the first and last item ids, the bytes and the events they lie
+between:
+    [elided] 868 tool.result spans p0 to p867 (external_untrusted, 1,736 bytes)
+        -> event:2 to event:1736
+Without the bound, hundreds of untrusted results in the compacted range made a summary
+row larger than the body: Build asked for a compaction no compaction could answer.
 """
 
 from __future__ import annotations
@@ -95,6 +103,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_DEPTH",
+    "POINTER_LINES",
     "PROMPT_VERSION",
     "RETAIN_PPM",
     "SUMMARIZABLE",
@@ -106,7 +115,9 @@ __all__ = [
     "check_result",
     "compacted_checkpoint",
     "elided_content",
+    "group_pointer",
     "pointer",
+    "pointer_lines",
     "prepare",
     "quoting",
     "summary_item",
@@ -124,6 +135,10 @@ SUMMARIZABLE = frozenset(
 # Working-state entries that are retained verbatim and may license text (Rule 5): not the
 # model's own words.
 VETTED = SUMMARIZABLE - {TrustLevel.MODEL}
+
+# Rule 6: the summary row lists this many elided spans one per line, the newest; older
+# ones are grouped by kind and trust, so the row stays bounded however much was elided.
+POINTER_LINES = 32
 
 # Rule 5's thresholds.
 WINDOW_CHARS = 40
@@ -686,11 +701,38 @@ _POINTERS_HEADER = (
 )
 
 
+def group_pointer(spans: Sequence[ElidedSpan]) -> str:
+    """The typed pointer that stands for several elided spans of one kind and trust (Rule
+    6): how many, the first and last item ids, their bytes and the events they lie
+    between."""
+    first, last = spans[0], spans[-1]
+    size = sum(s.byte_length for s in spans)
+    return (
+        f"[elided] {len(spans)} {first.kind} spans {_inline(first.item_id)} to"
+        f" {_inline(last.item_id)} ({first.trust.name.lower()}, {size:,} bytes)"
+        f" -> event:{first.event_id} to event:{last.event_id}"
+    )
+
+
+def pointer_lines(elided: Sequence[ElidedSpan]) -> list[str]:
+    """Rule 6's pointers, bounded: up to POINTER_LINES spans one line each; past that the
+    newest POINTER_LINES stay one line each and the older ones are grouped by kind and
+    trust, one line per group (in order of first appearance), before them."""
+    if len(elided) <= POINTER_LINES:
+        return [pointer(s) for s in elided]
+    older, newest = elided[:-POINTER_LINES], elided[-POINTER_LINES:]
+    groups: dict[tuple[str, TrustLevel], list[ElidedSpan]] = {}
+    for span in older:
+        groups.setdefault((span.kind, span.trust), []).append(span)
+    return [*(group_pointer(g) for g in groups.values()), *(pointer(s) for s in newest)]
+
+
 def summary_item(record: CompactionResult) -> SummaryItem:
-    """Row 9 for a committed compaction: the summary, escaped, then every typed pointer."""
+    """Row 9 for a committed compaction: the summary, escaped, then every typed pointer
+    (older ones grouped past POINTER_LINES)."""
     text = escape_content(record.summary)
     if record.elided:
-        text += "\n" + "\n".join([_POINTERS_HEADER, *(pointer(s) for s in record.elided)])
+        text += "\n" + "\n".join([_POINTERS_HEADER, *pointer_lines(record.elided)])
     return SummaryItem(
         item_id=f"summary:{record.replaced_through_sequence}",
         text=text,
