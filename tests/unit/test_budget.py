@@ -347,6 +347,7 @@ def test_budget_conformance_and_pair_integrity_on_every_path(session: Session) -
             "runtime_metadata",
             "skill_bodies",
             "active_turn",
+            "recall",  # its floor: never trimmed
         }
         return
     assert built.input_budget_tokens == budget.input_tokens
@@ -958,6 +959,37 @@ def test_an_active_turn_over_the_body_fails_naming_it_not_needing_compaction() -
     with pytest.raises(BudgetExceededError) as caught:
         assemble(inputs)
     assert caught.value.metadata["class"] == "active_turn"
+
+
+def test_a_recall_floor_over_the_body_fails_naming_recall_not_needing_compaction() -> None:
+    """Recall never trims below its floor, so a floor that does not fit the body cannot be
+    made to fit by any yield or compaction: here a fresh run has no history at all, and
+    PrepareCompaction could only answer RUN_STATE. Build fails BUDGET_EXCEEDED naming
+    recall (the largest never-yield class) instead of saying needs_compaction; the same
+    lines above a floor of one simply trim."""
+    recall = tuple(
+        RecallLineItem(item_id=f"memory:m{n}", text=f"fact {n} " + _text(12_000)) for n in range(3)
+    )
+    session = Session(
+        carried=[],
+        run=[UserMessage(item_id="u1", text="Plan my week", sequence=1, run_id="current")],
+        summary=None,
+        floor=0,
+        step=StepContext(recall=recall, recall_floor_lines=3),
+        working_state=None,
+        body_room=5_000,
+        reserve=1_000,
+        factor_ppm=1_000_000,
+    )
+    _, inputs = _build(session)
+    with pytest.raises(BudgetExceededError) as caught:
+        assemble(inputs)
+    metadata = caught.value.metadata
+    assert metadata["class"] == "recall", metadata
+    assert int(metadata["never_yield_tokens"]) > int(metadata["body_budget_tokens"])
+    _, inputs = _build(replace(session, step=StepContext(recall=recall, recall_floor_lines=0)))
+    built = assemble(inputs)
+    assert not built.needs_compaction and built.request is not None
 
 
 def _fetch_run(content: str) -> list[ConversationItem]:

@@ -11,12 +11,14 @@ from context_engine.core.build_record import (
     INPUTS_KEY,
     PEOPLE_KEY,
     REDACTED_KEY,
+    SHOWN_FIELDS,
     inputs_from_record,
     inputs_to_record,
     recalled_people,
     redact_record,
+    shown_items,
 )
-from context_engine.core.items import CorrectionLineItem, RecallLineItem
+from context_engine.core.items import CorrectionLineItem, KnowledgePassageItem, RecallLineItem
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 STEP = StepContext(
@@ -55,3 +57,19 @@ def test_a_person_no_line_names_changes_nothing() -> None:
     record = _record()
     assert redact_record(record, "cy") == (record, 0)
     assert REDACTED_KEY not in record
+
+
+def test_the_recorded_step_lines_read_back_one_at_a_time() -> None:
+    """Compaction reads the lines recorded Builds showed the model (Rule 6) line by line,
+    as the store hands them back deduplicated: every tuple field of the step, each line as
+    the item it was."""
+    passage = KnowledgePassageItem(item_id="knowledge:k1", text="Refunds take 30 days.")
+    step = StepContext(recall=STEP.recall, corrections=STEP.corrections, knowledge=(passage,))
+    recorded = json.loads(json.dumps(inputs_to_record(NOW, step)))["step"]
+    assert set(SHOWN_FIELDS) == {"recall", "corrections", "knowledge"}
+    lines = [(name, line) for name in SHOWN_FIELDS for line in recorded[name]]
+    assert set(shown_items([*lines, ("retired_field", {"x": 1})])) == {
+        *step.recall,
+        *step.corrections,
+        passage,
+    }

@@ -3860,7 +3860,8 @@ type StepContext struct {
 	// Knowledge passages (row 13), ranked best first.
 	Knowledge []*KnowledgePassage `protobuf:"bytes,3,rep,name=knowledge,proto3" json:"knowledge,omitempty"`
 	// Recall lines never trimmed under pressure (the floor), counted from the best-ranked.
-	// Recall arrives ranked best first.
+	// Recall arrives ranked best first. The floor is paid with the never-yield set: one that
+	// does not fit the body fails Build with BUDGET_EXCEEDED (class recall).
 	RecallFloorLines int32 `protobuf:"varint,4,opt,name=recall_floor_lines,json=recallFloorLines,proto3" json:"recall_floor_lines,omitempty"`
 }
 
@@ -6253,7 +6254,8 @@ type CompactionResult struct {
 	Depth int32 `protobuf:"varint,5,opt,name=depth,proto3" json:"depth,omitempty"`
 	// Estimated tokens of what was replaced.
 	TokensBefore int64 `protobuf:"varint,6,opt,name=tokens_before,json=tokensBefore,proto3" json:"tokens_before,omitempty"`
-	// Estimated tokens of the summary.
+	// Estimated tokens of the summary row as Build renders it: the summary and the pointer
+	// line of every elided span. The engine records its own count.
 	TokensAfter int64 `protobuf:"varint,7,opt,name=tokens_after,json=tokensAfter,proto3" json:"tokens_after,omitempty"`
 	// The compactor (worker side) version.
 	CompactorVersion string `protobuf:"bytes,8,opt,name=compactor_version,json=compactorVersion,proto3" json:"compactor_version,omitempty"`

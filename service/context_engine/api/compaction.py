@@ -1,11 +1,13 @@
 """Compaction orchestration: prepare the worker's summarizer input, commit its result.
 
-Prepare reads; commit is one transaction under the session row lock that re-prepares from
-the same checkpoint (the log below the seed is immutable, so it computes the same thing),
-validates the worker's result against it, and writes the run's next checkpoint and the
-context.compacted event together. Neither touches the plan: the prefix cannot move. A retry
-with the same idempotency key and request returns the first response and writes nothing
-(Committed.replayed: telemetry counts the compaction once).
+Prepare reads the checkpoint, its carried history, the text of earlier elided spans and
+the step lines recorded Builds showed the model; commit is one transaction under the
+session row lock that re-prepares from the same checkpoint (the log below the seed is
+immutable, so it computes the same thing), validates the worker's result against it, and
+writes the run's next checkpoint and the context.compacted event together. Neither
+touches the plan: the prefix cannot move. A retry with the same idempotency key and
+request returns the first response and writes nothing (Committed.replayed: telemetry
+counts the compaction once).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
+from ..core.build_record import INPUTS_KEY, SHOWN_FIELDS, shown_items
 from ..core.checkpoint import Checkpoint, require_version
 from ..core.compaction import (
     CompactionResult,
@@ -25,7 +28,7 @@ from ..core.compaction import (
     prepare,
 )
 from ..core.errors import InvalidFieldError
-from ..core.items import ConversationItem
+from ..core.items import ContextItem, ConversationItem
 from ..core.seeding import carried_history, seed_cut
 from ..store import events, idempotency, runs, sessions
 from ..store import working_state as ws_store
@@ -38,6 +41,15 @@ if TYPE_CHECKING:
 __all__ = ["COMPACTED", "Committed", "commit_compaction", "prepare_compaction"]
 
 COMPACTED = "context.compacted"
+REQUEST_EVENT = "model.request.started"
+
+
+@dataclass(frozen=True, slots=True)
+class _Inputs:
+    checkpoint: Checkpoint
+    carried: tuple[ConversationItem, ...]  # as Build reads it
+    earlier: dict[str, str]  # the logged text of every span an earlier compaction elided
+    shown: tuple[ContextItem, ...]  # the step lines recorded Builds showed the model
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +64,10 @@ class Committed:
 
 async def _inputs(
     conn: Any, tenant_id: str, session_id: UUID, run_id: UUID, version: int
-) -> tuple[Checkpoint, tuple[ConversationItem, ...], dict[str, str]]:
-    """The checkpoint, its carried history (as Build reads it) and the logged text of
-    every span an earlier compaction elided."""
+) -> _Inputs:
+    """What prepare reads. The step lines are those of every request recorded from the one
+    that produced the first item above the floor on: the model may have quoted any of
+    them in an item still in view (core/compaction.py, Rule 3)."""
     run = await runs.read_run(conn, tenant_id, session_id, run_id)
     checkpoint = await runs.read_checkpoint(conn, tenant_id, run_id, version)
     logged = await events.read_carried_items(
@@ -71,7 +84,16 @@ async def _inputs(
     contents = {
         s.item_id: elided_content(*found[s.event_id]) for s in earlier if s.event_id in found
     }
-    return checkpoint, carried_history(logged), contents
+    lines = await events.read_shown_lines(
+        conn,
+        tenant_id,
+        session_id,
+        request_type=REQUEST_EVENT,
+        inputs_key=INPUTS_KEY,
+        fields=SHOWN_FIELDS,
+        from_sequence=checkpoint.replaced_through_sequence,
+    )
+    return _Inputs(checkpoint, carried_history(logged), contents, shown_items(lines))
 
 
 async def _counter(engine: Engine, tenant_id: str, session_id: UUID) -> TokenCounter:
@@ -90,28 +112,21 @@ async def prepare_compaction(
     """PrepareCompaction: the summarizer input for the given (or latest) checkpoint."""
     count_tokens = await _counter(engine, tenant_id, session_id)
     async with acquire(engine.pool) as conn:
-        checkpoint, carried, contents = await _inputs(
-            conn, tenant_id, session_id, run_id, checkpoint_version
-        )
+        inputs = await _inputs(conn, tenant_id, session_id, run_id, checkpoint_version)
     # Elision and the quoting check scan every untrusted text in view: CPU work, off the
     # event loop.
     return await asyncio.to_thread(
         prepare,
-        checkpoint,
-        carried,
+        inputs.checkpoint,
+        inputs.carried,
         through_sequence=through_sequence,
         count_tokens=count_tokens,
-        earlier_contents=contents,
+        earlier_contents=inputs.earlier,
+        shown=inputs.shown,
     )
 
 
-def _reprepare(
-    checkpoint: Checkpoint,
-    carried: tuple[ConversationItem, ...],
-    contents: dict[str, str],
-    through: int,
-    count_tokens: TokenCounter,
-) -> Prepared:
+def _reprepare(inputs: _Inputs, through: int, count_tokens: TokenCounter) -> Prepared:
     field = "result.replaced_through_sequence"
     if through < 1:
         raise InvalidFieldError(
@@ -121,11 +136,12 @@ def _reprepare(
         )
     try:
         return prepare(
-            checkpoint,
-            carried,
+            inputs.checkpoint,
+            inputs.carried,
             through_sequence=through,
             count_tokens=count_tokens,
-            earlier_contents=contents,
+            earlier_contents=inputs.earlier,
+            shown=inputs.shown,
         )
     except InvalidFieldError as exc:
         if exc.field != "through_sequence":
@@ -156,15 +172,11 @@ async def commit_compaction(
         )
         if stored is not None:
             return Committed(stored, 0, replayed=True)
-        checkpoint, carried, contents = await _inputs(conn, tenant_id, session_id, run_id, 0)
+        inputs = await _inputs(conn, tenant_id, session_id, run_id, 0)
+        checkpoint = inputs.checkpoint
         require_version(checkpoint, expected_version, "; prepare again")
         prepared = await asyncio.to_thread(
-            _reprepare,
-            checkpoint,
-            carried,
-            contents,
-            result.replaced_through_sequence,
-            count_tokens,
+            _reprepare, inputs, result.replaced_through_sequence, count_tokens
         )
         record = await asyncio.to_thread(check_result, prepared, result, count_tokens)
         new_checkpoint = compacted_checkpoint(checkpoint, record)

@@ -18,11 +18,16 @@ Rule 5: the cache-marker budget the payload was rendered with (the model registr
 max_cache_breakpoints then) is recorded beside the inputs (BUDGET_KEY), so a rebuild sends
 the same markers after an overlay changes the model's budget. A record without it was
 rendered under the provider's own limit.
+Rule 6: the step's lines (its tuple fields, `SHOWN_FIELDS`: knowledge passages, recall and
+correction lines) read back one at a time as well (`shown_items`), so compaction can hold
+the model's answers and a summary to what the recorded Builds showed the model
+(core/compaction.py, Rule 3) without reading each request whole.
 """
 
 from __future__ import annotations
 
 import typing
+from collections.abc import Iterable
 from dataclasses import fields
 from datetime import UTC, datetime
 from typing import Any
@@ -31,16 +36,19 @@ from pydantic import BaseModel
 
 from .assemble import StepContext
 from .errors import PreconditionError
+from .items import ContextItem
 
 __all__ = [
     "BUDGET_KEY",
     "INPUTS_KEY",
     "PEOPLE_KEY",
     "REDACTED_KEY",
+    "SHOWN_FIELDS",
     "inputs_from_record",
     "inputs_to_record",
     "recalled_people",
     "redact_record",
+    "shown_items",
 ]
 
 BUDGET_KEY = "max_cache_breakpoints"
@@ -48,6 +56,21 @@ INPUTS_KEY = "build_inputs"
 PEOPLE_KEY = "people"
 REDACTED_KEY = "redacted"
 _LINES = ("recall", "corrections")  # the step fields whose lines name people
+
+
+def _line_fields() -> dict[str, type[ContextItem]]:
+    """Rule 6: the step fields that are tuples of items, with their item type."""
+    hints = typing.get_type_hints(StepContext)
+    found: dict[str, type[ContextItem]] = {}
+    for f in fields(StepContext):
+        item_type = (typing.get_args(hints[f.name]) or (None,))[0]
+        if isinstance(item_type, type) and issubclass(item_type, ContextItem):
+            found[f.name] = item_type
+    return found
+
+
+_SHOWN = _line_fields()
+SHOWN_FIELDS = tuple(_SHOWN)
 
 
 def inputs_to_record(now: datetime, step: StepContext) -> dict[str, Any]:
@@ -93,6 +116,12 @@ def inputs_from_record(payload: dict[str, Any]) -> tuple[datetime, StepContext]:
         else:
             values[name] = value
     return datetime.fromisoformat(record["now"]), StepContext(**values)
+
+
+def shown_items(lines: Iterable[tuple[str, dict[str, Any]]]) -> tuple[ContextItem, ...]:
+    """Rule 6: the items of recorded step lines, each given as (step field, its JSON) as
+    `inputs_to_record` wrote it; a field this build no longer has is skipped."""
+    return tuple(_SHOWN[name].model_validate(line) for name, line in lines if name in _SHOWN)
 
 
 def recalled_people(step: StepContext) -> list[str]:

@@ -12,23 +12,32 @@ floor, ending before the active loop's turn (`assemble.active_turn`: the latest 
 turn that called tools, its text and reasoning with its calls, and the results in so far;
 its pending pairs are Build's never-yield set), before any unanswered call and before the
 trailing user input; when that leaves nothing, RUN_STATE.
-Reasoning items are excluded by type (never summarized, ADR-0007). A child run's
-instruction is never logged, so never compactable: it stays in the checkpoint verbatim. A
-cut that would split a tool pair (paired by run and call id) moves later, so the pair is
-compacted whole.
+Reasoning items are excluded by type (never summarized, ADR-0007). The run's own user
+messages are never compactable either: they are the current user message, which never
+yields (Build pays them first, core/pressure.py Rule 1), so they stay in the checkpoint
+verbatim, in order, after the summary; they are neither summarized nor counted as
+replaced, and they still license their text (Rule 5). A child run's instruction (its
+parent's words, never logged: sequence 0) is one of them. A cut that would split a tool
+pair (paired by run and call id) moves later, so the pair is compacted whole.
 Rule 3 (trusted content only): items whose trust is not in SUMMARIZABLE are not summarized;
 each becomes a typed pointer
     [elided] tool.result <id> (external_untrusted, N bytes) -> artifact:<ref>
 (`-> event:<sequence>` when there is no artifact). The model's own items that quote any
 untrusted text in the run's view (same rule as Rule 5) are elided too, labelled with the
 trust of what they quote: the model read that content, and repeating it is how a label
-gets laundered.
+gets laundered. The view is every untrusted conversation item of the run and its carried
+history, and every untrusted line of the step contexts the session's recorded Builds
+showed the model (`shown`: knowledge passages, EXTERNAL_UNTRUSTED by default, and recall
+and correction lines, which are MEMORY: not SUMMARIZABLE either). Those lines are never
+in the transcript, but the model's answers to them are.
 Rule 4 (depth): a first summary has depth 1; a second compaction merges it with newer
 items into depth 2, with the union of source event ids, elided spans and retained
 constraints. A third fails with COMPACTION_DEPTH_EXCEEDED: escalate to a child run.
 Rule 5 (laundering): a summary is rejected (SUMMARY_LAUNDERS_UNTRUSTED) when it carries
 text from an elided span, or from any untrusted text still in the run's view (retained
-verbatim, it is still not the platform's to restate). Both sides are normalized (NFKC,
+verbatim, it is still not the platform's to restate). Both sides are normalized as a
+model reads them (invisible characters dropped: category Cf such as U+200B, U+00AD,
+U+2060, U+FEFF and the other default-ignorables, core/invisible.py; then NFKC,
 case-folded, whitespace runs collapsed to one space); the summary launders when it
 contains any of that text's
   (a) 40-character substrings,
@@ -38,14 +47,26 @@ contains any of that text's
       canaries — found even when glued to neighbouring text on either side),
 unless that same fragment also occurs in the trusted summarizer input, as given or as
 shown with its delimiters escaped (text the user or a trusted source supplied is not
-laundered by repeating it). Working-state entries whose trust is not VETTED (the model's
-own, runtime questions included) are not trusted input: they license nothing, and only
-VETTED constraints and questions are listed for the summary to retain (the rest stay in
-the working-state block, which never yields). The check errs toward refusing: a false
+laundered by repeating it). The exception sets aside what is neither letter nor digit at
+a fragment's edges (punctuation, spaces): "ab12cd34ef56gh78," repeats the user's
+"ab12cd34ef56gh78?" though the comma came from the untrusted side. Only the edges: a
+fragment's inside is still compared whole, so untrusted text is refused as before.
+Working-state entries whose trust is not VETTED (the model's own, runtime questions
+included) are not trusted input: they license nothing, and only VETTED constraints and
+questions are listed for the summary to retain (the rest stay in the working-state block,
+which never yields). The check errs toward refusing: a false
 refusal costs one more summarizer call, a miss launders a label.
 Rule 6 (provenance): the committed summary states the union of its source event ids, and
 its rendered text ends with the typed pointers of every span it elided, so a label is never
-lost even when the summarizer drops a pointer.
+lost even when the summarizer drops a pointer. The row is never cut, so the pointers are
+bounded: past POINTER_LINES spans, the newest POINTER_LINES keep a line each and the
+older ones are grouped by kind and trust into one line per group, still typed and
+labelled, with the count, the first and last item ids, the bytes and the events they lie
+between:
+    [elided] 868 tool.result spans p0 to p867 (external_untrusted, 1,736 bytes)
+        -> event:2 to event:1736
+Without the bound, hundreds of untrusted results in the compacted range made a summary
+row larger than the body: Build asked for a compaction no compaction could answer.
 """
 
 from __future__ import annotations
@@ -59,10 +80,15 @@ from pydantic import BaseModel, ConfigDict
 
 from .envelope import escape_content
 from .errors import InvalidFieldError, PreconditionError
+from .invisible import drop_invisible
 from .items import (
     AssistantMessage,
+    ContextItem,
     ConversationItem,
+    CorrectionLineItem,
+    KnowledgePassageItem,
     ReasoningItem,
+    RecallLineItem,
     SummaryItem,
     ToolCall,
     ToolResult,
@@ -77,6 +103,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_DEPTH",
+    "POINTER_LINES",
     "PROMPT_VERSION",
     "RETAIN_PPM",
     "SUMMARIZABLE",
@@ -88,7 +115,9 @@ __all__ = [
     "check_result",
     "compacted_checkpoint",
     "elided_content",
+    "group_pointer",
     "pointer",
+    "pointer_lines",
     "prepare",
     "quoting",
     "summary_item",
@@ -106,6 +135,10 @@ SUMMARIZABLE = frozenset(
 # Working-state entries that are retained verbatim and may license text (Rule 5): not the
 # model's own words.
 VETTED = SUMMARIZABLE - {TrustLevel.MODEL}
+
+# Rule 6: the summary row lists this many elided spans one per line, the newest; older
+# ones are grouped by kind and trust, so the row stays bounded however much was elided.
+POINTER_LINES = 32
 
 # Rule 5's thresholds.
 WINDOW_CHARS = 40
@@ -143,7 +176,10 @@ class _Frozen(BaseModel):
 
 class ElidedSpan(_Frozen):
     item_id: str
-    kind: str  # tool.result, assistant.message, tool.call, user.message
+    # tool.result, assistant.message, tool.call, user.message; for a shown line quoted by
+    # an elided item (never itself in `elided`): knowledge.passage, recall.line,
+    # correction.line
+    kind: str
     trust: TrustLevel  # below what SUMMARIZABLE admits, or what a quoting item quoted
     byte_length: int
     artifact_ref: str = ""
@@ -187,7 +223,9 @@ class Prepared:
 
 
 def _normalize(text: str) -> str:
-    return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+    # Invisible characters go first, as a reader skips them: NFKC then composes what they
+    # kept apart ("e", U+200B, U+0301 reads as "é").
+    return " ".join(unicodedata.normalize("NFKC", drop_invisible(text)).casefold().split())
 
 
 def _runs(normalized: str) -> Iterator[str]:
@@ -212,6 +250,21 @@ def _fragments(normalized: str) -> Iterator[str]:
     yield from _runs(normalized)
 
 
+def _licensed(fragment: str, allowed: str) -> bool:
+    """Rule 5's exception: the fragment occurs in the (normalized) trusted text, or does
+    once the non-alphanumeric characters at its edges are set aside."""
+    text = fragment.lstrip("\x00")
+    if text in allowed:
+        return True
+    start, end = 0, len(text)
+    while start < end and not text[start].isalnum():
+        start += 1
+    while end > start and not text[end - 1].isalnum():
+        end -= 1
+    # Punctuation alone carries nothing to launder: an all-punctuation fragment is licensed.
+    return (start, end) != (0, len(text)) and text[start:end] in allowed
+
+
 def quoting(texts: Sequence[str], sources: Sequence[str], allowed: str = "") -> dict[int, int]:
     """Which of `texts` carry text from which of `sources` (Rule 5): text index -> the index
     of the first source it quotes. Fragments that also occur in `allowed` do not count."""
@@ -230,7 +283,7 @@ def quoting(texts: Sequence[str], sources: Sequence[str], allowed: str = "") -> 
             if holders is None:
                 continue
             if fragment not in permitted:
-                permitted[fragment] = fragment.lstrip("\x00") in allowed_n
+                permitted[fragment] = _licensed(fragment, allowed_n)
             if not permitted[fragment]:
                 for i in holders:
                     found.setdefault(i, j)
@@ -308,6 +361,30 @@ def _texts(item: ConversationItem) -> list[str]:
     return [_content(item)]
 
 
+_SHOWN_KIND: dict[type[ContextItem], str] = {
+    KnowledgePassageItem: "knowledge.passage",
+    RecallLineItem: "recall.line",
+    CorrectionLineItem: "correction.line",
+}
+
+
+def _shown_span(item: ContextItem) -> tuple[ElidedSpan, str] | None:
+    """A step line a Build showed the model, as a source the check compares against (Rule
+    3); None for a line whose trust the summarizer may repeat."""
+    if not isinstance(item, KnowledgePassageItem | RecallLineItem | CorrectionLineItem):
+        raise TypeError(f"{type(item).__name__} is not a step line a Build shows")
+    if trust_of(item) in SUMMARIZABLE:
+        return None
+    span = ElidedSpan(
+        item_id=item.item_id,
+        kind=_SHOWN_KIND[type(item)],
+        trust=trust_of(item),
+        byte_length=len(item.text.encode("utf-8")),
+        event_id=0,
+    )
+    return span, item.text
+
+
 def elided_content(event_type: str, payload: Mapping[str, Any]) -> str:
     """The text of a logged item an earlier compaction elided (for the depth-2 check)."""
     fields = {
@@ -342,9 +419,9 @@ def _compactable(
     for item in completed:
         if id(item) in active or (isinstance(item, ToolCall) and item.call_id not in answered):
             break  # the active loop's turn and everything after it stay
-        # A child's instruction (never logged: sequence 0) is never above the floor: it is
-        # the run's task, kept verbatim by compacted_checkpoint, not summarized.
-        if not isinstance(item, ReasoningItem) and item.sequence > floor:
+        # The run's own user messages (a child's instruction among them) never yield: they
+        # stay verbatim (compacted_checkpoint), never summarized.
+        if not isinstance(item, ReasoningItem | UserMessage) and item.sequence > floor:
             run.append(item)
     history = [i for i in carried if i.sequence > floor and not isinstance(i, ReasoningItem)]
     return sorted((*history, *run), key=lambda i: i.sequence)
@@ -394,12 +471,15 @@ def prepare(
     through_sequence: int,
     count_tokens: TokenCounter,
     earlier_contents: Mapping[str, str] | None = None,
+    shown: Sequence[ContextItem] = (),
 ) -> Prepared:
     """The summarizer input for compacting the run's oldest body items.
 
     `carried` is the run's carried history (as Build reads it); `through_sequence` 0 lets
     the engine choose the cut (RETAIN_PPM); `earlier_contents` maps the item ids an earlier
-    compaction elided to their logged text, for the commit-time check.
+    compaction elided to their logged text, for the commit-time check; `shown` holds the
+    step lines (knowledge passages, recall and correction lines) the recorded Builds
+    showed the model (Rule 3's view).
 
     Raises:
         PreconditionError: COMPACTION_DEPTH_EXCEEDED (a third compaction: escalate to a
@@ -459,6 +539,8 @@ def prepare(
     contents: list[tuple[ElidedSpan, str]] = [
         (_span(i, trust_of(i)), text) for i in in_view for text in _texts(i)
     ]
+    # What the model was shown beside the conversation: it may have quoted that too.
+    contents += [line for line in map(_shown_span, shown) if line is not None and line[1]]
     earlier = tuple(record.elided) if record else ()
     earlier_text = dict(earlier_contents or {})
     contents += [(s, earlier_text[s.item_id]) for s in earlier if earlier_text.get(s.item_id)]
@@ -466,9 +548,11 @@ def prepare(
     trusted = [i for i in compacted if i.item_id not in spans]
     model = [i for i in trusted if trust_of(i) is TrustLevel.MODEL]
     others = [i for i in trusted if trust_of(i) is not TrustLevel.MODEL]
+    # The run's own requests are not summarized but stay in view verbatim: the user's words.
+    asked = [i for i in checkpoint.items if isinstance(i, UserMessage)]
     base = "\n".join(
         [
-            *(_content(i) for i in others),
+            *(_content(i) for i in (*others, *asked)),
             summary.text if summary else "",
             *constraints,
             *questions,
@@ -537,7 +621,8 @@ def check_result(
     prepared: Prepared, result: CompactionResult, count_tokens: TokenCounter
 ) -> CompactionResult:
     """Validate a worker's result against what `prepare` computes now; return the record
-    to store (engine-computed provenance, the worker's summary and versions).
+    to store (engine-computed provenance, the worker's summary and versions, and
+    tokens_after: the summary row as rendered, pointer lines included).
 
     Empty provenance fields in `result` take the prepared values; non-empty ones must match.
 
@@ -593,18 +678,21 @@ def check_result(
             reason="SUMMARY_LAUNDERS_UNTRUSTED",
             metadata={"item_id": span_id},
         )
-    return CompactionResult(
+    record = CompactionResult(
         summary=result.summary,
         source_event_ids=prepared.source_event_ids,
         elided=prepared.elided,
         replaced_through_sequence=prepared.replaced_through_sequence,
         depth=prepared.depth,
         tokens_before=prepared.tokens_before,
-        tokens_after=count_tokens(result.summary),
+        tokens_after=0,
         compactor_version=result.compactor_version,
         prompt_version=prepared.prompt_version,
         retained_constraints=prepared.retained_constraints,
     )
+    # The row as Build renders it (escaped summary and every pointer line), as tokens_before
+    # counts what it replaced as rendered: the figure an operator compares with it.
+    return record.model_copy(update={"tokens_after": count_tokens(summary_item(record).text)})
 
 
 _POINTERS_HEADER = (
@@ -613,11 +701,38 @@ _POINTERS_HEADER = (
 )
 
 
+def group_pointer(spans: Sequence[ElidedSpan]) -> str:
+    """The typed pointer that stands for several elided spans of one kind and trust (Rule
+    6): how many, the first and last item ids, their bytes and the events they lie
+    between."""
+    first, last = spans[0], spans[-1]
+    size = sum(s.byte_length for s in spans)
+    return (
+        f"[elided] {len(spans)} {first.kind} spans {_inline(first.item_id)} to"
+        f" {_inline(last.item_id)} ({first.trust.name.lower()}, {size:,} bytes)"
+        f" -> event:{first.event_id} to event:{last.event_id}"
+    )
+
+
+def pointer_lines(elided: Sequence[ElidedSpan]) -> list[str]:
+    """Rule 6's pointers, bounded: up to POINTER_LINES spans one line each; past that the
+    newest POINTER_LINES stay one line each and the older ones are grouped by kind and
+    trust, one line per group (in order of first appearance), before them."""
+    if len(elided) <= POINTER_LINES:
+        return [pointer(s) for s in elided]
+    older, newest = elided[:-POINTER_LINES], elided[-POINTER_LINES:]
+    groups: dict[tuple[str, TrustLevel], list[ElidedSpan]] = {}
+    for span in older:
+        groups.setdefault((span.kind, span.trust), []).append(span)
+    return [*(group_pointer(g) for g in groups.values()), *(pointer(s) for s in newest)]
+
+
 def summary_item(record: CompactionResult) -> SummaryItem:
-    """Row 9 for a committed compaction: the summary, escaped, then every typed pointer."""
+    """Row 9 for a committed compaction: the summary, escaped, then every typed pointer
+    (older ones grouped past POINTER_LINES)."""
     text = escape_content(record.summary)
     if record.elided:
-        text += "\n" + "\n".join([_POINTERS_HEADER, *(pointer(s) for s in record.elided)])
+        text += "\n" + "\n".join([_POINTERS_HEADER, *pointer_lines(record.elided)])
     return SummaryItem(
         item_id=f"summary:{record.replaced_through_sequence}",
         text=text,
@@ -630,18 +745,18 @@ def compacted_checkpoint(checkpoint: Checkpoint, record: CompactionResult) -> Ch
     """The run's next checkpoint: the summary in, every item it replaced out.
 
     The run's own items at or below the floor leave the checkpoint (with any reasoning item
-    before them); carried history is cut at read time by the same floor. A child run's
-    instruction (its parent's words, never logged: sequence 0) stays first, verbatim.
+    before them), except the run's own user messages (a child's instruction among them),
+    which stay verbatim and in order; carried history is cut at read time by the same floor.
     """
     floor = record.replaced_through_sequence
     items = checkpoint.items
     last = max((n for n, i in enumerate(items) if 0 < i.sequence <= floor), default=-1)
-    # The child's instruction was never summarized (Rule 2): dropping it would lose the task.
-    instruction = [i for i in items[: last + 1] if isinstance(i, UserMessage) and not i.sequence]
+    # Never summarized (Rule 2): the current user message never yields.
+    asked = [i for i in items[: last + 1] if isinstance(i, UserMessage)]
     return checkpoint.model_copy(
         update={
             "version": checkpoint.version + 1,
-            "items": (*instruction, *items[last + 1 :]),
+            "items": (*asked, *items[last + 1 :]),
             "summary": summary_item(record),
             "replaced_through_sequence": floor,
             "compaction": record,

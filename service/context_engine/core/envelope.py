@@ -11,8 +11,9 @@ Delimiters are matched as a model reads them: in any case, with whitespace aroun
 slash, and with each character folded as a reader folds it: compatibility forms to ASCII
 (NFKC: fullwidth "＜" and "／", fullwidth or mathematical letters, ligatures), invisible
 characters dropped (category Cf, such as U+200B and U+FEFF, and Unicode's other
-default-ignorable code points), look-alike angle brackets and slashes (``_LOOKALIKES``)
-read as "<" and "/". Escaping replaces the one character that opens a delimiter with
+default-ignorable code points: core/invisible.py, the set compaction's laundering check
+drops too), look-alike angle brackets and slashes (``_LOOKALIKES``) read as "<" and "/".
+Escaping replaces the one character that opens a delimiter with
 ``&lt;``; nothing else changes and nothing is normalized. Plain ASCII content can hold no
 look-alike and takes the plain match alone, so its bytes are what they always were.
 Rule 3: attribute values are escaped too, so a source name cannot forge attributes: & " < >
@@ -27,6 +28,7 @@ import re
 import unicodedata
 from functools import lru_cache
 
+from .invisible import is_invisible
 from .trust import ENVELOPE_TAGS, TrustLevel, envelope_tag
 
 __all__ = ["NONCE_HEX_CHARS", "escape_content", "item_nonce", "wrap"]
@@ -54,12 +56,6 @@ _OPENERS = "<\ufe64\uff1c" + "".join(k for k, v in _LOOKALIKES.items() if v == "
 # non-ASCII character (which may fold to one). Rejects "</div", "<b>", "a < 2" in C.
 _INITIALS = "".join(sorted({t[0] for t in _TAGS}))
 _CANDIDATE = re.compile(f"[{_OPENERS}](?=[\\s/]*+[{_INITIALS}\\x80-\\U0010ffff])", re.IGNORECASE)
-# Invisible characters a reader skips besides category Cf: the rest of Unicode's
-# Default_Ignorable_Code_Point (combining grapheme joiner, Hangul fillers, variation
-# selectors).
-_IGNORABLE = re.compile(
-    "[\u034f\u115f\u1160\u17b4\u17b5\u180b-\u180f\u3164\ufe00-\ufe0f\uffa0\U000e0100-\U000e01ef]"
-)
 _SPACE = re.compile(r"\s")
 # What follows an opener in a delimiter, on the visible characters only (whitespace
 # dropped, lowercased), and each start of one: a cheap necessary condition that ends the
@@ -126,7 +122,7 @@ def _fold(ch: str) -> tuple[str, str]:
     """(`ch` as read: look-alike replaced, NFKC, invisible characters dropped; the same
     lowercased without whitespace)."""
     read = unicodedata.normalize("NFKC", _LOOKALIKES.get(ch, ch))
-    read = "".join(c for c in read if unicodedata.category(c) != "Cf" and not _IGNORABLE.match(c))
+    read = "".join(c for c in read if not is_invisible(c))
     return read, "".join(c for c in read.lower() if not _SPACE.match(c))
 
 

@@ -4,10 +4,11 @@ Rule 1 (never-yield): the current user message (the run's own user messages and 
 input), the working-state block, the correction lines, loaded skill bodies, runtime
 metadata and the active loop's turn (the latest model turn that called tools: its text,
 reasoning and calls, and the results in so far, `assemble.active_turn`; compaction never
-takes it either) are paid first. If they alone exceed the body, the request fails with
-BUDGET_EXCEEDED naming the largest of their classes (`active_turn` for the turn) — the
-rule the prefix follows, for the same reason: no yield and no compaction could make them
-fit.
+takes it either) are paid first. So is recall's floor (its `recall_floor_lines`
+best-ranked lines, which the ladder never trims), though recall above it yields. If they
+alone exceed the body, the request fails with BUDGET_EXCEEDED naming the largest of their
+classes (`active_turn` for the turn, `recall` for the floor) — the rule the prefix
+follows, for the same reason: no yield and no compaction could make them fit.
 Rule 2 (the run is not history): the active run's earlier exchanges are never cut; only
 their tool results may yield (to pointers). The summary is never cut either. If these do
 not fit after every cheaper yield, the body needs compaction.
@@ -130,8 +131,8 @@ def fit_body(
     reported as cut.
 
     Raises:
-        BudgetExceededError: the never-yield set alone exceeds the body; metadata "class"
-            names the class that does not fit.
+        BudgetExceededError: the never-yield set (recall's floor included) alone exceeds
+            the body; metadata "class" names its largest class.
     """
     others = [*head, *tail]
     pending_ids = {id(i) for i in pending}
@@ -142,7 +143,14 @@ def fit_body(
         kind in _NEVER_YIELD or id(item) in pending_ids
         for (_, item), kind in zip(others, classes, strict=True)
     ]
-    _check_never_yield(others, classes, costs, never, pending_ids, budget)
+    # Recall's floor (its best-ranked lines, in arrival order) is never trimmed either: a
+    # set that does not fit with it cannot be made to by any yield or compaction.
+    floor = max(0, recall_floor_lines)
+    recall_at = [n for n, kind in enumerate(classes) if kind == "recall"]
+    unyielding = list(never)
+    for n in recall_at[:floor]:
+        unyielding[n] = True
+    _check_never_yield(others, classes, costs, unyielding, pending_ids, budget)
 
     run_results: list[Truncatable] = []
     knowledge: list[tuple[ContextItem, int]] = []
@@ -172,7 +180,7 @@ def fit_body(
         tool_result_cap=budget.tool_result_tokens,
         knowledge=knowledge,
         recall=recall,
-        recall_floor=max(0, recall_floor_lines),
+        recall_floor=floor,
         carried_costs=list(carried.costs),
         run_results=run_results,
         carried_results=carried_results,
@@ -290,13 +298,13 @@ def _check_never_yield(
     """Raise BUDGET_EXCEEDED when the never-yield set alone exceeds the body.
 
     The class named is the largest never-yield class (`active_turn` for the active loop's
-    turn; ties by name): the one whose removal comes closest to making the set fit, and
-    the only one whose removal can when any single one can. Not "a class over its own cap":
-    the never-yield caps are enforced where those classes are admitted, on their own
-    measure (the working state's raw text at render_block, skill bodies at load), while
-    the costs here are as rendered (envelope, framing, correction factor), so a class
-    within its cap could read as over it and be blamed for a user message that is the
-    real overflow.
+    turn, `recall` for recall's floor; ties by name): the one whose removal comes closest
+    to making the set fit, and the only one whose removal can when any single one can. Not
+    "a class over its own cap": the never-yield caps are enforced where those classes are
+    admitted, on their own measure (the working state's raw text at render_block, skill
+    bodies at load), while the costs here are as rendered (envelope, framing, correction
+    factor), so a class within its cap could read as over it and be blamed for a user
+    message that is the real overflow.
     """
     totals: dict[str, int] = {}
     for (_, item), kind, tokens, keep in zip(placed, classes, costs, never, strict=True):

@@ -12,7 +12,9 @@ request, so where they alone are over the tool-result cap they are truncated for
 before any rung yields for pressure: knowledge and recall never drop for tokens the cap
 frees anyway.
 Rule 3 (units): a knowledge passage drops whole, lowest-ranked first (a shortened passage
-is a misquotation); recall drops its lowest-ranked lines, never below its floor; a tool
+is a misquotation); recall drops its lowest-ranked lines, never below its floor (which
+core/pressure.py therefore pays with the never-yield set: a floor that does not fit is
+BUDGET_EXCEEDED, never a needs_compaction no compaction could answer); a tool
 result becomes a typed pointer, oldest first, keeping its envelope, label, byte count and
 artifact reference (the pair stays whole: call and pointer still match). A carried result
 truncated for the class cap does not move the history cut: the freed tokens are not spent

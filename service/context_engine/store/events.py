@@ -19,6 +19,7 @@ __all__ = [
     "item_payload",
     "read_carried_items",
     "read_events",
+    "read_shown_lines",
 ]
 
 # The log's event type for each loggable conversation item kind. Reasoning items are
@@ -132,3 +133,42 @@ async def read_events(
         limit,
     )
     return [dict(r) for r in rows]
+
+
+async def read_shown_lines(
+    conn: Any,
+    tenant_id: str,
+    session_id: UUID,
+    *,
+    request_type: str,
+    inputs_key: str,
+    fields: Sequence[str],
+    from_sequence: int,
+) -> list[tuple[str, dict[str, Any]]]:
+    """The distinct step lines, as (step field, line as recorded), that the session's
+    `request_type` events recorded under `inputs_key`, from the latest such event at or
+    below `from_sequence` on (it produced the first items above that sequence), in a
+    stable order. One round trip; the index by type finds the range, and a line recorded
+    by many requests comes back once."""
+    rows = await conn.fetch(
+        _SHOWN_LINES,
+        tenant_id,
+        session_id,
+        request_type,
+        from_sequence,
+        list(fields),
+        inputs_key,
+    )
+    return [(r["field"], r["line"]) for r in rows]
+
+
+_SHOWN_LINES = (
+    "SELECT DISTINCT f.field, e.line FROM session_events s"
+    " CROSS JOIN unnest($5::text[]) AS f(field)"
+    " CROSS JOIN LATERAL jsonb_array_elements("
+    "coalesce(s.payload -> $6::text -> 'step' -> f.field, '[]'::jsonb)) AS e(line)"
+    " WHERE s.tenant_id = $1 AND s.session_id = $2 AND s.type = $3"
+    " AND s.sequence >= coalesce((SELECT max(sequence) FROM session_events"
+    " WHERE tenant_id = $1 AND session_id = $2 AND type = $3 AND sequence <= $4), 0)"
+    " ORDER BY 1, 2"
+)

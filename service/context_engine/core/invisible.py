@@ -1,0 +1,50 @@
+"""Characters a reader never sees, shared by every check that compares text as a model
+reads it.
+
+Rule 1 (the set): a character is invisible when its general category is Cf (format: the
+zero-width space U+200B, soft hyphen U+00AD, word joiner U+2060, BOM U+FEFF, bidi
+controls, tag characters, ...) or it is one of Unicode's other Default_Ignorable_Code_Point
+characters (combining grapheme joiner, Hangul fillers, variation selectors). A model reads
+"C\\u200bA\\u200bN" as "CAN", so core/envelope.py drops these when it matches a delimiter
+and core/compaction.py when it compares a summary with untrusted text.
+Rule 2 (linear): dropping them from a text is one regular-expression pass. ASCII holds no
+invisible character, so ASCII text is returned as it is without a look.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import unicodedata
+from functools import cache
+
+__all__ = ["drop_invisible", "is_invisible"]
+
+# Default_Ignorable_Code_Point besides category Cf.
+_IGNORABLE = (
+    "\u034f\u115f\u1160\u17b4\u17b5\u180b-\u180f\u3164\ufe00-\ufe0f\uffa0\U000e0100-\U000e01ef"
+)
+_IGNORABLE_RE = re.compile(f"[{_IGNORABLE}]")
+
+
+def is_invisible(ch: str) -> bool:
+    """Whether the character `ch` is skipped by a reader (Rule 1)."""
+    return unicodedata.category(ch) == "Cf" or _IGNORABLE_RE.match(ch) is not None
+
+
+@cache
+def _invisible_re() -> re.Pattern[str]:
+    """Every invisible character as one class. Cf is read from the interpreter's Unicode
+    tables, so the set cannot fall behind them; built once, on first use (a scan of the
+    code space, about a fifth of a second)."""
+    formats = "".join(
+        chr(c) for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "Cf"
+    )
+    return re.compile(f"[{re.escape(formats)}{_IGNORABLE}]+")
+
+
+def drop_invisible(text: str) -> str:
+    """`text` without its invisible characters (Rules 1, 2); everything else verbatim."""
+    if text.isascii():  # O(1) in CPython, and no ASCII character is invisible
+        return text
+    return _invisible_re().sub("", text)
