@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 from datetime import UTC, datetime
 from typing import Any
@@ -14,9 +15,18 @@ import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
-from context_engine.core.build_record import INPUTS_KEY
+from context_engine.core.build_record import (
+    ASSEMBLER_KEY,
+    ASSEMBLER_VERSION,
+    IMAGE_KEY,
+    INLINE_KEY,
+    INPUTS_KEY,
+    LEGACY_ASSEMBLER_VERSION,
+    PAYLOAD_KEY,
+)
 from context_engine.core.rows import Region, Row
 from context_engine.explain import explain, fetch_builds, run
+from context_engine.providers.texts import TOOL_ERROR_AS_TEXT
 
 from .helpers import TENANT, call, details, new_id, open_session, result, spec, start_run
 
@@ -237,3 +247,175 @@ async def test_a_smaller_breakpoint_budget_sends_fewer_markers_and_replays_them(
         for channel, server in ((two_channel, two_server), (four_channel, four_server)):
             await channel.close()
             await server.stop(0)
+
+
+# --- records of an older assembler (core/build_record.py, Rule 8) -----------------------
+
+# The keys a record of context-assembler@1 lacks (the last release before they were added).
+_NEWER_KEYS = (ASSEMBLER_KEY, PAYLOAD_KEY, IMAGE_KEY, INLINE_KEY)
+
+
+async def _rewrite_record(pool: Any, session_id: str, sequence: int, change: Any) -> None:
+    """Rewrite a model.request.started record in place (`change` maps its payload to the
+    new one): a record as an older builder wrote it, without needing that builder."""
+    async with pool.acquire() as conn:
+        where = "WHERE session_id = $1 AND sequence = $2"
+        payload = await conn.fetchval(
+            f"SELECT payload FROM session_events {where}", UUID(session_id), sequence
+        )
+        await conn.execute(
+            f"UPDATE session_events SET payload = $3 {where}",
+            UUID(session_id),
+            sequence,
+            change(dict(payload)),
+        )
+
+
+def _as_legacy(payload: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in payload.items() if k not in _NEWER_KEYS}
+
+
+async def _failed_result_build(
+    stub: Any, model_id: str, *, revoke_tools: bool = False
+) -> tuple[str, pb.BuildResponse]:
+    """A run whose tool call failed, built; `revoke_tools` rotates the roster empty first
+    (an Anthropic request then sends its tool pairs as text)."""
+    session_id, _ = await open_session(stub, model_id=model_id)
+    started = await start_run(stub, session_id, "Which trains go to Lyon?")
+    failed = pb.ConversationItem(
+        tool_result=pb.ToolResult(
+            call_id="c1", tool_name="web.fetch", content="HTTP 503", trust=6, is_error=True
+        )
+    )
+    await stub.AppendItems(
+        pb.AppendItemsRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            run_id=started.run.run_id,
+            expected_checkpoint_version=started.checkpoint_version,
+            items=[call("c1"), failed],
+        )
+    )
+    if revoke_tools:
+        bare = spec(model_id=model_id)
+        del bare.tools[:]
+        await stub.Rotate(
+            pb.RotateRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                from_epoch=1,
+                reason=pb.PLAN_REASON_OPERATOR_REVOCATION,
+                spec=bare,
+            )
+        )
+    built = await stub.Build(
+        pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=started.run.run_id)
+    )
+    return session_id, built
+
+
+async def _recorded(pool: Any, session_id: str, sequence: int) -> dict[str, Any]:
+    async with pool.acquire() as conn:
+        payload: dict[str, Any] = await conn.fetchval(
+            "SELECT payload FROM session_events WHERE session_id = $1 AND sequence = $2",
+            UUID(session_id),
+            sequence,
+        )
+    return payload
+
+
+async def test_a_build_records_its_assembler_and_payload_hash(stub: Any, pool: Any) -> None:
+    """Every record names the assembler that built it and the SHA-256 of the payload sent,
+    beside the figures it was cut with, so GetBuild can tell a record it still rebuilds
+    from one it does not."""
+    session_id, built = await _failed_result_build(stub, "gpt-5")
+    payload = await _recorded(pool, session_id, built.request_sequence)
+    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@2"
+    assert payload[PAYLOAD_KEY] == hashlib.sha256(built.provider_payload).hexdigest()
+    assert isinstance(payload[IMAGE_KEY], int) and isinstance(payload[INLINE_KEY], int)
+    assert TOOL_ERROR_AS_TEXT.encode() in built.provider_payload
+    assert await _get(stub, session_id, built.request_sequence) == built
+
+
+# The failed-result line as it appears in a payload (canonical JSON escapes the newline).
+_LINE = json.dumps(TOOL_ERROR_AS_TEXT + "\n")[1:-1].encode()
+
+
+@pytest.mark.parametrize(
+    ("model_id", "revoke_tools"), [("gpt-5", False), ("claude-sonnet-4-5", True)]
+)
+async def test_get_build_of_a_legacy_record_serves_failed_results_as_they_were_sent(
+    stub: Any, pool: Any, model_id: str, revoke_tools: bool
+) -> None:
+    """docs/api.md GetBuild: "the same bytes and hashes". context-assembler@1 sent a failed
+    result to OpenAI, and to Anthropic without tools, without the "(The tool call failed.)"
+    line, and its records name no assembler (request_sha256 covers the neutral request
+    only, the same either way): GetBuild renders such a record as it was sent, rather than
+    serve a payload the provider never received."""
+    session_id, built = await _failed_result_build(stub, model_id, revoke_tools=revoke_tools)
+    assert _LINE in built.provider_payload
+    await _rewrite_record(pool, session_id, built.request_sequence, _as_legacy)
+
+    again = await _get(stub, session_id, built.request_sequence)
+    assert again.request_sha256 == built.request_sha256
+    assert again.provider_payload == built.provider_payload.replace(_LINE, b"")
+
+
+async def _refusal(stub: Any, session_id: str, sequence: int) -> tuple[str, dict[str, str]]:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _get(stub, session_id, sequence)
+    assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION, caught.value.details()
+    reason, fields, metadata = details(caught.value)
+    assert reason == "REQUEST_NOT_FOUND" and fields == ["request_sequence"]
+    return caught.value.details() or "", metadata
+
+
+async def test_get_build_refuses_a_record_that_does_not_rebuild_naming_both_assemblers(
+    stub: Any, pool: Any
+) -> None:
+    """A record an older assembler built may not rebuild: a later estimator, image figure
+    or yield order cuts it otherwise (an old record then failed INTERNAL "does not rebuild
+    to its recorded bytes"), or the current one refuses it. That is the record's state,
+    not a server fault: FAILED_PRECONDITION REQUEST_NOT_FOUND naming the recorded and the
+    current assembler, and never other bytes. The payload hash is checked too where the
+    record holds one (the request hash covers the neutral request only)."""
+    session_id, built = await _failed_result_build(stub, "claude-sonnet-4-5")
+    sequence = built.request_sequence
+
+    # As if @1 had cut it otherwise: its recorded hash is not the rebuild's.
+    await _rewrite_record(
+        pool, session_id, sequence, lambda p: {**_as_legacy(p), "request_sha256": "0" * 64}
+    )
+    message, metadata = await _refusal(stub, session_id, sequence)
+    assert metadata == {
+        "recorded_assembler_version": LEGACY_ASSEMBLER_VERSION,
+        "assembler_version": ASSEMBLER_VERSION,
+    }
+    assert LEGACY_ASSEMBLER_VERSION in message and ASSEMBLER_VERSION in message
+
+    # A current record whose payload was sent otherwise than it renders now.
+    await _rewrite_record(
+        pool,
+        session_id,
+        sequence,
+        lambda p: {
+            **p,
+            "request_sha256": built.request_sha256,
+            ASSEMBLER_KEY: ASSEMBLER_VERSION,
+            PAYLOAD_KEY: "f" * 64,
+        },
+    )
+    _, metadata = await _refusal(stub, session_id, sequence)
+    assert metadata["recorded_assembler_version"] == ASSEMBLER_VERSION
+
+    # What the current assembler refuses to build (here: a never-yield correction line
+    # too large for the body) is not rebuilt either, and not answered BUDGET_EXCEEDED.
+    def oversized(payload: dict[str, Any]) -> dict[str, Any]:
+        inputs = payload[INPUTS_KEY]
+        line = {"item_id": "memory:c1", "text": "Ana moved. " * 120_000, "person_ids": []}
+        step = {**inputs["step"], "corrections": [line]}
+        return {**_as_legacy(payload), INPUTS_KEY: {**inputs, "step": step}}
+
+    await _rewrite_record(pool, session_id, sequence, oversized)
+    message, _ = await _refusal(stub, session_id, sequence)
+    assert "BUDGET_EXCEEDED" in message

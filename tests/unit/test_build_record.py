@@ -8,16 +8,24 @@ from datetime import UTC, datetime
 
 from context_engine.core.assemble import StepContext
 from context_engine.core.build_record import (
+    ASSEMBLER_KEY,
+    ASSEMBLER_VERSION,
+    IMAGE_KEY,
     INPUTS_KEY,
+    LEGACY_ASSEMBLER_VERSION,
     PEOPLE_KEY,
     REDACTED_KEY,
     SHOWN_FIELDS,
+    assembler_of,
+    failed_result_line,
+    image_tokens_of,
     inputs_from_record,
     inputs_to_record,
     recalled_people,
     redact_record,
     shown_items,
 )
+from context_engine.core.estimator import IMAGE_TOKENS
 from context_engine.core.items import CorrectionLineItem, KnowledgePassageItem, RecallLineItem
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -73,3 +81,18 @@ def test_the_recorded_step_lines_read_back_one_at_a_time() -> None:
         *step.corrections,
         passage,
     }
+
+
+def test_a_record_without_an_assembler_is_read_as_the_legacy_one() -> None:
+    """Rule 8: records written before the assembler was versioned name none; they were
+    built by context-assembler@1, which sent failed results without the failed-result line
+    and costed images at the flat figure, and GetBuild rebuilds them so. A current record
+    names its assembler and its image figure."""
+    legacy = _record()
+    assert assembler_of(legacy) == LEGACY_ASSEMBLER_VERSION == "context-assembler@1"
+    assert failed_result_line(legacy) is False
+    assert image_tokens_of(legacy) == IMAGE_TOKENS
+    current = {**legacy, ASSEMBLER_KEY: ASSEMBLER_VERSION, IMAGE_KEY: 2_500}
+    assert assembler_of(current) == ASSEMBLER_VERSION != LEGACY_ASSEMBLER_VERSION
+    assert failed_result_line(current) is True
+    assert image_tokens_of(current) == 2_500

@@ -929,6 +929,40 @@ def test_openai_a_failed_result_says_so_before_its_envelope() -> None:
     assert openai.TOOL_ERROR_AS_TEXT == anthropic.TOOL_ERROR_AS_TEXT == "(The tool call failed.)"
 
 
+def test_failed_results_render_as_the_legacy_assembler_sent_them_on_request() -> None:
+    """GetBuild of a context-assembler@1 record (core/build_record.py, Rule 8) must serve
+    the bytes that were sent, and @1 sent a failed result's content alone where the
+    provider reads is_error as text: `failed_result_line=False` renders that form (OpenAI;
+    Anthropic without tools), and changes nothing where is_error has a field (Anthropic's
+    tool_result block). The neutral request, and its hash, are the same either way."""
+    plain = _pairs_request(("run-1", "call_0"), ("run-1", "call_1"))
+    failed = tuple(
+        replace(m, blocks=(replace(m.blocks[0], is_error=True, text=t),))
+        for m, t in zip(plain.messages[2::2], ("<untrusted>0</untrusted>", ""), strict=True)
+    )
+    messages = (*plain.messages[:2], failed[0], plain.messages[3], failed[1])
+    request = replace(plain, messages=messages)
+    unmarked = replace(
+        request,
+        messages=tuple(
+            replace(m, blocks=tuple(replace(b, is_error=False) for b in m.blocks))
+            for m in request.messages
+        ),
+    )
+    for variant in (replace(request, provider="openai"), replace(request, tools=())):
+        legacy = render(variant, failed_result_line=False)
+        assert legacy != render(variant)
+        assert legacy == render(replace(variant, messages=unmarked.messages))
+        assert openai.TOOL_ERROR_AS_TEXT.encode() not in legacy.body
+    # With tools, Anthropic says it in the block's is_error field, as @1 did.
+    assert render(request, failed_result_line=False) == render(request)
+    assert b'"is_error":true' in render(request).body
+    # Nothing else of the request changes: an unfailed request renders the same.
+    for provider in PROVIDERS:
+        same = replace(plain, provider=provider)
+        assert render(same, failed_result_line=False) == render(same)
+
+
 @SCENARIO_SETTINGS
 @given(scenarios())
 def test_prompt_units_cover_every_region_a_row_before_region_b(sc: Scenario) -> None:

@@ -43,7 +43,10 @@ type ContextEngineClient interface {
 	// model.request.started with prefix_sha256.
 	Build(ctx context.Context, in *BuildRequest, opts ...grpc.CallOption) (*BuildResponse, error)
 	// Rebuilds the request recorded by a model.request.started event from its recorded
-	// inputs (Build is pure, so this returns the same bytes). For explain and inspect.
+	// inputs (Build is pure, so this returns the same bytes). For explain and inspect. A
+	// record the server's body assembler no longer rebuilds to its recorded request and
+	// payload hashes (an older assembler version cut or rendered it otherwise) is refused
+	// FAILED_PRECONDITION REQUEST_NOT_FOUND, never answered with other bytes.
 	GetBuild(ctx context.Context, in *GetBuildRequest, opts ...grpc.CallOption) (*BuildResponse, error)
 	// Reports a model response's actual usage. Feeds the per-model estimator correction
 	// (persisted; pinned on later checkpoints) and the cache metrics.
@@ -245,7 +248,10 @@ type ContextEngineServer interface {
 	// model.request.started with prefix_sha256.
 	Build(context.Context, *BuildRequest) (*BuildResponse, error)
 	// Rebuilds the request recorded by a model.request.started event from its recorded
-	// inputs (Build is pure, so this returns the same bytes). For explain and inspect.
+	// inputs (Build is pure, so this returns the same bytes). For explain and inspect. A
+	// record the server's body assembler no longer rebuilds to its recorded request and
+	// payload hashes (an older assembler version cut or rendered it otherwise) is refused
+	// FAILED_PRECONDITION REQUEST_NOT_FOUND, never answered with other bytes.
 	GetBuild(context.Context, *GetBuildRequest) (*BuildResponse, error)
 	// Reports a model response's actual usage. Feeds the per-model estimator correction
 	// (persisted; pinned on later checkpoints) and the cache metrics.

@@ -22,12 +22,18 @@ from .. import telemetry
 from ..core import epochs as epoch_rules
 from ..core.assemble import Assembled, BuildInputs, StepContext, assemble
 from ..core.build_record import (
+    ASSEMBLER_KEY,
+    ASSEMBLER_VERSION,
     BUDGET_KEY,
+    IMAGE_KEY,
+    INLINE_KEY,
     INPUTS_KEY,
+    PAYLOAD_KEY,
     PEOPLE_KEY,
     inputs_to_record,
     recalled_people,
 )
+from ..core.canonical import sha256_hex
 from ..core.checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint, require_version
 from ..core.enums import PlanReason
 from ..core.errors import (
@@ -623,6 +629,9 @@ class Engine:
         record: bool = True,
         skills_loaded: int | None = None,
         breakpoint_budget: int | Literal["registry"] | None = "registry",
+        image_tokens: int | None = None,
+        inline_maximum_bytes: int | None = None,
+        failed_result_line: bool = True,
     ) -> BuildResult:
         """Assemble, render and record the run's next request.
 
@@ -631,7 +640,10 @@ class Engine:
         `skills_loaded` (recorded) so skills loaded later do not enter the rebuild, and
         `breakpoint_budget` (recorded) so the payload keeps the cache markers it was sent
         with after an overlay changes the model's max_cache_breakpoints. "registry": the
-        model's budget now; None: the provider's own limit.
+        model's budget now; None: the provider's own limit. Likewise `image_tokens` and
+        `inline_maximum_bytes` (None: the registry's figure and the server's setting now)
+        and `failed_result_line` (False: a request the legacy assembler sent;
+        core/build_record.py, Rules 7 and 8).
         """
         async with telemetry.span("store.read"), acquire(self.pool) as conn:
             try:
@@ -681,6 +693,10 @@ class Engine:
         instant = now or self._clock()
         clock = instant.astimezone(_zone(plan.time_zone))
         count_tokens = self.count_tokens_for(plan.model_id)
+        if image_tokens is None:
+            image_tokens = self._image_tokens_of(plan.model_id)
+        if inline_maximum_bytes is None:
+            inline_maximum_bytes = self._inline_maximum_bytes
         # The working-state block refuses never-yield fields over its cap (only a changed
         # token counter gets there) with the same BUDGET_EXCEEDED as assemble, so it is
         # rendered inside the try: either refusal is recorded as context.budget.exceeded.
@@ -698,8 +714,8 @@ class Engine:
                     checkpoint.working_state, secret=stored.secret, count_tokens=count_tokens
                 ),
                 count_tokens=count_tokens,
-                image_tokens=self._image_tokens_of(plan.model_id),
-                inline_maximum_bytes=self._inline_maximum_bytes,
+                image_tokens=image_tokens,
+                inline_maximum_bytes=inline_maximum_bytes,
             )
             assembled = telemetry.traced("assemble", assemble)(inputs)
         except BudgetExceededError as exc:
@@ -727,6 +743,11 @@ class Engine:
             "skills_loaded": len(loaded),
             # The cache-marker budget the payload was rendered with (GetBuild renders again).
             BUDGET_KEY: budget,
+            # What else it was built with, and by which assembler (core/build_record.py,
+            # Rules 7 and 8): GetBuild rebuilds with these, or refuses.
+            IMAGE_KEY: image_tokens,
+            INLINE_KEY: inline_maximum_bytes,
+            ASSEMBLER_KEY: ASSEMBLER_VERSION,
             # Tokens per class (prefix exact, body estimated), for inspect's budget bars.
             "class_tokens": [
                 {"class_name": c.class_name, "tokens": c.tokens} for c in assembled.budget
@@ -734,12 +755,16 @@ class Engine:
         }
         # Rendered before anything is recorded: a request no provider can take writes nothing.
         rendered = (
-            telemetry.traced("render", render)(assembled.request, budget)
+            telemetry.traced("render", render)(
+                assembled.request, budget, failed_result_line=failed_result_line
+            )
             if assembled.request is not None
             else None
         )
         if not record:
             return BuildResult(assembled, plan, checkpoint.version, 0, rendered)
+        if rendered is not None:
+            payload[PAYLOAD_KEY] = sha256_hex(rendered.body)  # the bytes the provider gets
         pressure = assembled.pressure
         noted = (
             _pressure_event(run_id, plan, checkpoint.version, assembled).payload

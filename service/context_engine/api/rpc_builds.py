@@ -1,12 +1,18 @@
 """gRPC methods for recorded builds (GetBuild); composed into ContextEngineServicer.
 
 GetBuild rebuilds the request a model.request.started event recorded, from the inputs the
-event holds (epoch, run, checkpoint version, clock, step context) and the log, without
-recording it again. Build is pure, so the rebuild is the recorded request: the method
-checks that against the recorded request_sha256 and fails loudly rather than answer with
-bytes the provider never saw. A request built on a plan an erasure has since redacted no
-longer rebuilds, nor does one whose recall lines an erasure removed from its record: both
-are refused with REQUEST_REDACTED, never answered from a kept copy.
+event holds (epoch, run, checkpoint version, clock, step context, cache-marker budget,
+image figure, inline threshold) and the log, without recording it again. Build is pure,
+so the rebuild by the same assembler is the recorded request; one by a later assembler
+(core/build_record.py, Rule 8) is too unless that version changed what it sends. A record
+of the legacy assembler renders its failed results as they were sent (without the
+failed-result line). The rebuild is checked against the recorded request_sha256 and,
+where recorded, the payload's SHA-256: a request that does not rebuild to them, or that
+the current assembler refuses to build, is refused with FAILED_PRECONDITION
+REQUEST_NOT_FOUND naming the recorded and the current assembler version, never answered
+with bytes the provider never saw. A request built on a plan an erasure has since
+redacted no longer rebuilds, nor does one whose recall lines an erasure removed from its
+record: both are refused with REQUEST_REDACTED, never answered from a kept copy.
 """
 
 from __future__ import annotations
@@ -18,7 +24,18 @@ from uuid import UUID
 import grpc
 
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
-from ..core.build_record import BUDGET_KEY, REDACTED_KEY, inputs_from_record
+from ..core.build_record import (
+    ASSEMBLER_VERSION,
+    BUDGET_KEY,
+    INLINE_KEY,
+    PAYLOAD_KEY,
+    REDACTED_KEY,
+    assembler_of,
+    failed_result_line,
+    image_tokens_of,
+    inputs_from_record,
+)
+from ..core.canonical import sha256_hex
 from ..core.errors import EngineError, InvalidFieldError, NotFoundError, PreconditionError
 from ..store import events
 from ..store.db import acquire
@@ -57,29 +74,68 @@ class BuildsRpcs:
         if payload.get(REDACTED_KEY):
             raise _redacted(request.request_sequence, "its recall lines")
         now, step = inputs_from_record(payload)
-        result = await self.engine.build(
-            tenant,
-            session_id,
-            UUID(payload["run_id"]),
-            int(payload["checkpoint_version"]),
-            now,
-            step,
-            epoch=int(payload["epoch"]),
-            record=False,
-            # Skills are sticky and append-only: the first N loaded are the ones it saw.
-            skills_loaded=payload.get("skills_loaded"),
-            # The markers it was sent with, whatever the registry says now.
-            breakpoint_budget=payload.get(BUDGET_KEY),
-        )
-        if result.assembled.request_sha256 != payload.get("request_sha256"):
+        sequence = request.request_sequence
+        recorded = assembler_of(payload)
+        try:
+            result = await self.engine.build(
+                tenant,
+                session_id,
+                UUID(payload["run_id"]),
+                int(payload["checkpoint_version"]),
+                now,
+                step,
+                epoch=int(payload["epoch"]),
+                record=False,
+                # Skills are sticky and append-only: the first N loaded are the ones it saw.
+                skills_loaded=payload.get("skills_loaded"),
+                # The markers it was sent with, whatever the registry says now.
+                breakpoint_budget=payload.get(BUDGET_KEY),
+                # The figures it was cut with, and its failed results as they were sent.
+                image_tokens=image_tokens_of(payload),
+                inline_maximum_bytes=payload.get(INLINE_KEY),
+                failed_result_line=failed_result_line(payload),
+            )
+        except (InvalidFieldError, PreconditionError) as exc:
+            # A refusal now (BUDGET_EXCEEDED under a later estimator, say) of what was built
+            # and sent then: the record cannot be rebuilt, and the caller asked nothing wrong.
+            raise _not_rebuilt(sequence, recorded, f"this build refuses it ({exc.reason})") from exc
+        except EngineError as exc:
+            if recorded == ASSEMBLER_VERSION:
+                raise  # the same assembler built it: ours to fix, not the record's
+            # An older assembler let through what this one cannot render (a reasoning
+            # payload of another type, say).
+            raise _not_rebuilt(sequence, recorded, "this build cannot render it") from exc
+        if not _same_bytes(result, payload):
             if result.plan.invalidated:
                 # An erasure redacted the plan's snapshot since: the recorded bytes held the
                 # erased memories, and they are not served again (core/snapshot.py).
-                raise _redacted(request.request_sequence, f"epoch {result.plan.epoch}'s snapshot")
-            raise EngineError(
-                f"request {request.request_sequence} does not rebuild to its recorded bytes"
-            )
-        return self.build_response(replace(result, request_sequence=request.request_sequence))
+                raise _redacted(sequence, f"epoch {result.plan.epoch}'s snapshot")
+            raise _not_rebuilt(sequence, recorded, "the rebuild differs from the recorded bytes")
+        return self.build_response(replace(result, request_sequence=sequence))
+
+
+def _same_bytes(result: BuildResult, payload: dict[str, Any]) -> bool:
+    """Whether the rebuild is the request recorded: its neutral hash and, where the record
+    holds one (context-assembler@2 on), the provider payload's."""
+    if result.assembled.request_sha256 != payload.get("request_sha256"):
+        return False
+    sent = payload.get(PAYLOAD_KEY)
+    if sent is None:
+        return True
+    return result.rendered is not None and sha256_hex(result.rendered.body) == sent
+
+
+def _not_rebuilt(sequence: int, recorded: str, why: str) -> PreconditionError:
+    """FAILED_PRECONDITION REQUEST_NOT_FOUND: the record exists, but this build cannot
+    reproduce what was sent (core/build_record.py, Rule 8)."""
+    return PreconditionError(
+        f"request {sequence} was built by {recorded} and this server runs {ASSEMBLER_VERSION}:"
+        f" {why}. It cannot be rebuilt here; its recorded hashes stand, and bytes the"
+        " provider was not sent are never served",
+        field="request_sequence",
+        reason="REQUEST_NOT_FOUND",
+        metadata={"recorded_assembler_version": recorded, "assembler_version": ASSEMBLER_VERSION},
+    )
 
 
 def _redacted(sequence: int, what: str) -> PreconditionError:

@@ -15,6 +15,10 @@ the correction factor pinned on the checkpoint. Carried results over the inline 
 legacy excerpts first; then pressure.fit_body pays the never-yield set, runs the yield
 ladder and cuts history. A body that does not fit after every cheaper yield is reported as
 needs_compaction with no request: Build never compacts inline.
+Rule 6 (versioned): this module and what it calls (the estimator, pressure, the yield
+ladder, the renderers after it) are the body assembler, named by core/build_record.py
+ASSEMBLER_VERSION in every request's record. A change that gives other bytes or cuts for
+the same inputs bumps it (Rule 8 there); GetBuild refuses a record it no longer rebuilds.
 """
 
 from __future__ import annotations

@@ -22,6 +22,21 @@ Rule 6: the step's lines (its tuple fields, `SHOWN_FIELDS`: knowledge passages, 
 correction lines) read back one at a time as well (`shown_items`), so compaction can hold
 the model's answers and a summary to what the recorded Builds showed the model
 (core/compaction.py, Rule 3) without reading each request whole.
+Rule 7: the figures Build read from outside the log are recorded the same way: the
+model's per-image figure (IMAGE_KEY, the registry's then) and the server's inline excerpt
+threshold (INLINE_KEY, output.inline_maximum_bytes then), so an overlay or a setting
+changed since does not change what a rebuild cuts.
+Rule 8: the body assembler is versioned. ASSEMBLER_VERSION names the code that turns those
+inputs into a request — assembly, the estimator, the yield ladder, the provider renderers —
+and every record names it (ASSEMBLER_KEY) beside the SHA-256 of the provider payload sent
+(PAYLOAD_KEY). Any change to that code that can change a request's bytes, a cut or a
+payload for the same inputs bumps ASSEMBLER_VERSION, and says below what the older version
+did differently where a rebuild can still do it (a render-only difference). A record
+without the key was written by LEGACY_ASSEMBLER_VERSION: it was rendered without the
+failed-result line (`failed_result_line`) and costed images at the flat IMAGE_TOKENS.
+GetBuild serves a rebuild only when it matches the recorded request hash and, where
+recorded, the payload hash; otherwise it refuses (REQUEST_NOT_FOUND, naming both
+versions), never serving bytes the provider did not receive.
 """
 
 from __future__ import annotations
@@ -36,14 +51,24 @@ from pydantic import BaseModel
 
 from .assemble import StepContext
 from .errors import PreconditionError
+from .estimator import IMAGE_TOKENS
 from .items import ContextItem
 
 __all__ = [
+    "ASSEMBLER_KEY",
+    "ASSEMBLER_VERSION",
     "BUDGET_KEY",
+    "IMAGE_KEY",
+    "INLINE_KEY",
     "INPUTS_KEY",
+    "LEGACY_ASSEMBLER_VERSION",
+    "PAYLOAD_KEY",
     "PEOPLE_KEY",
     "REDACTED_KEY",
     "SHOWN_FIELDS",
+    "assembler_of",
+    "failed_result_line",
+    "image_tokens_of",
     "inputs_from_record",
     "inputs_to_record",
     "recalled_people",
@@ -51,6 +76,18 @@ __all__ = [
     "shown_items",
 ]
 
+# Rule 8: bump on any change to what Build sends for the same recorded inputs (assembly,
+# the estimator, the yield ladder, the renderers), and say what the older version did.
+# @2: failed tool results carry providers/texts.py TOOL_ERROR_AS_TEXT (OpenAI; Anthropic
+# without tools); the estimator charges whitespace runs and control characters; images
+# cost the registry's figure; the run's results are capped before a rung yields;
+# recall's floor is paid with the never-yield set.
+ASSEMBLER_VERSION = "context-assembler@2"
+LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
+ASSEMBLER_KEY = "assembler_version"
+PAYLOAD_KEY = "payload_sha256"
+IMAGE_KEY = "image_tokens"
+INLINE_KEY = "inline_maximum_bytes"
 BUDGET_KEY = "max_cache_breakpoints"
 INPUTS_KEY = "build_inputs"
 PEOPLE_KEY = "people"
@@ -122,6 +159,24 @@ def shown_items(lines: Iterable[tuple[str, dict[str, Any]]]) -> tuple[ContextIte
     """Rule 6: the items of recorded step lines, each given as (step field, its JSON) as
     `inputs_to_record` wrote it; a field this build no longer has is skipped."""
     return tuple(_SHOWN[name].model_validate(line) for name, line in lines if name in _SHOWN)
+
+
+def assembler_of(payload: dict[str, Any]) -> str:
+    """Rule 8: the assembler version that built a recorded request."""
+    version = payload.get(ASSEMBLER_KEY)
+    return version if isinstance(version, str) else LEGACY_ASSEMBLER_VERSION
+
+
+def failed_result_line(payload: dict[str, Any]) -> bool:
+    """Rule 8: whether the request's failed tool results were sent after the
+    TOOL_ERROR_AS_TEXT line. @1 sent them without it (a render-only difference)."""
+    return assembler_of(payload) != LEGACY_ASSEMBLER_VERSION
+
+
+def image_tokens_of(payload: dict[str, Any]) -> int:
+    """Rule 7: the per-image figure the request was costed with; @1 used the flat one."""
+    figure = payload.get(IMAGE_KEY)
+    return figure if isinstance(figure, int) else IMAGE_TOKENS
 
 
 def recalled_people(step: StepContext) -> list[str]:

@@ -17,6 +17,9 @@ Rule 4. No floats. Correction factors are integer parts-per-million (``1_000_000
         and identical across machines.
 Rule 5. Memoization may only save time. The heuristic keeps an LRU keyed by the exact text;
         it cannot change a returned number.
+Rule 6. Versioned with the assembler. A change that moves any estimate moves cuts, and so the
+        bytes a recorded request rebuilds to: bump core/build_record.py ASSEMBLER_VERSION
+        (Rule 8 there), so GetBuild refuses an older record instead of failing on it.
 
 The heuristic (models without an exact tokenizer, i.e. Anthropic)
 -----------------------------------------------------------------

@@ -20,6 +20,9 @@ artifact reference (the pair stays whole: call and pointer still match). A carri
 truncated for the class cap does not move the history cut: the freed tokens are not spent
 on older history, so history stays the recent suffix rather than a run of old pointers.
 Rule 4 (compaction is a write): the last rung only reports; Build never compacts inline.
+Changing the order, a unit or a stopping rule changes what a request keeps: bump
+core/build_record.py ASSEMBLER_VERSION (its Rule 8), so recorded requests are not rebuilt
+by rules they were not cut by.
 """
 
 from __future__ import annotations

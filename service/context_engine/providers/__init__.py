@@ -8,8 +8,16 @@ registry (``max_cache_breakpoints``): a provider with explicit markers (Anthropi
 most that many, dropping them in priority order (the run marker first); None leaves the
 provider's own limit. The budget is an input like the request: the same pair renders the
 same bytes, so a Build records the budget it rendered with and its replay (GetBuild)
-passes the recorded one. ``prompt_units(request)`` is the same prompt unit by unit, in the
+passes the recorded one. So is ``failed_result_line``: False renders a failed tool result
+as the legacy assembler sent it where the provider reads is_error as text (OpenAI always,
+Anthropic without tools): its content alone, without ``TOOL_ERROR_AS_TEXT``; GetBuild
+passes it for a record of context-assembler@1 (core/build_record.py, Rule 8).
+``prompt_units(request)`` is the same prompt unit by unit, in the
 order the provider caches it, with the row and item of each unit (what ``explain`` diffs).
+
+A change here or in a renderer that changes payload bytes for the same request bumps
+core/build_record.py ASSEMBLER_VERSION (Rule 8), so GetBuild can tell a record it no
+longer renders the same from one it does.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from ..core.request import ModelRequest
 from . import anthropic, openai
 from .layout import PromptUnit, RenderedPayload
 from .names import check_wire_names, tool_name_from_wire, wire_tool_name
+from .texts import without_error_line
 from .usage import (
     PPM,
     Usage,
@@ -63,12 +72,18 @@ class Renderer:
     prompt_units: Callable[[ModelRequest], tuple[PromptUnit, ...]]
     # The renderer under a cache-marker budget; None: the provider places no markers.
     render_within: Callable[[ModelRequest, int], RenderedPayload] | None = None
+    # Whether it says a failed result's is_error as text (TOOL_ERROR_AS_TEXT) in `request`.
+    errors_as_text: Callable[[ModelRequest], bool] = lambda request: True
 
 
 # The plan's provider -> its renderer.
 RENDERERS: dict[str, Renderer] = {
     "anthropic": Renderer(
-        anthropic.API, anthropic.render, anthropic.prompt_units, anthropic.render
+        anthropic.API,
+        anthropic.render,
+        anthropic.prompt_units,
+        anthropic.render,
+        anthropic.errors_as_text,
     ),
     "openai": Renderer(openai.API, openai.render, openai.prompt_units),
 }
@@ -81,9 +96,12 @@ def _renderer(provider: str) -> Renderer:
     return renderer
 
 
-def render(request: ModelRequest, max_breakpoints: int | None = None) -> RenderedPayload:
+def render(
+    request: ModelRequest, max_breakpoints: int | None = None, *, failed_result_line: bool = True
+) -> RenderedPayload:
     """The provider payload of `request`, for its plan's provider, with at most
-    `max_breakpoints` cache markers (None: the provider's own limit).
+    `max_breakpoints` cache markers (None: the provider's own limit); with
+    `failed_result_line` False, failed results as the legacy assembler sent them.
 
     Raises:
         EngineError: an unknown provider, or a reasoning payload that is not a JSON
@@ -91,6 +109,8 @@ def render(request: ModelRequest, max_breakpoints: int | None = None) -> Rendere
         PreconditionError: two tool names share a wire name.
     """
     renderer = _renderer(request.provider)
+    if not failed_result_line and renderer.errors_as_text(request):
+        request = without_error_line(request)
     if max_breakpoints is None or renderer.render_within is None:
         return renderer.render(request)
     return renderer.render_within(request, max_breakpoints)

@@ -39,6 +39,10 @@ canonical JSON text (memoized on the frozen neutral value; a session's tools and
 history repeat on every Build), and the body is composed from those texts in RFC 8785 key
 order — the bytes ``canonical_bytes`` of the whole body would give, which
 tests/unit/test_providers.py checks on generated requests.
+
+A change to the bytes rendered for a request bumps core/build_record.py ASSEMBLER_VERSION
+(Rule 8 there). The failed-result line of Rule 8 came with context-assembler@2; a record of
+@1 is rebuilt without it (``render(..., failed_result_line=False)``, providers/__init__.py).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ __all__ = [
     "MAX_BREAKPOINTS",
     "TOOL_CALL_AS_TEXT",
     "TOOL_ERROR_AS_TEXT",
+    "errors_as_text",
     "prompt_units",
     "render",
 ]
@@ -158,6 +163,12 @@ def render(request: ModelRequest, max_breakpoints: int = MAX_BREAKPOINTS) -> Ren
     if tools:
         parts.append('"tools":[' + ",".join(u.json() for u in tools) + "]")
     return RenderedPayload(API, (",".join(parts) + "}").encode("utf-8"))
+
+
+def errors_as_text(request: ModelRequest) -> bool:
+    """Whether `request` says a failed result's is_error as text (Rule 8: no tools);
+    otherwise the tool_result block carries ``is_error``."""
+    return not request.tools
 
 
 def _turn_text(role: str, units: Sequence[_Unit]) -> str:

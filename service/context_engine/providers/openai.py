@@ -28,6 +28,10 @@ Speed: tools, input items and each message's items render once per process to ca
 JSON text (memoized on the frozen neutral values; a run's carried messages are the same
 objects on every Build) and the body is composed from them in RFC 8785 key order;
 tests/unit/test_providers.py checks the result is the canonical form of itself.
+
+A change to the bytes rendered for a request bumps core/build_record.py ASSEMBLER_VERSION
+(Rule 8 there). The failed-result line of Rule 3 came with context-assembler@2; a record of
+@1 is rebuilt without it (``render(..., failed_result_line=False)``, providers/__init__.py).
 """
 
 from __future__ import annotations

@@ -197,7 +197,10 @@ class ContextEngineServicer:
 
     def GetBuild(self, request, context):
         """Rebuilds the request recorded by a model.request.started event from its recorded
-        inputs (Build is pure, so this returns the same bytes). For explain and inspect.
+        inputs (Build is pure, so this returns the same bytes). For explain and inspect. A
+        record the server's body assembler no longer rebuilds to its recorded request and
+        payload hashes (an older assembler version cut or rendered it otherwise) is refused
+        FAILED_PRECONDITION REQUEST_NOT_FOUND, never answered with other bytes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
