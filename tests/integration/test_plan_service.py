@@ -1112,6 +1112,110 @@ async def test_a_child_pins_its_parents_epoch_not_another_runs_grant(stub: Any) 
     assert later.run.epoch == operator.plan.epoch == 3
 
 
+async def test_an_admission_grant_outgrowing_the_capacity_is_the_sessions_state(
+    stub: Any, pool: Any
+) -> None:
+    """A run's admission rebuilds the plan from the session's pinned spec; when the granted
+    scope's tool leaves no room for a body under the session's tight policy cap, the
+    capacity check used to answer INVALID_ARGUMENT naming `spec.policy_cap_tokens`, a field
+    StartRun does not have ("fix the request": nothing in it is wrong). The state forbids
+    the run: FAILED_PRECONDITION PREFIX_OVER_CAPACITY with the figures, no field, and
+    nothing written: no run, no user message, no rotation."""
+    base = spec()
+    base.tools.append(
+        tool(
+            "mail.send",
+            scopes=("mail.send",),
+            description="Send an email on the owner's behalf. " + "Mind the recipients. " * 120,
+        )
+    )
+    probe = await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=base))
+    base.policy_cap_tokens = 8_192 + probe.plan.prefix_tokens + 200  # a body of ~190 tokens
+    session_id, plan = await _open(stub, base)
+    assert "mail.send" not in plan.tool_names  # not granted: not in the roster
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _start(
+            stub,
+            session_id,
+            "Mail Ana the timetable.",
+            scopes=["calendar.read", "web.read", "mail.send"],
+        )
+    assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    reason, fields, metadata = details(caught.value)
+    assert (reason, fields) == ("PREFIX_OVER_CAPACITY", [])
+    assert int(metadata["prefix_tokens"]) > probe.plan.prefix_tokens
+    assert int(metadata["capacity_tokens"]) == base.policy_cap_tokens
+    assert "run_authority_changed" in (caught.value.details() or "")
+    # Nothing of the run was written: StartRun's transaction rolled back whole.
+    assert [e["type"] for e in await _events(pool, session_id)] == ["context.plan.created"]
+    runs = await pool.fetchval("SELECT count(*) FROM runs WHERE session_id = $1", UUID(session_id))
+    assert runs == 0 and (await _current(stub, session_id)).epoch == 1
+    # A run that asks for no more than the plan holds still starts.
+    assert (await _start(stub, session_id, scopes=["calendar.read", "web.read"])).run.epoch == 1
+
+
+async def _replica_with_window(pool: Any, window: int) -> tuple[Any, Any, Any]:
+    """A replica whose registry overlay gives the Anthropic model `claude-window` a
+    `window`-token context. -> (stub, channel, running server)."""
+    from context_engine.api.server import build_engine, build_server
+    from context_engine.core.model_registry import ModelRegistry
+    from context_engine.model_registry_loader import read_packaged_models
+    from context_engine.models import ModelCatalog
+
+    overlay = {
+        "models": {
+            "claude-window": {
+                "provider": "anthropic",
+                "family": "claude-sonnet-4",
+                "context_window": window,
+                "max_cache_breakpoints": 4,
+                "default_output_reserve": 8192,
+                "min_cacheable_tokens": 1024,
+                "tokenizer": "heuristic",
+            }
+        }
+    }
+    catalog = ModelCatalog(ModelRegistry.from_mappings(read_packaged_models(), overlay))
+    running = await build_server(build_engine(pool, catalog=catalog), "127.0.0.1:0")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    return pb_grpc.ContextEngineStub(channel), channel, running
+
+
+async def test_a_rotation_after_an_erasure_that_no_longer_fits_is_the_sessions_state(
+    pool: Any,
+) -> None:
+    """The first Build after an erasure rotates the plan from the pinned spec. When that
+    spec no longer leaves a body (here a registry overlay shrank the model's window since
+    the session opened), the capacity check named `spec.reserve_output_tokens` with
+    INVALID_ARGUMENT, though Build's request has no spec. It is the session's state:
+    FAILED_PRECONDITION PREFIX_OVER_CAPACITY, and nothing rotates or is recorded."""
+    wide, wide_channel, wide_server = await _replica_with_window(pool, 200_000)
+    # Less than the output reserve and the ~700-token prefix: no body is left.
+    narrow, narrow_channel, narrow_server = await _replica_with_window(pool, 8_500)
+    try:
+        person = f"ana-{new_id()}"
+        memory = _memory_spec("trace-w")
+        memory.model_id = "claude-window"
+        memory.snapshot.items[0].person_ids[:] = [person]
+        session_id, _ = await _open(wide, memory)
+        run_id = (await _start(wide, session_id)).run.run_id
+        await wide.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+        before = await _events(pool, session_id)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _build(narrow, session_id, run_id)
+        assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        reason, fields, metadata = details(caught.value)
+        assert (reason, fields) == ("PREFIX_OVER_CAPACITY", [])
+        assert metadata["context_window"] == "8500"
+        assert await _events(pool, session_id) == before  # no rotation, no request
+        # Where the spec still fits, the same Build rotates and builds.
+        assert (await _build(wide, session_id, run_id)).epoch == 2
+    finally:
+        for channel, server in ((wide_channel, wide_server), (narrow_channel, narrow_server)):
+            await channel.close()
+            await server.stop(0)
+
+
 async def test_a_child_run_takes_no_admission(stub: Any, pool: Any) -> None:
     """A child inherits its parent's authority and is never admitted: a child request that
     states an admission is refused, naming the field, and nothing rotates."""

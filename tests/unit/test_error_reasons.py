@@ -121,6 +121,7 @@ def test_every_enum_reason_is_documented() -> None:
 _STATUS_OF_ERROR = {
     "RequestError": "INVALID_ARGUMENT",
     "InvalidFieldError": "INVALID_ARGUMENT",
+    "CapacityError": "INVALID_ARGUMENT",  # core/plan.py (the shell re-raises it as_state)
     "NotFoundError": "NOT_FOUND",
     "PreconditionError": "FAILED_PRECONDITION",
     "BudgetExceededError": "FAILED_PRECONDITION",

@@ -46,7 +46,7 @@ from ..core.errors import (
 from ..core.estimator import IMAGE_TOKENS
 from ..core.excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
 from ..core.items import ConversationItem, UserMessage
-from ..core.plan import ContextPlan, ModelFacts, make_plan
+from ..core.plan import CapacityError, ContextPlan, ModelFacts, make_plan
 from ..core.seeding import carried_history, seed_cut
 from ..core.skills import body_items
 from ..core.snapshot import first_naming, named_people
@@ -370,15 +370,20 @@ class Engine:
             )
             if decision.reason is None:
                 break
-            current = await self._rotate_locked(
-                conn,
-                tenant,
-                session_id,
-                current,
-                decision.reason,
-                decision.spec,
-                f"run admission: {decision.detail}",
-            )
+            try:
+                current = await self._rotate_locked(
+                    conn,
+                    tenant,
+                    session_id,
+                    current,
+                    decision.reason,
+                    decision.spec,
+                    f"run admission: {decision.detail}",
+                )
+            except CapacityError as exc:
+                # The session's spec, not the request's: the state forbids the run. Raised
+                # inside StartRun's transaction, so nothing of the run is written.
+                raise exc.as_state(f"for this run's admission ({decision.detail})") from None
             rotated.append(current)
         return rotated
 
@@ -390,15 +395,20 @@ class Engine:
             current = await plans.read_plan(conn, tenant, session_id)
             if not current.plan.invalidated:
                 return current  # another call rotated first, and counted it
-            rotated = await self._rotate_locked(
-                conn,
-                tenant,
-                session_id,
-                current,
-                PlanReason.SNAPSHOT_INVALIDATED,
-                None,
-                "build after erasure",
-            )
+            try:
+                rotated = await self._rotate_locked(
+                    conn,
+                    tenant,
+                    session_id,
+                    current,
+                    PlanReason.SNAPSHOT_INVALIDATED,
+                    None,
+                    "build after erasure",
+                )
+            except CapacityError as exc:
+                # The pinned spec no longer fits (a registry overlay shrank the window, say):
+                # the session's state, not Build's request, is at fault.
+                raise exc.as_state("after an erasure") from None
         # Counted here, once committed, not by the Build handler: the Build may still fail
         # (PERSON_ERASED, BUDGET_EXCEEDED, ...) while its rotation stands.
         _count_rotation(rotated)

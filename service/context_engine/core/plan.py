@@ -48,7 +48,14 @@ from .spec import MemoryItemSpec, PlanSpec, SkillSpec, ToolSpec
 from .tool_schema import definition_item, definition_tokens
 from .trust import TrustLevel
 
-__all__ = ["ClassUsage", "ContextPlan", "ModelFacts", "make_plan", "session_key"]
+__all__ = [
+    "CapacityError",
+    "ClassUsage",
+    "ContextPlan",
+    "ModelFacts",
+    "make_plan",
+    "session_key",
+]
 
 TokenCounter = Callable[[str], int]
 
@@ -132,6 +139,27 @@ class ContextPlan(BaseModel):
     invalidated: bool = False
 
 
+class CapacityError(InvalidFieldError):
+    """A capacity that leaves no room for a body (_check_capacity). INVALID_FIELD naming
+    the spec's field where the spec is in the request (Plan, Rotate); where the spec is
+    the session's own and the request only made the engine rebuild the plan (a run's
+    admission, the rotation after an erasure) the shell answers `as_state()` instead."""
+
+    def as_state(self, rebuilt: str) -> PreconditionError:
+        """FAILED_PRECONDITION PREFIX_OVER_CAPACITY: the session's spec, rebuilt
+        `rebuilt`, does not fit; the request names no field at fault."""
+        m = self.metadata
+        return PreconditionError(
+            f"the session's plan, rebuilt {rebuilt}, leaves no room for a request body: its"
+            f" {int(m['prefix_tokens']):,}-token prefix and the"
+            f" {int(m['reserve_output_tokens']):,}-token output reserve fill the"
+            f" {int(m['capacity_tokens']):,}-token capacity. Nothing was written; rotate"
+            " with a spec that fits (a larger policy cap, a smaller reserve, fewer tools)",
+            reason="PREFIX_OVER_CAPACITY",
+            metadata=m,
+        )
+
+
 @lru_cache(maxsize=4096)
 def session_key(tenant_id: str, session_id: str) -> str:
     """CacheHints.session_key: shared by every run, step and epoch of one session only.
@@ -154,8 +182,10 @@ def make_plan(
     Raises:
         PreconditionError: PREFIX_CLASS_OVER_CAP naming the class (tool_definitions for a
             required or explicitly enabled tool over the token cap; persona).
-        InvalidFieldError: spec.reserve_output_tokens or spec.policy_cap_tokens, when the
-            capacity leaves no room for a body beside the prefix (_check_capacity).
+        CapacityError: INVALID_FIELD naming spec.reserve_output_tokens or
+            spec.policy_cap_tokens, when the capacity leaves no room for a body beside the
+            prefix (_check_capacity); the shell turns it into PREFIX_OVER_CAPACITY where
+            the spec is not the caller's (CapacityError.as_state).
     """
     catalog, left_skills = pin_catalog(
         spec.skills, lambda s: count_tokens(_render_text(_catalog_entry(s), secret))
@@ -458,7 +488,7 @@ def _check_capacity(spec: PlanSpec, model: ModelFacts, reserve: int, prefix_toke
     policy cap.
 
     Raises:
-        InvalidFieldError: spec.reserve_output_tokens or spec.policy_cap_tokens.
+        CapacityError: spec.reserve_output_tokens or spec.policy_cap_tokens.
     """
 
     def body(policy_cap: int) -> int:
@@ -483,14 +513,14 @@ def _check_capacity(spec: PlanSpec, model: ModelFacts, reserve: int, prefix_toke
         "prefix_tokens": str(prefix_tokens),
     }
     if body(0) <= 0:
-        raise InvalidFieldError(
+        raise CapacityError(
             f"an output reserve of {reserve:,} tokens leaves no room for the request in"
             f" {spec.model_id}'s {model.context_window:,}-token window beside the"
             f" {prefix_tokens:,}-token prefix: reserve less",
             field="spec.reserve_output_tokens",
             metadata=metadata,
         )
-    raise InvalidFieldError(
+    raise CapacityError(
         f"a policy cap of {spec.policy_cap_tokens:,} tokens leaves no room for the request"
         f" beside the {reserve:,}-token output reserve and the {prefix_tokens:,}-token prefix:"
         " raise it (0: the model's window)",

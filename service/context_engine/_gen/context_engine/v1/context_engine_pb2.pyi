@@ -113,6 +113,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_REQUEST_REDACTED: _ClassVar[ErrorReason]
     ERROR_REASON_PERSON_ERASED: _ClassVar[ErrorReason]
     ERROR_REASON_TOOL_NAME_COLLISION: _ClassVar[ErrorReason]
+    ERROR_REASON_PREFIX_OVER_CAPACITY: _ClassVar[ErrorReason]
 
 class Writer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -209,6 +210,7 @@ ERROR_REASON_STORE_UNAVAILABLE: ErrorReason
 ERROR_REASON_REQUEST_REDACTED: ErrorReason
 ERROR_REASON_PERSON_ERASED: ErrorReason
 ERROR_REASON_TOOL_NAME_COLLISION: ErrorReason
+ERROR_REASON_PREFIX_OVER_CAPACITY: ErrorReason
 WRITER_UNSPECIFIED: Writer
 WRITER_MODEL: Writer
 WRITER_USER: Writer
