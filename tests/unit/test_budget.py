@@ -992,6 +992,53 @@ def test_a_recall_floor_over_the_body_fails_naming_recall_not_needing_compaction
     assert not built.needs_compaction and built.request is not None
 
 
+def test_an_active_turn_over_the_body_behind_a_larger_user_message_names_the_message() -> None:
+    """docs/api.md (PrepareCompaction): an active turn over the body alone is Build's
+    BUDGET_EXCEEDED, and the class named is the never-yield set's largest (e7944a5): the
+    turn's `active_turn` when it is the largest (the test above), the run's user message
+    when that is larger still, though the turn alone does not fit either."""
+    session = Session(
+        carried=[],
+        run=[
+            UserMessage(item_id="u1", text=_text(120_000), sequence=1, run_id="current"),
+            AssistantMessage(item_id="a1", text=_text(80_000), sequence=2, run_id="current"),
+            ToolCall(
+                item_id="c1",
+                call_id="k1",
+                tool_name="web.fetch",
+                arguments_json="{}",
+                sequence=3,
+                run_id="current",
+            ),
+            ToolResult(
+                item_id="r1",
+                call_id="k1",
+                tool_name="web.fetch",
+                content="ok",
+                trust=TrustLevel.EXTERNAL_UNTRUSTED,
+                sequence=4,
+                run_id="current",
+            ),
+        ],
+        summary=None,
+        floor=0,
+        step=StepContext(),
+        working_state=None,
+        body_room=5_000,
+        reserve=1_000,
+        factor_ppm=1_000_000,
+    )
+    _, inputs = _build(session)
+    with pytest.raises(BudgetExceededError) as caught:
+        assemble(inputs)
+    metadata = caught.value.metadata
+    # The turn's assistant text alone is over the body...
+    assert heuristic_count(_text(80_000)) > int(metadata["body_budget_tokens"])
+    # ...and the class named is the user message, the larger of the two.
+    assert metadata["class"] == "user_message"
+    assert int(metadata["class_tokens"]) > int(metadata["never_yield_tokens"]) // 2
+
+
 def _fetch_run(content: str) -> list[ConversationItem]:
     return [
         UserMessage(item_id="u1", text="Fetch it.", sequence=1, run_id="current"),
