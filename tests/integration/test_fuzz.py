@@ -256,10 +256,14 @@ def _case(draw: Any, ids: dict[str, list[str]]) -> tuple[str, bytes]:
     return method.name, payload
 
 
-def _valid_requests(ids: dict[str, list[str]], new_session: str) -> dict[str, Any]:
-    """One well-formed request per RPC that takes a session, aimed at this tenant's seeded
+def _valid_requests(ids: dict[str, list[str]], new_session: str) -> dict[str, list[Any]]:
+    """Well-formed requests per RPC that takes a session, aimed at this tenant's seeded
     session: mutating a few fields of these reaches the checks past the first validation,
-    which wholly random messages seldom get through."""
+    which wholly random messages seldom get through. The first of each is accepted; the
+    others sit right at a refusal behind the first validation (a typed reasoning payload,
+    a skill listed twice, trust a catalog entry or a passage may not claim, an
+    admission-only Rotate reason, a child run with an admission), so their mutations
+    explore both sides of it."""
     session, run = ids["session"][0], ids["run"][0]
     at = {"tenant_id": TENANT, "session_id": session}
     on_run = {**at, "run_id": run}
@@ -287,58 +291,106 @@ def _valid_requests(ids: dict[str, list[str]], new_session: str) -> dict[str, An
             items=[pb.MemoryItem(item_id="m1", text="Ana is vegetarian.", person_ids=["ana"])],
         )
     )
+    skill = pb.SkillCatalogEntry(name="triage", description="Sorts tickets.", version="1")
+    twice, model_skill = spec(), spec()
+    twice.skills.extend([skill, skill])
+    model_skill.skills.add(name="triage", version="1", trust=pb.TRUST_LEVEL_MODEL)
+    model_passage = pb.StepContext()
+    model_passage.CopyFrom(step)
+    model_passage.knowledge[0].trust = pb.TRUST_LEVEL_MODEL
     return {
-        "Plan": pb.PlanRequest(tenant_id=TENANT, session_id=new_session, spec=memory),
-        "GetPlan": pb.GetPlanRequest(**at, epoch=1),
-        "Rotate": pb.RotateRequest(
-            **at, from_epoch=1, reason=pb.PLAN_REASON_AGENT_CHANGED, spec=memory
-        ),
-        "StartRun": pb.StartRunRequest(
-            **at,
-            idempotency_key="k",
-            user_message=pb.UserMessage(text="hello"),
-            admission=pb.RunAdmission(scopes=["web.read"]),
-        ),
-        "AppendItems": pb.AppendItemsRequest(
-            **on_run,
-            expected_checkpoint_version=1,
-            items=[
-                pb.ConversationItem(
-                    tool_call=pb.ToolCall(call_id="c1", tool_name="web.fetch", arguments_json="{}")
-                ),
-                pb.ConversationItem(
-                    tool_result=pb.ToolResult(
-                        call_id="c1", tool_name="web.fetch", content="page", trust=6
-                    )
-                ),
-                pb.ConversationItem(assistant_message=pb.AssistantMessage(text="done")),
-            ],
-        ),
-        "Build": pb.BuildRequest(**on_run, step=step),
-        "GetBuild": pb.GetBuildRequest(**at, request_sequence=3),
-        "ReportUsage": pb.ReportUsageRequest(
-            **at, request_sequence=3, model_id="claude-sonnet-4-5", input_tokens=900
-        ),
-        "LoadSkill": pb.LoadSkillRequest(**at, name="triage", body="Sort it.", trust=2),
-        "UpdateWorkingState": pb.UpdateWorkingStateRequest(
-            **on_run,
-            expected_checkpoint_version=1,
-            writer=pb.WRITER_USER,
-            update=pb.WorkingStateUpdate(
-                objective="Plan the trip",
-                upsert_tasks=[pb.TaskState(task_id="t1", title="Book", status=1)],
-                add_facts=[pb.Fact(statement="Leaves Monday", source_event_ids=[1], trust=3)],
+        "Plan": [
+            pb.PlanRequest(tenant_id=TENANT, session_id=new_session, spec=memory),
+            pb.PlanRequest(tenant_id=TENANT, session_id=new_session, spec=twice),
+            pb.PlanRequest(tenant_id=TENANT, session_id=new_session, spec=model_skill),
+        ],
+        "GetPlan": [pb.GetPlanRequest(**at, epoch=1)],
+        "Rotate": [
+            pb.RotateRequest(**at, from_epoch=1, reason=pb.PLAN_REASON_AGENT_CHANGED, spec=memory),
+            pb.RotateRequest(
+                **at, from_epoch=1, reason=pb.PLAN_REASON_RUN_AUTHORITY_CHANGED, spec=memory
             ),
-        ),
-        "PrepareCompaction": pb.PrepareCompactionRequest(**on_run, checkpoint_version=1),
-        "CommitCompaction": pb.CommitCompactionRequest(
-            **on_run,
-            expected_checkpoint_version=1,
-            result=pb.CompactionResult(
-                summary="They talked.", source_event_ids=[1], replaced_through_sequence=1
+        ],
+        "StartRun": [
+            pb.StartRunRequest(
+                **at,
+                idempotency_key="k",
+                user_message=pb.UserMessage(text="hello"),
+                admission=pb.RunAdmission(scopes=["web.read"]),
             ),
-        ),
-        "EraseSubject": pb.EraseSubjectRequest(tenant_id=TENANT, person_id="nobody"),
+            pb.StartRunRequest(
+                **at,
+                idempotency_key="k-child",
+                child=pb.ChildSeed(parent_run_id=run, instruction="Check the timetable."),
+                admission=pb.RunAdmission(scopes=["web.read", "mail.send"]),
+            ),
+        ],
+        "AppendItems": [
+            pb.AppendItemsRequest(
+                **on_run,
+                expected_checkpoint_version=1,
+                items=[
+                    pb.ConversationItem(
+                        tool_call=pb.ToolCall(
+                            call_id="c1", tool_name="web.fetch", arguments_json="{}"
+                        )
+                    ),
+                    pb.ConversationItem(
+                        tool_result=pb.ToolResult(
+                            call_id="c1", tool_name="web.fetch", content="page", trust=6
+                        )
+                    ),
+                    pb.ConversationItem(assistant_message=pb.AssistantMessage(text="done")),
+                ],
+            ),
+            pb.AppendItemsRequest(
+                **on_run,
+                expected_checkpoint_version=1,
+                items=[
+                    pb.ConversationItem(
+                        reasoning=pb.ReasoningItem(
+                            provider=pb.PROVIDER_ANTHROPIC,
+                            opaque=b'{"type":"text","text":"I will answer."}',  # not thinking
+                        )
+                    ),
+                    pb.ConversationItem(assistant_message=pb.AssistantMessage(text="done")),
+                ],
+            ),
+        ],
+        "Build": [
+            pb.BuildRequest(**on_run, step=step),
+            pb.BuildRequest(**on_run, step=model_passage),
+        ],
+        "GetBuild": [pb.GetBuildRequest(**at, request_sequence=3)],
+        "ReportUsage": [
+            pb.ReportUsageRequest(
+                **at, request_sequence=3, model_id="claude-sonnet-4-5", input_tokens=900
+            )
+        ],
+        "LoadSkill": [pb.LoadSkillRequest(**at, name="triage", body="Sort it.", trust=2)],
+        "UpdateWorkingState": [
+            pb.UpdateWorkingStateRequest(
+                **on_run,
+                expected_checkpoint_version=1,
+                writer=pb.WRITER_USER,
+                update=pb.WorkingStateUpdate(
+                    objective="Plan the trip",
+                    upsert_tasks=[pb.TaskState(task_id="t1", title="Book", status=1)],
+                    add_facts=[pb.Fact(statement="Leaves Monday", source_event_ids=[1], trust=3)],
+                ),
+            )
+        ],
+        "PrepareCompaction": [pb.PrepareCompactionRequest(**on_run, checkpoint_version=1)],
+        "CommitCompaction": [
+            pb.CommitCompactionRequest(
+                **on_run,
+                expected_checkpoint_version=1,
+                result=pb.CompactionResult(
+                    summary="They talked.", source_event_ids=[1], replaced_through_sequence=1
+                ),
+            )
+        ],
+        "EraseSubject": [pb.EraseSubjectRequest(tenant_id=TENANT, person_id="nobody")],
     }
 
 
@@ -358,8 +410,9 @@ def _mutated(draw: Any, ids: dict[str, list[str]]) -> tuple[str, bytes]:
     """A well-formed request with one to three fields replaced by fuzzed values."""
     seeds = _valid_requests(ids, str(draw(st.uuids())))
     method = draw(st.sampled_from(sorted(seeds)))
-    message = type(seeds[method])()
-    message.CopyFrom(seeds[method])
+    seed = draw(st.sampled_from(seeds[method]))
+    message = type(seed)()
+    message.CopyFrom(seed)
     for _ in range(draw(st.integers(1, 3))):
         holder, field = draw(st.sampled_from(_fields_in(message)))
         value = draw(_value(field, ids, depth=2))
@@ -404,6 +457,12 @@ def test_fuzz_every_rpc(server: Any, capsys: pytest.CaptureFixture[str]) -> None
         for payload in (b"", b"\x12\xff\xff", b"\x12\x05ab"):
             code = _call(channel, method.name, payload, auth)
             assert code in allowed, f"{method.name} answered {code.name} to {payload!r}"
+    # And every seed once as it is: each refusal it sits at is a proper status.
+    for method, seeds in _valid_requests(ids, str(uuid.uuid4())).items():
+        for n, seed in enumerate(seeds):
+            code = _call(channel, method, seed.SerializeToString(), auth)
+            assert code in allowed, f"{method} answered {code.name} to its seed {seed}"
+            assert n == 0 or code is not grpc.StatusCode.OK, f"{method} took {seed}"
     health = health_pb2_grpc.HealthStub(channel)
     assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
     with capsys.disabled():
