@@ -703,3 +703,29 @@ async def test_a_child_runs_message_is_at_most_model_evidence(stub: Any) -> None
         pb.OfferFactCandidatesRequest(tenant_id=TENANT, session_id=session_id)
     )
     assert statement not in [c.fact.statement for c in offered.candidates]
+
+
+async def test_a_question_asked_again_in_the_append_that_answers_it_stays_open(
+    stub: Any, pool: Any
+) -> None:
+    # One AppendItems carries the answer to ask_user call 1 and the model's next turn,
+    # which asks the same question again (call 2, unanswered): the question is pending.
+    # A transition adds before it resolves, so it used to be re-added (a no-op) and then
+    # resolved away; the runtime's update now states the items' net effect.
+    session_id, _ = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "Book me a train")).run.run_id
+    q = "First or second class?"
+
+    def ask(call_id: str) -> pb.ConversationItem:
+        return pb.ConversationItem(
+            tool_call=pb.ToolCall(
+                call_id=call_id,
+                tool_name="conversation.ask_user",
+                arguments_json=json.dumps({"question": q}),
+            )
+        )
+
+    first = await _append(stub, session_id, run_id, 1, ask("ask1"))
+    answer = result("ask1", "Whatever", trust=pb.TRUST_LEVEL_USER, name="conversation.ask_user")
+    await _append(stub, session_id, run_id, first.checkpoint_version, answer, ask("ask2"))
+    assert [e["text"] for e in (await _latest_state(pool, run_id))["open_questions"]] == [q]

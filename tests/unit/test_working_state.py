@@ -682,6 +682,40 @@ def test_a_question_over_2000_characters_is_stored_cut_and_its_answer_resolves_i
 
 
 @pytest.mark.parametrize(
+    ("asked_before", "order", "open_after"),
+    [
+        (True, ("answer 1", "ask 2"), True),
+        (False, ("ask 1", "answer 1"), False),
+        (True, ("answer 1", "ask 2", "answer 2"), False),
+        (False, ("ask 1", "answer 1", "ask 2"), True),
+    ],
+)
+def test_questions_in_one_append_follow_the_items_order(
+    asked_before: bool, order: tuple[str, ...], open_after: bool
+) -> None:
+    """A transition adds questions before it resolves them, so the runtime's update must
+    state the net effect of the items in order. Answered and then asked again in the same
+    AppendItems, the question is pending again and stays open (it used to be added, a
+    no-op, then resolved away); asked and then answered, it is resolved."""
+    q = "Which dates should I book?"
+    items = {
+        "ask 1": _call("c1", "conversation.ask_user", {"question": q}),
+        "answer 1": _result("c1"),
+        "ask 2": _call("c2", "conversation.ask_user", {"question": q}),
+        "answer 2": _result("c2"),
+    }
+    state, existing = WorkingState(), tuple[ToolCall, ...]()
+    if asked_before:  # ask 1 came in an earlier append and opened the question
+        state = _update(Writer.RUNTIME, state, WorkingStateUpdate(add_questions=(q,)), 5)
+        existing = (items.pop("ask 1"),)
+    update = runtime_update(state, existing, [items[name] for name in order])
+    after = _update(Writer.RUNTIME, state, update, 9) if update is not None else state
+    assert [e.text for e in after.open_questions] == ([q] if open_after else [])
+    if open_after and asked_before:  # still the entry the first ask wrote
+        assert after.open_questions == state.open_questions
+
+
+@pytest.mark.parametrize(
     ("is_error", "status"), [(False, TaskStatus.DONE), (True, TaskStatus.BLOCKED)]
 )
 def test_tool_outcomes_move_their_task(is_error: bool, status: TaskStatus) -> None:

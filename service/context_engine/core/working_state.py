@@ -703,22 +703,25 @@ def runtime_update(
     MAX_ENTRY_CHARS) and its result resolves it, unless the result is an error (no answer
     came); a call with a task_id moves that task to in_progress and its result to done
     (blocked when the result is an error). Nothing else
-    is observed; no text is parsed except the ask_user call's typed arguments.
+    is observed; no text is parsed except the ask_user call's typed arguments. Questions
+    follow the items' order: answered then asked again in one append, a question stays
+    open (its entry unchanged); asked then answered, it is resolved.
 
     Raises:
         InvalidFieldError: a tool call names a task_id the working state does not hold.
     """
     calls = {i.call_id: i for i in (*existing, *new) if isinstance(i, ToolCall)}
     known = {t.task_id for t in state.tasks}
-    is_open = {q.text for q in state.open_questions}
-    added: list[str] = []
-    resolved: list[str] = []
+    was_open = {q.text for q in state.open_questions}
+    is_open = set(was_open)
+    asked: dict[str, None] = {}  # questions asked here, first ask first (an ordered set)
+    answered: dict[str, None] = {}
     tasks: list[TaskUpsert] = []
     for index, item in enumerate(new):
         if isinstance(item, ToolCall):
             question = _ask_user_question(item) if item.tool_name == ASK_USER_TOOL else None
             if question is not None and question not in is_open:
-                added.append(question)
+                asked[question] = None
                 is_open.add(question)
             if item.task_id:
                 if item.task_id not in known:
@@ -732,11 +735,18 @@ def runtime_update(
             question = _ask_user_question(call) if call.tool_name == ASK_USER_TOOL else None
             # An error (no answer came) is not an answer: the question stays open.
             if question is not None and question in is_open and not item.is_error:
-                resolved.append(question)
+                answered[question] = None
                 is_open.discard(question)
             if call.task_id in known:
                 status = TaskStatus.BLOCKED if item.is_error else TaskStatus.DONE
                 tasks.append(TaskUpsert(task_id=call.task_id, status=status))
+    # A transition adds before it resolves, so the update states the net effect of the
+    # items in their order: a question open at the end is added if it was not open
+    # before (asked, answered and asked again), never resolved (answered, then asked
+    # again: it stays open as it was); one closed at the end is resolved (asked then
+    # answered here: added and resolved, so the log shows both).
+    added = [q for q in asked if q not in was_open]
+    resolved = [q for q in answered if q not in is_open]
     if not (added or resolved or tasks):
         return None
     return WorkingStateUpdate(
