@@ -116,7 +116,7 @@ async def test_a_transition_writes_a_checkpoint_and_an_event_and_builds_into_row
     label = f"[model #{updated.event_sequence}]"
     assert f"Objective: {label} Weekend in Lyon" in block
     assert f"- {label} Trains only" in block and "Next action:" in block
-    assert f"- Task t1 (open) {label}: Find trains" in block
+    assert f'- {label} Task "t1" (open): Find trains' in block
 
     # Idempotent retries: the same key returns the first result and writes once.
     again = pb.UpdateWorkingStateRequest(

@@ -20,8 +20,10 @@ Rule 5 (trust): every entry records its writer, trust and source sequence. A fac
 is the lowest of its claim and its sources' (`lowest_trust`); below USER it renders only as
 an attributed claim with its source event ids, and where its trust has an envelope, inside
 that nonced envelope. Every entry's text is delimiter-escaped, and continuation lines are
-indented, so no entry can close an envelope or start a line that forges an attribution
-(only constraint and question lines start with "- [writer #sequence]").
+indented, so no entry can close an envelope or start a line that forges an attribution.
+The writer's label comes before any written text on its line ("Objective: [user #4] ...",
+"- [model #7] Task "t1" (open): ..."), and a task id is quoted as a JSON string, so no
+written text can pass for a label.
 Rule 6 (carry): a new run's state is a fold over the log's working-state events (`carry`),
 never a copy of a checkpoint; each run boundary applies CARRY_RULES.
 """
@@ -773,6 +775,12 @@ def _label(entry: Entry | Task | Fact) -> str:
     return f"[{entry.writer.name.lower()} #{entry.source_sequence}]"
 
 
+def _task_id(task_id: str) -> str:
+    """A task id as one JSON string: its quotes, and the label before it, bound where the
+    model's text starts and ends, so an id cannot pass for a status or a writer."""
+    return _one(json.dumps(task_id, ensure_ascii=False))
+
+
 def _events(ids: Sequence[int]) -> str:
     return ", ".join(f"#{i}" for i in ids)
 
@@ -802,7 +810,7 @@ def _render_text(state: WorkingState, secret: bytes, hidden: Iterable[tuple[str,
     if tasks:
         lines.append("Tasks:")
         lines += [
-            f"- Task {_one(t.task_id)} ({t.status.name.lower()}) {_label(t)}: {_one(t.title)}"
+            f"- {_label(t)} Task {_task_id(t.task_id)} ({t.status.name.lower()}): {_one(t.title)}"
             for t in tasks
         ]
     facts = [(n, f) for n, f in enumerate(state.facts) if ("facts", n) not in gone]
