@@ -292,7 +292,7 @@ def _sessions(draw: st.DrawFn) -> tuple[_Session, list[tuple[WorkingState, Worki
     session = _Session()
     steps: list[tuple[WorkingState, WorkingState, object]] = []
     for run in range(draw(st.integers(1, 4))):
-        state = carry(session.log)
+        state = carry(session.log, count_tokens=count_tokens)
         for _ in range(draw(st.integers(0, 12))):
             writer = draw(st.sampled_from(Writer))
             update = draw(_updates(writer))
@@ -365,7 +365,7 @@ def test_carry_from_the_log_is_what_the_runs_saw(
     case: tuple[_Session, list[tuple[WorkingState, WorkingState, object]]],
 ) -> None:
     session, _ = case
-    carried = carry(session.log)
+    carried = carry(session.log, count_tokens=count_tokens)
     assert carried == at_run_boundary(session.finals[-1])
     assert carried.next_action is None, "next_action always resets"
     assert all(t.status not in COMPLETED for t in carried.tasks), "completed tasks drop"
@@ -375,7 +375,7 @@ def test_carry_from_the_log_is_what_the_runs_saw(
     assert carried.facts == last.facts, "facts carry with provenance"
     assert carried.open_questions == last.open_questions, "questions carry until answered"
     # Folding is deterministic and idempotent over the same log.
-    assert carry(list(reversed(session.log))) == carried
+    assert carry(list(reversed(session.log)), count_tokens=count_tokens) == carried
 
 
 def test_a_fold_skips_a_transition_that_no_longer_applies() -> None:
@@ -385,8 +385,90 @@ def test_a_fold_skips_a_transition_that_no_longer_applies() -> None:
         LoggedUpdate(3, "a", Writer.MODEL, WorkingStateUpdate(resolve_questions=("q?",))),
         LoggedUpdate(4, "a", Writer.MODEL, WorkingStateUpdate(next_action="x")),
     ]
-    state = carry(log)
+    state = carry(log, count_tokens=count_tokens)
     assert state.open_questions == () and state.next_action is None
+
+
+def _rules(prefix: str, n: int) -> tuple[str, ...]:
+    # About 80 tokens each under the test counter: ten fit the block, twenty do not.
+    return tuple(f"{prefix} rule {k}: " + "keep the output concise " * 12 for k in range(n))
+
+
+def test_a_carried_state_of_overlapping_runs_fits_its_block() -> None:
+    """Runs A and B overlap (both seeded from an empty log) and each adds constraints its
+    own write check admits. The fold checks the ceiling as a write does, so the next run's
+    state renders: otherwise every Build of that run fails with BUDGET_EXCEEDED although no
+    write was refused, and the model cannot remove the user's constraints to recover."""
+    a = WorkingStateUpdate(add_constraints=_rules("A", 10))
+    b = WorkingStateUpdate(
+        add_constraints=(*_rules("B", 10), "B short"),
+        add_facts=(NewFact(statement="B fact", source_event_ids=(1,), trust=TrustLevel.USER),),
+    )
+    for update, seq in ((a, 3), (b, 4)):  # each write, as its run made it, is admitted
+        _update(Writer.USER, WorkingState(), update, seq)
+    log = [LoggedUpdate(3, "run-a", Writer.USER, a), LoggedUpdate(4, "run-b", Writer.USER, b)]
+    carried = carry(log, count_tokens=count_tokens)
+    block = render_block(carried, secret=SECRET, count_tokens=count_tokens)
+    assert block is not None and count_tokens(block.text) <= BLOCK_TOKENS
+    # Log order decides what carries: all of A, then what of B still fits, one constraint
+    # at a time (a shorter later one still fits); B's other fields carry whole.
+    texts = [c.text for c in carried.constraints]
+    assert texts[:10] == list(_rules("A", 10))
+    assert 10 < len(texts) < 21 and texts[-1] == "B short"
+    assert set(texts[10:]) <= set(b.add_constraints)
+    assert [f.statement for f in carried.facts] == ["B fact"]
+    # Without the check (a facts-only reader) only the list cap binds: 20 constraints.
+    assert len(carry(log, count_tokens=None).constraints) == LIST_CAPS["constraints"]
+
+
+_LONG_RULES = [f"rule {n}: " + "keep the output concise " * (4 * (n % 6 + 1)) for n in range(16)]
+_BIG_FIELDS: dict[str, st.SearchStrategy[object]] = {
+    "objective": st.sampled_from(["Plan the offsite", "Plan it: " + "book, then check " * 40]),
+    "add_constraints": st.lists(st.sampled_from(_LONG_RULES), min_size=1, max_size=4).map(tuple),
+    "remove_constraints": st.lists(st.sampled_from(_LONG_RULES), min_size=1, max_size=2).map(tuple),
+    "next_action": st.sampled_from(["", "Check the fares " * 30]),
+}
+
+
+@st.composite
+def _overlapping_logs(draw: st.DrawFn) -> tuple[list[LoggedUpdate], list[WorkingState]]:
+    """Up to four runs whose writes interleave; each run starts from the fold of the log
+    at its start and checks each write against its own state, as the engine does."""
+    log: list[LoggedUpdate] = []
+    states: dict[int, WorkingState] = {}
+    seeds: list[WorkingState] = []
+    for sequence in range(1, draw(st.integers(1, 20)) + 1):
+        run = draw(st.integers(0, 3))
+        if run not in states:
+            states[run] = carry(log, count_tokens=count_tokens)
+            seeds.append(states[run])
+        writer = draw(st.sampled_from([Writer.USER, Writer.MODEL]))
+        names = draw(st.sets(st.sampled_from(sorted(_BIG_FIELDS)), min_size=1, max_size=3))
+        update = WorkingStateUpdate(**{name: draw(_BIG_FIELDS[name]) for name in sorted(names)})
+        try:
+            states[run] = _update(writer, states[run], update, sequence)
+        except RequestError:
+            continue
+        log.append(LoggedUpdate(sequence, f"run-{run}", writer, update))
+    return log, seeds
+
+
+@SETTINGS
+@given(_overlapping_logs())
+def test_no_fold_of_overlapping_runs_outgrows_the_block(
+    case: tuple[list[LoggedUpdate], list[WorkingState]],
+) -> None:
+    """Whatever the overlapping runs wrote, every state a run starts from renders within
+    the block (the never-yield fields fit with the longest hidden note), so no run is
+    seeded into a state every Build refuses."""
+    log, seeds = case
+    carried = carry(log, count_tokens=count_tokens)
+    for state in (*seeds, carried):
+        assert len(state.constraints) <= LIST_CAPS["constraints"]
+        block = render_block(state, secret=SECRET, count_tokens=count_tokens)
+        assert block is None or count_tokens(block.text) <= BLOCK_TOKENS
+    # The fold is a function of the log alone.
+    assert carry(list(reversed(log)), count_tokens=count_tokens) == carried
 
 
 def test_run_boundary_applies_each_carry_rule() -> None:
@@ -806,4 +888,4 @@ def test_the_fold_skips_only_the_stale_entry_of_a_list() -> None:
     by_a = LoggedUpdate(
         3, "a", Writer.USER, WorkingStateUpdate(resolve_questions=("Which dates?", "Which hotel?"))
     )
-    assert carry([opened, by_b, by_a]).open_questions == ()
+    assert carry([opened, by_b, by_a], count_tokens=count_tokens).open_questions == ()

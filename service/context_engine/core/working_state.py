@@ -25,7 +25,9 @@ The writer's label comes before any written text on its line ("Objective: [user 
 "- [model #7] Task "t1" (open): ..."), and a task id is quoted as a JSON string, so no
 written text can pass for a label.
 Rule 6 (carry): a new run's state is a fold over the log's working-state events (`carry`),
-never a copy of a checkpoint; each run boundary applies CARRY_RULES.
+never a copy of a checkpoint; each run boundary applies CARRY_RULES. The fold checks Rule 4
+as a write does, with the new run's token counter: what overlapping runs wrote together
+and does not fit does not carry, so a carried state always renders.
 """
 
 from __future__ import annotations
@@ -539,7 +541,8 @@ def apply_update(
 
     With `count_tokens`, a transition that grows the never-hiding part of the block
     (objective, constraints, next_action) past BLOCK_TOKENS fails. The log fold (`carry`)
-    passes none: what the log holds was checked when it was written.
+    passes the new run's counter too: each logged write was checked against its own run's
+    state, and two runs that overlapped can together hold more than either checked.
 
     Raises:
         InvalidFieldError: a field the writer may not touch, or a malformed value.
@@ -630,7 +633,7 @@ class LoggedUpdate:
     update: WorkingStateUpdate
 
 
-def carry(updates: Sequence[LoggedUpdate]) -> WorkingState:
+def carry(updates: Sequence[LoggedUpdate], *, count_tokens: TokenCounter | None) -> WorkingState:
     """Fold the log's working-state events (oldest first) into the state a new run carries.
 
     The fold replays every transition, applying CARRY_RULES wherever the run changes, and
@@ -640,6 +643,14 @@ def carry(updates: Sequence[LoggedUpdate]) -> WorkingState:
     them, and a list field that fails whole entry by entry: only what no longer applies is
     skipped. A constraint the user added beside a stale resolution is still the session's,
     and a question resolved beside a stale one is still resolved. The fold never fails.
+
+    Each replay is checked against the block's ceiling with `count_tokens` (the new run's
+    model's counter), as a write is: overlapping runs each checked only their own state,
+    and their union may not fit. What would push the objective, constraints and next
+    action past the ceiling, with the note of what is hidden, is skipped the same way, in
+    log order (the earlier write keeps its place), so every Build of the new run can render
+    the block. None skips the check: only for a reader of the facts, which the ceiling
+    never changes (it decides only the never-hiding fields).
     """
     state = WorkingState()
     run: str | None = None
@@ -647,17 +658,26 @@ def carry(updates: Sequence[LoggedUpdate]) -> WorkingState:
         if run is not None and logged.run_id != run:
             state = at_run_boundary(state)
         run = logged.run_id
-        state = _replay(state, logged)
+        state = _replay(state, logged, count_tokens)
     return at_run_boundary(state)
 
 
-def _replay(state: WorkingState, logged: LoggedUpdate) -> WorkingState:
+def _replay(
+    state: WorkingState, logged: LoggedUpdate, count_tokens: TokenCounter | None
+) -> WorkingState:
     """One logged transition: whole, or else each field, and each entry of a list field,
-    that still applies (carry): a stale resolution skips only that question."""
+    that still applies (carry): a stale resolution skips only that question, a constraint
+    over the ceiling only that constraint."""
 
     def applied(state: WorkingState, update: WorkingStateUpdate) -> WorkingState | None:
         try:
-            return apply_update(state, update, writer=logged.writer, sequence=logged.sequence).state
+            return apply_update(
+                state,
+                update,
+                writer=logged.writer,
+                sequence=logged.sequence,
+                count_tokens=count_tokens,
+            ).state
         except RequestError:
             return None
 
