@@ -116,7 +116,7 @@ async def test_a_transition_writes_a_checkpoint_and_an_event_and_builds_into_row
     label = f"[model #{updated.event_sequence}]"
     assert f"Objective: {label} Weekend in Lyon" in block
     assert f"- {label} Trains only" in block and "Next action:" in block
-    assert f"- Task t1 (open) {label}: Find trains" in block
+    assert f'- {label} Task "t1" (open): Find trains' in block
 
     # Idempotent retries: the same key returns the first result and writes once.
     again = pb.UpdateWorkingStateRequest(
@@ -703,3 +703,57 @@ async def test_a_child_runs_message_is_at_most_model_evidence(stub: Any) -> None
         pb.OfferFactCandidatesRequest(tenant_id=TENANT, session_id=session_id)
     )
     assert statement not in [c.fact.statement for c in offered.candidates]
+
+
+async def test_overlapping_runs_carry_only_the_constraints_a_build_can_render(
+    stub: Any, pool: Any
+) -> None:
+    # Runs A and B overlap, and each one's user states five constraints: every write is
+    # admitted (each run's own never-yield part fits the 1,000-token block), but all ten
+    # do not. The fold checks the ceiling as a write does, with run C's model's counter,
+    # so C carries what fits in log order and builds; before, every Build of C failed
+    # with BUDGET_EXCEEDED (class working_state) and nothing could remove the user's.
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa " * 4
+    session_id, _ = await open_session(stub)
+    a = (await start_run(stub, session_id, "Plan the offsite")).run.run_id
+    b = (await start_run(stub, session_id, "Also book the dinner")).run.run_id
+    rules = {
+        run: [f"{tag} rule {n}: {words}" for n in range(5)] for run, tag in ((a, "A"), (b, "B"))
+    }
+    for run in (a, b):
+        await update_state(
+            stub, session_id, run, 1, writer=pb.WRITER_USER, add_constraints=rules[run]
+        )
+        await _build(stub, session_id, run)  # each run builds fine
+    c = (await start_run(stub, session_id, "Go on")).run.run_id
+    carried = [x["text"] for x in (await _latest_state(pool, c))["constraints"]]
+    assert carried[:5] == rules[a] and 5 < len(carried) < 10
+    assert carried[5:] == rules[b][: len(carried) - 5]
+    block = _block(await _build(stub, session_id, c))
+    assert all(rule in block for rule in carried)
+
+
+async def test_a_question_asked_again_in_the_append_that_answers_it_stays_open(
+    stub: Any, pool: Any
+) -> None:
+    # One AppendItems carries the answer to ask_user call 1 and the model's next turn,
+    # which asks the same question again (call 2, unanswered): the question is pending.
+    # A transition adds before it resolves, so it used to be re-added (a no-op) and then
+    # resolved away; the runtime's update now states the items' net effect.
+    session_id, _ = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "Book me a train")).run.run_id
+    q = "First or second class?"
+
+    def ask(call_id: str) -> pb.ConversationItem:
+        return pb.ConversationItem(
+            tool_call=pb.ToolCall(
+                call_id=call_id,
+                tool_name="conversation.ask_user",
+                arguments_json=json.dumps({"question": q}),
+            )
+        )
+
+    first = await _append(stub, session_id, run_id, 1, ask("ask1"))
+    answer = result("ask1", "Whatever", trust=pb.TRUST_LEVEL_USER, name="conversation.ask_user")
+    await _append(stub, session_id, run_id, first.checkpoint_version, answer, ask("ask2"))
+    assert [e["text"] for e in (await _latest_state(pool, run_id))["open_questions"]] == [q]

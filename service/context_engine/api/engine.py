@@ -346,11 +346,12 @@ class Engine:
         admission: epoch_rules.Admission | None,
         epoch: int,
         revision: int,
-    ) -> list[plans.StoredPlan]:
+    ) -> tuple[plans.StoredPlan, list[plans.StoredPlan]]:
         """A new run's admission, before it pins its tools: rotate when the rules of
-        core/epochs.py say so. -> the rotated plans, in order (the last is the one the run
-        pins); none when the plan stays. Two only after an erasure: its rotation from the
-        pinned authority, then the run's own (core/epochs.py, Rule 2).
+        core/epochs.py say so. -> (the plan the run pins, the rotated plans in order, the
+        last being the one the run pins; none when the plan stays). Two only after an
+        erasure: its rotation from the pinned authority, then the run's own
+        (core/epochs.py, Rule 2).
 
         `epoch` and `revision` are the session's, read under its lock: a kept plan of that
         epoch and revision is the current one, and is not read again."""
@@ -385,7 +386,7 @@ class Engine:
                 # inside StartRun's transaction, so nothing of the run is written.
                 raise exc.as_state(f"for this run's admission ({decision.detail})") from None
             rotated.append(current)
-        return rotated
+        return current, rotated
 
     async def _rotate_invalidated(self, tenant: str, session_id: UUID) -> plans.StoredPlan:
         """Build found the current plan's snapshot invalidated by an erasure: rotate with
@@ -444,14 +445,19 @@ class Engine:
                     reason="PLAN_NOT_FOUND",
                 )
             rotated: list[plans.StoredPlan] = []
+            # The counter of the pinned plan's model: the carried working state must fit
+            # the block its Builds render (a child's state starts empty: none needed).
+            count_tokens: TokenCounter | None = None
             if isinstance(seed, ChildSeed):
                 parent = await runs.read_run_head(conn, tenant, session_id, seed.parent_run_id)
                 epoch = parent.effective_epoch
             else:
                 # Admission precedes the seed: the run pins the epoch it starts on.
-                rotated = await self._admit(conn, tenant, session_id, admission, epoch, revision)
-                if rotated:
-                    epoch = rotated[-1].plan.epoch
+                pinned, rotated = await self._admit(
+                    conn, tenant, session_id, admission, epoch, revision
+                )
+                epoch = pinned.plan.epoch
+                count_tokens = self.count_tokens_for(pinned.plan.model_id)
             if isinstance(seed, UserMessage):
                 # The seeding event and the run row share this transaction, so the run's
                 # seed_event_sequence can never point at an event that did not land.
@@ -482,7 +488,9 @@ class Engine:
                 )
             await runs.insert_run(conn, tenant, run)
             # Working state is folded from the log below the seed (a child's starts empty).
-            state = await ws_api.seed_state(conn, tenant, session_id, run.seed_event_sequence)
+            state = await ws_api.seed_state(
+                conn, tenant, session_id, run.seed_event_sequence, count_tokens
+            )
             # The first checkpoint pins the model's current estimator correction.
             factor = await self._pinned_factor(conn, tenant, session_id, epoch)
             await runs.insert_checkpoint(

@@ -20,10 +20,14 @@ Rule 5 (trust): every entry records its writer, trust and source sequence. A fac
 is the lowest of its claim and its sources' (`lowest_trust`); below USER it renders only as
 an attributed claim with its source event ids, and where its trust has an envelope, inside
 that nonced envelope. Every entry's text is delimiter-escaped, and continuation lines are
-indented, so no entry can close an envelope or start a line that forges an attribution
-(only constraint and question lines start with "- [writer #sequence]").
+indented, so no entry can close an envelope or start a line that forges an attribution.
+The writer's label comes before any written text on its line ("Objective: [user #4] ...",
+"- [model #7] Task "t1" (open): ..."), and a task id is quoted as a JSON string, so no
+written text can pass for a label.
 Rule 6 (carry): a new run's state is a fold over the log's working-state events (`carry`),
-never a copy of a checkpoint; each run boundary applies CARRY_RULES.
+never a copy of a checkpoint; each run boundary applies CARRY_RULES. The fold checks Rule 4
+as a write does, with the new run's token counter: what overlapping runs wrote together
+and does not fit does not carry, so a carried state always renders.
 """
 
 from __future__ import annotations
@@ -537,7 +541,8 @@ def apply_update(
 
     With `count_tokens`, a transition that grows the never-hiding part of the block
     (objective, constraints, next_action) past BLOCK_TOKENS fails. The log fold (`carry`)
-    passes none: what the log holds was checked when it was written.
+    passes the new run's counter too: each logged write was checked against its own run's
+    state, and two runs that overlapped can together hold more than either checked.
 
     Raises:
         InvalidFieldError: a field the writer may not touch, or a malformed value.
@@ -628,7 +633,7 @@ class LoggedUpdate:
     update: WorkingStateUpdate
 
 
-def carry(updates: Sequence[LoggedUpdate]) -> WorkingState:
+def carry(updates: Sequence[LoggedUpdate], *, count_tokens: TokenCounter | None) -> WorkingState:
     """Fold the log's working-state events (oldest first) into the state a new run carries.
 
     The fold replays every transition, applying CARRY_RULES wherever the run changes, and
@@ -638,6 +643,14 @@ def carry(updates: Sequence[LoggedUpdate]) -> WorkingState:
     them, and a list field that fails whole entry by entry: only what no longer applies is
     skipped. A constraint the user added beside a stale resolution is still the session's,
     and a question resolved beside a stale one is still resolved. The fold never fails.
+
+    Each replay is checked against the block's ceiling with `count_tokens` (the new run's
+    model's counter), as a write is: overlapping runs each checked only their own state,
+    and their union may not fit. What would push the objective, constraints and next
+    action past the ceiling, with the note of what is hidden, is skipped the same way, in
+    log order (the earlier write keeps its place), so every Build of the new run can render
+    the block. None skips the check: only for a reader of the facts, which the ceiling
+    never changes (it decides only the never-hiding fields).
     """
     state = WorkingState()
     run: str | None = None
@@ -645,17 +658,26 @@ def carry(updates: Sequence[LoggedUpdate]) -> WorkingState:
         if run is not None and logged.run_id != run:
             state = at_run_boundary(state)
         run = logged.run_id
-        state = _replay(state, logged)
+        state = _replay(state, logged, count_tokens)
     return at_run_boundary(state)
 
 
-def _replay(state: WorkingState, logged: LoggedUpdate) -> WorkingState:
+def _replay(
+    state: WorkingState, logged: LoggedUpdate, count_tokens: TokenCounter | None
+) -> WorkingState:
     """One logged transition: whole, or else each field, and each entry of a list field,
-    that still applies (carry): a stale resolution skips only that question."""
+    that still applies (carry): a stale resolution skips only that question, a constraint
+    over the ceiling only that constraint."""
 
     def applied(state: WorkingState, update: WorkingStateUpdate) -> WorkingState | None:
         try:
-            return apply_update(state, update, writer=logged.writer, sequence=logged.sequence).state
+            return apply_update(
+                state,
+                update,
+                writer=logged.writer,
+                sequence=logged.sequence,
+                count_tokens=count_tokens,
+            ).state
         except RequestError:
             return None
 
@@ -703,22 +725,25 @@ def runtime_update(
     MAX_ENTRY_CHARS) and its result resolves it, unless the result is an error (no answer
     came); a call with a task_id moves that task to in_progress and its result to done
     (blocked when the result is an error). Nothing else
-    is observed; no text is parsed except the ask_user call's typed arguments.
+    is observed; no text is parsed except the ask_user call's typed arguments. Questions
+    follow the items' order: answered then asked again in one append, a question stays
+    open (its entry unchanged); asked then answered, it is resolved.
 
     Raises:
         InvalidFieldError: a tool call names a task_id the working state does not hold.
     """
     calls = {i.call_id: i for i in (*existing, *new) if isinstance(i, ToolCall)}
     known = {t.task_id for t in state.tasks}
-    is_open = {q.text for q in state.open_questions}
-    added: list[str] = []
-    resolved: list[str] = []
+    was_open = {q.text for q in state.open_questions}
+    is_open = set(was_open)
+    asked: dict[str, None] = {}  # questions asked here, first ask first (an ordered set)
+    answered: dict[str, None] = {}
     tasks: list[TaskUpsert] = []
     for index, item in enumerate(new):
         if isinstance(item, ToolCall):
             question = _ask_user_question(item) if item.tool_name == ASK_USER_TOOL else None
             if question is not None and question not in is_open:
-                added.append(question)
+                asked[question] = None
                 is_open.add(question)
             if item.task_id:
                 if item.task_id not in known:
@@ -732,11 +757,18 @@ def runtime_update(
             question = _ask_user_question(call) if call.tool_name == ASK_USER_TOOL else None
             # An error (no answer came) is not an answer: the question stays open.
             if question is not None and question in is_open and not item.is_error:
-                resolved.append(question)
+                answered[question] = None
                 is_open.discard(question)
             if call.task_id in known:
                 status = TaskStatus.BLOCKED if item.is_error else TaskStatus.DONE
                 tasks.append(TaskUpsert(task_id=call.task_id, status=status))
+    # A transition adds before it resolves, so the update states the net effect of the
+    # items in their order: a question open at the end is added if it was not open
+    # before (asked, answered and asked again), never resolved (answered, then asked
+    # again: it stays open as it was); one closed at the end is resolved (asked then
+    # answered here: added and resolved, so the log shows both).
+    added = [q for q in asked if q not in was_open]
+    resolved = [q for q in answered if q not in is_open]
     if not (added or resolved or tasks):
         return None
     return WorkingStateUpdate(
@@ -761,6 +793,12 @@ def _one(text: str) -> str:
 
 def _label(entry: Entry | Task | Fact) -> str:
     return f"[{entry.writer.name.lower()} #{entry.source_sequence}]"
+
+
+def _task_id(task_id: str) -> str:
+    """A task id as one JSON string: its quotes, and the label before it, bound where the
+    model's text starts and ends, so an id cannot pass for a status or a writer."""
+    return _one(json.dumps(task_id, ensure_ascii=False))
 
 
 def _events(ids: Sequence[int]) -> str:
@@ -792,7 +830,7 @@ def _render_text(state: WorkingState, secret: bytes, hidden: Iterable[tuple[str,
     if tasks:
         lines.append("Tasks:")
         lines += [
-            f"- Task {_one(t.task_id)} ({t.status.name.lower()}) {_label(t)}: {_one(t.title)}"
+            f"- {_label(t)} Task {_task_id(t.task_id)} ({t.status.name.lower()}): {_one(t.title)}"
             for t in tasks
         ]
     facts = [(n, f) for n, f in enumerate(state.facts) if ("facts", n) not in gone]
