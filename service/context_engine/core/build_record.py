@@ -81,7 +81,8 @@ __all__ = [
 # @2: failed tool results carry providers/texts.py TOOL_ERROR_AS_TEXT (OpenAI; Anthropic
 # without tools); the estimator charges whitespace runs and control characters; images
 # cost the registry's figure; the run's results are capped before a rung yields;
-# recall's floor is paid with the never-yield set.
+# recall's floor is paid with the never-yield set; a working-state task line names its
+# writer first and quotes its id.
 ASSEMBLER_VERSION = "context-assembler@2"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 ASSEMBLER_KEY = "assembler_version"
