@@ -38,6 +38,7 @@ from context_engine.core.compaction import (
     quoting,
     summary_item,
 )
+from context_engine.core.compaction import _round_up as round_up
 from context_engine.core.errors import InvalidFieldError, PreconditionError, RequestError
 from context_engine.core.items import (
     AssistantMessage,
@@ -417,6 +418,97 @@ def test_the_cut_is_a_prefix_of_whole_pairs(
     trailing = [i for i in checkpoint.items if isinstance(i, UserMessage)]
     if checkpoint.items and isinstance(checkpoint.items[-1], UserMessage):
         assert trailing[-1].sequence > prepared.replaced_through_sequence
+
+
+def _reference_round_up(items: Sequence[ConversationItem], cut: int) -> int:
+    """The cut's rounding as first written: move past the latest result of any call before
+    the cut, and look again (quadratic on interleaved parallel calls)."""
+    while True:
+        calls = {(i.run_id, i.call_id) for i in items[:cut] if isinstance(i, ToolCall)}
+        late = [
+            n
+            for n, i in enumerate(items)
+            if n >= cut and isinstance(i, ToolResult) and (i.run_id, i.call_id) in calls
+        ]
+        if not late:
+            return cut
+        cut = max(late) + 1
+
+
+def _pair_item(kind: str, run: str, call: str, n: int) -> ConversationItem:
+    if kind == "call":
+        return ToolCall(
+            item_id=f"c{n}",
+            call_id=call,
+            tool_name="t",
+            arguments_json="{}",
+            sequence=n,
+            run_id=run,
+        )
+    if kind == "result":
+        return ToolResult(
+            item_id=f"r{n}",
+            call_id=call,
+            tool_name="t",
+            content="ok",
+            trust=TrustLevel.TRUSTED_CONFIGURATION,
+            sequence=n,
+            run_id=run,
+        )
+    return AssistantMessage(item_id=f"a{n}", text="so", sequence=n, run_id=run)
+
+
+@SETTINGS
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["call", "result", "text"]),
+            st.sampled_from(["r1", "r2"]),
+            st.sampled_from(["k1", "k2", "k3", "k4", "k5"]),
+        ),
+        max_size=30,
+    ),
+    st.integers(0, 32),
+)
+def test_the_cut_rounds_up_as_rescanning_after_each_move_does(
+    shape: list[tuple[str, str, str]], cut: int
+) -> None:
+    """The one-pass rounding moves the cut exactly where re-scanning after every move did,
+    whatever the order of calls and results (reused call ids, a result before its call,
+    calls of another run with the same id, an unanswered call)."""
+    items = [_pair_item(kind, run, call, n) for n, (kind, run, call) in enumerate(shape)]
+    assert round_up(items, cut) == _reference_round_up(items, cut)
+
+
+class _Reads(Sequence[ConversationItem]):
+    """Items that count how many of them are read."""
+
+    def __init__(self, items: Sequence[ConversationItem]) -> None:
+        self._items = list(items)
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, index: Any) -> Any:
+        got = self._items[index]
+        self.reads += len(got) if isinstance(index, slice) else 1
+        return got
+
+
+def test_rounding_the_cut_up_reads_each_item_a_bounded_number_of_times() -> None:
+    """Parallel calls whose results interleave with the next call (call0, call1, result0,
+    call2, result1, ...) moved the cut one pair at a time, rebuilding the calls before it
+    and rescanning everything after it per move: quadratic in the history a
+    PrepareCompaction reads. Counted, not timed: each item is read a few times."""
+    pairs = 3_000
+    shape = [("call", "a", "k0")]
+    for n in range(1, pairs):
+        shape += [("call", "a", f"k{n}"), ("result", "a", f"k{n - 1}")]
+    shape.append(("result", "a", f"k{pairs - 1}"))
+    items = _Reads([_pair_item(kind, run, call, n) for n, (kind, run, call) in enumerate(shape)])
+    assert round_up(items, 1) == len(items)
+    assert items.reads <= 3 * len(items), items.reads
 
 
 def test_the_engine_keeps_the_newest_quarter_when_it_chooses() -> None:

@@ -433,17 +433,25 @@ def _pair_key(item: ToolCall | ToolResult) -> tuple[str, str]:
 
 
 def _round_up(items: Sequence[ConversationItem], cut: int) -> int:
-    """Move the cut later until no tool pair straddles it."""
-    while True:
-        calls = {_pair_key(i) for i in items[:cut] if isinstance(i, ToolCall)}
-        late = [
-            n
-            for n, i in enumerate(items)
-            if n >= cut and isinstance(i, ToolResult) and _pair_key(i) in calls
-        ]
-        if not late:
-            return cut
-        cut = max(late) + 1
+    """Move the cut later until no tool pair straddles it: the first cut at or after `cut`
+    with no call before it whose result lies at or after it.
+
+    One pass, not a rescan per pair moved past (quadratic on parallel calls whose results
+    interleave with the next call): `reach` is the last result of any pair whose call lies
+    before the cut, and the cut walks forward, extending it by each call it passes, until
+    it is past the reach.
+    """
+    last_result = {_pair_key(i): n for n, i in enumerate(items) if isinstance(i, ToolResult)}
+    reach = -1
+    for item in items[:cut]:
+        if isinstance(item, ToolCall):
+            reach = max(reach, last_result.get(_pair_key(item), -1))
+    while reach >= cut:
+        item = items[cut]
+        if isinstance(item, ToolCall):
+            reach = max(reach, last_result.get(_pair_key(item), -1))
+        cut += 1
+    return cut
 
 
 def _choose_cut(items: Sequence[ConversationItem], through: int, count_tokens: TokenCounter) -> int:
