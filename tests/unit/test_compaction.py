@@ -20,12 +20,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from context_engine.core import Checkpoint, PlanSpec, Row, assemble
+from context_engine.core import compaction as compaction_module
 from context_engine.core.assemble import active_turn
 from context_engine.core.compaction import (
     MAX_DEPTH,
     POINTER_LINES,
     PROMPT_VERSION,
     RETAIN_PPM,
+    WINDOW_CHARS,
     CompactionResult,
     ElidedSpan,
     Prepared,
@@ -1203,3 +1205,145 @@ def test_trusted_text_as_the_summarizer_saw_it_escaped_licenses_itself() -> None
     # The page's own text is still refused.
     with pytest.raises(InvalidFieldError):
         check_result(prepared, _result(prepared, "The code is X9Q7-ZZ41-KK02-77PQ."), count_tokens)
+
+
+# --- Rule 5's exception at scale -------------------------------------------------------------
+
+
+def _reference_quoting(
+    texts: Sequence[str], sources: Sequence[str], allowed: str
+) -> dict[int, int]:
+    """The laundering check as first written: every shared fragment, or its inside, searched
+    for in the whole trusted text (O(fragments x trusted text))."""
+    index: dict[str, set[int]] = {}
+    for i, text in enumerate(texts):
+        for fragment in compaction_module._fragments(compaction_module._normalize(text)):
+            index.setdefault(fragment, set()).add(i)
+    trusted = compaction_module._normalize(allowed)
+    found: dict[int, int] = {}
+    for j, source in enumerate(sources):
+        for fragment in compaction_module._fragments(compaction_module._normalize(source)):
+            text = fragment.lstrip("\x00")
+            start, end = 0, len(text)
+            while start < end and not text[start].isalnum():
+                start += 1
+            while end > start and not text[end - 1].isalnum():
+                end -= 1
+            licensed = text in trusted or (
+                (start, end) != (0, len(text)) and text[start:end] in trusted
+            )
+            if fragment in index and not licensed:
+                for i in index[fragment]:
+                    found.setdefault(i, j)
+    return found
+
+
+_TOKENS = (
+    "a",
+    "bc",
+    "d1",
+    "e",
+    ",",
+    "(",
+    ").",
+    "!!",
+    "ab12cd34ef56gh78",
+    "ab12cd34ef56gh78?",
+    "(ab12cd34ef56gh78),",
+    "trk55501234567890xy",
+    "wordsworthian",
+)
+
+
+@st.composite
+def _overlapping_texts(draw: st.DrawFn) -> tuple[list[str], list[str], str]:
+    """Summaries, untrusted sources and a trusted text cut from one token sequence, with a
+    few tokens changed and tokens glued or spaced at random: they share many fragments."""
+    base = draw(st.lists(st.sampled_from(_TOKENS), min_size=8, max_size=40))
+
+    def variant() -> str:
+        start = draw(st.integers(0, len(base)))
+        part = list(base[start : draw(st.integers(start, len(base)))])
+        for _ in range(draw(st.integers(0, 3))):
+            if part:
+                part[draw(st.integers(0, len(part) - 1))] = draw(st.sampled_from(_TOKENS))
+        glue = draw(st.lists(st.sampled_from([" ", " ", " ", "", "\n"]), min_size=len(part)))
+        return "".join(g + t for g, t in zip(glue, part, strict=False))
+
+    return [variant(), variant()], [variant(), variant()], variant()
+
+
+@SETTINGS
+@given(_overlapping_texts())
+def test_the_licence_check_decides_as_searching_the_trusted_text_did(
+    case: tuple[list[str], list[str], str],
+) -> None:
+    """The exception is now decided by set lookups (one pass over the trusted text per
+    fragment length), not one substring search per fragment. Fragments of at most 40
+    characters get exactly the old answers, punctuation at their edges included. A longer
+    one (a word window of long words) is licensed only when its inside is the inside of
+    consecutive words of the trusted text: the old search also licensed it glued inside a
+    longer word there. That only refuses more: every summary refused before still is, for
+    the same or an earlier source."""
+    texts, sources, allowed = case
+    new, old = quoting(texts, sources, allowed), _reference_quoting(texts, sources, allowed)
+    long_windows = any(
+        len(" ".join(words[k : k + 8])) > 40
+        for text in texts
+        for words in [compaction_module._normalize(text).split(" ")]
+        for k in range(len(words) - 7)
+    )
+    if not long_windows:
+        assert new == old
+    for i, j in old.items():
+        assert new.get(i, j + 1) <= j
+
+
+class _Scanned(str):
+    """A trusted text that counts the characters read: a search reads all of it, a
+    window lookup one window."""
+
+    read = 0
+
+    def __contains__(self, part: object) -> bool:
+        _Scanned.read += len(self)
+        return str.__contains__(self, part)  # type: ignore[operator]
+
+    def __getitem__(self, index: Any) -> str:
+        _Scanned.read += 1
+        return str.__getitem__(self, index)
+
+    def split(self, *args: Any, **kwargs: Any) -> list[str]:  # type: ignore[override]
+        _Scanned.read += len(self)
+        return str.split(self, *args, **kwargs)
+
+
+def test_the_licence_check_reads_the_trusted_text_a_bounded_number_of_times(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A summary repeating a document the user pasted (trusted) and a tool also returned
+    (untrusted) is legitimate, but each of its ~20,000 shared fragments was searched for in
+    the whole trusted text: O(summary x trusted text), minutes for a 1 MB summary under the
+    session lock. Counted, not timed: the trusted text is now read a few times over,
+    whatever the summary's length (it was read ~20,000 times)."""
+    words = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
+    document = " ".join(f"{words[(n * 7) % 8]}{n % 97}" for n in range(3_000))
+    allowed = f"Please keep this: {document}"
+    normalize = compaction_module._normalize
+
+    def counting(text: str) -> str:
+        return _Scanned(normalize(text)) if text is allowed else normalize(text)
+
+    monkeypatch.setattr(compaction_module, "_normalize", counting)
+    _Scanned.read = 0
+    assert quoting([document], [f"From the web: {document}"], allowed) == {}
+    assert 0 < _Scanned.read <= 8 * len(allowed), _Scanned.read / len(allowed)
+    # Untrusted words glued to the user's, at every edge length: refused. A length with
+    # few strings to find has each searched for (a scan in C, far cheaper than a pass of
+    # window lookups), so the bound is fewer than _FEW searches per length or word count:
+    # a constant, whatever the summary's length (the old check read it ~15,000 times).
+    _Scanned.read = 0
+    summary = " ".join(f"{'!' * (n % 39)}{w}zz{n}" for n, w in enumerate(document.split()[:500]))
+    assert quoting([summary], [summary], allowed) == {0: 0}
+    passes = (WINDOW_CHARS + 8 + 1) * compaction_module._FEW
+    assert _Scanned.read <= passes * len(allowed), _Scanned.read / len(allowed)
