@@ -8,7 +8,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from . import estimator, langchain_compare, load, plan_cost, session_length, transport
+from . import estimator, growth, langchain_compare, load, plan_cost, session_length, transport
 
 # (name, runner, arguments for a full run, arguments for --quick)
 SUITE: tuple[tuple[str, Callable[[list[str]], int], list[str], list[str]], ...] = (
@@ -17,6 +17,7 @@ SUITE: tuple[tuple[str, Callable[[list[str]], int], list[str], list[str]], ...] 
     ("cost vs session length", session_length.main, [], ["--lengths", "50,500", "--builds", "10"]),
     ("vs LangChain trim_messages", langchain_compare.main, [], ["--seconds", "1"]),
     ("plan cost", plan_cost.main, [], ["--calls", "10"]),
+    ("input growth", growth.main, [], ["--factor", "4", "--repeat", "1"]),
     ("load (60 s)", load.main, [], ["--seconds", "10"]),
     ("faults: PostgreSQL restart", load.main, ["--faults"], ["--faults", "--seconds", "15"]),
 )

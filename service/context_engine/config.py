@@ -63,6 +63,10 @@ class Settings(BaseModel):
     readiness_timeout_seconds: float = Field(default=2.0, gt=0)
     # Largest accepted request message; larger fails RESOURCE_EXHAUSTED REQUEST_TOO_LARGE.
     max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
+    # Memory (approximate bytes) a replica keeps of values it read that never change:
+    # checkpoints, carried histories, loaded skills and (a quarter of it) plans
+    # (api/kept.py). 0: keep nothing.
+    replica_cache_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
     # Prometheus scrape endpoint (HOST:PORT, /metrics). Empty: off. OTLP export is
     # configured by the standard OTEL_EXPORTER_OTLP_ENDPOINT environment variable.
     metrics_listen: str = ""

@@ -177,3 +177,42 @@ async def test_first_usage_reports_racing_on_two_replicas_each_count_once(
         if (samples, absorbed) != (4, 4):
             lost.append((absorbed, samples))
     assert lost == [], "(absorbed reports, samples in the factor) of the attempts that lost some"
+
+
+async def test_what_a_replica_keeps_is_weighed_in_bytes(stub: Any, grpc_server: Any) -> None:
+    """A replica's kept checkpoints and histories were bounded by items held (weight: item
+    count + 1): a checkpoint whose one item is a 3 MB tool result (one request, under
+    max_request_bytes) weighed 2, so a full cache of such sessions held ~300 GiB. The
+    weight is now the bytes held, so the budget (replica_cache_bytes) bounds memory."""
+    from context_engine.api.kept import DEFAULT_CACHE_BYTES
+
+    kept = grpc_server.engine._kept
+    tenant = f"kept-{uuid.uuid4().hex[:12]}"
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=tenant, session_id=session_id, spec=spec()))
+    started = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=tenant, session_id=session_id, user_message=pb.UserMessage(text="fetch")
+        )
+    )
+    big = "lorem ipsum " * 250_000  # 3 MB
+    await stub.AppendItems(
+        pb.AppendItemsRequest(
+            tenant_id=tenant,
+            session_id=session_id,
+            run_id=started.run.run_id,
+            expected_checkpoint_version=started.checkpoint_version,
+            items=[call("c1"), result("c1", big), assistant("Fetched.")],
+        )
+    )
+    await stub.Build(
+        pb.BuildRequest(tenant_id=tenant, session_id=session_id, run_id=started.run.run_id)
+    )
+    mine = [(value, weight) for key, (value, weight) in kept._entries.items() if tenant in key]
+    checkpoints = [v for v, _ in mine if hasattr(v, "items") and not isinstance(v, tuple)]
+    assert checkpoints and any(big in getattr(i, "content", "") for i in checkpoints[0].items)
+    # The checkpoint holding the result weighs at least its bytes; what is kept in all
+    # stays within the budget (three quarters of replica_cache_bytes; plans have the rest).
+    assert sum(w for _, w in mine) >= len(big)
+    assert kept._max + grpc_server.engine._plans._max == DEFAULT_CACHE_BYTES
+    assert kept._weight <= kept._max

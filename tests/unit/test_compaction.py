@@ -20,12 +20,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from context_engine.core import Checkpoint, PlanSpec, Row, assemble
+from context_engine.core import compaction as compaction_module
 from context_engine.core.assemble import active_turn
 from context_engine.core.compaction import (
     MAX_DEPTH,
     POINTER_LINES,
     PROMPT_VERSION,
     RETAIN_PPM,
+    WINDOW_CHARS,
     CompactionResult,
     ElidedSpan,
     Prepared,
@@ -38,6 +40,7 @@ from context_engine.core.compaction import (
     quoting,
     summary_item,
 )
+from context_engine.core.compaction import _round_up as round_up
 from context_engine.core.errors import InvalidFieldError, PreconditionError, RequestError
 from context_engine.core.items import (
     AssistantMessage,
@@ -417,6 +420,97 @@ def test_the_cut_is_a_prefix_of_whole_pairs(
     trailing = [i for i in checkpoint.items if isinstance(i, UserMessage)]
     if checkpoint.items and isinstance(checkpoint.items[-1], UserMessage):
         assert trailing[-1].sequence > prepared.replaced_through_sequence
+
+
+def _reference_round_up(items: Sequence[ConversationItem], cut: int) -> int:
+    """The cut's rounding as first written: move past the latest result of any call before
+    the cut, and look again (quadratic on interleaved parallel calls)."""
+    while True:
+        calls = {(i.run_id, i.call_id) for i in items[:cut] if isinstance(i, ToolCall)}
+        late = [
+            n
+            for n, i in enumerate(items)
+            if n >= cut and isinstance(i, ToolResult) and (i.run_id, i.call_id) in calls
+        ]
+        if not late:
+            return cut
+        cut = max(late) + 1
+
+
+def _pair_item(kind: str, run: str, call: str, n: int) -> ConversationItem:
+    if kind == "call":
+        return ToolCall(
+            item_id=f"c{n}",
+            call_id=call,
+            tool_name="t",
+            arguments_json="{}",
+            sequence=n,
+            run_id=run,
+        )
+    if kind == "result":
+        return ToolResult(
+            item_id=f"r{n}",
+            call_id=call,
+            tool_name="t",
+            content="ok",
+            trust=TrustLevel.TRUSTED_CONFIGURATION,
+            sequence=n,
+            run_id=run,
+        )
+    return AssistantMessage(item_id=f"a{n}", text="so", sequence=n, run_id=run)
+
+
+@SETTINGS
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["call", "result", "text"]),
+            st.sampled_from(["r1", "r2"]),
+            st.sampled_from(["k1", "k2", "k3", "k4", "k5"]),
+        ),
+        max_size=30,
+    ),
+    st.integers(0, 32),
+)
+def test_the_cut_rounds_up_as_rescanning_after_each_move_does(
+    shape: list[tuple[str, str, str]], cut: int
+) -> None:
+    """The one-pass rounding moves the cut exactly where re-scanning after every move did,
+    whatever the order of calls and results (reused call ids, a result before its call,
+    calls of another run with the same id, an unanswered call)."""
+    items = [_pair_item(kind, run, call, n) for n, (kind, run, call) in enumerate(shape)]
+    assert round_up(items, cut) == _reference_round_up(items, cut)
+
+
+class _Reads(Sequence[ConversationItem]):
+    """Items that count how many of them are read."""
+
+    def __init__(self, items: Sequence[ConversationItem]) -> None:
+        self._items = list(items)
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, index: Any) -> Any:
+        got = self._items[index]
+        self.reads += len(got) if isinstance(index, slice) else 1
+        return got
+
+
+def test_rounding_the_cut_up_reads_each_item_a_bounded_number_of_times() -> None:
+    """Parallel calls whose results interleave with the next call (call0, call1, result0,
+    call2, result1, ...) moved the cut one pair at a time, rebuilding the calls before it
+    and rescanning everything after it per move: quadratic in the history a
+    PrepareCompaction reads. Counted, not timed: each item is read a few times."""
+    pairs = 3_000
+    shape = [("call", "a", "k0")]
+    for n in range(1, pairs):
+        shape += [("call", "a", f"k{n}"), ("result", "a", f"k{n - 1}")]
+    shape.append(("result", "a", f"k{pairs - 1}"))
+    items = _Reads([_pair_item(kind, run, call, n) for n, (kind, run, call) in enumerate(shape)])
+    assert round_up(items, 1) == len(items)
+    assert items.reads <= 3 * len(items), items.reads
 
 
 def test_the_engine_keeps_the_newest_quarter_when_it_chooses() -> None:
@@ -1111,3 +1205,145 @@ def test_trusted_text_as_the_summarizer_saw_it_escaped_licenses_itself() -> None
     # The page's own text is still refused.
     with pytest.raises(InvalidFieldError):
         check_result(prepared, _result(prepared, "The code is X9Q7-ZZ41-KK02-77PQ."), count_tokens)
+
+
+# --- Rule 5's exception at scale -------------------------------------------------------------
+
+
+def _reference_quoting(
+    texts: Sequence[str], sources: Sequence[str], allowed: str
+) -> dict[int, int]:
+    """The laundering check as first written: every shared fragment, or its inside, searched
+    for in the whole trusted text (O(fragments x trusted text))."""
+    index: dict[str, set[int]] = {}
+    for i, text in enumerate(texts):
+        for fragment in compaction_module._fragments(compaction_module._normalize(text)):
+            index.setdefault(fragment, set()).add(i)
+    trusted = compaction_module._normalize(allowed)
+    found: dict[int, int] = {}
+    for j, source in enumerate(sources):
+        for fragment in compaction_module._fragments(compaction_module._normalize(source)):
+            text = fragment.lstrip("\x00")
+            start, end = 0, len(text)
+            while start < end and not text[start].isalnum():
+                start += 1
+            while end > start and not text[end - 1].isalnum():
+                end -= 1
+            licensed = text in trusted or (
+                (start, end) != (0, len(text)) and text[start:end] in trusted
+            )
+            if fragment in index and not licensed:
+                for i in index[fragment]:
+                    found.setdefault(i, j)
+    return found
+
+
+_TOKENS = (
+    "a",
+    "bc",
+    "d1",
+    "e",
+    ",",
+    "(",
+    ").",
+    "!!",
+    "ab12cd34ef56gh78",
+    "ab12cd34ef56gh78?",
+    "(ab12cd34ef56gh78),",
+    "trk55501234567890xy",
+    "wordsworthian",
+)
+
+
+@st.composite
+def _overlapping_texts(draw: st.DrawFn) -> tuple[list[str], list[str], str]:
+    """Summaries, untrusted sources and a trusted text cut from one token sequence, with a
+    few tokens changed and tokens glued or spaced at random: they share many fragments."""
+    base = draw(st.lists(st.sampled_from(_TOKENS), min_size=8, max_size=40))
+
+    def variant() -> str:
+        start = draw(st.integers(0, len(base)))
+        part = list(base[start : draw(st.integers(start, len(base)))])
+        for _ in range(draw(st.integers(0, 3))):
+            if part:
+                part[draw(st.integers(0, len(part) - 1))] = draw(st.sampled_from(_TOKENS))
+        glue = draw(st.lists(st.sampled_from([" ", " ", " ", "", "\n"]), min_size=len(part)))
+        return "".join(g + t for g, t in zip(glue, part, strict=False))
+
+    return [variant(), variant()], [variant(), variant()], variant()
+
+
+@SETTINGS
+@given(_overlapping_texts())
+def test_the_licence_check_decides_as_searching_the_trusted_text_did(
+    case: tuple[list[str], list[str], str],
+) -> None:
+    """The exception is now decided by set lookups (one pass over the trusted text per
+    fragment length), not one substring search per fragment. Fragments of at most 40
+    characters get exactly the old answers, punctuation at their edges included. A longer
+    one (a word window of long words) is licensed only when its inside is the inside of
+    consecutive words of the trusted text: the old search also licensed it glued inside a
+    longer word there. That only refuses more: every summary refused before still is, for
+    the same or an earlier source."""
+    texts, sources, allowed = case
+    new, old = quoting(texts, sources, allowed), _reference_quoting(texts, sources, allowed)
+    long_windows = any(
+        len(" ".join(words[k : k + 8])) > 40
+        for text in texts
+        for words in [compaction_module._normalize(text).split(" ")]
+        for k in range(len(words) - 7)
+    )
+    if not long_windows:
+        assert new == old
+    for i, j in old.items():
+        assert new.get(i, j + 1) <= j
+
+
+class _Scanned(str):
+    """A trusted text that counts the characters read: a search reads all of it, a
+    window lookup one window."""
+
+    read = 0
+
+    def __contains__(self, part: object) -> bool:
+        _Scanned.read += len(self)
+        return str.__contains__(self, part)  # type: ignore[operator]
+
+    def __getitem__(self, index: Any) -> str:
+        _Scanned.read += 1
+        return str.__getitem__(self, index)
+
+    def split(self, *args: Any, **kwargs: Any) -> list[str]:  # type: ignore[override]
+        _Scanned.read += len(self)
+        return str.split(self, *args, **kwargs)
+
+
+def test_the_licence_check_reads_the_trusted_text_a_bounded_number_of_times(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A summary repeating a document the user pasted (trusted) and a tool also returned
+    (untrusted) is legitimate, but each of its ~20,000 shared fragments was searched for in
+    the whole trusted text: O(summary x trusted text), minutes for a 1 MB summary under the
+    session lock. Counted, not timed: the trusted text is now read a few times over,
+    whatever the summary's length (it was read ~20,000 times)."""
+    words = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
+    document = " ".join(f"{words[(n * 7) % 8]}{n % 97}" for n in range(3_000))
+    allowed = f"Please keep this: {document}"
+    normalize = compaction_module._normalize
+
+    def counting(text: str) -> str:
+        return _Scanned(normalize(text)) if text is allowed else normalize(text)
+
+    monkeypatch.setattr(compaction_module, "_normalize", counting)
+    _Scanned.read = 0
+    assert quoting([document], [f"From the web: {document}"], allowed) == {}
+    assert 0 < _Scanned.read <= 8 * len(allowed), _Scanned.read / len(allowed)
+    # Untrusted words glued to the user's, at every edge length: refused. A length with
+    # few strings to find has each searched for (a scan in C, far cheaper than a pass of
+    # window lookups), so the bound is fewer than _FEW searches per length or word count:
+    # a constant, whatever the summary's length (the old check read it ~15,000 times).
+    _Scanned.read = 0
+    summary = " ".join(f"{'!' * (n % 39)}{w}zz{n}" for n, w in enumerate(document.split()[:500]))
+    assert quoting([summary], [summary], allowed) == {0: 0}
+    passes = (WINDOW_CHARS + 8 + 1) * compaction_module._FEW
+    assert _Scanned.read <= passes * len(allowed), _Scanned.read / len(allowed)

@@ -1,9 +1,13 @@
-"""api/kept.py: what a replica keeps across requests is bounded by weight, least recently
-used first, and can be forgotten by key (an erasure rewrote a session's plans)."""
+"""api/kept.py: what a replica keeps across requests is bounded by weight (approximate
+bytes), least recently used first, and can be forgotten by key (an erasure rewrote a
+session's plans)."""
 
 from __future__ import annotations
 
-from context_engine.api.kept import Kept
+from context_engine.api.kept import DEFAULT_CACHE_BYTES, Kept, approximate_bytes
+from context_engine.core import Checkpoint
+from context_engine.core.items import ToolResult, UserMessage
+from context_engine.core.trust import TrustLevel
 
 
 def test_the_least_recently_used_go_first_once_the_weight_is_over() -> None:
@@ -42,3 +46,50 @@ def test_forgetting_by_key_frees_its_weight() -> None:
     kept.put(("t", "s3", 1), 1, 1)
     kept.put(("t", "s3", 2), 2, 1)
     assert [kept.get(("t", "s2", e)) for e in (1, 2)] == [1, 2]
+
+
+def test_a_value_weighs_what_its_text_holds_not_how_many_items_it_has() -> None:
+    """The engine weighs what it keeps in approximate bytes (api/kept.py): a checkpoint
+    whose one item is a 3 MB tool result weighed 2 (items + 1), so a budget of 200,000
+    could hold hundreds of GiB. Now it weighs at least its text, and a short item little."""
+    big = "lorem ipsum " * 250_000
+    result = ToolResult(
+        item_id="r1",
+        call_id="c1",
+        tool_name="web.fetch",
+        content=big,
+        trust=TrustLevel.EXTERNAL_UNTRUSTED,
+        sequence=2,
+        run_id="r",
+    )
+    heavy = Checkpoint(run_id="r", version=2, items=(result,))
+    light = Checkpoint(
+        run_id="r", version=2, items=(UserMessage(item_id="u", text="hi", sequence=1),)
+    )
+    assert len(big) <= approximate_bytes(heavy) <= len(big) + 8_192
+    assert approximate_bytes(light) < 4_096
+    # Non-ASCII text is held at up to four bytes a character, and weighed so.
+    wide = "\U0001f600" * 1_000
+    assert approximate_bytes(wide) >= 4 * len(wide)
+    # Containers, dataclasses and mappings count what they hold.
+    assert approximate_bytes({"k": (big, [big])}) >= 2 * len(big)
+
+
+def test_a_kept_budget_in_bytes_holds_a_few_large_values_not_hundreds_of_thousands() -> None:
+    kept = Kept(max_weight=10 * 2**20)
+    for n in range(10):
+        value = "x" * 3 * 2**20
+        kept.put(n, value, approximate_bytes(value))
+    assert sum(kept.get(n) is not None for n in range(10)) == 3  # the three most recent
+    assert kept.get(9) is not None and kept.get(6) is None
+
+
+def test_the_replica_cache_budget_is_a_setting_in_bytes() -> None:
+    """replica_cache_bytes bounds what a replica keeps: three quarters for checkpoints and
+    histories, a quarter for plans; the default is DEFAULT_CACHE_BYTES."""
+    from context_engine.api.server import build_engine
+    from context_engine.config import Settings
+
+    assert Settings().replica_cache_bytes == DEFAULT_CACHE_BYTES
+    engine = build_engine(None, settings=Settings(replica_cache_bytes=4_000_000))  # type: ignore[arg-type]
+    assert (engine._kept._max, engine._plans._max) == (3_000_000, 1_000_000)

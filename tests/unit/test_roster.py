@@ -490,6 +490,38 @@ def test_index_line_lists_required_in_schema_order_then_optional_by_name() -> No
     assert index_line(tool("clock.now", description="")) == "clock.now()"
 
 
+class _CountedName(str):
+    """A parameter name that counts how often it is hashed (each set or dict it enters)."""
+
+    hashes = 0
+
+    def __hash__(self) -> int:
+        _CountedName.hashes += 1
+        return str.__hash__(self)
+
+
+def test_index_line_reads_the_required_names_a_bounded_number_of_times() -> None:
+    """The set of required names was rebuilt for every property (`set(required)` inside
+    the generator): a wide discovered schema cost properties x required, at every Plan and
+    Rotate. Counted, not timed: each required name is hashed a constant number of times,
+    whatever the number of properties."""
+    names = [f"p{i}" for i in range(2_000)]
+    required = [_CountedName(n) for n in names[::2]]
+    wide = tool(
+        "wide.tool",
+        description="Wide.",
+        input_schema={
+            "type": "object",
+            "properties": {name: {} for name in names},
+            "required": required,
+        },
+    )
+    _CountedName.hashes = 0
+    line = index_line(wide)
+    assert line.startswith("wide.tool(p0, p2, p4,") and "p1?" in line
+    assert _CountedName.hashes <= 3 * len(required), _CountedName.hashes
+
+
 @pytest.mark.parametrize(
     ("text", "sentence"),
     [

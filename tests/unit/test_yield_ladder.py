@@ -17,6 +17,7 @@ from context_engine.core.yield_ladder import (
     LADDER,
     Body,
     Truncatable,
+    YieldStep,
     pointer_for,
     run_ladder,
 )
@@ -283,3 +284,178 @@ def test_run_results_over_their_cap_are_truncated_before_knowledge_yields() -> N
     assert [(s.step, s.item_ids) for s in body.steps] == [
         ("truncate_tool_results", ("i2000", "i2001"))
     ]
+
+
+class _Counted(int):
+    """A line cost that counts every addition it takes part in (sum() and running totals),
+    so a test can bound the ladder's work without a clock."""
+
+    additions = 0
+
+    def __radd__(self, other: int) -> int:
+        _Counted.additions += 1
+        return int(other) + int(self)
+
+    def __add__(self, other: int) -> int:
+        _Counted.additions += 1
+        return int(self) + int(other)
+
+
+def test_trimming_recall_and_dropping_knowledge_read_each_cost_a_bounded_number_of_times() -> None:
+    """Both rungs re-summed every kept unit (recall_tokens, knowledge_tokens, fits) for each
+    unit they dropped: quadratic in the lines a Build carries (25,000 recall lines held the
+    event loop for 9 s). With running totals each cost is added a constant number of times,
+    counted here, not timed: 4,000 lines took ~16 million additions before, fewer than
+    4 per line now."""
+    lines = 4_000
+    body = Body(
+        budget=100_000,
+        fixed=0,
+        history_floor=8_000,
+        tool_result_cap=25_000,
+        knowledge=[(_item(n), _Counted(5)) for n in range(lines)],
+        recall=[(_item(lines + n), _Counted(5)) for n in range(lines)],
+        recall_floor=0,
+        carried_costs=[],
+        run_results=[],
+        carried_results=[],
+        cut_at=_suffix_cut,
+    )
+    _Counted.additions = 0
+    run_ladder(body)
+    assert body.recall_kept * 5 <= RECALL.cap_tokens < len(body.recall) * 5  # it did trim
+    assert body.knowledge_kept <= KNOWLEDGE.cap_items < len(body.knowledge)  # it did drop
+    assert _Counted.additions < 4 * 2 * lines, _Counted.additions
+
+
+def _reference_ladder(body: Body) -> bool:
+    """The ladder as first written: every condition re-measured from the body after every
+    unit (quadratic, obviously the rules). run_ladder must take exactly its steps."""
+    run_total, capped = body.run_result_tokens(), []
+    for t in body.run_results:
+        if run_total <= body.tool_result_cap:
+            break
+        if t.saving > 0:
+            t.truncated = t.for_cap = True
+            run_total -= t.saving
+            capped.append(t)
+    for name, units in (("drop_knowledge", body.knowledge), ("trim_recall", body.recall)):
+        freed, ids = 0, []
+        while True:
+            if name == "drop_knowledge":
+                more = body.knowledge_kept > 0 and (_knowledge_over_cap(body) or not body.fits())
+            else:
+                more = body.recall_kept > body.recall_floor and (
+                    body.recall_tokens() > RECALL.cap_tokens or not body.fits()
+                )
+            if not more:
+                break
+            if name == "drop_knowledge":
+                body.knowledge_kept -= 1
+                item, cost = units[body.knowledge_kept]
+            else:
+                body.recall_kept -= 1
+                item, cost = units[body.recall_kept]
+            freed, ids = freed + cost, [*ids, item.item_id]
+        if ids:
+            body.steps.append(YieldStep(name, freed, tuple(ids)))
+    freed, ids = sum(t.saving for t in capped), [t.item.item_id for t in capped]
+    while not body.fits():
+        paid, history = body.paid(), body.history_total()
+        need = paid + min(body.history_floor, history)
+        chosen = next(
+            (
+                t
+                for t in (*body.carried_results, *body.run_results)
+                if not t.truncated
+                and t.saving > 0
+                and (
+                    t.carried_index < 0 or paid + min(body.history_floor, history - t.saving) < need
+                )
+            ),
+            None,
+        )
+        if chosen is None:
+            break
+        chosen.truncated = True
+        if chosen.carried_index >= 0:
+            body.carried_costs[chosen.carried_index] = chosen.pointer_cost
+        freed, ids = freed + chosen.saving, [*ids, chosen.item.item_id]
+    if body.fits():
+        for t in body.results_in_request(body.cut()):
+            if not body.tool_results_over_cap():
+                break
+            if not t.truncated and t.saving > 0:
+                t.truncated = t.for_cap = True
+                freed, ids = freed + t.saving, [*ids, t.item.item_id]
+    if ids:
+        body.steps.append(YieldStep("truncate_tool_results", freed, tuple(ids)))
+    if not body.fits():
+        body.steps.append(YieldStep("compact", 0, ()))
+        return False
+    return True
+
+
+@st.composite
+def crowded_specs(draw: st.DrawFn) -> Spec:
+    """Many small units around the floor, so carried results become worth truncating only
+    after later ones were (history falling back under its floor)."""
+    spec = draw(specs())
+    result = st.tuples(st.integers(1, 400), st.integers(0, 40))
+    spec.carried = draw(
+        st.lists(st.one_of(st.tuples(st.integers(0, 300), st.none()), result), max_size=40)
+    )
+    spec.run = draw(st.lists(result, max_size=20))
+    spec.recall = draw(st.lists(st.integers(0, 300), max_size=30))
+    spec.recall_floor = draw(st.integers(0, len(spec.recall) + 1))
+    spec.floor = draw(st.sampled_from([0, 300, 1_000, 3_000, 8_000]))
+    spec.budget = draw(st.integers(0, 12_000))
+    return spec
+
+
+@GATE
+@given(st.one_of(specs(), crowded_specs()))
+def test_the_ladder_takes_exactly_the_steps_of_re_measuring_after_every_unit(
+    spec: Spec,
+) -> None:
+    """The rungs keep running totals (and a heap of the carried results worth truncating)
+    instead of re-measuring the body after every unit, which was quadratic; the answer
+    must be the same, unit for unit."""
+    body, reference = spec.body(), spec.body()
+    assert run_ladder(body) == _reference_ladder(reference)
+    assert body.steps == reference.steps
+    assert (body.knowledge_kept, body.recall_kept) == (
+        reference.knowledge_kept,
+        reference.recall_kept,
+    )
+    assert body.carried_costs == reference.carried_costs
+    assert [(t.truncated, t.for_cap) for t in (*body.carried_results, *body.run_results)] == [
+        (t.truncated, t.for_cap) for t in (*reference.carried_results, *reference.run_results)
+    ]
+
+
+def test_truncating_for_pressure_re_measures_nothing_per_result() -> None:
+    """Truncating tool results for the fit re-scanned the results from the oldest and
+    re-summed the body per truncation: quadratic (4,000 results: 7 s on the event loop).
+    Counted, not timed: each result's cost now takes part in a bounded number of additions."""
+    n = 2_000
+    carried = [Truncatable(i, _Counted(100), _Counted(10), _item(3000 + i)) for i in range(n)]
+    body = Body(
+        budget=50_000,
+        fixed=0,
+        history_floor=8_000,
+        tool_result_cap=10**9,
+        knowledge=[],
+        recall=[],
+        recall_floor=0,
+        carried_costs=[_Counted(100) for _ in range(n)],
+        run_results=[
+            Truncatable(-1, _Counted(100), _Counted(10), _item(6000 + i)) for i in range(n)
+        ],
+        carried_results=carried,
+        cut_at=_suffix_cut,
+    )
+    _Counted.additions = 0
+    assert run_ladder(body)
+    assert sum(t.truncated for t in body.run_results) > n // 2  # it did truncate
+    assert _Counted.additions < 10 * 2 * n, _Counted.additions

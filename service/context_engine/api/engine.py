@@ -61,7 +61,7 @@ from ..store.db import acquire, transaction
 from ..store.events import EVENT_TYPE_OF_ITEM, NewEvent, item_payload
 from . import usage as usage_api
 from . import working_state as ws_api
-from .kept import Kept
+from .kept import DEFAULT_CACHE_BYTES, Kept, approximate_bytes
 
 __all__ = ["BuildResult", "ChildSeed", "Engine", "RunStarted"]
 
@@ -121,9 +121,6 @@ class BuildResult:
     rendered: RenderedPayload | None = None  # provider payload; None without a request
 
 
-_PLANS_KEPT = 4_096
-
-
 class Engine:
     def __init__(
         self,
@@ -139,6 +136,7 @@ class Engine:
         image_tokens_of: Callable[[str], int] | None = None,
         inline_maximum_bytes: int = DEFAULT_INLINE_MAXIMUM_BYTES,
         cache_breakpoints_of: Callable[[str], int | None] | None = None,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         self.pool = pool
         # A model's cache-marker budget (the registry's max_cache_breakpoints; None: the
@@ -155,11 +153,12 @@ class Engine:
         self._clock = clock
         self._new_id = new_id
         self._new_secret = new_secret
-        # Plans are immutable per (tenant, session, epoch), so a replica may keep them: the
-        # most recently used _PLANS_KEPT of them (a replica serves any number of sessions).
-        self._plans = Kept(max_weight=_PLANS_KEPT)
-        # Checkpoint versions and the log below a pinned seed never change (api/kept.py).
-        self._kept = Kept()
+        # Plans are immutable per (tenant, session, epoch), so a replica may keep them, and
+        # checkpoint versions and the log below a pinned seed never change (api/kept.py):
+        # the most recently used, within `cache_bytes` (replica_cache_bytes) in all, plans
+        # taking a quarter of it. A replica serves any number of sessions.
+        self._plans = Kept(max_weight=cache_bytes // 4)
+        self._kept = Kept(max_weight=cache_bytes - cache_bytes // 4)
 
     def new_id(self) -> str:
         return self._new_id()
@@ -251,7 +250,7 @@ class Engine:
                 return cached
         async with telemetry.span("store.read_plan"), acquire(self.pool) as conn:
             stored = await plans.read_plan(conn, tenant, session_id, epoch)
-        self._plans.put((tenant, session_id, stored.plan.epoch), stored, 1)
+        self._plans.put((tenant, session_id, stored.plan.epoch), stored, approximate_bytes(stored))
         return stored
 
     async def rotate(
@@ -615,21 +614,29 @@ class Engine:
         floor) and reads only what lies past it: a new run's first Build reads the turns
         since the last run, not the whole log."""
         prefix_key = ("logged", tenant, session_id, floor)
-        known: tuple[int, tuple[ConversationItem, ...]] | None = self._kept.get(prefix_key)
+        # (below, items, their approximate bytes): an extension weighs only what it read.
+        known: tuple[int, tuple[ConversationItem, ...], int] | None = self._kept.get(prefix_key)
         if known is not None and known[0] <= below:
-            start, prefix = known
-            more = await events.read_carried_items(
-                conn, tenant, session_id, below_sequence=below, above_sequence=max(floor, start - 1)
+            start, prefix, weight = known
+            more = tuple(
+                await events.read_carried_items(
+                    conn,
+                    tenant,
+                    session_id,
+                    below_sequence=below,
+                    above_sequence=max(floor, start - 1),
+                )
             )
-            logged = prefix + tuple(more)
+            logged, weight = prefix + more, weight + approximate_bytes(more)
         else:
             logged = tuple(
                 await events.read_carried_items(
                     conn, tenant, session_id, below_sequence=below, above_sequence=floor
                 )
             )
+            weight = approximate_bytes(logged)
         if known is None or known[0] <= below:
-            self._kept.put(prefix_key, (below, logged), len(logged) + 1)
+            self._kept.put(prefix_key, (below, logged, weight), weight)
         return logged
 
     # --- build ------------------------------------------------------------------------
@@ -675,7 +682,9 @@ class Engine:
             if checkpoint is None:
                 checkpoint = await runs.read_checkpoint(conn, tenant, run_id, version)
                 self._kept.put(
-                    ("checkpoint", tenant, run_id, version), checkpoint, len(checkpoint.items) + 1
+                    ("checkpoint", tenant, run_id, version),
+                    checkpoint,
+                    approximate_bytes(checkpoint),
                 )
             below = seed_cut(run.seed_event_sequence)
             floor = checkpoint.replaced_through_sequence
@@ -684,14 +693,16 @@ class Engine:
             if carried is None:
                 logged = await self._logged(conn, tenant, session_id, below, floor)
                 carried = carried_history(logged)
-                self._kept.put(carried_key, carried, len(carried) + 1)
+                self._kept.put(carried_key, carried, approximate_bytes(carried))
             # Loaded skills are append-only and never unloaded: the first N are the same on
             # every read, so a count names them (and none costs no round trip).
             loaded_key = ("skills", tenant, session_id, skills)
             loaded = self._kept.get(loaded_key) if skills else []
             if loaded is None:
                 loaded = await skill_store.read_loaded(conn, tenant, session_id)
-                self._kept.put(("skills", tenant, session_id, len(loaded)), loaded, len(loaded))
+                self._kept.put(
+                    ("skills", tenant, session_id, len(loaded)), loaded, approximate_bytes(loaded)
+                )
         if skills_loaded is not None:
             loaded = loaded[:skills_loaded]  # sticky and append-only: a prefix is the past
         # An active run keeps its pinned plan across other runs' admission rotations; any

@@ -6,23 +6,70 @@ sequence is append-only, so the parsed checkpoint and the projected carried hist
 them spares the parse, and hands the core the same item objects every time, so its
 render and cost memos hit. The log below a later run's seed extends the log below an
 earlier one's (the log is append-only), so the longest prefix read per (session, floor) is
-kept too and extended rather than read again (Engine._logged). The bound is on items
-held, not entries: a 5,000-turn history weighs what it holds.
+kept too and extended rather than read again (Engine._logged). Plans are immutable per
+(tenant, session, epoch) and kept the same way.
+
+The bound is on memory, in approximate bytes (`approximate_bytes`: the strings held plus a
+fixed cost per object), not on entries or items: one item can be a 3 MB tool result, so a
+bound on items let a replica keep ~200,000 of them. The weight is computed once, when a
+value is put (after the read it spares, which costs as much).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-__all__ = ["Kept"]
+from pydantic import BaseModel
+
+__all__ = ["DEFAULT_CACHE_BYTES", "Kept", "approximate_bytes"]
+
+# The replica_cache_bytes setting's default (config.py): checkpoints, carried histories,
+# loaded skills and plans together.
+DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
+
+_OBJECT = 64  # what an object costs beyond the strings it holds (header, fields, slots)
+_REFERENCE = 8  # one slot of a tuple, list or set; twice that per dict entry
+_SCALAR = 32  # a number, enum member, None or datetime
+
+
+def approximate_bytes(value: object) -> int:
+    """Roughly the memory `value` holds: every str and bytes at its size in memory
+    (sys.getsizeof: four bytes a character where one character needs it), plus a fixed
+    cost per model, dataclass, container and scalar. A value shared by several entries is
+    counted in each (an over-estimate: the bound errs toward keeping less)."""
+    total = 0
+    pending: list[object] = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str | bytes):
+            total += sys.getsizeof(item)
+        elif isinstance(item, BaseModel):
+            total += _OBJECT
+            pending.extend(item.__dict__.values())
+        elif isinstance(item, tuple | list | set | frozenset):
+            total += _OBJECT + _REFERENCE * len(item)
+            pending.extend(item)
+        elif isinstance(item, dict):
+            total += _OBJECT + 2 * _REFERENCE * len(item)
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            total += _OBJECT
+            pending.extend(getattr(item, f.name) for f in dataclasses.fields(item))
+        else:
+            total += _SCALAR
+    return total
 
 
 class Kept:
-    """A least-recently-used map bounded by the total weight of its values."""
+    """A least-recently-used map bounded by the total weight of its values (the engine
+    weighs them in approximate bytes)."""
 
-    def __init__(self, max_weight: int = 200_000) -> None:
+    def __init__(self, max_weight: int) -> None:
         self._max = max_weight
         self._weight = 0
         self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()

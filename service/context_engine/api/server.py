@@ -82,6 +82,7 @@ def build_engine(
         cache_breakpoints_of=catalog.cache_breakpoints,
         image_tokens_of=catalog.image_tokens,
         inline_maximum_bytes=settings.inline_maximum_bytes,
+        cache_bytes=settings.replica_cache_bytes,
         default_policy=PlatformPolicySpec(version=DEFAULT_POLICY_VERSION, text=DEFAULT_POLICY_TEXT),
         clock=lambda: datetime.now(UTC),
         new_id=lambda: str(uuid.uuid4()),

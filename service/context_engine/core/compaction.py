@@ -50,7 +50,12 @@ shown with its delimiters escaped (text the user or a trusted source supplied is
 laundered by repeating it). The exception sets aside what is neither letter nor digit at
 a fragment's edges (punctuation, spaces): "ab12cd34ef56gh78," repeats the user's
 "ab12cd34ef56gh78?" though the comma came from the untrusted side. Only the edges: a
-fragment's inside is still compared whole, so untrusted text is refused as before.
+fragment's inside is still compared whole, so untrusted text is refused as before. A
+word window longer than 40 characters is compared word for word: its inside must be the
+inside of consecutive words of the trusted text (a first word glued to the end of a longer
+trusted word does not count). The exception is decided by set lookups, at most one pass
+over the trusted text per fragment length or word count, never a search per fragment:
+that was O(summary x trusted text), minutes for a 1 MB summary under the session lock.
 Working-state entries whose trust is not VETTED (the model's own, runtime questions
 included) are not trusted input: they license nothing, and only VETTED constraints and
 questions are listed for the summary to retain (the rest stay in the working-state block,
@@ -250,44 +255,122 @@ def _fragments(normalized: str) -> Iterator[str]:
     yield from _runs(normalized)
 
 
-def _licensed(fragment: str, allowed: str) -> bool:
-    """Rule 5's exception: the fragment occurs in the (normalized) trusted text, or does
-    once the non-alphanumeric characters at its edges are set aside."""
-    text = fragment.lstrip("\x00")
-    if text in allowed:
-        return True
+def _inside(text: str) -> str:
+    """The text without what is neither letter nor digit at its edges (Rule 5's exception)."""
     start, end = 0, len(text)
     while start < end and not text[start].isalnum():
         start += 1
     while end > start and not text[end - 1].isalnum():
         end -= 1
-    # Punctuation alone carries nothing to launder: an all-punctuation fragment is licensed.
-    return (start, end) != (0, len(text)) and text[start:end] in allowed
+    return text[start:end]
+
+
+# Below this many strings of one length (or word count), each is searched for in the
+# trusted text (a fast scan in C); from it on, one pass over the trusted text looks every
+# window of that length up in a set: the cost is bounded by one pass, not one per string.
+_FEW = 32
+
+
+def _occurring(wanted: Iterable[str], allowed: str) -> set[str]:
+    """Which of `wanted` (at most WINDOW_CHARS long) occur in `allowed`."""
+    by_length: dict[int, set[str]] = {}
+    for text in wanted:
+        by_length.setdefault(len(text), set()).add(text)
+    found: set[str] = set()
+    n = len(allowed)
+    for length, texts in by_length.items():
+        if len(texts) < _FEW:
+            found.update(t for t in texts if t in allowed)
+        elif length <= n:
+            windows = map(
+                allowed.__getitem__, map(slice, range(n - length + 1), range(length, n + 1))
+            )
+            found |= texts.intersection(windows)
+    return found
+
+
+def _inside_words(wanted: Iterable[str], allowed: str) -> set[str]:
+    """Which of `wanted` (insides of word windows, longer than WINDOW_CHARS) are the inside
+    of consecutive words of `allowed`."""
+    by_count: dict[int, set[str]] = {}
+    for text in wanted:
+        by_count.setdefault(text.count(" ") + 1, set()).add(text)
+    found: set[str] = set()
+    words = allowed.split(" ")
+    for count, texts in by_count.items():
+        if len(texts) < _FEW:
+            # Consecutive words are a substring: what the text lacks, no window has.
+            texts = {t for t in texts if t in allowed}
+            if not texts:
+                continue
+        insides = (_inside(" ".join(words[k : k + count])) for k in range(len(words) - count + 1))
+        found |= texts.intersection(insides)
+    return found
+
+
+def _licensed(fragments: Iterable[str], allowed: str) -> set[str]:
+    """Rule 5's exception: the fragments the (normalized) trusted text licenses.
+
+    A fragment of at most WINDOW_CHARS characters is licensed when it, or its inside (the
+    fragment without the non-alphanumeric characters at its edges), occurs in the trusted
+    text. A longer one (only a word window is) when its inside is the inside of consecutive
+    words of the trusted text: a substring search per fragment made the check
+    O(fragments x trusted text); fixed-length windows and word windows are looked up in
+    sets instead, so the check is linear in both texts (at most one pass over the trusted
+    text per fragment length, and per word count).
+    """
+    # As given first: most shared fragments are licensed so (text the user pasted that a
+    # tool returned too), and only the rest need their insides looked at.
+    given: dict[str, str] = {fragment: fragment.lstrip("\x00") for fragment in fragments}
+    found = _occurring((t for t in given.values() if len(t) <= WINDOW_CHARS), allowed)
+    licensed = {f for f, t in given.items() if t in found}
+    exact: dict[str, list[str]] = {}  # inside to find -> the fragments it licenses
+    words: dict[str, list[str]] = {}  # inside to find as words -> the fragments it licenses
+    for fragment, text in given.items():
+        if fragment in licensed:
+            continue
+        inside = _inside(text)
+        if not inside:
+            # Punctuation alone carries nothing to launder: an all-punctuation fragment is
+            # licensed.
+            licensed.add(fragment)
+        elif len(inside) <= WINDOW_CHARS:
+            if inside != text:
+                exact.setdefault(inside, []).append(fragment)
+        else:
+            words.setdefault(inside, []).append(fragment)
+    for inside in _occurring(exact, allowed):
+        licensed.update(exact[inside])
+    for inside in _inside_words(words, allowed):
+        licensed.update(words[inside])
+    return licensed
 
 
 def quoting(texts: Sequence[str], sources: Sequence[str], allowed: str = "") -> dict[int, int]:
     """Which of `texts` carry text from which of `sources` (Rule 5): text index -> the index
-    of the first source it quotes. Fragments that also occur in `allowed` do not count."""
+    of the first source it quotes. Fragments the trusted text `allowed` licenses do not
+    count (`_licensed`)."""
     index: dict[str, set[int]] = {}
     for i, text in enumerate(texts):
         for fragment in _fragments(_normalize(text)):
             index.setdefault(fragment, set()).add(i)
-    if not index:
-        return {}
-    allowed_n = _normalize(allowed)
-    permitted: dict[str, bool] = {}
-    found: dict[int, int] = {}
+    # Each fragment a source shares with the texts, with the first source that holds it;
+    # the licensing is then decided for all of them at once.
+    first: dict[str, int] = {}
     for j, source in enumerate(sources):
         for fragment in _fragments(_normalize(source)):
-            holders = index.get(fragment)
-            if holders is None:
-                continue
-            if fragment not in permitted:
-                permitted[fragment] = _licensed(fragment, allowed_n)
-            if not permitted[fragment]:
-                for i in holders:
-                    found.setdefault(i, j)
-    return found
+            if fragment in index and fragment not in first:
+                first[fragment] = j
+    if not first:
+        return {}
+    licensed = _licensed(first, _normalize(allowed))
+    found: dict[int, int] = {}
+    for fragment, j in first.items():
+        if fragment not in licensed:
+            for i in index[fragment]:
+                if j < found.get(i, len(sources)):
+                    found[i] = j
+    return dict(sorted(found.items()))
 
 
 # --- pointers and transcript lines ---------------------------------------------------------
@@ -433,17 +516,25 @@ def _pair_key(item: ToolCall | ToolResult) -> tuple[str, str]:
 
 
 def _round_up(items: Sequence[ConversationItem], cut: int) -> int:
-    """Move the cut later until no tool pair straddles it."""
-    while True:
-        calls = {_pair_key(i) for i in items[:cut] if isinstance(i, ToolCall)}
-        late = [
-            n
-            for n, i in enumerate(items)
-            if n >= cut and isinstance(i, ToolResult) and _pair_key(i) in calls
-        ]
-        if not late:
-            return cut
-        cut = max(late) + 1
+    """Move the cut later until no tool pair straddles it: the first cut at or after `cut`
+    with no call before it whose result lies at or after it.
+
+    One pass, not a rescan per pair moved past (quadratic on parallel calls whose results
+    interleave with the next call): `reach` is the last result of any pair whose call lies
+    before the cut, and the cut walks forward, extending it by each call it passes, until
+    it is past the reach.
+    """
+    last_result = {_pair_key(i): n for n, i in enumerate(items) if isinstance(i, ToolResult)}
+    reach = -1
+    for item in items[:cut]:
+        if isinstance(item, ToolCall):
+            reach = max(reach, last_result.get(_pair_key(item), -1))
+    while reach >= cut:
+        item = items[cut]
+        if isinstance(item, ToolCall):
+            reach = max(reach, last_result.get(_pair_key(item), -1))
+        cut += 1
+    return cut
 
 
 def _choose_cut(items: Sequence[ConversationItem], through: int, count_tokens: TokenCounter) -> int:

@@ -403,7 +403,8 @@ def index_line(tool: ToolSpec) -> str:
     )
     properties = schema.get("properties")
     names = properties.keys() if isinstance(properties, dict) else ()
-    optional = sorted(n for n in names if n not in set(required))
+    is_required = set(required)  # once: a wide schema made this per-name rebuild quadratic
+    optional = sorted(n for n in names if n not in is_required)
     params = ", ".join([*required, *(f"{n}?" for n in optional)])
     sentence = first_sentence(tool.description)
     head = f"{tool.name}({params})"

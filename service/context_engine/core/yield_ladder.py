@@ -23,11 +23,16 @@ Rule 4 (compaction is a write): the last rung only reports; Build never compacts
 Changing the order, a unit or a stopping rule changes what a request keeps: bump
 core/build_record.py ASSEMBLER_VERSION (its Rule 8), so recorded requests are not rebuilt
 by rules they were not cut by.
+Cost: a Build may carry tens of thousands of recall lines or tool results, on the event
+loop, so the rungs keep running totals rather than re-measuring the body per unit: linear
+in the units (the tool-result rung O(n log n)), with the answer of re-measuring each time
+(tests/unit/test_yield_ladder.py compares the two).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import heapq
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -197,13 +202,16 @@ def _record(body: Body, step: str, freed: int, ids: list[str]) -> None:
 def _drop_knowledge(body: Body) -> None:
     cap = CLASS_CAPS["knowledge"]
     freed, ids = 0, []
+    # Running totals, not the measures: only knowledge_kept moves here, and re-summing the
+    # kept passages per dropped one made the rung quadratic. Same integers, same answer.
+    kept = body.knowledge_tokens()
+    rest = body.need() - kept  # what fits() counts besides the kept passages
     while body.knowledge_kept > 0 and (
-        body.knowledge_kept > cap.cap_items
-        or body.knowledge_tokens() > cap.cap_tokens
-        or not body.fits()
+        body.knowledge_kept > cap.cap_items or kept > cap.cap_tokens or rest + kept > body.budget
     ):
         body.knowledge_kept -= 1
         item, cost = body.knowledge[body.knowledge_kept]
+        kept -= cost
         freed += cost
         ids.append(item.item_id)
     _record(body, "drop_knowledge", freed, ids)
@@ -212,11 +220,16 @@ def _drop_knowledge(body: Body) -> None:
 def _trim_recall(body: Body) -> None:
     cap = CLASS_CAPS["recall"]
     freed, ids = 0, []
+    # One pass with running totals (as _drop_knowledge): re-summing the kept lines for every
+    # dropped one was quadratic in the recall lines, on the event loop (25,000 lines: 9 s).
+    kept = body.recall_tokens()
+    rest = body.need() - kept  # what fits() counts besides the kept lines
     while body.recall_kept > body.recall_floor and (
-        body.recall_tokens() > cap.cap_tokens or not body.fits()
+        kept > cap.cap_tokens or rest + kept > body.budget
     ):
         body.recall_kept -= 1
         item, cost = body.recall[body.recall_kept]
+        kept -= cost
         freed += cost
         ids.append(item.item_id)
     _record(body, "trim_recall", freed, ids)
@@ -255,13 +268,8 @@ def _truncate_tool_results(body: Body, freed: int = 0, ids: list[str] | None = N
     results a re-check after every truncation would take.
     """
     ids = [] if ids is None else ids
-    while not body.fits():
-        chosen = _next_for_pressure(body)
-        if chosen is None:
-            break
+    for chosen in _for_pressure(body):
         chosen.truncated = True
-        if chosen.carried_index >= 0:
-            body.carried_costs[chosen.carried_index] = chosen.pointer_cost
         freed += chosen.saving
         ids.append(chosen.item.item_id)
     if body.fits():
@@ -280,21 +288,40 @@ def _truncate_tool_results(body: Body, freed: int = 0, ids: list[str] | None = N
     _record(body, "truncate_tool_results", freed, ids)
 
 
-def _oldest_first(body: Body) -> list[Truncatable]:
-    # Carried results are older than every result of the run.
-    return [*body.carried_results, *body.run_results]
+def _for_pressure(body: Body) -> Iterator[Truncatable]:
+    """The results to truncate for the fit, in order: each time the oldest result whose
+    truncation lowers what the body needs, until it fits or none does. Carried results are
+    older than every result of the run; the caller marks each one truncated.
 
-
-def _next_for_pressure(body: Body) -> Truncatable | None:
-    """The oldest result whose truncation lowers what the body needs (a carried result
-    beyond history's floor frees nothing the fit counts, so it is not truncated for it)."""
+    A run result always lowers the need. A carried one lowers it only while history is
+    within its floor after the saving (beyond the floor it frees nothing the fit counts):
+    saving > history - floor. History only shrinks here, so a carried result once eligible
+    stays so, and an earlier one may become eligible after a later one's truncation: the
+    eligible are kept in a heap by age and admitted largest saving first. Running totals
+    and the heap make this O(n log n); re-scanning the results and re-summing the body per
+    truncation was quadratic (4,000 results: 7 s on the event loop).
+    """
+    floor = body.history_floor
     paid, history = body.paid(), body.history_total()
-    need = paid + min(body.history_floor, history)
-    for candidate in _oldest_first(body):
-        if candidate.truncated or candidate.saving <= 0:
-            continue
-        if candidate.carried_index < 0:
-            return candidate
-        if paid + min(body.history_floor, history - candidate.saving) < need:
-            return candidate
-    return None
+    carried = [t for t in body.carried_results if not t.truncated and t.saving > 0]
+    by_saving = sorted(range(len(carried)), key=lambda n: -carried[n].saving)
+    admitted = 0
+    eligible: list[int] = []  # indices into `carried`, a heap: the oldest first
+    run = (t for t in body.run_results if not t.truncated and t.saving > 0)
+    while paid + min(floor, history) > body.budget:
+        while admitted < len(by_saving) and carried[by_saving[admitted]].saving > history - floor:
+            heapq.heappush(eligible, by_saving[admitted])
+            admitted += 1
+        if eligible:
+            chosen = carried[heapq.heappop(eligible)]
+            history -= body.carried_costs[chosen.carried_index] - chosen.pointer_cost
+            body.carried_costs[chosen.carried_index] = chosen.pointer_cost
+        else:
+            # No carried result can help now, nor later: only carried truncations move
+            # history. The run's results go oldest first.
+            next_run = next(run, None)
+            if next_run is None:
+                return
+            chosen = next_run
+            paid -= chosen.saving
+        yield chosen
