@@ -1216,6 +1216,35 @@ async def test_a_rotation_after_an_erasure_that_no_longer_fits_is_the_sessions_s
             await server.stop(0)
 
 
+async def test_a_rotate_without_spec_that_outgrows_the_capacity_names_no_field(
+    pool: Any,
+) -> None:
+    """A Rotate without `spec` rebuilds the pinned spec. When that no longer leaves a body
+    (the model's window shrank since the session opened), no field of the request is at
+    fault: FAILED_PRECONDITION PREFIX_OVER_CAPACITY, not INVALID_FIELD naming a
+    `spec.*` the request does not carry; and nothing rotates."""
+    wide, wide_channel, wide_server = await _replica_with_window(pool, 200_000)
+    narrow, narrow_channel, narrow_server = await _replica_with_window(pool, 8_500)
+    try:
+        session_id, plan = await _open(wide, spec(model_id="claude-window"))
+        request = pb.RotateRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            from_epoch=plan.epoch,
+            reason=pb.PLAN_REASON_BUILDER_UPGRADED,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await narrow.Rotate(request)
+        assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert details(caught.value)[:2] == ("PREFIX_OVER_CAPACITY", [])
+        assert await _rotations(pool, session_id) == []
+        assert (await wide.Rotate(request)).plan.epoch == 2  # where it fits, it rotates
+    finally:
+        for channel, server in ((wide_channel, wide_server), (narrow_channel, narrow_server)):
+            await channel.close()
+            await server.stop(0)
+
+
 async def test_a_child_run_takes_no_admission(stub: Any, pool: Any) -> None:
     """A child inherits its parent's authority and is never admitted: a child request that
     states an admission is refused, naming the field, and nothing rotates."""

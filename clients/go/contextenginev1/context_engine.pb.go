@@ -611,13 +611,14 @@ const (
 	// Plan and Rotate refuse such a roster up front (INVALID_FIELD, spec.tools); this arises
 	// when a rotated roster defines a name colliding with a call already in the history.
 	ErrorReason_ERROR_REASON_TOOL_NAME_COLLISION ErrorReason = 28
-	// FAILED_PRECONDITION (StartRun admission, Build after an erasure): a plan the engine
-	// rebuilt from the session's own spec (a run's admission granted scopes whose tools join
-	// the roster; the rotation after an erasure) leaves no room for a request body beside
-	// its prefix and output reserve (metadata capacity_tokens, context_window,
-	// reserve_output_tokens, prefix_tokens). Nothing is written; rotate with a spec that
-	// fits. Plan and Rotate, whose request carries the spec, refuse the same capacity as
-	// INVALID_FIELD naming spec.policy_cap_tokens or spec.reserve_output_tokens.
+	// FAILED_PRECONDITION (StartRun admission, Build after an erasure, Rotate without a
+	// spec): a plan the engine rebuilt from the session's own spec (a run's admission granted
+	// scopes whose tools join the roster; the rotation after an erasure; a Rotate that sends
+	// no spec) leaves no room for a request body beside its prefix and output reserve
+	// (metadata capacity_tokens, context_window, reserve_output_tokens, prefix_tokens).
+	// Nothing is written; rotate with a spec that fits. Plan and a Rotate whose request
+	// carries the spec refuse the same capacity as INVALID_FIELD naming
+	// spec.policy_cap_tokens or spec.reserve_output_tokens.
 	ErrorReason_ERROR_REASON_PREFIX_OVER_CAPACITY ErrorReason = 29
 )
 

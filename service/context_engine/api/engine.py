@@ -280,9 +280,15 @@ class Engine:
                     metadata={"current_epoch": str(epoch)},
                 )
             current = await plans.read_plan(conn, tenant, session_id)
-            rotated = await self._rotate_locked(
-                conn, tenant, session_id, current, reason, spec, detail
-            )
+            try:
+                rotated = await self._rotate_locked(
+                    conn, tenant, session_id, current, reason, spec, detail
+                )
+            except CapacityError as exc:
+                if spec is not None:
+                    raise  # the caller's spec: INVALID_FIELD names its field
+                # Rebuilt from the session's pinned spec: no field of this request is at fault.
+                raise exc.as_state(f"for a {reason.name.lower()} rotation") from None
         return rotated
 
     async def _rotate_locked(
