@@ -12,6 +12,9 @@ constraint the user also stated is the user's; restating never lowers an entry's
 Rule 3 (bounds): LIST_CAPS. Constraints never evict: at the cap add_constraints fails
 (WORKING_STATE_CAP) and nothing changes. Tasks, facts and open questions evict at their
 caps: completed entries first, then the stalest (oldest last-written sequence) first.
+The caps apply after a whole update is merged, so a transition finds each entry's match
+by its key (text, task id, statement), never by a scan: its cost is linear in what it
+carries.
 Rule 4 (block): the rendered block is capped at BLOCK_TOKENS. Evictable entries are hidden
 at render in the same order (the state and the log keep them); objective, constraints and
 next_action never hide, so a transition that would put them alone, with the longest note
@@ -33,6 +36,7 @@ and does not fit does not carry, so a carried state always renders.
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum, IntEnum
@@ -341,10 +345,16 @@ def _remove_constraints(state: WorkingState, values: tuple[str, ...], ctx: _Ctx)
 
 def _add_constraints(state: WorkingState, values: tuple[str, ...], ctx: _Ctx) -> WorkingState:
     constraints = list(state.constraints)
+    # Each text's first position, for a lookup per entry instead of a scan (Rule 3's cap
+    # is checked only after the whole list, so the list may be long).
+    where: dict[str, int] = {}
+    for i, c in enumerate(constraints):
+        where.setdefault(c.text, i)
     for n, text in enumerate(values):
         _text(text, f"update.add_constraints[{n}]")
-        at = next((i for i, c in enumerate(constraints) if c.text == text), None)
+        at = where.get(text)
         if at is None:
+            where[text] = len(constraints)
             constraints.append(ctx.entry(text))
         elif _outranks(ctx.writer, constraints[at].writer):
             # The user stating the model's constraint makes it the user's (Rule 2), in place.
@@ -367,6 +377,9 @@ def _add_constraints(state: WorkingState, values: tuple[str, ...], ctx: _Ctx) ->
 
 def _upsert_tasks(state: WorkingState, values: tuple[TaskUpsert, ...], ctx: _Ctx) -> WorkingState:
     tasks = list(state.tasks)
+    where: dict[str, int] = {}  # each task id's first position: a lookup, not a scan
+    for i, t in enumerate(tasks):
+        where.setdefault(t.task_id, i)
     for n, upsert in enumerate(values):
         field = f"update.upsert_tasks[{n}]"
         if not upsert.task_id or len(upsert.task_id) > MAX_TASK_ID_CHARS:
@@ -376,7 +389,7 @@ def _upsert_tasks(state: WorkingState, values: tuple[TaskUpsert, ...], ctx: _Ctx
             )
         if upsert.title:
             _text(upsert.title, f"{field}.title")
-        at = next((i for i, t in enumerate(tasks) if t.task_id == upsert.task_id), None)
+        at = where.get(upsert.task_id)
         if at is None:
             if ctx.writer is Writer.RUNTIME:
                 raise InvalidFieldError(
@@ -385,6 +398,7 @@ def _upsert_tasks(state: WorkingState, values: tuple[TaskUpsert, ...], ctx: _Ctx
                 )
             if not upsert.title:
                 raise InvalidFieldError("a new task needs a title", field=f"{field}.title")
+            where[upsert.task_id] = len(tasks)
             tasks.append(
                 Task(
                     task_id=upsert.task_id,
@@ -406,8 +420,29 @@ def _upsert_tasks(state: WorkingState, values: tuple[TaskUpsert, ...], ctx: _Ctx
     return state.model_copy(update={"tasks": tuple(tasks)})
 
 
+@dataclass(slots=True)
+class _Written:
+    """A fact this transition writes, its evidence merged in place as it is restated."""
+
+    statement: str
+    ids: set[int]
+    trust: TrustLevel
+
+
+def _positions(keys: Iterable[str]) -> dict[str, deque[int]]:
+    """Each key's positions in `keys`, first first: the entry a text names without a scan."""
+    where: dict[str, deque[int]] = {}
+    for i, key in enumerate(keys):
+        where.setdefault(key, deque()).append(i)
+    return where
+
+
 def _add_facts(state: WorkingState, values: tuple[NewFact, ...], ctx: _Ctx) -> WorkingState:
-    facts = list(state.facts)
+    # The facts by slot, in list order: a restated fact leaves its slot for a new one at
+    # the end (a dict deletion and insertion, not a list pop and append), and `where` finds
+    # the first fact of a statement, so each entry costs the same however many came before.
+    live: dict[int, Fact | _Written] = dict(enumerate(state.facts))
+    where = _positions(f.statement for f in state.facts)
     for n, new in enumerate(values):
         field = f"update.add_facts[{n}]"
         _text(new.statement, f"{field}.statement")
@@ -416,46 +451,63 @@ def _add_facts(state: WorkingState, values: tuple[NewFact, ...], ctx: _Ctx) -> W
                 "a fact needs the session sequences of the events it rests on",
                 field=f"{field}.source_event_ids",
             )
-        ids = tuple(sorted(set(new.source_event_ids)))
-        at = next((i for i, f in enumerate(facts) if f.statement == new.statement), None)
-        if at is not None:
+        written = _Written(new.statement, set(new.source_event_ids), new.trust)
+        slots = where.setdefault(new.statement, deque())
+        if slots:
             # The same statement again: one entry resting on the union of its evidence, as
             # trusted as the least trusted evidence.
-            old = facts.pop(at)
-            ids = tuple(sorted(set(ids) | set(old.source_event_ids)))
-            new = new.model_copy(update={"trust": lowest_trust((old.trust, new.trust))})
-        facts.append(
-            Fact(
-                statement=new.statement,
-                source_event_ids=ids,
-                trust=new.trust,
-                writer=ctx.writer,
-                source_sequence=ctx.sequence,
-            )
+            old = live.pop(slots.popleft())
+            if isinstance(old, Fact):
+                written.ids.update(old.source_event_ids)
+            else:  # written earlier in this transition: merge into it, not a copy of it
+                old.ids.update(written.ids)
+                written.ids = old.ids
+            written.trust = lowest_trust((old.trust, new.trust))
+        slot = len(state.facts) + n
+        live[slot] = written
+        slots.append(slot)
+    facts = tuple(
+        fact
+        if isinstance(fact, Fact)
+        else Fact(
+            statement=fact.statement,
+            source_event_ids=tuple(sorted(fact.ids)),
+            trust=fact.trust,
+            writer=ctx.writer,
+            source_sequence=ctx.sequence,
         )
-    return state.model_copy(update={"facts": tuple(facts)})
+        for fact in live.values()
+    )
+    return state.model_copy(update={"facts": facts})
 
 
 def _add_questions(state: WorkingState, values: tuple[str, ...], ctx: _Ctx) -> WorkingState:
     questions = list(state.open_questions)
+    asked = {q.text for q in questions}  # a lookup per entry instead of a scan
     for n, text in enumerate(values):
         _text(text, f"update.add_questions[{n}]")
-        if all(q.text != text for q in questions):
+        if text not in asked:
+            asked.add(text)
             questions.append(ctx.entry(text))
     return state.model_copy(update={"open_questions": tuple(questions)})
 
 
 def _resolve_questions(state: WorkingState, values: tuple[str, ...], ctx: _Ctx) -> WorkingState:
-    questions = list(state.open_questions)
+    questions = state.open_questions
+    # The runtime adds and resolves in one transition (asked and answered in one append),
+    # so the list may be long: find each question by its text, not by a scan.
+    where = _positions(q.text for q in questions)
+    gone: set[int] = set()
     for n, text in enumerate(values):
-        found = next((q for q in questions if q.text == text), None)
-        if found is None:
+        slots = where.get(text)
+        if not slots:
             raise InvalidFieldError(
                 "no such open question (exact text required)",
                 field=f"update.resolve_questions[{n}]",
             )
-        questions.remove(found)
-    return state.model_copy(update={"open_questions": tuple(questions)})
+        gone.add(slots.popleft())
+    kept = tuple(q for i, q in enumerate(questions) if i not in gone)
+    return state.model_copy(update={"open_questions": kept})
 
 
 def _set_next_action(state: WorkingState, value: str, ctx: _Ctx) -> WorkingState:
@@ -488,11 +540,9 @@ def _evict(
     if len(entries) <= cap:
         return entries, []
     order = sorted(range(len(entries)), key=lambda i: (*key(entries[i]), i))
-    drop = set(order[: len(entries) - cap])
-    return (
-        tuple(e for i, e in enumerate(entries) if i not in drop),
-        [entries[i] for i in sorted(drop, key=order.index)],
-    )
+    dropped = order[: len(entries) - cap]  # in eviction order
+    drop = set(dropped)
+    return tuple(e for i, e in enumerate(entries) if i not in drop), [entries[i] for i in dropped]
 
 
 def _task_age(t: Task) -> tuple[int, int]:
