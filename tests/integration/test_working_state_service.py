@@ -209,6 +209,20 @@ async def test_protected_constraints_caps_and_bad_input_write_nothing(stub: Any,
             (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD"),
             "update",
         ),
+        (
+            # More entries than a list could ever keep (twice its cap): refused before
+            # any work, however valid each entry is.
+            update_state(
+                stub,
+                session_id,
+                run_id,
+                version,
+                writer=pb.WRITER_USER,
+                add_questions=[f"Question {n}?" for n in range(41)],
+            ),
+            (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD"),
+            "update.add_questions",
+        ),
     ]
     for awaitable, (code, reason), field in cases:
         got_code, got_reason, fields = await _refused(awaitable)

@@ -36,6 +36,7 @@ from context_engine.core.working_state import (
     LIST_CAPS,
     MAX_ENTRY_CHARS,
     MAX_TASK_ID_CHARS,
+    MAX_UPDATE_ENTRIES,
     SOURCE_TRUST_OF_EVENT,
     UPDATE_TOOL,
     WRITER_FIELDS,
@@ -63,6 +64,7 @@ from context_engine.core.working_state import (
     apply_update,
     at_run_boundary,
     carry,
+    check_update_sizes,
     lowest_trust,
     render_block,
     runtime_update,
@@ -1350,3 +1352,46 @@ def test_a_long_runtime_transition_gives_what_the_scans_gave() -> None:
     indexed, scanned = _both(state, Writer.RUNTIME, update, 9, count_tokens)
     assert indexed == scanned
     assert len(json.loads(str(indexed[0]))["open_questions"]) == LIST_CAPS["open_questions"]
+
+
+def test_an_update_carries_at_most_twice_each_lists_cap() -> None:
+    """The caps apply after the whole update is merged, so nothing else limited how many
+    entries one UpdateWorkingState carried: the excess could never be kept, yet cost work
+    under the session lock and a log entry every later run replays. Twice the cap is room
+    to touch every entry a list holds and add as many new ones; one more is refused before
+    anything is read, naming the field."""
+    assert MAX_UPDATE_ENTRIES == {
+        "remove_constraints": 40,
+        "add_constraints": 40,
+        "upsert_tasks": 60,
+        "add_facts": 80,
+        "add_questions": 40,
+        "resolve_questions": 40,
+    }
+    check_update_sizes(MAX_UPDATE_ENTRIES)  # at the limit: accepted
+    for name, limit in MAX_UPDATE_ENTRIES.items():
+        with pytest.raises(InvalidFieldError) as refused:
+            check_update_sizes({**MAX_UPDATE_ENTRIES, name: limit + 1})
+        assert (refused.value.reason, refused.value.field) == ("INVALID_FIELD", f"update.{name}")
+        assert refused.value.metadata == {"limit": str(limit), "entries": str(limit + 1)}
+    # A whole new task list beside the old one, all marked done: the largest legitimate
+    # update of a list, within the limit, and every new task is kept.
+    old = WorkingState(
+        tasks=tuple(
+            Task(
+                task_id=f"old{n}",
+                title="x",
+                status=TaskStatus.OPEN,
+                writer=Writer.MODEL,
+                source_sequence=1,
+            )
+            for n in range(LIST_CAPS["tasks"])
+        )
+    )
+    update = WorkingStateUpdate(
+        upsert_tasks=tuple(TaskUpsert(task_id=f"old{n}", status=TaskStatus.DONE) for n in range(30))
+        + tuple(TaskUpsert(task_id=f"new{n}", title="y") for n in range(30))
+    )
+    check_update_sizes({"upsert_tasks": len(update.upsert_tasks)})
+    after = _update(Writer.MODEL, old, update)
+    assert [t.task_id for t in after.tasks] == [f"new{n}" for n in range(30)]

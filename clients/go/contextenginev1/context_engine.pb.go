@@ -5626,7 +5626,9 @@ func (x *Fact) GetTrust() TrustLevel {
 	return TrustLevel_TRUST_LEVEL_UNSPECIFIED
 }
 
-// The typed input of context.update_working_state.
+// The typed input of context.update_working_state. Each list field carries at most twice
+// its list's cap (40 constraints to add or to remove, 60 task upserts, 80 facts, 40
+// questions to add or to resolve); more is INVALID_FIELD naming the field.
 type WorkingStateUpdate struct {
 	state         protoimpl.MessageState
 	sizeCache     protoimpl.SizeCache

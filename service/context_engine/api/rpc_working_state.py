@@ -20,6 +20,7 @@ from ..core.errors import InvalidFieldError
 from ..core.spec import ToolSpec
 from ..core.trust import TrustLevel
 from ..core.working_state import (
+    MAX_UPDATE_ENTRIES,
     UPDATE_TOOL,
     Entry,
     Fact,
@@ -29,6 +30,7 @@ from ..core.working_state import (
     WorkingState,
     WorkingStateUpdate,
     Writer,
+    check_update_sizes,
 )
 from . import convert
 from . import working_state as ws_api
@@ -55,7 +57,11 @@ def request_sha256(request: Any) -> str:
 
 
 def update_from_proto(update: pb.WorkingStateUpdate, field: str = "update") -> WorkingStateUpdate:
-    """Raises InvalidFieldError naming the field (`update.upsert_tasks[1].status`, ...)."""
+    """Raises InvalidFieldError naming the field (`update.upsert_tasks[1].status`, ...).
+
+    A list field longer than MAX_UPDATE_ENTRIES is refused before anything is converted.
+    """
+    check_update_sizes({name: len(getattr(update, name)) for name in MAX_UPDATE_ENTRIES}, field)
     tasks = [
         TaskUpsert(
             task_id=t.task_id,

@@ -12,9 +12,10 @@ constraint the user also stated is the user's; restating never lowers an entry's
 Rule 3 (bounds): LIST_CAPS. Constraints never evict: at the cap add_constraints fails
 (WORKING_STATE_CAP) and nothing changes. Tasks, facts and open questions evict at their
 caps: completed entries first, then the stalest (oldest last-written sequence) first.
-The caps apply after a whole update is merged, so a transition finds each entry's match
-by its key (text, task id, statement), never by a scan: its cost is linear in what it
-carries.
+The caps apply after a whole update is merged, so UpdateWorkingState refuses at input an
+update carrying more than MAX_UPDATE_ENTRIES entries in a list field (twice its cap), and
+a transition finds each entry's match by its key (text, task id, statement), never by a
+scan: its cost is linear in what it carries.
 Rule 4 (block): the rendered block is capped at BLOCK_TOKENS. Evictable entries are hidden
 at render in the same order (the state and the log keep them); objective, constraints and
 next_action never hide, so a transition that would put them alone, with the longest note
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import Any, TypeVar
@@ -58,6 +59,7 @@ __all__ = [
     "COMPLETED",
     "LIST_CAPS",
     "MAX_ENTRY_CHARS",
+    "MAX_UPDATE_ENTRIES",
     "SOURCE_TRUST_OF_EVENT",
     "UPDATE_TOOL",
     "UPDATE_TOOL_NAME",
@@ -78,6 +80,7 @@ __all__ = [
     "apply_update",
     "at_run_boundary",
     "carry",
+    "check_update_sizes",
     "evidence_trust",
     "lowest_trust",
     "render_block",
@@ -114,6 +117,21 @@ BLOCK_TOKENS = 1_000
 # An entry longer than this could never render inside the block; refuse it up front.
 MAX_ENTRY_CHARS = 2_000
 MAX_TASK_ID_CHARS = 200
+# The most entries one UpdateWorkingState may carry in each list field: twice the list's
+# cap, room to touch every entry the list can hold and add as many new ones (a whole new
+# task list beside the old one marked done). More could never be kept: the caps apply
+# after the update is merged, so the excess would only cost work under the session lock
+# and a log entry every later run replays. Checked at input (`check_update_sizes`), not by
+# `apply_update`: the log fold replays what was accepted before, and the runtime's own
+# writes follow the items of one append, one entry per item at most.
+MAX_UPDATE_ENTRIES: dict[str, int] = {
+    "remove_constraints": 2 * LIST_CAPS["constraints"],
+    "add_constraints": 2 * LIST_CAPS["constraints"],
+    "upsert_tasks": 2 * LIST_CAPS["tasks"],
+    "add_facts": 2 * LIST_CAPS["facts"],
+    "add_questions": 2 * LIST_CAPS["open_questions"],
+    "resolve_questions": 2 * LIST_CAPS["open_questions"],
+}
 
 # The trust an entry of each writer carries. A runtime entry is an open question copied
 # from the model's conversation.ask_user call, so it is the model's text.
@@ -283,6 +301,24 @@ def source_trust(event_type: str, payload: dict[str, Any]) -> TrustLevel | None:
 
 
 # --- transitions -------------------------------------------------------------------------
+
+
+def check_update_sizes(sizes: Mapping[str, int], field: str = "update") -> None:
+    """Refuse an update carrying more entries in a list field than MAX_UPDATE_ENTRIES
+    allows, given each list field's length (before any of it is read).
+
+    Raises:
+        InvalidFieldError: naming the first list field over its limit (`update.add_facts`).
+    """
+    for name, limit in MAX_UPDATE_ENTRIES.items():
+        size = sizes.get(name, 0)
+        if size > limit:
+            raise InvalidFieldError(
+                f"{field}.{name} carries {size} entries; an update carries at most {limit}"
+                " (twice the list's cap)",
+                field=f"{field}.{name}",
+                metadata={"limit": str(limit), "entries": str(size)},
+            )
 
 
 @dataclass(frozen=True, slots=True)
