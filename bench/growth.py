@@ -6,8 +6,11 @@ and the allocator; a quadratic path shows ~factor^2).
 The paths (each once quadratic): Build's yield ladder trimming recall lines and
 truncating tool results; CommitCompaction's laundering check on a summary that repeats a
 document the user pasted and a tool also returned; PrepareCompaction's cut over parallel
-calls whose results interleave; the deferred tool index line of a wide schema. The unit
-tests bound each by counting operations; this reports the time."""
+calls whose results interleave; the deferred tool index line of a wide schema; the
+working-state transition of an append asking and answering many conversation.ask_user
+questions (UpdateWorkingState itself carries at most twice a list's cap per list). The
+unit tests bound each by counting operations, or (working state) check it against the
+old scanning code; this reports the time."""
 
 from __future__ import annotations
 
@@ -37,6 +40,13 @@ from context_engine.core.items import (
 from context_engine.core.roster import index_line
 from context_engine.core.spec import ToolSpec
 from context_engine.core.trust import TrustLevel
+from context_engine.core.working_state import (
+    ASK_USER_TOOL,
+    WorkingState,
+    Writer,
+    apply_update,
+    runtime_update,
+)
 from context_engine.core.yield_ladder import Body, Truncatable, run_ladder
 
 Make = Callable[[int], Callable[[], object]]
@@ -169,12 +179,44 @@ def _wide_tool(properties: int) -> Callable[[], object]:
     return lambda: index_line(tool)
 
 
+def _asked(pairs: int) -> Callable[[], object]:
+    """One append of `pairs` ask_user calls, each answered: the runtime adds and resolves
+    every question in one transition."""
+    items: list[ConversationItem] = []
+    for i in range(pairs):
+        items.append(
+            ToolCall(
+                item_id=f"c{i}",
+                call_id=f"k{i}",
+                tool_name=ASK_USER_TOOL,
+                arguments_json=f'{{"question": "Question {i}?"}}',
+            )
+        )
+        items.append(
+            ToolResult(
+                item_id=f"r{i}",
+                call_id=f"k{i}",
+                tool_name=ASK_USER_TOOL,
+                content="yes",
+                trust=TrustLevel.USER,
+            )
+        )
+
+    def run() -> object:
+        update = runtime_update(WorkingState(), (), items)
+        assert update is not None
+        return apply_update(WorkingState(), update, writer=Writer.RUNTIME, sequence=5)
+
+    return run
+
+
 PATHS: tuple[tuple[str, Make, int], ...] = (
     ("Build: recall lines", _recall, 4_000),
     ("Build: tool results", _results, 1_000),
     ("CommitCompaction: summary chars", _laundering, 20_000),
     ("PrepareCompaction: interleaved pairs", _interleaved, 1_000),
     ("Plan: schema properties", _wide_tool, 2_000),
+    ("AppendItems: ask_user questions", _asked, 1_000),
 )
 
 
