@@ -251,3 +251,30 @@ async def update_state(
             update=pb.WorkingStateUpdate(**fields),
         )
     )
+
+
+async def replica_with_model(pool: Any, model_id: str, **facts: Any) -> tuple[Any, Any, Any]:
+    """A replica over `pool` whose registry overlay adds the Anthropic model `model_id`
+    (a 200,000-token window, four cache markers) with `facts` changed, e.g.
+    `context_window=8_500` or `max_cache_breakpoints=2`. -> (stub, channel, running
+    server); the caller closes the channel and stops the server."""
+    from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+    from context_engine.api.server import build_engine, build_server
+    from context_engine.core.model_registry import ModelRegistry
+    from context_engine.model_registry_loader import read_packaged_models
+    from context_engine.models import ModelCatalog
+
+    model = {
+        "provider": "anthropic",
+        "family": "claude-sonnet-4",
+        "context_window": 200_000,
+        "max_cache_breakpoints": 4,
+        "default_output_reserve": 8192,
+        "min_cacheable_tokens": 1024,
+        "tokenizer": "heuristic",
+    }
+    overlay = {"models": {model_id: {**model, **facts}}}
+    catalog = ModelCatalog(ModelRegistry.from_mappings(read_packaged_models(), overlay))
+    running = await build_server(build_engine(pool, catalog=catalog), "127.0.0.1:0")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    return pb_grpc.ContextEngineStub(channel), channel, running

@@ -28,7 +28,17 @@ from context_engine.core.rows import Region, Row
 from context_engine.explain import explain, fetch_builds, run
 from context_engine.providers.texts import TOOL_ERROR_AS_TEXT
 
-from .helpers import TENANT, call, details, new_id, open_session, result, spec, start_run
+from .helpers import (
+    TENANT,
+    call,
+    details,
+    new_id,
+    open_session,
+    replica_with_model,
+    result,
+    spec,
+    start_run,
+)
 
 
 def _ts(dt: datetime) -> Timestamp:
@@ -183,29 +193,7 @@ async def test_a_skill_loaded_after_a_build_does_not_change_its_rebuild(stub: An
 async def _server_with_budget(pool: Any, budget: int) -> tuple[Any, Any, Any]:
     """A replica whose registry overlay lets the Anthropic model `claude-budget` send at
     most `budget` cache markers. -> (stub, channel, running server)."""
-    from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
-    from context_engine.api.server import build_engine, build_server
-    from context_engine.core.model_registry import ModelRegistry
-    from context_engine.model_registry_loader import read_packaged_models
-    from context_engine.models import ModelCatalog
-
-    overlay = {
-        "models": {
-            "claude-budget": {
-                "provider": "anthropic",
-                "family": "claude-sonnet-4",
-                "context_window": 200000,
-                "max_cache_breakpoints": budget,
-                "default_output_reserve": 8192,
-                "min_cacheable_tokens": 1024,
-                "tokenizer": "heuristic",
-            }
-        }
-    }
-    catalog = ModelCatalog(ModelRegistry.from_mappings(read_packaged_models(), overlay))
-    running = await build_server(build_engine(pool, catalog=catalog), "127.0.0.1:0")
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
-    return pb_grpc.ContextEngineStub(channel), channel, running
+    return await replica_with_model(pool, "claude-budget", max_cache_breakpoints=budget)
 
 
 async def test_a_smaller_breakpoint_budget_sends_fewer_markers_and_replays_them(

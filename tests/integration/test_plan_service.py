@@ -17,7 +17,7 @@ from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from context_engine.core.canonical import canonical_bytes, sha256_hex
 
-from .helpers import TENANT, call, details, new_id, result, spec, tool
+from .helpers import TENANT, call, details, new_id, replica_with_model, result, spec, tool
 
 # --- helpers ------------------------------------------------------------------------------
 
@@ -1157,28 +1157,7 @@ async def test_an_admission_grant_outgrowing_the_capacity_is_the_sessions_state(
 async def _replica_with_window(pool: Any, window: int) -> tuple[Any, Any, Any]:
     """A replica whose registry overlay gives the Anthropic model `claude-window` a
     `window`-token context. -> (stub, channel, running server)."""
-    from context_engine.api.server import build_engine, build_server
-    from context_engine.core.model_registry import ModelRegistry
-    from context_engine.model_registry_loader import read_packaged_models
-    from context_engine.models import ModelCatalog
-
-    overlay = {
-        "models": {
-            "claude-window": {
-                "provider": "anthropic",
-                "family": "claude-sonnet-4",
-                "context_window": window,
-                "max_cache_breakpoints": 4,
-                "default_output_reserve": 8192,
-                "min_cacheable_tokens": 1024,
-                "tokenizer": "heuristic",
-            }
-        }
-    }
-    catalog = ModelCatalog(ModelRegistry.from_mappings(read_packaged_models(), overlay))
-    running = await build_server(build_engine(pool, catalog=catalog), "127.0.0.1:0")
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
-    return pb_grpc.ContextEngineStub(channel), channel, running
+    return await replica_with_model(pool, "claude-window", context_window=window)
 
 
 async def test_a_rotation_after_an_erasure_that_no_longer_fits_is_the_sessions_state(
