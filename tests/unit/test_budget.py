@@ -920,14 +920,13 @@ def test_parts_derived_once_per_history_assemble_what_item_by_item_work_would(
     assert built.request.canonical_bytes() == canonical_bytes(built.request.canonical())
 
 
-def test_an_active_turn_over_the_body_fails_naming_it_not_needing_compaction() -> None:
-    """Compaction never takes the active loop's turn (its reasoning stays with its calls),
-    so a turn too large for the body is BUDGET_EXCEEDED, not a needs_compaction that
-    PrepareCompaction could only answer with RUN_STATE."""
-    session = Session(
+def _a_turn_over_a_5000_token_body(user_text: str) -> Session:
+    """A run whose active turn (80,000 tokens of assistant text, then a call and its
+    result) is over its 5,000-token body on its own."""
+    return Session(
         carried=[],
         run=[
-            UserMessage(item_id="u1", text="Look it up.", sequence=1, run_id="current"),
+            UserMessage(item_id="u1", text=user_text, sequence=1, run_id="current"),
             AssistantMessage(item_id="a1", text=_text(80_000), sequence=2, run_id="current"),
             ToolCall(
                 item_id="c1",
@@ -955,6 +954,13 @@ def test_an_active_turn_over_the_body_fails_naming_it_not_needing_compaction() -
         reserve=1_000,
         factor_ppm=1_000_000,
     )
+
+
+def test_an_active_turn_over_the_body_fails_naming_it_not_needing_compaction() -> None:
+    """Compaction never takes the active loop's turn (its reasoning stays with its calls),
+    so a turn too large for the body is BUDGET_EXCEEDED, not a needs_compaction that
+    PrepareCompaction could only answer with RUN_STATE."""
+    session = _a_turn_over_a_5000_token_body("Look it up.")
     _, inputs = _build(session)
     with pytest.raises(BudgetExceededError) as caught:
         assemble(inputs)
@@ -997,37 +1003,7 @@ def test_an_active_turn_over_the_body_behind_a_larger_user_message_names_the_mes
     BUDGET_EXCEEDED, and the class named is the never-yield set's largest (e7944a5): the
     turn's `active_turn` when it is the largest (the test above), the run's user message
     when that is larger still, though the turn alone does not fit either."""
-    session = Session(
-        carried=[],
-        run=[
-            UserMessage(item_id="u1", text=_text(120_000), sequence=1, run_id="current"),
-            AssistantMessage(item_id="a1", text=_text(80_000), sequence=2, run_id="current"),
-            ToolCall(
-                item_id="c1",
-                call_id="k1",
-                tool_name="web.fetch",
-                arguments_json="{}",
-                sequence=3,
-                run_id="current",
-            ),
-            ToolResult(
-                item_id="r1",
-                call_id="k1",
-                tool_name="web.fetch",
-                content="ok",
-                trust=TrustLevel.EXTERNAL_UNTRUSTED,
-                sequence=4,
-                run_id="current",
-            ),
-        ],
-        summary=None,
-        floor=0,
-        step=StepContext(),
-        working_state=None,
-        body_room=5_000,
-        reserve=1_000,
-        factor_ppm=1_000_000,
-    )
+    session = _a_turn_over_a_5000_token_body(_text(120_000))
     _, inputs = _build(session)
     with pytest.raises(BudgetExceededError) as caught:
         assemble(inputs)
