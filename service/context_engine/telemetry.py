@@ -313,7 +313,8 @@ def record_pressure(fits: bool, steps: Sequence[str]) -> None:
 
 
 def record_budget_exceeded(class_name: str) -> None:
-    """A Build was refused: the never-yield set of `class_name` does not fit."""
+    """A Build was refused: the never-yield set does not fit; `class_name` is its largest
+    class as BUDGET_EXCEEDED names it (metadata "class")."""
     _record(
         "exceeded",
         lambda t: t.add("context_engine.budget.exceeded", 1, **{"class": class_name or "body"}),

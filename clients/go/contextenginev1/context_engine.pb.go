@@ -547,9 +547,11 @@ const (
 	// NOT_FOUND where the plan is read (GetPlan, Build, UpdateWorkingState, compaction),
 	// FAILED_PRECONDITION where a write needs it (Rotate, StartRun, LoadSkill).
 	ErrorReason_ERROR_REASON_PLAN_NOT_FOUND ErrorReason = 4
-	// A Region A class is over its cap; metadata "class" names it.
+	// A Region A class is over its cap; metadata "class" names it and BadRequest the field
+	// to fix (spec.tools for the tool classes).
 	ErrorReason_ERROR_REASON_PREFIX_CLASS_OVER_CAP ErrorReason = 5
-	// The whole prefix is over its ceiling.
+	// The spec's seven prefix classes sum over the 22,000-token ceiling (metadata "class"
+	// the largest, ceiling_tokens the sum); the engine's framing is not counted against it.
 	ErrorReason_ERROR_REASON_PREFIX_OVER_CEILING ErrorReason = 6
 	// expected_checkpoint_version was not the latest.
 	ErrorReason_ERROR_REASON_CHECKPOINT_VERSION_CONFLICT ErrorReason = 7
@@ -563,7 +565,9 @@ const (
 	ErrorReason_ERROR_REASON_IDEMPOTENCY_KEY_REUSED ErrorReason = 11
 	// The model id is not in the model registry.
 	ErrorReason_ERROR_REASON_UNKNOWN_MODEL ErrorReason = 12
-	// The never-yield set alone does not fit the body; metadata names the class.
+	// The never-yield set alone (recall's floor included) does not fit the body; metadata
+	// "class" names its largest class (recall for the floor, active_turn for the active
+	// turn), or working_state with cap_tokens when the state outgrows its block.
 	ErrorReason_ERROR_REASON_BUDGET_EXCEEDED ErrorReason = 13
 	// FAILED_PRECONDITION: the run is not in a state that allows this call (nothing to
 	// compact), or StartRun's run_id is taken.
