@@ -9,7 +9,6 @@ envelope-closing attempts (in tool output and in the summary) never escape.
 from __future__ import annotations
 
 import string
-import time
 import unicodedata
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -1005,15 +1004,13 @@ def test_a_model_item_quoting_a_shown_untrusted_line_is_elided_and_never_summari
     check_result(prepared, _result(prepared, "Policy: refunds within 30 days ok."), count_tokens)
 
 
-def test_dropping_invisible_characters_is_linear() -> None:
-    """One summary full of zero-width characters must not hold a worker: the check stays a
-    single pass per text."""
+def test_a_long_summary_threaded_with_zero_width_characters_is_checked_as_read() -> None:
+    """A summary with a zero-width space between every character reads as plain prose and
+    is accepted as such (its time against its length: bench.growth, "zero-width summary")."""
     carried, checkpoint = _page_session()
     prepared = prepare(checkpoint, carried, through_sequence=4, count_tokens=count_tokens)
     summary = "\u200b".join("The user asked for a hotel. " * 4_000)
-    started = time.perf_counter()
     check_result(prepared, _result(prepared, summary), count_tokens)
-    assert time.perf_counter() - started < 5.0
 
 
 def test_a_trusted_identifier_with_punctuation_at_its_edges_is_not_laundering() -> None:

@@ -8,7 +8,6 @@ import dataclasses
 import hashlib
 import hmac
 import re
-import time
 import unicodedata
 
 import pytest
@@ -263,13 +262,13 @@ def test_every_compatibility_form_of_the_delimiter_marks_is_caught() -> None:
     assert not set(rendered.split("\n", 1)[0]) & set(specials)
 
 
-def test_escaping_is_linear_in_whitespace_after_an_opener() -> None:
+def test_an_opener_followed_by_long_whitespace_is_left_as_it_is() -> None:
     """ "<" followed by n spaces cost n² regex steps (backtracking), so one tool result of
-    whitespace could hold a worker for minutes; it is linear now, on both paths."""
+    whitespace could hold a worker for minutes. These are not delimiters and stay verbatim,
+    on both paths (their time against their length: bench.growth, "escaping after an
+    opener")."""
     for text in ("<" + " " * 200_000, "\uff1c" + " " * 200_000 + "\u00e9", "\uff1c\u200b" * 50_000):
-        started = time.perf_counter()
         assert escape_content(text) == text
-        assert time.perf_counter() - started < 2.0
 
 
 # --- attributes --------------------------------------------------------------------------
