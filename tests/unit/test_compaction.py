@@ -774,13 +774,10 @@ def test_a_result_must_match_what_was_prepared() -> None:
     assert record.tokens_after == count_tokens(summary_item(record).text)
 
 
-def test_tokens_after_counts_the_summary_row_as_rendered() -> None:
-    """tokens_after (the context.compacted figure an operator reads against tokens_before)
-    counted only the worker's summary text, while the row Build pays for also carries a
-    pointer line per elided span (Rule 6) that never goes away: 20 fetched pages recorded
-    as 2 tokens "after". It now counts the row as rendered, as tokens_before does."""
+def _fetched_pages(runs: int) -> list[ConversationItem]:
+    """`runs` earlier runs, each one web.fetch call and its untrusted result."""
     carried: list[ConversationItem] = []
-    for n in range(20):
+    for n in range(runs):
         carried += [
             ToolCall(
                 item_id=f"c{n}",
@@ -800,6 +797,15 @@ def test_tokens_after_counts_the_summary_row_as_rendered() -> None:
                 run_id=f"r{n}",
             ),
         ]
+    return carried
+
+
+def test_tokens_after_counts_the_summary_row_as_rendered() -> None:
+    """tokens_after (the context.compacted figure an operator reads against tokens_before)
+    counted only the worker's summary text, while the row Build pays for also carries a
+    pointer line per elided span (Rule 6) that never goes away: 20 fetched pages recorded
+    as 2 tokens "after". It now counts the row as rendered, as tokens_before does."""
+    carried = _fetched_pages(20)
     checkpoint = Checkpoint(run_id="b", version=1, items=())
     prepared = prepare(checkpoint, carried, through_sequence=40, count_tokens=count_tokens)
     record = check_result(prepared, _result(prepared, "Done."), count_tokens)
@@ -1109,27 +1115,7 @@ def test_a_compaction_through_everything_compactable_makes_the_build_fit() -> No
     in the never-cut summary row: with 900 fetched pages in earlier runs the row alone
     outgrew the body, Build kept saying needs_compaction and PrepareCompaction then had
     nothing left (RUN_STATE). With the pointers bounded, the compaction answers it."""
-    carried: list[ConversationItem] = []
-    for n in range(900):
-        carried += [
-            ToolCall(
-                item_id=f"c{n}",
-                call_id="k",
-                tool_name="web.fetch",
-                arguments_json="{}",
-                sequence=2 * n + 1,
-                run_id=f"r{n}",
-            ),
-            ToolResult(
-                item_id=f"p{n}",
-                call_id="k",
-                tool_name="web.fetch",
-                content="ok",
-                trust=TrustLevel.EXTERNAL_UNTRUSTED,
-                sequence=2 * n + 2,
-                run_id=f"r{n}",
-            ),
-        ]
+    carried = _fetched_pages(900)
     base = carried[-1].sequence
     run = (
         UserMessage(item_id="u", text="Write the report", sequence=base + 1, run_id="b"),
