@@ -946,3 +946,57 @@ async def test_a_request_on_an_epoch_an_interleaved_run_left_is_not_first(
     b = await start("with more scope", scopes=["calendar.read", "web.read", "mail.read"])
     assert await cached_samples_added(b) == 0  # epoch 2's first (B's admission rotated)
     assert await cached_samples_added(a) == 1  # epoch 1 again: its cache was written
+
+
+@pytest.fixture(scope="module")
+async def untraced(pool: Any, log_lines: _Lines) -> AsyncIterator[dict[str, Any]]:
+    """A server whose telemetry records no spans (no exporter: the sampler is ALWAYS_OFF)."""
+    tel = Telemetry()
+    assert not tel.traces
+    running = await build_server(build_engine(pool), "127.0.0.1:0", telemetry=tel)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    yield {"stub": pb_grpc.ContextEngineStub(channel), "logs": log_lines}
+    await channel.close()
+    await running.stop(0)
+    tel.shutdown()
+
+
+async def test_a_log_line_joins_the_callers_trace_with_tracing_on(
+    traced: dict[str, Any],
+) -> None:
+    await _joins_the_callers_trace(traced, tracing=True)
+
+
+async def test_a_log_line_joins_the_callers_trace_with_tracing_off(
+    untraced: dict[str, Any],
+) -> None:
+    await _joins_the_callers_trace(untraced, tracing=False)
+
+
+async def _joins_the_callers_trace(server: dict[str, Any], *, tracing: bool) -> None:
+    """The line carries the trace id of the caller's traceparent, whether a server span
+    exists (tracing on) or the observer reads the metadata itself (tracing off, no span
+    interceptor); with tracing off, a call without one, or with a malformed one, gets no
+    made-up id."""
+    stub, logs = server["stub"], server["logs"]
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    sent = {
+        new_id(): (("traceparent", f"00-{trace_id}-00f067aa0ba902b7-01"),),
+        new_id(): (),
+        new_id(): (("traceparent", "00-not-a-trace-01"),),
+    }
+    for session_id, metadata in sent.items():
+        with pytest.raises(grpc.aio.AioRpcError):  # no such session: still one line
+            await stub.GetPlan(
+                pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id), metadata=metadata
+            )
+
+    def lines() -> dict[str, dict[str, Any]]:
+        records = (json.loads(line) for line in list(logs.lines))
+        return {r["session_id"]: r for r in records if r.get("session_id") in sent}
+
+    await _until(lambda: len(lines()) == len(sent), "a line for each call")
+    joined, plain, malformed = (lines()[s] for s in sent)
+    assert joined["trace_id"] == trace_id
+    if not tracing:
+        assert "trace_id" not in plain and "trace_id" not in malformed

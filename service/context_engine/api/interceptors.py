@@ -262,6 +262,9 @@ class RpcObserver(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
             finally:
                 for name, value in _proto_fields(request).items():
                     state.fields.setdefault(name, value)
+                if not tel.traces and telemetry.logs_rpcs():
+                    # No server span (tracing off): the line names the caller's trace.
+                    state.trace_id = telemetry.propagated_trace_id(context.invocation_metadata())
                 if code is not grpc.StatusCode.OK:
                     _mark_span(code, reason)
                 tel.finish_rpc(

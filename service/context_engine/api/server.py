@@ -159,9 +159,9 @@ async def build_server(
 ) -> RunningServer:
     """Create, bind and start a server. Port 0 binds a free port (returned).
 
-    Interceptors, outermost first: OpenTelemetry span, RpcObserver, the shutdown drain,
-    auth (when `auth` is given), the request size limit (`max_message_bytes`), then
-    `interceptors`.
+    Interceptors, outermost first: OpenTelemetry span (only when tracing can record),
+    RpcObserver, the shutdown drain, auth (when `auth` is given), the request size limit
+    (`max_message_bytes`), then `interceptors`.
     `credentials` makes the listener TLS (mTLS when they require client certificates).
     """
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
@@ -169,11 +169,20 @@ async def build_server(
 
     tel = telemetry or Telemetry()
     drain = Drain()
+    # The span interceptor only where a span can be recorded (Telemetry.traces); otherwise
+    # the observer reads the caller's traceparent for the log line itself.
+    spans = (
+        [
+            aio_server_interceptor(  # type: ignore[no-untyped-call]  # unannotated in otel
+                tracer_provider=tel.tracer_provider,
+                filter_=negate(service_name(*UNAUTHENTICATED_SERVICES)),
+            )
+        ]
+        if tel.traces
+        else []
+    )
     chain: list[grpc.aio.ServerInterceptor] = [
-        aio_server_interceptor(  # type: ignore[no-untyped-call]  # unannotated in otel
-            tracer_provider=tel.tracer_provider,
-            filter_=negate(service_name(*UNAUTHENTICATED_SERVICES)),
-        ),
+        *spans,
         RpcObserver(tel),
         drain,
         *([AuthInterceptor(auth)] if auth is not None else []),
