@@ -60,8 +60,15 @@ async def scratch_database() -> AsyncIterator[str]:
 
 
 @asynccontextmanager
-async def server_process(dsn: str, *extra: str) -> AsyncIterator[str]:
-    """`context-engine serve` in a subprocess (its own core); yields its address."""
+async def server_process(
+    dsn: str,
+    *extra: str,
+    module: str = "context_engine.cli",
+    started: Callable[[int], None] | None = None,
+) -> AsyncIterator[str]:
+    """`context-engine serve` in a subprocess (its own core); yields its address.
+    `module`: what `python -m` runs (bench.stack_server: the same server, Build memoized);
+    `started` is given the process id."""
     port = free_port()
     target = f"127.0.0.1:{port}"
     env = {**os.environ, "CONTEXT_ENGINE_LOG_LEVEL": "WARNING"}
@@ -69,7 +76,7 @@ async def server_process(dsn: str, *extra: str) -> AsyncIterator[str]:
         [
             sys.executable,
             "-m",
-            "context_engine.cli",
+            module,
             "serve",
             "--listen",
             target,
@@ -83,6 +90,8 @@ async def server_process(dsn: str, *extra: str) -> AsyncIterator[str]:
     )
     try:
         await wait_serving(target, proc)
+        if started is not None:
+            started(proc.pid)
         yield target
     finally:
         proc.terminate()
@@ -225,6 +234,8 @@ class LoadResult:
     seconds: float = 0.0
     latencies_ms: list[float] = field(default_factory=list)
     error_codes: dict[str, int] = field(default_factory=dict)
+    # CPU milliseconds per call by process (bench.transport measures it).
+    cpu_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def throughput(self) -> float:
@@ -276,3 +287,27 @@ async def closed_loop(
 
 def stub_for(channel: grpc.aio.Channel) -> pb_grpc.ContextEngineStub:
     return pb_grpc.ContextEngineStub(channel)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds process `pid` (all its threads) has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def postgres_cpu_seconds() -> float:
+    """CPU seconds used so far by every PostgreSQL process on the machine (the server under
+    test is local; on a quiet machine that is the benchmark's own load)."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/comm") as f:
+                if f.read().strip() not in ("postgres", "postmaster"):
+                    continue
+            total += cpu_seconds(int(entry))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # exited while we looked
+    return total

@@ -5,18 +5,27 @@ Build for a fifty-turn session stored in PostgreSQL, each under the same closed-
 (64 in flight, loopback) for the same time, in one run. Prints Build throughput divided by
 echo throughput and both p50/p99. Bar: Build >= 1/3 of echo.
 
-Also measured, to show where the gap lies: the storage floor, the same echo making two
-trivial PostgreSQL round trips per call through the service's pool (Build reads its run
-and records its request: two round trips it cannot skip). Build / floor is what
-assembling, rendering and the service's interceptors cost on top of that.
+Also measured, to show where the gap lies:
+- stack: the real server with Build's storage and assembly taken away (bench.stack_server:
+  Engine.build memoized), so only the service's per-call stack runs: interceptors, request
+  parsing, the response composed and serialized, grpc.
+- floor: the echo making two trivial PostgreSQL round trips per call through the
+  service's pool (Build reads its run and records its request: two round trips it cannot
+  skip).
+And for each, the CPU milliseconds per call of the server process, the load generator
+(this process) and PostgreSQL (every postgres process on the machine): on two shared
+cores, their sum is what bounds calls per second.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 
@@ -25,7 +34,9 @@ from .harness import (
     LoadResult,
     build_request,
     closed_loop,
+    cpu_seconds,
     free_port,
+    postgres_cpu_seconds,
     scratch_database,
     seed_session,
     server_process,
@@ -36,18 +47,27 @@ BAR = 1 / 3
 
 
 async def run(seconds: float, concurrency: int, turns: int) -> bool:
+    server: list[int] = []
+    stack_server: list[int] = []
     async with (
         scratch_database() as dsn,
-        server_process(dsn) as target,
+        server_process(dsn, started=server.append) as target,
         grpc.aio.insecure_channel(target) as channel,
     ):
         stub = stub_for(channel)
         session_id, run_id = await seed_session(stub, turns)
         request = build_request(session_id, run_id)
         size = (await stub.Build(request)).ByteSize()
-        build = await closed_loop(
-            lambda n: stub.Build(request), concurrency=concurrency, seconds=seconds
-        )
+        build = await _measured(server[0], stub.Build, request, concurrency, seconds)
+        async with (
+            server_process(dsn, module="bench.stack_server", started=stack_server.append) as s,
+            grpc.aio.insecure_channel(s) as stack_channel,
+        ):
+            stack_stub = stub_for(stack_channel)
+            await stack_stub.Build(request)  # the one real build it then repeats
+            stack = await _measured(
+                stack_server[0], stack_stub.Build, request, concurrency, seconds
+            )
         floor = await _echo(size, concurrency, seconds, "--dsn", dsn, "--round-trips", "2")
     baseline = await _echo(size, concurrency, seconds)
 
@@ -56,26 +76,58 @@ async def run(seconds: float, concurrency: int, turns: int) -> bool:
         f"transport ceiling: {turns}-turn session, response {size} bytes,"
         f" {concurrency} in flight, {seconds:.0f}s each"
     )
+    print("  CPU ms per call: server / load generator / PostgreSQL")
     rows = (
         ("echo ", baseline),
+        ("stack", stack),  # the service's per-call stack: Build memoized, no storage
         ("floor", floor),  # echo + Build's two PostgreSQL round trips, nothing assembled
         ("Build", build),
     )
     for name, r in rows:
+        cpu = " / ".join(f"{r.cpu_ms[k]:.2f}" for k in ("server", "client", "postgres"))
         print(
             f"  {name} {r.throughput:8.0f} calls/s  p50 {r.p50:6.2f} ms"
-            f"  p99 {r.pct(99):6.2f} ms  errors {r.errors}"
+            f"  p99 {r.pct(99):6.2f} ms  errors {r.errors}  CPU {cpu}"
         )
+    print(
+        f"  stack / echo = {stack.throughput / baseline.throughput:.3f}"
+        f"  (the service's own per-call stack, with storage and assembly free)"
+    )
     print(
         f"  floor / echo = {floor.throughput / baseline.throughput:.3f}"
         f"  (echo plus two trivial PostgreSQL round trips per call)"
     )
     print(f"  Build / floor = {build.throughput / floor.throughput:.3f}")
-    ok = ratio >= BAR and build.errors == 0
+    ok = ratio >= BAR and build.errors == 0 and stack.errors == 0
     print(
         f"  Build / echo throughput = {ratio:.3f}  (bar >= {BAR:.3f}: {'PASS' if ok else 'FAIL'})"
     )
     return ok
+
+
+async def _measured(
+    pid: int,
+    method: Callable[[Any], Awaitable[Any]],
+    message: Any,
+    concurrency: int,
+    seconds: float,
+) -> LoadResult:
+    """Closed-loop load of `method(message)`, with CPU per call of server `pid`, this
+    process and PostgreSQL recorded on the result."""
+    before = _cpu(pid)
+    result = await closed_loop(lambda n: method(message), concurrency=concurrency, seconds=seconds)
+    after = _cpu(pid)
+    calls = max(result.calls + result.errors, 1)
+    result.cpu_ms = {k: (after[k] - before[k]) * 1000 / calls for k in before}
+    return result
+
+
+def _cpu(pid: int) -> dict[str, float]:
+    return {
+        "server": cpu_seconds(pid),
+        "client": cpu_seconds(os.getpid()),
+        "postgres": postgres_cpu_seconds(),
+    }
 
 
 async def _echo(size: int, concurrency: int, seconds: float, *extra: str) -> LoadResult:
@@ -99,7 +151,7 @@ async def _echo(size: int, concurrency: int, seconds: float, *extra: str) -> Loa
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             call = channel.unary_unary(METHOD)
             await call(b"x")
-            return await closed_loop(lambda n: call(b"x"), concurrency=concurrency, seconds=seconds)
+            return await _measured(echo.pid, call, b"x", concurrency, seconds)
     finally:
         echo.terminate()
         echo.wait(timeout=10)
