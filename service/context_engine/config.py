@@ -67,6 +67,10 @@ class Settings(BaseModel):
     # checkpoints, carried histories, loaded skills and (a quarter of it) plans
     # (api/kept.py). 0: keep nothing.
     replica_cache_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
+    # Memory (approximate bytes) the render memos hold together: renderings of frozen items
+    # and the items they render (core/memo_budget.py); spent, every memo empties. 0: none
+    # kept past the call that made it.
+    render_memo_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
     # Prometheus scrape endpoint (HOST:PORT, /metrics). Empty: off. OTLP export is
     # configured by the standard OTEL_EXPORTER_OTLP_ENDPOINT environment variable.
     metrics_listen: str = ""

@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
 from ..config import Settings
+from ..core import memo_budget
 from ..core.framing import DEFAULT_POLICY_TEXT, DEFAULT_POLICY_VERSION
 from ..core.spec import PlatformPolicySpec
 from ..models import ModelCatalog
@@ -280,6 +281,7 @@ async def serve(settings: Settings) -> None:
     except OSError as exc:
         await pool.close()
         raise StartupError(f"metrics_listen {settings.metrics_listen}: {exc.strerror}") from None
+    memo_budget.set_limit(settings.render_memo_bytes)  # process-wide, like the memos
     engine, options = build_engine(pool, settings=settings), server_options(settings)
     try:
         running = await build_server(engine, settings.listen, telemetry=tel, **options)

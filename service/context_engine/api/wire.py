@@ -16,11 +16,11 @@ message built field by field.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any, cast
 
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
 from ..core.identity_memo import IdentityMemo
+from ..core.memo_budget import bounded_cache
 from ..core.request import Block, Message, ModelRequest, ToolDefinition
 from . import convert
 
@@ -136,7 +136,7 @@ _system_fields = IdentityMemo(_system_bytes, 256)
 _tool_fields = IdentityMemo(_tool_bytes, 256)
 
 
-@lru_cache(maxsize=1024)
+@bounded_cache(1024)
 def _tool(tool: ToolDefinition) -> bytes:
     return cast(bytes, convert.tool_to_proto(tool).SerializeToString())
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from functools import lru_cache
 
 from .body_estimate import block_tokens
 from .budget import ContextBudget, allocate
@@ -56,6 +55,7 @@ from .items import (
     check_placement,
     trust_of,
 )
+from .memo_budget import bounded_cache
 from .messages import grouped, joined
 from .plan import ClassUsage, ContextPlan, session_key
 from .pressure import Fitted, PressureReport, fit_body, window_reach
@@ -292,12 +292,12 @@ def _cost(inputs: BuildInputs) -> Callable[[Row, ContextItem, bool], int]:
 _MEMO_SIZE = 8192
 
 
-@lru_cache(maxsize=_MEMO_SIZE)
+@bounded_cache(_MEMO_SIZE)
 def _render_memo(row: Row, item: ContextItem, secret: bytes, truncated: bool) -> Block:
     return _render(row, item, secret, truncated)
 
 
-@lru_cache(maxsize=_MEMO_SIZE)
+@bounded_cache(_MEMO_SIZE)
 def _cost_memo(
     row: Row,
     item: ContextItem,
@@ -376,7 +376,7 @@ def _runtime(inputs: BuildInputs) -> RuntimeMetadataItem:
 
 # The same item for the same day and plan: its block and cost are then memo hits by
 # identity, as a run's carried items are.
-@lru_cache(maxsize=1024)
+@bounded_cache(1024)
 def _runtime_item(
     date: str,
     weekday: str,

@@ -13,9 +13,8 @@ Rule 4: selection is independent of later tool results; only the limit moves the
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 from .items import ToolResult
+from .memo_budget import bounded_cache
 
 __all__ = ["DEFAULT_INLINE_MAXIMUM_BYTES", "excerpt_text", "legacy_excerpt"]
 
@@ -36,7 +35,7 @@ def excerpt_text(text: str, limit: int, marker: str) -> str:
     return f"{head}\n{marker}\n{tail}"
 
 
-@lru_cache(maxsize=4096)  # pure on a frozen item: the same excerpt object every Build
+@bounded_cache(4096)  # pure on a frozen item: the same excerpt object every Build
 def legacy_excerpt(result: ToolResult, inline_maximum_bytes: int) -> ToolResult | None:
     """The request's copy of a carried result over the inline limit, or None when the
     result's context content is within it (it is then rendered as is)."""

@@ -7,16 +7,19 @@ three places. The carried history's blocks are the same objects on every Build o
 behind it still catches equal values that are distinct objects. Each entry holds its key
 object, so an id is never reused while its entry exists: a hit by id is the same object.
 Pure: only how often `function` runs changes, never what a call returns. A value of None
-is never remembered by identity (None marks a miss).
+is never remembered by identity (None marks a miss). What an entry holds is charged to the
+process's render-memo byte budget (core/memo_budget.py), which empties every memo when
+it is spent.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import lru_cache
 from itertools import compress, repeat
 from operator import is_
 from typing import Generic, TypeVar
+
+from . import memo_budget
 
 __all__ = ["IdentityMemo"]
 
@@ -30,12 +33,13 @@ class IdentityMemo(Generic[K, V]):
     ) -> None:
         # by_value=False: keys that are not hashable (or costly to hash) are only ever
         # remembered by identity; an equal but distinct key computes afresh.
-        self._by_value = lru_cache(maxsize=maxsize)(function) if by_value else function
+        self._by_value = memo_budget.bounded_cache(maxsize)(function) if by_value else function
         # Two tables cleared together: `_keys` keeps every key alive, so while its entry
         # exists no other object can have its id, and `_values` can answer by id alone.
         self._keys: dict[int, K] = {}
         self._values: dict[int, V] = {}
         self._maxsize = maxsize
+        memo_budget.register(self)
 
     def __call__(self, key: K) -> V:
         value = self._values.get(id(key))
@@ -54,11 +58,17 @@ class IdentityMemo(Generic[K, V]):
                 values[n] = self._store(keys[n])
         return values  # type: ignore[return-value]
 
+    def cache_clear(self) -> None:
+        """Forget every entry held by identity (memo_budget empties memos with it)."""
+        self._keys.clear()
+        self._values.clear()
+
     def _store(self, key: K) -> V:
+        memo_budget.admit()
         value = self._by_value(key)
         if len(self._values) >= self._maxsize:
-            self._keys.clear()  # the equality memo still holds the values
-            self._values.clear()
+            self.cache_clear()  # the equality memo still holds the values
         self._keys[id(key)] = key
         self._values[id(key)] = value
+        memo_budget.charge(memo_budget.weight(key) + memo_budget.weight(value))
         return value

@@ -19,6 +19,7 @@ from itertools import groupby, repeat
 from operator import eq, is_not, itemgetter
 from typing import Literal, cast
 
+from . import memo_budget
 from .items import AssistantMessage, ContextItem, ReasoningItem, ToolCall
 from .request import Block, Message
 
@@ -35,14 +36,22 @@ def message(role: Role, blocks: tuple[Block, ...]) -> Message:
     key = (role, tuple(map(id, blocks)))
     found = _INTERNED.get(key)
     if found is None:
+        memo_budget.admit()
         if len(_INTERNED) >= _INTERNED_SIZE:
             _INTERNED.clear()
         found = _INTERNED[key] = Message(role, blocks)
+        memo_budget.charge(memo_budget.weight(blocks))
     return found
 
 
+class _Interned(dict[tuple[str, tuple[int, ...]], Message]):
+    def cache_clear(self) -> None:
+        self.clear()
+
+
 _INTERNED_SIZE = 16_384
-_INTERNED: dict[tuple[str, tuple[int, ...]], Message] = {}
+_INTERNED = _Interned()  # its blocks charged to the render memos' budget
+memo_budget.register(_INTERNED)
 
 
 def role_of(item: ContextItem) -> Role:

@@ -7,11 +7,11 @@ construction in assemble.py. `canonical()` is what `request_sha256` hashes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any, Literal
 
 from .canonical import canonical_bytes
 from .identity_memo import IdentityMemo
+from .memo_budget import bounded_cache
 from .rows import Row
 from .trust import TrustLevel
 
@@ -182,6 +182,6 @@ def _values_text(values: tuple[Block | ToolDefinition | CacheBreakpoint, ...]) -
 _json = IdentityMemo(_values_text, 256)
 
 
-@lru_cache(maxsize=1024)
+@bounded_cache(1024)
 def _string(value: str) -> str:
     return canonical_bytes(value).decode("utf-8")

@@ -34,10 +34,10 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from .caps import CLASS_CAPS, Yields
 from .items import ContextItem, ToolResult
+from .memo_budget import bounded_cache
 
 __all__ = [
     "LADDER",
@@ -76,7 +76,7 @@ class YieldStep:
     item_ids: tuple[str, ...]
 
 
-@lru_cache(maxsize=8192)
+@bounded_cache(8192)
 def pointer_for(result: ToolResult) -> ToolResult:
     """The typed pointer a truncated result becomes: same call, trust, tool, error flag and
     artifact reference; the content says what existed, how large, and where it lives."""

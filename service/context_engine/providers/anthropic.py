@@ -50,7 +50,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import partial
 from itertools import compress, count, repeat
 from operator import attrgetter, eq, is_not, methodcaller
 from typing import Any, TypeVar
@@ -59,6 +59,7 @@ from ..core.canonical import canonical_bytes
 from ..core.errors import EngineError
 from ..core.identity_memo import IdentityMemo
 from ..core.items import REASONING_TYPES
+from ..core.memo_budget import bounded_cache
 from ..core.request import Block, CacheBreakpoint, Message, ModelRequest, ToolDefinition
 from ..core.rows import Row
 from .call_ids import BASE_IDS, VariantMemo, all_distinct, wire_call_ids
@@ -391,7 +392,7 @@ def _position_of(
 _MEMO = 16_384
 
 
-@lru_cache(maxsize=256)
+@bounded_cache(256)
 def _string(value: str) -> str:
     return _canonical_text(value)
 
@@ -404,7 +405,7 @@ def _rendered(obj: dict[str, Any], row: Row, item_id: str, kind: str) -> _Render
     return _Rendered(obj, _canonical_text(obj), row, item_id, kind)
 
 
-@lru_cache(maxsize=1024)
+@bounded_cache(1024)
 def _tool(tool: ToolDefinition) -> _Rendered:
     obj: dict[str, Any] = {
         "name": wire_tool_name(tool.name),
@@ -415,7 +416,7 @@ def _tool(tool: ToolDefinition) -> _Rendered:
     return _rendered(obj, Row.TOOL_DEFINITIONS, f"tool:{tool.name}", "tool")
 
 
-@lru_cache(maxsize=1024)
+@bounded_cache(1024)
 def _system(block: Block) -> _Rendered | None:
     if not block.text.strip():
         return None

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import chain, count
 from typing import Generic, TypeVar
 
+from ..core import memo_budget
 from ..core.request import Message
 
 __all__ = ["BASE_IDS", "VariantMemo", "all_distinct", "wire_call_ids"]
@@ -97,13 +98,19 @@ class VariantMemo(Generic[K, A, V]):
         self._function = function
         self._entries: dict[int, tuple[K, A, V]] = {}
         self._maxsize = maxsize
+        memo_budget.register(self)  # what it holds is charged to the memos' byte budget
+
+    def cache_clear(self) -> None:
+        self._entries.clear()
 
     def __call__(self, key: K, variant: A) -> V:
         hit = self._entries.get(id(key))
         if hit is not None and hit[1] == variant:
             return hit[2]
+        memo_budget.admit()
         value = self._function(key, variant)
         if len(self._entries) >= self._maxsize:
             self._entries.clear()
         self._entries[id(key)] = (key, variant, value)
+        memo_budget.charge(memo_budget.weight(key) + memo_budget.weight(value))
         return value

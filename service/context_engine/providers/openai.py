@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import lru_cache
 from operator import attrgetter
 from typing import Any
 
@@ -46,6 +45,7 @@ from ..core.canonical import canonical_bytes
 from ..core.errors import EngineError
 from ..core.identity_memo import IdentityMemo
 from ..core.items import REASONING_TYPES
+from ..core.memo_budget import bounded_cache
 from ..core.request import Block, Message, ModelRequest, ToolDefinition
 from ..core.rows import Row
 from .call_ids import BASE_IDS, VariantMemo, all_distinct, wire_call_ids
@@ -178,7 +178,7 @@ _TEXT = attrgetter("text")
 
 # Rendering is a pure function of frozen neutral values; the memos change only how often it
 # runs. Bounded like core/request.py's fragments.
-@lru_cache(maxsize=1024)
+@bounded_cache(1024)
 def _tool(tool: ToolDefinition) -> _Piece:
     obj: dict[str, Any] = {
         "type": "function",
@@ -191,7 +191,7 @@ def _tool(tool: ToolDefinition) -> _Piece:
     return _Piece(obj, Row.TOOL_DEFINITIONS, f"tool:{tool.name}", _json(obj))
 
 
-@lru_cache(maxsize=16_384)
+@bounded_cache(16_384)
 def _input_item(role: str, block: Block, call_id: str = "") -> _Piece | None:
     obj = _item(role, block, call_id)
     return None if obj is None else _Piece(obj, block.row, block.item_id, _json(obj))
@@ -201,7 +201,7 @@ def _json(value: Any) -> str:
     return canonical_bytes(value).decode("utf-8")
 
 
-@lru_cache(maxsize=256)
+@bounded_cache(256)
 def _text(value: str) -> str:
     return _json(value)
 

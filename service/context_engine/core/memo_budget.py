@@ -1,0 +1,131 @@
+"""One byte budget for every render memo in the process.
+
+The core and the providers memoize renderings of frozen items (a block's JSON, its wire
+bytes, an escaped text, a provider layout). Each memo is bounded by entries, but an entry
+holds an item and its rendering, and an item may be a multi-megabyte tool result: bounded
+by entries alone, a long-lived replica that has seen many large distinct items holds
+gigabytes nobody sized a container for. So every memo also charges what it stores to this
+one ledger, and when the ledger passes its limit the next miss empties every memo and
+starts the count again. Emptying costs only recomputation (a memo changes how often a
+function runs, never what it returns), and the runs being built re-fill them on their next
+Build.
+
+Only misses are charged, and weighed shallowly (`weight`: text and bytes at their size in
+memory, containers and objects two levels deep at a fixed cost per reference), so a hit
+costs nothing more. The weight is approximate and errs high: an object held by two memos
+is charged to each. The limit is the server's `render_memo_bytes` setting.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from functools import lru_cache, wraps
+from typing import Any, Protocol, TypeVar
+
+__all__ = [
+    "DEFAULT_LIMIT",
+    "bounded_cache",
+    "charge",
+    "clear_all",
+    "held",
+    "register",
+    "set_limit",
+    "weight",
+]
+
+DEFAULT_LIMIT = 256 * 1024 * 1024  # config.py render_memo_bytes
+
+_OBJECT = 56  # a small object's header; what a reference to a non-text value is charged
+_DEPTH = 2  # levels weighed below the value itself
+
+
+class _Clearable(Protocol):
+    def cache_clear(self) -> None: ...
+
+
+class _Ledger:
+    def __init__(self) -> None:
+        self.held = 0
+        self.limit = DEFAULT_LIMIT
+        self.memos: list[_Clearable] = []
+
+
+_ledger = _Ledger()
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def register(memo: _Clearable) -> None:
+    """A memo `clear_all` empties."""
+    _ledger.memos.append(memo)
+
+
+def set_limit(limit: int) -> None:
+    """The bytes all memos may hold together (0: memos keep nothing past one miss)."""
+    _ledger.limit = limit
+    if _ledger.held > limit:
+        clear_all()
+
+
+def held() -> int:
+    """What the memos are charged with now, in approximate bytes."""
+    return _ledger.held
+
+
+def clear_all() -> None:
+    for memo in _ledger.memos:
+        memo.cache_clear()
+    _ledger.held = 0
+
+
+def charge(nbytes: int) -> None:
+    """Charge a stored entry. Over the limit, every memo is emptied at the next `admit`."""
+    _ledger.held += nbytes
+
+
+def admit() -> None:
+    """Called before a miss stores: empties every memo if the ledger is over its limit."""
+    if _ledger.held > _ledger.limit:
+        clear_all()
+
+
+def weight(value: object, depth: int = _DEPTH) -> int:
+    """Approximate bytes `value` holds: str and bytes at sys.getsizeof, containers and
+    objects (their __dict__ or __slots__) at a fixed cost plus their members', `depth`
+    levels down; below that, and for scalars, a fixed cost per reference."""
+    if isinstance(value, str | bytes):
+        return sys.getsizeof(value)
+    if depth < 0:
+        return _OBJECT
+    if isinstance(value, tuple | list | frozenset | set):
+        return _OBJECT + sum(weight(v, depth - 1) for v in value)
+    if isinstance(value, dict):
+        return _OBJECT + sum(weight(k, depth - 1) + weight(v, depth - 1) for k, v in value.items())
+    members = getattr(value, "__dict__", None)
+    if members is not None:
+        return _OBJECT + sum(weight(v, depth - 1) for v in members.values())
+    slots = getattr(type(value), "__slots__", None)
+    if slots:
+        names = (slots,) if isinstance(slots, str) else slots
+        return _OBJECT + sum(weight(getattr(value, n, None), depth - 1) for n in names)
+    return _OBJECT
+
+
+def bounded_cache(maxsize: int) -> Callable[[F], F]:
+    """functools.lru_cache(maxsize) whose entries are charged to the ledger: the function
+    runs only on a miss, so the hit path is lru_cache's own."""
+
+    def decorate(function: F) -> F:
+        @wraps(function)
+        def on_miss(*args: Any, **kwargs: Any) -> Any:
+            admit()
+            value = function(*args, **kwargs)
+            charge(weight(args) + weight(value))
+            return value
+
+        cached = lru_cache(maxsize=maxsize)(on_miss)
+        register(cached)
+        return cached  # type: ignore[return-value]
+
+    return decorate

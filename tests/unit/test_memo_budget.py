@@ -1,0 +1,163 @@
+"""The render memos' byte budget (core/memo_budget.py): what a long-lived replica keeps of
+renderings is bounded in bytes, not only in entries, and emptying the memos changes no
+byte of any request."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+from collections.abc import Iterator
+from datetime import UTC, datetime
+
+import pytest
+
+from context_engine.api import wire
+from context_engine.core import (
+    BuildInputs,
+    Checkpoint,
+    ModelFacts,
+    PlanReason,
+    PlanSpec,
+    StepContext,
+    TrustLevel,
+    assemble,
+    make_plan,
+    memo_budget,
+)
+from context_engine.core.enums import SideEffect
+from context_engine.core.items import ToolCall, ToolResult, UserMessage
+from context_engine.core.spec import AgentSpec, PlatformPolicySpec, ToolSpec
+from context_engine.providers import render
+
+SECRET = b"k" * 32
+NOW = datetime(2026, 3, 1, 12, tzinfo=UTC)
+MIB = 1024 * 1024
+
+
+@pytest.fixture(autouse=True)
+def _default_budget() -> Iterator[None]:
+    memo_budget.clear_all()
+    yield
+    memo_budget.set_limit(memo_budget.DEFAULT_LIMIT)
+    memo_budget.clear_all()
+
+
+def _count(text: str) -> int:
+    return -(-len(text.encode("utf-8")) // 4)
+
+
+def _plan(provider: str):  # type: ignore[no-untyped-def]
+    spec = PlanSpec(
+        model_id="m",
+        agent=AgentSpec(agent_id="a", version="1", instructions="Fetch.", enabled_tools=("fetch",)),
+        policy=PlatformPolicySpec(version="v1", text="Platform policy."),
+        tools=(
+            ToolSpec(
+                name="fetch",
+                description="Fetch a page.",
+                input_schema={"type": "object"},
+                side_effect=SideEffect.NETWORK_READ,
+            ),
+        ),
+    )
+    return make_plan(
+        spec,
+        session_id="s",
+        epoch=1,
+        reason=PlanReason.SESSION_OPENED,
+        secret=SECRET,
+        model=ModelFacts("m", provider, 400_000, 8_192),
+        count_tokens=_count,
+    )
+
+
+def _result(item_id: str, content: str, run: str) -> ToolResult:
+    return ToolResult(
+        item_id=item_id,
+        call_id="call_1",
+        tool_name="fetch",
+        content=content,
+        trust=TrustLevel.EXTERNAL_UNTRUSTED,
+        sequence=3,
+        run_id=run,
+    )
+
+
+def _payloads(round_: int, size: int) -> list[bytes]:
+    """One Build of a run whose one tool result (`size` characters) is new this round,
+    rendered for both providers and as wire bytes; nothing of it is kept by the caller."""
+    out = []
+    for provider in ("anthropic", "openai"):
+        run = f"r{round_}"
+        items = (
+            UserMessage(item_id=f"u{round_}", text="Read it.", sequence=1, run_id=run),
+            ToolCall(
+                item_id=f"c{round_}",
+                call_id="call_1",
+                tool_name="fetch",
+                arguments_json="{}",
+                sequence=2,
+                run_id=run,
+            ),
+            _result(f"t{round_}", f"page {round_} <" + "x" * size, run),
+        )
+        inputs = BuildInputs(
+            tenant_id="t",
+            plan=_plan(provider),
+            secret=SECRET,
+            checkpoint=Checkpoint(run_id=run, version=1, items=items),
+            carried=(),
+            now=NOW,
+            step=StepContext(),
+            count_tokens=_count,
+            inline_maximum_bytes=4 * size,
+        )
+        request = assemble(inputs).request
+        assert request is not None
+        out += [render(request).body, wire.request_bytes(request)]
+    return out
+
+
+def _retained(limit: int, rounds: int, size: int) -> int:
+    """Bytes still allocated after `rounds` Builds of distinct `size`-character results,
+    with the memos' budget at `limit`."""
+    memo_budget.set_limit(limit)
+    memo_budget.clear_all()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for n in range(rounds):
+            _payloads(n, size)
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
+def test_the_memos_hold_what_the_budget_allows_not_every_item_they_saw() -> None:
+    rounds, size = 40, 250_000
+    # Unbounded in bytes (entries alone bound the memos), every round's result stays held,
+    # several times over: the item, its escaped text, its JSON, its wire bytes.
+    assert _retained(1 << 40, rounds, size) > rounds * size
+    # Within a 4 MiB budget, what stays is the budget plus the one round that spent it.
+    assert _retained(4 * MIB, rounds, size) < 4 * MIB + 12 * size
+    assert memo_budget.held() < 4 * MIB + 12 * size
+
+
+def test_emptying_the_memos_changes_no_byte() -> None:
+    warm = [_payloads(n, 5_000) for n in range(3)] + [_payloads(0, 5_000)]
+    memo_budget.set_limit(0)  # every miss empties every memo first
+    cold = [_payloads(n, 5_000) for n in range(3)] + [_payloads(0, 5_000)]
+    assert cold == warm
+    assert warm[3] == warm[0]
+
+
+def test_weight_counts_text_at_its_size_and_containers_shallowly() -> None:
+    text = "é" * 10_000  # two bytes a character in UTF-8, held as one byte each in memory
+    assert memo_budget.weight(text) >= 10_000
+    item = _result("t", text, "r")
+    assert memo_budget.weight(item) > memo_budget.weight(text)
+    assert memo_budget.weight((item, item)) > 2 * memo_budget.weight(text)
+    nested = ((((text,),),),)
+    assert memo_budget.weight(nested) < 1_000  # past two levels, a fixed cost
