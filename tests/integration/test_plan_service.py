@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 from uuid import UUID
 
@@ -1160,6 +1160,19 @@ async def _replica_with_window(pool: Any, window: int) -> tuple[Any, Any, Any]:
     return await replica_with_model(pool, "claude-window", context_window=window)
 
 
+async def _erased(on: Any, memory: pb.PlanSpec, model_id: str) -> tuple[str, str]:
+    """A session of `model_id` opened on `on` from `memory` (a snapshot spec), with a run
+    started, whose first snapshot item's person (a fresh one) is then erased: its plan is
+    invalidated, so the run's next Build rotates from the pinned spec. -> (session, run)."""
+    person = f"ana-{new_id()}"
+    memory.model_id = model_id
+    memory.snapshot.items[0].person_ids[:] = [person]
+    session_id, _ = await _open(on, memory)
+    run_id = (await _start(on, session_id)).run.run_id
+    await on.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    return session_id, run_id
+
+
 async def test_a_rotation_after_an_erasure_that_no_longer_fits_is_the_sessions_state(
     pool: Any,
 ) -> None:
@@ -1172,13 +1185,7 @@ async def test_a_rotation_after_an_erasure_that_no_longer_fits_is_the_sessions_s
     # Less than the output reserve and the ~700-token prefix: no body is left.
     narrow, narrow_channel, narrow_server = await _replica_with_window(pool, 8_500)
     try:
-        person = f"ana-{new_id()}"
-        memory = _memory_spec("trace-w")
-        memory.model_id = "claude-window"
-        memory.snapshot.items[0].person_ids[:] = [person]
-        session_id, _ = await _open(wide, memory)
-        run_id = (await _start(wide, session_id)).run.run_id
-        await wide.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+        session_id, run_id = await _erased(wide, _memory_spec("trace-w"), "claude-window")
         before = await _events(pool, session_id)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await _build(narrow, session_id, run_id)
@@ -1205,13 +1212,8 @@ async def test_a_rotate_without_spec_that_outgrows_the_capacity_names_no_field(
     wide, wide_channel, wide_server = await _replica_with_window(pool, 200_000)
     narrow, narrow_channel, narrow_server = await _replica_with_window(pool, 8_500)
     try:
-        session_id, plan = await _open(wide, spec(model_id="claude-window"))
-        request = pb.RotateRequest(
-            tenant_id=TENANT,
-            session_id=session_id,
-            from_epoch=plan.epoch,
-            reason=pb.PLAN_REASON_BUILDER_UPGRADED,
-        )
+        session_id, _ = await _open(wide, spec(model_id="claude-window"))
+        request = _pinned_rotation(session_id)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await narrow.Rotate(request)
         assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
@@ -1222,6 +1224,142 @@ async def test_a_rotate_without_spec_that_outgrows_the_capacity_names_no_field(
         for channel, server in ((wide_channel, wide_server), (narrow_channel, narrow_server)):
             await channel.close()
             await server.stop(0)
+
+
+def _pinned_rotation(session_id: str) -> pb.RotateRequest:
+    """A Rotate from the first epoch that sends no spec: it rebuilds the pinned one."""
+    return pb.RotateRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        from_epoch=1,
+        reason=pb.PLAN_REASON_BUILDER_UPGRADED,
+    )
+
+
+async def _refusals(*calls: Awaitable[Any]) -> list[grpc.aio.AioRpcError]:
+    """Await each call in turn; every one must fail. -> their errors, in order."""
+    errors = []
+    for call_ in calls:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call_
+        errors.append(caught.value)
+    return errors
+
+
+def _refused_by_state(error: grpc.aio.AioRpcError, reason: str) -> dict[str, str]:
+    """A rebuild from the session's pinned spec refused as the session's state: reason,
+    the session named as what to act on (not a `spec.*` field the request never sent).
+    -> the ErrorInfo metadata."""
+    assert error.code() is grpc.StatusCode.FAILED_PRECONDITION, error
+    got, fields, metadata = details(error)
+    assert (got, fields) == (reason, ["session_id"])
+    return metadata
+
+
+async def test_a_rebuild_whose_pinned_model_left_the_registry_is_the_sessions_state(
+    stub: Any, pool: Any
+) -> None:
+    """A plan rebuilt from the session's pinned spec (a Rotate without spec, a run's
+    admission, the first Build after an erasure) on a server whose registry no longer has
+    the pinned model (another replica's overlay added it, this one has none) answered
+    INVALID_ARGUMENT UNKNOWN_MODEL naming `spec.model_id`, a field none of those requests
+    carries. It is the session's state: FAILED_PRECONDITION UNKNOWN_MODEL naming the
+    session and the pinned model, saying how to get out; nothing rotates."""
+    served, channel, server = await replica_with_model(pool, "claude-retired")
+    try:
+        session_id, plan = await _open(served, _mail_spec(model_id="claude-retired"))
+        run_id = (await _start(served, session_id)).run.run_id
+        erased, erased_run = await _erased(served, _memory_spec("trace-r"), "claude-retired")
+        # The plan it has keeps serving: it pins the model's window and provider.
+        assert (await _current(stub, session_id)).prefix_sha256 == plan.prefix_sha256
+        assert (await _build(stub, session_id, run_id)).epoch == 1
+        before = [await _events(pool, s) for s in (session_id, erased)]
+        # A Rotate whose own spec names the model is the request's fault, as ever.
+        own = _rotation(session_id, pb.PLAN_REASON_AGENT_CHANGED, spec(model_id="claude-retired"))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Rotate(own)
+        assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert details(caught.value)[:2] == ("UNKNOWN_MODEL", ["spec.model_id"])
+
+        refusals = await _refusals(
+            stub.Rotate(_pinned_rotation(session_id)),
+            _start(stub, session_id, scopes=["calendar.read", "mail.send", "web.read"]),
+            _build(stub, erased, erased_run),
+        )
+        for refusal in refusals:
+            assert _refused_by_state(refusal, "UNKNOWN_MODEL") == {"model_id": "claude-retired"}
+            message = refusal.details() or ""
+            assert "'claude-retired' is no longer in this server's model registry" in message
+            assert "Rotate with a spec naming a model this server serves" in message
+        # Nothing was written: no rotation, no run, no request.
+        assert [await _events(pool, s) for s in (session_id, erased)] == before
+        # What the message says: a Rotate with a spec naming a served model rotates.
+        fixed = _rotation(session_id, pb.PLAN_REASON_MODEL_CHANGED, _mail_spec())
+        assert (await stub.Rotate(fixed)).plan.model_id == "claude-sonnet-4-5"
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_a_rebuild_whose_pinned_class_outgrew_its_cap_is_the_sessions_state(
+    stub: Any, grpc_server: Any, pool: Any
+) -> None:
+    """Agent instructions within their 4,000-token cap under gpt-4o's exact counter are
+    over it on a replica whose registry overlay counts gpt-4o with the heuristic. Rebuilding
+    the pinned spec there (the first Build after an erasure, a Rotate without spec) named
+    `spec.agent.instructions`, a field neither request sent, and Build's docs did not list
+    the reason. It is the session's state: PREFIX_CLASS_OVER_CAP naming the session, the
+    pinned spec's field in the metadata; nothing rotates."""
+    from context_engine.core.estimator import heuristic_count
+
+    exact = grpc_server.engine.count_tokens_for("gpt-4o")
+    instructions = "Help the user plan trips. " * 560
+    assert exact(instructions) < 3_500 and heuristic_count(instructions) > 4_100
+    memory = _memory_spec("trace-h")
+    memory.agent.instructions = instructions
+    session_id, run_id = await _erased(stub, memory, "gpt-4o")
+    before = await _events(pool, session_id)
+    heuristic, channel, server = await replica_with_model(
+        pool, "gpt-4o", provider="openai", family="gpt-4o", max_cache_breakpoints=0
+    )
+    try:
+        refusals = await _refusals(
+            _build(heuristic, session_id, run_id),
+            heuristic.Rotate(_pinned_rotation(session_id)),
+        )
+        for refusal in refusals:
+            metadata = _refused_by_state(refusal, "PREFIX_CLASS_OVER_CAP")
+            assert metadata["class"] == "agent_instructions"
+            assert metadata["spec_field"] == "spec.agent.instructions"
+            assert int(metadata["tokens"]) > int(metadata["cap_tokens"]) == 4_000
+            assert "Rotate with a spec that fits" in (refusal.details() or "")
+        assert await _events(pool, session_id) == before
+        # Counted exactly, the same Build rotates and builds.
+        assert (await _build(stub, session_id, run_id)).epoch == 2
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_an_admission_whose_grant_outgrows_a_prefix_class_is_the_sessions_state(
+    stub: Any, grpc_server: Any, pool: Any
+) -> None:
+    """An explicitly enabled tool the session's scopes withhold joins the roster when a
+    run's admission grants its scope; over the tool-definition cap, the rebuilt plan
+    failed naming `spec.tools`, which StartRun does not have. FAILED_PRECONDITION
+    PREFIX_CLASS_OVER_CAP naming the session (metadata spec_field spec.tools); no run."""
+    description = _words(grpc_server.engine.count_tokens_for("claude-sonnet-4-5"), 9_000)
+    withheld = spec()
+    withheld.tools.append(tool("report.build", scopes=("reports.write",), description=description))
+    withheld.agent.enabled_tools.append("report.build")
+    session_id, plan = await _open(stub, withheld)
+    assert "report.build" not in plan.tool_names
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _start(stub, session_id, scopes=["calendar.read", "reports.write", "web.read"])
+    metadata = _refused_by_state(caught.value, "PREFIX_CLASS_OVER_CAP")
+    assert (metadata["class"], metadata["tool"]) == ("tool_definitions", "report.build")
+    assert metadata["spec_field"] == "spec.tools"
+    assert [e["type"] for e in await _events(pool, session_id)] == ["context.plan.created"]
 
 
 async def test_a_child_run_takes_no_admission(stub: Any, pool: Any) -> None:

@@ -547,11 +547,17 @@ const (
 	// NOT_FOUND where the plan is read (GetPlan, Build, UpdateWorkingState, compaction),
 	// FAILED_PRECONDITION where a write needs it (Rotate, StartRun, LoadSkill).
 	ErrorReason_ERROR_REASON_PLAN_NOT_FOUND ErrorReason = 4
-	// A Region A class is over its cap; metadata "class" names it and BadRequest the field
-	// to fix (spec.tools for the tool classes).
+	// FAILED_PRECONDITION (Plan, Rotate, StartRun admission, Build after an erasure): a
+	// Region A class is over its cap; metadata "class" names it and BadRequest the field to
+	// fix (spec.tools for the tool classes). Where the engine rebuilt the session's pinned
+	// spec (a Rotate without spec, a run's admission, Build's rotation after an erasure) the
+	// request sent no spec: BadRequest names session_id, metadata spec_field the pinned
+	// spec's field; nothing is written; Rotate with a spec that fits.
 	ErrorReason_ERROR_REASON_PREFIX_CLASS_OVER_CAP ErrorReason = 5
 	// The spec's seven prefix classes sum over the 22,000-token ceiling (metadata "class"
-	// the largest, ceiling_tokens the sum); the engine's framing is not counted against it.
+	// the largest, ceiling_classes_tokens the sum, ceiling_limit_tokens the ceiling;
+	// ceiling_tokens, the sum's first name, is sent too); the engine's framing is not
+	// counted against it. Raised where PREFIX_CLASS_OVER_CAP is, naming session_id alike.
 	ErrorReason_ERROR_REASON_PREFIX_OVER_CEILING ErrorReason = 6
 	// expected_checkpoint_version was not the latest.
 	ErrorReason_ERROR_REASON_CHECKPOINT_VERSION_CONFLICT ErrorReason = 7
@@ -563,7 +569,11 @@ const (
 	ErrorReason_ERROR_REASON_UNKNOWN_ITEM_KIND ErrorReason = 10
 	// The idempotency key was used before with a different request.
 	ErrorReason_ERROR_REASON_IDEMPOTENCY_KEY_REUSED ErrorReason = 11
-	// The model id is not in the model registry.
+	// INVALID_ARGUMENT (Plan, Rotate with a spec): spec.model_id is not in the model
+	// registry. FAILED_PRECONDITION (Rotate without a spec, StartRun admission, Build after
+	// an erasure): the session's pinned model, which the engine had to rebuild the plan
+	// from, is no longer in this server's registry (BadRequest session_id, metadata
+	// model_id); nothing is written; Rotate with a spec naming a model this server serves.
 	ErrorReason_ERROR_REASON_UNKNOWN_MODEL ErrorReason = 12
 	// The never-yield set alone (recall's floor included) does not fit the body; metadata
 	// "class" names its largest class (recall for the floor, active_turn for the active

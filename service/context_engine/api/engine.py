@@ -42,6 +42,7 @@ from ..core.errors import (
     InvalidFieldError,
     NotFoundError,
     PreconditionError,
+    RequestError,
 )
 from ..core.estimator import IMAGE_TOKENS
 from ..core.excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
@@ -284,11 +285,11 @@ class Engine:
                 rotated = await self._rotate_locked(
                     conn, tenant, session_id, current, reason, spec, detail
                 )
-            except CapacityError as exc:
+            except RequestError as exc:
                 if spec is not None:
-                    raise  # the caller's spec: INVALID_FIELD names its field
+                    raise  # the caller's spec: the error names its field
                 # Rebuilt from the session's pinned spec: no field of this request is at fault.
-                raise exc.as_state(f"for a {reason.name.lower()} rotation") from None
+                raise _as_state(exc, f"for a {reason.name.lower()} rotation") from None
         return rotated
 
     async def _rotate_locked(
@@ -386,10 +387,10 @@ class Engine:
                     decision.spec,
                     f"run admission: {decision.detail}",
                 )
-            except CapacityError as exc:
+            except RequestError as exc:
                 # The session's spec, not the request's: the state forbids the run. Raised
                 # inside StartRun's transaction, so nothing of the run is written.
-                raise exc.as_state(f"for this run's admission ({decision.detail})") from None
+                raise _as_state(exc, f"for this run's admission ({decision.detail})") from None
             rotated.append(current)
         return current, rotated
 
@@ -411,10 +412,11 @@ class Engine:
                     None,
                     "build after erasure",
                 )
-            except CapacityError as exc:
-                # The pinned spec no longer fits (a registry overlay shrank the window, say):
-                # the session's state, not Build's request, is at fault.
-                raise exc.as_state("after an erasure") from None
+            except RequestError as exc:
+                # The pinned spec no longer fits (a registry overlay shrank the window or
+                # dropped the model, say): the session's state, not Build's request, is at
+                # fault.
+                raise _as_state(exc, "after an erasure") from None
         # Counted here, once committed, not by the Build handler: the Build may still fail
         # (PERSON_ERASED, BUDGET_EXCEEDED, ...) while its rotation stands.
         _count_rotation(rotated)
@@ -900,6 +902,42 @@ async def _fence_snapshot(conn: Any, tenant: str, spec: PlanSpec) -> None:
             field=f"spec.snapshot.items[{index}].person_ids",
             reason="PERSON_ERASED",
         )
+
+
+def _as_state(exc: RequestError, rebuilt: str) -> RequestError:
+    """A refusal of the plan rebuilt `rebuilt` from the session's pinned spec (a Rotate
+    without spec, a run's admission, the rotation after an erasure), as the session's
+    state: the request sent no spec, so no `spec.*` field of it is at fault.
+
+    A capacity that no longer fits is PREFIX_OVER_CAPACITY (CapacityError.as_state). A
+    pinned model this server's registry lacks (another replica's overlay added it, or a
+    restart dropped it) is UNKNOWN_MODEL with metadata model_id; a prefix class over its
+    cap (a grant bringing an enabled tool in, a counter that now counts more) keeps its
+    reason, with the pinned spec's field in metadata spec_field. Both are
+    FAILED_PRECONDITION naming `session_id`: a Rotate with a spec is the way out.
+    Anything else is returned unchanged.
+    """
+    if isinstance(exc, CapacityError):
+        return exc.as_state(rebuilt)
+    if exc.reason == "UNKNOWN_MODEL":
+        model_id = exc.metadata.get("model_id", "")
+        return PreconditionError(
+            f"the session's pinned model {model_id!r} is no longer in this server's model"
+            f" registry, so its plan cannot be rebuilt {rebuilt}. Nothing was written;"
+            " Rotate with a spec naming a model this server serves",
+            field="session_id",
+            reason="UNKNOWN_MODEL",
+            metadata={"model_id": model_id},
+        )
+    if isinstance(exc, PreconditionError) and (exc.field or "").startswith("spec"):
+        return PreconditionError(
+            f"the session's pinned spec, rebuilt {rebuilt}, no longer fits: {exc.message}."
+            " Nothing was written; Rotate with a spec that fits",
+            field="session_id",
+            reason=exc.reason,
+            metadata={**exc.metadata, "spec_field": exc.field or ""},
+        )
+    return exc
 
 
 def _check_roster_wire_names(plan: ContextPlan) -> None:

@@ -419,7 +419,8 @@ def _class_usage(
     Raises:
         PreconditionError: PREFIX_CLASS_OVER_CAP for a class over its item or token cap,
             PREFIX_OVER_CEILING for a prefix whose ceiling classes (all but framing) sum
-            over 22,000 tokens (naming its largest class); metadata "class" names the class.
+            over 22,000 tokens (naming its largest class; metadata ceiling_classes_tokens
+            the sum, ceiling_limit_tokens the ceiling); metadata "class" names the class.
     """
     tokens: dict[str, int] = {}
     items: dict[str, int] = {}
@@ -472,7 +473,14 @@ def _check_prefix_caps(classes: tuple[ClassUsage, ...]) -> None:
             f" ceiling; the largest is {largest.class_name} ({largest.tokens} tokens)",
             field=_FIELD_OF_CLASS.get(largest.class_name),
             reason="PREFIX_OVER_CEILING",
-            metadata={**_cap_metadata(largest), "ceiling_tokens": str(total)},
+            metadata={
+                **_cap_metadata(largest),
+                "ceiling_classes_tokens": str(total),
+                "ceiling_limit_tokens": str(PREFIX_CEILING_TOKENS),
+                # The sum again under its first, misleading name (it is not the ceiling):
+                # kept for clients that read it.
+                "ceiling_tokens": str(total),
+            },
         )
 
 
