@@ -13,7 +13,9 @@ Build.
 Only misses are charged, and weighed shallowly (`weight`: text and bytes at their size in
 memory, containers and objects two levels deep at a fixed cost per reference), so a hit
 costs nothing more. The weight is approximate and errs high: an object held by two memos
-is charged to each. The limit is the server's `render_memo_bytes` setting.
+is charged to each, and an entry a memo drops by its own entry bound is not refunded, so
+the memos empty sooner, never later. The limit is the server's `render_memo_bytes`
+setting.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, Protocol, TypeVar
 
 __all__ = [
     "DEFAULT_LIMIT",
+    "admit",
     "bounded_cache",
     "charge",
     "clear_all",
