@@ -72,6 +72,7 @@ _FALLBACK = ("red3", "orange3", "gold3", "chartreuse3", "turquoise2", "orchid")
 _SAFE_KEYS = (
     "epoch",
     "from_epoch",
+    "lineage",
     "reason",
     "depth",
     "fits",

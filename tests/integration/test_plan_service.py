@@ -79,6 +79,16 @@ def _rotation(session_id: str, reason: int, plan_spec: pb.PlanSpec) -> pb.Rotate
     )
 
 
+async def _rotate(
+    stub: Any, session_id: str, from_epoch: int, reason: int, **fields: Any
+) -> pb.RotateResponse:
+    """Rotate a session from `from_epoch` (`fields`: spec, detail)."""
+    request = pb.RotateRequest(
+        tenant_id=TENANT, session_id=session_id, from_epoch=from_epoch, reason=reason, **fields
+    )
+    return await stub.Rotate(request)
+
+
 async def _current(stub: Any, session_id: str) -> pb.ContextPlan:
     response = await stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id))
     return response.plan
@@ -1066,6 +1076,145 @@ async def test_an_active_run_keeps_its_plan_across_another_runs_admission(stub: 
             operator.plan.epoch,
             operator.plan.prefix_sha256,
         )
+    # The operator's spec stated every run's authority: one lineage is left, and a rotation
+    # without spec starts one epoch, which both runs follow.
+    upgraded = await _rotate(stub, session_id, operator.plan.epoch, pb.PLAN_REASON_BUILDER_UPGRADED)
+    assert upgraded.plan.epoch == operator.plan.epoch + 1
+    for run in (parked, granted):
+        assert (await _build(stub, session_id, run.run.run_id)).epoch == upgraded.plan.epoch
+
+
+_GRANT = ["calendar.read", "mail.send", "web.read"]
+
+
+def _tools(response: pb.BuildResponse) -> list[str]:
+    return [t.name for t in response.request.tools]
+
+
+async def test_a_rotation_every_run_follows_keeps_each_runs_own_authority(
+    stub: Any, pool: Any
+) -> None:
+    """A rotation without a spec (here an agent rebuild) reaches every active run, but each
+    from its own plan's spec: rebuilding the session's current plan for everyone handed the
+    run active since before a grant the granted run's tools (the cross-run leak Rule 2
+    forbids). Each plan lineage rotates, in one transaction, the newest last."""
+    session_id, _ = await _open(stub, _mail_spec())
+    parked = await _start(stub, session_id)  # restricted, on epoch 1
+    granted = await _start(stub, session_id, scopes=_GRANT)
+    assert granted.rotated_plan.epoch == 2
+    operator = await _rotate(
+        stub, session_id, 2, pb.PLAN_REASON_AGENT_CHANGED, detail="agent redeployed"
+    )
+    # The session's current plan is the newest lineage's: the granted run's.
+    assert (operator.plan.epoch, operator.plan.reason) == (4, pb.PLAN_REASON_AGENT_CHANGED)
+    assert "mail.send" in operator.plan.tool_names
+    assert (await _current(stub, session_id)).epoch == 4
+    resumed = await _build(stub, session_id, parked.run.run_id)
+    assert resumed.epoch == 3 and "mail.send" not in _tools(resumed)
+    fresh = await _build(stub, session_id, granted.run.run_id)
+    assert fresh.epoch == 4 and "mail.send" in _tools(fresh)
+    rotated = await _events(pool, session_id, "context.epoch.rotated")
+    assert [(e["payload"]["epoch"], e["payload"]["from_epoch"]) for e in rotated] == [
+        (2, 1),
+        (3, 1),
+        (4, 2),
+    ]
+    assert [e["payload"]["detail"] for e in rotated[1:]] == ["agent redeployed"] * 2
+    # One winner: the retried Rotate finds its from_epoch gone and rotates nothing.
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _rotate(stub, session_id, 2, pb.PLAN_REASON_AGENT_CHANGED)
+    assert details(caught.value)[0] == "EPOCH_CONFLICT"
+    assert len(await _rotations(pool, session_id)) == 3
+    # The restricted run's child works on its parent's lineage, not the grant's.
+    child = await _start_child(stub, session_id, parked.run.run_id)
+    assert child.run.epoch == 3
+    # A later rotation reaches both lineages again, each from its own head.
+    again = await _rotate(stub, session_id, 4, pb.PLAN_REASON_BUILDER_UPGRADED)
+    assert again.plan.epoch == 6
+    for run, epoch, mail in ((parked, 5, False), (child, 5, False), (granted, 6, True)):
+        built = await _build(stub, session_id, run.run.run_id)
+        assert built.epoch == epoch and ("mail.send" in _tools(built)) is mail
+
+
+async def test_an_erasure_rotates_each_runs_own_plan(stub: Any, pool: Any) -> None:
+    """The erasure's snapshot_invalidated rotation reaches every run, each rebuilt from its
+    own plan's spec: the restricted run is not handed the grant's tools, the granted run
+    keeps them, and neither sends the erased memory."""
+    person = f"ana-{new_id()}"
+    memory = _mail_spec(snapshot=_memory_spec("trace-l").snapshot)
+    memory.snapshot.items[0].person_ids[:] = [person]
+    session_id, _ = await _open(stub, memory)
+    parked = await _start(stub, session_id)
+    assert "allergic" in _text(await _build(stub, session_id, parked.run.run_id))
+    granted = await _start(stub, session_id, scopes=_GRANT)
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    resumed = await _build(stub, session_id, parked.run.run_id)
+    assert "allergic" not in _text(resumed) and "Lyon" in _text(resumed)
+    assert "mail.send" not in _tools(resumed)
+    fresh = await _build(stub, session_id, granted.run.run_id)
+    assert "allergic" not in _text(fresh) and "mail.send" in _tools(fresh)
+    # One rotation per lineage, made by the first Build; the second found its plan rotated.
+    assert await _rotations(pool, session_id) == [
+        "run_authority_changed",
+        "snapshot_invalidated",
+        "snapshot_invalidated",
+    ]
+    assert (resumed.epoch, fresh.epoch) == (3, 4)
+    assert (await _current(stub, session_id)).epoch == 4
+
+
+async def test_plans_stored_before_lineages_keep_the_rule_they_were_written_under(
+    stub: Any, pool: Any
+) -> None:
+    """migrations/0009: a plan without a lineage (stored before it, or by a previous
+    version during a rolling update) begins its own, so a run follows every later plan
+    whose reason is not an admission's, as before; rotations after it continue from there."""
+    session_id, _ = await _open(stub, _mail_spec())
+    parked = await _start(stub, session_id)
+    granted = await _start(stub, session_id, scopes=_GRANT)
+    # Epochs 3 (the parked run's lineage) and 4 (the grant's).
+    await _rotate(stub, session_id, 2, pb.PLAN_REASON_BUILDER_UPGRADED)
+    await pool.execute(
+        "UPDATE context_plans SET lineage = NULL WHERE session_id = $1", UUID(session_id)
+    )
+    # The old rule: both runs follow the latest plan not an admission's, epoch 4.
+    for run in (parked, granted):
+        assert (await _build(stub, session_id, run.run.run_id)).epoch == 4
+    # One lineage is left: the next rotation starts one epoch, which both follow.
+    assert (await _rotate(stub, session_id, 4, pb.PLAN_REASON_BUILDER_UPGRADED)).plan.epoch == 5
+    for run in (parked, granted):
+        assert (await _build(stub, session_id, run.run.run_id)).epoch == 5
+
+
+async def test_an_admission_after_an_erasure_rotates_each_runs_own_plan(
+    stub: Any, pool: Any
+) -> None:
+    """A run admitted after the erasure rotates every lineage (the erasure reaches every
+    run) and pins the newest."""
+    person = f"ana-{new_id()}"
+    memory = _mail_spec(snapshot=_memory_spec("trace-m").snapshot)
+    memory.snapshot.items[0].person_ids[:] = [person]
+    session_id, _ = await _open(stub, memory)
+    parked = await _start(stub, session_id)
+    granted = await _start(stub, session_id, scopes=_GRANT)
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    later = await _start(stub, session_id, key="after-erasure")
+    assert (later.rotated_plan.epoch, later.rotated_plan.reason) == (
+        4,
+        pb.PLAN_REASON_SNAPSHOT_INVALIDATED,
+    )
+    assert later.run.epoch == 4 and "mail.send" in later.rotated_plan.tool_names
+    assert await _start(stub, session_id, key="after-erasure") == later  # a replay
+    assert await _rotations(pool, session_id) == [
+        "run_authority_changed",
+        "snapshot_invalidated",
+        "snapshot_invalidated",
+    ]
+    resumed = await _build(stub, session_id, parked.run.run_id)
+    assert resumed.epoch == 3 and "mail.send" not in _tools(resumed)
+    assert "allergic" not in _text(resumed)
+    fresh = await _build(stub, session_id, granted.run.run_id)
+    assert fresh.epoch == 4 and "mail.send" in _tools(fresh)
 
 
 async def _start_child(

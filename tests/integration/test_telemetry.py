@@ -311,6 +311,51 @@ async def test_an_erasure_then_a_grant_counts_both_rotations(traced: dict[str, A
     assert delta("context_engine.runs.started") == 1
 
 
+async def test_a_rotation_of_every_lineage_counts_each_epoch(
+    traced: dict[str, Any], pool: Any
+) -> None:
+    """A Rotate without spec after a grant starts one epoch per plan lineage (each run's
+    own plan rebuilt, store/plans.py); its response shows the last, and every epoch it
+    started is counted, as each is logged."""
+    stub, reader = traced["stub"], traced["reader"]
+    with_mail = spec()
+    with_mail.tools.append(tool("mail.send", scopes=("mail.send",)))
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=with_mail))
+    for scopes in (["calendar.read", "web.read"], ["calendar.read", "mail.send", "web.read"]):
+        await stub.StartRun(  # a restricted run, then a granted one
+            pb.StartRunRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                user_message=pb.UserMessage(text="hello"),
+                admission=pb.RunAdmission(scopes=scopes),
+            )
+        )
+    before = _points(reader)
+    rotated = await stub.Rotate(
+        pb.RotateRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            from_epoch=2,
+            reason=pb.PLAN_REASON_AGENT_CHANGED,
+        )
+    )
+    after = _points(reader)
+    assert rotated.plan.epoch == 4
+    logged = await pool.fetchval(
+        "SELECT count(*) FROM session_events WHERE type = 'context.epoch.rotated'"
+        " AND session_id = $1 AND payload->>'reason' = 'agent_changed'",
+        session_id,
+    )
+    assert logged == 2
+
+    def delta(name: str, **attributes: Any) -> float:
+        return _total(after, name, **attributes) - _total(before, name, **attributes)
+
+    assert delta("context_engine.epochs.rotated", reason="agent_changed") == 2
+    assert delta("context_engine.epochs.rotated") == 2
+
+
 async def test_a_retried_report_usage_records_its_usage_once(traced: dict[str, Any]) -> None:
     """A retry with the same idempotency key answers with the first response and records
     nothing (api/usage.py, Rule 3), so it must not feed the usage metrics again: a client

@@ -2593,10 +2593,12 @@ type RotateRequest struct {
 	// Why. Required. MODEL_CHANGED, AGENT_CHANGED, PERSONA_CHANGED, OPERATOR_REVOCATION,
 	// SNAPSHOT_INVALIDATED, BUILDER_UPGRADED or PREFIX_HASH_CANONICALIZED (takes no spec).
 	// RUN_AUTHORITY_CHANGED and BROWSER_PROFILE_CHANGED are decided only at a run's
-	// admission (StartRunRequest.admission) and are refused (INVALID_FIELD): a Build reads
-	// them as another run's admission, so they would never reach the active runs.
+	// admission (StartRunRequest.admission) and are refused (INVALID_FIELD): a plan with
+	// one begins a lineage only its own run follows, so they would never reach the active
+	// runs.
 	Reason PlanReason `protobuf:"varint,4,opt,name=reason,proto3,enum=context_engine.v1.PlanReason" json:"reason,omitempty"`
-	// The new spec; absent rebuilds from the pinned spec.
+	// The new spec, stating the session's configuration and authority for every run;
+	// absent rebuilds each plan lineage from its own pinned spec.
 	Spec *PlanSpec `protobuf:"bytes,5,opt,name=spec,proto3" json:"spec,omitempty"`
 	// Free-text detail recorded on the context.epoch.rotated event (no content).
 	Detail string `protobuf:"bytes,6,opt,name=detail,proto3" json:"detail,omitempty"`
@@ -2681,7 +2683,8 @@ type RotateResponse struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// The new plan.
+	// The new plan: the session's current one (the last of several, one per plan lineage,
+	// when the request sent no spec).
 	Plan *ContextPlan `protobuf:"bytes,1,opt,name=plan,proto3" json:"plan,omitempty"`
 }
 
@@ -3656,8 +3659,10 @@ type StartRunResponse struct {
 	CheckpointVersion int64 `protobuf:"varint,2,opt,name=checkpoint_version,json=checkpointVersion,proto3" json:"checkpoint_version,omitempty"`
 	// Set when admission rotated the epoch (run_authority_changed, browser_profile_changed,
 	// snapshot_invalidated, builder_upgraded, prefix_hash_canonicalized): the new plan the
-	// run pins. After an erasure, admission with a grant rotates twice (snapshot_invalidated,
-	// then run_authority_changed): this is the last. A retry with the same idempotency key
+	// run pins. A rotation for a reason other than the run's own change reaches every run: it
+	// starts one epoch per plan lineage (see Rotate), the current lineage's last. After an
+	// erasure, admission with a grant rotates with snapshot_invalidated, then with
+	// run_authority_changed: this is the last epoch. A retry with the same idempotency key
 	// returns the first response, this field included.
 	RotatedPlan *ContextPlan `protobuf:"bytes,3,opt,name=rotated_plan,json=rotatedPlan,proto3" json:"rotated_plan,omitempty"`
 }

@@ -24,11 +24,16 @@ type ContextEngineClient interface {
 	// an invalid spec is refused even on a session that has a plan. A plan an erasure
 	// invalidated is rotated from the given spec (snapshot_invalidated) and that is returned.
 	Plan(ctx context.Context, in *PlanRequest, opts ...grpc.CallOption) (*PlanResponse, error)
-	// Returns the session's current plan (or a given epoch).
+	// Returns the session's current plan, its newest epoch (or a given epoch). A run already
+	// active may build on another epoch: its own plan lineage (see Rotate).
 	GetPlan(ctx context.Context, in *GetPlanRequest, opts ...grpc.CallOption) (*GetPlanResponse, error)
 	// Starts a new prefix epoch: rebuilds the plan (from a new spec, or the pinned one),
-	// increments the epoch and records context.epoch.rotated with the reason. Exactly one of
-	// several concurrent rotations from the same epoch succeeds; the others get ABORTED.
+	// increments the epoch and records context.epoch.rotated with the reason. Every active
+	// run follows it at its next Build. With a spec, one epoch every run follows; without,
+	// one epoch per plan lineage (a run admitted with new scopes or a new browser profile is
+	// on a lineage of its own), each rebuilt from its own pinned spec, so no run is handed
+	// another run's admitted authority. Exactly one of several concurrent rotations from the
+	// same epoch succeeds; the others get ABORTED.
 	Rotate(ctx context.Context, in *RotateRequest, opts ...grpc.CallOption) (*RotateResponse, error)
 	// Starts a run (one turn). A top-level run appends its user.message.created event and
 	// pins seed_event_sequence to that event's sequence in the same transaction; a child run
@@ -229,11 +234,16 @@ type ContextEngineServer interface {
 	// an invalid spec is refused even on a session that has a plan. A plan an erasure
 	// invalidated is rotated from the given spec (snapshot_invalidated) and that is returned.
 	Plan(context.Context, *PlanRequest) (*PlanResponse, error)
-	// Returns the session's current plan (or a given epoch).
+	// Returns the session's current plan, its newest epoch (or a given epoch). A run already
+	// active may build on another epoch: its own plan lineage (see Rotate).
 	GetPlan(context.Context, *GetPlanRequest) (*GetPlanResponse, error)
 	// Starts a new prefix epoch: rebuilds the plan (from a new spec, or the pinned one),
-	// increments the epoch and records context.epoch.rotated with the reason. Exactly one of
-	// several concurrent rotations from the same epoch succeeds; the others get ABORTED.
+	// increments the epoch and records context.epoch.rotated with the reason. Every active
+	// run follows it at its next Build. With a spec, one epoch every run follows; without,
+	// one epoch per plan lineage (a run admitted with new scopes or a new browser profile is
+	// on a lineage of its own), each rebuilt from its own pinned spec, so no run is handed
+	// another run's admitted authority. Exactly one of several concurrent rotations from the
+	// same epoch succeeds; the others get ABORTED.
 	Rotate(context.Context, *RotateRequest) (*RotateResponse, error)
 	// Starts a run (one turn). A top-level run appends its user.message.created event and
 	// pins seed_event_sequence to that event's sequence in the same transaction; a child run

@@ -210,18 +210,22 @@ class Engine:
             epoch = await sessions.lock_session(conn, tenant, session_id)
             if epoch == 0:
                 created_at = await plans.insert_plan(
-                    conn, tenant, session_id, candidate, spec, secret
+                    conn, tenant, session_id, candidate, spec, secret, lineage=1
                 )
                 await plans.set_current_epoch(conn, tenant, session_id, 1)
                 await events.append_events(
-                    conn, tenant, session_id, [_plan_event("context.plan.created", candidate, {})]
+                    conn,
+                    tenant,
+                    session_id,
+                    [_plan_event("context.plan.created", candidate, {"lineage": 1})],
                 )
-                return plans.StoredPlan(candidate, spec, secret, created_at=created_at), True, True
+                stored = plans.StoredPlan(candidate, spec, secret, created_at=created_at)
+                return stored, True, True
             current = await plans.read_plan(conn, tenant, session_id)
             if not current.plan.invalidated:
                 return current, False, current.plan.spec_sha256 == candidate.spec_sha256
             # An erasure redacted this snapshot: the next plan recalls again, from the spec
-            # the worker sends now.
+            # the worker sends now, and every run follows it (a merge, store/plans.py).
             rotated = await self._rotate_locked(
                 conn,
                 tenant,
@@ -230,6 +234,7 @@ class Engine:
                 PlanReason.SNAPSHOT_INVALIDATED,
                 spec,
                 "plan after erasure",
+                begins_lineage=True,
             )
         # Its response says created=false, so only this call knows it started an epoch.
         _count_rotation(rotated)
@@ -262,11 +267,16 @@ class Engine:
         reason: PlanReason,
         spec: PlanSpec | None,
         detail: str,
-    ) -> plans.StoredPlan:
+    ) -> list[plans.StoredPlan]:
+        """Rotate explicitly. -> the plans started, in order; the last is the session's
+        current plan. With `spec`, one plan every run follows (a merge, store/plans.py):
+        the caller's spec states the session's configuration and authority. Without, one
+        plan per live lineage, each rebuilt from (or, canonicalized, a copy of) its own
+        latest plan, so no run is handed another run's admitted authority."""
         async with transaction(self.pool) as conn:
             if spec is not None:  # the pinned spec was fenced when it was first persisted
                 await _fence_snapshot(conn, tenant, spec)
-            epoch = await sessions.lock_session(conn, tenant, session_id)
+            epoch, revision = await sessions.lock_session_plans(conn, tenant, session_id)
             if epoch == 0:
                 raise PreconditionError(
                     f"session {session_id} has no plan to rotate; call Plan first",
@@ -280,16 +290,45 @@ class Engine:
                     reason="EPOCH_CONFLICT",
                     metadata={"current_epoch": str(epoch)},
                 )
-            current = await plans.read_plan(conn, tenant, session_id)
             try:
-                rotated = await self._rotate_locked(
-                    conn, tenant, session_id, current, reason, spec, detail
+                if spec is not None:  # refused for a canonicalizing rotation (_rotate_locked)
+                    current = await plans.read_plan(conn, tenant, session_id)
+                    merged = await self._rotate_locked(
+                        conn, tenant, session_id, current, reason, spec, detail, begins_lineage=True
+                    )
+                    return [merged]
+                return await self._rotate_lineages(
+                    conn, tenant, session_id, epoch, revision, reason, detail
                 )
             except RequestError as exc:
                 if spec is not None:
                     raise  # the caller's spec: the error names its field
                 # Rebuilt from the session's pinned spec: no field of this request is at fault.
                 raise _as_state(exc, f"for a {reason.name.lower()} rotation") from None
+
+    async def _rotate_lineages(
+        self,
+        conn: Any,
+        tenant: str,
+        session_id: UUID,
+        epoch: int,
+        revision: int,
+        reason: PlanReason,
+        detail: str,
+    ) -> list[plans.StoredPlan]:
+        """A rotation every run follows, from the pinned specs: continue every live lineage
+        (store/plans.py) from its own latest plan, in lineage order, inside the caller's
+        transaction (session locked; `epoch` and `revision` the session's, read under the
+        lock). -> the plans started; the last is the current lineage's, the session's
+        current plan. The caller counts each once its transaction commits."""
+        rotated: list[plans.StoredPlan] = []
+        for head in await plans.live_lineage_heads(conn, tenant, session_id, revision):
+            epoch += 1
+            rotated.append(
+                await self._rotate_locked(
+                    conn, tenant, session_id, head, reason, None, detail, epoch=epoch
+                )
+            )
         return rotated
 
     async def _rotate_locked(
@@ -301,14 +340,21 @@ class Engine:
         reason: PlanReason,
         spec: PlanSpec | None,
         detail: str,
+        *,
+        epoch: int = 0,
+        begins_lineage: bool = False,
     ) -> plans.StoredPlan:
-        """Start the epoch after `current` inside the caller's transaction (session locked).
+        """Start a plan after `current` inside the caller's transaction (session locked), as
+        `epoch` (0: the one after `current`, the session's current plan), and make it the
+        session's current plan. It continues `current`'s lineage, or `begins_lineage`
+        (store/plans.py): a fork for an admission reason, a merge otherwise.
 
         Rebuilds from `spec` (or the pinned spec), except prefix_hash_canonicalized, which
         copies the plan with canonical hashes under the same secret (core/epochs.py).
         The caller counts the rotation once its transaction commits (_count_rotation).
         """
-        epoch = current.plan.epoch + 1
+        epoch = epoch or current.plan.epoch + 1
+        lineage = epoch if begins_lineage else current.lineage
         if reason is PlanReason.PREFIX_HASH_CANONICALIZED:
             if spec is not None:
                 raise InvalidFieldError(
@@ -322,17 +368,20 @@ class Engine:
             plan = await asyncio.to_thread(
                 self._make_plan, new_spec, session_id, epoch, reason, secret
             )
-        created_at = await plans.insert_plan(conn, tenant, session_id, plan, new_spec, secret)
+        created_at = await plans.insert_plan(
+            conn, tenant, session_id, plan, new_spec, secret, lineage
+        )
         await plans.set_current_epoch(conn, tenant, session_id, plan.epoch)
         extra = {
             "from_epoch": current.plan.epoch,
             "from_prefix_sha256": current.plan.prefix_sha256,
+            "lineage": lineage,
             "detail": detail,
         }
         await events.append_events(
             conn, tenant, session_id, [_plan_event("context.epoch.rotated", plan, extra)]
         )
-        return plans.StoredPlan(plan, new_spec, secret, current.revision, created_at)
+        return plans.StoredPlan(plan, new_spec, secret, current.revision, created_at, lineage)
 
     def _builder_reproduces(self, session_id: UUID, stored: plans.StoredPlan) -> bool:
         """Whether the current builder renders the stored plan's bytes from its spec and
@@ -355,9 +404,11 @@ class Engine:
     ) -> tuple[plans.StoredPlan, list[plans.StoredPlan]]:
         """A new run's admission, before it pins its tools: rotate when the rules of
         core/epochs.py say so. -> (the plan the run pins, the rotated plans in order, the
-        last being the one the run pins; none when the plan stays). Two only after an
-        erasure: its rotation from the pinned authority, then the run's own
-        (core/epochs.py, Rule 2).
+        last being the one the run pins; none when the plan stays). The run's own change
+        (an admission reason) begins a lineage only it follows; any other reason reaches
+        every run, so it continues every live lineage from its own plan (store/plans.py),
+        the current one last. After an erasure the run's own change follows as a second
+        decision (core/epochs.py, Rule 2).
 
         `epoch` and `revision` are the session's, read under its lock: a kept plan of that
         epoch and revision is the current one, and is not read again."""
@@ -377,39 +428,58 @@ class Engine:
             )
             if decision.reason is None:
                 break
+            detail = f"run admission: {decision.detail}"
             try:
-                current = await self._rotate_locked(
-                    conn,
-                    tenant,
-                    session_id,
-                    current,
-                    decision.reason,
-                    decision.spec,
-                    f"run admission: {decision.detail}",
-                )
+                if decision.reason in epoch_rules.ADMISSION_REASONS:
+                    current = await self._rotate_locked(
+                        conn,
+                        tenant,
+                        session_id,
+                        current,
+                        decision.reason,
+                        decision.spec,
+                        detail,
+                        begins_lineage=True,
+                    )
+                    rotated.append(current)
+                else:  # rebuilt from the pinned specs (decision.spec is current's own)
+                    rotated += await self._rotate_lineages(
+                        conn,
+                        tenant,
+                        session_id,
+                        current.plan.epoch,
+                        revision,
+                        decision.reason,
+                        detail,
+                    )
+                    current = rotated[-1]
             except RequestError as exc:
                 # The session's spec, not the request's: the state forbids the run. Raised
                 # inside StartRun's transaction, so nothing of the run is written.
                 raise _as_state(exc, f"for this run's admission ({decision.detail})") from None
-            rotated.append(current)
         return current, rotated
 
-    async def _rotate_invalidated(self, tenant: str, session_id: UUID) -> plans.StoredPlan:
-        """Build found the current plan's snapshot invalidated by an erasure: rotate with
-        snapshot_invalidated (once, whoever gets the lock first) and build on the new plan."""
+    async def _rotate_invalidated(
+        self, tenant: str, session_id: UUID, run_id: UUID
+    ) -> plans.StoredPlan:
+        """Build found its plan's snapshot invalidated by an erasure: rotate every live
+        lineage with snapshot_invalidated, each from its own plan (once, whoever gets the
+        lock first; the erasure reaches every run, and no run another's authority), and
+        build on the run's new plan."""
         async with transaction(self.pool) as conn:
-            await sessions.lock_session(conn, tenant, session_id)
-            current = await plans.read_plan(conn, tenant, session_id)
-            if not current.plan.invalidated:
-                return current  # another call rotated first, and counted it
+            epoch, revision = await sessions.lock_session_plans(conn, tenant, session_id)
+            head = await runs.read_run_head(conn, tenant, session_id, run_id)
+            own = await plans.read_plan(conn, tenant, session_id, head.effective_epoch)
+            if not own.plan.invalidated:
+                return own  # another call rotated first, and counted it
             try:
-                rotated = await self._rotate_locked(
+                rotated = await self._rotate_lineages(
                     conn,
                     tenant,
                     session_id,
-                    current,
+                    epoch,
+                    revision,
                     PlanReason.SNAPSHOT_INVALIDATED,
-                    None,
                     "build after erasure",
                 )
             except RequestError as exc:
@@ -417,10 +487,13 @@ class Engine:
                 # dropped the model, say): the session's state, not Build's request, is at
                 # fault.
                 raise _as_state(exc, "after an erasure") from None
+            head = await runs.read_run_head(conn, tenant, session_id, run_id)
+            own = await plans.read_plan(conn, tenant, session_id, head.effective_epoch)
         # Counted here, once committed, not by the Build handler: the Build may still fail
         # (PERSON_ERASED, BUDGET_EXCEEDED, ...) while its rotation stands.
-        _count_rotation(rotated)
-        return rotated
+        for stored in rotated:
+            _count_rotation(stored)
+        return own
 
     # --- runs -------------------------------------------------------------------------
 
@@ -713,13 +786,14 @@ class Engine:
                 )
         if skills_loaded is not None:
             loaded = loaded[:skills_loaded]  # sticky and append-only: a prefix is the past
-        # An active run keeps its pinned plan across other runs' admission rotations; any
-        # other rotation reaches it at its next Build (store/runs.py, ADMISSION_REASONS).
+        # An active run builds on the latest plan of its own lineage: another run's
+        # admission rotation, and a rotation rebuilt from another run's lineage, never
+        # reach it; any other rotation does, at its next Build (store/plans.py).
         stored = await self.get_plan(
             tenant, session_id, epoch or head.effective_epoch, head.plans_revision
         )
         if record and stored.plan.invalidated:
-            stored = await self._rotate_invalidated(tenant, session_id)
+            stored = await self._rotate_invalidated(tenant, session_id, run_id)
         telemetry.annotate(epoch=stored.plan.epoch, prefix_sha256=stored.plan.prefix_sha256)
         plan = stored.plan
         budget = (

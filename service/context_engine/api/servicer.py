@@ -82,8 +82,8 @@ class ContextEngineServicer(
             )
         reason = convert.plan_reason_from_proto(request.reason, "reason")
         if reason in ADMISSION_REASONS:
-            # Only a run's admission decides these, and a Build reads a plan with such a
-            # reason as another run's admission (store/runs.py): an operator's rotation
+            # Only a run's admission decides these: a plan with such a reason begins a
+            # lineage only its own run follows (store/plans.py), so an operator's rotation
             # with one would never reach the runs already active.
             raise InvalidFieldError(
                 f"{reason.name} is decided at a run's admission (StartRun.admission), not"
@@ -95,10 +95,15 @@ class ContextEngineServicer(
             if request.HasField("spec")
             else None
         )
-        stored = await self.engine.rotate(
+        rotated = await self.engine.rotate(
             tenant, session_id, request.from_epoch, reason, spec, request.detail
         )
-        return pb.RotateResponse(plan=convert.plan_to_proto(stored.plan, stored.created_at))
+        # Counted here, not derived from the response: a rotation without spec starts one
+        # epoch per plan lineage (store/plans.py), and the response shows the last.
+        for stored in rotated:
+            telemetry.record_rotation(stored.plan.reason.name.lower())
+        current = rotated[-1]
+        return pb.RotateResponse(plan=convert.plan_to_proto(current.plan, current.created_at))
 
     @grpc_errors
     async def StartRun(

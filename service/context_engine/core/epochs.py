@@ -11,13 +11,18 @@ its alone: its scopes enter the rebuilt spec only when they were newly granted
 (run_authority_changed), its browser profile only when it changed (browser_profile_changed).
 Every other reason rebuilds from the pinned spec, so a rotation that reaches every active
 run (builder_upgraded, snapshot_invalidated: not in `ADMISSION_REASONS`) never carries one
-run's scope reduction or grant into the others' prompts. So a builder upgrade admitted
-with a grant is one run_authority_changed rotation (the runs already active keep their
-plan, as for any admission); one admitted with a mere reduction is one builder_upgraded
-rotation from the pinned authority. The one exception to "once" is an erasure: its
-snapshot_invalidated rotation reaches every run, so it rebuilds from the pinned authority,
-and the run's own change is then decided again on the rebuilt plan: a second, admission
-rotation (the same two epochs a Build after the erasure and then the admission would give).
+run's scope reduction or grant into the others' prompts. An admission rotation begins a
+plan lineage only the admitted run follows; a rotation that reaches every run continues
+each run's lineage from that lineage's own pinned spec (one epoch per lineage, the
+session's current lineage last; store/plans.py), so it never hands one run the authority
+another run's admission granted either. So a builder upgrade admitted with a grant is one
+run_authority_changed rotation (the runs already active keep their plan, as for any
+admission); one admitted with a mere reduction is a builder_upgraded rotation of every
+lineage from its pinned authority. The one exception to "once" is an erasure: its
+snapshot_invalidated rotation reaches every run, so it rebuilds every lineage from its
+pinned authority, and the run's own change is then decided again on the rebuilt current
+plan: a second, admission rotation (the same epochs a Build after the erasure and then the
+admission would give).
 Rule 3: newly granted scopes (a SHA-256 not in plan.authority_scope_hashes) rotate with
 run_authority_changed; scope reduction alone keeps the prefix, because revocation is
 enforced at call time. A legacy plan without hashes rebuilds once. A session kind that
@@ -70,9 +75,9 @@ REASON_PRIORITY: tuple[PlanReason, ...] = (
     PlanReason.PREFIX_HASH_CANONICALIZED,
 )
 
-# Rotations that only a run's admission decides: they pin the admitted run's plan and leave
-# the runs already active on theirs (store/runs.py reads them so). Rotate refuses them: an
-# operator's rotation names another reason and reaches every run.
+# Rotations that only a run's admission decides: each begins a plan lineage only the
+# admitted run follows, and the runs already active keep theirs (store/plans.py). Rotate
+# refuses them: an operator's rotation names another reason and reaches every run.
 ADMISSION_REASONS: frozenset[PlanReason] = frozenset(
     {PlanReason.RUN_AUTHORITY_CHANGED, PlanReason.BROWSER_PROFILE_CHANGED}
 )

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
-from ..core import epochs
 from ..core.checkpoint import Checkpoint
 from ..core.errors import ConflictError, NotFoundError, PreconditionError
+from .plans import ADMISSION_REASON_NAMES, RUN_LINEAGE
 
 __all__ = [
     "RunHead",
@@ -113,14 +113,6 @@ async def read_checkpoint(conn: Any, tenant_id: str, run_id: UUID, version: int 
     return Checkpoint.model_validate(row["body"])
 
 
-# Rotations decided at a new run's admission: they pin the new run's plan and leave the
-# runs already active on theirs. Every other rotation (an operator's revocation, a model
-# or agent change, an erasure, a builder upgrade) applies to every run from its next Build.
-# Only admission decides these (core/epochs.py; Rotate refuses them), so a plan with such a
-# reason is always another run's admission.
-ADMISSION_REASONS = tuple(sorted(r.name for r in epochs.ADMISSION_REASONS))
-
-
 @dataclass(frozen=True, slots=True)
 class RunHead:
     """What a Build reads first, in one round trip (read_run_head)."""
@@ -135,7 +127,9 @@ class RunHead:
 async def read_run_head(conn: Any, tenant_id: str, session_id: UUID, run_id: UUID) -> RunHead:
     """The run, its latest checkpoint version, the plan epoch it builds on, how many skills
     the session has loaded and the session's plans revision, in one round trip. The epoch
-    is the run's own, or a later one from a rotation that was not another run's admission.
+    is the latest plan of the run's lineage (store/plans.py): the run's own epoch, or a
+    later one that continues its lineage or merged every lineage, never another run's
+    admission nor a plan rebuilt from another run's lineage.
 
     Raises NotFoundError for a run that is not in this tenant's session. Found by primary
     key, the session compared after (see read_run).
@@ -146,8 +140,7 @@ async def read_run_head(conn: Any, tenant_id: str, session_id: UUID, run_id: UUI
         "  WHERE c.tenant_id = r.tenant_id AND c.run_id = r.run_id) AS latest,"
         " (SELECT max(p.epoch) FROM context_plans p"
         "  WHERE p.tenant_id = r.tenant_id AND p.session_id = r.session_id"
-        "  AND (p.epoch = r.epoch OR (p.epoch > r.epoch AND p.reason <> ALL($3::text[]))))"
-        "  AS effective,"
+        "  AND coalesce(p.lineage, p.epoch) = " + RUN_LINEAGE + ") AS effective,"
         " (SELECT count(*) FROM loaded_skills s"
         "  WHERE s.tenant_id = r.tenant_id AND s.session_id = r.session_id) AS skills,"
         " (SELECT s.plans_revision FROM sessions s"
@@ -155,7 +148,7 @@ async def read_run_head(conn: Any, tenant_id: str, session_id: UUID, run_id: UUI
         " FROM runs r WHERE r.tenant_id = $1 AND r.run_id = $2",
         tenant_id,
         run_id,
-        list(ADMISSION_REASONS),
+        list(ADMISSION_REASON_NAMES),
     )
     if row is None or row["session_id"] != session_id:
         raise NotFoundError(f"run {run_id} not found", field="run_id", reason="RUN_NOT_FOUND")

@@ -153,7 +153,8 @@ class ContextEngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetPlan(self, request, context):
-        """Returns the session's current plan (or a given epoch).
+        """Returns the session's current plan, its newest epoch (or a given epoch). A run already
+        active may build on another epoch: its own plan lineage (see Rotate).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -161,8 +162,12 @@ class ContextEngineServicer:
 
     def Rotate(self, request, context):
         """Starts a new prefix epoch: rebuilds the plan (from a new spec, or the pinned one),
-        increments the epoch and records context.epoch.rotated with the reason. Exactly one of
-        several concurrent rotations from the same epoch succeeds; the others get ABORTED.
+        increments the epoch and records context.epoch.rotated with the reason. Every active
+        run follows it at its next Build. With a spec, one epoch every run follows; without,
+        one epoch per plan lineage (a run admitted with new scopes or a new browser profile is
+        on a lineage of its own), each rebuilt from its own pinned spec, so no run is handed
+        another run's admitted authority. Exactly one of several concurrent rotations from the
+        same epoch succeeds; the others get ABORTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

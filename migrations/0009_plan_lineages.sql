@@ -1,0 +1,14 @@
+-- Plan lineages (core/epochs.py, Rule 2): a run's admission that rotates for its own change
+-- (run_authority_changed, browser_profile_changed) starts a lineage only that run follows,
+-- and a rotation every run follows but that rebuilds from the pinned spec (a Rotate
+-- without spec, an erasure's snapshot_invalidated at a Build or an admission, a builder
+-- upgrade) continues every lineage a run is on, each from its own head: it never carries
+-- one run's grant into another's prompt. A run builds on the latest plan of its lineage
+-- (store/runs.py, read_run_head); store/plans.py states the rules.
+--
+-- `lineage` is the epoch where the plan's lineage began. NULL (no default, no backfill):
+-- the plan begins a lineage of its own, as if lineage = epoch. So every plan stored before
+-- this migration, and every plan a previous version writes during a rolling update, keeps
+-- exactly the rule it was written under: a plan whose reason is not an admission's reaches
+-- every run pinned before it, one whose reason is an admission's only its own run.
+ALTER TABLE context_plans ADD COLUMN lineage bigint;
