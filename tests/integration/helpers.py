@@ -120,6 +120,18 @@ async def start_run(stub: Any, session_id: str, text: str) -> pb.StartRunRespons
     )
 
 
+async def start_child(
+    stub: Any, session_id: str, parent_run_id: str, instruction: str
+) -> pb.StartRunResponse:
+    return await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            child=pb.ChildSeed(parent_run_id=parent_run_id, instruction=instruction),
+        )
+    )
+
+
 # --- databases of a test's own, and waiting for a condition (lifecycle tests) ----------
 
 
@@ -197,7 +209,7 @@ async def wait_for(condition: Any, *, timeout: float = 20.0, what: str = "condit
 # --- working state and compaction (issue 6) -----------------------------------------------
 
 _ENVELOPE_HEADER = re.compile(
-    r'<(?P<tag>untrusted|memory|user) source="[^"]*" id="[^"]*"(?: truncated="true")?'
+    r'<(?P<tag>untrusted|memory|user|delegated) source="[^"]*" id="[^"]*"(?: truncated="true")?'
     r' nonce="(?P<nonce>[0-9a-f]{16})">\n'
 )
 

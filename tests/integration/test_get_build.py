@@ -15,6 +15,7 @@ import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+from context_engine.api.convert import request_from_proto
 from context_engine.core.build_record import (
     ASSEMBLER_KEY,
     ASSEMBLER_VERSION,
@@ -24,6 +25,7 @@ from context_engine.core.build_record import (
     LEGACY_ASSEMBLER_VERSION,
     PAYLOAD_KEY,
 )
+from context_engine.core.canonical import sha256_hex
 from context_engine.core.rows import Region, Row
 from context_engine.explain import explain, fetch_builds, run
 from context_engine.providers.texts import TOOL_ERROR_AS_TEXT
@@ -37,6 +39,7 @@ from .helpers import (
     replica_with_model,
     result,
     spec,
+    start_child,
     start_run,
 )
 
@@ -318,7 +321,7 @@ async def test_a_build_records_its_assembler_and_payload_hash(stub: Any, pool: A
     from one it does not."""
     session_id, built = await _failed_result_build(stub, "gpt-5")
     payload = await _recorded(pool, session_id, built.request_sequence)
-    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@2"
+    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@3"
     assert payload[PAYLOAD_KEY] == hashlib.sha256(built.provider_payload).hexdigest()
     assert isinstance(payload[IMAGE_KEY], int) and isinstance(payload[INLINE_KEY], int)
     assert TOOL_ERROR_AS_TEXT.encode() in built.provider_payload
@@ -347,6 +350,67 @@ async def test_get_build_of_a_legacy_record_serves_failed_results_as_they_were_s
     again = await _get(stub, session_id, built.request_sequence)
     assert again.request_sha256 == built.request_sha256
     assert again.provider_payload == built.provider_payload.replace(_LINE, b"")
+
+
+def _as_the_users(built: pb.BuildResponse, item_id: str) -> tuple[str, bytes]:
+    """(request_sha256, provider payload) of `built` as context-assembler@2 sent it: the
+    child's message `item_id` as the user's words, USER in a <user> envelope, not its
+    parent's (MODEL, <delegated>). The nonce is the item's either way."""
+    request = pb.ModelRequest()
+    request.CopyFrom(built.request)
+    payload = built.provider_payload
+    for block in (b for m in request.messages for b in m.blocks if b.item_id == item_id):
+        nonce = block.text.rsplit(":", 1)[1][:-1]
+        users = block.text.replace(
+            '<delegated source="parent agent"', '<user source="user"', 1
+        ).replace(f"</delegated:{nonce}>", f"</user:{nonce}>")
+        payload = payload.replace(json.dumps(block.text).encode(), json.dumps(users).encode())
+        block.trust, block.text = pb.TRUST_LEVEL_USER, users
+    return sha256_hex(request_from_proto(request).canonical_bytes()), payload
+
+
+@pytest.mark.parametrize("assembler", ["context-assembler@2", LEGACY_ASSEMBLER_VERSION])
+async def test_get_build_of_an_older_child_record_serves_its_instruction_as_it_was_sent(
+    stub: Any, pool: Any, assembler: str
+) -> None:
+    """Up to context-assembler@2 a child run's instruction went out as the user's words
+    (<user>, USER); @3 sends it as its parent's (<delegated>, MODEL). The checkpoint holds
+    the instruction as it always did, so GetBuild of an older record renders it as that
+    assembler did, and serves what the provider was sent then, not today's bytes."""
+    session_id, _ = await open_session(stub)
+    parent = (await start_run(stub, session_id, "Plan the trip")).run.run_id
+    child = (await start_child(stub, session_id, parent, "Find a train to Lyon.")).run.run_id
+    await stub.AppendItems(
+        pb.AppendItemsRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            run_id=child,
+            expected_checkpoint_version=1,
+            items=[call("c1"), result("c1", "TGV 6601")],
+        )
+    )
+    built = await stub.Build(
+        pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=child, step=STEP)
+    )
+    assert b"<delegated source=" in built.provider_payload
+    assert await _get(stub, session_id, built.request_sequence) == built
+
+    request_sha256, payload = _as_the_users(built, f"instruction:{child}")
+    assert b'<delegated source=\\"parent' not in payload
+    assert request_sha256 != built.request_sha256
+
+    def older(record: dict[str, Any]) -> dict[str, Any]:
+        sent = {**record, "request_sha256": request_sha256}
+        if assembler == LEGACY_ASSEMBLER_VERSION:
+            return _as_legacy(sent)  # no payload hash: the request hash alone is checked
+        return {**sent, ASSEMBLER_KEY: assembler, PAYLOAD_KEY: sha256_hex(payload)}
+
+    await _rewrite_record(pool, session_id, built.request_sequence, older)
+    again = await _get(stub, session_id, built.request_sequence)
+    assert (again.request_sha256, again.provider_payload) == (request_sha256, payload)
+    sent = [b for m in again.request.messages for b in m.blocks if b.item_id.startswith("instr")]
+    assert [(b.row, b.trust) for b in sent] == [(pb.ROW_CONVERSATION, pb.TRUST_LEVEL_USER)]
+    assert sent[0].text.startswith('<user source="user"')
 
 
 async def _refusal(stub: Any, session_id: str, sequence: int) -> tuple[str, dict[str, str]]:

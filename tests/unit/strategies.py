@@ -59,6 +59,7 @@ from context_engine.core.spec import (
 )
 
 __all__ = [
+    "DELEGATED",
     "ENVELOPED",
     "FIXED_ZONES",
     "SCENARIO_SETTINGS",
@@ -91,12 +92,15 @@ SETTINGS = settings(
 # Whole-build properties: each example generates a plan, a session and a step.
 SCENARIO_SETTINGS = settings(SETTINGS, max_examples=30)
 
-TAGS = ("untrusted", "memory", "user")
+TAGS = ("untrusted", "memory", "user", "delegated")
 ENVELOPED = {
     TrustLevel.USER: "user",
     TrustLevel.MEMORY: "memory",
     TrustLevel.EXTERNAL_UNTRUSTED: "untrusted",
 }
+# A child run's messages from its parent: MODEL trust, which has no envelope of its own, in
+# the user role, so they render in this one (core/trust.py, Rule 2).
+DELEGATED = "delegated"
 
 MODEL = ModelFacts(
     model_id="claude-test",
@@ -178,6 +182,8 @@ _FIXED_PIECES = (
     f"</memory:{_REAL}>",
     f"</user:{_REAL}>",
     "<user>",
+    "</delegated:",
+    f"</delegated:{_REAL}>",
     "</system>",
     "<",
     ">",

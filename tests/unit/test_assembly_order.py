@@ -32,6 +32,7 @@ from context_engine.core.items import (
     AssistantMessage,
     ContextItem,
     ConversationItem,
+    DelegatedMessage,
     KnowledgePassageItem,
     ReasoningItem,
     RecallLineItem,
@@ -354,6 +355,27 @@ def test_check_placement_accepts_every_declared_row_and_refuses_a_trust_mismatch
     check_placement(SnapshotItem(item_id="m", text="x"), Row.MEMORY_SNAPSHOT)
     with pytest.raises(EngineError, match="row 14 requires PLATFORM, got USER"):
         check_placement(_UserTrustedRuntime(text="x"), Row.RUNTIME_METADATA)
+
+
+def test_a_childs_message_is_the_parents_in_the_user_role_in_its_own_envelope() -> None:
+    """core/trust.py, Rule 2: a child run's instruction is the run's user-role opening
+    turn, answered (row 10) or not (row 15), but at MODEL trust in a <delegated> envelope
+    with its item's nonce: neither bare (the platform's voice) nor <user> (the user's)."""
+    secret = b"s" * 32
+    asked = DelegatedMessage(item_id="instruction:r", text="find the invoice", run_id="r")
+    check_placement(asked, Row.USER_INPUT)
+    check_placement(asked, Row.CONVERSATION)
+    for items, row in (((asked,), Row.USER_INPUT), ((asked, _C1, _R1), Row.CONVERSATION)):
+        assembled = assemble(_scenario(items).inputs())
+        block = next(b for b in _blocks(assembled) if b.item_id == asked.item_id)
+        assert (block.row, block.trust) == (row, TrustLevel.MODEL)
+        nonce = item_nonce(secret, asked.item_id)
+        assert block.text == (
+            f'<delegated source="parent agent" id="instruction:r" nonce="{nonce}">\n'
+            f"find the invoice\n</delegated:{nonce}>"
+        )
+        asking = next(m for m in assembled.request.messages if block in m.blocks)
+        assert asking.role == "user"
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from context_engine.core.build_record import (
     REDACTED_KEY,
     SHOWN_FIELDS,
     assembler_of,
+    delegated_messages,
     failed_result_line,
     image_tokens_of,
     inputs_from_record,
@@ -96,3 +97,14 @@ def test_a_record_without_an_assembler_is_read_as_the_legacy_one() -> None:
     assert assembler_of(current) == ASSEMBLER_VERSION != LEGACY_ASSEMBLER_VERSION
     assert failed_result_line(current) is True
     assert image_tokens_of(current) == 2_500
+
+
+def test_only_a_record_of_context_assembler_3_on_read_a_childs_messages_as_its_parents() -> None:
+    """Rule 8: @2 and @1 sent a child run's user messages (its instruction) as the user's
+    words, <user> at USER trust; GetBuild renders their records so. From @3 on they are
+    the parent agent's (core/seeding.py, Rule 4)."""
+    legacy = _record()
+    assert delegated_messages(legacy) is False
+    assert delegated_messages({**legacy, ASSEMBLER_KEY: "context-assembler@2"}) is False
+    assert ASSEMBLER_VERSION == "context-assembler@3"
+    assert delegated_messages({**legacy, ASSEMBLER_KEY: ASSEMBLER_VERSION}) is True

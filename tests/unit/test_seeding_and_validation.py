@@ -30,12 +30,16 @@ from context_engine.core import (
 )
 from context_engine.core.items import (
     AssistantMessage,
+    Attachment,
     ConversationItem,
+    DelegatedMessage,
     ReasoningItem,
     ToolCall,
     ToolResult,
     UserMessage,
+    trust_of,
 )
+from context_engine.core.seeding import delegated, instruction_item_id
 from context_engine.core.spec import PlatformPolicySpec
 from context_engine.core.validate import (
     ClosedRun,
@@ -248,6 +252,28 @@ def test_a_child_run_seeds_from_nothing(log: list[ConversationItem]) -> None:
     below = [i for i in log if i.sequence < seed_cut(None)]
     assert below == []
     assert carried_history(below) == ()
+
+
+def test_a_childs_user_messages_are_read_as_its_parents_and_nothing_else_changes() -> None:
+    """Rule 4: a child's instruction, and a user message added to it later, are its parent
+    agent's words (MODEL); every field is kept, the model's own items are the same objects,
+    and a checkpoint with no user message is returned as it is."""
+    asked = UserMessage(item_id=instruction_item_id("c"), text="Find hotels", run_id="c")
+    answer = AssistantMessage(item_id="a", text="Searching.", sequence=4, run_id="c")
+    more = UserMessage(
+        item_id="u",
+        text="Under 120 euros",
+        sequence=5,
+        run_id="c",
+        attachments=(Attachment(kind="image", ref="blob:1"),),
+    )
+    read = delegated((asked, answer, more))
+    assert [type(i) for i in read] == [DelegatedMessage, AssistantMessage, DelegatedMessage]
+    assert read[1] is answer
+    assert [i.model_dump() for i in read] == [i.model_dump() for i in (asked, answer, more)]
+    assert {trust_of(i) for i in (read[0], read[2])} == {TrustLevel.MODEL}
+    assert delegated(read) == read and delegated((answer,)) == (answer,)
+    assert asked.item_id == "instruction:c"
 
 
 @SETTINGS

@@ -78,10 +78,10 @@ T = TypeVar("T")
 CANARY = "CANARY7f3a9c2e11d0"
 
 _ENVELOPE = re.compile(
-    r'<(?P<tag>untrusted|memory|user) source="[^"]*" id="[^"]*"(?: truncated="true")?'
+    r'<(?P<tag>untrusted|memory|user|delegated) source="[^"]*" id="[^"]*"(?: truncated="true")?'
     r' nonce="(?P<nonce>[0-9a-f]{16})">\n'
 )
-_ANY_DELIMITER = re.compile(r"<\s*/?\s*(?:untrusted|memory|user)\b", re.IGNORECASE)
+_ANY_DELIMITER = re.compile(r"<\s*/?\s*(?:untrusted|memory|user|delegated)\b", re.IGNORECASE)
 
 
 def outside_envelopes(text: str) -> str:

@@ -48,7 +48,10 @@ const (
 	// Written by the session's user.
 	TrustLevel_TRUST_LEVEL_USER TrustLevel = 3
 	// The model's own earlier output (assistant text, tool calls). Rendered in the assistant
-	// role, never enveloped: providers offer no way to envelope an assistant turn.
+	// role, never enveloped: providers offer no way to envelope an assistant turn. Also a
+	// parent agent's words to its child run (the ChildSeed instruction, and any user message
+	// appended to a child run): those stay in the user role, inside a nonced
+	// <delegated source="parent agent" ...> envelope, never a <user> one.
 	TrustLevel_TRUST_LEVEL_MODEL TrustLevel = 4
 	// Recalled memory: the snapshot, in-turn recall and correction lines.
 	TrustLevel_TRUST_LEVEL_MEMORY TrustLevel = 5
@@ -193,7 +196,8 @@ const (
 	Row_ROW_RECALL Row = 13
 	// 14. Runtime metadata: current date, principal scope, surface (B, PLATFORM).
 	Row_ROW_RUNTIME_METADATA Row = 14
-	// 15. The unanswered trailing user input, if present (B, USER).
+	// 15. The unanswered trailing user input, if present (B, USER; in a child run its
+	// parent's words: MODEL, in a <delegated> envelope).
 	Row_ROW_USER_INPUT Row = 15
 )
 
@@ -3397,7 +3401,9 @@ type ChildSeed struct {
 
 	// The parent run.
 	ParentRunId string `protobuf:"bytes,1,opt,name=parent_run_id,json=parentRunId,proto3" json:"parent_run_id,omitempty"`
-	// The parent's concise instruction; the child's first user message.
+	// The parent's concise instruction; the child's first user message. It is the parent
+	// agent's words, not the user's: Build renders it in the user role at
+	// TRUST_LEVEL_MODEL inside a nonced <delegated> envelope, never as <user>.
 	Instruction string `protobuf:"bytes,2,opt,name=instruction,proto3" json:"instruction,omitempty"`
 }
 

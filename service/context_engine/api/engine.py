@@ -48,7 +48,7 @@ from ..core.estimator import IMAGE_TOKENS
 from ..core.excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
 from ..core.items import ConversationItem, UserMessage
 from ..core.plan import CapacityError, ContextPlan, ModelFacts, make_plan
-from ..core.seeding import carried_history, seed_cut
+from ..core.seeding import carried_history, delegated, instruction_item_id, seed_cut
 from ..core.skills import body_items
 from ..core.snapshot import first_naming, named_people
 from ..core.snapshot import nonempty as snapshot_nonempty
@@ -550,8 +550,11 @@ class Engine:
                 first = replace_item(seed, sequence=seq, run_id=str(run_id))
                 run = runs.RunRow(run_id, session_id, None, seq, epoch)
             else:
+                # Kept as written; Build reads it as the parent's (core/seeding.py, Rule 4).
                 first = UserMessage(
-                    item_id=f"instruction:{run_id}", text=seed.instruction, run_id=str(run_id)
+                    item_id=instruction_item_id(str(run_id)),
+                    text=seed.instruction,
+                    run_id=str(run_id),
                 )
                 run = runs.RunRow(run_id, session_id, seed.parent_run_id, None, epoch)
                 await events.append_events(
@@ -738,6 +741,7 @@ class Engine:
         image_tokens: int | None = None,
         inline_maximum_bytes: int | None = None,
         failed_result_line: bool = True,
+        delegated_messages: bool = True,
     ) -> BuildResult:
         """Assemble, render and record the run's next request.
 
@@ -749,7 +753,9 @@ class Engine:
         model's budget now; None: the provider's own limit. Likewise `image_tokens` and
         `inline_maximum_bytes` (None: the registry's figure and the server's setting now)
         and `failed_result_line` (False: a request the legacy assembler sent;
-        core/build_record.py, Rules 7 and 8).
+        core/build_record.py, Rules 7 and 8). `delegated_messages` reads a child run's user
+        messages as its parent's (core/seeding.py, Rule 4); False: as the user's, as
+        context-assembler@2 and older did.
         """
         async with telemetry.span("store.read"), acquire(self.pool) as conn:
             try:
@@ -786,6 +792,9 @@ class Engine:
                 )
         if skills_loaded is not None:
             loaded = loaded[:skills_loaded]  # sticky and append-only: a prefix is the past
+        if delegated_messages and run.parent_run_id is not None:
+            # A child's "user" is its parent agent (core/seeding.py, Rule 4).
+            checkpoint = checkpoint.model_copy(update={"items": delegated(checkpoint.items)})
         # An active run builds on the latest plan of its own lineage: another run's
         # admission rotation, and a rotation rebuilt from another run's lineage, never
         # reach it; any other rotation does, at its next Build (store/plans.py).

@@ -6,13 +6,15 @@ image figure, inline threshold) and the log, without recording it again. Build i
 so the rebuild by the same assembler is the recorded request; one by a later assembler
 (core/build_record.py, Rule 8) is too unless that version changed what it sends. A record
 of the legacy assembler renders its failed results as they were sent (without the
-failed-result line). The rebuild is checked against the recorded request_sha256 and,
-where recorded, the payload's SHA-256: a request that does not rebuild to them, or that
-the current assembler refuses to build, is refused with FAILED_PRECONDITION
-REQUEST_NOT_FOUND naming the recorded and the current assembler version, never answered
-with bytes the provider never saw. A request built on a plan an erasure has since
-redacted no longer rebuilds, nor does one whose recall lines an erasure removed from its
-record: both are refused with REQUEST_REDACTED, never answered from a kept copy.
+failed-result line); one of context-assembler@2 or older, a child run's user messages as
+they were sent (the user's: `<user>`, USER, not the parent's `<delegated>`, MODEL). The
+rebuild is checked against the recorded request_sha256 and, where recorded, the payload's
+SHA-256: a request that does not rebuild to them, or that the current assembler refuses
+to build, is refused with FAILED_PRECONDITION REQUEST_NOT_FOUND naming the recorded and
+the current assembler version, never answered with bytes the provider never saw. A
+request built on a plan an erasure has since redacted no longer rebuilds, nor does one
+whose recall lines an erasure removed from its record: both are refused with
+REQUEST_REDACTED, never answered from a kept copy.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ..core.build_record import (
     PAYLOAD_KEY,
     REDACTED_KEY,
     assembler_of,
+    delegated_messages,
     failed_result_line,
     image_tokens_of,
     inputs_from_record,
@@ -94,6 +97,8 @@ class BuildsRpcs:
                 image_tokens=image_tokens_of(payload),
                 inline_maximum_bytes=payload.get(INLINE_KEY),
                 failed_result_line=failed_result_line(payload),
+                # A child run's user messages as it read them: the parent's from @3 on.
+                delegated_messages=delegated_messages(payload),
             )
         except (InvalidFieldError, PreconditionError) as exc:
             # A refusal now (BUDGET_EXCEEDED under a later estimator, say) of what was built

@@ -42,6 +42,7 @@ from .items import (
     ContextItem,
     ConversationItem,
     CorrectionLineItem,
+    DelegatedMessage,
     KnowledgePassageItem,
     ReasoningItem,
     RecallLineItem,
@@ -61,6 +62,7 @@ from .plan import ClassUsage, ContextPlan, session_key
 from .pressure import Fitted, PressureReport, fit_body, window_reach
 from .request import Block, Message, ModelRequest, ToolDefinition
 from .rows import Row
+from .trust import DELEGATED_TAG
 from .validate import ClosedRun, validate_block_runs
 
 __all__ = [
@@ -430,11 +432,15 @@ def _render(row: Row, item: ContextItem, secret: bytes, truncated: bool = False)
     trust = trust_of(item)
     seq = getattr(item, "sequence", 0)
 
-    def text(body: str, source: str) -> Block:
-        rendered = wrap(body, trust=trust, item_id=item.item_id, source=source, secret=secret)
+    def text(body: str, source: str, tag: str | None = None) -> Block:
+        rendered = wrap(
+            body, trust=trust, item_id=item.item_id, source=source, secret=secret, tag=tag
+        )
         return Block(row, trust, "text", item.item_id, seq, text=rendered)
 
     match item:
+        case DelegatedMessage():  # before UserMessage, which it is too
+            return text(item.text, "parent agent", DELEGATED_TAG)
         case UserMessage():
             return text(item.text, "user")
         case AssistantMessage():

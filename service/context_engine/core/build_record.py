@@ -33,7 +33,9 @@ and every record names it (ASSEMBLER_KEY) beside the SHA-256 of the provider pay
 payload for the same inputs bumps ASSEMBLER_VERSION, and says below what the older version
 did differently where a rebuild can still do it (a render-only difference). A record
 without the key was written by LEGACY_ASSEMBLER_VERSION: it was rendered without the
-failed-result line (`failed_result_line`) and costed images at the flat IMAGE_TOKENS.
+failed-result line (`failed_result_line`) and costed images at the flat IMAGE_TOKENS. A
+record of context-assembler@2 or older read a child run's user messages as the user's
+(`delegated_messages`).
 GetBuild serves a rebuild only when it matches the recorded request hash and, where
 recorded, the payload hash; otherwise it refuses (REQUEST_NOT_FOUND, naming both
 versions), never serving bytes the provider did not receive.
@@ -67,6 +69,7 @@ __all__ = [
     "REDACTED_KEY",
     "SHOWN_FIELDS",
     "assembler_of",
+    "delegated_messages",
     "failed_result_line",
     "image_tokens_of",
     "inputs_from_record",
@@ -83,8 +86,15 @@ __all__ = [
 # cost the registry's figure; the run's results are capped before a rung yields;
 # recall's floor is paid with the never-yield set; a working-state task line names its
 # writer first and quotes its id.
-ASSEMBLER_VERSION = "context-assembler@2"
+# @3: a child run's user messages (its instruction) are its parent agent's words
+# (core/seeding.py, Rule 4): MODEL trust in a <delegated> envelope, where @2 rendered them
+# as the user's, USER in a <user> envelope, and costed them so (a rebuild reads them as @2
+# did: `delegated_messages`). "<delegated" is escaped as a delimiter in all content, which
+# @2 left as it was: a record whose content held one does not rebuild (REQUEST_NOT_FOUND).
+ASSEMBLER_VERSION = "context-assembler@3"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
+# The versions that read a child run's user messages as the user's.
+_UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})
 ASSEMBLER_KEY = "assembler_version"
 PAYLOAD_KEY = "payload_sha256"
 IMAGE_KEY = "image_tokens"
@@ -172,6 +182,12 @@ def failed_result_line(payload: dict[str, Any]) -> bool:
     """Rule 8: whether the request's failed tool results were sent after the
     TOOL_ERROR_AS_TEXT line. @1 sent them without it (a render-only difference)."""
     return assembler_of(payload) != LEGACY_ASSEMBLER_VERSION
+
+
+def delegated_messages(payload: dict[str, Any]) -> bool:
+    """Rule 8: whether the request read a child run's user messages as its parent's
+    (DelegatedMessage). @2 and @1 read them as the user's; a rebuild reads them so."""
+    return assembler_of(payload) not in _UNDELEGATED
 
 
 def image_tokens_of(payload: dict[str, Any]) -> int:

@@ -29,13 +29,13 @@ import unicodedata
 from functools import lru_cache
 
 from .invisible import is_invisible
-from .trust import ENVELOPE_TAGS, TrustLevel, envelope_tag
+from .trust import DELIMITER_TAGS, TrustLevel, envelope_tag
 
 __all__ = ["NONCE_HEX_CHARS", "escape_content", "item_nonce", "wrap"]
 
 NONCE_HEX_CHARS = 16  # 64 bits: unguessable per item, short enough to cost few tokens.
 
-_TAGS = sorted(set(ENVELOPE_TAGS.values()))
+_TAGS = DELIMITER_TAGS  # the delegated tag too (core/trust.py, Rule 2)
 
 # An opening or closing delimiter of any envelope tag, tolerant of whitespace and case
 # because a model reads "< /UNTRUSTED" as a delimiter just as well. Possessive (*+): giving
@@ -134,9 +134,11 @@ def wrap(
     source: str,
     secret: bytes,
     truncated: bool = False,
+    tag: str | None = None,
 ) -> str:
-    """Render content in the envelope its trust requires (bare when none is required)."""
-    tag = envelope_tag(trust)
+    """Render content in the envelope its trust requires (bare when none is required), or
+    in `tag`'s when given (a child run's delegated message: core/trust.py, Rule 2)."""
+    tag = tag or envelope_tag(trust)
     if tag is None:
         return text
     nonce = item_nonce(secret, item_id)

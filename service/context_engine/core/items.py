@@ -28,6 +28,7 @@ __all__ = [
     "ConversationItem",
     "CorrectionLineItem",
     "DeferredIndexEntry",
+    "DelegatedMessage",
     "FramingItem",
     "KnowledgePassageItem",
     "PersonaItem",
@@ -189,6 +190,21 @@ class UserMessage(_Logged):
     kind: Literal["user_message"] = "user_message"
     text: str
     attachments: tuple[Attachment, ...] = ()
+
+
+class DelegatedMessage(UserMessage):
+    """A user-role message of a child run: its parent agent's words (the instruction it
+    seeded the child with, and any it adds later), which may rest on untrusted content the
+    parent read. Still the run's own user message (it never yields, compaction keeps it
+    verbatim), but at MODEL trust in an envelope of its own (core/trust.py, Rule 2), never
+    with the user's authority.
+
+    Never persisted: the log and checkpoints hold it as the UserMessage it was written as,
+    and Build reads a child run's user messages as this (core/seeding.py, Rule 4), so a
+    checkpoint reads the same in every version and GetBuild can still render an older
+    assembler's request as it was sent."""
+
+    FIXED_TRUST = TrustLevel.MODEL
 
 
 class AssistantMessage(_Logged):

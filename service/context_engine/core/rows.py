@@ -75,7 +75,8 @@ ROWS: tuple[RowSpec, ...] = (
     # and both are step context the worker retrieves per request.
     RowSpec(Row.RECALL, Region.BODY, "recall, corrections, knowledge", None),
     RowSpec(Row.RUNTIME_METADATA, Region.BODY, "runtime metadata", TrustLevel.PLATFORM),
-    RowSpec(Row.USER_INPUT, Region.BODY, "trailing user input", TrustLevel.USER),
+    # The user's words (USER); in a child run, its parent agent's (DelegatedMessage, MODEL).
+    RowSpec(Row.USER_INPUT, Region.BODY, "trailing user input", None),
 )
 
 ROW_TABLE: dict[Row, RowSpec] = {spec.row: spec for spec in ROWS}

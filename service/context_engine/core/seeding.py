@@ -7,15 +7,29 @@ which is the empty input, so it goes through this same function.
 Rule 2: provider-opaque reasoning items never cross a run boundary.
 Rule 3: a tool call without its result (a run that died mid-loop), or a result without its
 call, is not carried: half a pair is a malformed request, not a smaller one.
+Rule 4: a child run seeds from its parent's instruction instead: its first user message,
+item id `instruction_item_id(run)`, never logged. That and every user message added to the
+child later are its parent agent's words, not the user's (a child's "user" is its parent),
+so Build reads them as DelegatedMessage (`delegated`): MODEL trust in a <delegated>
+envelope. The checkpoint keeps them as written; only the reading differs, so a child
+started before context-assembler@3 is read so too, and GetBuild of an older record reads
+them as that assembler did (core/build_record.py, Rule 8).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .items import ConversationItem, ReasoningItem, ToolCall, ToolResult
+from .items import (
+    ConversationItem,
+    DelegatedMessage,
+    ReasoningItem,
+    ToolCall,
+    ToolResult,
+    UserMessage,
+)
 
-__all__ = ["carried_history", "seed_cut"]
+__all__ = ["carried_history", "delegated", "instruction_item_id", "seed_cut"]
 
 
 def seed_cut(seed_event_sequence: int | None) -> int:
@@ -46,3 +60,15 @@ def carried_history(logged: Sequence[ConversationItem]) -> tuple[ConversationIte
     for index in pending.values():
         keep[index] = False  # a call without its result
     return tuple(i for i, k in zip(items, keep, strict=True) if k)
+
+
+def instruction_item_id(run_id: str) -> str:
+    """The item id of a child run's instruction, its first user message (Rule 4)."""
+    return f"instruction:{run_id}"
+
+
+def delegated(items: tuple[ConversationItem, ...]) -> tuple[ConversationItem, ...]:
+    """A child run's items as Build reads them: each user message its parent's (Rule 4)."""
+    if not any(type(i) is UserMessage for i in items):
+        return items
+    return tuple(DelegatedMessage(**dict(i)) if type(i) is UserMessage else i for i in items)

@@ -368,7 +368,9 @@ class Session:
     async def start_child_run(
         self, parent_run_id: str, instruction: str, *, idempotency_key: str | None = None
     ) -> Run:
-        """Start a child run seeded by its parent's instruction over an empty history."""
+        """Start a child run seeded by its parent's instruction over an empty history. The
+        instruction is the parent agent's words, not the user's: Build sends it in the user
+        role at MODEL trust, inside a <delegated> envelope."""
         request = pb.StartRunRequest(
             tenant_id=self.tenant_id,
             session_id=self.session_id,
