@@ -48,7 +48,7 @@ from ..core.estimator import IMAGE_TOKENS
 from ..core.excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
 from ..core.items import ConversationItem, UserMessage
 from ..core.plan import CapacityError, ContextPlan, ModelFacts, make_plan
-from ..core.seeding import carried_history, delegated, instruction_item_id, seed_cut
+from ..core.seeding import Projection, delegated, instruction_item_id, seed_cut
 from ..core.skills import body_items
 from ..core.snapshot import first_naming, named_people
 from ..core.snapshot import nonempty as snapshot_nonempty
@@ -687,21 +687,24 @@ class Engine:
             return await usage_api.session_factor(conn, tenant, session_id, self.tokenizer_of)
         return await usage_api.pinned_factor(conn, tenant, kept.plan.model_id, self.tokenizer_of)
 
-    async def _logged(
+    async def _carried(
         self, conn: Any, tenant: str, session_id: UUID, below: int, floor: int
-    ) -> tuple[ConversationItem, ...]:
-        """The session's logged history items with floor < sequence < below, oldest first.
+    ) -> tuple[tuple[ConversationItem, ...], int]:
+        """The history a run seeded below `below` carries, over the session's logged items
+        with floor < sequence < below, and its approximate bytes.
 
         The log is append-only and a sequence is committed before any later one is handed
         out (the session row lock), so the items below one run's seed are a prefix of those
-        below a later run's. A replica keeps the longest prefix it has read per (session,
-        floor) and reads only what lies past it: a new run's first Build reads the turns
-        since the last run, not the whole log."""
+        below a later run's. A replica keeps, per (session, floor), the longest log it has
+        read folded into its carried projection (core/seeding.py Projection), and reads
+        and folds only what lies past it: a new run's first Build reads and folds the turns
+        since the last run, not the whole log. The weight is the log's: the carried
+        history holds a subset of the same item objects."""
         prefix_key = ("logged", tenant, session_id, floor)
-        # (below, items, their approximate bytes): an extension weighs only what it read.
-        known: tuple[int, tuple[ConversationItem, ...], int] | None = self._kept.get(prefix_key)
+        # (below, projection, approximate bytes): an extension weighs only what it read.
+        known: tuple[int, Projection, int] | None = self._kept.get(prefix_key)
         if known is not None and known[0] <= below:
-            start, prefix, weight = known
+            start, folded, weight = known
             more = tuple(
                 await events.read_carried_items(
                     conn,
@@ -711,17 +714,18 @@ class Engine:
                     above_sequence=max(floor, start - 1),
                 )
             )
-            logged, weight = prefix + more, weight + approximate_bytes(more)
+            projection = folded.extended(folded.consumed + more)
+            weight += approximate_bytes(more)
         else:
             logged = tuple(
                 await events.read_carried_items(
                     conn, tenant, session_id, below_sequence=below, above_sequence=floor
                 )
             )
-            weight = approximate_bytes(logged)
+            projection, weight = Projection().extended(logged), approximate_bytes(logged)
         if known is None or known[0] <= below:
-            self._kept.put(prefix_key, (below, logged, weight), weight)
-        return logged
+            self._kept.put(prefix_key, (below, projection, weight), weight)
+        return projection.history, weight
 
     # --- build ------------------------------------------------------------------------
 
@@ -778,9 +782,8 @@ class Engine:
             carried_key = ("carried", tenant, session_id, below, floor)
             carried = self._kept.get(carried_key)
             if carried is None:
-                logged = await self._logged(conn, tenant, session_id, below, floor)
-                carried = carried_history(logged)
-                self._kept.put(carried_key, carried, approximate_bytes(carried))
+                carried, weight = await self._carried(conn, tenant, session_id, below, floor)
+                self._kept.put(carried_key, carried, weight)
             # Loaded skills are append-only and never unloaded: the first N are the same on
             # every read, so a count names them (and none costs no round trip).
             loaded_key = ("skills", tenant, session_id, skills)

@@ -7,9 +7,9 @@ three places. The carried history's blocks are the same objects on every Build o
 behind it still catches equal values that are distinct objects. Each entry holds its key
 object, so an id is never reused while its entry exists: a hit by id is the same object.
 Pure: only how often `function` runs changes, never what a call returns. A value of None
-is never remembered by identity (None marks a miss). What an entry holds is charged to the
-process's render-memo byte budget (core/memo_budget.py), which empties every memo when
-it is spent.
+is never remembered by identity (None marks a miss). What an entry computes is charged to
+the process's render-memo byte budget (core/memo_budget.py), which empties every memo
+when it is spent.
 """
 
 from __future__ import annotations
@@ -70,5 +70,7 @@ class IdentityMemo(Generic[K, V]):
             self.cache_clear()  # the equality memo still holds the values
         self._keys[id(key)] = key
         self._values[id(key)] = value
-        memo_budget.charge(memo_budget.weight(key) + memo_budget.weight(value))
+        # The key (a block, message or item) was charged where it was made or read: a
+        # memoized rendering, an interned message, the kept history (core/memo_budget.py).
+        memo_budget.charge(memo_budget.weight(value))
         return value

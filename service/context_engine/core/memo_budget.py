@@ -21,8 +21,9 @@ setting.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import lru_cache, wraps
+from itertools import repeat
 from typing import Any, Protocol, TypeVar
 
 __all__ = [
@@ -97,22 +98,29 @@ def weight(value: object, depth: int = _DEPTH) -> int:
     """Approximate bytes `value` holds: str and bytes at sys.getsizeof, containers and
     objects (their __dict__ or __slots__) at a fixed cost plus their members', `depth`
     levels down; below that, and for scalars, a fixed cost per reference."""
-    if isinstance(value, str | bytes):
-        return sys.getsizeof(value)
-    if depth < 0:
-        return _OBJECT
-    if isinstance(value, tuple | list | frozenset | set):
-        return _OBJECT + sum(weight(v, depth - 1) for v in value)
-    if isinstance(value, dict):
-        return _OBJECT + sum(weight(k, depth - 1) + weight(v, depth - 1) for k, v in value.items())
-    members = getattr(value, "__dict__", None)
-    if members is not None:
-        return _OBJECT + sum(weight(v, depth - 1) for v in members.values())
-    slots = getattr(type(value), "__slots__", None)
-    if slots:
-        names = (slots,) if isinstance(slots, str) else slots
-        return _OBJECT + sum(weight(getattr(value, n, None), depth - 1) for n in names)
-    return _OBJECT
+    total = 0
+    pending: list[tuple[object, int]] = [(value, depth)]
+    while pending:
+        item, level = pending.pop()
+        if isinstance(item, str | bytes):
+            total += sys.getsizeof(item)
+            continue
+        total += _OBJECT
+        if level < 0:
+            continue
+        if isinstance(item, tuple | list | frozenset | set):
+            members: Iterable[object] = item
+        elif isinstance(item, dict):
+            members = (*item.keys(), *item.values())
+        elif (attributes := getattr(item, "__dict__", None)) is not None:
+            members = attributes.values()
+        elif slots := getattr(type(item), "__slots__", None):
+            names = (slots,) if isinstance(slots, str) else slots
+            members = [getattr(item, n, None) for n in names]
+        else:
+            continue
+        pending.extend(zip(members, repeat(level - 1)))
+    return total
 
 
 def bounded_cache(maxsize: int) -> Callable[[F], F]:

@@ -40,7 +40,8 @@ def message(role: Role, blocks: tuple[Block, ...]) -> Message:
         if len(_INTERNED) >= _INTERNED_SIZE:
             _INTERNED.clear()
         found = _INTERNED[key] = Message(role, blocks)
-        memo_budget.charge(memo_budget.weight(blocks))
+        # Its blocks were charged where they were rendered; the message holds references.
+        memo_budget.charge(memo_budget.weight(found, 0) + memo_budget.weight(blocks, 0))
     return found
 
 
@@ -50,7 +51,7 @@ class _Interned(dict[tuple[str, tuple[int, ...]], Message]):
 
 
 _INTERNED_SIZE = 16_384
-_INTERNED = _Interned()  # its blocks charged to the render memos' budget
+_INTERNED = _Interned()  # charged to the render memos' budget
 memo_budget.register(_INTERNED)
 
 

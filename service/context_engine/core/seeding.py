@@ -18,7 +18,9 @@ them as that assembler did (core/build_record.py, Rule 8).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import compress
 
 from .items import (
     ConversationItem,
@@ -29,7 +31,7 @@ from .items import (
     UserMessage,
 )
 
-__all__ = ["carried_history", "delegated", "instruction_item_id", "seed_cut"]
+__all__ = ["Projection", "carried_history", "delegated", "instruction_item_id", "seed_cut"]
 
 
 def seed_cut(seed_event_sequence: int | None) -> int:
@@ -44,22 +46,68 @@ def carried_history(logged: Sequence[ConversationItem]) -> tuple[ConversationIte
     run only, so a dead run's unanswered call must not be "answered" by a later run that
     reuses its id.
     """
-    items = [i for i in logged if not isinstance(i, ReasoningItem)]
-    pending: dict[tuple[str, str], int] = {}
-    keep = [True] * len(items)
-    for n, item in enumerate(items):
-        if isinstance(item, ToolCall):
-            key = (item.run_id, item.call_id)
-            if key in pending:
-                keep[pending[key]] = False  # a reused id while the first is unanswered
-            pending[key] = n
-        elif (
-            isinstance(item, ToolResult) and pending.pop((item.run_id, item.call_id), None) is None
-        ):
-            keep[n] = False  # a result without its call
-    for index in pending.values():
-        keep[index] = False  # a call without its result
-    return tuple(i for i, k in zip(items, keep, strict=True) if k)
+    return Projection().extended(logged).history
+
+
+@dataclass(frozen=True, slots=True)
+class Projection:
+    """carried_history as a left fold over the log, kept so a longer log extends it.
+
+    The log only grows (a later run's input is an earlier run's plus what was logged since,
+    as the same item objects), so a new run's projection is the previous run's extended by
+    the new items: the Python step runs once per new item, and the rest is C-level
+    (copying the flags, selecting the kept items). A call left pending by the shorter log
+    may be answered by the longer one; its flag is then set again, which is why the flags
+    of every item are kept, not only the kept items.
+    """
+
+    consumed: tuple[ConversationItem, ...] = ()  # the log folded so far (its objects)
+    items: tuple[ConversationItem, ...] = ()  # `consumed` without reasoning items
+    keep: tuple[bool, ...] = ()  # per item: carried (Rule 3 decided on what was folded)
+    # (run, call id) -> index in `items` of a call with no result yet
+    pending: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    folded: int = 0  # items the Python step has processed (all extensions included)
+
+    @property
+    def history(self) -> tuple[ConversationItem, ...]:
+        """What a run seeded from the folded log carries: pending calls are not (Rule 3)."""
+        keep = list(self.keep)
+        for index in self.pending.values():
+            keep[index] = False
+        return tuple(compress(self.items, keep))
+
+    def extends_to(self, logged: Sequence[ConversationItem]) -> bool:
+        """Whether `logged` begins with the log folded here (the same objects)."""
+        n = len(self.consumed)
+        return n <= len(logged) and (n == 0 or logged[n - 1] is self.consumed[-1])
+
+    def extended(self, logged: Sequence[ConversationItem]) -> Projection:
+        """The projection of `logged`, whose first items are the log folded here."""
+        if not self.extends_to(logged):
+            raise ValueError("the log does not extend the one projected")
+        more = [i for i in logged[len(self.consumed) :] if not isinstance(i, ReasoningItem)]
+        keep = list(self.keep)
+        pending = dict(self.pending)
+        base = len(self.items)
+        for n, item in enumerate(more, base):
+            keep.append(True)
+            if isinstance(item, ToolCall):
+                key = (item.run_id, item.call_id)
+                if key in pending:
+                    keep[pending[key]] = False  # a reused id while the first is unanswered
+                pending[key] = n
+            elif (
+                isinstance(item, ToolResult)
+                and pending.pop((item.run_id, item.call_id), None) is None
+            ):
+                keep[n] = False  # a result without its call
+        return Projection(
+            consumed=tuple(logged),
+            items=self.items + tuple(more),
+            keep=tuple(keep),
+            pending=pending,
+            folded=self.folded + len(logged) - len(self.consumed),
+        )
 
 
 def instruction_item_id(run_id: str) -> str:
