@@ -28,7 +28,8 @@ type ContextEngineClient interface {
 	GetPlan(ctx context.Context, in *GetPlanRequest, opts ...grpc.CallOption) (*GetPlanResponse, error)
 	// Starts a new prefix epoch: rebuilds the plan (from a new spec, or the pinned one),
 	// increments the epoch and records context.epoch.rotated with the reason. Exactly one of
-	// several concurrent rotations from the same epoch succeeds; the others get ABORTED.
+	// several concurrent rotations from the same epoch succeeds; the others get ABORTED. A
+	// retry with the rotation's idempotency_key answers with the plan it made.
 	Rotate(ctx context.Context, in *RotateRequest, opts ...grpc.CallOption) (*RotateResponse, error)
 	// Starts a run (one turn). A top-level run appends its user.message.created event and
 	// pins seed_event_sequence to that event's sequence in the same transaction; a child run
@@ -71,7 +72,8 @@ type ContextEngineClient interface {
 	CommitCompaction(ctx context.Context, in *CommitCompactionRequest, opts ...grpc.CallOption) (*CommitCompactionResponse, error)
 	// Facts that survived to the end of the session with trusted provenance, offered to
 	// memory formation as candidates (never as beliefs). Records
-	// memory.fact_candidates.offered.
+	// memory.fact_candidates.offered; a retry with the offer's idempotency_key answers with
+	// the first offer and records nothing.
 	OfferFactCandidates(ctx context.Context, in *OfferFactCandidatesRequest, opts ...grpc.CallOption) (*OfferFactCandidatesResponse, error)
 }
 
@@ -233,7 +235,8 @@ type ContextEngineServer interface {
 	GetPlan(context.Context, *GetPlanRequest) (*GetPlanResponse, error)
 	// Starts a new prefix epoch: rebuilds the plan (from a new spec, or the pinned one),
 	// increments the epoch and records context.epoch.rotated with the reason. Exactly one of
-	// several concurrent rotations from the same epoch succeeds; the others get ABORTED.
+	// several concurrent rotations from the same epoch succeeds; the others get ABORTED. A
+	// retry with the rotation's idempotency_key answers with the plan it made.
 	Rotate(context.Context, *RotateRequest) (*RotateResponse, error)
 	// Starts a run (one turn). A top-level run appends its user.message.created event and
 	// pins seed_event_sequence to that event's sequence in the same transaction; a child run
@@ -276,7 +279,8 @@ type ContextEngineServer interface {
 	CommitCompaction(context.Context, *CommitCompactionRequest) (*CommitCompactionResponse, error)
 	// Facts that survived to the end of the session with trusted provenance, offered to
 	// memory formation as candidates (never as beliefs). Records
-	// memory.fact_candidates.offered.
+	// memory.fact_candidates.offered; a retry with the offer's idempotency_key answers with
+	// the first offer and records nothing.
 	OfferFactCandidates(context.Context, *OfferFactCandidatesRequest) (*OfferFactCandidatesResponse, error)
 	mustEmbedUnimplementedContextEngineServer()
 }

@@ -262,11 +262,22 @@ class Engine:
         reason: PlanReason,
         spec: PlanSpec | None,
         detail: str,
-    ) -> plans.StoredPlan:
+        idempotency_key: str = "",
+        request_sha256: str = "",
+    ) -> tuple[plans.StoredPlan, bool]:
+        """Rotate from `from_epoch`. -> (the new plan, replayed). A retry under the first
+        call's idempotency key answers with the plan that call made (read as it is now)
+        and rotates nothing: its from_epoch is no longer current, so without the key the
+        retry of a rotation whose answer was lost would fail EPOCH_CONFLICT."""
         async with transaction(self.pool) as conn:
             if spec is not None:  # the pinned spec was fenced when it was first persisted
                 await _fence_snapshot(conn, tenant, spec)
             epoch = await sessions.lock_session(conn, tenant, session_id)
+            stored = await idempotency.recall_response(
+                conn, tenant, session_id, idempotency_key, "Rotate", request_sha256
+            )
+            if stored is not None:
+                return await plans.read_plan(conn, tenant, session_id, stored["epoch"]), True
             if epoch == 0:
                 raise PreconditionError(
                     f"session {session_id} has no plan to rotate; call Plan first",
@@ -290,7 +301,16 @@ class Engine:
                     raise  # the caller's spec: the error names its field
                 # Rebuilt from the session's pinned spec: no field of this request is at fault.
                 raise _as_state(exc, f"for a {reason.name.lower()} rotation") from None
-        return rotated
+            await idempotency.remember_response(
+                conn,
+                tenant,
+                session_id,
+                idempotency_key,
+                "Rotate",
+                request_sha256,
+                {"epoch": rotated.plan.epoch},
+            )
+        return rotated, False
 
     async def _rotate_locked(
         self,

@@ -95,9 +95,22 @@ class ContextEngineServicer(
             if request.HasField("spec")
             else None
         )
-        stored = await self.engine.rotate(
-            tenant, session_id, request.from_epoch, reason, spec, request.detail
+        stored, replayed = await self.engine.rotate(
+            tenant,
+            session_id,
+            request.from_epoch,
+            reason,
+            spec,
+            request.detail,
+            convert.require_id(request.idempotency_key, "idempotency_key", required=False),
+            _request_sha256(request),
         )
+        # Counted here, not derived from the response: a replay answers with the plan the
+        # first call made but rotated nothing.
+        if replayed:
+            telemetry.record_replay("rotation")
+        else:
+            telemetry.record_rotation(stored.plan.reason.name.lower())
         return pb.RotateResponse(plan=convert.plan_to_proto(stored.plan, stored.created_at))
 
     @grpc_errors

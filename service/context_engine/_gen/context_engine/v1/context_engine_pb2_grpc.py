@@ -162,7 +162,8 @@ class ContextEngineServicer:
     def Rotate(self, request, context):
         """Starts a new prefix epoch: rebuilds the plan (from a new spec, or the pinned one),
         increments the epoch and records context.epoch.rotated with the reason. Exactly one of
-        several concurrent rotations from the same epoch succeeds; the others get ABORTED.
+        several concurrent rotations from the same epoch succeeds; the others get ABORTED. A
+        retry with the rotation's idempotency_key answers with the plan it made.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -265,7 +266,8 @@ class ContextEngineServicer:
     def OfferFactCandidates(self, request, context):
         """Facts that survived to the end of the session with trusted provenance, offered to
         memory formation as candidates (never as beliefs). Records
-        memory.fact_candidates.offered.
+        memory.fact_candidates.offered; a retry with the offer's idempotency_key answers with
+        the first offer and records nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
