@@ -74,4 +74,5 @@ async def test_go_example_vets_builds_and_runs(grpc_server: Any, tmp_path: Path)
     code, out = await _run(binary, "-target", f"127.0.0.1:{grpc_server.port}", "-tenant", "go")
     assert code == 0, f"the example worker failed:\n{out}"
     assert "rejected: ORPHANED_TOOL_ITEM at items[0].tool_result.call_id" in out, out
+    assert "rotated once to epoch 2; rejected: EPOCH_CONFLICT, current_epoch 2" in out, out
     assert out.rstrip().endswith("ok: one prefix hash, identical rebuilds"), out

@@ -1,8 +1,10 @@
 """The TypeScript client (clients/typescript) drives a short session against the real server.
 
 Runs `node --test clients/typescript/test/` with the in-process server's address in
-CONTEXT_ENGINE_TARGET, then the example worker (examples/worker.ts) end to end, its model
-calls going to the caching fake provider (Anthropic Messages API) on loopback.
+CONTEXT_ENGINE_TARGET (sessions through the client, answers lost on the way back and
+resent by the channel, and a consumer project type-checked under NodeNext), then the
+example worker (examples/worker.ts) end to end, its model calls going to the caching fake
+provider (Anthropic Messages API) on loopback.
 
 The package is built first (`npm run build`: proto-loader-gen-types from the committed
 proto copy, then tsc), so a stale build can never pass; when node_modules is missing it is

@@ -6,9 +6,12 @@ database; the client is imported from its source tree (tests/e2e/conftest.py).
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from uuid import UUID
 
 import pytest
 
@@ -202,3 +205,189 @@ async def test_a_build_over_4_mib_is_received_on_the_clients_own_channel(client:
     built = await run.build(now=NOW)
     assert not built.response.needs_compaction
     assert built.response.ByteSize() > 4 * 1024 * 1024
+
+
+# --- retries: a write whose answer is lost ------------------------------------------------
+
+
+class AnswerDroppingProxy:
+    """A TCP proxy between client and server. Armed, it drops both connections at the first
+    response HEADERS frame (HTTP/2 type 1 on a stream) the server sends: the server has
+    answered, so the call was carried out, yet the client sees its connection drop before
+    any response, as after a sidecar restart or a network blip: UNAVAILABLE, which the
+    channel's retry policy resends."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.armed = False
+        self.dropped = 0
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _serve(self, client_in: asyncio.StreamReader, client_out: Any) -> None:
+        server_in, server_out = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+
+        async def up() -> None:
+            while data := await client_in.read(65536):
+                server_out.write(data)
+                await server_out.drain()
+            server_out.close()
+
+        async def down() -> None:
+            pending = b""
+            while data := await server_in.read(65536):
+                pending += data
+                frames = b""
+                # A server's side of an HTTP/2 connection is frames from its first byte:
+                # a 9-byte header (24-bit length, type, flags, stream id), then the payload.
+                while len(pending) >= 9 and len(pending) >= 9 + int.from_bytes(pending[:3]):
+                    end = 9 + int.from_bytes(pending[:3])
+                    frame, pending = pending[:end], pending[end:]
+                    if self.armed and frame[3] == 1 and int.from_bytes(frame[5:9]) & 0x7FFFFFFF:
+                        self.armed = False
+                        self.dropped += 1
+                        client_out.transport.abort()
+                        server_out.transport.abort()
+                        return
+                    frames += frame
+                client_out.write(frames)
+                await client_out.drain()
+            client_out.close()
+
+        await asyncio.gather(up(), down(), return_exceptions=True)
+
+
+@pytest.fixture
+async def proxied(grpc_server: Any) -> AsyncIterator[tuple[AnswerDroppingProxy, Any]]:
+    proxy = AnswerDroppingProxy(grpc_server.port)
+    await proxy.start()
+    async with ContextEngineClient(f"127.0.0.1:{proxy.port}", f"t-{uuid.uuid4()}") as c:
+        yield proxy, c
+    await proxy.stop()
+
+
+async def _events(pool: Any, session_id: str, kind: str) -> int:
+    count: int = await pool.fetchval(
+        "SELECT count(*) FROM session_events WHERE session_id = $1 AND type = $2",
+        UUID(session_id),
+        kind,
+    )
+    return count
+
+
+async def test_a_rotation_whose_answer_is_lost_is_resent_and_answers_once(
+    proxied: tuple[AnswerDroppingProxy, Any], pool: Any
+) -> None:
+    """Session.rotate sends an idempotency key: the channel's resend of a rotation that
+    landed answers with its plan, rather than EPOCH_CONFLICT for a rotation that happened."""
+    proxy, client = proxied
+    session = await client.open_session(_spec())
+    proxy.armed = True
+    plan = await session.rotate(pb.PLAN_REASON_AGENT_CHANGED, detail="v2")
+    assert proxy.dropped == 1
+    assert plan.epoch == session.plan.epoch == 2
+    assert (await session.refresh_plan()).epoch == 2
+    assert await _events(pool, session.session_id, "context.epoch.rotated") == 1
+
+
+async def test_an_offer_whose_answer_is_lost_is_recorded_once(
+    proxied: tuple[AnswerDroppingProxy, Any], pool: Any
+) -> None:
+    proxy, client = proxied
+    session = await client.open_session(_spec())
+    await session.start_run("I live in Paris.")
+    proxy.armed = True
+    offered = await session.offer_fact_candidates()
+    assert proxy.dropped == 1
+    assert offered.event_sequence > 0
+    assert await _events(pool, session.session_id, "memory.fact_candidates.offered") == 1
+
+
+# --- the rest of the wrapper --------------------------------------------------------------
+
+RESERVE = 1024
+
+
+async def _run_over_its_budget(client: Any) -> tuple[Any, Any]:
+    """A run whose body does not fit until the history before it is compacted."""
+    probe = await client.open_session(_spec())
+    spec = _spec()
+    spec.reserve_output_tokens = RESERVE
+    spec.policy_cap_tokens = probe.plan.prefix_tokens + RESERVE + 4_000
+    session = await client.open_session(spec)
+    first = await session.start_run("Tell me everything.")
+    await first.append(assistant_message(" ".join(["lorem"] * 6_000)))
+    return session, await session.start_run("And now?")
+
+
+async def _summarize(prepared: Any) -> str:
+    return "The assistant said a lot of lorem."
+
+
+async def test_the_tool_loop_compacts_when_the_body_does_not_fit(client: Any) -> None:
+    _, run = await _run_over_its_budget(client)
+    prepared: list[Any] = []
+
+    async def summarize(input: Any) -> str:
+        prepared.append(input)
+        return await _summarize(input)
+
+    async def call_model(build: BuildResult) -> ModelTurn:
+        return ModelTurn(text="Done.", usage=Usage(input_tokens=10, output_tokens=2))
+
+    async def run_tool(call: ToolCallRequest) -> str:
+        raise AssertionError("no tools")
+
+    result = await run.tool_loop(call_model, run_tool, summarize=summarize)
+    assert len(prepared) == 1, "the loop compacted once"
+    assert result.final.text == "Done."
+
+
+async def test_a_compaction_retried_by_hand_with_its_key_lands_once(client: Any) -> None:
+    """A CommitCompaction that timed out may have landed: compact again with its key (and
+    the same summary) and the commit that landed answers."""
+    _, run = await _run_over_its_budget(client)
+    before = run.checkpoint_version
+    compacted = await run.compact(_summarize, idempotency_key="compact-1")
+    assert compacted == before + 1
+    # The first attempt's answer was lost: its Run still holds the version it compacted.
+    retry = run.session.run(run.run_id, checkpoint_version=before)
+    assert await retry.compact(_summarize, idempotency_key="compact-1") == compacted
+    assert not (await run.build(now=NOW)).needs_compaction
+
+
+async def test_rotate_load_skill_update_working_state_and_a_child_run(client: Any) -> None:
+    spec = _spec()
+    spec.skills.append(
+        pb.SkillCatalogEntry(
+            name="rail",
+            description="Rail tips.",
+            version="1",
+            trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION,
+        )
+    )
+    session = await client.open_session(spec)
+    run = await session.start_run("Trains to Lyon?")
+    loaded = await session.load_skill(
+        "rail", "Prefer TGV.", trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION, run_id=run.run_id
+    )
+    assert list(loaded.loaded) == ["rail"]
+    updated = await run.update_working_state(
+        pb.WorkingStateUpdate(objective="Find a train", add_constraints=["No night trains"]),
+        writer=pb.WRITER_USER,
+    )
+    assert updated.checkpoint_version == run.checkpoint_version == 2
+    child = await session.start_child_run(run.run_id, "Look up the timetable.")
+    assert child.seed_event_sequence is None and child.checkpoint_version == 1
+    plan = await session.rotate(pb.PLAN_REASON_AGENT_CHANGED, detail="v2")
+    assert plan.epoch == session.plan.epoch == 2
+    tools = await client.control_tools()
+    assert [t.name for t in tools] == ["context.update_working_state"]

@@ -712,6 +712,46 @@ async def test_idempotent_writes(stub: Any, pool: Any) -> None:
     assert details(caught.value)[:2] == ("IDEMPOTENCY_KEY_REUSED", ["idempotency_key"])
 
 
+async def test_a_retried_rotation_answers_with_the_plan_it_made(stub: Any, pool: Any) -> None:
+    """A rotation whose answer was lost is resent under its key: the resend's from_epoch is
+    no longer current, yet it answers with the first call's plan and rotates nothing."""
+    session_id, _ = await open_session(stub)
+    changed = spec()
+    changed.agent.instructions = "New instructions."
+    request = pb.RotateRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        from_epoch=1,
+        reason=pb.PLAN_REASON_AGENT_CHANGED,
+        spec=changed,
+        idempotency_key="rotate-1",
+    )
+    first = await stub.Rotate(request)
+    retried = await stub.Rotate(request)
+    assert retried.SerializeToString() == first.SerializeToString()
+    assert first.plan.epoch == 2
+    rotated = await pool.fetchval(
+        "SELECT count(*) FROM session_events WHERE session_id = $1"
+        " AND type = 'context.epoch.rotated'",
+        UUID(session_id),
+    )
+    assert rotated == 1
+    # The same key for another rotation is refused, and so is a keyless resend.
+    other = pb.RotateRequest()
+    other.CopyFrom(request)
+    other.detail = "another"
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Rotate(other)
+    assert details(caught.value)[:2] == ("IDEMPOTENCY_KEY_REUSED", ["idempotency_key"])
+    request.idempotency_key = ""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Rotate(request)
+    assert caught.value.code() == grpc.StatusCode.ABORTED
+    assert details(caught.value)[0] == "EPOCH_CONFLICT"
+    current = await stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id))
+    assert current.plan.epoch == 2
+
+
 async def test_health_and_reflection(grpc_server: Any) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_server.port}") as channel:
         health = health_pb2_grpc.HealthStub(channel)

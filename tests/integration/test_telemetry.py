@@ -276,6 +276,33 @@ async def test_a_retried_start_run_counts_its_run_and_rotation_once(
     assert delta("context_engine.rpc.duration", **labels) == 2  # both calls were served
 
 
+async def test_a_retried_rotation_counts_once(traced: dict[str, Any]) -> None:
+    """A Rotate resent under its idempotency key answers with the first call's plan and
+    rotates nothing: epochs per session must not count the lost answer's retry."""
+    stub, reader = traced["stub"], traced["reader"]
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=spec()))
+    request = pb.RotateRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        from_epoch=1,
+        reason=pb.PLAN_REASON_OPERATOR_REVOCATION,
+        idempotency_key="rotate-once",
+    )
+    before = _points(reader)
+    first = await stub.Rotate(request)
+    retried = await stub.Rotate(request)
+    after = _points(reader)
+    assert retried.SerializeToString() == first.SerializeToString()
+
+    def delta(name: str, **attributes: Any) -> float:
+        return _total(after, name, **attributes) - _total(before, name, **attributes)
+
+    assert delta("context_engine.epochs.rotated", reason="operator_revocation") == 1
+    labels = {"rpc.method": "Rotate", "rpc.grpc.status_code": "OK"}
+    assert delta("context_engine.rpc.duration", **labels) == 2  # both calls were served
+
+
 async def test_an_erasure_then_a_grant_counts_both_rotations(traced: dict[str, Any]) -> None:
     """An admission after an erasure with a grant rotates twice (core/epochs.py, Rule 2);
     the response shows the last, and both are counted."""

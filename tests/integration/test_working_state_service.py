@@ -539,6 +539,49 @@ async def test_facts_take_the_trust_of_their_evidence_and_only_trusted_ones_are_
     assert event["payload"]["offered"] == 1
 
 
+async def test_a_retried_offer_answers_with_the_first_and_records_it_once(
+    stub: Any, pool: Any
+) -> None:
+    session_id, _ = await open_session(stub)
+    started = await start_run(stub, session_id, "I live in Paris")
+    await update_state(
+        stub,
+        session_id,
+        started.run.run_id,
+        1,
+        add_facts=[
+            pb.Fact(
+                statement="The user lives in Paris",
+                source_event_ids=[started.run.seed_event_sequence],
+            )
+        ],
+    )
+    request = pb.OfferFactCandidatesRequest(
+        tenant_id=TENANT, session_id=session_id, idempotency_key="offer-1"
+    )
+    first = await stub.OfferFactCandidates(request)
+    retried = await stub.OfferFactCandidates(request)  # the first answer was lost
+    assert retried.SerializeToString() == first.SerializeToString()
+    assert [c.fact.statement for c in first.candidates] == ["The user lives in Paris"]
+    offers = await pool.fetchval(
+        "SELECT count(*) FROM session_events WHERE session_id = $1"
+        " AND type = 'memory.fact_candidates.offered'",
+        UUID(session_id),
+    )
+    assert offers == 1
+    # The key names this offer in the session: another write under it is refused.
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.StartRun(
+            pb.StartRunRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                idempotency_key="offer-1",
+                user_message=pb.UserMessage(text="Hello"),
+            )
+        )
+    assert details(caught.value)[:2] == ("IDEMPOTENCY_KEY_REUSED", ["idempotency_key"])
+
+
 async def test_the_control_tool_is_listed_and_plannable(stub: Any) -> None:
     listed = await stub.ListControlTools(pb.ListControlToolsRequest())
     assert [t.name for t in listed.tools] == ["context.update_working_state"]

@@ -33,7 +33,8 @@ type ContextEngineClient interface {
 	// one epoch per plan lineage (a run admitted with new scopes or a new browser profile is
 	// on a lineage of its own), each rebuilt from its own pinned spec, so no run is handed
 	// another run's admitted authority. Exactly one of several concurrent rotations from the
-	// same epoch succeeds; the others get ABORTED.
+	// same epoch succeeds; the others get ABORTED. A retry with the rotation's
+	// idempotency_key answers with the plan it made.
 	Rotate(ctx context.Context, in *RotateRequest, opts ...grpc.CallOption) (*RotateResponse, error)
 	// Starts a run (one turn). A top-level run appends its user.message.created event and
 	// pins seed_event_sequence to that event's sequence in the same transaction; a child run
@@ -76,7 +77,8 @@ type ContextEngineClient interface {
 	CommitCompaction(ctx context.Context, in *CommitCompactionRequest, opts ...grpc.CallOption) (*CommitCompactionResponse, error)
 	// Facts that survived to the end of the session with trusted provenance, offered to
 	// memory formation as candidates (never as beliefs). Records
-	// memory.fact_candidates.offered.
+	// memory.fact_candidates.offered; a retry with the offer's idempotency_key answers with
+	// the first offer and records nothing.
 	OfferFactCandidates(ctx context.Context, in *OfferFactCandidatesRequest, opts ...grpc.CallOption) (*OfferFactCandidatesResponse, error)
 }
 
@@ -243,7 +245,8 @@ type ContextEngineServer interface {
 	// one epoch per plan lineage (a run admitted with new scopes or a new browser profile is
 	// on a lineage of its own), each rebuilt from its own pinned spec, so no run is handed
 	// another run's admitted authority. Exactly one of several concurrent rotations from the
-	// same epoch succeeds; the others get ABORTED.
+	// same epoch succeeds; the others get ABORTED. A retry with the rotation's
+	// idempotency_key answers with the plan it made.
 	Rotate(context.Context, *RotateRequest) (*RotateResponse, error)
 	// Starts a run (one turn). A top-level run appends its user.message.created event and
 	// pins seed_event_sequence to that event's sequence in the same transaction; a child run
@@ -286,7 +289,8 @@ type ContextEngineServer interface {
 	CommitCompaction(context.Context, *CommitCompactionRequest) (*CommitCompactionResponse, error)
 	// Facts that survived to the end of the session with trusted provenance, offered to
 	// memory formation as candidates (never as beliefs). Records
-	// memory.fact_candidates.offered.
+	// memory.fact_candidates.offered; a retry with the offer's idempotency_key answers with
+	// the first offer and records nothing.
 	OfferFactCandidates(context.Context, *OfferFactCandidatesRequest) (*OfferFactCandidatesResponse, error)
 	mustEmbedUnimplementedContextEngineServer()
 }

@@ -8,8 +8,9 @@
 // Rules the wrapper keeps so a worker does not have to:
 // 1. A Run tracks the latest checkpoint version it wrote and sends it as
 //    expected_checkpoint_version; a lost race surfaces as AbortedError.
-// 2. Every write carries an idempotency key, so the channel's retry policy (UNAVAILABLE
-//    only) may resend it safely.
+// 2. Every write that is not idempotent by nature carries an idempotency key (Rotate and
+//    OfferFactCandidates included), so the channel's retry policy (UNAVAILABLE only) may
+//    resend it safely: a resend of a write that landed replays its answer.
 // 3. Every failed RPC rejects with a typed ContextEngineError (reason + field violations).
 // 4. Build is pure on the server: the same checkpoint and clock return the same bytes.
 
@@ -33,6 +34,7 @@ import type {
   ContextPlan,
   ConversationItem,
   ModelRequest,
+  OfferFactCandidatesResponse,
   PlanReason,
   PlanSpec,
   PrepareCompactionResponse,
@@ -56,7 +58,9 @@ export const LOAD_OPTIONS: protoLoader.Options = {
   includeDirs: [PROTO_DIR],
 };
 
-// Transparent retries of UNAVAILABLE only: every write carries an idempotency key (Rule 2).
+// Transparent retries of UNAVAILABLE only, for every method: the wrapper's keyed writes
+// carry an idempotency key (Rule 2); a raw `call` of a keyed write must set one itself.
+// DEADLINE_EXCEEDED is not retried: the caller's deadline is spent.
 const SERVICE_CONFIG = JSON.stringify({
   methodConfig: [
     {
@@ -319,8 +323,18 @@ export class Session {
     return new Run(this, runId, checkpointVersion, this.plan.epoch);
   }
 
-  /** Start a new prefix epoch from the current one. A lost race rejects with AbortedError. */
-  async rotate(reason: PlanReason, opts: { spec?: PlanSpec; detail?: string } = {}) {
+  /**
+   * Start a new prefix epoch from the current one. A lost race rejects with AbortedError.
+   *
+   * The idempotency key makes a resend of a rotation that landed answer with its plan
+   * instead of EPOCH_CONFLICT (the channel's own retries reuse it). To retry by hand after
+   * UnavailableError or DEADLINE_EXCEEDED, call again with the first attempt's key and the
+   * same reason, spec and detail: a failed rotate leaves `plan` as it was.
+   */
+  async rotate(
+    reason: PlanReason,
+    opts: { spec?: PlanSpec; detail?: string; idempotencyKey?: string } = {},
+  ): Promise<ContextPlan> {
     const response = await this.client.call('Rotate', {
       tenant_id: this.tenantId,
       session_id: this.sessionId,
@@ -328,9 +342,21 @@ export class Session {
       reason,
       spec: opts.spec ?? null,
       detail: opts.detail ?? '',
+      idempotency_key: opts.idempotencyKey ?? newKey(),
     });
     this.plan = response.plan!;
     return this.plan;
+  }
+
+  /** Offer the session's trusted facts to memory formation (at the session's end). */
+  offerFactCandidates(
+    opts: { idempotencyKey?: string } = {},
+  ): Promise<OfferFactCandidatesResponse> {
+    return this.client.call('OfferFactCandidates', {
+      tenant_id: this.tenantId,
+      session_id: this.sessionId,
+      idempotency_key: opts.idempotencyKey ?? newKey(),
+    });
   }
 
   /** Report the usage of the response to `build`'s request. */
@@ -353,6 +379,18 @@ export interface BuildOptions {
   step?: StepContext;
   /** Build from this version instead of the run's latest known one. */
   checkpointVersion?: number;
+}
+
+export interface CompactOptions {
+  /** Recorded with the summary (default '@context-engine/client@0.1.0'). */
+  compactorVersion?: string;
+  /**
+   * CommitCompaction's key. A commit that failed UNAVAILABLE or DEADLINE_EXCEEDED may
+   * still have landed: retry with the first attempt's key and a summarizer that returns
+   * the same summary, from a Run at the version the first attempt compacted (a failed
+   * commit leaves `checkpointVersion` as it was); a commit that landed answers then.
+   */
+  idempotencyKey?: string;
 }
 
 export interface ToolLoopOptions {
@@ -424,11 +462,16 @@ export class Run {
     return this.session.reportUsage(build, usage, idempotencyKey);
   }
 
-  /** PrepareCompaction -> the worker's summarizer -> CommitCompaction. */
+  /**
+   * PrepareCompaction -> the worker's summarizer -> CommitCompaction. Returns the new
+   * checkpoint version. `opts` may also be the compactor version alone (as before).
+   */
   async compact(
     summarize: (prepared: PrepareCompactionResponse) => Promise<string>,
-    compactorVersion = '@context-engine/client@0.1.0',
+    opts: CompactOptions | string = {},
   ): Promise<number> {
+    const { compactorVersion = '@context-engine/client@0.1.0', idempotencyKey = newKey() } =
+      typeof opts === 'string' ? { compactorVersion: opts } : opts;
     const prepared = await this.client.call('PrepareCompaction', {
       ...this.ids,
       checkpoint_version: this.checkpointVersion,
@@ -437,7 +480,7 @@ export class Run {
     const response = await this.client.call('CommitCompaction', {
       ...this.ids,
       expected_checkpoint_version: prepared.checkpoint_version,
-      idempotency_key: newKey(),
+      idempotency_key: idempotencyKey,
       result: {
         summary,
         source_event_ids: prepared.source_event_ids,

@@ -13,6 +13,7 @@ export {
   wireToolName,
   type BuildOptions,
   type ClientOptions,
+  type CompactOptions,
   type MethodName,
   type RequestOf,
   type ResponseOf,

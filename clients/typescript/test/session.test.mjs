@@ -7,11 +7,13 @@
 
 import assert from 'node:assert/strict';
 import { randomUUID } from 'node:crypto';
+import net from 'node:net';
 import { after, before, test } from 'node:test';
 
 import {
   AbortedError,
   ContextEngineClient,
+  FailedPreconditionError,
   InvalidArgumentError,
   NotFoundError,
   assistantMessage,
@@ -194,4 +196,122 @@ test('a Build over 4 MiB is received on the default channel', async () => {
   const built = await run.build({ now: NOW });
   assert.equal(built.response.needs_compaction, false);
   assert.ok(built.providerPayload.length > 2 * 1024 * 1024, `${built.providerPayload.length}`);
+});
+
+test('ErrorInfo metadata is decoded', async () => {
+  const big = { ...spec, agent: { ...spec.agent, instructions: 'word '.repeat(40_000) } };
+  await assert.rejects(engine.openSession(big), (error) => {
+    assert.ok(error instanceof FailedPreconditionError, String(error));
+    assert.equal(error.reason, 'PREFIX_CLASS_OVER_CAP');
+    assert.equal(error.metadata.class, 'agent_instructions');
+    return true;
+  });
+});
+
+// --- retries: a write whose answer is lost ---------------------------------------------
+
+// A TCP proxy between client and server. Armed, it drops both connections at the first
+// response HEADERS frame (HTTP/2 type 1 on a stream) the server sends: the server has
+// answered, so the call was carried out, yet the client sees its connection drop before
+// any response, as after a sidecar restart or a network blip: UNAVAILABLE, which the
+// channel's retry policy resends.
+async function answerDroppingProxy() {
+  const [host, port] = target.split(':');
+  const proxy = { armed: false, dropped: 0 };
+  proxy.server = net.createServer((client) => {
+    const server = net.connect(Number(port), host);
+    let pending = Buffer.alloc(0);
+    client.on('data', (data) => server.write(data));
+    server.on('data', (data) => {
+      // A server's side of an HTTP/2 connection is frames from its first byte: a 9-byte
+      // header (24-bit length, type, flags, stream id), then the payload.
+      pending = Buffer.concat([pending, data]);
+      while (pending.length >= 9 && pending.length >= 9 + pending.readUIntBE(0, 3)) {
+        const end = 9 + pending.readUIntBE(0, 3);
+        const frame = pending.subarray(0, end);
+        pending = pending.subarray(end);
+        if (proxy.armed && frame[3] === 1 && (frame.readUInt32BE(5) & 0x7fffffff) !== 0) {
+          proxy.armed = false;
+          proxy.dropped += 1;
+          client.destroy();
+          server.destroy();
+          return;
+        }
+        client.write(frame);
+      }
+    });
+    for (const [one, other] of [[client, server], [server, client]]) {
+      one.on('error', () => {});
+      one.on('close', () => other.destroy());
+    }
+  });
+  await new Promise((resolve) => proxy.server.listen(0, '127.0.0.1', resolve));
+  proxy.engine = new ContextEngineClient({
+    target: `127.0.0.1:${proxy.server.address().port}`,
+    tenantId: `tenant-node-${randomUUID()}`,
+  });
+  proxy.close = () => {
+    proxy.engine.close();
+    proxy.server.close();
+  };
+  return proxy;
+}
+
+test('a rotation whose answer is lost is resent and answers with its plan', async () => {
+  const proxy = await answerDroppingProxy();
+  try {
+    const session = await proxy.engine.openSession(spec);
+    proxy.armed = true;
+    const plan = await session.rotate('PLAN_REASON_AGENT_CHANGED', { detail: 'v2' });
+    assert.equal(proxy.dropped, 1);
+    assert.equal(plan.epoch, 2);
+    assert.equal((await proxy.engine.session(session.sessionId)).plan.epoch, 2);
+    // A rotation from the epoch it left is a lost race, with the current epoch named.
+    const stale = await proxy.engine.session(session.sessionId, 1);
+    await assert.rejects(stale.rotate('PLAN_REASON_AGENT_CHANGED'), (error) => {
+      assert.ok(error instanceof AbortedError, String(error));
+      assert.equal(error.reason, 'EPOCH_CONFLICT');
+      assert.equal(error.metadata.current_epoch, '2');
+      return true;
+    });
+  } finally {
+    proxy.close();
+  }
+});
+
+test('an offer whose answer is lost is recorded once', async () => {
+  const proxy = await answerDroppingProxy();
+  try {
+    const session = await proxy.engine.openSession(spec);
+    const earlier = await session.offerFactCandidates();
+    proxy.armed = true;
+    const offered = await session.offerFactCandidates();
+    assert.equal(proxy.dropped, 1);
+    // One event between: the resend answered with the first attempt's offer.
+    assert.equal(offered.event_sequence, earlier.event_sequence + 1);
+  } finally {
+    proxy.close();
+  }
+});
+
+test('a compaction retried by hand with its key lands once', async () => {
+  const reserve = 1024;
+  const probe = await engine.openSession(spec);
+  const session = await engine.openSession({
+    ...spec,
+    reserve_output_tokens: reserve,
+    policy_cap_tokens: probe.plan.prefix_tokens + reserve + 4_000,
+  });
+  const first = await session.startRun('Tell me everything.');
+  await first.append([assistantMessage(Array(6_000).fill('lorem').join(' '))]);
+  const run = await session.startRun('And now?');
+  assert.equal((await run.build({ now: NOW })).needsCompaction, true);
+  const summarize = async () => 'The assistant said a lot of lorem.';
+  const before = run.checkpointVersion;
+  const compacted = await run.compact(summarize, { idempotencyKey: 'compact-1' });
+  assert.equal(compacted, before + 1);
+  // The first attempt's answer was lost: its Run still holds the version it compacted.
+  const retry = session.run(run.runId, before);
+  assert.equal(await retry.compact(summarize, { idempotencyKey: 'compact-1' }), compacted);
+  assert.equal((await run.build({ now: NOW })).needsCompaction, false);
 });

@@ -267,16 +267,27 @@ class Engine:
         reason: PlanReason,
         spec: PlanSpec | None,
         detail: str,
-    ) -> list[plans.StoredPlan]:
-        """Rotate explicitly. -> the plans started, in order; the last is the session's
-        current plan. With `spec`, one plan every run follows (a merge, store/plans.py):
-        the caller's spec states the session's configuration and authority. Without, one
-        plan per live lineage, each rebuilt from (or, canonicalized, a copy of) its own
-        latest plan, so no run is handed another run's admitted authority."""
+        idempotency_key: str = "",
+        request_sha256: str = "",
+    ) -> tuple[list[plans.StoredPlan], bool]:
+        """Rotate explicitly. -> (the plans started, in order, the last being the session's
+        current plan; replayed). With `spec`, one plan every run follows (a merge,
+        store/plans.py): the caller's spec states the session's configuration and
+        authority. Without, one plan per live lineage, each rebuilt from (or, canonicalized,
+        a copy of) its own latest plan, so no run is handed another run's admitted
+        authority. A retry under the first call's idempotency key answers with the plan
+        that call answered with (read as it is now) and rotates nothing: its from_epoch is
+        no longer current, so without the key the retry of a rotation whose answer was
+        lost would fail EPOCH_CONFLICT."""
         async with transaction(self.pool) as conn:
             if spec is not None:  # the pinned spec was fenced when it was first persisted
                 await _fence_snapshot(conn, tenant, spec)
             epoch, revision = await sessions.lock_session_plans(conn, tenant, session_id)
+            stored = await idempotency.recall_response(
+                conn, tenant, session_id, idempotency_key, "Rotate", request_sha256
+            )
+            if stored is not None:
+                return [await plans.read_plan(conn, tenant, session_id, stored["epoch"])], True
             if epoch == 0:
                 raise PreconditionError(
                     f"session {session_id} has no plan to rotate; call Plan first",
@@ -296,15 +307,26 @@ class Engine:
                     merged = await self._rotate_locked(
                         conn, tenant, session_id, current, reason, spec, detail, begins_lineage=True
                     )
-                    return [merged]
-                return await self._rotate_lineages(
-                    conn, tenant, session_id, epoch, revision, reason, detail
-                )
+                    rotated = [merged]
+                else:
+                    rotated = await self._rotate_lineages(
+                        conn, tenant, session_id, epoch, revision, reason, detail
+                    )
             except RequestError as exc:
                 if spec is not None:
                     raise  # the caller's spec: the error names its field
                 # Rebuilt from the session's pinned spec: no field of this request is at fault.
                 raise _as_state(exc, f"for a {reason.name.lower()} rotation") from None
+            await idempotency.remember_response(
+                conn,
+                tenant,
+                session_id,
+                idempotency_key,
+                "Rotate",
+                request_sha256,
+                {"epoch": rotated[-1].plan.epoch},
+            )
+        return rotated, False
 
     async def _rotate_lineages(
         self,

@@ -155,6 +155,8 @@ def _on_plan(request: pb.PlanRequest, response: pb.PlanResponse) -> None:
 
 
 def _on_rotate(request: pb.RotateRequest, response: pb.RotateResponse) -> None:
+    # Only for a servicer that does not record: the response cannot say whether it was an
+    # idempotent replay. The service's handler always records (api/servicer.py Rotate).
     telemetry.record_rotation(_reason_name(response.plan.reason))
 
 

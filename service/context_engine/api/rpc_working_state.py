@@ -203,7 +203,13 @@ class WorkingStateRpcs:
     ) -> pb.OfferFactCandidatesResponse:
         tenant = convert.require_tenant(request)
         session_id = convert.require_uuid(request.session_id, "session_id")
-        result = await ws_api.offer_fact_candidates(self.engine, tenant, session_id)
+        result = await ws_api.offer_fact_candidates(
+            self.engine,
+            tenant,
+            session_id,
+            convert.require_id(request.idempotency_key, "idempotency_key", required=False),
+            request_sha256(request),
+        )
         return pb.OfferFactCandidatesResponse(
             candidates=[_candidate(c) for c in result["candidates"]],
             event_sequence=result["event_sequence"],

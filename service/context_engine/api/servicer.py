@@ -95,13 +95,24 @@ class ContextEngineServicer(
             if request.HasField("spec")
             else None
         )
-        rotated = await self.engine.rotate(
-            tenant, session_id, request.from_epoch, reason, spec, request.detail
+        rotated, replayed = await self.engine.rotate(
+            tenant,
+            session_id,
+            request.from_epoch,
+            reason,
+            spec,
+            request.detail,
+            convert.require_id(request.idempotency_key, "idempotency_key", required=False),
+            _request_sha256(request),
         )
         # Counted here, not derived from the response: a rotation without spec starts one
-        # epoch per plan lineage (store/plans.py), and the response shows the last.
-        for stored in rotated:
-            telemetry.record_rotation(stored.plan.reason.name.lower())
+        # epoch per plan lineage (store/plans.py) and the response shows the last; a replay
+        # answers with the plan the first call answered with but rotated nothing.
+        if replayed:
+            telemetry.record_replay("rotation")
+        else:
+            for stored in rotated:
+                telemetry.record_rotation(stored.plan.reason.name.lower())
         current = rotated[-1]
         return pb.RotateResponse(plan=convert.plan_to_proto(current.plan, current.created_at))
 

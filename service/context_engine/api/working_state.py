@@ -244,16 +244,28 @@ def _trusted_candidate(fact: Fact, evidence: dict[int, tuple[str, dict[str, Any]
     return all(level in _TRUSTED_EVIDENCE for level in levels)
 
 
-async def offer_fact_candidates(engine: Engine, tenant_id: str, session_id: UUID) -> dict[str, Any]:
+async def offer_fact_candidates(
+    engine: Engine,
+    tenant_id: str,
+    session_id: UUID,
+    idempotency_key: str = "",
+    request_sha256: str = "",
+) -> dict[str, Any]:
     """The facts the session's log ends with whose every source is trusted, as candidates.
 
     Recomputed from the log (the fold every new run uses), re-checked against the evidence
     events themselves, and recorded as memory.fact_candidates.offered. Candidates, never
-    beliefs: formation applies its own gates.
+    beliefs: formation applies its own gates. A retry under the first call's idempotency
+    key answers with that call's offer and records no second event.
     -> {"candidates": [{"fact", "authority", "run_id"}], "event_sequence"}
     """
     async with transaction(engine.pool) as conn:
         await sessions.lock_session(conn, tenant_id, session_id)
+        stored = await idempotency.recall_response(
+            conn, tenant_id, session_id, idempotency_key, "OfferFactCandidates", request_sha256
+        )
+        if stored is not None:
+            return stored
         # Facts only: the block's ceiling decides only the never-hiding fields, so the
         # fold needs no model's counter (and a session without a plan can still answer).
         state = await carried_state(conn, tenant_id, session_id, 2**62, None)
@@ -282,4 +294,14 @@ async def offer_fact_candidates(engine: Engine, tenant_id: str, session_id: UUID
                 )
             ],
         )
-    return {"candidates": candidates, "event_sequence": sequence}
+        result = {"candidates": candidates, "event_sequence": sequence}
+        await idempotency.remember_response(
+            conn,
+            tenant_id,
+            session_id,
+            idempotency_key,
+            "OfferFactCandidates",
+            request_sha256,
+            result,
+        )
+    return result

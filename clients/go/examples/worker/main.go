@@ -1,7 +1,9 @@
 // Command worker is an example agent worker in Go: it opens a session, starts a run,
 // builds a request, logs a tool call and its result, builds again (twice) and checks that
 // the prefix hash held and that Build is pure. It also shows how to read the structured
-// error details (ErrorInfo reason, BadRequest field) the engine sends.
+// error details (ErrorInfo reason and metadata, BadRequest field) the engine sends, and
+// how a write with an idempotency key is retried safely (a Rotate, resent as after a lost
+// answer).
 //
 //	go run ./examples/worker -target 127.0.0.1:50051 -tenant example
 //
@@ -30,10 +32,11 @@ import (
 
 // EngineError is a failed RPC with the engine's structured details decoded.
 type EngineError struct {
-	Code   string
-	Reason string // ErrorInfo.reason, e.g. "ORPHANED_TOOL_ITEM"
-	Field  string // first BadRequest field violation, e.g. "items[0].tool_result.call_id"
-	Msg    string
+	Code     string
+	Reason   string            // ErrorInfo.reason, e.g. "ORPHANED_TOOL_ITEM"
+	Metadata map[string]string // ErrorInfo.metadata, e.g. {"current_epoch": "2"}
+	Field    string            // first BadRequest field violation, e.g. "items[0].tool_result.call_id"
+	Msg      string
 }
 
 func (e *EngineError) Error() string {
@@ -51,6 +54,7 @@ func decode(err error) error {
 		switch d := detail.(type) {
 		case *errdetails.ErrorInfo:
 			out.Reason = d.GetReason()
+			out.Metadata = d.GetMetadata()
 		case *errdetails.BadRequest:
 			if v := d.GetFieldViolations(); len(v) > 0 {
 				out.Field = v[0].GetField()
@@ -153,6 +157,34 @@ func run(ctx context.Context, client cev1.ContextEngineClient, tenant string) er
 		return fmt.Errorf("expected ORPHANED_TOOL_ITEM, got %v", err)
 	}
 	fmt.Printf("rejected: %s at %s\n", engineErr.Reason, engineErr.Field)
+
+	// A rotation carries an idempotency key: when its answer is lost (UNAVAILABLE after
+	// the commit landed), resending the same request answers with the plan it made
+	// instead of ABORTED EPOCH_CONFLICT. The second call below is that resend.
+	rotate := &cev1.RotateRequest{
+		TenantId: tenant, SessionId: sessionID, FromEpoch: plan.GetEpoch(),
+		Reason: cev1.PlanReason_PLAN_REASON_OPERATOR_REVOCATION, IdempotencyKey: newUUID(),
+	}
+	rotated, err := client.Rotate(ctx, rotate)
+	if err != nil {
+		return decode(err)
+	}
+	resent, err := client.Rotate(ctx, rotate)
+	if err != nil {
+		return decode(err)
+	}
+	if resent.GetPlan().GetEpoch() != rotated.GetPlan().GetEpoch() {
+		return errors.New("a resent rotation rotated again")
+	}
+	// Under a new key it is another rotation from an epoch no longer current: a lost race,
+	// with the current epoch in the ErrorInfo metadata.
+	rotate.IdempotencyKey = newUUID()
+	_, err = client.Rotate(ctx, rotate)
+	if !errors.As(decode(err), &engineErr) || engineErr.Reason != "EPOCH_CONFLICT" {
+		return fmt.Errorf("expected EPOCH_CONFLICT, got %v", err)
+	}
+	fmt.Printf("rotated once to epoch %d; rejected: %s, current_epoch %s\n",
+		rotated.GetPlan().GetEpoch(), engineErr.Reason, engineErr.Metadata["current_epoch"])
 	fmt.Println("ok: one prefix hash, identical rebuilds")
 	return nil
 }

@@ -9,8 +9,9 @@ Rules the wrapper keeps so a worker does not have to:
 
 Rule 1: a Run tracks its latest checkpoint version from every write it makes, and sends it
         as expected_checkpoint_version; a lost race surfaces as `Aborted`.
-Rule 2: every write carries an idempotency key, so the channel's retry policy (UNAVAILABLE
-        only) may resend it safely.
+Rule 2: every write that is not idempotent by nature carries an idempotency key (Rotate
+        and OfferFactCandidates included), so the channel's retry policy (UNAVAILABLE
+        only) may resend it safely: a resend of a write that landed replays its answer.
 Rule 3: every failed RPC raises a typed `ContextEngineError` with the ErrorInfo reason and
         field violations decoded (errors.py); no grpc exception leaks out.
 Rule 4: Build is pure on the server: building the same checkpoint twice returns the same
@@ -48,7 +49,9 @@ __all__ = [
 ]
 
 SERVICE = "context_engine.v1.ContextEngine"
-# Transparent retries of UNAVAILABLE only: every write carries an idempotency key (Rule 2).
+# Transparent retries of UNAVAILABLE only, for every method: the wrapper's keyed writes
+# carry an idempotency key (Rule 2); a raw `call` of a keyed write must set one itself.
+# DEADLINE_EXCEEDED is not retried: the caller's deadline is spent.
 _SERVICE_CONFIG = json.dumps(
     {
         "methodConfig": [
@@ -409,9 +412,20 @@ class Session:
         return response.plan
 
     async def rotate(
-        self, reason: int, *, spec: pb.PlanSpec | None = None, detail: str = ""
+        self,
+        reason: int,
+        *,
+        spec: pb.PlanSpec | None = None,
+        detail: str = "",
+        idempotency_key: str | None = None,
     ) -> pb.ContextPlan:
-        """Start a new prefix epoch from the current one. A lost race raises Aborted."""
+        """Start a new prefix epoch from the current one. A lost race raises Aborted.
+
+        The key makes a resend of a rotation that landed answer with its plan instead of
+        EPOCH_CONFLICT (the channel's own retries reuse it). To retry by hand after
+        Unavailable or DeadlineExceeded, call again with the first attempt's key and the
+        same reason, spec and detail: a failed rotate leaves `plan` as it was.
+        """
         request = pb.RotateRequest(
             tenant_id=self.tenant_id,
             session_id=self.session_id,
@@ -419,9 +433,24 @@ class Session:
             reason=reason,  # type: ignore[arg-type]
             spec=spec,
             detail=detail,
+            idempotency_key=idempotency_key or _key(),
         )
         self.plan = (await self.client.call("Rotate", request)).plan
         return self.plan
+
+    async def offer_fact_candidates(
+        self, *, idempotency_key: str | None = None
+    ) -> pb.OfferFactCandidatesResponse:
+        """Offer the session's trusted facts to memory formation (at the session's end)."""
+        request = pb.OfferFactCandidatesRequest(
+            tenant_id=self.tenant_id,
+            session_id=self.session_id,
+            idempotency_key=idempotency_key or _key(),
+        )
+        response: pb.OfferFactCandidatesResponse = await self.client.call(
+            "OfferFactCandidates", request
+        )
+        return response
 
     async def load_skill(
         self, name: str, body: str, *, trust: int, run_id: str = ""
@@ -559,12 +588,22 @@ class Run:
         return response
 
     async def compact(
-        self, summarize: Summarize, *, compactor_version: str = "context-engine-client@0.1.0"
+        self,
+        summarize: Summarize,
+        *,
+        compactor_version: str = "context-engine-client@0.1.0",
+        idempotency_key: str | None = None,
     ) -> int:
         """PrepareCompaction -> the worker's summarizer -> CommitCompaction.
 
         `summarize` gets the prepared input (trusted content only, untrusted spans already
         elided to pointers) and returns the summary. Returns the new checkpoint version.
+
+        `idempotency_key` is CommitCompaction's. When the commit fails Unavailable or
+        DeadlineExceeded it may still have landed: retry with the first attempt's key and
+        a `summarize` that returns the same summary, from a Run at the version the first
+        attempt compacted (this one: a failed commit leaves `checkpoint_version` as it
+        was). A commit that landed then answers with its version.
         """
         prepared: pb.PrepareCompactionResponse = await self.client.call(
             "PrepareCompaction",
@@ -597,7 +636,7 @@ class Run:
                 run_id=self.run_id,
                 expected_checkpoint_version=prepared.checkpoint_version,
                 result=result,
-                idempotency_key=_key(),
+                idempotency_key=idempotency_key or _key(),
             ),
         )
         self.checkpoint_version = response.checkpoint_version

@@ -509,20 +509,22 @@ class GetPlanResponse(_message.Message):
     def __init__(self, plan: _Optional[_Union[ContextPlan, _Mapping]] = ...) -> None: ...
 
 class RotateRequest(_message.Message):
-    __slots__ = ("tenant_id", "session_id", "from_epoch", "reason", "spec", "detail")
+    __slots__ = ("tenant_id", "session_id", "from_epoch", "reason", "spec", "detail", "idempotency_key")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_EPOCH_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     tenant_id: str
     session_id: str
     from_epoch: int
     reason: PlanReason
     spec: PlanSpec
     detail: str
-    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., from_epoch: _Optional[int] = ..., reason: _Optional[_Union[PlanReason, str]] = ..., spec: _Optional[_Union[PlanSpec, _Mapping]] = ..., detail: _Optional[str] = ...) -> None: ...
+    idempotency_key: str
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., from_epoch: _Optional[int] = ..., reason: _Optional[_Union[PlanReason, str]] = ..., spec: _Optional[_Union[PlanSpec, _Mapping]] = ..., detail: _Optional[str] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class RotateResponse(_message.Message):
     __slots__ = ("plan",)
@@ -1167,12 +1169,14 @@ class CommitCompactionResponse(_message.Message):
     def __init__(self, checkpoint_version: _Optional[int] = ..., event_sequence: _Optional[int] = ...) -> None: ...
 
 class OfferFactCandidatesRequest(_message.Message):
-    __slots__ = ("tenant_id", "session_id")
+    __slots__ = ("tenant_id", "session_id", "idempotency_key")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     tenant_id: str
     session_id: str
-    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+    idempotency_key: str
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class FactCandidate(_message.Message):
     __slots__ = ("fact", "authority", "run_id")

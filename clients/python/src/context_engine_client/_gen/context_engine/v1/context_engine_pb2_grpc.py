@@ -167,7 +167,8 @@ class ContextEngineServicer:
         one epoch per plan lineage (a run admitted with new scopes or a new browser profile is
         on a lineage of its own), each rebuilt from its own pinned spec, so no run is handed
         another run's admitted authority. Exactly one of several concurrent rotations from the
-        same epoch succeeds; the others get ABORTED.
+        same epoch succeeds; the others get ABORTED. A retry with the rotation's
+        idempotency_key answers with the plan it made.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -270,7 +271,8 @@ class ContextEngineServicer:
     def OfferFactCandidates(self, request, context):
         """Facts that survived to the end of the session with trusted provenance, offered to
         memory formation as candidates (never as beliefs). Records
-        memory.fact_candidates.offered.
+        memory.fact_candidates.offered; a retry with the offer's idempotency_key answers with
+        the first offer and records nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
