@@ -23,6 +23,7 @@ from context_engine.core.build_record import (
     INPUTS_KEY,
     LEGACY_ASSEMBLER_VERSION,
     PAYLOAD_KEY,
+    TOKENIZER_KEY,
 )
 from context_engine.core.rows import Region, Row
 from context_engine.explain import explain, fetch_builds, run
@@ -34,6 +35,7 @@ from .helpers import (
     details,
     new_id,
     open_session,
+    replica,
     replica_with_model,
     result,
     spec,
@@ -407,3 +409,41 @@ async def test_get_build_refuses_a_record_that_does_not_rebuild_naming_both_asse
     await _rewrite_record(pool, session_id, sequence, oversized)
     message, _ = await _refusal(stub, session_id, sequence)
     assert "BUDGET_EXCEEDED" in message
+
+
+async def test_get_build_refuses_a_record_another_token_counter_counted(
+    stub: Any, pool: Any
+) -> None:
+    """docs/operations.md, Not kept: a replica whose tiktoken rank file is missing counts
+    with the heuristic (as after a models_file tokenizer change). It rebuilds a short
+    request to the same bytes, but not to the estimate, budget and pressure figures it was
+    sent with: refused, naming both tokenizers, never answered with other figures. A record
+    from before the tokenizer was recorded is refused on its figures. The replica that
+    counts as it was counted still serves it."""
+    session_id, _ = await open_session(stub, model_id="gpt-4o")
+    run_id = (await start_run(stub, session_id, "hello " * 50)).run.run_id
+    built = await stub.Build(
+        pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id)
+    )
+    sequence = built.request_sequence
+    assert (await _recorded(pool, session_id, sequence))[TOKENIZER_KEY] == "o200k_base"
+    heuristic, channel, running = await replica(pool)
+    try:
+        message, metadata = await _refusal(heuristic, session_id, sequence)
+        assert metadata == {
+            "recorded_assembler_version": ASSEMBLER_VERSION,
+            "assembler_version": ASSEMBLER_VERSION,
+            "recorded_tokenizer": "o200k_base",
+            "tokenizer": "heuristic",
+        }
+        assert "o200k_base" in message and "heuristic" in message
+
+        await _rewrite_record(
+            pool, session_id, sequence, lambda p: {k: v for k, v in p.items() if k != TOKENIZER_KEY}
+        )
+        message, metadata = await _refusal(heuristic, session_id, sequence)
+        assert "estimated_input_tokens differs" in message and "tokenizer" not in metadata
+        assert await _get(stub, session_id, sequence) == built
+    finally:
+        await channel.close()
+        await running.stop(0)
