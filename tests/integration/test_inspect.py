@@ -15,7 +15,8 @@ from rich.console import Console
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine.inspect import run_inspect
 
-from .helpers import TENANT, assistant, new_id, open_session, start_run
+from .helpers import TENANT, assistant, new_id, open_session, spec, start_run
+from .test_budget_service import MODEL, _append, _build, _start, _tenant, _words
 
 pytestmark = pytest.mark.integration
 
@@ -111,3 +112,87 @@ async def test_inspect_command_exit_codes(stub: Any, database_dsn: str) -> None:
         "context-engine inspect: cannot connect to PostgreSQL at 127.0.0.1:1/postgres:"
         " Connection refused"
     )
+
+
+async def test_inspect_pairs_a_pressure_event_only_with_the_request_of_its_build(
+    stub: Any, database_dsn: str
+) -> None:
+    """context.budget.pressure precedes the request its Build shaped (a run's first request
+    has its context.snapshot.used between the two); a Build that needs compaction records
+    the pressure and no request. That pressure stays in the context events: the run's next
+    request (after compaction it fits) shows none."""
+    tenant = _tenant()
+    memory = pb.MemorySnapshot(
+        snapshot_id="snap-1", items=[pb.MemoryItem(item_id="m1", text="Lives in Lyon.")]
+    )
+    session_id = new_id()
+    await stub.Plan(
+        pb.PlanRequest(
+            tenant_id=tenant,
+            session_id=session_id,
+            # About 4,000 tokens above the prefix and the output reserve.
+            spec=spec(
+                model_id=MODEL,
+                reserve_output_tokens=1_000,
+                policy_cap_tokens=5_500,
+                snapshot=memory,
+            ),
+        )
+    )
+    first = await _start(stub, tenant, session_id, "Tell me everything.")
+    passage = _words(2_000)  # one fits the ~3,800-token body, two do not
+    step = pb.StepContext(
+        knowledge=[
+            pb.KnowledgePassage(item_id="best", text=passage),
+            pb.KnowledgePassage(item_id="worse", text=passage),
+        ]
+    )
+    yielded = await _build(stub, tenant, session_id, first, step=step)
+    assert [s.step for s in yielded.pressure.steps] == ["drop_knowledge"]
+    await _append(stub, tenant, session_id, first, 1, assistant(_words(6_000)))
+    run_id = await _start(stub, tenant, session_id, "And now?")
+    needs = await _build(stub, tenant, session_id, run_id)
+    assert needs.needs_compaction and needs.request_sequence == 0
+    prepared = await stub.PrepareCompaction(
+        pb.PrepareCompactionRequest(tenant_id=tenant, session_id=session_id, run_id=run_id)
+    )
+    await stub.CommitCompaction(
+        pb.CommitCompactionRequest(
+            tenant_id=tenant,
+            session_id=session_id,
+            run_id=run_id,
+            expected_checkpoint_version=prepared.checkpoint_version,
+            result=pb.CompactionResult(
+                summary="The user asked for everything; the agent answered at length.",
+                source_event_ids=list(prepared.source_event_ids),
+                elided=list(prepared.elided),
+                replaced_through_sequence=prepared.replaced_through_sequence,
+                depth=prepared.depth,
+                tokens_before=prepared.tokens_before,
+                tokens_after=20,
+                compactor_version="w@1",
+                prompt_version=prepared.prompt_version,
+            ),
+        )
+    )
+    fits = await _build(stub, tenant, session_id, run_id)
+    assert fits.request_sequence > 0 and not fits.HasField("pressure")
+
+    console = Console(record=True, width=250, color_system=None)
+    await run_inspect(database_dsn, session_id, tenant, console)
+    lines = console.export_text().splitlines()
+
+    def line_of(sequence: int, table: str) -> str:
+        start = next(i for i, ln in enumerate(lines) if ln.startswith(table))
+        return next(ln for ln in lines[start:] if ln.startswith(f"│ {sequence} "))
+
+    assert "context.snapshot.used" in line_of(yielded.request_sequence - 1, "Context events")
+    assert (
+        line_of(yielded.request_sequence, "Requests").rstrip(" │").endswith("fits:drop_knowledge")
+    )
+    shown = line_of(fits.request_sequence, "Requests")
+    assert "needs_compaction" not in shown and "OVER" not in shown, shown
+    pressure = fits.request_sequence - 1
+    while "context.budget.pressure" not in line_of(pressure, "Context events"):
+        pressure -= 1
+    assert "needs_compaction=True" in line_of(pressure, "Context events")
