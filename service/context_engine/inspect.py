@@ -463,13 +463,19 @@ async def run_inspect(
     dsn: str, session: str, tenant_id: str | None, console: Console, width: int = BAR_WIDTH
 ) -> None:
     """Connect, load and print one session. Raises LookupError / ValueError for bad input,
-    StoreUnavailableError when the database cannot be reached."""
-    from .store.db import connect
+    StoreUnavailableError when the database cannot be reached, StoreReadError when it
+    refuses the read (no schema, no privilege) or drops the connection."""
+    from .store.db import connect, read_refusal
 
     session_id = UUID(session)
     conn = await connect(dsn)  # StoreUnavailableError: one line naming why
     try:
         view = await load_session(conn, session_id, tenant_id)
+    except Exception as exc:
+        refused = read_refusal(dsn, exc)
+        if refused is None:
+            raise
+        raise refused from exc
     finally:
         await conn.close()
     render(view, console, width)
