@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     inspect.set_defaults(func=_inspect)
 
     from .explain import add_arguments as explain_arguments
+    from .explain import check_arguments as explain_check
     from .explain import run as explain_run
 
     explain = sub.add_parser(
@@ -132,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     fake.set_defaults(func=_fake_provider)
 
     args = parser.parse_args(argv)
+    if args.command == "explain":
+        explain_check(explain, args)
     try:
         return int(args.func(args))
     except ConfigError as exc:

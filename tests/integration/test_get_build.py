@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import json
@@ -15,6 +14,7 @@ import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+from context_engine.cli import main
 from context_engine.core.build_record import (
     ASSEMBLER_KEY,
     ASSEMBLER_VERSION,
@@ -26,7 +26,7 @@ from context_engine.core.build_record import (
     TOKENIZER_KEY,
 )
 from context_engine.core.rows import Region, Row
-from context_engine.explain import explain, fetch_builds, run
+from context_engine.explain import explain, fetch_builds
 from context_engine.providers.texts import TOOL_ERROR_AS_TEXT
 
 from .helpers import (
@@ -129,17 +129,22 @@ async def test_the_explain_command_reads_a_session_through_get_build(
             )
         )
         sequences.append(str(built.request_sequence))
-    args = argparse.Namespace(
-        builds=sequences,
-        session=session_id,
-        tenant=TENANT,
-        target=f"127.0.0.1:{grpc_server.port}",
-        token="",
-    )
     # The command runs its own event loop; the server keeps serving on this one.
-    assert await asyncio.to_thread(run, args) == 0
+    assert await _explain(grpc_server.port, session_id, *sequences) == 0
     out = capsys.readouterr().out
     assert "row 14 runtime metadata (Region B)" in out and "expected" in out
+    # A GetBuild error is one line: the code, the details, the ErrorInfo reason.
+    assert await _explain(grpc_server.port, new_id(), "1", "2") == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("context-engine explain: GetBuild failed: NOT_FOUND: "), line
+    assert line.endswith(" [REQUEST_NOT_FOUND]"), line
+
+
+async def _explain(port: int, session_id: str, *argv: str) -> int:
+    """`context-engine explain --session` against the server on `port`, in a thread."""
+    target = f"127.0.0.1:{port}"
+    command = ["explain", "--session", session_id, "--tenant", TENANT, "--target", target]
+    return await asyncio.to_thread(main, [*command, *argv])
 
 
 async def test_get_build_of_an_unknown_request_is_not_found(stub: Any) -> None:
@@ -412,7 +417,7 @@ async def test_get_build_refuses_a_record_that_does_not_rebuild_naming_both_asse
 
 
 async def test_get_build_refuses_a_record_another_token_counter_counted(
-    stub: Any, pool: Any
+    stub: Any, pool: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """docs/operations.md, Not kept: a replica whose tiktoken rank file is missing counts
     with the heuristic (as after a models_file tokenizer change). It rebuilds a short
@@ -437,6 +442,15 @@ async def test_get_build_refuses_a_record_another_token_counter_counted(
             "tokenizer": "heuristic",
         }
         assert "o200k_base" in message and "heuristic" in message
+        # explain names it in one line, with the metadata.
+        assert await _explain(running.port, session_id, str(sequence), str(sequence)) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("context-engine explain: GetBuild failed: FAILED_PRECONDITION: ")
+        assert line.endswith(
+            f" [REQUEST_NOT_FOUND assembler_version={ASSEMBLER_VERSION}"
+            f" recorded_assembler_version={ASSEMBLER_VERSION}"
+            " recorded_tokenizer=o200k_base tokenizer=heuristic]"
+        ), line
 
         await _rewrite_record(
             pool, session_id, sequence, lambda p: {k: v for k, v in p.items() if k != TOKENIZER_KEY}

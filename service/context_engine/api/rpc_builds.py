@@ -150,9 +150,10 @@ def _not_rebuilt(
     if tokenizers is not None:
         metadata |= {"recorded_tokenizer": tokenizers[0], "tokenizer": tokenizers[1]}
     return PreconditionError(
-        f"request {sequence} was built by {recorded} and this server runs {ASSEMBLER_VERSION}:"
-        f" {why}. It cannot be rebuilt here; its recorded hashes stand, and bytes the"
-        " provider was not sent are never served",
+        f"request {sequence} was built by {recorded} and this server runs"
+        f" {'it too' if recorded == ASSEMBLER_VERSION else ASSEMBLER_VERSION}: {why}. It"
+        " cannot be rebuilt here; its recorded hashes stand, and bytes the provider was not"
+        " sent are never served",
         field="request_sequence",
         reason="REQUEST_NOT_FOUND",
         metadata=metadata,
