@@ -29,6 +29,7 @@ from .helpers import (
     start_run,
 )
 from .test_budget_service import MODEL, _append, _build, _start, _tenant, _words
+from .test_compaction_service import _commit, _prepare
 
 pytestmark = pytest.mark.integration
 
@@ -174,28 +175,8 @@ async def test_inspect_pairs_a_pressure_event_only_with_the_request_of_its_build
     run_id = await _start(stub, tenant, session_id, "And now?")
     needs = await _build(stub, tenant, session_id, run_id)
     assert needs.needs_compaction and needs.request_sequence == 0
-    prepared = await stub.PrepareCompaction(
-        pb.PrepareCompactionRequest(tenant_id=tenant, session_id=session_id, run_id=run_id)
-    )
-    await stub.CommitCompaction(
-        pb.CommitCompactionRequest(
-            tenant_id=tenant,
-            session_id=session_id,
-            run_id=run_id,
-            expected_checkpoint_version=prepared.checkpoint_version,
-            result=pb.CompactionResult(
-                summary="The user asked for everything; the agent answered at length.",
-                source_event_ids=list(prepared.source_event_ids),
-                elided=list(prepared.elided),
-                replaced_through_sequence=prepared.replaced_through_sequence,
-                depth=prepared.depth,
-                tokens_before=prepared.tokens_before,
-                tokens_after=20,
-                compactor_version="w@1",
-                prompt_version=prepared.prompt_version,
-            ),
-        )
-    )
+    prepared = await _prepare(stub, session_id, run_id, tenant=tenant)
+    await _commit(stub, session_id, run_id, prepared, "Asked for everything.", tenant=tenant)
     fits = await _build(stub, tenant, session_id, run_id)
     assert fits.request_sequence > 0 and not fits.HasField("pressure")
 
