@@ -2,7 +2,8 @@
 
 Exit codes: 0 done; 1 the database cannot be reached or refuses the connection (one line
 naming the server, the database and why), a listen address that cannot be bound, a
-schema behind with migrate_on_start off, or inspect's session not found; 2 a
+schema behind with migrate_on_start off, or inspect's session not found or its read
+refused (no schema, no privilege; one line); 2 a
 configuration error (one line naming the setting), including no database configured
 where the embedded PostgreSQL is not installed."""
 
@@ -46,6 +47,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     from .inspect import run_inspect
     from .store import StoreUnavailableError
+    from .store.db import StoreReadError
 
     settings = load_settings({"database_url": args.database_url})
     if not settings.database_url:
@@ -53,7 +55,7 @@ def _inspect(args: argparse.Namespace) -> int:
     console = Console(width=args.width) if args.width else Console()
     try:
         asyncio.run(run_inspect(settings.database_url, args.session, args.tenant, console))
-    except (LookupError, ValueError, StoreUnavailableError) as exc:
+    except (LookupError, ValueError, StoreUnavailableError, StoreReadError) as exc:
         print(f"context-engine inspect: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -117,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     inspect.set_defaults(func=_inspect)
 
     from .explain import add_arguments as explain_arguments
+    from .explain import check_arguments as explain_check
     from .explain import run as explain_run
 
     explain = sub.add_parser(
@@ -130,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     fake.set_defaults(func=_fake_provider)
 
     args = parser.parse_args(argv)
+    if args.command == "explain":
+        explain_check(explain, args)
     try:
         return int(args.func(args))
     except ConfigError as exc:

@@ -20,13 +20,20 @@ Rule 3: a response whose provider_payload is not what its request renders to is 
 rendered units. A payload with fewer cache markers than the provider allows is what its
 request renders to: the model registry's budget (max_cache_breakpoints), which explain does
 not read, dropped them.
-Exit status: 1 for a Region A defect, 2 for unusable input, 0 otherwise.
+Rule 4 (the channel): with --session, GetBuild is called over TLS when --ca-file,
+--cert-file/--key-file (mTLS) or --tls is given, and in plaintext otherwise. A bearer
+token (--token) is refused over plaintext unless the target is loopback (a sidecar): it
+would cross the network in clear.
+Exit status: 1 for a Region A defect, 2 for unusable input (one line naming why: a file
+that is no BuildResponse, a GetBuild error as `CODE: details [REASON metadata]`, a token
+refused over plaintext), 0 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,9 +41,11 @@ from pathlib import Path
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 
 from ._gen.context_engine.v1 import context_engine_pb2 as pb
 from .api.convert import request_from_proto
+from .api.errors import error_info
 from .core.request import ModelRequest
 from .core.rows import ROW_TABLE, Region, Row
 from .providers import PromptUnit, anthropic, prompt_units, render
@@ -237,14 +246,73 @@ def format_explanation(
 
 
 def load_build_response(path: Path) -> pb.BuildResponse:
-    """A BuildResponse from a file: JSON (protobuf JSON mapping) or binary."""
+    """A BuildResponse from a file: JSON (protobuf JSON mapping) or binary.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it holds no BuildResponse (its message is one line naming the file).
+    """
     data = path.read_bytes()
     response = pb.BuildResponse()
-    if data.lstrip()[:1] == b"{":
-        json_format.Parse(data.decode("utf-8"), response)
-    else:
-        response.ParseFromString(data)
+    try:
+        if data.lstrip()[:1] == b"{":
+            json_format.Parse(data.decode("utf-8"), response)
+        else:
+            response.ParseFromString(data)
+    except (DecodeError, json_format.ParseError, UnicodeDecodeError) as exc:
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        raise ValueError(f"{path} is not a BuildResponse (binary or JSON): {why}") from None
     return response
+
+
+def is_loopback(target: str) -> bool:
+    """Whether a gRPC target names this host: a loopback address, localhost, or a Unix
+    socket. A name that resolves elsewhere, or any other address, is not."""
+    if target.startswith(("unix:", "unix-abstract:")):
+        return True
+    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        target = target.removeprefix(scheme)
+    host = target.rpartition(":")[0] if target.count(":") == 1 else target
+    if host.startswith("["):
+        host = host[1:].partition("]")[0]
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def channel_credentials(
+    ca_file: str = "", cert_file: str = "", key_file: str = "", *, tls: bool = False
+) -> grpc.ChannelCredentials | None:
+    """TLS credentials from PEM files (None: plaintext, when none is given and not `tls`):
+    `ca_file` the roots the server's certificate must chain to (default: the system's),
+    `cert_file` and `key_file` this client's certificate for mTLS, both or neither.
+
+    Raises:
+        OSError: a file cannot be read.
+        ValueError: only one of `cert_file` and `key_file`.
+    """
+    if bool(cert_file) != bool(key_file):
+        raise ValueError("--cert-file and --key-file go together (mTLS)")
+    if not (tls or ca_file or cert_file):
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=Path(ca_file).read_bytes() if ca_file else None,
+        private_key=Path(key_file).read_bytes() if key_file else None,
+        certificate_chain=Path(cert_file).read_bytes() if cert_file else None,
+    )
+
+
+def rpc_error_line(exc: grpc.aio.AioRpcError) -> str:
+    """One line for a failed call: `CODE: details`, then the ErrorInfo reason and its
+    metadata (recorded_assembler_version, assembler_version, ...) when the status has one."""
+    line = f"{exc.code().name}: {' '.join((exc.details() or '').split())}"
+    reason, metadata = error_info(exc.trailing_metadata())
+    if reason:
+        line += f" [{reason}{''.join(f' {k}={v}' for k, v in sorted(metadata.items()))}]"
+    return line
 
 
 async def fetch_builds(
@@ -254,12 +322,28 @@ async def fetch_builds(
     sequences: Sequence[int],
     *,
     token: str = "",
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> list[pb.BuildResponse]:
-    """Rebuild recorded requests through GetBuild on a running server."""
+    """Rebuild recorded requests through GetBuild on a running server, over TLS with
+    `credentials` (channel_credentials) and in plaintext without.
+
+    Raises:
+        ValueError: a token for a plaintext channel to a target that is not loopback.
+    """
     from ._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
+    if token and credentials is None and not is_loopback(target):
+        raise ValueError(
+            f"--token would cross the network in clear to {target}: give --ca-file (TLS),"
+            " or use a loopback target"
+        )
     metadata = (("authorization", f"Bearer {token}"),) if token else None
-    async with grpc.aio.insecure_channel(target) as channel:
+    channel = (
+        grpc.aio.secure_channel(target, credentials)
+        if credentials is not None
+        else grpc.aio.insecure_channel(target)
+    )
+    async with channel:
         stub = pb_grpc.ContextEngineStub(channel)  # type: ignore[no-untyped-call]  # no .pyi for _grpc
         return [
             await stub.GetBuild(
@@ -280,26 +364,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " sequences (BuildResponse.request_sequence)",
     )
     parser.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT")
-    parser.add_argument("--tenant", default="", help="tenant of the session (with --session)")
+    parser.add_argument(
+        "--tenant", default="", help="tenant of the session (required with --session)"
+    )
     parser.add_argument("--session", default="", help="rebuild the two requests via GetBuild")
-    parser.add_argument("--token", default="", help="bearer token, when the server wants one")
+    parser.add_argument(
+        "--token",
+        default="",
+        help="bearer token, when the server wants one (refused over plaintext unless the"
+        " target is loopback)",
+    )
+    parser.add_argument(
+        "--ca-file", default="", help="PEM roots the server's TLS certificate chains to (TLS)"
+    )
+    parser.add_argument("--cert-file", default="", help="PEM client certificate (mTLS)")
+    parser.add_argument("--key-file", default="", help="PEM client key (mTLS)")
+    parser.add_argument(
+        "--tls", action="store_true", help="TLS with the system's roots (no --ca-file)"
+    )
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What argparse cannot say alone: --session needs --tenant (exits 2 via parser.error)."""
+    if args.session and not args.tenant:
+        parser.error("--tenant is required with --session")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         if args.session:
             sequences = [int(s) for s in args.builds]
+            credentials = channel_credentials(
+                args.ca_file, args.cert_file, args.key_file, tls=args.tls
+            )
             a, b = asyncio.run(
-                fetch_builds(args.target, args.tenant, args.session, sequences, token=args.token)
+                fetch_builds(
+                    args.target,
+                    args.tenant,
+                    args.session,
+                    sequences,
+                    token=args.token,
+                    credentials=credentials,
+                )
             )
         else:
             a, b = (load_build_response(Path(p)) for p in args.builds)
         explanation = explain(a, b)
-    except (OSError, ValueError, json_format.ParseError) as exc:
+    except (OSError, ValueError) as exc:
         print(f"context-engine explain: {exc}", file=sys.stderr)
         return 2
-    except grpc.RpcError as exc:
-        print(f"context-engine explain: GetBuild failed: {exc}", file=sys.stderr)
+    except grpc.aio.AioRpcError as exc:
+        print(f"context-engine explain: GetBuild failed: {rpc_error_line(exc)}", file=sys.stderr)
         return 2
     print(format_explanation(explanation, a, b))
     return 1 if explanation.defect else 0

@@ -6,8 +6,9 @@ Reads PostgreSQL directly (an operator's tool, not an API): the session's plans,
 - the epochs, each with its reason and prefix hash;
 - one line per request: sequence, run, epoch, prefix hash (red when it is not its
   epoch's plan hash: the stability defect the spec names), and a bar of tokens by class
-  against the request's input budget, with the pressure steps that ran;
-- the other context events (rotations, compactions, budget pressure and overflow).
+  against the request's input budget, with the pressure steps its own Build ran;
+- the other context events (rotations, compactions, budget pressure and overflow; the
+  pressure of a Build that needed compaction, which recorded no request, is listed here).
 
 Rules:
 1. No message content is printed: only ids, hashes, reasons, class names and numbers from
@@ -413,26 +414,34 @@ async def load_session(conn: Any, session_id: UUID, tenant_id: str | None) -> Se
     requests: list[RequestLine] = []
     others: list[tuple[int, str, str]] = []
     counts: dict[str, int] = {}
-    # A run's context.budget.pressure event precedes the request it shaped.
-    pressure_of_run: dict[str, str] = {}
+    # A Build's context.budget.pressure event precedes the request it shaped, in the same
+    # write (migrations/0005_record_request.sql): the next sequence, or the one after a
+    # context.snapshot.used of the same run. A Build that needs compaction records the
+    # pressure and no request: that pressure shaped no request, and is listed with the events.
+    # The sequence a pressured Build's request would take -> (its run, the pressure).
+    shaping: dict[int, tuple[str, str]] = {}
     for row in events:
         payload = _json(row["payload"])
         counts[row["type"]] = counts.get(row["type"], 0) + 1
         run = str(row["run_id"] or payload.get("run_id", ""))
+        sequence = row["sequence"]
         if row["type"] == "context.budget.pressure":
-            pressure_of_run[run] = _pressure_of({"pressure": payload, **payload})
+            shaping[sequence + 1] = (run, _pressure_of({"pressure": payload, **payload}))
+        elif row["type"] == "context.snapshot.used" and shaping.get(sequence, ("",))[0] == run:
+            shaping[sequence + 1] = shaping.pop(sequence)
         if row["type"] == "model.request.started":
+            shaped_run, shaped = shaping.pop(sequence, (run, ""))
             budget, estimated = budget_of(payload)
             requests.append(
                 RequestLine(
-                    sequence=row["sequence"],
+                    sequence=sequence,
                     run_id=run,
                     epoch=_int(payload.get("epoch")),
                     prefix_sha256=str(payload.get("prefix_sha256", "")),
                     classes=classes_of(payload),
                     budget_tokens=budget,
                     estimated_tokens=estimated,
-                    pressure=_pressure_of(payload) or pressure_of_run.pop(run, ""),
+                    pressure=_pressure_of(payload) or (shaped if shaped_run == run else ""),
                 )
             )
         elif row["type"] != "context.plan.created":
@@ -454,13 +463,19 @@ async def run_inspect(
     dsn: str, session: str, tenant_id: str | None, console: Console, width: int = BAR_WIDTH
 ) -> None:
     """Connect, load and print one session. Raises LookupError / ValueError for bad input,
-    StoreUnavailableError when the database cannot be reached."""
-    from .store.db import connect
+    StoreUnavailableError when the database cannot be reached, StoreReadError when it
+    refuses the read (no schema, no privilege) or drops the connection."""
+    from .store.db import connect, read_refusal
 
     session_id = UUID(session)
     conn = await connect(dsn)  # StoreUnavailableError: one line naming why
     try:
         view = await load_session(conn, session_id, tenant_id)
+    except Exception as exc:
+        refused = read_refusal(dsn, exc)
+        if refused is None:
+            raise
+        raise refused from exc
     finally:
         await conn.close()
     render(view, console, width)

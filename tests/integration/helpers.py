@@ -265,17 +265,28 @@ async def update_state(
     )
 
 
-async def replica_with_model(pool: Any, model_id: str, **facts: Any) -> tuple[Any, Any, Any]:
-    """A replica over `pool` whose registry overlay adds the Anthropic model `model_id`
-    (a 200,000-token window, four cache markers) with `facts` changed, e.g.
-    `context_window=8_500` or `max_cache_breakpoints=2`. -> (stub, channel, running
-    server); the caller closes the channel and stops the server."""
+async def replica(pool: Any, overlay: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
+    """A replica over `pool` whose registry is the packaged one overlaid by `overlay`, with
+    no tiktoken rank files: every model is counted by the heuristic (as on a replica whose
+    rank file is missing). -> (stub, channel, running server); the caller closes the
+    channel and stops the server."""
     from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
     from context_engine.api.server import build_engine, build_server
     from context_engine.core.model_registry import ModelRegistry
     from context_engine.model_registry_loader import read_packaged_models
     from context_engine.models import ModelCatalog
 
+    overlays = [overlay] if overlay is not None else []
+    catalog = ModelCatalog(ModelRegistry.from_mappings(read_packaged_models(), *overlays))
+    running = await build_server(build_engine(pool, catalog=catalog), "127.0.0.1:0")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    return pb_grpc.ContextEngineStub(channel), channel, running
+
+
+async def replica_with_model(pool: Any, model_id: str, **facts: Any) -> tuple[Any, Any, Any]:
+    """A replica (`replica`) whose registry overlay adds the Anthropic model `model_id`
+    (a 200,000-token window, four cache markers) with `facts` changed, e.g.
+    `context_window=8_500` or `max_cache_breakpoints=2`."""
     model = {
         "provider": "anthropic",
         "family": "claude-sonnet-4",
@@ -285,8 +296,4 @@ async def replica_with_model(pool: Any, model_id: str, **facts: Any) -> tuple[An
         "min_cacheable_tokens": 1024,
         "tokenizer": "heuristic",
     }
-    overlay = {"models": {model_id: {**model, **facts}}}
-    catalog = ModelCatalog(ModelRegistry.from_mappings(read_packaged_models(), overlay))
-    running = await build_server(build_engine(pool, catalog=catalog), "127.0.0.1:0")
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
-    return pb_grpc.ContextEngineStub(channel), channel, running
+    return await replica(pool, {"models": {model_id: {**model, **facts}}})

@@ -7,6 +7,7 @@ oversize request is RESOURCE_EXHAUSTED with REQUEST_TOO_LARGE and writes nothing
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import ipaddress
 import json
@@ -28,6 +29,7 @@ from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from context_engine.api.interceptors import BearerTokens
 from context_engine.api.server import build_engine, build_server, server_options
+from context_engine.cli import main
 from context_engine.config import load_settings
 
 from .helpers import call, details, new_id, result, spec
@@ -293,7 +295,19 @@ async def mtls(pool: Any, tmp_path_factory: Any) -> AsyncIterator[dict[str, Any]
         channels[who or "none"] = chan
         return pb_grpc.ContextEngineStub(chan)
 
-    yield {"channel": channel}
+    def files(who: str) -> tuple[str, str]:
+        """The client's certificate and key as PEM files (for the CLI): (cert, key)."""
+        cert, key = clients[who]
+        (tmp / f"{who}.crt").write_bytes(cert)
+        (tmp / f"{who}.key").write_bytes(key)
+        return str(tmp / f"{who}.crt"), str(tmp / f"{who}.key")
+
+    yield {
+        "channel": channel,
+        "files": files,
+        "ca_file": str(tmp / "tls_client_ca_file"),
+        "target": f"127.0.0.1:{running.port}",
+    }
     for chan in channels.values():
         await chan.close()
     await running.stop(0)
@@ -327,6 +341,34 @@ async def test_mtls_rejects_foreign_ca_and_missing_certificate(mtls: Any, who: A
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Plan(pb.PlanRequest(session_id=new_id(), spec=spec()), timeout=10)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_explain_reaches_an_mtls_server_with_its_certificate_files(
+    mtls: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`explain --session` calls GetBuild over TLS when given --ca-file (and mTLS with
+    --cert-file/--key-file): a TLS-only server is reachable, and without a client
+    certificate it answers one line, not a traceback."""
+    stub = mtls["channel"]("a")
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(session_id=session_id, spec=spec()))
+    started = await stub.StartRun(
+        pb.StartRunRequest(session_id=session_id, user_message=pb.UserMessage(text="hi"))
+    )
+    built = await stub.Build(pb.BuildRequest(session_id=session_id, run_id=started.run.run_id))
+    cert, key = mtls["files"]("a")
+    sequence = str(built.request_sequence)
+    command = [
+        "explain",
+        *(sequence, sequence),
+        *("--session", session_id, "--tenant", "tenant-a", "--target", mtls["target"]),
+        *("--ca-file", mtls["ca_file"]),
+    ]
+    assert await asyncio.to_thread(main, [*command, "--cert-file", cert, "--key-file", key]) == 0
+    assert "identical" in capsys.readouterr().out
+    assert await asyncio.to_thread(main, command) == 2  # TLS, but no client certificate
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("context-engine explain: GetBuild failed: UNAVAILABLE: "), line
 
 
 # --- size limits -------------------------------------------------------------------

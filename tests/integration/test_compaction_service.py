@@ -69,10 +69,10 @@ def _page(call_id: str) -> pb.ConversationItem:
 
 
 async def _prepare(
-    stub: Any, session_id: str, run_id: str, **kw: Any
+    stub: Any, session_id: str, run_id: str, *, tenant: str = TENANT, **kw: Any
 ) -> pb.PrepareCompactionResponse:
     return await stub.PrepareCompaction(
-        pb.PrepareCompactionRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id, **kw)
+        pb.PrepareCompactionRequest(tenant_id=tenant, session_id=session_id, run_id=run_id, **kw)
     )
 
 
@@ -82,6 +82,8 @@ async def _commit(
     run_id: str,
     prepared: pb.PrepareCompactionResponse,
     summary: str,
+    *,
+    tenant: str = TENANT,
     **overrides: Any,
 ) -> pb.CommitCompactionResponse:
     fields: dict[str, Any] = {
@@ -99,7 +101,7 @@ async def _commit(
     fields.update(overrides)
     return await stub.CommitCompaction(
         pb.CommitCompactionRequest(
-            tenant_id=TENANT,
+            tenant_id=tenant,
             session_id=session_id,
             run_id=run_id,
             expected_checkpoint_version=expected,

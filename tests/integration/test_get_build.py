@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import json
@@ -16,6 +15,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine.api.convert import request_from_proto
+from context_engine.api.server import build_engine
+from context_engine.cli import main
 from context_engine.core.build_record import (
     ASSEMBLER_KEY,
     ASSEMBLER_VERSION,
@@ -24,10 +25,13 @@ from context_engine.core.build_record import (
     INPUTS_KEY,
     LEGACY_ASSEMBLER_VERSION,
     PAYLOAD_KEY,
+    TOKENIZER_KEY,
+    estimate_to_record,
+    inputs_from_record,
 )
 from context_engine.core.canonical import sha256_hex
 from context_engine.core.rows import Region, Row
-from context_engine.explain import explain, fetch_builds, run
+from context_engine.explain import explain, fetch_builds
 from context_engine.providers.texts import TOOL_ERROR_AS_TEXT
 
 from .helpers import (
@@ -36,6 +40,7 @@ from .helpers import (
     details,
     new_id,
     open_session,
+    replica,
     replica_with_model,
     result,
     spec,
@@ -130,17 +135,22 @@ async def test_the_explain_command_reads_a_session_through_get_build(
             )
         )
         sequences.append(str(built.request_sequence))
-    args = argparse.Namespace(
-        builds=sequences,
-        session=session_id,
-        tenant=TENANT,
-        target=f"127.0.0.1:{grpc_server.port}",
-        token="",
-    )
     # The command runs its own event loop; the server keeps serving on this one.
-    assert await asyncio.to_thread(run, args) == 0
+    assert await _explain(grpc_server.port, session_id, *sequences) == 0
     out = capsys.readouterr().out
     assert "row 14 runtime metadata (Region B)" in out and "expected" in out
+    # A GetBuild error is one line: the code, the details, the ErrorInfo reason.
+    assert await _explain(grpc_server.port, new_id(), "1", "2") == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("context-engine explain: GetBuild failed: NOT_FOUND: "), line
+    assert line.endswith(" [REQUEST_NOT_FOUND]"), line
+
+
+async def _explain(port: int, session_id: str, *argv: str) -> int:
+    """`context-engine explain --session` against the server on `port`, in a thread."""
+    target = f"127.0.0.1:{port}"
+    command = ["explain", "--session", session_id, "--tenant", TENANT, "--target", target]
+    return await asyncio.to_thread(main, [*command, *argv])
 
 
 async def test_get_build_of_an_unknown_request_is_not_found(stub: Any) -> None:
@@ -399,8 +409,30 @@ async def test_get_build_of_an_older_child_record_serves_its_instruction_as_it_w
     assert b'<delegated source=\\"parent' not in payload
     assert request_sha256 != built.request_sha256
 
+    # The figures an older assembler recorded are those of the request it sent (Rule 9):
+    # the same Build with the instruction read as the user's.
+    async with pool.acquire() as conn:
+        recorded = await conn.fetchval(
+            "SELECT payload FROM session_events WHERE session_id = $1 AND sequence = $2",
+            UUID(session_id),
+            built.request_sequence,
+        )
+    now, step = inputs_from_record(recorded)
+    as_sent = await build_engine(pool).build(
+        TENANT,
+        UUID(session_id),
+        UUID(child),
+        built.checkpoint_version,
+        now,
+        step,
+        record=False,
+        delegated_messages=False,
+    )
+    assert as_sent.assembled.request_sha256 == request_sha256
+    figures = estimate_to_record(as_sent.assembled)
+
     def older(record: dict[str, Any]) -> dict[str, Any]:
-        sent = {**record, "request_sha256": request_sha256}
+        sent = {**record, **figures, "request_sha256": request_sha256}
         if assembler == LEGACY_ASSEMBLER_VERSION:
             return _as_legacy(sent)  # no payload hash: the request hash alone is checked
         return {**sent, ASSEMBLER_KEY: assembler, PAYLOAD_KEY: sha256_hex(payload)}
@@ -471,3 +503,50 @@ async def test_get_build_refuses_a_record_that_does_not_rebuild_naming_both_asse
     await _rewrite_record(pool, session_id, sequence, oversized)
     message, _ = await _refusal(stub, session_id, sequence)
     assert "BUDGET_EXCEEDED" in message
+
+
+async def test_get_build_refuses_a_record_another_token_counter_counted(
+    stub: Any, pool: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/operations.md, Not kept: a replica whose tiktoken rank file is missing counts
+    with the heuristic (as after a models_file tokenizer change). It rebuilds a short
+    request to the same bytes, but not to the estimate, budget and pressure figures it was
+    sent with: refused, naming both tokenizers, never answered with other figures. A record
+    from before the tokenizer was recorded is refused on its figures. The replica that
+    counts as it was counted still serves it."""
+    session_id, _ = await open_session(stub, model_id="gpt-4o")
+    run_id = (await start_run(stub, session_id, "hello " * 50)).run.run_id
+    built = await stub.Build(
+        pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id)
+    )
+    sequence = built.request_sequence
+    assert (await _recorded(pool, session_id, sequence))[TOKENIZER_KEY] == "o200k_base"
+    heuristic, channel, running = await replica(pool)
+    try:
+        message, metadata = await _refusal(heuristic, session_id, sequence)
+        assert metadata == {
+            "recorded_assembler_version": ASSEMBLER_VERSION,
+            "assembler_version": ASSEMBLER_VERSION,
+            "recorded_tokenizer": "o200k_base",
+            "tokenizer": "heuristic",
+        }
+        assert "o200k_base" in message and "heuristic" in message
+        # explain names it in one line, with the metadata.
+        assert await _explain(running.port, session_id, str(sequence), str(sequence)) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("context-engine explain: GetBuild failed: FAILED_PRECONDITION: ")
+        assert line.endswith(
+            f" [REQUEST_NOT_FOUND assembler_version={ASSEMBLER_VERSION}"
+            f" recorded_assembler_version={ASSEMBLER_VERSION}"
+            " recorded_tokenizer=o200k_base tokenizer=heuristic]"
+        ), line
+
+        await _rewrite_record(
+            pool, session_id, sequence, lambda p: {k: v for k, v in p.items() if k != TOKENIZER_KEY}
+        )
+        message, metadata = await _refusal(heuristic, session_id, sequence)
+        assert "estimated_input_tokens differs" in message and "tokenizer" not in metadata
+        assert await _get(stub, session_id, sequence) == built
+    finally:
+        await channel.close()
+        await running.stop(0)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,10 +12,11 @@ from hypothesis import strategies as st
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine.api.convert import request_from_proto, request_to_proto
+from context_engine.cli import main
 from context_engine.core import assemble
 from context_engine.core.request import ModelRequest
 from context_engine.core.rows import Region, Row
-from context_engine.explain import explain, format_explanation, load_build_response, run
+from context_engine.explain import explain, format_explanation, is_loopback, load_build_response
 from context_engine.providers import prompt_units, render
 from tests.golden.loader import load_request
 
@@ -183,18 +183,60 @@ def test_the_command_reads_files_and_exits_1_on_a_defect(
             path.write_bytes(response.SerializeToString())
         assert load_build_response(path) == response
         paths.append(str(path))
-    args = argparse.Namespace(builds=paths, session="", target="", tenant="", token="")
-    assert run(args) == 1
+    assert main(["explain", *paths]) == 1
     out = capsys.readouterr().out
     assert "DEFECT" in out and "system[0]" in out
-    same = argparse.Namespace(
-        builds=[paths[0], paths[0]], session="", target="", tenant="", token=""
-    )
-    assert run(same) == 0
-    missing = argparse.Namespace(
-        builds=[paths[0], str(tmp_path / "nope")], session="", target="", tenant="", token=""
-    )
-    assert run(missing) == 2
+    assert main(["explain", paths[0], paths[0]]) == 0
+    assert main(["explain", paths[0], str(tmp_path / "nope")]) == 2
+
+
+@pytest.mark.parametrize("data", [b"\xff\xff\xff\xff", b'{"epoch": "x"}', b"{\xff"])
+def test_a_file_that_is_no_build_response_is_one_line_and_exit_2(
+    tmp_path: Path, data: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "a.bin"
+    path.write_bytes(data)
+    assert main(["explain", str(path), str(path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"context-engine explain: {path} is not a BuildResponse"), line
+
+
+def test_session_needs_a_tenant_and_a_token_needs_tls_off_loopback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    session = "00000000-0000-0000-0000-000000000001"
+    with pytest.raises(SystemExit) as exited:
+        main(["explain", "1", "2", "--session", session])
+    assert exited.value.code == 2
+    assert "--tenant is required with --session" in capsys.readouterr().err
+    # Refused before any connection: the token would cross the network in clear.
+    argv = ["explain", "1", "2", "--session", session, "--tenant", "t", "--token", "s" * 32]
+    assert main([*argv, "--target", "192.0.2.1:50051"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--token would cross the network in clear to 192.0.2.1:50051" in line
+    assert "s" * 32 not in line
+    # A client certificate without its key (or the reverse) is no mTLS.
+    assert main([*argv, "--cert-file", "c.pem"]) == 2
+    assert "--cert-file and --key-file go together" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("target", "loopback"),
+    [
+        ("127.0.0.1:50051", True),
+        ("localhost:50051", True),
+        ("[::1]:50051", True),
+        ("dns:///localhost:50051", True),
+        ("unix:/run/ce.sock", True),
+        ("127.0.0.2:1", True),
+        ("10.0.0.5:50051", False),
+        ("engine.internal:50051", False),
+        ("[2001:db8::1]:50051", False),
+        ("localhost.evil.example:50051", False),
+    ],
+)
+def test_which_targets_are_loopback(target: str, loopback: bool) -> None:
+    assert is_loopback(target) is loopback
 
 
 def test_a_build_without_a_request_cannot_be_explained() -> None:

@@ -608,7 +608,8 @@ const (
 	// NOT_FOUND: no model.request.started event at that sequence. FAILED_PRECONDITION
 	// (GetBuild): the request was recorded without build inputs this build can read back,
 	// or this server's assembler does not rebuild it to its recorded hashes (metadata
-	// recorded_assembler_version, assembler_version).
+	// recorded_assembler_version, assembler_version) or figures (another tokenizer counts
+	// the model: metadata also recorded_tokenizer, tokenizer where the record names one).
 	ErrorReason_ERROR_REASON_REQUEST_NOT_FOUND ErrorReason = 23
 	// UNAVAILABLE: the server is draining after SIGTERM and did not start the call; nothing
 	// was read or written. Retry (with backoff) on another replica or after the restart.

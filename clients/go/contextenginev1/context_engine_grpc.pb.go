@@ -51,8 +51,9 @@ type ContextEngineClient interface {
 	// Rebuilds the request recorded by a model.request.started event from its recorded
 	// inputs (Build is pure, so this returns the same bytes). For explain and inspect. A
 	// record the server's body assembler no longer rebuilds to its recorded request and
-	// payload hashes (an older assembler version cut or rendered it otherwise) is refused
-	// FAILED_PRECONDITION REQUEST_NOT_FOUND, never answered with other bytes.
+	// payload hashes (an older assembler version cut or rendered it otherwise), or to the
+	// tokenizer and figures it records (another tokenizer counts the model now), is refused
+	// FAILED_PRECONDITION REQUEST_NOT_FOUND, never answered with other bytes or figures.
 	GetBuild(ctx context.Context, in *GetBuildRequest, opts ...grpc.CallOption) (*BuildResponse, error)
 	// Reports a model response's actual usage. Feeds the per-model estimator correction
 	// (persisted; pinned on later checkpoints) and the cache metrics.
@@ -263,8 +264,9 @@ type ContextEngineServer interface {
 	// Rebuilds the request recorded by a model.request.started event from its recorded
 	// inputs (Build is pure, so this returns the same bytes). For explain and inspect. A
 	// record the server's body assembler no longer rebuilds to its recorded request and
-	// payload hashes (an older assembler version cut or rendered it otherwise) is refused
-	// FAILED_PRECONDITION REQUEST_NOT_FOUND, never answered with other bytes.
+	// payload hashes (an older assembler version cut or rendered it otherwise), or to the
+	// tokenizer and figures it records (another tokenizer counts the model now), is refused
+	// FAILED_PRECONDITION REQUEST_NOT_FOUND, never answered with other bytes or figures.
 	GetBuild(context.Context, *GetBuildRequest) (*BuildResponse, error)
 	// Reports a model response's actual usage. Feeds the per-model estimator correction
 	// (persisted; pinned on later checkpoints) and the cache metrics.

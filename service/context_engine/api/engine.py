@@ -30,6 +30,8 @@ from ..core.build_record import (
     INPUTS_KEY,
     PAYLOAD_KEY,
     PEOPLE_KEY,
+    TOKENIZER_KEY,
+    estimate_to_record,
     inputs_to_record,
     recalled_people,
 )
@@ -876,11 +878,12 @@ class Engine:
             "prefix_tokens": plan.prefix_tokens,
             "request_sha256": assembled.request_sha256,
             "checkpoint_version": checkpoint.version,
-            # The estimate ReportUsage reconciles against, and what it was made with.
+            # The estimate ReportUsage reconciles against, and what it was made with; with
+            # the tokens per class (prefix exact, body estimated) for inspect's budget bars.
+            # GetBuild serves a rebuild only with these figures (core/build_record.py, Rule 9).
             "model_id": plan.model_id,
-            "estimated_input_tokens": assembled.estimated_input_tokens,
-            "body_estimated_tokens": assembled.body_estimated_tokens,
-            "input_budget_tokens": assembled.input_budget_tokens,
+            **estimate_to_record(assembled),
+            TOKENIZER_KEY: self.tokenizer_of(plan.model_id),
             "estimator_factor_ppm": assembled.estimator_factor_ppm,
             INPUTS_KEY: inputs_to_record(instant, step),
             # Whom its recall lines are about, where an erasure finds them (Rule 4).
@@ -893,10 +896,6 @@ class Engine:
             IMAGE_KEY: image_tokens,
             INLINE_KEY: inline_maximum_bytes,
             ASSEMBLER_KEY: ASSEMBLER_VERSION,
-            # Tokens per class (prefix exact, body estimated), for inspect's budget bars.
-            "class_tokens": [
-                {"class_name": c.class_name, "tokens": c.tokens} for c in assembled.budget
-            ],
         }
         # Rendered before anything is recorded: a request no provider can take writes nothing.
         rendered = (

@@ -25,9 +25,10 @@ from ..core.errors import (
 )
 from ..store.db import StoreUnavailableError
 
-__all__ = ["DOMAIN", "grpc_errors", "status_for"]
+__all__ = ["DETAILS_KEY", "DOMAIN", "error_info", "grpc_errors", "status_for"]
 
 DOMAIN = "context-engine"
+DETAILS_KEY = "grpc-status-details-bin"  # the trailing metadata that carries the details
 _log = logging.getLogger("context_engine.api")
 
 # Table, not branches: the first matching class decides the code (subclasses first).
@@ -86,7 +87,18 @@ def grpc_errors(method: F) -> F:
         await context.abort(
             code,
             proto.message,
-            trailing_metadata=(("grpc-status-details-bin", proto.SerializeToString()),),
+            trailing_metadata=((DETAILS_KEY, proto.SerializeToString()),),
         )
 
     return wrapper  # type: ignore[return-value]
+
+
+def error_info(trailing_metadata: Any) -> tuple[str, dict[str, str]]:
+    """ErrorInfo (reason, metadata) from a status's trailing metadata; ("", {}) without."""
+    for key, value in trailing_metadata or ():
+        if key == DETAILS_KEY and isinstance(value, bytes):
+            for detail in status_pb2.Status.FromString(value).details:
+                info = error_details_pb2.ErrorInfo()
+                if detail.Unpack(info):
+                    return info.reason, dict(info.metadata)
+    return "", {}

@@ -36,7 +36,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from .. import telemetry
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
 from ..telemetry import RPC_FIELDS, RpcState, Telemetry
-from .errors import DOMAIN
+from .errors import DETAILS_KEY, DOMAIN, error_info
 
 __all__ = [
     "UNAUTHENTICATED_SERVICES",
@@ -50,7 +50,6 @@ __all__ = [
 ]
 
 UNAUTHENTICATED_SERVICES = frozenset({"grpc.health.v1.Health"})
-_DETAILS_KEY = "grpc-status-details-bin"
 
 Behavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
@@ -119,7 +118,7 @@ async def abort_with(
         details.append(holder)
     status = status_pb2.Status(code=getattr(code_pb2, code.name), message=message, details=details)
     await context.abort(
-        code, message, trailing_metadata=((_DETAILS_KEY, status.SerializeToString()),)
+        code, message, trailing_metadata=((DETAILS_KEY, status.SerializeToString()),)
     )
 
 
@@ -205,17 +204,6 @@ _ON_RESPONSE: Mapping[str, tuple[str, Callable[[Any, Any], None]]] = {
 }
 
 
-def _error_info(context: grpc.aio.ServicerContext) -> tuple[str, dict[str, str]]:
-    """ErrorInfo (reason, metadata) from the status details an abort attached."""
-    for key, value in context.trailing_metadata() or ():
-        if key == _DETAILS_KEY and isinstance(value, bytes):
-            for detail in status_pb2.Status.FromString(value).details:
-                info = error_details_pb2.ErrorInfo()
-                if detail.Unpack(info):
-                    return info.reason, dict(info.metadata)
-    return "", {}
-
-
 class RpcObserver(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
     """Per unary RPC: make `telemetry` current, then record duration, request size, the
     tracked metrics its response implies, span fields and one log line."""
@@ -257,7 +245,7 @@ class RpcObserver(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
                 raise
             except Exception:
                 code = context.code() or grpc.StatusCode.UNKNOWN
-                reason, metadata = _error_info(context)
+                reason, metadata = error_info(context.trailing_metadata())
                 if reason == "BUDGET_EXCEEDED":
                     telemetry.record_budget_exceeded(metadata.get("class", ""))
                 raise

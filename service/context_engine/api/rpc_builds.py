@@ -9,9 +9,12 @@ of the legacy assembler renders its failed results as they were sent (without th
 failed-result line); one of context-assembler@2 or older, a child run's user messages as
 they were sent (the user's: `<user>`, USER, not the parent's `<delegated>`, MODEL). The
 rebuild is checked against the recorded request_sha256 and, where recorded, the payload's
-SHA-256: a request that does not rebuild to them, or that the current assembler refuses
-to build, is refused with FAILED_PRECONDITION REQUEST_NOT_FOUND naming the recorded and
-the current assembler version, never answered with bytes the provider never saw. A
+SHA-256, and the figures beside the bytes against the record's (Rule 9: the tokenizer
+that counted it, the estimate, the budgets and the tokens per class): a request that does
+not rebuild to them, or that the current assembler refuses to build, is refused with
+FAILED_PRECONDITION REQUEST_NOT_FOUND naming the recorded and the current assembler
+version (and both tokenizers where they differ), never answered with bytes the provider
+never saw or figures it was not counted at. A
 request built on a plan an erasure has since redacted no longer rebuilds, nor does one
 whose recall lines an erasure removed from its record: both are refused with
 REQUEST_REDACTED, never answered from a kept copy.
@@ -32,8 +35,10 @@ from ..core.build_record import (
     INLINE_KEY,
     PAYLOAD_KEY,
     REDACTED_KEY,
+    TOKENIZER_KEY,
     assembler_of,
     delegated_messages,
+    estimate_differs,
     failed_result_line,
     image_tokens_of,
     inputs_from_record,
@@ -116,6 +121,16 @@ class BuildsRpcs:
                 # erased memories, and they are not served again (core/snapshot.py).
                 raise _redacted(sequence, f"epoch {result.plan.epoch}'s snapshot")
             raise _not_rebuilt(sequence, recorded, "the rebuild differs from the recorded bytes")
+        tokenizer = self.engine.tokenizer_of(result.plan.model_id)
+        differs = estimate_differs(payload, result.assembled, tokenizer)
+        if differs is not None:
+            counted = payload.get(TOKENIZER_KEY)
+            raise _not_rebuilt(
+                sequence,
+                recorded,
+                f"{differs}, so its estimate and budget figures would not be the ones sent",
+                tokenizers=(counted, tokenizer) if isinstance(counted, str) else None,
+            )
         return self.build_response(replace(result, request_sequence=sequence))
 
 
@@ -130,16 +145,23 @@ def _same_bytes(result: BuildResult, payload: dict[str, Any]) -> bool:
     return result.rendered is not None and sha256_hex(result.rendered.body) == sent
 
 
-def _not_rebuilt(sequence: int, recorded: str, why: str) -> PreconditionError:
+def _not_rebuilt(
+    sequence: int, recorded: str, why: str, tokenizers: tuple[str, str] | None = None
+) -> PreconditionError:
     """FAILED_PRECONDITION REQUEST_NOT_FOUND: the record exists, but this build cannot
-    reproduce what was sent (core/build_record.py, Rule 8)."""
+    reproduce what was sent (core/build_record.py, Rules 8 and 9). `tokenizers`: (the
+    record's, this server's) for the metadata, where the record names one."""
+    metadata = {"recorded_assembler_version": recorded, "assembler_version": ASSEMBLER_VERSION}
+    if tokenizers is not None:
+        metadata |= {"recorded_tokenizer": tokenizers[0], "tokenizer": tokenizers[1]}
     return PreconditionError(
-        f"request {sequence} was built by {recorded} and this server runs {ASSEMBLER_VERSION}:"
-        f" {why}. It cannot be rebuilt here; its recorded hashes stand, and bytes the"
-        " provider was not sent are never served",
+        f"request {sequence} was built by {recorded} and this server runs"
+        f" {'it too' if recorded == ASSEMBLER_VERSION else ASSEMBLER_VERSION}: {why}. It"
+        " cannot be rebuilt here; its recorded hashes stand, and bytes the provider was not"
+        " sent are never served",
         field="request_sequence",
         reason="REQUEST_NOT_FOUND",
-        metadata={"recorded_assembler_version": recorded, "assembler_version": ASSEMBLER_VERSION},
+        metadata=metadata,
     )
 
 

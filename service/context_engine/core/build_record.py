@@ -39,6 +39,14 @@ record of context-assembler@2 or older read a child run's user messages as the u
 GetBuild serves a rebuild only when it matches the recorded request hash and, where
 recorded, the payload hash; otherwise it refuses (REQUEST_NOT_FOUND, naming both
 versions), never serving bytes the provider did not receive.
+Rule 9: the same bytes can come with other figures: the token counter is not an input
+(a `models_file` that changes a model's tokenizer, or a replica whose tiktoken rank file
+is missing and falls back to the heuristic, counts the same request otherwise). Every
+record names the tokenizer that counted it (TOKENIZER_KEY) beside the figures a
+BuildResponse reports (`estimate_to_record`: the estimate, the input and body budgets,
+tokens per class), and GetBuild serves a rebuild only when the tokenizer, where recorded,
+and every recorded figure match (`estimate_differs`); otherwise it refuses as under Rule 8.
+A record without the tokenizer (written before it was recorded) is checked on its figures.
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from .assemble import StepContext
+from .assemble import Assembled, StepContext
 from .errors import PreconditionError
 from .estimator import IMAGE_TOKENS
 from .items import ContextItem
@@ -68,8 +76,11 @@ __all__ = [
     "PEOPLE_KEY",
     "REDACTED_KEY",
     "SHOWN_FIELDS",
+    "TOKENIZER_KEY",
     "assembler_of",
     "delegated_messages",
+    "estimate_differs",
+    "estimate_to_record",
     "failed_result_line",
     "image_tokens_of",
     "inputs_from_record",
@@ -103,6 +114,7 @@ BUDGET_KEY = "max_cache_breakpoints"
 INPUTS_KEY = "build_inputs"
 PEOPLE_KEY = "people"
 REDACTED_KEY = "redacted"
+TOKENIZER_KEY = "tokenizer"
 _LINES = ("recall", "corrections")  # the step fields whose lines name people
 
 
@@ -194,6 +206,35 @@ def image_tokens_of(payload: dict[str, Any]) -> int:
     """Rule 7: the per-image figure the request was costed with; @1 used the flat one."""
     figure = payload.get(IMAGE_KEY)
     return figure if isinstance(figure, int) else IMAGE_TOKENS
+
+
+def estimate_to_record(assembled: Assembled) -> dict[str, Any]:
+    """Rule 9: the figures a BuildResponse reports beside the bytes, as the record holds
+    them (the tokens per class feed inspect's budget bars too)."""
+    return {
+        "estimated_input_tokens": assembled.estimated_input_tokens,
+        "body_estimated_tokens": assembled.body_estimated_tokens,
+        "input_budget_tokens": assembled.input_budget_tokens,
+        "class_tokens": [
+            {"class_name": c.class_name, "tokens": c.tokens} for c in assembled.budget
+        ],
+    }
+
+
+def estimate_differs(payload: dict[str, Any], rebuilt: Assembled, tokenizer: str) -> str | None:
+    """Rule 9: why a rebuild with the recorded bytes is still not the request recorded
+    (None when it is): counted by another tokenizer than the one `payload` names (where it
+    names one), or a recorded figure that `rebuilt` does not reproduce."""
+    counted = payload.get(TOKENIZER_KEY)
+    if isinstance(counted, str) and counted != tokenizer:
+        return (
+            f"it was counted with tokenizer {counted} and this server counts the model with"
+            f" {tokenizer} (a models_file change, or a tiktoken rank file missing here)"
+        )
+    for key, value in estimate_to_record(rebuilt).items():
+        if key in payload and payload[key] != value:
+            return f"its recorded {key} differs from the rebuild's (another token counter)"
+    return None
 
 
 def recalled_people(step: StepContext) -> list[str]:

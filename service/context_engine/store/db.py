@@ -14,7 +14,14 @@ import asyncpg
 
 from ..core.errors import EngineError
 
-__all__ = ["StoreUnavailableError", "connect", "connect_pool", "transaction"]
+__all__ = [
+    "StoreReadError",
+    "StoreUnavailableError",
+    "connect",
+    "connect_pool",
+    "read_refusal",
+    "transaction",
+]
 
 # Errors that mean the database is unreachable or restarting, not that a query was wrong.
 _UNAVAILABLE = (
@@ -36,6 +43,10 @@ _UNAVAILABLE = (
 
 class StoreUnavailableError(EngineError):
     """PostgreSQL cannot be reached; the caller should retry with backoff (UNAVAILABLE)."""
+
+
+class StoreReadError(Exception):
+    """An operator tool's read (inspect) failed after connecting; one line naming why."""
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
@@ -123,6 +134,32 @@ def _refusal(dsn: str, exc: BaseException) -> StoreUnavailableError | None:
     else:
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return StoreUnavailableError(f"cannot connect to PostgreSQL at {_where(dsn)}: {why}")
+
+
+def read_refusal(dsn: str, exc: BaseException) -> StoreReadError | None:
+    """StoreReadError for a read that failed on an open connection (an operator tool's:
+    inspect), one line naming the database, why and what to do; None for an error that is
+    neither PostgreSQL's refusal nor a lost connection."""
+    where = _where(dsn)
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if isinstance(
+        exc,
+        asyncpg.UndefinedTableError | asyncpg.UndefinedColumnError | asyncpg.UndefinedFunctionError,
+    ):
+        return StoreReadError(
+            f"schema not migrated at {where} ({first}): run `context-engine migrate`"
+        )
+    if isinstance(exc, asyncpg.InsufficientPrivilegeError):
+        return StoreReadError(
+            f"the database user may not read the context-engine tables at {where}: {first}"
+        )
+    if isinstance(exc, asyncpg.PostgresError):
+        return StoreReadError(
+            f"PostgreSQL at {where} refused the read (SQLSTATE {exc.sqlstate}): {first}"
+        )
+    if isinstance(exc, _UNAVAILABLE):
+        return StoreReadError(f"lost the connection to PostgreSQL at {where}: {first}")
+    return None
 
 
 def _where(dsn: str) -> str:

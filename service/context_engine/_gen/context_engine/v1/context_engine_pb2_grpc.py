@@ -205,8 +205,9 @@ class ContextEngineServicer:
         """Rebuilds the request recorded by a model.request.started event from its recorded
         inputs (Build is pure, so this returns the same bytes). For explain and inspect. A
         record the server's body assembler no longer rebuilds to its recorded request and
-        payload hashes (an older assembler version cut or rendered it otherwise) is refused
-        FAILED_PRECONDITION REQUEST_NOT_FOUND, never answered with other bytes.
+        payload hashes (an older assembler version cut or rendered it otherwise), or to the
+        tokenizer and figures it records (another tokenizer counts the model now), is refused
+        FAILED_PRECONDITION REQUEST_NOT_FOUND, never answered with other bytes or figures.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
