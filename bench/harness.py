@@ -311,3 +311,14 @@ def postgres_cpu_seconds() -> float:
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue  # exited while we looked
     return total
+
+
+def process_running(pid: int) -> bool:
+    """Whether process `pid` still runs: it exists and is not a zombie (a child that
+    exited and has not been waited for still answers os.kill(pid, 0))."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
