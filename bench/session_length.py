@@ -169,8 +169,8 @@ async def run(lengths: list[int], builds: int, window: int, cold_servers: int) -
     ok = _case("new run (StartRun untimed, then the run's first Build timed):", *new_run) and ok
     if cold is not None:
         _case(
-            f"cold (the first Build of each session on a fresh server, {cold_servers}"
-            " servers; reported, not in the exit status):",
+            "cold (the first Build of each session on a freshly started server,"
+            f" {cold_servers} of them; reported, not in the exit status):",
             *cold,
         )
     print(f"  repeated step and new run both hold: {'PASS' if ok else 'FAIL'}")
