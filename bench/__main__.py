@@ -14,7 +14,12 @@ from . import estimator, growth, langchain_compare, load, plan_cost, session_len
 SUITE: tuple[tuple[str, Callable[[list[str]], int], list[str], list[str]], ...] = (
     ("estimator error", estimator.main, [], []),
     ("Build vs transport ceiling", transport.main, ["--seconds", "15"], ["--seconds", "5"]),
-    ("cost vs session length", session_length.main, [], ["--lengths", "50,500", "--builds", "10"]),
+    (
+        "cost vs session length",
+        session_length.main,
+        [],
+        ["--lengths", "50,500", "--builds", "10", "--cold-servers", "1"],
+    ),
     ("vs LangChain trim_messages", langchain_compare.main, [], ["--seconds", "1"]),
     ("plan cost", plan_cost.main, [], ["--calls", "10"]),
     ("input growth", growth.main, [], ["--factor", "4", "--repeat", "1"]),

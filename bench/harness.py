@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 import grpc
@@ -296,18 +297,46 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def postgres_cpu_seconds() -> float:
-    """CPU seconds used so far by every PostgreSQL process on the machine (the server under
-    test is local; on a quiet machine that is the benchmark's own load)."""
-    total = 0.0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+async def database_backend_cpu(dsn: str) -> dict[int, float]:
+    """CPU seconds used so far by each PostgreSQL backend connected to `dsn`'s database,
+    by pid (pg_stat_activity, asked over a connection to BASE_DSN's database so the
+    question is not counted; the CPU read from /proc, so the server must be local).
+    Excluded: backends of other databases (other workers' load) and the processes the
+    whole cluster shares (postmaster, checkpointer, background and WAL writers, the
+    autovacuum launcher), which serve every database at once."""
+    database = urlsplit(dsn).path.lstrip("/")
+    conn = await asyncpg.connect(BASE_DSN)
+    try:
+        pids = [
+            r["pid"]
+            for r in await conn.fetch(
+                "SELECT pid FROM pg_stat_activity WHERE datname = $1", database
+            )
+        ]
+    finally:
+        await conn.close()
+    used: dict[int, float] = {}
+    for pid in pids:
         try:
-            with open(f"/proc/{entry}/comm") as f:
-                if f.read().strip() not in ("postgres", "postmaster"):
-                    continue
-            total += cpu_seconds(int(entry))
+            used[pid] = cpu_seconds(pid)
         except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue  # exited while we looked
-    return total
+            continue  # exited since the query
+    return used
+
+
+def backend_cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds the backends used between two database_backend_cpu samples: a backend
+    that started in between counts whole, one that exited in between counts nothing (an
+    undercount, never a negative)."""
+    return sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
+
+
+def process_running(pid: int) -> bool:
+    """Whether process `pid` still runs: it exists and is not a zombie (a child that
+    exited and has not been waited for still answers os.kill(pid, 0))."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")

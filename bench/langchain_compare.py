@@ -1,7 +1,26 @@
-"""Against what users would pick instead: assembling the same fifty-turn history to the same
-token budget with LangChain's `trim_messages` + its token counter, in-process, versus our
-full core assembly (budget, history cut, envelopes, hashing, cache breakpoints), in-process.
-Prints time per call for both and the ratio. Bar: ours no slower than their trimming alone.
+"""Against what users would pick instead: assembling the same hundred-turn history (400
+items) to the same token budget with LangChain's `trim_messages` + its token counter,
+in-process, versus our full core assembly (budget, history cut, envelopes, hashing, cache
+breakpoints) with the model's own token counter, in-process, as Build runs it.
+
+The budget (10,000 input tokens by default) is small enough that both trim: each side's
+kept history and tokens (by its own counter: the two count the same text differently) are
+printed, and the run fails if either keeps everything. (At fifty turns no budget works:
+LangChain's estimate of the whole history is about 9,100 tokens, and below about 9,000 our
+history floor of 8,000 tokens no longer fits, so the request needs compaction.) Every call
+gets inputs built outside the timer; only the assembly (or the trimming) is timed.
+Two figures for ours:
+
+- next step: what a replica hands `assemble` on a run's next Build: the same plan and the
+  same carried-history objects (kept per run), a checkpoint read afresh (new objects) that
+  has one more tool call and result than the step before (runs of eight steps, repeated);
+- cold: a fresh, equal history every call (new carried items, a new checkpoint, the same
+  plan): nothing is found by identity; memos keyed on values can still hit, as they do in
+  a process that has assembled that history before.
+
+LangChain has no memo: it gets a fresh, equal message list every call. Bar: ours no slower
+than their trimming alone, evaluated on both figures (the same BuildInputs object repeated,
+which this benchmark timed before, is a memo hit on every call and is not measured).
 
 LangChain is installed only in the bench environment (`make bench` creates .venv-bench).
 """
@@ -9,18 +28,29 @@ LangChain is installed only in the bench environment (`make bench` creates .venv
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
+from typing import Any
 
 import context_engine.core as core
-from context_engine.core.items import AssistantMessage, ToolCall, ToolResult, UserMessage
+from context_engine.core.items import (
+    AssistantMessage,
+    ConversationItem,
+    ToolCall,
+    ToolResult,
+    UserMessage,
+)
 from context_engine.core.trust import TrustLevel
 from context_engine.models import ModelCatalog
 
 MODEL = "gpt-4o"
-BUDGET_TOKENS = 24_000
+BUDGET_TOKENS = 10_000
+RESERVE_TOKENS = 4_096
+STEPS = 8  # steps per run in the next-step case
+CATALOG = ModelCatalog.builtin()
 
 
 def _history(turns: int) -> list[tuple[str, str, str]]:
@@ -34,24 +64,28 @@ def _history(turns: int) -> list[tuple[str, str, str]]:
     ]
 
 
-def _ours(turns: int) -> Callable[[], object]:
-    catalog = ModelCatalog.builtin()
+def _plan(budget: int) -> core.ContextPlan:
     spec = core.PlanSpec(
         model_id=MODEL,
         policy={"version": "p", "text": "Be helpful."},
         agent={"agent_id": "a", "version": "1", "instructions": "You plan train trips."},
-        policy_cap_tokens=BUDGET_TOKENS + 8_192,
+        policy_cap_tokens=budget + RESERVE_TOKENS,
+        reserve_output_tokens=RESERVE_TOKENS,
     )
-    plan = core.make_plan(
+    return core.make_plan(
         spec,
         session_id="s",
         epoch=1,
         reason=core.PlanReason.SESSION_OPENED,
         secret=b"secret",
-        model=catalog.facts(MODEL),
-        count_tokens=catalog.counter(MODEL),
+        model=CATALOG.facts(MODEL),
+        count_tokens=CATALOG.counter(MODEL),
     )
-    carried = []
+
+
+def _carried(turns: int) -> tuple[ConversationItem, ...]:
+    """The session's history before the run, as new objects."""
+    carried: list[ConversationItem] = []
     seq = 1
     for t, (q, result, answer) in enumerate(_history(turns)):
         carried += [
@@ -74,79 +108,169 @@ def _ours(turns: int) -> Callable[[], object]:
             AssistantMessage(item_id=f"a{t}", text=answer, sequence=seq + 3),
         ]
         seq += 4
-    checkpoint = core.Checkpoint(
-        run_id="r",
-        version=1,
-        items=(UserMessage(item_id="now", text="And tomorrow?", sequence=seq),),
-    )
-    inputs = core.BuildInputs(
+    return tuple(carried)
+
+
+def _checkpoint(turns: int, step: int, version: int) -> core.Checkpoint:
+    """The run's checkpoint at `step`, as new objects (a Build reads it afresh): the user's
+    message and one tool call and result per step taken."""
+    seq = 4 * turns + 1
+    items: list[ConversationItem] = [UserMessage(item_id="now", text="And tomorrow?", sequence=seq)]
+    for s in range(step):
+        items += [
+            ToolCall(
+                item_id=f"sc{s}",
+                call_id=f"sc{s}",
+                tool_name="trains",
+                arguments_json='{"day": "tomorrow"}',
+                sequence=seq + 1 + 2 * s,
+            ),
+            ToolResult(
+                item_id=f"sr{s}",
+                call_id=f"sc{s}",
+                tool_name="trains",
+                content=f"Tomorrow {s}: TGV 67{s:02d} departs 09:{s:02d}.",
+                trust=TrustLevel.EXTERNAL_UNTRUSTED,
+                sequence=seq + 2 + 2 * s,
+            ),
+        ]
+    return core.Checkpoint(run_id="r", version=version, items=tuple(items))
+
+
+def _inputs(
+    plan: core.ContextPlan, carried: tuple[ConversationItem, ...], checkpoint: core.Checkpoint
+) -> core.BuildInputs:
+    return core.BuildInputs(
         tenant_id="t",
         plan=plan,
         secret=b"secret",
         checkpoint=checkpoint,
-        carried=tuple(carried),
+        carried=carried,
         now=datetime(2026, 11, 29, tzinfo=UTC),
+        count_tokens=CATALOG.counter(MODEL),
     )
-    return lambda: core.assemble(inputs)
 
 
-def _theirs(turns: int) -> Callable[[], object]:
-    from langchain_core.messages import (
-        AIMessage,
-        HumanMessage,
-        SystemMessage,
-        ToolMessage,
-        trim_messages,
-    )
+def next_steps(turns: int, budget: int) -> Iterator[core.BuildInputs]:
+    """A run's successive Builds: the same plan and carried objects, a new checkpoint each."""
+    plan, carried = _plan(budget), _carried(turns)
+    for version in itertools.count(1):
+        yield _inputs(plan, carried, _checkpoint(turns, (version - 1) % STEPS, version))
+
+
+def cold(turns: int, budget: int) -> Iterator[core.BuildInputs]:
+    """An equal history every time, all of it new objects (the plan is kept)."""
+    plan = _plan(budget)
+    while True:
+        yield _inputs(plan, _carried(turns), _checkpoint(turns, 0, 1))
+
+
+def their_messages(turns: int) -> Iterator[list[Any]]:
+    """The same history as LangChain messages, a new list of new messages every time."""
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+
+    while True:
+        messages: list[Any] = [SystemMessage("You plan train trips.")]
+        for t, (q, result, answer) in enumerate(_history(turns)):
+            messages += [
+                HumanMessage(q),
+                AIMessage("", tool_calls=[{"id": f"c{t}", "name": "trains", "args": {}}]),
+                ToolMessage(result, tool_call_id=f"c{t}"),
+                AIMessage(answer),
+            ]
+        messages.append(HumanMessage("And tomorrow?"))
+        yield messages
+
+
+def their_trim(budget: int) -> Callable[[list[Any]], list[Any]]:
+    from langchain_core.messages import trim_messages
     from langchain_core.messages.utils import count_tokens_approximately
 
-    messages: list[object] = [SystemMessage("You plan train trips.")]
-    for t, (q, result, answer) in enumerate(_history(turns)):
-        messages += [
-            HumanMessage(q),
-            AIMessage("", tool_calls=[{"id": f"c{t}", "name": "trains", "args": {}}]),
-            ToolMessage(result, tool_call_id=f"c{t}"),
-            AIMessage(answer),
-        ]
-    messages.append(HumanMessage("And tomorrow?"))
-    return lambda: trim_messages(
-        messages,
-        max_tokens=BUDGET_TOKENS,
-        strategy="last",
-        token_counter=count_tokens_approximately,
-        include_system=True,
-        start_on="human",
-    )
+    def trim(messages: list[Any]) -> list[Any]:
+        return trim_messages(
+            messages,
+            max_tokens=budget,
+            strategy="last",
+            token_counter=count_tokens_approximately,
+            include_system=True,
+            start_on="human",
+        )
+
+    return trim
 
 
-def _per_call_ms(fn: Callable[[], object], seconds: float) -> float:
+def per_call_ms(inputs: Iterator[Any], call: Callable[[Any], object], seconds: float) -> float:
+    """Mean time of `call(next(inputs))` over about `seconds` of timed calls; the inputs are
+    made outside the timer."""
     for _ in range(5):
-        fn()
-    calls, started = 0, time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        fn()
+        call(next(inputs))
+    timed, calls = 0.0, 0
+    while timed < seconds:
+        arg = next(inputs)
+        started = time.perf_counter()
+        call(arg)
+        timed += time.perf_counter() - started
         calls += 1
-    return (time.perf_counter() - started) / calls * 1000
+    return timed / calls * 1000
+
+
+def _what_each_keeps(turns: int, budget: int) -> bool:
+    """Print what each side keeps at `budget`; False unless both trim."""
+    from langchain_core.messages.utils import count_tokens_approximately
+
+    messages = next(their_messages(turns))
+    kept = their_trim(budget)(messages)
+    inputs = next(cold(turns, budget))
+    ours = core.assemble(inputs)
+    if ours.needs_compaction or ours.pressure is None or ours.request is None:
+        print(f"  context-engine: the request needs compaction at {budget} tokens; raise --budget")
+        return False
+    dropped = ours.pressure.history_items_dropped
+    print(
+        f"  LangChain keeps {len(kept)} of {len(messages)} messages,"
+        f" {count_tokens_approximately(kept):,} tokens (count_tokens_approximately)"
+    )
+    print(
+        f"  context-engine keeps {len(inputs.carried) - dropped} of {len(inputs.carried)}"
+        f" carried items ({len(ours.request.messages)} request messages),"
+        f" {ours.estimated_input_tokens:,} estimated input tokens"
+        f" ({CATALOG.tokenizer(MODEL)}) of an input budget of {ours.input_budget_tokens:,}"
+    )
+    if dropped == 0 or len(kept) == len(messages):
+        print("  one side keeps the whole history: nothing to compare; lower --budget")
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--turns", type=int, default=50)
-    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--turns", type=int, default=100)
+    parser.add_argument("--budget", type=int, default=BUDGET_TOKENS, help="input tokens")
+    parser.add_argument("--seconds", type=float, default=3.0, help="timed, per figure")
     args = parser.parse_args(argv)
     try:
-        theirs = _theirs(args.turns)
+        trim = their_trim(args.budget)
     except ImportError:
         print("langchain-core is not installed: run `make bench` (it uses .venv-bench)")
         return 2
-    ours_ms = _per_call_ms(_ours(args.turns), args.seconds)
-    theirs_ms = _per_call_ms(theirs, args.seconds)
-    ratio = ours_ms / theirs_ms
-    print(f"vs LangChain: {args.turns}-turn history to {BUDGET_TOKENS} tokens, in-process")
+    print(f"vs LangChain: {args.turns}-turn history to {args.budget:,} tokens, in-process")
+    if not _what_each_keeps(args.turns, args.budget):
+        return 1
+    theirs_ms = per_call_ms(their_messages(args.turns), trim, args.seconds)
+    step_ms = per_call_ms(next_steps(args.turns, args.budget), core.assemble, args.seconds)
+    cold_ms = per_call_ms(cold(args.turns, args.budget), core.assemble, args.seconds)
     print(f"  LangChain trim_messages + count_tokens_approximately: {theirs_ms:7.3f} ms/call")
-    print(f"  context-engine full assembly:                        {ours_ms:7.3f} ms/call")
-    ok = ratio <= 1.0
-    print(f"  ours / theirs = {ratio:.2f}  (bar <= 1.00: {'PASS' if ok else 'FAIL'})")
+    print(f"  context-engine, a run's next step:                   {step_ms:7.3f} ms/call")
+    print(f"  context-engine, cold (a fresh equal history):        {cold_ms:7.3f} ms/call")
+    ok = True
+    for name, ms in (("next step", step_ms), ("cold", cold_ms)):
+        held = ms <= theirs_ms
+        ok = ok and held
+        print(
+            f"  ours ({name}) / theirs = {ms / theirs_ms:.2f}"
+            f"  (bar <= 1.00: {'PASS' if held else 'FAIL'})"
+        )
+    print(f"  bar evaluated on both figures: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
 

@@ -1,9 +1,23 @@
 """Cost independent of session length: Build latency for sessions of 50, 500 and 5,000
 turns at the same context window (a 16,000-token policy cap with 4,096 tokens reserved for
 output, which fifty turns already fill, so every request is about the same size), in one
-run. Prints the ratio 5,000 / 50, and each length's request size and history cut: every
-Build must return a request (one that needs compaction would measure nothing). Bar: <= 1.2
-(a Build reads and assembles what fits, never the whole log)."""
+run. Three cases, each printed with its own ratio 5,000 / 50 and its own PASS/FAIL:
+
+- repeated step: the same BuildRequest of one run, again and again (the run's carried
+  history is kept by the replica after its first Build: this is a run's later steps);
+- new run: StartRun (not timed), then that run's first Build (timed), once per length per
+  round, interleaved across lengths: the step every turn begins with, on a replica that
+  has served the session before (it reads the log since the previous run);
+- cold (`--cold-servers N`, default 3; 0 skips it): a freshly started server, warmed on an
+  unrelated session, then the first Build of each session on it (the order rotated per
+  server): a restarted replica or one the session has not reached yet. It reads the
+  session's log since its last summary, so it grows with the session; it is reported with
+  its own PASS/FAIL but is not in the exit status.
+
+Every Build must return a request (one that needs compaction would measure nothing); each
+length's request size and history cut are printed. Bar: <= 1.2 (a Build reads and
+assembles what fits, never the whole log); the exit status is 0 only when both the
+repeated-step and the new-run case hold."""
 
 from __future__ import annotations
 
@@ -12,57 +26,154 @@ import asyncio
 import statistics
 import sys
 import time
+from typing import Any
 
 import grpc
 
-from .harness import build_request, scratch_database, seed_session, server_process, stub_for
+from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+
+from .harness import (
+    TENANT,
+    build_request,
+    scratch_database,
+    seed_session,
+    server_process,
+    stub_for,
+)
 
 BAR = 1.2
 RESERVE_TOKENS = 4_096
 
+# Per length: the latencies in ms, and the shape of the last request built.
+Measured = tuple[dict[int, list[float]], dict[int, str]]
 
-async def run(lengths: list[int], builds: int, window: int) -> bool:
-    medians: dict[int, float] = {}
-    async with (
-        scratch_database() as dsn,
-        server_process(dsn) as target,
-        grpc.aio.insecure_channel(target) as channel,
-    ):
-        stub = stub_for(channel)
-        sessions = {
-            n: await seed_session(
-                stub, n, policy_cap_tokens=window, reserve_output_tokens=RESERVE_TOKENS
-            )
-            for n in lengths
-        }
-        requests = {n: build_request(*ids) for n, ids in sessions.items()}
-        shapes: dict[int, str] = {}
-        for n, request in requests.items():
-            built = await stub.Build(request)  # warm the plan cache and the kept history
-            if built.needs_compaction:
-                print(f"{n} turns: the request needs compaction; raise --window")
-                return False
-            shapes[n] = (
-                f"request {built.request.ByteSize():,} bytes,"
-                f" {built.pressure.history_items_dropped:,} carried items cut"
-            )
-        # Interleaved, one Build of each length per round, so both lengths see the same
-        # machine (a checkpoint or autovacuum after seeding would otherwise land on one).
-        samples: dict[int, list[float]] = {n: [] for n in requests}
-        for _ in range(builds):
-            for n, request in requests.items():
-                started = time.perf_counter()
-                await stub.Build(request)
-                samples[n].append((time.perf_counter() - started) * 1000)
-        medians = {n: statistics.median(s) for n, s in samples.items()}
-    print(f"session length: median Build latency over {builds} sequential builds")
+
+class NeedsCompaction(Exception):
+    """A Build returned no request: the window is too small for the lengths."""
+
+
+async def _timed_build(stub: Any, request: pb.BuildRequest) -> tuple[float, Any]:
+    started = time.perf_counter()
+    built = await stub.Build(request)
+    elapsed = (time.perf_counter() - started) * 1000
+    if built.needs_compaction:
+        raise NeedsCompaction(request.session_id)
+    return elapsed, built
+
+
+def _shape(built: Any) -> str:
+    return (
+        f"request {built.request.ByteSize():,} bytes,"
+        f" {built.pressure.history_items_dropped:,} carried items cut"
+    )
+
+
+def _case(name: str, samples: dict[int, list[float]], shapes: dict[int, str]) -> bool:
+    medians = {n: statistics.median(s) for n, s in samples.items()}
+    lengths = list(medians)
+    print(f"  {name}")
     for n, ms in medians.items():
-        print(f"  {n:5d} turns: {ms:7.2f} ms  ({shapes[n]})")
+        print(f"    {n:5d} turns: {ms:7.2f} ms  n={len(samples[n])}  ({shapes[n]})")
     ratio = medians[lengths[-1]] / medians[lengths[0]]
     ok = ratio <= BAR
     print(
-        f"  {lengths[-1]} / {lengths[0]} = {ratio:.2f}  (bar <= {BAR}: {'PASS' if ok else 'FAIL'})"
+        f"    {lengths[-1]} / {lengths[0]} = {ratio:.2f}"
+        f"  (bar <= {BAR}: {'PASS' if ok else 'FAIL'})"
     )
+    return ok
+
+
+async def _repeated(stub: Any, sessions: dict[int, tuple[str, str]], builds: int) -> Measured:
+    """The same request of each length, interleaved one per length per round, so every
+    length sees the same machine (a checkpoint or autovacuum after seeding would otherwise
+    land on one)."""
+    requests = {n: build_request(*ids) for n, ids in sessions.items()}
+    shapes = {n: _shape((await _timed_build(stub, r))[1]) for n, r in requests.items()}
+    samples: dict[int, list[float]] = {n: [] for n in requests}
+    for _ in range(builds):
+        for n, request in requests.items():
+            samples[n].append((await _timed_build(stub, request))[0])
+    return samples, shapes
+
+
+async def _new_runs(stub: Any, sessions: dict[int, tuple[str, str]], builds: int) -> Measured:
+    """Per round and length: StartRun outside the timer, then its first Build timed. Each
+    new run replaces the session's run in `sessions`."""
+    samples: dict[int, list[float]] = {n: [] for n in sessions}
+    shapes: dict[int, str] = {}
+    for turn in range(builds):
+        for n, (session_id, _) in sessions.items():
+            started = await stub.StartRun(
+                pb.StartRunRequest(
+                    tenant_id=TENANT,
+                    session_id=session_id,
+                    user_message=pb.UserMessage(text=f"And after {turn}?"),
+                )
+            )
+            run_id = started.run.run_id
+            elapsed, built = await _timed_build(stub, build_request(session_id, run_id))
+            samples[n].append(elapsed)
+            shapes[n] = _shape(built)
+            sessions[n] = (session_id, run_id)
+    return samples, shapes
+
+
+async def _cold(
+    dsn: str, sessions: dict[int, tuple[str, str]], servers: int, window: int
+) -> Measured:
+    """Per fresh server: warm the process on an unrelated one-turn session, then the first
+    Build of each length's session on it, the order rotated from server to server."""
+    samples: dict[int, list[float]] = {n: [] for n in sessions}
+    shapes: dict[int, str] = {}
+    order = list(sessions)
+    for k in range(servers):
+        async with (
+            server_process(dsn) as target,
+            grpc.aio.insecure_channel(target) as channel,
+        ):
+            stub = stub_for(channel)
+            warm = await seed_session(
+                stub, 1, policy_cap_tokens=window, reserve_output_tokens=RESERVE_TOKENS
+            )
+            for _ in range(3):
+                await stub.Build(build_request(*warm))
+            for n in order[k % len(order) :] + order[: k % len(order)]:
+                elapsed, built = await _timed_build(stub, build_request(*sessions[n]))
+                samples[n].append(elapsed)
+                shapes[n] = _shape(built)
+    return samples, shapes
+
+
+async def run(lengths: list[int], builds: int, window: int, cold_servers: int) -> bool:
+    async with scratch_database() as dsn:
+        async with (
+            server_process(dsn) as target,
+            grpc.aio.insecure_channel(target) as channel,
+        ):
+            stub = stub_for(channel)
+            sessions = {
+                n: await seed_session(
+                    stub, n, policy_cap_tokens=window, reserve_output_tokens=RESERVE_TOKENS
+                )
+                for n in lengths
+            }
+            try:
+                repeated = await _repeated(stub, sessions, builds)
+                new_run = await _new_runs(stub, sessions, builds)
+            except NeedsCompaction as exc:
+                print(f"session {exc}: the request needs compaction; raise --window")
+                return False
+        cold = await _cold(dsn, sessions, cold_servers, window) if cold_servers else None
+    print(f"session length: median Build latency, {builds} interleaved rounds")
+    ok = _case("repeated step (the same Build of one run again):", *repeated)
+    ok = _case("new run (StartRun untimed, then the run's first Build timed):", *new_run) and ok
+    if cold is not None:
+        _case(
+            "cold (the first Build of each session on a freshly started server,"
+            f" {cold_servers} of them; reported, not in the exit status):",
+            *cold,
+        )
+    print(f"  repeated step and new run both hold: {'PASS' if ok else 'FAIL'}")
     return ok
 
 
@@ -71,9 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="50,500,5000")
     parser.add_argument("--builds", type=int, default=30)
     parser.add_argument("--window", type=int, default=16_000, help="policy cap, tokens")
+    parser.add_argument(
+        "--cold-servers",
+        type=int,
+        default=3,
+        help="fresh servers for the cold case (one first Build per length each); 0 skips it",
+    )
     args = parser.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
-    return 0 if asyncio.run(run(lengths, args.builds, args.window)) else 1
+    ok = asyncio.run(run(lengths, args.builds, args.window, args.cold_servers))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@
   `make test` on a fresh machine needs no database of its own. A TEST_DATABASE_URL that
   is set but does not answer stops the run with one message, never a silent fallback.
 - `grpc_server` is a real grpc.aio server on port 0 over that database.
+- Hypothesis runs under the "context-engine" profile, loaded here before any test module
+  is imported: no per-example deadline. Hypothesis' default (200 ms) is a timing assertion,
+  and on a loaded host a slow example fails a test that checks nothing about speed.
 """
 
 from __future__ import annotations
@@ -28,6 +31,12 @@ from typing import Any
 from urllib.parse import parse_qsl, quote, urlsplit
 
 import pytest
+from hypothesis import settings
+
+# Loaded before collection imports the test modules, so settings objects they build at
+# import time (`settings(max_examples=...)`) inherit it too.
+settings.register_profile("context-engine", deadline=None)
+settings.load_profile("context-engine")
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 _VARIABLE = "TEST_DATABASE_URL"

@@ -12,12 +12,15 @@ harness with the default address moved to a closed port (nothing listens on port
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
+import pkgutil
 import sys
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
+from hypothesis import settings
 
 pytestmark = pytest.mark.integration
 
@@ -108,3 +111,23 @@ async def test_an_unreachable_test_database_url_stops_the_run_without_falling_ba
     assert code != 0
     assert "TEST_DATABASE_URL is set but PostgreSQL does not answer there" in out, out
     assert not (tmp_path / "url.txt").exists(), "no test ran"
+
+
+def test_hypothesis_runs_without_a_per_example_deadline() -> None:
+    """Hypothesis' default deadline (200 ms an example) is a timing assertion: on a loaded
+    host twelve property tests failed on time alone. The harness loads a profile without
+    one, and every property test, with or without settings of its own, inherits it."""
+    assert settings.default.deadline is None
+    timed = []
+    for folder in ("unit", "integration"):
+        for module in pkgutil.iter_modules([str(ROOT / "tests" / folder)]):
+            if not module.name.startswith("test_"):
+                continue
+            loaded = importlib.import_module(f"tests.{folder}.{module.name}")
+            for name, test in vars(loaded).items():
+                if not hasattr(test, "hypothesis"):
+                    continue
+                own = getattr(test, "_hypothesis_internal_use_settings", settings.default)
+                if own.deadline is not None:
+                    timed.append(f"{module.name}.{name}: {own.deadline}")
+    assert not timed, timed
