@@ -21,7 +21,7 @@ setting.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection
 from functools import lru_cache, wraps
 from itertools import repeat
 from typing import Any, Protocol, TypeVar
@@ -97,7 +97,9 @@ def admit() -> None:
 def weight(value: object, depth: int = _DEPTH) -> int:
     """Approximate bytes `value` holds: str and bytes at sys.getsizeof, containers and
     objects (their __dict__ or __slots__) at a fixed cost plus their members', `depth`
-    levels down; below that, and for scalars, a fixed cost per reference."""
+    levels down; at the last level a container's members cost a fixed amount each (counted,
+    not visited), and a callable (a token counter, a renderer: shared, not the memo's)
+    costs a fixed amount whatever it holds."""
     total = 0
     pending: list[tuple[object, int]] = [(value, depth)]
     while pending:
@@ -106,12 +108,12 @@ def weight(value: object, depth: int = _DEPTH) -> int:
             total += sys.getsizeof(item)
             continue
         total += _OBJECT
-        if level < 0:
+        if callable(item):
             continue
         if isinstance(item, tuple | list | frozenset | set):
-            members: Iterable[object] = item
+            members: Collection[object] = item
         elif isinstance(item, dict):
-            members = (*item.keys(), *item.values())
+            members = (*item.keys(), *item.values()) if level > 0 else item
         elif (attributes := getattr(item, "__dict__", None)) is not None:
             members = attributes.values()
         elif slots := getattr(type(item), "__slots__", None):
@@ -119,7 +121,10 @@ def weight(value: object, depth: int = _DEPTH) -> int:
             members = [getattr(item, n, None) for n in names]
         else:
             continue
-        pending.extend(zip(members, repeat(level - 1)))
+        if level > 0:
+            pending.extend(zip(members, repeat(level - 1)))
+        else:
+            total += _OBJECT * len(members) * (2 if isinstance(item, dict) else 1)
     return total
 
 
