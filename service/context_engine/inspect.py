@@ -73,6 +73,7 @@ _SAFE_KEYS = (
     "epoch",
     "from_epoch",
     "lineage",
+    "sweep",
     "reason",
     "depth",
     "fits",

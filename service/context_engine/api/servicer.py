@@ -98,12 +98,10 @@ class ContextEngineServicer(
         rotated = await self.engine.rotate(
             tenant, session_id, request.from_epoch, reason, spec, request.detail
         )
-        # Counted here, not derived from the response: a rotation without spec starts one
-        # epoch per plan lineage (store/plans.py), and the response shows the last.
-        for stored in rotated:
-            telemetry.record_rotation(stored.plan.reason.name.lower())
-        current = rotated[-1]
-        return pb.RotateResponse(plan=convert.plan_to_proto(current.plan, current.created_at))
+        # One epoch, however many plan lineages: a rotation without spec continues the
+        # others when next used, and the call that does counts each (store/plans.py).
+        telemetry.record_rotation(rotated.plan.reason.name.lower())
+        return pb.RotateResponse(plan=convert.plan_to_proto(rotated.plan, rotated.created_at))
 
     @grpc_errors
     async def StartRun(
