@@ -74,6 +74,7 @@ _SAFE_KEYS = (
     "epoch",
     "from_epoch",
     "lineage",
+    "sweep",
     "reason",
     "depth",
     "fits",

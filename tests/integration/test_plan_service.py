@@ -1153,7 +1153,7 @@ async def test_a_rotation_every_run_follows_keeps_each_runs_own_authority(
     """A rotation without a spec (here an agent rebuild) reaches every active run, but each
     from its own plan's spec: rebuilding the session's current plan for everyone handed the
     run active since before a grant the granted run's tools (the cross-run leak Rule 2
-    forbids). Each plan lineage rotates, in one transaction, the newest last."""
+    forbids). The current lineage rotates at once; the parked run's when it next builds."""
     session_id, _ = await _open(stub, _mail_spec())
     parked = await _start(stub, session_id)  # restricted, on epoch 1
     granted = await _start(stub, session_id, scopes=_GRANT)
@@ -1162,20 +1162,22 @@ async def test_a_rotation_every_run_follows_keeps_each_runs_own_authority(
         stub, session_id, 2, pb.PLAN_REASON_AGENT_CHANGED, detail="agent redeployed"
     )
     # The session's current plan is the newest lineage's: the granted run's.
-    assert (operator.plan.epoch, operator.plan.reason) == (4, pb.PLAN_REASON_AGENT_CHANGED)
+    assert (operator.plan.epoch, operator.plan.reason) == (3, pb.PLAN_REASON_AGENT_CHANGED)
     assert "mail.send" in operator.plan.tool_names
-    assert (await _current(stub, session_id)).epoch == 4
+    assert (await _current(stub, session_id)).epoch == 3
     resumed = await _build(stub, session_id, parked.run.run_id)
-    assert resumed.epoch == 3 and "mail.send" not in _tools(resumed)
+    assert resumed.epoch == 4 and "mail.send" not in _tools(resumed)
     fresh = await _build(stub, session_id, granted.run.run_id)
-    assert fresh.epoch == 4 and "mail.send" in _tools(fresh)
+    assert fresh.epoch == 3 and "mail.send" in _tools(fresh)
+    assert (await _current(stub, session_id)).epoch == 3  # a continuation is not current
     rotated = await _events(pool, session_id, "context.epoch.rotated")
-    assert [(e["payload"]["epoch"], e["payload"]["from_epoch"]) for e in rotated] == [
-        (2, 1),
-        (3, 1),
-        (4, 2),
+    assert [
+        (e["payload"]["epoch"], e["payload"]["from_epoch"], e["payload"]["sweep"]) for e in rotated
+    ] == [(2, 1, False), (3, 2, True), (4, 1, False)]
+    assert [e["payload"]["detail"] for e in rotated[1:]] == [
+        "agent redeployed",
+        "lineage 1 continues epoch 3's rotation",
     ]
-    assert [e["payload"]["detail"] for e in rotated[1:]] == ["agent redeployed"] * 2
     # One winner: the retried Rotate finds its from_epoch gone and rotates nothing.
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await _rotate(stub, session_id, 2, pb.PLAN_REASON_AGENT_CHANGED)
@@ -1183,11 +1185,11 @@ async def test_a_rotation_every_run_follows_keeps_each_runs_own_authority(
     assert len(await _rotations(pool, session_id)) == 3
     # The restricted run's child works on its parent's lineage, not the grant's.
     child = await _start_child(stub, session_id, parked.run.run_id)
-    assert child.run.epoch == 3
+    assert child.run.epoch == 4 and not child.HasField("rotated_plan")
     # A later rotation reaches both lineages again, each from its own head.
-    again = await _rotate(stub, session_id, 4, pb.PLAN_REASON_BUILDER_UPGRADED)
-    assert again.plan.epoch == 6
-    for run, epoch, mail in ((parked, 5, False), (child, 5, False), (granted, 6, True)):
+    again = await _rotate(stub, session_id, 3, pb.PLAN_REASON_BUILDER_UPGRADED)
+    assert again.plan.epoch == 5
+    for run, epoch, mail in ((parked, 6, False), (child, 6, False), (granted, 5, True)):
         built = await _build(stub, session_id, run.run.run_id)
         assert built.epoch == epoch and ("mail.send" in _tools(built)) is mail
 
@@ -1228,25 +1230,25 @@ async def test_plans_stored_before_lineages_keep_the_rule_they_were_written_unde
     session_id, _ = await _open(stub, _mail_spec())
     parked = await _start(stub, session_id)
     granted = await _start(stub, session_id, scopes=_GRANT)
-    # Epochs 3 (the parked run's lineage) and 4 (the grant's).
+    # Epoch 3 continues the grant's lineage (the parked run's would continue at its Build).
     await _rotate(stub, session_id, 2, pb.PLAN_REASON_BUILDER_UPGRADED)
     await pool.execute(
         "UPDATE context_plans SET lineage = NULL WHERE session_id = $1", UUID(session_id)
     )
-    # The old rule: both runs follow the latest plan not an admission's, epoch 4.
+    # The old rule: both runs follow the latest plan not an admission's, epoch 3.
+    for run in (parked, granted):
+        assert (await _build(stub, session_id, run.run.run_id)).epoch == 3
+    # One lineage is left: the next rotation starts one epoch, which both follow.
+    assert (await _rotate(stub, session_id, 3, pb.PLAN_REASON_BUILDER_UPGRADED)).plan.epoch == 4
     for run in (parked, granted):
         assert (await _build(stub, session_id, run.run.run_id)).epoch == 4
-    # One lineage is left: the next rotation starts one epoch, which both follow.
-    assert (await _rotate(stub, session_id, 4, pb.PLAN_REASON_BUILDER_UPGRADED)).plan.epoch == 5
-    for run in (parked, granted):
-        assert (await _build(stub, session_id, run.run.run_id)).epoch == 5
 
 
 async def test_an_admission_after_an_erasure_rotates_each_runs_own_plan(
     stub: Any, pool: Any
 ) -> None:
-    """A run admitted after the erasure rotates every lineage (the erasure reaches every
-    run) and pins the newest."""
+    """A run admitted after the erasure rotates the current lineage and pins it; the
+    erasure reaches every run, each lineage continued from its own spec when next used."""
     person = f"ana-{new_id()}"
     memory = _mail_spec(snapshot=_memory_spec("trace-m").snapshot)
     memory.snapshot.items[0].person_ids[:] = [person]
@@ -1256,21 +1258,22 @@ async def test_an_admission_after_an_erasure_rotates_each_runs_own_plan(
     await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
     later = await _start(stub, session_id, key="after-erasure")
     assert (later.rotated_plan.epoch, later.rotated_plan.reason) == (
-        4,
+        3,
         pb.PLAN_REASON_SNAPSHOT_INVALIDATED,
     )
-    assert later.run.epoch == 4 and "mail.send" in later.rotated_plan.tool_names
+    assert later.run.epoch == 3 and "mail.send" in later.rotated_plan.tool_names
     assert await _start(stub, session_id, key="after-erasure") == later  # a replay
+    assert await _rotations(pool, session_id) == ["run_authority_changed", "snapshot_invalidated"]
+    resumed = await _build(stub, session_id, parked.run.run_id)
+    assert resumed.epoch == 4 and "mail.send" not in _tools(resumed)
+    assert "allergic" not in _text(resumed)
+    fresh = await _build(stub, session_id, granted.run.run_id)
+    assert fresh.epoch == 3 and "mail.send" in _tools(fresh)
     assert await _rotations(pool, session_id) == [
         "run_authority_changed",
         "snapshot_invalidated",
         "snapshot_invalidated",
     ]
-    resumed = await _build(stub, session_id, parked.run.run_id)
-    assert resumed.epoch == 3 and "mail.send" not in _tools(resumed)
-    assert "allergic" not in _text(resumed)
-    fresh = await _build(stub, session_id, granted.run.run_id)
-    assert fresh.epoch == 4 and "mail.send" in _tools(fresh)
 
 
 async def _start_child(
@@ -1598,3 +1601,237 @@ async def test_a_plan_states_when_it_was_stored_and_the_region_a_markers_it_send
     rotated = (await stub.Rotate(_rotation(session_id, pb.PLAN_REASON_AGENT_CHANGED, spec()))).plan
     assert rotated.created_at.ToDatetime() >= opened.created_at.ToDatetime()
     assert rotated.cache_breakpoints == opened.cache_breakpoints
+
+
+# --- rebuilds of the pinned spec: every refusal is the session's state ---------------------
+
+
+async def test_a_grant_bringing_a_wire_colliding_tool_is_the_sessions_state(
+    stub: Any, pool: Any
+) -> None:
+    """A grant brings in a tool ("lookup.item", scope reports.read) whose wire name
+    collides with one already in the roster ("lookup-item"). The admission's rebuild of the
+    pinned spec failed INVALID_ARGUMENT INVALID_FIELD naming `spec.tools`, which StartRun
+    never sent: it is the session's state, TOOL_NAME_COLLISION naming the session (metadata
+    spec_field, wire_name); nothing is written."""
+    withheld = spec()
+    withheld.tools.append(tool("lookup-item"))
+    withheld.tools.append(tool("lookup.item", scopes=("reports.read",)))
+    session_id, plan = await _open(stub, withheld)
+    assert "lookup.item" not in plan.tool_names
+    before = await _events(pool, session_id)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _start(stub, session_id, scopes=["calendar.read", "reports.read", "web.read"])
+    metadata = _refused_by_state(caught.value, "TOOL_NAME_COLLISION")
+    assert metadata == {"spec_field": "spec.tools", "wire_name": "lookup-item"}
+    assert "Rotate with a spec that fits" in (caught.value.details() or "")
+    assert await _events(pool, session_id) == before
+    # A spec the caller sends is its own fault, as ever.
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        withheld.principal.scopes.append("reports.read")
+        await stub.Rotate(_rotation(session_id, pb.PLAN_REASON_AGENT_CHANGED, withheld))
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert details(caught.value)[:2] == ("INVALID_FIELD", ["spec.tools"])
+
+
+async def test_an_admitted_browser_profile_without_browser_tools_names_the_admission(
+    stub: Any, pool: Any
+) -> None:
+    """A run admitted with a browser profile on a session whose spec defines no browser
+    tools: the fork's rebuild of the pinned spec failed in roster._required, INVALID_ARGUMENT
+    naming `spec.tools`, which StartRun never sent. The request's admission asks for what
+    the session cannot serve: FAILED_PRECONDITION naming `admission.browser_profile_id`
+    (metadata spec_field spec.tools, missing); no run starts."""
+    session_id, _ = await _open(stub, spec())
+    before = await _events(pool, session_id)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _start(stub, session_id, profile="profile-7")
+    assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    reason, fields, metadata = details(caught.value)
+    assert (reason, fields) == ("INVALID_FIELD", ["admission.browser_profile_id"])
+    assert metadata["spec_field"] == "spec.tools"
+    assert metadata["missing"] == "browser.navigate,browser.observe,browser.act"
+    assert await _events(pool, session_id) == before
+    assert (await _start(stub, session_id)).run.epoch == 1  # without the profile, it starts
+
+
+# --- lineages continued when used ---------------------------------------------------------
+
+
+def _browser_spec() -> pb.PlanSpec:
+    browser = spec(
+        environment=pb.SessionEnvironment(surface="chat", allowed_origins=["https://shop.example"])
+    )
+    for name in ("browser.navigate", "browser.observe", "browser.act"):
+        browser.tools.append(tool(name, builtin=True))
+    return browser
+
+
+async def test_a_rotation_every_run_follows_starts_one_epoch_however_many_lineages(
+    stub: Any, pool: Any
+) -> None:
+    """Runs alternating between two browser profiles each begin a lineage (a fork), and no
+    run ever ends. A Rotate without spec started (and counted) one epoch per lineage ever
+    forked, under the session lock, though only the newest run may ever build again. It
+    rotates the current lineage now; every other lineage is continued, from its own head
+    and with the same reason, the first time a run on it builds (or a child pins it)."""
+    session_id, _ = await _open(stub, _browser_spec())
+    started = [await _start(stub, session_id, profile=f"profile-{i % 2}") for i in range(8)]
+    current = (await _current(stub, session_id)).epoch
+    assert current == 9  # every run forked
+    rotated = await _rotate(stub, session_id, current, pb.PLAN_REASON_BUILDER_UPGRADED)
+    assert rotated.plan.epoch == 10 and await _rotations(pool, session_id) == [
+        "browser_profile_changed"
+    ] * 8 + ["builder_upgraded"]
+    newest = await _build(stub, session_id, started[-1].run.run_id)
+    assert newest.epoch == 10
+    # An older run's lineage is continued at its first Build, once (a retry finds it done).
+    older = started[2].run.run_id
+    first = await _build(stub, session_id, older)
+    assert first.epoch == 11 and (await _build(stub, session_id, older)).epoch == 11
+    row = await pool.fetchrow(
+        "SELECT reason, lineage, spec->'environment'->>'browser_profile_id' AS profile"
+        " FROM context_plans WHERE session_id = $1 AND epoch = 11",
+        UUID(session_id),
+    )
+    assert dict(row) == {"reason": "BUILDER_UPGRADED", "lineage": 4, "profile": "profile-0"}
+    # It is not the session's current plan: the next Rotate is still from epoch 10.
+    assert (await _current(stub, session_id)).epoch == 10
+    # A child pins its parent's continued lineage.
+    parent = started[3].run.run_id
+    child = await _start_child(stub, session_id, parent)
+    assert child.run.epoch == 12 and child.rotated_plan.epoch == 12
+    assert (await _build(stub, session_id, parent)).epoch == 12
+    assert (
+        await _rotations(pool, session_id)
+        == ["browser_profile_changed"] * 8 + ["builder_upgraded"] * 3
+    )
+    again = await _rotate(stub, session_id, 10, pb.PLAN_REASON_AGENT_CHANGED)
+    assert again.plan.epoch == 13
+    assert (await _build(stub, session_id, older)).epoch == 14
+
+
+# The previous version's read_run_head epoch query (198e602, store/runs.py).
+_PREVIOUS_EFFECTIVE = (
+    "SELECT (SELECT max(p.epoch) FROM context_plans p"
+    " WHERE p.tenant_id = r.tenant_id AND p.session_id = r.session_id"
+    " AND (p.epoch = r.epoch OR (p.epoch > r.epoch AND p.reason <> ALL($3::text[]))))"
+    " FROM runs r WHERE r.tenant_id = $1 AND r.run_id = $2"
+)
+
+
+async def test_a_previous_version_in_a_rolling_update_reads_continuations_as_merges(
+    stub: Any, pool: Any
+) -> None:
+    """docs/operations.md (rolling update): a replica of the version before plan lineages
+    reads every plan not an admission's as one every run follows. After a Rotate without
+    spec continues the grant's lineage, its Build for the parked run picks the granted
+    run's plan; this version's keeps the parked run on its own lineage. The test pins the
+    new rule and the hazard the docs name."""
+    session_id, _ = await _open(stub, _mail_spec())
+    parked = await _start(stub, session_id)
+    await _start(stub, session_id, scopes=_GRANT)
+    await _rotate(stub, session_id, 2, pb.PLAN_REASON_AGENT_CHANGED)
+    old = await pool.fetchval(
+        _PREVIOUS_EFFECTIVE,
+        TENANT,
+        UUID(parked.run.run_id),
+        ["BROWSER_PROFILE_CHANGED", "RUN_AUTHORITY_CHANGED"],
+    )
+    assert old == 3 and "mail.send" in (await _current(stub, session_id)).tool_names
+    new = await _build(stub, session_id, parked.run.run_id)
+    assert new.epoch == 4 and "mail.send" not in _tools(new)
+
+
+async def test_a_plan_after_an_erasure_keeps_each_runs_own_authority(stub: Any, pool: Any) -> None:
+    """After an erasure, Plan with the owner's spec (its scopes granting mail.send) merged
+    every lineage into it: the restricted run parked since before the grant was handed
+    mail.send at its next Build, and whether it was depended on whether Plan or Build came
+    first. Plan continues the current lineage, taking only the fresh snapshot from the
+    spec it is sent; the parked run's lineage is continued from its own spec, with that
+    snapshot."""
+    person = f"ana-{new_id()}"
+    memory = _mail_spec(snapshot=_memory_spec("trace-rv").snapshot)
+    memory.snapshot.items[0].person_ids[:] = [person]
+    session_id, _ = await _open(stub, memory)
+    parked = await _start(stub, session_id)
+    await _start(stub, session_id, scopes=_GRANT)
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    owners = _mail_spec(snapshot=_memory_spec("trace-rv2").snapshot)
+    del owners.snapshot.items[:1]
+    owners.principal.scopes[:] = _GRANT
+    owners.agent.instructions = "Not what the session pinned."
+    planned = await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=owners))
+    assert (planned.plan.epoch, planned.plan.reason) == (3, pb.PLAN_REASON_SNAPSHOT_INVALIDATED)
+    assert planned.plan.recall_trace_id == "trace-rv2"
+    assert "mail.send" in planned.plan.tool_names  # the current lineage is the grant's
+    assert (planned.created, planned.spec_matches) == (False, False)
+    resumed = await _build(stub, session_id, parked.run.run_id)
+    assert resumed.epoch == 4 and "mail.send" not in _tools(resumed), resumed.epoch
+    assert "Not what the session pinned." not in _text(resumed)
+    continued = (
+        await stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id, epoch=4))
+    ).plan
+    assert continued.recall_trace_id == "trace-rv2"
+
+
+def _scans(node: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every node of an EXPLAIN (FORMAT JSON) plan that reads context_plans."""
+    found = [node] if node.get("Relation Name") == "context_plans" else []
+    for child in node.get("Plans", ()):
+        found += _scans(child)
+    return found
+
+
+async def test_a_builds_head_read_probes_indexes_however_many_plans_the_session_has(
+    stub: Any, pool: Any
+) -> None:
+    """read_run_head finds the run's lineage (the latest merge after its epoch), that
+    lineage's head and the latest sweep on every Build. Without indexes (migrations/0010)
+    each scanned the session's plans after the run's epoch: 20,000 continuations cost
+    7.5 ms a Build. With them every read of context_plans is an index probe that visits a
+    few rows, not a number that grows with the plans."""
+    from context_engine.store.runs import RUN_HEAD
+
+    session_id, _ = await _open(stub, _mail_spec())
+    parked = await _start(stub, session_id)
+    await _start(stub, session_id, scopes=_GRANT)  # epoch 2, a fork
+    # 6,000 more plans: forks, continuations of the fork (sweeps among them) and, early
+    # only, of lineage 1, so the parked run's head lies below thousands of plans.
+    await pool.execute(
+        "INSERT INTO context_plans (tenant_id, session_id, epoch, reason, prefix_sha256,"
+        " plan, spec, secret, lineage, sweep)"
+        " SELECT p.tenant_id, p.session_id, e,"
+        "  CASE WHEN e % 3 = 0 THEN 'RUN_AUTHORITY_CHANGED' ELSE 'BUILDER_UPGRADED' END,"
+        "  p.prefix_sha256, p.plan, p.spec, p.secret,"
+        "  CASE WHEN e % 3 = 0 THEN e WHEN e % 3 = 1 AND e < 100 THEN 1 ELSE 2 END,"
+        "  e % 3 = 2"
+        " FROM context_plans p, generate_series(3, 6002) AS e"
+        " WHERE p.session_id = $1 AND p.epoch = 1",
+        UUID(session_id),
+    )
+    # The latest sweep is the current plan (store/plans.py; test_fuzz checks it database-wide).
+    await pool.execute(
+        "UPDATE sessions SET current_epoch = 6002 WHERE session_id = $1", UUID(session_id)
+    )
+    await pool.execute("ANALYZE context_plans")
+    rows = await pool.fetchval(
+        "SELECT count(*) FROM context_plans WHERE session_id = $1", UUID(session_id)
+    )
+    assert rows == 6002
+    async with pool.acquire() as conn:
+        explained = await conn.fetchval(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + RUN_HEAD, TENANT, UUID(parked.run.run_id)
+        )
+    (plan,) = json.loads(explained) if isinstance(explained, str) else explained
+    scans = _scans(plan["Plan"])
+    assert scans and all(s["Node Type"] in ("Index Scan", "Index Only Scan") for s in scans), [
+        (s["Node Type"], s.get("Index Name")) for s in scans
+    ]
+    visited = sum(
+        s["Actual Rows"] * s["Actual Loops"] + s.get("Rows Removed by Filter", 0) for s in scans
+    )
+    assert visited <= 10, [(s.get("Index Name"), s["Actual Rows"]) for s in scans]
+    # What it found: lineage 1's head (epoch 97) is behind the latest sweep (epoch 6002).
+    head = await pool.fetchrow(RUN_HEAD, TENANT, UUID(parked.run.run_id))
+    assert (head["effective"], head["sweep"]) == (97, 6002)

@@ -341,15 +341,15 @@ async def test_an_erasure_then_a_grant_counts_both_rotations(traced: dict[str, A
 async def test_a_rotation_of_every_lineage_counts_each_epoch(
     traced: dict[str, Any], pool: Any
 ) -> None:
-    """A Rotate without spec after a grant starts one epoch per plan lineage (each run's
-    own plan rebuilt, store/plans.py); its response shows the last, and every epoch it
-    started is counted, as each is logged."""
+    """A Rotate without spec after a grant starts one epoch, the current (granted) lineage's;
+    the restricted run's lineage is continued at its next Build (store/plans.py). Every epoch
+    is counted once, by the call that started it, as each is logged."""
     stub, reader = traced["stub"], traced["reader"]
     with_mail = spec()
     with_mail.tools.append(tool("mail.send", scopes=("mail.send",)))
     session_id = new_id()
     await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=with_mail))
-    for scopes in (["calendar.read", "web.read"], ["calendar.read", "mail.send", "web.read"]):
+    started = [
         await stub.StartRun(  # a restricted run, then a granted one
             pb.StartRunRequest(
                 tenant_id=TENANT,
@@ -358,6 +358,8 @@ async def test_a_rotation_of_every_lineage_counts_each_epoch(
                 admission=pb.RunAdmission(scopes=scopes),
             )
         )
+        for scopes in (["calendar.read", "web.read"], ["calendar.read", "mail.send", "web.read"])
+    ]
     before = _points(reader)
     rotated = await stub.Rotate(
         pb.RotateRequest(
@@ -367,8 +369,13 @@ async def test_a_rotation_of_every_lineage_counts_each_epoch(
             reason=pb.PLAN_REASON_AGENT_CHANGED,
         )
     )
+    after_rotate = _points(reader)
+    assert rotated.plan.epoch == 3
+    for started_run in started * 2:  # the second round finds both lineages current
+        await stub.Build(
+            pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=started_run.run.run_id)
+        )
     after = _points(reader)
-    assert rotated.plan.epoch == 4
     logged = await pool.fetchval(
         "SELECT count(*) FROM session_events WHERE type = 'context.epoch.rotated'"
         " AND session_id = $1 AND payload->>'reason' = 'agent_changed'",
@@ -376,11 +383,12 @@ async def test_a_rotation_of_every_lineage_counts_each_epoch(
     )
     assert logged == 2
 
-    def delta(name: str, **attributes: Any) -> float:
-        return _total(after, name, **attributes) - _total(before, name, **attributes)
+    def delta(name: str, since: Any, until: Any, **attributes: Any) -> float:
+        return _total(until, name, **attributes) - _total(since, name, **attributes)
 
-    assert delta("context_engine.epochs.rotated", reason="agent_changed") == 2
-    assert delta("context_engine.epochs.rotated") == 2
+    assert delta("context_engine.epochs.rotated", before, after_rotate) == 1
+    assert delta("context_engine.epochs.rotated", after_rotate, after) == 1
+    assert delta("context_engine.epochs.rotated", before, after, reason="agent_changed") == 2
 
 
 async def test_a_retried_report_usage_records_its_usage_once(traced: dict[str, Any]) -> None:

@@ -540,7 +540,11 @@ type ErrorReason int32
 const (
 	// Not set.
 	ErrorReason_ERROR_REASON_UNSPECIFIED ErrorReason = 0
-	// A field is missing or malformed; BadRequest names it.
+	// A field is missing or malformed; BadRequest names it. FAILED_PRECONDITION where the
+	// engine rebuilt the session's pinned spec and it fails a check no other reason covers
+	// (BadRequest session_id, metadata spec_field), or where StartRun's admission selects a
+	// browser profile the session's pinned spec gives no browser tools (BadRequest
+	// admission.browser_profile_id, metadata spec_field, missing).
 	ErrorReason_ERROR_REASON_INVALID_FIELD ErrorReason = 1
 	// The session does not exist for this tenant.
 	ErrorReason_ERROR_REASON_SESSION_NOT_FOUND ErrorReason = 2
@@ -629,6 +633,10 @@ const (
 	// a history tool call names) render as the same provider wire name (metadata wire_name).
 	// Plan and Rotate refuse such a roster up front (INVALID_FIELD, spec.tools); this arises
 	// when a rotated roster defines a name colliding with a call already in the history.
+	// Also FAILED_PRECONDITION (StartRun admission, Rotate without a spec, Build continuing
+	// a lineage) where the engine rebuilt the session's pinned spec and its roster collides
+	// within itself (a grant bringing in a tool named like a listed one): BadRequest
+	// session_id, metadata spec_field spec.tools and wire_name; nothing is written.
 	ErrorReason_ERROR_REASON_TOOL_NAME_COLLISION ErrorReason = 28
 	// FAILED_PRECONDITION (StartRun admission, Build after an erasure, Rotate without a
 	// spec): a plan the engine rebuilt from the session's own spec (a run's admission granted
@@ -2603,7 +2611,8 @@ type RotateRequest struct {
 	// runs.
 	Reason PlanReason `protobuf:"varint,4,opt,name=reason,proto3,enum=context_engine.v1.PlanReason" json:"reason,omitempty"`
 	// The new spec, stating the session's configuration and authority for every run;
-	// absent rebuilds each plan lineage from its own pinned spec.
+	// absent rebuilds each plan lineage from its own pinned spec (the current one now, the
+	// others when next used).
 	Spec *PlanSpec `protobuf:"bytes,5,opt,name=spec,proto3" json:"spec,omitempty"`
 	// Free-text detail recorded on the context.epoch.rotated event (no content).
 	Detail string `protobuf:"bytes,6,opt,name=detail,proto3" json:"detail,omitempty"`
@@ -2703,8 +2712,8 @@ type RotateResponse struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// The new plan: the session's current one (the last of several, one per plan lineage,
-	// when the request sent no spec).
+	// The new plan: the session's current one (without a spec, the current lineage's; the
+	// others follow when next used).
 	Plan *ContextPlan `protobuf:"bytes,1,opt,name=plan,proto3" json:"plan,omitempty"`
 }
 
@@ -3682,10 +3691,12 @@ type StartRunResponse struct {
 	// Set when admission rotated the epoch (run_authority_changed, browser_profile_changed,
 	// snapshot_invalidated, builder_upgraded, prefix_hash_canonicalized): the new plan the
 	// run pins. A rotation for a reason other than the run's own change reaches every run: it
-	// starts one epoch per plan lineage (see Rotate), the current lineage's last. After an
+	// rotates the current plan lineage, the others when next used (see Rotate). After an
 	// erasure, admission with a grant rotates with snapshot_invalidated, then with
-	// run_authority_changed: this is the last epoch. A retry with the same idempotency key
-	// returns the first response, this field included.
+	// run_authority_changed: this is the last epoch. For a child run: set when its parent's
+	// lineage had to be continued first (a Rotate without spec had not reached it, or an
+	// erasure invalidated it), the plan the child pins. A retry with the same idempotency
+	// key returns the first response, this field included.
 	RotatedPlan *ContextPlan `protobuf:"bytes,3,opt,name=rotated_plan,json=rotatedPlan,proto3" json:"rotated_plan,omitempty"`
 }
 

@@ -22,19 +22,22 @@ type ContextEngineClient interface {
 	// the current plan unchanged and reports whether the given spec differs from the pinned
 	// one (a difference takes effect only through Rotate). The spec is validated either way:
 	// an invalid spec is refused even on a session that has a plan. A plan an erasure
-	// invalidated is rotated from the given spec (snapshot_invalidated) and that is returned.
+	// invalidated is rotated (snapshot_invalidated) taking only the given spec's snapshot into
+	// the pinned spec, and that is returned; the rest takes effect only through Rotate.
 	Plan(ctx context.Context, in *PlanRequest, opts ...grpc.CallOption) (*PlanResponse, error)
-	// Returns the session's current plan, its newest epoch (or a given epoch). A run already
-	// active may build on another epoch: its own plan lineage (see Rotate).
+	// Returns the session's current plan, the head of its current plan lineage (or a given
+	// epoch). A run already active may build on another epoch: its own plan lineage (see
+	// Rotate), possibly a newer one, continued when the run built.
 	GetPlan(ctx context.Context, in *GetPlanRequest, opts ...grpc.CallOption) (*GetPlanResponse, error)
 	// Starts a new prefix epoch: rebuilds the plan (from a new spec, or the pinned one),
 	// increments the epoch and records context.epoch.rotated with the reason. Every active
-	// run follows it at its next Build. With a spec, one epoch every run follows; without,
-	// one epoch per plan lineage (a run admitted with new scopes or a new browser profile is
-	// on a lineage of its own), each rebuilt from its own pinned spec, so no run is handed
-	// another run's admitted authority. Exactly one of several concurrent rotations from the
-	// same epoch succeeds; the others get ABORTED. A retry with the rotation's
-	// idempotency_key answers with the plan it made.
+	// run follows it at its next Build. With a spec, one epoch every run follows; without, a
+	// sweep: one epoch for the current plan lineage now, and every other lineage (a run
+	// admitted with new scopes or a new browser profile is on one of its own) rebuilt from
+	// its own pinned spec when a run on it next builds, so no run is handed another run's
+	// admitted authority. Exactly one of several concurrent rotations from the same epoch
+	// succeeds; the others get ABORTED. A retry with the rotation's idempotency_key answers
+	// with the plan it made.
 	Rotate(ctx context.Context, in *RotateRequest, opts ...grpc.CallOption) (*RotateResponse, error)
 	// Starts a run (one turn). A top-level run appends its user.message.created event and
 	// pins seed_event_sequence to that event's sequence in the same transaction; a child run
@@ -235,19 +238,22 @@ type ContextEngineServer interface {
 	// the current plan unchanged and reports whether the given spec differs from the pinned
 	// one (a difference takes effect only through Rotate). The spec is validated either way:
 	// an invalid spec is refused even on a session that has a plan. A plan an erasure
-	// invalidated is rotated from the given spec (snapshot_invalidated) and that is returned.
+	// invalidated is rotated (snapshot_invalidated) taking only the given spec's snapshot into
+	// the pinned spec, and that is returned; the rest takes effect only through Rotate.
 	Plan(context.Context, *PlanRequest) (*PlanResponse, error)
-	// Returns the session's current plan, its newest epoch (or a given epoch). A run already
-	// active may build on another epoch: its own plan lineage (see Rotate).
+	// Returns the session's current plan, the head of its current plan lineage (or a given
+	// epoch). A run already active may build on another epoch: its own plan lineage (see
+	// Rotate), possibly a newer one, continued when the run built.
 	GetPlan(context.Context, *GetPlanRequest) (*GetPlanResponse, error)
 	// Starts a new prefix epoch: rebuilds the plan (from a new spec, or the pinned one),
 	// increments the epoch and records context.epoch.rotated with the reason. Every active
-	// run follows it at its next Build. With a spec, one epoch every run follows; without,
-	// one epoch per plan lineage (a run admitted with new scopes or a new browser profile is
-	// on a lineage of its own), each rebuilt from its own pinned spec, so no run is handed
-	// another run's admitted authority. Exactly one of several concurrent rotations from the
-	// same epoch succeeds; the others get ABORTED. A retry with the rotation's
-	// idempotency_key answers with the plan it made.
+	// run follows it at its next Build. With a spec, one epoch every run follows; without, a
+	// sweep: one epoch for the current plan lineage now, and every other lineage (a run
+	// admitted with new scopes or a new browser profile is on one of its own) rebuilt from
+	// its own pinned spec when a run on it next builds, so no run is handed another run's
+	// admitted authority. Exactly one of several concurrent rotations from the same epoch
+	// succeeds; the others get ABORTED. A retry with the rotation's idempotency_key answers
+	// with the plan it made.
 	Rotate(context.Context, *RotateRequest) (*RotateResponse, error)
 	// Starts a run (one turn). A top-level run appends its user.message.created event and
 	// pins seed_event_sequence to that event's sequence in the same transaction; a child run

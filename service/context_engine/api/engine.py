@@ -226,21 +226,31 @@ class Engine:
             current = await plans.read_plan(conn, tenant, session_id)
             if not current.plan.invalidated:
                 return current, False, current.plan.spec_sha256 == candidate.spec_sha256
-            # An erasure redacted this snapshot: the next plan recalls again, from the spec
-            # the worker sends now, and every run follows it (a merge, store/plans.py).
-            rotated = await self._rotate_locked(
-                conn,
-                tenant,
-                session_id,
-                current,
-                PlanReason.SNAPSHOT_INVALIDATED,
-                spec,
-                "plan after erasure",
-                begins_lineage=True,
-            )
+            # An erasure redacted this snapshot: the next plan recalls again, from the
+            # snapshot the worker sends now. Only the snapshot: the rest of its spec (its
+            # principal's scopes above all) takes effect through a Rotate with spec, as for
+            # any Plan on an open session. A sweep (store/plans.py): the current lineage
+            # now, every other from its own spec, with this snapshot, when next used; so
+            # which of Plan and Build comes first after an erasure hands no run another's
+            # authority.
+            fresh = current.spec.model_copy(update={"snapshot": spec.snapshot})
+            try:
+                rotated = await self._rotate_locked(
+                    conn,
+                    tenant,
+                    session_id,
+                    current,
+                    PlanReason.SNAPSHOT_INVALIDATED,
+                    fresh,
+                    "plan after erasure",
+                    sweep=True,
+                )
+            except RequestError as exc:
+                # The caller's spec made a plan (candidate): the pinned rest is at fault.
+                raise _as_state(exc, "with the snapshot sent after an erasure") from None
         # Its response says created=false, so only this call knows it started an epoch.
         _count_rotation(rotated)
-        return rotated, False, True
+        return rotated, False, rotated.plan.spec_sha256 == candidate.spec_sha256
 
     def forget_cached_plans(self, tenant: str, session_id: UUID) -> None:
         """Drop this replica's cached plans of a session (an erasure rewrote them)."""
@@ -271,25 +281,26 @@ class Engine:
         detail: str,
         idempotency_key: str = "",
         request_sha256: str = "",
-    ) -> tuple[list[plans.StoredPlan], bool]:
-        """Rotate explicitly. -> (the plans started, in order, the last being the session's
-        current plan; replayed). With `spec`, one plan every run follows (a merge,
-        store/plans.py): the caller's spec states the session's configuration and
-        authority. Without, one plan per live lineage, each rebuilt from (or, canonicalized,
-        a copy of) its own latest plan, so no run is handed another run's admitted
-        authority. A retry under the first call's idempotency key answers with the plan
-        that call answered with (read as it is now) and rotates nothing: its from_epoch is
-        no longer current, so without the key the retry of a rotation whose answer was
-        lost would fail EPOCH_CONFLICT."""
+    ) -> tuple[plans.StoredPlan, bool]:
+        """Rotate explicitly. -> (the plan started, the session's current plan; replayed).
+        With `spec`, a plan every run follows (a merge, store/plans.py): the caller's spec
+        states the session's configuration and authority. Without, a sweep: the current
+        lineage's plan rebuilt from (or, canonicalized, a copy of) its own spec now, every
+        other lineage's from its own when next used, so no run is handed another run's
+        admitted authority, and one epoch is started however many lineages there are. A
+        retry under the first call's idempotency key answers with the plan that call made
+        (read as it is now) and rotates nothing: its from_epoch is no longer current, so
+        without the key the retry of a rotation whose answer was lost would fail
+        EPOCH_CONFLICT."""
         async with transaction(self.pool) as conn:
             if spec is not None:  # the pinned spec was fenced when it was first persisted
                 await _fence_snapshot(conn, tenant, spec)
-            epoch, revision = await sessions.lock_session_plans(conn, tenant, session_id)
+            epoch = await sessions.lock_session(conn, tenant, session_id)
             stored = await idempotency.recall_response(
                 conn, tenant, session_id, idempotency_key, "Rotate", request_sha256
             )
             if stored is not None:
-                return [await plans.read_plan(conn, tenant, session_id, stored["epoch"])], True
+                return await plans.read_plan(conn, tenant, session_id, stored["epoch"]), True
             if epoch == 0:
                 raise PreconditionError(
                     f"session {session_id} has no plan to rotate; call Plan first",
@@ -303,17 +314,20 @@ class Engine:
                     reason="EPOCH_CONFLICT",
                     metadata={"current_epoch": str(epoch)},
                 )
+            current = await plans.read_plan(conn, tenant, session_id)
             try:
-                if spec is not None:  # refused for a canonicalizing rotation (_rotate_locked)
-                    current = await plans.read_plan(conn, tenant, session_id)
-                    merged = await self._rotate_locked(
-                        conn, tenant, session_id, current, reason, spec, detail, begins_lineage=True
-                    )
-                    rotated = [merged]
-                else:
-                    rotated = await self._rotate_lineages(
-                        conn, tenant, session_id, epoch, revision, reason, detail
-                    )
+                # A spec is refused for a canonicalizing rotation (_rotate_locked).
+                rotated = await self._rotate_locked(
+                    conn,
+                    tenant,
+                    session_id,
+                    current,
+                    reason,
+                    spec,
+                    detail,
+                    begins_lineage=spec is not None,
+                    sweep=spec is None,
+                )
             except RequestError as exc:
                 if spec is not None:
                     raise  # the caller's spec: the error names its field
@@ -326,34 +340,9 @@ class Engine:
                 idempotency_key,
                 "Rotate",
                 request_sha256,
-                {"epoch": rotated[-1].plan.epoch},
+                {"epoch": rotated.plan.epoch},
             )
         return rotated, False
-
-    async def _rotate_lineages(
-        self,
-        conn: Any,
-        tenant: str,
-        session_id: UUID,
-        epoch: int,
-        revision: int,
-        reason: PlanReason,
-        detail: str,
-    ) -> list[plans.StoredPlan]:
-        """A rotation every run follows, from the pinned specs: continue every live lineage
-        (store/plans.py) from its own latest plan, in lineage order, inside the caller's
-        transaction (session locked; `epoch` and `revision` the session's, read under the
-        lock). -> the plans started; the last is the current lineage's, the session's
-        current plan. The caller counts each once its transaction commits."""
-        rotated: list[plans.StoredPlan] = []
-        for head in await plans.live_lineage_heads(conn, tenant, session_id, revision):
-            epoch += 1
-            rotated.append(
-                await self._rotate_locked(
-                    conn, tenant, session_id, head, reason, None, detail, epoch=epoch
-                )
-            )
-        return rotated
 
     async def _rotate_locked(
         self,
@@ -365,19 +354,20 @@ class Engine:
         spec: PlanSpec | None,
         detail: str,
         *,
-        epoch: int = 0,
         begins_lineage: bool = False,
+        sweep: bool = False,
+        makes_current: bool = True,
     ) -> plans.StoredPlan:
         """Start a plan after `current` inside the caller's transaction (session locked), as
-        `epoch` (0: the one after `current`, the session's current plan), and make it the
-        session's current plan. It continues `current`'s lineage, or `begins_lineage`
-        (store/plans.py): a fork for an admission reason, a merge otherwise.
+        the session's next epoch, and (`makes_current`) make it the session's current plan.
+        It continues `current`'s lineage, or `begins_lineage` (store/plans.py): a fork for
+        an admission reason, a merge otherwise; a `sweep` is one every lineage follows.
 
         Rebuilds from `spec` (or the pinned spec), except prefix_hash_canonicalized, which
         copies the plan with canonical hashes under the same secret (core/epochs.py).
         The caller counts the rotation once its transaction commits (_count_rotation).
         """
-        epoch = epoch or current.plan.epoch + 1
+        epoch = await plans.next_epoch(conn, tenant, session_id)
         lineage = epoch if begins_lineage else current.lineage
         if reason is PlanReason.PREFIX_HASH_CANONICALIZED:
             if spec is not None:
@@ -393,13 +383,15 @@ class Engine:
                 self._make_plan, new_spec, session_id, epoch, reason, secret
             )
         created_at = await plans.insert_plan(
-            conn, tenant, session_id, plan, new_spec, secret, lineage
+            conn, tenant, session_id, plan, new_spec, secret, lineage, sweep=sweep
         )
-        await plans.set_current_epoch(conn, tenant, session_id, plan.epoch)
+        if makes_current:
+            await plans.set_current_epoch(conn, tenant, session_id, plan.epoch)
         extra = {
             "from_epoch": current.plan.epoch,
             "from_prefix_sha256": current.plan.prefix_sha256,
             "lineage": lineage,
+            "sweep": sweep,
             "detail": detail,
         }
         await events.append_events(
@@ -417,6 +409,18 @@ class Engine:
             return False
         return epoch_rules.rendered_identity(again) == epoch_rules.rendered_identity(plan)
 
+    async def _plan_locked(
+        self, conn: Any, tenant: str, session_id: UUID, epoch: int, revision: int
+    ) -> plans.StoredPlan:
+        """The plan of `epoch` inside the caller's transaction (session locked; `revision`
+        its plans_revision, read under the lock): a kept copy of that revision answers."""
+        kept: plans.StoredPlan | None = self._plans.get((tenant, session_id, epoch))
+        if kept is not None and kept.revision == revision:
+            return kept
+        stored = await plans.read_plan(conn, tenant, session_id, epoch)
+        self._plans.put((tenant, session_id, epoch), stored, approximate_bytes(stored))
+        return stored
+
     async def _admit(
         self,
         conn: Any,
@@ -429,17 +433,15 @@ class Engine:
         """A new run's admission, before it pins its tools: rotate when the rules of
         core/epochs.py say so. -> (the plan the run pins, the rotated plans in order, the
         last being the one the run pins; none when the plan stays). The run's own change
-        (an admission reason) begins a lineage only it follows; any other reason reaches
-        every run, so it continues every live lineage from its own plan (store/plans.py),
-        the current one last. After an erasure the run's own change follows as a second
+        (an admission reason) begins a lineage only it follows. Any other reason reaches
+        every run, rebuilt from the pinned spec: an erasure's continues the current lineage
+        (every other invalidated one continues when next used), any other is a sweep
+        (store/plans.py). After an erasure the run's own change follows as a second
         decision (core/epochs.py, Rule 2).
 
         `epoch` and `revision` are the session's, read under its lock: a kept plan of that
         epoch and revision is the current one, and is not read again."""
-        current: plans.StoredPlan | None = self._plans.get((tenant, session_id, epoch))
-        if current is None or current.revision != revision:
-            current = await plans.read_plan(conn, tenant, session_id, epoch)
-            self._plans.put((tenant, session_id, epoch), current, 1)
+        current = await self._plan_locked(conn, tenant, session_id, epoch, revision)
         rotated: list[plans.StoredPlan] = []
         # Each rotation clears its own reasons, so a second decision finds at most the
         # run's own change; the bound makes that certain.
@@ -452,72 +454,98 @@ class Engine:
             )
             if decision.reason is None:
                 break
-            detail = f"run admission: {decision.detail}"
             try:
-                if decision.reason in epoch_rules.ADMISSION_REASONS:
-                    current = await self._rotate_locked(
-                        conn,
-                        tenant,
-                        session_id,
-                        current,
-                        decision.reason,
-                        decision.spec,
-                        detail,
-                        begins_lineage=True,
-                    )
-                    rotated.append(current)
-                else:  # rebuilt from the pinned specs (decision.spec is current's own)
-                    rotated += await self._rotate_lineages(
-                        conn,
-                        tenant,
-                        session_id,
-                        current.plan.epoch,
-                        revision,
-                        decision.reason,
-                        detail,
-                    )
-                    current = rotated[-1]
+                current = await self._rotate_locked(
+                    conn,
+                    tenant,
+                    session_id,
+                    current,
+                    decision.reason,
+                    decision.spec,
+                    f"run admission: {decision.detail}",
+                    begins_lineage=decision.reason in epoch_rules.ADMISSION_REASONS,
+                    sweep=decision.reason not in _NOT_SWEPT,
+                )
+                rotated.append(current)
             except RequestError as exc:
                 # The session's spec, not the request's: the state forbids the run. Raised
                 # inside StartRun's transaction, so nothing of the run is written.
-                raise _as_state(exc, f"for this run's admission ({decision.detail})") from None
+                rebuilt = f"for this run's admission ({decision.detail})"
+                if (
+                    admission is not None
+                    and admission.browser_profile_id
+                    and exc.metadata.get("missing")
+                ):
+                    raise _profile_not_served(exc, admission.browser_profile_id) from None
+                raise _as_state(exc, rebuilt) from None
         return current, rotated
 
-    async def _rotate_invalidated(
+    async def _catch_up(
+        self,
+        conn: Any,
+        tenant: str,
+        session_id: UUID,
+        head: plans.StoredPlan,
+        epoch: int,
+        revision: int,
+    ) -> plans.StoredPlan | None:
+        """Continue the lineage `head` heads, inside the caller's transaction (session
+        locked; `epoch` and `revision` the session's, read under the lock), when it is
+        behind the session's latest sweep or an erasure invalidated it (store/plans.py).
+        -> the plan started, or None when the lineage is up to date (another call may have
+        continued it first). The caller counts it once its transaction commits.
+
+        Behind: rebuilt from the head's own spec with the sweep's reason and snapshot (a
+        canonicalization copies the head). Invalidated only: rebuilt from the head's
+        redacted spec, snapshot_invalidated. What it starts depends only on the head and
+        the sweep, not on which call gets the lock first; the lock makes one call start it.
+        """
+        sweep = await plans.latest_sweep(conn, tenant, session_id, revision)
+        behind = sweep is not None and sweep.plan.epoch > head.plan.epoch
+        if not behind and not head.plan.invalidated:
+            return None
+        reason, spec, detail = PlanReason.SNAPSHOT_INVALIDATED, None, "after erasure"
+        if sweep is not None and behind:
+            reason, detail = sweep.plan.reason, f"continues epoch {sweep.plan.epoch}'s rotation"
+            if reason is not PlanReason.PREFIX_HASH_CANONICALIZED:
+                spec = head.spec.model_copy(update={"snapshot": sweep.spec.snapshot})
+            elif head.plan.invalidated:  # a copy would keep the erased memory's flag
+                reason = PlanReason.SNAPSHOT_INVALIDATED
+        current = await plans.lineage_of(conn, tenant, session_id, epoch)
+        return await self._rotate_locked(
+            conn,
+            tenant,
+            session_id,
+            head,
+            reason,
+            spec,
+            f"lineage {head.lineage} {detail}",
+            makes_current=head.lineage == current,
+        )
+
+    async def _bring_up_to_date(
         self, tenant: str, session_id: UUID, run_id: UUID
     ) -> plans.StoredPlan:
-        """Build found its plan's snapshot invalidated by an erasure: rotate every live
-        lineage with snapshot_invalidated, each from its own plan (once, whoever gets the
-        lock first; the erasure reaches every run, and no run another's authority), and
-        build on the run's new plan."""
+        """Build found its lineage behind a sweep, or its plan invalidated by an erasure:
+        continue the run's lineage (_catch_up, once, whoever gets the lock first) and build
+        on its new plan. Only this lineage: every other continues when next used."""
         async with transaction(self.pool) as conn:
             epoch, revision = await sessions.lock_session_plans(conn, tenant, session_id)
             head = await runs.read_run_head(conn, tenant, session_id, run_id)
             own = await plans.read_plan(conn, tenant, session_id, head.effective_epoch)
-            if not own.plan.invalidated:
-                return own  # another call rotated first, and counted it
             try:
-                rotated = await self._rotate_lineages(
-                    conn,
-                    tenant,
-                    session_id,
-                    epoch,
-                    revision,
-                    PlanReason.SNAPSHOT_INVALIDATED,
-                    "build after erasure",
-                )
+                continued = await self._catch_up(conn, tenant, session_id, own, epoch, revision)
             except RequestError as exc:
                 # The pinned spec no longer fits (a registry overlay shrank the window or
                 # dropped the model, say): the session's state, not Build's request, is at
                 # fault.
-                raise _as_state(exc, "after an erasure") from None
-            head = await runs.read_run_head(conn, tenant, session_id, run_id)
-            own = await plans.read_plan(conn, tenant, session_id, head.effective_epoch)
+                raise _as_state(exc, "to continue this run's plan lineage") from None
+        if continued is None:
+            return own  # another call continued it first, and counted it
         # Counted here, once committed, not by the Build handler: the Build may still fail
         # (PERSON_ERASED, BUDGET_EXCEEDED, ...) while its rotation stands.
-        for stored in rotated:
-            _count_rotation(stored)
-        return own
+        _count_rotation(continued)
+        return continued
 
     # --- runs -------------------------------------------------------------------------
 
@@ -553,8 +581,18 @@ class Engine:
             # the block its Builds render (a child's state starts empty: none needed).
             count_tokens: TokenCounter | None = None
             if isinstance(seed, ChildSeed):
+                # The parent's lineage, continued first if it is behind or invalidated
+                # (store/plans.py): the child pins a plan it can build on.
                 parent = await runs.read_run_head(conn, tenant, session_id, seed.parent_run_id)
-                epoch = parent.effective_epoch
+                own = await self._plan_locked(
+                    conn, tenant, session_id, parent.effective_epoch, revision
+                )
+                try:
+                    continued = await self._catch_up(conn, tenant, session_id, own, epoch, revision)
+                except RequestError as exc:
+                    raise _as_state(exc, "to continue the parent's plan lineage") from None
+                rotated += [continued] if continued else []
+                epoch = (continued or own).plan.epoch
             else:
                 # Admission precedes the seed: the run pins the epoch it starts on.
                 pinned, rotated = await self._admit(
@@ -824,12 +862,13 @@ class Engine:
             checkpoint = checkpoint.model_copy(update={"items": delegated(checkpoint.items)})
         # An active run builds on the latest plan of its own lineage: another run's
         # admission rotation, and a rotation rebuilt from another run's lineage, never
-        # reach it; any other rotation does, at its next Build (store/plans.py).
+        # reach it; any other rotation does, at its next Build, which continues its
+        # lineage first when a sweep has not reached it yet (store/plans.py).
         stored = await self.get_plan(
             tenant, session_id, epoch or head.effective_epoch, head.plans_revision
         )
-        if record and stored.plan.invalidated:
-            stored = await self._rotate_invalidated(tenant, session_id, run_id)
+        if record and (head.behind or stored.plan.invalidated):
+            stored = await self._bring_up_to_date(tenant, session_id, run_id)
         telemetry.annotate(epoch=stored.plan.epoch, prefix_sha256=stored.plan.prefix_sha256)
         plan = stored.plan
         budget = (
@@ -989,6 +1028,10 @@ def _count_rotation(stored: plans.StoredPlan) -> None:
     telemetry.record_rotation(stored.plan.reason.name.lower())
 
 
+# Rotations every run follows that are not sweeps (store/plans.py): an erasure invalidates
+# exactly the plans holding the person, and each such lineage continues when next used.
+_NOT_SWEPT = epoch_rules.ADMISSION_REASONS | {PlanReason.SNAPSHOT_INVALIDATED}
+
 # record_model_request's refusals (migrations/0005 and 0008).
 _PLAN_INVALIDATED, _NO_SESSION, _PERSON_ERASED = -1, -2, -3
 
@@ -1013,15 +1056,18 @@ async def _fence_snapshot(conn: Any, tenant: str, spec: PlanSpec) -> None:
 
 def _as_state(exc: RequestError, rebuilt: str) -> RequestError:
     """A refusal of the plan rebuilt `rebuilt` from the session's pinned spec (a Rotate
-    without spec, a run's admission, the rotation after an erasure), as the session's
-    state: the request sent no spec, so no `spec.*` field of it is at fault.
+    without spec, a run's admission, a lineage's continuation, a Plan after an erasure),
+    as the session's state: the request sent no such spec, so no `spec.*` field of it is at
+    fault.
 
     A capacity that no longer fits is PREFIX_OVER_CAPACITY (CapacityError.as_state). A
     pinned model this server's registry lacks (another replica's overlay added it, or a
-    restart dropped it) is UNKNOWN_MODEL with metadata model_id; a prefix class over its
-    cap (a grant bringing an enabled tool in, a counter that now counts more) keeps its
-    reason, with the pinned spec's field in metadata spec_field. Both are
-    FAILED_PRECONDITION naming `session_id`: a Rotate with a spec is the way out.
+    restart dropped it) is UNKNOWN_MODEL with metadata model_id. Any other refusal naming a
+    `spec*` field keeps its reason, with that field in metadata spec_field: a prefix class
+    over its cap (a grant bringing an enabled tool in, a counter that now counts more), a
+    roster colliding on the wire (a grant bringing in a tool that renders as a listed
+    one's name: TOOL_NAME_COLLISION, metadata wire_name), INVALID_FIELD for the rest. All
+    are FAILED_PRECONDITION naming `session_id`: a Rotate with a spec is the way out.
     Anything else is returned unchanged.
     """
     if isinstance(exc, CapacityError):
@@ -1036,15 +1082,36 @@ def _as_state(exc: RequestError, rebuilt: str) -> RequestError:
             reason="UNKNOWN_MODEL",
             metadata={"model_id": model_id},
         )
-    if isinstance(exc, PreconditionError) and (exc.field or "").startswith("spec"):
+    if (exc.field or "").startswith("spec"):
         return PreconditionError(
             f"the session's pinned spec, rebuilt {rebuilt}, no longer fits: {exc.message}."
             " Nothing was written; Rotate with a spec that fits",
             field="session_id",
-            reason=exc.reason,
+            reason="TOOL_NAME_COLLISION" if isinstance(exc, _WireNameCollision) else exc.reason,
             metadata={**exc.metadata, "spec_field": exc.field or ""},
         )
     return exc
+
+
+def _profile_not_served(exc: RequestError, profile: str) -> PreconditionError:
+    """A run's admission asks for browser profile `profile`, and the session's pinned spec
+    does not give it the browser tools a profile needs (core/roster.py): the admission's
+    field is what to change (or Rotate with a spec defining them), in the session's state
+    (FAILED_PRECONDITION: the same request would start on a session that has them)."""
+    return PreconditionError(
+        f"this run's admission selects browser profile {profile!r}, but the session's pinned"
+        f" spec cannot serve it: {exc.message}. Nothing was written; start the run without a"
+        " browser profile, or Rotate with a spec that defines the browser tools",
+        field="admission.browser_profile_id",
+        reason=exc.reason,
+        metadata={**exc.metadata, "spec_field": exc.field or ""},
+    )
+
+
+class _WireNameCollision(InvalidFieldError):
+    """A roster whose tools collide on the wire: INVALID_FIELD naming `spec.tools` for a
+    spec the caller sent; rebuilt from the pinned spec, the session's state
+    TOOL_NAME_COLLISION (_as_state)."""
 
 
 def _check_roster_wire_names(plan: ContextPlan) -> None:
@@ -1053,7 +1120,7 @@ def _check_roster_wire_names(plan: ContextPlan) -> None:
     try:
         check_wire_names([*plan.tool_names, *plan.deferred_tool_names])
     except PreconditionError as exc:
-        raise InvalidFieldError(exc.message, field="spec.tools", metadata=exc.metadata) from None
+        raise _WireNameCollision(exc.message, field="spec.tools", metadata=exc.metadata) from None
 
 
 def _snapshot_used(run_id: UUID, plan: ContextPlan) -> dict[str, Any]:

@@ -105,16 +105,15 @@ class ContextEngineServicer(
             convert.require_id(request.idempotency_key, "idempotency_key", required=False),
             _request_sha256(request),
         )
-        # Counted here, not derived from the response: a rotation without spec starts one
-        # epoch per plan lineage (store/plans.py) and the response shows the last; a replay
-        # answers with the plan the first call answered with but rotated nothing.
+        # Counted here, not derived from the response: one epoch however many plan lineages
+        # (a rotation without spec continues the others when next used, and the call that
+        # does counts each: store/plans.py); a replay answers with the plan the first call
+        # made but rotated nothing.
         if replayed:
             telemetry.record_replay("rotation")
         else:
-            for stored in rotated:
-                telemetry.record_rotation(stored.plan.reason.name.lower())
-        current = rotated[-1]
-        return pb.RotateResponse(plan=convert.plan_to_proto(current.plan, current.created_at))
+            telemetry.record_rotation(rotated.plan.reason.name.lower())
+        return pb.RotateResponse(plan=convert.plan_to_proto(rotated.plan, rotated.created_at))
 
     @grpc_errors
     async def StartRun(

@@ -13,16 +13,16 @@ Every other reason rebuilds from the pinned spec, so a rotation that reaches eve
 run (builder_upgraded, snapshot_invalidated: not in `ADMISSION_REASONS`) never carries one
 run's scope reduction or grant into the others' prompts. An admission rotation begins a
 plan lineage only the admitted run follows; a rotation that reaches every run continues
-each run's lineage from that lineage's own pinned spec (one epoch per lineage, the
-session's current lineage last; store/plans.py), so it never hands one run the authority
-another run's admission granted either. So a builder upgrade admitted with a grant is one
+each run's lineage from that lineage's own pinned spec (the current lineage at once, every
+other when next used; store/plans.py), so it never hands one run the authority another
+run's admission granted either. So a builder upgrade admitted with a grant is one
 run_authority_changed rotation (the runs already active keep their plan, as for any
 admission); one admitted with a mere reduction is a builder_upgraded rotation of every
 lineage from its pinned authority. The one exception to "once" is an erasure: its
-snapshot_invalidated rotation reaches every run, so it rebuilds every lineage from its
-pinned authority, and the run's own change is then decided again on the rebuilt current
-plan: a second, admission rotation (the same epochs a Build after the erasure and then the
-admission would give).
+snapshot_invalidated rotation reaches every run, so it rebuilds the current lineage from
+its pinned authority (every other invalidated lineage at its next use), and the run's own
+change is then decided again on the rebuilt current plan: a second, admission rotation
+(the same epochs a Build after the erasure and then the admission would give).
 Rule 3: newly granted scopes (a SHA-256 not in plan.authority_scope_hashes) rotate with
 run_authority_changed; scope reduction alone keeps the prefix, because revocation is
 enforced at call time. A legacy plan without hashes rebuilds once. A session kind that

@@ -1,21 +1,36 @@
 """Plans per (session, epoch): written once, rewritten in place only by an erasure's
 redaction, which bumps the session's plans_revision (store/snapshots.py).
 
-Lineages (migrations/0009_plan_lineages.sql; core/epochs.py, Rule 2). Every plan belongs
-to a lineage, named by the epoch where it began (`lineage`; NULL stands for the plan's own
-epoch). A plan that begins its lineage either forks or merges:
+Lineages (migrations/0009_plan_lineages.sql, 0010_plan_sweeps.sql; core/epochs.py,
+Rule 2). Every plan belongs to a lineage, named by the epoch where it began (`lineage`;
+NULL stands for the plan's own epoch). A plan that begins its lineage either forks or
+merges:
 - a fork is an admission's rotation for the admitted run's own change (a reason in
   `epochs.ADMISSION_REASONS`): only the run admitted on it follows it;
-- a merge is any other plan that begins a lineage (epoch 1, and a plan rebuilt from a spec
-  the caller sent: Rotate with `spec`, Plan after an erasure): every run pinned to an
+- a merge is any other plan that begins a lineage (epoch 1, and a Rotate with `spec`: the
+  caller's spec states every run's configuration and authority): every run pinned to an
   earlier epoch follows it, from its next Build.
-Every other rotation (from the pinned spec) continues each live lineage: a new epoch per
-lineage, rebuilt from that lineage's latest plan, the lineages in order. So a run's lineage
-is the latest merge after the epoch it pinned, or else that epoch's lineage, and it builds
-on the latest plan of its lineage (store/runs.py, read_run_head). A live lineage is one a
-run is on, or the current plan's. The session's current epoch is always its highest: a
-fork or merge takes the next epoch, and continuations end with the current lineage, the
-most recently begun.
+Every other rotation continues a lineage: a new epoch rebuilt from that lineage's latest
+plan (its head). So a run's lineage is the latest merge after the epoch it pinned, or else
+that epoch's lineage, and it builds on the head of its lineage (store/runs.py,
+read_run_head).
+
+A rotation every run follows but made from the pinned specs (a Rotate without spec, a
+builder upgrade or canonicalization at an admission, a Plan after an erasure) is a sweep
+(`sweep`): it continues the session's current lineage at once, and every other lineage is
+continued lazily, from its own head, with the sweep's reason (and the sweep's snapshot,
+the session's memory, which every lineage shares), the first time a run on it builds or a
+child is pinned to it, under the session lock (api/engine.py, _catch_up). A lineage is
+behind while its head is older than the session's latest sweep. An erasure needs no sweep:
+it invalidates exactly the plans holding the person, and a run's Build (or an admission,
+for the current plan) continues an invalidated head's lineage the same way. So a rotation
+costs one epoch, not one per lineage ever forked, and a lineage no run uses again is never
+rebuilt.
+
+The session's current plan is the head of its current lineage: a fork, a merge and a
+sweep become it; a lazy continuation of another lineage does not (it takes the next epoch
+all the same: epochs are allocated as the session's highest plus one, next_epoch). Every
+sweep is at or below the current epoch.
 """
 
 from __future__ import annotations
@@ -36,27 +51,32 @@ __all__ = [
     "RUN_LINEAGE",
     "StoredPlan",
     "insert_plan",
-    "live_lineage_heads",
+    "latest_sweep",
+    "lineage_of",
+    "next_epoch",
     "read_plan",
     "set_current_epoch",
 ]
-
-# The lineage a run builds on, for a run row `r` (tenant_id, session_id, epoch); $3 is the
-# admission reasons' names (a plan with one of them that begins a lineage is a fork, not a
-# merge). The latest merge after the run's pinned epoch, or else that epoch's lineage.
-RUN_LINEAGE = (
-    "coalesce((SELECT max(m.epoch) FROM context_plans m"
-    " WHERE m.tenant_id = r.tenant_id AND m.session_id = r.session_id AND m.epoch > r.epoch"
-    " AND coalesce(m.lineage, m.epoch) = m.epoch AND m.reason <> ALL($3::text[])),"
-    " (SELECT coalesce(o.lineage, o.epoch) FROM context_plans o"
-    " WHERE o.tenant_id = r.tenant_id AND o.session_id = r.session_id AND o.epoch = r.epoch))"
-)
-
 
 # Rotations decided at a new run's admission: a plan with one of them that begins a lineage
 # is a fork (only its run follows it). Only admission decides these (core/epochs.py; Rotate
 # refuses them).
 ADMISSION_REASON_NAMES = tuple(sorted(r.name for r in ADMISSION_REASONS))
+
+# The lineage a run builds on, for a run row `r` (tenant_id, session_id, epoch): the latest
+# merge after the run's pinned epoch, or else that epoch's lineage. The admission reasons
+# are inlined, as in the predicate of migrations/0010's context_plans_merges index, so the
+# planner can prove the index applies (a parameter it cannot); with
+# context_plans_by_lineage, a Build's head read costs the same however many plans the
+# session has (tests/integration/test_plan_service.py checks the plan).
+_NOT_A_FORK = "reason NOT IN (" + ", ".join(f"'{n}'" for n in ADMISSION_REASON_NAMES) + ")"
+RUN_LINEAGE = (
+    "coalesce((SELECT max(m.epoch) FROM context_plans m"
+    " WHERE m.tenant_id = r.tenant_id AND m.session_id = r.session_id AND m.epoch > r.epoch"
+    " AND coalesce(m.lineage, m.epoch) = m.epoch AND m." + _NOT_A_FORK + "),"
+    " (SELECT coalesce(o.lineage, o.epoch) FROM context_plans o"
+    " WHERE o.tenant_id = r.tenant_id AND o.session_id = r.session_id AND o.epoch = r.epoch))"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +100,15 @@ async def insert_plan(
     spec: PlanSpec,
     secret: bytes,
     lineage: int,
+    *,
+    sweep: bool = False,
 ) -> datetime:
-    """Store a plan in `lineage` (its own epoch: it begins one); returns its created_at."""
+    """Store a plan in `lineage` (its own epoch: it begins one), a `sweep` or not (see
+    above); returns its created_at."""
     created_at: datetime = await conn.fetchval(
-        "INSERT INTO context_plans"
-        " (tenant_id, session_id, epoch, reason, prefix_sha256, plan, spec, secret, lineage)"
-        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) RETURNING created_at",
+        "INSERT INTO context_plans (tenant_id, session_id, epoch, reason, prefix_sha256,"
+        " plan, spec, secret, lineage, sweep)"
+        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING created_at",
         tenant_id,
         session_id,
         plan.epoch,
@@ -95,6 +118,7 @@ async def insert_plan(
         spec.model_dump(mode="json"),
         secret,
         lineage,
+        sweep,
     )
     # Erasure's index of whose memories this snapshot holds, written with the plan.
     await snapshots.record_people(conn, tenant_id, session_id, plan.epoch, spec)
@@ -142,28 +166,42 @@ async def read_plan(conn: Any, tenant_id: str, session_id: UUID, epoch: int = 0)
     return _stored(row, int(row["plans_revision"]))
 
 
-async def live_lineage_heads(
-    conn: Any, tenant_id: str, session_id: UUID, revision: int
-) -> list[StoredPlan]:
-    """The latest plan of every live lineage (one a run is on, or the current plan's), in
-    lineage order: the current plan's lineage, the most recently begun, last. Call with
-    the session locked; `revision` is its plans_revision, read under the lock."""
-    rows = await conn.fetch(
-        "WITH pinned AS (SELECT DISTINCT tenant_id, session_id, epoch FROM runs"
-        "  WHERE tenant_id = $1 AND session_id = $2),"
-        " live AS (SELECT " + RUN_LINEAGE + " AS lineage FROM pinned r"
-        "  UNION SELECT coalesce(p.lineage, p.epoch) FROM sessions s JOIN context_plans p"
-        "  ON p.tenant_id = s.tenant_id AND p.session_id = s.session_id"
-        "  AND p.epoch = s.current_epoch WHERE s.tenant_id = $1 AND s.session_id = $2)"
-        " SELECT DISTINCT ON (l.lineage) l.lineage, p.plan, p.spec, p.secret, p.created_at"
-        " FROM live l JOIN context_plans p ON p.tenant_id = $1 AND p.session_id = $2"
-        " AND coalesce(p.lineage, p.epoch) = l.lineage"
-        " ORDER BY l.lineage, p.epoch DESC",
+async def next_epoch(conn: Any, tenant_id: str, session_id: UUID) -> int:
+    """The epoch a new plan takes: the session's highest plus one (a lazy continuation may
+    be above the current epoch). Call with the session locked."""
+    highest = await conn.fetchval(
+        "SELECT max(epoch) FROM context_plans WHERE tenant_id = $1 AND session_id = $2",
         tenant_id,
         session_id,
-        list(ADMISSION_REASON_NAMES),
     )
-    return [_stored(r, revision) for r in rows]
+    return int(highest or 0) + 1
+
+
+async def lineage_of(conn: Any, tenant_id: str, session_id: UUID, epoch: int) -> int:
+    """The lineage of the plan of `epoch` (its own epoch for a plan stored without one)."""
+    lineage = await conn.fetchval(
+        "SELECT coalesce(lineage, epoch) FROM context_plans"
+        " WHERE tenant_id = $1 AND session_id = $2 AND epoch = $3",
+        tenant_id,
+        session_id,
+        epoch,
+    )
+    return int(lineage or epoch)
+
+
+async def latest_sweep(
+    conn: Any, tenant_id: str, session_id: UUID, revision: int
+) -> StoredPlan | None:
+    """The session's latest sweep (see above), or None. `revision` is the session's
+    plans_revision, read under its lock."""
+    row = await conn.fetchrow(
+        "SELECT p.plan, p.spec, p.secret, p.created_at, coalesce(p.lineage, p.epoch) AS lineage"
+        " FROM context_plans p WHERE p.tenant_id = $1 AND p.session_id = $2 AND p.sweep"
+        " ORDER BY p.epoch DESC LIMIT 1",
+        tenant_id,
+        session_id,
+    )
+    return None if row is None else _stored(row, revision)
 
 
 def _stored(row: Any, revision: int) -> StoredPlan:

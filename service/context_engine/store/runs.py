@@ -8,9 +8,10 @@ from uuid import UUID
 
 from ..core.checkpoint import Checkpoint
 from ..core.errors import ConflictError, NotFoundError, PreconditionError
-from .plans import ADMISSION_REASON_NAMES, RUN_LINEAGE
+from .plans import RUN_LINEAGE
 
 __all__ = [
+    "RUN_HEAD",
     "RunHead",
     "RunRow",
     "insert_checkpoint",
@@ -113,6 +114,25 @@ async def read_checkpoint(conn: Any, tenant_id: str, run_id: UUID, version: int 
     return Checkpoint.model_validate(row["body"])
 
 
+# read_run_head's query ($1 tenant, $2 run id); every subquery an index probe
+# (migrations/0010), which tests/integration/test_plan_service.py checks with EXPLAIN.
+RUN_HEAD = (
+    "SELECT r.session_id, r.parent_run_id, r.seed_event_sequence, r.epoch,"
+    " (SELECT max(c.version) FROM run_checkpoints c"
+    "  WHERE c.tenant_id = r.tenant_id AND c.run_id = r.run_id) AS latest,"
+    " (SELECT max(p.epoch) FROM context_plans p"
+    "  WHERE p.tenant_id = r.tenant_id AND p.session_id = r.session_id"
+    "  AND coalesce(p.lineage, p.epoch) = " + RUN_LINEAGE + ") AS effective,"
+    " (SELECT count(*) FROM loaded_skills s"
+    "  WHERE s.tenant_id = r.tenant_id AND s.session_id = r.session_id) AS skills,"
+    " (SELECT s.plans_revision FROM sessions s"
+    "  WHERE s.tenant_id = r.tenant_id AND s.session_id = r.session_id) AS revision,"
+    " (SELECT max(w.epoch) FROM context_plans w"
+    "  WHERE w.tenant_id = r.tenant_id AND w.session_id = r.session_id AND w.sweep) AS sweep"
+    " FROM runs r WHERE r.tenant_id = $1 AND r.run_id = $2"
+)
+
+
 @dataclass(frozen=True, slots=True)
 class RunHead:
     """What a Build reads first, in one round trip (read_run_head)."""
@@ -122,34 +142,28 @@ class RunHead:
     effective_epoch: int  # the plan epoch it builds on
     skills_loaded: int  # how many skills the session has loaded
     plans_revision: int  # the session's plans_revision (bumped when an erasure rewrites)
+    # The session's latest sweep (store/plans.py), 0 for none: the run's lineage is behind
+    # while its head, effective_epoch, is older.
+    sweep_epoch: int = 0
+
+    @property
+    def behind(self) -> bool:
+        """Whether a sweep has not reached the run's lineage yet (store/plans.py)."""
+        return self.sweep_epoch > self.effective_epoch
 
 
 async def read_run_head(conn: Any, tenant_id: str, session_id: UUID, run_id: UUID) -> RunHead:
     """The run, its latest checkpoint version, the plan epoch it builds on, how many skills
-    the session has loaded and the session's plans revision, in one round trip. The epoch
-    is the latest plan of the run's lineage (store/plans.py): the run's own epoch, or a
-    later one that continues its lineage or merged every lineage, never another run's
-    admission nor a plan rebuilt from another run's lineage.
+    the session has loaded, the session's plans revision and its latest sweep, in one round
+    trip. The epoch is the latest plan of the run's lineage (store/plans.py): the run's own
+    epoch, or a later one that continues its lineage or merged every lineage, never another
+    run's admission nor a plan rebuilt from another run's lineage. Each subquery reads an
+    index (migrations/0010), so it costs the same however many plans the session has.
 
     Raises NotFoundError for a run that is not in this tenant's session. Found by primary
     key, the session compared after (see read_run).
     """
-    row = await conn.fetchrow(
-        "SELECT r.session_id, r.parent_run_id, r.seed_event_sequence, r.epoch,"
-        " (SELECT max(c.version) FROM run_checkpoints c"
-        "  WHERE c.tenant_id = r.tenant_id AND c.run_id = r.run_id) AS latest,"
-        " (SELECT max(p.epoch) FROM context_plans p"
-        "  WHERE p.tenant_id = r.tenant_id AND p.session_id = r.session_id"
-        "  AND coalesce(p.lineage, p.epoch) = " + RUN_LINEAGE + ") AS effective,"
-        " (SELECT count(*) FROM loaded_skills s"
-        "  WHERE s.tenant_id = r.tenant_id AND s.session_id = r.session_id) AS skills,"
-        " (SELECT s.plans_revision FROM sessions s"
-        "  WHERE s.tenant_id = r.tenant_id AND s.session_id = r.session_id) AS revision"
-        " FROM runs r WHERE r.tenant_id = $1 AND r.run_id = $2",
-        tenant_id,
-        run_id,
-        list(ADMISSION_REASON_NAMES),
-    )
+    row = await conn.fetchrow(RUN_HEAD, tenant_id, run_id)
     if row is None or row["session_id"] != session_id:
         raise NotFoundError(f"run {run_id} not found", field="run_id", reason="RUN_NOT_FOUND")
     run = RunRow(
@@ -165,4 +179,5 @@ async def read_run_head(conn: Any, tenant_id: str, session_id: UUID, run_id: UUI
         effective_epoch=int(row["effective"] or row["epoch"]),
         skills_loaded=int(row["skills"]),
         plans_revision=int(row["revision"] or 0),
+        sweep_epoch=int(row["sweep"] or 0),
     )

@@ -38,7 +38,8 @@ class ContextEngineStub:
     shutting down (reason SHUTTING_DOWN); retry with backoff. A request that fails writes
     nothing, with two deliberate exceptions (docs/api.md, Conventions): a Build refused with
     BUDGET_EXCEEDED logs context.budget.exceeded, and a Build that finds its plan invalidated
-    by an erasure commits that plan's snapshot_invalidated rotation before going on.
+    by an erasure, or its plan lineage not yet reached by a Rotate without spec, commits that
+    rotation of its lineage before going on.
     """
 
     def __init__(self, channel):
@@ -137,7 +138,8 @@ class ContextEngineServicer:
     shutting down (reason SHUTTING_DOWN); retry with backoff. A request that fails writes
     nothing, with two deliberate exceptions (docs/api.md, Conventions): a Build refused with
     BUDGET_EXCEEDED logs context.budget.exceeded, and a Build that finds its plan invalidated
-    by an erasure commits that plan's snapshot_invalidated rotation before going on.
+    by an erasure, or its plan lineage not yet reached by a Rotate without spec, commits that
+    rotation of its lineage before going on.
     """
 
     def Plan(self, request, context):
@@ -146,15 +148,17 @@ class ContextEngineServicer:
         the current plan unchanged and reports whether the given spec differs from the pinned
         one (a difference takes effect only through Rotate). The spec is validated either way:
         an invalid spec is refused even on a session that has a plan. A plan an erasure
-        invalidated is rotated from the given spec (snapshot_invalidated) and that is returned.
+        invalidated is rotated (snapshot_invalidated) taking only the given spec's snapshot into
+        the pinned spec, and that is returned; the rest takes effect only through Rotate.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetPlan(self, request, context):
-        """Returns the session's current plan, its newest epoch (or a given epoch). A run already
-        active may build on another epoch: its own plan lineage (see Rotate).
+        """Returns the session's current plan, the head of its current plan lineage (or a given
+        epoch). A run already active may build on another epoch: its own plan lineage (see
+        Rotate), possibly a newer one, continued when the run built.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -163,12 +167,13 @@ class ContextEngineServicer:
     def Rotate(self, request, context):
         """Starts a new prefix epoch: rebuilds the plan (from a new spec, or the pinned one),
         increments the epoch and records context.epoch.rotated with the reason. Every active
-        run follows it at its next Build. With a spec, one epoch every run follows; without,
-        one epoch per plan lineage (a run admitted with new scopes or a new browser profile is
-        on a lineage of its own), each rebuilt from its own pinned spec, so no run is handed
-        another run's admitted authority. Exactly one of several concurrent rotations from the
-        same epoch succeeds; the others get ABORTED. A retry with the rotation's
-        idempotency_key answers with the plan it made.
+        run follows it at its next Build. With a spec, one epoch every run follows; without, a
+        sweep: one epoch for the current plan lineage now, and every other lineage (a run
+        admitted with new scopes or a new browser profile is on one of its own) rebuilt from
+        its own pinned spec when a run on it next builds, so no run is handed another run's
+        admitted authority. Exactly one of several concurrent rotations from the same epoch
+        succeeds; the others get ABORTED. A retry with the rotation's idempotency_key answers
+        with the plan it made.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -378,7 +383,8 @@ class ContextEngine:
     shutting down (reason SHUTTING_DOWN); retry with backoff. A request that fails writes
     nothing, with two deliberate exceptions (docs/api.md, Conventions): a Build refused with
     BUDGET_EXCEEDED logs context.budget.exceeded, and a Build that finds its plan invalidated
-    by an erasure commits that plan's snapshot_invalidated rotation before going on.
+    by an erasure, or its plan lineage not yet reached by a Rotate without spec, commits that
+    rotation of its lineage before going on.
     """
 
     @staticmethod
