@@ -28,9 +28,10 @@ merging and marking every placed item one by one gives.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, islice, repeat
+from itertools import compress, repeat
 from operator import attrgetter, itemgetter
 
 from .excerpts import legacy_excerpt
@@ -213,7 +214,9 @@ def _segment(view: CarriedView, floor: int) -> Segment:
         excerpted=excerpted,
         excerpted_items=view.excerpted,
         total=sum(costs),
-        skipped=sum(map(floor.__lt__, map(_SEQUENCE, islice(view.history, view.start)))),
+        # The history is in log order, so the items above the floor and before the window
+        # are found by bisection, not counted one by one (a long session's new run).
+        skipped=view.start - bisect_right(view.history, floor, hi=view.start, key=_SEQUENCE),
         blocks=view.blocks,
         item_blocks=tuple(map(view.blocks.__getitem__, keys)),
         is_result=is_result,
