@@ -891,6 +891,30 @@ async def test_a_snapshot_naming_an_erased_person_is_refused(stub: Any, pool: An
     assert other.created
 
 
+async def test_a_rotate_retried_after_an_erasure_replays_what_it_made(stub: Any, pool: Any) -> None:
+    """docs/api.md (Rotate): a retry under the first call's idempotency key answers with
+    the plan that call made, as it reads now. The sent snapshot's people were fenced before
+    the key was looked up, so once a person it names was erased the retry of a rotation
+    that landed failed PERSON_ERASED. A committed key is final: the retry replays; a new
+    key is a first call, and fenced."""
+    person = f"ana-{new_id()}"
+    session_id, _ = await _open(stub, _memory_spec("trace-r1"))
+    fresh = _memory_spec("trace-r2")
+    fresh.snapshot.items[0].person_ids[:] = [person]
+    request = _rotation(session_id, pb.PLAN_REASON_SNAPSHOT_INVALIDATED, fresh)
+    request.idempotency_key = "rotate-once"
+    first = await stub.Rotate(request)  # landed; its answer was lost
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    again = await stub.Rotate(request)
+    assert again.plan.epoch == first.plan.epoch == 2
+    assert again.plan.invalidated and b"allergic" not in again.plan.prefix_document
+    assert await _rotations(pool, session_id) == ["snapshot_invalidated"]
+    request.idempotency_key = "rotate-twice"
+    with pytest.raises(grpc.aio.AioRpcError) as fenced:
+        await stub.Rotate(request)
+    assert details(fenced.value)[0] == "PERSON_ERASED"
+
+
 async def test_a_plan_persisted_during_an_erasure_is_found_by_it(stub: Any, pool: Any) -> None:
     """The people fence: a Plan that has begun persisting a snapshot naming the person when
     the erasure starts commits first, and the erasure then finds and redacts it."""
