@@ -505,9 +505,11 @@ class Engine:
         continued it first). The caller counts it once its transaction commits.
 
         Behind: rebuilt from the head's own spec with the sweep's reason and snapshot (a
-        canonicalization copies the head). Invalidated only: rebuilt from the head's
-        redacted spec, snapshot_invalidated. What it starts depends only on the head and
-        the sweep, not on which call gets the lock first; the lock makes one call start it.
+        canonicalization copies the head, unless a rebuilding sweep since the head is
+        newer: then that sweep's reason and snapshot, store/plans.py). Invalidated only:
+        rebuilt from the head's redacted spec, snapshot_invalidated. What it starts depends
+        only on the head and the sweeps, not on which call gets the lock first; the lock
+        makes one call start it.
         """
         sweep = await plans.latest_sweep(conn, tenant, session_id, revision)
         behind = sweep is not None and sweep.plan.epoch > head.plan.epoch
@@ -515,6 +517,14 @@ class Engine:
             return None
         reason, spec, detail = PlanReason.SNAPSHOT_INVALIDATED, None, "after erasure"
         if sweep is not None and behind:
+            if sweep.plan.reason is PlanReason.PREFIX_HASH_CANONICALIZED:
+                # A copy only when every sweep since the head was one: an earlier rebuild
+                # (a builder upgrade, a Plan's fresh snapshot) must reach the lineage too.
+                rebuild = await plans.latest_sweep(
+                    conn, tenant, session_id, revision, rebuilding=True
+                )
+                if rebuild is not None and rebuild.plan.epoch > head.plan.epoch:
+                    sweep = rebuild
             reason, detail = sweep.plan.reason, f"continues epoch {sweep.plan.epoch}'s rotation"
             if reason is not PlanReason.PREFIX_HASH_CANONICALIZED:
                 spec = head.spec.model_copy(update={"snapshot": sweep.spec.snapshot})
