@@ -293,19 +293,18 @@ class Engine:
         without the key the retry of a rotation whose answer was lost would fail
         EPOCH_CONFLICT."""
         async with transaction(self.pool) as conn:
+            stored = None
             if spec is not None:  # the pinned spec was fenced when it was first persisted
                 # A rotation that landed answers its retry even after an erasure of a
-                # person its snapshot names: the key is looked up before the fence. A
-                # committed key is final, so what is found needs no lock; a first call
-                # looks again under the lock below.
-                landed = await idempotency.recall_response(
+                # person its snapshot names: the key is looked up before the fence (a
+                # committed key is final). A first call looks again under the lock.
+                stored = await idempotency.recall_response(
                     conn, tenant, session_id, idempotency_key, "Rotate", request_sha256
                 )
-                if landed is not None:
-                    return await plans.read_plan(conn, tenant, session_id, landed["epoch"]), True
-                await _fence_snapshot(conn, tenant, spec)
+                if stored is None:
+                    await _fence_snapshot(conn, tenant, spec)
             epoch = await sessions.lock_session(conn, tenant, session_id)
-            stored = await idempotency.recall_response(
+            stored = stored or await idempotency.recall_response(
                 conn, tenant, session_id, idempotency_key, "Rotate", request_sha256
             )
             if stored is not None:
