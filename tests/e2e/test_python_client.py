@@ -391,3 +391,31 @@ async def test_rotate_load_skill_update_working_state_and_a_child_run(client: An
     assert plan.epoch == session.plan.epoch == 2
     tools = await client.control_tools()
     assert [t.name for t in tools] == ["context.update_working_state"]
+
+
+async def test_a_childs_continued_lineage_does_not_become_the_sessions_plan(
+    client: Any,
+) -> None:
+    """A child of a run parked behind a sweep continues its parent's lineage first, and
+    StartRun returns that continuation as rotated_plan. It is not the session's current
+    plan: Session.plan stays the current one, so the next rotate names it as from_epoch
+    instead of failing EPOCH_CONFLICT."""
+    spec = _spec()
+    spec.tools.append(
+        tool(
+            "mail.send",
+            "Send.",
+            {"type": "object"},
+            required_scopes=["mail.send"],
+            side_effect=pb.SIDE_EFFECT_NETWORK_WRITE,
+        )
+    )
+    session = await client.open_session(spec)
+    parked = await session.start_run("Trains to Lyon?")  # epoch 1
+    await session.start_run("Mail me.", admission=pb.RunAdmission(scopes=["mail.send"]))
+    swept = await session.rotate(pb.PLAN_REASON_AGENT_CHANGED)  # a sweep: epoch 3
+    child = await session.start_child_run(parked.run_id, "Look up the timetable.")
+    assert child.epoch == 4 and session.plan.epoch == swept.epoch == 3  # lineage 1 continued
+    plan = await session.rotate(pb.PLAN_REASON_BUILDER_UPGRADED)
+    assert plan.epoch == session.plan.epoch == 5
+    assert plan.epoch == (await session.refresh_plan()).epoch

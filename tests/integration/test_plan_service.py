@@ -891,6 +891,30 @@ async def test_a_snapshot_naming_an_erased_person_is_refused(stub: Any, pool: An
     assert other.created
 
 
+async def test_a_rotate_retried_after_an_erasure_replays_what_it_made(stub: Any, pool: Any) -> None:
+    """docs/api.md (Rotate): a retry under the first call's idempotency key answers with
+    the plan that call made, as it reads now. The sent snapshot's people were fenced before
+    the key was looked up, so once a person it names was erased the retry of a rotation
+    that landed failed PERSON_ERASED. A committed key is final: the retry replays; a new
+    key is a first call, and fenced."""
+    person = f"ana-{new_id()}"
+    session_id, _ = await _open(stub, _memory_spec("trace-r1"))
+    fresh = _memory_spec("trace-r2")
+    fresh.snapshot.items[0].person_ids[:] = [person]
+    request = _rotation(session_id, pb.PLAN_REASON_SNAPSHOT_INVALIDATED, fresh)
+    request.idempotency_key = "rotate-once"
+    first = await stub.Rotate(request)  # landed; its answer was lost
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    again = await stub.Rotate(request)
+    assert again.plan.epoch == first.plan.epoch == 2
+    assert again.plan.invalidated and b"allergic" not in again.plan.prefix_document
+    assert await _rotations(pool, session_id) == ["snapshot_invalidated"]
+    request.idempotency_key = "rotate-twice"
+    with pytest.raises(grpc.aio.AioRpcError) as fenced:
+        await stub.Rotate(request)
+    assert details(fenced.value)[0] == "PERSON_ERASED"
+
+
 async def test_a_plan_persisted_during_an_erasure_is_found_by_it(stub: Any, pool: Any) -> None:
     """The people fence: a Plan that has begun persisting a snapshot naming the person when
     the erasure starts commits first, and the erasure then finds and redacts it."""
@@ -1773,6 +1797,87 @@ async def test_a_plan_after_an_erasure_keeps_each_runs_own_authority(stub: Any, 
         await stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id, epoch=4))
     ).plan
     assert continued.recall_trace_id == "trace-rv2"
+
+
+async def _builder(pool: Any, session_id: str, epoch: int) -> str:
+    return str(
+        await pool.fetchval(
+            "SELECT plan->>'builder_version' FROM context_plans"
+            " WHERE session_id = $1 AND epoch = $2",
+            UUID(session_id),
+            epoch,
+        )
+    )
+
+
+async def test_a_canonicalizing_sweep_does_not_hide_an_earlier_rebuild(
+    stub: Any, pool: Any
+) -> None:
+    """Two sweeps before a parked lineage is used again: a builder upgrade (a rebuild),
+    then a canonicalization (a copy). Its continuation read only the latest sweep, so it
+    copied the parked head, written by the older builder, and the upgrade never reached
+    it. It is rebuilt with the latest rebuilding sweep's reason; a copy only when every
+    sweep since its head was one."""
+    session_id, _ = await _open(stub, _mail_spec())
+    parked = await _start(stub, session_id)  # epoch 1, lineage 1
+    await _start(stub, session_id, scopes=_GRANT)  # epoch 2, a fork
+    await pool.execute(  # lineage 1's head was written by an older builder
+        "UPDATE context_plans SET plan = jsonb_set(plan, '{builder_version}',"
+        " '\"context-builder@1\"') WHERE session_id = $1 AND epoch = 1",
+        UUID(session_id),
+    )
+    await pool.execute(
+        "UPDATE sessions SET plans_revision = plans_revision + 1 WHERE session_id = $1",
+        UUID(session_id),
+    )
+    await _rotate(stub, session_id, 2, pb.PLAN_REASON_BUILDER_UPGRADED)  # a sweep: epoch 3
+    await _rotate(stub, session_id, 3, pb.PLAN_REASON_PREFIX_HASH_CANONICALIZED)  # epoch 4
+    resumed = await _build(stub, session_id, parked.run.run_id)
+    assert resumed.epoch == 5 and "mail.send" not in _tools(resumed)
+    assert await _builder(pool, session_id, 5) != "context-builder@1"
+    assert (
+        await stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id, epoch=5))
+    ).plan.reason == pb.PLAN_REASON_BUILDER_UPGRADED
+    # Only copies since the head: the continuation is a copy.
+    await _rotate(stub, session_id, 4, pb.PLAN_REASON_PREFIX_HASH_CANONICALIZED)  # epoch 6
+    copied = await _build(stub, session_id, parked.run.run_id)
+    assert copied.epoch == 7 and await _rotations(pool, session_id) == [
+        "run_authority_changed",
+        "builder_upgraded",
+        "prefix_hash_canonicalized",
+        "builder_upgraded",
+        "prefix_hash_canonicalized",
+        "prefix_hash_canonicalized",
+    ]
+
+
+async def test_a_canonicalizing_sweep_keeps_the_snapshot_a_plan_after_an_erasure_sent(
+    stub: Any, pool: Any
+) -> None:
+    """docs/api.md (Plan): after an erasure, Plan's sweep continues every other lineage
+    from its own pinned spec, with the snapshot it is sent. A canonicalizing Rotate after
+    it became the latest sweep, and the parked lineage was copied from its redacted head
+    instead, without that snapshot."""
+    person = f"ana-{new_id()}"
+    memory = _mail_spec(snapshot=_memory_spec("trace-c1").snapshot)
+    memory.snapshot.items[0].person_ids[:] = [person]
+    session_id, _ = await _open(stub, memory)
+    parked = await _start(stub, session_id)
+    await _start(stub, session_id, scopes=_GRANT)  # epoch 2, a fork
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    fresh = _mail_spec(snapshot=_memory_spec("trace-c2").snapshot)
+    del fresh.snapshot.items[:1]
+    planned = await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=fresh))
+    assert planned.plan.epoch == 3 and planned.plan.recall_trace_id == "trace-c2"
+    await _rotate(stub, session_id, 3, pb.PLAN_REASON_PREFIX_HASH_CANONICALIZED)  # epoch 4
+    resumed = await _build(stub, session_id, parked.run.run_id)
+    plan = (
+        await stub.GetPlan(
+            pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id, epoch=resumed.epoch)
+        )
+    ).plan
+    assert (resumed.epoch, plan.recall_trace_id) == (5, "trace-c2")
+    assert plan.reason == pb.PLAN_REASON_SNAPSHOT_INVALIDATED and not plan.invalidated
 
 
 def _scans(node: dict[str, Any]) -> list[dict[str, Any]]:

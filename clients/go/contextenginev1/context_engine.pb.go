@@ -3695,7 +3695,9 @@ type StartRunResponse struct {
 	// erasure, admission with a grant rotates with snapshot_invalidated, then with
 	// run_authority_changed: this is the last epoch. For a child run: set when its parent's
 	// lineage had to be continued first (a Rotate without spec had not reached it, or an
-	// erasure invalidated it), the plan the child pins. A retry with the same idempotency
+	// erasure invalidated it), the plan the child pins: that lineage's continuation, not the
+	// session's current plan unless the parent's lineage is the current one (GetPlan reads
+	// the current plan; a Rotate's from_epoch names it). A retry with the same idempotency
 	// key returns the first response, this field included.
 	RotatedPlan *ContextPlan `protobuf:"bytes,3,opt,name=rotated_plan,json=rotatedPlan,proto3" json:"rotated_plan,omitempty"`
 }

@@ -293,10 +293,18 @@ class Engine:
         without the key the retry of a rotation whose answer was lost would fail
         EPOCH_CONFLICT."""
         async with transaction(self.pool) as conn:
+            stored = None
             if spec is not None:  # the pinned spec was fenced when it was first persisted
-                await _fence_snapshot(conn, tenant, spec)
+                # A rotation that landed answers its retry even after an erasure of a
+                # person its snapshot names: the key is looked up before the fence (a
+                # committed key is final). A first call looks again under the lock.
+                stored = await idempotency.recall_response(
+                    conn, tenant, session_id, idempotency_key, "Rotate", request_sha256
+                )
+                if stored is None:
+                    await _fence_snapshot(conn, tenant, spec)
             epoch = await sessions.lock_session(conn, tenant, session_id)
-            stored = await idempotency.recall_response(
+            stored = stored or await idempotency.recall_response(
                 conn, tenant, session_id, idempotency_key, "Rotate", request_sha256
             )
             if stored is not None:
@@ -496,9 +504,11 @@ class Engine:
         continued it first). The caller counts it once its transaction commits.
 
         Behind: rebuilt from the head's own spec with the sweep's reason and snapshot (a
-        canonicalization copies the head). Invalidated only: rebuilt from the head's
-        redacted spec, snapshot_invalidated. What it starts depends only on the head and
-        the sweep, not on which call gets the lock first; the lock makes one call start it.
+        canonicalization copies the head, unless a rebuilding sweep since the head is
+        newer: then that sweep's reason and snapshot, store/plans.py). Invalidated only:
+        rebuilt from the head's redacted spec, snapshot_invalidated. What it starts depends
+        only on the head and the sweeps, not on which call gets the lock first; the lock
+        makes one call start it.
         """
         sweep = await plans.latest_sweep(conn, tenant, session_id, revision)
         behind = sweep is not None and sweep.plan.epoch > head.plan.epoch
@@ -506,6 +516,14 @@ class Engine:
             return None
         reason, spec, detail = PlanReason.SNAPSHOT_INVALIDATED, None, "after erasure"
         if sweep is not None and behind:
+            if sweep.plan.reason is PlanReason.PREFIX_HASH_CANONICALIZED:
+                # A copy only when every sweep since the head was one: an earlier rebuild
+                # (a builder upgrade, a Plan's fresh snapshot) must reach the lineage too.
+                rebuild = await plans.latest_sweep(
+                    conn, tenant, session_id, revision, rebuilding=True
+                )
+                if rebuild is not None and rebuild.plan.epoch > head.plan.epoch:
+                    sweep = rebuild
             reason, detail = sweep.plan.reason, f"continues epoch {sweep.plan.epoch}'s rotation"
             if reason is not PlanReason.PREFIX_HASH_CANONICALIZED:
                 spec = head.spec.model_copy(update={"snapshot": sweep.spec.snapshot})

@@ -13,7 +13,8 @@ __all__ = ["recall_response", "remember_response"]
 async def recall_response(
     conn: Any, tenant_id: str, session_id: UUID, key: str, operation: str, request_sha256: str
 ) -> dict[str, Any] | None:
-    """The stored response for this key, or None. Call with the session locked.
+    """The stored response for this key, or None. Call with the session locked to decide
+    whether to write: a key found is committed, and final, so a hit needs no lock.
 
     Raises:
         InvalidFieldError: IDEMPOTENCY_KEY_REUSED when the key was used for another request.

@@ -21,7 +21,12 @@ builder upgrade or canonicalization at an admission, a Plan after an erasure) is
 continued lazily, from its own head, with the sweep's reason (and the sweep's snapshot,
 the session's memory, which every lineage shares), the first time a run on it builds or a
 child is pinned to it, under the session lock (api/engine.py, _catch_up). A lineage is
-behind while its head is older than the session's latest sweep. An erasure needs no sweep:
+behind while its head is older than the session's latest sweep. Continued, it takes the
+latest sweep's reason, except that a canonicalization (a copy) does not hide a rebuild:
+when a rebuilding sweep (a builder upgrade, a Plan after an erasure with its fresh
+snapshot, ...) is newer than the head, the lineage is rebuilt with that sweep's reason and
+snapshot (whose hashes are canonical already); it is a copy only when every sweep since
+its head was one (latest_sweep, `rebuilding`). An erasure needs no sweep:
 it invalidates exactly the plans holding the person, and a run's Build (or an admission,
 for the current plan) continues an invalidated head's lineage the same way. So a rotation
 costs one epoch, not one per lineage ever forked, and a lineage no run uses again is never
@@ -190,16 +195,19 @@ async def lineage_of(conn: Any, tenant_id: str, session_id: UUID, epoch: int) ->
 
 
 async def latest_sweep(
-    conn: Any, tenant_id: str, session_id: UUID, revision: int
+    conn: Any, tenant_id: str, session_id: UUID, revision: int, *, rebuilding: bool = False
 ) -> StoredPlan | None:
-    """The session's latest sweep (see above), or None. `revision` is the session's
+    """The session's latest sweep (see above), or None; `rebuilding`: the latest that
+    rebuilds, skipping canonicalizations (copies). `revision` is the session's
     plans_revision, read under its lock."""
     row = await conn.fetchrow(
         "SELECT p.plan, p.spec, p.secret, p.created_at, coalesce(p.lineage, p.epoch) AS lineage"
         " FROM context_plans p WHERE p.tenant_id = $1 AND p.session_id = $2 AND p.sweep"
+        " AND NOT ($3 AND p.reason = 'PREFIX_HASH_CANONICALIZED')"
         " ORDER BY p.epoch DESC LIMIT 1",
         tenant_id,
         session_id,
+        rebuilding,
     )
     return None if row is None else _stored(row, revision)
 

@@ -328,7 +328,9 @@ class ToolLoopResult:
 
 
 class Session:
-    """A planned session. `plan` is the plan the last call returned."""
+    """A planned session. `plan` is the session's current plan as the last call that
+    returned one found it (the `from_epoch` of the next rotate); a child run's rotated
+    plan, its parent's lineage continued, is not taken as it."""
 
     def __init__(
         self,
@@ -387,7 +389,9 @@ class Session:
         return Run(self, run_id, checkpoint_version, epoch=self.plan.epoch)
 
     def _run(self, response: pb.StartRunResponse) -> Run:
-        if response.HasField("rotated_plan"):
+        # A top-level run's rotated_plan is the session's current plan; a child's is its
+        # parent's lineage continued, which need not be (docs/api.md, StartRun).
+        if response.HasField("rotated_plan") and not response.run.parent_run_id:
             self.plan = response.rotated_plan
         return Run(
             self,
