@@ -6,7 +6,8 @@ sequence is append-only, so the parsed checkpoint and the projected carried hist
 them spares the parse, and hands the core the same item objects every time, so its
 render and cost memos hit. The log below a later run's seed extends the log below an
 earlier one's (the log is append-only), so the longest prefix read per (session, floor) is
-kept too and extended rather than read again (Engine._logged). Plans are immutable per
+kept too, with its carried projection, and extended rather than read and folded again
+(Engine._carried). Plans are immutable per
 (tenant, session, epoch) and kept the same way.
 
 The bound is on memory, in approximate bytes (`approximate_bytes`: the strings held plus a

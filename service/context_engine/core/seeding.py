@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import compress
 
 from .items import (
     ConversationItem,
@@ -55,26 +54,21 @@ class Projection:
 
     The log only grows (a later run's input is an earlier run's plus what was logged since,
     as the same item objects), so a new run's projection is the previous run's extended by
-    the new items: the Python step runs once per new item, and the rest is C-level
-    (copying the flags, selecting the kept items). A call left pending by the shorter log
-    may be answered by the longer one; its flag is then set again, which is why the flags
-    of every item are kept, not only the kept items.
+    the new items: the Python step runs once per new item, and the carried history grows
+    by the new items it carries (one C-level copy). Only when the new items answer a call
+    the shorter log left pending (a call carried only once answered, Rule 3) does the
+    history change behind its end; it is then selected again from the whole log, which a
+    run's turns seldom need (a call is normally answered within its run, before the next
+    run starts).
     """
 
     consumed: tuple[ConversationItem, ...] = ()  # the log folded so far (its objects)
-    items: tuple[ConversationItem, ...] = ()  # `consumed` without reasoning items
-    keep: tuple[bool, ...] = ()  # per item: carried (Rule 3 decided on what was folded)
-    # (run, call id) -> index in `items` of a call with no result yet
+    history: tuple[ConversationItem, ...] = ()  # what a run seeded below it carries
+    count: int = 0  # the items of `consumed` that are not reasoning items
+    # (run, call id) -> index among those items of a call with no result yet
     pending: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    dropped: frozenset[int] = frozenset()  # indices never carried: half pairs (Rule 3)
     folded: int = 0  # items the Python step has processed (all extensions included)
-
-    @property
-    def history(self) -> tuple[ConversationItem, ...]:
-        """What a run seeded from the folded log carries: pending calls are not (Rule 3)."""
-        keep = list(self.keep)
-        for index in self.pending.values():
-            keep[index] = False
-        return tuple(compress(self.items, keep))
 
     def extends_to(self, logged: Sequence[ConversationItem]) -> bool:
         """Whether `logged` begins with the log folded here (the same objects)."""
@@ -86,27 +80,38 @@ class Projection:
         if not self.extends_to(logged):
             raise ValueError("the log does not extend the one projected")
         more = [i for i in logged[len(self.consumed) :] if not isinstance(i, ReasoningItem)]
-        keep = list(self.keep)
         pending = dict(self.pending)
-        base = len(self.items)
+        dropped = set(self.dropped)
+        base = self.count
+        answered_earlier = False  # a call pending before `more` answered in it
         for n, item in enumerate(more, base):
-            keep.append(True)
             if isinstance(item, ToolCall):
                 key = (item.run_id, item.call_id)
                 if key in pending:
-                    keep[pending[key]] = False  # a reused id while the first is unanswered
+                    dropped.add(pending[key])  # a reused id while the first is unanswered
                 pending[key] = n
-            elif (
-                isinstance(item, ToolResult)
-                and pending.pop((item.run_id, item.call_id), None) is None
-            ):
-                keep[n] = False  # a result without its call
+            elif isinstance(item, ToolResult):
+                call = pending.pop((item.run_id, item.call_id), None)
+                if call is None:
+                    dropped.add(n)  # a result without its call
+                elif call < base:
+                    answered_earlier = True
+        unseen = dropped.union(pending.values())  # not carried (pending: not yet)
+        consumed = tuple(logged)
+        history: tuple[ConversationItem, ...]
+        if answered_earlier:
+            items = [i for i in consumed if not isinstance(i, ReasoningItem)]
+            history = tuple(i for n, i in enumerate(items) if n not in unseen)
+        else:
+            new = (i for n, i in enumerate(more, base) if n not in unseen)
+            history = self.history + tuple(new)
         return Projection(
-            consumed=tuple(logged),
-            items=self.items + tuple(more),
-            keep=tuple(keep),
+            consumed=consumed,
+            history=history,
+            count=base + len(more),
             pending=pending,
-            folded=self.folded + len(logged) - len(self.consumed),
+            dropped=frozenset(dropped),
+            folded=self.folded + len(consumed) - len(self.consumed),
         )
 
 
