@@ -8,7 +8,7 @@ process clock, uuid4 and os.urandom, and this module is the only place that call
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from functools import partial
@@ -58,10 +58,12 @@ from ..core.spec import PlanSpec
 from ..core.validate import validate_append
 from ..core.working_state import Writer, render_block
 from ..providers import RenderedPayload, check_wire_names, render
-from ..store import events, idempotency, plans, runs, sessions, snapshots
+from ..store import events, idempotency, plans, records, runs, sessions, snapshots
 from ..store import skills as skill_store
+from ..store.batches import Batcher
 from ..store.db import acquire, transaction
 from ..store.events import EVENT_TYPE_OF_ITEM, NewEvent, item_payload
+from ..store.records import NO_SESSION, PERSON_ERASED, PLAN_INVALIDATED, RequestRecord
 from . import usage as usage_api
 from . import working_state as ws_api
 from .kept import DEFAULT_CACHE_BYTES, Kept, approximate_bytes
@@ -162,9 +164,19 @@ class Engine:
         # taking a quarter of it. A replica serves any number of sessions.
         self._plans = Kept(max_weight=cache_bytes // 4)
         self._kept = Kept(max_weight=cache_bytes - cache_bytes // 4)
+        # Build's two round trips, shared by the Builds that arrive while one is in flight
+        # (store/batches.py): under load one statement and one commit serve many Builds.
+        self._read_heads: Batcher[tuple[str, UUID], Any] = Batcher(self._head_rows)
+        self._record_requests: Batcher[RequestRecord, int] = Batcher(
+            partial(records.record_requests, pool)
+        )
 
     def new_id(self) -> str:
         return self._new_id()
+
+    async def _head_rows(self, keys: Sequence[tuple[str, UUID]]) -> list[Any]:
+        async with acquire(self.pool) as conn:
+            return await runs.read_run_heads(conn, keys)
 
     def now(self) -> datetime:
         return self._clock()
@@ -841,38 +853,46 @@ class Engine:
         messages as its parent's (core/seeding.py, Rule 4); False: as the user's, as
         context-assembler@2 and older did.
         """
-        async with telemetry.span("store.read"), acquire(self.pool) as conn:
+        async with telemetry.span("store.read"):
+            # Builds made while another's head read is in flight share the next one.
+            row = await self._read_heads((tenant, run_id))
             try:
-                head = await runs.read_run_head(conn, tenant, session_id, run_id)
+                head = runs.run_head_of(row, session_id, run_id)
             except NotFoundError:
                 await self.get_plan(tenant, session_id)  # an unknown session is named first
                 raise
             run, skills = head.run, head.skills_loaded
             version = checkpoint_version or head.latest_version
-            checkpoint = self._kept.get(("checkpoint", tenant, run_id, version))
-            if checkpoint is None:
-                checkpoint = await runs.read_checkpoint(conn, tenant, run_id, version)
-                self._kept.put(
-                    ("checkpoint", tenant, run_id, version),
-                    checkpoint,
-                    approximate_bytes(checkpoint),
-                )
             below = seed_cut(run.seed_event_sequence)
-            floor = checkpoint.replaced_through_sequence
-            carried_key = ("carried", tenant, session_id, below, floor)
-            carried = self._kept.get(carried_key)
-            if carried is None:
-                carried, weight = await self._carried(conn, tenant, session_id, below, floor)
-                self._kept.put(carried_key, carried, weight)
+            checkpoint_key = ("checkpoint", tenant, run_id, version)
+            checkpoint = self._kept.get(checkpoint_key)
             # Loaded skills are append-only and never unloaded: the first N are the same on
             # every read, so a count names them (and none costs no round trip).
-            loaded_key = ("skills", tenant, session_id, skills)
-            loaded = self._kept.get(loaded_key) if skills else []
-            if loaded is None:
-                loaded = await skill_store.read_loaded(conn, tenant, session_id)
-                self._kept.put(
-                    ("skills", tenant, session_id, len(loaded)), loaded, approximate_bytes(loaded)
-                )
+            loaded = self._kept.get(("skills", tenant, session_id, skills)) if skills else []
+            carried = None
+            if checkpoint is not None:
+                floor = checkpoint.replaced_through_sequence
+                carried = self._kept.get(("carried", tenant, session_id, below, floor))
+            if checkpoint is None or carried is None or loaded is None:
+                async with acquire(self.pool) as conn:
+                    if checkpoint is None:
+                        checkpoint = await runs.read_checkpoint(conn, tenant, run_id, version)
+                        self._kept.put(checkpoint_key, checkpoint, approximate_bytes(checkpoint))
+                    floor = checkpoint.replaced_through_sequence
+                    carried_key = ("carried", tenant, session_id, below, floor)
+                    carried = self._kept.get(carried_key)
+                    if carried is None:
+                        carried, weight = await self._carried(
+                            conn, tenant, session_id, below, floor
+                        )
+                        self._kept.put(carried_key, carried, weight)
+                    if loaded is None:
+                        loaded = await skill_store.read_loaded(conn, tenant, session_id)
+                        self._kept.put(
+                            ("skills", tenant, session_id, len(loaded)),
+                            loaded,
+                            approximate_bytes(loaded),
+                        )
         if skills_loaded is not None:
             loaded = loaded[:skills_loaded]  # sticky and append-only: a prefix is the past
         if delegated_messages and run.parent_run_id is not None:
@@ -975,20 +995,23 @@ class Engine:
         # context.budget.pressure precedes the request it shaped; with no request (the body
         # needs compaction) it is the only record of this Build. One round trip: see
         # migrations/0005_record_request.sql for the lock, the erasure fence and the binding.
-        async with telemetry.span("store.write"), acquire(self.pool) as conn:
-            seq = await conn.fetchval(
-                "SELECT record_model_request($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-                tenant,
-                session_id,
-                plan.epoch,
-                run_id,
-                noted,
-                _snapshot_used(run_id, plan) if snapshot_nonempty(plan) else None,
-                plan.snapshot_id,
-                plan.recall_trace_id,
-                payload if assembled.request is not None else None,
+        # migrations/0005_record_request.sql for the lock, the erasure fence and the binding;
+        # Builds made while another's record is in flight share the next round trip (0011).
+        async with telemetry.span("store.write"):
+            seq = await self._record_requests(
+                RequestRecord(
+                    tenant_id=tenant,
+                    session_id=session_id,
+                    epoch=plan.epoch,
+                    run_id=run_id,
+                    pressure=noted,
+                    used=_snapshot_used(run_id, plan) if snapshot_nonempty(plan) else None,
+                    snapshot_id=plan.snapshot_id,
+                    recall_trace_id=plan.recall_trace_id,
+                    request=payload if assembled.request is not None else None,
+                )
             )
-        if seq == _PLAN_INVALIDATED:
+        if seq == PLAN_INVALIDATED:
             # The erasure may have run on another replica: re-read plans on the retry.
             self.forget_cached_plans(tenant, session_id)
             raise ConflictError(
@@ -997,14 +1020,14 @@ class Engine:
                 field="session_id",
                 reason="EPOCH_CONFLICT",
             )
-        if seq == _PERSON_ERASED:
+        if seq == PERSON_ERASED:
             raise PreconditionError(
                 "a recall or correction line names a person erased from this tenant: the"
                 " recall predates the erasure; recall again",
                 field="step",
                 reason="PERSON_ERASED",
             )
-        if seq == _NO_SESSION:
+        if seq == NO_SESSION:
             raise NotFoundError(
                 f"session {session_id} not found", field="session_id", reason="SESSION_NOT_FOUND"
             )
@@ -1049,9 +1072,6 @@ def _count_rotation(stored: plans.StoredPlan) -> None:
 # Rotations every run follows that are not sweeps (store/plans.py): an erasure invalidates
 # exactly the plans holding the person, and each such lineage continues when next used.
 _NOT_SWEPT = epoch_rules.ADMISSION_REASONS | {PlanReason.SNAPSHOT_INVALIDATED}
-
-# record_model_request's refusals (migrations/0005 and 0008).
-_PLAN_INVALIDATED, _NO_SESSION, _PERSON_ERASED = -1, -2, -3
 
 
 async def _fence_snapshot(conn: Any, tenant: str, spec: PlanSpec) -> None:

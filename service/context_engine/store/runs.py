@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
@@ -12,6 +13,7 @@ from .plans import RUN_LINEAGE
 
 __all__ = [
     "RUN_HEAD",
+    "RUN_HEADS",
     "RunHead",
     "RunRow",
     "insert_checkpoint",
@@ -19,6 +21,8 @@ __all__ = [
     "read_checkpoint",
     "read_run",
     "read_run_head",
+    "read_run_heads",
+    "run_head_of",
 ]
 
 
@@ -114,10 +118,11 @@ async def read_checkpoint(conn: Any, tenant_id: str, run_id: UUID, version: int 
     return Checkpoint.model_validate(row["body"])
 
 
-# read_run_head's query ($1 tenant, $2 run id); every subquery an index probe
-# (migrations/0010), which tests/integration/test_plan_service.py checks with EXPLAIN.
-RUN_HEAD = (
-    "SELECT r.session_id, r.parent_run_id, r.seed_event_sequence, r.epoch,"
+# What a Build reads first of a run `r` (read_run_head, read_run_heads); every subquery an
+# index probe (migrations/0010), which tests/integration/test_plan_service.py checks with
+# EXPLAIN.
+_HEAD_COLUMNS = (
+    "r.session_id, r.parent_run_id, r.seed_event_sequence, r.epoch,"
     " (SELECT max(c.version) FROM run_checkpoints c"
     "  WHERE c.tenant_id = r.tenant_id AND c.run_id = r.run_id) AS latest,"
     " (SELECT max(p.epoch) FROM context_plans p"
@@ -129,7 +134,15 @@ RUN_HEAD = (
     "  WHERE s.tenant_id = r.tenant_id AND s.session_id = r.session_id) AS revision,"
     " (SELECT max(w.epoch) FROM context_plans w"
     "  WHERE w.tenant_id = r.tenant_id AND w.session_id = r.session_id AND w.sweep) AS sweep"
-    " FROM runs r WHERE r.tenant_id = $1 AND r.run_id = $2"
+)
+# One run's head ($1 tenant, $2 run id).
+RUN_HEAD = "SELECT " + _HEAD_COLUMNS + " FROM runs r WHERE r.tenant_id = $1 AND r.run_id = $2"
+# Many runs' heads ($1 tenants, $2 run ids, pairwise), each row with `n`, the 1-based
+# position of its key; a key with no run has no row.
+RUN_HEADS = (
+    "SELECT k.n, " + _HEAD_COLUMNS + " FROM unnest($1::text[], $2::uuid[])"
+    " WITH ORDINALITY AS k(tenant_id, run_id, n)"
+    " JOIN runs r ON r.tenant_id = k.tenant_id AND r.run_id = k.run_id"
 )
 
 
@@ -163,7 +176,25 @@ async def read_run_head(conn: Any, tenant_id: str, session_id: UUID, run_id: UUI
     Raises NotFoundError for a run that is not in this tenant's session. Found by primary
     key, the session compared after (see read_run).
     """
-    row = await conn.fetchrow(RUN_HEAD, tenant_id, run_id)
+    return run_head_of(await conn.fetchrow(RUN_HEAD, tenant_id, run_id), session_id, run_id)
+
+
+async def read_run_heads(conn: Any, keys: Sequence[tuple[str, UUID]]) -> list[Any]:
+    """Many runs' head rows in one round trip, by (tenant, run id): each key's row, or
+    None when no such run exists. run_head_of makes each a RunHead for its session
+    (store/batches.py sends Builds' reads this way)."""
+    rows = await conn.fetch(RUN_HEADS, [t for t, _ in keys], [r for _, r in keys])
+    found: list[Any] = [None] * len(keys)
+    for row in rows:
+        found[row["n"] - 1] = row
+    return found
+
+
+def run_head_of(row: Any, session_id: UUID, run_id: UUID) -> RunHead:
+    """RunHead of a head row read for `run_id`.
+
+    Raises NotFoundError for a run that is not in this tenant's session (no row, or a row
+    of another session)."""
     if row is None or row["session_id"] != session_id:
         raise NotFoundError(f"run {run_id} not found", field="run_id", reason="RUN_NOT_FOUND")
     run = RunRow(

@@ -1,0 +1,107 @@
+"""Build's write: a request's record (migrations/0005, 0008), many per round trip (0011).
+
+record_requests is store/batches.py's round trip for Engine.build: the records of the
+Builds that queued while the last round trip was in flight, in one statement and one
+transaction. Each answer is the record's model.request.started sequence or one of
+record_model_request's refusal codes (REFUSALS), the engine's to turn into an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+import asyncpg
+
+from .db import StoreUnavailableError, acquire
+
+__all__ = ["NO_SESSION", "PERSON_ERASED", "PLAN_INVALIDATED", "RequestRecord", "record_requests"]
+
+# record_model_request's refusals (migrations/0005 and 0008): nothing of the record lands.
+PLAN_INVALIDATED, NO_SESSION, PERSON_ERASED = -1, -2, -3
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One Build's record_model_request arguments (migrations/0008 names them)."""
+
+    tenant_id: str
+    session_id: UUID
+    epoch: int
+    run_id: UUID
+    pressure: dict[str, Any] | None  # context.budget.pressure, when a yield ran
+    used: dict[str, Any] | None  # context.snapshot.used, for a nonempty snapshot
+    snapshot_id: str
+    recall_trace_id: str
+    request: dict[str, Any] | None  # model.request.started; None: it needs compaction
+
+
+_ONE = "SELECT record_model_request($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+_MANY = (
+    "SELECT record_model_requests($1::text[], $2::uuid[], $3::bigint[], $4::uuid[],"
+    " $5::jsonb[], $6::jsonb[], $7::text[], $8::text[], $9::jsonb[])"
+)
+
+
+def _columns(records: Sequence[RequestRecord]) -> list[list[Any]]:
+    return [
+        [r.tenant_id for r in records],
+        [r.session_id for r in records],
+        [r.epoch for r in records],
+        [r.run_id for r in records],
+        [r.pressure for r in records],
+        [r.used for r in records],
+        [r.snapshot_id for r in records],
+        [r.recall_trace_id for r in records],
+        [r.request for r in records],
+    ]
+
+
+async def record_requests(pool: Any, records: Sequence[RequestRecord]) -> list[int | Exception]:
+    """Record every request, each answered with its sequence or refusal code.
+
+    Records are sent sorted by (tenant, session) (migrations/0011: the lock order),
+    arrival order kept within a session. When the batch's statement fails for a reason
+    other than PostgreSQL being away, each record is sent again on its own, so a record
+    that cannot land fails its own Build only.
+
+    Raises:
+        StoreUnavailableError: PostgreSQL is away; every record of the batch fails alike.
+    """
+    order = sorted(range(len(records)), key=lambda n: (records[n].tenant_id, records[n].session_id))
+    ordered = [records[n] for n in order]
+    try:
+        if len(ordered) == 1:
+            answers: list[int | Exception] = [await _one(pool, ordered[0])]
+        else:
+            async with acquire(pool) as conn:
+                answers = list(await conn.fetchval(_MANY, *_columns(ordered)))
+    except StoreUnavailableError:
+        raise
+    except asyncpg.PostgresError:
+        if len(ordered) == 1:
+            raise
+        answers = [await _alone(pool, r) for r in ordered]
+    out: list[int | Exception] = [0] * len(records)
+    for n, answer in zip(order, answers, strict=True):
+        out[n] = answer
+    return out
+
+
+async def _one(pool: Any, record: RequestRecord) -> int:
+    async with acquire(pool) as conn:
+        return int(await conn.fetchval(_ONE, *(c[0] for c in _columns([record]))))
+
+
+async def _alone(pool: Any, record: RequestRecord) -> int | Exception:
+    """One record of a batch that failed, sent again on its own: its answer, or what
+    PostgreSQL refused it with (that Build's error alone)."""
+    try:
+        return await _one(pool, record)
+    except StoreUnavailableError:
+        raise
+    except asyncpg.PostgresError as exc:
+        refused: Exception = exc
+        return refused

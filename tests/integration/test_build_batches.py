@@ -1,0 +1,154 @@
+"""Build's round trips shared under load (store/batches.py, store/records.py,
+migrations/0011): many Builds at once over several sessions each get the record of their
+own request, in their session's order, through fewer round trips than Builds; a record
+PostgreSQL refuses fails its own Build only, and a refusal code (an unknown session, an
+erased person) stops no other record of the batch."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from typing import Any
+from uuid import UUID
+
+import asyncpg
+import pytest
+
+from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+from context_engine.store import records
+from context_engine.store.records import NO_SESSION, PERSON_ERASED, RequestRecord
+
+from .helpers import TENANT, assistant, new_id, open_session, replica, start_run
+
+
+async def _runs(stub: Any, sessions: int, runs_per_session: int) -> list[tuple[str, str]]:
+    """(session_id, run_id) of fresh runs, each with one completed turn in its session."""
+    out = []
+    for _ in range(sessions):
+        session_id, _ = await open_session(stub)
+        for n in range(runs_per_session):
+            started = await start_run(stub, session_id, f"question {n}")
+            await stub.AppendItems(
+                pb.AppendItemsRequest(
+                    tenant_id=TENANT,
+                    session_id=session_id,
+                    run_id=started.run.run_id,
+                    expected_checkpoint_version=started.checkpoint_version,
+                    items=[assistant(f"answer {n}")],
+                )
+            )
+            out.append((session_id, started.run.run_id))
+    return out
+
+
+def _build(session_id: str, run_id: str) -> pb.BuildRequest:
+    request = pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id)
+    request.now.FromSeconds(1_790_000_000)
+    return request
+
+
+async def test_concurrent_builds_share_round_trips_and_each_gets_its_own_record(
+    pool: Any,
+) -> None:
+    stub, channel, running = await replica(pool)
+    try:
+        runs = await _runs(stub, sessions=4, runs_per_session=3)
+        requests = [_build(s, r) for s, r in runs] * 4  # every run built four times at once
+        heads, writes = running.engine._read_heads, running.engine._record_requests
+        before = (heads.calls, heads.round_trips, writes.calls, writes.round_trips)
+        built = await asyncio.gather(*(stub.Build(r) for r in requests))
+        calls = heads.calls - before[0], writes.calls - before[2]
+        trips = heads.round_trips - before[1], writes.round_trips - before[3]
+    finally:
+        await channel.close()
+        await running.stop(0)
+    assert calls == (len(requests), len(requests))
+    assert trips[0] < len(requests) and trips[1] < len(requests)  # rounds shared
+    for request, response in zip(requests, built, strict=True):
+        row = await pool.fetchrow(
+            "SELECT run_id, payload FROM session_events WHERE tenant_id = $1"
+            " AND session_id = $2 AND sequence = $3 AND type = 'model.request.started'",
+            TENANT,
+            UUID(request.session_id),
+            response.request_sequence,
+        )
+        assert row is not None, "an acknowledged Build has no record"
+        assert str(row["run_id"]) == request.run_id
+        assert row["payload"]["request_sha256"] == response.request_sha256
+    by_session: dict[str, list[int]] = {}
+    for request, response in zip(requests, built, strict=True):
+        by_session.setdefault(request.session_id, []).append(response.request_sequence)
+    for session_id, sequences in by_session.items():
+        assert len(set(sequences)) == len(sequences)  # one record per Build
+        logged = await pool.fetch(
+            "SELECT sequence FROM session_events WHERE tenant_id = $1 AND session_id = $2"
+            " AND type = 'model.request.started' ORDER BY sequence",
+            TENANT,
+            UUID(session_id),
+        )
+        assert sorted(sequences) == [r["sequence"] for r in logged]
+
+
+def _record(session_id: str, run_id: str, tenant: str = TENANT, **request: Any) -> RequestRecord:
+    return RequestRecord(
+        tenant_id=tenant,
+        session_id=UUID(session_id),
+        epoch=1,
+        run_id=UUID(run_id),
+        pressure=None,
+        used=None,
+        snapshot_id="",
+        recall_trace_id="",
+        request={"run_id": run_id, "probe": True, **request},
+    )
+
+
+async def _probes(pool: Any, session_id: str) -> list[int]:
+    rows = await pool.fetch(
+        "SELECT sequence FROM session_events WHERE tenant_id = $1 AND session_id = $2"
+        " AND type = 'model.request.started' AND payload ? 'probe' ORDER BY sequence",
+        TENANT,
+        UUID(session_id),
+    )
+    return [r["sequence"] for r in rows]
+
+
+async def test_a_record_postgresql_refuses_fails_alone(stub: Any, pool: Any) -> None:
+    (session_id, run_id), (other_session, other_run) = await _runs(stub, 2, 1)
+    poison = _record(session_id, run_id, tenant="bad\x00tenant")  # text cannot hold U+0000
+    answers = await records.record_requests(
+        pool, [_record(session_id, run_id), poison, _record(other_session, other_run)]
+    )
+    assert isinstance(answers[1], asyncpg.PostgresError)
+    assert isinstance(answers[0], int) and isinstance(answers[2], int)
+    assert await _probes(pool, session_id) == [answers[0]]
+    assert await _probes(pool, other_session) == [answers[2]]
+    with pytest.raises(asyncpg.PostgresError):  # alone, the refusal is the caller's error
+        await records.record_requests(pool, [poison])
+
+
+async def test_refusal_codes_in_a_batch_stop_no_other_record(stub: Any, pool: Any) -> None:
+    (session_id, run_id), (other_session, other_run) = await _runs(stub, 2, 1)
+    person = f"person-{new_id()}"
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    erased = await pool.fetchval(
+        "SELECT count(*) FROM erased_people WHERE tenant_id = $1 AND person_sha256 = $2",
+        TENANT,
+        hashlib.sha256(person.encode()).hexdigest(),
+    )
+    assert erased == 1
+    batch = [
+        _record(session_id, run_id),
+        _record(new_id(), run_id),  # no such session
+        _record(other_session, other_run, people=[person]),  # names an erased person
+        _record(other_session, other_run),
+        _record(session_id, run_id),
+    ]
+    answers = await records.record_requests(pool, batch)
+    assert answers[1] == NO_SESSION and answers[2] == PERSON_ERASED
+    landed = [a for n, a in enumerate(answers) if n not in (1, 2)]
+    assert all(isinstance(a, int) and a > 0 for a in landed)
+    # Each session's records in the order they were given, nothing of the refused ones.
+    assert await _probes(pool, session_id) == [answers[0], answers[4]]
+    assert answers[0] < answers[4]  # type: ignore[operator]
+    assert await _probes(pool, other_session) == [answers[3]]
