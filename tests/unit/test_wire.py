@@ -14,6 +14,7 @@ from context_engine.core import assemble
 from context_engine.core.request import Block
 from context_engine.core.rows import Row
 from context_engine.core.trust import TrustLevel
+from context_engine.providers import render
 
 from .strategies import SCENARIO_SETTINGS, Scenario, scenarios
 
@@ -48,20 +49,26 @@ def _reference_varint(value: int) -> bytes:
 @SCENARIO_SETTINGS
 @given(scenarios())
 def test_the_encoded_build_response_is_the_message_with_its_request(sc: Scenario) -> None:
-    """Build answers with the head's bytes followed by the encoded request field; parsed,
-    that is the BuildResponse with `request` set field by field, and interceptors reading
-    it see the same fields."""
+    """Build answers with the head's bytes followed by the encoded budget, provider payload
+    and request fields; parsed, that is the BuildResponse with those set field by field,
+    and interceptors reading it see the same fields."""
     assembled = assemble(sc.inputs())
     assert assembled.request is not None
+    payload = render(assembled.request).body
     head = pb.BuildResponse(request_sha256=assembled.request_sha256, epoch=3)
     head.pressure.fits = True
-    encoded = wire.EncodedBuildResponse(head, wire.request_bytes(assembled.request))
+    encoded = wire.EncodedBuildResponse(
+        head, wire.request_bytes(assembled.request), budget=assembled.budget, payload=payload
+    )
     expected = pb.BuildResponse()
     expected.CopyFrom(head)
     expected.request.CopyFrom(convert.request_to_proto(assembled.request))
+    expected.budget.extend(convert.budget_to_proto(assembled.budget))
+    expected.provider_payload = payload
     assert pb.BuildResponse.FromString(encoded.SerializeToString()) == expected
     assert encoded.HasField("request") and encoded.HasField("pressure")
     assert encoded.request == expected.request
+    assert list(encoded.budget) == list(expected.budget) and encoded.provider_payload == payload
     assert (encoded.epoch, encoded.request_sha256) == (3, assembled.request_sha256)
     empty = wire.EncodedBuildResponse(pb.BuildResponse(needs_compaction=True), None)
     assert not empty.HasField("request")

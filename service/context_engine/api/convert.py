@@ -48,6 +48,7 @@ __all__ = [
     "block_from_proto",
     "block_to_proto",
     "budget_to_proto",
+    "class_usage_to_proto",
     "item_from_proto",
     "items_from_proto",
     "parse_uuid",
@@ -406,7 +407,7 @@ def plan_to_proto(plan: ContextPlan, created_at: datetime | None = None) -> pb.C
         skipped_tool_names=plan.skipped_tool_names,
         deferred_tool_names=plan.deferred_tool_names,
         spec_sha256=plan.spec_sha256,
-        prefix_classes=[_class_usage(c) for c in plan.prefix_classes],
+        prefix_classes=[class_usage_to_proto(c) for c in plan.prefix_classes],
         prefix_document=plan.prefix_document.encode("utf-8"),
         pinned_tools=[_pinned_tool(t) for t in plan.pinned_tools],
         recall_trace_id=plan.recall_trace_id,
@@ -442,7 +443,7 @@ def admission_from_proto(admission: pb.RunAdmission) -> Admission:
     )
 
 
-def _class_usage(c: ClassUsage) -> pb.ClassUsage:
+def class_usage_to_proto(c: ClassUsage) -> pb.ClassUsage:
     return pb.ClassUsage(
         class_name=c.class_name,
         tokens=c.tokens,
@@ -661,7 +662,7 @@ def pressure_to_proto(report: PressureReport) -> pb.PressureReport:
 
 
 def budget_to_proto(budget: Sequence[ClassUsage]) -> list[pb.ClassUsage]:
-    return [_class_usage(c) for c in budget]
+    return [class_usage_to_proto(c) for c in budget]
 
 
 def block_to_proto(block: Block) -> pb.ContentBlock:

@@ -236,7 +236,6 @@ class ContextEngineServicer(
             request_sha256=assembled.request_sha256,
             request_sequence=result.request_sequence,
             needs_compaction=assembled.needs_compaction,
-            budget=convert.budget_to_proto(assembled.budget),
             estimated_input_tokens=assembled.estimated_input_tokens,
             input_budget_tokens=assembled.input_budget_tokens,
         )
@@ -244,10 +243,12 @@ class ContextEngineServicer(
         if assembled.pressure is not None and assembled.pressure.yielded:
             response.pressure.CopyFrom(convert.pressure_to_proto(assembled.pressure))
         if result.rendered is not None:
-            response.provider_payload = result.rendered.body
             response.provider_api = result.rendered.api
         # No request when the body needs compaction: the worker compacts and builds again.
         request = assembled.request
         return wire.EncodedBuildResponse(
-            response, wire.request_bytes(request) if request is not None else None
+            response,
+            wire.request_bytes(request) if request is not None else None,
+            budget=assembled.budget,
+            payload=result.rendered.body if result.rendered is not None else b"",
         )

@@ -16,37 +16,54 @@ message built field by field.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, cast
 
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
 from ..core.identity_memo import IdentityMemo
 from ..core.memo_budget import bounded_cache
-from ..core.request import Block, Message, ModelRequest, ToolDefinition
+from ..core.plan import ClassUsage
+from ..core.request import Block, Message, ModelRequest, ToolDefinition, with_repeated_run
 from . import convert
 
 __all__ = ["EncodedBuildResponse", "field", "request_bytes", "request_message"]
 
 # BuildResponse, ModelRequest and Message field numbers
 # (proto/context_engine/v1/context_engine.proto).
-_REQUEST = 1
+_REQUEST, _BUDGET, _PROVIDER_PAYLOAD = 1, 10, 11
+_ENCODED = frozenset({"request", "budget", "provider_payload"})
 _SYSTEM, _TOOLS, _MESSAGES = 3, 4, 5
 _ROLE, _BLOCKS = 1, 2
 _LENGTH_DELIMITED = 2
 
 
 class EncodedBuildResponse:
-    """A BuildResponse whose `request` field is already encoded: the handler returns it and
+    """A BuildResponse whose large fields are already encoded: the handler returns it and
     the registered serializer (api/registration.py) sends `SerializeToString()`, the small
-    head's bytes followed by the request field, so the request is neither parsed into
-    protobuf objects nor serialized again. Interceptors read it like the message: every
-    field comes from the head, except `request`, parsed on first access."""
+    head's bytes followed by the encoded fields — the budget (each class memoized), the
+    provider payload and the request — so none of them is copied into protobuf objects,
+    parsed or serialized again. Interceptors read it like the message: every field comes
+    from the head, except the encoded ones, read from the message parsed on first access."""
 
-    __slots__ = ("_head", "_request", "_tail")
+    __slots__ = ("_head", "_message", "_request", "_tail")
 
-    def __init__(self, head: pb.BuildResponse, request: bytes | None) -> None:
+    def __init__(
+        self,
+        head: pb.BuildResponse,
+        request: bytes | None,
+        *,
+        budget: Sequence[ClassUsage] = (),
+        payload: bytes = b"",
+    ) -> None:
         self._head = head
-        self._tail = field(_REQUEST, request) if request is not None else b""
-        self._request: pb.ModelRequest | None = None
+        parts = _budget_field.many(budget)
+        if payload:
+            parts.append(field(_PROVIDER_PAYLOAD, payload))
+        if request is not None:
+            parts.append(field(_REQUEST, request))
+        self._request = request is not None
+        self._tail = b"".join(parts)
+        self._message: pb.BuildResponse | None = None
 
     def SerializeToString(self, deterministic: bool = False) -> bytes:
         head = cast(bytes, self._head.SerializeToString(deterministic=deterministic))
@@ -54,18 +71,16 @@ class EncodedBuildResponse:
 
     def to_message(self) -> pb.BuildResponse:
         """The equivalent protobuf message (parsed from the bytes)."""
-        return cast(pb.BuildResponse, pb.BuildResponse.FromString(self.SerializeToString()))
+        if self._message is None:
+            self._message = pb.BuildResponse.FromString(self.SerializeToString())
+        return self._message
 
     def HasField(self, name: str) -> bool:
-        return bool(self._tail) if name == "request" else self._head.HasField(name)
-
-    @property
-    def request(self) -> pb.ModelRequest:
-        if self._request is None:
-            self._request = self.to_message().request
-        return self._request
+        return self._request if name == "request" else self._head.HasField(name)
 
     def __getattr__(self, name: str) -> Any:
+        if name in _ENCODED:
+            return getattr(self.to_message(), name)
         return getattr(self._head, name)
 
 
@@ -76,8 +91,9 @@ def request_message(request: ModelRequest) -> pb.ModelRequest:
 
 def request_bytes(request: ModelRequest) -> bytes:
     """`request` serialized as a protobuf ModelRequest, composed from memoized pieces: the
-    plan's system blocks and tools (the same tuples on every Build of an epoch) and each
-    message (a run's carried messages are the same objects on every Build)."""
+    plan's system blocks and tools (the same tuples on every Build of an epoch), each
+    message (a run's carried messages are the same objects on every Build) and the
+    repeated run of them (ModelRequest.repeated), joined once per run."""
     head = pb.ModelRequest(
         provider=convert.provider_to_proto(request.provider),
         model_id=request.model_id,
@@ -90,7 +106,7 @@ def request_bytes(request: ModelRequest) -> bytes:
             head.SerializeToString(),
             _system_fields(request.system),
             _tool_fields(request.tools),
-            *_message_field.many(request.messages),
+            *with_repeated_run(request, _message_field.many, _run_fields),
         )
     )
 
@@ -132,8 +148,19 @@ def _block_bytes(block: Block) -> bytes:
 _block = IdentityMemo(_block_bytes)
 _block_field: IdentityMemo[Block, bytes] = IdentityMemo(lambda block: field(_BLOCKS, _block(block)))
 _message_field = IdentityMemo(_message_field_bytes, by_value=False)
+# The interior of a run's carried suffix is one tuple on every Build (ModelRequest.repeated).
+_run_fields: IdentityMemo[tuple[Message, ...], bytes] = IdentityMemo(
+    lambda run: b"".join(_message_field.many(run)), 1024, by_value=False
+)
 _system_fields = IdentityMemo(_system_bytes, 256)
 _tool_fields = IdentityMemo(_tool_bytes, 256)
+
+
+# A plan's prefix classes are the same objects on every Build, and so are the body classes
+# of equal figures (core/pressure.py memoizes them).
+_budget_field: IdentityMemo[ClassUsage, bytes] = IdentityMemo(
+    lambda usage: field(_BUDGET, convert.class_usage_to_proto(usage).SerializeToString()), 4096
+)
 
 
 @bounded_cache(1024)

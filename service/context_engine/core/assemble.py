@@ -185,7 +185,7 @@ def assemble(inputs: BuildInputs) -> Assembled:
     )
     if not fitted.fits:
         return _outcome(inputs, budget, fitted, None, "")
-    messages, runs = _messages(fitted, inputs.secret)
+    messages, runs, repeated = _messages(fitted, inputs.secret)
     validate_block_runs(runs)
     request = ModelRequest(
         provider=plan.provider,
@@ -200,6 +200,7 @@ def assemble(inputs: BuildInputs) -> Assembled:
             _window_items(fitted, inputs.checkpoint.run_id),
             inputs.checkpoint.run_id,
         ),
+        repeated=repeated,
     )
     digest = sha256_hex(request.canonical_bytes())
     return _outcome(inputs, budget, fitted, request, digest)
@@ -403,28 +404,30 @@ def _runtime_item(
 
 def _messages(
     fitted: Fitted, secret: bytes
-) -> tuple[tuple[Message, ...], list[Sequence[Block] | ClosedRun]]:
+) -> tuple[tuple[Message, ...], list[Sequence[Block] | ClosedRun], tuple[int, tuple[Message, ...]]]:
     """Render the placed items to blocks and merge consecutive same-role blocks into
-    messages; also the blocks as runs, for validate_block_runs.
+    messages; also the blocks as runs, for validate_block_runs, and where the carried
+    suffix's interior lies among the messages (ModelRequest.repeated).
 
     The carried suffix comes rendered and merged (core/carried.py, Retained); the items
     before it (the summary) and after it (the run's items, the fresh rows) are rendered
     here, `fitted.truncated` naming those whose envelope is marked truncated. Merging is
-    the same wherever the groups come from."""
+    the same wherever the groups come from: only the suffix's first and last message can
+    merge with a neighbour, so its interior is carried as it is."""
     retained = fitted.retained
     assert retained is not None  # every fitting body has one
     at, end = fitted.retained_at, fitted.retained_at + len(retained.pairs)
     before, after = fitted.placed[:at], fitted.placed[end:]
     head = [_rendered(row, item, secret, id(item) in fitted.truncated) for row, item in before]
     tail = [_rendered(row, item, secret, id(item) in fitted.truncated) for row, item in after]
-    messages = joined(
-        (
-            grouped([item for _, item in before], head),
-            retained.messages,
-            grouped([item for _, item in after], tail),
-        )
+    leading = grouped([item for _, item in before], head)
+    messages = joined((leading, retained.messages, grouped([item for _, item in after], tail)))
+    # The suffix's first message is the one after `leading`, or merged into its last.
+    first = len(leading) - (
+        1 if leading and retained.messages and leading[-1].role == retained.messages[0].role else 0
     )
-    return messages, [head, retained.closed or retained.blocks, tail]
+    repeated = (first + 1, retained.interior)
+    return messages, [head, retained.closed or retained.blocks, tail], repeated
 
 
 def _render(row: Row, item: ContextItem, secret: bytes, truncated: bool = False) -> Block:

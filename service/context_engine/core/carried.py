@@ -28,10 +28,10 @@ merging and marking every placed item one by one gives.
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, repeat
+from itertools import accumulate, compress, repeat
 from operator import attrgetter, itemgetter
 
 from .excerpts import legacy_excerpt
@@ -91,6 +91,7 @@ class Segment:
     costs: tuple[int, ...]  # each item as placed (a legacy excerpt costed truncated)
     classes: tuple[str, ...]  # "tool_results" for a result, else "history"
     results: tuple[tuple[int, int, int], ...]  # (index, full cost, pointer cost) per result
+    result_sums: tuple[int, ...]  # the results' full costs as prefix sums, from 0
     excerpted: frozenset[int]  # id() of legacy excerpts among items (render truncated)
     excerpted_items: tuple[ToolResult, ...]  # every legacy excerpt the view made
     total: int  # sum(costs)
@@ -114,6 +115,12 @@ class Segment:
         if tuple(costs) != self.costs:
             negated = negated_suffix_sums(costs)
         return self.settle(suffix_cut(negated, history_tokens))
+
+    def result_tokens_from(self, cut: int) -> int:
+        """The full tokens of the results at index >= `cut` (results are few of the items;
+        the sums are made once per segment, the index found by bisection)."""
+        first = bisect_left(self.results, cut, key=_INDEX)
+        return self.result_sums[-1] - self.result_sums[first]
 
     def settle(self, cut: int) -> int:
         """history_cut.past_split_pairs at `cut`; it depends only on the items."""
@@ -154,6 +161,9 @@ class Retained:
     blocks: tuple[Block, ...]
     closed: ClosedRun | None  # the blocks, if their tool pairs are whole on their own
     messages: tuple[Message, ...]  # consecutive same-role blocks merged
+    # messages[1:-1]: what the request carries unchanged whatever it merges at either end
+    # (ModelRequest.repeated), one tuple object for every Build of this cut and yields.
+    interior: tuple[Message, ...]
     run_ids: frozenset[str]
     has_reasoning: bool
     # The last nameable item and the last input with an id, in order: every marker a
@@ -205,12 +215,14 @@ def _segment(view: CarriedView, floor: int) -> Segment:
     is_result = tuple(map(results.__contains__, map(type, items)))
     at = list(compress(range(len(items)), is_result))
     pointer_costs = map(view.pointer_costs.__getitem__, compress(ids, is_result))
+    result_costs = list(map(costs.__getitem__, at))
     return Segment(
         items=items,
         pairs=tuple(zip(repeat(Row.CONVERSATION), items)),
         costs=costs,
         classes=tuple(map(_CLASSES.__getitem__, is_result)),
-        results=tuple(zip(at, map(costs.__getitem__, at), pointer_costs, strict=True)),
+        results=tuple(zip(at, result_costs, pointer_costs, strict=True)),
+        result_sums=tuple(accumulate(result_costs, initial=0)),
         excerpted=excerpted,
         excerpted_items=view.excerpted,
         total=sum(costs),
@@ -226,6 +238,7 @@ def _segment(view: CarriedView, floor: int) -> Segment:
 
 
 _SEQUENCE = attrgetter("sequence")
+_INDEX = itemgetter(0)
 _RUN_ID = attrgetter("run_id")
 _CLASSES = ("history", "tool_results")  # by "is a tool result"
 
@@ -240,6 +253,7 @@ def _retained(segment: Segment, cut: int, yielded: frozenset[int]) -> Retained:
         tokens, counts = _class_totals(segment, cut)
     items = tuple(map(itemgetter(1), pairs))
     markable = sorted({*_last(items, _named), *_last(items, _named_input)})
+    messages = grouped(items, blocks)
     return Retained(
         pairs=tuple(pairs),
         tokens=tokens,
@@ -247,7 +261,8 @@ def _retained(segment: Segment, cut: int, yielded: frozenset[int]) -> Retained:
         pointers=frozenset(id(pairs[n - cut][1]) for n in yielded),
         blocks=tuple(blocks),
         closed=closed_run(blocks),
-        messages=grouped(items, blocks),
+        messages=messages,
+        interior=messages[1:-1],
         run_ids=frozenset(map(_RUN_ID, items)),
         has_reasoning=any(issubclass(t, ReasoningItem) for t in set(map(type, items))),
         markable=tuple((Row.CONVERSATION, items[n]) for n in markable),

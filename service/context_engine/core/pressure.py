@@ -169,9 +169,11 @@ def fit_body(
             fixed += spent  # the summary and the run's earlier exchanges: never cut
     # Lowest-ranked passages drop first; the stable sort keeps arrival order within a rank.
     knowledge.sort(key=lambda pair: _rank(pair[0]))
-    carried_results = [
-        Truncatable(n, full, pointer, carried.items[n]) for n, full, pointer in carried.results
-    ]
+
+    def carried_results() -> list[Truncatable]:
+        return [
+            Truncatable(n, full, pointer, carried.items[n]) for n, full, pointer in carried.results
+        ]
 
     body = Body(
         budget=budget.body_tokens,
@@ -183,7 +185,9 @@ def fit_body(
         recall_floor=floor,
         carried_costs=list(carried.costs),
         run_results=run_results,
-        carried_results=carried_results,
+        carried_results=None,
+        carried_source=carried_results,
+        carried_result_tokens=carried.result_tokens_from,
         cut_at=lambda current, history_tokens: carried.cut(history_tokens, current),
     )
     fits = run_ladder(body)
@@ -191,7 +195,8 @@ def fit_body(
     dropped = {id(i) for i, _ in knowledge[body.knowledge_kept :]}
     dropped |= {id(i) for i, _ in recall[body.recall_kept :]}
     pointers = {id(t.item): t for t in run_results if t.truncated}
-    yielded = tuple(t.carried_index for t in carried_results if t.truncated)
+    made = body.carried_results or ()  # None: no carried result was looked at, so none yielded
+    yielded = tuple(t.carried_index for t in made if t.truncated)
 
     truncated: set[int] = set(carried.excerpted)
     tokens: dict[str, int] = {}

@@ -6,8 +6,10 @@ construction in assemble.py. `canonical()` is what `request_sha256` hashes.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from operator import is_
+from typing import Any, Literal, TypeVar
 
 from .canonical import canonical_bytes
 from .identity_memo import IdentityMemo
@@ -15,7 +17,15 @@ from .memo_budget import bounded_cache
 from .rows import Row
 from .trust import TrustLevel
 
-__all__ = ["Block", "CacheBreakpoint", "Message", "ModelRequest", "ToolDefinition"]
+__all__ = [
+    "Block",
+    "CacheBreakpoint",
+    "Message",
+    "ModelRequest",
+    "ToolDefinition",
+    "repeated_run",
+    "with_repeated_run",
+]
 
 BlockKind = Literal["text", "tool_call", "tool_result", "reasoning"]
 
@@ -118,6 +128,14 @@ class ModelRequest:
     max_output_tokens: int
     session_key: str
     cache_breakpoints: tuple[CacheBreakpoint, ...] = field(default=())
+    # A rendering hint, never hashed nor compared: (start, run), where run is a tuple of
+    # messages that the request carries as messages[start:start + len(run)] and that
+    # repeats, as this very tuple object, on every Build of a run (the interior of its
+    # carried suffix, core/carried.py Retained.interior). Serializers render the run as one
+    # fragment memoized on the tuple (with_repeated_run), so a Build's serializing does
+    # not grow with the history; without the hint, or where the messages there are not
+    # the run's very objects, they render message by message, to the same bytes.
+    repeated: tuple[int, tuple[Message, ...]] | None = field(default=None, compare=False)
 
     def canonical_bytes(self) -> bytes:
         """RFC 8785 bytes of `canonical()`, composed from memoized per-block fragments.
@@ -125,7 +143,7 @@ class ModelRequest:
         Equal to `canonical_bytes(self.canonical())` (tests/unit/test_canonical.py checks
         it): keys in sorted order, each block serialized canonically once per process.
         """
-        messages = ",".join(_message_json.many(self.messages))
+        messages = ",".join(with_repeated_run(self, _message_json.many, _run_json))
         parts = [
             '{"cache_breakpoints":' + _json(self.cache_breakpoints),
             '"max_output_tokens":' + str(self.max_output_tokens),
@@ -171,6 +189,10 @@ def _message_text(message: Message) -> str:
 
 # A run's carried messages are the same objects on every Build (core/carried.py).
 _message_json = IdentityMemo(_message_text, _FRAGMENTS)
+# ...and the interior of its carried suffix the same tuple (ModelRequest.repeated).
+_run_json: IdentityMemo[tuple[Message, ...], str] = IdentityMemo(
+    lambda run: ",".join(_message_json.many(run)), 1024, by_value=False
+)
 
 
 def _values_text(values: tuple[Block | ToolDefinition | CacheBreakpoint, ...]) -> str:
@@ -185,3 +207,38 @@ _json = IdentityMemo(_values_text, 256)
 @bounded_cache(1024)
 def _string(value: str) -> str:
     return canonical_bytes(value).decode("utf-8")
+
+
+F = TypeVar("F")
+
+
+def repeated_run(request: ModelRequest) -> tuple[int, tuple[Message, ...]] | None:
+    """The request's repeated run (ModelRequest.repeated) where the hint holds: a run that
+    is not empty and is, message for message, the very objects the request carries there
+    (checked by identity, a C-level pass); None otherwise (no hint, or a request rebuilt
+    with other messages)."""
+    hint = request.repeated
+    if hint is None or not hint[1]:
+        return None
+    start, run = hint
+    if start < 0:
+        return None
+    carried = request.messages[start : start + len(run)]
+    if len(carried) != len(run) or not all(map(is_, carried, run)):
+        return None
+    return hint
+
+
+def with_repeated_run(
+    request: ModelRequest,
+    each: Callable[[Sequence[Message]], list[F]],
+    run: Callable[[tuple[Message, ...]], F],
+) -> list[F]:
+    """`each(request.messages)`, a fragment per message, except that the repeated run
+    (repeated_run) is one fragment, `run(the run)`: the fragments joined give the same
+    bytes when `run(r)` is the join of `each(r)`."""
+    messages, hint = request.messages, repeated_run(request)
+    if hint is None:
+        return each(messages)
+    start, repeated = hint
+    return [*each(messages[:start]), run(repeated), *each(messages[start + len(repeated) :])]

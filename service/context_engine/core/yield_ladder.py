@@ -125,8 +125,14 @@ class Body:
     recall_floor: int  # lines never trimmed, from the best-ranked
     carried_costs: list[int]  # each carried item as the cut counts it (oldest first)
     run_results: list[Truncatable]  # the run's truncatable results, oldest first
-    carried_results: list[Truncatable]  # carried results, oldest first
+    # Carried results, oldest first; with `carried_source`, made by it on first use (a
+    # Build whose body fits without yielding never needs them one by one).
+    carried_results: list[Truncatable] | None
     cut_at: CutAt  # (carried costs, history tokens) -> cut index
+    carried_source: Callable[[], list[Truncatable]] | None = None
+    # Full tokens of the carried results at index >= a cut (none truncated), where known
+    # without making them (core/carried.py Segment.result_tokens_from).
+    carried_result_tokens: Callable[[int], int] | None = None
     knowledge_kept: int = 0
     recall_kept: int = 0
     steps: list[YieldStep] = field(default_factory=list)
@@ -135,6 +141,13 @@ class Body:
     def __post_init__(self) -> None:
         self.knowledge_kept = len(self.knowledge)
         self.recall_kept = len(self.recall)
+
+    def carried(self) -> list[Truncatable]:
+        """The carried results, made now if they were left to `carried_source`."""
+        if self.carried_results is None:
+            assert self.carried_source is not None
+            self.carried_results = self.carried_source()
+        return self.carried_results
 
     # --- measures ---------------------------------------------------------------------
 
@@ -174,11 +187,18 @@ class Body:
         return self._cut_cache[2]
 
     def results_in_request(self, cut: int) -> list[Truncatable]:
-        retained = [t for t in self.carried_results if t.carried_index >= cut]
+        retained = [t for t in self.carried() if t.carried_index >= cut]
         return retained + self.run_results
 
+    def result_tokens_in_request(self, cut: int) -> int:
+        """sum(t.cost for t in results_in_request(cut)), without making the carried results
+        when none has been (so none is truncated) and their tokens are known by cut."""
+        if self.carried_results is None and self.carried_result_tokens is not None:
+            return self.carried_result_tokens(cut) + self.run_result_tokens()
+        return sum(t.cost for t in self.results_in_request(cut))
+
     def tool_results_over_cap(self) -> bool:
-        return sum(t.cost for t in self.results_in_request(self.cut())) > self.tool_result_cap
+        return self.result_tokens_in_request(self.cut()) > self.tool_result_cap
 
 
 def run_ladder(body: Body) -> bool:
@@ -272,7 +292,7 @@ def _truncate_tool_results(body: Body, freed: int = 0, ids: list[str] | None = N
         chosen.truncated = True
         freed += chosen.saving
         ids.append(chosen.item.item_id)
-    if body.fits():
+    if body.fits() and body.tool_results_over_cap():
         in_request = body.results_in_request(body.cut())
         total = sum(t.pointer_cost if t.truncated else t.full_cost for t in in_request)
         for candidate in in_request:
@@ -303,7 +323,9 @@ def _for_pressure(body: Body) -> Iterator[Truncatable]:
     """
     floor = body.history_floor
     paid, history = body.paid(), body.history_total()
-    carried = [t for t in body.carried_results if not t.truncated and t.saving > 0]
+    if paid + min(floor, history) <= body.budget:
+        return  # it fits: nothing is truncated for the fit
+    carried = [t for t in body.carried() if not t.truncated and t.saving > 0]
     by_saving = sorted(range(len(carried)), key=lambda n: -carried[n].saving)
     admitted = 0
     eligible: list[int] = []  # indices into `carried`, a heap: the oldest first

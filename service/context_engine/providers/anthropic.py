@@ -51,7 +51,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from itertools import compress, count, repeat
+from itertools import chain, compress, count, repeat
 from operator import attrgetter, eq, is_not, methodcaller
 from typing import Any, TypeVar
 
@@ -60,7 +60,14 @@ from ..core.errors import EngineError
 from ..core.identity_memo import IdentityMemo
 from ..core.items import REASONING_TYPES
 from ..core.memo_budget import bounded_cache
-from ..core.request import Block, CacheBreakpoint, Message, ModelRequest, ToolDefinition
+from ..core.request import (
+    Block,
+    CacheBreakpoint,
+    Message,
+    ModelRequest,
+    ToolDefinition,
+    repeated_run,
+)
 from ..core.rows import Row
 from .call_ids import BASE_IDS, VariantMemo, all_distinct, wire_call_ids
 from .layout import PromptUnit, RenderedPayload
@@ -146,14 +153,22 @@ def render(request: ModelRequest, max_breakpoints: int = MAX_BREAKPOINTS) -> Ren
             provider's reasoning type (core/items.py REASONING_TYPES).
     """
     max_breakpoints = min(max_breakpoints, MAX_BREAKPOINTS)  # the API refuses a fifth
-    messages, moved = _message_layouts(request)
     tools = [_Unit(_tool(t)) for t in request.tools]
     system = [_Unit(r) for b in request.system if (r := _system(b)) is not None]
-    turns = _turns_by_message(messages, tools, system, request.cache_breakpoints, max_breakpoints)
+    messages, moved, run_at = _message_layouts(request)
+    turns = _turns_by_message(
+        messages, tools, system, request.cache_breakpoints, max_breakpoints, run_at
+    )
+    if turns is _EXPAND:  # a marker lands in the repeated run: lay it out message by message
+        messages, moved, run_at = _message_layouts(request, collapse=False)
+        turns = _turns_by_message(
+            messages, tools, system, request.cache_breakpoints, max_breakpoints, run_at
+        )
     if turns is None:  # a message that sends nothing, or two of one role in a row
         layout = _layout(request, tools, system, moved)
         _place_markers(layout, request.cache_breakpoints, max_breakpoints)
         turns = ",".join(_turn_text(role, units) for role, units in layout.turns)
+    assert isinstance(turns, str)
     parts = [
         '{"max_tokens":' + str(request.max_output_tokens),
         '"messages":[' + turns + "]",
@@ -199,21 +214,52 @@ def prompt_units(request: ModelRequest) -> tuple[PromptUnit, ...]:
 _Moved = dict[int, tuple[str, ...]]
 
 
-def _message_layouts(request: ModelRequest) -> tuple[list[_MessageLayout], _Moved]:
-    """Each message's layout, from the memos, and the blocks whose call id moved (Rule 7):
-    none in the common case, told by one pass over the memos' ids. Checks wire names."""
-    if not request.tools:  # Rule 8: no tool name or call id reaches the wire
-        return _text_layout.many(request.messages), {}
-    messages = _message_layout.many(request.messages)
+def _message_layouts(
+    request: ModelRequest, *, collapse: bool = True
+) -> tuple[list[_MessageLayout], _Moved, int]:
+    """Each message's layout, from the memos, the blocks whose call id moved (Rule 7):
+    none in the common case, told by one pass over the memos' ids, and where the repeated
+    run lies (-1: nowhere). Checks wire names.
+
+    With `collapse`, the request's repeated run (core/request.py ModelRequest.repeated) is
+    one layout of several turns (`_run_layout`), memoized on the run, where it can be one:
+    its messages each send something and alternate roles. Not when call ids move: those are
+    re-laid by message index."""
+    as_text = not request.tools  # Rule 8: no tool name or call id reaches the wire
+    each, run_of = (_text_layout, _run_text_layout) if as_text else (_message_layout, _run_layout)
+    messages, run_at = _collapsed(request, each, run_of) if collapse else (None, -1)
+    if messages is None:
+        messages = each.many(request.messages)
+    if as_text:
+        return messages, {}, run_at
     check_wire_names(
         [*(t.name for t in request.tools), *frozenset().union(*map(_CALLED, messages))]
     )
     if all_distinct(map(_CALL_IDS, messages)):
-        return messages, {}
+        return messages, {}, run_at
+    messages = _message_layout.many(request.messages)
     moved = wire_call_ids(request.messages, _BASE_ID)
     for n, wire in moved.items():
         messages[n] = _relaid(request.messages[n], wire)
-    return messages, moved
+    return messages, moved, -1
+
+
+def _collapsed(
+    request: ModelRequest,
+    each: IdentityMemo[Message, _MessageLayout],
+    run_of: IdentityMemo[tuple[Message, ...], _MessageLayout | _NoRun],
+) -> tuple[list[_MessageLayout] | None, int]:
+    """The layouts with the repeated run as one, and its index; (None, -1) where there is
+    no run or it cannot be one layout."""
+    hint = repeated_run(request)
+    if hint is None:
+        return None, -1
+    start, run = hint
+    combined = run_of(run)
+    if isinstance(combined, _NoRun):
+        return None, -1
+    messages = request.messages
+    return [*each.many(messages[:start]), combined, *each.many(messages[start + len(run) :])], start
 
 
 def _unit_of(block: Block, wire: str, as_text: bool) -> _Rendered | None:
@@ -255,7 +301,7 @@ def _layout(
 
 
 def _prompt_layout(request: ModelRequest) -> _Layout:
-    _, moved = _message_layouts(request)
+    _, moved, _ = _message_layouts(request, collapse=False)
     tools = [_Unit(_tool(t)) for t in request.tools]
     system = [_Unit(r) for b in request.system if (r := _system(b)) is not None]
     return _layout(request, tools, system, moved)
@@ -279,6 +325,43 @@ class _MessageLayout:
     last_cacheable: int  # index in `units` of the last cacheable unit in block order; -1
     called: frozenset[str]  # tool names its calls use (check_wire_names)
     call_ids: tuple[str, ...]  # its calls' base ids (Rule 7)
+    # The roles its turns begin and end with: its role, for one message; a repeated run's
+    # first and last message's (_run_layout), whose `text` is then several turns.
+    first_role: str = ""
+    last_role: str = ""
+
+
+class _NoRun:
+    """A repeated run that cannot be one layout (a message sends nothing, or two of one
+    role meet inside it)."""
+
+
+_NO_RUN = _NoRun()
+
+
+def _lay_out_run(layouts: Sequence[_MessageLayout]) -> _MessageLayout | _NoRun:
+    """The layouts of a run of messages as one of several turns, when each message is a
+    turn of its own: its text the turns' texts joined, its calls and names theirs. Its
+    anchors name every item its messages' anchors do (value 0) and it has a cacheable unit
+    if any of them has: a marker that lands in it sends _turns_by_message back to the
+    messages one by one, so where in the run is never needed."""
+    roles = [m.role for m in layouts]
+    if not layouts or any(not m.text for m in layouts) or True in map(eq, roles, roles[1:]):
+        return _NO_RUN
+    anchors: dict[str, int] = {}
+    for m in layouts:
+        anchors.update(dict.fromkeys(m.anchors, 0))
+    return _MessageLayout(
+        role="",
+        units=(),
+        text=",".join(m.text for m in layouts),
+        anchors=anchors,
+        last_cacheable=0 if any(m.last_cacheable >= 0 for m in layouts) else -1,
+        called=frozenset().union(*(m.called for m in layouts)),
+        call_ids=tuple(chain.from_iterable(m.call_ids for m in layouts)),
+        first_role=roles[0],
+        last_role=roles[-1],
+    )
 
 
 def _lay_out_message(
@@ -309,6 +392,8 @@ def _lay_out_message(
         last_cacheable=to_turn[last] if last >= 0 else -1,
         called=frozenset(b.tool_name for b in message.blocks if b.kind == "tool_call"),
         call_ids=tuple(_BASE_ID(b.call_id) for b in message.blocks if b.kind == "tool_call"),
+        first_role=message.role,
+        last_role=message.role,
     )
 
 
@@ -317,15 +402,30 @@ def _lay_out_message(
 _message_layout = IdentityMemo(_lay_out_message, 16_384, by_value=False)
 _text_layout = IdentityMemo(partial(_lay_out_message, as_text=True), 16_384, by_value=False)
 _relaid = VariantMemo(_lay_out_message)
+# A run's carried suffix keeps its interior as one tuple on every Build (Rule 9 there).
+_run_layout: IdentityMemo[tuple[Message, ...], _MessageLayout | _NoRun] = IdentityMemo(
+    lambda run: _lay_out_run(_message_layout.many(run)), 1024, by_value=False
+)
+_run_text_layout: IdentityMemo[tuple[Message, ...], _MessageLayout | _NoRun] = IdentityMemo(
+    lambda run: _lay_out_run(_text_layout.many(run)), 1024, by_value=False
+)
 _BASE_ID = BASE_IDS[_PROVIDER]
 _CALL_IDS = attrgetter("call_ids")
 _CALLED = attrgetter("called")
-_ROLE = attrgetter("role")
+_FIRST_ROLE = attrgetter("first_role")
+_LAST_ROLE = attrgetter("last_role")
 _TEXT = attrgetter("text")
 _ANCHORS = attrgetter("anchors")
 
 # Processing-order position of a unit: (section, message, unit); tools, system, messages.
 _Position = tuple[int, int, int]
+
+
+class _Expand:
+    """_turns_by_message's answer when a marker lands in the repeated run."""
+
+
+_EXPAND = _Expand()
 
 
 def _turns_by_message(
@@ -334,28 +434,34 @@ def _turns_by_message(
     system: list[_Unit],
     breakpoints: Sequence[CacheBreakpoint],
     budget: int,
-) -> str | None:
+    run_at: int = -1,
+) -> str | _Expand | None:
     """The turns' JSON when every message sends something and no two neighbours share a
     role, so each message is one turn: its memoized text, recomposed only where a marker
-    lands. None otherwise (the general _layout handles it). Markers follow _place_markers
-    exactly; tests/unit/test_providers.py checks the two paths give the same bytes."""
+    lands. None otherwise (the general _layout handles it); _EXPAND, changing nothing, when
+    a marker lands in the repeated run at `run_at` (the caller lays it out message by
+    message). Markers follow _place_markers exactly; tests/unit/test_providers.py checks
+    the two paths give the same bytes."""
     texts: list[str] = list(map(_TEXT, messages))
-    roles: list[str] = list(map(_ROLE, messages))
-    if "" in texts or True in map(eq, roles, roles[1:]):
+    firsts: list[str] = list(map(_FIRST_ROLE, messages))
+    if "" in texts or True in map(eq, map(_LAST_ROLE, messages), firsts[1:]):
         return None
-    marked: dict[int, dict[int, dict[str, str]]] = {}
     located = partial(_position_of, messages=messages, tools=tools, system=system)
-    for (section, message, unit), control in _controls(breakpoints, budget, located):
+    controls = _controls(breakpoints, budget, located)
+    if run_at >= 0 and any(section == 2 and at == run_at for (section, at, _), _ in controls):
+        return _EXPAND
+    marked: dict[int, dict[int, dict[str, str]]] = {}
+    for (section, message, unit), control in controls:
         if section == 0:
             tools[unit].control = control
         elif section == 1:
             system[unit].control = control
         else:
             marked.setdefault(message, {})[unit] = control
-    for n, controls in marked.items():
-        units = [_Unit(r, controls.get(k)) for k, r in enumerate(messages[n].units)]
-        texts[n] = _turn_text(roles[n], units)
-    if roles and roles[0] == "assistant":
+    for n, marks in marked.items():
+        units = [_Unit(r, marks.get(k)) for k, r in enumerate(messages[n].units)]
+        texts[n] = _turn_text(messages[n].role, units)
+    if firsts and firsts[0] == "assistant":
         texts.insert(0, _PLACEHOLDER_TURN)
     return ",".join(texts)
 

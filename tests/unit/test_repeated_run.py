@@ -1,0 +1,98 @@
+"""ModelRequest.repeated: the interior of a run's carried suffix, serialized as one memoized
+fragment (core/request.py with_repeated_run; the canonical bytes, the wire bytes and the
+Anthropic turns). A hint never changes a byte: every serializer gives with it what it gives
+without it, wherever the hint lies, whatever markers land inside it, whatever ids repeat;
+a hint that does not hold (other objects, out of range) is ignored; and the hint assembly
+sets always holds, so the fast path is the one Builds take."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from context_engine.api.convert import request_to_proto
+from context_engine.api.wire import request_bytes, request_message
+from context_engine.core import assemble, canonical_bytes
+from context_engine.core.request import CacheBreakpoint, Message, ModelRequest, repeated_run
+from context_engine.providers import anthropic, openai
+
+from .strategies import SCENARIO_SETTINGS, Scenario, scenarios
+
+
+def _assembled(sc: Scenario) -> ModelRequest:
+    assembled = assemble(sc.inputs())
+    assert assembled.request is not None
+    return assembled.request
+
+
+def _bytes_of(request: ModelRequest, budget: int) -> tuple[bytes, ...]:
+    return (
+        request.canonical_bytes(),
+        request_bytes(request),
+        anthropic.render(request, budget).body,
+        openai.render(request).body,
+    )
+
+
+def _without_hint(request: ModelRequest) -> ModelRequest:
+    return replace(request, repeated=None)
+
+
+_ANY_SCENARIO = st.one_of(
+    scenarios(),
+    scenarios(modes=("loop", "answered"), carried_reasoning=True),
+    scenarios(modes=("loop", "answered"), reuse_call_ids=True),
+)
+
+
+@settings(SCENARIO_SETTINGS, max_examples=60)
+@given(_ANY_SCENARIO, st.integers(0, 4), st.data())
+def test_a_hint_anywhere_changes_no_byte(sc: Scenario, budget: int, data: st.DataObject) -> None:
+    request = _assembled(sc)
+    messages = request.messages
+    start = data.draw(st.integers(0, len(messages)))
+    end = data.draw(st.integers(start, len(messages)))
+    ids = [b.item_id for m in messages for b in m.blocks] or ["x"]
+    # History markers aimed anywhere: inside the run they send Anthropic's layout back to
+    # the messages one by one.
+    names = data.draw(st.lists(st.sampled_from(["carried_history", "run", "x"]), max_size=3))
+    marks = tuple(
+        CacheBreakpoint(name, data.draw(st.sampled_from(ids)), priority=2 + k)
+        for k, name in enumerate(names)
+    )
+    kept = tuple(b for b in request.cache_breakpoints if b.name.startswith("after_"))
+    plain = replace(request, cache_breakpoints=kept + marks, repeated=None)
+    hinted = replace(plain, repeated=(start, tuple(messages[start:end])))
+    assert _bytes_of(hinted, budget) == _bytes_of(plain, budget)
+    assert hinted.canonical_bytes() == canonical_bytes(hinted.canonical())
+    assert request_message(hinted) == request_to_proto(hinted)
+
+
+@settings(SCENARIO_SETTINGS, max_examples=30)
+@given(_ANY_SCENARIO, st.data())
+def test_a_hint_that_does_not_hold_is_ignored(sc: Scenario, data: st.DataObject) -> None:
+    request = _assembled(sc)
+    messages = request.messages
+    if not messages:
+        return
+    start = data.draw(st.integers(-2, len(messages) + 2))
+    # Equal messages that are other objects, or a run that runs past the end.
+    copies = tuple(Message(m.role, m.blocks) for m in messages[max(start, 0) :])
+    long = (*messages[max(start, 0) :], *messages[:1])
+    hint = data.draw(st.sampled_from([copies, long]))
+    hinted = replace(request, repeated=(start, hint))
+    assert repeated_run(hinted) is None
+    assert _bytes_of(hinted, 4) == _bytes_of(_without_hint(request), 4)
+
+
+@settings(SCENARIO_SETTINGS, max_examples=60)
+@given(_ANY_SCENARIO)
+def test_the_hint_assembly_sets_holds(sc: Scenario) -> None:
+    request = _assembled(sc)
+    assert request.repeated is not None
+    start, run = request.repeated
+    if run:
+        assert repeated_run(request) == (start, run)
+    assert _bytes_of(request, 4) == _bytes_of(_without_hint(request), 4)
