@@ -3,6 +3,7 @@ every JSON document the API accepts canonicalizes and reads back as the same val
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -99,6 +100,9 @@ def test_composed_request_bytes_equal_the_full_serialization(data: st.DataObject
     )
     assert request.canonical_bytes() == canonical_bytes(request.canonical())
     assert request.canonical_bytes() == rfc8785.dumps(request.canonical())
+    assert (
+        request.canonical_sha256() == hashlib.sha256(rfc8785.dumps(request.canonical())).hexdigest()
+    )
 
 
 @pytest.mark.parametrize(

@@ -9,13 +9,20 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from context_engine.api.convert import request_to_proto
 from context_engine.api.wire import request_bytes, request_message
 from context_engine.core import assemble, canonical_bytes
-from context_engine.core.request import CacheBreakpoint, Message, ModelRequest, repeated_run
+from context_engine.core.request import (
+    CacheBreakpoint,
+    Message,
+    ModelRequest,
+    RepeatedRun,
+    repeated_run,
+)
 from context_engine.providers import anthropic, openai
 
 from .strategies import SCENARIO_SETTINGS, Scenario, scenarios
@@ -64,7 +71,7 @@ def test_a_hint_anywhere_changes_no_byte(sc: Scenario, budget: int, data: st.Dat
     )
     kept = tuple(b for b in request.cache_breakpoints if b.name.startswith("after_"))
     plain = replace(request, cache_breakpoints=kept + marks, repeated=None)
-    hinted = replace(plain, repeated=(start, tuple(messages[start:end])))
+    hinted = replace(plain, repeated=RepeatedRun(messages, start, tuple(messages[start:end])))
     assert _bytes_of(hinted, budget) == _bytes_of(plain, budget)
     assert hinted.canonical_bytes() == canonical_bytes(hinted.canonical())
     assert request_message(hinted) == request_to_proto(hinted)
@@ -72,19 +79,23 @@ def test_a_hint_anywhere_changes_no_byte(sc: Scenario, budget: int, data: st.Dat
 
 @settings(SCENARIO_SETTINGS, max_examples=30)
 @given(_ANY_SCENARIO, st.data())
-def test_a_hint_that_does_not_hold_is_ignored(sc: Scenario, data: st.DataObject) -> None:
+def test_a_hint_that_does_not_hold_is_refused_or_ignored(sc: Scenario, data: st.DataObject) -> None:
     request = _assembled(sc)
     messages = request.messages
     if not messages:
         return
     start = data.draw(st.integers(-2, len(messages) + 2))
-    # Equal messages that are other objects, or a run that runs past the end.
+    # Equal messages that are other objects, or a run that runs past the end: not a hint.
     copies = tuple(Message(m.role, m.blocks) for m in messages[max(start, 0) :])
     long = (*messages[max(start, 0) :], *messages[:1])
-    hint = data.draw(st.sampled_from([copies, long]))
-    hinted = replace(request, repeated=(start, hint))
-    assert repeated_run(hinted) is None
-    assert _bytes_of(hinted, 4) == _bytes_of(_without_hint(request), 4)
+    run = data.draw(st.sampled_from([copies, long]))
+    if run:
+        with pytest.raises(ValueError, match="very messages"):
+            RepeatedRun(messages, start, run)
+    # A request rebuilt with other messages keeps the hint, which then holds for nothing.
+    rebuilt = replace(request, messages=tuple(Message(m.role, m.blocks) for m in messages))
+    assert repeated_run(rebuilt) is None
+    assert _bytes_of(rebuilt, 4) == _bytes_of(_without_hint(request), 4)
 
 
 @settings(SCENARIO_SETTINGS, max_examples=60)
@@ -92,7 +103,6 @@ def test_a_hint_that_does_not_hold_is_ignored(sc: Scenario, data: st.DataObject)
 def test_the_hint_assembly_sets_holds(sc: Scenario) -> None:
     request = _assembled(sc)
     assert request.repeated is not None
-    start, run = request.repeated
-    if run:
-        assert repeated_run(request) == (start, run)
+    if request.repeated.run:
+        assert repeated_run(request) is request.repeated
     assert _bytes_of(request, 4) == _bytes_of(_without_hint(request), 4)

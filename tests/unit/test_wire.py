@@ -58,7 +58,7 @@ def test_the_encoded_build_response_is_the_message_with_its_request(sc: Scenario
     head = pb.BuildResponse(request_sha256=assembled.request_sha256, epoch=3)
     head.pressure.fits = True
     encoded = wire.EncodedBuildResponse(
-        head, wire.request_bytes(assembled.request), budget=assembled.budget, payload=payload
+        head, wire.request_pieces(assembled.request), budget=assembled.budget, payload=payload
     )
     expected = pb.BuildResponse()
     expected.CopyFrom(head)

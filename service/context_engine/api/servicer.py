@@ -248,7 +248,7 @@ class ContextEngineServicer(
         request = assembled.request
         return wire.EncodedBuildResponse(
             response,
-            wire.request_bytes(request) if request is not None else None,
+            wire.request_pieces(request) if request is not None else None,
             budget=assembled.budget,
             payload=result.rendered.body if result.rendered is not None else b"",
         )

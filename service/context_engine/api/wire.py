@@ -26,7 +26,7 @@ from ..core.plan import ClassUsage
 from ..core.request import Block, Message, ModelRequest, ToolDefinition, with_repeated_run
 from . import convert
 
-__all__ = ["EncodedBuildResponse", "field", "request_bytes", "request_message"]
+__all__ = ["EncodedBuildResponse", "field", "request_bytes", "request_message", "request_pieces"]
 
 # BuildResponse, ModelRequest and Message field numbers
 # (proto/context_engine/v1/context_engine.proto).
@@ -50,24 +50,25 @@ class EncodedBuildResponse:
     def __init__(
         self,
         head: pb.BuildResponse,
-        request: bytes | None,
+        request: Sequence[bytes] | None,
         *,
         budget: Sequence[ClassUsage] = (),
         payload: bytes = b"",
     ) -> None:
+        """`request`: the ModelRequest's bytes, in pieces (request_pieces), or None."""
         self._head = head
-        parts = _budget_field.many(budget)
+        tail = _budget_field.many(budget)
         if payload:
-            parts.append(field(_PROVIDER_PAYLOAD, payload))
+            tail += [_field_head(_PROVIDER_PAYLOAD, len(payload)), payload]
         if request is not None:
-            parts.append(field(_REQUEST, request))
+            tail += [_field_head(_REQUEST, sum(map(len, request))), *request]
         self._request = request is not None
-        self._tail = b"".join(parts)
+        self._tail = tail  # joined once, with the head, when sent
         self._message: pb.BuildResponse | None = None
 
     def SerializeToString(self, deterministic: bool = False) -> bytes:
         head = cast(bytes, self._head.SerializeToString(deterministic=deterministic))
-        return head + self._tail
+        return b"".join([head, *self._tail])
 
     def to_message(self) -> pb.BuildResponse:
         """The equivalent protobuf message (parsed from the bytes)."""
@@ -90,10 +91,15 @@ def request_message(request: ModelRequest) -> pb.ModelRequest:
 
 
 def request_bytes(request: ModelRequest) -> bytes:
-    """`request` serialized as a protobuf ModelRequest, composed from memoized pieces: the
-    plan's system blocks and tools (the same tuples on every Build of an epoch), each
-    message (a run's carried messages are the same objects on every Build) and the
-    repeated run of them (ModelRequest.repeated), joined once per run."""
+    """`request` serialized as a protobuf ModelRequest (request_pieces joined)."""
+    return b"".join(request_pieces(request))
+
+
+def request_pieces(request: ModelRequest) -> list[bytes]:
+    """`request` serialized as a protobuf ModelRequest, in memoized pieces: the plan's
+    system blocks and tools (the same tuples on every Build of an epoch), each message (a
+    run's carried messages are the same objects on every Build) and the repeated run of
+    them (ModelRequest.repeated), joined once per run."""
     head = pb.ModelRequest(
         provider=convert.provider_to_proto(request.provider),
         model_id=request.model_id,
@@ -101,20 +107,23 @@ def request_bytes(request: ModelRequest) -> bytes:
         max_output_tokens=request.max_output_tokens,
         session_key=request.session_key,
     )
-    return b"".join(
-        (
-            head.SerializeToString(),
-            _system_fields(request.system),
-            _tool_fields(request.tools),
-            *with_repeated_run(request, _message_field.many, _run_fields),
-        )
-    )
+    return [
+        head.SerializeToString(),
+        _system_fields(request.system),
+        _tool_fields(request.tools),
+        *with_repeated_run(request, _message_field.many, _run_fields),
+    ]
 
 
 def field(number: int, payload: bytes) -> bytes:
     """A length-delimited field: tag, length, payload. Appended to a serialized message,
     it sets (or, repeated, appends to) that field: the encoding puts no order on fields."""
-    return _varint(number << 3 | _LENGTH_DELIMITED) + _varint(len(payload)) + payload
+    return _field_head(number, len(payload)) + payload
+
+
+def _field_head(number: int, length: int) -> bytes:
+    """A length-delimited field's tag and length, for a payload sent as pieces after it."""
+    return _varint(number << 3 | _LENGTH_DELIMITED) + _varint(length)
 
 
 def _message_field_bytes(message: Message) -> bytes:

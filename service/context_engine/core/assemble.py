@@ -30,7 +30,6 @@ from datetime import datetime
 from .body_estimate import block_tokens
 from .budget import ContextBudget, allocate
 from .cache_hints import cache_breakpoints
-from .canonical import sha256_hex
 from .carried import carried_view
 from .checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint
 from .envelope import wrap
@@ -60,7 +59,7 @@ from .memo_budget import bounded_cache
 from .messages import grouped, joined
 from .plan import ClassUsage, ContextPlan, session_key
 from .pressure import Fitted, PressureReport, fit_body, window_reach
-from .request import Block, Message, ModelRequest, ToolDefinition
+from .request import Block, Message, ModelRequest, RepeatedRun, ToolDefinition
 from .rows import Row
 from .trust import DELEGATED_TAG
 from .validate import ClosedRun, validate_block_runs
@@ -202,7 +201,7 @@ def assemble(inputs: BuildInputs) -> Assembled:
         ),
         repeated=repeated,
     )
-    digest = sha256_hex(request.canonical_bytes())
+    digest = request.canonical_sha256()
     return _outcome(inputs, budget, fitted, request, digest)
 
 
@@ -404,7 +403,7 @@ def _runtime_item(
 
 def _messages(
     fitted: Fitted, secret: bytes
-) -> tuple[tuple[Message, ...], list[Sequence[Block] | ClosedRun], tuple[int, tuple[Message, ...]]]:
+) -> tuple[tuple[Message, ...], list[Sequence[Block] | ClosedRun], RepeatedRun]:
     """Render the placed items to blocks and merge consecutive same-role blocks into
     messages; also the blocks as runs, for validate_block_runs, and where the carried
     suffix's interior lies among the messages (ModelRequest.repeated).
@@ -426,7 +425,7 @@ def _messages(
     first = len(leading) - (
         1 if leading and retained.messages and leading[-1].role == retained.messages[0].role else 0
     )
-    repeated = (first + 1, retained.interior)
+    repeated = RepeatedRun(messages, first + 1, retained.interior)
     return messages, [head, retained.closed or retained.blocks, tail], repeated
 
 

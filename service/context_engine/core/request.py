@@ -6,12 +6,13 @@ construction in assemble.py. `canonical()` is what `request_sha256` hashes.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from operator import is_
 from typing import Any, Literal, TypeVar
 
-from .canonical import canonical_bytes
+from .canonical import canonical_bytes, comma_separated
 from .identity_memo import IdentityMemo
 from .memo_budget import bounded_cache
 from .rows import Row
@@ -22,6 +23,7 @@ __all__ = [
     "CacheBreakpoint",
     "Message",
     "ModelRequest",
+    "RepeatedRun",
     "ToolDefinition",
     "repeated_run",
     "with_repeated_run",
@@ -119,6 +121,24 @@ class CacheBreakpoint:
 
 
 @dataclass(frozen=True, slots=True)
+class RepeatedRun:
+    """`run` is `messages[start:start + len(run)]`, message for message the same objects
+    (checked when it is made), and one tuple on every Build that carries it: the interior
+    of a run's carried suffix (core/carried.py Retained.interior). It holds for a request
+    whose messages are `messages` itself (repeated_run): a request rebuilt with other
+    messages (dataclasses.replace) keeps the hint, and the hint then holds for nothing."""
+
+    messages: tuple[Message, ...]
+    start: int
+    run: tuple[Message, ...]
+
+    def __post_init__(self) -> None:
+        carried = self.messages[self.start : self.start + len(self.run)] if self.start >= 0 else ()
+        if len(carried) != len(self.run) or not all(map(is_, carried, self.run)):
+            raise ValueError("a repeated run must be the very messages at its place")
+
+
+@dataclass(frozen=True, slots=True)
 class ModelRequest:
     provider: str
     model_id: str
@@ -128,14 +148,12 @@ class ModelRequest:
     max_output_tokens: int
     session_key: str
     cache_breakpoints: tuple[CacheBreakpoint, ...] = field(default=())
-    # A rendering hint, never hashed nor compared: (start, run), where run is a tuple of
-    # messages that the request carries as messages[start:start + len(run)] and that
-    # repeats, as this very tuple object, on every Build of a run (the interior of its
-    # carried suffix, core/carried.py Retained.interior). Serializers render the run as one
-    # fragment memoized on the tuple (with_repeated_run), so a Build's serializing does
-    # not grow with the history; without the hint, or where the messages there are not
-    # the run's very objects, they render message by message, to the same bytes.
-    repeated: tuple[int, tuple[Message, ...]] | None = field(default=None, compare=False)
+    # A rendering hint, never hashed nor compared: a run of this request's messages that
+    # repeats, as one tuple object, on every Build of a run (RepeatedRun). Serializers
+    # render it as one fragment memoized on the tuple (with_repeated_run), so a Build's
+    # serializing does not grow with the history; without it they render message by
+    # message, to the same bytes.
+    repeated: RepeatedRun | None = field(default=None, compare=False)
 
     def canonical_bytes(self) -> bytes:
         """RFC 8785 bytes of `canonical()`, composed from memoized per-block fragments.
@@ -143,18 +161,38 @@ class ModelRequest:
         Equal to `canonical_bytes(self.canonical())` (tests/unit/test_canonical.py checks
         it): keys in sorted order, each block serialized canonically once per process.
         """
-        messages = ",".join(with_repeated_run(self, _message_json.many, _run_json))
-        parts = [
-            '{"cache_breakpoints":' + _json(self.cache_breakpoints),
-            '"max_output_tokens":' + str(self.max_output_tokens),
-            '"messages":[' + messages + "]",
-            '"model_id":' + _string(self.model_id),
-            '"provider":' + _string(self.provider),
-            '"session_key":' + _string(self.session_key),
-            '"system":' + _json(self.system),
-            '"tools":' + _json(self.tools) + "}",
+        return b"".join(self._canonical_chunks())
+
+    def canonical_sha256(self) -> str:
+        """sha256_hex(self.canonical_bytes()), hashed chunk by chunk: the request's bytes,
+        tens of kilobytes, are never joined just to be hashed."""
+        digest = hashlib.sha256()
+        for chunk in self._canonical_chunks():
+            digest.update(chunk)
+        return digest.hexdigest()
+
+    def _canonical_chunks(self) -> list[bytes]:
+        """canonical_bytes() in order, in pieces: keys sorted, messages comma-separated."""
+        messages = with_repeated_run(self, _message_json.many, _run_json)
+        return [
+            b'{"cache_breakpoints":',
+            _json(self.cache_breakpoints),
+            b',"max_output_tokens":',
+            str(self.max_output_tokens).encode("ascii"),
+            b',"messages":[',
+            *comma_separated(messages, b","),
+            b'],"model_id":',
+            _string(self.model_id),
+            b',"provider":',
+            _string(self.provider),
+            b',"session_key":',
+            _string(self.session_key),
+            b',"system":',
+            _json(self.system),
+            b',"tools":',
+            _json(self.tools),
+            b"}",
         ]
-        return ",".join(parts).encode("utf-8")
 
     def canonical(self) -> dict[str, Any]:
         return {
@@ -175,28 +213,28 @@ class ModelRequest:
 _FRAGMENTS = 16_384
 
 
-def _block_text(block: Block) -> str:
-    return canonical_bytes(block.canonical()).decode("utf-8")
+def _block_text(block: Block) -> bytes:
+    return canonical_bytes(block.canonical())
 
 
 _block_json = IdentityMemo(_block_text, _FRAGMENTS)
 
 
-def _message_text(message: Message) -> str:
-    blocks = ",".join(_block_json.many(message.blocks))
-    return '{"blocks":[' + blocks + '],"role":' + _string(message.role) + "}"
+def _message_text(message: Message) -> bytes:
+    blocks = b",".join(_block_json.many(message.blocks))
+    return b'{"blocks":[' + blocks + b'],"role":' + _string(message.role) + b"}"
 
 
 # A run's carried messages are the same objects on every Build (core/carried.py).
 _message_json = IdentityMemo(_message_text, _FRAGMENTS)
 # ...and the interior of its carried suffix the same tuple (ModelRequest.repeated).
-_run_json: IdentityMemo[tuple[Message, ...], str] = IdentityMemo(
-    lambda run: ",".join(_message_json.many(run)), 1024, by_value=False
+_run_json: IdentityMemo[tuple[Message, ...], bytes] = IdentityMemo(
+    lambda run: b",".join(_message_json.many(run)), 1024, by_value=False
 )
 
 
-def _values_text(values: tuple[Block | ToolDefinition | CacheBreakpoint, ...]) -> str:
-    return canonical_bytes([v.canonical() for v in values]).decode("utf-8")
+def _values_text(values: tuple[Block | ToolDefinition | CacheBreakpoint, ...]) -> bytes:
+    return canonical_bytes([v.canonical() for v in values])
 
 
 # A plan's system blocks and tools are the same tuples on every Build (core/assemble.py);
@@ -205,26 +243,18 @@ _json = IdentityMemo(_values_text, 256)
 
 
 @bounded_cache(1024)
-def _string(value: str) -> str:
-    return canonical_bytes(value).decode("utf-8")
+def _string(value: str) -> bytes:
+    return canonical_bytes(value)
 
 
 F = TypeVar("F")
 
 
-def repeated_run(request: ModelRequest) -> tuple[int, tuple[Message, ...]] | None:
-    """The request's repeated run (ModelRequest.repeated) where the hint holds: a run that
-    is not empty and is, message for message, the very objects the request carries there
-    (checked by identity, a C-level pass); None otherwise (no hint, or a request rebuilt
-    with other messages)."""
+def repeated_run(request: ModelRequest) -> RepeatedRun | None:
+    """The request's repeated run where it holds: not empty, and made for these very
+    messages (RepeatedRun); None otherwise."""
     hint = request.repeated
-    if hint is None or not hint[1]:
-        return None
-    start, run = hint
-    if start < 0:
-        return None
-    carried = request.messages[start : start + len(run)]
-    if len(carried) != len(run) or not all(map(is_, carried, run)):
+    if hint is None or not hint.run or hint.messages is not request.messages:
         return None
     return hint
 
@@ -240,5 +270,5 @@ def with_repeated_run(
     messages, hint = request.messages, repeated_run(request)
     if hint is None:
         return each(messages)
-    start, repeated = hint
-    return [*each(messages[:start]), run(repeated), *each(messages[start + len(repeated) :])]
+    end = hint.start + len(hint.run)
+    return [*each(messages[: hint.start]), run(hint.run), *each(messages[end:])]

@@ -55,7 +55,7 @@ from itertools import chain, compress, count, repeat
 from operator import attrgetter, eq, is_not, methodcaller
 from typing import Any, TypeVar
 
-from ..core.canonical import canonical_bytes
+from ..core.canonical import canonical_bytes, comma_separated
 from ..core.errors import EngineError
 from ..core.identity_memo import IdentityMemo
 from ..core.items import REASONING_TYPES
@@ -122,7 +122,7 @@ class _Unit:
     def json(self) -> str:
         if self.control is None:
             return self.rendered.text
-        return _canonical_text({**self.rendered.obj, "cache_control": self.control})
+        return _marked(self.rendered, self.control.get("ttl", ""))
 
 
 @dataclass(slots=True)
@@ -167,18 +167,23 @@ def render(request: ModelRequest, max_breakpoints: int = MAX_BREAKPOINTS) -> Ren
     if turns is None:  # a message that sends nothing, or two of one role in a row
         layout = _layout(request, tools, system, moved)
         _place_markers(layout, request.cache_breakpoints, max_breakpoints)
-        turns = ",".join(_turn_text(role, units) for role, units in layout.turns)
-    assert isinstance(turns, str)
-    parts = [
-        '{"max_tokens":' + str(request.max_output_tokens),
-        '"messages":[' + turns + "]",
-        '"model":' + _string(request.model_id),
+        turns = [_turn_text(role, units) for role, units in layout.turns]
+    assert isinstance(turns, list)
+    # Keys in RFC 8785 order; the pieces joined once (the turns are tens of kB).
+    pieces = [
+        '{"max_tokens":',
+        str(request.max_output_tokens),
+        ',"messages":[',
+        *comma_separated(turns, ","),
+        '],"model":',
+        _string(request.model_id),
     ]
     if system:
-        parts.append('"system":[' + ",".join(u.json() for u in system) + "]")
+        pieces += [',"system":[', ",".join(u.json() for u in system), "]"]
     if tools:
-        parts.append('"tools":[' + ",".join(u.json() for u in tools) + "]")
-    return RenderedPayload(API, (",".join(parts) + "}").encode("utf-8"))
+        pieces += [',"tools":[', ",".join(u.json() for u in tools), "]"]
+    pieces.append("}")
+    return RenderedPayload(API, "".join(pieces).encode("utf-8"))
 
 
 def errors_as_text(request: ModelRequest) -> bool:
@@ -254,12 +259,12 @@ def _collapsed(
     hint = repeated_run(request)
     if hint is None:
         return None, -1
-    start, run = hint
-    combined = run_of(run)
+    combined = run_of(hint.run)
     if isinstance(combined, _NoRun):
         return None, -1
-    messages = request.messages
-    return [*each.many(messages[:start]), combined, *each.many(messages[start + len(run) :])], start
+    messages, start = request.messages, hint.start
+    after = messages[start + len(hint.run) :]
+    return [*each.many(messages[:start]), combined, *each.many(after)], start
 
 
 def _unit_of(block: Block, wire: str, as_text: bool) -> _Rendered | None:
@@ -435,9 +440,9 @@ def _turns_by_message(
     breakpoints: Sequence[CacheBreakpoint],
     budget: int,
     run_at: int = -1,
-) -> str | _Expand | None:
-    """The turns' JSON when every message sends something and no two neighbours share a
-    role, so each message is one turn: its memoized text, recomposed only where a marker
+) -> list[str] | _Expand | None:
+    """The turns' JSON texts when every message sends something and no two neighbours share
+    a role, so each message is one turn: its memoized text, recomposed only where a marker
     lands. None otherwise (the general _layout handles it); _EXPAND, changing nothing, when
     a marker lands in the repeated run at `run_at` (the caller lays it out message by
     message). Markers follow _place_markers exactly; tests/unit/test_providers.py checks
@@ -463,7 +468,7 @@ def _turns_by_message(
         texts[n] = _turn_text(messages[n].role, units)
     if firsts and firsts[0] == "assistant":
         texts.insert(0, _PLACEHOLDER_TURN)
-    return ",".join(texts)
+    return texts
 
 
 def _position_of(
@@ -496,6 +501,17 @@ def _position_of(
 # Rendering is a pure function of frozen neutral values; the memos change only how often it
 # runs. Bounded like core/request.py's fragments.
 _MEMO = 16_384
+
+
+def _marked_text(rendered: _Rendered, ttl: str) -> str:
+    control = {"type": "ephemeral", **({"ttl": ttl} if ttl else {})}
+    return _canonical_text({**rendered.obj, "cache_control": control})
+
+
+# The blocks markers close repeat on every Build of a run (the last tool, the last system
+# block, the carried suffix's last block), each with the same TTL (_controls makes only
+# these two cache_control shapes).
+_marked = VariantMemo(_marked_text, 1024)
 
 
 @bounded_cache(256)
