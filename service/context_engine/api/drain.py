@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
 
-from .interceptors import UNAUTHENTICATED_SERVICES, Behavior, abort_with, wrap_unless
+from .interceptors import UNAUTHENTICATED_SERVICES, Behavior, Layer, abort_with, wrap_unless
 
 __all__ = ["QUIET", "SHUTTING_DOWN", "Drain"]
 
@@ -41,7 +41,7 @@ SHUTTING_DOWN = "SHUTTING_DOWN"
 _POLL = 0.02
 
 
-class Drain(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+class Drain(Layer):
     """Counts running calls and, once refusing, answers new ones UNAVAILABLE."""
 
     def __init__(
@@ -57,12 +57,10 @@ class Drain(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untype
         self.last_arrival = clock()
         self._idle_since = clock()  # when `running` last fell to zero
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
+    def wrap(
+        self, method: str, handler: grpc.RpcMethodHandler | None
     ) -> grpc.RpcMethodHandler | None:
-        return await wrap_unless(self._skip, continuation, details, self._unary)
+        return wrap_unless(self._skip, method, handler, self._unary)
 
     def _unary(self, behavior: Behavior) -> Behavior:
         async def counted(request: Any, context: grpc.aio.ServicerContext) -> Any:

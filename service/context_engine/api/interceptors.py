@@ -17,6 +17,10 @@ Rules:
    observer reports such a call as DEADLINE_EXCEEDED.
 5. Nothing here logs, raises or annotates with request content: only ids, hashes, sizes,
    codes and error reasons (telemetry.RPC_FIELDS).
+6. One interceptor for all of them (`Layered`): each wraps a method's handler (`wrap`),
+   and the layers' wrapping is done once per method, on its first call, not once per call
+   (grpc awaits every interceptor of the chain on every call, and each would rebuild its
+   wrapper and the method handler around it). Each class is an interceptor on its own too.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ __all__ = [
     "AuthInterceptor",
     "BearerTokens",
     "ClientCertificates",
+    "Layer",
+    "Layered",
     "RpcObserver",
     "SizeLimitInterceptor",
     "abort_with",
@@ -87,18 +93,58 @@ def _wrap(
     return handler
 
 
-async def wrap_unless(
+def wrap_unless(
     skip: frozenset[str],
-    continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-    details: grpc.HandlerCallDetails,
+    method: str,
+    handler: grpc.RpcMethodHandler | None,
     unary: Callable[[Behavior], Behavior],
 ) -> grpc.RpcMethodHandler | None:
-    """The continuation's handler, its unary behavior wrapped with `unary` unless the
-    method belongs to a service in `skip`."""
-    handler = await continuation(details)
-    if _service_of(details.method) in skip:
+    """`handler`, its unary behavior wrapped with `unary` unless `method` belongs to a
+    service in `skip`."""
+    if _service_of(method) in skip:
         return handler
     return _wrap(handler, unary)
+
+
+Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]
+
+
+class Layer(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+    """An interceptor that only wraps the handler it intercepts (rule 6): `wrap(method,
+    handler)` says how; as an interceptor of its own it wraps on every call."""
+
+    def wrap(
+        self, method: str, handler: grpc.RpcMethodHandler | None
+    ) -> grpc.RpcMethodHandler | None:
+        raise NotImplementedError
+
+    async def intercept_service(
+        self, continuation: Continuation, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
+        return self.wrap(details.method, await continuation(details))
+
+
+class Layered(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+    """`layers` (outermost first) as one interceptor: a method's handler is wrapped by
+    every layer on its first call, and that wrapped handler serves every later call (the
+    servicer's handlers are registered once, before the server starts)."""
+
+    def __init__(self, layers: Iterable[Layer]) -> None:
+        self._layers = tuple(layers)[::-1]  # the innermost wraps first
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    async def intercept_service(
+        self, continuation: Continuation, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
+        handler = self._handlers.get(details.method)
+        if handler is None:
+            handler = await continuation(details)
+            if handler is None:
+                return None  # no such method: grpc answers UNIMPLEMENTED
+            for layer in self._layers:
+                handler = layer.wrap(details.method, handler)
+            self._handlers[details.method] = handler
+        return handler
 
 
 async def abort_with(
@@ -204,7 +250,7 @@ _ON_RESPONSE: Mapping[str, tuple[str, Callable[[Any, Any], None]]] = {
 }
 
 
-class RpcObserver(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+class RpcObserver(Layer):
     """Per unary RPC: make `telemetry` current, then record duration, request size, the
     tracked metrics its response implies, span fields and one log line."""
 
@@ -212,14 +258,12 @@ class RpcObserver(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
         self._telemetry = telemetry_
         self._skip = frozenset(skip)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
+    def wrap(
+        self, method: str, handler: grpc.RpcMethodHandler | None
     ) -> grpc.RpcMethodHandler | None:
-        method = details.method.rpartition("/")[2]
-        return await wrap_unless(
-            self._skip, continuation, details, lambda behavior: self._observe(method, behavior)
+        name = method.rpartition("/")[2]
+        return wrap_unless(
+            self._skip, method, handler, lambda behavior: self._observe(name, behavior)
         )
 
     def _observe(self, method: str, behavior: Behavior) -> Behavior:
@@ -339,7 +383,7 @@ class ClientCertificates:
         return next((self._tenants[i] for i in identities if i in self._tenants), None)
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+class AuthInterceptor(Layer):
     """Authenticate every call (except UNAUTHENTICATED_SERVICES) and pin its tenant."""
 
     def __init__(
@@ -351,13 +395,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
         self._identify = identify
         self._open = frozenset(open_services)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
+    def wrap(
+        self, method: str, handler: grpc.RpcMethodHandler | None
     ) -> grpc.RpcMethodHandler | None:
-        handler = await continuation(details)
-        if _service_of(details.method) in self._open:
+        if _service_of(method) in self._open:
             return handler
         return _wrap(handler, self._unary, self._stream)
 
@@ -406,7 +447,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
 # --- limits --------------------------------------------------------------------------
 
 
-class SizeLimitInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+class SizeLimitInterceptor(Layer):
     """A request larger than `max_bytes` fails RESOURCE_EXHAUSTED with ErrorInfo
     REQUEST_TOO_LARGE (metadata: limit_bytes, request_bytes) and changes nothing.
 
@@ -418,12 +459,10 @@ class SizeLimitInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  #
     def __init__(self, max_bytes: int) -> None:
         self._max = max_bytes
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
+    def wrap(
+        self, method: str, handler: grpc.RpcMethodHandler | None
     ) -> grpc.RpcMethodHandler | None:
-        return _wrap(await continuation(details), self._unary)
+        return _wrap(handler, self._unary)
 
     def _unary(self, behavior: Behavior) -> Behavior:
         limit = self._max

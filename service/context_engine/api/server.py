@@ -47,6 +47,8 @@ from .interceptors import (
     AuthInterceptor,
     BearerTokens,
     ClientCertificates,
+    Layer,
+    Layered,
     RpcObserver,
     SizeLimitInterceptor,
 )
@@ -182,14 +184,15 @@ async def build_server(
         if tel.traces
         else []
     )
-    chain: list[grpc.aio.ServerInterceptor] = [
-        *spans,
+    # The span interceptor runs per call (it opens the span); the rest wrap each method's
+    # handler once, as one interceptor (api/interceptors.py, rule 6).
+    layers: list[Layer] = [
         RpcObserver(tel),
         drain,
         *([AuthInterceptor(auth)] if auth is not None else []),
         SizeLimitInterceptor(max_message_bytes),
-        *interceptors,
     ]
+    chain: list[grpc.aio.ServerInterceptor] = [*spans, Layered(layers), *interceptors]
     # The transport accepts up to twice the limit so an oversize request reaches the size
     # interceptor and fails with structured details rather than a bare transport error.
     transport_limit = min(2 * max_message_bytes, 2**31 - 1)
