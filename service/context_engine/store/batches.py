@@ -23,6 +23,7 @@ round trip sent at that moment would have.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
@@ -55,7 +56,9 @@ class Batcher(Generic[K, V]):
         self._queued.append((key, future))
         self.calls += 1
         if self._flusher is None:
-            self._flusher = loop.create_task(self._flush())
+            # A context of its own: the round trips serve every caller, so none of them
+            # inherits the first caller's (its RPC's telemetry state, its span).
+            self._flusher = loop.create_task(self._flush(), context=contextvars.Context())
         return await future
 
     async def _flush(self) -> None:
