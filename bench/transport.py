@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import subprocess
 import sys
@@ -89,9 +90,11 @@ async def run(seconds: float, concurrency: int, turns: int) -> bool:
     baseline = await _echo(size, concurrency, seconds)
 
     ratio = build.throughput / baseline.throughput
+    # Both servers install uvloop when it is importable (the same interpreter runs them).
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     print(
         f"transport ceiling: {turns}-turn session, response {size} bytes,"
-        f" {concurrency} in flight, {seconds:.0f}s each"
+        f" {concurrency} in flight, {seconds:.0f}s each, servers on {loop}"
     )
     print("  CPU ms per call: server / load generator / PostgreSQL (this database's backends)")
     rows = (
