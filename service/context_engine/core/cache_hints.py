@@ -32,6 +32,7 @@ from functools import cache
 
 from .enums import SessionKind
 from .items import ContextItem, ReasoningItem, ToolResult, UserMessage
+from .memo_budget import bounded_cache
 from .request import CacheBreakpoint
 from .rows import Row
 
@@ -115,8 +116,15 @@ def history_window(
 def cache_breakpoints(
     session_kind: SessionKind, placed: Sequence[tuple[Row, ContextItem]], run_id: str
 ) -> tuple[CacheBreakpoint, ...]:
-    """Every marker of a request, in priority order: Region A first, then the window."""
-    return (*prefix_breakpoints(session_kind), *history_window(placed, run_id))
+    """Every marker of a request, in priority order: Region A first, then the window.
+    Equal markers are one tuple object (a run's steps repeat them): what serializes them
+    is then a memo hit by identity."""
+    return _interned((*prefix_breakpoints(session_kind), *history_window(placed, run_id)))
+
+
+@bounded_cache(4096)
+def _interned(breakpoints: tuple[CacheBreakpoint, ...]) -> tuple[CacheBreakpoint, ...]:
+    return breakpoints
 
 
 def _of_run(item: ContextItem, run_id: str) -> bool:
