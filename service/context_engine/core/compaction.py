@@ -24,11 +24,12 @@ each becomes a typed pointer
     [elided] tool.result <id> (external_untrusted, N bytes) -> artifact:<ref>
 (`-> event:<sequence>` when there is no artifact). The model's own items that quote any
 untrusted text in the run's view (same rule as Rule 5) are elided too, labelled with the
-trust of what they quote: the model read that content, and repeating it is how a label
-gets laundered. The view is every untrusted conversation item of the run and its carried
-history, and every untrusted line of the step contexts the session's recorded Builds
-showed the model (`shown`: knowledge passages, EXTERNAL_UNTRUSTED by default, and recall
-and correction lines, which are MEMORY: not SUMMARIZABLE either). Those lines are never
+trust of what they quote (the least trusted, where they quote several): the model read
+that content, and repeating it is how a label gets laundered. The view is every untrusted
+conversation item of the run and its carried history, and every untrusted line of the
+step contexts the session's recorded Builds showed the model (`shown`: knowledge
+passages, EXTERNAL_UNTRUSTED by default, and recall and correction lines, which are
+MEMORY: not SUMMARIZABLE either). Those lines are never
 in the transcript, but the model's answers to them are.
 Rule 4 (depth): a first summary has depth 1; a second compaction merges it with newer
 items into depth 2, with the union of source event ids, elided spans and retained
@@ -124,6 +125,7 @@ __all__ = [
     "pointer",
     "pointer_lines",
     "prepare",
+    "quoted_sources",
     "quoting",
     "summary_item",
 ]
@@ -350,27 +352,34 @@ def quoting(texts: Sequence[str], sources: Sequence[str], allowed: str = "") -> 
     """Which of `texts` carry text from which of `sources` (Rule 5): text index -> the index
     of the first source it quotes. Fragments the trusted text `allowed` licenses do not
     count (`_licensed`)."""
+    return {i: min(js) for i, js in quoted_sources(texts, sources, allowed).items()}
+
+
+def quoted_sources(
+    texts: Sequence[str], sources: Sequence[str], allowed: str = ""
+) -> dict[int, frozenset[int]]:
+    """quoting, with every source each text quotes (a text may quote several, of
+    different trust: its elided span takes the least trusted, Rule 3)."""
     index: dict[str, set[int]] = {}
     for i, text in enumerate(texts):
         for fragment in _fragments(_normalize(text)):
             index.setdefault(fragment, set()).add(i)
-    # Each fragment a source shares with the texts, with the first source that holds it;
-    # the licensing is then decided for all of them at once.
-    first: dict[str, int] = {}
+    # Each fragment a source shares with the texts, with the sources that hold it; the
+    # licensing is then decided for all of them at once.
+    holders: dict[str, set[int]] = {}
     for j, source in enumerate(sources):
         for fragment in _fragments(_normalize(source)):
-            if fragment in index and fragment not in first:
-                first[fragment] = j
-    if not first:
+            if fragment in index:
+                holders.setdefault(fragment, set()).add(j)
+    if not holders:
         return {}
-    licensed = _licensed(first, _normalize(allowed))
-    found: dict[int, int] = {}
-    for fragment, j in first.items():
+    licensed = _licensed(holders, _normalize(allowed))
+    found: dict[int, set[int]] = {}
+    for fragment, js in holders.items():
         if fragment not in licensed:
             for i in index[fragment]:
-                if j < found.get(i, len(sources)):
-                    found[i] = j
-    return dict(sorted(found.items()))
+                found.setdefault(i, set()).update(js)
+    return {i: frozenset(js) for i, js in sorted(found.items())}
 
 
 # --- pointers and transcript lines ---------------------------------------------------------
@@ -649,10 +658,13 @@ def prepare(
             *questions,
         ]
     )
-    quoted = quoting([_content(i) for i in model], [text for _, text in contents], base)
-    for n, j in sorted(quoted.items()):
+    quoted = quoted_sources([_content(i) for i in model], [text for _, text in contents], base)
+    for n, js in quoted.items():
         item = model[n]
-        spans[item.item_id] = _span(item, lowest_trust((contents[j][0].trust, TrustLevel.MODEL)))
+        # Labelled with the least trusted of what it quotes: quoting a memory line and a
+        # web page, it is as untrusted as the page.
+        trust = lowest_trust((*(contents[j][0].trust for j in sorted(js)), TrustLevel.MODEL))
+        spans[item.item_id] = _span(item, trust)
         contents += [(spans[item.item_id], _content(item))]
 
     lines = [pointer(spans[i.item_id]) if i.item_id in spans else _line(i) for i in compacted]
