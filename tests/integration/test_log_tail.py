@@ -1,5 +1,5 @@
 """A run's carried history read newest first through the real store (core/log_tail.py,
-api/log_tail.py, migrations/0011_history_pairs.sql).
+api/log_tail.py, migrations/0012_history_pairs.sql).
 
 The trigger records, with each conversation event, the call a result answers and the
 running count; the pages a Build reads then carry exactly what the whole range carries
@@ -179,7 +179,7 @@ def test_the_pages_read_from_the_store_carry_what_the_whole_range_carries(
 
 
 async def _migrated_with_data(logs: list[list[tuple[ConversationItem, str, bool]]]) -> None:
-    """Sessions written under the schema before 0011, then 0011 applied to them: its fill
+    """Sessions written under the schema before 0012, then 0012 applied to them: its fill
     gives every range the same bounded reads as the trigger would have."""
     import asyncpg
 
@@ -190,20 +190,20 @@ async def _migrated_with_data(logs: list[list[tuple[ConversationItem, str, bool]
     try:
         conn = await asyncpg.connect(dsn)
         try:
-            async with conn.transaction():  # what apply_migrations did before 0011
+            async with conn.transaction():  # what apply_migrations did before 0012
                 await conn.execute(
                     "CREATE TABLE schema_migrations (version text PRIMARY KEY,"
                     " applied_at timestamptz NOT NULL DEFAULT now())"
                 )
                 for version, sql in migration_files():
-                    if version < "0011":
+                    if version < "0012":
                         await conn.execute(sql)
                         await conn.execute("INSERT INTO schema_migrations VALUES ($1)", version)
             pool = await connect_pool(dsn, min_size=1, max_size=2)
             try:
                 written = [await _write(pool, log, [len(log) // 2]) for log in logs]
                 assert await pool.fetchval("SELECT to_regproc('session_events_carried')") is None
-                assert await apply_migrations(conn) == ["0011_history_pairs"]
+                assert await apply_migrations(conn) == ["0012_history_pairs"]
                 for log, session_id in zip(logs, written, strict=True):
                     top = len(log) + 3
                     for floor in range(0, top, 3):

@@ -8,7 +8,7 @@ The logs are generated messy on purpose: tool pairs far apart (a call, many even
 result), call ids reused within and across runs, results without a call, calls never
 answered, results that fail, reasoning items, summary floors anywhere (a pair straddling
 one included). What the log records with each event is modelled here from its definition
-(migrations/0011_history_pairs.sql); tests/integration/test_log_tail.py checks the real
+(migrations/0012_history_pairs.sql); tests/integration/test_log_tail.py checks the real
 trigger against the same properties.
 """
 
@@ -58,7 +58,7 @@ def _text(size: int) -> str:
 
 
 def recorded(log: Sequence[ConversationItem]) -> list[Logged]:
-    """What the log records with each event (migrations/0011_history_pairs.sql), from its
+    """What the log records with each event (migrations/0012_history_pairs.sql), from its
     definition: a result answers the previous event of its (run, call id) if that is a
     call; the running count adds 1 per message and 2 per result that answers a call."""
     previous: dict[tuple[str, str], ConversationItem] = {}

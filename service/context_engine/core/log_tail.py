@@ -4,7 +4,7 @@ A run carries the conversation events with floor < sequence < below, paired by
 core/seeding.py (Rule 3), and a fitting request reaches only the newest of them
 (core/carried.py: the window). So a replica reads the log newest first, a page at a time,
 until the window is covered (api/log_tail.py), and never the rest. What makes that exact is
-recorded with each event as it is written (migrations/0011_history_pairs.sql):
+recorded with each event as it is written (migrations/0012_history_pairs.sql):
 
 Rule 1 (answers): a result's `answers` is the sequence of the call it answers: the previous
 event of its (run, call id), when that is a call. Seeding's fold pairs exactly so (a call
@@ -67,7 +67,7 @@ _NO_FLOOR = FloorFacts(weight=0, straddling=0)
 
 
 def weight_of(row: Logged) -> int:
-    """What one event adds to W (Rule 2); migrations/0011_history_pairs.sql, carried_weight."""
+    """What one event adds to W (Rule 2); migrations/0012_history_pairs.sql, carried_weight."""
     if isinstance(row.item, UserMessage | AssistantMessage):
         return 1
     if isinstance(row.item, ToolResult) and row.answers is not None:

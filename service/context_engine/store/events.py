@@ -80,7 +80,7 @@ async def append_events(
 
 
 # Sequences continue the session's counter: the n-th event (from 1) gets last + n. Rows go
-# in in sequence order: the trigger of migrations/0011_history_pairs.sql pairs a result with
+# in in sequence order: the trigger of migrations/0012_history_pairs.sql pairs a result with
 # its call, and counts, over the rows before it, those of this statement included.
 _APPEND = (
     "WITH allocated AS ("
