@@ -8,16 +8,15 @@ run. Three cases, each printed with its own ratio 5,000 / 50 and its own PASS/FA
 - new run: StartRun (not timed), then that run's first Build (timed), once per length per
   round, interleaved across lengths: the step every turn begins with, on a replica that
   has served the session before (it reads the log since the previous run);
-- cold (`--cold-servers N`, default 3; 0 skips it): a freshly started server, warmed on an
+- cold (`--cold-servers N`, default 9; 0 skips it): a freshly started server, warmed on an
   unrelated session, then the first Build of each session on it (the order rotated per
   server): a restarted replica or one the session has not reached yet. It reads the
-  session's log since its last summary, so it grows with the session; it is reported with
-  its own PASS/FAIL but is not in the exit status.
+  session's log newest first, only as far back as the window reaches (core/log_tail.py).
 
 Every Build must return a request (one that needs compaction would measure nothing); each
 length's request size and history cut are printed. Bar: <= 1.2 (a Build reads and
-assembles what fits, never the whole log); the exit status is 0 only when both the
-repeated-step and the new-run case hold."""
+assembles what fits, never the whole log); the exit status is 0 only when every case
+measured holds (the cold one included, unless `--cold-servers 0` skips it)."""
 
 from __future__ import annotations
 
@@ -168,12 +167,15 @@ async def run(lengths: list[int], builds: int, window: int, cold_servers: int) -
     ok = _case("repeated step (the same Build of one run again):", *repeated)
     ok = _case("new run (StartRun untimed, then the run's first Build timed):", *new_run) and ok
     if cold is not None:
-        _case(
-            "cold (the first Build of each session on a freshly started server,"
-            f" {cold_servers} of them; reported, not in the exit status):",
-            *cold,
+        ok = (
+            _case(
+                "cold (the first Build of each session on a freshly started server,"
+                f" {cold_servers} of them):",
+                *cold,
+            )
+            and ok
         )
-    print(f"  repeated step and new run both hold: {'PASS' if ok else 'FAIL'}")
+    print(f"  every case holds: {'PASS' if ok else 'FAIL'}")
     return ok
 
 
@@ -185,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cold-servers",
         type=int,
-        default=3,
+        # One first Build per length per server: nine samples, as the case is in the exit
+        # status and a fresh process's first Build varies more than a warm one's.
+        default=9,
         help="fresh servers for the cold case (one first Build per length each); 0 skips it",
     )
     args = parser.parse_args(argv)

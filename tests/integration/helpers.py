@@ -120,6 +120,30 @@ async def start_run(stub: Any, session_id: str, text: str) -> pb.StartRunRespons
     )
 
 
+async def append_items(
+    stub: Any, session_id: str, run_id: str, version: int, *items: pb.ConversationItem
+) -> pb.AppendItemsResponse:
+    """AppendItems on a run at checkpoint `version`."""
+    return await stub.AppendItems(
+        pb.AppendItemsRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            run_id=run_id,
+            expected_checkpoint_version=version,
+            items=list(items),
+        )
+    )
+
+
+def build_request(session_id: str, run_id: str, version: int = 0) -> pb.BuildRequest:
+    """A Build of the run at checkpoint `version` (0: the latest), at a fixed instant."""
+    request = pb.BuildRequest(
+        tenant_id=TENANT, session_id=session_id, run_id=run_id, checkpoint_version=version
+    )
+    request.now.FromSeconds(1_790_000_000)
+    return request
+
+
 async def start_child(
     stub: Any, session_id: str, parent_run_id: str, instruction: str
 ) -> pb.StartRunResponse:

@@ -15,6 +15,7 @@ from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 
 from .helpers import (
     TENANT,
+    append_items,
     assistant,
     block_texts,
     call,
@@ -39,20 +40,6 @@ async def _build(stub: Any, session_id: str, run_id: str, now: datetime) -> pb.B
     request = pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id)
     request.now.FromDatetime(now)
     return await stub.Build(request)
-
-
-async def _append(
-    stub: Any, session_id: str, run_id: str, version: int, *items: pb.ConversationItem
-) -> pb.AppendItemsResponse:
-    return await stub.AppendItems(
-        pb.AppendItemsRequest(
-            tenant_id=TENANT,
-            session_id=session_id,
-            run_id=run_id,
-            expected_checkpoint_version=version,
-            items=list(items),
-        )
-    )
 
 
 def _page(call_id: str) -> pb.ConversationItem:
@@ -131,7 +118,7 @@ async def _session_with_history(stub: Any) -> tuple[str, pb.ContextPlan, str, st
     """Run 1 fetches an untrusted page and answers; run 2 is the run that compacts."""
     session_id, plan = await open_session(stub)
     first = (await start_run(stub, session_id, "Find a hotel in Lyon for Friday")).run.run_id
-    await _append(
+    await append_items(
         stub,
         session_id,
         first,
@@ -141,7 +128,7 @@ async def _session_with_history(stub: Any) -> tuple[str, pb.ContextPlan, str, st
         assistant("I found Hotel Bellevue; shall I look at prices?"),
     )
     second = (await start_run(stub, session_id, "Yes, and check the calendar")).run.run_id
-    await _append(
+    await append_items(
         stub,
         session_id,
         second,
@@ -270,7 +257,7 @@ async def test_summaries_merge_once_and_a_third_compaction_escalates(stub: Any, 
     session_id, plan, _, run_id = await _session_with_history(stub)
     first = await _prepare(stub, session_id, run_id, through_sequence=3)
     one = await _commit(stub, session_id, run_id, first, "The user asked for a Lyon hotel.")
-    appended = await _append(
+    appended = await append_items(
         stub, session_id, run_id, one.checkpoint_version, assistant("Friday works; booking next.")
     )
     second = await _prepare(stub, session_id, run_id)
@@ -286,7 +273,7 @@ async def test_summaries_merge_once_and_a_third_compaction_escalates(stub: Any, 
     summary_rows = [t for r, _, t in block_texts(built) if r == pb.ROW_COMPACTED_SUMMARY]
     assert len(summary_rows) == 1 and "calendar free" in summary_rows[0]
     assert "[elided] tool.result" in summary_rows[0]
-    await _append(stub, session_id, run_id, two.checkpoint_version, assistant("Booked."))
+    await append_items(stub, session_id, run_id, two.checkpoint_version, assistant("Booked."))
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await _prepare(stub, session_id, run_id)
     reason, _, _ = details(error.value)
@@ -321,7 +308,7 @@ async def test_compaction_fidelity_a_constraint_from_twenty_turns_ago_shows_verb
         items = [assistant(f"Turn {turn}: noted.")]
         if turn % 4 == 0:
             items = [call(f"f{turn}"), _page(f"f{turn}"), *items]
-        await _append(stub, session_id, run_id, version, *items)
+        await append_items(stub, session_id, run_id, version, *items)
         await check(await _build(stub, session_id, run_id, now))
         run_id = (await start_run(stub, session_id, f"Turn {turn + 1} question")).run.run_id
         version = 1
@@ -340,7 +327,7 @@ async def test_compaction_fidelity_a_constraint_from_twenty_turns_ago_shows_verb
     version = committed.checkpoint_version
     for turn in range(21, 24):
         now += timedelta(minutes=17)
-        await _append(stub, session_id, run_id, version, assistant(f"Turn {turn}: done."))
+        await append_items(stub, session_id, run_id, version, assistant(f"Turn {turn}: done."))
         await check(await _build(stub, session_id, run_id, now))
         run_id = (await start_run(stub, session_id, f"Turn {turn + 1}")).run.run_id
         version = 1
@@ -369,11 +356,11 @@ async def test_a_half_answered_batch_is_never_split_and_the_run_stays_buildable(
     its result are one unit) after the run's question, verbatim."""
     session_id, _ = await open_session(stub)
     earlier = (await start_run(stub, session_id, "Earlier question about trains")).run.run_id
-    answered = await _append(stub, session_id, earlier, 1, assistant("Earlier train answer."))
+    answered = await append_items(stub, session_id, earlier, 1, assistant("Earlier train answer."))
     started = await start_run(stub, session_id, "Look up two things")
     run_id = started.run.run_id
     trusted = pb.TRUST_LEVEL_TRUSTED_CONFIGURATION
-    appended = await _append(
+    appended = await append_items(
         stub,
         session_id,
         run_id,
@@ -389,7 +376,7 @@ async def test_a_half_answered_batch_is_never_split_and_the_run_stays_buildable(
     assert "Looking both up" not in prepared.summarizer_input
     assert "Look up two things" not in prepared.summarizer_input
     committed = await _commit(stub, session_id, run_id, prepared, "An earlier train question.")
-    done = await _append(
+    done = await append_items(
         stub,
         session_id,
         run_id,
@@ -408,10 +395,10 @@ async def test_the_engine_cut_leaves_the_active_loops_pending_pair_verbatim(stub
     yields (spec: 'Four things never yield'), and compaction is the last yield."""
     session_id, _ = await open_session(stub)
     first = (await start_run(stub, session_id, "Earlier question about trains")).run.run_id
-    await _append(stub, session_id, first, 1, assistant("Earlier answer about trains."))
+    await append_items(stub, session_id, first, 1, assistant("Earlier answer about trains."))
     run_id = (await start_run(stub, session_id, "Fetch the hotel page")).run.run_id
     page = "Hotel page. " + " ".join(f"room{n} costs {n * 7} euros" for n in range(300))
-    appended = await _append(
+    appended = await append_items(
         stub,
         session_id,
         run_id,
@@ -435,7 +422,7 @@ async def test_nothing_but_a_pending_pair_fails_as_nothing_to_compact(stub: Any)
     compactable, and prepare says so (RUN_STATE) rather than summarizing the question."""
     session_id, _ = await open_session(stub)
     run_id = (await start_run(stub, session_id, "Fetch the hotel page")).run.run_id
-    await _append(
+    await append_items(
         stub, session_id, run_id, 1, call("p1", args={"q": "hotel"}), result("p1", "Hotel page.")
     )
     with pytest.raises(grpc.aio.AioRpcError) as error:
@@ -459,7 +446,7 @@ async def test_compacting_a_child_run_keeps_its_instruction_verbatim(stub: Any) 
     )
     run_id = child.run.run_id
     trusted = pb.TRUST_LEVEL_TRUSTED_CONFIGURATION
-    await _append(
+    await append_items(
         stub,
         session_id,
         run_id,
@@ -491,7 +478,7 @@ async def test_a_call_id_reused_by_another_run_does_not_widen_the_requested_cut(
     ):
         run = (await start_run(stub, session_id, question)).run.run_id
         answers.append(
-            await _append(
+            await append_items(
                 stub,
                 session_id,
                 run,
@@ -516,7 +503,7 @@ async def test_a_constraint_the_model_wrote_neither_licenses_untrusted_text_nor_
     still refused, and the summarizer is not told to retain it verbatim."""
     session_id, _ = await open_session(stub)
     one = (await start_run(stub, session_id, "Find a hotel in Lyon")).run.run_id
-    await _append(
+    await append_items(
         stub, session_id, one, 1, call("w1"), _page("w1"), assistant("I found Hotel Bellevue.")
     )
     two = (await start_run(stub, session_id, "Book it")).run.run_id
@@ -532,7 +519,7 @@ async def test_a_constraint_the_model_wrote_neither_licenses_untrusted_text_nor_
         writer=pb.WRITER_USER,
         add_constraints=[CONSTRAINT],
     )
-    await _append(stub, session_id, two, wrote.checkpoint_version, assistant("Booking."))
+    await append_items(stub, session_id, two, wrote.checkpoint_version, assistant("Booking."))
     prepared = await _prepare(stub, session_id, two)
     assert list(prepared.retained_constraints) == [CONSTRAINT]
     assert CANARY not in prepared.summarizer_input
@@ -576,13 +563,13 @@ async def test_a_model_echo_of_an_untrusted_knowledge_passage_is_elided_and_neve
     )
     request.now.FromDatetime(START)
     assert not (await stub.Build(request)).needs_compaction
-    echo = await _append(stub, session_id, one, 1, assistant(f"The handbook says: {passage}"))
-    recalled = await _append(
+    echo = await append_items(stub, session_id, one, 1, assistant(f"The handbook says: {passage}"))
+    recalled = await append_items(
         stub, session_id, one, echo.checkpoint_version, assistant(f"Noted: {memory}")
     )
     assert recalled.sequences
     two = (await start_run(stub, session_id, "Thanks, go ahead")).run.run_id
-    await _append(stub, session_id, two, 1, assistant("Proceeding."))
+    await append_items(stub, session_id, two, 1, assistant("Proceeding."))
     prepared = await _prepare(stub, session_id, two)
     assert prepared.replaced_through_sequence >= recalled.sequences[0]
     assert CANARY not in prepared.summarizer_input

@@ -15,6 +15,7 @@ from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 
 from .helpers import (
     TENANT,
+    append_items,
     assistant,
     block_texts,
     call,
@@ -42,20 +43,6 @@ def _block(response: pb.BuildResponse) -> str:
     blocks = [t for row, _, t in block_texts(response) if row == pb.ROW_WORKING_STATE]
     assert len(blocks) <= 1
     return blocks[0] if blocks else ""
-
-
-async def _append(
-    stub: Any, session_id: str, run_id: str, version: int, *items: pb.ConversationItem
-) -> pb.AppendItemsResponse:
-    return await stub.AppendItems(
-        pb.AppendItemsRequest(
-            tenant_id=TENANT,
-            session_id=session_id,
-            run_id=run_id,
-            expected_checkpoint_version=version,
-            items=list(items),
-        )
-    )
 
 
 async def _writes(pool: Any, session_id: str) -> tuple[int, int]:
@@ -300,7 +287,7 @@ async def test_the_runtime_writes_questions_and_task_states_from_tool_outcomes(
             arguments_json=json.dumps({"question": "First or second class?"}),
         )
     )
-    appended = await _append(stub, session_id, run_id, version, ask)
+    appended = await append_items(stub, session_id, run_id, version, ask)
     state = await _latest_state(pool, run_id)
     assert [q["text"] for q in state["open_questions"]] == ["First or second class?"]
     assert state["open_questions"][0]["writer"] == 3  # runtime
@@ -310,7 +297,9 @@ async def test_the_runtime_writes_questions_and_task_states_from_tool_outcomes(
             call_id="b1", tool_name="trains.book", arguments_json="{}", task_id="book"
         )
     )
-    appended = await _append(stub, session_id, run_id, appended.checkpoint_version, answer, booking)
+    appended = await append_items(
+        stub, session_id, run_id, appended.checkpoint_version, answer, booking
+    )
     state = await _latest_state(pool, run_id)
     assert state["open_questions"] == []
     assert state["tasks"][0]["status"] == 2  # in progress
@@ -323,7 +312,7 @@ async def test_the_runtime_writes_questions_and_task_states_from_tool_outcomes(
             is_error=True,
         )
     )
-    appended = await _append(stub, session_id, run_id, appended.checkpoint_version, failed)
+    appended = await append_items(stub, session_id, run_id, appended.checkpoint_version, failed)
     state = await _latest_state(pool, run_id)
     assert state["tasks"][0]["status"] == 3  # blocked
     writers = await pool.fetch(
@@ -338,13 +327,13 @@ async def test_the_runtime_writes_questions_and_task_states_from_tool_outcomes(
         tool_call=pb.ToolCall(call_id="x1", tool_name="t", arguments_json="{}", task_id="nope")
     )
     code, _, fields = await _refused(
-        _append(stub, session_id, run_id, appended.checkpoint_version, stray)
+        append_items(stub, session_id, run_id, appended.checkpoint_version, stray)
     )
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert fields == ["items[0].tool_call.task_id"]
     assert await _writes(pool, session_id) == before
     # Prose is never parsed: an assistant "question" opens nothing.
-    await _append(
+    await append_items(
         stub, session_id, run_id, appended.checkpoint_version, assistant("Which seat? Window?")
     )
     assert (await _latest_state(pool, run_id))["open_questions"] == []
@@ -365,11 +354,11 @@ async def test_an_ask_user_question_over_2000_characters_is_resolved_by_its_answ
             arguments_json=json.dumps({"question": question}),
         )
     )
-    asked = await _append(stub, session_id, run_id, 1, ask)
+    asked = await append_items(stub, session_id, run_id, 1, ask)
     state = await _latest_state(pool, run_id)
     assert [q["text"] for q in state["open_questions"]] == [question[:2_000]]
     answer = result("ask1", "The first", trust=pb.TRUST_LEVEL_USER, name="conversation.ask_user")
-    await _append(stub, session_id, run_id, asked.checkpoint_version, answer)
+    await append_items(stub, session_id, run_id, asked.checkpoint_version, answer)
     assert (await _latest_state(pool, run_id))["open_questions"] == []
 
 
@@ -418,7 +407,7 @@ async def test_a_new_run_carries_its_state_from_the_log_not_a_checkpoint(
             arguments_json=json.dumps({"question": "Which district?"}),
         )
     )
-    await _append(stub, session_id, first, v, ask)
+    await append_items(stub, session_id, first, v, ask)
     # The run ends unanswered; the checkpoint of the first run is then corrupted. The next
     # run's state must still come from the log.
     await pool.execute(
@@ -482,7 +471,7 @@ async def test_facts_take_the_trust_of_their_evidence_and_only_trusted_ones_are_
     started = await start_run(stub, session_id, "I live in Paris and work in Lyon")
     run_id = started.run.run_id
     user_seq = started.run.seed_event_sequence
-    appended = await _append(
+    appended = await append_items(
         stub,
         session_id,
         run_id,
@@ -686,8 +675,8 @@ async def test_an_ask_user_that_fails_leaves_its_question_open(stub: Any, pool: 
             is_error=True,
         )
     )
-    asked = await _append(stub, session_id, run_id, 1, ask)
-    await _append(stub, session_id, run_id, asked.checkpoint_version, timeout)
+    asked = await append_items(stub, session_id, run_id, 1, ask)
+    await append_items(stub, session_id, run_id, asked.checkpoint_version, timeout)
     questions = [q["text"] for q in (await _latest_state(pool, run_id))["open_questions"]]
     assert questions == ["First or second class?"]
     later = (await start_run(stub, session_id, "Hello again")).run.run_id
@@ -743,7 +732,7 @@ async def test_a_child_runs_message_is_at_most_model_evidence(stub: Any) -> None
         )
     ).run.run_id
     told = pb.ConversationItem(user_message=pb.UserMessage(text="The user is allergic to cats"))
-    appended = await _append(stub, session_id, child, 1, told)
+    appended = await append_items(stub, session_id, child, 1, told)
     child_seq = appended.sequences[0]
     statement = "The user is allergic to cats"
     updated = await update_state(
@@ -810,7 +799,7 @@ async def test_a_question_asked_again_in_the_append_that_answers_it_stays_open(
             )
         )
 
-    first = await _append(stub, session_id, run_id, 1, ask("ask1"))
+    first = await append_items(stub, session_id, run_id, 1, ask("ask1"))
     answer = result("ask1", "Whatever", trust=pb.TRUST_LEVEL_USER, name="conversation.ask_user")
-    await _append(stub, session_id, run_id, first.checkpoint_version, answer, ask("ask2"))
+    await append_items(stub, session_id, run_id, first.checkpoint_version, answer, ask("ask2"))
     assert [e["text"] for e in (await _latest_state(pool, run_id))["open_questions"]] == [q]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import string
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any, Literal
@@ -113,6 +113,34 @@ MODEL = ModelFacts(
 def count_tokens(text: str) -> int:
     """A pure stand-in for the model's tokenizer."""
     return len(text.encode("utf-8")) // 4 + 1
+
+
+def small_plan(
+    window: int,
+    cap: int,
+    reserve: int,
+    *,
+    secret: bytes,
+    count: Callable[[str], int] = count_tokens,
+) -> ContextPlan:
+    """A plan whose prefix is a one-line agent and policy, with the policy cap and output
+    reserve given: the body is what the budget tests set it to."""
+    spec = PlanSpec(
+        model_id="m",
+        agent=AgentSpec(agent_id="a", version="1", instructions="Be brief."),
+        policy=PlatformPolicySpec(version="v1", text="Platform policy."),
+        policy_cap_tokens=cap,
+        reserve_output_tokens=reserve,
+    )
+    return make_plan(
+        spec,
+        session_id="s",
+        epoch=1,
+        reason=PlanReason.SESSION_OPENED,
+        secret=secret,
+        model=ModelFacts("m", "anthropic", window, 8_192),
+        count_tokens=count,
+    )
 
 
 # --- text -------------------------------------------------------------------------------
@@ -738,6 +766,62 @@ def step_contexts(draw: st.DrawFn, secret: bytes | None = None) -> StepContext:
             for i in ids("knowledge")
         ),
     )
+
+
+def _lorem(size: int) -> str:
+    return ("lorem ipsum dolor " * (size // 18 + 1))[:size]
+
+
+@st.composite
+def messy_logs(draw: st.DrawFn, max_events: int = 60) -> list[ConversationItem]:
+    """Conversation events of top-level runs as a log might hold them, oldest first,
+    sequences with gaps (other events share the log): runs "r0".."r2" interleaved, call ids
+    "c0".."c2" reused. A result mostly answers a call still open, often one made many
+    events before; sometimes it reuses or invents a key (a result without its call, a
+    second result), and some calls are never answered. Results vary in size (some over the
+    inline limit), trust and failure; a reasoning item (never logged) shows up now and then."""
+    out: list[ConversationItem] = []
+    open_calls: list[tuple[str, str]] = []
+    sequence = 0
+    for n in range(draw(st.integers(0, max_events))):
+        sequence += draw(st.integers(1, 3))
+        run = draw(st.sampled_from(["r0", "r1", "r2"]))
+        kind = draw(
+            st.sampled_from(["user", "assistant", "call", "call", "result", "result", "reasoning"])
+        )
+        common = {"item_id": f"i{n}", "sequence": sequence, "run_id": run}
+        if kind == "user":
+            size = draw(st.sampled_from([20, 900, 4_000, 16_000]))
+            out.append(UserMessage(text=_lorem(size), **common))
+        elif kind == "assistant":
+            size = draw(st.sampled_from([20, 600, 12_000]))
+            out.append(AssistantMessage(text=_lorem(size), **common))
+        elif kind == "reasoning":  # never logged; a log that held one must not carry it
+            out.append(ReasoningItem(provider="anthropic", opaque='{"type":"thinking"}', **common))
+        elif kind == "call":
+            call_id = draw(st.sampled_from(["c0", "c1", "c2"]))
+            out.append(
+                ToolCall(call_id=call_id, tool_name="web.fetch", arguments_json="{}", **common)
+            )
+            open_calls.append((run, call_id))
+        else:
+            if open_calls and draw(st.integers(0, 4)):
+                run, call_id = open_calls.pop(draw(st.integers(0, len(open_calls) - 1)))
+                common["run_id"] = run
+            else:
+                call_id = draw(st.sampled_from(["c0", "c1", "c2"]))
+            out.append(
+                ToolResult(
+                    call_id=call_id,
+                    tool_name="web.fetch",
+                    content=_lorem(draw(st.sampled_from([10, 400, 3_000, 20_000]))),
+                    trust=draw(st.sampled_from([TrustLevel.EXTERNAL_UNTRUSTED, TrustLevel.USER])),
+                    is_error=draw(st.booleans()),
+                    artifact_ref=draw(st.sampled_from(["", f"a/{n}"])),
+                    **common,
+                )
+            )
+    return out
 
 
 # --- a whole build ----------------------------------------------------------------------

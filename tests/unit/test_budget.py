@@ -56,7 +56,7 @@ from context_engine.core.items import (
     WorkingStateItem,
 )
 from context_engine.core.messages import grouped
-from context_engine.core.plan import ClassUsage, _check_prefix_caps
+from context_engine.core.plan import ClassUsage, ContextPlan, _check_prefix_caps
 from context_engine.core.request import ModelRequest
 from context_engine.core.spec import (
     AgentSpec,
@@ -71,6 +71,8 @@ from context_engine.core.yield_ladder import LADDER
 from context_engine.models import ModelCatalog
 from context_engine.tokenizers import build_counters
 
+from .strategies import small_plan
+
 GATE = settings(max_examples=150, deadline=None)
 SECRET = b"k" * 32
 NOW = datetime(2026, 3, 1, 12, tzinfo=UTC)
@@ -82,24 +84,8 @@ def count(text: str) -> int:
     return -(-len(text.encode("utf-8")) // 4)
 
 
-def _plan(window: int, cap: int, reserve: int):  # type: ignore[no-untyped-def]
-    spec = PlanSpec(
-        model_id="m",
-        agent=AgentSpec(agent_id="a", version="1", instructions="Be brief."),
-        policy=PlatformPolicySpec(version="v1", text="Platform policy."),
-        policy_cap_tokens=cap,
-        reserve_output_tokens=reserve,
-    )
-    facts = ModelFacts("m", "anthropic", window, 8_192)
-    return make_plan(
-        spec,
-        session_id="s",
-        epoch=1,
-        reason=PlanReason.SESSION_OPENED,
-        secret=SECRET,
-        model=facts,
-        count_tokens=count,
-    )
+def _plan(window: int, cap: int, reserve: int) -> ContextPlan:
+    return small_plan(window, cap, reserve, secret=SECRET, count=count)
 
 
 # --- generated sessions -----------------------------------------------------------------

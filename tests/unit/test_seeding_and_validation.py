@@ -39,7 +39,7 @@ from context_engine.core.items import (
     UserMessage,
     trust_of,
 )
-from context_engine.core.seeding import Projection, delegated, instruction_item_id
+from context_engine.core.seeding import delegated, instruction_item_id
 from context_engine.core.spec import PlatformPolicySpec
 from context_engine.core.validate import (
     ClosedRun,
@@ -117,35 +117,6 @@ def test_carried_history_drops_reasoning_and_half_pairs_and_keeps_order(
     sequences = [i.sequence for i in carried]
     assert sequences == sorted(set(sequences)) and all(s > 0 for s in sequences)
     assert carried_history(carried) == carried
-
-
-@SETTINGS
-@given(session_logs(reasoning=True, dangling=True, max_runs=4), st.data())
-def test_a_longer_log_extends_the_shorter_ones_projection(
-    log: list[ConversationItem], data: st.DataObject
-) -> None:
-    """A new run's carried history is the previous run's projection extended by what was
-    logged since (api/engine.py keeps it per session): at any split points it equals the
-    projection of the whole log, and each item is folded once, so a new run's first Build
-    folds the turns since the last run, not the whole log."""
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(log)), max_size=4)))
-    projection = Projection()
-    for cut in [*cuts, len(log)]:
-        projection = projection.extended(log[:cut])
-        assert projection.history == carried_history(log[:cut])
-    assert projection.folded == len(log)
-    if log:  # equal items, other objects: not the log that was folded
-        with pytest.raises(ValueError):
-            projection.extended([i.model_copy() for i in log])
-
-
-def test_a_call_pending_at_one_run_is_carried_once_a_later_log_answers_it() -> None:
-    asked = UserMessage(item_id="u1", text="go", sequence=1, run_id="r1")
-    call = _call("c1", "k1")
-    answer = _result("t1", "k1")
-    first = Projection().extended([asked, call])
-    assert first.history == (asked,)  # half a pair is not carried (Rule 3)
-    assert first.extended([asked, call, answer]).history == (asked, call, answer)
 
 
 def test_carried_history_examples() -> None:

@@ -20,7 +20,7 @@ import asyncpg
 
 from .. import telemetry
 from ..core import epochs as epoch_rules
-from ..core.assemble import Assembled, BuildInputs, StepContext, assemble
+from ..core.assemble import Assembled, BuildInputs, StepContext, assemble, carried_reaches
 from ..core.build_record import (
     ASSEMBLER_KEY,
     ASSEMBLER_VERSION,
@@ -49,8 +49,9 @@ from ..core.errors import (
 from ..core.estimator import IMAGE_TOKENS
 from ..core.excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
 from ..core.items import ConversationItem, UserMessage
+from ..core.log_tail import LogTail
 from ..core.plan import CapacityError, ContextPlan, ModelFacts, make_plan
-from ..core.seeding import Projection, delegated, instruction_item_id, seed_cut
+from ..core.seeding import delegated, instruction_item_id, seed_cut
 from ..core.skills import body_items
 from ..core.snapshot import first_naming, named_people
 from ..core.snapshot import nonempty as snapshot_nonempty
@@ -64,6 +65,7 @@ from ..store.batches import Batcher
 from ..store.db import acquire, transaction
 from ..store.events import EVENT_TYPE_OF_ITEM, NewEvent, item_payload
 from ..store.records import NO_SESSION, PERSON_ERASED, PLAN_INVALIDATED, RequestRecord
+from . import log_tail
 from . import usage as usage_api
 from . import working_state as ws_api
 from .kept import DEFAULT_CACHE_BYTES, Kept, approximate_bytes
@@ -781,43 +783,59 @@ class Engine:
 
     async def _carried(
         self, conn: Any, tenant: str, session_id: UUID, below: int, floor: int
-    ) -> tuple[tuple[ConversationItem, ...], int]:
-        """The history a run seeded below `below` carries, over the session's logged items
-        with floor < sequence < below, and its approximate bytes.
+    ) -> tuple[LogTail, int]:
+        """The newest part of the history a run seeded below `below` carries, over the
+        session's logged items with floor < sequence < below (core/log_tail.py), and the
+        approximate bytes of what was read for it.
 
         The log is append-only and a sequence is committed before any later one is handed
         out (the session row lock), so the items below one run's seed are a prefix of those
-        below a later run's. A replica keeps, per (session, floor), the longest log it has
-        read folded into its carried projection (core/seeding.py Projection), and reads
-        and folds only what lies past it: a new run's first Build reads and folds the turns
-        since the last run, not the whole log. The weight is the log's: the carried
-        history holds a subset of the same item objects."""
+        below a later run's. A replica keeps, per (session, floor), the tail it has read
+        for the latest run, and a new run's first Build reads only the events since
+        (api/log_tail.py): neither reads the whole log. Build reads further back only as
+        far as the plan's window needs (`_carried_reaching`)."""
         prefix_key = ("logged", tenant, session_id, floor)
-        # (below, projection, approximate bytes): an extension weighs only what it read.
-        known: tuple[int, Projection, int] | None = self._kept.get(prefix_key)
-        if known is not None and known[0] <= below:
-            start, folded, weight = known
-            more = tuple(
-                await events.read_carried_items(
-                    conn,
-                    tenant,
-                    session_id,
-                    below_sequence=below,
-                    above_sequence=max(floor, start - 1),
-                )
-            )
-            projection = folded.extended(folded.consumed + more)
-            weight += approximate_bytes(more)
-        else:
-            logged = tuple(
-                await events.read_carried_items(
-                    conn, tenant, session_id, below_sequence=below, above_sequence=floor
-                )
-            )
-            projection, weight = Projection().extended(logged), approximate_bytes(logged)
-        if known is None or known[0] <= below:
-            self._kept.put(prefix_key, (below, projection, weight), weight)
-        return projection.history, weight
+        # (tail, approximate bytes): an extension weighs only what it read.
+        known: tuple[LogTail, int] | None = self._kept.get(prefix_key)
+        usable = known if known is not None and known[0].below <= below else None
+        read = await log_tail.read_newest(
+            conn,
+            tenant,
+            session_id,
+            floor,
+            below,
+            usable[0] if usable else None,
+            log_tail.FIRST_PAGE,
+        )
+        tail, weight = read.tail, approximate_bytes(read.rows)
+        if read.extended and usable is not None:
+            weight += usable[1]
+        if known is None or usable is not None:
+            self._kept.put(prefix_key, (tail, weight), weight)
+        return tail, weight
+
+    async def _carried_reaching(
+        self, tenant: str, session_id: UUID, inputs: BuildInputs, kept: tuple[LogTail, int]
+    ) -> BuildInputs:
+        """`inputs` with the carried history read back as far as a fitting request can
+        reach (core/assemble.py, carried_reaches): a page at a time, each larger, and kept,
+        so the run's later Builds read nothing."""
+        tail, weight = kept
+        page = log_tail.FIRST_PAGE
+        while not carried_reaches(inputs):
+            page *= log_tail.GROWTH
+            async with telemetry.span("store.read"), acquire(self.pool) as conn:
+                older, rows, _ = await log_tail.read_older(conn, tenant, session_id, tail, page)
+            weight += approximate_bytes(rows)
+            carried_key = ("carried", tenant, session_id, tail.below, tail.floor)
+            prefix_key = ("logged", tenant, session_id, tail.floor)
+            latest: tuple[LogTail, int] | None = self._kept.get(prefix_key)
+            if latest is not None and latest[0] is tail:
+                self._kept.put(prefix_key, (older, weight), weight)
+            self._kept.put(carried_key, (older, weight), weight)
+            tail = older
+            inputs = replace(inputs, carried=tail.history, carried_before=tail.before)
+        return inputs
 
     # --- build ------------------------------------------------------------------------
 
@@ -869,7 +887,7 @@ class Engine:
             # Loaded skills are append-only and never unloaded: the first N are the same on
             # every read, so a count names them (and none costs no round trip).
             loaded = self._kept.get(("skills", tenant, session_id, skills)) if skills else []
-            carried = None
+            carried: tuple[LogTail, int] | None = None
             if checkpoint is not None:
                 floor = checkpoint.replaced_through_sequence
                 carried = self._kept.get(("carried", tenant, session_id, below, floor))
@@ -882,10 +900,8 @@ class Engine:
                     carried_key = ("carried", tenant, session_id, below, floor)
                     carried = self._kept.get(carried_key)
                     if carried is None:
-                        carried, weight = await self._carried(
-                            conn, tenant, session_id, below, floor
-                        )
-                        self._kept.put(carried_key, carried, weight)
+                        carried = await self._carried(conn, tenant, session_id, below, floor)
+                        self._kept.put(carried_key, carried, carried[1])
                     if loaded is None:
                         loaded = await skill_store.read_loaded(conn, tenant, session_id)
                         self._kept.put(
@@ -930,7 +946,8 @@ class Engine:
                 plan=plan,
                 secret=stored.secret,
                 checkpoint=checkpoint,
-                carried=carried,
+                carried=carried[0].history,
+                carried_before=carried[0].before,
                 now=clock,
                 step=step,
                 skill_bodies=body_items(loaded),
@@ -941,6 +958,7 @@ class Engine:
                 image_tokens=image_tokens,
                 inline_maximum_bytes=inline_maximum_bytes,
             )
+            inputs = await self._carried_reaching(tenant, session_id, inputs, carried)
             assembled = telemetry.traced("assemble", assemble)(inputs)
         except BudgetExceededError as exc:
             if record:

@@ -1,14 +1,15 @@
 """What a replica may keep across requests: values that can never change once written.
 
 A checkpoint version is never rewritten, and the session log below a run's pinned seed
-sequence is append-only, so the parsed checkpoint and the projected carried history of a
+sequence is append-only, so the parsed checkpoint and the carried history read for a
 (run, version) or (session, seed cut, summary floor) are the same on every Build. Keeping
-them spares the parse, and hands the core the same item objects every time, so its
-render and cost memos hit. The log below a later run's seed extends the log below an
-earlier one's (the log is append-only), so the longest prefix read per (session, floor) is
-kept too, with its carried projection, and extended rather than read and folded again
-(Engine._carried). Plans are immutable per
-(tenant, session, epoch) and kept the same way.
+them spares the read and the parse, and hands the core the same item objects every time,
+so its render and cost memos hit. What is kept of a carried history is the part read,
+newest first, as far back as the window reached (core/log_tail.py LogTail): a later Build
+with a wider window reads further back and keeps that. The log below a later run's seed
+extends the log below an earlier one's, so the tail read for the latest run per (session,
+floor) is kept too and extended by the events since rather than read again
+(Engine._carried). Plans are immutable per (tenant, session, epoch) and kept the same way.
 
 The bound is on memory, in approximate bytes (`approximate_bytes`: the strings held plus a
 fixed cost per object), not on entries or items: one item can be a 3 MB tool result, so a

@@ -30,9 +30,10 @@ from datetime import datetime
 from .body_estimate import block_tokens
 from .budget import ContextBudget, allocate
 from .cache_hints import cache_breakpoints
-from .carried import carried_view
+from .carried import CarriedView, carried_view
 from .checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint
 from .envelope import wrap
+from .errors import EngineError
 from .estimator import IMAGE_TOKENS, heuristic_count
 from .excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
 from .identity_memo import IdentityMemo
@@ -70,6 +71,7 @@ __all__ = [
     "StepContext",
     "active_turn",
     "assemble",
+    "carried_reaches",
     "split_run_items",
 ]
 
@@ -103,6 +105,10 @@ class BuildInputs:
     image_tokens: int = IMAGE_TOKENS
     # Legacy tool results over this many bytes get head/tail excerpts (output setting).
     inline_maximum_bytes: int = DEFAULT_INLINE_MAXIMUM_BYTES
+    # When `carried` is only the newest part of the run's carried history (the shell read
+    # the log newest first: core/log_tail.py), how many carried items above the summary
+    # floor precede it. It must reach as far back as any fitting request (carried_reaches).
+    carried_before: int = 0
 
     @property
     def estimator_factor_ppm(self) -> int:
@@ -146,27 +152,19 @@ def assemble(inputs: BuildInputs) -> Assembled:
     """Assemble the run's next request.
 
     Raises:
-        EngineError: an item type without a declared region, or in the wrong row.
+        EngineError: an item type without a declared region, or in the wrong row; or
+            `carried` stops short of what a fitting request can reach (carried_reaches).
         PreconditionError: the request would carry an orphaned tool call or result.
         BudgetExceededError: the never-yield set alone exceeds the body.
     """
     plan = inputs.plan
-    budget = allocate(
-        context_window=plan.context_window,
-        policy_cap_tokens=plan.policy_cap_tokens,
-        reserve_output_tokens=plan.max_output_tokens,
-        prefix_tokens=plan.prefix_tokens,
-    )
-    # Only history a fitting request can reach is excerpted, placed and costed, and that
-    # once per run's history (core/carried.py).
-    view = carried_view(
-        inputs.carried,
-        (inputs.secret, inputs.count_tokens, inputs.estimator_factor_ppm, inputs.image_tokens),
-        _cost(inputs),
-        lambda row, item, truncated: _rendered(row, item, inputs.secret, truncated),
-        inputs.inline_maximum_bytes,
-        window_reach(budget),
-    )
+    budget = _budget(plan)
+    view = _view(inputs, budget)
+    if not view.covered:
+        raise EngineError(
+            f"the carried history handed to assembly stops short of the window:"
+            f" {inputs.carried_before} carried items before it were not read"
+        )
     # Items the summary covers are represented by it; admitting them again would state the
     # same turns twice in two voices.
     segment = view.segment(inputs.checkpoint.replaced_through_sequence)
@@ -203,6 +201,36 @@ def assemble(inputs: BuildInputs) -> Assembled:
     )
     digest = request.canonical_sha256()
     return _outcome(inputs, budget, fitted, request, digest)
+
+
+def carried_reaches(inputs: BuildInputs) -> bool:
+    """Whether `inputs.carried` reaches as far back as any fitting request can: assemble
+    decides the same with or without the `carried_before` items before it (their number
+    is all it reports of them). The shell reads the log further back until it does."""
+    return _view(inputs, _budget(inputs.plan)).covered
+
+
+def _budget(plan: ContextPlan) -> ContextBudget:
+    return allocate(
+        context_window=plan.context_window,
+        policy_cap_tokens=plan.policy_cap_tokens,
+        reserve_output_tokens=plan.max_output_tokens,
+        prefix_tokens=plan.prefix_tokens,
+    )
+
+
+def _view(inputs: BuildInputs, budget: ContextBudget) -> CarriedView:
+    # Only history a fitting request can reach is excerpted, placed and costed, and that
+    # once per run's history (core/carried.py).
+    return carried_view(
+        inputs.carried,
+        (inputs.secret, inputs.count_tokens, inputs.estimator_factor_ppm, inputs.image_tokens),
+        _cost(inputs),
+        lambda row, item, truncated: _rendered(row, item, inputs.secret, truncated),
+        inputs.inline_maximum_bytes,
+        window_reach(budget),
+        inputs.carried_before,
+    )
 
 
 def _system(plan: ContextPlan) -> tuple[Block, ...]:

@@ -70,7 +70,17 @@ class CarriedView:
     pointers: tuple[ToolResult, ...]
     pointer_costs: dict[int, int]  # id(tool result among shown) -> its pointer's cost
     render: Render
+    # Carried items above the floor that precede `history` (the shell read only the log's
+    # newest events: core/log_tail.py), and whether the walk stopped within `history`.
+    before: int = 0
+    reached: bool = False
     _segments: dict[int, Segment] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def covered(self) -> bool:
+        """Whether `history` holds everything a fitting request can reach: the walk stopped
+        within it, or nothing precedes it. Otherwise the older items decide too."""
+        return self.reached or not self.before
 
     def segment(self, floor: int) -> Segment:
         """The shown items a Build places under summary floor `floor`, derived once."""
@@ -178,9 +188,12 @@ def carried_view(
     render: Render,
     inline_maximum_bytes: int,
     reach: int,
+    before: int = 0,
 ) -> CarriedView:
     """The view of `history` under `key` (secret, counter, factor, limit, reach), from the
     table or derived now. `cost` and `render` must be the pure functions `key` determines.
+    `before`: how many carried items above the summary floor precede `history`, the newest
+    part of the run's carried history (see `CarriedView.covered`).
 
     Only the history a fitting request can reach is derived. `reach` is the larger of the
     body budget and history's floor. Walking newest first, the least an item can cost is
@@ -190,13 +203,16 @@ def carried_view(
     the fit nor the cut decides anything differently without the older items, and they
     are not excerpted, placed or costed at all (`start`). This is what makes a Build's work
     independent of the session's length. The boundary item itself is kept (it is what
-    exceeds `reach`). tests/unit/test_budget.py checks the equivalence.
+    exceeds `reach`). tests/unit/test_budget.py checks the equivalence. The same holds for
+    the items before `history`: once the walk stops within it they decide nothing, and only
+    their number (`before`) is reported, as cut.
     """
-    slot = (id(history), reach, *key)
+    slot = (id(history), reach, before, *key)
     entry = _TABLE.get(slot)
     if entry is not None and entry.history is history:
         return entry
-    view = _derive(history, (*key, inline_maximum_bytes), cost, render, inline_maximum_bytes, reach)
+    context = (*key, inline_maximum_bytes)
+    view = _derive(history, context, cost, render, inline_maximum_bytes, reach, before)
     if len(_TABLE) >= _TABLE_SIZE:
         _TABLE.pop(next(iter(_TABLE)), None)  # oldest first (insertion order)
     _TABLE[slot] = view
@@ -227,8 +243,11 @@ def _segment(view: CarriedView, floor: int) -> Segment:
         excerpted_items=view.excerpted,
         total=sum(costs),
         # The history is in log order, so the items above the floor and before the window
-        # are found by bisection, not counted one by one (a long session's new run).
-        skipped=view.start - bisect_right(view.history, floor, hi=view.start, key=_SEQUENCE),
+        # are found by bisection, not counted one by one (a long session's new run); those
+        # before `history` (all above the floor) are counted by the shell.
+        skipped=view.before
+        + view.start
+        - bisect_right(view.history, floor, hi=view.start, key=_SEQUENCE),
         blocks=view.blocks,
         item_blocks=tuple(map(view.blocks.__getitem__, keys)),
         is_result=is_result,
@@ -377,6 +396,7 @@ def _derive(
     render: Render,
     limit: int,
     reach: int,
+    before: int,
 ) -> CarriedView:
     # A run's history is the previous run's plus its turns, as the same item objects
     # (api/kept.py), so what was derived for an item is looked up by identity under the
@@ -390,7 +410,7 @@ def _derive(
     blocks: dict[tuple[int, bool], Block] = {}
     pointers: list[ToolResult] = []
     pointer_costs: dict[int, int] = {}
-    least, start = 0, 0
+    least, start, reached = 0, 0, False
     for index in range(len(history) - 1, -1, -1):
         item = history[index]
         entry = known.get(id(item))
@@ -411,7 +431,7 @@ def _derive(
         shown.append(shown_item)
         least += tokens
         if least > reach:
-            start = index
+            start, reached = index, True
             break
     shown.reverse()
     excerpted.reverse()
@@ -425,4 +445,6 @@ def _derive(
         pointers=tuple(pointers),
         pointer_costs=pointer_costs,
         render=render,
+        before=before,
+        reached=reached,
     )

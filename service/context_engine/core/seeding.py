@@ -3,7 +3,9 @@
 Rule 1: the input is every conversation event strictly below the run's
 seed_event_sequence, read from the log (never a live projection, never the previous run's
 checkpoint). A child run has no seed sequence; the store reads below sequence 0 for it,
-which is the empty input, so it goes through this same function.
+which is the empty input, so it goes through this same function. Build reads that input
+newest first, only as far back as a fitting request can reach (core/log_tail.py), and
+carries exactly what this function makes of all of it.
 Rule 2: provider-opaque reasoning items never cross a run boundary.
 Rule 3: a tool call without its result (a run that died mid-loop), or a result without its
 call, is not carried: half a pair is a malformed request, not a smaller one.
@@ -18,8 +20,7 @@ them as that assembler did (core/build_record.py, Rule 8).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 from .items import (
     ConversationItem,
@@ -30,7 +31,7 @@ from .items import (
     UserMessage,
 )
 
-__all__ = ["Projection", "carried_history", "delegated", "instruction_item_id", "seed_cut"]
+__all__ = ["carried_history", "delegated", "instruction_item_id", "seed_cut"]
 
 
 def seed_cut(seed_event_sequence: int | None) -> int:
@@ -43,76 +44,26 @@ def carried_history(logged: Sequence[ConversationItem]) -> tuple[ConversationIte
 
     Calls and results pair by (run, call id) in log order: call ids are unique within a
     run only, so a dead run's unanswered call must not be "answered" by a later run that
-    reuses its id.
+    reuses its id. A call is answered by the next item of its key if that is a result; a
+    second call of the key while the first is unanswered drops the first. Build reads the
+    same pairing from what the log records with each result (core/log_tail.py, Rule 1), so
+    it need not fold the whole log.
     """
-    return Projection().extended(logged).history
-
-
-@dataclass(frozen=True, slots=True)
-class Projection:
-    """carried_history as a left fold over the log, kept so a longer log extends it.
-
-    The log only grows (a later run's input is an earlier run's plus what was logged since,
-    as the same item objects), so a new run's projection is the previous run's extended by
-    the new items: the Python step runs once per new item, and the carried history grows
-    by the new items it carries (one C-level copy). Only when the new items answer a call
-    the shorter log left pending (a call carried only once answered, Rule 3) does the
-    history change behind its end; it is then selected again from the whole log, which a
-    run's turns seldom need (a call is normally answered within its run, before the next
-    run starts).
-    """
-
-    consumed: tuple[ConversationItem, ...] = ()  # the log folded so far (its objects)
-    history: tuple[ConversationItem, ...] = ()  # what a run seeded below it carries
-    count: int = 0  # the items of `consumed` that are not reasoning items
-    # (run, call id) -> index among those items of a call with no result yet
-    pending: Mapping[tuple[str, str], int] = field(default_factory=dict)
-    dropped: frozenset[int] = frozenset()  # indices never carried: half pairs (Rule 3)
-    folded: int = 0  # items the Python step has processed (all extensions included)
-
-    def extends_to(self, logged: Sequence[ConversationItem]) -> bool:
-        """Whether `logged` begins with the log folded here (the same objects)."""
-        n = len(self.consumed)
-        return n <= len(logged) and (n == 0 or logged[n - 1] is self.consumed[-1])
-
-    def extended(self, logged: Sequence[ConversationItem]) -> Projection:
-        """The projection of `logged`, whose first items are the log folded here."""
-        if not self.extends_to(logged):
-            raise ValueError("the log does not extend the one projected")
-        more = [i for i in logged[len(self.consumed) :] if not isinstance(i, ReasoningItem)]
-        pending = dict(self.pending)
-        dropped = set(self.dropped)
-        base = self.count
-        answered_earlier = False  # a call pending before `more` answered in it
-        for n, item in enumerate(more, base):
-            if isinstance(item, ToolCall):
-                key = (item.run_id, item.call_id)
-                if key in pending:
-                    dropped.add(pending[key])  # a reused id while the first is unanswered
-                pending[key] = n
-            elif isinstance(item, ToolResult):
-                call = pending.pop((item.run_id, item.call_id), None)
-                if call is None:
-                    dropped.add(n)  # a result without its call
-                elif call < base:
-                    answered_earlier = True
-        unseen = dropped.union(pending.values())  # not carried (pending: not yet)
-        consumed = tuple(logged)
-        history: tuple[ConversationItem, ...]
-        if answered_earlier:
-            items = [i for i in consumed if not isinstance(i, ReasoningItem)]
-            history = tuple(i for n, i in enumerate(items) if n not in unseen)
-        else:
-            new = (i for n, i in enumerate(more, base) if n not in unseen)
-            history = self.history + tuple(new)
-        return Projection(
-            consumed=consumed,
-            history=history,
-            count=base + len(more),
-            pending=pending,
-            dropped=frozenset(dropped),
-            folded=self.folded + len(consumed) - len(self.consumed),
-        )
+    items = [i for i in logged if not isinstance(i, ReasoningItem)]  # Rule 2
+    pending: dict[tuple[str, str], int] = {}  # (run, call id) -> index of an unanswered call
+    dropped: set[int] = set()  # indices never carried: half pairs (Rule 3)
+    for n, item in enumerate(items):
+        if isinstance(item, ToolCall):
+            key = (item.run_id, item.call_id)
+            if key in pending:
+                dropped.add(pending[key])  # a reused id while the first is unanswered
+            pending[key] = n
+        elif isinstance(item, ToolResult):
+            answered = pending.pop((item.run_id, item.call_id), None)
+            if answered is None:
+                dropped.add(n)  # a result without its call
+    unseen = dropped.union(pending.values())  # pending: never answered below the cut
+    return tuple(i for n, i in enumerate(items) if n not in unseen)
 
 
 def instruction_item_id(run_id: str) -> str:

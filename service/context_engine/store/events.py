@@ -11,6 +11,7 @@ from pydantic import TypeAdapter
 
 from ..core.errors import NotFoundError
 from ..core.items import ConversationItem
+from ..core.log_tail import FloorFacts, Logged
 
 __all__ = [
     "EVENT_TYPE_OF_ITEM",
@@ -19,6 +20,8 @@ __all__ = [
     "item_payload",
     "read_carried_items",
     "read_events",
+    "read_floor_facts",
+    "read_history_page",
     "read_shown_lines",
 ]
 
@@ -76,7 +79,9 @@ async def append_events(
     return list(range(first, first + len(events)))
 
 
-# Sequences continue the session's counter: the n-th event (from 1) gets last + n.
+# Sequences continue the session's counter: the n-th event (from 1) gets last + n. Rows go
+# in in sequence order: the trigger of migrations/0012_history_pairs.sql pairs a result with
+# its call, and counts, over the rows before it, those of this statement included.
 _APPEND = (
     "WITH allocated AS ("
     " UPDATE sessions SET last_sequence = last_sequence + $3"
@@ -87,6 +92,7 @@ _APPEND = (
     " FROM allocated,"
     " unnest($4::text[], $5::uuid[], $6::text[], $7::boolean[], $8::jsonb[])"
     " WITH ORDINALITY AS e(type, run_id, item_id, in_history, payload, n)"
+    " ORDER BY e.n"
     " RETURNING sequence"
 )
 
@@ -104,12 +110,54 @@ async def read_carried_items(
         below_sequence,
         above_sequence,
     )
-    return [
-        _ITEMS.validate_python(
-            {**r["payload"], "sequence": r["sequence"], "run_id": str(r["run_id"] or "")}
-        )
-        for r in rows
-    ]
+    return [_item(r) for r in rows]
+
+
+def _item(row: Any) -> ConversationItem:
+    """A conversation event's item, placed where it sits in the log (sequence, run)."""
+    return _ITEMS.validate_python(
+        {**row["payload"], "sequence": row["sequence"], "run_id": str(row["run_id"] or "")}
+    )
+
+
+async def read_history_page(
+    conn: Any, tenant_id: str, session_id: UUID, below: int, above: int, limit: int
+) -> list[Logged]:
+    """The newest `limit` conversation events of top-level runs with above < sequence <
+    below, returned oldest first, each with what the log recorded with it (core/log_tail.py).
+    Fewer than `limit`: that is all of them. The history index, walked backward."""
+    rows = await conn.fetch(
+        "SELECT sequence, run_id, payload, answers, carried_through FROM session_events"
+        " WHERE tenant_id = $1 AND session_id = $2 AND in_history"
+        " AND sequence < $3 AND sequence > $4 ORDER BY sequence DESC LIMIT $5",
+        tenant_id,
+        session_id,
+        below,
+        above,
+        limit,
+    )
+    return [Logged(_item(r), r["answers"], r["carried_through"]) for r in reversed(rows)]
+
+
+async def read_floor_facts(
+    conn: Any, tenant_id: str, session_id: UUID, floor: int, below: int
+) -> FloorFacts:
+    """The running count at a summary floor, and the results with floor < sequence < below
+    whose call lies at or below it (core/log_tail.py, Rule 2): an index probe, and a count
+    over the index of the results between the floor and `below`."""
+    row = await conn.fetchrow(
+        "SELECT coalesce((SELECT carried_through FROM session_events"
+        " WHERE tenant_id = $1 AND session_id = $2 AND in_history AND sequence <= $3"
+        " ORDER BY sequence DESC LIMIT 1), 0) AS weight,"
+        " (SELECT count(*) FROM session_events"
+        " WHERE tenant_id = $1 AND session_id = $2 AND answers IS NOT NULL"
+        " AND sequence > $3 AND sequence < $4 AND answers <= $3) AS straddling",
+        tenant_id,
+        session_id,
+        floor,
+        below,
+    )
+    return FloorFacts(weight=int(row["weight"]), straddling=int(row["straddling"]))
 
 
 async def read_events(
