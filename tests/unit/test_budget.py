@@ -27,7 +27,9 @@ from context_engine.core import (
     TrustLevel,
     assemble,
     make_plan,
+    memo_budget,
 )
+from context_engine.core import carried as carried_module
 from context_engine.core.body_estimate import block_tokens
 from context_engine.core.budget import allocate
 from context_engine.core.cache_hints import cache_breakpoints
@@ -867,9 +869,12 @@ def test_leaving_unreachable_history_uncosted_changes_no_decision(session: Sessi
     except BudgetExceededError:
         return
     # Unbounded reach: every carried item is excerpted, placed and costed (core/carried.py),
-    # on copies of the history's items, so nothing derived for the windowed build is reused
-    # (core/carried.py keeps what it derives per item object).
+    # on copies of the history's items with every memo and table emptied, so nothing
+    # derived for the windowed build is reused (core/carried.py keeps what it derives per
+    # item content).
     assembly.window_reach = lambda budget: 2**62  # type: ignore[assignment]
+    memo_budget.clear_all()
+    carried_module._KNOWN.clear()
     try:
         reference = assemble(replace(inputs, carried=tuple(i.model_copy() for i in inputs.carried)))
     finally:

@@ -160,11 +160,12 @@ def assemble(inputs: BuildInputs) -> Assembled:
     )
     # Only history a fitting request can reach is excerpted, placed and costed, and that
     # once per run's history (core/carried.py).
+    secret = inputs.secret
     view = carried_view(
         inputs.carried,
-        (inputs.secret, inputs.count_tokens, inputs.estimator_factor_ppm, inputs.image_tokens),
+        (secret, inputs.count_tokens, inputs.estimator_factor_ppm, inputs.image_tokens),
         _cost(inputs),
-        lambda row, item, truncated: _rendered(row, item, inputs.secret, truncated),
+        lambda row, item, truncated: _rendered(row, item, secret, truncated),
         inputs.inline_maximum_bytes,
         window_reach(budget),
     )
