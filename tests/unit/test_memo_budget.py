@@ -5,11 +5,15 @@ byte of any request."""
 from __future__ import annotations
 
 import gc
+import sys
 import tracemalloc
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from context_engine.api import wire
 from context_engine.core import (
@@ -26,6 +30,8 @@ from context_engine.core import (
 )
 from context_engine.core.enums import SideEffect
 from context_engine.core.items import ToolCall, ToolResult, UserMessage
+from context_engine.core.request import Block
+from context_engine.core.rows import Row
 from context_engine.core.spec import AgentSpec, PlatformPolicySpec, ToolSpec
 from context_engine.providers import render
 
@@ -161,3 +167,71 @@ def test_weight_counts_text_at_its_size_and_containers_shallowly() -> None:
     assert memo_budget.weight((item, item)) > 2 * memo_budget.weight(text)
     nested = ((((text,),),),)
     assert memo_budget.weight(nested) < 1_000  # past two levels, a fixed cost
+
+
+def _weight_as_specified(value: object, depth: int = 2) -> int:
+    """memo_budget.weight as its docstring specifies it, asking each value what it is (the
+    implementation asks once per type): the oracle the property below holds it to."""
+    total = 0
+    pending: list[tuple[object, int]] = [(value, depth)]
+    while pending:
+        item, level = pending.pop()
+        if isinstance(item, str | bytes):
+            total += sys.getsizeof(item)
+            continue
+        total += 56
+        if callable(item):
+            continue
+        members: Any
+        if isinstance(item, tuple | list | frozenset | set):
+            members = item
+        elif isinstance(item, dict):
+            members = (*item.keys(), *item.values()) if level > 0 else item
+        elif (attributes := getattr(item, "__dict__", None)) is not None:
+            members = attributes.values()
+        elif slots := getattr(type(item), "__slots__", None):
+            names = (slots,) if isinstance(slots, str) else slots
+            members = [getattr(item, n, None) for n in names]
+        else:
+            continue
+        if level > 0:
+            pending.extend((m, level - 1) for m in members)
+        else:
+            total += 56 * len(members) * (2 if isinstance(item, dict) else 1)
+    return total
+
+
+_LEAVES = st.one_of(
+    st.text(st.characters(codec="utf-8"), max_size=40),
+    st.binary(max_size=40),
+    st.integers(),
+    st.booleans(),
+    st.none(),
+    st.floats(allow_nan=False),
+    st.sampled_from([TrustLevel.USER, Row.CONVERSATION, _count, len, ToolResult, b"\x00" * 300]),
+    st.builds(
+        lambda text, is_error: _result("t", text, "r").model_copy(update={"is_error": is_error}),
+        st.text(max_size=200),
+        st.booleans(),
+    ),
+    st.builds(
+        lambda text: Block(Row.CONVERSATION, TrustLevel.USER, "text", "i", 3, text=text),
+        st.text(max_size=200),
+    ),
+)
+_VALUES = st.recursive(
+    _LEAVES,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.lists(inner, max_size=4).map(tuple),
+        st.frozensets(st.text(max_size=8), max_size=4),
+        st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_VALUES, st.integers(0, 3))
+def test_weight_is_what_its_specification_gives(value: object, depth: int) -> None:
+    assert memo_budget.weight(value, depth) == _weight_as_specified(value, depth)
