@@ -141,17 +141,25 @@ def test_facts_found_by_content_are_the_facts_derived_afresh(
     """The table, filled from one history, answers for equal items and near misses (one
     look-alike, invisible or surrogate character, one flag, the class, the sequence) exactly
     what deriving each of them with nothing remembered gives."""
-    args = _context(secret)
-    known: dict[tuple[object, ...], Any] = {}
-    for item in history:
-        carried_module._known_facts(known, item, *args)
+    cost, render, limit = _context(secret)
+    context = ("test", secret)
+
+    def walk(items: list[ConversationItem]) -> tuple[object, ...]:
+        view = carried_module._derive(tuple(items), context, cost, render, limit, 2**62)
+        return view.facts
+
+    carried_module._KNOWN.pop(context, None)
+    walk(history)
+    variants = []
     for item in history:
         other = data.draw(_variants(item))
         try:
-            expected = _fresh_facts(other, args)
+            _fresh_facts(other, (cost, render, limit))
         except (EngineError, UnicodeEncodeError):
-            continue  # not an item assembly can carry (a surrogate cannot be sent)
-        assert carried_module._known_facts(known, other, *args) == expected
+            other = item  # not an item assembly can carry (a surrogate cannot be sent)
+        variants.append(other)
+    found = walk(variants)
+    assert found == tuple(_fresh_facts(item, (cost, render, limit)) for item in variants)
 
 
 @settings(SETTINGS, max_examples=60)

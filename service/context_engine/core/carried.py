@@ -364,7 +364,14 @@ def _derive(
     found: list[_Facts] = []
     least, start = 0, 0
     for index in range(len(history) - 1, -1, -1):
-        facts = _known_facts(known, history[index], cost, render, limit)
+        item = history[index]
+        key = content_key(item)
+        try:
+            facts = known.get(key)
+        except TypeError:  # a field value that cannot be hashed: derived, not kept
+            facts = _facts(item, cost, render, limit)
+        if facts is None:
+            facts = known[key] = _facts(item, cost, render, limit)
         found.append(facts)
         least += facts.least
         if least > reach:
@@ -388,21 +395,3 @@ def _derive(
 
 
 _EXCERPT = attrgetter("excerpt")
-
-
-def _known_facts(
-    known: dict[tuple[object, ...], _Facts],
-    item: ConversationItem,
-    cost: Cost,
-    render: Render,
-    limit: int,
-) -> _Facts:
-    """`item`'s facts from `known`, derived now and kept on a miss."""
-    try:
-        key = content_key(item)
-        found = known.get(key)
-    except TypeError:  # a field value that cannot be hashed: derive without the table
-        return _facts(item, cost, render, limit)
-    if found is None:
-        found = known[key] = _facts(item, cost, render, limit)
-    return found
