@@ -365,10 +365,10 @@ def _derive(
     least, start = 0, 0
     for index in range(len(history) - 1, -1, -1):
         item = history[index]
-        key = content_key(item)
         try:
+            key = content_key(item)
             facts = known.get(key)
-        except TypeError:  # a field value that cannot be hashed: derived, not kept
+        except (KeyError, TypeError):  # a field missing or unhashable: derived, not kept
             facts = _facts(item, cost, render, limit)
         if facts is None:
             facts = known[key] = _facts(item, cost, render, limit)

@@ -9,8 +9,9 @@ and looked up again costs no rehash of its text).
 Rule 1: `content_key(a) == content_key(b)` exactly when `type(a) is type(b)` and `a == b`
 under pydantic's equality (extra fields are forbidden and items have no private
 attributes, so its equality is the fields' values compared in order).
-Rule 2: the key holds the item's field values, not the item. It raises TypeError when a
-value cannot be hashed, as hashing the item would.
+Rule 2: the key holds the item's field values, not the item. Looking it up raises
+TypeError when a value cannot be hashed, as hashing the item would; building it raises
+KeyError for an instance that lacks a field (model_construct without it).
 """
 
 from __future__ import annotations
