@@ -12,7 +12,6 @@ with the table warm, is the Build of a process that never saw them.
 from __future__ import annotations
 
 from dataclasses import replace
-from types import SimpleNamespace
 from typing import Any
 
 from hypothesis import given, settings
@@ -20,6 +19,7 @@ from hypothesis import strategies as st
 
 from context_engine.core import assemble, memo_budget
 from context_engine.core import carried as carried_module
+from context_engine.core.body_estimate import block_tokens
 from context_engine.core.content_key import content_key
 from context_engine.core.errors import EngineError
 from context_engine.core.estimator import IMAGE_TOKENS
@@ -116,21 +116,18 @@ def _fresh_facts(item: ConversationItem, view_args: tuple[Any, ...]) -> object:
 
 
 def _context(secret: bytes) -> tuple[Any, ...]:
-    """(cost, render, inline limit) as assemble() hands them to core/carried.py."""
+    """(count, render, inline limit) as assemble() hands them to core/carried.py."""
     import importlib
 
     assembly = importlib.import_module("context_engine.core.assemble")
-    inputs = SimpleNamespace(
-        count_tokens=count_tokens,
-        estimator_factor_ppm=1_250_000,
-        secret=secret,
-        image_tokens=IMAGE_TOKENS,
-    )
+
+    def count(block: Any, item: Any) -> int:
+        return int(block_tokens(block, item, count_tokens, 1_250_000, IMAGE_TOKENS))
 
     def render(row: Row, item: Any, truncated: bool) -> Any:
-        return assembly._rendered(row, item, secret, truncated)
+        return assembly._render(row, item, secret, truncated)
 
-    return (assembly._cost(inputs), render, 64)  # a low limit: long results get excerpts
+    return (count, render, 64)  # a low limit: long results get excerpts
 
 
 @GATE
@@ -141,11 +138,11 @@ def test_facts_found_by_content_are_the_facts_derived_afresh(
     """The table, filled from one history, answers for equal items and near misses (one
     look-alike, invisible or surrogate character, one flag, the class, the sequence) exactly
     what deriving each of them with nothing remembered gives."""
-    cost, render, limit = _context(secret)
+    count, render, limit = _context(secret)
     context = ("test", secret)
 
     def walk(items: list[ConversationItem]) -> tuple[object, ...]:
-        view = carried_module._derive(tuple(items), context, cost, render, limit, 2**62)
+        view = carried_module._derive(tuple(items), context, count, render, limit, 2**62)
         return view.facts
 
     carried_module._KNOWN.pop(context, None)
@@ -154,12 +151,12 @@ def test_facts_found_by_content_are_the_facts_derived_afresh(
     for item in history:
         other = data.draw(_variants(item))
         try:
-            _fresh_facts(other, (cost, render, limit))
+            _fresh_facts(other, (count, render, limit))
         except (EngineError, UnicodeEncodeError):
             other = item  # not an item assembly can carry (a surrogate cannot be sent)
         variants.append(other)
     found = walk(variants)
-    assert found == tuple(_fresh_facts(item, (cost, render, limit)) for item in variants)
+    assert found == tuple(_fresh_facts(item, (count, render, limit)) for item in variants)
 
 
 @settings(SETTINGS, max_examples=60)

@@ -235,3 +235,46 @@ _VALUES = st.recursive(
 @given(_VALUES, st.integers(0, 3))
 def test_weight_is_what_its_specification_gives(value: object, depth: int) -> None:
     assert memo_budget.weight(value, depth) == _weight_as_specified(value, depth)
+
+
+def test_what_the_walk_keeps_per_carried_item_is_charged_and_emptied_with_the_memos() -> None:
+    """core/carried.py keeps each carried item's facts (its renderings) per item content,
+    and calls no other memo for them: those facts are charged to the budget, text and all,
+    and emptied with every memo."""
+    from context_engine.core import carried
+
+    size = 200_000
+    old = (
+        UserMessage(item_id="u0", text="Read it.", sequence=1, run_id="r0"),
+        ToolCall(
+            item_id="c0",
+            call_id="call_1",
+            tool_name="fetch",
+            arguments_json="{}",
+            sequence=2,
+            run_id="r0",
+        ),
+        _result("t0", "page <" + "x" * size, "r0"),
+    )
+    inputs = BuildInputs(
+        tenant_id="t",
+        plan=_plan("anthropic"),
+        secret=SECRET,
+        checkpoint=Checkpoint(
+            run_id="r1",
+            version=1,
+            items=(UserMessage(item_id="u1", text="And?", sequence=4, run_id="r1"),),
+        ),
+        carried=old,
+        now=NOW,
+        step=StepContext(),
+        count_tokens=_count,
+        inline_maximum_bytes=4 * size,
+    )
+    memo_budget.clear_all()
+    assert not carried._KNOWN
+    assert assemble(inputs).request is not None
+    assert sum(map(len, carried._KNOWN.values())) == len(old)
+    assert memo_budget.held() >= 2 * size  # the result's text, and its rendered block
+    memo_budget.clear_all()
+    assert not carried._KNOWN

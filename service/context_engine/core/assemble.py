@@ -159,13 +159,15 @@ def assemble(inputs: BuildInputs) -> Assembled:
         prefix_tokens=plan.prefix_tokens,
     )
     # Only history a fitting request can reach is excerpted, placed and costed, and that
-    # once per run's history (core/carried.py).
-    secret = inputs.secret
+    # once per run's history and once per item content (core/carried.py, which keeps what
+    # it derives: it is handed the unmemoized renderer and counter).
+    secret, count, factor = inputs.secret, inputs.count_tokens, inputs.estimator_factor_ppm
+    images = inputs.image_tokens
     view = carried_view(
         inputs.carried,
-        (secret, inputs.count_tokens, inputs.estimator_factor_ppm, inputs.image_tokens),
-        _cost(inputs),
-        lambda row, item, truncated: _rendered(row, item, secret, truncated),
+        (secret, count, factor, images),
+        lambda block, item: block_tokens(block, item, count, factor, images),
+        lambda row, item, truncated: _render(row, item, secret, truncated),
         inputs.inline_maximum_bytes,
         window_reach(budget),
     )

@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import attrgetter, is_not, itemgetter
 
+from . import memo_budget
 from .content_key import content_key
-from .excerpts import legacy_excerpt
+from .excerpts import excerpt_of
 from .history_cut import negated_suffix_sums, past_split_pairs, suffix_cut
 from .items import (
     ContextItem,
@@ -55,13 +56,14 @@ from .messages import grouped
 from .request import Block, Message
 from .rows import Row
 from .validate import ClosedRun, closed_run
-from .yield_ladder import pointer_for
+from .yield_ladder import typed_pointer
 
 __all__ = ["CarriedView", "Retained", "Segment", "carried_view"]
 
-# (row, item, rendered as truncated) -> estimated tokens; the same port as pressure.Cost.
-Cost = Callable[[Row, ContextItem, bool], int]
+# (row, item, rendered as truncated) -> its block; (block, item) -> its estimated tokens.
+# Both unmemoized: the walk's facts are the memo for carried items (see _KNOWN).
 Render = Callable[[Row, ContextItem, bool], Block]
+Count = Callable[[Block, ContextItem], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,13 +164,13 @@ class Retained:
 def carried_view(
     history: tuple[ConversationItem, ...],
     key: tuple[object, ...],
-    cost: Cost,
+    count: Count,
     render: Render,
     inline_maximum_bytes: int,
     reach: int,
 ) -> CarriedView:
     """The view of `history` under `key` (secret, counter, factor, limit, reach), from the
-    table or derived now. `cost` and `render` must be the pure functions `key` determines.
+    table or derived now. `count` and `render` must be the pure functions `key` determines.
 
     Only the history a fitting request can reach is derived. `reach` is the larger of the
     body budget and history's floor. Walking newest first, the least an item can cost is
@@ -184,7 +186,9 @@ def carried_view(
     entry = _TABLE.get(slot)
     if entry is not None and entry.history is history:
         return entry
-    view = _derive(history, (*key, inline_maximum_bytes), cost, render, inline_maximum_bytes, reach)
+    view = _derive(
+        history, (*key, inline_maximum_bytes), count, render, inline_maximum_bytes, reach
+    )
     if len(_TABLE) >= _TABLE_SIZE:
         _TABLE.pop(next(iter(_TABLE)), None)  # oldest first (insertion order)
     _TABLE[slot] = view
@@ -296,12 +300,6 @@ def _last(items: Sequence[ConversationItem], test: Callable[[ConversationItem], 
 _TABLE_SIZE = 512
 _TABLE: dict[tuple[object, ...], CarriedView] = {}
 
-# Per context, an item's content key -> its facts. A context is a plan's secret and counter,
-# so a replica has one per session epoch it serves; the bound is on items across all of
-# them. An entry holds its key's field values (the item's texts), not the item.
-_KNOWN_ITEMS = 131_072
-_KNOWN: dict[tuple[object, ...], dict[tuple[object, ...], _Facts]] = {}
-
 
 @dataclass(frozen=True, slots=True)
 class _Facts:
@@ -319,27 +317,49 @@ class _Facts:
     least: int  # the least the item can cost: its pointer's, if less than its own
 
 
-def _facts(item: ConversationItem, cost: Cost, render: Render, limit: int) -> _Facts:
-    excerpt = legacy_excerpt(item, limit) if isinstance(item, ToolResult) else None
+class _Known(dict[tuple[object, ...], dict[tuple[object, ...], _Facts]]):
+    def cache_clear(self) -> None:
+        self.clear()
+
+
+# Per context, an item's content key -> its facts. A context is a plan's secret and counter,
+# so a replica has one per session epoch it serves; the bound is on items across all of
+# them. An entry holds its key's field values (the item's texts) and its renderings, not
+# the item. It is the one memo of what a carried item renders and costs (the walk calls
+# unmemoized functions), so each entry is charged to the render memos' byte budget, and
+# emptied with them (core/memo_budget.py).
+_KNOWN_ITEMS = 131_072
+_KNOWN = _Known()
+memo_budget.register(_KNOWN)
+
+
+def _kept_facts(key: tuple[object, ...], facts: _Facts) -> _Facts:
+    memo_budget.charge(memo_budget.weight(key) + memo_budget.weight(facts))
+    return facts
+
+
+def _facts(item: ConversationItem, count: Count, render: Render, limit: int) -> _Facts:
+    excerpt = excerpt_of(item, limit) if isinstance(item, ToolResult) else None
     shown = excerpt if excerpt is not None else item
     truncated = excerpt is not None
-    tokens = cost(Row.CONVERSATION, shown, truncated)
-    if not isinstance(shown, ToolResult):
-        check_placement(shown, Row.CONVERSATION)
-        block = render(Row.CONVERSATION, shown, truncated)
-        return _Facts(item.sequence, excerpt, tokens, block, False, None, 0, None, tokens)
-    pointer = pointer_for(shown)
-    pointer_tokens = cost(Row.CONVERSATION, pointer, True)
+    # Rendering first: it is what rejects an item type assembly cannot render.
+    block = render(Row.CONVERSATION, shown, truncated)
+    tokens = count(block, shown)
     check_placement(shown, Row.CONVERSATION)
+    if not isinstance(shown, ToolResult):
+        return _Facts(item.sequence, excerpt, tokens, block, False, None, 0, None, tokens)
+    pointer = typed_pointer(shown)
+    pointer_block = render(Row.CONVERSATION, pointer, True)
+    pointer_tokens = count(pointer_block, pointer)
     return _Facts(
         sequence=item.sequence,
         excerpt=excerpt,
         tokens=tokens,
-        block=render(Row.CONVERSATION, shown, truncated),
+        block=block,
         is_result=True,
         pointer=pointer,
         pointer_tokens=pointer_tokens,
-        pointer_block=render(Row.CONVERSATION, pointer, True),
+        pointer_block=pointer_block,
         least=min(tokens, pointer_tokens),
     )
 
@@ -347,7 +367,7 @@ def _facts(item: ConversationItem, cost: Cost, render: Render, limit: int) -> _F
 def _derive(
     history: tuple[ConversationItem, ...],
     context: tuple[object, ...],
-    cost: Cost,
+    count: Count,
     render: Render,
     limit: int,
     reach: int,
@@ -358,8 +378,9 @@ def _derive(
     # the same turns, reads equal items as new objects. The key is one C-level hash of the
     # item's field values (their texts' hashes are cached on the strings), where each memo
     # behind `cost` and `render` would hash and compare the pydantic model in Python.
+    memo_budget.admit()  # before the walk stores (it is the only memo the walk touches)
     if sum(map(len, _KNOWN.values())) >= _KNOWN_ITEMS:
-        _KNOWN.clear()  # bounded across contexts: each holds its items' texts and blocks
+        _KNOWN.clear()  # bounded across contexts, as well as by the budget
     known = _KNOWN.setdefault(context, {})
     found: list[_Facts] = []
     least, start = 0, 0
@@ -369,9 +390,9 @@ def _derive(
             key = content_key(item)
             facts = known.get(key)
         except (KeyError, TypeError):  # a field missing or unhashable: derived, not kept
-            facts = _facts(item, cost, render, limit)
+            facts = _facts(item, count, render, limit)
         if facts is None:
-            facts = known[key] = _facts(item, cost, render, limit)
+            facts = known[key] = _kept_facts(key, _facts(item, count, render, limit))
         found.append(facts)
         least += facts.least
         if least > reach:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from .items import ToolResult
 from .memo_budget import bounded_cache
 
-__all__ = ["DEFAULT_INLINE_MAXIMUM_BYTES", "excerpt_text", "legacy_excerpt"]
+__all__ = ["DEFAULT_INLINE_MAXIMUM_BYTES", "excerpt_of", "excerpt_text", "legacy_excerpt"]
 
 DEFAULT_INLINE_MAXIMUM_BYTES = 16_384
 _HEAD_SHARE = 2  # the head gets 2/3 of the kept bytes: a result's opening usually says most
@@ -35,8 +35,7 @@ def excerpt_text(text: str, limit: int, marker: str) -> str:
     return f"{head}\n{marker}\n{tail}"
 
 
-@bounded_cache(4096)  # pure on a frozen item: the same excerpt object every Build
-def legacy_excerpt(result: ToolResult, inline_maximum_bytes: int) -> ToolResult | None:
+def excerpt_of(result: ToolResult, inline_maximum_bytes: int) -> ToolResult | None:
     """The request's copy of a carried result over the inline limit, or None when the
     result's context content is within it (it is then rendered as is)."""
     text = result.context_content or result.content
@@ -50,3 +49,8 @@ def legacy_excerpt(result: ToolResult, inline_maximum_bytes: int) -> ToolResult 
     marker = f"[excerpt: {size:,} bytes in all, middle omitted; full result: {reference}]"
     excerpt = excerpt_text(text, kept, marker)
     return result.model_copy(update={"content": excerpt, "context_content": ""})
+
+
+# Pure on a frozen item: the same excerpt object every Build. (core/carried.py calls
+# excerpt_of: what it derives per carried item is kept per item content already.)
+legacy_excerpt = bounded_cache(4096)(excerpt_of)
