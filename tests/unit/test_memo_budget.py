@@ -89,24 +89,30 @@ def _result(item_id: str, content: str, run: str) -> ToolResult:
     )
 
 
+def _run_items(round_: int, size: int) -> tuple[UserMessage, ToolCall, ToolResult]:
+    """A run's message, call and its result of `size` characters, new this round."""
+    run = f"r{round_}"
+    return (
+        UserMessage(item_id=f"u{round_}", text="Read it.", sequence=1, run_id=run),
+        ToolCall(
+            item_id=f"c{round_}",
+            call_id="call_1",
+            tool_name="fetch",
+            arguments_json="{}",
+            sequence=2,
+            run_id=run,
+        ),
+        _result(f"t{round_}", f"page {round_} <" + "x" * size, run),
+    )
+
+
 def _payloads(round_: int, size: int) -> list[bytes]:
     """One Build of a run whose one tool result (`size` characters) is new this round,
     rendered for both providers and as wire bytes; nothing of it is kept by the caller."""
     out = []
     for provider in ("anthropic", "openai"):
         run = f"r{round_}"
-        items = (
-            UserMessage(item_id=f"u{round_}", text="Read it.", sequence=1, run_id=run),
-            ToolCall(
-                item_id=f"c{round_}",
-                call_id="call_1",
-                tool_name="fetch",
-                arguments_json="{}",
-                sequence=2,
-                run_id=run,
-            ),
-            _result(f"t{round_}", f"page {round_} <" + "x" * size, run),
-        )
+        items = _run_items(round_, size)
         inputs = BuildInputs(
             tenant_id="t",
             plan=_plan(provider),
@@ -244,18 +250,7 @@ def test_what_the_walk_keeps_per_carried_item_is_charged_and_emptied_with_the_me
     from context_engine.core import carried
 
     size = 200_000
-    old = (
-        UserMessage(item_id="u0", text="Read it.", sequence=1, run_id="r0"),
-        ToolCall(
-            item_id="c0",
-            call_id="call_1",
-            tool_name="fetch",
-            arguments_json="{}",
-            sequence=2,
-            run_id="r0",
-        ),
-        _result("t0", "page <" + "x" * size, "r0"),
-    )
+    old = _run_items(0, size)
     inputs = BuildInputs(
         tenant_id="t",
         plan=_plan("anthropic"),
