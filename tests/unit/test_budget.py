@@ -894,6 +894,67 @@ def test_leaving_unreachable_history_uncosted_changes_no_decision(session: Sessi
 
 
 @GATE
+@given(long_sessions(), st.data())
+def test_a_view_serves_any_history_with_its_window_and_only_those(
+    session: Session, data: st.DataObject
+) -> None:
+    """A view keeps only its window's items (core/carried.py, CarriedView.holds): it serves
+    a history of the same length with the very same objects in the window, whatever the
+    older items are, and assembles for it what a Build that never saw either history
+    assembles (the older items above the floor counted for that history, not the first);
+    an equal copy of one window item, or another length, is another history."""
+    import importlib
+
+    assembly = importlib.import_module("context_engine.core.assemble")
+    _, inputs = _build(session)
+    try:
+        assemble(inputs)
+    except BudgetExceededError:
+        return
+    history = inputs.carried
+    views = [v for v in carried_module._TABLE.values() if v.holds(history)]
+    assert views
+    view = views[-1]
+    start = view.start
+    # Older items: fresh objects, some of them now under the summary floor or above it.
+    floor = inputs.checkpoint.replaced_through_sequence
+    older = tuple(
+        i.model_copy(update={"sequence": data.draw(st.sampled_from([i.sequence, floor]))})
+        if i.sequence
+        else i
+        for i in history[:start]
+    )
+    older = tuple(sorted(older, key=lambda i: i.sequence)) if older else older
+    other = older + history[start:]
+    assert view.holds(other)
+    if start < len(history):
+        n = data.draw(st.integers(start, len(history) - 1))
+        copied = (*history[:n], history[n].model_copy(), *history[n + 1 :])
+        assert not view.holds(copied)
+    assert not view.holds(history[:-1])
+    assert not view.holds((*history, *history[-1:]))
+    # The view reused for `other` (by planting it in other's slot) assembles what a Build
+    # with every table and memo emptied assembles.
+    reach = assembly.window_reach(
+        allocate(
+            context_window=inputs.plan.context_window,
+            policy_cap_tokens=inputs.plan.policy_cap_tokens,
+            reserve_output_tokens=inputs.plan.max_output_tokens,
+            prefix_tokens=inputs.plan.prefix_tokens,
+        )
+    )
+    key = (SECRET, count, inputs.estimator_factor_ppm, inputs.image_tokens)
+    slot = (id(other), reach, inputs.inline_maximum_bytes, *key)
+    carried_module._TABLE[slot] = view
+    reused = assemble(replace(inputs, carried=other))
+    assert carried_module._TABLE[slot] is view
+    memo_budget.clear_all()
+    carried_module._TABLE.clear()
+    fresh = assemble(replace(inputs, carried=other))
+    assert reused == fresh
+
+
+@GATE
 @given(sessions())
 def test_parts_derived_once_per_history_assemble_what_item_by_item_work_would(
     session: Session,

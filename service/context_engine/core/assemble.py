@@ -173,7 +173,8 @@ def assemble(inputs: BuildInputs) -> Assembled:
     )
     # Items the summary covers are represented by it; admitting them again would state the
     # same turns twice in two voices.
-    segment = view.segment(inputs.checkpoint.replaced_through_sequence)
+    floor = inputs.checkpoint.replaced_through_sequence
+    segment = view.segment(floor)
     head, tail = _place(inputs)
     for row, item in (*head, *tail):
         check_placement(item, row)
@@ -185,6 +186,7 @@ def assemble(inputs: BuildInputs) -> Assembled:
         budget=budget,
         cost=_cost(inputs),
         recall_floor_lines=inputs.step.recall_floor_lines,
+        skipped=view.skipped(inputs.carried, floor),
     )
     if not fitted.fits:
         return _outcome(inputs, budget, fitted, None, "")

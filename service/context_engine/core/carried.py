@@ -18,10 +18,13 @@ Three layers, each derived once and kept on the one before:
   on their own, and the two items its cache markers can name (per cut and yields). A run's
   steps mostly repeat one cut and one set of yields, so a Build walks only its own items.
 
-Pure: no I/O, no clock. The table of views is keyed on the history tuple's identity and
-holds the tuple itself, so an entry is only ever used for the very object it was derived
-from (an id is never reused while the object it names is alive); equal but distinct
-histories derive their own, equal, views. What a view holds per item (the walk's facts:
+Pure: no I/O, no clock. The table of views is keyed on the history tuple's identity. A
+view keeps the window's items themselves (not the older ones, which a long session has by
+the thousand and no decision reads but by their count) and is used for a history only if
+that history has the same length and the very same objects in the window
+(CarriedView.holds): what the view derived depends on nothing else, and a history whose
+id is reused after it died is told apart. Equal but distinct histories derive their own,
+equal, views. What a view holds per item (the walk's facts:
 excerpt, cost, block, pointer and its cost and block) is a function of the item's class and
 field values, so it is kept per item content (core/content_key.py): equal items — the same
 objects in a new run's history, or a fresh read of turns seen before — find it with one
@@ -37,8 +40,8 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, repeat
-from operator import attrgetter, is_not, itemgetter
+from itertools import compress, islice, repeat
+from operator import attrgetter, is_, is_not, itemgetter
 
 from . import memo_budget
 from .content_key import content_key
@@ -68,12 +71,22 @@ Count = Callable[[Block, ContextItem], int]
 
 @dataclass(frozen=True, slots=True)
 class CarriedView:
-    history: tuple[ConversationItem, ...]  # the tuple this was derived from (kept alive)
     start: int  # history[:start] no decision can depend on (see carried_view)
-    shown: tuple[ConversationItem, ...]  # history[start:], legacy excerpts substituted
+    window: tuple[ConversationItem, ...]  # history[start:], the very objects (kept alive)
+    shown: tuple[ConversationItem, ...]  # the window, legacy excerpts substituted
     facts: tuple[_Facts, ...]  # what was derived for each of `shown`, in order
     excerpted: tuple[ToolResult, ...]  # the legacy excerpts among `shown`
     _segments: dict[int, Segment] = field(default_factory=dict, compare=False, repr=False)
+
+    def holds(self, history: tuple[ConversationItem, ...]) -> bool:
+        """Whether this view is `history`'s: the same length and the same objects in the
+        window. Everything the view derived depends on those alone (the items before the
+        window only on how many there are), so the view need not keep the history's older
+        items alive to be sure of it."""
+        window = self.window
+        if len(history) != self.start + len(window):
+            return False
+        return all(map(is_, islice(history, self.start, None), window))
 
     def segment(self, floor: int) -> Segment:
         """The shown items a Build places under summary floor `floor`, derived once."""
@@ -81,6 +94,12 @@ class CarriedView:
         if found is None:
             found = self._segments[floor] = _segment(self, floor)
         return found
+
+    def skipped(self, history: tuple[ConversationItem, ...], floor: int) -> int:
+        """How many of `history`'s items before the window lie above summary floor
+        `floor` (reported as cut). The history is in log order, so a bisection, not a
+        count one by one (a long session's new run)."""
+        return self.start - bisect_right(history, floor, hi=self.start, key=_SEQUENCE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +115,6 @@ class Segment:
     excerpted: frozenset[int]  # id() of legacy excerpts among items (render truncated)
     excerpted_items: tuple[ToolResult, ...]  # every legacy excerpt the view made
     total: int  # sum(costs)
-    skipped: int  # items above the floor that lie beyond the window (reported as cut)
     facts: tuple[_Facts, ...]  # per item: its block and its pointer's, as derived
     is_result: tuple[bool, ...]  # per item: a tool result (class tool_results)
     # -(sum of costs[i:]) for i in 0..len: ascending, so the cut is one bisection.
@@ -184,7 +202,7 @@ def carried_view(
     """
     slot = (id(history), reach, inline_maximum_bytes, *key)
     entry = _TABLE.get(slot)
-    if entry is not None and entry.history is history:
+    if entry is not None and entry.holds(history):
         return entry
     view = _derive(
         history, (*key, inline_maximum_bytes), count, render, inline_maximum_bytes, reach
@@ -213,9 +231,6 @@ def _segment(view: CarriedView, floor: int) -> Segment:
         excerpted=frozenset(map(id, view.excerpted)),
         excerpted_items=view.excerpted,
         total=sum(costs),
-        # The history is in log order, so the items above the floor and before the window
-        # are found by bisection, not counted one by one (a long session's new run).
-        skipped=view.start - bisect_right(view.history, floor, hi=view.start, key=_SEQUENCE),
         facts=facts,
         is_result=is_result,
         _negated_suffix=negated_suffix_sums(costs),
@@ -407,8 +422,8 @@ def _derive(
         shown[n] = excerpt
         excerpted.append(excerpt)
     return CarriedView(
-        history=history,
         start=start,
+        window=history[start:],
         shown=tuple(shown),
         facts=tuple(found),
         excerpted=tuple(excerpted),
