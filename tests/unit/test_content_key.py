@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from context_engine.core import assemble, memo_budget
 from context_engine.core import carried as carried_module
 from context_engine.core.body_estimate import block_tokens
-from context_engine.core.content_key import content_key
+from context_engine.core.content_key import ContentMemo, content_key
 from context_engine.core.errors import EngineError
 from context_engine.core.estimator import IMAGE_TOKENS
 from context_engine.core.items import (
@@ -188,3 +188,49 @@ def test_a_build_from_equal_new_objects_is_the_build_of_a_process_that_never_saw
     assert warm.request_sha256 == cold.request_sha256
     if warm.request is not None and cold.request is not None:
         assert warm.request.canonical_bytes() == cold.request.canonical_bytes()
+
+
+@GATE
+@given(st.data(), secrets, carried_histories(b"k" * 32))
+def test_the_render_and_cost_memos_answer_by_content_what_rendering_afresh_gives(
+    data: st.DataObject, secret: bytes, history: list[ConversationItem]
+) -> None:
+    """assemble's block and cost memos (ContentMemo), warm from one history, answer for
+    equal items as new objects and for near misses what rendering and counting each
+    afresh gives."""
+    import importlib
+
+    assembly = importlib.import_module("context_engine.core.assemble")
+    count, _, _ = _context(secret)
+    args = (count_tokens, 1_250_000, IMAGE_TOKENS)
+    for item in history:
+        for truncated in (False, True):
+            assembly._render_memo(item, Row.CONVERSATION, secret, truncated)
+            assembly._cost_memo(item, Row.CONVERSATION, secret, truncated, *args)
+    for item in history:
+        other = data.draw(_variants(item))
+        truncated = data.draw(st.booleans())
+        try:
+            block = assembly._render(Row.CONVERSATION, other, secret, truncated)
+            tokens = count(block, other)
+        except UnicodeEncodeError:
+            continue  # a surrogate: not an item assembly can carry
+        assert assembly._render_memo(other, Row.CONVERSATION, secret, truncated) == block
+        assert assembly._cost_memo(other, Row.CONVERSATION, secret, truncated, *args) == tokens
+
+
+def test_an_item_whose_key_cannot_be_hashed_is_computed_without_the_memo() -> None:
+    calls: list[object] = []
+
+    def length(item: UserMessage) -> int:
+        calls.append(item)
+        return len(item.text)
+
+    memo = ContentMemo(length, 8)
+    unhashable = UserMessage.model_construct(item_id="u", text="abc", attachments=[])
+    assert memo(unhashable) == 3
+    assert memo(unhashable) == 3
+    assert len(calls) == 2  # not remembered
+    hashable = UserMessage(item_id="u", text="abc")
+    assert memo(hashable) == memo(hashable.model_copy()) == 3
+    assert len(calls) == 3  # remembered by content

@@ -33,6 +33,7 @@ from .cache_hints import cache_breakpoints
 from .canonical import sha256_hex
 from .carried import carried_view
 from .checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint
+from .content_key import ContentMemo
 from .envelope import wrap
 from .estimator import IMAGE_TOKENS, heuristic_count
 from .excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
@@ -283,47 +284,44 @@ def _cost(inputs: BuildInputs) -> Callable[[Row, ContextItem, bool], int]:
     images = inputs.image_tokens
 
     def cost(row: Row, item: ContextItem, truncated: bool) -> int:
-        try:
-            return _cost_memo(row, item, secret, truncated, count, factor, images)
-        except TypeError:  # an unhashable item: compute without the memo
-            block = _render(row, item, secret, truncated)
-            return block_tokens(block, item, count, factor, images)
+        return _cost_memo(item, row, secret, truncated, count, factor, images)
 
     return cost
 
 
 # Rendering and estimating a block are pure functions of immutable arguments (frozen items,
 # the plan secret, the counter, the pinned factor), so bounded memos change no result, only
-# how often the work is done. A run's carried history arrives as the same item objects on
-# every Build (the shell keeps them), so its keys hash in constant time and hit.
+# how often the work is done. They are keyed on the item's content (core/content_key.py):
+# a run's items arrive as new objects on each step (its checkpoint is read afresh) and
+# find their block and cost with a C-level hash and compare, not pydantic's.
 _MEMO_SIZE = 8192
 
 
-@bounded_cache(_MEMO_SIZE)
-def _render_memo(row: Row, item: ContextItem, secret: bytes, truncated: bool) -> Block:
+def _render_item(item: ContextItem, row: Row, secret: bytes, truncated: bool) -> Block:
     return _render(row, item, secret, truncated)
 
 
-@bounded_cache(_MEMO_SIZE)
-def _cost_memo(
-    row: Row,
+_render_memo = ContentMemo(_render_item, _MEMO_SIZE)
+
+
+def _item_cost(
     item: ContextItem,
+    row: Row,
     secret: bytes,
     truncated: bool,
     count: Callable[[str], int],
     factor: int,
     image_tokens: int,
 ) -> int:
-    return block_tokens(
-        _render_memo(row, item, secret, truncated), item, count, factor, image_tokens
-    )
+    block = _render_memo(item, row, secret, truncated)
+    return block_tokens(block, item, count, factor, image_tokens)
+
+
+_cost_memo = ContentMemo(_item_cost, _MEMO_SIZE)
 
 
 def _rendered(row: Row, item: ContextItem, secret: bytes, truncated: bool) -> Block:
-    try:
-        return _render_memo(row, item, secret, truncated)
-    except TypeError:
-        return _render(row, item, secret, truncated)
+    return _render_memo(item, row, secret, truncated)
 
 
 def _place(
