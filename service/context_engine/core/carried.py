@@ -22,16 +22,16 @@ Pure: no I/O, no clock. The table of views is keyed on the history tuple's ident
 view keeps the window's items themselves (not the older ones, which a long session has by
 the thousand and no decision reads but by their count) and is used for a history only if
 that history has the same length and the very same objects in the window
-(CarriedView.holds): what the view derived depends on nothing else, and a history whose
-id is reused after it died is told apart. Equal but distinct histories derive their own,
-equal, views. What a view holds per item (the walk's facts:
-excerpt, cost, block, pointer and its cost and block) is a function of the item's class and
-field values, so it is kept per item content (core/content_key.py): equal items — the same
-objects in a new run's history, or a fresh read of turns seen before — find it with one
-C-level hash and compare of their fields, where the memos behind cost and render would
-each hash and compare the pydantic model in Python. tests/unit/test_budget.py checks
-assembly with and without the view table decides identically, and that the request equals
-what rendering, merging and marking every placed item one by one gives;
+(CarriedView.holds): what the view derived depends on nothing else, and a history whose id
+is reused after it died is told apart. Equal but distinct histories derive their own,
+equal, views. What a view holds per item (the walk's facts: excerpt, cost, block, pointer
+and its cost and block) is a function of the item's class and field values, so it is kept
+per item content (core/content_key.py): equal items (the same objects in a new run's
+history, or a fresh read of turns seen before) find it with one C-level hash and compare
+of their fields, where a memo keyed on the item would hash and compare the pydantic model
+in Python. tests/unit/test_budget.py checks assembly with and without the view table
+decides identically, that a view serves exactly the histories it holds, and that the
+request equals what rendering, merging and marking every placed item one by one gives;
 tests/unit/test_content_key.py that facts found by content are those derived afresh.
 """
 

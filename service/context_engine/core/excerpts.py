@@ -14,9 +14,8 @@ Rule 4: selection is independent of later tool results; only the limit moves the
 from __future__ import annotations
 
 from .items import ToolResult
-from .memo_budget import bounded_cache
 
-__all__ = ["DEFAULT_INLINE_MAXIMUM_BYTES", "excerpt_of", "excerpt_text", "legacy_excerpt"]
+__all__ = ["DEFAULT_INLINE_MAXIMUM_BYTES", "excerpt_of", "excerpt_text"]
 
 DEFAULT_INLINE_MAXIMUM_BYTES = 16_384
 _HEAD_SHARE = 2  # the head gets 2/3 of the kept bytes: a result's opening usually says most
@@ -37,7 +36,8 @@ def excerpt_text(text: str, limit: int, marker: str) -> str:
 
 def excerpt_of(result: ToolResult, inline_maximum_bytes: int) -> ToolResult | None:
     """The request's copy of a carried result over the inline limit, or None when the
-    result's context content is within it (it is then rendered as is)."""
+    result's context content is within it (it is then rendered as is). Not memoized:
+    core/carried.py keeps what it derives per carried item, this excerpt included."""
     text = result.context_content or result.content
     size = len(text.encode("utf-8"))
     if size <= inline_maximum_bytes:
@@ -49,8 +49,3 @@ def excerpt_of(result: ToolResult, inline_maximum_bytes: int) -> ToolResult | No
     marker = f"[excerpt: {size:,} bytes in all, middle omitted; full result: {reference}]"
     excerpt = excerpt_text(text, kept, marker)
     return result.model_copy(update={"content": excerpt, "context_content": ""})
-
-
-# Pure on a frozen item: the same excerpt object every Build. (core/carried.py calls
-# excerpt_of: what it derives per carried item is kept per item content already.)
-legacy_excerpt = bounded_cache(4096)(excerpt_of)
