@@ -317,6 +317,15 @@ class _UserTrustedRuntime(ContextItem):
     text: str = ""
 
 
+class _OwnTrustRuntime(ContextItem):
+    """Per-item trust in a row that requires one: the verdict turns on the item's field."""
+
+    REGION: ClassVar[Region] = Region.BODY
+    ROWS: ClassVar[frozenset[Row]] = frozenset({Row.RUNTIME_METADATA})
+    FIXED_TRUST: ClassVar[TrustLevel | None] = None
+    trust: TrustLevel = TrustLevel.PLATFORM
+
+
 class _DeclaredButUnrenderable(ContextItem):
     REGION: ClassVar[Region] = Region.BODY
     ROWS: ClassVar[frozenset[Row]] = frozenset({Row.RECALL})
@@ -355,6 +364,54 @@ def test_check_placement_accepts_every_declared_row_and_refuses_a_trust_mismatch
     check_placement(SnapshotItem(item_id="m", text="x"), Row.MEMORY_SNAPSHOT)
     with pytest.raises(EngineError, match="row 14 requires PLATFORM, got USER"):
         check_placement(_UserTrustedRuntime(text="x"), Row.RUNTIME_METADATA)
+
+
+def _placements() -> Iterator[tuple[ContextItem, Row]]:
+    """Every item class (this file's undeclared and mismatched ones too) in every row, at
+    every trust level where the item carries its own."""
+    classes, pending = [], list(ContextItem.__subclasses__())
+    while pending:
+        cls = pending.pop()
+        classes.append(cls)
+        pending += cls.__subclasses__()
+    for cls in classes:
+        trusts = list(TrustLevel) if "trust" in cls.model_fields else [None]
+        for trust in trusts:
+            item = cls.model_construct(trust=trust) if trust is not None else cls.model_construct()
+            for row in Row:
+                yield item, row
+
+
+def _verdict(check: object, item: ContextItem, row: Row) -> str:
+    try:
+        check(item, row)  # type: ignore[operator]
+    except EngineError as refused:
+        return str(refused)
+    return "passed"
+
+
+def test_a_remembered_placement_is_the_verdict_of_checking_it_afresh() -> None:
+    """check_placement remembers a placement that passed by (class, row, trust field):
+    over every class, row and trust, its verdict, first and again, is the full check's,
+    and a refusal is never remembered."""
+    from context_engine.core import items as items_module
+
+    items_module._PASSED.clear()
+    verdicts = [
+        (_verdict(check_placement, item, row), _verdict(check_placement, item, row))
+        for item, row in _placements()
+    ]
+    expected = [_verdict(items_module._check_placement, item, row) for item, row in _placements()]
+    assert [first for first, _ in verdicts] == expected
+    assert [again for _, again in verdicts] == expected
+    assert "passed" in expected and any(v != "passed" for v in expected)
+    own = [
+        (item.trust, first)  # type: ignore[attr-defined]
+        for (item, row), (first, _) in zip(_placements(), verdicts, strict=True)
+        if isinstance(item, _OwnTrustRuntime) and row is Row.RUNTIME_METADATA
+    ]
+    assert own[0] == (TrustLevel.PLATFORM, "passed")
+    assert all(verdict != "passed" for trust, verdict in own if trust is not TrustLevel.PLATFORM)
 
 
 def test_a_childs_message_is_the_parents_in_the_user_role_in_its_own_envelope() -> None:

@@ -27,7 +27,9 @@ from context_engine.core import (
     TrustLevel,
     assemble,
     make_plan,
+    memo_budget,
 )
+from context_engine.core import carried as carried_module
 from context_engine.core.body_estimate import block_tokens
 from context_engine.core.budget import allocate
 from context_engine.core.cache_hints import cache_breakpoints
@@ -853,9 +855,12 @@ def test_leaving_unreachable_history_uncosted_changes_no_decision(session: Sessi
     except BudgetExceededError:
         return
     # Unbounded reach: every carried item is excerpted, placed and costed (core/carried.py),
-    # on copies of the history's items, so nothing derived for the windowed build is reused
-    # (core/carried.py keeps what it derives per item object).
+    # on copies of the history's items with every memo and table emptied, so nothing
+    # derived for the windowed build is reused (core/carried.py keeps what it derives per
+    # item content).
     assembly.window_reach = lambda budget: 2**62  # type: ignore[assignment]
+    memo_budget.clear_all()
+    carried_module._KNOWN.clear()
     try:
         reference = assemble(replace(inputs, carried=tuple(i.model_copy() for i in inputs.carried)))
     finally:
@@ -872,6 +877,67 @@ def test_leaving_unreachable_history_uncosted_changes_no_decision(session: Sessi
         r.history_cut_index,
     )
     assert w.body_tokens_before <= r.body_tokens_before
+
+
+@GATE
+@given(long_sessions(), st.data())
+def test_a_view_serves_any_history_with_its_window_and_only_those(
+    session: Session, data: st.DataObject
+) -> None:
+    """A view keeps only its window's items (core/carried.py, CarriedView.holds): it serves
+    a history of the same length with the very same objects in the window, whatever the
+    older items are, and assembles for it what a Build that never saw either history
+    assembles (the older items above the floor counted for that history, not the first);
+    an equal copy of one window item, or another length, is another history."""
+    import importlib
+
+    assembly = importlib.import_module("context_engine.core.assemble")
+    _, inputs = _build(session)
+    try:
+        assemble(inputs)
+    except BudgetExceededError:
+        return
+    history = inputs.carried
+    views = [v for v in carried_module._TABLE.values() if v.holds(history)]
+    assert views
+    view = views[-1]
+    start = view.start
+    # Older items: fresh objects, some of them now under the summary floor or above it.
+    floor = inputs.checkpoint.replaced_through_sequence
+    older = tuple(
+        i.model_copy(update={"sequence": data.draw(st.sampled_from([i.sequence, floor]))})
+        if i.sequence
+        else i
+        for i in history[:start]
+    )
+    older = tuple(sorted(older, key=lambda i: i.sequence)) if older else older
+    other = older + history[start:]
+    assert view.holds(other)
+    if start < len(history):
+        n = data.draw(st.integers(start, len(history) - 1))
+        copied = (*history[:n], history[n].model_copy(), *history[n + 1 :])
+        assert not view.holds(copied)
+    assert not view.holds(history[:-1])
+    assert not view.holds((*history, *history[-1:]))
+    # The view reused for `other` (by planting it in other's slot) assembles what a Build
+    # with every table and memo emptied assembles.
+    reach = assembly.window_reach(
+        allocate(
+            context_window=inputs.plan.context_window,
+            policy_cap_tokens=inputs.plan.policy_cap_tokens,
+            reserve_output_tokens=inputs.plan.max_output_tokens,
+            prefix_tokens=inputs.plan.prefix_tokens,
+        )
+    )
+    key = (SECRET, count, inputs.estimator_factor_ppm, inputs.image_tokens)
+    slot = (id(other), reach, inputs.inline_maximum_bytes, *key)
+    carried_module._TABLE[slot] = view
+    reused = assemble(replace(inputs, carried=other))
+    assert carried_module._TABLE[slot] is view
+    memo_budget.clear_all()
+    carried_module._TABLE.clear()
+    fresh = assemble(replace(inputs, carried=other))
+    assert reused == fresh
 
 
 @GATE

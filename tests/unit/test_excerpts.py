@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from context_engine.core import BuildInputs, Checkpoint, TrustLevel, assemble
-from context_engine.core.excerpts import legacy_excerpt
+from context_engine.core.excerpts import excerpt_of
 from context_engine.core.items import AssistantMessage, ToolCall, ToolResult, UserMessage
 
 from .test_budget import SECRET, _plan, count
@@ -44,12 +44,12 @@ def test_an_excerpt_is_a_deterministic_head_and_tail_within_the_limit(
 ) -> None:
     result = _result("canonical " + text, context_content=text if context else "")
     source = result.context_content or result.content
-    excerpt = legacy_excerpt(result, limit)
+    excerpt = excerpt_of(result, limit)
     if len(source.encode("utf-8")) <= limit:
         assert excerpt is None  # rendered as is (its context_content, if any)
         return
     assert excerpt is not None
-    assert excerpt == legacy_excerpt(result, limit)
+    assert excerpt == excerpt_of(result, limit)
     assert len(excerpt.content.encode("utf-8")) <= limit
     body = excerpt.content
     marker = next(line for line in body.split("\n") if line.startswith("[excerpt: "))

@@ -5,11 +5,15 @@ byte of any request."""
 from __future__ import annotations
 
 import gc
+import sys
 import tracemalloc
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from context_engine.api import wire
 from context_engine.core import (
@@ -26,6 +30,8 @@ from context_engine.core import (
 )
 from context_engine.core.enums import SideEffect
 from context_engine.core.items import ToolCall, ToolResult, UserMessage
+from context_engine.core.request import Block
+from context_engine.core.rows import Row
 from context_engine.core.spec import AgentSpec, PlatformPolicySpec, ToolSpec
 from context_engine.providers import render
 
@@ -83,24 +89,30 @@ def _result(item_id: str, content: str, run: str) -> ToolResult:
     )
 
 
+def _run_items(round_: int, size: int) -> tuple[UserMessage, ToolCall, ToolResult]:
+    """A run's message, call and its result of `size` characters, new this round."""
+    run = f"r{round_}"
+    return (
+        UserMessage(item_id=f"u{round_}", text="Read it.", sequence=1, run_id=run),
+        ToolCall(
+            item_id=f"c{round_}",
+            call_id="call_1",
+            tool_name="fetch",
+            arguments_json="{}",
+            sequence=2,
+            run_id=run,
+        ),
+        _result(f"t{round_}", f"page {round_} <" + "x" * size, run),
+    )
+
+
 def _payloads(round_: int, size: int) -> list[bytes]:
     """One Build of a run whose one tool result (`size` characters) is new this round,
     rendered for both providers and as wire bytes; nothing of it is kept by the caller."""
     out = []
     for provider in ("anthropic", "openai"):
         run = f"r{round_}"
-        items = (
-            UserMessage(item_id=f"u{round_}", text="Read it.", sequence=1, run_id=run),
-            ToolCall(
-                item_id=f"c{round_}",
-                call_id="call_1",
-                tool_name="fetch",
-                arguments_json="{}",
-                sequence=2,
-                run_id=run,
-            ),
-            _result(f"t{round_}", f"page {round_} <" + "x" * size, run),
-        )
+        items = _run_items(round_, size)
         inputs = BuildInputs(
             tenant_id="t",
             plan=_plan(provider),
@@ -161,3 +173,103 @@ def test_weight_counts_text_at_its_size_and_containers_shallowly() -> None:
     assert memo_budget.weight((item, item)) > 2 * memo_budget.weight(text)
     nested = ((((text,),),),)
     assert memo_budget.weight(nested) < 1_000  # past two levels, a fixed cost
+
+
+def _weight_as_specified(value: object, depth: int = 2) -> int:
+    """memo_budget.weight as its docstring specifies it, asking each value what it is (the
+    implementation asks once per type): the oracle the property below holds it to."""
+    total = 0
+    pending: list[tuple[object, int]] = [(value, depth)]
+    while pending:
+        item, level = pending.pop()
+        if isinstance(item, str | bytes):
+            total += sys.getsizeof(item)
+            continue
+        total += 56
+        if callable(item):
+            continue
+        members: Any
+        if isinstance(item, tuple | list | frozenset | set):
+            members = item
+        elif isinstance(item, dict):
+            members = (*item.keys(), *item.values()) if level > 0 else item
+        elif (attributes := getattr(item, "__dict__", None)) is not None:
+            members = attributes.values()
+        elif slots := getattr(type(item), "__slots__", None):
+            names = (slots,) if isinstance(slots, str) else slots
+            members = [getattr(item, n, None) for n in names]
+        else:
+            continue
+        if level > 0:
+            pending.extend((m, level - 1) for m in members)
+        else:
+            total += 56 * len(members) * (2 if isinstance(item, dict) else 1)
+    return total
+
+
+_LEAVES = st.one_of(
+    st.text(st.characters(codec="utf-8"), max_size=40),
+    st.binary(max_size=40),
+    st.integers(),
+    st.booleans(),
+    st.none(),
+    st.floats(allow_nan=False),
+    st.sampled_from([TrustLevel.USER, Row.CONVERSATION, _count, len, ToolResult, b"\x00" * 300]),
+    st.builds(
+        lambda text, is_error: _result("t", text, "r").model_copy(update={"is_error": is_error}),
+        st.text(max_size=200),
+        st.booleans(),
+    ),
+    st.builds(
+        lambda text: Block(Row.CONVERSATION, TrustLevel.USER, "text", "i", 3, text=text),
+        st.text(max_size=200),
+    ),
+)
+_VALUES = st.recursive(
+    _LEAVES,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.lists(inner, max_size=4).map(tuple),
+        st.frozensets(st.text(max_size=8), max_size=4),
+        st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_VALUES, st.integers(0, 3))
+def test_weight_is_what_its_specification_gives(value: object, depth: int) -> None:
+    assert memo_budget.weight(value, depth) == _weight_as_specified(value, depth)
+
+
+def test_what_the_walk_keeps_per_carried_item_is_charged_and_emptied_with_the_memos() -> None:
+    """core/carried.py keeps each carried item's facts (its renderings) per item content,
+    and calls no other memo for them: those facts are charged to the budget, text and all,
+    and emptied with every memo."""
+    from context_engine.core import carried
+
+    size = 200_000
+    old = _run_items(0, size)
+    inputs = BuildInputs(
+        tenant_id="t",
+        plan=_plan("anthropic"),
+        secret=SECRET,
+        checkpoint=Checkpoint(
+            run_id="r1",
+            version=1,
+            items=(UserMessage(item_id="u1", text="And?", sequence=4, run_id="r1"),),
+        ),
+        carried=old,
+        now=NOW,
+        step=StepContext(),
+        count_tokens=_count,
+        inline_maximum_bytes=4 * size,
+    )
+    memo_budget.clear_all()
+    assert not carried._KNOWN
+    assert assemble(inputs).request is not None
+    assert sum(map(len, carried._KNOWN.values())) == len(old)
+    assert memo_budget.held() >= 2 * size  # the result's text, and its rendered block
+    memo_budget.clear_all()
+    assert not carried._KNOWN

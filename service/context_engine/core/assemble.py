@@ -32,6 +32,7 @@ from .budget import ContextBudget, allocate
 from .cache_hints import cache_breakpoints
 from .carried import CarriedView, carried_view
 from .checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint
+from .content_key import ContentMemo
 from .envelope import wrap
 from .errors import EngineError
 from .estimator import IMAGE_TOKENS, heuristic_count
@@ -160,14 +161,15 @@ def assemble(inputs: BuildInputs) -> Assembled:
     plan = inputs.plan
     budget = _budget(plan)
     view = _view(inputs, budget)
-    if not view.covered:
+    if not view.covered(inputs.carried_before):
         raise EngineError(
             f"the carried history handed to assembly stops short of the window:"
             f" {inputs.carried_before} carried items before it were not read"
         )
     # Items the summary covers are represented by it; admitting them again would state the
     # same turns twice in two voices.
-    segment = view.segment(inputs.checkpoint.replaced_through_sequence)
+    floor = inputs.checkpoint.replaced_through_sequence
+    segment = view.segment(floor)
     head, tail = _place(inputs)
     for row, item in (*head, *tail):
         check_placement(item, row)
@@ -179,6 +181,9 @@ def assemble(inputs: BuildInputs) -> Assembled:
         budget=budget,
         cost=_cost(inputs),
         recall_floor_lines=inputs.step.recall_floor_lines,
+        # Those the shell did not read (core/log_tail.py) lie above the floor and before the
+        # window too.
+        skipped=view.skipped(inputs.carried, floor) + inputs.carried_before,
     )
     if not fitted.fits:
         return _outcome(inputs, budget, fitted, None, "")
@@ -207,7 +212,7 @@ def carried_reaches(inputs: BuildInputs) -> bool:
     """Whether `inputs.carried` reaches as far back as any fitting request can: assemble
     decides the same with or without the `carried_before` items before it (their number
     is all it reports of them). The shell reads the log further back until it does."""
-    return _view(inputs, _budget(inputs.plan)).covered
+    return _view(inputs, _budget(inputs.plan)).covered(inputs.carried_before)
 
 
 def _budget(plan: ContextPlan) -> ContextBudget:
@@ -221,15 +226,17 @@ def _budget(plan: ContextPlan) -> ContextBudget:
 
 def _view(inputs: BuildInputs, budget: ContextBudget) -> CarriedView:
     # Only history a fitting request can reach is excerpted, placed and costed, and that
-    # once per run's history (core/carried.py).
+    # once per run's history and once per item content (core/carried.py, which keeps what
+    # it derives: it is handed the unmemoized renderer and counter).
+    secret, count, factor = inputs.secret, inputs.count_tokens, inputs.estimator_factor_ppm
+    images = inputs.image_tokens
     return carried_view(
         inputs.carried,
-        (inputs.secret, inputs.count_tokens, inputs.estimator_factor_ppm, inputs.image_tokens),
-        _cost(inputs),
-        lambda row, item, truncated: _rendered(row, item, inputs.secret, truncated),
+        (secret, count, factor, images),
+        lambda block, item: block_tokens(block, item, count, factor, images),
+        lambda row, item, truncated: _render(row, item, secret, truncated),
         inputs.inline_maximum_bytes,
         window_reach(budget),
-        inputs.carried_before,
     )
 
 
@@ -306,47 +313,44 @@ def _cost(inputs: BuildInputs) -> Callable[[Row, ContextItem, bool], int]:
     images = inputs.image_tokens
 
     def cost(row: Row, item: ContextItem, truncated: bool) -> int:
-        try:
-            return _cost_memo(row, item, secret, truncated, count, factor, images)
-        except TypeError:  # an unhashable item: compute without the memo
-            block = _render(row, item, secret, truncated)
-            return block_tokens(block, item, count, factor, images)
+        return _cost_memo(item, row, secret, truncated, count, factor, images)
 
     return cost
 
 
 # Rendering and estimating a block are pure functions of immutable arguments (frozen items,
 # the plan secret, the counter, the pinned factor), so bounded memos change no result, only
-# how often the work is done. A run's carried history arrives as the same item objects on
-# every Build (the shell keeps them), so its keys hash in constant time and hit.
+# how often the work is done. They are keyed on the item's content (core/content_key.py):
+# a run's items arrive as new objects on each step (its checkpoint is read afresh) and
+# find their block and cost with a C-level hash and compare, not pydantic's.
 _MEMO_SIZE = 8192
 
 
-@bounded_cache(_MEMO_SIZE)
-def _render_memo(row: Row, item: ContextItem, secret: bytes, truncated: bool) -> Block:
+def _render_item(item: ContextItem, row: Row, secret: bytes, truncated: bool) -> Block:
     return _render(row, item, secret, truncated)
 
 
-@bounded_cache(_MEMO_SIZE)
-def _cost_memo(
-    row: Row,
+_render_memo = ContentMemo(_render_item, _MEMO_SIZE)
+
+
+def _item_cost(
     item: ContextItem,
+    row: Row,
     secret: bytes,
     truncated: bool,
     count: Callable[[str], int],
     factor: int,
     image_tokens: int,
 ) -> int:
-    return block_tokens(
-        _render_memo(row, item, secret, truncated), item, count, factor, image_tokens
-    )
+    block = _render_memo(item, row, secret, truncated)
+    return block_tokens(block, item, count, factor, image_tokens)
+
+
+_cost_memo = ContentMemo(_item_cost, _MEMO_SIZE)
 
 
 def _rendered(row: Row, item: ContextItem, secret: bytes, truncated: bool) -> Block:
-    try:
-        return _render_memo(row, item, secret, truncated)
-    except TypeError:
-        return _render(row, item, secret, truncated)
+    return _render_memo(item, row, secret, truncated)
 
 
 def _place(

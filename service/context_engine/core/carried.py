@@ -18,12 +18,21 @@ Three layers, each derived once and kept on the one before:
   on their own, and the two items its cache markers can name (per cut and yields). A run's
   steps mostly repeat one cut and one set of yields, so a Build walks only its own items.
 
-Pure: no I/O, no clock. The table is keyed on the history tuple's identity and holds the
-tuple itself, so an entry is only ever used for the very object it was derived from (an
-id is never reused while the object it names is alive); equal but distinct histories
-derive their own, equal, entries. tests/unit/test_budget.py checks assembly with and
-without the table decides identically, and that the request equals what rendering,
-merging and marking every placed item one by one gives.
+Pure: no I/O, no clock. The table of views is keyed on the history tuple's identity. A
+view keeps the window's items themselves (not the older ones, which a long session has by
+the thousand and no decision reads but by their count) and is used for a history only if
+that history has the same length and the very same objects in the window
+(CarriedView.holds): what the view derived depends on nothing else, and a history whose id
+is reused after it died is told apart. Equal but distinct histories derive their own,
+equal, views. What a view holds per item (the walk's facts: excerpt, cost, block, pointer
+and its cost and block) is a function of the item's class and field values, so it is kept
+per item content (core/content_key.py): equal items (the same objects in a new run's
+history, or a fresh read of turns seen before) find it with one C-level hash and compare
+of their fields, where a memo keyed on the item would hash and compare the pydantic model
+in Python. tests/unit/test_budget.py checks assembly with and without the view table
+decides identically, that a view serves exactly the histories it holds, and that the
+request equals what rendering, merging and marking every placed item one by one gives;
+tests/unit/test_content_key.py that facts found by content are those derived afresh.
 """
 
 from __future__ import annotations
@@ -31,10 +40,12 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate, compress, repeat
-from operator import attrgetter, itemgetter
+from itertools import accumulate, compress, islice, repeat
+from operator import attrgetter, is_, is_not, itemgetter
 
-from .excerpts import legacy_excerpt
+from . import memo_budget
+from .content_key import content_key
+from .excerpts import excerpt_of
 from .history_cut import negated_suffix_sums, past_split_pairs, suffix_cut
 from .items import (
     ContextItem,
@@ -48,39 +59,43 @@ from .messages import grouped
 from .request import Block, Message
 from .rows import Row
 from .validate import ClosedRun, closed_run
-from .yield_ladder import pointer_for
+from .yield_ladder import typed_pointer
 
 __all__ = ["CarriedView", "Retained", "Segment", "carried_view"]
 
-# (row, item, rendered as truncated) -> estimated tokens; the same port as pressure.Cost.
-Cost = Callable[[Row, ContextItem, bool], int]
+# (row, item, rendered as truncated) -> its block; (block, item) -> its estimated tokens.
+# Both unmemoized: the walk's facts are the memo for carried items (see _KNOWN).
 Render = Callable[[Row, ContextItem, bool], Block]
+Count = Callable[[Block, ContextItem], int]
 
 
 @dataclass(frozen=True, slots=True)
 class CarriedView:
-    history: tuple[ConversationItem, ...]  # the tuple this was derived from (kept alive)
     start: int  # history[:start] no decision can depend on (see carried_view)
-    shown: tuple[ConversationItem, ...]  # history[start:], legacy excerpts substituted
+    window: tuple[ConversationItem, ...]  # history[start:], the very objects (kept alive)
+    shown: tuple[ConversationItem, ...]  # the window, legacy excerpts substituted
+    facts: tuple[_Facts, ...]  # what was derived for each of `shown`, in order
     excerpted: tuple[ToolResult, ...]  # the legacy excerpts among `shown`
-    # (id(item), truncated) -> cost, for shown items and their pointers, and -> block, for
-    # shown items; the ids stay valid because `shown` and `pointers` keep them alive.
-    costs: dict[tuple[int, bool], int]
-    blocks: dict[tuple[int, bool], Block]
-    pointers: tuple[ToolResult, ...]
-    pointer_costs: dict[int, int]  # id(tool result among shown) -> its pointer's cost
-    render: Render
-    # Carried items above the floor that precede `history` (the shell read only the log's
-    # newest events: core/log_tail.py), and whether the walk stopped within `history`.
-    before: int = 0
+    # Whether the walk stopped within the history (its least costs passed the reach):
+    # nothing before the window, read or not, can decide anything.
     reached: bool = False
     _segments: dict[int, Segment] = field(default_factory=dict, compare=False, repr=False)
 
-    @property
-    def covered(self) -> bool:
-        """Whether `history` holds everything a fitting request can reach: the walk stopped
-        within it, or nothing precedes it. Otherwise the older items decide too."""
-        return self.reached or not self.before
+    def covered(self, before: int) -> bool:
+        """Whether the history holds everything a fitting request can reach, when `before`
+        carried items above the summary floor precede it that the shell did not read
+        (core/log_tail.py): the walk stopped within it, or nothing precedes it."""
+        return self.reached or not before
+
+    def holds(self, history: tuple[ConversationItem, ...]) -> bool:
+        """Whether this view is `history`'s: the same length and the same objects in the
+        window. Everything the view derived depends on those alone (the items before the
+        window only on how many there are), so the view need not keep the history's older
+        items alive to be sure of it."""
+        window = self.window
+        if len(history) != self.start + len(window):
+            return False
+        return all(map(is_, islice(history, self.start, None), window))
 
     def segment(self, floor: int) -> Segment:
         """The shown items a Build places under summary floor `floor`, derived once."""
@@ -89,29 +104,31 @@ class CarriedView:
             found = self._segments[floor] = _segment(self, floor)
         return found
 
+    def skipped(self, history: tuple[ConversationItem, ...], floor: int) -> int:
+        """How many of `history`'s items before the window lie above summary floor
+        `floor` (reported as cut). The history is in log order, so a bisection, not a
+        count one by one (a long session's new run)."""
+        return self.start - bisect_right(history, floor, hi=self.start, key=_SEQUENCE)
+
 
 @dataclass(frozen=True, slots=True)
 class Segment:
     """The carried items a Build places (those above the summary floor), oldest first, with
     what fit_body reads of each. Carried items are never in the never-yield set: their
-    class is history, or tool_results for a result, and each renders as `blocks` holds."""
+    class is history, or tool_results for a result, and each renders as its facts' block
+    (a yielded result as its pointer's)."""
 
     items: tuple[ConversationItem, ...]
-    pairs: tuple[tuple[Row, ConversationItem], ...]  # (Row.CONVERSATION, item) per item
     costs: tuple[int, ...]  # each item as placed (a legacy excerpt costed truncated)
-    classes: tuple[str, ...]  # "tool_results" for a result, else "history"
     results: tuple[tuple[int, int, int], ...]  # (index, full cost, pointer cost) per result
     result_sums: tuple[int, ...]  # the results' full costs as prefix sums, from 0
     excerpted: frozenset[int]  # id() of legacy excerpts among items (render truncated)
     excerpted_items: tuple[ToolResult, ...]  # every legacy excerpt the view made
     total: int  # sum(costs)
-    skipped: int  # items above the floor that lie beyond the window (reported as cut)
-    blocks: dict[tuple[int, bool], Block]  # the view's rendered blocks
-    item_blocks: tuple[Block, ...]  # each item's block, as placed
+    facts: tuple[_Facts, ...]  # per item: its block and its pointer's, as derived
     is_result: tuple[bool, ...]  # per item: a tool result (class tool_results)
     # -(sum of costs[i:]) for i in 0..len: ascending, so the cut is one bisection.
     _negated_suffix: tuple[int, ...]
-    render: Render  # the view's renderer, for pointers
     _settled: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
     _retained: dict[tuple[int, tuple[int, ...]], Retained] = field(
         default_factory=dict, compare=False, repr=False
@@ -184,16 +201,13 @@ class Retained:
 def carried_view(
     history: tuple[ConversationItem, ...],
     key: tuple[object, ...],
-    cost: Cost,
+    count: Count,
     render: Render,
     inline_maximum_bytes: int,
     reach: int,
-    before: int = 0,
 ) -> CarriedView:
     """The view of `history` under `key` (secret, counter, factor, limit, reach), from the
-    table or derived now. `cost` and `render` must be the pure functions `key` determines.
-    `before`: how many carried items above the summary floor precede `history`, the newest
-    part of the run's carried history (see `CarriedView.covered`).
+    table or derived now. `count` and `render` must be the pure functions `key` determines.
 
     Only the history a fitting request can reach is derived. `reach` is the larger of the
     body budget and history's floor. Walking newest first, the least an item can cost is
@@ -203,16 +217,15 @@ def carried_view(
     the fit nor the cut decides anything differently without the older items, and they
     are not excerpted, placed or costed at all (`start`). This is what makes a Build's work
     independent of the session's length. The boundary item itself is kept (it is what
-    exceeds `reach`). tests/unit/test_budget.py checks the equivalence. The same holds for
-    the items before `history`: once the walk stops within it they decide nothing, and only
-    their number (`before`) is reported, as cut.
+    exceeds `reach`). tests/unit/test_budget.py checks the equivalence.
     """
-    slot = (id(history), reach, before, *key)
+    slot = (id(history), reach, inline_maximum_bytes, *key)
     entry = _TABLE.get(slot)
-    if entry is not None and entry.history is history:
+    if entry is not None and entry.holds(history):
         return entry
-    context = (*key, inline_maximum_bytes)
-    view = _derive(history, context, cost, render, inline_maximum_bytes, reach, before)
+    view = _derive(
+        history, (*key, inline_maximum_bytes), count, render, inline_maximum_bytes, reach
+    )
     if len(_TABLE) >= _TABLE_SIZE:
         _TABLE.pop(next(iter(_TABLE)), None)  # oldest first (insertion order)
     _TABLE[slot] = view
@@ -220,56 +233,56 @@ def carried_view(
 
 
 def _segment(view: CarriedView, floor: int) -> Segment:
-    # Whole-tuple passes through C-level maps: this runs once per run and floor, over
-    # every item of the window (a run's first Build pays it).
-    items = tuple(compress(view.shown, map(floor.__lt__, map(_SEQUENCE, view.shown))))
-    excerpted = frozenset(map(id, view.excerpted))
-    ids = list(map(id, items))
-    keys = list(zip(ids, map(excerpted.__contains__, ids), strict=True))
-    costs = tuple(map(view.costs.__getitem__, keys))
-    results = {t for t in set(map(type, items)) if issubclass(t, ToolResult)}
-    is_result = tuple(map(results.__contains__, map(type, items)))
+    # Whole-tuple passes through C-level maps over what the walk derived: this runs once
+    # per view and floor, over every item of the window (a run's first Build pays it).
+    items, facts = view.shown, view.facts
+    above = list(map(floor.__lt__, map(_SEQUENCE, facts)))
+    if not all(above):
+        items, facts = tuple(compress(items, above)), tuple(compress(facts, above))
+    costs = tuple(map(_TOKENS, facts))
+    is_result = tuple(map(_IS_RESULT, facts))
     at = list(compress(range(len(items)), is_result))
-    pointer_costs = map(view.pointer_costs.__getitem__, compress(ids, is_result))
-    result_costs = list(map(costs.__getitem__, at))
+    pointer_costs = map(_POINTER_TOKENS, compress(facts, is_result))
+    result_costs = list(compress(costs, is_result))
     return Segment(
         items=items,
-        pairs=tuple(zip(repeat(Row.CONVERSATION), items)),
         costs=costs,
-        classes=tuple(map(_CLASSES.__getitem__, is_result)),
         results=tuple(zip(at, result_costs, pointer_costs, strict=True)),
         result_sums=tuple(accumulate(result_costs, initial=0)),
-        excerpted=excerpted,
+        excerpted=frozenset(map(id, view.excerpted)),
         excerpted_items=view.excerpted,
         total=sum(costs),
-        # The history is in log order, so the items above the floor and before the window
-        # are found by bisection, not counted one by one (a long session's new run); those
-        # before `history` (all above the floor) are counted by the shell.
-        skipped=view.before
-        + view.start
-        - bisect_right(view.history, floor, hi=view.start, key=_SEQUENCE),
-        blocks=view.blocks,
-        item_blocks=tuple(map(view.blocks.__getitem__, keys)),
+        facts=facts,
         is_result=is_result,
-        render=view.render,
         _negated_suffix=negated_suffix_sums(costs),
     )
 
 
-_SEQUENCE = attrgetter("sequence")
+_SEQUENCE = attrgetter("sequence")  # of an item, or of its facts (the same number)
 _INDEX = itemgetter(0)
 _RUN_ID = attrgetter("run_id")
+_TOKENS = attrgetter("tokens")
+_IS_RESULT = attrgetter("is_result")
+_POINTER_TOKENS = attrgetter("pointer_tokens")
+_BLOCK = attrgetter("block")
 _CLASSES = ("history", "tool_results")  # by "is a tool result"
 
 
 def _retained(segment: Segment, cut: int, yielded: frozenset[int]) -> Retained:
+    # C-level passes over the suffix; only the yielded results are looked at one by one.
     pairs: Sequence[tuple[Row, ConversationItem]]
-    blocks: Sequence[Block]
-    if yielded:
-        pairs, tokens, counts, blocks = _yielding(segment, cut, yielded)
-    else:  # nothing yielded, the common case: slices and two sums
-        pairs, blocks = segment.pairs[cut:], segment.item_blocks[cut:]
-        tokens, counts = _class_totals(segment, cut)
+    pairs = tuple(zip(repeat(Row.CONVERSATION), segment.items[cut:]))
+    blocks: Sequence[Block] = tuple(map(_BLOCK, segment.facts[cut:]))
+    costs: Sequence[int] = segment.costs[cut:]
+    if yielded:  # a few results become their pointers: the rest is slices
+        pairs, blocks, costs = list(pairs), list(blocks), list(costs)
+        for n in yielded:
+            facts = segment.facts[n]
+            assert facts.pointer is not None and facts.pointer_block is not None
+            pairs[n - cut] = (Row.CONVERSATION, facts.pointer)
+            blocks[n - cut] = facts.pointer_block
+            costs[n - cut] = facts.pointer_tokens
+    tokens, counts = _class_totals(costs, segment.is_result[cut:])
     items = tuple(map(itemgetter(1), pairs))
     markable = sorted({*_last(items, _named), *_last(items, _named_input)})
     messages = grouped(items, blocks)
@@ -288,35 +301,11 @@ def _retained(segment: Segment, cut: int, yielded: frozenset[int]) -> Retained:
     )
 
 
-def _yielding(
-    segment: Segment, cut: int, yielded: frozenset[int]
-) -> tuple[list[tuple[Row, ConversationItem]], dict[str, int], dict[str, int], list[Block]]:
-    """items[cut:]'s rows, class totals and blocks, the results at `yielded` as pointers."""
-    pairs = list(segment.pairs[cut:])
-    tokens: dict[str, int] = {}
-    counts: dict[str, int] = {}
-    blocks: list[Block] = []
-    pointer_costs = {n: pointer for n, _, pointer in segment.results}
-    for n in range(cut, len(segment.items)):
-        kind, item = segment.classes[n], segment.items[n]
-        if n in yielded:
-            assert isinstance(item, ToolResult)
-            item = pointer_for(item)
-            pairs[n - cut] = (Row.CONVERSATION, item)
-            cost = pointer_costs[n]
-            blocks.append(segment.render(Row.CONVERSATION, item, True))
-        else:
-            cost = segment.costs[n]
-            blocks.append(segment.item_blocks[n])
-        tokens[kind] = tokens.get(kind, 0) + cost
-        counts[kind] = counts.get(kind, 0) + 1
-    return pairs, tokens, counts, blocks
-
-
-def _class_totals(segment: Segment, cut: int) -> tuple[dict[str, int], dict[str, int]]:
-    """Tokens and items per class over items[cut:], classes in order of first appearance
-    (as a walk over the items would insert them)."""
-    costs, flags = segment.costs[cut:], segment.is_result[cut:]
+def _class_totals(
+    costs: Sequence[int], flags: Sequence[bool]
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Tokens and items per class (a result's `flags` entry is true), classes in order of
+    first appearance (as a walk over the items would insert them)."""
     result_tokens = sum(compress(costs, flags))
     results = sum(flags)
     totals = {
@@ -350,101 +339,120 @@ def _last(items: Sequence[ConversationItem], test: Callable[[ConversationItem], 
 _TABLE_SIZE = 512
 _TABLE: dict[tuple[object, ...], CarriedView] = {}
 
-# Per context, id(item) -> (item, its facts); each entry holds its item, so an id is not
-# reused while it exists. A context is a plan's secret and counter, so a replica has one per
-# session epoch it serves; the bound is on items across all of them.
-_KNOWN_ITEMS = 131_072
-_KNOWN: dict[tuple[object, ...], dict[int, tuple[ConversationItem, _Facts]]] = {}
-
 
 @dataclass(frozen=True, slots=True)
 class _Facts:
-    """What the walk derives from one carried item, under one context."""
+    """What the walk derives from one carried item, under one context: a function of the
+    item's class and field values (core/content_key.py), never of the object."""
 
-    shown: ConversationItem  # the item, or its legacy excerpt
-    truncated: bool  # `shown` is a legacy excerpt (renders marked truncated)
-    tokens: int  # what `shown` costs as rendered
-    pointer: ToolResult | None  # a result's typed pointer
+    sequence: int  # the item's
+    excerpt: ToolResult | None  # the legacy excerpt the request shows instead, if any
+    tokens: int  # what the item as shown (the excerpt, if any) costs as rendered
+    block: Block  # the item as shown, rendered
+    is_result: bool  # a tool result: it has a pointer
+    pointer: ToolResult | None  # a result's typed pointer (of the item as shown)
     pointer_tokens: int
-    block: Block  # `shown` rendered
+    pointer_block: Block | None  # the pointer rendered (truncated)
+    least: int  # the least the item can cost: its pointer's, if less than its own
 
 
-def _facts(item: ConversationItem, cost: Cost, render: Render, limit: int) -> _Facts:
-    excerpt = legacy_excerpt(item, limit) if isinstance(item, ToolResult) else None
+class _Known(dict[tuple[object, ...], dict[tuple[object, ...], _Facts]]):
+    def cache_clear(self) -> None:
+        self.clear()
+
+
+# Per context, an item's content key -> its facts. A context is a plan's secret and counter,
+# so a replica has one per session epoch it serves; the bound is on items across all of
+# them. An entry holds its key's field values (the item's texts) and its renderings, not
+# the item. It is the one memo of what a carried item renders and costs (the walk calls
+# unmemoized functions), so each entry is charged to the render memos' byte budget, and
+# emptied with them (core/memo_budget.py).
+_KNOWN_ITEMS = 131_072
+_KNOWN = _Known()
+memo_budget.register(_KNOWN)
+
+
+def _kept_facts(key: tuple[object, ...], facts: _Facts) -> _Facts:
+    memo_budget.charge(memo_budget.weight(key) + memo_budget.weight(facts))
+    return facts
+
+
+def _facts(item: ConversationItem, count: Count, render: Render, limit: int) -> _Facts:
+    excerpt = excerpt_of(item, limit) if isinstance(item, ToolResult) else None
     shown = excerpt if excerpt is not None else item
     truncated = excerpt is not None
-    tokens = cost(Row.CONVERSATION, shown, truncated)
-    pointer, pointer_tokens = None, 0
-    if isinstance(shown, ToolResult):
-        pointer = pointer_for(shown)
-        pointer_tokens = cost(Row.CONVERSATION, pointer, True)
+    # Rendering first: it is what rejects an item type assembly cannot render.
+    block = render(Row.CONVERSATION, shown, truncated)
+    tokens = count(block, shown)
     check_placement(shown, Row.CONVERSATION)
+    if not isinstance(shown, ToolResult):
+        return _Facts(item.sequence, excerpt, tokens, block, False, None, 0, None, tokens)
+    pointer = typed_pointer(shown)
+    pointer_block = render(Row.CONVERSATION, pointer, True)
+    pointer_tokens = count(pointer_block, pointer)
     return _Facts(
-        shown,
-        truncated,
-        tokens,
-        pointer,
-        pointer_tokens,
-        render(Row.CONVERSATION, shown, truncated),
+        sequence=item.sequence,
+        excerpt=excerpt,
+        tokens=tokens,
+        block=block,
+        is_result=True,
+        pointer=pointer,
+        pointer_tokens=pointer_tokens,
+        pointer_block=pointer_block,
+        least=min(tokens, pointer_tokens),
     )
 
 
 def _derive(
     history: tuple[ConversationItem, ...],
     context: tuple[object, ...],
-    cost: Cost,
+    count: Count,
     render: Render,
     limit: int,
     reach: int,
-    before: int,
 ) -> CarriedView:
-    # A run's history is the previous run's plus its turns, as the same item objects
-    # (api/kept.py), so what was derived for an item is looked up by identity under the
-    # same context (secret, counter, factor, inline limit) instead of derived again.
+    # What was derived for an item is looked up by its content under the same context
+    # (secret, counter, factor, inline limit): a run's history is the previous run's plus
+    # its turns, and a replica that reads a session afresh, or another session's copy of
+    # the same turns, reads equal items as new objects. The key is one C-level hash of the
+    # item's field values (their texts' hashes are cached on the strings), where each memo
+    # behind `cost` and `render` would hash and compare the pydantic model in Python.
+    memo_budget.admit()  # before the walk stores (it is the only memo the walk touches)
     if sum(map(len, _KNOWN.values())) >= _KNOWN_ITEMS:
-        _KNOWN.clear()  # bounded across contexts: each holds its items and their blocks
+        _KNOWN.clear()  # bounded across contexts, as well as by the budget
     known = _KNOWN.setdefault(context, {})
-    shown: list[ConversationItem] = []
-    excerpted: list[ToolResult] = []
-    costs: dict[tuple[int, bool], int] = {}
-    blocks: dict[tuple[int, bool], Block] = {}
-    pointers: list[ToolResult] = []
-    pointer_costs: dict[int, int] = {}
+    found: list[_Facts] = []
     least, start, reached = 0, 0, False
     for index in range(len(history) - 1, -1, -1):
         item = history[index]
-        entry = known.get(id(item))
-        if entry is None or entry[0] is not item:
-            entry = known[id(item)] = (item, _facts(item, cost, render, limit))
-        facts = entry[1]
-        shown_item, truncated, tokens = facts.shown, facts.truncated, facts.tokens
-        if truncated:
-            assert isinstance(shown_item, ToolResult)
-            excerpted.append(shown_item)
-        costs[(id(shown_item), truncated)] = tokens
-        blocks[(id(shown_item), truncated)] = facts.block
-        if facts.pointer is not None:
-            costs[(id(facts.pointer), True)] = facts.pointer_tokens
-            pointers.append(facts.pointer)
-            pointer_costs[id(shown_item)] = facts.pointer_tokens
-            tokens = min(tokens, facts.pointer_tokens)
-        shown.append(shown_item)
-        least += tokens
+        try:
+            key = content_key(item)
+            facts = known.get(key)
+        except (KeyError, TypeError):  # a field missing or unhashable: derived, not kept
+            facts = _facts(item, count, render, limit)
+        if facts is None:
+            facts = known[key] = _kept_facts(key, _facts(item, count, render, limit))
+        found.append(facts)
+        least += facts.least
         if least > reach:
             start, reached = index, True
             break
-    shown.reverse()
-    excerpted.reverse()
+    found.reverse()
+    shown = list(history[start:])
+    excerpted: list[ToolResult] = []
+    for n in compress(range(len(found)), map(is_not, map(_EXCERPT, found), repeat(None))):
+        excerpt = found[n].excerpt
+        assert excerpt is not None
+        shown[n] = excerpt
+        excerpted.append(excerpt)
     return CarriedView(
-        history=history,
         start=start,
+        window=history[start:],
         shown=tuple(shown),
+        facts=tuple(found),
         excerpted=tuple(excerpted),
-        costs=costs,
-        blocks=blocks,
-        pointers=tuple(pointers),
-        pointer_costs=pointer_costs,
-        render=render,
-        before=before,
         reached=reached,
     )
+
+
+_EXCERPT = attrgetter("excerpt")

@@ -14,9 +14,8 @@ Rule 4: selection is independent of later tool results; only the limit moves the
 from __future__ import annotations
 
 from .items import ToolResult
-from .memo_budget import bounded_cache
 
-__all__ = ["DEFAULT_INLINE_MAXIMUM_BYTES", "excerpt_text", "legacy_excerpt"]
+__all__ = ["DEFAULT_INLINE_MAXIMUM_BYTES", "excerpt_of", "excerpt_text"]
 
 DEFAULT_INLINE_MAXIMUM_BYTES = 16_384
 _HEAD_SHARE = 2  # the head gets 2/3 of the kept bytes: a result's opening usually says most
@@ -35,10 +34,10 @@ def excerpt_text(text: str, limit: int, marker: str) -> str:
     return f"{head}\n{marker}\n{tail}"
 
 
-@bounded_cache(4096)  # pure on a frozen item: the same excerpt object every Build
-def legacy_excerpt(result: ToolResult, inline_maximum_bytes: int) -> ToolResult | None:
+def excerpt_of(result: ToolResult, inline_maximum_bytes: int) -> ToolResult | None:
     """The request's copy of a carried result over the inline limit, or None when the
-    result's context content is within it (it is then rendered as is)."""
+    result's context content is within it (it is then rendered as is). Not memoized:
+    core/carried.py keeps what it derives per carried item, this excerpt included."""
     text = result.context_content or result.content
     size = len(text.encode("utf-8"))
     if size <= inline_maximum_bytes:

@@ -81,6 +81,26 @@ def check_placement(item: ContextItem, row: Row) -> None:
     Raises:
         EngineError: the class declares no region/rows/trust, or they disagree with `row`.
     """
+    # The verdict is a function of the item's class, the row and the item's own trust
+    # field (class attributes and the row table are constants), so a placement that passed
+    # is remembered by those three and not worked out again for every item of every Build.
+    passed = (type(item), row, item.__dict__.get("trust"))
+    try:
+        if passed in _PASSED:
+            return
+    except TypeError:  # a trust value that cannot be hashed: check it every time
+        _check_placement(item, row)
+        return
+    _check_placement(item, row)
+    _PASSED.add(passed)
+
+
+# (class, row, trust field) of every placement that passed; classes, rows and trust levels
+# are few, so this stays small.
+_PASSED: set[tuple[type, Row, object]] = set()
+
+
+def _check_placement(item: ContextItem, row: Row) -> None:
     cls = type(item)
     missing = [a for a in ("REGION", "ROWS", "FIXED_TRUST") if not hasattr(cls, a)]
     if missing:

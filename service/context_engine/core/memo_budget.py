@@ -104,28 +104,57 @@ def weight(value: object, depth: int = _DEPTH) -> int:
     pending: list[tuple[object, int]] = [(value, depth)]
     while pending:
         item, level = pending.pop()
-        if isinstance(item, str | bytes):
+        shape = _SHAPES.get(type(item))
+        if shape is None:
+            shape = _SHAPES[type(item)] = _shape_of(item)
+        how, names = shape
+        if how == _TEXT:
             total += sys.getsizeof(item)
             continue
         total += _OBJECT
-        if callable(item):
+        members: Collection[object]
+        if how == _LEAF:
             continue
-        if isinstance(item, tuple | list | frozenset | set):
-            members: Collection[object] = item
-        elif isinstance(item, dict):
-            members = (*item.keys(), *item.values()) if level > 0 else item
-        elif (attributes := getattr(item, "__dict__", None)) is not None:
-            members = attributes.values()
-        elif slots := getattr(type(item), "__slots__", None):
-            names = (slots,) if isinstance(slots, str) else slots
+        if how == _SEQUENCE:
+            members = item  # type: ignore[assignment]
+        elif how == _MAPPING:
+            mapping: dict[object, object] = item  # type: ignore[assignment]
+            members = (*mapping.keys(), *mapping.values()) if level > 0 else mapping
+        elif how == _ATTRIBUTES:
+            members = item.__dict__.values()
+        else:  # _SLOTS: the class's own __slots__, by name
             members = [getattr(item, n, None) for n in names]
-        else:
-            continue
         if level > 0:
             pending.extend(zip(members, repeat(level - 1)))
         else:
-            total += _OBJECT * len(members) * (2 if isinstance(item, dict) else 1)
+            total += _OBJECT * len(members) * (2 if how == _MAPPING else 1)
     return total
+
+
+# How weight() reads a value, by its type: the memos weigh the same few types (items,
+# blocks, strings, numbers, enums) over and over, and asking each value what it is cost
+# more than the weighing (an int has no __slots__, and getattr finds that out by raising).
+# Each test _shape_of makes is a property of the type, so it is made once per type.
+_TEXT, _LEAF, _SEQUENCE, _MAPPING, _ATTRIBUTES, _SLOTS = range(6)
+_SHAPES: dict[type, tuple[int, tuple[str, ...]]] = {}
+
+
+def _shape_of(item: object) -> tuple[int, tuple[str, ...]]:
+    """How `item` and every value of its type are weighed, and for _SLOTS the names of
+    its class's own __slots__. _LEAF: a callable, or an object with neither."""
+    if isinstance(item, str | bytes):
+        return _TEXT, ()
+    if callable(item):
+        return _LEAF, ()
+    if isinstance(item, tuple | list | frozenset | set):
+        return _SEQUENCE, ()
+    if isinstance(item, dict):
+        return _MAPPING, ()
+    if getattr(item, "__dict__", None) is not None:
+        return _ATTRIBUTES, ()
+    if slots := getattr(type(item), "__slots__", None):
+        return _SLOTS, (slots,) if isinstance(slots, str) else tuple(slots)
+    return _LEAF, ()
 
 
 def bounded_cache(maxsize: int) -> Callable[[F], F]:

@@ -120,6 +120,7 @@ def fit_body(
     budget: ContextBudget,
     cost: Cost,
     recall_floor_lines: int = 0,
+    skipped: int = 0,
 ) -> Fitted:
     """Decide what of the placed Region B items the request carries.
 
@@ -127,8 +128,8 @@ def fit_body(
     (core/carried.py: its items, costs and classes derived once per run), then `tail` (the
     run's items and the fresh rows). `pending` names (by identity) the active loop's turn
     among `tail` (assemble.active_turn; never yields); carried items are never pending.
-    Carried items above the summary floor that lie beyond the window (`carried.skipped`) are
-    reported as cut.
+    Carried items above the summary floor that lie beyond the window (`skipped`,
+    CarriedView.skipped) are reported as cut.
 
     Raises:
         BudgetExceededError: the never-yield set (recall's floor included) alone exceeds
@@ -236,8 +237,8 @@ def fit_body(
         body_tokens_after=after,
         body_budget_tokens=budget.body_tokens,
         legacy_tool_excerpts=tuple(i.item_id for i in carried.excerpted_items),
-        history_cut_index=carried.skipped + cut,
-        history_items_dropped=carried.skipped + cut,
+        history_cut_index=skipped + cut,
+        history_items_dropped=skipped + cut,
     )
     return Fitted(
         placed=tuple(out) if fits else (),

@@ -47,6 +47,7 @@ __all__ = [
     "YieldStep",
     "pointer_for",
     "run_ladder",
+    "typed_pointer",
 ]
 
 
@@ -76,8 +77,7 @@ class YieldStep:
     item_ids: tuple[str, ...]
 
 
-@bounded_cache(8192)
-def pointer_for(result: ToolResult) -> ToolResult:
+def typed_pointer(result: ToolResult) -> ToolResult:
     """The typed pointer a truncated result becomes: same call, trust, tool, error flag and
     artifact reference; the content says what existed, how large, and where it lives."""
     size = len(result.content.encode("utf-8"))
@@ -87,6 +87,11 @@ def pointer_for(result: ToolResult) -> ToolResult:
         f"({result.trust.name.lower()}, {size:,} bytes) -> {where}"
     )
     return result.model_copy(update={"content": text, "context_content": ""})
+
+
+# Memoized for the run's results, which a run's Builds cost and place again each step
+# (core/carried.py calls typed_pointer: it keeps its pointers per item content).
+pointer_for = bounded_cache(8192)(typed_pointer)
 
 
 @dataclass(slots=True)
