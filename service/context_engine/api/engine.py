@@ -958,7 +958,8 @@ class Engine:
                 image_tokens=image_tokens,
                 inline_maximum_bytes=inline_maximum_bytes,
             )
-            inputs = await self._carried_reaching(tenant, session_id, inputs, carried)
+            if inputs.carried_before:  # with nothing before it, what was read reaches
+                inputs = await self._carried_reaching(tenant, session_id, inputs, carried)
             assembled = telemetry.traced("assemble", assemble)(inputs)
         except BudgetExceededError as exc:
             if record:
