@@ -130,9 +130,9 @@ def _payloads(round_: int, size: int) -> list[bytes]:
     return out
 
 
-def _retained(limit: int, rounds: int, size: int) -> int:
-    """Bytes still allocated after `rounds` Builds of distinct `size`-character results,
-    with the memos' budget at `limit`."""
+def _retained(limit: int, rounds: int, size: int, build: Any = None) -> int:
+    """Bytes still allocated after `rounds` Builds of distinct `size`-character results
+    (`build(round, size)`, by default `_payloads`), with the memos' budget at `limit`."""
     memo_budget.set_limit(limit)
     memo_budget.clear_all()
     gc.collect()
@@ -140,7 +140,7 @@ def _retained(limit: int, rounds: int, size: int) -> int:
     try:
         before = tracemalloc.get_traced_memory()[0]
         for n in range(rounds):
-            _payloads(n, size)
+            (build or _payloads)(n, size)
         gc.collect()
         return tracemalloc.get_traced_memory()[0] - before
     finally:
@@ -243,15 +243,9 @@ def test_weight_is_what_its_specification_gives(value: object, depth: int) -> No
     assert memo_budget.weight(value, depth) == _weight_as_specified(value, depth)
 
 
-def test_what_the_walk_keeps_per_carried_item_is_charged_and_emptied_with_the_memos() -> None:
-    """core/carried.py keeps each carried item's facts (its renderings) per item content,
-    and calls no other memo for them: those facts are charged to the budget, text and all,
-    and emptied with every memo."""
-    from context_engine.core import carried
-
-    size = 200_000
-    old = _run_items(0, size)
-    inputs = BuildInputs(
+def _next_run(carried: tuple[Any, ...], inline_maximum_bytes: int) -> BuildInputs:
+    """The first Build of a run that carries `carried` and asks one more question."""
+    return BuildInputs(
         tenant_id="t",
         plan=_plan("anthropic"),
         secret=SECRET,
@@ -260,12 +254,23 @@ def test_what_the_walk_keeps_per_carried_item_is_charged_and_emptied_with_the_me
             version=1,
             items=(UserMessage(item_id="u1", text="And?", sequence=4, run_id="r1"),),
         ),
-        carried=old,
+        carried=carried,
         now=NOW,
         step=StepContext(),
         count_tokens=_count,
-        inline_maximum_bytes=4 * size,
+        inline_maximum_bytes=inline_maximum_bytes,
     )
+
+
+def test_what_the_walk_keeps_per_carried_item_is_charged_and_emptied_with_the_memos() -> None:
+    """core/carried.py keeps each carried item's facts (its renderings) per item content,
+    and calls no other memo for them: those facts are charged to the budget, text and all,
+    and emptied with every memo."""
+    from context_engine.core import carried
+
+    size = 200_000
+    old = _run_items(0, size)
+    inputs = _next_run(old, inline_maximum_bytes=4 * size)
     memo_budget.clear_all()
     assert not carried._KNOWN
     assert assemble(inputs).request is not None
@@ -273,3 +278,19 @@ def test_what_the_walk_keeps_per_carried_item_is_charged_and_emptied_with_the_me
     assert memo_budget.held() >= 2 * size  # the result's text, and its rendered block
     memo_budget.clear_all()
     assert not carried._KNOWN
+
+
+def _carried_build(round_: int, size: int) -> None:
+    """A run's first Build over a fresh carried history whose one tool result (`size`
+    characters, shown as its excerpt) is new this round and not kept by the caller."""
+    inputs = _next_run(_run_items(round_, size), inline_maximum_bytes=size // 4)
+    assert assemble(inputs).request is not None
+
+
+def test_the_carried_views_kept_hold_what_the_budget_allows() -> None:
+    """core/carried.py keeps, per carried history, the view of its window: the very item
+    objects, so an item the request shows as an excerpt stays held whole. Those views are
+    charged to the budget and emptied with the memos, not only bounded by their count."""
+    rounds, size = 40, 250_000
+    assert _retained(1 << 40, rounds, size, _carried_build) > rounds * size
+    assert _retained(4 * MIB, rounds, size, _carried_build) < 4 * MIB + 12 * size

@@ -37,6 +37,7 @@ tests/unit/test_content_key.py that facts found by content are those derived afr
 
 from __future__ import annotations
 
+import sys
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -229,6 +230,7 @@ def carried_view(
     if len(_TABLE) >= _TABLE_SIZE:
         _TABLE.pop(next(iter(_TABLE)), None)  # oldest first (insertion order)
     _TABLE[slot] = view
+    memo_budget.charge(_view_weight(view))
     return view
 
 
@@ -335,9 +337,33 @@ def _last(items: Sequence[ConversationItem], test: Callable[[ConversationItem], 
     return []
 
 
-# Bounded: a replica serves many runs; each entry is one run's carried history.
+class _Views(dict[tuple[object, ...], CarriedView]):
+    def cache_clear(self) -> None:
+        self.clear()
+
+
+# Bounded: a replica serves many runs; each entry is one run's carried history. A view
+# keeps its window's item objects alive after the history that held them is gone (an
+# evicted replica cache entry, a caller's fresh history), and an item shown as its excerpt
+# is held whole, so the views are charged to the render memos' byte budget and emptied
+# with them (core/memo_budget.py), not bounded by their count alone.
 _TABLE_SIZE = 512
-_TABLE: dict[tuple[object, ...], CarriedView] = {}
+_TABLE = _Views()
+memo_budget.register(_TABLE)
+
+
+def _view_weight(view: CarriedView) -> int:
+    """Approximate bytes `view` holds past its facts (charged with _KNOWN): its window's
+    items. An item shown as itself renders into its block, so the block's strings, at
+    their size in memory, stand for the item's (its envelope makes them err high), plus a
+    fixed cost per item, and nothing is walked; an item shown as its excerpt is weighed
+    itself, as it may be megabytes."""
+    facts = view.facts
+    blocks = tuple(map(_BLOCK, facts))
+    texts = sum(sum(map(sys.getsizeof, map(field, blocks))) for field in _BLOCK_TEXTS)
+    excerpted = compress(view.window, map(is_not, map(_EXCERPT, facts), repeat(None)))
+    whole = sum(map(memo_budget.weight, excerpted))
+    return texts + whole + _ITEM_COST * len(view.window)
 
 
 @dataclass(frozen=True, slots=True)
@@ -456,3 +482,6 @@ def _derive(
 
 
 _EXCERPT = attrgetter("excerpt")
+_BLOCK = attrgetter("block")
+_BLOCK_TEXTS = tuple(map(attrgetter, ("text", "arguments_json", "opaque")))
+_ITEM_COST = 256  # an item's object, its fields' small values and its slot in the window
