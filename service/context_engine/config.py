@@ -68,8 +68,8 @@ class Settings(BaseModel):
     # (api/kept.py). 0: keep nothing.
     replica_cache_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
     # Memory (approximate bytes) the render memos hold together: renderings of frozen items
-    # and the items they render (core/memo_budget.py); spent, every memo empties. 0: none
-    # kept past the call that made it.
+    # and the items they render (core/memo_budget.py); spent, the composed memos empty, and
+    # the item memos once they hold over half of it. 0: none kept past the call that made it.
     render_memo_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
     # Prometheus scrape endpoint (HOST:PORT, /metrics). Empty: off. OTLP export is
     # configured by the standard OTEL_EXPORTER_OTLP_ENDPOINT environment variable.

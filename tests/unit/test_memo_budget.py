@@ -294,3 +294,24 @@ def test_the_carried_views_kept_hold_what_the_budget_allows() -> None:
     rounds, size = 40, 250_000
     assert _retained(1 << 40, rounds, size, _carried_build) > rounds * size
     assert _retained(4 * MIB, rounds, size, _carried_build) < 4 * MIB + 12 * size
+
+
+def test_passing_the_limit_empties_what_is_composed_and_keeps_what_items_cost() -> None:
+    """Over the limit the composed memos (here the carried views) are emptied; the item
+    memos (here each carried item's facts) only when they alone hold over half the limit,
+    so a full ledger does not make every session derive its window afresh at once."""
+    from context_engine.core import carried
+
+    memo_budget.set_limit(64 * MIB)
+    assert assemble(_next_run(_run_items(0, 1_000), inline_maximum_bytes=4_000)).request
+    known, items = dict(carried._KNOWN), memo_budget.held(memo_budget.ITEM)
+    assert carried._TABLE and known and 0 < items < 32 * MIB
+
+    memo_budget.charge(64 * MIB)  # composed
+    memo_budget.admit()
+    assert not carried._TABLE
+    assert known == carried._KNOWN and memo_budget.held() == items
+
+    memo_budget.charge(70 * MIB, memo_budget.ITEM)
+    memo_budget.admit()
+    assert not carried._KNOWN and memo_budget.held() == 0

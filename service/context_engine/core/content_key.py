@@ -45,16 +45,16 @@ def content_key(item: BaseModel) -> tuple[type[BaseModel], object]:
 
 class ContentMemo(Generic[V]):
     """`function(item, *args)` remembered per (content_key(item), *args), bounded by
-    entries and charged to the render memos' byte budget (core/memo_budget.py), which
-    empties it with every memo. An item whose key cannot be hashed or built is computed
-    without the memo. `function` must be pure on the item's content and the arguments,
-    and never return None (None marks a miss)."""
+    entries and charged to the render memos' byte budget as an item memo
+    (core/memo_budget.py), which empties it with the item memos. An item whose key cannot
+    be hashed or built is computed without the memo. `function` must be pure on the
+    item's content and the arguments, and never return None (None marks a miss)."""
 
     def __init__(self, function: Callable[..., V], maxsize: int) -> None:
         self._function = function
         self._maxsize = maxsize
         self._values: dict[tuple[object, ...], V] = {}
-        memo_budget.register(self)
+        memo_budget.register(self, memo_budget.ITEM)
 
     def __call__(self, item: BaseModel, *args: Hashable) -> V:
         try:
@@ -68,7 +68,9 @@ class ContentMemo(Generic[V]):
             if len(self._values) >= self._maxsize:
                 self._values.pop(next(iter(self._values)))  # the oldest first
             self._values[key] = found
-            memo_budget.charge(memo_budget.weight(key) + memo_budget.weight(found))
+            memo_budget.charge(
+                memo_budget.weight(key) + memo_budget.weight(found), memo_budget.ITEM
+            )
         return found
 
     def cache_clear(self) -> None:

@@ -88,7 +88,7 @@ from typing import Any, Final, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .memo_budget import bounded_cache
+from .memo_budget import ITEM, bounded_cache
 from .model_registry import ModelRegistry
 
 __all__ = [
@@ -346,7 +346,7 @@ def heuristic_count(text: str) -> int:
     return _heuristic_count(text)
 
 
-@bounded_cache(1024)
+@bounded_cache(1024, ITEM)
 def _heuristic_count_memo(text: str) -> int:
     return _heuristic_count(text)
 

@@ -5,10 +5,22 @@ bytes, an escaped text, a provider layout). Each memo is bounded by entries, but
 holds an item and its rendering, and an item may be a multi-megabyte tool result: bounded
 by entries alone, a long-lived replica that has seen many large distinct items holds
 gigabytes nobody sized a container for. So every memo also charges what it stores to this
-one ledger, and when the ledger passes its limit the next miss empties every memo and
-starts the count again. Emptying costs only recomputation (a memo changes how often a
-function runs, never what it returns), and the runs being built re-fill them on their next
-Build.
+one ledger, and when the ledger passes its limit the next miss empties memos and starts
+the count again. Emptying costs only recomputation (a memo changes how often a function
+runs, never what it returns), and the runs being built re-fill them on their next Build.
+
+The memos are of two kinds, and the ledger keeps a count for each. *Item* memos hold what
+is derived from one item's content (its rendering, its token count): the expensive part
+of a history's first Build (tens of milliseconds for a window of a few hundred items),
+shared by every run and replica read of equal items. *Composed* memos hold what is put
+together from those per message, request or run (merged messages, canonical and wire
+fragments, layouts, views): a run's first Build recomputes them in about a millisecond
+from the item memos, and a run that has ended never looks them up again, so they are most
+of what fills the ledger when many short runs are served. Passing the limit empties the
+composed memos; the item memos are emptied too only when they alone hold more than half
+the limit. Emptying everything at once made every session's next Build derive its window
+afresh, and with 32 sessions in flight the event loop stalled for about a second each
+time the ledger filled (bench.load: Build p99 about 2 s against 0.7 s).
 
 Only misses are charged, and weighed shallowly (`weight`: text and bytes at their size in
 memory, containers and objects two levels deep at a fixed cost per reference), so a hit
@@ -24,10 +36,13 @@ import sys
 from collections.abc import Callable, Collection
 from functools import lru_cache, wraps
 from itertools import repeat
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 __all__ = [
+    "COMPOSED",
     "DEFAULT_LIMIT",
+    "ITEM",
+    "Kind",
     "admit",
     "bounded_cache",
     "charge",
@@ -48,11 +63,16 @@ class _Clearable(Protocol):
     def cache_clear(self) -> None: ...
 
 
+Kind = Literal["composed", "item"]
+COMPOSED: Kind = "composed"  # put together per message, request or run
+ITEM: Kind = "item"  # derived from one item's content
+
+
 class _Ledger:
     def __init__(self) -> None:
-        self.held = 0
+        self.held: dict[Kind, int] = {COMPOSED: 0, ITEM: 0}
         self.limit = DEFAULT_LIMIT
-        self.memos: list[_Clearable] = []
+        self.memos: dict[Kind, list[_Clearable]] = {COMPOSED: [], ITEM: []}
 
 
 _ledger = _Ledger()
@@ -60,38 +80,46 @@ _ledger = _Ledger()
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def register(memo: _Clearable) -> None:
-    """A memo `clear_all` empties."""
-    _ledger.memos.append(memo)
+def register(memo: _Clearable, kind: Kind = COMPOSED) -> None:
+    """A memo `clear_all` empties; `kind` says when the ledger empties it (above)."""
+    _ledger.memos[kind].append(memo)
 
 
 def set_limit(limit: int) -> None:
     """The bytes all memos may hold together (0: memos keep nothing past one miss)."""
     _ledger.limit = limit
-    if _ledger.held > limit:
-        clear_all()
+    admit()
 
 
-def held() -> int:
-    """What the memos are charged with now, in approximate bytes."""
-    return _ledger.held
+def held(kind: Kind | None = None) -> int:
+    """What the memos (of `kind`, or all) are charged with now, in approximate bytes."""
+    return _ledger.held[kind] if kind else sum(_ledger.held.values())
+
+
+def _clear(kind: Kind) -> None:
+    for memo in _ledger.memos[kind]:
+        memo.cache_clear()
+    _ledger.held[kind] = 0
 
 
 def clear_all() -> None:
-    for memo in _ledger.memos:
-        memo.cache_clear()
-    _ledger.held = 0
+    _clear(COMPOSED)
+    _clear(ITEM)
 
 
-def charge(nbytes: int) -> None:
-    """Charge a stored entry. Over the limit, every memo is emptied at the next `admit`."""
-    _ledger.held += nbytes
+def charge(nbytes: int, kind: Kind = COMPOSED) -> None:
+    """Charge a stored entry to the memos of `kind`. Over the limit, memos are emptied at
+    the next `admit`."""
+    _ledger.held[kind] += nbytes
 
 
 def admit() -> None:
-    """Called before a miss stores: empties every memo if the ledger is over its limit."""
-    if _ledger.held > _ledger.limit:
-        clear_all()
+    """Called before a miss stores: over the limit, empties the composed memos, and the
+    item memos too if they alone hold more than half the limit."""
+    if sum(_ledger.held.values()) > _ledger.limit:
+        _clear(COMPOSED)
+        if _ledger.held[ITEM] > _ledger.limit // 2:
+            _clear(ITEM)
 
 
 def weight(value: object, depth: int = _DEPTH) -> int:
@@ -157,20 +185,20 @@ def _shape_of(item: object) -> tuple[int, tuple[str, ...]]:
     return _LEAF, ()
 
 
-def bounded_cache(maxsize: int) -> Callable[[F], F]:
-    """functools.lru_cache(maxsize) whose entries are charged to the ledger: the function
-    runs only on a miss, so the hit path is lru_cache's own."""
+def bounded_cache(maxsize: int, kind: Kind = COMPOSED) -> Callable[[F], F]:
+    """functools.lru_cache(maxsize) whose entries are charged to the ledger as memos of
+    `kind`: the function runs only on a miss, so the hit path is lru_cache's own."""
 
     def decorate(function: F) -> F:
         @wraps(function)
         def on_miss(*args: Any, **kwargs: Any) -> Any:
             admit()
             value = function(*args, **kwargs)
-            charge(weight(args) + weight(value))
+            charge(weight(args) + weight(value), kind)
             return value
 
         cached = lru_cache(maxsize=maxsize)(on_miss)
-        register(cached)
+        register(cached, kind)
         return cached  # type: ignore[return-value]
 
     return decorate
