@@ -10,17 +10,18 @@ the count again. Emptying costs only recomputation (a memo changes how often a f
 runs, never what it returns), and the runs being built re-fill them on their next Build.
 
 The memos are of two kinds, and the ledger keeps a count for each. *Item* memos hold what
-is derived from one item's content (its rendering, its token count): the expensive part
-of a history's first Build (tens of milliseconds for a window of a few hundred items),
-shared by every run and replica read of equal items. *Composed* memos hold what is put
-together from those per message, request or run (merged messages, canonical and wire
-fragments, layouts, views): a run's first Build recomputes them in about a millisecond
-from the item memos, and a run that has ended never looks them up again, so they are most
-of what fills the ledger when many short runs are served. Passing the limit empties the
-composed memos; the item memos are emptied too only when they alone hold more than half
-the limit. Emptying everything at once made every session's next Build derive its window
-afresh, and with 32 sessions in flight the event loop stalled for about a second each
-time the ledger filled (bench.load: Build p99 about 2 s against 0.7 s).
+is derived from one item's content (its rendering, its token count): the expensive part of
+a history's first Build (tens of milliseconds for a window of a few hundred items), shared
+by every run and replica read of equal items. *Composed* memos hold what is put together
+from those per message, request or run (merged messages, canonical and wire fragments,
+layouts, views): a run's first Build recomputes them from the item memos in a few
+milliseconds (bench.langchain_compare's cold case), and a run that has ended never looks
+them up again, so they are most of what fills the ledger when many short runs are served.
+Passing the limit empties the composed memos; the item memos are emptied too only when
+they alone hold more than half the limit. Emptying everything at once made every session's
+next Build derive its window afresh, with 32 sessions in flight all on one event loop,
+each time the ledger filled (bench.load's Build p99 was about 2 s; docs/performance.md,
+The load's tail).
 
 Only misses are charged, and weighed shallowly (`weight`: text and bytes at their size in
 memory, containers and objects two levels deep at a fixed cost per reference), so a hit
