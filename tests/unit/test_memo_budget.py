@@ -5,6 +5,7 @@ byte of any request."""
 from __future__ import annotations
 
 import gc
+import importlib
 import sys
 import tracemalloc
 from collections.abc import Iterator
@@ -296,11 +297,28 @@ def test_the_carried_views_kept_hold_what_the_budget_allows() -> None:
     assert _retained(4 * MIB, rounds, size, _carried_build) < 4 * MIB + 12 * size
 
 
+def test_a_view_of_an_equal_history_read_afresh_is_charged_what_it_holds() -> None:
+    """Read afresh, an equal history's items are new objects whose facts are known: no item
+    memo stores anything, yet the new view holds the new objects, the excerpted result's
+    text whole. That is charged to the composed memos."""
+    memo_budget.set_limit(memo_budget.DEFAULT_LIMIT)
+    size = 250_000
+    _carried_build(0, size)
+    items, composed = memo_budget.held(memo_budget.ITEM), memo_budget.held(memo_budget.COMPOSED)
+    _carried_build(0, size)  # the same content, new objects
+    assert memo_budget.held(memo_budget.ITEM) == items
+    assert memo_budget.held(memo_budget.COMPOSED) - composed >= size
+
+
 def test_passing_the_limit_empties_what_is_composed_and_keeps_what_items_cost() -> None:
     """Over the limit the composed memos (here the carried views) are emptied; the item
-    memos (here each carried item's facts) only when they alone hold over half the limit,
-    so a full ledger does not make every session derive its window afresh at once."""
+    memos (each carried item's facts, the run's own items' blocks and costs) only when they
+    alone hold over half the limit, so a full ledger does not make every session derive
+    its window afresh at once."""
     from context_engine.core import carried
+
+    # The module, not the function context_engine.core exports under its name.
+    assemble_module = importlib.import_module("context_engine.core.assemble")
 
     memo_budget.set_limit(64 * MIB)
     assert assemble(_next_run(_run_items(0, 1_000), inline_maximum_bytes=4_000)).request
@@ -311,6 +329,7 @@ def test_passing_the_limit_empties_what_is_composed_and_keeps_what_items_cost() 
     memo_budget.admit()
     assert not carried._TABLE
     assert known == carried._KNOWN and memo_budget.held() == items
+    assert assemble_module._render_memo._values and assemble_module._cost_memo._values
 
     memo_budget.charge(70 * MIB, memo_budget.ITEM)
     memo_budget.admit()

@@ -227,6 +227,7 @@ def carried_view(
     view = _derive(
         history, (*key, inline_maximum_bytes), count, render, inline_maximum_bytes, reach
     )
+    memo_budget.admit()  # the walk's facts were charged after its own admit
     if len(_TABLE) >= _TABLE_SIZE:
         _TABLE.pop(next(iter(_TABLE)), None)  # oldest first (insertion order)
     _TABLE[slot] = view
@@ -357,7 +358,10 @@ def _view_weight(view: CarriedView) -> int:
     items. An item shown as itself renders into its block, so the block's strings, at
     their size in memory, stand for the item's (its envelope makes them err high), plus a
     fixed cost per item, and nothing is walked; an item shown as its excerpt is weighed
-    itself, as it may be megabytes."""
+    itself, as it may be megabytes. Where the walk stored the item's facts just now, the
+    same strings are charged to _KNOWN's key and facts as well: the count errs high, so
+    composed memos empty sooner, never later. Segments and suffixes a view derives later
+    (`segment`, `Segment.retained`) hold the same blocks and are not charged again."""
     facts = view.facts
     blocks = tuple(map(_BLOCK, facts))
     texts = sum(sum(map(sys.getsizeof, map(field, blocks))) for field in _BLOCK_TEXTS)
@@ -443,7 +447,10 @@ def _derive(
     # the same turns, reads equal items as new objects. The key is one C-level hash of the
     # item's field values (their texts' hashes are cached on the strings), where each memo
     # behind `cost` and `render` would hash and compare the pydantic model in Python.
-    memo_budget.admit()  # before the walk stores (it is the only memo the walk touches)
+    # Before the walk stores. A counter with a memo of its own (the heuristic's) admits
+    # again during the walk; should that empty _KNOWN, the facts stored in `known` after it
+    # are charged and dropped with it, which only overstates the ledger.
+    memo_budget.admit()
     if sum(map(len, _KNOWN.values())) >= _KNOWN_ITEMS:
         _KNOWN.clear()  # bounded across contexts, as well as by the budget
     known = _KNOWN.setdefault(context, {})
