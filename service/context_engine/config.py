@@ -71,6 +71,12 @@ class Settings(BaseModel):
     # and the items they render (core/memo_budget.py); spent, the composed memos empty, and
     # the item memos once they hold over half of it. 0: none kept past the call that made it.
     render_memo_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
+    # The cyclic garbage collector's three thresholds (gc.set_threshold), set at start,
+    # when `serve` also freezes what start-up made (api/collector.py). Python's 700 for
+    # the youngest generation promoted the objects of every call in flight to the oldest,
+    # so full collections (a quarter of a second each) came every second or two under
+    # load. First 0: no automatic collection.
+    gc_thresholds: tuple[int, int, int] = (10_000, 10, 10)
     # Prometheus scrape endpoint (HOST:PORT, /metrics). Empty: off. OTLP export is
     # configured by the standard OTEL_EXPORTER_OTLP_ENDPOINT environment variable.
     metrics_listen: str = ""
@@ -101,6 +107,26 @@ class Settings(BaseModel):
     @classmethod
     def _metrics_listen(cls, value: str) -> str:
         return _host_port(value) if value else value
+
+    @field_validator("gc_thresholds", mode="before")
+    @classmethod
+    def _three_counts(cls, value: Any) -> Any:
+        # From the environment: "10000,10,10" (or a JSON array).
+        if isinstance(value, str):
+            text = value.strip()
+            try:
+                parsed = json.loads(text) if text.startswith("[") else text.split(",")
+                return tuple(int(str(v).strip()) for v in parsed)
+            except (ValueError, TypeError):
+                raise ValueError("must be three whole numbers, as 10000,10,10") from None
+        return value
+
+    @field_validator("gc_thresholds")
+    @classmethod
+    def _not_negative(cls, value: tuple[int, int, int]) -> tuple[int, int, int]:
+        if min(value) < 0:
+            raise ValueError("must not be negative")
+        return value
 
     @field_validator("log_level", mode="before")
     @classmethod

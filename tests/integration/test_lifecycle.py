@@ -94,6 +94,16 @@ async def _listening_port(proc: asyncio.subprocess.Process) -> int:
     return int(line.decode().rsplit(":", 1)[1])
 
 
+async def _log_records(proc: asyncio.subprocess.Process) -> list[dict[str, Any]]:
+    """The JSON log records `proc` wrote to stderr, once it has exited (killed if not)."""
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
+    assert proc.stderr is not None
+    lines = (await proc.stderr.read()).decode().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
 async def _lock_session(dsn: str, session_id: str) -> asyncpg.Connection:
     """Hold the session's row lock in an open transaction, as a concurrent writer would."""
     conn = await asyncpg.connect(dsn)
@@ -175,12 +185,7 @@ async def test_sigterm_goes_not_serving_and_in_flight_call_finishes(own_database
             assert response.checkpoint_version == 2
         assert await asyncio.wait_for(proc.wait(), 60) == 0
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert proc.stderr is not None
-    lines = (await proc.stderr.read()).decode().splitlines()
-    records = [json.loads(line) for line in lines if line.strip()]
+        records = await _log_records(proc)
     assert any(r["msg"].startswith("shutting down") for r in records)
     appended = [r for r in records if r.get("method") == "AppendItems"]
     assert appended and appended[-1]["code"] == "OK"
@@ -375,6 +380,9 @@ async def _truthy(value: bool) -> bool:
         ({}, {"log_level": "chatty"}, "CONTEXT_ENGINE_LOG_LEVEL"),
         ({"tls_cert_file": "/nonexistent/cert.pem"}, {}, "tls_cert_file"),
         ({}, {"metrics_listen": "9464"}, "CONTEXT_ENGINE_METRICS_LISTEN"),
+        ({}, {"gc_thresholds": "often"}, "CONTEXT_ENGINE_GC_THRESHOLDS"),
+        ({"gc_thresholds": [700, -1, 10]}, {}, "gc_thresholds"),
+        ({"gc_thresholds": [700, 10]}, {}, "gc_thresholds"),
     ],
 )
 def test_bad_configuration_exits_2_naming_the_setting(
@@ -450,6 +458,42 @@ def test_settings_merge_file_then_environment_then_arguments(tmp_path: Path) -> 
     )
     with pytest.raises(ConfigError, match="CONTEXT_ENGINE_CONFIG"):
         load_settings(environ={"CONTEXT_ENGINE_CONFIG": str(tmp_path / "missing.json")})
+
+
+def test_collector_thresholds_come_from_a_file_or_the_environment(tmp_path: Path) -> None:
+    assert load_settings(environ={}).gc_thresholds == (10_000, 10, 10)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"gc_thresholds": [5000, 20, 30]}))
+    from_file = load_settings(environ={"CONTEXT_ENGINE_CONFIG": str(config)})
+    assert from_file.gc_thresholds == (5000, 20, 30)
+    for text in ("700, 10, 10", "[700,10,10]"):
+        environ = {"CONTEXT_ENGINE_GC_THRESHOLDS": text}
+        assert load_settings(environ=environ).gc_thresholds == (700, 10, 10)
+
+
+async def test_serve_applies_the_collector_thresholds_and_freezes_start_up(
+    own_database: str,
+) -> None:
+    """Also: a SIGTERM sent the moment the listening line is read drains and exits 0 (the
+    line used to be printed before the signal handlers were installed: exit -15)."""
+    proc = await _cli(
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--database-url",
+        own_database,
+        env=_env(gc_thresholds="12345,6,7", log_format="json"),
+    )
+    try:
+        await _listening_port(proc)
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+    finally:
+        records = await _log_records(proc)
+    (said,) = [r["msg"] for r in records if r["msg"].startswith("collector")]
+    thresholds, _, frozen = said.partition("), ")
+    assert thresholds == "collector thresholds (12345, 6, 7"
+    assert int(frozen.split()[0]) > 10_000  # the modules, classes and schemas start-up made
 
 
 def test_a_models_file_or_tiktoken_dir_the_server_cannot_use_is_a_configuration_error(

@@ -40,6 +40,7 @@ from ..store import apply_migrations, connect_pool
 from ..store.db import StoreUnavailableError
 from ..store.migrate import pending_migrations
 from ..telemetry import Telemetry
+from .collector import tune_collector
 from .drain import Drain
 from .engine import Engine
 from .interceptors import (
@@ -301,17 +302,21 @@ async def serve(settings: Settings) -> None:
         "on" if settings.tls_cert_file else "off",
         settings.auth,
     )
+    frozen = tune_collector(settings.gc_thresholds)
+    _log.info("collector thresholds %s, %d start-up objects frozen", settings.gc_thresholds, frozen)
     if tel.metrics_port:
         host = settings.metrics_listen.rpartition(":")[0]
         _log.info("prometheus metrics on http://%s:%d/metrics", host, tel.metrics_port)
-    print(
-        f"context-engine listening on {settings.listen.rpartition(':')[0]}:{running.port}",
-        flush=True,
-    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # Said only once SIGTERM drains: a supervisor may stop the process as soon as it reads
+    # this line (before, a SIGTERM that quick killed it undrained, exit -15).
+    print(
+        f"context-engine listening on {settings.listen.rpartition(':')[0]}:{running.port}",
+        flush=True,
+    )
     await stop.wait()
     _log.info("shutting down: draining for up to %.1fs", settings.shutdown_grace_seconds)
     await running.stop(settings.shutdown_grace_seconds, settings.shutdown_linger_seconds)
