@@ -334,3 +334,53 @@ def test_passing_the_limit_empties_what_is_composed_and_keeps_what_items_cost() 
     memo_budget.charge(70 * MIB, memo_budget.ITEM)
     memo_budget.admit()
     assert not carried._KNOWN and memo_budget.held() == 0
+
+
+def test_a_run_layout_is_weighed_one_level_down_and_still_charged_what_it_holds() -> None:
+    """providers/anthropic.py weighs a repeated run's layout one level down: its anchors
+    (two per message, keyed on the items' ids) are counted, not visited, which cost more
+    than making them. The charge still holds the run's text, and is close to the deep
+    weight."""
+    from context_engine.core.identity_memo import IdentityMemo
+    from context_engine.providers import anthropic
+
+    def layout(n: int) -> Any:
+        role = ("user", "assistant")[n % 2]
+        return anthropic._MessageLayout(
+            role=role,
+            units=(),
+            text='{"content":[{"text":"' + "x" * 200 + f'","type":"text"}}],"role":"{role}"}}',
+            anchors={f"item-{n}-a": 0, f"item-{n}-b": 1},
+            last_cacheable=0,
+            called=frozenset({"lookup"}) if n % 2 else frozenset(),
+            call_ids=(f"call-{n}",) if n % 2 else (),
+            first_role=role,
+            last_role=role,
+        )
+
+    run = anthropic._lay_out_run([layout(n) for n in range(300)])
+    assert isinstance(run, anthropic._MessageLayout)
+    shallow, deep = memo_budget.weight(run, 1), memo_budget.weight(run)
+    assert shallow >= len(run.text) and deep - shallow < deep // 20
+    memo = IdentityMemo(lambda key: run, by_value=False, weigh_depth=1)
+    before = memo_budget.held(memo_budget.COMPOSED)
+    assert memo(object()) is run
+    assert memo_budget.held(memo_budget.COMPOSED) - before == shallow
+
+
+def test_an_identity_memo_over_an_equality_memo_charges_its_value_once() -> None:
+    """With by_value the value is held by the equality memo behind the identity table,
+    and charged there with its key; the identity table adds only its entry. An equal key
+    that is a new object stores nothing new but that entry."""
+    from context_engine.core.identity_memo import IdentityMemo
+
+    value = ("rendered " * 1000).encode()
+    memo: IdentityMemo[tuple[str, int], bytes] = IdentityMemo(lambda key: value)
+    key = ("block", 1)
+    before = memo_budget.held(memo_budget.COMPOSED)
+    assert memo(key) is value
+    first = memo_budget.held(memo_budget.COMPOSED) - before
+    assert first == memo_budget.weight((key,)) + memo_budget.weight(value) + memo_budget.ENTRY
+    again = memo_budget.held(memo_budget.COMPOSED)
+    assert memo(("block", int("1"))) is value  # equal, another object
+    assert memo_budget.held(memo_budget.COMPOSED) - again == memo_budget.ENTRY

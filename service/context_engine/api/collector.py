@@ -6,9 +6,10 @@ request being assembled), so every young collection found them live and promoted
 two promotions later they were "long-lived", and once those pending objects reach a
 quarter of the oldest generation CPython collects all of it. Under bench.load that was a
 full collection every second or two, 0.2–0.3 s each with every call stalled behind it: 31
-to 40 in a minute, 6–9 s of the server's time (docs/performance.md, The collector). With
-the youngest threshold at 10,000 a call's objects are mostly freed by reference counting
-before a collection sees them: in the same minute two to four full collections ran.
+to 40 in a minute, 6–9 s of the server's time (docs/performance.md, The collector, and a
+run's first Build). With the youngest threshold at 10,000 a call's objects are mostly
+freed by reference counting before a collection sees them: in the same minute two to
+four full collections ran.
 
 Start-up's objects (modules, classes, schemas, the model registry) live as long as the
 process: `gc.freeze()` moves them out of every later collection, so a full collection

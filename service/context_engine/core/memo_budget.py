@@ -42,6 +42,8 @@ from typing import Any, Literal, Protocol, TypeVar
 __all__ = [
     "COMPOSED",
     "DEFAULT_LIMIT",
+    "DEPTH",
+    "ENTRY",
     "ITEM",
     "Kind",
     "admit",
@@ -57,7 +59,8 @@ __all__ = [
 DEFAULT_LIMIT = 256 * 1024 * 1024  # config.py render_memo_bytes
 
 _OBJECT = 56  # a small object's header; what a reference to a non-text value is charged
-_DEPTH = 2  # levels weighed below the value itself
+DEPTH = 2  # levels weighed below the value itself
+ENTRY = 2 * _OBJECT  # a table's entry whose key and value are charged elsewhere
 
 
 class _Clearable(Protocol):
@@ -123,7 +126,7 @@ def admit() -> None:
             _clear(ITEM)
 
 
-def weight(value: object, depth: int = _DEPTH) -> int:
+def weight(value: object, depth: int = DEPTH) -> int:
     """Approximate bytes `value` holds: str and bytes at sys.getsizeof, containers and
     objects (their __dict__ or __slots__) at a fixed cost plus their members', `depth`
     levels down; at the last level a container's members cost a fixed amount each (counted,

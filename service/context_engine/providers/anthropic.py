@@ -350,20 +350,18 @@ def _lay_out_run(layouts: Sequence[_MessageLayout]) -> _MessageLayout | _NoRun:
     anchors name every item its messages' anchors do (value 0) and it has a cacheable unit
     if any of them has: a marker that lands in it sends _turns_by_message back to the
     messages one by one, so where in the run is never needed."""
-    roles = [m.role for m in layouts]
-    if not layouts or any(not m.text for m in layouts) or True in map(eq, roles, roles[1:]):
+    # A run's first Build makes this over every carried message: whole-list passes in C.
+    roles = list(map(_ROLE, layouts))
+    if not layouts or "" in map(_TEXT, layouts) or True in map(eq, roles, roles[1:]):
         return _NO_RUN
-    anchors: dict[str, int] = {}
-    for m in layouts:
-        anchors.update(dict.fromkeys(m.anchors, 0))
     return _MessageLayout(
         role="",
         units=(),
-        text=",".join(m.text for m in layouts),
-        anchors=anchors,
-        last_cacheable=0 if any(m.last_cacheable >= 0 for m in layouts) else -1,
-        called=frozenset().union(*(m.called for m in layouts)),
-        call_ids=tuple(chain.from_iterable(m.call_ids for m in layouts)),
+        text=",".join(map(_TEXT, layouts)),
+        anchors=dict.fromkeys(chain.from_iterable(map(_ANCHORS, layouts)), 0),
+        last_cacheable=0 if max(map(_LAST_CACHEABLE, layouts)) >= 0 else -1,
+        called=frozenset().union(*map(_CALLED, layouts)),
+        call_ids=tuple(chain.from_iterable(map(_CALL_IDS, layouts))),
         first_role=roles[0],
         last_role=roles[-1],
     )
@@ -408,11 +406,13 @@ _message_layout = IdentityMemo(_lay_out_message, 16_384, by_value=False)
 _text_layout = IdentityMemo(partial(_lay_out_message, as_text=True), 16_384, by_value=False)
 _relaid = VariantMemo(_lay_out_message)
 # A run's carried suffix keeps its interior as one tuple on every Build (Rule 9 there).
+# Weighed one level down: its text, and its anchors counted, not visited (their keys are
+# the items' ids, held by the items).
 _run_layout: IdentityMemo[tuple[Message, ...], _MessageLayout | _NoRun] = IdentityMemo(
-    lambda run: _lay_out_run(_message_layout.many(run)), 1024, by_value=False
+    lambda run: _lay_out_run(_message_layout.many(run)), 1024, by_value=False, weigh_depth=1
 )
 _run_text_layout: IdentityMemo[tuple[Message, ...], _MessageLayout | _NoRun] = IdentityMemo(
-    lambda run: _lay_out_run(_text_layout.many(run)), 1024, by_value=False
+    lambda run: _lay_out_run(_text_layout.many(run)), 1024, by_value=False, weigh_depth=1
 )
 _BASE_ID = BASE_IDS[_PROVIDER]
 _CALL_IDS = attrgetter("call_ids")
@@ -421,6 +421,8 @@ _FIRST_ROLE = attrgetter("first_role")
 _LAST_ROLE = attrgetter("last_role")
 _TEXT = attrgetter("text")
 _ANCHORS = attrgetter("anchors")
+_ROLE = attrgetter("role")
+_LAST_CACHEABLE = attrgetter("last_cacheable")
 
 # Processing-order position of a unit: (section, message, unit); tools, system, messages.
 _Position = tuple[int, int, int]
