@@ -8,6 +8,8 @@ very objects of the first (the per-message memos downstream key on identity).
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -61,6 +63,25 @@ def test_grouped_merges_like_one_by_one_and_repeats_as_the_same_objects(
     again = grouped(items, blocks)  # interned now: alternating roles take the lookup path
     assert again == first
     assert all(a is b for a, b in zip(again, first, strict=True))
+
+
+@given(st.lists(_KINDS, max_size=40), st.integers(0, 40))
+def test_a_history_grown_by_new_turns_keeps_its_interned_messages(
+    kinds: list[str], known: int
+) -> None:
+    """A run's first Build groups the previous history plus its new turns: the messages
+    interned before are the very objects again, the new ones are made, and the whole is
+    what merging one by one gives (alternating roles take the lookup path)."""
+    messages._INTERNED.clear()
+    items = [_item(kind, n) for n, kind in enumerate(kinds)]
+    blocks = [_block(n) for n in range(len(items))]
+    known = min(known, len(items))
+    before = grouped(items[:known], blocks[:known])
+    grown = grouped(items, blocks)
+    assert grown == _one_by_one(items, blocks)
+    alternating = all(role_of(a) != role_of(b) for a, b in pairwise(items))
+    if alternating:
+        assert all(a is b for a, b in zip(before, grown[: len(before)], strict=True))
 
 
 @given(st.lists(_KINDS, max_size=30), st.integers(0, 30))

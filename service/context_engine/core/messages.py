@@ -15,8 +15,8 @@ a run's completed exchanges on every later step — even when it was merged anew
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import groupby, repeat
-from operator import eq, is_not, itemgetter
+from itertools import compress, groupby, repeat
+from operator import eq, is_, itemgetter
 from typing import Literal, cast
 
 from . import memo_budget
@@ -69,11 +69,13 @@ def grouped(items: Sequence[ContextItem], blocks: Sequence[Block]) -> tuple[Mess
         _ROLES[kind] = "assistant" if issubclass(kind, _ASSISTANT_TYPES) else "user"
     roles = list(map(_ROLES.__getitem__, types))
     if not any(map(eq, roles, roles[1:])):
-        # Roles alternate, as in most histories: every message is one block, and if all of
-        # them were interned before, one lookup each finds them (keys as message() makes).
+        # Roles alternate, as in most histories: every message is one block, and those
+        # interned before are found by one lookup each (keys as message() makes); only the
+        # new ones (a run's first Build: the previous run's turns) are made one by one.
         found = list(map(_INTERNED.get, zip(roles, zip(map(id, blocks)), strict=True)))
-        if all(map(is_not, found, repeat(None))):
-            return tuple(cast(list[Message], found))
+        for n in compress(range(len(found)), map(is_, found, repeat(None))):
+            found[n] = message(roles[n], (blocks[n],))
+        return tuple(cast(list[Message], found))
     runs = groupby(zip(roles, blocks, strict=True), key=_FIRST)
     return tuple(message(role, tuple(map(_SECOND, run))) for role, run in runs)
 
