@@ -384,3 +384,30 @@ def test_an_identity_memo_over_an_equality_memo_charges_its_value_once() -> None
     again = memo_budget.held(memo_budget.COMPOSED)
     assert memo(("block", int("1"))) is value  # equal, another object
     assert memo_budget.held(memo_budget.COMPOSED) - again == memo_budget.ENTRY
+
+
+def test_a_run_s_own_item_once_carried_is_the_block_it_was_placed_as() -> None:
+    """The next run carries the previous run's turns: the walk finds the block each was
+    placed as (looked up, not stored), so every memo keyed on blocks by identity finds
+    it."""
+    items = _run_items(0, 100)
+    own = BuildInputs(
+        tenant_id="t",
+        plan=_plan("anthropic"),
+        secret=SECRET,
+        checkpoint=Checkpoint(run_id="r0", version=1, items=items),
+        carried=(),
+        now=NOW,
+        step=StepContext(),
+        count_tokens=_count,
+        inline_maximum_bytes=16_384,
+    )
+
+    def blocks(inputs: BuildInputs) -> dict[str, Block]:
+        request = assemble(inputs).request
+        assert request is not None
+        return {b.item_id: b for m in request.messages for b in m.blocks}
+
+    placed = blocks(own)
+    carried = blocks(_next_run(items, inline_maximum_bytes=16_384))
+    assert all(carried[k] is placed[k] for k in ("u0", "c0", "t0"))

@@ -227,17 +227,27 @@ def _budget(plan: ContextPlan) -> ContextBudget:
 def _view(inputs: BuildInputs, budget: ContextBudget) -> CarriedView:
     # Only history a fitting request can reach is excerpted, placed and costed, and that
     # once per run's history and once per item content (core/carried.py, which keeps what
-    # it derives: it is handed the unmemoized renderer and counter).
+    # it derives: it is handed the unmemoized counter, and a renderer that stores nothing
+    # but finds the block a run's own item was placed as).
     secret, count, factor = inputs.secret, inputs.count_tokens, inputs.estimator_factor_ppm
     images = inputs.image_tokens
     return carried_view(
         inputs.carried,
         (secret, count, factor, images),
         lambda block, item: block_tokens(block, item, count, factor, images),
-        lambda row, item, truncated: _render(row, item, secret, truncated),
+        lambda row, item, truncated: _rendered_before(row, item, secret, truncated),
         inputs.inline_maximum_bytes,
         window_reach(budget),
     )
+
+
+def _rendered_before(row: Row, item: ContextItem, secret: bytes, truncated: bool) -> Block:
+    """`_render(row, item, secret, truncated)`, as the block a run's own item was rendered
+    to when it was placed (the previous run's turns, now carried, were its own items): the
+    same object, so every memo keyed on blocks and messages by identity finds it. Looked
+    up, not stored: a history read cold fills only the walk's own table."""
+    found = _render_memo.peek(item, row, secret, truncated)
+    return found if found is not None else _render(row, item, secret, truncated)
 
 
 def _system(plan: ContextPlan) -> tuple[Block, ...]:

@@ -65,7 +65,8 @@ from .yield_ladder import typed_pointer
 __all__ = ["CarriedView", "Retained", "Segment", "carried_view"]
 
 # (row, item, rendered as truncated) -> its block; (block, item) -> its estimated tokens.
-# Both unmemoized: the walk's facts are the memo for carried items (see _KNOWN).
+# Neither stores: the walk's facts are the memo for carried items (see _KNOWN). The
+# renderer may look up a block made before (core/assemble.py _rendered_before).
 Render = Callable[[Row, ContextItem, bool], Block]
 Count = Callable[[Block, ContextItem], int]
 
@@ -395,7 +396,7 @@ class _Known(dict[tuple[object, ...], dict[tuple[object, ...], _Facts]]):
 # so a replica has one per session epoch it serves; the bound is on items across all of
 # them. An entry holds its key's field values (the item's texts) and its renderings, not
 # the item. It is the one memo of what a carried item renders and costs (the walk calls
-# unmemoized functions), so each entry is charged to the render memos' byte budget as an
+# functions that store nothing), so each entry is charged to the render memos' byte budget as an
 # item memo, and emptied with the item memos (core/memo_budget.py).
 _KNOWN_ITEMS = 131_072
 _KNOWN = _Known()

@@ -73,5 +73,12 @@ class ContentMemo(Generic[V]):
             )
         return found
 
+    def peek(self, item: BaseModel, *args: Hashable) -> V | None:
+        """What `self(item, *args)` remembers, or None: nothing is computed or stored."""
+        try:
+            return self._values.get((content_key(item), *args))
+        except (KeyError, TypeError):
+            return None
+
     def cache_clear(self) -> None:
         self._values.clear()
