@@ -396,8 +396,8 @@ class _Known(dict[tuple[object, ...], dict[tuple[object, ...], _Facts]]):
 # so a replica has one per session epoch it serves; the bound is on items across all of
 # them. An entry holds its key's field values (the item's texts) and its renderings, not
 # the item. It is the one memo of what a carried item renders and costs (the walk calls
-# functions that store nothing), so each entry is charged to the render memos' byte budget as an
-# item memo, and emptied with the item memos (core/memo_budget.py).
+# functions that store nothing), so each entry is charged to the render memos' byte
+# budget as an item memo, and emptied with the item memos (core/memo_budget.py).
 _KNOWN_ITEMS = 131_072
 _KNOWN = _Known()
 memo_budget.register(_KNOWN, memo_budget.ITEM)

@@ -39,9 +39,10 @@ class IdentityMemo(Generic[K, V]):
         # by_value=False: keys that are not hashable (or costly to hash) are only ever
         # remembered by identity; an equal but distinct key computes afresh.
         self._by_value = memo_budget.bounded_cache(maxsize)(function) if by_value else function
-        # How deep a stored value is weighed (memo_budget.weight): 1 for a value whose
-        # members are its texts and flat containers of shared references, as a run's
-        # layout, where weighing each of a thousand anchors cost more than making them.
+        # How deep a stored value is weighed (memo_budget.weight; by_value=False only,
+        # below): 1 for a value whose members are its texts and flat containers of shared
+        # references, as a run's layout, where weighing each of a thousand anchors cost
+        # more than making them.
         self._depth = weigh_depth
         self._weighs = not by_value
         # Two tables cleared together: `_keys` keeps every key alive, so while its entry
@@ -83,8 +84,8 @@ class IdentityMemo(Generic[K, V]):
         # The key (a block, message or item) was charged where it was made or read: a
         # memoized rendering, an interned message, the kept history (core/memo_budget.py).
         # With by_value the value is the equality memo's, weighed and charged there (its
-        # key too): this table adds its two slots. Weighing it again here counted it twice
-        # and was a third of what weighing cost a run's first Build.
+        # key too): this table adds its two slots. Weighing it again here counted it twice,
+        # and each of a run's new blocks and messages paid for the weighing twice.
         memo_budget.charge(
             memo_budget.weight(value, self._depth) if self._weighs else memo_budget.ENTRY
         )
