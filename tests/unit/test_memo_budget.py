@@ -244,8 +244,9 @@ def test_weight_is_what_its_specification_gives(value: object, depth: int) -> No
     assert memo_budget.weight(value, depth) == _weight_as_specified(value, depth)
 
 
-def _next_run(carried: tuple[Any, ...], inline_maximum_bytes: int) -> BuildInputs:
-    """The first Build of a run that carries `carried` and asks one more question."""
+def _next_run(carried: tuple[Any, ...], inline_maximum_bytes: int, at: int = 4) -> BuildInputs:
+    """The first Build of a run that carries `carried` and asks one more question (logged
+    at sequence `at`)."""
     return BuildInputs(
         tenant_id="t",
         plan=_plan("anthropic"),
@@ -253,7 +254,7 @@ def _next_run(carried: tuple[Any, ...], inline_maximum_bytes: int) -> BuildInput
         checkpoint=Checkpoint(
             run_id="r1",
             version=1,
-            items=(UserMessage(item_id="u1", text="And?", sequence=4, run_id="r1"),),
+            items=(UserMessage(item_id="u1", text="And?", sequence=at, run_id="r1"),),
         ),
         carried=carried,
         now=NOW,
@@ -411,3 +412,39 @@ def test_a_run_s_own_item_once_carried_is_the_block_it_was_placed_as() -> None:
     placed = blocks(own)
     carried = blocks(_next_run(items, inline_maximum_bytes=16_384))
     assert all(carried[k] is placed[k] for k in ("u0", "c0", "t0"))
+
+
+def test_a_history_grown_by_new_turns_charges_its_view_for_the_new_items_only() -> None:
+    """A run's history is the previous run's item objects plus its new turns: its view is
+    charged for the new items, and a slot for each item another view was charged for. An
+    equal history read afresh (new objects) is charged whole again: the views hold those
+    objects, a result's text whole."""
+    view_of = importlib.import_module("context_engine.core.assemble")._view
+    budget_of = importlib.import_module("context_engine.core.assemble")._budget
+    memo_budget.set_limit(memo_budget.DEFAULT_LIMIT)
+    size = 100_000
+    old = _run_items(0, size)
+    extra = UserMessage(item_id="u-extra", text="One more thing.", sequence=4, run_id="r0")
+
+    def view_charge(history: tuple[Any, ...]) -> int:
+        inputs = _next_run(history, inline_maximum_bytes=4 * size, at=5)
+        before = memo_budget.held(memo_budget.COMPOSED)
+        view_of(inputs, budget_of(inputs.plan))
+        return memo_budget.held(memo_budget.COMPOSED) - before
+
+    assert view_charge(old) >= size
+    assert view_charge((*old, extra)) < 1_000
+    assert view_charge((*(i.model_copy() for i in old), extra)) >= size
+
+
+def test_an_item_a_view_was_charged_for_is_forgotten_when_it_dies() -> None:
+    """Before its id can be reused by another object, which would then pass as charged."""
+    from context_engine.core import carried
+
+    item = UserMessage(item_id="gone", text="x" * 1000, sequence=1)
+    key = id(item)
+    carried._hold(item)
+    assert key in carried._HELD
+    del item
+    gc.collect()
+    assert key not in carried._HELD

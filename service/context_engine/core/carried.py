@@ -38,6 +38,7 @@ tests/unit/test_content_key.py that facts found by content are those derived afr
 from __future__ import annotations
 
 import sys
+import weakref
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -356,19 +357,53 @@ memo_budget.register(_TABLE)
 
 def _view_weight(view: CarriedView) -> int:
     """Approximate bytes `view` holds past its facts (charged with _KNOWN): its window's
-    items. An item shown as itself renders into its block, so the block's strings, at
-    their size in memory, stand for the item's (its envelope makes them err high), plus a
-    fixed cost per item, and nothing is walked; an item shown as its excerpt is weighed
-    itself, as it may be megabytes. Where the walk stored the item's facts just now, the
-    same strings are charged to _KNOWN's key and facts as well: the count errs high, so
-    composed memos empty sooner, never later. Segments and suffixes a view derives later
-    (`segment`, `Segment.retained`) hold the same blocks and are not charged again."""
-    facts = view.facts
+    items, each charged once while it lives (_HELD): a run's history is the previous run's
+    objects plus its new turns, and charging every view for its whole window counted the
+    same items once per run (130 KB for a run's first Build over a 280-item window, whose
+    new turns were four). An item shown as itself renders into its block, so the block's strings,
+    at their size in memory, stand for the item's (its envelope makes them err high), plus
+    a fixed cost per item, and nothing is walked; an item shown as its excerpt is weighed
+    itself, as it may be megabytes. An item another view was charged for costs its three
+    slots here. Where the walk stored the item's facts just now, the same strings are
+    charged to _KNOWN's key and facts as well: the count errs high, so composed memos
+    empty sooner, never later. Segments and suffixes a view derives later (`segment`,
+    `Segment.retained`) hold the same blocks and are not charged again."""
+    window = view.window
+    new = list(map(_HELD.__contains__, map(id, window)))
+    if False not in new:
+        return _SHARED_ITEM_COST * len(window)
+    new = [not held for held in new]
+    for item in compress(window, new):
+        _hold(item)
+    facts = tuple(compress(view.facts, new))
     blocks = tuple(map(_BLOCK, facts))
     texts = sum(sum(map(sys.getsizeof, map(field, blocks))) for field in _BLOCK_TEXTS)
-    excerpted = compress(view.window, map(is_not, map(_EXCERPT, facts), repeat(None)))
-    whole = sum(map(memo_budget.weight, excerpted))
-    return texts + whole + _ITEM_COST * len(view.window)
+    shown_whole = map(is_not, map(_EXCERPT, facts), repeat(None))
+    whole = sum(map(memo_budget.weight, compress(compress(window, new), shown_whole)))
+    fresh = len(facts)
+    return texts + whole + _ITEM_COST * fresh + _SHARED_ITEM_COST * (len(window) - fresh)
+
+
+class _Held(dict[int, "weakref.ref[ConversationItem]"]):
+    def cache_clear(self) -> None:
+        self.clear()
+
+
+# id -> a weak reference to each window item some view was charged for. The reference's
+# callback drops the entry when the item dies, before its id can be reused; emptied with
+# the views (a composed memo), so after the ledger's count restarts each item is charged
+# again by the first view that holds it.
+_HELD = _Held()
+memo_budget.register(_HELD)
+
+
+def _hold(item: ConversationItem) -> None:
+    key = id(item)
+
+    def forget(_: object) -> None:
+        _HELD.pop(key, None)
+
+    _HELD[key] = weakref.ref(item, forget)
 
 
 @dataclass(frozen=True, slots=True)
@@ -493,3 +528,4 @@ _EXCERPT = attrgetter("excerpt")
 _BLOCK = attrgetter("block")
 _BLOCK_TEXTS = tuple(map(attrgetter, ("text", "arguments_json", "opaque")))
 _ITEM_COST = 256  # an item's object, its fields' small values and its slot in the window
+_SHARED_ITEM_COST = 24  # its slots in a view's window, shown and facts
