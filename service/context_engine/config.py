@@ -23,6 +23,7 @@ from pydantic import (
 __all__ = ["ConfigError", "Settings", "load_settings"]
 
 _ENV_PREFIX = "CONTEXT_ENGINE_"
+_C_INT_MAX = 2**31 - 1
 
 
 class ConfigError(Exception):
@@ -126,6 +127,8 @@ class Settings(BaseModel):
     def _not_negative(cls, value: tuple[int, int, int]) -> tuple[int, int, int]:
         if min(value) < 0:
             raise ValueError("must not be negative")
+        if max(value) > _C_INT_MAX:  # gc.set_threshold takes C ints: OverflowError past it
+            raise ValueError(f"must not exceed {_C_INT_MAX}")
         return value
 
     @field_validator("log_level", mode="before")

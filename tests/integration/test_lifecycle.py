@@ -383,6 +383,7 @@ async def _truthy(value: bool) -> bool:
         ({}, {"gc_thresholds": "often"}, "CONTEXT_ENGINE_GC_THRESHOLDS"),
         ({"gc_thresholds": [700, -1, 10]}, {}, "gc_thresholds"),
         ({"gc_thresholds": [700, 10]}, {}, "gc_thresholds"),
+        ({}, {"gc_thresholds": "2147483648,10,10"}, "CONTEXT_ENGINE_GC_THRESHOLDS"),
     ],
 )
 def test_bad_configuration_exits_2_naming_the_setting(

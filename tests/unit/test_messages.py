@@ -65,23 +65,41 @@ def test_grouped_merges_like_one_by_one_and_repeats_as_the_same_objects(
     assert all(a is b for a, b in zip(again, first, strict=True))
 
 
-@given(st.lists(_KINDS, max_size=40), st.integers(0, 40))
+# Histories whose roles alternate (the lookup path), and any other.
+_ALTERNATING = st.lists(st.sampled_from(["assistant", "call"]), max_size=20).map(
+    lambda answers: [kind for answer in answers for kind in ("user", answer)]
+)
+
+
+@given(st.one_of(_ALTERNATING, st.lists(_KINDS, max_size=40)), st.integers(0, 40))
 def test_a_history_grown_by_new_turns_keeps_its_interned_messages(
     kinds: list[str], known: int
 ) -> None:
     """A run's first Build groups the previous history plus its new turns: the messages
-    interned before are the very objects again, the new ones are made, and the whole is
-    what merging one by one gives (alternating roles take the lookup path)."""
+    interned before are the very objects again, only the new ones are made, and the whole
+    is what merging one by one gives (alternating roles take the lookup path)."""
     messages._INTERNED.clear()
     items = [_item(kind, n) for n, kind in enumerate(kinds)]
     blocks = [_block(n) for n in range(len(items))]
     known = min(known, len(items))
     before = grouped(items[:known], blocks[:known])
-    grown = grouped(items, blocks)
+    made: list[tuple[str, tuple[Block, ...]]] = []
+    original = messages.message
+
+    def counted(role: messages.Role, blocks: tuple[Block, ...]) -> Message:
+        made.append((role, blocks))
+        return original(role, blocks)
+
+    messages.message = counted  # type: ignore[assignment]
+    try:
+        grown = grouped(items, blocks)
+    finally:
+        messages.message = original
     assert grown == _one_by_one(items, blocks)
     alternating = all(role_of(a) != role_of(b) for a, b in pairwise(items))
     if alternating:
         assert all(a is b for a, b in zip(before, grown[: len(before)], strict=True))
+        assert [b for _, (b,) in made] == blocks[known:]  # only the new ones are made
 
 
 @given(st.lists(_KINDS, max_size=30), st.integers(0, 30))

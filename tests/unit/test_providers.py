@@ -1045,3 +1045,50 @@ def test_cache_ratios_are_bounded_integer_ppm(prefix: int, read: int, preceding:
     # The first request of a session writes the cache and is not counted.
     assert session_cached_prefix_ppm([(prefix, 0), (prefix, read)]) == ratio
     assert session_cached_prefix_ppm([(prefix, read)]) == 0
+
+
+def _run_as_specified(layouts: list[Any]) -> Any:
+    """providers/anthropic.py _lay_out_run, message by message (as first written)."""
+    roles = [m.role for m in layouts]
+    if not layouts or any(not m.text for m in layouts):
+        return anthropic._NO_RUN
+    if any(a == b for a, b in itertools.pairwise(roles)):
+        return anthropic._NO_RUN
+    anchors: dict[str, int] = {}
+    for m in layouts:
+        anchors.update(dict.fromkeys(m.anchors, 0))
+    return anthropic._MessageLayout(
+        role="",
+        units=(),
+        text=",".join(m.text for m in layouts),
+        anchors=anchors,
+        last_cacheable=0 if any(m.last_cacheable >= 0 for m in layouts) else -1,
+        called=frozenset().union(*(m.called for m in layouts)),
+        call_ids=tuple(c for m in layouts for c in m.call_ids),
+        first_role=roles[0],
+        last_role=roles[-1],
+    )
+
+
+_LAYOUTS = st.lists(
+    st.builds(
+        anthropic._MessageLayout,
+        role=st.sampled_from(["user", "assistant"]),
+        units=st.just(()),
+        text=st.sampled_from(["", "x", '{"a":1},{"b":2}']),
+        anchors=st.dictionaries(st.sampled_from("abcde"), st.integers(-1, 2), max_size=3),
+        last_cacheable=st.integers(-2, 2),
+        called=st.frozensets(st.sampled_from("pqr"), max_size=2),
+        call_ids=st.lists(st.sampled_from("123"), max_size=2).map(tuple),
+    ),
+    max_size=6,
+)
+
+
+@given(_LAYOUTS)
+def test_a_run_layout_is_its_messages_laid_out_one_by_one(layouts: list[Any]) -> None:
+    made, specified = anthropic._lay_out_run(layouts), _run_as_specified(layouts)
+    if specified is anthropic._NO_RUN:
+        assert made is anthropic._NO_RUN
+    else:
+        assert made == specified and list(made.anchors) == list(specified.anchors)

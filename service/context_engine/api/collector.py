@@ -11,11 +11,12 @@ run's first Build). With the youngest threshold at 10,000 a call's objects are m
 freed by reference counting before a collection sees them: in the same minute two to
 four full collections ran.
 
-Start-up's objects (modules, classes, schemas, the model registry) live as long as the
-process: `gc.freeze()` moves them out of every later collection, so a full collection
-walks what serving made, not the interpreter's own. Nothing is lost by it: a frozen
-object that becomes unreachable is still freed by reference counting, and start-up makes
-no cycles that serving breaks.
+Start-up's objects (modules, classes, schemas, the model registry, the engine and its
+pool) live as long as the process: `gc.freeze()`, called once before the server serves,
+moves them out of every later collection, so a full collection walks what serving made,
+not the interpreter's own. A frozen object that becomes unreachable is still freed by
+reference counting; only one that later joins a garbage cycle would never be collected,
+and start-up's objects are not dropped while the process serves.
 """
 
 from __future__ import annotations

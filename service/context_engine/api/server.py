@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -287,6 +288,10 @@ async def serve(settings: Settings) -> None:
         raise StartupError(f"metrics_listen {settings.metrics_listen}: {exc.strerror}") from None
     memo_budget.set_limit(settings.render_memo_bytes)  # process-wide, like the memos
     engine, options = build_engine(pool, settings=settings), server_options(settings)
+    # Before serving: the collection it makes stalls no call, and no call's objects are
+    # frozen with start-up's.
+    frozen = tune_collector(settings.gc_thresholds)
+    _log.info("collector thresholds %s, %d start-up objects frozen", gc.get_threshold(), frozen)
     try:
         running = await build_server(engine, settings.listen, telemetry=tel, **options)
     except OSError as exc:
@@ -302,8 +307,6 @@ async def serve(settings: Settings) -> None:
         "on" if settings.tls_cert_file else "off",
         settings.auth,
     )
-    frozen = tune_collector(settings.gc_thresholds)
-    _log.info("collector thresholds %s, %d start-up objects frozen", settings.gc_thresholds, frozen)
     if tel.metrics_port:
         host = settings.metrics_listen.rpartition(":")[0]
         _log.info("prometheus metrics on http://%s:%d/metrics", host, tel.metrics_port)

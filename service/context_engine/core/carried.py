@@ -381,29 +381,42 @@ def _view_weight(view: CarriedView) -> int:
     shown_whole = map(is_not, map(_EXCERPT, facts), repeat(None))
     whole = sum(map(memo_budget.weight, compress(compress(window, new), shown_whole)))
     fresh = len(facts)
-    return texts + whole + _ITEM_COST * fresh + _SHARED_ITEM_COST * (len(window) - fresh)
+    charged = _ITEM_COST + _HELD_COST
+    return texts + whole + charged * fresh + _SHARED_ITEM_COST * (len(window) - fresh)
 
 
-class _Held(dict[int, "weakref.ref[ConversationItem]"]):
+class _Ref(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference that knows its entry's key: one callback for all of them, no
+    closure per item."""
+
+    __slots__ = ("key",)
+    key: int
+
+
+class _Held(dict[int, _Ref]):
     def cache_clear(self) -> None:
         self.clear()
 
 
 # id -> a weak reference to each window item some view was charged for. The reference's
-# callback drops the entry when the item dies, before its id can be reused; emptied with
-# the views (a composed memo), so after the ledger's count restarts each item is charged
-# again by the first view that holds it.
+# callback drops the entry when the item dies, before its id can be reused (CPython calls
+# it before the memory is freed, for cyclic garbage too); emptied with the views (a
+# composed memo), so after the ledger's count restarts each item is charged again by the
+# first view that holds it. An entry lives as long as its item, so what it costs itself
+# (_HELD_COST) is charged with the item.
 _HELD = _Held()
 memo_budget.register(_HELD)
 
 
+def _forget(ref: _Ref) -> None:
+    if _HELD.get(ref.key) is ref:
+        del _HELD[ref.key]
+
+
 def _hold(item: ConversationItem) -> None:
-    key = id(item)
-
-    def forget(_: object) -> None:
-        _HELD.pop(key, None)
-
-    _HELD[key] = weakref.ref(item, forget)
+    ref = _Ref(item, _forget)
+    ref.key = id(item)
+    _HELD[ref.key] = ref
 
 
 @dataclass(frozen=True, slots=True)
@@ -529,3 +542,4 @@ _BLOCK = attrgetter("block")
 _BLOCK_TEXTS = tuple(map(attrgetter, ("text", "arguments_json", "opaque")))
 _ITEM_COST = 256  # an item's object, its fields' small values and its slot in the window
 _SHARED_ITEM_COST = 24  # its slots in a view's window, shown and facts
+_HELD_COST = 176  # its _HELD entry: the reference, its key and the table's slot
