@@ -360,19 +360,19 @@ def _view_weight(view: CarriedView) -> int:
     items, each charged once while it lives (_HELD): a run's history is the previous run's
     objects plus its new turns, and charging every view for its whole window counted the
     same items once per run (130 KB for a run's first Build over a 280-item window, whose
-    new turns were four). An item shown as itself renders into its block, so the block's strings,
-    at their size in memory, stand for the item's (its envelope makes them err high), plus
-    a fixed cost per item, and nothing is walked; an item shown as its excerpt is weighed
-    itself, as it may be megabytes. An item another view was charged for costs its three
+    new turns were four). An item shown as itself renders into its block, so the block's
+    strings, at their size in memory, stand for the item's (its envelope makes them err
+    high), plus a fixed cost per item, and nothing is walked; an item shown as its excerpt
+    is weighed itself, as it may be megabytes. An item another view was charged for costs its three
     slots here. Where the walk stored the item's facts just now, the same strings are
     charged to _KNOWN's key and facts as well: the count errs high, so composed memos
     empty sooner, never later. Segments and suffixes a view derives later (`segment`,
     `Segment.retained`) hold the same blocks and are not charged again."""
     window = view.window
-    new = list(map(_HELD.__contains__, map(id, window)))
-    if False not in new:
+    held = list(map(_HELD.__contains__, map(id, window)))
+    if False not in held:
         return _SHARED_ITEM_COST * len(window)
-    new = [not held for held in new]
+    new = [not h for h in held]
     for item in compress(window, new):
         _hold(item)
     facts = tuple(compress(view.facts, new))
