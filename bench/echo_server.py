@@ -4,8 +4,9 @@ ceiling a Build of the same response size is compared against. Same event loop p
 
 With `--dsn`, each call first makes `--round-trips` trivial PostgreSQL round trips, each
 on a connection from the service's own pool (`store.connect_pool`, `store.db.acquire`):
-the storage floor, what a Build that reads its run and records its request would cost
-if assembling took no time at all."""
+the storage floor, what a Build's round trips would cost if assembling took no time at
+all (bench.transport passes one: the record a Build makes; a Build that reads its run's
+head too makes two)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--size", type=int, required=True)
     parser.add_argument("--dsn", default="")
-    parser.add_argument("--round-trips", type=int, default=2)
+    parser.add_argument("--round-trips", type=int, default=1)
     args = parser.parse_args()
     try:
         import uvloop

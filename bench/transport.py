@@ -9,9 +9,10 @@ Also measured, to show where the gap lies:
 - stack: the real server with Build's storage and assembly taken away (bench.stack_server:
   Engine.build memoized), so only the service's per-call stack runs: interceptors, request
   parsing, the response composed and serialized, grpc.
-- floor: the echo making two trivial PostgreSQL round trips per call through the
-  service's pool (Build reads its run and records its request: two round trips it cannot
-  skip).
+- floor: the echo making one trivial PostgreSQL round trip per call through the
+  service's pool: the one a Build cannot skip, its record (since 2026-12-01 a Build of a
+  run the replica built before is made from the run head it kept, which the record
+  confirms; before, it read the head in a round trip of its own, and the floor made two).
 The load generator treats every server alike: it sends the request as bytes serialized
 once and takes the response as bytes, unparsed (a Build response is checked once, before
 the load). Until 2026-12-01 it parsed every BuildResponse into protobuf objects and none
@@ -100,7 +101,7 @@ async def run(seconds: float, concurrency: int, turns: int) -> bool:
     rows = (
         ("echo ", baseline),
         ("stack", stack),  # the service's per-call stack: Build memoized, no storage
-        ("floor", floor),  # echo + Build's two PostgreSQL round trips, nothing assembled
+        ("floor", floor),  # echo + Build's PostgreSQL round trip, nothing assembled
         ("Build", build),
     )
     for name, r in rows:
@@ -115,7 +116,7 @@ async def run(seconds: float, concurrency: int, turns: int) -> bool:
     )
     print(
         f"  floor / echo = {floor.throughput / baseline.throughput:.3f}"
-        f"  (echo plus two trivial PostgreSQL round trips per call)"
+        f"  (echo plus one trivial PostgreSQL round trip per call, as Build's record)"
     )
     print(f"  Build / floor = {build.throughput / floor.throughput:.3f}")
     ok = ratio >= BAR and build.errors == 0 and stack.errors == 0
@@ -159,8 +160,8 @@ def _cpu(pid: int) -> dict[str, float]:
 
 async def _echo(size: int, concurrency: int, seconds: float, dsn: str | None = None) -> LoadResult:
     """Closed-loop load on bench.echo_server answering `size` bytes; with `dsn`, making
-    two trivial round trips per call to that database through the service's pool."""
-    extra = ("--dsn", dsn, "--round-trips", "2") if dsn else ()
+    one trivial round trip per call to that database through the service's pool."""
+    extra = ("--dsn", dsn, "--round-trips", "1") if dsn else ()
     port = free_port()
     echo = subprocess.Popen(
         [

@@ -166,6 +166,11 @@ METRICS: Mapping[str, Metric] = {
     "context_engine.budget.exceeded": Metric(
         "counter", "{build}", "Builds refused because the never-yield set does not fit."
     ),
+    "context_engine.build.kept_head_retries": Metric(
+        "counter",
+        "{build}",
+        "Builds made again from a fresh head read after one made from a kept head, by why.",
+    ),
     "context_engine.store.ready": Metric(
         "gauge", "1", "1 while PostgreSQL answers the readiness probe, else 0."
     ),
@@ -293,6 +298,15 @@ def record_run_started() -> None:
 def record_replay(kind: str) -> None:
     """An idempotent replay of a call that counted `kind`: nothing to count again (rule 4)."""
     _record(kind, lambda t: None)
+
+
+def record_kept_head_retry(why: str) -> None:
+    """A Build made from a kept run head is made again from a fresh read: its record found
+    the head `moved`, or what it built was `refused` (api/engine.py Engine.build)."""
+    _record(
+        "kept_head_retry",
+        lambda t: t.add("context_engine.build.kept_head_retries", 1, why=why),
+    )
 
 
 def record_build(model_id: str, estimated_input_tokens: int) -> None:

@@ -6,6 +6,7 @@ import json
 import re
 import uuid
 from typing import Any
+from uuid import UUID
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
@@ -154,6 +155,29 @@ async def start_child(
             child=pb.ChildSeed(parent_run_id=parent_run_id, instruction=instruction),
         )
     )
+
+
+async def heads_agree(pool: Any, session_id: str, tenant: str = TENANT) -> int:
+    """Assert that migrations/0013's run_head_state and run_latest_version read, for every
+    run of the session, what store/runs.py's head read reads (a kept head is confirmed by
+    the one and was read by the other). -> how many runs were compared."""
+    from context_engine.store import runs
+
+    run_ids = await pool.fetch(
+        "SELECT run_id FROM runs WHERE tenant_id = $1 AND session_id = $2",
+        tenant,
+        UUID(session_id),
+    )
+    for (run_id,) in run_ids:
+        head = await runs.read_run_head(pool, tenant, UUID(session_id), run_id)
+        confirmed = await pool.fetchrow(
+            "SELECT run_head_state($1, $2, $3), run_latest_version($1, $3)",
+            tenant,
+            UUID(session_id),
+            run_id,
+        )
+        assert tuple(confirmed) == (head.state, head.latest_version), f"run {run_id}"
+    return len(run_ids)
 
 
 # --- databases of a test's own, and waiting for a condition (lifecycle tests) ----------

@@ -263,6 +263,20 @@ async def own_server(pool: Any) -> AsyncIterator[Any]:
     await running.stop(0)
 
 
+async def _long_objective(stub: Any, tenant: str, session_id: str, run_id: str) -> None:
+    """A 300-word objective written on checkpoint 1 (1,800 characters)."""
+    await stub.UpdateWorkingState(
+        pb.UpdateWorkingStateRequest(
+            tenant_id=tenant,
+            session_id=session_id,
+            run_id=run_id,
+            expected_checkpoint_version=1,
+            writer=pb.WRITER_USER,
+            update=pb.WorkingStateUpdate(objective=_words(300)),
+        )
+    )
+
+
 async def test_a_working_state_over_its_block_under_a_changed_counter_records_exceeded(
     own_server: Any, pool: Any
 ) -> None:
@@ -275,16 +289,7 @@ async def test_a_working_state_over_its_block_under_a_changed_counter_records_ex
     tenant = _tenant()
     session_id, _ = await _open(stub, tenant, room=0)
     run_id = await _start(stub, tenant, session_id, "Plan the trip.")
-    await stub.UpdateWorkingState(
-        pb.UpdateWorkingStateRequest(
-            tenant_id=tenant,
-            session_id=session_id,
-            run_id=run_id,
-            expected_checkpoint_version=1,
-            writer=pb.WRITER_USER,
-            update=pb.WorkingStateUpdate(objective=_words(300)),
-        )
-    )
+    await _long_objective(stub, tenant, session_id, run_id)
     running.engine._token_counter = lambda model_id: len  # 1,800 characters: 1,800 tokens
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await _build(stub, tenant, session_id, run_id)
@@ -295,6 +300,28 @@ async def test_a_working_state_over_its_block_under_a_changed_counter_records_ex
     assert exceeded["class"] == "working_state" and exceeded["run_id"] == run_id
     assert exceeded["checkpoint_version"] == 2 and exceeded["cap_tokens"] == "1000"
     assert await _events(pool, tenant, session_id, "model.request.started") == []
+
+
+async def test_a_refusal_built_from_a_kept_head_is_recorded_once(
+    own_server: Any, pool: Any
+) -> None:
+    """A Build of a run the replica built before is made from the head it kept; a refusal
+    from it is decided again from a fresh head read (api/engine.py Engine.build), and only
+    that second attempt records context.budget.exceeded: one event, not two."""
+    running, stub = own_server
+    tenant = _tenant()
+    session_id, _ = await _open(stub, tenant, room=0)
+    run_id = await _start(stub, tenant, session_id, "Plan the trip.")
+    await _build(stub, tenant, session_id, run_id)  # the replica keeps the run's head
+    await _long_objective(stub, tenant, session_id, run_id)
+    reads = running.engine._read_heads.calls
+    running.engine._token_counter = lambda model_id: len  # as in the test above
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _build(stub, tenant, session_id, run_id)
+    assert details(caught.value)[0] == "BUDGET_EXCEEDED"
+    assert running.engine._read_heads.calls == reads + 1  # decided again from a fresh read
+    (exceeded,) = await _events(pool, tenant, session_id, "context.budget.exceeded")
+    assert exceeded["checkpoint_version"] == 2
 
 
 async def test_a_prefix_class_over_its_cap_fails_the_plan_naming_it(stub: Any) -> None:

@@ -62,8 +62,10 @@ async def test_concurrent_builds_share_round_trips_and_each_gets_its_own_record(
     finally:
         await channel.close()
         await running.stop(0)
-    assert calls == (len(requests), len(requests))
-    assert trips[0] < len(requests) and trips[1] < len(requests)  # rounds shared
+    # A Build made from a head this replica kept reads none (Engine.build): the runs built
+    # first read theirs, and those built after them confirm it in their record.
+    assert len(runs) <= calls[0] <= len(requests) and calls[1] == len(requests)
+    assert trips[0] < calls[0] and trips[1] < calls[1]  # rounds shared
     for request, response in zip(requests, built, strict=True):
         row = await pool.fetchrow(
             "SELECT run_id, payload FROM session_events WHERE tenant_id = $1"

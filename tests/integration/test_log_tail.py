@@ -203,7 +203,9 @@ async def _migrated_with_data(logs: list[list[tuple[ConversationItem, str, bool]
             try:
                 written = [await _write(pool, log, [len(log) // 2]) for log in logs]
                 assert await pool.fetchval("SELECT to_regproc('session_events_carried')") is None
-                assert await apply_migrations(conn) == ["0012_history_pairs"]
+                later = [version for version, _ in migration_files() if version >= "0012"]
+                assert await apply_migrations(conn) == later
+                assert later[0] == "0012_history_pairs"
                 for log, session_id in zip(logs, written, strict=True):
                     top = len(log) + 3
                     for floor in range(0, top, 3):

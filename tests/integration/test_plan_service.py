@@ -17,7 +17,17 @@ from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from context_engine.core.canonical import canonical_bytes, sha256_hex
 
-from .helpers import TENANT, call, details, new_id, replica_with_model, result, spec, tool
+from .helpers import (
+    TENANT,
+    call,
+    details,
+    heads_agree,
+    new_id,
+    replica_with_model,
+    result,
+    spec,
+    tool,
+)
 
 # --- helpers ------------------------------------------------------------------------------
 
@@ -1733,6 +1743,8 @@ async def test_a_rotation_every_run_follows_starts_one_epoch_however_many_lineag
     again = await _rotate(stub, session_id, 10, pb.PLAN_REASON_AGENT_CHANGED)
     assert again.plan.epoch == 13
     assert (await _build(stub, session_id, older)).epoch == 14
+    # What a kept head is confirmed with reads every run's head as the head read does.
+    assert await heads_agree(pool, session_id) == 9
 
 
 # The previous version's read_run_head epoch query (198e602, store/runs.py).
@@ -1841,6 +1853,7 @@ async def test_a_canonicalizing_sweep_does_not_hide_an_earlier_rebuild(
     # Only copies since the head: the continuation is a copy.
     await _rotate(stub, session_id, 4, pb.PLAN_REASON_PREFIX_HASH_CANONICALIZED)  # epoch 6
     copied = await _build(stub, session_id, parked.run.run_id)
+    assert await heads_agree(pool, session_id) == 2
     assert copied.epoch == 7 and await _rotations(pool, session_id) == [
         "run_authority_changed",
         "builder_upgraded",

@@ -40,7 +40,18 @@ from context_engine.api.server import build_engine, build_server
 from context_engine.api.usage import UsageOutcome
 from context_engine.telemetry import JsonFormatter, RpcState, Telemetry
 
-from .helpers import TENANT, assistant, call, new_id, result, spec, tool, user, wait_for
+from .helpers import (
+    TENANT,
+    assistant,
+    call,
+    new_id,
+    replica,
+    result,
+    spec,
+    tool,
+    user,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -239,6 +250,48 @@ async def test_rpc_and_session_metrics_are_recorded(traced: dict[str, Any]) -> N
         assert delta("context_engine.rpc.request.size", **{"rpc.method": method}) == 1
     if flow["build"].estimated_input_tokens:
         assert delta("context_engine.build.input_tokens") == 1
+
+
+async def test_a_build_made_again_from_a_fresh_head_is_counted(
+    traced: dict[str, Any], pool: Any
+) -> None:
+    """docs/operations.md: context_engine.build.kept_head_retries counts a Build whose kept
+    run head another replica had moved (why="moved"); a Build that confirms its kept head
+    counts nothing."""
+    stub, reader = traced["stub"], traced["reader"]
+    other, channel, running = await replica(pool)
+    try:
+        session_id = new_id()
+        await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=spec()))
+        started = await stub.StartRun(
+            pb.StartRunRequest(
+                tenant_id=TENANT, session_id=session_id, user_message=pb.UserMessage(text="hi")
+            )
+        )
+        build = pb.BuildRequest(
+            tenant_id=TENANT, session_id=session_id, run_id=started.run.run_id, now=_now()
+        )
+        await stub.Build(build)
+        before = _points(reader)
+        await stub.Build(build)  # confirms the head it kept
+        confirmed = _points(reader)
+        await other.AppendItems(
+            pb.AppendItemsRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                run_id=started.run.run_id,
+                expected_checkpoint_version=started.checkpoint_version,
+                items=[assistant("from the other replica")],
+            )
+        )
+        await stub.Build(build)  # the kept head moved
+        moved = _points(reader)
+    finally:
+        await channel.close()
+        await running.stop(0)
+    name = "context_engine.build.kept_head_retries"
+    assert _total(confirmed, name) == _total(before, name)
+    assert _total(moved, name, why="moved") - _total(confirmed, name, why="moved") == 1
 
 
 async def test_a_retried_start_run_counts_its_run_and_rotation_once(

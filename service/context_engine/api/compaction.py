@@ -199,4 +199,7 @@ async def commit_compaction(
             request_sha256,
             response,
         )
+    engine.checkpoint_written(
+        tenant_id, session_id, run_id, expected_version, new_checkpoint.version
+    )
     return Committed(response, record.depth)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from functools import partial
 from typing import Any, Literal
@@ -64,7 +64,13 @@ from ..store import skills as skill_store
 from ..store.batches import Batcher
 from ..store.db import acquire, transaction
 from ..store.events import EVENT_TYPE_OF_ITEM, NewEvent, item_payload
-from ..store.records import NO_SESSION, PERSON_ERASED, PLAN_INVALIDATED, RequestRecord
+from ..store.records import (
+    NO_SESSION,
+    PERSON_ERASED,
+    PLAN_INVALIDATED,
+    STALE_HEAD,
+    RequestRecord,
+)
 from . import log_tail
 from . import usage as usage_api
 from . import working_state as ws_api
@@ -166,8 +172,9 @@ class Engine:
         # taking a quarter of it. A replica serves any number of sessions.
         self._plans = Kept(max_weight=cache_bytes // 4)
         self._kept = Kept(max_weight=cache_bytes - cache_bytes // 4)
-        # Build's two round trips, shared by the Builds that arrive while one is in flight
-        # (store/batches.py): under load one statement and one commit serve many Builds.
+        # Build's round trips (its head read, skipped for a kept head, and its record),
+        # shared by the Builds that arrive while one is in flight (store/batches.py): under
+        # load one statement and one commit serve many Builds.
         self._read_heads: Batcher[tuple[str, UUID], Any] = Batcher(self._head_rows)
         self._record_requests: Batcher[RequestRecord, int] = Batcher(
             partial(records.record_requests, pool)
@@ -265,6 +272,45 @@ class Engine:
         # Its response says created=false, so only this call knows it started an epoch.
         _count_rotation(rotated)
         return rotated, False, rotated.plan.spec_sha256 == candidate.spec_sha256
+
+    # --- the run heads a replica keeps for Build (docs/architecture.md, A Build) ---------
+
+    def _kept_head(self, tenant: str, session_id: UUID, run_id: UUID) -> runs.RunHead | None:
+        heads: _Heads | None = self._kept.get(("heads", tenant, session_id))
+        return heads.by_run.get(run_id) if heads is not None else None
+
+    def _keep_head(self, tenant: str, session_id: UUID, head: runs.RunHead) -> None:
+        key = ("heads", tenant, session_id)
+        heads: _Heads = self._kept.get(key) or _Heads()
+        if not heads.spread:
+            heads.by_run[head.run.run_id] = head
+            self._kept.put(key, heads, approximate_bytes(heads))
+
+    def _heads_spread(self, tenant: str, session_id: UUID) -> None:
+        """Another replica moved a head this one kept: the session's calls are spread over
+        replicas, so its Builds here read their heads, as a kept head would mostly be stale
+        (each stale one is a Build assembled twice)."""
+        self._kept.put(("heads", tenant, session_id), _Heads(spread=True), _HEADS_WEIGHT)
+
+    def checkpoint_written(
+        self, tenant: str, session_id: UUID, run_id: UUID, expected: int, written: int
+    ) -> None:
+        """A write through this replica made checkpoint `written` of a run at `expected`: a
+        head kept at `expected` moves with it, so the run's next Build still confirms its
+        head rather than finding it stale and building twice (Engine.build). Other heads
+        are left as they are; the record confirms whatever a Build uses."""
+        head = self._kept_head(tenant, session_id, run_id)
+        if head is not None and head.latest_version == expected < written:
+            self._keep_head(tenant, session_id, replace(head, latest_version=written))
+
+    def forget_heads(self, tenant: str, session_id: UUID) -> None:
+        """A write through this replica that may move the heads of a session's runs (a
+        plan, a rotation, a run's start, a skill loaded, an erasure): their next Builds
+        here read them afresh rather than find them stale. A session whose calls were seen
+        spread over replicas stays so."""
+        heads: _Heads | None = self._kept.get(("heads", tenant, session_id))
+        if heads is not None and not heads.spread:
+            self._kept.drop(("heads", tenant, session_id))
 
     def forget_cached_plans(self, tenant: str, session_id: UUID) -> None:
         """Drop this replica's cached plans of a session (an erasure rewrote them)."""
@@ -770,6 +816,9 @@ class Engine:
             await idempotency.remember_response(
                 conn, tenant, session_id, idempotency_key, "AppendItems", request_sha256, result
             )
+        self.checkpoint_written(
+            tenant, session_id, run_id, expected_version, new_checkpoint.version
+        )
         return result
 
     async def _pinned_factor(self, conn: Any, tenant: str, session_id: UUID, epoch: int) -> int:
@@ -870,15 +919,74 @@ class Engine:
         core/build_record.py, Rules 7 and 8). `delegated_messages` reads a child run's user
         messages as its parent's (core/seeding.py, Rule 4); False: as the user's, as
         context-assembler@2 and older did.
+
+        A recording Build of a run this replica has built before is made from the run head
+        it kept, which the record confirms in the same round trip (store/records.py): if
+        the head has moved, nothing was written and the Build is made again from a head
+        read afresh, as is one whose kept head led to a refusal.
         """
-        async with telemetry.span("store.read"):
-            # Builds made while another's head read is in flight share the next one.
-            row = await self._read_heads((tenant, run_id))
+        attempt = partial(
+            self._build,
+            tenant,
+            session_id,
+            run_id,
+            checkpoint_version,
+            now,
+            step,
+            epoch=epoch,
+            record=record,
+            skills_loaded=skills_loaded,
+            breakpoint_budget=breakpoint_budget,
+            image_tokens=image_tokens,
+            inline_maximum_bytes=inline_maximum_bytes,
+            failed_result_line=failed_result_line,
+            delegated_messages=delegated_messages,
+        )
+        kept = self._kept_head(tenant, session_id, run_id) if record else None
+        # A lineage behind is continued from a head read afresh.
+        if kept is not None and not kept.behind:
             try:
-                head = runs.run_head_of(row, session_id, run_id)
-            except NotFoundError:
-                await self.get_plan(tenant, session_id)  # an unknown session is named first
-                raise
+                return await attempt(kept)
+            except _StaleHead:
+                telemetry.record_kept_head_retry("moved")
+                self._heads_spread(tenant, session_id)
+            except RequestError:
+                telemetry.record_kept_head_retry("refused")
+                self.forget_heads(tenant, session_id)
+        return await attempt(None)
+
+    async def _build(
+        self,
+        tenant: str,
+        session_id: UUID,
+        run_id: UUID,
+        checkpoint_version: int,
+        now: datetime | None,
+        step: StepContext,
+        kept: runs.RunHead | None,
+        *,
+        epoch: int,
+        record: bool,
+        skills_loaded: int | None,
+        breakpoint_budget: int | Literal["registry"] | None,
+        image_tokens: int | None,
+        inline_maximum_bytes: int | None,
+        failed_result_line: bool,
+        delegated_messages: bool,
+    ) -> BuildResult:
+        """build() from the `kept` head, which the record must confirm (_StaleHead if it
+        does not; nothing is written before then), or from a head read now (None)."""
+        async with telemetry.span("store.read"):
+            if kept is not None:
+                head = kept
+            else:
+                # Builds made while another's head read is in flight share the next one.
+                row = await self._read_heads((tenant, run_id))
+                try:
+                    head = runs.run_head_of(row, session_id, run_id)
+                except NotFoundError:
+                    await self.get_plan(tenant, session_id)  # an unknown session is named first
+                    raise
             run, skills = head.run, head.skills_loaded
             version = checkpoint_version or head.latest_version
             below = seed_cut(run.seed_event_sequence)
@@ -921,7 +1029,10 @@ class Engine:
         stored = await self.get_plan(
             tenant, session_id, epoch or head.effective_epoch, head.plans_revision
         )
-        if record and (head.behind or stored.plan.invalidated):
+        moved = record and (head.behind or stored.plan.invalidated)
+        if moved:
+            if kept is not None:
+                raise _StaleHead  # a write: made only from a head read afresh
             stored = await self._bring_up_to_date(tenant, session_id, run_id)
         telemetry.annotate(epoch=stored.plan.epoch, prefix_sha256=stored.plan.prefix_sha256)
         plan = stored.plan
@@ -962,7 +1073,7 @@ class Engine:
                 inputs = await self._carried_reaching(tenant, session_id, inputs, carried)
             assembled = telemetry.traced("assemble", assemble)(inputs)
         except BudgetExceededError as exc:
-            if record:
+            if record and kept is None:  # from a kept head, build() decides it afresh
                 await self._record_budget_exceeded(
                     tenant, session_id, run_id, plan, exc, checkpoint
                 )
@@ -1013,7 +1124,6 @@ class Engine:
         )
         # context.budget.pressure precedes the request it shaped; with no request (the body
         # needs compaction) it is the only record of this Build. One round trip: see
-        # migrations/0005_record_request.sql for the lock, the erasure fence and the binding.
         # migrations/0005_record_request.sql for the lock, the erasure fence and the binding;
         # Builds made while another's record is in flight share the next round trip (0011).
         async with telemetry.span("store.write"):
@@ -1028,8 +1138,15 @@ class Engine:
                     snapshot_id=plan.snapshot_id,
                     recall_trace_id=plan.recall_trace_id,
                     request=payload if assembled.request is not None else None,
+                    head_state=head.state if kept is not None else None,
+                    # What the kept head says only matters when it chose the checkpoint.
+                    latest_version=(
+                        head.latest_version if kept is not None and not checkpoint_version else None
+                    ),
                 )
             )
+        if seq == STALE_HEAD:
+            raise _StaleHead
         if seq == PLAN_INVALIDATED:
             # The erasure may have run on another replica: re-read plans on the retry.
             self.forget_cached_plans(tenant, session_id)
@@ -1050,6 +1167,10 @@ class Engine:
             raise NotFoundError(
                 f"session {session_id} not found", field="session_id", reason="SESSION_NOT_FOUND"
             )
+        if kept is None and not moved:
+            # The head this Build was made from, for the run's next Build to confirm; not
+            # one this Build has just moved on (a lineage continued, a plan replaced).
+            self._keep_head(tenant, session_id, head)
         return BuildResult(assembled, plan, checkpoint.version, seq, rendered)
 
     async def _record_budget_exceeded(
@@ -1109,6 +1230,22 @@ async def _fence_snapshot(conn: Any, tenant: str, spec: PlanSpec) -> None:
             field=f"spec.snapshot.items[{index}].person_ids",
             reason="PERSON_ERASED",
         )
+
+
+@dataclass
+class _Heads:
+    """The run heads a replica keeps for a session's Builds, by run; none once another
+    replica was seen moving one (`spread`: Engine._heads_spread)."""
+
+    by_run: dict[UUID, runs.RunHead] = field(default_factory=dict)
+    spread: bool = False
+
+
+_HEADS_WEIGHT = 64  # a spread session's entry: a marker, no heads
+
+
+class _StaleHead(Exception):
+    """A Build made from a kept run head that the record found moved: nothing was written."""
 
 
 def _as_state(exc: RequestError, rebuilt: str) -> RequestError:

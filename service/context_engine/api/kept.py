@@ -95,6 +95,12 @@ class Kept:
             _, (_, dropped) = self._entries.popitem(last=False)
             self._weight -= dropped
 
+    def drop(self, key: Hashable) -> None:
+        """Forget the entry under `key`, if any."""
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._weight -= entry[1]
+
     def drop_where(self, doomed: Callable[[Hashable], bool]) -> None:
         """Forget every entry whose key `doomed` names."""
         for key in [k for k in self._entries if doomed(k)]:

@@ -53,6 +53,7 @@ class ContextEngineServicer(
             raise InvalidFieldError("spec is required", field="spec")
         spec = convert.plan_spec_from_proto(request.spec, self.engine.default_policy)
         stored, created, matches = await self.engine.plan(tenant, session_id, spec)
+        self.engine.forget_heads(tenant, session_id)
         return pb.PlanResponse(
             plan=convert.plan_to_proto(stored.plan, stored.created_at),
             created=created,
@@ -109,6 +110,7 @@ class ContextEngineServicer(
         # (a rotation without spec continues the others when next used, and the call that
         # does counts each: store/plans.py); a replay answers with the plan the first call
         # made but rotated nothing.
+        self.engine.forget_heads(tenant, session_id)
         if replayed:
             telemetry.record_replay("rotation")
         else:
@@ -158,6 +160,9 @@ class ContextEngineServicer(
             _request_sha256(request),
             admission,
         )
+        # A rotation at the admission, or a child pinning its parent's lineage, moves other
+        # runs' heads: the session's next Builds here read them.
+        self.engine.forget_heads(tenant, session_id)
         run = pb.Run(
             run_id=str(started.run_id),
             session_id=str(started.session_id),

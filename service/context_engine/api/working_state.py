@@ -232,6 +232,7 @@ async def update_working_state(
             request_sha256,
             result,
         )
+    engine.checkpoint_written(tenant_id, session_id, run_id, expected_version, version)
     return result
 
 

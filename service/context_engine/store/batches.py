@@ -1,7 +1,8 @@
 """Calls that arrive while a round trip is in flight share the next one.
 
-A Build makes two round trips it cannot skip: it reads its run's head and it records its
-request. Under load most of what they cost is per round trip, not per row: on the
+A Build makes at most two round trips: it reads its run's head (unless the replica kept it
+from the run's previous Build, which the record then confirms: store/records.py) and it
+records its request. Under load most of what they cost is per round trip, not per row: on the
 client, a pooled connection acquired and released, a statement bound, sent and parsed,
 the event loop woken for each; in PostgreSQL, a statement planned and executed and, for a
 write, a transaction committed (a WAL flush). Measured on this project's benchmark host,

@@ -3,7 +3,15 @@
 record_requests is store/batches.py's round trip for Engine.build: the records of the
 Builds that queued while the last round trip was in flight, in one statement and one
 transaction. Each answer is the record's model.request.started sequence or one of
-record_model_request's refusal codes (REFUSALS), the engine's to turn into an error.
+record_model_request's refusal codes, the engine's to turn into an error.
+
+A record may carry the run head its Build was made from, kept by the replica rather than
+read for this Build (Engine.build): the statement then records it only if the run's head
+is still that one, read just before the record's session lock is taken (migrations/0013),
+and answers STALE_HEAD, writing nothing, if not. So a Build of a run this replica has
+built before makes one round trip, not two; the engine builds again from a fresh head when
+the kept one is stale. A head read in its own round trip is as old as the time between
+that read and the record; a confirmed one is newer.
 """
 
 from __future__ import annotations
@@ -17,10 +25,19 @@ import asyncpg
 
 from .db import StoreUnavailableError, acquire
 
-__all__ = ["NO_SESSION", "PERSON_ERASED", "PLAN_INVALIDATED", "RequestRecord", "record_requests"]
+__all__ = [
+    "NO_SESSION",
+    "PERSON_ERASED",
+    "PLAN_INVALIDATED",
+    "STALE_HEAD",
+    "RequestRecord",
+    "record_requests",
+]
 
 # record_model_request's refusals (migrations/0005 and 0008): nothing of the record lands.
 PLAN_INVALIDATED, NO_SESSION, PERSON_ERASED = -1, -2, -3
+# This module's own refusal: the record's kept head is no longer the run's; nothing lands.
+STALE_HEAD = -4
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +53,31 @@ class RequestRecord:
     snapshot_id: str
     recall_trace_id: str
     request: dict[str, Any] | None  # model.request.started; None: it needs compaction
+    # The kept head the Build was made from, to confirm (None: a head read for this Build):
+    # its RunHead.state, and its latest checkpoint version when the Build took the latest.
+    head_state: str | None = None
+    latest_version: int | None = None
+
+    @property
+    def confirms_head(self) -> bool:
+        return self.head_state is not None
 
 
 _ONE = "SELECT record_model_request($1, $2, $3, $4, $5, $6, $7, $8, $9)"
 _MANY = (
     "SELECT record_model_requests($1::text[], $2::uuid[], $3::bigint[], $4::uuid[],"
     " $5::jsonb[], $6::jsonb[], $7::text[], $8::text[], $9::jsonb[])"
+)
+
+# The same, confirming the records' kept heads (arguments 10 and 11, migrations/0013):
+# STALE_HEAD, nothing written, for a record whose head moved.
+_ONE_CONFIRMING = (
+    "SELECT record_model_request_confirmed($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
+)
+_CONFIRMING = (
+    "SELECT record_model_requests_confirmed($1::text[], $2::uuid[], $3::bigint[],"
+    " $4::uuid[], $5::jsonb[], $6::jsonb[], $7::text[], $8::text[], $9::jsonb[], $10::text[],"
+    " $11::bigint[])"
 )
 
 
@@ -73,8 +109,12 @@ async def record_requests(pool: Any, records: Sequence[RequestRecord]) -> list[i
     order = sorted(range(len(records)), key=lambda n: (records[n].tenant_id, records[n].session_id))
     ordered = [records[n] for n in order]
     try:
+        answers: list[int | Exception]
         if len(ordered) == 1:
-            answers: list[int | Exception] = [await _one(pool, ordered[0])]
+            answers = [await _one(pool, ordered[0])]
+        elif any(r.confirms_head for r in ordered):
+            async with acquire(pool) as conn:
+                answers = await _confirming(conn, ordered)
         else:
             async with acquire(pool) as conn:
                 answers = list(await conn.fetchval(_MANY, *_columns(ordered)))
@@ -91,8 +131,18 @@ async def record_requests(pool: Any, records: Sequence[RequestRecord]) -> list[i
 
 
 async def _one(pool: Any, record: RequestRecord) -> int:
+    arguments = [c[0] for c in _columns([record])]
     async with acquire(pool) as conn:
-        return int(await conn.fetchval(_ONE, *(c[0] for c in _columns([record]))))
+        if record.confirms_head:
+            confirming = (*arguments, record.head_state, record.latest_version)
+            return int(await conn.fetchval(_ONE_CONFIRMING, *confirming))
+        return int(await conn.fetchval(_ONE, *arguments))
+
+
+async def _confirming(conn: Any, records: Sequence[RequestRecord]) -> list[int | Exception]:
+    """Each record written if its kept head holds, else answered STALE_HEAD (0013)."""
+    heads = [r.head_state for r in records], [r.latest_version for r in records]
+    return list(await conn.fetchval(_CONFIRMING, *_columns(records), *heads))
 
 
 async def _alone(pool: Any, record: RequestRecord) -> int | Exception:

@@ -120,7 +120,8 @@ async def read_checkpoint(conn: Any, tenant_id: str, run_id: UUID, version: int 
 
 # What a Build reads first of a run `r` (read_run_head, read_run_heads); every subquery an
 # index probe (migrations/0010), which tests/integration/test_plan_service.py checks with
-# EXPLAIN.
+# EXPLAIN. migrations/0013's run_head_state and run_latest_version read the same (a change
+# here is a change there: tests/integration/test_kept_heads.py compares them).
 _HEAD_COLUMNS = (
     "r.session_id, r.parent_run_id, r.seed_event_sequence, r.epoch,"
     " (SELECT max(c.version) FROM run_checkpoints c"
@@ -158,6 +159,14 @@ class RunHead:
     # The session's latest sweep (store/plans.py), 0 for none: the run's lineage is behind
     # while its head, effective_epoch, is older.
     sweep_epoch: int = 0
+
+    @property
+    def state(self) -> str:
+        """What a Build made from this head depends on besides the checkpoint version, as
+        migrations/0013's run_head_state reads it: a record confirms a kept head with it
+        (store/records.py)."""
+        parts = (self.effective_epoch, self.skills_loaded, self.plans_revision, self.sweep_epoch)
+        return "/".join(map(str, parts))
 
     @property
     def behind(self) -> bool:

@@ -1,0 +1,259 @@
+"""A replica's later Builds of a run are made from the run head it kept, confirmed by the
+record in the same round trip (api/engine.py Engine.build, store/records.py): one round
+trip, not two. A head another replica moved meanwhile (items appended, the plan rotated)
+writes nothing and is built again from a fresh read, so the answer is what a Build that
+read the head would give; the SQL that confirms a head reads what the head read reads."""
+
+from __future__ import annotations
+
+from typing import Any
+from uuid import UUID
+
+import pytest
+
+from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+
+from .helpers import (
+    TENANT,
+    append_items,
+    assistant,
+    build_request,
+    heads_agree,
+    new_id,
+    open_session,
+    replica,
+    spec,
+    start_run,
+    update_state,
+)
+
+
+@pytest.fixture
+async def two(pool: Any) -> Any:
+    """Two replicas over one database: (stub, engine) each."""
+    made = [await replica(pool), await replica(pool)]
+    yield [(stub, running.engine) for stub, _, running in made]
+    for _, channel, running in made:
+        await channel.close()
+        await running.stop(0)
+
+
+async def _requests(pool: Any, session_id: str) -> list[dict[str, Any]]:
+    rows = await pool.fetch(
+        "SELECT payload FROM session_events WHERE tenant_id = $1 AND session_id = $2"
+        " AND type = 'model.request.started' ORDER BY sequence",
+        TENANT,
+        UUID(session_id),
+    )
+    return [r["payload"] for r in rows]
+
+
+def _texts(response: pb.BuildResponse) -> str:
+    return " ".join(b.text for m in response.request.messages for b in m.blocks)
+
+
+def _with_skill() -> pb.PlanSpec:
+    out = spec()
+    out.skills.append(
+        pb.SkillCatalogEntry(name="trip-planning", description="Plans trips.", version="1")
+    )
+    return out
+
+
+def _new_agent() -> pb.PlanSpec:
+    out = _with_skill()
+    out.agent.version, out.agent.instructions = "4", "New instructions."
+    return out
+
+
+def _rotation(session_id: str, from_epoch: int) -> pb.RotateRequest:
+    return pb.RotateRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        from_epoch=from_epoch,
+        reason=pb.PLAN_REASON_AGENT_CHANGED,
+        spec=_new_agent(),
+    )
+
+
+def _load_skill(session_id: str, run_id: str) -> pb.LoadSkillRequest:
+    return pb.LoadSkillRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        name="trip-planning",
+        body="Always compare two routes.",
+        trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION,
+        run_id=run_id,
+    )
+
+
+async def test_a_second_build_of_a_run_reads_no_head(two: Any, pool: Any) -> None:
+    (stub, engine), _ = two
+    session_id, _ = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "first question")).run.run_id
+    reads = engine._read_heads.calls
+    first = await stub.Build(build_request(session_id, run_id))
+    second = await stub.Build(build_request(session_id, run_id))
+    assert engine._read_heads.calls == reads + 1  # the second confirmed the kept head
+    assert second.request_sha256 == first.request_sha256
+    assert second.request_sequence > first.request_sequence
+    recorded = await _requests(pool, session_id)
+    assert [r["request_sha256"] for r in recorded] == [first.request_sha256] * 2
+
+
+async def test_writes_through_the_replica_move_its_kept_head(two: Any) -> None:
+    """A run's steps through one replica: each Build after an append (or a working-state
+    update) confirms the head the write moved, building the new checkpoint."""
+    (stub, engine), _ = two
+    session_id, _ = await open_session(stub)
+    started = await start_run(stub, session_id, "first question")
+    run_id = started.run.run_id
+    await stub.Build(build_request(session_id, run_id))
+    reads = engine._read_heads.calls
+    appended = await append_items(
+        stub, session_id, run_id, started.checkpoint_version, assistant("an answer")
+    )
+    built = await stub.Build(build_request(session_id, run_id))
+    assert built.checkpoint_version == appended.checkpoint_version
+    assert "an answer" in _texts(built)
+    updated = await update_state(
+        stub, session_id, run_id, appended.checkpoint_version, objective="Plan the trip."
+    )
+    built = await stub.Build(build_request(session_id, run_id))
+    assert built.checkpoint_version == updated.checkpoint_version
+    assert engine._read_heads.calls == reads  # neither Build read the head
+
+
+async def test_a_head_moved_by_another_replica_builds_the_new_checkpoint_once(
+    two: Any, pool: Any
+) -> None:
+    (a, engine), (b, _) = two
+    session_id, _ = await open_session(a)
+    started = await start_run(a, session_id, "first question")
+    run_id = started.run.run_id
+    await a.Build(build_request(session_id, run_id))  # A keeps the head: version 1
+    appended = await append_items(
+        b, session_id, run_id, started.checkpoint_version, assistant("an answer from B")
+    )
+    reads = engine._read_heads.calls
+    built = await a.Build(build_request(session_id, run_id))
+    assert built.checkpoint_version == appended.checkpoint_version
+    assert "an answer from B" in _texts(built)
+    assert engine._read_heads.calls == reads + 1  # the stale head was read afresh
+    recorded = await _requests(pool, session_id)
+    assert len(recorded) == 2, "the Build made from the stale head wrote a record"
+    assert recorded[-1]["checkpoint_version"] == appended.checkpoint_version
+
+
+async def test_a_build_of_a_named_version_is_not_moved_by_later_appends(two: Any) -> None:
+    (a, engine), (b, _) = two
+    session_id, _ = await open_session(a)
+    started = await start_run(a, session_id, "first question")
+    run_id, version = started.run.run_id, started.checkpoint_version
+    first = await a.Build(build_request(session_id, run_id, version))
+    await append_items(b, session_id, run_id, version, assistant("later"))
+    reads = engine._read_heads.calls
+    again = await a.Build(build_request(session_id, run_id, version))
+    assert engine._read_heads.calls == reads  # the version was named: the head still holds
+    assert again.checkpoint_version == version
+    assert again.request_sha256 == first.request_sha256
+
+
+async def test_a_plan_rotated_by_another_replica_is_built_on(two: Any) -> None:
+    (a, _), (b, _) = two
+    session_id, plan = await open_session(a)
+    run_id = (await start_run(a, session_id, "first question")).run.run_id
+    await a.Build(build_request(session_id, run_id))
+    rotated = await b.Rotate(_rotation(session_id, plan.epoch))
+    assert rotated.plan.epoch > plan.epoch
+    built = await a.Build(build_request(session_id, run_id))
+    assert built.epoch == rotated.plan.epoch
+    assert built.prefix_sha256 == rotated.plan.prefix_sha256
+
+
+async def test_a_skill_loaded_through_another_replica_is_built_with(two: Any) -> None:
+    (a, _), (b, _) = two
+    session_id = new_id()
+    await a.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=_with_skill()))
+    run_id = (await start_run(a, session_id, "first question")).run.run_id
+    await a.Build(build_request(session_id, run_id))
+    await b.LoadSkill(_load_skill(session_id, run_id))
+    built = await a.Build(build_request(session_id, run_id))
+    assert "Always compare two routes." in _texts(built)
+
+
+async def test_the_confirming_sql_reads_what_the_head_read_reads(two: Any, pool: Any) -> None:
+    """migrations/0013's run_head_state and run_latest_version against store/runs.py's
+    head read, through the states a head moves by: appends, a rotation, a skill loaded, an
+    erasure's revision bump (plans_revision written as an erasure writes it). Forks,
+    continued lineages and sweeps: tests/integration/test_plan_service.py."""
+    (stub, _), _ = two
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=_with_skill()))
+    started = await start_run(stub, session_id, "first question")
+    run_id = UUID(started.run.run_id)
+
+    async def agree() -> None:
+        assert await heads_agree(pool, session_id) == 1
+
+    await agree()
+    await append_items(
+        stub, session_id, str(run_id), started.checkpoint_version, assistant("an answer")
+    )
+    await agree()
+    await stub.Rotate(_rotation(session_id, 1))
+    await agree()
+    await stub.LoadSkill(_load_skill(session_id, str(run_id)))
+    await agree()
+    await pool.execute(
+        "UPDATE sessions SET plans_revision = plans_revision + 1"
+        " WHERE tenant_id = $1 AND session_id = $2",
+        TENANT,
+        UUID(session_id),
+    )
+    await agree()
+
+
+async def test_a_session_seen_spread_over_replicas_reads_its_heads(two: Any) -> None:
+    """Once another replica moved a head this one kept, the session's Builds here read
+    their heads (Engine._heads_spread): each would otherwise be assembled twice."""
+    (a, engine), (b, _) = two
+    session_id, _ = await open_session(a)
+    started = await start_run(a, session_id, "first question")
+    run_id, version = started.run.run_id, started.checkpoint_version
+    await a.Build(build_request(session_id, run_id))
+    for n in range(3):
+        version = (
+            await append_items(b, session_id, run_id, version, assistant(f"answer {n}"))
+        ).checkpoint_version
+        reads, records = engine._read_heads.calls, engine._record_requests.calls
+        built = await a.Build(build_request(session_id, run_id))
+        assert built.checkpoint_version == version
+        assert engine._read_heads.calls == reads + 1
+        # The first found its kept head moved (a record refused, then one made); after it,
+        # one record per Build.
+        assert engine._record_requests.calls == records + (2 if n == 0 else 1)
+
+
+async def test_writes_through_the_replica_that_move_heads_do_not_spread_the_session(
+    two: Any,
+) -> None:
+    """A skill loaded or a plan rotated through this replica drops the heads it kept for
+    the session, so the next Build reads its head (not a stale attempt) and the one after
+    confirms it again."""
+    (a, engine), _ = two
+    session_id = new_id()
+    plan = await a.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=_with_skill()))
+    run_id = (await start_run(a, session_id, "first question")).run.run_id
+    await a.Build(build_request(session_id, run_id))
+    writes = (
+        lambda: a.LoadSkill(_load_skill(session_id, run_id)),
+        lambda: a.Rotate(_rotation(session_id, plan.plan.epoch)),
+    )
+    for write in writes:
+        await write()
+        reads, records = engine._read_heads.calls, engine._record_requests.calls
+        await a.Build(build_request(session_id, run_id))
+        await a.Build(build_request(session_id, run_id))
+        assert engine._read_heads.calls == reads + 1
+        assert engine._record_requests.calls == records + 2
