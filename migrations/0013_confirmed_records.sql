@@ -97,9 +97,10 @@ $$;
 -- records them (the people fences first, then each record in the order given), in one
 -- transaction.
 --
--- Each head is read before that record's session lock is taken: a write committed after
--- the read is not seen, as it would not have been by a head read in a round trip of its
--- own before the record (store/records.py).
+-- Each head is read before that record's session lock is taken (or, for a session's
+-- later records in a batch, while this transaction holds it): a write committed after the
+-- read is not seen, as it would not have been by a head read in a round trip of its own
+-- before the record (store/records.py).
 CREATE FUNCTION record_model_requests_confirmed(
     p_tenant      text[],
     p_session     uuid[],

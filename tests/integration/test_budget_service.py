@@ -314,6 +314,8 @@ async def test_a_refusal_built_from_a_kept_head_is_recorded_once(
     run_id = await _start(stub, tenant, session_id, "Plan the trip.")
     await _build(stub, tenant, session_id, run_id)  # the replica keeps the run's head
     await _long_objective(stub, tenant, session_id, run_id)
+    kept = running.engine._heads(tenant, UUID(session_id))
+    assert kept is not None and UUID(run_id) in kept.by_run  # what the Build is made from
     reads = running.engine._read_heads.calls
     running.engine._token_counter = lambda model_id: len  # as in the test above
     with pytest.raises(grpc.aio.AioRpcError) as caught:

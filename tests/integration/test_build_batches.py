@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from dataclasses import replace
 from typing import Any
 from uuid import UUID
 
@@ -15,8 +16,8 @@ import asyncpg
 import pytest
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
-from context_engine.store import records
-from context_engine.store.records import NO_SESSION, PERSON_ERASED, RequestRecord
+from context_engine.store import records, runs
+from context_engine.store.records import NO_SESSION, PERSON_ERASED, STALE_HEAD, RequestRecord
 
 from .helpers import TENANT, assistant, new_id, open_session, replica, start_run
 
@@ -154,3 +155,37 @@ async def test_refusal_codes_in_a_batch_stop_no_other_record(stub: Any, pool: An
     assert await _probes(pool, session_id) == [answers[0], answers[4]]
     assert answers[0] < answers[4]  # type: ignore[operator]
     assert await _probes(pool, other_session) == [answers[3]]
+
+
+async def test_records_confirming_kept_heads_land_only_where_the_head_holds(
+    stub: Any, pool: Any
+) -> None:
+    """store/records.py, migrations/0013: a record carrying the head its Build was made
+    from lands only while that head is the run's (its state, and its latest checkpoint
+    version when given); one whose head moved is answered STALE_HEAD and writes nothing,
+    alone or in a batch beside records that land."""
+    (session_id, run_id), (other_session, other_run) = await _runs(stub, 2, 1)
+    head = await runs.read_run_head(pool, TENANT, UUID(session_id), UUID(run_id))
+
+    def confirming(latest: int | None, state: str = head.state) -> RequestRecord:
+        plain = _record(session_id, run_id)
+        return replace(plain, head_state=state, latest_version=latest)
+
+    moved_state = f"{head.effective_epoch}/{head.skills_loaded + 1}/0/0"
+    batch = [
+        confirming(head.latest_version),  # holds
+        confirming(head.latest_version + 1),  # a newer checkpoint than there is
+        confirming(None, moved_state),  # a skill more than the session has
+        confirming(None),  # holds; the Build named its version
+        _record(other_session, other_run),  # carries no head
+    ]
+    answers = await records.record_requests(pool, batch)
+    assert answers[1] == STALE_HEAD and answers[2] == STALE_HEAD
+    assert await _probes(pool, session_id) == [answers[0], answers[3]]
+    assert await _probes(pool, other_session) == [answers[4]]
+    # Alone, through the one-record statement.
+    assert await records.record_requests(pool, [confirming(head.latest_version + 1)]) == [
+        STALE_HEAD
+    ]
+    (alone,) = await records.record_requests(pool, [confirming(head.latest_version)])
+    assert await _probes(pool, session_id) == [answers[0], answers[3], alone]

@@ -103,8 +103,9 @@ async def test_a_second_build_of_a_run_reads_no_head(two: Any, pool: Any) -> Non
 
 async def test_writes_through_the_replica_move_its_kept_head(two: Any) -> None:
     """A run's steps through one replica: each Build after an append (or a working-state
-    update) confirms the head the write moved, building the new checkpoint."""
-    (stub, engine), _ = two
+    update) confirms the head the write moved and builds the checkpoint the write kept,
+    the same bytes another replica builds from the checkpoint it reads."""
+    (stub, engine), (other, _) = two
     session_id, _ = await open_session(stub)
     started = await start_run(stub, session_id, "first question")
     run_id = started.run.run_id
@@ -122,6 +123,9 @@ async def test_writes_through_the_replica_move_its_kept_head(two: Any) -> None:
     built = await stub.Build(build_request(session_id, run_id))
     assert built.checkpoint_version == updated.checkpoint_version
     assert engine._read_heads.calls == reads  # neither Build read the head
+    read = await other.Build(build_request(session_id, run_id, updated.checkpoint_version))
+    assert read.request_sha256 == built.request_sha256
+    assert read.provider_payload == built.provider_payload
 
 
 async def test_a_head_moved_by_another_replica_builds_the_new_checkpoint_once(
@@ -257,3 +261,25 @@ async def test_writes_through_the_replica_that_move_heads_do_not_spread_the_sess
         await a.Build(build_request(session_id, run_id))
         assert engine._read_heads.calls == reads + 1
         assert engine._record_requests.calls == records + 2
+
+
+async def test_a_head_moved_by_this_replicas_own_write_does_not_spread_the_session(
+    two: Any,
+) -> None:
+    """A Build made from a kept head while a write through the same replica moved it (the
+    write landed between the Build's start and its record) finds it moved; that is the
+    replica's own write, not another replica's, so the session keeps its heads."""
+    (stub, engine), _ = two
+    session_id, _ = await open_session(stub)
+    started = await start_run(stub, session_id, "first question")
+    run_id = started.run.run_id
+    await stub.Build(build_request(session_id, run_id))
+    heads = engine._heads(TENANT, UUID(session_id))
+    writes = heads.writes  # what a Build beginning now sees
+    await append_items(stub, session_id, run_id, started.checkpoint_version, assistant("a"))
+    engine._head_moved(TENANT, UUID(session_id), heads, writes)
+    assert not engine._heads(TENANT, UUID(session_id)).spread
+    # With no write through this replica in between, it is another replica's.
+    heads = engine._heads(TENANT, UUID(session_id))
+    engine._head_moved(TENANT, UUID(session_id), heads, heads.writes)
+    assert engine._heads(TENANT, UUID(session_id)).spread

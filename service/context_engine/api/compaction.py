@@ -199,7 +199,5 @@ async def commit_compaction(
             request_sha256,
             response,
         )
-    engine.checkpoint_written(
-        tenant_id, session_id, run_id, expected_version, new_checkpoint.version
-    )
+    engine.checkpoint_written(tenant_id, session_id, new_checkpoint, expected_version)
     return Committed(response, record.depth)

@@ -275,46 +275,68 @@ class Engine:
 
     # --- the run heads a replica keeps for Build (docs/architecture.md, A Build) ---------
 
-    def _kept_head(self, tenant: str, session_id: UUID, run_id: UUID) -> runs.RunHead | None:
+    def _heads(self, tenant: str, session_id: UUID) -> _Heads | None:
         heads: _Heads | None = self._kept.get(("heads", tenant, session_id))
-        return heads.by_run.get(run_id) if heads is not None else None
+        return heads
+
+    def _put_heads(self, tenant: str, session_id: UUID, heads: _Heads) -> None:
+        self._kept.put(("heads", tenant, session_id), heads, approximate_bytes(heads))
 
     def _keep_head(self, tenant: str, session_id: UUID, head: runs.RunHead) -> None:
-        key = ("heads", tenant, session_id)
-        heads: _Heads = self._kept.get(key) or _Heads()
-        if not heads.spread:
+        heads = self._heads(tenant, session_id) or _Heads()
+        kept = heads.by_run.get(head.run.run_id)
+        # A Build read before this replica's own append may finish after it: keep the newer.
+        if not heads.spread and (kept is None or kept.latest_version <= head.latest_version):
             heads.by_run[head.run.run_id] = head
-            self._kept.put(key, heads, approximate_bytes(heads))
-
-    def _heads_spread(self, tenant: str, session_id: UUID) -> None:
-        """Another replica moved a head this one kept: the session's calls are spread over
-        replicas, so its Builds here read their heads, as a kept head would mostly be stale
-        (each stale one is a Build assembled twice)."""
-        self._kept.put(("heads", tenant, session_id), _Heads(spread=True), _HEADS_WEIGHT)
+            self._put_heads(tenant, session_id, heads)
 
     def checkpoint_written(
-        self, tenant: str, session_id: UUID, run_id: UUID, expected: int, written: int
+        self, tenant: str, session_id: UUID, checkpoint: Checkpoint, expected: int
     ) -> None:
-        """A write through this replica made checkpoint `written` of a run at `expected`: a
-        head kept at `expected` moves with it, so the run's next Build still confirms its
-        head rather than finding it stale and building twice (Engine.build). Other heads
-        are left as they are; the record confirms whatever a Build uses."""
-        head = self._kept_head(tenant, session_id, run_id)
-        if head is not None and head.latest_version == expected < written:
-            self._keep_head(tenant, session_id, replace(head, latest_version=written))
+        """A write through this replica made `checkpoint` of its run from version
+        `expected`: it is kept, as read back (so the run's next Build reads no checkpoint),
+        and a head kept at `expected` moves with it (so that Build confirms its head rather
+        than finding it stale and building twice: Engine.build)."""
+        run_id = UUID(checkpoint.run_id)
+        stored = Checkpoint.model_validate(checkpoint.model_dump(mode="json"))
+        self._kept.put(
+            ("checkpoint", tenant, run_id, stored.version), stored, approximate_bytes(stored)
+        )
+        heads = self._heads(tenant, session_id)
+        if heads is None or heads.spread:
+            return
+        heads.writes += 1
+        head = heads.by_run.get(run_id)
+        if head is not None and head.latest_version == expected < stored.version:
+            heads.by_run[run_id] = replace(head, latest_version=stored.version)
+        self._put_heads(tenant, session_id, heads)
 
     def forget_heads(self, tenant: str, session_id: UUID) -> None:
         """A write through this replica that may move the heads of a session's runs (a
-        plan, a rotation, a run's start, a skill loaded, an erasure): their next Builds
-        here read them afresh rather than find them stale. A session whose calls were seen
-        spread over replicas stays so."""
-        heads: _Heads | None = self._kept.get(("heads", tenant, session_id))
+        plan, a rotation, a run's start, a skill loaded, an erasure's redaction): their next
+        Builds here read them afresh rather than find them stale. A session whose calls
+        were seen spread over replicas stays so."""
+        heads = self._heads(tenant, session_id)
         if heads is not None and not heads.spread:
-            self._kept.drop(("heads", tenant, session_id))
+            heads.by_run.clear()
+            heads.writes += 1
+            self._put_heads(tenant, session_id, heads)
+
+    def _head_moved(self, tenant: str, session_id: UUID, heads: _Heads, writes: int) -> None:
+        """A Build's kept head had moved. Unless a write through this replica since the
+        Build began explains it, another replica serves the session too: its Builds here
+        then read their heads, as a kept head would mostly be stale (each stale one is a
+        Build assembled twice)."""
+        if self._heads(tenant, session_id) is heads and heads.writes == writes:
+            self._kept.put(("heads", tenant, session_id), _Heads(spread=True), _HEADS_WEIGHT)
+        else:
+            self.forget_heads(tenant, session_id)
 
     def forget_cached_plans(self, tenant: str, session_id: UUID) -> None:
-        """Drop this replica's cached plans of a session (an erasure rewrote them)."""
+        """Drop this replica's cached plans of a session (an erasure rewrote them), and the
+        run heads it kept (the rewrite bumped the session's plans_revision)."""
         self._plans.drop_where(lambda key: key[:2] == (tenant, session_id))  # type: ignore[index]
+        self.forget_heads(tenant, session_id)
 
     async def get_plan(
         self, tenant: str, session_id: UUID, epoch: int = 0, revision: int | None = None
@@ -816,9 +838,7 @@ class Engine:
             await idempotency.remember_response(
                 conn, tenant, session_id, idempotency_key, "AppendItems", request_sha256, result
             )
-        self.checkpoint_written(
-            tenant, session_id, run_id, expected_version, new_checkpoint.version
-        )
+        self.checkpoint_written(tenant, session_id, new_checkpoint, expected_version)
         return result
 
     async def _pinned_factor(self, conn: Any, tenant: str, session_id: UUID, epoch: int) -> int:
@@ -942,17 +962,19 @@ class Engine:
             failed_result_line=failed_result_line,
             delegated_messages=delegated_messages,
         )
-        kept = self._kept_head(tenant, session_id, run_id) if record else None
+        heads = self._heads(tenant, session_id) if record else None
+        kept = heads.by_run.get(run_id) if heads is not None else None
         # A lineage behind is continued from a head read afresh.
-        if kept is not None and not kept.behind:
+        if heads is not None and kept is not None and not kept.behind:
+            writes = heads.writes
             try:
                 return await attempt(kept)
             except _StaleHead:
                 telemetry.record_kept_head_retry("moved")
-                self._heads_spread(tenant, session_id)
+                self._head_moved(tenant, session_id, heads, writes)
             except RequestError:
                 telemetry.record_kept_head_retry("refused")
-                self.forget_heads(tenant, session_id)
+                heads.by_run.pop(run_id, None)
         return await attempt(None)
 
     async def _build(
@@ -1235,10 +1257,13 @@ async def _fence_snapshot(conn: Any, tenant: str, spec: PlanSpec) -> None:
 @dataclass
 class _Heads:
     """The run heads a replica keeps for a session's Builds, by run; none once another
-    replica was seen moving one (`spread`: Engine._heads_spread)."""
+    replica was seen moving one (`spread`: Engine._heads_spread). `writes` counts the
+    session's writes through this replica that moved or dropped them, so a Build whose
+    kept head moved can tell this replica's own write from another's."""
 
     by_run: dict[UUID, runs.RunHead] = field(default_factory=dict)
     spread: bool = False
+    writes: int = 0
 
 
 _HEADS_WEIGHT = 64  # a spread session's entry: a marker, no heads

@@ -10,6 +10,8 @@ with a wider window reads further back and keeps that. The log below a later run
 extends the log below an earlier one's, so the tail read for the latest run per (session,
 floor) is kept too and extended by the events since rather than read again
 (Engine._carried). Plans are immutable per (tenant, session, epoch) and kept the same way.
+The one value kept that does change is a run's head (Engine.build): it is never trusted,
+only confirmed by the record of the Build made from it (store/records.py).
 
 The bound is on memory, in approximate bytes (`approximate_bytes`: the strings held plus a
 fixed cost per object), not on entries or items: one item can be a 3 MB tool result, so a

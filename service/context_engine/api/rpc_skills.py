@@ -54,8 +54,6 @@ class SkillsRpcs:
         tenant = convert.require_tenant(request)
         person_id = convert.require_id(request.person_id, "person_id")
         erasure = await skills_api.erase_subject(self.engine, tenant, person_id)
-        for session_id in erasure.invalidated_session_ids:
-            self.engine.forget_heads(tenant, session_id)
         return pb.EraseSubjectResponse(
             invalidated_session_ids=[str(s) for s in erasure.invalidated_session_ids],
             bound_run_ids=[str(r) for r in erasure.bound_run_ids],

@@ -213,11 +213,10 @@ async def update_working_state(
             checkpoint_version=version,
             count_tokens=count_tokens,
         )
-        await runs.insert_checkpoint(
-            conn,
-            tenant_id,
-            checkpoint.model_copy(update={"version": version, "working_state": transition.state}),
+        written = checkpoint.model_copy(
+            update={"version": version, "working_state": transition.state}
         )
+        await runs.insert_checkpoint(conn, tenant_id, written)
         result = {
             "checkpoint_version": version,
             "event_sequence": sequence,
@@ -232,7 +231,7 @@ async def update_working_state(
             request_sha256,
             result,
         )
-    engine.checkpoint_written(tenant_id, session_id, run_id, expected_version, version)
+    engine.checkpoint_written(tenant_id, session_id, written, expected_version)
     return result
 
 
