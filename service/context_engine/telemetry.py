@@ -503,13 +503,18 @@ class Telemetry:
         self.record(
             "context_engine.rpc.request.size", request_bytes, **{"rpc.method": state.method}
         )
-        fields = safe_fields(state.fields)
         current_span = trace.get_current_span()
-        if current_span.is_recording():
+        recording, logged = current_span.is_recording(), logs_rpcs()
+        if not (recording or logged):
+            return  # the fields go to a span and a log line, and neither is written
+        fields = safe_fields(state.fields)
+        if recording:
             for key, value in fields.items():
                 current_span.set_attribute(f"context_engine.{key}", value)
             if reason:
                 current_span.set_attribute("context_engine.error_reason", reason)
+        if not logged:
+            return
         line: dict[str, Any] = {
             "method": state.method,
             "code": code,

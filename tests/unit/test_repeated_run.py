@@ -7,10 +7,11 @@ sets always holds, so the fast path is the one Builds take."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from context_engine.api.convert import request_to_proto
@@ -106,3 +107,45 @@ def test_the_hint_assembly_sets_holds(sc: Scenario) -> None:
     if request.repeated.run:
         assert repeated_run(request) is request.repeated
     assert _bytes_of(request, 4) == _bytes_of(_without_hint(request), 4)
+
+
+@settings(SCENARIO_SETTINGS, max_examples=60)
+@given(_ANY_SCENARIO, st.integers(0, 4), st.data())
+def test_a_payload_hash_resumed_after_the_run_is_the_bodys_hash(
+    sc: Scenario, budget: int, data: st.DataObject
+) -> None:
+    """RenderedPayload.sha256 resumes hashing after the repeated run's turns from the state
+    kept on the run's layout (providers/layout.py StablePrefix): at the first render, at
+    the renders after it, with another head before the run (max_tokens) and another tail
+    after it (the last message gone), it is the SHA-256 of the body."""
+    request = _assembled(sc)
+    messages = request.messages
+    if data.draw(st.booleans()):  # text past ASCII: its UTF-8 bytes outnumber its characters
+        messages = tuple(
+            Message(
+                m.role,
+                tuple(replace(b, text=b.text + " é—") if b.kind == "text" else b for b in m.blocks),
+            )
+            for m in messages
+        )
+        request = replace(request, messages=messages)
+    start = data.draw(st.integers(0, len(messages)))
+    end = data.draw(st.integers(start, len(messages)))
+    run = tuple(messages[start:end])  # one tuple: the memos are keyed on it
+    hinted = replace(request, repeated=RepeatedRun(messages, start, run))
+    variants = [hinted, hinted, replace(hinted, max_output_tokens=request.max_output_tokens + 1)]
+    if end < len(messages):
+        shorter = messages[:-1]
+        variants.append(
+            replace(hinted, messages=shorter, repeated=RepeatedRun(shorter, start, run))
+        )
+    for variant in variants * 2:
+        rendered = anthropic.render(variant, budget)
+        stable = rendered.stable
+        event(f"stable prefix: {stable is not None}")
+        assert rendered.sha256() == hashlib.sha256(rendered.body).hexdigest()
+        if stable is not None:
+            assert rendered.body.startswith((stable.head + stable.piece).encode("utf-8"))
+            assert hashlib.sha256(stable.head.encode("utf-8")).digest() in stable.states
+        plain = openai.render(variant)
+        assert plain.sha256() == hashlib.sha256(plain.body).hexdigest()

@@ -35,7 +35,6 @@ from ..core.build_record import (
     inputs_to_record,
     recalled_people,
 )
-from ..core.canonical import sha256_hex
 from ..core.checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint, require_version
 from ..core.enums import PlanReason
 from ..core.errors import (
@@ -1137,7 +1136,7 @@ class Engine:
         if not record:
             return BuildResult(assembled, plan, checkpoint.version, 0, rendered)
         if rendered is not None:
-            payload[PAYLOAD_KEY] = sha256_hex(rendered.body)  # the bytes the provider gets
+            payload[PAYLOAD_KEY] = rendered.sha256()  # of the bytes the provider gets
         pressure = assembled.pressure
         noted = (
             _pressure_event(run_id, plan, checkpoint.version, assembled).payload

@@ -26,6 +26,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import inspect
@@ -171,20 +172,29 @@ async def abort_with(
 # --- observing -----------------------------------------------------------------------
 
 
+@functools.cache
+def _named(descriptor: Any, names: tuple[str, ...]) -> tuple[str, ...]:
+    """Which of `names` a message type has: looked up once per type, not per call."""
+    return tuple(name for name in names if name in descriptor.fields_by_name)
+
+
+_RPC_FIELD_NAMES = tuple(RPC_FIELDS)
+_NESTED = ("run", "plan", "rotated_plan")
+
+
 def _proto_fields(message: Any) -> dict[str, Any]:
     """The RPC_FIELDS a message carries, non-empty only."""
-    names = message.DESCRIPTOR.fields_by_name
     return {
-        name: getattr(message, name)
-        for name in RPC_FIELDS
-        if name in names and getattr(message, name) not in ("", 0)
+        name: value
+        for name in _named(message.DESCRIPTOR, _RPC_FIELD_NAMES)
+        if (value := getattr(message, name)) not in ("", 0)
     }
 
 
 def _response_fields(response: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for nested in ("run", "plan", "rotated_plan"):
-        if nested in response.DESCRIPTOR.fields_by_name and response.HasField(nested):
+    for nested in _named(response.DESCRIPTOR, _NESTED):
+        if response.HasField(nested):
             out.update(_proto_fields(getattr(response, nested)))
     out.update(_proto_fields(response))
     return out
@@ -280,7 +290,8 @@ class RpcObserver(Layer):
                     kind, on_response = _ON_RESPONSE[method]
                     if not kind or kind not in state.recorded:
                         on_response(request, response)
-                state.fields.update(_response_fields(response))
+                if tel.traces or telemetry.logs_rpcs():  # where the fields are written
+                    state.fields.update(_response_fields(response))
                 return response
             except asyncio.CancelledError:
                 remaining = context.time_remaining()
@@ -294,8 +305,9 @@ class RpcObserver(Layer):
                     telemetry.record_budget_exceeded(metadata.get("class", ""))
                 raise
             finally:
-                for name, value in _proto_fields(request).items():
-                    state.fields.setdefault(name, value)
+                if tel.traces or telemetry.logs_rpcs():
+                    for name, value in _proto_fields(request).items():
+                        state.fields.setdefault(name, value)
                 if not tel.traces and telemetry.logs_rpcs():
                     # No server span (tracing off): the line names the caller's trace.
                     state.trace_id = telemetry.propagated_trace_id(context.invocation_metadata())

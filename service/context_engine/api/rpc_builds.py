@@ -43,7 +43,6 @@ from ..core.build_record import (
     image_tokens_of,
     inputs_from_record,
 )
-from ..core.canonical import sha256_hex
 from ..core.errors import EngineError, InvalidFieldError, NotFoundError, PreconditionError
 from ..store import events
 from ..store.db import acquire
@@ -142,7 +141,7 @@ def _same_bytes(result: BuildResult, payload: dict[str, Any]) -> bool:
     sent = payload.get(PAYLOAD_KEY)
     if sent is None:
         return True
-    return result.rendered is not None and sha256_hex(result.rendered.body) == sent
+    return result.rendered is not None and result.rendered.sha256() == sent
 
 
 def _not_rebuilt(

@@ -227,7 +227,11 @@ class WorkingState(_Frozen):
     next_action: Entry | None = None
 
     def is_empty(self) -> bool:
-        return self == WorkingState()
+        # Against one empty state made once: a model made per call was a Build's cost.
+        return self == _EMPTY_STATE
+
+
+_EMPTY_STATE = WorkingState()
 
 
 class TaskUpsert(_Frozen):

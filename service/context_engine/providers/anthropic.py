@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain, compress, count, repeat
 from operator import attrgetter, eq, is_not, methodcaller
@@ -70,7 +70,7 @@ from ..core.request import (
 )
 from ..core.rows import Row
 from .call_ids import BASE_IDS, VariantMemo, all_distinct, wire_call_ids
-from .layout import PromptUnit, RenderedPayload
+from .layout import PromptUnit, RenderedPayload, StablePrefix
 from .names import check_wire_names, wire_tool_name
 from .texts import TOOL_ERROR_AS_TEXT  # Rule 8: a result's is_error, as text
 
@@ -168,6 +168,7 @@ def render(request: ModelRequest, max_breakpoints: int = MAX_BREAKPOINTS) -> Ren
         layout = _layout(request, tools, system, moved)
         _place_markers(layout, request.cache_breakpoints, max_breakpoints)
         turns = [_turn_text(role, units) for role, units in layout.turns]
+        run_at = -1
     assert isinstance(turns, list)
     # Keys in RFC 8785 order; the pieces joined once (the turns are tens of kB).
     pieces = [
@@ -183,7 +184,25 @@ def render(request: ModelRequest, max_breakpoints: int = MAX_BREAKPOINTS) -> Ren
     if tools:
         pieces += [',"tools":[', ",".join(u.json() for u in tools), "]"]
     pieces.append("}")
-    return RenderedPayload(API, "".join(pieces).encode("utf-8"))
+    body = "".join(pieces).encode("utf-8")
+    return RenderedPayload(API, body, _stable_prefix(pieces, turns, messages, run_at))
+
+
+def _stable_prefix(
+    pieces: list[str], turns: list[str], messages: list[_MessageLayout], run_at: int
+) -> StablePrefix | None:
+    """The body's pieces up to its repeated run's turns, which _turns_by_message left as
+    the run's memoized text (no marker lands in it): the head before them, and where the
+    hash states after them are kept. None without a run laid out as one."""
+    if run_at < 0:
+        return None
+    run = messages[run_at]
+    # A placeholder turn opens the messages when the first is the assistant's.
+    at = run_at + (len(turns) - len(messages))
+    if turns[at] is not run.text:
+        return None
+    end = 3 + 2 * at  # three pieces open the body; a comma follows each turn
+    return StablePrefix("".join(pieces[:end]), run.text, run.states)
 
 
 def errors_as_text(request: ModelRequest) -> bool:
@@ -334,6 +353,8 @@ class _MessageLayout:
     # first and last message's (_run_layout), whose `text` is then several turns.
     first_role: str = ""
     last_role: str = ""
+    # A repeated run's: the hash states after bodies that begin with it (StablePrefix).
+    states: dict[bytes, tuple[int, Any]] = field(default_factory=dict, compare=False, repr=False)
 
 
 class _NoRun:

@@ -49,11 +49,15 @@ class StoreReadError(Exception):
     """An operator tool's read (inspect) failed after connecting; one line naming why."""
 
 
+# One encoder for every value: json.dumps with arguments makes a new one per call.
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 async def _init_connection(conn: asyncpg.Connection) -> None:
     for pg_type in ("json", "jsonb"):
         await conn.set_type_codec(
             pg_type,
-            encoder=lambda v: json.dumps(v, ensure_ascii=False, separators=(",", ":")),
+            encoder=_JSON.encode,
             decoder=json.loads,
             schema="pg_catalog",
         )
