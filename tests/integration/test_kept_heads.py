@@ -6,6 +6,7 @@ read the head would give; the SQL that confirms a head reads what the head read 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 from uuid import UUID
 
@@ -216,6 +217,73 @@ async def test_the_confirming_sql_reads_what_the_head_read_reads(two: Any, pool:
         UUID(session_id),
     )
     await agree()
+
+
+async def test_the_confirming_head_read_finds_the_run_by_key_however_many_runs(
+    two: Any, pool: Any
+) -> None:
+    """migrations/0014: run_head_state reads the run by its primary key, also in the generic
+    plan PL/pgSQL settles on after a few calls. 0013's query named the session as well, and
+    that plan read the run through runs_by_session, filtering out the session's other runs
+    (a confirmed record cost PostgreSQL 0.17 ms in a session of 50 runs, 0.98 ms in one of
+    5,000). The installed function's query, explained as a generic plan in a session of
+    500 runs, probes runs_pkey and filters no row; a run named under another session has
+    no head."""
+    (stub, _), _ = two
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=_with_skill()))
+    run_id = (await start_run(stub, session_id, "first question")).run.run_id
+    source = await pool.fetchval("SELECT prosrc FROM pg_proc WHERE proname = 'run_head_state'")
+    query = source.split("RETURN (", 1)[1].rsplit(");", 1)[0]
+    for n, name in enumerate(("p_tenant", "p_session", "p_run"), 1):
+        query = query.replace(name, f"${n}")
+    # In a transaction rolled back after, rows and statistics alike: statistics from
+    # before the session grew, as a long session's runs outgrow them between two analyses.
+    # Of many sessions of a few runs each, where naming a session finds a few rows, as
+    # naming the run does: the plan 0013's query got then scanned the session's runs.
+    async with pool.acquire() as conn:
+        transaction = conn.transaction()
+        await transaction.start()
+        try:
+            await conn.execute(
+                "WITH s AS (INSERT INTO sessions (tenant_id, session_id)"
+                "  SELECT 'head-plan-stats', gen_random_uuid() FROM generate_series(1, 1000)"
+                "  RETURNING tenant_id, session_id)"
+                " INSERT INTO runs (tenant_id, session_id, run_id, epoch)"
+                " SELECT s.tenant_id, s.session_id, gen_random_uuid(), 1"
+                " FROM s, generate_series(1, 2)"
+            )
+            await conn.execute("ANALYZE runs")
+            await conn.execute(
+                "INSERT INTO runs (tenant_id, session_id, run_id, epoch)"
+                " SELECT $1, $2, gen_random_uuid(), 1 FROM generate_series(1, 500)",
+                TENANT,
+                UUID(session_id),
+            )
+            await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+            await conn.execute(f"PREPARE head_state (text, uuid, uuid) AS {query}")
+            explained = await conn.fetchval(
+                "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE"
+                f" head_state('{TENANT}', '{session_id}', '{run_id}')"
+            )
+            await conn.execute("DEALLOCATE head_state")
+        finally:
+            await transaction.rollback()
+    (plan,) = json.loads(explained) if isinstance(explained, str) else explained
+    runs = [node for node in _nodes(plan["Plan"]) if node.get("Relation Name") == "runs"]
+    assert [(n.get("Index Name"), n.get("Rows Removed by Filter", 0)) for n in runs] == [
+        ("runs_pkey", 0)
+    ]
+    assert await heads_agree(pool, session_id) == 1
+    other = await pool.fetchval(
+        "SELECT run_head_state($1, $2, $3)", TENANT, UUID(new_id()), UUID(run_id)
+    )
+    assert other is None
+
+
+def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
+    """A plan node of EXPLAIN (FORMAT JSON) and every node below it."""
+    return [node, *(n for child in node.get("Plans", ()) for n in _nodes(child))]
 
 
 async def test_a_session_seen_spread_over_replicas_reads_its_heads(two: Any) -> None:

@@ -120,8 +120,9 @@ async def read_checkpoint(conn: Any, tenant_id: str, run_id: UUID, version: int 
 
 # What a Build reads first of a run `r` (read_run_head, read_run_heads); every subquery an
 # index probe (migrations/0010), which tests/integration/test_plan_service.py checks with
-# EXPLAIN. migrations/0013's run_head_state and run_latest_version read the same (a change
-# here is a change there: tests/integration/test_kept_heads.py compares them).
+# EXPLAIN. migrations/0013's run_head_state (its run read by key since 0014) and
+# run_latest_version read the same (a change here is a change there:
+# tests/integration/test_kept_heads.py compares them).
 _HEAD_COLUMNS = (
     "r.session_id, r.parent_run_id, r.seed_event_sequence, r.epoch,"
     " (SELECT max(c.version) FROM run_checkpoints c"
