@@ -371,20 +371,128 @@ def test_a_run_layout_is_weighed_one_level_down_and_still_charged_what_it_holds(
 
 def test_an_identity_memo_over_an_equality_memo_charges_its_value_once() -> None:
     """With by_value the value is held by the equality memo behind the identity table,
-    and charged there with its key; the identity table adds only its entry. An equal key
-    that is a new object stores nothing new but that entry."""
+    and charged there with its slot; the identity table adds only its entry. The key (a
+    block, a message) was charged where it was made, so its text is not charged again:
+    five memos keyed on one block charged its text five times more. An equal key that is a
+    new object stores nothing new but the identity entry."""
     from context_engine.core.identity_memo import IdentityMemo
 
     value = ("rendered " * 1000).encode()
-    memo: IdentityMemo[tuple[str, int], bytes] = IdentityMemo(lambda key: value)
-    key = ("block", 1)
+    memo: IdentityMemo[tuple[str, str], bytes] = IdentityMemo(lambda key: value)
+    key = ("block", "text " * 2000)
     before = memo_budget.held(memo_budget.COMPOSED)
     assert memo(key) is value
     first = memo_budget.held(memo_budget.COMPOSED) - before
-    assert first == memo_budget.weight((key,)) + memo_budget.weight(value) + memo_budget.ENTRY
+    assert first == memo_budget.weight(value) + 2 * memo_budget.ENTRY
     again = memo_budget.held(memo_budget.COMPOSED)
-    assert memo(("block", int("1"))) is value  # equal, another object
+    assert memo(("block", "text " * int("2000"))) is value  # equal, another object
     assert memo_budget.held(memo_budget.COMPOSED) - again == memo_budget.ENTRY
+
+
+def test_a_plain_bounded_cache_still_charges_its_keys() -> None:
+    """Only IdentityMemo's keys are charged where they were made; a bounded cache over
+    texts (the heuristic counter's, a canonical string's) holds keys nobody else charged."""
+    text = "word " * 5000
+
+    @memo_budget.bounded_cache(4)
+    def length(value: str) -> int:
+        return len(value)
+
+    before = memo_budget.held(memo_budget.COMPOSED)
+    assert length(text) == len(text)
+    assert memo_budget.held(memo_budget.COMPOSED) - before >= sys.getsizeof(text)
+
+
+def _counted(function: Any) -> tuple[Any, list[object]]:
+    calls: list[object] = []
+
+    def counted(key: object) -> Any:
+        calls.append(key)
+        return function(key)
+
+    return counted, calls
+
+
+def test_a_recent_memo_refunds_the_least_recently_used_entry_it_drops() -> None:
+    """core/identity_memo.py RecentMemo: what the ledger counts for it is what it holds
+    now, however many keys it has seen; the entry a Build looked up last stays."""
+    from context_engine.core.identity_memo import RecentMemo
+
+    function, calls = _counted(lambda key: f"{key[0]}:" + "v" * 10_000)
+    memo: RecentMemo[tuple[int], str] = RecentMemo(function, 3)
+    keys = [(n,) for n in range(10)]
+    before = memo_budget.held(memo_budget.COMPOSED)
+    for key in keys[:3]:
+        assert memo(key) == function(key)
+    one = memo_budget.weight(memo(keys[0])) + memo_budget.ENTRY
+    assert memo_budget.held(memo_budget.COMPOSED) - before == memo.held() == 3 * one
+    calls.clear()
+    assert memo(keys[0]) is memo(keys[0]) and not calls  # a hit: nothing computed
+    for key in keys[3:]:
+        memo(key)
+        memo(keys[0])  # looked up on every round, so never the least recently used
+    assert calls == keys[3:]
+    assert len(memo) == 3 and memo.held() == 3 * one
+    assert memo_budget.held(memo_budget.COMPOSED) - before == 3 * one
+    calls.clear()
+    memo(keys[0])
+    memo(keys[9])
+    assert not calls
+    memo(keys[1])  # dropped long ago: computed again
+    assert calls == [keys[1]]
+
+
+def test_a_recent_memo_keeps_within_its_share_of_the_limit() -> None:
+    from context_engine.core.identity_memo import RecentMemo
+
+    memo_budget.set_limit(4 * MIB)
+    memo: RecentMemo[tuple[int], bytes] = RecentMemo(lambda key: b"x" * 100_000, 1_000)
+    for n in range(50):
+        memo((n,))
+        assert memo.held() <= 4 * MIB // 16
+    assert 0 < len(memo) < 3
+    assert memo_budget.held() <= 4 * MIB // 16
+    memo_budget.clear_all()
+    assert len(memo) == 0 and memo.held() == 0
+
+
+def test_the_interiors_of_ended_runs_are_refunded_not_counted() -> None:
+    """Each new run's first Build composes its carried interior for the request's text,
+    its wire bytes and its provider body, and no later run looks those up: over many runs
+    of one growing session, what the ledger counts for them stays within the memos' share
+    of the limit, instead of growing by every run's interior until the ledger empties."""
+    from context_engine.api import wire as wire_module
+    from context_engine.core import carried as carried_module
+    from context_engine.core import request as request_module
+    from context_engine.providers import anthropic
+
+    run_memos = (request_module._run_json, wire_module._run_fields, anthropic._run_layout)
+    limit, runs = 64 * MIB, 60
+    memo_budget.set_limit(limit)
+    history: tuple[Any, ...] = ()
+    interiors = 0
+    for n in range(runs):
+        turn = _run_items(n, 6_000)
+        history = (
+            *history,
+            *(
+                item.model_copy(update={"sequence": 3 * n + k + 1, "run_id": f"r{n}"})
+                for k, item in enumerate(turn)
+            ),
+        )
+        inputs = _next_run(history, inline_maximum_bytes=1 << 20, at=3 * n + 4)
+        request = assemble(inputs).request
+        assert request is not None and request.repeated is not None
+        interiors += len(request_module._run_json(request.repeated.run))
+        render(request)
+        wire.request_bytes(request)
+    # Nothing was emptied (each run's view is still kept), and the interiors composed
+    # would have held several times the memos' share between them.
+    assert len(carried_module._TABLE) == runs
+    assert interiors > 2 * limit // 16
+    for memo in run_memos:
+        assert len(memo) and memo.held() <= limit // 16
+    assert sum(memo.held() for memo in run_memos) < memo_budget.held(memo_budget.COMPOSED)
 
 
 def test_a_run_s_own_item_once_carried_is_the_block_it_was_placed_as() -> None:

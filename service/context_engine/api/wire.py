@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
-from ..core.identity_memo import IdentityMemo
+from ..core.identity_memo import IdentityMemo, RecentMemo
 from ..core.memo_budget import bounded_cache
 from ..core.plan import ClassUsage
 from ..core.request import Block, Message, ModelRequest, ToolDefinition, with_repeated_run
@@ -158,8 +158,8 @@ _block = IdentityMemo(_block_bytes)
 _block_field: IdentityMemo[Block, bytes] = IdentityMemo(lambda block: field(_BLOCKS, _block(block)))
 _message_field = IdentityMemo(_message_field_bytes, by_value=False)
 # The interior of a run's carried suffix is one tuple on every Build (ModelRequest.repeated).
-_run_fields: IdentityMemo[tuple[Message, ...], bytes] = IdentityMemo(
-    lambda run: b"".join(_message_field.many(run)), 1024, by_value=False
+_run_fields: RecentMemo[tuple[Message, ...], bytes] = RecentMemo(
+    lambda run: b"".join(_message_field.many(run))
 )
 _system_fields = IdentityMemo(_system_bytes, 256)
 _tool_fields = IdentityMemo(_tool_bytes, 256)

@@ -21,7 +21,12 @@ from typing import Generic, TypeVar
 
 from . import memo_budget
 
-__all__ = ["IdentityMemo"]
+__all__ = ["RUNS_IN_FLIGHT", "IdentityMemo", "RecentMemo"]
+
+# The entries of each RecentMemo of a run's carried interior: the runs a replica builds
+# in turn and still finds composed. Past it (or its byte share), a run's next Build
+# composes its interior again from the per-message memos (a join of their fragments).
+RUNS_IN_FLIGHT = 256
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -38,7 +43,12 @@ class IdentityMemo(Generic[K, V]):
     ) -> None:
         # by_value=False: keys that are not hashable (or costly to hash) are only ever
         # remembered by identity; an equal but distinct key computes afresh.
-        self._by_value = memo_budget.bounded_cache(maxsize)(function) if by_value else function
+        # The equality memo's keys are this memo's, charged where they were made.
+        self._by_value = (
+            memo_budget.bounded_cache(maxsize, keys_charged=True)(function)
+            if by_value
+            else function
+        )
         # How deep a stored value is weighed (memo_budget.weight; by_value=False only,
         # below): 1 for a value whose members are its texts and flat containers of shared
         # references, as a run's layout, where weighing each of a thousand anchors cost
@@ -90,3 +100,72 @@ class IdentityMemo(Generic[K, V]):
             memo_budget.weight(value, self._depth) if self._weighs else memo_budget.ENTRY
         )
         return value
+
+
+class RecentMemo(Generic[K, V]):
+    """A memo by identity of what the runs in flight look up on each of their Builds and
+    never again once they move on: the composed text, wire bytes and layout of a run's
+    carried interior (ModelRequest.repeated), tens to hundreds of kilobytes each, made for
+    every new run (its history is the previous run's plus its turns, a new tuple). The
+    least recently used entry goes first once `maxsize` are held or they would hold more
+    than a `share` of the ledger's limit, and what it was charged is refunded
+    (memo_budget.refund), so the ledger counts the runs in flight, not every run a replica
+    has built. (As an IdentityMemo, bounded only by entries and without refund, the
+    interiors of ended runs were most of what a new run's Build charged, about 160 of
+    235 KB in bench.load's sessions, and filled the ledger every few seconds: each time,
+    every session in flight derived its window afresh.)
+
+    Pure as IdentityMemo is: each entry holds its key, so a hit by id is the same object,
+    and only how often `function` runs changes. A value is weighed `weigh_depth` levels
+    down (memo_budget.weight), as IdentityMemo's by_value=False does.
+    """
+
+    def __init__(
+        self,
+        function: Callable[[K], V],
+        maxsize: int = RUNS_IN_FLIGHT,
+        *,
+        share: int = 16,
+        weigh_depth: int = memo_budget.DEPTH,
+    ) -> None:
+        self._function = function
+        self._maxsize = maxsize
+        self._share = share  # at most limit // share bytes (one entry may pass it alone)
+        self._depth = weigh_depth
+        # id -> (key, value, charge), least recently used first (dicts keep insertion order).
+        self._entries: dict[int, tuple[K, V, int]] = {}
+        self._bytes = 0  # what the entries held now were charged
+        memo_budget.register(self)
+
+    def __call__(self, key: K) -> V:
+        entries = self._entries
+        found = entries.pop(id(key), None)
+        if found is not None:
+            entries[id(key)] = found  # now the most recently used
+            return found[1]
+        memo_budget.admit()
+        value = self._function(key)
+        # The key (a tuple of interned messages, charged where they were made) is not
+        # weighed, as IdentityMemo's by_value=False does not weigh its keys.
+        charge = memo_budget.weight(value, self._depth) + memo_budget.ENTRY
+        room = memo_budget.limit() // self._share - charge
+        while entries and (len(entries) >= self._maxsize or self._bytes > room):
+            oldest = entries.pop(next(iter(entries)))[2]
+            self._bytes -= oldest
+            memo_budget.refund(oldest)
+        entries[id(key)] = (key, value, charge)
+        self._bytes += charge
+        memo_budget.charge(charge)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def held(self) -> int:
+        """What the entries held now were charged, in approximate bytes."""
+        return self._bytes
+
+    def cache_clear(self) -> None:
+        """Forget every entry (memo_budget empties memos with it; it resets their count)."""
+        self._entries.clear()
+        self._bytes = 0

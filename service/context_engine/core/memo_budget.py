@@ -27,8 +27,12 @@ Only misses are charged, and weighed shallowly (`weight`: text and bytes at thei
 memory, containers and objects two levels deep at a fixed cost per reference), so a hit
 costs nothing more. The weight is approximate and errs high: an object held by two memos
 is charged to each, and an entry a memo drops by its own entry bound is not refunded, so
-the memos empty sooner, never later. The limit is the server's `render_memo_bytes`
-setting.
+the memos empty sooner, never later. Two exceptions keep the count from filling with what
+nobody holds twice or at all: the equality memo behind an IdentityMemo does not charge its
+key again (a block or message, charged where it was made; `bounded_cache(keys_charged=
+True)`), and a RecentMemo (a run's carried interior) refunds each entry it drops
+(`refund`), as the interiors of ended runs were most of what a new run's Build charged.
+The limit is the server's `render_memo_bytes` setting.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ __all__ = [
     "charge",
     "clear_all",
     "held",
+    "limit",
+    "refund",
     "register",
     "set_limit",
     "weight",
@@ -95,6 +101,11 @@ def set_limit(limit: int) -> None:
     admit()
 
 
+def limit() -> int:
+    """The bytes all memos may hold together (set_limit)."""
+    return _ledger.limit
+
+
 def held(kind: Kind | None = None) -> int:
     """What the memos (of `kind`, or all) are charged with now, in approximate bytes."""
     return _ledger.held[kind] if kind else sum(_ledger.held.values())
@@ -115,6 +126,12 @@ def charge(nbytes: int, kind: Kind = COMPOSED) -> None:
     """Charge a stored entry to the memos of `kind`. Over the limit, memos are emptied at
     the next `admit`."""
     _ledger.held[kind] += nbytes
+
+
+def refund(nbytes: int, kind: Kind = COMPOSED) -> None:
+    """An entry charged to the memos of `kind` since they were last emptied is gone: its
+    charge no longer counts toward the limit (core/identity_memo.py RecentMemo)."""
+    _ledger.held[kind] = max(_ledger.held[kind] - nbytes, 0)
 
 
 def admit() -> None:
@@ -189,16 +206,22 @@ def _shape_of(item: object) -> tuple[int, tuple[str, ...]]:
     return _LEAF, ()
 
 
-def bounded_cache(maxsize: int, kind: Kind = COMPOSED) -> Callable[[F], F]:
+def bounded_cache(
+    maxsize: int, kind: Kind = COMPOSED, *, keys_charged: bool = False
+) -> Callable[[F], F]:
     """functools.lru_cache(maxsize) whose entries are charged to the ledger as memos of
-    `kind`: the function runs only on a miss, so the hit path is lru_cache's own."""
+    `kind`: the function runs only on a miss, so the hit path is lru_cache's own.
+    `keys_charged`: the arguments are objects charged where they were made (a block, a
+    message: IdentityMemo's keys), so an entry is charged its value and its slot, not its
+    key's texts again."""
 
     def decorate(function: F) -> F:
         @wraps(function)
         def on_miss(*args: Any, **kwargs: Any) -> Any:
             admit()
             value = function(*args, **kwargs)
-            charge(weight(args) + weight(value), kind)
+            key = ENTRY if keys_charged else weight(args)
+            charge(key + weight(value), kind)
             return value
 
         cached = lru_cache(maxsize=maxsize)(on_miss)

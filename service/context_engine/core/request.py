@@ -13,7 +13,7 @@ from operator import is_
 from typing import Any, Literal, TypeVar
 
 from .canonical import canonical_bytes, comma_separated
-from .identity_memo import IdentityMemo
+from .identity_memo import IdentityMemo, RecentMemo
 from .memo_budget import bounded_cache
 from .rows import Row
 from .trust import TrustLevel
@@ -228,8 +228,8 @@ def _message_text(message: Message) -> bytes:
 # A run's carried messages are the same objects on every Build (core/carried.py).
 _message_json = IdentityMemo(_message_text, _FRAGMENTS)
 # ...and the interior of its carried suffix the same tuple (ModelRequest.repeated).
-_run_json: IdentityMemo[tuple[Message, ...], bytes] = IdentityMemo(
-    lambda run: b",".join(_message_json.many(run)), 1024, by_value=False
+_run_json: RecentMemo[tuple[Message, ...], bytes] = RecentMemo(
+    lambda run: b",".join(_message_json.many(run))
 )
 
 

@@ -57,7 +57,7 @@ from typing import Any, TypeVar
 
 from ..core.canonical import canonical_bytes, comma_separated
 from ..core.errors import EngineError
-from ..core.identity_memo import IdentityMemo
+from ..core.identity_memo import IdentityMemo, RecentMemo
 from ..core.items import REASONING_TYPES
 from ..core.memo_budget import bounded_cache
 from ..core.request import (
@@ -271,7 +271,7 @@ def _message_layouts(
 def _collapsed(
     request: ModelRequest,
     each: IdentityMemo[Message, _MessageLayout],
-    run_of: IdentityMemo[tuple[Message, ...], _MessageLayout | _NoRun],
+    run_of: RecentMemo[tuple[Message, ...], _MessageLayout | _NoRun],
 ) -> tuple[list[_MessageLayout] | None, int]:
     """The layouts with the repeated run as one, and its index; (None, -1) where there is
     no run or it cannot be one layout."""
@@ -429,11 +429,11 @@ _relaid = VariantMemo(_lay_out_message)
 # A run's carried suffix keeps its interior as one tuple on every Build (Rule 9 there).
 # Weighed one level down: its text, and its anchors counted, not visited (their keys are
 # the items' ids, held by the items).
-_run_layout: IdentityMemo[tuple[Message, ...], _MessageLayout | _NoRun] = IdentityMemo(
-    lambda run: _lay_out_run(_message_layout.many(run)), 1024, by_value=False, weigh_depth=1
+_run_layout: RecentMemo[tuple[Message, ...], _MessageLayout | _NoRun] = RecentMemo(
+    lambda run: _lay_out_run(_message_layout.many(run)), weigh_depth=1
 )
-_run_text_layout: IdentityMemo[tuple[Message, ...], _MessageLayout | _NoRun] = IdentityMemo(
-    lambda run: _lay_out_run(_text_layout.many(run)), 1024, by_value=False, weigh_depth=1
+_run_text_layout: RecentMemo[tuple[Message, ...], _MessageLayout | _NoRun] = RecentMemo(
+    lambda run: _lay_out_run(_text_layout.many(run)), weigh_depth=1
 )
 _BASE_ID = BASE_IDS[_PROVIDER]
 _CALL_IDS = attrgetter("call_ids")
