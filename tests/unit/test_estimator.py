@@ -363,6 +363,62 @@ def test_heuristic_is_deterministic_and_the_memo_cannot_change_it(text: str) -> 
     assert HeuristicCounter().count_text(text) == first
 
 
+def _features_run_by_run(text: str) -> list[int]:
+    """The heuristic's features as each run's function computes them, with the whole next
+    run and no memo: what est._heuristic_features must equal with its runs remembered."""
+    counts = [0] * len(est._FEATURES)
+    if not text:
+        return counts
+    counts[est._INDEX["text_edge"]] = 1
+    runs = est._RUN_RE.findall(text)
+    kinds = [est._run_kind(run) for run in runs]
+    i = 0
+    while i < len(runs):
+        run, kind, after = runs[i], kinds[i], i + 1
+        next_run = runs[after] if after < len(runs) else None
+        if kind == est._ALNUM:
+            est._add_word(run, counts)
+        elif kind == est._NON_ASCII:
+            for char in run:
+                feature, units = est._non_ascii_feature(char)
+                counts[est._INDEX[feature]] += units
+        elif kind == est._SPACE:
+            est._add_whitespace(run, i > 0 and kinds[i - 1] == est._PUNCT, next_run, counts)
+        elif kind == est._CONTROL:
+            counts[est._INDEX["other_byte"]] += len(run)
+        else:
+            while after < len(runs) and kinds[after] == est._PUNCT:
+                after += 1
+            est._add_punctuation(
+                "".join(runs[i:after]),
+                i > 0 and kinds[i - 1] == est._SPACE,
+                runs[after] if after < len(runs) else None,
+                counts,
+            )
+        i = after
+    return counts
+
+
+@HEAVY
+@given(st.lists(st.one_of(mixed_text(), control_text(), st.text(max_size=80)), max_size=3))
+# The same run in both states of its flag, and before a word, a digit and nothing.
+@example(["a.b c .b e.5 f .", "x:\n y\n y:  \n9 w  \n9"])
+def test_the_features_with_runs_remembered_are_those_computed_run_by_run(
+    texts: list[str],
+) -> None:
+    """est._heuristic_features remembers what each word, whitespace run and punctuation
+    run adds, keyed on the run and the first character after it; counting again (runs
+    found) and after the memo is emptied (computed) gives what every run's function gives
+    with the whole next run."""
+    for text in texts:
+        expected = _features_run_by_run(text)
+        assert est._heuristic_features(text) == expected
+        assert est._heuristic_features(text) == expected
+    est._RUN_DELTAS.cache_clear()
+    for text in reversed(texts):
+        assert est._heuristic_features(text) == _features_run_by_run(text)
+
+
 def test_long_texts_bypass_the_memo_and_still_agree() -> None:
     text = "def f(x):\n    return x * 2  # doubled\n" * 1_000
     assert est._MEMO_MAX_CHARS < len(text) <= est._HEURISTIC_MAX_CHARS
