@@ -10,6 +10,7 @@ import json
 from typing import Any
 from uuid import UUID
 
+import grpc
 import pytest
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
@@ -19,6 +20,7 @@ from .helpers import (
     append_items,
     assistant,
     build_request,
+    details,
     heads_agree,
     new_id,
     open_session,
@@ -351,3 +353,66 @@ async def test_a_head_moved_by_this_replicas_own_write_does_not_spread_the_sessi
     heads = engine._heads(TENANT, UUID(session_id))
     engine._head_moved(TENANT, UUID(session_id), heads, heads.writes)
     assert engine._heads(TENANT, UUID(session_id)).spread
+
+
+async def _alter_stored_checkpoint(pool: Any, run_id: str, version: int, text: str) -> None:
+    """Rewrite a stored checkpoint's first item text behind the service's back (nothing in
+    the service rewrites a stored version): what a replica that reads it would see."""
+    await pool.execute(
+        "UPDATE run_checkpoints SET body = jsonb_set(body, '{items,0,text}', to_jsonb($3::text))"
+        " WHERE tenant_id = $1 AND run_id = $2 AND version = $4",
+        TENANT,
+        UUID(run_id),
+        text,
+        version,
+    )
+
+
+async def test_an_append_continuing_a_version_the_replica_holds_reads_no_checkpoint(
+    two: Any, pool: Any
+) -> None:
+    """AppendItems reads the run and its latest checkpoint in one round trip
+    (store/runs.py read_run_checkpoint), and when this replica holds that version (it
+    built it, or wrote it) the body is neither sent nor parsed again: the append continues
+    the version it holds. Another replica, holding none, reads the stored one."""
+    (a, _), (b, _) = two
+    session_id, _ = await open_session(a)
+    started = await start_run(a, session_id, "first question")
+    run_id, version = started.run.run_id, started.checkpoint_version
+    await a.Build(build_request(session_id, run_id))  # A holds version 1
+    await _alter_stored_checkpoint(pool, run_id, version, "altered in storage")
+    by_a = await append_items(a, session_id, run_id, version, assistant("an answer"))
+    built = await b.Build(build_request(session_id, run_id, by_a.checkpoint_version))
+    assert "first question" in _texts(built) and "altered in storage" not in _texts(built)
+    # B holds version 2 now (it built it); A's write of version 3 is read by B afresh.
+    await _alter_stored_checkpoint(pool, run_id, by_a.checkpoint_version, "altered again")
+    by_b = await append_items(b, session_id, run_id, by_a.checkpoint_version, assistant("more"))
+    built = await a.Build(build_request(session_id, run_id, by_b.checkpoint_version))
+    assert "altered again" not in _texts(built) and "more" in _texts(built)
+    other = await start_run(a, session_id, "second question")
+    await _alter_stored_checkpoint(pool, other.run.run_id, 1, "read from storage")
+    fresh = await append_items(b, session_id, other.run.run_id, 1, assistant("an answer"))
+    built = await a.Build(build_request(session_id, other.run.run_id, fresh.checkpoint_version))
+    assert "read from storage" in _texts(built)  # B held no version of this run
+
+
+async def test_an_append_at_a_version_another_replica_moved_on_from_conflicts(
+    two: Any,
+) -> None:
+    """A version this replica holds that is no longer the latest is a conflict, as before,
+    naming the latest; an append at the latest reads it."""
+    (a, _), (b, _) = two
+    session_id, _ = await open_session(a)
+    started = await start_run(a, session_id, "first question")
+    run_id, version = started.run.run_id, started.checkpoint_version
+    await a.Build(build_request(session_id, run_id))  # A holds version 1
+    moved = await append_items(b, session_id, run_id, version, assistant("from B"))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await append_items(a, session_id, run_id, version, assistant("from A"))
+    assert refused.value.code() == grpc.StatusCode.ABORTED
+    reason, fields, metadata = details(refused.value)
+    assert reason == "CHECKPOINT_VERSION_CONFLICT" and fields == ["expected_checkpoint_version"]
+    assert metadata["latest_version"] == str(moved.checkpoint_version)
+    done = await append_items(a, session_id, run_id, moved.checkpoint_version, assistant("A"))
+    built = await b.Build(build_request(session_id, run_id, done.checkpoint_version))
+    assert "from B" in _texts(built) and "from A" not in _texts(built)

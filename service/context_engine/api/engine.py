@@ -786,8 +786,9 @@ class Engine:
             )
             if stored is not None:
                 return stored
-            run = await runs.read_run(conn, tenant, session_id, run_id)
-            checkpoint = await runs.read_checkpoint(conn, tenant, run_id)
+            # The version it continues, if this replica wrote or built it, need not be read.
+            kept = self._kept.get(("checkpoint", tenant, run_id, expected_version))
+            run, checkpoint = await runs.read_run_checkpoint(conn, tenant, session_id, run_id, kept)
             require_version(checkpoint, expected_version)
             validate_append(checkpoint.items, new_items)
             runtime = ws_api.runtime_transition(checkpoint, new_items)

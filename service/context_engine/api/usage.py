@@ -126,7 +126,10 @@ async def report_usage(
     """
     async with transaction(pool) as conn:
         await sessions.lock_session(conn, tenant_id, session_id)
-        earlier = await store.read_report(
+        # Read, whether it was warm too, before _reconcile takes the tenant's correction
+        # lock, which every report of the tenant's sessions waits on until this transaction
+        # ends.
+        read = await store.read_report_context(
             conn,
             tenant_id,
             session_id,
@@ -134,14 +137,16 @@ async def report_usage(
             report.idempotency_key,
             report.request_sha256,
         )
-        if earlier is not None:
-            return replace(UsageOutcome.from_json(earlier), replayed=True)
-        recorded = await _recorded_request(conn, tenant_id, session_id, report.request_sequence)
-        # Read before _reconcile takes the tenant's correction lock, which every report of
-        # the tenant's sessions waits on until this transaction ends.
-        warm = await store.earlier_request_on_epoch(
-            conn, tenant_id, session_id, report.request_sequence, int(recorded.get("epoch", 0))
-        )
+        if read.earlier is not None:
+            return replace(UsageOutcome.from_json(read.earlier), replayed=True)
+        if read.recorded is None:
+            raise NotFoundError(
+                f"no model request was recorded at sequence {report.request_sequence} in"
+                " this session",
+                field="request_sequence",
+                reason="REQUEST_NOT_FOUND",
+            )
+        recorded, warm = read.recorded, read.warm
         outcome, correction = await _reconcile(conn, tenant_id, report, recorded, tokenizer_of)
         outcome = replace(outcome, first_of_epoch=not warm)
         if correction is not None:
@@ -170,22 +175,6 @@ async def report_usage(
             ],
         )
     return outcome
-
-
-async def _recorded_request(
-    conn: Any, tenant_id: str, session_id: UUID, sequence: int
-) -> dict[str, Any]:
-    found = await events.read_events(
-        conn, tenant_id, session_id, types=[REQUEST_EVENT], after_sequence=sequence - 1, limit=1
-    )
-    if not found or found[0]["sequence"] != sequence:
-        raise NotFoundError(
-            f"no model request was recorded at sequence {sequence} in this session",
-            field="request_sequence",
-            reason="REQUEST_NOT_FOUND",
-        )
-    payload: dict[str, Any] = found[0]["payload"]
-    return payload
 
 
 async def _reconcile(

@@ -81,6 +81,47 @@ async def read_run(conn: Any, tenant_id: str, session_id: UUID, run_id: UUID) ->
     )
 
 
+async def read_run_checkpoint(
+    conn: Any, tenant_id: str, session_id: UUID, run_id: UUID, kept: Checkpoint | None = None
+) -> tuple[RunRow, Checkpoint]:
+    """read_run and read_checkpoint (the latest version) in one round trip, for a write
+    that continues the run (AppendItems). `kept` is a checkpoint of this run the caller
+    holds: when it is the latest, its body is not sent or parsed again (versions are
+    immutable: nothing rewrites a stored one), and it is returned as read.
+
+    Raises NotFoundError as read_run does, then as read_checkpoint does."""
+    row = await conn.fetchrow(
+        "SELECT r.session_id, r.parent_run_id, r.seed_event_sequence, r.epoch, c.version,"
+        " CASE WHEN c.version = $3 THEN NULL ELSE c.body END AS body"
+        " FROM runs r LEFT JOIN LATERAL (SELECT version, body FROM run_checkpoints c"
+        "  WHERE c.tenant_id = r.tenant_id AND c.run_id = r.run_id"
+        "  ORDER BY version DESC LIMIT 1) c ON true"
+        " WHERE r.tenant_id = $1 AND r.run_id = $2",
+        tenant_id,
+        run_id,
+        kept.version if kept is not None else None,  # NULL: never equal
+    )
+    if row is None or row["session_id"] != session_id:
+        raise NotFoundError(f"run {run_id} not found", field="run_id", reason="RUN_NOT_FOUND")
+    if row["version"] is None:
+        raise NotFoundError(
+            f"run {run_id} has no checkpoint version 0",
+            field="checkpoint_version",
+            reason="RUN_NOT_FOUND",
+        )
+    run = RunRow(
+        run_id=run_id,
+        session_id=row["session_id"],
+        parent_run_id=row["parent_run_id"],
+        seed_event_sequence=row["seed_event_sequence"],
+        epoch=row["epoch"],
+    )
+    if row["body"] is None:
+        assert kept is not None and kept.version == row["version"]
+        return run, kept
+    return run, Checkpoint.model_validate(row["body"])
+
+
 async def insert_checkpoint(conn: Any, tenant_id: str, checkpoint: Checkpoint) -> None:
     """Write a checkpoint version. Raises ConflictError when that version exists."""
     status = await conn.execute(

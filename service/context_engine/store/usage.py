@@ -17,12 +17,12 @@ from ..core.errors import InvalidFieldError
 from ..core.estimator import Correction
 
 __all__ = [
+    "ReportContext",
     "StoredCorrection",
-    "earlier_request_on_epoch",
     "insert_report",
     "lock_correction",
     "read_correction",
-    "read_report",
+    "read_report_context",
     "session_model",
     "write_correction",
 ]
@@ -99,61 +99,67 @@ async def session_model(conn: Any, tenant_id: str, session_id: UUID) -> str | No
     return str(value) if value is not None else None
 
 
-async def earlier_request_on_epoch(
-    conn: Any, tenant_id: str, session_id: UUID, sequence: int, epoch: int
-) -> bool:
-    """Whether a model.request.started before `sequence` was built on `epoch`. Runs on
-    different epochs interleave (a run keeps its plan across another run's admission), so
-    not only the previous request is looked at: every request since the event that opened
-    the epoch, on session_events_by_type, stopping at the first on it."""
-    found: bool = await conn.fetchval(
-        "SELECT EXISTS (SELECT 1 FROM session_events e WHERE e.tenant_id = $1"
-        " AND e.session_id = $2 AND e.type = 'model.request.started' AND e.sequence < $3"
-        " AND e.sequence > coalesce((SELECT max(o.sequence) FROM session_events o"
-        "  WHERE o.tenant_id = $1 AND o.session_id = $2"
-        "  AND o.type IN ('context.plan.created', 'context.epoch.rotated')"
-        "  AND (o.payload->>'epoch')::bigint = $4), 0)"
-        " AND (e.payload->>'epoch')::bigint = $4)",
-        tenant_id,
-        session_id,
-        sequence,
-        epoch,
-    )
-    return found
+@dataclass(frozen=True)
+class ReportContext:
+    """What a usage report reads under the session lock, in one round trip
+    (read_report_context)."""
+
+    earlier: dict[str, Any] | None  # the stored response of this key's report, if any
+    recorded: dict[str, Any] | None  # the model.request.started payload at the sequence
+    # Whether a model.request.started before it was built on its epoch. Runs on different
+    # epochs interleave (a run keeps its plan across another run's admission), so not only
+    # the previous request is looked at: every request since the event that opened the
+    # epoch, on session_events_by_type, stopping at the first on it.
+    warm: bool
 
 
-async def read_report(
+_REPORT_CONTEXT = (
+    "WITH req AS (SELECT e.payload, coalesce((e.payload->>'epoch')::bigint, 0) AS epoch"
+    "  FROM session_events e WHERE e.tenant_id = $1 AND e.session_id = $2"
+    "  AND e.sequence = $3 AND e.type = 'model.request.started')"
+    " SELECT u.request_sha256, u.response, req.payload,"
+    " EXISTS (SELECT 1 FROM session_events e WHERE e.tenant_id = $1"
+    "  AND e.session_id = $2 AND e.type = 'model.request.started' AND e.sequence < $3"
+    "  AND e.sequence > coalesce((SELECT max(o.sequence) FROM session_events o"
+    "   WHERE o.tenant_id = $1 AND o.session_id = $2"
+    "   AND o.type IN ('context.plan.created', 'context.epoch.rotated')"
+    "   AND (o.payload->>'epoch')::bigint = req.epoch), 0)"
+    "  AND (e.payload->>'epoch')::bigint = req.epoch) AS warm"
+    " FROM (SELECT 1) AS one"
+    " LEFT JOIN req ON true"
+    " LEFT JOIN usage_reports u ON u.tenant_id = $1 AND u.session_id = $2"
+    "  AND u.request_sequence = $3 AND u.idempotency_key = $4"
+)
+
+
+async def read_report_context(
     conn: Any,
     tenant_id: str,
     session_id: UUID,
     request_sequence: int,
     key: str,
     request_sha256: str,
-) -> dict[str, Any] | None:
-    """The stored response of an earlier report with this key, or None.
+) -> ReportContext:
+    """The stored response of an earlier report with this key, the request recorded at
+    `request_sequence` and whether it was warm (ReportContext), read together: a report
+    made one round trip for each until 2026-12-03.
 
     Raises:
         InvalidFieldError: IDEMPOTENCY_KEY_REUSED when the key came with another report.
     """
-    row = await conn.fetchrow(
-        "SELECT request_sha256, response FROM usage_reports WHERE tenant_id = $1"
-        " AND session_id = $2 AND request_sequence = $3 AND idempotency_key = $4",
-        tenant_id,
-        session_id,
-        request_sequence,
-        key,
-    )
-    if row is None:
-        return None
-    if row["request_sha256"] != request_sha256:
+    row = await conn.fetchrow(_REPORT_CONTEXT, tenant_id, session_id, request_sequence, key)
+    if row["request_sha256"] is not None and row["request_sha256"] != request_sha256:
         raise InvalidFieldError(
             "this request's usage was already reported under this idempotency key with"
             " different figures",
             field="idempotency_key",
             reason="IDEMPOTENCY_KEY_REUSED",
         )
-    response: dict[str, Any] = row["response"]
-    return response
+    return ReportContext(
+        earlier=row["response"] if row["request_sha256"] is not None else None,
+        recorded=row["payload"],
+        warm=bool(row["warm"]),
+    )
 
 
 async def insert_report(conn: Any, tenant_id: str, session_id: UUID, row: dict[str, Any]) -> None:
