@@ -32,7 +32,12 @@ nobody holds twice or at all: the equality memo behind an IdentityMemo does not 
 key again (a block or message, charged where it was made; `bounded_cache(keys_charged=
 True)`), and a RecentMemo (a run's carried interior) refunds each entry it drops
 (`refund`), as the interiors of ended runs were most of what a new run's Build charged.
-The limit is the server's `render_memo_bytes` setting.
+The first exception can err low: an equality memo keeps the first equal key it saw alive
+while its entry lasts, and the charge for that key's texts may be gone by then (emptied
+with the interned messages and views, or dropped by a ContentMemo's entry bound). Its
+value, a rendering of those texts, is charged, so what such a memo holds is at most about
+twice its count, within its 16,384 entries. The limit is the server's `render_memo_bytes`
+setting.
 """
 
 from __future__ import annotations
