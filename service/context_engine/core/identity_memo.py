@@ -95,8 +95,8 @@ class IdentityMemo(Generic[K, V]):
         # memoized rendering, an interned message, the kept history (core/memo_budget.py).
         # With by_value the value is the equality memo's, weighed and charged there (its
         # key only as a slot: core/memo_budget.py, keys_charged): this table adds its two
-        # slots. Weighing it again here counted it twice,
-        # and each of a run's new blocks and messages paid for the weighing twice.
+        # slots. Weighing it again here counted it twice, and each of a run's new blocks
+        # and messages paid for the weighing twice.
         memo_budget.charge(
             memo_budget.weight(value, self._depth) if self._weighs else memo_budget.ENTRY
         )
