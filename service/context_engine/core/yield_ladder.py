@@ -287,10 +287,18 @@ def _truncate_tool_results(body: Body, freed: int = 0, ids: list[str] | None = N
     """Oldest first: first for the fit, then for the class cap. `freed` and `ids` are what
     `_cap_run_results` truncated before the rungs ran, reported with this rung's step.
 
-    The cap pass runs once, after the fit: truncating for the cap changes neither the
-    carried costs the cut reads (so the cut stays put) nor whether the body fits (it only
-    lowers what is paid), so one oldest-first pass with a running total takes exactly the
-    results a re-check after every truncation would take.
+    The cap pass runs once, after the fit, over the results in the request at its start,
+    oldest first, until the results the request then holds are within the cap. Truncating
+    for the cap never changes whether the body fits (it only lowers what is paid) nor the
+    carried costs the cut reads, but a run result truncated lowers what is paid, so the
+    history the cut keeps may grow, and the carried results it brings in count toward the
+    cap. The cut only ever moves earlier here (more room keeps more history), so the
+    running total over the results as of the last measure is never above the true total:
+    while it is over the cap the true one is too, and the results in the request are
+    measured afresh only once it falls within. That takes exactly the results a re-check
+    after every truncation takes (tests/unit/test_yield_ladder.py: the reference ladder).
+    Measured once, without the re-check, the pass stopped one result short of the cap
+    when a truncated run result let an earlier carried result in.
     """
     ids = [] if ids is None else ids
     for chosen in _for_pressure(body):
@@ -302,7 +310,9 @@ def _truncate_tool_results(body: Body, freed: int = 0, ids: list[str] | None = N
         total = sum(t.pointer_cost if t.truncated else t.full_cost for t in in_request)
         for candidate in in_request:
             if total <= body.tool_result_cap:
-                break
+                total = body.result_tokens_in_request(body.cut())  # the cut may have moved
+                if total <= body.tool_result_cap:
+                    break
             saving = candidate.full_cost - candidate.pointer_cost
             if candidate.truncated or saving <= 0:
                 continue
