@@ -230,10 +230,14 @@ def carried_view(
         history, (*key, inline_maximum_bytes), count, render, inline_maximum_bytes, reach
     )
     memo_budget.admit()  # the walk's facts were charged after its own admit
-    if len(_TABLE) >= _TABLE_SIZE:
-        _TABLE.pop(next(iter(_TABLE)), None)  # oldest first (insertion order)
-    _TABLE[slot] = view
-    memo_budget.charge(_view_weight(view))
+    charge = _view_weight(view)
+    # The oldest view read and dropped: not between another thread's steps
+    # (core/memo_budget.py, LOCK).
+    with memo_budget.LOCK:
+        if len(_TABLE) >= _TABLE_SIZE:
+            _TABLE.pop(next(iter(_TABLE)), None)  # oldest first (insertion order)
+        _TABLE[slot] = view
+        memo_budget.charge(charge)
     return view
 
 
@@ -410,7 +414,7 @@ memo_budget.register(_HELD)
 
 def _forget(ref: _Ref) -> None:
     if _HELD.get(ref.key) is ref:
-        del _HELD[ref.key]
+        _HELD.pop(ref.key, None)  # the memos may have been emptied since, by another thread
 
 
 def _hold(item: ConversationItem) -> None:

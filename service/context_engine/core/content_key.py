@@ -63,14 +63,16 @@ class ContentMemo(Generic[V]):
         except (KeyError, TypeError):
             return self._function(item, *args)
         if found is None:
-            memo_budget.admit()
             found = self._function(item, *args)
-            if len(self._values) >= self._maxsize:
-                self._values.pop(next(iter(self._values)))  # the oldest first
-            self._values[key] = found
-            memo_budget.charge(
-                memo_budget.weight(key) + memo_budget.weight(found), memo_budget.ITEM
-            )
+            charge = memo_budget.weight(key) + memo_budget.weight(found)
+            # Reading the oldest entry and dropping it: not between another thread's steps
+            # (core/memo_budget.py, LOCK).
+            with memo_budget.LOCK:
+                memo_budget.admit()
+                if len(self._values) >= self._maxsize:
+                    self._values.pop(next(iter(self._values)))  # the oldest first
+                self._values[key] = found
+                memo_budget.charge(charge, memo_budget.ITEM)
         return found
 
     def peek(self, item: BaseModel, *args: Hashable) -> V | None:

@@ -81,25 +81,29 @@ class IdentityMemo(Generic[K, V]):
 
     def cache_clear(self) -> None:
         """Forget every entry held by identity (memo_budget empties memos with it)."""
-        self._keys.clear()
+        # Values first: a lookup (which takes no lock) must never find a value whose key
+        # is no longer kept alive, as another object could have its id by then.
         self._values.clear()
+        self._keys.clear()
 
     def _store(self, key: K) -> V:
-        memo_budget.admit()
         value = self._by_value(key)
-        if len(self._values) >= self._maxsize:
-            self.cache_clear()  # the equality memo still holds the values
-        self._keys[id(key)] = key
-        self._values[id(key)] = value
+        charge = memo_budget.weight(value, self._depth) if self._weighs else memo_budget.ENTRY
+        # Two tables written, and one emptied at the bound: not between another thread's
+        # steps (core/memo_budget.py, LOCK). The key before its value, for the lookups.
+        with memo_budget.LOCK:
+            memo_budget.admit()
+            if len(self._values) >= self._maxsize:
+                self.cache_clear()  # the equality memo still holds the values
+            self._keys[id(key)] = key
+            self._values[id(key)] = value
+            memo_budget.charge(charge)
         # The key (a block, message or item) was charged where it was made or read: a
         # memoized rendering, an interned message, the kept history (core/memo_budget.py).
         # With by_value the value is the equality memo's, weighed and charged there (its
         # key only as a slot: core/memo_budget.py, keys_charged): this table adds its two
         # slots. Weighing it again here counted it twice, and each of a run's new blocks
         # and messages paid for the weighing twice.
-        memo_budget.charge(
-            memo_budget.weight(value, self._depth) if self._weighs else memo_budget.ENTRY
-        )
         return value
 
 
@@ -140,24 +144,35 @@ class RecentMemo(Generic[K, V]):
 
     def __call__(self, key: K) -> V:
         entries = self._entries
-        found = entries.pop(id(key), None)
-        if found is not None:
-            entries[id(key)] = found  # now the most recently used
-            return found[1]
-        memo_budget.admit()
+        # A hit reorders the entries, so it too holds the lock (core/memo_budget.py, LOCK):
+        # an eviction reading the oldest entry must not see the table change under it.
+        with memo_budget.LOCK:
+            found = entries.pop(id(key), None)
+            if found is not None:
+                entries[id(key)] = found  # now the most recently used
+                return found[1]
         value = self._function(key)
         # The key (a tuple of interned messages, charged where they were made) is not
         # weighed, as IdentityMemo's by_value=False does not weigh its keys.
         charge = memo_budget.weight(value, self._depth) + memo_budget.ENTRY
-        room = memo_budget.limit() // self._share - charge
-        while entries and (len(entries) >= self._maxsize or self._bytes > room):
-            oldest = entries.pop(next(iter(entries)))[2]
-            self._bytes -= oldest
-            memo_budget.refund(oldest)
-        entries[id(key)] = (key, value, charge)
-        self._bytes += charge
-        memo_budget.charge(charge)
+        with memo_budget.LOCK:
+            memo_budget.admit()
+            # Another thread may have stored the same key meanwhile: replaced, refunded.
+            self._drop(id(key))
+            room = memo_budget.limit() // self._share - charge
+            while entries and (len(entries) >= self._maxsize or self._bytes > room):
+                self._drop(next(iter(entries)))
+            entries[id(key)] = (key, value, charge)
+            self._bytes += charge
+            memo_budget.charge(charge)
         return value
+
+    def _drop(self, slot: int) -> None:
+        """Forget the entry at `slot`, if any, and refund its charge (LOCK held)."""
+        dropped = self._entries.pop(slot, None)
+        if dropped is not None:
+            self._bytes -= dropped[2]
+            memo_budget.refund(dropped[2])
 
     def __len__(self) -> int:
         return len(self._entries)

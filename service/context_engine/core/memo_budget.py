@@ -38,6 +38,17 @@ with the interned messages and views, or dropped by a ContentMemo's entry bound)
 value, a rendering of those texts, is charged, so what such a memo holds is at most about
 twice its count, within its 16,384 entries. The limit is the server's `render_memo_bytes`
 setting.
+
+The memos are shared by the event loop and the worker threads Plan and compaction run
+their CPU work in (asyncio.to_thread): both render and count. A lookup is one dict read,
+atomic under the GIL, and takes no lock. Everything that changes a memo or the count in
+more than one step (admit, emptying, a store that evicts or writes two tables, charge and
+refund) holds `LOCK`: a worker's admit emptying the memos in the middle of a store on the
+loop made that store raise (a dict changed size while its oldest entry was read, a key
+popped twice), and could leave an identity entry without the key that keeps its id from
+being reused. The value a miss stores is computed before the lock is taken, so a worker's
+long rendering never holds up the loop's stores; it is reentrant, as admit empties memos
+inside a store.
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ import sys
 from collections.abc import Callable, Collection
 from functools import lru_cache, wraps
 from itertools import repeat
+from threading import RLock
 from typing import Any, Literal, Protocol, TypeVar
 
 __all__ = [
@@ -54,6 +66,7 @@ __all__ = [
     "DEPTH",
     "ENTRY",
     "ITEM",
+    "LOCK",
     "Kind",
     "admit",
     "bounded_cache",
@@ -72,6 +85,8 @@ DEFAULT_LIMIT = 256 * 1024 * 1024  # config.py render_memo_bytes
 _OBJECT = 56  # a small object's header; what a reference to a non-text value is charged
 DEPTH = 2  # levels weighed below the value itself
 ENTRY = 2 * _OBJECT  # a table's entry whose key and value are charged elsewhere
+
+LOCK = RLock()  # held by every change to the memos made in more than one step (above)
 
 
 class _Clearable(Protocol):
@@ -117,35 +132,40 @@ def held(kind: Kind | None = None) -> int:
 
 
 def _clear(kind: Kind) -> None:
-    for memo in _ledger.memos[kind]:
-        memo.cache_clear()
-    _ledger.held[kind] = 0
+    with LOCK:
+        for memo in _ledger.memos[kind]:
+            memo.cache_clear()
+        _ledger.held[kind] = 0
 
 
 def clear_all() -> None:
-    _clear(COMPOSED)
-    _clear(ITEM)
+    with LOCK:
+        _clear(COMPOSED)
+        _clear(ITEM)
 
 
 def charge(nbytes: int, kind: Kind = COMPOSED) -> None:
     """Charge a stored entry to the memos of `kind`. Over the limit, memos are emptied at
     the next `admit`."""
-    _ledger.held[kind] += nbytes
+    with LOCK:  # += reads and writes: two threads' charges must not lose one
+        _ledger.held[kind] += nbytes
 
 
 def refund(nbytes: int, kind: Kind = COMPOSED) -> None:
     """An entry charged to the memos of `kind` since they were last emptied is gone: its
     charge no longer counts toward the limit (core/identity_memo.py RecentMemo)."""
-    _ledger.held[kind] = max(_ledger.held[kind] - nbytes, 0)
+    with LOCK:
+        _ledger.held[kind] = max(_ledger.held[kind] - nbytes, 0)
 
 
 def admit() -> None:
     """Called before a miss stores: over the limit, empties the composed memos, and the
     item memos too if they alone hold more than half the limit."""
-    if sum(_ledger.held.values()) > _ledger.limit:
-        _clear(COMPOSED)
-        if _ledger.held[ITEM] > _ledger.limit // 2:
-            _clear(ITEM)
+    with LOCK:
+        if sum(_ledger.held.values()) > _ledger.limit:
+            _clear(COMPOSED)
+            if _ledger.held[ITEM] > _ledger.limit // 2:
+                _clear(ITEM)
 
 
 def weight(value: object, depth: int = DEPTH) -> int:
