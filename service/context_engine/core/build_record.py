@@ -102,7 +102,12 @@ __all__ = [
 # as the user's, USER in a <user> envelope, and costed them so (a rebuild reads them as @2
 # did: `delegated_messages`). "<delegated" is escaped as a delimiter in all content, which
 # @2 left as it was: a record whose content held one does not rebuild (REQUEST_NOT_FOUND).
-ASSEMBLER_VERSION = "context-assembler@3"
+# @4: the tool-result cap pass re-reads the cut after each run result it truncates and
+# takes the carried results that brings into the request first (core/yield_ladder.py
+# _cap_results_in_request); @3 went over the results in the request at the pass's start
+# only, so it could stop over the cap with such a result whole. Only those cuts differ:
+# such a record does not rebuild (REQUEST_NOT_FOUND); every other @3 record rebuilds.
+ASSEMBLER_VERSION = "context-assembler@4"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})

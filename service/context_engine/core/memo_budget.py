@@ -41,14 +41,19 @@ setting.
 
 The memos are shared by the event loop and the worker threads Plan and compaction run
 their CPU work in (asyncio.to_thread): both render and count. A lookup is one dict read,
-atomic under the GIL, and takes no lock. Everything that changes a memo or the count in
-more than one step (admit, emptying, a store that evicts or writes two tables, charge and
-refund) holds `LOCK`: a worker's admit emptying the memos in the middle of a store on the
-loop made that store raise (a dict changed size while its oldest entry was read, a key
-popped twice), and could leave an identity entry without the key that keeps its id from
-being reused. The value a miss stores is computed before the lock is taken, so a worker's
-long rendering never holds up the loop's stores; it is reentrant, as admit empties memos
-inside a store.
+atomic under the GIL, and takes no lock. What changes a memo or the count in steps another
+thread must not come between holds `LOCK`: admit and emptying, charge and refund (a +=),
+a store that reads its oldest entry to evict it (ContentMemo, RecentMemo, the carried
+views) or writes two tables (IdentityMemo). Unlocked, a worker's admit emptying the memos
+in the middle of a store on the loop made that store raise (a dict changed size while its
+oldest entry was read, a key popped twice), and an identity memo answered a new object
+that had a dead key's id with that key's value. A store that is one dict write whose entry
+holds its own key (VariantMemo, the interned messages, the run memo of the heuristic
+counter, the walk's facts) needs no lock: emptying between its check of the bound and its
+write leaves only a memo emptied early. The value a miss stores is computed before the
+lock is taken, so a worker's long rendering never holds up the loop's stores; the lock is
+reentrant, as admit empties memos inside a store. (This leans on the GIL: a free-threaded
+build would need the lookups locked too.)
 """
 
 from __future__ import annotations

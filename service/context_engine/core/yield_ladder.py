@@ -25,15 +25,19 @@ core/build_record.py ASSEMBLER_VERSION (its Rule 8), so recorded requests are no
 by rules they were not cut by.
 Cost: a Build may carry tens of thousands of recall lines or tool results, on the event
 loop, so the rungs keep running totals rather than re-measuring the body per unit: linear
-in the units (the tool-result rung O(n log n)), with the answer of re-measuring each time
-(tests/unit/test_yield_ladder.py compares the two).
+in the units (the tool-result rung O(n log n), plus one reading of the cut, linear in the
+carried items, per run result truncated for the cap), with the answer of re-measuring
+each time (tests/unit/test_yield_ladder.py compares the two).
 """
 
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from .caps import CLASS_CAPS, Yields
 from .items import ContextItem, ToolResult
@@ -285,42 +289,58 @@ def _cap_run_results(body: Body) -> tuple[int, list[str]]:
 
 def _truncate_tool_results(body: Body, freed: int = 0, ids: list[str] | None = None) -> None:
     """Oldest first: first for the fit, then for the class cap. `freed` and `ids` are what
-    `_cap_run_results` truncated before the rungs ran, reported with this rung's step.
-
-    The cap pass runs once, after the fit, over the results in the request at its start,
-    oldest first, until the results the request then holds are within the cap. Truncating
-    for the cap never changes whether the body fits (it only lowers what is paid) nor the
-    carried costs the cut reads, but a run result truncated lowers what is paid, so the
-    history the cut keeps may grow, and the carried results it brings in count toward the
-    cap. The cut only ever moves earlier here (more room keeps more history), so the
-    running total over the results as of the last measure is never above the true total:
-    while it is over the cap the true one is too, and the results in the request are
-    measured afresh only once it falls within. That takes exactly the results a re-check
-    after every truncation takes (tests/unit/test_yield_ladder.py: the reference ladder).
-    Measured once, without the re-check, the pass stopped one result short of the cap
-    when a truncated run result let an earlier carried result in.
-    """
+    `_cap_run_results` truncated before the rungs ran, reported with this rung's step."""
     ids = [] if ids is None else ids
     for chosen in _for_pressure(body):
         chosen.truncated = True
         freed += chosen.saving
         ids.append(chosen.item.item_id)
     if body.fits() and body.tool_results_over_cap():
-        in_request = body.results_in_request(body.cut())
-        total = sum(t.pointer_cost if t.truncated else t.full_cost for t in in_request)
-        for candidate in in_request:
-            if total <= body.tool_result_cap:
-                total = body.result_tokens_in_request(body.cut())  # the cut may have moved
-                if total <= body.tool_result_cap:
-                    break
-            saving = candidate.full_cost - candidate.pointer_cost
-            if candidate.truncated or saving <= 0:
-                continue
-            candidate.truncated = candidate.for_cap = True
-            total -= saving
-            freed += saving
-            ids.append(candidate.item.item_id)
+        freed = _cap_results_in_request(body, freed, ids)
     _record(body, "truncate_tool_results", freed, ids)
+
+
+_CARRIED_INDEX = attrgetter("carried_index")
+
+
+def _cap_results_in_request(body: Body, freed: int, ids: list[str]) -> int:
+    """While the results in the request are over the class cap, truncate the oldest of
+    them that is whole and saves something (for_cap). Returns `freed` plus what it freed;
+    appends to `ids`.
+
+    Truncating for the cap never changes whether the body fits (it only lowers what is
+    paid), nor the carried costs the cut reads: a carried result truncated for the cap
+    stays where the cut counts it. But a run result truncated lowers what is paid, so the
+    history the cut keeps may grow (the cut only moves earlier: more room keeps more
+    history), and the carried results it brings in are in the request: they count toward
+    the cap, and being older than every result still waiting, they are the next to go.
+    Measured only at the pass's start, the pass stopped short of the cap once a truncated
+    run result let a carried one in, and never truncated it (a 155-token request against a
+    cap of 50, the result worth 100 left whole). One queue and a running total take
+    exactly the results a re-scan of the request after every truncation takes
+    (tests/unit/test_yield_ladder.py: the reference ladder); the cut is read again only
+    after a run result, the one truncation that can move it.
+    """
+    cut = body.cut()
+    waiting = deque(body.results_in_request(cut))  # oldest first
+    total = sum(t.cost for t in waiting)
+    while total > body.tool_result_cap and waiting:
+        candidate = waiting.popleft()
+        saving = candidate.saving
+        if candidate.truncated or saving <= 0:
+            continue
+        candidate.truncated = candidate.for_cap = True
+        total -= saving
+        freed += saving
+        ids.append(candidate.item.item_id)
+        if candidate.carried_index < 0 and (moved := body.cut()) < cut:
+            carried = body.carried()  # oldest first, so the newly kept are one slice
+            first = bisect_left(carried, moved, key=_CARRIED_INDEX)
+            brought = carried[first : bisect_left(carried, cut, key=_CARRIED_INDEX)]
+            waiting.extendleft(reversed(brought))
+            total += sum(t.cost for t in brought)
+            cut = moved
+    return freed
 
 
 def _for_pressure(body: Body) -> Iterator[Truncatable]:
