@@ -522,3 +522,41 @@ def test_truncating_for_pressure_re_measures_nothing_per_result() -> None:
     assert run_ladder(body)
     assert sum(t.truncated for t in body.run_results) > n // 2  # it did truncate
     assert _Counted.additions < 10 * 2 * n, _Counted.additions
+
+
+def test_capping_the_results_in_the_request_re_measures_nothing_per_result() -> None:
+    """The cap pass read the cut again after every run result it truncated, and reading it
+    re-summed every run result (paid) and copied the history's costs: quadratic in the
+    run's results, on the event loop (2,000 results: ~4 million additions). Counted, not
+    timed: each result's cost now takes part in a bounded number of additions, and the cut
+    is read at most once per run result truncated."""
+    n = 2_000
+    reads = 0
+
+    def cut_at(costs: Sequence[int], tokens: int) -> int:
+        nonlocal reads
+        reads += 1
+        return 0  # all the history fits (the cut's own work is not what is counted)
+
+    body = Body(
+        budget=10**9,
+        fixed=0,
+        history_floor=0,
+        # Over the run's results alone by nothing (_cap_run_results truncates none), so
+        # the carried results' pointers leave the pass truncating run results after them.
+        tool_result_cap=10 * n,
+        knowledge=[],
+        recall=[],
+        recall_floor=0,
+        carried_costs=[_Counted(100) for _ in range(n)],
+        run_results=[Truncatable(-1, _Counted(10), _Counted(1), _item(6000 + i)) for i in range(n)],
+        carried_results=[
+            Truncatable(i, _Counted(100), _Counted(10), _item(3000 + i)) for i in range(n)
+        ],
+        cut_at=cut_at,
+    )
+    _Counted.additions = reads = 0
+    assert run_ladder(body)
+    assert sum(t.truncated for t in body.run_results) > n // 2  # it did truncate them
+    assert _Counted.additions < 10 * 3 * n, _Counted.additions
+    assert reads <= n + 2, reads
