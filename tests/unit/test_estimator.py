@@ -819,10 +819,15 @@ def test_corrections_are_validated_values() -> None:
 
 
 @given(st.integers(0, 10**7), st.integers(1, 10**7))
+# An over-estimate by less than one ppm reads 0 (the floor); the gate once claimed every
+# over-estimate reads positive, and failed in CI on this pair.
+@example(estimated=1_000_002, actual=1_000_001)
 def test_signed_error_has_the_sign_of_the_mistake(estimated: int, actual: int) -> None:
     error = signed_error_ppm(estimated, actual)
-    assert (error > 0) == (estimated > actual)
+    # Rounding toward negative infinity: an under-estimate always reads negative, an
+    # over-estimate positive once it is at least one ppm, and 0 below that.
     assert (error < 0) == (estimated < actual)
+    assert (error > 0) == ((estimated - actual) * PPM >= actual)
     assert error * actual <= (estimated - actual) * PPM < (error + 1) * actual
 
 
