@@ -1181,3 +1181,87 @@ def test_an_image_costs_the_registry_figure_for_its_model() -> None:
     flat = assemble(replace(inputs, image_tokens=IMAGE_TOKENS))
     assert built.body_estimated_tokens - flat.body_estimated_tokens == 48_200 - IMAGE_TOKENS
     assert image_tokens_for(None) == image_tokens_for(500) == IMAGE_TOKENS
+
+
+def test_a_builds_cut_sums_the_history_once_per_costs_it_is_read_at(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The yield ladder's cap pass reads the cut once per run result it truncates, all at
+    the carried costs left by the pressure pass (some results yielded to pointers). The
+    cut summed the whole history again at each read (O(results x history) per Build); a
+    Build's cutter keeps the sums of the last such costs. Counted, not timed, and each
+    read gives what summing afresh gives (the old Segment.cut)."""
+    import importlib
+
+    from context_engine.core import history_cut
+
+    assembly = importlib.import_module("context_engine.core.assemble")
+    ids = _Ids()
+    carried: list[ConversationItem] = []
+    for turn in range(120):
+        item_id, seq = ids.next("u")
+        carried.append(UserMessage(item_id=item_id, text=_text(200), sequence=seq, run_id="r"))
+        item_id, seq = ids.next("c")
+        call = ToolCall(
+            item_id=item_id,
+            call_id=f"k{turn}",
+            tool_name="web.fetch",
+            arguments_json="{}",
+            sequence=seq,
+            run_id="r",
+        )
+        item_id, seq = ids.next("t")
+        result = ToolResult(
+            item_id=item_id,
+            call_id=call.call_id,
+            tool_name="web.fetch",
+            content=_text(4_000),
+            trust=TrustLevel.EXTERNAL_UNTRUSTED,
+            sequence=seq,
+            run_id="r",
+        )
+        carried += [call, result]
+    run = [UserMessage(item_id="now", text="Go on.", sequence=ids.seq + 1, run_id="current")]
+    session = Session(
+        carried=carried,
+        run=run,
+        summary=None,
+        floor=0,
+        step=StepContext(),
+        working_state=None,
+        body_room=10**6,
+        reserve=1_000,
+        factor_ppm=1_000_000,
+    )
+    _, inputs = _build(session, window=2_000_000)
+    segment = assembly._view(inputs, assembly._budget(inputs.plan)).segment(0)
+    assert len(segment.results) == 120
+    yielded_list = list(segment.costs)
+    for index, _, pointer in segment.results[::2]:
+        yielded_list[index] = pointer
+    yielded = tuple(yielded_list)
+    assert yielded != segment.costs
+
+    def summed_afresh(costs: Sequence[int], tokens: int) -> int:
+        return segment.settle(
+            history_cut.suffix_cut(history_cut.negated_suffix_sums(costs), tokens)
+        )
+
+    sums = 0
+    real = carried_module.negated_suffix_sums
+
+    def counted(costs: Sequence[int]) -> tuple[int, ...]:
+        nonlocal sums
+        sums += 1
+        return real(costs)
+
+    monkeypatch.setattr(carried_module, "negated_suffix_sums", counted)
+    cut = segment.cutter()
+    reads = range(0, segment.total + 2_000, 997)
+    for tokens in reads:
+        assert cut(yielded, tokens) == summed_afresh(yielded, tokens), tokens
+        assert cut(segment.costs, tokens) == summed_afresh(segment.costs, tokens), tokens
+        assert cut(yielded_list, tokens) == summed_afresh(yielded, tokens), tokens  # an equal copy
+    assert len(reads) > 100 and sums == 1
+    other = (*yielded[:-1], yielded[-1] + 1)
+    assert cut(other, 5_000) == summed_afresh(other, 5_000) and sums == 2

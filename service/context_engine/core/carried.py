@@ -137,14 +137,9 @@ class Segment:
         default_factory=dict, compare=False, repr=False
     )
 
-    def cut(self, history_tokens: int, costs: Sequence[int]) -> int:
-        """history_cut.select_history over these items at `costs` (their own, or with some
-        results yielded to pointers), the summary floor already applied (every item is
-        above it): rule 1 by one bisection (history_cut.suffix_cut), then rule 3."""
-        negated = self._negated_suffix
-        if tuple(costs) != self.costs:
-            negated = negated_suffix_sums(costs)
-        return self.settle(suffix_cut(negated, history_tokens))
+    def cutter(self) -> Cutter:
+        """The cut over these items for one Build's yield ladder (its `cut_at`)."""
+        return Cutter(self)
 
     def result_tokens_from(self, cut: int) -> int:
         """The full tokens of the results at index >= `cut` (results are few of the items;
@@ -169,6 +164,42 @@ class Segment:
                 self._retained.clear()
             found = self._retained[key] = _retained(self, cut, frozenset(yielded))
         return found
+
+
+class Cutter:
+    """history_cut.select_history over a segment's items at `costs` (their own, or with
+    some results yielded to pointers), the summary floor already applied (every item is
+    above it): rule 1 by one bisection (history_cut.suffix_cut), then rule 3.
+
+    Made per Build, it keeps the suffix sums of the last costs other than the items' own.
+    The ladder's cap pass reads the cut once per run result it truncates, all at one costs
+    tuple (the results yielded for pressure), and summing the history again for each read
+    made the pass O(results x history). The tuple is matched by identity first, as the
+    pass hands over the same one: comparing is itself a pass over the history. Per Build,
+    not on the segment, so no shared memo holds a second history-long tuple."""
+
+    __slots__ = ("_costs", "_negated", "_segment")
+
+    def __init__(self, segment: Segment) -> None:
+        self._segment = segment
+        self._costs: tuple[int, ...] = segment.costs
+        self._negated = segment._negated_suffix
+
+    def __call__(self, costs: Sequence[int], history_tokens: int) -> int:
+        return self._segment.settle(suffix_cut(self._negated_for(costs), history_tokens))
+
+    def _negated_for(self, costs: Sequence[int]) -> tuple[int, ...]:
+        segment = self._segment
+        if costs is self._costs:
+            return self._negated
+        if costs is segment.costs:
+            return segment._negated_suffix
+        costs = tuple(costs)
+        if costs == segment.costs:
+            return segment._negated_suffix
+        if costs != self._costs:
+            self._costs, self._negated = costs, negated_suffix_sums(costs)
+        return self._negated
 
 
 _INPUT_TYPES = (UserMessage, ToolResult)

@@ -189,7 +189,7 @@ def fit_body(
         carried_results=None,
         carried_source=carried_results,
         carried_result_tokens=carried.result_tokens_from,
-        cut_at=lambda current, history_tokens: carried.cut(history_tokens, current),
+        cut_at=carried.cutter(),
     )
     fits = run_ladder(body)
     cut = body.cut() if fits else len(carried.items)
