@@ -33,6 +33,17 @@ def _result(content: str, **kw: object) -> ToolResult:
     return ToolResult.model_validate(fields)
 
 
+def _fetch(item_id: str, call_id: str, sequence: int, run_id: str) -> ToolCall:
+    return ToolCall(
+        item_id=item_id,
+        call_id=call_id,
+        tool_name="web.fetch",
+        arguments_json="{}",
+        sequence=sequence,
+        run_id=run_id,
+    )
+
+
 @GATE
 @given(
     text=st.text(st.characters(codec="utf-8"), min_size=0, max_size=3_000),
@@ -75,23 +86,9 @@ def test_carried_results_are_excerpted_in_the_request_only() -> None:
     big = "HEAD" + "x" * 40_000 + "TAIL"
     carried = (
         UserMessage(item_id="u1", text="fetch it", sequence=1, run_id="r0"),
-        ToolCall(
-            item_id="c1",
-            call_id="k1",
-            tool_name="web.fetch",
-            arguments_json="{}",
-            sequence=2,
-            run_id="r0",
-        ),
+        _fetch("c1", "k1", 2, "r0"),
         _result(big, call_id="k1", sequence=3, context_content=""),
-        ToolCall(
-            item_id="c2",
-            call_id="k2",
-            tool_name="web.fetch",
-            arguments_json="{}",
-            sequence=4,
-            run_id="r0",
-        ),
+        _fetch("c2", "k2", 4, "r0"),
         _result(
             big, item_id="tr2", call_id="k2", sequence=5, context_content="the pipeline's excerpt"
         ),
@@ -100,14 +97,7 @@ def test_carried_results_are_excerpted_in_the_request_only() -> None:
     # The active run's own result is not legacy: it is not excerpted.
     run = (
         UserMessage(item_id="u2", text="again", sequence=7, run_id="r1"),
-        ToolCall(
-            item_id="c3",
-            call_id="k3",
-            tool_name="web.fetch",
-            arguments_json="{}",
-            sequence=8,
-            run_id="r1",
-        ),
+        _fetch("c3", "k3", 8, "r1"),
         _result(big, item_id="tr3", call_id="k3", sequence=9, run_id="r1"),
     )
     checkpoint = Checkpoint(run_id="r1", version=3, items=run)
@@ -135,3 +125,40 @@ def test_carried_results_are_excerpted_in_the_request_only() -> None:
     # The inputs (checkpoint and logged items) are untouched.
     assert carried[2].content == big and checkpoint.items[2].content == big
     assert assemble(inputs).request_sha256 == built.request_sha256
+
+
+def test_an_excerpted_result_truncated_to_a_pointer_reports_the_results_own_size() -> None:
+    """The pointer names the byte count of what exists (the spec's "typed pointer with the
+    byte count and reference"), not of the excerpt the request would have shown: a 40,008
+    byte result excerpted to 12,000 bytes, then truncated for the tool-result cap."""
+    big = "HEAD" + "x" * 40_000 + "TAIL"
+    carried = (
+        UserMessage(item_id="u1", text="fetch it", sequence=1, run_id="r0"),
+        _fetch("c1", "k1", 2, "r0"),
+        _result(big, call_id="k1", sequence=3, context_content=""),
+        AssistantMessage(item_id="a1", text="done", sequence=4, run_id="r0"),
+    )
+    inputs = BuildInputs(
+        tenant_id="t",
+        plan=_plan(14_000, 0, 4_000),
+        secret=SECRET,
+        checkpoint=Checkpoint(
+            run_id="r1",
+            version=3,
+            items=(UserMessage(item_id="u2", text="again", sequence=5, run_id="r1"),),
+        ),
+        carried=carried,
+        now=datetime(2026, 1, 1, tzinfo=UTC),
+        count_tokens=count,
+        inline_maximum_bytes=12_000,
+    )
+    built = assemble(inputs)
+    assert built.request is not None and built.pressure is not None
+    assert built.pressure.legacy_tool_excerpts == ("tr1",)
+    blocks = {b.item_id: b for m in built.request.messages for b in m.blocks}
+    assert "[truncated] tool.result tr1 web.fetch (external_untrusted, 40,008 bytes)" in (
+        blocks["tr1"].text
+    )
+    assert "tr1" in next(
+        s.item_ids for s in built.pressure.steps if s.step == "truncate_tool_results"
+    )

@@ -154,6 +154,16 @@ def _capped_first(spec: Spec) -> int:
     return taken
 
 
+def _recall_capped(spec: Spec) -> int:
+    """How many recall lines the cap left before knowledge yielded: the lowest-ranked
+    trimmed, never below the floor, until recall is within its cap (it is absolute)."""
+    total, kept = sum(spec.recall), len(spec.recall)
+    while kept > spec.recall_floor and total > RECALL.cap_tokens:
+        kept -= 1
+        total -= spec.recall[kept]
+    return kept
+
+
 def _knowledge_over_cap(body: Body) -> bool:
     return (
         body.knowledge_kept > KNOWLEDGE.cap_items or body.knowledge_tokens() > KNOWLEDGE.cap_tokens
@@ -180,11 +190,14 @@ def test_each_rung_yields_no_further_than_needed(spec: Spec) -> None:
     run_ladder(body)
     capped = _capped_first(spec)
     # Knowledge: one more passage back would break its cap or the fit (before recall or
-    # tool results yielded anything for pressure; the run's results already within their
-    # cap).
+    # tool results yielded anything for pressure; recall and the run's results already
+    # within their caps).
     if body.knowledge_kept < len(body.knowledge):
         more = _with(
-            body, knowledge=body.knowledge_kept + 1, recall=len(body.recall), truncated=capped
+            body,
+            knowledge=body.knowledge_kept + 1,
+            recall=_recall_capped(spec),
+            truncated=capped,
         )
         assert _knowledge_over_cap(more) or not more.fits()
     # Recall: one more line back would break its cap or the fit; never below its floor.
@@ -211,7 +224,7 @@ def test_a_later_rung_yields_for_pressure_only_once_earlier_ones_cannot(spec: Sp
     if body.knowledge_kept > 0:
         # Knowledge stopped yielding, so the body fit then: later rungs yielded only for
         # their own caps.
-        assert _with(body, recall=len(body.recall), truncated=capped).fits()
+        assert _with(body, recall=_recall_capped(spec), truncated=capped).fits()
     if body.recall_kept > min(body.recall_floor, len(body.recall)):
         assert _with(body, truncated=capped).fits()
     if not fits:
@@ -286,6 +299,39 @@ def test_run_results_over_their_cap_are_truncated_before_knowledge_yields() -> N
     ]
 
 
+def test_recall_over_its_cap_is_trimmed_before_knowledge_yields() -> None:
+    """Recall's cap is absolute too: lines over it are trimmed whatever else happens, so
+    the passage that fits once they are must not drop first (recall used to be measured
+    whole when knowledge yielded: the passage dropped, then recall was trimmed to its cap
+    anyway, leaving a body of 2,500 against a budget of 4,000)."""
+    spec = Spec(
+        budget=4_000,
+        fixed=1_000,
+        floor=0,
+        cap=8_000,
+        knowledge=[500],
+        recall=[1_500, 1_500],
+        recall_floor=0,
+        carried=[],
+        run=[],
+    )
+    body = spec.body()
+    assert run_ladder(body)
+    assert body.knowledge_kept == 1 and body.recall_kept == 1
+    assert [(s.step, s.item_ids, s.tokens_freed) for s in body.steps] == [
+        ("trim_recall", ("i101",), 1_500)
+    ]
+    # Where the fit needs more, recall still yields for pressure after knowledge; what the
+    # cap trimmed and what the fit did are one step, lowest-ranked first.
+    tight = Spec(**{**spec.__dict__, "budget": 2_400, "recall": [1_500, 1_000, 900]})
+    body = tight.body()
+    assert run_ladder(body)
+    assert [(s.step, s.item_ids, s.tokens_freed) for s in body.steps] == [
+        ("drop_knowledge", ("i0",), 500),
+        ("trim_recall", ("i102", "i101", "i100"), 3_400),
+    ]
+
+
 class _Counted(int):
     """A line cost that counts every addition it takes part in (sum() and running totals),
     so a test can bound the ladder's work without a clock."""
@@ -339,8 +385,13 @@ def _reference_ladder(body: Body) -> bool:
             t.truncated = t.for_cap = True
             run_total -= t.saving
             capped.append(t)
+    recall_capped: list[str] = []
+    while body.recall_kept > body.recall_floor and body.recall_tokens() > RECALL.cap_tokens:
+        body.recall_kept -= 1
+        recall_capped.append(body.recall[body.recall_kept][0].item_id)
     for name, units in (("drop_knowledge", body.knowledge), ("trim_recall", body.recall)):
-        freed, ids = 0, []
+        ids = recall_capped if name == "trim_recall" else []
+        freed = sum(c for item, c in units if item.item_id in ids)
         while True:
             if name == "drop_knowledge":
                 more = body.knowledge_kept > 0 and (_knowledge_over_cap(body) or not body.fits())

@@ -107,7 +107,13 @@ __all__ = [
 # _cap_results_in_request); @3 went over the results in the request at the pass's start
 # only, so it could stop over the cap with such a result whole. Only those cuts differ:
 # such a record does not rebuild (REQUEST_NOT_FOUND); every other @3 record rebuilds.
-ASSEMBLER_VERSION = "context-assembler@4"
+# @5: recall over its cap is trimmed to it before knowledge yields (core/yield_ladder.py
+# _cap_recall), where @4 measured recall whole when knowledge dropped, so a passage could
+# drop for tokens the recall cap freed anyway; and the pointer of a carried result that was
+# excerpted (over the inline limit) names the result's own byte count, where @4 named the
+# excerpt's (core/carried.py). Such records do not rebuild (REQUEST_NOT_FOUND); every other
+# @4 record does.
+ASSEMBLER_VERSION = "context-assembler@5"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})

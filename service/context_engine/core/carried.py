@@ -499,9 +499,10 @@ def _facts(item: ConversationItem, count: Count, render: Render, limit: int) -> 
     block = render(Row.CONVERSATION, shown, truncated)
     tokens = count(block, shown)
     check_placement(shown, Row.CONVERSATION)
-    if not isinstance(shown, ToolResult):
+    if not isinstance(item, ToolResult):  # shown is its excerpt or the item itself
         return _Facts(item.sequence, excerpt, tokens, block, False, None, 0, None, tokens)
-    pointer = typed_pointer(shown)
+    # The pointer says what the result holds, not its excerpt: its own byte count.
+    pointer = typed_pointer(item)
     pointer_block = render(Row.CONVERSATION, pointer, True)
     pointer_tokens = count(pointer_block, pointer)
     return _Facts(

@@ -7,10 +7,11 @@ Rule 2 (no further than needed): a rung yields one unit at a time and stops as s
 class is within its cap and the body fits; a later rung never yields for pressure while an
 earlier one can still free tokens (a class over its own cap yields regardless). "Fits"
 counts history at its floor, min(8,000, what history has), so the cheaper classes yield to
-protect the floor and history takes the rest. The run's own tool results are in every
-request, so where they alone are over the tool-result cap they are truncated for it
-before any rung yields for pressure: knowledge and recall never drop for tokens the cap
-frees anyway.
+protect the floor and history takes the rest. Recall over its cap, and the run's own tool
+results where they alone are over the tool-result cap (they are in every request), are
+cut to their caps before any rung yields for pressure: knowledge (and, for the results'
+cap, recall) never drops for tokens a cap frees anyway. Carried results are in the
+request only above the cut, which the rungs decide, so they are capped last.
 Rule 3 (units): a knowledge passage drops whole, lowest-ranked first (a shortened passage
 is a misquotation); recall drops its lowest-ranked lines, never below its floor (which
 core/pressure.py therefore pays with the never-yield set: a floor that does not fit is
@@ -219,8 +220,9 @@ def run_ladder(body: Body) -> bool:
     """Yield in the ladder's order, no further than needed. Returns whether the body fits;
     the steps taken are appended to body.steps."""
     capped = _cap_run_results(body)
+    recall_capped = _cap_recall(body)
     _drop_knowledge(body)
-    _trim_recall(body)
+    _trim_recall(body, *recall_capped)
     _truncate_tool_results(body, *capped)
     if not body.fits():
         body.steps.append(YieldStep("compact", 0, ()))
@@ -251,9 +253,29 @@ def _drop_knowledge(body: Body) -> None:
     _record(body, "drop_knowledge", freed, ids)
 
 
-def _trim_recall(body: Body) -> None:
-    cap = CLASS_CAPS["recall"]
+def _cap_recall(body: Body) -> tuple[int, list[str]]:
+    """Trim recall's lowest-ranked lines, never below its floor, until it is within its
+    class cap. Its cap is absolute, so however the rungs yield the request holds no more
+    than this: trimming first is what keeps knowledge from dropping for tokens the cap
+    frees anyway (as _cap_run_results does for the run's results). Reported with the
+    recall rung's step."""
+    cap = CLASS_CAPS["recall"].cap_tokens
+    kept = body.recall_tokens()
     freed, ids = 0, []
+    while body.recall_kept > body.recall_floor and kept > cap:
+        body.recall_kept -= 1
+        item, cost = body.recall[body.recall_kept]
+        kept -= cost
+        freed += cost
+        ids.append(item.item_id)
+    return freed, ids
+
+
+def _trim_recall(body: Body, freed: int = 0, ids: list[str] | None = None) -> None:
+    """For the fit (and the cap, which _cap_recall has met already); `freed` and `ids` are
+    what _cap_recall trimmed before knowledge yielded, reported with this rung's step."""
+    cap = CLASS_CAPS["recall"]
+    ids = [] if ids is None else ids
     # One pass with running totals (as _drop_knowledge): re-summing the kept lines for every
     # dropped one was quadratic in the recall lines, on the event loop (25,000 lines: 9 s).
     kept = body.recall_tokens()
