@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import random
+import string
 from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
@@ -437,11 +439,15 @@ async def _each_refused(
 
 
 async def test_identifiers_longer_than_an_index_takes_are_named(stub: Any, pool: Any) -> None:
-    """Tenants, idempotency keys, people and skill names are keys of PostgreSQL indexes: one
-    over 200 characters is the caller's invalid field, never a failed write (INTERNAL)."""
+    """Tenants, idempotency keys, people, skill names and call ids are keys of PostgreSQL
+    indexes: one over 200 characters is the caller's invalid field, never a failed write
+    (INTERNAL)."""
     session_id, _ = await open_session(stub)
     run_id = (await start_run(stub, session_id, "hi")).run.run_id
     long = "\u00e9" * 201
+    # A call id that does not compress (PostgreSQL compresses an index entry first): over
+    # the btree's 2,704 bytes, which was INTERNAL before call ids were capped.
+    noise = "".join(random.Random(7).choices(string.ascii_letters + string.digits, k=6_000))
     named = spec()
     named.snapshot.items.add(item_id="m1", text="Ana likes trains.", person_ids=["ana", long])
     catalog = spec()
@@ -495,6 +501,28 @@ async def test_identifiers_longer_than_an_index_takes_are_named(stub: Any, pool:
                 items=[assistant("x")],
             ),
             "idempotency_key",
+        ),
+        *(
+            (
+                "AppendItems",
+                pb.AppendItemsRequest(
+                    tenant_id=TENANT,
+                    session_id=session_id,
+                    run_id=run_id,
+                    expected_checkpoint_version=1,
+                    items=[item],
+                ),
+                f"items[0].{kind}.call_id",
+            )
+            for kind, item in (
+                (
+                    "tool_call",
+                    pb.ConversationItem(
+                        tool_call=pb.ToolCall(call_id=noise, tool_name="t", arguments_json="{}")
+                    ),
+                ),
+                ("tool_result", pb.ConversationItem(tool_result=pb.ToolResult(call_id=long))),
+            )
         ),
         ("EraseSubject", pb.EraseSubjectRequest(tenant_id=TENANT, person_id=long), "person_id"),
         (

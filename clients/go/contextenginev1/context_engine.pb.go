@@ -3085,7 +3085,8 @@ type ToolCall struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Provider call id; its result must carry the same id.
+	// Provider call id; its result must carry the same id. Required, at most 200
+	// characters (the store indexes it); else INVALID_FIELD.
 	CallId string `protobuf:"bytes,1,opt,name=call_id,json=callId,proto3" json:"call_id,omitempty"`
 	// The tool called.
 	ToolName string `protobuf:"bytes,2,opt,name=tool_name,json=toolName,proto3" json:"tool_name,omitempty"`
@@ -3162,7 +3163,8 @@ type ToolResult struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// The call this answers. The call must precede it in the run.
+	// The call this answers. The call must precede it in the run. Required, at most 200
+	// characters; else INVALID_FIELD.
 	CallId string `protobuf:"bytes,1,opt,name=call_id,json=callId,proto3" json:"call_id,omitempty"`
 	// The tool that produced it.
 	ToolName string `protobuf:"bytes,2,opt,name=tool_name,json=toolName,proto3" json:"tool_name,omitempty"`

@@ -474,7 +474,7 @@ def item_from_proto(item: pb.ConversationItem, field: str, new_id: str) -> ci.Co
     if kind == "tool_call":
         call = item.tool_call
         path = f"{field}.tool_call"
-        _require(call.call_id, f"{path}.call_id")
+        require_id(call.call_id, f"{path}.call_id")  # indexed (migrations/0012)
         _require(call.tool_name, f"{path}.tool_name")
         arguments = _json_object(call.arguments_json, f"{path}.arguments_json", default={})
         return ci.ToolCall(
@@ -487,7 +487,7 @@ def item_from_proto(item: pb.ConversationItem, field: str, new_id: str) -> ci.Co
     if kind == "tool_result":
         result = item.tool_result
         path = f"{field}.tool_result"
-        _require(result.call_id, f"{path}.call_id")
+        require_id(result.call_id, f"{path}.call_id")  # indexed (migrations/0012)
         return ci.ToolResult(
             item_id=item_id,
             call_id=result.call_id,
