@@ -7,7 +7,7 @@ import hashlib
 import json
 from datetime import UTC, datetime
 from typing import Any
-from uuid import UUID
+from uuid import UUID, uuid4
 
 import grpc
 import pytest
@@ -143,7 +143,7 @@ async def test_the_explain_command_reads_a_session_through_get_build(
     assert await _explain(grpc_server.port, new_id(), "1", "2") == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("context-engine explain: GetBuild failed: NOT_FOUND: "), line
-    assert line.endswith(" [REQUEST_NOT_FOUND]"), line
+    assert line.endswith(" not found [SESSION_NOT_FOUND]"), line  # an unknown session
 
 
 async def _explain(port: int, session_id: str, *argv: str) -> int:
@@ -159,16 +159,24 @@ async def test_get_build_of_an_unknown_request_is_not_found(stub: Any) -> None:
     built = await stub.Build(
         pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=started.run.run_id)
     )
-    for tenant, sequence in (
-        (TENANT, built.request_sequence + 100),
-        (TENANT, built.request_sequence - 1),  # an event, but not a recorded request
-        ("tenant-other", built.request_sequence),
+    for tenant, session, sequence, reason_field in (
+        (
+            TENANT,
+            session_id,
+            built.request_sequence + 100,
+            ("REQUEST_NOT_FOUND", "request_sequence"),
+        ),
+        # An event, but not a recorded request.
+        (TENANT, session_id, built.request_sequence - 1, ("REQUEST_NOT_FOUND", "request_sequence")),
+        # Another tenant's session is a missing one, as every session RPC answers.
+        ("tenant-other", session_id, built.request_sequence, ("SESSION_NOT_FOUND", "session_id")),
+        (TENANT, str(uuid4()), 1, ("SESSION_NOT_FOUND", "session_id")),
     ):
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await _get(stub, session_id, sequence, tenant)
+            await _get(stub, session, sequence, tenant)
         assert caught.value.code() is grpc.StatusCode.NOT_FOUND
         reason, fields, _ = details(caught.value)
-        assert reason == "REQUEST_NOT_FOUND" and fields == ["request_sequence"]
+        assert (reason, fields) == (reason_field[0], [reason_field[1]])
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await _get(stub, session_id, 0)
     assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT

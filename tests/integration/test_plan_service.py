@@ -1616,6 +1616,21 @@ async def test_a_child_run_takes_no_admission(stub: Any, pool: Any) -> None:
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert details(caught.value)[:2] == ("INVALID_FIELD", ["admission"])
     assert await _rotations(pool, session_id) == []
+    # Nor does it take the seed's item id a top-level run may choose: its instruction's id
+    # is derived from the run, so the one asked for would be dropped without a word.
+    before = await _events(pool, session_id)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.StartRun(
+            pb.StartRunRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                child=pb.ChildSeed(parent_run_id=parent.run.run_id, instruction="Look it up."),
+                seed_item_id="mine",
+            )
+        )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert details(caught.value)[:2] == ("INVALID_FIELD", ["seed_item_id"])
+    assert await _events(pool, session_id) == before
 
 
 async def test_a_plan_states_when_it_was_stored_and_the_region_a_markers_it_sends(

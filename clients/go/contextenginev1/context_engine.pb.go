@@ -3500,7 +3500,9 @@ type StartRunRequest struct {
 	//	*StartRunRequest_UserMessage
 	//	*StartRunRequest_Child
 	Seed isStartRunRequest_Seed `protobuf_oneof:"seed"`
-	// The seeding message's item id. Empty: the server assigns one.
+	// The seeding user message's item id. Empty: the server assigns one. Only for a
+	// top-level run: a child's instruction takes an id derived from its run, and a child
+	// request with a seed_item_id is refused (INVALID_FIELD).
 	SeedItemId string `protobuf:"bytes,5,opt,name=seed_item_id,json=seedItemId,proto3" json:"seed_item_id,omitempty"`
 	// The new run's authority at admission. Newly granted scopes (beyond the plan's
 	// authority_scope_hashes) or a changed browser profile rotate the epoch before the run

@@ -44,7 +44,7 @@ from ..core.build_record import (
     inputs_from_record,
 )
 from ..core.errors import EngineError, InvalidFieldError, NotFoundError, PreconditionError
-from ..store import events
+from ..store import events, sessions
 from ..store.db import acquire
 from . import convert
 from .errors import grpc_errors
@@ -179,11 +179,18 @@ async def _recorded_request(
     """The payload of the model.request.started event at `sequence`.
 
     Raises:
-        NotFoundError: REQUEST_NOT_FOUND — no such event in this tenant's session.
+        NotFoundError: SESSION_NOT_FOUND — no such session for this tenant (as every session
+            RPC answers); REQUEST_NOT_FOUND — no such event in the session.
     """
     async with acquire(engine.pool) as conn:
         rows = await events.read_events(
             conn, tenant, session_id, types=[REQUEST_EVENT], after_sequence=sequence - 1, limit=1
+        )
+        # Asked only when nothing was found, so a request that is found costs no more.
+        missing = not rows and not await sessions.session_exists(conn, tenant, session_id)
+    if missing:
+        raise NotFoundError(
+            f"session {session_id} not found", field="session_id", reason="SESSION_NOT_FOUND"
         )
     if not rows or rows[0]["sequence"] != sequence:
         raise NotFoundError(

@@ -144,6 +144,14 @@ class ContextEngineServicer(
                     "a child run inherits its parent's authority; admission is for a top-level run",
                     field="admission",
                 )
+            if request.seed_item_id:
+                # The instruction's item id is derived from the run (engine.start_run), so
+                # the id asked for would be dropped without a word.
+                raise InvalidFieldError(
+                    "a child run's instruction takes an id derived from its run;"
+                    " seed_item_id is for a top-level run's user message",
+                    field="seed_item_id",
+                )
         else:
             raise InvalidFieldError("one of user_message or child is required", field="seed")
         admission = (

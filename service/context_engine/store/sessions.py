@@ -8,7 +8,7 @@ from uuid import UUID
 
 from ..core.errors import NotFoundError
 
-__all__ = ["ensure_session", "lock_session", "lock_session_plans"]
+__all__ = ["ensure_session", "lock_session", "lock_session_plans", "session_exists"]
 
 
 async def ensure_session(conn: Any, tenant_id: str, session_id: UUID) -> None:
@@ -17,6 +17,14 @@ async def ensure_session(conn: Any, tenant_id: str, session_id: UUID) -> None:
         tenant_id,
         session_id,
     )
+
+
+async def session_exists(conn: Any, tenant_id: str, session_id: UUID) -> bool:
+    """Whether the tenant has the session (a read that takes no lock)."""
+    found = await conn.fetchval(
+        "SELECT true FROM sessions WHERE tenant_id = $1 AND session_id = $2", tenant_id, session_id
+    )
+    return bool(found)
 
 
 async def lock_session(conn: Any, tenant_id: str, session_id: UUID) -> int:
