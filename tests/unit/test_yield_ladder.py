@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -183,30 +183,72 @@ def test_steps_follow_the_ladder_once_each(spec: Spec) -> None:
         assert step.step == "compact" or (step.item_ids and step.tokens_freed >= 0)
 
 
+def _for_the_fit(body: Body) -> list[Truncatable]:
+    """The truncations made for the fit: neither the run's results capped before the rungs
+    nor the results in the request capped once the body fit."""
+    return [t for t in _truncation_order(body) if not t.for_cap]
+
+
+# The run's result alone is within the cap (so whole through the rungs); the passage drops
+# for the fit; then the carried result in the request and the run's result are over the
+# cap, and the run's result (truncated for it) frees 390 tokens of what is paid: the
+# passage comes back. It stayed dropped before (the body 560 of 1,000 tokens).
+CAPPED_LATE = Spec(
+    budget=1_000,
+    fixed=250,
+    floor=8_000,
+    cap=500,
+    knowledge=[60],
+    recall=[],
+    recall_floor=0,
+    carried=[(300, 200)],
+    run=[(400, 10)],
+)
+
+
+# The body fits only once the run's result (within its cap, so whole until the third rung)
+# is a pointer, which frees far more than the passage dropped before it: the passage and
+# the recall line come back. They stayed dropped before (the body 610 of 1,000 tokens).
+TAKEN_BACK = Spec(
+    budget=1_000,
+    fixed=600,
+    floor=0,
+    cap=450,
+    knowledge=[60, 50],
+    recall=[40],
+    recall_floor=0,
+    carried=[],
+    run=[(450, 10)],
+)
+
+
 @GATE
 @given(specs())
+@example(TAKEN_BACK)
+@example(CAPPED_LATE)
 def test_each_rung_yields_no_further_than_needed(spec: Spec) -> None:
     body = spec.body()
     run_ladder(body)
-    capped = _capped_first(spec)
-    # Knowledge: one more passage back would break its cap or the fit (before recall or
-    # tool results yielded anything for pressure; recall and the run's results already
-    # within their caps).
+    order = _truncation_order(body)
+    # Whether the cap pass truncated results in the request once the body fit: what comes
+    # back after it must leave the cut where the pass read it.
+    capped_late = len(order) > _capped_first(spec) + len(_for_the_fit(body))
+
+    def refused(more: Body) -> bool:
+        return not more.fits() or (capped_late and more.cut() != body.cut())
+
+    # Knowledge: one more passage back would break its cap or the fit, as the body ends
+    # (recall kept, results truncated), not only as it stood when knowledge yielded: what a
+    # later unit freed brought back what it could.
     if body.knowledge_kept < len(body.knowledge):
-        more = _with(
-            body,
-            knowledge=body.knowledge_kept + 1,
-            recall=_recall_capped(spec),
-            truncated=capped,
-        )
-        assert _knowledge_over_cap(more) or not more.fits()
+        more = _with(body, knowledge=body.knowledge_kept + 1)
+        assert _knowledge_over_cap(more) or refused(more)
     # Recall: one more line back would break its cap or the fit; never below its floor.
     assert body.recall_kept >= min(body.recall_floor, len(body.recall))
     if body.recall_kept < len(body.recall):
-        more = _with(body, recall=body.recall_kept + 1, truncated=capped)
-        assert more.recall_tokens() > RECALL.cap_tokens or not more.fits()
+        more = _with(body, recall=body.recall_kept + 1)
+        assert more.recall_tokens() > RECALL.cap_tokens or refused(more)
     # Tool results: undoing the last truncation would break the fit or the class cap.
-    order = _truncation_order(body)
     if order:
         undone = _with(body, truncated=len(order) - 1)
         assert not undone.fits() or undone.tool_results_over_cap()
@@ -214,6 +256,7 @@ def test_each_rung_yields_no_further_than_needed(spec: Spec) -> None:
 
 @GATE
 @given(specs())
+@example(TAKEN_BACK)
 def test_a_later_rung_yields_for_pressure_only_once_earlier_ones_cannot(spec: Spec) -> None:
     body = spec.body()
     fits = run_ladder(body)
@@ -221,17 +264,51 @@ def test_a_later_rung_yields_for_pressure_only_once_earlier_ones_cannot(spec: Sp
     assert [t.item.item_id for t in _truncation_order(body)[:capped]] == [
         t.item.item_id for t in body.run_results if t.saving > 0
     ][:capped]
-    if body.knowledge_kept > 0:
-        # Knowledge stopped yielding, so the body fit then: later rungs yielded only for
-        # their own caps.
-        assert _with(body, recall=_recall_capped(spec), truncated=capped).fits()
-    if body.recall_kept > min(body.recall_floor, len(body.recall)):
-        assert _with(body, truncated=capped).fits()
+    recall_capped = _recall_capped(spec)
+    if _for_the_fit(body):
+        # A result was truncated for the fit only because every earlier rung, fully
+        # yielded, left the body over (what it freed may have brought some back).
+        exhausted = _with(
+            body, knowledge=0, recall=min(body.recall_floor, len(body.recall)), truncated=capped
+        )
+        assert not exhausted.fits()
+    if body.recall_kept < recall_capped:
+        # Recall was trimmed for the fit only because every passage dropped left it over.
+        assert not _with(body, knowledge=0, recall=recall_capped, truncated=capped).fits()
     if not fits:
         # Compaction is reported only when every cheaper yield is exhausted.
         assert body.knowledge_kept == 0
         assert body.recall_kept == min(body.recall_floor, len(body.recall))
         assert all(t.truncated or t.saving <= 0 for t in body.run_results)
+
+
+def test_what_a_truncation_freed_brings_back_what_the_earlier_rungs_gave_up() -> None:
+    body = TAKEN_BACK.body()
+    assert run_ladder(body)
+    assert (body.knowledge_kept, body.recall_kept) == (2, 1)
+    assert body.steps == [YieldStep("truncate_tool_results", 440, ("i2000",))]
+    assert body.need() == 600 + 10 + 60 + 50 + 40
+
+
+def test_a_run_result_the_cap_pass_truncates_brings_back_what_fits() -> None:
+    body = CAPPED_LATE.body()
+    assert run_ladder(body)
+    assert body.knowledge_kept == 1
+    assert body.steps == [YieldStep("truncate_tool_results", 490, ("i1000", "i2000"))]
+    assert body.need() == 250 + 10 + 60 + 300
+
+
+def test_what_comes_back_stops_at_the_first_that_does_not_fit_and_the_steps_say_so() -> None:
+    # The truncation leaves 100 tokens: the recall line (40) comes back, then the best-ranked
+    # passage (70) does not fit in the 60 left, so the lower-ranked one (10) stays out too.
+    spec = replace(TAKEN_BACK, fixed=890, knowledge=[70, 10])
+    body = spec.body()
+    assert run_ladder(body)
+    assert (body.knowledge_kept, body.recall_kept) == (0, 1)
+    assert body.steps == [
+        YieldStep("drop_knowledge", 80, ("i1", "i0")),
+        YieldStep("truncate_tool_results", 440, ("i2000",)),
+    ]
 
 
 def test_the_ladder_table_is_the_caps_tables_yield_order() -> None:
@@ -322,14 +399,15 @@ def test_recall_over_its_cap_is_trimmed_before_knowledge_yields() -> None:
         ("trim_recall", ("i101",), 1_500)
     ]
     # Where the fit needs more, recall still yields for pressure after knowledge; what the
-    # cap trimmed and what the fit did are one step, lowest-ranked first.
+    # cap trimmed and what the fit did are one step, lowest-ranked first. The last line
+    # trimmed (1,500) freed more than the 100 still over: the passage comes back.
     tight = Spec(**{**spec.__dict__, "budget": 2_400, "recall": [1_500, 1_000, 900]})
     body = tight.body()
     assert run_ladder(body)
     assert [(s.step, s.item_ids, s.tokens_freed) for s in body.steps] == [
-        ("drop_knowledge", ("i0",), 500),
         ("trim_recall", ("i102", "i101", "i100"), 3_400),
     ]
+    assert (body.knowledge_kept, body.recall_kept, body.need()) == (1, 0, 1_500)
 
 
 class _Counted(int):
@@ -374,6 +452,33 @@ def test_trimming_recall_and_dropping_knowledge_read_each_cost_a_bounded_number_
     assert _Counted.additions < 4 * 2 * lines, _Counted.additions
 
 
+def _reference_take_back(
+    body: Body, given_up: dict[str, tuple[int, list[str]]], *, keep_cut: bool = False
+) -> None:
+    """What the last unit yielded freed beyond the overflow: recall lines, then passages,
+    best-ranked first, while one more still fits, keeps its class within its cap and (after
+    the cap pass) leaves the cut where it is."""
+    cut = body.cut()
+    for name, units, kept in (
+        ("trim_recall", body.recall, "recall_kept"),
+        ("drop_knowledge", body.knowledge, "knowledge_kept"),
+    ):
+        while given_up[name][1]:
+            setattr(body, kept, getattr(body, kept) + 1)
+            over = (
+                body.recall_tokens() > RECALL.cap_tokens
+                if name == "trim_recall"
+                else _knowledge_over_cap(body)
+            )
+            if over or not body.fits() or (keep_cut and body.cut() != cut):
+                setattr(body, kept, getattr(body, kept) - 1)
+                break
+            item, cost = units[getattr(body, kept) - 1]
+            step_freed, step_ids = given_up[name]
+            assert step_ids[-1] == item.item_id
+            given_up[name] = (step_freed - cost, step_ids[:-1])
+
+
 def _reference_ladder(body: Body) -> bool:
     """The ladder as first written: every condition re-measured from the body after every
     unit (quadratic, obviously the rules). run_ladder must take exactly its steps."""
@@ -389,6 +494,7 @@ def _reference_ladder(body: Body) -> bool:
     while body.recall_kept > body.recall_floor and body.recall_tokens() > RECALL.cap_tokens:
         body.recall_kept -= 1
         recall_capped.append(body.recall[body.recall_kept][0].item_id)
+    given_up: dict[str, tuple[int, list[str]]] = {}
     for name, units in (("drop_knowledge", body.knowledge), ("trim_recall", body.recall)):
         ids = recall_capped if name == "trim_recall" else []
         freed = sum(c for item, c in units if item.item_id in ids)
@@ -408,8 +514,7 @@ def _reference_ladder(body: Body) -> bool:
                 body.recall_kept -= 1
                 item, cost = units[body.recall_kept]
             freed, ids = freed + cost, [*ids, item.item_id]
-        if ids:
-            body.steps.append(YieldStep(name, freed, tuple(ids)))
+        given_up[name] = (freed, ids)
     freed, ids = sum(t.saving for t in capped), [t.item.item_id for t in capped]
     while not body.fits():
         paid, history = body.paid(), body.history_total()
@@ -433,8 +538,11 @@ def _reference_ladder(body: Body) -> bool:
             body.carried_costs[chosen.carried_index] = chosen.pointer_cost
         freed, ids = freed + chosen.saving, [*ids, chosen.item.item_id]
     if body.fits():
+        _reference_take_back(body, given_up)
+    if body.fits():
         # The cap: the oldest whole result in the request, with the cut read afresh, until
         # the request's results are within the cap or none is left that saves something.
+        capped_in_request = body.tool_results_over_cap()
         while body.tool_results_over_cap():
             chosen = next(
                 (
@@ -448,6 +556,12 @@ def _reference_ladder(body: Body) -> bool:
                 break
             chosen.truncated = chosen.for_cap = True
             freed, ids = freed + chosen.saving, [*ids, chosen.item.item_id]
+            capped_in_request = True
+        if capped_in_request:
+            _reference_take_back(body, given_up, keep_cut=True)
+    for name, (step_freed, step_ids) in given_up.items():
+        if step_ids:
+            body.steps.append(YieldStep(name, step_freed, tuple(step_ids)))
     if ids:
         body.steps.append(YieldStep("truncate_tool_results", freed, tuple(ids)))
     if not body.fits():
@@ -529,6 +643,8 @@ def test_a_body_that_fits_holds_its_results_within_the_cap_or_none_is_left_to_tr
 @given(st.one_of(specs(), crowded_specs()))
 @example(CUT_MOVED_BY_THE_CAP)
 @example(CARRIED_BROUGHT_IN_BY_THE_CAP)
+@example(TAKEN_BACK)
+@example(CAPPED_LATE)
 def test_the_ladder_takes_exactly_the_steps_of_re_measuring_after_every_unit(
     spec: Spec,
 ) -> None:

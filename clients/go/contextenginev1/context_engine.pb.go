@@ -4824,7 +4824,9 @@ type PressureReport struct {
 
 	// True when the request fits after the steps taken.
 	Fits bool `protobuf:"varint,1,opt,name=fits,proto3" json:"fits,omitempty"`
-	// The yield steps taken, in the fixed order, each no further than needed.
+	// The yield steps taken, in the fixed order, each no further than needed: a passage or
+	// recall line given up that fits again once a later unit yielded (units yield whole) is
+	// back in the request and not listed.
 	Steps []*YieldStep `protobuf:"bytes,2,rep,name=steps,proto3" json:"steps,omitempty"`
 	// Estimated body tokens before yielding, over the candidates a fitting request can reach
 	// (carried history older than what the whole body could hold is not costed).
@@ -4938,9 +4940,9 @@ type YieldStep struct {
 
 	// "drop_knowledge", "trim_recall", "truncate_tool_results" or "compact".
 	Step string `protobuf:"bytes,1,opt,name=step,proto3" json:"step,omitempty"`
-	// Estimated tokens freed.
+	// Estimated tokens freed by the items listed.
 	TokensFreed int64 `protobuf:"varint,2,opt,name=tokens_freed,json=tokensFreed,proto3" json:"tokens_freed,omitempty"`
-	// Items affected, in the order they yielded.
+	// Items affected, in the order they yielded (those that came back are not listed).
 	ItemIds []string `protobuf:"bytes,3,rep,name=item_ids,json=itemIds,proto3" json:"item_ids,omitempty"`
 }
 

@@ -113,7 +113,12 @@ __all__ = [
 # excerpted (over the inline limit) names the result's own byte count, where @4 named the
 # excerpt's (core/carried.py). Such records do not rebuild (REQUEST_NOT_FOUND); every other
 # @4 record does.
-ASSEMBLER_VERSION = "context-assembler@5"
+# @6: what the earlier rungs gave up comes back where the unit that made the body fit, or
+# a run result the cap pass truncated, freed room for it (core/yield_ladder.py _take_back):
+# @5 kept a passage dropped (or a recall line trimmed) even when a recall line or a result
+# truncated after it freed more than was still over. Such records do not rebuild
+# (REQUEST_NOT_FOUND); every other @5 record does.
+ASSEMBLER_VERSION = "context-assembler@6"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})

@@ -11,7 +11,11 @@ protect the floor and history takes the rest. Recall over its cap, and the run's
 results where they alone are over the tool-result cap (they are in every request), are
 cut to their caps before any rung yields for pressure: knowledge (and, for the results'
 cap, recall) never drops for tokens a cap frees anyway. Carried results are in the
-request only above the cut, which the rungs decide, so they are capped last.
+request only above the cut, which the rungs decide, so they are capped last. Units yield
+whole, so the one that makes the body fit can free more than was still over: what the
+earlier rungs gave up and now fits comes back (recall, then knowledge, best-ranked first),
+so no rung has yielded more than the fit needed; and again after the cap pass, whose run
+results free what is paid too, without moving the cut that pass read.
 Rule 3 (units): a knowledge passage drops whole, lowest-ranked first (a shortened passage
 is a misquotation); recall drops its lowest-ranked lines, never below its floor (which
 core/pressure.py therefore pays with the never-yield set: a floor that does not fit is
@@ -27,8 +31,9 @@ by rules they were not cut by.
 Cost: a Build may carry tens of thousands of recall lines or tool results, on the event
 loop, so the rungs keep running totals rather than re-measuring the body per unit: linear
 in the units (the tool-result rung O(n log n), plus one reading of the cut, linear in the
-carried items, per run result truncated for the cap), with the answer of re-measuring
-each time (tests/unit/test_yield_ladder.py compares the two).
+carried items, per run result truncated for the cap and per unit that comes back after
+it), with the answer of re-measuring each time (tests/unit/test_yield_ladder.py compares
+the two).
 """
 
 from __future__ import annotations
@@ -216,28 +221,46 @@ class Body:
         return self.result_tokens_in_request(self.cut()) > self.tool_result_cap
 
 
+@dataclass(slots=True)
+class _Yielded:
+    """What one rung gave up so far: tokens freed and item ids, in the order yielded."""
+
+    freed: int = 0
+    ids: list[str] = field(default_factory=list)
+
+    def add(self, item_id: str, cost: int) -> None:
+        self.freed += cost
+        self.ids.append(item_id)
+
+    def step(self, name: str) -> YieldStep | None:
+        return YieldStep(name, self.freed, tuple(self.ids)) if self.ids else None
+
+
 def run_ladder(body: Body) -> bool:
     """Yield in the ladder's order, no further than needed. Returns whether the body fits;
     the steps taken are appended to body.steps."""
-    capped = _cap_run_results(body)
-    recall_capped = _cap_recall(body)
-    _drop_knowledge(body)
-    _trim_recall(body, *recall_capped)
-    _truncate_tool_results(body, *capped)
+    results = _cap_run_results(body)
+    recall = _cap_recall(body)
+    knowledge = _drop_knowledge(body)
+    _trim_recall(body, recall)
+    _truncate_for_fit(body, results)
+    if body.fits():
+        _take_back(body, knowledge, recall)
+        if body.tool_results_over_cap():
+            _cap_results_in_request(body, results)
+            # A run result truncated for the cap lowers what is paid too.
+            _take_back(body, knowledge, recall, keep_cut=True)
+    steps = (knowledge.step("drop_knowledge"), recall.step("trim_recall"))
+    body.steps += [s for s in (*steps, results.step("truncate_tool_results")) if s is not None]
     if not body.fits():
         body.steps.append(YieldStep("compact", 0, ()))
         return False
     return True
 
 
-def _record(body: Body, step: str, freed: int, ids: list[str]) -> None:
-    if ids:
-        body.steps.append(YieldStep(step, freed, tuple(ids)))
-
-
-def _drop_knowledge(body: Body) -> None:
+def _drop_knowledge(body: Body) -> _Yielded:
     cap = CLASS_CAPS["knowledge"]
-    freed, ids = 0, []
+    dropped = _Yielded()
     # Running totals, not the measures: only knowledge_kept moves here, and re-summing the
     # kept passages per dropped one made the rung quadratic. Same integers, same answer.
     kept = body.knowledge_tokens()
@@ -248,12 +271,11 @@ def _drop_knowledge(body: Body) -> None:
         body.knowledge_kept -= 1
         item, cost = body.knowledge[body.knowledge_kept]
         kept -= cost
-        freed += cost
-        ids.append(item.item_id)
-    _record(body, "drop_knowledge", freed, ids)
+        dropped.add(item.item_id, cost)
+    return dropped
 
 
-def _cap_recall(body: Body) -> tuple[int, list[str]]:
+def _cap_recall(body: Body) -> _Yielded:
     """Trim recall's lowest-ranked lines, never below its floor, until it is within its
     class cap. Its cap is absolute, so however the rungs yield the request holds no more
     than this: trimming first is what keeps knowledge from dropping for tokens the cap
@@ -261,21 +283,19 @@ def _cap_recall(body: Body) -> tuple[int, list[str]]:
     recall rung's step."""
     cap = CLASS_CAPS["recall"].cap_tokens
     kept = body.recall_tokens()
-    freed, ids = 0, []
+    trimmed = _Yielded()
     while body.recall_kept > body.recall_floor and kept > cap:
         body.recall_kept -= 1
         item, cost = body.recall[body.recall_kept]
         kept -= cost
-        freed += cost
-        ids.append(item.item_id)
-    return freed, ids
+        trimmed.add(item.item_id, cost)
+    return trimmed
 
 
-def _trim_recall(body: Body, freed: int = 0, ids: list[str] | None = None) -> None:
-    """For the fit (and the cap, which _cap_recall has met already); `freed` and `ids` are
-    what _cap_recall trimmed before knowledge yielded, reported with this rung's step."""
+def _trim_recall(body: Body, trimmed: _Yielded) -> None:
+    """For the fit (and the cap, which _cap_recall has met already), adding to what
+    _cap_recall trimmed before knowledge yielded: one step reports both."""
     cap = CLASS_CAPS["recall"]
-    ids = [] if ids is None else ids
     # One pass with running totals (as _drop_knowledge): re-summing the kept lines for every
     # dropped one was quadratic in the recall lines, on the event loop (25,000 lines: 9 s).
     kept = body.recall_tokens()
@@ -286,22 +306,20 @@ def _trim_recall(body: Body, freed: int = 0, ids: list[str] | None = None) -> No
         body.recall_kept -= 1
         item, cost = body.recall[body.recall_kept]
         kept -= cost
-        freed += cost
-        ids.append(item.item_id)
-    _record(body, "trim_recall", freed, ids)
+        trimmed.add(item.item_id, cost)
 
 
-def _cap_run_results(body: Body) -> tuple[int, list[str]]:
+def _cap_run_results(body: Body) -> _Yielded:
     """Truncate the run's results, oldest first, until they alone are within the class cap.
 
     They are in every request (the run is never cut), so whatever history the cut keeps,
     the cap takes at least these: doing it before the rungs yield for pressure is what keeps
     knowledge and recall from dropping for tokens the cap frees anyway. Carried results are
     in the request only above the cut, which the rungs decide; they are capped afterwards.
-    Reported with the tool-result rung's step (freed tokens, item ids).
+    Reported with the tool-result rung's step.
     """
     total = body.run_result_tokens()
-    freed, ids = 0, []
+    truncated = _Yielded()
     for candidate in body.run_results:
         if total <= body.tool_result_cap:
             break
@@ -309,31 +327,71 @@ def _cap_run_results(body: Body) -> tuple[int, list[str]]:
             continue
         candidate.truncated = candidate.for_cap = True
         total -= candidate.saving
-        freed += candidate.saving
-        ids.append(candidate.item.item_id)
-    return freed, ids
+        truncated.add(candidate.item.item_id, candidate.saving)
+    return truncated
 
 
-def _truncate_tool_results(body: Body, freed: int = 0, ids: list[str] | None = None) -> None:
-    """Oldest first: first for the fit, then for the class cap. `freed` and `ids` are what
-    `_cap_run_results` truncated before the rungs ran, reported with this rung's step."""
-    ids = [] if ids is None else ids
+def _truncate_for_fit(body: Body, truncated: _Yielded) -> None:
+    """Oldest first, for the fit, adding to what _cap_run_results truncated before the
+    rungs ran (one step reports both)."""
     for chosen in _for_pressure(body):
         chosen.truncated = True
-        freed += chosen.saving
-        ids.append(chosen.item.item_id)
-    if body.fits() and body.tool_results_over_cap():
-        freed = _cap_results_in_request(body, freed, ids)
-    _record(body, "truncate_tool_results", freed, ids)
+        truncated.add(chosen.item.item_id, chosen.saving)
+
+
+def _take_back(body: Body, dropped: _Yielded, trimmed: _Yielded, *, keep_cut: bool = False) -> None:
+    """Re-admit what the earlier rungs gave up and the body now has room for: recall lines,
+    then knowledge passages (the reverse of the order they yielded in), each best-ranked
+    first, stopping at the first that does not fit again or would break its class cap.
+
+    A rung yields whole units, so the unit that made the body fit can free more than was
+    still over: a recall line trimmed after the passages were dropped, or a result made a
+    pointer (whole) after both. What yielded before it was then given up for nothing ("no
+    more than necessary"). Left out, a roomier body could keep fewer passages than a tighter
+    one whose smaller tool-result cap (25% of the body) had made the same result a pointer
+    before knowledge yielded. Only what did not fit comes back, so the kept lines and
+    passages stay the best-ranked, and the rungs' steps report the net. The last unit a rung
+    gave up for the fit never comes back (without it the body did not fit), and a later
+    rung still yields only once the earlier ones, fully yielded, could not make it fit.
+
+    After the cap pass (`keep_cut`), only what leaves the history cut where it is: the
+    pass chose its results from the request that cut makes, and a cut moved later would
+    leave results it truncated outside the request while the step still names them.
+    """
+    room = body.budget - body.need()  # what fits() still allows, history at its floor
+    costs = tuple(body.carried_costs) if keep_cut else ()
+    allowance = body.history_tokens()
+    cut = body.cut_for(costs, allowance) if keep_cut else 0
+    for units, given_up, kept_field, cap in (
+        (body.recall, trimmed, "recall_kept", CLASS_CAPS["recall"]),
+        (body.knowledge, dropped, "knowledge_kept", CLASS_CAPS["knowledge"]),
+    ):
+        kept = getattr(body, kept_field)
+        tokens = sum(c for _, c in units[:kept])
+        while given_up.ids and (cap.cap_items == 0 or kept < cap.cap_items):
+            item, cost = units[kept]
+            if cost > room or tokens + cost > cap.cap_tokens:
+                break
+            if keep_cut and body.cut_for(costs, allowance - cost) != cut:
+                break
+            kept, tokens, room, allowance = kept + 1, tokens + cost, room - cost, allowance - cost
+            _give_back(given_up, item.item_id, cost)
+        setattr(body, kept_field, kept)
+
+
+def _give_back(yielded: _Yielded, item_id: str, cost: int) -> None:
+    # The best-ranked of those a rung gave up is the one it gave up last.
+    assert yielded.ids[-1] == item_id
+    yielded.ids.pop()
+    yielded.freed -= cost
 
 
 _CARRIED_INDEX = attrgetter("carried_index")
 
 
-def _cap_results_in_request(body: Body, freed: int, ids: list[str]) -> int:
+def _cap_results_in_request(body: Body, truncated: _Yielded) -> None:
     """While the results in the request are over the class cap, truncate the oldest of
-    them that is whole and saves something (for_cap). Returns `freed` plus what it freed;
-    appends to `ids`.
+    them that is whole and saves something (for_cap), adding to `truncated`.
 
     Truncating for the cap never changes whether the body fits (it only lowers what is
     paid), nor the carried costs the cut reads: a carried result truncated for the cap
@@ -362,8 +420,7 @@ def _cap_results_in_request(body: Body, freed: int, ids: list[str]) -> int:
             continue
         candidate.truncated = candidate.for_cap = True
         total -= saving
-        freed += saving
-        ids.append(candidate.item.item_id)
+        truncated.add(candidate.item.item_id, saving)
         if candidate.carried_index >= 0:
             continue
         allowance += saving
@@ -374,7 +431,6 @@ def _cap_results_in_request(body: Body, freed: int, ids: list[str]) -> int:
             waiting.extendleft(reversed(brought))
             total += sum(t.cost for t in brought)
             cut = moved
-    return freed
 
 
 def _for_pressure(body: Body) -> Iterator[Truncatable]:
