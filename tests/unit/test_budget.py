@@ -441,10 +441,10 @@ def test_more_room_never_yields_more(session: Session, extra: int) -> None:
     brings back what the earlier rungs gave up. So a tighter body that had to trim a recall
     line the roomier one kept, or truncate a result the roomier one did not truncate for the
     fit, can end with a passage the roomier one dropped: it went further down the ladder,
-    and that unit freed room.
-    (That includes a carried result the roomier body truncated only for the cap, which
-    frees nothing the fit counts: docs/architecture.md names it as a known gap.) Short of
-    that, whatever the roomier body dropped, the tighter one dropped too."""
+    and that unit freed room. (That includes a carried result the roomier body truncated
+    only for the cap, which frees nothing the fit counts: docs/architecture.md names it as
+    a known gap.) Short of that, whatever the roomier body dropped, the tighter one dropped
+    too."""
     _, tight_inputs = _build(session)
     roomy = Session(**{**session.__dict__, "body_room": session.body_room + extra})
     _, roomy_inputs = _build(roomy)

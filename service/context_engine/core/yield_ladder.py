@@ -358,6 +358,8 @@ def _take_back(body: Body, dropped: _Yielded, trimmed: _Yielded, *, keep_cut: bo
     pass chose its results from the request that cut makes, and a cut moved later would
     leave results it truncated outside the request while the step still names them.
     """
+    if not (dropped.ids or trimmed.ids):
+        return  # most Builds: nothing yielded, and measuring the room is a pass over the body
     room = body.budget - body.need()  # what fits() still allows, history at its floor
     costs = tuple(body.carried_costs) if keep_cut else ()
     allowance = body.history_tokens()
