@@ -530,6 +530,52 @@ async def test_identifiers_longer_than_an_index_takes_are_named(stub: Any, pool:
             pb.GetBuildRequest(tenant_id=long, session_id=session_id, request_sequence=1),
             "tenant_id",
         ),
+        # A step's recall and correction lines together name at most 256 people: the error
+        # names the line that takes the count past it, in whichever list it is.
+        *(
+            (
+                "Build",
+                pb.BuildRequest(
+                    tenant_id=TENANT,
+                    session_id=session_id,
+                    run_id=run_id,
+                    now=_ts(datetime(2026, 12, 4, tzinfo=UTC)),
+                    step=step,
+                ),
+                field,
+            )
+            for step, field in (
+                (
+                    pb.StepContext(
+                        recall=[
+                            pb.RecallLine(item_id="r0", text="a", person_ids=["p0"]),
+                            pb.RecallLine(
+                                item_id="r1", text="b", person_ids=[f"p{n}" for n in range(257)]
+                            ),
+                        ]
+                    ),
+                    "step.recall[1].person_ids",
+                ),
+                (
+                    pb.StepContext(
+                        recall=[
+                            pb.RecallLine(
+                                item_id="r0", text="a", person_ids=[f"p{n}" for n in range(200)]
+                            )
+                        ],
+                        corrections=[
+                            pb.RecallLine(
+                                item_id="c0", text="b", person_ids=[f"p{n}" for n in range(150)]
+                            ),
+                            pb.RecallLine(
+                                item_id="c1", text="c", person_ids=[f"q{n}" for n in range(57)]
+                            ),
+                        ],
+                    ),
+                    "step.corrections[1].person_ids",
+                ),
+            )
+        ),
     ]
     await _each_refused(stub, pool, session_id, cases)
     erased = "SELECT count(*) FROM erased_people WHERE person_sha256 = $1"

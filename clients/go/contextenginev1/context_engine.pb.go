@@ -4010,8 +4010,9 @@ type RecallLine struct {
 	Source string `protobuf:"bytes,3,opt,name=source,proto3" json:"source,omitempty"`
 	// People the line is about (as MemoryItem.person_ids). Never rendered; recorded with the
 	// request, where EraseSubject finds and removes the line. Each at most 200 characters, at
-	// most 256 distinct people per StepContext; a person EraseSubject has erased fails the
-	// Build (PERSON_ERASED).
+	// most 256 distinct people per StepContext (recall and corrections together; more is
+	// INVALID_FIELD naming the person_ids of the line, recall's first, that takes the count
+	// past it); a person EraseSubject has erased fails the Build (PERSON_ERASED).
 	PersonIds []string `protobuf:"bytes,4,rep,name=person_ids,json=personIds,proto3" json:"person_ids,omitempty"`
 }
 

@@ -593,6 +593,27 @@ def timestamp_to_datetime(ts: Timestamp, field: str) -> datetime:
     return instant
 
 
+def _check_people_named(step: pb.StepContext) -> None:
+    """At most MAX_PEOPLE_NAMED distinct people across the step's recall and correction
+    lines (each costs a lock-table entry while the request is recorded).
+
+    Raises:
+        InvalidFieldError: naming the line, recall's first, whose people take the count
+            past the limit, so a caller can tell which list to shorten.
+    """
+    named: set[str] = set()
+    for field, values in (("recall", step.recall), ("corrections", step.corrections)):
+        for n, line in enumerate(values):
+            named.update(line.person_ids)
+            if len(named) > MAX_PEOPLE_NAMED:
+                total = {p for ln in (*step.recall, *step.corrections) for p in ln.person_ids}
+                raise InvalidFieldError(
+                    f"step's recall and correction lines name {len(total)} people; at most"
+                    f" {MAX_PEOPLE_NAMED} (step.{field}[{n}] takes them past it)",
+                    field=f"step.{field}[{n}].person_ids",
+                )
+
+
 def step_from_proto(step: pb.StepContext) -> StepContext:
     def lines(values: Sequence[pb.RecallLine], cls: type[Any], field: str) -> tuple[Any, ...]:
         out = []
@@ -612,13 +633,7 @@ def step_from_proto(step: pb.StepContext) -> StepContext:
             )
         return tuple(out)
 
-    named = {p for line in (*step.recall, *step.corrections) for p in line.person_ids}
-    if len(named) > MAX_PEOPLE_NAMED:
-        raise InvalidFieldError(
-            f"step's recall and correction lines name {len(named)} people; at most"
-            f" {MAX_PEOPLE_NAMED}",
-            field="step.recall",
-        )
+    _check_people_named(step)
 
     knowledge = []
     for n, passage in enumerate(step.knowledge):
