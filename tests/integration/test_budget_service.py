@@ -230,6 +230,62 @@ async def test_an_image_is_costed_at_the_models_registry_figure(stub: Any) -> No
     assert built.estimated_input_tokens - built.prefix_tokens >= 48_200
 
 
+async def test_a_requests_images_share_one_attachment_budget(stub: Any) -> None:
+    """ADR-0120: the adapter sends at most 64,000 tokens of attachment content per request.
+    Four gpt-4o-mini images (48,200 each) in four turns were estimated at 192,800 tokens,
+    over the 128,000-token window, so the earlier turns were cut; counted against the one
+    budget they all fit, and the record rebuilds to the same bytes."""
+    tenant = _tenant()
+    session_id = new_id()
+    await stub.Plan(
+        pb.PlanRequest(
+            tenant_id=tenant,
+            session_id=session_id,
+            spec=spec(model_id="gpt-4o-mini", reserve_output_tokens=RESERVE),
+        )
+    )
+
+    async def turn(n: int) -> tuple[str, int]:
+        started = await stub.StartRun(
+            pb.StartRunRequest(
+                tenant_id=tenant,
+                session_id=session_id,
+                user_message=pb.UserMessage(
+                    text=f"And picture {n}?",
+                    attachments=[pb.Attachment(kind="image", ref=f"photo{n}.png")],
+                ),
+            )
+        )
+        return str(started.run.run_id), int(started.checkpoint_version)
+
+    for n in range(3):
+        run_id, version = await turn(n)
+        await _append(stub, tenant, session_id, run_id, version, assistant(f"Picture {n}: a cat."))
+    run_id, _ = await turn(3)
+    built = await _build(stub, tenant, session_id, run_id)
+    assert built.request.messages and not built.needs_compaction
+    body = built.estimated_input_tokens - built.prefix_tokens
+    assert 64_000 < body < 64_000 + 1_000  # the content once, plus texts and labels
+    turns = [
+        b
+        for m in built.request.messages
+        for b in m.blocks
+        if b.row == pb.ROW_CONVERSATION and b.source_sequence > 0
+    ]
+    # Every earlier turn, question and answer (the new question is row 15, the last).
+    assert len(turns) == 6 and "Picture 0: a cat." in turns[1].text
+    assert built.request.messages[-1].blocks[-1].row == pb.ROW_USER_INPUT
+    again = await stub.GetBuild(
+        pb.GetBuildRequest(
+            tenant_id=tenant, session_id=session_id, request_sequence=built.request_sequence
+        )
+    )
+    assert (again.request_sha256, again.provider_payload) == (
+        built.request_sha256,
+        built.provider_payload,
+    )
+
+
 # --- the never-yield set ---------------------------------------------------------------
 
 

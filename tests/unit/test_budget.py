@@ -929,34 +929,42 @@ def long_sessions(draw: st.DrawFn) -> Session:
     )
 
 
+def assemble_unwindowed(inputs: BuildInputs) -> Assembled:
+    """assemble() with unbounded reach: every carried item is excerpted, placed and costed
+    (core/carried.py), on copies of the history's items with every memo and table emptied,
+    so nothing derived for a windowed build is reused (core/carried.py keeps what it
+    derives per item content)."""
+    import importlib
+
+    # The package exports the function `assemble`, which shadows the module's name.
+    assembly = importlib.import_module("context_engine.core.assemble")
+    real = assembly.window_reach
+    assembly.window_reach = lambda budget: 2**62  # type: ignore[assignment]
+    memo_budget.clear_all()
+    carried_module._KNOWN.clear()
+    try:
+        return assemble(replace(inputs, carried=tuple(i.model_copy() for i in inputs.carried)))
+    finally:
+        assembly.window_reach = real
+
+
 @GATE
 @given(long_sessions())
 def test_leaving_unreachable_history_uncosted_changes_no_decision(session: Session) -> None:
     """Assembly that never costs history the body could not hold decides exactly what
     assembly that costs every carried item decides: same request bytes, fit, yields and
     cut (reported against the whole history)."""
-    import importlib
-
-    # The package exports the function `assemble`, which shadows the module's name.
-    assembly = importlib.import_module("context_engine.core.assemble")
-
     _, inputs = _build(session)
-    real = assembly.window_reach
+    assert_the_window_decides_as_the_whole_history(inputs)
+
+
+def assert_the_window_decides_as_the_whole_history(inputs: BuildInputs) -> None:
+    """assemble(inputs) and assemble_unwindowed(inputs) decide alike."""
     try:
         windowed = assemble(inputs)
     except BudgetExceededError:
         return
-    # Unbounded reach: every carried item is excerpted, placed and costed (core/carried.py),
-    # on copies of the history's items with every memo and table emptied, so nothing
-    # derived for the windowed build is reused (core/carried.py keeps what it derives per
-    # item content).
-    assembly.window_reach = lambda budget: 2**62  # type: ignore[assignment]
-    memo_budget.clear_all()
-    carried_module._KNOWN.clear()
-    try:
-        reference = assemble(replace(inputs, carried=tuple(i.model_copy() for i in inputs.carried)))
-    finally:
-        assembly.window_reach = real
+    reference = assemble_unwindowed(inputs)
     assert windowed.request_sha256 == reference.request_sha256
     assert windowed.needs_compaction == reference.needs_compaction
     assert windowed.placed == reference.placed

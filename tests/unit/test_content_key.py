@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from context_engine.core import assemble, memo_budget
 from context_engine.core import carried as carried_module
-from context_engine.core.body_estimate import block_tokens
+from context_engine.core.body_estimate import attached_content, block_tokens
 from context_engine.core.content_key import ContentMemo, content_key
 from context_engine.core.errors import EngineError
 from context_engine.core.estimator import IMAGE_TOKENS
@@ -116,7 +116,8 @@ def _fresh_facts(item: ConversationItem, view_args: tuple[Any, ...]) -> object:
 
 
 def _context(secret: bytes) -> tuple[Any, ...]:
-    """(count, render, inline limit) as assemble() hands them to core/carried.py."""
+    """(count, attached, render, inline limit) as assemble() hands them to
+    core/carried.py."""
     import importlib
 
     assembly = importlib.import_module("context_engine.core.assemble")
@@ -127,7 +128,10 @@ def _context(secret: bytes) -> tuple[Any, ...]:
     def render(row: Row, item: Any, truncated: bool) -> Any:
         return assembly._render(row, item, secret, truncated)
 
-    return (count, render, 64)  # a low limit: long results get excerpts
+    def attached(item: Any) -> int:
+        return attached_content(item, IMAGE_TOKENS)
+
+    return (count, attached, render, 64)  # a low limit: long results get excerpts
 
 
 @GATE
@@ -138,11 +142,11 @@ def test_facts_found_by_content_are_the_facts_derived_afresh(
     """The table, filled from one history, answers for equal items and near misses (one
     look-alike, invisible or surrogate character, one flag, the class, the sequence) exactly
     what deriving each of them with nothing remembered gives."""
-    count, render, limit = _context(secret)
+    count, attached, render, limit = _context(secret)
     context = ("test", secret)
 
     def walk(items: list[ConversationItem]) -> tuple[object, ...]:
-        view = carried_module._derive(tuple(items), context, count, render, limit, 2**62)
+        view = carried_module._derive(tuple(items), context, count, attached, render, limit, 2**62)
         return view.facts
 
     carried_module._KNOWN.pop(context, None)
@@ -151,12 +155,12 @@ def test_facts_found_by_content_are_the_facts_derived_afresh(
     for item in history:
         other = data.draw(_variants(item))
         try:
-            _fresh_facts(other, (count, render, limit))
+            _fresh_facts(other, (count, attached, render, limit))
         except (EngineError, UnicodeEncodeError):
             other = item  # not an item assembly can carry (a surrogate cannot be sent)
         variants.append(other)
     found = walk(variants)
-    assert found == tuple(_fresh_facts(item, (count, render, limit)) for item in variants)
+    assert found == tuple(_fresh_facts(item, (count, attached, render, limit)) for item in variants)
 
 
 @settings(SETTINGS, max_examples=60)
@@ -201,7 +205,7 @@ def test_the_render_and_cost_memos_answer_by_content_what_rendering_afresh_gives
     import importlib
 
     assembly = importlib.import_module("context_engine.core.assemble")
-    count, _, _ = _context(secret)
+    count, _, _, _ = _context(secret)
     args = (count_tokens, 1_250_000, IMAGE_TOKENS)
     for item in history:
         for truncated in (False, True):

@@ -2954,7 +2954,11 @@ func (x *UserMessage) GetAttachments() []*Attachment {
 	return nil
 }
 
-// A reference to a file the provider adapter sends beside a user message.
+// A reference to a file the provider adapter sends beside a user message. Build
+// estimates what the adapter sends (ADR-0120): every reference's label plus a content
+// figure (per image the model's, per PDF page 3,200 tokens, per text file its length),
+// the content counted up to 64,000 tokens per request, shared among its messages newest
+// first, as the adapter sends markers past that budget.
 type Attachment struct {
 	state         protoimpl.MessageState
 	sizeCache     protoimpl.SizeCache

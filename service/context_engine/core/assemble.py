@@ -23,11 +23,11 @@ the same inputs bumps it (Rule 8 there); GetBuild refuses a record it no longer 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from .body_estimate import block_tokens
+from .body_estimate import attached_content, block_tokens, share_attachment_budget
 from .budget import ContextBudget, allocate
 from .cache_hints import cache_breakpoints
 from .carried import CarriedView, carried_view
@@ -35,7 +35,7 @@ from .checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint
 from .content_key import ContentMemo
 from .envelope import wrap
 from .errors import EngineError
-from .estimator import IMAGE_TOKENS, heuristic_count
+from .estimator import ATTACHMENT_TOKEN_BUDGET, IMAGE_TOKENS, heuristic_count
 from .excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
 from .identity_memo import IdentityMemo
 from .items import (
@@ -166,20 +166,22 @@ def assemble(inputs: BuildInputs) -> Assembled:
             f"the carried history handed to assembly stops short of the window:"
             f" {inputs.carried_before} carried items before it were not read"
         )
-    # Items the summary covers are represented by it; admitting them again would state the
-    # same turns twice in two voices.
-    floor = inputs.checkpoint.replaced_through_sequence
-    segment = view.segment(floor)
     head, tail = _place(inputs)
     for row, item in (*head, *tail):
         check_placement(item, row)
+    lowered, room = _attachment_shares(tail, inputs.image_tokens)
+    # Items the summary covers are represented by it; admitting them again would state the
+    # same turns twice in two voices. The carried history is older than everything in
+    # `tail`: its messages share what attachment budget those left.
+    floor = inputs.checkpoint.replaced_through_sequence
+    segment = view.segment(floor).sharing(room)
     fitted = fit_body(
         head,
         segment,
         tail,
         pending=active_turn(inputs.checkpoint.items),
         budget=budget,
-        cost=_cost(inputs),
+        cost=_cost(inputs, lowered),
         recall_floor_lines=inputs.step.recall_floor_lines,
         # Those the shell did not read (core/log_tail.py) lie above the floor and before the
         # window too.
@@ -235,6 +237,7 @@ def _view(inputs: BuildInputs, budget: ContextBudget) -> CarriedView:
         inputs.carried,
         (secret, count, factor, images),
         lambda block, item: block_tokens(block, item, count, factor, images),
+        lambda item: attached_content(item, images),
         lambda row, item, truncated: _rendered_before(row, item, secret, truncated),
         inputs.inline_maximum_bytes,
         window_reach(budget),
@@ -316,16 +319,38 @@ def active_turn(items: Sequence[ConversationItem]) -> tuple[ConversationItem, ..
     return tuple(completed[start:])
 
 
-def _cost(inputs: BuildInputs) -> Callable[[Row, ContextItem, bool], int]:
+def _cost(
+    inputs: BuildInputs, lowered: Mapping[int, int]
+) -> Callable[[Row, ContextItem, bool], int]:
     """A placed item's estimated tokens as rendered, under the checkpoint's pinned factor
-    (carried items are costed once per run: core/carried.py)."""
+    (carried items are costed once per run: core/carried.py), less what `lowered` says of
+    it (by id(): its attachment content beyond its share of the request's budget)."""
     count, factor, secret = inputs.count_tokens, inputs.estimator_factor_ppm, inputs.secret
     images = inputs.image_tokens
 
     def cost(row: Row, item: ContextItem, truncated: bool) -> int:
         return _cost_memo(item, row, secret, truncated, count, factor, images)
 
-    return cost
+    if not lowered:
+        return cost  # most requests: no message of the run carries attachments
+
+    def shared(row: Row, item: ContextItem, truncated: bool) -> int:
+        return cost(row, item, truncated) - lowered.get(id(item), 0)
+
+    return shared
+
+
+def _attachment_shares(
+    placed: Sequence[tuple[Row, ContextItem]], image_tokens: int
+) -> tuple[dict[int, int], int]:
+    """core/body_estimate.py Rule 4 over the items placed after the carried history (the
+    newest of the request, and never yielded: user messages): by id(), what each one's
+    cost is lowered by, and the attachment budget they leave the carried history."""
+    attached = [(i, c) for _, i in placed if (c := attached_content(i, image_tokens))]
+    if not attached:
+        return {}, ATTACHMENT_TOKEN_BUDGET
+    lowered, room = share_attachment_budget([c for _, c in attached])
+    return {id(i): n for (i, _), n in zip(attached, lowered, strict=True) if n}, room
 
 
 # Rendering and estimating a block are pure functions of immutable arguments (frozen items,

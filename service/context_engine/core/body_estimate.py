@@ -7,26 +7,43 @@ rounded up (estimator.apply_factor); message framing is added unscaled.
 Rule 3: attachments in a user message cost what the adapter sends (ADR-0120): labels for
 every reference plus a figure per image (the model's: estimator.image_tokens_for, the flat
 IMAGE_TOKENS raised by the registry's image_tokens), a flat figure per PDF page and the
-inlined length of a text file, capped at the request-wide attachment budget.
-Rule 4: pure: the same block, counter and factor give the same number.
+inlined length of a text file. block_tokens caps that content at the request-wide
+attachment budget (ATTACHMENT_TOKEN_BUDGET), as if the message were the request's only one.
+Rule 4: the budget is the request's, not each message's: the adapter sends markers for
+content beyond it, wherever that content lies. share_attachment_budget divides it newest
+first: each message's content counts up to what the newer messages of the request left,
+and its cost is lowered by the rest of what block_tokens counted (`shared`). A message's
+cost then depends only on what is newer than it, and over the newest items of a request
+(any suffix of the history with everything after it) the content counted is
+min(budget, their content): costs stay a sum over items, so the history cut is still
+the largest suffix that fits, and the request's estimate is the request-wide bound.
+Rule 5: pure: the same block, counter and factor give the same number.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .estimator import (
+    ATTACHMENT_TOKEN_BUDGET,
     IMAGE_TOKENS,
     MESSAGE_FRAMING_TOKENS,
     AttachmentKind,
     AttachmentRef,
     apply_factor,
+    attachment_content_tokens,
     estimate_attachment_tokens,
 )
 from .items import Attachment, ContextItem, UserMessage
 from .request import Block
 
-__all__ = ["TextCounter", "attachment_refs", "block_tokens"]
+__all__ = [
+    "TextCounter",
+    "attached_content",
+    "attachment_refs",
+    "block_tokens",
+    "share_attachment_budget",
+]
 
 TextCounter = Callable[[str], int]
 
@@ -73,3 +90,27 @@ def attachment_refs(attachments: tuple[Attachment, ...]) -> list[AttachmentRef]:
             )
         )
     return refs
+
+
+def attached_content(item: ContextItem, image_tokens: int = IMAGE_TOKENS) -> int:
+    """The attachment content `item`'s attachments send were no budget to bind (0 for any
+    item without attachments): what Rule 4 shares the request's budget over."""
+    if isinstance(item, UserMessage) and item.attachments:
+        return attachment_content_tokens(attachment_refs(item.attachments), image_tokens)
+    return 0
+
+
+def share_attachment_budget(
+    contents: Sequence[int], room: int = ATTACHMENT_TOKEN_BUDGET
+) -> tuple[list[int], int]:
+    """Rule 4 over `contents` (each message's attached_content, oldest first, newer than
+    anything else that shares `room`): per message, what block_tokens counted of its
+    content beyond its share (subtract it from the message's cost), and the room left for
+    older messages."""
+    lowered = [0] * len(contents)
+    for n in range(len(contents) - 1, -1, -1):
+        content = contents[n]
+        share = min(content, room)
+        lowered[n] = min(content, ATTACHMENT_TOKEN_BUDGET) - share
+        room -= share
+    return lowered, room

@@ -118,7 +118,14 @@ __all__ = [
 # @5 kept a passage dropped (or a recall line trimmed) even when a recall line or a result
 # truncated after it freed more than was still over. Such records do not rebuild
 # (REQUEST_NOT_FOUND); every other @5 record does.
-ASSEMBLER_VERSION = "context-assembler@6"
+# @7: a request's attachment content counts up to ATTACHMENT_TOKEN_BUDGET in all, shared
+# among its messages newest first (core/body_estimate.py Rule 4), as the adapter sends it;
+# @6 capped each message's content at the budget on its own, so a request with several
+# messages carrying attachments was estimated above what is sent, and history that fitted
+# was cut. Records whose messages together carried more content than the budget rebuild
+# with another estimate, or another cut: they do not rebuild (REQUEST_NOT_FOUND); every
+# other @6 record does.
+ASSEMBLER_VERSION = "context-assembler@7"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})

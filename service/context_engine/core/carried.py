@@ -41,12 +41,14 @@ import sys
 import weakref
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate, compress, islice, repeat
 from operator import attrgetter, is_, is_not, itemgetter
 
 from . import memo_budget
+from .body_estimate import share_attachment_budget
 from .content_key import content_key
+from .estimator import ATTACHMENT_TOKEN_BUDGET
 from .excerpts import excerpt_of
 from .history_cut import negated_suffix_sums, past_split_pairs, suffix_cut
 from .items import (
@@ -65,11 +67,13 @@ from .yield_ladder import typed_pointer
 
 __all__ = ["CarriedView", "Retained", "Segment", "carried_view"]
 
-# (row, item, rendered as truncated) -> its block; (block, item) -> its estimated tokens.
-# Neither stores: the walk's facts are the memo for carried items (see _KNOWN). The
+# (row, item, rendered as truncated) -> its block; (block, item) -> its estimated tokens;
+# item -> the attachment content those tokens count (core/body_estimate.py Rule 4).
+# None stores: the walk's facts are the memo for carried items (see _KNOWN). The
 # renderer may look up a block made before (core/assemble.py _rendered_before).
 Render = Callable[[Row, ContextItem, bool], Block]
 Count = Callable[[Block, ContextItem], int]
+Attached = Callable[[ContextItem], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,10 +136,25 @@ class Segment:
     is_result: tuple[bool, ...]  # per item: a tool result (class tool_results)
     # -(sum of costs[i:]) for i in 0..len: ascending, so the cut is one bisection.
     _negated_suffix: tuple[int, ...]
+    # (index, attachment content) of the messages with attachments, oldest first.
+    attached: tuple[tuple[int, int], ...] = ()
     _settled: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
     _retained: dict[tuple[int, tuple[int, ...]], Retained] = field(
         default_factory=dict, compare=False, repr=False
     )
+    _shared: dict[int, Segment] = field(default_factory=dict, compare=False, repr=False)
+
+    def sharing(self, room: int) -> Segment:
+        """These items costed with `room` of the request's attachment budget left by the
+        newer items (core/body_estimate.py Rule 4): the costs of messages whose content
+        is beyond their share lowered. Itself when none is (a history without
+        attachments, or room for all of them); derived once per room."""
+        if not self.attached:
+            return self
+        found = self._shared.get(room)
+        if found is None:
+            found = self._shared[room] = _shared(self, room)
+        return found
 
     def cutter(self) -> Cutter:
         """The cut over these items for one Build's yield ladder (its `cut_at`)."""
@@ -236,16 +255,20 @@ def carried_view(
     history: tuple[ConversationItem, ...],
     key: tuple[object, ...],
     count: Count,
+    attached: Attached,
     render: Render,
     inline_maximum_bytes: int,
     reach: int,
 ) -> CarriedView:
-    """The view of `history` under `key` (secret, counter, factor, limit, reach), from the
-    table or derived now. `count` and `render` must be the pure functions `key` determines.
+    """The view of `history` under `key` (secret, counter, factor, image figure; with the
+    limit and reach), from the table or derived now. `count`, `attached` and `render` must
+    be the pure functions `key` determines.
 
     Only the history a fitting request can reach is derived. `reach` is the larger of the
     body budget and history's floor. Walking newest first, the least an item can cost is
-    its pointer's cost (a tool result, as its legacy excerpt where it has one) or its own.
+    its pointer's cost (a tool result, as its legacy excerpt where it has one) or its own
+    (a message with attachments, without their content: newer messages may take the
+    request's attachment budget).
     Once those least costs alone exceed `reach`, no suffix that starts earlier can fit the
     body, and history stays above its floor however much yields — so neither the ladder,
     the fit nor the cut decides anything differently without the older items, and they
@@ -258,7 +281,7 @@ def carried_view(
     if entry is not None and entry.holds(history):
         return entry
     view = _derive(
-        history, (*key, inline_maximum_bytes), count, render, inline_maximum_bytes, reach
+        history, (*key, inline_maximum_bytes), count, attached, render, inline_maximum_bytes, reach
     )
     memo_budget.admit()  # the walk's facts were charged after its own admit
     charge = _view_weight(view)
@@ -280,6 +303,7 @@ def _segment(view: CarriedView, floor: int) -> Segment:
     if not all(above):
         items, facts = tuple(compress(items, above)), tuple(compress(facts, above))
     costs = tuple(map(_TOKENS, facts))
+    contents = tuple(map(_ATTACHED, facts))
     is_result = tuple(map(_IS_RESULT, facts))
     at = list(compress(range(len(items)), is_result))
     pointer_costs = map(_POINTER_TOKENS, compress(facts, is_result))
@@ -295,6 +319,30 @@ def _segment(view: CarriedView, floor: int) -> Segment:
         facts=facts,
         is_result=is_result,
         _negated_suffix=negated_suffix_sums(costs),
+        attached=tuple((n, c) for n, c in enumerate(contents) if c) if any(contents) else (),
+    )
+
+
+def _shared(segment: Segment, room: int) -> Segment:
+    """Segment.sharing: the messages' costs lowered by what block_tokens counted of their
+    attachment content beyond their share, newest first from `room`. Only messages change,
+    never a result, so the results' sums stand."""
+    indexes = [n for n, _ in segment.attached]
+    lowered, _ = share_attachment_budget([c for _, c in segment.attached], room)
+    if not any(lowered):
+        return segment
+    costs = list(segment.costs)
+    for n, by in zip(indexes, lowered, strict=True):
+        costs[n] -= by
+    return replace(
+        segment,
+        costs=tuple(costs),
+        total=sum(costs),
+        _negated_suffix=negated_suffix_sums(costs),
+        attached=(),  # shared already: sharing() answers itself
+        _settled={},
+        _retained={},
+        _shared={},
     )
 
 
@@ -302,6 +350,7 @@ _SEQUENCE = attrgetter("sequence")  # of an item, or of its facts (the same numb
 _INDEX = itemgetter(0)
 _RUN_ID = attrgetter("run_id")
 _TOKENS = attrgetter("tokens")
+_ATTACHED = attrgetter("attached")
 _IS_RESULT = attrgetter("is_result")
 _POINTER_TOKENS = attrgetter("pointer_tokens")
 _BLOCK = attrgetter("block")
@@ -462,12 +511,15 @@ class _Facts:
     sequence: int  # the item's
     excerpt: ToolResult | None  # the legacy excerpt the request shows instead, if any
     tokens: int  # what the item as shown (the excerpt, if any) costs as rendered
+    attached: int  # the attachment content `tokens` counts, before the request's budget
     block: Block  # the item as shown, rendered
     is_result: bool  # a tool result: it has a pointer
     pointer: ToolResult | None  # a result's typed pointer (of the item as shown)
     pointer_tokens: int
     pointer_block: Block | None  # the pointer rendered (truncated)
-    least: int  # the least the item can cost: its pointer's, if less than its own
+    # The least the item can cost: its pointer's, if less than its own; a message's,
+    # its attachment content left out (other messages may take the request's budget).
+    least: int
 
 
 class _Known(dict[tuple[object, ...], dict[tuple[object, ...], _Facts]]):
@@ -491,7 +543,9 @@ def _kept_facts(key: tuple[object, ...], facts: _Facts) -> _Facts:
     return facts
 
 
-def _facts(item: ConversationItem, count: Count, render: Render, limit: int) -> _Facts:
+def _facts(
+    item: ConversationItem, count: Count, attached: Attached, render: Render, limit: int
+) -> _Facts:
     excerpt = excerpt_of(item, limit) if isinstance(item, ToolResult) else None
     shown = excerpt if excerpt is not None else item
     truncated = excerpt is not None
@@ -500,7 +554,9 @@ def _facts(item: ConversationItem, count: Count, render: Render, limit: int) -> 
     tokens = count(block, shown)
     check_placement(shown, Row.CONVERSATION)
     if not isinstance(item, ToolResult):  # shown is its excerpt or the item itself
-        return _Facts(item.sequence, excerpt, tokens, block, False, None, 0, None, tokens)
+        content = attached(item)
+        least = tokens - min(content, ATTACHMENT_TOKEN_BUDGET)
+        return _Facts(item.sequence, excerpt, tokens, content, block, False, None, 0, None, least)
     # The pointer says what the result holds, not its excerpt: its own byte count.
     pointer = typed_pointer(item)
     pointer_block = render(Row.CONVERSATION, pointer, True)
@@ -509,6 +565,7 @@ def _facts(item: ConversationItem, count: Count, render: Render, limit: int) -> 
         sequence=item.sequence,
         excerpt=excerpt,
         tokens=tokens,
+        attached=0,
         block=block,
         is_result=True,
         pointer=pointer,
@@ -522,6 +579,7 @@ def _derive(
     history: tuple[ConversationItem, ...],
     context: tuple[object, ...],
     count: Count,
+    attached: Attached,
     render: Render,
     limit: int,
     reach: int,
@@ -547,9 +605,9 @@ def _derive(
             key = content_key(item)
             facts = known.get(key)
         except (KeyError, TypeError):  # a field missing or unhashable: derived, not kept
-            facts = _facts(item, count, render, limit)
+            facts = _facts(item, count, attached, render, limit)
         if facts is None:
-            facts = known[key] = _kept_facts(key, _facts(item, count, render, limit))
+            facts = known[key] = _kept_facts(key, _facts(item, count, attached, render, limit))
         found.append(facts)
         least += facts.least
         if least > reach:

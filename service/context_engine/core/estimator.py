@@ -115,6 +115,7 @@ __all__ = [
     "TokenCounter",
     "TokenEstimator",
     "apply_factor",
+    "attachment_content_tokens",
     "estimate_attachment_tokens",
     "heuristic_count",
     "image_tokens_for",
@@ -800,18 +801,24 @@ def estimate_attachment_tokens(
     *,
     image_tokens: int = IMAGE_TOKENS,
 ) -> int:
-    """Upper bound on what the adapter sends for ``refs``.
+    """Upper bound on what the adapter sends for ``refs`` when they are a request's only
+    references.
 
     Every reference pays its label (``count_label``) plus ``ATTACHMENT_BLOCK_TOKENS``; the
     content of references within the per-item limits is summed and capped at
     ``ATTACHMENT_TOKEN_BUDGET``, the request-wide budget beyond which the adapter sends markers.
+    A request with several messages shares that budget among them
+    (``body_estimate.share_attachment_budget``).
     """
-    labels = 0
-    content = 0
-    for ref in refs:
-        labels += count_label(ref.label) + ATTACHMENT_BLOCK_TOKENS
-        content += _attachment_content_tokens(ref, image_tokens)
-    return labels + min(content, ATTACHMENT_TOKEN_BUDGET)
+    refs = tuple(refs)  # read twice: labels, then content
+    labels = sum(count_label(ref.label) + ATTACHMENT_BLOCK_TOKENS for ref in refs)
+    return labels + min(attachment_content_tokens(refs, image_tokens), ATTACHMENT_TOKEN_BUDGET)
+
+
+def attachment_content_tokens(refs: Iterable[AttachmentRef], image_tokens: int) -> int:
+    """The content ``refs`` would send were no budget to bind: what those within the
+    per-item limits cost (``image_tokens`` per image), labels not included."""
+    return sum(_attachment_content_tokens(ref, image_tokens) for ref in refs)
 
 
 # =============================================================================================
