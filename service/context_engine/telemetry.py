@@ -380,9 +380,15 @@ class Telemetry:
         meter_provider: MeterProvider | None = None,
         *,
         on_shutdown: Sequence[Callable[[], object]] = (),
+        metrics_read: bool | None = None,
     ) -> None:
         self.tracer_provider = tracer_provider or TracerProvider(sampler=ALWAYS_OFF)
         self.meter_provider = meter_provider or MeterProvider()
+        # Whether any reader collects the instruments (None: a provider given is assumed
+        # read; without one, none is). Unread, a measurement goes nowhere, and recording it
+        # is the SDK's work per call (about 3.6 us a histogram, three per Build), so the
+        # instruments are skipped.
+        self.metrics_read = meter_provider is not None if metrics_read is None else metrics_read
         self.tracer = self.tracer_provider.get_tracer(SCOPE, __version__)
         meter = self.meter_provider.get_meter(SCOPE, __version__)
         self._instruments: dict[str, Any] = {}
@@ -467,19 +473,23 @@ class Telemetry:
             on_shutdown.append(server.shutdown)
             on_shutdown.append(server.server_close)
         meter_provider = MeterProvider(resource=resource, metric_readers=readers)
-        telemetry = cls(tracer_provider, meter_provider, on_shutdown=on_shutdown)
+        telemetry = cls(
+            tracer_provider, meter_provider, on_shutdown=on_shutdown, metrics_read=bool(readers)
+        )
         telemetry.metrics_port = metrics_port
         return telemetry
 
     def add(self, name: str, amount: int, **attributes: str) -> None:
-        self._instruments[name].add(amount, attributes)
+        if self.metrics_read:
+            self._instruments[name].add(amount, attributes)
 
     def record(self, name: str, value: float, **attributes: str) -> None:
-        if value >= 0:  # histograms take non-negative values only
+        if value >= 0 and self.metrics_read:  # histograms take non-negative values only
             self._instruments[name].record(value, attributes)
 
     def set_gauge(self, name: str, value: float, **attributes: str) -> None:
-        self._instruments[name].set(value, attributes)
+        if self.metrics_read:
+            self._instruments[name].set(value, attributes)
 
     def shutdown(self) -> None:
         """Flush exporters and stop the Prometheus endpoint."""
@@ -499,10 +509,11 @@ class Telemetry:
         reason: str = "",
     ) -> None:
         """Record the RPC's duration and size, set its span's fields, write its log line."""
-        self.record("context_engine.rpc.duration", duration_s, **_rpc_attrs(state, code))
-        self.record(
-            "context_engine.rpc.request.size", request_bytes, **{"rpc.method": state.method}
-        )
+        if self.metrics_read:
+            self.record("context_engine.rpc.duration", duration_s, **_rpc_attrs(state, code))
+            self.record(
+                "context_engine.rpc.request.size", request_bytes, **{"rpc.method": state.method}
+            )
         current_span = trace.get_current_span()
         recording, logged = current_span.is_recording(), logs_rpcs()
         if not (recording or logged):

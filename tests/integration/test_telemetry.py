@@ -994,6 +994,41 @@ async def test_prometheus_endpoint_serves_the_metrics() -> None:
     assert "context_engine_rpc_request_size_bytes_bucket" in text
 
 
+def test_instruments_no_reader_collects_are_not_recorded() -> None:
+    """Without an OTLP endpoint or a Prometheus listener no reader collects the metrics:
+    the measurements would go nowhere, so the SDK is not asked to record them (three
+    histograms per Build). With a reader (above and below) every one is recorded."""
+    unread = Telemetry.from_environment("", environ={})
+    assert unread.metrics_read is False and Telemetry().metrics_read is False
+    reader = InMemoryMetricReader()
+    read = Telemetry(meter_provider=MeterProvider(metric_readers=[reader]))
+    assert read.metrics_read is True
+    touched: list[str] = []
+
+    class Spy:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def record(self, *args: Any) -> None:
+            touched.append(self.name)
+
+        add = set = record
+
+    for tel in (unread, read):
+        tel._instruments = {name: Spy(name) for name in tel._instruments}
+        tel.finish_rpc(RpcState("Build"), code="OK", duration_s=0.01, request_bytes=300)
+        tel.add("context_engine.runs.started", 1)
+        tel.set_gauge("context_engine.store.ready", 1.0)
+    assert touched == [
+        "context_engine.rpc.duration",
+        "context_engine.rpc.request.size",
+        "context_engine.runs.started",
+        "context_engine.store.ready",
+    ]
+    unread.shutdown()
+    read.shutdown()
+
+
 class _Collector(
     trace_service_pb2_grpc.TraceServiceServicer, metrics_service_pb2_grpc.MetricsServiceServicer
 ):
