@@ -284,6 +284,19 @@ def _as_legacy(payload: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in payload.items() if k not in _NEWER_KEYS}
 
 
+def _hashed_whole(request: pb.ModelRequest) -> str:
+    """request_sha256 as context-assembler@6 and older recorded it: the canonical request
+    hashed whole (core/request.py canonical_sha256), not by its messages' digests."""
+    return sha256_hex(request_from_proto(request).canonical_bytes())
+
+
+def _as_recorded_by_legacy(built: pb.BuildResponse) -> Any:
+    """A record of `built` as context-assembler@1 wrote it: without the newer keys, and
+    its request hash the whole request's."""
+    whole = _hashed_whole(built.request)
+    return lambda payload: {**_as_legacy(payload), "request_sha256": whole}
+
+
 async def _failed_result_build(
     stub: Any, model_id: str, *, revoke_tools: bool = False
 ) -> tuple[str, pb.BuildResponse]:
@@ -346,6 +359,33 @@ async def test_a_build_records_its_assembler_and_payload_hash(stub: Any, pool: A
     assert await _get(stub, session_id, built.request_sequence) == built
 
 
+async def test_get_build_of_a_record_hashed_whole_answers_with_its_recorded_hash(
+    stub: Any, pool: Any
+) -> None:
+    """context-assembler@7 hashes a request by its messages' digests (core/request.py
+    Rule 1); @6 recorded the canonical request hashed whole. The bytes are the same, so
+    GetBuild of an @6 record rebuilds them, checks them by the hash @6 recorded and
+    answers with that hash; an @7 record is checked and answered by the new one."""
+    session_id, built = await _failed_result_build(stub, "gpt-5")
+    whole = _hashed_whole(built.request)
+    assert whole != built.request_sha256
+    await _rewrite_record(
+        pool,
+        session_id,
+        built.request_sequence,
+        lambda p: {**p, ASSEMBLER_KEY: "context-assembler@6", "request_sha256": whole},
+    )
+    again = await _get(stub, session_id, built.request_sequence)
+    assert again.request_sha256 == whole
+    assert (again.request, again.provider_payload) == (built.request, built.provider_payload)
+    # Recorded under @7 with the whole hash, it is not the request @7 sent.
+    await _rewrite_record(
+        pool, session_id, built.request_sequence, lambda p: {**p, ASSEMBLER_KEY: ASSEMBLER_VERSION}
+    )
+    _, metadata = await _refusal(stub, session_id, built.request_sequence)
+    assert metadata["recorded_assembler_version"] == ASSEMBLER_VERSION
+
+
 # The failed-result line as it appears in a payload (canonical JSON escapes the newline).
 _LINE = json.dumps(TOOL_ERROR_AS_TEXT + "\n")[1:-1].encode()
 
@@ -363,10 +403,12 @@ async def test_get_build_of_a_legacy_record_serves_failed_results_as_they_were_s
     serve a payload the provider never received."""
     session_id, built = await _failed_result_build(stub, model_id, revoke_tools=revoke_tools)
     assert _LINE in built.provider_payload
-    await _rewrite_record(pool, session_id, built.request_sequence, _as_legacy)
+    legacy = _as_recorded_by_legacy(built)
+    await _rewrite_record(pool, session_id, built.request_sequence, legacy)
 
     again = await _get(stub, session_id, built.request_sequence)
-    assert again.request_sha256 == built.request_sha256
+    # The hash it recorded (the neutral request's: the same either way), not today's.
+    assert again.request_sha256 == _hashed_whole(built.request) != built.request_sha256
     assert again.provider_payload == built.provider_payload.replace(_LINE, b"")
 
 
@@ -384,7 +426,7 @@ def _as_the_users(built: pb.BuildResponse, item_id: str) -> tuple[str, bytes]:
         ).replace(f"</delegated:{nonce}>", f"</user:{nonce}>")
         payload = payload.replace(json.dumps(block.text).encode(), json.dumps(users).encode())
         block.trust, block.text = pb.TRUST_LEVEL_USER, users
-    return sha256_hex(request_from_proto(request).canonical_bytes()), payload
+    return _hashed_whole(request), payload
 
 
 @pytest.mark.parametrize("assembler", ["context-assembler@2", LEGACY_ASSEMBLER_VERSION])
@@ -436,7 +478,8 @@ async def test_get_build_of_an_older_child_record_serves_its_instruction_as_it_w
         record=False,
         delegated_messages=False,
     )
-    assert as_sent.assembled.request_sha256 == request_sha256
+    assert as_sent.assembled.request is not None
+    assert as_sent.assembled.request.canonical_sha256() == request_sha256
     figures = estimate_to_record(as_sent.assembled)
 
     def older(record: dict[str, Any]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -65,8 +66,16 @@ def test_known_vectors() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(st.data())
-def test_composed_request_bytes_equal_the_full_serialization(data: st.DataObject) -> None:
-    from context_engine.core.request import Block, CacheBreakpoint, Message, ModelRequest
+def test_composed_request_bytes_and_hashes_equal_the_full_serialization(
+    data: st.DataObject,
+) -> None:
+    from context_engine.core.request import (
+        Block,
+        CacheBreakpoint,
+        Message,
+        ModelRequest,
+        ToolDefinition,
+    )
     from context_engine.core.rows import Row
     from context_engine.core.trust import TrustLevel
 
@@ -89,7 +98,10 @@ def test_composed_request_bytes_equal_the_full_serialization(data: st.DataObject
         provider=data.draw(st.sampled_from(["anthropic", "openai"])),
         model_id=data.draw(text),
         system=tuple(data.draw(blocks)),
-        tools=(),
+        tools=tuple(
+            ToolDefinition(name, data.draw(text), '{"type":"object"}')
+            for name in data.draw(st.lists(text, max_size=2))
+        ),
         messages=tuple(
             Message(data.draw(st.sampled_from(["user", "assistant"])), tuple(data.draw(blocks)))
             for _ in range(data.draw(st.integers(0, 3)))
@@ -103,6 +115,32 @@ def test_composed_request_bytes_equal_the_full_serialization(data: st.DataObject
     assert (
         request.canonical_sha256() == hashlib.sha256(rfc8785.dumps(request.canonical())).hexdigest()
     )
+    # request_sha256 (core/request.py Rule 1): the canonical request with each message, the
+    # system blocks and the tools given by the SHA-256 of their own canonical bytes.
+    canonical = request.canonical()
+
+    def digest(value: Any) -> str:
+        return hashlib.sha256(rfc8785.dumps(value)).hexdigest()
+
+    hashed = {
+        "cache_breakpoints": canonical["cache_breakpoints"],
+        "max_output_tokens": canonical["max_output_tokens"],
+        "messages_sha256": digest(canonical["messages"]),
+        "model_id": canonical["model_id"],
+        "provider": canonical["provider"],
+        "session_key": canonical["session_key"],
+        "system_sha256": digest(canonical["system"]),
+        "tools_sha256": digest(canonical["tools"]),
+    }
+    assert request.hashed() == hashed
+    assert request.request_sha256() == digest(hashed)
+    # Every message counts, in its place: dropped or swapped, the hash differs.
+    if request.messages:
+        fewer = replace(request, messages=request.messages[1:])
+        assert fewer.request_sha256() != request.request_sha256()
+        swapped = replace(request, messages=request.messages[::-1])
+        if swapped.messages != request.messages:
+            assert swapped.request_sha256() != request.request_sha256()
 
 
 @pytest.mark.parametrize(

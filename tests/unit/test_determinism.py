@@ -76,8 +76,13 @@ def test_assemble_twice_gives_identical_bytes_and_hash(sc: Scenario) -> None:
     second = assemble(sc.inputs(plan))
     assert first.request_sha256 == second.request_sha256
     assert _request_bytes(first) == _request_bytes(second)
-    # The recorded hash is the hash of exactly those canonical bytes.
-    assert first.request_sha256 == sha256_hex(_request_bytes(first))
+    # The recorded hash is the hash of those canonical bytes in parts (core/request.py
+    # Rule 1): the messages, system blocks and tools by their own SHA-256.
+    canonical = first.request.canonical()
+    hashed = first.request.hashed()
+    for part, key in (("messages", "messages_sha256"), ("system", "system_sha256")):
+        assert hashed[key] == sha256_hex(canonical_bytes(canonical[part]))
+    assert first.request_sha256 == sha256_hex(canonical_bytes(hashed))
     assert first.placed == second.placed
 
 

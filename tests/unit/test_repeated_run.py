@@ -149,3 +149,37 @@ def test_a_payload_hash_resumed_after_the_run_is_the_bodys_hash(
             assert hashlib.sha256(stable.head.encode("utf-8")).digest() in stable.states
         plain = openai.render(variant)
         assert plain.sha256() == hashlib.sha256(plain.body).hexdigest()
+
+
+@settings(SCENARIO_SETTINGS, max_examples=60)
+@given(_ANY_SCENARIO, st.data())
+def test_a_request_hash_resumed_after_the_run_is_the_hash_of_its_parts(
+    sc: Scenario, data: st.DataObject
+) -> None:
+    """ModelRequest.request_sha256 hashes the messages array resuming after the repeated
+    run, from the state kept per head before it (core/request.py Rule 1): the first time,
+    the times after, with another head (a message before the run changed or gone), another
+    tail and no hint, it is the SHA-256 of the canonical parts (`hashed()`)."""
+    request = _assembled(sc)
+    messages = request.messages
+    start = data.draw(st.integers(0, len(messages)))
+    end = data.draw(st.integers(start, len(messages)))
+    run = tuple(messages[start:end])  # one tuple: the states are kept on it
+    hinted = replace(request, repeated=RepeatedRun(messages, start, run))
+    variants = [hinted, hinted]
+    if start:  # another head: its first message's text changed, or the message gone
+        first = messages[0]
+        changed = Message(first.role, tuple(replace(b, text=b.text + "!") for b in first.blocks))
+        for head in ((changed, *messages[1:start]), messages[1:start]):
+            moved = (*head, *messages[start:])
+            variants.append(
+                replace(hinted, messages=moved, repeated=RepeatedRun(moved, len(head), run))
+            )
+    if end < len(messages):  # another tail
+        shorter = messages[:-1]
+        variants.append(
+            replace(hinted, messages=shorter, repeated=RepeatedRun(shorter, start, run))
+        )
+    for variant in [*variants, *variants, _without_hint(hinted)]:
+        expected = hashlib.sha256(canonical_bytes(variant.hashed())).hexdigest()
+        assert variant.request_sha256() == expected

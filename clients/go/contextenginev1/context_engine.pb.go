@@ -4668,7 +4668,11 @@ type BuildResponse struct {
 	Epoch int64 `protobuf:"varint,4,opt,name=epoch,proto3" json:"epoch,omitempty"`
 	// The checkpoint version built from.
 	CheckpointVersion int64 `protobuf:"varint,5,opt,name=checkpoint_version,json=checkpointVersion,proto3" json:"checkpoint_version,omitempty"`
-	// SHA-256 of the canonical ModelRequest.
+	// The request's identity: SHA-256 of the RFC 8785 JSON of {cache_breakpoints,
+	// max_output_tokens, messages_sha256, model_id, provider, session_key, system_sha256,
+	// tools_sha256}, each *_sha256 the hex SHA-256 of the canonical JSON of the messages
+	// array, the system blocks and the tools (docs/api.md). GetBuild of a record made by context-assembler@6 or older answers
+	// with the hash it recorded: the canonical ModelRequest hashed whole.
 	RequestSha256 string `protobuf:"bytes,6,opt,name=request_sha256,json=requestSha256,proto3" json:"request_sha256,omitempty"`
 	// Session sequence of the model.request.started event; 0 when no request was built.
 	RequestSequence int64 `protobuf:"varint,7,opt,name=request_sequence,json=requestSequence,proto3" json:"request_sequence,omitempty"`

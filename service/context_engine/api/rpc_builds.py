@@ -8,16 +8,17 @@ so the rebuild by the same assembler is the recorded request; one by a later ass
 of the legacy assembler renders its failed results as they were sent (without the
 failed-result line); one of context-assembler@2 or older, a child run's user messages as
 they were sent (the user's: `<user>`, USER, not the parent's `<delegated>`, MODEL). The
-rebuild is checked against the recorded request_sha256 and, where recorded, the payload's
-SHA-256, and the figures beside the bytes against the record's (Rule 9: the tokenizer
-that counted it, the estimate, the budgets and the tokens per class): a request that does
-not rebuild to them, or that the current assembler refuses to build, is refused with
-FAILED_PRECONDITION REQUEST_NOT_FOUND naming the recorded and the current assembler
-version (and both tokenizers where they differ), never answered with bytes the provider
-never saw or figures it was not counted at. A
-request built on a plan an erasure has since redacted no longer rebuilds, nor does one
-whose recall lines an erasure removed from its record: both are refused with
-REQUEST_REDACTED, never answered from a kept copy.
+rebuild is checked against the recorded request_sha256 (for a record of
+context-assembler@6 or older, the canonical request hashed whole, which the response then carries
+too) and, where recorded, the payload's SHA-256, and the figures beside the bytes against
+the record's (Rule 9: the tokenizer that counted it, the estimate, the budgets and the
+tokens per class): a request that does not rebuild to them, or that the current assembler
+refuses to build, is refused with FAILED_PRECONDITION REQUEST_NOT_FOUND naming the
+recorded and the current assembler version (and both tokenizers where they differ), never
+answered with bytes the provider never saw or figures it was not counted at. A request
+built on a plan an erasure has since redacted no longer rebuilds, nor does one whose
+recall lines an erasure removed from its record: both are refused with REQUEST_REDACTED,
+never answered from a kept copy.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from ..core.build_record import (
     failed_result_line,
     image_tokens_of,
     inputs_from_record,
+    whole_request_hash,
 )
 from ..core.errors import EngineError, InvalidFieldError, NotFoundError, PreconditionError
 from ..store import events, sessions
@@ -114,6 +116,8 @@ class BuildsRpcs:
             # An older assembler let through what this one cannot render (a reasoning
             # payload of another type, say).
             raise _not_rebuilt(sequence, recorded, "this build cannot render it") from exc
+        if whole_request_hash(payload):
+            result = _hashed_whole(result)  # the hash an older assembler recorded
         if not _same_bytes(result, payload):
             if result.plan.invalidated:
                 # An erasure redacted the plan's snapshot since: the recorded bytes held the
@@ -131,6 +135,16 @@ class BuildsRpcs:
                 tokenizers=(counted, tokenizer) if isinstance(counted, str) else None,
             )
         return self.build_response(replace(result, request_sequence=sequence))
+
+
+def _hashed_whole(result: BuildResult) -> BuildResult:
+    """`result` with request_sha256 the canonical request hashed whole, as context-assembler@6
+    and older recorded it (core/build_record.py, whole_request_hash)."""
+    request = result.assembled.request
+    if request is None:
+        return result
+    assembled = replace(result.assembled, request_sha256=request.canonical_sha256())
+    return replace(result, assembled=assembled)
 
 
 def _same_bytes(result: BuildResult, payload: dict[str, Any]) -> bool:

@@ -206,7 +206,7 @@ def assemble(inputs: BuildInputs) -> Assembled:
         ),
         repeated=repeated,
     )
-    digest = request.canonical_sha256()
+    digest = request.request_sha256()
     return _outcome(inputs, budget, fitted, request, digest)
 
 

@@ -88,6 +88,7 @@ __all__ = [
     "recalled_people",
     "redact_record",
     "shown_items",
+    "whole_request_hash",
 ]
 
 # Rule 8: bump on any change to what Build sends for the same recorded inputs (assembly,
@@ -124,11 +125,18 @@ __all__ = [
 # messages carrying attachments was estimated above what is sent, and history that fitted
 # was cut. Records whose messages together carried more content than the budget rebuild
 # with another estimate, or another cut: they do not rebuild (REQUEST_NOT_FOUND); every
-# other @6 record does.
+# other @6 record does. And request_sha256 hashes the request with its messages, system
+# blocks and tools given by their own SHA-256 (core/request.py Rule 1), where
+# @6 and older hashed the canonical request whole: GetBuild checks an older record by the
+# hash it recorded (`whole_request_hash`) and answers with that hash.
 ASSEMBLER_VERSION = "context-assembler@7"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})
+# The versions whose request_sha256 is the canonical request hashed whole.
+_WHOLE_HASH = frozenset(
+    {LEGACY_ASSEMBLER_VERSION, *(f"context-assembler@{n}" for n in range(2, 7))}
+)
 ASSEMBLER_KEY = "assembler_version"
 PAYLOAD_KEY = "payload_sha256"
 IMAGE_KEY = "image_tokens"
@@ -223,6 +231,13 @@ def delegated_messages(payload: dict[str, Any]) -> bool:
     """Rule 8: whether the request read a child run's user messages as its parent's
     (DelegatedMessage). @2 and @1 read them as the user's; a rebuild reads them so."""
     return assembler_of(payload) not in _UNDELEGATED
+
+
+def whole_request_hash(payload: dict[str, Any]) -> bool:
+    """Rule 8: whether the record's request_sha256 is the canonical request hashed whole
+    (ModelRequest.canonical_sha256, @6 and older) rather than by its messages' digests
+    (ModelRequest.request_sha256)."""
+    return assembler_of(payload) in _WHOLE_HASH
 
 
 def image_tokens_of(payload: dict[str, Any]) -> int:

@@ -1,7 +1,17 @@
 """The provider-neutral ModelRequest that Build returns.
 
 Plain frozen dataclasses (not pydantic): they are built on every request and validated by
-construction in assemble.py. `canonical()` is what `request_sha256` hashes.
+construction in assemble.py.
+
+Rule 1 (the request's hash): `request_sha256()` is the SHA-256 of the RFC 8785 bytes of
+`hashed()`: the request's canonical form with its messages, its system blocks and its
+tools each replaced by the SHA-256 of their canonical bytes (`messages_sha256`: the
+messages array's). Hashed whole (`canonical_sha256`, what context-assembler@6 and older
+recorded), the canonical request put every byte of every Build through SHA-256 (about
+45 us per 80 kB here), growing with the window; in parts, the messages' hashing resumes
+after a run's carried interior (ModelRequest.repeated) from the state kept for it, and a
+plan's system blocks and tools are hashed once per object, so a Build hashes the head and
+tail of its messages and a few hundred bytes more.
 """
 
 from __future__ import annotations
@@ -163,9 +173,54 @@ class ModelRequest:
         """
         return b"".join(self._canonical_chunks())
 
+    def request_sha256(self) -> str:
+        """Rule 1: sha256_hex(canonical_bytes(self.hashed())), from memoized parts."""
+        return hashlib.sha256(
+            b"".join(
+                (
+                    b'{"cache_breakpoints":',
+                    _json(self.cache_breakpoints),
+                    b',"max_output_tokens":',
+                    str(self.max_output_tokens).encode("ascii"),
+                    b',"messages_sha256":"',
+                    _messages_digest(self),
+                    b'","model_id":',
+                    _string(self.model_id),
+                    b',"provider":',
+                    _string(self.provider),
+                    b',"session_key":',
+                    _string(self.session_key),
+                    b',"system_sha256":"',
+                    _values_digest(self.system),
+                    b'","tools_sha256":"',
+                    _values_digest(self.tools),
+                    b'"}',
+                )
+            )
+        ).hexdigest()
+
+    def hashed(self) -> dict[str, Any]:
+        """What request_sha256 hashes (Rule 1), as a JSON value."""
+        canonical = self.canonical()
+
+        def digest(value: Any) -> str:
+            return hashlib.sha256(canonical_bytes(value)).hexdigest()
+
+        return {
+            "cache_breakpoints": canonical["cache_breakpoints"],
+            "max_output_tokens": self.max_output_tokens,
+            "messages_sha256": digest(canonical["messages"]),
+            "model_id": self.model_id,
+            "provider": self.provider,
+            "session_key": self.session_key,
+            "system_sha256": digest(canonical["system"]),
+            "tools_sha256": digest(canonical["tools"]),
+        }
+
     def canonical_sha256(self) -> str:
         """sha256_hex(self.canonical_bytes()), hashed chunk by chunk: the request's bytes,
-        tens of kilobytes, are never joined just to be hashed."""
+        tens of kilobytes, are never joined just to be hashed. What context-assembler@6 and
+        older recorded as request_sha256 (GetBuild checks their records by it)."""
         digest = hashlib.sha256()
         for chunk in self._canonical_chunks():
             digest.update(chunk)
@@ -240,6 +295,51 @@ def _values_text(values: tuple[Block | ToolDefinition | CacheBreakpoint, ...]) -
 # A plan's system blocks and tools are the same tuples on every Build (core/assemble.py);
 # hashing a tuple rehashes every member, so identity answers first.
 _json = IdentityMemo(_values_text, 256)
+
+
+def _hex_sha256(text: bytes) -> bytes:
+    return hashlib.sha256(text).hexdigest().encode("ascii")
+
+
+# Rule 1: a plan's system blocks' and tools' digests, once per tuple.
+_values_digest: IdentityMemo[tuple[Block | ToolDefinition, ...], bytes] = IdentityMemo(
+    lambda values: _hex_sha256(_json(values)), 256
+)
+
+# Per carried interior (ModelRequest.repeated), the SHA-256 of the messages array's
+# bytes up to the interior's end, for as many different heads before it (by the head's
+# digest). The interior is tens of kilobytes and the same tuple on every Build of a run;
+# what comes before it is a message or two.
+_STATES_PER_RUN = 4
+_run_states: RecentMemo[tuple[Message, ...], dict[bytes, Any]] = RecentMemo(lambda run: {})
+
+
+def _messages_digest(request: ModelRequest) -> bytes:
+    """The hex SHA-256 of the canonical messages array (Rule 1), resuming after the
+    request's repeated run where it has one."""
+    hint = repeated_run(request)
+    if hint is None:
+        digest = hashlib.sha256(b"[")
+        for piece in comma_separated(_message_json.many(request.messages), b","):
+            digest.update(piece)
+        digest.update(b"]")
+        return digest.hexdigest().encode("ascii")
+    head = _message_json.many(request.messages[: hint.start])
+    opening = b"[" + b"".join(piece + b"," for piece in head)
+    states = _run_states(hint.run)
+    key = hashlib.sha256(opening).digest()
+    state = states.get(key)
+    if state is None:
+        state = hashlib.sha256(opening)
+        state.update(_run_json(hint.run))
+        if len(states) >= _STATES_PER_RUN:
+            states.clear()
+        states[key] = state  # never updated once kept: each Build copies it
+    digest = state.copy()
+    for piece in _message_json.many(request.messages[hint.start + len(hint.run) :]):
+        digest.update(b"," + piece)
+    digest.update(b"]")
+    return digest.hexdigest().encode("ascii")
 
 
 @bounded_cache(1024)
