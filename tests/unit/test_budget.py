@@ -382,6 +382,10 @@ def test_budget_conformance_and_pair_integrity_on_every_path(session: Session) -
     recall_kept = [r for r in session.step.recall if r.item_id in by_id]
     assert recall_kept == list(session.step.recall[: len(recall_kept)])
     assert len(recall_kept) >= session.step.recall_floor_lines
+    # Recall is within its cap however much room there is, unless only its floor is left.
+    usage = {u.class_name: u for u in built.budget}
+    if len(recall_kept) > session.step.recall_floor_lines:
+        assert usage["recall"].tokens <= CLASS_CAPS["recall"].cap_tokens
     # History is a contiguous suffix of the carried candidates above the floor.
     candidates = [i.item_id for i in session.carried if i.sequence > session.floor]
     retained = [i for i in candidates if i in by_id]

@@ -239,6 +239,8 @@ class _Yielded:
 def run_ladder(body: Body) -> bool:
     """Yield in the ladder's order, no further than needed. Returns whether the body fits;
     the steps taken are appended to body.steps."""
+    if _nothing_yields(body):
+        return True  # most Builds: every rung would stop before it starts
     results = _cap_run_results(body)
     recall = _cap_recall(body)
     knowledge = _drop_knowledge(body)
@@ -256,6 +258,27 @@ def run_ladder(body: Body) -> bool:
         body.steps.append(YieldStep("compact", 0, ()))
         return False
     return True
+
+
+def _nothing_yields(body: Body) -> bool:
+    """Whether every rung's stopping condition holds before it starts, so run_ladder would
+    yield nothing and find the body fitting: the run's results within the tool-result cap
+    (_cap_run_results), recall within its cap (_cap_recall, _trim_recall), knowledge
+    within its caps and the body fitting with history at its floor (_drop_knowledge, and
+    then no rung yields for the fit), and the results in the request within the cap (no
+    cap pass). Each measure is taken once here; the rungs take them again as they go, a
+    pass over the carried history each time."""
+    knowledge_cap, recall_cap = CLASS_CAPS["knowledge"], CLASS_CAPS["recall"]
+    run, recall = body.run_result_tokens(), body.recall_tokens()
+    knowledge = body.knowledge_tokens()
+    if run > body.tool_result_cap or recall > recall_cap.cap_tokens:
+        return False
+    if len(body.knowledge) > knowledge_cap.cap_items or knowledge > knowledge_cap.cap_tokens:
+        return False
+    paid = body.fixed + run + knowledge + recall
+    if paid + min(body.history_floor, body.history_total()) > body.budget:
+        return False
+    return not body.tool_results_over_cap()
 
 
 def _drop_knowledge(body: Body) -> _Yielded:

@@ -11,6 +11,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import asyncpg
+from pydantic_core import to_json
 
 from ..core.errors import EngineError
 
@@ -19,6 +20,7 @@ __all__ = [
     "StoreUnavailableError",
     "connect",
     "connect_pool",
+    "encode_json",
     "read_refusal",
     "transaction",
 ]
@@ -49,15 +51,21 @@ class StoreReadError(Exception):
     """An operator tool's read (inspect) failed after connecting; one line naming why."""
 
 
-# One encoder for every value: json.dumps with arguments makes a new one per call.
-_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+def encode_json(value: Any) -> str:
+    """A json or jsonb parameter's text: compact, UTF-8 as is (no \\u escapes), keys in
+    the order given; the same text as json.JSONEncoder(ensure_ascii=False,
+    separators=(",", ":")) gives for the values the store writes (dicts, lists, strings,
+    integers, booleans, None: tests/unit/test_store_json.py), in about a third of the time
+    (pydantic's Rust serializer: a Build's record, 1.5 kB, 14 -> 4 us). A float that is
+    not a number stays NaN or Infinity, which PostgreSQL refuses, as before."""
+    return to_json(value, inf_nan_mode="constants").decode("utf-8")
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
     for pg_type in ("json", "jsonb"):
         await conn.set_type_codec(
             pg_type,
-            encoder=_JSON.encode,
+            encoder=encode_json,
             decoder=json.loads,
             schema="pg_catalog",
         )
