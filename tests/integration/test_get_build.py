@@ -286,7 +286,7 @@ def _as_legacy(payload: dict[str, Any]) -> dict[str, Any]:
 
 def _hashed_whole(request: pb.ModelRequest) -> str:
     """request_sha256 as context-assembler@6 and older recorded it: the canonical request
-    hashed whole (core/request.py canonical_sha256), not by its messages' digests."""
+    hashed whole (core/request.py canonical_sha256), not in parts."""
     return sha256_hex(request_from_proto(request).canonical_bytes())
 
 
@@ -362,7 +362,7 @@ async def test_a_build_records_its_assembler_and_payload_hash(stub: Any, pool: A
 async def test_get_build_of_a_record_hashed_whole_answers_with_its_recorded_hash(
     stub: Any, pool: Any
 ) -> None:
-    """context-assembler@7 hashes a request by its messages' digests (core/request.py
+    """context-assembler@7 hashes a request in parts (core/request.py
     Rule 1); @6 recorded the canonical request hashed whole. The bytes are the same, so
     GetBuild of an @6 record rebuilds them, checks them by the hash @6 recorded and
     answers with that hash; an @7 record is checked and answered by the new one."""

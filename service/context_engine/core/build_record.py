@@ -123,9 +123,12 @@ __all__ = [
 # among its messages newest first (core/body_estimate.py Rule 4), as the adapter sends it;
 # @6 capped each message's content at the budget on its own, so a request with several
 # messages carrying attachments was estimated above what is sent, and history that fitted
-# was cut. Records whose messages together carried more content than the budget rebuild
-# with another estimate, or another cut: they do not rebuild (REQUEST_NOT_FOUND); every
-# other @6 record does. And request_sha256 hashes the request with its messages, system
+# was cut. A record whose request, or the carried history within its window, held
+# messages whose attachment contents, each capped at the budget, add up to more than the
+# budget can rebuild with another estimate or another cut: it then does not rebuild
+# (REQUEST_NOT_FOUND); every other @6 record does. One that rebuilds after its ladder
+# yielded may report another pressure.body_tokens_before (the history past the cut is
+# costed with the budget shared). And request_sha256 hashes the request with its messages, system
 # blocks and tools given by their own SHA-256 (core/request.py Rule 1), where
 # @6 and older hashed the canonical request whole: GetBuild checks an older record by the
 # hash it recorded (`whole_request_hash`) and answers with that hash.
@@ -235,7 +238,7 @@ def delegated_messages(payload: dict[str, Any]) -> bool:
 
 def whole_request_hash(payload: dict[str, Any]) -> bool:
     """Rule 8: whether the record's request_sha256 is the canonical request hashed whole
-    (ModelRequest.canonical_sha256, @6 and older) rather than by its messages' digests
+    (ModelRequest.canonical_sha256, @6 and older) rather than in parts
     (ModelRequest.request_sha256)."""
     return assembler_of(payload) in _WHOLE_HASH
 
