@@ -9,16 +9,16 @@ of the legacy assembler renders its failed results as they were sent (without th
 failed-result line); one of context-assembler@2 or older, a child run's user messages as
 they were sent (the user's: `<user>`, USER, not the parent's `<delegated>`, MODEL). The
 rebuild is checked against the recorded request_sha256 (for a record of
-context-assembler@6 or older, the canonical request hashed whole, which the response then carries
-too) and, where recorded, the payload's SHA-256, and the figures beside the bytes against
-the record's (Rule 9: the tokenizer that counted it, the estimate, the budgets and the
-tokens per class): a request that does not rebuild to them, or that the current assembler
-refuses to build, is refused with FAILED_PRECONDITION REQUEST_NOT_FOUND naming the
-recorded and the current assembler version (and both tokenizers where they differ), never
-answered with bytes the provider never saw or figures it was not counted at. A request
-built on a plan an erasure has since redacted no longer rebuilds, nor does one whose
-recall lines an erasure removed from its record: both are refused with REQUEST_REDACTED,
-never answered from a kept copy.
+context-assembler@6 or older, the canonical request hashed whole, which the response then
+carries too) and, where recorded, the payload's SHA-256, and the figures beside the bytes
+against the record's (Rule 9: the tokenizer that counted it, the estimate, the budgets
+and the tokens per class): a request that does not rebuild to them, or that the current
+assembler refuses to build, is refused with FAILED_PRECONDITION REQUEST_NOT_FOUND naming
+the recorded and the current assembler version (and both tokenizers where they differ),
+never answered with bytes the provider never saw or figures it was not counted at. A
+request built on a plan an erasure has since redacted no longer rebuilds, nor does one
+whose recall lines an erasure removed from its record: both are refused with
+REQUEST_REDACTED, never answered from a kept copy.
 """
 
 from __future__ import annotations

@@ -120,18 +120,18 @@ __all__ = [
 # truncated after it freed more than was still over. Such records do not rebuild
 # (REQUEST_NOT_FOUND); every other @5 record does.
 # @7: a request's attachment content counts up to ATTACHMENT_TOKEN_BUDGET in all, shared
-# among its messages newest first (core/body_estimate.py Rule 4), as the adapter sends it;
-# @6 capped each message's content at the budget on its own, so a request with several
-# messages carrying attachments was estimated above what is sent, and history that fitted
-# was cut. A record whose request, or the carried history within its window, held
-# messages whose attachment contents, each capped at the budget, add up to more than the
-# budget can rebuild with another estimate or another cut: it then does not rebuild
+# among its messages newest first (core/body_estimate.py Rule 4), as the adapter sends
+# it; @6 capped each message's content at the budget on its own, so a request with
+# several messages carrying attachments was estimated above what is sent, and history
+# that fitted was cut. A record whose request, or the carried history within its window,
+# held messages whose attachment contents, each capped at the budget, add up to more than
+# the budget can rebuild with another estimate or another cut: it then does not rebuild
 # (REQUEST_NOT_FOUND); every other @6 record does. One that rebuilds after its ladder
 # yielded may report another pressure.body_tokens_before (the history past the cut is
-# costed with the budget shared). And request_sha256 hashes the request with its messages, system
-# blocks and tools given by their own SHA-256 (core/request.py Rule 1), where
-# @6 and older hashed the canonical request whole: GetBuild checks an older record by the
-# hash it recorded (`whole_request_hash`) and answers with that hash.
+# costed with the budget shared). And request_sha256 hashes the request with its
+# messages, system blocks and tools given by their own SHA-256 (core/request.py Rule 1),
+# where @6 and older hashed the canonical request whole: GetBuild checks an older record
+# by the hash it recorded (`whole_request_hash`) and answers with that hash.
 ASSEMBLER_VERSION = "context-assembler@7"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
