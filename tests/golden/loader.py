@@ -57,7 +57,12 @@ def request_from_canonical(d: dict[str, Any]) -> ModelRequest:
         session_key=d["session_key"],
         cache_breakpoints=tuple(
             CacheBreakpoint(
-                c["name"], c["through_item"], c["ttl"], c["priority"], c["through_input_item"]
+                c["name"],
+                c["through_item"],
+                c["ttl"],
+                c["priority"],
+                c["through_input_item"],
+                c.get("through_sequence", 0),
             )
             for c in d["cache_breakpoints"]
         ),

@@ -32,10 +32,13 @@ from context_engine.core.build_record import (
 from context_engine.core.canonical import sha256_hex
 from context_engine.core.rows import Region, Row
 from context_engine.explain import explain, fetch_builds
+from context_engine.providers import render
 from context_engine.providers.texts import TOOL_ERROR_AS_TEXT
 
 from .helpers import (
     TENANT,
+    assistant,
+    build_request,
     call,
     details,
     new_id,
@@ -284,10 +287,21 @@ def _as_legacy(payload: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in payload.items() if k not in _NEWER_KEYS}
 
 
+def _as_older(request: pb.ModelRequest) -> pb.ModelRequest:
+    """`request` as context-assembler@6 and older made it: its cache markers name their
+    items by id alone (no through_sequence)."""
+    older = pb.ModelRequest()
+    older.CopyFrom(request)
+    for marker in older.cache_breakpoints:
+        marker.through_sequence = 0
+    return older
+
+
 def _hashed_whole(request: pb.ModelRequest) -> str:
     """request_sha256 as context-assembler@6 and older recorded it: the canonical request
-    hashed whole (core/request.py canonical_sha256), not in parts."""
-    return sha256_hex(request_from_proto(request).canonical_bytes())
+    (as they made it, `_as_older`) hashed whole (core/request.py canonical_sha256), not in
+    parts."""
+    return sha256_hex(request_from_proto(_as_older(request)).canonical_bytes())
 
 
 def _as_recorded_by_legacy(built: pb.BuildResponse) -> Any:
@@ -377,13 +391,95 @@ async def test_get_build_of_a_record_hashed_whole_answers_with_its_recorded_hash
     )
     again = await _get(stub, session_id, built.request_sequence)
     assert again.request_sha256 == whole
-    assert (again.request, again.provider_payload) == (built.request, built.provider_payload)
+    # The request as @6 made it: its markers without the sequences @7 names.
+    assert any(marker.through_sequence for marker in built.request.cache_breakpoints)
+    assert (again.request, again.provider_payload) == (
+        _as_older(built.request),
+        built.provider_payload,
+    )
     # Recorded under @7 with the whole hash, it is not the request @7 sent.
     await _rewrite_record(
         pool, session_id, built.request_sequence, lambda p: {**p, ASSEMBLER_KEY: ASSEMBLER_VERSION}
     )
     _, metadata = await _refusal(stub, session_id, built.request_sequence)
     assert metadata["recorded_assembler_version"] == ASSEMBLER_VERSION
+
+
+def _marked(payload: bytes) -> list[str]:
+    """The blocks of an Anthropic payload's messages that carry cache_control: each by the
+    text the model reads in it (a tool result's content, a text block's text)."""
+    blocks = [b for m in json.loads(payload)["messages"] for b in m["content"]]
+    return [b.get("content", b.get("text", "")) for b in blocks if "cache_control" in b]
+
+
+def _numbered(item: pb.ConversationItem, item_id: str) -> pb.ConversationItem:
+    item.item_id = item_id
+    return item
+
+
+async def test_runs_that_reuse_item_ids_get_markers_on_their_own_items(
+    stub: Any, pool: Any
+) -> None:
+    """Item ids are unique within a run only. A worker that numbers each run's items alike
+    gets its history markers on the items they close: the carried history's last (the
+    first run's answer) and the building run's last result, each named with its session
+    sequence, not on the first block of the id (the first run's result, where
+    context-assembler@6 put the run marker). GetBuild of such a record of @6 serves what
+    @6 sent."""
+    session_id, _ = await open_session(stub, model_id="claude-sonnet-4-5")
+    first = await start_run(stub, session_id, "Which trains go to Lyon?")
+    items = [_numbered(call("c1"), "call-1"), _numbered(result("c1", "TGV 6601"), "result-1")]
+    answer = _numbered(assistant("The TGV 6601 at 07:00."), "answer-1")
+    await stub.AppendItems(
+        pb.AppendItemsRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            run_id=first.run.run_id,
+            expected_checkpoint_version=first.checkpoint_version,
+            items=[*items, answer],
+        )
+    )
+    second = await start_run(stub, session_id, "And back on Sunday?")
+    items = [_numbered(call("c1"), "call-1"), _numbered(result("c1", "TGV 6602"), "result-1")]
+    appended = await stub.AppendItems(
+        pb.AppendItemsRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            run_id=second.run.run_id,
+            expected_checkpoint_version=second.checkpoint_version,
+            items=items,
+        )
+    )
+    built = await stub.Build(build_request(session_id, second.run.run_id))
+
+    markers = {m.name: m for m in built.request.cache_breakpoints}
+    assert (markers["run"].through_item, markers["run"].through_sequence) == (
+        "result-1",
+        appended.sequences[1],
+    )
+    assert markers["carried_history"].through_item == "answer-1"
+    assert markers["carried_history"].through_sequence < appended.sequences[0]
+    answered, result_2 = _marked(built.provider_payload)
+    assert answered == "The TGV 6601 at 07:00." and "TGV 6602" in result_2
+
+    # As @6 built it: markers by id alone, the run marker on the first run's result.
+    older = _as_older(built.request)
+    sent = render(request_from_proto(older)).body
+    result_1, answered = _marked(sent)
+    assert "TGV 6601" in result_1 and answered == "The TGV 6601 at 07:00."
+    await _rewrite_record(
+        pool,
+        session_id,
+        built.request_sequence,
+        lambda p: {
+            **p,
+            ASSEMBLER_KEY: "context-assembler@6",
+            "request_sha256": _hashed_whole(built.request),
+            PAYLOAD_KEY: sha256_hex(sent),
+        },
+    )
+    again = await _get(stub, session_id, built.request_sequence)
+    assert (again.request, again.provider_payload) == (older, sent)
 
 
 # The failed-result line as it appears in a payload (canonical JSON escapes the newline).
@@ -477,6 +573,7 @@ async def test_get_build_of_an_older_child_record_serves_its_instruction_as_it_w
         step,
         record=False,
         delegated_messages=False,
+        marker_sequences=False,
     )
     assert as_sent.assembled.request is not None
     assert as_sent.assembled.request.canonical_sha256() == request_sha256

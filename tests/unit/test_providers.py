@@ -573,6 +573,40 @@ def test_the_carried_marker_holds_into_the_next_run(sc: Scenario) -> None:
     _assert_repeated(before, after, {"after_system", "after_tools", "carried_history"})
 
 
+def test_runs_that_reuse_item_ids_keep_both_history_markers() -> None:
+    """The carried marker and the run marker may name the same id (each run numbered its
+    items alike): they close two items, told apart by sequence, and both are sent."""
+
+    def run_items(run: str, first: int) -> list[Any]:
+        return [
+            UserMessage(item_id="u-1", run_id=run, sequence=first, text="q"),
+            ToolCall(
+                item_id="call-1",
+                run_id=run,
+                sequence=first + 1,
+                call_id="k1",
+                tool_name="t",
+                arguments_json="{}",
+            ),
+            ToolResult(
+                item_id="result-1",
+                run_id=run,
+                sequence=first + 2,
+                call_id="k1",
+                tool_name="t",
+                content="x",
+                trust=TrustLevel.EXTERNAL_UNTRUSTED,
+            ),
+        ]
+
+    placed = [(Row.CONVERSATION, i) for i in (*run_items("run-0", 1), *run_items("run-1", 4))]
+    window = history_window(placed, "run-1")
+    assert [(bp.name, bp.through_item, bp.through_sequence) for bp in window] == [
+        ("carried_history", "result-1", 3),
+        ("run", "result-1", 6),
+    ]
+
+
 @SCENARIO_SETTINGS
 @given(scenarios(modes=("fresh", "loop", "answered")))
 def test_window_markers_name_row_9_or_10_items_and_their_inputs(sc: Scenario) -> None:
@@ -1000,6 +1034,66 @@ def test_history_markers_in_anthropic_land_on_their_items() -> None:
     assert [m["role"] for m in body["messages"]] == ["user"]
     first = body["messages"][0]["content"][0]
     assert first["cache_control"] == {"type": "ephemeral"}
+
+
+def _ids_reused(request: ModelRequest, runs: int = 3) -> ModelRequest:
+    """`request` with every logged item's id one of `runs` ids (by its sequence), as a
+    worker that numbers each run's items alike would give them, and the markers renamed
+    alike: the items, their sequences and the bytes rendered stay what they were."""
+
+    def renamed(item_id: str, sequence: int) -> str:
+        return f"reused-{sequence % runs}" if sequence else item_id
+
+    messages = tuple(
+        replace(
+            m,
+            blocks=tuple(
+                replace(b, item_id=renamed(b.item_id, b.source_sequence)) for b in m.blocks
+            ),
+        )
+        for m in request.messages
+    )
+    markers = tuple(
+        replace(bp, through_item=renamed(bp.through_item, bp.through_sequence))
+        for bp in request.cache_breakpoints
+    )
+    return replace(request, messages=messages, cache_breakpoints=markers, repeated=None)
+
+
+@SCENARIO_SETTINGS
+@given(scenarios(modes=("fresh", "loop", "answered")))
+def test_markers_close_their_items_when_runs_reuse_item_ids(sc: Scenario) -> None:
+    """Item ids are unique within a run only; a history marker names its item's sequence
+    too (core/cache_hints.py Rule 7), so the bytes Anthropic gets do not depend on whether
+    earlier runs used the same ids (the ids themselves are never sent)."""
+    request = _request(sc, "anthropic")
+    assert render(_ids_reused(request)).body == render(request).body
+
+
+def test_a_marker_with_a_sequence_closes_that_item_and_without_one_the_first() -> None:
+    def text(item_id: str, trust: TrustLevel, body: str, sequence: int) -> Block:
+        return Block(Row.CONVERSATION, trust, "text", item_id, sequence, text=body)
+
+    earlier = (
+        Message("user", (text("u1", TrustLevel.USER, "first question", 1),)),
+        Message("assistant", (text("a1", TrustLevel.MODEL, "first answer", 2),)),
+    )
+    later = (
+        Message("user", (text("u1", TrustLevel.USER, "second question", 3),)),
+        Message("assistant", (text("a1", TrustLevel.MODEL, "second answer", 4),)),
+    )
+    tail = Block(Row.RUNTIME_METADATA, TrustLevel.PLATFORM, "text", "runtime", text="today")
+    request = _tiny_request(*earlier, *later, Message("user", (tail,)))
+
+    def marked(*markers: CacheBreakpoint) -> list[str]:
+        body = _body(replace(request, cache_breakpoints=markers))
+        return [b["text"] for b in _anthropic_blocks(body) if "cache_control" in b]
+
+    carried = CacheBreakpoint("carried_history", "a1", "5m", 2, "u1", through_sequence=2)
+    run = CacheBreakpoint("run", "a1", "5m", 3, "u1", through_sequence=4)
+    assert marked(carried, run) == ["first answer", "second answer"]
+    # A marker without a sequence (context-assembler@6 and older): the first block of its id.
+    assert marked(replace(run, through_sequence=0)) == ["first answer"]
 
 
 # --- usage and the cache ratios -------------------------------------------------------------

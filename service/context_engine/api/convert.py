@@ -725,6 +725,7 @@ def breakpoint_to_proto(bp: CacheBreakpoint) -> pb.CacheBreakpoint:
         through_input_item=bp.through_input_item,
         ttl=bp.ttl,
         priority=bp.priority,
+        through_sequence=bp.through_sequence,
     )
 
 
@@ -828,6 +829,7 @@ def request_from_proto(request: pb.ModelRequest) -> ModelRequest:
                 ttl=b.ttl,
                 priority=b.priority,
                 through_input_item=b.through_input_item,
+                through_sequence=b.through_sequence,
             )
             for b in request.cache_breakpoints
         ),

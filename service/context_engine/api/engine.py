@@ -34,6 +34,7 @@ from ..core.build_record import (
     estimate_to_record,
     inputs_to_record,
     recalled_people,
+    without_marker_sequences,
 )
 from ..core.checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint, require_version
 from ..core.enums import PlanReason
@@ -925,6 +926,7 @@ class Engine:
         inline_maximum_bytes: int | None = None,
         failed_result_line: bool = True,
         delegated_messages: bool = True,
+        marker_sequences: bool = True,
     ) -> BuildResult:
         """Assemble, render and record the run's next request.
 
@@ -938,7 +940,8 @@ class Engine:
         and `failed_result_line` (False: a request the legacy assembler sent;
         core/build_record.py, Rules 7 and 8). `delegated_messages` reads a child run's user
         messages as its parent's (core/seeding.py, Rule 4); False: as the user's, as
-        context-assembler@2 and older did.
+        context-assembler@2 and older did. `marker_sequences` False: cache markers name
+        their items by id alone, as context-assembler@6 and older did.
 
         A recording Build of a run this replica has built before is made from the run head
         it kept, which the record confirms in the same round trip (store/records.py): if
@@ -961,6 +964,7 @@ class Engine:
             inline_maximum_bytes=inline_maximum_bytes,
             failed_result_line=failed_result_line,
             delegated_messages=delegated_messages,
+            marker_sequences=marker_sequences,
         )
         heads = self._heads(tenant, session_id) if record else None
         kept = heads.by_run.get(run_id) if heads is not None else None
@@ -995,6 +999,7 @@ class Engine:
         inline_maximum_bytes: int | None,
         failed_result_line: bool,
         delegated_messages: bool,
+        marker_sequences: bool,
     ) -> BuildResult:
         """build() from the `kept` head, which the record must confirm (_StaleHead if it
         does not; nothing is written before then), or from a head read now (None)."""
@@ -1100,6 +1105,9 @@ class Engine:
                     tenant, session_id, run_id, plan, exc, checkpoint
                 )
             raise
+        if not marker_sequences and assembled.request is not None:
+            older = without_marker_sequences(assembled.request)
+            assembled = replace(assembled, request=older, request_sha256=older.request_sha256())
         payload = {
             "run_id": str(run_id),
             "epoch": plan.epoch,

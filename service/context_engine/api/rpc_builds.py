@@ -43,6 +43,7 @@ from ..core.build_record import (
     failed_result_line,
     image_tokens_of,
     inputs_from_record,
+    marker_sequences,
     whole_request_hash,
 )
 from ..core.errors import EngineError, InvalidFieldError, NotFoundError, PreconditionError
@@ -105,6 +106,8 @@ class BuildsRpcs:
                 failed_result_line=failed_result_line(payload),
                 # A child run's user messages as it read them: the parent's from @3 on.
                 delegated_messages=delegated_messages(payload),
+                # Its cache markers as it named them: by id alone before @7.
+                marker_sequences=marker_sequences(payload),
             )
         except (InvalidFieldError, PreconditionError) as exc:
             # A refusal now (BUDGET_EXCEEDED under a later estimator, say) of what was built

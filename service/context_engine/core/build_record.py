@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Iterable
-from dataclasses import fields
+from dataclasses import fields, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -63,6 +63,7 @@ from .assemble import Assembled, StepContext
 from .errors import PreconditionError
 from .estimator import IMAGE_TOKENS
 from .items import ContextItem
+from .request import ModelRequest
 
 __all__ = [
     "ASSEMBLER_KEY",
@@ -85,10 +86,12 @@ __all__ = [
     "image_tokens_of",
     "inputs_from_record",
     "inputs_to_record",
+    "marker_sequences",
     "recalled_people",
     "redact_record",
     "shown_items",
     "whole_request_hash",
+    "without_marker_sequences",
 ]
 
 # Rule 8: bump on any change to what Build sends for the same recorded inputs (assembly,
@@ -131,12 +134,18 @@ __all__ = [
 # costed with the budget shared). And request_sha256 hashes the request with its
 # messages, system blocks and tools given by their own SHA-256 (core/request.py Rule 1),
 # where @6 and older hashed the canonical request whole: GetBuild checks an older record
-# by the hash it recorded (`whole_request_hash`) and answers with that hash.
+# by the hash it recorded (`whole_request_hash`) and answers with that hash. And a history
+# cache marker names its item's session sequence too (CacheBreakpoint.through_sequence,
+# core/cache_hints.py Rule 7), and the Anthropic renderer closes the block of that id and
+# sequence, where @6 named the id alone and closed its first block: in a request whose
+# earlier runs reused the id, on an earlier run's item. A rebuild of an older record
+# drops the sequences (`marker_sequences`) and so renders as it did.
 ASSEMBLER_VERSION = "context-assembler@7"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})
-# The versions whose request_sha256 is the canonical request hashed whole.
+# The versions whose request_sha256 is the canonical request hashed whole, and whose cache
+# markers name an item by its id alone.
 _WHOLE_HASH = frozenset(
     {LEGACY_ASSEMBLER_VERSION, *(f"context-assembler@{n}" for n in range(2, 7))}
 )
@@ -241,6 +250,19 @@ def whole_request_hash(payload: dict[str, Any]) -> bool:
     (ModelRequest.canonical_sha256, @6 and older) rather than in parts
     (ModelRequest.request_sha256)."""
     return assembler_of(payload) in _WHOLE_HASH
+
+
+def marker_sequences(payload: dict[str, Any]) -> bool:
+    """Rule 8: whether the request's history cache markers named their items' sequences
+    (@7 on); an older record is rebuilt with `without_marker_sequences`."""
+    return assembler_of(payload) not in _WHOLE_HASH
+
+
+def without_marker_sequences(request: ModelRequest) -> ModelRequest:
+    """`request` with its cache markers as context-assembler@6 and older made them: naming
+    the item by id alone (a render then closes the first block of the id)."""
+    markers = tuple(replace(bp, through_sequence=0) for bp in request.cache_breakpoints)
+    return replace(request, cache_breakpoints=markers)
 
 
 def image_tokens_of(payload: dict[str, Any]) -> int:

@@ -22,6 +22,9 @@ tool result at or before its through_item (OpenAI's implicit lookback finds pref
 end at an input); empty when there is none.
 Rule 6: a marker names an item by id; items without an id cannot be named, so a marker
 closes the last nameable item of its prefix (earlier, never later).
+Rule 7 (through_sequence): a history marker also names its item's session sequence. Item
+ids are unique within a run only (a worker may number each run's items alike), and a
+request carries earlier runs: the id and the sequence together name one block.
 """
 
 from __future__ import annotations
@@ -108,7 +111,7 @@ def history_window(
     if carried is not None:
         out.append(carried)
     run = _marker("run", repeated)
-    if run is not None and (carried is None or run.through_item != carried.through_item):
+    if run is not None and (carried is None or _closes(run) != _closes(carried)):
         out.append(run)
     return tuple(out)
 
@@ -125,6 +128,11 @@ def cache_breakpoints(
 @bounded_cache(4096)
 def _interned(breakpoints: tuple[CacheBreakpoint, ...]) -> tuple[CacheBreakpoint, ...]:
     return breakpoints
+
+
+def _closes(marker: CacheBreakpoint) -> tuple[str, int]:
+    """The item a history marker closes (Rule 7): an id alone can name two."""
+    return marker.through_item, marker.through_sequence
 
 
 def _of_run(item: ContextItem, run_id: str) -> bool:
@@ -151,4 +159,5 @@ def _marker(name: str, prefix: Sequence[ContextItem]) -> CacheBreakpoint | None:
         ttl=DEFAULT_TTL,
         priority=spec.priority,
         through_input_item=through_input,
+        through_sequence=getattr(prefix[closing], "sequence", 0),
     )

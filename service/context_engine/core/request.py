@@ -119,15 +119,24 @@ class CacheBreakpoint:
     ttl: str = "5m"
     priority: int = 0
     through_input_item: str = ""
+    # The session sequence of the item through_item names (its blocks' source_sequence);
+    # 0 where there is none (Region A, an item not in the log). Item ids are unique within
+    # a run only and a request carries earlier runs, so the id alone can name two items.
+    through_sequence: int = 0
 
     def canonical(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "name": self.name,
             "through_item": self.through_item,
             "through_input_item": self.through_input_item,
             "ttl": self.ttl,
             "priority": self.priority,
         }
+        # Only where there is one: a marker without it is the one context-assembler@6 and
+        # older sent, byte for byte (their records are checked by its hash).
+        if self.through_sequence:
+            out["through_sequence"] = self.through_sequence
+        return out
 
 
 @dataclass(frozen=True, slots=True)

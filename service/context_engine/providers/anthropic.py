@@ -17,7 +17,9 @@ provider cannot be replayed here and is not sent. A payload of any other type is
 (EngineError): it would replay as content the hashed request does not show.
 Rule 6 (markers): request.cache_breakpoints become ``cache_control`` on the block each
 closes — after_tools on the last tool, after_system on the last system block, a history
-marker on its through_item's block (or the nearest sendable block before it). At most
+marker on its through_item's block (or the nearest sendable block before it; the first
+block of that id and, where the marker names one, of its through_sequence: an id alone can
+name an item of each run, core/cache_hints.py Rule 7). At most
 the model's budget (the registry's ``max_cache_breakpoints``, never above the API's
 ``MAX_BREAKPOINTS``), taken in priority order, so the run marker drops first; two markers on
 one block are one. In processing order no one-hour marker follows a shorter one: a later
@@ -125,14 +127,21 @@ class _Unit:
         return _marked(self.rendered, self.control.get("ttl", ""))
 
 
+# What a history marker's block is found by (Rule 6): its item id, with the item's session
+# sequence where the marker names one (an id alone can name an item of each run). A
+# marker without it (an older assembler's) finds the first block of the id, as before.
+_Anchor = str | tuple[str, int]
+
+
 @dataclass(slots=True)
 class _Layout:
     tools: list[_Unit]
     system: list[_Unit]
     turns: list[tuple[str, list[_Unit]]]
     # For each neutral message block, in order: the unit it rendered to, or the last unit
-    # rendered before it when it rendered none (Rule 6: a marker never moves later).
-    anchors: list[tuple[str, _Unit | None]]
+    # rendered before it when it rendered none (Rule 6: a marker never moves later); by
+    # item id, then by (item id, source sequence) where the block has one.
+    anchors: list[tuple[_Anchor, _Unit | None]]
 
     def ordered(self) -> list[tuple[str, str, _Unit]]:
         """(path, role, unit) in processing order; role is "" outside messages."""
@@ -299,7 +308,7 @@ def _layout(
     """Every block's unit, message by message (Rule 4): the general case."""
     as_text = not request.tools
     turns: list[tuple[str, list[_Unit]]] = []
-    anchors: list[tuple[str, _Unit | None]] = []
+    anchors: list[tuple[_Anchor, _Unit | None]] = []
     last: _Unit | None = None
     for n, message in enumerate(request.messages):
         units: list[_Unit] = []
@@ -311,7 +320,10 @@ def _layout(
                 units.append(unit)
                 if unit.cacheable:
                     last = unit
-            anchors.append((block.item_id, unit if unit is not None and unit.cacheable else last))
+            closing = unit if unit is not None and unit.cacheable else last
+            anchors.append((block.item_id, closing))
+            if block.source_sequence:
+                anchors.append(((block.item_id, block.source_sequence), closing))
         if not units:
             continue
         if turns and turns[-1][0] == message.role:
@@ -342,10 +354,11 @@ class _MessageLayout:
     role: str
     units: tuple[_Rendered, ...]  # in turn order (a user turn's results first)
     text: str  # the turn's canonical JSON, no markers
-    # item id -> index in `units` of the unit a marker through that item closes (Rule 6):
-    # the block's own, or the last cacheable one before it; -1 when that lies in an
-    # earlier message. First occurrence wins, as in _target.
-    anchors: dict[str, int]
+    # item id, and (item id, source sequence) where the block has one (_anchor) -> index in
+    # `units` of the unit a marker through that item closes (Rule 6): the block's own, or
+    # the last cacheable one before it; -1 when that lies in an earlier message. First
+    # occurrence wins, as in _target.
+    anchors: dict[_Anchor, int]
     last_cacheable: int  # index in `units` of the last cacheable unit in block order; -1
     called: frozenset[str]  # tool names its calls use (check_wire_names)
     call_ids: tuple[str, ...]  # its calls' base ids (Rule 7)
@@ -392,7 +405,7 @@ def _lay_out_message(
     message: Message, moved: tuple[str, ...] = (), as_text: bool = False
 ) -> _MessageLayout:
     rendered: list[_Rendered] = []
-    anchors: dict[str, int] = {}
+    anchors: dict[_Anchor, int] = {}
     last = -1  # index into `rendered` (block order)
     for k, block in enumerate(message.blocks):
         unit = _unit_of(block, moved[k] if moved else "", as_text)
@@ -401,7 +414,10 @@ def _lay_out_message(
             if unit.kind != "reasoning":
                 last = len(rendered) - 1
         own = unit is not None and unit.kind != "reasoning"
-        anchors.setdefault(block.item_id, len(rendered) - 1 if own else last)
+        closing = len(rendered) - 1 if own else last
+        anchors.setdefault(block.item_id, closing)
+        if block.source_sequence:
+            anchors.setdefault((block.item_id, block.source_sequence), closing)
     units = [_Unit(r) for r in rendered]
     ordered = _results_first(units) if message.role == "user" else units
     turn = [u.rendered for u in ordered]
@@ -508,7 +524,7 @@ def _position_of(
     if not bp.through_item:
         return None
     # The first message naming the item, found without a Python step per message.
-    hits = list(map(methodcaller("get", bp.through_item), map(_ANCHORS, messages)))
+    hits = list(map(methodcaller("get", _anchor(bp)), map(_ANCHORS, messages)))
     n = next(compress(count(), map(is_not, hits, repeat(None))), None)
     if n is None:
         return None
@@ -703,7 +719,12 @@ def _target(layout: _Layout, bp: CacheBreakpoint) -> _Unit | None:
         if layout.system:
             return layout.system[-1]
         return layout.tools[-1] if layout.tools else None
-    for item_id, unit in layout.anchors:
-        if item_id and item_id == bp.through_item:
+    key = _anchor(bp)
+    for anchor, unit in layout.anchors:
+        if anchor and anchor == key:
             return unit  # the first block of that id: a duplicate id never moves it later
     return None
+
+
+def _anchor(bp: CacheBreakpoint) -> _Anchor:
+    return (bp.through_item, bp.through_sequence) if bp.through_sequence else bp.through_item

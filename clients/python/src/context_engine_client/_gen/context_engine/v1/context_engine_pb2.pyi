@@ -445,18 +445,20 @@ class SkillPin(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
 
 class CacheBreakpoint(_message.Message):
-    __slots__ = ("name", "through_item", "through_input_item", "ttl", "priority")
+    __slots__ = ("name", "through_item", "through_input_item", "ttl", "priority", "through_sequence")
     NAME_FIELD_NUMBER: _ClassVar[int]
     THROUGH_ITEM_FIELD_NUMBER: _ClassVar[int]
     THROUGH_INPUT_ITEM_FIELD_NUMBER: _ClassVar[int]
     TTL_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    THROUGH_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     name: str
     through_item: str
     through_input_item: str
     ttl: str
     priority: int
-    def __init__(self, name: _Optional[str] = ..., through_item: _Optional[str] = ..., through_input_item: _Optional[str] = ..., ttl: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    through_sequence: int
+    def __init__(self, name: _Optional[str] = ..., through_item: _Optional[str] = ..., through_input_item: _Optional[str] = ..., ttl: _Optional[str] = ..., priority: _Optional[int] = ..., through_sequence: _Optional[int] = ...) -> None: ...
 
 class ClassUsage(_message.Message):
     __slots__ = ("class_name", "tokens", "items", "cap_tokens", "cap_items")
