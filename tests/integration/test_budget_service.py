@@ -204,6 +204,42 @@ async def test_old_tool_results_truncate_to_pointers_keeping_pairs(stub: Any) ->
         assert "(external_untrusted, " in b.tool_result.content
 
 
+async def test_knowledge_comes_back_into_room_the_cap_frees_in_carried_history(
+    stub: Any,
+) -> None:
+    """A passage dropped for the fit (history, a large carried tool result in it, counted
+    at its floor) comes back once the tool-result cap has made that result a pointer: the
+    cap pass pins the history cut it read, and the request that cut makes has room for the
+    passage (core/yield_ladder.py, Rule 2). Before context-assembler@8 it stayed out."""
+    tenant = _tenant()
+    session_id, _ = await _open(stub, tenant, room=6_400)
+    first = await _start(stub, tenant, session_id, "Fetch the page.")
+    page = result("call_0", _words(4_000, "page"))
+    await _append(stub, tenant, session_id, first, 1, call("call_0"), page, assistant("Done."))
+    run_id = await _start(stub, tenant, session_id, "Summarize it with the handbook.")
+    passage = _words(1_300, "rule")
+    step = pb.StepContext(
+        knowledge=[
+            pb.KnowledgePassage(item_id="best", text=passage, citation="handbook p1"),
+            pb.KnowledgePassage(item_id="worse", text=passage, citation="handbook p9"),
+        ]
+    )
+    built = await _build(stub, tenant, session_id, run_id, step=step)
+    assert built.pressure.fits and not built.needs_compaction
+    # Both passages kept; the carried result the only yield, truncated for the cap.
+    (truncation,) = built.pressure.steps
+    assert truncation.step == "truncate_tool_results"
+    items = {b.item_id for m in built.request.messages for b in m.blocks}
+    assert {"knowledge:best", "knowledge:worse"} <= items
+    results = [b for m in built.request.messages for b in m.blocks if b.HasField("tool_result")]
+    assert [b.item_id for b in results] == list(truncation.item_ids)
+    assert "[truncated] tool.result" in results[0].tool_result.content
+    assert built.estimated_input_tokens - built.prefix_tokens <= _body_budget(built)
+    # Without the cap's room, the two passages and the whole result do not fit.
+    costs = {c.class_name: c.tokens for c in built.budget}
+    assert costs["knowledge"] + 4_000 > _body_budget(built) - costs["user_message"]
+
+
 async def test_an_image_is_costed_at_the_models_registry_figure(stub: Any) -> None:
     """The registry's image_tokens (gpt-4o-mini: 48,200) reaches Build's estimate through
     the server's catalog; it used to stop at an estimator path Build never called."""

@@ -288,12 +288,21 @@ def _as_legacy(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def _as_older(request: pb.ModelRequest) -> pb.ModelRequest:
-    """`request` as context-assembler@6 and older made it: its cache markers name their
-    items by id alone (no through_sequence)."""
+    """`request` as context-assembler@7 and older made it: its cache markers name their
+    items by id alone (no through_sequence), and a run marker naming the carried marker's
+    id was left out (one marker was kept for the id)."""
     older = pb.ModelRequest()
     older.CopyFrom(request)
-    for marker in older.cache_breakpoints:
-        marker.through_sequence = 0
+    del older.cache_breakpoints[:]
+    carried = ""
+    for marker in request.cache_breakpoints:
+        if marker.name == "carried_history":
+            carried = marker.through_item
+        elif marker.name == "run" and marker.through_item == carried:
+            continue
+        kept = older.cache_breakpoints.add()
+        kept.CopyFrom(marker)
+        kept.through_sequence = 0
     return older
 
 
@@ -366,7 +375,7 @@ async def test_a_build_records_its_assembler_and_payload_hash(stub: Any, pool: A
     from one it does not."""
     session_id, built = await _failed_result_build(stub, "gpt-5")
     payload = await _recorded(pool, session_id, built.request_sequence)
-    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@7"
+    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@8"
     assert payload[PAYLOAD_KEY] == hashlib.sha256(built.provider_payload).hexdigest()
     assert isinstance(payload[IMAGE_KEY], int) and isinstance(payload[INLINE_KEY], int)
     assert TOOL_ERROR_AS_TEXT.encode() in built.provider_payload
@@ -391,13 +400,13 @@ async def test_get_build_of_a_record_hashed_whole_answers_with_its_recorded_hash
     )
     again = await _get(stub, session_id, built.request_sequence)
     assert again.request_sha256 == whole
-    # The request as @6 made it: its markers without the sequences @7 names.
+    # The request as @6 made it: its markers without the sequences @8 names.
     assert any(marker.through_sequence for marker in built.request.cache_breakpoints)
     assert (again.request, again.provider_payload) == (
         _as_older(built.request),
         built.provider_payload,
     )
-    # Recorded under @7 with the whole hash, it is not the request @7 sent.
+    # Recorded under this assembler with the whole hash, it is not the request it sent.
     await _rewrite_record(
         pool, session_id, built.request_sequence, lambda p: {**p, ASSEMBLER_KEY: ASSEMBLER_VERSION}
     )
@@ -417,26 +426,38 @@ def _numbered(item: pb.ConversationItem, item_id: str) -> pb.ConversationItem:
     return item
 
 
+# The first run ends with its answer, or with its tool result: in both the second run
+# numbers its call and result as the first did. (blocks marked under context-assembler@8,
+# blocks marked as @7 and older sent it): @7 put the run marker on the first block of its
+# id (the first run's result), and left it out when it named the carried marker's id.
+_REUSED = {
+    "answered": (["The TGV 6601 at 07:00.", "TGV 6602"], ["TGV 6601", "The TGV 6601 at 07:00."]),
+    "unanswered": (["TGV 6601", "TGV 6602"], ["TGV 6601"]),
+}
+
+
+@pytest.mark.parametrize("first_run", list(_REUSED))
+@pytest.mark.parametrize("assembler", ["context-assembler@7", "context-assembler@6"])
 async def test_runs_that_reuse_item_ids_get_markers_on_their_own_items(
-    stub: Any, pool: Any
+    stub: Any, pool: Any, first_run: str, assembler: str
 ) -> None:
     """Item ids are unique within a run only. A worker that numbers each run's items alike
-    gets its history markers on the items they close: the carried history's last (the
-    first run's answer) and the building run's last result, each named with its session
-    sequence, not on the first block of the id (the first run's result, where
-    context-assembler@6 put the run marker). GetBuild of such a record of @6 serves what
-    @6 sent."""
+    gets its history markers on the items they close, the carried history's last and the
+    building run's last result, each named with its session sequence. GetBuild of such a
+    record of @7 or older (request hashed in parts from @7, whole before) serves what that
+    assembler sent."""
     session_id, _ = await open_session(stub, model_id="claude-sonnet-4-5")
     first = await start_run(stub, session_id, "Which trains go to Lyon?")
     items = [_numbered(call("c1"), "call-1"), _numbered(result("c1", "TGV 6601"), "result-1")]
-    answer = _numbered(assistant("The TGV 6601 at 07:00."), "answer-1")
+    if first_run == "answered":
+        items.append(_numbered(assistant("The TGV 6601 at 07:00."), "answer-1"))
     await stub.AppendItems(
         pb.AppendItemsRequest(
             tenant_id=TENANT,
             session_id=session_id,
             run_id=first.run.run_id,
             expected_checkpoint_version=first.checkpoint_version,
-            items=[*items, answer],
+            items=items,
         )
     )
     second = await start_run(stub, session_id, "And back on Sunday?")
@@ -457,29 +478,37 @@ async def test_runs_that_reuse_item_ids_get_markers_on_their_own_items(
         "result-1",
         appended.sequences[1],
     )
-    assert markers["carried_history"].through_item == "answer-1"
-    assert markers["carried_history"].through_sequence < appended.sequences[0]
-    answered, result_2 = _marked(built.provider_payload)
-    assert answered == "The TGV 6601 at 07:00." and "TGV 6602" in result_2
+    closes = "answer-1" if first_run == "answered" else "result-1"
+    assert markers["carried_history"].through_item == closes
+    assert 0 < markers["carried_history"].through_sequence < appended.sequences[0]
+    now, then = _REUSED[first_run]
+    assert _marked_texts(built.provider_payload) == now
 
-    # As @6 built it: markers by id alone, the run marker on the first run's result.
     older = _as_older(built.request)
     sent = render(request_from_proto(older)).body
-    result_1, answered = _marked(sent)
-    assert "TGV 6601" in result_1 and answered == "The TGV 6601 at 07:00."
+    assert _marked_texts(sent) == then
+    recorded = (
+        _hashed_whole(built.request)
+        if assembler == "context-assembler@6"
+        else request_from_proto(older).request_sha256()
+    )
     await _rewrite_record(
         pool,
         session_id,
         built.request_sequence,
-        lambda p: {
-            **p,
-            ASSEMBLER_KEY: "context-assembler@6",
-            "request_sha256": _hashed_whole(built.request),
-            PAYLOAD_KEY: sha256_hex(sent),
-        },
+        lambda p: {**p, ASSEMBLER_KEY: assembler, "request_sha256": recorded},
+    )
+    await _rewrite_record(
+        pool, session_id, built.request_sequence, lambda p: {**p, PAYLOAD_KEY: sha256_hex(sent)}
     )
     again = await _get(stub, session_id, built.request_sequence)
-    assert (again.request, again.provider_payload) == (older, sent)
+    assert (again.request, again.provider_payload, again.request_sha256) == (older, sent, recorded)
+
+
+def _marked_texts(payload: bytes) -> list[str]:
+    """Each marked block of `_marked` by the one fixture text it holds."""
+    texts = ("The TGV 6601 at 07:00.", "TGV 6601", "TGV 6602")
+    return [next(t for t in texts if t in block) for block in _marked(payload)]
 
 
 # The failed-result line as it appears in a payload (canonical JSON escapes the newline).

@@ -112,11 +112,13 @@ def _with(
     truncated: int | None = None,
 ) -> Body:
     """A copy of the final body with one rung rolled back: `truncated` keeps only that many
-    of the truncations, in the order they happened."""
+    of the truncations, in the order they happened (and un-pins the cut the cap pass
+    pinned: the body as it was before that pass, measured with history at its floor)."""
     other = copy.copy(body)
     other.knowledge_kept = body.knowledge_kept if knowledge is None else knowledge
     other.recall_kept = body.recall_kept if recall is None else recall
     if truncated is not None:
+        other.pinned_cut = None
         order = _truncation_order(body)
         keep = {id(t) for t in order[:truncated]}
         other.carried_results = [copy.copy(t) for t in body.carried_results]
@@ -206,6 +208,23 @@ CAPPED_LATE = Spec(
 )
 
 
+# The passage drops for the fit (history at its floor, the carried result whole); then the
+# carried result, in the request, is over the cap and becomes a pointer, freeing 230 tokens
+# of the request the pinned cut makes: the passage comes back. It stayed dropped before (a
+# carried result truncated for the cap freed nothing the fit counted: the body 670 of 1,000).
+CAPPED_CARRIED = Spec(
+    budget=1_000,
+    fixed=650,
+    floor=300,
+    cap=100,
+    knowledge=[150],
+    recall=[],
+    recall_floor=0,
+    carried=[(250, 20)],
+    run=[],
+)
+
+
 # The body fits only once the run's result (within its cap, so whole until the third rung)
 # is a pointer, which frees far more than the passage dropped before it: the passage and
 # the recall line come back. They stayed dropped before (the body 610 of 1,000 tokens).
@@ -226,28 +245,23 @@ TAKEN_BACK = Spec(
 @given(specs())
 @example(TAKEN_BACK)
 @example(CAPPED_LATE)
+@example(CAPPED_CARRIED)
 def test_each_rung_yields_no_further_than_needed(spec: Spec) -> None:
     body = spec.body()
     run_ladder(body)
     order = _truncation_order(body)
-    # Whether the cap pass truncated results in the request once the body fit: what comes
-    # back after it must leave the cut where the pass read it.
-    capped_late = len(order) > _capped_first(spec) + len(_for_the_fit(body))
-
-    def refused(more: Body) -> bool:
-        return not more.fits() or (capped_late and more.cut() != body.cut())
-
     # Knowledge: one more passage back would break its cap or the fit, as the body ends
-    # (recall kept, results truncated), not only as it stood when knowledge yielded: what a
-    # later unit freed brought back what it could.
+    # (recall kept, results truncated; once the cap pass pinned the cut, the request that
+    # cut makes), not only as it stood when knowledge yielded: what a later unit freed
+    # brought back what it could.
     if body.knowledge_kept < len(body.knowledge):
         more = _with(body, knowledge=body.knowledge_kept + 1)
-        assert _knowledge_over_cap(more) or refused(more)
+        assert _knowledge_over_cap(more) or not more.fits()
     # Recall: one more line back would break its cap or the fit; never below its floor.
     assert body.recall_kept >= min(body.recall_floor, len(body.recall))
     if body.recall_kept < len(body.recall):
         more = _with(body, recall=body.recall_kept + 1)
-        assert more.recall_tokens() > RECALL.cap_tokens or refused(more)
+        assert more.recall_tokens() > RECALL.cap_tokens or not more.fits()
     # Tool results: undoing the last truncation would break the fit or the class cap.
     if order:
         undone = _with(body, truncated=len(order) - 1)
@@ -295,7 +309,15 @@ def test_a_run_result_the_cap_pass_truncates_brings_back_what_fits() -> None:
     assert run_ladder(body)
     assert body.knowledge_kept == 1
     assert body.steps == [YieldStep("truncate_tool_results", 490, ("i1000", "i2000"))]
-    assert body.need() == 250 + 10 + 60 + 300
+    assert body.need() == 250 + 10 + 60 + 200  # the carried result as its pointer
+
+
+def test_a_carried_result_the_cap_pass_truncates_brings_back_what_fits() -> None:
+    body = CAPPED_CARRIED.body()
+    assert run_ladder(body)
+    assert (body.knowledge_kept, body.cut()) == (1, 0)
+    assert body.steps == [YieldStep("truncate_tool_results", 230, ("i1000",))]
+    assert body.need() == 650 + 150 + 20
 
 
 def test_what_comes_back_stops_at_the_first_that_does_not_fit_and_the_steps_say_so() -> None:
@@ -452,13 +474,10 @@ def test_trimming_recall_and_dropping_knowledge_read_each_cost_a_bounded_number_
     assert _Counted.additions < 4 * 2 * lines, _Counted.additions
 
 
-def _reference_take_back(
-    body: Body, given_up: dict[str, tuple[int, list[str]]], *, keep_cut: bool = False
-) -> None:
+def _reference_take_back(body: Body, given_up: dict[str, tuple[int, list[str]]]) -> None:
     """What the last unit yielded freed beyond the overflow: recall lines, then passages,
-    best-ranked first, while one more still fits, keeps its class within its cap and (after
-    the cap pass) leaves the cut where it is."""
-    cut = body.cut()
+    best-ranked first, while one more still fits (after the cap pass, in the request the
+    cut it pinned makes) and keeps its class within its cap."""
     for name, units, kept in (
         ("trim_recall", body.recall, "recall_kept"),
         ("drop_knowledge", body.knowledge, "knowledge_kept"),
@@ -470,7 +489,7 @@ def _reference_take_back(
                 if name == "trim_recall"
                 else _knowledge_over_cap(body)
             )
-            if over or not body.fits() or (keep_cut and body.cut() != cut):
+            if over or not body.fits():
                 setattr(body, kept, getattr(body, kept) - 1)
                 break
             item, cost = units[getattr(body, kept) - 1]
@@ -558,7 +577,8 @@ def _reference_ladder(body: Body) -> bool:
             freed, ids = freed + chosen.saving, [*ids, chosen.item.item_id]
             capped_in_request = True
         if capped_in_request:
-            _reference_take_back(body, given_up, keep_cut=True)
+            body.pinned_cut = body.cut()  # the request it chose its results from
+            _reference_take_back(body, given_up)
     for name, (step_freed, step_ids) in given_up.items():
         if step_ids:
             body.steps.append(YieldStep(name, step_freed, tuple(step_ids)))

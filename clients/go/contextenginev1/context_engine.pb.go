@@ -2184,7 +2184,8 @@ type CacheBreakpoint struct {
 	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// The item id (or row name for Region A) the cached prefix ends with.
 	ThroughItem string `protobuf:"bytes,2,opt,name=through_item,json=throughItem,proto3" json:"through_item,omitempty"`
-	// For OpenAI: the latest user or tool-result item at or before through_item.
+	// For OpenAI: the latest user or tool-result item at or before through_item. By id alone
+	// (no renderer reads it): where runs reused the id, it can name an earlier run's too.
 	ThroughInputItem string `protobuf:"bytes,3,opt,name=through_input_item,json=throughInputItem,proto3" json:"through_input_item,omitempty"`
 	// Provider TTL ("5m" or "1h").
 	Ttl string `protobuf:"bytes,4,opt,name=ttl,proto3" json:"ttl,omitempty"`
@@ -2193,7 +2194,7 @@ type CacheBreakpoint struct {
 	// The session sequence of the item through_item names (its blocks' source_sequence);
 	// 0 for Region A markers and an item not in the log. Item ids are unique within a run
 	// only and a request carries earlier runs, so the id alone can name an item of each;
-	// the marker closes the block with both. 0 (as context-assembler@6 and older sent it):
+	// the marker closes the block with both. 0 (as context-assembler@7 and older sent it):
 	// the first block of the id.
 	ThroughSequence int64 `protobuf:"varint,6,opt,name=through_sequence,json=throughSequence,proto3" json:"through_sequence,omitempty"`
 }
@@ -2776,9 +2777,9 @@ type ConversationItem struct {
 	unknownFields protoimpl.UnknownFields
 
 	// Stable id (used for envelope nonces and cache markers). Empty: the server assigns one,
-	// unique in the session. A chosen id must be unique within its run (a repeat is
-	// INVALID_FIELD); an earlier run may have used it (cache markers name the item's
-	// sequence too: CacheBreakpoint.through_sequence).
+	// unique in the session. A chosen id must be new to its run (one the run's checkpoint
+	// holds is INVALID_FIELD); an earlier run may have used it (cache markers name the
+	// item's sequence too: CacheBreakpoint.through_sequence).
 	ItemId string `protobuf:"bytes,1,opt,name=item_id,json=itemId,proto3" json:"item_id,omitempty"`
 	// The item.
 	//

@@ -33,8 +33,8 @@ from ..core.build_record import (
     TOKENIZER_KEY,
     estimate_to_record,
     inputs_to_record,
+    markers_by_id,
     recalled_people,
-    without_marker_sequences,
 )
 from ..core.checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint, require_version
 from ..core.enums import PlanReason
@@ -941,7 +941,7 @@ class Engine:
         core/build_record.py, Rules 7 and 8). `delegated_messages` reads a child run's user
         messages as its parent's (core/seeding.py, Rule 4); False: as the user's, as
         context-assembler@2 and older did. `marker_sequences` False: cache markers name
-        their items by id alone, as context-assembler@6 and older did.
+        their items by id alone, as context-assembler@7 and older did (`markers_by_id`).
 
         A recording Build of a run this replica has built before is made from the run head
         it kept, which the record confirms in the same round trip (store/records.py): if
@@ -1106,7 +1106,7 @@ class Engine:
                 )
             raise
         if not marker_sequences and assembled.request is not None:
-            older = without_marker_sequences(assembled.request)
+            older = markers_by_id(assembled.request)
             assembled = replace(assembled, request=older, request_sha256=older.request_sha256())
         payload = {
             "run_id": str(run_id),

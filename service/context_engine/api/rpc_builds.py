@@ -106,7 +106,7 @@ class BuildsRpcs:
                 failed_result_line=failed_result_line(payload),
                 # A child run's user messages as it read them: the parent's from @3 on.
                 delegated_messages=delegated_messages(payload),
-                # Its cache markers as it named them: by id alone before @7.
+                # Its cache markers as it named them: by id alone before @8.
                 marker_sequences=marker_sequences(payload),
             )
         except (InvalidFieldError, PreconditionError) as exc:

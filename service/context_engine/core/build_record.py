@@ -63,7 +63,7 @@ from .assemble import Assembled, StepContext
 from .errors import PreconditionError
 from .estimator import IMAGE_TOKENS
 from .items import ContextItem
-from .request import ModelRequest
+from .request import CacheBreakpoint, ModelRequest
 
 __all__ = [
     "ASSEMBLER_KEY",
@@ -87,11 +87,11 @@ __all__ = [
     "inputs_from_record",
     "inputs_to_record",
     "marker_sequences",
+    "markers_by_id",
     "recalled_people",
     "redact_record",
     "shown_items",
     "whole_request_hash",
-    "without_marker_sequences",
 ]
 
 # Rule 8: bump on any change to what Build sends for the same recorded inputs (assembly,
@@ -134,21 +134,30 @@ __all__ = [
 # costed with the budget shared). And request_sha256 hashes the request with its
 # messages, system blocks and tools given by their own SHA-256 (core/request.py Rule 1),
 # where @6 and older hashed the canonical request whole: GetBuild checks an older record
-# by the hash it recorded (`whole_request_hash`) and answers with that hash. And a history
-# cache marker names its item's session sequence too (CacheBreakpoint.through_sequence,
-# core/cache_hints.py Rule 7), and the Anthropic renderer closes the block of that id and
-# sequence, where @6 named the id alone and closed its first block: in a request whose
-# earlier runs reused the id, on an earlier run's item. A rebuild of an older record
-# drops the sequences (`marker_sequences`) and so renders as it did.
-ASSEMBLER_VERSION = "context-assembler@7"
+# by the hash it recorded (`whole_request_hash`) and answers with that hash.
+# @8: a history cache marker names its item's session sequence too
+# (CacheBreakpoint.through_sequence, core/cache_hints.py Rule 7), the Anthropic renderer
+# closes the block of that id and sequence, and the run marker is sent whenever it closes
+# another item than the carried marker; @7 and older named the id alone (a render closed
+# the first block of the id: where earlier runs reused it, an earlier run's item) and
+# left the run marker out when it named the carried marker's id. A rebuild of an older
+# record makes its markers so (`marker_sequences`, `markers_by_id`) and renders as it did.
+# And the cap pass pins the history cut it read (core/yield_ladder.py Body.pinned_cut):
+# what the earlier rungs gave up comes back into the room of the request that cut makes,
+# where a carried result the pass truncated freed tokens too; @7 let it back only where the
+# cut did not move with the carried results counted whole, so a passage dropped for tokens
+# the pass freed anyway. Such records do not rebuild (REQUEST_NOT_FOUND); every other @7
+# record does.
+ASSEMBLER_VERSION = "context-assembler@8"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})
-# The versions whose request_sha256 is the canonical request hashed whole, and whose cache
-# markers name an item by its id alone.
+# The versions whose request_sha256 is the canonical request hashed whole.
 _WHOLE_HASH = frozenset(
     {LEGACY_ASSEMBLER_VERSION, *(f"context-assembler@{n}" for n in range(2, 7))}
 )
+# The versions whose cache markers name an item by its id alone.
+_BY_ID = _WHOLE_HASH | {"context-assembler@7"}
 ASSEMBLER_KEY = "assembler_version"
 PAYLOAD_KEY = "payload_sha256"
 IMAGE_KEY = "image_tokens"
@@ -254,15 +263,23 @@ def whole_request_hash(payload: dict[str, Any]) -> bool:
 
 def marker_sequences(payload: dict[str, Any]) -> bool:
     """Rule 8: whether the request's history cache markers named their items' sequences
-    (@7 on); an older record is rebuilt with `without_marker_sequences`."""
-    return assembler_of(payload) not in _WHOLE_HASH
+    (@8 on); an older record is rebuilt with its markers made by `markers_by_id`."""
+    return assembler_of(payload) not in _BY_ID
 
 
-def without_marker_sequences(request: ModelRequest) -> ModelRequest:
-    """`request` with its cache markers as context-assembler@6 and older made them: naming
-    the item by id alone (a render then closes the first block of the id)."""
-    markers = tuple(replace(bp, through_sequence=0) for bp in request.cache_breakpoints)
-    return replace(request, cache_breakpoints=markers)
+def markers_by_id(request: ModelRequest) -> ModelRequest:
+    """`request` with its cache markers as context-assembler@7 and older made them: each
+    naming its item by id alone (a render then closes the first block of the id), and no
+    run marker naming the carried marker's id (core/cache_hints.py kept one marker then)."""
+    markers: list[CacheBreakpoint] = []
+    carried = ""
+    for bp in request.cache_breakpoints:
+        if bp.name == "carried_history":
+            carried = bp.through_item
+        elif bp.name == "run" and bp.through_item == carried:
+            continue
+        markers.append(replace(bp, through_sequence=0))
+    return replace(request, cache_breakpoints=tuple(markers))
 
 
 def image_tokens_of(payload: dict[str, Any]) -> int:

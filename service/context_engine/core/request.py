@@ -132,7 +132,7 @@ class CacheBreakpoint:
             "ttl": self.ttl,
             "priority": self.priority,
         }
-        # Only where there is one: a marker without it is the one context-assembler@6 and
+        # Only where there is one: a marker without it is the one context-assembler@7 and
         # older sent, byte for byte (their records are checked by its hash).
         if self.through_sequence:
             out["through_sequence"] = self.through_sequence

@@ -14,8 +14,9 @@ cap, recall) never drops for tokens a cap frees anyway. Carried results are in t
 request only above the cut, which the rungs decide, so they are capped last. Units yield
 whole, so the one that makes the body fit can free more than was still over: what the
 earlier rungs gave up and now fits comes back (recall, then knowledge, best-ranked first),
-so no rung has yielded more than the fit needed; and again after the cap pass, whose run
-results free what is paid too, without moving the cut that pass read.
+so no rung has yielded more than the fit needed; and again after the cap pass, which pins
+the history cut it read: what comes back then fits the request that cut makes, whose
+results the pass truncated (carried ones too) free room.
 Rule 3 (units): a knowledge passage drops whole, lowest-ranked first (a shortened passage
 is a misquotation); recall drops its lowest-ranked lines, never below its floor (which
 core/pressure.py therefore pays with the never-yield set: a floor that does not fit is
@@ -23,7 +24,8 @@ BUDGET_EXCEEDED, never a needs_compaction no compaction could answer); a tool
 result becomes a typed pointer, oldest first, keeping its envelope, label, byte count and
 artifact reference (the pair stays whole: call and pointer still match). A carried result
 truncated for the class cap does not move the history cut: the freed tokens are not spent
-on older history, so history stays the recent suffix rather than a run of old pointers.
+on older history, so history stays the recent suffix rather than a run of old pointers;
+what the earlier rungs gave up may take them (Rule 2).
 Rule 4 (compaction is a write): the last rung only reports; Build never compacts inline.
 Changing the order, a unit or a stopping rule changes what a request keeps: bump
 core/build_record.py ASSEMBLER_VERSION (its Rule 8), so recorded requests are not rebuilt
@@ -31,9 +33,9 @@ by rules they were not cut by.
 Cost: a Build may carry tens of thousands of recall lines or tool results, on the event
 loop, so the rungs keep running totals rather than re-measuring the body per unit: linear
 in the units (the tool-result rung O(n log n), plus one reading of the cut, linear in the
-carried items, per run result truncated for the cap and per unit that comes back after
-it), with the answer of re-measuring each time (tests/unit/test_yield_ladder.py compares
-the two).
+carried items, per run result truncated for the cap, and a measure of the request the
+pinned cut makes), with the answer of re-measuring each time
+(tests/unit/test_yield_ladder.py compares the two).
 """
 
 from __future__ import annotations
@@ -151,6 +153,9 @@ class Body:
     knowledge_kept: int = 0
     recall_kept: int = 0
     steps: list[YieldStep] = field(default_factory=list)
+    # The history cut the cap pass read, which nothing moves after it (None before it):
+    # from then on the body is the request that cut makes (`retained_tokens`).
+    pinned_cut: int | None = None
     _cut_cache: tuple[tuple[int, ...], int, int] | None = None
 
     def __post_init__(self) -> None:
@@ -185,6 +190,10 @@ class Body:
         )
 
     def need(self) -> int:
+        """What the body takes: history at its floor; once the cap pass has pinned the cut,
+        the carried history that cut keeps, as the request carries it."""
+        if self.pinned_cut is not None:
+            return self.paid() + self.retained_tokens(self.pinned_cut)
         return self.paid() + min(self.history_floor, self.history_total())
 
     def fits(self) -> bool:
@@ -195,7 +204,17 @@ class Body:
         return self.budget - self.paid()
 
     def cut(self) -> int:
+        if self.pinned_cut is not None:
+            return self.pinned_cut
         return self.cut_for(tuple(self.carried_costs), self.history_tokens())
+
+    def retained_tokens(self, cut: int) -> int:
+        """The carried history from `cut` as the request carries it: a result truncated for
+        the cap as its pointer (the cut counts it whole: Rule 3)."""
+        capped = sum(
+            t.saving for t in self.carried() if t.truncated and t.for_cap and t.carried_index >= cut
+        )
+        return sum(self.carried_costs[cut:]) - capped
 
     def cut_for(self, costs: tuple[int, ...], history_tokens: int) -> int:
         """cut() given its inputs, for a caller that keeps them as running totals (measuring
@@ -250,8 +269,8 @@ def run_ladder(body: Body) -> bool:
         _take_back(body, knowledge, recall)
         if body.tool_results_over_cap():
             _cap_results_in_request(body, results)
-            # A run result truncated for the cap lowers what is paid too.
-            _take_back(body, knowledge, recall, keep_cut=True)
+            # The results it truncated lower what the request takes, with the cut it pinned.
+            _take_back(body, knowledge, recall)
     steps = (knowledge.step("drop_knowledge"), recall.step("trim_recall"))
     body.steps += [s for s in (*steps, results.step("truncate_tool_results")) if s is not None]
     if not body.fits():
@@ -362,7 +381,7 @@ def _truncate_for_fit(body: Body, truncated: _Yielded) -> None:
         truncated.add(chosen.item.item_id, chosen.saving)
 
 
-def _take_back(body: Body, dropped: _Yielded, trimmed: _Yielded, *, keep_cut: bool = False) -> None:
+def _take_back(body: Body, dropped: _Yielded, trimmed: _Yielded) -> None:
     """Re-admit what the earlier rungs gave up and the body now has room for: recall lines,
     then knowledge passages (the reverse of the order they yielded in), each best-ranked
     first, stopping at the first that does not fit again or would break its class cap.
@@ -377,16 +396,13 @@ def _take_back(body: Body, dropped: _Yielded, trimmed: _Yielded, *, keep_cut: bo
     gave up for the fit never comes back (without it the body did not fit), and a later
     rung still yields only once the earlier ones, fully yielded, could not make it fit.
 
-    After the cap pass (`keep_cut`), only what leaves the history cut where it is: the
-    pass chose its results from the request that cut makes, and a cut moved later would
-    leave results it truncated outside the request while the step still names them.
+    After the cap pass the room is the request's with the cut it pinned (Body.need): the
+    results it truncated, carried ones too, free room for what was given up, and the
+    history the request keeps stays what the pass read (its results were chosen from it).
     """
     if not (dropped.ids or trimmed.ids):
         return  # most Builds: nothing yielded, and measuring the room is a pass over the body
-    room = body.budget - body.need()  # what fits() still allows, history at its floor
-    costs = tuple(body.carried_costs) if keep_cut else ()
-    allowance = body.history_tokens()
-    cut = body.cut_for(costs, allowance) if keep_cut else 0
+    room = body.budget - body.need()  # what fits() still allows
     for units, given_up, kept_field, cap in (
         (body.recall, trimmed, "recall_kept", CLASS_CAPS["recall"]),
         (body.knowledge, dropped, "knowledge_kept", CLASS_CAPS["knowledge"]),
@@ -397,9 +413,7 @@ def _take_back(body: Body, dropped: _Yielded, trimmed: _Yielded, *, keep_cut: bo
             item, cost = units[kept]
             if cost > room or tokens + cost > cap.cap_tokens:
                 break
-            if keep_cut and body.cut_for(costs, allowance - cost) != cut:
-                break
-            kept, tokens, room, allowance = kept + 1, tokens + cost, room - cost, allowance - cost
+            kept, tokens, room = kept + 1, tokens + cost, room - cost
             _give_back(given_up, item.item_id, cost)
         setattr(body, kept_field, kept)
 
@@ -432,6 +446,8 @@ def _cap_results_in_request(body: Body, truncated: _Yielded) -> None:
     after a run result, the one truncation that can move it, and from running totals: the
     history's costs stay put, its allowance grows by the result's saving. Measuring both
     per run result re-summed the run's results: quadratic (2,000: 4 million additions).
+    The pass ends by pinning the cut it read (Body.pinned_cut): what comes back after it
+    is admitted into that request's room, never by moving the cut.
     """
     costs = tuple(body.carried_costs)
     allowance = body.history_tokens()
@@ -456,6 +472,7 @@ def _cap_results_in_request(body: Body, truncated: _Yielded) -> None:
             waiting.extendleft(reversed(brought))
             total += sum(t.cost for t in brought)
             cut = moved
+    body.pinned_cut = cut  # the request the pass chose its results from
 
 
 def _for_pressure(body: Body) -> Iterator[Truncatable]:

@@ -129,7 +129,7 @@ class _Unit:
 
 # What a history marker's block is found by (Rule 6): its item id, with the item's session
 # sequence where the marker names one (an id alone can name an item of each run). A
-# marker without it (an older assembler's) finds the first block of the id, as before.
+# marker without it (context-assembler@7's and older) finds the first block of the id.
 _Anchor = str | tuple[str, int]
 
 
@@ -444,7 +444,7 @@ _text_layout = IdentityMemo(partial(_lay_out_message, as_text=True), 16_384, by_
 _relaid = VariantMemo(_lay_out_message)
 # A run's carried suffix keeps its interior as one tuple on every Build (Rule 9 there).
 # Weighed one level down: its text, and its anchors counted, not visited (their keys are
-# the items' ids, held by the items).
+# the items' ids, held by the items, and (id, sequence) pairs: these the count leaves out).
 _run_layout: RecentMemo[tuple[Message, ...], _MessageLayout | _NoRun] = RecentMemo(
     lambda run: _lay_out_run(_message_layout.many(run)), weigh_depth=1
 )
