@@ -1065,7 +1065,8 @@ def _ids_reused(request: ModelRequest, runs: int = 3) -> ModelRequest:
 def test_markers_close_their_items_when_runs_reuse_item_ids(sc: Scenario) -> None:
     """Item ids are unique within a run only; a history marker names its item's sequence
     too (core/cache_hints.py Rule 7), so the bytes Anthropic gets do not depend on whether
-    earlier runs used the same ids (the ids themselves are never sent)."""
+    earlier runs used the same ids (the renderer sends no block's item id; an envelope
+    names it in the text assembly made, which the renaming leaves as it was)."""
     request = _request(sc, "anthropic")
     assert render(_ids_reused(request)).body == render(request).body
 
@@ -1092,7 +1093,7 @@ def test_a_marker_with_a_sequence_closes_that_item_and_without_one_the_first() -
     carried = CacheBreakpoint("carried_history", "a1", "5m", 2, "u1", through_sequence=2)
     run = CacheBreakpoint("run", "a1", "5m", 3, "u1", through_sequence=4)
     assert marked(carried, run) == ["first answer", "second answer"]
-    # A marker without a sequence (context-assembler@6 and older): the first block of its id.
+    # A marker without a sequence (context-assembler@7 and older): the first block of its id.
     assert marked(replace(run, through_sequence=0)) == ["first answer"]
 
 
