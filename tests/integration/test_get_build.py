@@ -37,6 +37,7 @@ from context_engine.providers.texts import TOOL_ERROR_AS_TEXT
 
 from .helpers import (
     TENANT,
+    append_items,
     assistant,
     build_request,
     call,
@@ -451,26 +452,11 @@ async def test_runs_that_reuse_item_ids_get_markers_on_their_own_items(
     items = [_numbered(call("c1"), "call-1"), _numbered(result("c1", "TGV 6601"), "result-1")]
     if first_run == "answered":
         items.append(_numbered(assistant("The TGV 6601 at 07:00."), "answer-1"))
-    await stub.AppendItems(
-        pb.AppendItemsRequest(
-            tenant_id=TENANT,
-            session_id=session_id,
-            run_id=first.run.run_id,
-            expected_checkpoint_version=first.checkpoint_version,
-            items=items,
-        )
-    )
+    await append_items(stub, session_id, first.run.run_id, first.checkpoint_version, *items)
     second = await start_run(stub, session_id, "And back on Sunday?")
     items = [_numbered(call("c1"), "call-1"), _numbered(result("c1", "TGV 6602"), "result-1")]
-    appended = await stub.AppendItems(
-        pb.AppendItemsRequest(
-            tenant_id=TENANT,
-            session_id=session_id,
-            run_id=second.run.run_id,
-            expected_checkpoint_version=second.checkpoint_version,
-            items=items,
-        )
-    )
+    run_id, version = second.run.run_id, second.checkpoint_version
+    appended = await append_items(stub, session_id, run_id, version, *items)
     built = await stub.Build(build_request(session_id, second.run.run_id))
 
     markers = {m.name: m for m in built.request.cache_breakpoints}
