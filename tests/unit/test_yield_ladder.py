@@ -225,6 +225,39 @@ CAPPED_CARRIED = Spec(
 )
 
 
+# A passage and a recall line both yield for the fit; the cap pass then truncates the
+# carried and the run's results, and the pinned request has room for one of them: the
+# recall line, which comes back first (context-assembler@7 let the passage back instead,
+# as the line's cost would have moved the cut it held).
+RECALL_FIRST = Spec(
+    budget=1_000,
+    fixed=700,
+    floor=0,
+    cap=240,
+    knowledge=[200],
+    recall=[280],
+    recall_floor=0,
+    carried=[(60, 10)],
+    run=[(240, 0)],
+)
+
+
+# Carried results truncated both for the fit and, once it fits, for the cap: the pinned
+# request counts each truncated result once, as its pointer (a measure that took the fit's
+# savings a second time found 2,022 tokens in a 2,574-token request, over the 2,445 budget).
+FIT_AND_CAP = Spec(
+    budget=2_445,
+    fixed=927,
+    floor=8_000,
+    cap=801,
+    knowledge=[371, 179, 180],
+    recall=[240],
+    recall_floor=0,
+    carried=[(556, 4), (26, 19), (536, 55)],
+    run=[(532, 2), (1, 0), (29, 16), (567, 35)],
+)
+
+
 # The body fits only once the run's result (within its cap, so whole until the third rung)
 # is a pointer, which frees far more than the passage dropped before it: the passage and
 # the recall line come back. They stayed dropped before (the body 610 of 1,000 tokens).
@@ -310,6 +343,14 @@ def test_a_run_result_the_cap_pass_truncates_brings_back_what_fits() -> None:
     assert body.knowledge_kept == 1
     assert body.steps == [YieldStep("truncate_tool_results", 490, ("i1000", "i2000"))]
     assert body.need() == 250 + 10 + 60 + 200  # the carried result as its pointer
+
+
+def test_after_the_cap_pass_a_recall_line_comes_back_before_a_passage() -> None:
+    body = RECALL_FIRST.body()
+    assert run_ladder(body)
+    assert (body.recall_kept, body.knowledge_kept) == (1, 0)
+    assert body.steps[0] == YieldStep("drop_knowledge", 200, ("i0",))
+    assert body.need() == 700 + 0 + 280 + 10
 
 
 def test_a_carried_result_the_cap_pass_truncates_brings_back_what_fits() -> None:
@@ -474,6 +515,29 @@ def test_trimming_recall_and_dropping_knowledge_read_each_cost_a_bounded_number_
     assert _Counted.additions < 4 * 2 * lines, _Counted.additions
 
 
+def _request_tokens(body: Body) -> int:
+    """The request a body the cap pass pinned makes, measured from its parts rather than by
+    Body.need: what is paid, and the carried history from the pinned cut with each result
+    as it is sent (its pointer once truncated, for the fit or for the cap)."""
+    assert body.pinned_cut is not None
+    results = {t.carried_index: t for t in body.carried_results or ()}
+    history = 0
+    for n in range(body.pinned_cut, len(body.carried_costs)):
+        t = results.get(n)
+        if t is None:
+            history += body.carried_costs[n]
+        else:
+            history += t.pointer_cost if t.truncated else t.full_cost
+    return body.paid() + history
+
+
+def _fits(body: Body) -> bool:
+    """Body.fits, re-measured independently once the cap pass has pinned the cut."""
+    if body.pinned_cut is None:
+        return body.fits()
+    return _request_tokens(body) <= body.budget
+
+
 def _reference_take_back(body: Body, given_up: dict[str, tuple[int, list[str]]]) -> None:
     """What the last unit yielded freed beyond the overflow: recall lines, then passages,
     best-ranked first, while one more still fits (after the cap pass, in the request the
@@ -489,7 +553,7 @@ def _reference_take_back(body: Body, given_up: dict[str, tuple[int, list[str]]])
                 if name == "trim_recall"
                 else _knowledge_over_cap(body)
             )
-            if over or not body.fits():
+            if over or not _fits(body):
                 setattr(body, kept, getattr(body, kept) - 1)
                 break
             item, cost = units[getattr(body, kept) - 1]
@@ -584,7 +648,7 @@ def _reference_ladder(body: Body) -> bool:
             body.steps.append(YieldStep(name, step_freed, tuple(step_ids)))
     if ids:
         body.steps.append(YieldStep("truncate_tool_results", freed, tuple(ids)))
-    if not body.fits():
+    if not _fits(body):
         body.steps.append(YieldStep("compact", 0, ()))
         return False
     return True
@@ -639,6 +703,22 @@ CARRIED_BROUGHT_IN_BY_THE_CAP = Spec(
     carried=[(100, 0), (60, 55)],
     run=[(40, 0), (40, 0)],
 )
+
+
+@GATE
+@given(st.one_of(specs(), crowded_specs()))
+@example(CAPPED_CARRIED)
+@example(CAPPED_LATE)
+@example(FIT_AND_CAP)
+@example(RECALL_FIRST)
+def test_a_pinned_body_measures_the_request_it_makes(spec: Spec) -> None:
+    """Once the cap pass has pinned the cut, what the body takes is the request it makes,
+    each carried result as it is sent (its pointer once truncated for the fit or the cap),
+    and that request is within the budget."""
+    body = spec.body()
+    fits = run_ladder(body)
+    if body.pinned_cut is not None:
+        assert fits and body.need() == _request_tokens(body) <= body.budget
 
 
 @GATE

@@ -144,10 +144,11 @@ __all__ = [
 # record makes its markers so (`marker_sequences`, `markers_by_id`) and renders as it did.
 # And the cap pass pins the history cut it read (core/yield_ladder.py Body.pinned_cut):
 # what the earlier rungs gave up comes back into the room of the request that cut makes,
-# where a carried result the pass truncated freed tokens too; @7 let it back only where the
-# cut did not move with the carried results counted whole, so a passage dropped for tokens
-# the pass freed anyway. Such records do not rebuild (REQUEST_NOT_FOUND); every other @7
-# record does.
+# where a carried result the pass truncated freed tokens too, recall lines first; @7 let
+# it back only where the cut did not move with the carried results counted whole, so a
+# passage dropped for tokens the pass freed anyway, and a passage could come back where a
+# recall line before it could not. Such records (the cap pass ran and something given up
+# comes back otherwise) do not rebuild (REQUEST_NOT_FOUND); every other @7 record does.
 ASSEMBLER_VERSION = "context-assembler@8"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.

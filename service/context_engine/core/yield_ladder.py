@@ -7,16 +7,17 @@ Rule 2 (no further than needed): a rung yields one unit at a time and stops as s
 class is within its cap and the body fits; a later rung never yields for pressure while an
 earlier one can still free tokens (a class over its own cap yields regardless). "Fits"
 counts history at its floor, min(8,000, what history has), so the cheaper classes yield to
-protect the floor and history takes the rest. Recall over its cap, and the run's own tool
-results where they alone are over the tool-result cap (they are in every request), are
-cut to their caps before any rung yields for pressure: knowledge (and, for the results'
-cap, recall) never drops for tokens a cap frees anyway. Carried results are in the
-request only above the cut, which the rungs decide, so they are capped last. Units yield
-whole, so the one that makes the body fit can free more than was still over: what the
-earlier rungs gave up and now fits comes back (recall, then knowledge, best-ranked first),
-so no rung has yielded more than the fit needed; and again after the cap pass, which pins
-the history cut it read: what comes back then fits the request that cut makes, whose
-results the pass truncated (carried ones too) free room.
+protect the floor and history takes the rest (once the cap pass has pinned the cut, the
+history that cut keeps, and what was given up may take the rest). Recall over its cap, and
+the run's own tool results where they alone are over the tool-result cap (they are in
+every request), are cut to their caps before any rung yields for pressure: knowledge (and,
+for the results' cap, recall) never drops for tokens a cap frees anyway. Carried results
+are in the request only above the cut, which the rungs decide, so they are capped last.
+Units yield whole, so the one that makes the body fit can free more than was still over:
+what the earlier rungs gave up and now fits comes back (recall, then knowledge,
+best-ranked first), so no rung has yielded more than the fit needed; and again after the
+cap pass, which pins the history cut it read: what comes back then fits the request that
+cut makes, whose results the pass truncated (carried ones too) free room.
 Rule 3 (units): a knowledge passage drops whole, lowest-ranked first (a shortened passage
 is a misquotation); recall drops its lowest-ranked lines, never below its floor (which
 core/pressure.py therefore pays with the never-yield set: a floor that does not fit is
@@ -200,7 +201,8 @@ class Body:
         return self.need() <= self.budget
 
     def history_tokens(self) -> int:
-        """What the history cut reads: the remainder (>= the floor whenever the body fits)."""
+        """What the history cut reads: the remainder (>= the floor whenever the body fits,
+        until the cap pass pins the cut: what comes back after it may take the rest)."""
         return self.budget - self.paid()
 
     def cut(self) -> int:
@@ -392,13 +394,17 @@ def _take_back(body: Body, dropped: _Yielded, trimmed: _Yielded) -> None:
     more than necessary"). Left out, a roomier body could keep fewer passages than a tighter
     one whose smaller tool-result cap (25% of the body) had made the same result a pointer
     before knowledge yielded. Only what did not fit comes back, so the kept lines and
-    passages stay the best-ranked, and the rungs' steps report the net. The last unit a rung
-    gave up for the fit never comes back (without it the body did not fit), and a later
-    rung still yields only once the earlier ones, fully yielded, could not make it fit.
+    passages stay the best-ranked, and the rungs' steps report the net. Before the cap pass
+    the last unit a rung gave up for the fit never comes back (without it the body did not
+    fit), and a later rung still yields only once the earlier ones, fully yielded, could not
+    make it fit.
 
     After the cap pass the room is the request's with the cut it pinned (Body.need): the
     results it truncated, carried ones too, free room for what was given up, and the
     history the request keeps stays what the pass read (its results were chosen from it).
+    Recall lines come back first there too, so where a line and a passage compete for that
+    room the line takes it (context-assembler@7 let the passage back instead, where the
+    line's cost would have moved the cut it held).
     """
     if not (dropped.ids or trimmed.ids):
         return  # most Builds: nothing yielded, and measuring the room is a pass over the body
