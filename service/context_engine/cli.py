@@ -13,8 +13,9 @@ import argparse
 import asyncio
 import logging
 import sys
+from typing import Any
 
-from .config import ConfigError, load_settings
+from .config import ConfigError, Settings, load_settings
 
 __all__ = ["main"]
 
@@ -49,12 +50,11 @@ def _inspect(args: argparse.Namespace) -> int:
     from .store import StoreUnavailableError
     from .store.db import StoreReadError
 
-    settings = load_settings({"database_url": args.database_url})
-    if not settings.database_url:
-        raise ConfigError("inspect needs a database: --database-url or DATABASE_URL")
+    settings = load_settings({"database_url": args.database_url, "data_dir": args.data_dir})
     console = Console(width=args.width) if args.width else Console()
     try:
-        asyncio.run(run_inspect(settings.database_url, args.session, args.tenant, console))
+        dsn, _server = _database(settings)
+        asyncio.run(run_inspect(dsn, args.session, args.tenant, console))
     except (LookupError, ValueError, StoreUnavailableError, StoreReadError) as exc:
         print(f"context-engine inspect: {exc}", file=sys.stderr)
         return 1
@@ -67,11 +67,7 @@ def _migrate(args: argparse.Namespace) -> int:
     settings = load_settings({"database_url": args.database_url, "data_dir": args.data_dir})
 
     async def run() -> list[str]:
-        dsn = settings.database_url
-        if not dsn:
-            from .embedded_db import start_embedded
-
-            dsn, _server = start_embedded(settings.data_dir)
+        dsn, _server = _database(settings)
         pool = await connect_pool(dsn, min_size=1, max_size=1)
         try:
             async with pool.acquire() as conn:
@@ -86,6 +82,17 @@ def _migrate(args: argparse.Namespace) -> int:
         return 1
     print("applied: " + (", ".join(applied) if applied else "nothing (up to date)"))
     return 0
+
+
+def _database(settings: Settings) -> tuple[str, Any]:
+    """The configured database, or the embedded one in `data_dir`, as `serve` would use
+    (started, or shared with a server already running there: it stops when the last
+    process using it exits). Returns (dsn, handle); keep the handle while connected."""
+    if settings.database_url:
+        return settings.database_url, None
+    from .embedded_db import start_embedded
+
+    return start_embedded(settings.data_dir)
 
 
 def _fake_provider(args: argparse.Namespace) -> int:
@@ -105,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.set_defaults(func=_serve)
 
     migrate = sub.add_parser("migrate", help="apply database migrations")
-    migrate.add_argument("--database-url", default=None)
-    migrate.add_argument("--data-dir", default=None)
+    migrate.add_argument("--database-url", default=None, help="PostgreSQL DSN (or DATABASE_URL)")
+    migrate.add_argument(
+        "--data-dir", default=None, help="embedded database directory (without a DSN)"
+    )
     migrate.set_defaults(func=_migrate)
 
     inspect = sub.add_parser(
@@ -115,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument("session", help="session id (UUID)")
     inspect.add_argument("--tenant", default=None, help="tenant (needed if the id is shared)")
     inspect.add_argument("--database-url", default=None, help="PostgreSQL DSN (or DATABASE_URL)")
+    inspect.add_argument(
+        "--data-dir", default=None, help="embedded database directory (without a DSN)"
+    )
     inspect.add_argument("--width", type=int, default=0, help="terminal width (default: auto)")
     inspect.set_defaults(func=_inspect)
 

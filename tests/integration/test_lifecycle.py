@@ -642,10 +642,40 @@ async def test_an_embedded_database_that_cannot_start_exits_1_in_one_line(
     blocker = tmp_path / "a-file"
     blocker.write_text("", encoding="utf-8")
     data_dir = str(blocker / "pgdata")
-    for args in (("serve", "--listen", "127.0.0.1:0"), ("migrate",)):
+    for args in (("serve", "--listen", "127.0.0.1:0"), ("migrate",), ("inspect", new_id())):
         code, line = await _fails_in_one_line(*args, "--data-dir", data_dir)
         assert code == 1
         assert f"cannot start the embedded PostgreSQL in {data_dir}" in line, line
+
+
+async def test_without_a_database_url_serve_inspect_and_migrate_share_the_embedded_database(
+    tmp_path: Path,
+) -> None:
+    """The README's first command: `serve` with no database URL starts the embedded
+    PostgreSQL in its data directory and serves from it; `inspect` and `migrate` given the
+    same directory use that server while it runs (they did not: inspect demanded a URL the
+    newcomer was never shown), and it stops when the last process using it exits."""
+    data_dir = str(tmp_path / "pgdata")
+    env = _env(log_format="text")
+    server = await _cli("serve", "--listen", "127.0.0.1:0", "--data-dir", data_dir, env=env)
+    try:
+        port = await _listening_port(server)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            session_id, _ = await open_session(pb_grpc.ContextEngineStub(channel))
+        for args, says in (
+            (("inspect", session_id, "--width", "160"), f"session {session_id}"),
+            (("migrate",), "applied: nothing (up to date)"),
+        ):
+            proc = await _cli(*args, "--data-dir", data_dir, env=env)
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+            assert proc.returncode == 0, err.decode()
+            assert says in out.decode(), out.decode()
+    finally:
+        server.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(server.wait(), 60)
+    assert server.returncode == 0
+    # The last process using the embedded server has exited: nothing listens for it now.
+    assert not (tmp_path / "pgdata" / "postmaster.pid").exists()
 
 
 async def test_serve_on_a_port_already_in_use_exits_1_naming_the_address(
