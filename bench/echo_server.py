@@ -39,15 +39,15 @@ async def serve(port: int, size: int, dsn: str = "", round_trips: int = 0) -> No
     )
     server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * 1024 * 1024)])
     server.add_generic_rpc_handlers((handler,))
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
-    print("ready", flush=True)
+    print(f"ready {port}", flush=True)
     await server.wait_for_termination()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, default=0, help="0: a free port, printed")
     parser.add_argument("--size", type=int, required=True)
     parser.add_argument("--dsn", default="")
     parser.add_argument("--round-trips", type=int, default=1)

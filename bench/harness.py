@@ -7,16 +7,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -31,12 +31,6 @@ BASE_DSN = os.environ.get(
     os.environ.get("TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
 )
 TENANT = "bench"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @asynccontextmanager
@@ -69,37 +63,42 @@ async def server_process(
 ) -> AsyncIterator[str]:
     """`context-engine serve` in a subprocess (its own core); yields its address.
     `module`: what `python -m` runs (bench.stack_server: the same server, Build memoized);
-    `started` is given the process id."""
-    port = free_port()
-    target = f"127.0.0.1:{port}"
+    `started` is given the process id. It binds port 0 and the address is read from its
+    "listening on" line (a port picked here and bound there could be taken in between);
+    its log goes to a file, which a pipe nobody reads would block once full."""
     env = {**os.environ, "CONTEXT_ENGINE_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            module,
-            "serve",
-            "--listen",
-            target,
-            "--database-url",
-            dsn,
-            *extra,
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        await wait_serving(target, proc)
-        if started is not None:
-            started(proc.pid)
-        yield target
-    finally:
-        proc.terminate()
+    command = [sys.executable, "-m", module, "serve", "--listen", "127.0.0.1:0"]
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(
+            [*command, "--database-url", dsn, *extra],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=log,
+        )
         try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            target = await listening_address(proc, log)
+            await wait_serving(target, proc)
+            if started is not None:
+                started(proc.pid)
+            yield target
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+async def listening_address(proc: subprocess.Popen[bytes], log: IO[bytes]) -> str:
+    """HOST:PORT from the "context-engine listening on HOST:PORT" line `serve` prints once
+    it is up (within a minute); its log's tail if it exits first."""
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
+    if b"listening on" not in line:
+        proc.wait(timeout=20)
+        log.seek(0)
+        raise RuntimeError(f"server exited: {log.read().decode(errors='replace')[-2000:]}")
+    return line.decode().rsplit(" ", 1)[1].strip()
 
 
 async def wait_serving(target: str, proc: subprocess.Popen[bytes] | None = None) -> None:
@@ -108,8 +107,7 @@ async def wait_serving(target: str, proc: subprocess.Popen[bytes] | None = None)
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
-                err = proc.stderr.read().decode() if proc.stderr else ""
-                raise RuntimeError(f"server exited: {err[-2000:]}")
+                raise RuntimeError(f"server exited with status {proc.returncode}")
             try:
                 reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:

@@ -52,7 +52,6 @@ from .harness import (
     closed_loop,
     cpu_seconds,
     database_backend_cpu,
-    free_port,
     scratch_database,
     seed_session,
     server_process,
@@ -170,14 +169,11 @@ async def _echo(size: int, concurrency: int, seconds: float, dsn: str | None = N
     """Closed-loop load on bench.echo_server answering `size` bytes; with `dsn`, making
     one trivial round trip per call to that database through the service's pool."""
     extra = ("--dsn", dsn, "--round-trips", "1") if dsn else ()
-    port = free_port()
     echo = subprocess.Popen(
         [
             sys.executable,
             "-m",
             "bench.echo_server",
-            "--port",
-            str(port),
             "--size",
             str(size),
             *extra,
@@ -185,7 +181,9 @@ async def _echo(size: int, concurrency: int, seconds: float, dsn: str | None = N
         stdout=subprocess.PIPE,
     )
     try:
-        assert echo.stdout is not None and echo.stdout.readline().strip() == b"ready"
+        assert echo.stdout is not None
+        ready, port = echo.stdout.readline().decode().split()  # "ready PORT", once it listens
+        assert ready == "ready", ready
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             call = channel.unary_unary(METHOD)
             await call(b"x")

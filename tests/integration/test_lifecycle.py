@@ -696,6 +696,33 @@ async def test_serve_on_a_port_already_in_use_exits_1_naming_the_address(
     )
 
 
+async def test_a_second_serve_on_a_running_servers_address_exits_1(own_database: str) -> None:
+    """grpc sets SO_REUSEPORT by default, so a second server on a running one's address
+    bound it too and silently took a share of its connections (a stale process, two
+    replicas given one port). It is off (api/server.py): the second exits 1, naming the
+    address, and the first keeps serving."""
+    first = await _cli(
+        "serve", "--listen", "127.0.0.1:0", "--database-url", own_database, env=_env()
+    )
+    try:
+        listen = f"127.0.0.1:{await _listening_port(first)}"
+        code, line = await _fails_in_one_line(
+            "serve", "--listen", listen, "--database-url", own_database
+        )
+        assert code == 1
+        assert line == (
+            f"context-engine: cannot listen on {listen}: the address is in use or not available"
+        )
+        async with grpc.aio.insecure_channel(listen) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10
+            )
+        assert reply.status == SERVING
+    finally:
+        first.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(first.communicate(), 60)
+
+
 # --- readiness ---------------------------------------------------------------------
 
 

@@ -1,12 +1,17 @@
 """Two replicas over one PostgreSQL, each with its own pool and server: writes racing under
 the same idempotency key take effect exactly once, and every caller gets the same answer;
-usage reports racing for one tenant's correction factor each count once."""
+usage reports racing for one tenant's correction factor each count once.
+
+Where a race is the point, it is made certain rather than hoped for (`_overlapping`): a
+side connection holds the session's row lock while one call per replica is sent, and is
+released only once PostgreSQL shows both calls waiting on it, so neither replica has
+answered before the other has started; sequential calls would pass the same assertions."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from uuid import UUID
 
@@ -16,7 +21,8 @@ import pytest
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
-from .helpers import TENANT, assistant, call, new_id, open_session, result, spec
+from .helpers import TENANT, assistant, call, new_id, open_session, result, spec, wait_for
+from .test_lifecycle import _lock_session, _lock_waiters
 
 
 @pytest.fixture
@@ -77,6 +83,97 @@ async def test_idempotent_writes_take_effect_once_across_replicas(
         "SELECT max(version) FROM run_checkpoints WHERE run_id = $1", UUID(run_id)
     )
     assert (runs, items, versions) == (1, 4, 2)  # the seeding message + three items
+
+
+async def _overlapping(
+    dsn: str, session_id: str, calls: list[Callable[[], Awaitable[Any]]]
+) -> list[Any]:
+    """Run `calls` at once, each held in PostgreSQL on the session's row lock until all of
+    them wait there; their answers, or the errors they raised."""
+    locker = await _lock_session(dsn, session_id)
+    try:
+        tasks = [asyncio.ensure_future(c()) for c in calls]
+
+        async def all_waiting() -> bool:
+            return await _lock_waiters(locker) >= len(calls)
+
+        await wait_for(all_waiting, what=f"{len(calls)} calls waiting on the session lock")
+    finally:
+        await locker.execute("ROLLBACK")
+        await locker.close()
+    return await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_keyed_writes_that_overlap_on_two_replicas_take_effect_once(
+    replicas: list[Any], pool: Any, database_dsn: str
+) -> None:
+    """StartRun, AppendItems and Rotate, each sent to both replicas under one key while
+    both calls are provably in flight: one effect each, the same answer to both callers.
+    And Rotate without a key, overlapping: one epoch, the other caller ABORTED."""
+    session_id, _ = await open_session(replicas[0])
+    sid = UUID(session_id)
+
+    def on_both(method: str, request: Any) -> list[Callable[[], Awaitable[Any]]]:
+        return [lambda r=r: getattr(r, method)(request) for r in replicas]
+
+    start = pb.StartRunRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        idempotency_key="start-overlap",
+        user_message=pb.UserMessage(text="one run, please"),
+    )
+    started = await _overlapping(database_dsn, session_id, on_both("StartRun", start))
+    assert len({s.SerializeToString(deterministic=True) for s in started}) == 1, started
+    run_id = started[0].run.run_id
+
+    append = pb.AppendItemsRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        run_id=run_id,
+        expected_checkpoint_version=1,
+        idempotency_key="append-overlap",
+        items=[call("c1"), result("c1", "page"), assistant("done")],
+    )
+    appended = await _overlapping(database_dsn, session_id, on_both("AppendItems", append))
+    assert len({a.SerializeToString(deterministic=True) for a in appended}) == 1, appended
+    assert appended[0].checkpoint_version == 2
+
+    changed = spec()
+    changed.agent.version = "4"
+    rotate = pb.RotateRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        from_epoch=1,
+        reason=pb.PLAN_REASON_AGENT_CHANGED,
+        spec=changed,
+        idempotency_key="rotate-overlap",
+    )
+    rotated = await _overlapping(database_dsn, session_id, on_both("Rotate", rotate))
+    assert len({r.SerializeToString(deterministic=True) for r in rotated}) == 1, rotated
+    assert rotated[0].plan.epoch == 2
+
+    unkeyed = pb.RotateRequest()
+    unkeyed.CopyFrom(rotate)
+    unkeyed.from_epoch, unkeyed.idempotency_key = 2, ""
+    unkeyed.spec.agent.version = "5"
+    outcomes = await _overlapping(database_dsn, session_id, on_both("Rotate", unkeyed))
+    winners = [o for o in outcomes if isinstance(o, pb.RotateResponse)]
+    losers = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+    assert [w.plan.epoch for w in winners] == [3], outcomes
+    assert [e.code() for e in losers] == [grpc.StatusCode.ABORTED], outcomes
+
+    counts = await pool.fetchrow(
+        "SELECT (SELECT count(*) FROM runs WHERE session_id = $1) AS runs,"
+        " (SELECT count(*) FROM session_events WHERE session_id = $1"
+        "  AND item_id IS NOT NULL) AS items,"
+        " (SELECT count(*) FROM session_events WHERE session_id = $1"
+        "  AND type = 'context.epoch.rotated') AS rotations,"
+        " (SELECT max(version) FROM run_checkpoints WHERE run_id = $2) AS version",
+        sid,
+        UUID(run_id),
+    )
+    # The seeding message and three items; two rotations (keyed once, unkeyed once).
+    assert dict(counts) == {"runs": 1, "items": 4, "rotations": 2, "version": 2}
 
 
 async def test_a_replica_extending_its_kept_log_builds_what_a_cold_one_builds(

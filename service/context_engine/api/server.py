@@ -203,6 +203,10 @@ async def build_server(
         options=[
             ("grpc.max_receive_message_length", transport_limit),
             ("grpc.max_send_message_length", transport_limit),
+            # grpc sets SO_REUSEPORT by default, so a second server on a taken port (another
+            # replica, a stale process) bound it too and took a share of its connections
+            # silently. Off, the bind fails and `serve` says the address is in use.
+            ("grpc.so_reuseport", 0),
         ],
     )
     add_servicer(ContextEngineServicer(engine), server)
