@@ -25,6 +25,12 @@ SUITE: tuple[tuple[str, Callable[[list[str]], int], list[str], list[str]], ...] 
     ("input growth", growth.main, [], ["--factor", "4", "--repeat", "1"]),
     ("load (60 s)", load.main, [], ["--seconds", "10"]),
     ("faults: PostgreSQL restart", load.main, ["--faults"], ["--faults", "--seconds", "15"]),
+    (
+        "faults: PostgreSQL crash (immediate stop)",
+        load.main,
+        ["--faults", "--stop", "immediate"],
+        ["--faults", "--stop", "immediate", "--seconds", "15"],
+    ),
 )
 
 
