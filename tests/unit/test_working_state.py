@@ -84,13 +84,19 @@ _ENVELOPE = re.compile(
 _ANY_DELIMITER = re.compile(r"<\s*/?\s*(?:untrusted|memory|user|delegated)\b", re.IGNORECASE)
 
 
-def outside_envelopes(text: str) -> str:
+def outside_envelopes(text: str, *, strict: bool = True) -> str:
     """The text with every well-formed envelope (header through its own closing marker)
-    removed: what a model reads as not enveloped."""
+    removed: what a model reads as not enveloped. `strict`: a header that never closes is
+    a rendering defect; otherwise (text the engine shows as written, such as the model's
+    own earlier reply, may imitate a header) it is ordinary text, counted as outside."""
     out, at = [], 0
     while (m := _ENVELOPE.search(text, at)) is not None:
         close = f"\n</{m['tag']}:{m['nonce']}>"
         end = text.find(close, m.end())
+        if end < 0 and not strict:
+            out.append(text[at : m.end()])
+            at = m.end()
+            continue
         assert end >= 0, "an envelope never closes"
         out.append(text[at : m.start()])
         at = end + len(close)

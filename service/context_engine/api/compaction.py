@@ -30,7 +30,9 @@ from ..core.compaction import (
 from ..core.errors import InvalidFieldError
 from ..core.items import ContextItem, ConversationItem
 from ..core.seeding import carried_history, seed_cut
+from ..core.skills import LoadedSkill
 from ..store import events, idempotency, runs, sessions
+from ..store import skills as skill_store
 from ..store import working_state as ws_store
 from ..store.db import acquire, transaction
 from ..store.events import NewEvent
@@ -50,6 +52,7 @@ class _Inputs:
     carried: tuple[ConversationItem, ...]  # as Build reads it
     earlier: dict[str, str]  # the logged text of every span an earlier compaction elided
     shown: tuple[ContextItem, ...]  # the step lines recorded Builds showed the model
+    skills: tuple[LoadedSkill, ...]  # the session's loaded skill bodies, shown every step
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +96,8 @@ async def _inputs(
         fields=SHOWN_FIELDS,
         from_sequence=checkpoint.replaced_through_sequence,
     )
-    return _Inputs(checkpoint, carried_history(logged), contents, shown_items(lines))
+    skills = await skill_store.read_loaded(conn, tenant_id, session_id)
+    return _Inputs(checkpoint, carried_history(logged), contents, shown_items(lines), tuple(skills))
 
 
 async def _counter(engine: Engine, tenant_id: str, session_id: UUID) -> TokenCounter:
@@ -123,6 +127,7 @@ async def prepare_compaction(
         count_tokens=count_tokens,
         earlier_contents=inputs.earlier,
         shown=inputs.shown,
+        skills=inputs.skills,
     )
 
 
@@ -142,6 +147,7 @@ def _reprepare(inputs: _Inputs, through: int, count_tokens: TokenCounter) -> Pre
             count_tokens=count_tokens,
             earlier_contents=inputs.earlier,
             shown=inputs.shown,
+            skills=inputs.skills,
         )
     except InvalidFieldError as exc:
         if exc.field != "through_sequence":

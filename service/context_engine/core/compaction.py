@@ -29,8 +29,10 @@ that content, and repeating it is how a label gets laundered. The view is every 
 conversation item of the run and its carried history, and every untrusted line of the
 step contexts the session's recorded Builds showed the model (`shown`: knowledge
 passages, EXTERNAL_UNTRUSTED by default, and recall and correction lines, which are
-MEMORY: not SUMMARIZABLE either). Those lines are never
-in the transcript, but the model's answers to them are.
+MEMORY: not SUMMARIZABLE either), and of what every step shows beside them: the
+working-state block's facts below SUMMARIZABLE and the loaded skill bodies of such trust
+(`skills`), each in its envelope. Those lines are never in the transcript, but the
+model's answers to them are.
 Rule 4 (depth): a first summary has depth 1; a second compaction merges it with newer
 items into depth 2, with the union of source event ids, elided spans and retained
 constraints. A third fails with COMPACTION_DEPTH_EXCEEDED: escalate to a child run.
@@ -44,11 +46,15 @@ contains any of that text's
   (a) 40-character substrings,
   (b) 8-word windows, or
   (c) identifier-like runs: 16 consecutive non-space characters mixing letters and
-      digits, or 24 consecutive non-space characters of any kind (ids, URLs, codes,
-      canaries — found even when glued to neighbouring text on either side),
+      digits, 24 consecutive non-space characters of any kind (ids, URLs, codes,
+      canaries — found even when glued to neighbouring text on either side), or 8 whose
+      letters and digits alternate at least three times (a short random code such as
+      "zq7x4k2w"; "iso-8601" or "python3.11" alternate once),
 unless that same fragment also occurs in the trusted summarizer input, as given or as
 shown with its delimiters escaped (text the user or a trusted source supplied is not
-laundered by repeating it). The exception sets aside what is neither letter nor digit at
+laundered by repeating it). A child run's instruction is not trusted input here: it is
+its parent's words (Build shows it as the model's, core/seeding.py) and may repeat what
+the parent read. The exception sets aside what is neither letter nor digit at
 a fragment's edges (punctuation, spaces): "ab12cd34ef56gh78," repeats the user's
 "ab12cd34ef56gh78?" though the comma came from the untrusted side. Only the edges: a
 fragment's inside is still compared whole, so untrusted text is refused as before. A
@@ -80,6 +86,7 @@ from __future__ import annotations
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
@@ -102,10 +109,11 @@ from .items import (
     trust_of,
 )
 from .trust import TrustLevel
-from .working_state import lowest_trust
+from .working_state import WorkingState, lowest_trust
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
+    from .skills import LoadedSkill
 
 __all__ = [
     "MAX_DEPTH",
@@ -152,6 +160,10 @@ WINDOW_CHARS = 40
 WINDOW_WORDS = 8
 RUN_MIXED_CHARS = 16
 RUN_ANY_CHARS = 24
+# A shorter run counts when its letters and digits alternate this often: the shape of a
+# random code or canary ("ZQ7X4K2W9P"), not of a term such as "ISO-8601" or "python3.11".
+RUN_CODE_CHARS = 8
+RUN_CODE_ALTERNATIONS = 3
 
 PROMPT_VERSION = "summarizer@1"
 SUMMARIZER_PROMPT = """\
@@ -185,7 +197,7 @@ class ElidedSpan(_Frozen):
     item_id: str
     # tool.result, assistant.message, tool.call, user.message; for a shown line quoted by
     # an elided item (never itself in `elided`): knowledge.passage, recall.line,
-    # correction.line
+    # correction.line, working_state.fact, skill.body
     kind: str
     trust: TrustLevel  # below what SUMMARIZABLE admits, or what a quoting item quoted
     byte_length: int
@@ -244,6 +256,18 @@ def _runs(normalized: str) -> Iterator[str]:
                 yield window
         for k in range(len(token) - RUN_ANY_CHARS + 1):
             yield token[k : k + RUN_ANY_CHARS]
+        if len(token) >= RUN_CODE_CHARS and _alternations(token) >= RUN_CODE_ALTERNATIONS:
+            for k in range(len(token) - RUN_CODE_CHARS + 1):
+                window = token[k : k + RUN_CODE_CHARS]
+                if _alternations(window) >= RUN_CODE_ALTERNATIONS:
+                    yield window
+
+
+def _alternations(text: str) -> int:
+    """How often a letter is followed by a digit or a digit by a letter, directly."""
+    return sum(
+        (a.isalpha() and b.isdigit()) or (a.isdigit() and b.isalpha()) for a, b in pairwise(text)
+    )
 
 
 def _fragments(normalized: str) -> Iterator[str]:
@@ -477,6 +501,37 @@ def _shown_span(item: ContextItem) -> tuple[ElidedSpan, str] | None:
     return span, item.text
 
 
+def _state_spans(state: WorkingState) -> list[tuple[ElidedSpan, str]]:
+    """The working state's facts below SUMMARIZABLE, as sources the check compares
+    against: the block shows each, enveloped, on every step (core/working_state.py)."""
+    return [
+        (
+            ElidedSpan(
+                item_id=f"working-state fact {n}",
+                kind="working_state.fact",
+                trust=fact.trust,
+                byte_length=len(fact.statement.encode("utf-8")),
+                event_id=fact.source_sequence,
+            ),
+            fact.statement,
+        )
+        for n, fact in enumerate(state.facts, 1)
+        if fact.trust not in SUMMARIZABLE and fact.statement
+    ]
+
+
+def _skill_span(skill: LoadedSkill) -> tuple[ElidedSpan, str]:
+    """A loaded skill body below SUMMARIZABLE (shown every step, enveloped), as a source."""
+    span = ElidedSpan(
+        item_id=f"skill {skill.name}",
+        kind="skill.body",
+        trust=skill.trust,
+        byte_length=len(skill.body.encode("utf-8")),
+        event_id=0,
+    )
+    return span, skill.body
+
+
 def elided_content(event_type: str, payload: Mapping[str, Any]) -> str:
     """The text of a logged item an earlier compaction elided (for the depth-2 check)."""
     fields = {
@@ -572,6 +627,7 @@ def prepare(
     count_tokens: TokenCounter,
     earlier_contents: Mapping[str, str] | None = None,
     shown: Sequence[ContextItem] = (),
+    skills: Sequence[LoadedSkill] = (),
 ) -> Prepared:
     """The summarizer input for compacting the run's oldest body items.
 
@@ -579,7 +635,7 @@ def prepare(
     the engine choose the cut (RETAIN_PPM); `earlier_contents` maps the item ids an earlier
     compaction elided to their logged text, for the commit-time check; `shown` holds the
     step lines (knowledge passages, recall and correction lines) the recorded Builds
-    showed the model (Rule 3's view).
+    showed the model, and `skills` the session's loaded skill bodies (both Rule 3's view).
 
     Raises:
         PreconditionError: COMPACTION_DEPTH_EXCEEDED (a third compaction: escalate to a
@@ -639,8 +695,12 @@ def prepare(
     contents: list[tuple[ElidedSpan, str]] = [
         (_span(i, trust_of(i)), text) for i in in_view for text in _texts(i)
     ]
-    # What the model was shown beside the conversation: it may have quoted that too.
+    # What the model was shown beside the conversation: it may have quoted that too. So
+    # with the working-state block's facts and the skill bodies below SUMMARIZABLE, which
+    # every step shows in their envelopes.
     contents += [line for line in map(_shown_span, shown) if line is not None and line[1]]
+    contents += _state_spans(state)
+    contents += [_skill_span(s) for s in skills if s.trust not in SUMMARIZABLE and s.body]
     earlier = tuple(record.elided) if record else ()
     earlier_text = dict(earlier_contents or {})
     contents += [(s, earlier_text[s.item_id]) for s in earlier if earlier_text.get(s.item_id)]
@@ -649,7 +709,9 @@ def prepare(
     model = [i for i in trusted if trust_of(i) is TrustLevel.MODEL]
     others = [i for i in trusted if trust_of(i) is not TrustLevel.MODEL]
     # The run's own requests are not summarized but stay in view verbatim: the user's words.
-    asked = [i for i in checkpoint.items if isinstance(i, UserMessage)]
+    # Not a child run's instruction (sequence 0, never logged): its parent's, which Build
+    # shows as the model's (core/seeding.py) and which may rest on what the parent read.
+    asked = [i for i in checkpoint.items if isinstance(i, UserMessage) and i.sequence]
     base = "\n".join(
         [
             *(_content(i) for i in (*others, *asked)),
