@@ -580,10 +580,39 @@ async def test_report_usage_from_another_model_is_recorded_but_learns_nothing(
             input_tokens=5 * built.estimated_input_tokens,
         )
     )
-    assert other.factor_ppm == 1_000_000 and other.samples == 0
+    assert other.factor_ppm == 1_000_000 and other.samples == 0 and not other.absorbed
     assert await _factor(pool, tenant) is None
     (reported,) = await _events(pool, tenant, session_id, "model.usage.reported")
     assert reported["absorbed"] is False and reported["model_id"] == "gpt-4.1"
+
+
+@pytest.mark.parametrize("suffix", ["-20250929", "-2024-08-06"])
+async def test_report_usage_under_a_dated_snapshot_of_the_planned_model_is_learned(
+    stub: Any, pool: Any, suffix: str
+) -> None:
+    """A provider's response names the snapshot that answered ("claude-sonnet-4-5-20250929"
+    for a request to "claude-sonnet-4-5"): a worker passing it on was told nothing, and the
+    factor never moved. The snapshot counts as the planned model, and the response says
+    whether the report was absorbed; a lookalike that is not a date is another model."""
+    tenant = _tenant()
+    session_id, _ = await _open(stub, tenant, room=0)
+    run_id = await _start(stub, tenant, session_id, "hi")
+    built = await _build(stub, tenant, session_id, run_id)
+    tokens = 2 * built.estimated_input_tokens
+    lookalike = await stub.ReportUsage(
+        _usage(
+            tenant, session_id, built.request_sequence, model_id=MODEL + "-v2", input_tokens=tokens
+        )
+    )
+    assert not lookalike.absorbed and await _factor(pool, tenant) is None
+    built = await _build(stub, tenant, session_id, run_id)
+    dated = await stub.ReportUsage(
+        _usage(
+            tenant, session_id, built.request_sequence, model_id=MODEL + suffix, input_tokens=tokens
+        )
+    )
+    assert dated.absorbed and dated.samples == 1 and dated.factor_ppm > 1_000_000
+    assert await _factor(pool, tenant) == (dated.factor_ppm, 1)
 
 
 async def test_report_usage_rejects_bad_input_and_unknown_requests(stub: Any, pool: Any) -> None:

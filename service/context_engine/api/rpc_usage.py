@@ -62,6 +62,7 @@ class UsageRpcs:
             samples=outcome.samples,
             signed_error_ppm=outcome.signed_error_ppm,
             cached_prefix_ppm=outcome.cached_prefix_ppm,
+            absorbed=outcome.absorbed,
         )
 
 

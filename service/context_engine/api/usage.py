@@ -22,6 +22,7 @@ of context_engine.prefix.cached_ratio).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -198,7 +199,7 @@ async def _reconcile(
     )
     # Another model answered than the request was estimated for: its tokens say nothing
     # about this estimate's tokenizer, so nothing is learned (the factor resets on a change).
-    absorbed = report.model_id == planned_model and estimated > 0 and actual > 0
+    absorbed = same_model(report.model_id, planned_model) and estimated > 0 and actual > 0
     correction: Correction | None = None
     if absorbed:
         used = int(recorded.get("estimator_factor_ppm", NEUTRAL_FACTOR_PPM)) or PPM
@@ -221,6 +222,21 @@ async def _reconcile(
         absorbed=absorbed,
     )
     return outcome, correction
+
+
+# A provider's dated snapshot of a model: Anthropic's "-20250929", OpenAI's "-2024-08-06".
+_SNAPSHOT = re.compile(r"-(?:\d{8}|\d{4}-\d{2}-\d{2})")
+
+
+def same_model(reported: str, planned: str) -> bool:
+    """Whether the model a provider reports is the one the request was planned for: the
+    same id, or a dated snapshot of it (what a provider's response.model says when the
+    request named the alias)."""
+    if reported == planned:
+        return True
+    return (
+        reported.startswith(planned) and _SNAPSHOT.fullmatch(reported[len(planned) :]) is not None
+    )
 
 
 def _report_row(report: UsageReport, outcome: UsageOutcome) -> dict[str, Any]:

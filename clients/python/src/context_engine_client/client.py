@@ -221,6 +221,7 @@ class ContextEngineClient:
             samples=response.samples,
             signed_error_ppm=response.signed_error_ppm,
             cached_prefix_ppm=response.cached_prefix_ppm,
+            absorbed=response.absorbed,
         )
 
     async def control_tools(self) -> list[pb.ToolSpec]:
@@ -237,6 +238,7 @@ class UsageReport:
     samples: int
     signed_error_ppm: int
     cached_prefix_ppm: int
+    absorbed: bool = False  # whether the report moved the factor (another model's: no)
 
 
 @dataclass(frozen=True, slots=True)
