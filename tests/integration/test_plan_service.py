@@ -606,8 +606,12 @@ async def test_skill_loads_are_sticky_capped_and_never_evict(stub: Any, pool: An
     ]
     first = await _load(stub, session_id, "refunds")
     assert (list(first.loaded), first.newly_loaded) == (["refunds"], True)
-    again = await _load(stub, session_id, "refunds", "Another body.")
+    again = await _load(stub, session_id, "refunds")  # a retry
     assert (list(again.loaded), again.newly_loaded) == (["refunds"], False)
+    with pytest.raises(grpc.aio.AioRpcError) as replaced:
+        await _load(stub, session_id, "refunds", "Another body.")
+    assert replaced.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert details(replaced.value)[:2] == ("SKILL_ALREADY_LOADED", ["body"])
     assert list((await _load(stub, session_id, "triage")).loaded) == ["refunds", "triage"]
     for name, reason in (("travel", "SKILL_LIMIT"), ("payroll", "SKILL_NOT_IN_CATALOG")):
         with pytest.raises(grpc.aio.AioRpcError) as caught:

@@ -434,16 +434,26 @@ _CATALOG = (("triage", "1"), ("refunds", "2"), ("travel", "1"))
         ((_loaded("triage", 5_000),), "refunds", 1_001, "SKILL_LIMIT:tokens"),
         ((_loaded("triage", 5_000),), "refunds", 1_000, True),
         ((), "payroll", 10, "SKILL_NOT_IN_CATALOG"),
+        # Loaded already, with another body or trust: sticky, and said so (it was kept
+        # quietly, the caller believing its new body in force).
+        ((_loaded("triage"),), "triage:another body", 100, "SKILL_ALREADY_LOADED"),
+        ((_loaded("triage"),), "triage:untrusted", 100, "SKILL_ALREADY_LOADED"),
     ],
 )
 def test_skill_loads(
     loaded: tuple[LoadedSkill, ...], name: str, tokens: int, outcome: bool | str
 ) -> None:
+    name, _, change = name.partition(":")
+    skill = _loaded(name, tokens)
+    if change == "another body":
+        skill = LoadedSkill(name, "1", "another body", skill.trust, tokens)
+    elif change == "untrusted":
+        skill = LoadedSkill(name, "1", skill.body, TrustLevel.EXTERNAL_UNTRUSTED, tokens)
     if isinstance(outcome, bool):
-        assert admit_load(loaded, _CATALOG, name, tokens) is outcome
+        assert admit_load(loaded, _CATALOG, skill) is outcome
         return
     with pytest.raises(PreconditionError) as caught:
-        admit_load(loaded, _CATALOG, name, tokens)
+        admit_load(loaded, _CATALOG, skill)
     reason, _, limit = outcome.partition(":")
     assert caught.value.reason == reason
     if limit:

@@ -63,7 +63,8 @@ async def load_skill(
     """Load a skill body for the session. -> (loaded names in load order, newly loaded).
 
     Raises:
-        PreconditionError: PLAN_NOT_FOUND, SKILL_NOT_IN_CATALOG or SKILL_LIMIT.
+        PreconditionError: PLAN_NOT_FOUND, SKILL_NOT_IN_CATALOG, SKILL_LIMIT or
+            SKILL_ALREADY_LOADED.
         InvalidFieldError: a trust no body may carry.
         NotFoundError: an unknown session or run.
     """
@@ -91,9 +92,9 @@ async def load_skill(
             secret=current.secret,
         )
         tokens = engine.count_tokens_for(current.plan.model_id)(rendered)
-        if not admit_load(loaded, current.plan.skill_pins, name, tokens):
-            return names, False
         skill = LoadedSkill(name=name, version=version, body=body, trust=effective, tokens=tokens)
+        if not admit_load(loaded, current.plan.skill_pins, skill):
+            return names, False
         payload = {
             "name": name,
             "version": version,

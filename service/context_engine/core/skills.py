@@ -8,7 +8,8 @@ Rule 2: a body loads only for a skill in the plan's pinned catalog (SKILL_NOT_IN
 Rule 3: a loaded body is sticky for the session and renders in load order. A skill is never
 deselected: a body that came and went would rewrite the cached body on every step.
 Rule 4: at most 2 bodies and 6,000 tokens. A third load, or one past 6,000 tokens, fails
-with SKILL_LIMIT; nothing is evicted. Loading a loaded skill again changes nothing.
+with SKILL_LIMIT; nothing is evicted. Loading a loaded skill again with the same body and
+trust changes nothing (a retry); with another body or trust it is SKILL_ALREADY_LOADED.
 Rule 5: a body never yields: Build carries every loaded body or fails.
 Rule 6: a body takes its pinned catalog entry's trust (the entry its version comes from),
 or the load's when that is lower (the less trusted of the two, TrustLevel's order): a
@@ -110,19 +111,29 @@ def body_trust(catalog_trust: TrustLevel, requested: TrustLevel | None) -> Trust
 
 
 def admit_load(
-    loaded: Sequence[LoadedSkill],
-    catalog: Sequence[tuple[str, str]],
-    name: str,
-    body_tokens: int,
+    loaded: Sequence[LoadedSkill], catalog: Sequence[tuple[str, str]], skill: LoadedSkill
 ) -> bool:
-    """Decide a load (Rules 2-4): True to load, False when the skill is already loaded.
+    """Decide a load (Rules 2-4): True to load, False when the skill is already loaded as
+    it is (the same body and trust: a retry).
 
     Raises:
-        PreconditionError: SKILL_NOT_IN_CATALOG, or SKILL_LIMIT (metadata names the class,
-            the loaded skills and the limit that binds).
+        PreconditionError: SKILL_NOT_IN_CATALOG, SKILL_LIMIT (metadata names the class,
+            the loaded skills and the limit that binds), or SKILL_ALREADY_LOADED when it is
+            loaded with another body or trust (sticky: never replaced, and never quietly
+            kept while the caller believes its new body is in force).
     """
-    if any(s.name == name for s in loaded):
-        return False
+    name, body_tokens = skill.name, skill.tokens
+    held = next((s for s in loaded if s.name == name), None)
+    if held is not None:
+        if (held.body, held.trust) == (skill.body, skill.trust):
+            return False
+        raise PreconditionError(
+            f"skill {name!r} is loaded already with another body or trust; a loaded skill"
+            " is sticky for the session and never replaced",
+            field="body" if held.body != skill.body else "trust",
+            reason="SKILL_ALREADY_LOADED",
+            metadata={"loaded_version": held.version},
+        )
     if name not in {n for n, _ in catalog}:
         raise PreconditionError(
             f"skill {name!r} is not in the plan's pinned skill catalog",

@@ -114,6 +114,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_PERSON_ERASED: _ClassVar[ErrorReason]
     ERROR_REASON_TOOL_NAME_COLLISION: _ClassVar[ErrorReason]
     ERROR_REASON_PREFIX_OVER_CAPACITY: _ClassVar[ErrorReason]
+    ERROR_REASON_SKILL_ALREADY_LOADED: _ClassVar[ErrorReason]
 
 class Writer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -211,6 +212,7 @@ ERROR_REASON_REQUEST_REDACTED: ErrorReason
 ERROR_REASON_PERSON_ERASED: ErrorReason
 ERROR_REASON_TOOL_NAME_COLLISION: ErrorReason
 ERROR_REASON_PREFIX_OVER_CAPACITY: ErrorReason
+ERROR_REASON_SKILL_ALREADY_LOADED: ErrorReason
 WRITER_UNSPECIFIED: Writer
 WRITER_MODEL: Writer
 WRITER_USER: Writer
