@@ -332,6 +332,43 @@ async def _summarize(prepared: Any) -> str:
     return "The assistant said a lot of lorem."
 
 
+async def test_a_tool_loop_again_after_an_append_whose_answer_was_lost_runs_no_tool_twice(
+    client: Any,
+) -> None:
+    """The step's append commits, but its answer never arrives (a deadline passed while
+    it committed). The loop built from the checkpoint it last saw, so calling it again sent
+    the model the log without the results and ran the tool a second time; now each step
+    builds the latest checkpoint. The usage report follows the append, so it cannot lose
+    the step's items either."""
+    session = await client.open_session(_spec())
+    run = await session.start_run("Trains from Paris to Lyon tomorrow?")
+    real_call = run.client.call
+    lost: list[str] = []
+
+    async def answer_lost_once(method: str, request: Any) -> Any:
+        response = await real_call(method, request)
+        if method == "AppendItems" and not lost:
+            lost.append(request.idempotency_key)
+            raise TimeoutError("the append's answer was lost")
+        return response
+
+    run.client.call = answer_lost_once  # type: ignore[method-assign]
+    model, fetched = ScriptedModel(), []
+
+    async def fetch(call: ToolCallRequest) -> ToolOutput:
+        fetched.append(call.call_id)
+        return await _fetch(call)
+
+    with pytest.raises(TimeoutError):
+        await run.tool_loop(model, fetch, now=NOW)
+    assert fetched == ["call-1"] and lost
+    result = await run.tool_loop(model, fetch, now=NOW)
+    assert fetched == ["call-1"], "the tool ran again"
+    assert "tool_result" in _block_kinds(result.builds[0])  # the logged result, seen
+    assert result.final.text.startswith("The 08:04 TGV")
+    assert run.checkpoint_version == 3
+
+
 async def test_the_tool_loop_compacts_when_the_body_does_not_fit(client: Any) -> None:
     _, run = await _run_over_its_budget(client)
     prepared: list[Any] = []

@@ -499,9 +499,13 @@ export class Run {
   }
 
   /**
-   * Build -> model -> tools -> append, until the model answers without tool calls. The
-   * model's items and the tool results go in one append per step, so the log never holds
-   * a call without its result.
+   * Build -> model -> tools -> append -> usage, until the model answers without tool
+   * calls. The model's items and the tool results go in one append per step, so the log
+   * never holds a call without its result. Each step builds from the run's latest
+   * checkpoint: after an append whose answer was lost (a deadline passed while it
+   * committed), calling toolLoop again builds what the log holds, and the model does not
+   * ask for tools it has results of. Usage is reported after the append, so a failing
+   * report loses none of the step's items.
    */
   async toolLoop(opts: ToolLoopOptions): Promise<ToolLoopResult> {
     const builds: BuildResult[] = [];
@@ -510,7 +514,8 @@ export class Run {
     let compactions = 0;
     while (builds.length < maxSteps) {
       const now = typeof opts.now === 'function' ? opts.now() : opts.now;
-      const built = await this.build({ now, step: opts.step });
+      const built = await this.build({ now, step: opts.step, checkpointVersion: 0 });
+      this.checkpointVersion = built.response.checkpoint_version || this.checkpointVersion;
       if (built.needsCompaction) {
         // The server caps summary depth at 2; a third attempt would fail there.
         if (!opts.summarize || compactions >= 2) throw new NeedsCompactionError(built);
@@ -525,9 +530,6 @@ export class Run {
         ...answered,
         toolCalls: answered.toolCalls?.map((c) => ({ ...c, name: built.toolName(c.name) })),
       };
-      if ((opts.reportUsage ?? true) && turn.usage) {
-        reports.push(await this.reportUsage(built, turn.usage));
-      }
       const items = turnItems(turn);
       for (const call of turn.toolCalls ?? []) {
         const output = await opts.runTool(call);
@@ -542,6 +544,9 @@ export class Run {
         );
       }
       if (items.length) await this.append(items);
+      if ((opts.reportUsage ?? true) && turn.usage) {
+        reports.push(await this.reportUsage(built, turn.usage));
+      }
       if (!turn.toolCalls?.length) return { final: turn, builds, reports };
     }
     throw new ToolLoopLimitError(maxSteps);

@@ -127,6 +127,45 @@ test('the tool loop appends each step and ends on a plain answer', async () => {
   assert.ok(typeof result.builds[0].payload() === 'object', 'provider payload is JSON');
 });
 
+test('a tool loop run again after an append whose answer was lost runs no tool twice', async () => {
+  // The append commits but its answer never arrives (a deadline passed while it
+  // committed): the loop builds the latest checkpoint, so the model sees the logged result.
+  const session = await engine.openSession(spec);
+  const run = await session.startRun('Trains to Lyon?');
+  const realCall = run.client.call.bind(run.client);
+  let lost = false;
+  run.client.call = async (method, request) => {
+    const response = await realCall(method, request);
+    if (method === 'AppendItems' && !lost) {
+      lost = true;
+      throw new Error("the append's answer was lost");
+    }
+    return response;
+  };
+  const ran = [];
+  const seen = [];
+  const opts = {
+    now: NOW,
+    callModel: async (build) => {
+      seen.push(build);
+      const done = build.request.messages
+        .flatMap((message) => message.blocks)
+        .some((block) => block.kind === 'tool_result');
+      if (done) return { text: 'The 08:04.' };
+      return { toolCalls: [{ callId: 'c1', name: 'web-fetch', arguments: { url: 'https://x' } }] };
+    },
+    runTool: async (call) => {
+      ran.push(call.callId);
+      return '08:04 TGV';
+    },
+  };
+  await assert.rejects(run.toolLoop(opts), /answer was lost/);
+  const result = await run.toolLoop(opts);
+  assert.deepEqual(ran, ['c1'], 'the tool ran once');
+  assert.equal(result.final.text, 'The 08:04.');
+  assert.equal(run.checkpointVersion, 3);
+});
+
 test('errors are typed with reason and field', async () => {
   const session = await engine.openSession(spec);
   const run = await session.startRun('Hello');

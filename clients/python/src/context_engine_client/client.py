@@ -661,11 +661,18 @@ class Run:
     ) -> ToolLoopResult:
         """Build -> model -> tools -> append, until the model answers without tool calls.
 
-        Each step: build (compacting first when the body does not fit and `summarize` is
-        given), call the model with the build, map its tool calls' wire names back to tool
-        names, report its usage, run the requested tools in order, and append the model's
-        items and the tool results in one write (so the log never holds a call without its
-        result). `now` may be a datetime or a clock.
+        Each step: build from the run's latest checkpoint (compacting first when the body
+        does not fit and `summarize` is given), call the model with the build, map its tool
+        calls' wire names back to tool names, run the requested tools in order, append the
+        model's items and the tool results in one write (so the log never holds a call
+        without its result), then report the model's usage. `now` may be a datetime or a
+        clock.
+
+        Building from the latest checkpoint, not the one this object last saw: after an
+        append whose answer was lost (a deadline passed while it committed), calling
+        tool_loop again builds what the log holds, so the model sees the results it
+        already has instead of asking for its tools again. Usage is reported after the
+        append: a report that fails loses none of the step's items.
 
         Raises:
             NeedsCompaction: the body does not fit and no `summarize` was given.
@@ -677,7 +684,8 @@ class Run:
         steps = 0
         while steps < max_steps:
             clock = now() if callable(now) else now
-            built = await self.build(clock, step)
+            built = await self.build(clock, step, checkpoint_version=0)
+            self.checkpoint_version = built.response.checkpoint_version or self.checkpoint_version
             if built.needs_compaction:
                 # The server caps summary depth at 2; a third attempt would fail there.
                 if summarize is None or compactions >= 2:
@@ -691,8 +699,6 @@ class Run:
             # Tool calls arrive under the provider's wire names; log and run the real ones.
             calls = [replace(c, name=built.tool_name(c.name)) for c in turn.tool_calls]
             turn = replace(turn, tool_calls=calls)
-            if report_usage and turn.usage is not None:
-                reports.append(await self.report_usage(built, turn.usage))
             items = turn.items()
             for call in turn.tool_calls:
                 output = await run_tool(call)
@@ -710,6 +716,8 @@ class Run:
                 )
             if items:
                 await self.append(items)
+            if report_usage and turn.usage is not None:
+                reports.append(await self.report_usage(built, turn.usage))
             if not turn.tool_calls:
                 return ToolLoopResult(turn, builds, reports)
         raise ToolLoopLimit(max_steps)
