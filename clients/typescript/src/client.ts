@@ -18,7 +18,13 @@ import { randomUUID } from 'node:crypto';
 import * as grpc from '@grpc/grpc-js';
 import * as protoLoader from '@grpc/proto-loader';
 
-import { NeedsCompactionError, ToolLoopLimitError, fromServiceError } from './errors.js';
+import { unknownEnumValue } from './enums.js';
+import {
+  InvalidArgumentError,
+  NeedsCompactionError,
+  ToolLoopLimitError,
+  fromServiceError,
+} from './errors.js';
 import {
   type ModelTurn,
   type ToolCallRequest,
@@ -178,6 +184,21 @@ export class ContextEngineClient {
 
   /** Call one unary RPC by name with this client's metadata, deadline and typed errors. */
   call<K extends MethodName>(method: K, request: RequestOf<K>): Promise<ResponseOf<K>> {
+    const unknown = unknownEnumValue(method, request);
+    if (unknown) {
+      // Refused here, as the server refuses a bad field: sent, it would go as 0.
+      const [field, description] = unknown;
+      return Promise.reject(
+        new InvalidArgumentError(
+          grpc.status.INVALID_ARGUMENT,
+          `${field}: ${description} (not sent)`,
+          'INVALID_FIELD',
+          '',
+          {},
+          [{ field, description }],
+        ),
+      );
+    }
     const metadata = new grpc.Metadata();
     if (this.token) metadata.set('authorization', `Bearer ${this.token}`);
     const deadline = new Date(Date.now() + this.timeoutMs);

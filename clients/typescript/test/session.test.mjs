@@ -166,6 +166,31 @@ test('a tool loop run again after an append whose answer was lost runs no tool t
   assert.equal(run.checkpointVersion, 3);
 });
 
+test('an enum value the proto does not have is refused before it is sent', async () => {
+  // proto-loader would send it as 0: a misspelled trust became UNSPECIFIED, which the
+  // server reads as the catalog's trusted configuration.
+  const misspelled = {
+    ...spec,
+    skills: [{ name: 'triage', description: 'Sort.', version: '1', trust: 'TRUST_LEVEL_EXTERNAL_UNTRUSED' }],
+  };
+  await assert.rejects(engine.openSession(misspelled), (error) => {
+    assert.ok(error instanceof InvalidArgumentError);
+    assert.equal(error.reason, 'INVALID_FIELD');
+    assert.equal(error.field, 'spec.skills[0].trust');
+    return true;
+  });
+  await assert.rejects(engine.openSession({ ...spec, environment: { kind: 42 } }), (error) => {
+    assert.equal(error.field, 'spec.environment.kind');
+    return true;
+  });
+  // Known names and numbers pass.
+  const session = await engine.openSession({
+    ...spec,
+    skills: [{ name: 'triage', description: 'Sort.', version: '1', trust: 'TRUST_LEVEL_EXTERNAL_UNTRUSTED' }],
+  });
+  assert.equal(session.plan.skill_pins.length, 1);
+});
+
 test('errors are typed with reason and field', async () => {
   const session = await engine.openSession(spec);
   const run = await session.startRun('Hello');
