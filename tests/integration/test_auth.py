@@ -75,6 +75,7 @@ async def test_bearer_no_or_wrong_token_is_unauthenticated(bearer_stub: Any, poo
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.Plan(request, metadata=metadata)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert details(info.value)[0] == "UNAUTHENTICATED"
     assert await _sessions(pool, session_id) == []
 
 
@@ -104,6 +105,7 @@ async def test_bearer_foreign_tenant_is_denied_and_writes_nothing(
             metadata=_bearer(TOKEN_A),
         )
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert details(info.value)[:2] == ("TENANT_MISMATCH", ["tenant_id"])
     assert await _sessions(pool, session_id) == []
 
 
@@ -333,6 +335,7 @@ async def test_mtls_unmapped_certificate_is_unauthenticated(mtls: Any) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Plan(pb.PlanRequest(session_id=new_id(), spec=spec()))
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert details(info.value)[0] == "UNAUTHENTICATED"
 
 
 @pytest.mark.parametrize("who", ["rogue", None])

@@ -154,14 +154,21 @@ async def abort_with(
     message: str,
     reason: str = "",
     metadata: Mapping[str, str] | None = None,
+    field: str = "",
 ) -> None:
-    """Abort with google.rpc details, like api/errors.py does for servicer errors."""
+    """Abort with google.rpc details, like api/errors.py does for servicer errors: an
+    ErrorInfo with `reason`, and a BadRequest naming `field` when one is at fault."""
     details = []
     if reason:
         holder = any_pb2.Any()
         holder.Pack(
             error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata=metadata or {})
         )
+        details.append(holder)
+    if field:
+        holder = any_pb2.Any()
+        violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=message)
+        holder.Pack(error_details_pb2.BadRequest(field_violations=[violation]))
         details.append(holder)
     status = status_pb2.Status(code=getattr(code_pb2, code.name), message=message, details=details)
     await context.abort(
@@ -417,7 +424,9 @@ class AuthInterceptor(Layer):
     async def _check(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         tenant = self._identify.tenant(context)
         if tenant is None:
-            await abort_with(context, grpc.StatusCode.UNAUTHENTICATED, "no valid credentials")
+            await abort_with(
+                context, grpc.StatusCode.UNAUTHENTICATED, "no valid credentials", "UNAUTHENTICATED"
+            )
             return
         descriptor = getattr(request, "DESCRIPTOR", None)
         if descriptor is None or "tenant_id" not in descriptor.fields_by_name:
@@ -429,6 +438,8 @@ class AuthInterceptor(Layer):
                 context,
                 grpc.StatusCode.PERMISSION_DENIED,
                 "tenant_id does not match the authenticated identity",
+                "TENANT_MISMATCH",
+                field="tenant_id",
             )
 
     def _unary(self, behavior: Behavior) -> Behavior:

@@ -115,6 +115,8 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_TOOL_NAME_COLLISION: _ClassVar[ErrorReason]
     ERROR_REASON_PREFIX_OVER_CAPACITY: _ClassVar[ErrorReason]
     ERROR_REASON_SKILL_ALREADY_LOADED: _ClassVar[ErrorReason]
+    ERROR_REASON_UNAUTHENTICATED: _ClassVar[ErrorReason]
+    ERROR_REASON_TENANT_MISMATCH: _ClassVar[ErrorReason]
 
 class Writer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -213,6 +215,8 @@ ERROR_REASON_PERSON_ERASED: ErrorReason
 ERROR_REASON_TOOL_NAME_COLLISION: ErrorReason
 ERROR_REASON_PREFIX_OVER_CAPACITY: ErrorReason
 ERROR_REASON_SKILL_ALREADY_LOADED: ErrorReason
+ERROR_REASON_UNAUTHENTICATED: ErrorReason
+ERROR_REASON_TENANT_MISMATCH: ErrorReason
 WRITER_UNSPECIFIED: Writer
 WRITER_MODEL: Writer
 WRITER_USER: Writer
