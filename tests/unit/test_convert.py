@@ -125,6 +125,41 @@ def test_a_name_listed_twice_is_an_invalid_field(listed: pb.PlanSpec, field: str
     assert status_for(caught.value)[0] == grpc.StatusCode.INVALID_ARGUMENT
 
 
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (
+            pb.PlanSpec(model_id="m", policy=pb.PlatformPolicy(version="v9")),
+            "spec.policy.text",
+        ),
+        (
+            pb.PlanSpec(model_id="m", snapshot=pb.MemorySnapshot(watermark=-1)),
+            "spec.snapshot.watermark",
+        ),
+    ],
+    ids=["policy without text", "negative watermark"],
+)
+def test_a_spec_the_plan_would_misrecord_is_an_invalid_field(spec: pb.PlanSpec, field: str) -> None:
+    """A policy named without its text fell back to the server's own, recorded under the
+    server's version while the worker believed its "v9" in force; a negative watermark was
+    stored as given. Both refused, naming the field."""
+    with pytest.raises(InvalidFieldError) as caught:
+        plan_spec_from_proto(spec, POLICY)
+    assert caught.value.field == field
+
+
+@pytest.mark.parametrize("name", ["recall", "corrections", "knowledge"])
+def test_a_step_line_id_listed_twice_is_an_invalid_field(name: str) -> None:
+    """Lines give way, and are named by cache markers and compaction, by item id: two
+    lines under one id were one line to them. Refused, naming the second."""
+    step = pb.StepContext()
+    for text in ("first", "second"):
+        getattr(step, name).add(item_id="m1", text=text)
+    with pytest.raises(InvalidFieldError) as caught:
+        step_from_proto(step)
+    assert caught.value.field == f"step.{name}[1].item_id"
+
+
 @pytest.mark.parametrize("trust", [pb.TRUST_LEVEL_PLATFORM, pb.TRUST_LEVEL_MODEL])
 def test_a_skill_catalog_entry_at_platform_or_model_trust_is_an_invalid_field(
     trust: int,

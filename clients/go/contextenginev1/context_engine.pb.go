@@ -1471,7 +1471,7 @@ type MemorySnapshot struct {
 	SnapshotId string `protobuf:"bytes,1,opt,name=snapshot_id,json=snapshotId,proto3" json:"snapshot_id,omitempty"`
 	// Opaque recall-trace id the snapshot came from.
 	RecallTraceId string `protobuf:"bytes,2,opt,name=recall_trace_id,json=recallTraceId,proto3" json:"recall_trace_id,omitempty"`
-	// Memory store watermark at recall; the recall delta starts after it.
+	// Memory store watermark at recall; the recall delta starts after it. Not negative.
 	Watermark int64 `protobuf:"varint,3,opt,name=watermark,proto3" json:"watermark,omitempty"`
 	// Recalled items, in the memory block's order.
 	Items []*MemoryItem `protobuf:"bytes,4,rep,name=items,proto3" json:"items,omitempty"`
@@ -1715,9 +1715,10 @@ type PlatformPolicy struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Policy version recorded on the plan.
+	// Policy version recorded on the plan ("custom" when empty).
 	Version string `protobuf:"bytes,1,opt,name=version,proto3" json:"version,omitempty"`
-	// The policy text, verbatim.
+	// The policy text, verbatim. Required when a version is given (INVALID_FIELD
+	// spec.policy.text): the server's configured policy is used only when both are empty.
 	Text string `protobuf:"bytes,2,opt,name=text,proto3" json:"text,omitempty"`
 }
 
@@ -4040,7 +4041,7 @@ type RecallLine struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Memory id.
+	// Memory id; unique within its list (recall, or corrections): a repeat is INVALID_FIELD.
 	ItemId string `protobuf:"bytes,1,opt,name=item_id,json=itemId,proto3" json:"item_id,omitempty"`
 	// The line.
 	Text string `protobuf:"bytes,2,opt,name=text,proto3" json:"text,omitempty"`
@@ -4120,7 +4121,7 @@ type KnowledgePassage struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Passage id.
+	// Passage id; unique within the step's knowledge (a repeat is INVALID_FIELD).
 	ItemId string `protobuf:"bytes,1,opt,name=item_id,json=itemId,proto3" json:"item_id,omitempty"`
 	// The passage, verbatim; dropped whole, never truncated.
 	Text string `protobuf:"bytes,2,opt,name=text,proto3" json:"text,omitempty"`

@@ -321,6 +321,18 @@ def plan_spec_from_proto(
                 ),
             )
         )
+    if spec.policy.version and not spec.policy.text:
+        # A named policy without its text is not the server's policy under that name: the
+        # plan would record the default's version, and the worker believe its own in force.
+        raise InvalidFieldError(
+            f"{field}.policy names version {spec.policy.version!r} but has no text; send"
+            " the text, or leave policy unset for the server's configured policy",
+            field=f"{field}.policy.text",
+        )
+    if spec.snapshot.watermark < 0:
+        raise InvalidFieldError(
+            f"{field}.snapshot.watermark must not be negative", field=f"{field}.snapshot.watermark"
+        )
     policy = (
         PlatformPolicySpec(version=spec.policy.version or "custom", text=spec.policy.text)
         if spec.HasField("policy") and spec.policy.text
@@ -614,6 +626,19 @@ def _check_people_named(step: pb.StepContext) -> None:
                 )
 
 
+def _unique_ids(values: Sequence[Any], field: str) -> None:
+    """A step line's id names one line of its list: the ladder gives lines up, and cache
+    markers and compaction name them, by id (two lines under one id were one to them)."""
+    first: dict[str, int] = {}
+    for n, value in enumerate(values):
+        if value.item_id in first:
+            raise InvalidFieldError(
+                f"{field}[{n}].item_id {value.item_id!r} repeats {field}[{first[value.item_id]}]'s",
+                field=f"{field}[{n}].item_id",
+            )
+        first[value.item_id] = n
+
+
 def step_from_proto(step: pb.StepContext) -> StepContext:
     def lines(values: Sequence[pb.RecallLine], cls: type[Any], field: str) -> tuple[Any, ...]:
         out = []
@@ -634,6 +659,8 @@ def step_from_proto(step: pb.StepContext) -> StepContext:
         return tuple(out)
 
     _check_people_named(step)
+    for name in ("recall", "corrections", "knowledge"):
+        _unique_ids(getattr(step, name), f"step.{name}")
 
     knowledge = []
     for n, passage in enumerate(step.knowledge):
