@@ -5533,6 +5533,8 @@ func (x *EraseSubjectRequest) GetPersonId() string {
 	return ""
 }
 
+// Everything erasing this person has done, this call and earlier ones together: a resend
+// whose answer was lost answers as the first call did (a repeat finds nothing new).
 type EraseSubjectResponse struct {
 	state         protoimpl.MessageState
 	sizeCache     protoimpl.SizeCache

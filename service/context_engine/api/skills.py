@@ -19,7 +19,7 @@ context.requests.redacted per affected session.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 from ..core.build_record import redact_record
@@ -120,6 +120,11 @@ async def erase_subject(engine: Engine, tenant: str, person_id: str) -> Erasure:
     session's holdings are re-read under its lock, so a rotation that copied the snapshot
     just before is redacted too. The person is recorded as erased: a later Plan or Rotate
     whose snapshot, or Build whose recall, still names them is refused (PERSON_ERASED).
+
+    The answer is everything erasing this person has done, this call and the earlier ones
+    together (kept with the record of the erasure): a resend whose first answer was lost
+    answers as the first did, where it answered empty and the bound runs were lost with
+    the dropped response.
     """
     invalidated: list[UUID] = []
     bound: list[UUID] = []
@@ -127,7 +132,7 @@ async def erase_subject(engine: Engine, tenant: str, person_id: str) -> Erasure:
     async with transaction(engine.pool) as conn:
         # First the person's fence: a snapshot or request being recorded now commits before
         # this reads (and is found); one recorded after finds the person erased and fails.
-        await snapshots.fence_erasure(conn, tenant, person_id)
+        earlier = await snapshots.fence_erasure(conn, tenant, person_id)
         holding = await snapshots.plans_holding(conn, tenant, person_id)
         naming = await snapshots.requests_naming(conn, tenant, person_id)
         for session_id in sorted({*holding, *naming}):
@@ -170,6 +175,34 @@ async def erase_subject(engine: Engine, tenant: str, person_id: str) -> Erasure:
                 sequences = [sequence for sequence, _ in recorded]
                 news.append(NewEvent(REQUESTS_REDACTED, {"sequences": sequences, "lines": lines}))
             await events.append_events(conn, tenant, session_id, news)
+        found = Erasure(tuple(invalidated), tuple(bound), redacted, requests)
+        erasure = _with_earlier(found, earlier)
+        await snapshots.record_erasure_outcome(conn, tenant, person_id, _outcome_json(erasure))
     for session_id in holding:
         engine.forget_cached_plans(tenant, session_id)
-    return Erasure(tuple(invalidated), tuple(bound), redacted, requests)
+    return erasure
+
+
+def _outcome_json(erasure: Erasure) -> dict[str, Any]:
+    return {
+        "invalidated_session_ids": [str(s) for s in erasure.invalidated_session_ids],
+        "bound_run_ids": [str(r) for r in erasure.bound_run_ids],
+        "redacted_items": erasure.redacted_items,
+        "redacted_requests": erasure.redacted_requests,
+    }
+
+
+def _with_earlier(now: Erasure, earlier: dict[str, Any] | None) -> Erasure:
+    """This erasure's findings after the earlier ones': ids once each, first seen first."""
+    if not earlier:
+        return now
+
+    def merged(before: list[str], found: tuple[UUID, ...]) -> tuple[UUID, ...]:
+        return tuple(dict.fromkeys([*map(UUID, before), *found]))
+
+    return Erasure(
+        merged(earlier["invalidated_session_ids"], now.invalidated_session_ids),
+        merged(earlier["bound_run_ids"], now.bound_run_ids),
+        int(earlier["redacted_items"]) + now.redacted_items,
+        int(earlier["redacted_requests"]) + now.redacted_requests,
+    )

@@ -74,19 +74,35 @@ async def fence_people(conn: Any, tenant_id: str, people: Sequence[str]) -> list
     return sorted(by_key[r["person_sha256"]] for r in rows)
 
 
-async def fence_erasure(conn: Any, tenant_id: str, person_id: str) -> None:
+async def fence_erasure(conn: Any, tenant_id: str, person_id: str) -> dict[str, Any] | None:
     """Hold the person's fence exclusively until the transaction ends, and record them as
-    erased: snapshots persisted before are committed (and found), later ones refused."""
+    erased: snapshots persisted before are committed (and found), later ones refused.
+    Returns what erasing them has done before (None the first time, or for an erasure
+    made before outcomes were kept: migrations/0015_erasure_outcome.sql)."""
     await conn.execute(
         "SELECT pg_advisory_xact_lock(" + _PERSON_LOCK.format(person="$2") + ")",
         tenant_id,
         person_id,
     )
-    await conn.execute(
+    earlier: dict[str, Any] | None = await conn.fetchval(
         "INSERT INTO erased_people (tenant_id, person_sha256) VALUES ($1, $2)"
-        " ON CONFLICT (tenant_id, person_sha256) DO UPDATE SET erased_at = now()",
+        " ON CONFLICT (tenant_id, person_sha256) DO UPDATE SET erased_at = now()"
+        " RETURNING outcome",
         tenant_id,
         _erased_key(person_id),
+    )
+    return earlier
+
+
+async def record_erasure_outcome(
+    conn: Any, tenant_id: str, person_id: str, outcome: dict[str, Any]
+) -> None:
+    """Keep what erasing the person has done so far (fence_erasure returns it next time)."""
+    await conn.execute(
+        "UPDATE erased_people SET outcome = $3 WHERE tenant_id = $1 AND person_sha256 = $2",
+        tenant_id,
+        _erased_key(person_id),
+        outcome,
     )
 
 
