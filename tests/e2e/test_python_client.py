@@ -26,6 +26,7 @@ from context_engine_client import (
     ToolOutput,
     Usage,
     assistant_message,
+    channel_options,
     pb,
     tool,
     tool_result,
@@ -330,6 +331,29 @@ async def _run_over_its_budget(client: Any) -> tuple[Any, Any]:
 
 async def _summarize(prepared: Any) -> str:
     return "The assistant said a lot of lorem."
+
+
+async def test_every_rpc_has_a_method_and_a_channel_of_ones_own_gets_the_retry_policy(
+    grpc_server: Any,
+) -> None:
+    """GetBuild and EraseSubject were reachable only through `call()`; a client given its
+    own channel lacked the retry policy the README promised (`channel_options()`)."""
+    import grpc
+
+    target = f"127.0.0.1:{grpc_server.port}"
+    async with grpc.aio.insecure_channel(target, options=channel_options()) as channel:
+        client = ContextEngineClient(target, TENANT, channel=channel)
+        session = await client.open_session(_spec())
+        run = await session.start_run("Trains to Lyon?")
+        built = await run.build(now=NOW)
+        again = await client.get_build(session.session_id, built.request_sequence)
+        assert again.provider_payload == built.provider_payload
+        assert again.request_sha256 == built.request_sha256
+        erased = await client.erase_subject(f"nobody-{uuid.uuid4()}")
+        assert list(erased.bound_run_ids) == [] and erased.redacted_items == 0
+    options = dict(channel_options())
+    assert options["grpc.enable_retries"] == 1
+    assert "UNAVAILABLE" in options["grpc.service_config"]
 
 
 async def test_a_tool_loop_again_after_an_append_whose_answer_was_lost_runs_no_tool_twice(

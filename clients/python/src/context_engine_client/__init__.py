@@ -15,6 +15,7 @@ from .client import (
     Summary,
     ToolLoopResult,
     UsageReport,
+    channel_options,
     wire_tool_name,
 )
 from .errors import (
@@ -78,6 +79,7 @@ __all__ = [
     "Usage",
     "UsageReport",
     "assistant_message",
+    "channel_options",
     "pb",
     "pb_grpc",
     "reasoning",

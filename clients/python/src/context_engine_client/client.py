@@ -46,6 +46,7 @@ __all__ = [
     "Summary",
     "ToolLoopResult",
     "UsageReport",
+    "channel_options",
 ]
 
 SERVICE = "context_engine.v1.ContextEngine"
@@ -97,6 +98,18 @@ def _timestamp(value: datetime) -> Timestamp:
     return stamp
 
 
+def channel_options() -> list[tuple[str, Any]]:
+    """The options the client opens its channel with: transparent retries of UNAVAILABLE
+    (keyed writes are safe to resend) and no receive limit. For a channel of your own."""
+    return [
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", _SERVICE_CONFIG),
+        # A Build for a long-window model can exceed gRPC's 4 MiB receive default; the
+        # server bounds what it sends (twice its max_request_bytes), so accept that.
+        ("grpc.max_receive_message_length", -1),
+    ]
+
+
 class ContextEngineClient:
     """A connection to the engine, acting for one tenant.
 
@@ -107,7 +120,10 @@ class ContextEngineClient:
         token: bearer token, sent as `authorization: Bearer <token>` metadata.
         credentials: TLS (or mTLS) channel credentials; None for a plaintext channel.
         timeout: per-call deadline in seconds.
-        channel: an existing grpc.aio channel to use instead of opening one.
+        channel: an existing grpc.aio channel to use instead of opening one. Its options
+            are the caller's: open it with `channel_options()` for the client's retry policy
+            (UNAVAILABLE retried) and receive limit, which a channel given here otherwise
+            lacks.
     """
 
     def __init__(
@@ -128,14 +144,7 @@ class ContextEngineClient:
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ()
         )
-        opts = [
-            ("grpc.enable_retries", 1),
-            ("grpc.service_config", _SERVICE_CONFIG),
-            # A Build for a long-window model can exceed gRPC's 4 MiB receive default; the
-            # server bounds what it sends (twice its max_request_bytes), so accept that.
-            ("grpc.max_receive_message_length", -1),
-            *options,
-        ]
+        opts = [*channel_options(), *options]
         self._owns_channel = channel is None
         if channel is not None:
             self.channel = channel
@@ -223,6 +232,26 @@ class ContextEngineClient:
             cached_prefix_ppm=response.cached_prefix_ppm,
             absorbed=response.absorbed,
         )
+
+    async def get_build(self, session_id: str, request_sequence: int) -> BuildResult:
+        """Rebuild a recorded request byte for byte (GetBuild), by its request_sequence."""
+        response = await self.call(
+            "GetBuild",
+            pb.GetBuildRequest(
+                tenant_id=self.tenant_id,
+                session_id=session_id,
+                request_sequence=request_sequence,
+            ),
+        )
+        return BuildResult(response)
+
+    async def erase_subject(self, person_id: str) -> pb.EraseSubjectResponse:
+        """Erase a person's memories from every snapshot and recorded request of the tenant.
+        Safe to resend: the answer is everything erasing them has done, as first reported."""
+        response: pb.EraseSubjectResponse = await self.call(
+            "EraseSubject", pb.EraseSubjectRequest(tenant_id=self.tenant_id, person_id=person_id)
+        )
+        return response
 
     async def control_tools(self) -> list[pb.ToolSpec]:
         """The engine's control tools (context.update_working_state) for a PlanSpec."""
@@ -599,8 +628,11 @@ class Run:
         *,
         compactor_version: str = "context-engine-client@0.1.0",
         idempotency_key: str | None = None,
+        through_sequence: int = 0,
     ) -> int:
         """PrepareCompaction -> the worker's summarizer -> CommitCompaction.
+
+        `through_sequence`: the last event to compact (0: the engine chooses the cut).
 
         `summarize` gets the prepared input (trusted content only, untrusted spans already
         elided to pointers) and returns the summary. Returns the new checkpoint version.
@@ -618,6 +650,7 @@ class Run:
                 session_id=self.session_id,
                 run_id=self.run_id,
                 checkpoint_version=self.checkpoint_version,
+                through_sequence=through_sequence,
             ),
         )
         written = await summarize(prepared)
