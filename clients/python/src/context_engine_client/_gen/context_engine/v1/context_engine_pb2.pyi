@@ -1,13 +1,12 @@
 import datetime
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
 
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -134,7 +133,6 @@ class TaskStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TASK_STATUS_BLOCKED: _ClassVar[TaskStatus]
     TASK_STATUS_DONE: _ClassVar[TaskStatus]
     TASK_STATUS_CANCELLED: _ClassVar[TaskStatus]
-
 TRUST_LEVEL_UNSPECIFIED: TrustLevel
 TRUST_LEVEL_PLATFORM: TrustLevel
 TRUST_LEVEL_TRUSTED_CONFIGURATION: TrustLevel
@@ -231,19 +229,7 @@ TASK_STATUS_DONE: TaskStatus
 TASK_STATUS_CANCELLED: TaskStatus
 
 class PlanSpec(_message.Message):
-    __slots__ = (
-        "agent",
-        "environment",
-        "model_id",
-        "persona",
-        "policy",
-        "policy_cap_tokens",
-        "principal",
-        "reserve_output_tokens",
-        "skills",
-        "snapshot",
-        "tools",
-    )
+    __slots__ = ("model_id", "agent", "principal", "tools", "persona", "skills", "snapshot", "environment", "policy", "policy_cap_tokens", "reserve_output_tokens")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_FIELD_NUMBER: _ClassVar[int]
     PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
@@ -266,23 +252,10 @@ class PlanSpec(_message.Message):
     policy: PlatformPolicy
     policy_cap_tokens: int
     reserve_output_tokens: int
-    def __init__(
-        self,
-        model_id: str | None = ...,
-        agent: AgentSpec | _Mapping | None = ...,
-        principal: Principal | _Mapping | None = ...,
-        tools: _Iterable[ToolSpec | _Mapping] | None = ...,
-        persona: Persona | _Mapping | None = ...,
-        skills: _Iterable[SkillCatalogEntry | _Mapping] | None = ...,
-        snapshot: MemorySnapshot | _Mapping | None = ...,
-        environment: SessionEnvironment | _Mapping | None = ...,
-        policy: PlatformPolicy | _Mapping | None = ...,
-        policy_cap_tokens: int | None = ...,
-        reserve_output_tokens: int | None = ...,
-    ) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., agent: _Optional[_Union[AgentSpec, _Mapping]] = ..., principal: _Optional[_Union[Principal, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[ToolSpec, _Mapping]]] = ..., persona: _Optional[_Union[Persona, _Mapping]] = ..., skills: _Optional[_Iterable[_Union[SkillCatalogEntry, _Mapping]]] = ..., snapshot: _Optional[_Union[MemorySnapshot, _Mapping]] = ..., environment: _Optional[_Union[SessionEnvironment, _Mapping]] = ..., policy: _Optional[_Union[PlatformPolicy, _Mapping]] = ..., policy_cap_tokens: _Optional[int] = ..., reserve_output_tokens: _Optional[int] = ...) -> None: ...
 
 class AgentSpec(_message.Message):
-    __slots__ = ("agent_id", "deferred_tools", "enabled_tools", "instructions", "version")
+    __slots__ = ("agent_id", "version", "instructions", "enabled_tools", "deferred_tools")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -293,44 +266,20 @@ class AgentSpec(_message.Message):
     instructions: str
     enabled_tools: _containers.RepeatedScalarFieldContainer[str]
     deferred_tools: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(
-        self,
-        agent_id: str | None = ...,
-        version: str | None = ...,
-        instructions: str | None = ...,
-        enabled_tools: _Iterable[str] | None = ...,
-        deferred_tools: _Iterable[str] | None = ...,
-    ) -> None: ...
+    def __init__(self, agent_id: _Optional[str] = ..., version: _Optional[str] = ..., instructions: _Optional[str] = ..., enabled_tools: _Optional[_Iterable[str]] = ..., deferred_tools: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Principal(_message.Message):
-    __slots__ = ("principal_id", "scope_label", "scopes")
+    __slots__ = ("principal_id", "scopes", "scope_label")
     PRINCIPAL_ID_FIELD_NUMBER: _ClassVar[int]
     SCOPES_FIELD_NUMBER: _ClassVar[int]
     SCOPE_LABEL_FIELD_NUMBER: _ClassVar[int]
     principal_id: str
     scopes: _containers.RepeatedScalarFieldContainer[str]
     scope_label: str
-    def __init__(
-        self,
-        principal_id: str | None = ...,
-        scopes: _Iterable[str] | None = ...,
-        scope_label: str | None = ...,
-    ) -> None: ...
+    def __init__(self, principal_id: _Optional[str] = ..., scopes: _Optional[_Iterable[str]] = ..., scope_label: _Optional[str] = ...) -> None: ...
 
 class ToolSpec(_message.Message):
-    __slots__ = (
-        "builtin",
-        "description",
-        "input_schema_json",
-        "model_visible",
-        "name",
-        "output_schema_json",
-        "policy_json",
-        "required_scopes",
-        "server",
-        "session_binding",
-        "side_effect",
-    )
+    __slots__ = ("name", "description", "input_schema_json", "output_schema_json", "side_effect", "required_scopes", "server", "model_visible", "builtin", "session_binding", "policy_json")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     INPUT_SCHEMA_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -353,33 +302,18 @@ class ToolSpec(_message.Message):
     builtin: bool
     session_binding: str
     policy_json: str
-    def __init__(
-        self,
-        name: str | None = ...,
-        description: str | None = ...,
-        input_schema_json: str | None = ...,
-        output_schema_json: str | None = ...,
-        side_effect: SideEffect | str | None = ...,
-        required_scopes: _Iterable[str] | None = ...,
-        server: str | None = ...,
-        model_visible: bool | None = ...,
-        builtin: bool | None = ...,
-        session_binding: str | None = ...,
-        policy_json: str | None = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., input_schema_json: _Optional[str] = ..., output_schema_json: _Optional[str] = ..., side_effect: _Optional[_Union[SideEffect, str]] = ..., required_scopes: _Optional[_Iterable[str]] = ..., server: _Optional[str] = ..., model_visible: _Optional[bool] = ..., builtin: _Optional[bool] = ..., session_binding: _Optional[str] = ..., policy_json: _Optional[str] = ...) -> None: ...
 
 class Persona(_message.Message):
-    __slots__ = ("entries", "revision")
+    __slots__ = ("revision", "entries")
     REVISION_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     revision: str
     entries: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(
-        self, revision: str | None = ..., entries: _Iterable[str] | None = ...
-    ) -> None: ...
+    def __init__(self, revision: _Optional[str] = ..., entries: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SkillCatalogEntry(_message.Message):
-    __slots__ = ("description", "name", "trust", "version")
+    __slots__ = ("name", "description", "version", "trust")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -388,16 +322,10 @@ class SkillCatalogEntry(_message.Message):
     description: str
     version: str
     trust: TrustLevel
-    def __init__(
-        self,
-        name: str | None = ...,
-        description: str | None = ...,
-        version: str | None = ...,
-        trust: TrustLevel | str | None = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., version: _Optional[str] = ..., trust: _Optional[_Union[TrustLevel, str]] = ...) -> None: ...
 
 class MemorySnapshot(_message.Message):
-    __slots__ = ("items", "recall_trace_id", "snapshot_id", "watermark")
+    __slots__ = ("snapshot_id", "recall_trace_id", "watermark", "items")
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     RECALL_TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     WATERMARK_FIELD_NUMBER: _ClassVar[int]
@@ -406,16 +334,10 @@ class MemorySnapshot(_message.Message):
     recall_trace_id: str
     watermark: int
     items: _containers.RepeatedCompositeFieldContainer[MemoryItem]
-    def __init__(
-        self,
-        snapshot_id: str | None = ...,
-        recall_trace_id: str | None = ...,
-        watermark: int | None = ...,
-        items: _Iterable[MemoryItem | _Mapping] | None = ...,
-    ) -> None: ...
+    def __init__(self, snapshot_id: _Optional[str] = ..., recall_trace_id: _Optional[str] = ..., watermark: _Optional[int] = ..., items: _Optional[_Iterable[_Union[MemoryItem, _Mapping]]] = ...) -> None: ...
 
 class MemoryItem(_message.Message):
-    __slots__ = ("item_id", "person_ids", "source", "text")
+    __slots__ = ("item_id", "text", "source", "person_ids")
     ITEM_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -424,23 +346,10 @@ class MemoryItem(_message.Message):
     text: str
     source: str
     person_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(
-        self,
-        item_id: str | None = ...,
-        text: str | None = ...,
-        source: str | None = ...,
-        person_ids: _Iterable[str] | None = ...,
-    ) -> None: ...
+    def __init__(self, item_id: _Optional[str] = ..., text: _Optional[str] = ..., source: _Optional[str] = ..., person_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SessionEnvironment(_message.Message):
-    __slots__ = (
-        "allowed_origins",
-        "bound_capabilities",
-        "browser_profile_id",
-        "kind",
-        "surface",
-        "time_zone",
-    )
+    __slots__ = ("kind", "surface", "browser_profile_id", "allowed_origins", "bound_capabilities", "time_zone")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SURFACE_FIELD_NUMBER: _ClassVar[int]
     BROWSER_PROFILE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -453,53 +362,18 @@ class SessionEnvironment(_message.Message):
     allowed_origins: _containers.RepeatedScalarFieldContainer[str]
     bound_capabilities: _containers.RepeatedScalarFieldContainer[str]
     time_zone: str
-    def __init__(
-        self,
-        kind: SessionKind | str | None = ...,
-        surface: str | None = ...,
-        browser_profile_id: str | None = ...,
-        allowed_origins: _Iterable[str] | None = ...,
-        bound_capabilities: _Iterable[str] | None = ...,
-        time_zone: str | None = ...,
-    ) -> None: ...
+    def __init__(self, kind: _Optional[_Union[SessionKind, str]] = ..., surface: _Optional[str] = ..., browser_profile_id: _Optional[str] = ..., allowed_origins: _Optional[_Iterable[str]] = ..., bound_capabilities: _Optional[_Iterable[str]] = ..., time_zone: _Optional[str] = ...) -> None: ...
 
 class PlatformPolicy(_message.Message):
-    __slots__ = ("text", "version")
+    __slots__ = ("version", "text")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     version: str
     text: str
-    def __init__(self, version: str | None = ..., text: str | None = ...) -> None: ...
+    def __init__(self, version: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class ContextPlan(_message.Message):
-    __slots__ = (
-        "authority_scope_hashes",
-        "builder_version",
-        "cache_breakpoints",
-        "created_at",
-        "deferred_tool_names",
-        "epoch",
-        "invalidated",
-        "model_id",
-        "pinned_tools",
-        "policy_version",
-        "prefix_classes",
-        "prefix_document",
-        "prefix_sha256",
-        "prefix_tokens",
-        "provider",
-        "reason",
-        "recall_trace_id",
-        "session_id",
-        "session_kind",
-        "skill_pins",
-        "skipped_tool_names",
-        "snapshot_id",
-        "snapshot_watermark",
-        "spec_sha256",
-        "tool_names",
-        "tool_schema_sha256",
-    )
+    __slots__ = ("session_id", "epoch", "prefix_sha256", "prefix_tokens", "model_id", "provider", "tool_names", "tool_schema_sha256", "authority_scope_hashes", "snapshot_id", "snapshot_watermark", "skill_pins", "cache_breakpoints", "policy_version", "builder_version", "created_at", "reason", "skipped_tool_names", "deferred_tool_names", "spec_sha256", "prefix_classes", "prefix_document", "pinned_tools", "recall_trace_id", "session_kind", "invalidated")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -552,38 +426,10 @@ class ContextPlan(_message.Message):
     recall_trace_id: str
     session_kind: SessionKind
     invalidated: bool
-    def __init__(
-        self,
-        session_id: str | None = ...,
-        epoch: int | None = ...,
-        prefix_sha256: str | None = ...,
-        prefix_tokens: int | None = ...,
-        model_id: str | None = ...,
-        provider: Provider | str | None = ...,
-        tool_names: _Iterable[str] | None = ...,
-        tool_schema_sha256: str | None = ...,
-        authority_scope_hashes: _Iterable[str] | None = ...,
-        snapshot_id: str | None = ...,
-        snapshot_watermark: int | None = ...,
-        skill_pins: _Iterable[SkillPin | _Mapping] | None = ...,
-        cache_breakpoints: _Iterable[CacheBreakpoint | _Mapping] | None = ...,
-        policy_version: str | None = ...,
-        builder_version: str | None = ...,
-        created_at: datetime.datetime | _timestamp_pb2.Timestamp | _Mapping | None = ...,
-        reason: PlanReason | str | None = ...,
-        skipped_tool_names: _Iterable[str] | None = ...,
-        deferred_tool_names: _Iterable[str] | None = ...,
-        spec_sha256: str | None = ...,
-        prefix_classes: _Iterable[ClassUsage | _Mapping] | None = ...,
-        prefix_document: bytes | None = ...,
-        pinned_tools: _Iterable[PinnedTool | _Mapping] | None = ...,
-        recall_trace_id: str | None = ...,
-        session_kind: SessionKind | str | None = ...,
-        invalidated: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prefix_sha256: _Optional[str] = ..., prefix_tokens: _Optional[int] = ..., model_id: _Optional[str] = ..., provider: _Optional[_Union[Provider, str]] = ..., tool_names: _Optional[_Iterable[str]] = ..., tool_schema_sha256: _Optional[str] = ..., authority_scope_hashes: _Optional[_Iterable[str]] = ..., snapshot_id: _Optional[str] = ..., snapshot_watermark: _Optional[int] = ..., skill_pins: _Optional[_Iterable[_Union[SkillPin, _Mapping]]] = ..., cache_breakpoints: _Optional[_Iterable[_Union[CacheBreakpoint, _Mapping]]] = ..., policy_version: _Optional[str] = ..., builder_version: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[_Union[PlanReason, str]] = ..., skipped_tool_names: _Optional[_Iterable[str]] = ..., deferred_tool_names: _Optional[_Iterable[str]] = ..., spec_sha256: _Optional[str] = ..., prefix_classes: _Optional[_Iterable[_Union[ClassUsage, _Mapping]]] = ..., prefix_document: _Optional[bytes] = ..., pinned_tools: _Optional[_Iterable[_Union[PinnedTool, _Mapping]]] = ..., recall_trace_id: _Optional[str] = ..., session_kind: _Optional[_Union[SessionKind, str]] = ..., invalidated: _Optional[bool] = ...) -> None: ...
 
 class PinnedTool(_message.Message):
-    __slots__ = ("defined", "name", "required_scopes", "side_effect", "spec_sha256")
+    __slots__ = ("name", "defined", "required_scopes", "side_effect", "spec_sha256")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DEFINED_FIELD_NUMBER: _ClassVar[int]
     REQUIRED_SCOPES_FIELD_NUMBER: _ClassVar[int]
@@ -594,14 +440,7 @@ class PinnedTool(_message.Message):
     required_scopes: _containers.RepeatedScalarFieldContainer[str]
     side_effect: SideEffect
     spec_sha256: str
-    def __init__(
-        self,
-        name: str | None = ...,
-        defined: bool | None = ...,
-        required_scopes: _Iterable[str] | None = ...,
-        side_effect: SideEffect | str | None = ...,
-        spec_sha256: str | None = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., defined: _Optional[bool] = ..., required_scopes: _Optional[_Iterable[str]] = ..., side_effect: _Optional[_Union[SideEffect, str]] = ..., spec_sha256: _Optional[str] = ...) -> None: ...
 
 class SkillPin(_message.Message):
     __slots__ = ("name", "version")
@@ -609,17 +448,10 @@ class SkillPin(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
-    def __init__(self, name: str | None = ..., version: str | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
 
 class CacheBreakpoint(_message.Message):
-    __slots__ = (
-        "name",
-        "priority",
-        "through_input_item",
-        "through_item",
-        "through_sequence",
-        "ttl",
-    )
+    __slots__ = ("name", "through_item", "through_input_item", "ttl", "priority", "through_sequence")
     NAME_FIELD_NUMBER: _ClassVar[int]
     THROUGH_ITEM_FIELD_NUMBER: _ClassVar[int]
     THROUGH_INPUT_ITEM_FIELD_NUMBER: _ClassVar[int]
@@ -632,18 +464,10 @@ class CacheBreakpoint(_message.Message):
     ttl: str
     priority: int
     through_sequence: int
-    def __init__(
-        self,
-        name: str | None = ...,
-        through_item: str | None = ...,
-        through_input_item: str | None = ...,
-        ttl: str | None = ...,
-        priority: int | None = ...,
-        through_sequence: int | None = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., through_item: _Optional[str] = ..., through_input_item: _Optional[str] = ..., ttl: _Optional[str] = ..., priority: _Optional[int] = ..., through_sequence: _Optional[int] = ...) -> None: ...
 
 class ClassUsage(_message.Message):
-    __slots__ = ("cap_items", "cap_tokens", "class_name", "items", "tokens")
+    __slots__ = ("class_name", "tokens", "items", "cap_tokens", "cap_items")
     CLASS_NAME_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
@@ -654,73 +478,46 @@ class ClassUsage(_message.Message):
     items: int
     cap_tokens: int
     cap_items: int
-    def __init__(
-        self,
-        class_name: str | None = ...,
-        tokens: int | None = ...,
-        items: int | None = ...,
-        cap_tokens: int | None = ...,
-        cap_items: int | None = ...,
-    ) -> None: ...
+    def __init__(self, class_name: _Optional[str] = ..., tokens: _Optional[int] = ..., items: _Optional[int] = ..., cap_tokens: _Optional[int] = ..., cap_items: _Optional[int] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
-    __slots__ = ("session_id", "spec", "tenant_id")
+    __slots__ = ("tenant_id", "session_id", "spec")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     tenant_id: str
     session_id: str
     spec: PlanSpec
-    def __init__(
-        self,
-        tenant_id: str | None = ...,
-        session_id: str | None = ...,
-        spec: PlanSpec | _Mapping | None = ...,
-    ) -> None: ...
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., spec: _Optional[_Union[PlanSpec, _Mapping]] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
-    __slots__ = ("created", "plan", "spec_matches")
+    __slots__ = ("plan", "created", "spec_matches")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     SPEC_MATCHES_FIELD_NUMBER: _ClassVar[int]
     plan: ContextPlan
     created: bool
     spec_matches: bool
-    def __init__(
-        self,
-        plan: ContextPlan | _Mapping | None = ...,
-        created: bool | None = ...,
-        spec_matches: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, plan: _Optional[_Union[ContextPlan, _Mapping]] = ..., created: _Optional[bool] = ..., spec_matches: _Optional[bool] = ...) -> None: ...
 
 class GetPlanRequest(_message.Message):
-    __slots__ = ("epoch", "session_id", "tenant_id")
+    __slots__ = ("tenant_id", "session_id", "epoch")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     tenant_id: str
     session_id: str
     epoch: int
-    def __init__(
-        self, tenant_id: str | None = ..., session_id: str | None = ..., epoch: int | None = ...
-    ) -> None: ...
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class GetPlanResponse(_message.Message):
     __slots__ = ("plan",)
     PLAN_FIELD_NUMBER: _ClassVar[int]
     plan: ContextPlan
-    def __init__(self, plan: ContextPlan | _Mapping | None = ...) -> None: ...
+    def __init__(self, plan: _Optional[_Union[ContextPlan, _Mapping]] = ...) -> None: ...
 
 class RotateRequest(_message.Message):
-    __slots__ = (
-        "detail",
-        "from_epoch",
-        "idempotency_key",
-        "reason",
-        "session_id",
-        "spec",
-        "tenant_id",
-    )
+    __slots__ = ("tenant_id", "session_id", "from_epoch", "reason", "spec", "detail", "idempotency_key")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -735,32 +532,16 @@ class RotateRequest(_message.Message):
     spec: PlanSpec
     detail: str
     idempotency_key: str
-    def __init__(
-        self,
-        tenant_id: str | None = ...,
-        session_id: str | None = ...,
-        from_epoch: int | None = ...,
-        reason: PlanReason | str | None = ...,
-        spec: PlanSpec | _Mapping | None = ...,
-        detail: str | None = ...,
-        idempotency_key: str | None = ...,
-    ) -> None: ...
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., from_epoch: _Optional[int] = ..., reason: _Optional[_Union[PlanReason, str]] = ..., spec: _Optional[_Union[PlanSpec, _Mapping]] = ..., detail: _Optional[str] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class RotateResponse(_message.Message):
     __slots__ = ("plan",)
     PLAN_FIELD_NUMBER: _ClassVar[int]
     plan: ContextPlan
-    def __init__(self, plan: ContextPlan | _Mapping | None = ...) -> None: ...
+    def __init__(self, plan: _Optional[_Union[ContextPlan, _Mapping]] = ...) -> None: ...
 
 class ConversationItem(_message.Message):
-    __slots__ = (
-        "assistant_message",
-        "item_id",
-        "reasoning",
-        "tool_call",
-        "tool_result",
-        "user_message",
-    )
+    __slots__ = ("item_id", "user_message", "assistant_message", "tool_call", "tool_result", "reasoning")
     ITEM_ID_FIELD_NUMBER: _ClassVar[int]
     USER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ASSISTANT_MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -773,28 +554,18 @@ class ConversationItem(_message.Message):
     tool_call: ToolCall
     tool_result: ToolResult
     reasoning: ReasoningItem
-    def __init__(
-        self,
-        item_id: str | None = ...,
-        user_message: UserMessage | _Mapping | None = ...,
-        assistant_message: AssistantMessage | _Mapping | None = ...,
-        tool_call: ToolCall | _Mapping | None = ...,
-        tool_result: ToolResult | _Mapping | None = ...,
-        reasoning: ReasoningItem | _Mapping | None = ...,
-    ) -> None: ...
+    def __init__(self, item_id: _Optional[str] = ..., user_message: _Optional[_Union[UserMessage, _Mapping]] = ..., assistant_message: _Optional[_Union[AssistantMessage, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCall, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResult, _Mapping]] = ..., reasoning: _Optional[_Union[ReasoningItem, _Mapping]] = ...) -> None: ...
 
 class UserMessage(_message.Message):
-    __slots__ = ("attachments", "text")
+    __slots__ = ("text", "attachments")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     ATTACHMENTS_FIELD_NUMBER: _ClassVar[int]
     text: str
     attachments: _containers.RepeatedCompositeFieldContainer[Attachment]
-    def __init__(
-        self, text: str | None = ..., attachments: _Iterable[Attachment | _Mapping] | None = ...
-    ) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., attachments: _Optional[_Iterable[_Union[Attachment, _Mapping]]] = ...) -> None: ...
 
 class Attachment(_message.Message):
-    __slots__ = ("kind", "pages", "ref", "text_length")
+    __slots__ = ("kind", "ref", "pages", "text_length")
     KIND_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -803,22 +574,16 @@ class Attachment(_message.Message):
     ref: str
     pages: int
     text_length: int
-    def __init__(
-        self,
-        kind: str | None = ...,
-        ref: str | None = ...,
-        pages: int | None = ...,
-        text_length: int | None = ...,
-    ) -> None: ...
+    def __init__(self, kind: _Optional[str] = ..., ref: _Optional[str] = ..., pages: _Optional[int] = ..., text_length: _Optional[int] = ...) -> None: ...
 
 class AssistantMessage(_message.Message):
     __slots__ = ("text",)
     TEXT_FIELD_NUMBER: _ClassVar[int]
     text: str
-    def __init__(self, text: str | None = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class ToolCall(_message.Message):
-    __slots__ = ("arguments_json", "call_id", "task_id", "tool_name")
+    __slots__ = ("call_id", "tool_name", "arguments_json", "task_id")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -827,25 +592,10 @@ class ToolCall(_message.Message):
     tool_name: str
     arguments_json: str
     task_id: str
-    def __init__(
-        self,
-        call_id: str | None = ...,
-        tool_name: str | None = ...,
-        arguments_json: str | None = ...,
-        task_id: str | None = ...,
-    ) -> None: ...
+    def __init__(self, call_id: _Optional[str] = ..., tool_name: _Optional[str] = ..., arguments_json: _Optional[str] = ..., task_id: _Optional[str] = ...) -> None: ...
 
 class ToolResult(_message.Message):
-    __slots__ = (
-        "artifact_ref",
-        "call_id",
-        "content",
-        "context_content",
-        "is_error",
-        "source",
-        "tool_name",
-        "trust",
-    )
+    __slots__ = ("call_id", "tool_name", "content", "trust", "source", "is_error", "artifact_ref", "context_content")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
@@ -862,30 +612,18 @@ class ToolResult(_message.Message):
     is_error: bool
     artifact_ref: str
     context_content: str
-    def __init__(
-        self,
-        call_id: str | None = ...,
-        tool_name: str | None = ...,
-        content: str | None = ...,
-        trust: TrustLevel | str | None = ...,
-        source: str | None = ...,
-        is_error: bool | None = ...,
-        artifact_ref: str | None = ...,
-        context_content: str | None = ...,
-    ) -> None: ...
+    def __init__(self, call_id: _Optional[str] = ..., tool_name: _Optional[str] = ..., content: _Optional[str] = ..., trust: _Optional[_Union[TrustLevel, str]] = ..., source: _Optional[str] = ..., is_error: _Optional[bool] = ..., artifact_ref: _Optional[str] = ..., context_content: _Optional[str] = ...) -> None: ...
 
 class ReasoningItem(_message.Message):
-    __slots__ = ("opaque", "provider")
+    __slots__ = ("provider", "opaque")
     PROVIDER_FIELD_NUMBER: _ClassVar[int]
     OPAQUE_FIELD_NUMBER: _ClassVar[int]
     provider: Provider
     opaque: bytes
-    def __init__(
-        self, provider: Provider | str | None = ..., opaque: bytes | None = ...
-    ) -> None: ...
+    def __init__(self, provider: _Optional[_Union[Provider, str]] = ..., opaque: _Optional[bytes] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("epoch", "parent_run_id", "run_id", "seed_event_sequence", "session_id")
+    __slots__ = ("run_id", "session_id", "parent_run_id", "seed_event_sequence", "epoch")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -896,34 +634,18 @@ class Run(_message.Message):
     parent_run_id: str
     seed_event_sequence: int
     epoch: int
-    def __init__(
-        self,
-        run_id: str | None = ...,
-        session_id: str | None = ...,
-        parent_run_id: str | None = ...,
-        seed_event_sequence: int | None = ...,
-        epoch: int | None = ...,
-    ) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., session_id: _Optional[str] = ..., parent_run_id: _Optional[str] = ..., seed_event_sequence: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ChildSeed(_message.Message):
-    __slots__ = ("instruction", "parent_run_id")
+    __slots__ = ("parent_run_id", "instruction")
     PARENT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
     parent_run_id: str
     instruction: str
-    def __init__(self, parent_run_id: str | None = ..., instruction: str | None = ...) -> None: ...
+    def __init__(self, parent_run_id: _Optional[str] = ..., instruction: _Optional[str] = ...) -> None: ...
 
 class StartRunRequest(_message.Message):
-    __slots__ = (
-        "admission",
-        "child",
-        "idempotency_key",
-        "run_id",
-        "seed_item_id",
-        "session_id",
-        "tenant_id",
-        "user_message",
-    )
+    __slots__ = ("tenant_id", "session_id", "run_id", "idempotency_key", "user_message", "child", "seed_item_id", "admission")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -940,52 +662,28 @@ class StartRunRequest(_message.Message):
     child: ChildSeed
     seed_item_id: str
     admission: RunAdmission
-    def __init__(
-        self,
-        tenant_id: str | None = ...,
-        session_id: str | None = ...,
-        run_id: str | None = ...,
-        idempotency_key: str | None = ...,
-        user_message: UserMessage | _Mapping | None = ...,
-        child: ChildSeed | _Mapping | None = ...,
-        seed_item_id: str | None = ...,
-        admission: RunAdmission | _Mapping | None = ...,
-    ) -> None: ...
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., run_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., user_message: _Optional[_Union[UserMessage, _Mapping]] = ..., child: _Optional[_Union[ChildSeed, _Mapping]] = ..., seed_item_id: _Optional[str] = ..., admission: _Optional[_Union[RunAdmission, _Mapping]] = ...) -> None: ...
 
 class RunAdmission(_message.Message):
-    __slots__ = ("browser_profile_id", "scopes")
+    __slots__ = ("scopes", "browser_profile_id")
     SCOPES_FIELD_NUMBER: _ClassVar[int]
     BROWSER_PROFILE_ID_FIELD_NUMBER: _ClassVar[int]
     scopes: _containers.RepeatedScalarFieldContainer[str]
     browser_profile_id: str
-    def __init__(
-        self, scopes: _Iterable[str] | None = ..., browser_profile_id: str | None = ...
-    ) -> None: ...
+    def __init__(self, scopes: _Optional[_Iterable[str]] = ..., browser_profile_id: _Optional[str] = ...) -> None: ...
 
 class StartRunResponse(_message.Message):
-    __slots__ = ("checkpoint_version", "rotated_plan", "run")
+    __slots__ = ("run", "checkpoint_version", "rotated_plan")
     RUN_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROTATED_PLAN_FIELD_NUMBER: _ClassVar[int]
     run: Run
     checkpoint_version: int
     rotated_plan: ContextPlan
-    def __init__(
-        self,
-        run: Run | _Mapping | None = ...,
-        checkpoint_version: int | None = ...,
-        rotated_plan: ContextPlan | _Mapping | None = ...,
-    ) -> None: ...
+    def __init__(self, run: _Optional[_Union[Run, _Mapping]] = ..., checkpoint_version: _Optional[int] = ..., rotated_plan: _Optional[_Union[ContextPlan, _Mapping]] = ...) -> None: ...
 
 class AppendItemsRequest(_message.Message):
-    __slots__ = (
-        "expected_checkpoint_version",
-        "idempotency_key",
-        "items",
-        "run_id",
-        "session_id",
-        "tenant_id",
-    )
+    __slots__ = ("tenant_id", "session_id", "run_id", "expected_checkpoint_version", "idempotency_key", "items")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -998,33 +696,20 @@ class AppendItemsRequest(_message.Message):
     expected_checkpoint_version: int
     idempotency_key: str
     items: _containers.RepeatedCompositeFieldContainer[ConversationItem]
-    def __init__(
-        self,
-        tenant_id: str | None = ...,
-        session_id: str | None = ...,
-        run_id: str | None = ...,
-        expected_checkpoint_version: int | None = ...,
-        idempotency_key: str | None = ...,
-        items: _Iterable[ConversationItem | _Mapping] | None = ...,
-    ) -> None: ...
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., run_id: _Optional[str] = ..., expected_checkpoint_version: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., items: _Optional[_Iterable[_Union[ConversationItem, _Mapping]]] = ...) -> None: ...
 
 class AppendItemsResponse(_message.Message):
-    __slots__ = ("checkpoint_version", "item_ids", "sequences")
+    __slots__ = ("checkpoint_version", "sequences", "item_ids")
     CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     ITEM_IDS_FIELD_NUMBER: _ClassVar[int]
     checkpoint_version: int
     sequences: _containers.RepeatedScalarFieldContainer[int]
     item_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(
-        self,
-        checkpoint_version: int | None = ...,
-        sequences: _Iterable[int] | None = ...,
-        item_ids: _Iterable[str] | None = ...,
-    ) -> None: ...
+    def __init__(self, checkpoint_version: _Optional[int] = ..., sequences: _Optional[_Iterable[int]] = ..., item_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepContext(_message.Message):
-    __slots__ = ("corrections", "knowledge", "recall", "recall_floor_lines")
+    __slots__ = ("recall", "corrections", "knowledge", "recall_floor_lines")
     RECALL_FIELD_NUMBER: _ClassVar[int]
     CORRECTIONS_FIELD_NUMBER: _ClassVar[int]
     KNOWLEDGE_FIELD_NUMBER: _ClassVar[int]
@@ -1033,16 +718,10 @@ class StepContext(_message.Message):
     corrections: _containers.RepeatedCompositeFieldContainer[RecallLine]
     knowledge: _containers.RepeatedCompositeFieldContainer[KnowledgePassage]
     recall_floor_lines: int
-    def __init__(
-        self,
-        recall: _Iterable[RecallLine | _Mapping] | None = ...,
-        corrections: _Iterable[RecallLine | _Mapping] | None = ...,
-        knowledge: _Iterable[KnowledgePassage | _Mapping] | None = ...,
-        recall_floor_lines: int | None = ...,
-    ) -> None: ...
+    def __init__(self, recall: _Optional[_Iterable[_Union[RecallLine, _Mapping]]] = ..., corrections: _Optional[_Iterable[_Union[RecallLine, _Mapping]]] = ..., knowledge: _Optional[_Iterable[_Union[KnowledgePassage, _Mapping]]] = ..., recall_floor_lines: _Optional[int] = ...) -> None: ...
 
 class RecallLine(_message.Message):
-    __slots__ = ("item_id", "person_ids", "source", "text")
+    __slots__ = ("item_id", "text", "source", "person_ids")
     ITEM_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -1051,16 +730,10 @@ class RecallLine(_message.Message):
     text: str
     source: str
     person_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(
-        self,
-        item_id: str | None = ...,
-        text: str | None = ...,
-        source: str | None = ...,
-        person_ids: _Iterable[str] | None = ...,
-    ) -> None: ...
+    def __init__(self, item_id: _Optional[str] = ..., text: _Optional[str] = ..., source: _Optional[str] = ..., person_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KnowledgePassage(_message.Message):
-    __slots__ = ("citation", "item_id", "text", "trust")
+    __slots__ = ("item_id", "text", "citation", "trust")
     ITEM_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CITATION_FIELD_NUMBER: _ClassVar[int]
@@ -1069,16 +742,10 @@ class KnowledgePassage(_message.Message):
     text: str
     citation: str
     trust: TrustLevel
-    def __init__(
-        self,
-        item_id: str | None = ...,
-        text: str | None = ...,
-        citation: str | None = ...,
-        trust: TrustLevel | str | None = ...,
-    ) -> None: ...
+    def __init__(self, item_id: _Optional[str] = ..., text: _Optional[str] = ..., citation: _Optional[str] = ..., trust: _Optional[_Union[TrustLevel, str]] = ...) -> None: ...
 
 class BuildRequest(_message.Message):
-    __slots__ = ("checkpoint_version", "now", "run_id", "session_id", "step", "tenant_id")
+    __slots__ = ("tenant_id", "session_id", "run_id", "checkpoint_version", "now", "step")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -1091,27 +758,10 @@ class BuildRequest(_message.Message):
     checkpoint_version: int
     now: _timestamp_pb2.Timestamp
     step: StepContext
-    def __init__(
-        self,
-        tenant_id: str | None = ...,
-        session_id: str | None = ...,
-        run_id: str | None = ...,
-        checkpoint_version: int | None = ...,
-        now: datetime.datetime | _timestamp_pb2.Timestamp | _Mapping | None = ...,
-        step: StepContext | _Mapping | None = ...,
-    ) -> None: ...
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., run_id: _Optional[str] = ..., checkpoint_version: _Optional[int] = ..., now: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., step: _Optional[_Union[StepContext, _Mapping]] = ...) -> None: ...
 
 class ModelRequest(_message.Message):
-    __slots__ = (
-        "cache_breakpoints",
-        "max_output_tokens",
-        "messages",
-        "model_id",
-        "provider",
-        "session_key",
-        "system",
-        "tools",
-    )
+    __slots__ = ("provider", "model_id", "system", "tools", "messages", "cache_breakpoints", "max_output_tokens", "session_key")
     PROVIDER_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_FIELD_NUMBER: _ClassVar[int]
@@ -1128,40 +778,18 @@ class ModelRequest(_message.Message):
     cache_breakpoints: _containers.RepeatedCompositeFieldContainer[CacheBreakpoint]
     max_output_tokens: int
     session_key: str
-    def __init__(
-        self,
-        provider: Provider | str | None = ...,
-        model_id: str | None = ...,
-        system: _Iterable[ContentBlock | _Mapping] | None = ...,
-        tools: _Iterable[ToolDefinition | _Mapping] | None = ...,
-        messages: _Iterable[Message | _Mapping] | None = ...,
-        cache_breakpoints: _Iterable[CacheBreakpoint | _Mapping] | None = ...,
-        max_output_tokens: int | None = ...,
-        session_key: str | None = ...,
-    ) -> None: ...
+    def __init__(self, provider: _Optional[_Union[Provider, str]] = ..., model_id: _Optional[str] = ..., system: _Optional[_Iterable[_Union[ContentBlock, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[ToolDefinition, _Mapping]]] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., cache_breakpoints: _Optional[_Iterable[_Union[CacheBreakpoint, _Mapping]]] = ..., max_output_tokens: _Optional[int] = ..., session_key: _Optional[str] = ...) -> None: ...
 
 class Message(_message.Message):
-    __slots__ = ("blocks", "role")
+    __slots__ = ("role", "blocks")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     role: str
     blocks: _containers.RepeatedCompositeFieldContainer[ContentBlock]
-    def __init__(
-        self, role: str | None = ..., blocks: _Iterable[ContentBlock | _Mapping] | None = ...
-    ) -> None: ...
+    def __init__(self, role: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[ContentBlock, _Mapping]]] = ...) -> None: ...
 
 class ContentBlock(_message.Message):
-    __slots__ = (
-        "item_id",
-        "reasoning",
-        "row",
-        "run_id",
-        "source_sequence",
-        "text",
-        "tool_call",
-        "tool_result",
-        "trust",
-    )
+    __slots__ = ("row", "trust", "item_id", "source_sequence", "run_id", "text", "tool_call", "tool_result", "reasoning")
     ROW_FIELD_NUMBER: _ClassVar[int]
     TRUST_FIELD_NUMBER: _ClassVar[int]
     ITEM_ID_FIELD_NUMBER: _ClassVar[int]
@@ -1180,51 +808,20 @@ class ContentBlock(_message.Message):
     tool_call: ToolCall
     tool_result: ToolResult
     reasoning: ReasoningItem
-    def __init__(
-        self,
-        row: Row | str | None = ...,
-        trust: TrustLevel | str | None = ...,
-        item_id: str | None = ...,
-        source_sequence: int | None = ...,
-        run_id: str | None = ...,
-        text: str | None = ...,
-        tool_call: ToolCall | _Mapping | None = ...,
-        tool_result: ToolResult | _Mapping | None = ...,
-        reasoning: ReasoningItem | _Mapping | None = ...,
-    ) -> None: ...
+    def __init__(self, row: _Optional[_Union[Row, str]] = ..., trust: _Optional[_Union[TrustLevel, str]] = ..., item_id: _Optional[str] = ..., source_sequence: _Optional[int] = ..., run_id: _Optional[str] = ..., text: _Optional[str] = ..., tool_call: _Optional[_Union[ToolCall, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResult, _Mapping]] = ..., reasoning: _Optional[_Union[ReasoningItem, _Mapping]] = ...) -> None: ...
 
 class ToolDefinition(_message.Message):
-    __slots__ = ("description", "input_schema_json", "name")
+    __slots__ = ("name", "description", "input_schema_json")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     INPUT_SCHEMA_JSON_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     input_schema_json: str
-    def __init__(
-        self,
-        name: str | None = ...,
-        description: str | None = ...,
-        input_schema_json: str | None = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., input_schema_json: _Optional[str] = ...) -> None: ...
 
 class BuildResponse(_message.Message):
-    __slots__ = (
-        "budget",
-        "checkpoint_version",
-        "epoch",
-        "estimated_input_tokens",
-        "input_budget_tokens",
-        "needs_compaction",
-        "prefix_sha256",
-        "prefix_tokens",
-        "pressure",
-        "provider_api",
-        "provider_payload",
-        "request",
-        "request_sequence",
-        "request_sha256",
-    )
+    __slots__ = ("request", "prefix_sha256", "prefix_tokens", "epoch", "checkpoint_version", "request_sha256", "request_sequence", "needs_compaction", "pressure", "budget", "provider_payload", "provider_api", "estimated_input_tokens", "input_budget_tokens")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SHA256_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -1253,35 +850,10 @@ class BuildResponse(_message.Message):
     provider_api: str
     estimated_input_tokens: int
     input_budget_tokens: int
-    def __init__(
-        self,
-        request: ModelRequest | _Mapping | None = ...,
-        prefix_sha256: str | None = ...,
-        prefix_tokens: int | None = ...,
-        epoch: int | None = ...,
-        checkpoint_version: int | None = ...,
-        request_sha256: str | None = ...,
-        request_sequence: int | None = ...,
-        needs_compaction: bool | None = ...,
-        pressure: PressureReport | _Mapping | None = ...,
-        budget: _Iterable[ClassUsage | _Mapping] | None = ...,
-        provider_payload: bytes | None = ...,
-        provider_api: str | None = ...,
-        estimated_input_tokens: int | None = ...,
-        input_budget_tokens: int | None = ...,
-    ) -> None: ...
+    def __init__(self, request: _Optional[_Union[ModelRequest, _Mapping]] = ..., prefix_sha256: _Optional[str] = ..., prefix_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., request_sha256: _Optional[str] = ..., request_sequence: _Optional[int] = ..., needs_compaction: _Optional[bool] = ..., pressure: _Optional[_Union[PressureReport, _Mapping]] = ..., budget: _Optional[_Iterable[_Union[ClassUsage, _Mapping]]] = ..., provider_payload: _Optional[bytes] = ..., provider_api: _Optional[str] = ..., estimated_input_tokens: _Optional[int] = ..., input_budget_tokens: _Optional[int] = ...) -> None: ...
 
 class PressureReport(_message.Message):
-    __slots__ = (
-        "body_budget_tokens",
-        "body_tokens_after",
-        "body_tokens_before",
-        "fits",
-        "history_cut_index",
-        "history_items_dropped",
-        "legacy_tool_excerpts",
-        "steps",
-    )
+    __slots__ = ("fits", "steps", "body_tokens_before", "body_tokens_after", "body_budget_tokens", "legacy_tool_excerpts", "history_cut_index", "history_items_dropped")
     FITS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     BODY_TOKENS_BEFORE_FIELD_NUMBER: _ClassVar[int]
@@ -1298,60 +870,30 @@ class PressureReport(_message.Message):
     legacy_tool_excerpts: _containers.RepeatedScalarFieldContainer[str]
     history_cut_index: int
     history_items_dropped: int
-    def __init__(
-        self,
-        fits: bool | None = ...,
-        steps: _Iterable[YieldStep | _Mapping] | None = ...,
-        body_tokens_before: int | None = ...,
-        body_tokens_after: int | None = ...,
-        body_budget_tokens: int | None = ...,
-        legacy_tool_excerpts: _Iterable[str] | None = ...,
-        history_cut_index: int | None = ...,
-        history_items_dropped: int | None = ...,
-    ) -> None: ...
+    def __init__(self, fits: _Optional[bool] = ..., steps: _Optional[_Iterable[_Union[YieldStep, _Mapping]]] = ..., body_tokens_before: _Optional[int] = ..., body_tokens_after: _Optional[int] = ..., body_budget_tokens: _Optional[int] = ..., legacy_tool_excerpts: _Optional[_Iterable[str]] = ..., history_cut_index: _Optional[int] = ..., history_items_dropped: _Optional[int] = ...) -> None: ...
 
 class YieldStep(_message.Message):
-    __slots__ = ("item_ids", "step", "tokens_freed")
+    __slots__ = ("step", "tokens_freed", "item_ids")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FREED_FIELD_NUMBER: _ClassVar[int]
     ITEM_IDS_FIELD_NUMBER: _ClassVar[int]
     step: str
     tokens_freed: int
     item_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(
-        self,
-        step: str | None = ...,
-        tokens_freed: int | None = ...,
-        item_ids: _Iterable[str] | None = ...,
-    ) -> None: ...
+    def __init__(self, step: _Optional[str] = ..., tokens_freed: _Optional[int] = ..., item_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetBuildRequest(_message.Message):
-    __slots__ = ("request_sequence", "session_id", "tenant_id")
+    __slots__ = ("tenant_id", "session_id", "request_sequence")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     tenant_id: str
     session_id: str
     request_sequence: int
-    def __init__(
-        self,
-        tenant_id: str | None = ...,
-        session_id: str | None = ...,
-        request_sequence: int | None = ...,
-    ) -> None: ...
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., request_sequence: _Optional[int] = ...) -> None: ...
 
 class ReportUsageRequest(_message.Message):
-    __slots__ = (
-        "cache_creation_input_tokens",
-        "cache_read_input_tokens",
-        "idempotency_key",
-        "input_tokens",
-        "model_id",
-        "output_tokens",
-        "request_sequence",
-        "session_id",
-        "tenant_id",
-    )
+    __slots__ = ("tenant_id", "session_id", "request_sequence", "model_id", "input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens", "output_tokens", "idempotency_key")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -1370,21 +912,10 @@ class ReportUsageRequest(_message.Message):
     cache_creation_input_tokens: int
     output_tokens: int
     idempotency_key: str
-    def __init__(
-        self,
-        tenant_id: str | None = ...,
-        session_id: str | None = ...,
-        request_sequence: int | None = ...,
-        model_id: str | None = ...,
-        input_tokens: int | None = ...,
-        cache_read_input_tokens: int | None = ...,
-        cache_creation_input_tokens: int | None = ...,
-        output_tokens: int | None = ...,
-        idempotency_key: str | None = ...,
-    ) -> None: ...
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., request_sequence: _Optional[int] = ..., model_id: _Optional[str] = ..., input_tokens: _Optional[int] = ..., cache_read_input_tokens: _Optional[int] = ..., cache_creation_input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class ReportUsageResponse(_message.Message):
-    __slots__ = ("absorbed", "cached_prefix_ppm", "factor_ppm", "samples", "signed_error_ppm")
+    __slots__ = ("factor_ppm", "samples", "signed_error_ppm", "cached_prefix_ppm", "absorbed")
     FACTOR_PPM_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SIGNED_ERROR_PPM_FIELD_NUMBER: _ClassVar[int]
@@ -1395,17 +926,10 @@ class ReportUsageResponse(_message.Message):
     signed_error_ppm: int
     cached_prefix_ppm: int
     absorbed: bool
-    def __init__(
-        self,
-        factor_ppm: int | None = ...,
-        samples: int | None = ...,
-        signed_error_ppm: int | None = ...,
-        cached_prefix_ppm: int | None = ...,
-        absorbed: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, factor_ppm: _Optional[int] = ..., samples: _Optional[int] = ..., signed_error_ppm: _Optional[int] = ..., cached_prefix_ppm: _Optional[int] = ..., absorbed: _Optional[bool] = ...) -> None: ...
 
 class LoadSkillRequest(_message.Message):
-    __slots__ = ("body", "name", "run_id", "session_id", "tenant_id", "trust")
+    __slots__ = ("tenant_id", "session_id", "name", "body", "trust", "run_id")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -1418,15 +942,7 @@ class LoadSkillRequest(_message.Message):
     body: str
     trust: TrustLevel
     run_id: str
-    def __init__(
-        self,
-        tenant_id: str | None = ...,
-        session_id: str | None = ...,
-        name: str | None = ...,
-        body: str | None = ...,
-        trust: TrustLevel | str | None = ...,
-        run_id: str | None = ...,
-    ) -> None: ...
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., name: _Optional[str] = ..., body: _Optional[str] = ..., trust: _Optional[_Union[TrustLevel, str]] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class LoadSkillResponse(_message.Message):
     __slots__ = ("loaded", "newly_loaded")
@@ -1434,20 +950,18 @@ class LoadSkillResponse(_message.Message):
     NEWLY_LOADED_FIELD_NUMBER: _ClassVar[int]
     loaded: _containers.RepeatedScalarFieldContainer[str]
     newly_loaded: bool
-    def __init__(
-        self, loaded: _Iterable[str] | None = ..., newly_loaded: bool | None = ...
-    ) -> None: ...
+    def __init__(self, loaded: _Optional[_Iterable[str]] = ..., newly_loaded: _Optional[bool] = ...) -> None: ...
 
 class EraseSubjectRequest(_message.Message):
-    __slots__ = ("person_id", "tenant_id")
+    __slots__ = ("tenant_id", "person_id")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     PERSON_ID_FIELD_NUMBER: _ClassVar[int]
     tenant_id: str
     person_id: str
-    def __init__(self, tenant_id: str | None = ..., person_id: str | None = ...) -> None: ...
+    def __init__(self, tenant_id: _Optional[str] = ..., person_id: _Optional[str] = ...) -> None: ...
 
 class EraseSubjectResponse(_message.Message):
-    __slots__ = ("bound_run_ids", "invalidated_session_ids", "redacted_items", "redacted_requests")
+    __slots__ = ("invalidated_session_ids", "bound_run_ids", "redacted_items", "redacted_requests")
     INVALIDATED_SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     BOUND_RUN_IDS_FIELD_NUMBER: _ClassVar[int]
     REDACTED_ITEMS_FIELD_NUMBER: _ClassVar[int]
@@ -1456,55 +970,30 @@ class EraseSubjectResponse(_message.Message):
     bound_run_ids: _containers.RepeatedScalarFieldContainer[str]
     redacted_items: int
     redacted_requests: int
-    def __init__(
-        self,
-        invalidated_session_ids: _Iterable[str] | None = ...,
-        bound_run_ids: _Iterable[str] | None = ...,
-        redacted_items: int | None = ...,
-        redacted_requests: int | None = ...,
-    ) -> None: ...
+    def __init__(self, invalidated_session_ids: _Optional[_Iterable[str]] = ..., bound_run_ids: _Optional[_Iterable[str]] = ..., redacted_items: _Optional[int] = ..., redacted_requests: _Optional[int] = ...) -> None: ...
 
 class TaskState(_message.Message):
-    __slots__ = ("status", "task_id", "title")
+    __slots__ = ("task_id", "title", "status")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     TITLE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     title: str
     status: TaskStatus
-    def __init__(
-        self,
-        task_id: str | None = ...,
-        title: str | None = ...,
-        status: TaskStatus | str | None = ...,
-    ) -> None: ...
+    def __init__(self, task_id: _Optional[str] = ..., title: _Optional[str] = ..., status: _Optional[_Union[TaskStatus, str]] = ...) -> None: ...
 
 class Fact(_message.Message):
-    __slots__ = ("source_event_ids", "statement", "trust")
+    __slots__ = ("statement", "source_event_ids", "trust")
     STATEMENT_FIELD_NUMBER: _ClassVar[int]
     SOURCE_EVENT_IDS_FIELD_NUMBER: _ClassVar[int]
     TRUST_FIELD_NUMBER: _ClassVar[int]
     statement: str
     source_event_ids: _containers.RepeatedScalarFieldContainer[int]
     trust: TrustLevel
-    def __init__(
-        self,
-        statement: str | None = ...,
-        source_event_ids: _Iterable[int] | None = ...,
-        trust: TrustLevel | str | None = ...,
-    ) -> None: ...
+    def __init__(self, statement: _Optional[str] = ..., source_event_ids: _Optional[_Iterable[int]] = ..., trust: _Optional[_Union[TrustLevel, str]] = ...) -> None: ...
 
 class WorkingStateUpdate(_message.Message):
-    __slots__ = (
-        "add_constraints",
-        "add_facts",
-        "add_questions",
-        "next_action",
-        "objective",
-        "remove_constraints",
-        "resolve_questions",
-        "upsert_tasks",
-    )
+    __slots__ = ("objective", "add_constraints", "upsert_tasks", "add_facts", "resolve_questions", "next_action", "remove_constraints", "add_questions")
     OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
     ADD_CONSTRAINTS_FIELD_NUMBER: _ClassVar[int]
     UPSERT_TASKS_FIELD_NUMBER: _ClassVar[int]
@@ -1521,20 +1010,10 @@ class WorkingStateUpdate(_message.Message):
     next_action: str
     remove_constraints: _containers.RepeatedScalarFieldContainer[str]
     add_questions: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(
-        self,
-        objective: str | None = ...,
-        add_constraints: _Iterable[str] | None = ...,
-        upsert_tasks: _Iterable[TaskState | _Mapping] | None = ...,
-        add_facts: _Iterable[Fact | _Mapping] | None = ...,
-        resolve_questions: _Iterable[str] | None = ...,
-        next_action: str | None = ...,
-        remove_constraints: _Iterable[str] | None = ...,
-        add_questions: _Iterable[str] | None = ...,
-    ) -> None: ...
+    def __init__(self, objective: _Optional[str] = ..., add_constraints: _Optional[_Iterable[str]] = ..., upsert_tasks: _Optional[_Iterable[_Union[TaskState, _Mapping]]] = ..., add_facts: _Optional[_Iterable[_Union[Fact, _Mapping]]] = ..., resolve_questions: _Optional[_Iterable[str]] = ..., next_action: _Optional[str] = ..., remove_constraints: _Optional[_Iterable[str]] = ..., add_questions: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkingStateEntry(_message.Message):
-    __slots__ = ("source_sequence", "text", "trust", "writer")
+    __slots__ = ("text", "writer", "source_sequence", "trust")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     WRITER_FIELD_NUMBER: _ClassVar[int]
     SOURCE_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -1543,16 +1022,10 @@ class WorkingStateEntry(_message.Message):
     writer: Writer
     source_sequence: int
     trust: TrustLevel
-    def __init__(
-        self,
-        text: str | None = ...,
-        writer: Writer | str | None = ...,
-        source_sequence: int | None = ...,
-        trust: TrustLevel | str | None = ...,
-    ) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., writer: _Optional[_Union[Writer, str]] = ..., source_sequence: _Optional[int] = ..., trust: _Optional[_Union[TrustLevel, str]] = ...) -> None: ...
 
 class WorkingState(_message.Message):
-    __slots__ = ("constraints", "facts", "next_action", "objective", "open_questions", "tasks")
+    __slots__ = ("objective", "constraints", "tasks", "facts", "open_questions", "next_action")
     OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINTS_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
@@ -1565,26 +1038,10 @@ class WorkingState(_message.Message):
     facts: _containers.RepeatedCompositeFieldContainer[Fact]
     open_questions: _containers.RepeatedCompositeFieldContainer[WorkingStateEntry]
     next_action: str
-    def __init__(
-        self,
-        objective: WorkingStateEntry | _Mapping | None = ...,
-        constraints: _Iterable[WorkingStateEntry | _Mapping] | None = ...,
-        tasks: _Iterable[TaskState | _Mapping] | None = ...,
-        facts: _Iterable[Fact | _Mapping] | None = ...,
-        open_questions: _Iterable[WorkingStateEntry | _Mapping] | None = ...,
-        next_action: str | None = ...,
-    ) -> None: ...
+    def __init__(self, objective: _Optional[_Union[WorkingStateEntry, _Mapping]] = ..., constraints: _Optional[_Iterable[_Union[WorkingStateEntry, _Mapping]]] = ..., tasks: _Optional[_Iterable[_Union[TaskState, _Mapping]]] = ..., facts: _Optional[_Iterable[_Union[Fact, _Mapping]]] = ..., open_questions: _Optional[_Iterable[_Union[WorkingStateEntry, _Mapping]]] = ..., next_action: _Optional[str] = ...) -> None: ...
 
 class UpdateWorkingStateRequest(_message.Message):
-    __slots__ = (
-        "expected_checkpoint_version",
-        "idempotency_key",
-        "run_id",
-        "session_id",
-        "tenant_id",
-        "update",
-        "writer",
-    )
+    __slots__ = ("tenant_id", "session_id", "run_id", "expected_checkpoint_version", "writer", "update", "idempotency_key")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -1599,31 +1056,17 @@ class UpdateWorkingStateRequest(_message.Message):
     writer: Writer
     update: WorkingStateUpdate
     idempotency_key: str
-    def __init__(
-        self,
-        tenant_id: str | None = ...,
-        session_id: str | None = ...,
-        run_id: str | None = ...,
-        expected_checkpoint_version: int | None = ...,
-        writer: Writer | str | None = ...,
-        update: WorkingStateUpdate | _Mapping | None = ...,
-        idempotency_key: str | None = ...,
-    ) -> None: ...
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., run_id: _Optional[str] = ..., expected_checkpoint_version: _Optional[int] = ..., writer: _Optional[_Union[Writer, str]] = ..., update: _Optional[_Union[WorkingStateUpdate, _Mapping]] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class UpdateWorkingStateResponse(_message.Message):
-    __slots__ = ("checkpoint_version", "event_sequence", "state")
+    __slots__ = ("checkpoint_version", "state", "event_sequence")
     CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     checkpoint_version: int
     state: WorkingState
     event_sequence: int
-    def __init__(
-        self,
-        checkpoint_version: int | None = ...,
-        state: WorkingState | _Mapping | None = ...,
-        event_sequence: int | None = ...,
-    ) -> None: ...
+    def __init__(self, checkpoint_version: _Optional[int] = ..., state: _Optional[_Union[WorkingState, _Mapping]] = ..., event_sequence: _Optional[int] = ...) -> None: ...
 
 class ListControlToolsRequest(_message.Message):
     __slots__ = ()
@@ -1633,10 +1076,10 @@ class ListControlToolsResponse(_message.Message):
     __slots__ = ("tools",)
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     tools: _containers.RepeatedCompositeFieldContainer[ToolSpec]
-    def __init__(self, tools: _Iterable[ToolSpec | _Mapping] | None = ...) -> None: ...
+    def __init__(self, tools: _Optional[_Iterable[_Union[ToolSpec, _Mapping]]] = ...) -> None: ...
 
 class ElidedSpan(_message.Message):
-    __slots__ = ("artifact_ref", "byte_length", "event_id", "item_id", "trust")
+    __slots__ = ("item_id", "trust", "byte_length", "artifact_ref", "event_id")
     ITEM_ID_FIELD_NUMBER: _ClassVar[int]
     TRUST_FIELD_NUMBER: _ClassVar[int]
     BYTE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -1647,27 +1090,10 @@ class ElidedSpan(_message.Message):
     byte_length: int
     artifact_ref: str
     event_id: int
-    def __init__(
-        self,
-        item_id: str | None = ...,
-        trust: TrustLevel | str | None = ...,
-        byte_length: int | None = ...,
-        artifact_ref: str | None = ...,
-        event_id: int | None = ...,
-    ) -> None: ...
+    def __init__(self, item_id: _Optional[str] = ..., trust: _Optional[_Union[TrustLevel, str]] = ..., byte_length: _Optional[int] = ..., artifact_ref: _Optional[str] = ..., event_id: _Optional[int] = ...) -> None: ...
 
 class CompactionResult(_message.Message):
-    __slots__ = (
-        "compactor_version",
-        "depth",
-        "elided",
-        "prompt_version",
-        "replaced_through_sequence",
-        "source_event_ids",
-        "summary",
-        "tokens_after",
-        "tokens_before",
-    )
+    __slots__ = ("summary", "source_event_ids", "elided", "replaced_through_sequence", "depth", "tokens_before", "tokens_after", "compactor_version", "prompt_version")
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
     SOURCE_EVENT_IDS_FIELD_NUMBER: _ClassVar[int]
     ELIDED_FIELD_NUMBER: _ClassVar[int]
@@ -1686,21 +1112,10 @@ class CompactionResult(_message.Message):
     tokens_after: int
     compactor_version: str
     prompt_version: str
-    def __init__(
-        self,
-        summary: str | None = ...,
-        source_event_ids: _Iterable[int] | None = ...,
-        elided: _Iterable[ElidedSpan | _Mapping] | None = ...,
-        replaced_through_sequence: int | None = ...,
-        depth: int | None = ...,
-        tokens_before: int | None = ...,
-        tokens_after: int | None = ...,
-        compactor_version: str | None = ...,
-        prompt_version: str | None = ...,
-    ) -> None: ...
+    def __init__(self, summary: _Optional[str] = ..., source_event_ids: _Optional[_Iterable[int]] = ..., elided: _Optional[_Iterable[_Union[ElidedSpan, _Mapping]]] = ..., replaced_through_sequence: _Optional[int] = ..., depth: _Optional[int] = ..., tokens_before: _Optional[int] = ..., tokens_after: _Optional[int] = ..., compactor_version: _Optional[str] = ..., prompt_version: _Optional[str] = ...) -> None: ...
 
 class PrepareCompactionRequest(_message.Message):
-    __slots__ = ("checkpoint_version", "run_id", "session_id", "tenant_id", "through_sequence")
+    __slots__ = ("tenant_id", "session_id", "run_id", "checkpoint_version", "through_sequence")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -1711,29 +1126,10 @@ class PrepareCompactionRequest(_message.Message):
     run_id: str
     checkpoint_version: int
     through_sequence: int
-    def __init__(
-        self,
-        tenant_id: str | None = ...,
-        session_id: str | None = ...,
-        run_id: str | None = ...,
-        checkpoint_version: int | None = ...,
-        through_sequence: int | None = ...,
-    ) -> None: ...
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., run_id: _Optional[str] = ..., checkpoint_version: _Optional[int] = ..., through_sequence: _Optional[int] = ...) -> None: ...
 
 class PrepareCompactionResponse(_message.Message):
-    __slots__ = (
-        "checkpoint_version",
-        "depth",
-        "elided",
-        "open_questions",
-        "prompt",
-        "prompt_version",
-        "replaced_through_sequence",
-        "retained_constraints",
-        "source_event_ids",
-        "summarizer_input",
-        "tokens_before",
-    )
+    __slots__ = ("prompt", "prompt_version", "summarizer_input", "elided", "retained_constraints", "open_questions", "source_event_ids", "replaced_through_sequence", "depth", "tokens_before", "checkpoint_version")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SUMMARIZER_INPUT_FIELD_NUMBER: _ClassVar[int]
@@ -1756,30 +1152,10 @@ class PrepareCompactionResponse(_message.Message):
     depth: int
     tokens_before: int
     checkpoint_version: int
-    def __init__(
-        self,
-        prompt: str | None = ...,
-        prompt_version: str | None = ...,
-        summarizer_input: str | None = ...,
-        elided: _Iterable[ElidedSpan | _Mapping] | None = ...,
-        retained_constraints: _Iterable[str] | None = ...,
-        open_questions: _Iterable[str] | None = ...,
-        source_event_ids: _Iterable[int] | None = ...,
-        replaced_through_sequence: int | None = ...,
-        depth: int | None = ...,
-        tokens_before: int | None = ...,
-        checkpoint_version: int | None = ...,
-    ) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., prompt_version: _Optional[str] = ..., summarizer_input: _Optional[str] = ..., elided: _Optional[_Iterable[_Union[ElidedSpan, _Mapping]]] = ..., retained_constraints: _Optional[_Iterable[str]] = ..., open_questions: _Optional[_Iterable[str]] = ..., source_event_ids: _Optional[_Iterable[int]] = ..., replaced_through_sequence: _Optional[int] = ..., depth: _Optional[int] = ..., tokens_before: _Optional[int] = ..., checkpoint_version: _Optional[int] = ...) -> None: ...
 
 class CommitCompactionRequest(_message.Message):
-    __slots__ = (
-        "expected_checkpoint_version",
-        "idempotency_key",
-        "result",
-        "run_id",
-        "session_id",
-        "tenant_id",
-    )
+    __slots__ = ("tenant_id", "session_id", "run_id", "expected_checkpoint_version", "result", "idempotency_key")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -1792,15 +1168,7 @@ class CommitCompactionRequest(_message.Message):
     expected_checkpoint_version: int
     result: CompactionResult
     idempotency_key: str
-    def __init__(
-        self,
-        tenant_id: str | None = ...,
-        session_id: str | None = ...,
-        run_id: str | None = ...,
-        expected_checkpoint_version: int | None = ...,
-        result: CompactionResult | _Mapping | None = ...,
-        idempotency_key: str | None = ...,
-    ) -> None: ...
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., run_id: _Optional[str] = ..., expected_checkpoint_version: _Optional[int] = ..., result: _Optional[_Union[CompactionResult, _Mapping]] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class CommitCompactionResponse(_message.Message):
     __slots__ = ("checkpoint_version", "event_sequence")
@@ -1808,39 +1176,27 @@ class CommitCompactionResponse(_message.Message):
     EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     checkpoint_version: int
     event_sequence: int
-    def __init__(
-        self, checkpoint_version: int | None = ..., event_sequence: int | None = ...
-    ) -> None: ...
+    def __init__(self, checkpoint_version: _Optional[int] = ..., event_sequence: _Optional[int] = ...) -> None: ...
 
 class OfferFactCandidatesRequest(_message.Message):
-    __slots__ = ("idempotency_key", "session_id", "tenant_id")
+    __slots__ = ("tenant_id", "session_id", "idempotency_key")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     tenant_id: str
     session_id: str
     idempotency_key: str
-    def __init__(
-        self,
-        tenant_id: str | None = ...,
-        session_id: str | None = ...,
-        idempotency_key: str | None = ...,
-    ) -> None: ...
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class FactCandidate(_message.Message):
-    __slots__ = ("authority", "fact", "run_id")
+    __slots__ = ("fact", "authority", "run_id")
     FACT_FIELD_NUMBER: _ClassVar[int]
     AUTHORITY_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     fact: Fact
     authority: str
     run_id: str
-    def __init__(
-        self,
-        fact: Fact | _Mapping | None = ...,
-        authority: str | None = ...,
-        run_id: str | None = ...,
-    ) -> None: ...
+    def __init__(self, fact: _Optional[_Union[Fact, _Mapping]] = ..., authority: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class OfferFactCandidatesResponse(_message.Message):
     __slots__ = ("candidates", "event_sequence")
@@ -1848,8 +1204,4 @@ class OfferFactCandidatesResponse(_message.Message):
     EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     candidates: _containers.RepeatedCompositeFieldContainer[FactCandidate]
     event_sequence: int
-    def __init__(
-        self,
-        candidates: _Iterable[FactCandidate | _Mapping] | None = ...,
-        event_sequence: int | None = ...,
-    ) -> None: ...
+    def __init__(self, candidates: _Optional[_Iterable[_Union[FactCandidate, _Mapping]]] = ..., event_sequence: _Optional[int] = ...) -> None: ...
