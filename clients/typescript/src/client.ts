@@ -47,9 +47,14 @@ import type {
   PressureReport,
   ProtoGrpcType,
   RawContextEngineClient,
+  LoadSkillResponse,
   ReportUsageResponse,
   RunAdmission,
   StepContext,
+  TrustLevel,
+  UpdateWorkingStateResponse,
+  WorkingStateUpdate,
+  Writer,
 } from './types.js';
 
 export const SERVICE = 'context_engine.v1.ContextEngine';
@@ -339,6 +344,45 @@ export class Session {
     return new Run(this, response.run!.run_id, response.checkpoint_version, response.run!.epoch);
   }
 
+  /**
+   * Start a child run of `parentRunId`: seeded by the parent's instruction, which its
+   * Build shows as the model's words (delegated), not the user's.
+   */
+  async startChildRun(
+    parentRunId: string,
+    instruction: string,
+    opts: { runId?: string; idempotencyKey?: string } = {},
+  ): Promise<Run> {
+    const response = await this.client.call('StartRun', {
+      tenant_id: this.tenantId,
+      session_id: this.sessionId,
+      run_id: opts.runId ?? '',
+      idempotency_key: opts.idempotencyKey ?? newKey(),
+      child: { parent_run_id: parentRunId, instruction },
+    });
+    return new Run(this, response.run!.run_id, response.checkpoint_version, response.run!.epoch);
+  }
+
+  /**
+   * Load a pinned catalog skill's body into Region B: sticky, at most two. Loading it
+   * again with the same body answers newly_loaded=false; another body rejects
+   * (FailedPreconditionError, SKILL_ALREADY_LOADED).
+   */
+  loadSkill(
+    name: string,
+    body: string,
+    opts: { trust?: TrustLevel; runId?: string } = {},
+  ): Promise<LoadSkillResponse> {
+    return this.client.call('LoadSkill', {
+      tenant_id: this.tenantId,
+      session_id: this.sessionId,
+      name,
+      body,
+      trust: opts.trust ?? 'TRUST_LEVEL_UNSPECIFIED',
+      run_id: opts.runId ?? '',
+    });
+  }
+
   /** Attach to an existing run at a known checkpoint version (no RPC). */
   run(runId: string, checkpointVersion: number): Run {
     return new Run(this, runId, checkpointVersion, this.plan.epoch);
@@ -477,6 +521,25 @@ export class Run {
       step: opts.step ?? null,
     });
     return new BuildResult(response);
+  }
+
+  /**
+   * The context.update_working_state control tool's effect: a typed transition, written
+   * by the model (default), the user or the runtime. Tracks the new checkpoint version.
+   */
+  async updateWorkingState(
+    update: WorkingStateUpdate,
+    opts: { writer?: Writer; idempotencyKey?: string } = {},
+  ): Promise<UpdateWorkingStateResponse> {
+    const response = await this.client.call('UpdateWorkingState', {
+      ...this.ids,
+      expected_checkpoint_version: this.checkpointVersion,
+      writer: opts.writer ?? 'WRITER_MODEL',
+      update,
+      idempotency_key: opts.idempotencyKey ?? newKey(),
+    });
+    this.checkpointVersion = response.checkpoint_version;
+    return response;
   }
 
   reportUsage(build: BuildResult, usage: Usage, idempotencyKey?: string) {

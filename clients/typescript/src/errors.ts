@@ -81,6 +81,14 @@ export class UnimplementedError extends ContextEngineError {
 export class ResourceExhaustedError extends ContextEngineError {
   override name = 'ResourceExhaustedError';
 }
+/** The call's deadline passed; a write may still have landed (resend with its key). */
+export class DeadlineExceededError extends ContextEngineError {
+  override name = 'DeadlineExceededError';
+}
+/** The server failed; report it (nothing in the request is at fault). */
+export class InternalError extends ContextEngineError {
+  override name = 'InternalError';
+}
 
 type ErrorClass = new (
   code: Status,
@@ -102,6 +110,8 @@ const BY_CODE: Partial<Record<Status, ErrorClass>> = {
   [Status.PERMISSION_DENIED]: AuthError,
   [Status.RESOURCE_EXHAUSTED]: ResourceExhaustedError,
   [Status.UNIMPLEMENTED]: UnimplementedError,
+  [Status.DEADLINE_EXCEEDED]: DeadlineExceededError,
+  [Status.INTERNAL]: InternalError,
 };
 
 let detailTypes: protobuf.Root | undefined;

@@ -18,6 +18,10 @@ export type { PressureReport__Output as PressureReport } from './generated/conte
 export type { Principal } from './generated/context_engine/v1/Principal.js';
 export type { ReportUsageResponse__Output as ReportUsageResponse } from './generated/context_engine/v1/ReportUsageResponse.js';
 export type { RunAdmission } from './generated/context_engine/v1/RunAdmission.js';
+export type { LoadSkillResponse__Output as LoadSkillResponse } from './generated/context_engine/v1/LoadSkillResponse.js';
+export type { UpdateWorkingStateResponse__Output as UpdateWorkingStateResponse } from './generated/context_engine/v1/UpdateWorkingStateResponse.js';
+export type { WorkingStateUpdate } from './generated/context_engine/v1/WorkingStateUpdate.js';
+export type { Writer } from './generated/context_engine/v1/Writer.js';
 export type { SessionEnvironment } from './generated/context_engine/v1/SessionEnvironment.js';
 export type { StepContext } from './generated/context_engine/v1/StepContext.js';
 export type { ToolSpec } from './generated/context_engine/v1/ToolSpec.js';

@@ -13,6 +13,7 @@ import { after, before, test } from 'node:test';
 import {
   AbortedError,
   ContextEngineClient,
+  DeadlineExceededError,
   FailedPreconditionError,
   InvalidArgumentError,
   NotFoundError,
@@ -189,6 +190,42 @@ test('an enum value the proto does not have is refused before it is sent', async
     skills: [{ name: 'triage', description: 'Sort.', version: '1', trust: 'TRUST_LEVEL_EXTERNAL_UNTRUSTED' }],
   });
   assert.equal(session.plan.skill_pins.length, 1);
+});
+
+test('skills, child runs and working state have methods of their own', async () => {
+  const session = await engine.openSession({
+    ...spec,
+    tools: [...spec.tools, tool('skill.load', 'Load a skill.', { type: 'object' }, { builtin: true })],
+    agent: { ...spec.agent, enabled_tools: ['skill.load'] },
+    skills: [{ name: 'triage', description: 'Sort the inbox.', version: '1' }],
+  });
+  const loaded = await session.loadSkill('triage', 'Sort by urgency.');
+  assert.deepEqual([loaded.loaded, loaded.newly_loaded], [['triage'], true]);
+  assert.equal((await session.loadSkill('triage', 'Sort by urgency.')).newly_loaded, false);
+  await assert.rejects(session.loadSkill('triage', 'Another body.'), (error) => {
+    assert.ok(error instanceof FailedPreconditionError);
+    assert.equal(error.reason, 'SKILL_ALREADY_LOADED');
+    return true;
+  });
+
+  const parent = await session.startRun('Plan the trip.');
+  const child = await session.startChildRun(parent.runId, 'Check the timetable.');
+  const built = await child.build({ now: NOW });
+  assert.ok(JSON.stringify(built.payload()).includes('Check the timetable.'));
+
+  const updated = await parent.updateWorkingState({ objective: 'Book Paris to Lyon' });
+  assert.equal(updated.state.objective.text, 'Book Paris to Lyon');
+  assert.equal(parent.checkpointVersion, updated.checkpoint_version);
+  assert.equal(parent.checkpointVersion, 2);
+});
+
+test('a spent deadline is a DeadlineExceededError', async () => {
+  const hurried = new ContextEngineClient({ target, tenantId: 'tenant-client-ts', timeoutMs: 0.001 });
+  await assert.rejects(hurried.openSession(spec), (error) => {
+    assert.ok(error instanceof DeadlineExceededError, error.name);
+    return true;
+  });
+  hurried.close();
 });
 
 test('errors are typed with reason and field', async () => {
