@@ -328,38 +328,37 @@ export class Session {
   }
 
   /** Start a top-level run (one turn) seeded by the user's message. */
-  async startRun(
+  startRun(
     text: string,
     opts: { runId?: string; admission?: RunAdmission; idempotencyKey?: string } = {},
   ): Promise<Run> {
-    const response = await this.client.call('StartRun', {
-      tenant_id: this.tenantId,
-      session_id: this.sessionId,
-      run_id: opts.runId ?? '',
-      idempotency_key: opts.idempotencyKey ?? newKey(),
-      user_message: { text },
-      admission: opts.admission ?? null,
-    });
-    if (response.rotated_plan) this.plan = response.rotated_plan;
-    return new Run(this, response.run!.run_id, response.checkpoint_version, response.run!.epoch);
+    return this.start({ user_message: { text }, admission: opts.admission ?? null }, opts);
   }
 
   /**
    * Start a child run of `parentRunId`: seeded by the parent's instruction, which its
    * Build shows as the model's words (delegated), not the user's.
    */
-  async startChildRun(
+  startChildRun(
     parentRunId: string,
     instruction: string,
     opts: { runId?: string; idempotencyKey?: string } = {},
+  ): Promise<Run> {
+    return this.start({ child: { parent_run_id: parentRunId, instruction } }, opts);
+  }
+
+  private async start(
+    seed: Pick<RequestOf<'StartRun'>, 'user_message' | 'child' | 'admission'>,
+    opts: { runId?: string; idempotencyKey?: string },
   ): Promise<Run> {
     const response = await this.client.call('StartRun', {
       tenant_id: this.tenantId,
       session_id: this.sessionId,
       run_id: opts.runId ?? '',
       idempotency_key: opts.idempotencyKey ?? newKey(),
-      child: { parent_run_id: parentRunId, instruction },
+      ...seed,
     });
+    if (response.rotated_plan) this.plan = response.rotated_plan;
     return new Run(this, response.run!.run_id, response.checkpoint_version, response.run!.epoch);
   }
 
