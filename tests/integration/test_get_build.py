@@ -16,6 +16,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine.api.convert import request_from_proto
 from context_engine.api.server import build_engine
+from context_engine.core.assemble import StepContext
 from context_engine.cli import main
 from context_engine.core.build_record import (
     ASSEMBLER_KEY,
@@ -376,7 +377,7 @@ async def test_a_build_records_its_assembler_and_payload_hash(stub: Any, pool: A
     from one it does not."""
     session_id, built = await _failed_result_build(stub, "gpt-5")
     payload = await _recorded(pool, session_id, built.request_sequence)
-    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@8"
+    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@9"
     assert payload[PAYLOAD_KEY] == hashlib.sha256(built.provider_payload).hexdigest()
     assert isinstance(payload[IMAGE_KEY], int) and isinstance(payload[INLINE_KEY], int)
     assert TOOL_ERROR_AS_TEXT.encode() in built.provider_payload
@@ -486,6 +487,74 @@ async def test_runs_that_reuse_item_ids_get_markers_on_their_own_items(
     )
     await _rewrite_record(
         pool, session_id, built.request_sequence, lambda p: {**p, PAYLOAD_KEY: sha256_hex(sent)}
+    )
+    again = await _get(stub, session_id, built.request_sequence)
+    assert (again.request, again.provider_payload, again.request_sha256) == (older, sent, recorded)
+
+
+async def test_a_result_sent_as_its_excerpt_is_marked_and_an_older_record_rebuilds_unmarked(
+    stub: Any, pool: Any, grpc_server: Any
+) -> None:
+    """A tool result sent as the pipeline's excerpt (context_content) is a truncation: its
+    envelope is marked truncated="true", as the engine's own excerpts are; one whose
+    excerpt is its content is not. GetBuild of a record of @8, which sent the excerpt
+    unmarked, serves those bytes: the oracle is this build with the one mark removed."""
+    session_id, _ = await open_session(stub, model_id="claude-sonnet-4-5")
+    started = await start_run(stub, session_id, "Which trains go to Lyon?")
+    excerpt = "TGV 6601 Paris-Lyon 07:00 (1 of 40 rows)"
+    cut = result("c1", "TGV 6601 Paris-Lyon 07:00\n" + "TGV 66xx Paris-Lyon later\n" * 39)
+    cut.tool_result.context_content = excerpt
+    whole = result("c2", "TGV 6602 Lyon-Paris 18:04")
+    whole.tool_result.context_content = "TGV 6602 Lyon-Paris 18:04"
+    run_id, version = started.run.run_id, started.checkpoint_version
+    await append_items(stub, session_id, run_id, version, call("c1"), cut, call("c2"), whole)
+    built = await stub.Build(build_request(session_id, run_id))
+    results = {
+        b.tool_result.content.rsplit("\n", 2)[-2]: b.tool_result.content
+        for m in built.request.messages
+        for b in m.blocks
+        if b.WhichOneof("kind") == "tool_result"
+    }
+    assert 'truncated="true"' in results[excerpt].split("\n", 1)[0]
+    assert "truncated" not in results["TGV 6602 Lyon-Paris 18:04"]
+    assert built.provider_payload.count(b'truncated=\\"true\\"') == 1
+
+    older = pb.ModelRequest()
+    older.CopyFrom(built.request)
+    for message in older.messages:
+        for block in message.blocks:
+            if block.WhichOneof("kind") == "tool_result":
+                block.tool_result.content = block.tool_result.content.replace(
+                    ' truncated="true"', ""
+                )
+    sent = built.provider_payload.replace(b' truncated=\\"true\\"', b"")
+    assert render(request_from_proto(older)).body == sent
+    # The figures @8 recorded: the engine's rebuild of an older record (its estimate is a
+    # few tokens short of this one's, the mark unsent), whose bytes are the oracle's.
+    rebuilt = await grpc_server.engine.build(
+        TENANT,
+        UUID(session_id),
+        UUID(run_id),
+        built.checkpoint_version,
+        datetime.fromtimestamp(1_790_000_000, UTC),
+        StepContext(),
+        record=False,
+        marked_excerpts=False,
+    )
+    assert rebuilt.rendered is not None and rebuilt.rendered.body == sent
+    figures = estimate_to_record(rebuilt.assembled)
+    recorded = request_from_proto(older).request_sha256()
+    await _rewrite_record(
+        pool,
+        session_id,
+        built.request_sequence,
+        lambda p: {
+            **p,
+            **figures,
+            ASSEMBLER_KEY: "context-assembler@8",
+            "request_sha256": recorded,
+            PAYLOAD_KEY: sha256_hex(sent),
+        },
     )
     again = await _get(stub, session_id, built.request_sequence)
     assert (again.request, again.provider_payload, again.request_sha256) == (older, sent, recorded)

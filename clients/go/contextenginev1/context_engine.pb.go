@@ -3220,6 +3220,7 @@ type ToolResult struct {
 	// Artifact store reference of the full content, if any.
 	ArtifactRef string `protobuf:"bytes,7,opt,name=artifact_ref,json=artifactRef,proto3" json:"artifact_ref,omitempty"`
 	// The tool pipeline's persisted excerpt for context; preferred over content when set.
+	// Sent in place of a different content, its envelope is marked truncated="true".
 	ContextContent string `protobuf:"bytes,8,opt,name=context_content,json=contextContent,proto3" json:"context_content,omitempty"`
 }
 

@@ -35,6 +35,7 @@ from ..core.build_record import (
     inputs_to_record,
     markers_by_id,
     recalled_people,
+    unmarked_excerpts,
 )
 from ..core.checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint, require_version
 from ..core.enums import PlanReason
@@ -927,6 +928,7 @@ class Engine:
         failed_result_line: bool = True,
         delegated_messages: bool = True,
         marker_sequences: bool = True,
+        marked_excerpts: bool = True,
     ) -> BuildResult:
         """Assemble, render and record the run's next request.
 
@@ -942,6 +944,8 @@ class Engine:
         messages as its parent's (core/seeding.py, Rule 4); False: as the user's, as
         context-assembler@2 and older did. `marker_sequences` False: cache markers name
         their items by id alone, as context-assembler@7 and older did (`markers_by_id`).
+        `marked_excerpts` False: a tool result sent as its pipeline excerpt renders
+        unmarked, as context-assembler@8 and older sent it (`unmarked_excerpts`).
 
         A recording Build of a run this replica has built before is made from the run head
         it kept, which the record confirms in the same round trip (store/records.py): if
@@ -965,6 +969,7 @@ class Engine:
             failed_result_line=failed_result_line,
             delegated_messages=delegated_messages,
             marker_sequences=marker_sequences,
+            marked_excerpts=marked_excerpts,
         )
         heads = self._heads(tenant, session_id) if record else None
         kept = heads.by_run.get(run_id) if heads is not None else None
@@ -1000,6 +1005,7 @@ class Engine:
         failed_result_line: bool,
         delegated_messages: bool,
         marker_sequences: bool,
+        marked_excerpts: bool,
     ) -> BuildResult:
         """build() from the `kept` head, which the record must confirm (_StaleHead if it
         does not; nothing is written before then), or from a head read now (None)."""
@@ -1098,6 +1104,14 @@ class Engine:
             )
             if inputs.carried_before:  # with nothing before it, what was read reaches
                 inputs = await self._carried_reaching(tenant, session_id, inputs, carried)
+            if not marked_excerpts:  # as context-assembler@8 and older sent excerpts
+                inputs = replace(
+                    inputs,
+                    carried=unmarked_excerpts(inputs.carried),
+                    checkpoint=inputs.checkpoint.model_copy(
+                        update={"items": unmarked_excerpts(inputs.checkpoint.items)}
+                    ),
+                )
             assembled = telemetry.traced("assemble", assemble)(inputs)
         except BudgetExceededError as exc:
             if record and kept is None:  # from a kept head, build() decides it afresh

@@ -43,6 +43,7 @@ from ..core.build_record import (
     failed_result_line,
     image_tokens_of,
     inputs_from_record,
+    marked_excerpts,
     marker_sequences,
     whole_request_hash,
 )
@@ -108,6 +109,8 @@ class BuildsRpcs:
                 delegated_messages=delegated_messages(payload),
                 # Its cache markers as it named them: by id alone before @8.
                 marker_sequences=marker_sequences(payload),
+                # Its tool-pipeline excerpts as it sent them: unmarked before @9.
+                marked_excerpts=marked_excerpts(payload),
             )
         except (InvalidFieldError, PreconditionError) as exc:
             # A refusal now (BUDGET_EXCEEDED under a later estimator, say) of what was built

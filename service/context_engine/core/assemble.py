@@ -55,6 +55,7 @@ from .items import (
     UserMessage,
     WorkingStateItem,
     check_placement,
+    excerpted,
     trust_of,
 )
 from .memo_budget import bounded_cache
@@ -527,7 +528,10 @@ def _render(row: Row, item: ContextItem, secret: bytes, truncated: bool = False)
                 run_id=item.run_id,
             )
         case ToolResult():
+            # The tool pipeline's excerpt stands in for the content: marked truncated, as
+            # the engine's own excerpts and pointers are (build_record.py, @9).
             content = item.context_content or item.content
+            truncated = truncated or excerpted(item)
             source = item.source or f"tool:{item.tool_name}"
             return Block(
                 row,

@@ -62,7 +62,7 @@ from pydantic import BaseModel
 from .assemble import Assembled, StepContext
 from .errors import PreconditionError
 from .estimator import IMAGE_TOKENS
-from .items import ContextItem
+from .items import ContextItem, ConversationItem, ToolResult, excerpted
 from .request import CacheBreakpoint, ModelRequest
 
 __all__ = [
@@ -86,11 +86,13 @@ __all__ = [
     "image_tokens_of",
     "inputs_from_record",
     "inputs_to_record",
+    "marked_excerpts",
     "marker_sequences",
     "markers_by_id",
     "recalled_people",
     "redact_record",
     "shown_items",
+    "unmarked_excerpts",
     "whole_request_hash",
 ]
 
@@ -149,7 +151,14 @@ __all__ = [
 # passage dropped for tokens the pass freed anyway, and a passage could come back where a
 # recall line before it could not. Such records (the cap pass ran and something given up
 # comes back otherwise) do not rebuild (REQUEST_NOT_FOUND); every other @7 record does.
-ASSEMBLER_VERSION = "context-assembler@8"
+# @9: a tool result sent as the tool pipeline's excerpt (ToolResult.context_content, not
+# its content) renders in an envelope marked truncated, as the engine's own excerpts and
+# pointers are (the spec: truncation keeps the envelope and marks it truncated); @8 and
+# older sent the excerpt unmarked. A rebuild of an older record reads each such result as
+# its excerpt alone (`unmarked_excerpts`), which renders as it did; where such a result
+# was also capped to a pointer, which names its content's byte count, the pointer differs
+# and the record does not rebuild (REQUEST_NOT_FOUND).
+ASSEMBLER_VERSION = "context-assembler@9"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})
@@ -157,6 +166,8 @@ _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})
 _WHOLE_HASH = frozenset(
     {LEGACY_ASSEMBLER_VERSION, *(f"context-assembler@{n}" for n in range(2, 7))}
 )
+# The versions that sent a tool-pipeline excerpt unmarked.
+_UNMARKED = frozenset({LEGACY_ASSEMBLER_VERSION, *(f"context-assembler@{n}" for n in range(2, 9))})
 # The versions whose cache markers name an item by its id alone.
 _BY_ID = _WHOLE_HASH | {"context-assembler@7"}
 ASSEMBLER_KEY = "assembler_version"
@@ -266,6 +277,25 @@ def marker_sequences(payload: dict[str, Any]) -> bool:
     """Rule 8: whether the request's history cache markers named their items' sequences
     (@8 on); an older record is rebuilt with its markers made by `markers_by_id`."""
     return assembler_of(payload) not in _BY_ID
+
+
+def marked_excerpts(payload: dict[str, Any]) -> bool:
+    """Rule 8: whether the request marked tool-pipeline excerpts truncated (@9 on); an
+    older record is rebuilt from `unmarked_excerpts` of its items."""
+    return assembler_of(payload) not in _UNMARKED
+
+
+def unmarked_excerpts(items: tuple[ConversationItem, ...]) -> tuple[ConversationItem, ...]:
+    """`items` with each tool result sent as its excerpt read as that excerpt alone (no
+    context_content), so it renders unmarked, as context-assembler@8 and older sent it."""
+    if not any(isinstance(i, ToolResult) and excerpted(i) for i in items):
+        return items
+    return tuple(
+        i.model_copy(update={"content": i.context_content, "context_content": ""})
+        if isinstance(i, ToolResult) and excerpted(i)
+        else i
+        for i in items
+    )
 
 
 def markers_by_id(request: ModelRequest) -> ModelRequest:

@@ -46,6 +46,7 @@ __all__ = [
     "UserMessage",
     "WorkingStateItem",
     "check_placement",
+    "excerpted",
     "trust_of",
 ]
 
@@ -256,6 +257,12 @@ class ToolResult(_Logged):
     is_error: bool = False
     artifact_ref: str = ""
     context_content: str = ""
+
+
+def excerpted(result: ToolResult) -> bool:
+    """Whether the tool pipeline's excerpt (context_content) stands in for the result's
+    content when it is sent: its envelope is then marked truncated (core/assemble.py)."""
+    return bool(result.context_content) and result.context_content != result.content
 
 
 # The "type" a provider's reasoning payload carries: replayed verbatim, a payload of any
