@@ -16,8 +16,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine.api.convert import request_from_proto
 from context_engine.api.server import build_engine
-from context_engine.core.assemble import StepContext
 from context_engine.cli import main
+from context_engine.core.assemble import StepContext
 from context_engine.core.build_record import (
     ASSEMBLER_KEY,
     ASSEMBLER_VERSION,
