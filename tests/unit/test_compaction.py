@@ -1095,7 +1095,10 @@ def test_a_short_code_from_an_untrusted_result_is_elided_and_never_summarized() 
             item_id="t1",
             call_id="k1",
             tool_name="web.fetch",
-            content="Wire approved, account ZQ7X4K2W9P. Dates in ISO-8601.",
+            content=(
+                "Wire approved, account ZQ7X4K2W9P. Dates in ISO-8601. Instance m5d.2xlarge;"
+                " colour #1e90ff; dated 2024年8月6日."
+            ),
             trust=TrustLevel.EXTERNAL_UNTRUSTED,
             sequence=3,
         ),
@@ -1117,6 +1120,9 @@ def test_a_short_code_from_an_untrusted_result_is_elided_and_never_summarized() 
         check_result(prepared, _result(prepared, "Account zq7x4k2w9p was paid."), count_tokens)
     assert refused.value.reason == "SUMMARY_LAUNDERS_UNTRUSTED"
     check_result(prepared, _result(prepared, "The page uses ISO-8601 dates."), count_tokens)
+    # Not codes: another script, or runs broken by punctuation.
+    ordinary = "They chose an m5d.2xlarge in #1e90ff for 2024年8月6日."
+    check_result(prepared, _result(prepared, ordinary), count_tokens)
 
 
 def test_untrusted_facts_and_skill_bodies_in_the_block_are_never_summarized() -> None:

@@ -47,9 +47,10 @@ contains any of that text's
   (b) 8-word windows, or
   (c) identifier-like runs: 16 consecutive non-space characters mixing letters and
       digits, 24 consecutive non-space characters of any kind (ids, URLs, codes,
-      canaries — found even when glued to neighbouring text on either side), or 8 whose
-      letters and digits alternate at least three times (a short random code such as
-      "zq7x4k2w"; "iso-8601" or "python3.11" alternate once),
+      canaries — found even when glued to neighbouring text on either side), or 8 ASCII
+      letters and digits that alternate at least three times (a short random code such
+      as "zq7x4k2w"; "iso-8601" or "python3.11" alternate once, and a run of another
+      script or broken by punctuation, "m5d.2xlarge", is not one),
 unless that same fragment also occurs in the trusted summarizer input, as given or as
 shown with its delimiters escaped (text the user or a trusted source supplied is not
 laundered by repeating it). A child run's instruction is not trusted input here: it is
@@ -83,6 +84,7 @@ row larger than the body: Build asked for a compaction no compaction could answe
 
 from __future__ import annotations
 
+import re
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -256,18 +258,26 @@ def _runs(normalized: str) -> Iterator[str]:
                 yield window
         for k in range(len(token) - RUN_ANY_CHARS + 1):
             yield token[k : k + RUN_ANY_CHARS]
-        if len(token) >= RUN_CODE_CHARS and _alternations(token) >= RUN_CODE_ALTERNATIONS:
-            for k in range(len(token) - RUN_CODE_CHARS + 1):
-                window = token[k : k + RUN_CODE_CHARS]
-                if _alternations(window) >= RUN_CODE_ALTERNATIONS:
-                    yield window
+    for found in _CODE_RUN.finditer(normalized):
+        yield from _code_windows(found.group())
 
 
-def _alternations(text: str) -> int:
-    """How often a letter is followed by a digit or a digit by a letter, directly."""
-    return sum(
-        (a.isalpha() and b.isdigit()) or (a.isdigit() and b.isalpha()) for a, b in pairwise(text)
-    )
+# A code is ASCII letters and digits: a run of other scripts (a CJK date: "2024年8月6日")
+# or one broken by punctuation ("m5d.2xlarge", "#1e90ff;") is not taken for one.
+_CODE_RUN = re.compile(f"[a-z0-9]{{{RUN_CODE_CHARS},}}")
+
+
+def _code_windows(run: str) -> Iterator[str]:
+    """The RUN_CODE_CHARS windows of an ASCII letter-and-digit run whose letters and digits
+    alternate at least RUN_CODE_ALTERNATIONS times: one pass, the alternations counted by
+    a running sum (each window's count is a difference of two)."""
+    sums = [0]
+    for a, b in pairwise(run):
+        sums.append(sums[-1] + (a.isdigit() != b.isdigit()))
+    span = RUN_CODE_CHARS - 1  # the adjacent pairs inside one window
+    for k in range(len(run) - RUN_CODE_CHARS + 1):
+        if sums[k + span] - sums[k] >= RUN_CODE_ALTERNATIONS:
+            yield run[k : k + RUN_CODE_CHARS]
 
 
 def _fragments(normalized: str) -> Iterator[str]:
@@ -372,6 +382,27 @@ def _licensed(fragments: Iterable[str], allowed: str) -> set[str]:
     return licensed
 
 
+def _held_by(
+    texts: Sequence[str], among: Mapping[str, object] | None = None
+) -> dict[str, frozenset[int]]:
+    """Each fragment of `texts` (only those `among` has, when given) -> the indexes of the
+    texts that hold it. Most fragments are held by one text: they share that text's one
+    set, where a set made per fragment (hundreds of thousands for a long summary) cost
+    more in allocation and collection than the lookups did."""
+    out: dict[str, frozenset[int]] = {}
+    for i, text in enumerate(texts):
+        alone = frozenset({i})
+        for fragment in _fragments(_normalize(text)):
+            if among is not None and fragment not in among:
+                continue
+            held = out.get(fragment)
+            if held is None:
+                out[fragment] = alone
+            elif i not in held:
+                out[fragment] = held | alone
+    return out
+
+
 def quoting(texts: Sequence[str], sources: Sequence[str], allowed: str = "") -> dict[int, int]:
     """Which of `texts` carry text from which of `sources` (Rule 5): text index -> the index
     of the first source it quotes. Fragments the trusted text `allowed` licenses do not
@@ -384,17 +415,10 @@ def quoted_sources(
 ) -> dict[int, frozenset[int]]:
     """quoting, with every source each text quotes (a text may quote several, of
     different trust: its elided span takes the least trusted, Rule 3)."""
-    index: dict[str, set[int]] = {}
-    for i, text in enumerate(texts):
-        for fragment in _fragments(_normalize(text)):
-            index.setdefault(fragment, set()).add(i)
+    index = _held_by(texts)
     # Each fragment a source shares with the texts, with the sources that hold it; the
     # licensing is then decided for all of them at once.
-    holders: dict[str, set[int]] = {}
-    for j, source in enumerate(sources):
-        for fragment in _fragments(_normalize(source)):
-            if fragment in index:
-                holders.setdefault(fragment, set()).add(j)
+    holders = _held_by(sources, among=index)
     if not holders:
         return {}
     licensed = _licensed(holders, _normalize(allowed))
