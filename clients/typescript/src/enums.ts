@@ -32,6 +32,16 @@ export function unknownEnumValue(method: string, request: unknown): [string, str
   return walk(requestType(method), request, '');
 }
 
+/**
+ * A name the enum has, or a number it has: its own entries only (protobufjs's `values`
+ * inherits the numbers and Object's own names, "3" and "toString" among them), and never
+ * a number as a string, which protobufjs would send as 0.
+ */
+function known(type: protobuf.Enum, value: unknown): boolean {
+  if (typeof value === 'number') return Object.hasOwn(type.valuesById, value);
+  return typeof value === 'string' && Object.hasOwn(type.values, value) && !/^\d+$/.test(value);
+}
+
 function walk(type: protobuf.Type, value: unknown, prefix: string): [string, string] | undefined {
   if (value === null || typeof value !== 'object') return undefined;
   const fields = value as Record<string, unknown>;
@@ -43,9 +53,9 @@ function walk(type: protobuf.Type, value: unknown, prefix: string): [string, str
       const at = field.repeated ? `${prefix}${field.name}[${n}]` : `${prefix}${field.name}`;
       const resolved = field.resolvedType;
       if (resolved instanceof protobuf.Enum) {
-        const known =
-          typeof item === 'number' ? item in resolved.valuesById : String(item) in resolved.values;
-        if (!known) return [at, `${JSON.stringify(item)} is not a ${resolved.name} value`];
+        if (!known(resolved, item)) {
+          return [at, `${JSON.stringify(item)} is not a ${resolved.name} value`];
+        }
       } else if (resolved instanceof protobuf.Type) {
         const found = walk(resolved, item, `${at}.`);
         if (found) return found;
