@@ -53,6 +53,7 @@ class _Inputs:
     earlier: dict[str, str]  # the logged text of every span an earlier compaction elided
     shown: tuple[ContextItem, ...]  # the step lines recorded Builds showed the model
     skills: tuple[LoadedSkill, ...]  # the session's loaded skill bodies, shown every step
+    child: bool  # a child run: its user messages are its parent's words
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +98,14 @@ async def _inputs(
         from_sequence=checkpoint.replaced_through_sequence,
     )
     skills = await skill_store.read_loaded(conn, tenant_id, session_id)
-    return _Inputs(checkpoint, carried_history(logged), contents, shown_items(lines), tuple(skills))
+    return _Inputs(
+        checkpoint,
+        carried_history(logged),
+        contents,
+        shown_items(lines),
+        tuple(skills),
+        child=run.parent_run_id is not None,
+    )
 
 
 async def _counter(engine: Engine, tenant_id: str, session_id: UUID) -> TokenCounter:
@@ -128,6 +136,7 @@ async def prepare_compaction(
         earlier_contents=inputs.earlier,
         shown=inputs.shown,
         skills=inputs.skills,
+        child=inputs.child,
     )
 
 
@@ -148,6 +157,7 @@ def _reprepare(inputs: _Inputs, through: int, count_tokens: TokenCounter) -> Pre
             earlier_contents=inputs.earlier,
             shown=inputs.shown,
             skills=inputs.skills,
+            child=inputs.child,
         )
     except InvalidFieldError as exc:
         if exc.field != "through_sequence":

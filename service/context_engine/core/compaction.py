@@ -53,11 +53,12 @@ contains any of that text's
       script or broken by punctuation, "m5d.2xlarge", is not one),
 unless that same fragment also occurs in the trusted summarizer input, as given or as
 shown with its delimiters escaped (text the user or a trusted source supplied is not
-laundered by repeating it). A child run's instruction is not trusted input here: it is
-its parent's words (Build shows it as the model's, core/seeding.py) and may repeat what
-the parent read. The exception sets aside what is neither letter nor digit at
-a fragment's edges (punctuation, spaces): "ab12cd34ef56gh78," repeats the user's
-"ab12cd34ef56gh78?" though the comma came from the untrusted side. Only the edges: a
+laundered by repeating it). A child run's user messages (its instruction among them) are
+not trusted input here: they are its parent's words (Build shows them as the model's,
+core/seeding.py) and may repeat what the parent read. The exception sets aside what is
+neither letter nor digit at a fragment's edges (punctuation, spaces):
+"ab12cd34ef56gh78," repeats the user's "ab12cd34ef56gh78?" though the comma came from
+the untrusted side. Only the edges: a
 fragment's inside is still compared whole, so untrusted text is refused as before. A
 word window longer than 40 characters is compared word for word: its inside must be the
 inside of consecutive words of the trusted text (a first word glued to the end of a longer
@@ -652,6 +653,7 @@ def prepare(
     earlier_contents: Mapping[str, str] | None = None,
     shown: Sequence[ContextItem] = (),
     skills: Sequence[LoadedSkill] = (),
+    child: bool = False,
 ) -> Prepared:
     """The summarizer input for compacting the run's oldest body items.
 
@@ -660,6 +662,7 @@ def prepare(
     compaction elided to their logged text, for the commit-time check; `shown` holds the
     step lines (knowledge passages, recall and correction lines) the recorded Builds
     showed the model, and `skills` the session's loaded skill bodies (both Rule 3's view).
+    `child`: the run is a child run, whose user messages are its parent's words.
 
     Raises:
         PreconditionError: COMPACTION_DEPTH_EXCEEDED (a third compaction: escalate to a
@@ -733,9 +736,10 @@ def prepare(
     model = [i for i in trusted if trust_of(i) is TrustLevel.MODEL]
     others = [i for i in trusted if trust_of(i) is not TrustLevel.MODEL]
     # The run's own requests are not summarized but stay in view verbatim: the user's words.
-    # Not a child run's instruction (sequence 0, never logged): its parent's, which Build
-    # shows as the model's (core/seeding.py) and which may rest on what the parent read.
-    asked = [i for i in checkpoint.items if isinstance(i, UserMessage) and i.sequence]
+    # Not a child run's (its instruction, and any user message appended to it): its
+    # parent's, which Build shows as the model's (core/seeding.py, Rule 4) and which may
+    # rest on what the parent read.
+    asked = [i for i in checkpoint.items if isinstance(i, UserMessage) and not child]
     base = "\n".join(
         [
             *(_content(i) for i in (*others, *asked)),
