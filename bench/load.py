@@ -404,11 +404,11 @@ async def _serving_again(target: str) -> bool:
     async with grpc.aio.insecure_channel(target) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
-            reply = await health.Check(
-                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=2
-            )
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                return True
+            with contextlib.suppress(grpc.aio.AioRpcError):  # reconnecting: ask again
+                request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+                reply = await health.Check(request, timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
             await asyncio.sleep(0.2)
     return False
 

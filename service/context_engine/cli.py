@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from .config import ConfigError, Settings, load_settings
@@ -53,7 +54,7 @@ def _inspect(args: argparse.Namespace) -> int:
     settings = load_settings({"database_url": args.database_url, "data_dir": args.data_dir})
     console = Console(width=args.width) if args.width else Console()
     try:
-        dsn, _server = _database(settings)
+        dsn, _server = _database(settings, create=False)
         asyncio.run(run_inspect(dsn, args.session, args.tenant, console))
     except (LookupError, ValueError, StoreUnavailableError, StoreReadError) as exc:
         print(f"context-engine inspect: {exc}", file=sys.stderr)
@@ -84,12 +85,19 @@ def _migrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _database(settings: Settings) -> tuple[str, Any]:
+def _database(settings: Settings, *, create: bool = True) -> tuple[str, Any]:
     """The configured database, or the embedded one in `data_dir`, as `serve` would use
     (started, or shared with a server already running there: it stops when the last
-    process using it exits). Returns (dsn, handle); keep the handle while connected."""
+    process using it exits). Returns (dsn, handle); keep the handle while connected.
+    `create` False: an embedded database must exist already (a reader that forgot its URL
+    is told so, not shown an empty database made on the spot)."""
     if settings.database_url:
         return settings.database_url, None
+    if not create and not Path(settings.data_dir, "PG_VERSION").exists():
+        raise ConfigError(
+            "no database configured (--database-url or DATABASE_URL) and no embedded"
+            f" database in {settings.data_dir} (--data-dir; `serve` makes one)"
+        )
     from .embedded_db import start_embedded
 
     return start_embedded(settings.data_dir)

@@ -642,10 +642,16 @@ async def test_an_embedded_database_that_cannot_start_exits_1_in_one_line(
     blocker = tmp_path / "a-file"
     blocker.write_text("", encoding="utf-8")
     data_dir = str(blocker / "pgdata")
-    for args in (("serve", "--listen", "127.0.0.1:0"), ("migrate",), ("inspect", new_id())):
+    for args in (("serve", "--listen", "127.0.0.1:0"), ("migrate",)):
         code, line = await _fails_in_one_line(*args, "--data-dir", data_dir)
         assert code == 1
         assert f"cannot start the embedded PostgreSQL in {data_dir}" in line, line
+    # inspect reads a database; it makes none: without a URL or an embedded database in
+    # its data directory it says so (exit 2), rather than answer from an empty new one.
+    code, line = await _fails_in_one_line("inspect", new_id(), "--data-dir", data_dir)
+    assert code == 2
+    assert f"no embedded database in {data_dir}" in line, line
+    assert not Path(data_dir).exists()
 
 
 async def test_without_a_database_url_serve_inspect_and_migrate_share_the_embedded_database(

@@ -160,6 +160,20 @@ def test_a_step_line_id_listed_twice_is_an_invalid_field(name: str) -> None:
     assert caught.value.field == f"step.{name}[1].item_id"
 
 
+def test_recall_and_correction_ids_share_one_namespace_and_an_empty_id_is_missing() -> None:
+    both = pb.StepContext(
+        recall=[pb.RecallLine(item_id="m1", text="a")],
+        corrections=[pb.RecallLine(item_id="m1", text="b")],
+    )
+    with pytest.raises(InvalidFieldError) as caught:
+        step_from_proto(both)
+    assert caught.value.field == "step.corrections[0].item_id"
+    empty = pb.StepContext(recall=[pb.RecallLine(text="a"), pb.RecallLine(text="b")])
+    with pytest.raises(InvalidFieldError) as caught:
+        step_from_proto(empty)
+    assert caught.value.field == "step.recall[0].item_id"  # missing, not a repeat
+
+
 @pytest.mark.parametrize("trust", [pb.TRUST_LEVEL_PLATFORM, pb.TRUST_LEVEL_MODEL])
 def test_a_skill_catalog_entry_at_platform_or_model_trust_is_an_invalid_field(
     trust: int,

@@ -4042,7 +4042,8 @@ type RecallLine struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Memory id; unique within its list (recall, or corrections): a repeat is INVALID_FIELD.
+	// Memory id; unique among the step's recall and correction lines together (both render
+	// as "memory:<id>"): a repeat is INVALID_FIELD.
 	ItemId string `protobuf:"bytes,1,opt,name=item_id,json=itemId,proto3" json:"item_id,omitempty"`
 	// The line.
 	Text string `protobuf:"bytes,2,opt,name=text,proto3" json:"text,omitempty"`

@@ -626,17 +626,22 @@ def _check_people_named(step: pb.StepContext) -> None:
                 )
 
 
-def _unique_ids(values: Sequence[Any], field: str) -> None:
-    """A step line's id names one line of its list: the ladder gives lines up, and cache
-    markers and compaction name them, by id (two lines under one id were one to them)."""
-    first: dict[str, int] = {}
-    for n, value in enumerate(values):
-        if value.item_id in first:
-            raise InvalidFieldError(
-                f"{field}[{n}].item_id {value.item_id!r} repeats {field}[{first[value.item_id]}]'s",
-                field=f"{field}[{n}].item_id",
-            )
-        first[value.item_id] = n
+def _unique_ids(step: pb.StepContext, fields: tuple[str, ...]) -> None:
+    """A step line's id names one line: the ladder gives lines up, and cache markers and
+    compaction name them, by id (two lines under one id were one to them). Recall and
+    correction lines share one namespace (each becomes "memory:<id>"). An empty id is left
+    for the line's own check, which names it missing."""
+    first: dict[str, str] = {}
+    for field in fields:
+        for n, line in enumerate(getattr(step, field)):
+            at = f"step.{field}[{n}]"
+            if line.item_id in first:
+                raise InvalidFieldError(
+                    f"{at}.item_id {line.item_id!r} repeats {first[line.item_id]}'s",
+                    field=f"{at}.item_id",
+                )
+            if line.item_id:
+                first[line.item_id] = at
 
 
 def step_from_proto(step: pb.StepContext) -> StepContext:
@@ -659,8 +664,8 @@ def step_from_proto(step: pb.StepContext) -> StepContext:
         return tuple(out)
 
     _check_people_named(step)
-    for name in ("recall", "corrections", "knowledge"):
-        _unique_ids(getattr(step, name), f"step.{name}")
+    _unique_ids(step, ("recall", "corrections"))
+    _unique_ids(step, ("knowledge",))
 
     knowledge = []
     for n, passage in enumerate(step.knowledge):

@@ -210,7 +210,8 @@ async def _reconcile(
         correction = reconcile(previous, planned_model, restated, actual)
     shown = correction or previous or Correction.initial(planned_model)
     outcome = UsageOutcome(
-        model_id=report.model_id,
+        # The planned model's name for a dated snapshot of it: one series per model.
+        model_id=planned_model if same_model(report.model_id, planned_model) else report.model_id,
         factor_ppm=shown.factor_ppm,
         samples=shown.samples,
         signed_error_ppm=signed_error_ppm(estimated, actual) if estimated > 0 else 0,

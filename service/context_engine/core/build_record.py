@@ -155,9 +155,10 @@ __all__ = [
 # its content) renders in an envelope marked truncated, as the engine's own excerpts and
 # pointers are (the spec: truncation keeps the envelope and marks it truncated); @8 and
 # older sent the excerpt unmarked. A rebuild of an older record reads each such result as
-# its excerpt alone (`unmarked_excerpts`), which renders as it did; where such a result
-# was also capped to a pointer, which names its content's byte count, the pointer differs
-# and the record does not rebuild (REQUEST_NOT_FOUND).
+# its excerpt alone (`unmarked_excerpts`), which renders as it did; where its full size
+# bore on the request (capped to a pointer, which names the content's byte count, or the
+# ladder's savings, which count it), the rebuild differs and the record does not rebuild
+# (REQUEST_NOT_FOUND).
 ASSEMBLER_VERSION = "context-assembler@9"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
