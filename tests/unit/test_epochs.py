@@ -438,6 +438,9 @@ _CATALOG = (("triage", "1"), ("refunds", "2"), ("travel", "1"))
         # quietly, the caller believing its new body in force).
         ((_loaded("triage"),), "triage:another body", 100, "SKILL_ALREADY_LOADED"),
         ((_loaded("triage"),), "triage:untrusted", 100, "SKILL_ALREADY_LOADED"),
+        # The same body, no trust claimed: a retry, whatever the catalog entry (which a
+        # Rotate may have changed) makes of its trust now.
+        ((_loaded("triage"),), "triage:unclaimed", 100, False),
     ],
 )
 def test_skill_loads(
@@ -447,13 +450,14 @@ def test_skill_loads(
     skill = _loaded(name, tokens)
     if change == "another body":
         skill = LoadedSkill(name, "1", "another body", skill.trust, tokens)
-    elif change == "untrusted":
+    elif change in ("untrusted", "unclaimed"):
         skill = LoadedSkill(name, "1", skill.body, TrustLevel.EXTERNAL_UNTRUSTED, tokens)
+    claimed = change != "unclaimed"
     if isinstance(outcome, bool):
-        assert admit_load(loaded, _CATALOG, skill) is outcome
+        assert admit_load(loaded, _CATALOG, skill, trust_claimed=claimed) is outcome
         return
     with pytest.raises(PreconditionError) as caught:
-        admit_load(loaded, _CATALOG, skill)
+        admit_load(loaded, _CATALOG, skill, trust_claimed=claimed)
     reason, _, limit = outcome.partition(":")
     assert caught.value.reason == reason
     if limit:

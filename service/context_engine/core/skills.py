@@ -111,10 +111,16 @@ def body_trust(catalog_trust: TrustLevel, requested: TrustLevel | None) -> Trust
 
 
 def admit_load(
-    loaded: Sequence[LoadedSkill], catalog: Sequence[tuple[str, str]], skill: LoadedSkill
+    loaded: Sequence[LoadedSkill],
+    catalog: Sequence[tuple[str, str]],
+    skill: LoadedSkill,
+    *,
+    trust_claimed: bool = True,
 ) -> bool:
     """Decide a load (Rules 2-4): True to load, False when the skill is already loaded as
-    it is (the same body and trust: a retry).
+    it is (the same body, and the same trust where the load claims one: a retry; one that
+    claims none takes its trust from the catalog entry, which a Rotate since may have
+    changed, and is a retry whatever the entry says now).
 
     Raises:
         PreconditionError: SKILL_NOT_IN_CATALOG, SKILL_LIMIT (metadata names the class,
@@ -125,7 +131,7 @@ def admit_load(
     name, body_tokens = skill.name, skill.tokens
     held = next((s for s in loaded if s.name == name), None)
     if held is not None:
-        if (held.body, held.trust) == (skill.body, skill.trust):
+        if held.body == skill.body and (held.trust == skill.trust or not trust_claimed):
             return False
         raise PreconditionError(
             f"skill {name!r} is loaded already with another body or trust; a loaded skill"
