@@ -103,6 +103,7 @@ def _block_kinds(build: BuildResult) -> list[str]:
 async def test_tool_loop_keeps_one_prefix_and_logs_the_pair(client: Any) -> None:
     session = await client.open_session(_spec())
     assert session.created and session.plan.epoch == 1
+    assert session.unknown_tool_names == ()
     run = await session.start_run("Trains from Paris to Lyon tomorrow?")
     assert run.checkpoint_version == 1
 

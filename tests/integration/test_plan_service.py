@@ -292,6 +292,27 @@ def _with_tools(*names: str) -> pb.PlanSpec:
     return out
 
 
+async def test_names_the_agent_enables_or_defers_that_no_tool_defines_are_reported(
+    stub: Any,
+) -> None:
+    """A typo in enabled_tools ("web.fecth") planned without a word: the name refers to
+    nothing and the plan advertises nothing for it. Plan and Rotate now list such names;
+    a defined tool the principal may not use stays absent by design, unlisted."""
+    named = spec()
+    named.tools.append(tool("mail.send", scopes=("mail.write",)))  # withheld: no scope
+    named.agent.enabled_tools.extend(["web.fecth", "mail.send", "web.fecth"])
+    named.agent.deferred_tools.extend(["calendar.lst"])
+    session_id = new_id()
+    planned = await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=named))
+    assert list(planned.unknown_tool_names) == ["web.fecth", "calendar.lst"]
+    assert "mail.send" not in planned.plan.tool_names
+    named.agent.version = "2"
+    rotated = await stub.Rotate(_rotation(session_id, pb.PLAN_REASON_AGENT_CHANGED, named))
+    assert list(rotated.unknown_tool_names) == ["web.fecth", "calendar.lst"]
+    clean = await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=spec()))
+    assert clean.plan.tool_names and not clean.unknown_tool_names
+
+
 async def test_a_roster_whose_tools_collide_on_the_wire_cannot_open(stub: Any) -> None:
     # "lookup.item" and "lookup-item" both reach the provider as "lookup-item": every Build
     # would fail to render, so the Plan is refused, naming the field.

@@ -229,7 +229,14 @@ export class ContextEngineClient {
       session_id: sessionId,
       spec,
     });
-    return new Session(this, sessionId, response.plan!, response.created, response.spec_matches);
+    return new Session(
+      this,
+      sessionId,
+      response.plan!,
+      response.created,
+      response.spec_matches,
+      response.unknown_tool_names,
+    );
   }
 
   /** Attach to an existing session (reads its current plan, or a given epoch). */
@@ -321,6 +328,8 @@ export class Session {
     public plan: ContextPlan,
     readonly created: boolean,
     readonly specMatches: boolean,
+    /** Names the spec's agent enables or defers that no tool of it defines (typos). */
+    readonly unknownToolNames: string[] = [],
   ) {}
 
   get tenantId(): string {

@@ -15,6 +15,7 @@ from .._gen.context_engine.v1 import context_engine_pb2 as pb
 from .._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from ..core.epochs import ADMISSION_REASONS
 from ..core.errors import InvalidFieldError
+from ..core.roster import unknown_tool_names
 from . import convert, wire
 from .engine import BuildResult, ChildSeed, Engine
 from .errors import grpc_errors
@@ -58,6 +59,7 @@ class ContextEngineServicer(
             plan=convert.plan_to_proto(stored.plan, stored.created_at),
             created=created,
             spec_matches=matches,
+            unknown_tool_names=unknown_tool_names(spec),
         )
 
     @grpc_errors
@@ -115,7 +117,10 @@ class ContextEngineServicer(
             telemetry.record_replay("rotation")
         else:
             telemetry.record_rotation(rotated.plan.reason.name.lower())
-        return pb.RotateResponse(plan=convert.plan_to_proto(rotated.plan, rotated.created_at))
+        return pb.RotateResponse(
+            plan=convert.plan_to_proto(rotated.plan, rotated.created_at),
+            unknown_tool_names=unknown_tool_names(spec) if spec is not None else (),
+        )
 
     @grpc_errors
     async def StartRun(

@@ -55,6 +55,7 @@ __all__ = [
     "pinned_tools",
     "resolve_roster",
     "scope_hashes",
+    "unknown_tool_names",
 ]
 
 TOOL_CALL = "tool.call"
@@ -173,6 +174,15 @@ def fit_in_order(
                 continue
         left.append(item)
     return tuple(fitted), tuple(left)
+
+
+def unknown_tool_names(spec: PlanSpec) -> tuple[str, ...]:
+    """Names the agent enables or defers that no tool in spec.tools defines, once each in
+    first mention order: they refer to nothing (a typo, a tool of a server that is absent).
+    A defined tool withheld by Rules 1-4 is not one: it is absent by design."""
+    defined = {t.name for t in spec.tools}
+    named = (*spec.agent.enabled_tools, *spec.agent.deferred_tools)
+    return tuple(n for n in dict.fromkeys(named) if n not in defined)
 
 
 def resolve_roster(

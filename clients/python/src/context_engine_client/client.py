@@ -191,7 +191,14 @@ class ContextEngineClient:
         response = await self.call(
             "Plan", pb.PlanRequest(tenant_id=self.tenant_id, session_id=sid, spec=spec)
         )
-        return Session(self, sid, response.plan, response.created, response.spec_matches)
+        return Session(
+            self,
+            sid,
+            response.plan,
+            response.created,
+            response.spec_matches,
+            response.unknown_tool_names,
+        )
 
     async def session(self, session_id: str, *, epoch: int = 0) -> Session:
         """Attach to an existing session (reads its current plan, or a given epoch)."""
@@ -370,12 +377,15 @@ class Session:
         plan: pb.ContextPlan,
         created: bool,
         spec_matches: bool,
+        unknown_tool_names: Sequence[str] = (),
     ) -> None:
         self.client = client
         self.session_id = session_id
         self.plan = plan
         self.created = created
         self.spec_matches = spec_matches
+        # Names the spec's agent enables or defers that no tool of it defines (typos).
+        self.unknown_tool_names = tuple(unknown_tool_names)
 
     @property
     def tenant_id(self) -> str:

@@ -491,14 +491,16 @@ class PlanRequest(_message.Message):
     def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., spec: _Optional[_Union[PlanSpec, _Mapping]] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
-    __slots__ = ("plan", "created", "spec_matches")
+    __slots__ = ("plan", "created", "spec_matches", "unknown_tool_names")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     SPEC_MATCHES_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_TOOL_NAMES_FIELD_NUMBER: _ClassVar[int]
     plan: ContextPlan
     created: bool
     spec_matches: bool
-    def __init__(self, plan: _Optional[_Union[ContextPlan, _Mapping]] = ..., created: _Optional[bool] = ..., spec_matches: _Optional[bool] = ...) -> None: ...
+    unknown_tool_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, plan: _Optional[_Union[ContextPlan, _Mapping]] = ..., created: _Optional[bool] = ..., spec_matches: _Optional[bool] = ..., unknown_tool_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetPlanRequest(_message.Message):
     __slots__ = ("tenant_id", "session_id", "epoch")
@@ -535,10 +537,12 @@ class RotateRequest(_message.Message):
     def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., from_epoch: _Optional[int] = ..., reason: _Optional[_Union[PlanReason, str]] = ..., spec: _Optional[_Union[PlanSpec, _Mapping]] = ..., detail: _Optional[str] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class RotateResponse(_message.Message):
-    __slots__ = ("plan",)
+    __slots__ = ("plan", "unknown_tool_names")
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_TOOL_NAMES_FIELD_NUMBER: _ClassVar[int]
     plan: ContextPlan
-    def __init__(self, plan: _Optional[_Union[ContextPlan, _Mapping]] = ...) -> None: ...
+    unknown_tool_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, plan: _Optional[_Union[ContextPlan, _Mapping]] = ..., unknown_tool_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ConversationItem(_message.Message):
     __slots__ = ("item_id", "user_message", "assistant_message", "tool_call", "tool_result", "reasoning")
