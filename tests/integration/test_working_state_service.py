@@ -751,14 +751,14 @@ async def test_a_child_runs_message_is_at_most_model_evidence(stub: Any) -> None
     assert statement not in [c.fact.statement for c in offered.candidates]
 
 
-async def test_overlapping_runs_carry_only_the_constraints_a_build_can_render(
+async def test_overlapping_runs_carry_every_constraint_and_the_build_says_they_do_not_fit(
     stub: Any, pool: Any
 ) -> None:
     # Runs A and B overlap, and each one's user states five constraints: every write is
     # admitted (each run's own never-yield part fits the 1,000-token block), but all ten
-    # do not. The fold checks the ceiling as a write does, with run C's model's counter,
-    # so C carries what fits in log order and builds; before, every Build of C failed
-    # with BUDGET_EXCEEDED (class working_state) and nothing could remove the user's.
+    # do not. Run C carries all ten: the fold dropped the last ones without a word, though
+    # constraints never evict. C's Build refuses (BUDGET_EXCEEDED, class working_state),
+    # naming the class, until the user removes some; then it builds, every rule in place.
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa " * 4
     session_id, _ = await open_session(stub)
     a = (await start_run(stub, session_id, "Plan the offsite")).run.run_id
@@ -773,10 +773,17 @@ async def test_overlapping_runs_carry_only_the_constraints_a_build_can_render(
         await _build(stub, session_id, run)  # each run builds fine
     c = (await start_run(stub, session_id, "Go on")).run.run_id
     carried = [x["text"] for x in (await _latest_state(pool, c))["constraints"]]
-    assert carried[:5] == rules[a] and 5 < len(carried) < 10
-    assert carried[5:] == rules[b][: len(carried) - 5]
+    assert carried == [*rules[a], *rules[b]]
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await _build(stub, session_id, c)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    reason, _, metadata = details(refused.value)
+    assert (reason, metadata["class"]) == ("BUDGET_EXCEEDED", "working_state")
+    await update_state(
+        stub, session_id, c, 1, writer=pb.WRITER_USER, remove_constraints=rules[b][2:]
+    )
     block = _block(await _build(stub, session_id, c))
-    assert all(rule in block for rule in carried)
+    assert all(rule in block for rule in [*rules[a], *rules[b][:2]])
 
 
 async def test_a_question_asked_again_in_the_append_that_answers_it_stays_open(

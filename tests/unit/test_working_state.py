@@ -317,7 +317,7 @@ def _sessions(draw: st.DrawFn) -> tuple[_Session, list[tuple[WorkingState, Worki
     session = _Session()
     steps: list[tuple[WorkingState, WorkingState, object]] = []
     for run in range(draw(st.integers(1, 4))):
-        state = carry(session.log, count_tokens=count_tokens)
+        state = carry(session.log)
         for _ in range(draw(st.integers(0, 12))):
             writer = draw(st.sampled_from(Writer))
             update = draw(_updates(writer))
@@ -390,7 +390,7 @@ def test_carry_from_the_log_is_what_the_runs_saw(
     case: tuple[_Session, list[tuple[WorkingState, WorkingState, object]]],
 ) -> None:
     session, _ = case
-    carried = carry(session.log, count_tokens=count_tokens)
+    carried = carry(session.log)
     assert carried == at_run_boundary(session.finals[-1])
     assert carried.next_action is None, "next_action always resets"
     assert all(t.status not in COMPLETED for t in carried.tasks), "completed tasks drop"
@@ -400,7 +400,7 @@ def test_carry_from_the_log_is_what_the_runs_saw(
     assert carried.facts == last.facts, "facts carry with provenance"
     assert carried.open_questions == last.open_questions, "questions carry until answered"
     # Folding is deterministic and idempotent over the same log.
-    assert carry(list(reversed(session.log)), count_tokens=count_tokens) == carried
+    assert carry(list(reversed(session.log))) == carried
 
 
 def test_a_fold_skips_a_transition_that_no_longer_applies() -> None:
@@ -410,7 +410,7 @@ def test_a_fold_skips_a_transition_that_no_longer_applies() -> None:
         LoggedUpdate(3, "a", Writer.MODEL, WorkingStateUpdate(resolve_questions=("q?",))),
         LoggedUpdate(4, "a", Writer.MODEL, WorkingStateUpdate(next_action="x")),
     ]
-    state = carry(log, count_tokens=count_tokens)
+    state = carry(log)
     assert state.open_questions == () and state.next_action is None
 
 
@@ -419,11 +419,12 @@ def _rules(prefix: str, n: int) -> tuple[str, ...]:
     return tuple(f"{prefix} rule {k}: " + "keep the output concise " * 12 for k in range(n))
 
 
-def test_a_carried_state_of_overlapping_runs_fits_its_block() -> None:
+def test_a_carried_state_of_overlapping_runs_keeps_every_constraint_and_fails_loudly() -> None:
     """Runs A and B overlap (both seeded from an empty log) and each adds constraints its
-    own write check admits. The fold checks the ceiling as a write does, so the next run's
-    state renders: otherwise every Build of that run fails with BUDGET_EXCEEDED although no
-    write was refused, and the model cannot remove the user's constraints to recover."""
+    own write check admits: together 21, over the list cap and the block. The fold dropped
+    the last ones without a word, though constraints never evict and their loss is what
+    the user notices; it now carries them all, and the block refuses the state
+    (BUDGET_EXCEEDED, class working_state) until the user removes some."""
     a = WorkingStateUpdate(add_constraints=_rules("A", 10))
     b = WorkingStateUpdate(
         add_constraints=(*_rules("B", 10), "B short"),
@@ -432,18 +433,19 @@ def test_a_carried_state_of_overlapping_runs_fits_its_block() -> None:
     for update, seq in ((a, 3), (b, 4)):  # each write, as its run made it, is admitted
         _update(Writer.USER, WorkingState(), update, seq)
     log = [LoggedUpdate(3, "run-a", Writer.USER, a), LoggedUpdate(4, "run-b", Writer.USER, b)]
-    carried = carry(log, count_tokens=count_tokens)
-    block = render_block(carried, secret=SECRET, count_tokens=count_tokens)
-    assert block is not None and count_tokens(block.text) <= BLOCK_TOKENS
-    # Log order decides what carries: all of A, then what of B still fits, one constraint
-    # at a time (a shorter later one still fits); B's other fields carry whole.
+    carried = carry(log)
     texts = [c.text for c in carried.constraints]
-    assert texts[:10] == list(_rules("A", 10))
-    assert 10 < len(texts) < 21 and texts[-1] == "B short"
-    assert set(texts[10:]) <= set(b.add_constraints)
+    assert texts == [*_rules("A", 10), *_rules("B", 10), "B short"]  # log order, all 21
     assert [f.statement for f in carried.facts] == ["B fact"]
-    # Without the check (a facts-only reader) only the list cap binds: 20 constraints.
-    assert len(carry(log, count_tokens=None).constraints) == LIST_CAPS["constraints"]
+    with pytest.raises(BudgetExceededError) as refused:
+        render_block(carried, secret=SECRET, count_tokens=count_tokens)
+    assert refused.value.metadata["class"] == "working_state"
+    # The user removing constraints makes it fit again; no other writer may.
+    trimmed = _update(
+        Writer.USER, carried, WorkingStateUpdate(remove_constraints=_rules("B", 10)), 5
+    )
+    block = render_block(trimmed, secret=SECRET, count_tokens=count_tokens)
+    assert block is not None and count_tokens(block.text) <= BLOCK_TOKENS
 
 
 _LONG_RULES = [f"rule {n}: " + "keep the output concise " * (4 * (n % 6 + 1)) for n in range(16)]
@@ -465,7 +467,7 @@ def _overlapping_logs(draw: st.DrawFn) -> tuple[list[LoggedUpdate], list[Working
     for sequence in range(1, draw(st.integers(1, 20)) + 1):
         run = draw(st.integers(0, 3))
         if run not in states:
-            states[run] = carry(log, count_tokens=count_tokens)
+            states[run] = carry(log)
             seeds.append(states[run])
         writer = draw(st.sampled_from([Writer.USER, Writer.MODEL]))
         names = draw(st.sets(st.sampled_from(sorted(_BIG_FIELDS)), min_size=1, max_size=3))
@@ -480,20 +482,32 @@ def _overlapping_logs(draw: st.DrawFn) -> tuple[list[LoggedUpdate], list[Working
 
 @SETTINGS
 @given(_overlapping_logs())
-def test_no_fold_of_overlapping_runs_outgrows_the_block(
+def test_no_fold_of_overlapping_runs_loses_a_constraint(
     case: tuple[list[LoggedUpdate], list[WorkingState]],
 ) -> None:
-    """Whatever the overlapping runs wrote, every state a run starts from renders within
-    the block (the never-yield fields fit with the longest hidden note), so no run is
-    seeded into a state every Build refuses."""
+    """Whatever the overlapping runs wrote, every constraint a logged write added carries
+    unless a later logged write removed it: the fold drops none to fit its cap or block.
+    A state that does not fit is refused loudly when rendered, never trimmed."""
     log, seeds = case
-    carried = carry(log, count_tokens=count_tokens)
+    carried = carry(log)
+    kept = {c.text for c in carried.constraints}
+    for logged in log:
+        removed_later = {
+            text
+            for later in log
+            if later.sequence > logged.sequence
+            for text in later.update.remove_constraints
+        }
+        assert set(logged.update.add_constraints) - removed_later <= kept
     for state in (*seeds, carried):
-        assert len(state.constraints) <= LIST_CAPS["constraints"]
-        block = render_block(state, secret=SECRET, count_tokens=count_tokens)
-        assert block is None or count_tokens(block.text) <= BLOCK_TOKENS
+        try:
+            block = render_block(state, secret=SECRET, count_tokens=count_tokens)
+        except BudgetExceededError as exc:
+            assert exc.metadata["class"] == "working_state"
+        else:
+            assert block is None or count_tokens(block.text) <= BLOCK_TOKENS
     # The fold is a function of the log alone.
-    assert carry(list(reversed(log)), count_tokens=count_tokens) == carried
+    assert carry(list(reversed(log))) == carried
 
 
 def test_run_boundary_applies_each_carry_rule() -> None:
@@ -913,7 +927,7 @@ def test_the_fold_skips_only_the_stale_entry_of_a_list() -> None:
     by_a = LoggedUpdate(
         3, "a", Writer.USER, WorkingStateUpdate(resolve_questions=("Which dates?", "Which hotel?"))
     )
-    assert carry([opened, by_b, by_a], count_tokens=count_tokens).open_questions == ()
+    assert carry([opened, by_b, by_a]).open_questions == ()
 
 
 # --- transitions are linear: the indexed helpers against the scanning ones -----------------

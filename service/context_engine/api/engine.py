@@ -678,9 +678,6 @@ class Engine:
                     reason="PLAN_NOT_FOUND",
                 )
             rotated: list[plans.StoredPlan] = []
-            # The counter of the pinned plan's model: the carried working state must fit
-            # the block its Builds render (a child's state starts empty: none needed).
-            count_tokens: TokenCounter | None = None
             if isinstance(seed, ChildSeed):
                 # The parent's lineage, continued first if it is behind or invalidated
                 # (store/plans.py): the child pins a plan it can build on.
@@ -700,7 +697,6 @@ class Engine:
                     conn, tenant, session_id, admission, epoch, revision
                 )
                 epoch = pinned.plan.epoch
-                count_tokens = self.count_tokens_for(pinned.plan.model_id)
             if isinstance(seed, UserMessage):
                 # The seeding event and the run row share this transaction, so the run's
                 # seed_event_sequence can never point at an event that did not land.
@@ -734,9 +730,7 @@ class Engine:
                 )
             await runs.insert_run(conn, tenant, run)
             # Working state is folded from the log below the seed (a child's starts empty).
-            state = await ws_api.seed_state(
-                conn, tenant, session_id, run.seed_event_sequence, count_tokens
-            )
+            state = await ws_api.seed_state(conn, tenant, session_id, run.seed_event_sequence)
             # The first checkpoint pins the model's current estimator correction.
             factor = await self._pinned_factor(conn, tenant, session_id, epoch)
             await runs.insert_checkpoint(

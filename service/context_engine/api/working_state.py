@@ -59,36 +59,25 @@ _TRUSTED_EVIDENCE = frozenset(
 
 
 async def carried_state(
-    conn: Any,
-    tenant_id: str,
-    session_id: UUID,
-    below_sequence: int,
-    count_tokens: TokenCounter | None,
+    conn: Any, tenant_id: str, session_id: UUID, below_sequence: int
 ) -> WorkingState:
-    """The working state the log strictly below `below_sequence` carries into a new run,
-    checked against the block's ceiling with `count_tokens` (core.working_state.carry)."""
+    """The working state the log strictly below `below_sequence` carries into a new run
+    (core.working_state.carry: no constraint dropped to fit)."""
     return carry(
-        await ws_store.read_working_state_updates(conn, tenant_id, session_id, below_sequence),
-        count_tokens=count_tokens,
+        await ws_store.read_working_state_updates(conn, tenant_id, session_id, below_sequence)
     )
 
 
 async def seed_state(
-    conn: Any,
-    tenant_id: str,
-    session_id: UUID,
-    seed_event_sequence: int | None,
-    count_tokens: TokenCounter | None,
+    conn: Any, tenant_id: str, session_id: UUID, seed_event_sequence: int | None
 ) -> WorkingState:
     """A new run's first working state: carried from the log below its seed for a
-    top-level run, within the block's ceiling under `count_tokens` (the counter of the
-    model of the plan the run pins, whose Builds render it); empty for a child run, whose
-    working state is its own (no counter needed)."""
+    top-level run; empty for a child run, whose working state is its own. A carried state
+    over the block's ceiling is carried whole; the run's Builds refuse it (BUDGET_EXCEEDED,
+    class working_state) until the user removes constraints."""
     if seed_event_sequence is None:
         return WorkingState()
-    if count_tokens is None:
-        raise EngineError("a top-level run's carried state needs its model's token counter")
-    return await carried_state(conn, tenant_id, session_id, seed_event_sequence, count_tokens)
+    return await carried_state(conn, tenant_id, session_id, seed_event_sequence)
 
 
 async def record_transition(
@@ -268,7 +257,7 @@ async def offer_fact_candidates(
             return stored
         # Facts only: the block's ceiling decides only the never-hiding fields, so the
         # fold needs no model's counter (and a session without a plan can still answer).
-        state = await carried_state(conn, tenant_id, session_id, 2**62, None)
+        state = await carried_state(conn, tenant_id, session_id, 2**62)
         evidence = await ws_store.read_evidence_at(
             conn, tenant_id, session_id, [i for f in state.facts for i in f.source_event_ids]
         )

@@ -29,9 +29,12 @@ The writer's label comes before any written text on its line ("Objective: [user 
 "- [model #7] Task "t1" (open): ..."), and a task id is quoted as a JSON string, so no
 written text can pass for a label.
 Rule 6 (carry): a new run's state is a fold over the log's working-state events (`carry`),
-never a copy of a checkpoint; each run boundary applies CARRY_RULES. The fold checks Rule 4
-as a write does, with the new run's token counter: what overlapping runs wrote together
-and does not fit does not carry, so a carried state always renders.
+never a copy of a checkpoint; each run boundary applies CARRY_RULES. The fold refuses no
+constraint again, neither at Rule 3's cap nor at Rule 4's ceiling: what overlapping runs
+wrote together, or what a new model's counter makes longer, carries whole. A state whose
+never-hiding fields do not fit the block then fails every Build with BUDGET_EXCEEDED
+(class working_state) until the user removes constraints: constraints never evict, and a
+loss the user would notice is never silent (the spec).
 """
 
 from __future__ import annotations
@@ -329,6 +332,7 @@ def check_update_sizes(sizes: Mapping[str, int], field: str = "update") -> None:
 class _Ctx:
     writer: Writer
     sequence: int
+    folding: bool = False  # replaying the log (`carry`): constraints are never refused
 
     def entry(self, text: str) -> Entry:
         return Entry(
@@ -400,7 +404,7 @@ def _add_constraints(state: WorkingState, values: tuple[str, ...], ctx: _Ctx) ->
             # The user stating the model's constraint makes it the user's (Rule 2), in place.
             constraints[at] = ctx.entry(text)
     cap = LIST_CAPS["constraints"]
-    if len(constraints) > cap:
+    if len(constraints) > cap and not ctx.folding:
         raise PreconditionError(
             f"working state holds at most {cap} constraints and they never evict; remove one"
             " (the user, or the model for its own) before adding another",
@@ -626,13 +630,14 @@ def apply_update(
     writer: Writer,
     sequence: int,
     count_tokens: TokenCounter | None = None,
+    folding: bool = False,
 ) -> Transition:
     """Apply one typed transition. All or nothing: on any error the state is unchanged.
 
     With `count_tokens`, a transition that grows the never-hiding part of the block
-    (objective, constraints, next_action) past BLOCK_TOKENS fails. The log fold (`carry`)
-    passes the new run's counter too: each logged write was checked against its own run's
-    state, and two runs that overlapped can together hold more than either checked.
+    (objective, constraints, next_action) past BLOCK_TOKENS fails. `folding` (the log fold,
+    `carry`) replays a write that was admitted: no cap or ceiling refuses its constraints
+    again (Rule 6).
 
     Raises:
         InvalidFieldError: a field the writer may not touch, or a malformed value.
@@ -644,7 +649,7 @@ def apply_update(
             f"the {writer.name.lower()} writer may not set {forbidden[0]}",
             field=f"update.{forbidden[0]}",
         )
-    ctx = _Ctx(writer, sequence)
+    ctx = _Ctx(writer, sequence, folding)
     before = state.objective
     for name, step in _STEPS:
         value = getattr(update, name)
@@ -653,7 +658,7 @@ def apply_update(
         state = step(state, value, ctx)
     state, evicted = _bound_lists(state)
     grown = [f for f in _FIXED_FIELDS if f in update.touched()]
-    if count_tokens is not None and grown:
+    if count_tokens is not None and grown and not folding:
         # With room for the longest note of what is hidden: the evictable entries must
         # always be hideable, or one added task could make every Build of the run fail.
         tokens = count_tokens(_render_text(_fixed_part(state), b"\0" * 32, _ALL_HIDDEN))
@@ -723,7 +728,7 @@ class LoggedUpdate:
     update: WorkingStateUpdate
 
 
-def carry(updates: Sequence[LoggedUpdate], *, count_tokens: TokenCounter | None) -> WorkingState:
+def carry(updates: Sequence[LoggedUpdate]) -> WorkingState:
     """Fold the log's working-state events (oldest first) into the state a new run carries.
 
     The fold replays every transition, applying CARRY_RULES wherever the run changes, and
@@ -734,13 +739,11 @@ def carry(updates: Sequence[LoggedUpdate], *, count_tokens: TokenCounter | None)
     skipped. A constraint the user added beside a stale resolution is still the session's,
     and a question resolved beside a stale one is still resolved. The fold never fails.
 
-    Each replay is checked against the block's ceiling with `count_tokens` (the new run's
-    model's counter), as a write is: overlapping runs each checked only their own state,
-    and their union may not fit. What would push the objective, constraints and next
-    action past the ceiling, with the note of what is hidden, is skipped the same way, in
-    log order (the earlier write keeps its place), so every Build of the new run can render
-    the block. None skips the check: only for a reader of the facts, which the ceiling
-    never changes (it decides only the never-hiding fields).
+    No constraint is dropped to fit (Rule 6): not past the list cap (two overlapping runs
+    each checked only their own state) nor past the block's ceiling (their union, or a
+    model whose counter makes the same text longer). Such a state fails every Build of the
+    run with BUDGET_EXCEEDED, class working_state, until the user removes constraints: a
+    failure the agent can surface, where the fold dropped the last ones without a word.
     """
     state = WorkingState()
     run: str | None = None
@@ -748,25 +751,18 @@ def carry(updates: Sequence[LoggedUpdate], *, count_tokens: TokenCounter | None)
         if run is not None and logged.run_id != run:
             state = at_run_boundary(state)
         run = logged.run_id
-        state = _replay(state, logged, count_tokens)
+        state = _replay(state, logged)
     return at_run_boundary(state)
 
 
-def _replay(
-    state: WorkingState, logged: LoggedUpdate, count_tokens: TokenCounter | None
-) -> WorkingState:
+def _replay(state: WorkingState, logged: LoggedUpdate) -> WorkingState:
     """One logged transition: whole, or else each field, and each entry of a list field,
-    that still applies (carry): a stale resolution skips only that question, a constraint
-    over the ceiling only that constraint."""
+    that still applies (carry): a stale resolution skips only that question."""
 
     def applied(state: WorkingState, update: WorkingStateUpdate) -> WorkingState | None:
         try:
             return apply_update(
-                state,
-                update,
-                writer=logged.writer,
-                sequence=logged.sequence,
-                count_tokens=count_tokens,
+                state, update, writer=logged.writer, sequence=logged.sequence, folding=True
             ).state
         except RequestError:
             return None
