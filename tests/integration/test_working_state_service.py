@@ -786,6 +786,41 @@ async def test_overlapping_runs_carry_every_constraint_and_the_build_says_they_d
     assert all(rule in block for rule in [*rules[a], *rules[b][:2]])
 
 
+async def test_the_model_cannot_forget_a_question_awaiting_its_answer_or_the_users(
+    stub: Any, pool: Any
+) -> None:
+    """Open questions carry until an answer resolves them, never the model deciding to
+    forget (the spec). The model resolved an ask_user question before its answer came, so
+    the answer then resolved nothing; and a question the user asked. Both are refused,
+    CONSTRAINT_PROTECTED, naming the entry; once the answer is in, nothing is left open."""
+    session_id, _ = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "Book me a train")).run.run_id
+    q = "Which city?"
+    ask = pb.ConversationItem(
+        tool_call=pb.ToolCall(
+            call_id="ask1",
+            tool_name="conversation.ask_user",
+            arguments_json=json.dumps({"question": q}),
+        )
+    )
+    asked = await append_items(stub, session_id, run_id, 1, ask)
+    version = asked.checkpoint_version
+    mine = await update_state(
+        stub, session_id, run_id, version, writer=pb.WRITER_USER, add_questions=["Budget?"]
+    )
+    version = mine.checkpoint_version
+    for text in (q, "Budget?"):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await update_state(stub, session_id, run_id, version, resolve_questions=[text])
+        assert details(refused.value)[:2] == (
+            "CONSTRAINT_PROTECTED",
+            ["update.resolve_questions[0]"],
+        )
+    answer = result("ask1", "Lyon", trust=pb.TRUST_LEVEL_USER, name="conversation.ask_user")
+    await append_items(stub, session_id, run_id, version, answer)
+    assert [e["text"] for e in (await _latest_state(pool, run_id))["open_questions"]] == ["Budget?"]
+
+
 async def test_a_question_asked_again_in_the_append_that_answers_it_stays_open(
     stub: Any, pool: Any
 ) -> None:

@@ -1053,6 +1053,22 @@ def _ref_resolve_questions(state: WorkingState, values: tuple[str, ...], ctx: _C
                 "no such open question (exact text required)",
                 field=f"update.resolve_questions[{n}]",
             )
+        # The model resolves neither the user's question nor one an ask_user call of the
+        # run still awaits (the spec: never by the model deciding to forget).
+        if ctx.writer is Writer.MODEL and not ctx.folding:
+            why = (
+                "the user asked it"
+                if found.writer is Writer.USER
+                else "its conversation.ask_user call awaits the answer, which resolves it"
+                if found.text in ctx.pending
+                else ""
+            )
+            if why:
+                raise PreconditionError(
+                    f"the model may not resolve this question: {why}",
+                    field=f"update.resolve_questions[{n}]",
+                    reason="CONSTRAINT_PROTECTED",
+                )
         questions.remove(found)
     return state.model_copy(update={"open_questions": tuple(questions)})
 

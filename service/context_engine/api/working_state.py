@@ -26,6 +26,7 @@ from ..core.working_state import (
     carry,
     evidence_trust,
     lowest_trust,
+    pending_questions,
     runtime_update,
 )
 from ..store import events, idempotency, runs, sessions
@@ -91,6 +92,7 @@ async def record_transition(
     writer: Writer,
     checkpoint_version: int,
     count_tokens: TokenCounter | None = None,
+    pending: frozenset[str] = frozenset(),
 ) -> tuple[Transition, int]:
     """Apply a transition and append its event. Call with the session locked, inside the
     transaction that writes the checkpoint. -> (transition, event sequence)
@@ -100,7 +102,7 @@ async def record_transition(
     """
     sequence = await ws_store.next_sequence(conn, tenant_id, session_id)
     transition = apply_update(
-        state, update, writer=writer, sequence=sequence, count_tokens=count_tokens
+        state, update, writer=writer, sequence=sequence, count_tokens=count_tokens, pending=pending
     )
     payload = {
         "writer": writer.name.lower(),
@@ -201,6 +203,7 @@ async def update_working_state(
             writer=writer,
             checkpoint_version=version,
             count_tokens=count_tokens,
+            pending=pending_questions(checkpoint.items),
         )
         written = checkpoint.model_copy(
             update={"version": version, "working_state": transition.state}

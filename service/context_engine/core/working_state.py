@@ -6,6 +6,9 @@ runtime only what it observes: task states on tool outcomes, and the questions
 conversation.ask_user asks and their answers (`runtime_update`). Nobody's prose is parsed.
 Rule 2 (protection): only the user may remove a constraint the user set, or supersede an
 objective the user set (CONSTRAINT_PROTECTED). The model may remove its own constraints.
+Nor may the model resolve a question the user asked, or one whose ask_user call in the run
+awaits its answer (`pending_questions`): questions carry until an answer resolves them,
+never the model deciding to forget.
 A writer that states an existing constraint or the current objective again takes it over
 when it ranks above the entry's writer (WRITER_RANK: the user above the model), so a
 constraint the user also stated is the user's; restating never lowers an entry's writer.
@@ -86,6 +89,7 @@ __all__ = [
     "check_update_sizes",
     "evidence_trust",
     "lowest_trust",
+    "pending_questions",
     "render_block",
     "runtime_update",
     "source_trust",
@@ -333,6 +337,8 @@ class _Ctx:
     writer: Writer
     sequence: int
     folding: bool = False  # replaying the log (`carry`): constraints are never refused
+    # Questions whose conversation.ask_user call in the run has no result yet.
+    pending: frozenset[str] = frozenset()
 
     def entry(self, text: str) -> Entry:
         return Entry(
@@ -549,9 +555,44 @@ def _resolve_questions(state: WorkingState, values: tuple[str, ...], ctx: _Ctx) 
                 "no such open question (exact text required)",
                 field=f"update.resolve_questions[{n}]",
             )
-        gone.add(slots.popleft())
+        at = slots.popleft()
+        if not ctx.folding:
+            _may_resolve(questions[at], ctx, n)
+        gone.add(at)
     kept = tuple(q for i, q in enumerate(questions) if i not in gone)
     return state.model_copy(update={"open_questions": kept})
+
+
+def _may_resolve(question: Entry, ctx: _Ctx, n: int) -> None:
+    """Open questions carry until an answer resolves them, never the model deciding to
+    forget (the spec): the model may not resolve one the user asked, nor one whose ask_user
+    call in this run awaits its answer (the answer, through the runtime, resolves it)."""
+    if ctx.writer is not Writer.MODEL:
+        return
+    if question.writer is Writer.USER:
+        why = "the user asked it"
+    elif question.text in ctx.pending:
+        why = "its conversation.ask_user call awaits the answer, which resolves it"
+    else:
+        return
+    raise PreconditionError(
+        f"the model may not resolve this question: {why}",
+        field=f"update.resolve_questions[{n}]",
+        reason="CONSTRAINT_PROTECTED",
+    )
+
+
+def pending_questions(items: Sequence[ConversationItem]) -> frozenset[str]:
+    """The questions of the conversation.ask_user calls in `items` that no result answers."""
+    answered = {i.call_id for i in items if isinstance(i, ToolResult)}
+    return frozenset(
+        question
+        for item in items
+        if isinstance(item, ToolCall)
+        and item.tool_name == ASK_USER_TOOL
+        and item.call_id not in answered
+        and (question := _ask_user_question(item)) is not None
+    )
 
 
 def _set_next_action(state: WorkingState, value: str, ctx: _Ctx) -> WorkingState:
@@ -631,13 +672,15 @@ def apply_update(
     sequence: int,
     count_tokens: TokenCounter | None = None,
     folding: bool = False,
+    pending: frozenset[str] = frozenset(),
 ) -> Transition:
     """Apply one typed transition. All or nothing: on any error the state is unchanged.
 
     With `count_tokens`, a transition that grows the never-hiding part of the block
     (objective, constraints, next_action) past BLOCK_TOKENS fails. `folding` (the log fold,
     `carry`) replays a write that was admitted: no cap or ceiling refuses its constraints
-    again (Rule 6).
+    again (Rule 6). `pending`: the questions whose ask_user call in the run awaits its
+    answer, which the model may not resolve (`pending_questions`).
 
     Raises:
         InvalidFieldError: a field the writer may not touch, or a malformed value.
@@ -649,7 +692,7 @@ def apply_update(
             f"the {writer.name.lower()} writer may not set {forbidden[0]}",
             field=f"update.{forbidden[0]}",
         )
-    ctx = _Ctx(writer, sequence, folding)
+    ctx = _Ctx(writer, sequence, folding, pending)
     before = state.objective
     for name, step in _STEPS:
         value = getattr(update, name)
