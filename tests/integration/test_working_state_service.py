@@ -39,6 +39,17 @@ async def _build(stub: Any, session_id: str, run_id: str) -> pb.BuildResponse:
     return await stub.Build(request)
 
 
+def _ask(call_id: str, question: str) -> pb.ConversationItem:
+    """A conversation.ask_user call asking `question`."""
+    return pb.ConversationItem(
+        tool_call=pb.ToolCall(
+            call_id=call_id,
+            tool_name="conversation.ask_user",
+            arguments_json=json.dumps({"question": question}),
+        )
+    )
+
+
 def _block(response: pb.BuildResponse) -> str:
     blocks = [t for row, _, t in block_texts(response) if row == pb.ROW_WORKING_STATE]
     assert len(blocks) <= 1
@@ -347,14 +358,7 @@ async def test_an_ask_user_question_over_2000_characters_is_resolved_by_its_answ
     session_id, _ = await open_session(stub)
     run_id = (await start_run(stub, session_id, "Help me choose")).run.run_id
     question = "Which of these options do you prefer? " + "option, " * 300
-    ask = pb.ConversationItem(
-        tool_call=pb.ToolCall(
-            call_id="ask1",
-            tool_name="conversation.ask_user",
-            arguments_json=json.dumps({"question": question}),
-        )
-    )
-    asked = await append_items(stub, session_id, run_id, 1, ask)
+    asked = await append_items(stub, session_id, run_id, 1, _ask("ask1", question))
     state = await _latest_state(pool, run_id)
     assert [q["text"] for q in state["open_questions"]] == [question[:2_000]]
     answer = result("ask1", "The first", trust=pb.TRUST_LEVEL_USER, name="conversation.ask_user")
@@ -796,14 +800,7 @@ async def test_the_model_cannot_forget_a_question_awaiting_its_answer_or_the_use
     session_id, _ = await open_session(stub)
     run_id = (await start_run(stub, session_id, "Book me a train")).run.run_id
     q = "Which city?"
-    ask = pb.ConversationItem(
-        tool_call=pb.ToolCall(
-            call_id="ask1",
-            tool_name="conversation.ask_user",
-            arguments_json=json.dumps({"question": q}),
-        )
-    )
-    asked = await append_items(stub, session_id, run_id, 1, ask)
+    asked = await append_items(stub, session_id, run_id, 1, _ask("ask1", q))
     version = asked.checkpoint_version
     mine = await update_state(
         stub, session_id, run_id, version, writer=pb.WRITER_USER, add_questions=["Budget?"]
