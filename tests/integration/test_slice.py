@@ -207,7 +207,10 @@ async def test_seeding_reads_the_log_below_the_seed(stub: Any) -> None:
     session_id, _ = await open_session(stub)
     first = await start_run(stub, session_id, "first question")
     reasoning = pb.ConversationItem(
-        reasoning=pb.ReasoningItem(provider=pb.PROVIDER_ANTHROPIC, opaque=b'{"type":"thinking"}')
+        reasoning=pb.ReasoningItem(
+            provider=pb.PROVIDER_ANTHROPIC,
+            opaque=b'{"type":"thinking","thinking":"t","signature":"s"}',
+        )
     )
     await stub.AppendItems(
         pb.AppendItemsRequest(

@@ -269,6 +269,28 @@ def test_a_reasoning_payload_of_another_type_is_an_invalid_field(
 
 
 @pytest.mark.parametrize(
+    ("provider", "payload", "missing"),
+    [
+        (pb.PROVIDER_ANTHROPIC, {"type": "thinking", "thinking": "t"}, "signature"),
+        (pb.PROVIDER_ANTHROPIC, {"type": "thinking", "signature": "s"}, "thinking"),
+        (pb.PROVIDER_ANTHROPIC, {"type": "redacted_thinking"}, "data"),
+        (pb.PROVIDER_OPENAI, {"type": "reasoning", "summary": []}, "id"),
+        (pb.PROVIDER_OPENAI, {"type": "reasoning", "id": "rs_1", "summary": "s"}, "summary"),
+    ],
+)
+def test_a_reasoning_payload_without_what_the_provider_requires_is_an_invalid_field(
+    provider: int, payload: Any, missing: str
+) -> None:
+    """The providers refuse a replayed thinking block without its signature (Anthropic) or
+    a reasoning item without its id and summary (OpenAI): accepted at AppendItems, such a
+    payload failed every later request of the run with a 400."""
+    with pytest.raises(InvalidFieldError) as caught:
+        items_from_proto(_reasoning(provider, payload), ["n"])
+    assert caught.value.field == "items[0].reasoning.opaque"
+    assert f'"{missing}"' in caught.value.message
+
+
+@pytest.mark.parametrize(
     ("provider", "payload"),
     [
         (pb.PROVIDER_OPENAI, {"type": "reasoning", "id": "rs_1", "summary": []}),

@@ -3346,7 +3346,8 @@ type ReasoningItem struct {
 	// The provider's payload, verbatim (JSON bytes): a JSON object whose "type" is the
 	// provider's reasoning type (OpenAI "reasoning"; Anthropic "thinking" or
 	// "redacted_thinking"). Anything else would replay as a message or call the hashed
-	// request does not show: INVALID_FIELD.
+	// request does not show: INVALID_FIELD. So is one without the fields the provider takes
+	// it back with: "thinking" and "signature"; "data"; "id" and a "summary" array.
 	Opaque []byte `protobuf:"bytes,2,opt,name=opaque,proto3" json:"opaque,omitempty"`
 }
 

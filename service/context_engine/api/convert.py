@@ -539,6 +539,14 @@ def item_from_proto(item: pb.ConversationItem, field: str, new_id: str) -> ci.Co
                 f" {' or '.join(repr(t) for t in sorted(allowed))}",
                 field=f"{path}.opaque",
             )
+        for key, json_type in ci.REASONING_FIELDS[kind].items():
+            if not isinstance(payload.get(key), json_type):
+                raise InvalidFieldError(
+                    f'{path}.opaque: a {kind!r} item must hold "{key}"'
+                    f" ({'a string' if json_type is str else 'an array'}), as the provider sent"
+                    " it: replayed without it, every later request of the run is refused",
+                    field=f"{path}.opaque",
+                )
         return ci.ReasoningItem(item_id=item_id, provider=provider, opaque=opaque)
     raise InvalidFieldError(
         f"{field} has an unknown kind {kind!r}", field=field, reason="UNKNOWN_ITEM_KIND"

@@ -20,6 +20,7 @@ from .rows import ROW_TABLE, Region, Row
 from .trust import TrustLevel
 
 __all__ = [
+    "REASONING_FIELDS",
     "REASONING_TYPES",
     "AgentInstructionsItem",
     "AssistantMessage",
@@ -271,6 +272,15 @@ def excerpted(result: ToolResult) -> bool:
 REASONING_TYPES: dict[str, frozenset[str]] = {
     "anthropic": frozenset({"thinking", "redacted_thinking"}),
     "openai": frozenset({"reasoning"}),
+}
+# What each type must hold to be replayed (the providers' request types: Anthropic's
+# ThinkingBlockParam and RedactedThinkingBlockParam, OpenAI's ResponseReasoningItemParam):
+# key -> the JSON type of its value. A payload missing one passed AppendItems and then
+# failed every later request of its run at the provider (400).
+REASONING_FIELDS: dict[str, dict[str, type]] = {
+    "thinking": {"thinking": str, "signature": str},
+    "redacted_thinking": {"data": str},
+    "reasoning": {"id": str, "summary": list},
 }
 
 
