@@ -42,6 +42,7 @@ from hypothesis import strategies as st
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from context_engine.api import wire
 
 from .helpers import TENANT, create_database, drop_database, spec
 
@@ -594,7 +595,7 @@ def test_fuzz_every_rpc(server: Any, fuzz_dsn: str, capsys: pytest.CaptureFixtur
     # Every RPC at least once with an empty message, an undecodable one (field 1 as a
     # string of invalid UTF-8; an unknown field to ListControlToolsRequest, which has
     # none), bytes cut short and one over the size limit, whatever the draw covered.
-    over = bytes([0x0A]) + _varint(MAX_REQUEST_BYTES + 1) + b"a" * (MAX_REQUEST_BYTES + 1)
+    over = wire.field(1, b"a" * (MAX_REQUEST_BYTES + 1))
     for method in SERVICE.methods:
         for payload in (b"", b"\x0a\x02\xff\xfe", b"\x12\x05ab", over):
             code = _checked_call(channel, ledger, method.name, payload, auth)
@@ -625,15 +626,6 @@ def test_fuzz_every_rpc(server: Any, fuzz_dsn: str, capsys: pytest.CaptureFixtur
         assert set(drawn) == set(SERVICE.methods_by_name), sorted(
             set(SERVICE.methods_by_name) - set(drawn)
         )
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 async def test_no_partial_writes_after_fuzz(fuzz_dsn: str, server: Any) -> None:

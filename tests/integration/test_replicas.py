@@ -47,29 +47,39 @@ async def replicas(database_dsn: str) -> AsyncIterator[list[Any]]:
         await pool.close()
 
 
+def _start(session_id: str, key: str) -> pb.StartRunRequest:
+    """A run's start under idempotency key `key`."""
+    return pb.StartRunRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        idempotency_key=key,
+        user_message=pb.UserMessage(text="one run, please"),
+    )
+
+
+def _append(session_id: str, run_id: str, key: str) -> pb.AppendItemsRequest:
+    """A tool pair and an answer appended to the run's first checkpoint under `key`."""
+    return pb.AppendItemsRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        run_id=run_id,
+        expected_checkpoint_version=1,
+        idempotency_key=key,
+        items=[call("c1"), result("c1", "page"), assistant("done")],
+    )
+
+
 async def test_idempotent_writes_take_effect_once_across_replicas(
     replicas: list[Any], pool: Any
 ) -> None:
     first, second = replicas
     session_id, _ = await open_session(first)
-    start = pb.StartRunRequest(
-        tenant_id=TENANT,
-        session_id=session_id,
-        idempotency_key="start-1",
-        user_message=pb.UserMessage(text="one run, please"),
-    )
+    start = _start(session_id, "start-1")
     started = await asyncio.gather(*(r.StartRun(start) for r in replicas * 3))
     assert len({s.SerializeToString(deterministic=True) for s in started}) == 1
     run_id = started[0].run.run_id
 
-    append = pb.AppendItemsRequest(
-        tenant_id=TENANT,
-        session_id=session_id,
-        run_id=run_id,
-        expected_checkpoint_version=1,
-        idempotency_key="append-1",
-        items=[call("c1"), result("c1", "page"), assistant("done")],
-    )
+    append = _append(session_id, run_id, "append-1")
     appended = await asyncio.gather(*(r.AppendItems(append) for r in (first, second) * 3))
     assert len({a.SerializeToString(deterministic=True) for a in appended}) == 1
     assert appended[0].checkpoint_version == 2
@@ -116,24 +126,12 @@ async def test_keyed_writes_that_overlap_on_two_replicas_take_effect_once(
     def on_both(method: str, request: Any) -> list[Callable[[], Awaitable[Any]]]:
         return [lambda r=r: getattr(r, method)(request) for r in replicas]
 
-    start = pb.StartRunRequest(
-        tenant_id=TENANT,
-        session_id=session_id,
-        idempotency_key="start-overlap",
-        user_message=pb.UserMessage(text="one run, please"),
-    )
+    start = _start(session_id, "start-overlap")
     started = await _overlapping(database_dsn, session_id, on_both("StartRun", start))
     assert len({s.SerializeToString(deterministic=True) for s in started}) == 1, started
     run_id = started[0].run.run_id
 
-    append = pb.AppendItemsRequest(
-        tenant_id=TENANT,
-        session_id=session_id,
-        run_id=run_id,
-        expected_checkpoint_version=1,
-        idempotency_key="append-overlap",
-        items=[call("c1"), result("c1", "page"), assistant("done")],
-    )
+    append = _append(session_id, run_id, "append-overlap")
     appended = await _overlapping(database_dsn, session_id, on_both("AppendItems", append))
     assert len({a.SerializeToString(deterministic=True) for a in appended}) == 1, appended
     assert appended[0].checkpoint_version == 2
