@@ -7,6 +7,8 @@ import base64
 import gzip
 import json
 import logging
+import random
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -562,6 +564,7 @@ def test_heuristic_covers_both_tokenizers_on_code(
 
 @HEAVY
 @given(text=json_text())
+@example(text='["AgKsAAI=", "AgKsAgc=", "AgKsAgc="]')  # short base64 read as words (@9: 21 < 22)
 def test_heuristic_covers_both_tokenizers_on_json(
     text: str, exact: Mapping[str, Callable[[str], int]]
 ) -> None:
@@ -580,6 +583,7 @@ def test_heuristic_covers_both_tokenizers_on_non_latin_text(
 
 @PROPERTY
 @given(text=junk())
+@example(text="UgsobFbjNQ8sN9CQRQ8OAimP6sRxZPdUc5L7WzP3ypKwLH7U9D5Gm4aUOu7h4qyxGQ2/KH6PElbk")
 def test_heuristic_covers_both_tokenizers_on_base64_hex_and_ids(
     text: str, exact: Mapping[str, Callable[[str], int]]
 ) -> None:
@@ -588,10 +592,56 @@ def test_heuristic_covers_both_tokenizers_on_base64_hex_and_ids(
 
 @HEAVY
 @given(text=mixed_text())
+# Two ids of mostly-zero bytes: each alone was covered, together (one edge constant) not.
+@example(text='AAEAAQIAAABQFQAAABEeBwA=\n{"_private": "AAEAAQIAAABQFQAAABEeBwA="}')
 def test_heuristic_covers_both_tokenizers_on_mixed_text(
     text: str, exact: Mapping[str, Callable[[str], int]]
 ) -> None:
     _assert_covers(text, exact)
+
+
+def _ids(seed: int, count: int) -> list[str]:
+    """Ids as tool output carries them: random and mostly-zero bytes as base64 (standard and
+    URL-safe) and hex, UUIDs and prefixed keys; deterministic for the seed."""
+    rng = random.Random(seed)
+
+    def mostly_zero(size: int) -> bytes:
+        share, top = rng.random(), rng.choice([1, 3, 7, 31, 255])
+        return bytes(0 if rng.random() < share else rng.randint(0, top) for _ in range(size))
+
+    makers: tuple[Callable[[Callable[[int], bytes]], str], ...] = (
+        lambda raw: base64.b64encode(raw(rng.randint(1, 60))).decode(),
+        lambda raw: base64.urlsafe_b64encode(raw(rng.randint(9, 60))).decode().rstrip("="),
+        lambda raw: raw(rng.randint(2, 40)).hex(),
+        lambda raw: str(uuid.UUID(int=rng.getrandbits(128))),
+        lambda raw: f"{rng.choice(['req', 'sk'])}_{base64.b64encode(raw(16)).decode()}",
+    )
+    return [rng.choice(makers)(rng.choice([rng.randbytes, mostly_zero])) for _ in range(count)]
+
+
+def test_ids_are_covered_almost_without_the_texts_edge_constant(
+    exact: Mapping[str, Callable[[str], int]],
+) -> None:
+    """The junk weights were fitted to cover an id on its own with the edge constant left
+    out, so a text of many ids (which pays it once) stays covered. On other ids than the
+    fit's, every id is covered with it, and at most 1% fall short without it, by less than
+    it. Under context-assembler@9 about one id in nine fell short without it, by up to six
+    tokens."""
+    edge = est._WEIGHTS_MT["text_edge"]
+    junk = est._INDEX["junk_word"]
+    ids = [text for text in _ids(2026, 3000) if est._heuristic_features(text)[junk]]
+    short = []
+    for text in ids:
+        milli = sum(
+            n * w for n, w in zip(est._heuristic_features(text), est._WEIGHT_VECTOR, strict=True)
+        )
+        needed = 1000 * max(count(text) for count in exact.values())
+        assert 1000 * heuristic_count(text) >= needed, text
+        if milli - edge < needed:
+            short.append((needed - (milli - edge), text))
+    assert len(ids) > 2500
+    assert len(short) * 100 <= len(ids), sorted(short)[-5:]
+    assert all(missing < edge for missing, _ in short), sorted(short)[-5:]
 
 
 # Whitespace-heavy text (blank lines with trailing spaces, indentation between tags): both

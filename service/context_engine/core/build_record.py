@@ -159,7 +159,16 @@ __all__ = [
 # bore on the request (capped to a pointer, which names the content's byte count, or the
 # ladder's savings, which count it), the rebuild differs and the record does not rebuild
 # (REQUEST_NOT_FOUND).
-ASSEMBLER_VERSION = "context-assembler@9"
+# @10: the estimator's heuristic (models without an exact tokenizer: Anthropic's) prices a
+# junk word -- an id, base64, hex -- by its letters, digits and changes of letter case or
+# class, and takes a word of three or more case pieces under three letters on average
+# ("AgKsAgc") for junk (core/estimator.py _add_junk_word); @9 priced one per character and
+# per lower-to-upper or digit change, which counted random base64 up to two tokens under
+# cl100k_base and so could cut a request over the window. Only the heuristic's figures
+# move: a record it counted whose text held such words is refused on its figures (Rule 9,
+# REQUEST_NOT_FOUND naming both versions); records counted exactly (OpenAI models) and
+# every other @9 record rebuild.
+ASSEMBLER_VERSION = "context-assembler@10"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})

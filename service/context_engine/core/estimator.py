@@ -37,9 +37,15 @@ is close on English prose but ~30% under on JSON tool output and 3-5x under on b
   (Romance-language words, which both tokenizers split into stem and ending). All-caps pieces
   cost more (``ENDMARKER`` is 3 tokens).
 * A word that does not look like language -- one class change (lower/upper/digit) per three
-  characters, or 40% rare letter pairs -- is *junk* (base64, hex, UUIDs, hashes, random ids)
-  and is charged per word, per character and per class change, because BPE spends one token
-  per 1.4-1.8 such characters.
+  characters, 40% rare letter pairs, or three or more case pieces under three letters on
+  average -- is *junk* (base64, hex, UUIDs, hashes, random ids) and is charged per word, per
+  letter, per digit and per change of case or class, because BPE spends one token per
+  1.2-1.8 such characters. The weights were fitted to cover both tokenizers on 12,000
+  generated ids (random and mostly-zero bytes as base64, URL-safe base64 and hex; UUIDs;
+  prefixed keys) with the text's edge constant left out, so a text of many ids, which pays
+  that constant once, stays covered. On ids drawn otherwise about one in 500 falls short
+  before the edge constant, by at most about two tokens, and none after it
+  (``test_ids_are_covered_almost_without_the_texts_edge_constant``).
 * Digits cost per group of three (both tokenizers split numbers that way).
 * Punctuation runs cost one token plus a fraction per character change; a lone punctuation
   character glued to the next word (``.append``, ``_name``) mostly merges into it.
@@ -188,9 +194,11 @@ _WEIGHTS_MT: Final[Mapping[str, int]] = MappingProxyType(
         "caps_char": 250,
         "rare_bigram": 790,
         "vowel_end": 1790,
-        "junk_word": 1150,
-        "junk_char": 620,
-        "junk_transition": 230,
+        # Junk words (see _add_junk_word), refitted for context-assembler@10.
+        "junk_word": 1300,
+        "junk_letter": 560,
+        "junk_digit": 320,
+        "junk_case_change": 530,
         "digit_group": 1010,
         "newline": 1380,
         "newline_after_punct": 0,
@@ -283,6 +291,11 @@ _JUNK_RARE_MIN_CHARS: Final = 5
 # few of each, camelCase identifiers (getElementById: 367) fewer.
 _JUNK_MIXED_PER_1000: Final = 380
 _JUNK_MIXED_MIN_CHARS: Final = 12
+# ...or when it falls into three or more case pieces of under three letters on average:
+# short base64 ("AgKsAgc": Ag, K, s, Ag, c) is not a word however its letters pair up, and
+# camelCase names (getElementById: 3.5) have longer pieces.
+_JUNK_MIN_PIECES: Final = 3
+_JUNK_PIECE_MILLI_CHARS: Final = 3000
 _MAX_WORD_TABLE: Final = 12
 
 # ASCII control characters (everything below 0x20 but the whitespace, and DEL). Both
@@ -477,11 +490,13 @@ def _add_word(word: str, counts: list[int]) -> None:
             or rare >= _JUNK_RARE_PAIRS_PER_1000
             or (length >= _JUNK_MIXED_MIN_CHARS and changes + rare >= _JUNK_MIXED_PER_1000)
         ):
-            counts[_INDEX["junk_word"]] += 1
-            counts[_INDEX["junk_char"]] += length
-            counts[_INDEX["junk_transition"]] += transitions
+            _add_junk_word(word, counts)
             return
-    for piece in _PIECE_RE.findall(word):
+    pieces = _PIECE_RE.findall(word)
+    if len(pieces) >= _JUNK_MIN_PIECES and length * 1000 < _JUNK_PIECE_MILLI_CHARS * len(pieces):
+        _add_junk_word(word, counts)
+        return
+    for piece in pieces:
         size = len(piece)
         if piece[0].isdigit():
             counts[_INDEX["digit_group"]] += -(-size // 3)
@@ -496,6 +511,29 @@ def _add_word(word: str, counts: list[int]) -> None:
             counts[_INDEX["rare_bigram"]] += sum(
                 lower[j : j + 2] not in _COMMON_BIGRAMS for j in range(size - 1)
             )
+
+
+def _add_junk_word(word: str, counts: list[int]) -> None:
+    # Priced by what the tokenizers split it into: a pre-token per letter run and per digit
+    # group, and within letters one token per one or two characters, more where the case
+    # changes (the weights' fit: the module docstring). context-assembler@9's price, per
+    # character and per lower-to-upper or digit change, missed random base64 by up to two
+    # tokens a word, and two ids on two lines by one token.
+    letters = sum(char.isalpha() for char in word)
+    counts[_INDEX["junk_word"]] += 1
+    counts[_INDEX["junk_letter"]] += letters
+    counts[_INDEX["junk_digit"]] += len(word) - letters
+    counts[_INDEX["junk_case_change"]] += _class_changes(word)
+
+
+def _class_changes(word: str) -> int:
+    changes = 0
+    previous = -1
+    for char in word:
+        current = 2 if char.isdigit() else (1 if char.isupper() else 0)
+        changes += previous >= 0 and current != previous
+        previous = current
+    return changes
 
 
 def _class_transitions(word: str) -> int:
