@@ -38,6 +38,7 @@ from context_engine.core.compaction import (
     prepare,
     quoted_sources,
     quoting,
+    require_shrink,
     summary_item,
 )
 from context_engine.core.compaction import _round_up as round_up
@@ -825,6 +826,26 @@ def test_tokens_after_counts_the_summary_row_as_rendered() -> None:
     record = check_result(prepared, _result(prepared, "Done."), count_tokens)
     assert record.tokens_after == count_tokens(summary_item(record).text)
     assert record.tokens_after > 20 * count_tokens(pointer(record.elided[0]))
+
+
+def test_a_commit_must_shrink_what_it_replaces() -> None:
+    """A summary row (its pointer lines included) that counts no fewer tokens than the
+    history it replaces frees nothing: CommitCompaction refuses it, naming both figures."""
+    carried = _fetched_pages(20)
+    checkpoint = Checkpoint(run_id="b", version=1, items=())
+    prepared = prepare(checkpoint, carried, through_sequence=40, count_tokens=count_tokens)
+    record = check_result(prepared, _result(prepared, "Done."), count_tokens)
+    require_shrink(record)
+    assert record.tokens_after < record.tokens_before
+    for tokens_after in (record.tokens_before, record.tokens_before + 1):
+        with pytest.raises(InvalidFieldError) as refused:
+            require_shrink(record.model_copy(update={"tokens_after": tokens_after}))
+        assert refused.value.field == "result.summary"
+        assert refused.value.metadata == {
+            "tokens_before": str(record.tokens_before),
+            "tokens_after": str(tokens_after),
+        }
+    require_shrink(record.model_copy(update={"tokens_after": record.tokens_before - 1}))
 
 
 def test_compacted_checkpoint_drops_what_it_replaced_and_keeps_the_rest() -> None:

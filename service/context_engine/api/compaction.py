@@ -26,6 +26,7 @@ from ..core.compaction import (
     compacted_checkpoint,
     elided_content,
     prepare,
+    require_shrink,
 )
 from ..core.errors import InvalidFieldError
 from ..core.items import ContextItem, ConversationItem
@@ -195,6 +196,7 @@ async def commit_compaction(
             _reprepare, inputs, result.replaced_through_sequence, count_tokens
         )
         record = await asyncio.to_thread(check_result, prepared, result, count_tokens)
+        require_shrink(record)
         new_checkpoint = compacted_checkpoint(checkpoint, record)
         await runs.insert_checkpoint(conn, tenant_id, new_checkpoint)
         payload = {

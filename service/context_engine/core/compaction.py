@@ -138,6 +138,7 @@ __all__ = [
     "prepare",
     "quoted_sources",
     "quoting",
+    "require_shrink",
     "summary_item",
 ]
 
@@ -886,6 +887,27 @@ def check_result(
     # The row as Build renders it (escaped summary and every pointer line), as tokens_before
     # counts what it replaced as rendered: the figure an operator compares with it.
     return record.model_copy(update={"tokens_after": count_tokens(summary_item(record).text)})
+
+
+def require_shrink(record: CompactionResult) -> None:
+    """A commit must free tokens: a summary row (pointer lines included) that counts no
+    fewer than what it replaces would leave the run over its budget, to compact again a
+    level deeper each time until the depth runs out. Apart from `check_result`, whose
+    trust and provenance checks hold for a summary of any size.
+
+    Raises:
+        InvalidFieldError: field result.summary, metadata tokens_before and tokens_after.
+    """
+    if record.tokens_after >= record.tokens_before:
+        raise InvalidFieldError(
+            f"the summary row counts {record.tokens_after} tokens, not fewer than the"
+            f" {record.tokens_before} it replaces: a compaction must shrink the history",
+            field="result.summary",
+            metadata={
+                "tokens_before": str(record.tokens_before),
+                "tokens_after": str(record.tokens_after),
+            },
+        )
 
 
 _POINTERS_HEADER = (
