@@ -260,7 +260,7 @@ async def test_laundering_mismatch_and_stale_commits_write_nothing(stub: Any, po
             assert metadata["item_id"] == prepared.elided[0].item_id
         if reason == "INVALID_FIELD":
             assert metadata["tokens_before"] == str(prepared.tokens_before)
-            assert int(metadata["tokens_after"]) >= prepared.tokens_before
+            assert int(metadata["summary_tokens"]) >= prepared.tokens_before
     assert await _writes(pool, session_id) == before
 
 
@@ -579,9 +579,6 @@ async def test_a_model_echo_of_an_untrusted_knowledge_passage_is_elided_and_neve
         stub, session_id, one, echo.checkpoint_version, assistant(f"Noted: {memory}")
     )
     assert recalled.sequences
-    # The answer went on at length: the summary must be smaller than what it replaces.
-    overview = "Refunds within 30 days are approved by the support team. " * 40
-    await append_items(stub, session_id, one, recalled.checkpoint_version, assistant(overview))
     two = (await start_run(stub, session_id, "Thanks, go ahead")).run.run_id
     await append_items(stub, session_id, two, 1, assistant("Proceeding."))
     prepared = await _prepare(stub, session_id, two)

@@ -513,8 +513,7 @@ async def test_a_retried_commit_compaction_counts_one_compaction_at_its_committe
                 session_id=session_id,
                 run_id=run_id,
                 expected_checkpoint_version=1,
-                # Pages long enough that the summary with its pointers is smaller.
-                items=[call(call_id), result(call_id, "a page " * 300), assistant("Found one.")],
+                items=[call(call_id), result(call_id, "a page"), assistant("Found one.")],
             )
         )
     prepared = await stub.PrepareCompaction(

@@ -828,24 +828,42 @@ def test_tokens_after_counts_the_summary_row_as_rendered() -> None:
     assert record.tokens_after > 20 * count_tokens(pointer(record.elided[0]))
 
 
-def test_a_commit_must_shrink_what_it_replaces() -> None:
-    """A summary row (its pointer lines included) that counts no fewer tokens than the
-    history it replaces frees nothing: CommitCompaction refuses it, naming both figures."""
+def test_a_summary_must_be_shorter_than_what_it_replaces() -> None:
+    """A summary that counts no fewer tokens than the transcript of what it replaces frees
+    nothing: CommitCompaction refuses it, naming both figures. Its row's pointer lines do
+    not count against it."""
     carried = _fetched_pages(20)
     checkpoint = Checkpoint(run_id="b", version=1, items=())
     prepared = prepare(checkpoint, carried, through_sequence=40, count_tokens=count_tokens)
     record = check_result(prepared, _result(prepared, "Done."), count_tokens)
-    require_shrink(record)
-    assert record.tokens_after < record.tokens_before
-    for tokens_after in (record.tokens_before, record.tokens_before + 1):
+    require_shrink(record, count_tokens)
+    # Short untrusted results can leave a row longer than their transcript (its header and
+    # pointers): a short summary of them is admitted still.
+    require_shrink(
+        record.model_copy(update={"tokens_after": 2 * record.tokens_before}), count_tokens
+    )
+    words = "word " * (prepared.tokens_before + 5)
+    for summary in (words[: len(words) // 2], words):
+        fits = count_tokens(summary) < prepared.tokens_before
+        long = check_result(prepared, _result(prepared, summary), count_tokens)
+        if fits:
+            require_shrink(long, count_tokens)
+            continue
         with pytest.raises(InvalidFieldError) as refused:
-            require_shrink(record.model_copy(update={"tokens_after": tokens_after}))
+            require_shrink(long, count_tokens)
         assert refused.value.field == "result.summary"
         assert refused.value.metadata == {
-            "tokens_before": str(record.tokens_before),
-            "tokens_after": str(tokens_after),
+            "tokens_before": str(prepared.tokens_before),
+            "summary_tokens": str(count_tokens(summary)),
         }
-    require_shrink(record.model_copy(update={"tokens_after": record.tokens_before - 1}))
+    # Exactly as long is refused too: it frees nothing.
+    exact = next(
+        text
+        for text in ("x" * n for n in range(prepared.tokens_before * 8))
+        if count_tokens(text) == prepared.tokens_before
+    )
+    with pytest.raises(InvalidFieldError):
+        require_shrink(check_result(prepared, _result(prepared, exact), count_tokens), count_tokens)
 
 
 def test_compacted_checkpoint_drops_what_it_replaced_and_keeps_the_rest() -> None:

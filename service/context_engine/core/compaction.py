@@ -889,23 +889,27 @@ def check_result(
     return record.model_copy(update={"tokens_after": count_tokens(summary_item(record).text)})
 
 
-def require_shrink(record: CompactionResult) -> None:
-    """A commit must free tokens: a summary row (pointer lines included) that counts no
-    fewer than what it replaces would leave the run over its budget, to compact again a
-    level deeper each time until the depth runs out. Apart from `check_result`, whose
-    trust and provenance checks hold for a summary of any size.
+def require_shrink(record: CompactionResult, count_tokens: TokenCounter) -> None:
+    """A summary must be shorter than what it summarizes: one that counts no fewer tokens
+    than the replaced items' transcript lines (`tokens_before`, each item's full content)
+    frees nothing, and would leave the run over its budget, to compact again a level deeper
+    each time until the depth runs out. The summary text alone is weighed: the pointer
+    lines of the elided spans are the engine's, not the worker's, and cost Build less than
+    the enveloped spans they stand for. Apart from `check_result`, whose trust and
+    provenance checks hold for a summary of any size.
 
     Raises:
-        InvalidFieldError: field result.summary, metadata tokens_before and tokens_after.
+        InvalidFieldError: field result.summary, metadata tokens_before and summary_tokens.
     """
-    if record.tokens_after >= record.tokens_before:
+    summary_tokens = count_tokens(record.summary)
+    if summary_tokens >= record.tokens_before:
         raise InvalidFieldError(
-            f"the summary row counts {record.tokens_after} tokens, not fewer than the"
-            f" {record.tokens_before} it replaces: a compaction must shrink the history",
+            f"the summary counts {summary_tokens} tokens, not fewer than the"
+            f" {record.tokens_before} of what it replaces: a summary must be shorter",
             field="result.summary",
             metadata={
                 "tokens_before": str(record.tokens_before),
-                "tokens_after": str(record.tokens_after),
+                "summary_tokens": str(summary_tokens),
             },
         )
 

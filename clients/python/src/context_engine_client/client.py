@@ -645,7 +645,9 @@ class Run:
         `through_sequence`: the last event to compact (0: the engine chooses the cut).
 
         `summarize` gets the prepared input (trusted content only, untrusted spans already
-        elided to pointers) and returns the summary. Returns the new checkpoint version.
+        elided to pointers) and returns the summary, which must count fewer tokens than
+        what it replaces (`prepared.tokens_before`; else InvalidArgument INVALID_FIELD
+        naming `result.summary`). Returns the new checkpoint version.
 
         `idempotency_key` is CommitCompaction's. When the commit fails Unavailable or
         DeadlineExceeded it may still have landed: retry with the first attempt's key and
