@@ -624,8 +624,8 @@ def test_ids_are_covered_almost_without_the_texts_edge_constant(
     """The junk weights were fitted to cover an id on its own with the edge constant left
     out, so a text of many ids (which pays it once) stays covered. On other ids than the
     fit's, every id is covered with it, and at most 1% fall short without it, by less than
-    it. Under context-assembler@9 about one id in nine fell short without it, by up to six
-    tokens."""
+    it. Under context-assembler@9 about one base64 id in nine fell short without it, by up
+    to six tokens, and this test fails."""
     edge = est._WEIGHTS_MT["text_edge"]
     junk = est._INDEX["junk_word"]
     ids = [text for text in _ids(2026, 3000) if est._heuristic_features(text)[junk]]
