@@ -162,8 +162,9 @@ __all__ = [
 # @10: the estimator's heuristic (models without an exact tokenizer: Anthropic's) prices a
 # junk word -- an id, base64, hex -- by its letters, digits and changes of letter case or
 # class (core/estimator.py _add_junk_word); @9 priced one per character and per
-# lower-to-upper or digit change, which put random base64 up to two tokens a word under
-# cl100k_base: the estimate, meant as an upper bound, was not one. Only the heuristic's figures
+# lower-to-upper or digit change, which put random base64 up to six tokens a word under
+# cl100k_base before the text's edge constant (two ids on two lines: a token under in
+# all): the estimate, meant as an upper bound, was not one. Only the heuristic's figures
 # move: a record it counted whose text held such words is refused on its figures (Rule 9,
 # REQUEST_NOT_FOUND naming both versions); records counted exactly (OpenAI models) and
 # every other @9 record rebuild.

@@ -890,13 +890,14 @@ def check_result(
 
 
 def require_shrink(record: CompactionResult, count_tokens: TokenCounter) -> None:
-    """A summary must be shorter than what it summarizes: one that counts no fewer tokens
-    than the replaced items' transcript lines (`tokens_before`, each item's full content)
-    frees nothing, and would leave the run over its budget, to compact again a level deeper
-    each time until the depth runs out. The summary text alone is weighed: the pointer
-    lines of the elided spans are the engine's, not the worker's, and cost Build less than
-    the enveloped spans they stand for. Apart from `check_result`, whose trust and
-    provenance checks hold for a summary of any size.
+    """A summary must be shorter than what it summarizes. One that counts no fewer tokens
+    than `tokens_before` frees little or nothing: the run stays over its budget, to compact
+    again a level deeper, until the depth runs out. `tokens_before` counts the replaced
+    items' transcript lines with their text (a tool result's pipeline excerpt where it has
+    one; an untrusted result's text too) and, for a merge, the earlier summary's row, whose
+    pointer lines the new row keeps (a looser bound there). The summary text alone is
+    weighed: the pointer lines of the elided spans are the engine's, not the worker's.
+    Apart from `check_result`, whose trust and provenance checks hold for any size.
 
     Raises:
         InvalidFieldError: field result.summary, metadata tokens_before and summary_tokens.

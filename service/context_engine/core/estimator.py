@@ -37,9 +37,10 @@ is close on English prose but ~30% under on JSON tool output and 3-5x under on b
   (Romance-language words, which both tokenizers split into stem and ending). All-caps pieces
   cost more (``ENDMARKER`` is 3 tokens).
 * A word that does not look like language -- one class change (lower/upper/digit) per three
-  characters, or 40% rare letter pairs -- is *junk* (base64, hex, UUIDs, hashes, random ids)
-  and is charged per word, per letter, per digit and per change of case or class, because
-  BPE spends one token per 1.2-1.8 such characters. The weights were fitted to cover both
+  characters, 40% rare letter pairs, or from 12 characters on a few of each -- is *junk*
+  (base64, hex, UUIDs, hashes, random ids) and is charged per word, per letter, per digit
+  and per change of case or class, because BPE spends one token per 1.2-1.8 such
+  characters. The weights were fitted to cover both
   tokenizers on 12,000 generated ids (random and mostly-zero bytes as base64, URL-safe
   base64 and hex; UUIDs; prefixed keys) with the text's edge constant left out, so a text of
   many ids, which pays that constant once, stays covered. On other ids of those kinds about
@@ -513,8 +514,8 @@ def _add_junk_word(word: str, counts: list[int]) -> None:
     # Priced by what the tokenizers split it into: a pre-token per letter run and per digit
     # group, and within letters one token per one or two characters, more where the case
     # changes (the weights' fit: the module docstring). context-assembler@9's price, per
-    # character and per lower-to-upper or digit change, missed random base64 by up to two
-    # tokens a word, and two ids on two lines by one token.
+    # character and per lower-to-upper or digit change, missed random base64 by up to six
+    # tokens a word before the text's edge constant, and two ids on two lines by a token.
     letters = sum(char.isalpha() for char in word)
     counts[_INDEX["junk_word"]] += 1
     counts[_INDEX["junk_letter"]] += letters
