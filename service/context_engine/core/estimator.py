@@ -40,10 +40,10 @@ is close on English prose but ~30% under on JSON tool output and 3-5x under on b
   characters, 40% rare letter pairs, or from 12 characters on a few of each -- is *junk*
   (base64, hex, UUIDs, hashes, random ids) and is charged per word, per letter, per digit
   and per change of case or class, because BPE spends one token per 1.2-1.8 such
-  characters. The weights were fitted to cover both
-  tokenizers on 12,000 generated ids (random and mostly-zero bytes as base64, URL-safe
-  base64 and hex; UUIDs; prefixed keys) with the text's edge constant left out, so a text of
-  many ids, which pays that constant once, stays covered. On other ids of those kinds about
+  characters. The weights were fitted to cover both tokenizers on 12,000 generated ids
+  (random and mostly-zero bytes as base64, URL-safe base64 and hex; UUIDs; prefixed keys)
+  with the text's edge constant left out, so a text of many ids, which pays that constant
+  once, stays covered. On other ids of those kinds about
   one in 500 falls short before the edge constant, by at most about two tokens, and none
   after it (``test_ids_are_covered_almost_without_the_texts_edge_constant``).
 * Digits cost per group of three (both tokenizers split numbers that way).
@@ -483,7 +483,7 @@ def _add_known(
 def _add_word(word: str, counts: list[int]) -> None:
     length = len(word)
     if length >= _JUNK_MIN_CHARS:
-        transitions = _class_transitions(word)
+        transitions, capitals = _class_changes(word)
         changes = transitions * 1000 // length
         rare = _rare_pairs_per_1000(word) if length >= _JUNK_RARE_MIN_CHARS else 0
         if (
@@ -491,7 +491,7 @@ def _add_word(word: str, counts: list[int]) -> None:
             or rare >= _JUNK_RARE_PAIRS_PER_1000
             or (length >= _JUNK_MIXED_MIN_CHARS and changes + rare >= _JUNK_MIXED_PER_1000)
         ):
-            _add_junk_word(word, counts)
+            _add_junk_word(word, transitions + capitals, counts)
             return
     for piece in _PIECE_RE.findall(word):
         size = len(piece)
@@ -510,7 +510,7 @@ def _add_word(word: str, counts: list[int]) -> None:
             )
 
 
-def _add_junk_word(word: str, counts: list[int]) -> None:
+def _add_junk_word(word: str, case_changes: int, counts: list[int]) -> None:
     # Priced by what the tokenizers split it into: a pre-token per letter run and per digit
     # group, and within letters one token per one or two characters, more where the case
     # changes (the weights' fit: the module docstring). context-assembler@9's price, per
@@ -520,29 +520,24 @@ def _add_junk_word(word: str, counts: list[int]) -> None:
     counts[_INDEX["junk_word"]] += 1
     counts[_INDEX["junk_letter"]] += letters
     counts[_INDEX["junk_digit"]] += len(word) - letters
-    counts[_INDEX["junk_case_change"]] += _class_changes(word)
+    counts[_INDEX["junk_case_change"]] += case_changes
 
 
-def _class_changes(word: str) -> int:
-    changes = 0
+def _class_changes(word: str) -> tuple[int, int]:
+    """(transitions, capitals): changes of class (lower, upper, digit) but upper -> lower,
+    which is how every capitalised word starts and so tells junk from words; and those
+    upper -> lower changes, which BPE pays for in junk all the same."""
+    transitions = capitals = 0
     previous = -1
     for char in word:
         current = 2 if char.isdigit() else (1 if char.isupper() else 0)
-        changes += previous >= 0 and current != previous
+        if previous >= 0 and current != previous:
+            if previous == 1 and current == 0:
+                capitals += 1
+            else:
+                transitions += 1
         previous = current
-    return changes
-
-
-def _class_transitions(word: str) -> int:
-    # Upper -> lower is how every capitalised word starts, so it is not a transition.
-    transitions = 0
-    previous = -1
-    for char in word:
-        current = 2 if char.isdigit() else (1 if char.isupper() else 0)
-        if previous >= 0 and current != previous and not (previous == 1 and current == 0):
-            transitions += 1
-        previous = current
-    return transitions
+    return transitions, capitals
 
 
 def _rare_pairs_per_1000(word: str) -> int:
