@@ -55,3 +55,22 @@ async def test_a_transaction_left_open_does_not_reach_the_next_user(database_dsn
             await conn.execute("DROP TABLE pool_probe")
     finally:
         await pool.close()
+
+
+async def test_jsonb_values_and_arrays_round_trip_in_binary_form(database_dsn: str) -> None:
+    """jsonb parameters and results travel in binary form (store/db.py encode_jsonb), as
+    a Build record batch sends its payloads (a jsonb[] array: store/records.py): what
+    PostgreSQL stores is the value sent, quotes, backslashes, control characters and
+    non-ASCII text included, and a null element stays SQL NULL."""
+    value = {"text": 'a "quoted" \\ back\nslash é 𝄞 \u2028', "n": [1, -2, 3.5, True, None]}
+    pool = await connect_pool(database_dsn, min_size=1, max_size=1)
+    try:
+        async with acquire(pool) as conn:
+            assert await conn.fetchval("SELECT $1::jsonb", value) == value
+            assert await conn.fetchval("SELECT $1::jsonb ->> 'text'", value) == value["text"]
+            array = await conn.fetchval("SELECT $1::jsonb[]", [value, None, {"k": []}])
+            assert array == [value, None, {"k": []}]
+            assert await conn.fetchval("SELECT ($1::jsonb[])[2] IS NULL", [value, None])
+            assert await conn.fetchval("SELECT $1::json", value) == value  # json stays text
+    finally:
+        await pool.close()

@@ -1,17 +1,20 @@
-"""store/db.py encode_json writes json and jsonb parameters: the same text as the
-standard library's compact encoder with ensure_ascii=False (which it replaced for speed)
-for every value the store writes, and floats that are not numbers still refused by
-PostgreSQL (written as NaN / Infinity, not turned into null)."""
+"""store/db.py encode_json writes json parameters (and, in binary form, encode_jsonb
+jsonb ones): the same text as the standard library's compact encoder with
+ensure_ascii=False (which it replaced for speed) for every value the store writes, and
+floats that are not numbers still refused by PostgreSQL (written as NaN / Infinity, not
+turned into null)."""
 
 from __future__ import annotations
 
 import json
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic_core import PydanticSerializationError
 
-from context_engine.store.db import encode_json
+from context_engine.store.db import decode_jsonb, encode_json, encode_jsonb
 
 _STANDARD = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
@@ -46,3 +49,21 @@ def test_the_text_is_the_standard_encoders(value: object) -> None:
 def test_a_float_that_is_not_a_number_is_written_as_postgresql_refuses_it() -> None:
     for value, text in ((math.nan, "NaN"), (math.inf, "Infinity"), (-math.inf, "-Infinity")):
         assert encode_json({"x": value}) == '{"x":' + text + "}"
+
+
+@settings(max_examples=300, deadline=None)
+@given(_values)
+def test_jsonb_is_sent_in_binary_form_with_the_same_text(value: object) -> None:
+    """jsonb travels in PostgreSQL's binary form (store/db.py encode_jsonb): the version
+    byte 1, then encode_json's text as UTF-8; decode_jsonb reads it back."""
+    try:
+        text = encode_json(value)
+    except PydanticSerializationError:
+        return  # a lone surrogate: refused by both forms alike
+    assert encode_jsonb(value) == b"\x01" + text.encode("utf-8")
+    assert decode_jsonb(encode_jsonb(value)) == json.loads(text)
+
+
+def test_a_jsonb_value_of_another_binary_version_is_refused() -> None:
+    with pytest.raises(ValueError, match="version"):
+        decode_jsonb(b"\x02{}")

@@ -20,7 +20,9 @@ __all__ = [
     "StoreUnavailableError",
     "connect",
     "connect_pool",
+    "decode_jsonb",
     "encode_json",
+    "encode_jsonb",
     "read_refusal",
     "transaction",
 ]
@@ -61,14 +63,36 @@ def encode_json(value: Any) -> str:
     return to_json(value, inf_nan_mode="constants").decode("utf-8")
 
 
+# The version byte that starts jsonb's binary form (the only version PostgreSQL has).
+_JSONB_VERSION = b"\x01"
+
+
+def encode_jsonb(value: Any) -> bytes:
+    """A jsonb parameter in PostgreSQL's binary form: the version byte, then encode_json's
+    text as UTF-8. Binary rather than text because of arrays: a Build record batch sends
+    its payloads as jsonb[] (store/records.py), and in text form asyncpg writes an array
+    literal, quoting and escaping every character of every element (about 12 us per
+    1.6 kB payload here, against under 3 us in binary form, where each element is only
+    length-prefixed)."""
+    return _JSONB_VERSION + to_json(value, inf_nan_mode="constants")
+
+
+def decode_jsonb(data: bytes) -> Any:
+    """A jsonb value read in binary form: the version byte, then the JSON text."""
+    if data[:1] != _JSONB_VERSION:
+        raise ValueError(f"jsonb binary format version {data[:1]!r} is not 1")
+    return json.loads(data[1:])
+
+
 async def _init_connection(conn: asyncpg.Connection) -> None:
-    for pg_type in ("json", "jsonb"):
-        await conn.set_type_codec(
-            pg_type,
-            encoder=encode_json,
-            decoder=json.loads,
-            schema="pg_catalog",
-        )
+    await conn.set_type_codec("json", encoder=encode_json, decoder=json.loads, schema="pg_catalog")
+    await conn.set_type_codec(
+        "jsonb",
+        encoder=encode_jsonb,
+        decoder=decode_jsonb,
+        schema="pg_catalog",
+        format="binary",
+    )
 
 
 async def _keep_session(conn: asyncpg.Connection) -> None:
