@@ -3,10 +3,12 @@ a caller (store/db.py), and what a released connection carries to its next user.
 
 from __future__ import annotations
 
+import asyncio
+
 import asyncpg
 import pytest
 
-from context_engine.store.db import StoreUnavailableError, acquire, connect_pool
+from context_engine.store.db import HeldConnection, StoreUnavailableError, acquire, connect_pool
 
 
 @pytest.mark.parametrize(
@@ -74,3 +76,47 @@ async def test_jsonb_values_and_arrays_round_trip_in_binary_form(database_dsn: s
             assert await conn.fetchval("SELECT $1::json", value) == value  # json stays text
     finally:
         await pool.close()
+
+
+async def test_a_held_connection_serves_round_trips_until_released_or_failed(
+    database_dsn: str,
+) -> None:
+    """HeldConnection (Build's record batcher): consecutive uses get the one connection,
+    kept out of the pool between them; any failure hands it back at once, a statement's
+    own error raised as it is and a dropped connection as StoreUnavailableError; one
+    closed while held is replaced on the next use; release() hands it back, so the pool
+    closes."""
+    pool = await connect_pool(database_dsn, min_size=1, max_size=1)
+    held = HeldConnection(pool)
+
+    async def pool_is_free() -> bool:
+        try:
+            async with acquire(pool, timeout=0.2) as conn:
+                return bool(await conn.fetchval("SELECT true"))
+        except StoreUnavailableError:  # the acquire timed out: the one connection is out
+            return False
+
+    try:
+        async with held.use() as first:
+            backend = await first.fetchval("SELECT pg_backend_pid()")
+        async with held.use() as second:
+            assert await second.fetchval("SELECT pg_backend_pid()") == backend
+        assert not await pool_is_free()  # held between round trips
+        with pytest.raises(asyncpg.UndefinedTableError):
+            async with held.use() as conn:
+                await conn.fetchval("SELECT 1 FROM no_such_table")
+        assert await pool_is_free()  # a failure handed it back
+        async with held.use() as conn:
+            conn.terminate()  # as PostgreSQL dropping it between round trips
+        async with held.use() as conn:
+            assert await conn.fetchval("SELECT 1") == 1
+        with pytest.raises(StoreUnavailableError):
+            async with held.use():
+                raise asyncpg.ConnectionDoesNotExistError("connection was closed")
+        assert await pool_is_free()
+        async with held.use() as conn:
+            await conn.fetchval("SELECT 1")
+        await held.release()
+        assert await pool_is_free()
+    finally:
+        await asyncio.wait_for(pool.close(), 10)  # nothing left out of the pool

@@ -144,3 +144,31 @@ async def test_after_the_queue_empties_the_next_call_is_sent_at_once_again() -> 
     assert await batcher(2) == 4
     assert await batcher(3) == 9
     assert trips.sent == [[2], [3]]
+
+
+async def test_idle_runs_once_the_queue_empties_and_a_call_meanwhile_is_still_sent() -> None:
+    """Rule 4: `idle` is awaited once round trips stop, not between round trips that
+    follow one another; a call made while it runs starts round trips of its own."""
+    trips = RoundTrips()
+    idle_calls: list[list[list[int]]] = []
+    release = asyncio.Event()
+
+    async def idle() -> None:
+        idle_calls.append([list(s) for s in trips.sent])
+        await release.wait()
+
+    batcher: Batcher[int, int] = Batcher(trips, idle=idle)
+    first = asyncio.ensure_future(batcher(1))
+    await settle()
+    second = asyncio.ensure_future(batcher(2))
+    trips.allow(2)
+    assert [await first, await second] == [1, 4]
+    await settle()
+    assert idle_calls == [[[1], [2]]]  # once, after both round trips, not between them
+    late = asyncio.ensure_future(batcher(3))  # while idle still runs
+    trips.allow(1)
+    assert await late == 9
+    assert trips.sent == [[1], [2], [3]]
+    release.set()
+    await settle()
+    assert len(idle_calls) == 2  # the late call's round trips stopped too

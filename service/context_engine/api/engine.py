@@ -63,7 +63,7 @@ from ..providers import RenderedPayload, check_wire_names, render
 from ..store import events, idempotency, plans, records, runs, sessions, snapshots
 from ..store import skills as skill_store
 from ..store.batches import Batcher
-from ..store.db import acquire, transaction
+from ..store.db import HeldConnection, acquire, transaction
 from ..store.events import EVENT_TYPE_OF_ITEM, NewEvent, item_payload
 from ..store.records import (
     NO_SESSION,
@@ -177,8 +177,11 @@ class Engine:
         # shared by the Builds that arrive while one is in flight (store/batches.py): under
         # load one statement and one commit serve many Builds.
         self._read_heads: Batcher[tuple[str, UUID], Any] = Batcher(self._head_rows)
+        # The record's round trips, back to back under load, share one held connection
+        # while they follow one another (store/db.py HeldConnection, batches.py Rule 4).
+        held = HeldConnection(pool)
         self._record_requests: Batcher[RequestRecord, int] = Batcher(
-            partial(records.record_requests, pool)
+            partial(records.record_requests, pool, connection=held.use), idle=held.release
         )
 
     def new_id(self) -> str:

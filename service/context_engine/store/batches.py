@@ -19,6 +19,11 @@ call of the round trip: PostgreSQL away fails them all, as it would have one by 
 Rule 3 (no orphans): a caller that gives up (its deadline, a cancelled RPC) stops waiting;
 its key may still be in a round trip already sent, which then lands or not as a lone
 round trip sent at that moment would have.
+Rule 4 (idle): `idle`, when given, is awaited each time the queue empties and round trips
+stop, after a call made from then on would start them again. Build's record batcher hands
+back the connection its round trips held (store/db.py HeldConnection): under load round
+trips follow one another and share one connection without a pool acquire and release
+each; once they stop, no connection stays out of the pool.
 """
 
 from __future__ import annotations
@@ -40,9 +45,11 @@ class Batcher(Generic[K, V]):
         run: Callable[[Sequence[K]], Awaitable[Sequence[V | BaseException]]],
         *,
         limit: int = 64,
+        idle: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._run = run
         self._limit = limit
+        self._idle = idle
         self._queued: list[tuple[K, asyncio.Future[V]]] = []
         # The task sending round trips while any call waits (None: none is), held so the
         # loop does not lose it.
@@ -75,6 +82,8 @@ class Batcher(Generic[K, V]):
             for _, future in self._queued:  # only when cancelled: nothing will answer them
                 future.cancel()
             self._queued = []
+            if self._idle is not None:  # Rule 4
+                await self._idle()
 
     async def _answer(self, batch: list[tuple[K, asyncio.Future[V]]]) -> None:
         self.round_trips += 1

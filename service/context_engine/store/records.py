@@ -16,14 +16,20 @@ that read and the record; a confirmed one is newer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 from uuid import UUID
 
 import asyncpg
 
 from .db import StoreUnavailableError, acquire
+
+# Where a round trip gets its connection: a pooled one each time, or one held across
+# round trips (store/db.py HeldConnection.use).
+Connect = Callable[[], AbstractAsyncContextManager[Any]]
 
 __all__ = [
     "NO_SESSION",
@@ -95,44 +101,48 @@ def _columns(records: Sequence[RequestRecord]) -> list[list[Any]]:
     ]
 
 
-async def record_requests(pool: Any, records: Sequence[RequestRecord]) -> list[int | Exception]:
+async def record_requests(
+    pool: Any, records: Sequence[RequestRecord], *, connection: Connect | None = None
+) -> list[int | Exception]:
     """Record every request, each answered with its sequence or refusal code.
 
     Records are sent sorted by (tenant, session) (migrations/0011: the lock order),
     arrival order kept within a session. When the batch's statement fails for a reason
     other than PostgreSQL being away, each record is sent again on its own, so a record
-    that cannot land fails its own Build only.
+    that cannot land fails its own Build only. `connection`: where each round trip gets
+    its connection (None: acquired from `pool` for each).
 
     Raises:
         StoreUnavailableError: PostgreSQL is away; every record of the batch fails alike.
     """
+    connect = connection or partial(acquire, pool)
     order = sorted(range(len(records)), key=lambda n: (records[n].tenant_id, records[n].session_id))
     ordered = [records[n] for n in order]
     try:
         answers: list[int | Exception]
         if len(ordered) == 1:
-            answers = [await _one(pool, ordered[0])]
+            answers = [await _one(connect, ordered[0])]
         elif any(r.confirms_head for r in ordered):
-            async with acquire(pool) as conn:
+            async with connect() as conn:
                 answers = await _confirming(conn, ordered)
         else:
-            async with acquire(pool) as conn:
+            async with connect() as conn:
                 answers = list(await conn.fetchval(_MANY, *_columns(ordered)))
     except StoreUnavailableError:
         raise
     except asyncpg.PostgresError:
         if len(ordered) == 1:
             raise
-        answers = [await _alone(pool, r) for r in ordered]
+        answers = [await _alone(connect, r) for r in ordered]
     out: list[int | Exception] = [0] * len(records)
     for n, answer in zip(order, answers, strict=True):
         out[n] = answer
     return out
 
 
-async def _one(pool: Any, record: RequestRecord) -> int:
+async def _one(connect: Connect, record: RequestRecord) -> int:
     arguments = [c[0] for c in _columns([record])]
-    async with acquire(pool) as conn:
+    async with connect() as conn:
         if record.confirms_head:
             confirming = (*arguments, record.head_state, record.latest_version)
             return int(await conn.fetchval(_ONE_CONFIRMING, *confirming))
@@ -145,11 +155,11 @@ async def _confirming(conn: Any, records: Sequence[RequestRecord]) -> list[int |
     return list(await conn.fetchval(_CONFIRMING, *_columns(records), *heads))
 
 
-async def _alone(pool: Any, record: RequestRecord) -> int | Exception:
+async def _alone(connect: Connect, record: RequestRecord) -> int | Exception:
     """One record of a batch that failed, sent again on its own: its answer, or what
     PostgreSQL refused it with (that Build's error alone)."""
     try:
-        return await _one(pool, record)
+        return await _one(connect, record)
     except StoreUnavailableError:
         raise
     except asyncpg.PostgresError as exc:
