@@ -17,6 +17,7 @@ import pytest
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine.store import records, runs
+from context_engine.store.db import HeldConnection
 from context_engine.store.records import NO_SESSION, PERSON_ERASED, STALE_HEAD, RequestRecord
 
 from .helpers import TENANT, assistant, new_id, open_session, replica, start_run
@@ -116,18 +117,28 @@ async def _probes(pool: Any, session_id: str) -> list[int]:
     return [r["sequence"] for r in rows]
 
 
-async def test_a_record_postgresql_refuses_fails_alone(stub: Any, pool: Any) -> None:
+@pytest.mark.parametrize("held", [False, True], ids=["pooled", "held"])
+async def test_a_record_postgresql_refuses_fails_alone(stub: Any, pool: Any, held: bool) -> None:
+    """Also through a held connection (Engine's record batcher, store/db.py
+    HeldConnection): the failed batch hands it back, each record is sent again on its own,
+    and the next batch acquires one afresh."""
     (session_id, run_id), (other_session, other_run) = await _runs(stub, 2, 1)
     poison = _record(session_id, run_id, tenant="bad\x00tenant")  # text cannot hold U+0000
+    connection = HeldConnection(pool) if held else None
+    connect = {"connection": connection.use} if connection is not None else {}
     answers = await records.record_requests(
-        pool, [_record(session_id, run_id), poison, _record(other_session, other_run)]
+        pool, [_record(session_id, run_id), poison, _record(other_session, other_run)], **connect
     )
     assert isinstance(answers[1], asyncpg.PostgresError)
     assert isinstance(answers[0], int) and isinstance(answers[2], int)
     assert await _probes(pool, session_id) == [answers[0]]
     assert await _probes(pool, other_session) == [answers[2]]
     with pytest.raises(asyncpg.PostgresError):  # alone, the refusal is the caller's error
-        await records.record_requests(pool, [poison])
+        await records.record_requests(pool, [poison], **connect)
+    after = await records.record_requests(pool, [_record(session_id, run_id)] * 2, **connect)
+    assert await _probes(pool, session_id) == [answers[0], *after]
+    if connection is not None:
+        await connection.release()
 
 
 async def test_refusal_codes_in_a_batch_stop_no_other_record(stub: Any, pool: Any) -> None:

@@ -82,30 +82,35 @@ async def test_a_held_connection_serves_round_trips_until_released_or_failed(
     database_dsn: str,
 ) -> None:
     """HeldConnection (Build's record batcher): consecutive uses get the one connection,
-    kept out of the pool between them; any failure hands it back at once, a statement's
-    own error raised as it is and a dropped connection as StoreUnavailableError; one
-    closed while held is replaced on the next use; release() hands it back, so the pool
-    closes."""
-    pool = await connect_pool(database_dsn, min_size=1, max_size=1)
+    kept out of the pool between them, unless a use finds every connection of the pool
+    out (others may wait for one); any failure hands it back at once, a statement's own
+    error raised as it is and a dropped connection as StoreUnavailableError; one closed
+    while held is replaced on the next use; release() hands it back, so the pool closes."""
+    pool = await connect_pool(database_dsn, min_size=2, max_size=2)
     held = HeldConnection(pool)
 
-    async def pool_is_free() -> bool:
-        try:
-            async with acquire(pool, timeout=0.2) as conn:
-                return bool(await conn.fetchval("SELECT true"))
-        except StoreUnavailableError:  # the acquire timed out: the one connection is out
-            return False
+    def out() -> int:  # connections open and handed out (the pool may reopen a closed one)
+        return pool.get_size() - pool.get_idle_size()
 
     try:
+        assert pool.get_idle_size() == 2
         async with held.use() as first:
             backend = await first.fetchval("SELECT pg_backend_pid()")
         async with held.use() as second:
             assert await second.fetchval("SELECT pg_backend_pid()") == backend
-        assert not await pool_is_free()  # held between round trips
+        assert out() == 1  # held between round trips
+        async with acquire(pool) as other:  # the pool's last connection is out
+            async with held.use() as conn:
+                await conn.fetchval("SELECT 1")
+            assert out() == 1  # so the held one went back after its use: only `other` is out
+            await other.fetchval("SELECT 1")
+        async with held.use() as conn:
+            await conn.fetchval("SELECT 1")
+        assert out() == 1
         with pytest.raises(asyncpg.UndefinedTableError):
             async with held.use() as conn:
                 await conn.fetchval("SELECT 1 FROM no_such_table")
-        assert await pool_is_free()  # a failure handed it back
+        assert out() == 0  # a failure handed it back
         async with held.use() as conn:
             conn.terminate()  # as PostgreSQL dropping it between round trips
         async with held.use() as conn:
@@ -113,10 +118,11 @@ async def test_a_held_connection_serves_round_trips_until_released_or_failed(
         with pytest.raises(StoreUnavailableError):
             async with held.use():
                 raise asyncpg.ConnectionDoesNotExistError("connection was closed")
-        assert await pool_is_free()
+        assert out() == 0
         async with held.use() as conn:
             await conn.fetchval("SELECT 1")
+        assert out() == 1
         await held.release()
-        assert await pool_is_free()
+        assert out() == 0
     finally:
         await asyncio.wait_for(pool.close(), 10)  # nothing left out of the pool

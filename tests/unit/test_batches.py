@@ -151,11 +151,13 @@ async def test_idle_runs_once_the_queue_empties_and_a_call_meanwhile_is_still_se
     follow one another; a call made while it runs starts round trips of its own."""
     trips = RoundTrips()
     idle_calls: list[list[list[int]]] = []
+    idle_done: list[bool] = []
     release = asyncio.Event()
 
     async def idle() -> None:
         idle_calls.append([list(s) for s in trips.sent])
         await release.wait()
+        idle_done.append(True)
 
     batcher: Batcher[int, int] = Batcher(trips, idle=idle)
     first = asyncio.ensure_future(batcher(1))
@@ -169,6 +171,7 @@ async def test_idle_runs_once_the_queue_empties_and_a_call_meanwhile_is_still_se
     trips.allow(1)
     assert await late == 9
     assert trips.sent == [[1], [2], [3]]
+    assert len(idle_calls) == 2 and not idle_done  # the late call's round trips stopped too
     release.set()
     await settle()
-    assert len(idle_calls) == 2  # the late call's round trips stopped too
+    assert idle_done == [True, True]

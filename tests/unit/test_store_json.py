@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic_core import PydanticSerializationError
 
-from context_engine.store.db import decode_jsonb, encode_json, encode_jsonb
+from context_engine.store.db import _init_connection, decode_jsonb, encode_json, encode_jsonb
 
 _STANDARD = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
@@ -56,14 +56,38 @@ def test_a_float_that_is_not_a_number_is_written_as_postgresql_refuses_it() -> N
 def test_jsonb_is_sent_in_binary_form_with_the_same_text(value: object) -> None:
     """jsonb travels in PostgreSQL's binary form (store/db.py encode_jsonb): the version
     byte 1, then encode_json's text as UTF-8; decode_jsonb reads it back."""
-    try:
-        text = encode_json(value)
-    except PydanticSerializationError:
-        return  # a lone surrogate: refused by both forms alike
+    text = encode_json(value)
     assert encode_jsonb(value) == b"\x01" + text.encode("utf-8")
     assert decode_jsonb(encode_jsonb(value)) == json.loads(text)
 
 
-def test_a_jsonb_value_of_another_binary_version_is_refused() -> None:
+def test_jsonb_in_binary_form_refuses_and_keeps_what_the_text_form_did() -> None:
+    """A lone surrogate cannot be sent in either form; a float that is not a number is
+    written as PostgreSQL refuses it, as encode_json writes it; another binary version of
+    jsonb than 1 is refused on reading."""
+    for encode in (encode_json, encode_jsonb):
+        with pytest.raises(PydanticSerializationError):
+            encode({"x": "\ud800"})
+    assert encode_jsonb({"x": math.nan}) == b'\x01{"x":NaN}'
     with pytest.raises(ValueError, match="version"):
         decode_jsonb(b"\x02{}")
+
+
+async def test_the_pool_registers_jsonb_in_binary_form_and_json_in_text() -> None:
+    """What each connection of the pool is set up with (store/db.py _init_connection):
+    read from a stand-in that records the registrations, not from a database."""
+
+    class Registrations:
+        def __init__(self) -> None:
+            self.codecs: dict[str, dict[str, object]] = {}
+
+        async def set_type_codec(self, name: str, **options: object) -> None:
+            self.codecs[name] = options
+
+    conn = Registrations()
+    await _init_connection(conn)  # type: ignore[arg-type]
+    assert conn.codecs["jsonb"]["format"] == "binary"
+    assert conn.codecs["jsonb"]["encoder"] is encode_jsonb
+    assert conn.codecs["jsonb"]["decoder"] is decode_jsonb
+    assert conn.codecs["json"].get("format", "text") == "text"
+    assert conn.codecs["json"]["encoder"] is encode_json

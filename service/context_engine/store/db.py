@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from collections.abc import AsyncIterator
@@ -221,7 +222,12 @@ def _database_away(exc: asyncpg.PostgresError) -> bool:
 def _unavailable(exc: BaseException, handed_out: bool) -> StoreUnavailableError | None:
     """The StoreUnavailableError a failure means, or None for a statement's own error (an
     error of a connection already handed out, PostgreSQL being there), raised as it is."""
-    if isinstance(exc, asyncpg.PostgresError) and handed_out and not _database_away(exc):
+    if (
+        isinstance(exc, asyncpg.PostgresError)
+        and not isinstance(exc, _UNAVAILABLE)  # e.g. TooManyConnectionsError: always away
+        and handed_out
+        and not _database_away(exc)
+    ):
         return None
     # Else unreachable, or refused while connecting (database dropped or closed to
     # connections, credentials revoked): for this replica PostgreSQL is away, not the
@@ -250,6 +256,12 @@ async def acquire(pool: asyncpg.Pool, timeout: float = 5.0) -> AsyncIterator[Any
         raise unavailable from exc
 
 
+def _exhausted(pool: asyncpg.Pool) -> bool:
+    """Whether every connection the pool may open is open and in use."""
+    idle, size, most = pool.get_idle_size(), pool.get_size(), pool.get_max_size()
+    return bool(idle == 0 and size >= most)
+
+
 def _open(conn: Any) -> bool:
     """Whether a pooled connection still serves: asyncpg hands one closed underneath (by
     PostgreSQL, or terminated) back to the pool itself, after which it refuses even
@@ -269,9 +281,10 @@ class HeldConnection:
     the reset; measured here: about 120 us for acquire, `SELECT 1` and release, against
     about 70 us for the statement on a connection already held). Under load Build's record
     batcher sends one round trip after another; holding the connection between them saves
-    that per round trip. On any failure the connection goes back to the pool at once (the
-    pool discards a broken one) and the next use acquires afresh; failures map as
-    acquire's do.
+    that per round trip. It is not kept from anyone: after a round trip that finds every
+    connection of the pool out (others may be waiting for one), it goes back at once, as
+    it would have without holding. On any failure it goes back too (the pool discards a
+    broken one) and the next use acquires afresh; failures map as acquire's do.
     """
 
     def __init__(self, pool: asyncpg.Pool, timeout: float = 5.0) -> None:
@@ -296,6 +309,8 @@ class HeldConnection:
             except BaseException:
                 await self.release()
                 raise
+            if _exhausted(self._pool):
+                await self.release()
         except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
             unavailable = _unavailable(exc, handed_out)
             if unavailable is None:
@@ -304,11 +319,14 @@ class HeldConnection:
 
     async def release(self) -> None:
         """Hand the connection back to the pool, if one is held (a no-op for one asyncpg
-        handed back itself, closed underneath). It is let go before the
-        first await, so a use that starts meanwhile acquires its own."""
+        handed back itself, closed underneath). It is let go before the first await, so a
+        use that starts meanwhile acquires its own. A connection that fails to go back
+        (its reset met a dropped connection) is terminated by asyncpg, which frees its
+        place in the pool; nothing waits on the release, so that is not raised."""
         conn, self._conn = self._conn, None
         if conn is not None:
-            await self._pool.release(conn)
+            with contextlib.suppress(*_UNAVAILABLE, asyncpg.PostgresError):
+                await self._pool.release(conn)
 
 
 @asynccontextmanager
