@@ -102,12 +102,15 @@ def test_a_history_grown_by_new_turns_keeps_its_interned_messages(
         assert [b for _, (b,) in made] == blocks[known:]  # only the new ones are made
 
 
-@given(st.lists(_KINDS, max_size=30), st.integers(0, 30))
-def test_parts_grouped_apart_and_joined_equal_the_whole(kinds: list[str], at: int) -> None:
+@given(st.lists(_KINDS, max_size=30), st.lists(st.integers(0, 30), max_size=4))
+@example(["user", "user", "user"], [1, 2])  # a one-message part merged away whole
+def test_parts_grouped_apart_and_joined_equal_the_whole(kinds: list[str], cuts: list[int]) -> None:
+    """Any number of parts, empty ones and parts of one message merged whole into the one
+    before them included (a Build joins three: head, carried suffix, tail)."""
     items = [_item(kind, n) for n, kind in enumerate(kinds)]
     blocks = [_block(n) for n in range(len(items))]
-    at = min(at, len(items))
-    parts = (grouped(items[:at], blocks[:at]), grouped(items[at:], blocks[at:]))
+    bounds = [0, *sorted(min(c, len(items)) for c in cuts), len(items)]
+    parts = [grouped(items[a:b], blocks[a:b]) for a, b in pairwise(bounds)]
     assert joined(parts) == grouped(items, blocks)
 
 

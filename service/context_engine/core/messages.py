@@ -15,7 +15,7 @@ a run's completed exchanges on every later step — even when it was merged anew
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import compress, groupby, repeat
+from itertools import chain, compress, groupby, repeat
 from operator import eq, is_, itemgetter
 from typing import Literal, cast
 
@@ -86,11 +86,20 @@ _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 def joined(parts: Iterable[Sequence[Message]]) -> tuple[Message, ...]:
     """Parts merged separately, merged again where one part's last message and the next
-    part's first share a role."""
-    out: list[Message] = []
+    part's first share a role.
+
+    The parts are chained into the tuple in one pass: a Build's parts are its head, the
+    carried suffix's messages (most of the request) and its tail, and a list extended and
+    then copied touched each carried message twice more."""
+    pieces: list[Sequence[Message]] = []
     for messages in parts:
-        if messages and out and out[-1].role == messages[0].role:
-            out[-1] = message(out[-1].role, out[-1].blocks + messages[0].blocks)
+        if not messages:
+            continue
+        if pieces and pieces[-1][-1].role == messages[0].role:
+            last = pieces[-1]
+            pieces[-1] = last[:-1]
+            pieces.append((message(last[-1].role, last[-1].blocks + messages[0].blocks),))
             messages = messages[1:]
-        out.extend(messages)
-    return tuple(out)
+        if messages:
+            pieces.append(messages)
+    return tuple(chain.from_iterable(pieces))

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import chain
 
 from .budget import ContextBudget
 from .caps import CLASS_CAPS
@@ -184,7 +185,7 @@ def fit_body(
         knowledge=knowledge,
         recall=recall,
         recall_floor=floor,
-        carried_costs=list(carried.costs),
+        carried_costs=carried.costs,
         run_results=run_results,
         carried_results=None,
         carried_source=carried_results,
@@ -218,17 +219,17 @@ def fit_body(
         emit(row, item, kind, c)
         for (row, item), kind, c in zip(others, classes, costs, strict=True)
     ]
-    out = [p for p in emitted[: len(head)] if p is not None]
-    at = len(out)
+    before = [p for p in emitted[: len(head)] if p is not None]
+    behind = [p for p in emitted[len(head) :] if p is not None]
     # The carried suffix as derived for this cut and these yields: no per-item work here.
     retained = carried.retained(cut, yielded) if fits else None
     if retained is not None:
-        out += retained.pairs
         truncated |= retained.pointers
         for kind, n in retained.counts.items():
             tokens[kind] = tokens.get(kind, 0) + retained.tokens[kind]
             counts[kind] = counts.get(kind, 0) + n
-    out += [p for p in emitted[len(head) :] if p is not None]
+    # One pass over the suffix (a list extended and then copied touched each item twice).
+    placed = tuple(chain(before, retained.pairs, behind)) if retained is not None else ()
     after = sum(tokens.values()) if fits else body.need()
     report = PressureReport(
         fits=fits,
@@ -241,13 +242,13 @@ def fit_body(
         history_items_dropped=skipped + cut,
     )
     return Fitted(
-        placed=tuple(out) if fits else (),
+        placed=placed,
         truncated=frozenset(truncated),
         report=report,
         usage=_usage(tokens, counts, budget),
         body_tokens=after,
         retained=retained,
-        retained_at=at,
+        retained_at=len(before),
     )
 
 

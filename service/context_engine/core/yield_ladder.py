@@ -141,7 +141,10 @@ class Body:
     knowledge: list[tuple[ContextItem, int]]  # best-ranked first
     recall: list[tuple[ContextItem, int]]  # best-ranked first
     recall_floor: int  # lines never trimmed, from the best-ranked
-    carried_costs: list[int]  # each carried item as the cut counts it (oldest first)
+    # Each carried item as the cut counts it (oldest first). fit_body hands the carried
+    # view's tuple as it is (a Build that yields nothing never copies it); the fit pass
+    # makes it a list when it first changes one (_for_pressure).
+    carried_costs: Sequence[int]
     run_results: list[Truncatable]  # the run's truncatable results, oldest first
     # Carried results, oldest first; with `carried_source`, made by it on first use (a
     # Build whose body fits without yielding never needs them one by one).
@@ -509,8 +512,11 @@ def _for_pressure(body: Body) -> Iterator[Truncatable]:
             admitted += 1
         if eligible:
             chosen = carried[heapq.heappop(eligible)]
-            history -= body.carried_costs[chosen.carried_index] - chosen.pointer_cost
-            body.carried_costs[chosen.carried_index] = chosen.pointer_cost
+            costs = body.carried_costs
+            if not isinstance(costs, list):  # the view's tuple until now (Body.carried_costs)
+                costs = body.carried_costs = list(costs)
+            history -= costs[chosen.carried_index] - chosen.pointer_cost
+            costs[chosen.carried_index] = chosen.pointer_cost
         else:
             # No carried result can help now, nor later: only carried truncations move
             # history. The run's results go oldest first.

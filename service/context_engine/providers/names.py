@@ -29,14 +29,23 @@ def wire_tool_name(name: str) -> str:
     return _NOT_WIRE.sub("-", name)[:MAX_WIRE_NAME] or "-"
 
 
+# Name sets found to map one to one: a session's requests name the same tools on every
+# Build, so each set is checked once (bounded: cleared when full).
+_MAPPED: dict[frozenset[str], None] = {}
+_MAPPED_SIZE = 4096
+
+
 def check_wire_names(names: Iterable[str]) -> None:
     """Raise when two distinct tool names share a wire name (Rule 2).
 
     Raises:
         PreconditionError: naming both tools; rename one in the worker's registry.
     """
+    distinct = frozenset(names)
+    if distinct in _MAPPED:
+        return
     seen: dict[str, str] = {}
-    for name in sorted(set(names)):
+    for name in sorted(distinct):
         wire = wire_tool_name(name)
         other = seen.setdefault(wire, name)
         if other != name:
@@ -47,6 +56,9 @@ def check_wire_names(names: Iterable[str]) -> None:
                 reason="TOOL_NAME_COLLISION",
                 metadata={"wire_name": wire},
             )
+    if len(_MAPPED) >= _MAPPED_SIZE:
+        _MAPPED.clear()
+    _MAPPED[distinct] = None
 
 
 def tool_name_from_wire(names: Iterable[str], wire: str) -> str:
