@@ -15,6 +15,8 @@ from zoneinfo import ZoneInfo
 import grpc
 import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine.api.convert import (
@@ -81,6 +83,29 @@ def test_a_clock_no_zone_can_render_is_an_invalid_field(stamp: Timestamp) -> Non
     with pytest.raises(InvalidFieldError) as caught:
         timestamp_to_datetime(stamp, "now")
     assert caught.value.field == "now"
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.integers(-(2**63), 2**63 - 1) | st.integers(-62_135_596_800, 253_402_300_799),
+    st.integers(-(2**31), 2**31 - 1) | st.integers(0, 999_999_999),
+)
+def test_a_clock_is_read_as_protobufs_todatetime_reads_it(seconds: int, nanos: int) -> None:
+    """timestamp_to_datetime computes the instant itself (protobuf's ToDatetime costs a
+    few microseconds a Build): the same instant wherever ToDatetime gives one within the
+    accepted range, and refused wherever it does not."""
+    stamp = Timestamp(seconds=seconds, nanos=nanos)
+    try:
+        expected = stamp.ToDatetime(tzinfo=UTC)
+    except (ValueError, OverflowError):
+        expected = None
+    if expected is None or not datetime(1, 1, 3, tzinfo=UTC) <= expected < datetime(
+        9999, 12, 30, tzinfo=UTC
+    ):
+        with pytest.raises(InvalidFieldError):
+            timestamp_to_datetime(stamp, "now")
+    else:
+        assert timestamp_to_datetime(stamp, "now") == expected
 
 
 def test_the_widest_accepted_clocks_render_in_every_zone() -> None:

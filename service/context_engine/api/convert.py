@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from enum import IntEnum
-from typing import Any, TypedDict, TypeVar, cast
+from functools import lru_cache
+from typing import Any, TypedDict, TypeVar
 from uuid import UUID
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -73,9 +74,14 @@ def parse_uuid(value: str, field: str, *, required: bool = True) -> UUID | None:
             raise InvalidFieldError(f"{field} is required", field=field)
         return None
     try:
-        return UUID(value)
+        return _uuid(value)
     except ValueError:
         raise InvalidFieldError(f"{field} is not a UUID", field=field) from None
+
+
+# A worker names the same session and run on every call of a run: each id is parsed once
+# (UUIDs are immutable; a string that is not one raises and is not kept).
+_uuid = lru_cache(maxsize=4096)(UUID)
 
 
 def require_expected_version(value: int) -> int:
@@ -590,6 +596,7 @@ def _require(value: str, field: str) -> None:
 # A clock the plan's time zone can render: datetime's own range, less a margin for the
 # largest UTC offset on either side (a zone east of UTC pushes 9999-12-31 past year 9999).
 _EARLIEST = datetime(1, 1, 3, tzinfo=UTC)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _END = datetime(9999, 12, 30, tzinfo=UTC)  # exclusive
 
 
@@ -600,10 +607,14 @@ def timestamp_to_datetime(ts: Timestamp, field: str) -> datetime:
         InvalidFieldError: nanos outside [0, 1e9), or a date outside what every time zone
             can render (from 0001-01-03 up to, not including, 9999-12-30 UTC).
     """
-    try:
-        instant = cast(datetime, ts.ToDatetime(tzinfo=UTC))
-    except ValueError:  # nanos or seconds outside what a Timestamp may hold
-        instant = None
+    # What Timestamp.ToDatetime(tzinfo=UTC) gives, computed directly (it costs a few
+    # microseconds a call in protobuf's Python code, and Build reads one per call).
+    instant: datetime | None = None
+    if 0 <= ts.nanos < 1_000_000_000:
+        try:
+            instant = _EPOCH + timedelta(seconds=ts.seconds, microseconds=ts.nanos // 1000)
+        except OverflowError:  # seconds far outside any date
+            instant = None
     if instant is None or not _EARLIEST <= instant < _END:
         raise InvalidFieldError(
             f"{field} must be a valid Timestamp from 0001-01-03 up to 9999-12-30 UTC"
@@ -653,6 +664,9 @@ def _unique_ids(step: pb.StepContext, fields: tuple[str, ...]) -> None:
 
 
 def step_from_proto(step: pb.StepContext) -> StepContext:
+    if not step.ListFields():  # most steps carry no recall, corrections or knowledge
+        return _NO_STEP
+
     def lines(values: Sequence[pb.RecallLine], cls: type[Any], field: str) -> tuple[Any, ...]:
         out = []
         for n, line in enumerate(values):
@@ -698,6 +712,9 @@ def step_from_proto(step: pb.StepContext) -> StepContext:
         knowledge=tuple(knowledge),
         recall_floor_lines=step.recall_floor_lines,
     )
+
+
+_NO_STEP = StepContext()
 
 
 def pressure_to_proto(report: PressureReport) -> pb.PressureReport:

@@ -23,7 +23,14 @@ from .._gen.context_engine.v1 import context_engine_pb2 as pb
 from ..core.identity_memo import IdentityMemo, RecentMemo
 from ..core.memo_budget import bounded_cache
 from ..core.plan import ClassUsage
-from ..core.request import Block, Message, ModelRequest, ToolDefinition, with_repeated_run
+from ..core.request import (
+    Block,
+    CacheBreakpoint,
+    Message,
+    ModelRequest,
+    ToolDefinition,
+    with_repeated_run,
+)
 from . import convert
 
 __all__ = ["EncodedBuildResponse", "field", "request_bytes", "request_message", "request_pieces"]
@@ -100,19 +107,38 @@ def request_pieces(request: ModelRequest) -> list[bytes]:
     system blocks and tools (the same tuples on every Build of an epoch), each message (a
     run's carried messages are the same objects on every Build) and the repeated run of
     them (ModelRequest.repeated), joined once per run."""
-    head = pb.ModelRequest(
-        provider=convert.provider_to_proto(request.provider),
-        model_id=request.model_id,
-        cache_breakpoints=[convert.breakpoint_to_proto(b) for b in request.cache_breakpoints],
-        max_output_tokens=request.max_output_tokens,
-        session_key=request.session_key,
+    head = _head(
+        request.provider,
+        request.model_id,
+        request.cache_breakpoints,
+        request.max_output_tokens,
+        request.session_key,
     )
     return [
-        head.SerializeToString(),
+        head,
         _system_fields(request.system),
         _tool_fields(request.tools),
         *with_repeated_run(request, _message_field.many, _run_fields),
     ]
+
+
+# A run's Builds repeat the request's scalar fields and cache markers (frozen values).
+@bounded_cache(4096)
+def _head(
+    provider: str,
+    model_id: str,
+    breakpoints: tuple[CacheBreakpoint, ...],
+    max_output_tokens: int,
+    session_key: str,
+) -> bytes:
+    head = pb.ModelRequest(
+        provider=convert.provider_to_proto(provider),
+        model_id=model_id,
+        cache_breakpoints=[convert.breakpoint_to_proto(b) for b in breakpoints],
+        max_output_tokens=max_output_tokens,
+        session_key=session_key,
+    )
+    return cast(bytes, head.SerializeToString())
 
 
 def field(number: int, payload: bytes) -> bytes:

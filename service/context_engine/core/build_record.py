@@ -210,13 +210,16 @@ SHOWN_FIELDS = tuple(_SHOWN)
 def inputs_to_record(now: datetime, step: StepContext) -> dict[str, Any]:
     """The `build_inputs` entry of a model.request.started payload (Rules 1, 2)."""
     step_json: dict[str, Any] = {}
-    for f in fields(step):
-        value = getattr(step, f.name)
+    for name in _STEP_FIELDS:
+        value = getattr(step, name)
         if isinstance(value, tuple):
-            step_json[f.name] = [v.model_dump(mode="json") for v in value]
+            step_json[name] = [v.model_dump(mode="json") for v in value]
         else:
-            step_json[f.name] = value
+            step_json[name] = value
     return {"now": now.astimezone(UTC).isoformat(), "step": step_json}
+
+
+_STEP_FIELDS = tuple(f.name for f in fields(StepContext))  # in declaration order, as recorded
 
 
 def inputs_from_record(payload: dict[str, Any]) -> tuple[datetime, StepContext]:

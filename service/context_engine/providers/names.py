@@ -17,6 +17,7 @@ import re
 from collections.abc import Iterable
 
 from ..core.errors import PreconditionError
+from ..core.memo_budget import bounded_cache
 
 __all__ = ["MAX_WIRE_NAME", "check_wire_names", "tool_name_from_wire", "wire_tool_name"]
 
@@ -29,23 +30,23 @@ def wire_tool_name(name: str) -> str:
     return _NOT_WIRE.sub("-", name)[:MAX_WIRE_NAME] or "-"
 
 
-# Name sets found to map one to one: a session's requests name the same tools on every
-# Build, so each set is checked once (bounded: cleared when full).
-_MAPPED: dict[frozenset[str], None] = {}
-_MAPPED_SIZE = 4096
-
-
 def check_wire_names(names: Iterable[str]) -> None:
-    """Raise when two distinct tool names share a wire name (Rule 2).
+    """Raise when two distinct tool names share a wire name (Rule 2). A set of names
+    found to map one to one is not checked again: a session's requests name the same
+    tools on every Build.
 
     Raises:
         PreconditionError: naming both tools; rename one in the worker's registry.
     """
-    distinct = frozenset(names)
-    if distinct in _MAPPED:
-        return
+    _check_distinct(frozenset(names))
+
+
+# Bounded and charged to the render memos' ledger (core/memo_budget.py); a set that
+# raises is not stored.
+@bounded_cache(4096)
+def _check_distinct(names: frozenset[str]) -> None:
     seen: dict[str, str] = {}
-    for name in sorted(distinct):
+    for name in sorted(names):
         wire = wire_tool_name(name)
         other = seen.setdefault(wire, name)
         if other != name:
@@ -56,9 +57,6 @@ def check_wire_names(names: Iterable[str]) -> None:
                 reason="TOOL_NAME_COLLISION",
                 metadata={"wire_name": wire},
             )
-    if len(_MAPPED) >= _MAPPED_SIZE:
-        _MAPPED.clear()
-    _MAPPED[distinct] = None
 
 
 def tool_name_from_wire(names: Iterable[str], wire: str) -> str:
