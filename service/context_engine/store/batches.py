@@ -20,7 +20,7 @@ Rule 3 (no orphans): a caller that gives up (its deadline, a cancelled RPC) stop
 its key may still be in a round trip already sent, which then lands or not as a lone
 round trip sent at that moment would have.
 Rule 4 (idle): `idle`, when given, is awaited each time the queue empties and round trips
-stop, after a call made from then on would start them again. Build's record batcher hands
+stop; a call made while it runs starts round trips of its own. Build's record batcher hands
 back the connection its round trips held (store/db.py HeldConnection): under load round
 trips follow one another and share one connection without a pool acquire and release
 each; once they stop, no connection stays out of the pool.
