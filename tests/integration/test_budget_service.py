@@ -266,6 +266,42 @@ async def test_an_image_is_costed_at_the_models_registry_figure(stub: Any) -> No
     assert built.estimated_input_tokens - built.prefix_tokens >= 48_200
 
 
+@pytest.mark.parametrize("model_id", ["claude-sonnet-4-5", "gpt-4o-mini"])
+async def test_attachments_stay_out_of_the_payload_and_their_message_is_named(
+    stub: Any, model_id: str
+) -> None:
+    """An attachment is a reference the engine never resolves (ADR-0120): Build costs it
+    but sends no content or reference in `provider_payload` (docs/api.md says so); the
+    message's block names the item, by id and session sequence, for the adapter to add
+    them beside it."""
+    tenant = _tenant()
+    session_id = new_id()
+    await stub.Plan(
+        pb.PlanRequest(tenant_id=tenant, session_id=session_id, spec=spec(model_id=model_id))
+    )
+    started = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=tenant,
+            session_id=session_id,
+            user_message=pb.UserMessage(
+                text="Compare these two.",
+                attachments=[
+                    pb.Attachment(kind="image", ref="store://photo-7.png"),
+                    pb.Attachment(kind="pdf", ref="store://report-7.pdf", pages=3),
+                ],
+            ),
+        )
+    )
+    built = await _build(stub, tenant, session_id, str(started.run.run_id))
+    assert b"Compare these two." in built.provider_payload
+    assert b"photo-7" not in built.provider_payload and b"report-7" not in built.provider_payload
+    (block,) = [
+        b for m in built.request.messages for b in m.blocks if "Compare these two." in b.text
+    ]
+    assert block.row == pb.ROW_USER_INPUT and block.item_id
+    assert block.source_sequence == started.run.seed_event_sequence > 0
+
+
 async def test_a_requests_images_share_one_attachment_budget(stub: Any) -> None:
     """ADR-0120: the adapter sends at most 64,000 tokens of attachment content per request.
     Four gpt-4o-mini images (48,200 each) in four turns were estimated at 192,800 tokens,
