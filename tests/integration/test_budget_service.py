@@ -5,6 +5,7 @@ checkpoint pins. Each test uses a tenant of its own: corrections are per tenant.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -266,12 +267,25 @@ async def test_an_image_is_costed_at_the_models_registry_figure(stub: Any) -> No
     assert built.estimated_input_tokens - built.prefix_tokens >= 48_200
 
 
-@pytest.mark.parametrize("model_id", ["claude-sonnet-4-5", "gpt-4o-mini"])
+def _types(value: Any) -> set[str]:
+    """Every "type" a JSON value holds, at any depth."""
+    if isinstance(value, dict):
+        own = {value["type"]} if isinstance(value.get("type"), str) else set()
+        return own.union(*(_types(v) for v in value.values()))
+    if isinstance(value, list):
+        return set().union(*(_types(v) for v in value))
+    return set()
+
+
+@pytest.mark.parametrize(
+    ("model_id", "api"),
+    [("claude-sonnet-4-5", "anthropic.messages"), ("gpt-4o-mini", "openai.responses")],
+)
 async def test_attachments_stay_out_of_the_payload_and_their_message_is_named(
-    stub: Any, model_id: str
+    stub: Any, model_id: str, api: str
 ) -> None:
-    """An attachment is a reference the engine never resolves (ADR-0120): Build costs it
-    but sends no content or reference in `provider_payload` (docs/api.md says so); the
+    """An attachment is a reference the engine never resolves: Build costs it but puts no
+    attachment part or reference in `provider_payload` (docs/api.md says so), and the
     message's block names the item, by id and session sequence, for the adapter to add
     them beside it."""
     tenant = _tenant()
@@ -283,6 +297,7 @@ async def test_attachments_stay_out_of_the_payload_and_their_message_is_named(
         pb.StartRunRequest(
             tenant_id=tenant,
             session_id=session_id,
+            seed_item_id="u-attached",
             user_message=pb.UserMessage(
                 text="Compare these two.",
                 attachments=[
@@ -293,12 +308,17 @@ async def test_attachments_stay_out_of_the_payload_and_their_message_is_named(
         )
     )
     built = await _build(stub, tenant, session_id, str(started.run.run_id))
+    assert built.provider_api == api
     assert b"Compare these two." in built.provider_payload
     assert b"photo-7" not in built.provider_payload and b"report-7" not in built.provider_payload
+    attachment_parts = {"image", "document", "file", "input_image", "input_file"}
+    assert not _types(json.loads(built.provider_payload)) & attachment_parts
+    # Costed all the same: three PDF pages at 3,200 tokens each, and the image.
+    assert built.estimated_input_tokens - built.prefix_tokens > 3 * 3_200
     (block,) = [
         b for m in built.request.messages for b in m.blocks if "Compare these two." in b.text
     ]
-    assert block.row == pb.ROW_USER_INPUT and block.item_id
+    assert (block.row, block.item_id) == (pb.ROW_USER_INPUT, "u-attached")
     assert block.source_sequence == started.run.seed_event_sequence > 0
 
 

@@ -4747,8 +4747,9 @@ type BuildResponse struct {
 	// The request rendered for the plan's provider, as JSON bytes ready to send:
 	// Anthropic Messages (POST /v1/messages) or OpenAI Responses (POST /v1/responses).
 	// A user message's attachments are not in it: they are references the engine never
-	// resolves, so the adapter adds them beside the message whose block (in `request`)
-	// names the item by item_id and source_sequence. Build's estimate counts them.
+	// resolves, so the adapter sends them beside the message whose block (in `request`)
+	// has that source_sequence, as Build estimated them (see Attachment). A message cut
+	// from the window or compacted away has no block; its attachments are not sent.
 	ProviderPayload []byte `protobuf:"bytes,11,opt,name=provider_payload,json=providerPayload,proto3" json:"provider_payload,omitempty"`
 	// Which API provider_payload is for: "anthropic.messages" or "openai.responses".
 	ProviderApi string `protobuf:"bytes,12,opt,name=provider_api,json=providerApi,proto3" json:"provider_api,omitempty"`

@@ -5,7 +5,8 @@
 //     node dist/examples/worker.js "Trains from Paris to Lyon tomorrow?"
 //
 // The engine never calls a model: the worker does, by POSTing `build.providerPayload`
-// as-is to the API named by `build.providerApi`. To try it without a provider account,
+// as-is to the API named by `build.providerApi` (its messages have no attachments, which
+// a worker would add: docs/api.md). To try it without a provider account,
 // run the caching fake provider (`context-engine fake-provider --listen 127.0.0.1:8089`)
 // and set ANTHROPIC_BASE_URL=http://127.0.0.1:8089 ANTHROPIC_API_KEY=test.
 

@@ -275,7 +275,10 @@ export class ContextEngineClient {
 export class BuildResult {
   constructor(readonly response: BuildResponse) {}
 
-  /** JSON bytes ready to POST to the provider named by providerApi. */
+  /**
+   * JSON bytes ready to POST to the provider named by providerApi; a user message's
+   * attachments are not in them (docs/api.md: the adapter adds them).
+   */
   get providerPayload(): Buffer {
     return this.response.provider_payload;
   }

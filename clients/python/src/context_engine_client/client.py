@@ -285,7 +285,8 @@ class BuildResult:
 
     @property
     def provider_payload(self) -> bytes:
-        """JSON bytes ready to POST to the provider named by `provider_api`."""
+        """JSON bytes ready to POST to the provider named by `provider_api`; a user
+        message's attachments are not in them (docs/api.md: the adapter adds them)."""
         return self.response.provider_payload
 
     @property
