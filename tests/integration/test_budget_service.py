@@ -6,6 +6,7 @@ checkpoint pins. Each test uses a tenant of its own: corrections are per tenant.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -320,6 +321,32 @@ async def test_attachments_stay_out_of_the_payload_and_their_message_is_named(
     ]
     assert (block.row, block.item_id) == (pb.ROW_USER_INPUT, "u-attached")
     assert block.source_sequence == started.run.seed_event_sequence > 0
+    # Where the adapter adds them: the part holding the message's text, and all of both
+    # contents (an image and three PDF pages are well within the 64,000-token budget).
+    (placed,) = built.attachment_placements
+    assert (placed.item_id, placed.source_sequence) == ("u-attached", block.source_sequence)
+    part = _at(json.loads(built.provider_payload), placed.payload_path)
+    assert part["text"] == block.text and "Compare these two." in part["text"]
+    assert [(a.attachment.ref, a.content) for a in placed.attachments] == [
+        ("store://photo-7.png", True),
+        ("store://report-7.pdf", True),
+    ]
+    assert placed.attachments[1].content_tokens == 3 * 3_200
+    assert placed.share_tokens == sum(a.content_tokens for a in placed.attachments)
+    again = await stub.GetBuild(
+        pb.GetBuildRequest(
+            tenant_id=tenant, session_id=session_id, request_sequence=built.request_sequence
+        )
+    )
+    assert list(again.attachment_placements) == list(built.attachment_placements)
+
+
+def _at(payload: dict[str, Any], path: str) -> Any:
+    """The value at a payload path such as "messages[2].content[1]"."""
+    value: Any = payload
+    for name, index in re.findall(r"(\w+)\[(\d+)\]", path):
+        value = value[name][int(index)]
+    return value
 
 
 async def test_a_requests_images_share_one_attachment_budget(stub: Any) -> None:
@@ -376,6 +403,15 @@ async def test_a_requests_images_share_one_attachment_budget(stub: Any) -> None:
         built.request_sha256,
         built.provider_payload,
     )
+    # Newest first: the new picture's 48,200 tokens are sent; the 15,800 left cannot take
+    # another, so the three earlier pictures go as their markers.
+    placements = built.attachment_placements
+    assert [p.share_tokens for p in placements] == [0, 0, 15_800, 48_200]
+    assert [a.content for p in placements for a in p.attachments] == [False, False, False, True]
+    assert list(again.attachment_placements) == list(placements)
+    payload = json.loads(built.provider_payload)
+    for n, p in enumerate(placements):
+        assert f"picture {n}?" in _at(payload, p.payload_path)["text"]
 
 
 # --- the never-yield set ---------------------------------------------------------------

@@ -173,6 +173,53 @@ def test_the_body_counts_the_request_wide_attachment_budget_and_keeps_the_larges
     assert body + text + labels + shared > budget.body_tokens
 
 
+@GATE
+@given(sessions())
+def test_each_message_is_told_to_send_its_share_of_the_budget_and_no_more(
+    session: Session,
+) -> None:
+    """What BuildResponse.attachment_placements carries (core/attachment_sends.py): one
+    entry per placed user message with attachments, in request order, naming its text
+    block. The shares are the budget divided newest first, in all min(budget, content):
+    what the estimate counted. Within a message the content sent is at most its share,
+    and an attachment sent as its marker did not fit what was left of it."""
+    inputs = _inputs(session)
+    try:
+        built = assemble(inputs)
+    except BudgetExceededError:
+        return
+    request = built.request
+    if request is None:
+        assert built.attachments == ()
+        return
+    items = {(i.item_id, i.sequence): i for i in (*session.carried, *session.run)}
+    attached = [
+        (n, k, items[b.item_id, b.source_sequence])
+        for n, m in enumerate(request.messages)
+        for k, b in enumerate(m.blocks)
+        if isinstance(items.get((b.item_id, b.source_sequence)), UserMessage)
+        and items[b.item_id, b.source_sequence].attachments  # type: ignore[union-attr]
+    ]
+    sends = built.attachments
+    assert [(s.message_index, s.block_index) for s in sends] == [(n, k) for n, k, _ in attached]
+    room = ATTACHMENT_TOKEN_BUDGET
+    for placed, (_, _, item) in reversed(list(zip(sends, attached, strict=True))):
+        assert isinstance(item, UserMessage)
+        assert (placed.item_id, placed.source_sequence) == (item.item_id, item.sequence)
+        assert tuple(a.attachment for a in placed.sends) == item.attachments
+        content = sum(a.content_tokens for a in placed.sends)
+        assert content == attached_content(item, session.image_tokens)
+        assert placed.share_tokens == min(content, room)  # newest first
+        room -= placed.share_tokens
+        left = placed.share_tokens
+        for a in placed.sends:
+            assert a.content == (a.content_tokens <= left)
+            left -= a.content_tokens if a.content else 0
+        assert left >= 0
+    total = sum(attached_content(item, session.image_tokens) for _, _, item in attached)
+    assert sum(s.share_tokens for s in sends) == min(total, ATTACHMENT_TOKEN_BUDGET)
+
+
 def _block_of(item: ConversationItem):  # type: ignore[no-untyped-def]
     assembly = importlib.import_module("context_engine.core.assemble")
     return assembly._rendered(assembly.Row.CONVERSATION, item, SECRET, False)

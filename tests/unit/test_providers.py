@@ -46,6 +46,7 @@ from context_engine.providers import (
     openai,
     prompt_units,
     render,
+    text_paths,
     tool_name_from_wire,
     wire_tool_name,
 )
@@ -291,6 +292,47 @@ def test_envelopes_reach_the_provider_intact(sc: Scenario, provider: str) -> Non
     for block in request.system:
         if block.text.strip():
             assert block.text in joined
+
+
+def _at(body: dict[str, Any], path: str) -> Any:
+    """The value at a payload path such as "messages[2].content[1]"."""
+    value: Any = body
+    for name, index in re.findall(r"(\w+)\[(\d+)\]", path):
+        value = value[name][int(index)]
+    return value
+
+
+@SCENARIO_SETTINGS
+@given(scenarios(), st.sampled_from(PROVIDERS), st.booleans(), st.booleans())
+def test_text_paths_name_the_part_each_user_text_landed_in(
+    sc: Scenario, provider: str, tools: bool, legacy: bool
+) -> None:
+    """Where an adapter adds a message's attachments (BuildResponse.attachment_placements):
+    the path of each user text block's part in the payload, through Anthropic's merged
+    turns, results-first order, placeholder turn and no-tools text form, and OpenAI's one
+    item per block. A block that sends nothing has no path; no two blocks share one."""
+    request = _request(sc, provider)
+    if not tools:
+        request = replace(request, tools=())
+    body = json.loads(render(request, failed_result_line=not legacy).body)
+    keys = [
+        (n, k)
+        for n, m in enumerate(request.messages)
+        if m.role == "user"
+        for k, b in enumerate(m.blocks)
+        if b.kind == "text"
+    ]
+    paths = text_paths(request, keys, failed_result_line=not legacy)
+    assert len(set(paths.values())) == len(paths)
+    part_type = {"anthropic": "text", "openai": "input_text"}[provider]
+    for n, k in keys:
+        block = request.messages[n].blocks[k]
+        sends = block.text.strip() if provider == "anthropic" else block.text
+        if not sends:
+            assert (n, k) not in paths
+            continue
+        part = _at(body, paths[n, k])
+        assert (part["type"], part["text"]) == (part_type, block.text)
 
 
 @SCENARIO_SETTINGS

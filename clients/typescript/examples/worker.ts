@@ -6,7 +6,8 @@
 //
 // The engine never calls a model: the worker does, by POSTing `build.providerPayload`
 // as-is to the API named by `build.providerApi` (its messages have no attachments, which
-// a worker would add: docs/api.md). To try it without a provider account,
+// a worker would add where `build.attachmentPlacements` says: docs/api.md). To try it
+// without a provider account,
 // run the caching fake provider (`context-engine fake-provider --listen 127.0.0.1:8089`)
 // and set ANTHROPIC_BASE_URL=http://127.0.0.1:8089 ANTHROPIC_API_KEY=test.
 

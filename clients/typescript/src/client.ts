@@ -36,6 +36,8 @@ import {
 import { PROTO_DIR } from './paths.js';
 import type {
   AppendItemsResponse,
+  Attachment,
+  AttachmentPlacement,
   BuildResponse,
   ContextPlan,
   ConversationItem,
@@ -277,10 +279,18 @@ export class BuildResult {
 
   /**
    * JSON bytes ready to POST to the provider named by providerApi; a user message's
-   * attachments are not in them (docs/api.md: the adapter adds them).
+   * attachments are not in them: add them as attachmentPlacements says (docs/api.md).
    */
   get providerPayload(): Buffer {
     return this.response.provider_payload;
+  }
+  /**
+   * Per user message with attachments, in payload order: the JSON path of the part holding
+   * its text (insert its attachment parts just before it, last placement first) and, per
+   * attachment, whether to send its content or its marker. Empty when none has any.
+   */
+  get attachmentPlacements(): AttachmentPlacement[] {
+    return this.response.attachment_placements;
   }
   /** "anthropic.messages" or "openai.responses". */
   get providerApi(): string {
@@ -339,12 +349,22 @@ export class Session {
     return this.client.tenantId;
   }
 
-  /** Start a top-level run (one turn) seeded by the user's message. */
+  /**
+   * Start a top-level run (one turn) seeded by the user's message, with the references of
+   * any files it attaches (Build costs them; BuildResult.attachmentPlacements says where
+   * the adapter adds them and what it sends).
+   */
   startRun(
     text: string,
-    opts: { runId?: string; admission?: RunAdmission; idempotencyKey?: string } = {},
+    opts: {
+      runId?: string;
+      admission?: RunAdmission;
+      idempotencyKey?: string;
+      attachments?: Attachment[];
+    } = {},
   ): Promise<Run> {
-    return this.start({ user_message: { text }, admission: opts.admission ?? null }, opts);
+    const message = { text, attachments: opts.attachments ?? [] };
+    return this.start({ user_message: message, admission: opts.admission ?? null }, opts);
   }
 
   /**

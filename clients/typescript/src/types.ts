@@ -5,6 +5,8 @@
 
 export type { AgentSpec } from './generated/context_engine/v1/AgentSpec.js';
 export type { AppendItemsResponse__Output as AppendItemsResponse } from './generated/context_engine/v1/AppendItemsResponse.js';
+export type { Attachment } from './generated/context_engine/v1/Attachment.js';
+export type { AttachmentPlacement__Output as AttachmentPlacement } from './generated/context_engine/v1/AttachmentPlacement.js';
 export type { BuildRequest } from './generated/context_engine/v1/BuildRequest.js';
 export type { BuildResponse__Output as BuildResponse } from './generated/context_engine/v1/BuildResponse.js';
 export type { ContentBlock__Output as ContentBlock } from './generated/context_engine/v1/ContentBlock.js';

@@ -84,6 +84,26 @@ test('plan, run, tool pair, two builds: one prefix, same bytes', async () => {
   assert.ok(kinds.indexOf('tool_call') < kinds.indexOf('tool_result'));
 });
 
+test('attachments are placed beside their message in the payload', async () => {
+  const session = await engine.openSession(spec);
+  const run = await session.startRun('What is in this picture?', {
+    attachments: [{ kind: 'image', ref: 'store://photo-1.png' }],
+  });
+  const built = await run.build({ now: NOW });
+  const [placed] = built.attachmentPlacements;
+  assert.equal(built.attachmentPlacements.length, 1);
+  let part = built.payload();
+  for (const [, name, index] of placed.payload_path.matchAll(/(\w+)\[(\d+)\]/g)) {
+    part = part[name][Number(index)];
+  }
+  assert.match(part.text, /What is in this picture\?/);
+  assert.deepEqual(
+    placed.attachments.map((a) => [a.attachment.ref, a.content]),
+    [['store://photo-1.png', true]],
+  );
+  assert.ok(!built.providerPayload.includes('photo-1'), 'the engine sends no attachment');
+});
+
 test('the tool loop appends each step and ends on a plain answer', async () => {
   const session = await engine.openSession(spec);
   const run = await session.startRun('And back on Sunday?');

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
 from ..core import items as ci
 from ..core.assemble import StepContext
+from ..core.attachment_sends import MessageAttachments
 from ..core.cache_hints import prefix_breakpoints
 from ..core.canonical import canonical_json_text, parse_json_object
 from ..core.enums import PlanReason, SessionKind, SideEffect
@@ -731,6 +732,35 @@ def pressure_to_proto(report: PressureReport) -> pb.PressureReport:
         history_cut_index=report.history_cut_index,
         history_items_dropped=report.history_items_dropped,
     )
+
+
+def placements_to_proto(
+    sends: Sequence[MessageAttachments], paths: Sequence[str]
+) -> list[pb.AttachmentPlacement]:
+    """BuildResponse.attachment_placements: each message's attachments (core/
+    attachment_sends.py) with the payload path of its text (api/engine.py)."""
+    return [
+        pb.AttachmentPlacement(
+            item_id=m.item_id,
+            source_sequence=m.source_sequence,
+            payload_path=path,
+            share_tokens=m.share_tokens,
+            attachments=[
+                pb.AttachmentSend(
+                    attachment=pb.Attachment(
+                        kind=a.attachment.kind,
+                        ref=a.attachment.ref,
+                        pages=a.attachment.pages,
+                        text_length=a.attachment.text_length,
+                    ),
+                    content_tokens=a.content_tokens,
+                    content=a.content,
+                )
+                for a in m.sends
+            ],
+        )
+        for m, path in zip(sends, paths, strict=True)
+    ]
 
 
 def budget_to_proto(budget: Sequence[ClassUsage]) -> list[pb.ClassUsage]:

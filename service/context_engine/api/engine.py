@@ -42,6 +42,7 @@ from ..core.enums import PlanReason
 from ..core.errors import (
     BudgetExceededError,
     ConflictError,
+    EngineError,
     InvalidFieldError,
     NotFoundError,
     PreconditionError,
@@ -59,7 +60,7 @@ from ..core.snapshot import nonempty as snapshot_nonempty
 from ..core.spec import PlanSpec
 from ..core.validate import validate_append
 from ..core.working_state import Writer, render_block
-from ..providers import RenderedPayload, check_wire_names, render
+from ..providers import RenderedPayload, check_wire_names, render, text_paths
 from ..store import events, idempotency, plans, records, runs, sessions, snapshots
 from ..store import skills as skill_store
 from ..store.batches import Batcher
@@ -133,6 +134,8 @@ class BuildResult:
     checkpoint_version: int
     request_sequence: int
     rendered: RenderedPayload | None = None  # provider payload; None without a request
+    # Per assembled.attachments entry, the path in the payload of its message's text.
+    attachment_paths: tuple[str, ...] = ()
 
 
 class Engine:
@@ -1153,8 +1156,9 @@ class Engine:
             if assembled.request is not None
             else None
         )
+        paths = _attachment_paths(assembled, failed_result_line)
         if not record:
-            return BuildResult(assembled, plan, checkpoint.version, 0, rendered)
+            return BuildResult(assembled, plan, checkpoint.version, 0, rendered, paths)
         if rendered is not None:
             payload[PAYLOAD_KEY] = rendered.sha256()  # of the bytes the provider gets
         pressure = assembled.pressure
@@ -1212,7 +1216,7 @@ class Engine:
             # The head this Build was made from, for the run's next Build to confirm; not
             # one this Build has just moved on (a lineage continued, a plan replaced).
             self._keep_head(tenant, session_id, head)
-        return BuildResult(assembled, plan, checkpoint.version, seq, rendered)
+        return BuildResult(assembled, plan, checkpoint.version, seq, rendered, paths)
 
     async def _record_budget_exceeded(
         self,
@@ -1240,6 +1244,21 @@ class Engine:
                 session_id,
                 [NewEvent("context.budget.exceeded", payload, run_id=run_id)],
             )
+
+
+def _attachment_paths(assembled: Assembled, failed_result_line: bool) -> tuple[str, ...]:
+    """Where in the payload each message of assembled.attachments sent its text: what
+    the adapter adds its attachments beside. Every user message renders a text block (its
+    envelope), so each has one; a renderer that lost one is the engine's bug."""
+    request, sends = assembled.request, assembled.attachments
+    if request is None or not sends:
+        return ()
+    keys = [(s.message_index, s.block_index) for s in sends]
+    found = text_paths(request, keys, failed_result_line=failed_result_line)
+    missing = [s.item_id for s in sends if (s.message_index, s.block_index) not in found]
+    if missing:
+        raise EngineError(f"user messages with attachments sent no text block: {missing}")
+    return tuple(found[key] for key in keys)
 
 
 def _count_rotation(stored: plans.StoredPlan) -> None:

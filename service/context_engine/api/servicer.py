@@ -262,6 +262,10 @@ class ContextEngineServicer(
             response.pressure.CopyFrom(convert.pressure_to_proto(assembled.pressure))
         if result.rendered is not None:
             response.provider_api = result.rendered.api
+        if result.attachment_paths:
+            response.attachment_placements.extend(
+                convert.placements_to_proto(assembled.attachments, result.attachment_paths)
+            )
         # No request when the body needs compaction: the worker compacts and builds again.
         request = assembled.request
         return wire.EncodedBuildResponse(

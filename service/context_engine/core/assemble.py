@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+from .attachment_sends import MessageAttachments, attachment_sends, with_attachments
 from .body_estimate import attached_content, block_tokens, share_attachment_budget
 from .budget import ContextBudget, allocate
 from .cache_hints import cache_breakpoints
@@ -133,6 +134,9 @@ class Assembled:
     input_budget_tokens: int = 0  # min(window, policy cap) - output reserve
     body_estimated_tokens: int = 0
     estimator_factor_ppm: int = NEUTRAL_FACTOR_PPM
+    # Per user message of the request with attachments: where the adapter adds them and
+    # what it sends of each (core/attachment_sends.py). Derived, never hashed or recorded.
+    attachments: tuple[MessageAttachments, ...] = ()
 
 
 def split_run_items(
@@ -208,7 +212,8 @@ def assemble(inputs: BuildInputs) -> Assembled:
         repeated=repeated,
     )
     digest = request.request_sha256()
-    return _outcome(inputs, budget, fitted, request, digest)
+    sends = attachment_sends(request, _attached(fitted), inputs.image_tokens)
+    return _outcome(inputs, budget, fitted, request, digest, sends)
 
 
 def carried_reaches(inputs: BuildInputs) -> bool:
@@ -281,12 +286,28 @@ def _window_items(fitted: Fitted, run_id: str) -> Sequence[tuple[Row, ContextIte
     return (*fitted.placed[:at], *retained.markable, *fitted.placed[end:])
 
 
+def _attached(fitted: Fitted) -> list[UserMessage]:
+    """The placed user messages with attachments, in order: those of a retained carried
+    suffix found once per suffix (Retained.attached), the few placed around it walked."""
+    retained = fitted.retained
+    if retained is None:
+        return with_attachments(fitted.placed)
+    at, end = fitted.retained_at, fitted.retained_at + len(retained.pairs)
+    placed = fitted.placed
+    return [
+        *with_attachments(placed[:at]),
+        *retained.attached,
+        *with_attachments(placed[end:]),
+    ]
+
+
 def _outcome(
     inputs: BuildInputs,
     budget: ContextBudget,
     fitted: Fitted,
     request: ModelRequest | None,
     digest: str,
+    attachments: tuple[MessageAttachments, ...] = (),
 ) -> Assembled:
     plan = inputs.plan
     return Assembled(
@@ -300,6 +321,7 @@ def _outcome(
         input_budget_tokens=budget.input_tokens,
         body_estimated_tokens=fitted.body_tokens,
         estimator_factor_ppm=inputs.estimator_factor_ppm,
+        attachments=attachments,
     )
 
 

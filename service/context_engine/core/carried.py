@@ -249,6 +249,8 @@ class Retained:
     # The last nameable item and the last input with an id, in order: every marker a
     # window over these items can produce names one of them (see history_window).
     markable: tuple[tuple[Row, ConversationItem], ...]
+    # Its user messages that carry attachments, in order (core/attachment_sends.py).
+    attached: tuple[UserMessage, ...] = ()
 
 
 def carried_view(
@@ -387,6 +389,7 @@ def _retained(segment: Segment, cut: int, yielded: frozenset[int]) -> Retained:
         run_ids=frozenset(map(_RUN_ID, items)),
         has_reasoning=any(issubclass(t, ReasoningItem) for t in set(map(type, items))),
         markable=tuple((Row.CONVERSATION, items[n]) for n in markable),
+        attached=tuple(i for i in items if isinstance(i, UserMessage) and i.attachments),
     )
 
 

@@ -14,6 +14,9 @@ Anthropic without tools): its content alone, without ``TOOL_ERROR_AS_TEXT``; Get
 passes it for a record of context-assembler@1 (core/build_record.py, Rule 8).
 ``prompt_units(request)`` is the same prompt unit by unit, in the
 order the provider caches it, with the row and item of each unit (what ``explain`` diffs).
+``text_paths(request, blocks)`` says where user text blocks landed in the payload (the
+JSON path of the part holding each one's text), for the adapter to add a message's
+attachments beside it (BuildResponse.attachment_placements).
 
 A change here or in a renderer that changes payload bytes for the same request bumps
 core/build_record.py ASSEMBLER_VERSION (Rule 8), so GetBuild can tell a record it no
@@ -22,7 +25,7 @@ longer renders the same from one it does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..core.errors import EngineError
@@ -57,6 +60,7 @@ __all__ = [
     "render",
     "reuse_ppm",
     "session_cached_prefix_ppm",
+    "text_paths",
     "tool_name_from_wire",
     "usage_from_anthropic",
     "usage_from_openai",
@@ -74,6 +78,10 @@ class Renderer:
     render_within: Callable[[ModelRequest, int], RenderedPayload] | None = None
     # Whether it says a failed result's is_error as text (TOOL_ERROR_AS_TEXT) in `request`.
     errors_as_text: Callable[[ModelRequest], bool] = lambda request: True
+    # Where user text blocks landed in the body (see text_paths below).
+    text_paths: Callable[[ModelRequest, Iterable[tuple[int, int]]], dict[tuple[int, int], str]] = (
+        lambda request, blocks: {}
+    )
 
 
 # The plan's provider -> its renderer.
@@ -84,8 +92,11 @@ RENDERERS: dict[str, Renderer] = {
         anthropic.prompt_units,
         anthropic.render,
         anthropic.errors_as_text,
+        anthropic.text_paths,
     ),
-    "openai": Renderer(openai.API, openai.render, openai.prompt_units),
+    "openai": Renderer(
+        openai.API, openai.render, openai.prompt_units, text_paths=openai.text_paths
+    ),
 }
 
 
@@ -114,6 +125,19 @@ def render(
     if max_breakpoints is None or renderer.render_within is None:
         return renderer.render(request)
     return renderer.render_within(request, max_breakpoints)
+
+
+def text_paths(
+    request: ModelRequest, blocks: Iterable[tuple[int, int]], *, failed_result_line: bool = True
+) -> dict[tuple[int, int], str]:
+    """Where each of `blocks` (message index, block index: user text blocks of `request`)
+    landed in the payload `render` gives for the same arguments: the JSON path of the
+    content part holding its text (Anthropic ``messages[t].content[j]``, OpenAI
+    ``input[i].content[0]``). A block that sent nothing is absent."""
+    renderer = _renderer(request.provider)
+    if not failed_result_line and renderer.errors_as_text(request):
+        request = without_error_line(request)  # as render sends it: a block may drop
+    return renderer.text_paths(request, blocks)
 
 
 def prompt_units(request: ModelRequest) -> tuple[PromptUnit, ...]:

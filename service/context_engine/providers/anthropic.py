@@ -50,7 +50,7 @@ A change to the bytes rendered for a request bumps core/build_record.py ASSEMBLE
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain, compress, count, repeat
@@ -85,6 +85,7 @@ __all__ = [
     "errors_as_text",
     "prompt_units",
     "render",
+    "text_paths",
 ]
 
 API = "anthropic.messages"
@@ -241,6 +242,24 @@ def prompt_units(request: ModelRequest) -> tuple[PromptUnit, ...]:
     )
 
 
+def text_paths(
+    request: ModelRequest, blocks: Iterable[tuple[int, int]]
+) -> dict[tuple[int, int], str]:
+    """Where each of `blocks` (message index, block index in request.messages) landed in
+    the body: the path of its content block, ``messages[t].content[j]`` (Rules 4 and 8:
+    turns merged, results first, the placeholder turn counted). A block that sent nothing
+    is absent. What the adapter finds a message's attachments' place by."""
+    _, moved, _ = _message_layouts(request, collapse=False)
+    units: dict[tuple[int, int], _Unit] = {}
+    layout = _layout(request, [], [], moved, units)
+    where = {
+        id(unit): f"messages[{t}].content[{j}]"
+        for t, (_, turn) in enumerate(layout.turns)
+        for j, unit in enumerate(turn)
+    }
+    return {key: where[id(units[key])] for key in blocks if key in units}
+
+
 # --- layout ----------------------------------------------------------------------------
 
 # Message index -> its blocks' wire call ids, "" where unmoved (call_ids.wire_call_ids).
@@ -303,9 +322,14 @@ def _unit_of(block: Block, wire: str, as_text: bool) -> _Rendered | None:
 
 
 def _layout(
-    request: ModelRequest, tools: list[_Unit], system: list[_Unit], moved: _Moved
+    request: ModelRequest,
+    tools: list[_Unit],
+    system: list[_Unit],
+    moved: _Moved,
+    units_of: dict[tuple[int, int], _Unit] | None = None,
 ) -> _Layout:
-    """Every block's unit, message by message (Rule 4): the general case."""
+    """Every block's unit, message by message (Rule 4): the general case. `units_of`,
+    when given, is filled with each block's unit by (message index, block index)."""
     as_text = not request.tools
     turns: list[tuple[str, list[_Unit]]] = []
     anchors: list[tuple[_Anchor, _Unit | None]] = []
@@ -318,6 +342,8 @@ def _layout(
             unit = _Unit(rendered) if rendered is not None else None
             if unit is not None:
                 units.append(unit)
+                if units_of is not None:
+                    units_of[n, k] = unit
                 if unit.cacheable:
                     last = unit
             closing = unit if unit is not None and unit.cacheable else last

@@ -37,6 +37,7 @@ A change to the bytes rendered for a request bumps core/build_record.py ASSEMBLE
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
@@ -53,7 +54,14 @@ from .layout import PromptUnit, RenderedPayload
 from .names import check_wire_names, wire_tool_name
 from .texts import TOOL_ERROR_AS_TEXT
 
-__all__ = ["API", "INSTRUCTIONS_SEPARATOR", "TOOL_ERROR_AS_TEXT", "prompt_units", "render"]
+__all__ = [
+    "API",
+    "INSTRUCTIONS_SEPARATOR",
+    "TOOL_ERROR_AS_TEXT",
+    "prompt_units",
+    "render",
+    "text_paths",
+]
 
 API = "openai.responses"
 INSTRUCTIONS_SEPARATOR = "\n\n"
@@ -131,6 +139,33 @@ def prompt_units(request: ModelRequest) -> tuple[PromptUnit, ...]:
         for n, p in enumerate(layout.items)
     ]
     return tuple(out)
+
+
+def text_paths(
+    request: ModelRequest, blocks: Iterable[tuple[int, int]]
+) -> dict[tuple[int, int], str]:
+    """Where each of `blocks` (message index, block index in request.messages: user text
+    blocks) landed in the body: the path of its ``input_text`` part,
+    ``input[i].content[0]`` (Rule 3: one input item per block that sends something). A
+    block that sent nothing is absent. What the adapter finds a message's attachments'
+    place by."""
+    wanted: dict[int, set[int]] = {}
+    for n, k in blocks:
+        wanted.setdefault(n, set()).add(k)
+    messages = _message_items.many(request.messages)
+    out: dict[tuple[int, int], str] = {}
+    at = 0  # the input index of the message's first item
+    for n, (message, items) in enumerate(zip(request.messages, messages, strict=True)):
+        if n not in wanted:
+            at += len(items.pieces)
+            continue
+        for k, block in enumerate(message.blocks):
+            if _input_item(message.role, block) is None:
+                continue  # sends nothing, takes no input index
+            if k in wanted[n] and block.kind == "text" and message.role == "user":
+                out[n, k] = f"input[{at}].content[0]"
+            at += 1
+    return out
 
 
 def _layout(request: ModelRequest) -> _Layout:

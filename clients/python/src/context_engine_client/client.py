@@ -286,8 +286,17 @@ class BuildResult:
     @property
     def provider_payload(self) -> bytes:
         """JSON bytes ready to POST to the provider named by `provider_api`; a user
-        message's attachments are not in them (docs/api.md: the adapter adds them)."""
+        message's attachments are not in them: add them as `attachment_placements` says
+        (docs/api.md)."""
         return self.response.provider_payload
+
+    @property
+    def attachment_placements(self) -> Sequence[pb.AttachmentPlacement]:
+        """Per user message with attachments, in payload order: the JSON path of the part
+        holding its text (insert its attachment parts just before it, last placement
+        first) and, per attachment, whether to send its content or its marker. Empty when
+        no message of the request has any."""
+        return self.response.attachment_placements
 
     @property
     def provider_api(self) -> str:

@@ -825,7 +825,7 @@ class ToolDefinition(_message.Message):
     def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., input_schema_json: _Optional[str] = ...) -> None: ...
 
 class BuildResponse(_message.Message):
-    __slots__ = ("request", "prefix_sha256", "prefix_tokens", "epoch", "checkpoint_version", "request_sha256", "request_sequence", "needs_compaction", "pressure", "budget", "provider_payload", "provider_api", "estimated_input_tokens", "input_budget_tokens")
+    __slots__ = ("request", "prefix_sha256", "prefix_tokens", "epoch", "checkpoint_version", "request_sha256", "request_sequence", "needs_compaction", "pressure", "budget", "provider_payload", "provider_api", "estimated_input_tokens", "input_budget_tokens", "attachment_placements")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SHA256_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -840,6 +840,7 @@ class BuildResponse(_message.Message):
     PROVIDER_API_FIELD_NUMBER: _ClassVar[int]
     ESTIMATED_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INPUT_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ATTACHMENT_PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     request: ModelRequest
     prefix_sha256: str
     prefix_tokens: int
@@ -854,7 +855,32 @@ class BuildResponse(_message.Message):
     provider_api: str
     estimated_input_tokens: int
     input_budget_tokens: int
-    def __init__(self, request: _Optional[_Union[ModelRequest, _Mapping]] = ..., prefix_sha256: _Optional[str] = ..., prefix_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., request_sha256: _Optional[str] = ..., request_sequence: _Optional[int] = ..., needs_compaction: _Optional[bool] = ..., pressure: _Optional[_Union[PressureReport, _Mapping]] = ..., budget: _Optional[_Iterable[_Union[ClassUsage, _Mapping]]] = ..., provider_payload: _Optional[bytes] = ..., provider_api: _Optional[str] = ..., estimated_input_tokens: _Optional[int] = ..., input_budget_tokens: _Optional[int] = ...) -> None: ...
+    attachment_placements: _containers.RepeatedCompositeFieldContainer[AttachmentPlacement]
+    def __init__(self, request: _Optional[_Union[ModelRequest, _Mapping]] = ..., prefix_sha256: _Optional[str] = ..., prefix_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., request_sha256: _Optional[str] = ..., request_sequence: _Optional[int] = ..., needs_compaction: _Optional[bool] = ..., pressure: _Optional[_Union[PressureReport, _Mapping]] = ..., budget: _Optional[_Iterable[_Union[ClassUsage, _Mapping]]] = ..., provider_payload: _Optional[bytes] = ..., provider_api: _Optional[str] = ..., estimated_input_tokens: _Optional[int] = ..., input_budget_tokens: _Optional[int] = ..., attachment_placements: _Optional[_Iterable[_Union[AttachmentPlacement, _Mapping]]] = ...) -> None: ...
+
+class AttachmentPlacement(_message.Message):
+    __slots__ = ("item_id", "source_sequence", "payload_path", "share_tokens", "attachments")
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_PATH_FIELD_NUMBER: _ClassVar[int]
+    SHARE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ATTACHMENTS_FIELD_NUMBER: _ClassVar[int]
+    item_id: str
+    source_sequence: int
+    payload_path: str
+    share_tokens: int
+    attachments: _containers.RepeatedCompositeFieldContainer[AttachmentSend]
+    def __init__(self, item_id: _Optional[str] = ..., source_sequence: _Optional[int] = ..., payload_path: _Optional[str] = ..., share_tokens: _Optional[int] = ..., attachments: _Optional[_Iterable[_Union[AttachmentSend, _Mapping]]] = ...) -> None: ...
+
+class AttachmentSend(_message.Message):
+    __slots__ = ("attachment", "content_tokens", "content")
+    ATTACHMENT_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    attachment: Attachment
+    content_tokens: int
+    content: bool
+    def __init__(self, attachment: _Optional[_Union[Attachment, _Mapping]] = ..., content_tokens: _Optional[int] = ..., content: _Optional[bool] = ...) -> None: ...
 
 class PressureReport(_message.Message):
     __slots__ = ("fits", "steps", "body_tokens_before", "body_tokens_after", "body_budget_tokens", "legacy_tool_excerpts", "history_cut_index", "history_items_dropped")
