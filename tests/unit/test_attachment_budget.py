@@ -181,8 +181,9 @@ def test_each_message_is_told_to_send_its_share_of_the_budget_and_no_more(
     """What BuildResponse.attachment_placements carries (core/attachment_sends.py): one
     entry per placed user message with attachments, in request order, naming its text
     block. The shares are the budget divided newest first, in all min(budget, content):
-    what the estimate counted. Within a message the content sent is at most its share,
-    and an attachment sent as its marker did not fit what was left of it."""
+    what the estimate counted (the test above measures the estimate so), so the content
+    sent, at most each share, is at most what the estimate counted. An attachment sent as
+    its marker did not fit what was left of its message's share."""
     inputs = _inputs(session)
     try:
         built = assemble(inputs)

@@ -737,6 +737,11 @@ def test_an_assistant_first_history_gets_the_fixed_placeholder_turn() -> None:
     }
     assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user"]
     assert _body(replace(request, provider="openai"))["input"][0]["role"] == "assistant"
+    # The placeholder counts: the user message's text is the third turn's.
+    assert text_paths(request, [(1, 0)]) == {(1, 0): "messages[2].content[0]"}
+    assert text_paths(replace(request, provider="openai"), [(1, 0)]) == {
+        (1, 0): "input[1].content[0]"
+    }
 
 
 @SCENARIO_SETTINGS

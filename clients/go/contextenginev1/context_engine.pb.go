@@ -5005,8 +5005,10 @@ type AttachmentSend struct {
 	// Tokens Build counts its content at (per image the model's figure, per PDF page 3,200,
 	// per text file its length).
 	ContentTokens int64 `protobuf:"varint,2,opt,name=content_tokens,json=contentTokens,proto3" json:"content_tokens,omitempty"`
-	// True: send its content. False: send its marker (its label) instead; the newer
-	// messages, or the attachments before it in this one, took the budget.
+	// True: send its content. False: send its marker (its label) instead: its content is
+	// more than what is left of the message's share (the newer messages and the
+	// attachments before it in this one took the rest, or it is larger than the whole
+	// 64,000-token budget: a PDF of 21 pages or more is never sent whole).
 	Content bool `protobuf:"varint,3,opt,name=content,proto3" json:"content,omitempty"`
 }
 

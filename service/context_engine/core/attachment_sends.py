@@ -22,11 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
+from operator import itemgetter
 
 from .body_estimate import attachment_refs, share_attachment_budget
 from .estimator import ATTACHMENT_TOKEN_BUDGET, attachment_content_tokens
+from .identity_memo import RecentMemo
 from .items import Attachment, ContextItem, UserMessage
-from .request import ModelRequest
+from .request import Message, ModelRequest, repeated_run
 from .rows import Row
 
 __all__ = ["AttachmentSend", "MessageAttachments", "attachment_sends", "with_attachments"]
@@ -58,17 +61,7 @@ def attachment_sends(
     messages that carry attachments, in request order (with_attachments). () when none."""
     if not attached:
         return ()
-    by_block: dict[tuple[str, int], list[UserMessage]] = {}
-    for item in attached:
-        by_block.setdefault((item.item_id, item.sequence), []).append(item)
-    found: list[tuple[int, int, UserMessage]] = []
-    for n, message in enumerate(request.messages):
-        if message.role != "user":
-            continue
-        for k, block in enumerate(message.blocks):
-            waiting = by_block.get((block.item_id, block.source_sequence))
-            if block.kind == "text" and waiting:
-                found.append((n, k, waiting.pop(0)))
+    found = _located(request, attached)
     contents = [_content(item, image_tokens) for _, _, item in found]
     lowered, _ = share_attachment_budget([sum(c) for c in contents])
     out = []
@@ -78,6 +71,50 @@ def attachment_sends(
             MessageAttachments(n, k, item.item_id, item.sequence, share, _sends(item, each, share))
         )
     return tuple(out)
+
+
+def _located(
+    request: ModelRequest, attached: Sequence[UserMessage]
+) -> list[tuple[int, int, UserMessage]]:
+    """(message index, block index, item) of each of `attached` in the request, in
+    request order: its user text block, by item id and session sequence. The repeated
+    run (core/request.py RepeatedRun: a run's carried interior, the same tuple on each of
+    its Builds) is looked up in a table made once per run; the messages around it are
+    walked, so a Build's cost does not grow with its carried history."""
+    wanted = {(i.item_id, i.sequence): i for i in attached}
+    messages, hint = request.messages, repeated_run(request)
+    start, run = (hint.start, hint.run) if hint is not None else (len(messages), ())
+    found = []
+    for n in chain(range(start), range(start + len(run), len(messages))):
+        found += [(n, k, wanted[key]) for k, key in _user_texts(messages[n]) if key in wanted]
+    if run:
+        table = _run_texts(run)
+        found += [
+            (start + table[key][0], table[key][1], i) for key, i in wanted.items() if key in table
+        ]
+    return sorted(found, key=_PLACE)
+
+
+def _user_texts(message: Message) -> list[tuple[int, tuple[str, int]]]:
+    """(block index, (item id, sequence)) of a user message's text blocks."""
+    if message.role != "user":
+        return []
+    return [
+        (k, (b.item_id, b.source_sequence))
+        for k, b in enumerate(message.blocks)
+        if b.kind == "text"
+    ]
+
+
+def _run_table(run: tuple[Message, ...]) -> dict[tuple[str, int], tuple[int, int]]:
+    """(item id, sequence) -> (message offset in `run`, block index) of its user texts."""
+    return {key: (n, k) for n, message in enumerate(run) for k, key in _user_texts(message)}
+
+
+_run_texts: RecentMemo[tuple[Message, ...], dict[tuple[str, int], tuple[int, int]]] = RecentMemo(
+    _run_table, weigh_depth=1
+)
+_PLACE = itemgetter(0, 1)
 
 
 def with_attachments(placed: Sequence[tuple[Row, ContextItem]]) -> list[UserMessage]:

@@ -389,7 +389,8 @@ def _retained(segment: Segment, cut: int, yielded: frozenset[int]) -> Retained:
         run_ids=frozenset(map(_RUN_ID, items)),
         has_reasoning=any(issubclass(t, ReasoningItem) for t in set(map(type, items))),
         markable=tuple((Row.CONVERSATION, items[n]) for n in markable),
-        attached=tuple(i for i in items if isinstance(i, UserMessage) and i.attachments),
+        # Only a user message has attachments: a C-level pass, as above.
+        attached=tuple(compress(items, map(getattr, items, repeat("attachments"), repeat(())))),
     )
 
 

@@ -248,8 +248,35 @@ def text_paths(
     """Where each of `blocks` (message index, block index in request.messages) landed in
     the body: the path of its content block, ``messages[t].content[j]`` (Rules 4 and 8:
     turns merged, results first, the placeholder turn counted). A block that sent nothing
-    is absent. What the adapter finds a message's attachments' place by."""
-    _, moved, _ = _message_layouts(request, collapse=False)
+    is absent. What the adapter finds a message's attachments' place by.
+
+    Where every message is a turn of its own (the common case, as _turns_by_message
+    finds it from the memos: the repeated run is one layout), message n is turn n after
+    the placeholder, and a block's place in it is its anchor in the message's memoized
+    layout, so a Build's cost does not grow with its history. Otherwise the general
+    layout is walked."""
+    blocks = list(blocks)
+    messages, moved, _ = _message_layouts(request)
+    if not _one_turn_each(messages):
+        return _walked_paths(request, blocks, moved)
+    first = 1 if messages and messages[0].first_role == "assistant" else 0
+    layout_of = _text_layout if not request.tools else _message_layout
+    found: dict[tuple[int, int], str] = {}
+    for n, k in blocks:
+        block = request.messages[n].blocks[k]
+        layout = layout_of(request.messages[n])
+        j = layout.anchors.get(_block_anchor(block), -1)
+        # The anchor is the block's own unit when it sends something; else an earlier one.
+        own = j >= 0 and layout.units[j].item_id == block.item_id
+        if own and layout.units[j].obj.get("text") == block.text:
+            found[n, k] = f"messages[{n + first}].content[{j}]"
+    return found
+
+
+def _walked_paths(
+    request: ModelRequest, blocks: list[tuple[int, int]], moved: _Moved
+) -> dict[tuple[int, int], str]:
+    """text_paths over the general layout (Rule 4), every block laid out."""
     units: dict[tuple[int, int], _Unit] = {}
     layout = _layout(request, [], [], moved, units)
     where = {
@@ -258,6 +285,10 @@ def text_paths(
         for j, unit in enumerate(turn)
     }
     return {key: where[id(units[key])] for key in blocks if key in units}
+
+
+def _block_anchor(block: Block) -> _Anchor:
+    return (block.item_id, block.source_sequence) if block.source_sequence else block.item_id
 
 
 # --- layout ----------------------------------------------------------------------------
@@ -512,10 +543,10 @@ def _turns_by_message(
     a marker lands in the repeated run at `run_at` (the caller lays it out message by
     message). Markers follow _place_markers exactly; tests/unit/test_providers.py checks
     the two paths give the same bytes."""
+    if not _one_turn_each(messages):
+        return None
     texts: list[str] = list(map(_TEXT, messages))
     firsts: list[str] = list(map(_FIRST_ROLE, messages))
-    if "" in texts or True in map(eq, map(_LAST_ROLE, messages), firsts[1:]):
-        return None
     located = partial(_position_of, messages=messages, tools=tools, system=system)
     controls = _controls(breakpoints, budget, located)
     if run_at >= 0 and any(section == 2 and at == run_at for (section, at, _), _ in controls):
@@ -534,6 +565,15 @@ def _turns_by_message(
     if firsts and firsts[0] == "assistant":
         texts.insert(0, _PLACEHOLDER_TURN)
     return texts
+
+
+def _one_turn_each(messages: list[_MessageLayout]) -> bool:
+    """Whether each message is one turn: every one sends something and no two neighbours
+    share a role (a repeated run's layout counts as its turns, which alternate)."""
+    firsts = list(map(_FIRST_ROLE, messages))
+    return "" not in map(_TEXT, messages) and True not in map(
+        eq, map(_LAST_ROLE, messages), firsts[1:]
+    )
 
 
 def _position_of(

@@ -39,15 +39,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import accumulate
 from operator import attrgetter
 from typing import Any
 
 from ..core.canonical import canonical_bytes
 from ..core.errors import EngineError
-from ..core.identity_memo import IdentityMemo
+from ..core.identity_memo import IdentityMemo, RecentMemo
 from ..core.items import REASONING_TYPES
 from ..core.memo_budget import bounded_cache
-from ..core.request import Block, Message, ModelRequest, ToolDefinition
+from ..core.request import Block, Message, ModelRequest, ToolDefinition, repeated_run
 from ..core.rows import Row
 from .call_ids import BASE_IDS, VariantMemo, all_distinct, wire_call_ids
 from .layout import PromptUnit, RenderedPayload
@@ -148,23 +149,30 @@ def text_paths(
     blocks) landed in the body: the path of its ``input_text`` part,
     ``input[i].content[0]`` (Rule 3: one input item per block that sends something). A
     block that sent nothing is absent. What the adapter finds a message's attachments'
-    place by."""
-    wanted: dict[int, set[int]] = {}
-    for n, k in blocks:
-        wanted.setdefault(n, set()).add(k)
-    messages = _message_items.many(request.messages)
+    place by.
+
+    A message's first input index is the items of the messages before it: the repeated
+    run's (core/request.py RepeatedRun) counted once per run, the others' from their
+    memoized items, so a Build's cost does not grow with its carried history."""
+    messages, hint = request.messages, repeated_run(request)
+    start, run = (hint.start, hint.run) if hint is not None else (0, ())
+    end = start + len(run)
+    outside = _message_items.many([*messages[:start], *messages[end:]])
+    before = list(accumulate(map(len, map(_PIECES, outside)), initial=0))
+    inside = _run_offsets(run) if run else (0,)
     out: dict[tuple[int, int], str] = {}
-    at = 0  # the input index of the message's first item
-    for n, (message, items) in enumerate(zip(request.messages, messages, strict=True)):
-        if n not in wanted:
-            at += len(items.pieces)
-            continue
-        for k, block in enumerate(message.blocks):
-            if _input_item(message.role, block) is None:
-                continue  # sends nothing, takes no input index
-            if k in wanted[n] and block.kind == "text" and message.role == "user":
-                out[n, k] = f"input[{at}].content[0]"
-            at += 1
+    for n, k in blocks:
+        if n < start:
+            at = before[n]
+        elif n < end:
+            at = before[start] + inside[n - start]
+        else:
+            at = before[n - len(run)] + inside[-1]
+        message = messages[n]
+        sent = [_input_item(message.role, b) is not None for b in message.blocks[: k + 1]]
+        block = message.blocks[k]
+        if sent[k] and block.kind == "text" and message.role == "user":
+            out[n, k] = f"input[{at + sum(sent[:k])}].content[0]"
     return out
 
 
@@ -205,10 +213,18 @@ def _render_message(message: Message, moved: tuple[str, ...] = ()) -> _MessageIt
 _message_items = IdentityMemo(_render_message, 16_384, by_value=False)
 # A carried message's moved ids are the same on every Build (call_ids.py, Rule 2).
 _relaid = VariantMemo(_render_message)
+# A run's input items before each of its messages (and in all, last): made once per run.
+_run_offsets: RecentMemo[tuple[Message, ...], tuple[int, ...]] = RecentMemo(
+    lambda run: tuple(
+        accumulate(map(len, map(attrgetter("pieces"), _message_items.many(run))), initial=0)
+    ),
+    weigh_depth=1,
+)
 _BASE_ID = BASE_IDS[_PROVIDER]
 _CALL_IDS = attrgetter("call_ids")
 _TOOL_NAMES = attrgetter("tool_names")
 _TEXT = attrgetter("text")
+_PIECES = attrgetter("pieces")
 
 
 # Rendering is a pure function of frozen neutral values; the memos change only how often it
