@@ -7,6 +7,7 @@ database; the client is imported from its source tree (tests/e2e/conftest.py).
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -157,6 +158,48 @@ async def test_next_run_carries_history_under_the_same_prefix(client: Any) -> No
     assert built.prefix_sha256 == session.plan.prefix_sha256
     reopened = await client.session(session.session_id)
     assert reopened.plan.prefix_sha256 == session.plan.prefix_sha256
+
+
+async def test_attachments_are_added_where_the_placements_say(client: Any) -> None:
+    """payload_with_attachments inserts each attachment's part just before its message's
+    text, the carried message's and the new one's, and changes nothing else."""
+    session = await client.open_session(_spec())
+    first = await session.start_run(
+        "What is in this picture?", attachments=[pb.Attachment(kind="image", ref="store://p.png")]
+    )
+    await first.append([assistant_message("A cat on a train.")])
+    second = await session.start_run(
+        "And this report?", attachments=[pb.Attachment(kind="pdf", ref="store://r.pdf", pages=2)]
+    )
+    built = await second.build(now=NOW)
+    assert [p.attachments[0].attachment.ref for p in built.attachment_placements] == [
+        "store://p.png",
+        "store://r.pdf",
+    ]
+
+    def part(send: pb.AttachmentSend) -> dict[str, Any]:
+        assert send.content  # both fit the budget
+        return {"type": "document", "source": {"type": "url", "url": send.attachment.ref}}
+
+    sent = built.payload_with_attachments(part)
+    assert sent == built.payload_with_attachments(part), "the same bytes every time"
+    body, original = json.loads(sent), json.loads(built.provider_payload)
+    texts = {"What is in this picture?": "store://p.png", "And this report?": "store://r.pdf"}
+    found = 0
+    for message in body["messages"]:
+        content = message["content"]
+        for n, block in enumerate(content):
+            ref = next((r for t, r in texts.items() if t in block.get("text", "")), None)
+            if ref is not None:
+                assert content[n - 1]["source"]["url"] == ref  # just before its text
+                found += 1
+        message["content"] = [b for b in content if b.get("type") != "document"]
+    assert found == 2 and body == original  # nothing else changed
+    # A session without attachments keeps its payload's bytes.
+    other = await client.open_session(_spec())
+    plain = await (await other.start_run("No files.")).build(now=NOW)
+    assert not plain.attachment_placements
+    assert plain.payload_with_attachments(part) == plain.provider_payload
 
 
 async def test_errors_are_typed_with_reason_and_field(client: Any) -> None:

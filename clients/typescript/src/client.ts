@@ -273,6 +273,18 @@ export class ContextEngineClient {
   }
 }
 
+/** The list a payload path such as "messages[2].content[1]" ends in, and the index. */
+function contentList(body: unknown, path: string): [unknown[], number] {
+  const steps = [...path.matchAll(/(\w+)\[(\d+)\]/g)].map((m) => [m[1], Number(m[2])] as const);
+  if (steps.length === 0) throw new Error(`not a payload path: ${path}`);
+  let value = body as Record<string, unknown[]>;
+  for (const [name, index] of steps.slice(0, -1)) {
+    value = value[name][index] as Record<string, unknown[]>;
+  }
+  const [name, index] = steps[steps.length - 1];
+  return [value[name], index];
+}
+
 /** One Build: the request to send and how it was made. */
 export class BuildResult {
   constructor(readonly response: BuildResponse) {}
@@ -291,6 +303,27 @@ export class BuildResult {
    */
   get attachmentPlacements(): AttachmentPlacement[] {
     return this.response.attachment_placements;
+  }
+  /**
+   * providerPayload with every message's attachments added where attachmentPlacements
+   * says. `part(send)` is the provider's content part (or parts) for one attachment: its
+   * content when `send.content`, its marker otherwise; you resolve `send.attachment.ref`.
+   * The parts go just before the part each placement names, last placement first; the
+   * payload's keys keep their order, so the same response and parts give the same bytes
+   * on every request. The payload unchanged when no message has attachments.
+   */
+  payloadWithAttachments(
+    part: (send: AttachmentPlacement['attachments'][number]) => object | object[],
+  ): Buffer {
+    const placements = this.response.attachment_placements;
+    if (placements.length === 0) return this.providerPayload;
+    const body = this.payload();
+    for (const placement of [...placements].reverse()) {
+      const parts = placement.attachments.flatMap((send) => part(send));
+      const [holder, index] = contentList(body, placement.payload_path);
+      holder.splice(index, 0, ...parts);
+    }
+    return Buffer.from(JSON.stringify(body), 'utf8');
   }
   /** "anthropic.messages" or "openai.responses". */
   get providerApi(): string {

@@ -102,6 +102,14 @@ test('attachments are placed beside their message in the payload', async () => {
     [['store://photo-1.png', true]],
   );
   assert.ok(!built.providerPayload.includes('photo-1'), 'the engine sends no attachment');
+  const image = (send) => ({ type: 'image', source: { type: 'url', url: send.attachment.ref } });
+  const sent = JSON.parse(built.payloadWithAttachments(image).toString('utf8'));
+  const content = sent.messages.find((m) => m.content.some((b) => b.type === 'image')).content;
+  const at = content.findIndex((b) => b.type === 'image');
+  assert.equal(content[at].source.url, 'store://photo-1.png');
+  assert.match(content[at + 1].text, /What is in this picture\?/, 'just before its text');
+  content.splice(at, 1);
+  assert.deepEqual(sent, built.payload(), 'nothing else changed');
 });
 
 test('the tool loop appends each step and ends on a plain answer', async () => {

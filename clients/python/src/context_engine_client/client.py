@@ -277,6 +277,20 @@ class UsageReport:
     absorbed: bool = False  # whether the report moved the factor (another model's: no)
 
 
+_PATH_STEP = re.compile(r"(\w+)\[(\d+)\]")
+
+
+def _content_list(body: Any, path: str) -> tuple[list[Any], int]:
+    """The list a payload path such as "messages[2].content[1]" ends in, and the index."""
+    steps = [(name, int(index)) for name, index in _PATH_STEP.findall(path)]
+    if not steps:
+        raise ValueError(f"not a payload path: {path!r}")
+    for name, index in steps[:-1]:
+        body = body[name][index]
+    name, index = steps[-1]
+    return body[name], index
+
+
 @dataclass(frozen=True, slots=True)
 class BuildResult:
     """One Build: the request to send and how it was made."""
@@ -295,8 +309,33 @@ class BuildResult:
         """Per user message with attachments, in payload order: the JSON path of the part
         holding its text (insert its attachment parts just before it, last placement
         first) and, per attachment, whether to send its content or its marker. Empty when
-        no message of the request has any."""
-        return self.response.attachment_placements
+        no message of the request has any. `payload_with_attachments` applies them."""
+        return list(self.response.attachment_placements)
+
+    def payload_with_attachments(
+        self, part: Callable[[pb.AttachmentSend], Sequence[dict[str, Any]] | dict[str, Any]]
+    ) -> bytes:
+        """`provider_payload` with every message's attachments added where
+        `attachment_placements` says. `part(send)` is the provider's content part (or
+        parts) for one attachment: its content when `send.content`, its marker otherwise;
+        you resolve `send.attachment.ref`. The payload is parsed, the parts inserted
+        before the part each placement names, last placement first, and it is serialized
+        with sorted keys and no whitespace: the same response and parts give the same bytes
+        on every request, so a prompt cache keeps its prefix. The payload unchanged when
+        no message has attachments."""
+        placements = self.response.attachment_placements
+        if not placements:
+            return self.response.provider_payload
+        body = json.loads(self.response.provider_payload)
+        for placement in reversed(placements):
+            parts: list[dict[str, Any]] = []
+            for send in placement.attachments:
+                made = part(send)
+                parts += [made] if isinstance(made, dict) else list(made)
+            holder, index = _content_list(body, placement.payload_path)
+            holder[index:index] = parts
+        text = json.dumps(body, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+        return text.encode("utf-8")
 
     @property
     def provider_api(self) -> str:
