@@ -377,7 +377,7 @@ async def test_a_build_records_its_assembler_and_payload_hash(stub: Any, pool: A
     from one it does not."""
     session_id, built = await _failed_result_build(stub, "gpt-5")
     payload = await _recorded(pool, session_id, built.request_sequence)
-    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@10"
+    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@11"
     assert payload[PAYLOAD_KEY] == hashlib.sha256(built.provider_payload).hexdigest()
     assert isinstance(payload[IMAGE_KEY], int) and isinstance(payload[INLINE_KEY], int)
     assert TOOL_ERROR_AS_TEXT.encode() in built.provider_payload
@@ -589,7 +589,43 @@ async def test_get_build_of_a_legacy_record_serves_failed_results_as_they_were_s
     again = await _get(stub, session_id, built.request_sequence)
     # The hash it recorded (the neutral request's: the same either way), not today's.
     assert again.request_sha256 == _hashed_whole(built.request) != built.request_sha256
-    assert again.provider_payload == built.provider_payload.replace(_LINE, b"")
+    # Without tools, its text form named no call ids either (@11 names them).
+    sent = built.provider_payload.replace(_LINE, b"")
+    assert again.provider_payload == (_without_call_ids(sent) if revoke_tools else sent)
+
+
+def _without_call_ids(payload: bytes) -> bytes:
+    """An Anthropic no-tools payload of _failed_result_build as context-assembler@10 and
+    older sent it: its call and result naming no call id."""
+    call = json.dumps(" as call c1)")[1:-1].encode()  # as the JSON string holds it
+    result = json.dumps("(Result of call c1)\n")[1:-1].encode()
+    assert call in payload and result in payload
+    return payload.replace(call, b")").replace(result, b"")
+
+
+async def test_get_build_of_an_assembler_10_record_serves_its_text_form_as_it_was_sent(
+    stub: Any, pool: Any
+) -> None:
+    """context-assembler@11 names each pair's call id in Anthropic's no-tools text form;
+    @10 named none. The neutral request is the same, so GetBuild of an @10 record renders
+    the text form as @10 did and serves the bytes its payload hash recorded; an @11
+    record of the same request is served as built."""
+    session_id, built = await _failed_result_build(stub, "claude-sonnet-4-5", revoke_tools=True)
+    assert json.dumps("(Result of call c1)")[1:-1].encode() in built.provider_payload
+    assert await _get(stub, session_id, built.request_sequence) == built
+    older = _without_call_ids(built.provider_payload)
+    await _rewrite_record(
+        pool,
+        session_id,
+        built.request_sequence,
+        lambda p: {
+            **p,
+            ASSEMBLER_KEY: "context-assembler@10",
+            PAYLOAD_KEY: hashlib.sha256(older).hexdigest(),
+        },
+    )
+    again = await _get(stub, session_id, built.request_sequence)
+    assert (again.request_sha256, again.provider_payload) == (built.request_sha256, older)
 
 
 def _as_the_users(built: pb.BuildResponse, item_id: str) -> tuple[str, bytes]:

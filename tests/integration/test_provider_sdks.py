@@ -281,7 +281,8 @@ async def test_a_rotation_to_no_tools_sends_the_carried_pairs_as_text(
     stub: Any, fake: FakeProvider, claude: anthropic.Anthropic
 ) -> None:
     """The Messages API rejects tool_use/tool_result blocks in a request that defines no
-    tools; an operator revocation of the last tool keeps the carried pairs."""
+    tools; an operator revocation of the last tool keeps the carried pairs, sent as text
+    naming the pair's call id on both sides."""
     worker = Worker(stub, "anthropic", claude)
     await worker.open("Trains to Lyon?")
     await worker.append([call("toolu_01"), result("toolu_01", "06:04 TGV"), assistant("6:04")])
@@ -309,4 +310,8 @@ async def test_a_rotation_to_no_tools_sends_the_carried_pairs_as_text(
     assert "tools" not in payload and not _tool_blocks(payload)
     texts = [b["text"] for m in payload["messages"] for b in m["content"]]
     results = [b for m in build.request.messages for b in m.blocks if b.HasField("tool_result")]
-    assert [r.tool_result.content for r in results] == [t for t in texts if "06:04 TGV" in t]
+    assert [f"(Result of call toolu_01)\n{r.tool_result.content}" for r in results] == [
+        t for t in texts if "06:04 TGV" in t
+    ]
+    assert any(t.startswith("(Called tool web.fetch with input ") for t in texts)
+    assert any(t.endswith(" as call toolu_01)") for t in texts)

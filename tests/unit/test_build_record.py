@@ -25,6 +25,7 @@ from context_engine.core.build_record import (
     recalled_people,
     redact_record,
     shown_items,
+    text_call_ids,
 )
 from context_engine.core.estimator import IMAGE_TOKENS
 from context_engine.core.items import CorrectionLineItem, KnowledgePassageItem, RecallLineItem
@@ -106,5 +107,14 @@ def test_only_a_record_of_context_assembler_3_on_read_a_childs_messages_as_its_p
     legacy = _record()
     assert delegated_messages(legacy) is False
     assert delegated_messages({**legacy, ASSEMBLER_KEY: "context-assembler@2"}) is False
-    assert ASSEMBLER_VERSION == "context-assembler@10"
+    assert ASSEMBLER_VERSION == "context-assembler@11"
     assert delegated_messages({**legacy, ASSEMBLER_KEY: ASSEMBLER_VERSION}) is True
+
+
+def test_only_a_record_of_context_assembler_11_on_named_call_ids_in_the_text_form() -> None:
+    """Rule 8: @10 and older sent Anthropic's no-tools text form naming no call ids;
+    GetBuild renders their records so."""
+    legacy = _record()
+    assert text_call_ids(legacy) is False
+    assert text_call_ids({**legacy, ASSEMBLER_KEY: "context-assembler@10"}) is False
+    assert text_call_ids({**legacy, ASSEMBLER_KEY: ASSEMBLER_VERSION}) is True

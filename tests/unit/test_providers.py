@@ -279,11 +279,15 @@ def test_envelopes_reach_the_provider_intact(sc: Scenario, provider: str) -> Non
         for block in message.blocks:
             if block.kind not in ("text", "tool_result") or not block.text.strip():
                 continue
-            if provider == "anthropic":
-                whole = block.text
-                if block.kind == "tool_result" and block.is_error and not request.tools:
-                    whole = f"{anthropic.TOOL_ERROR_AS_TEXT}\n{whole}"  # Rule 8
-                assert whole in sent, "each block is sent whole, as one block"
+            if provider == "anthropic" and block.kind == "tool_result" and not request.tools:
+                whole = block.text  # Rule 8: after the call's line and the failure's
+                if block.is_error:
+                    whole = f"{anthropic.TOOL_ERROR_AS_TEXT}\n{whole}"
+                assert any(
+                    t.startswith("(Result of call ") and t.endswith(f")\n{whole}") for t in sent
+                ), "each block is sent whole, as one block"
+            elif provider == "anthropic":
+                assert block.text in sent, "each block is sent whole, as one block"
             else:
                 whole = block.text
                 if block.kind == "tool_result" and block.is_error:
@@ -922,17 +926,22 @@ def test_runs_that_reuse_call_ids_build_unique_well_formed_wire_ids(
 def test_without_tools_anthropic_sends_tool_pairs_as_text() -> None:
     """The Messages API rejects tool_use/tool_result blocks in a request with no tools (a
     rotation to an empty roster keeps the history's pairs): the call goes as assistant
-    text, the result as its enveloped text, byte for byte. OpenAI sends its items as is."""
+    text naming its wire call id, the result as a line naming it and then its enveloped
+    text, byte for byte; two runs' `call_0` are told apart as in blocks (Rule 7). OpenAI
+    sends its items as is."""
     request = replace(_pairs_request(("run-1", "call_0"), ("run-2", "call_0")), tools=())
     body = _body(request)
     assert "tools" not in body
     blocks = [(m["role"], b) for m in body["messages"] for b in m["content"]]
     assert {b["type"] for _, b in blocks} == {"text"}
-    call_text = anthropic.TOOL_CALL_AS_TEXT.format(name="web.fetch", arguments='{"q":"x"}')
-    assert [b["text"] for role, b in blocks if role == "assistant"] == [call_text] * 2
+    call_text = anthropic.TOOL_CALL_AS_TEXT.format
+    assert [b["text"] for role, b in blocks if role == "assistant"] == [
+        call_text(name="web.fetch", arguments='{"q":"x"}', call_id="call_0"),
+        call_text(name="web.fetch", arguments='{"q":"x"}', call_id="call_0-2"),
+    ]
     assert [b["text"] for role, b in blocks if role == "user"][1:] == [
-        "<untrusted>0</untrusted>",
-        "<untrusted>1</untrusted>",
+        "(Result of call call_0)\n<untrusted>0</untrusted>",
+        "(Result of call call_0-2)\n<untrusted>1</untrusted>",
     ]
     assert anthropic.render(request).body == _general(request)
     assert render(request) == render(request), "deterministic"
@@ -956,9 +965,10 @@ def test_a_build_without_tools_sends_no_tool_blocks_and_every_envelope_whole(
                 continue
             lines = [anthropic.TOOL_ERROR_AS_TEXT] if block.is_error else []
             lines += [block.text] if block.text.strip() else []
-            if lines:
-                # The envelope whole in one block, after the failure marker when it failed.
-                assert "\n".join(lines) in sent, "a result is sent whole, as one block"
+            # The envelope whole in one block, after the call's line and the failure
+            # marker when it failed; a result with neither still names its call.
+            tail = "".join(f"\n{line}" for line in lines)
+            assert any(t.startswith("(Result of call ") and t.endswith(f"){tail}") for t in sent)
     assert anthropic.render(request).body == _general(request)
 
 
@@ -977,10 +987,32 @@ def test_without_tools_a_failed_result_says_so_before_its_envelope() -> None:
         b["text"] for m in _body(request)["messages"] if m["role"] == "user" for b in m["content"]
     ][1:]
     assert texts == [
-        f"{anthropic.TOOL_ERROR_AS_TEXT}\n<untrusted>0</untrusted>",
-        anthropic.TOOL_ERROR_AS_TEXT,
+        f"(Result of call call_0)\n{anthropic.TOOL_ERROR_AS_TEXT}\n<untrusted>0</untrusted>",
+        f"(Result of call call_1)\n{anthropic.TOOL_ERROR_AS_TEXT}",
     ]
     assert anthropic.render(request).body == _general(request)
+
+
+def test_a_record_of_context_assembler_10_renders_its_text_form_naming_no_call_ids() -> None:
+    """GetBuild renders a record of @10 or older as it was sent (core/build_record.py,
+    Rule 8): without tools, a call as UNNAMED_CALL_AS_TEXT and a result as its text alone
+    (a failed one after the failure line; an empty success sends nothing). With tools,
+    and on OpenAI, the flag changes nothing."""
+    plain = replace(_pairs_request(("run-1", "call_0"), ("run-1", "call_1")), tools=())
+    empty = replace(plain.messages[4], blocks=(replace(plain.messages[4].blocks[0], text=""),))
+    request = replace(plain, messages=(*plain.messages[:4], empty))
+    body = json.loads(render(request, text_call_ids=False).body)
+    texts = [(m["role"], b["text"]) for m in body["messages"] for b in m["content"]]
+    assert texts[1:] == [
+        ("assistant", '(Called tool web.fetch with input {"q":"x"})'),
+        ("user", "<untrusted>0</untrusted>"),
+        ("assistant", '(Called tool web.fetch with input {"q":"x"})'),
+    ]
+    assert render(request, text_call_ids=False) != render(request)
+    with_tools = _pairs_request(("run-1", "call_0"), ("run-1", "call_1"))
+    assert render(with_tools, text_call_ids=False) == render(with_tools)
+    on_openai = replace(request, provider="openai")
+    assert render(on_openai, text_call_ids=False) == render(on_openai)
 
 
 def test_openai_a_failed_result_says_so_before_its_envelope() -> None:

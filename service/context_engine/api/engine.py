@@ -929,6 +929,7 @@ class Engine:
         delegated_messages: bool = True,
         marker_sequences: bool = True,
         marked_excerpts: bool = True,
+        text_call_ids: bool = True,
     ) -> BuildResult:
         """Assemble, render and record the run's next request.
 
@@ -946,6 +947,8 @@ class Engine:
         their items by id alone, as context-assembler@7 and older did (`markers_by_id`).
         `marked_excerpts` False: a tool result sent as its pipeline excerpt renders
         unmarked, as context-assembler@8 and older sent it (`unmarked_excerpts`).
+        `text_call_ids` False: tool pairs sent as text (Anthropic without tools) name no
+        call ids, as context-assembler@10 and older sent them.
 
         A recording Build of a run this replica has built before is made from the run head
         it kept, which the record confirms in the same round trip (store/records.py): if
@@ -970,6 +973,7 @@ class Engine:
             delegated_messages=delegated_messages,
             marker_sequences=marker_sequences,
             marked_excerpts=marked_excerpts,
+            text_call_ids=text_call_ids,
         )
         heads = self._heads(tenant, session_id) if record else None
         kept = heads.by_run.get(run_id) if heads is not None else None
@@ -1006,6 +1010,7 @@ class Engine:
         delegated_messages: bool,
         marker_sequences: bool,
         marked_excerpts: bool,
+        text_call_ids: bool,
     ) -> BuildResult:
         """build() from the `kept` head, which the record must confirm (_StaleHead if it
         does not; nothing is written before then), or from a head read now (None)."""
@@ -1151,12 +1156,15 @@ class Engine:
         # Rendered before anything is recorded: a request no provider can take writes nothing.
         rendered = (
             telemetry.traced("render", render)(
-                assembled.request, budget, failed_result_line=failed_result_line
+                assembled.request,
+                budget,
+                failed_result_line=failed_result_line,
+                text_call_ids=text_call_ids,
             )
             if assembled.request is not None
             else None
         )
-        paths = _attachment_paths(assembled, failed_result_line)
+        paths = _attachment_paths(assembled, failed_result_line, text_call_ids)
         if not record:
             return BuildResult(assembled, plan, checkpoint.version, 0, rendered, paths)
         if rendered is not None:
@@ -1246,7 +1254,9 @@ class Engine:
             )
 
 
-def _attachment_paths(assembled: Assembled, failed_result_line: bool) -> tuple[str, ...]:
+def _attachment_paths(
+    assembled: Assembled, failed_result_line: bool, text_call_ids: bool
+) -> tuple[str, ...]:
     """Where in the payload each message of assembled.attachments sent its text: what
     the adapter adds its attachments beside. Every user message renders a text block (its
     envelope), so each has one; a renderer that lost one is the engine's bug."""
@@ -1254,7 +1264,9 @@ def _attachment_paths(assembled: Assembled, failed_result_line: bool) -> tuple[s
     if request is None or not sends:
         return ()
     keys = [(s.message_index, s.block_index) for s in sends]
-    found = text_paths(request, keys, failed_result_line=failed_result_line)
+    found = text_paths(
+        request, keys, failed_result_line=failed_result_line, text_call_ids=text_call_ids
+    )
     missing = [s.item_id for s in sends if (s.message_index, s.block_index) not in found]
     if missing:
         raise EngineError(f"user messages with attachments sent no text block: {missing}")

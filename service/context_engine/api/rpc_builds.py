@@ -45,6 +45,7 @@ from ..core.build_record import (
     inputs_from_record,
     marked_excerpts,
     marker_sequences,
+    text_call_ids,
     whole_request_hash,
 )
 from ..core.errors import EngineError, InvalidFieldError, NotFoundError, PreconditionError
@@ -111,6 +112,8 @@ class BuildsRpcs:
                 marker_sequences=marker_sequences(payload),
                 # Its tool-pipeline excerpts as it sent them: unmarked before @9.
                 marked_excerpts=marked_excerpts(payload),
+                # Its tool pairs as text as it sent them: naming no call ids before @11.
+                text_call_ids=text_call_ids(payload),
             )
         except (InvalidFieldError, PreconditionError) as exc:
             # A refusal now (BUDGET_EXCEEDED under a later estimator, say) of what was built

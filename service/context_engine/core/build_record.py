@@ -92,6 +92,7 @@ __all__ = [
     "recalled_people",
     "redact_record",
     "shown_items",
+    "text_call_ids",
     "unmarked_excerpts",
     "whole_request_hash",
 ]
@@ -168,7 +169,13 @@ __all__ = [
 # move: a record it counted whose text held such words is refused on its figures (Rule 9,
 # REQUEST_NOT_FOUND naming both versions); records counted exactly (OpenAI models) and
 # every other @9 record rebuild.
-ASSEMBLER_VERSION = "context-assembler@10"
+# @11: Anthropic's no-tools text form (providers/anthropic.py, Rule 8) names each pair's
+# wire call id: a call as TOOL_CALL_AS_TEXT, a result after a TOOL_RESULT_AS_TEXT line (so
+# a result with no content sends that line where @10 sent nothing), so parallel calls of
+# one tool pair with their results; @10 and older named none. A render-only difference: a
+# rebuild of an older record renders the text form as it did (`text_call_ids`). Only
+# requests without tools differ; the estimate already counted each block's call id.
+ASSEMBLER_VERSION = "context-assembler@11"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})
@@ -178,6 +185,10 @@ _WHOLE_HASH = frozenset(
 )
 # The versions that sent a tool-pipeline excerpt unmarked.
 _UNMARKED = frozenset({LEGACY_ASSEMBLER_VERSION, *(f"context-assembler@{n}" for n in range(2, 9))})
+# The versions whose no-tools text form names no call ids.
+_UNNAMED_CALLS = frozenset(
+    {LEGACY_ASSEMBLER_VERSION, *(f"context-assembler@{n}" for n in range(2, 11))}
+)
 # The versions whose cache markers name an item by its id alone.
 _BY_ID = _WHOLE_HASH | {"context-assembler@7"}
 ASSEMBLER_KEY = "assembler_version"
@@ -296,6 +307,12 @@ def marked_excerpts(payload: dict[str, Any]) -> bool:
     """Rule 8: whether the request marked tool-pipeline excerpts truncated (@9 on); an
     older record is rebuilt from `unmarked_excerpts` of its items."""
     return assembler_of(payload) not in _UNMARKED
+
+
+def text_call_ids(payload: dict[str, Any]) -> bool:
+    """Rule 8: whether the request's tool pairs sent as text (Anthropic without tools)
+    named their call ids (@11 on); an older record renders them as it did."""
+    return assembler_of(payload) not in _UNNAMED_CALLS
 
 
 def unmarked_excerpts(items: tuple[ConversationItem, ...]) -> tuple[ConversationItem, ...]:

@@ -11,7 +11,9 @@ same bytes, so a Build records the budget it rendered with and its replay (GetBu
 passes the recorded one. So is ``failed_result_line``: False renders a failed tool result
 as the legacy assembler sent it where the provider reads is_error as text (OpenAI always,
 Anthropic without tools): its content alone, without ``TOOL_ERROR_AS_TEXT``; GetBuild
-passes it for a record of context-assembler@1 (core/build_record.py, Rule 8).
+passes it for a record of context-assembler@1 (core/build_record.py, Rule 8). And
+``text_call_ids``: False renders Anthropic's no-tools text form naming no call ids, as
+context-assembler@10 and older sent it (providers/anthropic.py, Rule 8).
 ``prompt_units(request)`` is the same prompt unit by unit, in the
 order the provider caches it, with the row and item of each unit (what ``explain`` diffs).
 ``text_paths(request, blocks)`` says where user text blocks landed in the payload (the
@@ -75,13 +77,11 @@ class Renderer:
     render: Callable[[ModelRequest], RenderedPayload]
     prompt_units: Callable[[ModelRequest], tuple[PromptUnit, ...]]
     # The renderer under a cache-marker budget; None: the provider places no markers.
-    render_within: Callable[[ModelRequest, int], RenderedPayload] | None = None
+    render_within: Callable[..., RenderedPayload] | None = None
     # Whether it says a failed result's is_error as text (TOOL_ERROR_AS_TEXT) in `request`.
     errors_as_text: Callable[[ModelRequest], bool] = lambda request: True
     # Where user text blocks landed in the body (see text_paths below).
-    text_paths: Callable[[ModelRequest, Iterable[tuple[int, int]]], dict[tuple[int, int], str]] = (
-        lambda request, blocks: {}
-    )
+    text_paths: Callable[..., dict[tuple[int, int], str]] = lambda request, blocks, **_: {}
 
 
 # The plan's provider -> its renderer.
@@ -108,11 +108,16 @@ def _renderer(provider: str) -> Renderer:
 
 
 def render(
-    request: ModelRequest, max_breakpoints: int | None = None, *, failed_result_line: bool = True
+    request: ModelRequest,
+    max_breakpoints: int | None = None,
+    *,
+    failed_result_line: bool = True,
+    text_call_ids: bool = True,
 ) -> RenderedPayload:
     """The provider payload of `request`, for its plan's provider, with at most
     `max_breakpoints` cache markers (None: the provider's own limit); with
-    `failed_result_line` False, failed results as the legacy assembler sent them.
+    `failed_result_line` False, failed results as the legacy assembler sent them; with
+    `text_call_ids` False, tool pairs sent as text name no call ids (@10 and older).
 
     Raises:
         EngineError: an unknown provider, or a reasoning payload that is not a JSON
@@ -122,13 +127,19 @@ def render(
     renderer = _renderer(request.provider)
     if not failed_result_line and renderer.errors_as_text(request):
         request = without_error_line(request)
-    if max_breakpoints is None or renderer.render_within is None:
-        return renderer.render(request)
-    return renderer.render_within(request, max_breakpoints)
+    if renderer.render_within is None:
+        return renderer.render(request)  # the provider takes no markers and no text form
+    if max_breakpoints is None:
+        return renderer.render_within(request, text_call_ids=text_call_ids)
+    return renderer.render_within(request, max_breakpoints, text_call_ids=text_call_ids)
 
 
 def text_paths(
-    request: ModelRequest, blocks: Iterable[tuple[int, int]], *, failed_result_line: bool = True
+    request: ModelRequest,
+    blocks: Iterable[tuple[int, int]],
+    *,
+    failed_result_line: bool = True,
+    text_call_ids: bool = True,
 ) -> dict[tuple[int, int], str]:
     """Where each of `blocks` (message index, block index: user text blocks of `request`)
     landed in the payload `render` gives for the same arguments: the JSON path of the
@@ -137,7 +148,7 @@ def text_paths(
     renderer = _renderer(request.provider)
     if not failed_result_line and renderer.errors_as_text(request):
         request = without_error_line(request)  # as render sends it: a block may drop
-    return renderer.text_paths(request, blocks)
+    return renderer.text_paths(request, blocks, text_call_ids=text_call_ids)
 
 
 def prompt_units(request: ModelRequest) -> tuple[PromptUnit, ...]:

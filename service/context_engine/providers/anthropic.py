@@ -30,11 +30,15 @@ id (providers/call_ids.py): the call id mapped into ``[A-Za-z0-9_-]``, unique in
 request, the earliest pair keeping its id.
 Rule 8 (no tools): the API rejects tool_use and tool_result blocks in a request that
 defines no tools (a rotation to an empty roster keeps the history's pairs), so then a call
-is sent as assistant text (``TOOL_CALL_AS_TEXT``: its tool name and canonical arguments)
-and a result as user text: its content exactly as core enveloped it (Rule 3), after
-``TOOL_ERROR_AS_TEXT`` (providers/texts.py) on its own line when the call failed
-(``is_error`` has no other place to go; OpenAI's output says it the same way). A request
-renders all its pairs one way, so every request of an epoch does too.
+is sent as assistant text (``TOOL_CALL_AS_TEXT``: its tool name, canonical arguments and
+wire call id) and a result as user text: ``TOOL_RESULT_AS_TEXT`` naming the call's wire id
+on the first line (so parallel calls of one tool pair with their results as they do in
+blocks), then ``TOOL_ERROR_AS_TEXT`` (providers/texts.py) on its own line when the call
+failed (``is_error`` has no other place to go; OpenAI's output says it the same way), then
+its content exactly as core enveloped it (Rule 3). The wire ids are Rule 7's. A request
+renders all its pairs one way, so every request of an epoch does too. Until
+context-assembler@11 the text named no call id (``UNNAMED_CALL_AS_TEXT``, no result line):
+``render(..., text_call_ids=False)`` renders a record of @10 or older so.
 
 Speed: each tool, system block and message block renders once per process to its
 canonical JSON text (memoized on the frozen neutral value; a session's tools and a run's
@@ -82,6 +86,8 @@ __all__ = [
     "MAX_BREAKPOINTS",
     "TOOL_CALL_AS_TEXT",
     "TOOL_ERROR_AS_TEXT",
+    "TOOL_RESULT_AS_TEXT",
+    "UNNAMED_CALL_AS_TEXT",
     "errors_as_text",
     "prompt_units",
     "render",
@@ -91,7 +97,9 @@ __all__ = [
 API = "anthropic.messages"
 MAX_BREAKPOINTS = 4
 HISTORY_CUT_PLACEHOLDER = "(The conversation continues from earlier turns not shown here.)"
-TOOL_CALL_AS_TEXT = "(Called tool {name} with input {arguments})"  # Rule 8
+TOOL_CALL_AS_TEXT = "(Called tool {name} with input {arguments} as call {call_id})"  # Rule 8
+TOOL_RESULT_AS_TEXT = "(Result of call {call_id})"  # Rule 8: a result's first line
+UNNAMED_CALL_AS_TEXT = "(Called tool {name} with input {arguments})"  # @10 and older
 _TTL_RANK = {"5m": 0, "1h": 1}
 _PROVIDER = "anthropic"
 
@@ -153,9 +161,12 @@ class _Layout:
         return out
 
 
-def render(request: ModelRequest, max_breakpoints: int = MAX_BREAKPOINTS) -> RenderedPayload:
+def render(
+    request: ModelRequest, max_breakpoints: int = MAX_BREAKPOINTS, *, text_call_ids: bool = True
+) -> RenderedPayload:
     """The Messages API body for `request`, with at most `max_breakpoints` markers (the
-    model's budget; above the API's MAX_BREAKPOINTS counts as MAX_BREAKPOINTS).
+    model's budget; above the API's MAX_BREAKPOINTS counts as MAX_BREAKPOINTS). With
+    `text_call_ids` False, a request without tools says no call ids (Rule 8, @10).
 
     Raises:
         PreconditionError: two tool names share a wire name.
@@ -165,17 +176,18 @@ def render(request: ModelRequest, max_breakpoints: int = MAX_BREAKPOINTS) -> Ren
     max_breakpoints = min(max_breakpoints, MAX_BREAKPOINTS)  # the API refuses a fifth
     tools = [_Unit(_tool(t)) for t in request.tools]
     system = [_Unit(r) for b in request.system if (r := _system(b)) is not None]
-    messages, moved, run_at = _message_layouts(request)
+    form = _form(request, text_call_ids)
+    messages, moved, run_at = _message_layouts(request, form=form)
     turns = _turns_by_message(
         messages, tools, system, request.cache_breakpoints, max_breakpoints, run_at
     )
     if turns is _EXPAND:  # a marker lands in the repeated run: lay it out message by message
-        messages, moved, run_at = _message_layouts(request, collapse=False)
+        messages, moved, run_at = _message_layouts(request, collapse=False, form=form)
         turns = _turns_by_message(
             messages, tools, system, request.cache_breakpoints, max_breakpoints, run_at
         )
     if turns is None:  # a message that sends nothing, or two of one role in a row
-        layout = _layout(request, tools, system, moved)
+        layout = _layout(request, tools, system, moved, form)
         _place_markers(layout, request.cache_breakpoints, max_breakpoints)
         turns = [_turn_text(role, units) for role, units in layout.turns]
         run_at = -1
@@ -243,7 +255,7 @@ def prompt_units(request: ModelRequest) -> tuple[PromptUnit, ...]:
 
 
 def text_paths(
-    request: ModelRequest, blocks: Iterable[tuple[int, int]]
+    request: ModelRequest, blocks: Iterable[tuple[int, int]], *, text_call_ids: bool = True
 ) -> dict[tuple[int, int], str]:
     """Where each of `blocks` (message index, block index in request.messages) landed in
     the body: the path of its content block, ``messages[t].content[j]`` (Rules 4 and 8:
@@ -255,12 +267,12 @@ def text_paths(
     the placeholder, and a block's place in it is its anchor in the message's memoized
     layout, so a Build's cost does not grow with its history. Otherwise the general
     layout is walked."""
-    blocks = list(blocks)
-    messages, moved, _ = _message_layouts(request)
+    blocks, form = list(blocks), _form(request, text_call_ids)
+    messages, moved, _ = _message_layouts(request, form=form)
     if not _one_turn_each(messages):
-        return _walked_paths(request, blocks, moved)
+        return _walked_paths(request, blocks, moved, form)
     first = 1 if messages and messages[0].first_role == "assistant" else 0
-    layout_of = _text_layout if not request.tools else _message_layout
+    layout_of = _FORMS[form].layout
     found: dict[tuple[int, int], str] = {}
     for n, k in blocks:
         block = request.messages[n].blocks[k]
@@ -274,11 +286,11 @@ def text_paths(
 
 
 def _walked_paths(
-    request: ModelRequest, blocks: list[tuple[int, int]], moved: _Moved
+    request: ModelRequest, blocks: list[tuple[int, int]], moved: _Moved, form: str
 ) -> dict[tuple[int, int], str]:
     """text_paths over the general layout (Rule 4), every block laid out."""
     units: dict[tuple[int, int], _Unit] = {}
-    layout = _layout(request, [], [], moved, units)
+    layout = _layout(request, [], [], moved, form, units)
     where = {
         id(unit): f"messages[{t}].content[{j}]"
         for t, (_, turn) in enumerate(layout.turns)
@@ -298,7 +310,7 @@ _Moved = dict[int, tuple[str, ...]]
 
 
 def _message_layouts(
-    request: ModelRequest, *, collapse: bool = True
+    request: ModelRequest, *, collapse: bool = True, form: str = "blocks"
 ) -> tuple[list[_MessageLayout], _Moved, int]:
     """Each message's layout, from the memos, the blocks whose call id moved (Rule 7):
     none in the common case, told by one pass over the memos' ids, and where the repeated
@@ -307,23 +319,24 @@ def _message_layouts(
     With `collapse`, the request's repeated run (core/request.py ModelRequest.repeated) is
     one layout of several turns (`_run_layout`), memoized on the run, where it can be one:
     its messages each send something and alternate roles. Not when call ids move: those are
-    re-laid by message index."""
-    as_text = not request.tools  # Rule 8: no tool name or call id reaches the wire
-    each, run_of = (_text_layout, _run_text_layout) if as_text else (_message_layout, _run_layout)
+    re-laid by message index. `form` is how tool pairs render (_form)."""
+    memos = _FORMS[form]
+    each, run_of = memos.layout, memos.run
     messages, run_at = _collapsed(request, each, run_of) if collapse else (None, -1)
     if messages is None:
         messages = each.many(request.messages)
-    if as_text:
+    if memos.relaid is None:  # no call id reaches the wire
         return messages, {}, run_at
-    check_wire_names(
-        [*(t.name for t in request.tools), *frozenset().union(*map(_CALLED, messages))]
-    )
+    if form == "blocks":  # Rule 8: as text, no tool name is a wire name
+        check_wire_names(
+            [*(t.name for t in request.tools), *frozenset().union(*map(_CALLED, messages))]
+        )
     if all_distinct(map(_CALL_IDS, messages)):
         return messages, {}, run_at
-    messages = _message_layout.many(request.messages)
+    messages = each.many(request.messages)
     moved = wire_call_ids(request.messages, _BASE_ID)
     for n, wire in moved.items():
-        messages[n] = _relaid(request.messages[n], wire)
+        messages[n] = memos.relaid(request.messages[n], wire)
     return messages, moved, -1
 
 
@@ -345,11 +358,10 @@ def _collapsed(
     return [*each.many(messages[:start]), combined, *each.many(after)], start
 
 
-def _unit_of(block: Block, wire: str, as_text: bool) -> _Rendered | None:
-    """`block`'s unit; `wire` is its moved call id, or ""."""
-    if as_text:
-        return _text_block(block)
-    return _render_block(block, wire) if wire else _block(block)
+def _unit_of(block: Block, wire: str, form: str) -> _Rendered | None:
+    """`block`'s unit in `form`; `wire` is its moved call id, or ""."""
+    memos = _FORMS[form]
+    return memos.moved(block, wire) if wire else memos.block(block)
 
 
 def _layout(
@@ -357,11 +369,11 @@ def _layout(
     tools: list[_Unit],
     system: list[_Unit],
     moved: _Moved,
+    form: str,
     units_of: dict[tuple[int, int], _Unit] | None = None,
 ) -> _Layout:
     """Every block's unit, message by message (Rule 4): the general case. `units_of`,
     when given, is filled with each block's unit by (message index, block index)."""
-    as_text = not request.tools
     turns: list[tuple[str, list[_Unit]]] = []
     anchors: list[tuple[_Anchor, _Unit | None]] = []
     last: _Unit | None = None
@@ -369,7 +381,7 @@ def _layout(
         units: list[_Unit] = []
         wire = moved.get(n, ())
         for k, block in enumerate(message.blocks):
-            rendered = _unit_of(block, wire[k] if wire else "", as_text)
+            rendered = _unit_of(block, wire[k] if wire else "", form)
             unit = _Unit(rendered) if rendered is not None else None
             if unit is not None:
                 units.append(unit)
@@ -394,10 +406,11 @@ def _layout(
 
 
 def _prompt_layout(request: ModelRequest) -> _Layout:
-    _, moved, _ = _message_layouts(request, collapse=False)
+    form = _form(request, True)
+    _, moved, _ = _message_layouts(request, collapse=False, form=form)
     tools = [_Unit(_tool(t)) for t in request.tools]
     system = [_Unit(r) for b in request.system if (r := _system(b)) is not None]
-    return _layout(request, tools, system, moved)
+    return _layout(request, tools, system, moved, form)
 
 
 # --- one turn per message: the common case, composed from per-message memos -----------
@@ -459,13 +472,13 @@ def _lay_out_run(layouts: Sequence[_MessageLayout]) -> _MessageLayout | _NoRun:
 
 
 def _lay_out_message(
-    message: Message, moved: tuple[str, ...] = (), as_text: bool = False
+    message: Message, moved: tuple[str, ...] = (), form: str = "blocks"
 ) -> _MessageLayout:
     rendered: list[_Rendered] = []
     anchors: dict[_Anchor, int] = {}
     last = -1  # index into `rendered` (block order)
     for k, block in enumerate(message.blocks):
-        unit = _unit_of(block, moved[k] if moved else "", as_text)
+        unit = _unit_of(block, moved[k] if moved else "", form)
         if unit is not None:
             rendered.append(unit)
             if unit.kind != "reasoning":
@@ -497,8 +510,10 @@ def _lay_out_message(
 # A run's carried messages are the same objects on every Build (core/identity_memo.py),
 # and so are the ids that moved in them (providers/call_ids.py, Rule 2).
 _message_layout = IdentityMemo(_lay_out_message, 16_384, by_value=False)
-_text_layout = IdentityMemo(partial(_lay_out_message, as_text=True), 16_384, by_value=False)
+_text_layout = IdentityMemo(partial(_lay_out_message, form="text"), 16_384, by_value=False)
+_unnamed_layout = IdentityMemo(partial(_lay_out_message, form="unnamed"), 16_384, by_value=False)
 _relaid = VariantMemo(_lay_out_message)
+_relaid_text = VariantMemo(partial(_lay_out_message, form="text"))
 # A run's carried suffix keeps its interior as one tuple on every Build (Rule 9 there).
 # Weighed one level down: its text, and its anchors counted, not visited (their keys are
 # the items' ids, held by the items, and (id, sequence) pairs: these the count leaves out).
@@ -507,6 +522,9 @@ _run_layout: RecentMemo[tuple[Message, ...], _MessageLayout | _NoRun] = RecentMe
 )
 _run_text_layout: RecentMemo[tuple[Message, ...], _MessageLayout | _NoRun] = RecentMemo(
     lambda run: _lay_out_run(_text_layout.many(run)), weigh_depth=1
+)
+_run_unnamed_layout: RecentMemo[tuple[Message, ...], _MessageLayout | _NoRun] = RecentMemo(
+    lambda run: _lay_out_run(_unnamed_layout.many(run)), weigh_depth=1
 )
 _BASE_ID = BASE_IDS[_PROVIDER]
 _CALL_IDS = attrgetter("call_ids")
@@ -681,16 +699,21 @@ def _render_block(block: Block, call_id: str = "") -> _Rendered | None:
     return _rendered(obj, block.row, block.item_id, kind)
 
 
-def _render_block_as_text(block: Block) -> _Rendered | None:
-    """A block of a request that defines no tools (Rule 8): tool blocks as text blocks."""
+def _render_block_as_text(block: Block, call_id: str = "", named: bool = True) -> _Rendered | None:
+    """A block of a request that defines no tools (Rule 8): tool blocks as text blocks,
+    naming the pair's wire call id (`call_id` where it moved, else the base id); with
+    `named` False, as context-assembler@10 and older sent them, naming none."""
+    wire = call_id or _BASE_ID(block.call_id)
     match block.kind:
         case "tool_call":
             arguments = block.arguments_json or "{}"
-            text = TOOL_CALL_AS_TEXT.format(name=block.tool_name, arguments=arguments)
+            said = TOOL_CALL_AS_TEXT if named else UNNAMED_CALL_AS_TEXT
+            text = said.format(name=block.tool_name, arguments=arguments, call_id=wire)
         case "tool_result":
-            # The marker stands outside the envelope: the engine says the call failed,
-            # and the tool's own text stays exactly as core enveloped it.
-            lines = [TOOL_ERROR_AS_TEXT] if block.is_error else []
+            # The lines stand outside the envelope: the engine says which call this
+            # answers and that it failed; the tool's own text stays as core enveloped it.
+            lines = [TOOL_RESULT_AS_TEXT.format(call_id=wire)] if named else []
+            lines += [TOOL_ERROR_AS_TEXT] if block.is_error else []
             lines += [block.text] if block.text.strip() else []
             if not lines:
                 return None
@@ -703,6 +726,44 @@ def _render_block_as_text(block: Block) -> _Rendered | None:
 # A run's history blocks are the same objects on every Build (core/identity_memo.py).
 _block = IdentityMemo(_render_block, _MEMO)
 _text_block = IdentityMemo(_render_block_as_text, _MEMO)
+_unnamed_block = IdentityMemo(partial(_render_block_as_text, named=False), _MEMO)
+
+
+@dataclass(frozen=True, slots=True)
+class _FormMemos:
+    """How one form renders: a block (`block`, memoized; `moved`, one whose wire id moved),
+    a message and a repeated run (`layout`, `run`), a message whose ids moved (`relaid`;
+    None: no call id reaches the wire, so none is re-laid)."""
+
+    block: Callable[[Block], _Rendered | None]
+    moved: Callable[[Block, str], _Rendered | None]
+    layout: IdentityMemo[Message, _MessageLayout]
+    run: RecentMemo[tuple[Message, ...], _MessageLayout | _NoRun]
+    relaid: VariantMemo[Message, tuple[str, ...], _MessageLayout] | None
+
+
+# How a request's tool pairs render: as tool blocks, or as text (Rule 8) naming their wire
+# call ids, or naming none (context-assembler@10 and older).
+_FORMS: dict[str, _FormMemos] = {
+    "blocks": _FormMemos(_block, _render_block, _message_layout, _run_layout, _relaid),
+    "text": _FormMemos(
+        _text_block, _render_block_as_text, _text_layout, _run_text_layout, _relaid_text
+    ),
+    "unnamed": _FormMemos(
+        _unnamed_block,
+        lambda block, wire: _unnamed_block(block),
+        _unnamed_layout,
+        _run_unnamed_layout,
+        None,
+    ),
+}
+
+
+def _form(request: ModelRequest, text_call_ids: bool) -> str:
+    if request.tools:
+        return "blocks"
+    return "text" if text_call_ids else "unnamed"
+
 
 _PLACEHOLDER = _rendered(
     {"type": "text", "text": HISTORY_CUT_PLACEHOLDER}, Row.CONVERSATION, "", "text"

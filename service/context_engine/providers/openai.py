@@ -143,13 +143,13 @@ def prompt_units(request: ModelRequest) -> tuple[PromptUnit, ...]:
 
 
 def text_paths(
-    request: ModelRequest, blocks: Iterable[tuple[int, int]]
+    request: ModelRequest, blocks: Iterable[tuple[int, int]], *, text_call_ids: bool = True
 ) -> dict[tuple[int, int], str]:
     """Where each of `blocks` (message index, block index in request.messages: user text
     blocks) landed in the body: the path of its ``input_text`` part,
     ``input[i].content[0]`` (Rule 3: one input item per block that sends something). A
     block that sent nothing is absent. What the adapter finds a message's attachments'
-    place by.
+    place by. `text_call_ids` changes nothing here: OpenAI sends calls as items always.
 
     A message's first input index is the items of the messages before it: the repeated
     run's (core/request.py RepeatedRun) counted once per run, the others' from their
