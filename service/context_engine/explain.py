@@ -94,9 +94,19 @@ class Explanation:
 
 
 def _renders_to(request: ModelRequest, payload: bytes) -> bool:
-    """Whether `request` renders to `payload` under some cache-marker budget (Rule 3)."""
+    """Whether `request` renders to `payload` under some cache-marker budget (Rule 3), as
+    this assembler renders it or as an older one whose record GetBuild serves rendered
+    as it was sent (core/build_record.py Rule 8: @10 and older named no call ids in the
+    no-tools text form, and @1 sent failed results without their line)."""
     budgets = (None, *range(anthropic.MAX_BREAKPOINTS - 1, -1, -1))
-    return any(render(request, budget).body == payload for budget in budgets)
+    forms: tuple[dict[str, bool], ...] = (
+        {},
+        {"text_call_ids": False},
+        {"text_call_ids": False, "failed_result_line": False},
+    )
+    return any(
+        render(request, budget, **form).body == payload for form in forms for budget in budgets
+    )
 
 
 def explain(a: pb.BuildResponse, b: pb.BuildResponse) -> Explanation:

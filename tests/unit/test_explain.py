@@ -141,6 +141,18 @@ def test_a_payload_under_a_smaller_breakpoint_budget_is_not_noted() -> None:
     assert e.identical and e.notes == ()
 
 
+def test_a_payload_getbuild_serves_as_an_older_assembler_sent_it_is_not_noted() -> None:
+    """GetBuild of a context-assembler@10 record renders Anthropic's no-tools text form
+    naming no call ids, as it was sent: that payload is the request's, not another
+    builder's."""
+    request = replace(load_request(LOOP), tools=())
+    older = _response(request)
+    older.provider_payload = render(request, text_call_ids=False).body
+    assert older.provider_payload != render(request).body
+    e = explain(older, _response(request))
+    assert e.identical and e.notes == ()
+
+
 @SCENARIO_SETTINGS
 @given(scenarios(), st.sampled_from(["anthropic", "openai"]))
 def test_the_request_survives_the_proto_seam(sc: Scenario, provider: str) -> None:

@@ -318,7 +318,9 @@ def test_text_paths_name_the_part_each_user_text_landed_in(
     request = _request(sc, provider)
     if not tools:
         request = replace(request, tools=())
-    body = json.loads(render(request, failed_result_line=not legacy).body)
+    # A legacy record (@1) rendered its failed results and its text form as it was sent.
+    old = {"failed_result_line": not legacy, "text_call_ids": not legacy}
+    body = json.loads(render(request, **old).body)
     keys = [
         (n, k)
         for n, m in enumerate(request.messages)
@@ -326,7 +328,7 @@ def test_text_paths_name_the_part_each_user_text_landed_in(
         for k, b in enumerate(m.blocks)
         if b.kind == "text"
     ]
-    paths = text_paths(request, keys, failed_result_line=not legacy)
+    paths = text_paths(request, keys, **old)
     assert len(set(paths.values())) == len(paths)
     part_type = {"anthropic": "text", "openai": "input_text"}[provider]
     for n, k in keys:
@@ -968,7 +970,8 @@ def test_a_build_without_tools_sends_no_tool_blocks_and_every_envelope_whole(
             # The envelope whole in one block, after the call's line and the failure
             # marker when it failed; a result with neither still names its call.
             tail = "".join(f"\n{line}" for line in lines)
-            assert any(t.startswith("(Result of call ") and t.endswith(f"){tail}") for t in sent)
+            said = re.compile(r"\(Result of call [A-Za-z0-9_-]+\)" + re.escape(tail))
+            assert any(said.fullmatch(t) for t in sent), "a result is sent whole, as one block"
     assert anthropic.render(request).body == _general(request)
 
 
@@ -991,6 +994,33 @@ def test_without_tools_a_failed_result_says_so_before_its_envelope() -> None:
         f"(Result of call call_1)\n{anthropic.TOOL_ERROR_AS_TEXT}",
     ]
     assert anthropic.render(request).body == _general(request)
+
+
+def _texts(body: dict[str, Any]) -> list[str]:
+    return [b["text"] for m in body["messages"] for b in m["content"] if b["type"] == "text"]
+
+
+@SCENARIO_SETTINGS
+@given(scenarios(modes=("loop", "answered"), reuse_call_ids=True))
+def test_the_unnamed_text_form_is_the_named_one_without_its_call_ids(sc: Scenario) -> None:
+    """GetBuild's rendering of an @10 record, over requests whose runs reuse call ids,
+    with their repeated runs and markers: every text is the named form's with its ids
+    taken out, and a result that was only its id line sends nothing."""
+    request = replace(_request(sc), tools=())
+    named = _texts(json.loads(render(request).body))
+    unnamed = json.loads(render(request, text_call_ids=False).body)
+    called = re.compile(r"(\(Called tool .* with input .*) as call [A-Za-z0-9_-]+\)")
+    result_line = re.compile(r"\(Result of call [A-Za-z0-9_-]+\)\n?")
+
+    def without_ids(text: str) -> str:
+        call = called.fullmatch(text)
+        if call:
+            return call.group(1) + ")"
+        line = result_line.match(text)  # a result's first line
+        return text[line.end() :] if line else text
+
+    assert _texts(unnamed) == [t for t in map(without_ids, named) if t]
+    assert "as call" not in json.dumps(unnamed) and "Result of call" not in json.dumps(unnamed)
 
 
 def test_a_record_of_context_assembler_10_renders_its_text_form_naming_no_call_ids() -> None:

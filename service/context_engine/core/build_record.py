@@ -174,7 +174,9 @@ __all__ = [
 # a result with no content sends that line where @10 sent nothing), so parallel calls of
 # one tool pair with their results; @10 and older named none. A render-only difference: a
 # rebuild of an older record renders the text form as it did (`text_call_ids`). Only
-# requests without tools differ; the estimate already counted each block's call id.
+# requests without tools differ. The estimate is unchanged: it counts a pair's call id and
+# tool name as it does for blocks, not the lines' fixed words (about 6 heuristic tokens a
+# call, 8 a result), as it does not count a block's JSON keys.
 ASSEMBLER_VERSION = "context-assembler@11"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.

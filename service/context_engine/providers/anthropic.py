@@ -703,15 +703,16 @@ def _render_block_as_text(block: Block, call_id: str = "", named: bool = True) -
     """A block of a request that defines no tools (Rule 8): tool blocks as text blocks,
     naming the pair's wire call id (`call_id` where it moved, else the base id); with
     `named` False, as context-assembler@10 and older sent them, naming none."""
-    wire = call_id or _BASE_ID(block.call_id)
     match block.kind:
         case "tool_call":
             arguments = block.arguments_json or "{}"
             said = TOOL_CALL_AS_TEXT if named else UNNAMED_CALL_AS_TEXT
+            wire = call_id or _BASE_ID(block.call_id)
             text = said.format(name=block.tool_name, arguments=arguments, call_id=wire)
         case "tool_result":
             # The lines stand outside the envelope: the engine says which call this
             # answers and that it failed; the tool's own text stays as core enveloped it.
+            wire = call_id or _BASE_ID(block.call_id)
             lines = [TOOL_RESULT_AS_TEXT.format(call_id=wire)] if named else []
             lines += [TOOL_ERROR_AS_TEXT] if block.is_error else []
             lines += [block.text] if block.text.strip() else []
