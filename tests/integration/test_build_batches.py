@@ -18,7 +18,13 @@ import pytest
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine.store import records, runs
 from context_engine.store.db import HeldConnection
-from context_engine.store.records import NO_SESSION, PERSON_ERASED, STALE_HEAD, RequestRecord
+from context_engine.store.records import (
+    NO_SESSION,
+    PERSON_ERASED,
+    PLAN_INVALIDATED,
+    STALE_HEAD,
+    RequestRecord,
+)
 
 from .helpers import TENANT, assistant, new_id, open_session, replica, start_run
 
@@ -166,6 +172,29 @@ async def test_refusal_codes_in_a_batch_stop_no_other_record(stub: Any, pool: An
     assert await _probes(pool, session_id) == [answers[0], answers[4]]
     assert answers[0] < answers[4]  # type: ignore[operator]
     assert await _probes(pool, other_session) == [answers[3]]
+
+
+async def test_a_record_on_an_invalidated_plan_is_refused_alone(stub: Any, pool: Any) -> None:
+    """migrations/0016: the record reads the plan's `invalidated` column, generated from
+    the stored plan, so a plan rewritten as invalidated (as an erasure's redaction writes
+    it, store/snapshots.py) refuses the records made on it, alone and in a batch, while
+    another session's record lands."""
+    (session_id, run_id), (other_session, other_run) = await _runs(stub, 2, 1)
+    invalidated = "SELECT invalidated FROM context_plans WHERE tenant_id = $1 AND session_id = $2"
+    assert await pool.fetchval(invalidated, TENANT, UUID(session_id)) is False
+    await pool.execute(
+        "UPDATE context_plans SET plan = jsonb_set(plan, '{invalidated}', 'true')"
+        " WHERE tenant_id = $1 AND session_id = $2",
+        TENANT,
+        UUID(session_id),
+    )
+    assert await pool.fetchval(invalidated, TENANT, UUID(session_id)) is True
+    assert await records.record_requests(pool, [_record(session_id, run_id)]) == [PLAN_INVALIDATED]
+    batch = [_record(session_id, run_id), _record(other_session, other_run)]
+    answers = await records.record_requests(pool, batch)
+    assert answers[0] == PLAN_INVALIDATED and isinstance(answers[1], int) and answers[1] > 0
+    assert await _probes(pool, session_id) == []
+    assert await _probes(pool, other_session) == [answers[1]]
 
 
 async def test_records_confirming_kept_heads_land_only_where_the_head_holds(
