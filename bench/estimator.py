@@ -7,6 +7,10 @@ Corpus (all offline, all deterministic):
   prose     standard-library docstrings, the CPython LICENSE text and the pydoc topic pages;
   json      tool-output-shaped JSON generated from a fixed seed (ids, hashes, base64, URLs,
             timestamps, numbers, nested objects, with and without indentation);
+  ids       id-dense text generated from a fixed seed: ULIDs, all-caps keys and access
+            keys, short base64 and base64url, nano ids, prefixed keys, upper-case hex and
+            UUIDs, one per line, as a JSON list of records, or among words
+            (core/estimator.py's known limits: the alphabets its fit saw least);
   non-latin ``bench/corpus/non_latin.txt``: CJK, Hangul, Cyrillic, Greek, Arabic, Devanagari
             and accented/non-English Latin paragraphs written for this benchmark.
 Files are cut at line (or paragraph) boundaries into message-sized samples of at most
@@ -20,9 +24,10 @@ heuristic, measured against *each* exact tokenizer as a proxy. Errors are text-l
 
 The bar (exit status 1 if it fails): no family is ever under by more than 5% (the allocator's
 safety margin) on any sample; and where no exact tokenizer exists, the mean over-estimate on
-ordinary English and code (code, prose, json) is at most 15%. Non-Latin text is reported but
-not held to the over-estimate bar: the heuristic must cover cl100k there, which spends 1.5-3x
-the tokens of o200k on the same text.
+ordinary English and code (code, prose, json) is at most 15%. Non-Latin text and ids are
+reported but not held to the over-estimate bar: the heuristic must cover cl100k on
+non-Latin text, which spends 1.5-3x the tokens of o200k on it, and ids are what it prices
+most cautiously.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import json
 import random
 import re
 import statistics
+import string
 import sys
 import sysconfig
 import uuid
@@ -178,6 +184,44 @@ def json_samples(count: int = 300, seed: int = 20240607) -> list[Sample]:
     return samples
 
 
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+_ALNUM = string.ascii_letters + string.digits
+
+
+def id_samples(count: int = 300, seed: int = 20261206) -> list[Sample]:
+    rng = random.Random(seed)
+
+    def pick(alphabet: str, length: int) -> str:
+        return "".join(rng.choice(alphabet) for _ in range(length))
+
+    makers: tuple[Callable[[], str], ...] = (
+        lambda: pick(_CROCKFORD, 26),  # ULID
+        lambda: "_".join(pick(string.ascii_uppercase, rng.randint(2, 8)) for _ in range(3)),
+        lambda: "AKIA" + pick(string.ascii_uppercase + string.digits, 16),  # access key
+        lambda: base64.b64encode(rng.randbytes(rng.randint(3, 12))).decode(),
+        lambda: base64.urlsafe_b64encode(rng.randbytes(16)).decode().rstrip("="),
+        lambda: pick(_ALNUM + "_-", 21),  # nano id
+        lambda: "cus_" + pick(_ALNUM, 14),
+        lambda: rng.randbytes(8).hex().upper(),
+        lambda: str(uuid.UUID(int=rng.getrandbits(128))).upper(),
+        lambda: pick(string.ascii_lowercase + string.digits, rng.randint(4, 8)),
+    )
+    words = _JSON_SENTENCE.split(" ")
+    samples = []
+    for i in range(count):
+        make = makers[i % len(makers)]
+        ids = [make() for _ in range(rng.randint(2, 40))]
+        layout = (i // len(makers)) % 3
+        if layout == 0:
+            text = "\n".join(ids)
+        elif layout == 1:
+            text = json.dumps([{"id": v, "status": rng.choice(words)} for v in ids])
+        else:
+            text = " ".join(f"{rng.choice(words)} {v}" for v in ids)
+        samples.append(Sample("ids", f"ids-{i}", text))
+    return samples
+
+
 def non_latin_samples() -> list[Sample]:
     text = CORPUS_FILE.read_text(encoding="utf-8")
     sections = re.split(r"^## (\S+)\n", text, flags=re.MULTILINE)[1:]
@@ -251,6 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         *code_samples(args.chunk_chars),
         *prose_samples(args.chunk_chars),
         *json_samples(),
+        *id_samples(),
         *non_latin_samples(),
     ]
     print(

@@ -85,7 +85,11 @@ constant more often, by up to about two tokens each, so a short text of several 
 token or two under (two ULIDs twice in a JSON list: 99 for cl100k's 100); so can short
 base64 that reads as words (``["AgKsAAI=", "AgKsAgc="]``: "Ag", "Ks" and "Agc" are priced as
 word pieces, which BPE splits further). Covering those alphabets too was measured to put
-the mean over-estimate on JSON tool output past its 15% bar (16-17%).
+the mean over-estimate on JSON tool output past its 15% bar (16-17%). In texts of 32
+tokens or more the edge constant and the other words cover them: ``bench.estimator``'s ids
+family (292 generated texts of ULIDs, all-caps and access keys, short base64, nano ids,
+prefixed keys, upper-case hex and UUIDs, by line, in JSON and among words) has none under
+either tokenizer, the closest 3.4% over cl100k_base.
 """
 
 from __future__ import annotations
