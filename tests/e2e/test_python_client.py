@@ -485,6 +485,9 @@ async def test_rotate_load_skill_update_working_state_and_a_child_run(client: An
         "rail", "Prefer TGV.", trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION, run_id=run.run_id
     )
     assert list(loaded.loaded) == ["rail"]
+    # Naming no trust keeps the entry's: the same body again is a retry.
+    again = await session.load_skill("rail", "Prefer TGV.", run_id=run.run_id)
+    assert list(again.loaded) == ["rail"] and not again.newly_loaded
     updated = await run.update_working_state(
         pb.WorkingStateUpdate(objective="Find a train", add_constraints=["No night trains"]),
         writer=pb.WRITER_USER,

@@ -423,7 +423,9 @@ export class Session {
       idempotency_key: opts.idempotencyKey ?? newKey(),
       ...seed,
     });
-    if (response.rotated_plan) this.plan = response.rotated_plan;
+    // A top-level run's rotated_plan is the session's current plan; a child's is its
+    // parent's lineage continued, which need not be (docs/api.md, StartRun).
+    if (response.rotated_plan && !response.run!.parent_run_id) this.plan = response.rotated_plan;
     return new Run(this, response.run!.run_id, response.checkpoint_version, response.run!.epoch);
   }
 

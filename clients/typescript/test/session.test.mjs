@@ -250,6 +250,27 @@ test('skills, child runs and working state have methods of their own', async () 
   assert.equal(parent.checkpointVersion, 2);
 });
 
+test("a child's continued lineage does not become the session's plan", async () => {
+  // A child of a run parked behind a sweep continues its parent's lineage first, and
+  // StartRun returns that continuation as rotated_plan; session.plan stays the current
+  // plan, so the next rotate names it as from_epoch instead of failing EPOCH_CONFLICT.
+  const mail = tool('mail.send', 'Send.', { type: 'object' }, {
+    requiredScopes: ['mail.send'],
+    sideEffect: 'SIDE_EFFECT_NETWORK_WRITE',
+  });
+  const session = await engine.openSession({ ...spec, tools: [...spec.tools, mail] });
+  const parked = await session.startRun('Trains to Lyon?'); // epoch 1
+  await session.startRun('Mail me.', { admission: { scopes: ['mail.send'] } });
+  const swept = await session.rotate('PLAN_REASON_AGENT_CHANGED'); // a sweep: epoch 3
+  const child = await session.startChildRun(parked.runId, 'Look up the timetable.');
+  assert.equal(child.epoch, 4); // lineage 1 continued
+  assert.equal(session.plan.epoch, swept.epoch);
+  assert.equal(swept.epoch, 3);
+  const plan = await session.rotate('PLAN_REASON_BUILDER_UPGRADED');
+  assert.equal(plan.epoch, 5);
+  assert.equal((await engine.session(session.sessionId)).plan.epoch, 5);
+});
+
 test('a spent deadline is a DeadlineExceededError', async () => {
   const hurried = new ContextEngineClient({ target, tenantId: 'tenant-client-ts', timeoutMs: 0.001 });
   await assert.rejects(hurried.openSession(spec), (error) => {

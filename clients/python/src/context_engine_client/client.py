@@ -547,9 +547,10 @@ class Session:
         return response
 
     async def load_skill(
-        self, name: str, body: str, *, trust: int, run_id: str = ""
+        self, name: str, body: str, *, trust: int = 0, run_id: str = ""
     ) -> pb.LoadSkillResponse:
-        """Load a pinned skill's body into Region B (sticky; at most two)."""
+        """Load a pinned skill's body into Region B (sticky; at most two). `trust`: the
+        body's trust level (0, unspecified: the catalog entry's)."""
         request = pb.LoadSkillRequest(
             tenant_id=self.tenant_id,
             session_id=self.session_id,
