@@ -42,6 +42,8 @@ from context_engine.core.compaction import (
     summary_item,
 )
 from context_engine.core.compaction import _round_up as round_up
+from context_engine.core.enums import PlanReason
+from context_engine.core.envelope import escape_content
 from context_engine.core.errors import InvalidFieldError, PreconditionError, RequestError
 from context_engine.core.items import (
     AssistantMessage,
@@ -54,11 +56,11 @@ from context_engine.core.items import (
     ToolResult,
     UserMessage,
 )
-from context_engine.core.plan import ModelFacts
+from context_engine.core.plan import ModelFacts, make_plan, prefix_data
 from context_engine.core.seeding import carried_history
 from context_engine.core.skills import LoadedSkill
 from context_engine.core.spec import PlatformPolicySpec
-from context_engine.core.trust import TrustLevel
+from context_engine.core.trust import TrustLevel, envelope_tag
 from context_engine.core.working_state import (
     Entry,
     Fact,
@@ -68,6 +70,7 @@ from context_engine.core.working_state import (
 )
 
 from .strategies import (
+    MODEL,
     SCENARIO_SETTINGS,
     SETTINGS,
     Scenario,
@@ -75,6 +78,7 @@ from .strategies import (
     adversarial_text,
     checkpoints,
     count_tokens,
+    plan_specs,
     secrets,
     session_logs,
 )
@@ -1568,3 +1572,37 @@ def test_the_licence_check_reads_the_trusted_text_a_bounded_number_of_times(
     assert quoting([summary], [summary], allowed) == {0: 0}
     passes = (WINDOW_CHARS + 8 + 1) * compaction_module._FEW
     assert _Scanned.read <= passes * len(allowed), _Scanned.read / len(allowed)
+
+
+@SETTINGS
+@given(st.data())
+def test_prefix_data_is_the_content_of_every_enveloped_prefix_entry(data: st.DataObject) -> None:
+    """core/plan.py prefix_data, the prefix's part of Rule 3's view: one entry per
+    enveloped system block, in order, with its id, row and trust, and as text the content
+    the block shows (escaped there) without the platform's words around it: a memory's
+    text, a catalog skill's description."""
+    secret = data.draw(secrets)
+    spec = data.draw(plan_specs(secret))
+    plan = make_plan(
+        spec,
+        session_id="s",
+        epoch=1,
+        reason=PlanReason.SESSION_OPENED,
+        secret=secret,
+        model=MODEL,
+        count_tokens=count_tokens,
+    )
+    entries = prefix_data(plan, spec)
+    enveloped = [b for b in plan.system if envelope_tag(b.trust) is not None]
+    assert [(e.item_id, e.row, e.trust) for e in entries] == [
+        (b.item_id, b.row, b.trust) for b in enveloped
+    ]
+    memories = {f"memory:{m.item_id}": m.text for m in spec.snapshot.items}
+    skills = {f"skill:{k.name}": k.description for k in spec.skills}
+    for entry, block in zip(entries, enveloped, strict=True):
+        content = {Row.MEMORY_SNAPSHOT: memories, Row.SKILL_CATALOG: skills}.get(entry.row)
+        if content is None:
+            assert entry.text == block.text  # another row: as rendered
+            continue
+        assert entry.text == content[entry.item_id]
+        assert escape_content(entry.text) in block.text

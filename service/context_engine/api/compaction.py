@@ -30,9 +30,10 @@ from ..core.compaction import (
 )
 from ..core.errors import InvalidFieldError
 from ..core.items import ContextItem, ConversationItem
+from ..core.plan import PrefixData, prefix_data
 from ..core.seeding import carried_history, seed_cut
 from ..core.skills import LoadedSkill
-from ..store import events, idempotency, runs, sessions
+from ..store import events, idempotency, plans, runs, sessions
 from ..store import skills as skill_store
 from ..store import working_state as ws_store
 from ..store.db import acquire, transaction
@@ -54,6 +55,7 @@ class _Inputs:
     earlier: dict[str, str]  # the logged text of every span an earlier compaction elided
     shown: tuple[ContextItem, ...]  # the step lines recorded Builds showed the model
     skills: tuple[LoadedSkill, ...]  # the session's loaded skill bodies, shown every step
+    prefix: tuple[PrefixData, ...]  # the enveloped prefix entries of the plans shown
     child: bool  # a child run: its user messages are its parent's words
 
 
@@ -72,7 +74,8 @@ async def _inputs(
 ) -> _Inputs:
     """What prepare reads. The step lines are those of every request recorded from the one
     that produced the first item above the floor on: the model may have quoted any of
-    them in an item still in view (core/compaction.py, Rule 3)."""
+    them in an item still in view (core/compaction.py, Rule 3). So are the prefix entries
+    of the plans those requests were made on, and of the run's own."""
     run = await runs.read_run(conn, tenant_id, session_id, run_id)
     checkpoint = await runs.read_checkpoint(conn, tenant_id, run_id, version)
     logged = await events.read_carried_items(
@@ -99,12 +102,24 @@ async def _inputs(
         from_sequence=checkpoint.replaced_through_sequence,
     )
     skills = await skill_store.read_loaded(conn, tenant_id, session_id)
+    epochs = await events.read_request_epochs(
+        conn,
+        tenant_id,
+        session_id,
+        request_type=REQUEST_EVENT,
+        from_sequence=checkpoint.replaced_through_sequence,
+    )
+    prefix: list[PrefixData] = []
+    for epoch in sorted({*epochs, run.epoch}):
+        stored = await plans.read_plan(conn, tenant_id, session_id, epoch)
+        prefix += prefix_data(stored.plan, stored.spec)
     return _Inputs(
         checkpoint,
         carried_history(logged),
         contents,
         shown_items(lines),
         tuple(skills),
+        tuple(prefix),
         child=run.parent_run_id is not None,
     )
 
@@ -137,6 +152,7 @@ async def prepare_compaction(
         earlier_contents=inputs.earlier,
         shown=inputs.shown,
         skills=inputs.skills,
+        prefix=inputs.prefix,
         child=inputs.child,
     )
 
@@ -158,6 +174,7 @@ def _reprepare(inputs: _Inputs, through: int, count_tokens: TokenCounter) -> Pre
             earlier_contents=inputs.earlier,
             shown=inputs.shown,
             skills=inputs.skills,
+            prefix=inputs.prefix,
             child=inputs.child,
         )
     except InvalidFieldError as exc:

@@ -31,8 +31,10 @@ step contexts the session's recorded Builds showed the model (`shown`: knowledge
 passages, EXTERNAL_UNTRUSTED by default, and recall and correction lines, which are
 MEMORY: not SUMMARIZABLE either), and of what every step shows beside them: the
 working-state block's facts below SUMMARIZABLE and the loaded skill bodies of such trust
-(`skills`), each in its envelope. Those lines are never in the transcript, but the
-model's answers to them are.
+(`skills`), each in its envelope; and the prefix's own such entries (`prefix`: the memory
+snapshot, a discovered tool's index line, a catalog entry of such trust) of every plan
+those Builds were made on. Those lines are never in the transcript, but the model's
+answers to them are.
 Rule 4 (depth): a first summary has depth 1; a second compaction merges it with newer
 items into depth 2, with the union of source event ids, elided spans and retained
 constraints. A third fails with COMPACTION_DEPTH_EXCEEDED: escalate to a child run.
@@ -116,6 +118,7 @@ from .working_state import WorkingState, lowest_trust
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
+    from .plan import PrefixData
     from .skills import LoadedSkill
 
 __all__ = [
@@ -201,7 +204,8 @@ class ElidedSpan(_Frozen):
     item_id: str
     # tool.result, assistant.message, tool.call, user.message; for a shown line quoted by
     # an elided item (never itself in `elided`): knowledge.passage, recall.line,
-    # correction.line, working_state.fact, skill.body
+    # correction.line, working_state.fact, skill.body, or prefix.<row> (a prefix entry:
+    # prefix.memory_snapshot, prefix.deferred_tool_index, prefix.skill_catalog)
     kind: str
     trust: TrustLevel  # below what SUMMARIZABLE admits, or what a quoting item quoted
     byte_length: int
@@ -558,6 +562,18 @@ def _skill_span(skill: LoadedSkill) -> tuple[ElidedSpan, str]:
     return span, skill.body
 
 
+def _prefix_span(entry: PrefixData) -> tuple[ElidedSpan, str]:
+    """A prefix entry below SUMMARIZABLE (shown every step, enveloped), as a source."""
+    span = ElidedSpan(
+        item_id=entry.item_id,
+        kind=f"prefix.{entry.row.name.lower()}",
+        trust=entry.trust,
+        byte_length=len(entry.text.encode("utf-8")),
+        event_id=0,
+    )
+    return span, entry.text
+
+
 def elided_content(event_type: str, payload: Mapping[str, Any]) -> str:
     """The text of a logged item an earlier compaction elided (for the depth-2 check)."""
     fields = {
@@ -654,6 +670,7 @@ def prepare(
     earlier_contents: Mapping[str, str] | None = None,
     shown: Sequence[ContextItem] = (),
     skills: Sequence[LoadedSkill] = (),
+    prefix: Sequence[PrefixData] = (),
     child: bool = False,
 ) -> Prepared:
     """The summarizer input for compacting the run's oldest body items.
@@ -662,7 +679,8 @@ def prepare(
     the engine choose the cut (RETAIN_PPM); `earlier_contents` maps the item ids an earlier
     compaction elided to their logged text, for the commit-time check; `shown` holds the
     step lines (knowledge passages, recall and correction lines) the recorded Builds
-    showed the model, and `skills` the session's loaded skill bodies (both Rule 3's view).
+    showed the model, `skills` the session's loaded skill bodies, and `prefix` the
+    enveloped prefix entries of the plans those Builds were made on (all Rule 3's view).
     `child`: the run is a child run, whose user messages are its parent's words.
 
     Raises:
@@ -729,6 +747,9 @@ def prepare(
     contents += [line for line in map(_shown_span, shown) if line is not None and line[1]]
     contents += _state_spans(state)
     contents += [_skill_span(s) for s in skills if s.trust not in SUMMARIZABLE and s.body]
+    # An entry that several plans show alike is one source.
+    entries = {(e.item_id, e.text): e for e in prefix if e.trust not in SUMMARIZABLE and e.text}
+    contents += [_prefix_span(e) for e in entries.values()]
     earlier = tuple(record.elided) if record else ()
     earlier_text = dict(earlier_contents or {})
     contents += [(s, earlier_text[s.item_id]) for s in earlier if earlier_text.get(s.item_id)]

@@ -40,20 +40,30 @@ from .items import (
     trust_of,
 )
 from .request import Block, ToolDefinition
-from .roster import PinnedTool, Roster, index_line, pinned_tools, resolve_roster, scope_hashes
+from .roster import (
+    PinnedTool,
+    Roster,
+    first_sentence,
+    index_line,
+    pinned_tools,
+    resolve_roster,
+    scope_hashes,
+)
 from .rows import Row
 from .skills import pin_catalog
 from .snapshot import memory_item_id, pin_snapshot
 from .spec import MemoryItemSpec, PlanSpec, SkillSpec, ToolSpec
 from .tool_schema import definition_item, definition_tokens
-from .trust import TrustLevel
+from .trust import TrustLevel, envelope_tag
 
 __all__ = [
     "CapacityError",
     "ClassUsage",
     "ContextPlan",
     "ModelFacts",
+    "PrefixData",
     "make_plan",
+    "prefix_data",
     "session_key",
 ]
 
@@ -375,6 +385,47 @@ def _render_text(item: ContextItem, secret: bytes) -> str:
                 body, trust=trust, item_id=item.item_id, source="memory:snapshot", secret=secret
             )
     raise TypeError(f"no Region A renderer for {type(item).__name__}")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixData:
+    """The content of one enveloped Region A entry, without the platform's words around it."""
+
+    item_id: str
+    row: Row
+    trust: TrustLevel
+    text: str
+
+
+# Where each enveloped row's content lies in the plan's spec, by the entry's item id: a
+# discovered tool's index line shows its description's first sentence, a catalog entry its
+# skill's description, a snapshot entry its memory's text.
+_PREFIX_CONTENT: dict[Row, Callable[[PlanSpec], dict[str, str]]] = {
+    Row.DEFERRED_TOOL_INDEX: lambda spec: {
+        f"tool:{t.name}": first_sentence(t.description) for t in spec.tools
+    },
+    Row.SKILL_CATALOG: lambda spec: {f"skill:{s.name}": s.description for s in spec.skills},
+    Row.MEMORY_SNAPSHOT: lambda spec: {
+        memory_item_id(m.item_id): m.text for m in spec.snapshot.items
+    },
+}
+
+
+def prefix_data(plan: ContextPlan, spec: PlanSpec) -> tuple[PrefixData, ...]:
+    """What the model reads inside `plan`'s enveloped prefix entries (`spec`: the spec the
+    plan was made from, as stored with it): the content below trusted configuration that
+    every request on the plan shows. Compaction holds the model's answers and a summary to
+    it (core/compaction.py, Rule 3). An entry of another row is given as rendered."""
+    content: dict[Row, dict[str, str]] = {}
+    out = []
+    for block in plan.system:
+        if envelope_tag(block.trust) is None:
+            continue
+        if block.row in _PREFIX_CONTENT and block.row not in content:
+            content[block.row] = _PREFIX_CONTENT[block.row](spec)
+        text = content.get(block.row, {}).get(block.item_id, block.text)
+        out.append(PrefixData(block.item_id, block.row, block.trust, text))
+    return tuple(out)
 
 
 def _definition(tool: ToolSpec) -> ToolDefinitionItem:

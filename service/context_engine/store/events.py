@@ -22,6 +22,7 @@ __all__ = [
     "read_events",
     "read_floor_facts",
     "read_history_page",
+    "read_request_epochs",
     "read_shown_lines",
 ]
 
@@ -210,13 +211,32 @@ async def read_shown_lines(
     return [(r["field"], r["line"]) for r in rows]
 
 
+async def read_request_epochs(
+    conn: Any, tenant_id: str, session_id: UUID, *, request_type: str, from_sequence: int
+) -> list[int]:
+    """The distinct plan epochs the session's `request_type` events recorded, over the
+    range read_shown_lines reads (from the latest such event at or below `from_sequence`
+    on), in order. One round trip."""
+    rows = await conn.fetch(_REQUEST_EPOCHS, tenant_id, session_id, request_type, from_sequence)
+    return [r["epoch"] for r in rows]
+
+
+# The requests recorded from the one that produced the first item above $4 on.
+_REQUESTS_FROM = (
+    " WHERE s.tenant_id = $1 AND s.session_id = $2 AND s.type = $3"
+    " AND s.sequence >= coalesce((SELECT max(sequence) FROM session_events"
+    " WHERE tenant_id = $1 AND session_id = $2 AND type = $3 AND sequence <= $4), 0)"
+)
+_REQUEST_EPOCHS = (
+    "SELECT DISTINCT (s.payload ->> 'epoch')::bigint AS epoch FROM session_events s"
+    + _REQUESTS_FROM
+    + " ORDER BY 1"
+)
 _SHOWN_LINES = (
     "SELECT DISTINCT f.field, e.line FROM session_events s"
     " CROSS JOIN unnest($5::text[]) AS f(field)"
     " CROSS JOIN LATERAL jsonb_array_elements("
     "coalesce(s.payload -> $6::text -> 'step' -> f.field, '[]'::jsonb)) AS e(line)"
-    " WHERE s.tenant_id = $1 AND s.session_id = $2 AND s.type = $3"
-    " AND s.sequence >= coalesce((SELECT max(sequence) FROM session_events"
-    " WHERE tenant_id = $1 AND session_id = $2 AND type = $3 AND sequence <= $4), 0)"
-    " ORDER BY 1, 2"
+    + _REQUESTS_FROM
+    + " ORDER BY 1, 2"
 )
