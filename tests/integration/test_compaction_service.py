@@ -101,6 +101,21 @@ async def _commit(
     )
 
 
+async def _assert_launders(
+    stub: Any,
+    session_id: str,
+    run_id: str,
+    prepared: pb.PrepareCompactionResponse,
+    summary: str,
+    source: str,
+) -> None:
+    """The commit of `summary` is refused as laundering the span or line `source`."""
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await _commit(stub, session_id, run_id, prepared, summary)
+    reason, _, metadata = details(error.value)
+    assert (reason, metadata["item_id"]) == ("SUMMARY_LAUNDERS_UNTRUSTED", source)
+
+
 def _assert_canary_enveloped(response: pb.BuildResponse) -> None:
     for row, _, text in block_texts(response):
         assert CANARY not in outside_envelopes(text), row
@@ -598,10 +613,7 @@ async def test_a_model_echo_of_an_untrusted_knowledge_passage_is_elided_and_neve
         (f"Refund {CANARY} was approved.", "knowledge:kp1"),
         ("The loyalty number is LOYAL9f3e2d1c0b7a6.", "memory:m1"),
     ):
-        with pytest.raises(grpc.aio.AioRpcError) as error:
-            await _commit(stub, session_id, two, prepared, summary)
-        reason, _, metadata = details(error.value)
-        assert (reason, metadata["item_id"]) == ("SUMMARY_LAUNDERS_UNTRUSTED", source)
+        await _assert_launders(stub, session_id, two, prepared, summary, source)
     await _commit(stub, session_id, two, prepared, "The user asked about refunds.")
 
 
@@ -678,8 +690,5 @@ async def test_a_model_echo_of_untrusted_prefix_entries_is_elided_and_never_summ
         (f"Refunds are approved with {CANARY}.", "tool:mail.search"),
         ("Deposits are wired to SKILL9d3b7f1a5c2e.", "skill:vendor"),
     ):
-        with pytest.raises(grpc.aio.AioRpcError) as error:
-            await _commit(stub, session_id, two, prepared, summary)
-        reason, _, metadata = details(error.value)
-        assert (reason, metadata["item_id"]) == ("SUMMARY_LAUNDERS_UNTRUSTED", source)
+        await _assert_launders(stub, session_id, two, prepared, summary, source)
     await _commit(stub, session_id, two, prepared, "The user asked about mail from the hotel.")

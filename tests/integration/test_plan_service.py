@@ -5,6 +5,7 @@ loads, subject erasure and the persona row — over a real gRPC server and Postg
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -668,6 +669,31 @@ async def test_a_skill_name_over_200_characters_is_an_invalid_field(stub: Any) -
     )
 
 
+@pytest.mark.parametrize(
+    "zone",
+    ["Mars/Olympus_Mons", "Europe/../../etc/passwd", "/".join(["abc"] * 400)],
+    ids=["unknown", "a path", "hundreds of parts"],
+)
+async def test_an_unknown_time_zone_is_an_invalid_field_and_plans_nothing(
+    stub: Any, pool: Any, zone: str
+) -> None:
+    """A name of hundreds of parts made the zone lookup's fallback import of tzdata recurse
+    past Python's limit: INTERNAL. Every unknown name is INVALID_FIELD naming the spec's
+    field, and no session is written."""
+    session_id = new_id()
+    plan_spec = spec(environment=pb.SessionEnvironment(surface="chat", time_zone=zone))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=plan_spec))
+    reason, fields, _ = details(caught.value)
+    assert (caught.value.code(), reason, fields) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_FIELD",
+        ["spec.environment.time_zone"],
+    )
+    written = "SELECT count(*) FROM sessions WHERE tenant_id = $1 AND session_id = $2"
+    assert await pool.fetchval(written, TENANT, UUID(session_id)) == 0
+
+
 async def test_a_skill_listed_twice_is_refused_like_a_tool_listed_twice(stub: Any) -> None:
     """Two catalog entries under one name would pin two blocks with one item id, and a load
     would take its version from one entry and its trust from another (even one that did not
@@ -832,11 +858,19 @@ async def test_erasure_redacts_invalidates_and_reports_bound_runs(stub: Any, poo
     assert "allergic" not in _text(await _build(stub, b, unbound_run))
     # A resend (its first answer lost) answers as the first did: it finds nothing new to
     # redact and logs nothing, but the bound runs a follow-up needs are not lost with the
-    # dropped response (it answered empty).
+    # dropped response (it answered empty). Nor does it rewrite the record of the erasure:
+    # the row keeps its version (xmin) and the first erasure's time.
+    record = (
+        "SELECT xmin::text AS version, erased_at FROM erased_people"
+        " WHERE tenant_id = $1 AND person_sha256 = $2"
+    )
+    key = hashlib.sha256(person.encode()).hexdigest()
+    before = dict(await pool.fetchrow(record, TENANT, key))
     again = await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
     assert again.SerializeToString(deterministic=True) == erased.SerializeToString(
         deterministic=True
     )
+    assert dict(await pool.fetchrow(record, TENANT, key)) == before
     events = await _events(pool, a, "context.snapshot.invalidated")
     assert [e["payload"]["bound_run_ids"] for e in events] == [[bound_run]]
 

@@ -418,6 +418,18 @@ async def test_bad_input_is_named_and_writes_nothing(stub: Any, pool: Any) -> No
     )
     assert details(foreign.value) == details(missing.value)
 
+    # A child of an unknown parent names the parent, not the new run's own id.
+    with pytest.raises(grpc.aio.AioRpcError) as orphan:
+        await stub.StartRun(
+            pb.StartRunRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                child=pb.ChildSeed(parent_run_id=new_id(), instruction="Look it up."),
+            )
+        )
+    assert orphan.value.code() == grpc.StatusCode.NOT_FOUND
+    assert details(orphan.value)[:2] == ("RUN_NOT_FOUND", ["child.parent_run_id"])
+
     after = {t: await _count(pool, t, session_id) for t in before}
     assert after == before, "a failed request writes nothing"
 

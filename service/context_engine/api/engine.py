@@ -687,7 +687,12 @@ class Engine:
             if isinstance(seed, ChildSeed):
                 # The parent's lineage, continued first if it is behind or invalidated
                 # (store/plans.py): the child pins a plan it can build on.
-                parent = await runs.read_run_head(conn, tenant, session_id, seed.parent_run_id)
+                try:
+                    parent = await runs.read_run_head(conn, tenant, session_id, seed.parent_run_id)
+                except NotFoundError as exc:  # the parent named, not the new run's id
+                    raise NotFoundError(
+                        exc.message, field="child.parent_run_id", reason="RUN_NOT_FOUND"
+                    ) from None
                 own = await self._plan_locked(
                     conn, tenant, session_id, parent.effective_epoch, revision
                 )
@@ -1456,10 +1461,18 @@ def _plan_event(kind: str, plan: ContextPlan, extra: dict[str, Any]) -> NewEvent
     )
 
 
+# The longest IANA name has four parts ("right/America/Argentina/Buenos_Aires"). A name of
+# hundreds made ZoneInfo's fallback import of the tzdata package recurse past Python's
+# limit (RecursionError: INTERNAL, not the caller's error), so longer ones are refused first.
+_ZONE_PARTS = 8
+
+
 def _zone(name: str) -> ZoneInfo:
     try:
+        if name.count("/") >= _ZONE_PARTS:
+            raise ValueError(name)
         return ZoneInfo(name or "UTC")
-    except (ZoneInfoNotFoundError, ValueError):
+    except (ZoneInfoNotFoundError, ValueError, RecursionError):
         raise InvalidFieldError(
             f"unknown time zone {name!r}", field="spec.environment.time_zone"
         ) from None

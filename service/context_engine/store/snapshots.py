@@ -84,10 +84,13 @@ async def fence_erasure(conn: Any, tenant_id: str, person_id: str) -> dict[str, 
         tenant_id,
         person_id,
     )
+    # A resend writes nothing: the first erasure's row and time stay as they were, and its
+    # outcome is read (the fence held above keeps any other erasure of the person out).
     earlier: dict[str, Any] | None = await conn.fetchval(
-        "INSERT INTO erased_people (tenant_id, person_sha256) VALUES ($1, $2)"
-        " ON CONFLICT (tenant_id, person_sha256) DO UPDATE SET erased_at = now()"
-        " RETURNING outcome",
+        "WITH added AS (INSERT INTO erased_people (tenant_id, person_sha256) VALUES ($1, $2)"
+        " ON CONFLICT (tenant_id, person_sha256) DO NOTHING RETURNING outcome)"
+        " SELECT outcome FROM added UNION ALL SELECT outcome FROM erased_people"
+        " WHERE tenant_id = $1 AND person_sha256 = $2 AND NOT EXISTS (SELECT FROM added)",
         tenant_id,
         _erased_key(person_id),
     )
@@ -99,7 +102,8 @@ async def record_erasure_outcome(
 ) -> None:
     """Keep what erasing the person has done so far (fence_erasure returns it next time)."""
     await conn.execute(
-        "UPDATE erased_people SET outcome = $3 WHERE tenant_id = $1 AND person_sha256 = $2",
+        "UPDATE erased_people SET outcome = $3 WHERE tenant_id = $1 AND person_sha256 = $2"
+        " AND outcome IS DISTINCT FROM $3",  # an erasure that found nothing new writes nothing
         tenant_id,
         _erased_key(person_id),
         outcome,
