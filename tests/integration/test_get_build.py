@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID, uuid4
@@ -14,7 +15,7 @@ import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
-from context_engine.api.convert import request_from_proto
+from context_engine.api.convert import request_from_proto, request_to_proto
 from context_engine.api.server import build_engine
 from context_engine.cli import main
 from context_engine.core.assemble import StepContext
@@ -51,6 +52,7 @@ from .helpers import (
     spec,
     start_child,
     start_run,
+    update_state,
 )
 
 
@@ -377,7 +379,7 @@ async def test_a_build_records_its_assembler_and_payload_hash(stub: Any, pool: A
     from one it does not."""
     session_id, built = await _failed_result_build(stub, "gpt-5")
     payload = await _recorded(pool, session_id, built.request_sequence)
-    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@11"
+    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@12"
     assert payload[PAYLOAD_KEY] == hashlib.sha256(built.provider_payload).hexdigest()
     assert isinstance(payload[IMAGE_KEY], int) and isinstance(payload[INLINE_KEY], int)
     assert TOOL_ERROR_AS_TEXT.encode() in built.provider_payload
@@ -818,3 +820,83 @@ async def test_get_build_refuses_a_record_another_token_counter_counted(
     finally:
         await channel.close()
         await running.stop(0)
+
+
+def _working_state(request: pb.ModelRequest) -> str:
+    blocks = [b.text for m in request.messages for b in m.blocks if b.item_id == "working-state"]
+    assert len(blocks) == 1
+    return str(blocks[0])
+
+
+async def test_the_working_state_names_its_writers_and_an_assembler_11_record_is_served_as_sent(
+    stub: Any, pool: Any
+) -> None:
+    """context-assembler@12: a fact's line names its writer (a fact the model concluded
+    from the user's words is established, and says the model concluded it) and a question
+    the runtime added says it is the model's conversation.ask_user text; @11 named
+    neither. GetBuild of an @11 record renders the block as @11 did and serves the request
+    and payload it recorded."""
+    session_id, _ = await open_session(stub)
+    started = (await start_run(stub, session_id, "Trains to Lyon on Friday?")).run
+    run_id, seed = started.run_id, started.seed_event_sequence
+    fact = pb.Fact(statement="The user travels on Friday.", source_event_ids=[seed])
+    updated = await update_state(stub, session_id, run_id, 1, add_facts=[fact])
+    ask = pb.ConversationItem(
+        tool_call=pb.ToolCall(
+            call_id="ask1",
+            tool_name="conversation.ask_user",
+            arguments_json=json.dumps({"question": "First or second class?"}),
+        )
+    )
+    unanswered = pb.ConversationItem(  # an error is no answer: the question stays open
+        tool_result=pb.ToolResult(
+            call_id="ask1",
+            tool_name="conversation.ask_user",
+            content="no answer",
+            trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION,
+            is_error=True,
+        )
+    )
+    await append_items(stub, session_id, run_id, updated.checkpoint_version, ask, unanswered)
+    built = await stub.Build(build_request(session_id, run_id))
+    block = _working_state(built.request)
+    established = rf"^- \[model #\d+\] Established \(events #{seed}\): The user travels"
+    assert re.search(established, block, re.M)
+    asked = r"^- \[runtime #\d+\] the model asked \(conversation\.ask_user\): First or second"
+    assert re.search(asked, block, re.M)
+    assert await _get(stub, session_id, built.request_sequence) == built
+
+    recorded = await _recorded(pool, session_id, built.request_sequence)
+    now, step = inputs_from_record(recorded)
+    as_sent = await build_engine(pool).build(
+        TENANT,
+        UUID(session_id),
+        UUID(run_id),
+        built.checkpoint_version,
+        now,
+        step,
+        record=False,
+        named_writers=False,
+    )
+    assert as_sent.assembled.request is not None and as_sent.rendered is not None
+    older_block = _working_state(request_to_proto(as_sent.assembled.request))
+    assert f"\n- Established (events #{seed}): The user travels" in older_block
+    assert "\n- [runtime #" in older_block and "the model asked" not in older_block
+    payload = as_sent.rendered.body
+
+    def older(record: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **record,
+            **estimate_to_record(as_sent.assembled),
+            "request_sha256": as_sent.assembled.request_sha256,
+            ASSEMBLER_KEY: "context-assembler@11",
+            PAYLOAD_KEY: sha256_hex(payload),
+        }
+
+    await _rewrite_record(pool, session_id, built.request_sequence, older)
+    again = await _get(stub, session_id, built.request_sequence)
+    assert (again.request_sha256, again.provider_payload) == (
+        as_sent.assembled.request_sha256,
+        payload,
+    )
+    assert again.request_sha256 != built.request_sha256

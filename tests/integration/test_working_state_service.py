@@ -4,6 +4,7 @@ rules, bounds, runtime writes, carry from the log, trusted facts and their hando
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
@@ -511,8 +512,12 @@ async def test_facts_take_the_trust_of_their_evidence_and_only_trusted_ones_are_
     ]
     built = await _build(stub, session_id, run_id)
     block = _block(built)
-    assert f"- Established (events #{user_seq}): The user lives in Paris" in block
-    assert f"- Claim, not established (events #{page_seq}; external_untrusted) states:" in block
+    # Each line names its writer first: the model concluded these (context-assembler@12).
+    label = r"- \[model #\d+\] "
+    established = rf"^{label}Established \(events #{user_seq}\): The user lives in Paris$"
+    assert re.search(established, block, re.M)
+    claim = rf"^{label}Claim, not established \(events #{page_seq}; external_untrusted\) states:"
+    assert re.search(claim, block, re.M)
     for _, _, text in block_texts(built):
         assert CANARY not in outside_envelopes(text)
 
@@ -748,7 +753,7 @@ async def test_a_child_runs_message_is_at_most_model_evidence(stub: Any) -> None
     )
     assert updated.state.facts[0].trust == pb.TRUST_LEVEL_MODEL
     block = _block(await _build(stub, session_id, parent))
-    assert f"- Established (events #{child_seq}): {statement}" not in block
+    assert f"Established (events #{child_seq}): {statement}" not in block
     offered = await stub.OfferFactCandidates(
         pb.OfferFactCandidatesRequest(tenant_id=TENANT, session_id=session_id)
     )

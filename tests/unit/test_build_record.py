@@ -22,6 +22,7 @@ from context_engine.core.build_record import (
     image_tokens_of,
     inputs_from_record,
     inputs_to_record,
+    named_writers,
     recalled_people,
     redact_record,
     shown_items,
@@ -107,7 +108,7 @@ def test_only_a_record_of_context_assembler_3_on_read_a_childs_messages_as_its_p
     legacy = _record()
     assert delegated_messages(legacy) is False
     assert delegated_messages({**legacy, ASSEMBLER_KEY: "context-assembler@2"}) is False
-    assert ASSEMBLER_VERSION == "context-assembler@11"
+    assert ASSEMBLER_VERSION == "context-assembler@12"
     assert delegated_messages({**legacy, ASSEMBLER_KEY: ASSEMBLER_VERSION}) is True
 
 
@@ -118,3 +119,12 @@ def test_only_a_record_of_context_assembler_11_on_named_call_ids_in_the_text_for
     assert text_call_ids(legacy) is False
     assert text_call_ids({**legacy, ASSEMBLER_KEY: "context-assembler@10"}) is False
     assert text_call_ids({**legacy, ASSEMBLER_KEY: ASSEMBLER_VERSION}) is True
+
+
+def test_only_a_record_of_context_assembler_12_on_named_the_working_states_writers() -> None:
+    """Rule 8: @11 and older rendered the working-state block naming no fact's writer;
+    GetBuild renders their records so."""
+    legacy = _record()
+    assert named_writers(legacy) is False
+    assert named_writers({**legacy, ASSEMBLER_KEY: "context-assembler@11"}) is False
+    assert named_writers({**legacy, ASSEMBLER_KEY: ASSEMBLER_VERSION}) is True

@@ -935,6 +935,7 @@ class Engine:
         marker_sequences: bool = True,
         marked_excerpts: bool = True,
         text_call_ids: bool = True,
+        named_writers: bool = True,
     ) -> BuildResult:
         """Assemble, render and record the run's next request.
 
@@ -953,7 +954,9 @@ class Engine:
         `marked_excerpts` False: a tool result sent as its pipeline excerpt renders
         unmarked, as context-assembler@8 and older sent it (`unmarked_excerpts`).
         `text_call_ids` False: tool pairs sent as text (Anthropic without tools) name no
-        call ids, as context-assembler@10 and older sent them.
+        call ids, as context-assembler@10 and older sent them. `named_writers` False: the
+        working-state block names no fact's writer, as context-assembler@11 and older
+        rendered it.
 
         A recording Build of a run this replica has built before is made from the run head
         it kept, which the record confirms in the same round trip (store/records.py): if
@@ -979,6 +982,7 @@ class Engine:
             marker_sequences=marker_sequences,
             marked_excerpts=marked_excerpts,
             text_call_ids=text_call_ids,
+            named_writers=named_writers,
         )
         heads = self._heads(tenant, session_id) if record else None
         kept = heads.by_run.get(run_id) if heads is not None else None
@@ -1016,6 +1020,7 @@ class Engine:
         marker_sequences: bool,
         marked_excerpts: bool,
         text_call_ids: bool,
+        named_writers: bool,
     ) -> BuildResult:
         """build() from the `kept` head, which the record must confirm (_StaleHead if it
         does not; nothing is written before then), or from a head read now (None)."""
@@ -1106,7 +1111,10 @@ class Engine:
                 step=step,
                 skill_bodies=body_items(loaded),
                 working_state=render_block(
-                    checkpoint.working_state, secret=stored.secret, count_tokens=count_tokens
+                    checkpoint.working_state,
+                    secret=stored.secret,
+                    count_tokens=count_tokens,
+                    named_writers=named_writers,
                 ),
                 count_tokens=count_tokens,
                 image_tokens=image_tokens,

@@ -45,6 +45,7 @@ from ..core.build_record import (
     inputs_from_record,
     marked_excerpts,
     marker_sequences,
+    named_writers,
     text_call_ids,
     whole_request_hash,
 )
@@ -114,6 +115,8 @@ class BuildsRpcs:
                 marked_excerpts=marked_excerpts(payload),
                 # Its tool pairs as text as it sent them: naming no call ids before @11.
                 text_call_ids=text_call_ids(payload),
+                # Its working-state block as it sent it: naming no fact's writer before @12.
+                named_writers=named_writers(payload),
             )
         except (InvalidFieldError, PreconditionError) as exc:
             # A refusal now (BUDGET_EXCEEDED under a later estimator, say) of what was built

@@ -89,6 +89,7 @@ __all__ = [
     "marked_excerpts",
     "marker_sequences",
     "markers_by_id",
+    "named_writers",
     "recalled_people",
     "redact_record",
     "shown_items",
@@ -177,7 +178,13 @@ __all__ = [
 # requests without tools differ. The estimate is unchanged: it counts a pair's call id and
 # tool name as it does for blocks, not the lines' fixed words (about 6 heuristic tokens a
 # call, 8 a result), as it does not count a block's JSON keys.
-ASSEMBLER_VERSION = "context-assembler@11"
+# @12: the working-state block (core/working_state.py, Rule 5) names each fact's writer
+# ("- [model #9] Established (events #3): ...") and says a question the runtime added is
+# the model's ("- [runtime #6] the model asked (conversation.ask_user): ..."); @11 and
+# older named neither, so a fact the model concluded read as the platform's assertion. A
+# render-only difference: a rebuild of an older record renders the block as it did
+# (`named_writers`).
+ASSEMBLER_VERSION = "context-assembler@12"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})
@@ -191,6 +198,8 @@ _UNMARKED = frozenset({LEGACY_ASSEMBLER_VERSION, *(f"context-assembler@{n}" for 
 _UNNAMED_CALLS = frozenset(
     {LEGACY_ASSEMBLER_VERSION, *(f"context-assembler@{n}" for n in range(2, 11))}
 )
+# The versions whose working-state block names no fact's writer.
+_UNNAMED_WRITERS = _UNNAMED_CALLS | {"context-assembler@11"}
 # The versions whose cache markers name an item by its id alone.
 _BY_ID = _WHOLE_HASH | {"context-assembler@7"}
 ASSEMBLER_KEY = "assembler_version"
@@ -315,6 +324,12 @@ def text_call_ids(payload: dict[str, Any]) -> bool:
     """Rule 8: whether the request's tool pairs sent as text (Anthropic without tools)
     named their call ids (@11 on); an older record renders them as it did."""
     return assembler_of(payload) not in _UNNAMED_CALLS
+
+
+def named_writers(payload: dict[str, Any]) -> bool:
+    """Rule 8: whether the request's working-state block named each fact's writer and a
+    runtime question's asker (@12 on); an older record renders it as it did."""
+    return assembler_of(payload) not in _UNNAMED_WRITERS
 
 
 def unmarked_excerpts(items: tuple[ConversationItem, ...]) -> tuple[ConversationItem, ...]:

@@ -28,9 +28,14 @@ is the lowest of its claim and its sources' (`lowest_trust`); below USER it rend
 an attributed claim with its source event ids, and where its trust has an envelope, inside
 that nonced envelope. Every entry's text is delimiter-escaped, and continuation lines are
 indented, so no entry can close an envelope or start a line that forges an attribution.
-The writer's label comes before any written text on its line ("Objective: [user #4] ...",
-"- [model #7] Task "t1" (open): ..."), and a task id is quoted as a JSON string, so no
-written text can pass for a label.
+The writer's label comes before any written text on every entry's line ("Objective: [user
+#4] ...", "- [model #7] Task "t1" (open): ...", "- [model #9] Established (events #3):
+..."), and a task id is quoted as a JSON string, so no written text can pass for a label.
+A fact resting on the user's events is established whoever wrote it (the spec: what the
+session concluded, a formation candidate), so its line names the writer too: the model
+reading "[model #9] Established" knows the conclusion was its own. A question the runtime
+added says it is the model's conversation.ask_user text ("- [runtime #6] the model asked
+(conversation.ask_user): ..."), so the model's words never read as the runtime's.
 Rule 6 (carry): a new run's state is a fold over the log's working-state events (`carry`),
 never a copy of a checkpoint; each run boundary applies CARRY_RULES. The fold refuses no
 constraint again, neither at Rule 3's cap nor at Rule 4's ceiling: what overlapping runs
@@ -934,11 +939,14 @@ def _events(ids: Sequence[int]) -> str:
     return ", ".join(f"#{i}" for i in ids)
 
 
-def _fact_line(fact: Fact, index: int, secret: bytes) -> str:
+def _fact_line(fact: Fact, index: int, secret: bytes, named: bool) -> str:
     events = _events(fact.source_event_ids)
+    head = f"- {_label(fact)} " if named else "- "
     if fact.trust in _ASSERTED:
-        return f"- Established (events {events}): {_one(fact.statement)}"
-    attribution = f"- Claim, not established (events {events}; {fact.trust.name.lower()}) states"
+        return f"{head}Established (events {events}): {_one(fact.statement)}"
+    attribution = (
+        f"{head}Claim, not established (events {events}; {fact.trust.name.lower()}) states"
+    )
     if envelope_tag(fact.trust) is None:
         return f"{attribution}: {_one(fact.statement)}"
     item_id = f"working-state:fact:{fact.source_sequence}:{index}"
@@ -947,7 +955,20 @@ def _fact_line(fact: Fact, index: int, secret: bytes) -> str:
     return f"{attribution}:\n{quoted}"
 
 
-def _render_text(state: WorkingState, secret: bytes, hidden: Iterable[tuple[str, int]]) -> str:
+# A question the runtime added is the model's conversation.ask_user text, not the runtime's.
+_ASKED = "the model asked (conversation.ask_user):"
+
+
+def _question_line(question: Entry, named: bool) -> str:
+    asked = f" {_ASKED}" if named and question.writer is Writer.RUNTIME else ""
+    return f"- {_label(question)}{asked} {_one(question.text)}"
+
+
+def _render_text(
+    state: WorkingState, secret: bytes, hidden: Iterable[tuple[str, int]], named: bool = True
+) -> str:
+    """The block's text (Rule 5). `named` False: fact lines name no writer and a runtime
+    question does not say it is the model's, as context-assembler@11 and older sent them."""
     gone = frozenset(hidden)
     lines = [_HEADER]
     if state.objective is not None:
@@ -965,11 +986,11 @@ def _render_text(state: WorkingState, secret: bytes, hidden: Iterable[tuple[str,
     facts = [(n, f) for n, f in enumerate(state.facts) if ("facts", n) not in gone]
     if facts:
         lines.append("Established facts:")
-        lines += [_fact_line(f, n, secret) for n, f in facts]
+        lines += [_fact_line(f, n, secret, named) for n, f in facts]
     questions = [q for n, q in enumerate(state.open_questions) if ("open_questions", n) not in gone]
     if questions:
         lines.append("Open questions (unanswered):")
-        lines += [f"- {_label(q)} {_one(q.text)}" for q in questions]
+        lines += [_question_line(q, named) for q in questions]
     if state.next_action is not None:
         lines.append(f"Next action: {_label(state.next_action)} {_one(state.next_action.text)}")
     if gone:
@@ -1004,8 +1025,10 @@ def render_block(
     secret: bytes,
     count_tokens: TokenCounter,
     cap_tokens: int = BLOCK_TOKENS,
+    named_writers: bool = True,
 ) -> WorkingStateItem | None:
     """Row 12: the working-state block, within its token cap; None for an empty state.
+    `named_writers` False: as context-assembler@11 and older rendered it (`_render_text`).
 
     Raises:
         BudgetExceededError: objective, constraints and next action alone exceed the cap
@@ -1016,7 +1039,7 @@ def render_block(
     hidden: list[tuple[str, int]] = []
     order = _hide_order(state)
     while True:
-        text = _render_text(state, secret, hidden)
+        text = _render_text(state, secret, hidden, named_writers)
         if count_tokens(text) <= cap_tokens:
             return WorkingStateItem(item_id="working-state", text=text, trust=TrustLevel.PLATFORM)
         if len(hidden) == len(order):
