@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+from context_engine.store import plans
 
 from .helpers import (
     TENANT,
@@ -692,3 +693,72 @@ async def test_a_model_echo_of_untrusted_prefix_entries_is_elided_and_never_summ
     ):
         await _assert_launders(stub, session_id, two, prepared, summary, source)
     await _commit(stub, session_id, two, prepared, "The user asked about mail from the hotel.")
+
+
+async def test_the_view_holds_the_prefix_of_every_plan_the_builds_were_made_on(
+    stub: Any, pool: Any
+) -> None:
+    """Run 1 was built on epoch 1, whose snapshot held one memory; a Rotate with a spec put
+    another in its place (epoch 2) and a sweep rebuilt that plan (epoch 3: the same content
+    under its own secret, so another prefix hash). Compacting run 3 elides the model's echo
+    of each memory, each shown by a plan no longer current: every plan a recorded Build in
+    range was made on is read, one per prefix content (store/plans.py
+    read_distinct_prefixes)."""
+    first, second = (
+        "Old rule: route invoices to OLDMEM3a7c9e1f2b4d first.",
+        "New rule: route invoices to NEWMEM8d2f6b0a4c1e first.",
+    )
+
+    def with_memory(text: str) -> pb.PlanSpec:
+        item = pb.MemoryItem(item_id="mem1", text=text)
+        return spec(snapshot=pb.MemorySnapshot(snapshot_id=text[:3], items=[item]))
+
+    session_id = new_id()
+    opened = pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=with_memory(first))
+    await stub.Plan(opened)
+    one = (await start_run(stub, session_id, "Where do invoices go?")).run.run_id
+    await _build(stub, session_id, one, START)
+    echo_one = await append_items(stub, session_id, one, 1, assistant(f"Noted: {first}"))
+    rotated = pb.RotateRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        from_epoch=1,
+        reason=pb.PLAN_REASON_AGENT_CHANGED,
+        spec=with_memory(second),
+    )
+    assert (await stub.Rotate(rotated)).plan.epoch == 2
+    two = (await start_run(stub, session_id, "And now?")).run.run_id
+    await _build(stub, session_id, two, START)
+    echo_two = await append_items(stub, session_id, two, 1, assistant(f"Noted: {second}"))
+    swept = pb.RotateRequest(
+        tenant_id=TENANT, session_id=session_id, from_epoch=2, reason=pb.PLAN_REASON_AGENT_CHANGED
+    )
+    assert (await stub.Rotate(swept)).plan.epoch == 3
+    assert (await _build(stub, session_id, two, START)).epoch == 3
+    three = (await start_run(stub, session_id, "Thanks")).run.run_id
+    await append_items(stub, session_id, three, 1, assistant("Proceeding."))
+
+    async with pool.acquire() as conn:
+        read = await plans.read_distinct_prefixes(conn, TENANT, UUID(session_id), [1, 2, 3])
+        keys = await conn.fetch(
+            "SELECT epoch, prefix_sha256, prefix_content_key FROM context_plans"
+            " WHERE session_id = $1 ORDER BY epoch",
+            UUID(session_id),
+        )
+    assert len({k["prefix_sha256"] for k in keys}) == 3  # each plan its own nonces
+    assert keys[1]["prefix_content_key"] == keys[2]["prefix_content_key"]
+    assert keys[0]["prefix_content_key"] != keys[1]["prefix_content_key"]
+    assert [p.plan.epoch for p in read] == [1, 2]
+
+    prepared = await _prepare(stub, session_id, three)
+    for marker in ("OLDMEM3a7c9e1f2b4d", "NEWMEM8d2f6b0a4c1e"):
+        assert marker not in prepared.summarizer_input
+    trust = {s.event_id: s.trust for s in prepared.elided}
+    assert trust == {
+        echo_one.sequences[0]: pb.TRUST_LEVEL_MEMORY,
+        echo_two.sequences[0]: pb.TRUST_LEVEL_MEMORY,
+    }
+    await _assert_launders(
+        stub, session_id, three, prepared, "Invoices go to OLDMEM3a7c9e1f2b4d.", "memory:mem1"
+    )
+    await _commit(stub, session_id, three, prepared, "The user asked where invoices go.")

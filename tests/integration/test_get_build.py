@@ -862,7 +862,7 @@ async def test_the_working_state_names_its_writers_and_an_assembler_11_record_is
     block = _working_state(built.request)
     established = rf"^- \[model #\d+\] Established \(events #{seed}\): The user travels"
     assert re.search(established, block, re.M)
-    asked = r"^- \[runtime #\d+\] the model asked \(conversation\.ask_user\): First or second"
+    asked = r"^- \[runtime #\d+\] the model asked: First or second"
     assert re.search(asked, block, re.M)
     assert await _get(stub, session_id, built.request_sequence) == built
 

@@ -636,7 +636,7 @@ def test_a_question_the_runtime_added_says_it_is_the_models(named: bool) -> None
     block = render_block(state, secret=SECRET, count_tokens=count_tokens, named_writers=named)
     assert block is not None
     lines = block.text.split("Open questions (unanswered):\n", 1)[1].splitlines()
-    note = " the model asked (conversation.ask_user):" if named else ""
+    note = " the model asked:" if named else ""
     assert lines == [f"- [runtime #6]{note} {asked}", "- [user #9] Which day?"]
 
 

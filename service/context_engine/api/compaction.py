@@ -1,13 +1,16 @@
 """Compaction orchestration: prepare the worker's summarizer input, commit its result.
 
-Prepare reads the checkpoint, its carried history, the text of earlier elided spans and
-the step lines recorded Builds showed the model; commit is one transaction under the
-session row lock that re-prepares from the same checkpoint (the log below the seed is
-immutable, so it computes the same thing), validates the worker's result against it, and
-writes the run's next checkpoint and the context.compacted event together. Neither
-touches the plan: the prefix cannot move. A retry with the same idempotency key and
-request returns the first response and writes nothing (Committed.replayed: telemetry
-counts the compaction once).
+Prepare reads the checkpoint, its carried history, the text of earlier elided spans, the
+step lines recorded Builds showed the model and the enveloped prefix entries of the plans
+they (and the run) were made on; commit is one transaction under the session row lock
+that re-prepares from the same checkpoint, validates the worker's result against it, and
+writes the run's next checkpoint and the context.compacted event together. The log below
+the seed is immutable, so the re-prepare computes what prepare did, unless what the model
+was shown grew in between: a Build recorded since (new step lines, a new plan's prefix) or
+an erasure that redacted a plan can elide an item prepare kept, and the commit then
+answers COMPACTION_MISMATCH (prepare again). Neither writes the plan: the prefix cannot
+move. A retry with the same idempotency key and request returns the first response and
+writes nothing (Committed.replayed: telemetry counts the compaction once).
 """
 
 from __future__ import annotations
@@ -109,10 +112,10 @@ async def _inputs(
         request_type=REQUEST_EVENT,
         from_sequence=checkpoint.replaced_through_sequence,
     )
-    prefix: list[PrefixData] = []
-    for epoch in sorted({*epochs, run.epoch}):
-        stored = await plans.read_plan(conn, tenant_id, session_id, epoch)
-        prefix += prefix_data(stored.plan, stored.spec)
+    shown_plans = await plans.read_distinct_prefixes(
+        conn, tenant_id, session_id, sorted({*epochs, run.epoch})
+    )
+    prefix = [entry for p in shown_plans for entry in prefix_data(p.plan, p.spec)]
     return _Inputs(
         checkpoint,
         carried_history(logged),

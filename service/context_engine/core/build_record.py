@@ -180,7 +180,7 @@ __all__ = [
 # call, 8 a result), as it does not count a block's JSON keys.
 # @12: the working-state block (core/working_state.py, Rule 5) names each fact's writer
 # ("- [model #9] Established (events #3): ...") and says a question the runtime added is
-# the model's ("- [runtime #6] the model asked (conversation.ask_user): ..."); @11 and
+# the model's ("- [runtime #6] the model asked: ..."); @11 and
 # older named neither, so a fact the model concluded read as the platform's assertion. A
 # render-only difference: a rebuild of an older record renders the block as it did
 # (`named_writers`).

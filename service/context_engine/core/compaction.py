@@ -747,9 +747,11 @@ def prepare(
     contents += [line for line in map(_shown_span, shown) if line is not None and line[1]]
     contents += _state_spans(state)
     contents += [_skill_span(s) for s in skills if s.trust not in SUMMARIZABLE and s.body]
-    # An entry that several plans show alike is one source.
-    entries = {(e.item_id, e.text): e for e in prefix if e.trust not in SUMMARIZABLE and e.text}
-    contents += [_prefix_span(e) for e in entries.values()]
+    # An entry that several plans show alike is one source (at each trust it was shown at:
+    # an echo is labelled with the least trusted).
+    shown_alike = {(e.item_id, e.trust, e.text): e for e in prefix}
+    entries = [e for e in shown_alike.values() if e.trust not in SUMMARIZABLE and e.text]
+    contents += [_prefix_span(e) for e in entries]
     earlier = tuple(record.elided) if record else ()
     earlier_text = dict(earlier_contents or {})
     contents += [(s, earlier_text[s.item_id]) for s in earlier if earlier_text.get(s.item_id)]

@@ -34,8 +34,9 @@ The writer's label comes before any written text on every entry's line ("Objecti
 A fact resting on the user's events is established whoever wrote it (the spec: what the
 session concluded, a formation candidate), so its line names the writer too: the model
 reading "[model #9] Established" knows the conclusion was its own. A question the runtime
-added says it is the model's conversation.ask_user text ("- [runtime #6] the model asked
-(conversation.ask_user): ..."), so the model's words never read as the runtime's.
+added carries the model's trust (_WRITER_TRUST: its conversation.ask_user text) and says
+so ("- [runtime #6] the model asked: ..."), so the model's words never read as the
+runtime's.
 Rule 6 (carry): a new run's state is a fold over the log's working-state events (`carry`),
 never a copy of a checkpoint; each run boundary applies CARRY_RULES. The fold refuses no
 constraint again, neither at Rule 3's cap nor at Rule 4's ceiling: what overlapping runs
@@ -955,8 +956,8 @@ def _fact_line(fact: Fact, index: int, secret: bytes, named: bool) -> str:
     return f"{attribution}:\n{quoted}"
 
 
-# A question the runtime added is the model's conversation.ask_user text, not the runtime's.
-_ASKED = "the model asked (conversation.ask_user):"
+# A question the runtime added carries the model's words (its trust is MODEL: _WRITER_TRUST).
+_ASKED = "the model asked:"
 
 
 def _question_line(question: Entry, named: bool) -> str:

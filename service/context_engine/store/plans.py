@@ -40,6 +40,7 @@ sweep is at or below the current epoch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -59,6 +60,7 @@ __all__ = [
     "latest_sweep",
     "lineage_of",
     "next_epoch",
+    "read_distinct_prefixes",
     "read_plan",
     "set_current_epoch",
 ]
@@ -169,6 +171,28 @@ async def read_plan(conn: Any, tenant_id: str, session_id: UUID, epoch: int = 0)
             reason="PLAN_NOT_FOUND",
         )
     return _stored(row, int(row["plans_revision"]))
+
+
+async def read_distinct_prefixes(
+    conn: Any, tenant_id: str, session_id: UUID, epochs: Sequence[int]
+) -> list[StoredPlan]:
+    """Of the plans of `epochs` (those the session has), the first of each prefix content
+    (migrations/0016 `prefix_content_key`: plans of one key hold the same enveloped prefix
+    entries, core/plan.py prefix_data). One round trip; the choice reads no plan, so a
+    session of many epochs over few contents decodes few plans. Their `revision` is not
+    read (0): they are not for a replica to keep."""
+    rows = await conn.fetch(
+        "SELECT p.plan, p.spec, p.secret, p.created_at, coalesce(p.lineage, p.epoch) AS lineage"
+        " FROM context_plans p WHERE p.tenant_id = $1 AND p.session_id = $2 AND p.epoch IN ("
+        " SELECT DISTINCT ON (prefix_content_key) epoch FROM context_plans"
+        " WHERE tenant_id = $1 AND session_id = $2 AND epoch = ANY($3::bigint[])"
+        " ORDER BY prefix_content_key, epoch)"
+        " ORDER BY p.epoch",
+        tenant_id,
+        session_id,
+        list(epochs),
+    )
+    return [_stored(row, 0) for row in rows]
 
 
 async def next_epoch(conn: Any, tenant_id: str, session_id: UUID) -> int:

@@ -1,17 +1,35 @@
--- Whether a plan is invalidated, as a column of its own. record_model_request (0008) read
--- it as plan->>'invalidated' on every Build's record: the plan is the whole stored plan
--- (tools, snapshot, framing), over PostgreSQL's 2 kB inline limit for any real roster, so
--- each record fetched the plan's TOAST chunks and decompressed all of it to read one key.
--- Measured on the transport benchmark's 12 kB plan (5 kB compressed): 10.3 us for that
--- read against 2.8 us for the plan's key alone, and it grows with the plan. The column is
--- generated from the plan, so every writer that sets the plan (a new epoch, an erasure's
--- redaction, store/snapshots.py) keeps it right without naming it.
+-- Two columns of context_plans generated from the stored plan, so the queries that need
+-- them read a column instead of the plan, which is over PostgreSQL's 2 kB inline limit for
+-- any real roster: reading a key out of it fetches its TOAST chunks and decompresses all
+-- of it. Both are generated, so every writer that sets the plan or its spec (a new epoch,
+-- an erasure's redaction, store/snapshots.py) keeps them right without naming them.
 --
--- Adding a stored generated column rewrites context_plans under an ACCESS EXCLUSIVE lock,
--- which blocks Plan, Rotate, rotating admissions and Builds' records while it runs: on a
--- large context_plans, run `migrate` at a quiet time (docs/operations.md, Migrations).
-ALTER TABLE context_plans ADD COLUMN invalidated boolean
-    GENERATED ALWAYS AS (coalesce((plan ->> 'invalidated')::boolean, false)) STORED;
+-- `invalidated`: record_model_request (0008) read plan->>'invalidated' on every Build's
+-- record. Measured on the transport benchmark's 12 kB plan (5 kB compressed): 10.3 us for
+-- that read against 2.8 us for the plan's key alone, and it grows with the plan.
+--
+-- `prefix_content_key`: what the plan's enveloped prefix entries hold (core/plan.py
+-- prefix_data): the id of every system block, and the spec's memory snapshot items, skills
+-- and tools their content comes from. Plans of one key show the same content (each plan's
+-- own secret still gives its envelopes their own nonces, so their prefix hashes differ).
+-- Compaction reads one plan per key of the plans a run's Builds were made on
+-- (store/plans.py read_distinct_prefixes): a session of thousands of admission forks
+-- over one snapshot decodes one plan, not thousands, under the session lock.
+--
+-- Adding stored generated columns rewrites context_plans (once for both) under an ACCESS
+-- EXCLUSIVE lock, which blocks every read of plans too while it runs: Builds (their head
+-- reads and records), StartRun, GetPlan, GetBuild, ReportUsage, compaction and erasures,
+-- as well as Plan and Rotate. On a large context_plans, run `migrate` at a quiet time
+-- (docs/operations.md, Migrations).
+ALTER TABLE context_plans
+    ADD COLUMN invalidated boolean
+        GENERATED ALWAYS AS (coalesce((plan ->> 'invalidated')::boolean, false)) STORED,
+    ADD COLUMN prefix_content_key text
+        GENERATED ALWAYS AS (md5(
+            coalesce(jsonb_path_query_array(plan, '$.system[*].item_id')::text, '')
+            || chr(31) || coalesce((spec -> 'snapshot' -> 'items')::text, '')
+            || chr(31) || coalesce((spec -> 'skills')::text, '')
+            || chr(31) || coalesce((spec -> 'tools')::text, ''))) STORED;
 
 -- record_model_request (0008) reading the column; otherwise unchanged. Same signature, so
 -- the previous version, which calls it too, keeps working beside this one.
