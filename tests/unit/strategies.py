@@ -167,7 +167,9 @@ _WS = st.sampled_from(
 # What reads as the delimiter's "<" and "/": the ASCII forms most often, else fullwidth,
 # small and look-alike forms (core/envelope.py, Rule 2).
 _OPEN = st.sampled_from(["<"] * 6 + ["\uff1c", "\ufe64", "\u2039", "\u3008"])
-_SLASH = st.sampled_from(["/"] * 4 + ["\uff0f", "\u2044"])
+# Doubled slashes and a backslash before one read as a closing slash too; a braille blank
+# as a space before it.
+_SLASH = st.sampled_from(["/"] * 4 + ["\uff0f", "\u2044", "//", "\\/", "\u2800/"])
 _FULLWIDTH = str.maketrans({c: chr(ord(c) + 0xFEE0) for c in string.ascii_letters})
 
 secrets = st.binary(min_size=16, max_size=32)
@@ -185,12 +187,42 @@ def _case_variants(word: str) -> st.SearchStrategy[str]:
 
 
 _TAG_ANY_CASE = st.one_of([_case_variants(t) for t in TAGS])
-# A tag as read: any case, sometimes with a fullwidth letter (NFKC folds it back).
+# Letters of other scripts (and small capitals) that read as the tags' letters.
+_HOMOGLYPHS = {
+    "a": "\u0430\u0410\u03b1\u0391\u0251",
+    "d": "\u0501",
+    "e": "\u0435\u0415\u0395\u04bd\u1d07",
+    "g": "\u0261\u050d",
+    "l": "\u04cf\u04c0\u01c0\u0406\u0456",
+    "m": "\u043c\u041c\u039c\u1d0d",
+    "n": "\u0578\u0274\u039d",
+    "o": "\u043e\u041e\u03bf\u039f\u0585\u1d0f",
+    "r": "\u0433\u0280",
+    "s": "\u0455\u0405\ua731",
+    "t": "\u0442\u0422\u03c4\u03a4\u1d1b",
+    "u": "\u057d\u1d1c\u03c5",
+    "y": "\u0443\u0423\u04af\u03a5\u028f",
+}
+
+
+def _one_letter(tag: str, at: int, how: int) -> str:
+    """`tag` with its letter at `at` read otherwise: fullwidth (NFKC folds it back), a
+    look-alike of another script, accented, or struck through by a combining overlay."""
+    at %= len(tag)
+    letter = tag[at]
+    forms = (
+        letter.translate(_FULLWIDTH),
+        _HOMOGLYPHS.get(letter.lower(), letter)[how % len(_HOMOGLYPHS.get(letter.lower(), letter))],
+        letter + "\u0308",
+        letter + "\u0336",
+    )
+    return tag[:at] + forms[how % len(forms)] + tag[at + 1 :]
+
+
+# A tag as read: any case, sometimes with one letter in another form.
 _TAG_READ = st.one_of(
     _TAG_ANY_CASE,
-    st.tuples(_TAG_ANY_CASE, st.integers(0, 8)).map(
-        lambda t: t[0][: t[1]] + t[0][t[1] : t[1] + 1].translate(_FULLWIDTH) + t[0][t[1] + 1 :]
-    ),
+    st.builds(_one_letter, _TAG_ANY_CASE, st.integers(0, 8), st.integers(0, 19)),
 )
 _FAKE_NONCE = st.text("0123456789abcdef", min_size=16, max_size=16)
 _NONCE_CHOICE = st.one_of(_FAKE_NONCE, st.sampled_from(["", _REAL, _REAL, _REAL_UPPER]))
@@ -252,22 +284,30 @@ def _fill(template: str, nonce: str | None) -> str:
     return template.replace(_REAL, real).replace(_REAL_UPPER, real.upper())
 
 
-# Angle brackets and slashes a model reads as "<" and "/" that NFKC leaves alone.
+# Angle brackets and slashes a model reads as "<" and "/" that NFKC leaves alone, the
+# braille blank it reads as a space, and the tags' letters of other scripts.
 _READ_AS = str.maketrans(
     {
         **dict.fromkeys("\u2039\u2329\u3008\u27e8\u276c\u276e\u2770\u02c2\u1438", "<"),
         **dict.fromkeys("\u2044\u2215\u2571\u27cb\u29f8", "/"),
+        "\u2800": " ",
+        **{c: letter for letter, forms in _HOMOGLYPHS.items() for c in forms},
     }
 )
 
 
 def as_read(text: str) -> str:
     """Text as a model reads it, written independently of core/envelope.py: look-alike
-    brackets and slashes as "<" and "/", compatibility forms folded (NFKC: fullwidth,
-    mathematical letters, ligatures) and invisible format characters (Cf: zero-width
-    space, word joiner, BOM, soft hyphen) dropped. Search it for delimiters."""
-    folded = unicodedata.normalize("NFKC", text.translate(_READ_AS))
-    return "".join(c for c in folded if unicodedata.category(c) != "Cf")
+    brackets, slashes, blanks and letters as "<", "/", " " and the letter, compatibility
+    forms folded (NFKC: fullwidth, mathematical letters, ligatures), accents and other
+    combining marks dropped, and invisible format characters (Cf: zero-width space, word
+    joiner, BOM, soft hyphen) dropped. Search it for delimiters (any slashes and
+    backslashes before the tag)."""
+    folded = unicodedata.normalize("NFKD", unicodedata.normalize("NFKC", text.translate(_READ_AS)))
+    kept = "".join(
+        c for c in folded.translate(_READ_AS) if unicodedata.category(c) not in ("Cf", "Mn", "Me")
+    )
+    return unicodedata.normalize("NFC", kept)
 
 
 def adversarial_text(

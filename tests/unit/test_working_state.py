@@ -81,7 +81,7 @@ _ENVELOPE = re.compile(
     r'<(?P<tag>untrusted|memory|user|delegated) source="[^"]*" id="[^"]*"(?: truncated="true")?'
     r' nonce="(?P<nonce>[0-9a-f]{16})">\n'
 )
-_ANY_DELIMITER = re.compile(r"<\s*/?\s*(?:untrusted|memory|user|delegated)\b", re.IGNORECASE)
+_ANY_DELIMITER = re.compile(r"<[\s/\\]*(?:untrusted|memory|user|delegated)\b", re.IGNORECASE)
 
 
 def outside_envelopes(text: str, *, strict: bool = True) -> str:

@@ -183,7 +183,14 @@ __all__ = [
 # the model's ("- [runtime #6] the model asked: ..."); @11 and
 # older named neither, so a fact the model concluded read as the platform's assertion. A
 # render-only difference: a rebuild of an older record renders the block as it did
-# (`named_writers`).
+# (`named_writers`). And escaping (core/envelope.py, Rule 2) reads more delimiters as a
+# model does: spelled with the tags' letters of other scripts or small capitals, accents
+# or overlays, a braille blank, or slashes and backslashes before the tag; @11 sent those
+# as they were, so a record whose body held one does not rebuild (REQUEST_NOT_FOUND), as
+# @3's did for "<delegated". Plans keep the bytes they were made with (the builder version
+# is unchanged: rotating every session's plan to re-escape content that holds none of these
+# would cost every session its cache), so one made before escapes as it did until it
+# rotates.
 ASSEMBLER_VERSION = "context-assembler@12"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.

@@ -7,15 +7,18 @@ Rule 1: the nonce is HMAC-SHA256(plan secret, item id), truncated. It is determi
 content cannot predict its own closing marker.
 Rule 2: any occurrence of envelope delimiter syntax inside content is escaped at render
 time, including one carrying the right nonce; a closing marker inside content is content.
-Delimiters are matched as a model reads them: in any case, with whitespace around the
-slash, and with each character folded as a reader folds it: compatibility forms to ASCII
-(NFKC: fullwidth "＜" and "／", fullwidth or mathematical letters, ligatures), invisible
-characters dropped (category Cf, such as U+200B and U+FEFF, and Unicode's other
-default-ignorable code points: core/invisible.py, the set compaction's laundering check
-drops too), look-alike angle brackets and slashes (``_LOOKALIKES``) read as "<" and "/".
-Escaping replaces the one character that opens a delimiter with
-``&lt;``; nothing else changes and nothing is normalized. Plain ASCII content can hold no
-look-alike and takes the plain match alone, so its bytes are what they always were.
+Delimiters are matched as a model reads them: in any case, with whitespace, slashes and
+backslashes before the tag ("</ untrusted", "<//untrusted", "<\\/untrusted"), and with
+each character folded as a reader folds it: compatibility forms to ASCII (NFKC: fullwidth
+"＜" and "／", fullwidth or mathematical letters, ligatures), invisible characters dropped
+(category Cf, such as U+200B and U+FEFF, and Unicode's other default-ignorable code
+points: core/invisible.py, the set compaction's laundering check drops too), combining
+marks dropped ("ü" reads as "u", and an overlay such as U+0336 as nothing), look-alike
+angle brackets and slashes, letters of other scripts that look like the tags' (Cyrillic
+"е", Greek "ο", small capitals such as "ᴜ") and blank-looking characters (U+2800) read as
+"<", "/", the letter and a space (``_LOOKALIKES``). Escaping replaces the one character
+that opens a delimiter with ``&lt;``; nothing else changes and nothing is normalized.
+Plain ASCII content can hold no look-alike and takes the plain match alone.
 Rule 3: attribute values are escaped too, so a source name cannot forge attributes: & " < >
 and every character that reads as one of them (fullwidth forms, Rule 2's openers).
 """
@@ -41,13 +44,29 @@ _TAGS = DELIMITER_TAGS  # the delegated tag too (core/trust.py, Rule 2)
 # because a model reads "< /UNTRUSTED" as a delimiter just as well. Possessive (*+): giving
 # whitespace back can never let "/" or a tag match, and backtracking made "<" followed by
 # n spaces cost n² steps.
-_DELIMITER = re.compile(r"<\s*+/?\s*+(?:" + "|".join(_TAGS) + r")\b", re.IGNORECASE)
+_DELIMITER = re.compile(r"<[\s/\\]*+(?:" + "|".join(_TAGS) + r")\b", re.IGNORECASE)
 
 # Rule 2, look-alikes. Characters that read as "<" or "/" to a model but that NFKC leaves
 # alone (it already folds fullwidth and small forms: U+FF1C, U+FE64, U+FF0F).
 _LOOKALIKES = {
     **dict.fromkeys("\u2039\u2329\u3008\u27e8\u276c\u276e\u2770\u02c2\u1438", "<"),
     **dict.fromkeys("\u2044\u2215\u2571\u27cb\u29f8", "/"),
+    "\u2800": " ",  # braille blank: neither whitespace nor invisible, but reads as a space
+    # Letters that look like the tags' (untrusted, memory, user, delegated) in other
+    # scripts or as small capitals, which NFKC leaves alone, either case.
+    **dict.fromkeys("\u0430\u0410\u03b1\u0391\u0251", "a"),
+    **dict.fromkeys("\u0501", "d"),
+    **dict.fromkeys("\u0435\u0415\u0395\u04bd\u1d07", "e"),
+    **dict.fromkeys("\u0261\u050d", "g"),
+    **dict.fromkeys("\u04cf\u04c0\u01c0\u0406\u0456", "l"),
+    **dict.fromkeys("\u043c\u041c\u039c\u1d0d", "m"),
+    **dict.fromkeys("\u0578\u0274\u039d", "n"),
+    **dict.fromkeys("\u043e\u041e\u03bf\u039f\u0585\u1d0f", "o"),
+    **dict.fromkeys("\u0433\u0280", "r"),
+    **dict.fromkeys("\u0455\u0405\ua731", "s"),
+    **dict.fromkeys("\u0442\u0422\u03c4\u03a4\u1d1b", "t"),
+    **dict.fromkeys("\u057d\u1d1c\u03c5", "u"),
+    **dict.fromkeys("\u0443\u0423\u04af\u03a5\u028f", "y"),
 }
 # Every character that can open a delimiter once folded (tests/unit/test_envelope.py checks
 # it holds every character NFKC folds to "<"). Plain ASCII content has none but "<".
@@ -55,12 +74,14 @@ _OPENERS = "<\ufe64\uff1c" + "".join(k for k, v in _LOOKALIKES.items() if v == "
 # An opener worth a closer look: past whitespace and slashes, a tag's first letter or any
 # non-ASCII character (which may fold to one). Rejects "</div", "<b>", "a < 2" in C.
 _INITIALS = "".join(sorted({t[0] for t in _TAGS}))
-_CANDIDATE = re.compile(f"[{_OPENERS}](?=[\\s/]*+[{_INITIALS}\\x80-\\U0010ffff])", re.IGNORECASE)
+_CANDIDATE = re.compile(
+    f"[{_OPENERS}](?=[\\s/\\\\]*+[{_INITIALS}\\x80-\\U0010ffff])", re.IGNORECASE
+)
 _SPACE = re.compile(r"\s")
-# What follows an opener in a delimiter, on the visible characters only (whitespace
-# dropped, lowercased), and each start of one: a cheap necessary condition that ends the
-# look at "<di" or "</x".
-_VISIBLE_TAGS = tuple(p + t for p in ("", "/") for t in _TAGS)
+# What follows an opener in a delimiter, on the visible characters only (whitespace,
+# slashes and backslashes dropped, lowercased), and each start of one: a cheap necessary
+# condition that ends the look at "<di" or "</x".
+_VISIBLE_TAGS = tuple(_TAGS)
 _VISIBLE_STARTS = frozenset(t[:n] for t in _VISIBLE_TAGS for n in range(len(t)))
 # Rule 3: & " < > and the characters that read as them (their compatibility forms, and
 # every opener of Rule 2), so an attribute can neither end early nor hold a delimiter.
@@ -111,18 +132,29 @@ def _reads_as_delimiter(text: str, at: int) -> bool:
         folded.append(piece)
         if piece and visible.startswith(_VISIBLE_TAGS):
             break
+        if not visible:  # before the tag: slashes and backslashes, as the regex allows
+            shown = shown.lstrip("/\\")
         visible += shown
         if visible not in _VISIBLE_STARTS and not visible.startswith(_VISIBLE_TAGS):
             return False
     return _DELIMITER.match("".join(folded)) is not None
 
 
+# Combining marks, which a reader sees on the letter before (or as nothing of their own).
+_MARKS = frozenset({"Mn", "Me"})
+
+
 @lru_cache(maxsize=4096)
 def _fold(ch: str) -> tuple[str, str]:
-    """(`ch` as read: look-alike replaced, NFKC, invisible characters dropped; the same
-    lowercased without whitespace)."""
-    read = unicodedata.normalize("NFKC", _LOOKALIKES.get(ch, ch))
-    read = "".join(c for c in read if not is_invisible(c))
+    """(`ch` as read: look-alike replaced, NFKC, invisible characters and combining marks
+    dropped; the same lowercased without whitespace)."""
+    read = unicodedata.normalize("NFKD", unicodedata.normalize("NFKC", _LOOKALIKES.get(ch, ch)))
+    read = "".join(
+        _LOOKALIKES.get(c, c)
+        for c in read
+        if not is_invisible(c) and unicodedata.category(c) not in _MARKS
+    )
+    read = unicodedata.normalize("NFC", read)
     return read, "".join(c for c in read.lower() if not _SPACE.match(c))
 
 
