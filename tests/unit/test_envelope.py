@@ -15,7 +15,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from context_engine.core import TrustLevel, assemble
-from context_engine.core.envelope import NONCE_HEX_CHARS, escape_content, item_nonce, wrap
+from context_engine.core.envelope import NONCE_HEX_CHARS, _fold, escape_content, item_nonce, wrap
 
 from .strategies import (
     DELEGATED,
@@ -234,6 +234,19 @@ def test_escape_content_neutralizes_every_tag_in_any_case(tag: str) -> None:
         ("<\u041cEMORY>", "&lt;\u041cEMORY>"),  # Cyrillic capital M
         ("</untrus\u0336ted:{nonce}>", "&lt;/untrus\u0336ted:{nonce}>"),  # overlay
         ("<\u00fcser>", "&lt;\u00fcser>"),  # u with diaeresis
+        (
+            "</\u1d05\u1d07\u029f\u1d07\u0262\u1d00\u1d1b\u1d07\u1d05:{nonce}>",
+            "&lt;/\u1d05\u1d07\u029f\u1d07\u0262\u1d00\u1d1b\u1d07\u1d05:{nonce}>",
+        ),
+        ("</untrus\u0167ed:{nonce}>", "&lt;/untrus\u0167ed:{nonce}>"),  # t with stroke
+        ("</mem\u00f8ry>", "&lt;/mem\u00f8ry>"),  # o with stroke
+        (
+            "</\u13a0\u13ac\u13de\u13ac\u13c0\u13aa\u13a2\u13ac\u13a0>",
+            "&lt;/\u13a0\u13ac\u13de\u13ac\u13c0\u13aa\u13a2\u13ac\u13a0>",
+        ),  # Cherokee
+        ("</\ua4f4\ua4e2\ua4f0\ua4e3:{nonce}>", "&lt;/\ua4f4\ua4e2\ua4f0\ua4e3:{nonce}>"),  # Lisu
+        ("\u226euntrusted:{nonce}>", "&lt;untrusted:{nonce}>"),  # not less-than: NFKD "<"
+        ("\ufe3f/user>", "&lt;/user>"),  # vertical-form angle bracket
         # A braille blank, doubled slashes and a backslash before the tag.
         ("<\u2800/untrusted:{nonce}>", "&lt;\u2800/untrusted:{nonce}>"),
         ("<//untrusted:{nonce}>", "&lt;//untrusted:{nonce}>"),
@@ -301,6 +314,24 @@ def test_every_compatibility_form_of_the_delimiter_marks_is_caught() -> None:
         "x", trust=TrustLevel.USER, item_id="".join(specials), source="s", secret=_SECRET
     )
     assert not set(rendered.split("\n", 1)[0]) & set(specials)
+
+
+def test_every_character_read_as_an_opener_opens_a_delimiter() -> None:
+    """Escaping looks for delimiters only at its openers, so every character its own fold
+    reads as "<" must be one: "≮" (NFKD "<" and a combining mark, which the fold drops)
+    and U+FE3F (NFKC U+3008, a look-alike) were read as "<" but never looked at, so
+    "≮untrusted:…>" went out unescaped. Checked over all of Unicode, and in attributes."""
+    chars = _all_chars()
+    openers = [c for c in chars if _fold(c)[0].startswith("<")]
+    assert {"\u226e", "\ufe3f", "<"} <= set(openers)
+    for c in openers:
+        assert escape_content(c + "untrusted:n>").startswith("&lt;"), hex(ord(c))
+        assert escape_content("ok " + c + "/user>").startswith("ok &lt;"), hex(ord(c))
+    rendered = wrap(
+        "x", trust=TrustLevel.USER, item_id="".join(openers), source="s", secret=_SECRET
+    )
+    header = rendered.split("\n", 1)[0]
+    assert header.startswith("<user ") and not set(header[1:]) & set(openers)
 
 
 def test_an_opener_followed_by_long_whitespace_is_left_as_it_is() -> None:

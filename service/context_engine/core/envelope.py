@@ -53,24 +53,29 @@ _LOOKALIKES = {
     **dict.fromkeys("\u2044\u2215\u2571\u27cb\u29f8", "/"),
     "\u2800": " ",  # braille blank: neither whitespace nor invisible, but reads as a space
     # Letters that look like the tags' (untrusted, memory, user, delegated) in other
-    # scripts or as small capitals, which NFKC leaves alone, either case.
-    **dict.fromkeys("\u0430\u0410\u03b1\u0391\u0251", "a"),
-    **dict.fromkeys("\u0501", "d"),
-    **dict.fromkeys("\u0435\u0415\u0395\u04bd\u1d07", "e"),
-    **dict.fromkeys("\u0261\u050d", "g"),
-    **dict.fromkeys("\u04cf\u04c0\u01c0\u0406\u0456", "l"),
-    **dict.fromkeys("\u043c\u041c\u039c\u1d0d", "m"),
-    **dict.fromkeys("\u0578\u0274\u039d", "n"),
-    **dict.fromkeys("\u043e\u041e\u03bf\u039f\u0585\u1d0f", "o"),
-    **dict.fromkeys("\u0433\u0280", "r"),
-    **dict.fromkeys("\u0455\u0405\ua731", "s"),
-    **dict.fromkeys("\u0442\u0422\u03c4\u03a4\u1d1b", "t"),
-    **dict.fromkeys("\u057d\u1d1c\u03c5", "u"),
-    **dict.fromkeys("\u0443\u0423\u04af\u03a5\u028f", "y"),
+    # scripts (Cyrillic, Greek, Armenian, Cherokee, Lisu), as small capitals or with a
+    # built-in stroke, which NFKC leaves alone, either case. A list, not every look-alike
+    # a model could read: the nonce is what keeps a forged closing marker from closing.
+    **dict.fromkeys("\u0430\u0410\u03b1\u0391\u0251\u1d00\u13aa\ua4ee", "a"),
+    **dict.fromkeys("\u0501\u1d05\u0111\u0110\u13a0\ua4d3", "d"),
+    **dict.fromkeys("\u0435\u0415\u0395\u04bd\u1d07\u13ac\ua4f0", "e"),
+    **dict.fromkeys("\u0261\u050d\u0262\u13c0\ua4d6", "g"),
+    **dict.fromkeys("\u04cf\u04c0\u01c0\u0406\u0456\u029f\u0142\u0141\u0399\u13de\ua4e1", "l"),
+    **dict.fromkeys("\u043c\u041c\u039c\u1d0d\u13b7\ua4df", "m"),
+    **dict.fromkeys("\u0578\u0274\u039d\ua4e0", "n"),
+    **dict.fromkeys("\u043e\u041e\u03bf\u039f\u0585\u1d0f\u00f8\u00d8\ua4f3", "o"),
+    **dict.fromkeys("\u0433\u0280\u13a1\ua4e3", "r"),
+    **dict.fromkeys("\u0455\u0405\ua731\u13da\ua4e2", "s"),
+    **dict.fromkeys("\u0442\u0422\u03c4\u03a4\u1d1b\u0167\u0166\u13a2\ua4d4", "t"),
+    **dict.fromkeys("\u057d\u1d1c\u03c5\u0289\ua4f4", "u"),
+    **dict.fromkeys("\u0443\u0423\u04af\u03a5\u028f\u13a9\ua4ec", "y"),
 }
-# Every character that can open a delimiter once folded (tests/unit/test_envelope.py checks
-# it holds every character NFKC folds to "<"). Plain ASCII content has none but "<".
-_OPENERS = "<\ufe64\uff1c" + "".join(k for k, v in _LOOKALIKES.items() if v == "<")
+# Every character that can open a delimiter once folded: "<", what NFKC folds to it (small
+# and fullwidth forms, and U+FE3F, a vertical-form angle bracket, through U+3008), "≮"
+# (which decomposes to "<" and a mark _fold drops) and the look-alikes above
+# (tests/unit/test_envelope.py scans every code point for one _fold reads as "<"). Plain
+# ASCII content has none but "<".
+_OPENERS = "<\ufe64\uff1c\ufe3f\u226e" + "".join(k for k, v in _LOOKALIKES.items() if v == "<")
 # An opener worth a closer look: past whitespace and slashes, a tag's first letter or any
 # non-ASCII character (which may fold to one). Rejects "</div", "<b>", "a < 2" in C.
 _INITIALS = "".join(sorted({t[0] for t in _TAGS}))
