@@ -63,7 +63,10 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _migrate(args: argparse.Namespace) -> int:
+    import asyncpg
+
     from .store import StoreUnavailableError, apply_migrations, connect_pool
+    from .store.migrate import MigrationError
 
     settings = load_settings({"database_url": args.database_url, "data_dir": args.data_dir})
 
@@ -78,8 +81,12 @@ def _migrate(args: argparse.Namespace) -> int:
 
     try:
         applied = asyncio.run(run())
-    except StoreUnavailableError as exc:
+    except (StoreUnavailableError, MigrationError) as exc:
         print(f"context-engine migrate: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError) as exc:
+        # The connection was lost mid-way: what was applied before stays, the rest is not.
+        print(f"context-engine migrate: the database connection was lost ({exc})", file=sys.stderr)
         return 1
     print("applied: " + (", ".join(applied) if applied else "nothing (up to date)"))
     return 0

@@ -31,7 +31,9 @@ class ConfigError(Exception):
 
 
 class Settings(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # No infinite or NaN durations: an infinite grace or readiness interval passed
+    # validation and then never ended (or never checked again).
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     listen: str = "127.0.0.1:50051"
     # Empty: start an embedded PostgreSQL in data_dir (pgserver).
@@ -158,8 +160,19 @@ class Settings(BaseModel):
             raise ValueError("tls_cert_file and tls_key_file must be set together")
         for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file"):
             path = getattr(self, name)
-            if path and not Path(path).is_file():
+            if not path:
+                continue
+            if not Path(path).is_file():
                 raise ValueError(f"{name}: no such file: {path}")
+            # Read now, as the server will after migrating: a file its user cannot read, or
+            # a TLS file holding no PEM block, is a configuration error (exit 2), not a
+            # traceback or a "cannot listen" after the migrations ran.
+            try:
+                data = Path(path).read_bytes()
+            except OSError as exc:
+                raise ValueError(f"{name}: cannot read {path}: {exc.strerror}") from None
+            if name.startswith("tls_") and b"-----BEGIN " not in data:
+                raise ValueError(f"{name}: {path} holds no PEM block")
         if self.tiktoken_dir and not Path(self.tiktoken_dir).is_dir():
             raise ValueError(f"tiktoken_dir: no such directory: {self.tiktoken_dir}")
         if self.models_file:

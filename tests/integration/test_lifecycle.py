@@ -386,6 +386,9 @@ async def _truthy(value: bool) -> bool:
         ({"gc_thresholds": [700, -1, 10]}, {}, "gc_thresholds"),
         ({"gc_thresholds": [700, 10]}, {}, "gc_thresholds"),
         ({}, {"gc_thresholds": "2147483648,10,10"}, "CONTEXT_ENGINE_GC_THRESHOLDS"),
+        ({}, {"shutdown_grace_seconds": "inf"}, "CONTEXT_ENGINE_SHUTDOWN_GRACE_SECONDS"),
+        ({"readiness_interval_seconds": "NaN"}, {}, "readiness_interval_seconds"),
+        ({"tls_cert_file": "@not-pem", "tls_key_file": "@not-pem"}, {}, "holds no PEM block"),
     ],
 )
 def test_bad_configuration_exits_2_naming_the_setting(
@@ -397,7 +400,10 @@ def test_bad_configuration_exits_2_naming_the_setting(
     named: str,
 ) -> None:
     config = tmp_path / "config.json"
-    config.write_text(json.dumps(file_settings))
+    not_pem = tmp_path / "not.pem"  # a file that exists but is no certificate
+    not_pem.write_text("certificate goes here")
+    settings = {k: str(not_pem) if v == "@not-pem" else v for k, v in file_settings.items()}
+    config.write_text(json.dumps(settings))
     for key in list(os.environ):
         if key.startswith("CONTEXT_ENGINE_"):
             monkeypatch.delenv(key)
@@ -632,6 +638,62 @@ async def test_migrate_unreachable_or_refused_exits_1_in_one_line() -> None:
     missing = dsn_on_test_server("ce_no_such_database")
     code, line = await _fails_in_one_line("migrate", "--database-url", missing)
     assert code == 1 and 'database "ce_no_such_database" does not exist' in line, line
+
+
+async def test_a_migration_that_fails_is_rolled_back_and_named_in_one_line() -> None:
+    """A migration PostgreSQL refuses (here the first, against a database that already has
+    a `sessions` table of its own) ended `migrate` in an asyncpg traceback; it is one line
+    naming the migration, exit 1, and nothing of it is recorded as applied."""
+    dsn = await create_database(migrate=False)
+    try:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute("CREATE TABLE sessions (id int)")
+        finally:
+            await conn.close()
+        code, line = await _fails_in_one_line("migrate", "--database-url", dsn)
+        assert code == 1
+        assert line.startswith(
+            "context-engine migrate: migration 0001_init failed and was rolled back"
+            " (DuplicateTableError:"
+        ), line
+        conn = await asyncpg.connect(dsn)
+        try:
+            assert await conn.fetchval("SELECT count(*) FROM schema_migrations") == 0
+        finally:
+            await conn.close()
+    finally:
+        await drop_database(dsn)
+
+
+async def test_migrations_wait_past_the_pools_command_timeout() -> None:
+    """The pool gives every statement a command timeout (10 s, for requests); a migration
+    that rewrites a large table, or a second migrator waiting for the first's lock, takes
+    longer. Neither is cut off: here with a 0.3 s timeout, a migration of 1 s is applied
+    while another connection held the migration lock for 1 s first."""
+    from context_engine.store import apply_migrations
+    from context_engine.store.migrate import _LOCK_KEY, MigrationError
+
+    dsn = await create_database(migrate=False)
+    pool = await connect_pool(dsn, min_size=1, max_size=2, command_timeout=0.3)
+    holder = await asyncpg.connect(dsn)
+    try:
+        await holder.execute("SELECT pg_advisory_lock($1)", _LOCK_KEY)
+        release = asyncio.get_running_loop().call_later(
+            1.0, lambda: asyncio.ensure_future(holder.execute("SELECT pg_advisory_unlock_all()"))
+        )
+        slow = [("9001_slow", "SELECT pg_sleep(1)"), ("9002_after", "CREATE TABLE t (x int)")]
+        async with pool.acquire() as conn:
+            assert await apply_migrations(conn, slow) == ["9001_slow", "9002_after"]
+            with pytest.raises(MigrationError, match="migration 9003_bad failed"):
+                await apply_migrations(conn, [*slow, ("9003_bad", "CREATE TABLE t (x int)")])
+            versions = await conn.fetch("SELECT version FROM schema_migrations ORDER BY 1")
+        assert [r["version"] for r in versions] == ["9001_slow", "9002_after"]
+        release.cancel()
+    finally:
+        await holder.close()
+        await pool.close()
+        await drop_database(dsn)
 
 
 async def test_an_embedded_database_that_cannot_start_exits_1_in_one_line(

@@ -444,13 +444,8 @@ async def test_a_rotation_of_every_lineage_counts_each_epoch(
     assert delta("context_engine.epochs.rotated", before, after, reason="agent_changed") == 2
 
 
-async def test_a_retried_report_usage_records_its_usage_once(traced: dict[str, Any]) -> None:
-    """A retry with the same idempotency key answers with the first response and records
-    nothing (api/usage.py, Rule 3), so it must not feed the usage metrics again: a client
-    retrying a lost response (UNAVAILABLE invites it) would otherwise skew the cached
-    prefix ratio and the estimator error toward whatever it retried."""
-    stub, reader = traced["stub"], traced["reader"]
-    model = spec().model_id
+async def _a_run(stub: Any) -> tuple[str, pb.BuildRequest]:
+    """A new session with a run: (its id, the run's BuildRequest)."""
     session_id = new_id()
     await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=spec()))
     run = await stub.StartRun(
@@ -458,9 +453,19 @@ async def test_a_retried_report_usage_records_its_usage_once(traced: dict[str, A
             tenant_id=TENANT, session_id=session_id, user_message=pb.UserMessage(text="hello")
         )
     )
-    build = pb.BuildRequest(
+    return session_id, pb.BuildRequest(
         tenant_id=TENANT, session_id=session_id, run_id=run.run.run_id, now=_now()
     )
+
+
+async def test_a_retried_report_usage_records_its_usage_once(traced: dict[str, Any]) -> None:
+    """A retry with the same idempotency key answers with the first response and records
+    nothing (api/usage.py, Rule 3), so it must not feed the usage metrics again: a client
+    retrying a lost response (UNAVAILABLE invites it) would otherwise skew the cached
+    prefix ratio and the estimator error toward whatever it retried."""
+    stub, reader = traced["stub"], traced["reader"]
+    model = spec().model_id
+    session_id, build = await _a_run(stub)
     await stub.Build(build)  # writes the epoch's cache: the next request is warm
     built = await stub.Build(build)
     report = pb.ReportUsageRequest(
@@ -488,6 +493,35 @@ async def test_a_retried_report_usage_records_its_usage_once(traced: dict[str, A
     assert delta("context_engine.estimator.underestimates", model=model) == 1
     labels = {"rpc.method": "ReportUsage", "rpc.grpc.status_code": "OK"}
     assert delta("context_engine.rpc.duration", **labels) == 2  # both calls were served
+
+
+async def test_a_reported_model_the_registry_lacks_is_one_label(traced: dict[str, Any]) -> None:
+    """ReportUsage's model_id is the caller's string: a worker passing on a router's or a
+    fine-tune's name, or any string, made a new series on four usage instruments per name,
+    kept for the process's life. A model the registry lacks is labelled `unregistered`."""
+    stub, reader = traced["stub"], traced["reader"]
+    session_id, build = await _a_run(stub)
+    before = _points(reader)
+    for n, model in enumerate(("router/some-model-a", "ft:some-model-b")):
+        built = await stub.Build(build)
+        report = pb.ReportUsageRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            request_sequence=built.request_sequence,
+            model_id=model,
+            idempotency_key=f"usage-{n}",
+            input_tokens=built.estimated_input_tokens,
+            output_tokens=5,
+        )
+        await stub.ReportUsage(report)
+    after = _points(reader)
+    ratio = "context_engine.estimator.ratio"
+    assert (
+        _total(after, ratio, model="unregistered") - _total(before, ratio, model="unregistered")
+        == 2
+    )
+    for model in ("router/some-model-a", "ft:some-model-b"):
+        assert _total(after, ratio, model=model) == 0
 
 
 async def test_a_retried_commit_compaction_counts_one_compaction_at_its_committed_depth(

@@ -190,6 +190,14 @@ class Engine:
     def new_id(self) -> str:
         return self._new_id()
 
+    def serves(self, model_id: str) -> bool:
+        """Whether the model registry holds `model_id`."""
+        try:
+            self._model_facts(model_id)
+        except InvalidFieldError:
+            return False
+        return True
+
     async def _head_rows(self, keys: Sequence[tuple[str, UUID]]) -> list[Any]:
         async with acquire(self.pool) as conn:
             return await runs.read_run_heads(conn, keys)

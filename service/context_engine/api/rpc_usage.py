@@ -17,7 +17,10 @@ from .errors import grpc_errors
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["UsageRpcs"]
+__all__ = ["UNREGISTERED", "UsageRpcs"]
+
+# The usage metrics' `model` label for a reported model the registry lacks.
+UNREGISTERED = "unregistered"
 
 _COUNTS = (
     "input_tokens",
@@ -52,7 +55,9 @@ class UsageRpcs:
             telemetry.record_replay("usage")
         else:
             telemetry.record_usage(
-                outcome.model_id,
+                # A model the registry lacks (a router's or a fine-tune's name the worker
+                # passed on) is one label, not a new series per name.
+                outcome.model_id if self.engine.serves(outcome.model_id) else UNREGISTERED,
                 outcome.signed_error_ppm,
                 outcome.cached_prefix_ppm,
                 first_of_epoch=outcome.first_of_epoch,

@@ -39,7 +39,7 @@ from ..core.spec import PlatformPolicySpec
 from ..models import ModelCatalog
 from ..store import apply_migrations, connect_pool
 from ..store.db import StoreUnavailableError
-from ..store.migrate import pending_migrations
+from ..store.migrate import MigrationError, pending_migrations
 from ..telemetry import Telemetry
 from .collector import tune_collector
 from .drain import Drain
@@ -223,7 +223,10 @@ async def build_server(
     except RuntimeError:  # grpcio's "Failed to bind to address ..."
         port = 0
     if port == 0:
-        raise OSError(f"cannot listen on {listen}: the address is in use or not available")
+        why = "the address is in use or not available"
+        if credentials is not None:  # grpc refuses a certificate it cannot load the same way
+            why += ", or the TLS certificate and key were refused (not a matching PEM pair)"
+        raise OSError(f"cannot listen on {listen}: {why}")
     await server.start()
     for name in (SERVICE_NAME, ""):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -271,14 +274,21 @@ async def serve(settings: Settings) -> None:
         )
     except StoreUnavailableError as exc:
         raise StartupError(str(exc)) from None
+    failed: MigrationError | None = None
     async with pool.acquire() as conn:
         if settings.migrate_on_start:
-            applied = await apply_migrations(conn)
+            try:
+                applied = await apply_migrations(conn)
+            except MigrationError as exc:
+                failed, applied = exc, []
             if applied:
                 _log.info("applied migrations %s", ", ".join(applied))
             pending = []
         else:
             pending = await pending_migrations(conn)
+    if failed is not None:
+        await pool.close()
+        raise StartupError(str(failed))
     if pending:
         await pool.close()
         raise StartupError(
