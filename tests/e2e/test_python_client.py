@@ -211,6 +211,14 @@ async def test_errors_are_typed_with_reason_and_field(client: Any) -> None:
     assert orphan.value.reason == "ORPHANED_TOOL_ITEM"
     assert orphan.value.field == "items[0].tool_result.call_id"
     assert run.checkpoint_version == 1  # bad input changed nothing
+    # The key the wrapper made travels with the error, for a resend that must reuse it.
+    assert orphan.value.idempotency_key
+    with pytest.raises(InvalidArgument) as again:
+        await run.append(
+            tool_result("never-called", "web.fetch", "text"),
+            idempotency_key=orphan.value.idempotency_key,
+        )
+    assert again.value.idempotency_key == orphan.value.idempotency_key
 
     stale = session.run(run.run_id, checkpoint_version=1)
     await run.append(_assistant("Hi."))
@@ -222,6 +230,7 @@ async def test_errors_are_typed_with_reason_and_field(client: Any) -> None:
         await client.session(str(uuid.uuid4()))
     assert missing.value.reason == "SESSION_NOT_FOUND"
     assert missing.value.field == "session_id"
+    assert missing.value.idempotency_key == ""  # GetPlan sends none
 
     spec = _spec()
     spec.tools[0].input_schema_json = "{not json"

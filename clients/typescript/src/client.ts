@@ -59,7 +59,26 @@ import type {
   Writer,
 } from './types.js';
 
+/**
+ * JSON with every object's keys sorted by UTF-16 code units, as RFC 8785 and the server's
+ * payloads have them. JSON.stringify keeps insertion order, except that it puts
+ * integer-like keys (a schema property "10") first in numeric order: re-serializing a
+ * payload so changed bytes the parts never touched, and with them the provider's cache.
+ */
+function canonicalJson(value: unknown): string {
+  if (Array.isArray(value)) return `[${value.map((v) => canonicalJson(v ?? null)).join(',')}]`;
+  if (value !== null && typeof value === 'object') {
+    const entries = Object.keys(value)
+      .sort()
+      .filter((k) => (value as Record<string, unknown>)[k] !== undefined)
+      .map((k) => `${JSON.stringify(k)}:${canonicalJson((value as Record<string, unknown>)[k])}`);
+    return `{${entries.join(',')}}`;
+  }
+  return JSON.stringify(value);
+}
+
 export const SERVICE = 'context_engine.v1.ContextEngine';
+const RETRY_BUFFER_BYTES = 16 * 1024 * 1024;
 
 /** proto-loader options the generated types were made with (package.json "generate"). */
 export const LOAD_OPTIONS: protoLoader.Options = {
@@ -181,6 +200,10 @@ export class ContextEngineClient {
       // A Build for a long-window model can exceed gRPC's 4 MiB receive default; the server
       // bounds what it sends (twice its max_request_bytes).
       'grpc.max_receive_message_length': -1,
+      // A call is resent only while its request fits the retry buffer (1 MiB per call by
+      // default in grpc-js): room for the server's largest default request (4 MiB).
+      'grpc.per_rpc_retry_buffer_size': RETRY_BUFFER_BYTES,
+      'grpc.retry_buffer_size': 4 * RETRY_BUFFER_BYTES,
       ...options.channelOptions,
     });
   }
@@ -217,8 +240,12 @@ export class ContextEngineClient {
     ) => grpc.ClientUnaryCall;
     return new Promise((resolve, reject) => {
       rpc.call(this.raw, request, metadata, { deadline }, (error, response) => {
-        if (error) reject(fromServiceError(error));
-        else resolve(response as ResponseOf<K>);
+        if (!error) return resolve(response as ResponseOf<K>);
+        const typed = fromServiceError(error);
+        // The key a wrapper made for this write, for a resend that must reuse it.
+        const key = (request as { idempotency_key?: unknown }).idempotency_key;
+        typed.idempotencyKey = typeof key === 'string' ? key : '';
+        reject(typed);
       });
     });
   }
@@ -309,7 +336,8 @@ export class BuildResult {
    * says. `part(send)` is the provider's content part (or parts) for one attachment: its
    * content when `send.content`, its marker otherwise; you resolve `send.attachment.ref`.
    * The parts go just before the part each placement names, last placement first; the
-   * payload's keys keep their order, so the same response and parts give the same bytes
+   * result is serialized as the server serializes (RFC 8785: keys sorted), so what the
+   * parts leave alone keeps its bytes and the same response and parts give the same bytes
    * on every request. The payload unchanged when no message has attachments.
    */
   payloadWithAttachments(
@@ -323,7 +351,7 @@ export class BuildResult {
       const [holder, index] = contentList(body, placement.payload_path);
       holder.splice(index, 0, ...parts);
     }
-    return Buffer.from(JSON.stringify(body), 'utf8');
+    return Buffer.from(canonicalJson(body), 'utf8');
   }
   /** "anthropic.messages" or "openai.responses". */
   get providerApi(): string {

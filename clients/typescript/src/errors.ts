@@ -33,6 +33,13 @@ export class ContextEngineError extends ClientError {
     super(`${Status[code]}: ${message}${reason ? ` [${reason}]` : ''}`);
   }
 
+  /**
+   * The key a keyed write was sent with ('' for other calls). The write may have landed
+   * with only its answer lost (UNAVAILABLE, DEADLINE_EXCEEDED): resend it with this key
+   * (`idempotencyKey`) to get the first answer rather than a second write.
+   */
+  idempotencyKey = '';
+
   /** The status code's name, e.g. "ABORTED". */
   get codeName(): string {
     return Status[this.code];
@@ -66,6 +73,11 @@ export class AbortedError extends ContextEngineError {
   override name = 'AbortedError';
 }
 /** The server or its database is unreachable; retry with backoff. */
+/**
+ * The server could not be reached, or is shutting down. The channel has already retried;
+ * a write may have landed with only its answer lost, so a resend must carry the same key
+ * (`idempotencyKey`).
+ */
 export class UnavailableError extends ContextEngineError {
   override name = 'UnavailableError';
 }
@@ -160,8 +172,8 @@ function decodeDetails(raw: Buffer): Details {
 /** Decode a grpc-js ServiceError into the typed error for its status. */
 export function fromServiceError(error: ServiceError): ContextEngineError {
   let details: Details = { reason: '', domain: '', metadata: {}, violations: [] };
-  const raw = error.metadata?.get('grpc-status-details-bin')[0];
   try {
+    const raw = error.metadata?.get('grpc-status-details-bin')?.[0];
     if (raw instanceof Buffer) details = decodeDetails(raw);
   } catch {
     // Undecodable details still leave a typed error with the status code and message.

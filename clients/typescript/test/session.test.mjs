@@ -110,6 +110,30 @@ test('attachments are placed beside their message in the payload', async () => {
   assert.match(content[at + 1].text, /What is in this picture\?/, 'just before its text');
   content.splice(at, 1);
   assert.deepEqual(sent, built.payload(), 'nothing else changed');
+  // Byte for byte, too: with no parts the payload is the server's, keys in its order.
+  assert.ok(built.payloadWithAttachments(() => []).equals(built.providerPayload));
+});
+
+test('a payload with attachments keeps the bytes of a schema with integer-like keys', async () => {
+  // JSON.stringify would put "9" before "10" (integer-like keys first, numerically); the
+  // server's payload, sorted as RFC 8785 sorts, has "10" first.
+  const numbered = tool(
+    'sheet.read',
+    'Read rows.',
+    { type: 'object', properties: { 10: { type: 'string' }, 9: { type: 'string' } } },
+    { requiredScopes: ['web.read'], sideEffect: 'SIDE_EFFECT_NETWORK_READ' },
+  );
+  const session = await engine.openSession({
+    ...spec,
+    tools: [...spec.tools, numbered],
+    agent: { ...spec.agent, enabled_tools: ['web.fetch', 'sheet.read'] },
+  });
+  const run = await session.startRun('Read this.', {
+    attachments: [{ kind: 'image', ref: 'store://photo-2.png' }],
+  });
+  const built = await run.build({ now: NOW });
+  assert.ok(built.providerPayload.toString('utf8').includes('"10":'));
+  assert.ok(built.payloadWithAttachments(() => []).equals(built.providerPayload));
 });
 
 test('the tool loop appends each step and ends on a plain answer', async () => {
@@ -288,6 +312,8 @@ test('errors are typed with reason and field', async () => {
     assert.ok(error instanceof InvalidArgumentError);
     assert.equal(error.reason, 'ORPHANED_TOOL_ITEM');
     assert.equal(error.field, 'items[0].tool_result.call_id');
+    // The key the wrapper made travels with the error, for a resend that must reuse it.
+    assert.ok(error.idempotencyKey.length > 0);
     return true;
   });
   assert.equal(run.checkpointVersion, 1);
@@ -304,6 +330,7 @@ test('errors are typed with reason and field', async () => {
     assert.ok(error instanceof NotFoundError);
     assert.equal(error.reason, 'SESSION_NOT_FOUND');
     assert.equal(error.codeName, 'NOT_FOUND');
+    assert.equal(error.idempotencyKey, ''); // GetPlan sends none
     return true;
   });
 });

@@ -98,12 +98,20 @@ def _timestamp(value: datetime) -> Timestamp:
     return stamp
 
 
+_RETRY_BUFFER_BYTES = 16 * 1024 * 1024
+
+
 def channel_options() -> list[tuple[str, Any]]:
     """The options the client opens its channel with: transparent retries of UNAVAILABLE
     (keyed writes are safe to resend) and no receive limit. For a channel of your own."""
     return [
         ("grpc.enable_retries", 1),
         ("grpc.service_config", _SERVICE_CONFIG),
+        # gRPC resends a call only while its request fits the retry buffer (256 KiB per
+        # call by default): a 300 kB tool result's AppendItems was never retried. Room for
+        # the server's largest default request (4 MiB) and then some.
+        ("grpc.per_rpc_retry_buffer_size", _RETRY_BUFFER_BYTES),
+        ("grpc.retry_buffer_size", 4 * _RETRY_BUFFER_BYTES),
         # A Build for a long-window model can exceed gRPC's 4 MiB receive default; the
         # server bounds what it sends (twice its max_request_bytes), so accept that.
         ("grpc.max_receive_message_length", -1),
@@ -175,7 +183,10 @@ class ContextEngineClient:
         try:
             return await rpc(request, timeout=timeout or self.timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from exc
+            error = from_rpc_error(exc)
+            # The key a wrapper made for this write, for a resend that must reuse it.
+            error.idempotency_key = getattr(request, "idempotency_key", "")
+            raise error from exc
 
     # --- sessions -------------------------------------------------------------------------
 

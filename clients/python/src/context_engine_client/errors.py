@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 
 __all__ = [
@@ -60,6 +61,10 @@ class ContextEngineError(ClientError):
         domain: ErrorInfo.domain.
         metadata: ErrorInfo.metadata, e.g. {"class": "agent_instructions"}.
         field_violations: BadRequest field violations, in order.
+        idempotency_key: the key a keyed write was sent with ("" for other calls). The
+            write may have landed with only its answer lost (UNAVAILABLE, DEADLINE_EXCEEDED):
+            resend it with this key (`idempotency_key=`) to get the first answer rather than
+            a second write.
     """
 
     retryable = False
@@ -81,6 +86,7 @@ class ContextEngineError(ClientError):
         self.domain = domain
         self.metadata: dict[str, str] = dict(metadata or {})
         self.field_violations = field_violations
+        self.idempotency_key = ""
 
     @property
     def field(self) -> str | None:
@@ -160,6 +166,17 @@ _BY_CODE: dict[grpc.StatusCode, type[ContextEngineError]] = {
 }
 
 
+def _status(raw: Any) -> status_pb2.Status | None:
+    """The details trailer's Status; None when absent or unreadable (the error is then
+    typed by its code and message alone, never a protobuf DecodeError)."""
+    if not isinstance(raw, bytes):
+        return None
+    try:
+        return status_pb2.Status.FromString(raw)
+    except DecodeError:
+        return None
+
+
 def from_rpc_error(error: grpc.RpcError) -> ContextEngineError:
     """Decode a grpc error (sync or aio) into the typed error for its status."""
     code: grpc.StatusCode = error.code()
@@ -167,8 +184,8 @@ def from_rpc_error(error: grpc.RpcError) -> ContextEngineError:
     trailing: Any = error.trailing_metadata() or ()
     raw = next((value for key, value in trailing if key == _DETAILS_KEY), None)
     reason, domain, metadata, violations = "", "", {}, []
-    if isinstance(raw, bytes):
-        status = status_pb2.Status.FromString(raw)
+    status = _status(raw)
+    if status is not None:
         message = status.message or message
         for detail in status.details:
             info = error_details_pb2.ErrorInfo()
