@@ -195,6 +195,8 @@ async def test_attachments_are_added_where_the_placements_say(client: Any) -> No
                 found += 1
         message["content"] = [b for b in content if b.get("type") != "document"]
     assert found == 2 and body == original  # nothing else changed
+    # Byte for byte, too: with no parts the payload is the server's, keys in its order.
+    assert built.payload_with_attachments(lambda send: []) == built.provider_payload
     # A session without attachments keeps its payload's bytes.
     other = await client.open_session(_spec())
     plain = await (await other.start_run("No files.")).build(now=NOW)
