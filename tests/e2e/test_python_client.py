@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
 
+import grpc
 import pytest
 
 from context_engine_client import (
@@ -25,6 +26,7 @@ from context_engine_client import (
     NotFound,
     ToolCallRequest,
     ToolOutput,
+    Unavailable,
     Usage,
     assistant_message,
     channel_options,
@@ -446,6 +448,31 @@ async def test_a_tool_loop_again_after_an_append_whose_answer_was_lost_runs_no_t
     assert "tool_result" in _block_kinds(result.builds[0])  # the logged result, seen
     assert result.final.text.startswith("The 08:04 TGV")
     assert run.checkpoint_version == 3
+
+
+async def test_a_usage_report_that_fails_does_not_lose_the_final_answer(client: Any) -> None:
+    """The reports follow the appends; one that fails (the engine unreachable after the
+    final answer was appended) raised out of the loop, so the caller lost the answer and a
+    second tool_loop asked the model again and appended a second one. The loop now returns
+    the answer with the failed reports, which resend under the build's own key."""
+    session = await client.open_session(_spec())
+    run = await session.start_run("Trains from Paris to Lyon tomorrow?")
+    real_call = run.client.call
+
+    async def usage_unreachable(method: str, request: Any) -> Any:
+        if method == "ReportUsage":
+            raise Unavailable(grpc.StatusCode.UNAVAILABLE, "the engine went away")
+        return await real_call(method, request)
+
+    run.client.call = usage_unreachable  # type: ignore[method-assign]
+    result = await run.tool_loop(ScriptedModel(), _fetch, now=NOW)
+    run.client.call = real_call  # type: ignore[method-assign]
+    assert result.final.text.startswith("The 08:04 TGV") and not result.reports
+    assert [type(e).__name__ for _, _, e in result.unreported] == ["Unavailable"] * 2
+    assert run.checkpoint_version == 3  # the pair, then the one final answer
+    for build, usage, _ in result.unreported:
+        report = await session.report_usage(build, usage)
+        assert report.samples >= 1
 
 
 async def test_the_tool_loop_compacts_when_the_body_does_not_fit(client: Any) -> None:

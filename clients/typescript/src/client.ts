@@ -20,6 +20,7 @@ import * as protoLoader from '@grpc/proto-loader';
 
 import { unknownEnumValue } from './enums.js';
 import {
+  ContextEngineError,
   InvalidArgumentError,
   NeedsCompactionError,
   ToolLoopLimitError,
@@ -572,6 +573,12 @@ export interface ToolLoopResult {
   builds: BuildResult[];
   /** One per model turn that reported usage. */
   reports: ReportUsageResponse[];
+  /**
+   * The reports that failed: each step's build, usage and error. Resend one with
+   * `session.reportUsage(build, usage)`: its key is the build's, so a report that landed
+   * with only its answer lost is not counted twice.
+   */
+  unreported: { build: BuildResult; usage: Usage; error: ContextEngineError }[];
 }
 
 export class Run {
@@ -684,12 +691,15 @@ export class Run {
    * never holds a call without its result. Each step builds from the run's latest
    * checkpoint: after an append whose answer was lost (a deadline passed while it
    * committed), calling toolLoop again builds what the log holds, and the model does not
-   * ask for tools it has results of. Usage is reported after the append, so a failing
-   * report loses none of the step's items.
+   * ask for tools it has results of. Usage is reported after the append, and a report
+   * that fails is kept in the result (`unreported`) rather than thrown: the step's items
+   * are in the log, and throwing after the final answer was appended lost that answer to
+   * the caller, whose second toolLoop asked the model again and appended a second answer.
    */
   async toolLoop(opts: ToolLoopOptions): Promise<ToolLoopResult> {
     const builds: BuildResult[] = [];
     const reports: ReportUsageResponse[] = [];
+    const unreported: ToolLoopResult['unreported'] = [];
     const maxSteps = opts.maxSteps ?? 16;
     let compactions = 0;
     while (builds.length < maxSteps) {
@@ -725,9 +735,14 @@ export class Run {
       }
       if (items.length) await this.append(items);
       if ((opts.reportUsage ?? true) && turn.usage) {
-        reports.push(await this.reportUsage(built, turn.usage));
+        try {
+          reports.push(await this.reportUsage(built, turn.usage));
+        } catch (error) {
+          if (!(error instanceof ContextEngineError)) throw error;
+          unreported.push({ build: built, usage: turn.usage, error });
+        }
       }
-      if (!turn.toolCalls?.length) return { final: turn, builds, reports };
+      if (!turn.toolCalls?.length) return { final: turn, builds, reports, unreported };
     }
     throw new ToolLoopLimitError(maxSteps);
   }

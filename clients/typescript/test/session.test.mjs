@@ -17,6 +17,7 @@ import {
   FailedPreconditionError,
   InvalidArgumentError,
   NotFoundError,
+  UnavailableError,
   assistantMessage,
   tool,
   toolCall,
@@ -178,6 +179,34 @@ test('the tool loop appends each step and ends on a plain answer', async () => {
     [0, 1_000_000],
   );
   assert.ok(typeof result.builds[0].payload() === 'object', 'provider payload is JSON');
+});
+
+test('a usage report that fails does not lose the final answer', async () => {
+  // The report follows the append; one that failed threw out of the loop after the final
+  // answer was appended, so the caller lost it (and a second loop appended another).
+  const session = await engine.openSession(spec);
+  const run = await session.startRun('Home tonight?');
+  engine.call = (method, request) =>
+    method === 'ReportUsage'
+      ? Promise.reject(new UnavailableError(14, 'the engine went away'))
+      : ContextEngineClient.prototype.call.call(engine, method, request);
+  let result;
+  try {
+    result = await run.toolLoop({
+      now: NOW,
+      callModel: async () => ({ text: 'The 18:04.', usage: { inputTokens: 10, outputTokens: 2 } }),
+      runTool: async () => assert.fail('no tools'),
+    });
+  } finally {
+    delete engine.call; // the prototype's again
+  }
+  assert.equal(result.final.text, 'The 18:04.');
+  assert.deepEqual(result.reports, []);
+  assert.equal(result.unreported.length, 1);
+  assert.ok(result.unreported[0].error instanceof UnavailableError);
+  assert.equal(run.checkpointVersion, 2); // the one final answer
+  const { build, usage } = result.unreported[0];
+  assert.ok((await session.reportUsage(build, usage)).samples >= 1);
 });
 
 test('a tool loop run again after an append whose answer was lost runs no tool twice', async () => {

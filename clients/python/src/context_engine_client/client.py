@@ -35,7 +35,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from ._gen.context_engine.v1 import context_engine_pb2 as pb
 from ._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
-from .errors import NeedsCompaction, ToolLoopLimit, from_rpc_error
+from .errors import ContextEngineError, NeedsCompaction, ToolLoopLimit, from_rpc_error
 from .items import ModelTurn, ToolCallRequest, ToolOutput, Usage, tool_result
 
 __all__ = [
@@ -413,11 +413,15 @@ class Summary:
 
 @dataclass(frozen=True, slots=True)
 class ToolLoopResult:
-    """How a tool loop ended: the final model turn, every build and usage report."""
+    """How a tool loop ended: the final model turn, every build and usage report, and
+    the reports that failed (`unreported`: each step's build, usage and error). Resend
+    one with `session.report_usage(build, usage)`: its key is the build's, so a report
+    that landed with only its answer lost is not counted twice."""
 
     final: ModelTurn
     builds: list[BuildResult] = field(default_factory=list)
     reports: list[UsageReport] = field(default_factory=list)
+    unreported: list[tuple[BuildResult, Usage, ContextEngineError]] = field(default_factory=list)
 
     @property
     def prefix_hashes(self) -> set[str]:
@@ -778,7 +782,10 @@ class Run:
         append whose answer was lost (a deadline passed while it committed), calling
         tool_loop again builds what the log holds, so the model sees the results it
         already has instead of asking for its tools again. Usage is reported after the
-        append: a report that fails loses none of the step's items.
+        append, and a report that fails is kept in the result (`unreported`) rather than
+        raised: the step's items are in the log, and raising after the final answer was
+        appended lost that answer to the caller, whose second tool_loop asked the model
+        again and appended a second answer.
 
         Raises:
             NeedsCompaction: the body does not fit and no `summarize` was given.
@@ -786,6 +793,7 @@ class Run:
         """
         builds: list[BuildResult] = []
         reports: list[UsageReport] = []
+        unreported: list[tuple[BuildResult, Usage, ContextEngineError]] = []
         compactions = 0
         steps = 0
         while steps < max_steps:
@@ -823,7 +831,10 @@ class Run:
             if items:
                 await self.append(items)
             if report_usage and turn.usage is not None:
-                reports.append(await self.report_usage(built, turn.usage))
+                try:
+                    reports.append(await self.report_usage(built, turn.usage))
+                except ContextEngineError as exc:
+                    unreported.append((built, turn.usage, exc))
             if not turn.tool_calls:
-                return ToolLoopResult(turn, builds, reports)
+                return ToolLoopResult(turn, builds, reports, unreported)
         raise ToolLoopLimit(max_steps)
