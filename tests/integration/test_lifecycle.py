@@ -828,6 +828,47 @@ async def test_readiness_follows_postgresql_reachability(own_database: str) -> N
         await pool.close()
 
 
+async def test_a_busy_request_pool_is_not_an_unreachable_database(own_database: str) -> None:
+    """Readiness took its connection from the request pool, so calls holding every
+    connection (queued on a lock, say) for longer than the readiness timeout read as
+    PostgreSQL being away, and under a shared load every replica went NOT_SERVING
+    together. With a pool of its own (as `serve` gives it) readiness stays SERVING; on the
+    request pool it would not."""
+    pool = await connect_pool(own_database, min_size=1, max_size=1)
+    probe = await connect_pool(own_database, min_size=1, max_size=1)
+    running = await build_server(
+        build_engine(pool),
+        "127.0.0.1:0",
+        readiness_interval=0.05,
+        readiness_timeout=0.2,
+        readiness_pool=probe,
+    )
+    shared = await build_server(
+        build_engine(pool), "127.0.0.1:0", readiness_interval=0.05, readiness_timeout=0.2
+    )
+    try:
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel,
+            grpc.aio.insecure_channel(f"127.0.0.1:{shared.port}") as shared_channel,
+        ):
+            own = health_pb2_grpc.HealthStub(channel)
+            other = health_pb2_grpc.HealthStub(shared_channel)
+            request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+            watch = other.Watch(request)
+            assert (await watch.read()).status == SERVING
+            async with pool.acquire():  # every request connection busy
+                assert (await watch.read()).status == NOT_SERVING  # the shared pool's view
+                for _ in range(5):
+                    await asyncio.sleep(0.1)
+                    assert (await own.Check(request)).status == SERVING
+            watch.cancel()
+    finally:
+        await running.stop(0)
+        await shared.stop(0)
+        await probe.close()
+        await pool.close()
+
+
 # --- deadlines ---------------------------------------------------------------------
 
 

@@ -7,8 +7,9 @@ running what is left of the grace period.
 
 Health: the overall status ("") is liveness: SERVING while the process serves. The
 ContextEngine service's status is readiness: it follows a `SELECT 1` against PostgreSQL
-every readiness interval, so a replica that cannot reach the database stops taking
-traffic without being restarted.
+every readiness interval, on a connection of its own (`serve`), so a replica that cannot
+reach the database stops taking traffic without being restarted, and one whose calls hold
+every connection of its pool does not.
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ async def build_server(
     credentials: grpc.ServerCredentials | None = None,
     readiness_interval: float = 5.0,
     readiness_timeout: float = 2.0,
+    readiness_pool: asyncpg.Pool | None = None,
 ) -> RunningServer:
     """Create, bind and start a server. Port 0 binds a free port (returned).
 
@@ -168,6 +170,10 @@ async def build_server(
     RpcObserver, the shutdown drain, auth (when `auth` is given), the request size limit
     (`max_message_bytes`), then `interceptors`.
     `credentials` makes the listener TLS (mTLS when they require client certificates).
+    `readiness_pool`: where readiness takes its connection (the engine's pool when None).
+    A pool of its own keeps a busy request pool, every connection held by calls queued on
+    a lock, from reading as PostgreSQL being away and every replica from turning
+    NOT_SERVING together under load.
     """
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
     from opentelemetry.instrumentation.grpc.filters import negate, service_name
@@ -231,7 +237,13 @@ async def build_server(
     for name in (SERVICE_NAME, ""):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     readiness = asyncio.create_task(
-        _follow_readiness(engine.pool, health_servicer, tel, readiness_interval, readiness_timeout),
+        _follow_readiness(
+            readiness_pool or engine.pool,
+            health_servicer,
+            tel,
+            readiness_interval,
+            readiness_timeout,
+        ),
         name="context-engine-readiness",
     )
     return RunningServer(server, port, health_servicer, engine, tel, readiness, drain)
@@ -302,6 +314,13 @@ async def serve(settings: Settings) -> None:
         raise StartupError(f"metrics_listen {settings.metrics_listen}: {exc.strerror}") from None
     memo_budget.set_limit(settings.render_memo_bytes)  # process-wide, like the memos
     engine, options = build_engine(pool, settings=settings), server_options(settings)
+    # Readiness asks PostgreSQL on a connection of its own (build_server).
+    try:
+        options["readiness_pool"] = await connect_pool(dsn, min_size=1, max_size=1)
+    except StoreUnavailableError as exc:
+        tel.shutdown()
+        await pool.close()
+        raise StartupError(str(exc)) from None
     # Before serving: the collection it makes stalls no call, and no call's objects are
     # frozen with start-up's.
     frozen = tune_collector(settings.gc_thresholds)
@@ -312,6 +331,7 @@ async def serve(settings: Settings) -> None:
         # Found only after the migrations, because build_server starts serving as soon as
         # it has bound; harmless, they are idempotent and every replica may apply them.
         tel.shutdown()
+        await options["readiness_pool"].close()
         await pool.close()
         raise StartupError(str(exc)) from None
     _log.info(
@@ -338,5 +358,6 @@ async def serve(settings: Settings) -> None:
     _log.info("shutting down: draining for up to %.1fs", settings.shutdown_grace_seconds)
     await running.stop(settings.shutdown_grace_seconds, settings.shutdown_linger_seconds)
     tel.shutdown()
+    await options["readiness_pool"].close()
     await pool.close()
     del embedded
