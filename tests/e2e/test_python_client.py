@@ -535,6 +535,10 @@ async def test_rotate_load_skill_update_working_state_and_a_child_run(client: An
     assert child.seed_event_sequence is None and child.checkpoint_version == 1
     plan = await session.rotate(pb.PLAN_REASON_AGENT_CHANGED, detail="v2")
     assert plan.epoch == session.plan.epoch == 2
+    typo = _spec()
+    typo.agent.enabled_tools.append("web.fetchh")
+    await session.rotate(pb.PLAN_REASON_AGENT_CHANGED, spec=typo)
+    assert session.unknown_tool_names == ("web.fetchh",)  # the rotated spec's, not Plan's
     tools = await client.control_tools()
     assert [t.name for t in tools] == ["context.update_working_state"]
 

@@ -403,8 +403,9 @@ export class Session {
     public plan: ContextPlan,
     readonly created: boolean,
     readonly specMatches: boolean,
-    /** Names the spec's agent enables or defers that no tool of it defines (typos). */
-    readonly unknownToolNames: string[] = [],
+    /** Names the spec's agent enables or defers that no tool of it defines (typos); a
+     * rotate sets them from its plan's spec. */
+    public unknownToolNames: string[] = [],
   ) {}
 
   get tenantId(): string {
@@ -505,6 +506,7 @@ export class Session {
       idempotency_key: opts.idempotencyKey ?? newKey(),
     });
     this.plan = response.plan!;
+    this.unknownToolNames = response.unknown_tool_names;
     return this.plan;
   }
 

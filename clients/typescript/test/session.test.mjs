@@ -312,6 +312,7 @@ test("a child's continued lineage does not become the session's plan", async () 
     sideEffect: 'SIDE_EFFECT_NETWORK_WRITE',
   });
   const session = await engine.openSession({ ...spec, tools: [...spec.tools, mail] });
+  assert.deepEqual(session.unknownToolNames, []);
   const parked = await session.startRun('Trains to Lyon?'); // epoch 1
   await session.startRun('Mail me.', { admission: { scopes: ['mail.send'] } });
   const swept = await session.rotate('PLAN_REASON_AGENT_CHANGED'); // a sweep: epoch 3
@@ -322,6 +323,10 @@ test("a child's continued lineage does not become the session's plan", async () 
   const plan = await session.rotate('PLAN_REASON_BUILDER_UPGRADED');
   assert.equal(plan.epoch, 5);
   assert.equal((await engine.session(session.sessionId)).plan.epoch, 5);
+  // A rotate's spec names its own unknown tools, which the session now reports.
+  const typo = { ...spec, agent: { ...spec.agent, enabled_tools: ['web.fetch', 'web.fetchh'] } };
+  await session.rotate('PLAN_REASON_AGENT_CHANGED', { spec: typo });
+  assert.deepEqual(session.unknownToolNames, ['web.fetchh']);
 });
 
 test('a spent deadline is a DeadlineExceededError', async () => {

@@ -544,7 +544,10 @@ class Session:
             detail=detail,
             idempotency_key=idempotency_key or _key(),
         )
-        self.plan = (await self.client.call("Rotate", request)).plan
+        response = await self.client.call("Rotate", request)
+        self.plan = response.plan
+        # The names the rotated plan's spec enables or defers that none of its tools defines.
+        self.unknown_tool_names = tuple(response.unknown_tool_names)
         return self.plan
 
     async def offer_fact_candidates(
