@@ -474,6 +474,14 @@ async def test_a_usage_report_that_fails_does_not_lose_the_final_answer(client: 
         report = await session.report_usage(build, usage)
         assert report.samples >= 1
 
+    # A report refused for what it says would fail again: raised, not kept.
+    async def bad_usage(build: BuildResult) -> ModelTurn:
+        return ModelTurn(text="Done.", usage=Usage(input_tokens=-1))
+
+    other = await session.start_run("And back?")
+    with pytest.raises(InvalidArgument):
+        await other.tool_loop(bad_usage, _fetch, now=NOW)
+
 
 async def test_the_tool_loop_compacts_when_the_body_does_not_fit(client: Any) -> None:
     _, run = await _run_over_its_budget(client)
@@ -539,6 +547,8 @@ async def test_rotate_load_skill_update_working_state_and_a_child_run(client: An
     typo.agent.enabled_tools.append("web.fetchh")
     await session.rotate(pb.PLAN_REASON_AGENT_CHANGED, spec=typo)
     assert session.unknown_tool_names == ("web.fetchh",)  # the rotated spec's, not Plan's
+    await session.rotate(pb.PLAN_REASON_BUILDER_UPGRADED)  # no spec: the pinned one's stand
+    assert session.unknown_tool_names == ("web.fetchh",)
     tools = await client.control_tools()
     assert [t.name for t in tools] == ["context.update_working_state"]
 

@@ -666,6 +666,28 @@ async def test_a_migration_that_fails_is_rolled_back_and_named_in_one_line() -> 
         await drop_database(dsn)
 
 
+async def test_a_role_that_may_not_migrate_is_told_so_in_one_line() -> None:
+    """A role that may not create tables in the database (PostgreSQL 15 revokes CREATE on
+    `public` from everyone but its owner) failed before the first migration, in a
+    traceback; it is one line, exit 1."""
+    dsn = await create_database(migrate=False)
+    role = f"ce_reader_{new_id()[:8]}"
+    await admin_execute(f'CREATE ROLE "{role}" LOGIN')
+    try:
+        database = dsn.rpartition("/")[2]
+        code, line = await _fails_in_one_line(
+            "migrate", "--database-url", dsn_on_test_server(database, user=role)
+        )
+        assert code == 1
+        assert line.startswith(
+            "context-engine migrate: cannot read the applied migrations"
+            " (InsufficientPrivilegeError:"
+        ), line
+    finally:
+        await drop_database(dsn)
+        await admin_execute(f'DROP ROLE IF EXISTS "{role}"')
+
+
 async def test_migrations_wait_past_the_pools_command_timeout() -> None:
     """The pool gives every statement a command timeout (10 s, for requests); a migration
     that rewrites a large table, or a second migrator waiting for the first's lock, takes

@@ -67,12 +67,18 @@ import type {
  * payload so changed bytes the parts never touched, and with them the provider's cache.
  */
 function canonicalJson(value: unknown): string {
-  if (Array.isArray(value)) return `[${value.map((v) => canonicalJson(v ?? null)).join(',')}]`;
+  // First as JSON.stringify reads it (toJSON, functions and undefined dropped, holes as
+  // null), then every object's keys sorted.
+  return sorted(JSON.parse(JSON.stringify(value)) as unknown);
+}
+
+function sorted(value: unknown): string {
+  if (Array.isArray(value)) return `[${value.map(sorted).join(',')}]`;
   if (value !== null && typeof value === 'object') {
-    const entries = Object.keys(value)
+    const object = value as Record<string, unknown>;
+    const entries = Object.keys(object)
       .sort()
-      .filter((k) => (value as Record<string, unknown>)[k] !== undefined)
-      .map((k) => `${JSON.stringify(k)}:${canonicalJson((value as Record<string, unknown>)[k])}`);
+      .map((k) => `${JSON.stringify(k)}:${sorted(object[k])}`);
     return `{${entries.join(',')}}`;
   }
   return JSON.stringify(value);
@@ -506,7 +512,8 @@ export class Session {
       idempotency_key: opts.idempotencyKey ?? newKey(),
     });
     this.plan = response.plan!;
-    this.unknownToolNames = response.unknown_tool_names;
+    // The server checks a spec sent; without one, the pinned spec's names stand.
+    if (opts.spec) this.unknownToolNames = response.unknown_tool_names;
     return this.plan;
   }
 
@@ -576,9 +583,10 @@ export interface ToolLoopResult {
   /** One per model turn that reported usage. */
   reports: ReportUsageResponse[];
   /**
-   * The reports that failed: each step's build, usage and error. Resend one with
-   * `session.reportUsage(build, usage)`: its key is the build's, so a report that landed
-   * with only its answer lost is not counted twice.
+   * The reports that could not reach the engine: each step's build, usage and
+   * UNAVAILABLE or DEADLINE_EXCEEDED error (any other refusal is thrown: it would fail
+   * again). Resend one with `session.reportUsage(build, usage)`: its key is the build's,
+   * so a report that landed with only its answer lost is not counted twice.
    */
   unreported: { build: BuildResult; usage: Usage; error: ContextEngineError }[];
 }
@@ -694,9 +702,10 @@ export class Run {
    * checkpoint: after an append whose answer was lost (a deadline passed while it
    * committed), calling toolLoop again builds what the log holds, and the model does not
    * ask for tools it has results of. Usage is reported after the append, and a report
-   * that fails is kept in the result (`unreported`) rather than thrown: the step's items
-   * are in the log, and throwing after the final answer was appended lost that answer to
-   * the caller, whose second toolLoop asked the model again and appended a second answer.
+   * that cannot reach the engine is kept in the result (`unreported`) rather than thrown:
+   * the step's items are in the log, and throwing after the final answer was appended lost
+   * that answer to the caller, whose second toolLoop asked the model again and appended a
+   * second answer. A report refused for what it says is thrown: it would fail again.
    */
   async toolLoop(opts: ToolLoopOptions): Promise<ToolLoopResult> {
     const builds: BuildResult[] = [];
@@ -740,7 +749,8 @@ export class Run {
         try {
           reports.push(await this.reportUsage(built, turn.usage));
         } catch (error) {
-          if (!(error instanceof ContextEngineError)) throw error;
+          // Refused for what it says (a bad usage, say): it would fail again.
+          if (!(error instanceof ContextEngineError) || !error.retryable) throw error;
           unreported.push({ build: built, usage: turn.usage, error });
         }
       }

@@ -327,6 +327,8 @@ test("a child's continued lineage does not become the session's plan", async () 
   const typo = { ...spec, agent: { ...spec.agent, enabled_tools: ['web.fetch', 'web.fetchh'] } };
   await session.rotate('PLAN_REASON_AGENT_CHANGED', { spec: typo });
   assert.deepEqual(session.unknownToolNames, ['web.fetchh']);
+  await session.rotate('PLAN_REASON_BUILDER_UPGRADED'); // no spec: the pinned one's stand
+  assert.deepEqual(session.unknownToolNames, ['web.fetchh']);
 });
 
 test('a spent deadline is a DeadlineExceededError', async () => {

@@ -57,11 +57,17 @@ async def apply_migrations(
     applied: list[str] = []
     await conn.execute("SELECT pg_advisory_lock($1)", _LOCK_KEY, timeout=_NO_TIMEOUT)
     try:
-        await conn.execute(
-            "CREATE TABLE IF NOT EXISTS schema_migrations ("
-            " version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
-        )
-        done = {r["version"] for r in await conn.fetch("SELECT version FROM schema_migrations")}
+        try:
+            await conn.execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations ("
+                " version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            rows = await conn.fetch("SELECT version FROM schema_migrations")
+        except asyncpg.PostgresError as exc:  # a role that may not create it, say
+            raise MigrationError(
+                f"cannot read the applied migrations ({type(exc).__name__}: {exc})"
+            ) from exc
+        done = {r["version"] for r in rows}
         for version, sql in migration_files() if files is None else files:
             if version in done:
                 continue

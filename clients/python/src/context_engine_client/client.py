@@ -111,7 +111,6 @@ def channel_options() -> list[tuple[str, Any]]:
         # call by default): a 300 kB tool result's AppendItems was never retried. Room for
         # the server's largest default request (4 MiB) and then some.
         ("grpc.per_rpc_retry_buffer_size", _RETRY_BUFFER_BYTES),
-        ("grpc.retry_buffer_size", 4 * _RETRY_BUFFER_BYTES),
         # A Build for a long-window model can exceed gRPC's 4 MiB receive default; the
         # server bounds what it sends (twice its max_request_bytes), so accept that.
         ("grpc.max_receive_message_length", -1),
@@ -414,9 +413,10 @@ class Summary:
 @dataclass(frozen=True, slots=True)
 class ToolLoopResult:
     """How a tool loop ended: the final model turn, every build and usage report, and
-    the reports that failed (`unreported`: each step's build, usage and error). Resend
-    one with `session.report_usage(build, usage)`: its key is the build's, so a report
-    that landed with only its answer lost is not counted twice."""
+    the reports that could not reach the engine (`unreported`: each step's build, usage
+    and Unavailable or DeadlineExceeded error). Resend one with
+    `session.report_usage(build, usage)`: its key is the build's, so a report that landed
+    with only its answer lost is not counted twice."""
 
     final: ModelTurn
     builds: list[BuildResult] = field(default_factory=list)
@@ -546,8 +546,8 @@ class Session:
         )
         response = await self.client.call("Rotate", request)
         self.plan = response.plan
-        # The names the rotated plan's spec enables or defers that none of its tools defines.
-        self.unknown_tool_names = tuple(response.unknown_tool_names)
+        if spec is not None:  # the server checks a spec sent; without one, the pinned spec's stand
+            self.unknown_tool_names = tuple(response.unknown_tool_names)
         return self.plan
 
     async def offer_fact_candidates(
@@ -785,10 +785,12 @@ class Run:
         append whose answer was lost (a deadline passed while it committed), calling
         tool_loop again builds what the log holds, so the model sees the results it
         already has instead of asking for its tools again. Usage is reported after the
-        append, and a report that fails is kept in the result (`unreported`) rather than
-        raised: the step's items are in the log, and raising after the final answer was
-        appended lost that answer to the caller, whose second tool_loop asked the model
-        again and appended a second answer.
+        append, and a report that fails for want of the engine (Unavailable,
+        DeadlineExceeded) is kept in the result (`unreported`) rather than raised: the
+        step's items are in the log, and raising after the final answer was appended lost
+        that answer to the caller, whose second tool_loop asked the model again and appended
+        a second answer. A report refused for what it says (InvalidArgument for a bad
+        Usage, say) is raised: it would fail again.
 
         Raises:
             NeedsCompaction: the body does not fit and no `summarize` was given.
@@ -837,6 +839,8 @@ class Run:
                 try:
                     reports.append(await self.report_usage(built, turn.usage))
                 except ContextEngineError as exc:
+                    if not exc.retryable:  # refused for what it says: it would fail again
+                        raise
                     unreported.append((built, turn.usage, exc))
             if not turn.tool_calls:
                 return ToolLoopResult(turn, builds, reports, unreported)

@@ -168,7 +168,8 @@ _BY_CODE: dict[grpc.StatusCode, type[ContextEngineError]] = {
 
 def _status(raw: Any) -> status_pb2.Status | None:
     """The details trailer's Status; None when absent or unreadable (the error is then
-    typed by its code and message alone, never a protobuf DecodeError)."""
+    typed by its code and message alone, never a protobuf DecodeError; likewise a detail
+    that cannot be read is left out)."""
     if not isinstance(raw, bytes):
         return None
     try:
@@ -190,10 +191,15 @@ def from_rpc_error(error: grpc.RpcError) -> ContextEngineError:
         for detail in status.details:
             info = error_details_pb2.ErrorInfo()
             bad = error_details_pb2.BadRequest()
-            if detail.Is(info.DESCRIPTOR) and detail.Unpack(info):
-                reason, domain, metadata = info.reason, info.domain, dict(info.metadata)
-            elif detail.Is(bad.DESCRIPTOR) and detail.Unpack(bad):
-                violations += [FieldViolation(v.field, v.description) for v in bad.field_violations]
+            try:
+                if detail.Is(info.DESCRIPTOR) and detail.Unpack(info):
+                    reason, domain, metadata = info.reason, info.domain, dict(info.metadata)
+                elif detail.Is(bad.DESCRIPTOR) and detail.Unpack(bad):
+                    violations += [
+                        FieldViolation(v.field, v.description) for v in bad.field_violations
+                    ]
+            except DecodeError:  # an unreadable detail is left out; the error stays typed
+                continue
     cls = _BY_CODE.get(code, ContextEngineError)
     return cls(
         code,
