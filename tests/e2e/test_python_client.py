@@ -539,7 +539,9 @@ async def test_rotate_load_skill_update_working_state_and_a_child_run(client: An
         writer=pb.WRITER_USER,
     )
     assert updated.checkpoint_version == run.checkpoint_version == 2
-    child = await session.start_child_run(run.run_id, "Look up the timetable.")
+    own_id = str(uuid.uuid4())
+    child = await session.start_child_run(run.run_id, "Look up the timetable.", run_id=own_id)
+    assert child.run_id == own_id  # named by the caller, as start_run allows
     assert child.seed_event_sequence is None and child.checkpoint_version == 1
     plan = await session.rotate(pb.PLAN_REASON_AGENT_CHANGED, detail="v2")
     assert plan.epoch == session.plan.epoch == 2

@@ -490,6 +490,17 @@ export class Session {
     return new Run(this, runId, checkpointVersion, this.plan.epoch);
   }
 
+  /** Re-read the current plan (or a given epoch); the current one becomes `plan`. */
+  async refreshPlan(epoch = 0): Promise<ContextPlan> {
+    const response = await this.client.call('GetPlan', {
+      tenant_id: this.tenantId,
+      session_id: this.sessionId,
+      epoch,
+    });
+    if (epoch === 0) this.plan = response.plan!;
+    return response.plan!;
+  }
+
   /**
    * Start a new prefix epoch from the current one. A lost race rejects with AbortedError.
    *

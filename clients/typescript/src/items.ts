@@ -55,7 +55,7 @@ export function toolResult(
       tool_name: name,
       content,
       trust: opts.trust ?? 'TRUST_LEVEL_EXTERNAL_UNTRUSTED',
-      source: opts.source ?? `tool:${name}`,
+      source: opts.source || `tool:${name}`, // empty too, as the Python client has it
       is_error: opts.isError ?? false,
       artifact_ref: opts.artifactRef ?? '',
     },

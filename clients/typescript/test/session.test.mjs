@@ -323,6 +323,11 @@ test("a child's continued lineage does not become the session's plan", async () 
   const plan = await session.rotate('PLAN_REASON_BUILDER_UPGRADED');
   assert.equal(plan.epoch, 5);
   assert.equal((await engine.session(session.sessionId)).plan.epoch, 5);
+  session.plan = swept; // as a stale copy would have it
+  assert.equal((await session.refreshPlan()).epoch, 5);
+  assert.equal(session.plan.epoch, 5);
+  assert.equal((await session.refreshPlan(1)).epoch, 1);
+  assert.equal(session.plan.epoch, 5); // an older epoch read is not the current plan
   // A rotate's spec names its own unknown tools, which the session now reports.
   const typo = { ...spec, agent: { ...spec.agent, enabled_tools: ['web.fetch', 'web.fetchh'] } };
   await session.rotate('PLAN_REASON_AGENT_CHANGED', { spec: typo });

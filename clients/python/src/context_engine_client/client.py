@@ -476,14 +476,21 @@ class Session:
         return self._run(await self.client.call("StartRun", request))
 
     async def start_child_run(
-        self, parent_run_id: str, instruction: str, *, idempotency_key: str | None = None
+        self,
+        parent_run_id: str,
+        instruction: str,
+        *,
+        run_id: str = "",
+        idempotency_key: str | None = None,
     ) -> Run:
         """Start a child run seeded by its parent's instruction over an empty history. The
         instruction is the parent agent's words, not the user's: Build sends it in the user
-        role at MODEL trust, inside a <delegated> envelope."""
+        role at MODEL trust, inside a <delegated> envelope. `run_id`: the child's id (the
+        server makes one when empty)."""
         request = pb.StartRunRequest(
             tenant_id=self.tenant_id,
             session_id=self.session_id,
+            run_id=run_id,
             idempotency_key=idempotency_key or _key(),
             child=pb.ChildSeed(parent_run_id=parent_run_id, instruction=instruction),
         )
