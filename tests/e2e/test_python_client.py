@@ -555,13 +555,9 @@ async def test_rotate_load_skill_update_working_state_and_a_child_run(client: An
     assert [t.name for t in tools] == ["context.update_working_state"]
 
 
-async def test_a_childs_continued_lineage_does_not_become_the_sessions_plan(
-    client: Any,
-) -> None:
-    """A child of a run parked behind a sweep continues its parent's lineage first, and
-    StartRun returns that continuation as rotated_plan. It is not the session's current
-    plan: Session.plan stays the current one, so the next rotate names it as from_epoch
-    instead of failing EPOCH_CONFLICT."""
+def _spec_with_mail() -> pb.PlanSpec:
+    """The spec, with a tool only a run admitted with the mail.send scope gets (its
+    admission rotates the session)."""
     spec = _spec()
     spec.tools.append(
         tool(
@@ -572,7 +568,35 @@ async def test_a_childs_continued_lineage_does_not_become_the_sessions_plan(
             side_effect=pb.SIDE_EFFECT_NETWORK_WRITE,
         )
     )
-    session = await client.open_session(spec)
+    return spec
+
+
+async def test_a_replayed_start_run_does_not_take_the_session_back_an_epoch(
+    client: Any,
+) -> None:
+    """A StartRun resent with its key replays the first answer, rotated_plan included.
+    When the session has rotated since, that plan is older than Session.plan: keeping it
+    would make the next rotate name a stale from_epoch (EPOCH_CONFLICT)."""
+    session = await client.open_session(_spec_with_mail())
+    admission = pb.RunAdmission(scopes=["mail.send"])
+    first = await session.start_run("Mail me.", admission=admission, idempotency_key="run-1")
+    assert session.plan.epoch == first.epoch == 2  # the admission rotated
+    rotated = await session.rotate(pb.PLAN_REASON_AGENT_CHANGED)
+    assert rotated.epoch == 3
+    again = await session.start_run("Mail me.", admission=admission, idempotency_key="run-1")
+    assert again.run_id == first.run_id  # the first answer, replayed
+    assert session.plan.epoch == 3
+    assert (await session.rotate(pb.PLAN_REASON_BUILDER_UPGRADED)).epoch == 4
+
+
+async def test_a_childs_continued_lineage_does_not_become_the_sessions_plan(
+    client: Any,
+) -> None:
+    """A child of a run parked behind a sweep continues its parent's lineage first, and
+    StartRun returns that continuation as rotated_plan. It is not the session's current
+    plan: Session.plan stays the current one, so the next rotate names it as from_epoch
+    instead of failing EPOCH_CONFLICT."""
+    session = await client.open_session(_spec_with_mail())
     parked = await session.start_run("Trains to Lyon?")  # epoch 1
     await session.start_run("Mail me.", admission=pb.RunAdmission(scopes=["mail.send"]))
     swept = await session.rotate(pb.PLAN_REASON_AGENT_CHANGED)  # a sweep: epoch 3

@@ -461,7 +461,12 @@ export class Session {
     });
     // A top-level run's rotated_plan is the session's current plan; a child's is its
     // parent's lineage continued, which need not be (docs/api.md, StartRun).
-    if (response.rotated_plan && !response.run!.parent_run_id) this.plan = response.rotated_plan;
+    // A resend replays the first answer, whose plan may since have been rotated past:
+    // never step back to an older epoch.
+    const rotated = response.rotated_plan;
+    if (rotated && !response.run!.parent_run_id && rotated.epoch > this.plan.epoch) {
+      this.plan = rotated;
+    }
     return new Run(this, response.run!.run_id, response.checkpoint_version, response.run!.epoch);
   }
 

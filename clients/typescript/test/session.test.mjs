@@ -303,6 +303,24 @@ test('skills, child runs and working state have methods of their own', async () 
   assert.equal(parent.checkpointVersion, 2);
 });
 
+test('a replayed startRun does not take the session back an epoch', async () => {
+  // The resend replays the first answer, rotated_plan included, older by now than
+  // session.plan: keeping it would make the next rotate name a stale from_epoch.
+  const mail = tool('mail.send', 'Send.', { type: 'object' }, {
+    requiredScopes: ['mail.send'],
+    sideEffect: 'SIDE_EFFECT_NETWORK_WRITE',
+  });
+  const session = await engine.openSession({ ...spec, tools: [...spec.tools, mail] });
+  const opts = { admission: { scopes: ['mail.send'] }, idempotencyKey: `run-${randomUUID()}` };
+  const first = await session.startRun('Mail me.', opts);
+  assert.equal(session.plan.epoch, 2); // the admission rotated
+  assert.equal((await session.rotate('PLAN_REASON_AGENT_CHANGED')).epoch, 3);
+  const again = await session.startRun('Mail me.', opts);
+  assert.equal(again.runId, first.runId); // the first answer, replayed
+  assert.equal(session.plan.epoch, 3);
+  assert.equal((await session.rotate('PLAN_REASON_BUILDER_UPGRADED')).epoch, 4);
+});
+
 test("a child's continued lineage does not become the session's plan", async () => {
   // A child of a run parked behind a sweep continues its parent's lineage first, and
   // StartRun returns that continuation as rotated_plan; session.plan stays the current

@@ -502,9 +502,16 @@ class Session:
 
     def _run(self, response: pb.StartRunResponse) -> Run:
         # A top-level run's rotated_plan is the session's current plan; a child's is its
-        # parent's lineage continued, which need not be (docs/api.md, StartRun).
-        if response.HasField("rotated_plan") and not response.run.parent_run_id:
-            self.plan = response.rotated_plan
+        # parent's lineage continued, which need not be (docs/api.md, StartRun). A resend
+        # replays the first answer, whose plan may since have been rotated past: never
+        # step back to an older epoch.
+        rotated = response.rotated_plan
+        if (
+            response.HasField("rotated_plan")
+            and not response.run.parent_run_id
+            and rotated.epoch > self.plan.epoch
+        ):
+            self.plan = rotated
         return Run(
             self,
             response.run.run_id,
