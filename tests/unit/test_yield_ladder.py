@@ -6,12 +6,23 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from context_engine.core import BuildInputs, Checkpoint, ModelFacts, PlanReason, make_plan
+from context_engine.core.assemble import assemble
 from context_engine.core.caps import CLASS_CAPS, Yields
-from context_engine.core.items import RecallLineItem, ToolResult
+from context_engine.core.items import (
+    AssistantMessage,
+    RecallLineItem,
+    SummaryItem,
+    ToolCall,
+    ToolResult,
+    UserMessage,
+)
+from context_engine.core.spec import AgentSpec, PlanSpec, PlatformPolicySpec
 from context_engine.core.trust import TrustLevel
 from context_engine.core.yield_ladder import (
     LADDER,
@@ -21,6 +32,8 @@ from context_engine.core.yield_ladder import (
     pointer_for,
     run_ladder,
 )
+
+from .strategies import count_tokens
 
 GATE = settings(max_examples=200, deadline=None)
 ORDER = [r.step for r in LADDER]
@@ -827,3 +840,70 @@ def test_capping_the_results_in_the_request_re_measures_nothing_per_result() -> 
     assert sum(t.truncated for t in body.run_results) > n // 2  # it did truncate them
     assert _Counted.additions < 10 * 3 * n, _Counted.additions
     assert reads <= n + 2, reads
+
+
+def test_a_result_truncated_then_cut_away_leaves_the_kept_history_as_it_is() -> None:
+    """A summary floor that covers a call but not its result (a checkpoint compacted
+    elsewhere) leaves the result an orphan at the carried history's start, which the cut
+    must pass. Under pressure the ladder truncated it to a pointer first, and the request
+    then wrote that pointer at its index less the cut, -1: over the newest kept item (here
+    the assistant's answer), or the pair check failed on a body that fits."""
+    secret = b"k" * 16
+    spec = PlanSpec(
+        model_id="m",
+        agent=AgentSpec(agent_id="a", version="1", instructions="Be brief."),
+        policy=PlatformPolicySpec(version="v1", text="Policy."),
+        reserve_output_tokens=1000,
+    )
+    plan = make_plan(
+        spec,
+        session_id="s",
+        epoch=1,
+        reason=PlanReason.SESSION_OPENED,
+        secret=secret,
+        model=ModelFacts("m", "anthropic", 5000, 1000),
+        count_tokens=count_tokens,
+    )
+    carried = (
+        UserMessage(item_id="u1", text="fetch it", sequence=1, run_id="r0"),
+        ToolCall(
+            item_id="tc1",
+            call_id="c1",
+            tool_name="web.fetch",
+            arguments_json="{}",
+            sequence=2,
+            run_id="r0",
+        ),
+        ToolResult(
+            item_id="tr1",
+            call_id="c1",
+            tool_name="web.fetch",
+            content="x " * 8000,
+            trust=TrustLevel.EXTERNAL_UNTRUSTED,
+            sequence=3,
+            run_id="r0",
+        ),
+        AssistantMessage(item_id="a1", text="Here is the page.", sequence=4, run_id="r0"),
+    )
+    checkpoint = Checkpoint(
+        run_id="r1",
+        version=1,
+        summary=SummaryItem(item_id="summary", text="Fetched a page."),
+        replaced_through_sequence=2,  # the call, not its result
+        items=(UserMessage(item_id="u2", text="thanks", sequence=5, run_id="r1"),),
+    )
+    assembled = assemble(
+        BuildInputs(
+            tenant_id="t",
+            plan=plan,
+            secret=secret,
+            checkpoint=checkpoint,
+            carried=carried,
+            now=datetime(2024, 1, 1, tzinfo=UTC),
+            count_tokens=count_tokens,
+        )
+    )
+    assert assembled.request is not None
+    kept = [item.item_id for _, item in assembled.placed]
+    assert kept == ["summary", "a1", "runtime", "u2"]  # the answer kept whole, no pointer
+    assert assembled.pressure.history_cut_index == 1

@@ -190,7 +190,10 @@ __all__ = [
 # @3's did for "<delegated". Plans keep the bytes they were made with (the builder version
 # is unchanged: rotating every session's plan to re-escape content that holds none of these
 # would cost every session its cache), so one made before escapes as it did until it
-# rotates.
+# rotates. And a carried result the ladder truncated before the cut settled past it (an
+# orphan a summary floor split from its call) is left out of the request; @11 wrote its
+# pointer over the newest kept item, or refused the Build (core/pressure.py), so such a
+# record does not rebuild.
 ASSEMBLER_VERSION = "context-assembler@12"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.

@@ -198,7 +198,9 @@ def fit_body(
     dropped |= {id(i) for i, _ in recall[body.recall_kept :]}
     pointers = {id(t.item): t for t in run_results if t.truncated}
     made = body.carried_results or ()  # None: no carried result was looked at, so none yielded
-    yielded = tuple(t.carried_index for t in made if t.truncated)
+    # Only those the request carries: a result the ladder truncated before the cut settled
+    # past it (an orphan the summary floor split from its call) is not in it at all.
+    yielded = tuple(t.carried_index for t in made if t.truncated and t.carried_index >= cut)
 
     truncated: set[int] = set(carried.excerpted)
     tokens: dict[str, int] = {}
