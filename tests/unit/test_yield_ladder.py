@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from context_engine.core import BuildInputs, Checkpoint, ModelFacts, PlanReason, make_plan
+from context_engine.core import BuildInputs, Checkpoint
 from context_engine.core.assemble import assemble
 from context_engine.core.caps import CLASS_CAPS, Yields
 from context_engine.core.items import (
@@ -22,7 +22,6 @@ from context_engine.core.items import (
     ToolResult,
     UserMessage,
 )
-from context_engine.core.spec import AgentSpec, PlanSpec, PlatformPolicySpec
 from context_engine.core.trust import TrustLevel
 from context_engine.core.yield_ladder import (
     LADDER,
@@ -33,7 +32,7 @@ from context_engine.core.yield_ladder import (
     run_ladder,
 )
 
-from .strategies import count_tokens
+from .strategies import count_tokens, small_plan
 
 GATE = settings(max_examples=200, deadline=None)
 ORDER = [r.step for r in LADDER]
@@ -849,21 +848,7 @@ def test_a_result_truncated_then_cut_away_leaves_the_kept_history_as_it_is() -> 
     then wrote that pointer at its index less the cut, -1: over the newest kept item (here
     the assistant's answer), or the pair check failed on a body that fits."""
     secret = b"k" * 16
-    spec = PlanSpec(
-        model_id="m",
-        agent=AgentSpec(agent_id="a", version="1", instructions="Be brief."),
-        policy=PlatformPolicySpec(version="v1", text="Policy."),
-        reserve_output_tokens=1000,
-    )
-    plan = make_plan(
-        spec,
-        session_id="s",
-        epoch=1,
-        reason=PlanReason.SESSION_OPENED,
-        secret=secret,
-        model=ModelFacts("m", "anthropic", 5000, 1000),
-        count_tokens=count_tokens,
-    )
+    plan = small_plan(5000, 0, 1000, secret=secret)
     carried = (
         UserMessage(item_id="u1", text="fetch it", sequence=1, run_id="r0"),
         ToolCall(
