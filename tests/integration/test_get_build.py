@@ -16,6 +16,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine.api.convert import request_from_proto, request_to_proto
+from context_engine.api.rpc_builds import rebuild
 from context_engine.api.server import build_engine
 from context_engine.cli import main
 from context_engine.core.assemble import StepContext
@@ -271,19 +272,25 @@ async def test_a_smaller_breakpoint_budget_sends_fewer_markers_and_replays_them(
 _NEWER_KEYS = (ASSEMBLER_KEY, PAYLOAD_KEY, IMAGE_KEY, INLINE_KEY)
 
 
-async def _rewrite_record(pool: Any, session_id: str, sequence: int, change: Any) -> None:
+async def _rewrite_record(
+    pool: Any, session_id: str, sequence: int, change: Any, *, recount: Any = None
+) -> None:
     """Rewrite a model.request.started record in place (`change` maps its payload to the
-    new one): a record as an older builder wrote it, without needing that builder."""
+    new one): a record as an older builder wrote it, without needing that builder. With
+    `recount` (an Engine), its figures are set to those the rewritten record's assembler
+    counted (before @13, without the renderers' fixed texts: core/body_estimate.py Rule 6;
+    tests/unit/test_fixed_texts.py checks that counting against @12's own figures)."""
     async with pool.acquire() as conn:
         where = "WHERE session_id = $1 AND sequence = $2"
         payload = await conn.fetchval(
             f"SELECT payload FROM session_events {where}", UUID(session_id), sequence
         )
+        changed = change(dict(payload))
+        if recount is not None:
+            rebuilt = await rebuild(recount, TENANT, UUID(session_id), changed)
+            changed = {**changed, **estimate_to_record(rebuilt.assembled)}
         await conn.execute(
-            f"UPDATE session_events SET payload = $3 {where}",
-            UUID(session_id),
-            sequence,
-            change(dict(payload)),
+            f"UPDATE session_events SET payload = $3 {where}", UUID(session_id), sequence, changed
         )
 
 
@@ -379,7 +386,7 @@ async def test_a_build_records_its_assembler_and_payload_hash(stub: Any, pool: A
     from one it does not."""
     session_id, built = await _failed_result_build(stub, "gpt-5")
     payload = await _recorded(pool, session_id, built.request_sequence)
-    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@12"
+    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@13"
     assert payload[PAYLOAD_KEY] == hashlib.sha256(built.provider_payload).hexdigest()
     assert isinstance(payload[IMAGE_KEY], int) and isinstance(payload[INLINE_KEY], int)
     assert TOOL_ERROR_AS_TEXT.encode() in built.provider_payload
@@ -387,7 +394,7 @@ async def test_a_build_records_its_assembler_and_payload_hash(stub: Any, pool: A
 
 
 async def test_get_build_of_a_record_hashed_whole_answers_with_its_recorded_hash(
-    stub: Any, pool: Any
+    stub: Any, pool: Any, grpc_server: Any
 ) -> None:
     """context-assembler@7 hashes a request in parts (core/request.py
     Rule 1); @6 recorded the canonical request hashed whole. The bytes are the same, so
@@ -401,6 +408,7 @@ async def test_get_build_of_a_record_hashed_whole_answers_with_its_recorded_hash
         session_id,
         built.request_sequence,
         lambda p: {**p, ASSEMBLER_KEY: "context-assembler@6", "request_sha256": whole},
+        recount=grpc_server.engine,
     )
     again = await _get(stub, session_id, built.request_sequence)
     assert again.request_sha256 == whole
@@ -443,7 +451,7 @@ _REUSED = {
 @pytest.mark.parametrize("first_run", list(_REUSED))
 @pytest.mark.parametrize("assembler", ["context-assembler@7", "context-assembler@6"])
 async def test_runs_that_reuse_item_ids_get_markers_on_their_own_items(
-    stub: Any, pool: Any, first_run: str, assembler: str
+    stub: Any, pool: Any, grpc_server: Any, first_run: str, assembler: str
 ) -> None:
     """Item ids are unique within a run only. A worker that numbers each run's items alike
     gets its history markers on the items they close, the carried history's last and the
@@ -486,6 +494,7 @@ async def test_runs_that_reuse_item_ids_get_markers_on_their_own_items(
         session_id,
         built.request_sequence,
         lambda p: {**p, ASSEMBLER_KEY: assembler, "request_sha256": recorded},
+        recount=grpc_server.engine,
     )
     await _rewrite_record(
         pool, session_id, built.request_sequence, lambda p: {**p, PAYLOAD_KEY: sha256_hex(sent)}
@@ -542,6 +551,7 @@ async def test_a_result_sent_as_its_excerpt_is_marked_and_an_older_record_rebuil
         StepContext(),
         record=False,
         marked_excerpts=False,
+        fixed_texts=False,  # @8 counted no renderer's fixed text
     )
     assert rebuilt.rendered is not None and rebuilt.rendered.body == sent
     figures = estimate_to_record(rebuilt.assembled)
@@ -576,7 +586,7 @@ _LINE = json.dumps(TOOL_ERROR_AS_TEXT + "\n")[1:-1].encode()
     ("model_id", "revoke_tools"), [("gpt-5", False), ("claude-sonnet-4-5", True)]
 )
 async def test_get_build_of_a_legacy_record_serves_failed_results_as_they_were_sent(
-    stub: Any, pool: Any, model_id: str, revoke_tools: bool
+    stub: Any, pool: Any, grpc_server: Any, model_id: str, revoke_tools: bool
 ) -> None:
     """docs/api.md GetBuild: "the same bytes and hashes". context-assembler@1 sent a failed
     result to OpenAI, and to Anthropic without tools, without the "(The tool call failed.)"
@@ -586,7 +596,9 @@ async def test_get_build_of_a_legacy_record_serves_failed_results_as_they_were_s
     session_id, built = await _failed_result_build(stub, model_id, revoke_tools=revoke_tools)
     assert _LINE in built.provider_payload
     legacy = _as_recorded_by_legacy(built)
-    await _rewrite_record(pool, session_id, built.request_sequence, legacy)
+    await _rewrite_record(
+        pool, session_id, built.request_sequence, legacy, recount=grpc_server.engine
+    )
 
     again = await _get(stub, session_id, built.request_sequence)
     # The hash it recorded (the neutral request's: the same either way), not today's.
@@ -606,7 +618,7 @@ def _without_call_ids(payload: bytes) -> bytes:
 
 
 async def test_get_build_of_an_assembler_10_record_serves_its_text_form_as_it_was_sent(
-    stub: Any, pool: Any
+    stub: Any, pool: Any, grpc_server: Any
 ) -> None:
     """context-assembler@11 names each pair's call id in Anthropic's no-tools text form;
     @10 named none. The neutral request is the same, so GetBuild of an @10 record renders
@@ -625,6 +637,7 @@ async def test_get_build_of_an_assembler_10_record_serves_its_text_form_as_it_wa
             ASSEMBLER_KEY: "context-assembler@10",
             PAYLOAD_KEY: hashlib.sha256(older).hexdigest(),
         },
+        recount=grpc_server.engine,
     )
     again = await _get(stub, session_id, built.request_sequence)
     assert (again.request_sha256, again.provider_payload) == (built.request_sha256, older)
@@ -696,6 +709,7 @@ async def test_get_build_of_an_older_child_record_serves_its_instruction_as_it_w
         record=False,
         delegated_messages=False,
         marker_sequences=False,
+        fixed_texts=False,
     )
     assert as_sent.assembled.request is not None
     assert as_sent.assembled.request.canonical_sha256() == request_sha256
@@ -877,6 +891,7 @@ async def test_the_working_state_names_its_writers_and_an_assembler_11_record_is
         step,
         record=False,
         named_writers=False,
+        fixed_texts=False,
     )
     assert as_sent.assembled.request is not None and as_sent.rendered is not None
     older_block = _working_state(request_to_proto(as_sent.assembled.request))

@@ -32,7 +32,7 @@ from context_engine.core import (
 )
 from context_engine.core import carried as carried_module
 from context_engine.core import pressure as pressure_module
-from context_engine.core.body_estimate import block_tokens
+from context_engine.core.body_estimate import block_tokens, fixed_texts_of, request_framing
 from context_engine.core.budget import allocate
 from context_engine.core.cache_hints import cache_breakpoints
 from context_engine.core.canonical import canonical_bytes
@@ -319,11 +319,18 @@ def _never_yield_ids(session: Session) -> set[str]:
 @given(sessions())
 def test_budget_conformance_and_pair_integrity_on_every_path(session: Session) -> None:
     plan, inputs = _build(session)
+    # What every request pays beyond its blocks (reply priming, a placeholder turn) comes
+    # off the body first (core/budget.py Rule 7).
+    framing = request_framing(count, session.factor_ppm)
+    assert framing > 0
+    # This plan defines no tools: its pairs go as text, and their words are counted.
+    fixed = fixed_texts_of(plan.provider, bool(plan.tools))
     budget = allocate(
         context_window=plan.context_window,
         policy_cap_tokens=plan.policy_cap_tokens,
         reserve_output_tokens=plan.max_output_tokens,
         prefix_tokens=plan.prefix_tokens,
+        framing_tokens=framing,
     )
     try:
         built = assemble(inputs)
@@ -355,17 +362,17 @@ def test_budget_conformance_and_pair_integrity_on_every_path(session: Session) -
     # measured independently from its blocks, is within what the allocator granted.
     assert request.max_output_tokens == plan.max_output_tokens == session.reserve
     body = sum(
-        block_tokens(b, AssistantMessage(text=""), count, session.factor_ppm)
+        block_tokens(b, AssistantMessage(text=""), count, session.factor_ppm, fixed_texts=fixed)
         for b in _blocks(request)
     )
     assert body == built.body_estimated_tokens == pressure.body_tokens_after
     assert body <= budget.body_tokens
     assert (
-        plan.prefix_tokens + body + plan.max_output_tokens
+        plan.prefix_tokens + framing + body + plan.max_output_tokens
         <= budget.total_tokens
         <= plan.context_window
     )
-    assert built.estimated_input_tokens == plan.prefix_tokens + body
+    assert built.estimated_input_tokens == plan.prefix_tokens + framing + body
     # Tool pairs are atomic on every yield path.
     assert _orphans(request) == set()
     # Never-yield items are in the request, untruncated.
@@ -670,20 +677,24 @@ def test_results_over_their_class_cap_do_not_make_knowledge_yield() -> None:
     cap=st.integers(0, 2_000_000),
     reserve=st.integers(0, 200_000),
     prefix=st.integers(0, 30_000),
+    framing=st.integers(0, 100),
 )
 def test_the_allocator_subtracts_the_reserve_first_and_holds_the_margin(
-    window: int, cap: int, reserve: int, prefix: int
+    window: int, cap: int, reserve: int, prefix: int, framing: int
 ) -> None:
     budget = allocate(
         context_window=window,
         policy_cap_tokens=cap,
         reserve_output_tokens=reserve,
         prefix_tokens=prefix,
+        framing_tokens=framing,
     )
     assert budget.total_tokens == (min(window, cap) if cap else window)
     assert budget.input_tokens == budget.total_tokens - reserve
     available = budget.input_tokens - prefix
-    assert budget.body_tokens + budget.margin_tokens == available
+    # The request's framing comes off the body, the margin is held on what is available.
+    assert budget.body_tokens + budget.margin_tokens + framing == available
+    assert budget.framing_tokens == framing
     if available > 0:
         assert budget.margin_tokens * 1_000_000 >= available * SAFETY_MARGIN_PPM
         assert (budget.margin_tokens - 1) * 1_000_000 < available * SAFETY_MARGIN_PPM
@@ -1031,9 +1042,11 @@ def test_a_view_serves_any_history_with_its_window_and_only_those(
             policy_cap_tokens=inputs.plan.policy_cap_tokens,
             reserve_output_tokens=inputs.plan.max_output_tokens,
             prefix_tokens=inputs.plan.prefix_tokens,
+            framing_tokens=request_framing(count, inputs.estimator_factor_ppm),
         )
     )
-    key = (SECRET, count, inputs.estimator_factor_ppm, inputs.image_tokens)
+    fixed = fixed_texts_of(inputs.plan.provider, bool(inputs.plan.tools))
+    key = (SECRET, count, inputs.estimator_factor_ppm, inputs.image_tokens, fixed)
     slot = (id(other), reach, inputs.inline_maximum_bytes, *key)
     carried_module._TABLE[slot] = view
     reused = assemble(replace(inputs, carried=other))
@@ -1322,7 +1335,7 @@ def test_a_builds_cut_sums_the_history_once_per_costs_it_is_read_at(
         factor_ppm=1_000_000,
     )
     _, inputs = _build(session, window=2_000_000)
-    segment = assembly._view(inputs, assembly._budget(inputs.plan)).segment(0)
+    segment = assembly._view(inputs, assembly._budget(inputs)).segment(0)
     assert len(segment.results) == 120
     yielded_list = list(segment.costs)
     for index, _, pointer in segment.results[::2]:

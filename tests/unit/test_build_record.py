@@ -19,6 +19,7 @@ from context_engine.core.build_record import (
     assembler_of,
     delegated_messages,
     failed_result_line,
+    fixed_texts,
     image_tokens_of,
     inputs_from_record,
     inputs_to_record,
@@ -108,7 +109,7 @@ def test_only_a_record_of_context_assembler_3_on_read_a_childs_messages_as_its_p
     legacy = _record()
     assert delegated_messages(legacy) is False
     assert delegated_messages({**legacy, ASSEMBLER_KEY: "context-assembler@2"}) is False
-    assert ASSEMBLER_VERSION == "context-assembler@12"
+    assert ASSEMBLER_VERSION == "context-assembler@13"
     assert delegated_messages({**legacy, ASSEMBLER_KEY: ASSEMBLER_VERSION}) is True
 
 
@@ -119,6 +120,15 @@ def test_only_a_record_of_context_assembler_11_on_named_call_ids_in_the_text_for
     assert text_call_ids(legacy) is False
     assert text_call_ids({**legacy, ASSEMBLER_KEY: "context-assembler@10"}) is False
     assert text_call_ids({**legacy, ASSEMBLER_KEY: ASSEMBLER_VERSION}) is True
+
+
+def test_only_a_record_of_context_assembler_13_on_counted_the_renderers_fixed_texts() -> None:
+    """Rule 9: @12 and older estimated no failed result's line and no request framing;
+    GetBuild counts their records so, and their figures match."""
+    legacy = _record()
+    assert fixed_texts(legacy) is False
+    assert fixed_texts({**legacy, ASSEMBLER_KEY: "context-assembler@12"}) is False
+    assert fixed_texts({**legacy, ASSEMBLER_KEY: ASSEMBLER_VERSION}) is True
 
 
 def test_only_a_record_of_context_assembler_12_on_named_the_working_states_writers() -> None:

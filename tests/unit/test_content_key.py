@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from context_engine.core import assemble, memo_budget
 from context_engine.core import carried as carried_module
-from context_engine.core.body_estimate import attached_content, block_tokens
+from context_engine.core.body_estimate import FixedTexts, attached_content, block_tokens
 from context_engine.core.content_key import ContentMemo, content_key
 from context_engine.core.errors import EngineError
 from context_engine.core.estimator import IMAGE_TOKENS
@@ -206,7 +206,7 @@ def test_the_render_and_cost_memos_answer_by_content_what_rendering_afresh_gives
 
     assembly = importlib.import_module("context_engine.core.assemble")
     count, _, _, _ = _context(secret)
-    args = (count_tokens, 1_250_000, IMAGE_TOKENS)
+    args = (count_tokens, 1_250_000, IMAGE_TOKENS, FixedTexts.BLOCKS)
     for item in history:
         for truncated in (False, True):
             assembly._render_memo(item, Row.CONVERSATION, secret, truncated)

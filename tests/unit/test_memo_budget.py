@@ -541,7 +541,7 @@ def test_a_history_grown_by_new_turns_charges_its_view_for_the_new_items_only() 
     def view_charge(history: tuple[Any, ...]) -> int:
         inputs = _next_run(history, inline_maximum_bytes=4 * size, at=5)
         before = memo_budget.held(memo_budget.COMPOSED)
-        view_of(inputs, budget_of(inputs.plan))
+        view_of(inputs, budget_of(inputs))
         return memo_budget.held(memo_budget.COMPOSED) - before
 
     assert view_charge(old) >= size

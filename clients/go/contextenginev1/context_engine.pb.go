@@ -4754,7 +4754,11 @@ type BuildResponse struct {
 	ProviderPayload []byte `protobuf:"bytes,11,opt,name=provider_payload,json=providerPayload,proto3" json:"provider_payload,omitempty"`
 	// Which API provider_payload is for: "anthropic.messages" or "openai.responses".
 	ProviderApi string `protobuf:"bytes,12,opt,name=provider_api,json=providerApi,proto3" json:"provider_api,omitempty"`
-	// Conservative estimate of the request's input tokens (prefix exact + body estimated).
+	// Conservative estimate of the request's input tokens: prefix exact + body estimated
+	// + the request's own framing (the reply priming and a provider's placeholder turn,
+	// counted on every request since context-assembler@13). The body's estimate counts
+	// the texts a renderer adds of its own (a failed result's "(The tool call failed.)"
+	// line; without tools, Anthropic's text form of each tool pair).
 	EstimatedInputTokens int64 `protobuf:"varint,13,opt,name=estimated_input_tokens,json=estimatedInputTokens,proto3" json:"estimated_input_tokens,omitempty"`
 	// The total budget: min(model window, policy cap) minus the output reserve.
 	InputBudgetTokens int64 `protobuf:"varint,14,opt,name=input_budget_tokens,json=inputBudgetTokens,proto3" json:"input_budget_tokens,omitempty"`
@@ -5082,7 +5086,8 @@ type PressureReport struct {
 	BodyTokensBefore int64 `protobuf:"varint,3,opt,name=body_tokens_before,json=bodyTokensBefore,proto3" json:"body_tokens_before,omitempty"`
 	// Estimated body tokens after yielding.
 	BodyTokensAfter int64 `protobuf:"varint,4,opt,name=body_tokens_after,json=bodyTokensAfter,proto3" json:"body_tokens_after,omitempty"`
-	// The body's budget (total input budget minus the exact prefix, less the margin).
+	// The body's budget: total input budget minus the exact prefix, less the margin and
+	// the request's framing (see BuildResponse.estimated_input_tokens).
 	BodyBudgetTokens int64 `protobuf:"varint,5,opt,name=body_budget_tokens,json=bodyBudgetTokens,proto3" json:"body_budget_tokens,omitempty"`
 	// Item ids of carried tool results replaced by deterministic excerpts before selection
 	// (legacy results over the inline limit).

@@ -944,6 +944,7 @@ class Engine:
         marked_excerpts: bool = True,
         text_call_ids: bool = True,
         named_writers: bool = True,
+        fixed_texts: bool = True,
     ) -> BuildResult:
         """Assemble, render and record the run's next request.
 
@@ -964,7 +965,9 @@ class Engine:
         `text_call_ids` False: tool pairs sent as text (Anthropic without tools) name no
         call ids, as context-assembler@10 and older sent them. `named_writers` False: the
         working-state block names no fact's writer, as context-assembler@11 and older
-        rendered it.
+        rendered it. `fixed_texts` False: the estimate counts no renderer's fixed text (a
+        failed result's line, the request's framing), as context-assembler@12 and older
+        counted (core/body_estimate.py, Rule 6).
 
         A recording Build of a run this replica has built before is made from the run head
         it kept, which the record confirms in the same round trip (store/records.py): if
@@ -991,6 +994,7 @@ class Engine:
             marked_excerpts=marked_excerpts,
             text_call_ids=text_call_ids,
             named_writers=named_writers,
+            fixed_texts=fixed_texts,
         )
         heads = self._heads(tenant, session_id) if record else None
         kept = heads.by_run.get(run_id) if heads is not None else None
@@ -1029,6 +1033,7 @@ class Engine:
         marked_excerpts: bool,
         text_call_ids: bool,
         named_writers: bool,
+        fixed_texts: bool,
     ) -> BuildResult:
         """build() from the `kept` head, which the record must confirm (_StaleHead if it
         does not; nothing is written before then), or from a head read now (None)."""
@@ -1127,6 +1132,7 @@ class Engine:
                 count_tokens=count_tokens,
                 image_tokens=image_tokens,
                 inline_maximum_bytes=inline_maximum_bytes,
+                fixed_texts=fixed_texts,
             )
             if inputs.carried_before:  # with nothing before it, what was read reaches
                 inputs = await self._carried_reaching(tenant, session_id, inputs, carried)

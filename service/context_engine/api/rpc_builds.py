@@ -41,6 +41,7 @@ from ..core.build_record import (
     delegated_messages,
     estimate_differs,
     failed_result_line,
+    fixed_texts,
     image_tokens_of,
     inputs_from_record,
     marked_excerpts,
@@ -59,7 +60,7 @@ from .wire import EncodedBuildResponse
 if TYPE_CHECKING:
     from .engine import BuildResult, Engine
 
-__all__ = ["REQUEST_EVENT", "BuildsRpcs"]
+__all__ = ["REQUEST_EVENT", "BuildsRpcs", "rebuild"]
 
 REQUEST_EVENT = "model.request.started"
 
@@ -86,38 +87,10 @@ class BuildsRpcs:
         payload = await _recorded_request(self.engine, tenant, session_id, request.request_sequence)
         if payload.get(REDACTED_KEY):
             raise _redacted(request.request_sequence, "its recall lines")
-        now, step = inputs_from_record(payload)
         sequence = request.request_sequence
         recorded = assembler_of(payload)
         try:
-            result = await self.engine.build(
-                tenant,
-                session_id,
-                UUID(payload["run_id"]),
-                int(payload["checkpoint_version"]),
-                now,
-                step,
-                epoch=int(payload["epoch"]),
-                record=False,
-                # Skills are sticky and append-only: the first N loaded are the ones it saw.
-                skills_loaded=payload.get("skills_loaded"),
-                # The markers it was sent with, whatever the registry says now.
-                breakpoint_budget=payload.get(BUDGET_KEY),
-                # The figures it was cut with, and its failed results as they were sent.
-                image_tokens=image_tokens_of(payload),
-                inline_maximum_bytes=payload.get(INLINE_KEY),
-                failed_result_line=failed_result_line(payload),
-                # A child run's user messages as it read them: the parent's from @3 on.
-                delegated_messages=delegated_messages(payload),
-                # Its cache markers as it named them: by id alone before @8.
-                marker_sequences=marker_sequences(payload),
-                # Its tool-pipeline excerpts as it sent them: unmarked before @9.
-                marked_excerpts=marked_excerpts(payload),
-                # Its tool pairs as text as it sent them: naming no call ids before @11.
-                text_call_ids=text_call_ids(payload),
-                # Its working-state block as it sent it: naming no fact's writer before @12.
-                named_writers=named_writers(payload),
-            )
+            result = await rebuild(self.engine, tenant, session_id, payload)
         except (InvalidFieldError, PreconditionError) as exc:
             # A refusal now (BUDGET_EXCEEDED under a later estimator, say) of what was built
             # and sent then: the record cannot be rebuilt, and the caller asked nothing wrong.
@@ -147,6 +120,49 @@ class BuildsRpcs:
                 tokenizers=(counted, tokenizer) if isinstance(counted, str) else None,
             )
         return self.build_response(replace(result, request_sequence=sequence))
+
+
+async def rebuild(
+    engine: Engine, tenant: str, session_id: UUID, payload: dict[str, Any]
+) -> BuildResult:
+    """The request a model.request.started `payload` records, built again as the assembler
+    that recorded it built it (core/build_record.py, Rules 7 to 9), without recording it.
+    GetBuild then checks the bytes and figures against the record.
+
+    Raises:
+        what Engine.build raises.
+    """
+    now, step = inputs_from_record(payload)
+    return await engine.build(
+        tenant,
+        session_id,
+        UUID(payload["run_id"]),
+        int(payload["checkpoint_version"]),
+        now,
+        step,
+        epoch=int(payload["epoch"]),
+        record=False,
+        # Skills are sticky and append-only: the first N loaded are the ones it saw.
+        skills_loaded=payload.get("skills_loaded"),
+        # The markers it was sent with, whatever the registry says now.
+        breakpoint_budget=payload.get(BUDGET_KEY),
+        # The figures it was cut with, and its failed results as they were sent.
+        image_tokens=image_tokens_of(payload),
+        inline_maximum_bytes=payload.get(INLINE_KEY),
+        failed_result_line=failed_result_line(payload),
+        # A child run's user messages as it read them: the parent's from @3 on.
+        delegated_messages=delegated_messages(payload),
+        # Its cache markers as it named them: by id alone before @8.
+        marker_sequences=marker_sequences(payload),
+        # Its tool-pipeline excerpts as it sent them: unmarked before @9.
+        marked_excerpts=marked_excerpts(payload),
+        # Its tool pairs as text as it sent them: naming no call ids before @11.
+        text_call_ids=text_call_ids(payload),
+        # Its working-state block as it sent it: naming no fact's writer before @12.
+        named_writers=named_writers(payload),
+        # Its estimate as it counted it: no renderer's fixed text before @13.
+        fixed_texts=fixed_texts(payload),
+    )
 
 
 def _hashed_whole(result: BuildResult) -> BuildResult:

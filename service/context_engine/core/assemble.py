@@ -28,7 +28,14 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from .attachment_sends import MessageAttachments, attachment_sends, with_attachments
-from .body_estimate import attached_content, block_tokens, share_attachment_budget
+from .body_estimate import (
+    FixedTexts,
+    attached_content,
+    block_tokens,
+    fixed_texts_of,
+    request_framing,
+    share_attachment_budget,
+)
 from .budget import ContextBudget, allocate
 from .cache_hints import cache_breakpoints
 from .carried import CarriedView, carried_view
@@ -112,6 +119,9 @@ class BuildInputs:
     # the log newest first: core/log_tail.py), how many carried items above the summary
     # floor precede it. It must reach as far back as any fitting request (carried_reaches).
     carried_before: int = 0
+    # Whether the estimate counts the renderers' fixed texts (core/body_estimate.py Rule
+    # 6); False only to rebuild a context-assembler@12 or older record as it was counted.
+    fixed_texts: bool = True
 
     @property
     def estimator_factor_ppm(self) -> int:
@@ -164,7 +174,7 @@ def assemble(inputs: BuildInputs) -> Assembled:
         BudgetExceededError: the never-yield set alone exceeds the body.
     """
     plan = inputs.plan
-    budget = _budget(plan)
+    budget = _budget(inputs)
     view = _view(inputs, budget)
     if not view.covered(inputs.carried_before):
         raise EngineError(
@@ -220,16 +230,32 @@ def carried_reaches(inputs: BuildInputs) -> bool:
     """Whether `inputs.carried` reaches as far back as any fitting request can: assemble
     decides the same with or without the `carried_before` items before it (their number
     is all it reports of them). The shell reads the log further back until it does."""
-    return _view(inputs, _budget(inputs.plan)).covered(inputs.carried_before)
+    return _view(inputs, _budget(inputs)).covered(inputs.carried_before)
 
 
-def _budget(plan: ContextPlan) -> ContextBudget:
+def _budget(inputs: BuildInputs) -> ContextBudget:
+    plan = inputs.plan
     return allocate(
         context_window=plan.context_window,
         policy_cap_tokens=plan.policy_cap_tokens,
         reserve_output_tokens=plan.max_output_tokens,
         prefix_tokens=plan.prefix_tokens,
+        framing_tokens=_framing(
+            inputs.count_tokens, inputs.estimator_factor_ppm, inputs.fixed_texts
+        ),
     )
+
+
+def _fixed(inputs: BuildInputs) -> FixedTexts:
+    """The renderers' fixed texts the items' estimates count (core/body_estimate.py Rule 6):
+    a plan's roster, and so the form its pairs take, is fixed for its epoch."""
+    plan = inputs.plan
+    return fixed_texts_of(plan.provider, bool(plan.tools), inputs.fixed_texts)
+
+
+# Counted once per counter and factor, not on every Build (a counter is one function per
+# model and tokenizer in the shell).
+_framing = bounded_cache(64)(request_framing)
 
 
 def _view(inputs: BuildInputs, budget: ContextBudget) -> CarriedView:
@@ -238,11 +264,11 @@ def _view(inputs: BuildInputs, budget: ContextBudget) -> CarriedView:
     # it derives: it is handed the unmemoized counter, and a renderer that stores nothing
     # but finds the block a run's own item was placed as).
     secret, count, factor = inputs.secret, inputs.count_tokens, inputs.estimator_factor_ppm
-    images = inputs.image_tokens
+    images, fixed = inputs.image_tokens, _fixed(inputs)
     return carried_view(
         inputs.carried,
-        (secret, count, factor, images),
-        lambda block, item: block_tokens(block, item, count, factor, images),
+        (secret, count, factor, images, fixed),
+        lambda block, item: block_tokens(block, item, count, factor, images, fixed),
         lambda item: attached_content(item, images),
         lambda row, item, truncated: _rendered_before(row, item, secret, truncated),
         inputs.inline_maximum_bytes,
@@ -317,7 +343,7 @@ def _outcome(
         needs_compaction=not fitted.fits,
         pressure=fitted.report,
         budget=(*plan.prefix_classes, *fitted.usage),
-        estimated_input_tokens=plan.prefix_tokens + fitted.body_tokens,
+        estimated_input_tokens=plan.prefix_tokens + budget.framing_tokens + fitted.body_tokens,
         input_budget_tokens=budget.input_tokens,
         body_estimated_tokens=fitted.body_tokens,
         estimator_factor_ppm=inputs.estimator_factor_ppm,
@@ -349,10 +375,10 @@ def _cost(
     (carried items are costed once per run: core/carried.py), less what `lowered` says of
     it (by id(): its attachment content beyond its share of the request's budget)."""
     count, factor, secret = inputs.count_tokens, inputs.estimator_factor_ppm, inputs.secret
-    images = inputs.image_tokens
+    images, fixed = inputs.image_tokens, _fixed(inputs)
 
     def cost(row: Row, item: ContextItem, truncated: bool) -> int:
-        return _cost_memo(item, row, secret, truncated, count, factor, images)
+        return _cost_memo(item, row, secret, truncated, count, factor, images, fixed)
 
     if not lowered:
         return cost  # most requests: no message of the run carries attachments
@@ -399,9 +425,10 @@ def _item_cost(
     count: Callable[[str], int],
     factor: int,
     image_tokens: int,
+    fixed_texts: FixedTexts,
 ) -> int:
     block = _render_memo(item, row, secret, truncated)
-    return block_tokens(block, item, count, factor, image_tokens)
+    return block_tokens(block, item, count, factor, image_tokens, fixed_texts)
 
 
 _cost_memo = ContentMemo(_item_cost, _MEMO_SIZE)

@@ -18,34 +18,101 @@ cost then depends only on what is newer than it, and over the newest items of a 
 min(budget, their content): costs stay a sum over items, so the history cut is still
 the largest suffix that fits, and the request's estimate is the request-wide bound.
 Rule 5: pure: the same block, counter and factor give the same number.
+Rule 6 (fixed texts): what a renderer adds of its own (core/fixed_texts.py) is counted
+as text, in the form the request takes (`FixedTexts`): where tool pairs go as blocks, a
+failed result's TOOL_ERROR_AS_TEXT line (OpenAI sends it before the content; Anthropic
+says it in a field, and the line is counted anyway, a few tokens a failed call); where
+they go as text (Anthropic without tools), that line and the words of TOOL_CALL_AS_TEXT
+and TOOL_RESULT_AS_TEXT. A tool block's name is counted as it is sent: its wire name
+(core/wire_names.py) in blocks, the tool's own name in the text form. And once per
+request, `request_framing`: the reply priming (REQUEST_FRAMING_TOKENS) and the
+HISTORY_CUT_PLACEHOLDER turn, counted on every request though Anthropic sends it only
+when the first kept message is the assistant's (so the cut does not depend on what it
+keeps). Since context-assembler@13; @12 and older counted none of these, and the
+neutral name (FixedTexts.NONE), and a rebuild of their records counts as they did.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from enum import StrEnum
 
 from .estimator import (
     ATTACHMENT_TOKEN_BUDGET,
     IMAGE_TOKENS,
     MESSAGE_FRAMING_TOKENS,
+    REQUEST_FRAMING_TOKENS,
     AttachmentKind,
     AttachmentRef,
     apply_factor,
     attachment_content_tokens,
     estimate_attachment_tokens,
 )
+from .fixed_texts import (
+    HISTORY_CUT_PLACEHOLDER,
+    PAIRS_AS_TEXT_PROVIDERS,
+    TOOL_CALL_AS_TEXT,
+    TOOL_ERROR_AS_TEXT,
+    TOOL_RESULT_AS_TEXT,
+)
 from .items import Attachment, ContextItem, UserMessage
 from .request import Block
+from .wire_names import wire_tool_name
 
 __all__ = [
+    "FixedTexts",
     "TextCounter",
     "attached_content",
     "attachment_refs",
     "block_tokens",
+    "fixed_texts_of",
+    "request_framing",
     "share_attachment_budget",
 ]
 
 TextCounter = Callable[[str], int]
+
+
+class FixedTexts(StrEnum):
+    """Rule 6: which of the renderers' fixed texts a block's estimate counts."""
+
+    NONE = "none"  # context-assembler@12 and older counted none
+    BLOCKS = "blocks"  # tool pairs sent as blocks
+    TEXT = "text"  # tool pairs sent as text (core/fixed_texts.py PAIRS_AS_TEXT_PROVIDERS)
+
+
+# The words a renderer adds around a block's own texts (which are counted on their own),
+# each with the line break that follows it, by (block kind, is_error).
+_CALL_WORDS = TOOL_CALL_AS_TEXT.format(name="", arguments="", call_id="")
+_RESULT_LINE = TOOL_RESULT_AS_TEXT.format(call_id="") + "\n"
+_FAILED_LINE = TOOL_ERROR_AS_TEXT + "\n"
+_ADDED: Mapping[FixedTexts, Mapping[tuple[str, bool], tuple[str, ...]]] = {
+    FixedTexts.NONE: {},
+    FixedTexts.BLOCKS: {("tool_result", True): (_FAILED_LINE,)},
+    FixedTexts.TEXT: {
+        ("tool_call", False): (_CALL_WORDS,),
+        ("tool_result", False): (_RESULT_LINE,),
+        ("tool_result", True): (_RESULT_LINE, _FAILED_LINE),
+    },
+}
+
+
+_BLOCKS = FixedTexts.BLOCKS
+
+
+def _name_sent(name: str, fixed_texts: FixedTexts) -> str:
+    """The tool name a block sends (Rule 6): its wire name in blocks, which is not always
+    as many tokens ("web.fetch" is sent as "web-fetch"); "" for a block naming no tool."""
+    return wire_tool_name(name) if name and fixed_texts is _BLOCKS else name
+
+
+def fixed_texts_of(provider: str, defines_tools: bool, counted: bool = True) -> FixedTexts:
+    """Rule 6: the fixed texts a request of `provider` counts (`counted` False: none, as
+    context-assembler@12 and older)."""
+    if not counted:
+        return FixedTexts.NONE
+    as_text = provider in PAIRS_AS_TEXT_PROVIDERS and not defines_tools
+    return FixedTexts.TEXT if as_text else FixedTexts.BLOCKS
 
 
 def block_tokens(
@@ -54,16 +121,18 @@ def block_tokens(
     count: TextCounter,
     factor_ppm: int,
     image_tokens: int = IMAGE_TOKENS,
+    fixed_texts: FixedTexts = FixedTexts.BLOCKS,
 ) -> int:
     """Estimated tokens of one rendered block (plus its item's attachments, each image at
-    `image_tokens`)."""
+    `image_tokens`, and the renderer's `fixed_texts` around it: Rule 6)."""
     texts = (
         block.text,
         block.call_id,
-        block.tool_name,
+        _name_sent(block.tool_name, fixed_texts),
         block.arguments_json,
         block.artifact_ref,
         block.opaque,
+        *_ADDED[fixed_texts].get((block.kind, block.is_error), ()),
     )
     raw = sum(count(t) for t in texts if t)
     tokens = apply_factor(raw, factor_ppm) + MESSAGE_FRAMING_TOKENS
@@ -72,6 +141,16 @@ def block_tokens(
             attachment_refs(item.attachments), count, image_tokens=image_tokens
         )
     return tokens
+
+
+def request_framing(count: TextCounter, factor_ppm: int, counted: bool = True) -> int:
+    """Rule 6: what a request costs beyond its blocks (0 when not `counted`, as @12 and
+    older): the reply priming and the placeholder turn, its text scaled by the factor as a
+    block's is."""
+    if not counted:
+        return 0
+    placeholder = apply_factor(count(HISTORY_CUT_PLACEHOLDER), factor_ppm) + MESSAGE_FRAMING_TOKENS
+    return REQUEST_FRAMING_TOKENS + placeholder
 
 
 def attachment_refs(attachments: tuple[Attachment, ...]) -> list[AttachmentRef]:

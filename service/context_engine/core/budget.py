@@ -10,6 +10,9 @@ Rule 5: the prefix is measured exactly at plan time; only the body is estimated,
 safety margin (5%) is held on the body, on top of an estimator that already rounds up.
 Rule 6: integers only (ppm for ratios): these numbers decide the history cut, and a float
 whose repr can vary must never decide a cut.
+Rule 7: what a request costs beyond its prefix and its blocks (`framing_tokens`: the reply
+priming and a provider's placeholder turn, core/body_estimate.py Rule 6) comes off the
+body before its items are fitted, as the reserve does: it is paid on every request.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class ContextBudget:
     reserve_output_tokens: int
     input_tokens: int  # total - reserve: what prefix + body may use
     prefix_tokens: int  # exact, from the plan
-    body_tokens: int  # input - prefix - margin: what the estimated body may use
+    body_tokens: int  # input - prefix - margin - framing: what the estimated body may use
     margin_tokens: int
     platform_tokens: int
     agent_tokens: int
@@ -60,6 +63,7 @@ class ContextBudget:
     tool_result_tokens: int  # 25% of the body
     knowledge_tokens: int
     safety_margin_ppm: int = SAFETY_MARGIN_PPM
+    framing_tokens: int = 0  # Rule 7
 
     @property
     def safety_margin_ratio(self) -> str:
@@ -75,6 +79,7 @@ def allocate(
     reserve_output_tokens: int,
     prefix_tokens: int,
     safety_margin_ppm: int = SAFETY_MARGIN_PPM,
+    framing_tokens: int = 0,
 ) -> ContextBudget:
     """Divide one request's capacity. Pure arithmetic; never raises.
 
@@ -86,7 +91,7 @@ def allocate(
     input_tokens = total - reserve_output_tokens
     available = input_tokens - prefix_tokens
     margin = ceil_ppm(available, safety_margin_ppm) if available > 0 else 0
-    body = available - margin
+    body = available - margin - framing_tokens
     caps = CLASS_CAPS
     return ContextBudget(
         total_tokens=total,
@@ -106,4 +111,5 @@ def allocate(
         tool_result_tokens=max(0, body * TOOL_RESULTS_BODY_SHARE_PPM // PPM),
         knowledge_tokens=caps["knowledge"].cap_tokens,
         safety_margin_ppm=safety_margin_ppm,
+        framing_tokens=framing_tokens,
     )

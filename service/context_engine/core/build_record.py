@@ -83,6 +83,7 @@ __all__ = [
     "estimate_differs",
     "estimate_to_record",
     "failed_result_line",
+    "fixed_texts",
     "image_tokens_of",
     "inputs_from_record",
     "inputs_to_record",
@@ -194,7 +195,16 @@ __all__ = [
 # orphan a summary floor split from its call) is left out of the request; @11 wrote its
 # pointer over the newest kept item, or refused the Build (core/pressure.py), so such a
 # record does not rebuild.
-ASSEMBLER_VERSION = "context-assembler@12"
+# @13: the estimate counts the texts a renderer adds of its own (core/body_estimate.py
+# Rule 6): a failed tool result's TOOL_ERROR_AS_TEXT line, which OpenAI's output and
+# Anthropic's no-tools text form send (about 6 tokens a failed result: a history of many
+# short failures came out over its window, 6% above its estimate); in Anthropic's text
+# form, the words around each call and result; a tool block's wire name rather than the
+# tool's own; and once per request the reply priming and the placeholder turn, which come
+# off the body (core/budget.py Rule 7). An estimate-only difference: the bytes are @12's.
+# A rebuild of an older record counts as it was counted (`fixed_texts`), so its figures
+# match and it rebuilds (tests/unit/test_fixed_texts.py pins @12's own figures).
+ASSEMBLER_VERSION = "context-assembler@13"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})
@@ -210,6 +220,8 @@ _UNNAMED_CALLS = frozenset(
 )
 # The versions whose working-state block names no fact's writer.
 _UNNAMED_WRITERS = _UNNAMED_CALLS | {"context-assembler@11"}
+# The versions whose estimate counted no renderer's fixed text.
+_UNCOUNTED_TEXTS = _UNNAMED_WRITERS | {"context-assembler@12"}
 # The versions whose cache markers name an item by its id alone.
 _BY_ID = _WHOLE_HASH | {"context-assembler@7"}
 ASSEMBLER_KEY = "assembler_version"
@@ -340,6 +352,13 @@ def named_writers(payload: dict[str, Any]) -> bool:
     """Rule 8: whether the request's working-state block named each fact's writer and a
     runtime question's asker (@12 on); an older record renders it as it did."""
     return assembler_of(payload) not in _UNNAMED_WRITERS
+
+
+def fixed_texts(payload: dict[str, Any]) -> bool:
+    """Rule 9: whether the request's estimate counted the renderers' fixed texts (@13 on:
+    core/body_estimate.py Rule 6); an older record is rebuilt counting as it did, so its
+    figures match."""
+    return assembler_of(payload) not in _UNCOUNTED_TEXTS
 
 
 def unmarked_excerpts(items: tuple[ConversationItem, ...]) -> tuple[ConversationItem, ...]:

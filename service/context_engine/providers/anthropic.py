@@ -63,6 +63,9 @@ from typing import Any, TypeVar
 
 from ..core.canonical import canonical_bytes, comma_separated
 from ..core.errors import EngineError
+
+# Rules 4 and 8; defined in core, whose estimate counts their fixed words.
+from ..core.fixed_texts import HISTORY_CUT_PLACEHOLDER, TOOL_CALL_AS_TEXT, TOOL_RESULT_AS_TEXT
 from ..core.identity_memo import IdentityMemo, RecentMemo
 from ..core.items import REASONING_TYPES
 from ..core.memo_budget import bounded_cache
@@ -96,9 +99,6 @@ __all__ = [
 
 API = "anthropic.messages"
 MAX_BREAKPOINTS = 4
-HISTORY_CUT_PLACEHOLDER = "(The conversation continues from earlier turns not shown here.)"
-TOOL_CALL_AS_TEXT = "(Called tool {name} with input {arguments} as call {call_id})"  # Rule 8
-TOOL_RESULT_AS_TEXT = "(Result of call {call_id})"  # Rule 8: a result's first line
 UNNAMED_CALL_AS_TEXT = "(Called tool {name} with input {arguments})"  # @10 and older
 _TTL_RANK = {"5m": 0, "1h": 1}
 _PROVIDER = "anthropic"

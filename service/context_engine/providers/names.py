@@ -5,7 +5,8 @@ up to 64), while our names use dots ("web.fetch", "context.update_working_state"
 
 Rule 1: the wire name is the tool name with every character outside ``[A-Za-z0-9_-]``
 replaced by "-", cut to ``MAX_WIRE_NAME`` characters ("web.fetch" -> "web-fetch"). It
-reads naturally to the model and is the same in every request of a session.
+reads naturally to the model and is the same in every request of a session. Defined in
+core/wire_names.py: the body estimate counts it.
 Rule 2: the mapping is not reversible on its own, so a request is only renderable when its
 names map one to one; a worker maps a wire name back with the request's own names
 (``tool_name_from_wire``). Two names that collide fail the render loudly.
@@ -13,21 +14,13 @@ names map one to one; a worker maps a wire name back with the request's own name
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 from ..core.errors import PreconditionError
 from ..core.memo_budget import bounded_cache
+from ..core.wire_names import MAX_WIRE_NAME, wire_tool_name
 
 __all__ = ["MAX_WIRE_NAME", "check_wire_names", "tool_name_from_wire", "wire_tool_name"]
-
-MAX_WIRE_NAME = 64  # the stricter of the two providers (OpenAI)
-_NOT_WIRE = re.compile(r"[^A-Za-z0-9_-]")
-
-
-def wire_tool_name(name: str) -> str:
-    """The name a provider sees for tool `name` (Rule 1)."""
-    return _NOT_WIRE.sub("-", name)[:MAX_WIRE_NAME] or "-"
 
 
 def check_wire_names(names: Iterable[str]) -> None:

@@ -1,23 +1,22 @@
 """Fixed texts the renderers send where a provider has no field for what the neutral
 request says. Shared, so both providers say the same thing the same way.
 
-Changing a text here changes payload bytes: bump core/build_record.py ASSEMBLER_VERSION
-(Rule 8) and keep a way to render the older form where GetBuild can still serve it.
+Changing a text here (or in core/fixed_texts.py) changes payload bytes: bump
+core/build_record.py ASSEMBLER_VERSION (Rule 8) and keep a way to render the older form
+where GetBuild can still serve it.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from ..core.fixed_texts import TOOL_ERROR_AS_TEXT
 from ..core.request import Block, Message, ModelRequest
 
 __all__ = ["TOOL_ERROR_AS_TEXT", "without_error_line"]
 
-# A failed tool result's is_error, as text: the first line of what the model reads of the
-# result (OpenAI's function_call_output, Anthropic's no-tools text form), then the content
-# exactly as core enveloped it. It stands outside the envelope: the engine says the call
-# failed, not the tool. Since context-assembler@2; @1 sent the content alone.
-TOOL_ERROR_AS_TEXT = "(The tool call failed.)"
+# TOOL_ERROR_AS_TEXT (a failed result's is_error, as text) is defined in core/fixed_texts.py:
+# the body estimate counts it.
 
 
 def without_error_line(request: ModelRequest) -> ModelRequest:
