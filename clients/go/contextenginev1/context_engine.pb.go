@@ -4655,7 +4655,9 @@ type ToolDefinition struct {
 
 	// Tool name.
 	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
-	// Description (enveloped when the tool is not builtin).
+	// Description, as the spec gave it with envelope delimiters escaped (it is never
+	// enveloped: a definition is configuration; a deferred tool's index line, row 6, is
+	// enveloped when the tool is not builtin).
 	Description string `protobuf:"bytes,2,opt,name=description,proto3" json:"description,omitempty"`
 	// Canonical JSON Schema of the input.
 	InputSchemaJson string `protobuf:"bytes,3,opt,name=input_schema_json,json=inputSchemaJson,proto3" json:"input_schema_json,omitempty"`
