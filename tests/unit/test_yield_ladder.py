@@ -892,3 +892,7 @@ def test_a_result_truncated_then_cut_away_leaves_the_kept_history_as_it_is() -> 
     kept = [item.item_id for _, item in assembled.placed]
     assert kept == ["summary", "a1", "runtime", "u2"]  # the answer kept whole, no pointer
     assert assembled.pressure.history_cut_index == 1
+    # Nor does the report say it was truncated: the request does not carry it.
+    truncations = [s for s in assembled.pressure.steps if s.step == "truncate_tool_results"]
+    assert all("tr1" not in s.item_ids for s in truncations)
+    assert assembled.pressure.body_tokens_after <= assembled.pressure.body_budget_tokens

@@ -203,7 +203,10 @@ __all__ = [
 # tool's own; and once per request the reply priming and the placeholder turn, which come
 # off the body (core/budget.py Rule 7). An estimate-only difference: the bytes are @12's.
 # A rebuild of an older record counts as it was counted (`fixed_texts`), so its figures
-# match and it rebuilds (tests/unit/test_fixed_texts.py pins @12's own figures).
+# match and it rebuilds (tests/unit/test_fixed_texts.py pins @12's own figures). And the
+# pressure report no longer lists the truncation of a carried result the request left out
+# (@12's orphan fix, core/yield_ladder.py `_Yielded.before_cut`); the report is not among
+# a record's figures, so a rebuild of such a record reports it the new way.
 ASSEMBLER_VERSION = "context-assembler@13"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.

@@ -247,14 +247,37 @@ class Body:
 
 @dataclass(slots=True)
 class _Yielded:
-    """What one rung gave up so far: tokens freed and item ids, in the order yielded."""
+    """What one rung gave up so far: tokens freed and item ids, in the order yielded, with
+    each one's cost and, for a carried result, its index in the carried history (-1
+    otherwise)."""
 
     freed: int = 0
     ids: list[str] = field(default_factory=list)
+    costs: list[int] = field(default_factory=list)
+    indexes: list[int] = field(default_factory=list)
 
-    def add(self, item_id: str, cost: int) -> None:
+    def add(self, item_id: str, cost: int, carried_index: int = -1) -> None:
         self.freed += cost
         self.ids.append(item_id)
+        self.costs.append(cost)
+        self.indexes.append(carried_index)
+
+    def pop(self) -> None:
+        self.freed -= self.costs.pop()
+        self.ids.pop()
+        self.indexes.pop()
+
+    def before_cut(self, cut: int) -> None:
+        """Forget the carried results before `cut`: a result truncated before the cut
+        settled past it (an orphan a summary floor split from its call) is not in the
+        request (core/pressure.py), so neither is its truncation in the report."""
+        kept = [n for n, at in enumerate(self.indexes) if not 0 <= at < cut]
+        if len(kept) == len(self.ids):
+            return
+        self.ids = [self.ids[n] for n in kept]
+        self.costs = [self.costs[n] for n in kept]
+        self.indexes = [self.indexes[n] for n in kept]
+        self.freed = sum(self.costs)
 
     def step(self, name: str) -> YieldStep | None:
         return YieldStep(name, self.freed, tuple(self.ids)) if self.ids else None
@@ -276,9 +299,12 @@ def run_ladder(body: Body) -> bool:
             _cap_results_in_request(body, results)
             # The results it truncated lower what the request takes, with the cut it pinned.
             _take_back(body, knowledge, recall)
+    fits = body.fits()
+    if fits:
+        results.before_cut(body.cut())
     steps = (knowledge.step("drop_knowledge"), recall.step("trim_recall"))
     body.steps += [s for s in (*steps, results.step("truncate_tool_results")) if s is not None]
-    if not body.fits():
+    if not fits:
         body.steps.append(YieldStep("compact", 0, ()))
         return False
     return True
@@ -383,7 +409,7 @@ def _truncate_for_fit(body: Body, truncated: _Yielded) -> None:
     rungs ran (one step reports both)."""
     for chosen in _for_pressure(body):
         chosen.truncated = True
-        truncated.add(chosen.item.item_id, chosen.saving)
+        truncated.add(chosen.item.item_id, chosen.saving, chosen.carried_index)
 
 
 def _take_back(body: Body, dropped: _Yielded, trimmed: _Yielded) -> None:
@@ -429,9 +455,8 @@ def _take_back(body: Body, dropped: _Yielded, trimmed: _Yielded) -> None:
 
 def _give_back(yielded: _Yielded, item_id: str, cost: int) -> None:
     # The best-ranked of those a rung gave up is the one it gave up last.
-    assert yielded.ids[-1] == item_id
-    yielded.ids.pop()
-    yielded.freed -= cost
+    assert yielded.ids[-1] == item_id and yielded.costs[-1] == cost
+    yielded.pop()
 
 
 _CARRIED_INDEX = attrgetter("carried_index")
@@ -470,7 +495,7 @@ def _cap_results_in_request(body: Body, truncated: _Yielded) -> None:
             continue
         candidate.truncated = candidate.for_cap = True
         total -= saving
-        truncated.add(candidate.item.item_id, saving)
+        truncated.add(candidate.item.item_id, saving, candidate.carried_index)
         if candidate.carried_index >= 0:
             continue
         allowance += saving
