@@ -33,6 +33,7 @@ from context_engine.core.items import ToolCall, ToolResult
 from context_engine.core.rows import Row
 from context_engine.core.trust import TrustLevel
 from context_engine.providers import anthropic, openai
+from context_engine.providers.call_ids import BASE_IDS
 from context_engine.tokenizers import build_counters
 
 assembly = importlib.import_module("context_engine.core.assemble")
@@ -42,7 +43,13 @@ EXACT = {name: counter.count_text for name, counter in build_counters().items()}
 GATE = settings(max_examples=300, deadline=None)
 
 names = st.from_regex(r"[a-z][a-z0-9_.]{0,24}", fullmatch=True)
-call_ids = st.from_regex(r"call_[A-Za-z0-9]{1,24}", fullmatch=True)
+# Provider-made ids, and a worker's own (any characters; Anthropic's base id replaces those
+# outside [A-Za-z0-9_-]).
+call_ids = st.from_regex(r"call_[A-Za-z0-9]{1,24}", fullmatch=True) | st.from_regex(
+    r"[A-Za-z0-9_.:/-]{1,24}", fullmatch=True
+)
+# The suffix of an id an earlier pair of the request took (0: not moved).
+moves = st.sampled_from([0, 2, 3, 9, 10, 42, 99])
 contents = st.text(max_size=80) | st.sampled_from(["", "x", "404", "Not found.", "\n"])
 trusts = st.sampled_from(list(TrustLevel))
 
@@ -58,21 +65,34 @@ def _sent(pieces: list[str], count: Any) -> int:
     return sum(count(p) for p in pieces if p)
 
 
-def _openai_result(block: Any) -> list[str]:
-    sent = openai._item("user", block)
+def _moved(provider: str, call_id: str, move: int) -> str:
+    """The wire id of a pair whose id moved (providers/call_ids.py Rule 2); "" if not."""
+    return f"{BASE_IDS[provider](call_id)}-{move}" if move else ""
+
+
+def _openai_result(block: Any, move: int = 0) -> list[str]:
+    sent = openai._item("user", block, _moved("openai", block.call_id, move))
     assert sent is not None and sent["type"] == "function_call_output"
     return [sent["output"], sent["call_id"]]
 
 
-def _text_form(block: Any) -> list[str]:
-    rendered = anthropic._render_block_as_text(block)
+def _text_form(block: Any, move: int = 0) -> list[str]:
+    moved = _moved("anthropic", block.call_id, move)
+    rendered = anthropic._render_block_as_text(block, moved)
     return [] if rendered is None else [rendered.obj["text"]]
 
 
 @GATE
-@given(call_id=call_ids, tool=names, content=contents, trust=trusts, failed=st.booleans())
+@given(
+    call_id=call_ids,
+    tool=names,
+    content=contents,
+    trust=trusts,
+    failed=st.booleans(),
+    move=moves,
+)
 def test_a_results_estimate_covers_what_each_rendering_sends_of_it(
-    call_id: str, tool: str, content: str, trust: TrustLevel, failed: bool
+    call_id: str, tool: str, content: str, trust: TrustLevel, failed: bool, move: int
 ) -> None:
     """OpenAI sends a failed result's TOOL_ERROR_AS_TEXT line before its content;
     Anthropic without tools sends the TOOL_RESULT_AS_TEXT line, then that line, then the
@@ -89,14 +109,20 @@ def test_a_results_estimate_covers_what_each_rendering_sends_of_it(
     )
     block = assembly._render(Row.CONVERSATION, item, SECRET)
     for count in EXACT.values():
-        assert _sent(_openai_result(block), count) <= _estimated(block, item, count, "openai")
-        assert _sent(_text_form(block), count) <= _estimated(block, item, count, "anthropic")
+        openai_sent = _sent(_openai_result(block, move), count)
+        assert openai_sent <= _estimated(block, item, count, "openai")
+        assert _sent(_text_form(block, move), count) <= _estimated(block, item, count, "anthropic")
 
 
 @GATE
-@given(call_id=call_ids, tool=names, arguments=st.sampled_from(["{}", '{"q":"x"}', '{"a":[1,2]}']))
+@given(
+    call_id=call_ids,
+    tool=names,
+    arguments=st.sampled_from(["{}", '{"q":"x"}', '{"a":[1,2]}']),
+    move=moves,
+)
 def test_a_calls_estimate_covers_what_each_rendering_sends_of_it(
-    call_id: str, tool: str, arguments: str
+    call_id: str, tool: str, arguments: str, move: int
 ) -> None:
     """Anthropic without tools sends a call as TOOL_CALL_AS_TEXT around its name,
     arguments and call id; OpenAI sends the three as a function_call's fields."""
@@ -109,12 +135,12 @@ def test_a_calls_estimate_covers_what_each_rendering_sends_of_it(
         run_id="current",
     )
     block = assembly._render(Row.CONVERSATION, item, SECRET)
-    sent = openai._item("assistant", block)
+    sent = openai._item("assistant", block, _moved("openai", call_id, move))
     assert sent is not None
     for count in EXACT.values():
         fields = [sent["name"], sent["arguments"], sent["call_id"]]
         assert _sent(fields, count) <= _estimated(block, item, count, "openai")
-        assert _sent(_text_form(block), count) <= _estimated(block, item, count, "anthropic")
+        assert _sent(_text_form(block, move), count) <= _estimated(block, item, count, "anthropic")
 
 
 def test_a_short_failed_result_was_under_its_estimate_without_the_fixed_texts() -> None:

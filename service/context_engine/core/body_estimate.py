@@ -17,15 +17,17 @@ cost then depends only on what is newer than it, and over the newest items of a 
 (any suffix of the history with everything after it) the content counted is
 min(budget, their content): costs stay a sum over items, so the history cut is still
 the largest suffix that fits, and the request's estimate is the request-wide bound.
-Rule 5: pure: the same block, counter and factor give the same number.
+Rule 5: pure: the same block, counter, factor, image figure and fixed texts (Rule 6) give
+the same number.
 Rule 6 (fixed texts): what a renderer adds of its own (core/fixed_texts.py) is counted
 as text, in the form the request takes (`FixedTexts`): where tool pairs go as blocks, a
 failed result's TOOL_ERROR_AS_TEXT line (OpenAI sends it before the content; Anthropic
 says it in a field, and the line is counted anyway, a few tokens a failed call); where
 they go as text (Anthropic without tools), that line and the words of TOOL_CALL_AS_TEXT
 and TOOL_RESULT_AS_TEXT. A tool block's name is counted as it is sent: its wire name
-(core/wire_names.py) in blocks, the tool's own name in the text form. And once per
-request, `request_framing`: the reply priming (REQUEST_FRAMING_TOKENS) and the
+(core/wire_names.py) in blocks, the tool's own name in the text form; and its call id
+with the suffix it is sent with when an earlier pair of the request took the id. And
+once per request, `request_framing`: the reply priming (REQUEST_FRAMING_TOKENS) and the
 HISTORY_CUT_PLACEHOLDER turn, counted on every request though Anthropic sends it only
 when the first kept message is the assistant's (so the cut does not depend on what it
 keeps). Since context-assembler@13; @12 and older counted none of these, and the
@@ -86,13 +88,22 @@ class FixedTexts(StrEnum):
 _CALL_WORDS = TOOL_CALL_AS_TEXT.format(name="", arguments="", call_id="")
 _RESULT_LINE = TOOL_RESULT_AS_TEXT.format(call_id="") + "\n"
 _FAILED_LINE = TOOL_ERROR_AS_TEXT + "\n"
+# A call id is unique within its run only, so a pair whose id an earlier pair of the
+# request took is sent as "<id>-<n>" (providers/call_ids.py Rule 2). Whether an id moves
+# depends on what else the request carries, so every tool block is charged the suffix of
+# up to 99 repeats of one id: two tokens under the exact tokenizers, three heuristic ones.
+_MOVED_SUFFIX = "-99"
 _ADDED: Mapping[FixedTexts, Mapping[tuple[str, bool], tuple[str, ...]]] = {
     FixedTexts.NONE: {},
-    FixedTexts.BLOCKS: {("tool_result", True): (_FAILED_LINE,)},
+    FixedTexts.BLOCKS: {
+        ("tool_call", False): (_MOVED_SUFFIX,),
+        ("tool_result", False): (_MOVED_SUFFIX,),
+        ("tool_result", True): (_MOVED_SUFFIX, _FAILED_LINE),
+    },
     FixedTexts.TEXT: {
-        ("tool_call", False): (_CALL_WORDS,),
-        ("tool_result", False): (_RESULT_LINE,),
-        ("tool_result", True): (_RESULT_LINE, _FAILED_LINE),
+        ("tool_call", False): (_CALL_WORDS, _MOVED_SUFFIX),
+        ("tool_result", False): (_RESULT_LINE, _MOVED_SUFFIX),
+        ("tool_result", True): (_RESULT_LINE, _MOVED_SUFFIX, _FAILED_LINE),
     },
 }
 
