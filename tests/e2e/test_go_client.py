@@ -8,8 +8,11 @@ them this test fails with the install command, it does not skip.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import filecmp
+import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +28,22 @@ DEBIAN_PACKAGES = (
 TIMEOUT_S = 600  # bounds a hung toolchain; not a performance assertion
 
 
-async def _run(*argv: str | Path) -> tuple[int, str]:
+async def _run(*argv: str | Path, env: dict[str, str] | None = None) -> tuple[int, str]:
+    # A session of its own, so a timeout kills the whole group: the shell scripts' go vet,
+    # go build and compiler children too, not only the script.
     process = await asyncio.create_subprocess_exec(
         *map(str, argv),
         cwd=GO,
+        env=None if env is None else {**os.environ, **env},
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
         out, _ = await asyncio.wait_for(process.communicate(), TIMEOUT_S)
     except TimeoutError:
-        process.kill()
+        with contextlib.suppress(ProcessLookupError):  # the group ended meanwhile
+            os.killpg(process.pid, signal.SIGKILL)
         await process.wait()
         raise AssertionError(f"{argv} did not finish within {TIMEOUT_S}s") from None
     return int(process.returncode or 0), out.decode("utf-8", "replace")
@@ -71,8 +79,19 @@ async def test_go_example_vets_builds_and_runs(grpc_server: Any, tmp_path: Path)
     code, out = await _run(GO / "check.sh", binary)
     assert code == 0, f"go vet / build failed:\n{out}"
 
-    code, out = await _run(binary, "-target", f"127.0.0.1:{grpc_server.port}", "-tenant", "go")
+    # Retries on, as the README runs it (grpc-go 1.33 ignores a retry policy without
+    # GRPC_GO_RETRY=on): the example's service config is parsed, and Dial refuses a bad one.
+    code, out = await _run(
+        binary,
+        "-target",
+        f"127.0.0.1:{grpc_server.port}",
+        "-tenant",
+        "go",
+        env={"GRPC_GO_RETRY": "on"},
+    )
     assert code == 0, f"the example worker failed:\n{out}"
+    assert "tool call web-fetch -> web.fetch" in out, out
+    assert "reported usage for request " in out, out
     assert "rejected: ORPHANED_TOOL_ITEM at items[0].tool_result.call_id" in out, out
     assert "rotated once to epoch 2; rejected: EPOCH_CONFLICT, current_epoch 2" in out, out
     assert out.rstrip().endswith("ok: one prefix hash, identical rebuilds"), out
