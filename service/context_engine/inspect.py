@@ -138,8 +138,9 @@ def classes_of(payload: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
     """Tokens by class from a model.request.started payload, in the order given.
 
     The engine records "class_tokens" ([{class_name, tokens}], prefix exact, body
-    estimated); a request recorded before it did shows the exact prefix and the estimated
-    body as the classes "prefix" and "body".
+    estimated; from context-assembler@13 they sum to the estimate less the request's
+    framing, which belongs to no class); a request recorded before it did shows the exact
+    prefix and the estimated body as the classes "prefix" and "body".
     """
     recorded = payload.get("class_tokens")
     if isinstance(recorded, list) and recorded:

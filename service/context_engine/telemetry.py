@@ -128,7 +128,7 @@ METRICS: Mapping[str, Metric] = {
     "context_engine.build.input_tokens": Metric(
         "histogram",
         "{token}",
-        "Estimated input tokens of each built request (prefix exact, body estimated).",
+        "Estimated input tokens of each built request (prefix exact, body and framing estimated).",
         _TOKEN_BUCKETS,
     ),
     "context_engine.sessions.opened": Metric(

@@ -273,21 +273,22 @@ _NEWER_KEYS = (ASSEMBLER_KEY, PAYLOAD_KEY, IMAGE_KEY, INLINE_KEY)
 
 
 async def _rewrite_record(
-    pool: Any, session_id: str, sequence: int, change: Any, *, recount: Any = None
+    pool: Any, session_id: str, sequence: int, change: Any, *, older_than_13: Any = None
 ) -> None:
     """Rewrite a model.request.started record in place (`change` maps its payload to the
     new one): a record as an older builder wrote it, without needing that builder. With
-    `recount` (an Engine), its figures are set to those the rewritten record's assembler
-    counted (before @13, without the renderers' fixed texts: core/body_estimate.py Rule 6;
-    tests/unit/test_fixed_texts.py checks that counting against @12's own figures)."""
+    `older_than_13` (an Engine), its figures are set to those of a rebuild that counts no
+    renderer's fixed text, as context-assembler@12 and older counted (core/body_estimate.py
+    Rule 6): GetBuild serves the record only if it reads the rewritten version as one of
+    those (tests/unit/test_fixed_texts.py checks that counting against @12's own figures)."""
     async with pool.acquire() as conn:
         where = "WHERE session_id = $1 AND sequence = $2"
         payload = await conn.fetchval(
             f"SELECT payload FROM session_events {where}", UUID(session_id), sequence
         )
         changed = change(dict(payload))
-        if recount is not None:
-            rebuilt = await rebuild(recount, TENANT, UUID(session_id), changed)
+        if older_than_13 is not None:
+            rebuilt = await rebuild(older_than_13, TENANT, UUID(session_id), changed, counted=False)
             changed = {**changed, **estimate_to_record(rebuilt.assembled)}
         await conn.execute(
             f"UPDATE session_events SET payload = $3 {where}", UUID(session_id), sequence, changed
@@ -408,7 +409,7 @@ async def test_get_build_of_a_record_hashed_whole_answers_with_its_recorded_hash
         session_id,
         built.request_sequence,
         lambda p: {**p, ASSEMBLER_KEY: "context-assembler@6", "request_sha256": whole},
-        recount=grpc_server.engine,
+        older_than_13=grpc_server.engine,
     )
     again = await _get(stub, session_id, built.request_sequence)
     assert again.request_sha256 == whole
@@ -494,7 +495,7 @@ async def test_runs_that_reuse_item_ids_get_markers_on_their_own_items(
         session_id,
         built.request_sequence,
         lambda p: {**p, ASSEMBLER_KEY: assembler, "request_sha256": recorded},
-        recount=grpc_server.engine,
+        older_than_13=grpc_server.engine,
     )
     await _rewrite_record(
         pool, session_id, built.request_sequence, lambda p: {**p, PAYLOAD_KEY: sha256_hex(sent)}
@@ -597,7 +598,7 @@ async def test_get_build_of_a_legacy_record_serves_failed_results_as_they_were_s
     assert _LINE in built.provider_payload
     legacy = _as_recorded_by_legacy(built)
     await _rewrite_record(
-        pool, session_id, built.request_sequence, legacy, recount=grpc_server.engine
+        pool, session_id, built.request_sequence, legacy, older_than_13=grpc_server.engine
     )
 
     again = await _get(stub, session_id, built.request_sequence)
@@ -637,7 +638,7 @@ async def test_get_build_of_an_assembler_10_record_serves_its_text_form_as_it_wa
             ASSEMBLER_KEY: "context-assembler@10",
             PAYLOAD_KEY: hashlib.sha256(older).hexdigest(),
         },
-        recount=grpc_server.engine,
+        older_than_13=grpc_server.engine,
     )
     again = await _get(stub, session_id, built.request_sequence)
     assert (again.request_sha256, again.provider_payload) == (built.request_sha256, older)

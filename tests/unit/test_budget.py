@@ -92,6 +92,13 @@ def _plan(window: int, cap: int, reserve: int) -> ContextPlan:
     return small_plan(window, cap, reserve, secret=SECRET, count=count)
 
 
+# A request's framing at the neutral factor (core/budget.py Rule 7), and the least room
+# above prefix and reserve a plan accepts: a one-token body after the framing and the 5%
+# margin (test_the_least_capacity_plan_accepts_leaves_a_one_token_body).
+FRAMING = request_framing(count, 1_000_000)
+LEAST_ROOM = FRAMING + 3
+
+
 # --- generated sessions -----------------------------------------------------------------
 
 
@@ -246,8 +253,7 @@ def sessions(draw: st.DrawFn) -> Session:
         floor=floor,
         step=step,
         working_state=working_state,
-        # 2: the least room Plan accepts (a one-token body after the 5% margin).
-        body_room=draw(st.integers(2, 60_000)),
+        body_room=draw(st.integers(LEAST_ROOM, 60_000)),
         reserve=draw(st.integers(1, 9_000)),
         factor_ppm=draw(st.sampled_from([1_000_000, 1_000_000, 1_300_000, 3_000_000])),
     )
@@ -758,17 +764,19 @@ def test_a_capacity_with_no_room_for_a_body_fails_at_plan_time(
 
 
 def test_the_least_capacity_plan_accepts_leaves_a_one_token_body() -> None:
-    """The boundary is the allocator's own: capacity less reserve, prefix and the 5%
-    margin must leave the body at least one token."""
+    """The boundary is the allocator's own: capacity less reserve, prefix, the 5% margin
+    and the request's framing must leave the body at least one token."""
     prefix = _plan(200_000, 0, 1_000).prefix_tokens
-    with pytest.raises(InvalidFieldError):
-        _plan(200_000, prefix + 1_000 + 1, 1_000)  # one token, all of it margin
-    plan = _plan(200_000, prefix + 1_000 + 2, 1_000)
+    with pytest.raises(InvalidFieldError) as refused:
+        _plan(200_000, prefix + 1_000 + LEAST_ROOM - 1, 1_000)  # margin and framing only
+    assert refused.value.metadata["framing_tokens"] == str(FRAMING)
+    plan = _plan(200_000, prefix + 1_000 + LEAST_ROOM, 1_000)
     budget = allocate(
         context_window=plan.context_window,
         policy_cap_tokens=plan.policy_cap_tokens,
         reserve_output_tokens=plan.max_output_tokens,
         prefix_tokens=plan.prefix_tokens,
+        framing_tokens=FRAMING,
     )
     assert budget.body_tokens == 1
 

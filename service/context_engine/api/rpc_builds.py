@@ -123,11 +123,18 @@ class BuildsRpcs:
 
 
 async def rebuild(
-    engine: Engine, tenant: str, session_id: UUID, payload: dict[str, Any]
+    engine: Engine,
+    tenant: str,
+    session_id: UUID,
+    payload: dict[str, Any],
+    *,
+    counted: bool | None = None,
 ) -> BuildResult:
     """The request a model.request.started `payload` records, built again as the assembler
     that recorded it built it (core/build_record.py, Rules 7 to 9), without recording it.
-    GetBuild then checks the bytes and figures against the record.
+    GetBuild then checks the bytes and figures against the record. `counted`: whether its
+    estimate counted the renderers' fixed texts (None: as its assembler version says; the
+    tests name it, to check that reading).
 
     Raises:
         what Engine.build raises.
@@ -161,7 +168,7 @@ async def rebuild(
         # Its working-state block as it sent it: naming no fact's writer before @12.
         named_writers=named_writers(payload),
         # Its estimate as it counted it: no renderer's fixed text before @13.
-        fixed_texts=fixed_texts(payload),
+        fixed_texts=fixed_texts(payload) if counted is None else counted,
     )
 
 

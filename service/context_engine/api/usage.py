@@ -1,7 +1,8 @@
 """ReportUsage: reconcile the estimator against what the provider actually read.
 
 Rule 1: the estimate is the one recorded on the request's model.request.started event
-(prefix exact + body estimated); the actual is input + cache read + cache creation tokens.
+(prefix exact + body and the request's framing estimated); the actual is input + cache
+read + cache creation tokens.
 Rule 2: the per-model correction factor (core.estimator.reconcile) is per tenant, persisted
 in estimator_corrections, and resets when the model changes: a report answered by another
 model than the request was built for is recorded but moves no factor, and a factor learned

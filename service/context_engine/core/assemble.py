@@ -140,7 +140,9 @@ class Assembled:
     needs_compaction: bool = False
     pressure: PressureReport | None = None  # always set by assemble(); .yielded says if
     budget: tuple[ClassUsage, ...] = ()  # prefix classes (exact) + body classes (estimated)
-    estimated_input_tokens: int = 0  # prefix exact + body estimated
+    # prefix exact + the request's framing + body estimated (the classes in `budget` sum to
+    # it less the framing, which belongs to no class: core/budget.py Rule 7)
+    estimated_input_tokens: int = 0
     input_budget_tokens: int = 0  # min(window, policy cap) - output reserve
     body_estimated_tokens: int = 0
     estimator_factor_ppm: int = NEUTRAL_FACTOR_PPM

@@ -262,7 +262,8 @@ def carried_view(
     inline_maximum_bytes: int,
     reach: int,
 ) -> CarriedView:
-    """The view of `history` under `key` (secret, counter, factor, image figure; with the
+    """The view of `history` under `key` (secret, counter, factor, image figure, fixed
+    texts counted: core/body_estimate.py FixedTexts; with the
     limit and reach), from the table or derived now. `count`, `attached` and `render` must
     be the pure functions `key` determines.
 

@@ -19,7 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from .budget import allocate
+from .body_estimate import request_framing
+from .budget import PPM, allocate
 from .canonical import canonical_bytes, sha256_hex
 from .caps import CEILING_CLASSES, CLASS_CAPS, PREFIX_CEILING_TOKENS
 from .enums import PlanReason, SessionKind
@@ -234,7 +235,9 @@ def make_plan(
     classes = _class_usage(system, tools, count_tokens)
     reserve = spec.reserve_output_tokens or model.default_output_reserve
     prefix_tokens = sum(c.tokens for c in classes)
-    _check_capacity(spec, model, reserve, prefix_tokens)
+    # A new plan's checkpoints pin no factor yet: its Builds count the framing unscaled.
+    framing = request_framing(count_tokens, PPM)
+    _check_capacity(spec, model, reserve, prefix_tokens, framing)
     offers_browser = "browser.navigate" in {t.name for t in roster.defined} | {
         t.name for t in roster.deferred
     }
@@ -535,10 +538,13 @@ def _check_prefix_caps(classes: tuple[ClassUsage, ...]) -> None:
         )
 
 
-def _check_capacity(spec: PlanSpec, model: ModelFacts, reserve: int, prefix_tokens: int) -> None:
+def _check_capacity(
+    spec: PlanSpec, model: ModelFacts, reserve: int, prefix_tokens: int, framing: int
+) -> None:
     """Refuse a plan whose every Build would fail: capacity (min(window, policy cap)) less
-    the output reserve, the exact prefix and the body's safety margin must leave the body
-    at least one token, the allocator's own arithmetic (budget.allocate). A body smaller
+    the output reserve, the exact prefix, the body's safety margin and the request's
+    framing (core/budget.py Rule 7) must leave the body at least one token, the
+    allocator's own arithmetic (budget.allocate). A body smaller
     than the history floor is accepted: history and the yielding classes give way, and
     what never yields is checked per request (BUDGET_EXCEEDED).
 
@@ -556,6 +562,7 @@ def _check_capacity(spec: PlanSpec, model: ModelFacts, reserve: int, prefix_toke
             policy_cap_tokens=policy_cap,
             reserve_output_tokens=reserve,
             prefix_tokens=prefix_tokens,
+            framing_tokens=framing,
         ).body_tokens
 
     if body(spec.policy_cap_tokens) > 0:
@@ -570,6 +577,7 @@ def _check_capacity(spec: PlanSpec, model: ModelFacts, reserve: int, prefix_toke
         "context_window": str(model.context_window),
         "reserve_output_tokens": str(reserve),
         "prefix_tokens": str(prefix_tokens),
+        "framing_tokens": str(framing),
     }
     if body(0) <= 0:
         raise CapacityError(
@@ -581,8 +589,8 @@ def _check_capacity(spec: PlanSpec, model: ModelFacts, reserve: int, prefix_toke
         )
     raise CapacityError(
         f"a policy cap of {spec.policy_cap_tokens:,} tokens leaves no room for the request"
-        f" beside the {reserve:,}-token output reserve and the {prefix_tokens:,}-token prefix:"
-        " raise it (0: the model's window)",
+        f" beside the {reserve:,}-token output reserve, the {prefix_tokens:,}-token prefix"
+        " and the request's framing: raise it (0: the model's window)",
         field="spec.policy_cap_tokens",
         metadata=metadata,
     )

@@ -33,7 +33,7 @@ defines no tools (a rotation to an empty roster keeps the history's pairs), so t
 is sent as assistant text (``TOOL_CALL_AS_TEXT``: its tool name, canonical arguments and
 wire call id) and a result as user text: ``TOOL_RESULT_AS_TEXT`` naming the call's wire id
 on the first line (so parallel calls of one tool pair with their results as they do in
-blocks), then ``TOOL_ERROR_AS_TEXT`` (providers/texts.py) on its own line when the call
+blocks), then ``TOOL_ERROR_AS_TEXT`` (core/fixed_texts.py) on its own line when the call
 failed (``is_error`` has no other place to go; OpenAI's output says it the same way), then
 its content exactly as core enveloped it (Rule 3). The wire ids are Rule 7's. A request
 renders all its pairs one way, so every request of an epoch does too. Until

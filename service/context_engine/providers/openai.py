@@ -7,7 +7,7 @@ re-parsed from their canonical or opaque JSON.
 Rule 3 (items): one input item per neutral block, in order: user text -> a ``message`` with
 one ``input_text`` part; assistant text -> a ``message`` with string content; a tool call ->
 ``function_call``; a tool result -> ``function_call_output`` whose ``output`` is the
-enveloped content, verbatim, after ``TOOL_ERROR_AS_TEXT`` (providers/texts.py) on its own
+enveloped content, verbatim, after ``TOOL_ERROR_AS_TEXT`` (core/fixed_texts.py) on its own
 line when the call failed (the item has no error field; Anthropic's no-tools text form
 says it the same way); an empty text block sends nothing. Tools are ``function``
 tools with ``strict: false`` (the API's strict default would reject ordinary schemas).
