@@ -22,6 +22,7 @@ import ipaddress
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import uuid
 import warnings
@@ -109,7 +110,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             pytest.exit(message, pytest.ExitCode.USAGE_ERROR)
         return
     if _accepts_connections(DEFAULT_DSN):
-        return
+        why = _answers(DEFAULT_DSN)
+        if not why:
+            return
+        # Something listens there but refuses us (a stock pg_hba.conf asks for a password):
+        # say so once and use an embedded server, as when nothing listens.
+        sys.stderr.write(f"PostgreSQL at {DEFAULT_DSN} refused the tests ({why}); ")
+        sys.stderr.write("starting an embedded one\n")
     os.environ[_VARIABLE] = _start_embedded()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import uuid
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
@@ -47,7 +48,9 @@ def _spec() -> pb.PlanSpec:
     )
 
 
-async def run_demo(target: str) -> None:
+async def run_demo(target: str) -> bool:
+    """Drive the turns; whether every request carried the same prefix hash."""
+    hashes: set[str] = set()
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.ContextEngineStub(channel)  # type: ignore[no-untyped-call]  # no .pyi for _grpc
         session_id = str(uuid.uuid4())
@@ -70,6 +73,7 @@ async def run_demo(target: str) -> None:
                 built = await stub.Build(
                     pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id, now=now)
                 )
+                hashes.add(built.prefix_sha256)
                 blocks = sum(len(m.blocks) for m in built.request.messages)
                 local = clock.astimezone(PARIS).strftime("%Y-%m-%d %H:%M Paris")
                 print(
@@ -116,15 +120,24 @@ async def run_demo(target: str) -> None:
                         )
                     )
                 ).checkpoint_version
-        print("one prefix hash across every request, midnight included: the cache holds.")
+    if len(hashes) != 1:
+        print(f"{len(hashes)} prefix hashes across the requests: the cache would not hold.")
+        return False
+    print("one prefix hash across every request, midnight included: the cache holds.")
+    return True
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--target", default="127.0.0.1:50051")
     args = parser.parse_args()
-    asyncio.run(run_demo(args.target))
+    try:
+        held = asyncio.run(run_demo(args.target))
+    except grpc.aio.AioRpcError as exc:  # one line, not a traceback: the server is the point
+        print(f"demo: {exc.code().name}: {exc.details()} (is `make run` serving {args.target}?)")
+        return 2
+    return 0 if held else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

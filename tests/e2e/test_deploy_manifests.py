@@ -129,7 +129,10 @@ def test_engine_container(index: int, tmp_path: Path) -> None:
     assert container["livenessProbe"]["grpc"] == {"port": port}, where
     assert container["readinessProbe"]["grpc"] == {"port": port, "service": SERVICE}, where
     assert container["startupProbe"]["grpc"]["port"] == port, where
-    assert pod["terminationGracePeriodSeconds"] > settings.shutdown_grace_seconds, where
+    # The kill timeout covers the grace and, with a collector set, the flush after it:
+    # up to the OTLP exporters' timeout, 10 s each for traces and metrics.
+    flush = 20 if "OTEL_EXPORTER_OTLP_ENDPOINT" in env else 0
+    assert pod["terminationGracePeriodSeconds"] > settings.shutdown_grace_seconds + flush, where
     assert settings.migrate_on_start is False, f"{where}: migrate-job.yaml migrates"
     if settings.metrics_listen:
         metrics = int(settings.metrics_listen.rpartition(":")[2])

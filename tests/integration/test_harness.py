@@ -27,10 +27,14 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 CLOSED = "postgresql://postgres@127.0.0.1:1/postgres"
 
-_CONFTEST = f"""
+# A server that listens but refuses the default role (as a stock pg_hba.conf asking for a
+# password does): the real one, as a role that does not exist.
+REFUSING = "postgresql://no_such_role_for_harness@127.0.0.1:5432/postgres"
+
+_CONFTEST = """
 import tests.conftest as harness
 
-harness.DEFAULT_DSN = {CLOSED!r}  # a fresh machine: no PostgreSQL at the default address
+harness.DEFAULT_DSN = {default!r}  # a fresh machine: no PostgreSQL at the default address
 pytest_plugins = ["tests.conftest"]
 """
 
@@ -61,8 +65,8 @@ async def test_a_database(database_dsn):
 """
 
 
-async def _inner_pytest(tmp_path: Path, **env: str) -> tuple[int, str]:
-    (tmp_path / "conftest.py").write_text(_CONFTEST, encoding="utf-8")
+async def _inner_pytest(tmp_path: Path, default: str = CLOSED, **env: str) -> tuple[int, str]:
+    (tmp_path / "conftest.py").write_text(_CONFTEST.format(default=default), encoding="utf-8")
     (tmp_path / "pytest.ini").write_text(_INI, encoding="utf-8")
     (tmp_path / "test_inner.py").write_text(_TEST, encoding="utf-8")
     base = {
@@ -101,6 +105,19 @@ async def test_no_postgresql_and_no_test_database_url_starts_an_embedded_one(
     socket_dir = Path(unquote(urlsplit(used).netloc.rpartition("@")[2]))
     assert socket_dir.is_absolute(), used  # pgserver listens on a Unix socket only
     assert not list(socket_dir.glob(".s.PGSQL.*")), "the embedded server is still running"
+
+
+async def test_a_server_that_refuses_the_default_role_is_passed_over_for_an_embedded_one(
+    tmp_path: Path,
+) -> None:
+    """Something listens at the default address but will not take the tests (a password
+    asked): the integration tests all errored on the connect; now the run says why, once,
+    and uses an embedded server as on a machine without PostgreSQL."""
+    code, out = await _inner_pytest(tmp_path, default=REFUSING)
+    assert code == 0, out
+    assert f"PostgreSQL at {REFUSING} refused the tests" in out, out
+    used = (tmp_path / "url.txt").read_text(encoding="utf-8")
+    assert urlsplit(used).port is None, used  # the embedded server's Unix socket
 
 
 async def test_an_unreachable_test_database_url_stops_the_run_without_falling_back(

@@ -31,6 +31,7 @@ from context_engine.core import (
     TrustLevel,
     make_plan,
 )
+from context_engine.core.body_estimate import request_framing
 from context_engine.core.envelope import item_nonce
 from context_engine.core.items import (
     AssistantMessage,
@@ -113,6 +114,17 @@ MODEL = ModelFacts(
 def count_tokens(text: str) -> int:
     """A pure stand-in for the model's tokenizer."""
     return len(text.encode("utf-8")) // 4 + 1
+
+
+def least_room(count: Callable[[str], int] = count_tokens) -> int:
+    """The least room above prefix and reserve that small_plan accepts as its policy cap:
+    a one-token body after the request's framing (core/budget.py Rule 7, at the neutral
+    factor a new plan's checks use) and the 5% margin."""
+    framing = request_framing(count, 1_000_000)
+    room = framing + 1
+    while room - -(-room * 50_000 // 1_000_000) - framing < 1:  # the margin, rounded up
+        room += 1
+    return room
 
 
 def small_plan(

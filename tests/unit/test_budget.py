@@ -75,7 +75,7 @@ from context_engine.core.yield_ladder import LADDER, Body, run_ladder
 from context_engine.models import ModelCatalog
 from context_engine.tokenizers import build_counters
 
-from .strategies import small_plan
+from .strategies import least_room, small_plan
 
 GATE = settings(max_examples=150, deadline=None)
 SECRET = b"k" * 32
@@ -96,7 +96,7 @@ def _plan(window: int, cap: int, reserve: int) -> ContextPlan:
 # above prefix and reserve a plan accepts: a one-token body after the framing and the 5%
 # margin (test_the_least_capacity_plan_accepts_leaves_a_one_token_body).
 FRAMING = request_framing(count, 1_000_000)
-LEAST_ROOM = FRAMING + 3
+LEAST_ROOM = least_room(count)
 
 
 # --- generated sessions -----------------------------------------------------------------

@@ -43,7 +43,7 @@ from context_engine.core.items import (
 from context_engine.core.log_tail import FloorFacts, Logged, LogTail
 from context_engine.core.seeding import carried_history
 
-from .strategies import count_tokens, messy_logs, small_plan
+from .strategies import count_tokens, least_room, messy_logs, small_plan
 
 GATE = settings(max_examples=300, deadline=None)
 SECRET = b"t" * 32
@@ -268,7 +268,7 @@ def cases(draw: st.DrawFn) -> Case:
         floor=floor,
         below=below,
         run=run,
-        body_room=draw(st.integers(2, 12_000)),
+        body_room=draw(st.integers(least_room(), 12_000)),
         reserve=draw(st.integers(1, 4_000)),
         pages=draw(st.lists(st.integers(1, 12), min_size=1, max_size=8)),
     )

@@ -168,7 +168,10 @@ def _refusal(dsn: str, exc: BaseException) -> StoreUnavailableError | None:
     elif isinstance(exc, TimeoutError):
         why = "no answer in time"
     elif isinstance(exc, OSError) and exc.errno:
-        why = os.strerror(exc.errno)  # "Connection refused"; the address is named below
+        # "Connection refused"; the address is named below. A name lookup's error
+        # (socket.gaierror) has a negative code, which os.strerror reads as "Unknown error
+        # -2": its own words say it.
+        why = os.strerror(exc.errno) if exc.errno > 0 else exc.strerror or str(exc)
     else:
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return StoreUnavailableError(f"cannot connect to PostgreSQL at {_where(dsn)}: {why}")

@@ -1,0 +1,33 @@
+"""`make demo` (service/context_engine/demo.py) against the real server: it says the prefix
+held only when every request carried one prefix hash, and a server that is not there is
+one line, not a traceback."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+
+from context_engine import demo
+
+pytestmark = pytest.mark.integration
+
+
+async def test_the_demo_holds_one_prefix_hash_through_midnight(
+    grpc_server: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert await demo.run_demo(f"127.0.0.1:{grpc_server.port}") is True
+    out = capsys.readouterr().out
+    prefixes = {line.split("prefix_sha256=")[1][:16] for line in out.splitlines() if "step" in line}
+    assert len(prefixes) == 1, out
+    assert "00:" in out and out.rstrip().endswith("the cache holds."), out
+
+
+def test_no_server_is_one_line_and_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["demo", "--target", "127.0.0.1:1"])
+    assert demo.main() == 2
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("demo: UNAVAILABLE: ") and "\n" not in out, out
