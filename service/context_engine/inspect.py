@@ -45,7 +45,9 @@ __all__ = [
 ]
 
 BAR_WIDTH = 40
-# Class -> colour. Unknown classes take the fallback colours in order of first appearance.
+# Class -> colour: every class a record names (core/caps.py, core/pressure.py BODY_CLASSES),
+# and the coarse "prefix" and "body" of records before class_tokens. Unknown
+# classes take the fallback colours in order of first appearance.
 _COLOURS: Mapping[str, str] = {
     "prefix": "blue",
     "platform_policy": "blue",
@@ -56,7 +58,6 @@ _COLOURS: Mapping[str, str] = {
     "deferred_tool_index": "cyan",
     "skill_catalog": "bright_cyan",
     "memory_snapshot": "magenta",
-    "summary": "yellow",
     "history": "green",
     "body": "green",
     "skill_bodies": "bright_green",
@@ -64,9 +65,9 @@ _COLOURS: Mapping[str, str] = {
     "recall": "bright_magenta",
     "knowledge": "purple",
     "tool_results": "dark_orange",
-    "runtime": "grey70",
-    "user_input": "white",
-    "output_reserve": "grey37",
+    "corrections": "orchid",
+    "runtime_metadata": "grey70",
+    "user_message": "white",
 }
 _FALLBACK = ("red3", "orange3", "gold3", "chartreuse3", "turquoise2", "orchid")
 # Payload keys that may be printed (rule 1): ids, reasons, hashes, classes and numbers.

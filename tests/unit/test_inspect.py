@@ -119,3 +119,15 @@ def test_render_shows_epochs_requests_bars_and_flags_a_changed_hash() -> None:
     console = Console(record=True, width=160, color_system=None)
     render(_view("b" * 64), console)
     assert "stability defect" in console.export_text()
+
+
+def test_every_class_a_record_names_has_a_colour_of_its_own() -> None:
+    """The table named "runtime" and "user_input" where records say "runtime_metadata" and
+    "user_message", and had no "corrections": those took fallback colours, which shift
+    with the order classes first appear in."""
+    from context_engine.core.caps import CLASS_CAPS
+    from context_engine.core.pressure import BODY_CLASSES
+    from context_engine.inspect import _COLOURS
+
+    named = set(CLASS_CAPS) | {name for name, _ in BODY_CLASSES}
+    assert named <= set(_COLOURS), sorted(named - set(_COLOURS))
