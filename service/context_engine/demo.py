@@ -48,8 +48,8 @@ def _spec() -> pb.PlanSpec:
     )
 
 
-async def run_demo(target: str) -> bool:
-    """Drive the turns; whether every request carried the same prefix hash."""
+async def run_demo(target: str) -> set[str]:
+    """Drive the turns, printing a line per request; the prefix hashes they carried."""
     hashes: set[str] = set()
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.ContextEngineStub(channel)  # type: ignore[no-untyped-call]  # no .pyi for _grpc
@@ -120,11 +120,16 @@ async def run_demo(target: str) -> bool:
                         )
                     )
                 ).checkpoint_version
+    return hashes
+
+
+def verdict(hashes: set[str]) -> int:
+    """Print what the prefix hashes say; the exit status (1: the prefix moved)."""
     if len(hashes) != 1:
         print(f"{len(hashes)} prefix hashes across the requests: the cache would not hold.")
-        return False
+        return 1
     print("one prefix hash across every request, midnight included: the cache holds.")
-    return True
+    return 0
 
 
 def main() -> int:
@@ -132,11 +137,13 @@ def main() -> int:
     parser.add_argument("--target", default="127.0.0.1:50051")
     args = parser.parse_args()
     try:
-        held = asyncio.run(run_demo(args.target))
+        hashes = asyncio.run(run_demo(args.target))
     except grpc.aio.AioRpcError as exc:  # one line, not a traceback: the server is the point
-        print(f"demo: {exc.code().name}: {exc.details()} (is `make run` serving {args.target}?)")
+        hint = f" (is `make run` serving {args.target}?)"
+        unreachable = exc.code() is grpc.StatusCode.UNAVAILABLE
+        print(f"demo: {exc.code().name}: {exc.details()}{hint if unreachable else ''}")
         return 2
-    return 0 if held else 1
+    return verdict(hashes)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ _COLOURS: Mapping[str, str] = {
     "recall": "bright_magenta",
     "knowledge": "purple",
     "tool_results": "dark_orange",
-    "corrections": "orchid",
+    "corrections": "pink1",
     "runtime_metadata": "grey70",
     "user_message": "white",
 }

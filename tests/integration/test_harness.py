@@ -27,10 +27,6 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 CLOSED = "postgresql://postgres@127.0.0.1:1/postgres"
 
-# A server that listens but refuses the default role (as a stock pg_hba.conf asking for a
-# password does): the real one, as a role that does not exist.
-REFUSING = "postgresql://no_such_role_for_harness@127.0.0.1:5432/postgres"
-
 _CONFTEST = """
 import tests.conftest as harness
 
@@ -110,12 +106,24 @@ async def test_no_postgresql_and_no_test_database_url_starts_an_embedded_one(
 async def test_a_server_that_refuses_the_default_role_is_passed_over_for_an_embedded_one(
     tmp_path: Path,
 ) -> None:
-    """Something listens at the default address but will not take the tests (a password
-    asked): the integration tests all errored on the connect; now the run says why, once,
-    and uses an embedded server as on a machine without PostgreSQL."""
-    code, out = await _inner_pytest(tmp_path, default=REFUSING)
+    """Something listens at the default address but will not take the tests (a stock
+    pg_hba.conf asks for a password): the integration tests all errored on the connect;
+    now the run says why, once, and uses an embedded server as on a machine without
+    PostgreSQL. The listener here takes each connection and closes it at once."""
+
+    async def hang_up(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    listener = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    refusing = f"postgresql://postgres@127.0.0.1:{port}/postgres"
+    try:
+        code, out = await _inner_pytest(tmp_path, default=refusing)
+    finally:
+        listener.close()
+        await listener.wait_closed()
     assert code == 0, out
-    assert f"PostgreSQL at {REFUSING} refused the tests" in out, out
+    assert f"PostgreSQL at {refusing} refused the tests" in out, out
     used = (tmp_path / "url.txt").read_text(encoding="utf-8")
     assert urlsplit(used).port is None, used  # the embedded server's Unix socket
 

@@ -127,7 +127,9 @@ def test_every_class_a_record_names_has_a_colour_of_its_own() -> None:
     with the order classes first appear in."""
     from context_engine.core.caps import CLASS_CAPS
     from context_engine.core.pressure import BODY_CLASSES
-    from context_engine.inspect import _COLOURS
+    from context_engine.inspect import _COLOURS, _FALLBACK
 
     named = set(CLASS_CAPS) | {name for name, _ in BODY_CLASSES}
     assert named <= set(_COLOURS), sorted(named - set(_COLOURS))
+    # Nor does a named class share a colour the unknown ones take.
+    assert not {_COLOURS[n] for n in named} & set(_FALLBACK)

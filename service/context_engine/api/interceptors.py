@@ -13,7 +13,8 @@ Rules:
    SHA-256 digest, so lengths match) on every call, whichever matches.
 4. Deadlines: grpc.aio cancels a call's task when its deadline passes, and the
    cancellation reaches the awaited PostgreSQL query (asyncpg cancels it server-side);
-   an open transaction rolls back, so a call that runs out of time writes nothing. The
+   an open transaction rolls back, so a call that runs out of time writes nothing (save a
+   Build whose shared record round trip was already sent: store/batches.py Rule 3). The
    observer reports such a call as DEADLINE_EXCEEDED.
 5. Nothing here logs, raises or annotates with request content: only ids, hashes, sizes,
    codes and error reasons (telemetry.RPC_FIELDS).

@@ -162,8 +162,9 @@ class CapacityError(InvalidFieldError):
         m = self.metadata
         return PreconditionError(
             f"the session's plan, rebuilt {rebuilt}, leaves no room for a request body: its"
-            f" {int(m['prefix_tokens']):,}-token prefix and the"
-            f" {int(m['reserve_output_tokens']):,}-token output reserve fill the"
+            f" {int(m['prefix_tokens']):,}-token prefix, the"
+            f" {int(m['reserve_output_tokens']):,}-token output reserve, the body's 5% margin"
+            f" and the request's {int(m['framing_tokens']):,}-token framing fill the"
             f" {int(m['capacity_tokens']):,}-token capacity. Nothing was written; rotate"
             " with a spec that fits (a larger policy cap, a smaller reserve, fewer tools)",
             reason="PREFIX_OVER_CAPACITY",
@@ -583,7 +584,7 @@ def _check_capacity(
         raise CapacityError(
             f"an output reserve of {reserve:,} tokens leaves no room for the request in"
             f" {spec.model_id}'s {model.context_window:,}-token window beside the"
-            f" {prefix_tokens:,}-token prefix: reserve less",
+            f" {prefix_tokens:,}-token prefix and the request's framing: reserve less",
             field="spec.reserve_output_tokens",
             metadata=metadata,
         )

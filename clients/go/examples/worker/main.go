@@ -7,7 +7,11 @@
 // and how a write with an idempotency key is retried safely (a Rotate, resent as after a
 // lost answer).
 //
-//	go run ./examples/worker -target 127.0.0.1:50051 -tenant example
+//	./check.sh /tmp/worker && GRPC_GO_RETRY=on /tmp/worker -target 127.0.0.1:50051 -tenant example
+//
+// (or, where the Go module proxy is reachable: go mod tidy, then GRPC_GO_RETRY=on go run
+// ./examples/worker with the same flags). Without GRPC_GO_RETRY=on grpc-go 1.33 does not
+// retry.
 //
 // A real worker POSTs the payload to the API named by BuildResponse.ProviderApi; the
 // engine never calls a model itself. What a worker must do around that call:
