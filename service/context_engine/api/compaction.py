@@ -6,9 +6,10 @@ they (and the run) were made on; commit is one transaction under the session row
 that re-prepares from the same checkpoint, validates the worker's result against it, and
 writes the run's next checkpoint and the context.compacted event together. The log below
 the seed is immutable, so the re-prepare computes what prepare did, unless what the model
-was shown grew in between: a Build recorded since (new step lines, a new plan's prefix) or
-an erasure that redacted a plan can elide an item prepare kept, and the commit then
-answers COMPACTION_MISMATCH (prepare again). Neither writes the plan: the prefix cannot
+was shown changed in between: a Build recorded since (new step lines, a new plan's
+prefix) can elide an item prepare kept, and an erasure that redacted a plan or a record
+can keep an item prepare elided (its source is gone); the commit then answers
+COMPACTION_MISMATCH (prepare again). Neither writes the plan: the prefix cannot
 move. A retry with the same idempotency key and request returns the first response and
 writes nothing (Committed.replayed: telemetry counts the compaction once).
 """
@@ -75,10 +76,11 @@ class Committed:
 async def _inputs(
     conn: Any, tenant_id: str, session_id: UUID, run_id: UUID, version: int
 ) -> _Inputs:
-    """What prepare reads. The step lines are those of every request recorded from the one
-    that produced the first item above the floor on: the model may have quoted any of
-    them in an item still in view (core/compaction.py, Rule 3). So are the prefix entries
-    of the plans those requests were made on, and of the run's own."""
+    """What prepare reads. The step lines are those of every request recorded from the
+    earliest that produced, for a run whose items are in view, its first item above the
+    floor on (store/events.py _REQUESTS_FROM): the model may have quoted any of them in an
+    item still in view (core/compaction.py, Rule 3). So are the prefix entries of the
+    plans those requests were made on, and of the run's own."""
     run = await runs.read_run(conn, tenant_id, session_id, run_id)
     checkpoint = await runs.read_checkpoint(conn, tenant_id, run_id, version)
     logged = await events.read_carried_items(
@@ -95,6 +97,9 @@ async def _inputs(
     contents = {
         s.item_id: elided_content(*found[s.event_id]) for s in earlier if s.event_id in found
     }
+    # The runs whose items are in view: each one's requests showed its model what they
+    # may quote.
+    in_view = sorted({i.run_id for i in (*logged, *checkpoint.items)})
     lines = await events.read_shown_lines(
         conn,
         tenant_id,
@@ -103,6 +108,7 @@ async def _inputs(
         inputs_key=INPUTS_KEY,
         fields=SHOWN_FIELDS,
         from_sequence=checkpoint.replaced_through_sequence,
+        in_view=in_view,
     )
     skills = await skill_store.read_loaded(conn, tenant_id, session_id)
     epochs = await events.read_request_epochs(
@@ -111,6 +117,7 @@ async def _inputs(
         session_id,
         request_type=REQUEST_EVENT,
         from_sequence=checkpoint.replaced_through_sequence,
+        in_view=in_view,
     )
     shown_plans = await plans.read_distinct_prefixes(
         conn, tenant_id, session_id, sorted({*epochs, run.epoch})

@@ -44,7 +44,6 @@ from .request import Block, ToolDefinition
 from .roster import (
     PinnedTool,
     Roster,
-    first_sentence,
     index_line,
     pinned_tools,
     resolve_roster,
@@ -401,16 +400,21 @@ class PrefixData:
     text: str
 
 
-# Where each enveloped row's content lies in the plan's spec, by the entry's item id: a
-# discovered tool's index line shows its description's first sentence, a catalog entry its
-# skill's description, a snapshot entry its memory's text.
+# What each enveloped row shows of the plan's spec, by the entry's item id (as
+# _render_text lays it out): a discovered tool's index line (its parameters, which an
+# untrusted server names, and its description's first sentence), a catalog entry's version
+# and description, a snapshot entry's source and text. A tool's or skill's own name is
+# left out: the model repeats it to call the tool or load the skill.
 _PREFIX_CONTENT: dict[Row, Callable[[PlanSpec], dict[str, str]]] = {
     Row.DEFERRED_TOOL_INDEX: lambda spec: {
-        f"tool:{t.name}": first_sentence(t.description) for t in spec.tools
+        f"tool:{t.name}": index_line(t).removeprefix(t.name) for t in spec.tools
     },
-    Row.SKILL_CATALOG: lambda spec: {f"skill:{s.name}": s.description for s in spec.skills},
+    Row.SKILL_CATALOG: lambda spec: {
+        f"skill:{s.name}": f"({s.version}): {s.description}" for s in spec.skills
+    },
     Row.MEMORY_SNAPSHOT: lambda spec: {
-        memory_item_id(m.item_id): m.text for m in spec.snapshot.items
+        memory_item_id(m.item_id): f"[{m.source}] {m.text}" if m.source else m.text
+        for m in spec.snapshot.items
     },
 }
 
