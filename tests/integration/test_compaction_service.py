@@ -646,11 +646,12 @@ async def test_a_model_echo_of_untrusted_prefix_entries_is_elided_and_never_summ
         tool("tool.call", builtin=True),
         tool("mail.search", description=f"{index} It reads the inbox.", server="mcp:mail"),
     ]
-    # What the entries show beside that text is as untrusted: the parameters a discovered
-    # tool's server names, a memory's source, an untrusted skill's version.
-    param, origin, version = "PARAMb7e2c9a4f1d6", "SRCe3a9c7f5b1d2", "VERf2c8a6e4d0b3"
+    # What the entries show beside that text is as untrusted: a memory's source, an
+    # untrusted skill's version. Not a discovered tool's parameter names, which the model's
+    # own calls repeat: a summary may name one.
+    param, origin, version = "include_archived_accounts", "SRCe3a9c7f5b1d2", "VERf2c8a6e4d0b3"
     tools[-1].input_schema_json = json.dumps(
-        {"type": "object", "properties": {param: {"type": "string"}}, "required": [param]}
+        {"type": "object", "properties": {param: {"type": "boolean"}}, "required": [param]}
     )
     snapshot = pb.MemorySnapshot(
         snapshot_id="s1", items=[pb.MemoryItem(item_id="mem1", text=memory, source=origin)]
@@ -701,12 +702,11 @@ async def test_a_model_echo_of_untrusted_prefix_entries_is_elided_and_never_summ
         ("Invoices go to payables MEMO7c2e9a1f4b3d first.", "memory:mem1"),
         (f"Refunds are approved with {CANARY}.", "tool:mail.search"),
         ("Deposits are wired to SKILL9d3b7f1a5c2e.", "skill:vendor"),
-        (f"Call the mail tool with {param} set.", "tool:mail.search"),
         (f"The memory came from {origin}.", "memory:mem1"),
         (f"The vendor playbook is {version}.", "skill:vendor"),
     ):
         await _assert_launders(stub, session_id, two, prepared, summary, source)
-    await _commit(stub, session_id, two, prepared, "The user asked about mail from the hotel.")
+    await _commit(stub, session_id, two, prepared, f"The user asked about mail; {param} was set.")
 
 
 async def test_the_view_holds_the_prefix_of_every_plan_the_builds_were_made_on(
@@ -815,7 +815,6 @@ async def test_a_child_runs_request_does_not_hide_its_parents_from_the_view(
                 conn,
                 TENANT,
                 UUID(session_id),
-                request_type="model.request.started",
                 inputs_key=INPUTS_KEY,
                 fields=SHOWN_FIELDS,
                 from_sequence=floor,

@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 __all__ = ["COMPACTED", "Committed", "commit_compaction", "prepare_compaction"]
 
 COMPACTED = "context.compacted"
-REQUEST_EVENT = "model.request.started"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +103,6 @@ async def _inputs(
         conn,
         tenant_id,
         session_id,
-        request_type=REQUEST_EVENT,
         inputs_key=INPUTS_KEY,
         fields=SHOWN_FIELDS,
         from_sequence=checkpoint.replaced_through_sequence,
@@ -115,7 +113,6 @@ async def _inputs(
         conn,
         tenant_id,
         session_id,
-        request_type=REQUEST_EVENT,
         from_sequence=checkpoint.replaced_through_sequence,
         in_view=in_view,
     )

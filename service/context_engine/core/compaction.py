@@ -29,13 +29,14 @@ that content, and repeating it is how a label gets laundered. The view is every 
 conversation item of the run and its carried history, and every untrusted line of the
 step contexts the session's recorded Builds showed the model (`shown`: knowledge
 passages, EXTERNAL_UNTRUSTED by default, and recall and correction lines, which are
-MEMORY: not SUMMARIZABLE either; each with the citation or source its envelope shows),
-and of what every step shows beside them: the working-state block's facts below
+MEMORY: not SUMMARIZABLE either; not the citation or source their envelope names, which a
+summary may cite), and of what every step shows beside them: the working-state block's facts below
 SUMMARIZABLE and the loaded skill bodies of such trust (`skills`), each in its envelope;
 and the prefix's own such entries (`prefix`: a snapshot memory's source and text, a
-discovered tool's index line but its name, a catalog entry of such trust but its name) of
-every plan those Builds were made on. Those lines are never in the transcript, but the model's
-answers to them are.
+discovered tool's first sentence, a catalog entry of such trust but its skill's name) of
+every plan those Builds were made on. A discovered tool given a full definition (row 5)
+is configuration there, and not in the view. Those lines are never in the transcript,
+but the model's answers to them are.
 Rule 4 (depth): a first summary has depth 1; a second compaction merges it with newer
 items into depth 2, with the union of source event ids, elided spans and retained
 constraints. A third fails with COMPACTION_DEPTH_EXCEEDED: escalate to a child run.
@@ -529,10 +530,9 @@ def _shown_span(item: ContextItem) -> tuple[ElidedSpan, str] | None:
         byte_length=len(item.text.encode("utf-8")),
         event_id=0,
     )
-    # Its envelope's source attribute (a passage's citation, a line's source) is shown too,
-    # and as untrusted as the text.
-    shown_as = item.citation if isinstance(item, KnowledgePassageItem) else item.source
-    return span, f"{item.text}\n{shown_as}" if shown_as else item.text
+    # Its envelope's source attribute (a passage's citation, a line's source) is not held
+    # against a summary: it names where the text came from, which a summary may cite.
+    return span, item.text
 
 
 def _state_spans(state: WorkingState) -> list[tuple[ElidedSpan, str]]:

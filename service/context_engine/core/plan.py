@@ -44,6 +44,7 @@ from .request import Block, ToolDefinition
 from .roster import (
     PinnedTool,
     Roster,
+    first_sentence,
     index_line,
     pinned_tools,
     resolve_roster,
@@ -401,13 +402,14 @@ class PrefixData:
 
 
 # What each enveloped row shows of the plan's spec, by the entry's item id (as
-# _render_text lays it out): a discovered tool's index line (its parameters, which an
-# untrusted server names, and its description's first sentence), a catalog entry's version
-# and description, a snapshot entry's source and text. A tool's or skill's own name is
-# left out: the model repeats it to call the tool or load the skill.
+# _render_text lays it out): a discovered tool's description's first sentence, a catalog
+# entry's version and description, a snapshot entry's source and text. A tool's name and
+# parameter names and a skill's name are left out: the model repeats them to call the
+# tool (its own call's arguments name the parameters) or load the skill, and held as
+# untrusted text they would elide every such call.
 _PREFIX_CONTENT: dict[Row, Callable[[PlanSpec], dict[str, str]]] = {
     Row.DEFERRED_TOOL_INDEX: lambda spec: {
-        f"tool:{t.name}": index_line(t).removeprefix(t.name) for t in spec.tools
+        f"tool:{t.name}": first_sentence(t.description) for t in spec.tools
     },
     Row.SKILL_CATALOG: lambda spec: {
         f"skill:{s.name}": f"({s.version}): {s.description}" for s in spec.skills

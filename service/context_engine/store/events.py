@@ -189,14 +189,13 @@ async def read_shown_lines(
     tenant_id: str,
     session_id: UUID,
     *,
-    request_type: str,
     inputs_key: str,
     fields: Sequence[str],
     from_sequence: int,
     in_view: Sequence[str],
 ) -> list[tuple[str, dict[str, Any]]]:
     """The distinct step lines, as (step field, line as recorded), that the session's
-    `request_type` events recorded under `inputs_key` over the range that showed the model
+    model.request.started events recorded under `inputs_key` over the range that showed the model
     what its items above `from_sequence` may quote (`_REQUESTS_FROM`; `in_view`: the run
     ids of those items, "" for an item logged without one), in a stable order. One round
     trip; the index by type finds the range, and a line recorded by many requests comes
@@ -205,7 +204,6 @@ async def read_shown_lines(
         _SHOWN_LINES,
         tenant_id,
         session_id,
-        request_type,
         from_sequence,
         *_runs(in_view),
         list(fields),
@@ -219,39 +217,40 @@ async def read_request_epochs(
     tenant_id: str,
     session_id: UUID,
     *,
-    request_type: str,
     from_sequence: int,
     in_view: Sequence[str],
 ) -> list[int]:
-    """The distinct plan epochs the session's `request_type` events recorded, over the
-    range read_shown_lines reads, in order. One round trip."""
-    rows = await conn.fetch(
-        _REQUEST_EPOCHS, tenant_id, session_id, request_type, from_sequence, *_runs(in_view)
-    )
+    """The distinct plan epochs the session's model.request.started events recorded, over
+    the range read_shown_lines reads, in order. One round trip."""
+    rows = await conn.fetch(_REQUEST_EPOCHS, tenant_id, session_id, from_sequence, *_runs(in_view))
     return [r["epoch"] for r in rows]
 
 
 def _runs(in_view: Sequence[str]) -> tuple[list[UUID], bool]:
-    """$5 and $6 of _REQUESTS_FROM: the runs in view, and whether an item has none."""
+    """$4 and $5 of _REQUESTS_FROM: the runs in view, and whether an item has none."""
     return sorted({UUID(r) for r in in_view if r}), any(not r for r in in_view)
 
 
-# The requests that showed the model what the items above $4 may quote: from the earliest,
-# over the runs in view ($5), of each run's latest request at or below $4 (it produced that
-# run's first items above $4; a run with none there made them after requests above $4).
+# The requests that showed the model what the items above $3 may quote: from the earliest,
+# over the runs in view ($4), of each run's latest request at or below $3 (it produced that
+# run's first items above $3; a run with none there made them after requests above $3).
 # The session's latest, whichever run made it, bounded the range before: a child run's
 # request recorded after its parent's hid the parent's from a later compaction. An item
-# logged without a run ($6) could follow any run's request: then the session's latest
-# bounds it too. With neither, the requests above $4.
+# logged without a run ($5) could follow any run's request: then the session's latest
+# bounds it too. With neither, the requests above $3. The type is written out, not a
+# parameter, so a generic plan can use the partial index each run's probe needs
+# (migrations/0017).
+_REQUEST = "'model.request.started'"
 _REQUESTS_FROM = (
-    " WHERE s.tenant_id = $1 AND s.session_id = $2 AND s.type = $3"
+    f" WHERE s.tenant_id = $1 AND s.session_id = $2 AND s.type = {_REQUEST}"
     " AND s.sequence >= coalesce(least("
-    "(SELECT min(l.latest) FROM unnest($5::uuid[]) AS r(run_id) CROSS JOIN LATERAL"
+    "(SELECT min(l.latest) FROM unnest($4::uuid[]) AS r(run_id) CROSS JOIN LATERAL"
     " (SELECT max(sequence) AS latest FROM session_events WHERE tenant_id = $1"
-    " AND session_id = $2 AND type = $3 AND sequence <= $4 AND run_id = r.run_id) AS l),"
-    " CASE WHEN $6::boolean THEN (SELECT max(sequence) FROM session_events"
-    " WHERE tenant_id = $1 AND session_id = $2 AND type = $3 AND sequence <= $4) END"
-    "), $4 + 1)"
+    f" AND session_id = $2 AND type = {_REQUEST} AND run_id = r.run_id"
+    " AND sequence <= $3) AS l),"
+    " CASE WHEN $5::boolean THEN (SELECT max(sequence) FROM session_events"
+    f" WHERE tenant_id = $1 AND session_id = $2 AND type = {_REQUEST} AND sequence <= $3)"
+    " END), $3 + 1)"
 )
 _REQUEST_EPOCHS = (
     "SELECT DISTINCT (s.payload ->> 'epoch')::bigint AS epoch FROM session_events s"
@@ -260,9 +259,9 @@ _REQUEST_EPOCHS = (
 )
 _SHOWN_LINES = (
     "SELECT DISTINCT f.field, e.line FROM session_events s"
-    " CROSS JOIN unnest($7::text[]) AS f(field)"
+    " CROSS JOIN unnest($6::text[]) AS f(field)"
     " CROSS JOIN LATERAL jsonb_array_elements("
-    "coalesce(s.payload -> $8::text -> 'step' -> f.field, '[]'::jsonb)) AS e(line)"
+    "coalesce(s.payload -> $7::text -> 'step' -> f.field, '[]'::jsonb)) AS e(line)"
     + _REQUESTS_FROM
     + " ORDER BY 1, 2"
 )
