@@ -195,11 +195,11 @@ async def read_shown_lines(
     in_view: Sequence[str],
 ) -> list[tuple[str, dict[str, Any]]]:
     """The distinct step lines, as (step field, line as recorded), that the session's
-    model.request.started events recorded under `inputs_key` over the range that showed the model
-    what its items above `from_sequence` may quote (`_REQUESTS_FROM`; `in_view`: the run
-    ids of those items, "" for an item logged without one), in a stable order. One round
-    trip; the index by type finds the range, and a line recorded by many requests comes
-    back once."""
+    model.request.started events recorded under `inputs_key` over the range that showed
+    the models what the items above `from_sequence` may quote (`_REQUESTS_FROM`;
+    `in_view`: the run ids of those items, "" for an item logged without one), in a stable
+    order. One round trip: an index probe per run in view bounds the range, and a line
+    recorded by many requests comes back once."""
     rows = await conn.fetch(
         _SHOWN_LINES,
         tenant_id,
