@@ -8,7 +8,16 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from . import estimator, growth, langchain_compare, load, plan_cost, session_length, transport
+from . import (
+    estimator,
+    growth,
+    langchain_compare,
+    load,
+    plan_cost,
+    session_length,
+    transport,
+    usage_contention,
+)
 
 # (name, runner, arguments for a full run, arguments for --quick)
 SUITE: tuple[tuple[str, Callable[[list[str]], int], list[str], list[str]], ...] = (
@@ -24,6 +33,7 @@ SUITE: tuple[tuple[str, Callable[[list[str]], int], list[str], list[str]], ...] 
     ("plan cost", plan_cost.main, [], ["--calls", "10"]),
     ("input growth", growth.main, [], ["--factor", "4", "--repeat", "1"]),
     ("load (60 s)", load.main, [], ["--seconds", "10"]),
+    ("usage reports sharing a correction", usage_contention.main, [], ["--seconds", "3"]),
     ("faults: PostgreSQL restart", load.main, ["--faults"], ["--faults", "--seconds", "15"]),
     (
         "faults: PostgreSQL crash (immediate stop)",
