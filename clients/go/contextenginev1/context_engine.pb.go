@@ -3232,9 +3232,9 @@ type ToolResult struct {
 	ToolName string `protobuf:"bytes,2,opt,name=tool_name,json=toolName,proto3" json:"tool_name,omitempty"`
 	// Canonical content, verbatim.
 	Content string `protobuf:"bytes,3,opt,name=content,proto3" json:"content,omitempty"`
-	// Trust of the content. Required; not MODEL (a result renders in the user role, where
-	// the model's bare words could pass for an envelope: INVALID_FIELD). Below
-	// TRUSTED_CONFIGURATION it renders in a nonced envelope.
+	// Trust of the content. Required; neither MODEL nor PLATFORM (a result renders in the
+	// user role, where either would render bare, as the model's or the platform's own words:
+	// INVALID_FIELD). Below TRUSTED_CONFIGURATION it renders in a nonced envelope.
 	Trust TrustLevel `protobuf:"varint,4,opt,name=trust,proto3,enum=context_engine.v1.TrustLevel" json:"trust,omitempty"`
 	// Attribution shown on the envelope (for example "tool:web.fetch").
 	Source string `protobuf:"bytes,5,opt,name=source,proto3" json:"source,omitempty"`

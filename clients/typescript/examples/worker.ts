@@ -115,7 +115,8 @@ async function callModel(build: BuildResult): Promise<ModelTurn> {
 async function runTool(call: ToolCallRequest): Promise<ToolOutput> {
   console.log(`tool ${call.name} ${JSON.stringify(call.arguments)}`);
   if (call.name !== 'web.fetch') {
-    return { content: `unknown tool ${call.name}`, isError: true, trust: 'TRUST_LEVEL_PLATFORM' };
+    // Untrusted, the default: the name is whatever the model emitted.
+    return { content: `unknown tool ${call.name}`, isError: true };
   }
   return { content: '08:04 TGV 6601 Paris Gare de Lyon -> Lyon Part-Dieu 10:00', source: 'tool:web.fetch' };
 }

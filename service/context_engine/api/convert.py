@@ -141,26 +141,28 @@ def _trust(value: int, field: str) -> TrustLevel:
         ) from None
 
 
-def _result_trust(value: int, field: str) -> TrustLevel:
-    """A tool result's trust. Not MODEL: the model's own words render bare in the
-    assistant role, but a result renders in the user role, where bare text could forge a
-    user envelope. A delegated agent's answer is evidence: label it by where it came from."""
-    trust = _trust(value, field)
-    if trust is TrustLevel.MODEL:
-        raise InvalidFieldError(
-            f"{field}: a tool result cannot carry MODEL trust (it renders in the user role);"
-            " label it by its source, e.g. EXTERNAL_UNTRUSTED",
-            field=field,
-        )
-    return trust
-
-
-# Trust a caller's document rendered in the user role (a knowledge passage, a skill
-# catalog entry whose body a load renders) may not claim: never the platform's own text
+# Trust a caller's content rendered in the user role (a tool result, a knowledge passage, a
+# skill catalog entry whose body a load renders) may not claim: never the platform's own text
 # (PLATFORM), and never the model's words (MODEL renders bare, and bare text in the user
 # role could forge a user envelope). The same two a skill body may not claim
 # (core/skills.py, Rule 6).
 _NEVER_DOCUMENT_TRUST = frozenset({TrustLevel.PLATFORM, TrustLevel.MODEL})
+
+
+def _result_trust(value: int, field: str) -> TrustLevel:
+    """A tool result's trust. Not MODEL or PLATFORM (_NEVER_DOCUMENT_TRUST): a result
+    renders in the user role, where the model's words would render bare and could forge a
+    user envelope, and no tool speaks as the platform. A delegated agent's answer is
+    evidence: label it by where it came from."""
+    trust = _trust(value, field)
+    if trust in _NEVER_DOCUMENT_TRUST:
+        raise InvalidFieldError(
+            f"{field}: a tool result cannot carry {trust.name} trust (it renders in the user"
+            " role, as neither the model's nor the platform's words); label it by its source,"
+            " e.g. EXTERNAL_UNTRUSTED",
+            field=field,
+        )
+    return trust
 
 
 def _catalog_trust(value: int, field: str) -> TrustLevel:
