@@ -1602,10 +1602,19 @@ def test_prefix_data_is_the_content_of_every_enveloped_prefix_entry(data: st.Dat
     )
     entries = prefix_data(plan, spec)
     enveloped = [b for b in plan.system if envelope_tag(b.trust) is not None]
-    assert [(e.item_id, e.row, e.trust) for e in entries] == [
+    assert [(e.item_id, e.row, e.trust) for e in entries[: len(enveloped)]] == [
         (b.item_id, b.row, b.trust) for b in enveloped
     ]
-    _assert_prefix_content(spec, entries, enveloped)
+    _assert_prefix_content(spec, entries[: len(enveloped)], enveloped)
+    # Then every discovered tool's definition, held as its index line would be.
+    builtin = {t.name for t in spec.tools if t.builtin}
+    discovered = [t for t in plan.tools if t.name not in builtin]
+    assert [(e.item_id, e.row, e.trust) for e in entries[len(enveloped) :]] == [
+        (f"tool-definition:{t.name}", Row.TOOL_DEFINITIONS, TrustLevel.EXTERNAL_UNTRUSTED)
+        for t in discovered
+    ]
+    for entry, tool in zip(entries[len(enveloped) :], discovered, strict=True):
+        assert entry.text.startswith(tool.description)
 
 
 def _assert_prefix_content(spec: PlanSpec, entries: Sequence[Any], blocks: Sequence[Any]) -> None:

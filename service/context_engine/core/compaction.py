@@ -34,8 +34,9 @@ summary may cite), and of what every step shows beside them: the working-state b
 SUMMARIZABLE and the loaded skill bodies of such trust (`skills`), each in its envelope;
 and the prefix's own such entries (`prefix`: a snapshot memory's source and text, a
 discovered tool's first sentence, a catalog entry of such trust but its skill's name) of
-every plan those Builds were made on. A discovered tool given a full definition (row 5)
-is configuration there, and not in the view. Those lines are never in the transcript,
+every plan those Builds were made on, with each discovered tool's definition (row 5:
+its description and schema's descriptions, held as its index line would be, though the
+definition renders as configuration). Those lines are never in the transcript,
 but the model's answers to them are.
 Rule 4 (depth): a first summary has depth 1; a second compaction merges it with newer
 items into depth 2, with the union of source event ids, elided spans and retained
@@ -207,7 +208,8 @@ class ElidedSpan(_Frozen):
     # tool.result, assistant.message, tool.call, user.message; for a shown line quoted by
     # an elided item (never itself in `elided`): knowledge.passage, recall.line,
     # correction.line, working_state.fact, skill.body, or prefix.<row> (a prefix entry:
-    # prefix.memory_snapshot, prefix.deferred_tool_index, prefix.skill_catalog)
+    # prefix.memory_snapshot, prefix.deferred_tool_index, prefix.skill_catalog,
+    # prefix.tool_definitions)
     kind: str
     trust: TrustLevel  # below what SUMMARIZABLE admits, or what a quoting item quoted
     byte_length: int

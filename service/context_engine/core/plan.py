@@ -12,6 +12,7 @@ that keys envelope nonces is an argument and never enters a prompt or the docume
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -425,7 +426,8 @@ def prefix_data(plan: ContextPlan, spec: PlanSpec) -> tuple[PrefixData, ...]:
     """What the model reads inside `plan`'s enveloped prefix entries (`spec`: the spec the
     plan was made from, as stored with it): the content below trusted configuration that
     every request on the plan shows. Compaction holds the model's answers and a summary to
-    it (core/compaction.py, Rule 3). An entry of another row is given as rendered."""
+    it (core/compaction.py, Rule 3). An entry of another row is given as rendered. Then
+    each discovered tool's definition (_definition_data)."""
     content: dict[Row, dict[str, str]] = {}
     out = []
     for block in plan.system:
@@ -435,7 +437,40 @@ def prefix_data(plan: ContextPlan, spec: PlanSpec) -> tuple[PrefixData, ...]:
             content[block.row] = _PREFIX_CONTENT[block.row](spec)
         text = content.get(block.row, {}).get(block.item_id, block.text)
         out.append(PrefixData(block.item_id, block.row, block.trust, text))
-    return tuple(out)
+    return (*out, *_definition_data(plan, spec))
+
+
+def _definition_data(plan: ContextPlan, spec: PlanSpec) -> list[PrefixData]:
+    """A discovered tool's definition (not builtin: its server wrote it) as its index line
+    would be held: external content, though row 5 renders it as configuration, bare. Its
+    description and its schema's descriptions, which is where a server's text speaks to
+    the model; not its name or parameter names, which the model's own calls repeat."""
+    builtin = {t.name for t in spec.tools if t.builtin}
+    return [
+        PrefixData(
+            f"tool-definition:{tool.name}",
+            Row.TOOL_DEFINITIONS,
+            TrustLevel.EXTERNAL_UNTRUSTED,
+            "\n".join(
+                text
+                for text in (tool.description, *_descriptions(json.loads(tool.input_schema_json)))
+                if text
+            ),
+        )
+        for tool in plan.tools
+        if tool.name not in builtin
+    ]
+
+
+def _descriptions(schema: Any) -> list[str]:
+    """Every "description" string in a JSON schema, depth first in key order (a parameter
+    named "description" is an object, searched like any other)."""
+    if isinstance(schema, list):
+        return [text for value in schema for text in _descriptions(value)]
+    if not isinstance(schema, dict):
+        return []
+    found = [schema["description"]] if isinstance(schema.get("description"), str) else []
+    return found + [text for value in schema.values() for text in _descriptions(value)]
 
 
 def _definition(tool: ToolSpec) -> ToolDefinitionItem:
