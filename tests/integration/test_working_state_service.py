@@ -222,6 +222,33 @@ async def test_protected_constraints_caps_and_bad_input_write_nothing(stub: Any,
             (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD"),
             "update.add_questions",
         ),
+        (
+            # A fact citing more events than MAX_FACT_SOURCES: one update citing millions
+            # made every later StartRun fold them again (an audit: 0.9 s each, for good).
+            update_state(
+                stub,
+                session_id,
+                run_id,
+                version,
+                add_facts=[pb.Fact(statement="s", source_event_ids=[1] * 33)],
+            ),
+            (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD"),
+            "update.add_facts[0].source_event_ids",
+        ),
+        (
+            update_state(
+                stub,
+                session_id,
+                run_id,
+                version,
+                add_facts=[
+                    pb.Fact(statement="s", source_event_ids=[1]),
+                    pb.Fact(statement="t", source_event_ids=[1, 1]),
+                ],
+            ),
+            (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD"),
+            "update.add_facts[1].source_event_ids",
+        ),
     ]
     for awaitable, (code, reason), field in cases:
         got_code, got_reason, fields = await _refused(awaitable)

@@ -40,6 +40,7 @@ from context_engine.core.working_state import (
     SOURCE_TRUST_OF_EVENT,
     UPDATE_TOOL,
     WRITER_FIELDS,
+    WRITER_RANK,
     Entry,
     Fact,
     LoggedUpdate,
@@ -51,10 +52,10 @@ from context_engine.core.working_state import (
     WorkingStateUpdate,
     Writer,
     _Ctx,
-    _entry_age,
     _fact_age,
     _fixed_part,
     _outranks,
+    _question_age,
     _remove_constraints,
     _render_text,
     _set_next_action,
@@ -353,16 +354,52 @@ def test_caps_hold_and_eviction_takes_completed_then_stalest(
         assert "constraints" not in evicted
         if evicted.get("tasks"):
             assert len(after.tasks) == LIST_CAPS["tasks"]
-        for name, age in (("facts", "source_sequence"), ("open_questions", "source_sequence")):
+        # Facts by age; questions the model's and runtime's first, then by age.
+        for name, age in (
+            ("facts", lambda e: (0, e.source_sequence)),
+            ("open_questions", lambda e: (WRITER_RANK[e.writer], e.source_sequence)),
+        ):
             if evicted.get(name):
                 assert len(getattr(after, name)) == LIST_CAPS[name]
-                kept = [getattr(e, age) for e in getattr(after, name)]
+                kept = [age(e) for e in getattr(after, name)]
                 pushed = [
-                    getattr(e, age)
+                    age(e)
                     for e in getattr(before, name)
                     if getattr(e, "statement", getattr(e, "text", None)) in evicted[name]
                 ]
                 assert not pushed or max(pushed) <= min(kept)
+
+
+def test_the_models_questions_evict_before_the_users() -> None:
+    """The model may not resolve a question the user asked, and asking twenty of its own
+    (conversation.ask_user calls, answered with errors) pushed the user's out by age (an
+    audit). Questions now evict the model's and the runtime's first: the user's stays, and
+    at a cap of the user's alone the model's new question is the one pushed out."""
+    user_q = Entry(
+        text="Which dates?", writer=Writer.USER, source_sequence=1, trust=TrustLevel.USER
+    )
+    asked = apply_update(
+        WorkingState(open_questions=(user_q,)),
+        WorkingStateUpdate(add_questions=tuple(f"Q{n}?" for n in range(20))),
+        writer=Writer.RUNTIME,
+        sequence=5,
+    )
+    assert asked.evicted == {"open_questions": ["Q0?"]}
+    assert [q.text for q in asked.state.open_questions] == ["Which dates?"] + [
+        f"Q{n}?" for n in range(1, 20)
+    ]
+    users = tuple(
+        Entry(text=f"U{n}?", writer=Writer.USER, source_sequence=n, trust=TrustLevel.USER)
+        for n in range(1, 21)
+    )
+    late = apply_update(
+        WorkingState(open_questions=users),
+        WorkingStateUpdate(add_questions=("Mine?",)),
+        writer=Writer.RUNTIME,
+        sequence=30,
+    )
+    assert late.evicted == {"open_questions": ["Mine?"]}
+    assert late.state.open_questions == users
 
 
 def test_task_eviction_takes_completed_first_then_the_stalest() -> None:
@@ -1142,7 +1179,7 @@ def _ref_apply_update(
         state = step(state, value, ctx)
     tasks, gone_tasks = _ref_evict(state.tasks, LIST_CAPS["tasks"], _task_age)
     facts, gone_facts = _ref_evict(state.facts, LIST_CAPS["facts"], _fact_age)
-    questions, gone_q = _ref_evict(state.open_questions, LIST_CAPS["open_questions"], _entry_age)
+    questions, gone_q = _ref_evict(state.open_questions, LIST_CAPS["open_questions"], _question_age)
     evicted = {
         name: values
         for name, values in (

@@ -5900,7 +5900,8 @@ type Fact struct {
 	// The statement. A fact derived from untrusted content renders only as an attributed
 	// claim ("source states: ...") with its source event ids.
 	Statement string `protobuf:"bytes,1,opt,name=statement,proto3" json:"statement,omitempty"`
-	// Session sequences of the events it rests on. Required.
+	// Session sequences of the events it rests on. Required; in an update at most 32, each
+	// once (INVALID_FIELD naming update.add_facts[N].source_event_ids).
 	SourceEventIds []int64 `protobuf:"varint,2,rep,packed,name=source_event_ids,json=sourceEventIds,proto3" json:"source_event_ids,omitempty"`
 	// Trust of its sources (the lowest among them).
 	Trust TrustLevel `protobuf:"varint,3,opt,name=trust,proto3,enum=context_engine.v1.TrustLevel" json:"trust,omitempty"`

@@ -30,6 +30,7 @@ from ..core.working_state import (
     WorkingState,
     WorkingStateUpdate,
     Writer,
+    check_fact_sources,
     check_update_sizes,
 )
 from . import convert
@@ -75,6 +76,7 @@ def update_from_proto(update: pb.WorkingStateUpdate, field: str = "update") -> W
     facts = []
     for n, f in enumerate(update.add_facts):
         path = f"{field}.add_facts[{n}]"
+        check_fact_sources(f.source_event_ids, f"{path}.source_event_ids")
         facts.append(
             NewFact(
                 statement=f.statement,

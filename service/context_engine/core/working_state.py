@@ -14,7 +14,9 @@ when it ranks above the entry's writer (WRITER_RANK: the user above the model), 
 constraint the user also stated is the user's; restating never lowers an entry's writer.
 Rule 3 (bounds): LIST_CAPS. Constraints never evict: at the cap add_constraints fails
 (WORKING_STATE_CAP) and nothing changes. Tasks, facts and open questions evict at their
-caps: completed entries first, then the stalest (oldest last-written sequence) first.
+caps: completed entries first, then the stalest (oldest last-written sequence) first; open
+questions the model's and the runtime's before the user's, so the model cannot push out a
+question of the user's it may not resolve by asking questions of its own.
 The caps apply after a whole update is merged, so UpdateWorkingState refuses at input an
 update carrying more than MAX_UPDATE_ENTRIES entries in a list field (twice its cap), and
 a transition finds each entry's match by its key (text, task id, statement), never by a
@@ -92,6 +94,7 @@ __all__ = [
     "apply_update",
     "at_run_boundary",
     "carry",
+    "check_fact_sources",
     "check_update_sizes",
     "evidence_trust",
     "lowest_trust",
@@ -145,6 +148,11 @@ MAX_UPDATE_ENTRIES: dict[str, int] = {
     "add_questions": 2 * LIST_CAPS["open_questions"],
     "resolve_questions": 2 * LIST_CAPS["open_questions"],
 }
+
+# The most evidence one fact of an update may cite, and each once: a fact rests on a few
+# events. Without a bound one update could cite millions (every StartRun folds it again,
+# and every later Build renders it), so it is refused at input like a long list.
+MAX_FACT_SOURCES = 32
 
 # The trust an entry of each writer carries. A runtime entry is an open question copied
 # from the model's conversation.ask_user call, so it is the model's text.
@@ -336,6 +344,24 @@ def check_update_sizes(sizes: Mapping[str, int], field: str = "update") -> None:
                 field=f"{field}.{name}",
                 metadata={"limit": str(limit), "entries": str(size)},
             )
+
+
+def check_fact_sources(ids: Sequence[int], field: str) -> None:
+    """Refuse a fact citing more than MAX_FACT_SOURCES events, or one event twice (`field`:
+    the fact's source_event_ids). At input only, as check_update_sizes: the log fold
+    replays what was accepted before.
+
+    Raises:
+        InvalidFieldError: naming `field`.
+    """
+    if len(ids) > MAX_FACT_SOURCES:
+        raise InvalidFieldError(
+            f"{field} cites {len(ids)} events; a fact cites at most {MAX_FACT_SOURCES}",
+            field=field,
+            metadata={"limit": str(MAX_FACT_SOURCES), "entries": str(len(ids))},
+        )
+    if len(set(ids)) != len(ids):
+        raise InvalidFieldError(f"{field} cites an event twice", field=field)
 
 
 @dataclass(frozen=True, slots=True)
@@ -644,15 +670,15 @@ def _fact_age(f: Fact) -> tuple[int, int]:
     return (1, f.source_sequence)
 
 
-def _entry_age(e: Entry) -> tuple[int, int]:
-    return (1, e.source_sequence)
+def _question_age(e: Entry) -> tuple[int, int]:
+    return (WRITER_RANK[e.writer], e.source_sequence)
 
 
 def _bound_lists(state: WorkingState) -> tuple[WorkingState, dict[str, list[str]]]:
     """Rule 3 for the evicting lists."""
     tasks, gone_tasks = _evict(state.tasks, LIST_CAPS["tasks"], _task_age)
     facts, gone_facts = _evict(state.facts, LIST_CAPS["facts"], _fact_age)
-    questions, gone_q = _evict(state.open_questions, LIST_CAPS["open_questions"], _entry_age)
+    questions, gone_q = _evict(state.open_questions, LIST_CAPS["open_questions"], _question_age)
     evicted = {
         name: values
         for name, values in (
@@ -1016,7 +1042,9 @@ def _hide_order(state: WorkingState) -> list[tuple[str, int]]:
     keyed: list[tuple[tuple[int, int], int, tuple[str, int]]] = []
     keyed += [(_task_age(t), 0, ("tasks", n)) for n, t in enumerate(state.tasks)]
     keyed += [(_fact_age(f), 1, ("facts", n)) for n, f in enumerate(state.facts)]
-    keyed += [(_entry_age(q), 2, ("open_questions", n)) for n, q in enumerate(state.open_questions)]
+    keyed += [
+        (_question_age(q), 2, ("open_questions", n)) for n, q in enumerate(state.open_questions)
+    ]
     return [key for _, _, key in sorted(keyed)]
 
 
