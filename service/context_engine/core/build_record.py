@@ -208,10 +208,12 @@ __all__ = [
 # (@12's orphan fix, core/yield_ladder.py `_Yielded.before_cut`); the report is not among
 # a record's figures, so a rebuild of such a record reports it the new way.
 # @14: the working-state block hides the model's and the runtime's open questions before
-# the user's (core/working_state.py Rule 3; before, the stalest whoever wrote it), so a
-# block that hides some of a mixed list renders other bytes, and GetBuild refuses such a
-# @13 record as not rebuilt (the older order is not kept: a block hides entries only over
-# its 1,000 tokens). The estimate is @13's.
+# the user's (core/working_state.py Rule 3; before, the stalest whoever wrote it), and
+# finds how many entries to hide by bisection rather than one at a time (render_block),
+# which can hide otherwise where hiding a one-character entry lengthens the note. A block
+# that hides some of a mixed list renders other bytes, and GetBuild refuses such a @13
+# record as not rebuilt (the older order is not kept: a block hides entries only over its
+# 1,000 tokens). The estimate is @13's.
 ASSEMBLER_VERSION = "context-assembler@14"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
