@@ -249,6 +249,17 @@ async def test_protected_constraints_caps_and_bad_input_write_nothing(stub: Any,
             (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD"),
             "update.add_facts[1].source_event_ids",
         ),
+        (
+            update_state(
+                stub,
+                session_id,
+                run_id,
+                version,
+                upsert_tasks=[pb.TaskState(task_id="   ", title="x")],
+            ),
+            (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD"),
+            "update.upsert_tasks[0].task_id",
+        ),
     ]
     for awaitable, (code, reason), field in cases:
         got_code, got_reason, fields = await _refused(awaitable)

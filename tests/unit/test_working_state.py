@@ -238,6 +238,20 @@ def test_the_constraint_cap_fails_whole_and_never_evicts() -> None:
     assert _reason(refused) == "WORKING_STATE_CAP"
     assert refused.value.field == "update.add_constraints"
     assert refused.value.metadata["cap"] == str(cap)
+    # One removed and two added: 19 are left, which read as room without what the update
+    # would make of them (an audit).
+    with pytest.raises(PreconditionError) as over:
+        _update(
+            Writer.USER,
+            state,
+            WorkingStateUpdate(remove_constraints=("rule 0",), add_constraints=("n1", "n2")),
+        )
+    assert over.value.metadata == {
+        "list": "constraints",
+        "cap": str(cap),
+        "current": str(cap - 1),
+        "would_hold": str(cap + 1),
+    }
     # Replacing one at the cap works: removals apply before additions.
     swapped = _update(
         Writer.USER,

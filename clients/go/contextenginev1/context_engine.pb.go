@@ -598,8 +598,9 @@ const (
 	// constraints and next action alone would be over the block's token cap (metadata
 	// class working_state, cap_tokens).
 	ErrorReason_ERROR_REASON_WORKING_STATE_CAP ErrorReason = 17
-	// A writer tried to remove a constraint, or supersede an objective, it may not (the
-	// user's entries rank above the model's and the runtime's).
+	// A writer tried to remove a constraint, supersede an objective, or (the model) resolve
+	// an open question, that it may not (the user's entries rank above the model's and the
+	// runtime's; a question the runtime opened waits for its answer).
 	ErrorReason_ERROR_REASON_CONSTRAINT_PROTECTED ErrorReason = 18
 	// A third compaction: escalate to a child run instead.
 	ErrorReason_ERROR_REASON_COMPACTION_DEPTH_EXCEEDED ErrorReason = 19
@@ -830,9 +831,10 @@ const (
 	TaskStatus_TASK_STATUS_IN_PROGRESS TaskStatus = 2
 	// Waiting on something.
 	TaskStatus_TASK_STATUS_BLOCKED TaskStatus = 3
-	// Finished: drops from context, stays in the log.
+	// Finished: shown for the rest of its run (hidden first when the block is full), not
+	// carried to the next run; stays in the log.
 	TaskStatus_TASK_STATUS_DONE TaskStatus = 4
-	// Abandoned: drops from context, stays in the log.
+	// Abandoned: as DONE.
 	TaskStatus_TASK_STATUS_CANCELLED TaskStatus = 5
 )
 
@@ -5968,8 +5970,8 @@ type WorkingStateUpdate struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// The new objective; absent leaves it. Only a user message may supersede an objective
-	// the user set.
+	// The new objective; absent leaves it. Only an update with writer WRITER_USER may
+	// supersede an objective the user set.
 	Objective *string `protobuf:"bytes,1,opt,name=objective,proto3,oneof" json:"objective,omitempty"`
 	// Constraints to add. Append-only; at the cap (20) the update fails.
 	AddConstraints []string `protobuf:"bytes,2,rep,name=add_constraints,json=addConstraints,proto3" json:"add_constraints,omitempty"`
@@ -6162,7 +6164,8 @@ type WorkingState struct {
 	Objective *WorkingStateEntry `protobuf:"bytes,1,opt,name=objective,proto3" json:"objective,omitempty"`
 	// Constraints, oldest first.
 	Constraints []*WorkingStateEntry `protobuf:"bytes,2,rep,name=constraints,proto3" json:"constraints,omitempty"`
-	// Tasks (open, in progress, blocked) in first-seen order.
+	// Tasks in first-seen order: open, in progress and blocked ones, and the run's done and
+	// cancelled ones (a new run carries only the unfinished).
 	Tasks []*TaskState `protobuf:"bytes,3,rep,name=tasks,proto3" json:"tasks,omitempty"`
 	// Established facts.
 	Facts []*Fact `protobuf:"bytes,4,rep,name=facts,proto3" json:"facts,omitempty"`

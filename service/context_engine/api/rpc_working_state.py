@@ -63,6 +63,12 @@ def update_from_proto(update: pb.WorkingStateUpdate, field: str = "update") -> W
     A list field longer than MAX_UPDATE_ENTRIES is refused before anything is converted.
     """
     check_update_sizes({name: len(getattr(update, name)) for name in MAX_UPDATE_ENTRIES}, field)
+    for n, t in enumerate(update.upsert_tasks):
+        if t.task_id and not t.task_id.strip():
+            # Checked here, not in the transition: the log fold replays what was accepted.
+            raise InvalidFieldError(
+                "task_id must not be blank", field=f"{field}.upsert_tasks[{n}].task_id"
+            )
     tasks = [
         TaskUpsert(
             task_id=t.task_id,

@@ -448,10 +448,14 @@ def _add_constraints(state: WorkingState, values: tuple[str, ...], ctx: _Ctx) ->
             " (the user, or the model for its own) before adding another",
             field="update.add_constraints",
             reason="WORKING_STATE_CAP",
+            # `current` counts what this update's removals left; `would_hold` what its
+            # additions would make of it (`current` alone read as room where there was
+            # none: 19 of 20 left, two to add).
             metadata={
                 "list": "constraints",
                 "cap": str(cap),
                 "current": str(len(state.constraints)),
+                "would_hold": str(len(constraints)),
             },
         )
     return state.model_copy(update={"constraints": tuple(constraints)})
