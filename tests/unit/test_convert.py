@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine.api.convert import (
+    MAX_ATTRIBUTION_CHARS,
     items_from_proto,
     plan_spec_from_proto,
     step_from_proto,
@@ -237,6 +238,37 @@ def test_a_tool_result_cannot_claim_model_or_platform_trust(trust: int) -> None:
         items_from_proto(items, ["i1", "i2"])
     assert caught.value.field == "items[1].tool_result.trust"
     assert status_for(caught.value)[0] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_an_attribution_longer_than_any_url_is_an_invalid_field() -> None:
+    """A result's source and a passage's citation render in the envelope's source attribute
+    on every request and are not held against a summary: unbounded, one could carry a page
+    of attacker text out of its envelope (an audit). At most MAX_ATTRIBUTION_CHARS."""
+    long = "https://example.com/" + "a" * MAX_ATTRIBUTION_CHARS
+    call = pb.ConversationItem(
+        tool_call=pb.ToolCall(call_id="c1", tool_name="web.fetch", arguments_json="{}")
+    )
+    ok = long[:MAX_ATTRIBUTION_CHARS]
+    for source, refused in ((ok, False), (long, True)):
+        result = pb.ConversationItem(
+            tool_result=pb.ToolResult(
+                call_id="c1",
+                tool_name="web.fetch",
+                content="page",
+                trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED,
+                source=source,
+            )
+        )
+        if not refused:
+            items_from_proto([call, result], ["i1", "i2"])
+            continue
+        with pytest.raises(InvalidFieldError) as caught:
+            items_from_proto([call, result], ["i1", "i2"])
+        assert caught.value.field == "items[1].tool_result.source"
+    step = pb.StepContext(knowledge=[pb.KnowledgePassage(item_id="k", text="t", citation=long)])
+    with pytest.raises(InvalidFieldError) as caught:
+        step_from_proto(step)
+    assert caught.value.field == "step.knowledge[0].citation"
 
 
 def _passage(trust: int) -> pb.StepContext:

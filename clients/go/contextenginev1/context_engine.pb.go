@@ -3238,7 +3238,8 @@ type ToolResult struct {
 	// user role, where either would render bare, as the model's or the platform's own words:
 	// INVALID_FIELD). Below TRUSTED_CONFIGURATION it renders in a nonced envelope.
 	Trust TrustLevel `protobuf:"varint,4,opt,name=trust,proto3,enum=context_engine.v1.TrustLevel" json:"trust,omitempty"`
-	// Attribution shown on the envelope (for example "tool:web.fetch").
+	// Attribution shown on the envelope (for example "tool:web.fetch"); at most 2,048
+	// characters, else INVALID_FIELD.
 	Source string `protobuf:"bytes,5,opt,name=source,proto3" json:"source,omitempty"`
 	// True when the tool failed.
 	IsError bool `protobuf:"varint,6,opt,name=is_error,json=isError,proto3" json:"is_error,omitempty"`
@@ -4153,7 +4154,7 @@ type KnowledgePassage struct {
 	ItemId string `protobuf:"bytes,1,opt,name=item_id,json=itemId,proto3" json:"item_id,omitempty"`
 	// The passage, verbatim; dropped whole, never truncated.
 	Text string `protobuf:"bytes,2,opt,name=text,proto3" json:"text,omitempty"`
-	// Citation (document and location).
+	// Citation (document and location); at most 2,048 characters, else INVALID_FIELD.
 	Citation string `protobuf:"bytes,3,opt,name=citation,proto3" json:"citation,omitempty"`
 	// Trust of the document; unspecified is EXTERNAL_UNTRUSTED. Not PLATFORM or MODEL (a
 	// passage is a document rendered in the user role, where bare text could forge a user

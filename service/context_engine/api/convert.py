@@ -107,6 +107,22 @@ MAX_ID_CHARS = 200
 MAX_PEOPLE_NAMED = 256
 
 
+# An envelope's attribution (a tool result's source, a passage's citation): a URL or a
+# name, shown in the envelope's source attribute on every request that carries it, and not
+# held against a summary (core/compaction.py: a summary may cite it). Long enough for any
+# URL a browser keeps; longer is not an attribution.
+MAX_ATTRIBUTION_CHARS = 2_048
+
+
+def _attribution(value: str, field: str) -> str:
+    """Raises InvalidFieldError: longer than MAX_ATTRIBUTION_CHARS."""
+    if len(value) > MAX_ATTRIBUTION_CHARS:
+        raise InvalidFieldError(
+            f"{field} is longer than {MAX_ATTRIBUTION_CHARS} characters", field=field
+        )
+    return value
+
+
 def require_id(value: str, field: str, *, required: bool = True) -> str:
     """An identifier the caller chose (tenant, idempotency key, person, skill name).
 
@@ -515,7 +531,7 @@ def item_from_proto(item: pb.ConversationItem, field: str, new_id: str) -> ci.Co
             tool_name=result.tool_name,
             content=result.content,
             trust=_result_trust(result.trust, f"{path}.trust"),
-            source=result.source,
+            source=_attribution(result.source, f"{path}.source"),
             is_error=result.is_error,
             artifact_ref=result.artifact_ref,
             context_content=result.context_content,
@@ -700,7 +716,7 @@ def step_from_proto(step: pb.StepContext) -> StepContext:
             ci.KnowledgePassageItem(
                 item_id=f"knowledge:{passage.item_id}",
                 text=passage.text,
-                citation=passage.citation,
+                citation=_attribution(passage.citation, f"{path}.citation"),
                 trust=_passage_trust(passage.trust, f"{path}.trust"),
                 rank=n,
             )
