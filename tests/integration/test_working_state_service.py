@@ -731,6 +731,77 @@ async def test_an_ask_user_that_fails_leaves_its_question_open(stub: Any, pool: 
     assert carried == ["First or second class?"]
 
 
+async def test_a_replica_continues_its_fold_of_the_log_with_the_events_since(
+    stub: Any, grpc_server: Any, pool: Any
+) -> None:
+    """StartRun and OfferFactCandidates folded the session's whole working-state log each
+    call (an audit: 0.3 s a StartRun at 2,000 updates). The replica now keeps its fold and
+    continues it with the events since: what a run carries is still the whole log's fold,
+    and the kept fold is the one used (an event deleted behind its back, which the log
+    never does, still counts; a fresh replica no longer sees it)."""
+    from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+    from context_engine.api.server import build_engine, build_server
+    from context_engine.core.working_state import carry
+    from context_engine.store.working_state import read_working_state_updates
+
+    session_id, _ = await open_session(stub)
+    key = ("working-state fold", TENANT, UUID(session_id))
+    kept = grpc_server.engine.kept
+
+    async def whole_fold() -> dict[str, Any]:
+        async with pool.acquire() as conn:
+            logged = await read_working_state_updates(conn, TENANT, UUID(session_id), 2**62)
+        return carry(logged).model_dump(mode="json")
+
+    one = (await start_run(stub, session_id, "Find a flat")).run.run_id
+    first = await update_state(
+        stub, session_id, one, 1, writer=pb.WRITER_USER, add_constraints=["Max 1500 EUR"]
+    )
+    tasked = await update_state(
+        stub,
+        session_id,
+        one,
+        first.checkpoint_version,
+        upsert_tasks=[pb.TaskState(task_id="t1", title="Call agencies")],
+    )
+    two = (await start_run(stub, session_id, "Any news?")).run.run_id
+    assert kept.get(key).through == tasked.event_sequence
+    await update_state(
+        stub,
+        session_id,
+        two,
+        1,
+        writer=pb.WRITER_USER,
+        remove_constraints=["Max 1500 EUR"],
+        add_constraints=["Max 1800 EUR"],
+        objective="A flat near the park",
+    )
+    three = (await start_run(stub, session_id, "And now?")).run.run_id
+    carried = await _latest_state(pool, three)
+    assert carried == await whole_fold()
+    assert carried["objective"]["text"] == "A flat near the park"
+    assert [c["text"] for c in carried["constraints"]] == ["Max 1800 EUR"]
+    assert [t["task_id"] for t in carried["tasks"]] == ["t1"]
+    # The task's event, gone from the log behind the replica's back: the kept fold still
+    # holds the task; a replica that never folded this session does not.
+    await pool.execute(
+        "DELETE FROM session_events WHERE tenant_id = $1 AND session_id = $2 AND sequence = $3",
+        TENANT,
+        UUID(session_id),
+        tasked.event_sequence,
+    )
+    four = (await start_run(stub, session_id, "Still there?")).run.run_id
+    assert [t["task_id"] for t in (await _latest_state(pool, four))["tasks"]] == ["t1"]
+    fresh = await build_server(build_engine(pool), "127.0.0.1:0")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{fresh.port}") as channel:
+            other = pb_grpc.ContextEngineStub(channel)
+            five = (await start_run(other, session_id, "From elsewhere?")).run.run_id
+    finally:
+        await fresh.stop(0)
+    assert (await _latest_state(pool, five))["tasks"] == []
+
+
 async def test_a_constraint_beside_a_stale_resolution_in_an_overlapping_run_is_carried(
     stub: Any, pool: Any
 ) -> None:

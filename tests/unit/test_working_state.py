@@ -68,6 +68,7 @@ from context_engine.core.working_state import (
     at_run_boundary,
     carry,
     check_update_sizes,
+    fold,
     lowest_trust,
     render_block,
     runtime_update,
@@ -454,6 +455,28 @@ def test_carry_from_the_log_is_what_the_runs_saw(
     assert carried.open_questions == last.open_questions, "questions carry until answered"
     # Folding is deterministic and idempotent over the same log.
     assert carry(list(reversed(session.log))) == carried
+
+
+@SETTINGS
+@given(_sessions(), st.data())
+def test_a_fold_continued_from_a_kept_one_is_the_whole_fold(
+    case: tuple[_Session, list[tuple[WorkingState, WorkingState, object]]], data: st.DataObject
+) -> None:
+    """A replica keeps its fold of a session's log (api/working_state.py carried_state) and
+    continues it with the events since: cut anywhere, twice, the continued fold carries what
+    folding the whole log carries. An event already folded is refused, never folded twice."""
+    session, _ = case
+    log = sorted(session.log, key=lambda u: u.sequence)
+    first = data.draw(st.integers(0, len(log)))
+    second = data.draw(st.integers(first, len(log)))
+    kept = fold(log[:first])
+    kept = fold(log[first:second], kept)
+    continued = fold(log[second:], kept)
+    assert at_run_boundary(continued.state) == carry(session.log)
+    assert continued.through == (log[-1].sequence if log else 0)
+    if first:
+        with pytest.raises(ValueError):
+            fold(log[first - 1 : first], continued)
 
 
 def test_a_fold_skips_a_transition_that_no_longer_applies() -> None:

@@ -190,6 +190,12 @@ class Engine:
     def new_id(self) -> str:
         return self._new_id()
 
+    @property
+    def kept(self) -> Kept:
+        """What this replica keeps of values that never change once written (api/kept.py):
+        for the shell's other modules (api/working_state.py keeps its log folds here)."""
+        return self._kept
+
     def serves(self, model_id: str) -> bool:
         """Whether the model registry holds `model_id`."""
         try:
@@ -749,7 +755,9 @@ class Engine:
                 )
             await runs.insert_run(conn, tenant, run)
             # Working state is folded from the log below the seed (a child's starts empty).
-            state = await ws_api.seed_state(conn, tenant, session_id, run.seed_event_sequence)
+            state = await ws_api.seed_state(
+                conn, tenant, session_id, run.seed_event_sequence, self.kept
+            )
             # The first checkpoint pins the model's current estimator correction.
             factor = await self._pinned_factor(conn, tenant, session_id, epoch)
             await runs.insert_checkpoint(

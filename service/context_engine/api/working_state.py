@@ -18,13 +18,15 @@ from ..core.items import ConversationItem
 from ..core.trust import TrustLevel
 from ..core.working_state import (
     Fact,
+    Folded,
     Transition,
     WorkingState,
     WorkingStateUpdate,
     Writer,
     apply_update,
-    carry,
+    at_run_boundary,
     evidence_trust,
+    fold,
     lowest_trust,
     pending_questions,
     runtime_update,
@@ -33,6 +35,7 @@ from ..store import events, idempotency, runs, sessions
 from ..store import working_state as ws_store
 from ..store.db import transaction
 from ..store.events import NewEvent
+from .kept import Kept, approximate_bytes
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -60,17 +63,36 @@ _TRUSTED_EVIDENCE = frozenset(
 
 
 async def carried_state(
-    conn: Any, tenant_id: str, session_id: UUID, below_sequence: int
+    conn: Any, tenant_id: str, session_id: UUID, below_sequence: int, kept: Kept | None = None
 ) -> WorkingState:
     """The working state the log strictly below `below_sequence` carries into a new run
-    (core.working_state.carry: no constraint dropped to fit)."""
-    return carry(
-        await ws_store.read_working_state_updates(conn, tenant_id, session_id, below_sequence)
+    (core.working_state.carry: no constraint dropped to fit). Call with the session locked.
+
+    With `kept`, the replica's fold of the session's log so far is continued with the
+    events since, rather than every event folded again (about 150 us an event: a session
+    of 2,000 updates took 0.3 s a StartRun). The log's working-state events are never
+    rewritten (an erasure rewrites recorded requests only) and, under the session lock,
+    every one below the read's bound is committed, so a fold of them stays true.
+    """
+    key = ("working-state fold", tenant_id, session_id)
+    known: Folded | None = kept.get(key) if kept is not None else None
+    # A fold past the bound asked (a run seeded earlier than the latest) is of no use.
+    start = known if known is not None and known.through < below_sequence else Folded()
+    updates = await ws_store.read_working_state_updates(
+        conn, tenant_id, session_id, below_sequence, start.through
     )
+    folded = fold(updates, start)
+    if kept is not None and folded.through > (known.through if known is not None else 0):
+        kept.put(key, folded, approximate_bytes(folded))
+    return at_run_boundary(folded.state)
 
 
 async def seed_state(
-    conn: Any, tenant_id: str, session_id: UUID, seed_event_sequence: int | None
+    conn: Any,
+    tenant_id: str,
+    session_id: UUID,
+    seed_event_sequence: int | None,
+    kept: Kept | None = None,
 ) -> WorkingState:
     """A new run's first working state: carried from the log below its seed for a
     top-level run; empty for a child run, whose working state is its own. A carried state
@@ -78,7 +100,7 @@ async def seed_state(
     class working_state) until the user removes constraints."""
     if seed_event_sequence is None:
         return WorkingState()
-    return await carried_state(conn, tenant_id, session_id, seed_event_sequence)
+    return await carried_state(conn, tenant_id, session_id, seed_event_sequence, kept)
 
 
 async def record_transition(
@@ -260,7 +282,7 @@ async def offer_fact_candidates(
             return stored
         # Facts only: the block's ceiling decides only the never-hiding fields, so the
         # fold needs no model's counter (and a session without a plan can still answer).
-        state = await carried_state(conn, tenant_id, session_id, 2**62)
+        state = await carried_state(conn, tenant_id, session_id, 2**62, engine.kept)
         evidence = await ws_store.read_evidence_at(
             conn, tenant_id, session_id, [i for f in state.facts for i in f.source_event_ids]
         )

@@ -82,6 +82,7 @@ __all__ = [
     "Carry",
     "Entry",
     "Fact",
+    "Folded",
     "LoggedUpdate",
     "NewFact",
     "Task",
@@ -97,6 +98,7 @@ __all__ = [
     "check_fact_sources",
     "check_update_sizes",
     "evidence_trust",
+    "fold",
     "lowest_trust",
     "pending_questions",
     "render_block",
@@ -824,14 +826,40 @@ def carry(updates: Sequence[LoggedUpdate]) -> WorkingState:
     run with BUDGET_EXCEEDED, class working_state, until the user removes constraints: a
     failure the agent can surface, where the fold dropped the last ones without a word.
     """
-    state = WorkingState()
+    return at_run_boundary(fold(updates).state)
+
+
+_NOTHING_YET = WorkingState()  # frozen: one instance serves every empty fold
+
+
+@dataclass(frozen=True, slots=True)
+class Folded:
+    """The log's working-state events folded through sequence `through`: the state after
+    the last of them (no final run boundary yet) and the run that wrote it. The log is
+    append-only, so a fold through N continues with the events after N alone (fold's
+    `start`): carry of the whole log is at_run_boundary of that continuation's state."""
+
+    through: int = 0
     run: str | None = None
+    state: WorkingState = _NOTHING_YET
+
+
+def fold(updates: Sequence[LoggedUpdate], start: Folded | None = None) -> Folded:
+    """carry's fold, continued from `start` with `updates`, all after `start.through`.
+
+    Raises:
+        ValueError: an update at or below `start.through` (already folded).
+    """
+    start = start or Folded()
+    state, run, through = start.state, start.run, start.through
     for logged in sorted(updates, key=lambda u: u.sequence):
+        if logged.sequence <= through:
+            raise ValueError(f"event {logged.sequence} is at or below {through}, folded")
         if run is not None and logged.run_id != run:
             state = at_run_boundary(state)
-        run = logged.run_id
+        run, through = logged.run_id, logged.sequence
         state = _replay(state, logged)
-    return at_run_boundary(state)
+    return Folded(through, run, state)
 
 
 def _replay(state: WorkingState, logged: LoggedUpdate) -> WorkingState:

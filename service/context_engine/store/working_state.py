@@ -21,19 +21,20 @@ WORKING_STATE_UPDATED = "context.working_state.updated"
 
 
 async def read_working_state_updates(
-    conn: Any, tenant_id: str, session_id: UUID, below_sequence: int
+    conn: Any, tenant_id: str, session_id: UUID, below_sequence: int, above_sequence: int = 0
 ) -> list[LoggedUpdate]:
-    """Working-state events of the session's top-level runs strictly below a sequence,
-    oldest first. A child run's working state is its own and never carries."""
+    """Working-state events of the session's top-level runs strictly between two
+    sequences, oldest first. A child run's working state is its own and never carries."""
     rows = await conn.fetch(
         "SELECT e.sequence, e.run_id, e.payload FROM session_events e"
         " JOIN runs r ON r.tenant_id = e.tenant_id AND r.run_id = e.run_id"
         " WHERE e.tenant_id = $1 AND e.session_id = $2 AND e.type = $3 AND e.sequence < $4"
-        " AND r.parent_run_id IS NULL ORDER BY e.sequence",
+        " AND e.sequence > $5 AND r.parent_run_id IS NULL ORDER BY e.sequence",
         tenant_id,
         session_id,
         WORKING_STATE_UPDATED,
         below_sequence,
+        above_sequence,
     )
     return [
         LoggedUpdate(
