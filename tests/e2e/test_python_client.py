@@ -7,7 +7,10 @@ database; the client is imported from its source tree (tests/e2e/conftest.py).
 from __future__ import annotations
 
 import asyncio
+import copy
+import inspect
 import json
+import pickle
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -21,12 +24,20 @@ from context_engine_client import (
     Aborted,
     BuildResult,
     ContextEngineClient,
+    ContextEngineError,
+    DeadlineExceeded,
+    Internal,
     InvalidArgument,
     ModelTurn,
     NotFound,
+    ResourceExhausted,
+    Run,
+    Session,
     ToolCallRequest,
     ToolOutput,
+    Unauthenticated,
     Unavailable,
+    UnreportedUsage,
     Usage,
     assistant_message,
     channel_options,
@@ -426,8 +437,8 @@ async def test_a_tool_loop_again_after_an_append_whose_answer_was_lost_runs_no_t
     real_call = run.client.call
     lost: list[str] = []
 
-    async def answer_lost_once(method: str, request: Any) -> Any:
-        response = await real_call(method, request)
+    async def answer_lost_once(method: str, request: Any, *, timeout: Any = None) -> Any:
+        response = await real_call(method, request, timeout=timeout)
         if method == "AppendItems" and not lost:
             lost.append(request.idempotency_key)
             raise TimeoutError("the append's answer was lost")
@@ -459,10 +470,10 @@ async def test_a_usage_report_that_fails_does_not_lose_the_final_answer(client: 
     run = await session.start_run("Trains from Paris to Lyon tomorrow?")
     real_call = run.client.call
 
-    async def usage_unreachable(method: str, request: Any) -> Any:
+    async def usage_unreachable(method: str, request: Any, *, timeout: Any = None) -> Any:
         if method == "ReportUsage":
             raise Unavailable(grpc.StatusCode.UNAVAILABLE, "the engine went away")
-        return await real_call(method, request)
+        return await real_call(method, request, timeout=timeout)
 
     run.client.call = usage_unreachable  # type: ignore[method-assign]
     result = await run.tool_loop(ScriptedModel(), _fetch, now=NOW)
@@ -470,8 +481,9 @@ async def test_a_usage_report_that_fails_does_not_lose_the_final_answer(client: 
     assert result.final.text.startswith("The 08:04 TGV") and not result.reports
     assert [type(e).__name__ for _, _, e in result.unreported] == ["Unavailable"] * 2
     assert run.checkpoint_version == 3  # the pair, then the one final answer
-    for build, usage, _ in result.unreported:
-        report = await session.report_usage(build, usage)
+    for entry in result.unreported:
+        build, usage, _ = entry  # a tuple still, with the model that answered besides
+        report = await session.report_usage(build, usage, model=entry.model)
         assert report.samples >= 1
 
     # A report refused for what it says would fail again: raised, not kept.
@@ -605,3 +617,326 @@ async def test_a_childs_continued_lineage_does_not_become_the_sessions_plan(
     plan = await session.rotate(pb.PLAN_REASON_BUILDER_UPGRADED)
     assert plan.epoch == session.plan.epoch == 5
     assert plan.epoch == (await session.refresh_plan()).epoch
+
+
+# --- the model that answered, resent appends, deadlines, epochs ----------------------------
+
+
+def _answering(model: str) -> Any:
+    """A model that answers at once, reporting the usage Build estimated, as `model`."""
+
+    async def call_model(build: BuildResult) -> ModelTurn:
+        usage = Usage(input_tokens=build.response.estimated_input_tokens, output_tokens=5)
+        return ModelTurn(text="The 08:04.", usage=usage, model=model)
+
+    return call_model
+
+
+async def test_usage_is_reported_under_the_model_that_answered(client: Any) -> None:
+    """ReportUsage named the planned model whatever answered, so the engine learnt from a
+    report of another model. It sends ModelTurn.model: another model's report is recorded
+    but moves no factor; a dated snapshot of the planned model counts as it."""
+    session = await client.open_session(_spec())
+    real_call = client.call
+    sent: list[str] = []
+
+    async def record(method: str, request: Any, *, timeout: Any = None) -> Any:
+        if method == "ReportUsage":
+            sent.append(request.model_id)
+        return await real_call(method, request, timeout=timeout)
+
+    client.call = record
+    other = await (await session.start_run("Lyon?")).tool_loop(_answering("gpt-4o"), _fetch)
+    dated = _answering("claude-sonnet-4-5-20250929")
+    same = await (await session.start_run("Lyon?")).tool_loop(dated, _fetch)
+    planned = await (await session.start_run("Lyon?")).tool_loop(_answering(""), _fetch)
+    assert sent == ["gpt-4o", "claude-sonnet-4-5-20250929", "claude-sonnet-4-5"]
+    assert not other.reports[0].absorbed  # recorded, not learnt from
+    assert same.reports[0].absorbed and planned.reports[0].absorbed
+
+
+async def test_a_steps_append_that_fails_is_resent_with_the_same_key(client: Any) -> None:
+    """A step's append that failed DeadlineExceeded (landed, its answer lost) or
+    Unavailable raised out of the loop with its key: the caller could only ask the model
+    and run the tools again. The loop resends the same request itself, with twice the
+    deadline after a DeadlineExceeded (docs/api.md: retry with a longer deadline)."""
+    session = await client.open_session(_spec())
+    run = await session.start_run("Trains from Paris to Lyon tomorrow?")
+    real_call = client.call
+    keys: list[str] = []
+    deadlines: list[float] = []
+
+    async def flaky(method: str, request: Any, *, timeout: Any = None) -> Any:
+        if method == "AppendItems":
+            keys.append(request.idempotency_key)
+            deadlines.append(timeout)
+            if len(keys) == 1:
+                await real_call(method, request, timeout=timeout)
+                raise DeadlineExceeded(grpc.StatusCode.DEADLINE_EXCEEDED, "answer lost")
+            if len(keys) == 2:
+                raise Unavailable(grpc.StatusCode.UNAVAILABLE, "the engine went away")
+        return await real_call(method, request, timeout=timeout)
+
+    client.call = flaky
+    fetched: list[str] = []
+
+    async def fetch(call: ToolCallRequest) -> ToolOutput:
+        fetched.append(call.call_id)
+        return await _fetch(call)
+
+    result = await run.tool_loop(ScriptedModel(), fetch, now=NOW, timeout=5)
+    assert result.final.text.startswith("The 08:04 TGV") and fetched == ["call-1"]
+    assert len(keys) == 4 and keys[0] == keys[1] == keys[2] != keys[3]
+    # Doubled after the DeadlineExceeded, not after the Unavailable; the next step's anew.
+    assert deadlines == [5, 10, 10, 5]
+    assert run.checkpoint_version == 3  # the pair once (the resend replayed), the answer
+
+
+async def test_a_steps_append_that_keeps_failing_raises_with_the_request(client: Any) -> None:
+    """When every resend fails, the error carries the request: resent, the next loop sees
+    the step's results and runs no tool twice."""
+    session = await client.open_session(_spec())
+    run = await session.start_run("Trains from Paris to Lyon tomorrow?")
+    real_call = client.call
+    keys: list[str] = []
+
+    async def down(method: str, request: Any, *, timeout: Any = None) -> Any:
+        if method == "AppendItems":
+            keys.append(request.idempotency_key)
+            raise Unavailable(grpc.StatusCode.UNAVAILABLE, "the engine went away")
+        return await real_call(method, request, timeout=timeout)
+
+    client.call = down
+    model, fetched = ScriptedModel(), []
+
+    async def fetch(call: ToolCallRequest) -> ToolOutput:
+        fetched.append(call.call_id)
+        return await _fetch(call)
+
+    with pytest.raises(Unavailable) as failed:
+        await run.tool_loop(model, fetch, now=NOW)
+    pending = failed.value.pending_request
+    # Sent 3 times: the first send and 2 resends.
+    assert len(keys) == 3 and len(set(keys)) == 1 and pending.idempotency_key == keys[0]
+    assert [i.WhichOneof("kind") for i in pending.items] == [
+        "assistant_message",
+        "tool_call",
+        "tool_result",
+    ]
+    client.call = real_call
+    await run.resend_append(pending)
+    result = await run.tool_loop(model, fetch, now=NOW)
+    assert fetched == ["call-1"], "the tool ran again"
+    assert result.final.text.startswith("The 08:04 TGV") and run.checkpoint_version == 3
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, "refused"),
+        Unauthenticated(grpc.StatusCode.UNAUTHENTICATED, "the token expired"),
+        Internal(grpc.StatusCode.INTERNAL, "a proxy failed"),
+        ResourceExhausted(grpc.StatusCode.RESOURCE_EXHAUSTED, "too large"),
+        ContextEngineError(grpc.StatusCode.CANCELLED, "cancelled"),
+    ],
+    ids=lambda error: error.code.name,
+)
+async def test_a_steps_append_that_fails_for_good_raises_with_the_request(
+    client: Any, error: ContextEngineError
+) -> None:
+    """The request was attached only when the resends ran out: an error that is never
+    resent (an expired token, a proxy's INTERNAL...) was raised bare though the tools had
+    run. Every error out of the step's append carries it now, after one attempt."""
+    session = await client.open_session(_spec())
+    run = await session.start_run("Trains from Paris to Lyon tomorrow?")
+    real_call = client.call
+    sent: list[pb.AppendItemsRequest] = []
+
+    async def refuse(method: str, request: Any, *, timeout: Any = None) -> Any:
+        if method == "AppendItems":
+            sent.append(request)
+            raise error
+        return await real_call(method, request, timeout=timeout)
+
+    client.call = refuse
+    model, fetched = ScriptedModel(), []
+
+    async def fetch(call: ToolCallRequest) -> ToolOutput:
+        fetched.append(call.call_id)
+        return await _fetch(call)
+
+    with pytest.raises(type(error)) as failed:
+        await run.tool_loop(model, fetch, now=NOW)
+    client.call = real_call
+    assert len(sent) == 1, "resent though refused for what it is"
+    assert failed.value.pending_request is sent[0]
+    await run.resend_append(failed.value.pending_request)
+    result = await run.tool_loop(model, fetch, now=NOW)
+    assert fetched == ["call-1"], "the tool ran again"
+    assert result.final.text.startswith("The 08:04 TGV") and run.checkpoint_version == 3
+
+
+async def test_every_method_takes_a_deadline_of_its_own(client: Any) -> None:
+    session = await client.open_session(_spec(), timeout=10)
+    run = await session.start_run("Lyon?", timeout=10)
+    with pytest.raises(DeadlineExceeded):
+        await run.build(now=NOW, timeout=1e-6)
+    with pytest.raises(DeadlineExceeded):
+        await session.refresh_plan(timeout=1e-6)
+    # None (the default) and 0 are the client's deadline (30 s), not an expired one.
+    assert (await run.build(now=NOW)).checkpoint_version == 1
+    assert (await run.build(now=NOW, timeout=0)).checkpoint_version == 1
+
+
+class RecordingStub:
+    """Stands in for the generated stub: answers every RPC with its empty response and
+    records the deadline each was sent with, as `call` resolved it."""
+
+    def __init__(self) -> None:
+        self.deadlines: list[tuple[str, float | None]] = []
+
+    def __getattr__(self, method: str) -> Any:
+        service = pb.DESCRIPTOR.services_by_name["ContextEngine"]
+        response = getattr(pb, service.methods_by_name[method].output_type.name)
+
+        async def rpc(request: Any, *, timeout: float | None, metadata: Any) -> Any:
+            self.deadlines.append((method, timeout))
+            return response()
+
+        return rpc
+
+
+async def _no_tool(call: ToolCallRequest) -> str:
+    raise AssertionError("no tools")
+
+
+# Every wrapper that takes `timeout=`, called with `kw` (test_..._covers_every_wrapper
+# checks the list is complete).
+DEADLINE_WRAPPERS: dict[str, Any] = {
+    "ContextEngineClient.call": lambda c, s, r, **kw: c.call(
+        "ListControlTools", pb.ListControlToolsRequest(), **kw
+    ),
+    "ContextEngineClient.open_session": lambda c, s, r, **kw: c.open_session(_spec(), **kw),
+    "ContextEngineClient.session": lambda c, s, r, **kw: c.session("s", epoch=1, **kw),
+    "ContextEngineClient.report_usage": lambda c, s, r, **kw: c.report_usage(
+        "s", 1, "m", Usage(1), **kw
+    ),
+    "ContextEngineClient.get_build": lambda c, s, r, **kw: c.get_build("s", 1, **kw),
+    "ContextEngineClient.erase_subject": lambda c, s, r, **kw: c.erase_subject("p", **kw),
+    "ContextEngineClient.control_tools": lambda c, s, r, **kw: c.control_tools(**kw),
+    "Session.start_run": lambda c, s, r, **kw: s.start_run("Hi", **kw),
+    "Session.start_child_run": lambda c, s, r, **kw: s.start_child_run("r", "Go.", **kw),
+    "Session.refresh_plan": lambda c, s, r, **kw: s.refresh_plan(**kw),
+    "Session.rotate": lambda c, s, r, **kw: s.rotate(pb.PLAN_REASON_AGENT_CHANGED, **kw),
+    "Session.offer_fact_candidates": lambda c, s, r, **kw: s.offer_fact_candidates(**kw),
+    "Session.load_skill": lambda c, s, r, **kw: s.load_skill("rail", "Prefer TGV.", **kw),
+    "Session.report_usage": lambda c, s, r, **kw: s.report_usage(
+        BuildResult(pb.BuildResponse()), Usage(1), **kw
+    ),
+    "Run.append": lambda c, s, r, **kw: r.append(_assistant("Hi."), **kw),
+    "Run.resend_append": lambda c, s, r, **kw: r.resend_append(pb.AppendItemsRequest(), **kw),
+    "Run.build": lambda c, s, r, **kw: r.build(**kw),
+    "Run.report_usage": lambda c, s, r, **kw: r.report_usage(
+        BuildResult(pb.BuildResponse()), Usage(1), **kw
+    ),
+    "Run.update_working_state": lambda c, s, r, **kw: r.update_working_state(
+        pb.WorkingStateUpdate(objective="x"), **kw
+    ),
+    "Run.compact": lambda c, s, r, **kw: r.compact(_summarize, **kw),
+    "Run.tool_loop": lambda c, s, r, **kw: r.tool_loop(_answering("m"), _no_tool, **kw),
+}
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [({"timeout": 7.0}, 7.0), ({}, 12.5), ({"timeout": 0}, 12.5), ({"timeout": None}, 12.5)],
+    ids=["given", "omitted", "zero", "none"],
+)
+@pytest.mark.parametrize("wrapper", sorted(DEADLINE_WRAPPERS))
+async def test_every_wrapper_sends_its_deadline(
+    wrapper: str, given: dict[str, Any], expected: float
+) -> None:
+    """The deadline tests covered build, refresh_plan and call: a wrapper dropping its
+    `timeout` passed them. Each RPC of each wrapper gets the deadline given, and the
+    client's (12.5 s here) when none is, or 0."""
+    client = ContextEngineClient("127.0.0.1:1", TENANT, timeout=12.5)
+    stub = client.stub = RecordingStub()
+    session = Session(client, "s", pb.ContextPlan(epoch=1, model_id="m"), False, True)
+    run = Run(session, "r", 1, epoch=1)
+    try:
+        await DEADLINE_WRAPPERS[wrapper](client, session, run, **given)
+    finally:
+        await client.close()
+    assert stub.deadlines, "no RPC made"
+    assert {deadline for _, deadline in stub.deadlines} == {expected}, stub.deadlines
+
+
+def test_the_deadline_test_covers_every_wrapper() -> None:
+    taking = {
+        f"{cls.__name__}.{name}"
+        for cls in (ContextEngineClient, Session, Run)
+        for name, method in vars(cls).items()
+        if not name.startswith("_")
+        and callable(method)
+        and "timeout" in inspect.signature(method).parameters
+    }
+    assert taking == set(DEADLINE_WRAPPERS)
+
+
+def test_an_unreported_usage_copies_and_pickles() -> None:
+    """UnreportedUsage (a tuple with a `model`) raised TypeError on copy.copy: copy
+    called its __new__ with the tuple's items as one argument. Its error and build
+    pickle too (the generated message classes cannot be pickled by name)."""
+    error = Unavailable(grpc.StatusCode.UNAVAILABLE, "the engine went away", reason="R")
+    error.idempotency_key = "usage:s:3"
+    error.pending_request = pb.AppendItemsRequest(idempotency_key="k", run_id="r")
+    entry = UnreportedUsage(
+        BuildResult(pb.BuildResponse(request_sequence=3, epoch=2)), Usage(10), error, "gpt-4o"
+    )
+    for copied in (
+        copy.copy(entry),
+        copy.deepcopy(entry),
+        pickle.loads(pickle.dumps(entry)),
+    ):
+        build, usage, again = copied  # a 3-tuple still
+        assert type(copied) is UnreportedUsage and copied.model == "gpt-4o"
+        assert (build.request_sequence, build.epoch, usage) == (3, 2, Usage(10))
+        assert type(again) is Unavailable and str(again) == str(error)
+        assert (again.code, again.message, again.reason) == (error.code, error.message, "R")
+        assert again.idempotency_key == "usage:s:3"
+        assert again.pending_request == error.pending_request
+    assert copy.copy(entry) == entry
+
+
+async def test_attaching_at_an_older_epoch_keeps_the_current_plan(client: Any) -> None:
+    """client.session(id, epoch=1) made epoch 1's plan the session's current one, so its
+    next rotate failed EPOCH_CONFLICT; the epoch asked for is `requested_plan` now."""
+    session = await client.open_session(_spec())
+    await session.rotate(pb.PLAN_REASON_AGENT_CHANGED)
+    attached = await client.session(session.session_id, epoch=1)
+    assert (attached.plan.epoch, attached.requested_plan.epoch) == (2, 1)
+    assert (await attached.rotate(pb.PLAN_REASON_BUILDER_UPGRADED)).epoch == 3
+    assert (await client.session(session.session_id)).requested_plan.epoch == 3
+
+
+async def test_a_runs_epoch_follows_its_builds(client: Any) -> None:
+    """Run.epoch was StartRun's forever; a rotation reaches the run at its next build."""
+    session = await client.open_session(_spec())
+    run = await session.start_run("Trains to Lyon?")
+    assert run.epoch == 1
+    await session.rotate(pb.PLAN_REASON_AGENT_CHANGED)
+    built = await run.build(now=NOW)
+    assert built.epoch == run.epoch == 2
+
+
+async def test_tool_defaults_and_a_channel_with_options(grpc_server: Any) -> None:
+    """tool() made every tool a side-effect-free built-in: unspecified (the engine's most
+    consequential) now, and a tool from a server is a discovered one. Channel options
+    given with a channel of one's own were silently ignored."""
+    plain = tool("web.fetch", "Fetch.", SCHEMA)
+    assert (plain.side_effect, plain.builtin) == (pb.SIDE_EFFECT_UNSPECIFIED, True)
+    assert not tool("mcp.fetch", "Fetch.", SCHEMA, server="mcp://tools").builtin
+    target = f"127.0.0.1:{grpc_server.port}"
+    async with grpc.aio.insecure_channel(target, options=channel_options()) as channel:
+        with pytest.raises(ValueError, match="options="):
+            ContextEngineClient(target, TENANT, channel=channel, options=[("grpc.x", 1)])

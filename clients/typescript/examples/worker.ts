@@ -69,6 +69,7 @@ const PROVIDERS: Record<
           opaque: Buffer.from(JSON.stringify(b)),
         })),
       usage: usageFromAnthropic(body.usage ?? {}),
+      model: body.model, // the model that answered: usage is reported under it
     }),
   },
   'openai.responses': {
@@ -89,6 +90,7 @@ const PROVIDERS: Record<
           opaque: Buffer.from(JSON.stringify(o)),
         })),
       usage: usageFromOpenAI(body.usage ?? {}),
+      model: body.model,
     }),
   },
 };

@@ -21,6 +21,7 @@ import * as protoLoader from '@grpc/proto-loader';
 import { unknownEnumValue } from './enums.js';
 import {
   ContextEngineError,
+  DeadlineExceededError,
   InvalidArgumentError,
   NeedsCompactionError,
   ToolLoopLimitError,
@@ -36,12 +37,14 @@ import {
 } from './items.js';
 import { PROTO_DIR } from './paths.js';
 import type {
+  AppendItemsRequest,
   AppendItemsResponse,
   Attachment,
   AttachmentPlacement,
   BuildResponse,
   ContextPlan,
   ConversationItem,
+  EraseSubjectResponse,
   ModelRequest,
   OfferFactCandidatesResponse,
   PlanReason,
@@ -54,6 +57,7 @@ import type {
   ReportUsageResponse,
   RunAdmission,
   StepContext,
+  ToolSpecOutput,
   TrustLevel,
   UpdateWorkingStateResponse,
   WorkingStateUpdate,
@@ -135,10 +139,18 @@ export interface ClientOptions {
   token?: string;
   /** TLS or mTLS credentials; plaintext when absent. */
   credentials?: grpc.ChannelCredentials;
-  /** Per-call deadline in milliseconds (default 30 s). */
+  /** Per-call deadline in milliseconds (default 30 s); `deadlineMs` overrides it per call. */
   timeoutMs?: number;
   /** Extra channel options. */
   channelOptions?: grpc.ChannelOptions;
+}
+
+/** Options every call takes. */
+export interface CallOptions {
+  /**
+   * This call's deadline, in milliseconds from now; absent or 0: the client's `timeoutMs`.
+   */
+  deadlineMs?: number;
 }
 
 // The generated client's last overload of each method is (request, callback); inference
@@ -171,6 +183,14 @@ export type ResponseOf<K extends MethodName> = ResOf<RawContextEngineClient[K]>;
 
 const newKey = (): string => randomUUID();
 
+// A tool loop step's append, resent by the loop itself while the engine cannot be reached:
+// the channel's own retries cover UNAVAILABLE only, never DEADLINE_EXCEEDED. Attempts, not
+// resends: the first send and 2 resends. A resend after DEADLINE_EXCEEDED gets twice the
+// deadline the attempt before it had (docs/api.md: retry with a longer deadline).
+const APPEND_ATTEMPTS = 3;
+const APPEND_BACKOFF_MS = 200;
+const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
+
 /** Longest tool name the providers accept (OpenAI's 64; Anthropic allows 128). */
 export const MAX_WIRE_NAME = 64;
 
@@ -193,8 +213,9 @@ function timestamp(date: Date): { seconds: number; nanos: number } {
 export class ContextEngineClient {
   readonly tenantId: string;
   readonly raw: RawContextEngineClient;
+  /** Each call's deadline in milliseconds, unless the call gives its own `deadlineMs`. */
+  readonly timeoutMs: number;
   private readonly token?: string;
-  private readonly timeoutMs: number;
 
   constructor(options: ClientOptions) {
     if (!options.tenantId) throw new TypeError('tenantId is required');
@@ -219,8 +240,15 @@ export class ContextEngineClient {
     this.raw.close();
   }
 
-  /** Call one unary RPC by name with this client's metadata, deadline and typed errors. */
-  call<K extends MethodName>(method: K, request: RequestOf<K>): Promise<ResponseOf<K>> {
+  /**
+   * Call one unary RPC by name with this client's metadata, deadline (or `deadlineMs`,
+   * this call's) and typed errors.
+   */
+  call<K extends MethodName>(
+    method: K,
+    request: RequestOf<K>,
+    opts: CallOptions = {},
+  ): Promise<ResponseOf<K>> {
     const unknown = unknownEnumValue(method, request);
     if (unknown) {
       // Refused here, as the server refuses a bad field: sent, it would go as 0.
@@ -238,7 +266,8 @@ export class ContextEngineClient {
     }
     const metadata = new grpc.Metadata();
     if (this.token) metadata.set('authorization', `Bearer ${this.token}`);
-    const deadline = new Date(Date.now() + this.timeoutMs);
+    // 0 is no deadline of the call's own, as absent is (never an expired one).
+    const deadline = new Date(Date.now() + (opts.deadlineMs || this.timeoutMs));
     const rpc = this.raw[method] as unknown as (
       request: RequestOf<K>,
       metadata: grpc.Metadata,
@@ -258,13 +287,16 @@ export class ContextEngineClient {
   }
 
   /** Plan a session (epoch 1), or return an existing session's current plan. */
-  async openSession(spec: PlanSpec, opts: { sessionId?: string } = {}): Promise<Session> {
+  async openSession(
+    spec: PlanSpec,
+    opts: { sessionId?: string } & CallOptions = {},
+  ): Promise<Session> {
     const sessionId = opts.sessionId ?? newKey();
-    const response = await this.call('Plan', {
-      tenant_id: this.tenantId,
-      session_id: sessionId,
-      spec,
-    });
+    const response = await this.call(
+      'Plan',
+      { tenant_id: this.tenantId, session_id: sessionId, spec },
+      opts,
+    );
     return new Session(
       this,
       sessionId,
@@ -275,35 +307,74 @@ export class ContextEngineClient {
     );
   }
 
-  /** Attach to an existing session (reads its current plan, or a given epoch). */
-  async session(sessionId: string, epoch = 0): Promise<Session> {
-    const response = await this.call('GetPlan', {
-      tenant_id: this.tenantId,
-      session_id: sessionId,
-      epoch,
-    });
-    return new Session(this, sessionId, response.plan!, false, true);
+  /**
+   * Attach to an existing session. Its `plan` is the current plan, whatever `epoch` says:
+   * it is the next rotate's `from_epoch`, and an older epoch's made that rotate fail
+   * EPOCH_CONFLICT. With `epoch`, that epoch's plan is read too, as `requestedPlan` (a
+   * second GetPlan).
+   */
+  async session(sessionId: string, epoch = 0, opts: CallOptions = {}): Promise<Session> {
+    const read = { tenant_id: this.tenantId, session_id: sessionId };
+    const current = await this.call('GetPlan', { ...read, epoch: 0 }, opts);
+    const session = new Session(this, sessionId, current.plan!, false, true);
+    if (epoch) session.requestedPlan = await session.refreshPlan(epoch, opts);
+    return session;
   }
 
-  /** Report a model response's actual usage for the request Build recorded. */
+  /**
+   * Report a model response's actual usage for the request Build recorded. `modelId` is
+   * the model that answered (the provider response's `model`).
+   */
   reportUsage(
     sessionId: string,
     requestSequence: number,
     modelId: string,
     usage: Usage,
     idempotencyKey?: string,
+    opts: CallOptions = {},
   ): Promise<ReportUsageResponse> {
-    return this.call('ReportUsage', {
-      tenant_id: this.tenantId,
-      session_id: sessionId,
-      request_sequence: requestSequence,
-      model_id: modelId,
-      input_tokens: usage.inputTokens,
-      output_tokens: usage.outputTokens ?? 0,
-      cache_read_input_tokens: usage.cacheReadInputTokens ?? 0,
-      cache_creation_input_tokens: usage.cacheCreationInputTokens ?? 0,
-      idempotency_key: idempotencyKey ?? `usage:${sessionId}:${requestSequence}`,
-    });
+    return this.call(
+      'ReportUsage',
+      {
+        tenant_id: this.tenantId,
+        session_id: sessionId,
+        request_sequence: requestSequence,
+        model_id: modelId,
+        input_tokens: usage.inputTokens,
+        output_tokens: usage.outputTokens ?? 0,
+        cache_read_input_tokens: usage.cacheReadInputTokens ?? 0,
+        cache_creation_input_tokens: usage.cacheCreationInputTokens ?? 0,
+        idempotency_key: idempotencyKey ?? `usage:${sessionId}:${requestSequence}`,
+      },
+      opts,
+    );
+  }
+
+  /** Rebuild a recorded request byte for byte (GetBuild), by its request_sequence. */
+  async getBuild(
+    sessionId: string,
+    requestSequence: number,
+    opts: CallOptions = {},
+  ): Promise<BuildResult> {
+    const response = await this.call(
+      'GetBuild',
+      { tenant_id: this.tenantId, session_id: sessionId, request_sequence: requestSequence },
+      opts,
+    );
+    return new BuildResult(response);
+  }
+
+  /**
+   * Erase a person's memories from every snapshot and recorded request of the tenant. Safe
+   * to resend: the answer is everything erasing them has done, as first reported.
+   */
+  eraseSubject(personId: string, opts: CallOptions = {}): Promise<EraseSubjectResponse> {
+    return this.call('EraseSubject', { tenant_id: this.tenantId, person_id: personId }, opts);
+  }
+
+  /** The engine's control tools (context.update_working_state), for a PlanSpec's tools. */
+  async listControlTools(opts: CallOptions = {}): Promise<ToolSpecOutput[]> {
+    return (await this.call('ListControlTools', {}, opts)).tools;
   }
 }
 
@@ -402,7 +473,16 @@ export class BuildResult {
   }
 }
 
+/**
+ * A planned session. `plan` is the session's current plan as the last call that returned
+ * one found it (the next rotate's `from_epoch`): neither a child run's rotated plan (its
+ * parent's lineage continued) nor an older epoch's plan read with `refreshPlan(epoch)`
+ * is taken as it.
+ */
 export class Session {
+  /** The plan of the epoch `engine.session(id, epoch)` asked for; the first plan read otherwise. */
+  requestedPlan: ContextPlan;
+
   constructor(
     readonly client: ContextEngineClient,
     readonly sessionId: string,
@@ -412,7 +492,9 @@ export class Session {
     /** Names the spec's agent enables or defers that no tool of it defines (typos); a
      * rotate sets them from its plan's spec. */
     public unknownToolNames: string[] = [],
-  ) {}
+  ) {
+    this.requestedPlan = plan;
+  }
 
   get tenantId(): string {
     return this.client.tenantId;
@@ -430,7 +512,7 @@ export class Session {
       admission?: RunAdmission;
       idempotencyKey?: string;
       attachments?: Attachment[];
-    } = {},
+    } & CallOptions = {},
   ): Promise<Run> {
     const message = { text, attachments: opts.attachments ?? [] };
     return this.start({ user_message: message, admission: opts.admission ?? null }, opts);
@@ -443,22 +525,26 @@ export class Session {
   startChildRun(
     parentRunId: string,
     instruction: string,
-    opts: { runId?: string; idempotencyKey?: string } = {},
+    opts: { runId?: string; idempotencyKey?: string } & CallOptions = {},
   ): Promise<Run> {
     return this.start({ child: { parent_run_id: parentRunId, instruction } }, opts);
   }
 
   private async start(
     seed: Pick<RequestOf<'StartRun'>, 'user_message' | 'child' | 'admission'>,
-    opts: { runId?: string; idempotencyKey?: string },
+    opts: { runId?: string; idempotencyKey?: string } & CallOptions,
   ): Promise<Run> {
-    const response = await this.client.call('StartRun', {
-      tenant_id: this.tenantId,
-      session_id: this.sessionId,
-      run_id: opts.runId ?? '',
-      idempotency_key: opts.idempotencyKey ?? newKey(),
-      ...seed,
-    });
+    const response = await this.client.call(
+      'StartRun',
+      {
+        tenant_id: this.tenantId,
+        session_id: this.sessionId,
+        run_id: opts.runId ?? '',
+        idempotency_key: opts.idempotencyKey ?? newKey(),
+        ...seed,
+      },
+      opts,
+    );
     // A top-level run's rotated_plan is the session's current plan; a child's is its
     // parent's lineage continued, which need not be (docs/api.md, StartRun).
     // A resend replays the first answer, whose plan may since have been rotated past:
@@ -478,16 +564,20 @@ export class Session {
   loadSkill(
     name: string,
     body: string,
-    opts: { trust?: TrustLevel; runId?: string } = {},
+    opts: { trust?: TrustLevel; runId?: string } & CallOptions = {},
   ): Promise<LoadSkillResponse> {
-    return this.client.call('LoadSkill', {
-      tenant_id: this.tenantId,
-      session_id: this.sessionId,
-      name,
-      body,
-      trust: opts.trust ?? 'TRUST_LEVEL_UNSPECIFIED',
-      run_id: opts.runId ?? '',
-    });
+    return this.client.call(
+      'LoadSkill',
+      {
+        tenant_id: this.tenantId,
+        session_id: this.sessionId,
+        name,
+        body,
+        trust: opts.trust ?? 'TRUST_LEVEL_UNSPECIFIED',
+        run_id: opts.runId ?? '',
+      },
+      opts,
+    );
   }
 
   /** Attach to an existing run at a known checkpoint version (no RPC). */
@@ -495,13 +585,16 @@ export class Session {
     return new Run(this, runId, checkpointVersion, this.plan.epoch);
   }
 
-  /** Re-read the current plan (or a given epoch); the current one becomes `plan`. */
-  async refreshPlan(epoch = 0): Promise<ContextPlan> {
-    const response = await this.client.call('GetPlan', {
-      tenant_id: this.tenantId,
-      session_id: this.sessionId,
-      epoch,
-    });
+  /**
+   * Re-read the current plan, which becomes `plan`; or read a given epoch's, which leaves
+   * `plan` as it is.
+   */
+  async refreshPlan(epoch = 0, opts: CallOptions = {}): Promise<ContextPlan> {
+    const response = await this.client.call(
+      'GetPlan',
+      { tenant_id: this.tenantId, session_id: this.sessionId, epoch },
+      opts,
+    );
     if (epoch === 0) this.plan = response.plan!;
     return response.plan!;
   }
@@ -516,17 +609,21 @@ export class Session {
    */
   async rotate(
     reason: PlanReason,
-    opts: { spec?: PlanSpec; detail?: string; idempotencyKey?: string } = {},
+    opts: { spec?: PlanSpec; detail?: string; idempotencyKey?: string } & CallOptions = {},
   ): Promise<ContextPlan> {
-    const response = await this.client.call('Rotate', {
-      tenant_id: this.tenantId,
-      session_id: this.sessionId,
-      from_epoch: this.plan.epoch,
-      reason,
-      spec: opts.spec ?? null,
-      detail: opts.detail ?? '',
-      idempotency_key: opts.idempotencyKey ?? newKey(),
-    });
+    const response = await this.client.call(
+      'Rotate',
+      {
+        tenant_id: this.tenantId,
+        session_id: this.sessionId,
+        from_epoch: this.plan.epoch,
+        reason,
+        spec: opts.spec ?? null,
+        detail: opts.detail ?? '',
+        idempotency_key: opts.idempotencyKey ?? newKey(),
+      },
+      opts,
+    );
     this.plan = response.plan!;
     // The server checks a spec sent; without one, the pinned spec's names stand.
     if (opts.spec) this.unknownToolNames = response.unknown_tool_names;
@@ -535,29 +632,49 @@ export class Session {
 
   /** Offer the session's trusted facts to memory formation (at the session's end). */
   offerFactCandidates(
-    opts: { idempotencyKey?: string } = {},
+    opts: { idempotencyKey?: string } & CallOptions = {},
   ): Promise<OfferFactCandidatesResponse> {
-    return this.client.call('OfferFactCandidates', {
-      tenant_id: this.tenantId,
-      session_id: this.sessionId,
-      idempotency_key: opts.idempotencyKey ?? newKey(),
-    });
+    return this.client.call(
+      'OfferFactCandidates',
+      {
+        tenant_id: this.tenantId,
+        session_id: this.sessionId,
+        idempotency_key: opts.idempotencyKey ?? newKey(),
+      },
+      opts,
+    );
   }
 
-  /** Report the usage of the response to `build`'s request. */
-  reportUsage(build: BuildResult, usage: Usage, idempotencyKey?: string) {
-    const modelId = build.request?.model_id || this.plan.model_id;
+  /**
+   * Report the usage of the response to `build`'s request. `opts.model`: the model that
+   * answered, the provider response's `model` (ModelTurn.model); absent, the one the
+   * request was built for. The engine records a report of another model but learns nothing
+   * from it, so naming the planned model for it would skew the estimator.
+   */
+  reportUsage(
+    build: BuildResult,
+    usage: Usage,
+    idempotencyKey?: string,
+    opts: ReportUsageOptions = {},
+  ): Promise<ReportUsageResponse> {
+    const modelId = opts.model || build.request?.model_id || this.plan.model_id;
     return this.client.reportUsage(
       this.sessionId,
       build.requestSequence,
       modelId,
       usage,
       idempotencyKey,
+      opts,
     );
   }
 }
 
-export interface BuildOptions {
+export interface ReportUsageOptions extends CallOptions {
+  /** The model that answered (the provider response's `model`); absent: the planned one. */
+  model?: string;
+}
+
+export interface BuildOptions extends CallOptions {
   /** The clock row 14 renders; the server's clock when absent. */
   now?: Date;
   /** In-turn recall, corrections and knowledge passages. */
@@ -566,7 +683,19 @@ export interface BuildOptions {
   checkpointVersion?: number;
 }
 
-export interface CompactOptions {
+/**
+ * A compaction summary and its token count. Without `tokens`, compact estimates it
+ * conservatively (one token per three UTF-8 bytes, rounded up).
+ */
+export interface Summary {
+  text: string;
+  tokens?: number;
+}
+
+/** Writes the summary from the prepared input: its text, or a Summary with its count. */
+export type Summarize = (prepared: PrepareCompactionResponse) => Promise<string | Summary>;
+
+export interface CompactOptions extends CallOptions {
   /** Recorded with the summary (default '@context-engine/client@0.1.0'). */
   compactorVersion?: string;
   /**
@@ -576,10 +705,12 @@ export interface CompactOptions {
    * commit leaves `checkpointVersion` as it was); a commit that landed answers then.
    */
   idempotencyKey?: string;
+  /** The last event to compact (0, the default: the engine chooses the cut). */
+  throughSequence?: number;
 }
 
-export interface ToolLoopOptions {
-  /** Send the build to the model; return what it said. */
+export interface ToolLoopOptions extends CallOptions {
+  /** Send the build to the model; return what it said (`model`: the model that answered). */
   callModel: (build: BuildResult) => Promise<ModelTurn>;
   /** Run one tool call; a string is an EXTERNAL_UNTRUSTED result. */
   runTool: (call: ToolCallRequest) => Promise<ToolOutput | string>;
@@ -587,7 +718,7 @@ export interface ToolLoopOptions {
   now?: Date | (() => Date);
   step?: StepContext;
   /** Writes the compaction summary when the body does not fit. */
-  summarize?: (prepared: PrepareCompactionResponse) => Promise<string>;
+  summarize?: Summarize;
   maxSteps?: number;
   /** Report each turn's usage (default true). */
   reportUsage?: boolean;
@@ -599,12 +730,13 @@ export interface ToolLoopResult {
   /** One per model turn that reported usage. */
   reports: ReportUsageResponse[];
   /**
-   * The reports that could not reach the engine: each step's build, usage and
-   * UNAVAILABLE or DEADLINE_EXCEEDED error (any other refusal is thrown: it would fail
-   * again). Resend one with `session.reportUsage(build, usage)`: its key is the build's,
-   * so a report that landed with only its answer lost is not counted twice.
+   * The reports that could not reach the engine: each step's build, usage, the model that
+   * answered and the UNAVAILABLE or DEADLINE_EXCEEDED error (any other refusal is thrown:
+   * it would fail again). Resend one with `session.reportUsage(build, usage, undefined,
+   * { model })`: its key is the build's, so a report that landed with only its answer lost
+   * is not counted twice (and the same key with another model is IDEMPOTENCY_KEY_REUSED).
    */
-  unreported: { build: BuildResult; usage: Usage; error: ContextEngineError }[];
+  unreported: { build: BuildResult; usage: Usage; model?: string; error: ContextEngineError }[];
 }
 
 export class Run {
@@ -612,7 +744,8 @@ export class Run {
     readonly session: Session,
     readonly runId: string,
     public checkpointVersion: number,
-    readonly epoch: number,
+    /** The epoch the run's latest build was made against: StartRun's, then each Build's. */
+    public epoch: number,
   ) {}
 
   private get ids() {
@@ -628,25 +761,94 @@ export class Run {
   }
 
   /** Append items in order; tracks the new checkpoint version. */
-  async append(items: ConversationItem[], idempotencyKey?: string): Promise<AppendItemsResponse> {
-    const response = await this.client.call('AppendItems', {
+  append(
+    items: ConversationItem[],
+    idempotencyKey?: string,
+    opts: CallOptions = {},
+  ): Promise<AppendItemsResponse> {
+    return this.resendAppend(this.appendRequest(items, idempotencyKey), opts);
+  }
+
+  private appendRequest(items: ConversationItem[], idempotencyKey?: string): AppendItemsRequest {
+    return {
       ...this.ids,
       expected_checkpoint_version: this.checkpointVersion,
       idempotency_key: idempotencyKey ?? newKey(),
       items,
-    });
+    };
+  }
+
+  /**
+   * Send an AppendItemsRequest as it is, such as a tool loop error's `pendingRequest`: its
+   * key makes a resend of an append that landed answer with the first result instead of
+   * writing it twice. Tracks the new checkpoint version.
+   */
+  async resendAppend(
+    request: AppendItemsRequest,
+    opts: CallOptions = {},
+  ): Promise<AppendItemsResponse> {
+    const response = await this.client.call('AppendItems', request, opts);
     this.checkpointVersion = response.checkpoint_version;
     return response;
   }
 
-  /** Assemble the next model request from this run's latest known checkpoint. */
+  /**
+   * A tool loop step's one append, sent up to APPEND_ATTEMPTS times as it is (same key,
+   * same bytes) while it fails for want of the engine, with twice the deadline after a
+   * DEADLINE_EXCEEDED: the step's tools have run, and losing their results would make the
+   * caller run them again. Whatever error ends it (retryable or not: an expired token, a
+   * proxy's INTERNAL, a cancellation), it carries the request (`pendingRequest`) for the
+   * caller to resend.
+   */
+  private async appendStep(items: ConversationItem[], opts: CallOptions): Promise<void> {
+    const request = this.appendRequest(items);
+    try {
+      await this.sendStep(request, opts.deadlineMs || this.client.timeoutMs);
+    } catch (error) {
+      // Any error, not only ours (a ContextEngineError always has the field).
+      if (typeof error === 'object' && error !== null) {
+        try {
+          (error as { pendingRequest?: AppendItemsRequest }).pendingRequest = request;
+        } catch {
+          // A frozen object: thrown as it is.
+        }
+      }
+      throw error;
+    }
+  }
+
+  private async sendStep(request: AppendItemsRequest, deadlineMs: number): Promise<void> {
+    for (let attempt = 1; ; attempt++) {
+      try {
+        await this.resendAppend(request, { deadlineMs });
+        return;
+      } catch (error) {
+        // Refused for what it says (a resend fails again), or the last attempt.
+        if (!(error instanceof ContextEngineError) || !error.retryable) throw error;
+        if (attempt === APPEND_ATTEMPTS) throw error;
+        // It may have been too short for this append.
+        if (error instanceof DeadlineExceededError) deadlineMs *= 2;
+      }
+      await sleep(APPEND_BACKOFF_MS * 2 ** (attempt - 1));
+    }
+  }
+
+  /**
+   * Assemble the next model request from this run's latest known checkpoint. `epoch`
+   * becomes the build's: a rotation reaches a run at its next build.
+   */
   async build(opts: BuildOptions = {}): Promise<BuildResult> {
-    const response = await this.client.call('Build', {
-      ...this.ids,
-      checkpoint_version: opts.checkpointVersion ?? this.checkpointVersion,
-      now: opts.now ? timestamp(opts.now) : null,
-      step: opts.step ?? null,
-    });
+    const response = await this.client.call(
+      'Build',
+      {
+        ...this.ids,
+        checkpoint_version: opts.checkpointVersion ?? this.checkpointVersion,
+        now: opts.now ? timestamp(opts.now) : null,
+        step: opts.step ?? null,
+      },
+      opts,
+    );
+    this.epoch = response.epoch || this.epoch;
     return new BuildResult(response);
   }
 
@@ -656,57 +858,75 @@ export class Run {
    */
   async updateWorkingState(
     update: WorkingStateUpdate,
-    opts: { writer?: Writer; idempotencyKey?: string } = {},
+    opts: { writer?: Writer; idempotencyKey?: string } & CallOptions = {},
   ): Promise<UpdateWorkingStateResponse> {
-    const response = await this.client.call('UpdateWorkingState', {
-      ...this.ids,
-      expected_checkpoint_version: this.checkpointVersion,
-      writer: opts.writer ?? 'WRITER_MODEL',
-      update,
-      idempotency_key: opts.idempotencyKey ?? newKey(),
-    });
+    const response = await this.client.call(
+      'UpdateWorkingState',
+      {
+        ...this.ids,
+        expected_checkpoint_version: this.checkpointVersion,
+        writer: opts.writer ?? 'WRITER_MODEL',
+        update,
+        idempotency_key: opts.idempotencyKey ?? newKey(),
+      },
+      opts,
+    );
     this.checkpointVersion = response.checkpoint_version;
     return response;
   }
 
-  reportUsage(build: BuildResult, usage: Usage, idempotencyKey?: string) {
-    return this.session.reportUsage(build, usage, idempotencyKey);
+  /** Session.reportUsage: `opts.model` is the model that answered (absent: the planned). */
+  reportUsage(
+    build: BuildResult,
+    usage: Usage,
+    idempotencyKey?: string,
+    opts: ReportUsageOptions = {},
+  ): Promise<ReportUsageResponse> {
+    return this.session.reportUsage(build, usage, idempotencyKey, opts);
   }
 
   /**
    * PrepareCompaction -> the worker's summarizer -> CommitCompaction. Returns the new
    * checkpoint version. `opts` may also be the compactor version alone (as before). The
    * summary must count fewer tokens than what it replaces (`prepared.tokens_before`);
-   * else INVALID_ARGUMENT, reason INVALID_FIELD naming `result.summary`.
+   * else INVALID_ARGUMENT, reason INVALID_FIELD naming `result.summary`: return a Summary
+   * with its `tokens` when you know the count, else it is estimated conservatively.
+   * `deadlineMs` is each of the two calls' deadline.
    */
-  async compact(
-    summarize: (prepared: PrepareCompactionResponse) => Promise<string>,
-    opts: CompactOptions | string = {},
-  ): Promise<number> {
-    const { compactorVersion = '@context-engine/client@0.1.0', idempotencyKey = newKey() } =
-      typeof opts === 'string' ? { compactorVersion: opts } : opts;
-    const prepared = await this.client.call('PrepareCompaction', {
-      ...this.ids,
-      checkpoint_version: this.checkpointVersion,
-    });
-    const summary = await summarize(prepared);
-    const response = await this.client.call('CommitCompaction', {
-      ...this.ids,
-      expected_checkpoint_version: prepared.checkpoint_version,
-      idempotency_key: idempotencyKey,
-      result: {
-        summary,
-        source_event_ids: prepared.source_event_ids,
-        elided: prepared.elided,
-        replaced_through_sequence: prepared.replaced_through_sequence,
-        depth: prepared.depth,
-        tokens_before: prepared.tokens_before,
-        // Conservative when the worker does not know: one token per three UTF-8 bytes.
-        tokens_after: Math.ceil(Buffer.byteLength(summary, 'utf8') / 3),
-        compactor_version: compactorVersion,
-        prompt_version: prepared.prompt_version,
+  async compact(summarize: Summarize, opts: CompactOptions | string = {}): Promise<number> {
+    const options: CompactOptions = typeof opts === 'string' ? { compactorVersion: opts } : opts;
+    const prepared = await this.client.call(
+      'PrepareCompaction',
+      {
+        ...this.ids,
+        checkpoint_version: this.checkpointVersion,
+        through_sequence: options.throughSequence ?? 0,
       },
-    });
+      options,
+    );
+    const written = await summarize(prepared);
+    const summary: Summary = typeof written === 'string' ? { text: written } : written;
+    const response = await this.client.call(
+      'CommitCompaction',
+      {
+        ...this.ids,
+        expected_checkpoint_version: prepared.checkpoint_version,
+        idempotency_key: options.idempotencyKey ?? newKey(),
+        result: {
+          summary: summary.text,
+          source_event_ids: prepared.source_event_ids,
+          elided: prepared.elided,
+          replaced_through_sequence: prepared.replaced_through_sequence,
+          depth: prepared.depth,
+          tokens_before: prepared.tokens_before,
+          // Conservative when the worker does not know: one token per three UTF-8 bytes.
+          tokens_after: summary.tokens || Math.ceil(Buffer.byteLength(summary.text, 'utf8') / 3),
+          compactor_version: options.compactorVersion ?? '@context-engine/client@0.1.0',
+          prompt_version: prepared.prompt_version,
+        },
+      },
+      options,
+    );
     this.checkpointVersion = response.checkpoint_version;
     return this.checkpointVersion;
   }
@@ -714,29 +934,42 @@ export class Run {
   /**
    * Build -> model -> tools -> append -> usage, until the model answers without tool
    * calls. The model's items and the tool results go in one append per step, so the log
-   * never holds a call without its result. Each step builds from the run's latest
-   * checkpoint: after an append whose answer was lost (a deadline passed while it
-   * committed), calling toolLoop again builds what the log holds, and the model does not
-   * ask for tools it has results of. Usage is reported after the append, and a report
-   * that cannot reach the engine is kept in the result (`unreported`) rather than thrown:
-   * the step's items are in the log, and throwing after the final answer was appended lost
-   * that answer to the caller, whose second toolLoop asked the model again and appended a
-   * second answer. A report refused for what it says is thrown: it would fail again.
+   * never holds a call without its result. `deadlineMs` is each RPC's deadline.
+   *
+   * The append is sent up to 3 times (the first send and 2 resends) as it is (same key,
+   * same bytes) while it fails UNAVAILABLE or DEADLINE_EXCEEDED, each resend after a
+   * DEADLINE_EXCEEDED with twice the deadline the attempt before it had: a resend of one
+   * that landed answers with its first result. Any error that ends the append (one still
+   * failing after the resends, or one never resent: UNAUTHENTICATED, INTERNAL, CANCELLED...)
+   * is thrown with the request as `pendingRequest`: resend it (`resendAppend`, once the
+   * cause is gone) before calling toolLoop again. Each step builds from the
+   * run's latest checkpoint, so once a step's append is in the log (landed with its answer
+   * lost, or resent), calling toolLoop again shows the model the results it has and runs
+   * none of that step's tools again. A tool that throws ends the loop before the append:
+   * the step's tools that ran are then not logged.
+   *
+   * Usage is reported after the append, under the model that answered (`turn.model`), and
+   * a report that cannot reach the engine is kept in the result (`unreported`) rather than
+   * thrown: the step's items are in the log, and throwing after the final answer was
+   * appended lost that answer to the caller, whose second toolLoop asked the model again
+   * and appended a second answer. A report refused for what it says is thrown: it would
+   * fail again.
    */
   async toolLoop(opts: ToolLoopOptions): Promise<ToolLoopResult> {
     const builds: BuildResult[] = [];
     const reports: ReportUsageResponse[] = [];
     const unreported: ToolLoopResult['unreported'] = [];
     const maxSteps = opts.maxSteps ?? 16;
+    const call: CallOptions = { deadlineMs: opts.deadlineMs };
     let compactions = 0;
     while (builds.length < maxSteps) {
       const now = typeof opts.now === 'function' ? opts.now() : opts.now;
-      const built = await this.build({ now, step: opts.step, checkpointVersion: 0 });
+      const built = await this.build({ ...call, now, step: opts.step, checkpointVersion: 0 });
       this.checkpointVersion = built.response.checkpoint_version || this.checkpointVersion;
       if (built.needsCompaction) {
         // The server caps summary depth at 2; a third attempt would fail there.
         if (!opts.summarize || compactions >= 2) throw new NeedsCompactionError(built);
-        await this.compact(opts.summarize);
+        await this.compact(opts.summarize, call);
         compactions += 1;
         continue;
       }
@@ -748,11 +981,11 @@ export class Run {
         toolCalls: answered.toolCalls?.map((c) => ({ ...c, name: built.toolName(c.name) })),
       };
       const items = turnItems(turn);
-      for (const call of turn.toolCalls ?? []) {
-        const output = await opts.runTool(call);
+      for (const toolCall of turn.toolCalls ?? []) {
+        const output = await opts.runTool(toolCall);
         const out: ToolOutput = typeof output === 'string' ? { content: output } : output;
         items.push(
-          toolResult(call.callId, call.name, out.content, {
+          toolResult(toolCall.callId, toolCall.name, out.content, {
             trust: out.trust,
             source: out.source,
             isError: out.isError,
@@ -760,14 +993,16 @@ export class Run {
           }),
         );
       }
-      if (items.length) await this.append(items);
+      if (items.length) await this.appendStep(items, call);
       if ((opts.reportUsage ?? true) && turn.usage) {
         try {
-          reports.push(await this.reportUsage(built, turn.usage));
+          reports.push(
+            await this.reportUsage(built, turn.usage, undefined, { ...call, model: turn.model }),
+          );
         } catch (error) {
           // Refused for what it says (a bad usage, say): it would fail again.
           if (!(error instanceof ContextEngineError) || !error.retryable) throw error;
-          unreported.push({ build: built, usage: turn.usage, error });
+          unreported.push({ build: built, usage: turn.usage, model: turn.model, error });
         }
       }
       if (!turn.toolCalls?.length) return { final: turn, builds, reports, unreported };

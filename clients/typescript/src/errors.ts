@@ -8,6 +8,7 @@ import { status as Status, type ServiceError } from '@grpc/grpc-js';
 import protobuf from 'protobufjs';
 
 import { PROTO_DIR } from './paths.js';
+import type { AppendItemsRequest } from './types.js';
 
 export interface FieldViolation {
   field: string;
@@ -39,6 +40,15 @@ export class ContextEngineError extends ClientError {
    * (`idempotencyKey`) to get the first answer rather than a second write.
    */
   idempotencyKey = '';
+
+  /**
+   * Set on every error a tool loop throws from its step's AppendItems, whether it failed
+   * after the loop's own resends (UNAVAILABLE, DEADLINE_EXCEEDED) or was never resent
+   * (UNAUTHENTICATED, INTERNAL, CANCELLED...): the request itself (its key and items, the
+   * model's turn and the tool results), to resend unchanged with `run.resendAppend` before
+   * the loop runs again. (Another error thrown out of the append carries it too.)
+   */
+  pendingRequest?: AppendItemsRequest;
 
   /** The status code's name, e.g. "ABORTED". */
   get codeName(): string {

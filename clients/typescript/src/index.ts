@@ -12,11 +12,15 @@ export {
   protoPackage,
   wireToolName,
   type BuildOptions,
+  type CallOptions,
   type ClientOptions,
   type CompactOptions,
   type MethodName,
+  type ReportUsageOptions,
   type RequestOf,
   type ResponseOf,
+  type Summarize,
+  type Summary,
   type ToolLoopOptions,
   type ToolLoopResult,
 } from './client.js';
@@ -49,6 +53,7 @@ export {
   userMessage,
   type ModelTurn,
   type ToolCallRequest,
+  type ToolOptions,
   type ToolOutput,
   type Usage,
 } from './items.js';

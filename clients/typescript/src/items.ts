@@ -62,19 +62,37 @@ export function toolResult(
   };
 }
 
+export interface ToolOptions {
+  requiredScopes?: string[];
+  /**
+   * What the tool does to the world; say it. Unspecified (the default), the engine treats
+   * the tool as the most consequential kind.
+   */
+  sideEffect?: SideEffect;
+  /** The MCP server or device that provides a discovered tool; empty for a built-in. */
+  server?: string;
+  /**
+   * Defaults to `!server`: a tool some server provides is a discovered one, whose
+   * description the engine does not trust.
+   */
+  builtin?: boolean;
+}
+
+/** A tool for a PlanSpec's candidate list. */
 export function tool(
   name: string,
   description: string,
   inputSchema: Json | string,
-  opts: { requiredScopes?: string[]; sideEffect?: SideEffect; builtin?: boolean } = {},
+  opts: ToolOptions = {},
 ): ToolSpec {
   return {
     name,
     description,
     input_schema_json: asJson(inputSchema),
     required_scopes: opts.requiredScopes ?? [],
-    side_effect: opts.sideEffect ?? 'SIDE_EFFECT_NONE',
-    builtin: opts.builtin ?? true,
+    side_effect: opts.sideEffect ?? 'SIDE_EFFECT_UNSPECIFIED',
+    builtin: opts.builtin ?? !opts.server,
+    server: opts.server ?? '',
   };
 }
 
@@ -134,6 +152,12 @@ export interface ModelTurn {
   /** Provider-opaque reasoning items (JSON bytes), replayed verbatim within the run. */
   reasoning?: { provider: 'PROVIDER_ANTHROPIC' | 'PROVIDER_OPENAI'; opaque: Uint8Array }[];
   usage?: Usage;
+  /**
+   * The model that answered: the provider response's `model` (absent: the request's own).
+   * Usage is reported under it, since the engine learns only from reports of the model the
+   * request was built for (a dated snapshot of it counts as it).
+   */
+  model?: string;
 }
 
 /** The turn as conversation items: reasoning, text, then tool calls. */

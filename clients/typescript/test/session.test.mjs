@@ -12,13 +12,21 @@ import { after, before, test } from 'node:test';
 
 import {
   AbortedError,
+  AuthError,
+  BuildResult,
   ContextEngineClient,
+  ContextEngineError,
   DeadlineExceededError,
   FailedPreconditionError,
+  InternalError,
   InvalidArgumentError,
   NotFoundError,
+  ResourceExhaustedError,
+  Run,
+  Session,
   UnavailableError,
   assistantMessage,
+  protoPackage,
   tool,
   toolCall,
   toolResult,
@@ -186,10 +194,10 @@ test('a usage report that fails does not lose the final answer', async () => {
   // answer was appended, so the caller lost it (and a second loop appended another).
   const session = await engine.openSession(spec);
   const run = await session.startRun('Home tonight?');
-  engine.call = (method, request) =>
+  engine.call = (method, request, opts) =>
     method === 'ReportUsage'
       ? Promise.reject(new UnavailableError(14, 'the engine went away'))
-      : ContextEngineClient.prototype.call.call(engine, method, request);
+      : ContextEngineClient.prototype.call.call(engine, method, request, opts);
   let result;
   try {
     result = await run.toolLoop({
@@ -214,10 +222,10 @@ test('a tool loop run again after an append whose answer was lost runs no tool t
   // committed): the loop builds the latest checkpoint, so the model sees the logged result.
   const session = await engine.openSession(spec);
   const run = await session.startRun('Trains to Lyon?');
-  const realCall = run.client.call.bind(run.client);
+  const realCall = ContextEngineClient.prototype.call.bind(run.client);
   let lost = false;
-  run.client.call = async (method, request) => {
-    const response = await realCall(method, request);
+  run.client.call = async (method, request, callOpts) => {
+    const response = await realCall(method, request, callOpts);
     if (method === 'AppendItems' && !lost) {
       lost = true;
       throw new Error("the append's answer was lost");
@@ -241,11 +249,15 @@ test('a tool loop run again after an append whose answer was lost runs no tool t
       return '08:04 TGV';
     },
   };
-  await assert.rejects(run.toolLoop(opts), /answer was lost/);
-  const result = await run.toolLoop(opts);
-  assert.deepEqual(ran, ['c1'], 'the tool ran once');
-  assert.equal(result.final.text, 'The 08:04.');
-  assert.equal(run.checkpointVersion, 3);
+  try {
+    await assert.rejects(run.toolLoop(opts), /answer was lost/);
+    const result = await run.toolLoop(opts);
+    assert.deepEqual(ran, ['c1'], 'the tool ran once');
+    assert.equal(result.final.text, 'The 08:04.');
+    assert.equal(run.checkpointVersion, 3);
+  } finally {
+    delete run.client.call; // the prototype's again
+  }
 });
 
 test('an enum value the proto does not have is refused before it is sent', async () => {
@@ -507,6 +519,8 @@ test('a rotation whose answer is lost is resent and answers with its plan', asyn
     assert.equal((await proxy.engine.session(session.sessionId)).plan.epoch, 2);
     // A rotation from the epoch it left is a lost race, with the current epoch named.
     const stale = await proxy.engine.session(session.sessionId, 1);
+    assert.deepEqual([stale.plan.epoch, stale.requestedPlan.epoch], [2, 1]);
+    stale.plan = stale.requestedPlan; // as a stale copy would have it
     await assert.rejects(stale.rotate('PLAN_REASON_AGENT_CHANGED'), (error) => {
       assert.ok(error instanceof AbortedError, String(error));
       assert.equal(error.reason, 'EPOCH_CONFLICT');
@@ -553,4 +567,330 @@ test('a compaction retried by hand with its key lands once', async () => {
   const retry = session.run(run.runId, before);
   assert.equal(await retry.compact(summarize, { idempotencyKey: 'compact-1' }), compacted);
   assert.equal((await run.build({ now: NOW })).needsCompaction, false);
+});
+
+// --- the model that answered, resent appends, deadlines, epochs --------------------------
+
+/** Replaces engine.call for one test; `spy(method, request, opts, real)` answers. */
+async function withCall(spy, body) {
+  const real = (method, request, opts) =>
+    ContextEngineClient.prototype.call.call(engine, method, request, opts);
+  engine.call = (method, request, opts) => spy(method, request, opts, real);
+  try {
+    return await body();
+  } finally {
+    delete engine.call; // the prototype's again
+  }
+}
+
+/** A model that answers at once with the usage Build estimated, as `model`. */
+const answering = (model) => async (build) => ({
+  text: 'The 08:04.',
+  usage: { inputTokens: build.response.estimated_input_tokens, outputTokens: 5 },
+  model,
+});
+
+test('usage is reported under the model that answered', async () => {
+  // ReportUsage named the planned model whatever answered, so the engine learnt from a
+  // report of another model; another model's report is recorded but moves no factor.
+  const session = await engine.openSession(spec);
+  const sent = [];
+  const spy = (method, request, opts, real) => {
+    if (method === 'ReportUsage') sent.push(request.model_id);
+    return real(method, request, opts);
+  };
+  const loop = async (model) =>
+    (await session.startRun('Lyon?')).toolLoop({
+      now: NOW,
+      callModel: answering(model),
+      runTool: async () => assert.fail('no tools'),
+    });
+  const [other, dated, planned] = await withCall(spy, async () => [
+    await loop('gpt-4o'),
+    await loop('claude-sonnet-4-5-20250929'),
+    await loop(undefined),
+  ]);
+  assert.deepEqual(sent, ['gpt-4o', 'claude-sonnet-4-5-20250929', 'claude-sonnet-4-5']);
+  assert.equal(other.reports[0].absorbed, false, 'recorded, not learnt from');
+  assert.equal(dated.reports[0].absorbed, true, 'a dated snapshot counts as the model');
+  assert.equal(planned.reports[0].absorbed, true);
+});
+
+const fetchOnce = () => {
+  const ran = [];
+  const seen = [];
+  return {
+    ran,
+    opts: {
+      now: NOW,
+      callModel: async (build) => {
+        seen.push(build);
+        const done = build.request.messages
+          .flatMap((message) => message.blocks)
+          .some((block) => block.kind === 'tool_result');
+        if (done) return { text: 'The 08:04.' };
+        return { toolCalls: [{ callId: 'c1', name: 'web-fetch', arguments: { url: 'https://x' } }] };
+      },
+      runTool: async (call) => {
+        ran.push(call.callId);
+        return '08:04 TGV';
+      },
+    },
+  };
+};
+
+test("a step's append that fails is resent with the same key", async () => {
+  // It threw out of the loop with its key: the caller could only ask the model and run
+  // the tools again. The first attempt lands with its answer lost, the second cannot
+  // reach the engine, the third replays the first answer.
+  const session = await engine.openSession(spec);
+  const run = await session.startRun('Trains to Lyon?');
+  const keys = [];
+  const deadlines = [];
+  const spy = async (method, request, opts, real) => {
+    if (method === 'AppendItems') {
+      keys.push(request.idempotency_key);
+      deadlines.push(opts.deadlineMs);
+      if (keys.length === 1) {
+        await real(method, request, opts);
+        throw new DeadlineExceededError(4, 'answer lost');
+      }
+      if (keys.length === 2) throw new UnavailableError(14, 'the engine went away');
+    }
+    return real(method, request, opts);
+  };
+  const { ran, opts } = fetchOnce();
+  const result = await withCall(spy, () => run.toolLoop({ ...opts, deadlineMs: 5_000 }));
+  assert.equal(result.final.text, 'The 08:04.');
+  assert.deepEqual(ran, ['c1']);
+  assert.equal(keys.length, 4);
+  assert.equal(new Set(keys.slice(0, 3)).size, 1, 'the same key each time');
+  assert.notEqual(keys[3], keys[0]);
+  // Doubled after the DEADLINE_EXCEEDED (a longer deadline, as docs/api.md says to retry
+  // with), not after the UNAVAILABLE; the next step's append starts anew.
+  assert.deepEqual(deadlines, [5_000, 10_000, 10_000, 5_000]);
+  assert.equal(run.checkpointVersion, 3, 'the pair once, then the answer');
+});
+
+test("a step's append that keeps failing throws with the request to resend", async () => {
+  const session = await engine.openSession(spec);
+  const run = await session.startRun('Trains to Lyon?');
+  const keys = [];
+  const spy = (method, request, opts, real) => {
+    if (method !== 'AppendItems') return real(method, request, opts);
+    keys.push(request.idempotency_key);
+    return Promise.reject(new UnavailableError(14, 'the engine went away'));
+  };
+  const { ran, opts } = fetchOnce();
+  let failed;
+  await withCall(spy, () =>
+    run.toolLoop(opts).catch((error) => {
+      failed = error;
+    }),
+  );
+  assert.ok(failed instanceof UnavailableError, String(failed));
+  assert.equal(keys.length, 3);
+  assert.equal(new Set(keys).size, 1);
+  assert.equal(failed.pendingRequest.idempotency_key, keys[0]);
+  assert.deepEqual(
+    failed.pendingRequest.items.map((item) => Object.keys(item).find((k) => k !== 'item_id')),
+    ['tool_call', 'tool_result'],
+  );
+  await run.resendAppend(failed.pendingRequest);
+  const result = await run.toolLoop(opts);
+  assert.deepEqual(ran, ['c1'], 'the tool ran once');
+  assert.equal(result.final.text, 'The 08:04.');
+  assert.equal(run.checkpointVersion, 3);
+});
+
+test('every method takes a deadline of its own', async () => {
+  const session = await engine.openSession(spec, { deadlineMs: 10_000 });
+  const run = await session.startRun('Lyon?', { deadlineMs: 10_000 });
+  for (const call of [
+    () => run.build({ now: NOW, deadlineMs: 0.001 }),
+    () => session.refreshPlan(0, { deadlineMs: 0.001 }),
+    () => engine.call('ListControlTools', {}, { deadlineMs: 0.001 }),
+  ]) {
+    await assert.rejects(call(), (error) => {
+      assert.ok(error instanceof DeadlineExceededError, error.name);
+      return true;
+    });
+  }
+  // Absent or 0: the client's deadline (30 s), not an expired one.
+  assert.equal((await run.build({ now: NOW })).checkpointVersion, 1);
+  assert.equal((await run.build({ now: NOW, deadlineMs: 0 })).checkpointVersion, 1);
+});
+
+test("a step's append that fails for good throws with the request, after one attempt", async () => {
+  // The request was attached only when the resends ran out: an error never resent (an
+  // expired token, a proxy's INTERNAL...) was thrown bare though the tools had run.
+  for (const error of [
+    new InvalidArgumentError(3, 'refused'),
+    new AuthError(16, 'the token expired'),
+    new InternalError(13, 'a proxy failed'),
+    new ResourceExhaustedError(8, 'too large'),
+    new ContextEngineError(1, 'cancelled'),
+  ]) {
+    const session = await engine.openSession(spec);
+    const run = await session.startRun('Trains to Lyon?');
+    const sent = [];
+    const spy = (method, request, opts, real) => {
+      if (method !== 'AppendItems') return real(method, request, opts);
+      sent.push(request);
+      return Promise.reject(error);
+    };
+    const { ran, opts } = fetchOnce();
+    let failed;
+    await withCall(spy, () =>
+      run.toolLoop(opts).catch((thrown) => {
+        failed = thrown;
+      }),
+    );
+    assert.equal(failed, error, error.name);
+    assert.equal(sent.length, 1, `${error.name} was resent`);
+    assert.equal(failed.pendingRequest, sent[0], error.name);
+    await run.resendAppend(failed.pendingRequest);
+    const result = await run.toolLoop(opts);
+    assert.deepEqual(ran, ['c1'], 'the tool ran once');
+    assert.equal(result.final.text, 'The 08:04.');
+  }
+});
+
+test("every wrapper sends its deadline; absent or 0, the client's", async () => {
+  // The deadline test covered build, refreshPlan and call: a wrapper dropping `deadlineMs`
+  // passed it. Here every RPC answers its empty response and records its deadline.
+  const offline = new ContextEngineClient({ target: '127.0.0.1:1', tenantId: 't', timeoutMs: 12_500 });
+  const seen = [];
+  const service = protoPackage().context_engine.v1.ContextEngine.service;
+  for (const [method, definition] of Object.entries(service)) {
+    offline.raw[method] = (request, metadata, options, callback) => {
+      seen.push([method, options.deadline.getTime() - Date.now()]);
+      const empty = definition.responseDeserialize(Buffer.alloc(0));
+      const plan = { epoch: 1, model_id: 'm' };
+      callback(null, { ...empty, plan, run: { run_id: 'r', epoch: 1, parent_run_id: '' } });
+    };
+  }
+  const usage = { inputTokens: 1 };
+  const build = new BuildResult({ request_sequence: 1, request: null });
+  const appendRequest = {
+    tenant_id: 't',
+    session_id: 's',
+    run_id: 'r',
+    expected_checkpoint_version: 1,
+    idempotency_key: 'k',
+    items: [],
+  };
+  const wrappers = {
+    'ContextEngineClient.call': (e, s, r, o) => e.call('ListControlTools', {}, o),
+    'ContextEngineClient.openSession': (e, s, r, o) => e.openSession(spec, o),
+    'ContextEngineClient.session': (e, s, r, o) => e.session('s', 1, o),
+    'ContextEngineClient.reportUsage': (e, s, r, o) =>
+      e.reportUsage('s', 1, 'm', usage, undefined, o),
+    'ContextEngineClient.getBuild': (e, s, r, o) => e.getBuild('s', 1, o),
+    'ContextEngineClient.eraseSubject': (e, s, r, o) => e.eraseSubject('p', o),
+    'ContextEngineClient.listControlTools': (e, s, r, o) => e.listControlTools(o),
+    'Session.startRun': (e, s, r, o) => s.startRun('Hi', o),
+    'Session.startChildRun': (e, s, r, o) => s.startChildRun('r', 'Go.', o),
+    'Session.loadSkill': (e, s, r, o) => s.loadSkill('rail', 'Prefer TGV.', o),
+    'Session.refreshPlan': (e, s, r, o) => s.refreshPlan(0, o),
+    'Session.rotate': (e, s, r, o) => s.rotate('PLAN_REASON_AGENT_CHANGED', o),
+    'Session.offerFactCandidates': (e, s, r, o) => s.offerFactCandidates(o),
+    'Session.reportUsage': (e, s, r, o) => s.reportUsage(build, usage, undefined, o),
+    'Run.append': (e, s, r, o) => r.append([assistantMessage('Hi.')], undefined, o),
+    'Run.resendAppend': (e, s, r, o) => r.resendAppend(appendRequest, o),
+    'Run.build': (e, s, r, o) => r.build(o),
+    'Run.updateWorkingState': (e, s, r, o) => r.updateWorkingState({ objective: 'x' }, o),
+    'Run.reportUsage': (e, s, r, o) => r.reportUsage(build, usage, undefined, o),
+    'Run.compact': (e, s, r, o) => r.compact(async () => 'Summary.', o),
+    'Run.toolLoop': (e, s, r, o) =>
+      r.toolLoop({ ...o, callModel: answering('m'), runTool: async () => assert.fail('no tools') }),
+  };
+  // Every public method is either above or takes no deadline: a new one must be listed.
+  const noDeadline = ['constructor', 'close', 'tenantId', 'run', 'start', 'ids', 'client'];
+  const internal = ['appendRequest', 'appendStep', 'sendStep'];
+  for (const cls of [ContextEngineClient, Session, Run]) {
+    for (const name of Object.getOwnPropertyNames(cls.prototype)) {
+      if ([...noDeadline, ...internal].includes(name)) continue;
+      assert.ok(`${cls.name}.${name}` in wrappers, `${cls.name}.${name} is not tested`);
+    }
+  }
+  try {
+    for (const [name, wrapper] of Object.entries(wrappers)) {
+      for (const [opts, expected] of [
+        [{ deadlineMs: 7_000 }, 7_000],
+        [{}, 12_500],
+        [{ deadlineMs: 0 }, 12_500],
+        [{ deadlineMs: undefined }, 12_500],
+      ]) {
+        seen.length = 0;
+        const session = new Session(offline, 's', { epoch: 1, model_id: 'm' }, false, true);
+        const run = new Run(session, 'r', 1, 1);
+        await wrapper(offline, session, run, opts);
+        assert.ok(seen.length > 0, `${name}: no RPC made`);
+        for (const [method, left] of seen) {
+          const where = `${name} (${method}) given ${JSON.stringify(opts)}: ${left} ms`;
+          assert.ok(left <= expected && left > expected - 2_000, where);
+        }
+      }
+    }
+  } finally {
+    offline.close();
+  }
+});
+
+test("attaching at an older epoch keeps the current plan; a run's epoch follows its builds", async () => {
+  // engine.session(id, 1) made epoch 1's plan the current one, so its next rotate failed
+  // EPOCH_CONFLICT; Run.epoch was StartRun's forever.
+  const session = await engine.openSession(spec);
+  const run = await session.startRun('Trains to Lyon?');
+  assert.equal(run.epoch, 1);
+  await session.rotate('PLAN_REASON_AGENT_CHANGED');
+  const attached = await engine.session(session.sessionId, 1);
+  assert.deepEqual([attached.plan.epoch, attached.requestedPlan.epoch], [2, 1]);
+  assert.equal((await attached.rotate('PLAN_REASON_BUILDER_UPGRADED')).epoch, 3);
+  const built = await run.build({ now: NOW });
+  assert.deepEqual([built.epoch, run.epoch], [3, 3]);
+});
+
+test('tool() leaves the side effect unspecified; a tool from a server is not built in', () => {
+  const plain = tool('web.fetch', 'Fetch.', { type: 'object' });
+  assert.deepEqual([plain.side_effect, plain.builtin, plain.server], ['SIDE_EFFECT_UNSPECIFIED', true, '']);
+  const found = tool('mcp.fetch', 'Fetch.', { type: 'object' }, { server: 'mcp://tools' });
+  assert.deepEqual([found.builtin, found.server], [false, 'mcp://tools']);
+});
+
+test('getBuild, eraseSubject and listControlTools have typed wrappers', async () => {
+  const session = await engine.openSession(spec);
+  const built = await (await session.startRun('Trains to Lyon?')).build({ now: NOW });
+  const again = await engine.getBuild(session.sessionId, built.requestSequence);
+  assert.ok(again.providerPayload.equals(built.providerPayload));
+  assert.equal(again.requestSha256, built.requestSha256);
+  const erased = await engine.eraseSubject(`nobody-${randomUUID()}`);
+  assert.deepEqual([erased.bound_run_ids, erased.redacted_items], [[], 0]);
+  const tools = await engine.listControlTools();
+  assert.deepEqual(tools.map((t) => t.name), ['context.update_working_state']);
+});
+
+test("compact sends throughSequence and the summary's own token count", async () => {
+  const reserve = 1024;
+  const probe = await engine.openSession(spec);
+  const session = await engine.openSession({
+    ...spec,
+    reserve_output_tokens: reserve,
+    policy_cap_tokens: probe.plan.prefix_tokens + reserve + 4_000,
+  });
+  const first = await session.startRun('Tell me everything.');
+  const [through] = (await first.append([assistantMessage(Array(6_000).fill('lorem').join(' '))]))
+    .sequences;
+  const run = await session.startRun('And now?');
+  const sent = {};
+  const spy = (method, request, opts, real) => {
+    sent[method] = request;
+    return real(method, request, opts);
+  };
+  const summary = { text: 'The assistant said a lot of lorem.', tokens: 9 };
+  await withCall(spy, () => run.compact(async () => summary, { throughSequence: through }));
+  assert.equal(sent.PrepareCompaction.through_sequence, through);
+  assert.equal(sent.CommitCompaction.result.tokens_after, 9);
+  assert.equal(sent.CommitCompaction.result.summary, summary.text);
 });

@@ -20,6 +20,8 @@ Rule 4: Build is pure on the server: building the same checkpoint twice returns 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
 import re
@@ -35,7 +37,13 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from ._gen.context_engine.v1 import context_engine_pb2 as pb
 from ._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
-from .errors import ContextEngineError, NeedsCompaction, ToolLoopLimit, from_rpc_error
+from .errors import (
+    ContextEngineError,
+    DeadlineExceeded,
+    NeedsCompaction,
+    ToolLoopLimit,
+    from_rpc_error,
+)
 from .items import ModelTurn, ToolCallRequest, ToolOutput, Usage, tool_result
 
 __all__ = [
@@ -45,6 +53,7 @@ __all__ = [
     "Session",
     "Summary",
     "ToolLoopResult",
+    "UnreportedUsage",
     "UsageReport",
     "channel_options",
 ]
@@ -100,6 +109,13 @@ def _timestamp(value: datetime) -> Timestamp:
 
 _RETRY_BUFFER_BYTES = 16 * 1024 * 1024
 
+# A tool loop step's append, resent by the loop itself while the engine cannot be reached:
+# the channel's own retries cover UNAVAILABLE only, never DEADLINE_EXCEEDED. Attempts, not
+# resends: the first send and 2 resends. A resend after DEADLINE_EXCEEDED gets twice the
+# deadline the attempt before it had (docs/api.md: retry with a longer deadline).
+_APPEND_ATTEMPTS = 3
+_APPEND_BACKOFF_S = 0.2
+
 
 def channel_options() -> list[tuple[str, Any]]:
     """The options the client opens its channel with: transparent retries of UNAVAILABLE
@@ -126,11 +142,17 @@ class ContextEngineClient:
             server takes it from) the authenticated identity.
         token: bearer token, sent as `authorization: Bearer <token>` metadata.
         credentials: TLS (or mTLS) channel credentials; None for a plaintext channel.
-        timeout: per-call deadline in seconds.
+        timeout: per-call deadline in seconds (None: no deadline); every method takes a
+            `timeout=` of its own for one call (None or 0 there: this one).
         channel: an existing grpc.aio channel to use instead of opening one. Its options
             are the caller's: open it with `channel_options()` for the client's retry policy
             (UNAVAILABLE retried) and receive limit, which a channel given here otherwise
             lacks.
+        options: extra options for the channel the client opens.
+
+    Raises:
+        ValueError: `channel` together with `options` or `credentials`, which configure
+            only a channel the client opens: given, they would be silently ignored.
     """
 
     def __init__(
@@ -146,6 +168,11 @@ class ContextEngineClient:
     ) -> None:
         if not tenant_id:
             raise ValueError("tenant_id is required")
+        if channel is not None and (options or credentials is not None):
+            raise ValueError(
+                "options= and credentials= apply only to a channel the client opens: open "
+                "yours with them (and channel_options()) instead"
+            )
         self.tenant_id = tenant_id
         self.timeout = timeout
         self._metadata: tuple[tuple[str, str], ...] = (
@@ -177,10 +204,12 @@ class ContextEngineClient:
             await self.channel.close()
 
     async def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
-        """Call any RPC by name with this client's metadata, deadline and typed errors."""
+        """Call any RPC by name with this client's metadata, deadline and typed errors.
+        `timeout`: this call's deadline in seconds (None or 0: the client's)."""
         rpc = getattr(self.stub, method)
+        deadline = timeout or self.timeout
         try:
-            return await rpc(request, timeout=timeout or self.timeout, metadata=self._metadata)
+            return await rpc(request, timeout=deadline, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             error = from_rpc_error(exc)
             # The key a wrapper made for this write, for a resend that must reuse it.
@@ -189,7 +218,9 @@ class ContextEngineClient:
 
     # --- sessions -------------------------------------------------------------------------
 
-    async def open_session(self, spec: pb.PlanSpec, *, session_id: str | None = None) -> Session:
+    async def open_session(
+        self, spec: pb.PlanSpec, *, session_id: str | None = None, timeout: float | None = None
+    ) -> Session:
         """Plan a session (epoch 1), or return an existing session's current plan.
 
         Raises:
@@ -199,7 +230,9 @@ class ContextEngineClient:
         """
         sid = session_id or _key()
         response = await self.call(
-            "Plan", pb.PlanRequest(tenant_id=self.tenant_id, session_id=sid, spec=spec)
+            "Plan",
+            pb.PlanRequest(tenant_id=self.tenant_id, session_id=sid, spec=spec),
+            timeout=timeout,
         )
         return Session(
             self,
@@ -210,13 +243,19 @@ class ContextEngineClient:
             response.unknown_tool_names,
         )
 
-    async def session(self, session_id: str, *, epoch: int = 0) -> Session:
-        """Attach to an existing session (reads its current plan, or a given epoch)."""
-        response = await self.call(
-            "GetPlan",
-            pb.GetPlanRequest(tenant_id=self.tenant_id, session_id=session_id, epoch=epoch),
+    async def session(
+        self, session_id: str, *, epoch: int = 0, timeout: float | None = None
+    ) -> Session:
+        """Attach to an existing session. Its `plan` is the current plan, whatever `epoch`
+        says: it is the next rotate's `from_epoch`, and an older epoch's made that rotate
+        fail EPOCH_CONFLICT. With `epoch`, that epoch's plan is read too, as
+        `requested_plan` (a second GetPlan)."""
+        session = Session(self, session_id, pb.ContextPlan(), False, True)
+        await session.refresh_plan(timeout=timeout)
+        session.requested_plan = (
+            await session.refresh_plan(epoch, timeout=timeout) if epoch else session.plan
         )
-        return Session(self, session_id, response.plan, False, True)
+        return session
 
     async def report_usage(
         self,
@@ -226,8 +265,10 @@ class ContextEngineClient:
         usage: Usage,
         *,
         idempotency_key: str | None = None,
+        timeout: float | None = None,
     ) -> UsageReport:
-        """Report a model response's actual usage for the request Build recorded."""
+        """Report a model response's actual usage for the request Build recorded.
+        `model_id` is the model that answered (the provider response's `model`)."""
         response = await self.call(
             "ReportUsage",
             pb.ReportUsageRequest(
@@ -241,6 +282,7 @@ class ContextEngineClient:
                 output_tokens=usage.output_tokens,
                 idempotency_key=idempotency_key or f"usage:{session_id}:{request_sequence}",
             ),
+            timeout=timeout,
         )
         return UsageReport(
             factor_ppm=response.factor_ppm,
@@ -250,7 +292,9 @@ class ContextEngineClient:
             absorbed=response.absorbed,
         )
 
-    async def get_build(self, session_id: str, request_sequence: int) -> BuildResult:
+    async def get_build(
+        self, session_id: str, request_sequence: int, *, timeout: float | None = None
+    ) -> BuildResult:
         """Rebuild a recorded request byte for byte (GetBuild), by its request_sequence."""
         response = await self.call(
             "GetBuild",
@@ -259,20 +303,27 @@ class ContextEngineClient:
                 session_id=session_id,
                 request_sequence=request_sequence,
             ),
+            timeout=timeout,
         )
         return BuildResult(response)
 
-    async def erase_subject(self, person_id: str) -> pb.EraseSubjectResponse:
+    async def erase_subject(
+        self, person_id: str, *, timeout: float | None = None
+    ) -> pb.EraseSubjectResponse:
         """Erase a person's memories from every snapshot and recorded request of the tenant.
         Safe to resend: the answer is everything erasing them has done, as first reported."""
         response: pb.EraseSubjectResponse = await self.call(
-            "EraseSubject", pb.EraseSubjectRequest(tenant_id=self.tenant_id, person_id=person_id)
+            "EraseSubject",
+            pb.EraseSubjectRequest(tenant_id=self.tenant_id, person_id=person_id),
+            timeout=timeout,
         )
         return response
 
-    async def control_tools(self) -> list[pb.ToolSpec]:
+    async def control_tools(self, *, timeout: float | None = None) -> list[pb.ToolSpec]:
         """The engine's control tools (context.update_working_state) for a PlanSpec."""
-        response = await self.call("ListControlTools", pb.ListControlToolsRequest())
+        response = await self.call(
+            "ListControlTools", pb.ListControlToolsRequest(), timeout=timeout
+        )
         return list(response.tools)
 
 
@@ -397,6 +448,15 @@ class BuildResult:
         table: dict[str, str] = {wire_tool_name(t.name): t.name for t in self.request.tools}
         return table.get(wire_name, wire_name)
 
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        # Pickled as the response's bytes: the generated message classes' __module__
+        # names no importable module, so pickling the message itself fails.
+        return _build_result, (self.response.SerializeToString(),)
+
+
+def _build_result(response: bytes) -> BuildResult:
+    return BuildResult(pb.BuildResponse.FromString(response))
+
 
 @dataclass(frozen=True, slots=True)
 class Summary:
@@ -410,18 +470,41 @@ class Summary:
     tokens: int = 0
 
 
+class UnreportedUsage(tuple[BuildResult, Usage, ContextEngineError]):
+    """A usage report that could not reach the engine: (build, usage, error), and `model`,
+    the model that answered ("" for the planned one). A tuple still, so `for build,
+    usage, error in result.unreported` reads it as before; resend it with
+    `session.report_usage(build, usage, model=entry.model)`, the model included: the
+    report's key is the build's, and the same key with another model is refused
+    (IDEMPOTENCY_KEY_REUSED) if the first attempt landed."""
+
+    model: str
+
+    def __new__(
+        cls, build: BuildResult, usage: Usage, error: ContextEngineError, model: str = ""
+    ) -> UnreportedUsage:
+        entry = super().__new__(cls, (build, usage, error))
+        entry.model = model
+        return entry
+
+    def __getnewargs__(self) -> tuple[BuildResult, Usage, ContextEngineError, str]:
+        # copy and pickle call __new__ with these: a tuple's own (its items as one tuple)
+        # left this __new__ without usage and error (TypeError).
+        return (*self, self.model)
+
+
 @dataclass(frozen=True, slots=True)
 class ToolLoopResult:
     """How a tool loop ended: the final model turn, every build and usage report, and
     the reports that could not reach the engine (`unreported`: each step's build, usage
-    and Unavailable or DeadlineExceeded error). Resend one with
-    `session.report_usage(build, usage)`: its key is the build's, so a report that landed
-    with only its answer lost is not counted twice."""
+    and Unavailable or DeadlineExceeded error, with the model that answered). Resend one
+    with `session.report_usage(build, usage, model=entry.model)`: its key is the build's,
+    so a report that landed with only its answer lost is not counted twice."""
 
     final: ModelTurn
     builds: list[BuildResult] = field(default_factory=list)
     reports: list[UsageReport] = field(default_factory=list)
-    unreported: list[tuple[BuildResult, Usage, ContextEngineError]] = field(default_factory=list)
+    unreported: list[UnreportedUsage] = field(default_factory=list)
 
     @property
     def prefix_hashes(self) -> set[str]:
@@ -432,7 +515,9 @@ class ToolLoopResult:
 class Session:
     """A planned session. `plan` is the session's current plan as the last call that
     returned one found it (the `from_epoch` of the next rotate); a child run's rotated
-    plan, its parent's lineage continued, is not taken as it."""
+    plan, its parent's lineage continued, is not taken as it, nor is an older epoch's plan
+    read with `refresh_plan(epoch)`. `requested_plan` is the plan of the epoch
+    `client.session(id, epoch=N)` asked for (the plan first read otherwise)."""
 
     def __init__(
         self,
@@ -446,6 +531,7 @@ class Session:
         self.client = client
         self.session_id = session_id
         self.plan = plan
+        self.requested_plan = plan
         self.created = created
         self.spec_matches = spec_matches
         # Names the spec's agent enables or defers that no tool of it defines (typos).
@@ -463,6 +549,7 @@ class Session:
         attachments: Iterable[pb.Attachment] = (),
         admission: pb.RunAdmission | None = None,
         idempotency_key: str | None = None,
+        timeout: float | None = None,
     ) -> Run:
         """Start a top-level run (one turn) seeded by the user's message."""
         request = pb.StartRunRequest(
@@ -473,7 +560,7 @@ class Session:
             user_message=pb.UserMessage(text=text, attachments=list(attachments)),
             admission=admission,
         )
-        return self._run(await self.client.call("StartRun", request))
+        return self._run(await self.client.call("StartRun", request, timeout=timeout))
 
     async def start_child_run(
         self,
@@ -482,6 +569,7 @@ class Session:
         *,
         run_id: str = "",
         idempotency_key: str | None = None,
+        timeout: float | None = None,
     ) -> Run:
         """Start a child run seeded by its parent's instruction over an empty history. The
         instruction is the parent agent's words, not the user's: Build sends it in the user
@@ -494,7 +582,7 @@ class Session:
             idempotency_key=idempotency_key or _key(),
             child=pb.ChildSeed(parent_run_id=parent_run_id, instruction=instruction),
         )
-        return self._run(await self.client.call("StartRun", request))
+        return self._run(await self.client.call("StartRun", request, timeout=timeout))
 
     def run(self, run_id: str, checkpoint_version: int) -> Run:
         """Attach to an existing run at a known checkpoint version (no RPC)."""
@@ -524,11 +612,13 @@ class Session:
             ),
         )
 
-    async def refresh_plan(self, epoch: int = 0) -> pb.ContextPlan:
-        """Re-read the current plan (or a given epoch)."""
+    async def refresh_plan(self, epoch: int = 0, *, timeout: float | None = None) -> pb.ContextPlan:
+        """Re-read the current plan, which becomes `plan`; or read a given epoch's, which
+        leaves `plan` as it is."""
         response: pb.GetPlanResponse = await self.client.call(
             "GetPlan",
             pb.GetPlanRequest(tenant_id=self.tenant_id, session_id=self.session_id, epoch=epoch),
+            timeout=timeout,
         )
         if epoch == 0:
             self.plan = response.plan
@@ -541,6 +631,7 @@ class Session:
         spec: pb.PlanSpec | None = None,
         detail: str = "",
         idempotency_key: str | None = None,
+        timeout: float | None = None,
     ) -> pb.ContextPlan:
         """Start a new prefix epoch from the current one. A lost race raises Aborted.
 
@@ -558,14 +649,14 @@ class Session:
             detail=detail,
             idempotency_key=idempotency_key or _key(),
         )
-        response = await self.client.call("Rotate", request)
+        response = await self.client.call("Rotate", request, timeout=timeout)
         self.plan = response.plan
         if spec is not None:  # the server checks a spec sent; without one, the pinned spec's stand
             self.unknown_tool_names = tuple(response.unknown_tool_names)
         return self.plan
 
     async def offer_fact_candidates(
-        self, *, idempotency_key: str | None = None
+        self, *, idempotency_key: str | None = None, timeout: float | None = None
     ) -> pb.OfferFactCandidatesResponse:
         """Offer the session's trusted facts to memory formation (at the session's end)."""
         request = pb.OfferFactCandidatesRequest(
@@ -574,12 +665,18 @@ class Session:
             idempotency_key=idempotency_key or _key(),
         )
         response: pb.OfferFactCandidatesResponse = await self.client.call(
-            "OfferFactCandidates", request
+            "OfferFactCandidates", request, timeout=timeout
         )
         return response
 
     async def load_skill(
-        self, name: str, body: str, *, trust: int = 0, run_id: str = ""
+        self,
+        name: str,
+        body: str,
+        *,
+        trust: int = 0,
+        run_id: str = "",
+        timeout: float | None = None,
     ) -> pb.LoadSkillResponse:
         """Load a pinned skill's body into Region B (sticky; at most two). `trust`: the
         body's trust level (0, unspecified: the catalog entry's)."""
@@ -591,24 +688,37 @@ class Session:
             trust=trust,  # type: ignore[arg-type]
             run_id=run_id,
         )
-        response: pb.LoadSkillResponse = await self.client.call("LoadSkill", request)
+        response: pb.LoadSkillResponse = await self.client.call(
+            "LoadSkill", request, timeout=timeout
+        )
         return response
 
     async def report_usage(
-        self, build: BuildResult, usage: Usage, *, idempotency_key: str | None = None
+        self,
+        build: BuildResult,
+        usage: Usage,
+        *,
+        model: str = "",
+        idempotency_key: str | None = None,
+        timeout: float | None = None,
     ) -> UsageReport:
-        """Report the usage of the response to `build`'s request."""
+        """Report the usage of the response to `build`'s request. `model`: the model that
+        answered, the provider response's `model` (ModelTurn.model); "" for the one the
+        request was built for. The engine records a report of another model but learns
+        nothing from it, so naming the planned model for it would skew the estimator."""
         return await self.client.report_usage(
             self.session_id,
             build.request_sequence,
-            build.request.model_id or self.plan.model_id,
+            model or build.request.model_id or self.plan.model_id,
             usage,
             idempotency_key=idempotency_key,
+            timeout=timeout,
         )
 
 
 class Run:
-    """One turn. Tracks the latest checkpoint version it wrote (Rule 1)."""
+    """One turn. Tracks the latest checkpoint version it wrote (Rule 1) and the epoch its
+    latest build was made against (`epoch`: StartRun's, then each Build's)."""
 
     def __init__(
         self,
@@ -641,6 +751,7 @@ class Run:
         self,
         *items: pb.ConversationItem | Iterable[pb.ConversationItem],
         idempotency_key: str | None = None,
+        timeout: float | None = None,
     ) -> pb.AppendItemsResponse:
         """Append items (or lists of items) in order; returns their sequences and ids.
 
@@ -651,17 +762,64 @@ class Run:
         flat: list[pb.ConversationItem] = []
         for entry in items:
             flat += [entry] if isinstance(entry, pb.ConversationItem) else list(entry)
-        request = pb.AppendItemsRequest(
+        return await self.resend_append(
+            self._append_request(flat, idempotency_key), timeout=timeout
+        )
+
+    def _append_request(
+        self, items: Sequence[pb.ConversationItem], idempotency_key: str | None
+    ) -> pb.AppendItemsRequest:
+        return pb.AppendItemsRequest(
             tenant_id=self.tenant_id,
             session_id=self.session_id,
             run_id=self.run_id,
             expected_checkpoint_version=self.checkpoint_version,
             idempotency_key=idempotency_key or _key(),
-            items=flat,
+            items=list(items),
         )
-        response: pb.AppendItemsResponse = await self.client.call("AppendItems", request)
+
+    async def resend_append(
+        self, request: pb.AppendItemsRequest, *, timeout: float | None = None
+    ) -> pb.AppendItemsResponse:
+        """Send an AppendItemsRequest as it is, such as a tool loop error's
+        `pending_request`: its key makes a resend of an append that landed answer with the
+        first result instead of writing it twice. Tracks the new checkpoint version."""
+        response: pb.AppendItemsResponse = await self.client.call(
+            "AppendItems", request, timeout=timeout
+        )
         self.checkpoint_version = response.checkpoint_version
         return response
+
+    async def _append_step(
+        self, items: Sequence[pb.ConversationItem], *, timeout: float | None
+    ) -> None:
+        """A tool loop step's one append, sent up to `_APPEND_ATTEMPTS` times as it is
+        (same key, same bytes) while it fails for want of the engine, with twice the
+        deadline after a DeadlineExceeded: the step's tools have run, and losing their
+        results would make the caller run them again. Whatever error ends it (retryable or
+        not: an expired token, a proxy's INTERNAL, a cancellation), it carries the request
+        (`pending_request`) for the caller to resend."""
+        request = self._append_request(items, None)
+        try:
+            await self._send_step(request, timeout or self.client.timeout)
+        except BaseException as exc:
+            # Any exception, not only ours: a cancelled task's CancelledError too.
+            with contextlib.suppress(AttributeError):
+                exc.pending_request = request  # type: ignore[attr-defined]
+            raise
+
+    async def _send_step(self, request: pb.AppendItemsRequest, deadline: float | None) -> None:
+        for attempt in range(_APPEND_ATTEMPTS):
+            try:
+                await self.resend_append(request, timeout=deadline)
+                return
+            except ContextEngineError as exc:
+                # Refused for what it says (a resend fails again), or the last attempt.
+                if not exc.retryable or attempt + 1 == _APPEND_ATTEMPTS:
+                    raise
+                if isinstance(exc, DeadlineExceeded) and deadline:
+                    deadline *= 2  # it may have been too short for this append
+            await asyncio.sleep(_APPEND_BACKOFF_S * 2**attempt)
 
     async def build(
         self,
@@ -669,11 +827,13 @@ class Run:
         step: pb.StepContext | None = None,
         *,
         checkpoint_version: int | None = None,
+        timeout: float | None = None,
     ) -> BuildResult:
         """Assemble the next model request from this run's latest known checkpoint.
 
         `now` is the clock row 14 renders (the server's clock when None); `step` carries
-        in-turn recall, corrections and knowledge passages.
+        in-turn recall, corrections and knowledge passages. `epoch` becomes the build's:
+        a rotation reaches a run at its next build.
         """
         version = self.checkpoint_version if checkpoint_version is None else checkpoint_version
         request = pb.BuildRequest(
@@ -684,12 +844,23 @@ class Run:
             now=_timestamp(now) if now is not None else None,
             step=step,
         )
-        return BuildResult(await self.client.call("Build", request))
+        built = BuildResult(await self.client.call("Build", request, timeout=timeout))
+        self.epoch = built.epoch or self.epoch
+        return built
 
     async def report_usage(
-        self, build: BuildResult, usage: Usage, *, idempotency_key: str | None = None
+        self,
+        build: BuildResult,
+        usage: Usage,
+        *,
+        model: str = "",
+        idempotency_key: str | None = None,
+        timeout: float | None = None,
     ) -> UsageReport:
-        return await self.session.report_usage(build, usage, idempotency_key=idempotency_key)
+        """Session.report_usage: `model` is the model that answered ("" for the planned)."""
+        return await self.session.report_usage(
+            build, usage, model=model, idempotency_key=idempotency_key, timeout=timeout
+        )
 
     async def update_working_state(
         self,
@@ -697,6 +868,7 @@ class Run:
         *,
         writer: int = pb.WRITER_MODEL,
         idempotency_key: str | None = None,
+        timeout: float | None = None,
     ) -> pb.UpdateWorkingStateResponse:
         """Apply a typed working-state transition (the control tool's effect)."""
         request = pb.UpdateWorkingStateRequest(
@@ -709,7 +881,7 @@ class Run:
             idempotency_key=idempotency_key or _key(),
         )
         response: pb.UpdateWorkingStateResponse = await self.client.call(
-            "UpdateWorkingState", request
+            "UpdateWorkingState", request, timeout=timeout
         )
         self.checkpoint_version = response.checkpoint_version
         return response
@@ -721,10 +893,12 @@ class Run:
         compactor_version: str = "context-engine-client@0.1.0",
         idempotency_key: str | None = None,
         through_sequence: int = 0,
+        timeout: float | None = None,
     ) -> int:
         """PrepareCompaction -> the worker's summarizer -> CommitCompaction.
 
         `through_sequence`: the last event to compact (0: the engine chooses the cut).
+        `timeout`: each of the two calls' deadline.
 
         `summarize` gets the prepared input (trusted content only, untrusted spans already
         elided to pointers) and returns the summary, which must count fewer tokens than
@@ -746,6 +920,7 @@ class Run:
                 checkpoint_version=self.checkpoint_version,
                 through_sequence=through_sequence,
             ),
+            timeout=timeout,
         )
         written = await summarize(prepared)
         summary = written if isinstance(written, Summary) else Summary(written)
@@ -771,6 +946,7 @@ class Run:
                 result=result,
                 idempotency_key=idempotency_key or _key(),
             ),
+            timeout=timeout,
         )
         self.checkpoint_version = response.checkpoint_version
         return self.checkpoint_version
@@ -785,6 +961,7 @@ class Run:
         summarize: Summarize | None = None,
         max_steps: int = 16,
         report_usage: bool = True,
+        timeout: float | None = None,
     ) -> ToolLoopResult:
         """Build -> model -> tools -> append, until the model answers without tool calls.
 
@@ -792,38 +969,50 @@ class Run:
         does not fit and `summarize` is given), call the model with the build, map its tool
         calls' wire names back to tool names, run the requested tools in order, append the
         model's items and the tool results in one write (so the log never holds a call
-        without its result), then report the model's usage. `now` may be a datetime or a
-        clock.
+        without its result), then report the model's usage, under the model that answered
+        (`ModelTurn.model`). `now` may be a datetime or a clock; `timeout` is each RPC's
+        deadline.
 
-        Building from the latest checkpoint, not the one this object last saw: after an
-        append whose answer was lost (a deadline passed while it committed), calling
-        tool_loop again builds what the log holds, so the model sees the results it
-        already has instead of asking for its tools again. Usage is reported after the
-        append, and a report that fails for want of the engine (Unavailable,
-        DeadlineExceeded) is kept in the result (`unreported`) rather than raised: the
-        step's items are in the log, and raising after the final answer was appended lost
-        that answer to the caller, whose second tool_loop asked the model again and appended
-        a second answer. A report refused for what it says (InvalidArgument for a bad
-        Usage, say) is raised: it would fail again.
+        The append is sent up to 3 times (the first send and 2 resends) as it is (same key,
+        same bytes) while it fails Unavailable or DeadlineExceeded, each resend after a
+        DeadlineExceeded with twice the deadline the attempt before it had: a resend of one
+        that landed answers with its first result. Any error that ends the append (one
+        still failing after the resends, or one never resent: Unauthenticated, Internal, a
+        cancellation...) is raised with the request as `pending_request`: resend it
+        (`resend_append`, once the cause is gone) before calling tool_loop again. The loop
+        builds from the latest checkpoint, not the one this object last saw, so once the
+        step's append is in the log (landed with its answer lost, or resent), calling
+        tool_loop again shows the model the results it has and runs none of that step's
+        tools again. A tool that raises ends the loop before the append: the step's tools
+        that ran are then not logged.
+
+        Usage is reported after the append, and a report that fails for want of the engine
+        (Unavailable, DeadlineExceeded) is kept in the result (`unreported`) rather than
+        raised: the step's items are in the log, and raising after the final answer was
+        appended lost that answer to the caller, whose second tool_loop asked the model
+        again and appended a second answer. A report refused for what it says
+        (InvalidArgument for a bad Usage, say) is raised: it would fail again.
 
         Raises:
             NeedsCompaction: the body does not fit and no `summarize` was given.
             ToolLoopLimit: `max_steps` model turns without a final answer.
+            ContextEngineError: the step's append failed; `pending_request` holds it, as
+                above (any other exception from the append carries it too).
         """
         builds: list[BuildResult] = []
         reports: list[UsageReport] = []
-        unreported: list[tuple[BuildResult, Usage, ContextEngineError]] = []
+        unreported: list[UnreportedUsage] = []
         compactions = 0
         steps = 0
         while steps < max_steps:
             clock = now() if callable(now) else now
-            built = await self.build(clock, step, checkpoint_version=0)
+            built = await self.build(clock, step, checkpoint_version=0, timeout=timeout)
             self.checkpoint_version = built.response.checkpoint_version or self.checkpoint_version
             if built.needs_compaction:
                 # The server caps summary depth at 2; a third attempt would fail there.
                 if summarize is None or compactions >= 2:
                     raise NeedsCompaction(built)
-                await self.compact(summarize)
+                await self.compact(summarize, timeout=timeout)
                 compactions += 1
                 continue
             builds.append(built)
@@ -848,14 +1037,18 @@ class Run:
                     )
                 )
             if items:
-                await self.append(items)
+                await self._append_step(items, timeout=timeout)
             if report_usage and turn.usage is not None:
                 try:
-                    reports.append(await self.report_usage(built, turn.usage))
+                    reports.append(
+                        await self.report_usage(
+                            built, turn.usage, model=turn.model, timeout=timeout
+                        )
+                    )
                 except ContextEngineError as exc:
                     if not exc.retryable:  # refused for what it says: it would fail again
                         raise
-                    unreported.append((built, turn.usage, exc))
+                    unreported.append(UnreportedUsage(built, turn.usage, exc, turn.model))
             if not turn.tool_calls:
                 return ToolLoopResult(turn, builds, reports, unreported)
         raise ToolLoopLimit(max_steps)

@@ -16,6 +16,8 @@ import grpc
 from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 
+from ._gen.context_engine.v1 import context_engine_pb2 as pb
+
 __all__ = [
     "Aborted",
     "ClientError",
@@ -65,6 +67,13 @@ class ContextEngineError(ClientError):
             write may have landed with only its answer lost (UNAVAILABLE, DEADLINE_EXCEEDED):
             resend it with this key (`idempotency_key=`) to get the first answer rather than
             a second write.
+        pending_request: set on every error a tool loop raises from its step's
+            AppendItems, whether it failed after the loop's own resends (Unavailable,
+            DeadlineExceeded) or was never resent (Unauthenticated, Internal, Cancelled...):
+            the request itself (its key and items, the model's turn and the tool results),
+            to resend unchanged with `Run.resend_append` before the loop runs again; None
+            otherwise. (Another exception out of the append, a task's CancelledError say,
+            carries it as the same attribute.)
     """
 
     retryable = False
@@ -87,11 +96,39 @@ class ContextEngineError(ClientError):
         self.metadata: dict[str, str] = dict(metadata or {})
         self.field_violations = field_violations
         self.idempotency_key = ""
+        self.pending_request: Any = None
 
     @property
     def field(self) -> str | None:
         """The first offending field path, if the server named one."""
         return self.field_violations[0].field if self.field_violations else None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # An exception pickles (and copies) as cls(*args), args being the one formatted
+        # message here: rebuilt from code and message, then the rest as state. A pending
+        # request goes as its bytes (the generated classes cannot be pickled by name).
+        state = dict(self.__dict__)
+        pending = state.get("pending_request")
+        if isinstance(pending, pb.AppendItemsRequest):
+            state["pending_request"] = _PendingBytes(pending.SerializeToString())
+        return _rebuild, (type(self), self.code, self.message, self.reason), state
+
+    def __setstate__(self, state: dict[str, Any] | None) -> None:
+        state = dict(state or {})
+        pending = state.get("pending_request")
+        if isinstance(pending, _PendingBytes):
+            state["pending_request"] = pb.AppendItemsRequest.FromString(pending)
+        self.__dict__.update(state)
+
+
+class _PendingBytes(bytes):
+    """A pickled error's pending AppendItemsRequest, serialized."""
+
+
+def _rebuild(
+    cls: type[ContextEngineError], code: grpc.StatusCode, message: str, reason: str
+) -> ContextEngineError:
+    return cls(code, message, reason=reason)
 
 
 class InvalidArgument(ContextEngineError):

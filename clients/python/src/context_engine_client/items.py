@@ -98,18 +98,23 @@ def tool(
     input_schema: Mapping[str, Any] | str,
     *,
     required_scopes: Sequence[str] = (),
-    side_effect: int = pb.SIDE_EFFECT_NONE,
-    builtin: bool = True,
+    side_effect: int = pb.SIDE_EFFECT_UNSPECIFIED,
+    builtin: bool | None = None,
     server: str = "",
 ) -> pb.ToolSpec:
-    """A tool for a PlanSpec's candidate list."""
+    """A tool for a PlanSpec's candidate list.
+
+    Say what the tool does to the world (`side_effect`): left unspecified, the engine
+    treats it as the most consequential kind. `builtin` defaults to `not server`: a tool
+    some server provides is a discovered one, whose description the engine does not trust.
+    """
     return pb.ToolSpec(
         name=name,
         description=description,
         input_schema_json=_json(input_schema),
         required_scopes=list(required_scopes),
         side_effect=side_effect,  # type: ignore[arg-type]
-        builtin=builtin,
+        builtin=not server if builtin is None else builtin,
         server=server,
     )
 
@@ -181,13 +186,16 @@ class ModelTurn:
     """One model response, reduced to what the engine logs.
 
     `reasoning` holds (provider, opaque JSON bytes) pairs, replayed verbatim within the run.
-    A turn without tool calls ends the tool loop.
+    `model` is the model that answered, the provider response's `model` ("" for the
+    request's own): ReportUsage sends it, since the engine learns only from reports of
+    the model the request was built for. A turn without tool calls ends the tool loop.
     """
 
     text: str = ""
     tool_calls: Sequence[ToolCallRequest] = ()
     reasoning: Sequence[tuple[int, bytes]] = ()
     usage: Usage | None = None
+    model: str = ""
 
     def items(self) -> list[pb.ConversationItem]:
         """The turn as conversation items: reasoning, text, then tool calls."""
