@@ -32,7 +32,7 @@ from pydantic import BaseModel
 __all__ = ["DEFAULT_CACHE_BYTES", "Kept", "approximate_bytes"]
 
 # The replica_cache_bytes setting's default (config.py): checkpoints, carried histories,
-# loaded skills and plans together.
+# loaded skills, plans and working-state folds together.
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 
 _OBJECT = 64  # what an object costs beyond the strings it holds (header, fields, slots)
