@@ -43,6 +43,7 @@ from context_engine_client import (
     channel_options,
     pb,
     tool,
+    tool_call,
     tool_result,
 )
 
@@ -927,6 +928,23 @@ async def test_a_runs_epoch_follows_its_builds(client: Any) -> None:
     await session.rotate(pb.PLAN_REASON_AGENT_CHANGED)
     built = await run.build(now=NOW)
     assert built.epoch == run.epoch == 2
+
+
+async def test_a_long_source_is_cut_to_what_the_engine_accepts(grpc_server: Any) -> None:
+    """The engine refuses a result's source over 2,048 characters (INVALID_FIELD); a tool's
+    long signed URL would have failed the whole step's append. tool_result cuts it, and the
+    engine takes the cut one."""
+    url = "https://cdn.example/file?sig=" + "x" * 5_000
+    item = tool_result("c1", "web.fetch", "page", source=url)
+    assert len(item.tool_result.source) == 2_048
+    assert item.tool_result.source.endswith("…")
+    assert tool_result("c1", "web.fetch", "page").tool_result.source == "tool:web.fetch"
+    async with ContextEngineClient(f"127.0.0.1:{grpc_server.port}", TENANT) as client:
+        session = await client.open_session(_spec())
+        run = await session.start_run("Fetch it.")
+        call = tool_call("c1", "web.fetch", {"q": "x"})
+        appended = await run.append([call, item])
+        assert appended.checkpoint_version == 2
 
 
 async def test_tool_defaults_and_a_channel_with_options(grpc_server: Any) -> None:

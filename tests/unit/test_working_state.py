@@ -419,6 +419,30 @@ def test_the_models_questions_evict_before_the_users() -> None:
     assert late.state.open_questions == users
 
 
+def test_the_block_hides_the_models_questions_before_the_users_and_no_sooner() -> None:
+    """Among questions, the block hides the model's and the runtime's before the user's;
+    across lists, a question's turn is still its age's (a review: ranking by writer alone
+    hid a question asked a moment ago before forty stale facts)."""
+    facts = tuple(_fact(f"fact {n} " + "w" * 200, TrustLevel.USER, seq=n) for n in range(1, 31))
+    asked = Entry(
+        text="Which day?", writer=Writer.RUNTIME, source_sequence=500, trust=TrustLevel.MODEL
+    )
+    users = Entry(
+        text="Which city?", writer=Writer.USER, source_sequence=400, trust=TrustLevel.USER
+    )
+    state = WorkingState(facts=facts, open_questions=(users, asked))
+    assert _hide_order(state) == [("facts", n) for n in range(30)] + [
+        ("open_questions", 1),
+        ("open_questions", 0),
+    ]
+    block = render_block(state, secret=SECRET, count_tokens=count_tokens)
+    assert block is not None and "Which day?" in block.text and "Which city?" in block.text
+    assert (
+        "Not shown for space, oldest first:" in block.text
+        and "open questions" not in (block.text.rpartition("Not shown")[2])
+    )
+
+
 def test_task_eviction_takes_completed_first_then_the_stalest() -> None:
     # 30 tasks: odd ones done, each last written at its own sequence.
     tasks = tuple(
@@ -1111,6 +1135,7 @@ def _ref_add_constraints(state: WorkingState, values: tuple[str, ...], ctx: _Ctx
                 "list": "constraints",
                 "cap": str(cap),
                 "current": str(len(state.constraints)),
+                "would_hold": str(len(constraints)),
             },
         )
     return state.model_copy(update={"constraints": tuple(constraints)})

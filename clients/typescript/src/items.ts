@@ -42,6 +42,18 @@ export interface ToolResultOptions {
   itemId?: string;
 }
 
+/** The engine refuses a result's source longer than this (INVALID_FIELD); toolResult cuts a
+ * longer one (a signed URL, say) rather than fail the step. */
+export const MAX_SOURCE_CHARS = 2048;
+
+function attribution(source: string): string {
+  // Code points, as the engine counts characters (a surrogate pair is one).
+  const chars = Array.from(source);
+  return chars.length > MAX_SOURCE_CHARS
+    ? chars.slice(0, MAX_SOURCE_CHARS - 1).join('') + '…'
+    : source;
+}
+
 export function toolResult(
   callId: string,
   name: string,
@@ -55,7 +67,7 @@ export function toolResult(
       tool_name: name,
       content,
       trust: opts.trust ?? 'TRUST_LEVEL_EXTERNAL_UNTRUSTED',
-      source: opts.source || `tool:${name}`, // empty too, as the Python client has it
+      source: attribution(opts.source || `tool:${name}`), // empty too, as in Python
       is_error: opts.isError ?? false,
       artifact_ref: opts.artifactRef ?? '',
     },

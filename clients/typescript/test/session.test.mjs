@@ -894,3 +894,12 @@ test("compact sends throughSequence and the summary's own token count", async ()
   assert.equal(sent.CommitCompaction.result.tokens_after, 9);
   assert.equal(sent.CommitCompaction.result.summary, summary.text);
 });
+
+test('toolResult cuts a source longer than the engine accepts', () => {
+  // The engine refuses a source over 2,048 characters; a long signed URL would fail the step.
+  const long = 'https://cdn.example/file?sig=' + 'x'.repeat(5000);
+  const cut = toolResult('c1', 'web.fetch', 'page', { source: long }).tool_result.source;
+  assert.equal(Array.from(cut).length, 2048);
+  assert.ok(cut.endsWith('…'));
+  assert.equal(toolResult('c1', 'web.fetch', 'page').tool_result.source, 'tool:web.fetch');
+});

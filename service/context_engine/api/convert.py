@@ -109,8 +109,9 @@ MAX_PEOPLE_NAMED = 256
 
 # An envelope's attribution (a tool result's source, a passage's citation): a URL or a
 # name, shown in the envelope's source attribute on every request that carries it, and not
-# held against a summary (core/compaction.py: a summary may cite it). Long enough for any
-# URL a browser keeps; longer is not an attribution.
+# held against a summary (core/compaction.py: a summary may cite it). Past the 2,000 or
+# so characters many servers and CDNs accept in a URL; a longer one (browsers keep far
+# longer) is cut by the clients' tool_result helpers rather than sent.
 MAX_ATTRIBUTION_CHARS = 2_048
 
 

@@ -400,6 +400,11 @@ class PrefixData:
     row: Row
     trust: TrustLevel
     text: str
+    # What the model repeats to call the entry's tool or load its skill: the name, and a
+    # tool's parameter names at every depth. Not held, and licensed: a description that
+    # mentions a parameter would otherwise make every call naming it a quote of the entry
+    # (core/compaction.py reads them as trusted text).
+    names: tuple[str, ...] = ()
 
 
 # What each enveloped row shows of the plan's spec, by the entry's item id (as
@@ -429,6 +434,8 @@ def prefix_data(plan: ContextPlan, spec: PlanSpec) -> tuple[PrefixData, ...]:
     it (core/compaction.py, Rule 3). An entry of another row is given as rendered. Then
     each discovered tool's definition (_definition_data)."""
     content: dict[Row, dict[str, str]] = {}
+    names = {f"tool:{t.name}": _called_names(t.name, t.input_schema) for t in spec.tools}
+    names |= {f"skill:{s.name}": (s.name,) for s in spec.skills}
     out = []
     for block in plan.system:
         if envelope_tag(block.trust) is None:
@@ -436,7 +443,9 @@ def prefix_data(plan: ContextPlan, spec: PlanSpec) -> tuple[PrefixData, ...]:
         if block.row in _PREFIX_CONTENT and block.row not in content:
             content[block.row] = _PREFIX_CONTENT[block.row](spec)
         text = content.get(block.row, {}).get(block.item_id, block.text)
-        out.append(PrefixData(block.item_id, block.row, block.trust, text))
+        out.append(
+            PrefixData(block.item_id, block.row, block.trust, text, names.get(block.item_id, ()))
+        )
     return (*out, *_definition_data(plan, spec))
 
 
@@ -446,20 +455,38 @@ def _definition_data(plan: ContextPlan, spec: PlanSpec) -> list[PrefixData]:
     description and its schema's descriptions, which is where a server's text speaks to
     the model; not its name or parameter names, which the model's own calls repeat."""
     builtin = {t.name for t in spec.tools if t.builtin}
-    return [
-        PrefixData(
-            f"tool-definition:{tool.name}",
-            Row.TOOL_DEFINITIONS,
-            TrustLevel.EXTERNAL_UNTRUSTED,
-            "\n".join(
-                text
-                for text in (tool.description, *_descriptions(json.loads(tool.input_schema_json)))
-                if text
-            ),
+    out = []
+    for tool in plan.tools:
+        if tool.name in builtin:
+            continue
+        schema = json.loads(tool.input_schema_json)
+        shown = "\n".join(t for t in (tool.description, *_descriptions(schema)) if t)
+        out.append(
+            PrefixData(
+                f"tool-definition:{tool.name}",
+                Row.TOOL_DEFINITIONS,
+                TrustLevel.EXTERNAL_UNTRUSTED,
+                shown,
+                _called_names(tool.name, schema),
+            )
         )
-        for tool in plan.tools
-        if tool.name not in builtin
-    ]
+    return out
+
+
+def _called_names(name: str, schema: Any) -> tuple[str, ...]:
+    """A tool's name and every property name its schema declares, at any depth."""
+    found = [name]
+    pending = [schema]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, list):
+            pending.extend(node)
+        elif isinstance(node, dict):
+            properties = node.get("properties")
+            if isinstance(properties, dict):
+                found += [key for key in properties if isinstance(key, str)]
+            pending.extend(node.values())
+    return tuple(dict.fromkeys(found))
 
 
 def _descriptions(schema: Any) -> list[str]:

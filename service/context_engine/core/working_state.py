@@ -153,7 +153,9 @@ MAX_UPDATE_ENTRIES: dict[str, int] = {
 
 # The most evidence one fact of an update may cite, and each once: a fact rests on a few
 # events. Without a bound one update could cite millions (every StartRun folds it again,
-# and every later Build renders it), so it is refused at input like a long list.
+# and every later Build renders it), so it is refused at input like a long list. A
+# statement restated merges its evidence (_add_facts), which the session's own events
+# bound: each cited event must exist.
 MAX_FACT_SOURCES = 32
 
 # The trust an entry of each writer carries. A runtime entry is an open question copied
@@ -1070,14 +1072,25 @@ def _fixed_part(state: WorkingState) -> WorkingState:
 
 
 def _hide_order(state: WorkingState) -> list[tuple[str, int]]:
-    """Completed tasks first, then every evictable entry, stalest first (Rule 4)."""
+    """Completed tasks first, then every evictable entry, stalest first (Rule 4); the open
+    questions' turns in that order go to the model's and the runtime's before the user's
+    (_question_age), so the user's question hides last among questions, never sooner than
+    the stalest rule alone would hide a question."""
     keyed: list[tuple[tuple[int, int], int, tuple[str, int]]] = []
     keyed += [(_task_age(t), 0, ("tasks", n)) for n, t in enumerate(state.tasks)]
     keyed += [(_fact_age(f), 1, ("facts", n)) for n, f in enumerate(state.facts)]
     keyed += [
-        (_question_age(q), 2, ("open_questions", n)) for n, q in enumerate(state.open_questions)
+        ((1, q.source_sequence), 2, ("open_questions", n))
+        for n, q in enumerate(state.open_questions)
     ]
-    return [key for _, _, key in sorted(keyed)]
+    order = [key for _, _, key in sorted(keyed)]
+    questions = iter(
+        sorted(
+            (("open_questions", n) for n in range(len(state.open_questions))),
+            key=lambda key: (_question_age(state.open_questions[key[1]]), key[1]),
+        )
+    )
+    return [next(questions) if name == "open_questions" else (name, n) for name, n in order]
 
 
 def render_block(

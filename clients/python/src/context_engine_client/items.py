@@ -58,6 +58,11 @@ def tool_call(
     )
 
 
+# The engine refuses a result's source longer than this (INVALID_FIELD): an attribution,
+# not content. tool_result cuts a longer one (a signed URL, say) rather than fail the step.
+MAX_SOURCE_CHARS = 2_048
+
+
 def tool_result(
     call_id: str,
     name: str,
@@ -69,7 +74,11 @@ def tool_result(
     artifact_ref: str = "",
     item_id: str = "",
 ) -> pb.ConversationItem:
-    """A tool's result. Trust defaults to EXTERNAL_UNTRUSTED: say so when it is better."""
+    """A tool's result. Trust defaults to EXTERNAL_UNTRUSTED: say so when it is better.
+    A `source` over MAX_SOURCE_CHARS is cut to it, ending in "…"."""
+    source = source or f"tool:{name}"
+    if len(source) > MAX_SOURCE_CHARS:
+        source = source[: MAX_SOURCE_CHARS - 1] + "…"
     return pb.ConversationItem(
         item_id=item_id,
         tool_result=pb.ToolResult(
@@ -77,7 +86,7 @@ def tool_result(
             tool_name=name,
             content=content,
             trust=trust,  # type: ignore[arg-type]
-            source=source or f"tool:{name}",
+            source=source,
             is_error=is_error,
             artifact_ref=artifact_ref,
         ),
