@@ -377,6 +377,41 @@ async def test_explain_reaches_an_mtls_server_with_its_certificate_files(
 # --- size limits -------------------------------------------------------------------
 
 
+async def test_a_write_whose_answer_outgrows_its_request_is_answered(pool: Any) -> None:
+    """AppendItems answers each item's sequence and id: 14,000 one-letter messages (98 KB)
+    get a 570 KB answer. The server capped what it sent at twice the request limit, so the
+    write committed and the caller got RESOURCE_EXHAUSTED, and then ABORTED on its retry
+    (an audit). Answers are not capped now."""
+    limit = 256 * 1024
+    running = await build_server(build_engine(pool), "127.0.0.1:0", max_message_bytes=limit)
+    channel = grpc.aio.insecure_channel(
+        f"127.0.0.1:{running.port}", options=[("grpc.max_receive_message_length", -1)]
+    )
+    try:
+        stub = pb_grpc.ContextEngineStub(channel)
+        session_id = new_id()
+        await stub.Plan(pb.PlanRequest(tenant_id="tenant-a", session_id=session_id, spec=spec()))
+        run = await stub.StartRun(
+            pb.StartRunRequest(
+                tenant_id="tenant-a", session_id=session_id, user_message=pb.UserMessage(text="hi")
+            )
+        )
+        request = pb.AppendItemsRequest(
+            tenant_id="tenant-a",
+            session_id=session_id,
+            run_id=run.run.run_id,
+            expected_checkpoint_version=1,
+            items=[pb.ConversationItem(user_message=pb.UserMessage(text="u"))] * 14_000,
+        )
+        assert request.ByteSize() < limit
+        appended = await stub.AppendItems(request)
+        assert appended.ByteSize() > 2 * limit
+        assert (appended.checkpoint_version, len(appended.sequences)) == (2, 14_000)
+    finally:
+        await channel.close()
+        await running.stop(0)
+
+
 async def test_oversize_request_is_resource_exhausted_and_writes_nothing(pool: Any) -> None:
     limit = 64 * 1024
     running = await build_server(build_engine(pool), "127.0.0.1:0", max_message_bytes=limit)
