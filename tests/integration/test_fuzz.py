@@ -166,7 +166,7 @@ def server(request: pytest.FixtureRequest, fuzz_dsn: str) -> Any:
         channel = grpc.insecure_channel(line.rsplit(" ", 1)[1].strip())
         health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         ids = _seed(pb_grpc.ContextEngineStub(channel), bearer)
-        yield channel, proc, ids, _bearer(TENANT) if bearer else ()
+        yield channel, proc, ids, _bearer(TENANT) if bearer else (), log
         channel.close()
         proc.terminate()
         proc.wait(timeout=20)
@@ -307,12 +307,21 @@ _BAD_UTF8 = b"\xff\xfe" * (len(_SENTINEL) // 2)  # never in UTF-8: 0xFE and 0xFF
 def _call(
     channel: grpc.Channel, method: str, payload: bytes, metadata: Any = ()
 ) -> grpc.StatusCode:
+    """One call's status. A refusal the service makes names its reason (google.rpc.ErrorInfo
+    in the status details): only the transport's own refusal of a message over twice the
+    limit has none."""
     rpc = channel.unary_unary(f"/context_engine.v1.ContextEngine/{method}")
     TRIED[method] = TRIED.get(method, 0) + 1
     try:
         rpc(payload, timeout=30, metadata=metadata)
     except grpc.RpcError as exc:
-        return exc.code()  # type: ignore[no-any-return]
+        code: grpc.StatusCode = exc.code()  # type: ignore[attr-defined]
+        trailers = dict(exc.trailing_metadata() or ())  # type: ignore[attr-defined]
+        if len(payload) <= 2 * MAX_REQUEST_BYTES:
+            assert "grpc-status-details-bin" in trailers, (
+                f"{method} answered {code.name} without details to {payload[:200]!r}"
+            )
+        return code
     return grpc.StatusCode.OK
 
 
@@ -565,7 +574,7 @@ def _checked_call(
 
 
 def test_fuzz_every_rpc(server: Any, fuzz_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
-    channel, proc, ids, auth = server
+    channel, proc, ids, auth, log = server
     allowed = AUTH_ALLOWED if auth else ALLOWED
     TRIED.clear()
     examples = int(os.environ.get("FUZZ_EXAMPLES", "600"))
@@ -614,6 +623,12 @@ def test_fuzz_every_rpc(server: Any, fuzz_dsn: str, capsys: pytest.CaptureFixtur
     ledger.close()
     health = health_pb2_grpc.HealthStub(channel)
     assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
+    # Nothing went wrong unseen: no traceback, and nothing grpc's core logs of a handler
+    # that failed (a response it could not send, an exception it caught).
+    log.seek(0)
+    logged = log.read().decode(errors="replace")
+    for sign in ("Traceback", "raised in core", "Unexpected error"):
+        assert sign not in logged, f"the server logged {sign!r}:\n{logged[-3000:]}"
     with capsys.disabled():
         total = sum(TRIED.values())
         mode = "bearer auth" if auth else "no auth"
