@@ -56,7 +56,13 @@ from context_engine.core.items import (
     ToolResult,
     UserMessage,
 )
-from context_engine.core.plan import ModelFacts, make_plan, prefix_data
+from context_engine.core.plan import (
+    ModelFacts,
+    _called_names,
+    _unnamed,
+    make_plan,
+    prefix_data,
+)
 from context_engine.core.roster import first_sentence
 from context_engine.core.seeding import carried_history
 from context_engine.core.skills import LoadedSkill
@@ -1620,22 +1626,24 @@ def test_prefix_data_is_the_content_of_every_enveloped_prefix_entry(data: st.Dat
 def _assert_prefix_content(spec: PlanSpec, entries: Sequence[Any], blocks: Sequence[Any]) -> None:
     """Each entry's text is what its block shows of the spec but the names the model
     repeats to call a tool or load a skill (a deferred tool's first sentence, a skill's
-    version and description, a memory's source and text), found escaped in its block."""
-    content = {
-        Row.MEMORY_SNAPSHOT: {
-            f"memory:{m.item_id}": f"[{m.source}] {m.text}" if m.source else m.text
-            for m in spec.snapshot.items
-        },
-        Row.SKILL_CATALOG: {
-            f"skill:{k.name}": f"({k.version}): {k.description}" for k in spec.skills
-        },
-        Row.DEFERRED_TOOL_INDEX: {
-            f"tool:{t.name}": first_sentence(t.description) for t in spec.tools
-        },
+    version and description, a memory's source and text; the names cut from it), found
+    escaped in its block: whole, or where names were cut, every piece left."""
+    shown = {
+        f"memory:{m.item_id}": (f"[{m.source}] {m.text}" if m.source else m.text, ())
+        for m in spec.snapshot.items
+    }
+    shown |= {
+        f"skill:{k.name}": (f"({k.version}): {k.description}", (k.name,)) for k in spec.skills
+    }
+    shown |= {
+        f"tool:{t.name}": (first_sentence(t.description), _called_names(t.name, t.input_schema))
+        for t in spec.tools
     }
     for entry, block in zip(entries, blocks, strict=True):
-        assert entry.text == content[entry.row][entry.item_id]
-        assert escape_content(entry.text) in block.text
+        whole, names = shown[entry.item_id]
+        assert entry.text == _unnamed(whole, names)
+        pieces = entry.text.split("\n") if entry.text != whole else [whole]
+        assert all(escape_content(piece) in block.text for piece in pieces)
 
 
 def test_prefix_data_gives_a_discovered_deferred_tools_first_sentence_not_a_builtins() -> None:

@@ -776,9 +776,6 @@ def prepare(
             summary.text if summary else "",
             *constraints,
             *questions,
-            # The names the model repeats to call a tool or load a skill (PrefixData.names):
-            # a call naming a parameter that a server's description mentions is not a quote.
-            *dict.fromkeys(n for e in prefix for n in e.names),
         ]
     )
     quoted = quoted_sources([_content(i) for i in model], [text for _, text in contents], base)

@@ -13,6 +13,7 @@ that keys envelope nonces is an argument and never enters a prompt or the docume
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -400,25 +401,25 @@ class PrefixData:
     row: Row
     trust: TrustLevel
     text: str
-    # What the model repeats to call the entry's tool or load its skill: the name, and a
-    # tool's parameter names at every depth. Not held, and licensed: a description that
-    # mentions a parameter would otherwise make every call naming it a quote of the entry
-    # (core/compaction.py reads them as trusted text).
-    names: tuple[str, ...] = ()
 
 
 # What each enveloped row shows of the plan's spec, by the entry's item id (as
 # _render_text lays it out): a discovered tool's description's first sentence, a catalog
 # entry's version and description, a snapshot entry's source and text. A tool's name and
-# parameter names and a skill's name are left out: the model repeats them to call the
-# tool (its own call's arguments name the parameters) or load the skill, and held as
-# untrusted text they would elide every such call.
+# parameter names and a skill's name are left out, and cut from the entry's own text
+# (_unnamed): the model repeats them to call the tool (its own call's arguments name the
+# parameters) or load the skill, and held as untrusted text they would elide every such
+# call, or every call naming a parameter its description mentions.
 _PREFIX_CONTENT: dict[Row, Callable[[PlanSpec], dict[str, str]]] = {
     Row.DEFERRED_TOOL_INDEX: lambda spec: {
-        f"tool:{t.name}": first_sentence(t.description) for t in spec.tools
+        f"tool:{t.name}": _unnamed(
+            first_sentence(t.description), _called_names(t.name, t.input_schema)
+        )
+        for t in spec.tools
     },
     Row.SKILL_CATALOG: lambda spec: {
-        f"skill:{s.name}": f"({s.version}): {s.description}" for s in spec.skills
+        f"skill:{s.name}": _unnamed(f"({s.version}): {s.description}", (s.name,))
+        for s in spec.skills
     },
     Row.MEMORY_SNAPSHOT: lambda spec: {
         memory_item_id(m.item_id): f"[{m.source}] {m.text}" if m.source else m.text
@@ -434,8 +435,6 @@ def prefix_data(plan: ContextPlan, spec: PlanSpec) -> tuple[PrefixData, ...]:
     it (core/compaction.py, Rule 3). An entry of another row is given as rendered. Then
     each discovered tool's definition (_definition_data)."""
     content: dict[Row, dict[str, str]] = {}
-    names = {f"tool:{t.name}": _called_names(t.name, t.input_schema) for t in spec.tools}
-    names |= {f"skill:{s.name}": (s.name,) for s in spec.skills}
     out = []
     for block in plan.system:
         if envelope_tag(block.trust) is None:
@@ -443,9 +442,7 @@ def prefix_data(plan: ContextPlan, spec: PlanSpec) -> tuple[PrefixData, ...]:
         if block.row in _PREFIX_CONTENT and block.row not in content:
             content[block.row] = _PREFIX_CONTENT[block.row](spec)
         text = content.get(block.row, {}).get(block.item_id, block.text)
-        out.append(
-            PrefixData(block.item_id, block.row, block.trust, text, names.get(block.item_id, ()))
-        )
+        out.append(PrefixData(block.item_id, block.row, block.trust, text))
     return (*out, *_definition_data(plan, spec))
 
 
@@ -466,15 +463,35 @@ def _definition_data(plan: ContextPlan, spec: PlanSpec) -> list[PrefixData]:
                 f"tool-definition:{tool.name}",
                 Row.TOOL_DEFINITIONS,
                 TrustLevel.EXTERNAL_UNTRUSTED,
-                shown,
-                _called_names(tool.name, schema),
+                _unnamed(shown, _called_names(tool.name, schema)),
             )
         )
     return out
 
 
+# A name the model repeats to call: what the providers accept as a tool name, and what a
+# parameter name sensibly is. Anything else (a sentence used as a "name") is not cut.
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# The schema keywords whose values are schemas (or lists or maps of them): where a
+# parameter is declared. Not `examples`, `default` or `const`, whose objects are values.
+_SUBSCHEMAS = (
+    "items",
+    "prefixItems",
+    "additionalProperties",
+    "anyOf",
+    "oneOf",
+    "allOf",
+    "not",
+    "if",
+    "then",
+    "else",
+)
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
 def _called_names(name: str, schema: Any) -> tuple[str, ...]:
-    """A tool's name and every property name its schema declares, at any depth."""
+    """A tool's name and the property names its schema declares, at any depth of schema
+    keywords, that look like names (_NAME)."""
     found = [name]
     pending = [schema]
     while pending:
@@ -485,8 +502,26 @@ def _called_names(name: str, schema: Any) -> tuple[str, ...]:
             properties = node.get("properties")
             if isinstance(properties, dict):
                 found += [key for key in properties if isinstance(key, str)]
-            pending.extend(node.values())
-    return tuple(dict.fromkeys(found))
+            pending += [node[k] for k in _SUBSCHEMAS if k in node]
+            pending += [
+                sub
+                for k in _SCHEMA_MAPS
+                if isinstance(node.get(k), dict)
+                for sub in node[k].values()
+            ]
+    return tuple(n for n in dict.fromkeys(found) if _NAME.fullmatch(n))
+
+
+def _unnamed(text: str, names: tuple[str, ...]) -> str:
+    """`text` with each of `names` cut out (whole, case-insensitive, a line break in its place), so
+    no fragment held of it is a name: a call naming a parameter the text mentions is no
+    quote of it. Only this entry's text: the name stays held wherever else it occurs."""
+    if not names:
+        return text
+    # Whole names only: a parameter "q" cuts "q", not every q of the description.
+    alternatives = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+    pattern = f"(?<![A-Za-z0-9_.-])(?:{alternatives})(?![A-Za-z0-9_.-])"
+    return re.sub(pattern, "\n", text, flags=re.IGNORECASE)
 
 
 def _descriptions(schema: Any) -> list[str]:
