@@ -421,15 +421,14 @@ def test_the_models_questions_evict_before_the_users() -> None:
 
 def test_the_block_hides_the_models_questions_before_the_users_and_no_sooner() -> None:
     """Among questions, the block hides the model's and the runtime's before the user's;
-    across lists, a question's turn is still its age's (a review: ranking by writer alone
-    hid a question asked a moment ago before forty stale facts)."""
-    facts = tuple(_fact(f"fact {n} " + "w" * 200, TrustLevel.USER, seq=n) for n in range(1, 31))
+    across lists no question hides sooner than its age would hide it (two reviews: ranking
+    by writer alone hid a question asked a moment ago before forty stale facts, and giving
+    questions the age slots of all questions did so through an older user question)."""
+    facts = tuple(_fact(f"fact {n} " + "w" * 200, TrustLevel.USER, seq=n) for n in range(100, 130))
     asked = Entry(
         text="Which day?", writer=Writer.RUNTIME, source_sequence=500, trust=TrustLevel.MODEL
     )
-    users = Entry(
-        text="Which city?", writer=Writer.USER, source_sequence=400, trust=TrustLevel.USER
-    )
+    users = Entry(text="Which city?", writer=Writer.USER, source_sequence=50, trust=TrustLevel.USER)
     state = WorkingState(facts=facts, open_questions=(users, asked))
     assert _hide_order(state) == [("facts", n) for n in range(30)] + [
         ("open_questions", 1),
@@ -441,6 +440,9 @@ def test_the_block_hides_the_models_questions_before_the_users_and_no_sooner() -
         "Not shown for space, oldest first:" in block.text
         and "open questions" not in (block.text.rpartition("Not shown")[2])
     )
+    # Without the model's question, the user's hides by its own age: before newer facts.
+    alone = WorkingState(facts=facts, open_questions=(users,))
+    assert _hide_order(alone)[0] == ("open_questions", 0)
 
 
 def test_task_eviction_takes_completed_first_then_the_stalest() -> None:

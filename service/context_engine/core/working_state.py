@@ -1072,25 +1072,27 @@ def _fixed_part(state: WorkingState) -> WorkingState:
 
 
 def _hide_order(state: WorkingState) -> list[tuple[str, int]]:
-    """Completed tasks first, then every evictable entry, stalest first (Rule 4); the open
-    questions' turns in that order go to the model's and the runtime's before the user's
-    (_question_age), so the user's question hides last among questions, never sooner than
-    the stalest rule alone would hide a question."""
-    keyed: list[tuple[tuple[int, int], int, tuple[str, int]]] = []
+    """Completed tasks first, then every evictable entry, stalest first (Rule 4). A user's
+    open question counts as no staler than the newest of the model's and the runtime's,
+    and after it on a tie: no question hides sooner than its own age would hide it, and a
+    user's question never before the model's (_question_age's order among questions)."""
+    newest_other = max(
+        (q.source_sequence for q in state.open_questions if q.writer is not Writer.USER),
+        default=0,
+    )
+
+    def question_age(q: Entry) -> tuple[int, ...]:
+        if q.writer is not Writer.USER:
+            return (1, q.source_sequence, WRITER_RANK[q.writer])
+        return (1, max(q.source_sequence, newest_other), WRITER_RANK[q.writer])
+
+    keyed: list[tuple[tuple[int, ...], int, tuple[str, int]]] = []
     keyed += [(_task_age(t), 0, ("tasks", n)) for n, t in enumerate(state.tasks)]
     keyed += [(_fact_age(f), 1, ("facts", n)) for n, f in enumerate(state.facts)]
     keyed += [
-        ((1, q.source_sequence), 2, ("open_questions", n))
-        for n, q in enumerate(state.open_questions)
+        (question_age(q), 2, ("open_questions", n)) for n, q in enumerate(state.open_questions)
     ]
-    order = [key for _, _, key in sorted(keyed)]
-    questions = iter(
-        sorted(
-            (("open_questions", n) for n in range(len(state.open_questions))),
-            key=lambda key: (_question_age(state.open_questions[key[1]]), key[1]),
-        )
-    )
-    return [next(questions) if name == "open_questions" else (name, n) for name, n in order]
+    return [key for _, _, key in sorted(keyed)]
 
 
 def render_block(
