@@ -37,6 +37,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace.status import Status, StatusCode
 
 from . import __version__
 
@@ -224,21 +225,29 @@ class span:
         # samplers Telemetry configures (ALWAYS_OFF, ParentBased) would not record a child
         # either; making one costs the SDK's id generation and context switching per call.
         if current is not None and trace.get_current_span().is_recording():
+            # Not the SDK's own handling of an exception: it puts the exception's message
+            # and stack on the span, and a message can quote input (a validation error's
+            # input_value). __exit__ records the exception's type alone.
             self._cm = current[0].tracer.start_as_current_span(
-                self._name, attributes=self._attributes
+                self._name,
+                attributes=self._attributes,
+                record_exception=False,
+                set_status_on_exception=False,
             )
             self._cm.__enter__()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: Any, value: Any, stack: Any) -> None:
         if self._cm is not None:
-            self._cm.__exit__(*exc)
+            if kind is not None:
+                trace.get_current_span().set_status(Status(StatusCode.ERROR, kind.__name__))
+            self._cm.__exit__(kind, value, stack)
             self._cm = None
 
     async def __aenter__(self) -> None:
         self.__enter__()
 
-    async def __aexit__(self, *exc: Any) -> None:
-        self.__exit__(*exc)
+    async def __aexit__(self, kind: Any, value: Any, stack: Any) -> None:
+        self.__exit__(kind, value, stack)
 
 
 def traced(name: str, fn: Callable[P, R]) -> Callable[P, R]:
