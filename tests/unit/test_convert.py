@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine.api.convert import (
     MAX_ATTRIBUTION_CHARS,
+    MAX_SCOPES,
+    admission_from_proto,
     items_from_proto,
     plan_spec_from_proto,
     step_from_proto,
@@ -44,6 +46,29 @@ def _spec(side_effect: int = 0, kind: int = 0) -> pb.PlanSpec:
         ],
         environment=pb.SessionEnvironment(kind=kind),
     )
+
+
+def test_a_list_of_more_scopes_than_any_authorization_is_an_invalid_field() -> None:
+    """Each distinct scope is a hash in the plan every GetPlan answers again: 600,000 of them
+    made a 48-byte GetPlan answer 39.6 MB (an audit). At most MAX_SCOPES in each list."""
+    many = [f"s{n:05d}" for n in range(MAX_SCOPES + 1)]
+    principal = _spec()
+    principal.principal.scopes.extend(many)
+    tooled = _spec()
+    tooled.tools[1].required_scopes.extend(many)
+    for spec, field in (
+        (principal, "spec.principal.scopes"),
+        (tooled, "spec.tools[1].required_scopes"),
+    ):
+        with pytest.raises(InvalidFieldError) as caught:
+            plan_spec_from_proto(spec, POLICY)
+        assert (caught.value.field, caught.value.metadata["limit"]) == (field, str(MAX_SCOPES))
+    with pytest.raises(InvalidFieldError) as caught:
+        admission_from_proto(pb.RunAdmission(scopes=many))
+    assert caught.value.field == "admission.scopes"
+    at_limit = _spec()
+    at_limit.principal.scopes.extend(many[:MAX_SCOPES])
+    assert len(plan_spec_from_proto(at_limit, POLICY).principal.scopes) == MAX_SCOPES
 
 
 def test_known_enum_numbers_convert() -> None:

@@ -1121,7 +1121,8 @@ type Principal struct {
 
 	// Stable principal identifier.
 	PrincipalId string `protobuf:"bytes,1,opt,name=principal_id,json=principalId,proto3" json:"principal_id,omitempty"`
-	// Granted scopes; a tool is advertised only when its required_scopes are all granted.
+	// Granted scopes; a tool is advertised only when its required_scopes are all granted. At
+	// most 1,024, else INVALID_FIELD.
 	Scopes []string `protobuf:"bytes,2,rep,name=scopes,proto3" json:"scopes,omitempty"`
 	// Human-readable scope summary rendered in row 14 (for example "owner").
 	ScopeLabel string `protobuf:"bytes,3,opt,name=scope_label,json=scopeLabel,proto3" json:"scope_label,omitempty"`
@@ -1199,7 +1200,8 @@ type ToolSpec struct {
 	OutputSchemaJson string `protobuf:"bytes,4,opt,name=output_schema_json,json=outputSchemaJson,proto3" json:"output_schema_json,omitempty"`
 	// What the tool does to the world.
 	SideEffect SideEffect `protobuf:"varint,5,opt,name=side_effect,json=sideEffect,proto3,enum=context_engine.v1.SideEffect" json:"side_effect,omitempty"`
-	// Scopes the principal must hold for the tool to be advertised. Serialized sorted.
+	// Scopes the principal must hold for the tool to be advertised. Serialized sorted. At
+	// most 1,024, else INVALID_FIELD.
 	RequiredScopes []string `protobuf:"bytes,6,rep,name=required_scopes,json=requiredScopes,proto3" json:"required_scopes,omitempty"`
 	// The MCP server or device that provides a discovered tool; empty for built-ins.
 	Server string `protobuf:"bytes,7,opt,name=server,proto3" json:"server,omitempty"`
@@ -3698,7 +3700,7 @@ type RunAdmission struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// The principal's effective scopes for this run.
+	// The principal's effective scopes for this run. At most 1,024, else INVALID_FIELD.
 	Scopes []string `protobuf:"bytes,1,rep,name=scopes,proto3" json:"scopes,omitempty"`
 	// The session's selected browser profile now; empty when none.
 	BrowserProfileId string `protobuf:"bytes,2,opt,name=browser_profile_id,json=browserProfileId,proto3" json:"browser_profile_id,omitempty"`

@@ -225,8 +225,8 @@ export class ContextEngineClient {
     const Stub = protoPackage().context_engine.v1.ContextEngine;
     this.raw = new Stub(options.target, options.credentials ?? grpc.credentials.createInsecure(), {
       'grpc.service_config': SERVICE_CONFIG,
-      // A Build for a long-window model can exceed gRPC's 4 MiB receive default; the server
-      // bounds what it sends (twice its max_request_bytes).
+      // A Build for a long-window model can exceed gRPC's 4 MiB receive default, and the
+      // server does not cap what it sends (docs/operations.md, Request size).
       'grpc.max_receive_message_length': -1,
       // A call is resent only while its request fits the retry buffer (1 MiB per call by
       // default in grpc-js): room for the server's largest default request (4 MiB).

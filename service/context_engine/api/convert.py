@@ -124,6 +124,24 @@ def _attribution(value: str, field: str) -> str:
     return value
 
 
+# A list of scopes (a principal's, a run's admission, a tool's required ones). Each distinct
+# scope becomes a 66-byte hash in the plan (authority_scope_hashes), which every GetPlan,
+# Rotate and rotated StartRun answers again: unbounded, a 3.6 MB Plan of 600,000 scopes
+# made every 48-byte GetPlan answer 39.6 MB (an audit). Far past any real authorization.
+MAX_SCOPES = 1_024
+
+
+def _scopes(values: Sequence[str], field: str) -> tuple[str, ...]:
+    """Raises InvalidFieldError: more than MAX_SCOPES scopes (metadata limit, entries)."""
+    if len(values) > MAX_SCOPES:
+        raise InvalidFieldError(
+            f"{field} lists {len(values)} scopes; at most {MAX_SCOPES}",
+            field=field,
+            metadata={"limit": str(MAX_SCOPES), "entries": str(len(values))},
+        )
+    return tuple(values)
+
+
 def require_id(value: str, field: str, *, required: bool = True) -> str:
     """An identifier the caller chose (tenant, idempotency key, person, skill name).
 
@@ -279,7 +297,7 @@ def _tool_spec(tool: pb.ToolSpec, path: str) -> ToolSpec:
                 else None
             ),
             side_effect=known_enum(SideEffect, tool.side_effect, f"{path}.side_effect"),
-            required_scopes=tuple(tool.required_scopes),
+            required_scopes=_scopes(tool.required_scopes, f"{path}.required_scopes"),
             server=tool.server,
             model_visible=tool.model_visible if tool.HasField("model_visible") else True,
             builtin=tool.builtin,
@@ -383,7 +401,7 @@ def plan_spec_from_proto(
             ),
             principal=Principal(
                 principal_id=spec.principal.principal_id,
-                scopes=tuple(spec.principal.scopes),
+                scopes=_scopes(spec.principal.scopes, "spec.principal.scopes"),
                 scope_label=spec.principal.scope_label,
             ),
             tools=tuple(tools),
@@ -477,7 +495,8 @@ def admission_from_proto(admission: pb.RunAdmission) -> Admission:
                 "admission.scopes must not hold an empty scope", field=f"admission.scopes[{n}]"
             )
     return Admission(
-        scopes=tuple(admission.scopes), browser_profile_id=admission.browser_profile_id
+        scopes=_scopes(admission.scopes, "admission.scopes"),
+        browser_profile_id=admission.browser_profile_id,
     )
 
 

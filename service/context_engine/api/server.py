@@ -206,7 +206,9 @@ async def build_server(
     # Responses are not capped: a write commits before its answer is sent, and an answer
     # over a cap (AppendItems' sequences and ids for 14,000 small items, a plan of 20,000
     # scopes: an audit) failed RESOURCE_EXHAUSTED after the commit, a write reported as
-    # refused. What a response holds is bounded by the request and the session's caps.
+    # refused. What a response holds is bounded by the request, the input caps (a plan's
+    # scopes: convert.MAX_SCOPES) and what the session holds (PrepareCompaction's input is
+    # the run's history), all of it built in memory before a cap could refuse it anyway.
     transport_limit = min(2 * max_message_bytes, 2**31 - 1)
     server = grpc.aio.server(
         interceptors=chain,

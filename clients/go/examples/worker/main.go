@@ -473,8 +473,8 @@ func (w *worker) turn(ctx context.Context) error {
 }
 
 // dial opens the connection. Beyond the stubs' defaults: no receive limit, as a Build or
-// GetBuild answer can exceed grpc-go's 4 MiB default (the server sends up to twice its
-// max_request_bytes); the retry policy above; and a 16 MiB retry buffer, as a call is
+// GetBuild answer can exceed grpc-go's 4 MiB default (the server does not cap what it
+// sends); the retry policy above; and a 16 MiB retry buffer, as a call is
 // resent only while its request fits (256 KiB per call by default).
 func dial(target string) (*grpc.ClientConn, error) {
 	// A sidecar talks plaintext over localhost. WithInsecure works on every grpc-go since

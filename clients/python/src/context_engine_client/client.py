@@ -127,8 +127,9 @@ def channel_options() -> list[tuple[str, Any]]:
         # call by default): a 300 kB tool result's AppendItems was never retried. Room for
         # the server's largest default request (4 MiB) and then some.
         ("grpc.per_rpc_retry_buffer_size", _RETRY_BUFFER_BYTES),
-        # A Build for a long-window model can exceed gRPC's 4 MiB receive default; the
-        # server bounds what it sends (twice its max_request_bytes), so accept that.
+        # A Build for a long-window model can exceed gRPC's 4 MiB receive default, and the
+        # server does not cap what it sends (a write's answer can outgrow its request:
+        # docs/operations.md, Request size), so accept any size.
         ("grpc.max_receive_message_length", -1),
     ]
 
