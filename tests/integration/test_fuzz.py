@@ -623,12 +623,13 @@ def test_fuzz_every_rpc(server: Any, fuzz_dsn: str, capsys: pytest.CaptureFixtur
     ledger.close()
     health = health_pb2_grpc.HealthStub(channel)
     assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
-    # Nothing went wrong unseen: no traceback, and nothing grpc's core logs of a handler
-    # that failed (a response it could not send, an exception it caught).
+    # Nothing went wrong unseen. The server logs at ERROR only here, so any line is one:
+    # grpc's core on a handler that failed (an answer it could not send, an exception it
+    # caught), the engine's "unhandled error", asyncio's unretrieved task exception, or a
+    # traceback written to stderr past the formatter.
     log.seek(0)
-    logged = log.read().decode(errors="replace")
-    for sign in ("Traceback", "raised in core", "Unexpected error"):
-        assert sign not in logged, f"the server logged {sign!r}:\n{logged[-3000:]}"
+    logged = [line for line in log.read().decode(errors="replace").splitlines() if line]
+    assert logged == [], "the server logged:\n" + "\n".join(logged[-20:])
     with capsys.disabled():
         total = sum(TRIED.values())
         mode = "bearer auth" if auth else "no auth"
