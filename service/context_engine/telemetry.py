@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
+import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar, Token
@@ -69,6 +71,9 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 SCOPE = "context_engine"
+# The most a shutdown waits for the exporters' flush (Telemetry.shutdown); each OTLP export
+# is given as long, so one that can reach the collector is not cut short.
+FLUSH_BUDGET_S = 5.0
 # Estimator error below this (in ppm, negative = underestimate) counts as an underestimate
 # beyond the safety margin: the spec's 5% margin.
 UNDERESTIMATE_PPM = -50_000
@@ -205,6 +210,22 @@ def begin(telemetry: Telemetry, state: RpcState) -> Token[tuple[Telemetry, RpcSt
 
 def end(token: Token[tuple[Telemetry, RpcState] | None]) -> None:
     _current.reset(token)
+
+
+def _sampling_ratio(text: str) -> float:
+    """OTEL_TRACES_SAMPLER_ARG as a ratio of traces kept.
+
+    Raises:
+        ValueError: not a number from 0 to 1 (a typo sampled every trace, and 1.5 or NaN
+            failed with a traceback after the migrations had run).
+    """
+    try:
+        ratio = float(text)
+    except ValueError:
+        ratio = math.nan
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"OTEL_TRACES_SAMPLER_ARG={text!r} is not a ratio from 0 to 1")
+    return ratio
 
 
 class span:
@@ -441,10 +462,7 @@ class Telemetry:
         metrics_endpoint = env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or general
         # Sampling: the standard ratio knob, parent-based so a worker's sampled trace
         # continues here; without an exporter nothing is recorded at all.
-        try:
-            ratio = float(env.get("OTEL_TRACES_SAMPLER_ARG") or "1.0")
-        except ValueError:
-            ratio = 1.0
+        ratio = _sampling_ratio(env.get("OTEL_TRACES_SAMPLER_ARG") or "1.0")
         tracer_provider = TracerProvider(
             resource=resource,
             sampler=ParentBased(TraceIdRatioBased(ratio)) if traces_endpoint else ALWAYS_OFF,
@@ -456,7 +474,9 @@ class Telemetry:
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
             tracer_provider.add_span_processor(
-                BatchSpanProcessor(OTLPSpanExporter(endpoint=traces_endpoint))
+                BatchSpanProcessor(
+                    OTLPSpanExporter(endpoint=traces_endpoint, timeout=FLUSH_BUDGET_S)
+                )
             )
         if metrics_endpoint:
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
@@ -465,7 +485,9 @@ class Telemetry:
             from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
             readers.append(
-                PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=metrics_endpoint))
+                PeriodicExportingMetricReader(
+                    OTLPMetricExporter(endpoint=metrics_endpoint, timeout=FLUSH_BUDGET_S)
+                )
             )
         metrics_port = 0
         if metrics_listen:
@@ -500,12 +522,26 @@ class Telemetry:
         if self.metrics_read:
             self._instruments[name].set(value, attributes)
 
-    def shutdown(self) -> None:
-        """Flush exporters and stop the Prometheus endpoint."""
-        for fn in self._on_shutdown:
-            fn()
-        self.tracer_provider.shutdown()
-        self.meter_provider.shutdown()
+    def shutdown(self, budget_s: float = FLUSH_BUDGET_S) -> bool:
+        """Flush exporters and stop the Prometheus endpoint, for at most `budget_s`; False
+        when the budget ran out first (what is left is dropped with the process).
+
+        The SDK's own timeouts add up past any grace an orchestrator gives: with the
+        collector unreachable, a full span queue took 35 s (a batch processor's 30 s join,
+        each export's own 10 s deadline, then the metrics'), and the pod was killed
+        mid-flush (a telemetry audit). So the flush runs on a daemon thread, waited for
+        `budget_s` at most."""
+
+        def flush() -> None:
+            for fn in self._on_shutdown:
+                fn()
+            self.tracer_provider.shutdown()
+            self.meter_provider.shutdown()
+
+        flushing = threading.Thread(target=flush, name="telemetry-flush", daemon=True)
+        flushing.start()
+        flushing.join(budget_s)
+        return not flushing.is_alive()
 
     # The observer's side: one call at the end of each RPC.
     def finish_rpc(

@@ -24,6 +24,7 @@ import yaml
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine.config import Settings, load_settings
+from context_engine.telemetry import FLUSH_BUDGET_S
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = sorted((ROOT / "deploy" / "k8s").glob("*.yaml"))
@@ -130,10 +131,10 @@ def test_engine_container(index: int, tmp_path: Path) -> None:
     assert container["readinessProbe"]["grpc"] == {"port": port, "service": SERVICE}, where
     assert container["startupProbe"]["grpc"]["port"] == port, where
     # The kill timeout covers the grace and, with a collector set, the flush after it:
-    # up to the OTLP exporters' timeout, 10 s each for traces and metrics. A native
-    # sidecar (restartPolicy Always) is sent SIGTERM only once the worker has exited, so
-    # its Pod's timeout leaves the worker 30 s of its own drain before that.
-    flush = 20 if "OTEL_EXPORTER_OTLP_ENDPOINT" in env else 0
+    # at most FLUSH_BUDGET_S. A native sidecar (restartPolicy Always) is sent SIGTERM only
+    # once the worker has exited, so its Pod's timeout leaves the worker 30 s of its own
+    # drain before that.
+    flush = FLUSH_BUDGET_S if "OTEL_EXPORTER_OTLP_ENDPOINT" in env else 0
     worker = 30 if container.get("restartPolicy") == "Always" else 0
     needed = worker + settings.shutdown_grace_seconds + flush
     assert pod["terminationGracePeriodSeconds"] > needed, where

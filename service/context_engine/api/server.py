@@ -318,6 +318,9 @@ async def serve(settings: Settings) -> None:
     except OSError as exc:
         await pool.close()
         raise StartupError(f"metrics_listen {settings.metrics_listen}: {exc.strerror}") from None
+    except ValueError as exc:  # the environment's OTEL_* settings
+        await pool.close()
+        raise StartupError(str(exc)) from None
     memo_budget.set_limit(settings.render_memo_bytes)  # process-wide, like the memos
     engine, options = build_engine(pool, settings=settings), server_options(settings)
     # Readiness asks PostgreSQL on a connection of its own (build_server).
