@@ -123,7 +123,8 @@ class Metric:
 
 
 # name -> instrument. Prometheus names: dots become underscores, the unit is appended
-# ("_seconds", "_bytes", "_ratio") and counters end in "_total" (docs/operations.md).
+# ("_seconds", "_bytes"; a ratio's unit "1" adds nothing) and counters end in "_total"
+# (docs/operations.md).
 METRICS: Mapping[str, Metric] = {
     "context_engine.rpc.duration": Metric(
         "histogram", "s", "Server time per RPC, by method and status code.", _DURATION_BUCKETS

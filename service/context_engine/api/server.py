@@ -139,6 +139,9 @@ async def _follow_readiness(
 ) -> None:
     """Keep the service's health status equal to PostgreSQL reachability."""
     ready = True
+    # Health starts SERVING (`ready`): the gauge says so from the start, not only after
+    # the first interval.
+    tel.set_gauge("context_engine.store.ready", 1.0)
     while True:
         await asyncio.sleep(interval)
         now_ready = await _database_reachable(pool, timeout)
