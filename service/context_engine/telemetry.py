@@ -129,6 +129,11 @@ METRICS: Mapping[str, Metric] = {
     "context_engine.rpc.duration": Metric(
         "histogram", "s", "Server time per RPC, by method and status code.", _DURATION_BUCKETS
     ),
+    "context_engine.rpc.errors": Metric(
+        "counter",
+        "{rpc}",
+        "RPCs answered other than OK, by method, status code and error reason.",
+    ),
     "context_engine.rpc.request.size": Metric(
         "histogram", "By", "Serialized size of each request message, by method.", _SIZE_BUCKETS
     ),
@@ -557,6 +562,10 @@ class Telemetry:
         """Record the RPC's duration and size, set its span's fields, write its log line."""
         if self.metrics_read:
             self.record("context_engine.rpc.duration", duration_s, **_rpc_attrs(state, code))
+            if code != "OK":
+                # `reason` is the service's own ErrorInfo reason (an ErrorReason name), or
+                # none: a fixed set, as the method and code are.
+                self.add("context_engine.rpc.errors", 1, **_rpc_attrs(state, code), reason=reason)
             self.record(
                 "context_engine.rpc.request.size", request_bytes, **{"rpc.method": state.method}
             )

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import urllib.request
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -250,6 +251,25 @@ async def test_rpc_and_session_metrics_are_recorded(traced: dict[str, Any]) -> N
         assert delta("context_engine.rpc.request.size", **{"rpc.method": method}) == 1
     if flow["build"].estimated_input_tokens:
         assert delta("context_engine.build.input_tokens") == 1
+
+
+async def test_a_refused_rpc_is_counted_by_its_reason(traced: dict[str, Any]) -> None:
+    """context_engine.rpc.errors counts every answer other than OK by method, code and the
+    ErrorInfo reason it carries (an audit: the reason was in the log line only)."""
+    stub, reader = traced["stub"], traced["reader"]
+    before = _points(reader)
+    with pytest.raises(grpc.aio.AioRpcError):
+        await stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=str(uuid.uuid4())))
+    with pytest.raises(grpc.aio.AioRpcError):
+        await stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id="not-a-uuid"))
+    after = _points(reader)
+    method = {"rpc.method": "GetPlan"}
+    for code, reason in (("NOT_FOUND", "SESSION_NOT_FOUND"), ("INVALID_ARGUMENT", "INVALID_FIELD")):
+        labels = {**method, "rpc.grpc.status_code": code, "reason": reason}
+        counted = _total(after, "context_engine.rpc.errors", **labels)
+        assert counted - _total(before, "context_engine.rpc.errors", **labels) == 1, code
+    ok = {**method, "rpc.grpc.status_code": "OK"}
+    assert _total(after, "context_engine.rpc.errors", **ok) == 0
 
 
 async def test_a_build_made_again_from_a_fresh_head_is_counted(
