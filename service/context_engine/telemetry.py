@@ -469,7 +469,10 @@ class Telemetry:
         # Sampling: the standard ratio knob, parent-based so a worker's sampled trace
         # continues here; without an exporter nothing is recorded at all.
         ratio = _sampling_ratio(env.get("OTEL_TRACES_SAMPLER_ARG") or "1.0")
+        # shutdown_on_exit off on both: their exit hooks would run a second, unbudgeted
+        # shutdown after a flush `shutdown` gave up on (5 s more, a review measured).
         tracer_provider = TracerProvider(
+            shutdown_on_exit=False,
             resource=resource,
             sampler=ParentBased(TraceIdRatioBased(ratio)) if traces_endpoint else ALWAYS_OFF,
         )
@@ -509,7 +512,9 @@ class Telemetry:
             metrics_port = server.server_port
             on_shutdown.append(server.shutdown)
             on_shutdown.append(server.server_close)
-        meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+        meter_provider = MeterProvider(
+            resource=resource, metric_readers=readers, shutdown_on_exit=False
+        )
         telemetry = cls(
             tracer_provider, meter_provider, on_shutdown=on_shutdown, metrics_read=bool(readers)
         )

@@ -321,7 +321,7 @@ async def serve(settings: Settings) -> None:
     except OSError as exc:
         await pool.close()
         raise StartupError(f"metrics_listen {settings.metrics_listen}: {exc.strerror}") from None
-    except ValueError as exc:  # the environment's OTEL_* settings
+    except ValueError as exc:  # OTEL_TRACES_SAMPLER_ARG, or metrics_listen's port
         await pool.close()
         raise StartupError(str(exc)) from None
     memo_budget.set_limit(settings.render_memo_bytes)  # process-wide, like the memos

@@ -301,6 +301,12 @@ def _fragments(normalized: str) -> Iterator[str]:
     yield from _runs(normalized)
 
 
+def holds_fragment(text: str) -> bool:
+    """Whether `text` alone holds a fragment Rule 5 compares (a 40-character window, an
+    8-word window, an identifier-like run): whether quoting it alone could be a quote."""
+    return next(_fragments(_normalize(text)), None) is not None
+
+
 def _inside(text: str) -> str:
     """The text without what is neither letter nor digit at its edges (Rule 5's exception)."""
     start, end = 0, len(text)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -29,6 +30,7 @@ from .enums import PlanReason, SessionKind
 from .envelope import wrap
 from .errors import InvalidFieldError, PreconditionError
 from .framing import BUILDER_VERSION, FRAMING_TEXT
+from .invisible import drop_invisible
 from .items import (
     AgentInstructionsItem,
     ContextItem,
@@ -56,7 +58,13 @@ from .rows import Row
 from .skills import pin_catalog
 from .snapshot import memory_item_id, pin_snapshot
 from .spec import MemoryItemSpec, PlanSpec, SkillSpec, ToolSpec
-from .tool_schema import definition_item, definition_tokens
+from .tool_schema import (
+    SCHEMA_LISTS,
+    SCHEMA_MAPS,
+    SCHEMA_ONE,
+    definition_item,
+    definition_tokens,
+)
 from .trust import TrustLevel, envelope_tag
 
 __all__ = [
@@ -472,56 +480,58 @@ def _definition_data(plan: ContextPlan, spec: PlanSpec) -> list[PrefixData]:
 # A name the model repeats to call: what the providers accept as a tool name, and what a
 # parameter name sensibly is. Anything else (a sentence used as a "name") is not cut.
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-# The schema keywords whose values are schemas (or lists or maps of them): where a
-# parameter is declared. Not `examples`, `default` or `const`, whose objects are values.
-_SUBSCHEMAS = (
-    "items",
-    "prefixItems",
-    "additionalProperties",
-    "anyOf",
-    "oneOf",
-    "allOf",
-    "not",
-    "if",
-    "then",
-    "else",
-)
-_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+# A run of name characters in a description, as a reader may see one: letters and digits
+# of any script (a fullwidth letter reads as its ASCII one), `_`, `.`, `-`, and the
+# invisible characters a reader skips (core/invisible.py drops them before comparing).
+_RUN = re.compile(r"[\w.\-\u00ad\u200b-\u200f\u2060-\u2064\ufeff]+")
 
 
 def _called_names(name: str, schema: Any) -> tuple[str, ...]:
     """A tool's name and the property names its schema declares, at any depth of schema
-    keywords, that look like names (_NAME)."""
+    keywords (core/tool_schema.py's), that look like names (_NAME)."""
     found = [name]
     pending = [schema]
     while pending:
         node = pending.pop()
-        if isinstance(node, list):
-            pending.extend(node)
-        elif isinstance(node, dict):
-            properties = node.get("properties")
-            if isinstance(properties, dict):
-                found += [key for key in properties if isinstance(key, str)]
-            pending += [node[k] for k in _SUBSCHEMAS if k in node]
-            pending += [
-                sub
-                for k in _SCHEMA_MAPS
-                if isinstance(node.get(k), dict)
-                for sub in node[k].values()
-            ]
+        if not isinstance(node, dict):
+            continue
+        properties = node.get("properties")
+        if isinstance(properties, dict):
+            found += [key for key in properties if isinstance(key, str)]
+        for key, value in node.items():
+            if key in SCHEMA_MAPS and isinstance(value, dict):
+                pending += value.values()
+            elif key in SCHEMA_LISTS and isinstance(value, list):
+                pending += value
+            elif key in SCHEMA_ONE:
+                pending.append(value)
     return tuple(n for n in dict.fromkeys(found) if _NAME.fullmatch(n))
 
 
 def _unnamed(text: str, names: tuple[str, ...]) -> str:
-    """`text` with each of `names` cut out (whole, case-insensitive, a line break in its place), so
-    no fragment held of it is a name: a call naming a parameter the text mentions is no
-    quote of it. Only this entry's text: the name stays held wherever else it occurs."""
-    if not names:
+    """`text` with each of `names` cut out (a line break in its place), so no fragment held
+    of it is a name: a call naming a parameter the text mentions is no quote of it. Only
+    names that alone hold a fragment compaction compares (compaction.holds_fragment): a
+    shorter one cannot make a call a quote, and cutting it ("the", "a" as parameter names)
+    would leave a description nothing to hold. A name is found as a reader finds it
+    (invisible characters skipped, NFKC, any case, a sentence's full stop after it); only
+    this entry's text: the name stays held wherever else it occurs."""
+    from .compaction import holds_fragment  # compaction reads PrefixData: import late
+
+    wanted = {n.casefold() for n in names if holds_fragment(n)}
+    if not wanted:
         return text
-    # Whole names only: a parameter "q" cuts "q", not every q of the description.
-    alternatives = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
-    pattern = f"(?<![A-Za-z0-9_.-])(?:{alternatives})(?![A-Za-z0-9_.-])"
-    return re.sub(pattern, "\n", text, flags=re.IGNORECASE)
+
+    def cut(run: re.Match[str]) -> str:
+        read = unicodedata.normalize("NFKC", drop_invisible(run.group())).casefold()
+        bare = read.rstrip(".-")
+        if read in wanted:
+            return "\n"
+        if bare in wanted:
+            return "\n" + read[len(bare) :]
+        return run.group()
+
+    return _RUN.sub(cut, text)
 
 
 def _descriptions(schema: Any) -> list[str]:

@@ -61,6 +61,8 @@ _SCHEMA_ONE = frozenset(
 )
 # Keywords whose value is a list of subschemas (`items` in its draft-4 tuple form too).
 _SCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+# The three, for a walk of a schema elsewhere (core/plan.py: the names a schema declares).
+SCHEMA_MAPS, SCHEMA_ONE, SCHEMA_LISTS = _SCHEMA_MAPS, _SCHEMA_ONE, _SCHEMA_LISTS
 
 _SEPARATORS = re.compile(r"[\s_\-.]+")
 
