@@ -1663,11 +1663,20 @@ def test_only_names_that_alone_could_be_a_quote_are_cut_and_as_a_reader_finds_th
         f"Look it up by its {name}.",
         "Look it up by its customer_account\u200b_number_v2.",
         "Look it up by its ｃustomer_account_number_v2.",
+        "Look it up by its customer＿account_number_v2.",
         f"Look it up by its {name.upper()}!",
+        f"Look it up by its --{name}, then",
+        f"Look it up by its 顧客{name}で",
     ):
         cut = _unnamed(shown, (name,))
         assert "number_v2" not in cut.casefold(), shown
-        assert cut.startswith("Look it up by its \n"), cut
+        assert cut.startswith("Look it up by its "), cut
+    # A short name glued to its call's JSON: `{"s3_bucket_v2":` alone is a fragment.
+    assert _unnamed('Example: {"s3_bucket_v2": "logs"}', ("s3_bucket_v2",)) == (
+        'Example: {"\n": "logs"}'
+    )
+    # Nothing cut: the text as it was, not as it reads.
+    assert _unnamed("Ｆｉｎｄ it.", (name,)) == "Ｆｉｎｄ it."
     assert _called_names("t", {"contains": {"properties": {"inner_parameter_name": {}}}}) == (
         "t",
         "inner_parameter_name",

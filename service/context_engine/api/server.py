@@ -368,8 +368,10 @@ async def serve(settings: Settings) -> None:
     )
     await stop.wait()
     _log.info("shutting down: draining for up to %.1fs", settings.shutdown_grace_seconds)
-    await running.stop(settings.shutdown_grace_seconds, settings.shutdown_linger_seconds)
-    tel.shutdown()
+    try:
+        await running.stop(settings.shutdown_grace_seconds, settings.shutdown_linger_seconds)
+    finally:  # the calls' spans and metrics are flushed even if the drain fails
+        tel.shutdown()
     await options["readiness_pool"].close()
     await pool.close()
     del embedded

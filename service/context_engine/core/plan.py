@@ -26,6 +26,7 @@ from .body_estimate import request_framing
 from .budget import PPM, allocate
 from .canonical import canonical_bytes, sha256_hex
 from .caps import CEILING_CLASSES, CLASS_CAPS, PREFIX_CEILING_TOKENS
+from .compaction import holds_fragment
 from .enums import PlanReason, SessionKind
 from .envelope import wrap
 from .errors import InvalidFieldError, PreconditionError
@@ -480,10 +481,9 @@ def _definition_data(plan: ContextPlan, spec: PlanSpec) -> list[PrefixData]:
 # A name the model repeats to call: what the providers accept as a tool name, and what a
 # parameter name sensibly is. Anything else (a sentence used as a "name") is not cut.
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-# A run of name characters in a description, as a reader may see one: letters and digits
-# of any script (a fullwidth letter reads as its ASCII one), `_`, `.`, `-`, and the
-# invisible characters a reader skips (core/invisible.py drops them before comparing).
-_RUN = re.compile(r"[\w.\-\u00ad\u200b-\u200f\u2060-\u2064\ufeff]+")
+# A run of name characters, in a text already read as a reader reads it (NFKC: a
+# fullwidth letter or low line is its ASCII one; invisible characters dropped).
+_RUN = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 def _called_names(name: str, schema: Any) -> tuple[str, ...]:
@@ -511,27 +511,31 @@ def _called_names(name: str, schema: Any) -> tuple[str, ...]:
 def _unnamed(text: str, names: tuple[str, ...]) -> str:
     """`text` with each of `names` cut out (a line break in its place), so no fragment held
     of it is a name: a call naming a parameter the text mentions is no quote of it. Only
-    names that alone hold a fragment compaction compares (compaction.holds_fragment): a
-    shorter one cannot make a call a quote, and cutting it ("the", "a" as parameter names)
-    would leave a description nothing to hold. A name is found as a reader finds it
-    (invisible characters skipped, NFKC, any case, a sentence's full stop after it); only
-    this entry's text: the name stays held wherever else it occurs."""
-    from .compaction import holds_fragment  # compaction reads PrefixData: import late
-
-    wanted = {n.casefold() for n in names if holds_fragment(n)}
+    names that could make a call a quote, alone or in the call's JSON (`{"name":"`:
+    compaction.holds_fragment); a shorter one cannot, and cutting it ("the", "a" as
+    parameter names) would leave a description nothing to hold. A name is found as a
+    reader finds it: in the text read as compaction compares it (invisible characters
+    dropped, NFKC), in any case, beside any punctuation or other script, and that read
+    text is what is held where a name was cut. Only this entry's text: the name stays held
+    wherever else it occurs."""
+    wanted = {n.casefold() for n in names if holds_fragment(n) or holds_fragment(f'{{"{n}":"')}
     if not wanted:
         return text
+    read = unicodedata.normalize("NFKC", drop_invisible(text))
+    cut = False
 
-    def cut(run: re.Match[str]) -> str:
-        read = unicodedata.normalize("NFKC", drop_invisible(run.group())).casefold()
-        bare = read.rstrip(".-")
-        if read in wanted:
-            return "\n"
-        if bare in wanted:
-            return "\n" + read[len(bare) :]
-        return run.group()
+    def without(run: re.Match[str]) -> str:
+        nonlocal cut
+        word = run.group()
+        if word.strip(".-").casefold() not in wanted:
+            return word
+        cut = True
+        # The dots and dashes around it (a sentence's full stop, an option's "--") stay.
+        head, tail = len(word) - len(word.lstrip(".-")), len(word.rstrip(".-"))
+        return f"{word[:head]}\n{word[tail:]}"
 
-    return _RUN.sub(cut, text)
+    cut_text = _RUN.sub(without, read)
+    return cut_text if cut else text
 
 
 def _descriptions(schema: Any) -> list[str]:
