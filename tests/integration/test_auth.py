@@ -377,6 +377,18 @@ async def test_explain_reaches_an_mtls_server_with_its_certificate_files(
 # --- size limits -------------------------------------------------------------------
 
 
+async def _started(stub: Any) -> tuple[str, pb.StartRunResponse]:
+    """A planned session of tenant-a with a run started: (session id, StartRun's answer)."""
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id="tenant-a", session_id=session_id, spec=spec()))
+    run = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id="tenant-a", session_id=session_id, user_message=pb.UserMessage(text="hi")
+        )
+    )
+    return session_id, run
+
+
 async def test_a_write_whose_answer_outgrows_its_request_is_answered(pool: Any) -> None:
     """AppendItems answers each item's sequence and id: 14,000 one-letter messages (98 KB)
     get a 570 KB answer. The server capped what it sent at twice the request limit, so the
@@ -389,13 +401,7 @@ async def test_a_write_whose_answer_outgrows_its_request_is_answered(pool: Any) 
     )
     try:
         stub = pb_grpc.ContextEngineStub(channel)
-        session_id = new_id()
-        await stub.Plan(pb.PlanRequest(tenant_id="tenant-a", session_id=session_id, spec=spec()))
-        run = await stub.StartRun(
-            pb.StartRunRequest(
-                tenant_id="tenant-a", session_id=session_id, user_message=pb.UserMessage(text="hi")
-            )
-        )
+        session_id, run = await _started(stub)
         request = pb.AppendItemsRequest(
             tenant_id="tenant-a",
             session_id=session_id,
@@ -418,13 +424,7 @@ async def test_oversize_request_is_resource_exhausted_and_writes_nothing(pool: A
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
     try:
         stub = pb_grpc.ContextEngineStub(channel)
-        session_id = new_id()
-        await stub.Plan(pb.PlanRequest(tenant_id="tenant-a", session_id=session_id, spec=spec()))
-        run = await stub.StartRun(
-            pb.StartRunRequest(
-                tenant_id="tenant-a", session_id=session_id, user_message=pb.UserMessage(text="hi")
-            )
-        )
+        session_id, run = await _started(stub)
         for size in (limit + 1, 3 * limit):  # over the limit; over the transport limit too
             request = pb.AppendItemsRequest(
                 tenant_id="tenant-a",
