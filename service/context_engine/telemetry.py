@@ -33,6 +33,7 @@ from datetime import UTC, datetime
 from typing import Any, ParamSpec, TypeVar
 
 from opentelemetry import trace
+from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import Resource
@@ -55,6 +56,7 @@ __all__ = [
     "record_budget_exceeded",
     "record_build",
     "record_compaction",
+    "record_pool_wait",
     "record_pressure",
     "record_replay",
     "record_rotation",
@@ -112,11 +114,17 @@ _SIZE_BUCKETS = tuple(float(4**k * 256) for k in range(10))  # 256 B .. 64 MiB
 _TOKEN_BUCKETS = tuple(float(1000 * 2**k) for k in range(11))  # 1k .. 1M tokens
 _RATIO_BUCKETS = (0.5, 0.8, 0.9, 0.95, 0.98, 0.99, 1.0)
 _ESTIMATOR_BUCKETS = (0.8, 0.9, 0.95, 0.98, 1.0, 1.02, 1.05, 1.1, 1.2, 1.5)
+_WINDOW_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0)
+# A free connection is handed over in microseconds; a wait of milliseconds means the pool
+# is exhausted and calls queue behind each other.
+_WAIT_BUCKETS = (0.0001, 0.001, 0.005, 0.025, 0.1, 0.5, 1, 2.5, 5)
 
 
 @dataclass(frozen=True, slots=True)
 class Metric:
-    kind: str  # "counter" | "histogram" | "gauge"
+    # "counter" | "histogram" | "gauge" | "observed" (a gauge read when a reader collects:
+    # Telemetry.observe_pool)
+    kind: str
     unit: str
     description: str
     buckets: tuple[float, ...] = ()
@@ -142,6 +150,15 @@ METRICS: Mapping[str, Metric] = {
         "{token}",
         "Estimated input tokens of each built request (prefix exact, body and framing estimated).",
         _TOKEN_BUCKETS,
+    ),
+    "context_engine.build.window_used": Metric(
+        "histogram",
+        "1",
+        "Each built request's estimated input tokens over its input budget (1: the limit).",
+        _WINDOW_BUCKETS,
+    ),
+    "context_engine.build.cache_markers": Metric(
+        "counter", "{marker}", "Cache markers placed on built requests, by marker name."
     ),
     "context_engine.sessions.opened": Metric(
         "counter", "{session}", "Sessions whose first plan (epoch 1) was created."
@@ -185,6 +202,15 @@ METRICS: Mapping[str, Metric] = {
     ),
     "context_engine.store.ready": Metric(
         "gauge", "1", "1 while PostgreSQL answers the readiness probe, else 0."
+    ),
+    "context_engine.store.pool.wait": Metric(
+        "histogram", "s", "Time a call waited for a pooled PostgreSQL connection.", _WAIT_BUCKETS
+    ),
+    "context_engine.store.pool.connections": Metric(
+        "observed", "{connection}", "The request pool's open connections, by state (idle, used)."
+    ),
+    "context_engine.store.pool.max": Metric(
+        "observed", "{connection}", "The most connections the request pool may open."
     ),
 }
 
@@ -345,14 +371,26 @@ def record_kept_head_retry(why: str) -> None:
     )
 
 
-def record_build(model_id: str, estimated_input_tokens: int) -> None:
-    """A request was built: its estimated input size."""
-    _record(
-        "build",
-        lambda t: t.record(
-            "context_engine.build.input_tokens", estimated_input_tokens, model=model_id
-        ),
-    )
+def record_build(
+    model_id: str, estimated_input_tokens: int, input_budget_tokens: int, markers: Sequence[str]
+) -> None:
+    """A request was built: its estimated input size, how much of its budget that is, and
+    the cache markers it carries (a provider with fewer breakpoints drops history ones)."""
+
+    def fn(t: Telemetry) -> None:
+        t.record("context_engine.build.input_tokens", estimated_input_tokens, model=model_id)
+        if input_budget_tokens > 0:
+            used = estimated_input_tokens / input_budget_tokens
+            t.record("context_engine.build.window_used", used, model=model_id)
+        for marker in markers:
+            t.add("context_engine.build.cache_markers", 1, marker=marker)
+
+    _record("build", fn)
+
+
+def record_pool_wait(seconds: float) -> None:
+    """A call waited `seconds` for a pooled connection (store/db.py acquire)."""
+    _record("pool_wait", lambda t: t.record("context_engine.store.pool.wait", seconds))
 
 
 def record_pressure(fits: bool, steps: Sequence[str]) -> None:
@@ -433,6 +471,8 @@ class Telemetry:
                 inst: Any = meter.create_counter(name, metric.unit, metric.description)
             elif metric.kind == "gauge":
                 inst = meter.create_gauge(name, metric.unit, metric.description)
+            elif metric.kind == "observed":
+                continue  # made with what it observes (observe_pool)
             else:
                 inst = meter.create_histogram(
                     name,
@@ -441,6 +481,8 @@ class Telemetry:
                     explicit_bucket_boundaries_advisory=metric.buckets,
                 )
             self._instruments[name] = inst
+        self._meter = meter
+        self._pool: Any = None  # what the pool gauges read (observe_pool)
         self._on_shutdown = list(on_shutdown)
         # The Prometheus endpoint's bound port (0: none); useful when configured as port 0.
         self.metrics_port = 0
@@ -532,6 +574,32 @@ class Telemetry:
     def set_gauge(self, name: str, value: float, **attributes: str) -> None:
         if self.metrics_read:
             self._instruments[name].set(value, attributes)
+
+    def observe_pool(self, pool: Any) -> None:
+        """Report `pool`'s connections (an asyncpg.Pool) whenever a reader collects; a
+        second call observes its pool instead. The callbacks run on the reader's thread
+        and only read the pool's counts."""
+        first = self._pool is None
+        self._pool = pool
+        if not first or not self.metrics_read:
+            return
+
+        def connections(_options: CallbackOptions) -> list[Observation]:
+            idle, size = self._pool.get_idle_size(), self._pool.get_size()
+            return [
+                Observation(idle, {"state": "idle"}),
+                Observation(max(size - idle, 0), {"state": "used"}),
+            ]
+
+        def most(_options: CallbackOptions) -> list[Observation]:
+            return [Observation(self._pool.get_max_size())]
+
+        for name, callback in (
+            ("context_engine.store.pool.connections", connections),
+            ("context_engine.store.pool.max", most),
+        ):
+            metric = METRICS[name]
+            self._meter.create_observable_gauge(name, [callback], metric.unit, metric.description)
 
     def shutdown(self, budget_s: float = FLUSH_BUDGET_S) -> bool:
         """Flush exporters and stop the Prometheus endpoint, for at most `budget_s`; False

@@ -253,6 +253,46 @@ async def test_rpc_and_session_metrics_are_recorded(traced: dict[str, Any]) -> N
         assert delta("context_engine.build.input_tokens") == 1
 
 
+async def test_a_build_records_its_window_share_and_markers_and_the_pool_its_waits(
+    traced: dict[str, Any], pool: Any
+) -> None:
+    """docs/operations.md: build.window_used is the estimate over the input budget,
+    build.cache_markers counts each marker the request carries by name, store.pool.wait
+    records the calls' waits for a connection, and the pool gauges read the pool."""
+    stub, reader = traced["stub"], traced["reader"]
+    before = _points(reader)
+    built = (await _session_with_a_tool_loop(stub, "hello"))["build"]
+    after = _points(reader)
+
+    def delta(name: str, **attributes: Any) -> float:
+        return _total(after, name, **attributes) - _total(before, name, **attributes)
+
+    def sum_delta(name: str) -> float:
+        def total(points: dict[str, list[Any]]) -> float:
+            return sum(p.sum for p in points.get(name, ()))
+
+        return total(after) - total(before)
+
+    assert built.input_budget_tokens > 0
+    assert delta("context_engine.build.window_used", model="claude-sonnet-4-5") == 1
+    assert sum_delta("context_engine.build.window_used") == pytest.approx(
+        built.estimated_input_tokens / built.input_budget_tokens
+    )
+    names = [b.name for b in built.request.cache_breakpoints]
+    assert "after_system" in names
+    for name in set(names) | {"after_system", "after_tools", "carried_history", "run"}:
+        assert delta("context_engine.build.cache_markers", marker=name) == names.count(name)
+    # Plan, StartRun, AppendItems and Build each took a connection at least once.
+    assert delta("context_engine.store.pool.wait") >= 4
+    (most,) = after["context_engine.store.pool.max"]
+    assert most.value == pool.get_max_size()
+    states = {
+        p.attributes["state"]: p.value for p in after["context_engine.store.pool.connections"]
+    }
+    assert set(states) == {"idle", "used"}
+    assert 1 <= states["idle"] + states["used"] <= pool.get_max_size()
+
+
 async def test_a_refused_rpc_is_counted_by_its_reason(traced: dict[str, Any]) -> None:
     """context_engine.rpc.errors counts every answer other than OK by method, code and the
     ErrorInfo reason it carries (an audit: the reason was in the log line only)."""

@@ -234,7 +234,12 @@ def _on_start_run(request: pb.StartRunRequest, response: pb.StartRunResponse) ->
 
 def _on_build(request: pb.BuildRequest, response: pb.BuildResponse) -> None:
     if response.estimated_input_tokens > 0 and "build" not in telemetry.recorded():
-        telemetry.record_build(response.request.model_id, response.estimated_input_tokens)
+        telemetry.record_build(
+            response.request.model_id,
+            response.estimated_input_tokens,
+            response.input_budget_tokens,
+            [b.name for b in response.request.cache_breakpoints],
+        )
     if response.HasField("pressure") and "pressure" not in telemetry.recorded():
         telemetry.record_pressure(
             response.pressure.fits, [step.step for step in response.pressure.steps]

@@ -182,6 +182,7 @@ async def build_server(
     from opentelemetry.instrumentation.grpc.filters import negate, service_name
 
     tel = telemetry or Telemetry()
+    tel.observe_pool(engine.pool)
     drain = Drain()
     # The span interceptor only where a span can be recorded (Telemetry.traces); otherwise
     # the observer reads the caller's traceparent for the log line itself.

@@ -238,7 +238,13 @@ class ContextEngineServicer(
         if result.assembled.estimated_input_tokens > 0:
             # Recorded here, from the model id at hand: the observer would otherwise read it
             # from the response's request, which travels encoded (api/wire.py).
-            telemetry.record_build(result.plan.model_id, result.assembled.estimated_input_tokens)
+            assembled = result.assembled
+            telemetry.record_build(
+                result.plan.model_id,
+                assembled.estimated_input_tokens,
+                assembled.input_budget_tokens,
+                [b.name for b in assembled.request.cache_breakpoints] if assembled.request else [],
+            )
         return self.build_response(result)
 
     def build_response(self, result: BuildResult) -> wire.EncodedBuildResponse:

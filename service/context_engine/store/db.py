@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -14,6 +15,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import asyncpg
 from pydantic_core import to_json
 
+from .. import telemetry
 from ..core.errors import EngineError
 
 __all__ = [
@@ -245,8 +247,10 @@ async def acquire(pool: asyncpg.Pool, timeout: float = 5.0) -> AsyncIterator[Any
     try:
         # asyncio.timeout rather than acquire(timeout=): on Python 3.11 asyncpg's timeout
         # wraps the wait in a new Task, twice per Build.
+        asked = time.perf_counter()
         async with asyncio.timeout(timeout):
             conn = await pool.acquire()
+        telemetry.record_pool_wait(time.perf_counter() - asked)
         try:
             handed_out = True
             yield conn
