@@ -315,6 +315,18 @@ async def test_bad_input_is_named_and_writes_nothing(stub: Any, pool: Any) -> No
                 session_id=session_id,
                 run_id=run_id,
                 expected_checkpoint_version=1,
+                items=[call("k1"), call("k2"), result("k1", "one"), assistant("next turn")],
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "ORPHANED_TOOL_ITEM",
+            "items[3]",
+        ),
+        (
+            pb.AppendItemsRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                run_id=run_id,
+                expected_checkpoint_version=1,
                 items=[assistant("ok"), pb.ConversationItem(item_id="x")],
             ),
             grpc.StatusCode.INVALID_ARGUMENT,

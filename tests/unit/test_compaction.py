@@ -612,6 +612,35 @@ def test_the_active_loops_turn_is_never_compacted() -> None:
     assert nothing.value.reason == "RUN_STATE"
 
 
+def test_a_call_answered_after_the_next_turn_is_never_compacted_without_its_result() -> None:
+    """A run stored before AppendItems refused it can hold a call answered only after the
+    model's next turn (k2 below). No cut may take that call, nor a call of its batch
+    answered before it (k1), without the result: the run would be left with a result
+    answering nothing, and every later Build refused. Only what precedes the batch
+    compacts, and the compacted run still assembles."""
+    run = (
+        UserMessage(item_id="u", text="Check both calendars", sequence=10, run_id="b"),
+        AssistantMessage(item_id="a1", text="Checking both now. " * 20, sequence=11, run_id="b"),
+        _call("k1", 12),
+        _call("k2", 13),
+        _answer("k1", 14, text="Monday is free. " * 20),
+        AssistantMessage(item_id="a2", text="One answered; one more.", sequence=15, run_id="b"),
+        _call("k3", 16),
+        _answer("k2", 17),
+        _answer("k3", 18),
+    )
+    checkpoint = Checkpoint(run_id="b", version=5, items=run)
+    for through in (0, 11, 12, 13, 14, 99):
+        prepared = prepare(checkpoint, [], through_sequence=through, count_tokens=count_tokens)
+        assert prepared.replaced_through_sequence == 11, through
+    after = compacted_checkpoint(
+        checkpoint, check_result(prepared, _result(prepared, "Checking."), count_tokens)
+    )
+    assert [i.item_id for i in after.items][:3] == ["u", "call-b-k1", "call-b-k2"]
+    scenario = Scenario(spec=SPEC, secret=b"s" * 32, checkpoint=after, carried=(), now=NOON)
+    assert assemble(scenario.inputs()).request is not None
+
+
 def test_a_childs_instruction_survives_compaction_verbatim() -> None:
     instruction = UserMessage(item_id="instruction:b", text="Find three hotels", run_id="b")
     run = (

@@ -382,6 +382,22 @@ _U = UserMessage(item_id="u", text="hi")
             "already used",
             id="duplicate-item-id-in-append",
         ),
+        pytest.param(
+            [_U, _call("c1", "k1"), _call("c2", "k2"), _result("t1", "k1")],
+            [AssistantMessage(item_id="a", text="one answered, going on")],
+            "items[0]",
+            "ORPHANED_TOOL_ITEM",
+            "'k2' has no result",
+            id="next-turn-with-a-call-unanswered",
+        ),
+        pytest.param(
+            [_U],
+            [_call("c1", "k1"), _call("c2", "k2"), _result("t2", "k2"), _call("c3", "k3")],
+            "items[3]",
+            "ORPHANED_TOOL_ITEM",
+            "'k1' has no result",
+            id="next-turn-in-one-append",
+        ),
     ],
 )
 def test_validate_append_rejects_with_the_field_path_and_reason(
@@ -397,6 +413,17 @@ def test_validate_append_rejects_with_the_field_path_and_reason(
     assert isinstance(error, RequestError)
     assert (error.field, error.reason) == (field, reason)
     assert words in error.message
+
+
+def test_a_turn_goes_on_while_its_calls_wait_and_inputs_come_in_any_order() -> None:
+    """Only a new model turn waits for the last one's results: the turn itself may go on
+    after its calls (text, another call), and a user's message may come among results."""
+    late = AssistantMessage(item_id="a2", text="still this turn")
+    validate_append([_U, _call("c1", "k1")], [late, _call("c2", "k2")])
+    validate_append(
+        [_U, _call("c1", "k1"), _call("c2", "k2"), _result("t1", "k1")],
+        [UserMessage(item_id="u2", text="also this"), _result("t2", "k2"), late],
+    )
 
 
 @SETTINGS

@@ -571,7 +571,8 @@ const (
 	ErrorReason_ERROR_REASON_CHECKPOINT_VERSION_CONFLICT ErrorReason = 7
 	// from_epoch was not the current epoch.
 	ErrorReason_ERROR_REASON_EPOCH_CONFLICT ErrorReason = 8
-	// A tool result without its call, or a call answered twice.
+	// A tool result without its call, a call answered twice, or a model turn appended
+	// while the previous turn's call has no result.
 	ErrorReason_ERROR_REASON_ORPHANED_TOOL_ITEM ErrorReason = 9
 	// A conversation item with no kind set.
 	ErrorReason_ERROR_REASON_UNKNOWN_ITEM_KIND ErrorReason = 10

@@ -610,20 +610,33 @@ def _compactable(
 
     floor = checkpoint.replaced_through_sequence
     completed, _trailing = split_run_items(checkpoint.items)
-    answered = {i.call_id for i in completed if isinstance(i, ToolResult)}
     # Build's own never-yield set (the pending pairs) with the rest of their model turn: the
     # model is about to read those results, compaction is the ladder's last yield, and the
     # turn's reasoning must stay with its calls (a provider replays the turn whole).
-    # Stopping there also keeps an answered call of a half-answered batch with its batch.
     active = {id(i) for i in active_turn(checkpoint.items)}
-    run: list[ConversationItem] = []
-    for item in completed:
-        if id(item) in active or (isinstance(item, ToolCall) and item.call_id not in answered):
+    # The candidates end where no call before them waits for a result: a call answered
+    # only later (after the next model turn, in a run appended before validate_append
+    # refused that) would otherwise be compacted without its result, and every later Build
+    # of the run refused ORPHANED_TOOL_ITEM. An answered call of a half-answered batch
+    # stays with its batch the same way.
+    waiting: set[str] = set()
+    closed = 0  # completed[:closed] holds every result of every call it holds
+    for n, item in enumerate(completed):
+        if id(item) in active:
             break  # the active loop's turn and everything after it stay
-        # The run's own user messages (a child's instruction among them) never yield: they
-        # stay verbatim (compacted_checkpoint), never summarized.
-        if not isinstance(item, ReasoningItem | UserMessage) and item.sequence > floor:
-            run.append(item)
+        if isinstance(item, ToolCall):
+            waiting.add(item.call_id)
+        elif isinstance(item, ToolResult):
+            waiting.discard(item.call_id)
+        if not waiting:
+            closed = n + 1
+    # The run's own user messages (a child's instruction among them) never yield: they
+    # stay verbatim (compacted_checkpoint), never summarized.
+    run = [
+        item
+        for item in completed[:closed]
+        if not isinstance(item, ReasoningItem | UserMessage) and item.sequence > floor
+    ]
     history = [i for i in carried if i.sequence > floor and not isinstance(i, ReasoningItem)]
     return sorted((*history, *run), key=lambda i: i.sequence)
 

@@ -2,8 +2,9 @@
 leaves the service.
 
 Rule: a tool call and its result are one unit. A result must answer an earlier,
-unanswered call; a request must not contain a call without its result or a result
-without its call. Call ids are unique within a run only, so in a request (which carries
+unanswered call, before the model's next turn (both providers take a turn's results in
+the message right after it); a request must not contain a call without its result or a
+result without its call. Call ids are unique within a run only, so in a request (which carries
 earlier runs) a pair is keyed by (run id, call id), as core/seeding.py keys it: two runs
 may each use `call_0`, and neither answers the other's.
 """
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .errors import InvalidFieldError, PreconditionError
-from .items import ConversationItem, ToolCall, ToolResult
+from .items import ConversationItem, ToolCall, ToolResult, UserMessage
 from .request import Block, Message
 
 __all__ = [
@@ -26,12 +27,17 @@ __all__ = [
 ]
 
 
+# What the model reads rather than writes: a model turn is the items between two of these.
+_INPUTS = (UserMessage, ToolResult)
+
+
 def validate_append(existing: Sequence[ConversationItem], new: Sequence[ConversationItem]) -> None:
     """Reject items that would leave the run's conversation malformed.
 
     Raises:
         InvalidFieldError: a result without an unanswered call, a duplicate call id or
-            item id; the field path names the item (``items[i]...``).
+            item id, or a model turn begun while an earlier turn's call has no result;
+            the field path names the item (``items[i]...``).
     """
     calls: set[str] = set()
     pending: set[str] = set()
@@ -42,7 +48,21 @@ def validate_append(existing: Sequence[ConversationItem], new: Sequence[Conversa
             pending.add(item.call_id)
         elif isinstance(item, ToolResult):
             pending.discard(item.call_id)
+    after_input = bool(existing) and isinstance(existing[-1], _INPUTS)
     for index, item in enumerate(new):
+        if after_input and pending and not isinstance(item, _INPUTS):
+            # Both providers take a turn's results in the message right after it: a call
+            # answered after the model's next turn is a request they refuse (a 400), and
+            # compaction could not cut such a run without leaving half a pair.
+            call_id = min(pending)
+            raise InvalidFieldError(
+                f"tool call {call_id!r} has no result: append every result of the model's"
+                " turn before its next turn",
+                field=f"items[{index}]",
+                reason="ORPHANED_TOOL_ITEM",
+                metadata={"call_id": call_id},
+            )
+        after_input = isinstance(item, _INPUTS)
         if item.item_id in ids:
             raise InvalidFieldError(
                 f"item id {item.item_id!r} is already used in this run",
