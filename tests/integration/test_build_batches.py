@@ -19,6 +19,7 @@ from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine.store import records, runs
 from context_engine.store.db import HeldConnection
 from context_engine.store.records import (
+    BUSY,
     NO_SESSION,
     PERSON_ERASED,
     PLAN_INVALIDATED,
@@ -26,7 +27,7 @@ from context_engine.store.records import (
     RequestRecord,
 )
 
-from .helpers import TENANT, assistant, new_id, open_session, replica, start_run
+from .helpers import TENANT, assistant, new_id, open_session, replica, start_run, wait_for
 
 
 async def _runs(stub: Any, sessions: int, runs_per_session: int) -> list[tuple[str, str]]:
@@ -229,3 +230,92 @@ async def test_records_confirming_kept_heads_land_only_where_the_head_holds(
     ]
     (alone,) = await records.record_requests(pool, [confirming(head.latest_version)])
     assert await _probes(pool, session_id) == [answers[0], answers[3], alone]
+
+
+async def _holding(pool: Any, sql: str, *args: Any) -> tuple[Any, Any]:
+    """A connection of its own inside a transaction that has run `sql` (taken a lock)."""
+    conn = await pool.acquire()
+    transaction = conn.transaction()
+    await transaction.start()
+    await conn.execute(sql, *args)
+    return conn, transaction
+
+
+async def _let_go(pool: Any, held: tuple[Any, Any]) -> None:
+    conn, transaction = held
+    await transaction.rollback()
+    await pool.release(conn)
+
+
+async def _waiting_for_a_lock(pool: Any) -> bool:
+    """Whether some backend of this database waits for a lock (the Build's own record)."""
+    return bool(
+        await pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+    )
+
+
+_LOCK_SESSION = "SELECT 1 FROM sessions WHERE tenant_id = $1 AND session_id = $2 FOR UPDATE"
+_LOCK_PERSON = (
+    "SELECT pg_advisory_xact_lock(hashtextextended('erasure' || chr(31) || $1 || chr(31) || $2, 0))"
+)
+
+
+async def test_a_record_whose_lock_is_held_is_answered_busy_and_holds_up_no_other(
+    stub: Any, pool: Any
+) -> None:
+    """migrations/0018: the shared round trip takes no lock it would wait for. A record
+    whose session row, or whose person's erasure fence, another transaction holds is
+    answered BUSY and writes nothing, the others land at once; sent on its own
+    (records.record) it waits for that lock alone, and lands once it is let go."""
+    (session_id, run_id), (other_session, other_run) = await _runs(stub, 2, 1)
+    person = f"person-{new_id()}"
+    for lock, args, record in (
+        (_LOCK_SESSION, (TENANT, UUID(session_id)), _record(session_id, run_id)),
+        (_LOCK_PERSON, (TENANT, person), _record(session_id, run_id, people=[person])),
+    ):
+        before = await _probes(pool, session_id)
+        held = await _holding(pool, lock, *args)
+        try:
+            answers = await records.record_requests(
+                pool, [record, _record(other_session, other_run)]
+            )
+            assert answers[0] == BUSY and isinstance(answers[1], int) and answers[1] > 0
+            assert await _probes(pool, session_id) == before
+            waiting = asyncio.create_task(records.record(pool, record))
+            # Another session's records land while this one waits for its lock.
+            (more,) = await records.record_requests(pool, [_record(other_session, other_run)])
+            assert isinstance(more, int) and more > answers[1]
+            assert not waiting.done()
+        finally:
+            await _let_go(pool, held)
+        landed = await waiting
+        assert await _probes(pool, session_id) == [*before, landed]
+
+
+async def test_a_build_waiting_for_its_sessions_lock_holds_up_no_other_sessions_build(
+    pool: Any,
+) -> None:
+    """An audit: while one session's lock was held (a compaction's commit, an erasure),
+    every other Build of the replica waited in the shared record round trip behind it, and
+    failed UNAVAILABLE past the statement timeout. Now the locked session's Build waits
+    alone and lands once the lock is let go; another session's Build is answered
+    meanwhile, on the same replica."""
+    stub, channel, running = await replica(pool)
+    try:
+        (session_id, run_id), (other_session, other_run) = await _runs(stub, 2, 1)
+        held = await _holding(pool, _LOCK_SESSION, TENANT, UUID(session_id))
+        try:
+            locked = asyncio.ensure_future(stub.Build(_build(session_id, run_id)))
+            await wait_for(lambda: _waiting_for_a_lock(pool), timeout=10, what="a lock wait")
+            other = await stub.Build(_build(other_session, other_run))
+            assert other.request_sequence > 0
+            assert not locked.done()
+        finally:
+            await _let_go(pool, held)
+        assert (await locked).request_sequence > 0
+    finally:
+        await channel.close()
+        await running.stop(0)

@@ -67,6 +67,7 @@ from ..store.batches import Batcher
 from ..store.db import HeldConnection, acquire, transaction
 from ..store.events import EVENT_TYPE_OF_ITEM, NewEvent, item_payload
 from ..store.records import (
+    BUSY,
     NO_SESSION,
     PERSON_ERASED,
     PLAN_INVALIDATED,
@@ -1215,24 +1216,28 @@ class Engine:
         # migrations/0005_record_request.sql for the lock, the erasure fence and the binding;
         # Builds made while another's record is in flight share the next round trip (0011).
         async with telemetry.span("store.write"):
-            seq = await self._record_requests(
-                RequestRecord(
-                    tenant_id=tenant,
-                    session_id=session_id,
-                    epoch=plan.epoch,
-                    run_id=run_id,
-                    pressure=noted,
-                    used=_snapshot_used(run_id, plan) if snapshot_nonempty(plan) else None,
-                    snapshot_id=plan.snapshot_id,
-                    recall_trace_id=plan.recall_trace_id,
-                    request=payload if assembled.request is not None else None,
-                    head_state=head.state if kept is not None else None,
-                    # What the kept head says only matters when it chose the checkpoint.
-                    latest_version=(
-                        head.latest_version if kept is not None and not checkpoint_version else None
-                    ),
-                )
+            request_record = RequestRecord(
+                tenant_id=tenant,
+                session_id=session_id,
+                epoch=plan.epoch,
+                run_id=run_id,
+                pressure=noted,
+                used=_snapshot_used(run_id, plan) if snapshot_nonempty(plan) else None,
+                snapshot_id=plan.snapshot_id,
+                recall_trace_id=plan.recall_trace_id,
+                request=payload if assembled.request is not None else None,
+                head_state=head.state if kept is not None else None,
+                # What the kept head says only matters when it chose the checkpoint.
+                latest_version=(
+                    head.latest_version if kept is not None and not checkpoint_version else None
+                ),
             )
+            seq = await self._record_requests(request_record)
+            if seq == BUSY:
+                # Its session (or a person it names) is locked by another write: waited
+                # for on a connection of its own, never in the replica's shared round
+                # trip, where it would hold up every other session's Build.
+                seq = await records.record(self.pool, request_record)
         if seq == STALE_HEAD:
             raise _StaleHead
         if seq == PLAN_INVALIDATED:

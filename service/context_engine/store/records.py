@@ -12,6 +12,12 @@ and answers STALE_HEAD, writing nothing, if not. So a Build of a run this replic
 built before makes one round trip, not two; the engine builds again from a fresh head when
 the kept one is stale. A head read in its own round trip is as old as the time between
 that read and the record; a confirmed one is newer.
+
+The shared round trip never waits for a lock (migrations/0018): a record whose session or
+person lock another transaction holds is answered BUSY, and its Build sends it again on a
+connection of its own (`record`), waiting for its own session only. One session's long
+lock (a compaction's commit, an erasure) used to hold every Build of the replica behind
+it, and fail them UNAVAILABLE past the statement timeout.
 """
 
 from __future__ import annotations
@@ -32,18 +38,22 @@ from .db import StoreUnavailableError, acquire
 Connect = Callable[[], AbstractAsyncContextManager[Any]]
 
 __all__ = [
+    "BUSY",
     "NO_SESSION",
     "PERSON_ERASED",
     "PLAN_INVALIDATED",
     "STALE_HEAD",
     "RequestRecord",
+    "record",
     "record_requests",
 ]
 
 # record_model_request's refusals (migrations/0005 and 0008): nothing of the record lands.
 PLAN_INVALIDATED, NO_SESSION, PERSON_ERASED = -1, -2, -3
-# This module's own refusal: the record's kept head is no longer the run's; nothing lands.
-STALE_HEAD = -4
+# This module's own refusals, nothing of the record landing: the record's kept head is no
+# longer the run's (migrations/0013); another transaction holds a lock the record needs,
+# for which the shared round trip does not wait (migrations/0018: send it with record()).
+STALE_HEAD, BUSY = -4, -5
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,24 +74,13 @@ class RequestRecord:
     head_state: str | None = None
     latest_version: int | None = None
 
-    @property
-    def confirms_head(self) -> bool:
-        return self.head_state is not None
 
-
-_ONE = "SELECT record_model_request($1, $2, $3, $4, $5, $6, $7, $8, $9)"
-_MANY = (
-    "SELECT record_model_requests($1::text[], $2::uuid[], $3::bigint[], $4::uuid[],"
-    " $5::jsonb[], $6::jsonb[], $7::text[], $8::text[], $9::jsonb[])"
-)
-
-# The same, confirming the records' kept heads (arguments 10 and 11, migrations/0013):
-# STALE_HEAD, nothing written, for a record whose head moved.
-_ONE_CONFIRMING = (
-    "SELECT record_model_request_confirmed($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
-)
-_CONFIRMING = (
-    "SELECT record_model_requests_confirmed($1::text[], $2::uuid[], $3::bigint[],"
+# A record on its own, waiting for its session's locks (record()), confirming its kept
+# head (arguments 10 and 11, migrations/0013: STALE_HEAD, nothing written, if it moved).
+_ONE = "SELECT record_model_request_confirmed($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
+# The shared round trip's records, none waiting for a lock (migrations/0018: BUSY).
+_NOWAIT = (
+    "SELECT record_model_requests_nowait($1::text[], $2::uuid[], $3::bigint[],"
     " $4::uuid[], $5::jsonb[], $6::jsonb[], $7::text[], $8::text[], $9::jsonb[], $10::text[],"
     " $11::bigint[])"
 )
@@ -98,19 +97,22 @@ def _columns(records: Sequence[RequestRecord]) -> list[list[Any]]:
         [r.snapshot_id for r in records],
         [r.recall_trace_id for r in records],
         [r.request for r in records],
+        [r.head_state for r in records],
+        [r.latest_version for r in records],
     ]
 
 
 async def record_requests(
     pool: Any, records: Sequence[RequestRecord], *, connection: Connect | None = None
 ) -> list[int | Exception]:
-    """Record every request, each answered with its sequence or refusal code.
+    """Record every request whose locks are free, each answered with its sequence or
+    refusal code: BUSY for one whose session or person lock another transaction holds.
 
-    Records are sent sorted by (tenant, session) (migrations/0011: the lock order),
-    arrival order kept within a session. When the batch's statement fails for a reason
-    other than PostgreSQL being away, each record is sent again on its own, so a record
-    that cannot land fails its own Build only. `connection`: where each round trip gets
-    its connection (None: acquired from `pool` for each).
+    Records are sent sorted by (tenant, session), arrival order kept within a session, so
+    a session's sequences follow the order its Builds were made in. When the statement
+    fails for a reason other than PostgreSQL being away, each record is sent again on its
+    own, so a record that cannot land fails its own Build only. `connection`: where each
+    round trip gets its connection (None: acquired from `pool` for each).
 
     Raises:
         StoreUnavailableError: PostgreSQL is away; every record of the batch fails alike.
@@ -119,15 +121,7 @@ async def record_requests(
     order = sorted(range(len(records)), key=lambda n: (records[n].tenant_id, records[n].session_id))
     ordered = [records[n] for n in order]
     try:
-        answers: list[int | Exception]
-        if len(ordered) == 1:
-            answers = [await _one(connect, ordered[0])]
-        elif any(r.confirms_head for r in ordered):
-            async with connect() as conn:
-                answers = await _confirming(conn, ordered)
-        else:
-            async with connect() as conn:
-                answers = list(await conn.fetchval(_MANY, *_columns(ordered)))
+        answers = await _nowait(connect, ordered)
     except StoreUnavailableError:
         raise
     except asyncpg.PostgresError:
@@ -140,26 +134,29 @@ async def record_requests(
     return out
 
 
-async def _one(connect: Connect, record: RequestRecord) -> int:
-    arguments = [c[0] for c in _columns([record])]
+async def record(pool: Any, record: RequestRecord) -> int:
+    """One record on a pooled connection of its own, waiting for its session's locks: a
+    record the shared round trip answered BUSY.
+
+    Raises:
+        StoreUnavailableError: PostgreSQL is away.
+        asyncpg.PostgresError: PostgreSQL refused the record.
+    """
+    async with acquire(pool) as conn:
+        return int(await conn.fetchval(_ONE, *(c[0] for c in _columns([record]))))
+
+
+async def _nowait(connect: Connect, records: Sequence[RequestRecord]) -> list[int | Exception]:
     async with connect() as conn:
-        if record.confirms_head:
-            confirming = (*arguments, record.head_state, record.latest_version)
-            return int(await conn.fetchval(_ONE_CONFIRMING, *confirming))
-        return int(await conn.fetchval(_ONE, *arguments))
-
-
-async def _confirming(conn: Any, records: Sequence[RequestRecord]) -> list[int | Exception]:
-    """Each record written if its kept head holds, else answered STALE_HEAD (0013)."""
-    heads = [r.head_state for r in records], [r.latest_version for r in records]
-    return list(await conn.fetchval(_CONFIRMING, *_columns(records), *heads))
+        return list(await conn.fetchval(_NOWAIT, *_columns(records)))
 
 
 async def _alone(connect: Connect, record: RequestRecord) -> int | Exception:
     """One record of a batch that failed, sent again on its own: its answer, or what
     PostgreSQL refused it with (that Build's error alone)."""
     try:
-        return await _one(connect, record)
+        (answer,) = await _nowait(connect, [record])
+        return answer
     except StoreUnavailableError:
         raise
     except asyncpg.PostgresError as exc:
