@@ -252,8 +252,8 @@ async def test_laundering_mismatch_and_stale_commits_write_nothing(stub: Any, po
         (
             "ok",
             {"depth": 3},
-            grpc.StatusCode.FAILED_PRECONDITION,
-            "COMPACTION_DEPTH_EXCEEDED",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "COMPACTION_MISMATCH",
             "result.depth",
         ),
         (

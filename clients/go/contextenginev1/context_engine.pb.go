@@ -6815,8 +6815,8 @@ type PrepareCompactionResponse struct {
 	SummarizerInput string `protobuf:"bytes,3,opt,name=summarizer_input,json=summarizerInput,proto3" json:"summarizer_input,omitempty"`
 	// The pointers that replaced untrusted spans.
 	Elided []*ElidedSpan `protobuf:"bytes,4,rep,name=elided,proto3" json:"elided,omitempty"`
-	// Constraints the summary must retain verbatim: those the user wrote (all of them stay
-	// in working state).
+	// Constraints the summary must retain verbatim: those the user wrote that are in working
+	// state now (all of them stay there; one the user removed is not retained again).
 	RetainedConstraints []string `protobuf:"bytes,5,rep,name=retained_constraints,json=retainedConstraints,proto3" json:"retained_constraints,omitempty"`
 	// Open questions the summary retains as open: those the user wrote (the model's own, from
 	// conversation.ask_user, stay open in working state only).

@@ -253,6 +253,14 @@ class Prepared:
 # --- Rule 5: quoting -----------------------------------------------------------------------
 
 
+# Between the trusted texts joined into one: each licenses only what it holds itself. Joined
+# by a newline (whitespace, which normalizing makes one space), the end of one text and the
+# start of the next read as one sentence, and an untrusted sentence the model wrote in two
+# messages was licensed whole (a compaction audit). No text can hold U+0000 (every string
+# field refuses it), and normalizing keeps it, so no fragment spans the join.
+_APART = " \x00 "
+
+
 def _normalize(text: str) -> str:
     # Invisible characters go first, as a reader skips them: NFKC then composes what they
     # kept apart ("e", U+200B, U+0301 reads as "é").
@@ -748,12 +756,13 @@ def prepare(
     # Only what the user (or a trusted source) wrote is retained verbatim or licenses text
     # (Rule 5): the model's own entries (a runtime question is the model's ask_user text)
     # may repeat what it read. They stay in the working-state block, which never yields.
-    constraints = _unique(
-        [
-            *(record.retained_constraints if record else ()),
-            *(c.text for c in state.constraints if c.trust in VETTED),
-        ]
-    )
+    # An earlier summary's retained constraints come first, in their order, but only those
+    # still in force: one the user has since removed is not retained again (a compaction
+    # audit: the merged summary stated a lifted restriction as current).
+    in_force = [c.text for c in state.constraints if c.trust in VETTED]
+    still = set(in_force)
+    earlier_retained = record.retained_constraints if record else ()
+    constraints = _unique([*(c for c in earlier_retained if c in still), *in_force])
     # Likewise questions: the model's own (an ask_user question may quote what it read) are
     # neither retained nor licensing; they stay open in the working-state block.
     questions = tuple(q.text for q in state.open_questions if q.trust in VETTED)
@@ -789,7 +798,7 @@ def prepare(
     # parent's, which Build shows as the model's (core/seeding.py, Rule 4) and which may
     # rest on what the parent read.
     asked = [i for i in checkpoint.items if isinstance(i, UserMessage) and not child]
-    base = "\n".join(
+    base = _APART.join(
         [
             *(_content(i) for i in (*others, *asked)),
             summary.text if summary else "",
@@ -832,7 +841,7 @@ def prepare(
         count_tokens(summary.text) if summary else 0
     )
     kept_model = [_content(i) for i in model if i.item_id not in spans]
-    trusted_text = "\n".join([base, *kept_model])
+    trusted_text = _APART.join([base, *kept_model])
     return Prepared(
         prompt=SUMMARIZER_PROMPT,
         prompt_version=PROMPT_VERSION,
@@ -848,7 +857,7 @@ def prepare(
         span_contents=tuple((span.item_id, text) for span, text in contents),
         # As given and as the summarizer saw it (delimiters escaped): repeating either is
         # repeating trusted text.
-        trusted_text=f"{trusted_text}\n{escape_content(trusted_text)}",
+        trusted_text=f"{trusted_text}{_APART}{escape_content(trusted_text)}",
     )
 
 
@@ -869,16 +878,12 @@ def check_result(
     Empty provenance fields in `result` take the prepared values; non-empty ones must match.
 
     Raises:
-        PreconditionError: COMPACTION_DEPTH_EXCEEDED for a depth past MAX_DEPTH.
-        InvalidFieldError: COMPACTION_MISMATCH, SUMMARY_LAUNDERS_UNTRUSTED, or an empty
+        InvalidFieldError: COMPACTION_MISMATCH (a depth other than the prepared one too), SUMMARY_LAUNDERS_UNTRUSTED, or an empty
             summary.
     """
-    if result.depth > MAX_DEPTH:
-        raise PreconditionError(
-            f"depth {result.depth} exceeds {MAX_DEPTH}: escalate to a child run",
-            field="result.depth",
-            reason="COMPACTION_DEPTH_EXCEEDED",
-        )
+    # A depth past MAX_DEPTH is a mismatch like any other: the prepared depth is at most
+    # MAX_DEPTH (prepare refuses a third compaction), and naming COMPACTION_DEPTH_EXCEEDED
+    # for a malformed field sent a worker to escalate a run that could still compact.
     if result.depth and result.depth != prepared.depth:
         raise _mismatch(
             f"depth {result.depth} is not the prepared depth {prepared.depth}",
