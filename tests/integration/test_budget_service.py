@@ -678,6 +678,37 @@ async def test_report_usage_from_another_model_is_recorded_but_learns_nothing(
     assert reported["absorbed"] is False and reported["model_id"] == "gpt-4.1"
 
 
+async def test_report_usage_of_a_request_another_tokenizer_counted_learns_nothing(
+    stub: Any, pool: Any
+) -> None:
+    """A request whose estimate another tokenizer counted (a replica configured apart, a
+    registry change) says nothing about this replica's tokenizer for the model: reported,
+    it is recorded and moves no factor. Before, it was learned as this tokenizer's."""
+    tenant = _tenant()
+    session_id, _ = await _open(stub, tenant, room=0)
+    run_id = await _start(stub, tenant, session_id, "hi")
+    built = await _build(stub, tenant, session_id, run_id)
+    await pool.execute(
+        "UPDATE session_events SET payload = jsonb_set(payload, '{tokenizer}', '\"elsewhere\"')"
+        " WHERE tenant_id = $1 AND session_id = $2 AND sequence = $3",
+        tenant,
+        UUID(session_id),
+        built.request_sequence,
+    )
+    report = _usage(
+        tenant, session_id, built.request_sequence, input_tokens=3 * built.estimated_input_tokens
+    )
+    answered = await stub.ReportUsage(report)
+    assert not answered.absorbed and answered.samples == 0
+    assert await _factor(pool, tenant) is None
+    # The same report of a request this replica's tokenizer counted is learned.
+    built = await _build(stub, tenant, session_id, run_id)
+    report = _usage(
+        tenant, session_id, built.request_sequence, input_tokens=3 * built.estimated_input_tokens
+    )
+    assert (await stub.ReportUsage(report)).absorbed
+
+
 @pytest.mark.parametrize("suffix", ["-20250929", "-2024-08-06"])
 async def test_report_usage_under_a_dated_snapshot_of_the_planned_model_is_learned(
     stub: Any, pool: Any, suffix: str

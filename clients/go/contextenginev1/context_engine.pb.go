@@ -5469,8 +5469,9 @@ type ReportUsageResponse struct {
 	// Whether this report corrected the factor. False when another model answered than the
 	// request was estimated for (a gateway's fallback: its tokens say nothing of this
 	// tokenizer; a dated snapshot of the planned model, "claude-sonnet-4-5-20250929" or
-	// "gpt-4o-2024-08-06", counts as the planned model), or when either token count is
-	// zero. A replay (the same idempotency key) answers as the first report did.
+	// "gpt-4o-2024-08-06", counts as the planned model), when another tokenizer counted the
+	// request's estimate than this replica counts the model with, or when either token count
+	// is zero. A replay (the same idempotency key) answers as the first report did.
 	Absorbed bool `protobuf:"varint,5,opt,name=absorbed,proto3" json:"absorbed,omitempty"`
 }
 

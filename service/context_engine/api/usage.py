@@ -5,8 +5,9 @@ Rule 1: the estimate is the one recorded on the request's model.request.started 
 read + cache creation tokens.
 Rule 2: the per-model correction factor (core.estimator.reconcile) is per tenant, persisted
 in estimator_corrections, and resets when the model changes: a report answered by another
-model than the request was built for is recorded but moves no factor, and a factor learned
-for another tokenizer (a registry change) starts over.
+model than the request was built for, or whose estimate another tokenizer counted than this
+replica counts the model with, is recorded but moves no factor, and a factor learned for
+another tokenizer (a registry change) starts over.
 Rule 3: a request's usage is counted once per idempotency key; a retry returns the first
 response and writes nothing (UsageOutcome.replayed: telemetry records nothing either).
 Every write is one transaction under the session lock, and the correction's
@@ -31,6 +32,7 @@ from uuid import UUID
 
 import asyncpg
 
+from ..core.build_record import TOKENIZER_KEY
 from ..core.checkpoint import NEUTRAL_FACTOR_PPM
 from ..core.errors import NotFoundError
 from ..core.estimator import PPM, Correction, reconcile, signed_error_ppm
@@ -200,7 +202,15 @@ async def _reconcile(
     )
     # Another model answered than the request was estimated for: its tokens say nothing
     # about this estimate's tokenizer, so nothing is learned (the factor resets on a change).
-    absorbed = same_model(report.model_id, planned_model) and estimated > 0 and actual > 0
+    # Nor when another tokenizer counted the estimate than this replica counts the model
+    # with (a registry change, replicas configured apart): the factor is this tokenizer's,
+    # and a foreign sample would be learned for it. A record older than the tokenizer's
+    # name is taken as counted here.
+    counted = recorded.get(TOKENIZER_KEY)
+    same_counter = not isinstance(counted, str) or counted == tokenizer_of(planned_model)
+    absorbed = (
+        same_model(report.model_id, planned_model) and same_counter and estimated > 0 and actual > 0
+    )
     correction: Correction | None = None
     if absorbed:
         used = int(recorded.get("estimator_factor_ppm", NEUTRAL_FACTOR_PPM)) or PPM
