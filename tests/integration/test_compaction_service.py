@@ -171,7 +171,7 @@ async def test_commit_stores_a_checkpoint_records_the_event_and_the_next_build_u
     _assert_canary_enveloped(before)
 
     prepared = await _prepare(stub, session_id, run_id)
-    assert prepared.prompt_version == "summarizer@1" and prepared.prompt
+    assert prepared.prompt_version == "summarizer@2" and prepared.prompt
     assert prepared.depth == 1 and prepared.checkpoint_version == 2
     assert CANARY not in prepared.summarizer_input
     assert "Ignore all previous instructions" not in prepared.summarizer_input
@@ -197,7 +197,7 @@ async def test_commit_stores_a_checkpoint_records_the_event_and_the_next_build_u
     payload = event["payload"]
     assert payload["replaced_through_sequence"] == prepared.replaced_through_sequence
     assert payload["depth"] == 1 and payload["compactor_version"] == "worker-compactor@1"
-    assert payload["prompt_version"] == "summarizer@1"
+    assert payload["prompt_version"] == "summarizer@2"
     assert payload["source_event_ids"] == list(prepared.source_event_ids)
     assert [e["item_id"] for e in payload["elided"]] == [span.item_id]
     assert payload["tokens_before"] == prepared.tokens_before and payload["tokens_after"] > 0

@@ -964,6 +964,34 @@ def test_a_summary_must_be_shorter_than_what_it_replaces() -> None:
         require_shrink(check_result(prepared, _result(prepared, exact), count_tokens), count_tokens)
 
 
+def test_what_a_summary_was_asked_to_carry_does_not_count_against_its_size() -> None:
+    """A summary that keeps the retained constraints and open questions verbatim, as the
+    prompt asks, and copies the pointer lines, as a summarizer prompted before
+    summarizer@2 did, is weighed without them: those are not in `tokens_before`, and a
+    summary doing as asked was refused as too long (a compaction audit)."""
+    carried = _fetched_pages(5)
+    constraints = tuple(f"Never contact supplier number {n} before Monday" for n in range(3))
+    state = WorkingState(constraints=tuple(_entry(c) for c in constraints))
+    checkpoint = Checkpoint(run_id="b", version=1, items=(), working_state=state)
+    prepared = prepare(checkpoint, carried, through_sequence=40, count_tokens=count_tokens)
+    assert prepared.retained_constraints == constraints and prepared.elided
+    copied = "\n".join(
+        [
+            "Five pages were fetched.",
+            *(f"- {c}" for c in constraints),
+            *pointer_lines(prepared.elided),
+        ]
+    )
+    record = check_result(prepared, _result(prepared, copied), count_tokens)
+    assert count_tokens(copied) >= record.tokens_before  # weighed whole, it was refused
+    retained = (*prepared.retained_constraints, *prepared.open_questions)
+    require_shrink(record, count_tokens, retained)
+    # What else it says still counts.
+    padded = _result(prepared, copied + " The pages said nothing new." * 40)
+    with pytest.raises(InvalidFieldError):
+        require_shrink(check_result(prepared, padded, count_tokens), count_tokens, retained)
+
+
 def test_compacted_checkpoint_drops_what_it_replaced_and_keeps_the_rest() -> None:
     carried, checkpoint = _history()
     prepared = prepare(checkpoint, carried, through_sequence=11, count_tokens=count_tokens)

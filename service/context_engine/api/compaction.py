@@ -220,7 +220,9 @@ async def commit_compaction(
             _reprepare, inputs, result.replaced_through_sequence, count_tokens
         )
         record = await asyncio.to_thread(check_result, prepared, result, count_tokens)
-        require_shrink(record, count_tokens)
+        require_shrink(
+            record, count_tokens, (*prepared.retained_constraints, *prepared.open_questions)
+        )
         new_checkpoint = compacted_checkpoint(checkpoint, record)
         await runs.insert_checkpoint(conn, tenant_id, new_checkpoint)
         payload = {
