@@ -20,6 +20,7 @@ from context_engine.core.items import (
     AssistantMessage,
     ContextItem,
     ConversationItem,
+    ReasoningItem,
     ToolCall,
     ToolResult,
     UserMessage,
@@ -195,6 +196,20 @@ def test_the_floor_excludes_covered_items_and_a_pair_it_splits() -> None:
     assert select_history(items, 5, 10**6, CostTable(costs), "m") == 2
     assert select_history(items, 0, 10**6, CostTable(costs), "m") == 0
     assert select_history(items, 7, 10**6, CostTable(costs), "m") == 3
+
+
+def test_an_unlogged_item_does_not_pull_the_floor_past_logged_items_above_it() -> None:
+    """A reasoning item has sequence 0 (checkpoint only): no summary covers it, and the
+    items logged above the floor before it stay (a compaction audit: [x@5, y@50,
+    reasoning@0, z@51] under floor 40 kept only z)."""
+    items: list[ConversationItem] = [
+        AssistantMessage(item_id="x", text="x", sequence=5, run_id="r"),
+        AssistantMessage(item_id="y", text="y", sequence=50, run_id="r"),
+        ReasoningItem(item_id="rs", provider="anthropic", opaque="{}", run_id="r"),
+        AssistantMessage(item_id="z", text="z", sequence=51, run_id="r"),
+    ]
+    costs = {"x": 1, "y": 1, "rs": 1, "z": 1}
+    assert select_history(items, 40, 10**6, CostTable(costs), "m") == 1
 
 
 @GATE

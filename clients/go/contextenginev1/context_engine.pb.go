@@ -6730,8 +6730,10 @@ type PrepareCompactionRequest struct {
 	RunId string `protobuf:"bytes,3,opt,name=run_id,json=runId,proto3" json:"run_id,omitempty"`
 	// The checkpoint to compact; 0: the latest.
 	CheckpointVersion int64 `protobuf:"varint,4,opt,name=checkpoint_version,json=checkpointVersion,proto3" json:"checkpoint_version,omitempty"`
-	// Compact history through this session sequence; 0: the engine chooses (enough of the
-	// oldest history that the body fits with room to grow).
+	// Compact history through this session sequence; 0: the engine chooses, keeping the
+	// newest quarter of the compactable transcript's tokens verbatim and summarizing the
+	// rest. The engine does not know the next Build's body: when one compaction does not
+	// make it fit, Build asks again (needs_compaction) and the summaries merge once.
 	ThroughSequence int64 `protobuf:"varint,5,opt,name=through_sequence,json=throughSequence,proto3" json:"through_sequence,omitempty"`
 }
 

@@ -80,10 +80,12 @@ def suffix_cut(negated_suffix: Sequence[int], history_tokens: int) -> int:
 
 
 def _floor_index(items: Sequence[ContextItem], summary_floor: int) -> int:
-    """The first index after the last item the summary covers (sequence <= floor)."""
+    """The first index after the last logged item the summary covers (0 < sequence <=
+    floor). An item of sequence 0 was never logged (a reasoning item: checkpoint only) and
+    no summary covers it: it must not pull the floor past logged items above it."""
     start = 0
     for index, item in enumerate(items):
-        if getattr(item, "sequence", 0) <= summary_floor and summary_floor > 0:
+        if 0 < getattr(item, "sequence", 0) <= summary_floor:
             start = index + 1
     return start
 
