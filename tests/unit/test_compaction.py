@@ -143,13 +143,20 @@ def _cases(
     checkpoint = draw(checkpoints(secret, ledger=ledger, modes=("fresh", "loop", "answered")))
     at = draw(st.integers(0, 50))
     everything = [*logged, *checkpoint.items]
-    # The model can only echo what some untrusted output in its view carried.
-    exposed = echo and any(
-        isinstance(i, ToolResult) and i.trust is TrustLevel.EXTERNAL_UNTRUSTED for i in everything
-    )
+    # The model can only echo what some untrusted output it had read carried: one logged
+    # before the item that echoes it.
+    exposed = [
+        echo
+        and any(
+            isinstance(i, ToolResult) and i.trust is TrustLevel.EXTERNAL_UNTRUSTED
+            for i in everything[:n]
+        )
+        for n in range(len(everything))
+    ]
     echoes = draw(st.lists(st.booleans(), min_size=len(everything), max_size=len(everything)))
     glued = [
-        _with_canary(i, canary, at, exposed and e) for i, e in zip(everything, echoes, strict=True)
+        _with_canary(i, canary, at, seen and e)
+        for i, seen, e in zip(everything, exposed, echoes, strict=True)
     ]
     carried = carried_history(glued[: len(logged)])
     checkpoint = checkpoint.model_copy(
@@ -852,6 +859,44 @@ def test_a_sentence_split_over_two_trusted_texts_is_licensed_by_neither() -> Non
     check_result(prepared, _result(prepared, "The user asked about a vendor page."), count_tokens)
 
 
+def test_a_result_that_echoes_the_models_earlier_words_does_not_elide_them() -> None:
+    """The model's message and call came before the search result that repeats them: they
+    are the model's own words, not a quote of the result, and stay in the transcript
+    (they were elided as external content). A model message after the result that
+    repeats it is still elided."""
+    query = "acme corporation quarterly revenue report fiscal year 2025 results"
+    run = (
+        UserMessage(item_id="u1", text="How did Acme do last year?", sequence=10, run_id="b"),
+        AssistantMessage(
+            item_id="a1", text=f"I will search for: {query}.", sequence=11, run_id="b"
+        ),
+        ToolCall(
+            item_id="c1",
+            call_id="k1",
+            tool_name="web.search",
+            arguments_json=f'{{"q":"{query}"}}',
+            sequence=12,
+            run_id="b",
+        ),
+        ToolResult(
+            item_id="r1",
+            call_id="k1",
+            tool_name="web.search",
+            content=f"Results for {query}: 1. Acme 10-K",
+            trust=TrustLevel.EXTERNAL_UNTRUSTED,
+            sequence=13,
+            run_id="b",
+        ),
+        AssistantMessage(item_id="a2", text=f"The page says: {query}.", sequence=14, run_id="b"),
+        UserMessage(item_id="u2", text="Thanks.", sequence=15, run_id="b"),
+        AssistantMessage(item_id="a3", text="Glad to help.", sequence=16, run_id="b"),
+    )
+    checkpoint = Checkpoint(run_id="b", version=3, items=run)
+    prepared = prepare(checkpoint, [], through_sequence=14, count_tokens=count_tokens)
+    assert {s.item_id for s in prepared.elided} == {"r1", "a2"}
+    assert f"I will search for: {query}" in prepared.summarizer_input
+
+
 def test_a_result_must_match_what_was_prepared() -> None:
     carried, checkpoint = _history()
     prepared = prepare(checkpoint, carried, through_sequence=7, count_tokens=count_tokens)
@@ -1314,15 +1359,16 @@ def test_untrusted_facts_and_skill_bodies_in_the_block_are_never_summarized() ->
     )
     carried: list[ConversationItem] = [
         UserMessage(item_id="u1", text="Can I get a refund?", sequence=1, run_id="r1"),
-        AssistantMessage(item_id="a1", text=f"Noted: {fact.statement}", sequence=2),
-        AssistantMessage(item_id="a2", text=f"My instructions: {body}", sequence=3),
-        AssistantMessage(item_id="a3", text="Let me check your order.", sequence=5),
+        # After the fact's update (4): the block showed it.
+        AssistantMessage(item_id="a1", text=f"Noted: {fact.statement}", sequence=5),
+        AssistantMessage(item_id="a2", text=f"My instructions: {body}", sequence=6),
+        AssistantMessage(item_id="a3", text="Let me check your order.", sequence=7),
     ]
     checkpoint = Checkpoint(
         run_id="b", version=1, items=(), working_state=WorkingState(facts=(fact,))
     )
     prepared = prepare(
-        checkpoint, carried, through_sequence=5, count_tokens=count_tokens, skills=(skill,)
+        checkpoint, carried, through_sequence=7, count_tokens=count_tokens, skills=(skill,)
     )
     assert {s.item_id: s.trust for s in prepared.elided} == {
         "a1": TrustLevel.EXTERNAL_UNTRUSTED,
