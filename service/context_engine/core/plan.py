@@ -26,7 +26,7 @@ from .body_estimate import request_framing
 from .budget import PPM, allocate
 from .canonical import canonical_bytes, sha256_hex
 from .caps import CEILING_CLASSES, CLASS_CAPS, PREFIX_CEILING_TOKENS
-from .compaction import holds_fragment
+from .compaction import CALLABLE_NAME, holds_fragment
 from .enums import PlanReason, SessionKind
 from .envelope import wrap
 from .errors import InvalidFieldError, PreconditionError
@@ -478,9 +478,9 @@ def _definition_data(plan: ContextPlan, spec: PlanSpec) -> list[PrefixData]:
     return out
 
 
-# A name the model repeats to call: what the providers accept as a tool name, and what a
-# parameter name sensibly is. Anything else (a sentence used as a "name") is not cut.
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# A name the model repeats to call (compaction.CALLABLE_NAME): anything else (a sentence
+# used as a "name") is not cut.
+_NAME = CALLABLE_NAME
 # A run of name characters, in a text already read as a reader reads it (NFKC: a
 # fullwidth letter or low line is its ASCII one; invisible characters dropped).
 _RUN = re.compile(r"[A-Za-z0-9_.-]+")
