@@ -44,7 +44,8 @@ USER 10001:10001
 EXPOSE 50051
 # Liveness of the process; readiness (PostgreSQL reachable) is the orchestrator's probe of
 # service context_engine.v1.ContextEngine (deploy/k8s). With no target the probe reads the
-# port from CONTEXT_ENGINE_LISTEN, so it follows a listen address set at `docker run`.
+# port from CONTEXT_ENGINE_LISTEN, so it follows a listen address set at `docker run`. It
+# probes in plaintext: a TLS listener needs it overridden with --tls-ca (docs/operations.md).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=15s --retries=3 \
     CMD ["python", "/opt/venv/bin/context-engine-healthcheck"]
 ENTRYPOINT ["context-engine", "serve"]

@@ -60,6 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tls-key", default="", help="client key (PEM), for mTLS")
     parser.add_argument("--tls-server-name", default="", help="expected server name")
     args = parser.parse_args(argv)
+    if not args.tls_ca and os.environ.get("CONTEXT_ENGINE_TLS_CERT_FILE"):
+        # A plaintext probe of a TLS listener fails as UNAVAILABLE, which reads as the
+        # engine being down: say what is missing instead (the image's HEALTHCHECK must be
+        # overridden with the CA for a TLS listener: docs/operations.md, Health).
+        print(
+            "unhealthy: the listener uses TLS (CONTEXT_ENGINE_TLS_CERT_FILE is set);"
+            " probe it with --tls-ca (and --tls-cert/--tls-key for mTLS)",
+            file=sys.stderr,
+        )
+        return 1
     with _channel(args) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:

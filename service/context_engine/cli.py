@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, Settings, load_settings
+from .config import ConfigError, Settings, load_settings, unknown_variables
 
 __all__ = ["main"]
 
@@ -29,6 +29,10 @@ def _serve(args: argparse.Namespace) -> int:
         {"listen": args.listen, "database_url": args.database_url, "data_dir": args.data_dir}
     )
     configure_logging(settings.log_level, settings.log_format)
+    for name in unknown_variables():
+        logging.getLogger("context_engine.server").warning(
+            "%s names no setting and is ignored (docs/operations.md, Configuration)", name
+        )
     try:
         import uvloop
 

@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -20,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-__all__ = ["ConfigError", "Settings", "load_settings"]
+__all__ = ["ConfigError", "Settings", "load_settings", "unknown_variables"]
 
 _ENV_PREFIX = "CONTEXT_ENGINE_"
 _C_INT_MAX = 2**31 - 1
@@ -110,6 +111,11 @@ class Settings(BaseModel):
     @classmethod
     def _metrics_listen(cls, value: str) -> str:
         return _host_port(value) if value else value
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url(cls, value: str) -> str:
+        return _postgres_url(value) if value else value
 
     @field_validator("gc_thresholds", mode="before")
     @classmethod
@@ -212,6 +218,21 @@ class Settings(BaseModel):
         return tokens
 
 
+def _postgres_url(value: str) -> str:
+    """A postgresql:// URL whose host and port parse (asyncpg's own parse of a malformed
+    one raised from deep inside the connect, a traceback at exit 1). A URL naming several
+    hosts (host1:5432,host2:5432) is left to asyncpg, which takes them."""
+    try:
+        parts = urlsplit(value)
+        if parts.scheme not in ("postgresql", "postgres"):
+            raise ValueError("must be a postgresql:// URL")
+        if "," not in parts.netloc:
+            parts.port  # noqa: B018  # raises for a port that is not a number 0-65535
+    except ValueError as exc:
+        raise ValueError(f"{exc} (a postgresql://USER@HOST:PORT/DATABASE URL)") from None
+    return value
+
+
 def _host_port(value: str) -> str:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
@@ -245,7 +266,9 @@ def load_settings(
         raw = env.get(_ENV_PREFIX + name.upper())
         if raw is not None:
             values[name] = raw
-    if env.get("DATABASE_URL") and "database_url" not in values:
+    # An empty CONTEXT_ENGINE_DATABASE_URL is no setting: it must not hide DATABASE_URL
+    # (it did, and the server started on the embedded database instead).
+    if env.get("DATABASE_URL") and not values.get("database_url"):
         values["database_url"] = env["DATABASE_URL"]
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:
@@ -253,6 +276,23 @@ def load_settings(
     except ValidationError as exc:
         problems = "; ".join(_problem(e) for e in exc.errors())
         raise ConfigError(f"invalid configuration: {problems}") from None
+
+
+# CONTEXT_ENGINE_* variables that are not settings: the config file's path, and the
+# clients' (examples, explain, the healthcheck) target, tenant and token.
+_NOT_SETTINGS = frozenset({"CONFIG", "TARGET", "TENANT", "TOKEN"})
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """CONTEXT_ENGINE_* variables that name no setting (a misspelling is otherwise
+    silently ignored: CONTEXT_ENGINE_MIGRATE_ON_STARTUP=false migrated on start)."""
+    env = os.environ if environ is None else environ
+    known = {name.upper() for name in Settings.model_fields} | _NOT_SETTINGS
+    return sorted(
+        name
+        for name in env
+        if name.startswith(_ENV_PREFIX) and name[len(_ENV_PREFIX) :] not in known
+    )
 
 
 def _problem(error: Mapping[str, Any]) -> str:

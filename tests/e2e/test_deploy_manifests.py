@@ -100,6 +100,20 @@ def _validate(env: dict[str, str], tmp_path: Path, files: dict[str, str]) -> Set
     return load_settings(environ=values)
 
 
+# deploy/measure.py: a server's RSS at idle, before any call (docs/scaling.md, Sizing),
+# rounded up; and room for a few maximum-size calls in flight (each request several times
+# over while it is parsed, rendered and written).
+IDLE_BYTES = 192 * 2**20
+IN_FLIGHT_BYTES = 64 * 2**20
+_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+
+
+def _bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity in bytes (the binary suffixes the manifests use)."""
+    unit = quantity[-2:]
+    return int(quantity[:-2]) * _UNITS[unit] if unit in _UNITS else int(quantity)
+
+
 def test_manifests_exist() -> None:
     names = {p.name for p in K8S}
     assert {"sidecar.yaml", "standalone.yaml", "migrate-job.yaml"} <= names
@@ -118,10 +132,14 @@ def test_engine_container(index: int, tmp_path: Path) -> None:
     assert pod["securityContext"]["runAsNonRoot"] is True, where
     requests = container["resources"]["requests"]
     assert requests["cpu"] and requests["memory"], where
-    assert container["resources"]["limits"]["memory"], where
+    limit = _bytes(container["resources"]["limits"]["memory"])
     if container.get("command"):  # the migration Job
         assert container["command"] == ["context-engine", "migrate"], where
         return
+    # docs/operations.md, Memory: a replica holds about what it keeps plus its memos plus
+    # the calls in flight, over what it holds idle (the tiktoken rank tables among it).
+    kept = settings.replica_cache_bytes + settings.render_memo_bytes
+    assert limit >= IDLE_BYTES + kept + IN_FLIGHT_BYTES, where
     port = int(_dockerfile("EXPOSE"))
     assert {"name": "grpc", "containerPort": port} in container["ports"], where
     # Kubelet probes come from the node, so even the sidecar listens beyond loopback.

@@ -21,7 +21,9 @@ CONTEXT_ENGINE_LISTEN and that without DATABASE_URL it stops with one line, exit
 Offline adjustments, each marked where it is made: the wheel builds with
 --no-build-isolation (setuptools from the test venv instead of PyPI); dependency wheels are
 not built (that step needs PyPI) and the fresh venv reaches the dependencies through a .pth
-file pointing at the test venv's site-packages, so `context_engine` itself is imported only
+file naming a directory that links the test venv's files of the runtime dependency closure
+only (pyproject's dependencies without extras, transitively), so a runtime import of a
+dev-only package fails here as in the image, and `context_engine` itself is imported only
 from the installed wheel (asserted).
 """
 
@@ -41,10 +43,13 @@ import sysconfig
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 import asyncpg
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 pytestmark = pytest.mark.integration
 
@@ -244,12 +249,15 @@ async def test_dockerfile_install_steps_work(dockerfile: list[Stage], tmp_path: 
             assert code == 0, f"RUN {run}\n-> {argv}\n{out}"
             executed += 1
     assert executed == 3, "wheel build, venv, wheel install"
-    # Dependencies (offline): the test venv's site-packages, after the venv's own, added only
-    # now so that pip above saw an empty venv.
+    # Dependencies (offline): the runtime dependency closure's files from the test venv,
+    # linked into a directory of their own, after the venv's own site-packages and added
+    # only now so that pip above saw an empty venv. Only the closure: with the whole test
+    # venv reachable, an import of a dev-only package (yaml, say) passed here and would
+    # fail in the image (an audit).
+    deps = tmp_path / "runtime-deps"
+    _link_runtime_dependencies(deps)
     site = Path(sysconfig.get_path("purelib", vars={"base": str(paths["/opt/venv"])}))
-    (site / "_deps_from_test_venv.pth").write_text(
-        sysconfig.get_path("purelib") + "\n", encoding="utf-8"
-    )
+    (site / "_runtime_deps.pth").write_text(f"{deps}\n", encoding="utf-8")
 
     venv = paths["/opt/venv"] / "bin"
     code, out = await _run(
@@ -299,6 +307,35 @@ async def test_dockerfile_install_steps_work(dockerfile: list[Stage], tmp_path: 
     finally:
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         await admin.close()
+
+
+def _runtime_closure(root: str = "context-engine") -> list[metadata.Distribution]:
+    """The distributions `root` requires, without extras, and theirs, transitively."""
+    seen: dict[str, metadata.Distribution] = {}
+    pending = [root]
+    while pending:
+        name = canonicalize_name(pending.pop())
+        if name in seen:
+            continue
+        seen[name] = dist = metadata.distribution(name)
+        for line in dist.requires or ():
+            wanted = Requirement(line)
+            if wanted.marker is None or wanted.marker.evaluate({"extra": ""}):
+                pending.append(wanted.name)
+    return [d for name, d in seen.items() if name != canonicalize_name(root)]
+
+
+def _link_runtime_dependencies(target: Path) -> None:
+    """Every installed file of the runtime closure (modules and dist-info), linked into
+    `target` at its path below site-packages; nothing of any other distribution."""
+    for dist in _runtime_closure():
+        for file in dist.files or ():
+            if file.parts[0] == "..":  # a console script, outside site-packages
+                continue
+            link = target / file
+            link.parent.mkdir(parents=True, exist_ok=True)
+            if not link.exists():
+                link.symlink_to(Path(str(dist.locate_file(file))).resolve())
 
 
 def _free_port() -> int:
@@ -399,3 +436,19 @@ def test_the_image_without_a_database_url_exits_2_with_one_clear_line(
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("context-engine: no database configured"), line
     assert "DATABASE_URL" in line and "context-engine[embedded]" in line
+
+
+def test_the_healthcheck_of_a_tls_listener_without_a_ca_says_what_is_missing() -> None:
+    """The image's HEALTHCHECK probes in plaintext; on a TLS listener that failed as
+    UNAVAILABLE, read as the engine being down (an audit). Run without --tls-ca while
+    CONTEXT_ENGINE_TLS_CERT_FILE is set, it fails naming the flag, before any call."""
+    env = {**os.environ, "CONTEXT_ENGINE_TLS_CERT_FILE": "/etc/tls/server.crt"}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "deploy" / "healthcheck.py"), "127.0.0.1:1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "uses TLS" in done.stderr and "--tls-ca" in done.stderr, done.stderr

@@ -43,7 +43,7 @@ from context_engine import cli
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from context_engine.api.server import SERVICE_NAME, build_engine, build_server
-from context_engine.config import ConfigError, load_settings
+from context_engine.config import ConfigError, load_settings, unknown_variables
 from context_engine.store import connect_pool
 
 from .helpers import (
@@ -417,6 +417,59 @@ def test_bad_configuration_exits_2_naming_the_setting(
     assert named in message
 
 
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("postgresql://postgres@127.0.0.1:notaport/x", "Port could not be cast"),
+        ("postgresql://postgres@127.0.0.1:99999/x", "Port out of range"),
+        ("postgresql://postgres@[::1/x", "Invalid IPv6 URL"),
+        ("mysql://root@127.0.0.1/x", "must be a postgresql:// URL"),
+        ("garbage", "must be a postgresql:// URL"),
+    ],
+)
+def test_a_malformed_database_url_is_a_configuration_error(url: str, says: str) -> None:
+    """An audit: asyncpg's parse of these raised from inside the connect (a traceback,
+    exit 1); each is now named as the setting it is, exit 2."""
+    with pytest.raises(ConfigError) as refused:
+        load_settings({"database_url": url}, environ={})
+    assert "database_url (CONTEXT_ENGINE_DATABASE_URL)" in str(refused.value)
+    assert says in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://postgres@127.0.0.1:5432/x",
+        "postgres://u:p@db/x?sslmode=require",
+        "postgresql://u@h1:5432,h2:5433/x",  # several hosts: asyncpg's to read
+        "postgresql:///x?host=/var/run/postgresql",
+    ],
+)
+def test_a_well_formed_database_url_is_taken_as_given(url: str) -> None:
+    assert load_settings({"database_url": url}, environ={}).database_url == url
+
+
+def test_an_empty_database_url_variable_does_not_hide_database_url() -> None:
+    """An empty CONTEXT_ENGINE_DATABASE_URL hid DATABASE_URL, and the server started on
+    the embedded database instead (an audit)."""
+    url = "postgresql://u@db:5432/x"
+    env = {"CONTEXT_ENGINE_DATABASE_URL": "", "DATABASE_URL": url}
+    assert load_settings(environ=env).database_url == url
+
+
+def test_a_variable_that_names_no_setting_is_reported() -> None:
+    """A misspelt CONTEXT_ENGINE_* variable was silently ignored (an audit:
+    ..._MIGRATE_ON_STARTUP=false migrated on start); serve logs each such name."""
+    env = {
+        "CONTEXT_ENGINE_MIGRATE_ON_STARTUP": "false",
+        "CONTEXT_ENGINE_POOL_MAX_SIZE": "4",
+        "CONTEXT_ENGINE_CONFIG": "/etc/ce.json",
+        "CONTEXT_ENGINE_TARGET": "127.0.0.1:50051",
+        "DATABASE_URL": "postgresql://db/x",
+    }
+    assert unknown_variables(env) == ["CONTEXT_ENGINE_MIGRATE_ON_STARTUP"]
+
+
 async def test_bad_configuration_stops_the_real_process(tmp_path: Path) -> None:
     proc = await _cli(
         "serve",
@@ -587,10 +640,11 @@ async def test_migrate_is_a_separate_step() -> None:
 UNREACHABLE = "postgresql://postgres@127.0.0.1:1/postgres"  # nothing listens on port 1
 
 
-async def _fails_in_one_line(*args: str) -> tuple[int, str]:
-    """Run the CLI to its exit; (exit code, its last stderr line), which must be the
-    engine's own one-line reason after no traceback."""
-    proc = await _cli(*args, env=_env(log_format="text"))
+async def _fails_in_one_line(*args: str, **settings: Any) -> tuple[int, str]:
+    """Run the CLI to its exit (with `settings` as CONTEXT_ENGINE_* variables); (exit
+    code, its last stderr line), which must be the engine's own one-line reason after no
+    traceback."""
+    proc = await _cli(*args, env=_env(log_format="text", **settings))
     try:
         _, raw = await asyncio.wait_for(proc.communicate(), 60)
     finally:
@@ -682,6 +736,32 @@ async def test_a_role_that_may_not_migrate_is_told_so_in_one_line() -> None:
         assert line.startswith(
             "context-engine migrate: cannot read the applied migrations"
             " (InsufficientPrivilegeError:"
+        ), line
+    finally:
+        await drop_database(dsn)
+        await admin_execute(f'DROP ROLE IF EXISTS "{role}"')
+
+
+async def test_serve_without_migrating_by_a_role_that_may_not_read_them_says_so() -> None:
+    """The production setting (migrations by a Job, `migrate_on_start=false`) with a
+    runtime role not granted `schema_migrations`: `serve` failed in a 38-line traceback
+    (an audit); it is one line, exit 1."""
+    dsn = await create_database(migrate=True)
+    role = f"ce_runtime_{new_id()[:8]}"
+    await admin_execute(f'CREATE ROLE "{role}" LOGIN')
+    try:
+        database = dsn.rpartition("/")[2]
+        code, line = await _fails_in_one_line(
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--database-url",
+            dsn_on_test_server(database, user=role),
+            migrate_on_start="false",
+        )
+        assert code == 1
+        assert line.startswith(
+            "context-engine: cannot read the applied migrations (InsufficientPrivilegeError:"
         ), line
     finally:
         await drop_database(dsn)

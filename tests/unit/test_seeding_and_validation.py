@@ -439,7 +439,9 @@ def test_validate_append_names_the_offending_index(
         new.insert(at, _result("stray", "no-such-call"))
         field, reason = f"items[{at}].tool_result.call_id", "ORPHANED_TOOL_ITEM"
     else:
-        new.insert(at, AssistantMessage(item_id=items[0].item_id, text="again"))
+        # A user message: it may come anywhere (a model item among a turn's results is
+        # refused for that first).
+        new.insert(at, UserMessage(item_id=items[0].item_id, text="again"))
         # The error names the later of the two items sharing the id.
         later = at if (cut > 0 or at > 0) else 1
         field, reason = f"items[{later}].item_id", "INVALID_FIELD"

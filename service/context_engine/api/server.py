@@ -307,7 +307,10 @@ async def serve(settings: Settings) -> None:
                 _log.info("applied migrations %s", ", ".join(applied))
             pending = []
         else:
-            pending = await pending_migrations(conn)
+            try:
+                pending = await pending_migrations(conn)
+            except MigrationError as exc:
+                failed, pending = exc, []
     if failed is not None:
         await pool.close()
         raise StartupError(str(failed))

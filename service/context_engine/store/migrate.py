@@ -35,13 +35,19 @@ def migration_files() -> list[tuple[str, str]]:
 
 
 async def pending_migrations(conn: asyncpg.Connection) -> list[str]:
-    """Versions not yet applied (all of them on an empty database); changes nothing."""
-    exists = await conn.fetchval("SELECT to_regclass('schema_migrations') IS NOT NULL")
-    done = (
-        {r["version"] for r in await conn.fetch("SELECT version FROM schema_migrations")}
-        if exists
-        else set()
-    )
+    """Versions not yet applied (all of them on an empty database); changes nothing.
+
+    Raises:
+        MigrationError: the applied migrations cannot be read (a role without the grant).
+    """
+    try:
+        exists = await conn.fetchval("SELECT to_regclass('schema_migrations') IS NOT NULL")
+        rows = await conn.fetch("SELECT version FROM schema_migrations") if exists else []
+    except asyncpg.PostgresError as exc:  # a runtime role that may not read it, say
+        raise MigrationError(
+            f"cannot read the applied migrations ({type(exc).__name__}: {exc})"
+        ) from exc
+    done = {r["version"] for r in rows}
     return [version for version, _ in migration_files() if version not in done]
 
 
