@@ -6,6 +6,7 @@ read the head would give; the SQL that confirms a head reads what the head read 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 from uuid import UUID
@@ -28,6 +29,7 @@ from .helpers import (
     spec,
     start_run,
     update_state,
+    wait_for,
 )
 
 
@@ -353,6 +355,44 @@ async def test_a_head_moved_by_this_replicas_own_write_does_not_spread_the_sessi
     heads = engine._heads(TENANT, UUID(session_id))
     engine._head_moved(TENANT, UUID(session_id), heads, heads.writes)
     assert engine._heads(TENANT, UUID(session_id)).spread
+
+
+async def test_a_head_read_before_the_replicas_own_append_is_not_kept(two: Any) -> None:
+    """A Build whose head read began before an append through the same replica finished
+    after it, and kept that older head: the next Build found it moved with no write since
+    to explain it, and the session was taken for one another replica serves (an audit:
+    every later Build there read its head). Such a head is not kept."""
+    (stub, engine), _ = two
+    session_id, _ = await open_session(stub)
+    started = await start_run(stub, session_id, "first question")
+    run_id = started.run.run_id
+    read = engine._read_heads._run
+    appended = asyncio.Event()
+
+    async def read_then_wait(keys: Any) -> Any:
+        rows = await read(keys)
+        await asyncio.wait_for(appended.wait(), 10)  # the append lands meanwhile
+        return rows
+
+    engine._read_heads._run = read_then_wait
+    try:
+        first = asyncio.ensure_future(stub.Build(build_request(session_id, run_id)))
+        await wait_for(lambda: _true(engine._read_heads.calls > 0), timeout=10, what="head read")
+        await append_items(stub, session_id, run_id, started.checkpoint_version, assistant("a"))
+        appended.set()
+        await first
+    finally:
+        engine._read_heads._run = read
+    heads = engine._heads(TENANT, UUID(session_id))
+    assert heads is not None and UUID(run_id) not in heads.by_run
+    for _ in range(3):
+        await stub.Build(build_request(session_id, run_id))
+    heads = engine._heads(TENANT, UUID(session_id))
+    assert not heads.spread and UUID(run_id) in heads.by_run
+
+
+async def _true(value: bool) -> bool:
+    return value
 
 
 async def _alter_stored_checkpoint(pool: Any, run_id: str, version: int, text: str) -> None:

@@ -304,11 +304,22 @@ class Engine:
     def _put_heads(self, tenant: str, session_id: UUID, heads: _Heads) -> None:
         self._kept.put(("heads", tenant, session_id), heads, approximate_bytes(heads))
 
-    def _keep_head(self, tenant: str, session_id: UUID, head: runs.RunHead) -> None:
+    def _writes(self, tenant: str, session_id: UUID) -> int:
+        """How many of the session's writes through this replica moved or dropped its kept
+        heads so far (_Heads.writes; 0 with none kept)."""
+        heads = self._heads(tenant, session_id)
+        return heads.writes if heads is not None else 0
+
+    def _keep_head(self, tenant: str, session_id: UUID, head: runs.RunHead, writes: int) -> None:
+        """Keep `head`, read when the session's writes here were `writes`. A head read
+        before a write through this replica (an append, a rotation) is older than what the
+        replica knows: kept, the next Build found it moved, with no write since to explain
+        it, and took the session for one another replica serves (an audit)."""
         heads = self._heads(tenant, session_id) or _Heads()
         kept = heads.by_run.get(head.run.run_id)
-        # A Build read before this replica's own append may finish after it: keep the newer.
-        if not heads.spread and (kept is None or kept.latest_version <= head.latest_version):
+        if heads.spread or heads.writes != writes:
+            return
+        if kept is None or kept.latest_version <= head.latest_version:
             heads.by_run[head.run.run_id] = head
             self._put_heads(tenant, session_id, heads)
 
@@ -324,8 +335,9 @@ class Engine:
         self._kept.put(
             ("checkpoint", tenant, run_id, stored.version), stored, approximate_bytes(stored)
         )
-        heads = self._heads(tenant, session_id)
-        if heads is None or heads.spread:
+        # Counted with no heads kept too: a Build reading one meanwhile must not keep it.
+        heads = self._heads(tenant, session_id) or _Heads()
+        if heads.spread:
             return
         heads.writes += 1
         head = heads.by_run.get(run_id)
@@ -338,8 +350,8 @@ class Engine:
         plan, a rotation, a run's start, a skill loaded, an erasure's redaction): their next
         Builds here read them afresh rather than find them stale. A session whose calls
         were seen spread over replicas stays so."""
-        heads = self._heads(tenant, session_id)
-        if heads is not None and not heads.spread:
+        heads = self._heads(tenant, session_id) or _Heads()
+        if not heads.spread:
             heads.by_run.clear()
             heads.writes += 1
             self._put_heads(tenant, session_id, heads)
@@ -1046,11 +1058,13 @@ class Engine:
     ) -> BuildResult:
         """build() from the `kept` head, which the record must confirm (_StaleHead if it
         does not; nothing is written before then), or from a head read now (None)."""
+        writes = 0  # the session's writes here when a fresh head is read (_keep_head)
         async with telemetry.span("store.read"):
             if kept is not None:
                 head = kept
             else:
                 # Builds made while another's head read is in flight share the next one.
+                writes = self._writes(tenant, session_id)
                 row = await self._read_heads((tenant, run_id))
                 try:
                     head = runs.run_head_of(row, session_id, run_id)
@@ -1263,7 +1277,7 @@ class Engine:
         if kept is None and not moved:
             # The head this Build was made from, for the run's next Build to confirm; not
             # one this Build has just moved on (a lineage continued, a plan replaced).
-            self._keep_head(tenant, session_id, head)
+            self._keep_head(tenant, session_id, head, writes)
         return BuildResult(assembled, plan, checkpoint.version, seq, rendered, paths)
 
     async def _record_budget_exceeded(
