@@ -24,6 +24,7 @@ from .helpers import (
     details,
     heads_agree,
     new_id,
+    replica,
     replica_with_model,
     result,
     spec,
@@ -400,6 +401,37 @@ async def test_a_builder_upgrade_rotates_only_a_plan_it_does_not_reproduce(
     assert await _rotations(pool, session_id) == ["builder_upgraded"]
     rotated = (await _events(pool, session_id, "context.epoch.rotated"))[0]["payload"]
     assert rotated["detail"] == "run admission: builder_upgraded"
+
+
+async def test_a_plan_the_builder_reproduces_is_rebuilt_once_not_at_every_run(
+    pool: Any,
+) -> None:
+    """An older builder's plan that the current one reproduces is never rotated, so every
+    top-level StartRun asked again, rebuilding the plan under the session's lock (a store
+    audit). The answer is kept per plan: the next runs rebuild nothing."""
+    stub, channel, running = await replica(pool)
+    try:
+        session_id, _ = await _open(stub, spec())
+
+        def older_version(p: dict[str, Any]) -> dict[str, Any]:
+            return {**p, "builder_version": "context-builder@0"}
+
+        await _rewrite_plan(pool, session_id, older_version)
+        engine = running.engine
+        made = engine._make_plan
+        rebuilt: list[int] = []
+
+        def counted(*args: Any) -> Any:
+            rebuilt.append(1)
+            return made(*args)
+
+        engine._make_plan = counted
+        for n in range(3):
+            assert not (await _start(stub, session_id, f"question {n}")).HasField("rotated_plan")
+        assert len(rebuilt) == 1
+    finally:
+        await channel.close()
+        await running.stop(0)
 
 
 def _older_builder(p: dict[str, Any]) -> dict[str, Any]:

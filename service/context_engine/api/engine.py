@@ -8,6 +8,7 @@ process clock, uuid4 and os.urandom, and this module is the only place that call
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -525,13 +526,24 @@ class Engine:
 
     def _builder_reproduces(self, session_id: UUID, stored: plans.StoredPlan) -> bool:
         """Whether the current builder renders the stored plan's bytes from its spec and
-        secret (a plan it reproduces stays current across a builder upgrade)."""
+        secret (a plan it reproduces stays current across a builder upgrade). Kept per
+        plan: such a plan is never rotated, so every top-level StartRun of the session
+        asked again, rebuilding the plan on the event loop under the session's lock (a
+        store audit)."""
         plan = stored.plan
+        rendered = epoch_rules.rendered_identity(plan)
+        digest = hashlib.sha256(rendered).digest()
+        key = ("builder reproduces", session_id, plan.epoch, plan.spec_sha256, digest)
+        known: bool | None = self._kept.get(key)
+        if known is not None:
+            return known
         try:
             again = self._make_plan(stored.spec, session_id, plan.epoch, plan.reason, stored.secret)
+            reproduces = epoch_rules.rendered_identity(again) == rendered
         except (InvalidFieldError, PreconditionError):
-            return False
-        return epoch_rules.rendered_identity(again) == epoch_rules.rendered_identity(plan)
+            reproduces = False
+        self._kept.put(key, reproduces, _HEADS_WEIGHT)
+        return reproduces
 
     async def _plan_locked(
         self, conn: Any, tenant: str, session_id: UUID, epoch: int, revision: int
