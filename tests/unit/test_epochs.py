@@ -627,3 +627,17 @@ def test_erasure_redacts_the_persisted_snapshot_and_invalidates_its_plan() -> No
     assert "Office is in Lyon." in again.prefix_document and not again.invalidated
     untouched = redact_person(plan, spec, "bruno")
     assert untouched == (plan, spec, 0)
+
+
+def test_erasure_drops_the_persons_items_from_the_skipped_ids_too() -> None:
+    """A memory the snapshot skipped for room is named on the plan (skipped_memory_ids):
+    redacting its person removes that id as well as the rendered ones."""
+    items = tuple(
+        MemoryItemSpec(item_id=f"m{i:02d}", text=f"fact {i}", person_ids=("ana",) if i > 38 else ())
+        for i in range(42)
+    )
+    spec = _spec(snapshot=MemorySnapshotSpec(snapshot_id="s", items=items))
+    plan = _plan(spec)
+    assert plan.skipped_memory_ids == ("m40", "m41")
+    redacted, _, removed = redact_person(plan, spec, "ana")
+    assert removed == 3 and redacted.skipped_memory_ids == ()

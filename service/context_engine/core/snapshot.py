@@ -90,6 +90,8 @@ def redact_person(
         update={
             "system": tuple(b for b in plan.system if b.item_id not in rendered),
             "prefix_document": canonical_bytes(document).decode("utf-8"),
+            # An id the snapshot skipped for room names the person's item too.
+            "skipped_memory_ids": tuple(i for i in plan.skipped_memory_ids if i not in held),
             "invalidated": True,
         }
     )
