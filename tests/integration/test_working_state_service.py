@@ -548,6 +548,10 @@ async def test_facts_take_the_trust_of_their_evidence_and_only_trusted_ones_are_
         pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED,
         pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED,
     ]
+    # Who wrote each, and when: USER trust from the evidence, the model's all the same.
+    assert {(f.writer, f.source_sequence) for f in updated.state.facts} == {
+        (pb.WRITER_MODEL, updated.event_sequence)
+    }
     built = await _build(stub, session_id, run_id)
     block = _block(built)
     # Each line names its writer first: the model concluded these (context-assembler@12).
@@ -566,6 +570,9 @@ async def test_facts_take_the_trust_of_their_evidence_and_only_trusted_ones_are_
     assert offered.candidates[0].authority == "AFFIRMED"
     assert offered.candidates[0].run_id == run_id
     assert list(offered.candidates[0].fact.source_event_ids) == [user_seq]
+    # Formation can tell the model's conclusion from the user's own statement.
+    assert offered.candidates[0].fact.writer == pb.WRITER_MODEL
+    assert offered.candidates[0].fact.source_sequence == updated.event_sequence
     event = await pool.fetchrow(
         "SELECT type, payload FROM session_events WHERE session_id = $1 AND sequence = $2",
         UUID(session_id),
@@ -573,6 +580,18 @@ async def test_facts_take_the_trust_of_their_evidence_and_only_trusted_ones_are_
     )
     assert event["type"] == "memory.fact_candidates.offered"
     assert event["payload"]["offered"] == 1
+
+
+@pytest.mark.parametrize("output", ["writer", "source_sequence"])
+async def test_a_fact_in_an_update_may_not_set_what_the_engine_sets(stub: Any, output: str) -> None:
+    session_id, _ = await open_session(stub)
+    started = await start_run(stub, session_id, "I live in Paris")
+    fact = pb.Fact(statement="x", source_event_ids=[started.run.seed_event_sequence])
+    setattr(fact, output, pb.WRITER_USER if output == "writer" else 3)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await update_state(stub, session_id, started.run.run_id, 1, add_facts=[fact])
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert details(refused.value)[1] == [f"update.add_facts[0].{output}"]
 
 
 async def test_a_retried_offer_answers_with_the_first_and_records_it_once(

@@ -82,6 +82,12 @@ def update_from_proto(update: pb.WorkingStateUpdate, field: str = "update") -> W
     facts = []
     for n, f in enumerate(update.add_facts):
         path = f"{field}.add_facts[{n}]"
+        for output in ("writer", "source_sequence"):
+            if getattr(f, output):
+                raise InvalidFieldError(
+                    f"{output} is the engine's (the update's writer is the request's)",
+                    field=f"{path}.{output}",
+                )
         check_fact_sources(f.source_event_ids, f"{path}.source_event_ids")
         facts.append(
             NewFact(
@@ -119,6 +125,8 @@ def _fact(fact: Fact) -> pb.Fact:
         statement=fact.statement,
         source_event_ids=list(fact.source_event_ids),
         trust=pb.TrustLevel.ValueType(fact.trust),
+        writer=pb.Writer.ValueType(fact.writer),
+        source_sequence=fact.source_sequence,
     )
 
 
