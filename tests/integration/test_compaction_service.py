@@ -925,7 +925,7 @@ async def test_a_child_runs_request_does_not_hide_its_parents_from_the_view(
 
     async def lines(in_view: list[str]) -> list[str]:
         async with pool.acquire() as conn:
-            found = await events.read_shown_lines(
+            found = await events.read_shown(
                 conn,
                 TENANT,
                 UUID(session_id),
@@ -934,7 +934,7 @@ async def test_a_child_runs_request_does_not_hide_its_parents_from_the_view(
                 from_sequence=floor,
                 in_view=in_view,
             )
-        return [line["text"] for _, line in found]
+        return [line["text"] for _, line in found.lines]
 
     assert passage in await lines([parent])
     # An item of no run could follow any run's request: the session's latest bounds it too.

@@ -99,7 +99,7 @@ async def _inputs(
     # The runs whose items are in view: each one's requests showed its model what they
     # may quote.
     in_view = sorted({i.run_id for i in (*logged, *checkpoint.items)})
-    lines = await events.read_shown_lines(
+    shown = await events.read_shown(
         conn,
         tenant_id,
         session_id,
@@ -109,22 +109,15 @@ async def _inputs(
         in_view=in_view,
     )
     skills = await skill_store.read_loaded(conn, tenant_id, session_id)
-    epochs = await events.read_request_epochs(
-        conn,
-        tenant_id,
-        session_id,
-        from_sequence=checkpoint.replaced_through_sequence,
-        in_view=in_view,
-    )
     shown_plans = await plans.read_distinct_prefixes(
-        conn, tenant_id, session_id, sorted({*epochs, run.epoch})
+        conn, tenant_id, session_id, sorted({*shown.epochs, run.epoch})
     )
     prefix = [entry for p in shown_plans for entry in prefix_data(p.plan, p.spec)]
     return _Inputs(
         checkpoint,
         carried_history(logged),
         contents,
-        shown_items(lines),
+        shown_items(shown.lines),
         tuple(skills),
         tuple(prefix),
         child=run.parent_run_id is not None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 from uuid import UUID
 
 from pydantic import TypeAdapter
@@ -16,14 +16,14 @@ from ..core.log_tail import FloorFacts, Logged
 __all__ = [
     "EVENT_TYPE_OF_ITEM",
     "NewEvent",
+    "Shown",
     "append_events",
     "item_payload",
     "read_carried_items",
     "read_events",
     "read_floor_facts",
     "read_history_page",
-    "read_request_epochs",
-    "read_shown_lines",
+    "read_shown",
 ]
 
 # The log's event type for each loggable conversation item kind. Reasoning items are
@@ -184,7 +184,14 @@ async def read_events(
     return [dict(r) for r in rows]
 
 
-async def read_shown_lines(
+class Shown(NamedTuple):
+    """What the session's recorded requests showed the models over a range (read_shown)."""
+
+    lines: list[tuple[str, dict[str, Any]]]  # (step field, line as recorded), distinct
+    epochs: list[int]  # the plan epochs they were built on, distinct, in order
+
+
+async def read_shown(
     conn: Any,
     tenant_id: str,
     session_id: UUID,
@@ -193,15 +200,18 @@ async def read_shown_lines(
     fields: Sequence[str],
     from_sequence: int,
     in_view: Sequence[str],
-) -> list[tuple[str, dict[str, Any]]]:
-    """The distinct step lines, as (step field, line as recorded), that the session's
-    model.request.started events recorded under `inputs_key` over the range that showed
-    the models what the items above `from_sequence` may quote (`_REQUESTS_FROM`;
-    `in_view`: the run ids of those items, "" for an item logged without one), in a stable
-    order. One round trip: an index probe per run in view bounds the range, and a line
-    recorded by many requests comes back once."""
+) -> Shown:
+    """The distinct step lines, as (step field, line as recorded), and the plan epochs,
+    that the session's model.request.started events recorded (lines under `inputs_key`)
+    over the range that showed the models what the items above `from_sequence` may quote
+    (`_REQUESTS_FROM`; `in_view`: the run ids of those items, "" for an item logged
+    without one), in a stable order. One round trip reading each request's payload once:
+    the lines and the epochs were two queries, each decompressing every payload of the
+    range, twice per compaction and the second time under the session lock (a triage).
+    An index probe per run in view bounds the range, and a line recorded by many requests
+    comes back once."""
     rows = await conn.fetch(
-        _SHOWN_LINES,
+        _SHOWN,
         tenant_id,
         session_id,
         from_sequence,
@@ -209,21 +219,8 @@ async def read_shown_lines(
         list(fields),
         inputs_key,
     )
-    return [(r["field"], r["line"]) for r in rows]
-
-
-async def read_request_epochs(
-    conn: Any,
-    tenant_id: str,
-    session_id: UUID,
-    *,
-    from_sequence: int,
-    in_view: Sequence[str],
-) -> list[int]:
-    """The distinct plan epochs the session's model.request.started events recorded, over
-    the range read_shown_lines reads, in order. One round trip."""
-    rows = await conn.fetch(_REQUEST_EPOCHS, tenant_id, session_id, from_sequence, *_runs(in_view))
-    return [r["epoch"] for r in rows]
+    lines = [(r["field"], r["line"]) for r in rows if r["field"] is not None]
+    return Shown(lines, [r["epoch"] for r in rows if r["field"] is None])
 
 
 def _runs(in_view: Sequence[str]) -> tuple[list[UUID], bool]:
@@ -252,16 +249,16 @@ _REQUESTS_FROM = (
     f" WHERE tenant_id = $1 AND session_id = $2 AND type = {_REQUEST} AND sequence <= $3)"
     " END), $3 + 1)"
 )
-_REQUEST_EPOCHS = (
-    "SELECT DISTINCT (s.payload ->> 'epoch')::bigint AS epoch FROM session_events s"
-    + _REQUESTS_FROM
-    + " ORDER BY 1"
-)
-_SHOWN_LINES = (
-    "SELECT DISTINCT f.field, e.line FROM session_events s"
+# Each request of the range read once (MATERIALIZED): its epoch, and its step lines of the
+# fields asked for; epochs first (part 0, no field), then lines (part 1, no epoch).
+_SHOWN = (
+    "WITH r AS MATERIALIZED (SELECT (s.payload ->> 'epoch')::bigint AS epoch,"
+    " s.payload -> $7::text -> 'step' AS step FROM session_events s" + _REQUESTS_FROM + ")"
+    " SELECT DISTINCT 0 AS part, NULL::text AS field, NULL::jsonb AS line, r.epoch FROM r"
+    " UNION ALL"
+    " SELECT DISTINCT 1, f.field, e.line, NULL::bigint FROM r"
     " CROSS JOIN unnest($6::text[]) AS f(field)"
-    " CROSS JOIN LATERAL jsonb_array_elements("
-    "coalesce(s.payload -> $7::text -> 'step' -> f.field, '[]'::jsonb)) AS e(line)"
-    + _REQUESTS_FROM
-    + " ORDER BY 1, 2"
+    " CROSS JOIN LATERAL jsonb_array_elements(coalesce(r.step -> f.field, '[]'::jsonb))"
+    " AS e(line)"
+    " ORDER BY 1, 2, 3, 4"
 )
