@@ -183,3 +183,51 @@ def test_a_request_hash_resumed_after_the_run_is_the_hash_of_its_parts(
     for variant in [*variants, *variants, _without_hint(hinted)]:
         expected = hashlib.sha256(canonical_bytes(variant.hashed())).hexdigest()
         assert variant.request_sha256() == expected
+
+
+def test_a_long_runs_items_are_rendered_and_costed_once_across_its_builds() -> None:
+    """A run's items arrive as new objects at each Build and find their rendering and cost
+    by content (core/assemble.py, _render_memo and _cost_memo). The memos dropped their
+    oldest entries past 8,192: a run of more items than that missed every one of them at
+    every Build, each Build costing ten times what the next one costs now (a triage:
+    16,000 items took 0.9-1.3 s a Build, 0.1 s warm). The second Build derives nothing."""
+    from datetime import UTC, datetime
+
+    import importlib
+
+    from context_engine.core import Checkpoint, PlanSpec
+    from context_engine.core.items import AssistantMessage, UserMessage
+    from context_engine.core.spec import PlatformPolicySpec
+
+    items = [
+        UserMessage(item_id="u", text="go", sequence=1, run_id="r"),
+        *(
+            AssistantMessage(item_id=f"a{n}", text=f"step {n}", sequence=n + 2, run_id="r")
+            for n in range(9_000)
+        ),
+    ]
+    spec = PlanSpec(model_id="m", policy=PlatformPolicySpec(version="v1", text="policy"))
+    now = datetime(2026, 1, 1, 12, tzinfo=UTC)
+
+    def build() -> None:
+        # Items read afresh, as from a new checkpoint read: equal content, new objects.
+        fresh = tuple(i.model_copy() for i in items)
+        checkpoint = Checkpoint(run_id="r", version=1, items=fresh)
+        scenario = Scenario(spec=spec, secret=b"s" * 32, checkpoint=checkpoint, carried=(), now=now)
+        assert assemble(scenario.inputs()).request is not None
+
+    build()
+    assembly = importlib.import_module("context_engine.core.assemble")
+    costed = assembly._cost_memo._function
+    calls: list[object] = []
+
+    def counted(*args: object) -> object:
+        calls.append(args[0])
+        return costed(*args)
+
+    assembly._cost_memo._function = counted
+    try:
+        build()
+    finally:
+        assembly._cost_memo._function = costed
+    assert calls == []

@@ -408,8 +408,13 @@ def _attachment_shares(
 # the plan secret, the counter, the pinned factor), so bounded memos change no result, only
 # how often the work is done. They are keyed on the item's content (core/content_key.py):
 # a run's items arrive as new objects on each step (its checkpoint is read afresh) and
-# find their block and cost with a C-level hash and compare, not pydantic's.
-_MEMO_SIZE = 8192
+# find their block and cost with a C-level hash and compare, not pydantic's. The bound
+# covers the longest run a request can hold (a window of a million tokens at the dozen or
+# so an item costs at least): the memos drop their oldest entries first, so a run of more
+# items than the bound missed every entry at every Build (8,192 made 16,000 items cost
+# 0.9-1.3 s a Build instead of 0.1 s). What they hold is bounded by bytes anyway
+# (core/memo_budget.py).
+_MEMO_SIZE = 65_536
 
 
 def _render_item(item: ContextItem, row: Row, secret: bytes, truncated: bool) -> Block:
