@@ -191,9 +191,8 @@ def test_a_long_runs_items_are_rendered_and_costed_once_across_its_builds() -> N
     oldest entries past 8,192: a run of more items than that missed every one of them at
     every Build, each Build costing ten times what the next one costs now (a triage:
     16,000 items took 0.9-1.3 s a Build, 0.1 s warm). The second Build derives nothing."""
-    from datetime import UTC, datetime
-
     import importlib
+    from datetime import UTC, datetime
 
     from context_engine.core import Checkpoint, PlanSpec
     from context_engine.core.items import AssistantMessage, UserMessage
