@@ -31,6 +31,7 @@ from context_engine.core.build_record import (
     TOKENIZER_KEY,
     estimate_to_record,
     inputs_from_record,
+    unbridged,
 )
 from context_engine.core.canonical import sha256_hex
 from context_engine.core.rows import Region, Row
@@ -387,7 +388,7 @@ async def test_a_build_records_its_assembler_and_payload_hash(stub: Any, pool: A
     from one it does not."""
     session_id, built = await _failed_result_build(stub, "gpt-5")
     payload = await _recorded(pool, session_id, built.request_sequence)
-    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@14"
+    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@15"
     assert payload[PAYLOAD_KEY] == hashlib.sha256(built.provider_payload).hexdigest()
     assert isinstance(payload[IMAGE_KEY], int) and isinstance(payload[INLINE_KEY], int)
     assert TOOL_ERROR_AS_TEXT.encode() in built.provider_payload
@@ -916,3 +917,58 @@ async def test_the_working_state_names_its_writers_and_an_assembler_11_record_is
         payload,
     )
     assert again.request_sha256 != built.request_sha256
+
+
+async def test_a_wide_turn_carries_a_bridge_and_an_assembler_14_record_is_served_without(
+    stub: Any, pool: Any
+) -> None:
+    """core/cache_hints.py Rule 8: a step whose latest turn spans more than the provider's
+    lookback carries a bridge marker where the previous step's run marker was, in
+    after_tools' place (context-assembler@15). GetBuild serves it as sent, and serves a
+    record of @14, which sent no bridge, with its markers as @14 made them."""
+    session_id, _ = await open_session(stub, model_id="claude-sonnet-4-5")
+    earlier = await start_run(stub, session_id, "Hello.")
+    await append_items(
+        stub, session_id, earlier.run.run_id, earlier.checkpoint_version, assistant("Hi.")
+    )
+    started = await start_run(stub, session_id, "Fetch these twelve pages.")
+    run_id, version = started.run.run_id, started.checkpoint_version
+    for step in range(2):
+        calls = [call(f"s{step}c{n}") for n in range(12)]
+        results = [result(f"s{step}c{n}", f"page {step}.{n}") for n in range(12)]
+        appended = await append_items(
+            stub, session_id, run_id, version, assistant(f"step {step}"), *calls, *results
+        )
+        version = appended.checkpoint_version
+    built = await stub.Build(build_request(session_id, run_id))
+    names = [m.name for m in built.request.cache_breakpoints]
+    assert "bridge" in names and "after_tools" not in names
+    again = await _get(stub, session_id, built.request_sequence)
+    assert (again.request, again.provider_payload) == (built.request, built.provider_payload)
+
+    older = request_to_proto(unbridged(request_from_proto(built.request)))
+    assert [m.name for m in older.cache_breakpoints] == [
+        "after_system",
+        "after_tools",
+        "carried_history",
+        "run",
+    ]
+    sent = render(request_from_proto(older)).body
+    recorded = request_from_proto(older).request_sha256()
+    await _rewrite_record(
+        pool,
+        session_id,
+        built.request_sequence,
+        lambda p: {
+            **p,
+            ASSEMBLER_KEY: "context-assembler@14",
+            "request_sha256": recorded,
+            PAYLOAD_KEY: sha256_hex(sent),
+        },
+    )
+    served = await _get(stub, session_id, built.request_sequence)
+    assert (served.request, served.provider_payload, served.request_sha256) == (
+        older,
+        sent,
+        recorded,
+    )

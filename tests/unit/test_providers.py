@@ -522,13 +522,14 @@ def test_render_applies_the_models_breakpoint_budget(sc: Scenario, budget: int) 
     assert render(openai_request, budget).body == render(openai_request).body
 
 
-def test_priority_table_drops_the_run_marker_first() -> None:
+def test_priority_table_drops_the_bridge_then_the_run_marker_first() -> None:
     priorities = {b.name: b.priority for b in BREAKPOINTS}
     assert sorted(priorities, key=priorities.__getitem__) == [
         "after_system",
         "after_tools",
         "carried_history",
         "run",
+        "bridge",
     ]
 
 

@@ -2203,7 +2203,9 @@ type CacheBreakpoint struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Which marker: "after_system", "after_tools", "carried_history", "run".
+	// Which marker: "after_system", "after_tools", "carried_history", "run", or "bridge"
+	// (where the previous step's run marker was, when the latest turn spans more than the
+	// provider's lookback; in after_tools' place: at most four markers, context-assembler@15).
 	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// The item id (or row name for Region A) the cached prefix ends with.
 	ThroughItem string `protobuf:"bytes,2,opt,name=through_item,json=throughItem,proto3" json:"through_item,omitempty"`

@@ -36,6 +36,7 @@ from ..core.build_record import (
     inputs_to_record,
     markers_by_id,
     recalled_people,
+    unbridged,
     unmarked_excerpts,
 )
 from ..core.checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint, require_version
@@ -978,6 +979,7 @@ class Engine:
         text_call_ids: bool = True,
         named_writers: bool = True,
         fixed_texts: bool = True,
+        bridge_markers: bool = True,
     ) -> BuildResult:
         """Assemble, render and record the run's next request.
 
@@ -1000,7 +1002,8 @@ class Engine:
         working-state block names no fact's writer, as context-assembler@11 and older
         rendered it. `fixed_texts` False: the estimate counts no renderer's fixed text (a
         failed result's line, the request's framing), as context-assembler@12 and older
-        counted (core/body_estimate.py, Rule 6).
+        counted (core/body_estimate.py, Rule 6). `bridge_markers` False: the request
+        carries no bridge marker, as context-assembler@14 and older made it (`unbridged`).
 
         A recording Build of a run this replica has built before is made from the run head
         it kept, which the record confirms in the same round trip (store/records.py): if
@@ -1028,6 +1031,7 @@ class Engine:
             text_call_ids=text_call_ids,
             named_writers=named_writers,
             fixed_texts=fixed_texts,
+            bridge_markers=bridge_markers,
         )
         heads = self._heads(tenant, session_id) if record else None
         kept = heads.by_run.get(run_id) if heads is not None else None
@@ -1067,6 +1071,7 @@ class Engine:
         text_call_ids: bool,
         named_writers: bool,
         fixed_texts: bool,
+        bridge_markers: bool,
     ) -> BuildResult:
         """build() from the `kept` head, which the record must confirm (_StaleHead if it
         does not; nothing is written before then), or from a head read now (None)."""
@@ -1186,6 +1191,9 @@ class Engine:
                     tenant, session_id, run_id, plan, exc, checkpoint
                 )
             raise
+        if not bridge_markers and assembled.request is not None:
+            older = unbridged(assembled.request)
+            assembled = replace(assembled, request=older, request_sha256=older.request_sha256())
         if not marker_sequences and assembled.request is not None:
             older = markers_by_id(assembled.request)
             assembled = replace(assembled, request=older, request_sha256=older.request_sha256())

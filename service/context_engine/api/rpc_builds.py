@@ -38,6 +38,7 @@ from ..core.build_record import (
     REDACTED_KEY,
     TOKENIZER_KEY,
     assembler_of,
+    bridge_markers,
     delegated_messages,
     estimate_differs,
     failed_result_line,
@@ -169,6 +170,8 @@ async def rebuild(
         named_writers=named_writers(payload),
         # Its estimate as it counted it: no renderer's fixed text before @13.
         fixed_texts=fixed_texts(payload) if counted is None else counted,
+        # Its cache markers as it placed them: no bridge before @15.
+        bridge_markers=bridge_markers(payload),
     )
 
 

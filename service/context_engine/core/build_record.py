@@ -60,6 +60,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from .assemble import Assembled, StepContext
+from .cache_hints import BREAKPOINTS
 from .errors import PreconditionError
 from .estimator import IMAGE_TOKENS
 from .items import ContextItem, ConversationItem, ToolResult, excerpted
@@ -79,6 +80,7 @@ __all__ = [
     "SHOWN_FIELDS",
     "TOKENIZER_KEY",
     "assembler_of",
+    "bridge_markers",
     "delegated_messages",
     "estimate_differs",
     "estimate_to_record",
@@ -95,6 +97,7 @@ __all__ = [
     "redact_record",
     "shown_items",
     "text_call_ids",
+    "unbridged",
     "unmarked_excerpts",
     "whole_request_hash",
 ]
@@ -214,7 +217,12 @@ __all__ = [
 # that hides some of a mixed list renders other bytes, and GetBuild refuses such a @13
 # record as not rebuilt (the older order is not kept: a block hides entries only over its
 # 1,000 tokens). The estimate is @13's.
-ASSEMBLER_VERSION = "context-assembler@14"
+# @15: a request whose latest model turn spans more than core/cache_hints.py's
+# LOOKBACK_ITEMS items carries a `bridge` history marker where the previous step's run
+# marker was, in after_tools' place (Rule 8 there): such a step past the provider's
+# lookback read nothing of the run and wrote it all again. A marker-only difference: a
+# rebuild of an older record drops the bridge and restores after_tools (`unbridged`).
+ASSEMBLER_VERSION = "context-assembler@15"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})
@@ -232,6 +240,9 @@ _UNNAMED_CALLS = frozenset(
 _UNNAMED_WRITERS = _UNNAMED_CALLS | {"context-assembler@11"}
 # The versions whose estimate counted no renderer's fixed text.
 _UNCOUNTED_TEXTS = _UNNAMED_WRITERS | {"context-assembler@12"}
+_SPEC_OF = {b.name: b for b in BREAKPOINTS}
+# The versions that sent no bridge marker (every one before @15).
+_UNBRIDGED = _UNCOUNTED_TEXTS | {"context-assembler@13", "context-assembler@14"}
 # The versions whose cache markers name an item by its id alone.
 _BY_ID = _WHOLE_HASH | {"context-assembler@7"}
 ASSEMBLER_KEY = "assembler_version"
@@ -344,6 +355,35 @@ def marker_sequences(payload: dict[str, Any]) -> bool:
     """Rule 8: whether the request's history cache markers named their items' sequences
     (@8 on); an older record is rebuilt with its markers made by `markers_by_id`."""
     return assembler_of(payload) not in _BY_ID
+
+
+def bridge_markers(payload: dict[str, Any]) -> bool:
+    """Rule 8: whether the request could carry a bridge marker (@15 on); an older record
+    is rebuilt with its markers made by `unbridged`."""
+    return assembler_of(payload) not in _UNBRIDGED
+
+
+def unbridged(request: ModelRequest) -> ModelRequest:
+    """`request` with its cache markers as context-assembler@14 and older made them: no
+    bridge marker, and after_tools (which the bridge took the place of) with
+    after_system's TTL."""
+    markers = request.cache_breakpoints
+    if not any(bp.name == "bridge" for bp in markers):
+        return request
+    kept = [bp for bp in markers if bp.name != "bridge"]
+    system = next((bp for bp in kept if bp.name == "after_system"), None)
+    if system is not None and not any(bp.name == "after_tools" for bp in kept):
+        tools = _SPEC_OF["after_tools"]
+        kept.append(
+            CacheBreakpoint(
+                "after_tools",
+                through_item=tools.through_item,
+                ttl=system.ttl,
+                priority=tools.priority,
+            )
+        )
+    kept.sort(key=lambda bp: bp.priority)
+    return replace(request, cache_breakpoints=tuple(kept))
 
 
 def marked_excerpts(payload: dict[str, Any]) -> bool:

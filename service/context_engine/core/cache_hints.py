@@ -25,6 +25,17 @@ closes the last nameable item of its prefix (earlier, never later).
 Rule 7 (through_sequence): a history marker also names its item's session sequence. Item
 ids are unique within a run only (a worker may number each run's items alike), and a
 request carries earlier runs: the id and the sequence together name one block.
+Rule 8 (bridge marker): a provider finds an earlier cache entry only within a lookback of
+blocks before a marker (about twenty on Anthropic). A step that adds more than that (ten
+parallel calls and their results) moves the run marker past the lookback of the previous
+step's entry, so every step read only through the carried marker and wrote the run's
+whole portion again, at the write premium, growing with the run. So when the run's latest
+model turn (its text and calls, and the inputs after them) spans more than
+LOOKBACK_ITEMS items, a `bridge` marker closes the item before it: where the previous
+step's run marker was (Build is a pure function of the checkpoint), which the request then
+reads, writing only the new turn. It takes after_tools' place (a request carries at most
+MAX_MARKERS): after_tools pays off only at a rotation that keeps the tools, while the
+bridge pays off on every such step. Priority 4: a smaller budget drops it first.
 """
 
 from __future__ import annotations
@@ -42,6 +53,8 @@ from .rows import Row
 __all__ = [
     "BREAKPOINTS",
     "DEFAULT_TTL",
+    "LOOKBACK_ITEMS",
+    "MAX_MARKERS",
     "PREFIX_TTL_BY_SESSION_KIND",
     "BreakpointSpec",
     "cache_breakpoints",
@@ -70,7 +83,14 @@ BREAKPOINTS: tuple[BreakpointSpec, ...] = (
     BreakpointSpec("after_tools", 1, prefix=True, through_item="row:tools"),
     BreakpointSpec("carried_history", 2, prefix=False),
     BreakpointSpec("run", 3, prefix=False),
+    BreakpointSpec("bridge", 4, prefix=False),  # Rule 8
 )
+# The most markers any provider reads (Anthropic's four): with a bridge, after_tools gives
+# way (Rule 8).
+MAX_MARKERS = 4
+# Rule 8: how many blocks back from a marker the provider looks for an earlier entry
+# (Anthropic's lookback is about twenty), less a margin for blocks a renderer adds.
+LOOKBACK_ITEMS = 16
 _SPEC = {b.name: b for b in BREAKPOINTS}
 
 _WINDOW_ROWS = frozenset({Row.COMPACTED_SUMMARY, Row.CONVERSATION})
@@ -113,7 +133,24 @@ def history_window(
     run = _marker("run", repeated)
     if run is not None and (carried is None or _closes(run) != _closes(carried)):
         out.append(run)
+        # Rule 8: the previous step's run marker, when the new one is past its lookback.
+        start = _latest_turn(repeated)
+        if carried_len < start and len(repeated) - start > LOOKBACK_ITEMS:
+            bridge = _marker("bridge", repeated[:start])
+            if bridge is not None and _closes(bridge) not in {_closes(m) for m in out}:
+                out.append(bridge)
     return tuple(out)
+
+
+def _latest_turn(items: Sequence[ContextItem]) -> int:
+    """Where the latest model turn of `items` begins: before its inputs (results, user
+    messages) and its own items (text, calls), walking back from the end."""
+    start = len(items)
+    while start > 0 and isinstance(items[start - 1], _INPUT_TYPES):
+        start -= 1
+    while start > 0 and not isinstance(items[start - 1], _INPUT_TYPES):
+        start -= 1
+    return start
 
 
 def cache_breakpoints(
@@ -121,8 +158,13 @@ def cache_breakpoints(
 ) -> tuple[CacheBreakpoint, ...]:
     """Every marker of a request, in priority order: Region A first, then the window.
     Equal markers are one tuple object (a run's steps repeat them): what serializes them
-    is then a memo hit by identity."""
-    return _interned((*prefix_breakpoints(session_kind), *history_window(placed, run_id)))
+    is then a memo hit by identity. With a bridge (Rule 8), after_tools gives way: a
+    request carries at most MAX_MARKERS."""
+    prefix = prefix_breakpoints(session_kind)
+    window = history_window(placed, run_id)
+    if len(prefix) + len(window) > MAX_MARKERS:
+        prefix = tuple(b for b in prefix if b.name != "after_tools")
+    return _interned((*prefix, *window))
 
 
 @bounded_cache(4096)
