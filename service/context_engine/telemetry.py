@@ -389,8 +389,19 @@ def record_build(
 
 
 def record_pool_wait(seconds: float) -> None:
-    """A call waited `seconds` for a pooled connection (store/db.py acquire)."""
-    _record("pool_wait", lambda t: t.record("context_engine.store.pool.wait", seconds))
+    """A call waited `seconds` for a pooled connection (store/db.py). Recorded to the
+    telemetry of the pool's server whether or not an RPC is current: Build's shared round
+    trips (store/batches.py) run in a context of their own, and they are most of a busy
+    replica's connections (a review found none of them recorded)."""
+    current = _current.get()
+    telemetry = current[0] if current is not None else _pool_telemetry
+    if telemetry is not None:
+        telemetry.record("context_engine.store.pool.wait", seconds)
+
+
+# The telemetry of the server whose pool is observed (Telemetry.observe_pool): what
+# record_pool_wait reaches outside an RPC.
+_pool_telemetry: Telemetry | None = None
 
 
 def record_pressure(fits: bool, steps: Sequence[str]) -> None:
@@ -579,8 +590,10 @@ class Telemetry:
         """Report `pool`'s connections (an asyncpg.Pool) whenever a reader collects; a
         second call observes its pool instead. The callbacks run on the reader's thread
         and only read the pool's counts."""
+        global _pool_telemetry
         first = self._pool is None
         self._pool = pool
+        _pool_telemetry = self
         if not first or not self.metrics_read:
             return
 

@@ -319,3 +319,65 @@ async def test_a_build_waiting_for_its_sessions_lock_holds_up_no_other_sessions_
     finally:
         await channel.close()
         await running.stop(0)
+
+
+async def test_a_busy_record_sent_alone_checks_its_head_after_the_write_it_waited_for(
+    stub: Any, pool: Any
+) -> None:
+    """A record answered BUSY is sent on its own and waits for the lock; the write that
+    held the lock may move the run's head, and the record is then STALE_HEAD (its Build is
+    made again), not written from the head it had. Before, the head was checked before the
+    wait (a review)."""
+    (session_id, run_id), _ = await _runs(stub, 2, 1)
+    head = await runs.read_run_head(pool, TENANT, UUID(session_id), UUID(run_id))
+    record = replace(
+        _record(session_id, run_id), head_state=head.state, latest_version=head.latest_version
+    )
+    held = await _holding(pool, _LOCK_SESSION, TENANT, UUID(session_id))
+    try:
+        (answer,) = await records.record_requests(pool, [record])
+        assert answer == BUSY
+        waiting = asyncio.create_task(records.record(pool, record))
+        await wait_for(lambda: _waiting_for_a_lock(pool), timeout=10, what="the resend's wait")
+        # The lock holder's write moves the head (a revision, as an erasure's rewrite).
+        await held[0].execute(
+            "UPDATE sessions SET plans_revision = plans_revision + 1"
+            " WHERE tenant_id = $1 AND session_id = $2",
+            TENANT,
+            UUID(session_id),
+        )
+    finally:
+        await held[1].commit()
+        await pool.release(held[0])
+    assert await waiting == STALE_HEAD
+    assert await _probes(pool, session_id) == []
+
+
+async def test_records_waiting_for_a_lock_leave_the_pool_to_everyone_else(
+    database_dsn: str,
+) -> None:
+    """Each Build whose record is BUSY waits on a connection of its own; with many at once
+    (an erasure locking the people of many sessions) they took the whole pool, and every
+    other session's Build failed UNAVAILABLE (a review). At most half the pool waits."""
+    from context_engine.store import connect_pool
+
+    small = await connect_pool(database_dsn, min_size=1, max_size=4)
+    stub, channel, running = await replica(small)
+    try:
+        (session_id, run_id), (other_session, other_run) = await _runs(stub, 2, 1)
+        held = await _holding(small, _LOCK_SESSION, TENANT, UUID(session_id))
+        try:
+            locked = [
+                asyncio.ensure_future(stub.Build(_build(session_id, run_id))) for _ in range(6)
+            ]
+            await wait_for(lambda: _waiting_for_a_lock(small), timeout=10, what="a lock wait")
+            other = await stub.Build(_build(other_session, other_run))
+            assert other.request_sequence > 0
+            assert not any(b.done() for b in locked)
+        finally:
+            await _let_go(small, held)
+        assert all(b.request_sequence > 0 for b in await asyncio.gather(*locked))
+    finally:
+        await channel.close()
+        await running.stop(0)
+        await small.close()

@@ -261,7 +261,8 @@ async def test_a_build_records_its_window_share_and_markers_and_the_pool_its_wai
     records the calls' waits for a connection, and the pool gauges read the pool."""
     stub, reader = traced["stub"], traced["reader"]
     before = _points(reader)
-    built = (await _session_with_a_tool_loop(stub, "hello"))["build"]
+    flow = await _session_with_a_tool_loop(stub, "hello")
+    built, flow_session, flow_run = flow["build"], flow["session_id"], flow["run_id"]
     after = _points(reader)
 
     def delta(name: str, **attributes: Any) -> float:
@@ -284,6 +285,16 @@ async def test_a_build_records_its_window_share_and_markers_and_the_pool_its_wai
         assert delta("context_engine.build.cache_markers", marker=name) == names.count(name)
     # Plan, StartRun, AppendItems and Build each took a connection at least once.
     assert delta("context_engine.store.pool.wait") >= 4
+    # A Build from a kept head takes its connection in the replica's shared round trip,
+    # outside any RPC's context: recorded too (a review found none of those).
+    before_builds = _points(reader)
+    request = pb.BuildRequest(tenant_id=TENANT, session_id=flow_session, run_id=flow_run)
+    for _ in range(3):
+        await stub.Build(request)
+    waits = _total(_points(reader), "context_engine.store.pool.wait") - _total(
+        before_builds, "context_engine.store.pool.wait"
+    )
+    assert waits >= 3
     (most,) = after["context_engine.store.pool.max"]
     assert most.value == pool.get_max_size()
     states = {

@@ -59,6 +59,7 @@ class _Inputs:
     shown: tuple[ContextItem, ...]  # the step lines recorded Builds showed the model
     skills: tuple[LoadedSkill, ...]  # the session's loaded skill bodies, shown every step
     prefix: tuple[PrefixData, ...]  # the enveloped prefix entries of the plans shown
+    tool_names: frozenset[str]  # the tools those plans offer, defined and deferred
     child: bool  # a child run: its user messages are its parent's words
 
 
@@ -113,6 +114,9 @@ async def _inputs(
         conn, tenant_id, session_id, sorted({*shown.epochs, run.epoch})
     )
     prefix = [entry for p in shown_plans for entry in prefix_data(p.plan, p.spec)]
+    tool_names = frozenset(
+        name for p in shown_plans for name in (*p.plan.tool_names, *p.plan.deferred_tool_names)
+    )
     return _Inputs(
         checkpoint,
         carried_history(logged),
@@ -120,6 +124,7 @@ async def _inputs(
         shown_items(shown.lines),
         tuple(skills),
         tuple(prefix),
+        tool_names,
         child=run.parent_run_id is not None,
     )
 
@@ -153,6 +158,7 @@ async def prepare_compaction(
         shown=inputs.shown,
         skills=inputs.skills,
         prefix=inputs.prefix,
+        tool_names=inputs.tool_names,
         child=inputs.child,
     )
 
@@ -175,6 +181,7 @@ def _reprepare(inputs: _Inputs, through: int, count_tokens: TokenCounter) -> Pre
             shown=inputs.shown,
             skills=inputs.skills,
             prefix=inputs.prefix,
+            tool_names=inputs.tool_names,
             child=inputs.child,
         )
     except InvalidFieldError as exc:

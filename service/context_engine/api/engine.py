@@ -186,6 +186,10 @@ class Engine:
         # The record's round trips, back to back under load, share one held connection
         # while they follow one another (store/db.py HeldConnection, batches.py Rule 4).
         held = HeldConnection(pool)
+        # Records answered BUSY waiting for their locks at once, each on a connection of
+        # its own: at most half the pool (the rest serves everyone else).
+        most = pool.get_max_size() if hasattr(pool, "get_max_size") else 2
+        self._busy_records = asyncio.Semaphore(max(1, most // 2))
         self._record_requests: Batcher[RequestRecord, int] = Batcher(
             partial(records.record_requests, pool, connection=held.use), idle=held.release
         )
@@ -1270,8 +1274,12 @@ class Engine:
             if seq == BUSY:
                 # Its session (or a person it names) is locked by another write: waited
                 # for on a connection of its own, never in the replica's shared round
-                # trip, where it would hold up every other session's Build.
-                seq = await records.record(self.pool, request_record)
+                # trip, where it would hold up every other session's Build. At most half
+                # the pool waits so at once: an erasure locking many sessions' people made
+                # every Build of them take a connection to wait on, and the pool ran dry
+                # for everyone else (a review).
+                async with self._busy_records:
+                    seq = await records.record(self.pool, request_record)
         if seq == STALE_HEAD:
             raise _StaleHead
         if seq == PLAN_INVALIDATED:

@@ -93,7 +93,8 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
@@ -570,7 +571,10 @@ def _state_spans(state: WorkingState) -> list[tuple[ElidedSpan, str]]:
                 kind="working_state.fact",
                 trust=fact.trust,
                 byte_length=len(fact.statement.encode("utf-8")),
-                event_id=fact.source_sequence,
+                # Shown from before any item, for the order of quoting (prepare): a fact's
+                # source_sequence is its latest statement, and restating it would move it
+                # after the model's quote of it (a review).
+                event_id=0,
             ),
             fact.statement,
         )
@@ -713,6 +717,7 @@ def prepare(
     shown: Sequence[ContextItem] = (),
     skills: Sequence[LoadedSkill] = (),
     prefix: Sequence[PrefixData] = (),
+    tool_names: Collection[str] = (),
     child: bool = False,
 ) -> Prepared:
     """The summarizer input for compacting the run's oldest body items.
@@ -722,7 +727,9 @@ def prepare(
     compaction elided to their logged text, for the commit-time check; `shown` holds the
     step lines (knowledge passages, recall and correction lines) the recorded Builds
     showed the model, `skills` the session's loaded skill bodies, and `prefix` the
-    enveloped prefix entries of the plans those Builds were made on (all Rule 3's view).
+    enveloped prefix entries of the plans those Builds were made on (all Rule 3's view),
+    and `tool_names` the tools those plans offer (defined and deferred: a call's name
+    licenses itself only when it is one of them).
     `child`: the run is a child run, whose user messages are its parent's words.
 
     Raises:
@@ -811,11 +818,15 @@ def prepare(
     # show the summarizer: the model wrote them to call the tool (a tool's name is not
     # held against it either: plan._unnamed). A summary naming the tool it called was
     # refused where the tool's own result repeated its name (a compaction audit). Only a
-    # name shaped as one: a "name" that is a sentence licenses nothing.
+    # tool a plan offers, by a name shaped as one: AppendItems takes any name, and a model
+    # that read a page could "call" its text (a review).
+    offered = frozenset(tool_names)
     called = _unique(
         i.tool_name
         for i in compacted
-        if isinstance(i, ToolCall) and CALLABLE_NAME.fullmatch(i.tool_name)
+        if isinstance(i, ToolCall)
+        and i.tool_name in offered
+        and CALLABLE_NAME.fullmatch(i.tool_name)
     )
     base = _APART.join(
         [
@@ -1003,12 +1014,20 @@ def require_shrink(
 
 
 def _weighed(record: CompactionResult, retained: Sequence[str]) -> str:
-    """The summary without its pointer lines and the `retained` texts (require_shrink)."""
-    pointers = {*map(pointer, record.elided), *pointer_lines(record.elided)}
-    lines = record.summary.splitlines()
-    text = "\n".join(line for line in lines if line.strip(" -*\t") not in pointers)
-    for kept in sorted({r for r in retained if r}, key=len, reverse=True):
-        text = text.replace(kept, "")
+    """The summary without its pointer lines and the `retained` texts (require_shrink),
+    each set aside once: a summary repeating them is weighed for the repeats (a review: a
+    constraint 300 times passed as short)."""
+    pointers = Counter([*map(pointer, record.elided), *pointer_lines(record.elided)])
+    kept_lines = []
+    for line in record.summary.splitlines():
+        bare = line.strip(" -*\t")
+        if pointers[bare] > 0:
+            pointers[bare] -= 1
+        else:
+            kept_lines.append(line)
+    text = "\n".join(kept_lines)
+    for kept in sorted(Counter(r for r in retained if r).elements(), key=len, reverse=True):
+        text = text.replace(kept, "", 1)
     return text
 
 

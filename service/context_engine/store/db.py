@@ -308,8 +308,10 @@ class HeldConnection:
             if self._conn is not None and not _open(self._conn):
                 await self.release()
             if self._conn is None:
+                asked = time.perf_counter()
                 async with asyncio.timeout(self._timeout):
                     self._conn = await self._pool.acquire()
+                telemetry.record_pool_wait(time.perf_counter() - asked)
             handed_out = True
             try:
                 yield self._conn

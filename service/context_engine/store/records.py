@@ -75,9 +75,10 @@ class RequestRecord:
     latest_version: int | None = None
 
 
-# A record on its own, waiting for its session's locks (record()), confirming its kept
-# head (arguments 10 and 11, migrations/0013: STALE_HEAD, nothing written, if it moved).
-_ONE = "SELECT record_model_request_confirmed($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
+# A record on its own, waiting for its session's locks (record()), then confirming its
+# kept head (arguments 10 and 11, migrations/0018: STALE_HEAD, nothing written, if the
+# write it waited for moved it).
+_ONE = "SELECT record_model_request_waiting($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
 # The shared round trip's records, none waiting for a lock (migrations/0018: BUSY).
 _NOWAIT = (
     "SELECT record_model_requests_nowait($1::text[], $2::uuid[], $3::bigint[],"
@@ -109,7 +110,8 @@ async def record_requests(
     refusal code: BUSY for one whose session or person lock another transaction holds.
 
     Records are sent sorted by (tenant, session), arrival order kept within a session, so
-    a session's sequences follow the order its Builds were made in. When the statement
+    a session's sequences follow the order its Builds were made in (but for a BUSY one,
+    which lands after those that went on without it). When the statement
     fails for a reason other than PostgreSQL being away, each record is sent again on its
     own, so a record that cannot land fails its own Build only. `connection`: where each
     round trip gets its connection (None: acquired from `pool` for each).
