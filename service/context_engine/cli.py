@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +25,15 @@ __all__ = ["main"]
 
 def _serve(args: argparse.Namespace) -> int:
     from .api.server import StartupError, serve
-    from .telemetry import configure_logging
+    from .telemetry import configure_logging, sampling_ratio
 
     settings = load_settings(
         {"listen": args.listen, "database_url": args.database_url, "data_dir": args.data_dir}
     )
+    try:  # a configuration error too, found before the database is touched (exit 2)
+        sampling_ratio(os.environ.get("OTEL_TRACES_SAMPLER_ARG") or "1.0")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     configure_logging(settings.log_level, settings.log_format)
     for name in unknown_variables():
         logging.getLogger("context_engine.server").warning(
@@ -46,6 +52,25 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"context-engine: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _session_id(text: str) -> str:
+    """A session id argument: a UUID, named before anything starts (usage, exit 2)."""
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a session id (a UUID)") from None
+    return text
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of columns")
+    return value
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -140,13 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     inspect = sub.add_parser(
         "inspect", help="print a session's epochs, prefix hashes and per-request budget bars"
     )
-    inspect.add_argument("session", help="session id (UUID)")
+    inspect.add_argument("session", type=_session_id, help="session id (UUID)")
     inspect.add_argument("--tenant", default=None, help="tenant (needed if the id is shared)")
     inspect.add_argument("--database-url", default=None, help="PostgreSQL DSN (or DATABASE_URL)")
     inspect.add_argument(
         "--data-dir", default=None, help="embedded database directory (without a DSN)"
     )
-    inspect.add_argument("--width", type=int, default=0, help="terminal width (default: auto)")
+    inspect.add_argument(
+        "--width", type=_positive, default=0, help="terminal width (default: auto)"
+    )
     inspect.set_defaults(func=_inspect)
 
     from .explain import add_arguments as explain_arguments

@@ -244,7 +244,7 @@ def end(token: Token[tuple[Telemetry, RpcState] | None]) -> None:
     _current.reset(token)
 
 
-def _sampling_ratio(text: str) -> float:
+def sampling_ratio(text: str) -> float:
     """OTEL_TRACES_SAMPLER_ARG as a ratio of traces kept.
 
     Raises:
@@ -521,7 +521,7 @@ class Telemetry:
         metrics_endpoint = env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or general
         # Sampling: the standard ratio knob, parent-based so a worker's sampled trace
         # continues here; without an exporter nothing is recorded at all.
-        ratio = _sampling_ratio(env.get("OTEL_TRACES_SAMPLER_ARG") or "1.0")
+        ratio = sampling_ratio(env.get("OTEL_TRACES_SAMPLER_ARG") or "1.0")
         # shutdown_on_exit off on both: their exit hooks would run a second, unbudgeted
         # shutdown after a flush `shutdown` gave up on (5 s more, a review measured).
         tracer_provider = TracerProvider(

@@ -124,8 +124,13 @@ async def test_inspect_command_exit_codes(stub: Any, database_dsn: str) -> None:
     assert code == 0 and "Plans (epochs)" in out and session_id in out
     code, _, err = await inspect(new_id())
     assert code == 1 and "not found" in err
+    # A malformed argument is usage (exit 2), named before anything starts (an audit: the
+    # id gave exit 1 with a bare "badly formed hexadecimal UUID string", and a negative
+    # width exit 0 with no output).
     code, _, err = await inspect("not-a-uuid")
-    assert code == 1
+    assert code == 2 and "'not-a-uuid' is not a session id" in err
+    code, _, err = await inspect(session_id, "--width", "-5")
+    assert code == 2 and "not a positive number of columns" in err
     # An unreachable database: one line naming it, not an asyncpg traceback.
     env["DATABASE_URL"] = "postgresql://postgres@127.0.0.1:1/postgres"  # nothing on port 1
     code, _, err = await inspect(session_id)

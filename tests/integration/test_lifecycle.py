@@ -417,6 +417,17 @@ def test_bad_configuration_exits_2_naming_the_setting(
     assert named in message
 
 
+def test_a_bad_sampling_ratio_is_a_configuration_error_before_the_database(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """OTEL_TRACES_SAMPLER_ARG was checked after the database was reached and migrated, and
+    failed as a start-up error (exit 1; an audit). It is configuration: exit 2, first."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "2")
+    code = cli.main(["serve", "--database-url", "postgresql://127.0.0.1:1/never"])
+    assert code == 2
+    assert "OTEL_TRACES_SAMPLER_ARG='2' is not a ratio from 0 to 1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("url", "says"),
     [
