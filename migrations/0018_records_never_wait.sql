@@ -11,10 +11,9 @@
 -- (pg_try_advisory_xact_lock_shared) and its session row (FOR UPDATE SKIP LOCKED). A
 -- record whose lock is held elsewhere is answered -5 and writes nothing; the engine sends
 -- it again on its own connection, outside the shared round trips, where it waits for its
--- own session only (record_model_request_waiting, below). Not waiting, the round trip
+-- own session only (record_model_request_confirmed, 0013). Not waiting, the round trip
 -- cannot deadlock whatever order it meets locks in; the records are still sent sorted by
--- (tenant, session) so a session's records keep their arrival order, except one answered
--- -5, which lands after the session's records that went on without it.
+-- (tenant, session) so a session's records keep their arrival order.
 --
 -- p_head[i] NULL: nothing to confirm for that record (run_head_holds, 0013). The locks a
 -- record takes here are taken again by record_model_request, which this transaction
@@ -66,39 +65,5 @@ BEGIN
         END IF;
     END LOOP;
     RETURN v_out;
-END
-$$;
-
--- A record answered -5, sent on its own: it waits for its people fence (shared, in key
--- order) and its session row, as record_model_request takes them, and only then checks
--- its kept head, so the write it waited for (the one that held the lock) is seen; -4 if
--- that write moved the head. record_model_request then takes the locks this transaction
--- already holds.
-CREATE FUNCTION record_model_request_waiting(
-    p_tenant      text,
-    p_session     uuid,
-    p_epoch       bigint,
-    p_run         uuid,
-    p_pressure    jsonb,
-    p_used        jsonb,
-    p_snapshot_id text,
-    p_trace_id    text,
-    p_request     jsonb,
-    p_head        text,
-    p_latest      bigint
-) RETURNS bigint
-LANGUAGE plpgsql AS $$
-BEGIN
-    PERFORM pg_advisory_xact_lock_shared(k) FROM (
-        SELECT DISTINCT hashtextextended('erasure' || chr(31) || p_tenant || chr(31) || p, 0)
-               AS k
-          FROM jsonb_array_elements_text(coalesce(p_request -> 'people', '[]')) AS p
-         ORDER BY k) AS keys;
-    PERFORM 1 FROM sessions WHERE tenant_id = p_tenant AND session_id = p_session FOR UPDATE;
-    IF NOT run_head_holds(p_tenant, p_session, p_run, p_head, p_latest) THEN
-        RETURN -4;
-    END IF;
-    RETURN record_model_request(p_tenant, p_session, p_epoch, p_run, p_pressure, p_used,
-                                p_snapshot_id, p_trace_id, p_request);
 END
 $$;

@@ -21,6 +21,7 @@ from .helpers import (
     append_items,
     assistant,
     block_texts,
+    build_request,
     call,
     details,
     new_id,
@@ -940,3 +941,44 @@ async def test_a_child_runs_request_does_not_hide_its_parents_from_the_view(
     # An item of no run could follow any run's request: the session's latest bounds it too.
     assert passage in await lines([parent, ""])
     assert passage not in await lines([child])  # the child was never shown it
+
+
+@pytest.mark.parametrize("earlier_run", [False, True])
+async def test_a_summary_may_name_a_granted_tool_the_run_called(
+    stub: Any, earlier_run: bool
+) -> None:
+    """A tool a run was granted at admission is on its own plan (an admission fork), which
+    shares its prefix content with the session's first plan: compaction read the tools of
+    one plan per content, missed the granted one, and took a summary naming the call for a
+    quote of its result (a review). The tools of every plan the view was built on count."""
+    name = "mail.send_with_attachments"
+    with_mail = spec()
+    with_mail.tools.append(tool(name, scopes=("mail.send",)))
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=with_mail))
+    if earlier_run:  # a run on epoch 1, carried into the next
+        first = await start_run(stub, session_id, "hello")
+        await stub.Build(build_request(session_id, first.run.run_id))
+        await append_items(
+            stub, session_id, first.run.run_id, first.checkpoint_version, assistant("Hi.")
+        )
+    started = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            user_message=pb.UserMessage(text="Send the report to Ana."),
+            admission=pb.RunAdmission(scopes=["calendar.read", "mail.send", "web.read"]),
+        )
+    )
+    run_id, version = started.run.run_id, started.checkpoint_version
+    steps = [
+        (assistant("Sending."), call("c1", name), result("c1", f"{name}: queued", name=name)),
+        (assistant("Checking."), call("c2"), result("c2", "page two")),
+        (assistant("Checking more."), call("c3"), result("c3", "page three")),
+    ]
+    for items in steps:
+        await stub.Build(build_request(session_id, run_id))
+        version = (await append_items(stub, session_id, run_id, version, *items)).checkpoint_version
+    await stub.Build(build_request(session_id, run_id))
+    prepared = await _prepare(stub, session_id, run_id)
+    await _commit(stub, session_id, run_id, prepared, f"The agent called {name} once.")

@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+from context_engine.store import runs
 
 from .helpers import (
     TENANT,
@@ -389,6 +390,23 @@ async def test_a_head_read_before_the_replicas_own_append_is_not_kept(two: Any) 
         await stub.Build(build_request(session_id, run_id))
     heads = engine._heads(TENANT, UUID(session_id))
     assert not heads.spread and UUID(run_id) in heads.by_run
+
+
+async def test_a_head_is_not_kept_across_its_entrys_eviction(two: Any, pool: Any) -> None:
+    """The kept heads live in a bounded cache and count writes from 0 when made again: a
+    head read at 0 writes, an append, the entry evicted, and the head was kept into the new
+    entry at 0 (a review). The entry read at is compared too."""
+    (stub, engine), _ = two
+    session_id, _ = await open_session(stub)
+    started = await start_run(stub, session_id, "first question")
+    run_id = UUID(started.run.run_id)
+    seen = engine._writes(TENANT, UUID(session_id))
+    head = await runs.read_run_head(pool, TENANT, UUID(session_id), run_id)
+    await append_items(stub, session_id, started.run.run_id, 1, assistant("a"))
+    engine._kept.drop(("heads", TENANT, UUID(session_id)))
+    engine._writes(TENANT, UUID(session_id))  # made again, counting from 0
+    engine._keep_head(TENANT, UUID(session_id), head, seen)
+    assert run_id not in engine._heads(TENANT, UUID(session_id)).by_run
 
 
 async def _true(value: bool) -> bool:

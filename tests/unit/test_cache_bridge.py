@@ -11,6 +11,7 @@ latest turn and writes only that turn.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -83,7 +84,7 @@ class _Run:
             for c in calls
         ]
 
-    def request(self):  # type: ignore[no-untyped-def]
+    def request(self, budget: int | None = None):  # type: ignore[no-untyped-def]
         session = Session(
             carried=self.carried,
             run=list(self.items),
@@ -95,7 +96,7 @@ class _Run:
             reserve=8_192,
             factor_ppm=1_000_000,
         )
-        built = assemble(_build(session)[1])
+        built = assemble(replace(_build(session)[1], cache_marker_budget=budget))
         assert built.request is not None
         return built.request
 
@@ -153,23 +154,15 @@ def test_a_turn_within_the_lookback_needs_no_bridge(calls: int) -> None:
     assert names == ["after_system", "after_tools", "carried_history", "run"]
 
 
-def test_a_smaller_budget_drops_the_bridge_first() -> None:
-    """Priority 4: a model with three breakpoints keeps after_system, the carried marker
-    and the run marker, not the bridge (which lies between those two)."""
+def test_a_smaller_budget_gets_no_bridge_and_the_markers_it_had() -> None:
+    """A model reading fewer than four markers gets none: beside after_system and the
+    carried marker, the run marker alone (past every earlier entry's lookback) would be
+    written at the premium and never read, where before the bridge the budget dropped it
+    (a review). Its request keeps the markers it had, after_tools among them."""
     run = _Run(12)
     for n in range(2):
         run.step(n)
-    request = run.request()
-
-    def marked(budget: int) -> list[int]:
-        body = json.loads(render(request, budget).body)
-        blocks = [
-            block
-            for message in body["messages"]
-            if isinstance(message["content"], list)
-            for block in message["content"]
-        ]
-        return [n for n, block in enumerate(blocks) if "cache_control" in block]
-
-    carried, _bridge, last = marked(4)
-    assert marked(3) == [carried, last]
+    assert "bridge" in [bp.name for bp in run.request(4).cache_breakpoints]
+    for budget in (1, 2, 3):
+        names = [bp.name for bp in run.request(budget).cache_breakpoints]
+        assert names == ["after_system", "after_tools", "carried_history", "run"], budget

@@ -2205,7 +2205,8 @@ type CacheBreakpoint struct {
 
 	// Which marker: "after_system", "after_tools", "carried_history", "run", or "bridge"
 	// (where the previous step's run marker was, when the latest turn spans more than the
-	// provider's lookback; in after_tools' place: at most four markers, context-assembler@15).
+	// provider's lookback; in after_tools' place, for a model that reads four markers:
+	// context-assembler@15).
 	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// The item id (or row name for Region A) the cached prefix ends with.
 	ThroughItem string `protobuf:"bytes,2,opt,name=through_item,json=throughItem,proto3" json:"through_item,omitempty"`

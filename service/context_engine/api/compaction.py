@@ -110,13 +110,10 @@ async def _inputs(
         in_view=in_view,
     )
     skills = await skill_store.read_loaded(conn, tenant_id, session_id)
-    shown_plans = await plans.read_distinct_prefixes(
-        conn, tenant_id, session_id, sorted({*shown.epochs, run.epoch})
-    )
+    epochs = sorted({*shown.epochs, run.epoch})
+    shown_plans = await plans.read_distinct_prefixes(conn, tenant_id, session_id, epochs)
     prefix = [entry for p in shown_plans for entry in prefix_data(p.plan, p.spec)]
-    tool_names = frozenset(
-        name for p in shown_plans for name in (*p.plan.tool_names, *p.plan.deferred_tool_names)
-    )
+    tool_names = await plans.read_tool_names(conn, tenant_id, session_id, epochs)
     return _Inputs(
         checkpoint,
         carried_history(logged),

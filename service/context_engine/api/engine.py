@@ -310,21 +310,27 @@ class Engine:
     def _put_heads(self, tenant: str, session_id: UUID, heads: _Heads) -> None:
         self._kept.put(("heads", tenant, session_id), heads, approximate_bytes(heads))
 
-    def _writes(self, tenant: str, session_id: UUID) -> int:
-        """How many of the session's writes through this replica moved or dropped its kept
-        heads so far (_Heads.writes; 0 with none kept)."""
+    def _writes(self, tenant: str, session_id: UUID) -> tuple[_Heads, int]:
+        """The session's kept heads (an empty entry kept now if there is none) and how many
+        of its writes through this replica moved or dropped them so far."""
         heads = self._heads(tenant, session_id)
-        return heads.writes if heads is not None else 0
+        if heads is None:
+            heads = _Heads()
+            self._put_heads(tenant, session_id, heads)
+        return heads, heads.writes
 
-    def _keep_head(self, tenant: str, session_id: UUID, head: runs.RunHead, writes: int) -> None:
-        """Keep `head`, read when the session's writes here were `writes`. A head read
-        before a write through this replica (an append, a rotation) is older than what the
-        replica knows: kept, the next Build found it moved, with no write since to explain
-        it, and took the session for one another replica serves (an audit)."""
-        heads = self._heads(tenant, session_id) or _Heads()
-        kept = heads.by_run.get(head.run.run_id)
-        if heads.spread or heads.writes != writes:
+    def _keep_head(
+        self, tenant: str, session_id: UUID, head: runs.RunHead, seen: tuple[_Heads, int]
+    ) -> None:
+        """Keep `head`, read when the session's heads and writes here were `seen`. A head
+        read before a write through this replica (an append, a rotation) is older than
+        what the replica knows: kept, the next Build found it moved, with no write since
+        to explain it, and took the session for one another replica serves (an audit).
+        The entry itself is compared too: one evicted and made again counts from 0."""
+        heads = self._heads(tenant, session_id)
+        if heads is None or heads is not seen[0] or heads.spread or heads.writes != seen[1]:
             return
+        kept = heads.by_run.get(head.run.run_id)
         if kept is None or kept.latest_version <= head.latest_version:
             heads.by_run[head.run.run_id] = head
             self._put_heads(tenant, session_id, heads)
@@ -1079,13 +1085,13 @@ class Engine:
     ) -> BuildResult:
         """build() from the `kept` head, which the record must confirm (_StaleHead if it
         does not; nothing is written before then), or from a head read now (None)."""
-        writes = 0  # the session's writes here when a fresh head is read (_keep_head)
+        seen: tuple[_Heads, int] | None = None  # the session's heads when a fresh head is read
         async with telemetry.span("store.read"):
             if kept is not None:
                 head = kept
             else:
                 # Builds made while another's head read is in flight share the next one.
-                writes = self._writes(tenant, session_id)
+                seen = self._writes(tenant, session_id)
                 row = await self._read_heads((tenant, run_id))
                 try:
                     head = runs.run_head_of(row, session_id, run_id)
@@ -1177,6 +1183,7 @@ class Engine:
                 image_tokens=image_tokens,
                 inline_maximum_bytes=inline_maximum_bytes,
                 fixed_texts=fixed_texts,
+                cache_marker_budget=budget,
             )
             if inputs.carried_before:  # with nothing before it, what was read reaches
                 inputs = await self._carried_reaching(tenant, session_id, inputs, carried)
@@ -1302,10 +1309,10 @@ class Engine:
             raise NotFoundError(
                 f"session {session_id} not found", field="session_id", reason="SESSION_NOT_FOUND"
             )
-        if kept is None and not moved:
-            # The head this Build was made from, for the run's next Build to confirm; not
-            # one this Build has just moved on (a lineage continued, a plan replaced).
-            self._keep_head(tenant, session_id, head, writes)
+        if seen is not None and not moved:
+            # The head this Build read, for the run's next Build to confirm; not one this
+            # Build has just moved on (a lineage continued, a plan replaced).
+            self._keep_head(tenant, session_id, head, seen)
         return BuildResult(assembled, plan, checkpoint.version, seq, rendered, paths)
 
     async def _record_budget_exceeded(

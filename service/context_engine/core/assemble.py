@@ -122,6 +122,10 @@ class BuildInputs:
     # Whether the estimate counts the renderers' fixed texts (core/body_estimate.py Rule
     # 6); False only to rebuild a context-assembler@12 or older record as it was counted.
     fixed_texts: bool = True
+    # How many cache markers the model's provider reads (the registry's
+    # max_cache_breakpoints; None: the provider's own limit). A bridge marker only where
+    # there is room for it beside the run marker (core/cache_hints.py Rule 8).
+    cache_marker_budget: int | None = None
 
     @property
     def estimator_factor_ppm(self) -> int:
@@ -220,6 +224,7 @@ def assemble(inputs: BuildInputs) -> Assembled:
             plan.session_kind,
             _window_items(fitted, inputs.checkpoint.run_id),
             inputs.checkpoint.run_id,
+            inputs.cache_marker_budget,
         ),
         repeated=repeated,
     )

@@ -3,8 +3,9 @@
 Rule 1 (the table): every marker a request may carry is one row of BREAKPOINTS — its name,
 its priority (lower sends first; a provider with fewer breakpoints drops the highest) and
 whether it caches Region A or the history window. Two prefix breakpoints (after_system,
-after_tools) then the history window (carried_history, run): a four-breakpoint provider
-sends all four and a smaller budget drops the run marker first.
+after_tools) then the history window (carried_history, run, and Rule 8's bridge): a
+four-breakpoint provider sends four (after_tools giving way to a bridge) and a smaller
+budget, which gets no bridge, drops the run marker first.
 Rule 2 (TTL): both prefix breakpoints carry one TTL, from the plan's session kind: the
 one-hour TTL for a scheduled occurrence, the default for every other session. The history
 window always keeps the default: its markers move every step, so a one-hour write there
@@ -31,11 +32,13 @@ parallel calls and their results) moves the run marker past the lookback of the 
 step's entry, so every step read only through the carried marker and wrote the run's
 whole portion again, at the write premium, growing with the run. So when the run's latest
 model turn (its text and calls, and the inputs after them) spans more than
-LOOKBACK_ITEMS items, a `bridge` marker closes the item before it: where the previous
+LOOKBACK_ITEMS items (nine parallel calls and their results, with the turn's text), a
+`bridge` marker closes the item before it: where the previous
 step's run marker was (Build is a pure function of the checkpoint), which the request then
 reads, writing only the new turn. It takes after_tools' place (a request carries at most
 MAX_MARKERS): after_tools pays off only at a rotation that keeps the tools, while the
-bridge pays off on every such step. Priority 4: a smaller budget drops it first.
+bridge pays off on every such step. Only where the provider reads MAX_MARKERS: with
+fewer, the request keeps the markers it had before (no bridge, after_tools kept).
 """
 
 from __future__ import annotations
@@ -109,9 +112,10 @@ def prefix_breakpoints(session_kind: SessionKind) -> tuple[CacheBreakpoint, ...]
 
 
 def history_window(
-    placed: Sequence[tuple[Row, ContextItem]], run_id: str
+    placed: Sequence[tuple[Row, ContextItem]], run_id: str, *, bridged: bool = True
 ) -> tuple[CacheBreakpoint, ...]:
-    """The history window over Region B as placed by assembly: zero, one or two markers.
+    """The history window over Region B as placed by assembly: up to three markers (the
+    carried, the run's and, when `bridged`, Rule 8's).
 
     `placed` is every Region B item in assembly order; `run_id` is the building run's id
     (row 10 items with another run id, and the summary, are carried history).
@@ -135,7 +139,7 @@ def history_window(
         out.append(run)
         # Rule 8: the previous step's run marker, when the new one is past its lookback.
         start = _latest_turn(repeated)
-        if carried_len < start and len(repeated) - start > LOOKBACK_ITEMS:
+        if bridged and carried_len < start and len(repeated) - start > LOOKBACK_ITEMS:
             bridge = _marker("bridge", repeated[:start])
             if bridge is not None and _closes(bridge) not in {_closes(m) for m in out}:
                 out.append(bridge)
@@ -154,14 +158,20 @@ def _latest_turn(items: Sequence[ContextItem]) -> int:
 
 
 def cache_breakpoints(
-    session_kind: SessionKind, placed: Sequence[tuple[Row, ContextItem]], run_id: str
+    session_kind: SessionKind,
+    placed: Sequence[tuple[Row, ContextItem]],
+    run_id: str,
+    budget: int | None = None,
 ) -> tuple[CacheBreakpoint, ...]:
     """Every marker of a request, in priority order: Region A first, then the window.
     Equal markers are one tuple object (a run's steps repeat them): what serializes them
     is then a memo hit by identity. With a bridge (Rule 8), after_tools gives way: a
-    request carries at most MAX_MARKERS."""
+    request carries at most MAX_MARKERS. `budget`: how many markers the model's provider
+    reads (None: MAX_MARKERS); below MAX_MARKERS there is no bridge, so a smaller budget
+    drops markers as it did before the bridge (the run marker alone, past every earlier
+    entry's lookback, would be written at the premium and never read: a review)."""
     prefix = prefix_breakpoints(session_kind)
-    window = history_window(placed, run_id)
+    window = history_window(placed, run_id, bridged=budget is None or budget >= MAX_MARKERS)
     if len(prefix) + len(window) > MAX_MARKERS:
         prefix = tuple(b for b in prefix if b.name != "after_tools")
     return _interned((*prefix, *window))

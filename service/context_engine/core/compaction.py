@@ -1017,7 +1017,8 @@ def _weighed(record: CompactionResult, retained: Sequence[str]) -> str:
     """The summary without its pointer lines and the `retained` texts (require_shrink),
     each set aside once: a summary repeating them is weighed for the repeats (a review: a
     constraint 300 times passed as short)."""
-    pointers = Counter([*map(pointer, record.elided), *pointer_lines(record.elided)])
+    # Each line once: up to POINTER_LINES spans pointer_lines is the pointers themselves.
+    pointers = Counter(map(pointer, record.elided)) | Counter(pointer_lines(record.elided))
     kept_lines = []
     for line in record.summary.splitlines():
         bare = line.strip(" -*\t")

@@ -62,6 +62,7 @@ __all__ = [
     "next_epoch",
     "read_distinct_prefixes",
     "read_plan",
+    "read_tool_names",
     "set_current_epoch",
 ]
 
@@ -193,6 +194,25 @@ async def read_distinct_prefixes(
         list(epochs),
     )
     return [_stored(row, 0) for row in rows]
+
+
+async def read_tool_names(
+    conn: Any, tenant_id: str, session_id: UUID, epochs: Sequence[int]
+) -> frozenset[str]:
+    """Every tool the plans of `epochs` offer, defined or deferred. Read from each plan, not
+    one per prefix content (read_distinct_prefixes): plans of one content can differ in the
+    tools a run was granted (a review: a granted tool's calls were taken for quotes). One
+    round trip; each plan decoded for two lists (about 10 us for a 12 kB plan)."""
+    rows = await conn.fetch(
+        "SELECT DISTINCT n.name FROM context_plans p CROSS JOIN LATERAL"
+        " jsonb_array_elements_text(coalesce(p.plan -> 'tool_names', '[]'::jsonb)"
+        " || coalesce(p.plan -> 'deferred_tool_names', '[]'::jsonb)) AS n(name)"
+        " WHERE p.tenant_id = $1 AND p.session_id = $2 AND p.epoch = ANY($3::bigint[])",
+        tenant_id,
+        session_id,
+        list(epochs),
+    )
+    return frozenset(r["name"] for r in rows)
 
 
 async def next_epoch(conn: Any, tenant_id: str, session_id: UUID) -> int:

@@ -76,7 +76,7 @@ class RequestRecord:
 
 
 # A record on its own, waiting for its session's locks (record()), then confirming its
-# kept head (arguments 10 and 11, migrations/0018: STALE_HEAD, nothing written, if the
+# kept head (arguments 10 and 11, migrations/0019: STALE_HEAD, nothing written, if the
 # write it waited for moved it).
 _ONE = "SELECT record_model_request_waiting($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
 # The shared round trip's records, none waiting for a lock (migrations/0018: BUSY).
