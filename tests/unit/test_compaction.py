@@ -991,6 +991,11 @@ def test_what_a_summary_carries_is_set_aside_once_not_for_every_repeat() -> None
     require_shrink(
         check_result(prepared, _result(prepared, once), count_tokens), count_tokens, retained
     )
+    # Twice is once too many: the second copy counts (each line was set aside twice).
+    weigh = compaction_module._weighed
+    record = check_result(prepared, _result(prepared, once), count_tokens)
+    twice = record.model_copy(update={"summary": once + "\n" + "\n".join(pointers)})
+    assert count_tokens(weigh(twice, retained)) > count_tokens(weigh(record, retained))
     padded = "\n".join(["Five pages were fetched.", constraint * 300, *pointers * 50])
     with pytest.raises(InvalidFieldError):
         require_shrink(
