@@ -5,6 +5,7 @@ run and local use; production points DATABASE_URL at a real server."""
 from __future__ import annotations
 
 import subprocess
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,12 @@ def start_embedded(data_dir: str) -> tuple[str, Any]:
     is configured, a configuration error. Raises StoreUnavailableError when it is installed
     but cannot start in `data_dir`."""
     try:
-        import pgserver
+        # platformdirs (through pgserver) warns at import, in two lines, when
+        # XDG_RUNTIME_DIR is unset (root, CI, containers): noise before the one line a
+        # failure prints, about nothing this server uses.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import pgserver
     except ImportError:
         raise ConfigError(
             "no database configured (database_url, CONTEXT_ENGINE_DATABASE_URL or"

@@ -655,7 +655,10 @@ async def _fails_in_one_line(*args: str, **settings: Any) -> tuple[int, str]:
     """Run the CLI to its exit (with `settings` as CONTEXT_ENGINE_* variables); (exit
     code, its last stderr line), which must be the engine's own one-line reason after no
     traceback."""
-    proc = await _cli(*args, env=_env(log_format="text", **settings))
+    env = _env(log_format="text", **settings)
+    # As root, in CI and in containers: platformdirs warned at import, before the line.
+    env.pop("XDG_RUNTIME_DIR", None)
+    proc = await _cli(*args, env=env)
     try:
         _, raw = await asyncio.wait_for(proc.communicate(), 60)
     finally:
@@ -664,6 +667,7 @@ async def _fails_in_one_line(*args: str, **settings: Any) -> tuple[int, str]:
             await proc.wait()
     stderr = raw.decode("utf-8", "replace")
     assert "Traceback" not in stderr, stderr
+    assert "Warning" not in stderr, stderr
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("context-engine"), stderr
     return int(proc.returncode or 0), last
