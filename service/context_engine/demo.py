@@ -141,7 +141,10 @@ def main() -> int:
     except grpc.aio.AioRpcError as exc:  # one line, not a traceback: the server is the point
         hint = f" (is `make run` serving {args.target}?)"
         unreachable = exc.code() is grpc.StatusCode.UNAVAILABLE
-        print(f"demo: {exc.code().name}: {exc.details()}{hint if unreachable else ''}")
+        print(
+            f"demo: {exc.code().name}: {exc.details()}{hint if unreachable else ''}",
+            file=sys.stderr,
+        )
         return 2
     return verdict(hashes)
 

@@ -36,6 +36,8 @@ def test_no_server_is_one_line_and_exit_2(
 ) -> None:
     monkeypatch.setattr(sys, "argv", ["demo", "--target", "127.0.0.1:1"])
     assert demo.main() == 2
-    out = capsys.readouterr().out.strip()
+    captured = capsys.readouterr()
+    out = captured.err.strip()  # on stderr, as every failure line (an operator audit)
+    assert captured.out == ""
     assert out.startswith("demo: UNAVAILABLE: ") and "\n" not in out, out
     assert out.endswith("(is `make run` serving 127.0.0.1:1?)"), out

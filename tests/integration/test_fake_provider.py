@@ -6,6 +6,8 @@ Every cache assertion here is a documented provider rule (see the docstrings of
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -599,3 +601,20 @@ def test_module_entry_point_prints_its_base_url() -> None:
         if process.stdout is not None:
             process.stdout.close()
     assert process.returncode == 0
+
+
+def test_a_port_in_use_is_a_start_up_failure_in_one_line() -> None:
+    """A taken port is not a usage error: exit 1 and one line, not argparse's usage and
+    exit 2 (an operator audit)."""
+    from context_engine.fake_provider.__main__ import main
+
+    taken = FakeProvider()
+    base_url = taken.start(host="127.0.0.1", port=0)
+    try:
+        listen = base_url.removeprefix("http://")
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            assert main(["--listen", listen]) == 1
+        line = err.getvalue().strip()
+        assert "\n" not in line and f"cannot listen on {listen}" in line, line
+    finally:
+        taken.stop()

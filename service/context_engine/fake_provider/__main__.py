@@ -29,8 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     provider = FakeProvider()
     try:
         base_url = provider.start(host=host, port=int(port))
-    except (ValueError, OSError) as exc:
-        parser.error(str(exc))
+    except (ValueError, OSError) as exc:  # cannot bind: a start-up failure, not usage
+        print(f"{parser.prog}: cannot listen on {args.listen}: {exc}", file=sys.stderr)
+        return 1
     print(base_url, flush=True)
     print(f"  anthropic: base_url={base_url}  openai: base_url={base_url}/v1", file=sys.stderr)
     done = threading.Event()
