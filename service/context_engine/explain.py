@@ -272,6 +272,8 @@ def load_build_response(path: Path) -> pb.BuildResponse:
     except (DecodeError, json_format.ParseError, UnicodeDecodeError) as exc:
         why = " ".join(str(exc).split()) or type(exc).__name__
         raise ValueError(f"{path} is not a BuildResponse (binary or JSON): {why}") from None
+    if not data.strip():  # an empty message parses: it is no BuildResponse anyone saved
+        raise ValueError(f"{path} is empty, not a BuildResponse")
     return response
 
 
@@ -366,6 +368,9 @@ async def fetch_builds(
         ]
 
 
+_DEFAULT_TARGET = "127.0.0.1:50051"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "builds",
@@ -373,7 +378,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="two BuildResponse files (binary or JSON), or with --session two request"
         " sequences (BuildResponse.request_sequence)",
     )
-    parser.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT")
+    parser.add_argument("--target", default=_DEFAULT_TARGET, help="server HOST:PORT")
     parser.add_argument(
         "--tenant", default="", help="tenant of the session (required with --session)"
     )
@@ -395,9 +400,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """What argparse cannot say alone: --session needs --tenant (exits 2 via parser.error)."""
-    if args.session and not args.tenant:
-        parser.error("--tenant is required with --session")
+    """What argparse cannot say alone (exits 2 via parser.error): --session needs --tenant
+    and two request sequences; the server's options mean nothing with two files (an
+    operator audit: they were silently ignored)."""
+    if args.session:
+        if not args.tenant:
+            parser.error("--tenant is required with --session")
+        for build in args.builds:
+            if not build.isdigit() or int(build) < 1:
+                parser.error(f"with --session, {build!r} is not a request sequence")
+        return
+    given = [
+        flag
+        for flag, value in (
+            ("--tenant", args.tenant),
+            ("--token", args.token),
+            ("--ca-file", args.ca_file),
+            ("--cert-file", args.cert_file),
+            ("--key-file", args.key_file),
+            ("--tls", args.tls),
+            ("--target", args.target != _DEFAULT_TARGET),
+        )
+        if value
+    ]
+    if given:
+        parser.error(f"{', '.join(given)} only with --session (two files are read as given)")
 
 
 def run(args: argparse.Namespace) -> int:

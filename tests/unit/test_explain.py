@@ -202,7 +202,7 @@ def test_the_command_reads_files_and_exits_1_on_a_defect(
     assert main(["explain", paths[0], str(tmp_path / "nope")]) == 2
 
 
-@pytest.mark.parametrize("data", [b"\xff\xff\xff\xff", b'{"epoch": "x"}', b"{\xff"])
+@pytest.mark.parametrize("data", [b"\xff\xff\xff\xff", b'{"epoch": "x"}', b"{\xff", b"", b" \n"])
 def test_a_file_that_is_no_build_response_is_one_line_and_exit_2(
     tmp_path: Path, data: bytes, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -210,7 +210,31 @@ def test_a_file_that_is_no_build_response_is_one_line_and_exit_2(
     path.write_bytes(data)
     assert main(["explain", str(path), str(path)]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith(f"context-engine explain: {path} is not a BuildResponse"), line
+    assert line.startswith(f"context-engine explain: {path} is "), line
+    assert "not a BuildResponse" in line, line
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["a.bin", "b.bin", "--tenant", "t"], "--tenant only with --session"),
+        (["a.bin", "b.bin", "--target", "10.0.0.5:1"], "--target only with --session"),
+        (["a.bin", "b.bin", "--tls", "--token", "x"], "--token, --tls only with --session"),
+        (
+            ["1", "x", "--session", "00000000-0000-0000-0000-000000000001", "--tenant", "t"],
+            "'x' is not a request sequence",
+        ),
+    ],
+)
+def test_arguments_that_mean_nothing_here_are_usage_errors(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An operator audit: the server's options were ignored with two files, and a sequence
+    that is not a number failed as a bare int() error."""
+    with pytest.raises(SystemExit) as exited:
+        main(["explain", *argv])
+    assert exited.value.code == 2
+    assert says in capsys.readouterr().err
 
 
 def test_session_needs_a_tenant_and_a_token_needs_tls_off_loopback(
