@@ -52,6 +52,10 @@ def load_model_registry(operator_file: str | os.PathLike[str] | None = None) -> 
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ModelRegistryError(f"cannot read operator models file {path}: {exc}") from exc
+    except UnicodeDecodeError as exc:  # named like any other bad file, not a bare codec error
+        raise ModelRegistryError(
+            f"operator models file {path} is not UTF-8 JSON (byte {exc.start})"
+        ) from None
     return ModelRegistry.from_mappings(base, _parse(text, str(path)))
 
 

@@ -584,6 +584,11 @@ def test_a_models_file_or_tiktoken_dir_the_server_cannot_use_is_a_configuration_
             load_settings(environ={variable: value})
     with pytest.raises(ConfigError, match="invalid JSON"):
         load_settings(environ={"CONTEXT_ENGINE_MODELS_FILE": str(broken)})
+    # Not UTF-8: named as the file it is, not a bare codec error (an operator audit).
+    latin = tmp_path / "latin.json"
+    latin.write_bytes(b'{"models": "caf\xe9"}')
+    with pytest.raises(ConfigError, match=f"models_file.*{latin} is not UTF-8 JSON"):
+        load_settings(environ={"CONTEXT_ENGINE_MODELS_FILE": str(latin)})
 
 
 def test_auth_token_values_never_appear_in_configuration_errors() -> None:
