@@ -515,6 +515,40 @@ async def test_the_tool_loop_compacts_when_the_body_does_not_fit(client: Any) ->
     assert result.final.text == "Done."
 
 
+async def test_a_large_tool_output_goes_with_its_excerpt_and_the_loop_goes_on(
+    client: Any,
+) -> None:
+    """A result the model is about to read never yields: one larger than the body failed
+    every Build of its run, and the tool loop had no way to give the output its excerpt
+    (a client audit). ToolOutput.context_content is sent in its place; the log keeps the
+    whole content."""
+    probe = await client.open_session(_spec())
+    spec = _spec()
+    spec.reserve_output_tokens = RESERVE
+    spec.policy_cap_tokens = probe.plan.prefix_tokens + RESERVE + 4_000
+    session = await client.open_session(spec)
+    run = await session.start_run("Fetch the long page.")
+    page = " ".join(["timetable"] * 9_000)
+    turns = iter(
+        [
+            ModelTurn(tool_calls=[ToolCallRequest("call-1", "web.fetch", {"url": "u"})]),
+            ModelTurn(text="It is long; the 08:04 TGV."),
+        ]
+    )
+
+    async def call_model(build: BuildResult) -> ModelTurn:
+        return next(turns)
+
+    async def run_tool(call: ToolCallRequest) -> ToolOutput:
+        return ToolOutput(page, artifact_ref="pages/1", context_content=page[:2_000])
+
+    result = await run.tool_loop(call_model, run_tool, now=NOW)
+    assert result.final.text.startswith("It is long")
+    sent = result.builds[-1].response.request
+    results = [b.tool_result for m in sent.messages for b in m.blocks if b.HasField("tool_result")]
+    assert results and all(len(r.content) < 4_000 for r in results)
+
+
 async def test_a_compaction_retried_by_hand_with_its_key_lands_once(client: Any) -> None:
     """A CommitCompaction that timed out may have landed: compact again with its key (and
     the same summary) and the commit that landed answers."""

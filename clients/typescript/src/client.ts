@@ -553,7 +553,13 @@ export class Session {
     if (rotated && !response.run!.parent_run_id && rotated.epoch > this.plan.epoch) {
       this.plan = rotated;
     }
-    return new Run(this, response.run!.run_id, response.checkpoint_version, response.run!.epoch);
+    return new Run(
+      this,
+      response.run!.run_id,
+      response.checkpoint_version,
+      response.run!.epoch,
+      response.run!.seed_event_sequence,
+    );
   }
 
   /**
@@ -746,6 +752,12 @@ export class Run {
     public checkpointVersion: number,
     /** The epoch the run's latest build was made against: StartRun's, then each Build's. */
     public epoch: number,
+    /**
+     * The session sequence of the run's seed event (its user message, for a top-level
+     * run; as StartRun answered, unknown for a run resumed by id): cite it as a fact's
+     * evidence for the fact to be the user's.
+     */
+    readonly seedEventSequence?: number,
   ) {}
 
   private get ids() {
@@ -990,6 +1002,7 @@ export class Run {
             source: out.source,
             isError: out.isError,
             artifactRef: out.artifactRef,
+            contextContent: out.contextContent,
           }),
         );
       }

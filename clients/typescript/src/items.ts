@@ -39,6 +39,12 @@ export interface ToolResultOptions {
   source?: string;
   isError?: boolean;
   artifactRef?: string;
+  /**
+   * The excerpt the request sends in place of `content` (marked truncated); the log keeps
+   * `content` whole. A large output needs one: a result the model is about to read never
+   * yields, and one larger than the request's body fails every Build of its run.
+   */
+  contextContent?: string;
   itemId?: string;
 }
 
@@ -70,6 +76,7 @@ export function toolResult(
       source: attribution(opts.source || `tool:${name}`), // empty too, as in Python
       is_error: opts.isError ?? false,
       artifact_ref: opts.artifactRef ?? '',
+      context_content: opts.contextContent ?? '',
     },
   };
 }
@@ -155,6 +162,8 @@ export interface ToolOutput {
   isError?: boolean;
   source?: string;
   artifactRef?: string;
+  /** The excerpt the request sends in place of `content` (toolResult's contextContent). */
+  contextContent?: string;
 }
 
 /** One model response reduced to what the engine logs. No tool calls ends the loop. */

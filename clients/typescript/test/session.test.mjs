@@ -903,3 +903,40 @@ test('toolResult cuts a source longer than the engine accepts', () => {
   assert.ok(cut.endsWith('…'));
   assert.equal(toolResult('c1', 'web.fetch', 'page').tool_result.source, 'tool:web.fetch');
 });
+
+test('the tool loop sends a large output as its excerpt, and the run goes on', async () => {
+  // A result the model is about to read never yields: one larger than the body failed every
+  // Build of its run, and the loop could not give it its excerpt (a client audit).
+  const probe = await engine.openSession(spec);
+  const small = {
+    ...spec,
+    reserve_output_tokens: 1000,
+    policy_cap_tokens: Number(probe.plan.prefix_tokens) + 1000 + 4000,
+  };
+  const session = await engine.openSession(small);
+  const run = await session.startRun('Fetch the long page.');
+  const page = Array(9000).fill('timetable').join(' ');
+  const builds = [];
+  const result = await run.toolLoop({
+    now: NOW,
+    callModel: async (build) => {
+      builds.push(build);
+      return builds.length === 1
+        ? { toolCalls: [{ callId: 'c1', name: 'web-fetch', arguments: { url: 'u' } }] }
+        : { text: 'It is long; the 08:04 TGV.' };
+    },
+    runTool: async () => ({
+      content: page,
+      artifactRef: 'pages/1',
+      contextContent: page.slice(0, 2000),
+    }),
+  });
+  assert.ok(result.final.text.startsWith('It is long'));
+  const blocks = builds.at(-1).response.request.messages.flatMap((m) => m.blocks);
+  const results = blocks.filter((b) => b.tool_result).map((b) => b.tool_result);
+  assert.ok(results.length === 1 && results[0].content.length < 4000);
+  assert.equal(
+    toolResult('c1', 'web.fetch', page, { contextContent: 'head' }).tool_result.context_content,
+    'head',
+  );
+});

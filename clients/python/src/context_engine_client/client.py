@@ -336,7 +336,9 @@ class UsageReport:
     samples: int
     signed_error_ppm: int
     cached_prefix_ppm: int
-    absorbed: bool = False  # whether the report moved the factor (another model's: no)
+    # Whether the report moved the factor: not another model's, nor one another tokenizer
+    # counted, nor one with a zero count.
+    absorbed: bool = False
 
 
 _PATH_STEP = re.compile(r"(\w+)\[(\d+)\]")
@@ -1035,6 +1037,7 @@ class Run:
                         source=out.source,
                         is_error=out.is_error,
                         artifact_ref=out.artifact_ref,
+                        context_content=out.context_content,
                     )
                 )
             if items:

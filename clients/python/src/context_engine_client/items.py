@@ -72,10 +72,14 @@ def tool_result(
     source: str = "",
     is_error: bool = False,
     artifact_ref: str = "",
+    context_content: str = "",
     item_id: str = "",
 ) -> pb.ConversationItem:
     """A tool's result. Trust defaults to EXTERNAL_UNTRUSTED: say so when it is better.
-    A `source` over MAX_SOURCE_CHARS is cut to it, ending in "…"."""
+    A `source` over MAX_SOURCE_CHARS is cut to it, ending in "…". `context_content`: the
+    excerpt the request sends in place of `content` (marked truncated), which the log keeps
+    whole; a large output needs one, as a result the model is about to read never yields
+    (one larger than the request's body fails every Build of its run)."""
     source = source or f"tool:{name}"
     if len(source) > MAX_SOURCE_CHARS:
         source = source[: MAX_SOURCE_CHARS - 1] + "…"
@@ -89,6 +93,7 @@ def tool_result(
             source=source,
             is_error=is_error,
             artifact_ref=artifact_ref,
+            context_content=context_content,
         ),
     )
 
@@ -188,6 +193,9 @@ class ToolOutput:
     is_error: bool = False
     source: str = ""
     artifact_ref: str = ""
+    # The excerpt the request sends in place of `content` (tool_result): give one for an
+    # output that may not fit the request.
+    context_content: str = ""
 
 
 @dataclass(frozen=True, slots=True)
