@@ -178,3 +178,28 @@ def test_each_reason_is_sent_with_a_status_its_row_names() -> None:
         if status not in documented.get(reason, set())
     )
     assert wrong == []
+
+
+def test_a_refusal_quoting_a_long_value_stays_within_what_clients_accept() -> None:
+    """A refusal's message and metadata can quote what the caller sent. One quoting a
+    13,000-character browser profile id made trailing metadata of 39 kB, which gRPC
+    clients refuse past 16 kB: the caller got a bare RESOURCE_EXHAUSTED, its details
+    lost (the fuzz test). Message and metadata values are bounded in UTF-8 bytes."""
+    from context_engine.api.errors import MAX_MESSAGE_BYTES, MAX_METADATA_BYTES, status_for
+    from context_engine.core.errors import PreconditionError
+
+    long = "é" * 20_000
+    _, status = status_for(
+        PreconditionError(
+            f"profile {long!r} is not served", field="x", reason="RUN_STATE", metadata={"p": long}
+        )
+    )
+    assert len(status.SerializeToString()) < 8_192
+    assert len(status.message.encode()) <= MAX_MESSAGE_BYTES and status.message.endswith("…")
+    from google.rpc import error_details_pb2
+
+    info = error_details_pb2.ErrorInfo()
+    assert status.details[0].Unpack(info)
+    assert len(info.metadata["p"].encode()) <= MAX_METADATA_BYTES
+    short = status_for(PreconditionError("short", reason="RUN_STATE"))[1]
+    assert short.message == "short"

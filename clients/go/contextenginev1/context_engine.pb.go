@@ -1630,7 +1630,8 @@ type SessionEnvironment struct {
 	Kind SessionKind `protobuf:"varint,1,opt,name=kind,proto3,enum=context_engine.v1.SessionKind" json:"kind,omitempty"`
 	// Surface the session runs on (for example "chat", "email"); rendered in row 14.
 	Surface string `protobuf:"bytes,2,opt,name=surface,proto3" json:"surface,omitempty"`
-	// Selected browser profile, stored outside the prompt; empty when none.
+	// Selected browser profile, stored outside the prompt; empty when none. At most 200
+	// characters.
 	BrowserProfileId string `protobuf:"bytes,3,opt,name=browser_profile_id,json=browserProfileId,proto3" json:"browser_profile_id,omitempty"`
 	// Origins browser.navigate accepts; rendered in row 14 when the plan offers it.
 	AllowedOrigins []string `protobuf:"bytes,4,rep,name=allowed_origins,json=allowedOrigins,proto3" json:"allowed_origins,omitempty"`
@@ -3706,7 +3707,7 @@ type RunAdmission struct {
 
 	// The principal's effective scopes for this run. At most 1,024, else INVALID_FIELD.
 	Scopes []string `protobuf:"bytes,1,rep,name=scopes,proto3" json:"scopes,omitempty"`
-	// The session's selected browser profile now; empty when none.
+	// The session's selected browser profile now; empty when none. At most 200 characters.
 	BrowserProfileId string `protobuf:"bytes,2,opt,name=browser_profile_id,json=browserProfileId,proto3" json:"browser_profile_id,omitempty"`
 }
 

@@ -420,7 +420,11 @@ def plan_spec_from_proto(
                 if env.kind
                 else SessionKind.INTERACTIVE,
                 surface=env.surface,
-                browser_profile_id=env.browser_profile_id,
+                browser_profile_id=require_id(
+                    env.browser_profile_id,
+                    f"{field}.environment.browser_profile_id",
+                    required=False,
+                ),
                 allowed_origins=tuple(env.allowed_origins),
                 bound_capabilities=tuple(env.bound_capabilities),
                 time_zone=env.time_zone or "UTC",
@@ -496,7 +500,9 @@ def admission_from_proto(admission: pb.RunAdmission) -> Admission:
             )
     return Admission(
         scopes=_scopes(admission.scopes, "admission.scopes"),
-        browser_profile_id=admission.browser_profile_id,
+        browser_profile_id=require_id(
+            admission.browser_profile_id, "admission.browser_profile_id", required=False
+        ),
     )
 
 

@@ -42,17 +42,36 @@ _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
 )
 
 
+# A refusal's message and metadata can quote what the caller sent (an id, a name). gRPC
+# clients refuse trailing metadata past 16 KiB (a value) and may past 8 KiB (in all): a
+# message quoting a 13,000-character browser profile id reached the client as a bare
+# RESOURCE_EXHAUSTED, its details lost (the fuzz test). So the message, which the status
+# carries three times (grpc-message, Status.message, the field violation), is bounded in
+# UTF-8 bytes, as each metadata value is.
+MAX_MESSAGE_BYTES = 2_048
+MAX_METADATA_BYTES = 256
+
+
+def _bounded(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` UTF-8 bytes (on a character boundary), ending in "…"."""
+    data = text.encode("utf-8")
+    if len(data) <= limit:
+        return text
+    return data[: limit - 3].decode("utf-8", "ignore") + "…"
+
+
 def status_for(exc: Exception) -> tuple[grpc.StatusCode, status_pb2.Status]:
     code = next((c for cls, c in _CODES if isinstance(exc, cls)), grpc.StatusCode.INTERNAL)
     details: list[Any] = []
     if isinstance(exc, RequestError):
-        message = exc.message
+        message = _bounded(exc.message, MAX_MESSAGE_BYTES)
+        metadata = {k: _bounded(v, MAX_METADATA_BYTES) for k, v in exc.metadata.items()}
         details.append(
-            error_details_pb2.ErrorInfo(reason=exc.reason, domain=DOMAIN, metadata=exc.metadata)
+            error_details_pb2.ErrorInfo(reason=exc.reason, domain=DOMAIN, metadata=metadata)
         )
         if exc.field:
             violation = error_details_pb2.BadRequest.FieldViolation(
-                field=exc.field, description=exc.message
+                field=exc.field, description=message
             )
             details.append(error_details_pb2.BadRequest(field_violations=[violation]))
     elif isinstance(exc, StoreUnavailableError):
