@@ -4,14 +4,15 @@
 -- taking the session's lock: the write that held the lock, which the record waited for,
 -- was not seen, and a record it had made stale was written (a review). The records a
 -- session's Builds made keep their arrival order but for one answered -5, which lands
--- after those that went on without it.
+-- after those that went on without it. CREATE OR REPLACE: a database migrated while this
+-- function sat in 0018 already has it.
 --
 -- A record answered -5, sent on its own: it waits for its people fence (shared, in key
 -- order) and its session row, as record_model_request takes them, and only then checks
 -- its kept head, so the write it waited for (the one that held the lock) is seen; -4 if
 -- that write moved the head. record_model_request then takes the locks this transaction
 -- already holds.
-CREATE FUNCTION record_model_request_waiting(
+CREATE OR REPLACE FUNCTION record_model_request_waiting(
     p_tenant      text,
     p_session     uuid,
     p_epoch       bigint,

@@ -63,13 +63,14 @@ def _session_id(text: str) -> str:
     return text
 
 
-def _positive(text: str) -> int:
+def _width(text: str) -> int:
+    """A terminal width: 0 is auto (the default), a negative one is refused."""
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of columns")
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a width (0: auto)")
     return value
 
 
@@ -171,9 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument(
         "--data-dir", default=None, help="embedded database directory (without a DSN)"
     )
-    inspect.add_argument(
-        "--width", type=_positive, default=0, help="terminal width (default: auto)"
-    )
+    inspect.add_argument("--width", type=_width, default=0, help="terminal width (default 0: auto)")
     inspect.set_defaults(func=_inspect)
 
     from .explain import add_arguments as explain_arguments

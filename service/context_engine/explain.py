@@ -378,7 +378,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="two BuildResponse files (binary or JSON), or with --session two request"
         " sequences (BuildResponse.request_sequence)",
     )
-    parser.add_argument("--target", default=_DEFAULT_TARGET, help="server HOST:PORT")
+    parser.add_argument(
+        "--target", default=None, help=f"server HOST:PORT (default {_DEFAULT_TARGET})"
+    )
     parser.add_argument(
         "--tenant", default="", help="tenant of the session (required with --session)"
     )
@@ -401,13 +403,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What argparse cannot say alone (exits 2 via parser.error): --session needs --tenant
-    and two request sequences; the server's options mean nothing with two files (an
-    operator audit: they were silently ignored)."""
+    and two request sequences. The server's options mean nothing with two files: said on
+    stderr (an operator audit: they were ignored without a word), not refused, so a script
+    that always passes them keeps working."""
     if args.session:
         if not args.tenant:
             parser.error("--tenant is required with --session")
         for build in args.builds:
-            if not build.isdigit() or int(build) < 1:
+            try:
+                sequence = int(build)
+            except ValueError:
+                sequence = 0
+            if sequence < 1:
                 parser.error(f"with --session, {build!r} is not a request sequence")
         return
     given = [
@@ -419,12 +426,16 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             ("--cert-file", args.cert_file),
             ("--key-file", args.key_file),
             ("--tls", args.tls),
-            ("--target", args.target != _DEFAULT_TARGET),
+            ("--target", args.target is not None),
         )
         if value
     ]
     if given:
-        parser.error(f"{', '.join(given)} only with --session (two files are read as given)")
+        print(
+            f"context-engine explain: {', '.join(given)} ignored: two files are read as given"
+            " (the server's options are for --session)",
+            file=sys.stderr,
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -436,7 +447,7 @@ def run(args: argparse.Namespace) -> int:
             )
             a, b = asyncio.run(
                 fetch_builds(
-                    args.target,
+                    args.target or _DEFAULT_TARGET,
                     args.tenant,
                     args.session,
                     sequences,

@@ -618,3 +618,14 @@ def test_a_port_in_use_is_a_start_up_failure_in_one_line() -> None:
         assert "\n" not in line and f"cannot listen on {listen}" in line, line
     finally:
         taken.stop()
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:70000", "0.0.0.0:0", "127.0.0.1:x"])
+def test_a_listen_address_it_cannot_take_is_usage(listen: str) -> None:
+    """A port out of range failed in an OverflowError traceback, and a host off loopback is
+    the caller's mistake, not a start-up failure (a review)."""
+    from context_engine.fake_provider.__main__ import main
+
+    with contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit) as exited:
+        main(["--listen", listen])
+    assert exited.value.code == 2

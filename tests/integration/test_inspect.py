@@ -130,7 +130,9 @@ async def test_inspect_command_exit_codes(stub: Any, database_dsn: str) -> None:
     code, _, err = await inspect("not-a-uuid")
     assert code == 2 and "'not-a-uuid' is not a session id" in err
     code, _, err = await inspect(session_id, "--width", "-5")
-    assert code == 2 and "not a positive number of columns" in err
+    assert code == 2 and "'-5' is not a width (0: auto)" in err
+    code, out, _ = await inspect(session_id, "--width", "0")  # 0 is auto, the default
+    assert code == 0 and session_id in out
     # An unreachable database: one line naming it, not an asyncpg traceback.
     env["DATABASE_URL"] = "postgresql://postgres@127.0.0.1:1/postgres"  # nothing on port 1
     code, _, err = await inspect(session_id)

@@ -400,7 +400,10 @@ async def test_a_head_is_not_kept_across_its_entrys_eviction(two: Any, pool: Any
     session_id, _ = await open_session(stub)
     started = await start_run(stub, session_id, "first question")
     run_id = UUID(started.run.run_id)
+    # An entry made afresh (as after an eviction): the head is read at 0 writes.
+    engine._kept.drop(("heads", TENANT, UUID(session_id)))
     seen = engine._writes(TENANT, UUID(session_id))
+    assert seen[1] == 0
     head = await runs.read_run_head(pool, TENANT, UUID(session_id), run_id)
     await append_items(stub, session_id, started.run.run_id, 1, assistant("a"))
     engine._kept.drop(("heads", TENANT, UUID(session_id)))

@@ -915,6 +915,8 @@ test('the tool loop sends a large output as its excerpt, and the run goes on', a
   };
   const session = await engine.openSession(small);
   const run = await session.startRun('Fetch the long page.');
+  // The user message's sequence, to cite as a fact's evidence (the TypeScript Run lacked it).
+  assert.ok(Number.isInteger(run.seedEventSequence) && run.seedEventSequence > 0);
   const page = Array(9000).fill('timetable').join(' ');
   const builds = [];
   const result = await run.toolLoop({

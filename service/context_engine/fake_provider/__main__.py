@@ -24,12 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     host, sep, port = args.listen.rpartition(":")
-    if not sep or not port.isdigit():
-        parser.error("--listen must be host:port")
+    if not sep or not port.isascii() or not port.isdigit() or int(port) > 65535:
+        parser.error("--listen must be host:port (a port from 0 to 65535)")
     provider = FakeProvider()
     try:
         base_url = provider.start(host=host, port=int(port))
-    except (ValueError, OSError) as exc:  # cannot bind: a start-up failure, not usage
+    except ValueError as exc:  # not a loopback host: usage
+        parser.error(str(exc))
+    except OSError as exc:  # cannot bind: a start-up failure, not usage
         print(f"{parser.prog}: cannot listen on {args.listen}: {exc}", file=sys.stderr)
         return 1
     print(base_url, flush=True)
