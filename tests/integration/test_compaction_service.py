@@ -982,3 +982,39 @@ async def test_a_summary_may_name_a_granted_tool_the_run_called(
     await stub.Build(build_request(session_id, run_id))
     prepared = await _prepare(stub, session_id, run_id)
     await _commit(stub, session_id, run_id, prepared, f"The agent called {name} once.")
+
+
+async def test_a_compacted_calls_id_is_not_used_again_in_its_run(stub: Any) -> None:
+    """A compaction takes the run's compacted calls out of its checkpoint, and AppendItems
+    checked call ids against the checkpoint alone: a new call could reuse a compacted
+    call's id, two calls of one id in one run's log (a store audit). The log is asked."""
+    session_id, _ = await open_session(stub)
+    started = await start_run(stub, session_id, "Check the calendar for Friday and Saturday.")
+    run_id, version = started.run.run_id, started.checkpoint_version
+    trusted = pb.TRUST_LEVEL_TRUSTED_CONFIGURATION
+    for n, day in enumerate(("Friday is free. " * 50, "Saturday is busy.")):
+        call_id = f"c{n + 1}"
+        version = (
+            await append_items(
+                stub,
+                session_id,
+                run_id,
+                version,
+                call(call_id, "calendar.list"),
+                result(call_id, day, name="calendar.list", trust=trusted),
+                assistant(f"Noted. {day}"),
+            )
+        ).checkpoint_version
+    prepared = await _prepare(stub, session_id, run_id)
+    version = (
+        await _commit(stub, session_id, run_id, prepared, "Friday is free.")
+    ).checkpoint_version
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await append_items(
+            stub, session_id, run_id, version, call("c1", "calendar.list"), result("c1", "again")
+        )
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert details(refused.value)[1] == ["items[0].tool_call.call_id"]
+    assert "already used in this run" in refused.value.details()
+    # A new id is taken.
+    await append_items(stub, session_id, run_id, version, call("c3", "calendar.list"))

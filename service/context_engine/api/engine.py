@@ -52,7 +52,7 @@ from ..core.errors import (
 )
 from ..core.estimator import IMAGE_TOKENS
 from ..core.excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
-from ..core.items import ConversationItem, UserMessage
+from ..core.items import ConversationItem, ToolCall, UserMessage
 from ..core.log_tail import LogTail
 from ..core.plan import CapacityError, ContextPlan, ModelFacts, make_plan
 from ..core.seeding import delegated, instruction_item_id, seed_cut
@@ -849,9 +849,19 @@ class Engine:
             kept = self._kept.get(("checkpoint", tenant, run_id, expected_version))
             run, checkpoint = await runs.read_run_checkpoint(conn, tenant, session_id, run_id, kept)
             require_version(checkpoint, expected_version)
-            validate_append(checkpoint.items, new_items)
-            runtime = ws_api.runtime_transition(checkpoint, new_items)
             in_history = run.parent_run_id is None
+            new_calls = [i.call_id for i in new_items if isinstance(i, ToolCall)]
+            # A compaction took calls out of the checkpoint; their ids stay the run's (an
+            # audit: a reused id was accepted, two calls of one id in one run's log).
+            compacted = (
+                await events.read_logged_call_ids(
+                    conn, tenant, session_id, run_id, new_calls, in_history=in_history
+                )
+                if new_calls and checkpoint.replaced_through_sequence
+                else set()
+            )
+            validate_append(checkpoint.items, new_items, compacted_call_ids=compacted)
+            runtime = ws_api.runtime_transition(checkpoint, new_items)
             loggable = [i for i in new_items if i.kind in EVENT_TYPE_OF_ITEM]
             sequences = await events.append_events(
                 conn,

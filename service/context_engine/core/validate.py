@@ -11,7 +11,7 @@ may each use `call_0`, and neither answers the other's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from .errors import InvalidFieldError, PreconditionError
@@ -31,7 +31,12 @@ __all__ = [
 _INPUTS = (UserMessage, ToolResult)
 
 
-def validate_append(existing: Sequence[ConversationItem], new: Sequence[ConversationItem]) -> None:
+def validate_append(
+    existing: Sequence[ConversationItem],
+    new: Sequence[ConversationItem],
+    *,
+    compacted_call_ids: Collection[str] = (),
+) -> None:
     """Reject items that would leave the run's conversation malformed.
 
     Raises:
@@ -39,7 +44,9 @@ def validate_append(existing: Sequence[ConversationItem], new: Sequence[Conversa
             item id, or a model turn begun while an earlier turn's call has no result;
             the field path names the item (``items[i]...``).
     """
-    calls: set[str] = set()
+    # The run's calls a compaction took out of the checkpoint are its calls still: their
+    # ids are used, and they are answered.
+    calls: set[str] = set(compacted_call_ids)
     pending: set[str] = set()
     ids = {i.item_id for i in existing}
     for item in existing:

@@ -23,6 +23,7 @@ __all__ = [
     "read_events",
     "read_floor_facts",
     "read_history_page",
+    "read_logged_call_ids",
     "read_shown",
 ]
 
@@ -221,6 +222,35 @@ async def read_shown(
     )
     lines = [(r["field"], r["line"]) for r in rows if r["field"] is not None]
     return Shown(lines, [r["epoch"] for r in rows if r["field"] is None])
+
+
+async def read_logged_call_ids(
+    conn: Any,
+    tenant_id: str,
+    session_id: UUID,
+    run_id: UUID,
+    call_ids: Sequence[str],
+    *,
+    in_history: bool,
+) -> set[str]:
+    """Which of `call_ids` the run's logged tool calls already use: AppendItems' check for
+    a run whose compaction took calls out of its checkpoint. An index probe per id for a
+    run in history (migrations/0012 session_events_tool_keys)."""
+    rows = await conn.fetch(
+        "SELECT DISTINCT payload ->> 'call_id' AS call_id FROM session_events"
+        " WHERE tenant_id = $1 AND session_id = $2 AND run_id = $3"
+        " AND payload ->> 'call_id' = ANY($4::text[]) AND payload ->> 'kind' = 'tool_call'"
+        + (
+            " AND in_history AND payload ->> 'kind' IN ('tool_call', 'tool_result')"
+            if in_history
+            else ""
+        ),
+        tenant_id,
+        session_id,
+        run_id,
+        list(call_ids),
+    )
+    return {r["call_id"] for r in rows}
 
 
 def _runs(in_view: Sequence[str]) -> tuple[list[UUID], bool]:
