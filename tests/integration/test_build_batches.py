@@ -283,6 +283,8 @@ async def test_a_record_whose_lock_is_held_is_answered_busy_and_holds_up_no_othe
                 pool, [record, _record(other_session, other_run)]
             )
             assert answers[0] == BUSY and isinstance(answers[1], int) and answers[1] > 0
+            # Alone, through the one-record function (migrations/0020), the same.
+            assert await records.record_requests(pool, [record]) == [BUSY]
             assert await _probes(pool, session_id) == before
             waiting = asyncio.create_task(records.record(pool, record))
             # Another session's records land while this one waits for its lock.

@@ -79,6 +79,8 @@ class RequestRecord:
 # kept head (arguments 10 and 11, migrations/0019: STALE_HEAD, nothing written, if the
 # write it waited for moved it).
 _ONE = "SELECT record_model_request_waiting($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
+# A lone record of the shared round trip, waiting for no lock (migrations/0020: BUSY).
+_ONE_NOWAIT = "SELECT record_model_request_nowait($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
 # The shared round trip's records, none waiting for a lock (migrations/0018: BUSY).
 _NOWAIT = (
     "SELECT record_model_requests_nowait($1::text[], $2::uuid[], $3::bigint[],"
@@ -150,6 +152,8 @@ async def record(pool: Any, record: RequestRecord) -> int:
 
 async def _nowait(connect: Connect, records: Sequence[RequestRecord]) -> list[int | Exception]:
     async with connect() as conn:
+        if len(records) == 1:  # the common case, without the arrays (migrations/0020)
+            return [int(await conn.fetchval(_ONE_NOWAIT, *(c[0] for c in _columns(records))))]
         return list(await conn.fetchval(_NOWAIT, *_columns(records)))
 
 
