@@ -824,7 +824,11 @@ def test_a_constraint_the_user_removed_is_not_retained_by_the_merge() -> None:
         earlier_contents={"8f21": "x" * 4214},
     )
     assert second.retained_constraints == ("Second class only",)
-    assert "Do not email Bob" not in second.summarizer_input
+    # Named as lifted, not in force: the earlier summary still states it.
+    in_force, _, rest = second.summarizer_input.partition("Constraints the user has removed")
+    assert "Do not email Bob" not in in_force
+    removed = rest.partition("Earlier summary")[0]
+    assert "- Do not email Bob" in removed
 
 
 def test_a_sentence_split_over_two_trusted_texts_is_licensed_by_neither() -> None:

@@ -863,6 +863,16 @@ def prepare(
         *(f"- {escape_content(q)}" for q in questions),
     ]
     if summary is not None:
+        # The earlier summary retained these verbatim and still states them; the user has
+        # removed them since. Said, so the merge does not restate them as in force (a
+        # review: the earlier summary is trusted text, so nothing else stops it).
+        lifted = [c for c in earlier_retained if c not in still]
+        if lifted:
+            sections += [
+                "Constraints the user has removed since (no longer in force; do not"
+                " restate them as in force):",
+                *(f"- {escape_content(c)}" for c in lifted),
+            ]
         sections += [
             f"Earlier summary (depth {summary.depth}, through event #{floor}):",
             summary.text,
