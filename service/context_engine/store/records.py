@@ -10,8 +10,8 @@ read for this Build (Engine.build): the statement then records it only if the ru
 is still that one, read once the record's session lock is held (migrations/0018 to 0020;
 0013 read it just before), and answers STALE_HEAD, writing nothing, if not. So a Build of
 a run this replica has built before makes one round trip, not two; the engine builds again
-from a fresh head when the kept one is stale. A head read in its own round trip is as old as the time between
-that read and the record; a confirmed one is newer.
+from a fresh head when the kept one is stale. A head read in its own round trip is as old
+as the time between that read and the record; a confirmed one is newer.
 
 The shared round trip never waits for a lock (migrations/0018, and 0020 for a record that
 goes alone): a record whose session or person lock another transaction holds is answered
