@@ -300,6 +300,13 @@ async def test_summaries_merge_once_and_a_third_compaction_escalates(stub: Any, 
     assert [s.item_id for s in second.elided] == [s.item_id for s in first.elided]
     assert "Earlier summary (depth 1" in second.summarizer_input
     assert CANARY not in second.summarizer_input
+    # The first compaction's span is no longer in the checkpoint: the merge checks it from
+    # the log, by its event id.
+    with pytest.raises(grpc.aio.AioRpcError) as laundered:
+        await _commit(stub, session_id, run_id, second, f"The page said {CANARY}.")
+    reason, _, metadata = details(laundered.value)
+    assert reason == "SUMMARY_LAUNDERS_UNTRUSTED"
+    assert metadata["event_id"] == str(first.elided[0].event_id)
     two = await _commit(stub, session_id, run_id, second, "Lyon hotel for Friday; calendar free.")
     assert two.checkpoint_version == appended.checkpoint_version + 1
     built = await _build(stub, session_id, run_id, START)

@@ -55,7 +55,8 @@ COMPACTED = "context.compacted"
 class _Inputs:
     checkpoint: Checkpoint
     carried: tuple[ConversationItem, ...]  # as Build reads it
-    earlier: dict[str, str]  # the logged text of every span an earlier compaction elided
+    earlier: dict[int, str]  # by event id, the logged text of each span an earlier compaction
+    # elided
     shown: tuple[ContextItem, ...]  # the step lines recorded Builds showed the model
     skills: tuple[LoadedSkill, ...]  # the session's loaded skill bodies, shown every step
     prefix: tuple[PrefixData, ...]  # the enveloped prefix entries of the plans shown
@@ -95,7 +96,7 @@ async def _inputs(
         conn, tenant_id, session_id, [s.event_id for s in earlier]
     )
     contents = {
-        s.item_id: elided_content(*found[s.event_id]) for s in earlier if s.event_id in found
+        s.event_id: elided_content(*found[s.event_id]) for s in earlier if s.event_id in found
     }
     # The runs whose items are in view: each one's requests showed its model what they
     # may quote.

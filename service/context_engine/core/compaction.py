@@ -256,7 +256,7 @@ class Prepared:
     tokens_before: int
     checkpoint_version: int
     # For the commit-time check; never returned to the worker.
-    span_contents: tuple[tuple[str, str], ...]  # (item_id, text) of all untrusted in view
+    span_contents: tuple[tuple[ElidedSpan, str], ...]  # every untrusted text in view
     trusted_text: str  # what the summarizer legitimately saw (Rule 5's exception)
 
 
@@ -713,7 +713,7 @@ def prepare(
     *,
     through_sequence: int,
     count_tokens: TokenCounter,
-    earlier_contents: Mapping[str, str] | None = None,
+    earlier_contents: Mapping[int, str] | None = None,
     shown: Sequence[ContextItem] = (),
     skills: Sequence[LoadedSkill] = (),
     prefix: Sequence[PrefixData] = (),
@@ -723,13 +723,13 @@ def prepare(
     """The summarizer input for compacting the run's oldest body items.
 
     `carried` is the run's carried history (as Build reads it); `through_sequence` 0 lets
-    the engine choose the cut (RETAIN_PPM); `earlier_contents` maps the item ids an earlier
-    compaction elided to their logged text, for the commit-time check; `shown` holds the
-    step lines (knowledge passages, recall and correction lines) the recorded Builds
-    showed the model, `skills` the session's loaded skill bodies, and `prefix` the
-    enveloped prefix entries of the plans those Builds were made on (all Rule 3's view),
-    and `tool_names` the tools those plans offer (defined and deferred: a call's name
-    licenses itself only when it is one of them).
+    the engine choose the cut (RETAIN_PPM); `earlier_contents` maps the event ids of the
+    spans an earlier compaction elided to their logged text, for the commit-time check;
+    `shown` holds the step lines (knowledge passages, recall and correction lines) the
+    recorded Builds showed the model, `skills` the session's loaded skill bodies, and
+    `prefix` the enveloped prefix entries of the plans those Builds were made on (all Rule
+    3's view), and `tool_names` the tools those plans offer (defined and deferred: a call's
+    name licenses itself only when it is one of them).
     `child`: the run is a child run, whose user messages are its parent's words.
 
     Raises:
@@ -784,7 +784,11 @@ def prepare(
     questions = tuple(q.text for q in state.open_questions if q.trust in VETTED)
 
     untrusted = [i for i in compacted if trust_of(i) not in SUMMARIZABLE]
-    spans = {i.item_id: _span(i, trust_of(i)) for i in untrusted}
+    # Keyed by session sequence, not item id: an item id is unique within its run only,
+    # and the candidates span runs (a worker counting ids per run reuses them): keyed by
+    # id, one run's untrusted result elided another run's model message, and two results
+    # of one id kept one span between them, whose text the merge then no longer checked.
+    spans = {i.sequence: _span(i, trust_of(i)) for i in untrusted}
     # Every untrusted text in the run's view, compacted or not: the model may have read any
     # of it, and a summary must not carry any of it out of its envelope.
     in_view = [i for i in (*carried, *checkpoint.items) if trust_of(i) not in SUMMARIZABLE]
@@ -804,9 +808,9 @@ def prepare(
     contents += [_prefix_span(e) for e in entries]
     earlier = tuple(record.elided) if record else ()
     earlier_text = dict(earlier_contents or {})
-    contents += [(s, earlier_text[s.item_id]) for s in earlier if earlier_text.get(s.item_id)]
+    contents += [(s, earlier_text[s.event_id]) for s in earlier if earlier_text.get(s.event_id)]
     # The model's own items that repeat an elided span are elided with it (Rule 3).
-    trusted = [i for i in compacted if i.item_id not in spans]
+    trusted = [i for i in compacted if i.sequence not in spans]
     model = [i for i in trusted if trust_of(i) is TrustLevel.MODEL]
     others = [i for i in trusted if trust_of(i) is not TrustLevel.MODEL]
     # The run's own requests are not summarized but stay in view verbatim: the user's words.
@@ -851,10 +855,10 @@ def prepare(
         # Labelled with the least trusted of what it quotes: quoting a memory line and a
         # web page, it is as untrusted as the page.
         trust = lowest_trust((*(contents[j][0].trust for j in seen), TrustLevel.MODEL))
-        spans[item.item_id] = _span(item, trust)
-        contents += [(spans[item.item_id], _content(item))]
+        spans[item.sequence] = _span(item, trust)
+        contents += [(spans[item.sequence], _content(item))]
 
-    lines = [pointer(spans[i.item_id]) if i.item_id in spans else _line(i) for i in compacted]
+    lines = [pointer(spans[i.sequence]) if i.sequence in spans else _line(i) for i in compacted]
     sections = [
         f"Summarizer input ({PROMPT_VERSION}); the summary will have depth {depth}.",
         "Constraints in force (retain verbatim):",
@@ -882,14 +886,14 @@ def prepare(
         f"Transcript, events #{first} to #{last} (untrusted spans elided to typed pointers):",
         *lines,
     ]
-    new_spans = tuple(spans[i.item_id] for i in compacted if i.item_id in spans)
+    new_spans = tuple(spans[i.sequence] for i in compacted if i.sequence in spans)
     source_ids = sorted(
         {*(summary.source_event_ids if summary else ()), *(i.sequence for i in compacted)}
     )
     tokens_before = sum(count_tokens(_line(i)) for i in compacted) + (
         count_tokens(summary.text) if summary else 0
     )
-    kept_model = [_content(i) for i in model if i.item_id not in spans]
+    kept_model = [_content(i) for i in model if i.sequence not in spans]
     trusted_text = _APART.join([base, *kept_model])
     return Prepared(
         prompt=SUMMARIZER_PROMPT,
@@ -903,7 +907,7 @@ def prepare(
         depth=depth,
         tokens_before=tokens_before,
         checkpoint_version=checkpoint.version,
-        span_contents=tuple((span.item_id, text) for span, text in contents),
+        span_contents=tuple(contents),
         # As given and as the summarizer saw it (delimiters escaped): repeating either is
         # repeating trusted text.
         trusted_text=f"{trusted_text}{_APART}{escape_content(trusted_text)}",
@@ -966,13 +970,15 @@ def check_result(
         [result.summary], [text for _, text in prepared.span_contents], prepared.trusted_text
     )
     if found:
-        span_id = prepared.span_contents[found[0]][0]
+        span = prepared.span_contents[found[0]][0]
         raise InvalidFieldError(
-            f"the summary carries text from elided untrusted span {span_id!r}; untrusted"
-            " content is elided, never summarized: keep only its [elided] pointer",
+            f"the summary carries text from elided untrusted span {span.item_id!r} (event"
+            f" #{span.event_id}); untrusted content is elided, never summarized: keep only its"
+            " [elided] pointer",
             field="result.summary",
             reason="SUMMARY_LAUNDERS_UNTRUSTED",
-            metadata={"item_id": span_id},
+            # The item id names it within its run; the event id within the session.
+            metadata={"item_id": span.item_id, "event_id": str(span.event_id)},
         )
     record = CompactionResult(
         summary=result.summary,
