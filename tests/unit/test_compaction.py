@@ -59,6 +59,7 @@ from context_engine.core.items import (
 from context_engine.core.plan import (
     ModelFacts,
     _called_names,
+    _schema_texts,
     _unnamed,
     make_plan,
     prefix_data,
@@ -2032,6 +2033,29 @@ def test_only_names_that_alone_could_be_a_quote_are_cut_and_as_a_reader_finds_th
         "inner_parameter_name",
     )
     assert _called_names("t", {"examples": [{"properties": {"not_a_parameter": {}}}]}) == ("t",)
+
+
+def test_a_schema_holds_its_text_but_not_its_structure() -> None:
+    """plan._schema_texts: every string a schema shows the model in a server's words
+    (a title, a description, an enum, an example, a default, an extension keyword, the
+    keys of a data object), depth first in key order; not its types, formats, patterns,
+    pointers or required names, nor its parameter names. The enum's and const's values are
+    the ones a call may send."""
+    schema = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "type": "object",
+        "title": "T0",
+        "properties": {
+            "unit": {"type": "string", "enum": ["celsius", "E1"], "description": "D1"},
+            "when": {"format": "date", "pattern": "^[0-9]+$", "examples": ["X1"]},
+            "note": {"$ref": "#/$defs/note", "default": {"K1": ["V1"]}},
+        },
+        "$defs": {"note": {"const": "C1", "x-hint": "H1"}},
+        "required": ["unit"],
+    }
+    texts, values = _schema_texts(schema)
+    assert texts == ["T0", "celsius", "E1", "D1", "X1", "K1", "V1", "C1", "H1"]
+    assert values == ["celsius", "E1", "C1"]
 
 
 _GLUE = st.sampled_from(

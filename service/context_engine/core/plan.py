@@ -458,21 +458,24 @@ def prefix_data(plan: ContextPlan, spec: PlanSpec) -> tuple[PrefixData, ...]:
 def _definition_data(plan: ContextPlan, spec: PlanSpec) -> list[PrefixData]:
     """A discovered tool's definition (not builtin: its server wrote it) as its index line
     would be held: external content, though row 5 renders it as configuration, bare. Its
-    description and its schema's descriptions, which is where a server's text speaks to
-    the model; not its name or parameter names, which the model's own calls repeat."""
+    description and every text its schema shows the model (_schema_texts); not its name,
+    its parameter names or a name-shaped value an argument is limited to, which the
+    model's own calls repeat."""
     builtin = {t.name for t in spec.tools if t.builtin}
     out = []
     for tool in plan.tools:
         if tool.name in builtin:
             continue
         schema = json.loads(tool.input_schema_json)
-        shown = "\n".join(t for t in (tool.description, *_descriptions(schema)) if t)
+        texts, values = _schema_texts(schema)
+        shown = "\n".join(t for t in (tool.description, *texts) if t)
+        names = (*_called_names(tool.name, schema), *(v for v in values if _NAME.fullmatch(v)))
         out.append(
             PrefixData(
                 f"tool-definition:{tool.name}",
                 Row.TOOL_DEFINITIONS,
                 TrustLevel.EXTERNAL_UNTRUSTED,
-                _unnamed(shown, _called_names(tool.name, schema)),
+                _unnamed(shown, tuple(dict.fromkeys(names))),
             )
         )
     return out
@@ -538,15 +541,71 @@ def _unnamed(text: str, names: tuple[str, ...]) -> str:
     return cut_text if cut else text
 
 
-def _descriptions(schema: Any) -> list[str]:
-    """Every "description" string in a JSON schema, depth first in key order (a parameter
-    named "description" is an object, searched like any other)."""
-    if isinstance(schema, list):
-        return [text for value in schema for text in _descriptions(value)]
-    if not isinstance(schema, dict):
-        return []
-    found = [schema["description"]] if isinstance(schema.get("description"), str) else []
-    return found + [text for value in schema.values() for text in _descriptions(value)]
+# Schema keywords whose strings are structure (a type, a format, a pointer, a pattern, the
+# names a value must have), not text a server writes to the model.
+_STRUCTURE = frozenset(
+    {
+        "type",
+        "format",
+        "pattern",
+        "required",
+        "dependentRequired",
+        "contentEncoding",
+        "contentMediaType",
+        "$ref",
+        "$schema",
+        "$id",
+        "$anchor",
+        "$dynamicRef",
+        "$dynamicAnchor",
+    }
+)
+# Keywords whose values are the only ones an argument may take: the model's call sends one
+# verbatim. An example's or a default's value is held whole, name-shaped or not: a call
+# that copies one is elided (the safe way to err), and an account number offered as an
+# example stays held.
+_VALUES = frozenset({"enum", "const"})
+
+
+def _schema_texts(schema: Any) -> tuple[list[str], list[str]]:
+    """What a JSON schema shows the model in its own words, depth first in key order: every
+    string (and key of a data object) but the structure's (_STRUCTURE) and the parameter
+    names (a schema map's keys); and, of those, the values an argument is limited to
+    (_VALUES). Descriptions alone were held before; a server's text in a title, an
+    enum, an example or a default reached the model unheld, and a summary could restate
+    it as trusted text (a documented gap)."""
+    texts: list[str] = []
+    values: list[str] = []
+    pending: list[Any] = [schema]
+    while pending:
+        node = pending.pop()
+        if not isinstance(node, dict):
+            continue
+        subschemas: list[Any] = []
+        for key, value in node.items():
+            if key in SCHEMA_MAPS and isinstance(value, dict):
+                subschemas += value.values()
+            elif key in SCHEMA_LISTS and isinstance(value, list):
+                subschemas += value
+            elif key in SCHEMA_ONE and isinstance(value, dict):
+                subschemas.append(value)
+            elif key not in _STRUCTURE:
+                strings = _strings(value)
+                texts += strings
+                values += strings if key in _VALUES else []
+        pending += reversed(subschemas)  # popped in key order: depth first
+    return texts, values
+
+
+def _strings(data: Any) -> list[str]:
+    """Every string in JSON data, a key of an object among them, in order."""
+    if isinstance(data, str):
+        return [data]
+    if isinstance(data, list):
+        return [text for value in data for text in _strings(value)]
+    if isinstance(data, dict):
+        return [text for key, value in data.items() for text in (key, *_strings(value))]
+    return []
 
 
 def _definition(tool: ToolSpec) -> ToolDefinitionItem:
