@@ -434,6 +434,37 @@ async def test_a_never_yield_set_over_the_body_fails_and_records_exceeded(
     assert await _events(pool, tenant, session_id, "model.request.started") == []
 
 
+async def test_a_recall_floor_over_recalls_cap_is_refused_and_writes_nothing(
+    stub: Any, pool: Any
+) -> None:
+    """Recall is capped at 2,000 tokens and its floor never trims: a floor over the cap is
+    the caller's to lower (INVALID_ARGUMENT naming step.recall_floor_lines), nothing is
+    recorded, and the same lines with a floor within the cap are built."""
+    tenant = _tenant()
+    session_id, _ = await _open(stub, tenant, room=0)
+    run_id = await _start(stub, tenant, session_id, "Plan my week.")
+    lines = [pb.RecallLine(item_id=f"m{n}", text=_words(300, f"fact{n}")) for n in range(12)]
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _build(
+            stub,
+            tenant,
+            session_id,
+            run_id,
+            step=pb.StepContext(recall=lines, recall_floor_lines=12),
+        )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    reason, fields, metadata = details(caught.value)
+    assert (reason, fields) == ("INVALID_FIELD", ["step.recall_floor_lines"])
+    assert int(metadata["floor_tokens"]) > int(metadata["cap_tokens"]) == 2_000
+    assert await _events(pool, tenant, session_id, "model.request.started") == []
+    assert await _events(pool, tenant, session_id, "context.budget.exceeded") == []
+    built = await _build(
+        stub, tenant, session_id, run_id, step=pb.StepContext(recall=lines, recall_floor_lines=2)
+    )
+    recall = [u for u in built.budget if u.class_name == "recall"]
+    assert recall and recall[0].tokens <= 2_000
+
+
 @pytest.fixture
 async def own_server(pool: Any) -> AsyncIterator[Any]:
     """A server of this test's own: its engine's token counter can be changed."""

@@ -170,7 +170,10 @@ def _loop(
 
 
 @st.composite
-def sessions(draw: st.DrawFn) -> Session:
+def sessions(draw: st.DrawFn, floor_line_chars: int = 200) -> Session:
+    """A session to build. Recall's floor lines are at most `floor_line_chars` long: at 200
+    the floor stays within recall's cap at any factor drawn (Build refuses one over it,
+    which the conformance gate draws longer lines to reach)."""
     ids = _Ids()
     carried: list[ConversationItem] = []
     runs: list[list[ConversationItem]] = []
@@ -222,9 +225,13 @@ def sessions(draw: st.DrawFn) -> Session:
         item_id, seq = ids.next("u")
         run.append(UserMessage(item_id=item_id, text=_text(100), sequence=seq, run_id=run_id))
     n_recall = draw(st.integers(0, 6))
+    floor_lines = draw(st.integers(0, n_recall))
     step = StepContext(
         recall=tuple(
-            RecallLineItem(item_id=f"rec{n}", text=_text(draw(st.integers(10, 3_000))))
+            RecallLineItem(
+                item_id=f"rec{n}",
+                text=_text(draw(st.integers(10, floor_line_chars if n < floor_lines else 3_000))),
+            )
             for n in range(n_recall)
         ),
         corrections=tuple(
@@ -239,7 +246,7 @@ def sessions(draw: st.DrawFn) -> Session:
             )
             for n in range(draw(st.integers(0, 5)))
         ),
-        recall_floor_lines=draw(st.integers(0, n_recall)),
+        recall_floor_lines=floor_lines,
     )
     working_state = (
         WorkingStateItem(item_id="working-state", text=_text(draw(st.integers(10, 3_000))))
@@ -322,7 +329,7 @@ def _never_yield_ids(session: Session) -> set[str]:
 
 
 @GATE
-@given(sessions())
+@given(sessions(floor_line_chars=3_000))
 def test_budget_conformance_and_pair_integrity_on_every_path(session: Session) -> None:
     plan, inputs = _build(session)
     # What every request pays beyond its blocks (reply priming, a placeholder turn) comes
@@ -352,6 +359,11 @@ def test_budget_conformance_and_pair_integrity_on_every_path(session: Session) -
             "active_turn",
             "recall",  # its floor: never trimmed
         }
+        return
+    except InvalidFieldError as exc:
+        # Only a recall floor over recall's cap, which would hold the class over it.
+        assert exc.field == "step.recall_floor_lines"
+        assert int(exc.metadata["floor_tokens"]) > CLASS_CAPS["recall"].cap_tokens
         return
     assert built.input_budget_tokens == budget.input_tokens
     pressure = built.pressure
@@ -1139,7 +1151,7 @@ def test_a_recall_floor_over_the_body_fails_naming_recall_not_needing_compaction
     recall (the largest never-yield class) instead of saying needs_compaction; the same
     lines above a floor of one simply trim."""
     recall = tuple(
-        RecallLineItem(item_id=f"memory:m{n}", text=f"fact {n} " + _text(12_000)) for n in range(3)
+        RecallLineItem(item_id=f"memory:m{n}", text=f"fact {n} " + _text(2_400)) for n in range(3)
     )
     session = Session(
         carried=[],
@@ -1148,7 +1160,7 @@ def test_a_recall_floor_over_the_body_fails_naming_recall_not_needing_compaction
         floor=0,
         step=StepContext(recall=recall, recall_floor_lines=3),
         working_state=None,
-        body_room=5_000,
+        body_room=1_500,
         reserve=1_000,
         factor_ppm=1_000_000,
     )
@@ -1161,6 +1173,41 @@ def test_a_recall_floor_over_the_body_fails_naming_recall_not_needing_compaction
     _, inputs = _build(replace(session, step=StepContext(recall=recall, recall_floor_lines=0)))
     built = assemble(inputs)
     assert not built.needs_compaction and built.request is not None
+
+
+def test_a_recall_floor_over_recalls_cap_is_refused_naming_the_floor() -> None:
+    """Every class but history is capped absolutely; recall's floor never trims, so a
+    floor whose lines cost more than recall's 2,000-token cap would hold the class over it
+    in every request, squeezing history and tool results (an audit: 3,312 tokens). Build
+    refuses it, naming the field; a rebuild of a request recorded before the refusal
+    (GetBuild: `refuse_floor_over_cap` False) is made as it was."""
+    recall = tuple(
+        RecallLineItem(item_id=f"memory:m{n}", text=f"fact {n} " + _text(1_000)) for n in range(12)
+    )
+    session = Session(
+        carried=[],
+        run=[UserMessage(item_id="u1", text="Plan my week", sequence=1, run_id="current")],
+        summary=None,
+        floor=0,
+        step=StepContext(recall=recall, recall_floor_lines=12),
+        working_state=None,
+        body_room=50_000,
+        reserve=1_000,
+        factor_ppm=1_000_000,
+    )
+    _, inputs = _build(session)
+    with pytest.raises(InvalidFieldError) as refused:
+        assemble(inputs)
+    assert refused.value.field == "step.recall_floor_lines"
+    floor_tokens = int(refused.value.metadata["floor_tokens"])
+    assert floor_tokens > CLASS_CAPS["recall"].cap_tokens
+    assert refused.value.metadata["cap_tokens"] == str(CLASS_CAPS["recall"].cap_tokens)
+    rebuilt = assemble(replace(inputs, refuse_floor_over_cap=False))
+    usage = {u.class_name: u.tokens for u in rebuilt.budget}
+    assert usage["recall"] == floor_tokens
+    # Within the cap, the same floor of fewer lines is built.
+    fewer = replace(session, step=StepContext(recall=recall, recall_floor_lines=4))
+    assert assemble(_build(fewer)[1]).request is not None
 
 
 def test_an_active_turn_over_the_body_behind_a_larger_user_message_names_the_message() -> None:

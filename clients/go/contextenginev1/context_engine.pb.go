@@ -4006,7 +4006,9 @@ type StepContext struct {
 	Knowledge []*KnowledgePassage `protobuf:"bytes,3,rep,name=knowledge,proto3" json:"knowledge,omitempty"`
 	// Recall lines never trimmed under pressure (the floor), counted from the best-ranked.
 	// Recall arrives ranked best first. The floor is paid with the never-yield set: one that
-	// does not fit the body fails Build with BUDGET_EXCEEDED (class recall).
+	// does not fit the body fails Build with BUDGET_EXCEEDED (class recall). Its lines must
+	// cost no more than recall's 2,000-token cap (else INVALID_FIELD naming this field, with
+	// metadata floor_tokens and cap_tokens): the cap is absolute, the floor included.
 	RecallFloorLines int32 `protobuf:"varint,4,opt,name=recall_floor_lines,json=recallFloorLines,proto3" json:"recall_floor_lines,omitempty"`
 }
 

@@ -1194,6 +1194,8 @@ class Engine:
                 inline_maximum_bytes=inline_maximum_bytes,
                 fixed_texts=fixed_texts,
                 cache_marker_budget=budget,
+                # A rebuild serves what was sent, made before Build refused such a floor.
+                refuse_floor_over_cap=record,
             )
             if inputs.carried_before:  # with nothing before it, what was read reaches
                 inputs = await self._carried_reaching(tenant, session_id, inputs, carried)

@@ -126,6 +126,9 @@ class BuildInputs:
     # max_cache_breakpoints; None: the provider's own limit). A bridge marker only where
     # there is room for it beside the run marker (core/cache_hints.py Rule 8).
     cache_marker_budget: int | None = None
+    # Whether a recall floor over recall's cap is refused (pressure.fit_body); False only
+    # to rebuild a recorded request, which may predate the refusal.
+    refuse_floor_over_cap: bool = True
 
     @property
     def estimator_factor_ppm(self) -> int:
@@ -204,6 +207,7 @@ def assemble(inputs: BuildInputs) -> Assembled:
         budget=budget,
         cost=_cost(inputs, lowered),
         recall_floor_lines=inputs.step.recall_floor_lines,
+        refuse_floor_over_cap=inputs.refuse_floor_over_cap,
         # Those the shell did not read (core/log_tail.py) lie above the floor and before the
         # window too.
         skipped=view.skipped(inputs.carried, floor) + inputs.carried_before,

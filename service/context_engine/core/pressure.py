@@ -30,7 +30,7 @@ from itertools import chain
 from .budget import ContextBudget
 from .caps import CLASS_CAPS
 from .carried import Retained, Segment
-from .errors import BudgetExceededError
+from .errors import BudgetExceededError, InvalidFieldError
 from .items import (
     ContextItem,
     CorrectionLineItem,
@@ -112,6 +112,22 @@ class Fitted:
         return self.report.fits
 
 
+def _check_recall_floor(tokens: int, lines: int) -> None:
+    """Every class but history is capped absolutely, recall at 2,000 tokens. Its floor
+    never yields, so a floor over the cap would hold the class over it for good (an audit:
+    twelve floor lines took 3,312 tokens, squeezing history and tool results): refused,
+    naming the field the caller sets."""
+    cap = CLASS_CAPS["recall"].cap_tokens
+    if tokens > cap:
+        raise InvalidFieldError(
+            f"step.recall_floor_lines: the floor's {lines} recall lines cost {tokens} tokens,"
+            f" over in-turn recall's {cap}-token cap; lower the floor (the lines above it"
+            " still yield)",
+            field="step.recall_floor_lines",
+            metadata={"floor_tokens": str(tokens), "cap_tokens": str(cap)},
+        )
+
+
 def fit_body(
     head: Sequence[Placed],
     carried: Segment,
@@ -122,6 +138,7 @@ def fit_body(
     cost: Cost,
     recall_floor_lines: int = 0,
     skipped: int = 0,
+    refuse_floor_over_cap: bool = True,
 ) -> Fitted:
     """Decide what of the placed Region B items the request carries.
 
@@ -135,6 +152,9 @@ def fit_body(
     Raises:
         BudgetExceededError: the never-yield set (recall's floor included) alone exceeds
             the body; metadata "class" names its largest class.
+        InvalidFieldError: recall's floor alone costs more than recall's cap (unless
+            `refuse_floor_over_cap` is False: a rebuild of a request sent before Build
+            refused it).
     """
     others = [*head, *tail]
     pending_ids = {id(i) for i in pending}
@@ -152,6 +172,8 @@ def fit_body(
     unyielding = list(never)
     for n in recall_at[:floor]:
         unyielding[n] = True
+    if refuse_floor_over_cap:
+        _check_recall_floor(sum(costs[n] for n in recall_at[:floor]), len(recall_at[:floor]))
     _check_never_yield(others, classes, costs, unyielding, pending_ids, budget)
 
     run_results: list[Truncatable] = []
