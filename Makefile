@@ -11,12 +11,19 @@ TS      := clients/typescript
 GO_DEBS := golang-go protobuf-compiler protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev \
            golang-google-genproto-dev golang-google-protobuf-dev golang-github-golang-protobuf-1-5-dev
 
-.PHONY: install install-go run test test-unit test-integration lint proto proto-check demo bench clean
+.PHONY: install install-go run test test-unit test-integration lint proto proto-check demo bench \
+        clean clean-data
 
 install: $(STAMP) $(TS)/node_modules/.installed install-go
 
+## The venv counts as made only once its pip runs: a `$(PY) -m venv` that failed half way
+## (Debian and Ubuntu without python3-venv) leaves .venv/bin/python behind with no pip, and
+## such a venv is removed and made again rather than used.
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip --version >/dev/null 2>&1 \
+	  || { rm -rf $(VENV) && $(PY) -m venv $(VENV); } \
+	  || { rm -rf $(VENV); echo "$(PY) -m venv failed: on Debian/Ubuntu install python3-venv" \
+	       "(python3.11-venv for PY=python3.11)" >&2; exit 1; }
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	rm -f $(VENV)/.installed-*
@@ -80,9 +87,16 @@ demo: $(STAMP)
 
 ## Benchmarks (bench/): ratios measured in one run. LangChain lives only in .venv-bench.
 bench: install
-	test -x .venv-bench/bin/python || $(PY) -m venv .venv-bench
+	.venv-bench/bin/python -m pip --version >/dev/null 2>&1 \
+	  || { rm -rf .venv-bench && $(PY) -m venv .venv-bench; }
 	.venv-bench/bin/python -m pip install --quiet -e '.[dev]' langchain-core
 	.venv-bench/bin/python -m bench $(BENCH_ARGS)
 
+## What install and the tests leave behind. The sessions of the embedded database `make run`
+## starts (.context-engine/pgdata) are kept: they are data, not build output.
 clean:
-	rm -rf $(VENV) .context-engine .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis
+
+## Deletes the embedded database and every session in it (stop `make run` first).
+clean-data:
+	rm -rf .context-engine

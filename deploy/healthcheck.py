@@ -11,9 +11,11 @@ address comes from one.) The overall status (service "", the default) is
 liveness: SERVING while the process serves. `--service context_engine.v1.ContextEngine` is
 readiness: SERVING only while PostgreSQL answers. The image's HEALTHCHECK runs it; in
 Kubernetes the built-in `grpc:` probe does the same job, except on a TLS listener, which
-that probe cannot speak: there an exec probe runs this script with --tls-ca (and, for
-mTLS, a client certificate). It needs only grpcio and grpcio-health-checking, which the
-service installs; it sends no credentials (the health service needs none).
+that probe cannot speak: there an exec probe runs this script with --tls-ca, and
+--tls-server-name when the server's certificate does not carry the target's host (often
+127.0.0.1); with a client CA on the listener (mTLS), --tls-cert and --tls-key too, as the
+handshake asks for a client certificate. It needs only grpcio and grpcio-health-checking,
+which the service installs; it sends no token (the health service needs none).
 """
 
 from __future__ import annotations

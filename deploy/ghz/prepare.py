@@ -1,6 +1,6 @@
 """Prepare a server for the ghz configs in this directory, and write runnable copies.
 
-    .venv/bin/python deploy/ghz/prepare.py --target 127.0.0.1:50051
+    .venv/bin/python deploy/ghz/prepare.py --target 127.0.0.1:50051 [--token TOKEN]
     ghz --config deploy/ghz/run/build.json
     ghz --config deploy/ghz/run/append_items.json
 
@@ -10,7 +10,9 @@ history (--history tool call/result pairs); for AppendItems, a fresh run at chec
 version 1, because AppendItems is optimistic and each request carries the version it
 expects. Each invocation draws a fresh id prefix, so a second load run writes to new runs
 instead of replaying idempotency keys, and writes the configs with those ids to --out.
-Run from the repository root (the configs name proto/ relative to it).
+Run from the repository root (the configs name proto/ relative to it). With bearer auth on,
+--token (or CONTEXT_ENGINE_TOKEN) is sent on every call; its tenant must be the configs'
+`ghz`. The token is never written to the configs: ghz takes it with --metadata.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import secrets
 import sys
@@ -98,9 +101,16 @@ async def _bounded(limit: asyncio.Semaphore, work: Any) -> None:
 
 
 async def prepare(
-    target: str, out: Path, *, total: int | None = None, history: int = 6, concurrency: int = 16
+    target: str,
+    out: Path,
+    *,
+    total: int | None = None,
+    history: int = 6,
+    concurrency: int = 16,
+    token: str | None = None,
 ) -> dict[str, Path]:
-    """Create the sessions and runs; write runnable configs to `out`; return their paths."""
+    """Create the sessions and runs; write runnable configs to `out`; return their paths.
+    `token`: a bearer token for a server with auth on (None: no credentials)."""
     out.mkdir(parents=True, exist_ok=True)
     prefix = secrets.token_hex(4)
     written: dict[str, Path] = {}
@@ -111,7 +121,7 @@ async def prepare(
         if total is not None:
             config["total"] = total
         data = config["data"]
-        async with ContextEngineClient(target, data["tenant_id"]) as client:
+        async with ContextEngineClient(target, data["tenant_id"], token) as client:
             await asyncio.gather(
                 *(
                     _bounded(limit, _prepare_one(client, data, n, history))
@@ -130,8 +140,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "run")
     parser.add_argument("--total", type=int, default=None, help="override the configs' total")
     parser.add_argument("--history", type=int, default=6, help="tool pairs per Build run")
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("CONTEXT_ENGINE_TOKEN", ""),
+        help="bearer token of tenant ghz, when auth is on (default: $CONTEXT_ENGINE_TOKEN)",
+    )
     args = parser.parse_args()
-    written = asyncio.run(prepare(args.target, args.out, total=args.total, history=args.history))
+    written = asyncio.run(
+        prepare(args.target, args.out, total=args.total, history=args.history, token=args.token)
+    )
     for path in written.values():
         shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
         print(f"ghz --config {shown}")

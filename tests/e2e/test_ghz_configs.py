@@ -83,3 +83,27 @@ async def test_ghz_configs_prepare_and_call(grpc_server: Any, tmp_path: Path) ->
                 else:
                     assert response.checkpoint_version == 2
                     assert len(response.sequences) == len(data["items"])
+
+
+async def test_ghz_prepare_sends_its_token_to_a_server_with_bearer_auth(
+    pool: Any, tmp_path: Path
+) -> None:
+    from context_engine.api.interceptors import BearerTokens
+    from context_engine.api.server import build_engine, build_server
+    from context_engine_client import Unauthenticated
+
+    token = "ghz-token-" + "g" * 32
+    running = await build_server(
+        build_engine(pool), "127.0.0.1:0", auth=BearerTokens({token: "ghz"})
+    )
+    try:
+        prepare = _prepare_module()
+        target = f"127.0.0.1:{running.port}"
+        with pytest.raises(Unauthenticated):  # without it: refused
+            await prepare.prepare(target, tmp_path / "none", total=0, history=1)
+        written = await prepare.prepare(target, tmp_path, total=0, history=1, token=token)
+        assert set(written) == {"build.json", "append_items.json"}
+        for path in written.values():  # the token is given to ghz, never written for it
+            assert token not in path.read_text(encoding="utf-8")
+    finally:
+        await running.stop(0)

@@ -327,6 +327,18 @@ async def test_bad_input_is_named_and_writes_nothing(stub: Any, pool: Any) -> No
                 session_id=session_id,
                 run_id=run_id,
                 expected_checkpoint_version=1,
+                items=[call("k1", "web.fetch"), result("k1", "12:00", name="clock.now")],
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_FIELD",
+            "items[1].tool_result.tool_name",
+        ),
+        (
+            pb.AppendItemsRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                run_id=run_id,
+                expected_checkpoint_version=1,
                 items=[assistant("ok"), pb.ConversationItem(item_id="x")],
             ),
             grpc.StatusCode.INVALID_ARGUMENT,

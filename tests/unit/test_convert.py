@@ -163,13 +163,34 @@ def test_the_widest_accepted_clocks_render_in_every_zone() -> None:
             ),
             "spec.skills[1].name",
         ),
+        (
+            pb.PlanSpec(
+                model_id="m",
+                snapshot=pb.MemorySnapshot(
+                    items=[pb.MemoryItem(item_id="m1", text="a"), pb.MemoryItem(item_id="m1")]
+                ),
+            ),
+            "spec.snapshot.items[1].item_id",
+        ),
+        (
+            pb.PlanSpec(model_id="m", principal=pb.Principal(scopes=["calendar.read", ""])),
+            "spec.principal.scopes[1]",
+        ),
+        (
+            pb.PlanSpec(model_id="m", tools=[pb.ToolSpec(name="a", required_scopes=[""])]),
+            "spec.tools[0].required_scopes[0]",
+        ),
     ],
-    ids=["tool", "skill"],
+    ids=["tool", "skill", "memory", "empty principal scope", "empty required scope"],
 )
-def test_a_name_listed_twice_is_an_invalid_field(listed: pb.PlanSpec, field: str) -> None:
+def test_a_name_listed_twice_or_an_empty_scope_is_an_invalid_field(
+    listed: pb.PlanSpec, field: str
+) -> None:
     """A skill listed twice would pin two catalog blocks under one item id, and LoadSkill
     could take its version from one entry and its trust from the other: it is refused
-    like a tool listed twice, naming the second entry."""
+    like a tool listed twice, naming the second entry; so is a memory (an audit: two `m1`
+    rendered `memory:m1` four times). An empty scope is refused wherever scopes are
+    listed, as it was in a run's admission."""
     with pytest.raises(InvalidFieldError) as caught:
         plan_spec_from_proto(listed, POLICY)
     assert caught.value.field == field

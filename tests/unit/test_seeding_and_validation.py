@@ -398,6 +398,14 @@ _U = UserMessage(item_id="u", text="hi")
             "'k1' has no result",
             id="next-turn-in-one-append",
         ),
+        pytest.param(
+            [_U, _call("c1", "k1")],
+            [_result("t1", "k1").model_copy(update={"tool_name": "clock.now"})],
+            "items[0].tool_result.tool_name",
+            "INVALID_FIELD",
+            "the call called 't'",
+            id="result-naming-another-tool",
+        ),
     ],
 )
 def test_validate_append_rejects_with_the_field_path_and_reason(
@@ -413,6 +421,19 @@ def test_validate_append_rejects_with_the_field_path_and_reason(
     assert isinstance(error, RequestError)
     assert (error.field, error.reason) == (field, reason)
     assert words in error.message
+
+
+def test_a_result_that_names_no_tool_is_logged_with_its_calls_name() -> None:
+    """The envelope names a result's source by its tool: one sent without the name takes
+    its call's (in the append or before it), and the rest pass as they are."""
+    unnamed = _result("t1", "k1").model_copy(update={"tool_name": ""})
+    other = ToolCall(item_id="c2", call_id="k2", tool_name="web.fetch", arguments_json="{}")
+    logged = validate_append(
+        [_U, _call("c1", "k1")],
+        [unnamed, other, _result("t2", "k2").model_copy(update={"tool_name": ""})],
+    )
+    assert [getattr(i, "tool_name", None) for i in logged] == ["t", "web.fetch", "web.fetch"]
+    assert logged[1] is other
 
 
 def test_a_turn_goes_on_while_its_calls_wait_and_inputs_come_in_any_order() -> None:

@@ -204,7 +204,7 @@ async def commit_compaction(
 ) -> Committed:
     """CommitCompaction: validate and store the result."""
     count_tokens = await _counter(engine, tenant_id, session_id)
-    async with transaction(engine.pool) as conn:
+    async with engine.gates.held(tenant_id, session_id), transaction(engine.pool) as conn:
         await sessions.lock_session(conn, tenant_id, session_id)
         stored = await idempotency.recall_response(
             conn, tenant_id, session_id, idempotency_key, "CommitCompaction", request_sha256

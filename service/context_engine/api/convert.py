@@ -132,13 +132,17 @@ MAX_SCOPES = 1_024
 
 
 def _scopes(values: Sequence[str], field: str) -> tuple[str, ...]:
-    """Raises InvalidFieldError: more than MAX_SCOPES scopes (metadata limit, entries)."""
+    """Raises InvalidFieldError: more than MAX_SCOPES scopes (metadata limit, entries), or
+    an empty one (naming it: an empty scope grants or requires nothing a caller meant)."""
     if len(values) > MAX_SCOPES:
         raise InvalidFieldError(
             f"{field} lists {len(values)} scopes; at most {MAX_SCOPES}",
             field=field,
             metadata={"limit": str(MAX_SCOPES), "entries": str(len(values))},
         )
+    for n, scope in enumerate(values):
+        if not scope:
+            raise InvalidFieldError(f"{field} must not hold an empty scope", field=f"{field}[{n}]")
     return tuple(values)
 
 
@@ -351,10 +355,18 @@ def plan_spec_from_proto(
             field=f"{field}.snapshot.items",
         )
     snapshot_items = []
+    memory_ids: set[str] = set()
     for n, item in enumerate(spec.snapshot.items):
         path = f"{field}.snapshot.items[{n}]"
         if not item.item_id:
             raise InvalidFieldError(f"{path}.item_id is required", field=f"{path}.item_id")
+        # Listed once, as a tool or a skill is: two entries would render two blocks under
+        # one item id (`memory:ID`), and an erasure or a compaction could not tell them apart.
+        if item.item_id in memory_ids:
+            raise InvalidFieldError(
+                f"memory {item.item_id!r} is listed twice", field=f"{path}.item_id"
+            )
+        memory_ids.add(item.item_id)
         snapshot_items.append(
             MemoryItemSpec(
                 item_id=item.item_id,
@@ -370,7 +382,7 @@ def plan_spec_from_proto(
         # plan would record the default's version, and the worker believe its own in force.
         raise InvalidFieldError(
             f"{field}.policy names version {spec.policy.version!r} but has no text; send"
-            " the text, or leave policy unset for the server's configured policy",
+            " the text, or leave policy unset for the engine's built-in policy",
             field=f"{field}.policy.text",
         )
     if spec.snapshot.watermark < 0:
@@ -493,11 +505,6 @@ def _pinned_tool(tool: PinnedTool) -> pb.PinnedTool:
 def admission_from_proto(admission: pb.RunAdmission) -> Admission:
     """A StartRun's RunAdmission (present): the run's effective scopes and selected
     browser profile, both stated (an empty list or string means none)."""
-    for n, scope in enumerate(admission.scopes):
-        if not scope:
-            raise InvalidFieldError(
-                "admission.scopes must not hold an empty scope", field=f"admission.scopes[{n}]"
-            )
     return Admission(
         scopes=_scopes(admission.scopes, "admission.scopes"),
         browser_profile_id=require_id(

@@ -80,6 +80,7 @@ from . import log_tail
 from . import usage as usage_api
 from . import working_state as ws_api
 from .kept import DEFAULT_CACHE_BYTES, Kept, approximate_bytes
+from .session_gate import SessionGates
 
 __all__ = ["BuildResult", "ChildSeed", "Engine", "RunStarted"]
 
@@ -159,6 +160,8 @@ class Engine:
         cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         self.pool = pool
+        # Writes to one session queue here, not on pooled connections (api/session_gate.py).
+        self.gates = SessionGates()
         # A model's cache-marker budget (the registry's max_cache_breakpoints; None: the
         # provider's own limit). Read at every render, Build and GetBuild alike.
         self._cache_breakpoints_of = cache_breakpoints_of or (lambda model_id: None)
@@ -255,7 +258,7 @@ class Engine:
         candidate = await asyncio.to_thread(
             self._make_plan, spec, session_id, 1, PlanReason.SESSION_OPENED, secret
         )
-        async with transaction(self.pool) as conn:
+        async with self.gates.held(tenant, session_id), transaction(self.pool) as conn:
             await _fence_snapshot(conn, tenant, spec)
             await sessions.ensure_session(conn, tenant, session_id)
             epoch = await sessions.lock_session(conn, tenant, session_id)
@@ -420,7 +423,7 @@ class Engine:
         (read as it is now) and rotates nothing: its from_epoch is no longer current, so
         without the key the retry of a rotation whose answer was lost would fail
         EPOCH_CONFLICT."""
-        async with transaction(self.pool) as conn:
+        async with self.gates.held(tenant, session_id), transaction(self.pool) as conn:
             stored = None
             if spec is not None:  # the pinned spec was fenced when it was first persisted
                 # A rotation that landed answers its retry even after an erasure of a
@@ -686,7 +689,7 @@ class Engine:
         """Build found its lineage behind a sweep, or its plan invalidated by an erasure:
         continue the run's lineage (_catch_up, once, whoever gets the lock first) and build
         on its new plan. Only this lineage: every other continues when next used."""
-        async with transaction(self.pool) as conn:
+        async with self.gates.held(tenant, session_id), transaction(self.pool) as conn:
             epoch, revision = await sessions.lock_session_plans(conn, tenant, session_id)
             head = await runs.read_run_head(conn, tenant, session_id, run_id)
             own = await plans.read_plan(conn, tenant, session_id, head.effective_epoch)
@@ -720,7 +723,7 @@ class Engine:
         pins the epoch current after it. A child is not admitted: it works for its parent,
         so it pins the epoch its parent builds on (store/runs.py read_run_head), never one
         another run's admission made."""
-        async with transaction(self.pool) as conn:
+        async with self.gates.held(tenant, session_id), transaction(self.pool) as conn:
             epoch, revision = await sessions.lock_session_plans(conn, tenant, session_id)
             stored = await idempotency.recall_response(
                 conn, tenant, session_id, idempotency_key, "StartRun", request_sha256
@@ -838,7 +841,7 @@ class Engine:
         idempotency_key: str,
         request_sha256: str,
     ) -> dict[str, Any]:
-        async with transaction(self.pool) as conn:
+        async with self.gates.held(tenant, session_id), transaction(self.pool) as conn:
             epoch = await sessions.lock_session(conn, tenant, session_id)
             stored = await idempotency.recall_response(
                 conn, tenant, session_id, idempotency_key, "AppendItems", request_sha256
@@ -860,7 +863,10 @@ class Engine:
                 if new_calls and checkpoint.replaced_through_sequence
                 else set()
             )
-            validate_append(checkpoint.items, new_items, compacted_call_ids=compacted)
+            # As logged: a result that names no tool takes its call's name.
+            new_items = list(
+                validate_append(checkpoint.items, new_items, compacted_call_ids=compacted)
+            )
             runtime = ws_api.runtime_transition(checkpoint, new_items)
             loggable = [i for i in new_items if i.kind in EVENT_TYPE_OF_ITEM]
             sequences = await events.append_events(
@@ -1345,7 +1351,7 @@ class Engine:
             "estimator_factor_ppm": checkpoint.estimator_factor_ppm or NEUTRAL_FACTOR_PPM,
             **exc.metadata,
         }
-        async with transaction(self.pool) as conn:
+        async with self.gates.held(tenant, session_id), transaction(self.pool) as conn:
             await sessions.lock_session(conn, tenant, session_id)
             await events.append_events(
                 conn,

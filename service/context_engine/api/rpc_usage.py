@@ -41,13 +41,14 @@ class UsageRpcs:
     ) -> pb.ReportUsageResponse:
         report = _report_from_proto(request)
         session_id = convert.require_uuid(request.session_id, "session_id")
-        outcome = await usage_api.report_usage(
-            self.engine.pool,
-            request.tenant_id,
-            session_id,
-            report,
-            self.engine.tokenizer_of,
-        )
+        async with self.engine.gates.held(request.tenant_id, session_id):
+            outcome = await usage_api.report_usage(
+                self.engine.pool,
+                request.tenant_id,
+                session_id,
+                report,
+                self.engine.tokenizer_of,
+            )
         # Recorded here: only the handler knows whether the request was the first of its
         # epoch, whose cached share the prefix-cache metric leaves out (api/usage.py, Rule 5),
         # and whether it replayed an earlier report's answer, which recorded no new usage.

@@ -68,7 +68,7 @@ async def load_skill(
         InvalidFieldError: a trust no body may carry.
         NotFoundError: an unknown session or run.
     """
-    async with transaction(engine.pool) as conn:
+    async with engine.gates.held(tenant, session_id), transaction(engine.pool) as conn:
         epoch = await sessions.lock_session(conn, tenant, session_id)
         if epoch == 0:
             raise PreconditionError(

@@ -203,7 +203,7 @@ async def update_working_state(
     """
     stored_plan = await engine.get_plan(tenant_id, session_id)
     count_tokens = engine.count_tokens_for(stored_plan.plan.model_id)
-    async with transaction(engine.pool) as conn:
+    async with engine.gates.held(tenant_id, session_id), transaction(engine.pool) as conn:
         await sessions.lock_session(conn, tenant_id, session_id)
         stored = await idempotency.recall_response(
             conn, tenant_id, session_id, idempotency_key, "UpdateWorkingState", request_sha256
@@ -273,7 +273,7 @@ async def offer_fact_candidates(
     key answers with that call's offer and records no second event.
     -> {"candidates": [{"fact", "authority", "run_id"}], "event_sequence"}
     """
-    async with transaction(engine.pool) as conn:
+    async with engine.gates.held(tenant_id, session_id), transaction(engine.pool) as conn:
         await sessions.lock_session(conn, tenant_id, session_id)
         stored = await idempotency.recall_response(
             conn, tenant_id, session_id, idempotency_key, "OfferFactCandidates", request_sha256

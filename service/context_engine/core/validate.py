@@ -36,25 +36,28 @@ def validate_append(
     new: Sequence[ConversationItem],
     *,
     compacted_call_ids: Collection[str] = (),
-) -> None:
-    """Reject items that would leave the run's conversation malformed.
+) -> tuple[ConversationItem, ...]:
+    """Reject items that would leave the run's conversation malformed; return `new` as it
+    is logged: a tool result that names no tool takes its call's name.
 
     Raises:
-        InvalidFieldError: a result without an unanswered call, a duplicate call id or
-            item id, or a model turn begun while an earlier turn's call has no result;
-            the field path names the item (``items[i]...``).
+        InvalidFieldError: a result without an unanswered call, or naming another tool
+            than its call, a duplicate call id or item id, or a model turn begun while an
+            earlier turn's call has no result; the field path names the item
+            (``items[i]...``).
     """
     # The run's calls a compaction took out of the checkpoint are its calls still: their
     # ids are used, and they are answered.
     calls: set[str] = set(compacted_call_ids)
-    pending: set[str] = set()
+    pending: dict[str, str] = {}  # call id -> the tool it called
     ids = {i.item_id for i in existing}
     for item in existing:
         if isinstance(item, ToolCall):
             calls.add(item.call_id)
-            pending.add(item.call_id)
+            pending[item.call_id] = item.tool_name
         elif isinstance(item, ToolResult):
-            pending.discard(item.call_id)
+            pending.pop(item.call_id, None)
+    named: list[ConversationItem] = []
     after_input = bool(existing) and isinstance(existing[-1], _INPUTS)
     for index, item in enumerate(new):
         if after_input and pending and not isinstance(item, _INPUTS):
@@ -83,7 +86,7 @@ def validate_append(
                     field=f"items[{index}].tool_call.call_id",
                 )
             calls.add(item.call_id)
-            pending.add(item.call_id)
+            pending[item.call_id] = item.tool_name
         elif isinstance(item, ToolResult):
             if item.call_id not in pending:
                 problem = "was already answered" if item.call_id in calls else "has no call"
@@ -92,7 +95,21 @@ def validate_append(
                     field=f"items[{index}].tool_result.call_id",
                     reason="ORPHANED_TOOL_ITEM",
                 )
-            pending.discard(item.call_id)
+            called = pending.pop(item.call_id)
+            # The envelope names its source by the tool (`tool:NAME`), and compaction's
+            # transcript shows it: a result naming another tool than its call was labelled
+            # as that tool's output (an audit).
+            if item.tool_name and item.tool_name != called:
+                raise InvalidFieldError(
+                    f"tool result for call {item.call_id!r} names tool {item.tool_name!r};"
+                    f" the call called {called!r} (leave it empty to take the call's)",
+                    field=f"items[{index}].tool_result.tool_name",
+                    metadata={"call_id": item.call_id, "tool_name": called},
+                )
+            if not item.tool_name:
+                item = item.model_copy(update={"tool_name": called})
+        named.append(item)
+    return tuple(named)
 
 
 def validate_tool_pairs(messages: Sequence[Message]) -> None:

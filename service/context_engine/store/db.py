@@ -11,15 +11,18 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
+from uuid import UUID
 
 import asyncpg
 from pydantic_core import to_json
 
 from .. import telemetry
-from ..core.errors import EngineError
+from ..core.errors import ConflictError, EngineError
 
 __all__ = [
+    "LOCK_WAIT_SECONDS",
     "HeldConnection",
+    "SessionBusyError",
     "StoreReadError",
     "StoreUnavailableError",
     "connect",
@@ -51,6 +54,31 @@ _UNAVAILABLE = (
 
 class StoreUnavailableError(EngineError):
     """PostgreSQL cannot be reached; the caller should retry with backoff (UNAVAILABLE)."""
+
+
+# How long a statement waits for a lock (PostgreSQL's lock_timeout on every pooled
+# connection), below the pool's 10 s command timeout: a wait for a session another write
+# holds ends as SESSION_BUSY, told apart from a database that stopped answering. It was
+# the command timeout, reported as STORE_UNAVAILABLE (an audit: PostgreSQL was up).
+LOCK_WAIT_SECONDS = 8.0
+
+
+class SessionBusyError(ConflictError):
+    """Another write held the session (or a lock it needed) past LOCK_WAIT_SECONDS;
+    nothing was written: retry with backoff, with the same idempotency key (ABORTED)."""
+
+    reason = "SESSION_BUSY"
+
+    def __init__(self, session_id: UUID | None = None, waited: float | None = None) -> None:
+        # The lock PostgreSQL gave up on is a session's row, or one a write needed beside
+        # it; which one, and for how long it was waited, only the gate knows.
+        which = f"session {session_id}" if session_id is not None else "the session"
+        after = f" for {waited:g} s" if waited is not None else ""
+        super().__init__(
+            f"{which} stayed busy with another write{after}; nothing was written: retry with"
+            " backoff (the same idempotency key is safe)",
+            metadata={"waited_seconds": f"{waited:g}"} if waited is not None else None,
+        )
 
 
 class StoreReadError(Exception):
@@ -117,9 +145,11 @@ async def connect_pool(
     max_size: int = 10,
     command_timeout: float = 10.0,
     connect_timeout: float = 5.0,
+    lock_wait_seconds: float = LOCK_WAIT_SECONDS,
 ) -> asyncpg.Pool:
-    """Open a pool. Raises StoreUnavailableError when the database cannot be reached or
-    refuses the connection; its message is one line that names why (see _refusal)."""
+    """Open a pool whose statements wait at most `lock_wait_seconds` for a lock. Raises
+    StoreUnavailableError when the database cannot be reached or refuses the connection;
+    its message is one line that names why (see _refusal)."""
     try:
         pool = await asyncpg.create_pool(
             dsn,
@@ -127,6 +157,7 @@ async def connect_pool(
             max_size=max_size,
             command_timeout=command_timeout,
             timeout=connect_timeout,
+            server_settings={"lock_timeout": f"{int(lock_wait_seconds * 1000)}ms"},
             init=_init_connection,
             reset=_keep_session,
         )
@@ -256,6 +287,8 @@ async def acquire(pool: asyncpg.Pool, timeout: float = 5.0) -> AsyncIterator[Any
             yield conn
         finally:
             await pool.release(conn)
+    except asyncpg.LockNotAvailableError:
+        raise SessionBusyError() from None
     except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
         unavailable = _unavailable(exc, handed_out)
         if unavailable is None:
@@ -320,6 +353,8 @@ class HeldConnection:
                 raise
             if _exhausted(self._pool):
                 await self.release()
+        except asyncpg.LockNotAvailableError:
+            raise SessionBusyError() from None
         except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
             unavailable = _unavailable(exc, handed_out)
             if unavailable is None:

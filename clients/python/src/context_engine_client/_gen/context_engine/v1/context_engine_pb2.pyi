@@ -117,6 +117,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_SKILL_ALREADY_LOADED: _ClassVar[ErrorReason]
     ERROR_REASON_UNAUTHENTICATED: _ClassVar[ErrorReason]
     ERROR_REASON_TENANT_MISMATCH: _ClassVar[ErrorReason]
+    ERROR_REASON_SESSION_BUSY: _ClassVar[ErrorReason]
 
 class Writer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -217,6 +218,7 @@ ERROR_REASON_PREFIX_OVER_CAPACITY: ErrorReason
 ERROR_REASON_SKILL_ALREADY_LOADED: ErrorReason
 ERROR_REASON_UNAUTHENTICATED: ErrorReason
 ERROR_REASON_TENANT_MISMATCH: ErrorReason
+ERROR_REASON_SESSION_BUSY: ErrorReason
 WRITER_UNSPECIFIED: Writer
 WRITER_MODEL: Writer
 WRITER_USER: Writer
