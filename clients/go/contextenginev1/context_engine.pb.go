@@ -2689,7 +2689,8 @@ type RotateRequest struct {
 	Reason PlanReason `protobuf:"varint,4,opt,name=reason,proto3,enum=context_engine.v1.PlanReason" json:"reason,omitempty"`
 	// The new spec, stating the session's configuration and authority for every run;
 	// absent rebuilds each plan lineage from its own pinned spec (the current one now, the
-	// others when next used).
+	// others when next used): a sweep, which changes no configuration whatever the reason
+	// says (send the spec that revokes, routes or recalls).
 	Spec *PlanSpec `protobuf:"bytes,5,opt,name=spec,proto3" json:"spec,omitempty"`
 	// Free-text detail recorded on the context.epoch.rotated event (no content).
 	Detail string `protobuf:"bytes,6,opt,name=detail,proto3" json:"detail,omitempty"`
