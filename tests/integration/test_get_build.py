@@ -388,7 +388,7 @@ async def test_a_build_records_its_assembler_and_payload_hash(stub: Any, pool: A
     from one it does not."""
     session_id, built = await _failed_result_build(stub, "gpt-5")
     payload = await _recorded(pool, session_id, built.request_sequence)
-    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@15"
+    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@16"
     assert payload[PAYLOAD_KEY] == hashlib.sha256(built.provider_payload).hexdigest()
     assert isinstance(payload[IMAGE_KEY], int) and isinstance(payload[INLINE_KEY], int)
     assert TOOL_ERROR_AS_TEXT.encode() in built.provider_payload
@@ -882,41 +882,14 @@ async def test_the_working_state_names_its_writers_and_an_assembler_11_record_is
     assert re.search(asked, block, re.M)
     assert await _get(stub, session_id, built.request_sequence) == built
 
-    recorded = await _recorded(pool, session_id, built.request_sequence)
-    now, step = inputs_from_record(recorded)
-    as_sent = await build_engine(pool).build(
-        TENANT,
-        UUID(session_id),
-        UUID(run_id),
-        built.checkpoint_version,
-        now,
-        step,
-        record=False,
-        named_writers=False,
-        fixed_texts=False,
+    as_sent = await _rebuilt(
+        pool, session_id, run_id, built, named_writers=False, fixed_texts=False
     )
     assert as_sent.assembled.request is not None and as_sent.rendered is not None
     older_block = _working_state(request_to_proto(as_sent.assembled.request))
     assert f"\n- Established (events #{seed}): The user travels" in older_block
     assert "\n- [runtime #" in older_block and "the model asked" not in older_block
-    payload = as_sent.rendered.body
-
-    def older(record: dict[str, Any]) -> dict[str, Any]:
-        return {
-            **record,
-            **estimate_to_record(as_sent.assembled),
-            "request_sha256": as_sent.assembled.request_sha256,
-            ASSEMBLER_KEY: "context-assembler@11",
-            PAYLOAD_KEY: sha256_hex(payload),
-        }
-
-    await _rewrite_record(pool, session_id, built.request_sequence, older)
-    again = await _get(stub, session_id, built.request_sequence)
-    assert (again.request_sha256, again.provider_payload) == (
-        as_sent.assembled.request_sha256,
-        payload,
-    )
-    assert again.request_sha256 != built.request_sha256
+    await _served_as(stub, pool, session_id, built, as_sent, "context-assembler@11")
 
 
 async def test_a_wide_turn_carries_a_bridge_and_an_assembler_14_record_is_served_without(
@@ -972,3 +945,81 @@ async def test_a_wide_turn_carries_a_bridge_and_an_assembler_14_record_is_served
         sent,
         recorded,
     )
+
+
+async def test_a_bare_passage_is_cited_and_an_assembler_15_record_is_served_without(
+    stub: Any, pool: Any
+) -> None:
+    """A bare knowledge passage (TRUSTED_CONFIGURATION) leads with its citation
+    (context-assembler@16); GetBuild serves it as sent, and serves a record of @15, which
+    sent the passage's text alone, as @15 sent it: the oracle is this Build's inputs
+    rebuilt without bare passages' citations."""
+    session_id, _ = await open_session(stub, model_id="claude-sonnet-4-5")
+    started = await start_run(stub, session_id, "How long do refunds take?")
+    passage = pb.KnowledgePassage(
+        item_id="k1",
+        text="Refunds take 5 days.",
+        citation="handbook.pdf p3",
+        trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION,
+    )
+    built = await stub.Build(
+        pb.BuildRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            run_id=started.run.run_id,
+            step=pb.StepContext(knowledge=[passage]),
+        )
+    )
+    assert b"[handbook.pdf p3] Refunds take 5 days." in built.provider_payload
+    assert await _get(stub, session_id, built.request_sequence) == built
+
+    as_sent = await _rebuilt(pool, session_id, started.run.run_id, built, cited_passages=False)
+    assert as_sent.assembled.request is not None and as_sent.rendered is not None
+    payload = as_sent.rendered.body
+    assert b"Refunds take 5 days." in payload and b"handbook.pdf" not in payload
+
+    await _served_as(stub, pool, session_id, built, as_sent, "context-assembler@15")
+
+
+async def _rebuilt(
+    pool: Any, session_id: str, run_id: str, built: pb.BuildResponse, **older: bool
+) -> Any:
+    """The engine's rebuild of `built` from its recorded inputs, as an older assembler
+    built it (`older`: Engine.build's flags), unrecorded."""
+    recorded = await _recorded(pool, session_id, built.request_sequence)
+    now, step = inputs_from_record(recorded)
+    return await build_engine(pool).build(
+        TENANT,
+        UUID(session_id),
+        UUID(run_id),
+        built.checkpoint_version,
+        now,
+        step,
+        record=False,
+        **older,
+    )
+
+
+async def _served_as(
+    stub: Any, pool: Any, session_id: str, built: pb.BuildResponse, as_sent: Any, version: str
+) -> None:
+    """Rewrite `built`'s record as `version` recorded what `as_sent` (the engine's rebuild
+    as that version built it) sent; GetBuild then serves those bytes, not `built`'s."""
+    payload = as_sent.rendered.body
+
+    def older(record: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **record,
+            **estimate_to_record(as_sent.assembled),
+            "request_sha256": as_sent.assembled.request_sha256,
+            ASSEMBLER_KEY: version,
+            PAYLOAD_KEY: sha256_hex(payload),
+        }
+
+    await _rewrite_record(pool, session_id, built.request_sequence, older)
+    again = await _get(stub, session_id, built.request_sequence)
+    assert (again.request_sha256, again.provider_payload) == (
+        as_sent.assembled.request_sha256,
+        payload,
+    )
+    assert again.request_sha256 != built.request_sha256

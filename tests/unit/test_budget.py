@@ -34,6 +34,7 @@ from context_engine.core import carried as carried_module
 from context_engine.core import pressure as pressure_module
 from context_engine.core.body_estimate import block_tokens, fixed_texts_of, request_framing
 from context_engine.core.budget import allocate
+from context_engine.core.build_record import uncited_passages
 from context_engine.core.cache_hints import cache_breakpoints
 from context_engine.core.canonical import canonical_bytes
 from context_engine.core.caps import (
@@ -1208,6 +1209,44 @@ def test_a_recall_floor_over_recalls_cap_is_refused_naming_the_floor() -> None:
     # Within the cap, the same floor of fewer lines is built.
     fewer = replace(session, step=StepContext(recall=recall, recall_floor_lines=4))
     assert assemble(_build(fewer)[1]).request is not None
+
+
+def test_a_bare_knowledge_passage_leads_with_its_citation() -> None:
+    """A passage is a quotation the model may cite: enveloped, its citation is the
+    envelope's source; bare (TRUSTED_CONFIGURATION), it leads the text (context-assembler
+    @16; an audit found it dropped). A rebuild of an older record leaves it out
+    (build_record.uncited_passages), the enveloped passage as it was."""
+    passages = (
+        KnowledgePassageItem(
+            item_id="k1",
+            text="Refunds take 5 days.",
+            citation="handbook.pdf p3",
+            trust=TrustLevel.TRUSTED_CONFIGURATION,
+        ),
+        KnowledgePassageItem(item_id="k2", text="TGV timetable.", citation="sncf"),
+    )
+    session = Session(
+        carried=[],
+        run=[UserMessage(item_id="u1", text="Refund?", sequence=1, run_id="current")],
+        summary=None,
+        floor=0,
+        step=StepContext(knowledge=passages),
+        working_state=None,
+        body_room=50_000,
+        reserve=1_000,
+        factor_ppm=1_000_000,
+    )
+    _, inputs = _build(session)
+    for step, bare in (
+        (inputs.step, "[handbook.pdf p3] Refunds take 5 days."),
+        (uncited_passages(inputs.step), "Refunds take 5 days."),
+    ):
+        built = assemble(replace(inputs, step=step))
+        assert built.request is not None
+        blocks = {b.item_id: b.text for b in _blocks(built.request)}
+        assert blocks["k1"] == bare
+        assert 'source="sncf"' in blocks["k2"] and "TGV timetable." in blocks["k2"]
+    assert uncited_passages(StepContext(knowledge=passages[1:])).knowledge == passages[1:]
 
 
 def test_an_active_turn_over_the_body_behind_a_larger_user_message_names_the_message() -> None:

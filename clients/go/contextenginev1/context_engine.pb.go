@@ -4189,7 +4189,9 @@ type KnowledgePassage struct {
 	ItemId string `protobuf:"bytes,1,opt,name=item_id,json=itemId,proto3" json:"item_id,omitempty"`
 	// The passage, verbatim; dropped whole, never truncated.
 	Text string `protobuf:"bytes,2,opt,name=text,proto3" json:"text,omitempty"`
-	// Citation (document and location); at most 2,048 characters, else INVALID_FIELD.
+	// Citation (document and location); at most 2,048 characters, else INVALID_FIELD. The
+	// envelope's source; a bare (TRUSTED_CONFIGURATION) passage leads with it instead,
+	// `[citation] text`, so the model can cite it either way.
 	Citation string `protobuf:"bytes,3,opt,name=citation,proto3" json:"citation,omitempty"`
 	// Trust of the document; unspecified is EXTERNAL_UNTRUSTED. Not PLATFORM or MODEL (a
 	// passage is a document rendered in the user role, where bare text could forge a user

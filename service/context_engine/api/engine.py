@@ -37,6 +37,7 @@ from ..core.build_record import (
     markers_by_id,
     recalled_people,
     unbridged,
+    uncited_passages,
     unmarked_excerpts,
 )
 from ..core.checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint, require_version
@@ -1006,6 +1007,7 @@ class Engine:
         named_writers: bool = True,
         fixed_texts: bool = True,
         bridge_markers: bool = True,
+        cited_passages: bool = True,
     ) -> BuildResult:
         """Assemble, render and record the run's next request.
 
@@ -1030,6 +1032,8 @@ class Engine:
         failed result's line, the request's framing), as context-assembler@12 and older
         counted (core/body_estimate.py, Rule 6). `bridge_markers` False: the request
         carries no bridge marker, as context-assembler@14 and older made it (`unbridged`).
+        `cited_passages` False: a bare knowledge passage is sent without its citation, as
+        context-assembler@15 and older sent it (`uncited_passages`).
 
         A recording Build of a run this replica has built before is made from the run head
         it kept, which the record confirms in the same round trip (store/records.py): if
@@ -1058,6 +1062,7 @@ class Engine:
             named_writers=named_writers,
             fixed_texts=fixed_texts,
             bridge_markers=bridge_markers,
+            cited_passages=cited_passages,
         )
         heads = self._heads(tenant, session_id) if record else None
         kept = heads.by_run.get(run_id) if heads is not None else None
@@ -1098,6 +1103,7 @@ class Engine:
         named_writers: bool,
         fixed_texts: bool,
         bridge_markers: bool,
+        cited_passages: bool,
     ) -> BuildResult:
         """build() from the `kept` head, which the record must confirm (_StaleHead if it
         does not; nothing is written before then), or from a head read now (None)."""
@@ -1187,7 +1193,8 @@ class Engine:
                 carried=carried[0].history,
                 carried_before=carried[0].before,
                 now=clock,
-                step=step,
+                # Bare passages as @15 and older sent them: without their citations.
+                step=step if cited_passages else uncited_passages(step),
                 skill_bodies=body_items(loaded),
                 working_state=render_block(
                     checkpoint.working_state,

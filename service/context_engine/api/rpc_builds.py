@@ -39,6 +39,7 @@ from ..core.build_record import (
     TOKENIZER_KEY,
     assembler_of,
     bridge_markers,
+    cited_passages,
     delegated_messages,
     estimate_differs,
     failed_result_line,
@@ -172,6 +173,8 @@ async def rebuild(
         fixed_texts=fixed_texts(payload) if counted is None else counted,
         # Its cache markers as it placed them: no bridge before @15.
         bridge_markers=bridge_markers(payload),
+        # Its bare knowledge passages as it sent them: without their citations before @16.
+        cited_passages=cited_passages(payload),
     )
 
 

@@ -72,7 +72,7 @@ from .plan import ClassUsage, ContextPlan, session_key
 from .pressure import Fitted, PressureReport, fit_body, window_reach
 from .request import Block, Message, ModelRequest, RepeatedRun, ToolDefinition
 from .rows import Row
-from .trust import DELEGATED_TAG
+from .trust import DELEGATED_TAG, envelope_tag
 from .validate import ClosedRun, validate_block_runs
 
 __all__ = [
@@ -645,6 +645,11 @@ def _render(row: Row, item: ContextItem, secret: bytes, truncated: bool = False)
         case RecallLineItem():
             return text(item.text, item.source or "memory")
         case KnowledgePassageItem():
+            # A passage is a quotation the model may cite. Enveloped, its citation is the
+            # envelope's source; bare (TRUSTED_CONFIGURATION), it leads the text, as a
+            # snapshot memory's source does (an audit: it was dropped, @15 and older).
+            if envelope_tag(trust) is None and item.citation:
+                return text(f"[{item.citation}] {item.text}", item.citation)
             return text(item.text, item.citation or "knowledge")
         case RuntimeMetadataItem():
             return text(_runtime_text(item), "runtime")

@@ -63,8 +63,9 @@ from .assemble import Assembled, StepContext
 from .cache_hints import BREAKPOINTS
 from .errors import PreconditionError
 from .estimator import IMAGE_TOKENS
-from .items import ContextItem, ConversationItem, ToolResult, excerpted
+from .items import ContextItem, ConversationItem, ToolResult, excerpted, trust_of
 from .request import CacheBreakpoint, ModelRequest
+from .trust import envelope_tag
 
 __all__ = [
     "ASSEMBLER_KEY",
@@ -81,6 +82,7 @@ __all__ = [
     "TOKENIZER_KEY",
     "assembler_of",
     "bridge_markers",
+    "cited_passages",
     "delegated_messages",
     "estimate_differs",
     "estimate_to_record",
@@ -98,6 +100,7 @@ __all__ = [
     "shown_items",
     "text_call_ids",
     "unbridged",
+    "uncited_passages",
     "unmarked_excerpts",
     "whole_request_hash",
 ]
@@ -222,7 +225,10 @@ __all__ = [
 # marker was, in after_tools' place (Rule 8 there): such a step past the provider's
 # lookback read nothing of the run and wrote it all again. A marker-only difference: a
 # rebuild of an older record drops the bridge and restores after_tools (`unbridged`).
-ASSEMBLER_VERSION = "context-assembler@15"
+# @16: a bare knowledge passage (TRUSTED_CONFIGURATION) leads with its citation,
+# `[citation] text`; it was sent as its text alone, which the model could not cite. A
+# rebuild of an older record leaves bare passages' citations out (`uncited_passages`).
+ASSEMBLER_VERSION = "context-assembler@16"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})
@@ -243,6 +249,9 @@ _UNCOUNTED_TEXTS = _UNNAMED_WRITERS | {"context-assembler@12"}
 _SPEC_OF = {b.name: b for b in BREAKPOINTS}
 # The versions that sent no bridge marker (every one before @15).
 _UNBRIDGED = _UNCOUNTED_TEXTS | {"context-assembler@13", "context-assembler@14"}
+# The versions that sent a bare (TRUSTED_CONFIGURATION) knowledge passage without its
+# citation (every one before @16).
+_UNCITED = _UNBRIDGED | {"context-assembler@15"}
 # The versions whose cache markers name an item by its id alone.
 _BY_ID = _WHOLE_HASH | {"context-assembler@7"}
 ASSEMBLER_KEY = "assembler_version"
@@ -361,6 +370,27 @@ def bridge_markers(payload: dict[str, Any]) -> bool:
     """Rule 8: whether the request could carry a bridge marker (@15 on); an older record
     is rebuilt with its markers made by `unbridged`."""
     return assembler_of(payload) not in _UNBRIDGED
+
+
+def cited_passages(payload: dict[str, Any]) -> bool:
+    """Rule 8: whether a bare knowledge passage led with its citation (@16 on); an older
+    record is rebuilt from `uncited_passages` of its step."""
+    return assembler_of(payload) not in _UNCITED
+
+
+def uncited_passages(step: StepContext) -> StepContext:
+    """`step` with each bare knowledge passage's citation left out, so it renders as its
+    text alone, as context-assembler@15 and older sent it (an enveloped passage's citation
+    is its envelope's source, unchanged)."""
+    if not any(envelope_tag(trust_of(k)) is None and k.citation for k in step.knowledge):
+        return step
+    return replace(
+        step,
+        knowledge=tuple(
+            k.model_copy(update={"citation": ""}) if envelope_tag(trust_of(k)) is None else k
+            for k in step.knowledge
+        ),
+    )
 
 
 def unbridged(request: ModelRequest) -> ModelRequest:
