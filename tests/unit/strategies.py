@@ -31,6 +31,7 @@ from context_engine.core import (
     TrustLevel,
     make_plan,
 )
+from context_engine.core.assemble import runtime_row_tokens
 from context_engine.core.body_estimate import request_framing
 from context_engine.core.envelope import item_nonce
 from context_engine.core.items import (
@@ -118,13 +119,27 @@ def count_tokens(text: str) -> int:
 
 def least_room(count: Callable[[str], int] = count_tokens) -> int:
     """The least room above prefix and reserve that small_plan accepts as its policy cap:
-    a one-token body after the request's framing (core/budget.py Rule 7, at the neutral
-    factor a new plan's checks use) and the 5% margin."""
+    a body that holds the runtime metadata row (core/plan.py _check_capacity) after the
+    request's framing (core/budget.py Rule 7, at the neutral factor a new plan's checks
+    use) and the 5% margin."""
     framing = request_framing(count, 1_000_000)
-    room = framing + 1
-    while room - -(-room * 50_000 // 1_000_000) - framing < 1:  # the margin, rounded up
+    least = least_body(count)
+    room = framing + least
+    while room - -(-room * 50_000 // 1_000_000) - framing < least:  # the margin, rounded up
         room += 1
     return room
+
+
+def least_body(count: Callable[[str], int] = count_tokens) -> int:
+    """The least body small_plan accepts: its runtime metadata row, dated nothing."""
+    environment = SessionEnvironment()  # small_plan's
+    return runtime_row_tokens(
+        environment.time_zone,
+        "",
+        environment.surface,
+        environment.allowed_origins,
+        count,
+    )
 
 
 def small_plan(

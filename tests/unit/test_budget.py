@@ -76,7 +76,7 @@ from context_engine.core.yield_ladder import LADDER, Body, run_ladder
 from context_engine.models import ModelCatalog
 from context_engine.tokenizers import build_counters
 
-from .strategies import least_room, small_plan
+from .strategies import least_body, least_room, small_plan
 
 GATE = settings(max_examples=150, deadline=None)
 SECRET = b"k" * 32
@@ -776,13 +776,16 @@ def test_a_capacity_with_no_room_for_a_body_fails_at_plan_time(
     assert int(caught.value.metadata["reserve_output_tokens"]) == (reserve or 8_192)
 
 
-def test_the_least_capacity_plan_accepts_leaves_a_one_token_body() -> None:
+def test_the_least_capacity_plan_accepts_leaves_a_body_for_the_runtime_row() -> None:
     """The boundary is the allocator's own: capacity less reserve, prefix, the 5% margin
-    and the request's framing must leave the body at least one token."""
+    and the request's framing must leave the body at least the runtime metadata row,
+    which every request carries and which never yields (an audit: a one-token body was
+    accepted, and every Build failed naming runtime_metadata)."""
     prefix = _plan(200_000, 0, 1_000).prefix_tokens
     with pytest.raises(InvalidFieldError) as refused:
-        _plan(200_000, prefix + 1_000 + LEAST_ROOM - 1, 1_000)  # margin and framing only
+        _plan(200_000, prefix + 1_000 + LEAST_ROOM - 1, 1_000)
     assert refused.value.metadata["framing_tokens"] == str(FRAMING)
+    assert refused.value.metadata["least_body_tokens"] == str(least_body(count))
     plan = _plan(200_000, prefix + 1_000 + LEAST_ROOM, 1_000)
     budget = allocate(
         context_window=plan.context_window,
@@ -791,7 +794,7 @@ def test_the_least_capacity_plan_accepts_leaves_a_one_token_body() -> None:
         prefix_tokens=plan.prefix_tokens,
         framing_tokens=FRAMING,
     )
-    assert budget.body_tokens == 1
+    assert budget.body_tokens == least_body(count)
 
 
 def _usage(name: str, tokens: int, items: int = 1) -> ClassUsage:

@@ -531,6 +531,22 @@ def _runtime_item(
     )
 
 
+def runtime_row_tokens(
+    time_zone: str,
+    principal_scope: str,
+    surface: str,
+    allowed_origins: Sequence[str],
+    count_tokens: Callable[[str], int],
+) -> int:
+    """Row 14's least cost for a plan of these values, at the neutral factor: counted
+    without its date and weekday, so no day's row costs less. Every request carries the
+    row and it never yields, so a body smaller than this builds nothing (Plan refuses such
+    a capacity: core/plan.py _check_capacity)."""
+    item = _runtime_item("", "", time_zone, principal_scope, surface, tuple(allowed_origins))
+    block = _render(Row.RUNTIME_METADATA, item, b"")
+    return block_tokens(block, item, count_tokens, NEUTRAL_FACTOR_PPM)
+
+
 # --- rendering -------------------------------------------------------------------------
 
 

@@ -249,7 +249,8 @@ def make_plan(
     prefix_tokens = sum(c.tokens for c in classes)
     # A new plan's checkpoints pin no factor yet: its Builds count the framing unscaled.
     framing = request_framing(count_tokens, PPM)
-    _check_capacity(spec, model, reserve, prefix_tokens, framing)
+    least = _least_body(spec, count_tokens)
+    _check_capacity(spec, model, reserve, prefix_tokens, framing, least)
     offers_browser = "browser.navigate" in {t.name for t in roster.defined} | {
         t.name for t in roster.deferred
     }
@@ -715,15 +716,36 @@ def _check_prefix_caps(classes: tuple[ClassUsage, ...]) -> None:
         )
 
 
+def _least_body(spec: PlanSpec, count_tokens: TokenCounter) -> int:
+    """What every request's body holds, whatever its step: at least row 14 (runtime
+    metadata, never yields), at the neutral factor (assemble.runtime_row_tokens)."""
+    from .assemble import runtime_row_tokens  # assemble imports this module
+
+    return runtime_row_tokens(
+        spec.environment.time_zone,
+        spec.principal.scope_label,
+        spec.environment.surface,
+        spec.environment.allowed_origins,
+        count_tokens,
+    )
+
+
 def _check_capacity(
-    spec: PlanSpec, model: ModelFacts, reserve: int, prefix_tokens: int, framing: int
+    spec: PlanSpec,
+    model: ModelFacts,
+    reserve: int,
+    prefix_tokens: int,
+    framing: int,
+    least_body: int,
 ) -> None:
     """Refuse a plan whose every Build would fail: capacity (min(window, policy cap)) less
     the output reserve, the exact prefix, the body's safety margin and the request's
-    framing (core/budget.py Rule 7) must leave the body at least one token, the
-    allocator's own arithmetic (budget.allocate). A body smaller
-    than the history floor is accepted: history and the yielding classes give way, and
-    what never yields is checked per request (BUDGET_EXCEEDED).
+    framing (core/budget.py Rule 7) must leave the body at least `least_body`, the runtime
+    metadata row every request carries (an audit: a 1-token body was accepted, and every
+    Build failed BUDGET_EXCEEDED naming runtime_metadata, which no caller can shrink), by
+    the allocator's own arithmetic (budget.allocate). A body smaller than the history
+    floor is accepted: history and the yielding classes give way, and what else never
+    yields is checked per request (BUDGET_EXCEEDED).
 
     The field at fault: the reserve when even the whole window leaves no body (the reserve
     is the model's default when the spec gives none; a smaller one is the fix), else the
@@ -742,7 +764,7 @@ def _check_capacity(
             framing_tokens=framing,
         ).body_tokens
 
-    if body(spec.policy_cap_tokens) > 0:
+    if body(spec.policy_cap_tokens) >= least_body:
         return
     capacity = (
         min(model.context_window, spec.policy_cap_tokens)
@@ -755,8 +777,9 @@ def _check_capacity(
         "reserve_output_tokens": str(reserve),
         "prefix_tokens": str(prefix_tokens),
         "framing_tokens": str(framing),
+        "least_body_tokens": str(least_body),
     }
-    if body(0) <= 0:
+    if body(0) < least_body:
         raise CapacityError(
             f"an output reserve of {reserve:,} tokens leaves no room for the request in"
             f" {spec.model_id}'s {model.context_window:,}-token window beside the"
