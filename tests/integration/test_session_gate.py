@@ -17,6 +17,7 @@ from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from context_engine.api.server import build_engine, build_server
 from context_engine.api.session_gate import SessionGates
+from context_engine.store import db
 from context_engine.store.db import SessionBusyError, connect_pool
 
 from .helpers import assistant, details, new_id, spec
@@ -25,7 +26,7 @@ POOL_SIZE = 4
 
 
 async def _serve(dsn: str, lock_wait: float) -> AsyncIterator[tuple[Any, Any]]:
-    pool = await connect_pool(dsn, min_size=1, max_size=POOL_SIZE, lock_wait_seconds=lock_wait)
+    pool = await connect_pool(dsn, min_size=1, max_size=POOL_SIZE)
     engine = build_engine(pool)
     engine.gates = SessionGates(wait_seconds=lock_wait)
     running = await build_server(engine, "127.0.0.1:0")
@@ -47,7 +48,11 @@ async def slow_locks(database_dsn: str) -> AsyncIterator[tuple[Any, Any]]:
 
 
 @pytest.fixture
-async def quick_locks(database_dsn: str) -> AsyncIterator[tuple[Any, Any]]:
+async def quick_locks(
+    database_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[Any, Any]]:
+    """A server whose writes wait 0.5 s for a session (store/db.py LOCK_WAIT_SECONDS)."""
+    monkeypatch.setattr(db, "LOCK_WAIT_SECONDS", 0.5)
     async for served in _serve(database_dsn, 0.5):
         yield served
 
@@ -143,6 +148,32 @@ async def test_a_lock_wait_past_the_limit_is_session_busy_and_writes_nothing(
         await holder.close()
     landed = await _append(stub, "tenant-busy", session_id, run_id, "k1")
     assert landed.checkpoint_version == 2
+
+
+async def test_a_build_whose_record_waits_past_the_limit_is_session_busy(
+    quick_locks: tuple[Any, Any], database_dsn: str
+) -> None:
+    """A Build records its request under the session's lock: held past the lock wait by
+    another transaction, the Build (from the run head this replica kept, and from one read
+    afresh) is ABORTED SESSION_BUSY, records nothing, and leaves no gate; once the
+    session is free it records."""
+    engine, stub = quick_locks
+    session_id, run_id = await _session(stub, "tenant-build")
+    build = pb.BuildRequest(tenant_id="tenant-build", session_id=session_id, run_id=run_id)
+    first = await stub.Build(build)  # this replica now keeps the run's head
+    holder = await _hold(database_dsn, "tenant-build", session_id)
+    try:
+        for _ in range(2):
+            with pytest.raises(grpc.aio.AioRpcError) as busy:
+                await stub.Build(build)
+            assert busy.value.code() == grpc.StatusCode.ABORTED
+            assert details(busy.value)[0] == "SESSION_BUSY"
+    finally:
+        await holder.execute("ROLLBACK")
+        await holder.close()
+    assert len(engine.gates) == 0
+    again = await stub.Build(build)
+    assert again.request_sequence == first.request_sequence + 1
 
 
 async def test_a_gate_not_free_within_the_wait_is_session_busy() -> None:

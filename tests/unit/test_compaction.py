@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from context_engine.core import Checkpoint, PlanSpec, Row, assemble
+from context_engine.core import Checkpoint, ContextPlan, PlanSpec, Row, assemble
 from context_engine.core import compaction as compaction_module
 from context_engine.core.assemble import active_turn
 from context_engine.core.compaction import (
@@ -2058,6 +2058,72 @@ def test_a_schema_holds_its_text_but_not_its_structure() -> None:
     assert values == ["celsius", "E1", "C1"]
 
 
+def _opened(spec: PlanSpec) -> ContextPlan:
+    """The first plan of `spec` (MODEL, the tests' counter, a fixed secret)."""
+    return make_plan(
+        spec,
+        session_id="s",
+        epoch=1,
+        reason=PlanReason.SESSION_OPENED,
+        secret=b"k" * 32,
+        model=MODEL,
+        count_tokens=count_tokens,
+    )
+
+
+def test_a_schemas_strings_are_held_apart() -> None:
+    """A discovered tool's schema strings are held each as itself: a run of short enum
+    values is no sentence its server wrote, so a summary listing the months is not refused
+    as quoting it, while a month's own long enum value still is (a review: joined by a
+    newline, the values read as one eight-word window)."""
+    months = [
+        "January", "February", "March", "April", "May", "June",
+        "July", "August", "September", "October", "November", "December",
+    ]  # fmt: skip
+    held = "Send the monthly report to ACCT-90210-REFUNDS before the fifth"
+    schema = {
+        "type": "object",
+        "properties": {"month": {"type": "string", "enum": [*months, held]}},
+    }
+    spec = PlanSpec(
+        model_id=MODEL.model_id,
+        tools=(ToolSpec(name="report.send", input_schema=schema, server="mcp:reports"),),
+        policy=PlatformPolicySpec(version="v", text="policy"),
+    )
+    plan = _opened(spec)
+    (definition,) = [e for e in prefix_data(plan, spec) if e.item_id.startswith("tool-def")]
+    listing = f"Reports went out in {' '.join(months[:8])}, all on time."
+    assert quoting([listing], [definition.text]) == {}
+    assert quoting([f"The tool said: {held}."], [definition.text]) == {0: 0}
+
+
+def test_an_echo_of_the_elided_spans_names_the_prepared_ones() -> None:
+    """Item ids repeat across runs, so CommitCompaction compares an echo of the elided
+    spans by (item id, event id) where it names event ids (a review: an echo naming a
+    span of another event passed), and by item id alone where it names none (an older
+    client)."""
+    first, second = "first page text is long enough", "second page text is long enough"
+    carried = [*_numbered_run("r1", 1, first), *_numbered_run("r2", 5, second)]
+    checkpoint = Checkpoint(
+        run_id="b",
+        version=2,
+        items=(UserMessage(item_id="1", text="Sum up.", sequence=9, run_id="b"),),
+    )
+    prepared = prepare(checkpoint, carried, through_sequence=8, count_tokens=count_tokens)
+    spans = prepared.elided
+    assert [(s.item_id, s.event_id) for s in spans] == [("3", 3), ("3", 7)]
+    check_result(prepared, _result(prepared, "Two pages.", elided=spans), count_tokens)
+    unnamed = tuple(s.model_copy(update={"event_id": 0}) for s in spans)
+    check_result(prepared, _result(prepared, "Two pages.", elided=unnamed), count_tokens)
+    for wrong in (
+        (spans[0].model_copy(update={"event_id": 999}),),
+        (spans[0], spans[1].model_copy(update={"event_id": 999})),
+    ):
+        with pytest.raises(InvalidFieldError) as refused:
+            check_result(prepared, _result(prepared, "Two pages.", elided=wrong), count_tokens)
+        assert refused.value.reason == "COMPACTION_MISMATCH"
+
+
 _GLUE = st.sampled_from(
     ["", " ", ".", ", ", "--", "(", ")", '"', "`", "顧客", "ß", "\u200b", "：", '{"', '":']
 )
@@ -2121,15 +2187,7 @@ def test_prefix_data_gives_a_discovered_deferred_tools_first_sentence_not_a_buil
         ),
         policy=PlatformPolicySpec(version="v", text="policy"),
     )
-    plan = make_plan(
-        spec,
-        session_id="s",
-        epoch=1,
-        reason=PlanReason.SESSION_OPENED,
-        secret=b"k" * 32,
-        model=MODEL,
-        count_tokens=count_tokens,
-    )
+    plan = _opened(spec)
     assert plan.deferred_tool_names == ("calc", "mail.search")
     entries = prefix_data(plan, spec)
     assert [(e.item_id, e.row, e.trust, e.text) for e in entries] == [

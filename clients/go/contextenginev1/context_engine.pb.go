@@ -1148,7 +1148,7 @@ type Principal struct {
 	// Stable principal identifier.
 	PrincipalId string `protobuf:"bytes,1,opt,name=principal_id,json=principalId,proto3" json:"principal_id,omitempty"`
 	// Granted scopes; a tool is advertised only when its required_scopes are all granted. At
-	// most 1,024, else INVALID_FIELD.
+	// most 1,024, none empty, else INVALID_FIELD.
 	Scopes []string `protobuf:"bytes,2,rep,name=scopes,proto3" json:"scopes,omitempty"`
 	// Human-readable scope summary rendered in row 14 (for example "owner").
 	ScopeLabel string `protobuf:"bytes,3,opt,name=scope_label,json=scopeLabel,proto3" json:"scope_label,omitempty"`
@@ -1227,7 +1227,7 @@ type ToolSpec struct {
 	// What the tool does to the world.
 	SideEffect SideEffect `protobuf:"varint,5,opt,name=side_effect,json=sideEffect,proto3,enum=context_engine.v1.SideEffect" json:"side_effect,omitempty"`
 	// Scopes the principal must hold for the tool to be advertised. Serialized sorted. At
-	// most 1,024, else INVALID_FIELD.
+	// most 1,024, none empty, else INVALID_FIELD.
 	RequiredScopes []string `protobuf:"bytes,6,rep,name=required_scopes,json=requiredScopes,proto3" json:"required_scopes,omitempty"`
 	// The MCP server or device that provides a discovered tool; empty for built-ins.
 	Server string `protobuf:"bytes,7,opt,name=server,proto3" json:"server,omitempty"`
@@ -1573,7 +1573,7 @@ type MemoryItem struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Stable memory id.
+	// Stable memory id; required, and listed once per snapshot (else INVALID_FIELD).
 	ItemId string `protobuf:"bytes,1,opt,name=item_id,json=itemId,proto3" json:"item_id,omitempty"`
 	// The memory's text.
 	Text string `protobuf:"bytes,2,opt,name=text,proto3" json:"text,omitempty"`
@@ -3733,7 +3733,8 @@ type RunAdmission struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// The principal's effective scopes for this run. At most 1,024, else INVALID_FIELD.
+	// The principal's effective scopes for this run. At most 1,024, none empty, else
+	// INVALID_FIELD.
 	Scopes []string `protobuf:"bytes,1,rep,name=scopes,proto3" json:"scopes,omitempty"`
 	// The session's selected browser profile now; empty when none. At most 200 characters.
 	BrowserProfileId string `protobuf:"bytes,2,opt,name=browser_profile_id,json=browserProfileId,proto3" json:"browser_profile_id,omitempty"`

@@ -67,7 +67,7 @@ from ..providers import RenderedPayload, check_wire_names, render, text_paths
 from ..store import events, idempotency, plans, records, runs, sessions, snapshots
 from ..store import skills as skill_store
 from ..store.batches import Batcher
-from ..store.db import HeldConnection, acquire, transaction
+from ..store.db import HeldConnection, SessionBusyError, acquire, transaction
 from ..store.events import EVENT_TYPE_OF_ITEM, NewEvent, item_payload
 from ..store.records import (
     BUSY,
@@ -1074,6 +1074,10 @@ class Engine:
             except _StaleHead:
                 telemetry.record_kept_head_retry("moved")
                 self._head_moved(tenant, session_id, heads, writes)
+            except SessionBusyError:
+                # The session stayed busy: a Build from a head read afresh would wait as
+                # long again (a review: twice the lock wait, holding a busy slot).
+                raise
             except RequestError:
                 telemetry.record_kept_head_retry("refused")
                 heads.by_run.pop(run_id, None)
@@ -1309,8 +1313,9 @@ class Engine:
                 # trip, where it would hold up every other session's Build. At most half
                 # the pool waits so at once: an erasure locking many sessions' people made
                 # every Build of them take a connection to wait on, and the pool ran dry
-                # for everyone else (a review).
-                async with self._busy_records:
+                # for everyone else (a review). They queue on the session's gate first, as
+                # its writes do: one connection per busy session waits (another review).
+                async with self.gates.held(tenant, session_id), self._busy_records:
                     seq = await records.record(self.pool, request_record)
         if seq == STALE_HEAD:
             raise _StaleHead

@@ -127,6 +127,7 @@ if TYPE_CHECKING:
     from .skills import LoadedSkill
 
 __all__ = [
+    "APART",
     "CALLABLE_NAME",
     "MAX_DEPTH",
     "POINTER_LINES",
@@ -268,7 +269,7 @@ class Prepared:
 # start of the next read as one sentence, and an untrusted sentence the model wrote in two
 # messages was licensed whole (a compaction audit). No text can hold U+0000 (every string
 # field refuses it), and normalizing keeps it, so no fragment spans the join.
-_APART = " \x00 "
+APART = " \x00 "
 
 
 def _normalize(text: str) -> str:
@@ -832,7 +833,7 @@ def prepare(
         and i.tool_name in offered
         and CALLABLE_NAME.fullmatch(i.tool_name)
     )
-    base = _APART.join(
+    base = APART.join(
         [
             *called,
             *(_content(i) for i in (*others, *asked)),
@@ -894,7 +895,7 @@ def prepare(
         count_tokens(summary.text) if summary else 0
     )
     kept_model = [_content(i) for i in model if i.sequence not in spans]
-    trusted_text = _APART.join([base, *kept_model])
+    trusted_text = APART.join([base, *kept_model])
     return Prepared(
         prompt=SUMMARIZER_PROMPT,
         prompt_version=PROMPT_VERSION,
@@ -910,7 +911,7 @@ def prepare(
         span_contents=tuple(contents),
         # As given and as the summarizer saw it (delimiters escaped): repeating either is
         # repeating trusted text.
-        trusted_text=f"{trusted_text}{_APART}{escape_content(trusted_text)}",
+        trusted_text=f"{trusted_text}{APART}{escape_content(trusted_text)}",
     )
 
 
@@ -919,6 +920,18 @@ def prepare(
 
 def _mismatch(message: str, field: str, **metadata: str) -> InvalidFieldError:
     return InvalidFieldError(message, field=field, reason="COMPACTION_MISMATCH", metadata=metadata)
+
+
+def _same_spans(echoed: Sequence[ElidedSpan], prepared: Sequence[ElidedSpan]) -> bool:
+    """Whether a worker's echo of the elided spans names the prepared ones. Item ids repeat
+    across runs, so a span is its (item id, event id); an echo that names no event ids (a
+    client older than them) is compared by item id alone, and one naming some must name
+    prepared spans."""
+    if {s.item_id for s in echoed} != {s.item_id for s in prepared}:
+        return False
+    named = {(s.item_id, s.event_id) for s in echoed if s.event_id}
+    spans = {(s.item_id, s.event_id) for s in prepared}
+    return named == spans if all(s.event_id for s in echoed) else named <= spans
 
 
 def check_result(
@@ -954,8 +967,7 @@ def check_result(
         raise _mismatch(
             "source_event_ids differ from the prepared union", "result.source_event_ids"
         )
-    prepared_ids = {s.item_id for s in prepared.elided}
-    if result.elided and {s.item_id for s in result.elided} != prepared_ids:
+    if result.elided and not _same_spans(result.elided, prepared.elided):
         raise _mismatch("elided spans differ from the prepared ones", "result.elided")
     if result.prompt_version and result.prompt_version != prepared.prompt_version:
         raise _mismatch(

@@ -26,7 +26,7 @@ from .body_estimate import request_framing
 from .budget import PPM, allocate
 from .canonical import canonical_bytes, sha256_hex
 from .caps import CEILING_CLASSES, CLASS_CAPS, PREFIX_CEILING_TOKENS
-from .compaction import CALLABLE_NAME, holds_fragment
+from .compaction import APART, CALLABLE_NAME, holds_fragment
 from .enums import PlanReason, SessionKind
 from .envelope import wrap
 from .errors import InvalidFieldError, PreconditionError
@@ -469,7 +469,9 @@ def _definition_data(plan: ContextPlan, spec: PlanSpec) -> list[PrefixData]:
             continue
         schema = json.loads(tool.input_schema_json)
         texts, values = _schema_texts(schema)
-        shown = "\n".join(t for t in (tool.description, *texts) if t)
+        # Apart, as compaction joins texts: no fragment spans two of them, so a run of
+        # short enum values reads as no sentence the server wrote (a review).
+        shown = APART.join(t for t in (tool.description, *texts) if t)
         names = (*_called_names(tool.name, schema), *(v for v in values if _NAME.fullmatch(v)))
         out.append(
             PrefixData(

@@ -30,6 +30,7 @@ __all__ = [
     "decode_jsonb",
     "encode_json",
     "encode_jsonb",
+    "lock_wait_setting",
     "read_refusal",
     "transaction",
 ]
@@ -56,11 +57,19 @@ class StoreUnavailableError(EngineError):
     """PostgreSQL cannot be reached; the caller should retry with backoff (UNAVAILABLE)."""
 
 
-# How long a statement waits for a lock (PostgreSQL's lock_timeout on every pooled
-# connection), below the pool's 10 s command timeout: a wait for a session another write
-# holds ends as SESSION_BUSY, told apart from a database that stopped answering. It was
-# the command timeout, reported as STORE_UNAVAILABLE (an audit: PostgreSQL was up).
+# How long a write waits for its session's lock (PostgreSQL's lock_timeout, set for the
+# transaction by the statement that takes the lock: `lock_wait_setting`), below the pool's
+# 10 s command timeout: a wait for a session another write holds ends as SESSION_BUSY,
+# told apart from a database that stopped answering. It was the command timeout, reported
+# as STORE_UNAVAILABLE (an audit: PostgreSQL was up). Not a connection setting: PgBouncer,
+# which docs/scaling.md recommends, refuses a startup parameter it does not know.
 LOCK_WAIT_SECONDS = 8.0
+
+
+def lock_wait_setting() -> str:
+    """LOCK_WAIT_SECONDS as lock_timeout's value, for `set_config('lock_timeout', $n,
+    true)` in the statement that waits (read at each call: a test may shorten it)."""
+    return f"{int(LOCK_WAIT_SECONDS * 1000)}ms"
 
 
 class SessionBusyError(ConflictError):
@@ -76,7 +85,7 @@ class SessionBusyError(ConflictError):
         after = f" for {waited:g} s" if waited is not None else ""
         super().__init__(
             f"{which} stayed busy with another write{after}; nothing was written: retry with"
-            " backoff (the same idempotency key is safe)",
+            " backoff (a keyed write under the idempotency key it was sent with)",
             metadata={"waited_seconds": f"{waited:g}"} if waited is not None else None,
         )
 
@@ -145,11 +154,9 @@ async def connect_pool(
     max_size: int = 10,
     command_timeout: float = 10.0,
     connect_timeout: float = 5.0,
-    lock_wait_seconds: float = LOCK_WAIT_SECONDS,
 ) -> asyncpg.Pool:
-    """Open a pool whose statements wait at most `lock_wait_seconds` for a lock. Raises
-    StoreUnavailableError when the database cannot be reached or refuses the connection;
-    its message is one line that names why (see _refusal)."""
+    """Open a pool. Raises StoreUnavailableError when the database cannot be reached or
+    refuses the connection; its message is one line that names why (see _refusal)."""
     try:
         pool = await asyncpg.create_pool(
             dsn,
@@ -157,7 +164,6 @@ async def connect_pool(
             max_size=max_size,
             command_timeout=command_timeout,
             timeout=connect_timeout,
-            server_settings={"lock_timeout": f"{int(lock_wait_seconds * 1000)}ms"},
             init=_init_connection,
             reset=_keep_session,
         )

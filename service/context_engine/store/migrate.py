@@ -61,10 +61,6 @@ async def apply_migrations(
         MigrationError: a migration failed (PostgreSQL refused it); it was rolled back.
     """
     applied: list[str] = []
-    # A pooled connection waits at most store/db.py's LOCK_WAIT_SECONDS for a lock; the
-    # migrator waits for the other migrator, and a migration for the locks it takes, as
-    # long as they take. Reset after: the pool keeps the connection's session settings.
-    await conn.execute("SET lock_timeout = 0")
     await conn.execute("SELECT pg_advisory_lock($1)", _LOCK_KEY, timeout=_NO_TIMEOUT)
     try:
         try:
@@ -94,5 +90,4 @@ async def apply_migrations(
             applied.append(version)
     finally:
         await conn.execute("SELECT pg_advisory_unlock($1)", _LOCK_KEY)
-        await conn.execute("RESET lock_timeout")
     return applied
