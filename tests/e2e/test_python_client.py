@@ -727,6 +727,42 @@ async def test_a_steps_append_that_fails_is_resent_with_the_same_key(client: Any
     assert run.checkpoint_version == 3  # the pair once (the resend replayed), the answer
 
 
+async def test_a_busy_session_is_retryable_and_the_loop_resends_and_keeps_the_answer(
+    client: Any,
+) -> None:
+    """ABORTED SESSION_BUSY (another write held the session past the server's lock wait)
+    wrote nothing: it is `.retryable`, unlike a lost race, so the loop resends the step's
+    append unchanged and keeps a usage report that met it in `unreported` rather than
+    raising past the appended final answer (a client audit: both were raised)."""
+    # A result naming no tool takes its call's on the server, which names the source by it.
+    assert tool_result("c1", "", "x").tool_result.source == ""
+    assert tool_result("c1", "web.fetch", "x").tool_result.source == "tool:web.fetch"
+    busy = Aborted(grpc.StatusCode.ABORTED, "busy", reason="SESSION_BUSY")
+    lost = Aborted(grpc.StatusCode.ABORTED, "moved", reason="CHECKPOINT_VERSION_CONFLICT")
+    assert busy.retryable and not lost.retryable
+    session = await client.open_session(_spec())
+    run = await session.start_run("Trains from Paris to Lyon tomorrow?")
+    real_call = client.call
+    keys: list[str] = []
+
+    async def contended(method: str, request: Any, *, timeout: Any = None) -> Any:
+        if method == "AppendItems":
+            keys.append(request.idempotency_key)
+            if len(keys) == 1:
+                raise busy
+        if method == "ReportUsage":
+            raise busy
+        return await real_call(method, request, timeout=timeout)
+
+    client.call = contended
+    result = await run.tool_loop(ScriptedModel(), _fetch, now=NOW)
+    client.call = real_call
+    assert result.final.text.startswith("The 08:04 TGV")
+    assert len(keys) == 3 and keys[0] == keys[1] != keys[2]
+    assert [e.reason for _, _, e in result.unreported] == ["SESSION_BUSY"] * 2
+    assert run.checkpoint_version == 3
+
+
 async def test_a_steps_append_that_keeps_failing_raises_with_the_request(client: Any) -> None:
     """When every resend fails, the error carries the request: resent, the next loop sees
     the step's results and runs no tool twice."""

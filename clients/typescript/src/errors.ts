@@ -60,9 +60,17 @@ export class ContextEngineError extends ClientError {
     return this.fieldViolations[0]?.field;
   }
 
-  /** True for UNAVAILABLE and DEADLINE_EXCEEDED: retry with backoff. */
+  /**
+   * True for UNAVAILABLE and DEADLINE_EXCEEDED, and for ABORTED with reason SESSION_BUSY
+   * (another write held the session past the server's lock wait; nothing was written):
+   * resend the same request with backoff, under the key it was sent with.
+   */
   get retryable(): boolean {
-    return this.code === Status.UNAVAILABLE || this.code === Status.DEADLINE_EXCEEDED;
+    return (
+      this.code === Status.UNAVAILABLE ||
+      this.code === Status.DEADLINE_EXCEEDED ||
+      (this.code === Status.ABORTED && this.reason === 'SESSION_BUSY')
+    );
   }
 }
 
@@ -78,7 +86,11 @@ export class NotFoundError extends ContextEngineError {
 export class FailedPreconditionError extends ContextEngineError {
   override name = 'FailedPreconditionError';
 }
-/** A lost optimistic race (checkpoint version, epoch): re-read and retry. */
+/**
+ * A lost optimistic race (checkpoint version, epoch): re-read and retry. Except reason
+ * SESSION_BUSY (`retryable`): nothing was written; resend the same request under its key
+ * without re-reading (an earlier attempt under that key may have landed).
+ */
 export class AbortedError extends ContextEngineError {
   override name = 'AbortedError';
 }

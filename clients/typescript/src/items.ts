@@ -73,7 +73,9 @@ export function toolResult(
       tool_name: name,
       content,
       trust: opts.trust ?? 'TRUST_LEVEL_EXTERNAL_UNTRUSTED',
-      source: attribution(opts.source || `tool:${name}`), // empty too, as in Python
+      // An empty source too, as in Python; an empty name takes its call's on the server,
+      // which then names the source by it.
+      source: attribution(opts.source || (name ? `tool:${name}` : '')),
       is_error: opts.isError ?? false,
       artifact_ref: opts.artifactRef ?? '',
       context_content: opts.contextContent ?? '',

@@ -672,6 +672,44 @@ test("a step's append that fails is resent with the same key", async () => {
   assert.equal(run.checkpointVersion, 3, 'the pair once, then the answer');
 });
 
+test('a busy session is retryable: the loop resends and keeps the answer', async () => {
+  // ABORTED SESSION_BUSY wrote nothing: unlike a lost race it is retryable, so the loop
+  // resends the step's append unchanged and keeps a usage report that met it in
+  // `unreported` instead of throwing past the appended final answer (a client audit).
+  // A result naming no tool takes its call's on the server, which names the source by it.
+  assert.equal(toolResult('c1', '', 'x').tool_result.source, '');
+  assert.equal(toolResult('c1', 'web.fetch', 'x').tool_result.source, 'tool:web.fetch');
+  const busy = new AbortedError(10, 'busy', 'SESSION_BUSY');
+  assert.ok(busy.retryable);
+  assert.ok(!new AbortedError(10, 'moved', 'CHECKPOINT_VERSION_CONFLICT').retryable);
+  const session = await engine.openSession(spec);
+  const run = await session.startRun('Trains to Lyon?');
+  const keys = [];
+  const spy = async (method, request, opts, real) => {
+    if (method === 'AppendItems') {
+      keys.push(request.idempotency_key);
+      if (keys.length === 1) throw busy;
+    }
+    if (method === 'ReportUsage') throw busy;
+    return real(method, request, opts);
+  };
+  const { ran, opts } = fetchOnce();
+  const turn = opts.callModel;
+  const usage = { inputTokens: 10, outputTokens: 2 };
+  const withUsage = { ...opts, callModel: async (build) => ({ ...(await turn(build)), usage }) };
+  const result = await withCall(spy, () => run.toolLoop(withUsage));
+  assert.equal(result.final.text, 'The 08:04.');
+  assert.deepEqual(ran, ['c1']);
+  assert.equal(keys.length, 3);
+  assert.equal(keys[0], keys[1], 'resent under its key');
+  assert.notEqual(keys[2], keys[0]);
+  assert.deepEqual(
+    result.unreported.map((u) => u.error.reason),
+    ['SESSION_BUSY', 'SESSION_BUSY'],
+  );
+  assert.equal(run.checkpointVersion, 3);
+});
+
 test("a step's append that keeps failing throws with the request to resend", async () => {
   const session = await engine.openSession(spec);
   const run = await session.startRun('Trains to Lyon?');

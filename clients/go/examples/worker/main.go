@@ -109,12 +109,14 @@ func (e *EngineError) Field() string {
 	return e.FieldViolations[0].GetField()
 }
 
-// Retryable reports UNAVAILABLE and DEADLINE_EXCEEDED, as the Python and TypeScript
-// clients do: retry with backoff, a keyed write under the idempotency key it was first
-// sent with (it may have landed with only its answer lost). Not ABORTED: a lost race is
-// re-read first, then retried.
+// Retryable reports UNAVAILABLE and DEADLINE_EXCEEDED, and ABORTED SESSION_BUSY (another
+// write held the session past the server's lock wait; nothing was written), as the Python
+// and TypeScript clients do: resend with backoff, a keyed write under the idempotency key
+// it was first sent with (it may have landed with only its answer lost). Not another
+// ABORTED: a lost race is re-read first, then retried.
 func (e *EngineError) Retryable() bool {
-	return e.Code == codes.Unavailable || e.Code == codes.DeadlineExceeded
+	return e.Code == codes.Unavailable || e.Code == codes.DeadlineExceeded ||
+		(e.Code == codes.Aborted && e.Reason == "SESSION_BUSY")
 }
 
 // decode turns a gRPC error into an *EngineError (nil and other errors pass through). A

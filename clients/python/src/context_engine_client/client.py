@@ -759,7 +759,9 @@ class Run:
         """Append items (or lists of items) in order; returns their sequences and ids.
 
         Raises:
-            Aborted: another writer moved the checkpoint (CHECKPOINT_VERSION_CONFLICT).
+            Aborted: another writer moved the checkpoint (CHECKPOINT_VERSION_CONFLICT), or
+                the session stayed busy with another write (SESSION_BUSY, `.retryable`:
+                nothing was written; resend `err.idempotency_key`'s request unchanged).
             InvalidArgument: e.g. ORPHANED_TOOL_ITEM, with the item's field path.
         """
         flat: list[pb.ConversationItem] = []
@@ -797,7 +799,8 @@ class Run:
         self, items: Sequence[pb.ConversationItem], *, timeout: float | None
     ) -> None:
         """A tool loop step's one append, sent up to `_APPEND_ATTEMPTS` times as it is
-        (same key, same bytes) while it fails for want of the engine, with twice the
+        (same key, same bytes) while it fails for want of the engine (or finds the session
+        busy: SESSION_BUSY, nothing written), with twice the
         deadline after a DeadlineExceeded: the step's tools have run, and losing their
         results would make the caller run them again. Whatever error ends it (retryable or
         not: an expired token, a proxy's INTERNAL, a cancellation), it carries the request

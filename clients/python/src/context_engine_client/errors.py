@@ -64,9 +64,9 @@ class ContextEngineError(ClientError):
         metadata: ErrorInfo.metadata, e.g. {"class": "agent_instructions"}.
         field_violations: BadRequest field violations, in order.
         idempotency_key: the key a keyed write was sent with ("" for other calls). The
-            write may have landed with only its answer lost (UNAVAILABLE, DEADLINE_EXCEEDED):
-            resend it with this key (`idempotency_key=`) to get the first answer rather than
-            a second write.
+            write may have landed with only its answer lost (UNAVAILABLE, DEADLINE_EXCEEDED),
+            or been refused with nothing written (ABORTED SESSION_BUSY): resend it with this
+            key (`idempotency_key=`) to get the first answer rather than a second write.
         pending_request: set on every error a tool loop raises from its step's
             AppendItems, whether it failed after the loop's own resends (Unavailable,
             DeadlineExceeded) or was never resent (Unauthenticated, Internal, Cancelled...):
@@ -76,7 +76,13 @@ class ContextEngineError(ClientError):
             carries it as the same attribute.)
     """
 
-    retryable = False
+    # Whether resending the same request (same key, same bytes) may succeed: set per class
+    # (Unavailable, DeadlineExceeded); Aborted decides by its reason.
+    _retryable = False
+
+    @property
+    def retryable(self) -> bool:
+        return self._retryable
 
     def __init__(
         self,
@@ -144,7 +150,17 @@ class FailedPrecondition(ContextEngineError):
 
 
 class Aborted(ContextEngineError):
-    """A lost optimistic race (checkpoint version, epoch): re-read and retry."""
+    """A lost optimistic race (checkpoint version, epoch): re-read and retry.
+
+    Except reason "SESSION_BUSY": another write held the session past the server's lock
+    wait and nothing was written. That one is `.retryable`: resend the same request with
+    backoff, under the idempotency_key it was sent with, without re-reading (an earlier
+    attempt under that key may have landed; a re-read and a new key would write twice).
+    """
+
+    @property
+    def retryable(self) -> bool:
+        return self.reason == "SESSION_BUSY"
 
 
 class ResourceExhausted(ContextEngineError):
@@ -168,14 +184,14 @@ class Unavailable(ContextEngineError):
     fresh key writes it twice.
     """
 
-    retryable = True
+    _retryable = True
 
 
 class DeadlineExceeded(ContextEngineError):
     """The call's deadline passed before the server answered. As with Unavailable, a write
     retried by hand must reuse its idempotency_key."""
 
-    retryable = True
+    _retryable = True
 
 
 class Unimplemented(ContextEngineError):

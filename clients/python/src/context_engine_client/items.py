@@ -79,8 +79,9 @@ def tool_result(
     A `source` over MAX_SOURCE_CHARS is cut to it, ending in "…". `context_content`: the
     excerpt the request sends in place of `content` (marked truncated), which the log keeps
     whole; a large output needs one, as a result the model is about to read never yields
-    (one larger than the request's body fails every Build of its run)."""
-    source = source or f"tool:{name}"
+    (one larger than the request's body fails every Build of its run). An empty `name`
+    takes its call's on the server, which then names the source by it too."""
+    source = source or (f"tool:{name}" if name else "")
     if len(source) > MAX_SOURCE_CHARS:
         source = source[: MAX_SOURCE_CHARS - 1] + "…"
     return pb.ConversationItem(
