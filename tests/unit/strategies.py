@@ -149,6 +149,7 @@ def small_plan(
     *,
     secret: bytes,
     count: Callable[[str], int] = count_tokens,
+    environment: SessionEnvironment | None = None,
 ) -> ContextPlan:
     """A plan whose prefix is a one-line agent and policy, with the policy cap and output
     reserve given: the body is what the budget tests set it to."""
@@ -158,6 +159,7 @@ def small_plan(
         policy=PlatformPolicySpec(version="v1", text="Platform policy."),
         policy_cap_tokens=cap,
         reserve_output_tokens=reserve,
+        environment=environment or SessionEnvironment(),
     )
     return make_plan(
         spec,

@@ -69,6 +69,7 @@ from context_engine.core.spec import (
     MemorySnapshotSpec,
     PersonaSpec,
     PlatformPolicySpec,
+    SessionEnvironment,
     SkillSpec,
     ToolSpec,
 )
@@ -94,8 +95,8 @@ def _plan(window: int, cap: int, reserve: int) -> ContextPlan:
 
 
 # A request's framing at the neutral factor (core/budget.py Rule 7), and the least room
-# above prefix and reserve a plan accepts: a one-token body after the framing and the 5%
-# margin (test_the_least_capacity_plan_accepts_leaves_a_one_token_body).
+# above prefix and reserve a plan accepts: a body for the runtime metadata row after the
+# framing and the 5% margin (test_the_least_capacity_plan_accepts_leaves_a_body_for_...).
 FRAMING = request_framing(count, 1_000_000)
 LEAST_ROOM = least_room(count)
 
@@ -795,6 +796,20 @@ def test_the_least_capacity_plan_accepts_leaves_a_body_for_the_runtime_row() -> 
         framing_tokens=FRAMING,
     )
     assert budget.body_tokens == least_body(count)
+    # Row 14 names allowed origins only where the plan offers browser.navigate: a session
+    # environment listing many, for a plan without browser tools, needs no more room.
+    origins = SessionEnvironment(
+        allowed_origins=tuple(f"https://site-{n}.example.org" for n in range(50))
+    )
+    wide = small_plan(200_000, 0, 1_000, secret=SECRET, count=count, environment=origins)
+    small_plan(
+        200_000,
+        wide.prefix_tokens + 1_000 + LEAST_ROOM,
+        1_000,
+        secret=SECRET,
+        count=count,
+        environment=origins,
+    )
 
 
 def _usage(name: str, tokens: int, items: int = 1) -> ClassUsage:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -249,11 +249,13 @@ def make_plan(
     prefix_tokens = sum(c.tokens for c in classes)
     # A new plan's checkpoints pin no factor yet: its Builds count the framing unscaled.
     framing = request_framing(count_tokens, PPM)
-    least = _least_body(spec, count_tokens)
-    _check_capacity(spec, model, reserve, prefix_tokens, framing, least)
     offers_browser = "browser.navigate" in {t.name for t in roster.defined} | {
         t.name for t in roster.deferred
     }
+    # Row 14 names the allowed origins only where the plan offers browser.navigate.
+    origins = spec.environment.allowed_origins if offers_browser else ()
+    least = _least_body(spec, origins, count_tokens)
+    _check_capacity(spec, model, reserve, prefix_tokens, framing, least)
     return ContextPlan(
         session_id=session_id,
         epoch=epoch,
@@ -285,7 +287,7 @@ def make_plan(
         principal_scope=spec.principal.scope_label,
         surface=spec.environment.surface,
         time_zone=spec.environment.time_zone,
-        allowed_origins=spec.environment.allowed_origins if offers_browser else (),
+        allowed_origins=origins,
         pinned_tools=pinned_tools(roster),
         skipped_skill_names=tuple(s.name for s in left_skills),
         skipped_memory_ids=tuple(m.item_id for m in left_memories),
@@ -718,7 +720,7 @@ def _check_prefix_caps(classes: tuple[ClassUsage, ...]) -> None:
         )
 
 
-def _least_body(spec: PlanSpec, count_tokens: TokenCounter) -> int:
+def _least_body(spec: PlanSpec, origins: Sequence[str], count_tokens: TokenCounter) -> int:
     """What every request's body holds, whatever its step: at least row 14 (runtime
     metadata, never yields), at the neutral factor (assemble.runtime_row_tokens)."""
     from .assemble import runtime_row_tokens  # assemble imports this module
@@ -727,7 +729,7 @@ def _least_body(spec: PlanSpec, count_tokens: TokenCounter) -> int:
         spec.environment.time_zone,
         spec.principal.scope_label,
         spec.environment.surface,
-        spec.environment.allowed_origins,
+        origins,
         count_tokens,
     )
 
