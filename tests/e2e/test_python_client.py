@@ -740,6 +740,14 @@ async def test_a_busy_session_is_retryable_and_the_loop_resends_and_keeps_the_an
     busy = Aborted(grpc.StatusCode.ABORTED, "busy", reason="SESSION_BUSY")
     lost = Aborted(grpc.StatusCode.ABORTED, "moved", reason="CHECKPOINT_VERSION_CONFLICT")
     assert busy.retryable and not lost.retryable
+    assert pickle.loads(pickle.dumps(busy)).retryable
+    # Per class for the rest, readable on the class as before.
+    assert [
+        c.__name__ for c in (Aborted, Unavailable, DeadlineExceeded, NotFound) if c.retryable
+    ] == [
+        "Unavailable",
+        "DeadlineExceeded",
+    ]
     session = await client.open_session(_spec())
     run = await session.start_run("Trains from Paris to Lyon tomorrow?")
     real_call = client.call

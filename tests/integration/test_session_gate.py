@@ -19,6 +19,7 @@ from context_engine.api.server import build_engine, build_server
 from context_engine.api.session_gate import SessionGates
 from context_engine.store import db
 from context_engine.store.db import SessionBusyError, connect_pool
+from context_engine.store.snapshots import _PERSON_LOCK
 
 from .helpers import assistant, details, new_id, spec
 
@@ -174,6 +175,35 @@ async def test_a_build_whose_record_waits_past_the_limit_is_session_busy(
     assert len(engine.gates) == 0
     again = await stub.Build(build)
     assert again.request_sequence == first.request_sequence + 1
+
+
+async def test_a_persons_fence_held_past_the_limit_is_session_busy(
+    quick_locks: tuple[Any, Any], database_dsn: str
+) -> None:
+    """Every lock a write waits for is bounded alike, not only the session's row: a Plan
+    whose snapshot names a person an erasure is fencing waits on the person's fence first
+    (a review: that wait ran into the 10 s statement timeout, answered UNAVAILABLE, which
+    the clients' channels resend, each resend holding a connection as long)."""
+    _, stub = quick_locks
+    holder = await asyncpg.connect(database_dsn)
+    await holder.execute("BEGIN")
+    await holder.execute(
+        "SELECT pg_advisory_xact_lock(" + _PERSON_LOCK.format(person="$2") + ")",
+        "tenant-fence",
+        "person-1",
+    )
+    memory = pb.MemoryItem(item_id="m1", text="Prefers trains.", person_ids=["person-1"])
+    planned = spec(snapshot=pb.MemorySnapshot(snapshot_id="s1", items=[memory]))
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as busy:
+            await stub.Plan(
+                pb.PlanRequest(tenant_id="tenant-fence", session_id=new_id(), spec=planned)
+            )
+        assert busy.value.code() == grpc.StatusCode.ABORTED
+        assert details(busy.value)[0] == "SESSION_BUSY"
+    finally:
+        await holder.execute("ROLLBACK")
+        await holder.close()
 
 
 async def test_a_gate_not_free_within_the_wait_is_session_busy() -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from functools import partial
@@ -200,6 +201,25 @@ class Engine:
 
     def new_id(self) -> str:
         return self._new_id()
+
+    @asynccontextmanager
+    async def _busy_slot(self, session_id: UUID) -> AsyncIterator[None]:
+        """One of the pool's connections a busy record may wait on, waited for as long as
+        a session's gate is (store/db.py LOCK_WAIT_SECONDS).
+
+        Raises:
+            SessionBusyError: no slot came free within the wait.
+        """
+        wait = self.gates.wait_seconds
+        try:
+            async with asyncio.timeout(wait):
+                await self._busy_records.acquire()
+        except TimeoutError:
+            raise SessionBusyError(session_id, wait) from None
+        try:
+            yield
+        finally:
+            self._busy_records.release()
 
     @property
     def kept(self) -> Kept:
@@ -1313,9 +1333,11 @@ class Engine:
                 # trip, where it would hold up every other session's Build. At most half
                 # the pool waits so at once: an erasure locking many sessions' people made
                 # every Build of them take a connection to wait on, and the pool ran dry
-                # for everyone else (a review). They queue on the session's gate first, as
-                # its writes do: one connection per busy session waits (another review).
-                async with self.gates.held(tenant, session_id), self._busy_records:
+                # for everyone else (a review). Then on the session's gate, as its writes
+                # do: one connection per busy session waits (another review). A slot first:
+                # holding the gate while waiting for one kept the session's writes out
+                # though its row was free (a third).
+                async with self._busy_slot(session_id), self.gates.held(tenant, session_id):
                     seq = await records.record(self.pool, request_record)
         if seq == STALE_HEAD:
             raise _StaleHead

@@ -42,6 +42,10 @@ class SessionGates:
     def __len__(self) -> int:
         return len(self._gates)
 
+    @property
+    def wait_seconds(self) -> float:
+        return self._wait_seconds
+
     @asynccontextmanager
     async def held(self, tenant: str, session_id: UUID) -> AsyncIterator[None]:
         """Hold the session's gate for a write (take it before the write's transaction).

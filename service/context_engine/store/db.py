@@ -57,13 +57,17 @@ class StoreUnavailableError(EngineError):
     """PostgreSQL cannot be reached; the caller should retry with backoff (UNAVAILABLE)."""
 
 
-# How long a write waits for its session's lock (PostgreSQL's lock_timeout, set for the
-# transaction by the statement that takes the lock: `lock_wait_setting`), below the pool's
+# How long a write waits for a lock (PostgreSQL's lock_timeout, set for each write's
+# transaction first, and by Build's waiting record: `lock_wait_setting`), below the pool's
 # 10 s command timeout: a wait for a session another write holds ends as SESSION_BUSY,
 # told apart from a database that stopped answering. It was the command timeout, reported
 # as STORE_UNAVAILABLE (an audit: PostgreSQL was up). Not a connection setting: PgBouncer,
 # which docs/scaling.md recommends, refuses a startup parameter it does not know.
 LOCK_WAIT_SECONDS = 8.0
+
+
+# For this transaction only (is_local): the pooled connection keeps no setting.
+_LOCK_WAIT = "SELECT set_config('lock_timeout', $1, true)"
 
 
 def lock_wait_setting() -> str:
@@ -381,10 +385,13 @@ class HeldConnection:
 
 @asynccontextmanager
 async def transaction(pool: asyncpg.Pool, timeout: float = 5.0) -> AsyncIterator[Any]:
-    """A connection inside a transaction: all of a write lands, or none of it."""
+    """A connection inside a transaction: all of a write lands, or none of it. Any lock
+    it waits for (a session's row, a person's fence, a tenant's correction) it waits for
+    at most LOCK_WAIT_SECONDS (SESSION_BUSY), set first: one round trip per write."""
     async with acquire(pool, timeout) as conn:
         try:
             async with conn.transaction():
+                await conn.execute(_LOCK_WAIT, lock_wait_setting())
                 yield conn
         except _UNAVAILABLE as exc:
             raise StoreUnavailableError(f"PostgreSQL unavailable: {type(exc).__name__}") from exc

@@ -7,7 +7,6 @@ from typing import Any
 from uuid import UUID
 
 from ..core.errors import NotFoundError
-from .db import lock_wait_setting
 
 __all__ = ["ensure_session", "lock_session", "lock_session_plans", "session_exists"]
 
@@ -50,16 +49,13 @@ async def lock_session_plans(conn: Any, tenant_id: str, session_id: UUID) -> tup
     Raises:
         NotFoundError: no such session for this tenant.
     """
-    # The lock wait is bounded for this transaction before the row is locked: the FROM
-    # item is evaluated before the row lock is taken, in the same round trip (store/db.py
-    # LOCK_WAIT_SECONDS: a wait past it is SESSION_BUSY).
+    # Waited for at most store/db.py LOCK_WAIT_SECONDS (transaction() bounds every lock
+    # wait of the write): a wait past it is SESSION_BUSY.
     row = await conn.fetchrow(
-        "SELECT current_epoch, plans_revision"
-        " FROM sessions, set_config('lock_timeout', $3, true)"
-        " WHERE tenant_id = $1 AND session_id = $2 FOR UPDATE OF sessions",
+        "SELECT current_epoch, plans_revision FROM sessions"
+        " WHERE tenant_id = $1 AND session_id = $2 FOR UPDATE",
         tenant_id,
         session_id,
-        lock_wait_setting(),
     )
     if row is None:
         raise NotFoundError(

@@ -76,13 +76,9 @@ class ContextEngineError(ClientError):
             carries it as the same attribute.)
     """
 
-    # Whether resending the same request (same key, same bytes) may succeed: set per class
-    # (Unavailable, DeadlineExceeded); Aborted decides by its reason.
-    _retryable = False
-
-    @property
-    def retryable(self) -> bool:
-        return self._retryable
+    # Whether resending the same request (same key, same bytes) may succeed: per class
+    # (Unavailable, DeadlineExceeded), and per error for Aborted (by its reason).
+    retryable = False
 
     def __init__(
         self,
@@ -158,9 +154,9 @@ class Aborted(ContextEngineError):
     attempt under that key may have landed; a re-read and a new key would write twice).
     """
 
-    @property
-    def retryable(self) -> bool:
-        return self.reason == "SESSION_BUSY"
+    def __init__(self, code: grpc.StatusCode, message: str, **details: Any) -> None:
+        super().__init__(code, message, **details)
+        self.retryable = self.reason == "SESSION_BUSY"
 
 
 class ResourceExhausted(ContextEngineError):
@@ -184,14 +180,14 @@ class Unavailable(ContextEngineError):
     fresh key writes it twice.
     """
 
-    _retryable = True
+    retryable = True
 
 
 class DeadlineExceeded(ContextEngineError):
     """The call's deadline passed before the server answered. As with Unavailable, a write
     retried by hand must reuse its idempotency_key."""
 
-    _retryable = True
+    retryable = True
 
 
 class Unimplemented(ContextEngineError):
