@@ -17,6 +17,7 @@ import pytest
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from context_engine.core.canonical import canonical_bytes, sha256_hex
+from context_engine.core.framing import BUILDER_VERSION
 
 from .helpers import (
     TENANT,
@@ -504,7 +505,7 @@ async def test_a_plan_of_context_builder_1_rotates_once_to_the_delegated_framing
 
     started = await _start(stub, session_id, "next")
     assert started.rotated_plan.reason == pb.PLAN_REASON_BUILDER_UPGRADED
-    assert started.rotated_plan.builder_version == "context-builder@2"
+    assert started.rotated_plan.builder_version == BUILDER_VERSION == "context-builder@3"
     for run_id in (parent, child):
         built = await _build(stub, session_id, run_id)
         assert built.epoch == started.rotated_plan.epoch

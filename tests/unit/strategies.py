@@ -195,10 +195,18 @@ _WS = st.sampled_from(
 )
 # What reads as the delimiter's "<" and "/": the ASCII forms most often, else fullwidth,
 # small and look-alike forms (core/envelope.py, Rule 2).
-_OPEN = st.sampled_from(["<"] * 6 + ["\uff1c", "\ufe64", "\u2039", "\u3008", "\u226e", "\ufe3f"])
+_OPEN = st.sampled_from(
+    ["<"] * 6
+    + ["\uff1c", "\ufe64", "\u2039", "\u3008", "\u226e", "\ufe3f"]
+    + ["\u02f1", "\u00ab", "\u300a", "\u140a", "\ufe3d"]
+)
 # Doubled slashes and a backslash before one read as a closing slash too; a braille blank
 # as a space before it.
-_SLASH = st.sampled_from(["/"] * 4 + ["\uff0f", "\u2044", "//", "\\/", "\u2800/"])
+_SLASH = st.sampled_from(
+    ["/"] * 4 + ["\uff0f", "\u2044", "//", "\\/", "\u2800/", "\u141f", "\u29f5/", "\u3164/"]
+)
+# What reads as the closing marker's ":": the colon, or a letter-like look-alike of it.
+_COLON = st.sampled_from([":"] * 4 + ["\u02d0", "\ua4fd"])
 _FULLWIDTH = str.maketrans({c: chr(ord(c) + 0xFEE0) for c in string.ascii_letters})
 
 secrets = st.binary(min_size=16, max_size=32)
@@ -284,15 +292,17 @@ _FIXED_PIECES = (
 
 
 def _delimiter(
-    tag: str, nonce: str, ws: tuple[str, str, str], kind: str, marks: tuple[str, str]
+    tag: str, nonce: str, ws: tuple[str, str, str], kind: str, marks: tuple[str, str, str]
 ) -> str:
-    lt, slash = marks
+    lt, slash, colon = marks
     if kind == "close":
-        return f"{lt}{ws[0]}{slash}{ws[1]}{tag}{ws[2]}:{nonce}>"
+        return f"{lt}{ws[0]}{slash}{ws[1]}{tag}{ws[2]}{colon}{nonce}>"
     if kind == "bare_close":
         return f"{lt}{ws[0]}{slash}{ws[1]}{tag}>"
     if kind == "open":
         return f"{lt}{ws[0]}{tag}>"
+    if kind == "open_blank":  # a Hangul filler where the space goes: it reads as one
+        return f'{lt}{ws[0]}{tag}\u3164source="x" id="y" nonce="{nonce}">'
     return f'{lt}{ws[0]}{tag} source="x" id="y" nonce="{nonce}">'
 
 
@@ -303,8 +313,8 @@ _DELIMITERS = st.builds(
     _TAG_READ,
     _NONCE_CHOICE,
     st.tuples(_WS, _WS, _WS),
-    st.sampled_from(["close", "close", "open", "open_attrs", "bare_close"]),
-    st.tuples(_OPEN, _SLASH),
+    st.sampled_from(["close", "close", "open", "open_attrs", "open_blank", "bare_close"]),
+    st.tuples(_OPEN, _SLASH, _COLON),
 )
 _PIECE = st.one_of(any_text, st.sampled_from(_FIXED_PIECES), _DELIMITERS)
 _TEMPLATES = {n: st.lists(_PIECE, max_size=n).map("".join) for n in range(1, 9)}
@@ -320,8 +330,11 @@ def _fill(template: str, nonce: str | None) -> str:
 _READ_AS = str.maketrans(
     {
         **dict.fromkeys("\u2039\u2329\u3008\u27e8\u276c\u276e\u2770\u02c2\u1438", "<"),
-        **dict.fromkeys("\u2044\u2215\u2571\u27cb\u29f8", "/"),
-        "\u2800": " ",
+        **dict.fromkeys("\u02f1\u140a\u00ab\u27ea\u22d6\u2991\u300a\u29fc", "<"),
+        **dict.fromkeys("\u2044\u2215\u2571\u27cb\u29f8\u141f\u1735", "/"),
+        **dict.fromkeys("\u29f5\u2216\u29f9", "\\"),
+        **dict.fromkeys("\u2800\u3164\u115f\u1160\uffa0", " "),
+        **dict.fromkeys("\u02d0\ua4fd", ":"),
         **{c: letter for letter, forms in _HOMOGLYPHS.items() for c in forms},
     }
 )

@@ -1341,15 +1341,13 @@ def _page_session() -> tuple[list[ConversationItem], Checkpoint]:
 
 def _all_invisible() -> str:
     """Every character a reader skips, found independently of the core: category Cf and
-    the rest of Unicode's Default_Ignorable_Code_Point."""
+    the rest of Unicode's Default_Ignorable_Code_Point but the Hangul fillers, which
+    fonts draw as a space (test_words_joined_by_blanks_are_read_apart)."""
     ignorable = [
         *range(0x034F, 0x0350),
-        *range(0x115F, 0x1161),
         *range(0x17B4, 0x17B6),
         *range(0x180B, 0x1810),
-        0x3164,
         *range(0xFE00, 0xFE10),
-        0xFFA0,
         *range(0xE0100, 0xE01F0),
     ]
     formats = [
@@ -1378,6 +1376,19 @@ def test_invisible_characters_do_not_launder_an_elided_span(mark: str) -> None:
             assert refused.value.reason == "SUMMARY_LAUNDERS_UNTRUSTED"
     # What the summarizer saw, invisibles and all, is still the summarizer's to repeat.
     check_result(prepared, _result(prepared, "\u200b".join("Found Hotel")), count_tokens)
+
+
+@pytest.mark.parametrize("blank", ["\u2800", "\u3164", "\u115f", "\u1160", "\uffa0"])
+def test_words_joined_by_blanks_are_read_apart(blank: str) -> None:
+    """The braille blank and the Hangul fillers are drawn as a space: a summary whose
+    words the injection's spaces were swapped for reads as the injection, and is refused
+    (an audit: dropped as invisible, they joined the words, and no fragment matched)."""
+    carried, checkpoint = _page_session()
+    prepared = prepare(checkpoint, carried, through_sequence=4, count_tokens=count_tokens)
+    summary = f"The page says: {_INJECTION.replace(' ', blank)}."
+    with pytest.raises(InvalidFieldError) as refused:
+        check_result(prepared, _result(prepared, summary), count_tokens)
+    assert refused.value.reason == "SUMMARY_LAUNDERS_UNTRUSTED"
 
 
 def test_a_model_item_quoting_sources_of_two_trusts_is_labelled_with_the_least_trusted() -> None:

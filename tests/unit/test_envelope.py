@@ -64,7 +64,10 @@ _enveloped_levels = st.sampled_from(sorted(ENVELOPED))
 
 
 def _unescape_attr(value: str) -> str:
-    # Exact inverse of a one-pass escape of & " < > (ampersand last).
+    # Exact inverse of a one-pass escape of & " < > and of line breaks and tabs as
+    # character references (ampersand last).
+    for code in (9, 10, 11, 12, 13, 0x85, 0x2028, 0x2029):
+        value = value.replace(f"&#{code};", chr(code))
     return (
         value.replace("&lt;", "<").replace("&gt;", ">").replace("&quot;", '"').replace("&amp;", "&")
     )
@@ -355,6 +358,8 @@ def test_attributes_are_escaped_and_cannot_be_forged(
     header = _assert_sealed(rendered, tag=ENVELOPED[trust], nonce=item_nonce(_SECRET, item_id))
     opening = rendered[: header.end()]
     assert opening.count('"') == 6  # three attributes, no more
+    tag_only = opening.rstrip("\n")
+    assert "\n" not in tag_only and "\r" not in tag_only  # nor a line of its own
     # Verbatim, but for characters that read as & " < > (written in their ASCII escapes).
     assert as_read(_unescape_attr(header["source"])) == as_read(source)
     assert as_read(_unescape_attr(header["id"])) == as_read(item_id)

@@ -41,7 +41,7 @@ from .cache_hints import cache_breakpoints
 from .carried import CarriedView, carried_view
 from .checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint
 from .content_key import ContentMemo
-from .envelope import wrap
+from .envelope import escape_content, wrap
 from .errors import EngineError
 from .estimator import ATTACHMENT_TOKEN_BUDGET, IMAGE_TOKENS, heuristic_count
 from .excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
@@ -72,7 +72,7 @@ from .plan import ClassUsage, ContextPlan, session_key
 from .pressure import Fitted, PressureReport, fit_body, window_reach
 from .request import Block, Message, ModelRequest, RepeatedRun, ToolDefinition
 from .rows import Row
-from .trust import DELEGATED_TAG, envelope_tag
+from .trust import DELEGATED_TAG, TrustLevel, envelope_tag
 from .validate import ClosedRun, validate_block_runs
 
 __all__ = [
@@ -583,9 +583,21 @@ def _render(row: Row, item: ContextItem, secret: bytes, truncated: bool = False)
     trust = trust_of(item)
     seq = getattr(item, "sequence", 0)
 
+    def configured(body: str) -> str:
+        # Rendered bare in the user role but not the platform's: delimiter syntax in it is
+        # escaped as an envelope's content is, so a skill body, a passage or a tool result
+        # at TRUSTED_CONFIGURATION forges no <user> envelope (an audit; @16 and older sent
+        # it verbatim).
+        return escape_content(body) if trust is TrustLevel.TRUSTED_CONFIGURATION else body
+
     def text(body: str, source: str, tag: str | None = None) -> Block:
         rendered = wrap(
-            body, trust=trust, item_id=item.item_id, source=source, secret=secret, tag=tag
+            configured(body),
+            trust=trust,
+            item_id=item.item_id,
+            source=source,
+            secret=secret,
+            tag=tag,
         )
         return Block(row, trust, "text", item.item_id, seq, text=rendered)
 
@@ -621,7 +633,7 @@ def _render(row: Row, item: ContextItem, secret: bytes, truncated: bool = False)
                 item.item_id,
                 seq,
                 text=wrap(
-                    content,
+                    configured(content),
                     trust=trust,
                     item_id=item.item_id,
                     source=source,

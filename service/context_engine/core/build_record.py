@@ -228,7 +228,13 @@ __all__ = [
 # @16: a bare knowledge passage (TRUSTED_CONFIGURATION) leads with its citation,
 # `[citation] text`; it was sent as its text alone, which the model could not cite. A
 # rebuild of an older record leaves bare passages' citations out (`uncited_passages`).
-ASSEMBLER_VERSION = "context-assembler@16"
+# @17: escaping reads more as a delimiter (core/envelope.py): a tag followed by a letter-like
+# character of another script (a look-alike colon), the Hangul fillers as spaces, more
+# look-alike angle brackets, slashes and backslashes; attribute values escape line breaks;
+# and content rendered bare at TRUSTED_CONFIGURATION (a tool result, a skill body, a
+# passage) is escaped as an envelope's content is. Content holding none of these renders
+# as before; GetBuild refuses an older record whose content held one (it is not rebuilt).
+ASSEMBLER_VERSION = "context-assembler@17"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})
@@ -251,7 +257,7 @@ _SPEC_OF = {b.name: b for b in BREAKPOINTS}
 _UNBRIDGED = _UNCOUNTED_TEXTS | {"context-assembler@13", "context-assembler@14"}
 # The versions that sent a bare (TRUSTED_CONFIGURATION) knowledge passage without its
 # citation (every one before @16).
-_UNCITED = _UNBRIDGED | {"context-assembler@15"}
+_UNCITED = _UNBRIDGED | {"context-assembler@15"}  # @16 cited, as @17 does
 # The versions whose cache markers name an item by its id alone.
 _BY_ID = _WHOLE_HASH | {"context-assembler@7"}
 ASSEMBLER_KEY = "assembler_version"

@@ -103,7 +103,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .envelope import escape_content
 from .errors import InvalidFieldError, PreconditionError
-from .invisible import drop_invisible
+from .invisible import blanks_as_spaces, drop_invisible
 from .items import (
     AssistantMessage,
     ContextItem,
@@ -273,9 +273,12 @@ APART = " \x00 "
 
 
 def _normalize(text: str) -> str:
-    # Invisible characters go first, as a reader skips them: NFKC then composes what they
-    # kept apart ("e", U+200B, U+0301 reads as "é").
-    return " ".join(unicodedata.normalize("NFKC", drop_invisible(text)).casefold().split())
+    # Blank-looking characters are spaces, as a reader sees them (core/invisible.py BLANKS:
+    # dropped as invisible, they joined words, and a sentence with its spaces so replaced
+    # was no quote of itself: an audit); invisible characters go next, as a reader skips
+    # them: NFKC then composes what they kept apart ("e", U+200B, U+0301 reads as "é").
+    read = drop_invisible(blanks_as_spaces(text))
+    return " ".join(unicodedata.normalize("NFKC", read).casefold().split())
 
 
 def _runs(normalized: str) -> Iterator[str]:

@@ -20,7 +20,8 @@ angle brackets and slashes, letters of other scripts that look like the tags' (C
 that opens a delimiter with ``&lt;``; nothing else changes and nothing is normalized.
 Plain ASCII content can hold no look-alike and takes the plain match alone.
 Rule 3: attribute values are escaped too, so a source name cannot forge attributes: & " < >
-and every character that reads as one of them (fullwidth forms, Rule 2's openers).
+and every character that reads as one of them (fullwidth forms, Rule 2's openers), and
+line breaks and tabs (as character references), so no attribute starts a line of its own.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import re
 import unicodedata
 from functools import lru_cache
 
-from .invisible import is_invisible
+from .invisible import BLANKS, is_invisible
 from .trust import DELIMITER_TAGS, TrustLevel, envelope_tag
 
 __all__ = ["NONCE_HEX_CHARS", "escape_content", "item_nonce", "wrap"]
@@ -44,14 +45,23 @@ _TAGS = DELIMITER_TAGS  # the delegated tag too (core/trust.py, Rule 2)
 # because a model reads "< /UNTRUSTED" as a delimiter just as well. Possessive (*+): giving
 # whitespace back can never let "/" or a tag match, and backtracking made "<" followed by
 # n spaces cost n² steps.
-_DELIMITER = re.compile(r"<[\s/\\]*+(?:" + "|".join(_TAGS) + r")\b", re.IGNORECASE)
+# The tag ends where no ASCII letter, digit or "_" follows: not at a word boundary, which a
+# letter-like character of another script (a modifier letter colon U+02D0, Lisu's U+A4FD)
+# would deny, leaving "</untrusted\u02d0" unescaped though it reads as "</untrusted:" (an
+# audit).
+_DELIMITER = re.compile(r"<[\s/\\]*+(?:" + "|".join(_TAGS) + r")(?![A-Za-z0-9_])", re.IGNORECASE)
 
 # Rule 2, look-alikes. Characters that read as "<" or "/" to a model but that NFKC leaves
 # alone (it already folds fullwidth and small forms: U+FF1C, U+FE64, U+FF0F).
 _LOOKALIKES = {
     **dict.fromkeys("\u2039\u2329\u3008\u27e8\u276c\u276e\u2770\u02c2\u1438", "<"),
-    **dict.fromkeys("\u2044\u2215\u2571\u27cb\u29f8", "/"),
-    "\u2800": " ",  # braille blank: neither whitespace nor invisible, but reads as a space
+    # More of them (an audit): a modifier letter, Canadian syllabics, guillemets, double
+    # and mathematical angle brackets.
+    **dict.fromkeys("\u02f1\u140a\u00ab\u27ea\u22d6\u2991\u300a\u29fc", "<"),
+    **dict.fromkeys("\u2044\u2215\u2571\u27cb\u29f8\u141f\u1735", "/"),
+    **dict.fromkeys("\u29f5\u2216\u29f9", "\\"),
+    # Blank-looking characters (core/invisible.py BLANKS) read as a space, not dropped.
+    **dict.fromkeys(BLANKS, " "),
     # Letters that look like the tags' (untrusted, memory, user, delegated) in other
     # scripts (Cyrillic, Greek, Armenian, Cherokee, Lisu), as small capitals or with a
     # built-in stroke, which NFKC leaves alone, either case. A list, not every look-alike
@@ -71,11 +81,14 @@ _LOOKALIKES = {
     **dict.fromkeys("\u0443\u0423\u04af\u03a5\u028f\u13a9\ua4ec", "y"),
 }
 # Every character that can open a delimiter once folded: "<", what NFKC folds to it (small
-# and fullwidth forms, and U+FE3F, a vertical-form angle bracket, through U+3008), "≮"
+# and fullwidth forms, and U+FE3F and U+FE3D, vertical-form angle brackets, through U+3008
+# and U+300A), "≮"
 # (which decomposes to "<" and a mark _fold drops) and the look-alikes above
 # (tests/unit/test_envelope.py scans every code point for one _fold reads as "<"). Plain
 # ASCII content has none but "<".
-_OPENERS = "<\ufe64\uff1c\ufe3f\u226e" + "".join(k for k, v in _LOOKALIKES.items() if v == "<")
+_OPENERS = "<\ufe64\uff1c\ufe3f\ufe3d\u226e" + "".join(
+    k for k, v in _LOOKALIKES.items() if v == "<"
+)
 # An opener worth a closer look: past whitespace and slashes, a tag's first letter or any
 # non-ASCII character (which may fold to one). Rejects "</div", "<b>", "a < 2" in C.
 _INITIALS = "".join(sorted({t[0] for t in _TAGS}))
@@ -96,6 +109,9 @@ _ATTR_ESCAPES = str.maketrans(
         **dict.fromkeys('"\uff02', "&quot;"),
         **dict.fromkeys(_OPENERS, "&lt;"),
         **dict.fromkeys(">\ufe65\uff1e", "&gt;"),
+        # Line breaks and tabs as character references: a source with a line of its own
+        # read as the engine's words inside the opening tag (an audit).
+        **{c: f"&#{ord(c)};" for c in "\t\n\x0b\x0c\r\x85\u2028\u2029"},
     }
 )
 

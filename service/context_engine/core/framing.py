@@ -7,7 +7,11 @@ from __future__ import annotations
 __all__ = ["BUILDER_VERSION", "DEFAULT_POLICY_TEXT", "DEFAULT_POLICY_VERSION", "FRAMING_TEXT"]
 
 # @2: the framing names the <delegated> envelope (a child run's messages from its parent).
-BUILDER_VERSION = "context-builder@2"
+# @3: a prefix entry's content is escaped as core/envelope.py reads delimiters now (a look-
+# alike colon after a tag, Hangul fillers, more look-alike brackets and slashes) and its
+# attributes escape line breaks. A plan of @2 whose bytes @3 reproduces stays current
+# (every plan without such content); the others rotate once, builder_upgraded.
+BUILDER_VERSION = "context-builder@3"
 
 DEFAULT_POLICY_VERSION = "platform-policy@1"
 

@@ -18,7 +18,22 @@ import sys
 import unicodedata
 from functools import cache
 
-__all__ = ["drop_invisible", "is_invisible"]
+__all__ = ["BLANKS", "blanks_as_spaces", "drop_invisible", "is_invisible"]
+
+# Characters that render as a blank space though they are neither whitespace nor, to a
+# reader, nothing: the braille blank (U+2800) and the Hangul fillers, which are
+# default-ignorable (Rule 1) yet drawn as a space by common fonts. A reader takes
+# "Platform\u3164notice" for two words, so the checks read them as a space, before
+# dropping what is invisible (an audit: dropped, they joined words into one, and both an
+# envelope's tag and a quoted sentence went unseen).
+BLANKS = "\u2800\u3164\u115f\u1160\uffa0"
+_BLANKS = str.maketrans(dict.fromkeys(BLANKS, " "))
+
+
+def blanks_as_spaces(text: str) -> str:
+    """`text` with every blank-looking character (BLANKS) a space."""
+    return text if text.isascii() else text.translate(_BLANKS)
+
 
 # Default_Ignorable_Code_Point besides category Cf.
 _IGNORABLE = (
