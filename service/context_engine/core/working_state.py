@@ -500,11 +500,15 @@ def _upsert_tasks(state: WorkingState, values: tuple[TaskUpsert, ...], ctx: _Ctx
             )
             continue
         old = tasks[at]
+        retitled = bool(upsert.title) and upsert.title != old.title
         tasks[at] = old.model_copy(
             update={
                 "title": upsert.title or old.title,
                 "status": upsert.status or old.status,
                 "source_sequence": ctx.sequence,
+                # The label says who wrote the title: a new one is its writer's (an audit:
+                # the model's title showed as the user's). A status alone keeps it.
+                "writer": ctx.writer if retitled else old.writer,
             }
         )
     return state.model_copy(update={"tasks": tuple(tasks)})
@@ -573,12 +577,19 @@ def _add_facts(state: WorkingState, values: tuple[NewFact, ...], ctx: _Ctx) -> W
 
 def _add_questions(state: WorkingState, values: tuple[str, ...], ctx: _Ctx) -> WorkingState:
     questions = list(state.open_questions)
-    asked = {q.text for q in questions}  # a lookup per entry instead of a scan
+    where: dict[str, int] = {}  # each text's first position: a lookup, not a scan
+    for i, q in enumerate(questions):
+        where.setdefault(q.text, i)
     for n, text in enumerate(values):
         _text(text, f"update.add_questions[{n}]")
-        if text not in asked:
-            asked.add(text)
+        at = where.get(text)
+        if at is None:
+            where[text] = len(questions)
             questions.append(ctx.entry(text))
+        elif _outranks(ctx.writer, questions[at].writer):
+            # The user asking the model's question makes it the user's (Rule 2), in place,
+            # as a constraint: the model may then not resolve it (an audit: it could).
+            questions[at] = ctx.entry(text)
     return state.model_copy(update={"open_questions": tuple(questions)})
 
 
