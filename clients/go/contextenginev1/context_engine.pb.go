@@ -1150,7 +1150,8 @@ type Principal struct {
 	// Granted scopes; a tool is advertised only when its required_scopes are all granted. At
 	// most 1,024, none empty, else INVALID_FIELD.
 	Scopes []string `protobuf:"bytes,2,rep,name=scopes,proto3" json:"scopes,omitempty"`
-	// Human-readable scope summary rendered in row 14 (for example "owner").
+	// Human-readable scope summary rendered in row 14 (for example "owner"). One line: a
+	// line break, tab or other control character is INVALID_FIELD.
 	ScopeLabel string `protobuf:"bytes,3,opt,name=scope_label,json=scopeLabel,proto3" json:"scope_label,omitempty"`
 }
 
@@ -1653,7 +1654,8 @@ type SessionEnvironment struct {
 
 	// Session kind.
 	Kind SessionKind `protobuf:"varint,1,opt,name=kind,proto3,enum=context_engine.v1.SessionKind" json:"kind,omitempty"`
-	// Surface the session runs on (for example "chat", "email"); rendered in row 14.
+	// Surface the session runs on (for example "chat", "email"); rendered in row 14. One
+	// line: a line break, tab or other control character is INVALID_FIELD.
 	Surface string `protobuf:"bytes,2,opt,name=surface,proto3" json:"surface,omitempty"`
 	// Selected browser profile, stored outside the prompt; empty when none. At most 200
 	// characters.
@@ -3278,7 +3280,9 @@ type ToolResult struct {
 	Source string `protobuf:"bytes,5,opt,name=source,proto3" json:"source,omitempty"`
 	// True when the tool failed.
 	IsError bool `protobuf:"varint,6,opt,name=is_error,json=isError,proto3" json:"is_error,omitempty"`
-	// Artifact store reference of the full content, if any.
+	// Artifact store reference of the full content, if any: a key of at most 512
+	// characters with no whitespace or control character (else INVALID_FIELD); pointers
+	// and the summary row's [elided] lines show it.
 	ArtifactRef string `protobuf:"bytes,7,opt,name=artifact_ref,json=artifactRef,proto3" json:"artifact_ref,omitempty"`
 	// The tool pipeline's persisted excerpt for context; preferred over content when set.
 	// Sent in place of a different content, its envelope is marked truncated="true".

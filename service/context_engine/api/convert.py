@@ -8,6 +8,7 @@ module imports the generated stubs.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from enum import IntEnum
@@ -113,6 +114,35 @@ MAX_PEOPLE_NAMED = 256
 # so characters many servers and CDNs accept in a URL; a longer one (browsers keep far
 # longer) is cut by the clients' tool_result helpers rather than sent.
 MAX_ATTRIBUTION_CHARS = 2_048
+
+
+# What a one-line value may not hold: a line break, a tab or another control character.
+# The runtime row (a surface, a principal's label) renders at PLATFORM trust, and an
+# artifact reference on the summary row's pointer lines: a line of their own there read as
+# the platform's words (an adversarial audit).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# An artifact reference: a store's key, at most this long, with no whitespace.
+MAX_ARTIFACT_REF_CHARS = 512
+
+
+def _one_line(value: str, field: str) -> str:
+    """Raises InvalidFieldError: `value` holds a line break or another control character."""
+    if _CONTROL.search(value):
+        raise InvalidFieldError(
+            f"{field} must be one line (no line break, tab or control character)", field=field
+        )
+    return value
+
+
+def _artifact_ref(value: str, field: str) -> str:
+    """Raises InvalidFieldError: longer than MAX_ARTIFACT_REF_CHARS, or with whitespace."""
+    if len(value) > MAX_ARTIFACT_REF_CHARS or any(c.isspace() for c in value):
+        raise InvalidFieldError(
+            f"{field} must be a reference: at most {MAX_ARTIFACT_REF_CHARS} characters,"
+            " no whitespace",
+            field=field,
+        )
+    return _one_line(value, field)
 
 
 def _attribution(value: str, field: str) -> str:
@@ -414,7 +444,7 @@ def plan_spec_from_proto(
             principal=Principal(
                 principal_id=spec.principal.principal_id,
                 scopes=_scopes(spec.principal.scopes, "spec.principal.scopes"),
-                scope_label=spec.principal.scope_label,
+                scope_label=_one_line(spec.principal.scope_label, f"{field}.principal.scope_label"),
             ),
             tools=tuple(tools),
             persona=PersonaSpec(
@@ -431,7 +461,7 @@ def plan_spec_from_proto(
                 kind=known_enum(SessionKind, env.kind, f"{field}.environment.kind")
                 if env.kind
                 else SessionKind.INTERACTIVE,
-                surface=env.surface,
+                surface=_one_line(env.surface, f"{field}.environment.surface"),
                 browser_profile_id=require_id(
                     env.browser_profile_id,
                     f"{field}.environment.browser_profile_id",
@@ -566,7 +596,7 @@ def item_from_proto(item: pb.ConversationItem, field: str, new_id: str) -> ci.Co
             trust=_result_trust(result.trust, f"{path}.trust"),
             source=_attribution(result.source, f"{path}.source"),
             is_error=result.is_error,
-            artifact_ref=result.artifact_ref,
+            artifact_ref=_artifact_ref(result.artifact_ref, f"{path}.artifact_ref"),
             context_content=result.context_content,
         )
     if kind == "reasoning":
