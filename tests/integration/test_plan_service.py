@@ -688,6 +688,26 @@ async def test_skill_loads_are_sticky_capped_and_never_evict(stub: Any, pool: An
         assert "How to refunds." in bodies[0].text
 
 
+async def test_a_rotation_that_lowers_a_skills_entry_lowers_its_loaded_body(stub: Any) -> None:
+    """A body loaded at its entry's trust renders at the entry's trust in the plan a
+    request is built on where a Rotate lowered it (core/skills.py, Rule 6): an operator who
+    marks a skill's source untrusted gets its loaded body enveloped, not bare (an audit: it
+    kept the trust it was loaded with). A raised entry raises nothing."""
+    session_id, _ = await _open(stub, _skills_spec())
+    await _load(stub, session_id, "refunds")
+    run = await _start(stub, session_id, "Refund?")
+    before = await _build(stub, session_id, run.run.run_id)
+    (body,) = [b for m in before.request.messages for b in m.blocks if b.row == pb.ROW_SKILL_BODIES]
+    assert body.trust == pb.TRUST_LEVEL_TRUSTED_CONFIGURATION and "<untrusted" not in body.text
+    lowered = _skills_spec()
+    lowered.skills[1].trust = pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED
+    await stub.Rotate(_rotation(session_id, pb.PLAN_REASON_OPERATOR_REVOCATION, lowered))
+    after = await _build(stub, session_id, run.run.run_id)
+    (body,) = [b for m in after.request.messages for b in m.blocks if b.row == pb.ROW_SKILL_BODIES]
+    assert body.trust == pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED
+    assert body.text.startswith("<untrusted ") and "How to refunds." in body.text
+
+
 async def test_a_skill_name_over_200_characters_is_an_invalid_field(stub: Any) -> None:
     """docs/api.md, Conventions: a skill name is an identifier the store indexes; over 200
     characters it is INVALID_FIELD, not a catalog miss."""

@@ -232,8 +232,10 @@ __all__ = [
 # character of another script (a look-alike colon), the Hangul fillers as spaces, more
 # look-alike angle brackets, slashes and backslashes; attribute values escape line breaks;
 # and content rendered bare at TRUSTED_CONFIGURATION (a tool result, a skill body, a
-# passage) is escaped as an envelope's content is. Content holding none of these renders
-# as before; GetBuild refuses an older record whose content held one (it is not rebuilt).
+# passage) is escaped as an envelope's content is; and a loaded skill's body renders at its
+# entry's trust in the plan built on where a Rotate lowered it (core/skills.py, Rule 6).
+# Content holding none of these renders as before; GetBuild refuses an older record whose
+# content held one (it is not rebuilt).
 ASSEMBLER_VERSION = "context-assembler@17"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
