@@ -56,10 +56,11 @@ TokenCounter = Callable[[str], int]
 FACT_CANDIDATES_OFFERED = "memory.fact_candidates.offered"
 # Formation enters an offered fact above an extractor inference, below a user statement.
 FACT_CANDIDATE_AUTHORITY = "AFFIRMED"
-# A candidate's evidence must be at least this trusted: the user's own words or better.
-_TRUSTED_EVIDENCE = frozenset(
-    {TrustLevel.PLATFORM, TrustLevel.TRUSTED_CONFIGURATION, TrustLevel.USER}
-)
+# A candidate's evidence must be a trusted user source (the spec): the user's own words
+# (or the platform's). Not TRUSTED_CONFIGURATION: that is a tool's output the worker
+# trusts to render bare, not something the user said, and a calendar entry's text was
+# offered to formation as the user's (an audit).
+_TRUSTED_EVIDENCE = frozenset({TrustLevel.PLATFORM, TrustLevel.USER})
 
 
 async def carried_state(
