@@ -692,7 +692,8 @@ async def test_a_rotation_that_lowers_a_skills_entry_lowers_its_loaded_body(stub
     """A body loaded at its entry's trust renders at the entry's trust in the plan a
     request is built on where a Rotate lowered it (core/skills.py, Rule 6): an operator who
     marks a skill's source untrusted gets its loaded body enveloped, not bare (an audit: it
-    kept the trust it was loaded with). A raised entry raises nothing."""
+    kept the trust it was loaded with), and one taken out leaves it EXTERNAL_UNTRUSTED. A
+    raised entry raises nothing."""
     session_id, _ = await _open(stub, _skills_spec())
     await _load(stub, session_id, "refunds")
     run = await _start(stub, session_id, "Refund?")
@@ -706,6 +707,15 @@ async def test_a_rotation_that_lowers_a_skills_entry_lowers_its_loaded_body(stub
     (body,) = [b for m in after.request.messages for b in m.blocks if b.row == pb.ROW_SKILL_BODIES]
     assert body.trust == pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED
     assert body.text.startswith("<untrusted ") and "How to refunds." in body.text
+    # Taken out of the catalog, the body is sticky still, at the least trust.
+    removed = _skills_spec()
+    del removed.skills[1]
+    rotation = _rotation(session_id, pb.PLAN_REASON_OPERATOR_REVOCATION, removed)
+    rotation.from_epoch = after.epoch
+    await stub.Rotate(rotation)
+    gone = await _build(stub, session_id, run.run.run_id)
+    (body,) = [b for m in gone.request.messages for b in m.blocks if b.row == pb.ROW_SKILL_BODIES]
+    assert body.trust == pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED
 
 
 async def test_a_skill_name_over_200_characters_is_an_invalid_field(stub: Any) -> None:

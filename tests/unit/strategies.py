@@ -198,7 +198,7 @@ _WS = st.sampled_from(
 _OPEN = st.sampled_from(
     ["<"] * 6
     + ["\uff1c", "\ufe64", "\u2039", "\u3008", "\u226e", "\ufe3f"]
-    + ["\u02f1", "\u00ab", "\u300a", "\u140a", "\ufe3d"]
+    + ["\u02f1", "\u140a", "\u22d6"]
 )
 # Doubled slashes and a backslash before one read as a closing slash too; a braille blank
 # as a space before it.
@@ -330,7 +330,7 @@ def _fill(template: str, nonce: str | None) -> str:
 _READ_AS = str.maketrans(
     {
         **dict.fromkeys("\u2039\u2329\u3008\u27e8\u276c\u276e\u2770\u02c2\u1438", "<"),
-        **dict.fromkeys("\u02f1\u140a\u00ab\u27ea\u22d6\u2991\u300a\u29fc", "<"),
+        **dict.fromkeys("\u02f1\u140a\u22d6\u2991\u29fc", "<"),
         **dict.fromkeys("\u2044\u2215\u2571\u27cb\u29f8\u141f\u1735", "/"),
         **dict.fromkeys("\u29f5\u2216\u29f9", "\\"),
         **dict.fromkeys("\u2800\u3164\u115f\u1160\uffa0", " "),

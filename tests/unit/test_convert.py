@@ -445,8 +445,17 @@ def test_a_reasoning_payload_of_the_providers_type_is_kept_verbatim(
             pb.PlanSpec(model_id="m", environment=pb.SessionEnvironment(surface="chat\r\nnote")),
             "spec.environment.surface",
         ),
+        (
+            pb.PlanSpec(
+                model_id="m",
+                environment=pb.SessionEnvironment(
+                    allowed_origins=["https://a.example", "https://b.example\n- waived"]
+                ),
+            ),
+            "spec.environment.allowed_origins[1]",
+        ),
     ],
-    ids=["scope label", "surface"],
+    ids=["scope label", "surface", "origin"],
 )
 def test_a_runtime_row_value_is_one_line(spec: pb.PlanSpec, field: str) -> None:
     """The runtime row renders the principal's label and the surface at PLATFORM trust: a

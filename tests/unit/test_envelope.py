@@ -493,3 +493,11 @@ def test_the_secret_never_enters_the_prefix_or_the_request(sc: Scenario) -> None
     text = repr(assembled.request) + plan.prefix_document + plan.model_dump_json()
     for form in (secret.hex(), secret.hex().upper(), repr(secret)[2:-1], secret.decode("latin-1")):
         assert form not in text
+
+
+def test_double_angle_quotation_marks_are_quotations_not_openers() -> None:
+    """French guillemets and CJK title marks read as "<<", open quotations in ordinary
+    text, and are left alone: escaping « user » in a user's words bought nothing the
+    nonce does not, at forty times the cost (a review)."""
+    for text in ("le champ « user » est vide", "请参阅《User Guide》第3章", "《Memory》 앨범"):
+        assert escape_content(text) == text

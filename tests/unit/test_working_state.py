@@ -189,6 +189,10 @@ def test_a_task_is_labelled_by_who_wrote_its_title() -> None:
     same = TaskUpsert(task_id="t1", title="Check the bill", status=TaskStatus.IN_PROGRESS)
     kept = _update(Writer.MODEL, state, WorkingStateUpdate(upsert_tasks=(same,)), 12)
     assert [t.writer for t in kept.tasks] == [Writer.USER]
+    # The user restating the model's title takes the task over, as with a constraint.
+    back = TaskUpsert(task_id="t1", title=retitled.title)
+    taken = _update(Writer.USER, moved, WorkingStateUpdate(upsert_tasks=(back,)), 13)
+    assert [t.writer for t in taken.tasks] == [Writer.USER]
 
 
 def test_a_question_the_user_asks_again_becomes_the_users_and_stays_open() -> None:
@@ -1211,7 +1215,9 @@ def _ref_upsert_tasks(
             )
             continue
         old = tasks[at]
-        retitled = bool(upsert.title) and upsert.title != old.title
+        retitled = bool(upsert.title) and (
+            upsert.title != old.title or _outranks(ctx.writer, old.writer)
+        )
         tasks[at] = old.model_copy(
             update={
                 "title": upsert.title or old.title,

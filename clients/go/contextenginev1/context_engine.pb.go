@@ -1660,7 +1660,8 @@ type SessionEnvironment struct {
 	// Selected browser profile, stored outside the prompt; empty when none. At most 200
 	// characters.
 	BrowserProfileId string `protobuf:"bytes,3,opt,name=browser_profile_id,json=browserProfileId,proto3" json:"browser_profile_id,omitempty"`
-	// Origins browser.navigate accepts; rendered in row 14 when the plan offers it.
+	// Origins browser.navigate accepts; rendered in row 14 when the plan offers it. Each one
+	// line: a line break, tab or other control character is INVALID_FIELD.
 	AllowedOrigins []string `protobuf:"bytes,4,rep,name=allowed_origins,json=allowedOrigins,proto3" json:"allowed_origins,omitempty"`
 	// Session-bound capabilities with a selected binding (see ToolSpec.session_binding).
 	BoundCapabilities []string `protobuf:"bytes,5,rep,name=bound_capabilities,json=boundCapabilities,proto3" json:"bound_capabilities,omitempty"`

@@ -467,7 +467,10 @@ def plan_spec_from_proto(
                     f"{field}.environment.browser_profile_id",
                     required=False,
                 ),
-                allowed_origins=tuple(env.allowed_origins),
+                allowed_origins=tuple(
+                    _one_line(o, f"{field}.environment.allowed_origins[{n}]")
+                    for n, o in enumerate(env.allowed_origins)
+                ),
                 bound_capabilities=tuple(env.bound_capabilities),
                 time_zone=env.time_zone or "UTC",
             ),

@@ -1219,7 +1219,7 @@ class Engine:
                 now=clock,
                 # Bare passages as @15 and older sent them: without their citations.
                 step=step if cited_passages else uncited_passages(step),
-                skill_bodies=body_items(loaded, stored.spec.skills),
+                skill_bodies=body_items(loaded, (stored.spec.skills, plan.skill_pins)),
                 working_state=render_block(
                     checkpoint.working_state,
                     secret=stored.secret,

@@ -8,9 +8,11 @@ __all__ = ["BUILDER_VERSION", "DEFAULT_POLICY_TEXT", "DEFAULT_POLICY_VERSION", "
 
 # @2: the framing names the <delegated> envelope (a child run's messages from its parent).
 # @3: a prefix entry's content is escaped as core/envelope.py reads delimiters now (a look-
-# alike colon after a tag, Hangul fillers, more look-alike brackets and slashes) and its
-# attributes escape line breaks. A plan of @2 whose bytes @3 reproduces stays current
-# (every plan without such content); the others rotate once, builder_upgraded.
+# alike colon after a tag, Hangul fillers, more look-alike brackets and slashes), its
+# attributes escape line breaks, and a catalog or index entry rendered bare
+# (TRUSTED_CONFIGURATION) is escaped as enveloped content is. A plan of @2 whose bytes @3
+# reproduces stays current (every plan without such content); the others rotate once,
+# builder_upgraded.
 BUILDER_VERSION = "context-builder@3"
 
 DEFAULT_POLICY_VERSION = "platform-policy@1"

@@ -6,7 +6,9 @@ zero-width space U+200B, soft hyphen U+00AD, word joiner U+2060, BOM U+FEFF, bid
 controls, tag characters, ...) or it is one of Unicode's other Default_Ignorable_Code_Point
 characters (combining grapheme joiner, Hangul fillers, variation selectors). A model reads
 "C\\u200bA\\u200bN" as "CAN", so core/envelope.py drops these when it matches a delimiter
-and core/compaction.py when it compares a summary with untrusted text.
+and core/compaction.py when it compares a summary with untrusted text, but for the blanks
+(BLANKS: the Hangul fillers, drawn as a space, and the braille blank), which both read as
+a space first.
 Rule 2 (linear): dropping them from a text is one regular-expression pass. ASCII holds no
 invisible character, so ASCII text is returned as it is without a look.
 """

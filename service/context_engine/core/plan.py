@@ -28,10 +28,10 @@ from .canonical import canonical_bytes, sha256_hex
 from .caps import CEILING_CLASSES, CLASS_CAPS, PREFIX_CEILING_TOKENS
 from .compaction import APART, CALLABLE_NAME, holds_fragment
 from .enums import PlanReason, SessionKind
-from .envelope import wrap
+from .envelope import escape_content, wrap
 from .errors import InvalidFieldError, PreconditionError
 from .framing import BUILDER_VERSION, FRAMING_TEXT
-from .invisible import drop_invisible
+from .invisible import blanks_as_spaces, drop_invisible
 from .items import (
     AgentInstructionsItem,
     ContextItem,
@@ -391,18 +391,26 @@ def _render_text(item: ContextItem, secret: bytes) -> str:
             return "Persona:\n" + "\n".join(f"- {e}" for e in item.entries)
         case DeferredIndexEntry():
             body = f"Deferred tool (call it through tool.call; ? marks optional): {item.line}"
-            return wrap(body, trust=trust, item_id=item.item_id, source="tool-index", secret=secret)
+            return _entry(body, trust, item.item_id, "tool-index", secret)
         case SkillCatalogItem():
             body = f"Skill {item.name} ({item.version}): {item.description}"
-            return wrap(
-                body, trust=trust, item_id=item.item_id, source="skill-catalog", secret=secret
-            )
+            return _entry(body, trust, item.item_id, "skill-catalog", secret)
         case SnapshotItem():
             body = f"[{item.source}] {item.text}" if item.source else item.text
             return wrap(
                 body, trust=trust, item_id=item.item_id, source="memory:snapshot", secret=secret
             )
     raise TypeError(f"no Region A renderer for {type(item).__name__}")
+
+
+def _entry(body: str, trust: TrustLevel, item_id: str, source: str, secret: bytes) -> str:
+    """A catalog or index entry in its envelope; rendered bare (TRUSTED_CONFIGURATION), its
+    delimiter syntax escaped as an envelope's content is: a skill's or a tool's author
+    wrote it, not the platform, and it forged a <user> envelope in the prefix (a review;
+    context-builder@3). Its Region B counterpart: core/assemble.py `_render`."""
+    if trust is TrustLevel.TRUSTED_CONFIGURATION:
+        body = escape_content(body)
+    return wrap(body, trust=trust, item_id=item_id, source=source, secret=secret)
 
 
 @dataclass(frozen=True, slots=True)
@@ -529,7 +537,7 @@ def _unnamed(text: str, names: tuple[str, ...]) -> str:
     wanted = {n.casefold() for n in names if holds_fragment(n) or holds_fragment(f'{{"{n}":"')}
     if not wanted:
         return text
-    read = unicodedata.normalize("NFKC", drop_invisible(text))
+    read = unicodedata.normalize("NFKC", drop_invisible(blanks_as_spaces(text)))
     cut = False
 
     def without(run: re.Match[str]) -> str:

@@ -17,8 +17,9 @@ worker that knows a body came from a less trusted place is believed, one that cl
 is not. A load never claims PLATFORM or MODEL trust for a body, and a body never ends at
 either: Plan refuses a catalog entry at those levels, and one a stored spec still holds
 counts as EXTERNAL_UNTRUSTED (a body renders in the user role, where both render bare).
-Build applies the rule again with the entry of the plan it builds on: an entry a Rotate
-lowered lowers the loaded body; a raised one raises nothing.
+Build applies the rule again with the pinned entry of the plan it builds on: an entry a
+Rotate lowered lowers the loaded body, one it took out leaves it EXTERNAL_UNTRUSTED; a
+raised one raises nothing.
 """
 
 from __future__ import annotations
@@ -171,22 +172,24 @@ def admit_load(
 
 
 def body_items(
-    loaded: Sequence[LoadedSkill], catalog: Sequence[SkillSpec] = ()
+    loaded: Sequence[LoadedSkill],
+    catalog: tuple[Sequence[SkillSpec], Sequence[tuple[str, str]]] | None = None,
 ) -> tuple[SkillBodyItem, ...]:
-    """Row 11 items, in load order (Rule 3), each at its load's trust or its entry's in
-    `catalog` (the plan the request is built on) where that is lower (Rule 6): a Rotate
-    that lowers an entry lowers the body loaded under it (an audit: it kept rendering bare
-    at the trust it was loaded with)."""
-    entries: dict[str, SkillSpec] = {}
-    for entry in catalog:
-        entries.setdefault(entry.name, entry)  # the first entry is the one (Rule 1)
+    """Row 11 items, in load order (Rule 3), each at its load's trust or, given `catalog`
+    (the spec's entries and the pins of the plan the request is built on), its pinned
+    entry's where that is lower (Rule 6, pinned_entry): a Rotate that lowers an entry
+    lowers the body loaded under it, and one that takes the entry out leaves it
+    EXTERNAL_UNTRUSTED (an audit: it kept rendering bare at the trust it was loaded
+    with)."""
     return tuple(
         SkillBodyItem(
             item_id=f"skill-body:{s.name}",
             name=s.name,
             version=s.version,
             body=s.body,
-            trust=body_trust(entries[s.name].trust, s.trust) if s.name in entries else s.trust,
+            trust=s.trust
+            if catalog is None
+            else body_trust(pinned_entry(*catalog, s.name)[1], s.trust),
         )
         for s in loaded
     )

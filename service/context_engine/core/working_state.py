@@ -34,7 +34,9 @@ The writer's label comes before any written text on every entry's line ("Objecti
 #4] ...", "- [model #7] Task "t1" (open): ...", "- [model #9] Established (events #3):
 ..."), and a task id is quoted as a JSON string, so no written text can pass for a label.
 A fact resting on the user's events is established whoever wrote it (the spec: what the
-session concluded, a formation candidate), so its line names the writer too: the model
+session concluded, a formation candidate; one resting on TRUSTED_CONFIGURATION events
+renders established too, but is no candidate: a tool's output is no user source), so its
+line names the writer too: the model
 reading "[model #9] Established" knows the conclusion was its own. A question the runtime
 added carries the model's trust (_WRITER_TRUST: its conversation.ask_user text) and says
 so ("- [runtime #6] the model asked: ..."), so the model's words never read as the
@@ -500,7 +502,11 @@ def _upsert_tasks(state: WorkingState, values: tuple[TaskUpsert, ...], ctx: _Ctx
             )
             continue
         old = tasks[at]
-        retitled = bool(upsert.title) and upsert.title != old.title
+        # A new title is its writer's; the user restating the model's is the user's (the
+        # stronger writer wins, Rule 2, as for a constraint).
+        retitled = bool(upsert.title) and (
+            upsert.title != old.title or _outranks(ctx.writer, old.writer)
+        )
         tasks[at] = old.model_copy(
             update={
                 "title": upsert.title or old.title,
