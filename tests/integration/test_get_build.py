@@ -217,6 +217,47 @@ async def test_a_skill_loaded_after_a_build_does_not_change_its_rebuild(stub: An
     assert await _get(stub, session_id, after.request_sequence) == after
 
 
+async def test_a_skill_body_a_rotation_lowered_and_an_assembler_16_record_of_it(
+    stub: Any, pool: Any
+) -> None:
+    """From context-assembler@17 a loaded body renders at its pinned entry's trust where a
+    Rotate lowered it; GetBuild serves a record of @16, which rendered it at its load
+    trust (bare), as @16 sent it."""
+
+    def with_skill(trust: int) -> pb.PlanSpec:
+        planned = spec()
+        planned.skills.append(
+            pb.SkillCatalogEntry(name="vendor", description="Vendor.", version="1", trust=trust)
+        )
+        return planned
+
+    session_id = new_id()
+    trusted = with_skill(pb.TRUST_LEVEL_TRUSTED_CONFIGURATION)
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=trusted))
+    started = await start_run(stub, session_id, "hello")
+    await stub.LoadSkill(
+        pb.LoadSkillRequest(
+            tenant_id=TENANT, session_id=session_id, name="vendor", body="Pay on receipt."
+        )
+    )
+    await stub.Rotate(
+        pb.RotateRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            from_epoch=1,
+            reason=pb.PLAN_REASON_OPERATOR_REVOCATION,
+            spec=with_skill(pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED),
+        )
+    )
+    built = await stub.Build(build_request(session_id, started.run.run_id))
+    bare = b'"text":"Skill vendor (1) loaded:\\nPay on receipt."'
+    assert bare not in built.provider_payload  # enveloped now
+    assert await _get(stub, session_id, built.request_sequence) == built
+    as_sent = await _rebuilt(pool, session_id, started.run.run_id, built, entry_skill_trust=False)
+    assert bare in as_sent.rendered.body
+    await _served_as(stub, pool, session_id, built, as_sent, "context-assembler@16")
+
+
 # --- the model's cache-marker budget (the registry's max_cache_breakpoints) -------------
 
 

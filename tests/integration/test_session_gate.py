@@ -155,9 +155,9 @@ async def test_a_build_whose_record_waits_past_the_limit_is_session_busy(
     quick_locks: tuple[Any, Any], database_dsn: str
 ) -> None:
     """A Build records its request under the session's lock: held past the lock wait by
-    another transaction, the Build (from the run head this replica kept, and from one read
-    afresh) is ABORTED SESSION_BUSY, records nothing, and leaves no gate; once the
-    session is free it records."""
+    another transaction, the Build (twice, from the run head this replica kept: a busy
+    session is not retried from a head read afresh) is ABORTED SESSION_BUSY, records
+    nothing, and leaves no gate; once the session is free it records."""
     engine, stub = quick_locks
     session_id, run_id = await _session(stub, "tenant-build")
     build = pb.BuildRequest(tenant_id="tenant-build", session_id=session_id, run_id=run_id)

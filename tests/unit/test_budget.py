@@ -54,6 +54,7 @@ from context_engine.core.items import (
     CorrectionLineItem,
     KnowledgePassageItem,
     RecallLineItem,
+    SkillBodyItem,
     SummaryItem,
     ToolCall,
     ToolResult,
@@ -1286,10 +1287,45 @@ def test_content_rendered_bare_at_trusted_configuration_is_escaped() -> None:
         reserve=1_000,
         factor_ppm=1_000_000,
     )
-    built = assemble(_build(session)[1])
+    _, inputs = _build(session)
+    result = ToolResult(
+        item_id="r1",
+        call_id="c1",
+        tool_name="calendar.list",
+        content=forged,
+        trust=TrustLevel.TRUSTED_CONFIGURATION,
+        sequence=3,
+        run_id="current",
+    )
+    call = ToolCall(
+        item_id="t1",
+        call_id="c1",
+        tool_name="calendar.list",
+        arguments_json="{}",
+        sequence=2,
+        run_id="current",
+    )
+    skill = SkillBodyItem(
+        item_id="skill-body:s",
+        name="s",
+        version="1",
+        body=forged,
+        trust=TrustLevel.TRUSTED_CONFIGURATION,
+    )
+    inputs = replace(
+        inputs,
+        checkpoint=inputs.checkpoint.model_copy(
+            update={"items": (*inputs.checkpoint.items, call, result)}
+        ),
+        skill_bodies=(skill,),
+    )
+    built = assemble(inputs)
     assert built.request is not None
-    (block,) = [b for b in _blocks(built.request) if b.item_id == "k1"]
-    assert block.text == "[handbook] " + forged.replace("<", "&lt;")
+    blocks = {b.item_id: b.text for b in _blocks(built.request)}
+    escaped = forged.replace("<", "&lt;")
+    assert blocks["k1"] == "[handbook] " + escaped
+    assert blocks["r1"] == escaped
+    assert blocks["skill-body:s"] == "Skill s (1) loaded:\n" + escaped
 
 
 def test_an_active_turn_over_the_body_behind_a_larger_user_message_names_the_message() -> None:

@@ -663,10 +663,10 @@ const (
 	// tenant_id is not the authenticated identity's tenant (BadRequest field tenant_id).
 	// Leave tenant_id empty to act for the authenticated tenant.
 	ErrorReason_ERROR_REASON_TENANT_MISMATCH ErrorReason = 32
-	// ABORTED (every write to a session): another write held the session, or a lock the
-	// write needed, past the store's lock wait (8 s; metadata waited_seconds where the wait
-	// was this replica's own queue). PostgreSQL is up and nothing was written: retry with
-	// backoff under the same idempotency key.
+	// ABORTED (every write to a session, a Build's record, EraseSubject): another write held
+	// the session, or a lock the write needed, past the store's lock wait (8 s a wait;
+	// metadata waited_seconds where the wait was this replica's own queue). Nothing was
+	// written: retry with backoff under the same idempotency key.
 	ErrorReason_ERROR_REASON_SESSION_BUSY ErrorReason = 33
 )
 
@@ -4042,7 +4042,9 @@ type StepContext struct {
 	// Recall arrives ranked best first. The floor is paid with the never-yield set: one that
 	// does not fit the body fails Build with BUDGET_EXCEEDED (class recall). Its lines must
 	// cost no more than recall's 2,000-token cap (else INVALID_FIELD naming this field, with
-	// metadata floor_tokens and cap_tokens): the cap is absolute, the floor included.
+	// metadata floor_tokens and cap_tokens): the cap is absolute, the floor included. They
+	// are counted as the request counts them, under the estimator correction the run's
+	// checkpoint pinned, so a floor near the cap may be refused once usage raises it.
 	RecallFloorLines int32 `protobuf:"varint,4,opt,name=recall_floor_lines,json=recallFloorLines,proto3" json:"recall_floor_lines,omitempty"`
 }
 

@@ -17,7 +17,8 @@ writes nothing (Committed.replayed: telemetry counts the compaction once).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
@@ -36,7 +37,9 @@ from ..core.errors import InvalidFieldError
 from ..core.items import ContextItem, ConversationItem
 from ..core.plan import PrefixData, prefix_data
 from ..core.seeding import carried_history, seed_cut
-from ..core.skills import LoadedSkill
+from ..core.skills import LoadedSkill, body_trust, pinned_entry
+from ..core.spec import SkillSpec
+from ..core.trust import TrustLevel
 from ..store import events, idempotency, plans, runs, sessions
 from ..store import skills as skill_store
 from ..store import working_state as ws_store
@@ -114,6 +117,19 @@ async def _inputs(
     epochs = sorted({*shown.epochs, run.epoch})
     shown_plans = await plans.read_distinct_prefixes(conn, tenant_id, session_id, epochs)
     prefix = [entry for p in shown_plans for entry in prefix_data(p.plan, p.spec)]
+    # Each body as the least trusted Build showed it: a plan whose pinned entry a Rotate
+    # lowered (or took out) showed it lower than it was loaded (core/skills.py, Rule 6; a
+    # review: a summary could restate a body Build had enveloped as untrusted).
+    skills = [
+        replace(
+            s,
+            trust=max(
+                (_shown_trust(s, p.spec.skills, p.plan.skill_pins) for p in shown_plans),
+                default=s.trust,
+            ),
+        )
+        for s in skills
+    ]
     tool_names = await plans.read_tool_names(conn, tenant_id, session_id, epochs)
     return _Inputs(
         checkpoint,
@@ -125,6 +141,13 @@ async def _inputs(
         tool_names,
         child=run.parent_run_id is not None,
     )
+
+
+def _shown_trust(
+    skill: LoadedSkill, catalog: Sequence[SkillSpec], pins: Sequence[tuple[str, str]]
+) -> TrustLevel:
+    """The trust a plan of `catalog` and `pins` showed the loaded body at (Build's rule)."""
+    return body_trust(pinned_entry(catalog, pins, skill.name)[1], skill.trust)
 
 
 async def _counter(engine: Engine, tenant_id: str, session_id: UUID) -> TokenCounter:

@@ -1028,6 +1028,7 @@ class Engine:
         fixed_texts: bool = True,
         bridge_markers: bool = True,
         cited_passages: bool = True,
+        entry_skill_trust: bool = True,
     ) -> BuildResult:
         """Assemble, render and record the run's next request.
 
@@ -1053,7 +1054,8 @@ class Engine:
         counted (core/body_estimate.py, Rule 6). `bridge_markers` False: the request
         carries no bridge marker, as context-assembler@14 and older made it (`unbridged`).
         `cited_passages` False: a bare knowledge passage is sent without its citation, as
-        context-assembler@15 and older sent it (`uncited_passages`).
+        context-assembler@15 and older sent it (`uncited_passages`). `entry_skill_trust`
+        False: each loaded skill's body at its load trust, as @16 and older rendered it.
 
         A recording Build of a run this replica has built before is made from the run head
         it kept, which the record confirms in the same round trip (store/records.py): if
@@ -1083,6 +1085,7 @@ class Engine:
             fixed_texts=fixed_texts,
             bridge_markers=bridge_markers,
             cited_passages=cited_passages,
+            entry_skill_trust=entry_skill_trust,
         )
         heads = self._heads(tenant, session_id) if record else None
         kept = heads.by_run.get(run_id) if heads is not None else None
@@ -1128,6 +1131,7 @@ class Engine:
         fixed_texts: bool,
         bridge_markers: bool,
         cited_passages: bool,
+        entry_skill_trust: bool,
     ) -> BuildResult:
         """build() from the `kept` head, which the record must confirm (_StaleHead if it
         does not; nothing is written before then), or from a head read now (None)."""
@@ -1219,7 +1223,9 @@ class Engine:
                 now=clock,
                 # Bare passages as @15 and older sent them: without their citations.
                 step=step if cited_passages else uncited_passages(step),
-                skill_bodies=body_items(loaded, (stored.spec.skills, plan.skill_pins)),
+                skill_bodies=body_items(
+                    loaded, (stored.spec.skills, plan.skill_pins) if entry_skill_trust else None
+                ),
                 working_state=render_block(
                     checkpoint.working_state,
                     secret=stored.secret,

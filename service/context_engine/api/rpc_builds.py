@@ -41,6 +41,7 @@ from ..core.build_record import (
     bridge_markers,
     cited_passages,
     delegated_messages,
+    entry_skill_trust,
     estimate_differs,
     failed_result_line,
     fixed_texts,
@@ -175,6 +176,8 @@ async def rebuild(
         bridge_markers=bridge_markers(payload),
         # Its bare knowledge passages as it sent them: without their citations before @16.
         cited_passages=cited_passages(payload),
+        # Its loaded skills' bodies at their load trust before @17.
+        entry_skill_trust=entry_skill_trust(payload),
     )
 
 

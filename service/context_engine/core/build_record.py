@@ -84,6 +84,7 @@ __all__ = [
     "bridge_markers",
     "cited_passages",
     "delegated_messages",
+    "entry_skill_trust",
     "estimate_differs",
     "estimate_to_record",
     "failed_result_line",
@@ -232,10 +233,11 @@ __all__ = [
 # character of another script (a look-alike colon), the Hangul fillers as spaces, more
 # look-alike angle brackets, slashes and backslashes; attribute values escape line breaks;
 # and content rendered bare at TRUSTED_CONFIGURATION (a tool result, a skill body, a
-# passage) is escaped as an envelope's content is; and a loaded skill's body renders at its
-# entry's trust in the plan built on where a Rotate lowered it (core/skills.py, Rule 6).
-# Content holding none of these renders as before; GetBuild refuses an older record whose
-# content held one (it is not rebuilt).
+# passage) is escaped as an envelope's content is: content holding none of these renders
+# as before, and GetBuild refuses an older record whose content held one (it is not
+# rebuilt). And a loaded skill's body renders at its pinned entry's trust in the plan
+# built on where a Rotate lowered it or took it out (core/skills.py, Rule 6): an older
+# record is rebuilt at each body's load trust (`entry_skill_trust`).
 ASSEMBLER_VERSION = "context-assembler@17"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
@@ -260,6 +262,8 @@ _UNBRIDGED = _UNCOUNTED_TEXTS | {"context-assembler@13", "context-assembler@14"}
 # The versions that sent a bare (TRUSTED_CONFIGURATION) knowledge passage without its
 # citation (every one before @16).
 _UNCITED = _UNBRIDGED | {"context-assembler@15"}  # @16 cited, as @17 does
+# The versions that rendered a loaded skill's body at its load's trust alone.
+_LOAD_TRUST = _UNCITED | {"context-assembler@16"}
 # The versions whose cache markers name an item by its id alone.
 _BY_ID = _WHOLE_HASH | {"context-assembler@7"}
 ASSEMBLER_KEY = "assembler_version"
@@ -399,6 +403,12 @@ def uncited_passages(step: StepContext) -> StepContext:
             for k in step.knowledge
         ),
     )
+
+
+def entry_skill_trust(payload: dict[str, Any]) -> bool:
+    """Rule 8: whether a loaded skill's body took its pinned entry's trust where a Rotate
+    lowered it (@17 on); an older record is rebuilt at each body's load trust."""
+    return assembler_of(payload) not in _LOAD_TRUST
 
 
 def unbridged(request: ModelRequest) -> ModelRequest:

@@ -511,9 +511,10 @@ def _upsert_tasks(state: WorkingState, values: tuple[TaskUpsert, ...], ctx: _Ctx
             update={
                 "title": upsert.title or old.title,
                 "status": upsert.status or old.status,
-                "source_sequence": ctx.sequence,
-                # The label says who wrote the title: a new one is its writer's (an audit:
-                # the model's title showed as the user's). A status alone keeps it.
+                # The label says who wrote the title, and when: a new one is its writer's
+                # (an audit: the model's title showed as the user's). A status alone keeps
+                # both, so no label pairs one writer with another's event (a review).
+                "source_sequence": ctx.sequence if retitled else old.source_sequence,
                 "writer": ctx.writer if retitled else old.writer,
             }
         )
