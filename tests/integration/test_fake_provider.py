@@ -317,6 +317,14 @@ def test_tool_blocks_need_tools_defined(claude: anthropic.Anthropic) -> None:
     assert ask(claude, tools=[TOOL], messages=_one_tool_loop("toolu_1")).stop_reason == "end_turn"
 
 
+def test_a_top_level_combinator_in_an_input_schema_is_a_bad_request(
+    claude: anthropic.Anthropic,
+) -> None:
+    union = {**TOOL, "input_schema": {**TOOL["input_schema"], "anyOf": [{"required": ["q"]}]}}
+    with pytest.raises(anthropic.BadRequestError, match="anyOf at the top level"):
+        ask(claude, tools=[union], messages=[{"role": "user", "content": "hi"}])
+
+
 def test_thinking_tool_loop_must_replay_the_thinking_block(
     claude: anthropic.Anthropic, fake: FakeProvider
 ) -> None:

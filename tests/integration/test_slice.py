@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import random
 import string
 from datetime import UTC, datetime
@@ -765,6 +766,29 @@ async def test_plan_rejects_bad_specs(stub: Any) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await stub.Plan(_opening(bad))
         assert details(caught.value)[:2] == ("INVALID_FIELD", ["spec.tools[2].input_schema_json"])
+    # A combinator at the top level (a union type's generated schema): Anthropic refuses
+    # every request that defines the tool. Nested under a property it is accepted.
+    for combinator in ("anyOf", "oneOf", "allOf"):
+        bad = spec()
+        bad.tools[2].input_schema_json = json.dumps(
+            {
+                "type": "object",
+                "properties": {"id": {"type": "string"}, "path": {"type": "string"}},
+                combinator: [{"required": ["id"]}, {"required": ["path"]}],
+            }
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Plan(_opening(bad))
+        assert details(caught.value)[:2] == ("INVALID_FIELD", ["spec.tools[2].input_schema_json"])
+        assert combinator in caught.value.details()
+    nested = spec()
+    nested.tools[2].input_schema_json = json.dumps(
+        {
+            "type": "object",
+            "properties": {"note": {"anyOf": [{"type": "string"}, {"type": "null"}]}},
+        }
+    )
+    assert (await stub.Plan(_opening(nested))).created
 
 
 async def test_rotate_once_under_a_race(stub: Any, pool: Any) -> None:

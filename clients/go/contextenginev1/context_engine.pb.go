@@ -1220,8 +1220,10 @@ type ToolSpec struct {
 	// Description shown to the model.
 	Description string `protobuf:"bytes,2,opt,name=description,proto3" json:"description,omitempty"`
 	// JSON Schema of the input, as a JSON document with "type": "object" (both providers
-	// take a tool's input as an object; anything else is INVALID_FIELD). Empty means
-	// {"type": "object"}. Re-serialized canonically.
+	// take a tool's input as an object; anything else is INVALID_FIELD) and no allOf, anyOf
+	// or oneOf at its top level (Anthropic refuses every request defining such a tool;
+	// INVALID_FIELD; nested under a property they are fine). Empty means {"type": "object"}.
+	// Re-serialized canonically.
 	InputSchemaJson string `protobuf:"bytes,3,opt,name=input_schema_json,json=inputSchemaJson,proto3" json:"input_schema_json,omitempty"`
 	// JSON Schema of the output. Hashed, never sent to the model.
 	OutputSchemaJson string `protobuf:"bytes,4,opt,name=output_schema_json,json=outputSchemaJson,proto3" json:"output_schema_json,omitempty"`

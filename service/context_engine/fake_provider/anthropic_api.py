@@ -225,6 +225,11 @@ def _tools(tools: Any, blocks: list[AnthropicBlock], markers: list[_Marker]) -> 
             schema = tool.get("input_schema")
             if not isinstance(schema, dict) or schema.get("type") != "object":
                 raise _bad(f"{path}.input_schema: Input should be a JSON Schema of type 'object'")
+            if any(k in schema for k in ("allOf", "anyOf", "oneOf")):
+                raise _bad(
+                    f"{path}.custom.input_schema: input_schema does not support oneOf, allOf, "
+                    "or anyOf at the top level"
+                )
         if name in seen:
             raise _bad("tools: Tool names must be unique.")
         seen.add(name)
