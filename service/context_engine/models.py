@@ -90,6 +90,7 @@ class ModelCatalog:
             provider=str(info.provider),
             context_window=info.context_window,
             default_output_reserve=info.default_output_reserve,
+            max_output_tokens=info.max_output_tokens or 0,
         )
 
     def cache_breakpoints(self, model_id: str) -> int | None:

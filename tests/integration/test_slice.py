@@ -791,6 +791,27 @@ async def test_plan_rejects_bad_specs(stub: Any) -> None:
     assert (await stub.Plan(_opening(nested))).created
 
 
+async def test_plan_refuses_an_output_reserve_the_provider_would_refuse(stub: Any) -> None:
+    """The reserve is sent as the request's output limit: above the model's maximum output
+    (Anthropic's max_tokens) or below OpenAI's least max_output_tokens (16), the provider
+    would refuse every request of the plan (an audit)."""
+    for model_id, reserve, bound in (
+        ("claude-3-5-haiku", 20_000, ("max_output_tokens", "8192")),
+        ("claude-sonnet-4-5", 100_000, ("max_output_tokens", "64000")),
+        ("gpt-4o", 10, ("min_output_tokens", "16")),
+    ):
+        bad = spec(model_id=model_id, reserve_output_tokens=reserve)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Plan(_opening(bad))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        reason, fields, metadata = details(caught.value)
+        assert (reason, fields) == ("INVALID_FIELD", ["spec.reserve_output_tokens"])
+        assert metadata[bound[0]] == bound[1]
+    for model_id, reserve in (("claude-sonnet-4-5", 64_000), ("gpt-4o", 16)):
+        fits = spec(model_id=model_id, reserve_output_tokens=reserve)
+        assert (await stub.Plan(_opening(fits))).created
+
+
 async def test_rotate_once_under_a_race(stub: Any, pool: Any) -> None:
     session_id, plan = await open_session(stub)
     changed = spec()

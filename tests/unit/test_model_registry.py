@@ -231,6 +231,25 @@ def test_a_reserve_that_leaves_no_room_for_input_is_rejected() -> None:
         )
 
 
+def test_a_default_reserve_above_the_models_maximum_output_is_rejected() -> None:
+    with pytest.raises(ModelRegistryError, match="max_output_tokens"):
+        ModelRegistry.from_mappings(
+            _doc({"m": _entry(default_output_reserve=8192, max_output_tokens=4096)})
+        )
+    # Not known (an overlay's model without it): nothing to check against.
+    assert ModelRegistry.from_mappings(_doc({"m": _entry()})).get("m").max_output_tokens is None
+
+
+def test_every_shipped_model_states_its_maximum_output(shipped: ModelRegistry) -> None:
+    """Plan checks a reserve against it (core/plan.py _check_reserve)."""
+    for model_id in shipped.model_ids:
+        info = shipped.get(model_id)
+        assert info.max_output_tokens is not None, model_id
+        assert info.default_output_reserve <= info.max_output_tokens
+    assert shipped.get("claude-3-5-haiku").max_output_tokens == 8192
+    assert shipped.get("gpt-5").max_output_tokens == 128_000
+
+
 def test_an_override_that_breaks_a_shipped_model_names_both_documents() -> None:
     with pytest.raises(ModelRegistryError) as info:
         ModelRegistry.from_mappings(read_packaged_models(), _doc({"gpt-4": {"context_window": 0}}))

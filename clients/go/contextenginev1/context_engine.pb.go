@@ -928,8 +928,11 @@ type PlanSpec struct {
 	// tokens) must leave a body that holds the runtime metadata row every request carries
 	// (metadata least_body_tokens): else Plan and Rotate refuse it (INVALID_FIELD).
 	PolicyCapTokens int64 `protobuf:"varint,10,opt,name=policy_cap_tokens,json=policyCapTokens,proto3" json:"policy_cap_tokens,omitempty"`
-	// Output tokens reserved off the top. 0: the model's default from the registry. A reserve
-	// that leaves no body even in the whole window is INVALID_FIELD.
+	// Output tokens reserved off the top, and sent as the request's output limit (Anthropic's
+	// max_tokens, OpenAI's max_output_tokens). 0: the model's default from the registry. A
+	// reserve above the model's maximum output (the registry's max_output_tokens) or below
+	// the provider's least (16 for OpenAI), which the provider would refuse on every
+	// request, or one that leaves no body even in the whole window, is INVALID_FIELD.
 	ReserveOutputTokens int64 `protobuf:"varint,11,opt,name=reserve_output_tokens,json=reserveOutputTokens,proto3" json:"reserve_output_tokens,omitempty"`
 }
 

@@ -57,6 +57,8 @@ class ModelInfo(BaseModel):
     (OpenAI). ``image_tokens`` raises the estimator's flat per-image figure for models whose
     image accounting exceeds it (the estimate uses the larger of the two:
     ``estimator.image_tokens_for``); ``None`` means "use the estimator's default".
+    ``max_output_tokens`` bounds the output reserve a plan may send (Plan refuses a reserve
+    above it: the provider would refuse every request).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -70,6 +72,9 @@ class ModelInfo(BaseModel):
     min_cacheable_tokens: int = Field(ge=0)
     tokenizer: TokenizerName
     image_tokens: int | None = Field(default=None, gt=0)
+    # The most a request may ask the model to write; None: not known (an overlay's model
+    # without it), and the reserve is not checked against it.
+    max_output_tokens: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _reserve_leaves_room_for_input(self) -> ModelInfo:
@@ -77,6 +82,13 @@ class ModelInfo(BaseModel):
             raise ValueError(
                 f"default_output_reserve ({self.default_output_reserve}) must be below "
                 f"context_window ({self.context_window})"
+            )
+        if self.max_output_tokens is not None and (
+            self.default_output_reserve > self.max_output_tokens
+        ):
+            raise ValueError(
+                f"default_output_reserve ({self.default_output_reserve}) must not exceed "
+                f"max_output_tokens ({self.max_output_tokens})"
             )
         return self
 

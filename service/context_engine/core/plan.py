@@ -90,6 +90,12 @@ class ModelFacts:
     provider: str  # "anthropic" | "openai"
     context_window: int
     default_output_reserve: int
+    max_output_tokens: int = 0  # the most a request may ask it to write; 0: not known
+
+
+# The least output a provider's API accepts a request to ask for (OpenAI refuses a
+# max_output_tokens below 16: "Expected a value >= 16"); a reserve is sent as that limit.
+MIN_OUTPUT_TOKENS = {"openai": 16}
 
 
 class ClassUsage(BaseModel):
@@ -246,6 +252,7 @@ def make_plan(
     document_bytes = canonical_bytes(document)
     classes = _class_usage(system, tools, count_tokens)
     reserve = spec.reserve_output_tokens or model.default_output_reserve
+    _check_reserve(spec, model, reserve)
     prefix_tokens = sum(c.tokens for c in classes)
     # A new plan's checkpoints pin no factor yet: its Builds count the framing unscaled.
     framing = request_framing(count_tokens, PPM)
@@ -805,6 +812,35 @@ def _check_capacity(
         " and the request's framing: raise it (0: the model's window)",
         field="spec.policy_cap_tokens",
         metadata=metadata,
+    )
+
+
+def _check_reserve(spec: PlanSpec, model: ModelFacts, reserve: int) -> None:
+    """The output reserve is sent as the request's output limit (Anthropic's max_tokens,
+    OpenAI's max_output_tokens), so one the provider refuses would fail every request of
+    the plan: above the model's maximum output, or below the provider's least (an audit).
+
+    Raises:
+        InvalidFieldError: INVALID_FIELD naming spec.reserve_output_tokens.
+    """
+    least = MIN_OUTPUT_TOKENS.get(model.provider, 1)
+    most = model.max_output_tokens or reserve
+    if least <= reserve <= most:
+        return
+    bound = (
+        f"above {spec.model_id}'s maximum output of {most:,}"
+        if reserve > most
+        else (f"below the {least} {model.provider} accepts")
+    )
+    raise InvalidFieldError(
+        f"an output reserve of {reserve:,} tokens is {bound}: the provider would refuse every"
+        " request",
+        field="spec.reserve_output_tokens",
+        metadata={
+            "reserve_output_tokens": str(reserve),
+            "max_output_tokens": str(model.max_output_tokens),
+            "min_output_tokens": str(least),
+        },
     )
 
 
