@@ -311,3 +311,73 @@ async def test_what_a_replica_keeps_is_weighed_in_bytes(stub: Any, grpc_server: 
     assert sum(w for _, w in mine) >= len(big)
     assert kept._max + grpc_server.engine._plans._max == DEFAULT_CACHE_BYTES
     assert kept._weight <= kept._max
+
+
+async def test_a_fresh_head_build_takes_the_skills_its_head_counted(
+    replicas: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Build that reads its run's head, then the session's loaded skills, uses only the
+    skills the head counted: one loaded in between (after a Rotate on another replica put
+    it in the catalog) belongs with a later plan than the head's, and the record of a head
+    read now confirms nothing, so the request would mix the two (an audit). The window
+    between the two reads is made certain: the skills read itself lets the other replica
+    rotate and load first."""
+    from context_engine.store import skills as skill_store
+
+    a, b = replicas
+    session_id = new_id()
+    triage = pb.SkillCatalogEntry(name="triage", description="Sort.", version="1")
+    first = spec()
+    first.skills.append(triage)
+    await b.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=first))
+    started = await b.StartRun(
+        pb.StartRunRequest(
+            tenant_id=TENANT, session_id=session_id, user_message=pb.UserMessage(text="hi")
+        )
+    )
+    run_id = started.run.run_id
+    await b.LoadSkill(
+        pb.LoadSkillRequest(
+            tenant_id=TENANT, session_id=session_id, name="triage", body="Triage body."
+        )
+    )
+    read_loaded = skill_store.read_loaded
+    fired: list[bool] = []  # once: LoadSkill reads the loaded skills too
+    meanwhile: list[int] = []
+
+    async def rotating_first(conn: Any, tenant: str, session: str) -> Any:
+        if not fired:
+            fired.append(True)
+            second = spec()
+            second.skills.extend(
+                [triage, pb.SkillCatalogEntry(name="refunds", description="Refunds.", version="2")]
+            )
+            rotated = await b.Rotate(
+                pb.RotateRequest(
+                    tenant_id=TENANT,
+                    session_id=session_id,
+                    from_epoch=1,
+                    reason=pb.PLAN_REASON_AGENT_CHANGED,
+                    spec=second,
+                )
+            )
+            await b.LoadSkill(
+                pb.LoadSkillRequest(
+                    tenant_id=TENANT, session_id=session_id, name="refunds", body="Refunds body."
+                )
+            )
+            meanwhile.append(rotated.plan.epoch)
+        return await read_loaded(conn, tenant, session)
+
+    monkeypatch.setattr(skill_store, "read_loaded", rotating_first)
+    built = await a.Build(pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id))
+    assert meanwhile == [2] and built.epoch == 1
+    bodies = {
+        block.item_id
+        for message in built.request.messages
+        for block in message.blocks
+        if block.item_id.startswith("skill-body:")
+    }
+    assert bodies == {"skill-body:triage"}
+    again = await a.Build(pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id))
+    assert again.epoch == 2

@@ -1178,6 +1178,10 @@ class Engine:
                             loaded,
                             approximate_bytes(loaded),
                         )
+                        # What the head read counted: a skill loaded since (after a Rotate
+                        # another replica made) belongs with a later plan than the head's,
+                        # and a fresh head's record confirms nothing (an audit).
+                        loaded = loaded[:skills]
         if skills_loaded is not None:
             loaded = loaded[:skills_loaded]  # sticky and append-only: a prefix is the past
         if delegated_messages and run.parent_run_id is not None:
