@@ -315,3 +315,41 @@ async def test_a_rotation_to_no_tools_sends_the_carried_pairs_as_text(
     ]
     assert any(t.startswith("(Called tool web.fetch with input ") for t in texts)
     assert any(t.endswith(" as call toolu_01)") for t in texts)
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+async def test_overlapping_runs_are_accepted_in_every_later_run(
+    stub: Any, fake: FakeProvider, claude: anthropic.Anthropic, gpt: openai.OpenAI, provider: str
+) -> None:
+    """Run 1 calls a tool and waits; the user writes again and run 2 answers; then run 1's
+    result lands. Every later run carries run 2's turn between run 1's call and result,
+    which Anthropic refused as blocks on every request (an audit): it gets that pair as
+    text where it lies, OpenAI as items paired by call id."""
+    worker = Worker(stub, provider, claude if provider == "anthropic" else gpt)
+    await worker.open("Book me a train to Lyon.")
+    first_run = worker.run_id
+    await worker.append([assistant("Checking."), call("toolu_01")])  # run 1 waits
+    first_version = worker.version
+    await _next_run(worker, "Also, what is 2+2?")
+    await worker.append([assistant("4.")])
+    worker.run_id, worker.version = first_run, first_version
+    await worker.append([result("toolu_01", "06:04 TGV"), assistant("Booked the 06:04.")])
+    for text in ("Thanks!", "And the return?"):
+        await _next_run(worker, text)
+        fake.script.push_text("Noted.", provider=provider)
+        built = await worker.build()
+        worker.send(built)
+        assert fake.requests[-1].status == 200, fake.requests[-1].error
+        replayed = await stub.GetBuild(
+            pb.GetBuildRequest(
+                tenant_id=TENANT,
+                session_id=worker.session_id,
+                request_sequence=built.request_sequence,
+            )
+        )
+        assert replayed.provider_payload == built.provider_payload
+    if provider == "anthropic":
+        payload = worker.payloads[-1]
+        assert not _tool_blocks(payload)
+        texts = [b["text"] for m in payload["messages"] for b in m["content"]]
+        assert any(t.startswith("(Result of call toolu_01)\n") and "06:04 TGV" in t for t in texts)

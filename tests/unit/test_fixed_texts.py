@@ -1,7 +1,8 @@
 """core/body_estimate.py Rule 6: the texts a renderer adds of its own (core/fixed_texts.py)
 are in the estimate. For every tool block, what each form of rendering sends of it as text
-(OpenAI's items, Anthropic's text form), counted by the exact tokenizers, is within what
-the block is estimated at in that form, less its message framing; a request's body budget
+(OpenAI's items, counted by the exact tokenizers; Anthropic's text form, counted by the
+heuristic that counts Anthropic models) is within what the block is estimated at in that
+form, less its message framing; a request's body budget
 pays for the reply priming and the placeholder turn before any item is fitted; and the
 counting GetBuild uses for a context-assembler@12 record gives @12's own figures."""
 
@@ -40,6 +41,13 @@ assembly = importlib.import_module("context_engine.core.assemble")
 
 SECRET = b"s" * 32
 EXACT = {name: counter.count_text for name, counter in build_counters().items()}
+# Anthropic's text form is counted by the counter Anthropic models count with: the
+# heuristic (the registry ships no exact Claude tokenizer). Counted in pieces (the form's
+# words, then each field), it bounds the heuristic's count of the joined text; an exact BPE
+# tokenizer can count the joined text a token or two above its pieces (a generated example:
+# `(Called tool jf with input {} as call 0_Tx-2)`, 17 cl100k tokens against pieces of 16),
+# which is no figure any Anthropic request is counted with.
+ANTHROPIC = {"heuristic": heuristic_count}
 GATE = settings(max_examples=300, deadline=None)
 
 names = st.from_regex(r"[a-z][a-z0-9_.]{0,24}", fullmatch=True)
@@ -111,6 +119,7 @@ def test_a_results_estimate_covers_what_each_rendering_sends_of_it(
     for count in EXACT.values():
         openai_sent = _sent(_openai_result(block, move), count)
         assert openai_sent <= _estimated(block, item, count, "openai")
+    for count in ANTHROPIC.values():
         assert _sent(_text_form(block, move), count) <= _estimated(block, item, count, "anthropic")
 
 
@@ -140,6 +149,7 @@ def test_a_calls_estimate_covers_what_each_rendering_sends_of_it(
     for count in EXACT.values():
         fields = [sent["name"], sent["arguments"], sent["call_id"]]
         assert _sent(fields, count) <= _estimated(block, item, count, "openai")
+    for count in ANTHROPIC.values():
         assert _sent(_text_form(block, move), count) <= _estimated(block, item, count, "anthropic")
 
 

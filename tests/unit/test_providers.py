@@ -1297,3 +1297,68 @@ def test_a_run_layout_is_its_messages_laid_out_one_by_one(layouts: list[Any]) ->
         assert made is anthropic._NO_RUN
     else:
         assert made == specified and list(made.anchors) == list(specified.anchors)
+
+
+# --- displaced pairs (providers/anthropic.py, Rule 9) -----------------------------------
+
+
+def _text(role: str, item_id: str, text: str) -> Message:
+    trust = TrustLevel.USER if role == "user" else TrustLevel.MODEL
+    return Message(role, (Block(Row.CONVERSATION, trust, "text", item_id, text=text),))
+
+
+def _overlapping_runs() -> ModelRequest:
+    """Run r1 calls web.fetch and waits; run r2 starts, calls and answers in its turn; then
+    r1's result lands, after r2's turn, and the current user message follows it."""
+    call, result = _pair("r1", "call_1", 1)
+    other_call, other_result = _pair("r2", "call_2", 2)
+    messages = (
+        _text("user", "u1", "book a train"),
+        Message("assistant", (_text("assistant", "a1", "Checking.").blocks[0], *call.blocks)),
+        _text("user", "u2", "also, what is 2+2?"),
+        other_call,
+        other_result,
+        _text("assistant", "a2", "4."),
+        Message("user", (*result.blocks, _text("user", "u3", "thanks").blocks[0])),
+    )
+    return replace(_tiny_request(*messages), tools=(_tool("web.fetch"),))
+
+
+def test_a_pair_displaced_by_another_runs_turn_is_sent_as_text_where_it_lies() -> None:
+    """The API takes a tool_use's result only in the very next user turn, so a result
+    logged after another run's turn made every later request a 400 (an audit). That pair
+    goes in the no-tools text form, in place; the other run's pair stays blocks; the
+    payload passes the fake provider's checks of the API's rules."""
+    from context_engine.fake_provider import anthropic_api
+
+    request = _overlapping_runs()
+    payload = render(request)
+    assert payload.body == render(request).body
+    anthropic_api.parse_request(
+        json.loads(payload.body), {"anthropic-version": "2023-06-01", "x-api-key": "k"}
+    )
+    turns = _body(request)["messages"]
+    assert turns[1]["content"][1] == {
+        "type": "text",
+        "text": '(Called tool web.fetch with input {"q":"x"} as call call_1)',
+    }
+    assert turns[2]["content"][0]["type"] == "text"  # u2: no result there
+    assert turns[3]["content"][0]["type"] == "tool_use"  # r2's own pair, answered next
+    assert turns[4]["content"][0]["type"] == "tool_result"
+    last = turns[6]["content"]
+    assert last[0]["text"] == "(Result of call call_1)\n<untrusted>1</untrusted>"
+    assert last[1]["text"] == "thanks"
+    keys = [(6, 1), (2, 0), (0, 0)]
+    paths = text_paths(request, keys)
+    assert [_at(_body(request), paths[k])["text"] for k in keys] == [
+        "thanks",
+        "also, what is 2+2?",
+        "book a train",
+    ]
+    # The same pair answered in the next turn stays blocks.
+    adjacent = _pairs_request(("r1", "call_1"))
+    assert [c["type"] for m in _body(adjacent)["messages"] for c in m["content"]] == [
+        "text",
+        "tool_use",
+        "tool_result",
+    ]

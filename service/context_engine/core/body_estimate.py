@@ -24,7 +24,12 @@ as text, in the form the request takes (`FixedTexts`): where tool pairs go as bl
 failed result's TOOL_ERROR_AS_TEXT line (OpenAI sends it before the content; Anthropic
 says it in a field, and the line is counted anyway, a few tokens a failed call); where
 they go as text (Anthropic without tools), that line and the words of TOOL_CALL_AS_TEXT
-and TOOL_RESULT_AS_TEXT. A tool block's name is counted as it is sent: its wire name
+and TOOL_RESULT_AS_TEXT, counted in pieces (the words, then each field): that bounds the
+heuristic's count of the joined text, which is what Anthropic models count with (an exact
+BPE tokenizer can count the joined text a token or two above its pieces). A displaced
+pair (providers/anthropic.py Rule 9), sent in the text form though the request defines
+tools, is counted as blocks: its words, about 15 tokens a pair, are left to the body's 5%
+margin. A tool block's name is counted as it is sent: its wire name
 (core/wire_names.py) in blocks, the tool's own name in the text form; and its call id
 with the suffix it is sent with when an earlier pair of the request took the id. And
 once per request, `request_framing`: the reply priming (REQUEST_FRAMING_TOKENS) and the

@@ -238,7 +238,12 @@ __all__ = [
 # rebuilt). And a loaded skill's body renders at its pinned entry's trust in the plan
 # built on where a Rotate lowered it or took it out (core/skills.py, Rule 6): an older
 # record is rebuilt at each body's load trust (`entry_skill_trust`).
-ASSEMBLER_VERSION = "context-assembler@17"
+# @18: Anthropic gets a displaced tool pair (its result landed after another run's turn:
+# two overlapping runs) in the no-tools text form where it lies (providers/anthropic.py,
+# Rule 9); as blocks the API refused every such request. A request without one renders as
+# before; GetBuild refuses an older record that carried one (it is not rebuilt: the
+# provider refused what was sent).
+ASSEMBLER_VERSION = "context-assembler@18"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})

@@ -40,6 +40,16 @@ renders all its pairs one way, so every request of an epoch does too. Until
 context-assembler@11 the text named no call id (``UNNAMED_CALL_AS_TEXT``, no result line):
 ``render(..., text_call_ids=False)`` renders a record of @10 or older so.
 
+Rule 9 (displaced pairs): the API takes a tool_use's tool_result in the very next user
+turn. A carried pair whose result landed after another run's turn (two overlapping runs:
+run 1 calls a tool and waits, run 2 answers the user, then run 1's result arrives) is
+logged, and carried, with that turn between its halves; as blocks, every later request of
+the session was a 400. Such a pair is sent in Rule 8's text form where it lies (the call as
+assistant text naming its wire call id, the result as user text after its line), so the
+history keeps its order and the rest of the request its blocks. Since
+context-assembler@18; the estimate does not count the text form's fixed words (about 15
+tokens a displaced pair; the body's 5% margin holds them).
+
 Speed: each tool, system block and message block renders once per process to its
 canonical JSON text (memoized on the frozen neutral value; a session's tools and a run's
 history repeat on every Build), and the body is composed from those texts in RFC 8785 key
@@ -178,8 +188,13 @@ def render(
     system = [_Unit(r) for b in request.system if (r := _system(b)) is not None]
     form = _form(request, text_call_ids)
     messages, moved, run_at = _message_layouts(request, form=form)
-    turns = _turns_by_message(
-        messages, tools, system, request.cache_breakpoints, max_breakpoints, run_at
+    displaced = _displaced(request, form)
+    turns = (
+        None  # Rule 9: rare, and laid out block by block
+        if displaced
+        else _turns_by_message(
+            messages, tools, system, request.cache_breakpoints, max_breakpoints, run_at
+        )
     )
     if turns is _EXPAND:  # a marker lands in the repeated run: lay it out message by message
         messages, moved, run_at = _message_layouts(request, collapse=False, form=form)
@@ -187,7 +202,7 @@ def render(
             messages, tools, system, request.cache_breakpoints, max_breakpoints, run_at
         )
     if turns is None:  # a message that sends nothing, or two of one role in a row
-        layout = _layout(request, tools, system, moved, form)
+        layout = _layout(request, tools, system, moved, form, displaced=displaced)
         _place_markers(layout, request.cache_breakpoints, max_breakpoints)
         turns = [_turn_text(role, units) for role, units in layout.turns]
         run_at = -1
@@ -269,8 +284,9 @@ def text_paths(
     layout is walked."""
     blocks, form = list(blocks), _form(request, text_call_ids)
     messages, moved, _ = _message_layouts(request, form=form)
-    if not _one_turn_each(messages):
-        return _walked_paths(request, blocks, moved, form)
+    displaced = _displaced(request, form)
+    if displaced or not _one_turn_each(messages):
+        return _walked_paths(request, blocks, moved, form, displaced)
     first = 1 if messages and messages[0].first_role == "assistant" else 0
     layout_of = _FORMS[form].layout
     found: dict[tuple[int, int], str] = {}
@@ -286,11 +302,15 @@ def text_paths(
 
 
 def _walked_paths(
-    request: ModelRequest, blocks: list[tuple[int, int]], moved: _Moved, form: str
+    request: ModelRequest,
+    blocks: list[tuple[int, int]],
+    moved: _Moved,
+    form: str,
+    displaced: frozenset[tuple[int, int]],
 ) -> dict[tuple[int, int], str]:
     """text_paths over the general layout (Rule 4), every block laid out."""
     units: dict[tuple[int, int], _Unit] = {}
-    layout = _layout(request, [], [], moved, form, units)
+    layout = _layout(request, [], [], moved, form, units, displaced=displaced)
     where = {
         id(unit): f"messages[{t}].content[{j}]"
         for t, (_, turn) in enumerate(layout.turns)
@@ -371,9 +391,12 @@ def _layout(
     moved: _Moved,
     form: str,
     units_of: dict[tuple[int, int], _Unit] | None = None,
+    *,
+    displaced: frozenset[tuple[int, int]] = frozenset(),
 ) -> _Layout:
     """Every block's unit, message by message (Rule 4): the general case. `units_of`,
-    when given, is filled with each block's unit by (message index, block index)."""
+    when given, is filled with each block's unit by (message index, block index); the
+    blocks at `displaced` (message index, block index) render as text (Rule 9)."""
     turns: list[tuple[str, list[_Unit]]] = []
     anchors: list[tuple[_Anchor, _Unit | None]] = []
     last: _Unit | None = None
@@ -381,7 +404,10 @@ def _layout(
         units: list[_Unit] = []
         wire = moved.get(n, ())
         for k, block in enumerate(message.blocks):
-            rendered = _unit_of(block, wire[k] if wire else "", form)
+            if (n, k) in displaced:
+                rendered = _render_block_as_text(block, wire[k] if wire else "")
+            else:
+                rendered = _unit_of(block, wire[k] if wire else "", form)
             unit = _Unit(rendered) if rendered is not None else None
             if unit is not None:
                 units.append(unit)
@@ -410,7 +436,55 @@ def _prompt_layout(request: ModelRequest) -> _Layout:
     _, moved, _ = _message_layouts(request, collapse=False, form=form)
     tools = [_Unit(_tool(t)) for t in request.tools]
     system = [_Unit(r) for b in request.system if (r := _system(b)) is not None]
-    return _layout(request, tools, system, moved, form)
+    return _layout(request, tools, system, moved, form, displaced=_displaced(request, form))
+
+
+# --- Rule 9: pairs whose result is not in the turn after their call ---------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _PairKeys:
+    """The (run id, call id) keys a message's calls and results name."""
+
+    calls: frozenset[tuple[str, str]]
+    results: frozenset[tuple[str, str]]
+
+
+def _keys_of(message: Message) -> _PairKeys:
+    kinds = ("tool_call", "tool_result")
+    calls, results = (
+        frozenset((b.run_id, b.call_id) for b in message.blocks if b.kind == kind) for kind in kinds
+    )
+    return _PairKeys(calls, results)
+
+
+# A run's messages are the same objects on every Build (core/messages.py interns them).
+_pair_keys = IdentityMemo(_keys_of, 16_384, by_value=False)
+_CALLS = attrgetter("calls")
+_RESULTS = attrgetter("results")
+_NOT_DISPLACED: frozenset[tuple[int, int]] = frozenset()
+
+
+def _displaced(request: ModelRequest, form: str) -> frozenset[tuple[int, int]]:
+    """The (message index, block index) of both halves of every pair whose result is not
+    in the message right after its call's (Rule 9); none in the common case, told by one
+    pass over memoized keys: each message's results answer calls of the message before.
+    Messages alternate roles (core/messages.py), so that message is the next turn."""
+    if form != "blocks":
+        return _NOT_DISPLACED  # Rule 8 sends every pair as text already
+    keys = _pair_keys.many(request.messages)
+    if all(map(frozenset.issubset, map(_RESULTS, keys[1:]), map(_CALLS, keys))):
+        return _NOT_DISPLACED
+    called: dict[tuple[str, str], tuple[int, int]] = {}
+    found: set[tuple[int, int]] = set()
+    for n, message in enumerate(request.messages):
+        for k, block in enumerate(message.blocks):
+            key = (block.run_id, block.call_id)
+            if block.kind == "tool_call":
+                called[key] = (n, k)
+            elif block.kind == "tool_result" and (at := called.get(key)) and at[0] != n - 1:
+                found.update((at, (n, k)))
+    return frozenset(found)
 
 
 # --- one turn per message: the common case, composed from per-message memos -----------
