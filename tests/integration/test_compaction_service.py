@@ -1092,3 +1092,38 @@ async def test_a_skill_body_a_rotation_lowered_is_held_as_build_showed_it(stub: 
     await _assert_launders(
         stub, session_id, three, prepared, f"Deposits are wired to {marker}.", "skill vendor"
     )
+
+
+async def test_a_commit_checks_its_result_without_holding_the_session(
+    stub: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checking a result prepares again over the log, seconds of CPU for a long one: it is
+    done without the session's lock, so another write to the session goes through
+    meanwhile (an audit: it waited out the lock, SESSION_BUSY). The write moved the
+    session, so the check is made again under the lock before the commit lands. Made
+    certain, not timed: the check itself sends the write and waits for its answer, which
+    under the lock would come only as SESSION_BUSY."""
+    import asyncio
+
+    from context_engine.api import compaction
+
+    session_id, _, first, run_id = await _session_with_history(stub)
+    prepared = await _prepare(stub, session_id, run_id)
+    loop = asyncio.get_running_loop()
+    checks: list[str] = []
+    real_check = compaction.check_result
+
+    def writing_first(*args: Any) -> Any:
+        if not checks:
+            wrote = asyncio.run_coroutine_threadsafe(
+                update_state(stub, session_id, first, 2, objective="Book the Lyon hotel"), loop
+            )
+            checks.append("written" if wrote.result(timeout=30).event_sequence else "not")
+        else:
+            checks.append("again")
+        return real_check(*args)
+
+    monkeypatch.setattr(compaction, "check_result", writing_first)
+    committed = await _commit(stub, session_id, run_id, prepared, "The user wants a hotel.")
+    assert committed.checkpoint_version == prepared.checkpoint_version + 1
+    assert checks == ["written", "again"]

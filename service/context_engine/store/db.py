@@ -32,6 +32,7 @@ __all__ = [
     "encode_jsonb",
     "lock_wait_setting",
     "read_refusal",
+    "snapshot",
     "transaction",
 ]
 
@@ -392,6 +393,19 @@ async def transaction(pool: asyncpg.Pool, timeout: float = 5.0) -> AsyncIterator
         try:
             async with conn.transaction():
                 await conn.execute(_LOCK_WAIT, lock_wait_setting())
+                yield conn
+        except _UNAVAILABLE as exc:
+            raise StoreUnavailableError(f"PostgreSQL unavailable: {type(exc).__name__}") from exc
+
+
+@asynccontextmanager
+async def snapshot(pool: asyncpg.Pool, timeout: float = 5.0) -> AsyncIterator[Any]:
+    """A connection inside a read-only REPEATABLE READ transaction: every read it makes sees
+    one committed state, without a lock (CommitCompaction's unlocked pass, which reads a
+    dozen tables and compares what moved once it holds the lock)."""
+    async with acquire(pool, timeout) as conn:
+        try:
+            async with conn.transaction(isolation="repeatable_read", readonly=True):
                 yield conn
         except _UNAVAILABLE as exc:
             raise StoreUnavailableError(f"PostgreSQL unavailable: {type(exc).__name__}") from exc

@@ -235,10 +235,13 @@ async def read_logged_call_ids(
 ) -> set[str]:
     """Which of `call_ids` the run's logged tool calls already use: AppendItems' check for
     a run whose compaction took calls out of its checkpoint. An index probe per id for a
-    run in history (migrations/0012 session_events_tool_keys)."""
+    run in history (migrations/0012 session_events_tool_keys); for a child run, the
+    session's tool calls by type (0001 session_events_by_type), not its whole log (an
+    audit: a sequential scan under the session lock)."""
     rows = await conn.fetch(
         "SELECT DISTINCT payload ->> 'call_id' AS call_id FROM session_events"
         " WHERE tenant_id = $1 AND session_id = $2 AND run_id = $3"
+        " AND type = 'tool.call.created'"  # EVENT_TYPE_OF_ITEM['tool_call']
         " AND payload ->> 'call_id' = ANY($4::text[]) AND payload ->> 'kind' = 'tool_call'"
         + (
             " AND in_history AND payload ->> 'kind' IN ('tool_call', 'tool_result')"

@@ -8,7 +8,13 @@ from uuid import UUID
 
 from ..core.errors import NotFoundError
 
-__all__ = ["ensure_session", "lock_session", "lock_session_plans", "session_exists"]
+__all__ = [
+    "ensure_session",
+    "lock_session",
+    "lock_session_plans",
+    "session_exists",
+    "session_mark",
+]
 
 
 async def ensure_session(conn: Any, tenant_id: str, session_id: UUID) -> None:
@@ -25,6 +31,19 @@ async def session_exists(conn: Any, tenant_id: str, session_id: UUID) -> bool:
         "SELECT true FROM sessions WHERE tenant_id = $1 AND session_id = $2", tenant_id, session_id
     )
     return bool(found)
+
+
+async def session_mark(conn: Any, tenant_id: str, session_id: UUID) -> tuple[int, int]:
+    """(last_sequence, plans_revision), read without a lock: every write to the session
+    appends an event, and an erasure's rewrite of its plans moves the revision, so an
+    unchanged mark is an unchanged session (an erasure's redaction of recorded requests
+    aside, which moves neither).
+
+    Raises:
+        NotFoundError: no such session for this tenant.
+    """
+    row = await _session_row(conn, tenant_id, session_id, "last_sequence, plans_revision")
+    return int(row["last_sequence"]), int(row["plans_revision"])
 
 
 async def lock_session(conn: Any, tenant_id: str, session_id: UUID) -> int:
@@ -51,9 +70,18 @@ async def lock_session_plans(conn: Any, tenant_id: str, session_id: UUID) -> tup
     """
     # Waited for at most store/db.py LOCK_WAIT_SECONDS (transaction() bounds every lock
     # wait of the write): a wait past it is SESSION_BUSY.
+    row = await _session_row(
+        conn, tenant_id, session_id, "current_epoch, plans_revision", " FOR UPDATE"
+    )
+    return int(row["current_epoch"]), int(row["plans_revision"])
+
+
+async def _session_row(
+    conn: Any, tenant_id: str, session_id: UUID, columns: str, locking: str = ""
+) -> Any:
+    """The session's row (`columns`, `locking` the row or not); NotFoundError if none."""
     row = await conn.fetchrow(
-        "SELECT current_epoch, plans_revision FROM sessions"
-        " WHERE tenant_id = $1 AND session_id = $2 FOR UPDATE",
+        f"SELECT {columns} FROM sessions WHERE tenant_id = $1 AND session_id = $2{locking}",
         tenant_id,
         session_id,
     )
@@ -61,4 +89,4 @@ async def lock_session_plans(conn: Any, tenant_id: str, session_id: UUID) -> tup
         raise NotFoundError(
             f"session {session_id} not found", field="session_id", reason="SESSION_NOT_FOUND"
         )
-    return int(row["current_epoch"]), int(row["plans_revision"])
+    return row
