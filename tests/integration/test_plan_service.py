@@ -21,6 +21,7 @@ from context_engine.core.framing import BUILDER_VERSION
 
 from .helpers import (
     TENANT,
+    assistant,
     call,
     details,
     heads_agree,
@@ -1080,6 +1081,49 @@ async def test_a_plan_persisted_during_an_erasure_is_found_by_it(stub: Any, pool
     assert erased.redacted_items == 1
     current = await _current(stub, session_id)
     assert current.invalidated and b"allergic" not in current.prefix_document
+
+
+async def test_an_erasure_holds_one_session_at_a_time(stub: Any, pool: Any) -> None:
+    """An erasure redacts each session holding the person in a transaction of its own.
+    Holding every session's lock to the end, an erasure stalled on one busy session kept
+    the writers of all the others waiting, a pooled connection each, until the pool ran
+    dry for every tenant (an audit). Here the last session (in the erasure's order) is
+    held from outside: while the erasure waits on it, the sessions before it are already
+    redacted and written to at once."""
+    person = f"ana-{new_id()}"
+    memory = _memory_spec("trace-many")
+    memory.snapshot.items[0].person_ids[:] = [person]
+    opened = [await _open(stub, memory) for _ in range(3)]
+    ids = sorted((session_id for session_id, _ in opened), key=UUID)
+    runs = {session_id: (await _start(stub, session_id)).run.run_id for session_id in ids}
+    async with pool.acquire() as holder, holder.transaction():
+        await holder.execute(
+            "SELECT 1 FROM sessions WHERE tenant_id = $1 AND session_id = $2 FOR UPDATE",
+            TENANT,
+            UUID(ids[-1]),
+        )
+        erasing = asyncio.ensure_future(
+            stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+        )
+        await _until_waiting(pool, "Lock", "transactionid", "tuple")
+        for session_id in ids[:-1]:
+            assert b"allergic" not in (await _current(stub, session_id)).prefix_document
+            done = await stub.AppendItems(
+                pb.AppendItemsRequest(
+                    tenant_id=TENANT,
+                    session_id=session_id,
+                    run_id=runs[session_id],
+                    expected_checkpoint_version=1,
+                    items=[assistant("Noted.")],
+                )
+            )
+            assert done.checkpoint_version == 2
+        assert b"allergic" in (await _current(stub, ids[-1])).prefix_document
+        assert not erasing.done()
+    erased = await erasing
+    assert sorted(erased.invalidated_session_ids) == ids
+    assert erased.redacted_items == 3
+    assert b"allergic" not in (await _current(stub, ids[-1])).prefix_document
 
 
 async def _until_waiting(pool: Any, event_type: str, *wait_events: str) -> None:

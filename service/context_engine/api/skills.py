@@ -116,71 +116,85 @@ async def erase_subject(engine: Engine, tenant: str, person_id: str) -> Erasure:
     """Redact a person's memories from every persisted snapshot of the tenant, and their
     recall and correction lines from every recorded request.
 
-    Sessions are locked in one order (sorted ids), so two erasures cannot deadlock; each
-    session's holdings are re-read under its lock, so a rotation that copied the snapshot
-    just before is redacted too. The person is recorded as erased: a later Plan or Rotate
-    whose snapshot, or Build whose recall, still names them is refused (PERSON_ERASED).
+    First the person's fence, in a transaction of its own: the person is recorded as
+    erased, so a later Plan or Rotate whose snapshot, or Build whose recall, still names
+    them is refused (PERSON_ERASED), and the sessions holding or naming them are read (one
+    persisted before is committed, and found). Then each of those sessions is redacted in a
+    transaction of its own, its holdings re-read under its lock (a rotation that copied the
+    snapshot meanwhile is redacted too), sessions in one order (sorted ids). One session at
+    a time: holding every session's lock to the end kept each of their writers waiting, a
+    pooled connection each, until a replica's pool ran dry for every tenant (an audit).
+    An erasure interrupted (SESSION_BUSY, UNAVAILABLE) has recorded the person and redacted
+    the sessions before; a resend finishes it.
 
     The answer is everything erasing this person has done, this call and the earlier ones
-    together (kept with the record of the erasure): a resend whose first answer was lost
-    answers as the first did, where it answered empty and the bound runs were lost with
-    the dropped response.
+    together (kept with the record of the erasure, updated with each session): a resend
+    whose first answer was lost answers as the first did, where it answered empty and the
+    bound runs were lost with the dropped response.
     """
-    invalidated: list[UUID] = []
-    bound: list[UUID] = []
-    redacted = requests = 0
     async with transaction(engine.pool) as conn:
-        # First the person's fence: a snapshot or request being recorded now commits before
-        # this reads (and is found); one recorded after finds the person erased and fails.
         earlier = await snapshots.fence_erasure(conn, tenant, person_id)
         holding = await snapshots.plans_holding(conn, tenant, person_id)
         naming = await snapshots.requests_naming(conn, tenant, person_id)
-        for session_id in sorted({*holding, *naming}):
-            current_epoch = await sessions.lock_session(conn, tenant, session_id)
-            epochs = (await snapshots.plans_holding(conn, tenant, person_id, session_id)).get(
-                session_id, []
-            )
-            recorded = (await snapshots.requests_naming(conn, tenant, person_id, session_id)).get(
-                session_id, []
-            )
-            news: list[NewEvent] = []
-            if epochs:
-                removed_here = 0
-                for epoch in epochs:
-                    plan, spec = await snapshots.read_plan_row(conn, tenant, session_id, epoch)
-                    plan, spec, removed = redact_person(plan, spec, person_id)
-                    if removed:
-                        await snapshots.write_redacted_plan(conn, tenant, session_id, plan, spec)
-                        removed_here += removed
-                        if epoch == current_epoch:
-                            invalidated.append(session_id)
-                await snapshots.forget_person(conn, tenant, person_id, session_id, epochs)
-                runs_here = await snapshots.bound_runs(conn, tenant, session_id, epochs)
-                bound += runs_here
-                redacted += removed_here
-                payload = {
-                    "epochs": epochs,
-                    "current_epoch_invalidated": session_id in invalidated,
-                    "redacted_items": removed_here,
-                    "bound_run_ids": [str(r) for r in runs_here],
-                }
-                news.append(NewEvent(SNAPSHOT_INVALIDATED, payload))
-            lines = 0
-            for sequence, recorded_payload in recorded:
-                rewritten, removed = redact_record(recorded_payload, person_id)
-                await snapshots.rewrite_request(conn, tenant, session_id, sequence, rewritten)
-                lines += removed
-            if recorded:
-                requests += len(recorded)
-                sequences = [sequence for sequence, _ in recorded]
-                news.append(NewEvent(REQUESTS_REDACTED, {"sequences": sequences, "lines": lines}))
-            await events.append_events(conn, tenant, session_id, news)
-        found = Erasure(tuple(invalidated), tuple(bound), redacted, requests)
-        erasure = _with_earlier(found, earlier)
+        erasure = _with_earlier(_NOTHING_FOUND, earlier)
         await snapshots.record_erasure_outcome(conn, tenant, person_id, _outcome_json(erasure))
-    for session_id in holding:
-        engine.forget_cached_plans(tenant, session_id)
+    for session_id in sorted({*holding, *naming}):
+        async with engine.gates.held(tenant, session_id), transaction(engine.pool) as conn:
+            # The fence before the session lock, as every writer naming the person takes
+            # it: another erasure of the person waits here, so the outcome adds up.
+            earlier = await snapshots.fence_erasure(conn, tenant, person_id)
+            found = await _erase_in_session(conn, tenant, person_id, session_id)
+            erasure = _with_earlier(found, earlier)
+            await snapshots.record_erasure_outcome(conn, tenant, person_id, _outcome_json(erasure))
+        if session_id in holding:
+            engine.forget_cached_plans(tenant, session_id)
     return erasure
+
+
+_NOTHING_FOUND = Erasure((), (), 0, 0)
+
+
+async def _erase_in_session(conn: Any, tenant: str, person_id: str, session_id: UUID) -> Erasure:
+    """Redact the person from one session, locked here: its plans' snapshots (invalidating
+    the current one) and its recorded requests, with an event for each."""
+    current_epoch = await sessions.lock_session(conn, tenant, session_id)
+    epochs = (await snapshots.plans_holding(conn, tenant, person_id, session_id)).get(
+        session_id, []
+    )
+    recorded = (await snapshots.requests_naming(conn, tenant, person_id, session_id)).get(
+        session_id, []
+    )
+    news: list[NewEvent] = []
+    invalidated = False
+    bound: list[UUID] = []
+    redacted = 0
+    if epochs:
+        for epoch in epochs:
+            plan, spec = await snapshots.read_plan_row(conn, tenant, session_id, epoch)
+            plan, spec, removed = redact_person(plan, spec, person_id)
+            if removed:
+                await snapshots.write_redacted_plan(conn, tenant, session_id, plan, spec)
+                redacted += removed
+                invalidated = invalidated or epoch == current_epoch
+        await snapshots.forget_person(conn, tenant, person_id, session_id, epochs)
+        bound = await snapshots.bound_runs(conn, tenant, session_id, epochs)
+        payload = {
+            "epochs": epochs,
+            "current_epoch_invalidated": invalidated,
+            "redacted_items": redacted,
+            "bound_run_ids": [str(r) for r in bound],
+        }
+        news.append(NewEvent(SNAPSHOT_INVALIDATED, payload))
+    lines = 0
+    for sequence, recorded_payload in recorded:
+        rewritten, removed = redact_record(recorded_payload, person_id)
+        await snapshots.rewrite_request(conn, tenant, session_id, sequence, rewritten)
+        lines += removed
+    if recorded:
+        sequences = [sequence for sequence, _ in recorded]
+        news.append(NewEvent(REQUESTS_REDACTED, {"sequences": sequences, "lines": lines}))
+    await events.append_events(conn, tenant, session_id, news)
+    return Erasure((session_id,) if invalidated else (), tuple(bound), redacted, len(recorded))
 
 
 def _outcome_json(erasure: Erasure) -> dict[str, Any]:
