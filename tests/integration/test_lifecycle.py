@@ -1016,3 +1016,93 @@ async def test_deadline_while_waiting_on_postgresql_writes_nothing(
     # Nothing was written: version 1 is still the one to append to.
     response = await stub.AppendItems(_append(session_id, run.run_id, 1))
     assert response.checkpoint_version == 2
+
+
+async def test_a_migration_applied_from_another_file_stops_migrate_and_serve() -> None:
+    """Each applied migration keeps its file's SHA-256: one applied from another file than
+    the packaged one (edited after release) left the database on a schema this version
+    does not expect, silently (an audit); `migrate` and `serve` now stop, naming it, in
+    one line. A database migrated before the sums were kept takes the packaged ones."""
+    from context_engine.store import apply_migrations
+    from context_engine.store.migrate import MigrationError, migration_files, pending_migrations
+
+    dsn = await create_database(migrate=True)
+    conn = await asyncpg.connect(dsn)
+    try:
+        kept = await conn.fetchval(
+            "SELECT count(*) FROM schema_migrations WHERE sha256 ~ '^[0-9a-f]{64}$'"
+        )
+        assert kept == len(migration_files())
+        # Before the sums: the column is added and filled, nothing else changes.
+        await conn.execute("ALTER TABLE schema_migrations DROP COLUMN sha256")
+        assert await pending_migrations(conn) == []
+        assert await apply_migrations(conn) == []
+        assert (
+            await conn.fetchval("SELECT count(*) FROM schema_migrations WHERE sha256 IS NULL") == 0
+        )
+        # A file edited after this database applied it.
+        await conn.execute(
+            "UPDATE schema_migrations SET sha256 = repeat('0', 64)"
+            " WHERE version = '0007_erased_people'"
+        )
+        for check in (pending_migrations(conn), apply_migrations(conn)):
+            with pytest.raises(MigrationError, match="migration 0007_erased_people was applied"):
+                await check
+    finally:
+        await conn.close()
+    try:
+        code, line = await _fails_in_one_line(
+            "serve", "--listen", "127.0.0.1:0", "--database-url", dsn, migrate_on_start="false"
+        )
+        assert code == 1
+        assert line.startswith("context-engine: migration 0007_erased_people was applied"), line
+    finally:
+        await drop_database(dsn)
+
+
+# 0007 as it first landed (0a206a5), an hour before it was rewritten to keep a hash.
+_FIRST_0007 = """
+CREATE TABLE erased_people (
+    tenant_id  text        NOT NULL,
+    person_id  text        NOT NULL,
+    erased_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (tenant_id, person_id)
+);
+"""
+
+
+async def test_a_database_on_the_first_0007_is_moved_to_the_released_shape() -> None:
+    """A database migrated while 0007 kept erased people's ids failed every erasure (an
+    audit): 0021 renames the column and hashes the ids, so an erasure made then is still
+    the person's, and erasing them again finds it."""
+    from context_engine.store import apply_migrations
+    from context_engine.store.migrate import migration_files
+    from context_engine.store.snapshots import fence_erasure
+
+    dsn = await create_database(migrate=False)
+    conn = await asyncpg.connect(dsn)
+    try:
+        files = migration_files()
+        before = [(v, sql) for v, sql in files if v < "0007"]
+        await apply_migrations(conn, [*before, ("0007_erased_people", _FIRST_0007)])
+        # As the code of the time left it: no sums kept.
+        await conn.execute("UPDATE schema_migrations SET sha256 = NULL")
+        await conn.execute("INSERT INTO erased_people (tenant_id, person_id) VALUES ('t', 'ana')")
+        applied = await apply_migrations(conn)
+        assert "0021_erased_people_by_hash" in applied
+        columns = await conn.fetch(
+            "SELECT column_name FROM information_schema.columns"
+            " WHERE table_name = 'erased_people' ORDER BY ordinal_position"
+        )
+        assert [c["column_name"] for c in columns] == [
+            "tenant_id",
+            "person_sha256",
+            "erased_at",
+            "outcome",
+        ]
+        async with conn.transaction():
+            assert await fence_erasure(conn, "t", "ana") is None  # found: nothing inserted
+        assert await conn.fetchval("SELECT count(*) FROM erased_people") == 1
+    finally:
+        await conn.close()
+        await drop_database(dsn)

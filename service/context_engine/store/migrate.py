@@ -1,15 +1,29 @@
 """Apply numbered SQL migrations in order, once, under an advisory lock.
 
 Two replicas starting together both call this; the lock makes one apply and the other
-find nothing left to do. Neither the wait for the lock nor a migration is cut off by the
-pool's command timeout (store/db.py, 10 s, meant for requests): a migration that rewrites
-a large table takes what it takes, and the second migrator waits for the first. A
-migration that fails is rolled back and reported as MigrationError, naming it.
+find nothing left to do. The lock is taken in each migration's own transaction
+(`pg_advisory_xact_lock`), and whether the migration is applied is read under it: a lock
+held across transactions on the session would, through PgBouncer's transaction pooling,
+be taken on one server connection and released on another (the release failing, the lock
+left on a pooled connection for the next release's migrator to wait on). Neither the wait
+for the lock nor a migration is cut off by the pool's command timeout (store/db.py, 10 s,
+meant for requests): a migration that rewrites a large table takes what it takes, and the
+second migrator waits for the first. A migration that fails is rolled back and reported as
+MigrationError, naming it.
+
+Each applied migration keeps the SHA-256 of its file (`schema_migrations.sha256`). A file
+changed after a database applied it would leave that database on a schema this version
+does not expect, silently (0007 was rewritten an hour after it landed: a database migrated
+in between kept `erased_people.person_id`, and every erasure failed INTERNAL). So a
+migration whose applied file differs from the packaged one is a MigrationError naming it,
+for `migrate` and for `serve` alike; a version applied before the sums were kept takes the
+packaged file's sum the first time `migrate` runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -21,10 +35,16 @@ _LOCK_KEY = 0x636F6E74657874  # "context" as an int: one advisory lock for migra
 # asyncpg's per-statement timeout for the lock wait and each migration (None would take the
 # connection's command timeout): a week, i.e. none an operator would meet.
 _NO_TIMEOUT = 7 * 24 * 3600.0
+_BOOTSTRAP = (
+    "CREATE TABLE IF NOT EXISTS schema_migrations ("
+    " version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())",
+    "ALTER TABLE schema_migrations ADD COLUMN IF NOT EXISTS sha256 text",
+)
 
 
 class MigrationError(Exception):
-    """A migration failed; it was rolled back, and the ones before it stay applied."""
+    """A migration failed; it was rolled back, and the ones before it stay applied. Or the
+    applied migrations cannot be read, or one was applied from another file."""
 
 
 def migration_files() -> list[tuple[str, str]]:
@@ -34,21 +54,53 @@ def migration_files() -> list[tuple[str, str]]:
     return [(Path(p.name).stem, p.read_text(encoding="utf-8")) for p in files]
 
 
+def _sum(sql: str) -> str:
+    return hashlib.sha256(sql.encode("utf-8")).hexdigest()
+
+
+def _check_unchanged(applied: Mapping[str, str | None], files: Sequence[tuple[str, str]]) -> None:
+    """Raise MigrationError for the first applied migration whose kept sum is not its
+    file's (a sum not kept yet is not compared)."""
+    for version, sql in files:
+        kept = applied.get(version)
+        if kept is not None and kept != _sum(sql):
+            raise MigrationError(
+                f"migration {version} was applied from another file than this version's"
+                f" (sha256 {kept[:12]}…, packaged {_sum(sql)[:12]}…): the database's schema"
+                " may not be the one this version expects; a migration is never edited"
+                " once released, so find which release changed it"
+            )
+
+
+async def _applied(conn: asyncpg.Connection) -> dict[str, str | None]:
+    """Applied version -> its kept sum (None before sums were kept, or without the column)."""
+    has_sum = await conn.fetchval(
+        "SELECT true FROM information_schema.columns"
+        " WHERE table_name = 'schema_migrations' AND column_name = 'sha256'"
+        " AND table_schema = current_schema()"
+    )
+    column = "sha256" if has_sum else "NULL::text AS sha256"
+    rows = await conn.fetch(f"SELECT version, {column} FROM schema_migrations")
+    return {r["version"]: r["sha256"] for r in rows}
+
+
 async def pending_migrations(conn: asyncpg.Connection) -> list[str]:
     """Versions not yet applied (all of them on an empty database); changes nothing.
 
     Raises:
-        MigrationError: the applied migrations cannot be read (a role without the grant).
+        MigrationError: the applied migrations cannot be read (a role without the grant),
+            or one was applied from another file than the packaged one.
     """
     try:
         exists = await conn.fetchval("SELECT to_regclass('schema_migrations') IS NOT NULL")
-        rows = await conn.fetch("SELECT version FROM schema_migrations") if exists else []
+        applied = await _applied(conn) if exists else {}
     except asyncpg.PostgresError as exc:  # a runtime role that may not read it, say
         raise MigrationError(
             f"cannot read the applied migrations ({type(exc).__name__}: {exc})"
         ) from exc
-    done = {r["version"] for r in rows}
-    return [version for version, _ in migration_files() if version not in done]
+    files = migration_files()
+    _check_unchanged(applied, files)
+    return [version for version, _ in files if version not in applied]
 
 
 async def apply_migrations(
@@ -58,36 +110,51 @@ async def apply_migrations(
     versions applied by this call.
 
     Raises:
-        MigrationError: a migration failed (PostgreSQL refused it); it was rolled back.
+        MigrationError: a migration failed (PostgreSQL refused it); it was rolled back. Or
+            the applied migrations cannot be read, or one was applied from another file.
     """
-    applied: list[str] = []
-    await conn.execute("SELECT pg_advisory_lock($1)", _LOCK_KEY, timeout=_NO_TIMEOUT)
+    files = migration_files() if files is None else files
     try:
-        try:
-            await conn.execute(
-                "CREATE TABLE IF NOT EXISTS schema_migrations ("
-                " version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+        async with conn.transaction():
+            await _lock(conn)
+            for statement in _BOOTSTRAP:
+                await conn.execute(statement)
+            applied = await _applied(conn)
+            _check_unchanged(applied, files)
+            await conn.executemany(
+                "UPDATE schema_migrations SET sha256 = $2 WHERE version = $1 AND sha256 IS NULL",
+                [(v, _sum(sql)) for v, sql in files if v in applied and applied[v] is None],
             )
-            rows = await conn.fetch("SELECT version FROM schema_migrations")
-        except asyncpg.PostgresError as exc:  # a role that may not create it, say
+    except asyncpg.PostgresError as exc:  # a role that may not create it, say
+        raise MigrationError(
+            f"cannot read the applied migrations ({type(exc).__name__}: {exc})"
+        ) from exc
+    done: list[str] = []
+    for version, sql in files:
+        if version in applied:
+            continue
+        try:
+            async with conn.transaction():
+                await _lock(conn)
+                # Read under the lock: another migrator may have applied it meanwhile.
+                if await conn.fetchval(
+                    "SELECT true FROM schema_migrations WHERE version = $1", version
+                ):
+                    continue
+                await conn.execute(sql, timeout=_NO_TIMEOUT)
+                await conn.execute(
+                    "INSERT INTO schema_migrations (version, sha256) VALUES ($1, $2)",
+                    version,
+                    _sum(sql),
+                )
+        except asyncpg.PostgresError as exc:
             raise MigrationError(
-                f"cannot read the applied migrations ({type(exc).__name__}: {exc})"
+                f"migration {version} failed and was rolled back ({type(exc).__name__}: {exc})"
             ) from exc
-        done = {r["version"] for r in rows}
-        for version, sql in migration_files() if files is None else files:
-            if version in done:
-                continue
-            try:
-                async with conn.transaction():
-                    await conn.execute(sql, timeout=_NO_TIMEOUT)
-                    await conn.execute(
-                        "INSERT INTO schema_migrations (version) VALUES ($1)", version
-                    )
-            except asyncpg.PostgresError as exc:
-                raise MigrationError(
-                    f"migration {version} failed and was rolled back ({type(exc).__name__}: {exc})"
-                ) from exc
-            applied.append(version)
-    finally:
-        await conn.execute("SELECT pg_advisory_unlock($1)", _LOCK_KEY)
-    return applied
+        done.append(version)
+    return done
+
+
+async def _lock(conn: asyncpg.Connection) -> None:
+    """The migrations' lock, until this transaction ends."""
+    await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK_KEY, timeout=_NO_TIMEOUT)
