@@ -1362,3 +1362,22 @@ def test_a_pair_displaced_by_another_runs_turn_is_sent_as_text_where_it_lies() -
         "tool_use",
         "tool_result",
     ]
+
+
+def test_a_tool_result_of_whitespace_alone_is_sent_without_content() -> None:
+    """The API refuses whitespace-only text; a bare result (TRUSTED_CONFIGURATION renders
+    without an envelope) of a command's blank output omits `content`, as an empty one
+    does (an audit)."""
+    for blank in ("", "\n", " \t\n"):
+        call, result = _pair("r1", "call_1", 1)
+        bare = replace(result.blocks[0], trust=TrustLevel.TRUSTED_CONFIGURATION, text=blank)
+        request = replace(
+            _pairs_request(), messages=(_text("user", "u", "go"), call, Message("user", (bare,)))
+        )
+        [sent] = [
+            b
+            for m in _body(request)["messages"]
+            for b in m["content"]
+            if b["type"] == "tool_result"
+        ]
+        assert sent == {"type": "tool_result", "tool_use_id": "call_1"}

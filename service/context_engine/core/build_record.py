@@ -242,7 +242,9 @@ __all__ = [
 # two overlapping runs) in the no-tools text form where it lies (providers/anthropic.py,
 # Rule 9); as blocks the API refused every such request. A request without one renders as
 # before; GetBuild refuses an older record that carried one (it is not rebuilt: the
-# provider refused what was sent).
+# provider refused what was sent). And an Anthropic tool result whose content is whitespace
+# alone (a bare TRUSTED_CONFIGURATION result) omits `content`, as an empty one did: the
+# API refuses whitespace-only text; GetBuild refuses an older record that sent one.
 ASSEMBLER_VERSION = "context-assembler@18"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.

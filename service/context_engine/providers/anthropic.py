@@ -6,7 +6,9 @@ Rule 2 (bytes): the body is RFC 8785 JSON (sorted keys, no whitespace, UTF-8): t
 request renders the same bytes in every process. Tool schemas and call arguments are
 re-parsed from their canonical JSON; reasoning blocks from their opaque JSON.
 Rule 3 (text): text is copied verbatim, envelopes included. A whitespace-only text block is
-not sent (the API rejects it); a tool result with empty content omits ``content``.
+not sent (the API rejects it); a tool result with empty or whitespace-only content (a bare
+result at TRUSTED_CONFIGURATION: a command's blank output) omits ``content`` (since
+context-assembler@18; before, only an empty one did).
 Rule 4 (turns): consecutive same-role messages merge into one turn; in a user turn the
 ``tool_result`` blocks lead (the API requires results first); a conversation that starts
 with the assistant (a history cut that kept an assistant turn first) is preceded by the
@@ -759,7 +761,7 @@ def _render_block(block: Block, call_id: str = "") -> _Rendered | None:
             }
         case "tool_result":
             obj = {"type": "tool_result", "tool_use_id": call_id or _BASE_ID(block.call_id)}
-            if block.text:
+            if block.text.strip():  # whitespace alone is refused as text is (Rule 3)
                 obj["content"] = block.text
             if block.is_error:
                 obj["is_error"] = True
