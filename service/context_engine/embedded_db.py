@@ -4,6 +4,7 @@ run and local use; production points DATABASE_URL at a real server."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import warnings
 from pathlib import Path
@@ -34,6 +35,9 @@ def start_embedded(data_dir: str) -> tuple[str, Any]:
             " DATABASE_URL) and the embedded PostgreSQL is not installed"
             " (pip install 'context-engine[embedded]')"
         ) from None
+    # pgserver logs its own steps (and initdb's whole output) at INFO: a dozen lines before
+    # the service's first, on every start. Its warnings and errors still show.
+    logging.getLogger("pgserver").setLevel(logging.WARNING)
     path = Path(data_dir).resolve()
     try:
         path.mkdir(parents=True, exist_ok=True)

@@ -71,7 +71,10 @@ _ROW_HINTS: dict[Row, str] = {
     Row.SKILL_BODIES: "a skill was loaded",
     Row.WORKING_STATE: "the working state changed",
     Row.RECALL: "in-turn recall, corrections or knowledge changed (recomputed every step)",
-    Row.RUNTIME_METADATA: "runtime metadata changed (the date, scope or surface)",
+    Row.RUNTIME_METADATA: (
+        "the runtime metadata row differs: the date, scope or surface changed, or the row"
+        " moved (it goes with the newest user input)"
+    ),
     Row.USER_INPUT: "the trailing user input differs",
 }
 

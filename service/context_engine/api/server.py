@@ -290,7 +290,8 @@ async def serve(settings: Settings) -> None:
 
             # Raises ConfigError (exit 2) where the embedded PostgreSQL is not installed.
             dsn, embedded = start_embedded(settings.data_dir)
-            _log.info("started embedded PostgreSQL in %s", settings.data_dir)
+            # Started here, or joined where another server started it on this directory.
+            _log.info("using the embedded PostgreSQL in %s", settings.data_dir)
         pool = await connect_pool(
             dsn, min_size=settings.pool_min_size, max_size=settings.pool_max_size
         )
