@@ -215,6 +215,10 @@ def _reprepare(inputs: _Inputs, through: int, count_tokens: TokenCounter) -> Pre
         ) from None
 
 
+# Unlocked passes a commit makes before it checks under the session's lock.
+_UNLOCKED_PASSES = 3
+
+
 async def commit_compaction(
     engine: Engine,
     tenant_id: str,
@@ -229,54 +233,85 @@ async def commit_compaction(
 
     Checking the result prepares again over what compaction reads (the log above the floor,
     the lines recorded Builds showed, the plans in view): seconds of CPU for a long log. It
-    is done first in one snapshot, without the session's lock, which every other write to
-    the session (and an erasure naming a person of it) would wait on meanwhile (an audit:
-    20 s under the lock at 40,000 events, every such write SESSION_BUSY). Under the lock
-    the check stands if the session has not moved since (sessions.session_mark); else it
-    is made again there, as before."""
+    is done on one snapshot, without the session's lock, which every other write to the
+    session (and an erasure naming a person of it) would wait on meanwhile (an audit: 20 s
+    under the lock at 40,000 events, every such write SESSION_BUSY). Under the lock the
+    check stands if the session has not moved since (sessions.session_mark); if it has,
+    the lock is let go and the check made again on a new snapshot, up to
+    _UNLOCKED_PASSES times (a review: checking again under the lock held it as long as
+    before on a busy session), and then under the lock."""
     count_tokens = await _counter(engine, tenant_id, session_id)
-    async with snapshot(engine.pool) as conn:
-        stored = await idempotency.recall_response(
-            conn, tenant_id, session_id, idempotency_key, "CommitCompaction", request_sha256
-        )
-        if stored is not None:
-            return Committed(stored, 0, replayed=True)
-        mark = await sessions.session_mark(conn, tenant_id, session_id)
-        inputs = await _inputs(conn, tenant_id, session_id, run_id, 0)
-    record = await _checked(inputs, expected_version, result, count_tokens)
-    async with engine.gates.held(tenant_id, session_id), transaction(engine.pool) as conn:
-        await sessions.lock_session(conn, tenant_id, session_id)
-        stored = await idempotency.recall_response(
-            conn, tenant_id, session_id, idempotency_key, "CommitCompaction", request_sha256
-        )
-        if stored is not None:
-            return Committed(stored, 0, replayed=True)
-        if await sessions.session_mark(conn, tenant_id, session_id) != mark:
-            inputs = await _inputs(conn, tenant_id, session_id, run_id, 0)
+    for unlocked_pass in range(_UNLOCKED_PASSES + 1):
+        under_lock = unlocked_pass == _UNLOCKED_PASSES
+        if not under_lock:
+            async with snapshot(engine.pool) as conn:
+                stored = await _stored(conn, tenant_id, session_id, idempotency_key, request_sha256)
+                if stored is not None:
+                    return Committed(stored, 0, replayed=True)
+                mark = await sessions.session_mark(conn, tenant_id, session_id, run_id)
+                inputs = await _inputs(conn, tenant_id, session_id, run_id, 0)
             record = await _checked(inputs, expected_version, result, count_tokens)
-        checkpoint = inputs.checkpoint
-        new_checkpoint = compacted_checkpoint(checkpoint, record)
-        await runs.insert_checkpoint(conn, tenant_id, new_checkpoint)
-        payload = {
-            **record.model_dump(mode="json"),
-            "checkpoint_version": new_checkpoint.version,
-            "from_checkpoint_version": checkpoint.version,
-        }
-        (sequence,) = await events.append_events(
-            conn, tenant_id, session_id, [NewEvent(COMPACTED, payload, run_id=run_id)]
-        )
-        response = {"checkpoint_version": new_checkpoint.version, "event_sequence": sequence}
-        await idempotency.remember_response(
-            conn,
-            tenant_id,
-            session_id,
-            idempotency_key,
-            "CommitCompaction",
-            request_sha256,
-            response,
-        )
-    engine.checkpoint_written(tenant_id, session_id, new_checkpoint, expected_version)
-    return Committed(response, record.depth)
+        async with engine.gates.held(tenant_id, session_id), transaction(engine.pool) as conn:
+            await sessions.lock_session(conn, tenant_id, session_id)
+            stored = await _stored(conn, tenant_id, session_id, idempotency_key, request_sha256)
+            if stored is not None:
+                return Committed(stored, 0, replayed=True)
+            if under_lock:
+                inputs = await _inputs(conn, tenant_id, session_id, run_id, 0)
+                record = await _checked(inputs, expected_version, result, count_tokens)
+            elif await sessions.session_mark(conn, tenant_id, session_id, run_id) != mark:
+                continue  # the session moved: let it go, and check again
+            response, written = await _write(
+                conn,
+                tenant_id,
+                session_id,
+                run_id,
+                inputs.checkpoint,
+                record,
+                idempotency_key,
+                request_sha256,
+            )
+        # Kept once the transaction has committed.
+        engine.checkpoint_written(tenant_id, session_id, written, expected_version)
+        return Committed(response, record.depth)
+    raise AssertionError("unreachable: the last pass checks under the lock")
+
+
+async def _stored(
+    conn: Any, tenant_id: str, session_id: UUID, idempotency_key: str, request_sha256: str
+) -> dict[str, Any] | None:
+    return await idempotency.recall_response(
+        conn, tenant_id, session_id, idempotency_key, "CommitCompaction", request_sha256
+    )
+
+
+async def _write(
+    conn: Any,
+    tenant_id: str,
+    session_id: UUID,
+    run_id: UUID,
+    checkpoint: Checkpoint,
+    record: CompactionResult,
+    idempotency_key: str,
+    request_sha256: str,
+) -> tuple[dict[str, Any], Checkpoint]:
+    """Store the checked record over `checkpoint`, with the session locked: the new
+    checkpoint, the event and the key's response. -> (the response, the new checkpoint)."""
+    new_checkpoint = compacted_checkpoint(checkpoint, record)
+    await runs.insert_checkpoint(conn, tenant_id, new_checkpoint)
+    payload = {
+        **record.model_dump(mode="json"),
+        "checkpoint_version": new_checkpoint.version,
+        "from_checkpoint_version": checkpoint.version,
+    }
+    (sequence,) = await events.append_events(
+        conn, tenant_id, session_id, [NewEvent(COMPACTED, payload, run_id=run_id)]
+    )
+    response = {"checkpoint_version": new_checkpoint.version, "event_sequence": sequence}
+    await idempotency.remember_response(
+        conn, tenant_id, session_id, idempotency_key, "CommitCompaction", request_sha256, response
+    )
+    return response, new_checkpoint
 
 
 async def _checked(

@@ -33,17 +33,27 @@ async def session_exists(conn: Any, tenant_id: str, session_id: UUID) -> bool:
     return bool(found)
 
 
-async def session_mark(conn: Any, tenant_id: str, session_id: UUID) -> tuple[int, int]:
-    """(last_sequence, plans_revision), read without a lock: every write to the session
-    appends an event, and an erasure's rewrite of its plans moves the revision, so an
-    unchanged mark is an unchanged session (an erasure's redaction of recorded requests
-    aside, which moves neither).
+async def session_mark(
+    conn: Any, tenant_id: str, session_id: UUID, run_id: UUID
+) -> tuple[int, int, int]:
+    """(last_sequence, plans_revision, the run's latest checkpoint version), read without a
+    lock: what a write to the session moves. A logged write appends an event; an erasure
+    appends one per session it redacts, and its rewrite of plans moves the revision; an
+    AppendItems of reasoning items alone logs nothing but writes the run a checkpoint.
 
     Raises:
         NotFoundError: no such session for this tenant.
     """
-    row = await _session_row(conn, tenant_id, session_id, "last_sequence, plans_revision")
-    return int(row["last_sequence"]), int(row["plans_revision"])
+    row = await _session_row(
+        conn,
+        tenant_id,
+        session_id,
+        "last_sequence, plans_revision, (SELECT max(version) FROM run_checkpoints"
+        " WHERE tenant_id = $1 AND run_id = $3) AS run_version",
+        "",
+        run_id,
+    )
+    return int(row["last_sequence"]), int(row["plans_revision"]), int(row["run_version"] or 0)
 
 
 async def lock_session(conn: Any, tenant_id: str, session_id: UUID) -> int:
@@ -77,13 +87,15 @@ async def lock_session_plans(conn: Any, tenant_id: str, session_id: UUID) -> tup
 
 
 async def _session_row(
-    conn: Any, tenant_id: str, session_id: UUID, columns: str, locking: str = ""
+    conn: Any, tenant_id: str, session_id: UUID, columns: str, locking: str = "", *more: Any
 ) -> Any:
-    """The session's row (`columns`, `locking` the row or not); NotFoundError if none."""
+    """The session's row (`columns`, `locking` the row or not; `more` parameters from $3
+    on); NotFoundError if none."""
     row = await conn.fetchrow(
         f"SELECT {columns} FROM sessions WHERE tenant_id = $1 AND session_id = $2{locking}",
         tenant_id,
         session_id,
+        *more,
     )
     if row is None:
         raise NotFoundError(
