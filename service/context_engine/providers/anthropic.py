@@ -88,6 +88,7 @@ from ..core.request import (
     ModelRequest,
     ToolDefinition,
     repeated_run,
+    with_repeated_run,
 )
 from ..core.rows import Row
 from .call_ids import BASE_IDS, VariantMemo, all_distinct, wire_call_ids
@@ -446,10 +447,13 @@ def _prompt_layout(request: ModelRequest) -> _Layout:
 
 @dataclass(frozen=True, slots=True)
 class _PairKeys:
-    """The (run id, call id) keys a message's calls and results name."""
+    """The (run id, call id) keys a message's calls and results name; for a repeated run
+    (several messages), its last message's calls, its first message's results, and whether
+    every pair within it lies in adjacent messages."""
 
     calls: frozenset[tuple[str, str]]
     results: frozenset[tuple[str, str]]
+    adjacent: bool = True
 
 
 def _keys_of(message: Message) -> _PairKeys:
@@ -460,10 +464,26 @@ def _keys_of(message: Message) -> _PairKeys:
     return _PairKeys(calls, results)
 
 
-# A run's messages are the same objects on every Build (core/messages.py interns them).
+def _adjacent(keys: Sequence[_PairKeys]) -> bool:
+    """Whether each of `keys`' results answer calls of the one before (and all within)."""
+    return all(map(_ADJACENT, keys)) and all(
+        map(frozenset.issubset, map(_RESULTS, keys[1:]), map(_CALLS, keys))
+    )
+
+
+def _run_keys(run: tuple[Message, ...]) -> _PairKeys:
+    keys = _pair_keys.many(run)
+    return _PairKeys(keys[-1].calls, keys[0].results, _adjacent(keys))
+
+
+# A run's messages are the same objects on every Build (core/messages.py interns them), and
+# its carried interior one tuple (ModelRequest.repeated), whose keys are made once: the
+# check then walks only the messages around it.
 _pair_keys = IdentityMemo(_keys_of, 16_384, by_value=False)
+_run_pair_keys: RecentMemo[tuple[Message, ...], _PairKeys] = RecentMemo(_run_keys, weigh_depth=1)
 _CALLS = attrgetter("calls")
 _RESULTS = attrgetter("results")
+_ADJACENT = attrgetter("adjacent")
 _NOT_DISPLACED: frozenset[tuple[int, int]] = frozenset()
 
 
@@ -474,8 +494,7 @@ def _displaced(request: ModelRequest, form: str) -> frozenset[tuple[int, int]]:
     Messages alternate roles (core/messages.py), so that message is the next turn."""
     if form != "blocks":
         return _NOT_DISPLACED  # Rule 8 sends every pair as text already
-    keys = _pair_keys.many(request.messages)
-    if all(map(frozenset.issubset, map(_RESULTS, keys[1:]), map(_CALLS, keys))):
+    if _adjacent(with_repeated_run(request, _pair_keys.many, _run_pair_keys)):
         return _NOT_DISPLACED
     called: dict[tuple[str, str], tuple[int, int]] = {}
     found: set[tuple[int, int]] = set()
