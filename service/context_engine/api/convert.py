@@ -45,6 +45,7 @@ from ..core.spec import (
     SkillSpec,
     ToolSpec,
 )
+from ..core.tool_schema import input_schema_problem
 from ..core.trust import TrustLevel
 
 __all__ = [
@@ -290,32 +291,13 @@ def _json_object(text: str, field: str, *, default: dict[str, Any] | None = None
         raise InvalidFieldError(f"{field} must be a JSON object: {exc}", field=field) from None
 
 
-# Combinators Anthropic refuses at an input_schema's top level ("input_schema does not
-# support oneOf, allOf, or anyOf at the top level"); OpenAI's strict function schemas
-# refuse them there too. Nested under a property they are fine.
-_TOP_LEVEL_COMBINATORS = ("allOf", "anyOf", "oneOf")
-
-
 def _object_schema(text: str, field: str) -> dict[str, Any]:
-    """A tool's input schema: both providers take a tool's input as a JSON object, and
-    Anthropic refuses an input_schema without "type": "object", or with a combinator at
-    its top level (a union type's generated schema, often an MCP server's). Refused here,
-    naming the field, rather than by the provider on every Build of the plan: a tool's
-    definition is in every request's prefix."""
+    """A tool's input schema, parsed; one a provider would refuse on every request is
+    refused here, naming the field (core/tool_schema.py input_schema_problem)."""
     schema = _json_object(text, field, default={"type": "object"})
-    if schema.get("type") != "object":
-        raise InvalidFieldError(
-            f'{field} must be a JSON Schema with "type": "object" (tool input is an object)',
-            field=field,
-        )
-    combined = [k for k in _TOP_LEVEL_COMBINATORS if k in schema]
-    if combined:
-        raise InvalidFieldError(
-            f"{field} has {', '.join(combined)} at its top level, which Anthropic refuses on "
-            "every request: state the alternatives inside properties, or check them in the "
-            "tool",
-            field=field,
-        )
+    problem = input_schema_problem(schema)
+    if problem is not None:
+        raise InvalidFieldError(f"{field} {problem}", field=field)
     return schema
 
 

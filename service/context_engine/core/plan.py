@@ -65,6 +65,7 @@ from .tool_schema import (
     SCHEMA_ONE,
     definition_item,
     definition_tokens,
+    input_schema_problem,
 )
 from .trust import TrustLevel, envelope_tag
 
@@ -216,6 +217,7 @@ def make_plan(
             prefix (_check_capacity); the shell turns it into PREFIX_OVER_CAPACITY where
             the spec is not the caller's (CapacityError.as_state).
     """
+    _check_input_schemas(spec)
     catalog, left_skills = pin_catalog(
         spec.skills, lambda s: count_tokens(_render_text(_catalog_entry(s), secret))
     )
@@ -813,6 +815,21 @@ def _check_capacity(
         field="spec.policy_cap_tokens",
         metadata=metadata,
     )
+
+
+def _check_input_schemas(spec: PlanSpec) -> None:
+    """Every candidate tool's input schema is one the providers take (the API checks the
+    caller's spec too; this holds a pinned spec rebuilt by a Rotate without spec, an
+    admission or a lineage's continuation to the same rule: a review).
+
+    Raises:
+        InvalidFieldError: INVALID_FIELD naming spec.tools[i].input_schema_json.
+    """
+    for i, tool in enumerate(spec.tools):
+        problem = input_schema_problem(tool.input_schema)
+        if problem is not None:
+            field = f"spec.tools[{i}].input_schema_json"
+            raise InvalidFieldError(f"{field} {problem}", field=field)
 
 
 def _check_reserve(spec: PlanSpec, model: ModelFacts, reserve: int) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .canonical import canonical_bytes
@@ -29,10 +29,34 @@ __all__ = [
     "PROVIDER_FRAMING_TOKENS",
     "definition_item",
     "definition_tokens",
+    "input_schema_problem",
     "visible_input_schema",
 ]
 
 TokenCounter = Callable[[str], int]
+
+# Combinators Anthropic refuses at an input_schema's top level ("input_schema does not
+# support oneOf, allOf, or anyOf at the top level"); OpenAI's strict function schemas
+# refuse them there too. Nested under a property they are fine.
+_TOP_LEVEL_COMBINATORS = ("allOf", "anyOf", "oneOf")
+
+
+def input_schema_problem(schema: Mapping[str, Any]) -> str | None:
+    """Why a provider would refuse `schema` as a tool's input schema on every request that
+    defines the tool, or None: both take a tool's input as a JSON object, and Anthropic
+    refuses one without "type": "object", or with a combinator at its top level (a union
+    type's generated schema, often an MCP server's). Plan refuses it (a tool's definition
+    is in every request's prefix), and so does a rebuild of a pinned spec."""
+    if schema.get("type") != "object":
+        return 'must be a JSON Schema with "type": "object" (tool input is an object)'
+    combined = [k for k in _TOP_LEVEL_COMBINATORS if k in schema]
+    if combined:
+        return (
+            f"has {', '.join(combined)} at its top level, which Anthropic refuses on every"
+            " request: state the alternatives inside properties, or check them in the tool"
+        )
+    return None
+
 
 # The provider wraps each definition in a few tokens of its own (role markers, separators).
 # Counted once per tool so the cap holds whatever the provider adds around the JSON.
