@@ -3,10 +3,13 @@
 Inputs, once without auth and once with bearer auth on (the auth interceptor then sees
 every input, decodable or not): structured messages generated from the proto descriptors
 (random, oversized and empty fields, unknown enum values, deeply nested JSON schemas, ids
-of real sessions of this tenant and of another tenant), well-formed requests with one to
-three fields replaced by such values (they get past the first validation, into the checks
-behind it, among them invalid UTF-8 in a content field), and raw bytes (truncated,
-random). Each must get a proper status — never INTERNAL or UNKNOWN — and the server must
+of real sessions of this tenant and of another tenant), well-formed requests with up to
+three fields replaced by such values, mostly fields of content rather than the ids and
+versions that aim them (each at a fresh session made for the example, in a state where the
+request as seeded is accepted: they get past the first validation, into the checks and the
+writes behind it, among them invalid UTF-8 in a content field), and raw bytes (truncated,
+random). How many inputs each RPC got, and how many of the drawn ones it accepted, is
+printed. Each must get a proper status — never INTERNAL or UNKNOWN — and the server must
 stay up. The server runs on a database of its own with a 256 KiB request limit, so the
 larger inputs reach the size limit and the rest the handlers.
 
@@ -29,6 +32,7 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
@@ -56,6 +60,7 @@ ALLOWED = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 TRIED: dict[str, int] = {}
+OUTCOMES: dict[tuple[str, str], int] = {}  # (method, status) of the drawn inputs
 # With bearer auth on, every call carries TENANT's token: a message naming another tenant
 # is PERMISSION_DENIED, and the auth interceptor runs on every input, decodable or not.
 TOKENS = {"fuzz-token-" + "f" * 24: TENANT, "fuzz-other-" + "o" * 24: "tenant-other"}
@@ -342,17 +347,86 @@ def _case(draw: Any, ids: dict[str, list[str]]) -> tuple[str, bytes]:
     return method.name, payload
 
 
-def _valid_requests(ids: dict[str, list[str]], new_session: str) -> dict[str, list[Any]]:
-    """Well-formed requests per RPC that takes a session, aimed at this tenant's seeded
-    session: mutating a few fields of these reaches the checks past the first validation,
-    which wholly random messages seldom get through. The first of each is accepted; the
-    others sit right at a refusal behind the first validation (a typed reasoning payload,
-    a skill listed twice, trust a catalog entry or a passage may not claim, an
-    admission-only Rotate reason, a child run with an admission), so their mutations
-    explore both sides of it."""
-    session, run = ids["session"][0], ids["run"][0]
+@dataclass(frozen=True)
+class _Fresh:
+    """A session of this tenant made for one example, in a state where each RPC's first
+    seed is accepted: a plan whose catalog holds `triage`, a finished run (the history a
+    compaction takes) and a second run with a tool pair and a recorded Build, and what
+    PrepareCompaction prepared for it."""
+
+    session: str
+    first_run: str
+    run: str
+    version: int  # the second run's checkpoint version
+    request_sequence: int  # its recorded Build
+    prepared: Any  # PrepareCompactionResponse
+
+
+def _fresh_spec() -> pb.PlanSpec:
+    out = spec()
+    out.skills.add(name="triage", description="Sorts tickets.", version="1")
+    return out
+
+
+def _fresh(channel: grpc.Channel, auth: Any) -> _Fresh:
+    """A new session in the state _Fresh describes (its calls are not fuzz inputs)."""
+    stub = pb_grpc.ContextEngineStub(channel)
+    session = str(uuid.uuid4())
+    at = {"tenant_id": TENANT, "session_id": session}
+    stub.Plan(pb.PlanRequest(**at, spec=_fresh_spec()), metadata=auth)
+    runs = []
+    for text, items in (
+        (
+            "Find a train.",
+            [
+                _tool_call("c1"),
+                _tool_result("c1"),
+                pb.ConversationItem(assistant_message=pb.AssistantMessage(text="The 8:04.")),
+            ],
+        ),
+        ("And back?", [_tool_call("c2"), _tool_result("c2")]),
+    ):
+        started = stub.StartRun(
+            pb.StartRunRequest(**at, user_message=pb.UserMessage(text=text)), metadata=auth
+        )
+        appended = stub.AppendItems(
+            pb.AppendItemsRequest(
+                **at, run_id=started.run.run_id, expected_checkpoint_version=1, items=items
+            ),
+            metadata=auth,
+        )
+        runs.append((started.run.run_id, appended.checkpoint_version))
+    (first_run, _), (run, version) = runs
+    built = stub.Build(pb.BuildRequest(**at, run_id=run), metadata=auth)
+    prepared = stub.PrepareCompaction(pb.PrepareCompactionRequest(**at, run_id=run), metadata=auth)
+    return _Fresh(session, first_run, run, version, built.request_sequence, prepared)
+
+
+def _tool_call(call_id: str) -> pb.ConversationItem:
+    return pb.ConversationItem(
+        tool_call=pb.ToolCall(call_id=call_id, tool_name="web.fetch", arguments_json="{}")
+    )
+
+
+def _tool_result(call_id: str) -> pb.ConversationItem:
+    return pb.ConversationItem(
+        tool_result=pb.ToolResult(call_id=call_id, tool_name="web.fetch", content="page", trust=6)
+    )
+
+
+def _valid_requests(fresh: _Fresh, new_session: str) -> dict[str, list[Any]]:
+    """Well-formed requests per RPC, aimed at a fresh session: mutating a few fields of
+    these reaches the checks past the first validation, and the writes behind them, which
+    wholly random messages seldom get through. The first of each is accepted on that
+    session (an audit: aimed at one long-lived session, most were refused by the state the
+    fuzz had left it in, so few mutations reached a write); the others sit right at a
+    refusal behind the first validation (a typed reasoning payload, a skill listed twice,
+    trust a catalog entry or a passage may not claim, an admission-only Rotate reason, a
+    child run with an admission), so their mutations explore both sides of it."""
+    session, run = fresh.session, fresh.run
     at = {"tenant_id": TENANT, "session_id": session}
     on_run = {**at, "run_id": run}
+    key = str(uuid.uuid4())  # each example's keyed writes take effect, not replay
     step = pb.StepContext(
         recall=[
             pb.RecallLine(
@@ -384,6 +458,8 @@ def _valid_requests(ids: dict[str, list[str]], new_session: str) -> dict[str, li
     model_passage = pb.StepContext()
     model_passage.CopyFrom(step)
     model_passage.knowledge[0].trust = pb.TRUST_LEVEL_MODEL
+    prepared = fresh.prepared
+    summary = "The user asked for trains."
     return {
         "Plan": [
             pb.PlanRequest(tenant_id=TENANT, session_id=new_session, spec=memory),
@@ -392,7 +468,13 @@ def _valid_requests(ids: dict[str, list[str]], new_session: str) -> dict[str, li
         ],
         "GetPlan": [pb.GetPlanRequest(**at, epoch=1)],
         "Rotate": [
-            pb.RotateRequest(**at, from_epoch=1, reason=pb.PLAN_REASON_AGENT_CHANGED, spec=memory),
+            pb.RotateRequest(
+                **at,
+                from_epoch=1,
+                reason=pb.PLAN_REASON_AGENT_CHANGED,
+                spec=memory,
+                idempotency_key=key,
+            ),
             pb.RotateRequest(
                 **at, from_epoch=1, reason=pb.PLAN_REASON_RUN_AUTHORITY_CHANGED, spec=memory
             ),
@@ -400,7 +482,7 @@ def _valid_requests(ids: dict[str, list[str]], new_session: str) -> dict[str, li
         "StartRun": [
             pb.StartRunRequest(
                 **at,
-                idempotency_key="k",
+                idempotency_key=key,
                 user_message=pb.UserMessage(text="hello"),
                 admission=pb.RunAdmission(scopes=["web.read"]),
             ),
@@ -414,24 +496,17 @@ def _valid_requests(ids: dict[str, list[str]], new_session: str) -> dict[str, li
         "AppendItems": [
             pb.AppendItemsRequest(
                 **on_run,
-                expected_checkpoint_version=1,
+                expected_checkpoint_version=fresh.version,
+                idempotency_key=key,
                 items=[
-                    pb.ConversationItem(
-                        tool_call=pb.ToolCall(
-                            call_id="c1", tool_name="web.fetch", arguments_json="{}"
-                        )
-                    ),
-                    pb.ConversationItem(
-                        tool_result=pb.ToolResult(
-                            call_id="c1", tool_name="web.fetch", content="page", trust=6
-                        )
-                    ),
+                    _tool_call("c3"),
+                    _tool_result("c3"),
                     pb.ConversationItem(assistant_message=pb.AssistantMessage(text="done")),
                 ],
             ),
             pb.AppendItemsRequest(
                 **on_run,
-                expected_checkpoint_version=1,
+                expected_checkpoint_version=fresh.version,
                 items=[
                     pb.ConversationItem(
                         reasoning=pb.ReasoningItem(
@@ -447,37 +522,52 @@ def _valid_requests(ids: dict[str, list[str]], new_session: str) -> dict[str, li
             pb.BuildRequest(**on_run, step=step),
             pb.BuildRequest(**on_run, step=model_passage),
         ],
-        "GetBuild": [pb.GetBuildRequest(**at, request_sequence=3)],
+        "GetBuild": [pb.GetBuildRequest(**at, request_sequence=fresh.request_sequence)],
         "ReportUsage": [
             pb.ReportUsageRequest(
-                **at, request_sequence=3, model_id="claude-sonnet-4-5", input_tokens=900
+                **at,
+                request_sequence=fresh.request_sequence,
+                model_id="claude-sonnet-4-5",
+                input_tokens=900,
+                idempotency_key=key,
             )
         ],
-        "LoadSkill": [pb.LoadSkillRequest(**at, name="triage", body="Sort it.", trust=2)],
+        "LoadSkill": [pb.LoadSkillRequest(**at, name="triage", body="Sort it.")],
         "UpdateWorkingState": [
             pb.UpdateWorkingStateRequest(
                 **on_run,
-                expected_checkpoint_version=1,
+                expected_checkpoint_version=fresh.version,
                 writer=pb.WRITER_USER,
+                idempotency_key=key,
                 update=pb.WorkingStateUpdate(
                     objective="Plan the trip",
                     upsert_tasks=[pb.TaskState(task_id="t1", title="Book", status=1)],
-                    add_facts=[pb.Fact(statement="Leaves Monday", source_event_ids=[1], trust=3)],
                 ),
             )
         ],
-        "PrepareCompaction": [pb.PrepareCompactionRequest(**on_run, checkpoint_version=1)],
+        "PrepareCompaction": [
+            pb.PrepareCompactionRequest(**on_run, checkpoint_version=fresh.version)
+        ],
         "CommitCompaction": [
             pb.CommitCompactionRequest(
                 **on_run,
-                expected_checkpoint_version=1,
+                expected_checkpoint_version=prepared.checkpoint_version,
+                idempotency_key=key,
                 result=pb.CompactionResult(
-                    summary="They talked.", source_event_ids=[1], replaced_through_sequence=1
+                    summary=summary,
+                    source_event_ids=list(prepared.source_event_ids),
+                    elided=list(prepared.elided),
+                    replaced_through_sequence=prepared.replaced_through_sequence,
+                    depth=prepared.depth,
+                    tokens_before=prepared.tokens_before,
+                    tokens_after=len(summary) // 4,
+                    compactor_version="fuzz@1",
+                    prompt_version=prepared.prompt_version,
                 ),
             )
         ],
         "EraseSubject": [pb.EraseSubjectRequest(tenant_id=TENANT, person_id="nobody")],
-        "OfferFactCandidates": [pb.OfferFactCandidatesRequest(**at, idempotency_key="offer")],
+        "OfferFactCandidates": [pb.OfferFactCandidatesRequest(**at, idempotency_key=key)],
         "ListControlTools": [pb.ListControlToolsRequest()],
     }
 
@@ -493,17 +583,41 @@ def _fields_in(message: Any) -> list[tuple[Any, Any]]:
     return out
 
 
+# What aims a request at the fresh session's state rather than saying what to do there.
+_ADDRESSING = frozenset(
+    {
+        "tenant_id",
+        "session_id",
+        "run_id",
+        "parent_run_id",
+        "expected_checkpoint_version",
+        "checkpoint_version",
+        "request_sequence",
+        "from_epoch",
+        "epoch",
+        "idempotency_key",
+    }
+)
+
+
 @st.composite
-def _mutated(draw: Any, ids: dict[str, list[str]]) -> tuple[str, bytes]:
-    """A well-formed request with one to three fields replaced by fuzzed values."""
-    seeds = _valid_requests(ids, str(draw(st.uuids())))
+def _mutated(
+    draw: Any, seeds: dict[str, list[Any]], ids: dict[str, list[str]]
+) -> tuple[str, bytes]:
+    """A well-formed request with up to three fields replaced by fuzzed values."""
     method = draw(st.sampled_from(sorted(seeds)))
     seed = draw(st.sampled_from(seeds[method]))
     message = type(seed)()
     message.CopyFrom(seed)
     fields = _fields_in(message)  # none in ListControlToolsRequest
-    for _ in range(draw(st.integers(1, 3)) if fields else 0):
-        holder, field = draw(st.sampled_from(_fields_in(message)))
+    # Mostly content: a request whose ids and versions stay those of the fresh session
+    # goes on past them, to the checks and the write behind (none: the seed as it is).
+    for _ in range(draw(st.integers(0, 3)) if fields else 0):
+        held = _fields_in(message)
+        content = [(h, f) for h, f in held if f.name not in _ADDRESSING]
+        holder, field = draw(
+            st.sampled_from(content if content and draw(st.integers(0, 3)) else held)
+        )
         value = draw(_value(field, ids, depth=2))
         if value is None:
             holder.ClearField(field.name)
@@ -577,6 +691,7 @@ def test_fuzz_every_rpc(server: Any, fuzz_dsn: str, capsys: pytest.CaptureFixtur
     channel, proc, ids, auth, log = server
     allowed = AUTH_ALLOWED if auth else ALLOWED
     TRIED.clear()
+    OUTCOMES.clear()
     examples = int(os.environ.get("FUZZ_EXAMPLES", "600"))
     ledger = _Ledger(fuzz_dsn)
     others = ledger.rows(OTHER)
@@ -587,10 +702,15 @@ def test_fuzz_every_rpc(server: Any, fuzz_dsn: str, capsys: pytest.CaptureFixtur
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
-    @given(st.one_of(_case(ids), _mutated(ids)))
-    def fuzz(case: tuple[str, bytes]) -> None:
-        method, payload = case
+    @given(st.data())
+    def fuzz(data: st.DataObject) -> None:
+        if data.draw(st.booleans(), label="mutate a seed"):
+            seeds = _valid_requests(_fresh(channel, auth), str(uuid.uuid4()))
+            method, payload = data.draw(_mutated(seeds, ids))
+        else:
+            method, payload = data.draw(_case(ids))
         code = _checked_call(channel, ledger, method, payload, auth)
+        OUTCOMES[method, code.name] = OUTCOMES.get((method, code.name), 0) + 1
         assert code in allowed, f"{method} answered {code.name} to {payload[:200]!r}"
         expected = _expected(method, payload, bool(auth))
         assert expected is None or code in expected, (
@@ -611,12 +731,14 @@ def test_fuzz_every_rpc(server: Any, fuzz_dsn: str, capsys: pytest.CaptureFixtur
             assert code in allowed, f"{method.name} answered {code.name} to {payload[:20]!r}"
             expected = _expected(method.name, payload, bool(auth))
             assert expected is None or code in expected, (method.name, code, payload[:20])
-    # And every seed once as it is: each refusal it sits at is a proper status.
-    for method, seeds in _valid_requests(ids, str(uuid.uuid4())).items():
+    # And every seed once as it is, each on a fresh session: the first is accepted, each
+    # refusal the others sit at is a proper status.
+    for method in sorted(_valid_requests(_fresh(channel, auth), str(uuid.uuid4()))):
+        seeds = _valid_requests(_fresh(channel, auth), str(uuid.uuid4()))[method]
         for n, seed in enumerate(seeds):
             code = _checked_call(channel, ledger, method, seed.SerializeToString(), auth)
             assert code in allowed, f"{method} answered {code.name} to its seed {seed}"
-            assert n == 0 or code is not grpc.StatusCode.OK, f"{method} took {seed}"
+            assert (code is grpc.StatusCode.OK) == (n == 0), f"{method}: {code.name} to {seed}"
     if auth:
         # Every call carried this tenant's token: the other tenant's rows are as seeded.
         assert ledger.rows(OTHER) == others, "a call on this tenant's token changed another's"
@@ -637,6 +759,8 @@ def test_fuzz_every_rpc(server: Any, fuzz_dsn: str, capsys: pytest.CaptureFixtur
             f"\nfuzz ({mode}): {total} inputs across {len(TRIED)} RPCs:"
             f" {dict(sorted(TRIED.items()))}"
         )
+        accepted = {m: n for (m, code), n in sorted(OUTCOMES.items()) if code == "OK"}
+        print(f"  drawn inputs accepted (a write path reached, where the RPC writes): {accepted}")
     # The draw reached every RPC (the fixed loop above calls each whatever it drew).
     if sum(drawn.values()) >= 400:
         assert set(drawn) == set(SERVICE.methods_by_name), sorted(
