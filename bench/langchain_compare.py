@@ -16,10 +16,14 @@ Two figures for ours:
   has one more tool call and result than the step before (runs of eight steps, repeated);
 - cold: a fresh, equal history every call (new carried items, a new checkpoint, the same
   plan): nothing is found by identity; memos keyed on values can still hit, as they do in
-  a process that has assembled that history before.
+  a process that has assembled that history before;
+- first sight: the same, with every memo of the process emptied before each call (outside
+  the timer): the history rendered, counted and hashed from nothing, as a replica's first
+  Build of a session after a restart does it (an audit: "cold" alone read as this and
+  was not). Ours counts with the model's exact tokenizer (tiktoken); theirs estimates.
 
 LangChain has no memo: it gets a fresh, equal message list every call. Bar: ours no slower
-than their trimming alone, evaluated on both figures (the same BuildInputs object repeated,
+than their trimming alone, evaluated on each figure (the same BuildInputs object repeated,
 which this benchmark timed before, is a memo hit on every call and is not measured).
 
 LangChain is installed only in the bench environment (`make bench` creates .venv-bench).
@@ -28,6 +32,7 @@ LangChain is installed only in the bench environment (`make bench` creates .venv
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import sys
 import time
@@ -36,6 +41,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import context_engine.core as core
+from context_engine.core import memo_budget
 from context_engine.core.items import (
     AssistantMessage,
     ConversationItem,
@@ -165,6 +171,26 @@ def cold(turns: int, budget: int) -> Iterator[core.BuildInputs]:
         yield _inputs(plan, _carried(turns), _checkpoint(turns, 0, 1))
 
 
+def first_sight(turns: int, budget: int) -> Iterator[core.BuildInputs]:
+    """cold, with every memo of the process emptied before each call is timed."""
+    for inputs in cold(turns, budget):
+        _forget_everything()
+        yield inputs
+
+
+def _forget_everything() -> None:
+    """Empty the memos: those the memo budget holds, and every other cache of the engine's
+    modules (functools caches on counters, escaping, framing)."""
+    memo_budget.clear_all()
+    for name, module in list(sys.modules.items()):
+        if name == "context_engine" or name.startswith("context_engine."):
+            for value in list(vars(module).values()):
+                clear = getattr(value, "cache_clear", None)
+                if callable(clear):
+                    with contextlib.suppress(TypeError):
+                        clear()
+
+
 def their_messages(turns: int) -> Iterator[list[Any]]:
     """The same history as LangChain messages, a new list of new messages every time."""
     from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
@@ -259,19 +285,23 @@ def main(argv: list[str] | None = None) -> int:
     theirs_ms = per_call_ms(their_messages(args.turns), trim, args.seconds)
     step_ms = per_call_ms(next_steps(args.turns, args.budget), core.assemble, args.seconds)
     cold_ms = per_call_ms(cold(args.turns, args.budget), core.assemble, args.seconds)
+    first_ms = per_call_ms(first_sight(args.turns, args.budget), core.assemble, args.seconds)
     print(f"  LangChain trim_messages + count_tokens_approximately: {theirs_ms:7.3f} ms/call")
     print(f"  context-engine, a run's next step:                   {step_ms:7.3f} ms/call")
     print(f"  context-engine, cold (a fresh equal history):        {cold_ms:7.3f} ms/call")
-    ok = True
-    for name, ms in (("next step", step_ms), ("cold", cold_ms)):
+    print(f"  context-engine, first sight (every memo emptied):    {first_ms:7.3f} ms/call")
+    failed = []
+    for name, ms in (("next step", step_ms), ("cold", cold_ms), ("first sight", first_ms)):
         held = ms <= theirs_ms
-        ok = ok and held
+        failed += [] if held else [name]
         print(
             f"  ours ({name}) / theirs = {ms / theirs_ms:.2f}"
             f"  (bar <= 1.00: {'PASS' if held else 'FAIL'})"
         )
-    print(f"  bar evaluated on both figures: {'PASS' if ok else 'FAIL'}")
-    return 0 if ok else 1
+    print(
+        f"  bar evaluated on each figure: {'PASS' if not failed else 'FAIL: ' + ', '.join(failed)}"
+    )
+    return 0 if not failed else 1
 
 
 if __name__ == "__main__":
