@@ -943,3 +943,36 @@ def test_the_same_roster_hashes_identically_under_different_hash_seeds() -> None
     assert runs[0]["deferred"] == runs[2]["deferred"]
     # The probe is only meaningful if the sets really iterated differently.
     assert len({tuple(r["order"]) for r in runs}) > 1
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "anyOf": [{"required": ["a"]}, {"required": ["b"]}]},
+        {"type": "object", "oneOf": [{"required": ["a"]}]},
+        {"type": "object", "allOf": [{"required": ["a"]}]},
+        {"type": "array"},
+        {},
+    ],
+)
+def test_a_schema_the_providers_refuse_is_refused_by_the_plan_itself(
+    schema: dict[str, Any],
+) -> None:
+    """make_plan refuses what the API refuses at Plan, so a pinned spec from before the
+    check, rebuilt by a Rotate without spec or an admission, fails naming the tool's
+    schema (the shell reports it as the session's state) instead of planning a tool
+    Anthropic refuses on every request."""
+    spec = PlanSpec(
+        model_id="m",
+        agent=AgentSpec(enabled_tools=("ok.tool", "bad.tool")),
+        tools=(tool("ok.tool"), tool("bad.tool", input_schema=schema)),
+        policy=_policy(),
+    )
+    with pytest.raises(InvalidFieldError) as caught:
+        _plan(spec)
+    assert caught.value.field == "spec.tools[1].input_schema_json"
+    nested = {"type": "object", "properties": {"n": {"anyOf": [{"type": "string"}]}}}
+    fine = spec.model_copy(
+        update={"tools": (tool("ok.tool"), tool("bad.tool", input_schema=nested))}
+    )
+    assert _plan(fine).tool_names == ("bad.tool", "ok.tool")
