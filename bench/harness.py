@@ -60,13 +60,15 @@ async def server_process(
     *extra: str,
     module: str = "context_engine.cli",
     started: Callable[[int], None] | None = None,
+    env: dict[str, str] | None = None,
 ) -> AsyncIterator[str]:
     """`context-engine serve` in a subprocess (its own core); yields its address.
     `module`: what `python -m` runs (bench.stack_server: the same server, Build memoized);
     `started` is given the process id. It binds port 0 and the address is read from its
     "listening on" line (a port picked here and bound there could be taken in between);
-    its log goes to a file, which a pipe nobody reads would block once full."""
-    env = {**os.environ, "CONTEXT_ENGINE_LOG_LEVEL": "WARNING"}
+    its log goes to a file, which a pipe nobody reads would block once full. `env`: more
+    of its environment (settings, CONTEXT_ENGINE_*)."""
+    env = {**os.environ, "CONTEXT_ENGINE_LOG_LEVEL": "WARNING", **(env or {})}
     command = [sys.executable, "-m", module, "serve", "--listen", "127.0.0.1:0"]
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(

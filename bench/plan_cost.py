@@ -1,6 +1,13 @@
 """Plan cost: Plan with a 40-tool roster, skills and a snapshot, and Rotate; per-call
 medians over a fixed number of calls, against GetPlan (a read of the same plan) measured in
-the same run as the baseline."""
+the same run as the baseline.
+
+Each session's spec is its own (the agent's instructions name the session), so no Plan is
+made of renderings an earlier one left in the server's memos; each Rotate sends a changed
+spec (a new agent version), and a Rotate without a spec (the sweep an operator's change
+makes: the pinned spec rebuilt) is measured apart (an audit: every Plan sent one spec, and
+the Rotate measured was the sweep alone).
+"""
 
 from __future__ import annotations
 
@@ -24,17 +31,23 @@ async def _timed(coro: object) -> float:
     return (time.perf_counter() - started) * 1000
 
 
-async def run(calls: int) -> None:
+def _spec(n: int) -> pb.PlanSpec:
     spec = plan_spec(tools=40, snapshot_items=30, skills=10)
+    spec.agent.instructions += f" Session {n}."
+    return spec
+
+
+async def run(calls: int) -> None:
     async with (
         scratch_database() as dsn,
         server_process(dsn) as target,
         grpc.aio.insecure_channel(target) as channel,
     ):
         stub = stub_for(channel)
-        plan_ms, rotate_ms, read_ms = [], [], []
-        for _ in range(calls):
+        plan_ms, rotate_ms, sweep_ms, read_ms = [], [], [], []
+        for n in range(calls):
             session_id = str(uuid.uuid4())
+            spec = _spec(n)
             plan_ms.append(
                 await _timed(
                     stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=spec))
@@ -45,21 +58,34 @@ async def run(calls: int) -> None:
                     stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id))
                 )
             )
+            changed = pb.PlanSpec()
+            changed.CopyFrom(spec)
+            changed.agent.version = "2"
+            at = {"tenant_id": TENANT, "session_id": session_id}
             rotate_ms.append(
                 await _timed(
                     stub.Rotate(
                         pb.RotateRequest(
-                            tenant_id=TENANT,
-                            session_id=session_id,
-                            from_epoch=1,
-                            reason=pb.PLAN_REASON_AGENT_CHANGED,
+                            **at, from_epoch=1, reason=pb.PLAN_REASON_AGENT_CHANGED, spec=changed
                         )
                     )
                 )
             )
+            sweep_ms.append(
+                await _timed(
+                    stub.Rotate(
+                        pb.RotateRequest(**at, from_epoch=2, reason=pb.PLAN_REASON_AGENT_CHANGED)
+                    )
+                )
+            )
     base = statistics.median(read_ms)
-    print(f"plan cost: 40 tools, 10 skills, 30 snapshot items; {calls} sessions")
-    for name, values in (("GetPlan (baseline)", read_ms), ("Plan", plan_ms), ("Rotate", rotate_ms)):
+    print(f"plan cost: 40 tools, 10 skills, 30 snapshot items; {calls} sessions, a spec each")
+    for name, values in (
+        ("GetPlan (baseline)", read_ms),
+        ("Plan", plan_ms),
+        ("Rotate (new spec)", rotate_ms),
+        ("Rotate (no spec)", sweep_ms),
+    ):
         med = statistics.median(values)
         print(f"  {name:18s} median {med:7.2f} ms   ({med / base:5.1f}x GetPlan)")
 

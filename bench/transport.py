@@ -9,6 +9,12 @@ Also measured, to show where the gap lies:
 - stack: the real server with Build's storage and assembly taken away (bench.stack_server:
   Engine.build memoized), so only the service's per-call stack runs: interceptors, request
   parsing, the response composed and serialized, grpc.
+- Build, nothing kept: the real Build on a server that keeps nothing it read
+  (replica_cache_bytes 0), so every call reads the run's head, checkpoint and carried
+  history from PostgreSQL. The Build row's server keeps them from its first call on, as
+  a replica does for the runs it serves (an audit: that row reads the session from
+  PostgreSQL only once, and its only database work per call is the record it writes).
+  Informational: the bar is on the Build row.
 - floor: the echo making one trivial PostgreSQL round trip per call through the
   service's pool: the one a Build cannot skip, its record (since 2026-12-01 a Build of a
   run the replica built before is made from the run head it kept, which the record
@@ -79,6 +85,16 @@ async def run(seconds: float, concurrency: int, turns: int) -> bool:
         size = built.ByteSize()
         body = request.SerializeToString()
         build = await _measured(server[0], _raw_build(channel), body, concurrency, seconds, dsn)
+        unkept: list[int] = []
+        async with (
+            server_process(
+                dsn, started=unkept.append, env={"CONTEXT_ENGINE_REPLICA_CACHE_BYTES": "0"}
+            ) as u,
+            grpc.aio.insecure_channel(u) as unkept_channel,
+        ):
+            reading = _raw_build(unkept_channel)
+            await reading(body)
+            read = await _measured(unkept[0], reading, body, concurrency, seconds, dsn)
         async with (
             server_process(dsn, module="bench.stack_server", started=stack_server.append) as s,
             grpc.aio.insecure_channel(s) as stack_channel,
@@ -102,6 +118,7 @@ async def run(seconds: float, concurrency: int, turns: int) -> bool:
         ("stack", stack),  # the service's per-call stack: Build memoized, no storage
         ("floor", floor),  # echo + Build's PostgreSQL round trip, nothing assembled
         ("Build", build),
+        ("read ", read),  # Build on a replica that keeps nothing: PostgreSQL every call
     )
     for name, r in rows:
         cpu = " / ".join(f"{r.cpu_ms[k]:.2f}" for k in ("server", "client", "postgres"))
@@ -118,6 +135,10 @@ async def run(seconds: float, concurrency: int, turns: int) -> bool:
         f"  (echo plus one trivial PostgreSQL round trip per call, as Build's record)"
     )
     print(f"  Build / floor = {build.throughput / floor.throughput:.3f}")
+    print(
+        f"  read / echo = {read.throughput / baseline.throughput:.3f}"
+        "  (Build reading the session from PostgreSQL every call: informational)"
+    )
     # The server is one process whose main thread is the bound: a core's worth of CPU per
     # second spread over the Builds the bar asks for is the most each may take.
     needed = 1000 / (BAR * baseline.throughput)
@@ -126,7 +147,11 @@ async def run(seconds: float, concurrency: int, turns: int) -> bool:
         f" (one core's worth over {BAR * baseline.throughput:.0f} Builds/s);"
         f" it took {build.cpu_ms['server']:.2f}"
     )
-    ok = ratio >= BAR and build.errors == 0 and stack.errors == 0
+    # Every row error-free: a failing echo would lower the baseline and flatter the ratio.
+    errors = {name.strip(): r.errors for name, r in rows if r.errors}
+    if errors:
+        print(f"  errors: {errors}")
+    ok = ratio >= BAR and not errors
     print(
         f"  Build / echo throughput = {ratio:.3f}  (bar >= {BAR:.3f}: {'PASS' if ok else 'FAIL'})"
     )

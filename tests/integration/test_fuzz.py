@@ -252,7 +252,8 @@ def _message(draw: Any, descriptor: Any, ids: dict[str, list[str]], depth: int =
         if not draw(st.integers(0, 3)):
             continue
         repeated = field.is_repeated
-        count = draw(st.integers(0, 3)) if repeated else 1
+        # Mostly a few; sometimes many (a long list of ids or items under the size limit).
+        count = draw(st.integers(0, 3) | st.integers(40, 400)) if repeated else 1
         for _ in range(count):
             value = draw(_value(field, ids, depth))
             if value is None:
@@ -283,7 +284,8 @@ def _value(field: Any, ids: dict[str, list[str]], depth: int) -> st.SearchStrate
     if t == FieldDescriptor.TYPE_STRING:
         return _strings(field.name, ids)
     if t == FieldDescriptor.TYPE_BYTES:
-        return st.binary(max_size=64)
+        # Short, or oversized (an opaque reasoning payload near and over the limit).
+        return st.binary(max_size=64) | st.integers(1_000, 300_000).map(lambda n: b"{" * n)
     if t == FieldDescriptor.TYPE_BOOL:
         return st.booleans()
     if t == FieldDescriptor.TYPE_ENUM:
