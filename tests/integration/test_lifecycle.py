@@ -24,6 +24,7 @@ deadlines and migrations.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import signal
@@ -754,7 +755,7 @@ async def test_a_role_that_may_not_migrate_is_told_so_in_one_line() -> None:
         )
         assert code == 1
         assert line.startswith(
-            "context-engine migrate: cannot read the applied migrations"
+            "context-engine migrate: cannot prepare the record of applied migrations"
             " (InsufficientPrivilegeError:"
         ), line
     finally:
@@ -1105,4 +1106,80 @@ async def test_a_database_on_the_first_0007_is_moved_to_the_released_shape() -> 
         assert await conn.fetchval("SELECT count(*) FROM erased_people") == 1
     finally:
         await conn.close()
+        await drop_database(dsn)
+    # Both columns (a hand-made repair): the ids are hashed where no hash is, the id
+    # column dropped (a review: renaming onto an existing column failed).
+    dsn = await create_database(migrate=False)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await apply_migrations(conn, [*before, ("0007_erased_people", _FIRST_0007)])
+        await conn.execute("UPDATE schema_migrations SET sha256 = NULL")
+        await conn.execute("ALTER TABLE erased_people ADD COLUMN person_sha256 text")
+        await conn.execute("INSERT INTO erased_people (tenant_id, person_id) VALUES ('t', 'ana')")
+        await apply_migrations(conn)
+        assert await conn.fetchval("SELECT person_sha256 FROM erased_people") == (
+            hashlib.sha256(b"ana").hexdigest()
+        )
+        assert not await conn.fetchval(
+            "SELECT count(*) FROM information_schema.columns"
+            " WHERE table_name = 'erased_people' AND column_name = 'person_id'"
+        )
+        async with conn.transaction():  # its conflict target is the hash's key again
+            assert await fence_erasure(conn, "t", "ana") is None
+            assert await fence_erasure(conn, "t", "bo") is None
+        assert await conn.fetchval("SELECT count(*) FROM erased_people") == 2
+    finally:
+        await conn.close()
+        await drop_database(dsn)
+
+
+async def test_a_role_that_may_migrate_but_owns_no_table_finds_nothing_to_do() -> None:
+    """After the owner migrated, a role with CREATE on the schema and the rights to read
+    and write its tables, but owning none, runs migrate: nothing is pending, so it must
+    change no table's definition (a review: adding the sums' column on every run, even
+    where it existed, needed ownership and stopped every start of such a replica)."""
+    from context_engine.store import apply_migrations
+    from context_engine.store.migrate import pending_migrations
+
+    dsn = await create_database(migrate=True)
+    role = f"ce_migrator_{new_id()[:8]}"
+    await admin_execute(f'CREATE ROLE "{role}" LOGIN')
+    owner = await asyncpg.connect(dsn)
+    try:
+        await owner.execute(
+            f'GRANT USAGE, CREATE ON SCHEMA public TO "{role}";'
+            f' GRANT SELECT, INSERT, UPDATE ON ALL TABLES IN SCHEMA public TO "{role}"'
+        )
+        database = dsn.rpartition("/")[2]
+        runtime = await asyncpg.connect(dsn_on_test_server(database, user=role))
+        try:
+            assert await pending_migrations(runtime) == []
+            assert await apply_migrations(runtime) == []
+        finally:
+            await runtime.close()
+    finally:
+        await owner.close()
+        await drop_database(dsn)
+        await admin_execute(f'DROP ROLE IF EXISTS "{role}"')
+
+
+async def test_two_migrators_apply_each_migration_once_under_repeatable_read() -> None:
+    """A database whose transactions default to REPEATABLE READ: each migration's
+    transaction reads, under the lock, what the other migrator committed while it waited
+    (a review: the snapshot taken before the wait did not, and both applied 0001)."""
+    from context_engine.store import apply_migrations
+    from context_engine.store.migrate import migration_files
+
+    dsn = await create_database(migrate=False)
+    database = dsn.rpartition("/")[2]
+    await admin_execute(
+        f"ALTER DATABASE \"{database}\" SET default_transaction_isolation = 'repeatable read'"
+    )
+    first, second = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+    try:
+        applied = await asyncio.gather(apply_migrations(first), apply_migrations(second))
+        assert sorted(v for run in applied for v in run) == [v for v, _ in migration_files()]
+    finally:
+        await first.close()
+        await second.close()
         await drop_database(dsn)

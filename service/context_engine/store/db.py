@@ -147,7 +147,7 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     asyncpg's default resets every released connection with one more round trip
     (pg_advisory_unlock_all, CLOSE ALL, UNLISTEN *, RESET ALL). This service leaves no
     session state to reset: it issues no SET, LISTEN or cursor outside a transaction, and
-    its one session advisory lock (store/migrate.py) is unlocked in a finally. asyncpg still
+    takes advisory locks only for a transaction (store/migrate.py, the people fences). asyncpg still
     rolls back a transaction left open before calling this. So every Build saves two round
     trips (its read and its write each release a connection)."""
 

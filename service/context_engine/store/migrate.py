@@ -35,11 +35,15 @@ _LOCK_KEY = 0x636F6E74657874  # "context" as an int: one advisory lock for migra
 # asyncpg's per-statement timeout for the lock wait and each migration (None would take the
 # connection's command timeout): a week, i.e. none an operator would meet.
 _NO_TIMEOUT = 7 * 24 * 3600.0
-_BOOTSTRAP = (
-    "CREATE TABLE IF NOT EXISTS schema_migrations ("
-    " version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())",
-    "ALTER TABLE schema_migrations ADD COLUMN IF NOT EXISTS sha256 text",
+_CREATE = (
+    "CREATE TABLE schema_migrations ("
+    " version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now(), sha256 text)"
 )
+_ADD_SUM = "ALTER TABLE schema_migrations ADD COLUMN sha256 text"
+# Read committed, whatever the database's default: each transaction reads what the other
+# migrator committed while it waited for the lock (under repeatable read its snapshot is
+# taken before the wait, and a migration applied meanwhile was applied again: a review).
+_ISOLATION = "read_committed"
 
 
 class MigrationError(Exception):
@@ -72,14 +76,20 @@ def _check_unchanged(applied: Mapping[str, str | None], files: Sequence[tuple[st
             )
 
 
+async def _has_sum(conn: asyncpg.Connection) -> bool:
+    """Whether schema_migrations has its sha256 column (as far as this role can see)."""
+    return bool(
+        await conn.fetchval(
+            "SELECT true FROM information_schema.columns"
+            " WHERE table_name = 'schema_migrations' AND column_name = 'sha256'"
+            " AND table_schema = current_schema()"
+        )
+    )
+
+
 async def _applied(conn: asyncpg.Connection) -> dict[str, str | None]:
     """Applied version -> its kept sum (None before sums were kept, or without the column)."""
-    has_sum = await conn.fetchval(
-        "SELECT true FROM information_schema.columns"
-        " WHERE table_name = 'schema_migrations' AND column_name = 'sha256'"
-        " AND table_schema = current_schema()"
-    )
-    column = "sha256" if has_sum else "NULL::text AS sha256"
+    column = "sha256" if await _has_sum(conn) else "NULL::text AS sha256"
     rows = await conn.fetch(f"SELECT version, {column} FROM schema_migrations")
     return {r["version"]: r["sha256"] for r in rows}
 
@@ -115,26 +125,33 @@ async def apply_migrations(
     """
     files = migration_files() if files is None else files
     try:
-        async with conn.transaction():
+        async with conn.transaction(isolation=_ISOLATION):
             await _lock(conn)
-            for statement in _BOOTSTRAP:
-                await conn.execute(statement)
+            # Only what is missing: DDL on a table is its owner's, even when it would change
+            # nothing (a role that may apply migrations but does not own the table).
+            if not await conn.fetchval("SELECT to_regclass('schema_migrations') IS NOT NULL"):
+                await conn.execute(_CREATE)
+            elif not await _has_sum(conn):
+                await conn.execute(_ADD_SUM)
             applied = await _applied(conn)
             _check_unchanged(applied, files)
-            await conn.executemany(
-                "UPDATE schema_migrations SET sha256 = $2 WHERE version = $1 AND sha256 IS NULL",
-                [(v, _sum(sql)) for v, sql in files if v in applied and applied[v] is None],
-            )
-    except asyncpg.PostgresError as exc:  # a role that may not create it, say
+            missing = [(v, _sum(sql)) for v, sql in files if v in applied and applied[v] is None]
+            if missing:
+                await conn.executemany(
+                    "UPDATE schema_migrations SET sha256 = $2"
+                    " WHERE version = $1 AND sha256 IS NULL",
+                    missing,
+                )
+    except asyncpg.PostgresError as exc:  # a role that may not create or change it, say
         raise MigrationError(
-            f"cannot read the applied migrations ({type(exc).__name__}: {exc})"
+            f"cannot prepare the record of applied migrations ({type(exc).__name__}: {exc})"
         ) from exc
     done: list[str] = []
     for version, sql in files:
         if version in applied:
             continue
         try:
-            async with conn.transaction():
+            async with conn.transaction(isolation=_ISOLATION):
                 await _lock(conn)
                 # Read under the lock: another migrator may have applied it meanwhile.
                 if await conn.fetchval(
