@@ -1,7 +1,9 @@
 """Skill loads and subject erasure: load (store) -> decide (core) -> record (store).
 
-Both are writes under session row locks, one transaction each: a load that fails, or an
-erasure that fails part way, writes nothing.
+Both are writes under session row locks. A load is one transaction: one that fails writes
+nothing. An erasure is one transaction for the person's record and one per session it
+redacts: one that fails part way has recorded the person and redacted the sessions before
+the one it stopped at, and a resend finishes it.
 
 LoadSkill (core/skills.py): the body must be in the plan's pinned catalog, at most two load
 per session within 6,000 tokens, a third fails rather than evicting; loads are sticky and
