@@ -2,11 +2,13 @@
 medians over a fixed number of calls, against GetPlan (a read of the same plan) measured in
 the same run as the baseline.
 
-Each session's spec is its own (the agent's instructions name the session), so no Plan is
-made of renderings an earlier one left in the server's memos; each Rotate sends a changed
-spec (a new agent version), and a Rotate without a spec (the sweep an operator's change
-makes: the pinned spec rebuilt) is measured apart (an audit: every Plan sent one spec, and
-the Rotate measured was the sweep alone).
+Each session's spec is its own: every text its plan renders (instructions, tool and skill
+descriptions, memories) names the session, so no Plan is made of renderings an earlier one
+left in the server's memos; each Rotate sends a spec whose texts all changed (a new
+version); a Rotate without a spec (the sweep an operator's change makes: the pinned spec
+rebuilt, the spec the Rotate before it rendered) is measured apart (an audit: every Plan
+sent one spec, and the Rotate measured was the sweep alone; a review: with only the
+instructions changed, the tools, skills and memories were still memo hits).
 """
 
 from __future__ import annotations
@@ -31,9 +33,20 @@ async def _timed(coro: object) -> float:
     return (time.perf_counter() - started) * 1000
 
 
-def _spec(n: int) -> pb.PlanSpec:
+def _spec(n: int, version: str = "1") -> pb.PlanSpec:
+    """Session `n`'s spec: every text the plan renders (instructions, each tool's and
+    skill's description, each memory) names the session and `version`, so nothing of it
+    is in the server's memos before its Plan (or its Rotate) renders it."""
     spec = plan_spec(tools=40, snapshot_items=30, skills=10)
-    spec.agent.instructions += f" Session {n}."
+    mark = f" (session {n}, version {version})"
+    spec.agent.version = version
+    spec.agent.instructions += mark
+    for tool in spec.tools:
+        tool.description += mark
+    for skill in spec.skills:
+        skill.description += mark
+    for memory in spec.snapshot.items:
+        memory.text += mark
     return spec
 
 
@@ -58,9 +71,7 @@ async def run(calls: int) -> None:
                     stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id))
                 )
             )
-            changed = pb.PlanSpec()
-            changed.CopyFrom(spec)
-            changed.agent.version = "2"
+            changed = _spec(n, version="2")
             at = {"tenant_id": TENANT, "session_id": session_id}
             rotate_ms.append(
                 await _timed(

@@ -442,10 +442,20 @@ def test_build_is_deterministic_under_pressure(session: Session) -> None:
     assert first.placed == second.placed
 
 
-def _assemble_noting_truncations(inputs: BuildInputs) -> tuple[Assembled, set[str], set[str]]:
-    """assemble(), the ids of the results its ladder truncated for the fit (not for the
-    tool-result cap), and of all it truncated: the report names both in one step, and only
-    the ladder's Body says which is which."""
+@dataclass
+class _Noted:
+    """What assemble() did, with what only the ladder's Body says: the ids of the results
+    it truncated for the fit (not for the tool-result cap), of all it truncated, what each
+    result's truncation saves and what each passage costs."""
+
+    built: Assembled
+    for_fit: set[str]
+    truncated: set[str]
+    savings: dict[str, int]
+    passage_costs: dict[str, int]
+
+
+def _assemble_noting(inputs: BuildInputs) -> _Noted:
     bodies: list[Body] = []
 
     def noting(body: Body) -> bool:
@@ -457,10 +467,12 @@ def _assemble_noting_truncations(inputs: BuildInputs) -> tuple[Assembled, set[st
         built = assemble(inputs)
     results = [t for b in bodies for t in (*(b.carried_results or ()), *b.run_results)]
     truncated = [t for t in results if t.truncated]
-    return (
+    return _Noted(
         built,
         {t.item.item_id for t in truncated if not t.for_cap},
         {t.item.item_id for t in truncated},
+        {t.item.item_id: t.saving for t in results},
+        {item.item_id: cost for b in bodies for item, cost in b.knowledge},
     )
 
 
@@ -483,26 +495,37 @@ def test_more_room_never_yields_more(session: Session, extra: int) -> None:
     only for the cap, which frees nothing the fit counts: docs/architecture.md names it as
     a known gap.) The tool-result cap is 25% of the body, so the same holds where the
     tighter body's smaller cap truncated a result the roomier one keeps whole: the roomier
-    body pays for keeping it with a passage, because knowledge yields before any result is
-    truncated for the fit (a CI run found it: docs/architecture.md). Short of that,
-    whatever the roomier body dropped, the tighter one dropped too."""
+    body pays for keeping it with passages (all but the last dropped worth less than the
+    result saves), because knowledge yields before any result is truncated for the fit (a
+    CI run found it: docs/architecture.md). Short of that, whatever the roomier body
+    dropped, the tighter one dropped too."""
     _, tight_inputs = _build(session)
     roomy = Session(**{**session.__dict__, "body_room": session.body_room + extra})
     _, roomy_inputs = _build(roomy)
     try:
-        tight, tight_for_fit, tight_truncated = _assemble_noting_truncations(tight_inputs)
+        tight = _assemble_noting(tight_inputs)
     except BudgetExceededError:
         return
-    wide, wide_for_fit, wide_truncated = _assemble_noting_truncations(roomy_inputs)
-    assert tight.pressure is not None and wide.pressure is not None
+    wide = _assemble_noting(roomy_inputs)
+    assert tight.built.pressure is not None and wide.built.pressure is not None
     # Recall's cap is absolute (the same in both), so a line only one of them trimmed was
     # trimmed for the fit.
-    trimmed = _step_ids(tight, "trim_recall") - _step_ids(wide, "trim_recall")
-    went_further = tight_for_fit - wide_for_fit or tight_truncated - wide_truncated
-    if not (went_further or trimmed):
-        assert _step_ids(wide, "drop_knowledge") <= _step_ids(tight, "drop_knowledge")
-    if wide.needs_compaction:
-        assert tight.needs_compaction
+    trimmed = _step_ids(tight.built, "trim_recall") - _step_ids(wide.built, "trim_recall")
+    dropped = _step_ids(wide.built, "drop_knowledge") - _step_ids(tight.built, "drop_knowledge")
+    if not (tight.for_fit - wide.for_fit or trimmed) and dropped:
+        # Only the tighter body's smaller cap can explain it: results it truncated that the
+        # roomier body keeps whole. Their savings bound the roomier body's overflow, and
+        # passages drop whole, lowest-ranked first, until it fits: all but the last dropped
+        # cost less than the overflow (a review: exempting any such difference hid what a
+        # passage dropped beyond that would have shown).
+        kept_whole = tight.truncated - wide.truncated
+        costs = [wide.passage_costs[i] for i in dropped]
+        saved = sum(wide.savings[i] for i in kept_whole)
+        assert kept_whole and sum(costs) - max(costs) <= saved, (
+            f"the roomier body dropped {sorted(dropped)} ({costs} tokens) that the tighter kept"
+        )
+    if wide.built.needs_compaction:
+        assert tight.built.needs_compaction
 
 
 def test_a_smaller_tool_result_cap_can_keep_a_passage_a_roomier_body_drops() -> None:
@@ -542,11 +565,12 @@ def test_a_smaller_tool_result_cap_can_keep_a_passage_a_roomier_body_drops() -> 
         factor_ppm=1_000_000,
     )
     roomy = Session(**{**session.__dict__, "body_room": session.body_room + 2_580})
-    tight, _, tight_truncated = _assemble_noting_truncations(_build(session)[1])
-    wide, _, wide_truncated = _assemble_noting_truncations(_build(roomy)[1])
-    assert tight_truncated - wide_truncated == {"t11"}
-    assert _step_ids(tight, "drop_knowledge") == set()
-    assert _step_ids(wide, "drop_knowledge") == {"kn2"}
+    tight = _assemble_noting(_build(session)[1])
+    wide = _assemble_noting(_build(roomy)[1])
+    assert tight.truncated - wide.truncated == {"t11"}
+    assert _step_ids(tight.built, "drop_knowledge") == set()
+    assert _step_ids(wide.built, "drop_knowledge") == {"kn2"}
+    assert wide.passage_costs["kn2"] <= wide.savings["t11"]
 
 
 def _call(item_id: str, call_id: str, sequence: int) -> ToolCall:
