@@ -2,9 +2,9 @@
 medians over a fixed number of calls, against GetPlan (a read of the same plan) measured in
 the same run as the baseline.
 
-Each session's spec is its own: every text its plan renders (instructions, tool and skill
-descriptions, memories) names the session, so no Plan is made of renderings an earlier one
-left in the server's memos; each Rotate sends a spec whose texts all changed (a new
+Each session's spec is its own: every description, instruction and memory its plan renders
+names the session, so no Plan is made of those renderings an earlier one left in the
+server's memos (tool and skill names and the input schema are shared); each Rotate sends a spec whose texts all changed (a new
 version); a Rotate without a spec (the sweep an operator's change makes: the pinned spec
 rebuilt, the spec the Rotate before it rendered) is measured apart (an audit: every Plan
 sent one spec, and the Rotate measured was the sweep alone; a review: with only the

@@ -11,10 +11,12 @@ DECLARE
     has_id boolean;
     has_hash boolean;
 BEGIN
-    SELECT bool_or(column_name = 'person_id'), bool_or(column_name = 'person_sha256')
+    -- The table the search path finds, as the statements below name it.
+    SELECT coalesce(bool_or(attname = 'person_id'), false),
+           coalesce(bool_or(attname = 'person_sha256'), false)
       INTO has_id, has_hash
-      FROM information_schema.columns
-     WHERE table_schema = current_schema() AND table_name = 'erased_people';
+      FROM pg_attribute
+     WHERE attrelid = to_regclass('erased_people') AND NOT attisdropped;
     IF has_id AND NOT has_hash THEN
         ALTER TABLE erased_people RENAME COLUMN person_id TO person_sha256;
         UPDATE erased_people

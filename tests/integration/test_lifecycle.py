@@ -1183,3 +1183,29 @@ async def test_two_migrators_apply_each_migration_once_under_repeatable_read() -
         await first.close()
         await second.close()
         await drop_database(dsn)
+
+
+async def test_migrate_reads_the_record_the_search_path_finds() -> None:
+    """With a schema first on the search path that does not hold the record (a role's own
+    schema, say), migrate reads the table the path finds, and its columns there (a review:
+    columns read in the first schema alone made it add the sums' column again, failing)."""
+    from context_engine.store import apply_migrations
+    from context_engine.store.migrate import MigrationError, pending_migrations
+
+    dsn = await create_database(migrate=True)
+    owner = await asyncpg.connect(dsn)
+    try:
+        await owner.execute("CREATE SCHEMA other")
+    finally:
+        await owner.close()
+    conn = await asyncpg.connect(dsn, server_settings={"search_path": "other,public"})
+    try:
+        assert await pending_migrations(conn) == []
+        assert await apply_migrations(conn) == []
+        # The sums are read, not taken as missing: one changed is still found.
+        await conn.execute("UPDATE schema_migrations SET sha256 = repeat('0', 64)")
+        with pytest.raises(MigrationError, match="was applied from another file"):
+            await pending_migrations(conn)
+    finally:
+        await conn.close()
+        await drop_database(dsn)

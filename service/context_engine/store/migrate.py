@@ -77,12 +77,15 @@ def _check_unchanged(applied: Mapping[str, str | None], files: Sequence[tuple[st
 
 
 async def _has_sum(conn: asyncpg.Connection) -> bool:
-    """Whether schema_migrations has its sha256 column (as far as this role can see)."""
+    """Whether schema_migrations (the table the search path finds, as every statement
+    here names it) has its sha256 column. Read from the catalog, which needs no privilege
+    on the table (a review: information_schema in current_schema() alone disagreed with
+    the table found where the search path's first schema lacks it)."""
     return bool(
         await conn.fetchval(
-            "SELECT true FROM information_schema.columns"
-            " WHERE table_name = 'schema_migrations' AND column_name = 'sha256'"
-            " AND table_schema = current_schema()"
+            "SELECT EXISTS (SELECT FROM pg_attribute"
+            " WHERE attrelid = to_regclass('schema_migrations') AND attname = 'sha256'"
+            " AND NOT attisdropped)"
         )
     )
 
