@@ -4,11 +4,12 @@ the same run as the baseline.
 
 Each session's spec is its own: every description, instruction and memory its plan renders
 names the session, so no Plan is made of those renderings an earlier one left in the
-server's memos (tool and skill names and the input schema are shared); each Rotate sends a spec whose texts all changed (a new
-version); a Rotate without a spec (the sweep an operator's change makes: the pinned spec
-rebuilt, the spec the Rotate before it rendered) is measured apart (an audit: every Plan
-sent one spec, and the Rotate measured was the sweep alone; a review: with only the
-instructions changed, the tools, skills and memories were still memo hits).
+server's memos (tool and skill names and the input schema are shared); each Rotate sends a
+spec whose texts all changed (a new version); a Rotate without a spec (the sweep an
+operator's change makes: the pinned spec rebuilt, the spec the Rotate before it rendered)
+is measured apart (an audit: every Plan sent one spec, and the Rotate measured was the
+sweep alone; a review: with only the instructions changed, the tools, skills and memories
+were still memo hits).
 """
 
 from __future__ import annotations
