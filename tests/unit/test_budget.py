@@ -493,8 +493,9 @@ def test_more_room_never_yields_more(session: Session, extra: int) -> None:
     body pays for keeping it with a passage, because knowledge yields before any result is
     truncated for the fit (a CI run found it: docs/architecture.md). Short of that,
     whatever the roomier body dropped, the tighter one dropped too. (A bound on what the
-    roomier body may drop there, by the result's saving, does not hold: passages drop whole
-    and room the cut leaves unused comes back: a review.)"""
+    roomier body may drop there, by the result's saving, does not hold: passages drop whole,
+    and where the cut stops short of the history floor the room it leaves stays unused: a
+    review.)"""
     _, tight_inputs = _build(session)
     roomy = Session(**{**session.__dict__, "body_room": session.body_room + extra})
     _, roomy_inputs = _build(roomy)
@@ -1632,50 +1633,3 @@ def test_a_builds_cut_sums_the_history_once_per_costs_it_is_read_at(
     assert len(reads) > 100 and sums == 1
     other = (*yielded[:-1], yielded[-1] + 1)
     assert cut(other, 5_000) == summed_afresh(other, 5_000) and sums == 2
-
-
-def test_what_the_history_cut_leaves_unused_brings_given_up_passages_back() -> None:
-    """Fitting counts history at its floor (8,000 tokens), but an item too large to keep
-    stops the cut short of it: the room history leaves unused brings back the passages the
-    ladder dropped (a review: with no cap pass to pin the cut, the body dropped two passages
-    and sent 5,909 of 9,714 tokens, where a tighter body kept them)."""
-    untrusted = TrustLevel.EXTERNAL_UNTRUSTED
-
-    def message(kind: type, n: int, size: int, run: str) -> ConversationItem:
-        return kind(item_id=f"{kind.__name__[0]}{n}", text=_text(size), sequence=n, run_id=run)
-
-    def pair(n: int, size: int, run: str) -> list[ConversationItem]:
-        return [
-            _call(f"c{n}", f"call_{n}", n, run),
-            _result(f"t{n}", f"call_{n}", n + 1, _text(size), untrusted, run),
-        ]
-
-    carried: list[ConversationItem] = [
-        message(UserMessage, 1, 4_000, "r0"),
-        message(AssistantMessage, 2, 8_000, "r0"),
-        message(UserMessage, 3, 20, "r1"),
-        *pair(4, 60_000, "r1"),  # too large to keep: the cut stops after it
-        message(AssistantMessage, 6, 8_000, "r1"),
-        message(UserMessage, 7, 4_000, "r2"),
-        *pair(8, 3_000, "r2"),
-        *pair(10, 3_000, "r2"),
-        message(AssistantMessage, 12, 20, "r2"),
-    ]
-    run = [
-        message(UserMessage, 13, 400, "current"),
-        *pair(14, 3_000, "current"),
-        message(AssistantMessage, 16, 200, "current"),
-        *pair(17, 10, "current"),
-    ]
-    step = StepContext(
-        knowledge=tuple(
-            KnowledgePassageItem(item_id=f"kn{n}", text=_text(size), rank=n)
-            for n, size in enumerate((400, 5_600, 5_600))
-        )
-    )
-    session = _plain_session(carried, run, step, body_room=10_250, reserve=500)
-    built = assemble(_build(session)[1])
-    assert built.pressure is not None and built.pressure.fits
-    kept_history = built.pressure.history_cut_index
-    assert _step_ids(built, "drop_knowledge") == set()
-    assert len(carried) - kept_history < len(carried)  # the cut did drop the large turn

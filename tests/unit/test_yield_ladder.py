@@ -655,13 +655,6 @@ def _reference_ladder(body: Body) -> bool:
         if capped_in_request:
             body.pinned_cut = body.cut()  # the request it chose its results from
             _reference_take_back(body, given_up)
-        elif any(ids for _, ids in given_up.values()) and sum(
-            body.carried_costs[body.cut() :]
-        ) < min(body.history_floor, body.history_total()):
-            # History short of its floor: the request's own cut pinned, what fits in the
-            # room it leaves comes back.
-            body.pinned_cut = body.cut()
-            _reference_take_back(body, given_up)
     for name, (step_freed, step_ids) in given_up.items():
         if step_ids:
             body.steps.append(YieldStep(name, step_freed, tuple(step_ids)))

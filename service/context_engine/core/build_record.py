@@ -244,11 +244,7 @@ __all__ = [
 # before; GetBuild refuses an older record that carried one (it is not rebuilt: the
 # provider refused what was sent). And an Anthropic tool result whose content is whitespace
 # alone (a bare TRUSTED_CONFIGURATION result) omits `content`, as an empty one did: the
-# API refuses whitespace-only text; GetBuild refuses an older record that sent one. And a
-# body whose history cut stops short of the floor fitting counted (an item too large to
-# keep) gives what the ladder gave up back into the room it leaves, with that cut pinned
-# (core/yield_ladder.py): a request where that happened cuts otherwise, and GetBuild refuses
-# an older record of one (it is not rebuilt).
+# API refuses whitespace-only text; GetBuild refuses an older record that sent one.
 ASSEMBLER_VERSION = "context-assembler@18"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.

@@ -299,14 +299,6 @@ def run_ladder(body: Body) -> bool:
             _cap_results_in_request(body, results)
             # The results it truncated lower what the request takes, with the cut it pinned.
             _take_back(body, knowledge, recall)
-        elif (knowledge.ids or recall.ids) and _short_of_floor(body):
-            # Fitting counted history at its floor, which the cut did not reach (an item too
-            # large to keep stops it short): with the cut the request makes pinned, what was
-            # given up comes back into the room history leaves unused (a review: a roomier
-            # body, with no cap pass to pin it, dropped two passages and left 3,800 tokens
-            # empty, where a tighter one kept them).
-            body.pinned_cut = body.cut()
-            _take_back(body, knowledge, recall)
     fits = body.fits()
     if fits:
         results.before_cut(body.cut())
@@ -316,15 +308,6 @@ def run_ladder(body: Body) -> bool:
         body.steps.append(YieldStep("compact", 0, ()))
         return False
     return True
-
-
-def _short_of_floor(body: Body) -> bool:
-    """Whether the history the cut keeps is less than fitting counted (its floor, or all of
-    it when it has less): before the cap pass no carried result is truncated for the cap,
-    so the carried costs from the cut are what the request carries."""
-    costs = body.carried_costs
-    counted = min(body.history_floor, sum(costs))
-    return counted > 0 and sum(costs[body.cut() :]) < counted  # no history: no cut to read
 
 
 def _nothing_yields(body: Body) -> bool:
