@@ -63,6 +63,7 @@ from .fixed_texts import (
     TOOL_RESULT_AS_TEXT,
 )
 from .items import Attachment, ContextItem, UserMessage
+from .memo_budget import ITEM, bounded_cache
 from .request import Block
 from .wire_names import wire_tool_name
 
@@ -141,22 +142,38 @@ def block_tokens(
 ) -> int:
     """Estimated tokens of one rendered block (plus its item's attachments, each image at
     `image_tokens`, and the renderer's `fixed_texts` around it: Rule 6)."""
-    texts = (
-        block.text,
-        block.call_id,
-        _name_sent(block.tool_name, fixed_texts),
-        block.arguments_json,
-        block.artifact_ref,
-        block.opaque,
-        *_ADDED[fixed_texts].get((block.kind, block.is_error), ()),
-    )
+    texts = (block.text, block.call_id, block.artifact_ref, block.opaque)
     raw = sum(count(t) for t in texts if t)
+    # The texts many blocks share (a tool's name, the renderer's fixed words, short
+    # arguments such as "{}") are counted once per counter: a first Build counted "-99"
+    # and the tool's name on every pair it derived (half of its tokenizer calls).
+    if block.tool_name:
+        raw += _shared_count(count, _name_sent(block.tool_name, fixed_texts))
+    if block.arguments_json:
+        raw += (
+            _shared_count(count, block.arguments_json)
+            if len(block.arguments_json) <= _SHARED_LENGTH
+            else count(block.arguments_json)
+        )
+    raw += sum(
+        _shared_count(count, t) for t in _ADDED[fixed_texts].get((block.kind, block.is_error), ())
+    )
     tokens = apply_factor(raw, factor_ppm) + MESSAGE_FRAMING_TOKENS
     if isinstance(item, UserMessage) and item.attachments:
         tokens += estimate_attachment_tokens(
             attachment_refs(item.attachments), count, image_tokens=image_tokens
         )
     return tokens
+
+
+# Arguments this short are mostly shared ("{}", "{\"day\": \"today\"}"); longer ones are
+# mostly one call's own, not worth a memo entry.
+_SHARED_LENGTH = 32
+
+
+@bounded_cache(4096, ITEM)
+def _shared_count(count: TextCounter, text: str) -> int:
+    return count(text)
 
 
 def request_framing(count: TextCounter, factor_ppm: int, counted: bool = True) -> int:
