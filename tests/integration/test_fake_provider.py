@@ -325,6 +325,14 @@ def test_a_top_level_combinator_in_an_input_schema_is_a_bad_request(
         ask(claude, tools=[union], messages=[{"role": "user", "content": "hi"}])
 
 
+def test_a_property_name_outside_anthropics_pattern_is_a_bad_request(
+    claude: anthropic.Anthropic,
+) -> None:
+    bracketed = {**TOOL, "input_schema": {"type": "object", "properties": {"filter[id]": {}}}}
+    with pytest.raises(anthropic.BadRequestError, match="Property keys should match"):
+        ask(claude, tools=[bracketed], messages=[{"role": "user", "content": "hi"}])
+
+
 def test_thinking_tool_loop_must_replay_the_thinking_block(
     claude: anthropic.Anthropic, fake: FakeProvider
 ) -> None:

@@ -789,6 +789,23 @@ async def test_plan_rejects_bad_specs(stub: Any) -> None:
         }
     )
     assert (await stub.Plan(_opening(nested))).created
+    # Schema keywords holding no schema, and (for an Anthropic model) a property name
+    # outside Anthropic's pattern: the provider refuses every request (an audit). An
+    # OpenAI model's plan takes the name.
+    for schema, model_id in (
+        ({"type": "object", "properties": "q", "required": "q"}, "gpt-4o"),
+        ({"type": "object", "properties": {"filter[id]": {"type": "string"}}}, ""),
+    ):
+        bad = spec(model_id=model_id) if model_id else spec()
+        bad.tools[2].input_schema_json = json.dumps(schema)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Plan(_opening(bad))
+        assert details(caught.value)[:2] == ("INVALID_FIELD", ["spec.tools[2].input_schema_json"])
+    openai = spec(model_id="gpt-4o")
+    openai.tools[2].input_schema_json = json.dumps(
+        {"type": "object", "properties": {"filter[id]": {"type": "string"}}}
+    )
+    assert (await stub.Plan(_opening(openai))).created
 
 
 async def test_plan_refuses_an_output_reserve_the_provider_would_refuse(stub: Any) -> None:

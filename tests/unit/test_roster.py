@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -953,6 +953,15 @@ def test_the_same_roster_hashes_identically_under_different_hash_seeds() -> None
         {"type": "object", "allOf": [{"required": ["a"]}]},
         {"type": "array"},
         {},
+        # Schema keywords holding what is no schema (an audit: sent as they were, they fail
+        # the providers' validation of every request).
+        {"type": "object", "properties": "q"},
+        {"type": "object", "properties": {"q": {"type": "string"}}, "required": "q"},
+        {"type": "object", "properties": {"q": {"type": "string"}}, "required": [1, 2]},
+        {"type": "object", "properties": [{"q": {}}]},
+        {"type": "object", "properties": {"q": {"type": "array", "items": "string"}}},
+        {"type": "object", "properties": {"q": {"anyOf": {"type": "string"}}}},
+        {"type": "object", "properties": {"q": {"properties": {"r": 3}}}},
     ],
 )
 def test_a_schema_the_providers_refuse_is_refused_by_the_plan_itself(
@@ -976,3 +985,38 @@ def test_a_schema_the_providers_refuse_is_refused_by_the_plan_itself(
         update={"tools": (tool("ok.tool"), tool("bad.tool", input_schema=nested))}
     )
     assert _plan(fine).tool_names == ("bad.tool", "ok.tool")
+
+
+@pytest.mark.parametrize("key", ["filter[id]", "$top", "@odata.type", "日付", "k" * 65, ""])
+def test_a_property_name_anthropic_refuses_is_refused_for_an_anthropic_model_only(
+    key: str,
+) -> None:
+    """Anthropic checks the names under an input schema's top-level properties against
+    ^[a-zA-Z0-9_.-]{1,64}$ and refuses the whole request (an audit: MCP servers ship
+    "filter[id]" and "$top"); OpenAI takes them. So the plan of an Anthropic model refuses
+    the tool, naming its schema, and an OpenAI model's plans it."""
+    schema = {"type": "object", "properties": {key: {"type": "string"}, "ok_name-1.x": {}}}
+    spec = PlanSpec(
+        model_id="m",
+        agent=AgentSpec(enabled_tools=("bad.tool",)),
+        tools=(tool("bad.tool", input_schema=schema),),
+        policy=_policy(),
+    )
+    anthropic, openai = replace(MODEL, provider="anthropic"), replace(MODEL, provider="openai")
+    with pytest.raises(InvalidFieldError) as caught:
+        _plan_for(spec, anthropic)
+    assert caught.value.field == "spec.tools[0].input_schema_json"
+    assert "Anthropic refuses" in str(caught.value)
+    assert _plan_for(spec, openai).tool_names == ("bad.tool",)
+
+
+def _plan_for(spec: PlanSpec, model: ModelFacts) -> ContextPlan:
+    return make_plan(
+        spec,
+        session_id="s",
+        epoch=1,
+        reason=PlanReason.SESSION_OPENED,
+        secret=SECRET,
+        model=model,
+        count_tokens=count,
+    )

@@ -1225,7 +1225,10 @@ type ToolSpec struct {
 	// JSON Schema of the input, as a JSON document with "type": "object" (both providers
 	// take a tool's input as an object; anything else is INVALID_FIELD) and no allOf, anyOf
 	// or oneOf at its top level (Anthropic refuses every request defining such a tool;
-	// INVALID_FIELD; nested under a property they are fine). Empty means {"type": "object"}.
+	// INVALID_FIELD; nested under a property they are fine). Every schema keyword holds a
+	// schema ("properties" an object, "required" a list of names), and for an Anthropic
+	// model each top-level property name matches ^[a-zA-Z0-9_.-]{1,64}$ (else INVALID_FIELD:
+	// the provider would refuse every request). Empty means {"type": "object"}.
 	// Re-serialized canonically.
 	InputSchemaJson string `protobuf:"bytes,3,opt,name=input_schema_json,json=inputSchemaJson,proto3" json:"input_schema_json,omitempty"`
 	// JSON Schema of the output. Hashed, never sent to the model.

@@ -217,7 +217,7 @@ def make_plan(
             prefix (_check_capacity); the shell turns it into PREFIX_OVER_CAPACITY where
             the spec is not the caller's (CapacityError.as_state).
     """
-    _check_input_schemas(spec)
+    _check_input_schemas(spec, model.provider)
     catalog, left_skills = pin_catalog(
         spec.skills, lambda s: count_tokens(_render_text(_catalog_entry(s), secret))
     )
@@ -817,7 +817,7 @@ def _check_capacity(
     )
 
 
-def _check_input_schemas(spec: PlanSpec) -> None:
+def _check_input_schemas(spec: PlanSpec, provider: str) -> None:
     """Every candidate tool's input schema is one the providers take (the API checks the
     caller's spec too; this holds a pinned spec rebuilt by a Rotate without spec, an
     admission or a lineage's continuation to the same rule: a review).
@@ -826,7 +826,7 @@ def _check_input_schemas(spec: PlanSpec) -> None:
         InvalidFieldError: INVALID_FIELD naming spec.tools[i].input_schema_json.
     """
     for i, tool in enumerate(spec.tools):
-        problem = input_schema_problem(tool.input_schema)
+        problem = input_schema_problem(tool.input_schema, provider)
         if problem is not None:
             field = f"spec.tools[{i}].input_schema_json"
             raise InvalidFieldError(f"{field} {problem}", field=field)

@@ -41,12 +41,21 @@ TokenCounter = Callable[[str], int]
 _TOP_LEVEL_COMBINATORS = ("allOf", "anyOf", "oneOf")
 
 
-def input_schema_problem(schema: Mapping[str, Any]) -> str | None:
+# Anthropic's rule for the names under an input schema's top-level "properties" ("Property
+# keys should match pattern '^[a-zA-Z0-9_.-]{1,64}$'", a 400 for the whole request). MCP
+# servers ship keys such as "filter[id]", "$top" and "@odata.type". OpenAI takes them.
+_ANTHROPIC_PROPERTY_KEY = re.compile(r"[a-zA-Z0-9_.-]{1,64}")
+
+
+def input_schema_problem(schema: Mapping[str, Any], provider: str = "") -> str | None:
     """Why a provider would refuse `schema` as a tool's input schema on every request that
     defines the tool, or None: both take a tool's input as a JSON object, and Anthropic
     refuses one without "type": "object", or with a combinator at its top level (a union
-    type's generated schema, often an MCP server's). Plan refuses it (a tool's definition
-    is in every request's prefix), and so does a rebuild of a pinned spec."""
+    type's generated schema, often an MCP server's); both validate the schema, so a
+    schema keyword holding what is no schema (`"properties": "q"`, `"required": "q"`) is
+    refused too. With `provider` "anthropic", also a top-level property name outside
+    Anthropic's pattern. Plan refuses it (a tool's definition is in every request's
+    prefix), and so does a rebuild of a pinned spec, whose model is known then."""
     if schema.get("type") != "object":
         return 'must be a JSON Schema with "type": "object" (tool input is an object)'
     combined = [k for k in _TOP_LEVEL_COMBINATORS if k in schema]
@@ -55,6 +64,50 @@ def input_schema_problem(schema: Mapping[str, Any]) -> str | None:
             f"has {', '.join(combined)} at its top level, which Anthropic refuses on every"
             " request: state the alternatives inside properties, or check them in the tool"
         )
+    malformed = _malformed(schema)
+    if malformed is not None:
+        return malformed
+    if provider == "anthropic":
+        properties = schema.get("properties") or {}
+        bad = sorted(k for k in properties if not _ANTHROPIC_PROPERTY_KEY.fullmatch(k))
+        if bad:
+            shown = ", ".join(json.dumps(k, ensure_ascii=False) for k in bad[:3])
+            return (
+                f"has properties named {shown}{' and more' if len(bad) > 3 else ''}, which"
+                " Anthropic refuses on every request (names must match"
+                f" {_ANTHROPIC_PROPERTY_KEY.pattern!r}): rename them"
+            )
+    return None
+
+
+def _malformed(schema: Mapping[str, Any]) -> str | None:
+    """Where `schema` holds a non-schema at a schema position, or a `required` that is not
+    a list of names; None if nowhere. Data keywords (enum, const, default, examples) are
+    not looked into, and neither are `dependencies` (a draft-4 entry may be a name list)."""
+    pending: list[tuple[Any, str]] = [(schema, "")]
+    while pending:
+        node, at = pending.pop()
+        if isinstance(node, bool):
+            continue
+        if not isinstance(node, dict):
+            return f"holds {json.dumps(node)[:40]} where a schema goes ({at or 'its root'})"
+        required = node.get("required")
+        if required is not None and not (
+            isinstance(required, list) and all(isinstance(r, str) for r in required)
+        ):
+            return f"has a required that is not a list of property names ({at or 'its root'})"
+        for key, value in node.items():
+            where = f"{at}.{key}" if at else key
+            if key in _SCHEMA_MAPS and key != "dependencies":
+                if not isinstance(value, dict):
+                    return f"has a {key} that is not an object ({where})"
+                pending += [(v, f"{where}.{k}") for k, v in value.items()]
+            elif (key == "items" and isinstance(value, list)) or key in _SCHEMA_LISTS - {"items"}:
+                if not isinstance(value, list):
+                    return f"has a {key} that is not a list of schemas ({where})"
+                pending += [(v, f"{where}[{n}]") for n, v in enumerate(value)]
+            elif key in _SCHEMA_ONE:
+                pending.append((value, where))
     return None
 
 

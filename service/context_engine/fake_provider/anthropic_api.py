@@ -73,6 +73,8 @@ NOT_CACHEABLE_BLOCKS = frozenset({"thinking", "redacted_thinking"})
 MAX_CACHE_BREAKPOINTS = 4
 CACHE_TTLS = ("5m", "1h")
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
+# Anthropic's rule for the names under a tool's input_schema.properties.
+_PROPERTY_KEY = re.compile(r"[a-zA-Z0-9_.-]{1,64}")
 MIN_THINKING_BUDGET = 1024
 
 
@@ -229,6 +231,14 @@ def _tools(tools: Any, blocks: list[AnthropicBlock], markers: list[_Marker]) -> 
                 raise _bad(
                     f"{path}.custom.input_schema: input_schema does not support oneOf, allOf, "
                     "or anyOf at the top level"
+                )
+            properties = schema.get("properties", {})
+            if isinstance(properties, dict) and not all(
+                _PROPERTY_KEY.fullmatch(k) for k in properties
+            ):
+                raise _bad(
+                    f"{path}.custom.input_schema.properties: Property keys should match"
+                    f" pattern '^{_PROPERTY_KEY.pattern}$'"
                 )
         if name in seen:
             raise _bad("tools: Tool names must be unique.")
