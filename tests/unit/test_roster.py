@@ -638,14 +638,14 @@ def _policy() -> PlatformPolicySpec:
     return PlatformPolicySpec(version="v1", text="Platform policy.")
 
 
-def _plan(spec: PlanSpec, secret: bytes = SECRET) -> ContextPlan:
+def _plan(spec: PlanSpec, secret: bytes = SECRET, model: ModelFacts = MODEL) -> ContextPlan:
     return make_plan(
         spec,
         session_id="s",
         epoch=1,
         reason=PlanReason.SESSION_OPENED,
         secret=secret,
-        model=MODEL,
+        model=model,
         count_tokens=count,
     )
 
@@ -1004,19 +1004,7 @@ def test_a_property_name_anthropic_refuses_is_refused_for_an_anthropic_model_onl
     )
     anthropic, openai = replace(MODEL, provider="anthropic"), replace(MODEL, provider="openai")
     with pytest.raises(InvalidFieldError) as caught:
-        _plan_for(spec, anthropic)
+        _plan(spec, model=anthropic)
     assert caught.value.field == "spec.tools[0].input_schema_json"
     assert "Anthropic refuses" in str(caught.value)
-    assert _plan_for(spec, openai).tool_names == ("bad.tool",)
-
-
-def _plan_for(spec: PlanSpec, model: ModelFacts) -> ContextPlan:
-    return make_plan(
-        spec,
-        session_id="s",
-        epoch=1,
-        reason=PlanReason.SESSION_OPENED,
-        secret=SECRET,
-        model=model,
-        count_tokens=count,
-    )
+    assert _plan(spec, model=openai).tool_names == ("bad.tool",)
