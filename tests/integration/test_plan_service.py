@@ -758,6 +758,42 @@ async def test_an_unknown_time_zone_is_an_invalid_field_and_plans_nothing(
     assert await pool.fetchval(written, TENANT, UUID(session_id)) == 0
 
 
+async def test_a_pinned_time_zone_this_replica_lacks_is_the_sessions_state_at_build(
+    pool: Any,
+) -> None:
+    """A replica whose tz database lacks the zone a plan was made with (another replica's
+    newer tzdata) cannot build the plan's clock: FAILED_PRECONDITION naming session_id,
+    the pinned field in metadata spec_field, as for any rebuild of the pinned spec. It was
+    INVALID_ARGUMENT naming spec.environment.time_zone, a field Build has not (an audit).
+    The stored plan's zone is rewritten to stand for that replica."""
+    stub, channel, running = await replica(pool)
+    try:
+        session_id, _ = await _open(stub, spec())
+        run_id = (await _start(stub, session_id)).run.run_id
+        await pool.execute(
+            "UPDATE context_plans SET plan = jsonb_set(plan, '{time_zone}', '\"Mars/Olympus\"')"
+            " WHERE session_id = $1",
+            UUID(session_id),
+        )
+    finally:
+        await channel.close()
+        await running.stop(0)
+    fresh, channel, running = await replica(pool)  # holds no plan in memory
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _build(fresh, session_id, run_id)
+    finally:
+        await channel.close()
+        await running.stop(0)
+    reason, fields, metadata = details(caught.value)
+    assert (caught.value.code(), reason, fields) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "INVALID_FIELD",
+        ["session_id"],
+    )
+    assert metadata["spec_field"] == "spec.environment.time_zone"
+
+
 async def test_a_skill_listed_twice_is_refused_like_a_tool_listed_twice(stub: Any) -> None:
     """Two catalog entries under one name would pin two blocks with one item id, and a load
     would take its version from one entry and its trust from another (even one that did not

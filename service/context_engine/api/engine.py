@@ -1207,7 +1207,13 @@ class Engine:
             else breakpoint_budget
         )
         instant = now or self._clock()
-        clock = instant.astimezone(_zone(plan.time_zone))
+        try:
+            zone = _zone(plan.time_zone)
+        except InvalidFieldError as exc:
+            # The plan's pinned zone, which this replica's tz database lacks: the session's
+            # state, not a field of this request (an audit: it named spec.environment.*).
+            raise _as_state(exc, "for this build's clock") from None
+        clock = instant.astimezone(zone)
         count_tokens = self.count_tokens_for(plan.model_id)
         if image_tokens is None:
             image_tokens = self._image_tokens_of(plan.model_id)
