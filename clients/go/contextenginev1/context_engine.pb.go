@@ -1863,7 +1863,10 @@ type ContextPlan struct {
 	// admits a definition: its largest provider serialization plus provider framing.
 	PrefixClasses []*ClassUsage `protobuf:"bytes,21,rep,name=prefix_classes,json=prefixClasses,proto3" json:"prefix_classes,omitempty"`
 	// The canonical (RFC 8785) JSON document whose SHA-256 is prefix_sha256, so a worker in
-	// any language can recompute the hash with an off-the-shelf JCS library.
+	// any language can recompute the hash with an off-the-shelf JCS library. Except on a
+	// plan EraseSubject redacted (invalidated true): its document has the erased memories
+	// cut out, while prefix_sha256 still names the bytes that were sent, so the two no
+	// longer agree; such a plan is never built on again.
 	PrefixDocument []byte `protobuf:"bytes,22,opt,name=prefix_document,json=prefixDocument,proto3" json:"prefix_document,omitempty"`
 	// Every advertised tool with what a worker's call-time policy check needs. A revoked
 	// tool stays here and in the prefix; revocation is enforced when the call is made.
