@@ -129,7 +129,7 @@ def _prepared(untrusted: str, trusted: str) -> Prepared:
 def _check(prepared: Prepared, summary: str) -> Callable[[], object]:
     result = CompactionResult(
         summary=summary,
-        source_event_ids=(),
+        source_event_ids=prepared.source_event_ids,
         elided=(),
         replaced_through_sequence=2,
         depth=1,

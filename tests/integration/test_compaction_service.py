@@ -287,6 +287,36 @@ async def test_laundering_mismatch_and_stale_commits_write_nothing(stub: Any, po
     assert await _writes(pool, session_id) == before
 
 
+async def test_a_commit_replaces_only_the_range_its_prepare_showed(stub: Any, pool: Any) -> None:
+    """The result's source_event_ids pin the range the summary was written from: a result
+    from a narrower PrepareCompaction claiming a wider replaced_through_sequence is
+    COMPACTION_MISMATCH, and one sending none is INVALID_FIELD. Before, the commit checked
+    the result against a preparation made from its own replaced_through_sequence, so the
+    turns past the prepared range vanished unsummarized (an audit). A compactor_version
+    longer than an identifier, copied into every later checkpoint, is refused too."""
+    session_id, _, _, run_id = await _session_with_history(stub)
+    wide = await _prepare(stub, session_id, run_id)
+    narrow = await _prepare(stub, session_id, run_id, through_sequence=min(wide.source_event_ids))
+    assert narrow.replaced_through_sequence < wide.replaced_through_sequence
+    before = await _writes(pool, session_id)
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        (
+            {"replaced_through_sequence": wide.replaced_through_sequence},
+            "COMPACTION_MISMATCH",
+            "result.source_event_ids",
+        ),
+        ({"source_event_ids": []}, "INVALID_FIELD", "result.source_event_ids"),
+        ({"compactor_version": "v" * 201}, "INVALID_FIELD", "result.compactor_version"),
+    ]
+    for overrides, reason, field in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await _commit(stub, session_id, run_id, narrow, "They asked.", **overrides)
+        assert details(error.value)[:2] == (reason, [field])
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert await _writes(pool, session_id) == before
+    await _commit(stub, session_id, run_id, narrow, "They asked.")  # as prepared: accepted
+
+
 async def test_summaries_merge_once_and_a_third_compaction_escalates(stub: Any, pool: Any) -> None:
     session_id, plan, _, run_id = await _session_with_history(stub)
     first = await _prepare(stub, session_id, run_id, through_sequence=3)
@@ -816,7 +846,7 @@ async def test_a_tools_server_cannot_unhold_text_by_naming_a_parameter_with_it(
         "properties": {sentence: {"type": "string"}, "q": {"type": "string"}},
         "examples": [{"properties": {sentence: {}}}],
     }
-    planned = spec()
+    planned = spec(model_id="gpt-4o")  # Anthropic refuses such a name (Plan does for it)
     del planned.tools[:]
     planned.tools.extend([tool("cal.find", schema=schema, server="mcp:cal"), tool("web.fetch")])
     session_id = new_id()

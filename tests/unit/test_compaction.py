@@ -186,7 +186,7 @@ def _prepare(
 def _result(prepared: Prepared, summary: str, **kw: Any) -> CompactionResult:
     fields: dict[str, Any] = {
         "summary": summary,
-        "source_event_ids": (),
+        "source_event_ids": prepared.source_event_ids,
         "elided": (),
         "replaced_through_sequence": prepared.replaced_through_sequence,
         "depth": prepared.depth,

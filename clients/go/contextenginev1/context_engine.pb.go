@@ -6680,7 +6680,9 @@ type CompactionResult struct {
 	// than the transcript of what it replaces (tokens_before); else INVALID_FIELD
 	// (metadata tokens_before, summary_tokens).
 	Summary string `protobuf:"bytes,1,opt,name=summary,proto3" json:"summary,omitempty"`
-	// Union of the source event ids the summary covers.
+	// Union of the source event ids the summary covers: PrepareCompaction's, required (else
+	// INVALID_FIELD) and compared (COMPACTION_MISMATCH). It pins the range the summary was
+	// written from.
 	SourceEventIds []int64 `protobuf:"varint,2,rep,packed,name=source_event_ids,json=sourceEventIds,proto3" json:"source_event_ids,omitempty"`
 	// The spans elided rather than summarized.
 	Elided []*ElidedSpan `protobuf:"bytes,3,rep,name=elided,proto3" json:"elided,omitempty"`
@@ -6693,9 +6695,9 @@ type CompactionResult struct {
 	// Estimated tokens of the summary row as Build renders it: the summary and the pointer
 	// line of every elided span. The engine records its own count.
 	TokensAfter int64 `protobuf:"varint,7,opt,name=tokens_after,json=tokensAfter,proto3" json:"tokens_after,omitempty"`
-	// The compactor (worker side) version.
+	// The compactor (worker side) version (at most 200 characters).
 	CompactorVersion string `protobuf:"bytes,8,opt,name=compactor_version,json=compactorVersion,proto3" json:"compactor_version,omitempty"`
-	// The summarizer prompt version used (from PrepareCompaction).
+	// The summarizer prompt version used (from PrepareCompaction; at most 200 characters).
 	PromptVersion string `protobuf:"bytes,9,opt,name=prompt_version,json=promptVersion,proto3" json:"prompt_version,omitempty"`
 }
 

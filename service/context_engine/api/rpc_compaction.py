@@ -68,8 +68,14 @@ def result_from_proto(result: pb.CompactionResult, field: str = "result") -> Com
         depth=result.depth,
         tokens_before=result.tokens_before,
         tokens_after=result.tokens_after,
-        compactor_version=result.compactor_version,
-        prompt_version=result.prompt_version,
+        # Free text a worker chooses, copied into every later checkpoint of the run: bounded
+        # as an identifier (an audit stored a 3 MB one in each).
+        compactor_version=convert.require_id(
+            result.compactor_version, f"{field}.compactor_version", required=False
+        ),
+        prompt_version=convert.require_id(
+            result.prompt_version, f"{field}.prompt_version", required=False
+        ),
     )
 
 

@@ -944,7 +944,11 @@ def check_result(
     to store (engine-computed provenance, the worker's summary and versions, and
     tokens_after: the summary row as rendered, pointer lines included).
 
-    Empty provenance fields in `result` take the prepared values; non-empty ones must match.
+    `source_event_ids` is required and must be the prepared union: it is what pins the
+    range the summary was written from (replaced_through_sequence alone is checked against a
+    preparation made from it, so a worker could commit a wider range than it prepared and
+    summarized: an audit). Other empty provenance fields take the prepared values;
+    non-empty ones must match.
 
     Raises:
         InvalidFieldError: COMPACTION_MISMATCH (a depth other than the prepared one
@@ -966,9 +970,17 @@ def check_result(
             "result.replaced_through_sequence",
             prepared=str(prepared.replaced_through_sequence),
         )
-    if result.source_event_ids and set(result.source_event_ids) != set(prepared.source_event_ids):
+    if not result.source_event_ids:
+        raise InvalidFieldError(
+            "result.source_event_ids is required: send PrepareCompaction's, which name the"
+            " range the summary was written from",
+            field="result.source_event_ids",
+        )
+    if set(result.source_event_ids) != set(prepared.source_event_ids):
         raise _mismatch(
-            "source_event_ids differ from the prepared union", "result.source_event_ids"
+            "source_event_ids differ from the prepared union (was the summary written from"
+            " another PrepareCompaction?)",
+            "result.source_event_ids",
         )
     if result.elided and not _same_spans(result.elided, prepared.elided):
         raise _mismatch("elided spans differ from the prepared ones", "result.elided")
