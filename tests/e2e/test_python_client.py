@@ -11,6 +11,7 @@ import copy
 import inspect
 import json
 import pickle
+import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -23,6 +24,7 @@ import pytest
 from context_engine_client import (
     Aborted,
     BuildResult,
+    ClientError,
     ContextEngineClient,
     ContextEngineError,
     DeadlineExceeded,
@@ -45,7 +47,9 @@ from context_engine_client import (
     tool,
     tool_call,
     tool_result,
+    user_message,
 )
+from context_engine_client.client import _timestamp
 
 pytestmark = pytest.mark.integration
 
@@ -487,13 +491,140 @@ async def test_a_usage_report_that_fails_does_not_lose_the_final_answer(client: 
         report = await session.report_usage(build, usage, model=entry.model)
         assert report.samples >= 1
 
-    # A report refused for what it says would fail again: raised, not kept.
+    # A report refused for what it says is kept too, not resendable (retryable False):
+    # raised, it lost the final answer just the same (an audit).
     async def bad_usage(build: BuildResult) -> ModelTurn:
         return ModelTurn(text="Done.", usage=Usage(input_tokens=-1))
 
     other = await session.start_run("And back?")
-    with pytest.raises(InvalidArgument):
-        await other.tool_loop(bad_usage, _fetch, now=NOW)
+    kept = await other.tool_loop(bad_usage, _fetch, now=NOW)
+    assert kept.final.text == "Done."
+    assert [type(e).__name__ for _, _, e in kept.unreported] == ["InvalidArgument"]
+    assert not kept.unreported[0][2].retryable
+
+
+async def test_an_error_that_ends_the_loop_carries_the_reports_it_could_not_send(
+    client: Any,
+) -> None:
+    """A report that failed at step one, then an append that fails for good at step two:
+    the raised error carries the unsent report (`unreported`) and the builds, which the
+    loop dropped before (an audit)."""
+    session = await client.open_session(_spec())
+    run = await session.start_run("Trains from Paris to Lyon tomorrow?")
+    real_call = run.client.call
+    appends: list[str] = []
+
+    async def failing(method: str, request: Any, *, timeout: Any = None) -> Any:
+        if method == "ReportUsage":
+            raise Unavailable(grpc.StatusCode.UNAVAILABLE, "the engine went away")
+        if method == "AppendItems":
+            appends.append(request.idempotency_key)
+            if len(appends) == 2:
+                raise Internal(grpc.StatusCode.INTERNAL, "a proxy failed")
+        return await real_call(method, request, timeout=timeout)
+
+    run.client.call = failing  # type: ignore[method-assign]
+    with pytest.raises(Internal) as caught:
+        await run.tool_loop(ScriptedModel(), _fetch, now=NOW)
+    run.client.call = real_call  # type: ignore[method-assign]
+    unsent = caught.value.unreported  # type: ignore[attr-defined]
+    assert [type(e).__name__ for _, _, e in unsent] == ["Unavailable"]
+    assert len(caught.value.builds) == 2  # type: ignore[attr-defined]
+    assert caught.value.pending_request is not None
+
+
+async def test_a_step_whose_append_meets_a_later_write_goes_after_it_and_runs_no_tool_twice(
+    client: Any,
+) -> None:
+    """The user's next message lands on the run while its tool runs: the step's append is
+    refused CHECKPOINT_VERSION_CONFLICT. Raised with a request that named the old version,
+    it could never be resent as docs said, and a second tool_loop ran the tool again (an
+    audit). The loop now resends it once, same key, at the version the error names."""
+    session = await client.open_session(_spec())
+    run = await session.start_run("Trains from Paris to Lyon tomorrow?")
+    fetched: list[str] = []
+
+    async def fetch_while_the_user_writes(call: ToolCallRequest) -> ToolOutput:
+        fetched.append(call.call_id)
+        other = session.run(run.run_id, checkpoint_version=run.checkpoint_version)
+        await other.append(user_message("Actually, make it Marseille."))
+        return await _fetch(call)
+
+    result = await run.tool_loop(ScriptedModel(), fetch_while_the_user_writes, now=NOW)
+    assert fetched == ["call-1"]
+    assert result.final.text.startswith("The 08:04 TGV")
+    assert run.checkpoint_version == 4  # the user's message, the step, the final answer
+
+
+async def test_a_resend_of_an_old_append_does_not_take_the_version_back(client: Any) -> None:
+    session = await client.open_session(_spec())
+    run = await session.start_run("Hello")
+    first = run._append_request([_assistant("One.")], None)
+    await run.resend_append(first)
+    await run.append(_assistant("Two."))
+    assert run.checkpoint_version == 3
+    again = await run.resend_append(first)  # landed long ago: its first answer
+    assert again.checkpoint_version == 2
+    assert run.checkpoint_version == 3  # was taken back to 2 (an audit)
+    await run.append(_assistant("Three."))  # no spurious version conflict
+
+
+async def test_open_session_errors_carry_the_session_id_the_plan_was_sent_with(
+    client: Any,
+) -> None:
+    """Plan is made safe to resend by its session id: a timed-out Plan may have landed,
+    and resending with the error's session_id finds it (a new id opens a second one)."""
+    bad = _spec()
+    bad.model_id = "no-such-model"
+    with pytest.raises(InvalidArgument) as caught:
+        await client.open_session(bad)
+    assert UUID(caught.value.session_id)
+    with pytest.raises(InvalidArgument) as named:
+        await client.open_session(bad, session_id=caught.value.session_id)
+    assert named.value.session_id == caught.value.session_id
+
+
+async def test_a_closed_client_raises_the_clients_own_error(grpc_server: Any) -> None:
+    closed = ContextEngineClient(f"127.0.0.1:{grpc_server.port}", TENANT)
+    await closed.close()
+    with pytest.raises(ClientError):  # grpc's UsageError leaked out (an audit)
+        await closed.open_session(_spec())
+
+
+def test_a_naive_now_is_this_hosts_local_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """datetime.now() is naive local time; protobuf read it as UTC, so the date shown to
+    the model was off by the host's offset (an audit: 23:40 in Paris became the next day)."""
+    monkeypatch.setenv("TZ", "Europe/Paris")
+    time.tzset()
+    try:
+        naive = datetime(2026, 3, 14, 23, 40)
+        stamp = _timestamp(naive)
+        assert stamp.ToDatetime(tzinfo=UTC) == datetime(2026, 3, 14, 22, 40, tzinfo=UTC)
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+
+
+async def test_a_schemas_decimals_keep_their_bytes_when_attachments_are_added(
+    client: Any,
+) -> None:
+    """payload_with_attachments serializes as the engine does (RFC 8785): json.dumps wrote
+    0.00001 as 1e-05, so the cached tool definitions changed bytes whenever a request
+    carried attachments (an audit)."""
+    spec = _spec()
+    spec.tools[0].input_schema_json = json.dumps(
+        {
+            "type": "object",
+            "properties": {"ratio": {"type": "number", "multipleOf": 0.00001, "maximum": 1.5e-7}},
+        }
+    )
+    session = await client.open_session(spec)
+    run = await session.start_run(
+        "Look at this.", attachments=[pb.Attachment(kind="image", ref="store://p.png")]
+    )
+    built = await run.build(now=NOW)
+    assert b"0.00001" in built.provider_payload
+    assert built.payload_with_attachments(lambda send: []) == built.provider_payload
 
 
 async def test_the_tool_loop_compacts_when_the_body_does_not_fit(client: Any) -> None:

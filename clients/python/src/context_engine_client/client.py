@@ -33,11 +33,13 @@ from types import TracebackType
 from typing import Any
 
 import grpc
+import rfc8785
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from ._gen.context_engine.v1 import context_engine_pb2 as pb
 from ._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from .errors import (
+    ClientError,
     ContextEngineError,
     DeadlineExceeded,
     NeedsCompaction,
@@ -101,7 +103,22 @@ def _key() -> str:
     return str(uuid.uuid4())
 
 
+def _moved_on(error: ContextEngineError, request: pb.AppendItemsRequest) -> bool:
+    """A CHECKPOINT_VERSION_CONFLICT naming a later version than `request` expected."""
+    latest = error.metadata.get("latest_version", "")
+    return (
+        error.reason == "CHECKPOINT_VERSION_CONFLICT"
+        and latest.isdigit()
+        and int(latest) > request.expected_checkpoint_version
+    )
+
+
 def _timestamp(value: datetime) -> Timestamp:
+    """A datetime as a Timestamp; a naive one is this host's local time, as Python reads
+    it (`datetime.now()`), not UTC: protobuf's FromDatetime would read it as UTC, and the
+    date and time the model is shown would be off by the host's offset (an audit)."""
+    if value.tzinfo is None:
+        value = value.astimezone()
     stamp = Timestamp()
     stamp.FromDatetime(value)
     return stamp
@@ -216,6 +233,8 @@ class ContextEngineClient:
             # The key a wrapper made for this write, for a resend that must reuse it.
             error.idempotency_key = getattr(request, "idempotency_key", "")
             raise error from exc
+        except grpc.aio.UsageError as exc:  # a closed channel: ours too (Rule 3)
+            raise ClientError(f"{method}: {exc}") from exc
 
     # --- sessions -------------------------------------------------------------------------
 
@@ -230,11 +249,18 @@ class ContextEngineClient:
                 metadata["class"], or PREFIX_OVER_CEILING).
         """
         sid = session_id or _key()
-        response = await self.call(
-            "Plan",
-            pb.PlanRequest(tenant_id=self.tenant_id, session_id=sid, spec=spec),
-            timeout=timeout,
-        )
+        try:
+            response = await self.call(
+                "Plan",
+                pb.PlanRequest(tenant_id=self.tenant_id, session_id=sid, spec=spec),
+                timeout=timeout,
+            )
+        except ContextEngineError as exc:
+            # Plan is made safe to resend by its session id, not a key: a timed-out Plan may
+            # have landed, and open_session(spec, session_id=exc.session_id) finds it
+            # where a new id would open a second session.
+            exc.session_id = sid
+            raise
         return Session(
             self,
             sid,
@@ -384,8 +410,8 @@ class BuildResult:
         parts) for one attachment: its content when `send.content`, its marker otherwise;
         you resolve `send.attachment.ref`. The payload is parsed, the parts inserted
         before the part each placement names, last placement first, and it is serialized
-        with sorted keys and no whitespace: the same response and parts give the same bytes
-        on every request, so a prompt cache keeps its prefix. The payload unchanged when
+        canonically (RFC 8785, as the engine serialized it): what precedes the first
+        insertion keeps its bytes, so a prompt cache keeps its prefix. The payload unchanged when
         no message has attachments."""
         placements = self.response.attachment_placements
         if not placements:
@@ -398,8 +424,10 @@ class BuildResult:
                 parts += [made] if isinstance(made, dict) else list(made)
             holder, index = _content_list(body, placement.payload_path)
             holder[index:index] = parts
-        text = json.dumps(body, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
-        return text.encode("utf-8")
+        # RFC 8785, as the engine wrote the payload: json.dumps writes some numbers
+        # otherwise (1e-05 for 0.00001), which changed the cached tool definitions' bytes
+        # whenever a request carried attachments (an audit).
+        return bytes(rfc8785.dumps(body))
 
     @property
     def provider_api(self) -> str:
@@ -792,7 +820,9 @@ class Run:
         response: pb.AppendItemsResponse = await self.client.call(
             "AppendItems", request, timeout=timeout
         )
-        self.checkpoint_version = response.checkpoint_version
+        # A resend of an append that landed long ago answers with its first (older)
+        # version: never move back past what this run has seen since.
+        self.checkpoint_version = max(self.checkpoint_version, response.checkpoint_version)
         return response
 
     async def _append_step(
@@ -820,6 +850,12 @@ class Run:
                 await self.resend_append(request, timeout=deadline)
                 return
             except ContextEngineError as exc:
+                if _moved_on(exc, request) and attempt + 1 < _APPEND_ATTEMPTS:
+                    # Another write landed first (the user's next message, say): the step
+                    # goes after it, under the same key. Raised, its tools' results were
+                    # lost to a request that could never be resent as it was (an audit).
+                    request.expected_checkpoint_version = int(exc.metadata["latest_version"])
+                    continue
                 # Refused for what it says (a resend fails again), or the last attempt.
                 if not exc.retryable or attempt + 1 == _APPEND_ATTEMPTS:
                     raise
@@ -992,12 +1028,17 @@ class Run:
         tools again. A tool that raises ends the loop before the append: the step's tools
         that ran are then not logged.
 
-        Usage is reported after the append, and a report that fails for want of the engine
-        (Unavailable, DeadlineExceeded) is kept in the result (`unreported`) rather than
-        raised: the step's items are in the log, and raising after the final answer was
-        appended lost that answer to the caller, whose second tool_loop asked the model
-        again and appended a second answer. A report refused for what it says
-        (InvalidArgument for a bad Usage, say) is raised: it would fail again.
+        Usage is reported after the append, and a report that fails, for any reason, is
+        kept in the result (`unreported`, with the error: its `retryable` says whether a
+        resend can succeed) rather than raised: the step's items are in the log, and raising
+        after the final answer was appended lost that answer to the caller, whose second
+        tool_loop asked the model again and appended a second answer. Any exception that
+        ends the loop carries what it kept so far, `unreported` and `builds`, as attributes.
+
+        An append refused CHECKPOINT_VERSION_CONFLICT because another write landed first
+        (the user's next message appended to the run, say) is resent once under the same
+        key at the version the error names: the step goes after that write, and its tools'
+        results are not lost.
 
         Raises:
             NeedsCompaction: the body does not fit and no `summarize` was given.
@@ -1008,6 +1049,40 @@ class Run:
         builds: list[BuildResult] = []
         reports: list[UsageReport] = []
         unreported: list[UnreportedUsage] = []
+        try:
+            return await self._loop(
+                call_model,
+                run_tool,
+                now=now,
+                step=step,
+                summarize=summarize,
+                max_steps=max_steps,
+                report_usage=report_usage,
+                timeout=timeout,
+                kept=(builds, reports, unreported),
+            )
+        except BaseException as exc:
+            # What the loop kept, for the caller to resend (reports) or inspect: raised
+            # without it, a failed report of an earlier step was lost (an audit).
+            with contextlib.suppress(AttributeError):
+                exc.unreported = unreported  # type: ignore[attr-defined]
+                exc.builds = builds  # type: ignore[attr-defined]
+            raise
+
+    async def _loop(
+        self,
+        call_model: CallModel,
+        run_tool: RunTool,
+        *,
+        now: Clock,
+        step: pb.StepContext | None,
+        summarize: Summarize | None,
+        max_steps: int,
+        report_usage: bool,
+        timeout: float | None,
+        kept: tuple[list[BuildResult], list[UsageReport], list[UnreportedUsage]],
+    ) -> ToolLoopResult:
+        builds, reports, unreported = kept
         compactions = 0
         steps = 0
         while steps < max_steps:
@@ -1053,8 +1128,9 @@ class Run:
                         )
                     )
                 except ContextEngineError as exc:
-                    if not exc.retryable:  # refused for what it says: it would fail again
-                        raise
+                    # Kept, never raised: the step is in the log, and raising after the
+                    # final answer was appended lost that answer (an audit: a refused
+                    # report did so). `exc.retryable` says whether a resend can succeed.
                     unreported.append(UnreportedUsage(built, turn.usage, exc, turn.model))
             if not turn.tool_calls:
                 return ToolLoopResult(turn, builds, reports, unreported)

@@ -73,7 +73,14 @@ class ContextEngineError(ClientError):
             the request itself (its key and items, the model's turn and the tool results),
             to resend unchanged with `Run.resend_append` before the loop runs again; None
             otherwise. (Another exception out of the append, a task's CancelledError say,
-            carries it as the same attribute.)
+            carries it as the same attribute.) Where it failed with
+            CHECKPOINT_VERSION_CONFLICT after the loop's own resend at the version the
+            error names (`metadata["latest_version"]`), set
+            `expected_checkpoint_version` to the newest such version before resending.
+        session_id: on an error from `open_session`, the session id its Plan was sent
+            with ("" otherwise): a Plan that timed out may have landed, and
+            `open_session(spec, session_id=error.session_id)` finds it where a new id
+            would open a second session.
     """
 
     # Whether resending the same request (same key, same bytes) may succeed: per class
@@ -99,6 +106,7 @@ class ContextEngineError(ClientError):
         self.field_violations = field_violations
         self.idempotency_key = ""
         self.pending_request: Any = None
+        self.session_id = ""
 
     @property
     def field(self) -> str | None:
