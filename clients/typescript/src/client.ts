@@ -183,6 +183,16 @@ export type ResponseOf<K extends MethodName> = ResOf<RawContextEngineClient[K]>;
 
 const newKey = (): string => randomUUID();
 
+/** The later version a CHECKPOINT_VERSION_CONFLICT names than `request` expected, if any. */
+function movedOn(error: unknown, request: AppendItemsRequest): number | undefined {
+  if (!(error instanceof ContextEngineError) || error.reason !== 'CHECKPOINT_VERSION_CONFLICT') {
+    return undefined;
+  }
+  const latest = Number(error.metadata.latest_version ?? '');
+  const expected = Number(request.expected_checkpoint_version ?? 0);
+  return Number.isSafeInteger(latest) && latest > expected ? latest : undefined;
+}
+
 // A tool loop step's append, resent by the loop itself while the engine cannot be reached:
 // the channel's own retries cover UNAVAILABLE only, never DEADLINE_EXCEEDED. Attempts, not
 // resends: the first send and 2 resends. A resend after DEADLINE_EXCEEDED gets twice the
@@ -292,11 +302,20 @@ export class ContextEngineClient {
     opts: { sessionId?: string } & CallOptions = {},
   ): Promise<Session> {
     const sessionId = opts.sessionId ?? newKey();
-    const response = await this.call(
-      'Plan',
-      { tenant_id: this.tenantId, session_id: sessionId, spec },
-      opts,
-    );
+    let response;
+    try {
+      response = await this.call(
+        'Plan',
+        { tenant_id: this.tenantId, session_id: sessionId, spec },
+        opts,
+      );
+    } catch (error) {
+      // Plan is made safe to resend by its session id, not a key: a timed-out Plan may
+      // have landed, and openSession(spec, { sessionId: error.sessionId }) finds it where
+      // a new id would open a second session.
+      if (error instanceof ContextEngineError) error.sessionId = sessionId;
+      throw error;
+    }
     return new Session(
       this,
       sessionId,
@@ -800,7 +819,9 @@ export class Run {
     opts: CallOptions = {},
   ): Promise<AppendItemsResponse> {
     const response = await this.client.call('AppendItems', request, opts);
-    this.checkpointVersion = response.checkpoint_version;
+    // A resend of an append that landed long ago answers with its first (older) version:
+    // never move back past what this run has seen since.
+    this.checkpointVersion = Math.max(this.checkpointVersion, response.checkpoint_version);
     return response;
   }
 
@@ -835,6 +856,14 @@ export class Run {
         await this.resendAppend(request, { deadlineMs });
         return;
       } catch (error) {
+        const latest = movedOn(error, request);
+        if (latest !== undefined && attempt < APPEND_ATTEMPTS) {
+          // Another write landed first (the user's next message, say): the step goes after
+          // it, under the same key. Thrown, its tools' results were lost to a request that
+          // could never be resent as it was (an audit).
+          request.expected_checkpoint_version = latest;
+          continue;
+        }
         // Refused for what it says (a resend fails again), or the last attempt.
         if (!(error instanceof ContextEngineError) || !error.retryable) throw error;
         if (attempt === APPEND_ATTEMPTS) throw error;
@@ -961,16 +990,43 @@ export class Run {
    * the step's tools that ran are then not logged.
    *
    * Usage is reported after the append, under the model that answered (`turn.model`), and
-   * a report that cannot reach the engine is kept in the result (`unreported`) rather than
-   * thrown: the step's items are in the log, and throwing after the final answer was
-   * appended lost that answer to the caller, whose second toolLoop asked the model again
-   * and appended a second answer. A report refused for what it says is thrown: it would
-   * fail again.
+   * a report that fails, for any reason, is kept in the result (`unreported`, with the
+   * error: its `retryable` says whether a resend can succeed) rather than thrown: the
+   * step's items are in the log, and throwing after the final answer was appended lost
+   * that answer to the caller, whose second toolLoop asked the model again and appended a
+   * second answer. Any error that ends the loop carries what it kept so far, `unreported`
+   * and `builds`, as properties.
+   *
+   * An append refused CHECKPOINT_VERSION_CONFLICT because another write landed first (the
+   * user's next message on the run, say) is resent once under the same key at the version
+   * the error names: the step goes after that write, and its tools' results are not lost.
    */
   async toolLoop(opts: ToolLoopOptions): Promise<ToolLoopResult> {
     const builds: BuildResult[] = [];
     const reports: ReportUsageResponse[] = [];
     const unreported: ToolLoopResult['unreported'] = [];
+    try {
+      return await this.loop(opts, builds, reports, unreported);
+    } catch (error) {
+      // What the loop kept, for the caller to resend (reports) or inspect: thrown without
+      // it, a failed report of an earlier step was lost (an audit).
+      if (typeof error === 'object' && error !== null) {
+        try {
+          Object.assign(error, { unreported, builds });
+        } catch {
+          // A frozen object: thrown as it is.
+        }
+      }
+      throw error;
+    }
+  }
+
+  private async loop(
+    opts: ToolLoopOptions,
+    builds: BuildResult[],
+    reports: ReportUsageResponse[],
+    unreported: ToolLoopResult['unreported'],
+  ): Promise<ToolLoopResult> {
     const maxSteps = opts.maxSteps ?? 16;
     const call: CallOptions = { deadlineMs: opts.deadlineMs };
     let compactions = 0;
@@ -1013,8 +1069,9 @@ export class Run {
             await this.reportUsage(built, turn.usage, undefined, { ...call, model: turn.model }),
           );
         } catch (error) {
-          // Refused for what it says (a bad usage, say): it would fail again.
-          if (!(error instanceof ContextEngineError) || !error.retryable) throw error;
+          // Kept, never thrown: the step is in the log, and throwing after the final answer
+          // was appended lost that answer (an audit: a refused report did so).
+          if (!(error instanceof ContextEngineError)) throw error;
           unreported.push({ build: built, usage: turn.usage, model: turn.model, error });
         }
       }

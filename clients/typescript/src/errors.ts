@@ -50,6 +50,13 @@ export class ContextEngineError extends ClientError {
    */
   pendingRequest?: AppendItemsRequest;
 
+  /**
+   * On an error from `openSession`, the session id its Plan was sent with ('' otherwise):
+   * a Plan that timed out may have landed, and `openSession(spec, { sessionId })` with
+   * this id finds it where a new id would open a second session.
+   */
+  sessionId = '';
+
   /** The status code's name, e.g. "ABORTED". */
   get codeName(): string {
     return Status[this.code];

@@ -30,6 +30,7 @@ import {
   tool,
   toolCall,
   toolResult,
+  userMessage,
 } from '../dist/src/index.js';
 
 const target = process.env.CONTEXT_ENGINE_TARGET;
@@ -215,6 +216,101 @@ test('a usage report that fails does not lose the final answer', async () => {
   assert.equal(run.checkpointVersion, 2); // the one final answer
   const { build, usage } = result.unreported[0];
   assert.ok((await session.reportUsage(build, usage)).samples >= 1);
+});
+
+test('a refused usage report is kept too, and an error ending the loop carries what it kept', async () => {
+  // A refused report threw after the final answer was appended (an audit), and any error
+  // out of the loop dropped the reports it had not sent.
+  const session = await engine.openSession(spec);
+  const run = await session.startRun('Home tonight?');
+  const refused = await run.toolLoop({
+    now: NOW,
+    callModel: async () => ({ text: 'Done.', usage: { inputTokens: -1, outputTokens: 2 } }),
+    runTool: async () => assert.fail('no tools'),
+  });
+  assert.equal(refused.final.text, 'Done.');
+  assert.equal(refused.unreported.length, 1);
+  assert.ok(refused.unreported[0].error instanceof InvalidArgumentError);
+  assert.equal(refused.unreported[0].error.retryable, false);
+
+  const other = await session.startRun('And tomorrow?');
+  let appends = 0;
+  other.client.call = (method, request, opts) => {
+    if (method === 'ReportUsage') return Promise.reject(new UnavailableError(14, 'gone'));
+    if (method === 'AppendItems' && ++appends === 2) {
+      return Promise.reject(new InternalError(13, 'a proxy failed'));
+    }
+    return ContextEngineClient.prototype.call.call(other.client, method, request, opts);
+  };
+  try {
+    const error = await other
+      .toolLoop({
+        now: NOW,
+        callModel: async (build) =>
+          build.request.messages.flatMap((m) => m.blocks).some((b) => b.kind === 'tool_result')
+            ? { text: 'The 08:04.', usage: { inputTokens: 10, outputTokens: 2 } }
+            : {
+                toolCalls: [{ callId: 'c1', name: 'web-fetch', arguments: { url: 'https://x' } }],
+                usage: { inputTokens: 10, outputTokens: 2 },
+              },
+        runTool: async () => '08:04 TGV',
+      })
+      .then(() => assert.fail('the second append fails'), (e) => e);
+    assert.ok(error instanceof InternalError);
+    assert.equal(error.unreported.length, 1);
+    assert.ok(error.unreported[0].error instanceof UnavailableError);
+    assert.equal(error.builds.length, 2);
+  } finally {
+    delete other.client.call; // the prototype's again
+  }
+});
+
+test("a step's append that meets a later write goes after it and runs no tool twice", async () => {
+  // The user's next message lands on the run while its tool runs: the append was refused
+  // CHECKPOINT_VERSION_CONFLICT with a request that could never be resent (an audit).
+  const session = await engine.openSession(spec);
+  const run = await session.startRun('Trains to Lyon?');
+  const ran = [];
+  const result = await run.toolLoop({
+    now: NOW,
+    callModel: async (build) =>
+      build.request.messages.flatMap((m) => m.blocks).some((b) => b.kind === 'tool_result')
+        ? { text: 'The 08:04.' }
+        : { toolCalls: [{ callId: 'c1', name: 'web-fetch', arguments: { url: 'https://x' } }] },
+    runTool: async (call) => {
+      ran.push(call.callId);
+      const other = session.run(run.runId, run.checkpointVersion);
+      await other.append([userMessage('Actually, Marseille.')]);
+      return '08:04 TGV';
+    },
+  });
+  assert.deepEqual(ran, ['c1']);
+  assert.equal(result.final.text, 'The 08:04.');
+  assert.equal(run.checkpointVersion, 4);
+});
+
+test('a resend of an old append does not take the version back; openSession errors carry the id', async () => {
+  const session = await engine.openSession(spec);
+  const run = await session.startRun('Hello');
+  const key = randomUUID();
+  await run.append([assistantMessage('One.')], key);
+  await run.append([assistantMessage('Two.')]);
+  assert.equal(run.checkpointVersion, 3);
+  const request = {
+    tenant_id: engine.tenantId,
+    session_id: session.sessionId,
+    run_id: run.runId,
+    expected_checkpoint_version: 1,
+    idempotency_key: key,
+    items: [assistantMessage('One.')],
+  };
+  assert.equal((await run.resendAppend(request)).checkpoint_version, 2);
+  assert.equal(run.checkpointVersion, 3);
+  const error = await engine
+    .openSession({ ...spec, model_id: 'no-such-model' })
+    .then(() => assert.fail('refused'), (e) => e);
+  assert.ok(error instanceof InvalidArgumentError);
+  assert.match(error.sessionId, /^[0-9a-f-]{36}$/);
 });
 
 test('a tool loop run again after an append whose answer was lost runs no tool twice', async () => {
@@ -845,7 +941,7 @@ test("every wrapper sends its deadline; absent or 0, the client's", async () => 
   };
   // Every public method is either above or takes no deadline: a new one must be listed.
   const noDeadline = ['constructor', 'close', 'tenantId', 'run', 'start', 'ids', 'client'];
-  const internal = ['appendRequest', 'appendStep', 'sendStep'];
+  const internal = ['appendRequest', 'appendStep', 'sendStep', 'loop'];
   for (const cls of [ContextEngineClient, Session, Run]) {
     for (const name of Object.getOwnPropertyNames(cls.prototype)) {
       if ([...noDeadline, ...internal].includes(name)) continue;
