@@ -503,6 +503,26 @@ def test_task_eviction_takes_completed_first_then_the_stalest() -> None:
     ]
 
 
+def test_a_task_in_progress_is_evicted_after_every_open_one() -> None:
+    """A status change keeps a task's sequence (its label's), so by age alone the task the
+    run works on was evicted before open tasks added after it, and the run's next call
+    naming it was refused (an audit)."""
+    tasks = tuple(_task(f"t{n}", TaskStatus.OPEN, seq=n) for n in range(30))
+    state = WorkingState(tasks=tasks)  # type: ignore[arg-type]
+    working = apply_update(
+        state,
+        WorkingStateUpdate(upsert_tasks=(TaskUpsert(task_id="t0", status=TaskStatus.IN_PROGRESS),)),
+        writer=Writer.RUNTIME,
+        sequence=50,
+    ).state
+    new = (TaskUpsert(task_id="new0", title="x"), TaskUpsert(task_id="new1", title="y"))
+    moved = apply_update(
+        working, WorkingStateUpdate(upsert_tasks=new), writer=Writer.MODEL, sequence=51
+    )
+    assert moved.evicted["tasks"] == ["t1", "t2"]
+    assert "t0" in [t.task_id for t in moved.state.tasks]
+
+
 @SETTINGS
 @given(_sessions())
 def test_carry_from_the_log_is_what_the_runs_saw(

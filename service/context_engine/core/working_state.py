@@ -14,7 +14,8 @@ when it ranks above the entry's writer (WRITER_RANK: the user above the model), 
 constraint the user also stated is the user's; restating never lowers an entry's writer.
 Rule 3 (bounds): LIST_CAPS. Constraints never evict: at the cap add_constraints fails
 (WORKING_STATE_CAP) and nothing changes. Tasks, facts and open questions evict at their
-caps: completed entries first, then the stalest (oldest last-written sequence) first; open
+caps: completed entries first, then the stalest (oldest last-written sequence) first, a
+task in progress after every other task (the block hides over its token cap by age alone); open
 questions the model's and the runtime's before the user's, so the model cannot push out a
 question of the user's it may not resolve by asking questions of its own.
 The caps apply after a whole update is merged, so UpdateWorkingState refuses at input an
@@ -692,6 +693,16 @@ def _task_age(t: Task) -> tuple[int, int]:
     return (0 if t.status in COMPLETED else 1, t.source_sequence)
 
 
+def _task_eviction_age(t: Task) -> tuple[int, int]:
+    """_task_age, a task in progress last: a status change keeps a task's sequence (its
+    label's), so by age alone the task the run works on was evicted before open tasks added
+    after it, and the run's next call naming it was refused (an audit). Eviction only: the
+    block hides tasks over its token cap by _task_age still, as the requests recorded
+    since context-assembler@14 were rendered."""
+    rank = 0 if t.status in COMPLETED else 2 if t.status is TaskStatus.IN_PROGRESS else 1
+    return (rank, t.source_sequence)
+
+
 def _fact_age(f: Fact) -> tuple[int, int]:
     return (1, f.source_sequence)
 
@@ -702,7 +713,7 @@ def _question_age(e: Entry) -> tuple[int, int]:
 
 def _bound_lists(state: WorkingState) -> tuple[WorkingState, dict[str, list[str]]]:
     """Rule 3 for the evicting lists."""
-    tasks, gone_tasks = _evict(state.tasks, LIST_CAPS["tasks"], _task_age)
+    tasks, gone_tasks = _evict(state.tasks, LIST_CAPS["tasks"], _task_eviction_age)
     facts, gone_facts = _evict(state.facts, LIST_CAPS["facts"], _fact_age)
     questions, gone_q = _evict(state.open_questions, LIST_CAPS["open_questions"], _question_age)
     evicted = {
