@@ -719,6 +719,31 @@ async def test_a_rotation_that_lowers_a_skills_entry_lowers_its_loaded_body(stub
     assert body.trust == pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED
 
 
+async def test_a_load_resent_after_a_rotation_lowered_its_entry_is_a_retry(stub: Any) -> None:
+    """A load claiming a trust takes the less trusted of its claim and the catalog entry's;
+    resent unchanged after a Rotate lowered the entry, it was compared on what the entry
+    makes of it now and refused SKILL_ALREADY_LOADED (an audit). It is a retry: the held
+    trust is as cautious as its claim. A load claiming a less trusted label is refused."""
+    session_id, plan = await _open(stub, _skills_spec())
+    load = pb.LoadSkillRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        name="refunds",
+        body="How to refunds.",
+        trust=pb.TRUST_LEVEL_USER,
+    )
+    assert (await stub.LoadSkill(load)).newly_loaded
+    lowered = _skills_spec()
+    lowered.skills[1].trust = pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED
+    await stub.Rotate(_rotation(session_id, pb.PLAN_REASON_OPERATOR_REVOCATION, lowered))
+    again = await stub.LoadSkill(load)
+    assert not again.newly_loaded and list(again.loaded) == ["refunds"]
+    load.trust = pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.LoadSkill(load)
+    assert details(caught.value)[:2] == ("SKILL_ALREADY_LOADED", ["trust"])
+
+
 async def test_a_skill_name_over_200_characters_is_an_invalid_field(stub: Any) -> None:
     """docs/api.md, Conventions: a skill name is an identifier the store indexes; over 200
     characters it is INVALID_FIELD, not a catalog miss."""

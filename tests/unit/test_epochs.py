@@ -441,6 +441,9 @@ _CATALOG = (("triage", "1"), ("refunds", "2"), ("travel", "1"))
         # The same body, no trust claimed: a retry, whatever the catalog entry (which a
         # Rotate may have changed) makes of its trust now.
         ((_loaded("triage"),), "triage:unclaimed", 100, False),
+        # The same claim again after a Rotate made the entry less trusted: the held trust
+        # is at least as cautious as the claim, so a retry (an audit: it was refused).
+        ((_loaded("triage"),), "triage:entry lowered", 100, False),
     ],
 )
 def test_skill_loads(
@@ -450,14 +453,18 @@ def test_skill_loads(
     skill = _loaded(name, tokens)
     if change == "another body":
         skill = LoadedSkill(name, "1", "another body", skill.trust, tokens)
-    elif change in ("untrusted", "unclaimed"):
+    elif change in ("untrusted", "unclaimed", "entry lowered"):
         skill = LoadedSkill(name, "1", skill.body, TrustLevel.EXTERNAL_UNTRUSTED, tokens)
-    claimed = change != "unclaimed"
+    # What the load claims: the held skill's trust, or (untrusted) a less trusted one.
+    claimed = {
+        "unclaimed": None,
+        "untrusted": TrustLevel.EXTERNAL_UNTRUSTED,
+    }.get(change, loaded[0].trust if loaded else skill.trust)
     if isinstance(outcome, bool):
-        assert admit_load(loaded, _CATALOG, skill, trust_claimed=claimed) is outcome
+        assert admit_load(loaded, _CATALOG, skill, claimed=claimed) is outcome
         return
     with pytest.raises(PreconditionError) as caught:
-        admit_load(loaded, _CATALOG, skill, trust_claimed=claimed)
+        admit_load(loaded, _CATALOG, skill, claimed=claimed)
     reason, _, limit = outcome.partition(":")
     assert caught.value.reason == reason
     if limit:

@@ -95,7 +95,7 @@ async def load_skill(
         )
         tokens = engine.count_tokens_for(current.plan.model_id)(rendered)
         skill = LoadedSkill(name=name, version=version, body=body, trust=effective, tokens=tokens)
-        if not admit_load(loaded, current.plan.skill_pins, skill, trust_claimed=trust is not None):
+        if not admit_load(loaded, current.plan.skill_pins, skill, claimed=trust):
             return names, False
         payload = {
             "name": name,

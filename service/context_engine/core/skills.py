@@ -118,12 +118,16 @@ def admit_load(
     catalog: Sequence[tuple[str, str]],
     skill: LoadedSkill,
     *,
-    trust_claimed: bool = True,
+    claimed: TrustLevel | None = None,
 ) -> bool:
     """Decide a load (Rules 2-4): True to load, False when the skill is already loaded as
-    it is (the same body, and the same trust where the load claims one: a retry; one that
-    claims none takes its trust from the catalog entry, which a Rotate since may have
-    changed, and is a retry whatever the entry says now).
+    it is (the same body, with a trust at least as cautious as the one the load claims,
+    `claimed`: a retry). The trust a load takes is its claim or the catalog entry's, the
+    less trusted, and a Rotate since may have changed the entry, so a resend of the same
+    load is compared on its claim, not on what the entry makes of it now (an audit: a
+    resend after a Rotate lowered the entry was refused). A load claiming none is a retry
+    whatever the entry says now; one claiming a less trusted label than the held one is
+    refused, as it would be quietly kept more trusted than its caller said.
 
     Raises:
         PreconditionError: SKILL_NOT_IN_CATALOG, SKILL_LIMIT (metadata names the class,
@@ -134,8 +138,8 @@ def admit_load(
     name, body_tokens = skill.name, skill.tokens
     held = next((s for s in loaded if s.name == name), None)
     if held is not None:
-        if held.body == skill.body and (held.trust == skill.trust or not trust_claimed):
-            return False
+        if held.body == skill.body and (claimed is None or held.trust >= claimed):
+            return False  # a larger TrustLevel is less trusted
         raise PreconditionError(
             f"skill {name!r} is loaded already with another body or trust; a loaded skill"
             " is sticky for the session and never replaced",
