@@ -724,7 +724,7 @@ async def test_a_load_resent_after_a_rotation_lowered_its_entry_is_a_retry(stub:
     resent unchanged after a Rotate lowered the entry, it was compared on what the entry
     makes of it now and refused SKILL_ALREADY_LOADED (an audit). It is a retry: the held
     trust is as cautious as its claim. A load claiming a less trusted label is refused."""
-    session_id, plan = await _open(stub, _skills_spec())
+    session_id, _ = await _open(stub, _skills_spec())
     load = pb.LoadSkillRequest(
         tenant_id=TENANT,
         session_id=session_id,
