@@ -17,6 +17,7 @@ import rfc8785
 
 __all__ = [
     "MAX_SAFE_INTEGER",
+    "as_parsed",
     "canonical_bytes",
     "canonical_json_text",
     "comma_separated",
@@ -96,6 +97,9 @@ MAX_JSON_DEPTH = 64  # deeper documents are refused before anything recurses ove
 
 # The largest integer an IEEE double, and so canonical JSON (RFC 8785), carries exactly.
 MAX_SAFE_INTEGER = 2**53 - 1
+# RFC 8785 writes a number below 1e21 in magnitude without an exponent, so a double between
+# MAX_SAFE_INTEGER and 1e21 comes out as an integer literal no parser reads back exactly.
+_EXPONENT_FROM = 1e21
 
 
 def _refuse_constant(name: str) -> Any:
@@ -108,11 +112,7 @@ def _exact_number(node: Any) -> bool:
         return True
     if isinstance(node, int):
         return abs(node) <= MAX_SAFE_INTEGER
-    # Every double beyond MAX_SAFE_INTEGER is a whole number no parser reads back exactly:
-    # RFC 8785 writes one below 1e21 as an integer literal, and PostgreSQL's jsonb keeps
-    # 1e21 and beyond as an exact numeric that comes back as an integer past 2**53 (a
-    # stored spec holding one failed every rebuild of its plan: an audit).
-    return math.isfinite(node) and abs(node) <= MAX_SAFE_INTEGER
+    return math.isfinite(node) and not MAX_SAFE_INTEGER < abs(node) < _EXPONENT_FROM
 
 
 def parse_json_object(document: str) -> dict[str, Any]:
@@ -143,4 +143,20 @@ def parse_json_object(document: str) -> dict[str, Any]:
         canonical_bytes(value)  # infinities, lone surrogates: its own errors are ValueErrors
     except ValueError:
         raise ValueError("JSON holds a value canonical JSON (RFC 8785) cannot carry") from None
+    return value
+
+
+def as_parsed(value: Any) -> Any:
+    """A JSON value read back from PostgreSQL's jsonb as parse_json_object gave it: jsonb
+    keeps a number as an exact numeric, so a double of 1e21 or more (which
+    parse_json_object accepts, and which no request may send as an integer) comes back as
+    an integer past MAX_SAFE_INTEGER, which canonical JSON refuses; it is the double again
+    here. A stored spec holding one ("maximum": 1e21, or .NET's largest double in a
+    generated OpenAPI schema) made every rebuild of its plan fail INTERNAL (an audit)."""
+    if type(value) is int and not -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER:
+        return float(value)
+    if isinstance(value, dict):
+        return {k: as_parsed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [as_parsed(v) for v in value]
     return value

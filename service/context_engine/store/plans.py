@@ -46,6 +46,7 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
+from ..core.canonical import as_parsed
 from ..core.epochs import ADMISSION_REASONS
 from ..core.errors import NotFoundError
 from ..core.plan import ContextPlan
@@ -259,7 +260,7 @@ async def latest_sweep(
 def _stored(row: Any, revision: int) -> StoredPlan:
     return StoredPlan(
         plan=ContextPlan.model_validate(row["plan"]),
-        spec=PlanSpec.model_validate(row["spec"]),
+        spec=PlanSpec.model_validate(as_parsed(row["spec"])),
         secret=bytes(row["secret"]),
         revision=revision,
         created_at=row["created_at"],

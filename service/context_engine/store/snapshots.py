@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 from uuid import UUID
 
+from ..core.canonical import as_parsed
 from ..core.plan import ContextPlan
 from ..core.snapshot import named_people
 from ..core.spec import PlanSpec
@@ -152,7 +153,8 @@ async def read_plan_row(
         session_id,
         epoch,
     )
-    return ContextPlan.model_validate(row["plan"]), PlanSpec.model_validate(row["spec"])
+    spec = PlanSpec.model_validate(as_parsed(row["spec"]))  # jsonb's numerics as parsed
+    return ContextPlan.model_validate(row["plan"]), spec
 
 
 async def write_redacted_plan(
