@@ -998,7 +998,7 @@ def test_a_property_name_anthropic_refuses_is_refused_for_an_anthropic_model_onl
     schema = {"type": "object", "properties": {key: {"type": "string"}, "ok_name-1.x": {}}}
     spec = PlanSpec(
         model_id="m",
-        agent=AgentSpec(enabled_tools=("bad.tool",)),
+        agent=AgentSpec(enabled_tools=("bad.tool", "ok.tool")),
         tools=(tool("bad.tool", input_schema=schema),),
         policy=_policy(),
     )
@@ -1008,3 +1008,11 @@ def test_a_property_name_anthropic_refuses_is_refused_for_an_anthropic_model_onl
     assert caught.value.field == "spec.tools[0].input_schema_json"
     assert "Anthropic refuses" in str(caught.value)
     assert _plan(spec, model=openai).tool_names == ("bad.tool",)
+    # A tool the request never sends as a definition (hidden, or its scope not granted) is
+    # not held to it (a review: such a tool failed the plan).
+    for unsent in (
+        tool("bad.tool", input_schema=schema, model_visible=False),
+        tool("bad.tool", input_schema=schema, required_scopes=("not.granted",)),
+    ):
+        quiet = spec.model_copy(update={"tools": (tool("ok.tool"), unsent)})
+        assert _plan(quiet, model=anthropic).tool_names == ("ok.tool",)

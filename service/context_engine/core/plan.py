@@ -217,7 +217,7 @@ def make_plan(
             prefix (_check_capacity); the shell turns it into PREFIX_OVER_CAPACITY where
             the spec is not the caller's (CapacityError.as_state).
     """
-    _check_input_schemas(spec, model.provider)
+    _check_input_schemas(spec)
     catalog, left_skills = pin_catalog(
         spec.skills, lambda s: count_tokens(_render_text(_catalog_entry(s), secret))
     )
@@ -232,6 +232,7 @@ def make_plan(
     )
     rendered = _render_rows(spec, roster, catalog, memories)
     _check_persona(spec, rendered, secret, count_tokens)
+    _check_input_schemas(spec, model.provider, {t.name for t in roster.defined})
     tools = tuple(_definition(t) for t in roster.defined)
     for row, item in rendered:
         check_placement(item, row)
@@ -817,15 +818,22 @@ def _check_capacity(
     )
 
 
-def _check_input_schemas(spec: PlanSpec, provider: str) -> None:
+def _check_input_schemas(
+    spec: PlanSpec, provider: str = "", defined: frozenset[str] | set[str] | None = None
+) -> None:
     """Every candidate tool's input schema is one the providers take (the API checks the
     caller's spec too; this holds a pinned spec rebuilt by a Rotate without spec, an
-    admission or a lineage's continuation to the same rule: a review).
+    admission or a lineage's continuation to the same rule: a review). With `provider`,
+    the tools `defined` (those the request sends as definitions) are held to that
+    provider's own rules too: a hidden, ungranted or deferred tool is never sent, so its
+    property names are not refused (a review).
 
     Raises:
         InvalidFieldError: INVALID_FIELD naming spec.tools[i].input_schema_json.
     """
     for i, tool in enumerate(spec.tools):
+        if defined is not None and tool.name not in defined:
+            continue
         problem = input_schema_problem(tool.input_schema, provider)
         if problem is not None:
             field = f"spec.tools[{i}].input_schema_json"
