@@ -521,6 +521,19 @@ def test_a_task_in_progress_is_evicted_after_every_open_one() -> None:
     )
     assert moved.evicted["tasks"] == ["t1", "t2"]
     assert "t0" in [t.task_id for t in moved.state.tasks]
+    # With every task in progress, the update's own new task is not the one evicted (a
+    # review): the stalest in progress goes, as before.
+    busy = WorkingState(
+        tasks=tuple(_task(f"t{n}", TaskStatus.IN_PROGRESS, seq=n) for n in range(30))  # type: ignore[arg-type]
+    )
+    added = apply_update(
+        busy,
+        WorkingStateUpdate(upsert_tasks=(TaskUpsert(task_id="next", title="z"),)),
+        writer=Writer.MODEL,
+        sequence=60,
+    )
+    assert added.evicted["tasks"] == ["t0"]
+    assert "next" in [t.task_id for t in added.state.tasks]
 
 
 @SETTINGS

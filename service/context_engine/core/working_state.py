@@ -693,14 +693,18 @@ def _task_age(t: Task) -> tuple[int, int]:
     return (0 if t.status in COMPLETED else 1, t.source_sequence)
 
 
-def _task_eviction_age(t: Task) -> tuple[int, int]:
-    """_task_age, a task in progress last: a status change keeps a task's sequence (its
+def _task_eviction_age(t: Task, sequence: int) -> tuple[int, int]:
+    """_task_age, with a task in progress, or written by the update being applied (at
+    `sequence`), after every other open task: a status change keeps a task's sequence (its
     label's), so by age alone the task the run works on was evicted before open tasks added
-    after it, and the run's next call naming it was refused (an audit). Eviction only: the
-    block hides tasks over its token cap by _task_age still, as the requests recorded
-    since context-assembler@14 were rendered."""
-    rank = 0 if t.status in COMPLETED else 2 if t.status is TaskStatus.IN_PROGRESS else 1
-    return (rank, t.source_sequence)
+    after it, and the run's next call naming it was refused (an audit); and an update's own
+    new task must not be the one it evicts (a review: with 30 tasks in progress it was).
+    Eviction only: the block hides tasks over its token cap by _task_age still, as the
+    requests recorded since context-assembler@14 were rendered."""
+    if t.status in COMPLETED:
+        return (0, t.source_sequence)
+    working = t.status is TaskStatus.IN_PROGRESS or t.source_sequence == sequence
+    return (2 if working else 1, t.source_sequence)
 
 
 def _fact_age(f: Fact) -> tuple[int, int]:
@@ -711,9 +715,11 @@ def _question_age(e: Entry) -> tuple[int, int]:
     return (WRITER_RANK[e.writer], e.source_sequence)
 
 
-def _bound_lists(state: WorkingState) -> tuple[WorkingState, dict[str, list[str]]]:
-    """Rule 3 for the evicting lists."""
-    tasks, gone_tasks = _evict(state.tasks, LIST_CAPS["tasks"], _task_eviction_age)
+def _bound_lists(state: WorkingState, sequence: int) -> tuple[WorkingState, dict[str, list[str]]]:
+    """Rule 3 for the evicting lists, after an update at `sequence`."""
+    tasks, gone_tasks = _evict(
+        state.tasks, LIST_CAPS["tasks"], lambda t: _task_eviction_age(t, sequence)
+    )
     facts, gone_facts = _evict(state.facts, LIST_CAPS["facts"], _fact_age)
     questions, gone_q = _evict(state.open_questions, LIST_CAPS["open_questions"], _question_age)
     evicted = {
@@ -768,7 +774,7 @@ def apply_update(
         if value is None or value == ():
             continue
         state = step(state, value, ctx)
-    state, evicted = _bound_lists(state)
+    state, evicted = _bound_lists(state, sequence)
     grown = [f for f in _FIXED_FIELDS if f in update.touched()]
     if count_tokens is not None and grown and not folding:
         # With room for the longest note of what is hidden: the evictable entries must
