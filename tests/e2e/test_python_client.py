@@ -502,6 +502,15 @@ async def test_a_usage_report_that_fails_does_not_lose_the_final_answer(client: 
     assert [type(e).__name__ for _, _, e in kept.unreported] == ["InvalidArgument"]
     assert not kept.unreported[0][2].retryable
 
+    # Nor a usage the request cannot carry (a review: protobuf's TypeError was raised).
+    async def float_usage(build: BuildResult) -> ModelTurn:
+        return ModelTurn(text="Done again.", usage=Usage(input_tokens=12.5))  # type: ignore[arg-type]
+
+    third = await session.start_run("And the day after?")
+    kept = await third.tool_loop(float_usage, _fetch, now=NOW)
+    assert kept.final.text == "Done again."
+    assert [type(e).__name__ for _, _, e in kept.unreported] == ["TypeError"]
+
 
 async def test_an_error_that_ends_the_loop_carries_the_reports_it_could_not_send(
     client: Any,
@@ -601,7 +610,7 @@ def test_a_naive_now_is_this_hosts_local_time(monkeypatch: pytest.MonkeyPatch) -
         stamp = _timestamp(naive)
         assert stamp.ToDatetime(tzinfo=UTC) == datetime(2026, 3, 14, 22, 40, tzinfo=UTC)
     finally:
-        monkeypatch.delenv("TZ")
+        monkeypatch.undo()  # TZ as it was, then the process's zone read from it again
         time.tzset()
 
 

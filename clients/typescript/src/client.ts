@@ -755,13 +755,14 @@ export interface ToolLoopResult {
   /** One per model turn that reported usage. */
   reports: ReportUsageResponse[];
   /**
-   * The reports that could not reach the engine: each step's build, usage, the model that
-   * answered and the UNAVAILABLE or DEADLINE_EXCEEDED error (any other refusal is thrown:
-   * it would fail again). Resend one with `session.reportUsage(build, usage, undefined,
-   * { model })`: its key is the build's, so a report that landed with only its answer lost
-   * is not counted twice (and the same key with another model is IDEMPOTENCY_KEY_REUSED).
+   * The reports that failed: each step's build, usage, the model that answered and the
+   * error, the engine's (a ContextEngineError: `retryable` says whether a resend can
+   * succeed) or the report's own (a usage the request cannot carry: a resend fails again).
+   * Resend one with `session.reportUsage(build, usage, undefined, { model })`: its key is
+   * the build's, so a report that landed with only its answer lost is not counted twice
+   * (and the same key with another model is IDEMPOTENCY_KEY_REUSED).
    */
-  unreported: { build: BuildResult; usage: Usage; model?: string; error: ContextEngineError }[];
+  unreported: { build: BuildResult; usage: Usage; model?: string; error: unknown }[];
 }
 
 export class Run {
@@ -851,13 +852,15 @@ export class Run {
   }
 
   private async sendStep(request: AppendItemsRequest, deadlineMs: number): Promise<void> {
+    let rebased = false;
     for (let attempt = 1; ; attempt++) {
       try {
         await this.resendAppend(request, { deadlineMs });
         return;
       } catch (error) {
-        const latest = movedOn(error, request);
+        const latest = rebased ? undefined : movedOn(error, request);
         if (latest !== undefined && attempt < APPEND_ATTEMPTS) {
+          rebased = true;
           // Another write landed first (the user's next message, say): the step goes after
           // it, under the same key. Thrown, its tools' results were lost to a request that
           // could never be resent as it was (an audit).
@@ -1070,8 +1073,8 @@ export class Run {
           );
         } catch (error) {
           // Kept, never thrown: the step is in the log, and throwing after the final answer
-          // was appended lost that answer (an audit: a refused report did so).
-          if (!(error instanceof ContextEngineError)) throw error;
+          // was appended lost that answer (an audit: a refused report did so; a review: so
+          // did a usage the request cannot carry).
           unreported.push({ build: built, usage: turn.usage, model: turn.model, error });
         }
       }

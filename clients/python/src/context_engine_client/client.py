@@ -501,10 +501,12 @@ class Summary:
     tokens: int = 0
 
 
-class UnreportedUsage(tuple[BuildResult, Usage, ContextEngineError]):
-    """A usage report that could not reach the engine: (build, usage, error), and `model`,
-    the model that answered ("" for the planned one). A tuple still, so `for build,
-    usage, error in result.unreported` reads it as before; resend it with
+class UnreportedUsage(tuple[BuildResult, Usage, Exception]):
+    """A usage report that failed: (build, usage, error), and `model`, the model that
+    answered ("" for the planned one). The error is the engine's (a ContextEngineError:
+    `.retryable` says whether a resend can succeed) or the report's own (a Usage the
+    request cannot carry: a resend fails again). A tuple still, so `for build, usage,
+    error in result.unreported` reads it as before; resend it with
     `session.report_usage(build, usage, model=entry.model)`, the model included: the
     report's key is the build's, and the same key with another model is refused
     (IDEMPOTENCY_KEY_REUSED) if the first attempt landed."""
@@ -512,13 +514,13 @@ class UnreportedUsage(tuple[BuildResult, Usage, ContextEngineError]):
     model: str
 
     def __new__(
-        cls, build: BuildResult, usage: Usage, error: ContextEngineError, model: str = ""
+        cls, build: BuildResult, usage: Usage, error: Exception, model: str = ""
     ) -> UnreportedUsage:
         entry = super().__new__(cls, (build, usage, error))
         entry.model = model
         return entry
 
-    def __getnewargs__(self) -> tuple[BuildResult, Usage, ContextEngineError, str]:
+    def __getnewargs__(self) -> tuple[BuildResult, Usage, Exception, str]:
         # copy and pickle call __new__ with these: a tuple's own (its items as one tuple)
         # left this __new__ without usage and error (TypeError).
         return (*self, self.model)
@@ -845,12 +847,14 @@ class Run:
             raise
 
     async def _send_step(self, request: pb.AppendItemsRequest, deadline: float | None) -> None:
+        rebased = False
         for attempt in range(_APPEND_ATTEMPTS):
             try:
                 await self.resend_append(request, timeout=deadline)
                 return
             except ContextEngineError as exc:
-                if _moved_on(exc, request) and attempt + 1 < _APPEND_ATTEMPTS:
+                if not rebased and _moved_on(exc, request) and attempt + 1 < _APPEND_ATTEMPTS:
+                    rebased = True
                     # Another write landed first (the user's next message, say): the step
                     # goes after it, under the same key. Raised, its tools' results were
                     # lost to a request that could never be resent as it was (an audit).
@@ -1127,10 +1131,10 @@ class Run:
                             built, turn.usage, model=turn.model, timeout=timeout
                         )
                     )
-                except ContextEngineError as exc:
+                except Exception as exc:
                     # Kept, never raised: the step is in the log, and raising after the
                     # final answer was appended lost that answer (an audit: a refused
-                    # report did so). `exc.retryable` says whether a resend can succeed.
+                    # report did so; a review: so did a Usage protobuf cannot carry).
                     unreported.append(UnreportedUsage(built, turn.usage, exc, turn.model))
             if not turn.tool_calls:
                 return ToolLoopResult(turn, builds, reports, unreported)
