@@ -352,16 +352,74 @@ def test_reasoning_is_replayed_verbatim_and_never_as_text(sc: Scenario, provider
         else body["input"]
     )
     for message in request.messages:
-        for block in message.blocks:
+        followed = _followed_reasoning(message, provider)
+        for k, block in enumerate(message.blocks):
             if block.kind != "reasoning":
                 continue
             opaque = json.loads(block.opaque)
-            if block.provider == provider:
+            if block.provider == provider and (provider == "anthropic" or k in followed):
                 assert opaque in items, "replayed as the provider's own object"
             else:
-                assert opaque not in items, "another provider's continuation is not sent"
+                # Another provider's continuation is not sent; nor, to OpenAI, reasoning
+                # not followed at once by its output, which the API refuses (an audit).
+                assert opaque not in items
             for text in _sent_texts(body, provider):
                 assert block.opaque not in text, "never rendered into text"
+
+
+def _followed_reasoning(message: Message, provider: str) -> set[int]:
+    """The OpenAI reasoning blocks of `message` followed at once, among the blocks sent,
+    by a function call or assistant text (providers/openai.py Rule 4), by index."""
+    followed: set[int] = set()
+    after = ""  # the kind of the next block sent
+    for k in range(len(message.blocks) - 1, -1, -1):
+        block = message.blocks[k]
+        if block.kind == "reasoning":
+            if block.provider == provider and after in ("text", "tool_call"):
+                followed.add(k)
+                after = "reasoning"
+        elif block.kind != "text" or block.text:
+            after = block.kind
+    return followed
+
+
+def test_openai_gets_no_reasoning_its_turns_output_does_not_follow() -> None:
+    """A turn whose only output was reasoning (a model that spent its output tokens
+    reasoning, or answered with empty text), then more user input: the Responses API
+    refuses a reasoning item not followed at once by its output, so every later request of
+    the run failed (an audit). Such an item is not sent; one its call follows is."""
+    from context_engine.fake_provider.openai_api import parse_request
+
+    def reasoning(item_id: str) -> Block:
+        opaque = json.dumps(
+            {"type": "reasoning", "id": item_id, "summary": [], "encrypted_content": "e"}
+        )
+        return Block(
+            Row.CONVERSATION,
+            TrustLevel.MODEL,
+            "reasoning",
+            item_id,
+            0,
+            provider="openai",
+            opaque=opaque,
+        )
+
+    def text(role: str, item_id: str, value: str) -> Block:
+        trust = TrustLevel.USER if role == "user" else TrustLevel.MODEL
+        return Block(Row.CONVERSATION, trust, "text", item_id, 1, text=value)
+
+    request = _tiny_request(
+        Message("user", (text("user", "u1", "Plan it."),)),
+        Message("assistant", (reasoning("rs_1"), text("assistant", "a1", ""))),
+        Message("user", (text("user", "u2", "Well?"),)),
+        Message("assistant", (reasoning("rs_2"), text("assistant", "a2", "Done."))),
+        Message("user", (text("user", "u3", "Thanks."),)),
+        provider="openai",
+    )
+    body = json.loads(render(request).body)
+    replayed = [i["id"] for i in body["input"] if i.get("type") == "reasoning"]
+    assert replayed == ["rs_2"]
+    parse_request({**body, "store": False}, {"authorization": "Bearer k"})  # the API's rules
 
 
 def test_reasoning_that_is_not_a_json_object_fails_loudly() -> None:

@@ -245,7 +245,13 @@ __all__ = [
 # provider refused what was sent). And an Anthropic tool result whose content is whitespace
 # alone (a bare TRUSTED_CONFIGURATION result) omits `content`, as an empty one did: the
 # API refuses whitespace-only text; GetBuild refuses an older record that sent one.
-ASSEMBLER_VERSION = "context-assembler@18"
+# @19: OpenAI gets no reasoning item that the output it was produced with does not follow
+# at once (providers/openai.py, Rule 4): a turn whose only output was reasoning failed every
+# later request of its run. And escaping reads a delimiter through control characters (C0
+# but tab and line breaks, DEL, C1: core/envelope.py), as through invisible ones. A request
+# with neither renders as before; GetBuild refuses an older record that held one (it is not
+# rebuilt: the provider refused the first, and the second was sent unescaped).
+ASSEMBLER_VERSION = "context-assembler@19"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})

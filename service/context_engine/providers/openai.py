@@ -13,7 +13,8 @@ says it the same way); an empty text block sends nothing. Tools are ``function``
 tools with ``strict: false`` (the API's strict default would reject ordinary schemas).
 Rule 4 (reasoning): a reasoning item from OpenAI is replayed verbatim from its opaque JSON
 (id, summary, encrypted content), never rendered into text; one from another provider is
-not sent. Its payload must be of type ``reasoning`` (EngineError otherwise): anything else
+not sent, and neither is one the API would refuse, not followed at once by the output it
+was produced with (a function call or assistant text; since context-assembler@19). Its payload must be of type ``reasoning`` (EngineError otherwise): anything else
 would replay as a message or call the hashed request does not show.
 Rule 5 (cache): the Responses API caches implicitly and takes no markers; the request
 carries ``prompt_cache_key`` = request.session_key, so every run, step and epoch of one
@@ -199,13 +200,33 @@ def _render_message(message: Message, moved: tuple[str, ...] = ()) -> _MessageIt
         _input_item(message.role, block, moved[k] if moved else "")
         for k, block in enumerate(message.blocks)
     )
-    pieces = tuple(piece for piece in items if piece is not None)
+    pieces = _with_followed_reasoning([piece for piece in items if piece is not None])
     return _MessageItems(
         pieces,
         ",".join(p.text for p in pieces),
         frozenset(b.tool_name for b in message.blocks if b.kind == "tool_call"),
         tuple(_BASE_ID(b.call_id) for b in message.blocks if b.kind == "tool_call"),
     )
+
+
+def _with_followed_reasoning(pieces: list[_Piece]) -> tuple[_Piece, ...]:
+    """Rule 4: `pieces` without a reasoning item the API would refuse, one not followed at
+    once by the output it was produced with (a ``function_call`` or an assistant
+    ``message``): a turn whose only output was reasoning (a model that ran out of output
+    tokens reasoning, or answered with empty text) failed every later request of its run
+    (an audit). Within one message: a turn's reasoning and its output are one message."""
+    kept: list[_Piece] = []
+    for piece in reversed(pieces):
+        if isinstance(piece.obj, dict) and piece.obj.get("type") == "reasoning":
+            after = kept[-1].obj if kept else None
+            if not (isinstance(after, dict) and after.get("type") in _PRODUCED_WITH):
+                continue
+        kept.append(piece)
+    return tuple(reversed(kept))
+
+
+# What a reasoning item is produced with: a user message never follows it at once.
+_PRODUCED_WITH = frozenset({"function_call", "message"})
 
 
 # A run's carried messages are the same objects on every Build (core/identity_memo.py);
