@@ -14,8 +14,9 @@ tools with ``strict: false`` (the API's strict default would reject ordinary sch
 Rule 4 (reasoning): a reasoning item from OpenAI is replayed verbatim from its opaque JSON
 (id, summary, encrypted content), never rendered into text; one from another provider is
 not sent, and neither is one the API would refuse, not followed at once by the output it
-was produced with (a function call or assistant text; since context-assembler@19). Its payload must be of type ``reasoning`` (EngineError otherwise): anything else
-would replay as a message or call the hashed request does not show.
+was produced with (a function call or assistant text; since context-assembler@19). Its
+payload must be of type ``reasoning`` (EngineError otherwise): anything else would replay
+as a message or call the hashed request does not show.
 Rule 5 (cache): the Responses API caches implicitly and takes no markers; the request
 carries ``prompt_cache_key`` = request.session_key, so every run, step and epoch of one
 session routes to the same cache and no other session shares it.
