@@ -13,7 +13,12 @@ __all__ = ["BUILDER_VERSION", "DEFAULT_POLICY_TEXT", "DEFAULT_POLICY_VERSION", "
 # (TRUSTED_CONFIGURATION) is escaped as enveloped content is. A plan of @2 whose bytes @3
 # reproduces stays current (every plan without such content); the others rotate once,
 # builder_upgraded.
-BUILDER_VERSION = "context-builder@3"
+# @4: a persona entry is escaped as enveloped content is, and its further lines indented
+# under its dash (an entry forged a <user> envelope and lines of the platform's in the
+# prefix: an audit); a prefix entry's escaping reads delimiters through control characters
+# (core/envelope.py, context-assembler@19). A plan of @3 whose bytes @4 reproduces stays
+# current; the others rotate once, builder_upgraded.
+BUILDER_VERSION = "context-builder@4"
 
 DEFAULT_POLICY_VERSION = "platform-policy@1"
 

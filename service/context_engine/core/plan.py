@@ -398,7 +398,10 @@ def _render_text(item: ContextItem, secret: bytes) -> str:
         case AgentInstructionsItem():
             return f"Agent instructions ({item.agent_id} {item.version}):\n{item.text}"
         case PersonaItem():
-            return "Persona:\n" + "\n".join(f"- {e}" for e in item.entries)
+            # The principal edits the persona: an entry's delimiter syntax is escaped and
+            # its further lines indented under its dash, so it neither forges an envelope
+            # nor starts a line of the platform's in the prefix (an audit; context-builder@4).
+            return "Persona:\n" + "\n".join(_persona_line(e) for e in item.entries)
         case DeferredIndexEntry():
             body = f"Deferred tool (call it through tool.call; ? marks optional): {item.line}"
             return _entry(body, trust, item.item_id, "tool-index", secret)
@@ -411,6 +414,10 @@ def _render_text(item: ContextItem, secret: bytes) -> str:
                 body, trust=trust, item_id=item.item_id, source="memory:snapshot", secret=secret
             )
     raise TypeError(f"no Region A renderer for {type(item).__name__}")
+
+
+def _persona_line(entry: str) -> str:
+    return "- " + "\n  ".join(escape_content(entry).splitlines() or [""])
 
 
 def _entry(body: str, trust: TrustLevel, item_id: str, source: str, secret: bytes) -> str:
