@@ -25,7 +25,7 @@ __all__ = ["main"]
 
 def _serve(args: argparse.Namespace) -> int:
     from .api.server import StartupError, serve
-    from .telemetry import configure_logging, sampling_ratio
+    from .telemetry import configure_logging, otel_environment_problem, sampling_ratio
 
     settings = load_settings(
         {"listen": args.listen, "database_url": args.database_url, "data_dir": args.data_dir}
@@ -34,6 +34,8 @@ def _serve(args: argparse.Namespace) -> int:
         sampling_ratio(os.environ.get("OTEL_TRACES_SAMPLER_ARG") or "1.0")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if problem := otel_environment_problem(os.environ):
+        raise ConfigError(problem)
     configure_logging(settings.log_level, settings.log_format)
     for name in unknown_variables():
         logging.getLogger("context_engine.server").warning(

@@ -197,6 +197,18 @@ class Settings(BaseModel):
             raise ValueError('auth "mtls" needs tls_cert_file, tls_key_file and tls_client_ca_file')
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file")
+        # Credentials for a mode that is not on would be ignored, and the server would take
+        # every call unauthenticated while its operator believes otherwise (an audit).
+        if (self.auth_tokens or self.auth_tokens_file) and self.auth != "bearer":
+            raise ValueError(
+                f'auth_tokens and auth_tokens_file need auth "bearer" (auth is "{self.auth}":'
+                " the tokens would be ignored and every call taken unauthenticated)"
+            )
+        if self.tls_client_tenants and self.auth != "mtls":
+            raise ValueError(
+                f'tls_client_tenants needs auth "mtls" (auth is "{self.auth}": the mapping'
+                " would be ignored)"
+            )
         return self
 
     def bearer_tokens(self) -> dict[str, str]:

@@ -244,6 +244,38 @@ def end(token: Token[tuple[Telemetry, RpcState] | None]) -> None:
     _current.reset(token)
 
 
+def otel_environment_problem(env: Mapping[str, str]) -> str | None:
+    """Why the standard OTel variables ask for what this server does not do, or None: its
+    exporters speak OTLP over gRPC only, so OTEL_EXPORTER_OTLP_PROTOCOL (or the traces' or
+    metrics' own) naming another would send nothing where its endpoint listens (an audit:
+    it was ignored without a word). `serve` refuses it before the database is touched."""
+    for name in (
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
+    ):
+        protocol = env.get(name, "").strip()
+        if protocol and protocol != "grpc":
+            return f"{name}={protocol!r}: this server exports OTLP over gRPC only ('grpc')"
+    return None
+
+
+def _exporter_off(env: Mapping[str, str], signal: str) -> bool:
+    """OTEL_SDK_DISABLED=true, or OTEL_<signal>_EXPORTER=none: no exporter for `signal`."""
+    return (
+        env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+        or env.get(f"OTEL_{signal}_EXPORTER", "").strip().lower() == "none"
+    )
+
+
+def _names_service(env: Mapping[str, str]) -> bool:
+    """Whether OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES names the service."""
+    if env.get("OTEL_SERVICE_NAME"):
+        return True
+    pairs = env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(",")
+    return any(pair.partition("=")[0].strip() == "service.name" for pair in pairs)
+
+
 def sampling_ratio(text: str) -> float:
     """OTEL_TRACES_SAMPLER_ARG as a ratio of traces kept.
 
@@ -512,13 +544,17 @@ class Telemetry:
         """Production telemetry: OTLP when OTEL_EXPORTER_OTLP_*ENDPOINT is set, and a
         Prometheus endpoint on `metrics_listen` (HOST:PORT) when given."""
         env = os.environ if environ is None else environ
+        # The default name only where the environment names none: given here, it overrode
+        # a service.name in OTEL_RESOURCE_ATTRIBUTES (an audit).
         resource = Resource.create(
             {"service.version": __version__}
-            | ({} if env.get("OTEL_SERVICE_NAME") else {"service.name": "context-engine"})
+            | ({} if _names_service(env) else {"service.name": "context-engine"})
         )
         general = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
         traces_endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or general
         metrics_endpoint = env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or general
+        traces_endpoint = "" if _exporter_off(env, "TRACES") else traces_endpoint
+        metrics_endpoint = "" if _exporter_off(env, "METRICS") else metrics_endpoint
         # Sampling: the standard ratio knob, parent-based so a worker's sampled trace
         # continues here; without an exporter nothing is recorded at all.
         ratio = sampling_ratio(env.get("OTEL_TRACES_SAMPLER_ARG") or "1.0")

@@ -390,6 +390,9 @@ async def _truthy(value: bool) -> bool:
         ({}, {"shutdown_grace_seconds": "inf"}, "CONTEXT_ENGINE_SHUTDOWN_GRACE_SECONDS"),
         ({"readiness_interval_seconds": "NaN"}, {}, "readiness_interval_seconds"),
         ({"tls_cert_file": "@not-pem", "tls_key_file": "@not-pem"}, {}, "holds no PEM block"),
+        # Credentials for an auth mode that is off: ignored, every call went unauthenticated.
+        ({"auth_tokens": {"t0ken": "acme"}}, {}, 'need auth "bearer"'),
+        ({"tls_client_tenants": {"CN=w": "acme"}}, {}, 'needs auth "mtls"'),
     ],
 )
 def test_bad_configuration_exits_2_naming_the_setting(
@@ -427,6 +430,17 @@ def test_a_bad_sampling_ratio_is_a_configuration_error_before_the_database(
     code = cli.main(["serve", "--database-url", "postgresql://127.0.0.1:1/never"])
     assert code == 2
     assert "OTEL_TRACES_SAMPLER_ARG='2' is not a ratio from 0 to 1" in capsys.readouterr().err
+
+
+def test_an_otlp_protocol_other_than_grpc_is_a_configuration_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The exporters speak OTLP over gRPC only: http/protobuf was ignored without a word,
+    and nothing reached a collector listening for it (an audit)."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    code = cli.main(["serve", "--database-url", "postgresql://127.0.0.1:1/never"])
+    assert code == 2
+    assert "OTEL_EXPORTER_OTLP_PROTOCOL='http/protobuf'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -601,9 +615,13 @@ def test_auth_token_values_never_appear_in_configuration_errors() -> None:
     with pytest.raises(ConfigError) as info:
         load_settings(environ=environ)
     assert secret not in str(info.value)
+    bearer = {"CONTEXT_ENGINE_AUTH": "bearer"}
     assert secret not in repr(
-        load_settings(environ={"CONTEXT_ENGINE_AUTH_TOKENS": json.dumps({secret: "t"})})
+        load_settings(environ={**bearer, "CONTEXT_ENGINE_AUTH_TOKENS": json.dumps({secret: "t"})})
     )
+    with pytest.raises(ConfigError) as ignored:  # tokens without auth=bearer are refused
+        load_settings(environ={"CONTEXT_ENGINE_AUTH_TOKENS": json.dumps({secret: "t"})})
+    assert secret not in str(ignored.value)
 
 
 # --- migrations --------------------------------------------------------------------
@@ -946,6 +964,74 @@ async def test_readiness_follows_postgresql_reachability(own_database: str) -> N
             await admin_execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
             assert (await watch.read()).status == SERVING
             watch.cancel()
+    finally:
+        await running.stop(0)
+        await pool.close()
+
+
+async def test_a_read_only_database_is_not_ready_and_a_write_is_unavailable(
+    own_database: str,
+) -> None:
+    """A standby (a multi-host DSN after a failover) answers SELECT 1: readiness said
+    SERVING while every write failed INTERNAL (an audit). Ready now means writable, and a
+    write a read-only server refuses is STORE_UNAVAILABLE, which clients retry."""
+    name = own_database.rpartition("/")[2]
+    pool = await connect_pool(own_database, min_size=1, max_size=2)
+    probe = await connect_pool(own_database, min_size=1, max_size=1)
+    running = await build_server(
+        build_engine(pool),
+        "127.0.0.1:0",
+        readiness_interval=0.05,
+        readiness_timeout=2,
+        readiness_pool=probe,
+    )
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+            assert (await asyncio.wait_for(watch.read(), 30)).status == SERVING
+            await admin_execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
+            await admin_execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                f" WHERE datname = '{name}' AND pid <> pg_backend_pid()"
+            )
+            assert (await asyncio.wait_for(watch.read(), 30)).status == NOT_SERVING
+            stub = pb_grpc.ContextEngineStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                for _ in range(3):  # the first may meet a connection the restart dropped
+                    await stub.Plan(
+                        pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=spec())
+                    )
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+            await admin_execute(f'ALTER DATABASE "{name}" RESET default_transaction_read_only')
+            await admin_execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                f" WHERE datname = '{name}' AND pid <> pg_backend_pid()"
+            )
+            assert (await asyncio.wait_for(watch.read(), 30)).status == SERVING
+            watch.cancel()
+    finally:
+        await running.stop(0)
+        await probe.close()
+        await pool.close()
+
+
+async def test_a_health_watch_ends_when_shutdown_begins(own_database: str) -> None:
+    """An open Watch never ended, so the server's stop waited out its whole grace for it
+    and then cancelled it (an audit). It now ends on its own, OK, once NOT_SERVING is sent."""
+    pool = await connect_pool(own_database, min_size=1, max_size=2)
+    running = await build_server(build_engine(pool), "127.0.0.1:0")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+            )
+            assert (await asyncio.wait_for(watch.read(), 30)).status == SERVING
+            stopping = asyncio.ensure_future(running.stop(30))
+            assert (await asyncio.wait_for(watch.read(), 30)).status == NOT_SERVING
+            assert await asyncio.wait_for(watch.read(), 30) == grpc.aio.EOF
+            assert await watch.code() == grpc.StatusCode.OK
+            await stopping
     finally:
         await running.stop(0)
         await pool.close()

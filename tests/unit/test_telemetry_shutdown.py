@@ -32,3 +32,28 @@ def test_a_sampling_ratio_that_is_not_one_is_refused_by_name() -> None:
                 environ={"OTEL_TRACES_SAMPLER_ARG": text, "OTEL_EXPORTER_OTLP_ENDPOINT": "x"}
             )
     assert Telemetry.from_environment(environ={"OTEL_TRACES_SAMPLER_ARG": "0.25"}) is not None
+
+
+def test_the_standard_otel_variables_name_the_service_and_turn_exporters_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A service.name in OTEL_RESOURCE_ATTRIBUTES was overridden by the default, and
+    OTEL_SDK_DISABLED and OTEL_*_EXPORTER=none were ignored: any endpoint turned both
+    exporters on (an audit). (The SDK reads OTEL_RESOURCE_ATTRIBUTES from the process.)"""
+    attributes_env = "service.name=ctx-eu,deployment.environment=prod"
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", attributes_env)
+    named = Telemetry.from_environment(environ={"OTEL_RESOURCE_ATTRIBUTES": attributes_env})
+    attributes = named.tracer_provider.resource.attributes
+    assert attributes["service.name"] == "ctx-eu"
+    assert attributes["deployment.environment"] == "prod"
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES")
+    default = Telemetry.from_environment(environ={})
+    assert default.tracer_provider.resource.attributes["service.name"] == "context-engine"
+    endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}
+    on = Telemetry.from_environment(environ=endpoint)
+    assert on.traces
+    on.shutdown(budget_s=1.0)
+    for off in ({"OTEL_SDK_DISABLED": "true"}, {"OTEL_TRACES_EXPORTER": "none"}):
+        quiet = Telemetry.from_environment(environ={**endpoint, **off})
+        assert not quiet.traces
+        quiet.shutdown(budget_s=1.0)

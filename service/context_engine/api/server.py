@@ -100,6 +100,33 @@ class StartupError(Exception):
     """The server cannot start (database unreachable, schema behind); the message says why."""
 
 
+class _Health(health.aio.HealthServicer):  # type: ignore[misc]
+    """grpc's health service, whose Watch ends once shutdown has begun and NOT_SERVING has
+    been sent: an open Watch never ended, and held every stop for its whole grace (an
+    audit). The same loop as grpc's own, over its state."""
+
+    async def Watch(self, request: Any, context: Any) -> None:
+        condition = self._server_watchers[request.service]
+        self._watcher_count_by_service[request.service] += 1
+        last = None
+        try:
+            async with condition:
+                while True:
+                    unknown = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+                    status = self._server_status.get(request.service, unknown)
+                    if status != last:
+                        await context.write(health_pb2.HealthCheckResponse(status=status))
+                    last = status
+                    if self._gracefully_shutting_down:
+                        return
+                    await condition.wait()
+        finally:
+            self._watcher_count_by_service[request.service] -= 1
+            if self._watcher_count_by_service[request.service] == 0:
+                del self._server_watchers[request.service]
+                del self._watcher_count_by_service[request.service]
+
+
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
@@ -125,13 +152,27 @@ class RunningServer:
                 await self.readiness
 
 
+# Ready means writable: a standby (a multi-host DSN after a failover) answers SELECT 1, and
+# every write then failed (an audit).
+_WRITABLE = "SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'"
+
+
 async def _database_reachable(pool: asyncpg.Pool, timeout: float) -> bool:
+    conn = None
     try:
-        async with asyncio.timeout(timeout), pool.acquire() as conn:
-            await conn.fetchval("SELECT 1")
+        async with asyncio.timeout(timeout):
+            conn = await pool.acquire()
+            return bool(await conn.fetchval(_WRITABLE))
     except Exception:  # any failure means "not ready"; the reason is logged by type only
+        if conn is not None:
+            # A query cut off by the timeout: released as it is, the connection waited for
+            # asyncpg's cancel request, up to its command timeout, while health still said
+            # SERVING (an audit); terminated, it is released at once.
+            conn.terminate()
         return False
-    return True
+    finally:
+        if conn is not None:
+            await pool.release(conn)
 
 
 async def _follow_readiness(
@@ -226,7 +267,7 @@ async def build_server(
         ],
     )
     add_servicer(ContextEngineServicer(engine), server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = _Health()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -377,6 +418,21 @@ async def serve(settings: Settings) -> None:
         await running.stop(settings.shutdown_grace_seconds, settings.shutdown_linger_seconds)
     finally:  # the calls' spans and metrics are flushed even if the drain fails
         tel.shutdown()
-    await options["readiness_pool"].close()
-    await pool.close()
+    await _close(options["readiness_pool"])
+    await _close(pool)
     del embedded
+
+
+_CLOSE_SECONDS = 2.0
+
+
+async def _close(pool: asyncpg.Pool) -> None:
+    """Close `pool`, or drop its connections if PostgreSQL does not answer within
+    _CLOSE_SECONDS: a close waits for each connection's goodbye, and with PostgreSQL hung
+    it raised after asyncpg's command timeout, the process exiting 1 with the request pool
+    never closed (an audit)."""
+    try:
+        async with asyncio.timeout(_CLOSE_SECONDS):
+            await pool.close()
+    except Exception:
+        pool.terminate()

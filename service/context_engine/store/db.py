@@ -258,12 +258,16 @@ def _where(dsn: str) -> str:
 
 
 # SQLSTATE classes that mean the database is away, whatever the statement: 08 connection
-# exception, 57 operator intervention (admin or crash shutdown, cannot connect now).
+# exception, 57 operator intervention (admin or crash shutdown, cannot connect now). And
+# 25006, a write refused by a read-only server: a standby a multi-host DSN reached after a
+# failover is no database this replica can write to (it was INTERNAL: an audit).
 _AWAY_CLASSES = ("08", "57")
+_AWAY_STATES = ("25006",)
 
 
 def _database_away(exc: asyncpg.PostgresError) -> bool:
-    return str(getattr(exc, "sqlstate", "") or "")[:2] in _AWAY_CLASSES
+    state = str(getattr(exc, "sqlstate", "") or "")
+    return state[:2] in _AWAY_CLASSES or state in _AWAY_STATES
 
 
 def _unavailable(exc: BaseException, handed_out: bool) -> StoreUnavailableError | None:
