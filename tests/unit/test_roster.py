@@ -1008,11 +1008,21 @@ def test_a_property_name_anthropic_refuses_is_refused_for_an_anthropic_model_onl
     assert caught.value.field == "spec.tools[0].input_schema_json"
     assert "Anthropic refuses" in str(caught.value)
     assert _plan(spec, model=openai).tool_names == ("bad.tool",)
-    # A tool the request never sends as a definition (hidden, or its scope not granted) is
-    # not held to it (a review: such a tool failed the plan).
-    for unsent in (
-        tool("bad.tool", input_schema=schema, model_visible=False),
-        tool("bad.tool", input_schema=schema, required_scopes=("not.granted",)),
-    ):
-        quiet = spec.model_copy(update={"tools": (tool("ok.tool"), unsent)})
-        assert _plan(quiet, model=anthropic).tool_names == ("ok.tool",)
+    # A tool the request never sends as a definition (hidden, or deferred to the index) is
+    # not held to it (a review: such a tool failed the plan). One whose scope is not
+    # granted yet is: a run's grant may define it, and its admission would fail then.
+    hidden = tool("bad.tool", input_schema=schema, model_visible=False)
+    quiet = spec.model_copy(update={"tools": (tool("ok.tool"), hidden)})
+    assert _plan(quiet, model=anthropic).tool_names == ("ok.tool",)
+    deferring = spec.model_copy(
+        update={
+            "tools": (tool("ok.tool"), tool("bad.tool", input_schema=schema), tool("tool.call")),
+            "agent": AgentSpec(
+                enabled_tools=("ok.tool", "tool.call"), deferred_tools=("bad.tool",)
+            ),
+        }
+    )
+    assert "bad.tool" in _plan(deferring, model=anthropic).deferred_tool_names
+    ungranted = tool("bad.tool", input_schema=schema, required_scopes=("not.granted",))
+    with pytest.raises(InvalidFieldError):
+        _plan(spec.model_copy(update={"tools": (tool("ok.tool"), ungranted)}), model=anthropic)

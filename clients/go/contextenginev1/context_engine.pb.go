@@ -1227,7 +1227,7 @@ type ToolSpec struct {
 	// or oneOf at its top level (Anthropic refuses every request defining such a tool;
 	// INVALID_FIELD; nested under a property they are fine). Every schema keyword holds a
 	// schema ("properties" an object, "required" a list of names), and for an Anthropic
-	// model each top-level property name of a tool the plan defines matches
+	// model each top-level property name of a model-visible tool not deferred matches
 	// ^[a-zA-Z0-9_.-]{1,64}$ (else INVALID_FIELD: the provider would refuse every request). Empty means {"type": "object"}.
 	// Re-serialized canonically.
 	InputSchemaJson string `protobuf:"bytes,3,opt,name=input_schema_json,json=inputSchemaJson,proto3" json:"input_schema_json,omitempty"`

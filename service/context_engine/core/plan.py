@@ -232,7 +232,7 @@ def make_plan(
     )
     rendered = _render_rows(spec, roster, catalog, memories)
     _check_persona(spec, rendered, secret, count_tokens)
-    _check_input_schemas(spec, model.provider, {t.name for t in roster.defined})
+    _check_input_schemas(spec, model.provider, _definable(spec, roster))
     tools = tuple(_definition(t) for t in roster.defined)
     for row, item in rendered:
         check_placement(item, row)
@@ -823,6 +823,17 @@ def _check_capacity(
         field="spec.policy_cap_tokens",
         metadata=metadata,
     )
+
+
+def _definable(spec: PlanSpec, roster: Roster) -> set[str]:
+    """The tools a plan of `spec` defines, now or once a run's grant admits them: every
+    model-visible tool the agent does not defer, and those the roster defines. A hidden
+    tool is never sent, and a deferred one only as an index line (a review); an ungranted
+    one may be granted at a run's admission, whose rebuild would then fail the run where
+    Plan could have told the caller (a second review)."""
+    deferred = set(spec.agent.deferred_tools)
+    named = {t.name for t in spec.tools if t.model_visible and t.name not in deferred}
+    return named | {t.name for t in roster.defined}
 
 
 def _check_input_schemas(
