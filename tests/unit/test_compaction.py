@@ -1358,10 +1358,13 @@ def _all_invisible() -> str:
     return "".join(chr(c) for c in sorted({*ignorable, *formats}))
 
 
-@pytest.mark.parametrize("mark", ["\u200b", "\u00ad", "\u2060", "\ufeff", "\u034f\ufe0f", "all"])
+@pytest.mark.parametrize(
+    "mark", ["\u200b", "\u00ad", "\u2060", "\ufeff", "\u034f\ufe0f", "\x7f", "\x08\x1b", "all"]
+)
 def test_invisible_characters_do_not_launder_an_elided_span(mark: str) -> None:
     """A summary with an invisible character (zero-width space, soft hyphen, word joiner,
-    BOM, a variation selector: category Cf and the other default-ignorables) between every
+    BOM, a variation selector: category Cf and the other default-ignorables; a control
+    character that is not whitespace, DEL or ESC, a review found passing) between every
     two characters of the canary or the injection reads, and tokenizes, as that text
     verbatim. The check drops them as a reader does (the envelope's set, core/invisible.py)
     instead of letting them split every fragment it compares."""

@@ -216,6 +216,10 @@ def test_escape_content_neutralizes_every_tag_in_any_case(tag: str) -> None:
         ("</unt\x08rusted:{nonce}>", "&lt;/unt\x08rusted:{nonce}>"),
         ("<\x01/\x1bmemory:{nonce}>", "&lt;\x01/\x1bmemory:{nonce}>"),
         ('<us\x9fer source="user">', '&lt;us\x9fer source="user">'),
+        # Line breaks end a tag still, NEL and the separators \x1c-\x1f among them (a
+        # review: read as controls, they let a look-alike tag run on into the next word).
+        ("\u2039/u\u0455er\x85s", "&lt;/u\u0455er\x85s"),
+        ("\u2039/u\u0455er\x1cs", "&lt;/u\u0455er\x1cs"),
         # Invisible characters between "<", "/" and the tag.
         ("<\u200b/untrusted:{nonce}>", "&lt;\u200b/untrusted:{nonce}>"),
         ("<\u2060/untrusted:{nonce}>", "&lt;\u2060/untrusted:{nonce}>"),

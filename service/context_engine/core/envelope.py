@@ -34,7 +34,7 @@ import re
 import unicodedata
 from functools import lru_cache
 
-from .invisible import BLANKS, is_invisible
+from .invisible import BLANKS, CONTROLS, is_invisible
 from .trust import DELIMITER_TAGS, TrustLevel, envelope_tag
 
 __all__ = ["NONCE_HEX_CHARS", "escape_content", "item_nonce", "wrap"]
@@ -94,14 +94,13 @@ _OPENERS = "<\ufe64\uff1c\ufe3f\u226e" + "".join(k for k, v in _LOOKALIKES.items
 # An opener worth a closer look: past whitespace and slashes, a tag's first letter or any
 # non-ASCII character (which may fold to one). Rejects "</div", "<b>", "a < 2" in C.
 _INITIALS = "".join(sorted({t[0] for t in _TAGS}))
-# Control characters that are not whitespace (C0 but tab and line breaks, DEL, C1): a
-# reader sees nothing of them, so "<\x7f/untrusted:" reads as a closing marker (an audit;
-# U+0000 never reaches here: requests refuse it). Read past like whitespace, and dropped
-# by _fold, as invisible characters are.
-_CONTROLS = "\x01-\x08\x0e-\x1f\x7f-\x9f"
-_HAS_CONTROL = re.compile(f"[{_CONTROLS}]")
+# Control characters that are not whitespace (core/invisible.py CONTROLS): a reader sees
+# nothing of them, so "<\x7f/untrusted:" reads as a closing marker (an audit; U+0000 never
+# reaches here: requests refuse it). Read past like whitespace here, and dropped by _fold
+# as the invisible characters they are.
+_HAS_CONTROL = re.compile(f"[{CONTROLS}]")
 _CANDIDATE = re.compile(
-    f"[{_OPENERS}](?=[\\s/\\\\{_CONTROLS}]*+[{_INITIALS}\\x80-\\U0010ffff])", re.IGNORECASE
+    f"[{_OPENERS}](?=[\\s/\\\\{CONTROLS}]*+[{_INITIALS}\\x80-\\U0010ffff])", re.IGNORECASE
 )
 _SPACE = re.compile(r"\s")
 # What follows an opener in a delimiter, on the visible characters only (whitespace,
@@ -133,10 +132,11 @@ def item_nonce(secret: bytes, item_id: str) -> str:
 def escape_content(text: str) -> str:
     """Neutralize every envelope delimiter inside content, look-alikes included (Rule 2):
     its opening character becomes ``&lt;``; everything else is verbatim."""
-    if text.isascii() and not _HAS_CONTROL.search(text):
-        # isascii is O(1) in CPython, the control scan one pass in C: no look-alike and
-        # nothing invisible can occur, so the plain match decides.
-        return _DELIMITER.sub(_escaped, text)
+    if text.isascii():  # O(1) in CPython: no look-alike and nothing invisible can occur
+        if "<" not in text:
+            return text  # no opener: most content, found by one memchr
+        if not _HAS_CONTROL.search(text):  # the plain match decides
+            return _DELIMITER.sub(_escaped, text)
     pieces: list[str] = []
     done = 0
     for candidate in _CANDIDATE.finditer(text):
@@ -183,9 +183,7 @@ def _fold(ch: str) -> tuple[str, str]:
     read = "".join(
         _LOOKALIKES.get(c, c)
         for c in read
-        if not is_invisible(c)
-        and unicodedata.category(c) not in _MARKS
-        and not _HAS_CONTROL.match(c)
+        if not is_invisible(c) and unicodedata.category(c) not in _MARKS
     )
     read = unicodedata.normalize("NFC", read)
     return read, "".join(c for c in read.lower() if not _SPACE.match(c))

@@ -8,7 +8,9 @@ characters (combining grapheme joiner, Hangul fillers, variation selectors). A m
 "C\\u200bA\\u200bN" as "CAN", so core/envelope.py drops these when it matches a delimiter
 and core/compaction.py when it compares a summary with untrusted text, but for the blanks
 (BLANKS: the Hangul fillers, drawn as a space, and the braille blank), which both read as
-a space first.
+a space first. And the control characters that are not whitespace (CONTROLS: C0 but tab and
+line breaks, DEL, C1 but NEL), which render as nothing either (an audit: "<\x7f/untrusted"
+hid a delimiter, and a summary spelled with them passed the laundering check).
 Rule 2 (linear): dropping them from a text is one regular-expression pass. ASCII holds no
 invisible character, so ASCII text is returned as it is without a look.
 """
@@ -20,7 +22,7 @@ import sys
 import unicodedata
 from functools import cache
 
-__all__ = ["BLANKS", "blanks_as_spaces", "drop_invisible", "is_invisible"]
+__all__ = ["BLANKS", "CONTROLS", "blanks_as_spaces", "drop_invisible", "is_invisible"]
 
 # Characters that render as a blank space though they are neither whitespace nor, to a
 # reader, nothing: the braille blank (U+2800) and the Hangul fillers, which are
@@ -44,9 +46,19 @@ _IGNORABLE = (
 _IGNORABLE_RE = re.compile(f"[{_IGNORABLE}]")
 
 
+# Control characters that are not whitespace, as a character class (\x1c-\x1f and NEL are
+# line breaks to Python's str.splitlines and \s).
+CONTROLS = "\x01-\x08\x0e-\x1b\x7f-\x84\x86-\x9f"
+_CONTROL_RE = re.compile(f"[{CONTROLS}]+")
+
+
 def is_invisible(ch: str) -> bool:
     """Whether the character `ch` is skipped by a reader (Rule 1)."""
-    return unicodedata.category(ch) == "Cf" or _IGNORABLE_RE.match(ch) is not None
+    return (
+        unicodedata.category(ch) == "Cf"
+        or _IGNORABLE_RE.match(ch) is not None
+        or _CONTROL_RE.match(ch) is not None
+    )
 
 
 @cache
@@ -57,11 +69,11 @@ def _invisible_re() -> re.Pattern[str]:
     formats = "".join(
         chr(c) for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "Cf"
     )
-    return re.compile(f"[{re.escape(formats)}{_IGNORABLE}]+")
+    return re.compile(f"[{re.escape(formats)}{_IGNORABLE}{CONTROLS}]+")
 
 
 def drop_invisible(text: str) -> str:
     """`text` without its invisible characters (Rules 1, 2); everything else verbatim."""
-    if text.isascii():  # O(1) in CPython, and no ASCII character is invisible
-        return text
+    if text.isascii():  # O(1) in CPython: of ASCII, only the controls are invisible
+        return _CONTROL_RE.sub("", text) if _CONTROL_RE.search(text) else text
     return _invisible_re().sub("", text)
