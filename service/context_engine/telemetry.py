@@ -249,14 +249,18 @@ def otel_environment_problem(env: Mapping[str, str]) -> str | None:
     exporters speak OTLP over gRPC only, so OTEL_EXPORTER_OTLP_PROTOCOL (or the traces' or
     metrics' own) naming another would send nothing where its endpoint listens (an audit:
     it was ignored without a word). `serve` refuses it before the database is touched."""
-    for name in (
-        "OTEL_EXPORTER_OTLP_PROTOCOL",
-        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-        "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
-    ):
-        protocol = env.get(name, "").strip()
-        if protocol and protocol != "grpc":
-            return f"{name}={protocol!r}: this server exports OTLP over gRPC only ('grpc')"
+    general = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    for signal in ("TRACES", "METRICS"):
+        if _exporter_off(env, signal) or not (
+            env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT") or general
+        ):
+            continue  # nothing of this signal is exported: its protocol is moot (a review)
+        for name in (f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+            protocol = env.get(name, "").strip()
+            if protocol:
+                if protocol != "grpc":
+                    return f"{name}={protocol!r}: this server exports OTLP over gRPC only ('grpc')"
+                break  # the signal's own variable decides before the general one
     return None
 
 

@@ -66,6 +66,7 @@ pytestmark = pytest.mark.integration
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 
 
 def _env(**settings: Any) -> dict[str, str]:
@@ -1003,13 +1004,22 @@ async def test_a_read_only_database_is_not_ready_and_a_write_is_unavailable(
                         pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=spec())
                     )
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+            # Writable again, with no connection killed for it: the probe, whose connection
+            # to the read-only server is dropped, sees it (a review: kept, it never did),
+            # and each connection a write found read-only is dropped, so writes come back.
             await admin_execute(f'ALTER DATABASE "{name}" RESET default_transaction_read_only')
-            await admin_execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                f" WHERE datname = '{name}' AND pid <> pg_backend_pid()"
-            )
             assert (await asyncio.wait_for(watch.read(), 30)).status == SERVING
             watch.cancel()
+            planned = None
+            for _ in range(4):  # at most one refusal per connection the pool holds (2)
+                try:
+                    planned = await stub.Plan(
+                        pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=spec())
+                    )
+                    break
+                except grpc.aio.AioRpcError as refused:
+                    assert refused.code() == grpc.StatusCode.UNAVAILABLE
+            assert planned is not None and planned.created
     finally:
         await running.stop(0)
         await probe.close()
@@ -1027,10 +1037,18 @@ async def test_a_health_watch_ends_when_shutdown_begins(own_database: str) -> No
                 health_pb2.HealthCheckRequest(service=SERVICE_NAME)
             )
             assert (await asyncio.wait_for(watch.read(), 30)).status == SERVING
+            # A service health does not know is watched too (SERVICE_UNKNOWN); its watch
+            # ends as well (a review: grpc's shutdown woke only the known services').
+            unknown = health_pb2_grpc.HealthStub(channel).Watch(
+                health_pb2.HealthCheckRequest(service="no.such.Service")
+            )
+            assert (await asyncio.wait_for(unknown.read(), 30)).status == SERVICE_UNKNOWN
             stopping = asyncio.ensure_future(running.stop(30))
             assert (await asyncio.wait_for(watch.read(), 30)).status == NOT_SERVING
             assert await asyncio.wait_for(watch.read(), 30) == grpc.aio.EOF
             assert await watch.code() == grpc.StatusCode.OK
+            assert await asyncio.wait_for(unknown.read(), 30) == grpc.aio.EOF
+            assert await unknown.code() == grpc.StatusCode.OK
             await stopping
     finally:
         await running.stop(0)

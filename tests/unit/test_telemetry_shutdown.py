@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from context_engine.telemetry import Telemetry
+from context_engine.telemetry import Telemetry, otel_environment_problem
 
 
 def test_a_flush_that_does_not_end_is_given_up_after_the_budget() -> None:
@@ -57,3 +57,18 @@ def test_the_standard_otel_variables_name_the_service_and_turn_exporters_off(
         quiet = Telemetry.from_environment(environ={**endpoint, **off})
         assert not quiet.traces
         quiet.shutdown(budget_s=1.0)
+
+
+def test_an_otlp_protocol_matters_only_for_a_signal_that_is_exported() -> None:
+    """http/protobuf is refused where OTLP would be sent with it, and nowhere else (a
+    review: an SDK turned off, or a signal with no endpoint, was refused too)."""
+    endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}
+    http = {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
+    assert otel_environment_problem({**endpoint, **http})
+    assert otel_environment_problem(http) is None
+    assert otel_environment_problem({**endpoint, **http, "OTEL_SDK_DISABLED": "true"}) is None
+    both_off = {"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"}
+    assert otel_environment_problem({**endpoint, **http, **both_off}) is None
+    # A signal's own variable decides before the general one.
+    own = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc", "OTEL_METRICS_EXPORTER": "none"}
+    assert otel_environment_problem({**endpoint, **http, **own}) is None

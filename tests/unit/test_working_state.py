@@ -534,6 +534,20 @@ def test_a_task_in_progress_is_evicted_after_every_open_one() -> None:
     )
     assert added.evicted["tasks"] == ["t0"]
     assert "next" in [t.task_id for t in added.state.tasks]
+    # Nor a task whose status alone it changes (a second review: among 30 open tasks, the
+    # oldest set BLOCKED by the update adding another went).
+    blocked = apply_update(
+        state,
+        WorkingStateUpdate(
+            upsert_tasks=(
+                TaskUpsert(task_id="t0", status=TaskStatus.BLOCKED),
+                TaskUpsert(task_id="new", title="x"),
+            )
+        ),
+        writer=Writer.MODEL,
+        sequence=70,
+    )
+    assert blocked.evicted["tasks"] == ["t1"]
 
 
 @SETTINGS

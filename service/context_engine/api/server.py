@@ -103,7 +103,14 @@ class StartupError(Exception):
 class _Health(health.aio.HealthServicer):  # type: ignore[misc]
     """grpc's health service, whose Watch ends once shutdown has begun and NOT_SERVING has
     been sent: an open Watch never ended, and held every stop for its whole grace (an
-    audit). The same loop as grpc's own, over its state."""
+    audit). The same loop as grpc's own, over its state; shutdown wakes every watcher, of
+    a service it does not know too (grpc's wakes only the known: a review)."""
+
+    async def enter_graceful_shutdown(self) -> None:
+        await super().enter_graceful_shutdown()
+        for condition in list(self._server_watchers.values()):
+            async with condition:
+                condition.notify_all()
 
     async def Watch(self, request: Any, context: Any) -> None:
         condition = self._server_watchers[request.service]
@@ -159,20 +166,23 @@ _WRITABLE = "SELECT NOT pg_is_in_recovery() AND current_setting('transaction_rea
 
 async def _database_reachable(pool: asyncpg.Pool, timeout: float) -> bool:
     conn = None
+    writable = False
     try:
         async with asyncio.timeout(timeout):
             conn = await pool.acquire()
-            return bool(await conn.fetchval(_WRITABLE))
+            writable = bool(await conn.fetchval(_WRITABLE))
     except Exception:  # any failure means "not ready"; the reason is logged by type only
-        if conn is not None:
-            # A query cut off by the timeout: released as it is, the connection waited for
-            # asyncpg's cancel request, up to its command timeout, while health still said
-            # SERVING (an audit); terminated, it is released at once.
-            conn.terminate()
-        return False
+        pass
     finally:
         if conn is not None:
+            if not writable:
+                # Dropped: a query cut off by the timeout, released as it is, waited for
+                # asyncpg's cancel request, up to its command timeout, while health still
+                # said SERVING (an audit); and a connection to a read-only server, kept,
+                # never let the probe see the primary again (a review).
+                conn.terminate()
             await pool.release(conn)
+    return writable
 
 
 async def _follow_readiness(

@@ -693,17 +693,17 @@ def _task_age(t: Task) -> tuple[int, int]:
     return (0 if t.status in COMPLETED else 1, t.source_sequence)
 
 
-def _task_eviction_age(t: Task, sequence: int) -> tuple[int, int]:
-    """_task_age, with a task in progress, or written by the update being applied (at
-    `sequence`), after every other open task: a status change keeps a task's sequence (its
-    label's), so by age alone the task the run works on was evicted before open tasks added
-    after it, and the run's next call naming it was refused (an audit); and an update's own
-    new task must not be the one it evicts (a review: with 30 tasks in progress it was).
-    Eviction only: the block hides tasks over its token cap by _task_age still, as the
-    requests recorded since context-assembler@14 were rendered."""
+def _task_eviction_age(t: Task, written: frozenset[str]) -> tuple[int, int]:
+    """_task_age, with a task in progress, or one the update being applied upserts (its id
+    in `written`), after every other open task: a status change keeps a task's sequence
+    (its label's), so by age alone the task the run works on was evicted before open tasks
+    added after it, and the run's next call naming it was refused (an audit); and an update
+    must not evict a task it writes (reviews: a new one with 30 in progress, a status
+    changed among 30 open). Eviction only: the block hides tasks over its token cap by
+    _task_age still, as the requests recorded since context-assembler@14 were rendered."""
     if t.status in COMPLETED:
         return (0, t.source_sequence)
-    working = t.status is TaskStatus.IN_PROGRESS or t.source_sequence == sequence
+    working = t.status is TaskStatus.IN_PROGRESS or t.task_id in written
     return (2 if working else 1, t.source_sequence)
 
 
@@ -715,10 +715,12 @@ def _question_age(e: Entry) -> tuple[int, int]:
     return (WRITER_RANK[e.writer], e.source_sequence)
 
 
-def _bound_lists(state: WorkingState, sequence: int) -> tuple[WorkingState, dict[str, list[str]]]:
-    """Rule 3 for the evicting lists, after an update at `sequence`."""
+def _bound_lists(
+    state: WorkingState, written: frozenset[str]
+) -> tuple[WorkingState, dict[str, list[str]]]:
+    """Rule 3 for the evicting lists, after an update upserting the tasks `written`."""
     tasks, gone_tasks = _evict(
-        state.tasks, LIST_CAPS["tasks"], lambda t: _task_eviction_age(t, sequence)
+        state.tasks, LIST_CAPS["tasks"], lambda t: _task_eviction_age(t, written)
     )
     facts, gone_facts = _evict(state.facts, LIST_CAPS["facts"], _fact_age)
     questions, gone_q = _evict(state.open_questions, LIST_CAPS["open_questions"], _question_age)
@@ -774,7 +776,7 @@ def apply_update(
         if value is None or value == ():
             continue
         state = step(state, value, ctx)
-    state, evicted = _bound_lists(state, sequence)
+    state, evicted = _bound_lists(state, frozenset(u.task_id for u in update.upsert_tasks))
     grown = [f for f in _FIXED_FIELDS if f in update.touched()]
     if count_tokens is not None and grown and not folding:
         # With room for the longest note of what is hidden: the evictable entries must

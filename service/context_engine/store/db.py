@@ -300,6 +300,13 @@ async def acquire(pool: asyncpg.Pool, timeout: float = 5.0) -> AsyncIterator[Any
         try:
             handed_out = True
             yield conn
+        except asyncpg.PostgresError as exc:
+            if getattr(exc, "sqlstate", "") in _AWAY_STATES:
+                # A read-only server: the connection is dropped, so the pool reconnects
+                # and a multi-host DSN can find the primary (reused, it stayed on the
+                # standby: a review).
+                conn.terminate()
+            raise
         finally:
             await pool.release(conn)
     except asyncpg.LockNotAvailableError:
