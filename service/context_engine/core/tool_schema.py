@@ -80,6 +80,10 @@ def input_schema_problem(schema: Mapping[str, Any], provider: str = "") -> str |
     return None
 
 
+_JSON_KINDS = {str: "a string", int: "a number", float: "a number", list: "an array"}
+_JSON_KINDS[type(None)] = "null"
+
+
 def _malformed(schema: Mapping[str, Any]) -> str | None:
     """Where `schema` holds a non-schema at a schema position, or a `required` that is not
     a list of names; None if nowhere. Data keywords (enum, const, default, examples) are
@@ -90,7 +94,8 @@ def _malformed(schema: Mapping[str, Any]) -> str | None:
         if isinstance(node, bool):
             continue
         if not isinstance(node, dict):
-            return f"holds {json.dumps(node)[:40]} where a schema goes ({at or 'its root'})"
+            kind = _JSON_KINDS.get(type(node), "value")  # the kind, not the caller's text
+            return f"holds {kind} where a schema goes ({at or 'its root'})"
         required = node.get("required")
         if required is not None and not (
             isinstance(required, list) and all(isinstance(r, str) for r in required)
