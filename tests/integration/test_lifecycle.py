@@ -439,6 +439,7 @@ def test_an_otlp_protocol_other_than_grpc_is_a_configuration_error(
     """The exporters speak OTLP over gRPC only: http/protobuf was ignored without a word,
     and nothing reached a collector listening for it (an audit)."""
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
     code = cli.main(["serve", "--database-url", "postgresql://127.0.0.1:1/never"])
     assert code == 2
     assert "OTEL_EXPORTER_OTLP_PROTOCOL='http/protobuf'" in capsys.readouterr().err
