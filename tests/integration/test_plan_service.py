@@ -2199,3 +2199,74 @@ async def test_a_builds_head_read_probes_indexes_however_many_plans_the_session_
     # What it found: lineage 1's head (epoch 97) is behind the latest sweep (epoch 6002).
     head = await pool.fetchrow(RUN_HEAD, TENANT, UUID(parked.run.run_id))
     assert (head["effective"], head["sweep"]) == (97, 6002)
+
+
+async def _session_of_room(stub: Any, tenant: str, room: int) -> str:
+    """A session of gpt-4o whose body has about `room` tokens (a policy cap)."""
+    reserve = 1_000
+    probe = await stub.Plan(
+        pb.PlanRequest(
+            tenant_id=tenant,
+            session_id=new_id(),
+            spec=spec(model_id="gpt-4o", reserve_output_tokens=reserve),
+        )
+    )
+    cap = probe.plan.prefix_tokens + reserve + room
+    session_id = new_id()
+    opened = spec(model_id="gpt-4o", reserve_output_tokens=reserve, policy_cap_tokens=cap)
+    await stub.Plan(pb.PlanRequest(tenant_id=tenant, session_id=session_id, spec=opened))
+    return session_id
+
+
+@pytest.mark.parametrize("fits", ["needs compaction", "floor over the body"])
+async def test_a_build_that_sends_no_request_refuses_an_erased_persons_recall(
+    stub: Any, pool: Any, fits: str
+) -> None:
+    """A Build whose body needs compaction, or whose recall floor does not fit, sends no
+    request, and the erasure fence was the request's: it answered as usual and recorded
+    its pressure or budget event naming the stale line after the erasure (an audit). It
+    fails PERSON_ERASED and records nothing, as a sending Build does."""
+    tenant, person = f"tenant-{new_id()[:8]}", f"P-{new_id()}"
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=tenant, person_id=person))
+    compacting = fits == "needs compaction"
+    session_id = await _session_of_room(stub, tenant, 4_000 if compacting else 300)
+    if compacting:  # a history over the body, no cheaper yield left
+        first = await stub.StartRun(
+            pb.StartRunRequest(
+                tenant_id=tenant, session_id=session_id, user_message=pb.UserMessage(text="Hi")
+            )
+        )
+        await stub.AppendItems(
+            pb.AppendItemsRequest(
+                tenant_id=tenant,
+                session_id=session_id,
+                run_id=first.run.run_id,
+                expected_checkpoint_version=1,
+                items=[assistant(" ".join(["lorem"] * 6_000))],
+            )
+        )
+    run = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=tenant, session_id=session_id, user_message=pb.UserMessage(text="Now?")
+        )
+    )
+    line = "Ana lives at 12 Elm. " + " ".join(["lorem"] * (5 if compacting else 1_200))
+    step = pb.StepContext(
+        recall=[pb.RecallLine(item_id="r1", text=line, person_ids=[person])],
+        recall_floor_lines=0 if compacting else 1,
+    )
+    written = "SELECT count(*) FROM session_events WHERE tenant_id = $1 AND session_id = $2"
+    before = await pool.fetchval(written, tenant, UUID(session_id))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.Build(
+            pb.BuildRequest(
+                tenant_id=tenant, session_id=session_id, run_id=run.run.run_id, step=step
+            )
+        )
+    assert details(refused.value)[:2] == ("PERSON_ERASED", ["step"])
+    assert await pool.fetchval(written, tenant, UUID(session_id)) == before
+    # The same Build without the stale line answers as such a Build does.
+    clean = await stub.Build(
+        pb.BuildRequest(tenant_id=tenant, session_id=session_id, run_id=run.run.run_id)
+    )
+    assert clean.needs_compaction is compacting

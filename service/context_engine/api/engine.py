@@ -1264,7 +1264,7 @@ class Engine:
         except BudgetExceededError as exc:
             if record and kept is None:  # from a kept head, build() decides it afresh
                 await self._record_budget_exceeded(
-                    tenant, session_id, run_id, plan, exc, checkpoint
+                    tenant, session_id, run_id, plan, exc, checkpoint, recalled_people(step)
                 )
             raise
         if not bridge_markers and assembled.request is not None:
@@ -1321,6 +1321,14 @@ class Engine:
             if pressure is not None and pressure.yielded
             else None
         )
+        if assembled.request is None and (people := recalled_people(step)):
+            # No request, so no fence in the record's round trip (it is the request's): a
+            # recall naming an erased person is refused here, as a sending Build's is,
+            # before its pressure event names the line (an audit). Checked, then recorded:
+            # an erasure between the two can leave that event naming the line's id.
+            async with transaction(self.pool) as conn:
+                if await snapshots.fence_people(conn, tenant, people):
+                    raise _person_erased()
         # context.budget.pressure precedes the request it shaped; with no request (the body
         # needs compaction) it is the only record of this Build. One round trip: see
         # migrations/0005_record_request.sql for the lock, the erasure fence and the binding;
@@ -1367,12 +1375,7 @@ class Engine:
                 reason="EPOCH_CONFLICT",
             )
         if seq == PERSON_ERASED:
-            raise PreconditionError(
-                "a recall or correction line names a person erased from this tenant: the"
-                " recall predates the erasure; recall again",
-                field="step",
-                reason="PERSON_ERASED",
-            )
+            raise _person_erased()
         if seq == NO_SESSION:
             raise NotFoundError(
                 f"session {session_id} not found", field="session_id", reason="SESSION_NOT_FOUND"
@@ -1391,9 +1394,16 @@ class Engine:
         plan: ContextPlan,
         exc: BudgetExceededError,
         checkpoint: Checkpoint,
+        people: Sequence[str] = (),
     ) -> None:
         """context.budget.exceeded: the never-yield set alone did not fit the body, or the
-        working state's never-yield fields did not fit its block."""
+        working state's never-yield fields did not fit its block. A recall naming a person
+        erased from the tenant (`people`, under the erasure fence) is PERSON_ERASED instead,
+        recording nothing, as a Build that sends a request (an audit).
+
+        Raises:
+            PreconditionError: PERSON_ERASED.
+        """
         payload = {
             "run_id": str(run_id),
             "epoch": plan.epoch,
@@ -1402,6 +1412,8 @@ class Engine:
             **exc.metadata,
         }
         async with self.gates.held(tenant, session_id), transaction(self.pool) as conn:
+            if await snapshots.fence_people(conn, tenant, people):
+                raise _person_erased()
             await sessions.lock_session(conn, tenant, session_id)
             await events.append_events(
                 conn,
@@ -1478,6 +1490,15 @@ _HEADS_WEIGHT = 64  # a spread session's entry: a marker, no heads
 
 class _StaleHead(Exception):
     """A Build made from a kept run head that the record found moved: nothing was written."""
+
+
+def _person_erased() -> PreconditionError:
+    return PreconditionError(
+        "a recall or correction line names a person erased from this tenant: the"
+        " recall predates the erasure; recall again",
+        field="step",
+        reason="PERSON_ERASED",
+    )
 
 
 def _as_state(exc: RequestError, rebuilt: str) -> RequestError:
