@@ -345,3 +345,85 @@ async def replica_with_model(pool: Any, model_id: str, **facts: Any) -> tuple[An
         "tokenizer": "heuristic",
     }
     return await replica(pool, {"models": {model_id: {**model, **facts}}})
+
+
+# --- a PostgreSQL that stops answering (lifecycle tests) -------------------------------
+
+
+class HangingLink:
+    """A loopback TCP relay to the test server that can stop relaying, as a network
+    partition or a hung PostgreSQL does: connections stay open and bytes go unanswered.
+    The test server itself is shared and never touched. `dsn(database)` reaches
+    `database` through the relay; `hang()` stops every byte both ways for good and holds
+    new connections unanswered; `closed_by_client` counts connections whose client end
+    was closed."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        self._tasks: set[Any] = set()
+        self._server: Any = None
+        self.closed_by_client = 0
+
+    async def __aenter__(self) -> HangingLink:
+        import asyncio
+
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *_: Any) -> None:
+        import asyncio
+
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def dsn(self, database: str) -> str:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(base_dsn())
+        login = parts.netloc.rpartition("@")[0]
+        port = self._server.sockets[0].getsockname()[1]
+        return f"{parts.scheme}://{login}@127.0.0.1:{port}/{database}"
+
+    def hang(self) -> None:
+        self._flowing.clear()
+
+    async def _relay(self, reader: Any, writer: Any) -> None:
+        import asyncio
+        from urllib.parse import urlsplit
+
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        upstream_writer = None
+        try:
+            await self._flowing.wait()
+            target = urlsplit(base_dsn())
+            upstream_reader, upstream_writer = await asyncio.open_connection(
+                target.hostname, target.port or 5432
+            )
+            to_server = asyncio.ensure_future(self._pump(reader, upstream_writer))
+            to_client = asyncio.ensure_future(self._pump(upstream_reader, writer))
+            done, pending = await asyncio.wait(
+                {to_server, to_client}, return_when=asyncio.FIRST_COMPLETED
+            )
+            if to_server in done:  # the client's end reached EOF: it closed the connection
+                self.closed_by_client += 1
+            for other in pending:
+                other.cancel()
+        finally:
+            for end in (writer, upstream_writer):
+                if end is not None:
+                    end.close()
+            self._tasks.discard(task)
+
+    async def _pump(self, reader: Any, writer: Any) -> None:
+        # Reading goes on while hung, so an end's close is still seen; what is read then
+        # is dropped (a hung link never flows again).
+        while data := await reader.read(65536):
+            if self._flowing.is_set():
+                writer.write(data)
+                await writer.drain()

@@ -12,6 +12,9 @@ deadlines and migrations.
   2 with a message naming the setting.
 - Readiness follows PostgreSQL reachability (a database of the test's own is closed to
   connections and reopened; the shared server is never stopped).
+- A PostgreSQL that stops answering (a loopback relay that hangs, `HangingLink`): a
+  readiness check cut off mid-query turns NOT_SERVING at once, and closing the pools is
+  bounded.
 - A call whose deadline passes while it waits on PostgreSQL fails DEADLINE_EXCEEDED, its
   query is cancelled server-side, and it writes nothing.
 - `migrate` is a separate step: `serve` with migrate_on_start=false refuses a database
@@ -43,12 +46,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from context_engine import cli
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from context_engine.api import server as server_module
 from context_engine.api.server import SERVICE_NAME, build_engine, build_server
 from context_engine.config import ConfigError, load_settings, unknown_variables
 from context_engine.store import connect_pool
 
 from .helpers import (
     TENANT,
+    HangingLink,
     admin_execute,
     assistant,
     create_database,
@@ -1025,6 +1030,79 @@ async def test_a_read_only_database_is_not_ready_and_a_write_is_unavailable(
         await running.stop(0)
         await probe.close()
         await pool.close()
+
+
+async def test_a_readiness_check_cut_off_mid_query_turns_not_serving_at_once(
+    own_database: str,
+) -> None:
+    """PostgreSQL stops answering (a partition, a hung server) while the probe's query is
+    on the wire. The check's timeout cut the query off, but releasing its connection
+    waited for asyncpg's cancel request, up to the pool's command timeout, while health
+    still said SERVING (an audit). The cut-off connection is now dropped and NOT_SERVING
+    follows the timeout. The probe's command timeout here is far past this test's bound,
+    so the old wait fails it."""
+    name = own_database.rpartition("/")[2]
+    pool = await connect_pool(own_database, min_size=1, max_size=2)
+    async with HangingLink() as link:
+        probe = await connect_pool(link.dsn(name), min_size=1, max_size=1, command_timeout=600)
+        running = await build_server(
+            build_engine(pool),
+            "127.0.0.1:0",
+            readiness_interval=0.05,
+            readiness_timeout=0.5,
+            readiness_pool=probe,
+        )
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+                assert (await asyncio.wait_for(watch.read(), 30)).status == SERVING
+                link.hang()
+                assert (await asyncio.wait_for(watch.read(), 30)).status == NOT_SERVING
+                watch.cancel()
+
+                async def dropped() -> bool:
+                    return link.closed_by_client >= 1
+
+                await wait_for(dropped, what="the probe's cut-off connection dropped")
+                # Only the probe's PostgreSQL hung: the requests' pool still serves.
+                stub = pb_grpc.ContextEngineStub(channel)
+                planned = await stub.Plan(
+                    pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=spec())
+                )
+                assert planned.created
+        finally:
+            await running.stop(0)
+            probe.terminate()  # its PostgreSQL never answers a goodbye
+            await pool.close()
+
+
+async def test_closing_pools_to_a_hung_postgresql_is_bounded(own_database: str) -> None:
+    """A pool's close waits for each connection's goodbye. With PostgreSQL hung, serve's
+    close at SIGTERM waited up to the command timeout and then raised, exiting 1 with a
+    traceback and the request pool never closed (an audit). `_close` drops what does not
+    close in time. The command timeout here is far past this test's bound."""
+    async with HangingLink() as link:
+        pool = await connect_pool(
+            link.dsn(own_database.rpartition("/")[2]),
+            min_size=2,
+            max_size=2,
+            command_timeout=600,
+        )
+        try:
+            async with pool.acquire() as conn:
+                assert await conn.fetchval("SELECT 1") == 1
+            link.hang()
+            await asyncio.wait_for(server_module._close(pool), 30)
+            with pytest.raises(asyncpg.InterfaceError):
+                await asyncio.wait_for(pool.acquire(), 5)
+
+            async def both_dropped() -> bool:
+                return link.closed_by_client == 2
+
+            await wait_for(both_dropped, what="both connections dropped")
+        finally:
+            pool.terminate()
 
 
 async def test_a_health_watch_ends_when_shutdown_begins(own_database: str) -> None:
