@@ -22,11 +22,12 @@ request renders to: the model registry's budget (max_cache_breakpoints), which e
 not read, dropped them.
 Rule 4 (the channel): with --session, GetBuild is called over TLS when --ca-file,
 --cert-file/--key-file (mTLS) or --tls is given, and in plaintext otherwise. A bearer
-token (--token) is refused over plaintext unless the target is loopback (a sidecar): it
-would cross the network in clear.
+token (--token) is refused over plaintext unless the target is loopback (a sidecar; every
+address of an ipv4:/ipv6: list): it would cross the network in clear.
 Exit status: 1 for a Region A defect, 2 for unusable input (one line naming why: a file
 that is no BuildResponse, a GetBuild error as `CODE: details [REASON metadata]`, a token
-refused over plaintext), 0 otherwise.
+refused over plaintext, a build this version cannot render), 0 otherwise. Two builds of
+different sessions are two plans: their Region A differing is no defect.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,6 +48,7 @@ from google.protobuf.message import DecodeError
 from ._gen.context_engine.v1 import context_engine_pb2 as pb
 from .api.convert import request_from_proto
 from .api.errors import error_info
+from .core.errors import EngineError, PreconditionError
 from .core.request import ModelRequest
 from .core.rows import ROW_TABLE, Region, Row
 from .providers import PromptUnit, anthropic, prompt_units, render
@@ -128,6 +131,11 @@ def explain(a: pb.BuildResponse, b: pb.BuildResponse) -> Explanation:
         for label, response, request in (("A", a, request_a), ("B", b, request_b))
         if response.provider_payload and not _renders_to(request, response.provider_payload)
     ]
+    if request_a.session_key != request_b.session_key:
+        notes.append(
+            "the builds are of two sessions: their prefixes are two plans', no defect is"
+            " judged between them"
+        )
     if request_a.provider != request_b.provider or request_a.model_id != request_b.model_id:
         notes.append(
             f"provider/model changed ({request_a.provider}/{request_a.model_id} -> "
@@ -192,15 +200,26 @@ def _difference(
 ) -> Explanation:
     region = ua.region
     if region is Region.PREFIX:
-        same_epoch = a.epoch == b.epoch
+        # Epochs are numbered per session: two sessions' epoch 1 are different plans.
+        same_session = a.request.session_key == b.request.session_key
+        same_epoch = same_session and a.epoch == b.epoch
         defect = same_epoch
-        verdict = (
-            f"Region A (row {int(ua.row)}, {ROW_TABLE[ua.row].content}) differs within epoch"
-            f" {a.epoch}: a DEFECT — the prefix must be byte-stable for the life of an epoch"
-            if same_epoch
-            else f"Region A changed with an epoch rotation ({a.epoch} -> {b.epoch}): expected,"
-            " the known cost of re-caching the prefix once"
-        )
+        if same_epoch:
+            verdict = (
+                f"Region A (row {int(ua.row)}, {ROW_TABLE[ua.row].content}) differs within"
+                f" epoch {a.epoch}: a DEFECT — the prefix must be byte-stable for the life of"
+                " an epoch"
+            )
+        elif same_session:
+            verdict = (
+                f"Region A changed with an epoch rotation ({a.epoch} -> {b.epoch}): expected,"
+                " the known cost of re-caching the prefix once"
+            )
+        else:
+            verdict = (
+                f"Region A (row {int(ua.row)}, {ROW_TABLE[ua.row].content}) differs between"
+                " two sessions' plans: expected, each session's prefix is its own"
+            )
         if same_epoch and a.prefix_sha256 != b.prefix_sha256:
             notes.append("prefix_sha256 differs within one epoch")
     else:
@@ -282,11 +301,21 @@ def load_build_response(path: Path) -> pb.BuildResponse:
 
 def is_loopback(target: str) -> bool:
     """Whether a gRPC target names this host: a loopback address, localhost, or a Unix
-    socket. A name that resolves elsewhere, or any other address, is not."""
+    socket. A name that resolves elsewhere, or any other address, is not. The ipv4: and
+    ipv6: schemes take a comma-separated list, which grpc falls through: every address
+    must be loopback (an audit: only the first was checked)."""
     if target.startswith(("unix:", "unix-abstract:")):
         return True
-    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+    for scheme in ("ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            addresses = target.removeprefix(scheme).split(",")
+            return all(_one_loopback(address) for address in addresses)
+    for scheme in ("dns:///", "dns:"):
         target = target.removeprefix(scheme)
+    return _one_loopback(target)
+
+
+def _one_loopback(target: str) -> bool:
     host = target.rpartition(":")[0] if target.count(":") == 1 else target
     if host.startswith("["):
         host = host[1:].partition("]")[0]
@@ -404,6 +433,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# A bearer token as a header carries it: visible ASCII, no spaces or line endings.
+_HEADER_TOKEN = re.compile(r"[\x21-\x7e]*")
+
+
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What argparse cannot say alone (exits 2 via parser.error): --session needs --tenant
     and two request sequences. The server's options mean nothing with two files: said on
@@ -412,6 +445,13 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if args.session:
         if not args.tenant:
             parser.error("--tenant is required with --session")
+        if not _HEADER_TOKEN.fullmatch(args.token):
+            # A token read from a file kept its line ending; grpc failed the call with a
+            # traceback (an audit). The token itself is never printed.
+            parser.error(
+                "--token holds a character an authorization header cannot carry"
+                " (a line ending read from a file?)"
+            )
         for build in args.builds:
             try:
                 sequence = int(build)
@@ -463,6 +503,12 @@ def run(args: argparse.Namespace) -> int:
         explanation = explain(a, b)
     except (OSError, ValueError) as exc:
         print(f"context-engine explain: {exc}", file=sys.stderr)
+        return 2
+    except (EngineError, PreconditionError) as exc:
+        # A build this version cannot render (a provider it has no renderer for, a
+        # malformed reasoning payload, two tools sharing a wire name): unusable input,
+        # not a Region A defect, which exit 1 would say (an audit: a traceback, exit 1).
+        print(f"context-engine explain: a build cannot be rendered: {exc}", file=sys.stderr)
         return 2
     except grpc.aio.AioRpcError as exc:
         print(f"context-engine explain: GetBuild failed: {rpc_error_line(exc)}", file=sys.stderr)

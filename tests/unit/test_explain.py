@@ -93,6 +93,13 @@ def test_a_changed_prefix_within_an_epoch_is_a_defect() -> None:
     rotated = explain(_response(a, epoch=1), _response(b, epoch=2))
     assert rotated.region is Region.PREFIX and not rotated.defect
     assert "rotation" in rotated.verdict
+    # Epochs are numbered per session: two sessions' epoch 1 are two plans (an audit:
+    # called a DEFECT, exit 1).
+    other = replace(b, session_key="session-" + "0" * 32)
+    apart = explain(_response(a), _response(other))
+    assert apart.region is Region.PREFIX and not apart.defect
+    assert "two sessions" in apart.verdict
+    assert any("two sessions" in note for note in apart.notes)
 
 
 def test_a_prompt_that_only_grows_differs_nowhere() -> None:
@@ -254,6 +261,14 @@ def test_session_needs_a_tenant_and_a_token_needs_tls_off_loopback(
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "--token would cross the network in clear to 192.0.2.1:50051" in line
     assert "s" * 32 not in line
+    # A token read from a file with its line ending: refused before any call, never
+    # printed (an audit: grpc's traceback, exit 1).
+    with pytest.raises(SystemExit) as exited:
+        main([*argv[:-1], "s" * 32 + "\r"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--token holds a character an authorization header cannot carry" in err
+    assert "s" * 32 not in err
     # A client certificate without its key (or the reverse) is no mTLS.
     assert main([*argv, "--cert-file", "c.pem"]) == 2
     assert "--cert-file and --key-file go together" in capsys.readouterr().err
@@ -272,6 +287,12 @@ def test_session_needs_a_tenant_and_a_token_needs_tls_off_loopback(
         ("engine.internal:50051", False),
         ("[2001:db8::1]:50051", False),
         ("localhost.evil.example:50051", False),
+        # grpc falls through an address list: every address must be loopback (an audit:
+        # only the first was checked, and the token went in clear to the second).
+        ("ipv6:[::1]:50051", True),
+        ("ipv4:127.0.0.1:1,127.0.0.2:50051", True),
+        ("ipv6:[::1]:1,[2001:db8::1]:50051", False),
+        ("ipv4:127.0.0.1:1,192.0.2.1:50051", False),
     ],
 )
 def test_which_targets_are_loopback(target: str, loopback: bool) -> None:
@@ -281,3 +302,21 @@ def test_which_targets_are_loopback(target: str, loopback: bool) -> None:
 def test_a_build_without_a_request_cannot_be_explained() -> None:
     with pytest.raises(ValueError, match="needs_compaction"):
         explain(pb.BuildResponse(needs_compaction=True), _response(load_request(LOOP)))
+
+
+def test_a_build_no_renderer_renders_is_unusable_input_not_a_defect(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A saved build naming a provider this version has no renderer for: exit 2 and one
+    line (an audit: a traceback and exit 1, the status of a Region A defect)."""
+    good = _response(load_request(LOOP))
+    bad = pb.BuildResponse()
+    bad.CopyFrom(good)
+    bad.request.provider = 99  # an enum value this version does not know
+    paths = []
+    for name, response in (("a.pb", good), ("b.pb", bad)):
+        (tmp_path / name).write_bytes(response.SerializeToString())
+        paths.append(str(tmp_path / name))
+    assert main(["explain", *paths]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "a build cannot be rendered" in line
