@@ -428,7 +428,10 @@ async def load_session(conn: Any, session_id: UUID, tenant_id: str | None) -> Se
         counts[row["type"]] = counts.get(row["type"], 0) + 1
         run = str(row["run_id"] or payload.get("run_id", ""))
         sequence = row["sequence"]
-        if row["type"] == "context.budget.pressure":
+        if row["type"] == "context.budget.pressure" and not payload.get("needs_compaction"):
+            # A needs-compaction Build's pressure is never paired: the run's next Build,
+            # fitting without a yield, records its request at the next sequence (an audit:
+            # it showed the other Build's OVER:compact).
             shaping[sequence + 1] = (run, _pressure_of({"pressure": payload, **payload}))
         elif row["type"] == "context.snapshot.used" and shaping.get(sequence, ("",))[0] == run:
             shaping[sequence + 1] = shaping.pop(sequence)

@@ -207,6 +207,43 @@ async def test_inspect_pairs_a_pressure_event_only_with_the_request_of_its_build
     assert "needs_compaction=True" in line_of(pressure, "Context events")
 
 
+async def test_a_needs_compaction_pressure_is_not_the_next_requests(
+    stub: Any, database_dsn: str
+) -> None:
+    """A Build that needs compaction (a step's corrections too large for the body) records
+    its pressure and no request; the run's next Build, without them, fits with no yield
+    and records its request at the very next sequence. That request showed the first
+    Build's `OVER:compact needs_compaction` (an audit)."""
+    tenant = _tenant()
+    session_id = new_id()
+    await stub.Plan(
+        pb.PlanRequest(
+            tenant_id=tenant,
+            session_id=session_id,
+            spec=spec(model_id=MODEL, reserve_output_tokens=1_000, policy_cap_tokens=5_500),
+        )
+    )
+    run_id = await _start(stub, tenant, session_id, "Tell me.")
+    await _append(stub, tenant, session_id, run_id, 1, assistant(_words(2_000)))
+    step = pb.StepContext(
+        corrections=[pb.RecallLine(item_id="c1", text=_words(2_500), source="correction")]
+    )
+    needs = await _build(stub, tenant, session_id, run_id, step=step)
+    assert needs.needs_compaction and needs.request_sequence == 0
+    fits = await _build(stub, tenant, session_id, run_id)
+    assert fits.request_sequence > 0 and not fits.HasField("pressure")
+
+    console = Console(record=True, width=250, color_system=None)
+    await run_inspect(database_dsn, session_id, tenant, console)
+    lines = console.export_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("Requests"))
+    shown = next(ln for ln in lines[start:] if ln.startswith(f"│ {fits.request_sequence} "))
+    assert "needs_compaction" not in shown and "OVER" not in shown, shown
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("Context events"))
+    pressure = next(ln for ln in lines[start:] if ln.startswith(f"│ {fits.request_sequence - 1} "))
+    assert "context.budget.pressure" in pressure and "needs_compaction=True" in pressure
+
+
 async def test_inspect_of_a_database_it_cannot_read_is_one_line(database_dsn: str) -> None:
     """docs/operations.md: exit 1 with one line naming why, never an asyncpg traceback: a
     database without the schema (not migrated), and a user without the right to read it."""
