@@ -1064,3 +1064,95 @@ async def _served_as(
         payload,
     )
     assert again.request_sha256 != built.request_sha256
+
+
+@pytest.mark.parametrize(
+    ("change", "names"),
+    [
+        # A recall line with a field the current model forbids (a rollback's).
+        (
+            lambda p: {
+                **p,
+                INPUTS_KEY: {
+                    **p[INPUTS_KEY],
+                    "step": {
+                        **p[INPUTS_KEY]["step"],
+                        "recall": [{**p[INPUTS_KEY]["step"]["recall"][0], "score": 0.5}],
+                    },
+                },
+            },
+            "step.recall of its recorded build inputs cannot be read back",
+        ),
+        (
+            lambda p: {**p, INPUTS_KEY: {**p[INPUTS_KEY], "now": "yesterday"}},
+            "now of its recorded build inputs cannot be read back",
+        ),
+        (
+            lambda p: {**p, INPUTS_KEY: {"step": p[INPUTS_KEY]["step"]}},
+            "now of its recorded build inputs cannot be read back",
+        ),
+        (
+            lambda p: {k: v for k, v in p.items() if k != "checkpoint_version"},
+            "recorded without the run, version or epoch it was built at",
+        ),
+    ],
+)
+async def test_a_record_this_build_cannot_read_back_is_not_found_not_internal(
+    stub: Any, pool: Any, change: Any, names: str
+) -> None:
+    """Recorded inputs this build cannot parse failed INTERNAL "internal error" (an audit);
+    docs/api.md promises FAILED_PRECONDITION REQUEST_NOT_FOUND for a record this build
+    cannot read back, and the message says where."""
+    session_id, _ = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "Trains?")).run.run_id
+    built = await stub.Build(
+        pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id, step=STEP)
+    )
+    await _rewrite_record(pool, session_id, built.request_sequence, change)
+    message, _ = await _refusal(stub, session_id, built.request_sequence)
+    assert names in message, message
+
+
+@pytest.mark.parametrize("held_in", ["recall", "snapshot"])
+async def test_an_erasure_committing_during_the_rebuild_is_not_served(
+    stub: Any, monkeypatch: pytest.MonkeyPatch, held_in: str
+) -> None:
+    """GetBuild read the record's redacted flag before rebuilding: an erasure committing
+    in between left the rebuild on the lines it had read, which still matched the recorded
+    hash, and the erased person's line was served after EraseSubject returned (an audit).
+    The erasure is made to commit inside the rebuild here, of a person named by a recall
+    line of the record or by a memory of the plan's snapshot."""
+    from context_engine.api import rpc_builds
+
+    person = f"carol-{new_id()}"
+    secret = [pb.RecallLine(item_id="r1", text="CAROL_SECRET is vegan.", person_ids=[person])]
+    memory = pb.MemorySnapshot(
+        snapshot_id="snap-1",
+        items=[
+            pb.MemoryItem(item_id="m1", text="CAROL_SECRET lives in Lyon.", person_ids=[person])
+        ],
+    )
+    if held_in == "snapshot":
+        session_id, _ = await open_session(stub, snapshot=memory)
+        step = pb.StepContext()
+    else:
+        session_id, _ = await open_session(stub)
+        step = pb.StepContext(recall=secret)
+    run_id = (await start_run(stub, session_id, "Who?")).run.run_id
+    built = await stub.Build(
+        pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id, step=step)
+    )
+    real = rpc_builds.rebuild
+
+    async def erased_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        rebuilt = await real(*args, **kwargs)
+        erased = await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+        assert erased.redacted_requests + len(erased.invalidated_session_ids) >= 1
+        return rebuilt
+
+    monkeypatch.setattr(rpc_builds, "rebuild", erased_meanwhile)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await _get(stub, session_id, built.request_sequence)
+    assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert details(refused.value)[0] == "REQUEST_REDACTED"
+    assert "CAROL_SECRET" not in (refused.value.details() or "")

@@ -52,11 +52,13 @@ type ContextEngineClient interface {
 	// model.request.started with prefix_sha256.
 	Build(ctx context.Context, in *BuildRequest, opts ...grpc.CallOption) (*BuildResponse, error)
 	// Rebuilds the request recorded by a model.request.started event from its recorded
-	// inputs (Build is pure, so this returns the same bytes). For explain and inspect. A
+	// inputs (Build is pure, so this returns the same bytes). For explain (inspect reads
+	// PostgreSQL directly). A
 	// record the server's body assembler no longer rebuilds to its recorded request and
 	// payload hashes (an older assembler version cut or rendered it otherwise), or to the
 	// tokenizer and figures it records (another tokenizer counts the model now), is refused
-	// FAILED_PRECONDITION REQUEST_NOT_FOUND, never answered with other bytes or figures.
+	// FAILED_PRECONDITION REQUEST_NOT_FOUND, never answered with other bytes or figures. A
+	// record an erasure redacted, also while this call rebuilt it, is REQUEST_REDACTED.
 	GetBuild(ctx context.Context, in *GetBuildRequest, opts ...grpc.CallOption) (*BuildResponse, error)
 	// Reports a model response's actual usage. Feeds the per-model estimator correction
 	// (persisted; pinned on later checkpoints) and the cache metrics.
@@ -268,11 +270,13 @@ type ContextEngineServer interface {
 	// model.request.started with prefix_sha256.
 	Build(context.Context, *BuildRequest) (*BuildResponse, error)
 	// Rebuilds the request recorded by a model.request.started event from its recorded
-	// inputs (Build is pure, so this returns the same bytes). For explain and inspect. A
+	// inputs (Build is pure, so this returns the same bytes). For explain (inspect reads
+	// PostgreSQL directly). A
 	// record the server's body assembler no longer rebuilds to its recorded request and
 	// payload hashes (an older assembler version cut or rendered it otherwise), or to the
 	// tokenizer and figures it records (another tokenizer counts the model now), is refused
-	// FAILED_PRECONDITION REQUEST_NOT_FOUND, never answered with other bytes or figures.
+	// FAILED_PRECONDITION REQUEST_NOT_FOUND, never answered with other bytes or figures. A
+	// record an erasure redacted, also while this call rebuilt it, is REQUEST_REDACTED.
 	GetBuild(context.Context, *GetBuildRequest) (*BuildResponse, error)
 	// Reports a model response's actual usage. Feeds the per-model estimator correction
 	// (persisted; pinned on later checkpoints) and the cache metrics.

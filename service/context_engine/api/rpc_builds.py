@@ -50,6 +50,7 @@ from ..core.build_record import (
     marked_excerpts,
     marker_sequences,
     named_writers,
+    recorded_position,
     text_call_ids,
     whole_request_hash,
 )
@@ -97,7 +98,13 @@ class BuildsRpcs:
         except (InvalidFieldError, PreconditionError) as exc:
             # A refusal now (BUDGET_EXCEEDED under a later estimator, say) of what was built
             # and sent then: the record cannot be rebuilt, and the caller asked nothing wrong.
-            raise _not_rebuilt(sequence, recorded, f"this build refuses it ({exc.reason})") from exc
+            # A record this build cannot read back says where (core/build_record.py).
+            why = (
+                exc.message
+                if exc.reason == "REQUEST_NOT_FOUND"
+                else f"this build refuses it ({exc.reason})"
+            )
+            raise _not_rebuilt(sequence, recorded, why) from exc
         except EngineError as exc:
             if recorded == ASSEMBLER_VERSION:
                 raise  # the same assembler built it: ours to fix, not the record's
@@ -112,6 +119,14 @@ class BuildsRpcs:
                 # erased memories, and they are not served again (core/snapshot.py).
                 raise _redacted(sequence, f"epoch {result.plan.epoch}'s snapshot")
             raise _not_rebuilt(sequence, recorded, "the rebuild differs from the recorded bytes")
+        async with acquire(self.engine.pool) as conn:
+            # Asked again after the rebuild, which may have read the record's lines or the
+            # plan before an erasure committed (an audit: served an erased person's line).
+            redacted = await events.redacted_since(
+                conn, tenant, session_id, sequence, result.plan.epoch
+            )
+        if redacted:
+            raise _redacted(sequence, redacted)
         tokenizer = self.engine.tokenizer_of(result.plan.model_id)
         differs = estimate_differs(payload, result.assembled, tokenizer)
         if differs is not None:
@@ -143,14 +158,15 @@ async def rebuild(
         what Engine.build raises.
     """
     now, step = inputs_from_record(payload)
+    run_id, version, epoch = recorded_position(payload)
     return await engine.build(
         tenant,
         session_id,
-        UUID(payload["run_id"]),
-        int(payload["checkpoint_version"]),
+        run_id,
+        version,
         now,
         step,
-        epoch=int(payload["epoch"]),
+        epoch=epoch,
         record=False,
         # Skills are sticky and append-only: the first N loaded are the ones it saw.
         skills_loaded=payload.get("skills_loaded"),

@@ -56,6 +56,7 @@ from collections.abc import Iterable
 from dataclasses import fields, replace
 from datetime import UTC, datetime
 from typing import Any
+from uuid import UUID
 
 from pydantic import BaseModel
 
@@ -97,6 +98,7 @@ __all__ = [
     "markers_by_id",
     "named_writers",
     "recalled_people",
+    "recorded_position",
     "redact_record",
     "shown_items",
     "text_call_ids",
@@ -336,22 +338,55 @@ def inputs_from_record(payload: dict[str, Any]) -> tuple[datetime, StepContext]:
         )
     hints = typing.get_type_hints(StepContext)
     values: dict[str, Any] = {}
-    for name, value in record.get("step", {}).items():
-        hint = hints.get(name)
-        if hint is None:
-            continue  # a field this build no longer has
-        if isinstance(value, list):
-            item_type = typing.get_args(hint)[0]
-            if not (isinstance(item_type, type) and issubclass(item_type, BaseModel)):
-                raise PreconditionError(
-                    f"step.{name} cannot be read back",
-                    field="request_sequence",
-                    reason="REQUEST_NOT_FOUND",
-                )
-            values[name] = tuple(item_type.model_validate(v) for v in value)
-        else:
-            values[name] = value
-    return datetime.fromisoformat(record["now"]), StepContext(**values)
+    where = "now"
+    try:
+        now = datetime.fromisoformat(record["now"])
+        if now.tzinfo is None:
+            raise ValueError("a naive time")
+        for name, value in record.get("step", {}).items():
+            where = f"step.{name}"
+            hint = hints.get(name)
+            if hint is None:
+                continue  # a field this build no longer has
+            if isinstance(value, list):
+                item_type = typing.get_args(hint)[0]
+                if not (isinstance(item_type, type) and issubclass(item_type, BaseModel)):
+                    raise ValueError("not a list of items")
+                values[name] = tuple(item_type.model_validate(v) for v in value)
+            else:
+                values[name] = value
+        where = "step"
+        step = StepContext(**values)
+    except (KeyError, TypeError, ValueError) as exc:  # pydantic's ValidationError included
+        # A record this build cannot read (a field a rolled-back model forbids, say) was
+        # INTERNAL (an audit); it is a record GetBuild cannot rebuild, named by where.
+        raise PreconditionError(
+            f"{where} of its recorded build inputs cannot be read back by this build"
+            f" ({type(exc).__name__})",
+            field="request_sequence",
+            reason="REQUEST_NOT_FOUND",
+        ) from None
+    return now, step
+
+
+def recorded_position(payload: dict[str, Any]) -> tuple[UUID, int, int]:
+    """(run id, checkpoint version, plan epoch) a model.request.started payload was built at.
+
+    Raises:
+        PreconditionError: REQUEST_NOT_FOUND when the payload does not hold them.
+    """
+    try:
+        return (
+            UUID(payload["run_id"]),
+            int(payload["checkpoint_version"]),
+            int(payload["epoch"]),
+        )
+    except (KeyError, TypeError, ValueError):
+        raise PreconditionError(
+            "this request was recorded without the run, version or epoch it was built at",
+            field="request_sequence",
+            reason="REQUEST_NOT_FOUND",
+        ) from None
 
 
 def shown_items(lines: Iterable[tuple[str, dict[str, Any]]]) -> tuple[ContextItem, ...]:

@@ -25,6 +25,7 @@ __all__ = [
     "read_history_page",
     "read_logged_call_ids",
     "read_shown",
+    "redacted_since",
 ]
 
 # The log's event type for each loggable conversation item kind. Reasoning items are
@@ -183,6 +184,30 @@ async def read_events(
         limit,
     )
     return [dict(r) for r in rows]
+
+
+async def redacted_since(
+    conn: Any, tenant_id: str, session_id: UUID, sequence: int, epoch: int
+) -> str:
+    """What an erasure has redacted of the request recorded at `sequence`, built on plan
+    `epoch`, as the database holds it now: "its recall lines" (the record's), "epoch N's
+    snapshot" (the plan's), or "" (nothing). GetBuild asks after its rebuild: an erasure
+    committing while it rebuilt from what it had read before would otherwise be served."""
+    row = await conn.fetchrow(
+        "SELECT (SELECT coalesce((payload ->> 'redacted')::boolean, false) FROM session_events"
+        "        WHERE tenant_id = $1 AND session_id = $2 AND sequence = $3) AS record,"
+        "       (SELECT invalidated FROM context_plans"
+        "        WHERE tenant_id = $1 AND session_id = $2 AND epoch = $4) AS plan",
+        tenant_id,
+        session_id,
+        sequence,
+        epoch,
+    )
+    if row["record"]:
+        return "its recall lines"
+    if row["plan"]:
+        return f"epoch {epoch}'s snapshot"
+    return ""
 
 
 class Shown(NamedTuple):

@@ -208,11 +208,13 @@ class ContextEngineServicer:
 
     def GetBuild(self, request, context):
         """Rebuilds the request recorded by a model.request.started event from its recorded
-        inputs (Build is pure, so this returns the same bytes). For explain and inspect. A
+        inputs (Build is pure, so this returns the same bytes). For explain (inspect reads
+        PostgreSQL directly). A
         record the server's body assembler no longer rebuilds to its recorded request and
         payload hashes (an older assembler version cut or rendered it otherwise), or to the
         tokenizer and figures it records (another tokenizer counts the model now), is refused
-        FAILED_PRECONDITION REQUEST_NOT_FOUND, never answered with other bytes or figures.
+        FAILED_PRECONDITION REQUEST_NOT_FOUND, never answered with other bytes or figures. A
+        record an erasure redacted, also while this call rebuilt it, is REQUEST_REDACTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
