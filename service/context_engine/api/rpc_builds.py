@@ -50,7 +50,6 @@ from ..core.build_record import (
     marked_excerpts,
     marker_sequences,
     named_writers,
-    recorded_position,
     text_call_ids,
     whole_request_hash,
 )
@@ -158,7 +157,7 @@ async def rebuild(
         what Engine.build raises.
     """
     now, step = inputs_from_record(payload)
-    run_id, version, epoch = recorded_position(payload)
+    run_id, version, epoch = _recorded_position(payload)
     return await engine.build(
         tenant,
         session_id,
@@ -195,6 +194,26 @@ async def rebuild(
         # Its loaded skills' bodies at their load trust before @17.
         entry_skill_trust=entry_skill_trust(payload),
     )
+
+
+def _recorded_position(payload: dict[str, Any]) -> tuple[UUID, int, int]:
+    """(run id, checkpoint version, plan epoch) a model.request.started payload was built at.
+
+    Raises:
+        PreconditionError: REQUEST_NOT_FOUND when the payload does not hold them.
+    """
+    try:
+        return (
+            UUID(payload["run_id"]),
+            int(payload["checkpoint_version"]),
+            int(payload["epoch"]),
+        )
+    except (KeyError, TypeError, ValueError):
+        raise PreconditionError(
+            "this request was recorded without the run, version or epoch it was built at",
+            field="request_sequence",
+            reason="REQUEST_NOT_FOUND",
+        ) from None
 
 
 def _hashed_whole(result: BuildResult) -> BuildResult:

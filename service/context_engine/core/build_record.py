@@ -56,7 +56,6 @@ from collections.abc import Iterable
 from dataclasses import fields, replace
 from datetime import UTC, datetime
 from typing import Any
-from uuid import UUID
 
 from pydantic import BaseModel
 
@@ -98,7 +97,6 @@ __all__ = [
     "markers_by_id",
     "named_writers",
     "recalled_people",
-    "recorded_position",
     "redact_record",
     "shown_items",
     "text_call_ids",
@@ -367,26 +365,6 @@ def inputs_from_record(payload: dict[str, Any]) -> tuple[datetime, StepContext]:
             reason="REQUEST_NOT_FOUND",
         ) from None
     return now, step
-
-
-def recorded_position(payload: dict[str, Any]) -> tuple[UUID, int, int]:
-    """(run id, checkpoint version, plan epoch) a model.request.started payload was built at.
-
-    Raises:
-        PreconditionError: REQUEST_NOT_FOUND when the payload does not hold them.
-    """
-    try:
-        return (
-            UUID(payload["run_id"]),
-            int(payload["checkpoint_version"]),
-            int(payload["epoch"]),
-        )
-    except (KeyError, TypeError, ValueError):
-        raise PreconditionError(
-            "this request was recorded without the run, version or epoch it was built at",
-            field="request_sequence",
-            reason="REQUEST_NOT_FOUND",
-        ) from None
 
 
 def shown_items(lines: Iterable[tuple[str, dict[str, Any]]]) -> tuple[ContextItem, ...]:
