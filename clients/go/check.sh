@@ -7,6 +7,10 @@ set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 gopath=$(mktemp -d)
 trap 'rm -rf "$gopath"' EXIT
+# The build runs from inside $gopath: a relative OUTPUT_BINARY is the caller's, so anchor it
+# to the caller's directory now.
+out=${1:-$gopath/worker}
+case $out in /*) ;; *) out=$PWD/$out ;; esac
 mkdir -p "$gopath/src/github.com/context-engine/context-engine/clients"
 ln -s "$here" "$gopath/src/github.com/context-engine/context-engine/clients/go"
 cd "$gopath/src/github.com/context-engine/context-engine/clients/go"
@@ -17,5 +21,5 @@ if [ -n "$unformatted" ]; then
 fi
 export GO111MODULE=off GOPATH="$gopath:/usr/share/gocode" GOFLAGS=
 go vet ./...
-go build -o "${1:-$gopath/worker}" ./examples/worker
+go build -o "$out" ./examples/worker
 echo "go vet and build: ok"

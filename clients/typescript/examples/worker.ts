@@ -9,11 +9,14 @@
 // a worker would add where `build.attachmentPlacements` says: docs/api.md). To try it
 // without a provider account,
 // run the caching fake provider (`context-engine fake-provider --listen 127.0.0.1:8089`)
-// and set ANTHROPIC_BASE_URL=http://127.0.0.1:8089 ANTHROPIC_API_KEY=test.
+// and set ANTHROPIC_BASE_URL=http://127.0.0.1:8089 ANTHROPIC_API_KEY=test (for OpenAI:
+// OPENAI_BASE_URL=http://127.0.0.1:8089/v1 OPENAI_API_KEY=test MODEL_ID=<an OpenAI model>).
+// The base URLs follow the providers' SDKs: Anthropic's without /v1, OpenAI's with it.
 
 import {
   type BuildResult,
   ContextEngineClient,
+  ContextEngineError,
   type ModelTurn,
   type PlanSpec,
   type ToolCallRequest,
@@ -73,7 +76,7 @@ const PROVIDERS: Record<
     }),
   },
   'openai.responses': {
-    url: `${env.OPENAI_BASE_URL ?? 'https://api.openai.com'}/v1/responses`,
+    url: `${env.OPENAI_BASE_URL ?? 'https://api.openai.com/v1'}/responses`,
     headers: { authorization: `Bearer ${env.OPENAI_API_KEY ?? ''}` },
     parse: (body) => ({
       text: body.output
@@ -133,6 +136,21 @@ async function main(): Promise<void> {
     const result = await run.toolLoop({ callModel, runTool, now: () => new Date() });
     console.log(`answer: ${result.final.text}`);
     console.log(`distinct prefix hashes: ${new Set(result.builds.map((b) => b.prefixSha256)).size}`);
+    // toolLoop keeps a failed usage report rather than lose the answer to it. Resend the
+    // retryable ones: the key is the build's, so one that landed with its answer lost
+    // counts once. The others would fail again: say so, or the usage is lost unseen.
+    for (const u of result.unreported) {
+      let error = u.error;
+      if (error instanceof ContextEngineError && error.retryable) {
+        try {
+          await session.reportUsage(u.build, u.usage, undefined, { model: u.model });
+          continue;
+        } catch (resendError) {
+          error = resendError;
+        }
+      }
+      console.error(`usage of request #${u.build.requestSequence} not reported: ${String(error)}`);
+    }
   } finally {
     engine.close();
   }

@@ -4,8 +4,9 @@
 // again (twice) and checks that the prefix hash held and that Build is pure (the same
 // request hash and payload bytes). It also shows how to read the structured error details
 // (ErrorInfo reason, domain and metadata, BadRequest field violations) the engine sends,
-// and how a write with an idempotency key is retried safely (a Rotate, resent as after a
-// lost answer).
+// and how a write with an idempotency key is retried safely (send resends the same
+// request, key included, while the error is Retryable; a Rotate is resent as after a lost
+// answer).
 //
 //	./check.sh /tmp/worker && GRPC_GO_RETRY=on /tmp/worker -target 127.0.0.1:50051 -tenant example
 //
@@ -151,6 +152,34 @@ func call[Req, Resp any](ctx context.Context, timeout time.Duration,
 	return resp, decode(err)
 }
 
+// maxAttempts bounds send: the first attempt and two resends.
+const maxAttempts = 3
+
+// send makes a keyed write, resending the same req (so under the key it was first sent
+// with: the first attempt may have landed with only its answer lost, and a new key would
+// write twice) while the error is Retryable, after a growing pause. After
+// DEADLINE_EXCEEDED the next attempt gets twice the deadline: the server may just be slow.
+func send[Req, Resp any](ctx context.Context, timeout time.Duration,
+	rpc func(context.Context, Req, ...grpc.CallOption) (Resp, error), req Req) (Resp, error) {
+	pause := 100 * time.Millisecond
+	for attempt := 1; ; attempt++ {
+		resp, err := call(ctx, timeout, rpc, req)
+		var engineErr *EngineError
+		if attempt == maxAttempts || !errors.As(err, &engineErr) || !engineErr.Retryable() {
+			return resp, err // nil on success
+		}
+		if engineErr.Code == codes.DeadlineExceeded {
+			timeout *= 2
+		}
+		select {
+		case <-time.After(pause):
+		case <-ctx.Done(): // the caller gave up: resending cannot succeed
+			return resp, err
+		}
+		pause *= 2
+	}
+}
+
 // wireToolName is the name a provider sees for tool name: each character outside
 // [A-Za-z0-9_-] becomes "-", cut to 64 characters ("-" if nothing is left), as the engine
 // renders it.
@@ -267,7 +296,7 @@ func (w *worker) open(ctx context.Context) error {
 }
 
 func (w *worker) startRun(ctx context.Context, text string) error {
-	started, err := call(ctx, w.timeout, w.client.StartRun, &cev1.StartRunRequest{
+	started, err := send(ctx, w.timeout, w.client.StartRun, &cev1.StartRunRequest{
 		TenantId: w.tenant, SessionId: w.session, IdempotencyKey: newUUID(),
 		Seed: &cev1.StartRunRequest_UserMessage{UserMessage: &cev1.UserMessage{Text: text}},
 	})
@@ -329,7 +358,7 @@ func (w *worker) checkPrefix(ctx context.Context, b *cev1.BuildResponse) error {
 func (w *worker) appendStep(ctx context.Context, b *cev1.BuildResponse, turn modelTurn, result string) error {
 	name := toolName(b, turn.wireName)
 	fmt.Printf("tool call %s -> %s\n", turn.wireName, name)
-	appended, err := call(ctx, w.timeout, w.client.AppendItems, &cev1.AppendItemsRequest{
+	appended, err := send(ctx, w.timeout, w.client.AppendItems, &cev1.AppendItemsRequest{
 		TenantId: w.tenant, SessionId: w.session, RunId: w.runID,
 		ExpectedCheckpointVersion: w.version, IdempotencyKey: newUUID(),
 		Items: []*cev1.ConversationItem{
@@ -353,7 +382,7 @@ func (w *worker) appendStep(ctx context.Context, b *cev1.BuildResponse, turn mod
 // output is appended: a report that fails then loses nothing, and can be resent. The key
 // is the build's own, so a resend after a lost answer counts once.
 func (w *worker) reportUsage(ctx context.Context, b *cev1.BuildResponse, turn modelTurn) error {
-	_, err := call(ctx, w.timeout, w.client.ReportUsage, &cev1.ReportUsageRequest{
+	_, err := send(ctx, w.timeout, w.client.ReportUsage, &cev1.ReportUsageRequest{
 		TenantId: w.tenant, SessionId: w.session, RequestSequence: b.GetRequestSequence(),
 		ModelId: turn.model, InputTokens: turn.inputTokens, OutputTokens: turn.outputTokens,
 		IdempotencyKey: fmt.Sprintf("usage:%s:%d", w.session, b.GetRequestSequence()),
