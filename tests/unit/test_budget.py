@@ -537,11 +537,14 @@ def _plain_session(
     )
 
 
-def test_a_smaller_tool_result_cap_can_keep_a_passage_a_roomier_body_drops() -> None:
-    """The case the monotonicity gate exempts, pinned (found by CI): the tighter body's
-    cap (25% of its body) truncates a 5,000-token result whole-kept by the roomier body,
-    whose overflow then costs it its lowest-ranked passage. Both follow the ladder's order;
-    neither body's choice is wrong, and the wider one keeps more of the conversation."""
+def test_the_active_turns_result_counts_toward_the_cap_in_a_tight_and_a_roomy_body() -> None:
+    """The case the monotonicity gate exempts was pinned here (found by CI): the tighter
+    body's cap (25% of its body) truncated a 20,000-character result the roomier body kept
+    whole, whose overflow then cost it its lowest-ranked passage. The cap measured the
+    older results alone; the active turn's own 60,000-character result, which never
+    yields, was left out of it. Since context-assembler@20 it counts (an audit): it alone
+    holds the class over either body's cap, so both truncate every older result, and
+    neither drops a passage."""
     step = StepContext(
         knowledge=tuple(
             KnowledgePassageItem(item_id=f"kn{n}", text=_text(size), rank=rank)
@@ -566,9 +569,14 @@ def test_a_smaller_tool_result_cap_can_keep_a_passage_a_roomier_body_drops() -> 
     roomy = Session(**{**session.__dict__, "body_room": session.body_room + 2_580})
     tight = _assemble_noting(_build(session)[1])
     wide = _assemble_noting(_build(roomy)[1])
-    assert tight.truncated - wide.truncated == {"t11"}
+    assert tight.truncated == wide.truncated == {"t9", "t10", "t11"}
     assert _step_ids(tight.built, "drop_knowledge") == set()
-    assert _step_ids(wide.built, "drop_knowledge") == {"kn2"}
+    assert _step_ids(wide.built, "drop_knowledge") == set()
+    for body in (tight, wide):
+        assert body.built.pressure is not None
+        (results,) = [u for u in body.built.budget if u.class_name == "tool_results"]
+        # Over the cap by the active turn's result alone: nothing else is left whole.
+        assert results.tokens > results.cap_tokens
 
 
 def _call(item_id: str, call_id: str, sequence: int, run_id: str = "current") -> ToolCall:
@@ -1633,3 +1641,66 @@ def test_a_builds_cut_sums_the_history_once_per_costs_it_is_read_at(
     assert len(reads) > 100 and sums == 1
     other = (*yielded[:-1], yielded[-1] + 1)
     assert cut(other, 5_000) == summed_afresh(other, 5_000) and sums == 2
+
+
+def _class_usage(built: Assembled, class_name: str) -> ClassUsage:
+    (usage,) = [u for u in built.budget if u.class_name == class_name]
+    return usage
+
+
+def test_the_active_turns_results_count_toward_the_tool_result_cap() -> None:
+    """Every class but history is capped absolutely. The cap measured the older results
+    alone, leaving out the active turn's, which never yield: a request carried 12,070
+    tokens of results against a 9,883-token cap, the older result whole (an audit). Since
+    context-assembler@20 the older result yields to a pointer, and the class is within
+    its cap."""
+    untrusted = TrustLevel.EXTERNAL_UNTRUSTED
+    run: list[ConversationItem] = [
+        UserMessage(item_id="u1", text=_text(200), sequence=1, run_id="current"),
+        *_pair("c2", "r3", "call_c2", 2, _text(12_000), untrusted),
+        *_pair("c4", "r5", "call_c4", 4, _text(36_000), untrusted),
+    ]
+    built = assemble(
+        _build(_plain_session([], run, StepContext(), body_room=40_000, reserve=470))[1]
+    )
+    results = _class_usage(built, "tool_results")
+    assert results.tokens <= results.cap_tokens, results
+    assert _step_ids(built, "truncate_tool_results") == {"r3"}
+    sent = {b.item_id: b.text for m in built.request.messages for b in m.blocks}
+    assert len(sent["r5"]) > 30_000  # the active turn's result, whole
+
+
+def test_the_runs_own_exchanges_count_toward_the_history_floor() -> None:
+    """History's floor is 8,000 tokens of the history class. It was measured on carried
+    history alone, so a run whose own exchanges (history the request carries whatever the
+    cut) held well over 8,000 tokens still dropped every knowledge passage to keep 8,000
+    more of carried history (an audit). Since context-assembler@20 the run's exchanges
+    count toward the floor: the passages stay, and history is still over its floor."""
+    carried: list[ConversationItem] = []
+    for n in range(10):
+        carried += [
+            UserMessage(item_id=f"cu{n}", text=_text(1_600), sequence=2 * n + 1, run_id="old"),
+            AssistantMessage(item_id=f"ca{n}", text=_text(6_400), sequence=2 * n + 2, run_id="old"),
+        ]
+    run: list[ConversationItem] = [
+        UserMessage(item_id="u", text=_text(40), sequence=100, run_id="current")
+    ]
+    for n in range(5):
+        run += [
+            AssistantMessage(
+                item_id=f"a{n}", text=_text(8_000), sequence=101 + 2 * n, run_id="current"
+            ),
+            UserMessage(item_id=f"u{n}", text="more", sequence=102 + 2 * n, run_id="current"),
+        ]
+    step = StepContext(
+        knowledge=tuple(
+            KnowledgePassageItem(item_id=f"k{n}", text=_text(3_600), rank=n, citation="doc")
+            for n in range(3)
+        )
+    )
+    session = _plain_session(carried, run, step, body_room=18_000, reserve=470)
+    built = assemble(_build(session)[1])
+    history = _class_usage(built, "history")
+    assert history.tokens >= HISTORY_FLOOR_TOKENS
+    assert _step_ids(built, "drop_knowledge") == set(), built.pressure
+    assert _class_usage(built, "knowledge").items == 3

@@ -251,7 +251,16 @@ __all__ = [
 # but tab and line breaks, DEL, C1: core/envelope.py), as through invisible ones. A request
 # with neither renders as before; GetBuild refuses an older record that held one (it is not
 # rebuilt: the provider refused the first, and the second was sent unescaped).
-ASSEMBLER_VERSION = "context-assembler@19"
+# @20: the tool-result class's cap counts the active turn's results, which never yield,
+# so older results yield to pointers to hold the class within it (the others alone were
+# measured: a request carried 12,070 tokens of results against a 9,883-token cap); and
+# history's floor counts the history already paid, the summary and the run's own
+# exchanges, so carried history is protected only for the rest of the 8,000 tokens (a run
+# with 10,000 tokens of its own dropped every knowledge passage, or asked for compaction,
+# to keep 8,000 more of carried history). core/yield_ladder.py Rule 5. A request under no
+# such pressure is cut as before; GetBuild refuses an older record that was cut otherwise
+# (it is not rebuilt: the older rules are not kept).
+ASSEMBLER_VERSION = "context-assembler@20"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})

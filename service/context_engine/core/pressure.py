@@ -15,6 +15,11 @@ not fit after every cheaper yield, the body needs compaction.
 Rule 3 (the ladder): yield_ladder.run_ladder, in its fixed order, no further than needed.
 Rule 4 (the cut): carried history takes the remainder and select_history picks the suffix;
 the floor is protected by the ladder, so the remainder is at least min(floor, history).
+The floor is the history class's (8,000 tokens): the summary and the run's own exchanges,
+history the request carries whatever the cut, count toward it, and carried history is
+protected only for the rest (before context-assembler@20, for 8,000 tokens on top: a run
+of 10,000 tokens of its own exchanges dropped every knowledge passage, or asked for a
+compaction, to keep 8,000 more of carried history).
 Rule 5 (purity): costs come from the `cost` argument (a pure, conservative estimate of an
 item as rendered) and, for carried history, from its Segment (core/carried.py: the same
 estimate, derived once per run); identical inputs give identical decisions.
@@ -180,9 +185,15 @@ def fit_body(
     knowledge: list[tuple[ContextItem, int]] = []
     recall: list[tuple[ContextItem, int]] = []
     fixed = 0
+    pending_results = 0  # the active turn's: never yield, count toward the class cap
+    paid_history = 0  # the summary and the run's exchanges: history the floor need not add
     for (row, item), kind, spent, keep in zip(others, classes, costs, never, strict=True):
+        if kind == "history":
+            paid_history += spent
         if keep:
             fixed += spent
+            if kind == "tool_results":
+                pending_results += spent
         elif kind == "knowledge":
             knowledge.append((item, spent))
         elif kind == "recall":
@@ -202,8 +213,10 @@ def fit_body(
     body = Body(
         budget=budget.body_tokens,
         fixed=fixed,
-        history_floor=budget.history_tokens,
+        # The floor is the history class's: what is paid of it already counts (Rule 4).
+        history_floor=max(0, budget.history_tokens - paid_history),
         tool_result_cap=budget.tool_result_tokens,
+        pending_result_tokens=pending_results,
         knowledge=knowledge,
         recall=recall,
         recall_floor=floor,

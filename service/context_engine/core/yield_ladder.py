@@ -28,6 +28,13 @@ truncated for the class cap does not move the history cut: the freed tokens are 
 on older history, so history stays the recent suffix rather than a run of old pointers;
 what the earlier rungs gave up may take them (Rule 2).
 Rule 4 (compaction is a write): the last rung only reports; Build never compacts inline.
+Rule 5 (what a class holds): the tool-result class is every result in the request, the
+active turn's too: those never yield, so while they are in, older results yield to hold
+the class within its cap (before context-assembler@20 the cap measured the others alone,
+and a request could carry 12,070 tokens of results against a 9,883-token cap). History's
+floor is what the carried history must keep of it beside the history already paid (the
+summary, the run's own exchanges: core/pressure.py), not 8,000 tokens of carried history
+on top of them.
 Changing the order, a unit or a stopping rule changes what a request keeps: bump
 core/build_record.py ASSEMBLER_VERSION (its Rule 8), so recorded requests are not rebuilt
 by rules they were not cut by.
@@ -154,6 +161,9 @@ class Body:
     # Full tokens of the carried results at index >= a cut (none truncated), where known
     # without making them (core/carried.py Segment.result_tokens_from).
     carried_result_tokens: Callable[[int], int] | None = None
+    # The active turn's results (never yield, paid in `fixed`): they count toward the
+    # tool-result cap, so older results yield to hold the class within it (Rule 5).
+    pending_result_tokens: int = 0
     knowledge_kept: int = 0
     recall_kept: int = 0
     steps: list[YieldStep] = field(default_factory=list)
@@ -235,11 +245,13 @@ class Body:
         return retained + self.run_results
 
     def result_tokens_in_request(self, cut: int) -> int:
-        """sum(t.cost for t in results_in_request(cut)), without making the carried results
+        """The tool-result class in the request `cut` makes: the active turn's results and
+        sum(t.cost for t in results_in_request(cut)), without making the carried results
         when none has been (so none is truncated) and their tokens are known by cut."""
+        pending = self.pending_result_tokens
         if self.carried_results is None and self.carried_result_tokens is not None:
-            return self.carried_result_tokens(cut) + self.run_result_tokens()
-        return sum(t.cost for t in self.results_in_request(cut))
+            return self.carried_result_tokens(cut) + self.run_result_tokens() + pending
+        return sum(t.cost for t in self.results_in_request(cut)) + pending
 
     def tool_results_over_cap(self) -> bool:
         return self.result_tokens_in_request(self.cut()) > self.tool_result_cap
@@ -321,7 +333,7 @@ def _nothing_yields(body: Body) -> bool:
     knowledge_cap, recall_cap = CLASS_CAPS["knowledge"], CLASS_CAPS["recall"]
     run, recall = body.run_result_tokens(), body.recall_tokens()
     knowledge = body.knowledge_tokens()
-    if run > body.tool_result_cap or recall > recall_cap.cap_tokens:
+    if run + body.pending_result_tokens > body.tool_result_cap or recall > recall_cap.cap_tokens:
         return False
     if len(body.knowledge) > knowledge_cap.cap_items or knowledge > knowledge_cap.cap_tokens:
         return False
@@ -383,7 +395,8 @@ def _trim_recall(body: Body, trimmed: _Yielded) -> None:
 
 
 def _cap_run_results(body: Body) -> _Yielded:
-    """Truncate the run's results, oldest first, until they alone are within the class cap.
+    """Truncate the run's results, oldest first, until they and the active turn's are within
+    the class cap.
 
     They are in every request (the run is never cut), so whatever history the cut keeps,
     the cap takes at least these: doing it before the rungs yield for pressure is what keeps
@@ -391,7 +404,7 @@ def _cap_run_results(body: Body) -> _Yielded:
     in the request only above the cut, which the rungs decide; they are capped afterwards.
     Reported with the tool-result rung's step.
     """
-    total = body.run_result_tokens()
+    total = body.run_result_tokens() + body.pending_result_tokens
     truncated = _Yielded()
     for candidate in body.run_results:
         if total <= body.tool_result_cap:
@@ -487,7 +500,7 @@ def _cap_results_in_request(body: Body, truncated: _Yielded) -> None:
     allowance = body.history_tokens()
     cut = body.cut_for(costs, allowance)
     waiting = deque(body.results_in_request(cut))  # oldest first
-    total = sum(t.cost for t in waiting)
+    total = sum(t.cost for t in waiting) + body.pending_result_tokens
     while total > body.tool_result_cap and waiting:
         candidate = waiting.popleft()
         saving = candidate.saving
