@@ -985,3 +985,56 @@ async def test_a_question_asked_again_in_the_append_that_answers_it_stays_open(
     answer = result("ask1", "Whatever", trust=pb.TRUST_LEVEL_USER, name="conversation.ask_user")
     await append_items(stub, session_id, run_id, first.checkpoint_version, answer, ask("ask2"))
     assert [e["text"] for e in (await _latest_state(pool, run_id))["open_questions"]] == [q]
+
+
+@pytest.mark.parametrize("shown_as", ["recall", "snapshot"])
+async def test_a_fact_restating_a_memory_line_it_was_shown_is_no_more_than_memory(
+    stub: Any, shown_as: str
+) -> None:
+    """A fact takes its evidence's trust, and the model cites the user's message: a fact
+    restating a recall line (or a snapshot memory) the run was shown was USER trust and
+    offered to memory formation, after an erasure of the line's person too (an audit). It
+    is now at most the trust of what it quotes that its evidence does not say; a fact whose
+    words the user's message holds keeps the user's trust."""
+    person = f"ana-{new_id()}"
+    line = "Ana Moreau keeps a severe peanut allergy and carries two adrenaline pens."
+    memory = pb.MemorySnapshot(
+        snapshot_id="snap-1",
+        items=[pb.MemoryItem(item_id="m1", text=line, person_ids=[person])],
+    )
+    if shown_as == "snapshot":
+        session_id, _ = await open_session(stub, snapshot=memory)
+        step = pb.StepContext()
+    else:
+        session_id, _ = await open_session(stub)
+        step = pb.StepContext(recall=[pb.RecallLine(item_id="r1", text=line, person_ids=[person])])
+    said = "Book dinner for Ana. I live in Paris, in the eleventh arrondissement."
+    started = await start_run(stub, session_id, said)
+    run_id, user_seq = started.run.run_id, started.run.seed_event_sequence
+    request = pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id, step=step)
+    request.now.FromDatetime(NOW)
+    await stub.Build(request)
+    updated = await update_state(
+        stub,
+        session_id,
+        run_id,
+        1,
+        add_facts=[
+            pb.Fact(statement=line, source_event_ids=[user_seq]),
+            pb.Fact(
+                statement="The user lives in Paris, in the eleventh arrondissement.",
+                source_event_ids=[user_seq],
+            ),
+        ],
+    )
+    assert [f.trust for f in updated.state.facts] == [
+        pb.TRUST_LEVEL_MEMORY,
+        pb.TRUST_LEVEL_USER,
+    ]
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    offered = await stub.OfferFactCandidates(
+        pb.OfferFactCandidatesRequest(tenant_id=TENANT, session_id=session_id)
+    )
+    assert [c.fact.statement for c in offered.candidates] == [
+        "The user lives in Paris, in the eleventh arrondissement."
+    ]

@@ -5966,7 +5966,9 @@ type Fact struct {
 	// once (INVALID_FIELD naming update.add_facts[N].source_event_ids).
 	SourceEventIds []int64 `protobuf:"varint,2,rep,packed,name=source_event_ids,json=sourceEventIds,proto3" json:"source_event_ids,omitempty"`
 	// Trust of its sources (the lowest among them). Never above what its evidence supports,
-	// whoever wrote it: a fact the model writes citing only the user's events is USER trust.
+	// whoever wrote it: a fact the model writes citing only the user's events is USER trust,
+	// unless it quotes a memory line or untrusted content the run was shown that those
+	// events do not say, whose trust it then takes (MEMORY for a recall line).
 	Trust TrustLevel `protobuf:"varint,3,opt,name=trust,proto3,enum=context_engine.v1.TrustLevel" json:"trust,omitempty"`
 	// Output only (WorkingState, fact candidates): who wrote the fact, which formation needs
 	// to tell a model's conclusion from the user's own statement. Set in an update, it is

@@ -12,13 +12,23 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
+from ..core.build_record import INPUTS_KEY, SHOWN_FIELDS, shown_items
 from ..core.checkpoint import Checkpoint, require_version
+from ..core.compaction import SUMMARIZABLE, elided_content, quoted_sources
 from ..core.errors import EngineError, InvalidFieldError
-from ..core.items import ConversationItem
+from ..core.items import (
+    ConversationItem,
+    CorrectionLineItem,
+    KnowledgePassageItem,
+    RecallLineItem,
+    trust_of,
+)
+from ..core.plan import prefix_data
 from ..core.trust import TrustLevel
 from ..core.working_state import (
     Fact,
     Folded,
+    NewFact,
     Transition,
     WorkingState,
     WorkingStateUpdate,
@@ -31,7 +41,7 @@ from ..core.working_state import (
     pending_questions,
     runtime_update,
 )
-from ..store import events, idempotency, runs, sessions
+from ..store import events, idempotency, plans, runs, sessions
 from ..store import working_state as ws_store
 from ..store.db import transaction
 from ..store.events import NewEvent
@@ -160,9 +170,11 @@ def runtime_transition(
 
 
 async def _lowered_facts(
-    conn: Any, tenant_id: str, session_id: UUID, update: WorkingStateUpdate
+    conn: Any, tenant_id: str, session_id: UUID, run: runs.RunRow, update: WorkingStateUpdate
 ) -> WorkingStateUpdate:
-    """Each new fact's trust, lowered to the least trusted of its claim and its evidence.
+    """Each new fact's trust, lowered to the least trusted of its claim, its evidence and
+    what it quotes of the memory lines and untrusted content the run was shown that its
+    evidence does not say (`_quoted_trust`).
 
     Raises:
         InvalidFieldError: evidence that is not a conversation event of this session.
@@ -184,7 +196,65 @@ async def _lowered_facts(
                 )
             levels.append(level)
         facts.append(fact.model_copy(update={"trust": lowest_trust(levels)}))
+    if any(f.trust in SUMMARIZABLE for f in facts):
+        shown = await _shown_sources(conn, tenant_id, session_id, run)
+        facts = [_quoted_trust(f, shown, found) for f in facts]
     return update.model_copy(update={"add_facts": tuple(facts)})
+
+
+# A source the run was shown: (its text, its trust), below what a fact may restate freely.
+Source = tuple[str, TrustLevel]
+
+
+async def _shown_sources(
+    conn: Any, tenant_id: str, session_id: UUID, run: runs.RunRow
+) -> list[Source]:
+    """The step lines (recall, corrections, knowledge) the run's requests showed its model
+    and the enveloped prefix entries of their plans (the snapshot's memories, say), where
+    their trust is one a fact may not launder (core/compaction.py SUMMARIZABLE): read as
+    compaction reads them (api/compaction.py _inputs), from the run's seed on."""
+    shown = await events.read_shown(
+        conn,
+        tenant_id,
+        session_id,
+        inputs_key=INPUTS_KEY,
+        fields=SHOWN_FIELDS,
+        from_sequence=run.seed_event_sequence or 0,
+        in_view=[str(run.run_id)],
+    )
+    sources = [
+        (item.text, trust_of(item))
+        for item in shown_items(shown.lines)
+        if isinstance(item, KnowledgePassageItem | RecallLineItem | CorrectionLineItem)
+    ]
+    epochs = sorted({*shown.epochs, run.epoch})
+    for stored in await plans.read_distinct_prefixes(conn, tenant_id, session_id, epochs):
+        sources += [(e.text, e.trust) for e in prefix_data(stored.plan, stored.spec)]
+    return [(text, trust) for text, trust in sources if trust not in SUMMARIZABLE]
+
+
+def _quoted_trust(
+    fact: NewFact, shown: Sequence[Source], evidence: dict[int, tuple[str, dict[str, Any], bool]]
+) -> NewFact:
+    """`fact` at no more than the trust of any shown source it quotes that its evidence
+    does not say itself. Its trust was its evidence's alone: a fact the model wrote
+    restating a recall line, citing the user's message, was USER, offered to memory
+    formation, after an erasure of the line's person too (an audit). Matched as compaction
+    matches a summary (core/compaction.py quoted_sources: 40-character substrings, 8-word
+    windows, identifier runs), the evidence's text licensing what it holds, so a fact the
+    user stated in their own words keeps their trust."""
+    sources = [(text, trust) for text, trust in shown if trust > fact.trust]
+    if not sources:
+        return fact
+    allowed = "\n".join(
+        elided_content(kind, payload)
+        for kind, payload, _ in (evidence[i] for i in fact.source_event_ids if i in evidence)
+    )
+    quoted = quoted_sources([fact.statement], [text for text, _ in sources], allowed)
+    if not quoted:
+        return fact
+    trust = lowest_trust([fact.trust, *(sources[j][1] for j in quoted[0])])
+    return fact.model_copy(update={"trust": trust})
 
 
 async def update_working_state(
@@ -211,10 +281,10 @@ async def update_working_state(
         )
         if stored is not None:
             return stored
-        await runs.read_run(conn, tenant_id, session_id, run_id)
+        run = await runs.read_run(conn, tenant_id, session_id, run_id)
         checkpoint = await runs.read_checkpoint(conn, tenant_id, run_id)
         require_version(checkpoint, expected_version)
-        update = await _lowered_facts(conn, tenant_id, session_id, update)
+        update = await _lowered_facts(conn, tenant_id, session_id, run, update)
         version = checkpoint.version + 1
         transition, sequence = await record_transition(
             conn,
