@@ -15,11 +15,12 @@ not fit after every cheaper yield, the body needs compaction.
 Rule 3 (the ladder): yield_ladder.run_ladder, in its fixed order, no further than needed.
 Rule 4 (the cut): carried history takes the remainder and select_history picks the suffix;
 the floor is protected by the ladder, so the remainder is at least min(floor, history).
-The floor is the history class's (8,000 tokens): the summary and the run's own exchanges,
-history the request carries whatever the cut, count toward it, and carried history is
-protected only for the rest (before context-assembler@20, for 8,000 tokens on top: a run
-of 10,000 tokens of its own exchanges dropped every knowledge passage, or asked for a
-compaction, to keep 8,000 more of carried history).
+The floor (8,000 tokens) counts the history the request carries whatever the cut (the
+summary, the run's own exchanges: history-class items), and carried history, as the cut
+counts it (its results included), is protected only for the rest (before
+context-assembler@20, for 8,000 tokens on top: a run of 10,000 tokens of its own exchanges
+dropped every knowledge passage, or asked for a compaction, to keep 8,000 more of carried
+history).
 Rule 5 (purity): costs come from the `cost` argument (a pure, conservative estimate of an
 item as rendered) and, for carried history, from its Segment (core/carried.py: the same
 estimate, derived once per run); identical inputs give identical decisions.
@@ -210,13 +211,19 @@ def fit_body(
             Truncatable(n, full, pointer, carried.items[n]) for n, full, pointer in carried.results
         ]
 
+    # The active turn's results count toward their class's cap while they alone are within
+    # it: past it no yield brings the class within, and truncating every older result for
+    # the one step they are active, only for them to come back whole the next (when they
+    # yield first, as the run's), changed cached history twice for nothing (a review). The
+    # others are then capped alone.
+    counted_pending = pending_results if pending_results < budget.tool_result_tokens else 0
     body = Body(
         budget=budget.body_tokens,
         fixed=fixed,
         # The floor is the history class's: what is paid of it already counts (Rule 4).
         history_floor=max(0, budget.history_tokens - paid_history),
         tool_result_cap=budget.tool_result_tokens,
-        pending_result_tokens=pending_results,
+        pending_result_tokens=counted_pending,
         knowledge=knowledge,
         recall=recall,
         recall_floor=floor,

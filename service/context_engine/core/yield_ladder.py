@@ -6,13 +6,15 @@ is checked against the caps table's Yields column so the two cannot drift apart.
 Rule 2 (no further than needed): a rung yields one unit at a time and stops as soon as its
 class is within its cap and the body fits; a later rung never yields for pressure while an
 earlier one can still free tokens (a class over its own cap yields regardless). "Fits"
-counts history at its floor, min(8,000, what history has), so the cheaper classes yield to
+counts carried history at its floor, min(the floor, what it has), the floor being what is
+left of 8,000 beside the history already paid (Rule 5), so the cheaper classes yield to
 protect the floor and history takes the rest (once the cap pass has pinned the cut, the
 history that cut keeps, and what was given up may take the rest). Recall over its cap, and
-the run's own tool results where they alone are over the tool-result cap (they are in
-every request), are cut to their caps before any rung yields for pressure: knowledge (and,
-for the results' cap, recall) never drops for tokens a cap frees anyway. Carried results
-are in the request only above the cut, which the rungs decide, so they are capped last.
+the run's own tool results where they and the active turn's are over the tool-result cap
+(they are in every request), are cut to their caps before any rung yields for pressure:
+knowledge (and, for the results' cap, recall) never drops for tokens a cap frees anyway.
+Carried results are in the request only above the cut, which the rungs decide, so they are
+capped last.
 Units yield whole, so the one that makes the body fit can free more than was still over:
 what the earlier rungs gave up and now fits comes back (recall, then knowledge,
 best-ranked first), so no rung has yielded more than the fit needed; and again after the
@@ -31,7 +33,9 @@ Rule 4 (compaction is a write): the last rung only reports; Build never compacts
 Rule 5 (what a class holds): the tool-result class is every result in the request, the
 active turn's too: those never yield, so while they are in, older results yield to hold
 the class within its cap (before context-assembler@20 the cap measured the others alone,
-and a request could carry 12,070 tokens of results against a 9,883-token cap). History's
+and a request could carry 12,070 tokens of results against a 9,883-token cap). Only while
+they alone are within the cap: past it no yield could hold the class, and the others are
+capped alone, as before (core/pressure.py passes 0 then). History's
 floor is what the carried history must keep of it beside the history already paid (the
 summary, the run's own exchanges: core/pressure.py), not 8,000 tokens of carried history
 on top of them.
@@ -324,7 +328,8 @@ def run_ladder(body: Body) -> bool:
 
 def _nothing_yields(body: Body) -> bool:
     """Whether every rung's stopping condition holds before it starts, so run_ladder would
-    yield nothing and find the body fitting: the run's results within the tool-result cap
+    yield nothing and find the body fitting: the run's results and the active turn's
+    within the tool-result cap
     (_cap_run_results), recall within its cap (_cap_recall, _trim_recall), knowledge
     within its caps and the body fitting with history at its floor (_drop_knowledge, and
     then no rung yields for the fit), and the results in the request within the cap (no
