@@ -204,6 +204,19 @@ class Settings(BaseModel):
                 f'auth_tokens and auth_tokens_file need auth "bearer" (auth is "{self.auth}":'
                 " the tokens would be ignored and every call taken unauthenticated)"
             )
+        if self.tls_client_ca_file and self.auth == "none":
+            # Client certificates would be required and their identity ignored: any holder
+            # of one could act as every tenant (an audit).
+            raise ValueError(
+                'tls_client_ca_file needs auth "mtls" (the certificate names the tenant) or'
+                ' "bearer" (auth is "none": every certificate holder could act as any tenant)'
+            )
+        for identity, tenant in self.tls_client_tenants.items():
+            if not isinstance(tenant, str) or not identity or not tenant or len(tenant) > 200:
+                raise ValueError(
+                    "tls_client_tenants: each certificate identity (non-empty) must map to a"
+                    " tenant id of 1-200 characters"
+                )
         if self.tls_client_tenants and self.auth != "mtls":
             raise ValueError(
                 f'tls_client_tenants needs auth "mtls" (auth is "{self.auth}": the mapping'

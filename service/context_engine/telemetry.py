@@ -89,6 +89,8 @@ _TENANT = re.compile(r"[A-Za-z0-9._:@/+=-]{1,200}")
 # anything in `run_id`) is written as "<malformed>", never verbatim.
 RPC_FIELDS: Mapping[str, Callable[[Any], bool]] = {
     "tenant_id": lambda v: isinstance(v, str) and _TENANT.fullmatch(v) is not None,
+    # The authenticated identity's tenant (auth on): tenant_id is what the request claims.
+    "caller_tenant": lambda v: isinstance(v, str) and _TENANT.fullmatch(v) is not None,
     "session_id": lambda v: isinstance(v, str) and _UUID.fullmatch(v) is not None,
     "run_id": lambda v: isinstance(v, str) and _UUID.fullmatch(v) is not None,
     "epoch": lambda v: isinstance(v, int),

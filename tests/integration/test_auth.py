@@ -11,6 +11,7 @@ import asyncio
 import datetime as dt
 import ipaddress
 import json
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -214,12 +215,12 @@ class _CA:
         return self.cert.public_bytes(serialization.Encoding.PEM)
 
     def issue(self, cn: str, sans: list[x509.GeneralName], *, server: bool) -> tuple[bytes, bytes]:
-        """(certificate PEM, key PEM)."""
+        """(certificate PEM, key PEM); `cn` "": a subject without a common name."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = dt.datetime.now(dt.UTC)
         builder = (
             x509.CertificateBuilder()
-            .subject_name(_name(cn))
+            .subject_name(_name(cn) if cn else x509.Name([]))
             .issuer_name(self.cert.subject)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
@@ -336,6 +337,62 @@ async def test_mtls_unmapped_certificate_is_unauthenticated(mtls: Any) -> None:
         await stub.Plan(pb.PlanRequest(session_id=new_id(), spec=spec()))
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert details(info.value)[0] == "UNAUTHENTICATED"
+
+
+async def test_mtls_without_a_mapping_a_certificate_without_a_cn_is_unauthenticated(
+    pool: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without tls_client_tenants the subject CN is the tenant. A certificate without one
+    was reported with an empty CN and taken as tenant "" (an audit): it passed
+    authentication. It is UNAUTHENTICATED now. And a refused call's log line names the
+    caller's tenant beside the one the request claims (it named only the claimed one)."""
+    ca = _CA("test client CA")
+    server_cert, server_key = ca.issue("context-engine", [x509.DNSName("localhost")], server=True)
+    files = {"tls_cert_file": server_cert, "tls_key_file": server_key, "tls_client_ca_file": ca.pem}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    settings = load_settings(
+        environ={
+            "CONTEXT_ENGINE_AUTH": "mtls",
+            **{f"CONTEXT_ENGINE_{name.upper()}": str(tmp_path / name) for name in files},
+        }
+    )
+    running = await build_server(build_engine(pool), "127.0.0.1:0", **server_options(settings))
+    caplog.set_level(logging.INFO, logger="context_engine.rpc")
+    try:
+        for cn, sans in (("", [x509.DNSName("nameless.example")]), ("worker-z", [])):
+            cert, key = ca.issue(cn, sans, server=False)
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=ca.pem, private_key=key, certificate_chain=cert
+            )
+            async with grpc.aio.secure_channel(
+                f"127.0.0.1:{running.port}",
+                creds,
+                options=(("grpc.ssl_target_name_override", "localhost"),),
+            ) as channel:
+                stub = pb_grpc.ContextEngineStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.Plan(
+                        pb.PlanRequest(tenant_id="tenant-b", session_id=new_id(), spec=spec())
+                    )
+                if not cn:
+                    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                    continue
+                assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert details(info.value)[0] == "TENANT_MISMATCH"
+                lines = [
+                    getattr(r, "fields", {})
+                    for r in caplog.records
+                    if r.name == "context_engine.rpc"
+                    and getattr(r, "fields", {}).get("reason") == "TENANT_MISMATCH"
+                ]
+                assert {(f.get("tenant_id"), f.get("caller_tenant")) for f in lines} == {
+                    ("tenant-b", "worker-z")
+                }
+                planned = await stub.Plan(pb.PlanRequest(session_id=new_id(), spec=spec()))
+                assert planned.created
+    finally:
+        await running.stop(0)
 
 
 @pytest.mark.parametrize("who", ["rogue", None])

@@ -379,6 +379,10 @@ async def _truthy(value: bool) -> bool:
 # --- configuration -----------------------------------------------------------------
 
 
+# TLS files that pass the configuration's check (a PEM block): written by the test.
+_TLS = {"tls_cert_file": "@pem", "tls_key_file": "@pem", "tls_client_ca_file": "@pem"}
+
+
 @pytest.mark.parametrize(
     ("file_settings", "env_settings", "named"),
     [
@@ -399,6 +403,11 @@ async def _truthy(value: bool) -> bool:
         # Credentials for an auth mode that is off: ignored, every call went unauthenticated.
         ({"auth_tokens": {"t0ken": "acme"}}, {}, 'need auth "bearer"'),
         ({"tls_client_tenants": {"CN=w": "acme"}}, {}, 'needs auth "mtls"'),
+        # Client certificates required and their identity ignored: any holder, any tenant.
+        (_TLS, {}, 'tls_client_ca_file needs auth "mtls"'),
+        # An empty identity or tenant: a certificate without a CN would map.
+        ({**_TLS, "auth": "mtls", "tls_client_tenants": {"": "acme"}}, {}, "tls_client_tenants"),
+        ({**_TLS, "auth": "mtls", "tls_client_tenants": {"w": ""}}, {}, "tls_client_tenants"),
     ],
 )
 def test_bad_configuration_exits_2_naming_the_setting(
@@ -412,7 +421,12 @@ def test_bad_configuration_exits_2_naming_the_setting(
     config = tmp_path / "config.json"
     not_pem = tmp_path / "not.pem"  # a file that exists but is no certificate
     not_pem.write_text("certificate goes here")
-    settings = {k: str(not_pem) if v == "@not-pem" else v for k, v in file_settings.items()}
+    pem = tmp_path / "some.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\n")
+    placed = {"@not-pem": str(not_pem), "@pem": str(pem)}
+    settings = {
+        k: placed[v] if isinstance(v, str) and v in placed else v for k, v in file_settings.items()
+    }
     config.write_text(json.dumps(settings))
     for key in list(os.environ):
         if key.startswith("CONTEXT_ENGINE_"):
