@@ -1269,6 +1269,50 @@ CREATE TABLE erased_people (
 """
 
 
+# The first 0016 (e678ad5), as far as the schema goes: its column alone. It also restated
+# record_model_request to read the column, which 0016_plan_columns restates again.
+_FIRST_0016 = (
+    "ALTER TABLE context_plans ADD COLUMN invalidated boolean"
+    " GENERATED ALWAYS AS (coalesce((plan ->> 'invalidated')::boolean, false)) STORED"
+)
+
+
+async def test_a_database_on_the_first_0016_migrates_to_the_released_shape() -> None:
+    """0016 was renamed after it landed: a database migrated in between recorded
+    0016_plan_invalidated, and 0016_plan_columns failed there on its first column, for
+    good (an audit). 0016_0_plan_invalidated_renamed drops that column first, on such a
+    database only; a database on the released 0016 finds it does nothing."""
+    from context_engine.store import apply_migrations
+    from context_engine.store.migrate import migration_files
+
+    files = migration_files()
+    before = [(v, sql) for v, sql in files if v < "0016"]
+    for first in (True, False):
+        dsn = await create_database(migrate=False)
+        conn = await asyncpg.connect(dsn)
+        try:
+            if first:
+                await apply_migrations(conn, [*before, ("0016_plan_invalidated", _FIRST_0016)])
+            else:  # the released 0016, before the repair existed
+                released = [(v, sql) for v, sql in files if v == "0016_plan_columns"]
+                await apply_migrations(conn, [*before, *released])
+            applied = await apply_migrations(conn)
+            assert "0016_0_plan_invalidated_renamed" in applied
+            assert ("0016_plan_columns" in applied) == first
+            columns = {
+                r["column_name"]
+                for r in await conn.fetch(
+                    "SELECT column_name FROM information_schema.columns"
+                    " WHERE table_name = 'context_plans'"
+                )
+            }
+            assert {"invalidated", "prefix_content_key"} <= columns
+            assert await apply_migrations(conn) == []
+        finally:
+            await conn.close()
+            await drop_database(dsn)
+
+
 async def test_a_database_on_the_first_0007_is_moved_to_the_released_shape() -> None:
     """A database migrated while 0007 kept erased people's ids failed every erasure (an
     audit): 0021 renames the column and hashes the ids, so an erasure made then is still
