@@ -76,6 +76,20 @@ async def test_a_round_trip_takes_at_most_the_limit() -> None:
     assert trips.sent == [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9]]
 
 
+async def test_a_round_trip_takes_at_most_the_weight_but_always_one_call() -> None:
+    """Rule 5: Build's records weigh the people each names, whose fences one transaction
+    holds together (64 records of 256 people each filled PostgreSQL's shared lock table:
+    an audit). A call heavier than the bound goes alone."""
+    trips = RoundTrips()
+    batcher: Batcher[int, int] = Batcher(trips, weigh=lambda k: k, max_weight=10)
+    first = asyncio.ensure_future(batcher(0))
+    await settle()
+    rest = [asyncio.ensure_future(batcher(k)) for k in (4, 5, 2, 30, 1, 9)]
+    trips.allow()
+    assert [await first, *await asyncio.gather(*rest)] == [0, 16, 25, 4, 900, 1, 81]
+    assert trips.sent == [[0], [4, 5], [2], [30], [1, 9]]
+
+
 async def test_each_caller_gets_its_own_error() -> None:
     trips = RoundTrips(fail_keys=frozenset({5}))
     batcher: Batcher[int, int] = Batcher(trips)

@@ -81,6 +81,7 @@ from ..store.records import (
 from . import log_tail
 from . import usage as usage_api
 from . import working_state as ws_api
+from .convert import MAX_PEOPLE_NAMED
 from .kept import DEFAULT_CACHE_BYTES, Kept, approximate_bytes
 from .session_gate import SessionGates
 
@@ -196,7 +197,10 @@ class Engine:
         most = pool.get_max_size() if hasattr(pool, "get_max_size") else 2
         self._busy_records = asyncio.Semaphore(max(1, most // 2))
         self._record_requests: Batcher[RequestRecord, int] = Batcher(
-            partial(records.record_requests, pool, connection=held.use), idle=held.release
+            partial(records.record_requests, pool, connection=held.use),
+            idle=held.release,
+            weigh=records.people_named,
+            max_weight=MAX_PEOPLE_NAMED,
         )
 
     def new_id(self) -> str:

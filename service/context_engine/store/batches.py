@@ -19,6 +19,11 @@ call of the round trip: PostgreSQL away fails them all, as it would have one by 
 Rule 3 (no orphans): a caller that gives up (its deadline, a cancelled RPC) stops waiting;
 its key may still be in a round trip already sent, which then lands or not as a lone
 round trip sent at that moment would have.
+Rule 5 (weight): with `weigh`, a round trip also takes no more than `max_weight` of the
+calls' weights in all, but always at least one call: Build's records weigh the people each
+names, whose fences one transaction takes together (a batch of 64 records naming 256
+people each held 16,384 advisory locks at once, past PostgreSQL's shared lock table, which
+failed other databases' transactions too: an audit).
 Rule 4 (idle): `idle`, when given, is awaited each time the queue empties and round trips
 stop; a call made while it runs starts round trips of its own. Build's record batcher hands
 back the connection its round trips held (store/db.py HeldConnection): under load round
@@ -46,9 +51,13 @@ class Batcher(Generic[K, V]):
         *,
         limit: int = 64,
         idle: Callable[[], Awaitable[None]] | None = None,
+        weigh: Callable[[K], int] | None = None,
+        max_weight: int = 0,
     ) -> None:
         self._run = run
         self._limit = limit
+        self._weigh = weigh
+        self._max_weight = max_weight
         self._idle = idle
         self._queued: list[tuple[K, asyncio.Future[V]]] = []
         # The task sending round trips while any call waits (None: none is), held so the
@@ -73,7 +82,8 @@ class Batcher(Generic[K, V]):
         """Round trips until the queue is empty (Rule 1)."""
         try:
             while self._queued:
-                batch, self._queued = self._queued[: self._limit], self._queued[self._limit :]
+                taken = self._taken()
+                batch, self._queued = self._queued[:taken], self._queued[taken:]
                 live = [(k, f) for k, f in batch if not f.done()]  # Rule 3: gave up
                 if live:
                     await self._answer(live)
@@ -84,6 +94,18 @@ class Batcher(Generic[K, V]):
             self._queued = []
             if self._idle is not None:  # Rule 4
                 await self._idle()
+
+    def _taken(self) -> int:
+        """How many queued calls the next round trip takes (Rules 1 and 5)."""
+        most = min(self._limit, len(self._queued))
+        if self._weigh is None:
+            return most
+        weight = 0
+        for n in range(most):
+            weight += self._weigh(self._queued[n][0])
+            if n > 0 and weight > self._max_weight:
+                return n
+        return most
 
     async def _answer(self, batch: list[tuple[K, asyncio.Future[V]]]) -> None:
         self.round_trips += 1

@@ -260,8 +260,11 @@ def _where(dsn: str) -> str:
 # SQLSTATE classes that mean the database is away, whatever the statement: 08 connection
 # exception, 57 operator intervention (admin or crash shutdown, cannot connect now). And
 # 25006, a write refused by a read-only server: a standby a multi-host DSN reached after a
-# failover is no database this replica can write to (it was INTERNAL: an audit).
-_AWAY_CLASSES = ("08", "57")
+# failover is no database this replica can write to (it was INTERNAL: an audit). And 53,
+# insufficient resources (disk full, out of memory, PostgreSQL's shared lock table full:
+# many transactions holding many people fences at once, an audit), which a retry later can
+# get past, where INTERNAL told the caller not to retry.
+_AWAY_CLASSES = ("08", "53", "57")
 _AWAY_STATES = ("25006",)
 
 

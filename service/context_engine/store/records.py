@@ -45,6 +45,7 @@ __all__ = [
     "PLAN_INVALIDATED",
     "STALE_HEAD",
     "RequestRecord",
+    "people_named",
     "record",
     "record_requests",
 ]
@@ -108,6 +109,13 @@ def _columns(records: Sequence[RequestRecord]) -> list[list[Any]]:
         [r.head_state for r in records],
         [r.latest_version for r in records],
     ]
+
+
+def people_named(record: RequestRecord) -> int:
+    """How many people fences `record` takes (its request's `people`): what a shared round
+    trip's records hold together is bounded by it (store/batches.py, Rule 5)."""
+    people = record.request.get("people") if record.request is not None else None
+    return len(people) if isinstance(people, list) else 0
 
 
 async def record_requests(
