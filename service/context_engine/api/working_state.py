@@ -211,16 +211,11 @@ async def _shown_sources(
 ) -> list[Source]:
     """The step lines (recall, corrections, knowledge) the run's requests showed its model
     and the enveloped prefix entries of their plans (the snapshot's memories, say), where
-    their trust is one a fact may not launder (core/compaction.py SUMMARIZABLE): read as
-    compaction reads them (api/compaction.py _inputs), from the run's seed on."""
-    shown = await events.read_shown(
-        conn,
-        tenant_id,
-        session_id,
-        inputs_key=INPUTS_KEY,
-        fields=SHOWN_FIELDS,
-        from_sequence=run.seed_event_sequence or 0,
-        in_view=[str(run.run_id)],
+    their trust is one a fact may not launder (core/compaction.py SUMMARIZABLE). Read from
+    the run's own requests, each decompressed once: a cost that grows with the run's
+    steps, paid only by an update adding a fact above MEMORY."""
+    shown = await events.read_run_shown(
+        conn, tenant_id, session_id, run.run_id, inputs_key=INPUTS_KEY, fields=SHOWN_FIELDS
     )
     sources = [
         (item.text, trust_of(item))

@@ -24,6 +24,7 @@ __all__ = [
     "read_floor_facts",
     "read_history_page",
     "read_logged_call_ids",
+    "read_run_shown",
     "read_shown",
     "redacted_since",
 ]
@@ -245,6 +246,26 @@ async def read_shown(
         list(fields),
         inputs_key,
     )
+    return _as_shown(rows)
+
+
+async def read_run_shown(
+    conn: Any,
+    tenant_id: str,
+    session_id: UUID,
+    run_id: UUID,
+    *,
+    inputs_key: str,
+    fields: Sequence[str],
+) -> Shown:
+    """read_shown of one run's own requests: what its model was shown (UpdateWorkingState
+    holds a fact to it). Other runs' requests are not read (an audit: from the run's seed
+    on, every request of the session since was decompressed, under the session lock)."""
+    rows = await conn.fetch(_RUN_SHOWN, tenant_id, session_id, run_id, list(fields), inputs_key)
+    return _as_shown(rows)
+
+
+def _as_shown(rows: Sequence[Any]) -> Shown:
     lines = [(r["field"], r["line"]) for r in rows if r["field"] is not None]
     return Shown(lines, [r["epoch"] for r in rows if r["field"] is None])
 
@@ -307,21 +328,35 @@ _REQUESTS_FROM = (
     f" WHERE tenant_id = $1 AND session_id = $2 AND type = {_REQUEST} AND sequence <= $3)"
     " END), $3 + 1)"
 )
+
+
 # Each request of the range read once: its payload decompressed into a value of its own
 # (`|| '{}'`, materialized: reading a stored payload's two fields decompressed it twice, a
 # review measured), then its epoch and its step lines of the fields asked for; epochs
 # first (part 0, no field), then lines (part 1, no epoch).
-_SHOWN = (
-    "WITH p AS MATERIALIZED (SELECT s.payload || '{}'::jsonb AS payload FROM session_events s"
-    + _REQUESTS_FROM
-    + " OFFSET 0),"
-    " r AS (SELECT (p.payload ->> 'epoch')::bigint AS epoch,"
-    " p.payload -> $7::text -> 'step' AS step FROM p)"
-    " SELECT DISTINCT 0 AS part, NULL::text AS field, NULL::jsonb AS line, r.epoch FROM r"
-    " UNION ALL"
-    " SELECT DISTINCT 1, f.field, e.line, NULL::bigint FROM r"
-    " CROSS JOIN unnest($6::text[]) AS f(field)"
-    " CROSS JOIN LATERAL jsonb_array_elements(coalesce(r.step -> f.field, '[]'::jsonb))"
-    " AS e(line)"
-    " ORDER BY 1, 2, 3, 4"
+def _shown_of(requests: str, fields: str, inputs_key: str) -> str:
+    """_SHOWN over the requests `requests` selects (a WHERE clause on session_events s),
+    the step fields and the inputs key given as the parameters named."""
+    return (
+        "WITH p AS MATERIALIZED (SELECT s.payload || '{}'::jsonb AS payload FROM session_events s"
+        + requests
+        + " OFFSET 0),"
+        f" r AS (SELECT (p.payload ->> 'epoch')::bigint AS epoch,"
+        f" p.payload -> {inputs_key}::text -> 'step' AS step FROM p)"
+        " SELECT DISTINCT 0 AS part, NULL::text AS field, NULL::jsonb AS line, r.epoch FROM r"
+        " UNION ALL"
+        " SELECT DISTINCT 1, f.field, e.line, NULL::bigint FROM r"
+        f" CROSS JOIN unnest({fields}::text[]) AS f(field)"
+        " CROSS JOIN LATERAL jsonb_array_elements(coalesce(r.step -> f.field, '[]'::jsonb))"
+        " AS e(line)"
+        " ORDER BY 1, 2, 3, 4"
+    )
+
+
+_SHOWN = _shown_of(_REQUESTS_FROM, "$6", "$7")
+# One run's requests alone, by the per-run index (migrations/0017).
+_RUN_SHOWN = _shown_of(
+    f" WHERE s.tenant_id = $1 AND s.session_id = $2 AND s.type = {_REQUEST} AND s.run_id = $3",
+    "$4",
+    "$5",
 )
