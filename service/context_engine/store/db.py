@@ -30,6 +30,7 @@ __all__ = [
     "decode_jsonb",
     "encode_json",
     "encode_jsonb",
+    "lock_wait_ms",
     "lock_wait_setting",
     "read_refusal",
     "snapshot",
@@ -74,7 +75,13 @@ _LOCK_WAIT = "SELECT set_config('lock_timeout', $1, true)"
 def lock_wait_setting() -> str:
     """LOCK_WAIT_SECONDS as lock_timeout's value, for `set_config('lock_timeout', $n,
     true)` in the statement that waits (read at each call: a test may shorten it)."""
-    return f"{int(LOCK_WAIT_SECONDS * 1000)}ms"
+    return f"{lock_wait_ms()}ms"
+
+
+def lock_wait_ms() -> int:
+    """LOCK_WAIT_SECONDS in milliseconds: the budget of a statement that waits for several
+    locks in turn (migrations/0022), all of them within it."""
+    return int(LOCK_WAIT_SECONDS * 1000)
 
 
 class SessionBusyError(ConflictError):

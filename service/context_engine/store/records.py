@@ -32,7 +32,7 @@ from uuid import UUID
 
 import asyncpg
 
-from .db import StoreUnavailableError, acquire, lock_wait_setting
+from .db import StoreUnavailableError, acquire, lock_wait_ms
 
 # Where a round trip gets its connection: a pooled one each time, or one held across
 # round trips (store/db.py HeldConnection.use).
@@ -80,10 +80,10 @@ class RequestRecord:
 # A record on its own, waiting for its session's locks (record()), then confirming its
 # kept head (arguments 10 and 11, migrations/0019: STALE_HEAD, nothing written, if the
 # write it waited for moved it). It waits as long as any write does (store/db.py
-# LOCK_WAIT_SECONDS, set for its transaction before the function runs; then SESSION_BUSY).
+# LOCK_WAIT_SECONDS, for its people's fences and its session's row in all: migrations/
+# 0022; then SESSION_BUSY).
 _ONE = (
-    "SELECT record_model_request_waiting($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
-    " FROM set_config('lock_timeout', $12, true)"
+    "SELECT record_model_request_waiting_within($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
 )
 # A lone record of the shared round trip, waiting for no lock (migrations/0020: BUSY).
 _ONE_NOWAIT = "SELECT record_model_request_nowait($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
@@ -162,7 +162,7 @@ async def record(pool: Any, record: RequestRecord) -> int:
     """
     async with acquire(pool) as conn:
         arguments = [c[0] for c in _columns([record])]
-        return int(await conn.fetchval(_ONE, *arguments, lock_wait_setting()))
+        return int(await conn.fetchval(_ONE, *arguments, lock_wait_ms()))
 
 
 async def _nowait(connect: Connect, records: Sequence[RequestRecord]) -> list[int | Exception]:

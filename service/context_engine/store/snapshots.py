@@ -21,6 +21,7 @@ from ..core.canonical import as_parsed
 from ..core.plan import ContextPlan
 from ..core.snapshot import named_people
 from ..core.spec import PlanSpec
+from .db import lock_wait_ms
 
 __all__ = [
     "bound_runs",
@@ -52,18 +53,22 @@ def _erased_key(person_id: str) -> str:
 async def fence_people(conn: Any, tenant_id: str, people: Sequence[str]) -> list[str]:
     """Hold the named people's fence until the transaction ends; -> those already erased.
 
-    The locks are taken in key order. Two statements on purpose: the check must read a
-    snapshot taken after the locks are granted, so an erasure that committed while this
-    waited is seen."""
+    The locks are taken in key order, all within LOCK_WAIT_SECONDS (migrations/0022: one
+    wait each, several people being erased one after another outlasted the statement's
+    timeout, STORE_UNAVAILABLE where SESSION_BUSY was meant). Two statements on purpose:
+    the check must read a snapshot taken after the locks are granted, so an erasure that
+    committed while this waited is seen."""
     if not people:
         return []
     named = sorted(set(people))
     await conn.execute(
-        "SELECT pg_advisory_xact_lock_shared(k) FROM (SELECT DISTINCT "
+        "SELECT lock_shared_before(array(SELECT DISTINCT "
         + _PERSON_LOCK.format(person="p")
-        + " AS k FROM unnest($2::text[]) AS p ORDER BY k) AS keys",
+        + " AS k FROM unnest($2::text[]) AS p ORDER BY k),"
+        " clock_timestamp() + $3 * interval '1 millisecond')",
         tenant_id,
         named,
+        lock_wait_ms(),
     )
     by_key = {_erased_key(p): p for p in named}
     rows = await conn.fetch(
