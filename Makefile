@@ -16,14 +16,19 @@ GO_DEBS := golang-go protobuf-compiler protoc-gen-go protoc-gen-go-grpc golang-g
 
 install: $(STAMP) $(TS)/node_modules/.installed install-go
 
-## The venv counts as made only once its pip runs: a `$(PY) -m venv` that failed half way
-## (Debian and Ubuntu without python3-venv) leaves .venv/bin/python behind with no pip, and
-## such a venv is removed and made again rather than used.
+## The venv counts as made only once its pip runs on Python 3.11 or newer: a `$(PY) -m venv`
+## that failed half way (Debian and Ubuntu without python3-venv) leaves .venv/bin/python
+## behind with no pip, and one made by an older python3 kept being used after the README's
+## `PY=python3.11` (an audit); either is removed and made again rather than used.
+NEW_ENOUGH := -c 'import sys; sys.exit(sys.version_info < (3, 11))'
 $(STAMP): pyproject.toml
-	$(BIN)/python -m pip --version >/dev/null 2>&1 \
+	{ $(BIN)/python $(NEW_ENOUGH) && $(BIN)/python -m pip --version; } >/dev/null 2>&1 \
 	  || { rm -rf $(VENV) && $(PY) -m venv $(VENV); } \
-	  || { rm -rf $(VENV); echo "$(PY) -m venv failed: on Debian/Ubuntu install python3-venv" \
-	       "(python3.11-venv for PY=python3.11)" >&2; exit 1; }
+	  || { rm -rf $(VENV); echo "$(PY) -m venv failed: is $(PY) installed? On Debian/Ubuntu" \
+	       "install python3-venv (python3.11-venv for PY=python3.11)" >&2; exit 1; }
+	$(BIN)/python $(NEW_ENOUGH) \
+	  || { rm -rf $(VENV); echo "$(PY) is $$($(PY) -V 2>&1): the engine needs Python 3.11 or" \
+	       "newer; name one, e.g. make run PY=python3.11" >&2; exit 1; }
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	rm -f $(VENV)/.installed-*
