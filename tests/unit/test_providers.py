@@ -904,6 +904,29 @@ def _wire_ids(body: dict[str, Any], provider: str) -> tuple[list[str], list[str]
     )
 
 
+def test_a_call_logged_under_a_renamed_tools_old_name_still_renders() -> None:
+    """History's calls keep the names they were logged with: "web.fetch", since renamed
+    "web-fetch" in the worker's registry, shares the new tool's wire name. Held to the
+    tools' one-to-one rule, every Build of the session failed TOOL_NAME_COLLISION until
+    compaction took the call (an audit). Only the tools, which a model's new call names,
+    are held to it; the call renders under its wire name."""
+    for provider in PROVIDERS:
+        request = replace(
+            _pairs_request(("run-1", "call_0"), provider=provider), tools=(_tool("web-fetch"),)
+        )
+        body = _body(request)
+        if provider == "anthropic":
+            names = [
+                b["name"]
+                for m in body["messages"]
+                for b in m["content"]
+                if b.get("type") == "tool_use"
+            ]
+        else:
+            names = [i["name"] for i in body["input"] if i.get("type") == "function_call"]
+        assert names == ["web-fetch"], provider
+
+
 def test_a_call_id_reused_by_a_later_run_is_sent_unique_and_still_paired() -> None:
     """Call ids are unique within a run only; both APIs pair by id and reject repeats. The
     earliest pair keeps its id, a later one takes the first free "-<n>" suffix, and a
@@ -1326,7 +1349,6 @@ def _run_as_specified(layouts: list[Any]) -> Any:
         text=",".join(m.text for m in layouts),
         anchors=anchors,
         last_cacheable=0 if any(m.last_cacheable >= 0 for m in layouts) else -1,
-        called=frozenset().union(*(m.called for m in layouts)),
         call_ids=tuple(c for m in layouts for c in m.call_ids),
         first_role=roles[0],
         last_role=roles[-1],
@@ -1341,7 +1363,6 @@ _LAYOUTS = st.lists(
         text=st.sampled_from(["", "x", '{"a":1},{"b":2}']),
         anchors=st.dictionaries(st.sampled_from("abcde"), st.integers(-1, 2), max_size=3),
         last_cacheable=st.integers(-2, 2),
-        called=st.frozensets(st.sampled_from("pqr"), max_size=2),
         call_ids=st.lists(st.sampled_from("123"), max_size=2).map(tuple),
     ),
     max_size=6,

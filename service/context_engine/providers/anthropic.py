@@ -351,9 +351,7 @@ def _message_layouts(
     if memos.relaid is None:  # no call id reaches the wire
         return messages, {}, run_at
     if form == "blocks":  # Rule 8: as text, no tool name is a wire name
-        check_wire_names(
-            [*(t.name for t in request.tools), *frozenset().union(*map(_CALLED, messages))]
-        )
+        check_wire_names(t.name for t in request.tools)  # names.py Rule 2: the tools alone
     if all_distinct(map(_CALL_IDS, messages)):
         return messages, {}, run_at
     messages = each.many(request.messages)
@@ -525,7 +523,6 @@ class _MessageLayout:
     # occurrence wins, as in _target.
     anchors: dict[_Anchor, int]
     last_cacheable: int  # index in `units` of the last cacheable unit in block order; -1
-    called: frozenset[str]  # tool names its calls use (check_wire_names)
     call_ids: tuple[str, ...]  # its calls' base ids (Rule 7)
     # The roles its turns begin and end with: its role, for one message; a repeated run's
     # first and last message's (_run_layout), whose `text` is then several turns.
@@ -559,7 +556,6 @@ def _lay_out_run(layouts: Sequence[_MessageLayout]) -> _MessageLayout | _NoRun:
         text=",".join(map(_TEXT, layouts)),
         anchors=dict.fromkeys(chain.from_iterable(map(_ANCHORS, layouts)), 0),
         last_cacheable=0 if max(map(_LAST_CACHEABLE, layouts)) >= 0 else -1,
-        called=frozenset().union(*map(_CALLED, layouts)),
         call_ids=tuple(chain.from_iterable(map(_CALL_IDS, layouts))),
         first_role=roles[0],
         last_role=roles[-1],
@@ -595,7 +591,6 @@ def _lay_out_message(
         text=_turn_text(message.role, ordered) if ordered else "",
         anchors={k: (to_turn[v] if v >= 0 else -1) for k, v in anchors.items()},
         last_cacheable=to_turn[last] if last >= 0 else -1,
-        called=frozenset(b.tool_name for b in message.blocks if b.kind == "tool_call"),
         call_ids=tuple(_BASE_ID(b.call_id) for b in message.blocks if b.kind == "tool_call"),
         first_role=message.role,
         last_role=message.role,
@@ -623,7 +618,6 @@ _run_unnamed_layout: RecentMemo[tuple[Message, ...], _MessageLayout | _NoRun] = 
 )
 _BASE_ID = BASE_IDS[_PROVIDER]
 _CALL_IDS = attrgetter("call_ids")
-_CALLED = attrgetter("called")
 _FIRST_ROLE = attrgetter("first_role")
 _LAST_ROLE = attrgetter("last_role")
 _TEXT = attrgetter("text")

@@ -8,8 +8,13 @@ replaced by "-", cut to ``MAX_WIRE_NAME`` characters ("web.fetch" -> "web-fetch"
 reads naturally to the model and is the same in every request of a session. Defined in
 core/wire_names.py: the body estimate counts it.
 Rule 2: the mapping is not reversible on its own, so a request is only renderable when its
-names map one to one; a worker maps a wire name back with the request's own names
-(``tool_name_from_wire``). Two names that collide fail the render loudly.
+tools' names map one to one; a worker maps a wire name back with the request's tools
+(``tool_name_from_wire``, the clients' `tool_name`), the only names a model's new call can
+take. Two tools that collide fail the render loudly. The history's calls render under
+their wire names too, but are not held to this: a call logged under a tool's old name
+("web.fetch", since renamed "web-fetch" for the worker's own reasons) shares the new one's
+wire name, which failed every Build of the session until compaction took the call, with
+advice to rename a tool that the rename had caused (an audit).
 """
 
 from __future__ import annotations

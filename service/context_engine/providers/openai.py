@@ -98,7 +98,6 @@ class _MessageItems:
 
     pieces: tuple[_Piece, ...]
     text: str  # their canonical JSON, comma-separated ("" when none)
-    tool_names: frozenset[str]  # the tools its calls name, for check_wire_names
     call_ids: tuple[str, ...]  # its calls' base ids (Rule 6)
 
 
@@ -183,8 +182,7 @@ def _layout(request: ModelRequest) -> _Layout:
     if not all_distinct(map(_CALL_IDS, messages)):  # Rule 6: rare, and then walked once
         for n, wire in wire_call_ids(request.messages, _BASE_ID).items():
             messages[n] = _relaid(request.messages[n], wire)
-    called = frozenset().union(*map(_TOOL_NAMES, messages))
-    check_wire_names([*(t.name for t in request.tools), *called])
+    check_wire_names(t.name for t in request.tools)  # names.py Rule 2: the tools alone
     texts = [b for b in request.system if b.text]
     instructions = [
         _Piece((INSTRUCTIONS_SEPARATOR if n else "") + b.text, b.row, b.item_id)
@@ -205,7 +203,6 @@ def _render_message(message: Message, moved: tuple[str, ...] = ()) -> _MessageIt
     return _MessageItems(
         pieces,
         ",".join(p.text for p in pieces),
-        frozenset(b.tool_name for b in message.blocks if b.kind == "tool_call"),
         tuple(_BASE_ID(b.call_id) for b in message.blocks if b.kind == "tool_call"),
     )
 
@@ -244,7 +241,6 @@ _run_offsets: RecentMemo[tuple[Message, ...], tuple[int, ...]] = RecentMemo(
 )
 _BASE_ID = BASE_IDS[_PROVIDER]
 _CALL_IDS = attrgetter("call_ids")
-_TOOL_NAMES = attrgetter("tool_names")
 _TEXT = attrgetter("text")
 _PIECES = attrgetter("pieces")
 
