@@ -631,14 +631,14 @@ const (
 	// line, names a person EraseSubject has erased from this tenant; the recall predates the
 	// erasure. Recall again; nothing written.
 	ErrorReason_ERROR_REASON_PERSON_ERASED ErrorReason = 27
-	// FAILED_PRECONDITION (Build): two tool names the request carries (a defined tool and one
-	// a history tool call names) render as the same provider wire name (metadata wire_name).
-	// Plan and Rotate refuse such a roster up front (INVALID_FIELD, spec.tools); this arises
-	// when a rotated roster defines a name colliding with a call already in the history.
-	// Also FAILED_PRECONDITION (StartRun admission, Rotate without a spec, Build continuing
-	// a lineage) where the engine rebuilt the session's pinned spec and its roster collides
+	// FAILED_PRECONDITION (StartRun admission, Rotate without a spec, Build continuing a
+	// lineage): two tools the plan defines render as the same provider wire name (metadata
+	// wire_name), where the engine rebuilt the session's pinned spec and its roster collides
 	// within itself (a grant bringing in a tool named like a listed one): BadRequest
-	// session_id, metadata spec_field spec.tools and wire_name; nothing is written.
+	// session_id, metadata spec_field spec.tools and wire_name; nothing is written. Plan and
+	// Rotate refuse such a roster up front (INVALID_FIELD, spec.tools). A history call's
+	// name is not held to this: one logged under a tool's old name is sent under its wire
+	// name, which a renamed tool may share.
 	ErrorReason_ERROR_REASON_TOOL_NAME_COLLISION ErrorReason = 28
 	// FAILED_PRECONDITION (StartRun admission, Build after an erasure, Rotate without a
 	// spec): a plan the engine rebuilt from the session's own spec (a run's admission granted
