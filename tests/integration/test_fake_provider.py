@@ -333,6 +333,32 @@ def test_a_property_name_outside_anthropics_pattern_is_a_bad_request(
         ask(claude, tools=[bracketed], messages=[{"role": "user", "content": "hi"}])
 
 
+def test_whitespace_text_and_an_assistant_first_conversation_are_bad_requests(
+    claude: anthropic.Anthropic,
+) -> None:
+    """What the renderer avoids because the API refuses it: text of whitespace alone (a
+    block, a system block, a tool result's content) and a conversation that does not start
+    with the user (the renderer's placeholder turn). The fake took all of them (an audit),
+    so a renderer regression there would have passed the SDK tests."""
+    blank = {"type": "text", "text": " \n "}
+    with pytest.raises(anthropic.BadRequestError, match="non-whitespace text"):
+        ask(claude, messages=[{"role": "user", "content": [blank]}])
+    with pytest.raises(anthropic.BadRequestError, match="non-whitespace text"):
+        ask(claude, system=[blank], messages=[{"role": "user", "content": "hi"}])
+    loop = _one_tool_loop("toolu_1")
+    loop[2]["content"][0]["content"] = "  "
+    with pytest.raises(anthropic.BadRequestError, match="non-whitespace text"):
+        ask(claude, tools=[TOOL], messages=loop)
+    with pytest.raises(anthropic.BadRequestError, match='first message must use the "user"'):
+        ask(
+            claude,
+            messages=[
+                {"role": "assistant", "content": "Earlier answer."},
+                {"role": "user", "content": "hi"},
+            ],
+        )
+
+
 def test_thinking_tool_loop_must_replay_the_thinking_block(
     claude: anthropic.Anthropic, fake: FakeProvider
 ) -> None:

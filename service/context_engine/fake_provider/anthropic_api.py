@@ -9,7 +9,8 @@ Rule V2. ``model`` string, ``max_tokens`` integer >= 1, ``messages`` non-empty l
          streaming (the fake answers whole messages only).
 Rule V3. Roles are ``user``/``assistant``. Consecutive same-role messages are allowed: the API
          merges them into one turn ("Messages API": consecutive turns are combined).
-Rule V4. Content is a non-empty string or list; text blocks are non-empty strings; each block
+Rule V4. Content is a non-empty string or list; text blocks hold more than whitespace (as
+         does a ``tool_result``'s text content, a string or its text blocks); each block
          type is allowed for its role (``BLOCK_TYPES_BY_ROLE``).
 Rule V5. Every ``tool_result`` names a ``tool_use`` id of the previous assistant turn; every
          ``tool_use`` of an assistant turn followed by a user turn is answered by a
@@ -28,6 +29,7 @@ Rule V10. With thinking enabled, when the request ends in a tool loop (the last 
           ``thinking``/``redacted_thinking`` block ("Extended thinking": preserving thinking
           blocks during tool use).
 Rule V11. A request with ``tool_use`` or ``tool_result`` blocks defines ``tools``.
+Rule V12. The first message is the user's.
 """
 
 from __future__ import annotations
@@ -272,6 +274,8 @@ def _check_text(block: dict[str, Any], path: str) -> None:
         if block.get("cache_control") is not None:
             raise _bad(f"{path}.text: cache_control cannot be set for empty text blocks")
         raise _bad("messages: text content blocks must be non-empty")
+    if not text.strip():
+        raise _bad("messages: text content blocks must contain non-whitespace text")
 
 
 _Messages = list[tuple[str, list[dict[str, Any]]]]
@@ -316,6 +320,8 @@ def _messages(messages: Any, blocks: list[AnthropicBlock], markers: list[_Marker
                 blocks, markers, path, "messages", {"role": role, "block": block}, raw_blocks[j]
             )
         normalized.append((role, content_blocks))
+    if normalized[0][0] != "user":  # Rule V12
+        raise _bad('messages: first message must use the "user" role')
     _check_pairing(normalized)
     last_role, last_blocks = normalized[-1]
     if last_role == "assistant" and last_blocks:
@@ -394,6 +400,11 @@ def _check_block(block: Any, role: str, path: str, seen_tool_use: set[str]) -> N
         inner = block.get("content")
         if inner is not None and not isinstance(inner, str | list):
             raise _bad(f"{path}.content: Input should be a valid string or list")
+        if isinstance(inner, str) and inner and not inner.strip():
+            raise _bad("messages: text content blocks must contain non-whitespace text")
+        for k, part in enumerate(inner if isinstance(inner, list) else ()):
+            if isinstance(part, dict) and part.get("type") == "text":
+                _check_text(part, f"{path}.content.{k}")
     elif kind == "thinking":
         if not isinstance(block.get("thinking"), str) or not isinstance(
             block.get("signature"), str
