@@ -331,9 +331,13 @@ async def test_a_roster_whose_tools_collide_on_the_wire_cannot_open(stub: Any) -
     )
 
 
-async def test_a_rotated_roster_colliding_with_a_call_in_the_history_fails_build_by_name(
+async def test_a_rotated_roster_sharing_a_wire_name_with_a_call_in_the_history_builds(
     stub: Any,
 ) -> None:
+    """A tool renamed "lookup.item" -> "lookup-item" shares its wire name with the calls
+    logged under the old name. Every Build of the session failed TOOL_NAME_COLLISION until
+    compaction took them (an audit); the history's calls are now sent under their wire
+    name, and only the roster is held to the one-to-one rule."""
     session_id, _ = await _open(stub, _with_tools("lookup.item"))
     started = await _start(stub, session_id)
     await stub.AppendItems(
@@ -353,11 +357,11 @@ async def test_a_rotated_roster_colliding_with_a_call_in_the_history_fails_build
         _rotation(session_id, pb.PLAN_REASON_AGENT_CHANGED, _with_tools("lookup-item"))
     )
     later = await _start(stub, session_id, "again")
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await _build(stub, session_id, later.run.run_id)
-    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert details(caught.value)[0] == "TOOL_NAME_COLLISION"
-    assert details(caught.value)[2] == {"wire_name": "lookup-item"}
+    built = await _build(stub, session_id, later.run.run_id)
+    body = json.loads(built.provider_payload)
+    used = [b["name"] for m in body["messages"] for b in m["content"] if b["type"] == "tool_use"]
+    assert used == ["lookup-item"]
+    assert [t["name"] for t in body["tools"]] == ["lookup-item"]
 
 
 async def test_starting_a_run_under_a_taken_run_id_is_a_precondition_not_a_race(
