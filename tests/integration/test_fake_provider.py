@@ -511,6 +511,21 @@ def test_openai_entries_expire_after_five_idle_minutes(
     assert respond(gpt).usage.input_tokens_details.cached_tokens == 0
 
 
+def test_openai_an_array_schema_without_items_is_a_bad_request(gpt: openai.OpenAI) -> None:
+    """OpenAI refuses "array schema missing items" in a function's parameters, strict or
+    not (the fake took it: an audit)."""
+    tool = {
+        "type": "function",
+        "name": "tag",
+        "strict": False,
+        "parameters": {"type": "object", "properties": {"tags": {"type": "array"}}},
+    }
+    with pytest.raises(openai.BadRequestError, match="array schema missing items"):
+        gpt.responses.create(model="gpt-4o", input="hi", tools=[tool])
+    tool["parameters"]["properties"]["tags"]["items"] = {"type": "string"}
+    assert gpt.responses.create(model="gpt-4o", input="hi", tools=[tool]).output
+
+
 def test_openai_function_call_output_needs_its_function_call(gpt: openai.OpenAI) -> None:
     items = [
         {"role": "user", "content": "hello"},

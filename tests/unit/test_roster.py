@@ -1026,3 +1026,38 @@ def test_a_property_name_anthropic_refuses_is_refused_for_an_anthropic_model_onl
     ungranted = tool("bad.tool", input_schema=schema, required_scopes=("not.granted",))
     with pytest.raises(InvalidFieldError):
         _plan(spec.model_copy(update={"tools": (tool("ok.tool"), ungranted)}), model=anthropic)
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        {"type": "array"},
+        {"type": ["string", "array"]},
+        {"type": "object", "properties": {"inner": {"type": "array"}}},
+        {"anyOf": [{"type": "string"}, {"type": "array"}]},
+        {"type": "array", "items": {"type": "array"}},
+    ],
+)
+def test_an_array_schema_without_items_is_refused_for_an_openai_model_only(
+    array: dict[str, object],
+) -> None:
+    """OpenAI refuses a function whose parameters hold an array schema without items
+    ("array schema missing items"), strict or not, on every request (an audit: MCP
+    servers ship them); Anthropic takes it. The plan of an OpenAI model refuses the tool,
+    naming its schema and where the array is."""
+    schema = {"type": "object", "properties": {"tags": array}}
+    spec = PlanSpec(
+        model_id="m",
+        agent=AgentSpec(enabled_tools=("bad.tool",)),
+        tools=(tool("bad.tool", input_schema=schema),),
+        policy=_policy(),
+    )
+    anthropic, openai = replace(MODEL, provider="anthropic"), replace(MODEL, provider="openai")
+    with pytest.raises(InvalidFieldError) as caught:
+        _plan(spec, model=openai)
+    assert caught.value.field == "spec.tools[0].input_schema_json"
+    assert "array schema without items (properties.tags" in str(caught.value)
+    assert _plan(spec, model=anthropic).tool_names == ("bad.tool",)
+    given = {"type": "object", "properties": {"tags": {"type": "array", "items": {}}}}
+    fine = spec.model_copy(update={"tools": (tool("bad.tool", input_schema=given),)})
+    assert _plan(fine, model=openai).tool_names == ("bad.tool",)

@@ -54,8 +54,10 @@ def input_schema_problem(schema: Mapping[str, Any], provider: str = "") -> str |
     type's generated schema, often an MCP server's); both validate the schema, so a
     schema keyword holding what is no schema (`"properties": "q"`, `"required": "q"`) is
     refused too. With `provider` "anthropic", also a top-level property name outside
-    Anthropic's pattern. Plan refuses it (a tool's definition is in every request's
-    prefix), and so does a rebuild of a pinned spec, whose model is known then."""
+    Anthropic's pattern; with "openai", an array schema without `items` anywhere in it
+    (OpenAI's "array schema missing items", strict or not: MCP servers ship such
+    schemas). Plan refuses it (a tool's definition is in every request's prefix), and so
+    does a rebuild of a pinned spec, whose model is known then."""
     if schema.get("type") != "object":
         return 'must be a JSON Schema with "type": "object" (tool input is an object)'
     combined = [k for k in _TOP_LEVEL_COMBINATORS if k in schema]
@@ -77,6 +79,37 @@ def input_schema_problem(schema: Mapping[str, Any], provider: str = "") -> str |
                 " Anthropic refuses on every request (names must match"
                 f" {_ANTHROPIC_PROPERTY_KEY.pattern!r}): rename them"
             )
+    if provider == "openai":
+        at = _array_without_items(schema)
+        if at is not None:
+            return (
+                f"has an array schema without items ({at or 'its root'}), which OpenAI"
+                ' refuses on every request ("array schema missing items"): give it items'
+            )
+    return None
+
+
+def _array_without_items(schema: Mapping[str, Any]) -> str | None:
+    """Where a subschema of `schema` (well-formed: `_malformed` found nothing) types an
+    array, alone or among other types, without `items`; None if nowhere."""
+    pending: list[tuple[Any, str]] = [(schema, "")]
+    while pending:
+        node, at = pending.pop()
+        if not isinstance(node, dict):
+            continue
+        kind = node.get("type")
+        if (kind == "array" or (isinstance(kind, list) and "array" in kind)) and (
+            "items" not in node
+        ):
+            return at
+        for key, value in node.items():
+            where = f"{at}.{key}" if at else key
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                pending += [(v, f"{where}.{k}") for k, v in value.items()]
+            elif key in _SCHEMA_LISTS and isinstance(value, list):
+                pending += [(v, f"{where}[{n}]") for n, v in enumerate(value)]
+            elif key in _SCHEMA_ONE:
+                pending.append((value, where))
     return None
 
 

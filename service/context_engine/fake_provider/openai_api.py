@@ -12,7 +12,9 @@ Rule W3. Item types are those in ``ITEM_TYPES`` (an item with a ``role`` and no 
          message); message roles and content part types follow ``PART_TYPES_BY_ROLE``.
 Rule W4. Every ``function_call_output`` answers an earlier ``function_call`` with the same
          ``call_id``; every ``function_call`` is answered by a later output.
-Rule W5. Function tools have a name matching ``TOOL_NAME``; ``parameters`` is an object.
+Rule W5. Function tools have a name matching ``TOOL_NAME``; ``parameters`` is an object in
+         which every array schema has ``items`` ("array schema missing items", a 400 whether
+         or not the function is strict).
 Rule W6. A ``reasoning`` item is immediately followed by the item it was produced with (an
          assistant ``message`` or a ``function_call``), and, when ``store`` is false, carries
          its ``encrypted_content`` (the fake, like a ``store=false`` request, cannot look an
@@ -176,8 +178,43 @@ def _tools(tools: Any) -> list[bytes]:
             params = tool.get("parameters")
             if params is not None and not isinstance(params, dict):
                 raise _bad(f"Invalid type for 'tools[{i}].parameters': expected an object.")
+            missing = _array_without_items(params) if params is not None else None
+            if missing is not None:  # Rule W5
+                raise _bad(
+                    f"Invalid schema for function '{name}': In context={missing},"
+                    " array schema missing items.",
+                    f"tools[{i}].parameters",
+                    "invalid_function_parameters",
+                )
         units.append(canonical_bytes(tool))
     return units
+
+
+def _array_without_items(schema: Any, path: tuple[str, ...] = ()) -> str | None:
+    """The context, as OpenAI's message writes it (`('properties', 'tags')`), of the first
+    array schema in `schema` without `items`; None if none."""
+    if not isinstance(schema, dict):
+        return None
+    kind = schema.get("type")
+    if (kind == "array" or (isinstance(kind, list) and "array" in kind)) and "items" not in schema:
+        return repr(path)
+    for key, value in schema.items():
+        children: list[tuple[tuple[str, ...], Any]]
+        if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(
+            value, dict
+        ):
+            children = [((key, name), child) for name, child in value.items()]
+        elif key in ("anyOf", "allOf", "oneOf", "prefixItems") and isinstance(value, list):
+            children = [((key, str(n)), child) for n, child in enumerate(value)]
+        elif key in ("items", "additionalProperties", "not"):
+            children = [((key,), value)]
+        else:
+            continue
+        for step, child in children:
+            found = _array_without_items(child, path + step)
+            if found is not None:
+                return found
+    return None
 
 
 def _input(items: Any, *, store: bool) -> list[bytes]:
