@@ -709,6 +709,42 @@ async def test_report_usage_from_another_model_is_recorded_but_learns_nothing(
     assert reported["absorbed"] is False and reported["model_id"] == "gpt-4.1"
 
 
+@pytest.mark.parametrize("times", [10**9, 1 / 100])
+async def test_report_usage_no_drift_explains_is_recorded_but_learns_nothing(
+    stub: Any, pool: Any, times: float
+) -> None:
+    """A report a billion times the estimate (or a hundredth of it) is a bogus report or a
+    mis-registered tokenizer, not drift. Taken, it set the tenant's factor to 4x at once
+    (its first sample outright) and every later session of the model was refused
+    BUDGET_EXCEEDED, or to the floor, hiding real underestimates (an audit). It is
+    recorded, not absorbed; a report within [0.1x, 4x] of the estimate still is."""
+    tenant = _tenant()
+    session_id, _ = await _open(stub, tenant, room=0)
+    run_id = await _start(stub, tenant, session_id, "hi")
+    built = await _build(stub, tenant, session_id, run_id)
+    bogus = await stub.ReportUsage(
+        _usage(
+            tenant,
+            session_id,
+            built.request_sequence,
+            input_tokens=max(1, int(built.estimated_input_tokens * times)),
+            idempotency_key="bogus",
+        )
+    )
+    assert not bogus.absorbed and bogus.factor_ppm == 1_000_000 and bogus.samples == 0
+    assert await _factor(pool, tenant) is None
+    fair = await stub.ReportUsage(
+        _usage(
+            tenant,
+            session_id,
+            built.request_sequence,
+            input_tokens=built.estimated_input_tokens * 3,
+            idempotency_key="fair",
+        )
+    )
+    assert fair.absorbed and fair.samples == 1 and fair.factor_ppm > 2_900_000
+
+
 async def test_report_usage_of_a_request_another_tokenizer_counted_learns_nothing(
     stub: Any, pool: Any
 ) -> None:

@@ -35,7 +35,7 @@ import asyncpg
 from ..core.build_record import TOKENIZER_KEY
 from ..core.checkpoint import NEUTRAL_FACTOR_PPM
 from ..core.errors import NotFoundError
-from ..core.estimator import PPM, Correction, reconcile, signed_error_ppm
+from ..core.estimator import PPM, Correction, plausible_sample, reconcile, signed_error_ppm
 from ..store import events, sessions
 from ..store import usage as store
 from ..store.db import transaction
@@ -208,12 +208,15 @@ async def _reconcile(
     # name is taken as counted here.
     counted = recorded.get(TOKENIZER_KEY)
     same_counter = not isinstance(counted, str) or counted == tokenizer_of(planned_model)
+    used = int(recorded.get("estimator_factor_ppm", NEUTRAL_FACTOR_PPM)) or PPM
+    # Nor from a report no tokenizer drift explains (core/estimator.py plausible_sample).
     absorbed = (
-        same_model(report.model_id, planned_model) and same_counter and estimated > 0 and actual > 0
+        same_model(report.model_id, planned_model)
+        and same_counter
+        and plausible_sample(estimated, actual, used)
     )
     correction: Correction | None = None
     if absorbed:
-        used = int(recorded.get("estimator_factor_ppm", NEUTRAL_FACTOR_PPM)) or PPM
         current = previous.factor_ppm if previous is not None else PPM
         # reconcile() reads `estimated` as made under the current factor; this request was
         # built under the factor its checkpoint pinned, so restate it under the current one.

@@ -135,6 +135,7 @@ __all__ = [
     "estimate_attachment_tokens",
     "heuristic_count",
     "image_tokens_for",
+    "plausible_sample",
     "reconcile",
     "signed_error_ppm",
 ]
@@ -933,6 +934,19 @@ def reconcile(
         samples=base.samples + 1,
         observed_ppm=observed,
     )
+
+
+def plausible_sample(estimated: int, actual: int, factor_ppm: int) -> bool:
+    """Whether `actual` input tokens are a ratio a correction can learn from, for a request
+    estimated at `estimated` under `factor_ppm`: its uncorrected estimate times a ratio
+    within [0.1, 4]. Past either bound it is a bogus report or a mis-registered tokenizer,
+    not drift (MAX_FACTOR_PPM): taken, one such report set a tenant's factor to 4x at once,
+    its first sample outright, and every later session of the model was refused
+    BUDGET_EXCEEDED; or to the floor, and real underestimates went unlearned (an audit)."""
+    if estimated <= 0 or actual <= 0:
+        return False
+    ratio = actual * max(factor_ppm, 1) // estimated
+    return _MIN_SAMPLE_PPM <= ratio <= MAX_FACTOR_PPM
 
 
 def signed_error_ppm(estimated: int, actual: int) -> int:
