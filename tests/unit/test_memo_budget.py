@@ -353,7 +353,6 @@ def test_a_run_layout_is_weighed_one_level_down_and_still_charged_what_it_holds(
             text='{"content":[{"text":"' + "x" * 200 + f'","type":"text"}}],"role":"{role}"}}',
             anchors={f"item-{n}-a": 0, f"item-{n}-b": 1},
             last_cacheable=0,
-            called=frozenset({"lookup"}) if n % 2 else frozenset(),
             call_ids=(f"call-{n}",) if n % 2 else (),
             first_role=role,
             last_role=role,
