@@ -74,7 +74,11 @@ async def test_concurrent_builds_share_round_trips_and_each_gets_its_own_record(
     # A Build made from a head this replica kept reads none (Engine.build): the runs built
     # first read theirs, and those built after them confirm it in their record.
     assert len(runs) <= calls[0] <= len(requests) and calls[1] == len(requests)
-    assert trips[0] < calls[0] and trips[1] < calls[1]  # rounds shared
+    # Rounds shared: the 48 records always overlap. The head reads (a dozen, the first
+    # Build of each run) overlap only as the event loop interleaves them, which a loaded
+    # machine need not do (CI saw 14 reads in 14 rounds); their sharing is
+    # tests/unit/test_batches.py's, decided there by the test, not by timing.
+    assert trips[0] <= calls[0] and trips[1] < calls[1]
     for request, response in zip(requests, built, strict=True):
         row = await pool.fetchrow(
             "SELECT run_id, payload FROM session_events WHERE tenant_id = $1"
