@@ -745,6 +745,56 @@ async def test_report_usage_no_drift_explains_is_recorded_but_learns_nothing(
     assert fair.absorbed and fair.samples == 1 and fair.factor_ppm > 2_900_000
 
 
+async def test_a_run_continued_on_another_model_applies_no_factor_of_the_old_one(
+    stub: Any, pool: Any
+) -> None:
+    """The factor resets when the model changes (the spec). A run whose checkpoint pinned
+    the old model's factor, continued after a MODEL_CHANGED rotation, applied it on the new
+    model (3.5x here; at 4x every Build of the run was refused BUDGET_EXCEEDED), and
+    ReportUsage then learned the new model's factor against it (an audit). The checkpoint
+    names the model its factor is for; a Build on another model applies none."""
+    tenant = _tenant()
+    session_id, _ = await _open(stub, tenant, room=0)
+    first = await _start(stub, tenant, session_id, "hi")
+    built = await _build(stub, tenant, session_id, first)
+    learned = await stub.ReportUsage(
+        _usage(
+            tenant,
+            session_id,
+            built.request_sequence,
+            input_tokens=built.estimated_input_tokens * 7 // 2,
+        )
+    )
+    assert learned.absorbed and learned.factor_ppm > 3_000_000
+    run_id = await _start(stub, tenant, session_id, "and now?")  # pins 3.5x for gpt-4o
+    pinned = await _build(stub, tenant, session_id, run_id)
+    assert pinned.request_sequence > 0
+    (recorded,) = [
+        e
+        for e in await _events(pool, tenant, session_id, "model.request.started")
+        if e["run_id"] == run_id
+    ]
+    assert recorded["estimator_factor_ppm"] == learned.factor_ppm
+    rotated = spec(model_id="claude-sonnet-4-5", reserve_output_tokens=RESERVE)
+    await stub.Rotate(
+        pb.RotateRequest(
+            tenant_id=tenant,
+            session_id=session_id,
+            from_epoch=1,
+            reason=pb.PLAN_REASON_MODEL_CHANGED,
+            spec=rotated,
+        )
+    )
+    moved = await _build(stub, tenant, session_id, run_id)  # the same checkpoint
+    assert moved.request.model_id == "claude-sonnet-4-5"
+    recorded = [
+        e
+        for e in await _events(pool, tenant, session_id, "model.request.started")
+        if e["run_id"] == run_id
+    ]
+    assert recorded[-1]["estimator_factor_ppm"] == 1_000_000
+
+
 async def test_report_usage_of_a_request_another_tokenizer_counted_learns_nothing(
     stub: Any, pool: Any
 ) -> None:

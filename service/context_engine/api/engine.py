@@ -41,7 +41,7 @@ from ..core.build_record import (
     uncited_passages,
     unmarked_excerpts,
 )
-from ..core.checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint, require_version
+from ..core.checkpoint import Checkpoint, applied_factor, require_version
 from ..core.enums import PlanReason
 from ..core.errors import (
     BudgetExceededError,
@@ -371,7 +371,9 @@ class Engine:
         and a head kept at `expected` moves with it (so that Build confirms its head rather
         than finding it stale and building twice: Engine.build)."""
         run_id = UUID(checkpoint.run_id)
-        stored = Checkpoint.model_validate(checkpoint.model_dump(mode="json"))
+        stored = Checkpoint.model_validate(checkpoint.model_dump(mode="json")).model_copy(
+            update={"estimator_model_id": checkpoint.estimator_model_id}  # stored beside it
+        )
         self._kept.put(
             ("checkpoint", tenant, run_id, stored.version), stored, approximate_bytes(stored)
         )
@@ -823,7 +825,7 @@ class Engine:
                 conn, tenant, session_id, run.seed_event_sequence, self.kept
             )
             # The first checkpoint pins the model's current estimator correction.
-            factor = await self._pinned_factor(conn, tenant, session_id, epoch)
+            estimator = await self._pinned_factor(conn, tenant, session_id, epoch)
             await runs.insert_checkpoint(
                 conn,
                 tenant,
@@ -832,7 +834,7 @@ class Engine:
                     version=1,
                     items=(first,),
                     working_state=state,
-                    estimator_factor_ppm=factor,
+                    **estimator,
                 ),
             )
             result = RunStarted(
@@ -907,12 +909,12 @@ class Engine:
             )
             # A new checkpoint pins the model's current correction: rebuilding it later cuts
             # the same, whatever usage is reported meanwhile.
-            factor = await self._pinned_factor(conn, tenant, session_id, epoch)
+            pinned = await self._pinned_factor(conn, tenant, session_id, epoch)
             new_checkpoint = checkpoint.model_copy(
                 update={
                     "version": checkpoint.version + 1,
                     "items": checkpoint.items + placed,
-                    "estimator_factor_ppm": factor,
+                    **pinned,
                 }
             )
             if runtime is not None:  # task states on tool outcomes; ask_user questions
@@ -941,14 +943,23 @@ class Engine:
         self.checkpoint_written(tenant, session_id, new_checkpoint, expected_version)
         return result
 
-    async def _pinned_factor(self, conn: Any, tenant: str, session_id: UUID, epoch: int) -> int:
-        """The estimator factor a checkpoint written now pins: the correction for the model
-        of the session's current plan, `epoch` as read under the session lock. A plan never
-        changes its model, so a kept plan of that epoch names it without a query."""
+    async def _pinned_factor(
+        self, conn: Any, tenant: str, session_id: UUID, epoch: int
+    ) -> dict[str, Any]:
+        """What a checkpoint written now pins of the estimator: the correction for the model
+        of the session's current plan, `epoch` as read under the session lock, and that
+        model (a Build on another model's plan applies none of it: core/checkpoint.py). A
+        plan never changes its model, so a kept plan of that epoch names it without a
+        query."""
         kept: plans.StoredPlan | None = self._plans.get((tenant, session_id, epoch))
         if kept is None:
-            return await usage_api.session_factor(conn, tenant, session_id, self.tokenizer_of)
-        return await usage_api.pinned_factor(conn, tenant, kept.plan.model_id, self.tokenizer_of)
+            model_id, factor = await usage_api.session_factor(
+                conn, tenant, session_id, self.tokenizer_of
+            )
+        else:
+            model_id = kept.plan.model_id
+            factor = await usage_api.pinned_factor(conn, tenant, model_id, self.tokenizer_of)
+        return {"estimator_factor_ppm": factor, "estimator_model_id": model_id}
 
     async def _carried(
         self, conn: Any, tenant: str, session_id: UUID, below: int, floor: int
@@ -1412,7 +1423,7 @@ class Engine:
             "run_id": str(run_id),
             "epoch": plan.epoch,
             "checkpoint_version": checkpoint.version,
-            "estimator_factor_ppm": checkpoint.estimator_factor_ppm or NEUTRAL_FACTOR_PPM,
+            "estimator_factor_ppm": applied_factor(checkpoint, plan.model_id),
             **exc.metadata,
         }
         async with self.gates.held(tenant, session_id), transaction(self.pool) as conn:

@@ -106,12 +106,13 @@ async def pinned_factor(
 
 async def session_factor(
     conn: Any, tenant_id: str, session_id: UUID, tokenizer_of: Callable[[str], str]
-) -> int:
-    """pinned_factor for the model of the session's current plan."""
+) -> tuple[str, int]:
+    """(the model of the session's current plan, its pinned_factor); ("", neutral) for a
+    session without a plan."""
     model_id = await store.session_model(conn, tenant_id, session_id)
     if model_id is None:
-        return NEUTRAL_FACTOR_PPM
-    return await pinned_factor(conn, tenant_id, model_id, tokenizer_of)
+        return "", NEUTRAL_FACTOR_PPM
+    return model_id, await pinned_factor(conn, tenant_id, model_id, tokenizer_of)
 
 
 async def report_usage(

@@ -39,7 +39,7 @@ from .body_estimate import (
 from .budget import ContextBudget, allocate
 from .cache_hints import cache_breakpoints
 from .carried import CarriedView, carried_view
-from .checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint
+from .checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint, applied_factor
 from .content_key import ContentMemo
 from .envelope import escape_content, wrap
 from .errors import EngineError
@@ -132,8 +132,9 @@ class BuildInputs:
 
     @property
     def estimator_factor_ppm(self) -> int:
-        """The correction factor pinned on the checkpoint this build reads."""
-        return self.checkpoint.estimator_factor_ppm or NEUTRAL_FACTOR_PPM
+        """The correction factor pinned on the checkpoint this build reads, for the plan's
+        model (core/checkpoint.py applied_factor)."""
+        return applied_factor(self.checkpoint, self.plan.model_id)
 
 
 @dataclass(frozen=True, slots=True)

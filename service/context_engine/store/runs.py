@@ -92,8 +92,9 @@ async def read_run_checkpoint(
     Raises NotFoundError as read_run does, then as read_checkpoint does."""
     row = await conn.fetchrow(
         "SELECT r.session_id, r.parent_run_id, r.seed_event_sequence, r.epoch, c.version,"
-        " CASE WHEN c.version = $3 THEN NULL ELSE c.body END AS body"
-        " FROM runs r LEFT JOIN LATERAL (SELECT version, body FROM run_checkpoints c"
+        " CASE WHEN c.version = $3 THEN NULL ELSE c.body END AS body, c.estimator_model_id"
+        " FROM runs r LEFT JOIN LATERAL"
+        " (SELECT version, body, estimator_model_id FROM run_checkpoints c"
         "  WHERE c.tenant_id = r.tenant_id AND c.run_id = r.run_id"
         "  ORDER BY version DESC LIMIT 1) c ON true"
         " WHERE r.tenant_id = $1 AND r.run_id = $2",
@@ -119,19 +120,21 @@ async def read_run_checkpoint(
     if row["body"] is None:
         assert kept is not None and kept.version == row["version"]
         return run, kept
-    return run, Checkpoint.model_validate(row["body"])
+    return run, _checkpoint(row)
 
 
 async def insert_checkpoint(conn: Any, tenant_id: str, checkpoint: Checkpoint) -> None:
     """Write a checkpoint version. Raises ConflictError when that version exists."""
     status = await conn.execute(
-        "INSERT INTO run_checkpoints (tenant_id, run_id, version, body, estimator_factor_ppm)"
-        " VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
+        "INSERT INTO run_checkpoints"
+        " (tenant_id, run_id, version, body, estimator_factor_ppm, estimator_model_id)"
+        " VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
         tenant_id,
         UUID(checkpoint.run_id),
         checkpoint.version,
         checkpoint.model_dump(mode="json"),
         checkpoint.estimator_factor_ppm,
+        checkpoint.estimator_model_id or None,
     )
     if status.endswith(" 0"):
         raise ConflictError(
@@ -144,7 +147,8 @@ async def insert_checkpoint(conn: Any, tenant_id: str, checkpoint: Checkpoint) -
 async def read_checkpoint(conn: Any, tenant_id: str, run_id: UUID, version: int = 0) -> Checkpoint:
     """The given version, or the latest when version is 0."""
     row = await conn.fetchrow(
-        "SELECT body FROM run_checkpoints WHERE tenant_id = $1 AND run_id = $2"
+        "SELECT body, estimator_model_id FROM run_checkpoints WHERE tenant_id = $1"
+        " AND run_id = $2"
         " AND ($3::bigint = 0 OR version = $3::bigint) ORDER BY version DESC LIMIT 1",
         tenant_id,
         run_id,
@@ -156,7 +160,15 @@ async def read_checkpoint(conn: Any, tenant_id: str, run_id: UUID, version: int 
             field="checkpoint_version",
             reason="RUN_NOT_FOUND",
         )
-    return Checkpoint.model_validate(row["body"])
+    return _checkpoint(row)
+
+
+def _checkpoint(row: Any) -> Checkpoint:
+    """A checkpoint as stored: its body, and the model its pinned factor is for, beside it
+    (migrations/0023; NULL for one the previous version wrote)."""
+    checkpoint = Checkpoint.model_validate(row["body"])
+    model = row["estimator_model_id"]
+    return checkpoint.model_copy(update={"estimator_model_id": model}) if model else checkpoint
 
 
 # What a Build reads first of a run `r` (read_run_head, read_run_heads); every subquery an
