@@ -820,6 +820,42 @@ async def test_a_steady_ratio_is_learned_as_itself_whatever_the_prefix_weighs(
     assert answered is not None and 1_080_000 <= answered.factor_ppm <= 1_130_000
 
 
+async def test_a_request_reported_again_under_another_key_is_learned_once(
+    stub: Any, pool: Any
+) -> None:
+    """One response is one sample: a report under a second key (another worker's resend,
+    a client without the fixed key) was learned again, contradictory figures too (an
+    audit). It is recorded, not absorbed; the factor is the first report's."""
+    tenant = _tenant()
+    session_id, _ = await _open(stub, tenant, room=0)
+    run_id = await _start(stub, tenant, session_id, "hi")
+    built = await _build(stub, tenant, session_id, run_id)
+    estimated = built.estimated_input_tokens
+    first = await stub.ReportUsage(
+        _usage(
+            tenant,
+            session_id,
+            built.request_sequence,
+            input_tokens=2 * estimated,
+            idempotency_key="a",
+        )
+    )
+    again = await stub.ReportUsage(
+        _usage(
+            tenant,
+            session_id,
+            built.request_sequence,
+            input_tokens=estimated // 2,
+            idempotency_key="b",
+        )
+    )
+    assert first.absorbed and not again.absorbed
+    assert (again.factor_ppm, again.samples) == (first.factor_ppm, 1)
+    assert await _factor(pool, tenant) == (first.factor_ppm, 1)
+    reported = await _events(pool, tenant, session_id, "model.usage.reported")
+    assert [r["absorbed"] for r in reported] == [True, False]
+
+
 async def test_report_usage_of_a_request_another_tokenizer_counted_learns_nothing(
     stub: Any, pool: Any
 ) -> None:

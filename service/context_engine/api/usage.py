@@ -152,7 +152,9 @@ async def report_usage(
                 reason="REQUEST_NOT_FOUND",
             )
         recorded, warm = read.recorded, read.warm
-        outcome, correction = await _reconcile(conn, tenant_id, report, recorded, tokenizer_of)
+        outcome, correction = await _reconcile(
+            conn, tenant_id, report, recorded, tokenizer_of, learned=read.learned
+        )
         outcome = replace(outcome, first_of_epoch=not warm)
         if correction is not None:
             await store.write_correction(
@@ -188,6 +190,8 @@ async def _reconcile(
     report: UsageReport,
     recorded: dict[str, Any],
     tokenizer_of: Callable[[str], str],
+    *,
+    learned: bool = False,
 ) -> tuple[UsageOutcome, Correction | None]:
     estimated = int(recorded.get("estimated_input_tokens", 0))
     prefix = int(recorded.get("prefix_tokens", 0))
@@ -210,9 +214,12 @@ async def _reconcile(
     counted = recorded.get(TOKENIZER_KEY)
     same_counter = not isinstance(counted, str) or counted == tokenizer_of(planned_model)
     used = int(recorded.get("estimator_factor_ppm", NEUTRAL_FACTOR_PPM)) or PPM
-    # Nor from a report no tokenizer drift explains (core/estimator.py plausible_sample).
+    # Nor from a report no tokenizer drift explains (core/estimator.py plausible_sample),
+    # nor from a second report of a request one was learned from (`learned`: under another
+    # key; each counted, contradictory figures too: an audit). One response, one sample.
     absorbed = (
-        same_model(report.model_id, planned_model)
+        not learned
+        and same_model(report.model_id, planned_model)
         and same_counter
         and plausible_sample(estimated, actual, used)
     )

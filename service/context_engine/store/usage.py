@@ -111,6 +111,9 @@ class ReportContext:
     # the previous request is looked at: every request since the event that opened the
     # epoch, on session_events_by_type, stopping at the first on it.
     warm: bool
+    # Whether a report of this request, under another key, was absorbed already: one
+    # response is one sample (api/usage.py).
+    learned: bool = False
 
 
 _REPORT_CONTEXT = (
@@ -124,7 +127,9 @@ _REPORT_CONTEXT = (
     "   WHERE o.tenant_id = $1 AND o.session_id = $2"
     "   AND o.type IN ('context.plan.created', 'context.epoch.rotated')"
     "   AND (o.payload->>'epoch')::bigint = req.epoch), 0)"
-    "  AND (e.payload->>'epoch')::bigint = req.epoch) AS warm"
+    "  AND (e.payload->>'epoch')::bigint = req.epoch) AS warm,"
+    " EXISTS (SELECT 1 FROM usage_reports a WHERE a.tenant_id = $1 AND a.session_id = $2"
+    "  AND a.request_sequence = $3 AND a.absorbed) AS learned"
     " FROM (SELECT 1) AS one"
     " LEFT JOIN req ON true"
     " LEFT JOIN usage_reports u ON u.tenant_id = $1 AND u.session_id = $2"
@@ -159,6 +164,7 @@ async def read_report_context(
         earlier=row["response"] if row["request_sha256"] is not None else None,
         recorded=row["payload"],
         warm=bool(row["warm"]),
+        learned=bool(row["learned"]),
     )
 
 
