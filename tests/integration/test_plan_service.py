@@ -1065,6 +1065,42 @@ async def test_after_an_erasure_a_build_on_a_keeping_replica_rotates_first(
     assert kept.invalidated and b"allergic" not in kept.prefix_document
 
 
+async def test_a_keeping_replica_drops_every_kept_plan_of_a_session_an_erasure_rewrote(
+    stub: Any, pool: Any
+) -> None:
+    """A replica kept the epochs of a session it had read; after an erasure on another
+    replica, reading one epoch again refreshed that epoch's copy only, and the others kept
+    the erased memory in memory until evicted (an audit). The revision is the session's:
+    the first read that finds it newer drops every kept plan of the session."""
+    from .helpers import replica
+
+    person = f"ana-{new_id()}"
+    memory = _memory_spec("trace-kept")
+    memory.snapshot.items[0].person_ids[:] = [person]
+    session_id, _ = await _open(stub, memory)
+    other, channel, running = await replica(pool)
+    try:
+        first = (await _start(other, session_id)).run.run_id
+        assert "allergic" in _text(await _build(other, session_id, first))  # keeps epoch 1
+        changed = _memory_spec("trace-kept")
+        changed.snapshot.items[0].person_ids[:] = [person]
+        changed.agent.instructions = "Other instructions."
+        await stub.Rotate(_rotation(session_id, pb.PLAN_REASON_AGENT_CHANGED, changed))
+        second = (await _start(other, session_id)).run.run_id
+        assert "allergic" in _text(await _build(other, session_id, second))  # keeps epoch 2
+        kept = running.engine._plans
+        assert kept.get((TENANT, UUID(session_id), 1)) is not None
+        await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+        assert "allergic" not in _text(await _build(other, session_id, second))
+        stale = kept.get((TENANT, UUID(session_id), 1))
+        assert stale is None or not any("allergic" in b.text for b in stale.plan.system), (
+            "epoch 1's copy still holds the erased memory"
+        )
+    finally:
+        await channel.close()
+        await running.stop(0)
+
+
 async def test_a_snapshot_naming_an_erased_person_is_refused(stub: Any, pool: Any) -> None:
     person = f"ana-{new_id()}"
     await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))

@@ -424,6 +424,11 @@ class Engine:
             cached: plans.StoredPlan | None = self._plans.get((tenant, session_id, epoch))
             if cached is not None and cached.revision >= revision:
                 return cached
+            if cached is not None:
+                # The revision is the session's: every plan of it kept here is as old, and
+                # may hold what an erasure on another replica redacted (an audit: kept
+                # until evicted). Dropped now, not one epoch at a time as each is asked.
+                self._plans.drop_where(lambda key: key[:2] == (tenant, session_id))  # type: ignore[index]
         async with telemetry.span("store.read_plan"), acquire(self.pool) as conn:
             stored = await plans.read_plan(conn, tenant, session_id, epoch)
         self._plans.put((tenant, session_id, stored.plan.epoch), stored, approximate_bytes(stored))
