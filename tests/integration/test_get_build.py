@@ -429,7 +429,7 @@ async def test_a_build_records_its_assembler_and_payload_hash(stub: Any, pool: A
     from one it does not."""
     session_id, built = await _failed_result_build(stub, "gpt-5")
     payload = await _recorded(pool, session_id, built.request_sequence)
-    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@21"
+    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@20"
     assert payload[PAYLOAD_KEY] == hashlib.sha256(built.provider_payload).hexdigest()
     assert isinstance(payload[IMAGE_KEY], int) and isinstance(payload[INLINE_KEY], int)
     assert TOOL_ERROR_AS_TEXT.encode() in built.provider_payload
@@ -1020,44 +1020,6 @@ async def test_a_bare_passage_is_cited_and_an_assembler_15_record_is_served_with
     assert b"Refunds take 5 days." in payload and b"handbook.pdf" not in payload
 
     await _served_as(stub, pool, session_id, built, as_sent, "context-assembler@15")
-
-
-async def test_get_build_serves_a_record_whose_factor_scaled_its_body_alone(
-    stub: Any, pool: Any
-) -> None:
-    """context-assembler@21 scales the prefix by the checkpoint's pinned estimator factor
-    as it does the body; @20 and older scaled the body alone. A record of @20 under a
-    factor is rebuilt so (`scaled_prefix`), its figures the ones it was cut with."""
-    session_id, _ = await open_session(stub)
-    first = (await start_run(stub, session_id, "hi")).run.run_id
-    probe = await stub.Build(build_request(session_id, first))
-    learned = await stub.ReportUsage(
-        pb.ReportUsageRequest(
-            tenant_id=TENANT,
-            session_id=session_id,
-            request_sequence=probe.request_sequence,
-            model_id=probe.request.model_id,
-            input_tokens=3 * probe.estimated_input_tokens,
-        )
-    )
-    assert learned.absorbed and learned.factor_ppm > 2_500_000
-    run_id = (await start_run(stub, session_id, "and now?")).run.run_id  # pins the factor
-    built = await stub.Build(build_request(session_id, run_id))
-    as_sent = await _rebuilt(pool, session_id, run_id, built, scaled_prefix=False)
-    assert as_sent.assembled.estimated_input_tokens < built.estimated_input_tokens
-    assert as_sent.assembled.request_sha256 == built.request_sha256  # the bytes are the same
-
-    def older(record: dict[str, Any]) -> dict[str, Any]:
-        return {
-            **record,
-            **estimate_to_record(as_sent.assembled),
-            ASSEMBLER_KEY: "context-assembler@20",
-        }
-
-    await _rewrite_record(pool, session_id, built.request_sequence, older)
-    served = await _get(stub, session_id, built.request_sequence)
-    assert served.estimated_input_tokens == as_sent.assembled.estimated_input_tokens
-    assert served.provider_payload == built.provider_payload
 
 
 async def _rebuilt(

@@ -341,13 +341,11 @@ def test_budget_conformance_and_pair_integrity_on_every_path(session: Session) -
     assert framing > 0
     # This plan defines no tools: its pairs go as text, and their words are counted.
     fixed = fixed_texts_of(plan.provider, bool(plan.tools))
-    # The pinned factor scales the prefix as it does the body (context-assembler@21).
-    prefix = -(-plan.prefix_tokens * session.factor_ppm // 1_000_000)
     budget = allocate(
         context_window=plan.context_window,
         policy_cap_tokens=plan.policy_cap_tokens,
         reserve_output_tokens=plan.max_output_tokens,
-        prefix_tokens=prefix,
+        prefix_tokens=plan.prefix_tokens,
         framing_tokens=framing,
     )
     try:
@@ -391,11 +389,11 @@ def test_budget_conformance_and_pair_integrity_on_every_path(session: Session) -
     assert body == built.body_estimated_tokens == pressure.body_tokens_after
     assert body <= budget.body_tokens
     assert (
-        prefix + framing + body + plan.max_output_tokens
+        plan.prefix_tokens + framing + body + plan.max_output_tokens
         <= budget.total_tokens
         <= plan.context_window
     )
-    assert built.estimated_input_tokens == prefix + framing + body
+    assert built.estimated_input_tokens == plan.prefix_tokens + framing + body
     # Tool pairs are atomic on every yield path.
     assert _orphans(request) == set()
     # Never-yield items are in the request, untruncated.

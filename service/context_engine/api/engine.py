@@ -1049,7 +1049,6 @@ class Engine:
         bridge_markers: bool = True,
         cited_passages: bool = True,
         entry_skill_trust: bool = True,
-        scaled_prefix: bool = True,
     ) -> BuildResult:
         """Assemble, render and record the run's next request.
 
@@ -1077,8 +1076,6 @@ class Engine:
         `cited_passages` False: a bare knowledge passage is sent without its citation, as
         context-assembler@15 and older sent it (`uncited_passages`). `entry_skill_trust`
         False: each loaded skill's body at its load trust, as @16 and older rendered it.
-        `scaled_prefix` False: the pinned factor scales the body alone, not the prefix, as
-        context-assembler@20 and older cut (core/assemble.py _budget).
 
         A recording Build of a run this replica has built before is made from the run head
         it kept, which the record confirms in the same round trip (store/records.py): if
@@ -1109,7 +1106,6 @@ class Engine:
             bridge_markers=bridge_markers,
             cited_passages=cited_passages,
             entry_skill_trust=entry_skill_trust,
-            scaled_prefix=scaled_prefix,
         )
         heads = self._heads(tenant, session_id) if record else None
         kept = heads.by_run.get(run_id) if heads is not None else None
@@ -1156,7 +1152,6 @@ class Engine:
         bridge_markers: bool,
         cited_passages: bool,
         entry_skill_trust: bool,
-        scaled_prefix: bool,
     ) -> BuildResult:
         """build() from the `kept` head, which the record must confirm (_StaleHead if it
         does not; nothing is written before then), or from a head read now (None)."""
@@ -1274,7 +1269,6 @@ class Engine:
                 cache_marker_budget=budget,
                 # A rebuild serves what was sent, made before Build refused such a floor.
                 refuse_floor_over_cap=record,
-                scaled_prefix=scaled_prefix,
             )
             if inputs.carried_before:  # with nothing before it, what was read reaches
                 inputs = await self._carried_reaching(tenant, session_id, inputs, carried)

@@ -50,7 +50,6 @@ from ..core.build_record import (
     marked_excerpts,
     marker_sequences,
     named_writers,
-    scaled_prefix,
     text_call_ids,
     whole_request_hash,
 )
@@ -194,8 +193,6 @@ async def rebuild(
         cited_passages=cited_passages(payload),
         # Its loaded skills' bodies at their load trust before @17.
         entry_skill_trust=entry_skill_trust(payload),
-        # Its prefix counted as the plan counted it, unscaled by the factor, before @21.
-        scaled_prefix=scaled_prefix(payload),
     )
 
 

@@ -36,7 +36,7 @@ from .body_estimate import (
     request_framing,
     share_attachment_budget,
 )
-from .budget import ContextBudget, allocate, ceil_ppm
+from .budget import ContextBudget, allocate
 from .cache_hints import cache_breakpoints
 from .carried import CarriedView, carried_view
 from .checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint, applied_factor
@@ -129,9 +129,6 @@ class BuildInputs:
     # Whether a recall floor over recall's cap is refused (pressure.fit_body); False only
     # to rebuild a recorded request, which may predate the refusal.
     refuse_floor_over_cap: bool = True
-    # Whether the pinned factor scales the prefix as it does the body (_budget); False only
-    # to rebuild a context-assembler@20 or older record as it was cut.
-    scaled_prefix: bool = True
 
     @property
     def estimator_factor_ppm(self) -> int:
@@ -249,19 +246,12 @@ def carried_reaches(inputs: BuildInputs) -> bool:
 
 
 def _budget(inputs: BuildInputs) -> ContextBudget:
-    """The request's capacity under the checkpoint's pinned factor, which scales the prefix
-    as it scales the body and the framing: ReportUsage learns it as actual over the whole
-    estimate, so a factor applied to the body alone settled where the body made up for the
-    prefix's error too, 1 + (r - 1)(P + B)/B for a true ratio r: a 3,400-token prefix and
-    short questions reported at 1.1x drove it past 3.5x, and a long message was then refused
-    BUDGET_EXCEEDED (an audit). Scaled whole, it settles at r (context-assembler@21)."""
     plan = inputs.plan
-    factor = inputs.estimator_factor_ppm if inputs.scaled_prefix else NEUTRAL_FACTOR_PPM
     return allocate(
         context_window=plan.context_window,
         policy_cap_tokens=plan.policy_cap_tokens,
         reserve_output_tokens=plan.max_output_tokens,
-        prefix_tokens=ceil_ppm(plan.prefix_tokens, factor),
+        prefix_tokens=plan.prefix_tokens,
         framing_tokens=_framing(
             inputs.count_tokens, inputs.estimator_factor_ppm, inputs.fixed_texts
         ),
@@ -365,7 +355,7 @@ def _outcome(
         needs_compaction=not fitted.fits,
         pressure=fitted.report,
         budget=(*plan.prefix_classes, *fitted.usage),
-        estimated_input_tokens=budget.prefix_tokens + budget.framing_tokens + fitted.body_tokens,
+        estimated_input_tokens=plan.prefix_tokens + budget.framing_tokens + fitted.body_tokens,
         input_budget_tokens=budget.input_tokens,
         body_estimated_tokens=fitted.body_tokens,
         estimator_factor_ppm=inputs.estimator_factor_ppm,

@@ -98,7 +98,6 @@ __all__ = [
     "named_writers",
     "recalled_people",
     "redact_record",
-    "scaled_prefix",
     "shown_items",
     "text_call_ids",
     "unbridged",
@@ -261,12 +260,7 @@ __all__ = [
 # to keep 8,000 more of carried history). core/yield_ladder.py Rule 5. A request under no
 # such pressure is cut as before; GetBuild refuses an older record that was cut otherwise
 # (it is not rebuilt: the older rules are not kept).
-# @21: the checkpoint's pinned estimator factor scales the prefix as it does the body
-# (core/assemble.py _budget): ReportUsage learns it over the whole request, and applied to
-# the body alone it settled far above the true ratio where the prefix outweighed the body.
-# A request under the neutral factor is cut as before; an older record is rebuilt with the
-# prefix unscaled (`scaled_prefix`).
-ASSEMBLER_VERSION = "context-assembler@21"
+ASSEMBLER_VERSION = "context-assembler@20"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})
@@ -292,9 +286,6 @@ _UNBRIDGED = _UNCOUNTED_TEXTS | {"context-assembler@13", "context-assembler@14"}
 _UNCITED = _UNBRIDGED | {"context-assembler@15"}  # @16 cited, as @17 does
 # The versions that rendered a loaded skill's body at its load's trust alone.
 _LOAD_TRUST = _UNCITED | {"context-assembler@16"}
-# The versions whose pinned factor scaled the body alone, not the prefix (every one before
-# @21).
-_UNSCALED_PREFIX = _LOAD_TRUST | {f"context-assembler@{n}" for n in range(17, 21)}
 # The versions whose cache markers name an item by its id alone.
 _BY_ID = _WHOLE_HASH | {"context-assembler@7"}
 ASSEMBLER_KEY = "assembler_version"
@@ -453,12 +444,6 @@ def entry_skill_trust(payload: dict[str, Any]) -> bool:
     """Rule 8: whether a loaded skill's body took its pinned entry's trust where a Rotate
     lowered it (@17 on); an older record is rebuilt at each body's load trust."""
     return assembler_of(payload) not in _LOAD_TRUST
-
-
-def scaled_prefix(payload: dict[str, Any]) -> bool:
-    """Rule 8: whether the request's pinned factor scaled its prefix (@21 on); an older
-    record is rebuilt with the prefix counted as the plan counted it."""
-    return assembler_of(payload) not in _UNSCALED_PREFIX
 
 
 def unbridged(request: ModelRequest) -> ModelRequest:
