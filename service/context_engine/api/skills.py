@@ -137,7 +137,7 @@ async def erase_subject(engine: Engine, tenant: str, person_id: str) -> Erasure:
     async with transaction(engine.pool) as conn:
         earlier = await snapshots.fence_erasure(conn, tenant, person_id)
         holding = await snapshots.plans_holding(conn, tenant, person_id)
-        naming = await snapshots.requests_naming(conn, tenant, person_id)
+        naming = await snapshots.sessions_naming(conn, tenant, person_id)
         erasure = _with_earlier(_NOTHING_FOUND, earlier)
         await snapshots.record_erasure_outcome(conn, tenant, person_id, _outcome_json(erasure))
     for session_id in sorted({*holding, *naming}):

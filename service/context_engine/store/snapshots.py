@@ -33,6 +33,7 @@ __all__ = [
     "record_people",
     "requests_naming",
     "rewrite_request",
+    "sessions_naming",
     "write_redacted_plan",
 ]
 
@@ -225,6 +226,19 @@ async def requests_naming(
     for r in rows:
         out.setdefault(r["session_id"], []).append((int(r["sequence"]), r["payload"]))
     return out
+
+
+async def sessions_naming(conn: Any, tenant_id: str, person_id: str) -> list[UUID]:
+    """The sessions with a recorded request whose recall or correction lines name the
+    person: requests_naming's keys without reading a payload (an erasure's first pass,
+    under the person's exclusive fence, read every such payload for their session ids)."""
+    rows = await conn.fetch(
+        "SELECT DISTINCT session_id FROM session_events"
+        " WHERE tenant_id = $1 AND type = 'model.request.started' AND payload -> 'people' ? $2",
+        tenant_id,
+        person_id,
+    )
+    return [r["session_id"] for r in rows]
 
 
 async def rewrite_request(
