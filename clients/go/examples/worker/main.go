@@ -321,9 +321,17 @@ func (w *worker) adopt(p *cev1.ContextPlan) {
 }
 
 func (w *worker) build(ctx context.Context, now *timestamppb.Timestamp) (*cev1.BuildResponse, error) {
-	built, err := call(ctx, w.timeout, w.client.Build, &cev1.BuildRequest{
+	request := &cev1.BuildRequest{
 		TenantId: w.tenant, SessionId: w.session, RunId: w.runID, CheckpointVersion: w.version, Now: now,
-	})
+	}
+	// Build writes only its record, so it is resent as any retryable call is; and once
+	// after ABORTED EPOCH_CONFLICT (an erasure invalidated the plan while the request was
+	// built, nothing recorded: docs/api.md says build again).
+	built, err := send(ctx, w.timeout, w.client.Build, request)
+	var engineErr *EngineError
+	if errors.As(err, &engineErr) && engineErr.Reason == "EPOCH_CONFLICT" {
+		built, err = send(ctx, w.timeout, w.client.Build, request)
+	}
 	if err != nil {
 		return nil, err
 	}
