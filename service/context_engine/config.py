@@ -31,6 +31,18 @@ class ConfigError(Exception):
     """A configuration value is invalid; the message names it."""
 
 
+# A tls_client_tenants key's type -> the auth_context property (grpc's name) holding the
+# client certificate's identities of that type (api/interceptors.py ClientCertificates).
+# Keys are typed ("uri:spiffe://...", "cn:worker-a"): untyped, a CN spelling another
+# tenant's SPIFFE ID mapped to that tenant (an audit).
+CERT_IDENTITY_TYPES = {
+    "uri": "peer_uri",
+    "dns": "peer_dns",
+    "email": "peer_email",
+    "cn": "x509_common_name",
+}
+
+
 class Settings(BaseModel):
     # No infinite or NaN durations: an infinite grace or readiness interval passed
     # validation and then never ended (or never checked again).
@@ -98,8 +110,8 @@ class Settings(BaseModel):
     tls_key_file: str = ""
     # CA bundle (PEM) that client certificates must chain to; required for auth "mtls".
     tls_client_ca_file: str = ""
-    # Certificate identity (a SAN: DNS name, URI or e-mail; or the subject CN) -> tenant.
-    # Empty: the subject CN is the tenant.
+    # Certificate identity, typed ("uri:spiffe://...", "dns:...", "email:...", "cn:...")
+    # -> tenant. Empty: the subject CN is the tenant.
     tls_client_tenants: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("listen")
@@ -212,10 +224,17 @@ class Settings(BaseModel):
                 ' "bearer" (auth is "none": every certificate holder could act as any tenant)'
             )
         for identity, tenant in self.tls_client_tenants.items():
-            if not isinstance(tenant, str) or not identity or not tenant or len(tenant) > 200:
+            kind, _, name = identity.partition(":")
+            if kind not in CERT_IDENTITY_TYPES or not name:
+                # Untyped, a CN spelling a SPIFFE ID mapped like the URI (an audit).
                 raise ValueError(
-                    "tls_client_tenants: each certificate identity (non-empty) must map to a"
-                    " tenant id of 1-200 characters"
+                    f"tls_client_tenants: key {identity!r} names no identity type; write it"
+                    f" as {', '.join(f'{t}:...' for t in CERT_IDENTITY_TYPES)}"
+                    ' (for example "uri:spiffe://example.org/worker" or "cn:worker-a")'
+                )
+            if not isinstance(tenant, str) or not tenant or len(tenant) > 200:
+                raise ValueError(
+                    f"tls_client_tenants: {identity!r} must map to a tenant id of 1-200 characters"
                 )
         if self.tls_client_tenants and self.auth != "mtls":
             raise ValueError(

@@ -270,7 +270,11 @@ async def mtls(pool: Any, tmp_path_factory: Any) -> AsyncIterator[dict[str, Any]
             {
                 "auth": "mtls",
                 **{name: str(tmp / name) for name in files},
-                "tls_client_tenants": {WORKER_B_URI: "tenant-b", "worker-a": "tenant-a"},
+                "tls_client_tenants": {
+                    f"uri:{WORKER_B_URI}": "tenant-b",
+                    "cn:worker-a": "tenant-a",
+                    "dns:worker-c.example": "tenant-c",
+                },
             }
         )
     )
@@ -281,7 +285,12 @@ async def mtls(pool: Any, tmp_path_factory: Any) -> AsyncIterator[dict[str, Any]
         "b": ca.issue(
             "worker-b-host", [x509.UniformResourceIdentifier(WORKER_B_URI)], server=False
         ),
+        "c": ca.issue("", [x509.DNSName("worker-c.example")], server=False),
         "unmapped": ca.issue("someone-else", [], server=False),
+        # A CN spelling tenant-b's SPIFFE ID: the mapping's keys were untyped, and it mapped.
+        "cn-spelling-uri": ca.issue(WORKER_B_URI, [], server=False),
+        # Identities mapped to two tenants: it acted as whichever came first.
+        "two-tenants": ca.issue("worker-a", [x509.DNSName("worker-c.example")], server=False),
         "rogue": rogue.issue("worker-a", [], server=False),
     }
     channels: dict[str, grpc.aio.Channel] = {}
@@ -337,6 +346,23 @@ async def test_mtls_unmapped_certificate_is_unauthenticated(mtls: Any) -> None:
         await stub.Plan(pb.PlanRequest(session_id=new_id(), spec=spec()))
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert details(info.value)[0] == "UNAUTHENTICATED"
+
+
+async def test_mtls_identities_map_by_type_and_to_one_tenant(mtls: Any, pool: Any) -> None:
+    """A mapping key names its identity's type: a CN spelling a URI key does not map (the
+    keys were untyped, and a requester whose CA let it choose its CN could act as the
+    tenant of any SPIFFE ID). A certificate whose identities map to two tenants names
+    none: it acted as whichever the certificate listed first."""
+    for who in ("cn-spelling-uri", "two-tenants"):
+        stub = mtls["channel"](who)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Plan(pb.PlanRequest(tenant_id="tenant-b", session_id=new_id(), spec=spec()))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, who
+        assert details(info.value)[0] == "UNAUTHENTICATED"
+    c = mtls["channel"]("c")
+    session_c = new_id()
+    await c.Plan(pb.PlanRequest(session_id=session_c, spec=spec()))
+    assert await _sessions(pool, session_c) == ["tenant-c"]
 
 
 async def test_mtls_without_a_mapping_a_certificate_without_a_cn_is_unauthenticated(

@@ -402,12 +402,19 @@ _TLS = {"tls_cert_file": "@pem", "tls_key_file": "@pem", "tls_client_ca_file": "
         ({"tls_cert_file": "@not-pem", "tls_key_file": "@not-pem"}, {}, "holds no PEM block"),
         # Credentials for an auth mode that is off: ignored, every call went unauthenticated.
         ({"auth_tokens": {"t0ken": "acme"}}, {}, 'need auth "bearer"'),
-        ({"tls_client_tenants": {"CN=w": "acme"}}, {}, 'needs auth "mtls"'),
+        ({"tls_client_tenants": {"cn:w": "acme"}}, {}, 'needs auth "mtls"'),
         # Client certificates required and their identity ignored: any holder, any tenant.
         (_TLS, {}, 'tls_client_ca_file needs auth "mtls"'),
         # An empty identity or tenant: a certificate without a CN would map.
         ({**_TLS, "auth": "mtls", "tls_client_tenants": {"": "acme"}}, {}, "tls_client_tenants"),
-        ({**_TLS, "auth": "mtls", "tls_client_tenants": {"w": ""}}, {}, "tls_client_tenants"),
+        ({**_TLS, "auth": "mtls", "tls_client_tenants": {"cn:w": ""}}, {}, "tls_client_tenants"),
+        ({**_TLS, "auth": "mtls", "tls_client_tenants": {"cn:": "acme"}}, {}, "identity type"),
+        # An untyped key: a CN spelling a SPIFFE ID mapped like the URI (an audit).
+        (
+            {**_TLS, "auth": "mtls", "tls_client_tenants": {"spiffe://x.example/w": "acme"}},
+            {},
+            "names no identity type",
+        ),
     ],
 )
 def test_bad_configuration_exits_2_naming_the_setting(

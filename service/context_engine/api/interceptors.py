@@ -41,6 +41,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from .. import telemetry
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
+from ..config import CERT_IDENTITY_TYPES
 from ..telemetry import RPC_FIELDS, RpcState, Telemetry
 from .errors import DETAILS_KEY, DOMAIN, error_info
 
@@ -380,16 +381,13 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8")).digest()
 
 
-# auth_context keys (grpc's names) an identity is read from, most specific first.
-_CERT_IDENTITY_KEYS = ("x509_subject_alternative_name", "x509_common_name")
-
-
 class ClientCertificates:
     """The verified client certificate's identity -> tenant.
 
     The TLS handshake already required a certificate chaining to the configured CA. With
-    a mapping, the first SAN (then the subject CN) found in it names the tenant; without
-    one, the subject CN is the tenant.
+    a mapping, the certificate's identities found in it (each under its type: a URI, DNS
+    name or e-mail SAN, or the subject CN) name the tenant; identities mapped to two
+    tenants name none. Without a mapping, the subject CN is the tenant.
     """
 
     def __init__(self, tenants: Mapping[str, str]) -> None:
@@ -399,16 +397,18 @@ class ClientCertificates:
         auth = context.auth_context() or {}
         # An empty identity names no one: a certificate without a CN is reported with an
         # empty one, and was taken as tenant "" (an audit).
-        identities = [
-            value.decode("utf-8", "replace")
-            for key in _CERT_IDENTITY_KEYS
-            for value in auth.get(key, ())
-            if value
-        ]
         if not self._tenants:
             names = [v.decode("utf-8", "replace") for v in auth.get("x509_common_name", ())]
             return names[0] if names and names[0] else None
-        return next((self._tenants[i] for i in identities if i in self._tenants), None)
+        named = {
+            self._tenants[key]
+            for kind, property_name in CERT_IDENTITY_TYPES.items()
+            for value in auth.get(property_name, ())
+            if value and (key := f"{kind}:{value.decode('utf-8', 'replace')}") in self._tenants
+        }
+        # One tenant or none: a certificate naming two would act as whichever was found
+        # first, an order the certificate's issuer chose.
+        return named.pop() if len(named) == 1 else None
 
 
 class AuthInterceptor(Layer):
