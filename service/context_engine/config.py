@@ -105,6 +105,9 @@ class Settings(BaseModel):
     # Token -> tenant. Prefer auth_tokens_file (a JSON object of the same shape).
     auth_tokens: dict[str, str] = Field(default_factory=dict, repr=False)
     auth_tokens_file: str = ""
+    # How often `serve` looks at auth_tokens_file and, when it changed, takes its tokens
+    # (api/token_file.py); 0: read once, at start.
+    auth_tokens_reload_seconds: float = Field(default=10.0, ge=0)
     # Server certificate and key (PEM). Set: the listener speaks TLS.
     tls_cert_file: str = ""
     tls_key_file: str = ""

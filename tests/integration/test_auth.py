@@ -110,6 +110,67 @@ async def test_bearer_foreign_tenant_is_denied_and_writes_nothing(
     assert await _sessions(pool, session_id) == []
 
 
+def _write_tokens(path: Path, tokens: Any) -> None:
+    """Replace the file as a secret volume or an editor does: a new inode renamed over."""
+    staged = path.with_suffix(".new")
+    staged.write_text(tokens if isinstance(tokens, str) else json.dumps(tokens))
+    staged.replace(path)
+
+
+async def _accepted(stub: Any, token: str) -> bool:
+    try:
+        await stub.GetPlan(pb.GetPlanRequest(session_id=new_id()), metadata=_bearer(token))
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+            return False
+        assert exc.code() == grpc.StatusCode.NOT_FOUND, exc  # authenticated, no such session
+    return True
+
+
+async def test_bearer_tokens_follow_their_file_and_a_bad_file_changes_nothing(
+    pool: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Tokens were read once, at start: a token removed from auth_tokens_file stayed valid
+    until the replica restarted. The file is followed now (api/token_file.py): a changed
+    file replaces the tokens, and a file that cannot be used keeps the ones in use, with a
+    warning that names why and never a token."""
+    from context_engine.api.token_file import TokenFile
+
+    path = tmp_path / "tokens.json"
+    _write_tokens(path, {TOKEN_A: "tenant-a"})
+    settings = load_settings(
+        environ={"CONTEXT_ENGINE_AUTH": "bearer", "CONTEXT_ENGINE_AUTH_TOKENS_FILE": str(path)}
+    )
+    options = server_options(settings)
+    follower = TokenFile(settings, options["auth"])
+    running = await build_server(build_engine(pool), "127.0.0.1:0", **options)
+    caplog.set_level(logging.INFO, logger="context_engine.server")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = pb_grpc.ContextEngineStub(channel)
+            assert await _accepted(stub, TOKEN_A) and not await _accepted(stub, TOKEN_B)
+            assert not follower.check()  # unchanged: not read again
+            _write_tokens(path, {TOKEN_B: "tenant-b"})
+            assert follower.check()
+            assert await _accepted(stub, TOKEN_B) and not await _accepted(stub, TOKEN_A)
+            # Unreadable, not an object, a short token, no token at all, gone: kept.
+            for bad in ("{not json", '["x"]', json.dumps({"short": "tenant-a"}), "{}", None):
+                if bad is None:
+                    path.unlink()
+                else:
+                    _write_tokens(path, bad)
+                assert not follower.check(), bad
+                assert await _accepted(stub, TOKEN_B), bad
+            _write_tokens(path, {TOKEN_A: "tenant-a"})
+            assert follower.check()
+            assert await _accepted(stub, TOKEN_A) and not await _accepted(stub, TOKEN_B)
+    finally:
+        await running.stop(0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 5, warnings
+    assert not any(TOKEN_A in w or TOKEN_B in w or "short" in w for w in warnings), warnings
+
+
 async def test_foreign_session_is_indistinguishable_from_a_missing_one(bearer_stub: Any) -> None:
     stub, _ = bearer_stub
     owned = new_id()

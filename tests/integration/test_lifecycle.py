@@ -655,6 +655,50 @@ def test_auth_token_values_never_appear_in_configuration_errors() -> None:
 # --- migrations --------------------------------------------------------------------
 
 
+async def test_serve_follows_the_bearer_token_file(own_database: str, tmp_path: Path) -> None:
+    """`serve` takes a changed auth_tokens_file without a restart (api/token_file.py):
+    a removed token is refused, a new one accepted, by the same process."""
+    old, new = "old-token-" + "o" * 24, "new-token-" + "n" * 24
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({old: "acme"}))
+    proc = await _cli(
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--database-url",
+        own_database,
+        env=_env(auth="bearer", auth_tokens_file=tokens, auth_tokens_reload_seconds=0.05),
+    )
+    try:
+        port = await _listening_port(proc)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.ContextEngineStub(channel)
+
+            async def accepted(token: str) -> bool:
+                try:
+                    await stub.GetPlan(
+                        pb.GetPlanRequest(session_id=new_id()),
+                        metadata=(("authorization", f"Bearer {token}"),),
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code() != grpc.StatusCode.UNAUTHENTICATED
+                return True
+
+            assert await accepted(old) and not await accepted(new)
+            staged = tmp_path / "tokens.new"
+            staged.write_text(json.dumps({new: "acme"}))
+            staged.replace(tokens)
+
+            async def rotated() -> bool:
+                return await accepted(new) and not await accepted(old)
+
+            await wait_for(rotated, what="the new token file to be taken")
+            assert proc.returncode is None  # the same process
+    finally:
+        records = await _log_records(proc)
+    assert any(r["msg"] == "auth_tokens_file reloaded: 1 tokens" for r in records), records
+
+
 async def test_migrate_is_a_separate_step() -> None:
     dsn = await create_database(migrate=False)
     try:

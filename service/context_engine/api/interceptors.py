@@ -356,8 +356,14 @@ class BearerTokens:
     """`authorization: Bearer TOKEN` -> tenant, compared in constant time (rule 3)."""
 
     def __init__(self, tokens: Mapping[str, str]) -> None:
+        self.replace(tokens)
+
+    def replace(self, tokens: Mapping[str, str]) -> None:
+        """Take `tokens` from the next call on (api/token_file.py); none is refused, and
+        leaves the tokens in use."""
         if not tokens:
             raise ValueError("no bearer tokens configured")
+        # One assignment: a call checks against the old list or the new, never a mix.
         self._digests = [(_digest(token), tenant) for token, tenant in tokens.items()]
 
     def tenant(self, context: grpc.aio.ServicerContext) -> str | None:

@@ -57,6 +57,7 @@ from .interceptors import (
 )
 from .registration import add_servicer
 from .servicer import ContextEngineServicer
+from .token_file import TokenFile
 
 __all__ = [
     "RunningServer",
@@ -412,6 +413,7 @@ async def serve(settings: Settings) -> None:
     if tel.metrics_port:
         host = settings.metrics_listen.rpartition(":")[0]
         _log.info("prometheus metrics on http://%s:%d/metrics", host, tel.metrics_port)
+    following = _follow_token_file(settings, options.get("auth"))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -423,6 +425,8 @@ async def serve(settings: Settings) -> None:
         flush=True,
     )
     await stop.wait()
+    if following is not None:
+        following.cancel()
     _log.info("shutting down: draining for up to %.1fs", settings.shutdown_grace_seconds)
     try:
         await running.stop(settings.shutdown_grace_seconds, settings.shutdown_linger_seconds)
@@ -431,6 +435,16 @@ async def serve(settings: Settings) -> None:
     await _close(options["readiness_pool"])
     await _close(pool)
     del embedded
+
+
+def _follow_token_file(settings: Settings, auth: object) -> asyncio.Task[None] | None:
+    """The task keeping bearer tokens as auth_tokens_file says (api/token_file.py), or None
+    where there is no file to follow."""
+    interval = settings.auth_tokens_reload_seconds
+    if not isinstance(auth, BearerTokens) or not settings.auth_tokens_file or not interval:
+        return None
+    follower = TokenFile(settings, auth)
+    return asyncio.create_task(follower.follow(interval), name="context-engine-token-file")
 
 
 _CLOSE_SECONDS = 2.0

@@ -1,0 +1,69 @@
+"""Bearer tokens follow `auth_tokens_file` while the server runs.
+
+Rule 1 (rotation without restart): every `auth_tokens_reload_seconds` the file is looked
+at (its inode, size and modification time: a Kubernetes secret volume swaps a symlink, an
+editor renames over, a script writes in place); when it changed, the tokens are read again
+with the inline `auth_tokens` and replace the ones in use at once. A token removed from the
+file is refused from the next call on; calls already past authentication finish.
+Rule 2 (a bad file changes nothing): a file that cannot be read, is not a JSON object of
+valid tokens, or leaves no token at all keeps the tokens in use, with one warning per change
+of the file naming why (never a token). Emptying the file does not lock every worker out;
+to revoke every token, stop the replicas.
+Rule 3 (quiet when nothing changed): an unchanged file is not read again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from ..config import Settings
+from .interceptors import BearerTokens
+
+__all__ = ["TokenFile"]
+
+_log = logging.getLogger("context_engine.server")
+
+Stamp = tuple[int, int, int] | None
+
+
+class TokenFile:
+    """`tokens` (the server's BearerTokens) kept as `settings` reads them now."""
+
+    def __init__(self, settings: Settings, tokens: BearerTokens) -> None:
+        self._settings = settings
+        self._tokens = tokens
+        self._stamp = self._stamp_now()
+
+    def _stamp_now(self) -> Stamp:
+        try:
+            st = os.stat(self._settings.auth_tokens_file)
+        except OSError:
+            return None  # gone for now (a secret being swapped): Rule 2 when it is read
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def check(self) -> bool:
+        """Reload the tokens if the file changed since the last check; True if they were
+        replaced (Rules 1 to 3)."""
+        stamp = self._stamp_now()
+        if stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        try:
+            tokens = self._settings.bearer_tokens()
+            self._tokens.replace(tokens)
+        except ValueError as exc:  # the message names the problem, never a token
+            _log.warning("auth_tokens_file not reloaded, the tokens in use kept: %s", exc)
+            return False
+        _log.info("auth_tokens_file reloaded: %d tokens", len(tokens))
+        return True
+
+    async def follow(self, interval: float) -> None:
+        """check() every `interval` seconds until cancelled."""
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.check()
+            except Exception:  # a bug here must not end the following, nor the server
+                _log.exception("auth_tokens_file: the check failed; trying again")
