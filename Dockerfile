@@ -46,6 +46,9 @@ EXPOSE 50051
 # service context_engine.v1.ContextEngine (deploy/k8s). With no target the probe reads the
 # port from CONTEXT_ENGINE_LISTEN, so it follows a listen address set at `docker run`. It
 # probes in plaintext: a TLS listener needs it overridden with --tls-ca (docs/operations.md).
-HEALTHCHECK --interval=10s --timeout=3s --start-period=15s --retries=3 \
+# `serve` migrates before it listens (migrate_on_start), and a migration rewriting a large
+# table takes minutes: the start period covers that, so an orchestrator acting on health
+# (Swarm, autoheal) does not restart it mid-migration, rolling the migration back each time.
+HEALTHCHECK --interval=10s --timeout=3s --start-period=600s --retries=3 \
     CMD ["python", "/opt/venv/bin/context-engine-healthcheck"]
 ENTRYPOINT ["context-engine", "serve"]

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -23,6 +24,7 @@ import pytest
 import yaml
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+from context_engine.api.server import _CLOSE_SECONDS
 from context_engine.config import Settings, load_settings
 from context_engine.telemetry import FLUSH_BUDGET_S
 
@@ -142,9 +144,14 @@ def test_engine_container(index: int, tmp_path: Path) -> None:
     assert limit >= IDLE_BYTES + kept + IN_FLIGHT_BYTES, where
     port = int(_dockerfile("EXPOSE"))
     assert {"name": "grpc", "containerPort": port} in container["ports"], where
-    # Kubelet probes come from the node, so even the sidecar listens beyond loopback.
+    # Kubelet probes come from the node, so even the sidecar listens beyond loopback; so
+    # every call is authenticated: under auth "none" the tenant is the request's, and a
+    # network plugin that does not enforce NetworkPolicy left every tenant open to any Pod
+    # (an audit).
     listen = _validate({**_image_env(), **env}, tmp_path, _secret_files(path)).listen
     assert listen == f"0.0.0.0:{port}", where
+    assert settings.auth != "none", f"{where} listens beyond loopback"
+    assert container["livenessProbe"].get("timeoutSeconds", 1) >= 3, where
     assert container["livenessProbe"]["grpc"] == {"port": port}, where
     assert container["readinessProbe"]["grpc"] == {"port": port, "service": SERVICE}, where
     assert container["startupProbe"]["grpc"]["port"] == port, where
@@ -152,9 +159,10 @@ def test_engine_container(index: int, tmp_path: Path) -> None:
     # at most FLUSH_BUDGET_S. A native sidecar (restartPolicy Always) is sent SIGTERM only
     # once the worker has exited, so its Pod's timeout leaves the worker 30 s of its own
     # drain before that.
+    # Then the two pools close, each bounded (api/server.py _CLOSE_SECONDS).
     flush = FLUSH_BUDGET_S if "OTEL_EXPORTER_OTLP_ENDPOINT" in env else 0
     worker = 30 if container.get("restartPolicy") == "Always" else 0
-    needed = worker + settings.shutdown_grace_seconds + flush
+    needed = worker + settings.shutdown_grace_seconds + flush + 2 * _CLOSE_SECONDS
     assert pod["terminationGracePeriodSeconds"] > needed, where
     assert settings.migrate_on_start is False, f"{where}: migrate-job.yaml migrates"
     if settings.metrics_listen:
@@ -174,16 +182,43 @@ def test_comments_quote_the_real_max_request_bytes_default() -> None:
     assert set(quoted) == {str(default_mib)}
 
 
-def test_sidecar_worker_talks_over_localhost() -> None:
-    (deployment,) = [
-        d for d in _docs(ROOT / "deploy/k8s/sidecar.yaml") if d["kind"] == "Deployment"
-    ]
+def test_sidecar_worker_talks_over_localhost_with_a_token_the_engine_takes() -> None:
+    docs = _docs(ROOT / "deploy/k8s/sidecar.yaml")
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
     pod = deployment["spec"]["template"]["spec"]
     (engine,) = pod["initContainers"]
     assert engine["restartPolicy"] == "Always", "a native sidecar"
     (worker,) = pod["containers"]
     target = _env(worker)["CONTEXT_ENGINE_TARGET"]
     assert target == f"127.0.0.1:{_dockerfile('EXPOSE')}"
+    # The worker's token, from the Secret whose token map the engine mounts, names the
+    # worker's tenant.
+    (token_var,) = [v for v in worker["env"] if v["name"] == "CONTEXT_ENGINE_TOKEN"]
+    ref = token_var["valueFrom"]["secretKeyRef"]
+    (secret,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == ref["name"]]
+    mounted = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    assert ref["name"] in mounted.values()
+    tokens = json.loads(secret["stringData"]["tokens.json"])
+    assert tokens[secret["stringData"][ref["key"]]] == _env(worker)["CONTEXT_ENGINE_TENANT"]
+
+
+def test_an_autoscaled_deployment_leaves_its_count_to_the_autoscaler() -> None:
+    """A Deployment's `replicas` beside an HPA reset the count on every apply (an audit:
+    12 replicas under load went back to 3), and a PodDisruptionBudget's fixed
+    minAvailable let a drain take all but that many of an autoscaled fleet at once."""
+    for path in K8S:
+        docs = _docs(path)
+        scaled = {
+            d["spec"]["scaleTargetRef"]["name"]
+            for d in docs
+            if d["kind"] == "HorizontalPodAutoscaler"
+        }
+        for d in docs:
+            if d["kind"] == "Deployment" and d["metadata"]["name"] in scaled:
+                assert "replicas" not in d["spec"], path.name
+            if d["kind"] == "PodDisruptionBudget" and scaled:
+                assert d["spec"].get("maxUnavailable") == 1, path.name
+        assert not scaled or any(d["kind"] == "PodDisruptionBudget" for d in docs), path.name
 
 
 def test_standalone_service_routes_to_the_grpc_port() -> None:
