@@ -537,9 +537,156 @@ async def test_an_error_that_ends_the_loop_carries_the_reports_it_could_not_send
         await run.tool_loop(ScriptedModel(), _fetch, now=NOW)
     run.client.call = real_call  # type: ignore[method-assign]
     unsent = caught.value.unreported  # type: ignore[attr-defined]
-    assert [type(e).__name__ for _, _, e in unsent] == ["Unavailable"]
-    assert len(caught.value.builds) == 2  # type: ignore[attr-defined]
+    # Step one's report, and step two's: its append failed, the model's tokens were spent
+    # all the same (an audit: that usage was lost).
+    assert [type(e).__name__ for _, _, e in unsent] == ["Unavailable", "Unavailable"]
+    builds = caught.value.builds  # type: ignore[attr-defined]
+    assert len(builds) == 2
+    assert [b for b, _, _ in unsent] == builds
     assert caught.value.pending_request is not None
+    # The step's turn, and that it was the final answer: resend it and stop.
+    assert caught.value.final is True  # type: ignore[attr-defined]
+    assert caught.value.turn.text.startswith("The 08:04 TGV")  # type: ignore[attr-defined]
+
+
+async def test_a_final_answer_whose_append_failed_is_resent_not_asked_again(
+    client: Any, pool: Any
+) -> None:
+    """docs said: resend `pending_request`, then call tool_loop again. For the final answer
+    that asked the model again and appended a second answer (an audit). The error now says
+    it was the final one and carries it: resent, the log holds one answer."""
+    session = await client.open_session(_spec())
+    run = await session.start_run("Trains from Paris to Lyon tomorrow?")
+    real_call = run.client.call
+    appends = 0
+
+    async def failing(method: str, request: Any, *, timeout: Any = None) -> Any:
+        nonlocal appends
+        if method == "AppendItems":
+            appends += 1
+            if appends == 2:
+                raise Internal(grpc.StatusCode.INTERNAL, "a proxy failed")
+        return await real_call(method, request, timeout=timeout)
+
+    run.client.call = failing  # type: ignore[method-assign]
+    with pytest.raises(Internal) as caught:
+        await run.tool_loop(ScriptedModel(), _fetch, now=NOW)
+    run.client.call = real_call  # type: ignore[method-assign]
+    error: Any = caught.value
+    assert error.final is True
+    # Its usage was reported all the same (the engine answered: not kept unsent).
+    assert error.unreported == []
+    await run.resend_append(error.pending_request)
+    assert await _answers(pool, run.session_id) == ["Let me look.", error.turn.text]
+
+
+async def _answers(pool: Any, session_id: str) -> list[str]:
+    """The assistant messages logged in a session, in order."""
+    rows = await pool.fetch(
+        "SELECT payload FROM session_events WHERE session_id = $1"
+        " AND type = 'assistant.message.created' ORDER BY sequence",
+        UUID(session_id),
+    )
+    return [r["payload"].get("text", "") for r in rows]
+
+
+async def test_a_final_answer_overtaken_by_a_later_write_is_asked_again(
+    client: Any, pool: Any
+) -> None:
+    """The user's next message lands while the model writes its final answer. Rebased
+    after it, the stale answer left that message unanswered, and the loop returned as if
+    done (an audit). Nothing of the overtaken answer is written now: its usage is reported
+    and the model is asked again, with the new message in its request."""
+    session = await client.open_session(_spec())
+    run = await session.start_run("Trains from Paris to Lyon tomorrow?")
+    model = ScriptedModel()
+    asked: list[str] = []
+
+    async def answering_while_the_user_writes(build: BuildResult) -> ModelTurn:
+        turn = await model(build)
+        asked.append(turn.text)
+        if len(asked) == 2:  # the first final answer
+            other = session.run(run.run_id, checkpoint_version=run.checkpoint_version)
+            await other.append(user_message("Actually, make it Marseille."))
+        return turn
+
+    result = await run.tool_loop(answering_while_the_user_writes, _fetch, now=NOW)
+    assert len(asked) == 3 and len(result.builds) == 3
+    assert "Marseille" in result.builds[-1].provider_payload.decode()
+    assert await _answers(pool, run.session_id) == ["Let me look.", result.final.text]
+    assert len(result.reports) == 3  # the overtaken answer's tokens were spent too
+
+
+async def test_a_tool_that_raises_still_reports_the_models_usage(client: Any) -> None:
+    session = await client.open_session(_spec())
+    run = await session.start_run("Trains from Paris to Lyon tomorrow?")
+
+    async def broken(call: ToolCallRequest) -> ToolOutput:
+        raise RuntimeError("the tool's backend is down")
+
+    with pytest.raises(RuntimeError) as caught:
+        await run.tool_loop(ScriptedModel(), broken, now=NOW)
+    error: Any = caught.value
+    assert error.final is False and error.turn.tool_calls
+    assert error.unreported == []  # reported: it was lost before (an audit)
+    report = await session.report_usage(error.builds[0], error.turn.usage)
+    assert report.samples >= 1  # the same key: the report landed once
+
+
+async def test_a_callers_channel_options_win_over_the_clients(grpc_server: Any) -> None:
+    """grpc takes an option's first value and the client's came first, so a caller's
+    receive limit (or retry switch) was silently ignored (an audit)."""
+    target = f"127.0.0.1:{grpc_server.port}"
+    async with ContextEngineClient(
+        target, TENANT, options=[("grpc.max_receive_message_length", 100)]
+    ) as small:
+        with pytest.raises(ResourceExhausted):
+            await small.open_session(_spec())
+
+
+async def test_a_token_is_checked_before_it_is_sent(grpc_server: Any) -> None:
+    """A bearer token went in clear to any target, and one with a line ending raised
+    grpc's own error at the first call (an audit)."""
+    token = "t" * 32
+    for target in ("10.1.2.3:50051", "engine.example:443", "ipv4:127.0.0.1:1,10.0.0.1:1"):
+        with pytest.raises(ValueError, match="in clear"):
+            ContextEngineClient(target, TENANT, token)
+        ContextEngineClient(target, TENANT, token, allow_insecure_token=True)
+        ContextEngineClient(target, TENANT, token, credentials=grpc.ssl_channel_credentials())
+    for target in ("127.0.0.1:50051", "localhost:1", "[::1]:1", "unix:/tmp/engine.sock"):
+        ContextEngineClient(target, TENANT, token)
+    with pytest.raises(ValueError, match="header value"):
+        ContextEngineClient("127.0.0.1:1", TENANT, token + "\n")
+    with pytest.raises(ValueError, match="grpc.aio"):
+        ContextEngineClient("x", TENANT, channel=grpc.insecure_channel("127.0.0.1:1"))
+    # The tenant may be left to the identity, where there is one.
+    with pytest.raises(ValueError, match="tenant_id"):
+        ContextEngineClient("127.0.0.1:1", "")
+    ContextEngineClient("127.0.0.1:1", "", token)
+
+
+def test_the_client_and_explain_agree_on_loopback() -> None:
+    from context_engine.explain import is_loopback as engines
+
+    from context_engine_client.client import is_loopback
+
+    targets = [
+        "127.0.0.1:1", "127.8.9.10:1", "localhost:1", "LOCALHOST", "[::1]:1", "::1",
+        "ipv4:127.0.0.1:1,127.0.0.2:1", "ipv4:127.0.0.1:1,10.0.0.1:1", "ipv6:[::1]:1",
+        "dns:///localhost:1", "dns:localhost:1", "unix:/s", "unix-abstract:s",
+        "10.0.0.1:1", "engine:1", "[2001:db8::1]:1", "dns:///engine.example:443", "",
+    ]  # fmt: skip
+    assert [is_loopback(t) for t in targets] == [engines(t) for t in targets]
+    assert sum(map(is_loopback, targets)) == 12
+
+
+async def test_a_client_made_outside_the_loop_serves_in_it(grpc_server: Any) -> None:
+    """A grpc.aio channel belongs to the loop it was opened on: a client made where no
+    loop runs (a sync factory, here a thread) failed its first call on the loop that used
+    it ("attached to a different loop": an audit)."""
+    made = await asyncio.to_thread(ContextEngineClient, f"127.0.0.1:{grpc_server.port}", TENANT)
+    async with made:
+        assert (await made.open_session(_spec())).created
 
 
 async def test_a_step_whose_append_meets_a_later_write_goes_after_it_and_runs_no_tool_twice(

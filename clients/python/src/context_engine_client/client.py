@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import math
 import re
@@ -58,6 +59,7 @@ __all__ = [
     "UnreportedUsage",
     "UsageReport",
     "channel_options",
+    "is_loopback",
 ]
 
 SERVICE = "context_engine.v1.ContextEngine"
@@ -103,11 +105,27 @@ def _key() -> str:
     return str(uuid.uuid4())
 
 
-def _moved_on(error: ContextEngineError, request: pb.AppendItemsRequest) -> bool:
+def _result_item(call: ToolCallRequest, output: ToolOutput | str) -> pb.ConversationItem:
+    """The logged result of `call`, from what run_tool returned for it."""
+    out = ToolOutput(output) if isinstance(output, str) else output
+    return tool_result(
+        call.call_id,
+        call.name,
+        out.content,
+        trust=out.trust,
+        source=out.source,
+        is_error=out.is_error,
+        artifact_ref=out.artifact_ref,
+        context_content=out.context_content,
+    )
+
+
+def _moved_on(error: ContextEngineError, request: pb.AppendItemsRequest | None) -> bool:
     """A CHECKPOINT_VERSION_CONFLICT naming a later version than `request` expected."""
     latest = error.metadata.get("latest_version", "")
     return (
-        error.reason == "CHECKPOINT_VERSION_CONFLICT"
+        request is not None
+        and error.reason == "CHECKPOINT_VERSION_CONFLICT"
         and latest.isdigit()
         and int(latest) > request.expected_checkpoint_version
     )
@@ -125,6 +143,37 @@ def _timestamp(value: datetime) -> Timestamp:
 
 
 _RETRY_BUFFER_BYTES = 16 * 1024 * 1024
+
+# What an HTTP/2 header value (gRPC metadata) may hold.
+_HEADER_VALUE = re.compile(r"[\x20-\x7e]+")
+
+
+def is_loopback(target: str) -> bool:
+    """Whether a gRPC target names this host: a loopback address, localhost, or a Unix
+    socket; for an ipv4:/ipv6: list, every address. A name is not (it may resolve
+    elsewhere). The engine's `context-engine explain` applies the same rule
+    (tests/e2e/test_python_client.py holds the two to one table)."""
+    if target.startswith(("unix:", "unix-abstract:")):
+        return True
+    for scheme in ("ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            return all(_one_loopback(a) for a in target.removeprefix(scheme).split(","))
+    for scheme in ("dns:///", "dns:"):
+        target = target.removeprefix(scheme)
+    return _one_loopback(target)
+
+
+def _one_loopback(target: str) -> bool:
+    host = target.rpartition(":")[0] if target.count(":") == 1 else target
+    if host.startswith("["):
+        host = host[1:].partition("]")[0]
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
 
 # A tool loop step's append, resent by the loop itself while the engine cannot be reached:
 # the channel's own retries cover UNAVAILABLE only, never DEADLINE_EXCEEDED. Attempts, not
@@ -156,21 +205,33 @@ class ContextEngineClient:
 
     Args:
         target: "host:port" of the engine (a sidecar listens on 127.0.0.1:50051).
-        tenant_id: sent on every request; with authentication on it must match (or the
-            server takes it from) the authenticated identity.
-        token: bearer token, sent as `authorization: Bearer <token>` metadata.
+        tenant_id: sent on every request; with authentication on it must match the
+            authenticated identity, or be "" (with `token` or `credentials`) for the server
+            to take the identity's.
+        token: bearer token, sent as `authorization: Bearer <token>` metadata. Over a
+            plaintext channel (no `credentials`) only to a loopback target (a sidecar), as
+            `context-engine explain` allows, unless `allow_insecure_token`.
         credentials: TLS (or mTLS) channel credentials; None for a plaintext channel.
         timeout: per-call deadline in seconds (None: no deadline); every method takes a
             `timeout=` of its own for one call (None or 0 there: this one).
         channel: an existing grpc.aio channel to use instead of opening one. Its options
             are the caller's: open it with `channel_options()` for the client's retry policy
             (UNAVAILABLE retried) and receive limit, which a channel given here otherwise
-            lacks.
-        options: extra options for the channel the client opens.
+            lacks. Whether it is TLS is yours to know: a token is not checked against it.
+        options: channel options for the channel the client opens, over the client's own
+            (`channel_options()`) where they name the same option.
+        allow_insecure_token: send `token` in clear to a target that is not loopback (a
+            network you trust, or a mesh that encrypts it).
+
+    The channel the client opens is opened on the event loop of its first call (or of
+    `async with`), so a client may be made outside the loop that uses it.
 
     Raises:
         ValueError: `channel` together with `options` or `credentials`, which configure
-            only a channel the client opens: given, they would be silently ignored.
+            only a channel the client opens: given, they would be silently ignored; a
+            `channel` that is not a grpc.aio one; an empty `tenant_id` without credentials;
+            a token that is no header value (a line ending, say), or one that would cross
+            the network in clear.
     """
 
     def __init__(
@@ -183,30 +244,70 @@ class ContextEngineClient:
         timeout: float | None = 30.0,
         channel: grpc.aio.Channel | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        allow_insecure_token: bool = False,
     ) -> None:
-        if not tenant_id:
-            raise ValueError("tenant_id is required")
+        if not tenant_id and not (token or credentials is not None or channel is not None):
+            # Without credentials the server has no identity to take the tenant from.
+            raise ValueError("tenant_id is required without token or credentials")
         if channel is not None and (options or credentials is not None):
             raise ValueError(
                 "options= and credentials= apply only to a channel the client opens: open "
                 "yours with them (and channel_options()) instead"
+            )
+        if channel is not None and not isinstance(channel, grpc.aio.Channel):
+            # A sync channel's calls block the event loop and raise grpc's own errors.
+            raise ValueError("channel= must be a grpc.aio channel")
+        if token is not None and not _HEADER_VALUE.fullmatch(token):
+            # Refused here: grpc raised its own batch error at the first call (Rule 3).
+            raise ValueError("token is not a header value (printable ASCII, no line ending)")
+        plaintext = credentials is None and channel is None
+        if token and plaintext and not allow_insecure_token and not is_loopback(target):
+            raise ValueError(
+                f"token= would cross the network in clear to {target}: give credentials="
+                " (TLS), use a loopback target, or pass allow_insecure_token=True"
             )
         self.tenant_id = tenant_id
         self.timeout = timeout
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ()
         )
-        opts = [*channel_options(), *options]
+        # The caller's options win: grpc takes an option's first value, and the client's
+        # came first (an audit: a caller's receive limit and retry switch were ignored).
+        merged = dict(channel_options())
+        merged.update(options)
+        self._open: Callable[[], grpc.aio.Channel] = lambda: (
+            grpc.aio.secure_channel(target, credentials, options=list(merged.items()))
+            if credentials is not None
+            else grpc.aio.insecure_channel(target, options=list(merged.items()))
+        )
         self._owns_channel = channel is None
-        if channel is not None:
-            self.channel = channel
-        elif credentials is not None:
-            self.channel = grpc.aio.secure_channel(target, credentials, options=opts)
-        else:
-            self.channel = grpc.aio.insecure_channel(target, options=opts)
-        self.stub = pb_grpc.ContextEngineStub(self.channel)  # type: ignore[no-untyped-call]
+        self._channel = channel
+        self._stub: Any = None
+        self._closed = False
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The channel, opened on first use: a grpc.aio channel belongs to the event loop
+        it was opened on, and one opened where the client was made, outside `asyncio.run`,
+        failed its first call there ("attached to a different loop")."""
+        if self._channel is None:
+            if self._closed:  # not opened again behind the caller's back (Rule 3)
+                raise ClientError("the client is closed")
+            self._channel = self._open()
+        return self._channel
+
+    @property
+    def stub(self) -> Any:
+        if self._stub is None:
+            self._stub = pb_grpc.ContextEngineStub(self.channel)  # type: ignore[no-untyped-call]
+        return self._stub
+
+    @stub.setter
+    def stub(self, value: Any) -> None:
+        self._stub = value
 
     async def __aenter__(self) -> ContextEngineClient:
+        self.channel  # noqa: B018  # opened on this loop
         return self
 
     async def __aexit__(
@@ -218,8 +319,9 @@ class ContextEngineClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._owns_channel:
-            await self.channel.close()
+        self._closed = True
+        if self._owns_channel and self._channel is not None:
+            await self._channel.close()
 
     async def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
         """Call any RPC by name with this client's metadata, deadline and typed errors.
@@ -501,7 +603,7 @@ class Summary:
     tokens: int = 0
 
 
-class UnreportedUsage(tuple[BuildResult, Usage, Exception]):
+class UnreportedUsage(tuple[BuildResult, Usage, BaseException]):
     """A usage report that failed: (build, usage, error), and `model`, the model that
     answered ("" for the planned one). The error is the engine's (a ContextEngineError:
     `.retryable` says whether a resend can succeed) or the report's own (a Usage the
@@ -514,13 +616,13 @@ class UnreportedUsage(tuple[BuildResult, Usage, Exception]):
     model: str
 
     def __new__(
-        cls, build: BuildResult, usage: Usage, error: Exception, model: str = ""
+        cls, build: BuildResult, usage: Usage, error: BaseException, model: str = ""
     ) -> UnreportedUsage:
         entry = super().__new__(cls, (build, usage, error))
         entry.model = model
         return entry
 
-    def __getnewargs__(self) -> tuple[BuildResult, Usage, Exception, str]:
+    def __getnewargs__(self) -> tuple[BuildResult, Usage, BaseException, str]:
         # copy and pickle call __new__ with these: a tuple's own (its items as one tuple)
         # left this __new__ without usage and error (TypeError).
         return (*self, self.model)
@@ -529,8 +631,10 @@ class UnreportedUsage(tuple[BuildResult, Usage, Exception]):
 @dataclass(frozen=True, slots=True)
 class ToolLoopResult:
     """How a tool loop ended: the final model turn, every build and usage report, and
-    the reports that could not reach the engine (`unreported`: each step's build, usage
-    and Unavailable or DeadlineExceeded error, with the model that answered). Resend one
+    the reports that failed (`unreported`: each step's build, usage and the error, with
+    the model that answered; the error's `.retryable` says whether a resend can succeed;
+    an error that is not a ContextEngineError, a Usage the request cannot carry, will
+    fail again). Resend one
     with `session.report_usage(build, usage, model=entry.model)`: its key is the build's,
     so a report that landed with only its answer lost is not counted twice."""
 
@@ -828,7 +932,7 @@ class Run:
         return response
 
     async def _append_step(
-        self, items: Sequence[pb.ConversationItem], *, timeout: float | None
+        self, items: Sequence[pb.ConversationItem], *, final: bool, timeout: float | None
     ) -> None:
         """A tool loop step's one append, sent up to `_APPEND_ATTEMPTS` times as it is
         (same key, same bytes) while it fails for want of the engine (or finds the session
@@ -839,15 +943,19 @@ class Run:
         (`pending_request`) for the caller to resend."""
         request = self._append_request(items, None)
         try:
-            await self._send_step(request, timeout or self.client.timeout)
+            await self._send_step(request, timeout or self.client.timeout, rebase=not final)
         except BaseException as exc:
             # Any exception, not only ours: a cancelled task's CancelledError too.
             with contextlib.suppress(AttributeError):
                 exc.pending_request = request  # type: ignore[attr-defined]
             raise
 
-    async def _send_step(self, request: pb.AppendItemsRequest, deadline: float | None) -> None:
-        rebased = False
+    async def _send_step(
+        self, request: pb.AppendItemsRequest, deadline: float | None, *, rebase: bool
+    ) -> None:
+        """`rebase`: a step whose tools ran goes after a write that landed first; a final
+        answer does not (the tool loop asks the model again)."""
+        rebased = not rebase
         for attempt in range(_APPEND_ATTEMPTS):
             try:
                 await self.resend_append(request, timeout=deadline)
@@ -1024,8 +1132,11 @@ class Run:
         DeadlineExceeded with twice the deadline the attempt before it had: a resend of one
         that landed answers with its first result. Any error that ends the append (one
         still failing after the resends, or one never resent: Unauthenticated, Internal, a
-        cancellation...) is raised with the request as `pending_request`: resend it
-        (`resend_append`, once the cause is gone) before calling tool_loop again. The loop
+        cancellation...) is raised with the request as `pending_request`, the model's turn
+        as `turn` and whether it was the final answer as `final`: resend it
+        (`resend_append`, once the cause is gone). Then, for a step with tool calls, call
+        tool_loop again; for the final answer (`final`), stop: `turn` is the answer, and
+        another tool_loop would ask the model again and append a second one. The loop
         builds from the latest checkpoint, not the one this object last saw, so once the
         step's append is in the log (landed with its answer lost, or resent), calling
         tool_loop again shows the model the results it has and runs none of that step's
@@ -1036,13 +1147,19 @@ class Run:
         kept in the result (`unreported`, with the error: its `retryable` says whether a
         resend can succeed) rather than raised: the step's items are in the log, and raising
         after the final answer was appended lost that answer to the caller, whose second
-        tool_loop asked the model again and appended a second answer. Any exception that
-        ends the loop carries what it kept so far, `unreported` and `builds`, as attributes.
+        tool_loop asked the model again and appended a second answer. A step that ends in an
+        error (its append failed, a tool raised) still reports the model's usage, or keeps
+        it in `unreported`: unsent, with the step's error, when the engine was unreachable
+        or the step was cancelled. Any exception that ends the loop carries what it kept so
+        far, `unreported` and `builds`, as attributes.
 
         An append refused CHECKPOINT_VERSION_CONFLICT because another write landed first
         (the user's next message appended to the run, say) is resent once under the same
         key at the version the error names: the step goes after that write, and its tools'
-        results are not lost.
+        results are not lost. A final answer is not: it answered a log that has moved on,
+        and appended after that write it left the write (the user's next message) without
+        an answer. Nothing of it is written; its usage is reported, and the loop builds and
+        asks the model again (a step of `max_steps`).
 
         Raises:
             NeedsCompaction: the body does not fit and no `summarize` was given.
@@ -1106,36 +1223,57 @@ class Run:
             # Tool calls arrive under the provider's wire names; log and run the real ones.
             calls = [replace(c, name=built.tool_name(c.name)) for c in turn.tool_calls]
             turn = replace(turn, tool_calls=calls)
-            items = turn.items()
-            for call in turn.tool_calls:
-                output = await run_tool(call)
-                out = ToolOutput(output) if isinstance(output, str) else output
-                items.append(
-                    tool_result(
-                        call.call_id,
-                        call.name,
-                        out.content,
-                        trust=out.trust,
-                        source=out.source,
-                        is_error=out.is_error,
-                        artifact_ref=out.artifact_ref,
-                        context_content=out.context_content,
-                    )
-                )
-            if items:
-                await self._append_step(items, timeout=timeout)
-            if report_usage and turn.usage is not None:
-                try:
-                    reports.append(
-                        await self.report_usage(
-                            built, turn.usage, model=turn.model, timeout=timeout
-                        )
-                    )
-                except Exception as exc:
-                    # Kept, never raised: the step is in the log, and raising after the
-                    # final answer was appended lost that answer (an audit: a refused
-                    # report did so; a review: so did a Usage protobuf cannot carry).
-                    unreported.append(UnreportedUsage(built, turn.usage, exc, turn.model))
-            if not turn.tool_calls:
+            final = not turn.tool_calls
+            try:
+                items = turn.items()
+                for call in turn.tool_calls:
+                    items.append(_result_item(call, await run_tool(call)))
+                if items:
+                    await self._append_step(items, final=final, timeout=timeout)
+            except BaseException as exc:
+                pending = getattr(exc, "pending_request", None)
+                if final and isinstance(exc, ContextEngineError) and _moved_on(exc, pending):
+                    # The answer was to a log another write has since moved on (the user's
+                    # next message, say): appended after it, that message went unanswered
+                    # (an audit). Nothing of the step is written; the model is asked again.
+                    await self._report(built, turn, None, report_usage, timeout, kept)
+                    continue
+                # The model's tokens were spent, whatever ended the step (a tool raising,
+                # a cancellation): its usage is reported, or kept (an audit: it was lost).
+                await self._report(built, turn, exc, report_usage, timeout, kept)
+                with contextlib.suppress(AttributeError):
+                    exc.turn, exc.final = turn, final  # type: ignore[attr-defined]
+                raise
+            await self._report(built, turn, None, report_usage, timeout, kept)
+            if final:
                 return ToolLoopResult(turn, builds, reports, unreported)
         raise ToolLoopLimit(max_steps)
+
+    async def _report(
+        self,
+        built: BuildResult,
+        turn: ModelTurn,
+        failed: BaseException | None,
+        report_usage: bool,
+        timeout: float | None,
+        kept: tuple[list[BuildResult], list[UsageReport], list[UnreportedUsage]],
+    ) -> None:
+        """Report the step's usage; a report that fails is kept, never raised: the step
+        may be in the log, and raising after the final answer was appended lost that
+        answer (an audit: a refused report did so; a review: so did a Usage protobuf
+        cannot carry). After a step that `failed` with the engine unreachable, or was
+        cancelled, it is kept unsent, with that error."""
+        _, reports, unreported = kept
+        if not report_usage or turn.usage is None:
+            return
+        if isinstance(failed, asyncio.CancelledError | KeyboardInterrupt) or (
+            isinstance(failed, ContextEngineError) and failed.retryable
+        ):
+            unreported.append(UnreportedUsage(built, turn.usage, failed, turn.model))
+            return
+        try:
+            reports.append(
+                await self.report_usage(built, turn.usage, model=turn.model, timeout=timeout)
+            )
+        except Exception as exc:
+            unreported.append(UnreportedUsage(built, turn.usage, exc, turn.model))

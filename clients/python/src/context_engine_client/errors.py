@@ -168,7 +168,7 @@ class Aborted(ContextEngineError):
 
 
 class ResourceExhausted(ContextEngineError):
-    """The request is larger than the server accepts, or a rate limit was hit."""
+    """The request is larger than the server accepts (REQUEST_TOO_LARGE)."""
 
 
 class Unauthenticated(ContextEngineError):
