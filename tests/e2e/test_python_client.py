@@ -657,7 +657,7 @@ async def test_a_token_is_checked_before_it_is_sent(grpc_server: Any) -> None:
         ContextEngineClient(target, TENANT, token)
     with pytest.raises(ValueError, match="header value"):
         ContextEngineClient("127.0.0.1:1", TENANT, token + "\n")
-    with pytest.raises(ValueError, match="grpc.aio"):
+    with pytest.raises(ValueError, match=r"grpc\.aio"):
         ContextEngineClient("x", TENANT, channel=grpc.insecure_channel("127.0.0.1:1"))
     # The tenant may be left to the identity, where there is one.
     with pytest.raises(ValueError, match="tenant_id"):
@@ -667,7 +667,6 @@ async def test_a_token_is_checked_before_it_is_sent(grpc_server: Any) -> None:
 
 def test_the_client_and_explain_agree_on_loopback() -> None:
     from context_engine.explain import is_loopback as engines
-
     from context_engine_client.client import is_loopback
 
     targets = [
