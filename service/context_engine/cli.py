@@ -25,16 +25,16 @@ __all__ = ["main"]
 
 def _serve(args: argparse.Namespace) -> int:
     from .api.server import StartupError, serve
-    from .telemetry import configure_logging, otel_environment_problem, sampling_ratio
+    from .telemetry import configure_logging, otel_environment_problem, sampler_from
 
     settings = load_settings(
         {"listen": args.listen, "database_url": args.database_url, "data_dir": args.data_dir}
     )
     try:  # a configuration error too, found before the database is touched (exit 2)
-        sampling_ratio(os.environ.get("OTEL_TRACES_SAMPLER_ARG") or "1.0")
+        sampler_from(os.environ)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if problem := otel_environment_problem(os.environ):
+    if problem := otel_environment_problem(os.environ, metrics_listen=settings.metrics_listen):
         raise ConfigError(problem)
     configure_logging(settings.log_level, settings.log_format)
     for name in unknown_variables():

@@ -38,7 +38,13 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    ALWAYS_ON,
+    ParentBased,
+    Sampler,
+    TraceIdRatioBased,
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.trace.status import Status, StatusCode
 
@@ -246,11 +252,18 @@ def end(token: Token[tuple[Telemetry, RpcState] | None]) -> None:
     _current.reset(token)
 
 
-def otel_environment_problem(env: Mapping[str, str]) -> str | None:
+def otel_environment_problem(env: Mapping[str, str], *, metrics_listen: str = "") -> str | None:
     """Why the standard OTel variables ask for what this server does not do, or None: its
     exporters speak OTLP over gRPC only, so OTEL_EXPORTER_OTLP_PROTOCOL (or the traces' or
     metrics' own) naming another would send nothing where its endpoint listens (an audit:
-    it was ignored without a word). `serve` refuses it before the database is touched."""
+    it was ignored without a word). And OTEL_SDK_DISABLED=true makes the SDK's meters
+    no-ops, so `metrics_listen`'s endpoint would answer with no series (another audit).
+    `serve` refuses either before the database is touched."""
+    if metrics_listen and env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return (
+            f"metrics_listen={metrics_listen!r} with OTEL_SDK_DISABLED=true: the SDK's meters"
+            " are off, so /metrics would hold no series (unset one of them)"
+        )
     general = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
     for signal in ("TRACES", "METRICS"):
         if _exporter_off(env, signal) or not (
@@ -280,6 +293,36 @@ def _names_service(env: Mapping[str, str]) -> bool:
         return True
     pairs = env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(",")
     return any(pair.partition("=")[0].strip() == "service.name" for pair in pairs)
+
+
+# OTEL_TRACES_SAMPLER's values this server honours (the SDK's own names) -> the sampler,
+# given the ratio (OTEL_TRACES_SAMPLER_ARG, read only for the ratio samplers). Unset: the
+# parent-based ratio, so a worker's sampled trace continues here. Any other value is
+# refused at start: it was ignored without a word, always_off included (an audit).
+_SAMPLERS: dict[str, Callable[[float], Sampler]] = {
+    "parentbased_traceidratio": lambda r: ParentBased(TraceIdRatioBased(r)),
+    "traceidratio": TraceIdRatioBased,
+    "parentbased_always_on": lambda _: ParentBased(ALWAYS_ON),
+    "always_on": lambda _: ALWAYS_ON,
+    "parentbased_always_off": lambda _: ParentBased(ALWAYS_OFF),
+    "always_off": lambda _: ALWAYS_OFF,
+}
+
+
+def sampler_from(env: Mapping[str, str]) -> Sampler:
+    """The sampler OTEL_TRACES_SAMPLER (and its ARG) name.
+
+    Raises:
+        ValueError: a sampler this server does not honour, or a ratio sampler whose
+            argument is not a ratio from 0 to 1.
+    """
+    name = env.get("OTEL_TRACES_SAMPLER", "").strip().lower() or "parentbased_traceidratio"
+    if name not in _SAMPLERS:
+        raise ValueError(
+            f"OTEL_TRACES_SAMPLER={name!r} is not one this server honours ({', '.join(_SAMPLERS)})"
+        )
+    ratio = sampling_ratio(env.get("OTEL_TRACES_SAMPLER_ARG") or "1.0") if "ratio" in name else 1.0
+    return _SAMPLERS[name](ratio)
 
 
 def sampling_ratio(text: str) -> float:
@@ -561,15 +604,15 @@ class Telemetry:
         metrics_endpoint = env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or general
         traces_endpoint = "" if _exporter_off(env, "TRACES") else traces_endpoint
         metrics_endpoint = "" if _exporter_off(env, "METRICS") else metrics_endpoint
-        # Sampling: the standard ratio knob, parent-based so a worker's sampled trace
-        # continues here; without an exporter nothing is recorded at all.
-        ratio = sampling_ratio(env.get("OTEL_TRACES_SAMPLER_ARG") or "1.0")
+        # Sampling: the standard knobs (sampler_from); without an exporter nothing is
+        # recorded at all.
+        sampler = sampler_from(env)
         # shutdown_on_exit off on both: their exit hooks would run a second, unbudgeted
         # shutdown after a flush `shutdown` gave up on (5 s more, a review measured).
         tracer_provider = TracerProvider(
             shutdown_on_exit=False,
             resource=resource,
-            sampler=ParentBased(TraceIdRatioBased(ratio)) if traces_endpoint else ALWAYS_OFF,
+            sampler=sampler if traces_endpoint else ALWAYS_OFF,
         )
         readers: list[MetricReader] = []
         on_shutdown: list[Callable[[], object]] = []

@@ -562,6 +562,47 @@ async def test_a_write_whose_answer_outgrows_its_request_is_answered(pool: Any) 
         await running.stop(0)
 
 
+async def test_the_size_limit_measures_the_request_as_sent(pool: Any) -> None:
+    """Auth fills an empty tenant_id in from the token, and the size limit ran after it:
+    a request of exactly the limit, as sent, was refused REQUEST_TOO_LARGE for bytes the
+    caller never sent (an audit)."""
+    limit = 64 * 1024
+    running = await build_server(
+        build_engine(pool),
+        "127.0.0.1:0",
+        max_message_bytes=limit,
+        auth=BearerTokens({TOKEN_A: "tenant-a"}),
+    )
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    try:
+        stub = pb_grpc.ContextEngineStub(channel)
+        session_id = new_id()
+        await stub.Plan(
+            pb.PlanRequest(session_id=session_id, spec=spec()), metadata=_bearer(TOKEN_A)
+        )
+        started = await stub.StartRun(
+            pb.StartRunRequest(session_id=session_id, user_message=pb.UserMessage(text="hi")),
+            metadata=_bearer(TOKEN_A),
+        )
+        request = pb.AppendItemsRequest(
+            session_id=session_id,
+            run_id=started.run.run_id,
+            expected_checkpoint_version=started.checkpoint_version,
+            items=[call("c1"), result("c1", "")],
+        )
+        base = request.ByteSize()
+        for n in range(limit - base - 16, limit - base):  # the lengths' varints grow too
+            request.items[1].tool_result.content = "x" * n
+            if request.ByteSize() == limit:
+                break
+        assert request.ByteSize() == limit
+        appended = await stub.AppendItems(request, metadata=_bearer(TOKEN_A))
+        assert appended.checkpoint_version == started.checkpoint_version + 1
+    finally:
+        await channel.close()
+        await running.stop(0)
+
+
 async def test_oversize_request_is_resource_exhausted_and_writes_nothing(pool: Any) -> None:
     limit = 64 * 1024
     running = await build_server(build_engine(pool), "127.0.0.1:0", max_message_bytes=limit)

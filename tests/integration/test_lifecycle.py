@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -1007,7 +1008,10 @@ async def test_a_second_serve_on_a_running_servers_address_exits_1(own_database:
 # --- readiness ---------------------------------------------------------------------
 
 
-async def test_readiness_follows_postgresql_reachability(own_database: str) -> None:
+async def test_readiness_follows_postgresql_reachability(
+    own_database: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="context_engine.server")
     name = own_database.rpartition("/")[2]
     pool = await connect_pool(own_database, min_size=1, max_size=2)
     running = await build_server(
@@ -1039,14 +1043,20 @@ async def test_readiness_follows_postgresql_reachability(own_database: str) -> N
     finally:
         await running.stop(0)
         await pool.close()
+    # Why, by type (an audit: the line said "unreachable" whatever the cause).
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("readiness")]
+    assert said[0].startswith("readiness: PostgreSQL unreachable (") and said[0].endswith(")")
+    assert "unreachable ()" not in said[0] and "read-only" not in said[0]
+    assert said[-1] == "readiness: PostgreSQL reachable"
 
 
 async def test_a_read_only_database_is_not_ready_and_a_write_is_unavailable(
-    own_database: str,
+    own_database: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A standby (a multi-host DSN after a failover) answers SELECT 1: readiness said
     SERVING while every write failed INTERNAL (an audit). Ready now means writable, and a
     write a read-only server refuses is STORE_UNAVAILABLE, which clients retry."""
+    caplog.set_level(logging.WARNING, logger="context_engine.server")
     name = own_database.rpartition("/")[2]
     pool = await connect_pool(own_database, min_size=1, max_size=2)
     probe = await connect_pool(own_database, min_size=1, max_size=1)
@@ -1068,6 +1078,7 @@ async def test_a_read_only_database_is_not_ready_and_a_write_is_unavailable(
                 f" WHERE datname = '{name}' AND pid <> pg_backend_pid()"
             )
             assert (await asyncio.wait_for(watch.read(), 30)).status == NOT_SERVING
+            assert "readiness: PostgreSQL unreachable (read-only)" in caplog.messages
             stub = pb_grpc.ContextEngineStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 for _ in range(3):  # the first may meet a connection the restart dropped

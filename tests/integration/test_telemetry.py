@@ -304,6 +304,30 @@ async def test_a_build_records_its_window_share_and_markers_and_the_pool_its_wai
     assert 1 <= states["idle"] + states["used"] <= pool.get_max_size()
 
 
+async def test_a_pool_wait_that_times_out_is_recorded(database_dsn: str) -> None:
+    """store.pool.wait held only the waits that ended in a connection: with the pool run
+    dry every wait timed out and none was recorded, so the p99 behind the pool alert read
+    low when it mattered (an audit)."""
+    from context_engine.store import connect_pool
+    from context_engine.store.db import StoreUnavailableError, acquire
+
+    reader = InMemoryMetricReader()
+    tel = Telemetry(TracerProvider(), MeterProvider(metric_readers=[reader]))
+    small = await connect_pool(database_dsn, min_size=1, max_size=1)
+    tel.observe_pool(small)
+    try:
+        async with acquire(small):
+            with pytest.raises(StoreUnavailableError):
+                async with acquire(small, timeout=0.2):
+                    pass
+        (wait,) = _points(reader)["context_engine.store.pool.wait"]
+        assert wait.count == 2  # the connection handed out, and the wait that timed out
+        assert wait.sum >= 0.2
+    finally:
+        await small.close()
+        tel.shutdown()
+
+
 async def test_a_refused_rpc_is_counted_by_its_reason(traced: dict[str, Any]) -> None:
     """context_engine.rpc.errors counts every answer other than OK by method, code and the
     ErrorInfo reason it carries (an audit: the reason was in the log line only)."""

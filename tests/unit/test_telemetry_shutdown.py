@@ -5,6 +5,7 @@ timeout (a telemetry audit)."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 
@@ -32,6 +33,42 @@ def test_a_sampling_ratio_that_is_not_one_is_refused_by_name() -> None:
                 environ={"OTEL_TRACES_SAMPLER_ARG": text, "OTEL_EXPORTER_OTLP_ENDPOINT": "x"}
             )
     assert Telemetry.from_environment(environ={"OTEL_TRACES_SAMPLER_ARG": "0.25"}) is not None
+
+
+def test_otel_traces_sampler_is_honoured_or_refused() -> None:
+    """OTEL_TRACES_SAMPLER was ignored (always_off sampled every trace), and its argument
+    was read as a ratio whatever the sampler (an audit)."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON
+
+    from context_engine.telemetry import sampler_from
+
+    def made(**env: str) -> Any:
+        tel = Telemetry.from_environment(environ={"OTEL_EXPORTER_OTLP_ENDPOINT": "x", **env})
+        try:
+            return tel.tracer_provider.sampler
+        finally:
+            tel.shutdown(budget_s=0.1)
+
+    assert made(OTEL_TRACES_SAMPLER="always_off") is ALWAYS_OFF
+    assert made(OTEL_TRACES_SAMPLER="always_on") is ALWAYS_ON
+    ratio = made(OTEL_TRACES_SAMPLER="traceidratio", OTEL_TRACES_SAMPLER_ARG="0.25")
+    assert ratio.get_description() == "TraceIdRatioBased{0.25}"
+    assert made().get_description().startswith("ParentBased{root:TraceIdRatioBased{1.0}")
+    parent_off = made(OTEL_TRACES_SAMPLER="parentbased_always_off")
+    assert parent_off.get_description().startswith("ParentBased{root:AlwaysOffSampler")
+    # The argument is a ratio's only.
+    assert sampler_from({"OTEL_TRACES_SAMPLER": "always_on", "OTEL_TRACES_SAMPLER_ARG": "x"})
+    with pytest.raises(ValueError, match="OTEL_TRACES_SAMPLER='jaeger_remote'"):
+        sampler_from({"OTEL_TRACES_SAMPLER": "jaeger_remote"})
+
+
+def test_metrics_listen_under_a_disabled_sdk_is_refused() -> None:
+    """OTEL_SDK_DISABLED=true turns the SDK's meters into no-ops: /metrics answered with no
+    series and the readiness alert had no data (an audit)."""
+    disabled = {"OTEL_SDK_DISABLED": "true"}
+    assert "OTEL_SDK_DISABLED" in str(otel_environment_problem(disabled, metrics_listen=":9464"))
+    assert otel_environment_problem(disabled) is None
+    assert otel_environment_problem({}, metrics_listen=":9464") is None
 
 
 def test_the_standard_otel_variables_name_the_service_and_turn_exporters_off(

@@ -165,25 +165,29 @@ class RunningServer:
 _WRITABLE = "SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'"
 
 
-async def _database_reachable(pool: asyncpg.Pool, timeout: float) -> bool:
+async def _not_ready(pool: asyncpg.Pool, timeout: float) -> str | None:
+    """Why PostgreSQL cannot take this replica's calls now ("read-only", or the failure's
+    type: TimeoutError, ConnectionRefusedError...), or None when it can. The type only:
+    an exception's text may carry the DSN."""
     conn = None
-    writable = False
+    why: str | None = "read-only"
     try:
         async with asyncio.timeout(timeout):
             conn = await pool.acquire()
-            writable = bool(await conn.fetchval(_WRITABLE))
-    except Exception:  # any failure means "not ready"; the reason is logged by type only
-        pass
+            if await conn.fetchval(_WRITABLE):
+                why = None
+    except Exception as exc:  # any failure means "not ready"
+        why = type(exc).__name__
     finally:
         if conn is not None:
-            if not writable:
+            if why is not None:
                 # Dropped: a query cut off by the timeout, released as it is, waited for
                 # asyncpg's cancel request, up to its command timeout, while health still
                 # said SERVING (an audit); and a connection to a read-only server, kept,
                 # never let the probe see the primary again (a review).
                 conn.terminate()
             await pool.release(conn)
-    return writable
+    return why
 
 
 async def _follow_readiness(
@@ -196,11 +200,16 @@ async def _follow_readiness(
     tel.set_gauge("context_engine.store.ready", 1.0)
     while True:
         await asyncio.sleep(interval)
-        now_ready = await _database_reachable(pool, timeout)
+        why = await _not_ready(pool, timeout)
+        now_ready = why is None
         tel.set_gauge("context_engine.store.ready", 1.0 if now_ready else 0.0)
         if now_ready != ready:
             ready = now_ready
-            _log.warning("readiness: PostgreSQL %s", "reachable" if ready else "unreachable")
+            # Why, by type: a timeout, a refused connection and a standby read alike (an
+            # audit).
+            _log.warning(
+                "readiness: PostgreSQL %s", "reachable" if ready else f"unreachable ({why})"
+            )
             serving = health_pb2.HealthCheckResponse
             status = serving.SERVING if ready else serving.NOT_SERVING
             await health_servicer.set(SERVICE_NAME, status)
@@ -222,8 +231,8 @@ async def build_server(
     """Create, bind and start a server. Port 0 binds a free port (returned).
 
     Interceptors, outermost first: OpenTelemetry span (only when tracing can record),
-    RpcObserver, the shutdown drain, auth (when `auth` is given), the request size limit
-    (`max_message_bytes`), then `interceptors`.
+    RpcObserver, the shutdown drain, the request size limit (`max_message_bytes`), auth
+    (when `auth` is given), then `interceptors`.
     `credentials` makes the listener TLS (mTLS when they require client certificates).
     `readiness_pool`: where readiness takes its connection (the engine's pool when None).
     A pool of its own keeps a busy request pool, every connection held by calls queued on
@@ -250,11 +259,13 @@ async def build_server(
     )
     # The span interceptor runs per call (it opens the span); the rest wrap each method's
     # handler once, as one interceptor (api/interceptors.py, rule 6).
+    # The size limit before auth, which fills an empty tenant_id in: after it, the limit
+    # measured bytes the caller never sent and refused a request just under it (an audit).
     layers: list[Layer] = [
         RpcObserver(tel),
         drain,
-        *([AuthInterceptor(auth)] if auth is not None else []),
         SizeLimitInterceptor(max_message_bytes),
+        *([AuthInterceptor(auth)] if auth is not None else []),
     ]
     chain: list[grpc.aio.ServerInterceptor] = [*spans, Layered(layers), *interceptors]
     # The transport accepts up to twice the limit so an oversize request reaches the size

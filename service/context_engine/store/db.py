@@ -304,9 +304,13 @@ async def acquire(pool: asyncpg.Pool, timeout: float = 5.0) -> AsyncIterator[Any
         # asyncio.timeout rather than acquire(timeout=): on Python 3.11 asyncpg's timeout
         # wraps the wait in a new Task, twice per Build.
         asked = time.perf_counter()
-        async with asyncio.timeout(timeout):
-            conn = await pool.acquire()
-        telemetry.record_pool_wait(time.perf_counter() - asked)
+        try:
+            async with asyncio.timeout(timeout):
+                conn = await pool.acquire()
+        finally:
+            # A wait that timed out too: they are what a pool run dry is made of, and the
+            # histogram held only the waits that ended in a connection (an audit).
+            telemetry.record_pool_wait(time.perf_counter() - asked)
         try:
             handed_out = True
             yield conn
@@ -374,9 +378,11 @@ class HeldConnection:
                 await self.release()
             if self._conn is None:
                 asked = time.perf_counter()
-                async with asyncio.timeout(self._timeout):
-                    self._conn = await self._pool.acquire()
-                telemetry.record_pool_wait(time.perf_counter() - asked)
+                try:
+                    async with asyncio.timeout(self._timeout):
+                        self._conn = await self._pool.acquire()
+                finally:  # as acquire() does: a wait that timed out counts
+                    telemetry.record_pool_wait(time.perf_counter() - asked)
             handed_out = True
             try:
                 yield self._conn
