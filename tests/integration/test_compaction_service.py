@@ -1161,3 +1161,51 @@ async def test_a_commit_checks_its_result_without_holding_the_session(
     committed = await _commit(stub, session_id, run_id, prepared, "The user wants a hotel.")
     assert committed.checkpoint_version == prepared.checkpoint_version + 1
     assert checks == ["written", "written", "written", "under the lock"]
+
+
+async def test_the_engines_cut_and_a_summarys_size_follow_the_plans_body(
+    stub: Any, pool: Any
+) -> None:
+    """A long session on a small window: a quarter of every compactable token, kept
+    verbatim, was more than the window holds, so the engine's cut summarized only earlier
+    runs (which Build already leaves out) and the run's own exchanges, what did not fit,
+    stayed; and a summary larger than the body was taken, leaving every later Build
+    needing compaction until the depth ran out (an audit). What the engine keeps is now
+    bounded by the plan's body, and a summary may take at most half of it."""
+    session_id, _ = await open_session(stub, policy_cap_tokens=16_000)
+    for n in range(20):  # earlier runs: about 40,000 tokens, past the 16,000 window
+        earlier = (await start_run(stub, session_id, f"Tell me about city {n}")).run.run_id
+        await append_items(stub, session_id, earlier, 1, assistant(f"City {n}: " + "fine " * 2000))
+    run_id = (await start_run(stub, session_id, "Now plan the trip")).run.run_id
+    version, first_of_run = 1, 0
+    for step in range(6):
+        appended = await append_items(
+            stub,
+            session_id,
+            run_id,
+            version,
+            call(f"s{step}", name="calendar.list"),
+            result(
+                f"s{step}",
+                f"Day {step}: " + "free " * 600,
+                trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION,
+                name="calendar.list",
+            ),
+        )
+        version = appended.checkpoint_version
+        first_of_run = first_of_run or appended.sequences[0]
+    prepared = await _prepare(stub, session_id, run_id)
+    # The cut falls in the run's own exchanges: its older steps are summarized.
+    assert prepared.replaced_through_sequence >= first_of_run
+    before = await _writes(pool, session_id)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await _commit(stub, session_id, run_id, prepared, "A long account. " * 4000)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    reason, fields, metadata = details(refused.value)
+    assert (reason, fields) == ("INVALID_FIELD", ["result.summary"])
+    most = int(metadata["most_tokens"])
+    assert int(metadata["summary_tokens"]) > most > 0
+    assert await _writes(pool, session_id) == before
+    committed = await _commit(stub, session_id, run_id, prepared, "The user plans a trip.")
+    built = await _build(stub, session_id, run_id, START)
+    assert committed.checkpoint_version and not built.needs_compaction

@@ -22,10 +22,12 @@ from context_engine.core import Checkpoint, ContextPlan, PlanSpec, Row, assemble
 from context_engine.core import compaction as compaction_module
 from context_engine.core.assemble import active_turn
 from context_engine.core.compaction import (
+    KEEP_BODY_PPM,
     MAX_DEPTH,
     POINTER_LINES,
     PROMPT_VERSION,
     RETAIN_PPM,
+    SUMMARY_BODY_PPM,
     WINDOW_CHARS,
     CompactionResult,
     ElidedSpan,
@@ -38,9 +40,11 @@ from context_engine.core.compaction import (
     prepare,
     quoted_sources,
     quoting,
+    require_room,
     require_shrink,
     summary_item,
 )
+from context_engine.core.compaction import _line as line_of
 from context_engine.core.compaction import _round_up as round_up
 from context_engine.core.enums import PlanReason
 from context_engine.core.envelope import escape_content
@@ -555,6 +559,61 @@ def test_the_engine_keeps_the_newest_quarter_when_it_chooses() -> None:
     prepared = prepare(checkpoint, carried, through_sequence=0, count_tokens=count_tokens)
     kept = 20 - prepared.replaced_through_sequence
     assert kept == 20 * RETAIN_PPM // 1_000_000
+
+
+def test_the_engines_cut_keeps_no_more_than_a_quarter_of_the_body() -> None:
+    """A quarter of a long session's log kept more than the window holds: the cut fell in
+    earlier runs, which Build already leaves out, and the run's own exchanges, what did not
+    fit, stayed (an audit: compacted twice, the run was still over its window, and the
+    third compaction was refused). What the engine keeps is bounded by the plan's body."""
+    carried = [
+        UserMessage(item_id=f"u{n}", text="word " * 40, sequence=n, run_id="a")
+        for n in range(1, 201)
+    ]
+    checkpoint = Checkpoint(run_id="b", version=1, items=())
+    costs = [count_tokens(line_of(i)) for i in carried]
+
+    def kept_within(budget: int) -> int:
+        """How many of the newest items fit in `budget` tokens."""
+        total, n = 0, 0
+        while n < len(costs) and total + costs[-1 - n] <= budget:
+            total += costs[-1 - n]
+            n += 1
+        return n
+
+    unbounded = prepare(checkpoint, carried, through_sequence=0, count_tokens=count_tokens)
+    assert 200 - unbounded.replaced_through_sequence == kept_within(
+        sum(costs) * RETAIN_PPM // 1_000_000
+    )
+    body = 40 * costs[0]  # a quarter of it: about ten items, where a quarter of all is 50
+    bounded = prepare(
+        checkpoint, carried, through_sequence=0, count_tokens=count_tokens, body_tokens=body
+    )
+    kept = 200 - bounded.replaced_through_sequence
+    assert kept == kept_within(body * KEEP_BODY_PPM // 1_000_000) and 5 < kept < 15
+
+
+def test_a_summary_may_take_no_more_than_half_the_body() -> None:
+    """A summary larger than the request body was accepted: every later Build needed
+    compaction, and the levels ran out (an audit)."""
+    carried = [
+        UserMessage(item_id=f"u{n}", text="word " * 40, sequence=n, run_id="a")
+        for n in range(1, 21)
+    ]
+    checkpoint = Checkpoint(run_id="b", version=1, items=())
+    prepared = prepare(checkpoint, carried, through_sequence=0, count_tokens=count_tokens)
+    summary = "The user asked about trains. " * 40
+    record = _result(prepared, summary)
+    tokens = count_tokens(summary)
+    require_room(record, count_tokens, 0)  # no plan: unbounded
+    require_room(record, count_tokens, 2 * tokens)
+    with pytest.raises(InvalidFieldError) as refused:
+        require_room(record, count_tokens, 2 * tokens - 2)
+    assert refused.value.field == "result.summary"
+    assert refused.value.metadata == {
+        "summary_tokens": str(tokens),
+        "most_tokens": str((2 * tokens - 2) * SUMMARY_BODY_PPM // 1_000_000),
+    }
 
 
 def _call(call_id: str, seq: int, run_id: str = "b") -> ToolCall:

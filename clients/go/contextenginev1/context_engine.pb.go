@@ -6595,7 +6595,7 @@ type ElidedSpan struct {
 
 	// The item elided.
 	ItemId string `protobuf:"bytes,1,opt,name=item_id,json=itemId,proto3" json:"item_id,omitempty"`
-	// Its trust (below TRUSTED_CONFIGURATION).
+	// Its trust: MEMORY or EXTERNAL_UNTRUSTED (the levels a summary may not carry).
 	Trust TrustLevel `protobuf:"varint,2,opt,name=trust,proto3,enum=context_engine.v1.TrustLevel" json:"trust,omitempty"`
 	// Its content length in bytes.
 	ByteLength int64 `protobuf:"varint,3,opt,name=byte_length,json=byteLength,proto3" json:"byte_length,omitempty"`
@@ -6679,8 +6679,10 @@ type CompactionResult struct {
 	unknownFields protoimpl.UnknownFields
 
 	// The summary text written by the worker's model call. It must count fewer tokens
-	// than the transcript of what it replaces (tokens_before); else INVALID_FIELD
-	// (metadata tokens_before, summary_tokens).
+	// than the transcript of what it replaces (tokens_before; else INVALID_FIELD, metadata
+	// tokens_before, summary_tokens), and no more than half the plan's request body (else
+	// INVALID_FIELD, metadata summary_tokens, most_tokens): a larger one would leave the
+	// requests after it still needing compaction.
 	Summary string `protobuf:"bytes,1,opt,name=summary,proto3" json:"summary,omitempty"`
 	// Union of the source event ids the summary covers: PrepareCompaction's, required (else
 	// INVALID_FIELD) and compared (COMPACTION_MISMATCH). It pins the range the summary was
@@ -6688,7 +6690,8 @@ type CompactionResult struct {
 	SourceEventIds []int64 `protobuf:"varint,2,rep,packed,name=source_event_ids,json=sourceEventIds,proto3" json:"source_event_ids,omitempty"`
 	// The spans elided rather than summarized.
 	Elided []*ElidedSpan `protobuf:"bytes,3,rep,name=elided,proto3" json:"elided,omitempty"`
-	// Items at or below this session sequence are replaced by the summary.
+	// Items at or below this session sequence are replaced by the summary. Required: echo
+	// PrepareCompaction's (0 is COMPACTION_MISMATCH).
 	ReplacedThroughSequence int64 `protobuf:"varint,4,opt,name=replaced_through_sequence,json=replacedThroughSequence,proto3" json:"replaced_through_sequence,omitempty"`
 	// 1 for a first summary, 2 for a merge; never more.
 	Depth int32 `protobuf:"varint,5,opt,name=depth,proto3" json:"depth,omitempty"`
@@ -6812,9 +6815,10 @@ type PrepareCompactionRequest struct {
 	// The checkpoint to compact; 0: the latest.
 	CheckpointVersion int64 `protobuf:"varint,4,opt,name=checkpoint_version,json=checkpointVersion,proto3" json:"checkpoint_version,omitempty"`
 	// Compact history through this session sequence; 0: the engine chooses, keeping the
-	// newest quarter of the compactable transcript's tokens verbatim and summarizing the
-	// rest. The engine does not know the next Build's body: when one compaction does not
-	// make it fit, Build asks again (needs_compaction) and the summaries merge once.
+	// newest quarter of the compactable transcript's tokens verbatim, but no more than a
+	// quarter of the plan's request body, and summarizing the rest. The engine does not
+	// know the next Build's step lines: when one compaction does not make it fit, Build
+	// asks again (needs_compaction) and the summaries merge once.
 	ThroughSequence int64 `protobuf:"varint,5,opt,name=through_sequence,json=throughSequence,proto3" json:"through_sequence,omitempty"`
 }
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
+from ..core.budget import allocate
 from ..core.build_record import INPUTS_KEY, SHOWN_FIELDS, shown_items
 from ..core.checkpoint import Checkpoint, require_version
 from ..core.compaction import (
@@ -31,6 +32,7 @@ from ..core.compaction import (
     compacted_checkpoint,
     elided_content,
     prepare,
+    require_room,
     require_shrink,
 )
 from ..core.errors import InvalidFieldError
@@ -150,9 +152,18 @@ def _shown_trust(
     return body_trust(pinned_entry(catalog, pins, skill.name)[1], skill.trust)
 
 
-async def _counter(engine: Engine, tenant_id: str, session_id: UUID) -> TokenCounter:
-    stored = await engine.get_plan(tenant_id, session_id)
-    return engine.count_tokens_for(stored.plan.model_id)
+async def _plan_facts(engine: Engine, tenant_id: str, session_id: UUID) -> tuple[TokenCounter, int]:
+    """The session's token counter, and its plan's body (what Build may put in a request
+    after the prefix, before the renderers' framing): what the engine's own cut keeps and
+    what a summary may take are held to it (core/compaction.py, KEEP_BODY_PPM)."""
+    plan = (await engine.get_plan(tenant_id, session_id)).plan
+    budget = allocate(
+        context_window=plan.context_window,
+        policy_cap_tokens=plan.policy_cap_tokens,
+        reserve_output_tokens=plan.max_output_tokens,
+        prefix_tokens=plan.prefix_tokens,
+    )
+    return engine.count_tokens_for(plan.model_id), max(budget.body_tokens, 1)
 
 
 async def prepare_compaction(
@@ -164,7 +175,7 @@ async def prepare_compaction(
     through_sequence: int,
 ) -> Prepared:
     """PrepareCompaction: the summarizer input for the given (or latest) checkpoint."""
-    count_tokens = await _counter(engine, tenant_id, session_id)
+    count_tokens, body_tokens = await _plan_facts(engine, tenant_id, session_id)
     async with snapshot(engine.pool) as conn:  # its reads agree with each other
         inputs = await _inputs(conn, tenant_id, session_id, run_id, checkpoint_version)
     # Elision and the quoting check scan every untrusted text in view: CPU work, off the
@@ -181,6 +192,7 @@ async def prepare_compaction(
         prefix=inputs.prefix,
         tool_names=inputs.tool_names,
         child=inputs.child,
+        body_tokens=body_tokens,
     )
 
 
@@ -240,7 +252,7 @@ async def commit_compaction(
     the lock is let go and the check made again on a new snapshot, up to
     _UNLOCKED_PASSES times (a review: checking again under the lock held it as long as
     before on a busy session), and then under the lock."""
-    count_tokens = await _counter(engine, tenant_id, session_id)
+    count_tokens, body_tokens = await _plan_facts(engine, tenant_id, session_id)
     for unlocked_pass in range(_UNLOCKED_PASSES + 1):
         under_lock = unlocked_pass == _UNLOCKED_PASSES
         if not under_lock:
@@ -250,7 +262,7 @@ async def commit_compaction(
                     return Committed(stored, 0, replayed=True)
                 mark = await sessions.session_mark(conn, tenant_id, session_id, run_id)
                 inputs = await _inputs(conn, tenant_id, session_id, run_id, 0)
-            record = await _checked(inputs, expected_version, result, count_tokens)
+            record = await _checked(inputs, expected_version, result, count_tokens, body_tokens)
         async with engine.gates.held(tenant_id, session_id), transaction(engine.pool) as conn:
             await sessions.lock_session(conn, tenant_id, session_id)
             stored = await _stored(conn, tenant_id, session_id, idempotency_key, request_sha256)
@@ -258,7 +270,7 @@ async def commit_compaction(
                 return Committed(stored, 0, replayed=True)
             if under_lock:
                 inputs = await _inputs(conn, tenant_id, session_id, run_id, 0)
-                record = await _checked(inputs, expected_version, result, count_tokens)
+                record = await _checked(inputs, expected_version, result, count_tokens, body_tokens)
             elif await sessions.session_mark(conn, tenant_id, session_id, run_id) != mark:
                 continue  # the session moved: let it go, and check again
             response, written = await _write(
@@ -315,14 +327,20 @@ async def _write(
 
 
 async def _checked(
-    inputs: _Inputs, expected_version: int, result: CompactionResult, count_tokens: TokenCounter
+    inputs: _Inputs,
+    expected_version: int,
+    result: CompactionResult,
+    count_tokens: TokenCounter,
+    body_tokens: int,
 ) -> CompactionResult:
     """The record `result` commits over `inputs`, or the refusal (a version conflict, a
-    mismatch with what prepare gives now, a summary that launders or does not shrink)."""
+    mismatch with what prepare gives now, a summary that launders, does not shrink, or
+    takes more than half the plan's body)."""
     require_version(inputs.checkpoint, expected_version, "; prepare again")
     prepared = await asyncio.to_thread(
         _reprepare, inputs, result.replaced_through_sequence, count_tokens
     )
     record = await asyncio.to_thread(check_result, prepared, result, count_tokens)
     require_shrink(record, count_tokens, (*prepared.retained_constraints, *prepared.open_questions))
+    require_room(record, count_tokens, body_tokens)
     return record

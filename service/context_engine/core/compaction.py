@@ -129,12 +129,14 @@ if TYPE_CHECKING:
 __all__ = [
     "APART",
     "CALLABLE_NAME",
+    "KEEP_BODY_PPM",
     "MAX_DEPTH",
     "POINTER_LINES",
     "PROMPT_VERSION",
     "RETAIN_PPM",
     "SUMMARIZABLE",
     "SUMMARIZER_PROMPT",
+    "SUMMARY_BODY_PPM",
     "VETTED",
     "CompactionResult",
     "ElidedSpan",
@@ -148,6 +150,7 @@ __all__ = [
     "prepare",
     "quoted_sources",
     "quoting",
+    "require_room",
     "require_shrink",
     "summary_item",
 ]
@@ -158,6 +161,16 @@ MAX_DEPTH = 2
 # When the worker leaves the cut to the engine: keep the newest quarter of the compactable
 # tokens verbatim, summarize the rest. Enough room to grow; the latest exchange survives.
 RETAIN_PPM = 250_000
+# ...but never more than a quarter of the plan's body: a quarter of a long session's log
+# kept more than the window holds, so the cut fell in earlier runs that Build already
+# leaves out, and the run's own exchanges, which were what did not fit, stayed; compacting
+# again a level deeper did the same until the depth ran out (an audit).
+KEEP_BODY_PPM = 250_000
+# A summary may take at most half the plan's body: the rest is for what the compaction
+# kept, the fresh rows and the never-yield set. A larger one can leave every later Build
+# needing compaction, a level spent for nothing (an audit: a 45,000-token summary was
+# taken for a 40,000-token window).
+SUMMARY_BODY_PPM = 500_000
 SUMMARIZABLE = frozenset(
     {TrustLevel.PLATFORM, TrustLevel.TRUSTED_CONFIGURATION, TrustLevel.USER, TrustLevel.MODEL}
 )
@@ -693,12 +706,16 @@ def _round_up(items: Sequence[ConversationItem], cut: int) -> int:
     return cut
 
 
-def _choose_cut(items: Sequence[ConversationItem], through: int, count_tokens: TokenCounter) -> int:
+def _choose_cut(
+    items: Sequence[ConversationItem], through: int, count_tokens: TokenCounter, body_tokens: int
+) -> int:
     if through > 0:
         cut = sum(1 for i in items if i.sequence <= through)
     else:
         costs = [count_tokens(_line(i)) for i in items]
         keep_budget = sum(costs) * RETAIN_PPM // 1_000_000
+        if body_tokens > 0:
+            keep_budget = min(keep_budget, body_tokens * KEEP_BODY_PPM // 1_000_000)
         kept, cut = 0, len(items)
         while cut > 0 and kept + costs[cut - 1] <= keep_budget:
             cut -= 1
@@ -723,6 +740,7 @@ def prepare(
     prefix: Sequence[PrefixData] = (),
     tool_names: Collection[str] = (),
     child: bool = False,
+    body_tokens: int = 0,
 ) -> Prepared:
     """The summarizer input for compacting the run's oldest body items.
 
@@ -735,6 +753,8 @@ def prepare(
     3's view), and `tool_names` the tools those plans offer (defined and deferred: a call's
     name licenses itself only when it is one of them).
     `child`: the run is a child run, whose user messages are its parent's words.
+    `body_tokens`: the plan's body, which bounds what the engine's own cut keeps
+    (KEEP_BODY_PPM; 0: unbounded).
 
     Raises:
         PreconditionError: COMPACTION_DEPTH_EXCEEDED (a third compaction: escalate to a
@@ -764,7 +784,7 @@ def prepare(
             " active loop's turn (its text, reasoning and tool pairs)",
             reason="RUN_STATE",
         )
-    cut = _choose_cut(candidates, through_sequence, count_tokens)
+    cut = _choose_cut(candidates, through_sequence, count_tokens, body_tokens)
     if cut == 0:
         raise InvalidFieldError(
             f"no compactable item at or below through_sequence {through_sequence}",
@@ -1053,6 +1073,25 @@ def require_shrink(
                 "tokens_before": str(record.tokens_before),
                 "summary_tokens": str(summary_tokens),
             },
+        )
+
+
+def require_room(record: CompactionResult, count_tokens: TokenCounter, body_tokens: int) -> None:
+    """A summary, everything it carries included, must fit in half the plan's body
+    (SUMMARY_BODY_PPM); 0: no plan to hold it to.
+
+    Raises:
+        InvalidFieldError: field result.summary, metadata summary_tokens and most_tokens.
+    """
+    most = body_tokens * SUMMARY_BODY_PPM // 1_000_000
+    summary_tokens = count_tokens(record.summary)
+    if body_tokens > 0 and summary_tokens > most:
+        raise InvalidFieldError(
+            f"the summary counts {summary_tokens} tokens, more than the {most} it may take"
+            " (half the request body): the requests after it would not fit; summarize"
+            " more briefly",
+            field="result.summary",
+            metadata={"summary_tokens": str(summary_tokens), "most_tokens": str(most)},
         )
 
 
