@@ -545,10 +545,20 @@ def _span(item: ConversationItem, trust: TrustLevel) -> ElidedSpan:
     )
 
 
+def _held_attribution(attribution: str) -> str:
+    """The part of an envelope's source attribute (a result's source, a passage's citation,
+    a line's source) held against a summary: all of it where it holds whitespace, prose a
+    summary could restate as the platform's (an audit: a 2,048-character citation spelling
+    an instruction passed into a summary); none of a bare name or URL, which a summary may
+    cite."""
+    return attribution if any(c.isspace() for c in attribution.strip()) else ""
+
+
 def _texts(item: ConversationItem) -> list[str]:
     """Every text of an item that a summary could launder."""
     if isinstance(item, ToolResult):
-        return [t for t in (item.content, item.context_content) if t]
+        texts = (item.content, item.context_content, _held_attribution(item.source))
+        return [t for t in texts if t]
     return [_content(item)]
 
 
@@ -559,13 +569,14 @@ _SHOWN_KIND: dict[type[ContextItem], str] = {
 }
 
 
-def _shown_span(item: ContextItem) -> tuple[ElidedSpan, str] | None:
-    """A step line a Build showed the model, as a source the check compares against (Rule
-    3); None for a line whose trust the summarizer may repeat."""
+def _shown_spans(item: ContextItem) -> list[tuple[ElidedSpan, str]]:
+    """A step line a Build showed the model, as the sources the check compares against
+    (Rule 3): its text, and its envelope's source attribute where that is prose
+    (_held_attribution); none for a line whose trust the summarizer may repeat."""
     if not isinstance(item, KnowledgePassageItem | RecallLineItem | CorrectionLineItem):
         raise TypeError(f"{type(item).__name__} is not a step line a Build shows")
     if trust_of(item) in SUMMARIZABLE:
-        return None
+        return []
     span = ElidedSpan(
         item_id=item.item_id,
         kind=_SHOWN_KIND[type(item)],
@@ -573,9 +584,9 @@ def _shown_span(item: ContextItem) -> tuple[ElidedSpan, str] | None:
         byte_length=len(item.text.encode("utf-8")),
         event_id=0,
     )
-    # Its envelope's source attribute (a passage's citation, a line's source) is not held
-    # against a summary: it names where the text came from, which a summary may cite.
-    return span, item.text
+    attribution = item.citation if isinstance(item, KnowledgePassageItem) else item.source
+    texts = (item.text, _held_attribution(attribution))
+    return [(span, text) for text in texts if text]
 
 
 def _state_spans(state: WorkingState) -> list[tuple[ElidedSpan, str]]:
@@ -822,7 +833,7 @@ def prepare(
     # What the model was shown beside the conversation: it may have quoted that too. So
     # with the working-state block's facts and the skill bodies below SUMMARIZABLE, which
     # every step shows in their envelopes.
-    contents += [line for line in map(_shown_span, shown) if line is not None and line[1]]
+    contents += [line for item in shown for line in _shown_spans(item)]
     contents += _state_spans(state)
     contents += [_skill_span(s) for s in skills if s.trust not in SUMMARIZABLE and s.body]
     # An entry that several plans show alike is one source (at each trust it was shown at:
