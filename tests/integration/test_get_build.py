@@ -1156,3 +1156,42 @@ async def test_an_erasure_committing_during_the_rebuild_is_not_served(
     assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
     assert details(refused.value)[0] == "REQUEST_REDACTED"
     assert "CAROL_SECRET" not in (refused.value.details() or "")
+
+
+async def test_a_request_that_never_held_the_erased_memory_is_still_served(stub: Any) -> None:
+    """docs/security.md: a request built on a plan whose snapshot an erasure redacted, but
+    which never rendered the erased memory (the snapshot's cap left it out), still rebuilds
+    to its recorded bytes and is served. Every request of the epoch was refused instead,
+    with a message saying it held the erased memories (an audit). One that did hold them
+    is refused."""
+    person = f"ana-{new_id()}"
+    snapshot = pb.MemorySnapshot(
+        snapshot_id="snap",
+        items=[
+            pb.MemoryItem(item_id="m1", text="The office is in Lyon."),
+            pb.MemoryItem(item_id="big", text="ANA_DETAIL " * 1400, person_ids=[person]),
+        ],
+    )
+    session_id, plan = await open_session(stub, snapshot=snapshot)
+    assert b"ANA_DETAIL" not in plan.prefix_document  # left out by the snapshot's cap
+    run_id = (await start_run(stub, session_id, "Where is the office?")).run.run_id
+    built = await stub.Build(
+        pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id)
+    )
+    erased = await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    assert list(erased.invalidated_session_ids) == [session_id]
+    served = await _get(stub, session_id, built.request_sequence)
+    assert served.request_sha256 == built.request_sha256
+    # A memory the request did render: refused.
+    held = f"bob-{new_id()}"
+    rendered = pb.MemorySnapshot(
+        snapshot_id="snap",
+        items=[pb.MemoryItem(item_id="m2", text="BOB_DETAIL likes tea.", person_ids=[held])],
+    )
+    other, _ = await open_session(stub, snapshot=rendered)
+    other_run = (await start_run(stub, other, "Tea?")).run.run_id
+    shown = await stub.Build(pb.BuildRequest(tenant_id=TENANT, session_id=other, run_id=other_run))
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=held))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await _get(stub, other, shown.request_sequence)
+    assert details(refused.value)[0] == "REQUEST_REDACTED"

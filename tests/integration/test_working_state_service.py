@@ -1038,3 +1038,18 @@ async def test_a_fact_restating_a_memory_line_it_was_shown_is_no_more_than_memor
     assert [c.fact.statement for c in offered.candidates] == [
         "The user lives in Paris, in the eleventh arrondissement."
     ]
+    # Written after the erasure: what it quotes is gone from the run's records and plans,
+    # so nothing matched, and the fact was USER and offered (an audit). A run an erasure
+    # took something from writes facts at MEMORY at most.
+    again = await update_state(
+        stub,
+        session_id,
+        run_id,
+        updated.checkpoint_version,
+        add_facts=[pb.Fact(statement=f"Again: {line}", source_event_ids=[user_seq])],
+    )
+    assert again.state.facts[-1].trust == pb.TRUST_LEVEL_MEMORY
+    offered = await stub.OfferFactCandidates(
+        pb.OfferFactCandidatesRequest(tenant_id=TENANT, session_id=session_id)
+    )
+    assert all(line not in c.fact.statement for c in offered.candidates)

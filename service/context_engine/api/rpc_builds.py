@@ -87,10 +87,10 @@ class BuildsRpcs:
                 "request_sequence must be a BuildResponse.request_sequence (>= 1)",
                 field="request_sequence",
             )
-        payload = await _recorded_request(self.engine, tenant, session_id, request.request_sequence)
-        if payload.get(REDACTED_KEY):
-            raise _redacted(request.request_sequence, "its recall lines")
         sequence = request.request_sequence
+        payload, before = await _recorded_request(self.engine, tenant, session_id, sequence)
+        if payload.get(REDACTED_KEY):
+            raise _redacted(sequence, "its recall lines")
         recorded = assembler_of(payload)
         try:
             result = await rebuild(self.engine, tenant, session_id, payload)
@@ -121,11 +121,15 @@ class BuildsRpcs:
         async with acquire(self.engine.pool) as conn:
             # Asked again after the rebuild, which may have read the record's lines or the
             # plan before an erasure committed (an audit: served an erased person's line).
-            redacted = await events.redacted_since(
-                conn, tenant, session_id, sequence, result.plan.epoch
-            )
-        if redacted:
-            raise _redacted(sequence, redacted)
+            now = await events.redaction_of(conn, tenant, session_id, sequence, result.plan.epoch)
+        if now.record:
+            raise _redacted(sequence, "its recall lines")
+        # A rebuild from the redacted plan that gives the recorded bytes shows the request
+        # never held what was erased (the snapshot's cap left it out, say): served, as
+        # docs/security.md says (an audit: every request of the epoch was refused). One
+        # from a plan an erasure rewrote while it rebuilt (the revision moved) is not.
+        if now.plan and (not result.plan.invalidated or now.revision != before.revision):
+            raise _redacted(sequence, f"epoch {result.plan.epoch}'s snapshot")
         tokenizer = self.engine.tokenizer_of(result.plan.model_id)
         differs = estimate_differs(payload, result.assembled, tokenizer)
         if differs is not None:
@@ -259,8 +263,9 @@ def _not_rebuilt(
 
 def _redacted(sequence: int, what: str) -> PreconditionError:
     return PreconditionError(
-        f"request {sequence} held memories an erasure has since redacted from {what};"
-        " its recorded bytes are no longer served",
+        f"an erasure has since redacted memories from {what} of request {sequence}, which"
+        " its recorded bytes held (or may have: an erasure committed while it was rebuilt;"
+        " ask again); they are not served",
         field="request_sequence",
         reason="REQUEST_REDACTED",
     )
@@ -268,8 +273,9 @@ def _redacted(sequence: int, what: str) -> PreconditionError:
 
 async def _recorded_request(
     engine: Engine, tenant: str, session_id: UUID, sequence: int
-) -> dict[str, Any]:
-    """The payload of the model.request.started event at `sequence`.
+) -> tuple[dict[str, Any], events.Redaction]:
+    """The payload of the model.request.started event at `sequence`, and what an erasure
+    had redacted of it before the rebuild (its plan's revision, GetBuild's to compare).
 
     Raises:
         NotFoundError: SESSION_NOT_FOUND — no such session for this tenant (as every session
@@ -281,6 +287,8 @@ async def _recorded_request(
         )
         # Asked only when nothing was found, so a request that is found costs no more.
         missing = not rows and not await sessions.session_exists(conn, tenant, session_id)
+        epoch = int(rows[0]["payload"].get("epoch", 0)) if rows else 0
+        before = await events.redaction_of(conn, tenant, session_id, sequence, epoch)
     if missing:
         raise NotFoundError(
             f"session {session_id} not found", field="session_id", reason="SESSION_NOT_FOUND"
@@ -292,4 +300,4 @@ async def _recorded_request(
             reason="REQUEST_NOT_FOUND",
         )
     payload: dict[str, Any] = rows[0]["payload"]
-    return payload
+    return payload, before

@@ -197,8 +197,17 @@ async def _lowered_facts(
             levels.append(level)
         facts.append(fact.model_copy(update={"trust": lowest_trust(levels)}))
     if any(f.trust in SUMMARIZABLE for f in facts):
-        shown = await _shown_sources(conn, tenant_id, session_id, run)
+        shown, erased = await _shown_sources(conn, tenant_id, session_id, run)
         facts = [_quoted_trust(f, shown, found) for f in facts]
+        if erased:
+            # What an erasure took out of the run's view is gone, so a fact cannot be
+            # compared with it: one the run writes afterwards is held at MEMORY (an audit:
+            # a fact restating an erased recall line, written after the erasure, was USER
+            # and offered to memory formation).
+            facts = [
+                f.model_copy(update={"trust": lowest_trust([f.trust, TrustLevel.MEMORY])})
+                for f in facts
+            ]
     return update.model_copy(update={"add_facts": tuple(facts)})
 
 
@@ -208,12 +217,13 @@ Source = tuple[str, TrustLevel]
 
 async def _shown_sources(
     conn: Any, tenant_id: str, session_id: UUID, run: runs.RunRow
-) -> list[Source]:
+) -> tuple[list[Source], bool]:
     """The step lines (recall, corrections, knowledge) the run's requests showed its model
     and the enveloped prefix entries of their plans (the snapshot's memories, say), where
-    their trust is one a fact may not launder (core/compaction.py SUMMARIZABLE). Read from
-    the run's own requests, each decompressed once: a cost that grows with the run's
-    steps, paid only by an update adding a fact above MEMORY."""
+    their trust is one a fact may not launder (core/compaction.py SUMMARIZABLE); and
+    whether an erasure has since taken some of what it was shown out (events.
+    run_saw_erased). Read from the run's own requests, each decompressed once: a cost
+    that grows with the run's steps, paid only by an update adding a fact above MEMORY."""
     shown = await events.read_run_shown(
         conn, tenant_id, session_id, run.run_id, inputs_key=INPUTS_KEY, fields=SHOWN_FIELDS
     )
@@ -225,7 +235,8 @@ async def _shown_sources(
     epochs = sorted({*shown.epochs, run.epoch})
     for stored in await plans.read_distinct_prefixes(conn, tenant_id, session_id, epochs):
         sources += [(e.text, e.trust) for e in prefix_data(stored.plan, stored.spec)]
-    return [(text, trust) for text, trust in sources if trust not in SUMMARIZABLE]
+    erased = await events.run_saw_erased(conn, tenant_id, session_id, run.run_id, epochs)
+    return [(text, trust) for text, trust in sources if trust not in SUMMARIZABLE], erased
 
 
 def _quoted_trust(

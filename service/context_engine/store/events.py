@@ -16,6 +16,7 @@ from ..core.log_tail import FloorFacts, Logged
 __all__ = [
     "EVENT_TYPE_OF_ITEM",
     "NewEvent",
+    "Redaction",
     "Shown",
     "append_events",
     "item_payload",
@@ -26,7 +27,8 @@ __all__ = [
     "read_logged_call_ids",
     "read_run_shown",
     "read_shown",
-    "redacted_since",
+    "redaction_of",
+    "run_saw_erased",
 ]
 
 # The log's event type for each loggable conversation item kind. Reasoning items are
@@ -187,28 +189,34 @@ async def read_events(
     return [dict(r) for r in rows]
 
 
-async def redacted_since(
+class Redaction(NamedTuple):
+    """What an erasure has redacted of a recorded request, as the database holds it now
+    (redaction_of)."""
+
+    record: bool  # its recall lines (the record's)
+    plan: bool  # the snapshot of the plan it was built on
+    revision: int  # the session's plans_revision: an erasure's rewrite of a plan bumps it
+
+
+async def redaction_of(
     conn: Any, tenant_id: str, session_id: UUID, sequence: int, epoch: int
-) -> str:
+) -> Redaction:
     """What an erasure has redacted of the request recorded at `sequence`, built on plan
-    `epoch`, as the database holds it now: "its recall lines" (the record's), "epoch N's
-    snapshot" (the plan's), or "" (nothing). GetBuild asks after its rebuild: an erasure
-    committing while it rebuilt from what it had read before would otherwise be served."""
+    `epoch`. GetBuild asks before and after its rebuild: an erasure committing while it
+    rebuilt from what it had read before would otherwise be served."""
     row = await conn.fetchrow(
         "SELECT (SELECT coalesce((payload ->> 'redacted')::boolean, false) FROM session_events"
         "        WHERE tenant_id = $1 AND session_id = $2 AND sequence = $3) AS record,"
         "       (SELECT invalidated FROM context_plans"
-        "        WHERE tenant_id = $1 AND session_id = $2 AND epoch = $4) AS plan",
+        "        WHERE tenant_id = $1 AND session_id = $2 AND epoch = $4) AS plan,"
+        "       (SELECT plans_revision FROM sessions"
+        "        WHERE tenant_id = $1 AND session_id = $2) AS revision",
         tenant_id,
         session_id,
         sequence,
         epoch,
     )
-    if row["record"]:
-        return "its recall lines"
-    if row["plan"]:
-        return f"epoch {epoch}'s snapshot"
-    return ""
+    return Redaction(bool(row["record"]), bool(row["plan"]), int(row["revision"] or 0))
 
 
 class Shown(NamedTuple):
@@ -263,6 +271,29 @@ async def read_run_shown(
     on, every request of the session since was decompressed, under the session lock)."""
     rows = await conn.fetch(_RUN_SHOWN, tenant_id, session_id, run_id, list(fields), inputs_key)
     return _as_shown(rows)
+
+
+async def run_saw_erased(
+    conn: Any, tenant_id: str, session_id: UUID, run_id: UUID, epochs: Sequence[int]
+) -> bool:
+    """Whether an erasure has since taken something out of what the run's model was shown:
+    a recall line of one of its requests (a redacted record), or a snapshot memory of a
+    plan `epochs` names (an invalidated plan). What it took is no longer there to compare
+    a working-state fact with (api/working_state.py)."""
+    return bool(
+        await conn.fetchval(
+            "SELECT EXISTS (SELECT 1 FROM session_events"
+            f"  WHERE tenant_id = $1 AND session_id = $2 AND type = {_REQUEST}"
+            "   AND run_id = $3 AND coalesce((payload ->> 'redacted')::boolean, false))"
+            " OR EXISTS (SELECT 1 FROM context_plans"
+            "  WHERE tenant_id = $1 AND session_id = $2 AND epoch = ANY($4::bigint[])"
+            "   AND invalidated)",
+            tenant_id,
+            session_id,
+            run_id,
+            list(epochs),
+        )
+    )
 
 
 def _as_shown(rows: Sequence[Any]) -> Shown:
