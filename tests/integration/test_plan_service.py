@@ -1333,6 +1333,41 @@ async def test_plan_after_erasure_rotates_with_the_fresh_recall(stub: Any, pool:
     assert await _rotations(pool, session_id) == ["snapshot_invalidated"]
 
 
+async def test_a_spec_listing_its_tools_in_another_order_matches(stub: Any) -> None:
+    """spec_matches compared the spec's exact hash: the same tools in another order (a
+    worker building its list from a map), the deferred tools reordered, an enabled tool
+    named twice, a memory's person ids reordered all read as a different spec, and a worker
+    following the docs rotated, re-caching the whole prefix for nothing (an audit)."""
+    sent = spec(
+        agent=pb.AgentSpec(
+            agent_id="helper",
+            version="3",
+            instructions="Help the user plan trips.",
+            enabled_tools=["web.fetch", "calendar.list", "tool.call"],
+            deferred_tools=["clock.now", "calendar.list"],
+        ),
+        snapshot=pb.MemorySnapshot(
+            snapshot_id="s",
+            items=[pb.MemoryItem(item_id="m1", text="Lives in Lyon.", person_ids=["a", "b"])],
+        ),
+    )
+    session_id, _ = await _open(stub, sent)
+    same = pb.PlanSpec()
+    same.CopyFrom(sent)
+    same.tools.reverse()
+    same.agent.deferred_tools.reverse()
+    same.agent.enabled_tools.append("web.fetch")
+    same.snapshot.items[0].person_ids.reverse()
+    again = await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=same))
+    assert (again.created, again.spec_matches) == (False, True)
+    # Order that a plan reads is meaning: the enabled tools' order ranks the explicit ones.
+    reordered = pb.PlanSpec()
+    reordered.CopyFrom(sent)
+    reordered.agent.enabled_tools.reverse()
+    other = await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=reordered))
+    assert not other.spec_matches
+
+
 # --- persona ------------------------------------------------------------------------------
 
 

@@ -2501,7 +2501,8 @@ type PlanResponse struct {
 	// True when this call created the session's first plan.
 	Created bool `protobuf:"varint,2,opt,name=created,proto3" json:"created,omitempty"`
 	// False when the plan already existed and was pinned from a different spec; the given
-	// spec takes effect only through Rotate.
+	// spec takes effect only through Rotate. Order no plan reads (tools, deferred tools, an
+	// enabled tool repeated, a memory's person ids) is no difference.
 	SpecMatches bool `protobuf:"varint,3,opt,name=spec_matches,json=specMatches,proto3" json:"spec_matches,omitempty"`
 	// Names in the request's spec.agent.enabled_tools or deferred_tools that no tool in its
 	// spec.tools defines (a typo, or a tool of a server that is absent), in first mention

@@ -302,7 +302,7 @@ class Engine:
                 return stored, True, True
             current = await plans.read_plan(conn, tenant, session_id)
             if not current.plan.invalidated:
-                return current, False, current.plan.spec_sha256 == candidate.spec_sha256
+                return current, False, _same_meaning(current.spec, spec)
             # An erasure redacted this snapshot: the next plan recalls again, from the
             # snapshot the worker sends now. Only the snapshot: the rest of its spec (its
             # principal's scopes above all) takes effect through a Rotate with spec, as for
@@ -327,7 +327,7 @@ class Engine:
                 raise _as_state(exc, "with the snapshot sent after an erasure") from None
         # Its response says created=false, so only this call knows it started an epoch.
         _count_rotation(rotated)
-        return rotated, False, rotated.plan.spec_sha256 == candidate.spec_sha256
+        return rotated, False, _same_meaning(rotated.spec, spec)
 
     # --- the run heads a replica keeps for Build (docs/architecture.md, A Build) ---------
 
@@ -1519,6 +1519,12 @@ def _person_erased() -> PreconditionError:
         field="step",
         reason="PERSON_ERASED",
     )
+
+
+def _same_meaning(pinned: PlanSpec, sent: PlanSpec) -> bool:
+    """Plan's spec_matches: `sent` means what the session's pinned spec means (PlanSpec.
+    meaning_sha256), whatever order it lists its tools in."""
+    return pinned.meaning_sha256() == sent.meaning_sha256()
 
 
 def _as_state(exc: RequestError, rebuilt: str) -> RequestError:

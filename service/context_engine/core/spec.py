@@ -130,3 +130,28 @@ class PlanSpec(_Frozen):
 
     def sha256(self) -> str:
         return sha256_hex(canonical_bytes(self.model_dump(mode="json")))
+
+    def meaning_sha256(self) -> str:
+        """sha256 of the spec with what no plan reads the order of put in one order: the
+        tools (the roster ranks them by its own rules), the deferred tools (a set), the
+        enabled tools' repeats (their first occurrence counts), a memory's person ids
+        (never rendered). Plan's spec_matches compares it: a worker building its tool list
+        from a map sent another order every turn, was told its spec differed, and rotated,
+        re-caching the whole prefix for nothing (an audit)."""
+        agent = self.agent.model_copy(
+            update={
+                "enabled_tools": tuple(dict.fromkeys(self.agent.enabled_tools)),
+                "deferred_tools": tuple(sorted(set(self.agent.deferred_tools))),
+            }
+        )
+        snapshot = self.snapshot.model_copy(
+            update={
+                "items": tuple(
+                    i.model_copy(update={"person_ids": tuple(sorted(i.person_ids))})
+                    for i in self.snapshot.items
+                )
+            }
+        )
+        tools = tuple(sorted(self.tools, key=lambda t: t.name))
+        same = self.model_copy(update={"agent": agent, "snapshot": snapshot, "tools": tools})
+        return same.sha256()
