@@ -225,6 +225,14 @@ async def test_a_canonicalizing_rotation_takes_no_spec(stub: Any) -> None:
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert details(caught.value)[1] == ["spec"]
     assert (await _current(stub, session_id)).epoch == 1
+    # Refused before the session is read: from a stale epoch it was ABORTED EPOCH_CONFLICT,
+    # which a client may retry (an audit).
+    stale = _rotation(session_id, pb.PLAN_REASON_PREFIX_HASH_CANONICALIZED, spec())
+    stale.from_epoch = 7
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Rotate(stale)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert details(caught.value)[1] == ["spec"]
 
 
 # --- rotation reasons through StartRun admission -------------------------------------------
@@ -2183,6 +2191,36 @@ async def test_a_canonicalizing_sweep_does_not_hide_an_earlier_rebuild(
         "prefix_hash_canonicalized",
         "prefix_hash_canonicalized",
     ]
+
+
+async def test_a_lineage_whose_head_cannot_be_copied_is_rebuilt_by_a_canonicalizing_sweep(
+    stub: Any, pool: Any
+) -> None:
+    """A canonicalizing sweep copies each other lineage's head when next used; a head whose
+    hash matches no document (a plan from before canonical hashes) cannot be copied, and
+    the copy's refusal, INVALID_FIELD naming `reason`, failed every Build of that lineage,
+    which stayed behind (an audit). It is rebuilt from its own spec instead."""
+    session_id, _ = await _open(stub, _mail_spec())
+    parked = await _start(stub, session_id)  # epoch 1, lineage 1
+    await _start(stub, session_id, scopes=_GRANT)  # epoch 2, a fork
+    await pool.execute(
+        "UPDATE context_plans SET plan = jsonb_set(plan, '{prefix_sha256}',"
+        " to_jsonb(repeat('0', 64))), prefix_sha256 = repeat('0', 64)"
+        " WHERE session_id = $1 AND epoch = 1",
+        UUID(session_id),
+    )
+    await pool.execute(
+        "UPDATE sessions SET plans_revision = plans_revision + 1 WHERE session_id = $1",
+        UUID(session_id),
+    )
+    await _rotate(stub, session_id, 2, pb.PLAN_REASON_PREFIX_HASH_CANONICALIZED)  # epoch 3
+    resumed = await _build(stub, session_id, parked.run.run_id)
+    assert resumed.epoch == 4 and "mail.send" not in _tools(resumed)
+    plan = (
+        await stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id, epoch=4))
+    ).plan
+    assert plan.reason == pb.PLAN_REASON_BUILDER_UPGRADED
+    assert (await _build(stub, session_id, parked.run.run_id)).epoch == 4
 
 
 async def test_a_canonicalizing_sweep_keeps_the_snapshot_a_plan_after_an_erasure_sent(

@@ -1026,6 +1026,15 @@ def test_a_property_name_anthropic_refuses_is_refused_for_an_anthropic_model_onl
     ungranted = tool("bad.tool", input_schema=schema, required_scopes=("not.granted",))
     with pytest.raises(InvalidFieldError):
         _plan(spec.model_copy(update={"tools": (tool("ok.tool"), ungranted)}), model=anthropic)
+    # Nor a tool no admission can send: an operational session's (it pins no tools), or
+    # one bound to a capability the session does not select (an audit: they failed Plan).
+    operational = spec.model_copy(
+        update={"environment": SessionEnvironment(kind=SessionKind.OPERATIONAL)}
+    )
+    assert _plan(operational, model=anthropic).tool_names == ()
+    unbound = tool("bad.tool", input_schema=schema, session_binding="website_profile")
+    elsewhere = spec.model_copy(update={"tools": (tool("ok.tool"), unbound)})
+    assert _plan(elsewhere, model=anthropic).tool_names == ("ok.tool",)
 
 
 @pytest.mark.parametrize(

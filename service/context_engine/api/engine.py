@@ -703,6 +703,11 @@ class Engine:
                 spec = head.spec.model_copy(update={"snapshot": sweep.spec.snapshot})
             elif head.plan.invalidated:  # a copy would keep the erased memory's flag
                 reason = PlanReason.SNAPSHOT_INVALIDATED
+            elif not epoch_rules.copyable(head.plan):
+                # A head whose hash matches no document cannot be copied: rebuilt instead.
+                # The copy's refusal (INVALID_FIELD naming `reason`, a field Build does not
+                # have) failed every Build of the lineage, which stayed behind (an audit).
+                reason = PlanReason.BUILDER_UPGRADED
         current = await plans.lineage_of(conn, tenant, session_id, epoch)
         return await self._rotate_locked(
             conn,

@@ -13,6 +13,7 @@ import grpc
 from .. import telemetry
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
 from .._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from ..core.enums import PlanReason
 from ..core.epochs import ADMISSION_REASONS
 from ..core.errors import InvalidFieldError
 from ..core.roster import unknown_tool_names
@@ -92,6 +93,13 @@ class ContextEngineServicer(
                 f"{reason.name} is decided at a run's admission (StartRun.admission), not"
                 " by Rotate; name the change (for example OPERATOR_REVOCATION)",
                 field="reason",
+            )
+        if reason is PlanReason.PREFIX_HASH_CANONICALIZED and request.HasField("spec"):
+            # Refused before any state is read: found later, it was answered EPOCH_CONFLICT
+            # or PERSON_ERASED, which a client may retry (an audit).
+            raise InvalidFieldError(
+                "prefix_hash_canonicalized copies the pinned plan; it takes no spec",
+                field="spec",
             )
         spec = (
             convert.plan_spec_from_proto(request.spec, self.engine.default_policy)

@@ -61,6 +61,7 @@ __all__ = [
     "admit_run",
     "canonical_document",
     "canonicalized_copy",
+    "copyable",
     "is_canonical",
     "newly_granted",
     "rendered_identity",
@@ -144,7 +145,7 @@ def admit_run(
         found.add(PlanReason.BROWSER_PROFILE_CHANGED)
     if plan.builder_version != BUILDER_VERSION and not builder_reproduces():
         found.add(PlanReason.BUILDER_UPGRADED)
-    if not found and not is_canonical(plan) and _hash_matches_document(plan):
+    if not found and not is_canonical(plan) and copyable(plan):
         found.add(PlanReason.PREFIX_HASH_CANONICALIZED)
     reasons = tuple(r for r in REASON_PRIORITY if r in found)
     if not reasons or reasons[0] is PlanReason.PREFIX_HASH_CANONICALIZED:
@@ -226,7 +227,8 @@ def is_canonical(plan: ContextPlan) -> bool:
     return canonical_document(plan.prefix_document) == plan.prefix_document
 
 
-def _hash_matches_document(plan: ContextPlan) -> bool:
+def copyable(plan: ContextPlan) -> bool:
+    """Whether canonicalized_copy can copy `plan`: its hash is its recorded document's."""
     return sha256_hex(plan.prefix_document.encode("utf-8")) == plan.prefix_sha256
 
 
@@ -237,7 +239,7 @@ def canonicalized_copy(plan: ContextPlan, *, epoch: int) -> ContextPlan:
         InvalidFieldError: the plan's hash does not match its recorded document, so it is
             not a pre-ADR-0134 plan whose bytes can be kept: rotate with a rebuild reason.
     """
-    if not _hash_matches_document(plan):
+    if not copyable(plan):
         raise InvalidFieldError(
             "the plan's prefix_sha256 does not match its recorded document; it cannot be"
             " canonicalized without a rebuild",

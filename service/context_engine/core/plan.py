@@ -830,9 +830,21 @@ def _definable(spec: PlanSpec, roster: Roster) -> set[str]:
     model-visible tool the agent does not defer, and those the roster defines. A hidden
     tool is never sent, and a deferred one only as an index line (a review); an ungranted
     one may be granted at a run's admission, whose rebuild would then fail the run where
-    Plan could have told the caller (a second review)."""
+    Plan could have told the caller (a second review). Not an operational session's
+    tools, nor a tool bound to a capability the session does not select: no admission
+    sends them, only a Rotate with a new spec, which is checked again (an audit: they
+    failed a Plan that could never send them)."""
+    if spec.environment.kind is SessionKind.OPERATIONAL:
+        return set()
     deferred = set(spec.agent.deferred_tools)
-    named = {t.name for t in spec.tools if t.model_visible and t.name not in deferred}
+    bound = set(spec.environment.bound_capabilities)
+    named = {
+        t.name
+        for t in spec.tools
+        if t.model_visible
+        and t.name not in deferred
+        and (not t.session_binding or t.session_binding in bound)
+    }
     return named | {t.name for t in roster.defined}
 
 
