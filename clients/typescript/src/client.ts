@@ -15,6 +15,7 @@
 // 4. Build is pure on the server: the same checkpoint and clock return the same bytes.
 
 import { randomUUID } from 'node:crypto';
+import * as net from 'node:net';
 import * as grpc from '@grpc/grpc-js';
 import * as protoLoader from '@grpc/proto-loader';
 
@@ -133,16 +134,62 @@ export function protoPackage(): ProtoGrpcType {
 export interface ClientOptions {
   /** "host:port"; a sidecar listens on 127.0.0.1:50051. */
   target: string;
-  /** Sent on every request; with auth on it must match the authenticated identity. */
+  /**
+   * Sent on every request; with auth on it must match the authenticated identity, or be ''
+   * (with a token or credentials) for the server to take the identity's.
+   */
   tenantId: string;
-  /** Bearer token, sent as `authorization: Bearer <token>`. */
+  /**
+   * Bearer token, sent as `authorization: Bearer <token>`: over plaintext (no
+   * `credentials`) only to a loopback target (a sidecar), unless `allowInsecureToken`.
+   */
   token?: string;
   /** TLS or mTLS credentials; plaintext when absent. */
   credentials?: grpc.ChannelCredentials;
-  /** Per-call deadline in milliseconds (default 30 s); `deadlineMs` overrides it per call. */
+  /**
+   * Per-call deadline in milliseconds (default 30 s; 0 or Infinity: none); `deadlineMs`
+   * overrides it per call.
+   */
   timeoutMs?: number;
-  /** Extra channel options. */
+  /** Channel options, over the client's own where they name the same one. */
   channelOptions?: grpc.ChannelOptions;
+  /** Send `token` in clear to a target that is not loopback (a network you trust). */
+  allowInsecureToken?: boolean;
+}
+
+// What an HTTP/2 header value (gRPC metadata) may hold.
+const HEADER_VALUE = /^[\x20-\x7e]+$/;
+
+/**
+ * Whether a gRPC target names this host: a loopback address, localhost, or a Unix socket;
+ * for an ipv4:/ipv6: list, every address. A name is not (it may resolve elsewhere). The
+ * engine's `context-engine explain` and the Python client apply the same rule.
+ */
+export function isLoopback(target: string): boolean {
+  if (target.startsWith('unix:') || target.startsWith('unix-abstract:')) return true;
+  for (const scheme of ['ipv4:', 'ipv6:']) {
+    if (target.startsWith(scheme)) {
+      return target.slice(scheme.length).split(',').every(oneLoopback);
+    }
+  }
+  for (const scheme of ['dns:///', 'dns:']) {
+    if (target.startsWith(scheme)) target = target.slice(scheme.length);
+  }
+  return oneLoopback(target);
+}
+
+// Loopback addresses as Python's ipaddress sees them (127.0.0.0/8 and ::1 alone; a mapped
+// ::ffff:127.x is not), so the three clients agree.
+const LOOPBACK = new net.BlockList();
+LOOPBACK.addSubnet('127.0.0.0', 8, 'ipv4');
+LOOPBACK.addAddress('::1', 'ipv6');
+
+function oneLoopback(target: string): boolean {
+  let host = target.split(':').length === 2 ? target.slice(0, target.lastIndexOf(':')) : target;
+  if (host.startsWith('[')) host = host.slice(1).split(']')[0];
+  if (host.toLowerCase() === 'localhost') return true;
+  const family = net.isIP(host);
+  return family !== 0 && LOOPBACK.check(host, family === 4 ? 'ipv4' : 'ipv6');
 }
 
 /** Options every call takes. */
@@ -228,10 +275,32 @@ export class ContextEngineClient {
   private readonly token?: string;
 
   constructor(options: ClientOptions) {
-    if (!options.tenantId) throw new TypeError('tenantId is required');
+    if (!options.tenantId && !options.token && !options.credentials) {
+      // Without credentials the server has no identity to take the tenant from.
+      throw new TypeError('tenantId is required without a token or credentials');
+    }
+    if (options.token !== undefined && !HEADER_VALUE.test(options.token)) {
+      // Refused here: grpc-js threw its own error at the first call, synchronously.
+      throw new TypeError('token is not a header value (printable ASCII, no line ending)');
+    }
+    if (
+      options.token &&
+      !options.credentials &&
+      !options.allowInsecureToken &&
+      !isLoopback(options.target)
+    ) {
+      throw new TypeError(
+        `token would cross the network in clear to ${options.target}: give credentials (TLS),` +
+          ' use a loopback target, or pass allowInsecureToken: true',
+      );
+    }
+    const timeoutMs = options.timeoutMs ?? 30_000;
+    if (Number.isNaN(timeoutMs) || timeoutMs < 0) {
+      throw new TypeError('timeoutMs must be 0 (no deadline) or more');
+    }
     this.tenantId = options.tenantId;
     this.token = options.token;
-    this.timeoutMs = options.timeoutMs ?? 30_000;
+    this.timeoutMs = timeoutMs;
     const Stub = protoPackage().context_engine.v1.ContextEngine;
     this.raw = new Stub(options.target, options.credentials ?? grpc.credentials.createInsecure(), {
       'grpc.service_config': SERVICE_CONFIG,
@@ -276,8 +345,10 @@ export class ContextEngineClient {
     }
     const metadata = new grpc.Metadata();
     if (this.token) metadata.set('authorization', `Bearer ${this.token}`);
-    // 0 is no deadline of the call's own, as absent is (never an expired one).
-    const deadline = new Date(Date.now() + (opts.deadlineMs || this.timeoutMs));
+    // 0 is no deadline of the call's own, as absent is (never an expired one); the client's
+    // 0 or Infinity is none at all (it was a deadline already past: an audit).
+    const ms = opts.deadlineMs || this.timeoutMs;
+    const deadline = ms && Number.isFinite(ms) ? new Date(Date.now() + ms) : Infinity;
     const rpc = this.raw[method] as unknown as (
       request: RequestOf<K>,
       metadata: grpc.Metadata,
@@ -834,10 +905,14 @@ export class Run {
    * proxy's INTERNAL, a cancellation), it carries the request (`pendingRequest`) for the
    * caller to resend.
    */
-  private async appendStep(items: ConversationItem[], opts: CallOptions): Promise<void> {
+  private async appendStep(
+    items: ConversationItem[],
+    final: boolean,
+    opts: CallOptions,
+  ): Promise<void> {
     const request = this.appendRequest(items);
     try {
-      await this.sendStep(request, opts.deadlineMs || this.client.timeoutMs);
+      await this.sendStep(request, opts.deadlineMs || this.client.timeoutMs, !final);
     } catch (error) {
       // Any error, not only ours (a ContextEngineError always has the field).
       if (typeof error === 'object' && error !== null) {
@@ -851,8 +926,16 @@ export class Run {
     }
   }
 
-  private async sendStep(request: AppendItemsRequest, deadlineMs: number): Promise<void> {
-    let rebased = false;
+  /**
+   * `rebase`: a step whose tools ran goes after a write that landed first; a final answer
+   * does not (the tool loop asks the model again).
+   */
+  private async sendStep(
+    request: AppendItemsRequest,
+    deadlineMs: number,
+    rebase: boolean,
+  ): Promise<void> {
+    let rebased = !rebase;
     for (let attempt = 1; ; attempt++) {
       try {
         await this.resendAppend(request, { deadlineMs });
@@ -985,8 +1068,11 @@ export class Run {
    * DEADLINE_EXCEEDED with twice the deadline the attempt before it had: a resend of one
    * that landed answers with its first result. Any error that ends the append (one still
    * failing after the resends, or one never resent: UNAUTHENTICATED, INTERNAL, CANCELLED...)
-   * is thrown with the request as `pendingRequest`: resend it (`resendAppend`, once the
-   * cause is gone) before calling toolLoop again. Each step builds from the
+   * is thrown with the request as `pendingRequest`, the model's turn as `turn` and whether
+   * it was the final answer as `final`: resend it (`resendAppend`, once the cause is gone);
+   * then, for a step with tool calls, call toolLoop again; for the final answer, stop:
+   * `turn` is the answer (another toolLoop would ask the model again and log a second
+   * one). Each step builds from the
    * run's latest checkpoint, so once a step's append is in the log (landed with its answer
    * lost, or resent), calling toolLoop again shows the model the results it has and runs
    * none of that step's tools again. A tool that throws ends the loop before the append:
@@ -997,12 +1083,18 @@ export class Run {
    * error: its `retryable` says whether a resend can succeed) rather than thrown: the
    * step's items are in the log, and throwing after the final answer was appended lost
    * that answer to the caller, whose second toolLoop asked the model again and appended a
-   * second answer. Any error that ends the loop carries what it kept so far, `unreported`
-   * and `builds`, as properties.
+   * second answer. A step ended by an error (its append failed, a tool threw) still reports
+   * the model's usage, or keeps it in `unreported`: unsent, with the step's error, when
+   * the engine was unreachable. Any error that ends the loop carries what it kept so far,
+   * `unreported` and `builds`, as properties.
    *
    * An append refused CHECKPOINT_VERSION_CONFLICT because another write landed first (the
    * user's next message on the run, say) is resent once under the same key at the version
    * the error names: the step goes after that write, and its tools' results are not lost.
+   * A final answer is not: it answered a log that has moved on, and appended after that
+   * write it left the write (the user's next message) unanswered. Nothing of it is written;
+   * its usage is reported, and the loop builds and asks the model again (a step of
+   * `maxSteps`).
    */
   async toolLoop(opts: ToolLoopOptions): Promise<ToolLoopResult> {
     const builds: BuildResult[] = [];
@@ -1051,35 +1143,78 @@ export class Run {
         ...answered,
         toolCalls: answered.toolCalls?.map((c) => ({ ...c, name: built.toolName(c.name) })),
       };
-      const items = turnItems(turn);
-      for (const toolCall of turn.toolCalls ?? []) {
-        const output = await opts.runTool(toolCall);
-        const out: ToolOutput = typeof output === 'string' ? { content: output } : output;
-        items.push(
-          toolResult(toolCall.callId, toolCall.name, out.content, {
-            trust: out.trust,
-            source: out.source,
-            isError: out.isError,
-            artifactRef: out.artifactRef,
-            contextContent: out.contextContent,
-          }),
-        );
-      }
-      if (items.length) await this.appendStep(items, call);
-      if ((opts.reportUsage ?? true) && turn.usage) {
-        try {
-          reports.push(
-            await this.reportUsage(built, turn.usage, undefined, { ...call, model: turn.model }),
-          );
-        } catch (error) {
-          // Kept, never thrown: the step is in the log, and throwing after the final answer
-          // was appended lost that answer (an audit: a refused report did so; a review: so
-          // did a usage the request cannot carry).
-          unreported.push({ build: built, usage: turn.usage, model: turn.model, error });
+      const final = !turn.toolCalls?.length;
+      try {
+        const items = turnItems(turn);
+        for (const toolCall of turn.toolCalls ?? []) {
+          items.push(resultItem(toolCall, await opts.runTool(toolCall)));
         }
+        if (items.length) await this.appendStep(items, final, call);
+      } catch (error) {
+        const pending = (error as { pendingRequest?: AppendItemsRequest } | null)?.pendingRequest;
+        if (final && pending && movedOn(error, pending) !== undefined) {
+          // The answer was to a log another write has since moved on (the user's next
+          // message, say): appended after it, that message went unanswered (an audit).
+          // Nothing of the step is written; the model is asked again.
+          await this.report(built, turn, undefined, opts, call, reports, unreported);
+          continue;
+        }
+        // The model's tokens were spent, whatever ended the step: its usage is reported,
+        // or kept (an audit: it was lost).
+        await this.report(built, turn, error, opts, call, reports, unreported);
+        if (typeof error === 'object' && error !== null) {
+          try {
+            Object.assign(error, { turn, final });
+          } catch {
+            // A frozen object: thrown as it is.
+          }
+        }
+        throw error;
       }
-      if (!turn.toolCalls?.length) return { final: turn, builds, reports, unreported };
+      await this.report(built, turn, undefined, opts, call, reports, unreported);
+      if (final) return { final: turn, builds, reports, unreported };
     }
     throw new ToolLoopLimitError(maxSteps);
   }
+
+  /**
+   * Report the step's usage; a report that fails is kept, never thrown: the step may be in
+   * the log, and throwing after the final answer was appended lost that answer (an audit:
+   * a refused report did so; a review: so did a usage the request cannot carry). After a
+   * step that `failed` with the engine unreachable it is kept unsent, with that error.
+   */
+  private async report(
+    built: BuildResult,
+    turn: ModelTurn,
+    failed: unknown,
+    opts: ToolLoopOptions,
+    call: CallOptions,
+    reports: ReportUsageResponse[],
+    unreported: ToolLoopResult['unreported'],
+  ): Promise<void> {
+    if (!(opts.reportUsage ?? true) || !turn.usage) return;
+    if (failed instanceof ContextEngineError && failed.retryable) {
+      unreported.push({ build: built, usage: turn.usage, model: turn.model, error: failed });
+      return;
+    }
+    try {
+      reports.push(
+        await this.reportUsage(built, turn.usage, undefined, { ...call, model: turn.model }),
+      );
+    } catch (error) {
+      unreported.push({ build: built, usage: turn.usage, model: turn.model, error });
+    }
+  }
+}
+
+/** The logged result of `toolCall`, from what runTool returned for it. */
+function resultItem(toolCall: ToolCallRequest, output: ToolOutput | string): ConversationItem {
+  const out: ToolOutput = typeof output === 'string' ? { content: output } : output;
+  return toolResult(toolCall.callId, toolCall.name, out.content, {
+    trust: out.trust,
+    source: out.source,
+    isError: out.isError,
+    artifactRef: out.artifactRef,
+    contextContent: out.contextContent,
+  });
 }

@@ -8,6 +8,7 @@ import { status as Status, type ServiceError } from '@grpc/grpc-js';
 import protobuf from 'protobufjs';
 
 import { PROTO_DIR } from './paths.js';
+import type { ModelTurn } from './items.js';
 import type { AppendItemsRequest } from './types.js';
 
 export interface FieldViolation {
@@ -45,10 +46,20 @@ export class ContextEngineError extends ClientError {
    * Set on every error a tool loop throws from its step's AppendItems, whether it failed
    * after the loop's own resends (UNAVAILABLE, DEADLINE_EXCEEDED) or was never resent
    * (UNAUTHENTICATED, INTERNAL, CANCELLED...): the request itself (its key and items, the
-   * model's turn and the tool results), to resend unchanged with `run.resendAppend` before
-   * the loop runs again. (Another error thrown out of the append carries it too.)
+   * model's turn and the tool results), to resend unchanged with `run.resendAppend`; then,
+   * unless `final`, run the loop again. (Another error thrown out of the append carries
+   * it too.)
    */
   pendingRequest?: AppendItemsRequest;
+
+  /**
+   * On an error that ended a tool loop's step: the model's turn of that step, and whether it
+   * was the final answer (no tool calls). After a final answer's failed append, resend
+   * `pendingRequest` and stop: `turn` is the answer; another toolLoop would ask the model
+   * again and log a second one.
+   */
+  turn?: ModelTurn;
+  final?: boolean;
 
   /**
    * On an error from `openSession`, the session id its Plan was sent with ('' otherwise):

@@ -257,9 +257,14 @@ test('a refused usage report is kept too, and an error ending the loop carries w
       })
       .then(() => assert.fail('the second append fails'), (e) => e);
     assert.ok(error instanceof InternalError);
-    assert.equal(error.unreported.length, 1);
-    assert.ok(error.unreported[0].error instanceof UnavailableError);
+    // Step one's report, and step two's: its append failed, the model's tokens were spent
+    // all the same (an audit: that usage was lost).
+    assert.equal(error.unreported.length, 2);
+    assert.ok(error.unreported.every((u) => u.error instanceof UnavailableError));
     assert.equal(error.builds.length, 2);
+    // The step's turn, and that it was the final answer: resend it and stop.
+    assert.equal(error.final, true);
+    assert.equal(error.turn.text, 'The 08:04.');
   } finally {
     delete other.client.call; // the prototype's again
   }
@@ -287,6 +292,91 @@ test("a step's append that meets a later write goes after it and runs no tool tw
   assert.deepEqual(ran, ['c1']);
   assert.equal(result.final.text, 'The 08:04.');
   assert.equal(run.checkpointVersion, 4);
+});
+
+test('a final answer overtaken by a later write is asked again, not appended after it', async () => {
+  // Rebased after the user's next message, the stale answer left that message unanswered
+  // and the loop returned as if done (an audit).
+  const session = await engine.openSession(spec);
+  const run = await session.startRun('Trains to Lyon?');
+  const asked = [];
+  const result = await run.toolLoop({
+    now: NOW,
+    callModel: async (build) => {
+      const fetched = build.request.messages
+        .flatMap((m) => m.blocks)
+        .some((b) => b.kind === 'tool_result');
+      if (!fetched) {
+        return {
+          toolCalls: [{ callId: 'c1', name: 'web-fetch', arguments: { url: 'https://x' } }],
+          usage: { inputTokens: 10, outputTokens: 2 },
+        };
+      }
+      asked.push(build);
+      if (asked.length === 1) {
+        const other = session.run(run.runId, run.checkpointVersion);
+        await other.append([userMessage('Actually, Marseille.')]);
+      }
+      return { text: `Answer ${asked.length}.`, usage: { inputTokens: 10, outputTokens: 2 } };
+    },
+    runTool: async () => '08:04 TGV',
+  });
+  assert.equal(asked.length, 2);
+  assert.equal(result.final.text, 'Answer 2.');
+  assert.ok(asked[1].providerPayload.toString().includes('Marseille'));
+  assert.equal(result.reports.length, 3); // the overtaken answer's tokens were spent too
+  // The step, the user's message, the one answer.
+  assert.equal(run.checkpointVersion, 4);
+});
+
+test('a tool that throws still reports the model usage', async () => {
+  const session = await engine.openSession(spec);
+  const run = await session.startRun('Trains to Lyon?');
+  const error = await run
+    .toolLoop({
+      now: NOW,
+      callModel: async () => ({
+        toolCalls: [{ callId: 'c1', name: 'web-fetch', arguments: { url: 'https://x' } }],
+        usage: { inputTokens: 10, outputTokens: 2 },
+      }),
+      runTool: async () => {
+        throw new Error("the tool's backend is down");
+      },
+    })
+    .then(() => assert.fail('the tool throws'), (e) => e);
+  assert.equal(error.final, false);
+  assert.equal(error.unreported.length, 0); // reported: it was lost before (an audit)
+  const report = await session.reportUsage(error.builds[0], error.turn.usage);
+  assert.ok(report.samples >= 1); // the same key: the report landed once
+});
+
+test('a token is checked before it is sent, and no deadline is no deadline', async () => {
+  // A bearer token went in clear to any target, one with a line ending threw grpc-js's
+  // own error synchronously at the first call, and timeoutMs 0 was a deadline already
+  // past (an audit).
+  const token = 't'.repeat(32);
+  for (const remote of ['10.1.2.3:50051', 'engine.example:443', 'ipv4:127.0.0.1:1,10.0.0.1:1']) {
+    assert.throws(() => new ContextEngineClient({ target: remote, tenantId: 't', token }), /in clear/);
+    new ContextEngineClient({ target: remote, tenantId: 't', token, allowInsecureToken: true }).close();
+  }
+  for (const local of ['127.0.0.1:1', 'localhost:1', '[::1]:1', 'unix:/tmp/engine.sock']) {
+    new ContextEngineClient({ target: local, tenantId: 't', token }).close();
+  }
+  assert.throws(
+    () => new ContextEngineClient({ target: '127.0.0.1:1', tenantId: 't', token: `${token}\n` }),
+    /header value/,
+  );
+  assert.throws(() => new ContextEngineClient({ target: '127.0.0.1:1', tenantId: '' }), /tenantId/);
+  new ContextEngineClient({ target: '127.0.0.1:1', tenantId: '', token }).close();
+  assert.throws(() => new ContextEngineClient({ target, tenantId: 't', timeoutMs: -1 }));
+  for (const timeoutMs of [0, Infinity]) {
+    const unbounded = new ContextEngineClient({ target, tenantId: engine.tenantId, timeoutMs });
+    try {
+      assert.ok((await unbounded.openSession(spec)).created);
+    } finally {
+      unbounded.close();
+    }
+  }
 });
 
 test('a resend of an old append does not take the version back; openSession errors carry the id', async () => {
@@ -941,7 +1031,7 @@ test("every wrapper sends its deadline; absent or 0, the client's", async () => 
   };
   // Every public method is either above or takes no deadline: a new one must be listed.
   const noDeadline = ['constructor', 'close', 'tenantId', 'run', 'start', 'ids', 'client'];
-  const internal = ['appendRequest', 'appendStep', 'sendStep', 'loop'];
+  const internal = ['appendRequest', 'appendStep', 'sendStep', 'loop', 'report'];
   for (const cls of [ContextEngineClient, Session, Run]) {
     for (const name of Object.getOwnPropertyNames(cls.prototype)) {
       if ([...noDeadline, ...internal].includes(name)) continue;
