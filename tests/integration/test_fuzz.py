@@ -17,8 +17,8 @@ Nothing a refused call did may stay: the database is read before and after every
 (`_Ledger`: each table's rows, hashed), and a call answered with anything but OK must
 leave it as it was, save the two writes docs/api.md names (a Build refused BUDGET_EXCEEDED
 logs context.budget.exceeded; a Build first commits a rotation its lineage is due). With
-bearer auth on, a decodable message naming the other tenant must be PERMISSION_DENIED, and
-that tenant's rows must be as the seed left them. Afterwards the invariants that a partial
+bearer auth on, a decodable message naming the other tenant, within the size limit, must
+be PERMISSION_DENIED, and that tenant's rows must be as the seed left them. Afterwards the invariants that a partial
 write would break must hold over the fuzz's database.
 """
 
@@ -651,8 +651,9 @@ def _mutated(
 def _expected(method: str, payload: bytes, auth: bool) -> set[grpc.StatusCode] | None:
     """The answers an input must get when it is pinned down (None: any proper status):
     over twice the limit the transport refuses it, over the limit the size interceptor
-    does; with auth, a decodable message naming another tenant is PERMISSION_DENIED (auth
-    runs before the size limit); a string of invalid UTF-8 does not decode."""
+    does (before auth: it measures the request as sent); with auth, a decodable message
+    naming another tenant is PERMISSION_DENIED; a string of invalid UTF-8 does not
+    decode."""
     if len(payload) > 2 * MAX_REQUEST_BYTES:
         return {grpc.StatusCode.RESOURCE_EXHAUSTED}
     if _BAD_UTF8 in payload:
@@ -662,11 +663,11 @@ def _expected(method: str, payload: bytes, auth: bool) -> set[grpc.StatusCode] |
         message.ParseFromString(payload)
     except DecodeError:
         return {grpc.StatusCode.INVALID_ARGUMENT}
+    if len(payload) > MAX_REQUEST_BYTES:
+        return {grpc.StatusCode.RESOURCE_EXHAUSTED}
     other = getattr(message, "tenant_id", "") not in ("", TENANT)
     if auth and other:
         return {grpc.StatusCode.PERMISSION_DENIED}
-    if len(payload) > MAX_REQUEST_BYTES:
-        return {grpc.StatusCode.RESOURCE_EXHAUSTED}
     return None
 
 
