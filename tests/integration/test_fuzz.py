@@ -18,8 +18,8 @@ Nothing a refused call did may stay: the database is read before and after every
 leave it as it was, save the two writes docs/api.md names (a Build refused BUDGET_EXCEEDED
 logs context.budget.exceeded; a Build first commits a rotation its lineage is due). With
 bearer auth on, a decodable message naming the other tenant, within the size limit, must
-be PERMISSION_DENIED, and that tenant's rows must be as the seed left them. Afterwards the invariants that a partial
-write would break must hold over the fuzz's database.
+be PERMISSION_DENIED, and that tenant's rows must be as the seed left them. Afterwards the
+invariants that a partial write would break must hold over the fuzz's database.
 """
 
 from __future__ import annotations
