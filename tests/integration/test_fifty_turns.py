@@ -10,6 +10,7 @@ at least 0.90) and, per request, cached input versus the preceding request's ful
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 from collections.abc import Iterator
@@ -71,12 +72,22 @@ def _prefix_tokens(payload: dict[str, Any]) -> int:
     return sum(count_tokens(canonical_bytes(strip_cache_control(u))) for u in units)
 
 
+def _sent_prefix_sha256(payload: dict[str, Any]) -> str:
+    """SHA-256 of Region A as the provider receives it (the payload's tools and system
+    blocks, cache markers aside): what its prompt cache keys on. BuildResponse.
+    prefix_sha256 is the plan's, copied into every response, so comparing it with the plan
+    could not fail (an audit: a date in the first system block passed)."""
+    units = {"tools": payload.get("tools", []), "system": payload.get("system", [])}
+    return hashlib.sha256(canonical_bytes(strip_cache_control(units))).hexdigest()
+
+
 class Session:
     def __init__(self, stub: Any, client: anthropic.Anthropic, fake: FakeProvider) -> None:
         self.stub, self.client, self.fake = stub, client, fake
         self.session_id = new_id()
         self.clock = START
         self.prefix_hashes: list[str] = []
+        self.sent_prefixes: list[str] = []
         self.usage: list[dict[str, int]] = []
         self.prefix_fake_tokens: list[int] = []
         self.run_id, self.version = "", 0
@@ -108,6 +119,7 @@ class Session:
         assert not built.needs_compaction
         self.prefix_hashes.append(built.prefix_sha256)
         payload = json.loads(built.provider_payload)
+        self.sent_prefixes.append(_sent_prefix_sha256(payload))
         message = self.client.messages.create(**payload)
         self.usage.append(
             {
@@ -246,6 +258,9 @@ async def test_fifty_turns_one_prefix_hash(stub: Any, fake: FakeProvider) -> Non
     client.close()
 
     assert set(session.prefix_hashes) == {plan.prefix_sha256}, "more than one prefix hash"
+    # The gate itself: the bytes sent as Region A are one and the same on every request.
+    assert len(set(session.sent_prefixes)) == 1, "the sent prefix changed"
+    assert len(session.sent_prefixes) == len(session.prefix_hashes) > 50
     berlin = ZoneInfo("Europe/Berlin")
     assert (START + STEP).astimezone(berlin).date() < session.clock.astimezone(berlin).date()
 
