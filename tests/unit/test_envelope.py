@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from context_engine.core import TrustLevel, assemble
 from context_engine.core.envelope import NONCE_HEX_CHARS, _fold, escape_content, item_nonce, wrap
+from context_engine.core.items import trust_of
 
 from .strategies import (
     DELEGATED,
@@ -475,14 +476,34 @@ def test_every_trust_level_is_decided() -> None:
 @given(scenarios())
 def test_every_enveloped_block_of_a_request_is_sealed(sc: Scenario) -> None:
     plan = sc.plan()
-    assembled = assemble(sc.inputs(plan))
+    inputs = sc.inputs(plan)
+    assembled = assemble(inputs)
     request = assembled.request
     blocks = [*request.system, *(b for m in request.messages for b in m.blocks)]
+    # Each logged item and step line's trust as given, not as the block says: a block
+    # relabelled on the way (an untrusted result as MODEL) rendered bare and passed when
+    # the check read the block's own label (an audit). An id two items share (runs reuse
+    # ids) is left to the block's label.
+    step = inputs.step
+    labelled: dict[str, set[TrustLevel]] = {}
+    for item in (
+        *inputs.carried,
+        *inputs.checkpoint.items,
+        *step.recall,
+        *step.corrections,
+        *step.knowledge,
+    ):
+        labelled.setdefault(item.item_id, set()).add(trust_of(item))
     sealed = 0
     for block in blocks:
-        if block.trust in ENVELOPED and block.kind in ("text", "tool_result"):
+        if block.kind not in ("text", "tool_result"):
+            continue
+        levels = labelled.get(block.item_id, set())
+        trust = next(iter(levels)) if len(levels) == 1 else block.trust
+        if trust in ENVELOPED:
+            assert block.trust == trust, (block.item_id, block.trust, trust)
             _assert_sealed(
-                block.text, tag=ENVELOPED[block.trust], nonce=item_nonce(sc.secret, block.item_id)
+                block.text, tag=ENVELOPED[trust], nonce=item_nonce(sc.secret, block.item_id)
             )
             sealed += 1
     # The current run always has its user message in the request, enveloped as USER.
