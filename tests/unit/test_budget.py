@@ -113,9 +113,13 @@ class Session:
     floor: int
     step: StepContext
     working_state: WorkingStateItem | None
-    body_room: int  # tokens between prefix + reserve and the policy cap
+    body_room: int  # tokens between prefix + reserve and the limit
     reserve: int
     factor_ppm: int
+    # What sets the limit: the policy cap under a larger window ("cap"), the window with
+    # no cap ("window"), or the window under a larger cap ("window_under_cap"). With the
+    # cap always the smaller, a Build that ignored the window passed every gate (an audit).
+    limit: str = "cap"
 
 
 class _Ids:
@@ -266,12 +270,18 @@ def sessions(draw: st.DrawFn, floor_line_chars: int = 200) -> Session:
         body_room=draw(st.integers(LEAST_ROOM, 60_000)),
         reserve=draw(st.integers(1, 9_000)),
         factor_ppm=draw(st.sampled_from([1_000_000, 1_000_000, 1_300_000, 3_000_000])),
+        limit=draw(st.sampled_from(["cap", "window", "window_under_cap"])),
     )
 
 
 def _build(session: Session, window: int = 200_000):  # type: ignore[no-untyped-def]
     probe = _plan(window, 0, session.reserve)
-    cap = probe.prefix_tokens + session.reserve + session.body_room
+    limit = probe.prefix_tokens + session.reserve + session.body_room
+    window, cap = {
+        "cap": (window, limit),
+        "window": (limit, 0),
+        "window_under_cap": (limit, limit + 50_000),
+    }[session.limit]
     plan = _plan(window, cap, session.reserve)
     inputs = BuildInputs(
         tenant_id="t",
