@@ -341,6 +341,102 @@ def _never_yield_ids(session: Session) -> set[str]:
     return ids
 
 
+def _pairs(draw: st.DrawFn, ids: _Ids, run_id: str) -> list[ConversationItem]:
+    """One model turn of 1-3 parallel calls, their results in any order (200-3,000
+    characters each), and an answer."""
+    calls = []
+    for _ in range(draw(st.integers(1, 3))):
+        item_id, seq = ids.next("c")
+        calls.append(
+            ToolCall(
+                item_id=item_id,
+                call_id=f"call_{item_id}",
+                tool_name="web.fetch",
+                arguments_json='{"q":"x"}',
+                sequence=seq,
+                run_id=run_id,
+            )
+        )
+    items: list[ConversationItem] = list(calls)
+    for call in draw(st.permutations(calls)):
+        item_id, seq = ids.next("t")
+        items.append(
+            ToolResult(
+                item_id=item_id,
+                call_id=call.call_id,
+                tool_name="web.fetch",
+                content=_text(draw(st.integers(200, 3_000))),
+                trust=TrustLevel.USER,
+                sequence=seq,
+                run_id=run_id,
+            )
+        )
+    item_id, seq = ids.next("a")
+    items.append(AssistantMessage(item_id=item_id, text=_text(200), sequence=seq, run_id=run_id))
+    return items
+
+
+@st.composite
+def cut_among_pairs(draw: st.DrawFn) -> Session:
+    """A session whose request must cut its carried history among tool pairs: earlier runs
+    of tool loops (parallel calls, results in any order), a short question now, and room
+    for only part of the carried history. The conformance gate's sessions reach such a
+    cut in about 2% of examples (most refuse, or fit whole), so a lost pair repair passed
+    it most runs (an audit)."""
+    ids = _Ids()
+    carried: list[ConversationItem] = []
+    for r in range(draw(st.integers(1, 3))):
+        run_id = f"r{r}"
+        item_id, seq = ids.next("u")
+        carried.append(UserMessage(item_id=item_id, text=_text(40), sequence=seq, run_id=run_id))
+        for _ in range(draw(st.integers(8, 20))):
+            carried += _pairs(draw, ids, run_id)
+    item_id, seq = ids.next("u")
+    run: list[ConversationItem] = [
+        UserMessage(item_id=item_id, text=_text(40), sequence=seq, run_id="current")
+    ]
+    history = sum(count(getattr(i, "content", "") or getattr(i, "text", "")) for i in carried)
+    # Room for the question, the runtime row and the history class's floor, and for none
+    # to half of the rest of the carried history.
+    least = LEAST_ROOM + (HISTORY_FLOOR_TOKENS + 1_000) * 11 // 10  # the 5% margin too
+    room = draw(st.integers(least, least + max(1, history // 2)))
+    return Session(
+        carried=carried,
+        run=run,
+        summary=None,
+        floor=0,
+        step=StepContext(),
+        working_state=None,
+        body_room=room,
+        reserve=draw(st.integers(1, 2_000)),
+        factor_ppm=draw(st.sampled_from([1_000_000, 1_300_000])),
+    )
+
+
+def test_a_cut_among_carried_pairs_keeps_every_pair_whole() -> None:
+    cuts: list[bool] = []
+
+    @GATE
+    @given(cut_among_pairs())
+    def check(session: Session) -> None:
+        _, inputs = _build(session)
+        request = assemble(inputs).request
+        if request is None:  # it asks for compaction: no cut to check (counted below)
+            cuts.append(False)
+            return
+        kept = {b.item_id for b in _blocks(request)}
+        carried = [i.item_id for i in session.carried]
+        retained = [i for i in carried if i in kept]
+        cuts.append(0 < len(retained) < len(carried))
+        assert _orphans(request) == set()
+        assert retained == carried[len(carried) - len(retained) :]
+
+    check()
+    # The gate is about the cut: most examples must make one among the carried items.
+    assert sum(cuts) >= len(cuts) // 2, f"{sum(cuts)} of {len(cuts)} examples cut"
+    print(f"cut among carried pairs: {sum(cuts)} of {len(cuts)} examples")
+
+
 @GATE
 @given(sessions(floor_line_chars=3_000))
 def test_budget_conformance_and_pair_integrity_on_every_path(session: Session) -> None:
