@@ -230,11 +230,13 @@ def test_no_request_carries_a_dead_runs_call_whose_id_was_reused() -> None:
         carried=carried_history([i for i in log if i.sequence < seed_cut(current.sequence)]),
         now=datetime(2026, 1, 1, tzinfo=UTC),
     )
-    try:
-        assembled = assemble(sc.inputs())
-    except PreconditionError:
-        return  # refusing to build is an acceptable outcome; sending half a pair is not
+    # It builds (a refusal here passed the gate, whatever assembly did: an audit): the
+    # dead run's lone call is not carried, the later run's pair is, whole.
+    assembled = assemble(sc.inputs())
+    assert assembled.request is not None
     assert _pairing_violations(_block_pairs(assembled.request.messages)) == []
+    ids = {b.item_id for m in assembled.request.messages for b in m.blocks}
+    assert {"r2-c", "r2-t"} <= ids and "r1-c" not in ids
 
 
 # --- seed_cut ----------------------------------------------------------------------------
