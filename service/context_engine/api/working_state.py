@@ -14,7 +14,7 @@ from uuid import UUID
 
 from ..core.build_record import INPUTS_KEY, SHOWN_FIELDS, shown_items
 from ..core.checkpoint import Checkpoint, require_version
-from ..core.compaction import SUMMARIZABLE, elided_content, quoted_sources
+from ..core.compaction import SUMMARIZABLE, elided_content, held_texts, quoted_sources
 from ..core.errors import EngineError, InvalidFieldError
 from ..core.items import (
     ConversationItem,
@@ -26,6 +26,7 @@ from ..core.items import (
 from ..core.plan import prefix_data
 from ..core.trust import TrustLevel
 from ..core.working_state import (
+    ASK_USER_TOOL,
     Fact,
     Folded,
     NewFact,
@@ -170,11 +171,17 @@ def runtime_transition(
 
 
 async def _lowered_facts(
-    conn: Any, tenant_id: str, session_id: UUID, run: runs.RunRow, update: WorkingStateUpdate
+    conn: Any,
+    tenant_id: str,
+    session_id: UUID,
+    run: runs.RunRow,
+    checkpoint: Checkpoint,
+    update: WorkingStateUpdate,
 ) -> WorkingStateUpdate:
     """Each new fact's trust, lowered to the least trusted of its claim, its evidence and
     what it quotes of the memory lines and untrusted content the run was shown that its
-    evidence does not say (`_quoted_trust`).
+    evidence does not say (`_quoted_trust`): its requests' step lines and plans' entries,
+    its own untrusted items (a fetched page, an email) and the state's claims below USER.
 
     Raises:
         InvalidFieldError: evidence that is not a conversation event of this session.
@@ -198,6 +205,9 @@ async def _lowered_facts(
         facts.append(fact.model_copy(update={"trust": lowest_trust(levels)}))
     if any(f.trust in SUMMARIZABLE for f in facts):
         shown, erased = await _shown_sources(conn, tenant_id, session_id, run)
+        # The run's own items and the state's claims: a fact restating the page the run
+        # fetched, citing the user's message, was USER, shown bare and offered (an audit).
+        shown += _run_sources(checkpoint)
         facts = [_quoted_trust(f, shown, found) for f in facts]
         if erased:
             # What an erasure took out of the run's view is gone, so a fact cannot be
@@ -237,6 +247,25 @@ async def _shown_sources(
         sources += [(e.text, e.trust) for e in prefix_data(stored.plan, stored.spec)]
     erased = await events.run_saw_erased(conn, tenant_id, session_id, run.run_id, epochs)
     return [(text, trust) for text, trust in sources if trust not in SUMMARIZABLE], erased
+
+
+def _run_sources(checkpoint: Checkpoint) -> list[Source]:
+    """The run's items below what a fact may restate freely (their texts, as compaction
+    holds them: content, excerpt, prose attribution), and the state's facts below USER,
+    each at its trust. Earlier runs' items are not read (a cost under the session lock
+    that grows with the session): a fact restating those is not lowered."""
+    items = [
+        (text, trust_of(i))
+        for i in checkpoint.items
+        if trust_of(i) not in SUMMARIZABLE
+        for text in held_texts(i)
+    ]
+    claims = [
+        (f.statement, f.trust)
+        for f in checkpoint.working_state.facts
+        if f.trust not in SUMMARIZABLE
+    ]
+    return items + claims
 
 
 def _quoted_trust(
@@ -290,7 +319,7 @@ async def update_working_state(
         run = await runs.read_run(conn, tenant_id, session_id, run_id)
         checkpoint = await runs.read_checkpoint(conn, tenant_id, run_id)
         require_version(checkpoint, expected_version)
-        update = await _lowered_facts(conn, tenant_id, session_id, run, update)
+        update = await _lowered_facts(conn, tenant_id, session_id, run, checkpoint, update)
         version = checkpoint.version + 1
         transition, sequence = await record_transition(
             conn,
@@ -329,10 +358,17 @@ async def update_working_state(
 def _trusted_candidate(fact: Fact, evidence: dict[int, tuple[str, dict[str, Any], bool]]) -> bool:
     if fact.trust not in _TRUSTED_EVIDENCE or not fact.source_event_ids:
         return False
-    levels = [
-        evidence_trust(*evidence[i]) if i in evidence else None for i in fact.source_event_ids
-    ]
-    return all(level in _TRUSTED_EVIDENCE for level in levels)
+    return all(i in evidence and _user_source(*evidence[i]) for i in fact.source_event_ids)
+
+
+def _user_source(event_type: str, payload: dict[str, Any], conversation: bool) -> bool:
+    """Whether an event is the user's (or the platform's) words: a tool's result is not,
+    whatever trust its writer gave it, but for conversation.ask_user's answers (an audit:
+    an email tool's result labelled USER was offered as the user's)."""
+    if evidence_trust(event_type, payload, conversation) not in _TRUSTED_EVIDENCE:
+        return False
+    is_result = event_type == "tool.result.created"
+    return not is_result or payload.get("tool_name") == ASK_USER_TOOL
 
 
 async def offer_fact_candidates(

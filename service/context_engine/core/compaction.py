@@ -145,6 +145,7 @@ __all__ = [
     "compacted_checkpoint",
     "elided_content",
     "group_pointer",
+    "held_texts",
     "pointer",
     "pointer_lines",
     "prepare",
@@ -554,7 +555,7 @@ def _held_attribution(attribution: str) -> str:
     return attribution if any(c.isspace() for c in attribution.strip()) else ""
 
 
-def _texts(item: ConversationItem) -> list[str]:
+def held_texts(item: ConversationItem) -> list[str]:
     """Every text of an item that a summary could launder."""
     if isinstance(item, ToolResult):
         texts = (item.content, item.context_content, _held_attribution(item.source))
@@ -828,7 +829,7 @@ def prepare(
     # of it, and a summary must not carry any of it out of its envelope.
     in_view = [i for i in (*carried, *checkpoint.items) if trust_of(i) not in SUMMARIZABLE]
     contents: list[tuple[ElidedSpan, str]] = [
-        (_span(i, trust_of(i)), text) for i in in_view for text in _texts(i)
+        (_span(i, trust_of(i)), text) for i in in_view for text in held_texts(i)
     ]
     # What the model was shown beside the conversation: it may have quoted that too. So
     # with the working-state block's facts and the skill bodies below SUMMARIZABLE, which
