@@ -141,18 +141,27 @@ async def test_bearer_tokens_follow_their_file_and_a_bad_file_changes_nothing(
     settings = load_settings(
         environ={"CONTEXT_ENGINE_AUTH": "bearer", "CONTEXT_ENGINE_AUTH_TOKENS_FILE": str(path)}
     )
-    options = server_options(settings)
+    options = server_options(settings)  # the tokens read at start-up: TOKEN_A
+    # Changed while the replica started, after that read: the follower's first stamp
+    # matched the new file, which was never taken (a review). It reads after stamping.
+    _write_tokens(path, {TOKEN_B: "tenant-b"})
     follower = TokenFile(settings, options["auth"])
     running = await build_server(build_engine(pool), "127.0.0.1:0", **options)
     caplog.set_level(logging.INFO, logger="context_engine.server")
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
             stub = pb_grpc.ContextEngineStub(channel)
-            assert await _accepted(stub, TOKEN_A) and not await _accepted(stub, TOKEN_B)
+            assert await _accepted(stub, TOKEN_B) and not await _accepted(stub, TOKEN_A)
             assert not follower.check()  # unchanged: not read again
+            _write_tokens(path, {TOKEN_A: "tenant-a"})
+            assert follower.check()
+            assert await _accepted(stub, TOKEN_A) and not await _accepted(stub, TOKEN_B)
             _write_tokens(path, {TOKEN_B: "tenant-b"})
             assert follower.check()
             assert await _accepted(stub, TOKEN_B) and not await _accepted(stub, TOKEN_A)
+            # A chmod alone is a change: a file made readable again is read again.
+            path.chmod(0o600)
+            assert follower.check()
             # Unreadable, not an object, a short token, no token at all, gone: kept.
             for bad in ("{not json", '["x"]', json.dumps({"short": "tenant-a"}), "{}", None):
                 if bad is None:

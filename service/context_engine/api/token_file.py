@@ -1,10 +1,12 @@
 """Bearer tokens follow `auth_tokens_file` while the server runs.
 
 Rule 1 (rotation without restart): every `auth_tokens_reload_seconds` the file is looked
-at (its inode, size and modification time: a Kubernetes secret volume swaps a symlink, an
-editor renames over, a script writes in place); when it changed, the tokens are read again
-with the inline `auth_tokens` and replace the ones in use at once. A token removed from the
-file is refused from the next call on; calls already past authentication finish.
+at (its inode, size, modification and change times: a Kubernetes secret volume swaps a
+symlink, an editor renames over, a script writes in place, a chmod makes it readable);
+when it changed, the tokens are read again with the inline `auth_tokens` and replace the
+ones in use at once. A token removed from the file is refused from the next call on;
+calls already past authentication finish. The file is stamped, then read, when the
+follower starts: a change made while the replica started is taken.
 Rule 2 (a bad file changes nothing): a file that cannot be read, is not a JSON object of
 valid tokens, or leaves no token at all keeps the tokens in use, with one warning per change
 of the file naming why (never a token). Emptying the file does not lock every worker out;
@@ -25,7 +27,7 @@ __all__ = ["TokenFile"]
 
 _log = logging.getLogger("context_engine.server")
 
-Stamp = tuple[int, int, int] | None
+Stamp = tuple[int, int, int, int] | None
 
 
 class TokenFile:
@@ -34,14 +36,19 @@ class TokenFile:
     def __init__(self, settings: Settings, tokens: BearerTokens) -> None:
         self._settings = settings
         self._tokens = tokens
+        # Stamped, then read: `tokens` were read before, at start-up, and a change made
+        # between that read and this stamp would otherwise never be taken (a review: a
+        # token removed while the replica started stayed valid).
         self._stamp = self._stamp_now()
+        self._reload()
 
     def _stamp_now(self) -> Stamp:
         try:
             st = os.stat(self._settings.auth_tokens_file)
         except OSError:
             return None  # gone for now (a secret being swapped): Rule 2 when it is read
-        return (st.st_ino, st.st_size, st.st_mtime_ns)
+        # ctime too: a chmod alone (a file made readable again) changes nothing else.
+        return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
     def check(self) -> bool:
         """Reload the tokens if the file changed since the last check; True if they were
@@ -50,13 +57,20 @@ class TokenFile:
         if stamp == self._stamp:
             return False
         self._stamp = stamp
+        if not self._reload():
+            return False
+        _log.info("auth_tokens_file reloaded: %d tokens", self._count)
+        return True
+
+    def _reload(self) -> bool:
+        """Take the tokens the settings read now; False, with a warning, if they cannot be."""
         try:
             tokens = self._settings.bearer_tokens()
             self._tokens.replace(tokens)
         except ValueError as exc:  # the message names the problem, never a token
             _log.warning("auth_tokens_file not reloaded, the tokens in use kept: %s", exc)
             return False
-        _log.info("auth_tokens_file reloaded: %d tokens", len(tokens))
+        self._count = len(tokens)
         return True
 
     async def follow(self, interval: float) -> None:
