@@ -609,6 +609,8 @@ def test_a_summary_may_take_no_more_than_half_the_body() -> None:
     require_room(record, count_tokens, 2 * tokens)
     with pytest.raises(InvalidFieldError) as refused:
         require_room(record, count_tokens, 2 * tokens - 2)
+    # What it was asked to carry verbatim is not weighed (as require_shrink does not).
+    require_room(record, count_tokens, 2 * tokens - 2, retained=(summary,))
     assert refused.value.field == "result.summary"
     assert refused.value.metadata == {
         "summary_tokens": str(tokens),

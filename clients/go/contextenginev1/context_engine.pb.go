@@ -6683,7 +6683,8 @@ type CompactionResult struct {
 	// than the transcript of what it replaces (tokens_before; else INVALID_FIELD, metadata
 	// tokens_before, summary_tokens), and no more than half the plan's request body (else
 	// INVALID_FIELD, metadata summary_tokens, most_tokens): a larger one would leave the
-	// requests after it still needing compaction.
+	// requests after it still needing compaction. Both weigh it without the retained
+	// constraints, open questions and pointer lines it carries.
 	Summary string `protobuf:"bytes,1,opt,name=summary,proto3" json:"summary,omitempty"`
 	// Union of the source event ids the summary covers: PrepareCompaction's, required (else
 	// INVALID_FIELD) and compared (COMPACTION_MISMATCH). It pins the range the summary was

@@ -341,6 +341,7 @@ async def _checked(
         _reprepare, inputs, result.replaced_through_sequence, count_tokens
     )
     record = await asyncio.to_thread(check_result, prepared, result, count_tokens)
-    require_shrink(record, count_tokens, (*prepared.retained_constraints, *prepared.open_questions))
-    require_room(record, count_tokens, body_tokens)
+    retained = (*prepared.retained_constraints, *prepared.open_questions)
+    require_shrink(record, count_tokens, retained)
+    require_room(record, count_tokens, body_tokens, retained)
     return record

@@ -1088,15 +1088,22 @@ def require_shrink(
         )
 
 
-def require_room(record: CompactionResult, count_tokens: TokenCounter, body_tokens: int) -> None:
-    """A summary, everything it carries included, must fit in half the plan's body
-    (SUMMARY_BODY_PPM); 0: no plan to hold it to.
+def require_room(
+    record: CompactionResult,
+    count_tokens: TokenCounter,
+    body_tokens: int,
+    retained: Sequence[str] = (),
+) -> None:
+    """A summary must fit in half the plan's body (SUMMARY_BODY_PPM; 0: no plan to hold
+    it to), weighed as require_shrink weighs it: without the `retained` constraints and
+    open questions it keeps verbatim and the pointer lines, which it was asked to carry
+    (a review: counted, they could leave no compliant summary on a small window).
 
     Raises:
         InvalidFieldError: field result.summary, metadata summary_tokens and most_tokens.
     """
     most = body_tokens * SUMMARY_BODY_PPM // 1_000_000
-    summary_tokens = count_tokens(record.summary)
+    summary_tokens = count_tokens(_weighed(record, retained))
     if body_tokens > 0 and summary_tokens > most:
         raise InvalidFieldError(
             f"the summary counts {summary_tokens} tokens, more than the {most} it may take"
