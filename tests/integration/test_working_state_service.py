@@ -1118,3 +1118,35 @@ async def test_a_tool_result_labelled_user_is_not_the_users_word(stub: Any) -> N
         pb.OfferFactCandidatesRequest(tenant_id=TENANT, session_id=session_id)
     )
     assert list(offered.candidates) == []
+
+
+async def test_an_erased_memory_the_run_never_saw_holds_no_fact_down(stub: Any) -> None:
+    """A run whose plan an erasure invalidated writes its facts at MEMORY at most, as
+    nothing is left to compare them with. But a memory the snapshot skipped for room was
+    never shown: its erasure held every later fact of the run down too (a review). Only an
+    erasure that took a rendered memory out does."""
+    person = f"ana-{new_id()}"
+    memory = pb.MemorySnapshot(
+        snapshot_id="snap-1",
+        items=[
+            pb.MemoryItem(item_id="m1", text="The office is in Lyon."),
+            pb.MemoryItem(item_id="big", text="ANA_DETAIL " * 1400, person_ids=[person]),
+        ],
+    )
+    session_id, plan = await open_session(stub, snapshot=memory)
+    assert b"ANA_DETAIL" not in plan.prefix_document  # skipped for room
+    said = "Book dinner for Ana. I live in Paris."
+    started = await start_run(stub, session_id, said)
+    run_id, user_seq = started.run.run_id, started.run.seed_event_sequence
+    request = pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id)
+    request.now.FromDatetime(NOW)
+    await stub.Build(request)
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    updated = await update_state(
+        stub,
+        session_id,
+        run_id,
+        1,
+        add_facts=[pb.Fact(statement="The user lives in Paris.", source_event_ids=[user_seq])],
+    )
+    assert updated.state.facts[-1].trust == pb.TRUST_LEVEL_USER
