@@ -226,15 +226,19 @@ class Settings(BaseModel):
                 'tls_client_ca_file needs auth "mtls" (the certificate names the tenant) or'
                 ' "bearer" (auth is "none": every certificate holder could act as any tenant)'
             )
+        untyped = self.untyped_client_identities()
+        if untyped and len(untyped) == len(self.tls_client_tenants):
+            # Untyped, a CN spelling a SPIFFE ID mapped like the URI (an audit). Beside
+            # typed keys they are ignored (with a warning at start), so one mapping serves
+            # replicas of before and after typed keys through a rolling upgrade.
+            raise ValueError(
+                f"tls_client_tenants: no key names an identity type ({untyped[0]!r}); write"
+                f" them as {', '.join(f'{t}:...' for t in CERT_IDENTITY_TYPES)}"
+                ' (for example "uri:spiffe://example.org/worker" or "cn:worker-a")'
+            )
         for identity, tenant in self.tls_client_tenants.items():
-            kind, _, name = identity.partition(":")
-            if kind not in CERT_IDENTITY_TYPES or not name:
-                # Untyped, a CN spelling a SPIFFE ID mapped like the URI (an audit).
-                raise ValueError(
-                    f"tls_client_tenants: key {identity!r} names no identity type; write it"
-                    f" as {', '.join(f'{t}:...' for t in CERT_IDENTITY_TYPES)}"
-                    ' (for example "uri:spiffe://example.org/worker" or "cn:worker-a")'
-                )
+            if not identity:
+                raise ValueError("tls_client_tenants: an empty key names no identity")
             if not isinstance(tenant, str) or not tenant or len(tenant) > 200:
                 raise ValueError(
                     f"tls_client_tenants: {identity!r} must map to a tenant id of 1-200 characters"
@@ -245,6 +249,15 @@ class Settings(BaseModel):
                 " would be ignored)"
             )
         return self
+
+    def untyped_client_identities(self) -> list[str]:
+        """tls_client_tenants keys without an identity type (`uri:`, `cn:`...): matched by
+        no certificate (api/interceptors.py ClientCertificates)."""
+        return [
+            key
+            for key in self.tls_client_tenants
+            if key.partition(":")[0] not in CERT_IDENTITY_TYPES or not key.partition(":")[2]
+        ]
 
     def bearer_tokens(self) -> dict[str, str]:
         """Token -> tenant from auth_tokens and auth_tokens_file (validated, non-empty)."""

@@ -344,6 +344,9 @@ async def mtls(pool: Any, tmp_path_factory: Any) -> AsyncIterator[dict[str, Any]
                     f"uri:{WORKER_B_URI}": "tenant-b",
                     "cn:worker-a": "tenant-a",
                     "dns:worker-c.example": "tenant-c",
+                    # An untyped key left for replicas before typed keys (a rolling
+                    # upgrade): ignored, so the CN spelling it maps to nothing.
+                    WORKER_B_URI: "tenant-b",
                 },
             }
         )

@@ -414,7 +414,7 @@ _TLS = {"tls_cert_file": "@pem", "tls_key_file": "@pem", "tls_client_ca_file": "
         (
             {**_TLS, "auth": "mtls", "tls_client_tenants": {"spiffe://x.example/w": "acme"}},
             {},
-            "names no identity type",
+            "no key names an identity type",
         ),
     ],
 )

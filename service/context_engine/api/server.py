@@ -424,6 +424,13 @@ async def serve(settings: Settings) -> None:
     if tel.metrics_port:
         host = settings.metrics_listen.rpartition(":")[0]
         _log.info("prometheus metrics on http://%s:%d/metrics", host, tel.metrics_port)
+    if untyped := settings.untyped_client_identities():
+        _log.warning(
+            "tls_client_tenants: %d keys name no identity type and are ignored (%s);"
+            " remove them once no replica older than typed keys serves",
+            len(untyped),
+            ", ".join(repr(k) for k in untyped[:3]),
+        )
     following = _follow_token_file(settings, options.get("auth"))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
