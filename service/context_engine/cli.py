@@ -25,13 +25,19 @@ __all__ = ["main"]
 
 def _serve(args: argparse.Namespace) -> int:
     from .api.server import StartupError, serve
-    from .telemetry import configure_logging, otel_environment_problem, sampler_from
+    from .telemetry import (
+        configure_logging,
+        otel_environment_problem,
+        sampler_from,
+        traces_exported,
+    )
 
     settings = load_settings(
         {"listen": args.listen, "database_url": args.database_url, "data_dir": args.data_dir}
     )
     try:  # a configuration error too, found before the database is touched (exit 2)
-        sampler_from(os.environ)
+        if traces_exported(os.environ):  # else the sampler variables are not read
+            sampler_from(os.environ)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if problem := otel_environment_problem(os.environ, metrics_listen=settings.metrics_listen):

@@ -279,6 +279,20 @@ def otel_environment_problem(env: Mapping[str, str], *, metrics_listen: str = ""
     return None
 
 
+def _endpoint(env: Mapping[str, str], signal: str) -> str:
+    """Where `signal` ("TRACES", "METRICS") is exported over OTLP ("" for nowhere)."""
+    if _exporter_off(env, signal):
+        return ""
+    return env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT") or env.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT", ""
+    )
+
+
+def traces_exported(env: Mapping[str, str]) -> bool:
+    """Whether spans leave the process: only then are the sampler variables read."""
+    return bool(_endpoint(env, "TRACES"))
+
+
 def _exporter_off(env: Mapping[str, str], signal: str) -> bool:
     """OTEL_SDK_DISABLED=true, or OTEL_<signal>_EXPORTER=none: no exporter for `signal`."""
     return (
@@ -599,14 +613,11 @@ class Telemetry:
             {"service.version": __version__}
             | ({} if _names_service(env) else {"service.name": "context-engine"})
         )
-        general = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
-        traces_endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or general
-        metrics_endpoint = env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or general
-        traces_endpoint = "" if _exporter_off(env, "TRACES") else traces_endpoint
-        metrics_endpoint = "" if _exporter_off(env, "METRICS") else metrics_endpoint
+        traces_endpoint = _endpoint(env, "TRACES")
+        metrics_endpoint = _endpoint(env, "METRICS")
         # Sampling: the standard knobs (sampler_from); without an exporter nothing is
-        # recorded at all.
-        sampler = sampler_from(env)
+        # recorded at all, and the sampler variables are not read.
+        sampler = sampler_from(env) if traces_endpoint else ALWAYS_OFF
         # shutdown_on_exit off on both: their exit hooks would run a second, unbudgeted
         # shutdown after a flush `shutdown` gave up on (5 s more, a review measured).
         tracer_provider = TracerProvider(

@@ -287,7 +287,9 @@ async def _recorded_request(
         )
         # Asked only when nothing was found, so a request that is found costs no more.
         missing = not rows and not await sessions.session_exists(conn, tenant, session_id)
-        epoch = int(rows[0]["payload"].get("epoch", 0)) if rows else 0
+        recorded_epoch = rows[0]["payload"].get("epoch") if rows else 0
+        # An unreadable epoch is the rebuild's to refuse (REQUEST_NOT_FOUND), not INTERNAL.
+        epoch = recorded_epoch if isinstance(recorded_epoch, int) else 0
         before = await events.redaction_of(conn, tenant, session_id, sequence, epoch)
     if missing:
         raise NotFoundError(
