@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+from context_engine.core.budget import PPM, SAFETY_MARGIN_PPM
 from context_engine.core.build_record import INPUTS_KEY, SHOWN_FIELDS
 from context_engine.store import events, plans
 
@@ -1209,6 +1210,68 @@ async def test_the_engines_cut_and_a_summarys_size_follow_the_plans_body(
     committed = await _commit(stub, session_id, run_id, prepared, "The user plans a trip.")
     built = await _build(stub, session_id, run_id, START)
     assert committed.checkpoint_version and not built.needs_compaction
+
+
+async def test_a_summarys_size_follows_the_plan_its_run_builds_on(stub: Any) -> None:
+    """What a summary may take is half the body of the run's own plan. It was the
+    session's current plan's: after another run's admission fork, whose granted tool
+    made its prefix larger, a run on the first plan was held to the fork's smaller body
+    (an audit)."""
+    granted = spec(policy_cap_tokens=16_000)
+    granted.tools.append(
+        tool("mail.digest", scopes=("mail.send",), description="Digests mail. " * 300)
+    )
+    session_id = new_id()
+    first = (
+        await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=granted))
+    ).plan
+    runs_by_plan: dict[int, str] = {}
+    for scopes in ((), ("calendar.read", "mail.send", "web.read")):
+        started = await stub.StartRun(
+            pb.StartRunRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                user_message=pb.UserMessage(text="Plan the week."),
+                admission=pb.RunAdmission(scopes=list(scopes)) if scopes else None,
+            )
+        )
+        run_id, version = started.run.run_id, started.checkpoint_version
+        for step in range(6):
+            version = (
+                await append_items(
+                    stub,
+                    session_id,
+                    run_id,
+                    version,
+                    call(f"s{step}", name="calendar.list"),
+                    result(
+                        f"s{step}",
+                        f"Day {step}: " + "free " * 2500,
+                        trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION,
+                        name="calendar.list",
+                    ),
+                )
+            ).checkpoint_version
+        runs_by_plan[started.run.epoch] = run_id
+    current = await stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id))
+    fork = current.plan
+    assert sorted(runs_by_plan) == [first.epoch, fork.epoch] and first.epoch != fork.epoch
+    assert fork.prefix_tokens > first.prefix_tokens + 500
+
+    async def most_tokens(run_id: str) -> int:
+        prepared = await _prepare(stub, session_id, run_id)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await _commit(stub, session_id, run_id, prepared, "A long account. " * 2_000)
+        reason, fields, metadata = details(refused.value)
+        assert (reason, fields) == ("INVALID_FIELD", ["result.summary"])
+        return int(metadata["most_tokens"])
+
+    on_first = await most_tokens(runs_by_plan[first.epoch])
+    on_fork = await most_tokens(runs_by_plan[fork.epoch])
+    # Half what the fork's larger prefix takes of the body (less the safety margin, a
+    # share of what the prefix leaves), the rest of the two plans' budgets equal.
+    larger = fork.prefix_tokens - first.prefix_tokens
+    assert abs(on_first - on_fork - larger * (PPM - SAFETY_MARGIN_PPM) // PPM // 2) <= 2
 
 
 async def test_prose_in_a_citation_or_a_results_source_is_held_like_its_text(stub: Any) -> None:

@@ -35,9 +35,9 @@ from ..core.compaction import (
     require_room,
     require_shrink,
 )
-from ..core.errors import InvalidFieldError
+from ..core.errors import InvalidFieldError, NotFoundError
 from ..core.items import ContextItem, ConversationItem
-from ..core.plan import PrefixData, prefix_data
+from ..core.plan import ContextPlan, PrefixData, prefix_data
 from ..core.seeding import carried_history, seed_cut
 from ..core.skills import LoadedSkill, body_trust, pinned_entry
 from ..core.spec import SkillSpec
@@ -67,6 +67,9 @@ class _Inputs:
     prefix: tuple[PrefixData, ...]  # the enveloped prefix entries of the plans shown
     tool_names: frozenset[str]  # the tools those plans offer, defined and deferred
     child: bool  # a child run: its user messages are its parent's words
+    # The plan the run builds on (its lineage's latest, store/runs.py RunHead): its body
+    # bounds what the engine's cut keeps and what a summary may take.
+    plan: ContextPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +90,13 @@ async def _inputs(
     floor on (store/events.py _REQUESTS_FROM): the model may have quoted any of them in an
     item still in view (core/compaction.py, Rule 3). So are the prefix entries of the
     plans those requests were made on, and of the run's own."""
-    run = await runs.read_run(conn, tenant_id, session_id, run_id)
+    try:
+        head = await runs.read_run_head(conn, tenant_id, session_id, run_id)
+    except NotFoundError:
+        await plans.read_plan(conn, tenant_id, session_id)  # an unknown session is named first
+        raise
+    run = head.run
+    own = await plans.read_plan(conn, tenant_id, session_id, head.effective_epoch)
     checkpoint = await runs.read_checkpoint(conn, tenant_id, run_id, version)
     logged = await events.read_carried_items(
         conn,
@@ -142,6 +151,7 @@ async def _inputs(
         tuple(prefix),
         tool_names,
         child=run.parent_run_id is not None,
+        plan=own.plan,
     )
 
 
@@ -152,11 +162,12 @@ def _shown_trust(
     return body_trust(pinned_entry(catalog, pins, skill.name)[1], skill.trust)
 
 
-async def _plan_facts(engine: Engine, tenant_id: str, session_id: UUID) -> tuple[TokenCounter, int]:
-    """The session's token counter, and its plan's body (what Build may put in a request
-    after the prefix, before the renderers' framing): what the engine's own cut keeps and
-    what a summary may take are held to it (core/compaction.py, KEEP_BODY_PPM)."""
-    plan = (await engine.get_plan(tenant_id, session_id)).plan
+def _plan_facts(engine: Engine, plan: ContextPlan) -> tuple[TokenCounter, int]:
+    """The token counter of the run's plan, and the plan's body (what Build may put in a
+    request after the prefix, before the renderers' framing): what the engine's own cut
+    keeps and what a summary may take are held to it (core/compaction.py, KEEP_BODY_PPM).
+    The run's plan, not the session's current one: an admission fork's (another run's
+    grant) can carry a larger prefix, so a smaller body, than the plan the run builds on."""
     budget = allocate(
         context_window=plan.context_window,
         policy_cap_tokens=plan.policy_cap_tokens,
@@ -175,9 +186,9 @@ async def prepare_compaction(
     through_sequence: int,
 ) -> Prepared:
     """PrepareCompaction: the summarizer input for the given (or latest) checkpoint."""
-    count_tokens, body_tokens = await _plan_facts(engine, tenant_id, session_id)
     async with snapshot(engine.pool) as conn:  # its reads agree with each other
         inputs = await _inputs(conn, tenant_id, session_id, run_id, checkpoint_version)
+    count_tokens, body_tokens = _plan_facts(engine, inputs.plan)
     # Elision and the quoting check scan every untrusted text in view: CPU work, off the
     # event loop.
     return await asyncio.to_thread(
@@ -252,7 +263,6 @@ async def commit_compaction(
     the lock is let go and the check made again on a new snapshot, up to
     _UNLOCKED_PASSES times (a review: checking again under the lock held it as long as
     before on a busy session), and then under the lock."""
-    count_tokens, body_tokens = await _plan_facts(engine, tenant_id, session_id)
     for unlocked_pass in range(_UNLOCKED_PASSES + 1):
         under_lock = unlocked_pass == _UNLOCKED_PASSES
         if not under_lock:
@@ -262,7 +272,7 @@ async def commit_compaction(
                     return Committed(stored, 0, replayed=True)
                 mark = await sessions.session_mark(conn, tenant_id, session_id, run_id)
                 inputs = await _inputs(conn, tenant_id, session_id, run_id, 0)
-            record = await _checked(inputs, expected_version, result, count_tokens, body_tokens)
+            record = await _checked(engine, inputs, expected_version, result)
         async with engine.gates.held(tenant_id, session_id), transaction(engine.pool) as conn:
             await sessions.lock_session(conn, tenant_id, session_id)
             stored = await _stored(conn, tenant_id, session_id, idempotency_key, request_sha256)
@@ -270,7 +280,7 @@ async def commit_compaction(
                 return Committed(stored, 0, replayed=True)
             if under_lock:
                 inputs = await _inputs(conn, tenant_id, session_id, run_id, 0)
-                record = await _checked(inputs, expected_version, result, count_tokens, body_tokens)
+                record = await _checked(engine, inputs, expected_version, result)
             elif await sessions.session_mark(conn, tenant_id, session_id, run_id) != mark:
                 continue  # the session moved: let it go, and check again
             response, written = await _write(
@@ -327,15 +337,12 @@ async def _write(
 
 
 async def _checked(
-    inputs: _Inputs,
-    expected_version: int,
-    result: CompactionResult,
-    count_tokens: TokenCounter,
-    body_tokens: int,
+    engine: Engine, inputs: _Inputs, expected_version: int, result: CompactionResult
 ) -> CompactionResult:
     """The record `result` commits over `inputs`, or the refusal (a version conflict, a
     mismatch with what prepare gives now, a summary that launders, does not shrink, or
-    takes more than half the plan's body)."""
+    takes more than half the run's plan's body)."""
+    count_tokens, body_tokens = _plan_facts(engine, inputs.plan)
     require_version(inputs.checkpoint, expected_version, "; prepare again")
     prepared = await asyncio.to_thread(
         _reprepare, inputs, result.replaced_through_sequence, count_tokens
