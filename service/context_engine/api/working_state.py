@@ -24,6 +24,7 @@ from ..core.items import (
     trust_of,
 )
 from ..core.plan import prefix_data
+from ..core.seeding import seed_cut
 from ..core.trust import TrustLevel
 from ..core.working_state import (
     ASK_USER_TOOL,
@@ -208,6 +209,9 @@ async def _lowered_facts(
         # The run's own items and the state's claims: a fact restating the page the run
         # fetched, citing the user's message, was USER, shown bare and offered (an audit).
         shown += _run_sources(checkpoint)
+        # And the earlier runs' results it carried: a page fetched a turn before was
+        # restated the same way (an audit).
+        shown += await _carried_sources(conn, tenant_id, session_id, run)
         facts = [_quoted_trust(f, shown, found) for f in facts]
         if erased:
             # What an erasure took out of the run's view is gone, so a fact cannot be
@@ -252,8 +256,7 @@ async def _shown_sources(
 def _run_sources(checkpoint: Checkpoint) -> list[Source]:
     """The run's items below what a fact may restate freely (their texts, as compaction
     holds them: content, excerpt, prose attribution), and the state's facts below USER,
-    each at its trust. Earlier runs' items are not read (a cost under the session lock
-    that grows with the session): a fact restating those is not lowered."""
+    each at its trust."""
     items = [
         (text, trust_of(i))
         for i in checkpoint.items
@@ -266,6 +269,32 @@ def _run_sources(checkpoint: Checkpoint) -> list[Source]:
         if f.trust not in SUMMARIZABLE
     ]
     return items + claims
+
+
+# How many of the earlier runs' untrusted results a new fact is compared with, newest
+# first: a bound on what an update adding a fact reads under the session's lock, however
+# long the session. A request carries far fewer than this of them on any window but the
+# largest, so older ones were cut from the run's view before it began.
+CARRIED_SOURCES = 500
+_UNTRUSTED = [int(level) for level in TrustLevel if level not in SUMMARIZABLE]
+
+
+async def _carried_sources(
+    conn: Any, tenant_id: str, session_id: UUID, run: runs.RunRow
+) -> list[Source]:
+    """The tool results of earlier runs that the run carried (above the summary floor it
+    began with) below what a fact may restate freely, as _run_sources holds the run's
+    own: the newest CARRIED_SOURCES of them."""
+    carried = await events.read_carried_results(
+        conn,
+        tenant_id,
+        session_id,
+        run.run_id,
+        seed_cut(run.seed_event_sequence),
+        _UNTRUSTED,
+        CARRIED_SOURCES,
+    )
+    return [(text, trust_of(i)) for i in carried for text in held_texts(i)]
 
 
 def _quoted_trust(

@@ -21,6 +21,7 @@ __all__ = [
     "append_events",
     "item_payload",
     "read_carried_items",
+    "read_carried_results",
     "read_events",
     "read_floor_facts",
     "read_history_page",
@@ -115,6 +116,38 @@ async def read_carried_items(
         session_id,
         below_sequence,
         above_sequence,
+    )
+    return [_item(r) for r in rows]
+
+
+async def read_carried_results(
+    conn: Any,
+    tenant_id: str,
+    session_id: UUID,
+    run_id: UUID,
+    below_sequence: int,
+    trust_levels: Sequence[int],
+    limit: int,
+) -> list[ConversationItem]:
+    """The newest `limit` tool results of top-level runs that the run `run_id` carried,
+    whose trust is one of `trust_levels`, newest first: those with sequence < below (the
+    run's seed cut) and above the summary floor the run began with (its first checkpoint's:
+    a compaction during the run raises its floor, but its earlier requests carried what
+    lay above the first). The by-type index, walked backward."""
+    rows = await conn.fetch(
+        "SELECT sequence, run_id, payload FROM session_events"
+        " WHERE tenant_id = $1 AND session_id = $2 AND type = 'tool.result.created'"
+        " AND in_history AND sequence < $4 AND sequence > coalesce(("
+        "   SELECT (body->>'replaced_through_sequence')::bigint FROM run_checkpoints"
+        "   WHERE tenant_id = $1 AND run_id = $3 AND version = 1), 0)"
+        " AND (payload->>'trust')::int = ANY($5::int[])"
+        " ORDER BY sequence DESC LIMIT $6",
+        tenant_id,
+        session_id,
+        run_id,
+        below_sequence,
+        list(trust_levels),
+        limit,
     )
     return [_item(r) for r in rows]
 
