@@ -1194,6 +1194,71 @@ def test_the_fold_skips_only_the_stale_entry_of_a_list() -> None:
     assert carry([opened, by_b, by_a]).open_questions == ()
 
 
+_QUESTION_CAP = LIST_CAPS["open_questions"]
+
+
+@pytest.mark.parametrize(
+    ("writer", "update_a"),
+    [
+        # The runtime's own write for one append: "Budget?" asked and answered, q5 answered.
+        (
+            Writer.RUNTIME,
+            WorkingStateUpdate(add_questions=("Budget?",), resolve_questions=("Budget?", "q5?")),
+        ),
+        # The user asking one question and answering another, beside a removal of a
+        # constraint run B removed already.
+        (
+            Writer.USER,
+            WorkingStateUpdate(
+                remove_constraints=("No red-eyes",),
+                add_questions=("Budget?",),
+                resolve_questions=("q6?",),
+            ),
+        ),
+    ],
+    ids=["runtime", "user"],
+)
+def test_the_fold_of_a_split_update_caps_once_as_the_live_transition_did(
+    writer: Writer, update_a: WorkingStateUpdate
+) -> None:
+    """Runs A and B overlap, both seeded at the open-question cap; B answers q5 (and
+    removes the constraint), so part of A's later update is stale and the fold splits it.
+    Replayed field by field, each field capped on its own, the question A adds evicted the
+    stalest open question before A's own answer made room: the fold dropped an unanswered
+    question that no live transition evicted (an audit). The caps apply once, after the
+    whole replayed update."""
+    old = tuple(f"q{k}?" for k in range(_QUESTION_CAP))  # q0 the stalest
+    asked = LoggedUpdate(1, "a", Writer.RUNTIME, WorkingStateUpdate(add_questions=old))
+    ruled = LoggedUpdate(2, "a", Writer.USER, WorkingStateUpdate(add_constraints=("No red-eyes",)))
+    by_b = LoggedUpdate(
+        3,
+        "b",
+        Writer.USER,
+        WorkingStateUpdate(
+            remove_constraints=("No red-eyes",),
+            add_questions=("Which airline?",),
+            resolve_questions=("q5?",),
+        ),
+    )
+    by_a = LoggedUpdate(4, "a", writer, update_a)
+    seed = fold([asked, ruled]).state
+    for live in (by_a, by_b):
+        written = apply_update(seed, live.update, writer=live.writer, sequence=live.sequence)
+        assert written.evicted == {}
+    # What still applies of A's update, applied as one transition to the state B left.
+    still = update_a.model_copy(
+        update={
+            "remove_constraints": (),
+            "resolve_questions": tuple(q for q in update_a.resolve_questions if q != "q5?"),
+        }
+    )
+    after_b = fold([asked, ruled, by_b]).state
+    expected = apply_update(after_b, still, writer=writer, sequence=4).state
+    folded = fold([asked, ruled, by_b, by_a]).state
+    assert "q0?" in [q.text for q in folded.open_questions]
+    assert folded == expected
+
+
 # --- transitions are linear: the indexed helpers against the scanning ones -----------------
 #
 # Speed is a benchmark, not a test: instead of timing, the helpers that find an entry's

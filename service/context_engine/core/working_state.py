@@ -741,6 +741,32 @@ def _bound_lists(
 _FIXED_FIELDS = ("add_constraints", "objective", "next_action")
 
 
+def _merged(state: WorkingState, update: WorkingStateUpdate, ctx: _Ctx) -> WorkingState:
+    """The update's fields applied in the order a transition applies them (_STEPS), before
+    Rule 3's caps, which apply once to the whole update (apply_update, _replay).
+
+    Raises:
+        InvalidFieldError, PreconditionError: as apply_update.
+    """
+    forbidden = sorted(update.touched() - WRITER_FIELDS[ctx.writer])
+    if forbidden:
+        raise InvalidFieldError(
+            f"the {ctx.writer.name.lower()} writer may not set {forbidden[0]}",
+            field=f"update.{forbidden[0]}",
+        )
+    for name, step in _STEPS:
+        value = getattr(update, name)
+        if value is None or value == ():
+            continue
+        state = step(state, value, ctx)
+    return state
+
+
+def _upserted(update: WorkingStateUpdate) -> frozenset[str]:
+    """The task ids an update writes, which its own caps do not evict (_task_eviction_age)."""
+    return frozenset(u.task_id for u in update.upsert_tasks)
+
+
 def apply_update(
     state: WorkingState,
     update: WorkingStateUpdate,
@@ -763,20 +789,9 @@ def apply_update(
         InvalidFieldError: a field the writer may not touch, or a malformed value.
         PreconditionError: WORKING_STATE_CAP or CONSTRAINT_PROTECTED.
     """
-    forbidden = sorted(update.touched() - WRITER_FIELDS[writer])
-    if forbidden:
-        raise InvalidFieldError(
-            f"the {writer.name.lower()} writer may not set {forbidden[0]}",
-            field=f"update.{forbidden[0]}",
-        )
-    ctx = _Ctx(writer, sequence, folding, pending)
     before = state.objective
-    for name, step in _STEPS:
-        value = getattr(update, name)
-        if value is None or value == ():
-            continue
-        state = step(state, value, ctx)
-    state, evicted = _bound_lists(state, frozenset(u.task_id for u in update.upsert_tasks))
+    state = _merged(state, update, _Ctx(writer, sequence, folding, pending))
+    state, evicted = _bound_lists(state, _upserted(update))
     grown = [f for f in _FIXED_FIELDS if f in update.touched()]
     if count_tokens is not None and grown and not folding:
         # With room for the longest note of what is hidden: the evictable entries must
@@ -857,7 +872,8 @@ def carry(updates: Sequence[LoggedUpdate]) -> WorkingState:
     other resolves again) is replayed field by field, in the order a transition applies
     them, and a list field that fails whole entry by entry: only what no longer applies is
     skipped. A constraint the user added beside a stale resolution is still the session's,
-    and a question resolved beside a stale one is still resolved. The fold never fails.
+    and a question resolved beside a stale one is still resolved. Rule 3's caps apply once,
+    after all of the transition, as they did live. The fold never fails.
 
     No constraint is dropped to fit (Rule 6): not past the list cap (two overlapping runs
     each checked only their own state) nor past the block's ceiling (their union, or a
@@ -903,30 +919,33 @@ def fold(updates: Sequence[LoggedUpdate], start: Folded | None = None) -> Folded
 
 def _replay(state: WorkingState, logged: LoggedUpdate) -> WorkingState:
     """One logged transition: whole, or else each field, and each entry of a list field,
-    that still applies (carry): a stale resolution skips only that question."""
+    that still applies (carry): a stale resolution skips only that question. Either way
+    the caps apply once, after all of it, as in the live transition: capped field by
+    field, a split update evicted an open question before its own resolutions made room
+    (one asked and answered in one append, beside a stale answer), which the run kept."""
+    ctx = _Ctx(logged.writer, logged.sequence, folding=True)
 
-    def applied(state: WorkingState, update: WorkingStateUpdate) -> WorkingState | None:
+    def merged(state: WorkingState, update: WorkingStateUpdate) -> WorkingState | None:
         try:
-            return apply_update(
-                state, update, writer=logged.writer, sequence=logged.sequence, folding=True
-            ).state
+            return _merged(state, update, ctx)
         except RequestError:
             return None
 
-    whole = applied(state, logged.update)
+    whole = merged(state, logged.update)
     if whole is not None:
-        return whole
-    for name, _ in _STEPS:
-        value = getattr(logged.update, name)
-        if value is None or value == ():
-            continue
-        field = applied(state, WorkingStateUpdate(**{name: value}))
-        if field is not None:
-            state = field
-        elif isinstance(value, tuple):  # a list field: entry by entry
-            for entry in value:
-                state = applied(state, WorkingStateUpdate(**{name: (entry,)})) or state
-    return state
+        state = whole
+    else:
+        for name, _ in _STEPS:
+            value = getattr(logged.update, name)
+            if value is None or value == ():
+                continue
+            field = merged(state, WorkingStateUpdate(**{name: value}))
+            if field is not None:
+                state = field
+            elif isinstance(value, tuple):  # a list field: entry by entry
+                for entry in value:
+                    state = merged(state, WorkingStateUpdate(**{name: (entry,)})) or state
+    return _bound_lists(state, _upserted(logged.update))[0]
 
 
 # --- runtime writes ----------------------------------------------------------------------
