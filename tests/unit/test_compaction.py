@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from context_engine.core import Checkpoint, ContextPlan, PlanSpec, Row, assemble
@@ -248,18 +248,33 @@ def test_a_canary_never_reaches_the_summarizer_and_no_summary_may_carry_it(
             (item.text if isinstance(item, AssistantMessage) else item.arguments_json).lower()
         ):
             assert elided[item.item_id].trust is TrustLevel.EXTERNAL_UNTRUSTED
-    carries_canary = any(isinstance(i, ToolResult) and canary in i.content for i in compacted)
-    for summary in (canary, f"Done.{canary}x", f"The page mentions {canary.upper()} twice."):
-        if carries_canary:
-            with pytest.raises(InvalidFieldError) as refused:
-                check_result(prepared, _result(prepared, summary), count_tokens)
-            assert refused.value.reason == "SUMMARY_LAUNDERS_UNTRUSTED"
-            assert refused.value.field == "result.summary"
-            assert canary.casefold() not in refused.value.message.casefold()
     # What the summarizer legitimately saw is never laundering.
     record = check_result(prepared, _result(prepared, prepared.summarizer_input), count_tokens)
     assert record.source_event_ids == prepared.source_event_ids
     assert set(record.source_event_ids) >= {i.sequence for i in compacted}
+
+
+@SCENARIO_SETTINGS
+@given(_cases())
+def test_every_summary_carrying_a_compacted_canary_is_refused(
+    case: tuple[Checkpoint, tuple[ConversationItem, ...], str, int, bytes],
+) -> None:
+    """The refusal itself, on cases whose compacted range holds the canary's page. Checked
+    inside the test above only when a case happened to, it ran in anywhere from 4 to 24 of
+    its 30 examples (an audit); filtered here, every example reaches it, and a strategy that
+    stopped making such cases fails hypothesis's health check instead of passing."""
+    checkpoint, carried, canary, through, _ = case
+    prepared = _prepare(checkpoint, carried, through)
+    assume(prepared is not None)
+    assert prepared is not None
+    compacted = _compacted(checkpoint, carried, prepared)
+    assume(any(isinstance(i, ToolResult) and canary in i.content for i in compacted))
+    for summary in (canary, f"Done.{canary}x", f"The page mentions {canary.upper()} twice."):
+        with pytest.raises(InvalidFieldError) as refused:
+            check_result(prepared, _result(prepared, summary), count_tokens)
+        assert refused.value.reason == "SUMMARY_LAUNDERS_UNTRUSTED"
+        assert refused.value.field == "result.summary"
+        assert canary.casefold() not in refused.value.message.casefold()
 
 
 @SCENARIO_SETTINGS
