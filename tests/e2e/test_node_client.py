@@ -4,7 +4,8 @@ Runs `node --test clients/typescript/test/` with the in-process server's address
 CONTEXT_ENGINE_TARGET (sessions through the client, answers lost on the way back and
 resent by the channel, and a consumer project type-checked under NodeNext), then the
 example worker (examples/worker.ts) end to end, its model calls going to the caching fake
-provider (Anthropic Messages API) on loopback.
+provider (Anthropic Messages API) on loopback: one turn, and one on a request body small
+enough that the tool loop compacts with the example's summarizer.
 
 The package is built first (`npm run build`: proto-loader-gen-types from the committed
 proto copy, then tsc), so a stale build can never pass; when node_modules is missing it is
@@ -30,6 +31,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "clients" / "typescript"
 # Generous bounds so a hung process fails the test instead of hanging the suite.
 INSTALL_TIMEOUT_S = 600
 RUN_TIMEOUT_S = 300
+# The body the compaction test leaves a request: one step of the tool loop fits, a few do not.
+BODY_TOKENS = 900
 
 
 async def _run(*argv: str, env: dict[str, str] | None = None, timeout: float) -> tuple[int, str]:
@@ -107,3 +110,55 @@ async def test_example_worker_runs_a_tool_loop(grpc_server: Any, node: str) -> N
     assert "answer: Take the 08:04 TGV." in out, out
     assert "distinct prefix hashes: 1" in out, out
     assert len(sent) == 2, "one provider call per step: the tool call, then the answer"
+
+
+async def test_example_worker_compacts_when_the_history_outgrows_the_body(
+    grpc_server: Any, node: str
+) -> None:
+    """The example's summarizer: a run whose own steps outgrow a small request body is
+    compacted by the tool loop (PrepareCompaction, the example's model call, then
+    CommitCompaction) and goes on to an answer. The example had no summarizer, so such a
+    run failed with NeedsCompactionError (an audit)."""
+    env = {
+        "CONTEXT_ENGINE_TARGET": f"127.0.0.1:{grpc_server.port}",
+        "CONTEXT_ENGINE_TENANT": "node-example",
+        "ANTHROPIC_API_KEY": "test",
+    }
+    with FakeProvider() as fake:
+        fake.script.push_text("Take the 08:04 TGV.")
+        code, out = await _run(
+            node,
+            "dist/examples/worker.js",
+            "Trains?",
+            env={**env, "ANTHROPIC_BASE_URL": fake.base_url},
+            timeout=RUN_TIMEOUT_S,
+        )
+    assert code == 0, out
+    prefix = int(out.split(", prefix ")[1].split(" tokens")[0])
+    with FakeProvider() as fake:
+        # Every reply both says something and calls the tool, so whichever of them the
+        # summarizer's call takes is a summary, and the loop goes on until the last.
+        for n in range(6):
+            fake.script.push(
+                {
+                    "text": f"Checking timetable page {n}.",
+                    "tool_calls": [{"name": "web.fetch", "arguments": {"url": f"https://t/{n}"}}],
+                }
+            )
+        fake.script.push_text("Take the 08:04 TGV.")
+        code, out = await _run(
+            node,
+            "dist/examples/worker.js",
+            "Trains from Paris to Lyon tomorrow?",
+            env={
+                **env,
+                "ANTHROPIC_BASE_URL": fake.base_url,
+                "POLICY_CAP_TOKENS": str(prefix + 1024 + BODY_TOKENS),
+            },
+            timeout=RUN_TIMEOUT_S,
+        )
+        summarized = [r for r in fake.requests if r.status == 200 and "tools" not in r.request]
+    assert code == 0, out
+    assert "compacting through event" in out, out
+    assert "answer: " in out, out
+    assert len(summarized) >= 1, "the summary came from a model call of the example's"

@@ -12,6 +12,12 @@
 // and set ANTHROPIC_BASE_URL=http://127.0.0.1:8089 ANTHROPIC_API_KEY=test (for OpenAI:
 // OPENAI_BASE_URL=http://127.0.0.1:8089/v1 OPENAI_API_KEY=test MODEL_ID=<an OpenAI model>).
 // The base URLs follow the providers' SDKs: Anthropic's without /v1, OpenAI's with it.
+//
+// When a run's history outgrows the request body, Build answers needs_compaction and the
+// tool loop compacts: PrepareCompaction, then `summarize` below (a model call of the
+// worker's own, outside the engine's requests), then CommitCompaction, then Build again.
+// POLICY_CAP_TOKENS=<tokens> caps the request (prefix, body and the 1,024 reserved for the
+// answer) to see that on a short session.
 
 import {
   type BuildResult,
@@ -19,6 +25,7 @@ import {
   ContextEngineError,
   type ModelTurn,
   type PlanSpec,
+  type PrepareCompactionResponse,
   type ToolCallRequest,
   type ToolOutput,
   tool,
@@ -47,6 +54,8 @@ const spec: PlanSpec = {
     ),
   ],
   environment: { surface: 'chat', time_zone: 'Europe/Paris' },
+  reserve_output_tokens: 1024,
+  policy_cap_tokens: Number(env.POLICY_CAP_TOKENS ?? 0), // 0: the model's window
 };
 
 // Each provider API: where to POST the payload, how to authenticate, how to read the reply.
@@ -98,22 +107,50 @@ const PROVIDERS: Record<
   },
 };
 
+// The provider API the session's builds go to: its summaries go there too.
+let providerApi = '';
+
+async function post(apiName: string, body: Uint8Array<ArrayBuffer> | string): Promise<ModelTurn> {
+  const api = PROVIDERS[apiName];
+  if (!api) throw new Error(`no provider API ${JSON.stringify(apiName)}`);
+  const response = await fetch(api.url, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json', ...api.headers },
+    body,
+  });
+  if (!response.ok) throw new Error(`${api.url}: HTTP ${response.status}`);
+  return api.parse(await response.json());
+}
+
 async function callModel(build: BuildResult): Promise<ModelTurn> {
-  const api = PROVIDERS[build.providerApi];
-  if (!api || build.providerPayload.length === 0) {
+  if (!PROVIDERS[build.providerApi] || build.providerPayload.length === 0) {
     throw new Error(`no provider payload for ${JSON.stringify(build.providerApi)}`);
   }
+  providerApi = build.providerApi;
   console.log(
     `build #${build.requestSequence}: prefix ${build.prefixSha256.slice(0, 16)}… ` +
       `request ${build.requestSha256.slice(0, 12)}… (${build.providerApi})`,
   );
-  const response = await fetch(api.url, {
-    method: 'POST',
-    headers: { 'content-type': 'application/json', ...api.headers },
-    body: new Uint8Array(build.providerPayload), // the bytes as built, unchanged
-  });
-  if (!response.ok) throw new Error(`${api.url}: HTTP ${response.status}`);
-  return api.parse(await response.json());
+  return post(build.providerApi, new Uint8Array(build.providerPayload)); // as built, unchanged
+}
+
+// The summarizer: the engine's prompt as the instructions, what it prepared as the input.
+// Untrusted spans arrive elided to pointers; the engine refuses a summary that repeats
+// elided text, so the model is told to keep the pointers and nothing else of them.
+async function summarize(prepared: PrepareCompactionResponse): Promise<string> {
+  console.log(`compacting through event ${prepared.replaced_through_sequence}`);
+  const model = spec.model_id;
+  const request =
+    providerApi === 'openai.responses'
+      ? { model, instructions: prepared.prompt, input: prepared.summarizer_input }
+      : {
+          model,
+          max_tokens: 1024,
+          system: prepared.prompt,
+          messages: [{ role: 'user', content: prepared.summarizer_input }],
+        };
+  const turn = await post(providerApi, JSON.stringify(request));
+  return turn.text ?? '';
 }
 
 // A toy tool: a real worker dispatches to its tool registry and policy engine here.
@@ -133,7 +170,7 @@ async function main(): Promise<void> {
     const session = await engine.openSession(spec);
     console.log(`session ${session.sessionId}: epoch ${session.plan.epoch}, prefix ${session.plan.prefix_tokens} tokens`);
     const run = await session.startRun(question);
-    const result = await run.toolLoop({ callModel, runTool, now: () => new Date() });
+    const result = await run.toolLoop({ callModel, runTool, summarize, now: () => new Date() });
     console.log(`answer: ${result.final.text}`);
     console.log(`distinct prefix hashes: ${new Set(result.builds.map((b) => b.prefixSha256)).size}`);
     // toolLoop keeps a failed usage report rather than lose the answer to it. Resend the
