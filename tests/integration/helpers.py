@@ -89,6 +89,23 @@ def result(
     )
 
 
+def compaction_result(
+    prepared: pb.PrepareCompactionResponse, summary: str, tokens_after: int = 8
+) -> pb.CompactionResult:
+    """The result a worker commits for `prepared`: its summary and what it echoes back."""
+    return pb.CompactionResult(
+        summary=summary,
+        source_event_ids=prepared.source_event_ids,
+        elided=prepared.elided,
+        replaced_through_sequence=prepared.replaced_through_sequence,
+        depth=prepared.depth,
+        tokens_before=prepared.tokens_before,
+        tokens_after=tokens_after,
+        compactor_version="test-compactor@1",
+        prompt_version=prepared.prompt_version,
+    )
+
+
 def details(error: grpc.aio.AioRpcError) -> tuple[str, list[str], dict[str, str]]:
     """(ErrorInfo.reason, BadRequest field paths, ErrorInfo.metadata) from a status."""
     raw = dict(error.trailing_metadata() or ()).get("grpc-status-details-bin")

@@ -17,7 +17,7 @@ import pytest
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 
-from .helpers import assistant, call, details, new_id, result, spec
+from .helpers import assistant, call, compaction_result, details, new_id, result, spec
 
 MODEL = "gpt-4o"  # exact o200k_base counts: sizes below are predictable
 RESERVE = 1_000
@@ -685,6 +685,66 @@ async def test_report_usage_moves_the_factor_and_a_rebuild_of_the_same_checkpoin
 
     # Another tenant's budgets are untouched.
     assert await _factor(pool, _tenant()) is None
+
+
+async def test_every_checkpoint_written_pins_the_factor_current_then(stub: Any, pool: Any) -> None:
+    """api/usage.py Rule 4: a checkpoint pins the factor current when it is written.
+    AppendItems and StartRun did; UpdateWorkingState and CommitCompaction copied the
+    checkpoint before theirs, factor and all, so a factor learned since reached the run's
+    Builds only at its next append (an audit)."""
+    tenant = _tenant()
+    session_id, _ = await _open(stub, tenant, room=14_000)
+    earlier = await _start(stub, tenant, session_id, "question 0")
+    await _append(stub, tenant, session_id, earlier, 1, assistant(_words(1_200)))
+    run_id = await _start(stub, tenant, session_id, "And the last one?")
+    first = await _build(stub, tenant, session_id, run_id)
+
+    async def pinned(version: int) -> int:
+        factor: int = await pool.fetchval(
+            "SELECT estimator_factor_ppm FROM run_checkpoints WHERE tenant_id = $1"
+            " AND run_id = $2 AND version = $3",
+            tenant,
+            UUID(run_id),
+            version,
+        )
+        return factor
+
+    async def learn(build: Any, times: float) -> int:
+        actual = int(times * build.estimated_input_tokens)
+        report = _usage(tenant, session_id, build.request_sequence, input_tokens=actual)
+        answered = await stub.ReportUsage(report)
+        assert answered.absorbed
+        return int(answered.factor_ppm)
+
+    learned = await learn(first, 2)
+    assert await pinned(1) == 1_000_000
+    updated = await stub.UpdateWorkingState(
+        pb.UpdateWorkingStateRequest(
+            tenant_id=tenant,
+            session_id=session_id,
+            run_id=run_id,
+            expected_checkpoint_version=1,
+            writer=pb.WRITER_USER,
+            update=pb.WorkingStateUpdate(add_constraints=["No night trains"]),
+        )
+    )
+    assert await pinned(updated.checkpoint_version) == learned > 1_000_000
+    again = await _build(stub, tenant, session_id, run_id)
+    relearned = await learn(again, 1.5)
+    assert relearned != learned
+    prepared = await stub.PrepareCompaction(
+        pb.PrepareCompactionRequest(tenant_id=tenant, session_id=session_id, run_id=run_id)
+    )
+    committed = await stub.CommitCompaction(
+        pb.CommitCompactionRequest(
+            tenant_id=tenant,
+            session_id=session_id,
+            run_id=run_id,
+            expected_checkpoint_version=prepared.checkpoint_version,
+            result=compaction_result(prepared, "The user asked a question."),
+        )
+    )
+    assert await pinned(committed.checkpoint_version) == relearned
 
 
 async def test_report_usage_from_another_model_is_recorded_but_learns_nothing(

@@ -27,7 +27,7 @@ from context_engine.fake_provider import FakeProvider, ManualClock
 from context_engine.fake_provider.tokens import canonical_bytes, count_tokens, strip_cache_control
 from context_engine.providers import tool_name_from_wire
 
-from .helpers import TENANT, new_id, spec, tool
+from .helpers import TENANT, compaction_result, new_id, spec, tool
 
 TURNS = 50
 MODEL = "claude-opus-4-1"
@@ -220,16 +220,10 @@ async def test_fifty_turns_one_prefix_hash(stub: Any, fake: FakeProvider) -> Non
                     session_id=session.session_id,
                     run_id=session.run_id,
                     expected_checkpoint_version=prepared.checkpoint_version,
-                    result=pb.CompactionResult(
-                        summary="The user planned train trips; constraint: never before 9am.",
-                        source_event_ids=prepared.source_event_ids,
-                        elided=prepared.elided,
-                        replaced_through_sequence=prepared.replaced_through_sequence,
-                        depth=prepared.depth,
-                        tokens_before=prepared.tokens_before,
+                    result=compaction_result(
+                        prepared,
+                        "The user planned train trips; constraint: never before 9am.",
                         tokens_after=20,
-                        compactor_version="test-compactor@1",
-                        prompt_version=prepared.prompt_version,
                     ),
                 )
             )

@@ -5526,8 +5526,11 @@ type ReportUsageResponse struct {
 	// request was estimated for (a gateway's fallback: its tokens say nothing of this
 	// tokenizer; a dated snapshot of the planned model, "claude-sonnet-4-5-20250929" or
 	// "gpt-4o-2024-08-06", counts as the planned model), when another tokenizer counted the
-	// request's estimate than this replica counts the model with, or when either token count
-	// is zero. A replay (the same idempotency key) answers as the first report did.
+	// request's estimate than this replica counts the model with, when the input tokens are
+	// outside 0.1-4 times the estimate divided by the factor it was built under (no drift
+	// explains them), or when a report under another key already corrected the factor from
+	// this request (one response, one sample). A replay (the same idempotency key) answers
+	// as the first report did.
 	Absorbed bool `protobuf:"varint,5,opt,name=absorbed,proto3" json:"absorbed,omitempty"`
 }
 

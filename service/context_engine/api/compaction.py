@@ -274,7 +274,7 @@ async def commit_compaction(
                 inputs = await _inputs(conn, tenant_id, session_id, run_id, 0)
             record = await _checked(engine, inputs, expected_version, result)
         async with engine.gates.held(tenant_id, session_id), transaction(engine.pool) as conn:
-            await sessions.lock_session(conn, tenant_id, session_id)
+            epoch = await sessions.lock_session(conn, tenant_id, session_id)
             stored = await _stored(conn, tenant_id, session_id, idempotency_key, request_sha256)
             if stored is not None:
                 return Committed(stored, 0, replayed=True)
@@ -292,6 +292,7 @@ async def commit_compaction(
                 record,
                 idempotency_key,
                 request_sha256,
+                await engine.pinned_factor(conn, tenant_id, session_id, epoch),
             )
         # Kept once the transaction has committed.
         engine.checkpoint_written(tenant_id, session_id, written, expected_version)
@@ -316,10 +317,12 @@ async def _write(
     record: CompactionResult,
     idempotency_key: str,
     request_sha256: str,
+    pinned: dict[str, Any],
 ) -> tuple[dict[str, Any], Checkpoint]:
     """Store the checked record over `checkpoint`, with the session locked: the new
-    checkpoint, the event and the key's response. -> (the response, the new checkpoint)."""
-    new_checkpoint = compacted_checkpoint(checkpoint, record)
+    checkpoint (pinning the estimator factor current now, `pinned`: Engine.pinned_factor),
+    the event and the key's response. -> (the response, the new checkpoint)."""
+    new_checkpoint = compacted_checkpoint(checkpoint, record).model_copy(update=pinned)
     await runs.insert_checkpoint(conn, tenant_id, new_checkpoint)
     payload = {
         **record.model_dump(mode="json"),

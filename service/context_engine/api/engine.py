@@ -835,7 +835,7 @@ class Engine:
                 conn, tenant, session_id, run.seed_event_sequence, self.kept
             )
             # The first checkpoint pins the model's current estimator correction.
-            estimator = await self._pinned_factor(conn, tenant, session_id, epoch)
+            estimator = await self.pinned_factor(conn, tenant, session_id, epoch)
             await runs.insert_checkpoint(
                 conn,
                 tenant,
@@ -919,7 +919,7 @@ class Engine:
             )
             # A new checkpoint pins the model's current correction: rebuilding it later cuts
             # the same, whatever usage is reported meanwhile.
-            pinned = await self._pinned_factor(conn, tenant, session_id, epoch)
+            pinned = await self.pinned_factor(conn, tenant, session_id, epoch)
             new_checkpoint = checkpoint.model_copy(
                 update={
                     "version": checkpoint.version + 1,
@@ -953,7 +953,7 @@ class Engine:
         self.checkpoint_written(tenant, session_id, new_checkpoint, expected_version)
         return result
 
-    async def _pinned_factor(
+    async def pinned_factor(
         self, conn: Any, tenant: str, session_id: UUID, epoch: int
     ) -> dict[str, Any]:
         """What a checkpoint written now pins of the estimator: the correction for the model

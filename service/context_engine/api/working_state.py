@@ -339,7 +339,7 @@ async def update_working_state(
     stored_plan = await engine.get_plan(tenant_id, session_id)
     count_tokens = engine.count_tokens_for(stored_plan.plan.model_id)
     async with engine.gates.held(tenant_id, session_id), transaction(engine.pool) as conn:
-        await sessions.lock_session(conn, tenant_id, session_id)
+        epoch = await sessions.lock_session(conn, tenant_id, session_id)
         stored = await idempotency.recall_response(
             conn, tenant_id, session_id, idempotency_key, "UpdateWorkingState", request_sha256
         )
@@ -362,8 +362,12 @@ async def update_working_state(
             count_tokens=count_tokens,
             pending=pending_questions(checkpoint.items),
         )
+        # Pinned anew, as every checkpoint written pins the factor current then (api/usage.py
+        # Rule 4): a copy kept the one before, so a factor learned since, or a new model's
+        # after a rotation, reached the run's Builds only at its next append (an audit).
+        pinned = await engine.pinned_factor(conn, tenant_id, session_id, epoch)
         written = checkpoint.model_copy(
-            update={"version": version, "working_state": transition.state}
+            update={"version": version, "working_state": transition.state, **pinned}
         )
         await runs.insert_checkpoint(conn, tenant_id, written)
         result = {
