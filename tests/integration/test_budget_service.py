@@ -747,6 +747,63 @@ async def test_every_checkpoint_written_pins_the_factor_current_then(stub: Any, 
     assert await pinned(committed.checkpoint_version) == relearned
 
 
+async def test_a_body_read_longer_than_estimated_is_learned_at_its_own_ratio(
+    stub: Any,
+) -> None:
+    """The factor scales the body alone; it was learned from the whole request's ratio, so
+    behind a large exact prefix a body read at twice its estimate moved it by a few
+    percent, and a larger body later was estimated short (an audit). With an exact
+    prefix the body's own ratio is learned."""
+    tenant = _tenant()
+    instructions = "Follow the travel policy carefully. " * 400  # a large, exact prefix
+    agent = pb.AgentSpec(agent_id="a", version="1", instructions=instructions)
+    session_id, _ = await _open(stub, tenant, room=0, agent=agent)
+    run_id = await _start(stub, tenant, session_id, "Trains to Lyon?")
+    built = await _build(stub, tenant, session_id, run_id)
+    body = built.estimated_input_tokens - built.prefix_tokens
+    assert built.prefix_tokens > 10 * body
+    answered = await stub.ReportUsage(
+        _usage(
+            tenant,
+            session_id,
+            built.request_sequence,
+            input_tokens=built.prefix_tokens + 2 * body,
+        )
+    )
+    assert answered.absorbed and answered.factor_ppm == 2_000_000
+
+
+async def test_a_request_that_sent_attachment_content_teaches_no_factor(
+    stub: Any, pool: Any
+) -> None:
+    """An image's content is counted at a fixed figure no factor scales; its reports pulled a
+    learned factor toward the figure's own error (an audit: 1.5 down to 1.01 over a dozen
+    reports). Recorded, not absorbed."""
+    tenant = _tenant()
+    session_id, _ = await _open(stub, tenant, room=0)
+    started = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=tenant,
+            session_id=session_id,
+            user_message=pb.UserMessage(
+                text="What is in this picture?",
+                attachments=[pb.Attachment(kind="image", ref="photo.png")],
+            ),
+        )
+    )
+    built = await _build(stub, tenant, session_id, str(started.run.run_id))
+    answered = await stub.ReportUsage(
+        _usage(
+            tenant,
+            session_id,
+            built.request_sequence,
+            input_tokens=built.estimated_input_tokens // 2,
+        )
+    )
+    assert not answered.absorbed and answered.samples == 0
+    assert await _factor(pool, tenant) is None
+
+
 async def test_report_usage_from_another_model_is_recorded_but_learns_nothing(
     stub: Any, pool: Any
 ) -> None:

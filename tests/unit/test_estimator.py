@@ -38,6 +38,7 @@ from context_engine.core.estimator import (
     apply_factor,
     estimate_attachment_tokens,
     heuristic_count,
+    learned_sample,
     reconcile,
     signed_error_ppm,
 )
@@ -926,3 +927,35 @@ def test_an_uncompressed_rank_file_loads_and_counts_like_the_packaged_one(tmp_pa
     loaded = load_encoding("cl100k_base", tmp_path)
     assert loaded is not None
     assert loaded.encode_ordinary("hello world") == [15339, 1917]
+
+
+@PROPERTY
+@given(
+    st.integers(1, 50_000),
+    st.integers(1, 20_000),
+    st.integers(PPM // 2, 3 * PPM),
+    st.integers(PPM // 2, 3 * PPM),
+)
+def test_the_sample_of_an_exact_prefix_is_the_larger_of_the_bodys_ratio_and_the_requests(
+    prefix: int, body: int, body_ratio_ppm: int, prefix_ratio_ppm: int
+) -> None:
+    """api/usage.py learns the factor, which scales the body alone: with a prefix counted
+    exactly the body's own ratio is learned (the whole request's closed only the body's
+    share of its error: an audit) unless the whole request's is larger (a prefix the
+    provider counts as more than we did); a heuristic prefix keeps the whole request's."""
+    actual = prefix * prefix_ratio_ppm // PPM + body * body_ratio_ppm // PPM
+    estimated = prefix + body
+    learned_estimate, learned_actual = learned_sample(estimated, actual, prefix, True)
+    ratios = [actual / estimated]
+    if actual > prefix:
+        ratios.append((actual - prefix) / body)
+    assert learned_actual / learned_estimate == pytest.approx(max(ratios))
+    assert learned_sample(estimated, actual, prefix, False) == (estimated, actual)
+
+
+def test_an_exact_prefix_teaches_the_bodys_ratio() -> None:
+    # A 20,000-token prefix read as counted, a 2,000-token body read as 3,000 tokens.
+    estimated, actual = learned_sample(22_000, 23_000, 20_000, exact_prefix=True)
+    assert reconcile(None, "gpt-4o", estimated, actual).factor_ppm == 1_500_000
+    whole = reconcile(None, "claude-sonnet-4-5", *learned_sample(22_000, 23_000, 20_000, False))
+    assert whole.factor_ppm < 1_050_000

@@ -26,6 +26,7 @@ from ..core.assemble import Assembled, BuildInputs, StepContext, assemble, carri
 from ..core.build_record import (
     ASSEMBLER_KEY,
     ASSEMBLER_VERSION,
+    ATTACHMENT_TOKENS_KEY,
     BUDGET_KEY,
     IMAGE_KEY,
     INLINE_KEY,
@@ -33,6 +34,7 @@ from ..core.build_record import (
     PAYLOAD_KEY,
     PEOPLE_KEY,
     TOKENIZER_KEY,
+    attachment_tokens,
     estimate_to_record,
     inputs_to_record,
     markers_by_id,
@@ -1310,6 +1312,7 @@ class Engine:
             # GetBuild serves a rebuild only with these figures (core/build_record.py, Rule 9).
             "model_id": plan.model_id,
             **estimate_to_record(assembled),
+            ATTACHMENT_TOKENS_KEY: attachment_tokens(assembled),
             TOKENIZER_KEY: self.tokenizer_of(plan.model_id),
             "estimator_factor_ppm": assembled.estimator_factor_ppm,
             INPUTS_KEY: inputs_to_record(instant, step),

@@ -2,7 +2,10 @@
 
 Rule 1: the estimate is the one recorded on the request's model.request.started event
 (prefix exact + body and the request's framing estimated); the actual is input + cache
-read + cache creation tokens.
+read + cache creation tokens. What a report teaches is core/estimator.py learned_sample:
+the body's own ratio behind an exact prefix (or the whole request's, when larger), the
+whole request's behind a heuristic one; a request that sent attachment content teaches
+nothing (their figures are fixed, never scaled).
 Rule 2: the per-model correction factor (core.estimator.reconcile) is per tenant, persisted
 in estimator_corrections, and resets when the model changes: a report answered by another
 model than the request was built for, or whose estimate another tokenizer counted than this
@@ -32,10 +35,18 @@ from uuid import UUID
 
 import asyncpg
 
-from ..core.build_record import TOKENIZER_KEY
+from ..core.build_record import ATTACHMENT_TOKENS_KEY, TOKENIZER_KEY
 from ..core.checkpoint import NEUTRAL_FACTOR_PPM
 from ..core.errors import NotFoundError
-from ..core.estimator import PPM, Correction, plausible_sample, reconcile, signed_error_ppm
+from ..core.estimator import (
+    HEURISTIC_TOKENIZER,
+    PPM,
+    Correction,
+    learned_sample,
+    plausible_sample,
+    reconcile,
+    signed_error_ppm,
+)
 from ..store import events, sessions
 from ..store import usage as store
 from ..store.db import transaction
@@ -217,19 +228,27 @@ async def _reconcile(
     # Nor from a report no tokenizer drift explains (core/estimator.py plausible_sample),
     # nor from a second report of a request one was learned from (`learned`: under another
     # key; each counted, contradictory figures too: an audit). One response, one sample.
+    # Nor from a request that sent attachment content, counted at fixed figures no factor
+    # scales (an image at 1,600 tokens that a provider reads as 765 pulled a learned 1.5
+    # down to 1.01 over a dozen reports: an audit).
     absorbed = (
         not learned
         and same_model(report.model_id, planned_model)
         and same_counter
         and plausible_sample(estimated, actual, used)
+        and not recorded.get(ATTACHMENT_TOKENS_KEY, 0)
     )
     correction: Correction | None = None
     if absorbed:
         current = previous.factor_ppm if previous is not None else PPM
-        # reconcile() reads `estimated` as made under the current factor; this request was
+        exact = (counted if isinstance(counted, str) else tokenizer_of(planned_model)) != (
+            HEURISTIC_TOKENIZER
+        )
+        sample, seen = learned_sample(estimated, actual, prefix, exact)
+        # reconcile() reads the estimate as made under the current factor; this request was
         # built under the factor its checkpoint pinned, so restate it under the current one.
-        restated = -(-estimated * current // used)
-        correction = reconcile(previous, planned_model, restated, actual)
+        restated = -(-sample * current // used)
+        correction = reconcile(previous, planned_model, restated, seen)
     shown = correction or previous or Correction.initial(planned_model)
     outcome = UsageOutcome(
         # The planned model's name for a dated snapshot of it: one series per model.

@@ -70,6 +70,7 @@ from .trust import envelope_tag
 __all__ = [
     "ASSEMBLER_KEY",
     "ASSEMBLER_VERSION",
+    "ATTACHMENT_TOKENS_KEY",
     "BUDGET_KEY",
     "IMAGE_KEY",
     "INLINE_KEY",
@@ -81,6 +82,7 @@ __all__ = [
     "SHOWN_FIELDS",
     "TOKENIZER_KEY",
     "assembler_of",
+    "attachment_tokens",
     "bridge_markers",
     "cited_passages",
     "delegated_messages",
@@ -297,6 +299,7 @@ INPUTS_KEY = "build_inputs"
 PEOPLE_KEY = "people"
 REDACTED_KEY = "redacted"
 TOKENIZER_KEY = "tokenizer"
+ATTACHMENT_TOKENS_KEY = "attachment_tokens"
 _LINES = ("recall", "corrections")  # the step fields whose lines name people
 
 
@@ -539,6 +542,14 @@ def estimate_to_record(assembled: Assembled) -> dict[str, Any]:
             {"class_name": c.class_name, "tokens": c.tokens} for c in assembled.budget
         ],
     }
+
+
+def attachment_tokens(assembled: Assembled) -> int:
+    """The attachment content the estimate counted at fixed figures (each message's share
+    of the request's attachment budget), which no correction factor scales: recorded as
+    ATTACHMENT_TOKENS_KEY, and ReportUsage learns nothing from a request that sent any
+    (api/usage.py). Derived from the bytes, like the placements: not a Rule 9 figure."""
+    return sum(m.share_tokens for m in assembled.attachments)
 
 
 def estimate_differs(payload: dict[str, Any], rebuilt: Assembled, tokenizer: str) -> str | None:

@@ -113,6 +113,7 @@ __all__ = [
     "ATTACHMENT_BLOCK_TOKENS",
     "ATTACHMENT_TOKEN_BUDGET",
     "CORRECTION_WINDOW",
+    "HEURISTIC_TOKENIZER",
     "IMAGE_TOKENS",
     "MAX_FACTOR_PPM",
     "MESSAGE_FRAMING_TOKENS",
@@ -135,12 +136,15 @@ __all__ = [
     "estimate_attachment_tokens",
     "heuristic_count",
     "image_tokens_for",
+    "learned_sample",
     "plausible_sample",
     "reconcile",
     "signed_error_ppm",
 ]
 
 PPM: Final = 1_000_000
+# The tokenizer name of a model counted by the heuristic (core/model_registry.py).
+HEURISTIC_TOKENIZER: Final = "heuristic"
 
 # Provider message framing. OpenAI chat formats spend 3 tokens per message
 # (<|start|>{role}<|message|> ... <|end|>) plus 1 when a name is set; Anthropic's turn markers
@@ -757,7 +761,7 @@ class HeuristicCounter:
 
     @property
     def tokenizer(self) -> str:
-        return "heuristic"
+        return HEURISTIC_TOKENIZER
 
     @property
     def exact(self) -> bool:
@@ -934,6 +938,30 @@ def reconcile(
         samples=base.samples + 1,
         observed_ppm=observed,
     )
+
+
+def learned_sample(
+    estimated: int, actual: int, prefix_tokens: int, exact_prefix: bool
+) -> tuple[int, int]:
+    """The (estimated, actual) pair a report teaches reconcile, of a request whose estimate
+    is its prefix's count and its estimated body.
+
+    The factor scales the body alone, yet the ratio of the whole request, prefix and all,
+    closes only a body's share of the body's error: at a true body ratio r, a 20,000-token
+    prefix and 2,000-token bodies, it settled at 1 + (r - 1) / 11, and a larger body later
+    was estimated short (an audit). With a prefix counted exactly, the pair is the body's
+    alone where that implies the larger ratio, else the whole request's: a prefix the
+    provider counts as fewer tokens than we do (a tool schema it reformats) would shrink
+    the body's ratio, and the whole request's is then the conservative one. A prefix the
+    heuristic counted keeps the whole request's: its error is the body's factor to absorb
+    (docs/architecture.md), and taken from the body alone it inflated the small bodies'
+    ratio further."""
+    if not exact_prefix or not 0 < prefix_tokens < min(estimated, actual):
+        return estimated, actual
+    body_estimated, body_actual = estimated - prefix_tokens, actual - prefix_tokens
+    if body_actual * estimated > actual * body_estimated:
+        return body_estimated, body_actual
+    return estimated, actual
 
 
 def plausible_sample(estimated: int, actual: int, factor_ppm: int) -> bool:
