@@ -4,9 +4,13 @@ session's plans)."""
 
 from __future__ import annotations
 
+import gc
+import sys
+import types
+
 from context_engine.api.kept import DEFAULT_CACHE_BYTES, Kept, approximate_bytes
 from context_engine.core import Checkpoint
-from context_engine.core.items import ToolResult, UserMessage
+from context_engine.core.items import AssistantMessage, ToolCall, ToolResult, UserMessage
 from context_engine.core.trust import TrustLevel
 
 
@@ -73,6 +77,54 @@ def test_a_value_weighs_what_its_text_holds_not_how_many_items_it_has() -> None:
     assert approximate_bytes(wide) >= 4 * len(wide)
     # Containers, dataclasses and mappings count what they hold.
     assert approximate_bytes({"k": (big, [big])}) >= 2 * len(big)
+
+
+def _held(value: object) -> int:
+    """The bytes of every distinct object `value` reaches (each counted once), not
+    following classes, modules and functions: what keeping it holds in memory."""
+    seen: set[int] = set()
+    total = 0
+    pending = [value]
+    while pending:
+        obj = pending.pop()
+        if id(obj) in seen or isinstance(obj, type | types.ModuleType | types.FunctionType):
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        pending.extend(gc.get_referents(obj))
+    return total
+
+
+def test_a_checkpoint_of_short_items_weighs_at_least_what_it_holds() -> None:
+    """A model was weighed at a flat 64 bytes beside its strings; its `__dict__` and the set
+    of fields it was given cost about a kilobyte more, so a cache of short chat items held
+    about twice replica_cache_bytes (an audit)."""
+    items = tuple(
+        item
+        for n in range(200)
+        for item in (
+            ToolCall(
+                item_id=f"c{n}",
+                call_id=f"c{n}",
+                tool_name="web.fetch",
+                arguments_json="{}",
+                sequence=3 * n + 1,
+                run_id="r",
+            ),
+            ToolResult(
+                item_id=f"r{n}",
+                call_id=f"c{n}",
+                tool_name="web.fetch",
+                content=f"Trains leave hourly ({n}).",
+                trust=TrustLevel.EXTERNAL_UNTRUSTED,
+                sequence=3 * n + 2,
+                run_id="r",
+            ),
+            AssistantMessage(item_id=f"a{n}", text=f"Every hour ({n}).", sequence=3 * n + 3),
+        )
+    )
+    checkpoint = Checkpoint(run_id="r", version=2, items=items)
+    assert _held(checkpoint) <= approximate_bytes(checkpoint) <= 2 * _held(checkpoint)
 
 
 def test_a_kept_budget_in_bytes_holds_a_few_large_values_not_hundreds_of_thousands() -> None:

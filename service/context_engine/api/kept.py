@@ -13,8 +13,8 @@ floor) is kept too and extended by the events since rather than read again
 The one value kept that does change is a run's head (Engine.build): it is never trusted,
 only confirmed by the record of the Build made from it (store/records.py).
 
-The bound is on memory, in approximate bytes (`approximate_bytes`: the strings held plus a
-fixed cost per object), not on entries or items: one item can be a 3 MB tool result, so a
+The bound is on memory, in approximate bytes (`approximate_bytes`: each object at its
+size in memory), not on entries or items: one item can be a 3 MB tool result, so a
 bound on items let a replica keep ~200,000 of them. The weight is computed once, when a
 value is put (after the read it spares, which costs as much).
 """
@@ -35,16 +35,18 @@ __all__ = ["DEFAULT_CACHE_BYTES", "Kept", "approximate_bytes"]
 # loaded skills, plans and working-state folds together.
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 
-_OBJECT = 64  # what an object costs beyond the strings it holds (header, fields, slots)
-_REFERENCE = 8  # one slot of a tuple, list or set; twice that per dict entry
-_SCALAR = 32  # a number, enum member, None or datetime
+_SCALAR = 32  # a number, enum member, None or datetime (many are shared: an over-estimate)
 
 
 def approximate_bytes(value: object) -> int:
-    """Roughly the memory `value` holds: every str and bytes at its size in memory
-    (sys.getsizeof: four bytes a character where one character needs it), plus a fixed
-    cost per model, dataclass, container and scalar. A value shared by several entries is
-    counted in each (an over-estimate: the bound errs toward keeping less)."""
+    """Roughly the memory `value` holds: every object at its size in memory
+    (sys.getsizeof: a str or bytes with its characters, a tuple, list or dict with its
+    slots), a model with its `__dict__` and the set of fields it was given, a dataclass
+    with its `__dict__` where it has one, and a fixed cost per scalar. A value shared by
+    several entries is counted in each (an over-estimate: the bound errs toward keeping
+    less). A flat 64 bytes a model counted less than half of what one holds (its
+    `__dict__` and fields set cost about a kilobyte), so a cache of short items held about
+    twice its bound (an audit)."""
     total = 0
     pending: list[object] = [value]
     while pending:
@@ -52,17 +54,19 @@ def approximate_bytes(value: object) -> int:
         if isinstance(item, str | bytes):
             total += sys.getsizeof(item)
         elif isinstance(item, BaseModel):
-            total += _OBJECT
-            pending.extend(item.__dict__.values())
+            fields = item.__dict__
+            total += sys.getsizeof(item) + sys.getsizeof(fields)
+            total += sys.getsizeof(item.__pydantic_fields_set__)
+            pending.extend(fields.values())
         elif isinstance(item, tuple | list | set | frozenset):
-            total += _OBJECT + _REFERENCE * len(item)
+            total += sys.getsizeof(item)
             pending.extend(item)
         elif isinstance(item, dict):
-            total += _OBJECT + 2 * _REFERENCE * len(item)
+            total += sys.getsizeof(item)
             pending.extend(item.keys())
             pending.extend(item.values())
         elif dataclasses.is_dataclass(item) and not isinstance(item, type):
-            total += _OBJECT
+            total += sys.getsizeof(item) + sys.getsizeof(getattr(item, "__dict__", ()))
             pending.extend(getattr(item, f.name) for f in dataclasses.fields(item))
         else:
             total += _SCALAR
