@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 from uuid import UUID
 
@@ -334,6 +336,56 @@ async def test_writes_through_the_replica_that_move_heads_do_not_spread_the_sess
         await a.Build(build_request(session_id, run_id))
         assert engine._read_heads.calls == reads + 1
         assert engine._record_requests.calls == records + 2
+
+
+async def test_a_head_moved_by_a_write_still_leaving_its_gate_does_not_spread_the_session(
+    two: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write counts itself against the kept heads once it leaves the session's gate, after
+    its commit. A sibling run's Build recorded in between found its kept head moved with no
+    write counted, took it for another replica's, and marked a session served by one
+    replica as spread, reading every head again from then on (an audit). The window is
+    held open here: LoadSkill committed, its gate not yet left."""
+    from context_engine.api import skills as skills_api
+
+    (stub, engine), _ = two
+    catalog = spec()
+    catalog.skills.append(pb.SkillCatalogEntry(name="alpha", description="Routes.", version="1"))
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=catalog))
+    first = (await start_run(stub, session_id, "first")).run.run_id
+    second = (await start_run(stub, session_id, "second")).run.run_id
+    for run_id in (first, second):
+        await stub.Build(build_request(session_id, run_id))  # both heads kept
+    real = skills_api.transaction
+    committed, go = asyncio.Event(), asyncio.Event()
+
+    @asynccontextmanager
+    async def committed_then_wait(pool: Any, *args: Any) -> AsyncIterator[Any]:
+        async with real(pool, *args) as conn:
+            yield conn
+        committed.set()  # committed and its connection back; the gate still held
+        await go.wait()
+
+    monkeypatch.setattr(skills_api, "transaction", committed_then_wait)
+    loading = asyncio.ensure_future(
+        stub.LoadSkill(
+            pb.LoadSkillRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                name="alpha",
+                body="Always compare two routes.",
+                trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION,
+                run_id=first,
+            )
+        )
+    )
+    await asyncio.wait_for(committed.wait(), 10)
+    built = await stub.Build(build_request(session_id, second))  # its kept head moved
+    go.set()
+    await loading
+    assert not engine._heads(TENANT, UUID(session_id)).spread
+    assert "Always compare two routes." in _texts(built)
 
 
 async def test_a_head_moved_by_this_replicas_own_write_does_not_spread_the_session(

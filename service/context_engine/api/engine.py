@@ -404,8 +404,15 @@ class Engine:
         """A Build's kept head had moved. Unless a write through this replica since the
         Build began explains it, another replica serves the session too: its Builds here
         then read their heads, as a kept head would mostly be stale (each stale one is a
-        Build assembled twice)."""
-        if self._heads(tenant, session_id) is heads and heads.writes == writes:
+        Build assembled twice). A write still holding the session's gate here may be the
+        one: it counts itself (forget_heads, checkpoint_written) only once it leaves the
+        gate, after its commit, and a Build recorded in between took this replica's own
+        write for another's, for good (an audit)."""
+        if (
+            self._heads(tenant, session_id) is heads
+            and heads.writes == writes
+            and not self.gates.busy(tenant, session_id)
+        ):
             self._kept.put(("heads", tenant, session_id), _Heads(spread=True), _HEADS_WEIGHT)
         else:
             self.forget_heads(tenant, session_id)

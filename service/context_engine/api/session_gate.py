@@ -46,6 +46,10 @@ class SessionGates:
     def wait_seconds(self) -> float:
         return self._wait_seconds
 
+    def busy(self, tenant: str, session_id: UUID) -> bool:
+        """Whether a call through this replica holds or waits on the session's gate."""
+        return (tenant, session_id) in self._gates
+
     @asynccontextmanager
     async def held(self, tenant: str, session_id: UUID) -> AsyncIterator[None]:
         """Hold the session's gate for a write (take it before the write's transaction).
