@@ -543,6 +543,21 @@ def test_openai_function_call_output_needs_its_function_call(gpt: openai.OpenAI)
     }
 
 
+def test_openai_call_ids_over_64_characters_are_a_bad_request(gpt: openai.OpenAI) -> None:
+    call_id = "c" * 65
+    items = [
+        {"role": "user", "content": "hello"},
+        {"type": "function_call", "call_id": call_id, "name": "lookup", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": call_id, "output": "42"},
+    ]
+    with pytest.raises(openai.BadRequestError) as caught:
+        respond(gpt, input=items)
+    error = caught.value.response.json()["error"]
+    assert (error["param"], error["code"]) == ("input[1].call_id", "string_above_max_length")
+    items[1]["call_id"] = items[2]["call_id"] = "c" * 64
+    respond(gpt, input=items)
+
+
 def test_openai_reasoning_items_are_replayed_with_their_following_item(
     gpt: openai.OpenAI,
 ) -> None:

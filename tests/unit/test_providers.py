@@ -967,6 +967,33 @@ def test_call_ids_outside_the_anthropic_alphabet_are_mapped_and_still_paired() -
     assert calls == results == ["functions.web_fetch:0", "functions.web_fetch|0"]
 
 
+def test_openai_call_ids_over_64_characters_are_cut_and_digested_and_still_paired() -> None:
+    """OpenAI refuses a call_id over 64 characters; AppendItems takes up to 200, and a
+    repeat's "-<n>" made a 64-character id 66 (an audit: every later request of the session
+    was refused). An id over 64 is cut to 43 characters, "_" and 20 hex digits of its
+    SHA-256; a repeat's suffix cuts its base short; one of 64 or fewer goes verbatim."""
+    long, other_long = "c" * 80, "c" * 79 + "d"
+    edge = "e" * 64
+    pairs = [
+        ("run-1", long),
+        ("run-1", other_long),
+        ("run-1", edge),
+        ("run-2", edge),
+        ("run-2", "call_0"),
+    ]
+    calls, results = _wire_ids(_body(_pairs_request(*pairs, provider="openai")), "openai")
+    assert results == calls and len(set(calls)) == len(calls)
+    assert all(len(c) <= 64 for c in calls)
+    assert calls[0].startswith("c" * 43 + "_") and len(calls[0]) == 64
+    assert calls[1] != calls[0] and calls[1].startswith("c" * 43 + "_")
+    assert calls[2:] == [edge, "e" * 62 + "-2", "call_0"]
+    again, _ = _wire_ids(_body(_pairs_request(*pairs, provider="openai")), "openai")
+    assert again == calls, "deterministic"
+    # Anthropic takes ids of any length: unchanged.
+    calls, _ = _wire_ids(_body(_pairs_request(*pairs)), "anthropic")
+    assert calls[:3] == [long, other_long, edge]
+
+
 def test_parallel_calls_of_two_runs_sharing_an_id_pair_by_run() -> None:
     """A call and its result pair by (run, call id), not by position: two runs' calls with
     one id, answered in the other order, keep their own results."""

@@ -3198,7 +3198,10 @@ type ToolCall struct {
 	unknownFields protoimpl.UnknownFields
 
 	// Provider call id; its result must carry the same id. Required, at most 200
-	// characters (the store indexes it); else INVALID_FIELD.
+	// characters (the store indexes it); else INVALID_FIELD. Sent as it is, but for what a
+	// provider refuses: outside Anthropic's [A-Za-z0-9_-] a character becomes "_", past
+	// OpenAI's 64 characters the id is cut and digested, and a repeat of an earlier run's
+	// id gets "-<n>" (docs/api.md, Build).
 	CallId string `protobuf:"bytes,1,opt,name=call_id,json=callId,proto3" json:"call_id,omitempty"`
 	// The tool called.
 	ToolName string `protobuf:"bytes,2,opt,name=tool_name,json=toolName,proto3" json:"tool_name,omitempty"`

@@ -36,6 +36,8 @@ without the key was written by LEGACY_ASSEMBLER_VERSION: it was rendered without
 failed-result line (`failed_result_line`) and costed images at the flat IMAGE_TOKENS. A
 record of context-assembler@2 or older read a child run's user messages as the user's
 (`delegated_messages`).
+@21 sends an OpenAI call id over 64 characters cut and digested (providers/call_ids.py):
+a record of @20 or older holding one, which the API refused, does not rebuild.
 GetBuild serves a rebuild only when it matches the recorded request hash and, where
 recorded, the payload hash; otherwise it refuses (REQUEST_NOT_FOUND, naming both
 versions), never serving bytes the provider did not receive.
@@ -262,7 +264,7 @@ __all__ = [
 # to keep 8,000 more of carried history). core/yield_ladder.py Rule 5. A request under no
 # such pressure is cut as before; GetBuild refuses an older record that was cut otherwise
 # (it is not rebuilt: the older rules are not kept).
-ASSEMBLER_VERSION = "context-assembler@20"
+ASSEMBLER_VERSION = "context-assembler@21"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})

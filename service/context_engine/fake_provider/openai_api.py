@@ -11,7 +11,8 @@ Rule W2. ``model`` is a string; ``input`` is a string or a list of items;
 Rule W3. Item types are those in ``ITEM_TYPES`` (an item with a ``role`` and no ``type`` is a
          message); message roles and content part types follow ``PART_TYPES_BY_ROLE``.
 Rule W4. Every ``function_call_output`` answers an earlier ``function_call`` with the same
-         ``call_id``; every ``function_call`` is answered by a later output.
+         ``call_id``; every ``function_call`` is answered by a later output. A ``call_id``
+         is at most ``MAX_CALL_ID_CHARS`` (64) characters ("string_above_max_length").
 Rule W5. Function tools have a name matching ``TOOL_NAME``; ``parameters`` is an object in
          which every array schema has ``items`` ("array schema missing items", a 400 whether
          or not the function is strict).
@@ -244,11 +245,13 @@ def _input(items: Any, *, store: bool) -> list[bytes]:
             for field in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(field), str):
                     raise _missing(f"input[{i}].{field}")
+            _check_call_id(item["call_id"], i)
             calls[item["call_id"]] = i
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
                 raise _missing(f"input[{i}].call_id")
+            _check_call_id(call_id, i)
             if not isinstance(item.get("output"), str | list):
                 raise _missing(f"input[{i}].output")
             if call_id not in calls:
@@ -293,6 +296,21 @@ def _check_reasoning(items: list[Any], i: int, *, store: bool) -> None:
             f"Item '{item_id}' of type 'reasoning' was provided without its required following "
             "item.",
             "input",
+        )
+
+
+MAX_CALL_ID_CHARS = 64
+
+
+def _check_call_id(call_id: str, i: int) -> None:
+    """Rule W4's length bound."""
+    if len(call_id) > MAX_CALL_ID_CHARS:
+        raise _bad(
+            f"Invalid 'input[{i}].call_id': string too long. Expected a string with maximum"
+            f" length {MAX_CALL_ID_CHARS}, but got a string with length {len(call_id)}"
+            " instead.",
+            f"input[{i}].call_id",
+            "string_above_max_length",
         )
 
 

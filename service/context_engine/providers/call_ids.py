@@ -7,10 +7,14 @@ run 1 and in run 2). Both APIs pair a call with its result by id: Anthropic reje
 
 Rule 1: a call's base id is its call id through the provider's table (``BASE_IDS``):
 Anthropic replaces every character outside ``[A-Za-z0-9_-]`` with "_" ("" becomes "_");
-OpenAI, which restricts no alphabet, sends it verbatim.
+OpenAI, which restricts no alphabet but refuses a call id over 64 characters
+(``MAX_ID_CHARS``), sends one of at most 64 verbatim and a longer one as its first 43
+characters, "_" and 20 hex digits of its SHA-256 (since context-assembler@21; before, it
+was sent whole and the request refused, as was every later one carrying it).
 Rule 2: walking the request's tool blocks in order, a call keeps its base id unless an
 earlier call of the request took it; then it gets the first free ``<base>-<n>``, n = 2, 3,
-… A result gets the id of the pending call it answers, keyed by (run id, call id). An id
+…, its base cut short where the provider's limit needs it (since @21: a 64-character id
+made 66). A result gets the id of the pending call it answers, keyed by (run id, call id). An id
 depends only on the pairs before it, so appending history never changes the bytes of what
 was sent before, and a call and its result always share an id.
 Rule 3: the common case — every base id in the request distinct — is told by one C-level
@@ -22,6 +26,7 @@ and results answer those verbatim.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain, count
@@ -30,7 +35,7 @@ from typing import Generic, TypeVar
 from ..core import memo_budget
 from ..core.request import Message
 
-__all__ = ["BASE_IDS", "VariantMemo", "all_distinct", "wire_call_ids"]
+__all__ = ["BASE_IDS", "MAX_ID_CHARS", "VariantMemo", "all_distinct", "wire_call_ids"]
 
 _NOT_ANTHROPIC = re.compile(r"[^A-Za-z0-9_-]")
 
@@ -39,12 +44,21 @@ def _anthropic(call_id: str) -> str:
     return _NOT_ANTHROPIC.sub("_", call_id) or "_"
 
 
-def _verbatim(call_id: str) -> str:
-    return call_id
+# The longest call id a provider takes (Rule 1): OpenAI's `call_id` limit.
+MAX_ID_CHARS: dict[str, int | None] = {"anthropic": None, "openai": 64}
+_OPENAI_MAX = 64
+_DIGEST_CHARS = 20
+
+
+def _openai(call_id: str) -> str:
+    if len(call_id) <= _OPENAI_MAX:
+        return call_id
+    digest = hashlib.sha256(call_id.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{call_id[: _OPENAI_MAX - _DIGEST_CHARS - 1]}_{digest[:_DIGEST_CHARS]}"
 
 
 # The plan's provider -> a call's base id (Rule 1).
-BASE_IDS: dict[str, Callable[[str], str]] = {"anthropic": _anthropic, "openai": _verbatim}
+BASE_IDS: dict[str, Callable[[str], str]] = {"anthropic": _anthropic, "openai": _openai}
 
 
 def all_distinct(per_message: Iterable[tuple[str, ...]]) -> bool:
@@ -53,12 +67,18 @@ def all_distinct(per_message: Iterable[tuple[str, ...]]) -> bool:
     return len(set(ids)) == len(ids)
 
 
+def _numbered(own: str, n: int, limit: int | None) -> str:
+    suffix = f"-{n}"
+    return f"{own[: limit - len(suffix)] if limit else own}{suffix}"
+
+
 def wire_call_ids(
-    messages: Sequence[Message], base: Callable[[str], str]
+    messages: Sequence[Message], base: Callable[[str], str], limit: int | None = None
 ) -> dict[int, tuple[str, ...]]:
     """Message index -> the wire id of each of its blocks, "" where it is the base id (and
     for blocks that are not tool blocks), for the messages with a tool block whose wire id
-    is not its base id (Rule 2). By position: one block object may appear twice."""
+    is not its base id (Rule 2), each at most `limit` characters. By position: one block
+    object may appear twice."""
     taken: set[str] = set()
     pending: dict[tuple[str, str], str] = {}
     moved: dict[int, tuple[str, ...]] = {}
@@ -69,7 +89,7 @@ def wire_call_ids(
                 own = base(block.call_id)
                 wire = own
                 if wire in taken:
-                    wire = next(f"{own}-{i}" for i in count(2) if f"{own}-{i}" not in taken)
+                    wire = next(w for i in count(2) if (w := _numbered(own, i, limit)) not in taken)
                     here[k] = wire
                 taken.add(wire)
                 pending[(block.run_id, block.call_id)] = wire

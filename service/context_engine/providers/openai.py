@@ -21,8 +21,9 @@ Rule 5 (cache): the Responses API caches implicitly and takes no markers; the re
 carries ``prompt_cache_key`` = request.session_key, so every run, step and epoch of one
 session routes to the same cache and no other session shares it.
 Rule 6 (call ids): a ``function_call`` and its ``function_call_output`` carry the pair's
-wire call id (providers/call_ids.py): the call id verbatim (the API restricts no alphabet),
-unique in the request, the earliest pair keeping its id. Function calls and their outputs
+wire call id (providers/call_ids.py): the call id verbatim (the API restricts no alphabet)
+where it is at most 64 characters, else cut and digested to 64 (since
+context-assembler@21), unique in the request, the earliest pair keeping its id. Function calls and their outputs
 are sent as they are when the request defines no tools: the Responses API documents no
 rule against it (Anthropic's renderer turns them into text then).
 
@@ -52,7 +53,7 @@ from ..core.items import REASONING_TYPES
 from ..core.memo_budget import bounded_cache
 from ..core.request import Block, Message, ModelRequest, ToolDefinition, repeated_run
 from ..core.rows import Row
-from .call_ids import BASE_IDS, VariantMemo, all_distinct, wire_call_ids
+from .call_ids import BASE_IDS, MAX_ID_CHARS, VariantMemo, all_distinct, wire_call_ids
 from .layout import PromptUnit, RenderedPayload
 from .names import check_wire_names, wire_tool_name
 from .texts import TOOL_ERROR_AS_TEXT
@@ -180,7 +181,7 @@ def text_paths(
 def _layout(request: ModelRequest) -> _Layout:
     messages = _message_items.many(request.messages)
     if not all_distinct(map(_CALL_IDS, messages)):  # Rule 6: rare, and then walked once
-        for n, wire in wire_call_ids(request.messages, _BASE_ID).items():
+        for n, wire in wire_call_ids(request.messages, _BASE_ID, _MAX_ID).items():
             messages[n] = _relaid(request.messages[n], wire)
     check_wire_names(t.name for t in request.tools)  # names.py Rule 2: the tools alone
     texts = [b for b in request.system if b.text]
@@ -240,6 +241,7 @@ _run_offsets: RecentMemo[tuple[Message, ...], tuple[int, ...]] = RecentMemo(
     weigh_depth=1,
 )
 _BASE_ID = BASE_IDS[_PROVIDER]
+_MAX_ID = MAX_ID_CHARS[_PROVIDER]
 _CALL_IDS = attrgetter("call_ids")
 _TEXT = attrgetter("text")
 _PIECES = attrgetter("pieces")
