@@ -21,11 +21,12 @@ Rule 5 (cache): the Responses API caches implicitly and takes no markers; the re
 carries ``prompt_cache_key`` = request.session_key, so every run, step and epoch of one
 session routes to the same cache and no other session shares it.
 Rule 6 (call ids): a ``function_call`` and its ``function_call_output`` carry the pair's
-wire call id (providers/call_ids.py): the call id verbatim (the API restricts no alphabet)
-where it is at most 64 characters, else cut and digested to 64 (since
-context-assembler@21), unique in the request, the earliest pair keeping its id. Function calls and their outputs
-are sent as they are when the request defines no tools: the Responses API documents no
-rule against it (Anthropic's renderer turns them into text then).
+wire call id (providers/call_ids.py): the call id verbatim (the API restricts no
+alphabet) where it is at most 64 characters, else cut and digested to 64 (since
+context-assembler@21), unique in the request, the earliest pair keeping its id.
+Function calls and their outputs are sent as they are when the request defines no tools:
+the Responses API documents no rule against it (Anthropic's renderer turns them into text
+then).
 
 Speed: tools, input items and each message's items render once per process to canonical
 JSON text (memoized on the frozen neutral values; a run's carried messages are the same
