@@ -268,6 +268,42 @@ async def test_an_image_is_costed_at_the_models_registry_figure(stub: Any) -> No
     assert built.estimated_input_tokens - built.prefix_tokens >= 48_200
 
 
+@pytest.mark.parametrize(
+    ("kind", "size", "value"),
+    [
+        ("pdf", "pages", 0),  # counted as one page, sent whole
+        ("text_file", "text_length", 0),  # counted as nothing, sent whole
+        ("pdf", "pages", 2**53 - 1),  # its tokens overflowed the placement's int64
+    ],
+)
+async def test_an_attachment_needs_a_size_its_content_can_be_counted_by(
+    stub: Any, pool: Any, kind: str, size: str, value: int
+) -> None:
+    """A PDF without its pages was counted at one page and a text file without its length
+    at nothing, and each sent whole (a silent overflow); a PDF of 2^53 - 1 pages failed
+    every Build that reached it INTERNAL, each after recording the request (an audit).
+    StartRun refuses them naming the field, and writes nothing."""
+    tenant = _tenant()
+    session_id, _ = await _open(stub, tenant, room=0)
+    before = await pool.fetchval("SELECT count(*) FROM session_events WHERE tenant_id = $1", tenant)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.StartRun(
+            pb.StartRunRequest(
+                tenant_id=tenant,
+                session_id=session_id,
+                user_message=pb.UserMessage(
+                    text="Summarize this.",
+                    attachments=[pb.Attachment(kind=kind, ref="f", **{size: value})],
+                ),
+            )
+        )
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    field = f"user_message.attachments[0].{size}"
+    assert details(refused.value)[:2] == ("INVALID_FIELD", [field])
+    after = await pool.fetchval("SELECT count(*) FROM session_events WHERE tenant_id = $1", tenant)
+    assert after == before
+
+
 def _types(value: Any) -> set[str]:
     """Every "type" a JSON value holds, at any depth."""
     if isinstance(value, dict):

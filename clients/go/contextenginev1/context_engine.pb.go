@@ -3076,9 +3076,11 @@ type Attachment struct {
 	Kind string `protobuf:"bytes,1,opt,name=kind,proto3" json:"kind,omitempty"`
 	// Where the adapter finds it.
 	Ref string `protobuf:"bytes,2,opt,name=ref,proto3" json:"ref,omitempty"`
-	// Pages, for a PDF.
+	// Pages, for a PDF: required, 1 to 2,814,749,767,106 (Build counts 3,200 tokens a page);
+	// else INVALID_FIELD naming it.
 	Pages int64 `protobuf:"varint,3,opt,name=pages,proto3" json:"pages,omitempty"`
-	// Inlined length in characters, for a text file.
+	// Inlined length in characters, for a text file: required, 1 to 2^53 - 1 (Build counts a
+	// token a character); else INVALID_FIELD naming it.
 	TextLength int64 `protobuf:"varint,4,opt,name=text_length,json=textLength,proto3" json:"text_length,omitempty"`
 }
 
@@ -3209,6 +3211,8 @@ type ToolCall struct {
 	ArgumentsJson string `protobuf:"bytes,3,opt,name=arguments_json,json=argumentsJson,proto3" json:"arguments_json,omitempty"`
 	// The working-state task this call works on, if any: the runtime moves the task to
 	// in_progress on the call and to done (or blocked, on an error result) on its result.
+	// A task the run's working state does not hold (none added yet, or evicted) is
+	// INVALID_FIELD naming items[i].tool_call.task_id: send the call without it.
 	TaskId string `protobuf:"bytes,4,opt,name=task_id,json=taskId,proto3" json:"task_id,omitempty"`
 }
 
@@ -3982,7 +3986,8 @@ type AppendItemsResponse struct {
 
 	// The run's new checkpoint version.
 	CheckpointVersion int64 `protobuf:"varint,1,opt,name=checkpoint_version,json=checkpointVersion,proto3" json:"checkpoint_version,omitempty"`
-	// Session sequence of each appended item, in order.
+	// Session sequence of each appended item, in order; 0 for a reasoning item, which is
+	// not logged.
 	Sequences []int64 `protobuf:"varint,2,rep,packed,name=sequences,proto3" json:"sequences,omitempty"`
 	// Id of each appended item, in order (assigned where the request left it empty).
 	ItemIds []string `protobuf:"bytes,3,rep,name=item_ids,json=itemIds,proto3" json:"item_ids,omitempty"`

@@ -43,9 +43,10 @@ type ContextEngineClient interface {
 	// pins seed_event_sequence to that event's sequence in the same transaction; a child run
 	// seeds from its parent's instruction over an empty history.
 	StartRun(ctx context.Context, in *StartRunRequest, opts ...grpc.CallOption) (*StartRunResponse, error)
-	// Appends what happened in a run (assistant messages, tool calls and results, opaque
-	// reasoning items, further user input) to the session log and writes the run's next
-	// checkpoint version. Optimistic: expected_checkpoint_version must be the latest.
+	// Appends what happened in a run (assistant messages, tool calls and results, further
+	// user input) to the session log, and opaque reasoning items to the run's checkpoint
+	// alone (never logged: ADR-0007), and writes the run's next checkpoint version.
+	// Optimistic: expected_checkpoint_version must be the latest.
 	AppendItems(ctx context.Context, in *AppendItemsRequest, opts ...grpc.CallOption) (*AppendItemsResponse, error)
 	// Assembles the run's next model request. A pure function of (plan, checkpoint, carried
 	// history, step context, clock): the same inputs return the same bytes. Records
@@ -261,9 +262,10 @@ type ContextEngineServer interface {
 	// pins seed_event_sequence to that event's sequence in the same transaction; a child run
 	// seeds from its parent's instruction over an empty history.
 	StartRun(context.Context, *StartRunRequest) (*StartRunResponse, error)
-	// Appends what happened in a run (assistant messages, tool calls and results, opaque
-	// reasoning items, further user input) to the session log and writes the run's next
-	// checkpoint version. Optimistic: expected_checkpoint_version must be the latest.
+	// Appends what happened in a run (assistant messages, tool calls and results, further
+	// user input) to the session log, and opaque reasoning items to the run's checkpoint
+	// alone (never logged: ADR-0007), and writes the run's next checkpoint version.
+	// Optimistic: expected_checkpoint_version must be the latest.
 	AppendItems(context.Context, *AppendItemsRequest) (*AppendItemsResponse, error)
 	// Assembles the run's next model request. A pure function of (plan, checkpoint, carried
 	// history, step context, clock): the same inputs return the same bytes. Records

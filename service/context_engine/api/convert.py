@@ -24,10 +24,11 @@ from ..core import items as ci
 from ..core.assemble import StepContext
 from ..core.attachment_sends import MessageAttachments
 from ..core.cache_hints import prefix_breakpoints
-from ..core.canonical import canonical_json_text, parse_json_object
+from ..core.canonical import MAX_SAFE_INTEGER, canonical_json_text, parse_json_object
 from ..core.enums import PlanReason, SessionKind, SideEffect
 from ..core.epochs import Admission
 from ..core.errors import InvalidFieldError
+from ..core.estimator import PDF_PAGE_TOKENS, TEXT_FILE_TOKENS_PER_BYTE
 from ..core.plan import ClassUsage, ContextPlan
 from ..core.pressure import PressureReport
 from ..core.request import Block, CacheBreakpoint, Message, ModelRequest, ToolDefinition
@@ -642,16 +643,35 @@ def item_from_proto(item: pb.ConversationItem, field: str, new_id: str) -> ci.Co
     )
 
 
+# The size each attachment kind is counted by (core/estimator.py): required, at least 1, and
+# at most what its content's tokens can be counted in (2^53 - 1). A PDF without its pages was
+# counted at one and sent whole, a text file without its length at none (an audit: a silent
+# overflow); pages past 2^63 / 3,200 overflowed the placement's token field, and every Build
+# the message reached failed INTERNAL.
+_SIZE_OF_KIND: dict[str, tuple[str, int]] = {
+    "image": ("", 0),
+    "pdf": ("pages", MAX_SAFE_INTEGER // PDF_PAGE_TOKENS),
+    "text_file": ("text_length", MAX_SAFE_INTEGER // TEXT_FILE_TOKENS_PER_BYTE),
+}
+
+
 def user_message_from_proto(message: pb.UserMessage, item_id: str, field: str) -> ci.UserMessage:
     attachments = []
     for n, a in enumerate(message.attachments):
         path = f"{field}.attachments[{n}]"
-        if a.kind not in ("image", "pdf", "text_file"):
+        if a.kind not in _SIZE_OF_KIND:
             raise InvalidFieldError(
                 f"{path}.kind must be image, pdf or text_file", field=f"{path}.kind"
             )
         if a.pages < 0 or a.text_length < 0:
             raise InvalidFieldError(f"{path} counts must not be negative", field=path)
+        size, most = _SIZE_OF_KIND[a.kind]
+        if size and not 1 <= getattr(a, size) <= most:
+            raise InvalidFieldError(
+                f"{path}.{size} is required for a {a.kind}, from 1 to {most}: Build counts"
+                f" its content by it",
+                field=f"{path}.{size}",
+            )
         attachments.append(
             ci.Attachment(kind=a.kind, ref=a.ref, pages=a.pages, text_length=a.text_length)
         )

@@ -36,10 +36,12 @@ class ContextEngineStub:
     plan that cannot open or a state that forbids the call. ABORTED: a lost optimistic
     race; re-read and retry. UNAVAILABLE: PostgreSQL is unreachable, or the server is
     shutting down (reason SHUTTING_DOWN); retry with backoff. A request that fails writes
-    nothing, with two deliberate exceptions (docs/api.md, Conventions): a Build refused with
-    BUDGET_EXCEEDED logs context.budget.exceeded, and a Build that finds its plan invalidated
-    by an erasure, or its plan lineage not yet reached by a Rotate without spec, commits that
-    rotation of its lineage before going on.
+    nothing, with four exceptions (docs/api.md, Conventions): a Build whose deadline passes
+    after its record was sent has that record committed; a Build refused with
+    BUDGET_EXCEEDED logs context.budget.exceeded; a Build that finds its plan invalidated by
+    an erasure, or its plan lineage not yet reached by a Rotate without spec, commits that
+    rotation of its lineage before going on; and an EraseSubject that fails part way has
+    redacted the sessions before the one it stopped at (resend it to finish).
     """
 
     def __init__(self, channel):
@@ -136,10 +138,12 @@ class ContextEngineServicer:
     plan that cannot open or a state that forbids the call. ABORTED: a lost optimistic
     race; re-read and retry. UNAVAILABLE: PostgreSQL is unreachable, or the server is
     shutting down (reason SHUTTING_DOWN); retry with backoff. A request that fails writes
-    nothing, with two deliberate exceptions (docs/api.md, Conventions): a Build refused with
-    BUDGET_EXCEEDED logs context.budget.exceeded, and a Build that finds its plan invalidated
-    by an erasure, or its plan lineage not yet reached by a Rotate without spec, commits that
-    rotation of its lineage before going on.
+    nothing, with four exceptions (docs/api.md, Conventions): a Build whose deadline passes
+    after its record was sent has that record committed; a Build refused with
+    BUDGET_EXCEEDED logs context.budget.exceeded; a Build that finds its plan invalidated by
+    an erasure, or its plan lineage not yet reached by a Rotate without spec, commits that
+    rotation of its lineage before going on; and an EraseSubject that fails part way has
+    redacted the sessions before the one it stopped at (resend it to finish).
     """
 
     def Plan(self, request, context):
@@ -189,9 +193,10 @@ class ContextEngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AppendItems(self, request, context):
-        """Appends what happened in a run (assistant messages, tool calls and results, opaque
-        reasoning items, further user input) to the session log and writes the run's next
-        checkpoint version. Optimistic: expected_checkpoint_version must be the latest.
+        """Appends what happened in a run (assistant messages, tool calls and results, further
+        user input) to the session log, and opaque reasoning items to the run's checkpoint
+        alone (never logged: ADR-0007), and writes the run's next checkpoint version.
+        Optimistic: expected_checkpoint_version must be the latest.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -383,10 +388,12 @@ class ContextEngine:
     plan that cannot open or a state that forbids the call. ABORTED: a lost optimistic
     race; re-read and retry. UNAVAILABLE: PostgreSQL is unreachable, or the server is
     shutting down (reason SHUTTING_DOWN); retry with backoff. A request that fails writes
-    nothing, with two deliberate exceptions (docs/api.md, Conventions): a Build refused with
-    BUDGET_EXCEEDED logs context.budget.exceeded, and a Build that finds its plan invalidated
-    by an erasure, or its plan lineage not yet reached by a Rotate without spec, commits that
-    rotation of its lineage before going on.
+    nothing, with four exceptions (docs/api.md, Conventions): a Build whose deadline passes
+    after its record was sent has that record committed; a Build refused with
+    BUDGET_EXCEEDED logs context.budget.exceeded; a Build that finds its plan invalidated by
+    an erasure, or its plan lineage not yet reached by a Rotate without spec, commits that
+    rotation of its lineage before going on; and an EraseSubject that fails part way has
+    redacted the sessions before the one it stopped at (resend it to finish).
     """
 
     @staticmethod
