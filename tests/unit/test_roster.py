@@ -1070,3 +1070,41 @@ def test_an_array_schema_without_items_is_refused_for_an_openai_model_only(
     given = {"type": "object", "properties": {"tags": {"type": "array", "items": {}}}}
     fine = spec.model_copy(update={"tools": (tool("bad.tool", input_schema=given),)})
     assert _plan(fine, model=openai).tool_names == ("bad.tool",)
+
+
+@pytest.mark.parametrize(
+    ("bad", "keyword"),
+    [
+        ({"type": "integer", "minimum": 0, "exclusiveMinimum": True}, "exclusiveMinimum"),
+        ({"type": "int"}, "type"),
+        ({"type": ["string", "string"]}, "type"),
+        ({"type": "string", "minLength": -1}, "minLength"),
+        ({"type": "string", "maxLength": 2.5}, "maxLength"),
+        ({"type": "number", "multipleOf": 0}, "multipleOf"),
+        ({"type": "array", "items": {}, "uniqueItems": "yes"}, "uniqueItems"),
+        ({"type": "object", "required": ["a", "a"]}, "required"),
+    ],
+)
+def test_a_keyword_value_json_schema_does_not_allow_is_refused_for_an_anthropic_model(
+    bad: dict[str, object], keyword: str
+) -> None:
+    """Anthropic refuses an input schema that is not valid JSON Schema draft 2020-12 ("JSON
+    schema is invalid") on every request: a draft-4 boolean exclusiveMinimum (MCP servers
+    ship them), a type no JSON Schema has, a negative length. Plan took them (an audit).
+    The plan of an Anthropic model refuses the tool, naming the keyword and where."""
+    schema = {"type": "object", "properties": {"n": bad}}
+    spec = PlanSpec(
+        model_id="m",
+        agent=AgentSpec(enabled_tools=("bad.tool",)),
+        tools=(tool("bad.tool", input_schema=schema),),
+        policy=_policy(),
+    )
+    with pytest.raises(InvalidFieldError) as caught:
+        _plan(spec, model=replace(MODEL, provider="anthropic"))
+    assert caught.value.field == "spec.tools[0].input_schema_json"
+    assert f"has a {keyword} that is not" in str(caught.value)
+    assert f"(properties.n.{keyword})" in str(caught.value)
+    fine = {"type": "integer", "minimum": 0, "exclusiveMaximum": 10, "multipleOf": 2}
+    good = schema | {"properties": {"n": fine}, "required": ["n"]}
+    ok = spec.model_copy(update={"tools": (tool("bad.tool", input_schema=good),)})
+    assert _plan(ok, model=replace(MODEL, provider="anthropic")).tool_names == ("bad.tool",)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from .canonical import canonical_bytes
@@ -57,7 +57,11 @@ def input_schema_problem(schema: Mapping[str, Any], provider: str = "") -> str |
     Anthropic's pattern; with "openai", an array schema without `items` anywhere in it
     (OpenAI's "array schema missing items", strict or not: MCP servers ship such
     schemas). Plan refuses it (a tool's definition is in every request's prefix), and so
-    does a rebuild of a pinned spec, whose model is known then."""
+    does a rebuild of a pinned spec, whose model is known then. With "anthropic", also a
+    validation keyword whose value JSON Schema draft 2020-12 does not allow (a draft-4
+    `"exclusiveMinimum": true`, `"type": "int"`, a negative `minLength`, a `required`
+    naming a property twice): Anthropic refuses the schema as invalid on every request
+    (an audit: Plan took them)."""
     if schema.get("type") != "object":
         return 'must be a JSON Schema with "type": "object" (tool input is an object)'
     combined = [k for k in _TOP_LEVEL_COMBINATORS if k in schema]
@@ -79,6 +83,10 @@ def input_schema_problem(schema: Mapping[str, Any], provider: str = "") -> str |
                 " Anthropic refuses on every request (names must match"
                 f" {_ANTHROPIC_PROPERTY_KEY.pattern!r}): rename them"
             )
+    if provider == "anthropic":
+        misvalued = _misvalued(schema)
+        if misvalued is not None:
+            return misvalued
     if provider == "openai":
         at = _array_without_items(schema)
         if at is not None:
@@ -89,19 +97,15 @@ def input_schema_problem(schema: Mapping[str, Any], provider: str = "") -> str |
     return None
 
 
-def _array_without_items(schema: Mapping[str, Any]) -> str | None:
-    """Where a subschema of `schema` (well-formed: `_malformed` found nothing) types an
-    array, alone or among other types, without `items`; None if nowhere."""
+def _subschemas(schema: Mapping[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
+    """Every subschema of `schema` (well-formed: `_malformed` found nothing) that is an
+    object, with where it is, `schema` itself first ("")."""
     pending: list[tuple[Any, str]] = [(schema, "")]
     while pending:
         node, at = pending.pop()
         if not isinstance(node, dict):
             continue
-        kind = node.get("type")
-        if (kind == "array" or (isinstance(kind, list) and "array" in kind)) and (
-            "items" not in node
-        ):
-            return at
+        yield node, at
         for key, value in node.items():
             where = f"{at}.{key}" if at else key
             if key in _SCHEMA_MAPS and isinstance(value, dict):
@@ -110,6 +114,85 @@ def _array_without_items(schema: Mapping[str, Any]) -> str | None:
                 pending += [(v, f"{where}[{n}]") for n, v in enumerate(value)]
             elif key in _SCHEMA_ONE:
                 pending.append((value, where))
+
+
+def _array_without_items(schema: Mapping[str, Any]) -> str | None:
+    """Where a subschema of `schema` types an array, alone or among other types, without
+    `items`; None if nowhere."""
+    for node, at in _subschemas(schema):
+        kind = node.get("type")
+        if (kind == "array" or (isinstance(kind, list) and "array" in kind)) and (
+            "items" not in node
+        ):
+            return at
+    return None
+
+
+_TYPES = frozenset({"array", "boolean", "integer", "null", "number", "object", "string"})
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _count(value: Any) -> bool:
+    """A non-negative integer (draft 2020-12 allows an integral number: 2.0)."""
+    return _number(value) and value >= 0 and float(value).is_integer()
+
+
+def _type(value: Any) -> bool:
+    if isinstance(value, str):
+        return value in _TYPES
+    return (
+        isinstance(value, list)
+        and len(value) > 0
+        and all(isinstance(v, str) and v in _TYPES for v in value)
+        and len(set(value)) == len(value)
+    )
+
+
+def _names(value: Any) -> bool:
+    """A list of distinct strings (`_malformed` checked it is a list of strings)."""
+    return len(set(value)) == len(value)
+
+
+# Draft 2020-12's validation keywords -> what their value must be, and how to say it. A
+# value outside it fails the metaschema, and Anthropic refuses the whole request.
+_KEYWORD_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "type": (_type, f"one of {', '.join(sorted(_TYPES))}, or a list of distinct ones"),
+    "multipleOf": (lambda v: _number(v) and v > 0, "a number above 0"),
+    "maximum": (_number, "a number"),
+    "exclusiveMaximum": (_number, "a number (draft 4's boolean form is not JSON Schema now)"),
+    "minimum": (_number, "a number"),
+    "exclusiveMinimum": (_number, "a number (draft 4's boolean form is not JSON Schema now)"),
+    "maxLength": (_count, "a non-negative integer"),
+    "minLength": (_count, "a non-negative integer"),
+    "maxItems": (_count, "a non-negative integer"),
+    "minItems": (_count, "a non-negative integer"),
+    "maxContains": (_count, "a non-negative integer"),
+    "minContains": (_count, "a non-negative integer"),
+    "maxProperties": (_count, "a non-negative integer"),
+    "minProperties": (_count, "a non-negative integer"),
+    "uniqueItems": (lambda v: isinstance(v, bool), "true or false"),
+    "pattern": (lambda v: isinstance(v, str), "a string"),
+    "format": (lambda v: isinstance(v, str), "a string"),
+    "enum": (lambda v: isinstance(v, list), "an array"),
+    "required": (_names, "property names, each once"),
+}
+
+
+def _misvalued(schema: Mapping[str, Any]) -> str | None:
+    """Where a subschema of `schema` gives a validation keyword a value draft 2020-12 does
+    not allow (_KEYWORD_VALUES); None if nowhere."""
+    for node, at in _subschemas(schema):
+        for key, (allowed, what) in _KEYWORD_VALUES.items():
+            if key in node and not allowed(node[key]):
+                where = f"{at}.{key}" if at else key
+                return (
+                    f"has a {key} that is not {what} ({where}), which Anthropic refuses on"
+                    " every request (an input schema must be valid JSON Schema draft"
+                    " 2020-12)"
+                )
     return None
 
 
