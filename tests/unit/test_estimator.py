@@ -8,6 +8,7 @@ import gzip
 import json
 import logging
 import random
+import string
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -670,6 +671,32 @@ def test_heuristic_covers_both_tokenizers_on_control_characters(
     text: str, exact: Mapping[str, Callable[[str], int]]
 ) -> None:
     _assert_covers(text, exact)
+
+
+def test_a_run_of_one_punctuation_character_is_covered_at_every_length(
+    exact: Mapping[str, Callable[[str], int]],
+) -> None:
+    """BPE merges "}", ":" or '"' only in pairs: a run of 299 "}" is 150 tokens, priced at
+    10 by a flat repeat (an audit; hypothesis found 41 ":" at 5 for cl100k's 6). Every ASCII
+    punctuation character, at every run length up to 400."""
+    for char in string.punctuation:
+        for length in range(1, 401):
+            _assert_covers(char * length, exact)
+
+
+@PROPERTY
+@given(
+    text=st.lists(
+        st.tuples(st.sampled_from(string.punctuation), st.integers(1, 40)), min_size=1, max_size=8
+    ).map(lambda runs: "".join(char * n for char, n in runs)),
+    framed=st.booleans(),
+)
+@example(text="}" * 25 + "[" * 31, framed=True)
+@example(text="{" * 19 + "[" * 27 + "{" * 14, framed=False)
+def test_a_run_of_mixed_punctuation_repeats_is_covered(
+    text: str, framed: bool, exact: Mapping[str, Callable[[str], int]]
+) -> None:
+    _assert_covers(f"word {text} more" if framed else text, exact)
 
 
 def test_whitespace_bound_leaves_prose_and_indentation_at_their_fitted_cost() -> None:

@@ -300,11 +300,17 @@ def test_a_rebuild_of_an_assembler_12_record_counts_as_12_did() -> None:
     counters = {"heuristic": heuristic_count, **EXACT}
     for (name, room), (compacts, estimated, digest) in _AT_12.items():
         figures = _figures(counters[name], room, counted=False)
+        now = _figures(counters[name], room, counted=True)
+        assert now["estimated_input_tokens"] > figures["estimated_input_tokens"]
+        if name == "heuristic":
+            # The heuristic itself moved at context-assembler@21 (a punctuation run's
+            # repeats, core/estimator.py): its @12 figures are not reproduced, and GetBuild
+            # refuses such a record on its figures (core/build_record.py Rule 9).
+            continue
         canonical = json.dumps(figures, sort_keys=True).encode()
         assert (figures["needs_compaction"], figures["estimated_input_tokens"]) == (
             compacts,
             estimated,
         )
         assert hashlib.sha256(canonical).hexdigest() == digest
-        now = _figures(counters[name], room, counted=True)
         assert now["estimated_input_tokens"] > estimated

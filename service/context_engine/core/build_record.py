@@ -37,7 +37,10 @@ failed-result line (`failed_result_line`) and costed images at the flat IMAGE_TO
 record of context-assembler@2 or older read a child run's user messages as the user's
 (`delegated_messages`).
 @21 sends an OpenAI call id over 64 characters cut and digested (providers/call_ids.py):
-a record of @20 or older holding one, which the API refused, does not rebuild.
+a record of @20 or older holding one, which the API refused, does not rebuild; and its
+heuristic prices each repeat in a punctuation run of four or more at what BPE spends on it
+(core/estimator.py): a record of @20 counted by the heuristic whose text held such a run
+is refused on its figures (Rule 9).
 GetBuild serves a rebuild only when it matches the recorded request hash and, where
 recorded, the payload hash; otherwise it refuses (REQUEST_NOT_FOUND, naming both
 versions), never serving bytes the provider did not receive.
