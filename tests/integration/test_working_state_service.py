@@ -1133,6 +1133,31 @@ async def test_a_fact_restating_an_earlier_runs_untrusted_result_is_held_to_its_
     assert [c.fact.statement for c in offered.candidates] == ["The user wants the hotel booked."]
 
 
+async def test_the_earlier_results_a_fact_is_compared_with_are_bounded_by_characters(
+    stub: Any, pool: Any
+) -> None:
+    """Matching a fact scans every source it is compared with, under the session's lock: the
+    earlier runs' results are read newest first only until CARRIED_SOURCE_CHARS characters
+    (the one crossing it included), not 500 of up to 4 MB each (a review)."""
+    from context_engine.api.working_state import CARRIED_SOURCE_CHARS
+    from context_engine.store import events
+
+    session_id, _ = await open_session(stub)
+    first = (await start_run(stub, session_id, "Fetch the pages")).run.run_id
+    version, size = 1, CARRIED_SOURCE_CHARS * 6 // 10
+    for n in range(3):
+        page = result(f"p{n}", f"page {n} " + "x" * size)
+        version = (
+            await append_items(stub, session_id, first, version, call(f"p{n}"), page)
+        ).checkpoint_version
+    seed = (await start_run(stub, session_id, "And now?")).run.seed_event_sequence
+    async with pool.acquire() as conn:
+        read = await events.read_carried_results(
+            conn, TENANT, UUID(session_id), seed, [5, 6], 500, CARRIED_SOURCE_CHARS
+        )
+    assert [r.content[:6] for r in read] == ["page 2", "page 1"]  # 0.6 M, then 1.2 M read
+
+
 async def test_a_tool_result_labelled_user_is_not_the_users_word(stub: Any) -> None:
     """docs/api.md: a tool's result is no user source. A result a worker labelled USER
     (an email tool's) counted as one, and a fact citing it was offered (an audit); only

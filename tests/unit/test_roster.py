@@ -1083,6 +1083,7 @@ def test_an_array_schema_without_items_is_refused_for_an_openai_model_only(
         ({"type": "number", "multipleOf": 0}, "multipleOf"),
         ({"type": "array", "items": {}, "uniqueItems": "yes"}, "uniqueItems"),
         ({"type": "object", "required": ["a", "a"]}, "required"),
+        ({"type": "object", "required": None}, "required"),
     ],
 )
 def test_a_keyword_value_json_schema_does_not_allow_is_refused_for_an_anthropic_model(

@@ -54,8 +54,11 @@ const spec: PlanSpec = {
     ),
   ],
   environment: { surface: 'chat', time_zone: 'Europe/Paris' },
-  reserve_output_tokens: 1024,
-  policy_cap_tokens: Number(env.POLICY_CAP_TOKENS ?? 0), // 0: the model's window
+  // A small cap shows compaction on a short session; the answer then has 1,024 tokens. By
+  // default the model's window and its own output reserve apply.
+  ...(env.POLICY_CAP_TOKENS
+    ? { policy_cap_tokens: Number(env.POLICY_CAP_TOKENS), reserve_output_tokens: 1024 }
+    : {}),
 };
 
 // Each provider API: where to POST the payload, how to authenticate, how to read the reply.
@@ -107,8 +110,12 @@ const PROVIDERS: Record<
   },
 };
 
-// The provider API the session's builds go to: its summaries go there too.
+// The provider API the session's builds go to (from its plan): its summaries go there too.
 let providerApi = '';
+const PROVIDER_APIS: Record<string, string> = {
+  PROVIDER_ANTHROPIC: 'anthropic.messages',
+  PROVIDER_OPENAI: 'openai.responses',
+};
 
 async function post(apiName: string, body: Uint8Array<ArrayBuffer> | string): Promise<ModelTurn> {
   const api = PROVIDERS[apiName];
@@ -168,6 +175,7 @@ async function main(): Promise<void> {
   const engine = new ContextEngineClient({ target, tenantId, token: env.CONTEXT_ENGINE_TOKEN });
   try {
     const session = await engine.openSession(spec);
+    providerApi = PROVIDER_APIS[String(session.plan.provider)] ?? '';
     console.log(`session ${session.sessionId}: epoch ${session.plan.epoch}, prefix ${session.plan.prefix_tokens} tokens`);
     const run = await session.startRun(question);
     const result = await run.toolLoop({ callModel, runTool, summarize, now: () => new Date() });

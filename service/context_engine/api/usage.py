@@ -231,20 +231,24 @@ async def _reconcile(
     # Nor from a request that sent attachment content, counted at fixed figures no factor
     # scales (an image at 1,600 tokens that a provider reads as 765 pulled a learned 1.5
     # down to 1.01 over a dozen reports: an audit).
+    exact = (counted if isinstance(counted, str) else tokenizer_of(planned_model)) != (
+        HEURISTIC_TOKENIZER
+    )
+    sample, seen = learned_sample(estimated, actual, prefix, exact)
+    # The bound holds for the pair learned too: a body's ratio is the whole request's
+    # magnified, and one report 11% over a request behind a 40x prefix would have set the
+    # factor to 4x outright (a review).
     absorbed = (
         not learned
         and same_model(report.model_id, planned_model)
         and same_counter
         and plausible_sample(estimated, actual, used)
+        and plausible_sample(sample, seen, used)
         and not recorded.get(ATTACHMENT_TOKENS_KEY, 0)
     )
     correction: Correction | None = None
     if absorbed:
         current = previous.factor_ppm if previous is not None else PPM
-        exact = (counted if isinstance(counted, str) else tokenizer_of(planned_model)) != (
-            HEURISTIC_TOKENIZER
-        )
-        sample, seen = learned_sample(estimated, actual, prefix, exact)
         # reconcile() reads the estimate as made under the current factor; this request was
         # built under the factor its checkpoint pinned, so restate it under the current one.
         restated = -(-sample * current // used)

@@ -8,6 +8,7 @@ run's state is a fold over the log (core.working_state.carry), never a checkpoin
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
@@ -212,7 +213,9 @@ async def _lowered_facts(
         # And the earlier runs' results it carried: a page fetched a turn before was
         # restated the same way (an audit).
         shown += await _carried_sources(conn, tenant_id, session_id, run)
-        facts = [_quoted_trust(f, shown, found) for f in facts]
+        # Matching scans every source for each fact: CPU work, off the event loop (a
+        # review: seconds of it held every tenant's calls on the replica).
+        facts = await asyncio.to_thread(lambda: [_quoted_trust(f, shown, found) for f in facts])
         if erased:
             # What an erasure took out of the run's view is gone, so a fact cannot be
             # compared with it: one the run writes afterwards is held at MEMORY (an audit:
@@ -271,28 +274,31 @@ def _run_sources(checkpoint: Checkpoint) -> list[Source]:
     return items + claims
 
 
-# How many of the earlier runs' untrusted results a new fact is compared with, newest
-# first: a bound on what an update adding a fact reads under the session's lock, however
-# long the session. A request carries far fewer than this of them on any window but the
-# largest, so older ones were cut from the run's view before it began.
+# How much of the earlier runs' untrusted results a new fact is compared with, newest first:
+# a bound on what an update adding a fact reads under the session's lock and matches,
+# however long the session (about 0.7 us a character a fact). A request carries far less of
+# them on any window but the largest, so older ones were cut from the run's view.
 CARRIED_SOURCES = 500
+CARRIED_SOURCE_CHARS = 1_000_000
 _UNTRUSTED = [int(level) for level in TrustLevel if level not in SUMMARIZABLE]
 
 
 async def _carried_sources(
     conn: Any, tenant_id: str, session_id: UUID, run: runs.RunRow
 ) -> list[Source]:
-    """The tool results of earlier runs that the run carried (above the summary floor it
-    began with) below what a fact may restate freely, as _run_sources holds the run's
-    own: the newest CARRIED_SOURCES of them."""
+    """The tool results of earlier runs that the run carries below what a fact may restate
+    freely, as _run_sources holds the run's own: the newest CARRIED_SOURCES of them, and
+    no more once CARRIED_SOURCE_CHARS characters are read. A child run carries none."""
+    if run.parent_run_id is not None:
+        return []
     carried = await events.read_carried_results(
         conn,
         tenant_id,
         session_id,
-        run.run_id,
         seed_cut(run.seed_event_sequence),
         _UNTRUSTED,
         CARRIED_SOURCES,
+        CARRIED_SOURCE_CHARS,
     )
     return [(text, trust_of(i)) for i in carried for text in held_texts(i)]
 

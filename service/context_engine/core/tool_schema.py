@@ -152,8 +152,13 @@ def _type(value: Any) -> bool:
 
 
 def _names(value: Any) -> bool:
-    """A list of distinct strings (`_malformed` checked it is a list of strings)."""
-    return len(set(value)) == len(value)
+    """A list of distinct strings (`_malformed` lets a null `required` through, and one
+    under `dependencies`, a draft-4 name list: a review found them raising TypeError)."""
+    return (
+        isinstance(value, list)
+        and all(isinstance(v, str) for v in value)
+        and len(set(value)) == len(value)
+    )
 
 
 # Draft 2020-12's validation keywords -> what their value must be, and how to say it. A

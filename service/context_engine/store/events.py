@@ -124,30 +124,35 @@ async def read_carried_results(
     conn: Any,
     tenant_id: str,
     session_id: UUID,
-    run_id: UUID,
     below_sequence: int,
     trust_levels: Sequence[int],
     limit: int,
+    max_chars: int,
 ) -> list[ConversationItem]:
-    """The newest `limit` tool results of top-level runs that the run `run_id` carried,
-    whose trust is one of `trust_levels`, newest first: those with sequence < below (the
-    run's seed cut) and above the summary floor the run began with (its first checkpoint's:
-    a compaction during the run raises its floor, but its earlier requests carried what
-    lay above the first). The by-type index, walked backward."""
+    """The newest tool results of top-level runs below `below_sequence` (a run's seed cut:
+    what it carries) whose trust is one of `trust_levels`, newest first: at most `limit`
+    of them, and no more once `max_chars` characters of content (and excerpt) are read,
+    the one crossing it included. The by-type index, walked backward."""
     rows = await conn.fetch(
-        "SELECT sequence, run_id, payload FROM session_events"
-        " WHERE tenant_id = $1 AND session_id = $2 AND type = 'tool.result.created'"
-        " AND in_history AND sequence < $4 AND sequence > coalesce(("
-        "   SELECT (body->>'replaced_through_sequence')::bigint FROM run_checkpoints"
-        "   WHERE tenant_id = $1 AND run_id = $3 AND version = 1), 0)"
-        " AND (payload->>'trust')::int = ANY($5::int[])"
-        " ORDER BY sequence DESC LIMIT $6",
+        "SELECT sequence, run_id, payload FROM ("
+        "  SELECT sequence, run_id, payload, sum(length(payload->>'content')"
+        "    + coalesce(length(payload->>'context_content'), 0))"
+        "    OVER (ORDER BY sequence DESC) AS read FROM ("
+        "      SELECT sequence, run_id, payload FROM session_events"
+        "      WHERE tenant_id = $1 AND session_id = $2 AND type = 'tool.result.created'"
+        "      AND in_history AND sequence < $3"
+        "      AND (payload->>'trust')::int = ANY($4::int[])"
+        "      ORDER BY sequence DESC LIMIT $5) newest"
+        ") counted"
+        " WHERE read - length(payload->>'content')"
+        "   - coalesce(length(payload->>'context_content'), 0) < $6"
+        " ORDER BY sequence DESC",
         tenant_id,
         session_id,
-        run_id,
         below_sequence,
         list(trust_levels),
         limit,
+        max_chars,
     )
     return [_item(r) for r in rows]
 
