@@ -5538,12 +5538,12 @@ type ReportUsageResponse struct {
 	// "gpt-4o-2024-08-06", counts as the planned model), when another tokenizer counted the
 	// request's estimate than this replica counts the model with, when the input tokens are
 	// outside 0.1-4 times the estimate divided by the factor it was built under (no drift
-	// explains them, nor the body's tokens behind an exact prefix), when the request sent
-	// attachment content (counted at fixed figures no factor scales), or when a report under
-	// another key already corrected the factor from this request (one response, one
-	// sample). A replay (the same idempotency key) answers as the first report did. Behind
+	// explains them), when the request sent attachment content (counted at fixed figures
+	// no factor scales), or when a report under another key already corrected the factor
+	// from this request (one response, one sample). A replay (the same idempotency key) answers as the first report did. Behind
 	// an exact prefix a report teaches the body's own ratio (or the whole request's, where
-	// larger); behind a heuristic one, the whole request's (docs/api.md, ReportUsage).
+	// larger or where the body's is outside that bound); behind a heuristic one, the whole
+	// request's (docs/api.md, ReportUsage).
 	Absorbed bool `protobuf:"varint,5,opt,name=absorbed,proto3" json:"absorbed,omitempty"`
 }
 

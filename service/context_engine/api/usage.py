@@ -235,15 +235,16 @@ async def _reconcile(
         HEURISTIC_TOKENIZER
     )
     sample, seen = learned_sample(estimated, actual, prefix, exact)
-    # The bound holds for the pair learned too: a body's ratio is the whole request's
-    # magnified, and one report 11% over a request behind a 40x prefix would have set the
-    # factor to 4x outright (a review).
+    if not plausible_sample(sample, seen, used):
+        # A body's ratio is the whole request's magnified: one no drift explains is not
+        # learned (one report 11% over a request behind a 40x prefix set the factor to 4x
+        # outright: a review); the whole request's is, as before.
+        sample, seen = estimated, actual
     absorbed = (
         not learned
         and same_model(report.model_id, planned_model)
         and same_counter
         and plausible_sample(estimated, actual, used)
-        and plausible_sample(sample, seen, used)
         and not recorded.get(ATTACHMENT_TOKENS_KEY, 0)
     )
     correction: Correction | None = None
