@@ -73,7 +73,7 @@ the CPython 3.11 standard library (source, docstrings, documentation topics), ge
 tool output, base64/hex/UUID blobs, random alphanumeric and punctuation strings, and a
 hand-written corpus in sixteen languages (``bench/corpus/non_latin.txt``), then rounded up.
 ``python -m bench.estimator`` reports the signed error against both tokenizers: about +10% on
-prose and +13-14% on code and JSON, never under by more than 1% on any sample. On held-out text
+prose and +13-15% on code and JSON, never under by more than 1% on any sample. On held-out text
 (the 3.12 and 3.13 standard libraries) the mean is the same and the worst sample is 4% under.
 
 Known limits, stated rather than hidden. The proxies are not Claude's tokenizer, which can
