@@ -3,9 +3,10 @@
 Rule 1: the estimate is the one recorded on the request's model.request.started event
 (prefix exact + body and the request's framing estimated); the actual is input + cache
 read + cache creation tokens. What a report teaches is core/estimator.py learned_sample:
-the body's own ratio behind an exact prefix (or the whole request's, when larger), the
-whole request's behind a heuristic one; a request that sent attachment content teaches
-nothing (their figures are fixed, never scaled).
+the body's own ratio behind an exact prefix (or the whole request's, when larger or when
+the body's is outside plausible_sample's bound), the whole request's behind a heuristic
+one; a request that sent attachment content teaches nothing (their figures are fixed,
+never scaled).
 Rule 2: the per-model correction factor (core.estimator.reconcile) is per tenant, persisted
 in estimator_corrections, and resets when the model changes: a report answered by another
 model than the request was built for, or whose estimate another tokenizer counted than this
@@ -228,9 +229,6 @@ async def _reconcile(
     # Nor from a report no tokenizer drift explains (core/estimator.py plausible_sample),
     # nor from a second report of a request one was learned from (`learned`: under another
     # key; each counted, contradictory figures too: an audit). One response, one sample.
-    # Nor from a request that sent attachment content, counted at fixed figures no factor
-    # scales (an image at 1,600 tokens that a provider reads as 765 pulled a learned 1.5
-    # down to 1.01 over a dozen reports: an audit).
     exact = (counted if isinstance(counted, str) else tokenizer_of(planned_model)) != (
         HEURISTIC_TOKENIZER
     )
@@ -240,6 +238,9 @@ async def _reconcile(
         # learned (one report 11% over a request behind a 40x prefix set the factor to 4x
         # outright: a review); the whole request's is, as before.
         sample, seen = estimated, actual
+    # Nor from a request that sent attachment content, counted at fixed figures no factor
+    # scales (an image at 1,600 tokens that a provider reads as 765 pulled a learned 1.5
+    # down to 1.01 over a dozen reports: an audit).
     absorbed = (
         not learned
         and same_model(report.model_id, planned_model)
