@@ -149,7 +149,15 @@ def _database(settings: Settings, *, create: bool = True) -> tuple[str, Any]:
 
 
 def _fake_provider(args: argparse.Namespace) -> int:
-    from .fake_provider.__main__ import main as fake_main
+    try:
+        from .fake_provider.__main__ import main as fake_main
+    except ModuleNotFoundError as exc:  # jsonschema: a test tool's dependency, in [dev]
+        print(
+            f"context-engine fake-provider: {exc.name} is not installed; the fake provider"
+            " needs the dev extra: pip install 'context-engine[dev]'",
+            file=sys.stderr,
+        )
+        return 2
 
     return int(fake_main(["--listen", args.listen]) or 0)
 

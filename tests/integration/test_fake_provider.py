@@ -306,6 +306,9 @@ def _one_tool_loop(tool_id: str) -> list[dict[str, Any]]:
     ]
 
 
+USER_HI = {"role": "user", "content": "hi"}
+
+
 def test_tool_use_ids_must_match_the_api_pattern(claude: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.BadRequestError, match="should match pattern"):
         ask(claude, tools=[TOOL], messages=_one_tool_loop("functions.lookup:0"))
@@ -331,6 +334,27 @@ def test_a_property_name_outside_anthropics_pattern_is_a_bad_request(
     bracketed = {**TOOL, "input_schema": {"type": "object", "properties": {"filter[id]": {}}}}
     with pytest.raises(anthropic.BadRequestError, match="Property keys should match"):
         ask(claude, tools=[bracketed], messages=[{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"type": "integer", "exclusiveMinimum": True},  # draft 4's boolean form
+        {"type": "array", "items": [{"type": "string"}]},  # draft 4's tuple form
+        {"type": "string", "description": 3},
+    ],
+)
+def test_an_input_schema_outside_draft_2020_12_is_a_bad_request(
+    claude: anthropic.Anthropic, bad: dict[str, object]
+) -> None:
+    """Anthropic validates each tool's input schema against JSON Schema draft 2020-12 and
+    refuses the request when it fails (Rule V13): the fake took such schemas, so only
+    Plan's own check (core/tool_schema.py) stood between a worker and the 400."""
+    schema = {"type": "object", "properties": {"q": bad}}
+    with pytest.raises(anthropic.BadRequestError, match="must match JSON Schema draft 2020-12"):
+        ask(claude, tools=[{**TOOL, "input_schema": schema}], messages=[USER_HI])
+    fine = {"type": "object", "properties": {"q": {"type": "array", "prefixItems": [{}]}}}
+    assert ask(claude, tools=[{**TOOL, "input_schema": fine}], messages=[USER_HI]).content
 
 
 def test_whitespace_text_and_an_assistant_first_conversation_are_bad_requests(

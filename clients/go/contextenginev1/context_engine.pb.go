@@ -1228,8 +1228,9 @@ type ToolSpec struct {
 	// INVALID_FIELD; nested under a property they are fine). Every schema keyword holds a
 	// schema ("properties" an object, "required" a list of names), and for an Anthropic
 	// model each top-level property name of a model-visible tool not deferred matches
-	// ^[a-zA-Z0-9_.-]{1,64}$ and every validation keyword holds what JSON Schema draft
-	// 2020-12 allows (no draft-4 boolean exclusiveMinimum, say), and for an OpenAI model every
+	// ^[a-zA-Z0-9_.-]{1,64}$ and every keyword holds what JSON Schema draft 2020-12's
+	// metaschema allows (no draft-4 boolean exclusiveMinimum or list-form items, no numeric
+	// description, say), and for an OpenAI model every
 	// array schema has items (else INVALID_FIELD: the provider would refuse every request).
 	// Empty means {"type": "object"}. Re-serialized canonically.
 	InputSchemaJson string `protobuf:"bytes,3,opt,name=input_schema_json,json=inputSchemaJson,proto3" json:"input_schema_json,omitempty"`

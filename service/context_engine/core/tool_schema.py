@@ -161,8 +161,39 @@ def _names(value: Any) -> bool:
     )
 
 
-# Draft 2020-12's validation keywords -> what their value must be, and how to say it. A
-# value outside it fails the metaschema, and Anthropic refuses the whole request.
+def _text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _flag(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+# The metaschema's pattern for $anchor and $dynamicAnchor (a plain name, no "#").
+_ANCHOR = re.compile(r"[A-Za-z_][-A-Za-z0-9._]*")
+
+
+def _anchor(value: Any) -> bool:
+    return isinstance(value, str) and _ANCHOR.fullmatch(value) is not None
+
+
+def _schemas(value: Any) -> bool:
+    """A non-empty list (of schemas: `_malformed` has looked at its members)."""
+    return isinstance(value, list) and len(value) > 0
+
+
+def _name_lists(value: Any) -> bool:
+    return isinstance(value, dict) and all(_names(v) for v in value.values())
+
+
+def _vocabulary(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(v, bool) for v in value.values())
+
+
+# Draft 2020-12's keywords -> what their value must be, and how to say it: every keyword
+# of its metaschema whose value is not a schema (those are _malformed's), checked against
+# that metaschema by tests/unit/test_tool_schema_metaschema.py. A value outside it fails
+# the metaschema, and Anthropic refuses the whole request ("JSON schema is invalid").
 _KEYWORD_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "type": (_type, f"one of {', '.join(sorted(_TYPES))}, or a list of distinct ones"),
     "multipleOf": (lambda v: _number(v) and v > 0, "a number above 0"),
@@ -183,6 +214,31 @@ _KEYWORD_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "format": (lambda v: isinstance(v, str), "a string"),
     "enum": (lambda v: isinstance(v, list), "an array"),
     "required": (_names, "property names, each once"),
+    "dependentRequired": (_name_lists, "an object of property-name lists, each name once"),
+    # Draft 2020-12's array form is prefixItems: its items is one schema (draft 4's tuple
+    # form, which _malformed walks, fails the metaschema).
+    "items": (lambda v: not isinstance(v, list), "a schema (a list of them is prefixItems)"),
+    "prefixItems": (_schemas, "a non-empty list of schemas"),
+    "allOf": (_schemas, "a non-empty list of schemas"),
+    "anyOf": (_schemas, "a non-empty list of schemas"),
+    "oneOf": (_schemas, "a non-empty list of schemas"),
+    # The core, meta-data and content vocabularies: annotations, but typed all the same.
+    "$id": (_text, "a string"),
+    "$schema": (_text, "a string"),
+    "$ref": (_text, "a string"),
+    "$dynamicRef": (_text, "a string"),
+    "$comment": (_text, "a string"),
+    "$anchor": (_anchor, f"a name matching {_ANCHOR.pattern!r}"),
+    "$dynamicAnchor": (_anchor, f"a name matching {_ANCHOR.pattern!r}"),
+    "$vocabulary": (_vocabulary, "an object of true or false"),
+    "title": (_text, "a string"),
+    "description": (_text, "a string"),
+    "deprecated": (_flag, "true or false"),
+    "readOnly": (_flag, "true or false"),
+    "writeOnly": (_flag, "true or false"),
+    "examples": (lambda v: isinstance(v, list), "an array"),
+    "contentEncoding": (_text, "a string"),
+    "contentMediaType": (_text, "a string"),
 }
 
 

@@ -30,14 +30,21 @@ Rule V10. With thinking enabled, when the request ends in a tool loop (the last 
           blocks during tool use).
 Rule V11. A request with ``tool_use`` or ``tool_result`` blocks defines ``tools``.
 Rule V12. The first message is the user's.
+Rule V13. A custom tool's ``input_schema`` is valid JSON Schema draft 2020-12 ("JSON schema
+          is invalid. It must match JSON Schema draft 2020-12"), checked with the
+          ``jsonschema`` package (a dev dependency, as is this fake's every use).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any
+
+from jsonschema import Draft202012Validator
 
 from .cache import AnthropicBlock, AnthropicCacheResult
 from .errors import FakeApiError
@@ -92,6 +99,18 @@ class MessagesRequest:
     @property
     def input_tokens(self) -> int:
         return sum(b.tokens for b in self.blocks)
+
+
+@lru_cache(maxsize=1024)
+def _valid_draft_2020_12(schema_json: str) -> bool:
+    """Rule V13: whether an input schema (as canonical JSON) passes JSON Schema draft
+    2020-12's metaschema, formats unchecked: the `jsonschema` package's validator, an
+    implementation independent of Plan's own check (core/tool_schema.py). Memoized: the
+    same tools come with every request of a session."""
+    return bool(_METASCHEMA.is_valid(json.loads(schema_json)))
+
+
+_METASCHEMA = Draft202012Validator(Draft202012Validator.META_SCHEMA)
 
 
 def _bad(message: str) -> FakeApiError:
@@ -241,6 +260,12 @@ def _tools(tools: Any, blocks: list[AnthropicBlock], markers: list[_Marker]) -> 
                 raise _bad(
                     f"{path}.custom.input_schema.properties: Property keys should match"
                     f" pattern '^{_PROPERTY_KEY.pattern}$'"
+                )
+            if not _valid_draft_2020_12(json.dumps(schema, sort_keys=True)):
+                raise _bad(
+                    f"{path}.custom.input_schema: JSON schema is invalid. It must match JSON"
+                    " Schema draft 2020-12 (https://json-schema.org/draft/2020-12). Learn"
+                    " more about tool use at https://docs.claude.com/en/docs/tool-use."
                 )
         if name in seen:
             raise _bad("tools: Tool names must be unique.")
