@@ -904,6 +904,38 @@ async def test_a_skill_body_over_6000_tokens_fails(stub: Any, grpc_server: Any) 
     assert list((await _load(stub, session_id, "triage", fits)).loaded) == ["triage"]
 
 
+async def test_a_body_is_held_to_the_cap_as_build_sends_it(
+    stub: Any, grpc_server: Any, pool: Any
+) -> None:
+    """LoadSkill measures each form Build can send the body in: escaped as a trusted
+    configuration's is (every tag-like `<user` becomes `&lt;user`), and in the envelope of
+    any lower trust a Rotate may give its entry. It measured the text unescaped: a body of
+    tags loaded at 5,989 tokens was sent at 9,078, over the class's 6,000 and never
+    yielding, so every later Build of a tight session failed (an audit). A load that fits
+    in each form records what the largest costs."""
+    count = grpc_server.engine.count_tokens_for("claude-sonnet-4-5")
+    session_id, _ = await _open(stub, _skills_spec())
+    tags = "<user>" * 2
+    while count(f"Skill triage (1) loaded:\n{tags}<user>") <= 5_000:
+        tags += "<user>"
+    assert count(f"Skill triage (1) loaded:\n{tags}".replace("<", "&lt;")) > 6_000
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _load(stub, session_id, "triage", tags)
+    reason, fields, metadata = details(caught.value)
+    assert (reason, fields, metadata["limit"]) == ("SKILL_LIMIT", ["name"], "tokens")
+    fits = "<user> " * 200
+    assert (await _load(stub, session_id, "triage", fits)).newly_loaded
+    run = await _start(stub, session_id)
+    built = await _build(stub, session_id, run.run.run_id)
+    (body,) = [b for m in built.request.messages for b in m.blocks if b.row == pb.ROW_SKILL_BODIES]
+    assert "&lt;user>" in body.text and "<user>" not in body.text
+    (loaded,) = await _events(pool, session_id, "skill.loaded")
+    payload = loaded["payload"]
+    tokens = (json.loads(payload) if isinstance(payload, str) else payload)["tokens"]
+    # At least the escaped text Build sent, and the envelope a lowered entry would add.
+    assert tokens >= count(body.text) + 20
+
+
 async def test_skill_load_is_not_advertised_without_a_catalog(stub: Any) -> None:
     no_catalog = _skills_spec()
     del no_catalog.skills[:]

@@ -5626,7 +5626,9 @@ type LoadSkillRequest struct {
 	SessionId string `protobuf:"bytes,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
 	// The skill's name; must be in the plan's pinned catalog.
 	Name string `protobuf:"bytes,3,opt,name=name,proto3" json:"name,omitempty"`
-	// The skill's full instructions.
+	// The skill's full instructions. With the bodies loaded before, at most 6,000 tokens in
+	// the largest form Build can send it in (escaped bare, or enveloped at a lower trust a
+	// Rotate may give its entry); over it, SKILL_LIMIT.
 	Body string `protobuf:"bytes,4,opt,name=body,proto3" json:"body,omitempty"`
 	// Trust of the body as the worker knows it. The body takes the less trusted of this and
 	// its catalog entry's trust (a load can lower trust, never raise it); unspecified keeps

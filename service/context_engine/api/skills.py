@@ -20,14 +20,16 @@ context.requests.redacted per affected session.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
+from ..core.assemble import skill_body_texts
 from ..core.build_record import redact_record
-from ..core.envelope import wrap
 from ..core.errors import PreconditionError
-from ..core.skills import LoadedSkill, admit_load, body_text, body_trust, pinned_entry
+from ..core.skills import LoadedSkill, admit_load, body_trust, pinned_entry
 from ..core.snapshot import redact_person
 from ..core.trust import TrustLevel
 from ..store import events, plans, runs, sessions, snapshots
@@ -85,15 +87,10 @@ async def load_skill(
         names = [s.name for s in loaded]
         version, catalog_trust = pinned_entry(current.spec.skills, current.plan.skill_pins, name)
         effective = body_trust(catalog_trust, trust)
-        item_id = f"skill-body:{name}"
-        rendered = wrap(
-            body_text(name, version, body),
-            trust=effective,
-            item_id=item_id,
-            source=f"skill:{name}",
-            secret=current.secret,
+        count = engine.count_tokens_for(current.plan.model_id)
+        tokens = await asyncio.to_thread(
+            _body_tokens, name, version, body, effective, current.secret, count
         )
-        tokens = engine.count_tokens_for(current.plan.model_id)(rendered)
         skill = LoadedSkill(name=name, version=version, body=body, trust=effective, tokens=tokens)
         if not admit_load(loaded, current.plan.skill_pins, skill, claimed=trust):
             return names, False
@@ -112,6 +109,21 @@ async def load_skill(
             conn, tenant, session_id, len(loaded), skill, run_id, sequence
         )
     return [*names, name], True
+
+
+def _body_tokens(
+    name: str,
+    version: str,
+    body: str,
+    trust: TrustLevel,
+    secret: bytes,
+    count: Callable[[str], int],
+) -> int:
+    """The most the body's rendered forms cost (core/assemble.py skill_body_texts).
+    Rendered and counted off the event loop, as Plan's renderings are: a body of megabytes
+    takes seconds to escape and count before the cap refuses it (an audit: one load held
+    a replica's loop for 5 s)."""
+    return max(count(text) for text in skill_body_texts(name, version, body, trust, secret))
 
 
 async def erase_subject(engine: Engine, tenant: str, person_id: str) -> Erasure:

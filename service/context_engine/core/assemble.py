@@ -72,6 +72,7 @@ from .plan import ClassUsage, ContextPlan, session_key
 from .pressure import Fitted, PressureReport, fit_body, window_reach
 from .request import Block, Message, ModelRequest, RepeatedRun, ToolDefinition
 from .rows import Row
+from .skills import body_text
 from .trust import DELEGATED_TAG, TrustLevel, envelope_tag
 from .validate import ClosedRun, validate_block_runs
 
@@ -82,6 +83,7 @@ __all__ = [
     "active_turn",
     "assemble",
     "carried_reaches",
+    "skill_body_texts",
     "split_run_items",
 ]
 
@@ -532,6 +534,26 @@ def _runtime_item(
     )
 
 
+def skill_body_texts(
+    name: str, version: str, body: str, trust: TrustLevel, secret: bytes
+) -> tuple[str, ...]:
+    """Every text row 11 can send for this loaded body: rendered at `trust`, and at each
+    less trusted level a Rotate may yet give its catalog entry (core/skills.py, Rule 6),
+    one per form (bare, or each envelope's). LoadSkill holds the largest to the class's
+    cap (an audit: it measured the body unescaped, and a body of tag-like text loaded at
+    5,989 tokens was sent at 9,078 escaped; one lowered into an envelope grew too)."""
+    forms: dict[str | None, str] = {}
+    for level in TrustLevel:
+        if level >= trust and level not in (TrustLevel.PLATFORM, TrustLevel.MODEL):
+            form = envelope_tag(level)
+            if form not in forms:
+                item = SkillBodyItem(
+                    item_id=f"skill-body:{name}", name=name, version=version, body=body, trust=level
+                )
+                forms[form] = _render(Row.SKILL_BODIES, item, secret).text or ""
+    return tuple(forms.values())
+
+
 def runtime_row_tokens(
     time_zone: str,
     principal_scope: str,
@@ -662,9 +684,7 @@ def _render(row: Row, item: ContextItem, secret: bytes, truncated: bool = False)
                 "Summary of earlier conversation (platform record):\n" + item.text, "summary"
             )
         case SkillBodyItem():
-            return text(
-                f"Skill {item.name} ({item.version}) loaded:\n{item.body}", f"skill:{item.name}"
-            )
+            return text(body_text(item.name, item.version, item.body), f"skill:{item.name}")
         case WorkingStateItem():
             return text(item.text, "working-state")
         case CorrectionLineItem():

@@ -8,8 +8,10 @@ Rule 2: a body loads only for a skill in the plan's pinned catalog (SKILL_NOT_IN
 Rule 3: a loaded body is sticky for the session and renders in load order. A skill is never
 deselected: a body that came and went would rewrite the cached body on every step.
 Rule 4: at most 2 bodies and 6,000 tokens. A third load, or one past 6,000 tokens, fails
-with SKILL_LIMIT; nothing is evicted. Loading a loaded skill again with the same body and
-trust changes nothing (a retry); with another body or trust it is SKILL_ALREADY_LOADED.
+with SKILL_LIMIT; nothing is evicted. A body's tokens are those of the largest form Build
+can send it in (core/assemble.py skill_body_texts), measured by the shell. Loading a
+loaded skill again with the same body and trust changes nothing (a retry); with another
+body or trust it is SKILL_ALREADY_LOADED.
 Rule 5: a body never yields: Build carries every loaded body or fails.
 Rule 6: a body takes its pinned catalog entry's trust (the entry its version comes from),
 or the load's when that is lower (the less trusted of the two, TrustLevel's order): a
