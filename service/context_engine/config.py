@@ -24,6 +24,7 @@ from pydantic import (
 __all__ = ["ConfigError", "Settings", "load_settings", "unknown_variables"]
 
 _ENV_PREFIX = "CONTEXT_ENGINE_"
+_THREE_COUNTS = "must be three whole numbers, as 10000,10,10"
 _C_INT_MAX = 2**31 - 1
 
 
@@ -140,9 +141,13 @@ class Settings(BaseModel):
             text = value.strip()
             try:
                 parsed = json.loads(text) if text.startswith("[") else text.split(",")
-                return tuple(int(str(v).strip()) for v in parsed)
+                value = tuple(int(str(v).strip()) for v in parsed)
             except (ValueError, TypeError):
-                raise ValueError("must be three whole numbers, as 10000,10,10") from None
+                raise ValueError(_THREE_COUNTS) from None
+        # Two or four numbers are this message, not pydantic's "Field required" for the
+        # missing third (an audit).
+        if isinstance(value, tuple | list) and len(value) != 3:
+            raise ValueError(_THREE_COUNTS)
         return value
 
     @field_validator("gc_thresholds")

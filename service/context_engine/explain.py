@@ -198,7 +198,12 @@ def _difference(
     at: int,
     notes: list[str],
 ) -> Explanation:
-    region = ua.region
+    # Where either side is still in its prefix, the prefix differs: a unit B gained there
+    # (a tool, a memory line) meets A's first body unit at the same place, which read as
+    # an expected Region B change in one order and a DEFECT in the other (an audit).
+    b_only = ub is not None and ub.region is Region.PREFIX and ua.region is not Region.PREFIX
+    named = ub if b_only and ub is not None else ua
+    region = named.region
     if region is Region.PREFIX:
         # Epochs are numbered per session: two sessions' epoch 1 are different plans.
         same_session = a.request.session_key == b.request.session_key
@@ -206,7 +211,7 @@ def _difference(
         defect = same_epoch
         if same_epoch:
             verdict = (
-                f"Region A (row {int(ua.row)}, {ROW_TABLE[ua.row].content}) differs within"
+                f"Region A (row {int(named.row)}, {ROW_TABLE[named.row].content}) differs within"
                 f" epoch {a.epoch}: a DEFECT — the prefix must be byte-stable for the life of"
                 " an epoch"
             )
@@ -217,25 +222,25 @@ def _difference(
             )
         else:
             verdict = (
-                f"Region A (row {int(ua.row)}, {ROW_TABLE[ua.row].content}) differs between"
+                f"Region A (row {int(named.row)}, {ROW_TABLE[named.row].content}) differs between"
                 " two sessions' plans: expected, each session's prefix is its own"
             )
         if same_epoch and a.prefix_sha256 != b.prefix_sha256:
             notes.append("prefix_sha256 differs within one epoch")
     else:
         defect = False
-        hint = _ROW_HINTS.get(ua.row, "")
+        hint = _ROW_HINTS.get(named.row, "")
         verdict = (
-            f"Region B (row {int(ua.row)}, {ROW_TABLE[ua.row].content}): expected — the body"
+            f"Region B (row {int(named.row)}, {ROW_TABLE[named.row].content}): expected — the body"
             f" is rebuilt on every request; {hint}"
         )
     return Explanation(
         identical=False,
         extends=False,
         offset=offset,
-        path=ua.path,
-        row=ua.row,
-        item_id=ua.item_id,
+        path=named.path,
+        row=named.row,
+        item_id=named.item_id,
         unit_offset=at,
         region=region,
         defect=defect,

@@ -212,32 +212,26 @@ def bar_cells(
 ) -> list[tuple[str, int]]:
     """Cells per class for a bar of `width` cells that represents `budget` tokens.
 
-    Largest-remainder rounding, so the cells add up to round(total / budget * width); a
-    class with tokens always gets at least one cell while room is left. Over budget (or
-    with no budget recorded) the bar is full and shows the classes' proportions; the
-    caller prints the percentage beside it.
+    The filled length is the request's share of the budget, round(total / budget * width)
+    and at least one cell when it has tokens; largest-remainder rounding shares it among
+    the classes, so a class far smaller than a cell may get none. (Each class with tokens
+    had a cell of its own: 708 tokens of a 191,808 budget filled 6 cells of 40, a bar 15%
+    full beside "0%", an audit.) Over budget (or with no budget recorded) the bar is full
+    and shows the classes' proportions; the caller prints the percentage beside it.
     """
     total = sum(max(t, 0) for _, t in classes)
     scale = max(budget, total)
-    if scale <= 0 or width <= 0:
+    if scale <= 0 or width <= 0 or total <= 0:
         return []
-    target = round(total * width / scale)
+    target = max(round(total * width / scale), 1)
     exact = [max(t, 0) * width / scale for _, t in classes]
     cells = [int(x) for x in exact]
-    for i, x in enumerate(exact):
-        if x > 0 and cells[i] == 0:
-            cells[i] = 1
-    used = sum(cells)
-    order = sorted(range(len(exact)), key=lambda i: (-(exact[i] % 1), i))
-    for i in order:
+    used = sum(cells)  # at most the exact total, so at most target
+    for i in sorted(range(len(exact)), key=lambda i: (-(exact[i] % 1), i)):
         if used >= target:
             break
         cells[i] += 1
         used += 1
-    while used > width:  # the at-least-one rule can overshoot a full bar
-        i = max(range(len(cells)), key=lambda j: (cells[j], -j))
-        cells[i] -= 1
-        used -= 1
     return [(name, n) for (name, _), n in zip(classes, cells, strict=True) if n > 0]
 
 
@@ -272,9 +266,34 @@ def _bar(line: RequestLine, colours: Mapping[str, str], width: int, largest: int
 
 # --- rendering -----------------------------------------------------------------------
 
+_MIN_BAR = 8  # cells: narrower, a bar says nothing
+_PRESSURE_ROOM = 20  # what the pressure column is given before it wraps
+_TABLE_FRAME = 19  # a six-column table's rules (7) and cell padding (2 per column)
 
-def render(view: SessionView, console: Console, width: int = BAR_WIDTH) -> None:
-    """Print the session: header, epochs, requests with bars, context events."""
+
+_FIXED = tuple(enumerate(("seq", "run", "epoch", "prefix")))  # the columns before the bar
+
+
+def _bar_width(
+    console_width: int,
+    fixed: int,
+    rows: Sequence[tuple[str, str, str, Text, RequestLine, Text]],
+    colours: Mapping[str, str],
+    largest: int,
+) -> int:
+    """The bar's cells: what the console leaves beside the other columns (`fixed` wide
+    before it, the pressure column up to _PRESSURE_ROOM, the bar's own figures after it),
+    between _MIN_BAR and BAR_WIDTH."""
+    others = _TABLE_FRAME + fixed
+    figures = max((len(_bar(row[4], colours, 0, largest)) for row in rows), default=0)
+    pressure = min(max((len(row[5]) for row in rows), default=0), _PRESSURE_ROOM)
+    return max(_MIN_BAR, min(BAR_WIDTH, console_width - others - figures - pressure))
+
+
+def render(view: SessionView, console: Console, width: int | None = None) -> None:
+    """Print the session: header, epochs, requests with bars, context events. The bars are
+    `width` cells, or (None) as many as the console leaves beside the other columns, up to
+    BAR_WIDTH (`inspect --width` sizes the console)."""
     plan_hash = {e.epoch: e.prefix_sha256 for e in view.epochs}
     hashes_per_epoch: dict[int, set[str]] = {}
     for r in view.requests:
@@ -323,23 +342,41 @@ def render(view: SessionView, console: Console, width: int = BAR_WIDTH) -> None:
         )
     console.print(epochs)
 
-    colours = _colours(name for r in view.requests for name, _ in r.classes)
+    # The legend's classes: those with tokens in some request (a class recorded at 0 has
+    # no cell anywhere).
+    colours = _colours(name for r in view.requests for name, t in r.classes if t > 0)
     largest = max((sum(t for _, t in r.classes) for r in view.requests), default=0)
-    requests = Table(
-        title="Requests (tokens by class against the input budget)", title_justify="left"
-    )
-    for column in ("seq", "run", "epoch", "prefix", "budget", "pressure"):
-        requests.add_column(column, no_wrap=column in ("budget", "prefix"))
-    for r in view.requests:
-        ok = plan_hash.get(r.epoch, r.prefix_sha256) == r.prefix_sha256
-        requests.add_row(
+    rows = [
+        (
             str(r.sequence),
             r.run_id[:8],
             str(r.epoch),
-            Text(r.prefix_sha256[:12], style="" if ok else "bold red"),
-            _bar(r, colours, width, largest),
+            Text(
+                r.prefix_sha256[:12],
+                style=""
+                if plan_hash.get(r.epoch, r.prefix_sha256) == r.prefix_sha256
+                else "bold red",
+            ),
+            r,
             Text(r.pressure, style="yellow" if r.pressure else ""),
         )
+        for r in view.requests
+    ]
+    # Only the pressure steps wrap: the other columns keep their width (at 80 columns the
+    # seq, run and epoch columns were squeezed to nothing, an audit).
+    fixed = [max([len(name), *(len(str(row[n])) for row in rows)]) for n, name in _FIXED]
+    if width is None:
+        width = _bar_width(console.width, sum(fixed), rows, colours, largest)
+    requests = Table(
+        title="Requests (tokens by class against the input budget)", title_justify="left"
+    )
+    for (_, name), least in zip(_FIXED, fixed, strict=True):
+        requests.add_column(name, no_wrap=True, min_width=least)
+    # The bar never breaks; the figures after it wrap where the console is too narrow.
+    requests.add_column("budget", min_width=width)
+    requests.add_column("pressure", overflow="fold")
+    for seq, run, epoch, prefix, r, pressure in rows:
+        requests.add_row(seq, run, epoch, prefix, _bar(r, colours, width, largest), pressure)
     console.print(requests)
     if colours:
         legend = Text("classes: ")
@@ -466,7 +503,7 @@ async def load_session(conn: Any, session_id: UUID, tenant_id: str | None) -> Se
 
 
 async def run_inspect(
-    dsn: str, session: str, tenant_id: str | None, console: Console, width: int = BAR_WIDTH
+    dsn: str, session: str, tenant_id: str | None, console: Console, width: int | None = None
 ) -> None:
     """Connect, load and print one session. Raises LookupError / ValueError for bad input,
     StoreUnavailableError when the database cannot be reached, StoreReadError when it

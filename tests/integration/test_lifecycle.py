@@ -591,6 +591,13 @@ def test_collector_thresholds_come_from_a_file_or_the_environment(tmp_path: Path
     for text in ("700, 10, 10", "[700,10,10]"):
         environ = {"CONTEXT_ENGINE_GC_THRESHOLDS": text}
         assert load_settings(environ=environ).gc_thresholds == (700, 10, 10)
+    # Two or four numbers say what is wanted (an audit: two said "Field required").
+    for text in ("700,10", "[1,2,3,4]", "a,b,c"):
+        with pytest.raises(ConfigError, match="must be three whole numbers, as 10000,10,10"):
+            load_settings(environ={"CONTEXT_ENGINE_GC_THRESHOLDS": text})
+    config.write_text(json.dumps({"gc_thresholds": [5000, 20]}))
+    with pytest.raises(ConfigError, match="must be three whole numbers"):
+        load_settings(environ={"CONTEXT_ENGINE_CONFIG": str(config)})
 
 
 async def test_serve_applies_the_collector_thresholds_and_freezes_start_up(
@@ -795,6 +802,20 @@ async def test_serve_refused_by_postgresql_exits_1_saying_why(
     assert line.startswith("context-engine: cannot connect to PostgreSQL at "), line
     assert says in line and f"/{database}:" in line, line
     assert password not in line
+
+
+@pytest.mark.parametrize("command", [("serve", "--listen", "127.0.0.1:0"), ("migrate",)])
+async def test_a_url_parameter_the_server_does_not_know_exits_1_in_one_line(
+    command: tuple[str, ...],
+) -> None:
+    """asyncpg sends a URL parameter it does not read itself (libpq's `connect_timeout`)
+    to the server as a setting, which PostgreSQL refuses with SQLSTATE 42704: serve,
+    migrate and inspect ended in a traceback (an audit)."""
+    dsn = dsn_on_test_server("postgres") + "?connect_timeout=5"
+    code, line = await _fails_in_one_line(*command, "--database-url", dsn)
+    assert code == 1
+    assert "cannot connect to PostgreSQL at " in line, line
+    assert 'unrecognized configuration parameter "connect_timeout"' in line, line
 
 
 async def test_migrate_unreachable_or_refused_exits_1_in_one_line() -> None:

@@ -15,7 +15,7 @@ from context_engine.api.convert import request_from_proto, request_to_proto
 from context_engine.cli import main
 from context_engine.core import assemble
 from context_engine.core.request import ModelRequest
-from context_engine.core.rows import Region, Row
+from context_engine.core.rows import ROW_TABLE, Region, Row
 from context_engine.explain import explain, format_explanation, is_loopback, load_build_response
 from context_engine.providers import prompt_units, render
 from tests.golden.loader import load_request
@@ -100,6 +100,21 @@ def test_a_changed_prefix_within_an_epoch_is_a_defect() -> None:
     assert apart.region is Region.PREFIX and not apart.defect
     assert "two sessions" in apart.verdict
     assert any("two sessions" in note for note in apart.notes)
+
+
+@pytest.mark.parametrize("golden", [LOOP, "openai_tool_loop"])
+def test_a_prefix_unit_one_side_gained_is_a_defect_in_either_order(golden: str) -> None:
+    """B's plan has one more system block (a memory line, a tool) within the same epoch:
+    at the first difference B's unit is in its prefix and A's is its first body unit.
+    The verdict was taken from A's side alone, so A-then-B read "Region B: expected" and
+    exited 0, and only B-then-A named the DEFECT (an audit)."""
+    a = load_request(golden)
+    extra = replace(a.system[-1], item_id="memory:extra", text="The user prefers trains.")
+    b = replace(a, system=(*a.system, extra))
+    for first, second in ((a, b), (b, a)):
+        e = explain(_response(first), _response(second))
+        assert e.region is Region.PREFIX and e.defect and "DEFECT" in e.verdict, e.verdict
+        assert ROW_TABLE[e.row].region is Region.PREFIX
 
 
 def test_a_prompt_that_only_grows_differs_nowhere() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
@@ -21,6 +22,7 @@ classes = st.lists(
         st.sampled_from(["prefix", "history", "tool_results", "recall"]), st.integers(0, 10**6)
     ),
     max_size=8,
+    unique_by=lambda part: part[0],  # a request records each class once
 )
 
 
@@ -38,17 +40,12 @@ def test_bar_fits_its_width_and_scales_with_the_budget(
     if not total:
         assert cells == []
         return
-    # Cells: the classes' share of the budget, rounded, at least one cell per class that
-    # has tokens, never more than the width.
-    wanted = round(total * width / scale)
-    floors = [max(1, int(t * width / scale)) for _, t in parts if t > 0]
-    assert used == min(width, max(wanted, sum(floors)))
-    positive = [(name, t * width / scale) for name, t in parts if t > 0]
-    if len(positive) <= width:
-        assert [name for name, _ in cells] == [name for name, _ in positive]
-        # No class gets more than one cell beyond its exact share (rounded down, min 1).
-        for (_, n), (_, exact) in zip(cells, positive, strict=True):
-            assert n <= max(1, int(exact)) + 1
+    # Filled: the request's share of the budget, rounded (at least one cell), never more
+    # than the width; each class within one cell of its exact share, none without tokens.
+    assert used == max(1, round(total * width / scale)) <= width
+    shares = {name: t * width / scale for name, t in parts}
+    for name, n in cells:
+        assert shares[name] > 0 and abs(n - shares[name]) < 1
 
 
 def test_bar_over_budget_fills_the_bar_and_half_budget_fills_half() -> None:
@@ -119,6 +116,30 @@ def test_render_shows_epochs_requests_bars_and_flags_a_changed_hash() -> None:
     console = Console(record=True, width=160, color_system=None)
     render(_view("b" * 64), console)
     assert "stability defect" in console.export_text()
+
+
+@pytest.mark.parametrize("width", [80, 100, 120])
+def test_at_a_terminals_width_every_column_shows_whole(width: int) -> None:
+    """The bar is sized to what the console leaves (`inspect --width` sizes the console):
+    it was 40 cells whatever the width, so at 80 columns (the width when piped) the seq,
+    run and epoch columns were squeezed to nothing and the pressure steps cut (an audit).
+    The legend names the classes some request has tokens in."""
+    console = Console(record=True, width=width, color_system=None)
+    render(_view("a" * 64), console)
+    lines = console.export_text().splitlines()
+    assert all(len(line) <= width for line in lines)
+    rows = [line for line in lines if "rrrrrrrr" in line]
+    assert [row[:30] for row in rows] == [f"│ {n}   │ rrrrrrrr │ 1     │ aaa" for n in (5, 9)]
+    assert all("█" in row for row in rows)  # the bar on the row's first line, whole
+    # What wraps, the figures and the pressure steps, wraps whole: each column's pieces,
+    # read down the table, give them back.
+    table = lines[lines.index(next(line for line in lines if line.startswith("│ 5"))) :]
+    table = table[: next(n for n, line in enumerate(table) if line.startswith("└"))]
+    columns = ["".join(line.split("│")[n].strip() for line in table) for n in (5, 6)]
+    assert "1,500/10,000(15%)" in columns[0].replace(" ", "")
+    assert columns[1] == "fits:drop_knowledge"
+    legend = next(line for line in lines if line.startswith("classes:"))
+    assert "prefix" in legend and "history" in legend
 
 
 def test_every_class_a_record_names_has_a_colour_of_its_own() -> None:

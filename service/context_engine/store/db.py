@@ -202,8 +202,11 @@ async def connect(dsn: str, *, timeout: float = 5.0) -> asyncpg.Connection:
 # SQLSTATE classes PostgreSQL refuses a new connection with: 08 connection exception,
 # 28 invalid authorization (no such role, wrong password), 3D invalid catalog name (no
 # such database), 53 insufficient resources (too many connections), 57 operator
-# intervention (starting up, shutting down).
-_REFUSED_CLASSES = ("08", "28", "3D", "53", "57")
+# intervention (starting up, shutting down), and 42 for a startup setting the server does
+# not know (asyncpg sends a URL parameter it does not read itself, libpq's
+# `connect_timeout=5` say, as a setting: 'unrecognized configuration parameter', an audit
+# found it a traceback) or a database the role may not connect to.
+_REFUSED_CLASSES = ("08", "28", "3D", "42", "53", "57")
 
 
 def _refusal(dsn: str, exc: BaseException) -> StoreUnavailableError | None:
