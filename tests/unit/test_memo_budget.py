@@ -158,6 +158,78 @@ def test_the_memos_hold_what_the_budget_allows_not_every_item_they_saw() -> None
     assert memo_budget.held() < 4 * MIB + 12 * size
 
 
+def _short_session(n: int, turns: int) -> None:
+    """Three Builds of a run on a carried chat of `turns` short exchanges, all of session
+    `n`'s own (distinct texts), for each provider, rendered as a replica renders them;
+    nothing of it is kept by the caller. Short items are where what the ledger charges per
+    object, not per character, decides how close its count is to what the memos hold."""
+    for provider in ("anthropic", "openai"):
+        carried: list[Any] = []
+        for t in range(turns):
+            run, seq = f"s{n}r{t}", 4 * t + 1
+            carried += [
+                UserMessage(item_id=f"u{t}", text=f"{n}: when {t}?", sequence=seq, run_id=run),
+                ToolCall(
+                    item_id=f"c{t}",
+                    call_id=f"call_{t}",
+                    tool_name="fetch",
+                    arguments_json=f'{{"t": {t}}}',
+                    sequence=seq + 1,
+                    run_id=run,
+                ),
+                ToolResult(
+                    item_id=f"t{t}",
+                    call_id=f"call_{t}",
+                    tool_name="fetch",
+                    content=f"{n}: at {t}:00.",
+                    trust=TrustLevel.EXTERNAL_UNTRUSTED,
+                    sequence=seq + 2,
+                    run_id=run,
+                ),
+            ]
+        for step in range(3):
+            items = (UserMessage(item_id="now", text=f"{n}: and {step}?", sequence=9_999),)
+            inputs = BuildInputs(
+                tenant_id="t",
+                plan=_plan(provider),
+                secret=SECRET,
+                checkpoint=Checkpoint(run_id=f"s{n}", version=step + 1, items=items),
+                carried=tuple(carried),
+                now=NOW,
+                count_tokens=_count,
+            )
+            request = assemble(inputs).request
+            assert request is not None
+            render(request)
+            wire.request_bytes(request)
+
+
+def test_the_ledger_charges_at_least_what_the_memos_hold() -> None:
+    """What emptying the memos frees (measured by tracemalloc) is at most what the ledger
+    was charged for it: the limit bounds the memory, it does not only name a number.
+    Measured over many short items, where the ledger's flat cost per object (its
+    `weight`) rather than texts' exact sizes decides the count. On 2026-12-07 the ledger
+    was charged 1.13 times what the memos held here, and 1.5 to 1.8 times with results of
+    a few hundred characters (docs/performance.md); a weight of a third made it 0.49
+    times here, and this fails."""
+    memo_budget.clear_all()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        for n in range(6):
+            _short_session(n, 40)
+        gc.collect()
+        full = tracemalloc.get_traced_memory()[0]
+        charged = memo_budget.held()
+        memo_budget.clear_all()
+        gc.collect()
+        freed = full - tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert freed > 1 * MIB  # the memos held something worth measuring
+    assert freed <= charged, (freed, charged)
+
+
 def test_emptying_the_memos_changes_no_byte() -> None:
     warm = [_payloads(n, 5_000) for n in range(3)] + [_payloads(0, 5_000)]
     memo_budget.set_limit(0)  # every miss empties every memo first
