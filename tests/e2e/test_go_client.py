@@ -95,3 +95,44 @@ async def test_go_example_vets_builds_and_runs(grpc_server: Any, tmp_path: Path)
     assert "rejected: ORPHANED_TOOL_ITEM at items[0].tool_result.call_id" in out, out
     assert "rotated once to epoch 2; rejected: EPOCH_CONFLICT, current_epoch 2" in out, out
     assert out.rstrip().endswith("ok: one prefix hash, identical rebuilds"), out
+
+
+# The body the compaction run leaves a request: one step fits, several do not.
+BODY_TOKENS = 900
+
+
+async def test_go_example_compacts_when_the_history_outgrows_the_body(
+    grpc_server: Any, tmp_path: Path
+) -> None:
+    """A run whose steps outgrow a small request body is compacted by the example
+    (PrepareCompaction, its summarizer, CommitCompaction) and goes on: it had stopped with
+    "needs compaction" where the Python and TypeScript clients compact (an audit)."""
+    _require_toolchain()
+    binary = tmp_path / "worker"
+    code, out = await _run(GO / "check.sh", binary)
+    assert code == 0, out
+    target = ("-target", f"127.0.0.1:{grpc_server.port}", "-tenant", "go-compaction")
+    code, out = await _run(binary, *target)
+    assert code == 0, out
+    prefix = int(out.split(" tokens)")[0].rsplit("(", 1)[1])
+    cap = str(prefix + 1024 + BODY_TOKENS)
+    code, out = await _run(binary, *target, "-steps", "5", "-policy-cap", cap)
+    assert code == 0, f"the example worker failed:\n{out}"
+    assert "compacting through event" in out, out
+    assert out.count("reported usage for request ") == 5, out
+    assert out.rstrip().endswith("ok: one prefix hash, identical rebuilds"), out
+    # Without compaction the same run cannot go on: the cap is what makes it compact.
+    assert "compacting" not in (await _run(binary, *target, "-steps", "5"))[1]
+
+
+async def test_go_example_sends_no_token_over_plaintext_to_another_host(tmp_path: Path) -> None:
+    """A bearer token over plaintext to a remote address could be read on the way: the
+    example sent it (the Python and TypeScript clients refuse). It needs -tls or -ca-file;
+    loopback, a sidecar's address, stays plaintext."""
+    _require_toolchain()
+    binary = tmp_path / "worker"
+    code, out = await _run(GO / "check.sh", binary)
+    assert code == 0, out
+    code, out = await _run(binary, "-target", "10.0.0.5:50051", "-token", "t", "-timeout", "1s")
+    assert code != 0
+    assert "a -token is not sent over plaintext to 10.0.0.5:50051: use -tls or -ca-file" in out

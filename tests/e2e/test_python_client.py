@@ -1057,6 +1057,42 @@ async def test_a_busy_session_is_retryable_and_the_loop_resends_and_keeps_the_an
     assert run.checkpoint_version == 3
 
 
+@pytest.mark.parametrize("reason", ["SESSION_BUSY", "EPOCH_CONFLICT"])
+async def test_a_build_refused_for_a_passing_cause_is_built_again(client: Any, reason: str) -> None:
+    """A Build refused ABORTED SESSION_BUSY (retryable) or EPOCH_CONFLICT (an erasure raced
+    it: docs/api.md says build again) wrote nothing: the loop builds once more and goes on
+    to the answer. It ended the loop on either (a client audit; the Go example rebuilt).
+    A second refusal in a row is the caller's to see."""
+    session = await client.open_session(_spec())
+    run = await session.start_run("Trains from Paris to Lyon tomorrow?")
+    real_call = client.call
+    builds: list[int] = []
+    refused = Aborted(grpc.StatusCode.ABORTED, "refused", reason=reason)
+
+    async def racing(method: str, request: Any, *, timeout: Any = None) -> Any:
+        if method == "Build":
+            builds.append(1)
+            if len(builds) == 1:
+                raise refused
+        return await real_call(method, request, timeout=timeout)
+
+    client.call = racing
+    result = await run.tool_loop(ScriptedModel(), _fetch, now=NOW)
+    assert result.final.text.startswith("The 08:04 TGV")
+    assert len(builds) == 3  # the refused one, then one per step
+
+    async def refusing(method: str, request: Any, *, timeout: Any = None) -> Any:
+        if method == "Build":
+            raise refused
+        return await real_call(method, request, timeout=timeout)
+
+    client.call = refusing
+    with pytest.raises(Aborted) as caught:
+        await (await session.start_run("And back?")).tool_loop(ScriptedModel(), _fetch, now=NOW)
+    client.call = real_call
+    assert caught.value.reason == reason
+
+
 async def test_a_steps_append_that_keeps_failing_raises_with_the_request(client: Any) -> None:
     """When every resend fails, the error carries the request: resent, the next loop sees
     the step's results and runs no tool twice."""

@@ -998,7 +998,8 @@ export class Run {
       },
       opts,
     );
-    this.checkpointVersion = response.checkpoint_version;
+    // A resend under the same key replays its first answer: never move back.
+    this.checkpointVersion = Math.max(this.checkpointVersion, response.checkpoint_version);
     return response;
   }
 
@@ -1054,7 +1055,8 @@ export class Run {
       },
       options,
     );
-    this.checkpointVersion = response.checkpoint_version;
+    // A resend under the same key replays its first answer: never move back.
+    this.checkpointVersion = Math.max(this.checkpointVersion, response.checkpoint_version);
     return this.checkpointVersion;
   }
 
@@ -1116,6 +1118,23 @@ export class Run {
     }
   }
 
+  /**
+   * A tool loop's Build, built again once after ABORTED EPOCH_CONFLICT (an erasure
+   * invalidated the plan meanwhile: docs/api.md says build again) or an error a resend can
+   * get past (SESSION_BUSY, UNAVAILABLE, DEADLINE_EXCEEDED): a Build writes only its
+   * record, and ended the loop on either though nothing of the step was lost (an audit).
+   */
+  private async buildStep(opts: BuildOptions): Promise<BuildResult> {
+    try {
+      return await this.build(opts);
+    } catch (error) {
+      if (!(error instanceof ContextEngineError)) throw error;
+      if (!error.retryable && error.reason !== 'EPOCH_CONFLICT') throw error;
+      if (error.retryable) await sleep(APPEND_BACKOFF_MS);
+    }
+    return this.build(opts);
+  }
+
   private async loop(
     opts: ToolLoopOptions,
     builds: BuildResult[],
@@ -1127,7 +1146,7 @@ export class Run {
     let compactions = 0;
     while (builds.length < maxSteps) {
       const now = typeof opts.now === 'function' ? opts.now() : opts.now;
-      const built = await this.build({ ...call, now, step: opts.step, checkpointVersion: 0 });
+      const built = await this.buildStep({ ...call, now, step: opts.step, checkpointVersion: 0 });
       this.checkpointVersion = built.response.checkpoint_version || this.checkpointVersion;
       if (built.needsCompaction) {
         // The server caps summary depth at 2; a third attempt would fail there.

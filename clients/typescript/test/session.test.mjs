@@ -1031,7 +1031,7 @@ test("every wrapper sends its deadline; absent or 0, the client's", async () => 
   };
   // Every public method is either above or takes no deadline: a new one must be listed.
   const noDeadline = ['constructor', 'close', 'tenantId', 'run', 'start', 'ids', 'client'];
-  const internal = ['appendRequest', 'appendStep', 'sendStep', 'loop', 'report'];
+  const internal = ['appendRequest', 'appendStep', 'sendStep', 'buildStep', 'loop', 'report'];
   for (const cls of [ContextEngineClient, Session, Run]) {
     for (const name of Object.getOwnPropertyNames(cls.prototype)) {
       if ([...noDeadline, ...internal].includes(name)) continue;
@@ -1166,3 +1166,44 @@ test('the tool loop sends a large output as its excerpt, and the run goes on', a
     'head',
   );
 });
+
+for (const reason of ['SESSION_BUSY', 'EPOCH_CONFLICT']) {
+  test(`a build refused ${reason} is built again and the loop goes on`, async () => {
+    // Nothing was written: SESSION_BUSY is retryable, and after EPOCH_CONFLICT (an erasure
+    // raced the Build) docs/api.md says build again. The loop ended on either (an audit).
+    const session = await engine.openSession(spec);
+    const run = await session.startRun('Home tonight?');
+    const refused = new AbortedError(10, 'refused', reason);
+    let builds = 0;
+    engine.call = (method, request, opts) => {
+      if (method === 'Build' && ++builds === 1) return Promise.reject(refused);
+      return ContextEngineClient.prototype.call.call(engine, method, request, opts);
+    };
+    let result;
+    try {
+      result = await run.toolLoop({
+        now: NOW,
+        callModel: async () => ({ text: 'The 18:04.', usage: { inputTokens: 10, outputTokens: 2 } }),
+        runTool: async () => assert.fail('no tools'),
+      });
+    } finally {
+      delete engine.call;
+    }
+    assert.equal(result.final.text, 'The 18:04.');
+    assert.equal(builds, 2);
+    // Twice in a row, the refusal is the caller's.
+    engine.call = (method, request, opts) =>
+      method === 'Build'
+        ? Promise.reject(refused)
+        : ContextEngineClient.prototype.call.call(engine, method, request, opts);
+    try {
+      const again = await session.startRun('And back?');
+      await assert.rejects(
+        again.toolLoop({ now: NOW, callModel: async () => assert.fail('no build'), runTool: async () => {} }),
+        (error) => error instanceof AbortedError && error.reason === reason,
+      );
+    } finally {
+      delete engine.call;
+    }
+  });
+}

@@ -29,25 +29,40 @@
 //     same wire name, and the next Build fails TOOL_NAME_COLLISION.
 //   - Usage: after appending the model's output, ReportUsage with what the provider
 //     counted, under a key derived from the build ("usage:<session>:<request_sequence>",
-//     as the Python and TypeScript clients make it), so a resend counts once.
+//     as the Python and TypeScript clients make it), so a resend counts once. A report
+//     that still fails is kept and sent again later (its step is logged already).
+//   - A write that landed first: an append refused ABORTED CHECKPOINT_VERSION_CONFLICT
+//     (the user's next message, say) is sent once more, under the same key, at the
+//     metadata's latest_version, so the step's tool results are not lost (appendStep).
+//   - Compaction: when Build answers NeedsCompaction, PrepareCompaction, summarize (a
+//     model call of the worker's own: the engine's prompt and input), CommitCompaction,
+//     and build again (compact). -steps N runs N tool steps; -policy-cap T caps the
+//     request at T tokens with 1,024 for the answer, so a short run shows it.
+//   - Transport: plaintext only to a sidecar on loopback. -tls (system roots) or -ca-file
+//     for anything else; a -token is refused over plaintext to another host, as the Python
+//     and TypeScript clients refuse it.
 package main
 
 import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"crypto/tls"
 	"errors"
 	"flag"
 	"fmt"
 	"log"
 	"math"
+	"net"
 	"os"
+	"strconv"
 	"strings"
 	"time"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -236,8 +251,8 @@ type modelTurn struct {
 }
 
 // askModel stands in for the provider call: a real worker POSTs the payload to the API
-// named by b.ProviderApi and parses the answer.
-func askModel(b *cev1.BuildResponse) (modelTurn, error) {
+// named by b.ProviderApi and parses the answer. Its call id is the step's.
+func askModel(b *cev1.BuildResponse, step int) (modelTurn, error) {
 	payload, err := payloadToSend(b)
 	if err != nil {
 		return modelTurn{}, err
@@ -246,7 +261,7 @@ func askModel(b *cev1.BuildResponse) (modelTurn, error) {
 		return modelTurn{}, errors.New("the payload does not offer web.fetch as web-fetch")
 	}
 	return modelTurn{
-		model: b.GetRequest().GetModelId(), callID: "call-1", wireName: "web-fetch",
+		model: b.GetRequest().GetModelId(), callID: fmt.Sprintf("call-%d", step), wireName: "web-fetch",
 		argsJSON: `{"url":"https://trains.example"}`, inputTokens: b.GetEstimatedInputTokens(), outputTokens: 24,
 	}, nil
 }
@@ -261,10 +276,13 @@ type worker struct {
 	plan    *cev1.ContextPlan
 	runID   string
 	version int64
+	// The policy cap (tokens; 0: the model's window) and the usage reports not yet sent.
+	policyCap  int64
+	unreported []*cev1.ReportUsageRequest
 }
 
-func spec() *cev1.PlanSpec {
-	return &cev1.PlanSpec{
+func spec(policyCap int64) *cev1.PlanSpec {
+	s := &cev1.PlanSpec{
 		ModelId: "claude-sonnet-4-5",
 		Agent: &cev1.AgentSpec{
 			AgentId: "trips", Version: "1", Instructions: "Plan train trips.",
@@ -280,12 +298,16 @@ func spec() *cev1.PlanSpec {
 		}},
 		Environment: &cev1.SessionEnvironment{Surface: "chat", TimeZone: "Europe/Paris"},
 	}
+	if policyCap > 0 { // the answer then has 1,024 tokens of it
+		s.PolicyCapTokens, s.ReserveOutputTokens = policyCap, 1024
+	}
+	return s
 }
 
 func (w *worker) open(ctx context.Context) error {
 	w.session = newUUID()
 	planned, err := call(ctx, w.timeout, w.client.Plan,
-		&cev1.PlanRequest{TenantId: w.tenant, SessionId: w.session, Spec: spec()})
+		&cev1.PlanRequest{TenantId: w.tenant, SessionId: w.session, Spec: spec(w.policyCap)})
 	if err != nil {
 		return err
 	}
@@ -327,18 +349,91 @@ func (w *worker) build(ctx context.Context, now *timestamppb.Timestamp) (*cev1.B
 	// Build writes only its record, so it is resent as any retryable call is; and once
 	// after ABORTED EPOCH_CONFLICT (an erasure invalidated the plan while the request was
 	// built, nothing recorded: docs/api.md says build again).
-	built, err := send(ctx, w.timeout, w.client.Build, request)
-	var engineErr *EngineError
-	if errors.As(err, &engineErr) && engineErr.Reason == "EPOCH_CONFLICT" {
-		built, err = send(ctx, w.timeout, w.client.Build, request)
+	for compactions := 0; ; compactions++ {
+		built, err := send(ctx, w.timeout, w.client.Build, request)
+		var engineErr *EngineError
+		if errors.As(err, &engineErr) && engineErr.Reason == "EPOCH_CONFLICT" {
+			built, err = send(ctx, w.timeout, w.client.Build, request)
+		}
+		if err != nil {
+			return nil, err
+		}
+		if !built.GetNeedsCompaction() {
+			return built, w.checkPrefix(ctx, built)
+		}
+		// The history outgrew the body. One compaction may not be enough (the engine does
+		// not know the next Build's step lines): Build asks again, and summaries merge.
+		if compactions == maxCompactions {
+			return nil, fmt.Errorf("still needs compaction after %d compactions", compactions)
+		}
+		if err := w.compact(ctx); err != nil {
+			return nil, err
+		}
+		request.CheckpointVersion = w.version
 	}
+}
+
+// maxCompactions bounds the compactions one build makes before it gives up.
+const maxCompactions = 3
+
+// compact replaces the run's oldest history with a summary: PrepareCompaction, the
+// worker's summarizer, then CommitCompaction against the version it was prepared from,
+// under a key of its own (send resends it as it is).
+func (w *worker) compact(ctx context.Context) error {
+	prepared, err := call(ctx, w.timeout, w.client.PrepareCompaction, &cev1.PrepareCompactionRequest{
+		TenantId: w.tenant, SessionId: w.session, RunId: w.runID, CheckpointVersion: w.version,
+	})
 	if err != nil {
-		return nil, err
+		return err
 	}
-	if built.GetNeedsCompaction() {
-		return nil, errors.New("needs compaction: PrepareCompaction, summarize, CommitCompaction, build again")
+	fmt.Printf("compacting through event %d (%d tokens)\n",
+		prepared.GetReplacedThroughSequence(), prepared.GetTokensBefore())
+	summary := summarize(prepared)
+	committed, err := send(ctx, w.timeout, w.client.CommitCompaction, &cev1.CommitCompactionRequest{
+		TenantId: w.tenant, SessionId: w.session, RunId: w.runID,
+		ExpectedCheckpointVersion: prepared.GetCheckpointVersion(), IdempotencyKey: newUUID(),
+		Result: &cev1.CompactionResult{
+			Summary:                 summary,
+			SourceEventIds:          prepared.GetSourceEventIds(),
+			Elided:                  prepared.GetElided(),
+			ReplacedThroughSequence: prepared.GetReplacedThroughSequence(),
+			Depth:                   prepared.GetDepth(),
+			TokensBefore:            prepared.GetTokensBefore(),
+			// Conservative when the worker does not count: one token per three bytes.
+			TokensAfter:      int64(len(summary)+2) / 3,
+			CompactorVersion: "go-example@1",
+			PromptVersion:    prepared.GetPromptVersion(),
+		},
+	})
+	if err != nil {
+		return err
 	}
-	return built, w.checkPrefix(ctx, built)
+	w.setVersion(committed.GetCheckpointVersion())
+	return nil
+}
+
+// summarize stands in for the summarizer's model call: a real worker sends
+// prepared.Prompt as the instructions and prepared.SummarizerInput as the input to its
+// model, and commits the text it answers. What the summary must keep it keeps verbatim:
+// the user's constraints, and their open questions as open.
+func summarize(prepared *cev1.PrepareCompactionResponse) string {
+	var b strings.Builder
+	b.WriteString("Earlier in this run the user asked for trains to Lyon and timetable pages were fetched.")
+	for _, c := range prepared.GetRetainedConstraints() {
+		b.WriteString("\nConstraint: " + c)
+	}
+	for _, q := range prepared.GetOpenQuestions() {
+		b.WriteString("\nOpen question: " + q)
+	}
+	return b.String()
+}
+
+// setVersion takes v as the run's checkpoint version when it is newer. Never older: a
+// resent write replays its first answer, whose version later writes may have passed.
+func (w *worker) setVersion(v int64) {
+	if v > w.version {
+		w.version = v
+	}
 }
 
 // checkPrefix checks that b was built on its epoch's prefix. The epoch first: a Build may
@@ -366,7 +461,7 @@ func (w *worker) checkPrefix(ctx context.Context, b *cev1.BuildResponse) error {
 func (w *worker) appendStep(ctx context.Context, b *cev1.BuildResponse, turn modelTurn, result string) error {
 	name := toolName(b, turn.wireName)
 	fmt.Printf("tool call %s -> %s\n", turn.wireName, name)
-	appended, err := send(ctx, w.timeout, w.client.AppendItems, &cev1.AppendItemsRequest{
+	request := &cev1.AppendItemsRequest{
 		TenantId: w.tenant, SessionId: w.session, RunId: w.runID,
 		ExpectedCheckpointVersion: w.version, IdempotencyKey: newUUID(),
 		Items: []*cev1.ConversationItem{
@@ -378,27 +473,58 @@ func (w *worker) appendStep(ctx context.Context, b *cev1.BuildResponse, turn mod
 				Trust: cev1.TrustLevel_TRUST_LEVEL_EXTERNAL_UNTRUSTED, Source: "tool:" + name,
 			}}},
 		},
-	})
+	}
+	appended, err := send(ctx, w.timeout, w.client.AppendItems, request)
+	if latest, moved := movedOn(err, request); moved {
+		// Another write landed first (the user's next message, say): the step goes after
+		// it, under the same key. Given up, its tools' results would be lost.
+		request.ExpectedCheckpointVersion = latest
+		appended, err = send(ctx, w.timeout, w.client.AppendItems, request)
+	}
 	if err != nil {
 		return err
 	}
-	w.version = appended.GetCheckpointVersion()
+	w.setVersion(appended.GetCheckpointVersion())
 	return nil
+}
+
+// movedOn reads an append refused CHECKPOINT_VERSION_CONFLICT for a later version than
+// request expected: that version, and true.
+func movedOn(err error, request *cev1.AppendItemsRequest) (int64, bool) {
+	var engineErr *EngineError
+	if !errors.As(err, &engineErr) || engineErr.Reason != "CHECKPOINT_VERSION_CONFLICT" {
+		return 0, false
+	}
+	latest, parsed := strconv.ParseInt(engineErr.Metadata["latest_version"], 10, 64)
+	return latest, parsed == nil && latest > request.GetExpectedCheckpointVersion()
 }
 
 // reportUsage reports what the provider counted for b's request, after the model's
 // output is appended: a report that fails then loses nothing, and can be resent. The key
 // is the build's own, so a resend after a lost answer counts once.
+// A report that still fails is kept (w.unreported) and sent again with the next one: the
+// step it belongs to is logged, so failing the run for it would lose nothing but the run.
 func (w *worker) reportUsage(ctx context.Context, b *cev1.BuildResponse, turn modelTurn) error {
-	_, err := send(ctx, w.timeout, w.client.ReportUsage, &cev1.ReportUsageRequest{
+	w.unreported = append(w.unreported, &cev1.ReportUsageRequest{
 		TenantId: w.tenant, SessionId: w.session, RequestSequence: b.GetRequestSequence(),
 		ModelId: turn.model, InputTokens: turn.inputTokens, OutputTokens: turn.outputTokens,
 		IdempotencyKey: fmt.Sprintf("usage:%s:%d", w.session, b.GetRequestSequence()),
 	})
-	if err == nil {
-		fmt.Printf("reported usage for request %d\n", b.GetRequestSequence())
+	pending := w.unreported[:0]
+	for _, report := range w.unreported {
+		if _, err := send(ctx, w.timeout, w.client.ReportUsage, report); err != nil {
+			var engineErr *EngineError
+			if errors.As(err, &engineErr) && !engineErr.Retryable() {
+				return err // refused for what it says: sent again, it fails again
+			}
+			fmt.Printf("usage for request %d not reported yet: %v\n", report.GetRequestSequence(), err)
+			pending = append(pending, report)
+			continue
+		}
+		fmt.Printf("reported usage for request %d\n", report.GetRequestSequence())
 	}
-	return err
+	w.unreported = pending
+	return nil
 }
 
 // rebuild builds the run's checkpoint twice with one clock and checks that Build is pure:
@@ -475,8 +601,8 @@ func (w *worker) showRotation(ctx context.Context) error {
 	return nil
 }
 
-// turn is one tool step of a run, then the error and retry demonstrations.
-func (w *worker) turn(ctx context.Context) error {
+// turn is `steps` tool steps of a run, then the error and retry demonstrations.
+func (w *worker) turn(ctx context.Context, steps int) error {
 	if err := w.open(ctx); err != nil {
 		return err
 	}
@@ -484,19 +610,22 @@ func (w *worker) turn(ctx context.Context) error {
 		return err
 	}
 	now := timestamppb.New(time.Date(2026, 3, 14, 23, 40, 0, 0, time.UTC))
-	built, err := w.build(ctx, now)
-	if err != nil {
-		return err
-	}
-	answer, err := askModel(built)
-	if err != nil {
-		return err
-	}
-	if err := w.appendStep(ctx, built, answer, "08:04 TGV 6601"); err != nil {
-		return err
-	}
-	if err := w.reportUsage(ctx, built, answer); err != nil {
-		return err
+	for step := 1; step <= steps; step++ {
+		built, err := w.build(ctx, now)
+		if err != nil {
+			return err
+		}
+		answer, err := askModel(built, step)
+		if err != nil {
+			return err
+		}
+		page := fmt.Sprintf("Timetable page %d: %s", step, strings.Repeat("08:04 TGV 6601, 09:04 TGV 6603. ", 12))
+		if err := w.appendStep(ctx, built, answer, page); err != nil {
+			return err
+		}
+		if err := w.reportUsage(ctx, built, answer); err != nil {
+			return err
+		}
 	}
 	if err := w.rebuild(ctx, now); err != nil {
 		return err
@@ -515,11 +644,9 @@ func (w *worker) turn(ctx context.Context) error {
 // GetBuild answer can exceed grpc-go's 4 MiB default (the server does not cap what it
 // sends); the retry policy above; and a 16 MiB retry buffer, as a call is
 // resent only while its request fits (256 KiB per call by default).
-func dial(target string) (*grpc.ClientConn, error) {
-	// A sidecar talks plaintext over localhost. WithInsecure works on every grpc-go since
-	// 1.0 (newer code may prefer credentials/insecure, which needs grpc-go >= 1.34).
+func dial(target string, transport grpc.DialOption) (*grpc.ClientConn, error) {
 	return grpc.Dial(target,
-		grpc.WithInsecure(), //nolint:staticcheck
+		transport,
 		grpc.WithDefaultServiceConfig(serviceConfig),
 		grpc.WithDefaultCallOptions(
 			grpc.MaxCallRecvMsgSize(math.MaxInt32),
@@ -528,9 +655,44 @@ func dial(target string) (*grpc.ClientConn, error) {
 	)
 }
 
+// transportFor is TLS when asked for (-tls: the system's roots; -ca-file: that CA), else
+// plaintext, which a sidecar on loopback talks. A token is not sent over plaintext to
+// another host: anyone on the path could read it and act as the worker.
+func transportFor(target, caFile string, useTLS bool, token string) (grpc.DialOption, error) {
+	switch {
+	case caFile != "":
+		creds, err := credentials.NewClientTLSFromFile(caFile, "")
+		if err != nil {
+			return nil, err
+		}
+		return grpc.WithTransportCredentials(creds), nil
+	case useTLS:
+		return grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{MinVersion: tls.VersionTLS12})), nil
+	case token != "" && !loopback(target):
+		return nil, fmt.Errorf("a -token is not sent over plaintext to %s: use -tls or -ca-file", target)
+	}
+	// WithInsecure works on every grpc-go since 1.0 (newer code may prefer
+	// credentials/insecure, which needs grpc-go >= 1.34).
+	return grpc.WithInsecure(), nil //nolint:staticcheck
+}
+
+// loopback: whether target (host:port) names this host.
+func loopback(target string) bool {
+	host, _, err := net.SplitHostPort(target)
+	if err != nil {
+		host = target
+	}
+	ip := net.ParseIP(host)
+	return host == "localhost" || ip != nil && ip.IsLoopback()
+}
+
 // run returns its error rather than exiting, so the deferred Close runs.
-func run(target, tenant, token string, timeout time.Duration) error {
-	conn, err := dial(target)
+func run(target, tenant, token, caFile string, useTLS bool, timeout time.Duration, steps int, policyCap int64) error {
+	transport, err := transportFor(target, caFile, useTLS, token)
+	if err != nil {
+		return err
+	}
+	conn, err := dial(target, transport)
 	if err != nil {
 		return err
 	}
@@ -539,8 +701,8 @@ func run(target, tenant, token string, timeout time.Duration) error {
 	if token != "" {
 		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+token)
 	}
-	w := &worker{client: cev1.NewContextEngineClient(conn), tenant: tenant, timeout: timeout}
-	return w.turn(ctx)
+	w := &worker{client: cev1.NewContextEngineClient(conn), tenant: tenant, timeout: timeout, policyCap: policyCap}
+	return w.turn(ctx, steps)
 }
 
 func main() {
@@ -548,8 +710,12 @@ func main() {
 	tenant := flag.String("tenant", envOr("CONTEXT_ENGINE_TENANT", "example"), "tenant id")
 	token := flag.String("token", os.Getenv("CONTEXT_ENGINE_TOKEN"), "bearer token (optional)")
 	timeout := flag.Duration("timeout", 30*time.Second, "deadline of each RPC")
+	useTLS := flag.Bool("tls", false, "TLS with the system's root certificates")
+	caFile := flag.String("ca-file", "", "TLS, trusting this PEM CA certificate")
+	steps := flag.Int("steps", 1, "tool steps of the run")
+	policyCap := flag.Int64("policy-cap", 0, "cap the request at this many tokens (0: the model's window)")
 	flag.Parse()
-	if err := run(*target, *tenant, *token, *timeout); err != nil {
+	if err := run(*target, *tenant, *token, *caFile, *useTLS, *timeout, *steps, *policyCap); err != nil {
 		log.Fatal(err)
 	}
 }

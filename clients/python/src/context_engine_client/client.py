@@ -917,6 +917,23 @@ class Run:
             items=list(items),
         )
 
+    async def _build_step(
+        self, clock: datetime | None, step: pb.StepContext | None, timeout: float | None
+    ) -> BuildResult:
+        """A tool loop's Build of the run's latest checkpoint, built again once after
+        ABORTED EPOCH_CONFLICT (an erasure invalidated the plan meanwhile: docs/api.md says
+        build again) or an error a resend can get past (SESSION_BUSY, UNAVAILABLE,
+        DEADLINE_EXCEEDED): a Build writes only its record, and ended the loop on either
+        though nothing of the step was lost (an audit; the Go example builds again)."""
+        try:
+            return await self.build(clock, step, checkpoint_version=0, timeout=timeout)
+        except ContextEngineError as exc:
+            if not (exc.retryable or exc.reason == "EPOCH_CONFLICT"):
+                raise
+            if exc.retryable:
+                await asyncio.sleep(_APPEND_BACKOFF_S)
+        return await self.build(clock, step, checkpoint_version=0, timeout=timeout)
+
     async def resend_append(
         self, request: pb.AppendItemsRequest, *, timeout: float | None = None
     ) -> pb.AppendItemsResponse:
@@ -1037,7 +1054,9 @@ class Run:
         response: pb.UpdateWorkingStateResponse = await self.client.call(
             "UpdateWorkingState", request, timeout=timeout
         )
-        self.checkpoint_version = response.checkpoint_version
+        # A resend under the same key replays its first answer: never move back past a
+        # version this run has seen since (as resend_append).
+        self.checkpoint_version = max(self.checkpoint_version, response.checkpoint_version)
         return response
 
     async def compact(
@@ -1102,7 +1121,7 @@ class Run:
             ),
             timeout=timeout,
         )
-        self.checkpoint_version = response.checkpoint_version
+        self.checkpoint_version = max(self.checkpoint_version, response.checkpoint_version)
         return self.checkpoint_version
 
     async def tool_loop(
@@ -1208,7 +1227,7 @@ class Run:
         steps = 0
         while steps < max_steps:
             clock = now() if callable(now) else now
-            built = await self.build(clock, step, checkpoint_version=0, timeout=timeout)
+            built = await self._build_step(clock, step, timeout)
             self.checkpoint_version = built.response.checkpoint_version or self.checkpoint_version
             if built.needs_compaction:
                 # The server caps summary depth at 2; a third attempt would fail there.
