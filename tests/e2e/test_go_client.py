@@ -94,6 +94,8 @@ async def test_go_example_vets_builds_and_runs(grpc_server: Any, tmp_path: Path)
     assert "reported usage for request " in out, out
     assert "rejected: ORPHANED_TOOL_ITEM at items[0].tool_result.call_id" in out, out
     assert "rotated once to epoch 2; rejected: EPOCH_CONFLICT, current_epoch 2" in out, out
+    # A step's append that met a later write went after it (it failed the run, an audit).
+    assert "a step after a write that landed first: appended at version 4 (built at 2)" in out
     assert out.rstrip().endswith("ok: one prefix hash, identical rebuilds"), out
 
 

@@ -569,6 +569,37 @@ func (w *worker) showRejection(ctx context.Context) error {
 	return nil
 }
 
+// showLateStep logs a step whose append meets a write that landed after its build (the
+// user's next message, here appended by the example itself): refused
+// CHECKPOINT_VERSION_CONFLICT, appendStep sends it again after that write, under its key.
+func (w *worker) showLateStep(ctx context.Context, now *timestamppb.Timestamp, step int) error {
+	built, err := w.build(ctx, now)
+	if err != nil {
+		return err
+	}
+	answer, err := askModel(built, step)
+	if err != nil {
+		return err
+	}
+	_, err = send(ctx, w.timeout, w.client.AppendItems, &cev1.AppendItemsRequest{
+		TenantId: w.tenant, SessionId: w.session, RunId: w.runID,
+		ExpectedCheckpointVersion: w.version, IdempotencyKey: newUUID(),
+		Items: []*cev1.ConversationItem{{Kind: &cev1.ConversationItem_UserMessage{
+			UserMessage: &cev1.UserMessage{Text: "Actually, after 9:00 please."},
+		}}},
+	})
+	if err != nil { // the other writer's version is not w.version: the step's is behind
+		return err
+	}
+	before := w.version
+	if err := w.appendStep(ctx, built, answer, "09:04 TGV 6603"); err != nil {
+		return err
+	}
+	fmt.Printf("a step after a write that landed first: appended at version %d (built at %d)\n",
+		w.version, before)
+	return nil
+}
+
 // showRotation rotates under an idempotency key and resends it, as after a lost answer
 // (UNAVAILABLE after the commit landed): the resend answers with the plan the first made
 // instead of ABORTED EPOCH_CONFLICT. Under a new key it is another rotation from an epoch
@@ -626,6 +657,9 @@ func (w *worker) turn(ctx context.Context, steps int) error {
 		if err := w.reportUsage(ctx, built, answer); err != nil {
 			return err
 		}
+	}
+	if err := w.showLateStep(ctx, now, steps+1); err != nil {
+		return err
 	}
 	if err := w.rebuild(ctx, now); err != nil {
 		return err
