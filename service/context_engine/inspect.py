@@ -286,7 +286,7 @@ def _bar_width(
     between _MIN_BAR and BAR_WIDTH."""
     others = _TABLE_FRAME + fixed
     figures = max((len(_bar(row[4], colours, 0, largest)) for row in rows), default=0)
-    pressure = min(max((len(row[5]) for row in rows), default=0), _PRESSURE_ROOM)
+    pressure = min(max([len("pressure"), *(len(row[5]) for row in rows)]), _PRESSURE_ROOM)
     return max(_MIN_BAR, min(BAR_WIDTH, console_width - others - figures - pressure))
 
 
@@ -362,22 +362,28 @@ def render(view: SessionView, console: Console, width: int | None = None) -> Non
         )
         for r in view.requests
     ]
-    # Only the pressure steps wrap: the other columns keep their width (at 80 columns the
-    # seq, run and epoch columns were squeezed to nothing, an audit).
+    if not rows:
+        console.print(Text("Requests: none recorded"))
+    # The columns before the bar keep their width where the bar and the pressure header
+    # still fit beside them (at 80 columns the seq, run and epoch columns were squeezed to
+    # nothing, an audit); narrower, they give way, as kept they cropped the table.
     fixed = [max([len(name), *(len(str(row[n])) for row in rows)]) for n, name in _FIXED]
+    keep = console.width >= _TABLE_FRAME + sum(fixed) + _MIN_BAR + len("pressure")
     if width is None:
         width = _bar_width(console.width, sum(fixed), rows, colours, largest)
     requests = Table(
         title="Requests (tokens by class against the input budget)", title_justify="left"
     )
     for (_, name), least in zip(_FIXED, fixed, strict=True):
-        requests.add_column(name, no_wrap=True, min_width=least)
+        requests.add_column(name, no_wrap=keep, min_width=least if keep else None)
     # The bar never breaks; the figures after it wrap where the console is too narrow.
-    requests.add_column("budget", min_width=width)
-    requests.add_column("pressure", overflow="fold")
+    # Narrower still, every column gives way as rich sees fit (cut short with an ellipsis).
+    requests.add_column("budget", min_width=width if keep else None)
+    requests.add_column("pressure", overflow="fold" if keep else "ellipsis")
     for seq, run, epoch, prefix, r, pressure in rows:
         requests.add_row(seq, run, epoch, prefix, _bar(r, colours, width, largest), pressure)
-    console.print(requests)
+    if rows:
+        console.print(requests)
     if colours:
         legend = Text("classes: ")
         for name, colour in colours.items():

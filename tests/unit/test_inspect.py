@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -140,6 +143,28 @@ def test_at_a_terminals_width_every_column_shows_whole(width: int) -> None:
     assert columns[1] == "fits:drop_knowledge"
     legend = next(line for line in lines if line.startswith("classes:"))
     assert "prefix" in legend and "history" in legend
+
+
+def test_no_width_crops_a_table() -> None:
+    """From 30 columns to 130, with and without pressure steps and with no request at all,
+    every line fits and every table keeps its right border: the columns before the bar
+    keep their width only where the bar and the pressure header fit beside them (kept
+    below that, they cropped the table at 40-62 columns, and at 40-83 with no request:
+    a review)."""
+    view = _view("a" * 64)
+    quiet = replace(view, requests=tuple(replace(r, pressure="") for r in view.requests))
+    empty = replace(view, requests=())
+    for shown in (view, quiet, empty):
+        for width in range(30, 131):
+            console = Console(record=True, width=width, color_system=None, file=io.StringIO())
+            render(shown, console)
+            lines = console.export_text().splitlines()
+            assert all(len(line) <= width for line in lines), width
+            table = [line for line in lines if line[:1] in "┏┃┡│└"]
+            assert all(line.rstrip()[-1] in "┓┃┩│┘" for line in table), (width, lines)
+    console = Console(record=True, width=80, color_system=None, file=io.StringIO())
+    render(empty, console)
+    assert "Requests: none recorded" in console.export_text()
 
 
 def test_every_class_a_record_names_has_a_colour_of_its_own() -> None:

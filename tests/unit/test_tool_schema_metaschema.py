@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
-from context_engine.core.tool_schema import input_schema_problem
+from context_engine.core.tool_schema import input_schema_problem, visible_input_schema
 
 # The metaschema itself, no format checker: the vocabulary Anthropic names.
 METASCHEMA = Draft202012Validator(Draft202012Validator.META_SCHEMA)
@@ -88,6 +88,8 @@ VALUES: dict[str, st.SearchStrategy[Any]] = {
     "default": st.integers(0, 3),
     "contentEncoding": st.just("base64"),
     "contentMediaType": st.just("application/json"),
+    "$recursiveRef": st.just("#"),
+    "$recursiveAnchor": st.just("meta"),
 }
 # Any JSON value: what a keyword holds when its value is drawn wrong.
 ANY_JSON = st.recursive(
@@ -113,12 +115,15 @@ def _value(key: str, depth: int) -> st.SearchStrategy[Any]:
         right = st.dictionaries(st.sampled_from(["a", "b", "c_1"]), _schemas(depth - 1))
     elif key in SCHEMA_LISTS:
         right = st.lists(_schemas(depth - 1), max_size=2)
+    elif key == "dependencies":  # draft 4's, still in the metaschema: schemas or names
+        names = st.lists(st.sampled_from("xy"), unique=True)
+        right = st.dictionaries(st.sampled_from("ab"), _schemas(depth - 1) | names)
     else:
         right = VALUES[key]
     return st.one_of(right, right, right, ANY_JSON)
 
 
-KEYS = (*SCHEMA_ONE, *SCHEMA_MAPS, *SCHEMA_LISTS, *VALUES)
+KEYS = (*SCHEMA_ONE, *SCHEMA_MAPS, *SCHEMA_LISTS, "dependencies", *VALUES)
 
 
 def _schema(depth: int) -> st.SearchStrategy[dict[str, Any]]:
@@ -143,17 +148,9 @@ def input_schemas(draw: st.DrawFn) -> dict[str, Any]:
 
 
 def _refused_by_metaschema(schema: dict[str, Any]) -> str | None:
-    error = next(iter(METASCHEMA.iter_errors(schema)), None)
+    """Why the metaschema refuses `schema` as it is sent (a root title is not sent)."""
+    error = next(iter(METASCHEMA.iter_errors(visible_input_schema(schema))), None)
     return None if error is None else f"{list(error.absolute_path)}: {error.message}"
-
-
-def _holds(schema: Any, key: str) -> bool:
-    """Whether `key` is a key anywhere in `schema`."""
-    if isinstance(schema, dict):
-        return key in schema or any(_holds(v, key) for v in schema.values())
-    if isinstance(schema, list):
-        return any(_holds(v, key) for v in schema)
-    return False
 
 
 @settings(max_examples=1500)
@@ -191,6 +188,11 @@ def test_the_reference_refuses_what_anthropic_names() -> None:
         {"type": "object", "properties": {"n": {"description": 3}}},
         {"type": "object", "properties": {"n": {"anyOf": []}}},
         {"type": "object", "$anchor": "#a"},
+        # A review's: what the generator had not drawn.
+        {"type": "object", "properties": {"n": {"$id": "#a"}}},
+        {"type": "object", "properties": {"n": {"dependencies": {"a": ["b", "b"]}}}},
+        {"type": "object", "properties": {"n": {"dependencies": {"a": {"properties": 3}}}}},
+        {"type": "object", "properties": {"n": {"$recursiveRef": 3}}},
     ):
         assert _refused_by_metaschema(bad) is not None, bad
         problem = input_schema_problem(bad, "anthropic")
@@ -202,7 +204,9 @@ def test_the_reference_refuses_what_anthropic_names() -> None:
         "$defs": {"a": {"type": "string", "minLength": 1}},
         "properties": {"q": {"$ref": "#/$defs/a"}, "tags": {"prefixItems": [{}], "items": False}},
         "dependentRequired": {"q": ["tags"]},
+        "dependencies": {"q": ["tags"], "tags": {"required": ["q"]}},
         "required": ["q"],
+        "title": 7,  # the root's title is never sent
     }
     assert _refused_by_metaschema(good) is None
     assert input_schema_problem(good, "anthropic") is None

@@ -246,6 +246,8 @@ function movedOn(error: unknown, request: AppendItemsRequest): number | undefine
 // deadline the attempt before it had (docs/api.md: retry with a longer deadline).
 const APPEND_ATTEMPTS = 3;
 const APPEND_BACKOFF_MS = 200;
+// Refusals of a Build that recorded nothing: the tool loop builds once more (buildStep).
+const BUILD_AGAIN = new Set(['SESSION_BUSY', 'EPOCH_CONFLICT']);
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
 
 /** Longest tool name the providers accept (OpenAI's 64; Anthropic allows 128). */
@@ -1119,18 +1121,18 @@ export class Run {
   }
 
   /**
-   * A tool loop's Build, built again once after ABORTED EPOCH_CONFLICT (an erasure
-   * invalidated the plan meanwhile: docs/api.md says build again) or an error a resend can
-   * get past (SESSION_BUSY, UNAVAILABLE, DEADLINE_EXCEEDED): a Build writes only its
-   * record, and ended the loop on either though nothing of the step was lost (an audit).
+   * A tool loop's Build, built again once after a refusal that recorded nothing
+   * (BUILD_AGAIN): ABORTED EPOCH_CONFLICT (an erasure invalidated the plan meanwhile:
+   * docs/api.md says build again) or SESSION_BUSY. Either ended the loop though nothing
+   * was lost (an audit). Not after UNAVAILABLE or DEADLINE_EXCEEDED: that Build may have
+   * been recorded, and another would leave it a request no usage is reported for (a review).
    */
   private async buildStep(opts: BuildOptions): Promise<BuildResult> {
     try {
       return await this.build(opts);
     } catch (error) {
-      if (!(error instanceof ContextEngineError)) throw error;
-      if (!error.retryable && error.reason !== 'EPOCH_CONFLICT') throw error;
-      if (error.retryable) await sleep(APPEND_BACKOFF_MS);
+      if (!(error instanceof ContextEngineError) || !BUILD_AGAIN.has(error.reason)) throw error;
+      await sleep(APPEND_BACKOFF_MS);
     }
     return this.build(opts);
   }

@@ -53,8 +53,9 @@ def input_schema_problem(schema: Mapping[str, Any], provider: str = "") -> str |
     refuses one without "type": "object", or with a combinator at its top level (a union
     type's generated schema, often an MCP server's); both validate the schema, so a
     schema keyword holding what is no schema (`"properties": "q"`, `"required": "q"`) is
-    refused too. With `provider` "anthropic", also a top-level property name outside
-    Anthropic's pattern; with "openai", an array schema without `items` anywhere in it
+    refused too. What is judged is the schema as sent (`visible_input_schema`: a root
+    title, which is never sent, does not make it refused). With `provider` "anthropic",
+    also a top-level property name outside Anthropic's pattern; with "openai", an array schema without `items` anywhere in it
     (OpenAI's "array schema missing items", strict or not: MCP servers ship such
     schemas). Plan refuses it (a tool's definition is in every request's prefix), and so
     does a rebuild of a pinned spec, whose model is known then. With "anthropic", also a
@@ -62,6 +63,7 @@ def input_schema_problem(schema: Mapping[str, Any], provider: str = "") -> str |
     `"exclusiveMinimum": true`, `"type": "int"`, a negative `minLength`, a `required`
     naming a property twice): Anthropic refuses the schema as invalid on every request
     (an audit: Plan took them)."""
+    schema = visible_input_schema(dict(schema))
     if schema.get("type") != "object":
         return 'must be a JSON Schema with "type": "object" (tool input is an object)'
     combined = [k for k in _TOP_LEVEL_COMBINATORS if k in schema]
@@ -186,6 +188,18 @@ def _name_lists(value: Any) -> bool:
     return isinstance(value, dict) and all(_names(v) for v in value.values())
 
 
+def _dependencies(value: Any) -> bool:
+    """Draft 4's dependencies, which 2020-12's metaschema still reads: each a schema
+    (`_malformed` walks those) or a property-name list."""
+    return isinstance(value, dict) and all(
+        isinstance(v, dict | bool) or _names(v) for v in value.values()
+    )
+
+
+# The metaschema's pattern for $id: a URI with no fragment but an empty one.
+_ID = re.compile(r"[^#]*#?")
+
+
 def _vocabulary(value: Any) -> bool:
     return isinstance(value, dict) and all(isinstance(v, bool) for v in value.values())
 
@@ -215,6 +229,7 @@ _KEYWORD_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "enum": (lambda v: isinstance(v, list), "an array"),
     "required": (_names, "property names, each once"),
     "dependentRequired": (_name_lists, "an object of property-name lists, each name once"),
+    "dependencies": (_dependencies, "an object of schemas or property-name lists"),
     # Draft 2020-12's array form is prefixItems: its items is one schema (draft 4's tuple
     # form, which _malformed walks, fails the metaschema).
     "items": (lambda v: not isinstance(v, list), "a schema (a list of them is prefixItems)"),
@@ -223,13 +238,15 @@ _KEYWORD_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "anyOf": (_schemas, "a non-empty list of schemas"),
     "oneOf": (_schemas, "a non-empty list of schemas"),
     # The core, meta-data and content vocabularies: annotations, but typed all the same.
-    "$id": (_text, "a string"),
+    "$id": (lambda v: isinstance(v, str) and _ID.fullmatch(v) is not None, "a URI, no fragment"),
     "$schema": (_text, "a string"),
     "$ref": (_text, "a string"),
     "$dynamicRef": (_text, "a string"),
     "$comment": (_text, "a string"),
     "$anchor": (_anchor, f"a name matching {_ANCHOR.pattern!r}"),
     "$dynamicAnchor": (_anchor, f"a name matching {_ANCHOR.pattern!r}"),
+    "$recursiveRef": (_text, "a string"),
+    "$recursiveAnchor": (_anchor, f"a name matching {_ANCHOR.pattern!r}"),
     "$vocabulary": (_vocabulary, "an object of true or false"),
     "title": (_text, "a string"),
     "description": (_text, "a string"),
@@ -264,7 +281,7 @@ _JSON_KINDS[type(None)] = "null"
 def _malformed(schema: Mapping[str, Any]) -> str | None:
     """Where `schema` holds a non-schema at a schema position, or a `required` that is not
     a list of names; None if nowhere. Data keywords (enum, const, default, examples) are
-    not looked into, and neither are `dependencies` (a draft-4 entry may be a name list)."""
+    not looked into, nor a `dependencies` entry that is a list (draft 4's name list)."""
     pending: list[tuple[Any, str]] = [(schema, "")]
     while pending:
         node, at = pending.pop()
@@ -280,10 +297,15 @@ def _malformed(schema: Mapping[str, Any]) -> str | None:
             return f"has a required that is not a list of property names ({at or 'its root'})"
         for key, value in node.items():
             where = f"{at}.{key}" if at else key
-            if key in _SCHEMA_MAPS and key != "dependencies":
+            if key in _SCHEMA_MAPS:
                 if not isinstance(value, dict):
                     return f"has a {key} that is not an object ({where})"
-                pending += [(v, f"{where}.{k}") for k, v in value.items()]
+                # A dependencies entry may be a name list (draft 4): only its schemas are.
+                pending += [
+                    (v, f"{where}.{k}")
+                    for k, v in value.items()
+                    if key != "dependencies" or not isinstance(v, list)
+                ]
             elif (key == "items" and isinstance(value, list)) or key in _SCHEMA_LISTS - {"items"}:
                 if not isinstance(value, list):
                     return f"has a {key} that is not a list of schemas ({where})"

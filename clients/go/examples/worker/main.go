@@ -346,14 +346,16 @@ func (w *worker) build(ctx context.Context, now *timestamppb.Timestamp) (*cev1.B
 	request := &cev1.BuildRequest{
 		TenantId: w.tenant, SessionId: w.session, RunId: w.runID, CheckpointVersion: w.version, Now: now,
 	}
-	// Build writes only its record, so it is resent as any retryable call is; and once
-	// after ABORTED EPOCH_CONFLICT (an erasure invalidated the plan while the request was
-	// built, nothing recorded: docs/api.md says build again).
+	// Built once more after a refusal that recorded nothing: ABORTED SESSION_BUSY, or
+	// EPOCH_CONFLICT (an erasure invalidated the plan while the request was built:
+	// docs/api.md says build again). Not after UNAVAILABLE or DEADLINE_EXCEEDED, which may
+	// come after the record: another Build would leave it a request no usage is reported
+	// for, first of its epoch in the record while the one sent is not.
 	for compactions := 0; ; compactions++ {
-		built, err := send(ctx, w.timeout, w.client.Build, request)
+		built, err := call(ctx, w.timeout, w.client.Build, request)
 		var engineErr *EngineError
-		if errors.As(err, &engineErr) && engineErr.Reason == "EPOCH_CONFLICT" {
-			built, err = send(ctx, w.timeout, w.client.Build, request)
+		if errors.As(err, &engineErr) && (engineErr.Reason == "EPOCH_CONFLICT" || engineErr.Reason == "SESSION_BUSY") {
+			built, err = call(ctx, w.timeout, w.client.Build, request)
 		}
 		if err != nil {
 			return nil, err
@@ -373,8 +375,9 @@ func (w *worker) build(ctx context.Context, now *timestamppb.Timestamp) (*cev1.B
 	}
 }
 
-// maxCompactions bounds the compactions one build makes before it gives up.
-const maxCompactions = 3
+// maxCompactions bounds the compactions one build makes: summaries merge once, so the
+// server refuses a third (COMPACTION_DEPTH_EXCEEDED) whichever build asks for it.
+const maxCompactions = 2
 
 // compact replaces the run's oldest history with a summary: PrepareCompaction, the
 // worker's summarizer, then CommitCompaction against the version it was prepared from,
@@ -510,6 +513,11 @@ func (w *worker) reportUsage(ctx context.Context, b *cev1.BuildResponse, turn mo
 		ModelId: turn.model, InputTokens: turn.inputTokens, OutputTokens: turn.outputTokens,
 		IdempotencyKey: fmt.Sprintf("usage:%s:%d", w.session, b.GetRequestSequence()),
 	})
+	return w.flushUsage(ctx)
+}
+
+// flushUsage sends the reports not sent yet, keeping those that fail retryably.
+func (w *worker) flushUsage(ctx context.Context) error {
 	pending := w.unreported[:0]
 	for _, report := range w.unreported {
 		if _, err := send(ctx, w.timeout, w.client.ReportUsage, report); err != nil {
@@ -524,6 +532,9 @@ func (w *worker) reportUsage(ctx context.Context, b *cev1.BuildResponse, turn mo
 		fmt.Printf("reported usage for request %d\n", report.GetRequestSequence())
 	}
 	w.unreported = pending
+	if len(pending) > 0 {
+		fmt.Printf("%d usage reports not sent yet: resend them later, under their keys\n", len(pending))
+	}
 	return nil
 }
 
@@ -597,7 +608,7 @@ func (w *worker) showLateStep(ctx context.Context, now *timestamppb.Timestamp, s
 	}
 	fmt.Printf("a step after a write that landed first: appended at version %d (built at %d)\n",
 		w.version, before)
-	return nil
+	return w.reportUsage(ctx, built, answer)
 }
 
 // showRotation rotates under an idempotency key and resends it, as after a lost answer
@@ -668,6 +679,11 @@ func (w *worker) turn(ctx context.Context, steps int) error {
 		return err
 	}
 	if err := w.showRotation(ctx); err != nil {
+		return err
+	}
+	// The reports still failing: sent once more; what is left is for a later session
+	// of this worker to send (their keys make a resend count once).
+	if err := w.flushUsage(ctx); err != nil {
 		return err
 	}
 	fmt.Println("ok: one prefix hash, identical rebuilds")

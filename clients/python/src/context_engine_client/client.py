@@ -180,6 +180,8 @@ def _one_loopback(target: str) -> bool:
 # resends: the first send and 2 resends. A resend after DEADLINE_EXCEEDED gets twice the
 # deadline the attempt before it had (docs/api.md: retry with a longer deadline).
 _APPEND_ATTEMPTS = 3
+# Refusals of a Build that recorded nothing: the tool loop builds once more (_build_step).
+_BUILD_AGAIN = frozenset({"SESSION_BUSY", "EPOCH_CONFLICT"})
 _APPEND_BACKOFF_S = 0.2
 
 
@@ -920,18 +922,19 @@ class Run:
     async def _build_step(
         self, clock: datetime | None, step: pb.StepContext | None, timeout: float | None
     ) -> BuildResult:
-        """A tool loop's Build of the run's latest checkpoint, built again once after
-        ABORTED EPOCH_CONFLICT (an erasure invalidated the plan meanwhile: docs/api.md says
-        build again) or an error a resend can get past (SESSION_BUSY, UNAVAILABLE,
-        DEADLINE_EXCEEDED): a Build writes only its record, and ended the loop on either
-        though nothing of the step was lost (an audit; the Go example builds again)."""
+        """A tool loop's Build of the run's latest checkpoint, built again once after a
+        refusal that recorded nothing (_BUILD_AGAIN): ABORTED EPOCH_CONFLICT (an erasure
+        invalidated the plan meanwhile: docs/api.md says build again) or SESSION_BUSY.
+        Either ended the loop though nothing was lost (an audit; the Go example builds
+        again). Not after UNAVAILABLE or DEADLINE_EXCEEDED: that Build may have been
+        recorded, and another would leave it a request no usage is reported for, first of
+        its epoch in the record while the one sent is not (a review)."""
         try:
             return await self.build(clock, step, checkpoint_version=0, timeout=timeout)
         except ContextEngineError as exc:
-            if not (exc.retryable or exc.reason == "EPOCH_CONFLICT"):
+            if exc.reason not in _BUILD_AGAIN:
                 raise
-            if exc.retryable:
-                await asyncio.sleep(_APPEND_BACKOFF_S)
+            await asyncio.sleep(_APPEND_BACKOFF_S)
         return await self.build(clock, step, checkpoint_version=0, timeout=timeout)
 
     async def resend_append(
