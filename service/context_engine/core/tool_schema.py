@@ -55,9 +55,9 @@ def input_schema_problem(schema: Mapping[str, Any], provider: str = "") -> str |
     schema keyword holding what is no schema (`"properties": "q"`, `"required": "q"`) is
     refused too. What is judged is the schema as sent (`visible_input_schema`: a root
     title, which is never sent, does not make it refused). With `provider` "anthropic",
-    also a top-level property name outside Anthropic's pattern; with "openai", an array schema without `items` anywhere in it
-    (OpenAI's "array schema missing items", strict or not: MCP servers ship such
-    schemas). Plan refuses it (a tool's definition is in every request's prefix), and so
+    also a top-level property name outside Anthropic's pattern; with "openai", an array
+    schema without `items` anywhere in it (OpenAI's "array schema missing items", strict
+    or not: MCP servers ship such schemas). Plan refuses it (a tool's definition is in every request's prefix), and so
     does a rebuild of a pinned spec, whose model is known then. With "anthropic", also a
     validation keyword whose value JSON Schema draft 2020-12 does not allow (a draft-4
     `"exclusiveMinimum": true`, `"type": "int"`, a negative `minLength`, a `required`
