@@ -51,18 +51,18 @@ def input_schema_problem(schema: Mapping[str, Any], provider: str = "") -> str |
     """Why a provider would refuse `schema` as a tool's input schema on every request that
     defines the tool, or None: both take a tool's input as a JSON object, and Anthropic
     refuses one without "type": "object", or with a combinator at its top level (a union
-    type's generated schema, often an MCP server's); both validate the schema, so a
-    schema keyword holding what is no schema (`"properties": "q"`, `"required": "q"`) is
-    refused too. What is judged is the schema as sent (`visible_input_schema`: a root
-    title, which is never sent, does not make it refused). With `provider` "anthropic",
-    also a top-level property name outside Anthropic's pattern; with "openai", an array
-    schema without `items` anywhere in it (OpenAI's "array schema missing items", strict
-    or not: MCP servers ship such schemas). Plan refuses it (a tool's definition is in every request's prefix), and so
-    does a rebuild of a pinned spec, whose model is known then. With "anthropic", also a
-    validation keyword whose value JSON Schema draft 2020-12 does not allow (a draft-4
-    `"exclusiveMinimum": true`, `"type": "int"`, a negative `minLength`, a `required`
-    naming a property twice): Anthropic refuses the schema as invalid on every request
-    (an audit: Plan took them)."""
+    type's generated schema, often an MCP server's); both validate the schema, so a schema
+    keyword holding what is no schema (`"properties": "q"`, `"required": "q"`) is refused
+    too. What is judged is the schema as sent (`visible_input_schema`: a root title, which
+    is never sent, does not make it refused). With `provider` "anthropic", also a top-level
+    property name outside Anthropic's pattern; with "openai", an array schema without
+    `items` anywhere in it (OpenAI's "array schema missing items", strict or not: MCP
+    servers ship such schemas). Plan refuses it (a tool's definition is in every request's
+    prefix), and so does a rebuild of a pinned spec, whose model is known then. With
+    "anthropic", also any keyword whose value JSON Schema draft 2020-12's metaschema does
+    not allow (a draft-4 `"exclusiveMinimum": true`, `"type": "int"`, a negative
+    `minLength`, a `required` naming a property twice): Anthropic refuses the schema as
+    invalid on every request (an audit: Plan took them)."""
     schema = visible_input_schema(dict(schema))
     if schema.get("type") != "object":
         return 'must be a JSON Schema with "type": "object" (tool input is an object)'
