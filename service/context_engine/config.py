@@ -313,6 +313,10 @@ def load_settings(
     """Merge defaults, CONTEXT_ENGINE_CONFIG file, environment and explicit overrides."""
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
+    # Where each value came from, as an error names it: the variable (or file, or flag)
+    # the user set, not always CONTEXT_ENGINE_<NAME> (a DATABASE_URL with a typo was
+    # reported as CONTEXT_ENGINE_DATABASE_URL, which the user never set: an audit).
+    source: dict[str, str] = {}
     config_file = env.get(_ENV_PREFIX + "CONFIG")
     if config_file:
         try:
@@ -327,19 +331,25 @@ def load_settings(
                 f" setting -> value, got {got}"
             )
         values.update(from_file)
+        source.update({str(k): f"{_ENV_PREFIX}CONFIG={config_file}" for k in from_file})
     for name in Settings.model_fields:
         raw = env.get(_ENV_PREFIX + name.upper())
         if raw is not None:
             values[name] = raw
+            source[name] = _ENV_PREFIX + name.upper()
     # An empty CONTEXT_ENGINE_DATABASE_URL is no setting: it must not hide DATABASE_URL
     # (it did, and the server started on the embedded database instead).
     if env.get("DATABASE_URL") and not values.get("database_url"):
         values["database_url"] = env["DATABASE_URL"]
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        source["database_url"] = "DATABASE_URL"
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            values[name] = value
+            source[name] = "--" + name.replace("_", "-")
     try:
         return Settings(**values)
     except ValidationError as exc:
-        problems = "; ".join(_problem(e) for e in exc.errors())
+        problems = "; ".join(_problem(e, source) for e in exc.errors())
         raise ConfigError(f"invalid configuration: {problems}") from None
 
 
@@ -360,12 +370,14 @@ def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     )
 
 
-def _problem(error: Mapping[str, Any]) -> str:
-    """One validation error, naming the setting and its environment variable."""
+def _problem(error: Mapping[str, Any], source: Mapping[str, str]) -> str:
+    """One validation error, naming the setting and where its value came from (by default
+    its environment variable)."""
     loc = error["loc"]
     message = str(error["msg"]).removeprefix("Value error, ")
     if not loc:
         return message
     name = str(loc[0])
-    where = f"{name} ({_ENV_PREFIX}{name.upper()})" if name in Settings.model_fields else name
-    return f"{where}: {message}"
+    if name not in Settings.model_fields:
+        return f"{name}: {message}"
+    return f"{name} ({source.get(name, _ENV_PREFIX + name.upper())}): {message}"

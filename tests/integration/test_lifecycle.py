@@ -492,8 +492,17 @@ def test_a_malformed_database_url_is_a_configuration_error(url: str, says: str) 
     exit 1); each is now named as the setting it is, exit 2."""
     with pytest.raises(ConfigError) as refused:
         load_settings({"database_url": url}, environ={})
-    assert "database_url (CONTEXT_ENGINE_DATABASE_URL)" in str(refused.value)
+    assert "database_url (--database-url)" in str(refused.value)
     assert says in str(refused.value)
+    # Named as the variable (or file) the value came from: a typo in DATABASE_URL was
+    # reported as CONTEXT_ENGINE_DATABASE_URL, which the user never set (an audit).
+    for environ, named in (
+        ({"DATABASE_URL": url}, "DATABASE_URL"),
+        ({"CONTEXT_ENGINE_DATABASE_URL": url}, "CONTEXT_ENGINE_DATABASE_URL"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            load_settings(environ=environ)
+        assert f"database_url ({named}): " in str(refused.value)
 
 
 @pytest.mark.parametrize(
