@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from context_engine.core.errors import (
@@ -62,8 +62,9 @@ from context_engine.core.working_state import (
     _render_text,
     _set_next_action,
     _set_objective,
-    _task_age,
+    _task_eviction_age,
     _text,
+    _upserted,
     apply_update,
     at_run_boundary,
     carry,
@@ -1455,7 +1456,13 @@ def _ref_apply_update(
         if value is None or value == ():
             continue
         state = step(state, value, ctx)
-    tasks, gone_tasks = _ref_evict(state.tasks, LIST_CAPS["tasks"], _task_age)
+    # Eviction as it is now (a task in progress, or one this update writes, last: an
+    # audit after the indexed helpers); the reference compared against the old order and
+    # failed when a state over the cap held an older task in progress (a CI run).
+    written = _upserted(update)
+    tasks, gone_tasks = _ref_evict(
+        state.tasks, LIST_CAPS["tasks"], lambda t: _task_eviction_age(t, written)
+    )
     facts, gone_facts = _ref_evict(state.facts, LIST_CAPS["facts"], _fact_age)
     questions, gone_q = _ref_evict(state.open_questions, LIST_CAPS["open_questions"], _question_age)
     evicted = {
@@ -1684,8 +1691,39 @@ def _both(
     return _outcome(indexed), _outcome(scanned)
 
 
+# Always: a state over the task cap whose oldest task is in progress (the eviction order
+# changed after the scans were written, and only some drawn states met it: a CI run).
+_OVER_THE_TASK_CAP = (
+    WorkingState(
+        tasks=(
+            Task(
+                task_id="a",
+                title="t",
+                status=TaskStatus.IN_PROGRESS,
+                writer=Writer.MODEL,
+                source_sequence=1,
+            ),
+            *(
+                Task(
+                    task_id=f"k{n}",
+                    title="t",
+                    status=TaskStatus.OPEN,
+                    writer=Writer.MODEL,
+                    source_sequence=2 + n,
+                )
+                for n in range(LIST_CAPS["tasks"])
+            ),
+        )
+    ),
+    Writer.MODEL,
+    WorkingStateUpdate(),
+    1,
+)
+
+
 @settings(SETTINGS, max_examples=200)
 @given(_long_updates(), st.booleans())
+@example(_OVER_THE_TASK_CAP, False)
 def test_indexed_transitions_give_exactly_what_the_scans_gave(
     case: tuple[WorkingState, Writer, WorkingStateUpdate, int], counted: bool
 ) -> None:
