@@ -201,8 +201,9 @@ def _difference(
     # Where either side is still in its prefix, the prefix differs: a unit B gained there
     # (a tool, a memory line) meets A's first body unit at the same place, which read as
     # an expected Region B change in one order and a DEFECT in the other (an audit).
-    b_only = ub is not None and ub.region is Region.PREFIX and ua.region is not Region.PREFIX
-    named = ub if b_only and ub is not None else ua
+    named = ua
+    if ub is not None and ub.region is Region.PREFIX and ua.region is not Region.PREFIX:
+        named = ub
     region = named.region
     if region is Region.PREFIX:
         # Epochs are numbered per session: two sessions' epoch 1 are different plans.
