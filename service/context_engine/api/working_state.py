@@ -15,7 +15,13 @@ from uuid import UUID
 
 from ..core.build_record import INPUTS_KEY, SHOWN_FIELDS, shown_items
 from ..core.checkpoint import Checkpoint, require_version
-from ..core.compaction import SUMMARIZABLE, elided_content, held_texts, quoted_sources
+from ..core.compaction import (
+    SUMMARIZABLE,
+    elided_content,
+    held_texts,
+    quoted_sources,
+    shown_texts,
+)
 from ..core.errors import EngineError, InvalidFieldError
 from ..core.items import (
     ConversationItem,
@@ -26,6 +32,7 @@ from ..core.items import (
 )
 from ..core.plan import prefix_data
 from ..core.seeding import seed_cut
+from ..core.skills import body_trust, pinned_entry
 from ..core.trust import TrustLevel
 from ..core.working_state import (
     ASK_USER_TOOL,
@@ -45,6 +52,7 @@ from ..core.working_state import (
     runtime_update,
 )
 from ..store import events, idempotency, plans, runs, sessions
+from ..store import skills as skill_store
 from ..store import working_state as ws_store
 from ..store.db import transaction
 from ..store.events import NewEvent
@@ -235,23 +243,35 @@ Source = tuple[str, TrustLevel]
 async def _shown_sources(
     conn: Any, tenant_id: str, session_id: UUID, run: runs.RunRow
 ) -> tuple[list[Source], bool]:
-    """The step lines (recall, corrections, knowledge) the run's requests showed its model
-    and the enveloped prefix entries of their plans (the snapshot's memories, say), where
-    their trust is one a fact may not launder (core/compaction.py SUMMARIZABLE); and
-    whether an erasure has since taken some of what it was shown out (events.
-    run_saw_erased). Read from the run's own requests, each decompressed once: a cost
-    that grows with the run's steps, paid only by an update adding a fact above MEMORY."""
+    """The step lines (recall, corrections, knowledge) the run's requests showed its model,
+    with their prose attributions (a passage's citation, a line's source); the enveloped
+    prefix entries of their plans (the snapshot's memories, say); and the loaded skill
+    bodies, each at the least trust a plan shown showed it at (core/skills.py, Rule 6):
+    where their trust is one a fact may not launder (core/compaction.py SUMMARIZABLE), as
+    compaction holds them (an audit: a fact restating an untrusted skill body or a
+    passage's citation, citing the user's message, was USER and offered). And whether an
+    erasure has since taken some of what it was shown out (events.run_saw_erased). Read
+    from the run's own requests, each decompressed once: a cost that grows with the run's
+    steps, paid only by an update adding a fact above MEMORY."""
     shown = await events.read_run_shown(
         conn, tenant_id, session_id, run.run_id, inputs_key=INPUTS_KEY, fields=SHOWN_FIELDS
     )
     sources = [
-        (item.text, trust_of(item))
+        (text, trust_of(item))
         for item in shown_items(shown.lines)
         if isinstance(item, KnowledgePassageItem | RecallLineItem | CorrectionLineItem)
+        for text in shown_texts(item)
     ]
     epochs = sorted({*shown.epochs, run.epoch})
-    for stored in await plans.read_distinct_prefixes(conn, tenant_id, session_id, epochs):
+    prefixes = await plans.read_distinct_prefixes(conn, tenant_id, session_id, epochs)
+    for stored in prefixes:
         sources += [(e.text, e.trust) for e in prefix_data(stored.plan, stored.spec)]
+    for skill in await skill_store.read_loaded(conn, tenant_id, session_id):
+        shown_at = [
+            body_trust(pinned_entry(p.spec.skills, p.plan.skill_pins, skill.name)[1], skill.trust)
+            for p in prefixes
+        ]
+        sources.append((skill.body, max(shown_at, default=skill.trust)))
     erased = await events.run_saw_erased(conn, tenant_id, session_id, run.run_id, epochs)
     return [(text, trust) for text, trust in sources if trust not in SUMMARIZABLE], erased
 
@@ -316,9 +336,13 @@ def _quoted_trust(
     sources = [(text, trust) for text, trust in shown if trust > fact.trust]
     if not sources:
         return fact
+    # Only evidence the user (or the platform) wrote licenses the words it holds, as in
+    # compaction: the model's own message quoting a fetched page, cited, licensed the page,
+    # and the fact was MODEL, rendered bare in the block (an audit).
     allowed = "\n".join(
         elided_content(kind, payload)
-        for kind, payload, _ in (evidence[i] for i in fact.source_event_ids if i in evidence)
+        for kind, payload, flag in (evidence[i] for i in fact.source_event_ids if i in evidence)
+        if (level := evidence_trust(kind, payload, flag)) is not None and level <= TrustLevel.USER
     )
     quoted = quoted_sources([fact.statement], [text for text, _ in sources], allowed)
     if not quoted:

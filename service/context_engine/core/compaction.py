@@ -153,6 +153,7 @@ __all__ = [
     "quoting",
     "require_room",
     "require_shrink",
+    "shown_texts",
     "summary_item",
 ]
 
@@ -570,14 +571,26 @@ _SHOWN_KIND: dict[type[ContextItem], str] = {
 }
 
 
-def _shown_spans(item: ContextItem) -> list[tuple[ElidedSpan, str]]:
-    """A step line a Build showed the model, as the sources the check compares against
-    (Rule 3): its text, and its envelope's source attribute where that is prose
-    (_held_attribution); none for a line whose trust the summarizer may repeat."""
+def shown_texts(item: ContextItem) -> list[str]:
+    """The texts of a step line a Build showed the model that a summary (or a working-state
+    fact, api/working_state.py) could launder: its text, and its envelope's source
+    attribute where that is prose (_held_attribution); none for a line whose trust the
+    summarizer may repeat."""
     if not isinstance(item, KnowledgePassageItem | RecallLineItem | CorrectionLineItem):
         raise TypeError(f"{type(item).__name__} is not a step line a Build shows")
     if trust_of(item) in SUMMARIZABLE:
         return []
+    attribution = item.citation if isinstance(item, KnowledgePassageItem) else item.source
+    return [text for text in (item.text, _held_attribution(attribution)) if text]
+
+
+def _shown_spans(item: ContextItem) -> list[tuple[ElidedSpan, str]]:
+    """A step line a Build showed the model, as the sources the check compares against
+    (Rule 3): shown_texts, each under the line's span."""
+    texts = shown_texts(item)  # raises for an item that is no step line
+    if not texts:
+        return []
+    assert isinstance(item, KnowledgePassageItem | RecallLineItem | CorrectionLineItem)
     span = ElidedSpan(
         item_id=item.item_id,
         kind=_SHOWN_KIND[type(item)],
@@ -585,9 +598,7 @@ def _shown_spans(item: ContextItem) -> list[tuple[ElidedSpan, str]]:
         byte_length=len(item.text.encode("utf-8")),
         event_id=0,
     )
-    attribution = item.citation if isinstance(item, KnowledgePassageItem) else item.source
-    texts = (item.text, _held_attribution(attribution))
-    return [(span, text) for text in texts if text]
+    return [(span, text) for text in texts]
 
 
 def _state_spans(state: WorkingState) -> list[tuple[ElidedSpan, str]]:
