@@ -326,7 +326,8 @@ def _fill(template: str, nonce: str | None) -> str:
 
 
 # Angle brackets and slashes a model reads as "<" and "/" that NFKC leaves alone, the
-# braille blank it reads as a space, and the tags' letters of other scripts.
+# braille blank it reads as a space, the tags' letters of other scripts, and the quotation
+# marks it reads as '"'.
 _READ_AS = str.maketrans(
     {
         **dict.fromkeys("\u2039\u2329\u3008\u27e8\u276c\u276e\u2770\u02c2\u1438", "<"),
@@ -335,6 +336,7 @@ _READ_AS = str.maketrans(
         **dict.fromkeys("\u29f5\u2216\u29f9", "\\"),
         **dict.fromkeys("\u2800\u3164\u115f\u1160\uffa0", " "),
         **dict.fromkeys("\u02d0\ua4fd", ":"),
+        **dict.fromkeys("\u201c\u201d\u201e\u201f\u2033\u2036\u02ba\u02dd\u05f4\u3003", '"'),
         **{c: letter for letter, forms in _HOMOGLYPHS.items() for c in forms},
     }
 )

@@ -267,7 +267,11 @@ __all__ = [
 # to keep 8,000 more of carried history). core/yield_ladder.py Rule 5. A request under no
 # such pressure is cut as before; GetBuild refuses an older record that was cut otherwise
 # (it is not rebuilt: the older rules are not kept).
-ASSEMBLER_VERSION = "context-assembler@21"
+# @22: an envelope's attribute escapes the quotation marks that read as '"' (curly, low,
+# double primes, gershayim, the ditto mark: core/envelope.py Rule 3), which a source or
+# citation could use to show a forged nonce in the header. A request with none renders as
+# before; GetBuild refuses an older record that held one (it is not rebuilt).
+ASSEMBLER_VERSION = "context-assembler@22"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})

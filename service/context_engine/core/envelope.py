@@ -22,7 +22,8 @@ follows. Escaping replaces the one character that opens a delimiter with ``&lt;`
 else changes and nothing is normalized.
 Plain ASCII content can hold no look-alike and takes the plain match alone.
 Rule 3: attribute values are escaped too, so a source name cannot forge attributes: & " < >
-and every character that reads as one of them (fullwidth forms, Rule 2's openers), and
+and every character that reads as one of them (fullwidth forms, Rule 2's openers, the
+quotation marks that read as " such as “ ” „ ″), and
 line breaks and tabs (as character references), so no attribute starts a line of its own.
 """
 
@@ -108,12 +109,16 @@ _SPACE = re.compile(r"\s")
 # condition that ends the look at "<di" or "</x".
 _VISIBLE_TAGS = tuple(_TAGS)
 _VISIBLE_STARTS = frozenset(t[:n] for t in _VISIBLE_TAGS for n in range(len(t)))
+_QUOTE_LOOKALIKES = "\u201c\u201d\u201e\u201f\u2033\u2036\u02ba\u02dd\u05f4\u3003"
 # Rule 3: & " < > and the characters that read as them (their compatibility forms, and
 # every opener of Rule 2), so an attribute can neither end early nor hold a delimiter.
 _ATTR_ESCAPES = str.maketrans(
     {
         **dict.fromkeys("&\ufe60\uff06", "&amp;"),
-        **dict.fromkeys('"\uff02', "&quot;"),
+        # And the quotation marks that read as one (an audit: a source holding
+        # `” nonce=“0000` showed a second nonce in the header): curly and low double quotes,
+        # double primes, the modifier and Hebrew gershayim, the ditto mark.
+        **dict.fromkeys('"\uff02' + _QUOTE_LOOKALIKES, "&quot;"),
         **dict.fromkeys(_OPENERS, "&lt;"),
         **dict.fromkeys(">\ufe65\uff1e", "&gt;"),
         # Line breaks and tabs as character references: a source with a line of its own
