@@ -879,6 +879,40 @@ async def test_get_build_refuses_a_record_another_token_counter_counted(
         await running.stop(0)
 
 
+async def test_a_record_another_tokenizer_cuts_otherwise_is_refused_naming_both(
+    stub: Any, pool: Any
+) -> None:
+    """Counted with the heuristic, a long history is cut elsewhere, so the rebuild's bytes
+    differ: the refusal said only "the rebuild differs", naming two equal assembler
+    versions, and nothing pointed at the tokenizer (an audit). It names both."""
+    plan_spec = spec(model_id="gpt-4")
+    plan_spec.reserve_output_tokens = 1024
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=plan_spec))
+    for n in range(6):
+        run = await start_run(stub, session_id, f"q{n} " + "lorem ipsum " * 200)
+        await append_items(
+            stub, session_id, run.run.run_id, run.checkpoint_version, assistant("answer " * 300)
+        )
+    run_id = (await start_run(stub, session_id, "final")).run.run_id
+    built = await stub.Build(
+        pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id)
+    )
+    assert (await _recorded(pool, session_id, built.request_sequence))[TOKENIZER_KEY] == (
+        "cl100k_base"
+    )
+    heuristic, channel, running = await replica(pool)
+    try:
+        message, metadata = await _refusal(heuristic, session_id, built.request_sequence)
+    finally:
+        await channel.close()
+        await running.stop(0)
+    assert metadata["recorded_tokenizer"] == "cl100k_base"
+    assert metadata["tokenizer"] == "heuristic"
+    assert "counted with cl100k_base and this server counts with heuristic" in message
+    assert "the rebuild differs from the recorded bytes" in message
+
+
 def _working_state(request: pb.ModelRequest) -> str:
     blocks = [b.text for m in request.messages for b in m.blocks if b.item_id == "working-state"]
     assert len(blocks) == 1

@@ -76,6 +76,15 @@ class BuildsRpcs:
     def build_response(self, result: BuildResult) -> EncodedBuildResponse:
         raise NotImplementedError  # ContextEngineServicer defines it
 
+    def _counted_otherwise(self, payload: dict[str, Any]) -> tuple[str, str] | None:
+        """(the record's tokenizer, this server's for its model) where both are known and
+        differ; None otherwise (Rule 9)."""
+        counted, model_id = payload.get(TOKENIZER_KEY), payload.get("model_id")
+        if not isinstance(counted, str) or not isinstance(model_id, str):
+            return None
+        now = self.engine.tokenizer_of(model_id)
+        return (counted, now) if now != counted else None
+
     @grpc_errors
     async def GetBuild(
         self, request: pb.GetBuildRequest, context: grpc.aio.ServicerContext
@@ -92,6 +101,10 @@ class BuildsRpcs:
         if payload.get(REDACTED_KEY):
             raise _redacted(sequence, "its recall lines")
         recorded = assembler_of(payload)
+        # Another tokenizer cuts and refuses otherwise: said first, as the cause, where the
+        # rebuild differs or is refused (an audit: it read "the rebuild differs", naming two
+        # equal assembler versions and no tokenizer).
+        counted = self._counted_otherwise(payload)
         try:
             result = await rebuild(self.engine, tenant, session_id, payload)
         except (InvalidFieldError, PreconditionError) as exc:
@@ -103,7 +116,9 @@ class BuildsRpcs:
                 if exc.reason == "REQUEST_NOT_FOUND"
                 else f"this build refuses it ({exc.reason})"
             )
-            raise _not_rebuilt(sequence, recorded, why) from exc
+            if counted is not None:
+                why = f"{_counted_by(counted)}, and {why}"
+            raise _not_rebuilt(sequence, recorded, why, counted) from exc
         except EngineError as exc:
             if recorded == ASSEMBLER_VERSION:
                 raise  # the same assembler built it: ours to fix, not the record's
@@ -117,7 +132,10 @@ class BuildsRpcs:
                 # An erasure redacted the plan's snapshot since: the recorded bytes held the
                 # erased memories, and they are not served again (core/snapshot.py).
                 raise _redacted(sequence, f"epoch {result.plan.epoch}'s snapshot")
-            raise _not_rebuilt(sequence, recorded, "the rebuild differs from the recorded bytes")
+            why = "the rebuild differs from the recorded bytes"
+            if counted is not None:
+                why = f"{_counted_by(counted)}, and {why}"
+            raise _not_rebuilt(sequence, recorded, why, counted)
         async with acquire(self.engine.pool) as conn:
             # Asked again after the rebuild, which may have read the record's lines or the
             # plan before an erasure committed (an audit: served an erased person's line).
@@ -141,6 +159,10 @@ class BuildsRpcs:
                 tokenizers=(counted, tokenizer) if isinstance(counted, str) else None,
             )
         return self.build_response(replace(result, request_sequence=sequence))
+
+
+def _counted_by(tokenizers: tuple[str, str]) -> str:
+    return f"it was counted with {tokenizers[0]} and this server counts with {tokenizers[1]}"
 
 
 async def rebuild(
