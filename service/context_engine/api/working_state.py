@@ -214,7 +214,7 @@ async def _lowered_facts(
             levels.append(level)
         facts.append(fact.model_copy(update={"trust": lowest_trust(levels)}))
     if any(f.trust in SUMMARIZABLE for f in facts):
-        shown, erased = await _shown_sources(conn, tenant_id, session_id, run)
+        shown, erased = await _shown_sources(conn, tenant_id, session_id, run, checkpoint)
         # The run's own items and the state's claims: a fact restating the page the run
         # fetched, citing the user's message, was USER, shown bare and offered (an audit).
         shown += _run_sources(checkpoint)
@@ -240,8 +240,13 @@ async def _lowered_facts(
 Source = tuple[str, TrustLevel]
 
 
+# How many earlier runs' requests a new fact's check reads the step lines of, newest first:
+# a bound like CARRIED_SOURCES' on what an update adding a fact reads under the lock.
+SHOWN_RUNS = 16
+
+
 async def _shown_sources(
-    conn: Any, tenant_id: str, session_id: UUID, run: runs.RunRow
+    conn: Any, tenant_id: str, session_id: UUID, run: runs.RunRow, checkpoint: Checkpoint
 ) -> tuple[list[Source], bool]:
     """The step lines (recall, corrections, knowledge) the run's requests showed its model,
     with their prose attributions (a passage's citation, a line's source); the enveloped
@@ -251,10 +256,30 @@ async def _shown_sources(
     compaction holds them (an audit: a fact restating an untrusted skill body or a
     passage's citation, citing the user's message, was USER and offered). And whether an
     erasure has since taken some of what it was shown out (events.run_saw_erased). Read
-    from the run's own requests, each decompressed once: a cost that grows with the run's
-    steps, paid only by an update adding a fact above MEMORY."""
+    from the requests of the run and of the SHOWN_RUNS newest earlier runs whose requests
+    its carried history follows (their items may quote what those showed: an audit found
+    a passage shown a run before restated as the user's), each decompressed once: a cost
+    that grows with those runs' steps, paid only by an update adding a fact above
+    MEMORY. A child run carries no history: its own requests alone."""
+    earlier = (
+        await events.recent_requesting_runs(
+            conn,
+            tenant_id,
+            session_id,
+            above=checkpoint.replaced_through_sequence,
+            below=seed_cut(run.seed_event_sequence),
+            limit=SHOWN_RUNS,
+        )
+        if run.parent_run_id is None
+        else []
+    )
     shown = await events.read_run_shown(
-        conn, tenant_id, session_id, run.run_id, inputs_key=INPUTS_KEY, fields=SHOWN_FIELDS
+        conn,
+        tenant_id,
+        session_id,
+        [run.run_id, *earlier],
+        inputs_key=INPUTS_KEY,
+        fields=SHOWN_FIELDS,
     )
     sources = [
         (text, trust_of(item))

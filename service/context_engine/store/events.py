@@ -299,16 +299,44 @@ async def read_run_shown(
     conn: Any,
     tenant_id: str,
     session_id: UUID,
-    run_id: UUID,
+    run_ids: Sequence[UUID],
     *,
     inputs_key: str,
     fields: Sequence[str],
 ) -> Shown:
-    """read_shown of one run's own requests: what its model was shown (UpdateWorkingState
-    holds a fact to it). Other runs' requests are not read (an audit: from the run's seed
-    on, every request of the session since was decompressed, under the session lock)."""
-    rows = await conn.fetch(_RUN_SHOWN, tenant_id, session_id, run_id, list(fields), inputs_key)
+    """read_shown of the requests of the runs named alone: what their models were shown
+    (UpdateWorkingState holds a fact to the run's own and the recent runs' it carries).
+    Other runs' requests are not read (an audit: from the run's seed on, every request of
+    the session since was decompressed, under the session lock)."""
+    rows = await conn.fetch(
+        _RUN_SHOWN, tenant_id, session_id, list(run_ids), list(fields), inputs_key
+    )
     return _as_shown(rows)
+
+
+async def recent_requesting_runs(
+    conn: Any,
+    tenant_id: str,
+    session_id: UUID,
+    *,
+    above: int,
+    below: int,
+    limit: int,
+) -> list[UUID]:
+    """The runs that recorded requests between sequences `above` and `below` (exclusive),
+    newest first, at most `limit`: those whose step lines a run's carried history may
+    quote (api/working_state.py). Read by the type index, requests only."""
+    rows = await conn.fetch(
+        "SELECT run_id FROM session_events WHERE tenant_id = $1 AND session_id = $2"
+        f" AND type = {_REQUEST} AND sequence > $3 AND sequence < $4 AND run_id IS NOT NULL"
+        " GROUP BY run_id ORDER BY max(sequence) DESC LIMIT $5",
+        tenant_id,
+        session_id,
+        above,
+        below,
+        limit,
+    )
+    return [r["run_id"] for r in rows]
 
 
 async def run_saw_erased(
@@ -427,9 +455,10 @@ def _shown_of(requests: str, fields: str, inputs_key: str) -> str:
 
 
 _SHOWN = _shown_of(_REQUESTS_FROM, "$6", "$7")
-# One run's requests alone, by the per-run index (migrations/0017).
+# The requests of the runs named alone, by the per-run index (migrations/0017).
 _RUN_SHOWN = _shown_of(
-    f" WHERE s.tenant_id = $1 AND s.session_id = $2 AND s.type = {_REQUEST} AND s.run_id = $3",
+    f" WHERE s.tenant_id = $1 AND s.session_id = $2 AND s.type = {_REQUEST}"
+    " AND s.run_id = ANY($3::uuid[])",
     "$4",
     "$5",
 )
