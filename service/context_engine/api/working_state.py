@@ -273,7 +273,7 @@ async def _shown_sources(
         if run.parent_run_id is None
         else []
     )
-    shown = await events.read_run_shown(
+    shown = await events.read_runs_shown(
         conn,
         tenant_id,
         session_id,

@@ -26,7 +26,7 @@ __all__ = [
     "read_floor_facts",
     "read_history_page",
     "read_logged_call_ids",
-    "read_run_shown",
+    "read_runs_shown",
     "read_shown",
     "redaction_of",
     "run_saw_erased",
@@ -295,7 +295,7 @@ async def read_shown(
     return _as_shown(rows)
 
 
-async def read_run_shown(
+async def read_runs_shown(
     conn: Any,
     tenant_id: str,
     session_id: UUID,
