@@ -564,6 +564,45 @@ async def test_identifiers_longer_than_an_index_takes_are_named(stub: Any, pool:
                 ("tool_result", pb.ConversationItem(tool_result=pb.ToolResult(call_id=long))),
             )
         ),
+        # Item ids go into every envelope of the item: one of 300,000 characters made each
+        # Build of its run BUDGET_EXCEEDED, naming no field (an audit).
+        (
+            "AppendItems",
+            pb.AppendItemsRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                run_id=run_id,
+                expected_checkpoint_version=1,
+                items=[pb.ConversationItem(item_id=long, user_message=pb.UserMessage(text="x"))],
+            ),
+            "items[0].item_id",
+        ),
+        (
+            "StartRun",
+            pb.StartRunRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                seed_item_id=long,
+                user_message=pb.UserMessage(text="x"),
+            ),
+            "seed_item_id",
+        ),
+        *(
+            (
+                "Build",
+                pb.BuildRequest(
+                    tenant_id=TENANT,
+                    session_id=session_id,
+                    run_id=run_id,
+                    step=pb.StepContext(**{field: [line]}),
+                ),
+                f"step.{field}[0].item_id",
+            )
+            for field, line in (
+                ("recall", pb.RecallLine(item_id=long, text="Ana likes trains.")),
+                ("knowledge", pb.KnowledgePassage(item_id=long, text="A passage.")),
+            )
+        ),
         ("EraseSubject", pb.EraseSubjectRequest(tenant_id=TENANT, person_id=long), "person_id"),
         (
             "GetBuild",

@@ -2869,8 +2869,8 @@ type ConversationItem struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Stable id (used for envelope nonces and cache markers). Empty: the server assigns one,
-	// unique in the session. A chosen id must be new to its run (one the run's checkpoint
+	// Stable id (used for envelope nonces and cache markers; at most 200 characters, else
+	// INVALID_FIELD). Empty: the server assigns one, unique in the session. A chosen id must be new to its run (one the run's checkpoint
 	// holds is INVALID_FIELD); an earlier run may have used it (cache markers name the
 	// item's sequence too: CacheBreakpoint.through_sequence).
 	ItemId string `protobuf:"bytes,1,opt,name=item_id,json=itemId,proto3" json:"item_id,omitempty"`
@@ -3629,7 +3629,8 @@ type StartRunRequest struct {
 	//	*StartRunRequest_UserMessage
 	//	*StartRunRequest_Child
 	Seed isStartRunRequest_Seed `protobuf_oneof:"seed"`
-	// The seeding user message's item id. Empty: the server assigns one. Only for a
+	// The seeding user message's item id (at most 200 characters, else INVALID_FIELD).
+	// Empty: the server assigns one. Only for a
 	// top-level run: a child's instruction takes an id derived from its run, and a child
 	// request with a seed_item_id is refused (INVALID_FIELD).
 	SeedItemId string `protobuf:"bytes,5,opt,name=seed_item_id,json=seedItemId,proto3" json:"seed_item_id,omitempty"`
@@ -4137,8 +4138,8 @@ type RecallLine struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Memory id; unique among the step's recall and correction lines together (both render
-	// as "memory:<id>"): a repeat is INVALID_FIELD.
+	// Memory id (at most 200 characters); unique among the step's recall and correction
+	// lines together (both render as "memory:<id>"): a repeat is INVALID_FIELD.
 	ItemId string `protobuf:"bytes,1,opt,name=item_id,json=itemId,proto3" json:"item_id,omitempty"`
 	// The line.
 	Text string `protobuf:"bytes,2,opt,name=text,proto3" json:"text,omitempty"`
@@ -4218,7 +4219,8 @@ type KnowledgePassage struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Passage id; unique within the step's knowledge (a repeat is INVALID_FIELD).
+	// Passage id (at most 200 characters); unique within the step's knowledge (a repeat is
+	// INVALID_FIELD).
 	ItemId string `protobuf:"bytes,1,opt,name=item_id,json=itemId,proto3" json:"item_id,omitempty"`
 	// The passage, verbatim; dropped whole, never truncated.
 	Text string `protobuf:"bytes,2,opt,name=text,proto3" json:"text,omitempty"`

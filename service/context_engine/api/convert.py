@@ -559,8 +559,11 @@ def class_usage_to_proto(c: ClassUsage) -> pb.ClassUsage:
 
 
 def item_from_proto(item: pb.ConversationItem, field: str, new_id: str) -> ci.ConversationItem:
-    """One item; `new_id` is used when the caller left item_id empty."""
-    item_id = item.item_id or new_id
+    """One item; `new_id` is used when the caller left item_id empty. A chosen id is held
+    to MAX_ID_CHARS, as every other id is: it goes into the item's envelope on every
+    Build, and a 300,000-character one made each Build of its run BUDGET_EXCEEDED,
+    naming no field (an audit)."""
+    item_id = require_id(item.item_id, f"{field}.item_id", required=False) or new_id
     kind = item.WhichOneof("kind")
     if kind is None:
         raise InvalidFieldError(
@@ -774,7 +777,7 @@ def step_from_proto(step: pb.StepContext) -> StepContext:
         out = []
         for n, line in enumerate(values):
             path = f"step.{field}[{n}]"
-            _require(line.item_id, f"{path}.item_id")
+            require_id(line.item_id, f"{path}.item_id")
             people = tuple(
                 require_id(p, f"{path}.person_ids[{k}]") for k, p in enumerate(line.person_ids)
             )
@@ -795,7 +798,7 @@ def step_from_proto(step: pb.StepContext) -> StepContext:
     knowledge = []
     for n, passage in enumerate(step.knowledge):
         path = f"step.knowledge[{n}]"
-        _require(passage.item_id, f"{path}.item_id")
+        require_id(passage.item_id, f"{path}.item_id")
         knowledge.append(
             ci.KnowledgePassageItem(
                 item_id=f"knowledge:{passage.item_id}",

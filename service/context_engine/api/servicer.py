@@ -143,7 +143,10 @@ class ContextEngineServicer(
         seed: object
         if seed_kind == "user_message":
             seed = convert.user_message_from_proto(
-                request.user_message, request.seed_item_id or self.engine.new_id(), "user_message"
+                request.user_message,
+                convert.require_id(request.seed_item_id, "seed_item_id", required=False)
+                or self.engine.new_id(),
+                "user_message",
             )
         elif seed_kind == "child":
             parent = convert.require_uuid(request.child.parent_run_id, "child.parent_run_id")
