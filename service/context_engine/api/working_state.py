@@ -214,10 +214,14 @@ async def _lowered_facts(
             levels.append(level)
         facts.append(fact.model_copy(update={"trust": lowest_trust(levels)}))
     if any(f.trust in SUMMARIZABLE for f in facts):
-        shown, erased = await _shown_sources(conn, tenant_id, session_id, run, checkpoint)
+        shown, erased = await _shown_sources(conn, tenant_id, session_id, run)
         # The run's own items and the state's claims: a fact restating the page the run
         # fetched, citing the user's message, was USER, shown bare and offered (an audit).
         shown += _run_sources(checkpoint)
+        # Those a compaction took out of the checkpoint: the model saw them before the
+        # summary replaced them (an audit: a page the run fetched, compacted away, was
+        # restated as the user's).
+        shown += await _elided_sources(conn, tenant_id, session_id, checkpoint)
         # And the earlier runs' results it carried: a page fetched a turn before was
         # restated the same way (an audit).
         shown += await _carried_sources(conn, tenant_id, session_id, run)
@@ -246,7 +250,7 @@ SHOWN_RUNS = 16
 
 
 async def _shown_sources(
-    conn: Any, tenant_id: str, session_id: UUID, run: runs.RunRow, checkpoint: Checkpoint
+    conn: Any, tenant_id: str, session_id: UUID, run: runs.RunRow
 ) -> tuple[list[Source], bool]:
     """The step lines (recall, corrections, knowledge) the run's requests showed its model,
     with their prose attributions (a passage's citation, a line's source); the enveloped
@@ -258,7 +262,9 @@ async def _shown_sources(
     erasure has since taken some of what it was shown out (events.run_saw_erased). Read
     from the requests of the run and of the SHOWN_RUNS newest earlier runs whose requests
     its carried history follows (their items may quote what those showed: an audit found
-    a passage shown a run before restated as the user's), each decompressed once: a cost
+    a passage shown a run before restated as the user's), whether or not a compaction has
+    summarized those items since (the model read them before it did: another audit),
+    each decompressed once: a cost
     that grows with those runs' steps, paid only by an update adding a fact above
     MEMORY. A child run carries no history: its own requests alone."""
     earlier = (
@@ -266,7 +272,6 @@ async def _shown_sources(
             conn,
             tenant_id,
             session_id,
-            above=checkpoint.replaced_through_sequence,
             below=seed_cut(run.seed_event_sequence),
             limit=SHOWN_RUNS,
         )
@@ -317,6 +322,23 @@ def _run_sources(checkpoint: Checkpoint) -> list[Source]:
         if f.trust not in SUMMARIZABLE
     ]
     return items + claims
+
+
+async def _elided_sources(
+    conn: Any, tenant_id: str, session_id: UUID, checkpoint: Checkpoint
+) -> list[Source]:
+    """The logged items the checkpoint's compactions elided (below what a summary may
+    restate: an untrusted result, or an item of the model's quoting one), read from the log
+    and held as _run_sources holds the run's items, each at the lower of its own trust and
+    the trust its span records (what the item quoted)."""
+    spans = checkpoint.compaction.elided if checkpoint.compaction else ()
+    trust = {s.event_id: s.trust for s in spans if s.event_id and s.trust not in SUMMARIZABLE}
+    items = await events.read_items_at(conn, tenant_id, session_id, list(trust))
+    return [
+        (text, lowest_trust([trust[i.sequence], trust_of(i)]))
+        for i in items
+        for text in held_texts(i)
+    ]
 
 
 # How much of the earlier runs' untrusted results a new fact is compared with, newest first:

@@ -25,6 +25,7 @@ __all__ = [
     "read_events",
     "read_floor_facts",
     "read_history_page",
+    "read_items_at",
     "read_logged_call_ids",
     "read_runs_shown",
     "read_shown",
@@ -153,6 +154,25 @@ async def read_carried_results(
         list(trust_levels),
         limit,
         max_chars,
+    )
+    return [_item(r) for r in rows]
+
+
+async def read_items_at(
+    conn: Any, tenant_id: str, session_id: UUID, sequences: Sequence[int]
+) -> list[ConversationItem]:
+    """The conversation items logged at `sequences` (of any run), oldest first; a sequence
+    holding no conversation item is omitted."""
+    if not sequences:
+        return []
+    rows = await conn.fetch(
+        "SELECT sequence, run_id, payload FROM session_events"
+        " WHERE tenant_id = $1 AND session_id = $2 AND sequence = ANY($3::bigint[])"
+        " AND type = ANY($4::text[]) ORDER BY sequence",
+        tenant_id,
+        session_id,
+        sorted(set(sequences)),
+        list(EVENT_TYPE_OF_ITEM.values()),
     )
     return [_item(r) for r in rows]
 
@@ -319,20 +339,19 @@ async def recent_requesting_runs(
     tenant_id: str,
     session_id: UUID,
     *,
-    above: int,
     below: int,
     limit: int,
 ) -> list[UUID]:
-    """The runs that recorded requests between sequences `above` and `below` (exclusive),
-    newest first, at most `limit`: those whose step lines a run's carried history may
-    quote (api/working_state.py). Read by the type index, requests only."""
+    """The runs that recorded requests below sequence `below`, newest first, at most
+    `limit`: those whose step lines a run's carried history may quote, or may have quoted
+    before a compaction summarized it (api/working_state.py). Read by the type index,
+    requests only."""
     rows = await conn.fetch(
         "SELECT run_id FROM session_events WHERE tenant_id = $1 AND session_id = $2"
-        f" AND type = {_REQUEST} AND sequence > $3 AND sequence < $4 AND run_id IS NOT NULL"
-        " GROUP BY run_id ORDER BY max(sequence) DESC LIMIT $5",
+        f" AND type = {_REQUEST} AND sequence < $3 AND run_id IS NOT NULL"
+        " GROUP BY run_id ORDER BY max(sequence) DESC LIMIT $4",
         tenant_id,
         session_id,
-        above,
         below,
         limit,
     )
