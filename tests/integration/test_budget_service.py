@@ -789,7 +789,10 @@ async def test_a_body_read_longer_than_estimated_is_learned_at_its_own_ratio(
     """The factor scales the body alone; it was learned from the whole request's ratio, so
     behind a large exact prefix a body read at twice its estimate moved it by a few
     percent, and a larger body later was estimated short (an audit). With an exact
-    prefix the body's own ratio is learned."""
+    prefix the body's own ratio is learned: in full for a body of a quarter of the
+    request or more, and at most four times the request's excess for a smaller one (the
+    provider's margin over our prefix count reads as the body's: one report 7% high over
+    a small body set a tenant's factor to 3.3x, another audit)."""
     tenant = _tenant()
     instructions = "Follow the travel policy carefully. " * 400  # a large, exact prefix
     agent = pb.AgentSpec(agent_id="a", version="1", instructions=instructions)
@@ -806,7 +809,9 @@ async def test_a_body_read_longer_than_estimated_is_learned_at_its_own_ratio(
             input_tokens=built.prefix_tokens + 2 * body,
         )
     )
-    assert answered.absorbed and answered.factor_ppm == 2_000_000
+    magnified = 1 + 4 * body / built.estimated_input_tokens  # the body's own would be 2.0
+    assert answered.absorbed
+    assert answered.factor_ppm == pytest.approx(magnified * 1_000_000, rel=1e-4)
     # A body's ratio no drift explains (12x: beyond the 0.1-4x bound) is not learned; the
     # whole request's, a few percent over, is, as before (a review: the body's set the
     # factor to 4x outright).
@@ -818,7 +823,7 @@ async def test_a_body_read_longer_than_estimated_is_learned_at_its_own_ratio(
     whole = (again.prefix_tokens + 12 * body) / again.estimated_input_tokens
     assert whole < 1.5
     learned = await stub.ReportUsage(extreme)
-    assert learned.absorbed and learned.factor_ppm < 2_000_000
+    assert learned.absorbed and learned.factor_ppm < 1.5 * 1_000_000
 
 
 async def test_a_request_that_sent_attachment_content_teaches_no_factor(

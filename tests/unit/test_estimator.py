@@ -25,6 +25,7 @@ from context_engine.core.estimator import (
     ATTACHMENT_TOKEN_BUDGET,
     CORRECTION_WINDOW,
     IMAGE_TOKENS,
+    MAX_BODY_MAGNIFICATION,
     MAX_FACTOR_PPM,
     MESSAGE_FRAMING_TOKENS,
     PDF_PAGE_TOKENS,
@@ -969,20 +970,38 @@ def test_the_sample_of_an_exact_prefix_is_the_larger_of_the_bodys_ratio_and_the_
     """api/usage.py learns the factor, which scales the body alone: with a prefix counted
     exactly the body's own ratio is learned (the whole request's closed only the body's
     share of its error: an audit) unless the whole request's is larger (a prefix the
-    provider counts as more than we did); a heuristic prefix keeps the whole request's."""
+    provider counts as more than we did); a heuristic prefix keeps the whole request's.
+    The body's ratio is the whole request's excess magnified: one past the 4x bound is not
+    learned, and of a smaller one at most MAX_BODY_MAGNIFICATION times (another audit)."""
     actual = prefix * prefix_ratio_ppm // PPM + body * body_ratio_ppm // PPM
     estimated = prefix + body
     learned_estimate, learned_actual = learned_sample(estimated, actual, prefix, True)
-    ratios = [actual / estimated]
-    if actual > prefix:
-        ratios.append((actual - prefix) / body)
+    whole = actual / estimated
+    ratios = [whole]
+    if actual > prefix and (actual - prefix) * PPM // body <= MAX_FACTOR_PPM:
+        most = 1 + MAX_BODY_MAGNIFICATION * (whole - 1)
+        ratios.append(min((actual - prefix) / body, most))
     assert learned_actual / learned_estimate == pytest.approx(max(ratios))
     assert learned_sample(estimated, actual, prefix, False) == (estimated, actual)
 
 
 def test_an_exact_prefix_teaches_the_bodys_ratio() -> None:
-    # A 20,000-token prefix read as counted, a 2,000-token body read as 3,000 tokens.
-    estimated, actual = learned_sample(22_000, 23_000, 20_000, exact_prefix=True)
+    # A 6,000-token prefix read as counted, a 2,000-token body read as 3,000 tokens.
+    estimated, actual = learned_sample(8_000, 9_000, 6_000, exact_prefix=True)
     assert reconcile(None, "gpt-4o", estimated, actual).factor_ppm == 1_500_000
-    whole = reconcile(None, "claude-sonnet-4-5", *learned_sample(22_000, 23_000, 20_000, False))
-    assert whole.factor_ppm < 1_050_000
+    whole = reconcile(None, "claude-sonnet-4-5", *learned_sample(8_000, 9_000, 6_000, False))
+    assert whole.factor_ppm == 1_125_000
+
+
+def test_a_small_body_magnifies_the_requests_error_at_most_four_times() -> None:
+    """A report 7% over a 119-token body behind a 3,858-token prefix counted exactly: the
+    body's ratio, 3.3x, was learned outright as a first sample, and every later session of
+    the tenant estimated its bodies 3.3 times over (an audit). The provider's margin over
+    our prefix count reads as the body's; learned at most four times the request's."""
+    estimated = 3_858 + 119
+    actual = estimated * 107 // 100
+    learned = reconcile(None, "gpt-4o", *learned_sample(estimated, actual, 3_858, True))
+    assert learned.factor_ppm == pytest.approx(1_280_000, rel=1e-3)
+    # A body of a quarter of the request or more is learned in full.
+    quarter = learned_sample(4 * 119, 4 * 119 + 60, 3 * 119, True)
+    assert quarter == (119, 179)

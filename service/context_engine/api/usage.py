@@ -232,12 +232,7 @@ async def _reconcile(
     exact = (counted if isinstance(counted, str) else tokenizer_of(planned_model)) != (
         HEURISTIC_TOKENIZER
     )
-    sample, seen = learned_sample(estimated, actual, prefix, exact)
-    if not plausible_sample(sample, seen, used):
-        # A body's ratio is the whole request's magnified: one no drift explains is not
-        # learned (one report 11% over a request behind a 40x prefix set the factor to 4x
-        # outright: a review); the whole request's is, as before.
-        sample, seen = estimated, actual
+    sample, seen = learned_sample(estimated, actual, prefix, exact, used)
     # Nor from a request that sent attachment content, counted at fixed figures no factor
     # scales (an image at 1,600 tokens that a provider reads as 765 pulled a learned 1.5
     # down to 1.01 over a dozen reports: an audit).

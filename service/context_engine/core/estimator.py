@@ -117,6 +117,7 @@ __all__ = [
     "CORRECTION_WINDOW",
     "HEURISTIC_TOKENIZER",
     "IMAGE_TOKENS",
+    "MAX_BODY_MAGNIFICATION",
     "MAX_FACTOR_PPM",
     "MESSAGE_FRAMING_TOKENS",
     "MIN_FACTOR_PPM",
@@ -184,6 +185,14 @@ _MIN_SAMPLE_PPM: Final = PPM // 10
 # Running mean over the first samples, then an exponentially weighted mean with weight 1/8:
 # the first report sets the factor outright (fast convergence), one outlier moves it by 1/8.
 CORRECTION_WINDOW: Final = 8
+# learned_sample: how many times a body's ratio may magnify the whole request's error. The
+# tokens a provider counts beyond our exact prefix count (its framing of tools, say) are
+# charged to the body, so a small body's ratio is mostly that margin: one report 7% high
+# over a 119-token body behind a 3,858-token prefix set a tenant's factor to 3.3x (an
+# audit). Where the body is a small share, its absolute error is small too, so capping
+# what it learns costs few tokens; a body of a quarter of the request or more is learned
+# from in full.
+MAX_BODY_MAGNIFICATION: Final = 4
 
 
 # =============================================================================================
@@ -975,7 +984,7 @@ def reconcile(
 
 
 def learned_sample(
-    estimated: int, actual: int, prefix_tokens: int, exact_prefix: bool
+    estimated: int, actual: int, prefix_tokens: int, exact_prefix: bool, factor_ppm: int = PPM
 ) -> tuple[int, int]:
     """The (estimated, actual) pair a report teaches reconcile, of a request whose estimate
     is its prefix's count and its estimated body.
@@ -989,13 +998,22 @@ def learned_sample(
     the body's ratio, and the whole request's is then the conservative one. A prefix the
     heuristic counted keeps the whole request's: its error is the body's factor to absorb
     (docs/architecture.md), and taken from the body alone it inflated the small bodies'
-    ratio further."""
+    ratio further. A body's ratio no drift explains (plausible_sample, under `factor_ppm`,
+    the factor the request was estimated with) is the whole request's magnified, and the
+    whole request's is learned instead (one report 11% over a request behind a 40x prefix
+    set the factor to 4x outright: a review). Nor is a small body's learned in full: its
+    ratio magnifies the whole request's excess by the request's size over the body's, and
+    at most MAX_BODY_MAGNIFICATION times is learned (the pair then says so), as the
+    provider's own margin over our prefix count reads as the body's."""
     if not exact_prefix or not 0 < prefix_tokens < min(estimated, actual):
         return estimated, actual
     body_estimated, body_actual = estimated - prefix_tokens, actual - prefix_tokens
-    if body_actual * estimated > actual * body_estimated:
+    larger = body_actual * estimated > actual * body_estimated
+    if not larger or not plausible_sample(body_estimated, body_actual, factor_ppm):
+        return estimated, actual
+    if body_estimated * MAX_BODY_MAGNIFICATION >= estimated:
         return body_estimated, body_actual
-    return estimated, actual
+    return estimated, estimated + MAX_BODY_MAGNIFICATION * (actual - estimated)
 
 
 def plausible_sample(estimated: int, actual: int, factor_ppm: int) -> bool:
