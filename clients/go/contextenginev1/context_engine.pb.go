@@ -7065,11 +7065,18 @@ type CommitCompactionRequest struct {
 	SessionId string `protobuf:"bytes,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
 	// The run.
 	RunId string `protobuf:"bytes,3,opt,name=run_id,json=runId,proto3" json:"run_id,omitempty"`
-	// The checkpoint version PrepareCompaction returned; else ABORTED.
+	// The checkpoint version PrepareCompaction returned. It must be the run's latest, else
+	// ABORTED CHECKPOINT_VERSION_CONFLICT (metadata latest_version): prepare again, never
+	// resend the result at latest_version. The engine holds the result to a prepare made
+	// again at commit over the same cut, but it cannot tell which version the summary was
+	// written from: a summary written before a later working-state change (a constraint the
+	// user lifted) and committed at the later version would restate what changed.
 	ExpectedCheckpointVersion int64 `protobuf:"varint,4,opt,name=expected_checkpoint_version,json=expectedCheckpointVersion,proto3" json:"expected_checkpoint_version,omitempty"`
 	// The result.
 	Result *CompactionResult `protobuf:"bytes,5,opt,name=result,proto3" json:"result,omitempty"`
-	// Makes retries safe (at most 200 characters).
+	// Makes retries safe (at most 200 characters): a retry of the same request answers with
+	// the first commit's checkpoint_version and event_sequence and writes nothing; the same
+	// key with a different request is IDEMPOTENCY_KEY_REUSED. Empty: no replay.
 	IdempotencyKey string `protobuf:"bytes,6,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
 }
 
