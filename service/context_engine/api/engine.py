@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from uuid import UUID
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -87,7 +87,9 @@ from .convert import MAX_PEOPLE_NAMED
 from .kept import DEFAULT_CACHE_BYTES, Kept, approximate_bytes
 from .session_gate import SessionGates
 
-__all__ = ["BuildResult", "ChildSeed", "Engine", "RunStarted"]
+__all__ = ["OFF_LOOP_BYTES", "BuildResult", "ChildSeed", "Engine", "RunStarted", "off_loop"]
+
+R = TypeVar("R")
 
 TokenCounter = Callable[[str], int]
 
@@ -1186,7 +1188,8 @@ class Engine:
             version = checkpoint_version or head.latest_version
             below = seed_cut(run.seed_event_sequence)
             checkpoint_key = ("checkpoint", tenant, run_id, version)
-            checkpoint = self._kept.get(checkpoint_key)
+            found = self._kept.get_weighed(checkpoint_key)
+            checkpoint, checkpoint_bytes = found if found is not None else (None, 0)
             # Loaded skills are append-only and never unloaded: the first N are the same on
             # every read, so a count names them (and none costs no round trip).
             loaded = self._kept.get(("skills", tenant, session_id, skills)) if skills else []
@@ -1198,7 +1201,8 @@ class Engine:
                 async with acquire(self.pool) as conn:
                     if checkpoint is None:
                         checkpoint = await runs.read_checkpoint(conn, tenant, run_id, version)
-                        self._kept.put(checkpoint_key, checkpoint, approximate_bytes(checkpoint))
+                        checkpoint_bytes = approximate_bytes(checkpoint)
+                        self._kept.put(checkpoint_key, checkpoint, checkpoint_bytes)
                     floor = checkpoint.replaced_through_sequence
                     carried_key = ("carried", tenant, session_id, below, floor)
                     carried = self._kept.get(carried_key)
@@ -1294,7 +1298,10 @@ class Engine:
                         update={"items": unmarked_excerpts(inputs.checkpoint.items)}
                     ),
                 )
-            assembled = telemetry.traced("assemble", assemble)(inputs)
+            # Past OFF_LOOP_BYTES of the run's own items and step lines, which assembly
+            # renders whole, the CPU work is a worker thread's (off_loop).
+            heavy = checkpoint_bytes + _step_bytes(step) > OFF_LOOP_BYTES
+            assembled = await off_loop(heavy, telemetry.traced("assemble", assemble), inputs)
         except BudgetExceededError as exc:
             if record and kept is None:  # from a kept head, build() decides it afresh
                 await self._record_budget_exceeded(
@@ -1336,11 +1343,15 @@ class Engine:
         }
         # Rendered before anything is recorded: a request no provider can take writes nothing.
         rendered = (
-            telemetry.traced("render", render)(
+            await off_loop(
+                heavy,
+                partial(
+                    telemetry.traced("render", render),
+                    failed_result_line=failed_result_line,
+                    text_call_ids=text_call_ids,
+                ),
                 assembled.request,
                 budget,
-                failed_result_line=failed_result_line,
-                text_call_ids=text_call_ids,
             )
             if assembled.request is not None
             else None
@@ -1534,6 +1545,32 @@ def _person_erased() -> PreconditionError:
         field="step",
         reason="PERSON_ERASED",
     )
+
+
+# Past this many approximate bytes of the run's own items (its checkpoint, as kept.py weighs
+# it) and the step's lines, a Build assembles and renders in a worker thread, not on the
+# event loop. Assembly renders those whole (a carried result is excerpted first), and
+# escaping content dense with look-alike delimiters is Python work per delimiter: a 2 MB
+# tool result of "‹ｕser" held the loop 0.4 s on its first Build, and every other call of
+# the replica with it (an audit; bench/loop_stall.py). The memos are shared with worker
+# threads (core/memo_budget.py); a thread's hop costs about 0.1 ms, paid only by the runs
+# holding this much.
+OFF_LOOP_BYTES = 1024 * 1024
+
+
+def _step_bytes(step: StepContext) -> int:
+    """About what the step's lines hold, their texts at a byte a character."""
+    recall, corrections, knowledge = step.recall, step.corrections, step.knowledge
+    if not (recall or corrections or knowledge):
+        return 0  # most steps: no line
+    return sum(len(line.text) for lines in (recall, corrections, knowledge) for line in lines)
+
+
+async def off_loop(heavy: bool, fn: Callable[..., R], *args: Any) -> R:
+    """`fn(*args)`, in a worker thread when `heavy`, else here on the event loop."""
+    if heavy:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 def _same_meaning(pinned: PlanSpec, sent: PlanSpec) -> bool:

@@ -89,6 +89,14 @@ class Kept:
         self._entries.move_to_end(key)
         return entry[0]
 
+    def get_weighed(self, key: Hashable) -> tuple[Any, int] | None:
+        """`get`, with the weight the value was put with."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        self._entries.move_to_end(key)
+        return entry
+
     def put(self, key: Hashable, value: Any, weight: int) -> None:
         if weight > self._max:
             return  # larger than the whole budget: not kept
