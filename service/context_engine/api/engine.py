@@ -1554,8 +1554,9 @@ def _person_erased() -> PreconditionError:
 # tool result of "‹ｕser" held the loop 0.4 s on its first Build, and every other call of
 # the replica with it (an audit; bench/loop_stall.py). The memos are shared with worker
 # threads (core/memo_budget.py); a thread's hop costs about 0.1 ms, paid only by the runs
-# holding this much.
-OFF_LOOP_BYTES = 1024 * 1024
+# holding this much. Below it, such content (128 K characters at two bytes each) holds the
+# loop some 50 ms at most.
+OFF_LOOP_BYTES = 256 * 1024
 
 
 def _step_bytes(step: StepContext) -> int:
