@@ -918,6 +918,38 @@ async def test_a_child_runs_message_is_at_most_model_evidence(stub: Any) -> None
     assert statement not in [c.fact.statement for c in offered.candidates]
 
 
+async def test_a_child_run_takes_no_user_writes(stub: Any, pool: Any) -> None:
+    """A child run's "user" is its parent agent, whose words are the model's: written as
+    WRITER_USER, the parent's constraint was labelled the user's in the child's block and
+    outranked the child's model (a trust audit). Refused, naming `writer`, and nothing is
+    written; the same update as WRITER_MODEL is taken, and a top-level run still takes
+    the user's."""
+    session_id, _ = await open_session(stub)
+    parent = (await start_run(stub, session_id, "Research hotels for me")).run.run_id
+    child = (
+        await stub.StartRun(
+            pb.StartRunRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                child=pb.ChildSeed(parent_run_id=parent, instruction="Find hotels in Lyon"),
+            )
+        )
+    ).run.run_id
+    before = await _writes(pool, session_id)
+    code, reason, fields = await _refused(
+        update_state(stub, session_id, child, 1, writer=pb.WRITER_USER, add_constraints=["Cheap"])
+    )
+    assert (code, reason, fields) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD", ["writer"])
+    assert await _writes(pool, session_id) == before
+    taken = await update_state(stub, session_id, child, 1, add_constraints=["Cheap"])
+    assert [(c.text, c.writer) for c in taken.state.constraints] == [("Cheap", pb.WRITER_MODEL)]
+    assert "[model #" in _block(await _build(stub, session_id, child))
+    users = await update_state(
+        stub, session_id, parent, 1, writer=pb.WRITER_USER, add_constraints=["Cheap"]
+    )
+    assert [c.writer for c in users.state.constraints] == [pb.WRITER_USER]
+
+
 async def test_overlapping_runs_carry_every_constraint_and_the_build_says_they_do_not_fit(
     stub: Any, pool: Any
 ) -> None:

@@ -781,7 +781,8 @@ const (
 	Writer_WRITER_UNSPECIFIED Writer = 0
 	// The model, through the context.update_working_state control tool.
 	Writer_WRITER_MODEL Writer = 1
-	// The user (directly or through the worker's UI).
+	// The user (directly or through the worker's UI). Not in a child run, whose user is its
+	// parent agent: there it is INVALID_FIELD naming writer (write as WRITER_MODEL).
 	Writer_WRITER_USER Writer = 2
 	// The runtime, for what it observes directly.
 	Writer_WRITER_RUNTIME Writer = 3
@@ -6369,7 +6370,8 @@ type UpdateWorkingStateRequest struct {
 	RunId string `protobuf:"bytes,3,opt,name=run_id,json=runId,proto3" json:"run_id,omitempty"`
 	// The latest checkpoint version the caller saw; else ABORTED.
 	ExpectedCheckpointVersion int64 `protobuf:"varint,4,opt,name=expected_checkpoint_version,json=expectedCheckpointVersion,proto3" json:"expected_checkpoint_version,omitempty"`
-	// Who writes.
+	// Who writes. WRITER_USER only in a top-level run (a child run's user is its parent
+	// agent, whose words are the model's; else INVALID_FIELD naming writer).
 	Writer Writer `protobuf:"varint,5,opt,name=writer,proto3,enum=context_engine.v1.Writer" json:"writer,omitempty"`
 	// The transition.
 	Update *WorkingStateUpdate `protobuf:"bytes,6,opt,name=update,proto3" json:"update,omitempty"`

@@ -423,6 +423,14 @@ async def update_working_state(
         if stored is not None:
             return stored
         run = await runs.read_run(conn, tenant_id, session_id, run_id)
+        if run.parent_run_id is not None and writer is Writer.USER:
+            # A child run's "user" is its parent agent, whose words are the model's
+            # (core/seeding.py, Rule 4): written as the user's, they were labelled the
+            # user's in the child's block and outranked its model (a trust audit).
+            raise InvalidFieldError(
+                "a child run's user is its parent agent: write its state as WRITER_MODEL",
+                field="writer",
+            )
         checkpoint = await runs.read_checkpoint(conn, tenant_id, run_id)
         require_version(checkpoint, expected_version)
         update = await _lowered_facts(conn, tenant_id, session_id, run, checkpoint, update)
