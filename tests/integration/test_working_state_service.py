@@ -89,6 +89,15 @@ async def _compact(
     return prepared, committed.checkpoint_version
 
 
+async def _child(stub: Any, session_id: str, parent: str, instruction: str) -> str:
+    """A child run of `parent` seeded with `instruction`: its id."""
+    seed = pb.ChildSeed(parent_run_id=parent, instruction=instruction)
+    started = await stub.StartRun(
+        pb.StartRunRequest(tenant_id=TENANT, session_id=session_id, child=seed)
+    )
+    return str(started.run.run_id)
+
+
 async def _refused(awaitable: Any) -> tuple[grpc.StatusCode, str, list[str]]:
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await awaitable
@@ -889,15 +898,7 @@ async def test_a_child_runs_message_is_at_most_model_evidence(stub: Any) -> None
     # model's claim, shown attributed, never established, never offered to formation.
     session_id, _ = await open_session(stub)
     parent = (await start_run(stub, session_id, "Research hotels for me")).run.run_id
-    child = (
-        await stub.StartRun(
-            pb.StartRunRequest(
-                tenant_id=TENANT,
-                session_id=session_id,
-                child=pb.ChildSeed(parent_run_id=parent, instruction="Find hotels in Lyon"),
-            )
-        )
-    ).run.run_id
+    child = await _child(stub, session_id, parent, "Find hotels in Lyon")
     told = pb.ConversationItem(user_message=pb.UserMessage(text="The user is allergic to cats"))
     appended = await append_items(stub, session_id, child, 1, told)
     child_seq = appended.sequences[0]
@@ -926,15 +927,7 @@ async def test_a_child_run_takes_no_user_writes(stub: Any, pool: Any) -> None:
     the user's."""
     session_id, _ = await open_session(stub)
     parent = (await start_run(stub, session_id, "Research hotels for me")).run.run_id
-    child = (
-        await stub.StartRun(
-            pb.StartRunRequest(
-                tenant_id=TENANT,
-                session_id=session_id,
-                child=pb.ChildSeed(parent_run_id=parent, instruction="Find hotels in Lyon"),
-            )
-        )
-    ).run.run_id
+    child = await _child(stub, session_id, parent, "Find hotels in Lyon")
     before = await _writes(pool, session_id)
     code, reason, fields = await _refused(
         update_state(stub, session_id, child, 1, writer=pb.WRITER_USER, add_constraints=["Cheap"])
