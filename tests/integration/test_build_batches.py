@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
 from uuid import UUID
@@ -17,7 +19,7 @@ import pytest
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine.store import records, runs
-from context_engine.store.db import HeldConnection
+from context_engine.store.db import HeldConnection, StoreUnavailableError, acquire
 from context_engine.store.records import (
     BUSY,
     NO_SESSION,
@@ -150,6 +152,37 @@ async def test_a_record_postgresql_refuses_fails_alone(stub: Any, pool: Any, hel
     assert await _probes(pool, session_id) == [answers[0], *after]
     if connection is not None:
         await connection.release()
+
+
+async def test_records_answered_before_postgresql_went_away_keep_their_answers(
+    stub: Any, pool: Any
+) -> None:
+    """A batch PostgreSQL refused is sent again record by record; when PostgreSQL went
+    away in the middle of that, every Build of the batch was failed UNAVAILABLE, one whose
+    record had committed too, so its request was recorded and never returned (an audit).
+    The records sent keep their answers; the rest are answered unavailable, unsent."""
+    runs_ = sorted(await _runs(stub, 2, 1), key=lambda pair: UUID(pair[0]))
+    (first_session, first_run), (second_session, second_run) = runs_
+    poison = _record(first_session, first_run, tenant="bad\x00tenant")  # sorts first
+    connects = 0
+
+    @asynccontextmanager
+    async def connect() -> AsyncIterator[Any]:
+        nonlocal connects
+        connects += 1
+        if connects == 4:  # the batch, the poison alone, the first alone: then it is away
+            raise StoreUnavailableError("PostgreSQL went away (simulated)")
+        async with acquire(pool) as conn:
+            yield conn
+
+    batch = [_record(second_session, second_run), poison, _record(first_session, first_run)]
+    answers = await records.record_requests(pool, batch, connection=connect)
+    assert isinstance(answers[1], asyncpg.PostgresError)
+    assert isinstance(answers[2], int)
+    assert await _probes(pool, first_session) == [answers[2]]
+    assert isinstance(answers[0], StoreUnavailableError)
+    assert await _probes(pool, second_session) == []
+    assert connects == 4  # nothing was sent once it was away
 
 
 async def test_refusal_codes_in_a_batch_stop_no_other_record(stub: Any, pool: Any) -> None:

@@ -128,8 +128,12 @@ async def record_requests(
     a session's sequences follow the order its Builds were made in (but for a BUSY one,
     which lands after those that went on without it). When the statement
     fails for a reason other than PostgreSQL being away, each record is sent again on its
-    own, so a record that cannot land fails its own Build only. `connection`: where each
-    round trip gets its connection (None: acquired from `pool` for each).
+    own, so a record that cannot land fails its own Build only. Should PostgreSQL go away
+    meanwhile, the records already sent keep their answers and the rest are answered with
+    that StoreUnavailableError, unsent: a record that landed is its Build's, never failed
+    (an audit: one that committed was answered UNAVAILABLE, its request never returned).
+    `connection`: where each round trip gets its connection (None: acquired from `pool`
+    for each).
 
     Raises:
         StoreUnavailableError: PostgreSQL is away; every record of the batch fails alike.
@@ -144,7 +148,16 @@ async def record_requests(
     except asyncpg.PostgresError:
         if len(ordered) == 1:
             raise
-        answers = [await _alone(connect, r) for r in ordered]
+        answers = []
+        away: StoreUnavailableError | None = None
+        for r in ordered:
+            if away is None:
+                try:
+                    answers.append(await _alone(connect, r))
+                    continue
+                except StoreUnavailableError as exc:
+                    away = exc
+            answers.append(away)
     out: list[int | Exception] = [0] * len(records)
     for n, answer in zip(order, answers, strict=True):
         out[n] = answer
