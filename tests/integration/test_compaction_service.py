@@ -1066,6 +1066,11 @@ async def test_a_compacted_calls_id_is_not_used_again_in_its_run(stub: Any) -> N
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert details(refused.value)[1] == ["items[0].tool_call.call_id"]
     assert "already used in this run" in refused.value.details()
+    # A second result for a compacted call is said to be one (it read "has no call").
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await append_items(stub, session_id, run_id, version, result("c1", "again"))
+    assert details(refused.value)[:2] == ("ORPHANED_TOOL_ITEM", ["items[0].tool_result.call_id"])
+    assert "was already answered" in refused.value.details()
     # A new id is taken.
     await append_items(stub, session_id, run_id, version, call("c3", "calendar.list"))
 

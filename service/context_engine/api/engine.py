@@ -56,7 +56,7 @@ from ..core.errors import (
 )
 from ..core.estimator import IMAGE_TOKENS
 from ..core.excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
-from ..core.items import ConversationItem, ToolCall, UserMessage
+from ..core.items import ConversationItem, ToolCall, ToolResult, UserMessage
 from ..core.log_tail import LogTail
 from ..core.plan import CapacityError, ContextPlan, ModelFacts, make_plan
 from ..core.seeding import delegated, instruction_item_id, seed_cut
@@ -901,9 +901,10 @@ class Engine:
             run, checkpoint = await runs.read_run_checkpoint(conn, tenant, session_id, run_id, kept)
             require_version(checkpoint, expected_version)
             in_history = run.parent_run_id is None
-            new_calls = [i.call_id for i in new_items if isinstance(i, ToolCall)]
             # A compaction took calls out of the checkpoint; their ids stay the run's (an
-            # audit: a reused id was accepted, two calls of one id in one run's log).
+            # audit: a reused id was accepted, two calls of one id in one run's log), and
+            # a result naming one is its second (said so, not "has no call": another).
+            new_calls = [i.call_id for i in new_items if isinstance(i, ToolCall | ToolResult)]
             compacted = (
                 await events.read_logged_call_ids(
                     conn, tenant, session_id, run_id, new_calls, in_history=in_history
