@@ -962,9 +962,12 @@ def scenarios(
     modes: Sequence[RunMode] = ("fresh", "loop", "answered"),
     carried_reasoning: bool = False,
     reuse_call_ids: bool = False,
+    earlier_runs: tuple[int, int] = (0, 2),
+    earlier_modes: Sequence[RunMode] = ("answered", "loop"),
 ) -> Scenario:
     """A Build's inputs: plan spec, earlier runs (maybe partly summarized), the current
     run's checkpoint, step context, skill bodies, working state and an aware clock.
+    `earlier_runs`: how many earlier runs, at least and at most, in `earlier_modes`.
 
     With `carried_reasoning`, reasoning items of earlier runs (sequence 0, as they sit in
     those runs' checkpoints) are left in the carried history handed to assembly. With
@@ -974,8 +977,8 @@ def scenarios(
     secret = draw(secrets)
     ledger = Ledger()
     runs: list[list[ConversationItem]] = []
-    for n in range(draw(st.integers(0, 2))):
-        mode = draw(st.sampled_from(["answered", "loop"]))
+    for n in range(draw(st.integers(*earlier_runs))):
+        mode = draw(st.sampled_from(earlier_modes))
         if reuse_call_ids:
             ledger.calls = 0
         runs.append(draw(run_items(ledger, secret, f"run-{n}", mode, reasoning=carried_reasoning)))

@@ -8,6 +8,7 @@ rows 11-14 and an unanswered user message last.
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any, ClassVar
@@ -48,6 +49,7 @@ from context_engine.core.items import (
 )
 from context_engine.core.rows import ROW_TABLE, ROWS
 from context_engine.core.spec import PlatformPolicySpec
+from context_engine.providers import render
 
 from .strategies import SCENARIO_SETTINGS, Scenario, scenarios
 
@@ -89,6 +91,11 @@ def test_rows_are_in_table_order_and_regions_are_where_they_belong(sc: Scenario)
     assert all(ROW_TABLE[b.row].region is Region.PREFIX for b in request.system)
     assert request.system == tuple(b.to_block() for b in plan.system)
     assert [t.name for t in request.tools] == list(plan.tool_names)
+    # The whole definitions, not their names alone: a description that changed with the
+    # conversation passed this gate (an audit).
+    assert [(t.name, t.description, t.input_schema_json) for t in request.tools] == [
+        (t.name, t.description, t.input_schema_json) for t in plan.tools
+    ]
     assert [_ORDER[b.row] for b in request.system] == sorted(_ORDER[b.row] for b in request.system)
     assert request.system[0].row is Row.PLATFORM_POLICY
     assert request.system[1].row is Row.FRAMING
@@ -102,6 +109,31 @@ def test_rows_are_in_table_order_and_regions_are_where_they_belong(sc: Scenario)
         for _ in message.blocks:
             _, item = next(placed)
             assert (message.role == "assistant") is isinstance(item, _MODEL_OUTPUT), item
+
+
+@SCENARIO_SETTINGS
+@given(scenarios(), scenarios())
+def test_region_a_is_the_plans_whatever_the_conversation(one: Scenario, other: Scenario) -> None:
+    """Prefix stability: one plan built against two generated conversations (histories,
+    runs, steps, skill bodies, working states) sends the same system blocks and tool
+    definitions, and the provider payload renders them the same. Determinism compared the
+    tools only between builds of one conversation, so a description that changed with the
+    conversation passed every gate (an audit)."""
+    plan = one.plan()
+    first = assemble(one.inputs(plan)).request
+    second = assemble(other.inputs(plan)).request
+    assert first is not None and second is not None
+    assert first.system == second.system == tuple(b.to_block() for b in plan.system)
+    assert first.tools == second.tools
+    rendered = [json.loads(render(r).body) for r in (first, second)]
+    assert rendered[0].get("tools") == rendered[1].get("tools")
+    if plan.provider == "anthropic":
+        # The system blocks, but for where the cache markers land (a request's own).
+        unmarked = [
+            [{k: v for k, v in b.items() if k != "cache_control"} for b in r["system"]]
+            for r in rendered
+        ]
+        assert unmarked[0] == unmarked[1]
 
 
 @SCENARIO_SETTINGS

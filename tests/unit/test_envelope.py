@@ -14,9 +14,16 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from context_engine.core import TrustLevel, assemble
+from context_engine.core import BuildInputs, TrustLevel, assemble
 from context_engine.core.envelope import NONCE_HEX_CHARS, _fold, escape_content, item_nonce, wrap
-from context_engine.core.items import trust_of
+from context_engine.core.items import (
+    AssistantMessage,
+    CorrectionLineItem,
+    ReasoningItem,
+    RecallLineItem,
+    ToolCall,
+    UserMessage,
+)
 
 from .strategies import (
     DELEGATED,
@@ -492,13 +499,46 @@ def test_every_trust_level_is_decided() -> None:
 # --- whole requests ----------------------------------------------------------------------
 
 
+# The trust each generated item was drawn with, by class where the class fixes it: read
+# from the generator's record, not from the engine's trust_of (an audit: a trust_of that
+# relabelled a failed untrusted result MODEL passed this gate, which asked it).
+_DRAWN_TRUST: dict[type, TrustLevel] = {
+    UserMessage: TrustLevel.USER,
+    AssistantMessage: TrustLevel.MODEL,
+    ToolCall: TrustLevel.MODEL,
+    ReasoningItem: TrustLevel.MODEL,
+    RecallLineItem: TrustLevel.MEMORY,
+    CorrectionLineItem: TrustLevel.MEMORY,
+}
+
+
+def _drawn_trust(item: object) -> TrustLevel:
+    found = _DRAWN_TRUST.get(type(item))
+    return found if found is not None else item.trust  # type: ignore[attr-defined]
+
+
 @SCENARIO_SETTINGS
 @given(scenarios())
 def test_every_enveloped_block_of_a_request_is_sealed(sc: Scenario) -> None:
-    plan = sc.plan()
-    inputs = sc.inputs(plan)
-    assembled = assemble(inputs)
-    request = assembled.request
+    _assert_every_enveloped_block_sealed(sc, sc.inputs(sc.plan()))
+
+
+@SCENARIO_SETTINGS
+@given(
+    scenarios(earlier_runs=(1, 2), earlier_modes=("loop",)),
+    st.sampled_from([1, 32, 64, 256]),
+)
+def test_every_enveloped_excerpt_is_sealed(sc: Scenario, limit: int) -> None:
+    """The carried results sent as their head/tail excerpts (core/excerpts.py), under an
+    inline limit the generated results pass: none reached the default 16 KiB, and an
+    excerpt relabelled MODEL, sent bare, passed every gate (an audit). Earlier runs with
+    tool results every time: drawn at random, whole runs of examples had none."""
+    _assert_every_enveloped_block_sealed(sc, sc.inputs(sc.plan(), inline_maximum_bytes=limit))
+
+
+def _assert_every_enveloped_block_sealed(sc: Scenario, inputs: BuildInputs) -> None:
+    request = assemble(inputs).request
+    assert request is not None
     blocks = [*request.system, *(b for m in request.messages for b in m.blocks)]
     # Each logged item and step line's trust as given, not as the block says: a block
     # relabelled on the way (an untrusted result as MODEL) rendered bare and passed when
@@ -513,7 +553,7 @@ def test_every_enveloped_block_of_a_request_is_sealed(sc: Scenario) -> None:
         *step.corrections,
         *step.knowledge,
     ):
-        labelled.setdefault(item.item_id, set()).add(trust_of(item))
+        labelled.setdefault(item.item_id, set()).add(_drawn_trust(item))
     sealed = 0
     for block in blocks:
         if block.kind not in ("text", "tool_result"):
