@@ -5545,10 +5545,10 @@ type ReportUsageResponse struct {
 	// explains them), when the request sent attachment content (counted at fixed figures
 	// no factor scales), or when a report under another key already corrected the factor
 	// from this request (one response, one sample). A replay (the same idempotency key) answers as the first report did. Behind
-	// an exact prefix a report teaches the body's own ratio (or the whole request's, where
-	// larger or where the body's is outside that bound; a body under a quarter of the request
-	// at most four times the request's excess); behind a heuristic one, the whole request's
-	// (docs/api.md, ReportUsage).
+	// an exact prefix a report teaches the body's own ratio, a body under a quarter of the
+	// request at most four times the request's excess (or the whole request's, where larger
+	// or where the body's, so capped, is outside that bound); behind a heuristic one, the
+	// whole request's (docs/api.md, ReportUsage).
 	Absorbed bool `protobuf:"varint,5,opt,name=absorbed,proto3" json:"absorbed,omitempty"`
 }
 
