@@ -903,8 +903,16 @@ class Engine:
             in_history = run.parent_run_id is None
             # A compaction took calls out of the checkpoint; their ids stay the run's (an
             # audit: a reused id was accepted, two calls of one id in one run's log), and
-            # a result naming one is its second (said so, not "has no call": another).
-            new_calls = [i.call_id for i in new_items if isinstance(i, ToolCall | ToolResult)]
+            # a result naming one is its second (said so, not "has no call": another). The
+            # log is asked only of ids the checkpoint and the append do not call.
+            new_calls = [i.call_id for i in new_items if isinstance(i, ToolCall)]
+            called = {i.call_id for i in checkpoint.items if isinstance(i, ToolCall)}
+            called.update(new_calls)
+            new_calls += [
+                i.call_id
+                for i in new_items
+                if isinstance(i, ToolResult) and i.call_id not in called
+            ]
             compacted = (
                 await events.read_logged_call_ids(
                     conn, tenant, session_id, run_id, new_calls, in_history=in_history
@@ -1555,13 +1563,17 @@ def _person_erased() -> PreconditionError:
 # tool result of "‹ｕser" held the loop 0.4 s on its first Build, and every other call of
 # the replica with it (an audit; bench/loop_stall.py). The memos are shared with worker
 # threads (core/memo_budget.py); a thread's hop costs about 0.1 ms, paid only by the runs
-# holding this much. Below it, such content (128 K characters at two bytes each) holds the
-# loop some 50 ms at most.
-OFF_LOOP_BYTES = 256 * 1024
+# holding this much. The weight is memory's: a character of Latin-1 text weighs a byte, and
+# one such as "ü" still takes the slow path, so below the bar such content (128 K
+# characters) holds the loop some 45 ms at most (a review: at 256 KiB, 86 ms). The carried
+# history is not weighed: a carried result is excerpted to inline_maximum_bytes, and what
+# a run's first Build derives of it is memoized for the session's later Builds.
+OFF_LOOP_BYTES = 128 * 1024
 
 
 def _step_bytes(step: StepContext) -> int:
-    """About what the step's lines hold, their texts at a byte a character."""
+    """About what the step's lines hold, their texts at a byte a character (the least a
+    character weighs in memory, as the checkpoint is weighed)."""
     recall, corrections, knowledge = step.recall, step.corrections, step.knowledge
     if not (recall or corrections or knowledge):
         return 0  # most steps: no line

@@ -330,15 +330,23 @@ async def _elided_sources(
     """The logged items the checkpoint's compactions elided (below what a summary may
     restate: an untrusted result, or an item of the model's quoting one), read from the log
     and held as _run_sources holds the run's items, each at the lower of its own trust and
-    the trust its span records (what the item quoted)."""
+    the trust its span records (what the item quoted). Bounded as _carried_sources is: the
+    newest CARRIED_SOURCES of them, and no more once CARRIED_SOURCE_CHARS characters are
+    held, the one crossing it included."""
     spans = checkpoint.compaction.elided if checkpoint.compaction else ()
     trust = {s.event_id: s.trust for s in spans if s.event_id and s.trust not in SUMMARIZABLE}
-    items = await events.read_items_at(conn, tenant_id, session_id, list(trust))
-    return [
-        (text, lowest_trust([trust[i.sequence], trust_of(i)]))
-        for i in items
-        for text in held_texts(i)
-    ]
+    newest = sorted(trust, reverse=True)[:CARRIED_SOURCES]
+    items = await events.read_items_at(conn, tenant_id, session_id, newest)
+    sources: list[Source] = []
+    held = 0
+    for item in reversed(items):  # newest first
+        if held >= CARRIED_SOURCE_CHARS:
+            break
+        texts = held_texts(item)
+        held += sum(map(len, texts))
+        level = lowest_trust([trust[item.sequence], trust_of(item)])
+        sources += [(text, level) for text in texts]
+    return sources
 
 
 # How much of the earlier runs' untrusted results a new fact is compared with, newest first:

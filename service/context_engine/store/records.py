@@ -129,9 +129,10 @@ async def record_requests(
     which lands after those that went on without it). When the statement
     fails for a reason other than PostgreSQL being away, each record is sent again on its
     own, so a record that cannot land fails its own Build only. Should PostgreSQL go away
-    meanwhile, the records already sent keep their answers and the rest are answered with
-    that StoreUnavailableError, unsent: a record that landed is its Build's, never failed
-    (an audit: one that committed was answered UNAVAILABLE, its request never returned).
+    meanwhile, the records already answered keep their answers and the rest are answered
+    with that StoreUnavailableError, unsent but for the one in flight, which may have
+    committed (an audit: one answered with its sequence was failed UNAVAILABLE, its
+    request never returned).
     `connection`: where each round trip gets its connection (None: acquired from `pool`
     for each).
 
