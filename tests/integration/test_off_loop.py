@@ -37,8 +37,8 @@ def threads(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
     return seen
 
 
-async def _built(stub: Any, content: str) -> pb.BuildResponse:
-    """The first Build of a new run whose completed exchange holds `content`."""
+async def _built(stub: Any, content: str, step: pb.StepContext | None = None) -> pb.BuildResponse:
+    """The first Build of a new run whose completed exchange holds `content`, with `step`."""
     session_id, _ = await open_session(stub)
     started = await start_run(stub, session_id, "Read the page")
     run_id = started.run.run_id
@@ -53,7 +53,7 @@ async def _built(stub: Any, content: str) -> pb.BuildResponse:
         call("small"),
         result("small", "ok"),
     )
-    request = pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id)
+    request = pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id, step=step)
     request.now.FromDatetime(datetime(2026, 12, 7, tzinfo=UTC))
     return await stub.Build(request)
 
@@ -77,3 +77,9 @@ async def test_a_heavy_runs_build_is_made_off_the_event_loop(
     assert "&lt;\uff55ser" in light_payload
     assert "\u2039" not in light_payload + heavy_payload
     assert "[truncated] tool.result" in heavy_payload
+    # Heavy by its step's lines alone: a knowledge passage as large.
+    passage = pb.KnowledgePassage(
+        item_id="k1", text=HOSTILE * (engine_module.OFF_LOOP_BYTES // len(HOSTILE) + 1)
+    )
+    await _built(stub, "ok", pb.StepContext(knowledge=[passage]))
+    assert threads["assemble"][2] != loop_thread

@@ -19,8 +19,10 @@ from context_engine.core.envelope import NONCE_HEX_CHARS, _fold, escape_content,
 from context_engine.core.items import (
     AssistantMessage,
     CorrectionLineItem,
+    DelegatedMessage,
     ReasoningItem,
     RecallLineItem,
+    SummaryItem,
     ToolCall,
     UserMessage,
 )
@@ -504,6 +506,8 @@ def test_every_trust_level_is_decided() -> None:
 # relabelled a failed untrusted result MODEL passed this gate, which asked it).
 _DRAWN_TRUST: dict[type, TrustLevel] = {
     UserMessage: TrustLevel.USER,
+    DelegatedMessage: TrustLevel.MODEL,
+    SummaryItem: TrustLevel.PLATFORM,
     AssistantMessage: TrustLevel.MODEL,
     ToolCall: TrustLevel.MODEL,
     ReasoningItem: TrustLevel.MODEL,
