@@ -357,30 +357,57 @@ def test_reasoning_is_replayed_verbatim_and_never_as_text(sc: Scenario, provider
             if block.kind != "reasoning":
                 continue
             opaque = json.loads(block.opaque)
-            if block.provider == provider and (provider == "anthropic" or k in followed):
+            if block.provider == provider and k in followed:
                 assert opaque in items, "replayed as the provider's own object"
             else:
                 # Another provider's continuation is not sent; nor, to OpenAI, reasoning
-                # not followed at once by its output, which the API refuses (an audit).
+                # not followed at once by its output, nor, to Anthropic, reasoning that
+                # ends its message: the APIs refuse both (audits).
                 assert opaque not in items
             for text in _sent_texts(body, provider):
                 assert block.opaque not in text, "never rendered into text"
 
 
 def _followed_reasoning(message: Message, provider: str) -> set[int]:
-    """The OpenAI reasoning blocks of `message` followed at once, among the blocks sent,
-    by a function call or assistant text (providers/openai.py Rule 4), by index."""
+    """The reasoning blocks of `message` the provider is sent, by index: to OpenAI, those
+    followed at once, among the blocks sent, by a function call or assistant text
+    (providers/openai.py Rule 4); to Anthropic, those some block it sends follows in the
+    message (providers/anthropic.py Rule 5: whitespace-only text is not sent)."""
     followed: set[int] = set()
     after = ""  # the kind of the next block sent
+    output = False  # whether a block Anthropic is sent, not reasoning, comes later
     for k in range(len(message.blocks) - 1, -1, -1):
         block = message.blocks[k]
         if block.kind == "reasoning":
-            if block.provider == provider and after in ("text", "tool_call"):
+            if block.provider != provider:
+                continue
+            if provider == "anthropic" and output:
+                followed.add(k)
+            if provider == "openai" and after in ("text", "tool_call"):
                 followed.add(k)
                 after = "reasoning"
-        elif block.kind != "text" or block.text:
-            after = block.kind
+        else:
+            if block.kind != "text" or block.text:
+                after = block.kind
+            output = output or block.kind != "text" or bool(block.text.strip())
     return followed
+
+
+def _reasoning_block(provider: str, item_id: str, opaque: dict[str, Any]) -> Block:
+    return Block(
+        Row.CONVERSATION,
+        TrustLevel.MODEL,
+        "reasoning",
+        item_id,
+        0,
+        provider=provider,
+        opaque=json.dumps(opaque),
+    )
+
+
+def _text_block(role: str, item_id: str, value: str) -> Block:
+    trust = TrustLevel.USER if role == "user" else TrustLevel.MODEL
+    return Block(Row.CONVERSATION, trust, "text", item_id, 1, text=value)
 
 
 def test_openai_gets_no_reasoning_its_turns_output_does_not_follow() -> None:
@@ -391,23 +418,10 @@ def test_openai_gets_no_reasoning_its_turns_output_does_not_follow() -> None:
     from context_engine.fake_provider.openai_api import parse_request
 
     def reasoning(item_id: str) -> Block:
-        opaque = json.dumps(
-            {"type": "reasoning", "id": item_id, "summary": [], "encrypted_content": "e"}
-        )
-        return Block(
-            Row.CONVERSATION,
-            TrustLevel.MODEL,
-            "reasoning",
-            item_id,
-            0,
-            provider="openai",
-            opaque=opaque,
-        )
+        opaque = {"type": "reasoning", "id": item_id, "summary": [], "encrypted_content": "e"}
+        return _reasoning_block("openai", item_id, opaque)
 
-    def text(role: str, item_id: str, value: str) -> Block:
-        trust = TrustLevel.USER if role == "user" else TrustLevel.MODEL
-        return Block(Row.CONVERSATION, trust, "text", item_id, 1, text=value)
-
+    text = _text_block
     request = _tiny_request(
         Message("user", (text("user", "u1", "Plan it."),)),
         Message("assistant", (reasoning("rs_1"), text("assistant", "a1", ""))),
@@ -420,6 +434,42 @@ def test_openai_gets_no_reasoning_its_turns_output_does_not_follow() -> None:
     replayed = [i["id"] for i in body["input"] if i.get("type") == "reasoning"]
     assert replayed == ["rs_2"]
     parse_request({**body, "store": False}, {"authorization": "Bearer k"})  # the API's rules
+
+
+def test_anthropic_gets_no_thinking_that_ends_its_turn() -> None:
+    """A turn whose only output was thinking (a model stopped while thinking, or answered
+    with blank text), then more user input: the API refuses an assistant message whose
+    final block is thinking, so every later request of the run failed (an audit). Such a
+    block is not sent, and a turn left with nothing is not either; thinking its text or
+    call follows is."""
+    from context_engine.fake_provider.anthropic_api import parse_request
+
+    def thinking(item_id: str) -> Block:
+        opaque = {"type": "thinking", "thinking": item_id, "signature": "s"}
+        return _reasoning_block("anthropic", item_id, opaque)
+
+    text = _text_block
+    request = _tiny_request(
+        Message("user", (text("user", "u1", "Plan it."),)),
+        Message("assistant", (thinking("t1"), text("assistant", "a1", "  "))),
+        Message("user", (text("user", "u2", "Well?"),)),
+        Message("assistant", (text("assistant", "a2", "First this."), thinking("t2"))),
+        Message("user", (text("user", "u3", "And?"),)),
+        Message("assistant", (thinking("t3"), text("assistant", "a3", "Done."))),
+        Message("user", (text("user", "u4", "Thanks."),)),
+        provider="anthropic",
+    )
+    body = json.loads(render(request).body)
+    sent = [b["thinking"] for m in body["messages"] for b in m["content"] if "thinking" in b]
+    assert sent == ["t3"]
+    assert [m["role"] for m in body["messages"]] == [
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+        "user",
+    ]
+    parse_request(body, {"x-api-key": "k", "anthropic-version": "2023-06-01"})  # the API's rules
 
 
 def test_reasoning_that_is_not_a_json_object_fails_loudly() -> None:

@@ -271,7 +271,12 @@ __all__ = [
 # double primes, gershayim, the ditto mark: core/envelope.py Rule 3), which a source or
 # citation could use to show a forged nonce in the header. A request with none renders as
 # before; GetBuild refuses an older record that held one (it is not rebuilt).
-ASSEMBLER_VERSION = "context-assembler@22"
+# @23: Anthropic gets no thinking block that ends its assistant message (providers/
+# anthropic.py, Rule 5): the API refuses such a turn, so a model turn whose only output was
+# thinking (or thinking and blank text) failed every later request of its run. A request
+# without one renders as before; GetBuild refuses an older record that held one (it is not
+# rebuilt: the provider refused what was sent).
+ASSEMBLER_VERSION = "context-assembler@23"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})

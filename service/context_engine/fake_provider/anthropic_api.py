@@ -33,6 +33,9 @@ Rule V12. The first message is the user's.
 Rule V13. A custom tool's ``input_schema`` is valid JSON Schema draft 2020-12 ("JSON schema
           is invalid. It must match JSON Schema draft 2020-12"), checked with the
           ``jsonschema`` package (a dev dependency, as is this fake's every use).
+Rule V14. An assistant message does not end with a ``thinking`` or ``redacted_thinking``
+          block ("The final block in an assistant message cannot be `thinking`", as
+          reported by the API's users; context-assembler@22 sent such turns).
 """
 
 from __future__ import annotations
@@ -344,6 +347,13 @@ def _messages(messages: Any, blocks: list[AnthropicBlock], markers: list[_Marker
             _add_block(
                 blocks, markers, path, "messages", {"role": role, "block": block}, raw_blocks[j]
             )
+        if role == "assistant" and content_blocks:  # Rule V14
+            final = content_blocks[-1]
+            if isinstance(final, dict) and final.get("type") in NOT_CACHEABLE_BLOCKS:
+                raise _bad(
+                    f"messages.{i}: The final block in an assistant message cannot be"
+                    f" `{final['type']}`."
+                )
         normalized.append((role, content_blocks))
     if normalized[0][0] != "user":  # Rule V12
         raise _bad('messages: first message must use the "user" role')

@@ -16,7 +16,9 @@ fixed user turn ``HISTORY_CUT_PLACEHOLDER``, the same on every request.
 Rule 5 (reasoning): a reasoning block from Anthropic (``thinking``/``redacted_thinking``)
 is replayed verbatim from its opaque JSON, never rendered into text; one from another
 provider cannot be replayed here and is not sent. A payload of any other type is refused
-(EngineError): it would replay as content the hashed request does not show.
+(EngineError): it would replay as content the hashed request does not show. Nor is one
+that would end its assistant message (nothing it produced follows it there: the API
+refuses a turn whose final block is thinking; context-assembler@23).
 Rule 6 (markers): request.cache_breakpoints become ``cache_control`` on the block each
 closes — after_tools on the last tool, after_system on the last system block, a history
 marker on its through_item's block (or the nearest sendable block before it; the first
@@ -420,6 +422,13 @@ def _layout(
             anchors.append((block.item_id, closing))
             if block.source_sequence:
                 anchors.append(((block.item_id, block.source_sequence), closing))
+        if message.role == "assistant" and units and units[-1].rendered.kind == "reasoning":
+            kept = _without_final_reasoning([u.rendered for u in units])
+            if units_of is not None:  # the blocks whose unit is not sent have no place
+                dropped = {id(u) for u in units[len(kept) :]}
+                for key in [k for k, u in units_of.items() if id(u) in dropped]:
+                    del units_of[key]
+            units = units[: len(kept)]
         if not units:
             continue
         if turns and turns[-1][0] == message.role:
@@ -579,6 +588,8 @@ def _lay_out_message(
         anchors.setdefault(block.item_id, closing)
         if block.source_sequence:
             anchors.setdefault((block.item_id, block.source_sequence), closing)
+    if message.role == "assistant":
+        rendered = _without_final_reasoning(rendered)
     units = [_Unit(r) for r in rendered]
     ordered = _results_first(units) if message.role == "user" else units
     turn = [u.rendered for u in ordered]
@@ -595,6 +606,17 @@ def _lay_out_message(
         first_role=message.role,
         last_role=message.role,
     )
+
+
+def _without_final_reasoning(rendered: list[_Rendered]) -> list[_Rendered]:
+    """Rule 5: an assistant message's units without the reasoning blocks that end it. The
+    API refuses a turn whose final block is thinking ("The final block in an assistant
+    message cannot be 'thinking'"): a turn whose only output was reasoning, or reasoning
+    and blank text, failed every later request of its run (an audit)."""
+    end = len(rendered)
+    while end and rendered[end - 1].kind == "reasoning":
+        end -= 1
+    return rendered[:end]
 
 
 # A run's carried messages are the same objects on every Build (core/identity_memo.py),
