@@ -620,8 +620,9 @@ const (
 	// UNAVAILABLE: the server is draining after SIGTERM and did not start the call; nothing
 	// was read or written. Retry (with backoff) on another replica or after the restart.
 	ErrorReason_ERROR_REASON_SHUTTING_DOWN ErrorReason = 24
-	// UNAVAILABLE: this replica cannot reach PostgreSQL; nothing was written. Retry with
-	// backoff (every write carries an idempotency key).
+	// UNAVAILABLE: this replica cannot reach PostgreSQL; nothing was written, unless the
+	// connection was lost while the write committed (a Build's record among them). Retry
+	// with backoff, a keyed write under the key it was sent with.
 	ErrorReason_ERROR_REASON_STORE_UNAVAILABLE ErrorReason = 25
 	// FAILED_PRECONDITION (GetBuild): the recorded request held memories an erasure
 	// (EraseSubject) has since redacted, from its plan's snapshot or from its recall and

@@ -137,7 +137,8 @@ async def record_requests(
     for each).
 
     Raises:
-        StoreUnavailableError: PostgreSQL is away; every record of the batch fails alike.
+        StoreUnavailableError: PostgreSQL is away for the batch's shared statement: every
+            record of the batch fails alike.
     """
     connect = connection or partial(acquire, pool)
     order = sorted(range(len(records)), key=lambda n: (records[n].tenant_id, records[n].session_id))
