@@ -1382,3 +1382,19 @@ async def test_tool_defaults_and_a_channel_with_options(grpc_server: Any) -> Non
     async with grpc.aio.insecure_channel(target, options=channel_options()) as channel:
         with pytest.raises(ValueError, match="options="):
             ContextEngineClient(target, TENANT, channel=channel, options=[("grpc.x", 1)])
+
+
+def test_a_turn_logs_its_outputs_provider_item_ids() -> None:
+    """OpenAI pairs a replayed reasoning item with the output after it by that output's id,
+    and the engine replays no reasoning whose output was logged without one: a turn's items
+    carry the text's and each call's ids."""
+    turn = ModelTurn(
+        text="Let me look.",
+        text_item_id="msg_1",
+        tool_calls=[ToolCallRequest("call-1", "web.fetch", {}, provider_item_id="fc_1")],
+        reasoning=[(pb.PROVIDER_OPENAI, b'{"type":"reasoning","id":"rs_1","summary":[]}')],
+    )
+    reasoning, text, call = turn.items()
+    assert reasoning.reasoning.opaque.startswith(b'{"type":"reasoning"')
+    assert text.assistant_message.provider_item_id == "msg_1"
+    assert call.tool_call.provider_item_id == "fc_1"

@@ -39,6 +39,7 @@ def _block(d: dict[str, Any]) -> Block:
         provider=d.get("provider", ""),
         opaque=d.get("opaque", ""),
         run_id=d.get("run_id", ""),
+        provider_item_id=d.get("provider_item_id", ""),
     )
 
 

@@ -203,6 +203,8 @@ def _loop(provider: str, reasoning: dict[str, Any]) -> tuple[Any, ...]:
             call_id=call_id,
             tool_name="web.fetch",
             arguments_json='{"q":"book TGV 6601"}',
+            # OpenAI's output item id, sent beside its reasoning (Anthropic has none).
+            provider_item_id="" if provider == "anthropic" else "fc_golden2",
         ),
         ToolResult(
             item_id="r-2",

@@ -587,15 +587,33 @@ def test_openai_reasoning_items_are_replayed_with_their_following_item(
 ) -> None:
     reasoning = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "e"}
     call = {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": "{}"}
+    paired = {**call, "id": "fc_1"}
     output = {"type": "function_call_output", "call_id": "c1", "output": "1"}
     user = {"role": "user", "content": "hello"}
 
     with pytest.raises(openai.BadRequestError, match="without its required following item"):
         respond(gpt, store=False, input=[user, reasoning, output])
+    # Rule W6: the following item is named by its id, which pairs it with the reasoning.
+    with pytest.raises(openai.BadRequestError, match="without its required following item"):
+        respond(gpt, store=False, input=[user, reasoning, call, output])
     bare = {k: v for k, v in reasoning.items() if k != "encrypted_content"}
     with pytest.raises(openai.BadRequestError, match="not persisted when `store` is set to false"):
-        respond(gpt, store=False, input=[user, bare, call, output])
-    assert respond(gpt, store=False, input=[user, reasoning, call, output]).output_text == "ok"
+        respond(gpt, store=False, input=[user, bare, paired, output])
+    assert respond(gpt, store=False, input=[user, reasoning, paired, output]).output_text == "ok"
+    # Rule W7: an output named by its id comes after its reasoning.
+    with pytest.raises(openai.BadRequestError, match="'fc_1' of type 'function_call' was provided"):
+        respond(gpt, store=False, input=[user, paired, output])
+    text = {
+        "type": "message",
+        "role": "assistant",
+        "id": "msg_1",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": "Looking.", "annotations": []}],
+    }
+    with pytest.raises(openai.BadRequestError, match="'msg_1' of type 'message' was provided"):
+        respond(gpt, store=False, input=[user, text, paired, output])
+    turn = [user, reasoning, text, paired, output]
+    assert respond(gpt, store=False, input=turn).output_text == "ok"
 
 
 def test_openai_scripted_function_call_round_trips(gpt: openai.OpenAI, fake: FakeProvider) -> None:

@@ -118,15 +118,21 @@ class Worker:
             return pb.ConversationItem(
                 reasoning=pb.ReasoningItem(provider=pb.PROVIDER_OPENAI, opaque=opaque)
             )
+        # Each output keeps its item id, which pairs it with its reasoning on replay.
         if item.type == "function_call":
             return pb.ConversationItem(
                 tool_call=pb.ToolCall(
                     call_id=item.call_id,
                     tool_name=tool_name_from_wire(names, item.name),
                     arguments_json=item.arguments,
+                    provider_item_id=item.id,
                 )
             )
-        return pb.ConversationItem(assistant_message=pb.AssistantMessage(text=item.content[0].text))
+        return pb.ConversationItem(
+            assistant_message=pb.AssistantMessage(
+                text=item.content[0].text, provider_item_id=item.id
+            )
+        )
 
     async def append(self, items: list[pb.ConversationItem]) -> None:
         done = await self.stub.AppendItems(
@@ -211,7 +217,12 @@ async def test_the_sdks_send_build_payloads_unchanged_and_the_cache_is_read(
         assert {r.prompt_cache_key for r in fake.requests} == {
             worker.payloads[0]["prompt_cache_key"]
         }
-        assert any(i.get("type") == "reasoning" for i in worker.payloads[1]["input"])
+        replayed = worker.payloads[1]["input"]
+        at = next(n for n, i in enumerate(replayed) if i.get("type") == "reasoning")
+        assert replayed[at + 1]["id"].startswith("fc_"), "paired with its call by id"
+        assert not any(
+            i.get("type") == "reasoning" or "id" in i for i in worker.payloads[2]["input"]
+        ), "only the latest turn's reasoning is replayed, and no id without it"
 
 
 @pytest.mark.parametrize("provider", ["anthropic", "openai"])

@@ -665,11 +665,14 @@ def _model_turn(
                     run_id=run_id,
                     sequence=_seq(draw, ledger, logged),
                     text=_adv(draw, secret, item_id),
+                    # OpenAI's output item id, as a worker logs it (or not).
+                    provider_item_id=draw(st.sampled_from(["", f"msg_{item_id}"])),
                 )
             )
         else:
+            call_item_id = ledger.item_id("tc")
             call = ToolCall(
-                item_id=ledger.item_id("tc"),
+                item_id=call_item_id,
                 run_id=run_id,
                 sequence=_seq(draw, ledger, logged),
                 call_id=ledger.call_id(),
@@ -677,6 +680,7 @@ def _model_turn(
                 arguments_json=draw(
                     st.sampled_from(["{}", '{"q":"x"}', '{"a":[1,2],"b":{"c":null}}'])
                 ),
+                provider_item_id=draw(st.sampled_from(["", f"fc_{call_item_id}"])),
             )
             out.append(call)
             made.append(call)

@@ -487,3 +487,43 @@ def test_an_artifact_ref_is_a_reference(ref: str) -> None:
     assert caught.value.field == "items[1].tool_result.artifact_ref"
     result.tool_result.artifact_ref = "artifact/a/9d02"
     items_from_proto([call, result], ["i1", "i2"])
+
+
+@pytest.mark.parametrize(
+    "item_id", ["fc_1 2", "msg_1\n", "fc_\x00", "x" * 201], ids=["space", "line", "nul", "long"]
+)
+def test_a_provider_item_id_is_an_id(item_id: str) -> None:
+    """A provider's output item id is sent verbatim beside its reasoning: an id, at most
+    200 characters, no whitespace or control character; INVALID_FIELD naming it."""
+    call = pb.ConversationItem(
+        tool_call=pb.ToolCall(
+            call_id="k", tool_name="web.fetch", arguments_json="{}", provider_item_id=item_id
+        )
+    )
+    text = pb.ConversationItem(
+        assistant_message=pb.AssistantMessage(text="hi", provider_item_id=item_id)
+    )
+    with pytest.raises(InvalidFieldError) as caught:
+        items_from_proto([call], ["i1"])
+    assert caught.value.field == "items[0].tool_call.provider_item_id"
+    with pytest.raises(InvalidFieldError) as caught:
+        items_from_proto([text], ["i1"])
+    assert caught.value.field == "items[0].assistant_message.provider_item_id"
+    call.tool_call.provider_item_id = text.assistant_message.provider_item_id = "fc_0a1B-2"
+    logged = items_from_proto([call, text], ["i1", "i2"])
+    assert [i.provider_item_id for i in logged] == ["fc_0a1B-2", "fc_0a1B-2"]  # type: ignore[union-attr]
+
+
+def test_an_item_without_a_provider_item_id_is_stored_as_before() -> None:
+    """Stored only when set: a replica that predates the field reads every item and
+    checkpoint written without one (its models forbid an unknown key)."""
+    from context_engine.core.items import AssistantMessage, ToolCall
+
+    bare = AssistantMessage(item_id="a", text="hi")
+    assert "provider_item_id" not in bare.model_dump(mode="json")
+    call = ToolCall(item_id="c", call_id="k", tool_name="t", arguments_json="{}")
+    assert "provider_item_id" not in call.model_dump(mode="json")
+    named = call.model_copy(update={"provider_item_id": "fc_1"})
+    dumped = named.model_dump(mode="json")
+    assert dumped["provider_item_id"] == "fc_1"
+    assert ToolCall.model_validate(dumped) == named

@@ -366,15 +366,24 @@ def test_reasoning_is_replayed_verbatim_and_never_as_text(sc: Scenario, provider
                 assert opaque not in items
             for text in _sent_texts(body, provider):
                 assert block.opaque not in text, "never rendered into text"
+        if provider == "openai":
+            # An output's provider item id is sent iff a reasoning item sent precedes it in
+            # its message: the API pairs them by it, and refuses an id without its reasoning.
+            sent_ids = {i.get("id") for i in items if i.get("type") != "reasoning"}
+            for k, block in enumerate(message.blocks):
+                if block.provider_item_id and (block.kind != "text" or block.text):
+                    reasoned = any(j < k for j in followed)
+                    assert (block.provider_item_id in sent_ids) == reasoned
 
 
 def _followed_reasoning(message: Message, provider: str) -> set[int]:
     """The reasoning blocks of `message` the provider is sent, by index: to OpenAI, those
-    followed at once, among the blocks sent, by a function call or assistant text
-    (providers/openai.py Rule 4); to Anthropic, those some block it sends follows in the
-    message (providers/anthropic.py Rule 5: whitespace-only text is not sent)."""
+    followed at once, among the blocks sent, by a function call or assistant text that
+    carries its provider item id (providers/openai.py Rule 4); to Anthropic, those some
+    block it sends follows in the message (providers/anthropic.py Rule 5: whitespace-only
+    text is not sent)."""
     followed: set[int] = set()
-    after = ""  # the kind of the next block sent
+    after: Block | None = None  # the next block sent
     output = False  # whether a block Anthropic is sent, not reasoning, comes later
     for k in range(len(message.blocks) - 1, -1, -1):
         block = message.blocks[k]
@@ -383,12 +392,13 @@ def _followed_reasoning(message: Message, provider: str) -> set[int]:
                 continue
             if provider == "anthropic" and output:
                 followed.add(k)
-            if provider == "openai" and after in ("text", "tool_call"):
+            paired = after is not None and after.kind in ("text", "tool_call")
+            if provider == "openai" and paired and after.provider_item_id:
                 followed.add(k)
-                after = "reasoning"
+            after = block
         else:
             if block.kind != "text" or block.text:
-                after = block.kind
+                after = block
             output = output or block.kind != "text" or bool(block.text.strip())
     return followed
 
@@ -405,9 +415,11 @@ def _reasoning_block(provider: str, item_id: str, opaque: dict[str, Any]) -> Blo
     )
 
 
-def _text_block(role: str, item_id: str, value: str) -> Block:
+def _text_block(role: str, item_id: str, value: str, provider_item_id: str = "") -> Block:
     trust = TrustLevel.USER if role == "user" else TrustLevel.MODEL
-    return Block(Row.CONVERSATION, trust, "text", item_id, 1, text=value)
+    return Block(
+        Row.CONVERSATION, trust, "text", item_id, 1, text=value, provider_item_id=provider_item_id
+    )
 
 
 def test_openai_gets_no_reasoning_its_turns_output_does_not_follow() -> None:
@@ -426,13 +438,110 @@ def test_openai_gets_no_reasoning_its_turns_output_does_not_follow() -> None:
         Message("user", (text("user", "u1", "Plan it."),)),
         Message("assistant", (reasoning("rs_1"), text("assistant", "a1", ""))),
         Message("user", (text("user", "u2", "Well?"),)),
-        Message("assistant", (reasoning("rs_2"), text("assistant", "a2", "Done."))),
+        Message("assistant", (reasoning("rs_2"), text("assistant", "a2", "Done.", "msg_2"))),
         Message("user", (text("user", "u3", "Thanks."),)),
         provider="openai",
     )
     body = json.loads(render(request).body)
     replayed = [i["id"] for i in body["input"] if i.get("type") == "reasoning"]
     assert replayed == ["rs_2"]
+    parse_request({**body, "store": False}, {"authorization": "Bearer k"})  # the API's rules
+
+
+def _call_block(call_id: str, provider_item_id: str = "") -> Block:
+    return Block(
+        Row.CONVERSATION,
+        TrustLevel.MODEL,
+        "tool_call",
+        call_id,
+        1,
+        call_id=call_id,
+        tool_name="search",
+        arguments_json="{}",
+        provider_item_id=provider_item_id,
+    )
+
+
+def _result_block(call_id: str) -> Block:
+    return Block(
+        Row.CONVERSATION,
+        TrustLevel.TRUSTED_CONFIGURATION,
+        "tool_result",
+        f"r-{call_id}",
+        1,
+        text="ok",
+        call_id=call_id,
+        tool_name="search",
+    )
+
+
+def _output_ids(body: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """Each model output item of an OpenAI body: (its call id or text, its item id)."""
+    out = []
+    for item in body["input"]:
+        if item.get("type") == "function_call":
+            out.append((item["call_id"], item.get("id")))
+        elif item.get("role") == "assistant":
+            content = item["content"]
+            text = content if isinstance(content, str) else content[0]["text"]
+            out.append((text, item.get("id")))
+    return out
+
+
+def test_openai_pairs_reasoning_with_its_outputs_item_ids() -> None:
+    """The Responses API pairs a replayed reasoning item with the item after it by that
+    item's id, refusing a reasoning item whose following item names none ("was provided
+    without its required following item") and an item named by id whose reasoning is
+    missing: the outputs after a reasoning item sent carry their logged ids, the text in
+    its output form; an earlier turn's outputs, whose reasoning is not in the request,
+    carry none; and a reasoning item whose output was logged without an id is not sent."""
+    from context_engine.fake_provider.openai_api import parse_request
+
+    def reasoning(item_id: str) -> Block:
+        opaque = {"type": "reasoning", "id": item_id, "summary": [], "encrypted_content": "e"}
+        return _reasoning_block("openai", item_id, opaque)
+
+    text = _text_block
+    earlier = (text("assistant", "a0", "Later.", "msg_0"), _call_block("c0", "fc_0"))
+    request = _tiny_request(
+        Message("user", (text("user", "u1", "Plan it."),)),
+        # An earlier run's turn: its reasoning is not replayed, its ids are not sent.
+        Message("assistant", earlier),
+        Message("user", (_result_block("c0"), text("user", "u2", "Now?"))),
+        # Logged without its output's id: not sent.
+        Message("assistant", (reasoning("rs_1"), _call_block("c1"))),
+        Message("user", (_result_block("c1"),)),
+        Message(
+            "assistant",
+            (
+                reasoning("rs_2"),
+                text("assistant", "a2", "Checking.", "msg_2"),
+                _call_block("c2", "fc_2"),
+                _call_block("c3", "fc_3"),
+            ),
+        ),
+        Message("user", (_result_block("c2"), _result_block("c3"))),
+        provider="openai",
+    )
+    body = json.loads(render(request).body)
+    assert _output_ids(body) == [
+        ("Later.", None),
+        ("c0", None),
+        ("c1", None),
+        ("Checking.", "msg_2"),
+        ("c2", "fc_2"),
+        ("c3", "fc_3"),
+    ]
+    replayed = [i["id"] for i in body["input"] if i.get("type") == "reasoning"]
+    assert replayed == ["rs_2"]
+    message = next(i for i in body["input"] if i.get("id") == "msg_2")
+    assert message == {
+        "type": "message",
+        "role": "assistant",
+        "id": "msg_2",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": "Checking.", "annotations": []}],
+    }
     parse_request({**body, "store": False}, {"authorization": "Bearer k"})  # the API's rules
 
 
@@ -557,7 +666,11 @@ def test_reasoning_of_the_providers_type_is_replayed(
         provider=provider,
         opaque=json.dumps(payload),
     )
-    text = Block(Row.CONVERSATION, TrustLevel.MODEL, "text", "a1", 2, text="hi")
+    # OpenAI pairs the reasoning with its output by the output's id; Anthropic has none.
+    output_id = "msg_1" if provider == "openai" else ""
+    text = Block(
+        Row.CONVERSATION, TrustLevel.MODEL, "text", "a1", 2, text="hi", provider_item_id=output_id
+    )
     body = _body(_tiny_request(Message("assistant", (block, text)), provider=provider))
     sent = body["messages"][-1]["content"] if provider == "anthropic" else body["input"]
     assert payload in sent

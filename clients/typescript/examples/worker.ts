@@ -90,23 +90,31 @@ const PROVIDERS: Record<
   'openai.responses': {
     url: `${env.OPENAI_BASE_URL ?? 'https://api.openai.com/v1'}/responses`,
     headers: { authorization: `Bearer ${env.OPENAI_API_KEY ?? ''}` },
-    parse: (body) => ({
-      text: body.output
-        .filter((o: any) => o.type === 'message')
-        .flatMap((o: any) => o.content.map((c: any) => c.text ?? ''))
-        .join(''),
-      toolCalls: body.output
-        .filter((o: any) => o.type === 'function_call')
-        .map((o: any) => ({ callId: o.call_id, name: o.name, arguments: o.arguments })),
-      reasoning: body.output
-        .filter((o: any) => o.type === 'reasoning')
-        .map((o: any) => ({
-          provider: 'PROVIDER_OPENAI' as const,
-          opaque: Buffer.from(JSON.stringify(o)),
-        })),
-      usage: usageFromOpenAI(body.usage ?? {}),
-      model: body.model,
-    }),
+    parse: (body) => {
+      const messages = body.output.filter((o: any) => o.type === 'message');
+      return {
+        text: messages.flatMap((o: any) => o.content.map((c: any) => c.text ?? '')).join(''),
+        // The output items' ids pair them with the turn's reasoning on replay: the text's
+        // when it came in one message (joined from several, it is no one item's).
+        textItemId: messages.length === 1 ? messages[0].id : '',
+        toolCalls: body.output
+          .filter((o: any) => o.type === 'function_call')
+          .map((o: any) => ({
+            callId: o.call_id,
+            name: o.name,
+            arguments: o.arguments,
+            providerItemId: o.id,
+          })),
+        reasoning: body.output
+          .filter((o: any) => o.type === 'reasoning')
+          .map((o: any) => ({
+            provider: 'PROVIDER_OPENAI' as const,
+            opaque: Buffer.from(JSON.stringify(o)),
+          })),
+        usage: usageFromOpenAI(body.usage ?? {}),
+        model: body.model,
+      };
+    },
   },
 };
 

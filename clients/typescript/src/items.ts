@@ -12,15 +12,23 @@ export function userMessage(text: string, itemId = ''): ConversationItem {
   return { item_id: itemId, user_message: { text } };
 }
 
-export function assistantMessage(text: string, itemId = ''): ConversationItem {
-  return { item_id: itemId, assistant_message: { text } };
+/**
+ * The model's text. `providerItemId`: OpenAI's id of the output message (`msg_...`), which
+ * pairs it with the turn's reasoning when the engine replays that.
+ */
+export function assistantMessage(text: string, itemId = '', providerItemId = ''): ConversationItem {
+  return { item_id: itemId, assistant_message: { text, provider_item_id: providerItemId } };
 }
 
+/**
+ * The model's tool call. `providerItemId`: OpenAI's id of the `function_call` output item
+ * (`fc_...`, not its call id), which pairs it with the turn's reasoning on replay.
+ */
 export function toolCall(
   callId: string,
   name: string,
   args: Json | string,
-  opts: { taskId?: string; itemId?: string } = {},
+  opts: { taskId?: string; itemId?: string; providerItemId?: string } = {},
 ): ConversationItem {
   return {
     item_id: opts.itemId ?? '',
@@ -29,6 +37,7 @@ export function toolCall(
       tool_name: name,
       arguments_json: asJson(args),
       task_id: opts.taskId ?? '',
+      provider_item_id: opts.providerItemId ?? '',
     },
   };
 }
@@ -155,6 +164,8 @@ export interface ToolCallRequest {
   name: string;
   arguments: Json | string;
   taskId?: string;
+  /** OpenAI's id of the function_call output item (`fc_...`): see toolCall. */
+  providerItemId?: string;
 }
 
 /** What a tool returned, with the trust its content deserves. */
@@ -172,8 +183,15 @@ export interface ToolOutput {
 export interface ModelTurn {
   text?: string;
   toolCalls?: ToolCallRequest[];
-  /** Provider-opaque reasoning items (JSON bytes), replayed verbatim within the run. */
+  /**
+   * Provider-opaque reasoning items (JSON bytes), replayed verbatim within the run. From
+   * OpenAI, give `textItemId` and each call's `providerItemId` too: the API pairs a replayed
+   * reasoning item with the item after it by that id, and the engine replays no reasoning
+   * whose following item has none.
+   */
   reasoning?: { provider: 'PROVIDER_ANTHROPIC' | 'PROVIDER_OPENAI'; opaque: Uint8Array }[];
+  /** OpenAI's id of the output message (`msg_...`) the text came in. */
+  textItemId?: string;
   usage?: Usage;
   /**
    * The model that answered: the provider response's `model` (absent: the request's own).
@@ -188,9 +206,14 @@ export function turnItems(turn: ModelTurn): ConversationItem[] {
   const items: ConversationItem[] = (turn.reasoning ?? []).map((r) => ({
     reasoning: { provider: r.provider, opaque: Buffer.from(r.opaque) },
   }));
-  if (turn.text) items.push(assistantMessage(turn.text));
+  if (turn.text) items.push(assistantMessage(turn.text, '', turn.textItemId ?? ''));
   for (const call of turn.toolCalls ?? []) {
-    items.push(toolCall(call.callId, call.name, call.arguments, { taskId: call.taskId }));
+    items.push(
+      toolCall(call.callId, call.name, call.arguments, {
+        taskId: call.taskId,
+        providerItemId: call.providerItemId,
+      }),
+    );
   }
   return items;
 }

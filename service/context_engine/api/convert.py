@@ -147,6 +147,18 @@ def _artifact_ref(value: str, field: str) -> str:
     return _one_line(value, field)
 
 
+def _provider_item_id(value: str, field: str) -> str:
+    """A provider's output item id (OpenAI's msg_/fc_ ids), sent verbatim beside its
+    reasoning: held to MAX_ID_CHARS, with no whitespace or control character.
+
+    Raises:
+        InvalidFieldError: longer, or holding one.
+    """
+    if any(c.isspace() for c in value):
+        raise InvalidFieldError(f"{field} must be an id: no whitespace", field=field)
+    return _one_line(require_id(value, field, required=False), field)
+
+
 def _attribution(value: str, field: str) -> str:
     """Raises InvalidFieldError: longer than MAX_ATTRIBUTION_CHARS."""
     if len(value) > MAX_ATTRIBUTION_CHARS:
@@ -575,7 +587,14 @@ def item_from_proto(item: pb.ConversationItem, field: str, new_id: str) -> ci.Co
     if kind == "user_message":
         return user_message_from_proto(item.user_message, item_id, f"{field}.user_message")
     if kind == "assistant_message":
-        return ci.AssistantMessage(item_id=item_id, text=item.assistant_message.text)
+        message = item.assistant_message
+        return ci.AssistantMessage(
+            item_id=item_id,
+            text=message.text,
+            provider_item_id=_provider_item_id(
+                message.provider_item_id, f"{field}.assistant_message.provider_item_id"
+            ),
+        )
     if kind == "tool_call":
         call = item.tool_call
         path = f"{field}.tool_call"
@@ -588,6 +607,7 @@ def item_from_proto(item: pb.ConversationItem, field: str, new_id: str) -> ci.Co
             tool_name=call.tool_name,
             arguments_json=canonical_json_text(json.dumps(arguments)),
             task_id=call.task_id,
+            provider_item_id=_provider_item_id(call.provider_item_id, f"{path}.provider_item_id"),
         )
     if kind == "tool_result":
         result = item.tool_result
@@ -882,12 +902,14 @@ def block_to_proto(block: Block) -> pb.ContentBlock:
     )
     if block.kind == "text":
         out.text = block.text
+        out.provider_item_id = block.provider_item_id
     elif block.kind == "tool_call":
         out.tool_call.CopyFrom(
             pb.ToolCall(
                 call_id=block.call_id,
                 tool_name=block.tool_name,
                 arguments_json=block.arguments_json,
+                provider_item_id=block.provider_item_id,
             )
         )
     elif block.kind == "tool_result":
@@ -969,6 +991,7 @@ def block_from_proto(block: pb.ContentBlock) -> Block:
             tool_name=c.tool_name,
             arguments_json=c.arguments_json,
             run_id=block.run_id,
+            provider_item_id=c.provider_item_id,
         )
     if kind == "tool_result":
         r = block.tool_result
@@ -993,7 +1016,9 @@ def block_from_proto(block: pb.ContentBlock) -> Block:
             provider=_PROVIDER_FROM_PROTO.get(block.reasoning.provider, ""),
             opaque=block.reasoning.opaque.decode("utf-8"),
         )
-    return Block(row, trust, "text", **base, text=block.text)
+    return Block(
+        row, trust, "text", **base, text=block.text, provider_item_id=block.provider_item_id
+    )
 
 
 def request_from_proto(request: pb.ModelRequest) -> ModelRequest:

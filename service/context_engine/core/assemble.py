@@ -630,7 +630,15 @@ def _render(row: Row, item: ContextItem, secret: bytes, truncated: bool = False)
         case UserMessage():
             return text(item.text, "user")
         case AssistantMessage():
-            return Block(row, trust, "text", item.item_id, seq, text=item.text)
+            return Block(
+                row,
+                trust,
+                "text",
+                item.item_id,
+                seq,
+                text=item.text,
+                provider_item_id=item.provider_item_id,
+            )
         case ToolCall():
             return Block(
                 row,
@@ -642,6 +650,7 @@ def _render(row: Row, item: ContextItem, secret: bytes, truncated: bool = False)
                 tool_name=item.tool_name,
                 arguments_json=item.arguments_json,
                 run_id=item.run_id,
+                provider_item_id=item.provider_item_id,
             )
         case ToolResult():
             # The tool pipeline's excerpt stands in for the content: marked truncated, as

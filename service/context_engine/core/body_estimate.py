@@ -142,7 +142,10 @@ def block_tokens(
 ) -> int:
     """Estimated tokens of one rendered block (plus its item's attachments, each image at
     `image_tokens`, and the renderer's `fixed_texts` around it: Rule 6)."""
-    texts = (block.text, block.call_id, block.artifact_ref, block.opaque)
+    # A provider item id (OpenAI's msg_/fc_) is counted wherever it is logged, though the
+    # renderer sends it only beside its reasoning: a few tokens a turn, and the cost of an
+    # item stays a function of the item alone (the history cut's sum).
+    texts = (block.text, block.call_id, block.artifact_ref, block.opaque, block.provider_item_id)
     raw = sum(count(t) for t in texts if t)
     # The texts many blocks share (a tool's name, the renderer's fixed words, short
     # arguments such as "{}") are counted once per counter: a first Build counted "-99"

@@ -276,7 +276,15 @@ __all__ = [
 # thinking (or thinking and blank text) failed every later request of its run. A request
 # without one renders as before; GetBuild refuses an older record that held one (it is not
 # rebuilt: the provider refused what was sent).
-ASSEMBLER_VERSION = "context-assembler@23"
+# @24: OpenAI pairs a replayed reasoning item with the item after it by that item's id:
+# items carry their provider item ids (AssistantMessage and ToolCall provider_item_id),
+# the function calls and assistant text after a reasoning item sent carry them (the text
+# in the API's output form), and a reasoning item whose following item was logged without
+# one is not sent (providers/openai.py, Rule 4): public reports show the API refusing it,
+# so every later request of an OpenAI reasoning model's tool loop failed. Ids are counted
+# in the estimate. A request without OpenAI reasoning renders as before; GetBuild refuses
+# an older record that sent reasoning (it is not rebuilt: its items held no ids).
+ASSEMBLER_VERSION = "context-assembler@24"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})

@@ -229,11 +229,20 @@ class DelegatedMessage(UserMessage):
     FIXED_TRUST = TrustLevel.MODEL
 
 
+# The provider's id of a model output item (OpenAI's msg_/fc_ ids), sent only beside the
+# reasoning it was produced with (providers/openai.py, Rule 4). Stored only when set: a
+# replica that predates the field reads every item and checkpoint written without one
+# (extra="forbid" would refuse the key).
+def _provider_item_id() -> str:
+    return Field("", exclude_if=lambda value: not value)
+
+
 class AssistantMessage(_Logged):
     ROWS = frozenset({Row.CONVERSATION})
     FIXED_TRUST = TrustLevel.MODEL
     kind: Literal["assistant_message"] = "assistant_message"
     text: str
+    provider_item_id: str = _provider_item_id()
 
 
 class ToolCall(_Logged):
@@ -244,6 +253,7 @@ class ToolCall(_Logged):
     tool_name: str
     arguments_json: str  # canonical JSON object
     task_id: str = ""  # the working-state task the call works on (runtime task transitions)
+    provider_item_id: str = _provider_item_id()
 
 
 class ToolResult(_Logged):

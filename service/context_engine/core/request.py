@@ -60,6 +60,9 @@ class Block:
     # Tool calls and results only: the run that logged the item. Call ids are unique within
     # a run, so a pair is keyed by (run_id, call_id) (core/validate.py, providers/call_ids.py).
     run_id: str = ""
+    # Assistant text and tool calls: the provider's id of the output item, as logged
+    # (OpenAI sends it only beside its reasoning: providers/openai.py, Rule 4).
+    provider_item_id: str = ""
 
     def canonical(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -77,6 +80,7 @@ class Block:
             "artifact_ref": self.artifact_ref,
             "provider": self.provider,
             "opaque": self.opaque,
+            "provider_item_id": self.provider_item_id,
         }
         # run_id is not hashed. It decides a pair's wire id only when two runs reuse a call
         # id, and then the blocks' order fixes which keeps it (providers/call_ids.py), so

@@ -17,10 +17,18 @@ Rule W5. Function tools have a name matching ``TOOL_NAME``; ``parameters`` is an
          which every array schema has ``items`` ("array schema missing items", a 400 whether
          or not the function is strict).
 Rule W6. A ``reasoning`` item is immediately followed by the item it was produced with (an
-         assistant ``message`` or a ``function_call``), and, when ``store`` is false, carries
-         its ``encrypted_content`` (the fake, like a ``store=false`` request, cannot look an
-         item up by id). Replay reasoning verbatim ("Reasoning models": keeping reasoning
-         items in context).
+         assistant ``message`` or a ``function_call``) carrying its ``id``, and, when
+         ``store`` is false, carries its ``encrypted_content`` (the fake, like a
+         ``store=false`` request, cannot look an item up by id). Replay reasoning verbatim
+         ("Reasoning models": keeping reasoning items in context). Users of the API report
+         "Item 'rs_...' of type 'reasoning' was provided without its required following
+         item" for a following item without its id.
+Rule W7. An assistant ``message`` or ``function_call`` carrying an ``id`` follows a
+         ``reasoning`` item, at once or after other such items (one model turn's output):
+         users report "Item 'fc_...' of type 'function_call' was provided without its
+         required 'reasoning' item" for a reasoning model's item replayed without its
+         reasoning. Stricter than the API for a model without reasoning, whose items it
+         takes back with their ids; the engine sends ids only beside reasoning.
 
 Prompt units, in the order the cache sees them: ``instructions`` (one unit), each tool,
 each input item. An item's ``id`` and ``status`` are bookkeeping, not prompt text, and are
@@ -239,6 +247,8 @@ def _input(items: Any, *, store: bool) -> list[bytes]:
                 f"input[{i}].type",
                 "invalid_value",
             )
+        if kind in _OUTPUT_TYPES and item.get("id") is not None:
+            _check_reasoned(items, i, kind)
         if kind == "message":
             _check_message(item, i)
         elif kind == "function_call":
@@ -286,15 +296,41 @@ def _check_reasoning(items: list[Any], i: int, *, store: bool) -> None:
             "to false. Try again with `store` set to true, or remove this item from your input.",
             "input",
         )
-    following = items[i + 1] if i + 1 < len(items) else None
-    ok = isinstance(following, dict) and (
-        following.get("type") == "function_call"
-        or (following.get("type", "message") == "message" and following.get("role") == "assistant")
-    )
-    if not ok:
+    following = items[i + 1] if i + 1 < len(items) else {}
+    if _output_type(following) is None or not isinstance(following.get("id"), str):
         raise _bad(
             f"Item '{item_id}' of type 'reasoning' was provided without its required following "
             "item.",
+            "input",
+        )
+
+
+_OUTPUT_TYPES = ("message", "function_call")
+
+
+def _output_type(item: Any) -> str | None:
+    """A model output item's type (an assistant message or a function call); None for any
+    other item."""
+    if not isinstance(item, dict):
+        return None
+    kind = item.get("type", "message" if "role" in item else None)
+    if kind == "function_call" or (kind == "message" and item.get("role") == "assistant"):
+        return str(kind)
+    return None
+
+
+def _check_reasoned(items: list[Any], i: int, kind: str) -> None:
+    """Rule W7."""
+    if _output_type(items[i]) is None:
+        return  # a user message's id is not a model output's
+    j = i - 1
+    while j >= 0 and _output_type(items[j]) is not None:
+        j -= 1
+    before = items[j] if j >= 0 else None
+    if not (isinstance(before, dict) and before.get("type") == "reasoning"):
+        raise _bad(
+            f"Item '{items[i]['id']}' of type '{kind}' was provided without its required "
+            "'reasoning' item.",
             "input",
         )
 

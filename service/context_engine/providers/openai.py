@@ -13,10 +13,15 @@ says it the same way); an empty text block sends nothing. Tools are ``function``
 tools with ``strict: false`` (the API's strict default would reject ordinary schemas).
 Rule 4 (reasoning): a reasoning item from OpenAI is replayed verbatim from its opaque JSON
 (id, summary, encrypted content), never rendered into text; one from another provider is
-not sent, and neither is one the API would refuse, not followed at once by the output it
-was produced with (a function call or assistant text; since context-assembler@19). Its
-payload must be of type ``reasoning`` (EngineError otherwise): anything else would replay
-as a message or call the hashed request does not show.
+not sent, and neither is one the API would refuse: one not followed at once by the output
+it was produced with (a function call or assistant text; since context-assembler@19),
+named by its provider item id (``fc_...``, ``msg_...``: the API pairs a reasoning item
+with the item after it by that id; since @24). Its payload must be of type ``reasoning``
+(EngineError otherwise): anything else would replay as a message or call the hashed
+request does not show. The function calls and assistant text after a reasoning item sent
+in their message carry their logged ids (the text in the API's output form,
+``output_text`` with its id and status); no other item carries one, since the API refuses
+an item named by id whose reasoning is not sent, as an earlier run's is not (@24).
 Rule 5 (cache): the Responses API caches implicitly and takes no markers; the request
 carries ``prompt_cache_key`` = request.session_key, so every run, step and epoch of one
 session routes to the same cache and no other session shares it.
@@ -195,13 +200,19 @@ def _layout(request: ModelRequest) -> _Layout:
     return _Layout(instructions, tools, messages, text)
 
 
+# A block, its wire call id where it moved ("" else: Rule 6) and its input item.
+_Sent = tuple[Block, str, _Piece]
+
+
 def _render_message(message: Message, moved: tuple[str, ...] = ()) -> _MessageItems:
     """`moved`: each block's wire call id where it is not the base id, else "" (Rule 6)."""
-    items = (
-        _input_item(message.role, block, moved[k] if moved else "")
-        for k, block in enumerate(message.blocks)
-    )
-    pieces = _with_followed_reasoning([piece for piece in items if piece is not None])
+    sent: list[_Sent] = []
+    for k, block in enumerate(message.blocks):
+        call_id = moved[k] if moved else ""
+        piece = _input_item(message.role, block, call_id)
+        if piece is not None:
+            sent.append((block, call_id, piece))
+    pieces = tuple(_paired(message.role, _with_followed_reasoning(sent)))
     return _MessageItems(
         pieces,
         ",".join(p.text for p in pieces),
@@ -209,24 +220,43 @@ def _render_message(message: Message, moved: tuple[str, ...] = ()) -> _MessageIt
     )
 
 
-def _with_followed_reasoning(pieces: list[_Piece]) -> tuple[_Piece, ...]:
-    """Rule 4: `pieces` without a reasoning item the API would refuse, one not followed at
+def _with_followed_reasoning(sent: list[_Sent]) -> list[_Sent]:
+    """Rule 4: `sent` without a reasoning item the API would refuse, one not followed at
     once by the output it was produced with (a ``function_call`` or an assistant
-    ``message``): a turn whose only output was reasoning (a model that ran out of output
-    tokens reasoning, or answered with empty text) failed every later request of its run
-    (an audit). Within one message: a turn's reasoning and its output are one message."""
-    kept: list[_Piece] = []
-    for piece in reversed(pieces):
-        if isinstance(piece.obj, dict) and piece.obj.get("type") == "reasoning":
-            after = kept[-1].obj if kept else None
-            if not (isinstance(after, dict) and after.get("type") in _PRODUCED_WITH):
+    ``message``) named by its provider item id: a turn whose only output was reasoning (a
+    model that ran out of output tokens reasoning, or answered with empty text) failed
+    every later request of its run (an audit), and so, by public reports, does one whose
+    output was logged without its id (@23 and older sent it). Within one message: a turn's
+    reasoning and its output are one message."""
+    kept: list[_Sent] = []
+    for item in reversed(sent):
+        if item[0].kind == "reasoning":
+            after = kept[-1][0] if kept else None
+            if after is None or after.kind not in _PRODUCED_WITH or not after.provider_item_id:
                 continue
-        kept.append(piece)
-    return tuple(reversed(kept))
+        kept.append(item)
+    kept.reverse()
+    return kept
 
 
-# What a reasoning item is produced with: a user message never follows it at once.
-_PRODUCED_WITH = frozenset({"function_call", "message"})
+def _paired(role: str, sent: list[_Sent]) -> Iterable[_Piece]:
+    """Rule 4: the output items after a reasoning item sent carry their provider item ids
+    (the API pairs a reasoning item with the item after it by id, and refuses one whose
+    following item names none); items before any, or in a message whose reasoning is not
+    sent (an earlier run's turn), carry none (the API refuses an item whose reasoning is
+    missing). Since context-assembler@24."""
+    reasoned = False
+    for block, call_id, piece in sent:
+        if block.kind == "reasoning":
+            reasoned = True
+        elif reasoned and block.provider_item_id:
+            piece = _input_item(role, block, call_id, paired=True) or piece
+        yield piece
+
+
+# The blocks a reasoning item is produced with (function calls and assistant text): a
+# user message never follows it at once.
+_PRODUCED_WITH = frozenset({"tool_call", "text"})
 
 
 # A run's carried messages are the same objects on every Build (core/identity_memo.py);
@@ -264,8 +294,8 @@ def _tool(tool: ToolDefinition) -> _Piece:
 
 
 @bounded_cache(16_384)
-def _input_item(role: str, block: Block, call_id: str = "") -> _Piece | None:
-    obj = _item(role, block, call_id)
+def _input_item(role: str, block: Block, call_id: str = "", paired: bool = False) -> _Piece | None:
+    obj = _item(role, block, call_id, paired)
     return None if obj is None else _Piece(obj, block.row, block.item_id, _json(obj))
 
 
@@ -278,13 +308,24 @@ def _text(value: str) -> str:
     return _json(value)
 
 
-def _item(role: str, block: Block, call_id: str = "") -> dict[str, Any] | None:
+def _item(
+    role: str, block: Block, call_id: str = "", paired: bool = False
+) -> dict[str, Any] | None:
     """One neutral block's input item (Rules 3, 4, 6); None when it sends nothing.
-    `call_id` is the pair's wire id when it moved; "" sends the call's base id."""
+    `call_id` is the pair's wire id when it moved; "" sends the call's base id. `paired`:
+    the item follows its reasoning, and carries its provider item id (Rule 4)."""
     match block.kind:
         case "text":
             if not block.text:
                 return None
+            if role == "assistant" and paired:  # the output form: the API's, with its id
+                return {
+                    "type": "message",
+                    "role": "assistant",
+                    "id": block.provider_item_id,
+                    "status": "completed",
+                    "content": [{"type": "output_text", "text": block.text, "annotations": []}],
+                }
             if role == "assistant":
                 return {"type": "message", "role": "assistant", "content": block.text}
             return {
@@ -293,12 +334,13 @@ def _item(role: str, block: Block, call_id: str = "") -> dict[str, Any] | None:
                 "content": [{"type": "input_text", "text": block.text}],
             }
         case "tool_call":
-            return {
+            call = {
                 "type": "function_call",
                 "call_id": call_id or _BASE_ID(block.call_id),
                 "name": wire_tool_name(block.tool_name),
                 "arguments": block.arguments_json or "{}",
             }
+            return {**call, "id": block.provider_item_id} if paired else call
         case "tool_result":
             wire_id = call_id or _BASE_ID(block.call_id)
             output = block.text

@@ -36,9 +36,15 @@ def user_message(text: str, *, item_id: str = "") -> pb.ConversationItem:
     return pb.ConversationItem(item_id=item_id, user_message=pb.UserMessage(text=text))
 
 
-def assistant_message(text: str, *, item_id: str = "") -> pb.ConversationItem:
-    """The model's text."""
-    return pb.ConversationItem(item_id=item_id, assistant_message=pb.AssistantMessage(text=text))
+def assistant_message(
+    text: str, *, item_id: str = "", provider_item_id: str = ""
+) -> pb.ConversationItem:
+    """The model's text. `provider_item_id`: OpenAI's id of the output message (``msg_...``),
+    which pairs it with the turn's reasoning when the engine replays that."""
+    return pb.ConversationItem(
+        item_id=item_id,
+        assistant_message=pb.AssistantMessage(text=text, provider_item_id=provider_item_id),
+    )
 
 
 def tool_call(
@@ -48,12 +54,19 @@ def tool_call(
     *,
     task_id: str = "",
     item_id: str = "",
+    provider_item_id: str = "",
 ) -> pb.ConversationItem:
-    """The model's tool call; `arguments` is a JSON object (a mapping or its text)."""
+    """The model's tool call; `arguments` is a JSON object (a mapping or its text).
+    `provider_item_id`: OpenAI's id of the ``function_call`` output item (``fc_...``, not
+    its call id), which pairs it with the turn's reasoning when the engine replays that."""
     return pb.ConversationItem(
         item_id=item_id,
         tool_call=pb.ToolCall(
-            call_id=call_id, tool_name=name, arguments_json=_json(arguments), task_id=task_id
+            call_id=call_id,
+            tool_name=name,
+            arguments_json=_json(arguments),
+            task_id=task_id,
+            provider_item_id=provider_item_id,
         ),
     )
 
@@ -177,6 +190,8 @@ class ToolCallRequest:
     name: str
     arguments: Mapping[str, Any] | str = field(default_factory=dict)
     task_id: str = ""
+    # OpenAI's id of the function_call output item (fc_...): see tool_call.
+    provider_item_id: str = ""
 
     def arguments_json(self) -> str:
         return _json(self.arguments)
@@ -204,6 +219,9 @@ class ModelTurn:
     """One model response, reduced to what the engine logs.
 
     `reasoning` holds (provider, opaque JSON bytes) pairs, replayed verbatim within the run.
+    From OpenAI, give `text_item_id` (the output message's ``msg_...`` id) and each call's
+    `provider_item_id`: the API pairs a replayed reasoning item with the item after it by
+    that id, and the engine replays no reasoning whose following item has none.
     `model` is the model that answered, the provider response's `model` ("" for the
     request's own): ReportUsage sends it, since the engine learns only from reports of
     the model the request was built for. A turn without tool calls ends the tool loop.
@@ -214,13 +232,21 @@ class ModelTurn:
     reasoning: Sequence[tuple[int, bytes]] = ()
     usage: Usage | None = None
     model: str = ""
+    text_item_id: str = ""
 
     def items(self) -> list[pb.ConversationItem]:
         """The turn as conversation items: reasoning, text, then tool calls."""
         out = [reasoning(provider, opaque) for provider, opaque in self.reasoning]
         if self.text:
-            out.append(assistant_message(self.text))
+            out.append(assistant_message(self.text, provider_item_id=self.text_item_id))
         out += [
-            tool_call(c.call_id, c.name, c.arguments, task_id=c.task_id) for c in self.tool_calls
+            tool_call(
+                c.call_id,
+                c.name,
+                c.arguments,
+                task_id=c.task_id,
+                provider_item_id=c.provider_item_id,
+            )
+            for c in self.tool_calls
         ]
         return out

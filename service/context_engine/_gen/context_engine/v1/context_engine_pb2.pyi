@@ -583,22 +583,26 @@ class Attachment(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., ref: _Optional[str] = ..., pages: _Optional[int] = ..., text_length: _Optional[int] = ...) -> None: ...
 
 class AssistantMessage(_message.Message):
-    __slots__ = ("text",)
+    __slots__ = ("text", "provider_item_id")
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_ITEM_ID_FIELD_NUMBER: _ClassVar[int]
     text: str
-    def __init__(self, text: _Optional[str] = ...) -> None: ...
+    provider_item_id: str
+    def __init__(self, text: _Optional[str] = ..., provider_item_id: _Optional[str] = ...) -> None: ...
 
 class ToolCall(_message.Message):
-    __slots__ = ("call_id", "tool_name", "arguments_json", "task_id")
+    __slots__ = ("call_id", "tool_name", "arguments_json", "task_id", "provider_item_id")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_ITEM_ID_FIELD_NUMBER: _ClassVar[int]
     call_id: str
     tool_name: str
     arguments_json: str
     task_id: str
-    def __init__(self, call_id: _Optional[str] = ..., tool_name: _Optional[str] = ..., arguments_json: _Optional[str] = ..., task_id: _Optional[str] = ...) -> None: ...
+    provider_item_id: str
+    def __init__(self, call_id: _Optional[str] = ..., tool_name: _Optional[str] = ..., arguments_json: _Optional[str] = ..., task_id: _Optional[str] = ..., provider_item_id: _Optional[str] = ...) -> None: ...
 
 class ToolResult(_message.Message):
     __slots__ = ("call_id", "tool_name", "content", "trust", "source", "is_error", "artifact_ref", "context_content")
@@ -795,12 +799,13 @@ class Message(_message.Message):
     def __init__(self, role: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[ContentBlock, _Mapping]]] = ...) -> None: ...
 
 class ContentBlock(_message.Message):
-    __slots__ = ("row", "trust", "item_id", "source_sequence", "run_id", "text", "tool_call", "tool_result", "reasoning")
+    __slots__ = ("row", "trust", "item_id", "source_sequence", "run_id", "provider_item_id", "text", "tool_call", "tool_result", "reasoning")
     ROW_FIELD_NUMBER: _ClassVar[int]
     TRUST_FIELD_NUMBER: _ClassVar[int]
     ITEM_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_ITEM_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
     TOOL_RESULT_FIELD_NUMBER: _ClassVar[int]
@@ -810,11 +815,12 @@ class ContentBlock(_message.Message):
     item_id: str
     source_sequence: int
     run_id: str
+    provider_item_id: str
     text: str
     tool_call: ToolCall
     tool_result: ToolResult
     reasoning: ReasoningItem
-    def __init__(self, row: _Optional[_Union[Row, str]] = ..., trust: _Optional[_Union[TrustLevel, str]] = ..., item_id: _Optional[str] = ..., source_sequence: _Optional[int] = ..., run_id: _Optional[str] = ..., text: _Optional[str] = ..., tool_call: _Optional[_Union[ToolCall, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResult, _Mapping]] = ..., reasoning: _Optional[_Union[ReasoningItem, _Mapping]] = ...) -> None: ...
+    def __init__(self, row: _Optional[_Union[Row, str]] = ..., trust: _Optional[_Union[TrustLevel, str]] = ..., item_id: _Optional[str] = ..., source_sequence: _Optional[int] = ..., run_id: _Optional[str] = ..., provider_item_id: _Optional[str] = ..., text: _Optional[str] = ..., tool_call: _Optional[_Union[ToolCall, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResult, _Mapping]] = ..., reasoning: _Optional[_Union[ReasoningItem, _Mapping]] = ...) -> None: ...
 
 class ToolDefinition(_message.Message):
     __slots__ = ("name", "description", "input_schema_json")
