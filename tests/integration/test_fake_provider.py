@@ -614,6 +614,10 @@ def test_openai_reasoning_items_are_replayed_with_their_following_item(
         respond(gpt, store=False, input=[user, text, paired, output])
     turn = [user, reasoning, text, paired, output]
     assert respond(gpt, store=False, input=turn).output_text == "ok"
+    # An output without its id between: not one turn's output, every item of which has one.
+    unnamed = {"type": "message", "role": "assistant", "content": "Looking."}
+    with pytest.raises(openai.BadRequestError, match="'fc_1' of type 'function_call' was provided"):
+        respond(gpt, store=False, input=[user, reasoning, text, unnamed, paired, output])
 
 
 def test_openai_scripted_function_call_round_trips(gpt: openai.OpenAI, fake: FakeProvider) -> None:

@@ -899,9 +899,37 @@ async def test_a_skill_body_over_6000_tokens_fails(stub: Any, grpc_server: Any) 
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await _load(stub, session_id, "triage", big)
     reason, fields, metadata = details(caught.value)
-    assert (reason, fields, metadata["limit"]) == ("SKILL_LIMIT", ["name"], "tokens")
+    assert (reason, fields, metadata["limit"]) == ("SKILL_LIMIT", ["body"], "tokens")
     fits = _words(count, 4_000)
     assert list((await _load(stub, session_id, "triage", fits)).loaded) == ["triage"]
+
+
+async def test_a_body_the_plans_body_cannot_hold_is_refused(
+    stub: Any, grpc_server: Any, pool: Any
+) -> None:
+    """A body never yields, and LoadSkill checked it only against the class's 6,000
+    tokens: under a tight policy cap a 1,500-token body loaded into a plan whose body holds
+    about 1,000, and every later Build of the session failed BUDGET_EXCEEDED naming
+    skill_bodies, with no way out but a Rotate (an audit). It is SKILL_LIMIT naming `body`,
+    with the figures, and nothing is written."""
+    count = grpc_server.engine.count_tokens_for("claude-sonnet-4-5")
+    probe = await stub.Plan(
+        pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=_skills_spec())
+    )
+    tight = _skills_spec()
+    tight.policy_cap_tokens = 8_192 + probe.plan.prefix_tokens + 1_300  # a body of ~1,100
+    session_id, _ = await _open(stub, tight)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _load(stub, session_id, "triage", _words(count, 1_500))
+    assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    reason, fields, metadata = details(caught.value)
+    assert (reason, fields, metadata["limit"]) == ("SKILL_LIMIT", ["body"], "body")
+    assert int(metadata["body_tokens"]) > int(metadata["limit_tokens"])
+    assert [e["type"] for e in await _events(pool, session_id)] == ["context.plan.created"]
+    small = await _load(stub, session_id, "triage", _words(count, 300))
+    assert list(small.loaded) == ["triage"]
+    run = await _start(stub, session_id)
+    await _build(stub, session_id, run.run.run_id)  # the session still builds
 
 
 async def test_a_body_is_held_to_the_cap_as_build_sends_it(
@@ -922,7 +950,7 @@ async def test_a_body_is_held_to_the_cap_as_build_sends_it(
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await _load(stub, session_id, "triage", tags)
     reason, fields, metadata = details(caught.value)
-    assert (reason, fields, metadata["limit"]) == ("SKILL_LIMIT", ["name"], "tokens")
+    assert (reason, fields, metadata["limit"]) == ("SKILL_LIMIT", ["body"], "tokens")
     fits = "<user> " * 200
     assert (await _load(stub, session_id, "triage", fits)).newly_loaded
     run = await _start(stub, session_id)

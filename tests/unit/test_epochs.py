@@ -32,6 +32,7 @@ from context_engine.core.rows import Row
 from context_engine.core.skills import (
     LoadedSkill,
     admit_load,
+    admit_tokens,
     body_items,
     body_trust,
     pin_catalog,
@@ -461,15 +462,47 @@ def test_skill_loads(
         "untrusted": TrustLevel.EXTERNAL_UNTRUSTED,
     }.get(change, loaded[0].trust if loaded else skill.trust)
     if isinstance(outcome, bool):
-        assert admit_load(loaded, _CATALOG, skill, claimed=claimed) is outcome
+        assert _admit(loaded, skill, claimed) is outcome
         return
     with pytest.raises(PreconditionError) as caught:
-        admit_load(loaded, _CATALOG, skill, claimed=claimed)
+        _admit(loaded, skill, claimed)
     reason, _, limit = outcome.partition(":")
     assert caught.value.reason == reason
     if limit:
         assert caught.value.metadata["limit"] == limit
         assert caught.value.metadata["class"] == "skill_bodies"
+        # The token limits are the body's; a third skill is the name's.
+        assert caught.value.field == ("name" if limit == "items" else "body")
+
+
+def _admit(
+    loaded: tuple[LoadedSkill, ...],
+    skill: LoadedSkill,
+    claimed: TrustLevel | None,
+    room: int = 100_000,
+) -> bool:
+    """LoadSkill's decision: admit_load, then, for a load it admits, admit_tokens."""
+    admitted = admit_load(loaded, _CATALOG, skill, claimed=claimed)
+    if admitted:
+        admit_tokens(loaded, skill, room)
+    return admitted
+
+
+def test_a_body_the_plans_body_cannot_hold_is_refused() -> None:
+    """A body never yields: one loaded past what the plan's body leaves beside the runtime
+    row failed every later Build of the session BUDGET_EXCEEDED (an audit: 5,500 tokens
+    into a 3,936-token body). It is SKILL_LIMIT naming the body, with the figures; a
+    retry of a loaded body is not measured again."""
+    held = (_loaded("triage", 2_000),)
+    assert _admit(held, _loaded("refunds", 1_000), None, room=3_000)
+    with pytest.raises(PreconditionError) as caught:
+        _admit(held, _loaded("refunds", 1_001), None, room=3_000)
+    assert (caught.value.reason, caught.value.field) == ("SKILL_LIMIT", "body")
+    assert caught.value.metadata["limit"] == "body"
+    assert caught.value.metadata["used_tokens"] == "2000"
+    assert caught.value.metadata["body_tokens"] == "1001"
+    assert caught.value.metadata["limit_tokens"] == "3000"
+    assert _admit(held, held[0], held[0].trust, room=0) is False
 
 
 @pytest.mark.parametrize(

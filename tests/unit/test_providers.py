@@ -367,12 +367,18 @@ def test_reasoning_is_replayed_verbatim_and_never_as_text(sc: Scenario, provider
             for text in _sent_texts(body, provider):
                 assert block.opaque not in text, "never rendered into text"
         if provider == "openai":
-            # An output's provider item id is sent iff a reasoning item sent precedes it in
-            # its message: the API pairs them by it, and refuses an id without its reasoning.
+            # An output's provider item id is sent iff the nearest reasoning item before it
+            # in its message is sent: the API pairs them by it, and refuses an id without
+            # its reasoning.
             sent_ids = {i.get("id") for i in items if i.get("type") != "reasoning"}
             for k, block in enumerate(message.blocks):
                 if block.provider_item_id and (block.kind != "text" or block.text):
-                    reasoned = any(j < k for j in followed)
+                    before = [
+                        j
+                        for j, b in enumerate(message.blocks[:k])
+                        if b.kind == "reasoning" and b.provider == provider
+                    ]
+                    reasoned = bool(before) and before[-1] in followed
                     assert (block.provider_item_id in sent_ids) == reasoned
 
 
@@ -521,6 +527,19 @@ def test_openai_pairs_reasoning_with_its_outputs_item_ids() -> None:
             ),
         ),
         Message("user", (_result_block("c2"), _result_block("c3"))),
+        # Two turns with no input between (a retry after an incomplete one): the second's
+        # reasoning is not sent, so its call's id is not either.
+        Message(
+            "assistant",
+            (
+                reasoning("rs_4"),
+                text("assistant", "a4", "Again.", "msg_4"),
+                reasoning("rs_5"),
+                text("assistant", "a5", "Once more."),
+                _call_block("c5", "fc_5"),
+            ),
+        ),
+        Message("user", (_result_block("c5"),)),
         provider="openai",
     )
     body = json.loads(render(request).body)
@@ -531,9 +550,12 @@ def test_openai_pairs_reasoning_with_its_outputs_item_ids() -> None:
         ("Checking.", "msg_2"),
         ("c2", "fc_2"),
         ("c3", "fc_3"),
+        ("Again.", "msg_4"),
+        ("Once more.", None),
+        ("c5", None),
     ]
     replayed = [i["id"] for i in body["input"] if i.get("type") == "reasoning"]
-    assert replayed == ["rs_2"]
+    assert replayed == ["rs_2", "rs_4"]
     message = next(i for i in body["input"] if i.get("id") == "msg_2")
     assert message == {
         "type": "message",

@@ -3163,8 +3163,8 @@ type AssistantMessage struct {
 	// sends it (the message in its output form) only beside the reasoning item it was
 	// produced with: OpenAI refuses a replayed reasoning item whose following item names no
 	// id, and an item with an id whose reasoning is not sent (earlier runs' turns). Give it
-	// for every turn of a reasoning model; a turn logged without it sends its reasoning
-	// unpaired (docs/api.md, AppendItems).
+	// for every turn of a reasoning model: a turn logged without it is sent without its
+	// reasoning (docs/api.md, AppendItems).
 	ProviderItemId string `protobuf:"bytes,2,opt,name=provider_item_id,json=providerItemId,proto3" json:"provider_item_id,omitempty"`
 }
 
@@ -5673,7 +5673,8 @@ type LoadSkillRequest struct {
 	Name string `protobuf:"bytes,3,opt,name=name,proto3" json:"name,omitempty"`
 	// The skill's full instructions. With the bodies loaded before, at most 6,000 tokens in
 	// the largest form Build can send it in (escaped bare, or enveloped at a lower trust a
-	// Rotate may give its entry); over it, SKILL_LIMIT.
+	// Rotate may give its entry), and no more than the plan's body holds beside the runtime
+	// row; over either, SKILL_LIMIT naming this field.
 	Body string `protobuf:"bytes,4,opt,name=body,proto3" json:"body,omitempty"`
 	// Trust of the body as the worker knows it. The body takes the less trusted of this and
 	// its catalog entry's trust (a load can lower trust, never raise it); unspecified keeps

@@ -187,7 +187,9 @@ export interface ModelTurn {
    * Provider-opaque reasoning items (JSON bytes), replayed verbatim within the run. From
    * OpenAI, give `textItemId` and each call's `providerItemId` too: the API pairs a replayed
    * reasoning item with the item after it by that id, and the engine replays no reasoning
-   * whose following item has none.
+   * whose following item has none. turnItems orders a turn as reasoning, text, then calls,
+   * which pairs one reasoning item with its output: log a response that interleaves
+   * several reasoning items with its outputs item by item, in its own order.
    */
   reasoning?: { provider: 'PROVIDER_ANTHROPIC' | 'PROVIDER_OPENAI'; opaque: Uint8Array }[];
   /** OpenAI's id of the output message (`msg_...`) the text came in. */

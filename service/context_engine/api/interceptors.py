@@ -2,9 +2,11 @@
 
 Rules:
 1. Order, outermost first: the OpenTelemetry span -> `RpcObserver` (log line, metrics)
-   -> the shutdown drain (api/drain.py) -> `AuthInterceptor` -> `SizeLimitInterceptor`
-   -> the servicer. So a rejected call still has a span, a log line and a status code;
-   during a shutdown every call is refused alike, before its credentials are looked at.
+   -> the shutdown drain (api/drain.py) -> `SizeLimitInterceptor` -> `AuthInterceptor`
+   -> the servicer (api/server.py). So a rejected call still has a span, a log line and a
+   status code; during a shutdown every call is refused alike, before its credentials
+   are looked at; and a request is measured as it arrived, before authentication fills
+   in its tenant_id (docs/security.md).
 2. With auth on, the tenant is the authenticated identity's. A request's tenant_id must
    be empty (it is then filled in) or equal; anything else is PERMISSION_DENIED. No
    credentials -> UNAUTHENTICATED. The health service needs no credentials: probes carry

@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 from ..core.assemble import skill_body_texts
 from ..core.build_record import redact_record
 from ..core.errors import PreconditionError
-from ..core.skills import LoadedSkill, admit_load, body_trust, pinned_entry
+from ..core.plan import skill_room
+from ..core.skills import LoadedSkill, admit_load, admit_tokens, body_trust, pinned_entry
 from ..core.snapshot import redact_person
 from ..core.trust import TrustLevel
 from ..store import events, plans, runs, sessions, snapshots
@@ -87,13 +88,16 @@ async def load_skill(
         names = [s.name for s in loaded]
         version, catalog_trust = pinned_entry(current.spec.skills, current.plan.skill_pins, name)
         effective = body_trust(catalog_trust, trust)
+        skill = LoadedSkill(name=name, version=version, body=body, trust=effective, tokens=0)
+        if not admit_load(loaded, current.plan.skill_pins, skill, claimed=trust):
+            return names, False
+        # Measured once nothing cheaper refuses it (core/skills.py Rule 4).
         count = engine.count_tokens_for(current.plan.model_id)
         tokens = await asyncio.to_thread(
             _body_tokens, name, version, body, effective, current.secret, count
         )
-        skill = LoadedSkill(name=name, version=version, body=body, trust=effective, tokens=tokens)
-        if not admit_load(loaded, current.plan.skill_pins, skill, claimed=trust):
-            return names, False
+        skill = replace(skill, tokens=tokens)
+        admit_tokens(loaded, skill, skill_room(current.plan, current.spec, count))
         payload = {
             "name": name,
             "version": version,

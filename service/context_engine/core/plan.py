@@ -78,6 +78,7 @@ __all__ = [
     "make_plan",
     "prefix_data",
     "session_key",
+    "skill_room",
 ]
 
 TokenCounter = Callable[[str], int]
@@ -743,6 +744,22 @@ def _check_prefix_caps(classes: tuple[ClassUsage, ...]) -> None:
                 "ceiling_tokens": str(total),
             },
         )
+
+
+def skill_room(plan: ContextPlan, spec: PlanSpec, count_tokens: TokenCounter) -> int:
+    """What the plan's body leaves beside the runtime row every request carries: the most
+    its loaded skill bodies, which never yield, can take (core/skills.py Rule 4). A load
+    past it would fail every later Build of the session (an audit: one loaded at 5,500
+    tokens into a 3,936-token body). By the allocator's own arithmetic, as _check_capacity
+    measures a new plan; the request's framing unscaled."""
+    body = allocate(
+        context_window=plan.context_window,
+        policy_cap_tokens=plan.policy_cap_tokens,
+        reserve_output_tokens=plan.max_output_tokens,
+        prefix_tokens=plan.prefix_tokens,
+        framing_tokens=request_framing(count_tokens, PPM),
+    ).body_tokens
+    return body - _least_body(spec, plan.allowed_origins, count_tokens)
 
 
 def _least_body(spec: PlanSpec, origins: Sequence[str], count_tokens: TokenCounter) -> int:

@@ -7,11 +7,14 @@ its first entry is the only candidate, as for tools.
 Rule 2: a body loads only for a skill in the plan's pinned catalog (SKILL_NOT_IN_CATALOG).
 Rule 3: a loaded body is sticky for the session and renders in load order. A skill is never
 deselected: a body that came and went would rewrite the cached body on every step.
-Rule 4: at most 2 bodies and 6,000 tokens. A third load, or one past 6,000 tokens, fails
-with SKILL_LIMIT; nothing is evicted. A body's tokens are those of the largest form Build
-can send it in (core/assemble.py skill_body_texts), measured by the shell. Loading a
-loaded skill again with the same body and trust changes nothing (a retry); with another
-body or trust it is SKILL_ALREADY_LOADED.
+Rule 4: at most 2 bodies and 6,000 tokens, and no more than the plan's body holds beside
+the runtime row (core/plan.py skill_room). A third load, or one past either, fails with
+SKILL_LIMIT; nothing is evicted. A body's tokens are those of the largest form Build can
+send it in (core/assemble.py skill_body_texts), measured by the shell once the load is
+admitted otherwise (`admit_load` before, `admit_tokens` after: a body of megabytes is
+not measured to be refused as a third skill or as a retry). Loading a loaded skill again
+with the same body and trust changes nothing (a retry); with another body or trust it is
+SKILL_ALREADY_LOADED.
 Rule 5: a body never yields: Build carries every loaded body or fails.
 Rule 6: a body takes its pinned catalog entry's trust (the entry its version comes from),
 or the load's when that is lower (the less trusted of the two, TrustLevel's order): a
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 from .caps import CLASS_CAPS
 from .errors import InvalidFieldError, PreconditionError
@@ -39,6 +43,7 @@ from .trust import TrustLevel
 __all__ = [
     "LoadedSkill",
     "admit_load",
+    "admit_tokens",
     "body_items",
     "body_text",
     "body_trust",
@@ -122,7 +127,8 @@ def admit_load(
     *,
     claimed: TrustLevel | None = None,
 ) -> bool:
-    """Decide a load (Rules 2-4): True to load, False when the skill is already loaded as
+    """Decide a load on all but its tokens (Rules 2-4; `admit_tokens` then checks those):
+    True to load, False when the skill is already loaded as
     it is (the same body, with a trust at least as cautious as the one the load claims,
     `claimed`: a retry). The trust a load takes is its claim or the catalog entry's, the
     less trusted, and a Rotate since may have changed the entry, so a resend of the same
@@ -132,12 +138,13 @@ def admit_load(
     refused, as it would be quietly kept more trusted than its caller said.
 
     Raises:
-        PreconditionError: SKILL_NOT_IN_CATALOG, SKILL_LIMIT (metadata names the class,
-            the loaded skills and the limit that binds), or SKILL_ALREADY_LOADED when it is
-            loaded with another body or trust (sticky: never replaced, and never quietly
-            kept while the caller believes its new body is in force).
+        PreconditionError: SKILL_NOT_IN_CATALOG, SKILL_LIMIT (a third skill: metadata
+            names the class, the loaded skills and the limit that binds), or
+            SKILL_ALREADY_LOADED when it is loaded with another body or trust (sticky:
+            never replaced, and never quietly kept while the caller believes its new body
+            is in force).
     """
-    name, body_tokens = skill.name, skill.tokens
+    name = skill.name
     held = next((s for s in loaded if s.name == name), None)
     if held is not None:
         if held.body == skill.body and (claimed is None or held.trust >= claimed):
@@ -155,26 +162,66 @@ def admit_load(
             field="name",
             reason="SKILL_NOT_IN_CATALOG",
         )
-    used = sum(s.tokens for s in loaded)
-    over_items = len(loaded) >= _BODIES.cap_items
-    if over_items or used + body_tokens > _BODIES.cap_tokens:
-        limit = (
-            f"at most {_BODIES.cap_items} skills load per session"
-            if over_items
-            else f"skill bodies are capped at {_BODIES.cap_tokens:,} tokens"
-            f" ({used:,} used, this body needs {body_tokens:,})"
-        )
-        raise PreconditionError(
-            f"cannot load skill {name!r}: {limit}; a loaded skill is never evicted",
+    if len(loaded) >= _BODIES.cap_items:
+        _refuse(
+            name,
+            loaded,
+            f"at most {_BODIES.cap_items} skills load per session",
             field="name",
-            reason="SKILL_LIMIT",
-            metadata={
-                "class": "skill_bodies",
-                "limit": "items" if over_items else "tokens",
-                "loaded": ",".join(s.name for s in loaded),
-            },
+            limit="items",
         )
     return True
+
+
+def admit_tokens(loaded: Sequence[LoadedSkill], skill: LoadedSkill, room: int) -> None:
+    """Rule 4's tokens, for a load `admit_load` admitted: the class cap, and `room`, what
+    the plan's body leaves beside the runtime row (core/plan.py skill_room).
+
+    Raises:
+        PreconditionError: SKILL_LIMIT naming `body` (metadata `limit` "tokens" for the
+            class cap, "body" for the plan's room; `used_tokens`, `body_tokens` and
+            `limit_tokens` the figures).
+    """
+    used = sum(s.tokens for s in loaded)
+    for limit, bound, why in (
+        ("tokens", _BODIES.cap_tokens, "skill bodies are capped at"),
+        ("body", room, "the plan's body holds beside its runtime row"),
+    ):
+        if used + skill.tokens > bound:
+            _refuse(
+                skill.name,
+                loaded,
+                f"{why} {max(bound, 0):,} tokens ({used:,} used, this body needs {skill.tokens:,})",
+                field="body",
+                limit=limit,
+                figures={
+                    "used_tokens": str(used),
+                    "body_tokens": str(skill.tokens),
+                    "limit_tokens": str(bound),
+                },
+            )
+
+
+def _refuse(
+    name: str,
+    loaded: Sequence[LoadedSkill],
+    limit_text: str,
+    *,
+    field: str,
+    limit: str,
+    figures: dict[str, str] | None = None,
+) -> NoReturn:
+    raise PreconditionError(
+        f"cannot load skill {name!r}: {limit_text}; a loaded skill is never evicted",
+        field=field,
+        reason="SKILL_LIMIT",
+        metadata={
+            "class": "skill_bodies",
+            "limit": limit,
+            "loaded": ",".join(s.name for s in loaded),
+            **(figures or {}),
+        },
+    )
 
 
 def body_items(

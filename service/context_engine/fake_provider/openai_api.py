@@ -24,7 +24,8 @@ Rule W6. A ``reasoning`` item is immediately followed by the item it was produce
          "Item 'rs_...' of type 'reasoning' was provided without its required following
          item" for a following item without its id.
 Rule W7. An assistant ``message`` or ``function_call`` carrying an ``id`` follows a
-         ``reasoning`` item, at once or after other such items (one model turn's output):
+         ``reasoning`` item, at once or after other such items carrying theirs (one model
+         turn's output, every item of which has its id):
          users report "Item 'fc_...' of type 'function_call' was provided without its
          required 'reasoning' item" for a reasoning model's item replayed without its
          reasoning. Stricter than the API for a model without reasoning, whose items it
@@ -323,8 +324,8 @@ def _check_reasoned(items: list[Any], i: int, kind: str) -> None:
     """Rule W7."""
     if _output_type(items[i]) is None:
         return  # a user message's id is not a model output's
-    j = i - 1
-    while j >= 0 and _output_type(items[j]) is not None:
+    j = i - 1  # back over the turn's earlier outputs, each named by its id as this one is
+    while j >= 0 and _output_type(items[j]) is not None and "id" in items[j]:
         j -= 1
     before = items[j] if j >= 0 else None
     if not (isinstance(before, dict) and before.get("type") == "reasoning"):

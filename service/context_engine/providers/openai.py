@@ -212,7 +212,7 @@ def _render_message(message: Message, moved: tuple[str, ...] = ()) -> _MessageIt
         piece = _input_item(message.role, block, call_id)
         if piece is not None:
             sent.append((block, call_id, piece))
-    pieces = tuple(_paired(message.role, _with_followed_reasoning(sent)))
+    pieces = tuple(_paired(message.role, sent, _followed_reasoning(sent)))
     return _MessageItems(
         pieces,
         ",".join(p.text for p in pieces),
@@ -220,35 +220,36 @@ def _render_message(message: Message, moved: tuple[str, ...] = ()) -> _MessageIt
     )
 
 
-def _with_followed_reasoning(sent: list[_Sent]) -> list[_Sent]:
-    """Rule 4: `sent` without a reasoning item the API would refuse, one not followed at
-    once by the output it was produced with (a ``function_call`` or an assistant
-    ``message``) named by its provider item id: a turn whose only output was reasoning (a
-    model that ran out of output tokens reasoning, or answered with empty text) failed
-    every later request of its run (an audit), and so, by public reports, does one whose
-    output was logged without its id (@23 and older sent it). Within one message: a turn's
-    reasoning and its output are one message."""
-    kept: list[_Sent] = []
-    for item in reversed(sent):
-        if item[0].kind == "reasoning":
-            after = kept[-1][0] if kept else None
-            if after is None or after.kind not in _PRODUCED_WITH or not after.provider_item_id:
-                continue
-        kept.append(item)
-    kept.reverse()
-    return kept
+def _followed_reasoning(sent: list[_Sent]) -> set[int]:
+    """Rule 4: the indexes in `sent` of the reasoning items to send, those the API takes:
+    followed at once by the output they were produced with (a ``function_call`` or an
+    assistant ``message``) named by its provider item id. A turn whose only output was
+    reasoning (a model that ran out of output tokens reasoning, or answered with empty
+    text) failed every later request of its run (an audit), and so, by public reports, does
+    one whose output was logged without its id (@23 and older sent it). Within one
+    message: a turn's reasoning and its output are one message."""
+    return {
+        n
+        for n, (block, _, _) in enumerate(sent[:-1])
+        if block.kind == "reasoning"
+        and sent[n + 1][0].kind in _PRODUCED_WITH
+        and sent[n + 1][0].provider_item_id
+    }
 
 
-def _paired(role: str, sent: list[_Sent]) -> Iterable[_Piece]:
-    """Rule 4: the output items after a reasoning item sent carry their provider item ids
-    (the API pairs a reasoning item with the item after it by id, and refuses one whose
-    following item names none); items before any, or in a message whose reasoning is not
-    sent (an earlier run's turn), carry none (the API refuses an item whose reasoning is
-    missing). Since context-assembler@24."""
+def _paired(role: str, sent: list[_Sent], followed: set[int]) -> Iterable[_Piece]:
+    """Rule 4: `sent` without the reasoning items not `followed`, and with the provider
+    item ids of the outputs after a reasoning item sent, up to the next reasoning item (the
+    API pairs a reasoning item with the item after it by id, and refuses one whose
+    following item names none). Outputs before any reasoning, after one not sent, or in a
+    message whose reasoning is not sent (an earlier run's turn) carry none: the API refuses
+    an item whose reasoning is missing. Since context-assembler@24."""
     reasoned = False
-    for block, call_id, piece in sent:
+    for n, (block, call_id, piece) in enumerate(sent):
         if block.kind == "reasoning":
-            reasoned = True
+            reasoned = n in followed
+            if not reasoned:
+                continue
         elif reasoned and block.provider_item_id:
             piece = _input_item(role, block, call_id, paired=True) or piece
         yield piece

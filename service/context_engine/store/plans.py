@@ -166,7 +166,7 @@ async def read_plan(conn: Any, tenant_id: str, session_id: UUID, epoch: int = 0)
             f"session {session_id} not found", field="session_id", reason="SESSION_NOT_FOUND"
         )
     if row["plan"] is None:
-        what = f"epoch {epoch}" if epoch else "a plan yet"
+        what = f"epoch {epoch}" if epoch else "plan yet"
         raise NotFoundError(
             f"session {session_id} has no {what}",
             field="epoch" if epoch else "session_id",

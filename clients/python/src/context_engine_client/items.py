@@ -221,7 +221,10 @@ class ModelTurn:
     `reasoning` holds (provider, opaque JSON bytes) pairs, replayed verbatim within the run.
     From OpenAI, give `text_item_id` (the output message's ``msg_...`` id) and each call's
     `provider_item_id`: the API pairs a replayed reasoning item with the item after it by
-    that id, and the engine replays no reasoning whose following item has none.
+    that id, and the engine replays no reasoning whose following item has none. `items`
+    orders a turn as reasoning, text, then calls, which pairs one reasoning item with its
+    output: log a response that interleaves several reasoning items with its outputs item
+    by item, in its own order (reasoning, assistant_message, tool_call).
     `model` is the model that answered, the provider response's `model` ("" for the
     request's own): ReportUsage sends it, since the engine learns only from reports of
     the model the request was built for. A turn without tool calls ends the tool loop.
