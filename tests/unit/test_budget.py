@@ -670,11 +670,12 @@ def _plain_session(
 
 def test_a_smaller_tool_result_cap_can_keep_a_passage_a_roomier_body_drops() -> None:
     """The case the monotonicity gate exempts, pinned (found by CI): the tighter body's
-    cap (25% of its body) truncates a 5,000-token result whole-kept by the roomier body,
-    whose overflow then costs it its lowest-ranked passage. Both follow the ladder's order;
-    neither body's choice is wrong, and the wider one keeps more of the conversation. The
-    active turn's 60,000-character result is over either cap alone, so the others are
-    capped alone (context-assembler@20: as before)."""
+    cap (25% of its body) truncates four 5,000-character results (its second four: the cap
+    takes the run's results four at a time, core/yield_ladder.py Rule 6) the roomier body
+    keeps whole, whose overflow then costs it its lowest-ranked passage. Both follow the
+    ladder's order; neither body's choice is wrong, and the wider one keeps more of the
+    conversation. The active turn's 60,000-character result is over either cap alone, so
+    the others are capped alone (context-assembler@20: as before)."""
     step = StepContext(
         knowledge=tuple(
             KnowledgePassageItem(item_id=f"kn{n}", text=_text(size), rank=rank)
@@ -686,20 +687,18 @@ def test_a_smaller_tool_result_cap_can_keep_a_passage_a_roomier_body_drops() -> 
     run: list[ConversationItem] = [
         UserMessage(item_id="u1", text=_text(1_155), sequence=1, run_id="current"),
         AssistantMessage(item_id="a2", text=_text(200), sequence=2, run_id="current"),
-        *_pair("c3", "t4", "call_c3", 3, _text(10), untrusted),
-        AssistantMessage(item_id="a5", text=_text(200), sequence=5, run_id="current"),
     ]
-    calls = [("c6", "t9", 60_000), ("c7", "t10", 3_000), ("c8", "t11", 20_000)]
-    for n, (call_item, _, _) in enumerate(calls):
-        run.append(_call(call_item, f"call_{call_item}", 6 + n))
-    for n, (call_item, result_item, size) in enumerate(calls):
-        run.append(_result(result_item, f"call_{call_item}", 9 + n, _text(size), untrusted))
-    run += _pair("c12", "t13", "call_c12", 12, _text(60_000), untrusted)
-    session = _plain_session([], run, step, body_room=19_904, reserve=470)
-    roomy = Session(**{**session.__dict__, "body_room": session.body_room + 2_580})
+    for n in range(8):
+        call, result = f"c{3 + 2 * n}", f"t{4 + 2 * n}"
+        run.append(_call(call, f"call_{call}", 3 + 2 * n))
+        run.append(_result(result, f"call_{call}", 4 + 2 * n, _text(5_000), untrusted))
+    run += _pair("c19", "t20", "call_c19", 19, _text(60_000), untrusted)
+    session = _plain_session([], run, step, body_room=22_000, reserve=470)
+    roomy = Session(**{**session.__dict__, "body_room": session.body_room + 1_000})
     tight = _assemble_noting(_build(session)[1])
     wide = _assemble_noting(_build(roomy)[1])
-    assert tight.truncated - wide.truncated == {"t11"}
+    assert tight.truncated - wide.truncated == {"t12", "t14", "t16", "t18"}
+    assert tight.for_fit == wide.for_fit == set()
     assert _step_ids(tight.built, "drop_knowledge") == set()
     assert _step_ids(wide.built, "drop_knowledge") == {"kn2"}
 

@@ -7,6 +7,7 @@ import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from itertools import pairwise
 
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -25,6 +26,7 @@ from context_engine.core.items import (
 from context_engine.core.trust import TrustLevel
 from context_engine.core.yield_ladder import (
     LADDER,
+    RUN_CAP_QUANTUM,
     Body,
     Truncatable,
     YieldStep,
@@ -160,16 +162,27 @@ def _truncation_order(body: Body) -> list[Truncatable]:
 
 def _capped_first(spec: Spec) -> int:
     """How many truncations the cap took before any rung yielded: the run's results, oldest
-    first, until they and the active turn's are within the tool-result cap (they are in
-    every request)."""
-    total, taken = sum(c for c, _ in spec.run) + spec.pending, 0
-    for full, pointer in spec.run:
-        if total <= spec.cap:
-            break
-        if full - pointer > 0:
-            total -= full - pointer
-            taken += 1
-    return taken
+    first, up to the edge (they are in every request)."""
+    edge = _run_cap_edge(spec)
+    return sum(1 for full, pointer in spec.run[:edge] if full - pointer > 0)
+
+
+def _run_total(spec: Spec, edge: int) -> int:
+    """The run's and the active turn's results with the run's first `edge` truncated."""
+    return spec.pending + sum(
+        pointer if n < edge and full - pointer > 0 else full
+        for n, (full, pointer) in enumerate(spec.run)
+    )
+
+
+def _run_cap_edge(spec: Spec) -> int:
+    """Rule 6 (core/yield_ladder.py), from the spec alone: how many of the run's results,
+    by position, the cap truncates: the least multiple of RUN_CAP_QUANTUM at which they
+    and the active turn's are within the cap, or all of them."""
+    return next(
+        (n for n in range(0, len(spec.run), RUN_CAP_QUANTUM) if _run_total(spec, n) <= spec.cap),
+        len(spec.run),
+    )
 
 
 def _recall_capped(spec: Spec) -> int:
@@ -311,10 +324,18 @@ def test_each_rung_yields_no_further_than_needed(spec: Spec) -> None:
     if body.recall_kept < len(body.recall):
         more = _with(body, recall=body.recall_kept + 1)
         assert more.recall_tokens() > RECALL.cap_tokens or not more.fits()
-    # Tool results: undoing the last truncation would break the fit or the class cap.
-    if order:
+    # Tool results: undoing the last truncation would break the fit or the class cap; the
+    # run's cap takes whole quanta of its results (Rule 6), and a quantum fewer would leave
+    # them over the cap.
+    capped = _capped_first(spec)
+    if len(order) > capped:
         undone = _with(body, truncated=len(order) - 1)
         assert not undone.fits() or undone.tool_results_over_cap()
+    edge = _run_cap_edge(spec)
+    assert edge % RUN_CAP_QUANTUM == 0 or edge == len(spec.run)
+    if edge:
+        fewer = (edge - 1) // RUN_CAP_QUANTUM * RUN_CAP_QUANTUM
+        assert _run_total(spec, fewer) > spec.cap
 
 
 @GATE
@@ -450,9 +471,47 @@ def test_run_results_over_their_cap_are_truncated_before_knowledge_yields() -> N
     body = spec.body()
     assert run_ladder(body)
     assert body.knowledge_kept == 1
+    # The third too: the cap takes the run's results four at a time (Rule 6).
     assert [(s.step, s.item_ids) for s in body.steps] == [
-        ("truncate_tool_results", ("i2000", "i2001"))
+        ("truncate_tool_results", ("i2000", "i2001", "i2002"))
     ]
+
+
+def test_a_tool_loop_changes_its_truncated_results_once_every_four_steps() -> None:
+    """Rule 6: a tool loop appends a result a step. Truncating no further than needed made
+    one more of the run's oldest results a pointer at every step once the run was over its
+    cap: a change the previous request's cache markers covered, so each step sent the run
+    again uncached (an audit: 1-3% read from cache). The cap takes them in steps of
+    RUN_CAP_QUANTUM: the truncated results change once every few steps, always the run's
+    oldest, and within the cap."""
+    truncated_by_step = []
+    for step in range(1, 41):
+        spec = Spec(
+            budget=200_000,
+            fixed=1_000,
+            floor=0,
+            cap=10_000,
+            knowledge=[],
+            recall=[],
+            recall_floor=0,
+            carried=[],
+            run=[(1_000, 30)] * step,
+        )
+        body = spec.body()
+        assert run_ladder(body)
+        ids = tuple(i for s in body.steps for i in s.item_ids)
+        assert ids == tuple(t.item.item_id for t in body.run_results[: len(ids)])  # oldest
+        assert sum(t.cost for t in body.run_results) <= spec.cap
+        truncated_by_step.append(len(ids))
+    changes = [n for n in range(1, 40) if truncated_by_step[n] != truncated_by_step[n - 1]]
+    assert truncated_by_step[:10] == [0] * 10  # within the cap: nothing
+    # Each step needs a little more than one more pointer (a step adds 1,000 tokens, a
+    # pointer frees 970): a change every three or four steps, four results at a time, where
+    # no further than needed changed them at each of the 30 steps over the cap.
+    assert RUN_CAP_QUANTUM == 4
+    assert len(changes) <= 10
+    assert all(b - a >= 3 for a, b in pairwise(changes))
+    assert all(truncated_by_step[n] - truncated_by_step[n - 1] == 4 for n in changes)
 
 
 def test_recall_over_its_cap_is_trimmed_before_knowledge_yields() -> None:
@@ -589,8 +648,8 @@ def _reference_ladder(body: Body) -> bool:
     """The ladder as first written: every condition re-measured from the body after every
     unit (quadratic, obviously the rules). run_ladder must take exactly its steps."""
     run_total, capped = body.run_result_tokens() + body.pending_result_tokens, []
-    for t in body.run_results:
-        if run_total <= body.tool_result_cap:
+    for n, t in enumerate(body.run_results):
+        if run_total <= body.tool_result_cap and n % RUN_CAP_QUANTUM == 0:
             break
         if t.saving > 0:
             t.truncated = t.for_cap = True

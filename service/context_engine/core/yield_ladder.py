@@ -39,6 +39,17 @@ capped alone, as before (core/pressure.py passes 0 then). History's
 floor is what the carried history must keep of it beside the history already paid (the
 summary, the run's own exchanges: core/pressure.py), not 8,000 tokens of carried history
 on top of them.
+Rule 6 (the run's results move in steps): the results the run's cap truncates are its
+oldest, up to a multiple of RUN_CAP_QUANTUM of them (counted by position, whole or not),
+the least such that the run's and the active turn's results are within the cap. A tool
+loop appends a result a step, and "no further than needed" truncated one more old result
+at every step once the run was over its cap: a change early in the run, which the
+previous request's cache markers covered, so each such step sent the whole run again
+uncached (an audit: 1-3% of a 44k-token request read from cache, against 92% before the
+cap bound). In steps, the run's bytes change once every few steps; the quantum's extra
+pointers are the run's oldest results, which the model can fetch again. Since
+context-assembler@25; the fit (Rule 2) and the carried results' cap still yield no further
+than needed.
 Changing the order, a unit or a stopping rule changes what a request keeps: bump
 core/build_record.py ASSEMBLER_VERSION (its Rule 8), so recorded requests are not rebuilt
 by rules they were not cut by.
@@ -65,6 +76,7 @@ from .memo_budget import bounded_cache
 
 __all__ = [
     "LADDER",
+    "RUN_CAP_QUANTUM",
     "Body",
     "Rung",
     "Truncatable",
@@ -299,6 +311,10 @@ class _Yielded:
         return YieldStep(name, self.freed, tuple(self.ids)) if self.ids else None
 
 
+# Rule 6: the run's results the cap truncates, a multiple of this many (by position).
+RUN_CAP_QUANTUM = 4
+
+
 def run_ladder(body: Body) -> bool:
     """Yield in the ladder's order, no further than needed. Returns whether the body fits;
     the steps taken are appended to body.steps."""
@@ -401,7 +417,7 @@ def _trim_recall(body: Body, trimmed: _Yielded) -> None:
 
 def _cap_run_results(body: Body) -> _Yielded:
     """Truncate the run's results, oldest first, until they and the active turn's are within
-    the class cap.
+    the class cap, and on to the next multiple of RUN_CAP_QUANTUM of them (Rule 6).
 
     They are in every request (the run is never cut), so whatever history the cut keeps,
     the cap takes at least these: doing it before the rungs yield for pressure is what keeps
@@ -411,8 +427,8 @@ def _cap_run_results(body: Body) -> _Yielded:
     """
     total = body.run_result_tokens() + body.pending_result_tokens
     truncated = _Yielded()
-    for candidate in body.run_results:
-        if total <= body.tool_result_cap:
+    for n, candidate in enumerate(body.run_results):
+        if total <= body.tool_result_cap and n % RUN_CAP_QUANTUM == 0:
             break
         if candidate.truncated or candidate.saving <= 0:
             continue
