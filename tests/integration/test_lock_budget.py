@@ -12,13 +12,15 @@ from typing import Any
 from uuid import UUID
 
 import asyncpg
+import grpc
 import pytest
 
+from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine.store import connect_pool, db, records, snapshots
 from context_engine.store.db import SessionBusyError, transaction
 from context_engine.store.records import RequestRecord
 
-from .helpers import TENANT, new_id, open_session, start_run
+from .helpers import TENANT, details, new_id, open_session, start_run
 
 pytestmark = pytest.mark.integration
 
@@ -112,3 +114,30 @@ async def test_fences_of_people_erased_one_after_another_are_waited_for_within_o
         with pytest.raises(SessionBusyError):
             async with transaction(short_pool) as conn:
                 await asyncio.wait_for(snapshots.fence_people(conn, TENANT, [first, second]), 30)
+
+
+async def test_an_erasure_a_session_kept_busy_says_what_it_did_and_to_resend(
+    stub: Any, database_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An erasure redacts each session in a transaction of its own: one kept busy answers
+    SESSION_BUSY once the person is recorded as erased and the sessions before it are
+    redacted. Its message said "nothing was written: retry under the idempotency key",
+    neither of which holds for EraseSubject (an audit). It says what was done and to
+    resend, which finishes the erasure."""
+    monkeypatch.setattr(db, "LOCK_WAIT_SECONDS", BUDGET)
+    person = f"ana-{new_id()}"
+    snapshot = pb.MemorySnapshot(
+        snapshot_id="snap-1", items=[pb.MemoryItem(item_id="m1", text="Ana", person_ids=[person])]
+    )
+    session_id, _ = await open_session(stub, snapshot=snapshot)
+    row = "SELECT 1 FROM sessions WHERE tenant_id = $1 AND session_id = $2 FOR UPDATE"
+    erase = pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person)
+    async with _held(database_dsn, row, TENANT, UUID(session_id), for_seconds=10):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.EraseSubject(erase)
+    assert caught.value.code() is grpc.StatusCode.ABORTED
+    assert details(caught.value)[0] == "SESSION_BUSY"
+    message = caught.value.details() or ""
+    assert "recorded as erased" in message and "resend EraseSubject" in message
+    assert "nothing was written" not in message
+    assert list((await stub.EraseSubject(erase)).invalidated_session_ids) == [session_id]

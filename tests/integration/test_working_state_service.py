@@ -1100,6 +1100,40 @@ async def test_a_fact_restating_a_memory_line_it_was_shown_is_no_more_than_memor
     assert all(line not in c.fact.statement for c in offered.candidates)
 
 
+async def test_a_later_run_restating_a_line_an_erasure_took_from_an_earlier_one_is_memory(
+    stub: Any,
+) -> None:
+    """A fact is compared with the step lines of earlier runs too, and an erasure takes a
+    recall line out of their records: whether one was taken was asked of the fact's own
+    run alone, so a later run restating the erased line, citing its user's message, wrote
+    it at USER and it was offered to memory formation (an audit). Any erasure among the
+    runs compared holds the fact at MEMORY."""
+    person = f"ana-{new_id()}"
+    line = "Ana Moreau keeps a severe peanut allergy and carries two adrenaline pens."
+    session_id, _ = await open_session(stub)
+    first = await start_run(stub, session_id, "Book dinner for Ana.")
+    step = pb.StepContext(recall=[pb.RecallLine(item_id="r1", text=line, person_ids=[person])])
+    request = pb.BuildRequest(
+        tenant_id=TENANT, session_id=session_id, run_id=first.run.run_id, step=step
+    )
+    request.now.FromDatetime(NOW)
+    await stub.Build(request)
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    second = await start_run(stub, session_id, "And lunch tomorrow?")
+    updated = await update_state(
+        stub,
+        session_id,
+        second.run.run_id,
+        second.checkpoint_version,
+        add_facts=[pb.Fact(statement=line, source_event_ids=[second.run.seed_event_sequence])],
+    )
+    assert updated.state.facts[-1].trust == pb.TRUST_LEVEL_MEMORY
+    offered = await stub.OfferFactCandidates(
+        pb.OfferFactCandidatesRequest(tenant_id=TENANT, session_id=session_id)
+    )
+    assert all(line not in c.fact.statement for c in offered.candidates)
+
+
 @pytest.mark.parametrize("compacted", [False, True])
 async def test_a_fact_restating_the_runs_own_untrusted_result_is_held_to_its_trust(
     stub: Any, compacted: bool

@@ -35,7 +35,7 @@ from ..core.snapshot import redact_person
 from ..core.trust import TrustLevel
 from ..store import events, plans, runs, sessions, snapshots
 from ..store import skills as skill_store
-from ..store.db import transaction
+from ..store.db import SessionBusyError, transaction
 from ..store.events import NewEvent
 
 if TYPE_CHECKING:
@@ -157,13 +157,27 @@ async def erase_subject(engine: Engine, tenant: str, person_id: str) -> Erasure:
         erasure = _with_earlier(_NOTHING_FOUND, earlier)
         await snapshots.record_erasure_outcome(conn, tenant, person_id, _outcome_json(erasure))
     for session_id in sorted({*holding, *naming}):
-        async with engine.gates.held(tenant, session_id), transaction(engine.pool) as conn:
-            # The fence before the session lock, as every writer naming the person takes
-            # it: another erasure of the person waits here, so the outcome adds up.
-            earlier = await snapshots.fence_erasure(conn, tenant, person_id)
-            found = await _erase_in_session(conn, tenant, person_id, session_id)
-            erasure = _with_earlier(found, earlier)
-            await snapshots.record_erasure_outcome(conn, tenant, person_id, _outcome_json(erasure))
+        try:
+            async with engine.gates.held(tenant, session_id), transaction(engine.pool) as conn:
+                # The fence before the session lock, as every writer naming the person takes
+                # it: another erasure of the person waits here, so the outcome adds up.
+                earlier = await snapshots.fence_erasure(conn, tenant, person_id)
+                found = await _erase_in_session(conn, tenant, person_id, session_id)
+                erasure = _with_earlier(found, earlier)
+                await snapshots.record_erasure_outcome(
+                    conn, tenant, person_id, _outcome_json(erasure)
+                )
+        except SessionBusyError as busy:
+            # Its own words: the busy error's "nothing was written, retry under the key"
+            # is not so here (an audit): the person is recorded as erased and the sessions
+            # before this one are redacted, and EraseSubject takes no key.
+            busy.message = (
+                f"session {session_id} stayed busy with another write; the person is"
+                " recorded as erased and the sessions before it are redacted: resend"
+                " EraseSubject to finish"
+            )
+            busy.args = (busy.message,)
+            raise
         if session_id in holding:
             engine.forget_cached_plans(tenant, session_id)
     return erasure

@@ -278,11 +278,12 @@ async def _shown_sources(
         if run.parent_run_id is None
         else []
     )
+    runs = [run.run_id, *earlier]
     shown = await events.read_runs_shown(
         conn,
         tenant_id,
         session_id,
-        [run.run_id, *earlier],
+        runs,
         inputs_key=INPUTS_KEY,
         fields=SHOWN_FIELDS,
     )
@@ -302,7 +303,7 @@ async def _shown_sources(
             for p in prefixes
         ]
         sources.append((skill.body, max(shown_at, default=skill.trust)))
-    erased = await events.run_saw_erased(conn, tenant_id, session_id, run.run_id, epochs)
+    erased = await events.run_saw_erased(conn, tenant_id, session_id, runs, epochs)
     return [(text, trust) for text, trust in sources if trust not in SUMMARIZABLE], erased
 
 

@@ -359,12 +359,15 @@ async def recent_requesting_runs(
 
 
 async def run_saw_erased(
-    conn: Any, tenant_id: str, session_id: UUID, run_id: UUID, epochs: Sequence[int]
+    conn: Any, tenant_id: str, session_id: UUID, run_ids: Sequence[UUID], epochs: Sequence[int]
 ) -> bool:
-    """Whether an erasure has since taken something out of what the run's model was shown:
-    a recall line of one of its requests (a redacted record), or a snapshot memory a plan
+    """Whether an erasure has since taken something out of what the model of `run_ids` (a
+    run and the earlier runs whose step lines a fact is compared with) was shown: a recall
+    line of one of their requests (a redacted record), or a snapshot memory a plan
     `epochs` names rendered. What it took is no longer there to compare a working-state
-    fact with (api/working_state.py). An erasure rewrites an invalidated plan's document
+    fact with (api/working_state.py; the earlier runs' too: an audit found a line an
+    erasure took out of run 1's record restated in run 2 as the user's). An erasure
+    rewrites an invalidated plan's document
     but keeps its hash (core/snapshot.py redact_person): the two disagree only where a
     rendered memory was taken out, not where the erased one was skipped for room (a
     review: every fact of such a run was held at MEMORY for a memory it never saw)."""
@@ -372,14 +375,15 @@ async def run_saw_erased(
         await conn.fetchval(
             "SELECT EXISTS (SELECT 1 FROM session_events"
             f"  WHERE tenant_id = $1 AND session_id = $2 AND type = {_REQUEST}"
-            "   AND run_id = $3 AND coalesce((payload ->> 'redacted')::boolean, false))"
+            "   AND run_id = ANY($3::uuid[]) AND coalesce((payload ->> 'redacted')::boolean,"
+            "   false))"
             " OR EXISTS (SELECT 1 FROM context_plans"
             "  WHERE tenant_id = $1 AND session_id = $2 AND epoch = ANY($4::bigint[])"
             "   AND invalidated AND encode(sha256(convert_to(plan ->> 'prefix_document',"
             "   'UTF8')), 'hex') IS DISTINCT FROM plan ->> 'prefix_sha256')",
             tenant_id,
             session_id,
-            run_id,
+            list(run_ids),
             list(epochs),
         )
     )
