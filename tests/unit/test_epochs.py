@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from context_engine.core.budget import PPM
 from context_engine.core.canonical import canonical_bytes, sha256_hex
 from context_engine.core.enums import PlanReason, SessionKind
 from context_engine.core.epochs import (
@@ -25,6 +26,7 @@ from context_engine.core.epochs import (
     rendered_identity,
 )
 from context_engine.core.errors import InvalidFieldError, PreconditionError
+from context_engine.core.estimator import MESSAGE_FRAMING_TOKENS
 from context_engine.core.framing import BUILDER_VERSION
 from context_engine.core.plan import ContextPlan, ModelFacts, make_plan
 from context_engine.core.roster import PinnedTool, scope_hashes
@@ -37,6 +39,7 @@ from context_engine.core.skills import (
     body_trust,
     pin_catalog,
     pinned_entry,
+    skill_cost,
 )
 from context_engine.core.snapshot import nonempty, redact_person
 from context_engine.core.spec import (
@@ -494,14 +497,20 @@ def test_a_body_the_plans_body_cannot_hold_is_refused() -> None:
     into a 3,936-token body). It is SKILL_LIMIT naming the body, with the figures; a
     retry of a loaded body is not measured again."""
     held = (_loaded("triage", 2_000),)
-    assert _admit(held, _loaded("refunds", 1_000), None, room=3_000)
+    # As Build costs them: each body with its block's framing, at the pinned correction.
+    assert skill_cost(2_000, PPM) == 2_000 + MESSAGE_FRAMING_TOKENS
+    assert skill_cost(2_000, 1_500_000) == 3_000 + MESSAGE_FRAMING_TOKENS
+    room = skill_cost(2_000, PPM) + skill_cost(1_000, PPM)
+    assert _admit(held, _loaded("refunds", 1_000), None, room=room)
     with pytest.raises(PreconditionError) as caught:
-        _admit(held, _loaded("refunds", 1_001), None, room=3_000)
+        _admit(held, _loaded("refunds", 1_001), None, room=room)
     assert (caught.value.reason, caught.value.field) == ("SKILL_LIMIT", "body")
     assert caught.value.metadata["limit"] == "body"
-    assert caught.value.metadata["used_tokens"] == "2000"
-    assert caught.value.metadata["body_tokens"] == "1001"
-    assert caught.value.metadata["limit_tokens"] == "3000"
+    assert caught.value.metadata["used_tokens"] == str(skill_cost(2_000, PPM))
+    assert caught.value.metadata["body_tokens"] == str(skill_cost(1_001, PPM))
+    assert caught.value.metadata["limit_tokens"] == str(room)
+    with pytest.raises(PreconditionError):  # the same body, at a learned factor of 1.5
+        admit_tokens(held, _loaded("refunds", 1_000), room, 1_500_000)
     assert _admit(held, held[0], held[0].trust, room=0) is False
 
 

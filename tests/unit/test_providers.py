@@ -368,8 +368,8 @@ def test_reasoning_is_replayed_verbatim_and_never_as_text(sc: Scenario, provider
                 assert block.opaque not in text, "never rendered into text"
         if provider == "openai":
             # An output's provider item id is sent iff the nearest reasoning item before it
-            # in its message is sent: the API pairs them by it, and refuses an id without
-            # its reasoning.
+            # in its message is sent and every output between them carries its id: the API
+            # pairs them by it, and refuses an id without its reasoning.
             sent_ids = {i.get("id") for i in items if i.get("type") != "reasoning"}
             for k, block in enumerate(message.blocks):
                 if block.provider_item_id and (block.kind != "text" or block.text):
@@ -378,7 +378,16 @@ def test_reasoning_is_replayed_verbatim_and_never_as_text(sc: Scenario, provider
                         for j, b in enumerate(message.blocks[:k])
                         if b.kind == "reasoning" and b.provider == provider
                     ]
-                    reasoned = bool(before) and before[-1] in followed
+                    between = message.blocks[before[-1] + 1 : k] if before else ()
+                    reasoned = (
+                        bool(before)
+                        and before[-1] in followed
+                        and all(
+                            b.provider_item_id
+                            for b in between
+                            if b.kind == "tool_call" or (b.kind == "text" and b.text)
+                        )
+                    )
                     assert (block.provider_item_id in sent_ids) == reasoned
 
 
@@ -540,6 +549,17 @@ def test_openai_pairs_reasoning_with_its_outputs_item_ids() -> None:
             ),
         ),
         Message("user", (_result_block("c5"),)),
+        # An output logged without its id ends the outputs paired with the reasoning.
+        Message(
+            "assistant",
+            (
+                reasoning("rs_6"),
+                text("assistant", "a6", "First.", "msg_6"),
+                text("assistant", "a7", "Second."),
+                _call_block("c7", "fc_7"),
+            ),
+        ),
+        Message("user", (_result_block("c7"),)),
         provider="openai",
     )
     body = json.loads(render(request).body)
@@ -553,9 +573,12 @@ def test_openai_pairs_reasoning_with_its_outputs_item_ids() -> None:
         ("Again.", "msg_4"),
         ("Once more.", None),
         ("c5", None),
+        ("First.", "msg_6"),
+        ("Second.", None),
+        ("c7", None),
     ]
     replayed = [i["id"] for i in body["input"] if i.get("type") == "reasoning"]
-    assert replayed == ["rs_2", "rs_4"]
+    assert replayed == ["rs_2", "rs_4", "rs_6"]
     message = next(i for i in body["input"] if i.get("id") == "msg_2")
     assert message == {
         "type": "message",

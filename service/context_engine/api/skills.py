@@ -37,6 +37,7 @@ from ..store import events, plans, runs, sessions, snapshots
 from ..store import skills as skill_store
 from ..store.db import SessionBusyError, transaction
 from ..store.events import NewEvent
+from . import usage as usage_api
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -97,7 +98,12 @@ async def load_skill(
             _body_tokens, name, version, body, effective, current.secret, count
         )
         skill = replace(skill, tokens=tokens)
-        admit_tokens(loaded, skill, skill_room(current.plan, current.spec, count))
+        # The room as the session's Builds pay it: at the correction they pin now.
+        factor = await usage_api.pinned_factor(
+            conn, tenant, current.plan.model_id, engine.tokenizer_of
+        )
+        room = skill_room(current.plan, current.spec, count, factor)
+        admit_tokens(loaded, skill, room, factor)
         payload = {
             "name": name,
             "version": version,

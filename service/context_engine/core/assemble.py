@@ -570,6 +570,24 @@ def runtime_row_tokens(
     return block_tokens(block, item, count_tokens, NEUTRAL_FACTOR_PPM)
 
 
+def runtime_row_cost(
+    time_zone: str,
+    principal_scope: str,
+    surface: str,
+    allowed_origins: Sequence[str],
+    count_tokens: Callable[[str], int],
+    factor_ppm: int,
+) -> int:
+    """Row 14's most cost for a plan of these values at `factor_ppm`, as Build pays it:
+    dated with the widest date and weekday ("Wednesday"), so no day's row costs more. What
+    LoadSkill leaves beside the loaded bodies (core/plan.py skill_room)."""
+    item = _runtime_item(
+        "2026-09-30", "Wednesday", time_zone, principal_scope, surface, tuple(allowed_origins)
+    )
+    block = _render(Row.RUNTIME_METADATA, item, b"")
+    return block_tokens(block, item, count_tokens, factor_ppm)
+
+
 # --- rendering -------------------------------------------------------------------------
 
 

@@ -746,20 +746,33 @@ def _check_prefix_caps(classes: tuple[ClassUsage, ...]) -> None:
         )
 
 
-def skill_room(plan: ContextPlan, spec: PlanSpec, count_tokens: TokenCounter) -> int:
-    """What the plan's body leaves beside the runtime row every request carries: the most
-    its loaded skill bodies, which never yield, can take (core/skills.py Rule 4). A load
-    past it would fail every later Build of the session (an audit: one loaded at 5,500
-    tokens into a 3,936-token body). By the allocator's own arithmetic, as _check_capacity
-    measures a new plan; the request's framing unscaled."""
+def skill_room(
+    plan: ContextPlan, spec: PlanSpec, count_tokens: TokenCounter, factor_ppm: int
+) -> int:
+    """What the plan's body leaves beside the runtime row every request carries, as Build
+    pays both at `factor_ppm` (the tenant's learned correction, which checkpoints written
+    now pin): the most its loaded skill bodies, which never yield, can cost
+    (core/skills.py Rule 4, skill_cost). A load past it would fail every later Build of the
+    session (an audit: one loaded at 5,500 tokens into a 3,936-token body). By Build's own
+    arithmetic (assemble._budget), the runtime row at its widest date."""
+    from .assemble import runtime_row_cost  # assemble imports this module
+
     body = allocate(
         context_window=plan.context_window,
         policy_cap_tokens=plan.policy_cap_tokens,
         reserve_output_tokens=plan.max_output_tokens,
         prefix_tokens=plan.prefix_tokens,
-        framing_tokens=request_framing(count_tokens, PPM),
+        framing_tokens=request_framing(count_tokens, factor_ppm),
     ).body_tokens
-    return body - _least_body(spec, plan.allowed_origins, count_tokens)
+    row = runtime_row_cost(
+        spec.environment.time_zone,
+        spec.principal.scope_label,
+        spec.environment.surface,
+        plan.allowed_origins,
+        count_tokens,
+        factor_ppm,
+    )
+    return body - row
 
 
 def _least_body(spec: PlanSpec, origins: Sequence[str], count_tokens: TokenCounter) -> int:

@@ -33,8 +33,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
+from .budget import PPM
 from .caps import CLASS_CAPS
 from .errors import InvalidFieldError, PreconditionError
+from .estimator import MESSAGE_FRAMING_TOKENS, apply_factor
 from .items import SkillBodyItem
 from .roster import fit_in_order
 from .spec import SkillSpec
@@ -49,6 +51,7 @@ __all__ = [
     "body_trust",
     "pin_catalog",
     "pinned_entry",
+    "skill_cost",
 ]
 
 _CATALOG = CLASS_CAPS["skill_catalog"]
@@ -173,30 +176,42 @@ def admit_load(
     return True
 
 
-def admit_tokens(loaded: Sequence[LoadedSkill], skill: LoadedSkill, room: int) -> None:
-    """Rule 4's tokens, for a load `admit_load` admitted: the class cap, and `room`, what
-    the plan's body leaves beside the runtime row (core/plan.py skill_room).
+def skill_cost(tokens: int, factor_ppm: int) -> int:
+    """What Build pays for a loaded body of `tokens` (its largest form's count) at the
+    correction `factor_ppm`: scaled, with its block's framing (core/body_estimate.py)."""
+    return apply_factor(tokens, factor_ppm) + MESSAGE_FRAMING_TOKENS
+
+
+def admit_tokens(
+    loaded: Sequence[LoadedSkill], skill: LoadedSkill, room: int, factor_ppm: int = PPM
+) -> None:
+    """Rule 4's tokens, for a load `admit_load` admitted: the class cap (the bodies'
+    counts), and `room`, what the plan's body leaves beside the runtime row at
+    `factor_ppm` (core/plan.py skill_room), which the bodies' costs (skill_cost) must fit.
+    A user message never yields either and is not known here: a body that fits the room
+    can still leave a long one none.
 
     Raises:
         PreconditionError: SKILL_LIMIT naming `body` (metadata `limit` "tokens" for the
             class cap, "body" for the plan's room; `used_tokens`, `body_tokens` and
-            `limit_tokens` the figures).
+            `limit_tokens` the figures, the room's as Build costs them).
     """
-    used = sum(s.tokens for s in loaded)
-    for limit, bound, why in (
-        ("tokens", _BODIES.cap_tokens, "skill bodies are capped at"),
-        ("body", room, "the plan's body holds beside its runtime row"),
+    held = [s.tokens for s in loaded]
+    costs = [skill_cost(t, factor_ppm) for t in (*held, skill.tokens)]
+    for limit, used, needs, bound, why in (
+        ("tokens", sum(held), skill.tokens, _BODIES.cap_tokens, "skill bodies are capped at"),
+        ("body", sum(costs[:-1]), costs[-1], room, "the plan's body holds beside its runtime row"),
     ):
-        if used + skill.tokens > bound:
+        if used + needs > bound:
             _refuse(
                 skill.name,
                 loaded,
-                f"{why} {max(bound, 0):,} tokens ({used:,} used, this body needs {skill.tokens:,})",
+                f"{why} {max(bound, 0):,} tokens ({used:,} used, this body needs {needs:,})",
                 field="body",
                 limit=limit,
                 figures={
                     "used_tokens": str(used),
-                    "body_tokens": str(skill.tokens),
+                    "body_tokens": str(needs),
                     "limit_tokens": str(bound),
                 },
             )

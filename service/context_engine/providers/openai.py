@@ -239,11 +239,12 @@ def _followed_reasoning(sent: list[_Sent]) -> set[int]:
 
 def _paired(role: str, sent: list[_Sent], followed: set[int]) -> Iterable[_Piece]:
     """Rule 4: `sent` without the reasoning items not `followed`, and with the provider
-    item ids of the outputs after a reasoning item sent, up to the next reasoning item (the
-    API pairs a reasoning item with the item after it by id, and refuses one whose
-    following item names none). Outputs before any reasoning, after one not sent, or in a
-    message whose reasoning is not sent (an earlier run's turn) carry none: the API refuses
-    an item whose reasoning is missing. Since context-assembler@24."""
+    item ids of the outputs after a reasoning item sent, up to the next reasoning item or
+    the first output without an id (the API pairs a reasoning item with the item after it
+    by id, and refuses one whose following item names none). Outputs before any reasoning,
+    after one not sent or an output without an id, or in a message whose reasoning is not
+    sent (an earlier run's turn) carry none: the API refuses an item whose reasoning is
+    missing. Since context-assembler@24."""
     reasoned = False
     for n, (block, call_id, piece) in enumerate(sent):
         if block.kind == "reasoning":
@@ -252,6 +253,10 @@ def _paired(role: str, sent: list[_Sent], followed: set[int]) -> Iterable[_Piece
                 continue
         elif reasoned and block.provider_item_id:
             piece = _input_item(role, block, call_id, paired=True) or piece
+        else:
+            # An output logged without its id is no item of the reasoning's turn the API
+            # knows, and ends the run of outputs it pairs (the fake provider's W7).
+            reasoned = False
         yield piece
 
 
