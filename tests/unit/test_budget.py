@@ -1834,7 +1834,9 @@ def test_an_active_result_over_the_cap_alone_leaves_the_older_ones_as_they_were(
     """Past the cap on its own, the active turn's result holds the class over it whatever
     yields: truncating every older result for the one step it is active, only for them to
     come back whole at the next (when it yields first, as the run's), changed the cached
-    history twice for nothing (a review). The older ones are then capped alone."""
+    history twice for nothing (a review). The older ones are then capped alone. At the
+    next step the run's cap makes it a pointer, and the older results go with it, oldest
+    first (core/yield_ladder.py Rule 6): the cached history changes once, and stays."""
     untrusted = TrustLevel.EXTERNAL_UNTRUSTED
     carried: list[ConversationItem] = []
     for n in range(3):
@@ -1862,4 +1864,11 @@ def test_an_active_result_over_the_cap_alone_leaves_the_older_ones_as_they_were(
     after = assemble(
         _build(_plain_session(carried, run, StepContext(), body_room=40_000, reserve=470))[1]
     )
-    assert _step_ids(after, "truncate_tool_results") == {"r22"}
+    older = {"cr0", "cr1", "cr2"}
+    assert _step_ids(after, "truncate_tool_results") == {"r22"} | older
+    # And the step after: the same pointers, nothing older comes back whole.
+    run += _pair("c25", "r26", "call_c25", 25, _text(400), untrusted)
+    later = assemble(
+        _build(_plain_session(carried, run, StepContext(), body_room=40_000, reserve=470))[1]
+    )
+    assert _step_ids(later, "truncate_tool_results") >= {"r22"} | older

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from itertools import pairwise
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +26,7 @@ from context_engine.core.items import (
 )
 from context_engine.core.trust import TrustLevel
 from context_engine.core.yield_ladder import (
+    CARRIED_CAP_QUANTUM,
     LADDER,
     RUN_CAP_QUANTUM,
     Body,
@@ -71,7 +73,7 @@ class Spec:
     def body(self) -> Body:
         carried_costs = [c for c, _ in self.carried]
         carried_results = [
-            Truncatable(n, c, p, _item(1000 + n))
+            Truncatable(n, c, p, _item(1000 + n), sequence=n + 1)  # as logged: one apart
             for n, (c, p) in enumerate(self.carried)
             if p is not None
         ]
@@ -328,9 +330,34 @@ def test_each_rung_yields_no_further_than_needed(spec: Spec) -> None:
     # run's cap takes whole quanta of its results (Rule 6), and a quantum fewer would leave
     # them over the cap.
     capped = _capped_first(spec)
-    if len(order) > capped:
-        undone = _with(body, truncated=len(order) - 1)
+    older_first = any(t.for_cap for t in body.run_results)
+    last = order[-1] if order else None
+    if len(order) > capped and not (older_first and last and last.carried_index >= 0):
+        start = len(order) - 1
+        if last is not None and last.for_cap:
+            # The request's cap pass takes whole quanta of each kind (Rule 6): undo the
+            # last one, from its first truncation on.
+            older = last.carried_index >= 0
+            run_at = {id(t): n for n, t in enumerate(body.run_results)}
+
+            def at(t: Truncatable) -> int:  # where Rule 6 counts it
+                return t.sequence if t.carried_index >= 0 else run_at[id(t)]
+
+            quantum = CARRIED_CAP_QUANTUM if older else RUN_CAP_QUANTUM
+            first = at(last) // quantum * quantum
+            start = min(
+                n
+                for n, t in enumerate(order)
+                if n >= capped and t.for_cap and (t.carried_index >= 0) == older and at(t) >= first
+            )
+        undone = _with(body, truncated=start)
         assert not undone.fits() or undone.tool_results_over_cap()
+    if older_first and body.fits():
+        # Oldest first across the passes: a run result the cap took leaves no older
+        # (carried) result in the request whole that would save something.
+        assert all(
+            t.truncated or t.saving <= 0 for t in body.carried() if t.carried_index >= body.cut()
+        )
     edge = _run_cap_edge(spec)
     assert edge % RUN_CAP_QUANTUM == 0 or edge == len(spec.run)
     if edge:
@@ -477,6 +504,25 @@ def test_run_results_over_their_cap_are_truncated_before_knowledge_yields() -> N
     ]
 
 
+def _tool_loop_step(carried: list[tuple[int, int | None]], step: int) -> tuple[Spec, Body]:
+    """A tool loop's request at `step`: a 1,000-token result a step (30 as a pointer)
+    against a 10,000-token cap, after `carried` earlier runs' items; the ladder run."""
+    spec = Spec(
+        budget=200_000,
+        fixed=1_000,
+        floor=0,
+        cap=10_000,
+        knowledge=[],
+        recall=[],
+        recall_floor=0,
+        carried=list(carried),
+        run=[(1_000, 30)] * step,
+    )
+    body = spec.body()
+    assert run_ladder(body)
+    return spec, body
+
+
 def test_a_tool_loop_changes_its_truncated_results_once_every_four_steps() -> None:
     """Rule 6: a tool loop appends a result a step. Truncating no further than needed made
     one more of the run's oldest results a pointer at every step once the run was over its
@@ -486,19 +532,7 @@ def test_a_tool_loop_changes_its_truncated_results_once_every_four_steps() -> No
     oldest, and within the cap."""
     truncated_by_step = []
     for step in range(1, 41):
-        spec = Spec(
-            budget=200_000,
-            fixed=1_000,
-            floor=0,
-            cap=10_000,
-            knowledge=[],
-            recall=[],
-            recall_floor=0,
-            carried=[],
-            run=[(1_000, 30)] * step,
-        )
-        body = spec.body()
-        assert run_ladder(body)
+        spec, body = _tool_loop_step([], step)
         ids = tuple(i for s in body.steps for i in s.item_ids)
         assert ids == tuple(t.item.item_id for t in body.run_results[: len(ids)])  # oldest
         assert sum(t.cost for t in body.run_results) <= spec.cap
@@ -512,6 +546,40 @@ def test_a_tool_loop_changes_its_truncated_results_once_every_four_steps() -> No
     assert len(changes) <= 10
     assert all(b - a >= 3 for a, b in pairwise(changes))
     assert all(truncated_by_step[n] - truncated_by_step[n - 1] == 4 for n in changes)
+
+
+@pytest.mark.parametrize("carried", [[(400, 30)] * 10, [(1_500, 30)] * 6], ids=["10x400", "6x1500"])
+def test_a_tool_loop_over_earlier_runs_results_changes_them_once(
+    carried: list[tuple[int, int | None]],
+) -> None:
+    """Rule 6 across the passes: the room the run's quantum frees let earlier runs'
+    results come back whole, one more or fewer at each step, so their history (before the
+    run) re-cached at 34 of 39 steps (a review). Once the run's cap takes one of its
+    results, the older ones are pointers too: the request's results change at most once
+    every three steps, and an earlier run's result, once a pointer, stays one."""
+    states = []
+    for step in range(1, 41):
+        _, body = _tool_loop_step(carried, step)
+        states.append(
+            (
+                tuple(t.truncated for t in body.carried_results),
+                tuple(t.truncated for t in body.run_results),
+            )
+        )
+    # A change to what the previous request held (the new step's own result aside).
+    changed = [
+        n
+        for n in range(1, 40)
+        if states[n][0] != states[n - 1][0]
+        or states[n][1][: len(states[n - 1][1])] != states[n - 1][1]
+    ]
+    assert len(changed) <= 16
+    # Once the run's cap binds (before, earlier runs' results go a quantum a step while a
+    # step adds more than a quantum of them frees).
+    bound = next(n for n, (_, run) in enumerate(states) if any(run))
+    assert all(b - a >= 3 for a, b in pairwise(n for n in changed if n >= bound))
+    for before, after in pairwise(states):
+        assert all(a <= b for a, b in zip(before[0], after[0], strict=True))  # stays a pointer
 
 
 def test_recall_over_its_cap_is_trimmed_before_knowledge_yields() -> None:
@@ -644,6 +712,11 @@ def _over_cap(body: Body) -> bool:
     return in_request + body.pending_result_tokens > body.tool_result_cap
 
 
+def _quantum(count: int, quantum: int) -> int:
+    """`count` rounded up to a multiple of `quantum`."""
+    return (count + quantum - 1) // quantum * quantum
+
+
 def _reference_ladder(body: Body) -> bool:
     """The ladder as first written: every condition re-measured from the body after every
     unit (quadratic, obviously the rules). run_ladder must take exactly its steps."""
@@ -706,9 +779,14 @@ def _reference_ladder(body: Body) -> bool:
         _reference_take_back(body, given_up)
     if body.fits():
         # The cap: the oldest whole result in the request, with the cut read afresh, until
-        # the request's results are within the cap or none is left that saves something.
-        capped_in_request = _over_cap(body)
-        while _over_cap(body):
+        # the request's results are within the cap or none is left that saves something;
+        # once the run's cap took one of its results, every carried one; and on to a
+        # multiple of RUN_CAP_QUANTUM of each kind this pass took (Rule 6).
+        older = any(t.for_cap for t in body.run_results)
+        capped_in_request = _over_cap(body) or older
+        position = {id(t): n for n, t in enumerate(body.run_results)}
+        edges = {True: 0, False: 0}  # carried: a session sequence; run: a position
+        while True:
             chosen = next(
                 (
                     t
@@ -719,6 +797,13 @@ def _reference_ladder(body: Body) -> bool:
             )
             if chosen is None:
                 break
+            kind = chosen.carried_index >= 0
+            at = chosen.sequence if kind else position[id(chosen)]
+            if not (_over_cap(body) or (older and kind) or at < edges[kind]):
+                break
+            edges[kind] = max(
+                edges[kind], _quantum(at + 1, CARRIED_CAP_QUANTUM if kind else RUN_CAP_QUANTUM)
+            )
             chosen.truncated = chosen.for_cap = True
             freed, ids = freed + chosen.saving, [*ids, chosen.item.item_id]
             capped_in_request = True

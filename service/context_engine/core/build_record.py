@@ -284,12 +284,13 @@ __all__ = [
 # so every later request of an OpenAI reasoning model's tool loop failed. Ids are counted
 # in the estimate. A request without OpenAI reasoning renders as before; GetBuild refuses
 # an older record that sent reasoning (it is not rebuilt: its items held no ids).
-# @25: the run's results the tool-result cap truncates are its oldest up to a multiple of
-# four (core/yield_ladder.py, Rule 6), not one more at every step of a tool loop, which
-# changed the run's bytes under the previous request's cache markers at every step once
-# the run was over its cap. A request whose run is within the cap is cut as before;
-# GetBuild refuses an older record that was cut otherwise (it is not rebuilt: the older
-# rule is not kept).
+# @25: the tool-result cap truncates in quanta (core/yield_ladder.py, Rule 6): the run's
+# results four at a time, earlier runs' up to a multiple of eight session sequences, and
+# every earlier run's result in the request once the run's cap took one of its own; one
+# more at every step of a tool loop changed the history under the previous request's
+# cache markers at every step once the run was over its cap. A request under no cap is
+# cut as before; GetBuild refuses an older record that was cut otherwise (it is not
+# rebuilt: the older rule is not kept).
 ASSEMBLER_VERSION = "context-assembler@25"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.

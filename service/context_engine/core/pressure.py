@@ -208,7 +208,9 @@ def fit_body(
 
     def carried_results() -> list[Truncatable]:
         return [
-            Truncatable(n, full, pointer, carried.items[n]) for n, full, pointer in carried.results
+            Truncatable(n, full, pointer, item, sequence=item.sequence)
+            for n, full, pointer in carried.results
+            for item in (carried.items[n],)
         ]
 
     # The active turn's results count toward their class's cap while they alone are within

@@ -47,9 +47,16 @@ at every step once the run was over its cap: a change early in the run, which th
 previous request's cache markers covered, so each such step sent the whole run again
 uncached (an audit: 1-3% of a 44k-token request read from cache, against 92% before the
 cap bound). In steps, the run's bytes change once every few steps; the quantum's extra
-pointers are the run's oldest results, which the model can fetch again. Since
-context-assembler@25; the fit (Rule 2) and the carried results' cap still yield no further
-than needed.
+pointers are the run's oldest results, which the model can fetch again. The cap's
+second pass (the results in the request) does the same: what it takes of the run's
+results goes on to a multiple of RUN_CAP_QUANTUM of them, and of the carried ones up to a
+multiple of CARRIED_CAP_QUANTUM session sequences (a position among them would move with
+the window and the cut). And oldest first holds across the two passes: once the run's cap
+made one of its results a pointer, every carried result in the request (all older) is one
+too, whatever room the quantum left: that room otherwise brought earlier runs' results
+back whole, one more or fewer each step, and their history re-cached at most steps (a
+review: 34 of 39; 10 of 39 now). Since context-assembler@25; the fit (Rule 2) still
+yields no further than needed.
 Changing the order, a unit or a stopping rule changes what a request keeps: bump
 core/build_record.py ASSEMBLER_VERSION (its Rule 8), so recorded requests are not rebuilt
 by rules they were not cut by.
@@ -75,6 +82,7 @@ from .items import ContextItem, ToolResult
 from .memo_budget import bounded_cache
 
 __all__ = [
+    "CARRIED_CAP_QUANTUM",
     "LADDER",
     "RUN_CAP_QUANTUM",
     "Body",
@@ -140,6 +148,7 @@ class Truncatable:
     item: ContextItem
     truncated: bool = False
     for_cap: bool = False  # truncated to meet the class cap (not for the fit)
+    sequence: int = 0  # a carried result's session sequence: where Rule 6 counts it
 
     @property
     def cost(self) -> int:
@@ -311,8 +320,11 @@ class _Yielded:
         return YieldStep(name, self.freed, tuple(self.ids)) if self.ids else None
 
 
-# Rule 6: the run's results the cap truncates, a multiple of this many (by position).
+# Rule 6: the run's results the cap truncates, a multiple of this many (by position); and
+# the carried results, up to a multiple of this many session sequences (a tool exchange
+# logs two or three events: some three or four results).
 RUN_CAP_QUANTUM = 4
+CARRIED_CAP_QUANTUM = 8
 
 
 def run_ladder(body: Body) -> bool:
@@ -327,8 +339,11 @@ def run_ladder(body: Body) -> bool:
     _truncate_for_fit(body, results)
     if body.fits():
         _take_back(body, knowledge, recall)
-        if body.tool_results_over_cap():
-            _cap_results_in_request(body, results)
+        # Oldest first (Rule 6): once the run's cap made one of its results a pointer, the
+        # carried results in the request, all older, go too.
+        older = any(t.for_cap for t in body.run_results)
+        if older or body.tool_results_over_cap():
+            _cap_results_in_request(body, results, older_first=older)
             # The results it truncated lower what the request takes, with the cut it pinned.
             _take_back(body, knowledge, recall)
     fits = body.fits()
@@ -415,6 +430,13 @@ def _trim_recall(body: Body, trimmed: _Yielded) -> None:
         trimmed.add(item.item_id, cost)
 
 
+def _quantum_edge(count: int, quantum: int = 0) -> int:
+    """`count` rounded up to a multiple of `quantum` (RUN_CAP_QUANTUM unless given: Rule
+    6)."""
+    quantum = quantum or RUN_CAP_QUANTUM
+    return -(-count // quantum) * quantum
+
+
 def _cap_run_results(body: Body) -> _Yielded:
     """Truncate the run's results, oldest first, until they and the active turn's are within
     the class cap, and on to the next multiple of RUN_CAP_QUANTUM of them (Rule 6).
@@ -496,9 +518,11 @@ def _give_back(yielded: _Yielded, item_id: str, cost: int) -> None:
 _CARRIED_INDEX = attrgetter("carried_index")
 
 
-def _cap_results_in_request(body: Body, truncated: _Yielded) -> None:
+def _cap_results_in_request(body: Body, truncated: _Yielded, *, older_first: bool = False) -> None:
     """While the results in the request are over the class cap, truncate the oldest of
-    them that is whole and saves something (for_cap), adding to `truncated`.
+    them that is whole and saves something (for_cap), adding to `truncated`; and with
+    `older_first` (the run's cap truncated one of its results), every carried result in
+    the request whatever the total: each is older than that result (Rule 6).
 
     Truncating for the cap never changes whether the body fits (it only lowers what is
     paid), nor the carried costs the cut reads: a carried result truncated for the cap
@@ -522,15 +546,27 @@ def _cap_results_in_request(body: Body, truncated: _Yielded) -> None:
     cut = body.cut_for(costs, allowance)
     waiting = deque(body.results_in_request(cut))  # oldest first
     total = sum(t.cost for t in waiting) + body.pending_result_tokens
-    while total > body.tool_result_cap and waiting:
-        candidate = waiting.popleft()
-        saving = candidate.saving
+    # Rule 6: what this pass takes goes on to a quantum's edge: of the run's results by
+    # position, as the run's cap does; of the carried ones by session sequence, which,
+    # unlike a position among them, no window or cut moves.
+    position = {id(t): n for n, t in enumerate(body.run_results)}
+    edges = {True: 0, False: 0}  # carried (a sequence), run (a position)
+    while waiting:
+        candidate = waiting[0]  # the oldest result in the request
+        saving, older = candidate.saving, candidate.carried_index >= 0
         if candidate.truncated or saving <= 0:
+            waiting.popleft()
             continue
+        at = candidate.sequence if older else position[id(candidate)]
+        if not (total > body.tool_result_cap or (older_first and older) or at < edges[older]):
+            break
+        waiting.popleft()
         candidate.truncated = candidate.for_cap = True
         total -= saving
         truncated.add(candidate.item.item_id, saving, candidate.carried_index)
-        if candidate.carried_index >= 0:
+        quantum = CARRIED_CAP_QUANTUM if older else RUN_CAP_QUANTUM
+        edges[older] = max(edges[older], _quantum_edge(at + 1, quantum))
+        if older:
             continue
         allowance += saving
         if (moved := body.cut_for(costs, allowance)) < cut:
