@@ -504,11 +504,13 @@ def test_run_results_over_their_cap_are_truncated_before_knowledge_yields() -> N
     ]
 
 
-def _tool_loop_step(carried: list[tuple[int, int | None]], step: int) -> tuple[Spec, Body]:
+def _tool_loop_step(
+    carried: list[tuple[int, int | None]], step: int, budget: int = 200_000
+) -> tuple[Spec, Body]:
     """A tool loop's request at `step`: a 1,000-token result a step (30 as a pointer)
     against a 10,000-token cap, after `carried` earlier runs' items; the ladder run."""
     spec = Spec(
-        budget=200_000,
+        budget=budget,
         fixed=1_000,
         floor=0,
         cap=10_000,
@@ -580,6 +582,26 @@ def test_a_tool_loop_over_earlier_runs_results_changes_them_once(
     assert all(b - a >= 3 for a, b in pairwise(n for n in changed if n >= bound))
     for before, after in pairwise(states):
         assert all(a <= b for a, b in zip(before[0], after[0], strict=True))  # stays a pointer
+
+
+def test_the_quanta_leave_the_history_cut_where_minimal_truncation_puts_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a quantum frees past the cap's need is held back (Body.held_back): counted
+    free, it let the cut of a carried history larger than its room move at every step of
+    a tool loop, back and forth with each quantum, and every such step re-sent the request
+    from the cut (a review). The cut is the one truncating no further than needed gives."""
+    import context_engine.core.yield_ladder as ladder
+
+    carried: list[tuple[int, int | None]] = [(900, None)] * 60  # messages: no results
+    quanta = []
+    for quantum in (ladder.RUN_CAP_QUANTUM, 1):
+        monkeypatch.setattr(ladder, "RUN_CAP_QUANTUM", quantum)
+        cuts = []
+        for step in range(1, 41):
+            cuts.append(_tool_loop_step(carried, step, budget=40_000)[1].cut())
+        quanta.append(cuts)
+    assert quanta[0] == quanta[1]
 
 
 def test_recall_over_its_cap_is_trimmed_before_knowledge_yields() -> None:
@@ -725,6 +747,8 @@ def _reference_ladder(body: Body) -> bool:
         if run_total <= body.tool_result_cap and n % RUN_CAP_QUANTUM == 0:
             break
         if t.saving > 0:
+            if run_total <= body.tool_result_cap:
+                body.held_back += t.saving  # the quantum's: not the cut's to spend
             t.truncated = t.for_cap = True
             run_total -= t.saving
             capped.append(t)
@@ -804,6 +828,8 @@ def _reference_ladder(body: Body) -> bool:
             edges[kind] = max(
                 edges[kind], _quantum(at + 1, CARRIED_CAP_QUANTUM if kind else RUN_CAP_QUANTUM)
             )
+            if not kind and not _over_cap(body):
+                body.held_back += chosen.saving  # a quantum's run result: the cut stays
             chosen.truncated = chosen.for_cap = True
             freed, ids = freed + chosen.saving, [*ids, chosen.item.item_id]
             capped_in_request = True

@@ -55,8 +55,14 @@ the window and the cut). And oldest first holds across the two passes: once the 
 made one of its results a pointer, every carried result in the request (all older) is one
 too, whatever room the quantum left: that room otherwise brought earlier runs' results
 back whole, one more or fewer each step, and their history re-cached at most steps (a
-review: 34 of 39; 10 of 39 now). Since context-assembler@25; the fit (Rule 2) still
-yields no further than needed.
+review: 34 of 39; 10 of 39 now). What a quantum frees past the cap's need is held back
+(Body.held_back): the fit and the history cut count those results whole, so the cut
+stays where minimal truncation puts it instead of swinging with each quantum (a review:
+it moved at every step of a loop whose carried history outgrew its room); the request is
+that much under the budget. The second pass stops at a carried result in the request it
+may not take (within the cap, not older-first) even where the run's quantum is not
+complete: a transient of a result the fit already truncated or that saves nothing. Since
+context-assembler@25; the fit (Rule 2) still yields no further than needed.
 Changing the order, a unit or a stopping rule changes what a request keeps: bump
 core/build_record.py ASSEMBLER_VERSION (its Rule 8), so recorded requests are not rebuilt
 by rules they were not cut by.
@@ -195,6 +201,11 @@ class Body:
     # The history cut the cap pass read, which nothing moves after it (None before it):
     # from then on the body is the request that cut makes (`retained_tokens`).
     pinned_cut: int | None = None
+    # What the run's results truncated past the cap's need free (Rule 6's quanta): paid as
+    # if they were whole, so the fit and the history cut decide as minimal truncation
+    # would, rather than swinging with each quantum (a review: the cut moved at 39 of 39
+    # steps, 14 before). The request is smaller than the budget by at most this.
+    held_back: int = 0
     _cut_cache: tuple[tuple[int, ...], int, int] | None = None
 
     def __post_init__(self) -> None:
@@ -223,9 +234,14 @@ class Body:
         return sum(self.carried_costs)
 
     def paid(self) -> int:
-        """Everything but history."""
+        """Everything but history; and what the cap's quanta freed past its need
+        (held_back): the fit and the cut spend it as if those results were still whole."""
         return (
-            self.fixed + self.run_result_tokens() + self.knowledge_tokens() + self.recall_tokens()
+            self.fixed
+            + self.run_result_tokens()
+            + self.knowledge_tokens()
+            + self.recall_tokens()
+            + self.held_back
         )
 
     def need(self) -> int:
@@ -454,6 +470,8 @@ def _cap_run_results(body: Body) -> _Yielded:
             break
         if candidate.truncated or candidate.saving <= 0:
             continue
+        if total <= body.tool_result_cap:
+            body.held_back += candidate.saving  # the quantum's: the cut does not spend it
         candidate.truncated = candidate.for_cap = True
         total -= candidate.saving
         truncated.add(candidate.item.item_id, candidate.saving)
@@ -520,9 +538,10 @@ _CARRIED_INDEX = attrgetter("carried_index")
 
 def _cap_results_in_request(body: Body, truncated: _Yielded, *, older_first: bool = False) -> None:
     """While the results in the request are over the class cap, truncate the oldest of
-    them that is whole and saves something (for_cap), adding to `truncated`; and with
-    `older_first` (the run's cap truncated one of its results), every carried result in
-    the request whatever the total: each is older than that result (Rule 6).
+    them that is whole and saves something (for_cap), adding to `truncated`, and on to
+    each kind's quantum edge; and with `older_first` (the run's cap truncated one of its
+    results), every carried result in the request whatever the total: each is older than
+    that result (Rule 6).
 
     Truncating for the cap never changes whether the body fits (it only lowers what is
     paid), nor the carried costs the cut reads: a carried result truncated for the cap
@@ -561,12 +580,16 @@ def _cap_results_in_request(body: Body, truncated: _Yielded, *, older_first: boo
         if not (total > body.tool_result_cap or (older_first and older) or at < edges[older]):
             break
         waiting.popleft()
+        needed = total > body.tool_result_cap
         candidate.truncated = candidate.for_cap = True
         total -= saving
         truncated.add(candidate.item.item_id, saving, candidate.carried_index)
         quantum = CARRIED_CAP_QUANTUM if older else RUN_CAP_QUANTUM
         edges[older] = max(edges[older], _quantum_edge(at + 1, quantum))
         if older:
+            continue
+        if not needed:  # a quantum's: held back from the cut, which stays where it is
+            body.held_back += saving
             continue
         allowance += saving
         if (moved := body.cut_for(costs, allowance)) < cut:
