@@ -932,6 +932,33 @@ async def test_a_body_the_plans_body_cannot_hold_is_refused(
     await _build(stub, session_id, run.run.run_id)  # the session still builds
 
 
+async def test_a_rotate_whose_plan_cannot_carry_the_loaded_bodies_is_refused(
+    stub: Any, grpc_server: Any, pool: Any
+) -> None:
+    """Loaded bodies never yield and are never evicted, and a Rotate to a tighter capacity
+    (or a model counting them higher) did not measure them again: every later Build of
+    the session failed BUDGET_EXCEEDED (an audit). Such a Rotate is SKILL_LIMIT naming
+    `spec`, with the figures, and nothing is written; one that carries them rotates."""
+    count = grpc_server.engine.count_tokens_for("claude-sonnet-4-5")
+    session_id, plan = await _open(stub, _skills_spec())
+    await _load(stub, session_id, "triage", _words(count, 1_500))
+    tight = _skills_spec()
+    tight.policy_cap_tokens = 8_192 + plan.prefix_tokens + 1_300  # a body of ~1,100
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _rotate(stub, session_id, plan.epoch, pb.PLAN_REASON_AGENT_CHANGED, spec=tight)
+    assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    reason, fields, metadata = details(caught.value)
+    assert (reason, fields, metadata["limit"]) == ("SKILL_LIMIT", ["spec"], "body")
+    assert int(metadata["used_tokens"]) > int(metadata["limit_tokens"])
+    assert (await _current(stub, session_id)).epoch == plan.epoch  # nothing written
+    roomy = _skills_spec()
+    roomy.policy_cap_tokens = 8_192 + plan.prefix_tokens + 4_000
+    rotated = await _rotate(stub, session_id, plan.epoch, pb.PLAN_REASON_AGENT_CHANGED, spec=roomy)
+    run = await _start(stub, session_id)
+    await _build(stub, session_id, run.run.run_id)
+    assert (await _current(stub, session_id)).epoch == rotated.plan.epoch
+
+
 async def test_a_body_is_held_to_the_cap_as_build_sends_it(
     stub: Any, grpc_server: Any, pool: Any
 ) -> None:

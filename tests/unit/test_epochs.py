@@ -40,6 +40,7 @@ from context_engine.core.skills import (
     pin_catalog,
     pinned_entry,
     skill_cost,
+    still_fit,
 )
 from context_engine.core.snapshot import nonempty, redact_person
 from context_engine.core.spec import (
@@ -489,6 +490,22 @@ def _admit(
     if admitted:
         admit_tokens(loaded, skill, room)
     return admitted
+
+
+def test_loaded_bodies_a_rotated_plan_cannot_carry_are_refused() -> None:
+    """A Rotate's plan measures the loaded bodies again (another counter, another room):
+    over the class cap or the room is SKILL_LIMIT naming `spec`; within both, nothing."""
+    held = (_loaded("triage", 3_000), _loaded("refunds", 2_500))
+    room = skill_cost(3_000, PPM) + skill_cost(2_500, PPM)
+    still_fit(held, room, PPM)
+    for loaded, at, limit in (
+        ((_loaded("triage", 3_000), _loaded("refunds", 3_001)), 100_000, "tokens"),
+        (held, room - 1, "body"),
+    ):
+        with pytest.raises(PreconditionError) as caught:
+            still_fit(loaded, at, PPM)
+        assert (caught.value.reason, caught.value.field) == ("SKILL_LIMIT", "spec")
+        assert caught.value.metadata["limit"] == limit
 
 
 def test_a_body_the_plans_body_cannot_hold_is_refused() -> None:

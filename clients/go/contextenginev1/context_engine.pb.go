@@ -591,7 +591,9 @@ const (
 	// FAILED_PRECONDITION: the run is not in a state that allows this call (nothing to
 	// compact), or StartRun's run_id is taken.
 	ErrorReason_ERROR_REASON_RUN_STATE ErrorReason = 14
-	// A third skill load, or skill bodies over their class cap.
+	// A third skill load, or skill bodies over their class cap or what the plan's body
+	// holds beside its runtime row (LoadSkill, naming body; a Rotate whose spec's plan
+	// cannot carry the loaded bodies, naming spec).
 	ErrorReason_ERROR_REASON_SKILL_LIMIT ErrorReason = 15
 	// The skill is not in the plan's pinned catalog.
 	ErrorReason_ERROR_REASON_SKILL_NOT_IN_CATALOG ErrorReason = 16

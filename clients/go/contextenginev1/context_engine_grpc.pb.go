@@ -37,7 +37,8 @@ type ContextEngineClient interface {
 	// its own pinned spec when a run on it next builds, so no run is handed another run's
 	// admitted authority. Exactly one of several concurrent rotations from the same epoch
 	// succeeds; the others get ABORTED. A retry with the rotation's idempotency_key answers
-	// with the plan it made.
+	// with the plan it made. A spec whose plan cannot carry the session's loaded skill bodies
+	// (they never yield) is SKILL_LIMIT naming spec, and nothing is written.
 	Rotate(ctx context.Context, in *RotateRequest, opts ...grpc.CallOption) (*RotateResponse, error)
 	// Starts a run (one turn). A top-level run appends its user.message.created event and
 	// pins seed_event_sequence to that event's sequence in the same transaction; a child run
@@ -256,7 +257,8 @@ type ContextEngineServer interface {
 	// its own pinned spec when a run on it next builds, so no run is handed another run's
 	// admitted authority. Exactly one of several concurrent rotations from the same epoch
 	// succeeds; the others get ABORTED. A retry with the rotation's idempotency_key answers
-	// with the plan it made.
+	// with the plan it made. A spec whose plan cannot carry the session's loaded skill bodies
+	// (they never yield) is SKILL_LIMIT naming spec, and nothing is written.
 	Rotate(context.Context, *RotateRequest) (*RotateResponse, error)
 	// Starts a run (one turn). A top-level run appends its user.message.created event and
 	// pins seed_event_sequence to that event's sequence in the same transaction; a child run

@@ -81,6 +81,7 @@ from ..store.records import (
     RequestRecord,
 )
 from . import log_tail
+from . import skills as skills_api
 from . import usage as usage_api
 from . import working_state as ws_api
 from .convert import MAX_PEOPLE_NAMED
@@ -510,6 +511,8 @@ class Engine:
                     begins_lineage=spec is not None,
                     sweep=spec is None,
                 )
+                if spec is not None:  # another model or capacity: the bodies never yield
+                    await skills_api.check_loaded_fit(self, conn, tenant, session_id, rotated)
             except RequestError as exc:
                 if spec is not None:
                     raise  # the caller's spec: the error names its field

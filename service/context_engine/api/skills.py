@@ -30,7 +30,14 @@ from ..core.assemble import skill_body_texts
 from ..core.build_record import redact_record
 from ..core.errors import PreconditionError
 from ..core.plan import skill_room
-from ..core.skills import LoadedSkill, admit_load, admit_tokens, body_trust, pinned_entry
+from ..core.skills import (
+    LoadedSkill,
+    admit_load,
+    admit_tokens,
+    body_trust,
+    pinned_entry,
+    still_fit,
+)
 from ..core.snapshot import redact_person
 from ..core.trust import TrustLevel
 from ..store import events, plans, runs, sessions, snapshots
@@ -42,7 +49,7 @@ from . import usage as usage_api
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["Erasure", "erase_subject", "load_skill"]
+__all__ = ["Erasure", "check_loaded_fit", "erase_subject", "load_skill"]
 
 SKILL_LOADED = "skill.loaded"
 SNAPSHOT_INVALIDATED = "context.snapshot.invalidated"
@@ -119,6 +126,35 @@ async def load_skill(
             conn, tenant, session_id, len(loaded), skill, run_id, sequence
         )
     return [*names, name], True
+
+
+async def check_loaded_fit(
+    engine: Engine, conn: Any, tenant: str, session_id: UUID, stored: plans.StoredPlan
+) -> None:
+    """Whether the session's loaded skill bodies fit `stored`, a plan a Rotate with a spec
+    is about to make current: each measured again with its counter (in every form Build
+    can send it in, as LoadSkill measured it) and costed at the factor its Builds pin
+    (core/skills.py still_fit). In the Rotate's transaction: a refusal writes nothing.
+
+    Raises:
+        PreconditionError: SKILL_LIMIT naming `spec`.
+    """
+    loaded = await skill_store.read_loaded(conn, tenant, session_id)
+    if not loaded:
+        return
+    plan = stored.plan
+    count = engine.count_tokens_for(plan.model_id)
+    measured = [
+        replace(
+            s,
+            tokens=await asyncio.to_thread(
+                _body_tokens, s.name, s.version, s.body, s.trust, stored.secret, count
+            ),
+        )
+        for s in loaded
+    ]
+    factor = await usage_api.pinned_factor(conn, tenant, plan.model_id, engine.tokenizer_of)
+    still_fit(measured, skill_room(plan, stored.spec, count, factor), factor)
 
 
 def _body_tokens(

@@ -52,6 +52,7 @@ __all__ = [
     "pin_catalog",
     "pinned_entry",
     "skill_cost",
+    "still_fit",
 ]
 
 _CATALOG = CLASS_CAPS["skill_catalog"]
@@ -212,6 +213,39 @@ def admit_tokens(
                 figures={
                     "used_tokens": str(used),
                     "body_tokens": str(needs),
+                    "limit_tokens": str(bound),
+                },
+            )
+
+
+def still_fit(loaded: Sequence[LoadedSkill], room: int, factor_ppm: int) -> None:
+    """Rule 4 for a plan the loaded bodies already hold their place in (a Rotate with a
+    spec): `loaded`, measured again with that plan's counter, within the class cap and
+    `room` (core/plan.py skill_room). A body is never evicted, so a plan that cannot carry
+    them would fail every later Build of the session (an audit: a model of another
+    tokenizer, or a tighter policy cap).
+
+    Raises:
+        PreconditionError: SKILL_LIMIT naming `spec`, with the figures.
+    """
+    counts = [s.tokens for s in loaded]
+    costs = sum(skill_cost(t, factor_ppm) for t in counts)
+    for limit, used, bound, why in (
+        ("tokens", sum(counts), _BODIES.cap_tokens, "over the class cap of"),
+        ("body", costs, room, "more than this plan's body holds beside its runtime row,"),
+    ):
+        if used > bound:
+            raise PreconditionError(
+                f"the session's loaded skill bodies take {used:,} tokens with this plan,"
+                f" {why} {max(bound, 0):,}; a loaded skill is never evicted: keep a model"
+                " and capacity that carry them",
+                field="spec",
+                reason="SKILL_LIMIT",
+                metadata={
+                    "class": "skill_bodies",
+                    "limit": limit,
+                    "loaded": ",".join(s.name for s in loaded),
+                    "used_tokens": str(used),
                     "limit_tokens": str(bound),
                 },
             )

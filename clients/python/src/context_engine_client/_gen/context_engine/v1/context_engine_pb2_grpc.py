@@ -177,7 +177,8 @@ class ContextEngineServicer:
         its own pinned spec when a run on it next builds, so no run is handed another run's
         admitted authority. Exactly one of several concurrent rotations from the same epoch
         succeeds; the others get ABORTED. A retry with the rotation's idempotency_key answers
-        with the plan it made.
+        with the plan it made. A spec whose plan cannot carry the session's loaded skill bodies
+        (they never yield) is SKILL_LIMIT naming spec, and nothing is written.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
