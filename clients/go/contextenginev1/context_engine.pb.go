@@ -3164,7 +3164,8 @@ type AssistantMessage struct {
 	// most 200 characters with no whitespace or control character, else INVALID_FIELD. Build
 	// sends it (the message in its output form) only beside the reasoning item it was
 	// produced with: OpenAI refuses a replayed reasoning item whose following item names no
-	// id, and an item with an id whose reasoning is not sent (earlier runs' turns). Give it
+	// id, and an item with an id whose reasoning is not sent (earlier turns': only the
+	// latest turn's reasoning is replayed). Give it
 	// for every turn of a reasoning model: a turn logged without it is sent without its
 	// reasoning (docs/api.md, AppendItems).
 	ProviderItemId string `protobuf:"bytes,2,opt,name=provider_item_id,json=providerItemId,proto3" json:"provider_item_id,omitempty"`

@@ -288,7 +288,9 @@ __all__ = [
 # results four at a time, earlier runs' up to a multiple of eight session sequences, and
 # every earlier run's result in the request once the run's cap took one of its own; one
 # more at every step of a tool loop changed the history under the previous request's
-# cache markers at every step once the run was over its cap. A request under no cap is
+# cache markers at every step once the run was over its cap. What the quanta free past the
+# cap's need is paid as if those results were whole (Body.held_back), so the history cut
+# and the fit decide as minimal truncation would. A request under no cap is
 # cut as before; GetBuild refuses an older record that was cut otherwise (it is not
 # rebuilt: the older rule is not kept).
 ASSEMBLER_VERSION = "context-assembler@25"

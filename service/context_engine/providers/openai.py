@@ -20,7 +20,8 @@ with the item after it by that id; since @24). Its payload must be of type ``rea
 (EngineError otherwise): anything else would replay as a message or call the hashed
 request does not show. The function calls and assistant text after a reasoning item sent
 in their message carry their logged ids (the text in the API's output form,
-``output_text`` with its id and status); no other item carries one, since the API refuses
+``output_text`` with its id and status), up to the next reasoning item or the first output
+logged without an id; no other item carries one, since the API refuses
 an item named by id whose reasoning is not sent, as an earlier run's is not (@24).
 Rule 5 (cache): the Responses API caches implicitly and takes no markers; the request
 carries ``prompt_cache_key`` = request.session_key, so every run, step and epoch of one
