@@ -344,8 +344,9 @@ CARRIED_CAP_QUANTUM = 8
 
 
 def run_ladder(body: Body) -> bool:
-    """Yield in the ladder's order, no further than needed. Returns whether the body fits;
-    the steps taken are appended to body.steps."""
+    """Yield in the ladder's order, no further than needed but for the tool-result cap's
+    quanta (Rule 6). Returns whether the body fits; the steps taken are appended to
+    body.steps."""
     if _nothing_yields(body):
         return True  # most Builds: every rung would stop before it starts
     results = _cap_run_results(body)
@@ -446,10 +447,8 @@ def _trim_recall(body: Body, trimmed: _Yielded) -> None:
         trimmed.add(item.item_id, cost)
 
 
-def _quantum_edge(count: int, quantum: int = 0) -> int:
-    """`count` rounded up to a multiple of `quantum` (RUN_CAP_QUANTUM unless given: Rule
-    6)."""
-    quantum = quantum or RUN_CAP_QUANTUM
+def _quantum_edge(count: int, quantum: int) -> int:
+    """`count` rounded up to a multiple of `quantum` (Rule 6)."""
     return -(-count // quantum) * quantum
 
 
