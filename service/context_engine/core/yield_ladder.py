@@ -56,7 +56,8 @@ made one of its results a pointer, every carried result in the request (all olde
 too, whatever room the quantum left: that room otherwise brought earlier runs' results
 back whole, one more or fewer each step, and their history re-cached at most steps (a
 review: 34 of 39; 10 of 39 now). What a quantum frees past the cap's need is held back
-(Body.held_back): the fit and the history cut count those results whole, so the cut
+(Truncatable.held, Body.held_back): the fit and the history cut count those results
+whole, so the cut
 stays where minimal truncation puts it instead of swinging with each quantum (a review:
 it moved at every step of a loop whose carried history outgrew its room); the request is
 that much under the budget. The second pass stops at a carried result in the request it
@@ -155,6 +156,9 @@ class Truncatable:
     truncated: bool = False
     for_cap: bool = False  # truncated to meet the class cap (not for the fit)
     sequence: int = 0  # a carried result's session sequence: where Rule 6 counts it
+    # A run result a quantum took past the cap's need: the fit and the cut count it whole
+    # (Body.held_back, Rule 6).
+    held: bool = False
 
     @property
     def cost(self) -> int:
@@ -201,11 +205,6 @@ class Body:
     # The history cut the cap pass read, which nothing moves after it (None before it):
     # from then on the body is the request that cut makes (`retained_tokens`).
     pinned_cut: int | None = None
-    # What the run's results truncated past the cap's need free (Rule 6's quanta): paid as
-    # if they were whole, so the fit and the history cut decide as minimal truncation
-    # would, rather than swinging with each quantum (a review: the cut moved at 39 of 39
-    # steps, 14 before). The request is smaller than the budget by at most this.
-    held_back: int = 0
     _cut_cache: tuple[tuple[int, ...], int, int] | None = None
 
     def __post_init__(self) -> None:
@@ -230,6 +229,14 @@ class Body:
     def run_result_tokens(self) -> int:
         return sum(t.cost for t in self.run_results)
 
+    def held_back(self) -> int:
+        """What the run's results truncated past the cap's need free (Rule 6's quanta,
+        Truncatable.held): paid as if they were whole, so the fit and the history cut
+        decide as minimal truncation would rather than swinging with each quantum (a
+        review: the cut moved at 39 of 39 steps, 14 before). The request is smaller than
+        the budget by at most this."""
+        return sum(t.saving for t in self.run_results if t.held)
+
     def history_total(self) -> int:
         return sum(self.carried_costs)
 
@@ -241,7 +248,7 @@ class Body:
             + self.run_result_tokens()
             + self.knowledge_tokens()
             + self.recall_tokens()
-            + self.held_back
+            + self.held_back()
         )
 
     def need(self) -> int:
@@ -469,8 +476,8 @@ def _cap_run_results(body: Body) -> _Yielded:
             break
         if candidate.truncated or candidate.saving <= 0:
             continue
-        if total <= body.tool_result_cap:
-            body.held_back += candidate.saving  # the quantum's: the cut does not spend it
+        # Past the need, the quantum's: the cut does not spend it.
+        candidate.held = total <= body.tool_result_cap
         candidate.truncated = candidate.for_cap = True
         total -= candidate.saving
         truncated.add(candidate.item.item_id, candidate.saving)
@@ -588,7 +595,7 @@ def _cap_results_in_request(body: Body, truncated: _Yielded, *, older_first: boo
         if older:
             continue
         if not needed:  # a quantum's: held back from the cut, which stays where it is
-            body.held_back += saving
+            candidate.held = True
             continue
         allowance += saving
         if (moved := body.cut_for(costs, allowance)) < cut:
