@@ -565,9 +565,9 @@ def runtime_row_tokens(
     without its date and weekday, so no day's row costs less. Every request carries the
     row and it never yields, so a body smaller than this builds nothing (Plan refuses such
     a capacity: core/plan.py _check_capacity)."""
-    item = _runtime_item("", "", time_zone, principal_scope, surface, tuple(allowed_origins))
-    block = _render(Row.RUNTIME_METADATA, item, b"")
-    return block_tokens(block, item, count_tokens, NEUTRAL_FACTOR_PPM)
+    return _runtime_row_cost(
+        ("", ""), time_zone, principal_scope, surface, allowed_origins, count_tokens
+    )
 
 
 def runtime_row_cost(
@@ -581,9 +581,28 @@ def runtime_row_cost(
     """Row 14's most cost for a plan of these values at `factor_ppm`, as Build pays it:
     dated with the widest date and weekday ("Wednesday"), so no day's row costs more. What
     LoadSkill leaves beside the loaded bodies (core/plan.py skill_room)."""
-    item = _runtime_item(
-        "2026-09-30", "Wednesday", time_zone, principal_scope, surface, tuple(allowed_origins)
+    return _runtime_row_cost(
+        ("2026-09-30", "Wednesday"),
+        time_zone,
+        principal_scope,
+        surface,
+        allowed_origins,
+        count_tokens,
+        factor_ppm,
     )
+
+
+def _runtime_row_cost(
+    dated: tuple[str, str],
+    time_zone: str,
+    principal_scope: str,
+    surface: str,
+    allowed_origins: Sequence[str],
+    count_tokens: Callable[[str], int],
+    factor_ppm: int = NEUTRAL_FACTOR_PPM,
+) -> int:
+    """Row 14 rendered with `dated` (date, weekday) and costed as a block at `factor_ppm`."""
+    item = _runtime_item(*dated, time_zone, principal_scope, surface, tuple(allowed_origins))
     block = _render(Row.RUNTIME_METADATA, item, b"")
     return block_tokens(block, item, count_tokens, factor_ppm)
 
