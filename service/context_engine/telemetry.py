@@ -181,6 +181,12 @@ METRICS: Mapping[str, Metric] = {
         "Share of the prefix served from the provider cache, per reported request.",
         _RATIO_BUCKETS,
     ),
+    "context_engine.input.reuse_ratio": Metric(
+        "histogram",
+        "1",
+        "Cache-read input against the preceding request's full input, per reported request.",
+        _RATIO_BUCKETS,
+    ),
     "context_engine.estimator.ratio": Metric(
         "histogram",
         "1",
@@ -520,12 +526,19 @@ def record_budget_exceeded(class_name: str) -> None:
 
 
 def record_usage(
-    model_id: str, signed_error_ppm: int, cached_prefix_ppm: int, *, first_of_epoch: bool = False
+    model_id: str,
+    signed_error_ppm: int,
+    cached_prefix_ppm: int,
+    *,
+    first_of_epoch: bool = False,
+    reuse_ppm: int | None = None,
 ) -> None:
     """A usage report: estimator error and prefix cache share of one request.
 
     The cached prefix ratio is measured after the first request of an epoch (which writes
     the cache); pass first_of_epoch=True for that request and only the estimator is fed.
+    History reuse (api/usage.py, Rule 6) is recorded when measured (not None), the first
+    request of an epoch included: what a rotation costs the history cache shows there.
     """
 
     def fn(t: Telemetry) -> None:
@@ -539,6 +552,8 @@ def record_usage(
             t.record(
                 "context_engine.prefix.cached_ratio", cached_prefix_ppm / 1_000_000, model=model_id
             )
+        if reuse_ppm is not None:
+            t.record("context_engine.input.reuse_ratio", reuse_ppm / 1_000_000, model=model_id)
 
     _record("usage", fn)
 

@@ -926,6 +926,65 @@ async def test_idempotent_writes(stub: Any, pool: Any) -> None:
     assert details(caught.value)[:2] == ("IDEMPOTENCY_KEY_REUSED", ["idempotency_key"])
 
 
+async def test_a_retry_spelling_its_ids_another_way_replays(stub: Any, pool: Any) -> None:
+    """api/request_hash.py: a session or run id spelt another way than the first call spelt
+    it (upper case, braces, a urn) names the same thing; the retry replays rather than
+    being refused IDEMPOTENCY_KEY_REUSED (an audit, for ReportUsage)."""
+    session_id, _ = await open_session(stub)
+    start = pb.StartRunRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        idempotency_key="s1",
+        user_message=pb.UserMessage(text="hi"),
+    )
+    started = await stub.StartRun(start)
+    respelt = pb.StartRunRequest()
+    respelt.CopyFrom(start)
+    respelt.session_id = session_id.upper()
+    assert await stub.StartRun(respelt) == started
+    run_id = started.run.run_id
+
+    append = pb.AppendItemsRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        run_id=run_id,
+        expected_checkpoint_version=1,
+        items=[assistant("Hello.")],
+        idempotency_key="a1",
+    )
+    appended = await stub.AppendItems(append)
+    append.session_id, append.run_id = "{" + session_id + "}", "urn:uuid:" + run_id.upper()
+    assert await stub.AppendItems(append) == appended
+
+    built = await _build(stub, session_id, run_id, datetime(2026, 11, 29, 12, 0, tzinfo=UTC))
+    report = pb.ReportUsageRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        request_sequence=built.request_sequence,
+        model_id=built.request.model_id,
+        input_tokens=built.estimated_input_tokens,
+        idempotency_key="u1",
+    )
+    answered = await stub.ReportUsage(report)
+    report.session_id = session_id.upper()
+    assert await stub.ReportUsage(report) == answered
+    # Each wrote once; and a changed figure under the key is still refused.
+    assert (
+        await pool.fetchval(
+            "SELECT count(*) FROM usage_reports WHERE session_id = $1", UUID(session_id)
+        )
+        == 1
+    )
+    assert (
+        await pool.fetchval("SELECT count(*) FROM runs WHERE session_id = $1", UUID(session_id))
+        == 1
+    )
+    report.output_tokens = 9
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.ReportUsage(report)
+    assert details(caught.value)[0] == "IDEMPOTENCY_KEY_REUSED"
+
+
 async def test_a_retried_rotation_answers_with_the_plan_it_made(stub: Any, pool: Any) -> None:
     """A rotation whose answer was lost is resent under its key: the resend's from_epoch is
     no longer current, yet it answers with the first call's plan and rotates nothing."""

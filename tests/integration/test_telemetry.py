@@ -98,6 +98,7 @@ async def traced(pool: Any, log_lines: _Lines) -> AsyncIterator[dict[str, Any]]:
         "spans": spans,
         "reader": reader,
         "logs": log_lines,
+        "pool": pool,
     }
     await channel.close()
     await running.stop(0)
@@ -947,18 +948,116 @@ async def test_the_first_request_of_an_epoch_does_not_feed_the_cached_prefix_rat
     assert await build_and_report("fourth") == (1, 1)
 
 
+async def test_usage_reports_measure_history_reuse_against_the_preceding_request(
+    traced: dict[str, Any],
+) -> None:
+    """api/usage.py, Rule 6: cache-read input against the preceding request's full input,
+    answered (ReportUsageResponse.reuse_ppm), stored, and recorded as
+    context_engine.input.reuse_ratio; unset where unmeasured."""
+    stub, reader, pool = traced["stub"], traced["reader"], traced["pool"]
+    model = spec().model_id
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=spec()))
+
+    async def start(text: str) -> str:
+        started = await stub.StartRun(
+            pb.StartRunRequest(
+                tenant_id=TENANT, session_id=session_id, user_message=pb.UserMessage(text=text)
+            )
+        )
+        return str(started.run.run_id)
+
+    async def build(run_id: str) -> int:
+        built = await stub.Build(
+            pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id, now=_now())
+        )
+        return int(built.request_sequence)
+
+    def report(sequence: int, uncached: int, read: int, written: int = 0) -> Any:
+        return pb.ReportUsageRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            request_sequence=sequence,
+            model_id=model,
+            input_tokens=uncached,
+            cache_read_input_tokens=read,
+            cache_creation_input_tokens=written,
+            output_tokens=5,
+            idempotency_key=f"r{sequence}",
+        )
+
+    async def reported(request: Any) -> tuple[Any, float]:
+        """(the answer, reuse_ratio samples the report added)."""
+        before = _total(_points(reader), "context_engine.input.reuse_ratio", model=model)
+        answer = await stub.ReportUsage(request)
+        after = _total(_points(reader), "context_engine.input.reuse_ratio", model=model)
+        return answer, after - before
+
+    first_run = await start("first")
+    one, two, three = [await build(first_run) for _ in range(3)]
+    answer, samples = await reported(report(one, 1_000, 0))
+    assert not answer.HasField("reuse_ppm") and samples == 0  # nothing precedes it
+    # Three is reported before two, its predecessor: unmeasured, and stays so.
+    answer, samples = await reported(report(three, 1_000, 600))
+    assert not answer.HasField("reuse_ppm") and samples == 0
+    answer, samples = await reported(report(two, 200, 900, 100))
+    assert answer.reuse_ppm == 900 * 10**6 // 1_000 and samples == 1  # one's 1,000 read
+    replayed, samples = await reported(report(two, 200, 900, 100))
+    assert replayed == answer and samples == 0
+    # A run's first request is measured against the session's latest before it (three's
+    # 1,600), and a read beyond that counts as all of it.
+    second_run = await start("second")
+    four = await build(second_run)
+    answer, samples = await reported(report(four, 10, 2_000))
+    assert answer.reuse_ppm == 10**6 and samples == 1
+    five = await build(second_run)
+    answer, _ = await reported(report(five, 1_500, 505))
+    assert answer.reuse_ppm == 505 * 10**6 // 2_010  # four's, the run's previous request
+
+    stored = await pool.fetch(
+        "SELECT request_sequence, reuse_ppm, response FROM usage_reports"
+        " WHERE tenant_id = $1 AND session_id = $2 ORDER BY request_sequence",
+        TENANT,
+        uuid.UUID(session_id),
+    )
+    assert [r["reuse_ppm"] for r in stored] == [None, 900_000, None, 10**6, 251_243]
+    assert all("reuse_ppm" not in r["response"] for r in stored)  # migrations/0024
+    events = await pool.fetch(
+        "SELECT payload FROM session_events WHERE tenant_id = $1 AND session_id = $2"
+        " AND type = 'model.usage.reported' ORDER BY sequence",
+        TENANT,
+        uuid.UUID(session_id),
+    )
+    assert [e["payload"]["reuse_ppm"] for e in events] == [
+        None,
+        None,
+        900_000,
+        10**6,
+        251_243,
+    ]
+
+
+# A usage answer as the first version stored it: no first_of_epoch, no later key.
+_FIRST_STORED_OUTCOME = {
+    "model_id": "m",
+    "factor_ppm": 1_000_000,
+    "samples": 1,
+    "signed_error_ppm": 0,
+    "cached_prefix_ppm": 0,
+    "estimated_input_tokens": 10,
+    "actual_input_tokens": 10,
+    "absorbed": True,
+}
+
+
+def test_a_usage_response_stored_by_a_later_version_reads_without_its_new_keys() -> None:
+    """A mixed fleet: a key this version does not know is left out, not refused."""
+    read = UsageOutcome.from_json({**_FIRST_STORED_OUTCOME, "a_later_field": 3})
+    assert read == UsageOutcome.from_json(_FIRST_STORED_OUTCOME)
+
+
 def test_a_usage_response_stored_without_first_of_epoch_reads_as_not_first() -> None:
-    stored = {
-        "model_id": "m",
-        "factor_ppm": 1_000_000,
-        "samples": 1,
-        "signed_error_ppm": 0,
-        "cached_prefix_ppm": 0,
-        "estimated_input_tokens": 10,
-        "actual_input_tokens": 10,
-        "absorbed": True,
-    }
-    assert UsageOutcome.from_json(stored).first_of_epoch is False
+    assert UsageOutcome.from_json(_FIRST_STORED_OUTCOME).first_of_epoch is False
 
 
 def test_record_functions_outside_an_rpc_do_nothing() -> None:

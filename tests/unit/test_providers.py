@@ -1562,7 +1562,7 @@ def test_cache_ratios_are_bounded_integer_ppm(prefix: int, read: int, preceding:
     ratio = cached_prefix_ppm(prefix, read)
     assert 0 <= ratio <= PPM and isinstance(ratio, int)
     assert ratio == (PPM if prefix and read >= prefix else ratio)
-    assert reuse_ppm(read, preceding) == (read * PPM // preceding if preceding else 0)
+    assert reuse_ppm(read, preceding) == (min(PPM, read * PPM // preceding) if preceding else 0)
     # The first request of a session writes the cache and is not counted.
     assert session_cached_prefix_ppm([(prefix, 0), (prefix, read)]) == ratio
     assert session_cached_prefix_ppm([(prefix, read)]) == 0

@@ -254,7 +254,12 @@ def _on_report_usage(request: Any, response: Any) -> None:
     # the request was the first of its epoch, so every report feeds cached_ratio, nor whether
     # it was an idempotent replay. The service's own handler always records
     # (api/rpc_usage.py), with first_of_epoch, and records a replay as nothing.
-    telemetry.record_usage(request.model_id, response.signed_error_ppm, response.cached_prefix_ppm)
+    telemetry.record_usage(
+        request.model_id,
+        response.signed_error_ppm,
+        response.cached_prefix_ppm,
+        reuse_ppm=response.reuse_ppm if response.HasField("reuse_ppm") else None,
+    )
 
 
 def _on_commit_compaction(request: Any, response: Any) -> None:

@@ -18,7 +18,7 @@ from ..core.trust import TrustLevel
 from . import compaction as compaction_api
 from . import convert
 from .errors import grpc_errors
-from .rpc_working_state import request_sha256
+from .request_hash import request_sha256
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -139,7 +139,7 @@ class CompactionRpcs:
             request.expected_checkpoint_version,
             result,
             convert.require_id(request.idempotency_key, "idempotency_key", required=False),
-            request_sha256(request),
+            request_sha256(request, {"session_id": session_id, "run_id": run_id}),
         )
         # Recorded here, not derived from the response: a retry answers with the first
         # call's response but commits nothing, and the depth is the committed summary's

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
 from typing import TYPE_CHECKING
+from uuid import UUID
 
 import grpc
 
@@ -13,6 +13,7 @@ from ..core.errors import InvalidFieldError
 from . import convert
 from . import usage as usage_api
 from .errors import grpc_errors
+from .request_hash import request_sha256
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -39,8 +40,9 @@ class UsageRpcs:
     async def ReportUsage(
         self, request: pb.ReportUsageRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReportUsageResponse:
-        report = _report_from_proto(request)
+        convert.require_tenant(request)
         session_id = convert.require_uuid(request.session_id, "session_id")
+        report = _report_from_proto(request, session_id)
         async with self.engine.gates.held(request.tenant_id, session_id):
             outcome = await usage_api.report_usage(
                 self.engine.pool,
@@ -62,6 +64,7 @@ class UsageRpcs:
                 outcome.signed_error_ppm,
                 outcome.cached_prefix_ppm,
                 first_of_epoch=outcome.first_of_epoch,
+                reuse_ppm=outcome.reuse_ppm,
             )
         return pb.ReportUsageResponse(
             factor_ppm=outcome.factor_ppm,
@@ -69,12 +72,12 @@ class UsageRpcs:
             signed_error_ppm=outcome.signed_error_ppm,
             cached_prefix_ppm=outcome.cached_prefix_ppm,
             absorbed=outcome.absorbed,
+            reuse_ppm=outcome.reuse_ppm,
         )
 
 
-def _report_from_proto(request: pb.ReportUsageRequest) -> usage_api.UsageReport:
+def _report_from_proto(request: pb.ReportUsageRequest, session_id: UUID) -> usage_api.UsageReport:
     """Validate before anything is read or written."""
-    convert.require_tenant(request)
     if request.request_sequence < 1:
         raise InvalidFieldError(
             "request_sequence must be a BuildResponse.request_sequence (>= 1)",
@@ -94,7 +97,7 @@ def _report_from_proto(request: pb.ReportUsageRequest) -> usage_api.UsageReport:
         idempotency_key=convert.require_id(
             request.idempotency_key, "idempotency_key", required=False
         ),
-        request_sha256=hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest(),
+        request_sha256=request_sha256(request, {"session_id": session_id}),
     )
     if report.actual_input_tokens == 0:
         raise InvalidFieldError(

@@ -7,7 +7,6 @@ first: a malformed request names its field and writes nothing.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -36,6 +35,7 @@ from ..core.working_state import (
 from . import convert
 from . import working_state as ws_api
 from .errors import grpc_errors
+from .request_hash import request_sha256
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 __all__ = [
     "CONTROL_TOOLS",
     "WorkingStateRpcs",
-    "request_sha256",
     "state_to_proto",
     "tool_spec_to_proto",
     "update_from_proto",
@@ -51,10 +50,6 @@ __all__ = [
 
 # The engine's control tools, advertised through ListControlTools.
 CONTROL_TOOLS: tuple[ToolSpec, ...] = (UPDATE_TOOL,)
-
-
-def request_sha256(request: Any) -> str:
-    return hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
 
 
 def update_from_proto(update: pb.WorkingStateUpdate, field: str = "update") -> WorkingStateUpdate:
@@ -199,7 +194,7 @@ class WorkingStateRpcs:
             writer,
             update,
             convert.require_id(request.idempotency_key, "idempotency_key", required=False),
-            request_sha256(request),
+            request_sha256(request, {"session_id": session_id, "run_id": run_id}),
         )
         return pb.UpdateWorkingStateResponse(
             checkpoint_version=result["checkpoint_version"],
@@ -224,7 +219,7 @@ class WorkingStateRpcs:
             tenant,
             session_id,
             convert.require_id(request.idempotency_key, "idempotency_key", required=False),
-            request_sha256(request),
+            request_sha256(request, {"session_id": session_id}),
         )
         return pb.OfferFactCandidatesResponse(
             candidates=[_candidate(c) for c in result["candidates"]],

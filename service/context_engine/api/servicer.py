@@ -5,7 +5,6 @@ Every method is wrapped by `grpc_errors`, the one place errors become statuses.
 
 from __future__ import annotations
 
-import hashlib
 from uuid import UUID
 
 import grpc
@@ -20,6 +19,7 @@ from ..core.roster import unknown_tool_names
 from . import convert, wire
 from .engine import BuildResult, ChildSeed, Engine
 from .errors import grpc_errors
+from .request_hash import request_sha256
 from .rpc_builds import BuildsRpcs
 from .rpc_compaction import CompactionRpcs
 from .rpc_skills import SkillsRpcs
@@ -27,11 +27,6 @@ from .rpc_usage import UsageRpcs
 from .rpc_working_state import WorkingStateRpcs
 
 __all__ = ["ContextEngineServicer"]
-
-
-def _request_sha256(request: object) -> str:
-    data = request.SerializeToString(deterministic=True)  # type: ignore[attr-defined]
-    return hashlib.sha256(data).hexdigest()
 
 
 class ContextEngineServicer(
@@ -114,7 +109,7 @@ class ContextEngineServicer(
             spec,
             request.detail,
             convert.require_id(request.idempotency_key, "idempotency_key", required=False),
-            _request_sha256(request),
+            request_sha256(request, {"session_id": session_id}),
         )
         # Counted here, not derived from the response: one epoch however many plan lineages
         # (a rotation without spec continues the others when next used, and the call that
@@ -136,9 +131,9 @@ class ContextEngineServicer(
     ) -> pb.StartRunResponse:
         tenant = convert.require_tenant(request)
         session_id = convert.require_uuid(request.session_id, "session_id")
-        run_id = convert.parse_uuid(request.run_id, "run_id", required=False) or UUID(
-            self.engine.new_id()
-        )
+        asked_run_id = convert.parse_uuid(request.run_id, "run_id", required=False)
+        run_id = asked_run_id or UUID(self.engine.new_id())
+        parent: UUID | None = None
         seed_kind = request.WhichOneof("seed")
         seed: object
         if seed_kind == "user_message":
@@ -181,7 +176,10 @@ class ContextEngineServicer(
             run_id,
             seed,
             convert.require_id(request.idempotency_key, "idempotency_key", required=False),
-            _request_sha256(request),
+            request_sha256(
+                request,
+                {"session_id": session_id, "run_id": asked_run_id, "child.parent_run_id": parent},
+            ),
             admission,
         )
         # A rotation at the admission, or a child pinning its parent's lineage, moves other
@@ -226,7 +224,7 @@ class ContextEngineServicer(
             request.expected_checkpoint_version,
             items,
             convert.require_id(request.idempotency_key, "idempotency_key", required=False),
-            _request_sha256(request),
+            request_sha256(request, {"session_id": session_id, "run_id": run_id}),
         )
         return pb.AppendItemsResponse(**result)
 

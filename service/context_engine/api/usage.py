@@ -24,13 +24,19 @@ Rule 5: a request is the first of its epoch when no earlier model.request.starte
 session was built on the same epoch; it writes the provider's prefix cache, so its cached
 share says nothing about cache reuse (UsageOutcome.first_of_epoch; telemetry leaves it out
 of context_engine.prefix.cached_ratio).
+Rule 6: a report also measures history reuse, the spec's second cache measure: the input
+it read from cache against the full input the preceding request read (`reuse_ppm`,
+providers/usage.py; capped at 1). Region A's ratio cannot see history being sent again
+uncached; this can. The preceding request is the run's request before this one or, for a
+run's first, the session's, as first reported; unmeasured (None) when there is none or
+it is not reported yet (a report is not measured again when its predecessor's arrives).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 from uuid import UUID
 
@@ -48,6 +54,7 @@ from ..core.estimator import (
     reconcile,
     signed_error_ppm,
 )
+from ..providers.usage import reuse_ppm as history_reuse_ppm
 from ..store import events, sessions
 from ..store import usage as store
 from ..store.db import transaction
@@ -91,18 +98,26 @@ class UsageOutcome:
     absorbed: bool
     # Rule 5. Responses stored before this field existed read as False.
     first_of_epoch: bool = False
+    # Rule 6. None when unmeasured. Stored in a column of its own, not with the answer
+    # (to_json): a replica of the version before it reads the stored answer into its
+    # fields and would fail on one it does not know (migrations/0024).
+    reuse_ppm: int | None = None
     # Not stored with the answer (to_json): whether this call only replayed an earlier
     # report's answer (Rule 3). It recorded nothing, so telemetry records nothing.
     replayed: bool = False
 
     def to_json(self) -> dict[str, Any]:
         stored = asdict(self)
-        del stored["replayed"]
+        del stored["replayed"], stored["reuse_ppm"]
         return stored
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> UsageOutcome:
-        return cls(**data)
+        # Keys a later version stored are left out rather than refused (a mixed fleet).
+        return cls(**{k: v for k, v in data.items() if k in _OUTCOME_FIELDS})
+
+
+_OUTCOME_FIELDS = frozenset(f.name for f in fields(UsageOutcome))
 
 
 async def pinned_factor(
@@ -167,7 +182,13 @@ async def report_usage(
         outcome, correction = await _reconcile(
             conn, tenant_id, report, recorded, tokenizer_of, learned=read.learned
         )
-        outcome = replace(outcome, first_of_epoch=not warm)
+        outcome = replace(
+            outcome,
+            first_of_epoch=not warm,
+            reuse_ppm=None
+            if read.preceding_input is None
+            else history_reuse_ppm(report.cache_read_input_tokens, read.preceding_input),
+        )
         if correction is not None:
             await store.write_correction(
                 conn, tenant_id, correction, tokenizer_of(correction.model_id)
@@ -188,6 +209,7 @@ async def report_usage(
                         "cache_creation_input_tokens": report.cache_creation_input_tokens,
                         "output_tokens": report.output_tokens,
                         **outcome.to_json(),
+                        "reuse_ppm": outcome.reuse_ppm,
                     },
                     run_id=UUID(run_id) if run_id else None,
                 )
@@ -297,5 +319,6 @@ def _report_row(report: UsageReport, outcome: UsageOutcome) -> dict[str, Any]:
         "signed_error_ppm": outcome.signed_error_ppm,
         "cached_prefix_ppm": outcome.cached_prefix_ppm,
         "absorbed": outcome.absorbed,
+        "reuse_ppm": outcome.reuse_ppm,
         "response": outcome.to_json(),
     }

@@ -13,7 +13,8 @@ Rule 3 (cached-prefix ratio): prefix tokens served from cache over prefix tokens
 request, capped at 1,000,000 (a read that also covers history still counts the prefix
 once). A session's ratio counts the requests after its first.
 Rule 4 (reuse ratio): cached input against the preceding call's full input: a stable
-Region A hash alone does not prove history reuse.
+Region A hash alone does not prove history reuse. Capped at 1,000,000: a read longer than
+the preceding call's input (a longer prefix an older call cached) reused all of it.
 """
 
 from __future__ import annotations
@@ -108,4 +109,4 @@ def session_cached_prefix_ppm(requests: Sequence[tuple[int, int]]) -> int:
 
 def reuse_ppm(cache_read_input_tokens: int, preceding_total_input_tokens: int) -> int:
     """Cached input of this call against the preceding call's full input (Rule 4)."""
-    return ratio_ppm(cache_read_input_tokens, preceding_total_input_tokens)
+    return min(PPM, ratio_ppm(cache_read_input_tokens, preceding_total_input_tokens))

@@ -104,7 +104,8 @@ class ReportContext:
     """What a usage report reads under the session lock, in one round trip
     (read_report_context)."""
 
-    earlier: dict[str, Any] | None  # the stored response of this key's report, if any
+    # The stored response of this key's report, if any, with its reuse_ppm column.
+    earlier: dict[str, Any] | None
     recorded: dict[str, Any] | None  # the model.request.started payload at the sequence
     # Whether a model.request.started before it was built on its epoch. Runs on different
     # epochs interleave (a run keeps its plan across another run's admission), so not only
@@ -114,13 +115,28 @@ class ReportContext:
     # Whether a report of this request, under another key, was absorbed already: one
     # response is one sample (api/usage.py).
     learned: bool = False
+    # The full input (actual_input_tokens) the preceding request was reported to read:
+    # the run's request before this one or, for a run's first, the session's; its first
+    # report. None when there is none, or it is not reported yet (api/usage.py, Rule 6).
+    preceding_input: int | None = None
 
 
 _REPORT_CONTEXT = (
-    "WITH req AS (SELECT e.payload, coalesce((e.payload->>'epoch')::bigint, 0) AS epoch"
-    "  FROM session_events e WHERE e.tenant_id = $1 AND e.session_id = $2"
-    "  AND e.sequence = $3 AND e.type = 'model.request.started')"
-    " SELECT u.request_sha256, u.response, req.payload,"
+    "WITH req AS (SELECT e.payload, coalesce((e.payload->>'epoch')::bigint, 0) AS epoch,"
+    "  e.run_id FROM session_events e WHERE e.tenant_id = $1 AND e.session_id = $2"
+    "  AND e.sequence = $3 AND e.type = 'model.request.started'),"
+    # Each max() an index scan backward on session_events_by_type: the run's previous
+    # request is almost always the session's latest one before it, and none lies before
+    # the run's seed (which bounds the scan for a run's first request).
+    " preceding AS (SELECT coalesce("
+    "  (SELECT max(b.sequence) FROM session_events b, req WHERE b.tenant_id = $1"
+    "   AND b.session_id = $2 AND b.type = 'model.request.started' AND b.sequence < $3"
+    "   AND b.run_id = req.run_id AND b.sequence > coalesce((SELECT r.seed_event_sequence"
+    "    FROM runs r WHERE r.tenant_id = $1 AND r.run_id = req.run_id), 0)),"
+    "  (SELECT max(b.sequence) FROM session_events b WHERE b.tenant_id = $1"
+    "   AND b.session_id = $2 AND b.type = 'model.request.started' AND b.sequence < $3)"
+    " ) AS sequence)"
+    " SELECT u.request_sha256, u.response, u.reuse_ppm, req.payload,"
     " EXISTS (SELECT 1 FROM session_events e WHERE e.tenant_id = $1"
     "  AND e.session_id = $2 AND e.type = 'model.request.started' AND e.sequence < $3"
     "  AND e.sequence > coalesce((SELECT max(o.sequence) FROM session_events o"
@@ -129,7 +145,10 @@ _REPORT_CONTEXT = (
     "   AND (o.payload->>'epoch')::bigint = req.epoch), 0)"
     "  AND (e.payload->>'epoch')::bigint = req.epoch) AS warm,"
     " EXISTS (SELECT 1 FROM usage_reports a WHERE a.tenant_id = $1 AND a.session_id = $2"
-    "  AND a.request_sequence = $3 AND a.absorbed) AS learned"
+    "  AND a.request_sequence = $3 AND a.absorbed) AS learned,"
+    " (SELECT p.actual_input_tokens FROM usage_reports p, preceding"
+    "  WHERE p.tenant_id = $1 AND p.session_id = $2 AND p.request_sequence = preceding.sequence"
+    "  ORDER BY p.created_at, p.idempotency_key LIMIT 1) AS preceding_input"
     " FROM (SELECT 1) AS one"
     " LEFT JOIN req ON true"
     " LEFT JOIN usage_reports u ON u.tenant_id = $1 AND u.session_id = $2"
@@ -161,10 +180,13 @@ async def read_report_context(
             reason="IDEMPOTENCY_KEY_REUSED",
         )
     return ReportContext(
-        earlier=row["response"] if row["request_sha256"] is not None else None,
+        earlier={**row["response"], "reuse_ppm": row["reuse_ppm"]}
+        if row["request_sha256"] is not None
+        else None,
         recorded=row["payload"],
         warm=bool(row["warm"]),
         learned=bool(row["learned"]),
+        preceding_input=row["preceding_input"],
     )
 
 

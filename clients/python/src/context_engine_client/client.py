@@ -421,6 +421,7 @@ class ContextEngineClient:
             signed_error_ppm=response.signed_error_ppm,
             cached_prefix_ppm=response.cached_prefix_ppm,
             absorbed=response.absorbed,
+            reuse_ppm=response.reuse_ppm if response.HasField("reuse_ppm") else None,
         )
 
     async def get_build(
@@ -469,6 +470,9 @@ class UsageReport:
     # Whether the report moved the factor: not another model's, nor one another tokenizer
     # counted, nor one with a zero count.
     absorbed: bool = False
+    # Cache reads over the preceding request's full input (history reuse); None when
+    # unmeasured: no preceding request, or it was not reported first.
+    reuse_ppm: int | None = None
 
 
 _PATH_STEP = re.compile(r"(\w+)\[(\d+)\]")

@@ -953,18 +953,20 @@ class ReportUsageRequest(_message.Message):
     def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., request_sequence: _Optional[int] = ..., model_id: _Optional[str] = ..., input_tokens: _Optional[int] = ..., cache_read_input_tokens: _Optional[int] = ..., cache_creation_input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class ReportUsageResponse(_message.Message):
-    __slots__ = ("factor_ppm", "samples", "signed_error_ppm", "cached_prefix_ppm", "absorbed")
+    __slots__ = ("factor_ppm", "samples", "signed_error_ppm", "cached_prefix_ppm", "absorbed", "reuse_ppm")
     FACTOR_PPM_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SIGNED_ERROR_PPM_FIELD_NUMBER: _ClassVar[int]
     CACHED_PREFIX_PPM_FIELD_NUMBER: _ClassVar[int]
     ABSORBED_FIELD_NUMBER: _ClassVar[int]
+    REUSE_PPM_FIELD_NUMBER: _ClassVar[int]
     factor_ppm: int
     samples: int
     signed_error_ppm: int
     cached_prefix_ppm: int
     absorbed: bool
-    def __init__(self, factor_ppm: _Optional[int] = ..., samples: _Optional[int] = ..., signed_error_ppm: _Optional[int] = ..., cached_prefix_ppm: _Optional[int] = ..., absorbed: _Optional[bool] = ...) -> None: ...
+    reuse_ppm: int
+    def __init__(self, factor_ppm: _Optional[int] = ..., samples: _Optional[int] = ..., signed_error_ppm: _Optional[int] = ..., cached_prefix_ppm: _Optional[int] = ..., absorbed: _Optional[bool] = ..., reuse_ppm: _Optional[int] = ...) -> None: ...
 
 class LoadSkillRequest(_message.Message):
     __slots__ = ("tenant_id", "session_id", "name", "body", "trust", "run_id")
