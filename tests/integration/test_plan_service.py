@@ -959,6 +959,72 @@ async def test_a_rotate_whose_plan_cannot_carry_the_loaded_bodies_is_refused(
     assert (await _current(stub, session_id)).epoch == rotated.plan.epoch
 
 
+async def test_an_admission_whose_grant_leaves_no_room_for_the_loaded_bodies_is_refused(
+    stub: Any, grpc_server: Any, pool: Any
+) -> None:
+    """A run's admission rotates to a plan with the granted tools, which take room from the
+    body the loaded skill bodies hold their place in; it did not measure them again, so
+    the run started and every Build of it failed BUDGET_EXCEEDED (an audit). It is
+    SKILL_LIMIT naming `admission`, and nothing is written; a run without the grant starts
+    and builds."""
+    count = grpc_server.engine.count_tokens_for("claude-sonnet-4-5")
+    base = _skills_spec()
+    base.tools.append(
+        tool(
+            "mail.send",
+            scopes=("mail.send",),
+            description="Send an email on the owner's behalf. " + "Mind the recipients. " * 200,
+        )
+    )
+    probe = await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=base))
+    base.policy_cap_tokens = 8_192 + probe.plan.prefix_tokens + 2_200  # a body of ~2,000
+    session_id, _ = await _open(stub, base)
+    await _load(stub, session_id, "triage", _words(count, 1_300))
+    before = await _events(pool, session_id)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _start(stub, session_id, scopes=["calendar.read", "web.read", "mail.send"])
+    assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    reason, fields, metadata = details(caught.value)
+    assert (reason, fields, metadata["limit"]) == ("SKILL_LIMIT", ["admission"], "body")
+    assert int(metadata["used_tokens"]) > int(metadata["limit_tokens"])
+    assert await _events(pool, session_id) == before  # no run, no rotation
+    run = await _start(stub, session_id, scopes=["calendar.read", "web.read"])
+    await _build(stub, session_id, run.run.run_id)
+
+
+async def test_a_rotate_without_spec_that_cannot_carry_the_loaded_bodies_is_refused(
+    pool: Any,
+) -> None:
+    """A Rotate without `spec` rebuilds the pinned spec with this replica's registry, here
+    a narrower window than the session was planned with: a plan whose body cannot hold the
+    loaded bodies was made current, and every later Build failed (an audit). It is the
+    session's state, SKILL_LIMIT naming no field of the request, and nothing rotates."""
+    wide, wide_channel, wide_server = await _replica_with_window(pool, 200_000)
+    try:
+        opened = _skills_spec()
+        opened.model_id = "claude-window"
+        session_id, plan = await _open(wide, opened)
+        count = wide_server.engine.count_tokens_for("claude-window")
+        await _load(wide, session_id, "triage", _words(count, 1_500))
+        narrow, narrow_channel, narrow_server = await _replica_with_window(
+            pool, 8_192 + plan.prefix_tokens + 1_300
+        )
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await narrow.Rotate(_pinned_rotation(session_id))
+        finally:
+            await narrow_channel.close()
+            await narrow_server.stop(0)
+        assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        reason, fields, metadata = details(caught.value)
+        assert (reason, fields, metadata["spec_field"]) == ("SKILL_LIMIT", ["session_id"], "spec")
+        assert await _rotations(pool, session_id) == []
+        assert (await wide.Rotate(_pinned_rotation(session_id))).plan.epoch == 2
+    finally:
+        await wide_channel.close()
+        await wide_server.stop(0)
+
+
 async def test_a_body_is_held_to_the_cap_as_build_sends_it(
     stub: Any, grpc_server: Any, pool: Any
 ) -> None:

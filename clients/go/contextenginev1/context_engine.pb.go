@@ -593,7 +593,8 @@ const (
 	ErrorReason_ERROR_REASON_RUN_STATE ErrorReason = 14
 	// A third skill load, or skill bodies over their class cap or what the plan's body
 	// holds beside its runtime row (LoadSkill, naming body; a Rotate whose spec's plan
-	// cannot carry the loaded bodies, naming spec).
+	// cannot carry the loaded bodies, naming spec, or session_id without a spec; a StartRun
+	// whose admission's plan cannot, naming admission).
 	ErrorReason_ERROR_REASON_SKILL_LIMIT ErrorReason = 15
 	// The skill is not in the plan's pinned catalog.
 	ErrorReason_ERROR_REASON_SKILL_NOT_IN_CATALOG ErrorReason = 16
@@ -3672,7 +3673,9 @@ type StartRunRequest struct {
 	// authority_scope_hashes) or a changed browser profile rotate the epoch before the run
 	// pins its tools; scope reduction alone keeps the prefix. Absent: keep the plan. Only
 	// for a top-level run: a child inherits its parent's authority and epoch, and a child
-	// request with an admission is refused (INVALID_FIELD).
+	// request with an admission is refused (INVALID_FIELD). An admission whose plan cannot
+	// carry the session's loaded skill bodies (a grant's tools taking the body's room) is
+	// SKILL_LIMIT naming admission, and nothing is written.
 	Admission *RunAdmission `protobuf:"bytes,6,opt,name=admission,proto3" json:"admission,omitempty"`
 }
 

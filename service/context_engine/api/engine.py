@@ -511,8 +511,10 @@ class Engine:
                     begins_lineage=spec is not None,
                     sweep=spec is None,
                 )
-                if spec is not None:  # another model or capacity: the bodies never yield
-                    await skills_api.check_loaded_fit(self, conn, tenant, session_id, rotated)
+                # Another model or capacity, or a registry overlay changed since the pinned
+                # spec was planned: the loaded bodies never yield, so a plan that cannot
+                # carry them would fail every later Build of the session.
+                await skills_api.check_loaded_fit(self, conn, tenant, session_id, rotated)
             except RequestError as exc:
                 if spec is not None:
                     raise  # the caller's spec: the error names its field
@@ -662,8 +664,14 @@ class Engine:
                     begins_lineage=decision.reason in epoch_rules.ADMISSION_REASONS,
                     sweep=decision.reason not in _NOT_SWEPT,
                 )
+                # A grant's tools take room from the body the loaded skill bodies hold
+                # their place in (they never yield): a run on a plan that cannot carry them
+                # would fail every Build (an audit).
+                await skills_api.check_loaded_fit(self, conn, tenant, session_id, current)
                 rotated.append(current)
             except RequestError as exc:
+                if exc.reason == "SKILL_LIMIT" and decision.reason in epoch_rules.ADMISSION_REASONS:
+                    raise _bodies_not_carried(exc, decision.detail) from None
                 # The session's spec, not the request's: the state forbids the run. Raised
                 # inside StartRun's transaction, so nothing of the run is written.
                 rebuilt = f"for this run's admission ({decision.detail})"
@@ -1633,6 +1641,20 @@ def _as_state(exc: RequestError, rebuilt: str) -> RequestError:
             metadata={**exc.metadata, "spec_field": exc.field or ""},
         )
     return exc
+
+
+def _bodies_not_carried(exc: RequestError, detail: str) -> PreconditionError:
+    """A run's admission asks for authority (`detail`: a grant's tools, a browser profile)
+    whose plan leaves too little room for the session's loaded skill bodies
+    (core/skills.py still_fit): the admission is what to change, in the session's state."""
+    return PreconditionError(
+        f"this run's admission ({detail}) makes a plan that cannot carry the session's loaded"
+        f" skill bodies: {exc.message}. Nothing was written; start the run with less"
+        " authority, or Rotate with a spec that leaves the body more room",
+        field="admission",
+        reason="SKILL_LIMIT",
+        metadata=dict(exc.metadata),
+    )
 
 
 def _profile_not_served(exc: RequestError, profile: str) -> PreconditionError:

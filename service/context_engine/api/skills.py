@@ -131,13 +131,15 @@ async def load_skill(
 async def check_loaded_fit(
     engine: Engine, conn: Any, tenant: str, session_id: UUID, stored: plans.StoredPlan
 ) -> None:
-    """Whether the session's loaded skill bodies fit `stored`, a plan a Rotate with a spec
-    is about to make current: each measured again with its counter (in every form Build
-    can send it in, as LoadSkill measured it) and costed at the factor its Builds pin
-    (core/skills.py still_fit). In the Rotate's transaction: a refusal writes nothing.
+    """Whether the session's loaded skill bodies fit `stored`, a plan a Rotate (with a spec
+    or without) or a run's admission is about to start: each measured again with its
+    counter (in every form Build can send it in, as LoadSkill measured it) and costed at
+    the factor its Builds pin (core/skills.py still_fit). In the rotation's transaction: a
+    refusal writes nothing.
 
     Raises:
-        PreconditionError: SKILL_LIMIT naming `spec`.
+        PreconditionError: SKILL_LIMIT naming `spec` (the engine names the session's state
+            or the admission when the request sent no spec).
     """
     loaded = await skill_store.read_loaded(conn, tenant, session_id)
     if not loaded:
