@@ -1440,11 +1440,20 @@ async def test_an_erasure_removes_recall_lines_from_recorded_requests(stub: Any,
             )
         )
     assert details(refused.value)[0] == "REQUEST_REDACTED"
-    # A stale recall naming the person fails the Build and records nothing.
-    with pytest.raises(grpc.aio.AioRpcError) as stale:
-        await stub.Build(_build_with(session_id, run_id, _recall_step(person)))
-    assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert details(stale.value)[:2] == ("PERSON_ERASED", ["step"])
+    # A stale recall naming the person fails the Build and records nothing; the refusal
+    # names the line, here a correction behind a clean recall line and another correction.
+    stale_step = pb.StepContext(
+        recall=[pb.RecallLine(item_id="r2", text="The office is in Lyon.")],
+        corrections=[
+            pb.RecallLine(item_id="c1", text="Ana moved.", person_ids=["someone-else"]),
+            pb.RecallLine(item_id="c2", text="Ana is allergic to nuts.", person_ids=[person]),
+        ],
+    )
+    for step, line in ((_recall_step(person), "recall[0]"), (stale_step, "corrections[1]")):
+        with pytest.raises(grpc.aio.AioRpcError) as stale:
+            await stub.Build(_build_with(session_id, run_id, step))
+        assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert details(stale.value)[:2] == ("PERSON_ERASED", [f"step.{line}.person_ids"])
     assert len(await _events(pool, session_id, "model.request.started")) == 1
     fresh = pb.StepContext(recall=[pb.RecallLine(item_id="r2", text="The office is in Lyon.")])
     assert "Lyon" in _text(await stub.Build(_build_with(session_id, run_id, fresh)))
@@ -2529,7 +2538,7 @@ async def test_a_build_that_sends_no_request_refuses_an_erased_persons_recall(
                 tenant_id=tenant, session_id=session_id, run_id=run.run.run_id, step=step
             )
         )
-    assert details(refused.value)[:2] == ("PERSON_ERASED", ["step"])
+    assert details(refused.value)[:2] == ("PERSON_ERASED", ["step.recall[0].person_ids"])
     assert await pool.fetchval(written, tenant, UUID(session_id)) == before
     # The same Build without the stale line answers as such a Build does.
     clean = await stub.Build(

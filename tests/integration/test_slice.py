@@ -492,6 +492,10 @@ async def test_identifiers_longer_than_an_index_takes_are_named(stub: Any, pool:
     named.snapshot.items.add(item_id="m1", text="Ana likes trains.", person_ids=["ana", long])
     catalog = spec()
     catalog.skills.add(name=long, description="Too long a name.", version="1")
+    memory_id = spec()  # rendered as `memory:<id>` in the prefix, and compared on erasure
+    memory_id.snapshot.items.add(item_id=long, text="Ana likes trains.")
+    attributed = spec()  # an envelope's source attribute, as a tool result's source
+    attributed.snapshot.items.add(item_id="m1", text="Ana likes trains.", source="s" * 2_049)
     crowded = spec()  # each person named costs a lock-table entry while the plan persists
     crowded.snapshot.items.add(
         item_id="m1", text="Everyone.", person_ids=[f"p{n}" for n in range(257)]
@@ -520,6 +524,8 @@ async def test_identifiers_longer_than_an_index_takes_are_named(stub: Any, pool:
             _opening(catalog),
             "spec.skills[0].name",
         ),
+        ("Plan", _opening(memory_id), "spec.snapshot.items[0].item_id"),
+        ("Plan", _opening(attributed), "spec.snapshot.items[0].source"),
         (
             "StartRun",
             pb.StartRunRequest(
@@ -602,6 +608,21 @@ async def test_identifiers_longer_than_an_index_takes_are_named(stub: Any, pool:
                 ("recall", pb.RecallLine(item_id=long, text="Ana likes trains.")),
                 ("knowledge", pb.KnowledgePassage(item_id=long, text="A passage.")),
             )
+        ),
+        *(
+            (
+                "Build",
+                pb.BuildRequest(
+                    tenant_id=TENANT,
+                    session_id=session_id,
+                    run_id=run_id,
+                    step=pb.StepContext(
+                        **{field: [pb.RecallLine(item_id="r0", text="a", source="s" * 2_049)]}
+                    ),
+                ),
+                f"step.{field}[0].source",
+            )
+            for field in ("recall", "corrections")
         ),
         ("EraseSubject", pb.EraseSubjectRequest(tenant_id=TENANT, person_id=long), "person_id"),
         (

@@ -633,7 +633,8 @@ const (
 	ErrorReason_ERROR_REASON_REQUEST_REDACTED ErrorReason = 26
 	// FAILED_PRECONDITION (Plan, Rotate, Build): a snapshot item, or a recall or correction
 	// line, names a person EraseSubject has erased from this tenant; the recall predates the
-	// erasure. Recall again; nothing written.
+	// erasure. BadRequest names the item's or line's person_ids (Build: the first such line,
+	// recall's first). Recall again; nothing written.
 	ErrorReason_ERROR_REASON_PERSON_ERASED ErrorReason = 27
 	// FAILED_PRECONDITION (StartRun admission, Rotate without a spec, Build continuing a
 	// lineage): two tools the plan defines render as the same provider wire name (metadata
@@ -1590,11 +1591,13 @@ type MemoryItem struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Stable memory id; required, and listed once per snapshot (else INVALID_FIELD).
+	// Stable memory id; required, at most 200 characters, and listed once per snapshot (else
+	// INVALID_FIELD).
 	ItemId string `protobuf:"bytes,1,opt,name=item_id,json=itemId,proto3" json:"item_id,omitempty"`
 	// The memory's text.
 	Text string `protobuf:"bytes,2,opt,name=text,proto3" json:"text,omitempty"`
-	// Attribution shown to the model (for example "belief", "user_statement").
+	// Attribution shown to the model (for example "belief", "user_statement"); at most 2,048
+	// characters, else INVALID_FIELD.
 	Source string `protobuf:"bytes,3,opt,name=source,proto3" json:"source,omitempty"`
 	// People the memory is about; used to find snapshots on erasure. Never rendered. Each at
 	// most 200 characters, at most 256 distinct people per snapshot; one EraseSubject has
@@ -4180,7 +4183,7 @@ type RecallLine struct {
 	ItemId string `protobuf:"bytes,1,opt,name=item_id,json=itemId,proto3" json:"item_id,omitempty"`
 	// The line.
 	Text string `protobuf:"bytes,2,opt,name=text,proto3" json:"text,omitempty"`
-	// Attribution.
+	// Attribution; at most 2,048 characters, else INVALID_FIELD.
 	Source string `protobuf:"bytes,3,opt,name=source,proto3" json:"source,omitempty"`
 	// People the line is about (as MemoryItem.person_ids). Never rendered; recorded with the
 	// request, where EraseSubject finds and removes the line. Each at most 200 characters, at

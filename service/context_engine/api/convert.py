@@ -399,8 +399,9 @@ def plan_spec_from_proto(
     memory_ids: set[str] = set()
     for n, item in enumerate(spec.snapshot.items):
         path = f"{field}.snapshot.items[{n}]"
-        if not item.item_id:
-            raise InvalidFieldError(f"{path}.item_id is required", field=f"{path}.item_id")
+        # Rendered as `memory:<id>` in every request, and a key an erasure and a compaction
+        # compare: bounded as a recall line's is.
+        require_id(item.item_id, f"{path}.item_id")
         # Listed once, as a tool or a skill is: two entries would render two blocks under
         # one item id (`memory:ID`), and an erasure or a compaction could not tell them apart.
         if item.item_id in memory_ids:
@@ -412,7 +413,7 @@ def plan_spec_from_proto(
             MemoryItemSpec(
                 item_id=item.item_id,
                 text=item.text,
-                source=item.source,
+                source=_attribution(item.source, f"{path}.source"),
                 person_ids=tuple(
                     require_id(p, f"{path}.person_ids[{k}]") for k, p in enumerate(item.person_ids)
                 ),
@@ -805,7 +806,7 @@ def step_from_proto(step: pb.StepContext) -> StepContext:
                 cls(
                     item_id=f"memory:{line.item_id}",
                     text=line.text,
-                    source=line.source,
+                    source=_attribution(line.source, f"{path}.source"),
                     person_ids=people,
                 )
             )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -1325,7 +1325,7 @@ class Engine:
         except BudgetExceededError as exc:
             if record and kept is None:  # from a kept head, build() decides it afresh
                 await self._record_budget_exceeded(
-                    tenant, session_id, run_id, plan, exc, checkpoint, recalled_people(step)
+                    tenant, session_id, run_id, plan, exc, checkpoint, step
                 )
             raise
         if not bridge_markers and assembled.request is not None:
@@ -1393,8 +1393,8 @@ class Engine:
             # before its pressure event names the line (an audit). Checked, then recorded:
             # an erasure between the two can leave that event naming the line's id.
             async with transaction(self.pool) as conn:
-                if await snapshots.fence_people(conn, tenant, people):
-                    raise _person_erased()
+                if erased := await snapshots.fence_people(conn, tenant, people):
+                    raise _person_erased(step, erased)
         # context.budget.pressure precedes the request it shaped; with no request (the body
         # needs compaction) it is the only record of this Build. One round trip: see
         # migrations/0005_record_request.sql for the lock, the erasure fence and the binding;
@@ -1441,7 +1441,10 @@ class Engine:
                 reason="EPOCH_CONFLICT",
             )
         if seq == PERSON_ERASED:
-            raise _person_erased()
+            # The record's fence says only that someone is erased; which line, read apart.
+            async with acquire(self.pool) as conn:
+                erased = await snapshots.erased_among(conn, tenant, recalled_people(step))
+            raise _person_erased(step, erased)
         if seq == NO_SESSION:
             raise NotFoundError(
                 f"session {session_id} not found", field="session_id", reason="SESSION_NOT_FOUND"
@@ -1460,11 +1463,11 @@ class Engine:
         plan: ContextPlan,
         exc: BudgetExceededError,
         checkpoint: Checkpoint,
-        people: Sequence[str] = (),
+        step: StepContext,
     ) -> None:
         """context.budget.exceeded: the never-yield set alone did not fit the body, or the
         working state's never-yield fields did not fit its block. A recall naming a person
-        erased from the tenant (`people`, under the erasure fence) is PERSON_ERASED instead,
+        erased from the tenant (`step`'s, under the erasure fence) is PERSON_ERASED instead,
         recording nothing, as a Build that sends a request (an audit).
 
         Raises:
@@ -1478,8 +1481,8 @@ class Engine:
             **exc.metadata,
         }
         async with self.gates.held(tenant, session_id), transaction(self.pool) as conn:
-            if await snapshots.fence_people(conn, tenant, people):
-                raise _person_erased()
+            if erased := await snapshots.fence_people(conn, tenant, recalled_people(step)):
+                raise _person_erased(step, erased)
             await sessions.lock_session(conn, tenant, session_id)
             await events.append_events(
                 conn,
@@ -1558,11 +1561,19 @@ class _StaleHead(Exception):
     """A Build made from a kept run head that the record found moved: nothing was written."""
 
 
-def _person_erased() -> PreconditionError:
+def _person_erased(step: StepContext, erased: Collection[str]) -> PreconditionError:
+    """PERSON_ERASED naming the first recall or correction line (recall's first) that
+    names one of `erased`, as the request listed them: `step.recall[2].person_ids`."""
+    named: list[tuple[str, int, tuple[str, ...]]] = [
+        *(("recall", n, line.person_ids) for n, line in enumerate(step.recall)),
+        *(("corrections", n, line.person_ids) for n, line in enumerate(step.corrections)),
+    ]
+    found = next(((name, n) for name, n, people in named if any(p in erased for p in people)), None)
+    where = f"step.{found[0]}[{found[1]}]" if found else "step"
     return PreconditionError(
-        "a recall or correction line names a person erased from this tenant: the"
-        " recall predates the erasure; recall again",
-        field="step",
+        f"{where} names a person erased from this tenant: the recall predates the erasure;"
+        " recall again",
+        field=f"{where}.person_ids" if found else "step",
         reason="PERSON_ERASED",
     )
 

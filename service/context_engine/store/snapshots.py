@@ -25,6 +25,7 @@ from .db import lock_wait_ms
 
 __all__ = [
     "bound_runs",
+    "erased_among",
     "fence_erasure",
     "fence_people",
     "forget_person",
@@ -71,7 +72,15 @@ async def fence_people(conn: Any, tenant_id: str, people: Sequence[str]) -> list
         named,
         lock_wait_ms(),
     )
-    by_key = {_erased_key(p): p for p in named}
+    return await erased_among(conn, tenant_id, named)
+
+
+async def erased_among(conn: Any, tenant_id: str, people: Sequence[str]) -> list[str]:
+    """Those of `people` erased from the tenant, sorted; no fence taken (an erasure is
+    final, so one seen erased stays so: what a refusal names)."""
+    if not people:
+        return []
+    by_key = {_erased_key(p): p for p in set(people)}
     rows = await conn.fetch(
         "SELECT person_sha256 FROM erased_people WHERE tenant_id = $1"
         " AND person_sha256 = ANY($2::text[])",
