@@ -1000,6 +1000,21 @@ async def test_a_retry_spelling_its_ids_another_way_replays(stub: Any, pool: Any
         await pool.fetchval("SELECT count(*) FROM runs WHERE session_id = $1", UUID(session_id))
         == 1
     )
+    # Rule 3: a key an older version stored holds the hash of the bytes as it got them;
+    # the byte-identical retry still replays (a review: it was refused across versions).
+    as_sent = hashlib.sha256(report.SerializeToString(deterministic=True)).hexdigest()
+    await pool.execute(
+        "UPDATE usage_reports SET request_sha256 = $1 WHERE session_id = $2",
+        as_sent,
+        UUID(session_id),
+    )
+    assert await stub.ReportUsage(report) == answered
+    await pool.execute(
+        "UPDATE idempotency_keys SET request_sha256 = $1 WHERE session_id = $2 AND key = 's1'",
+        hashlib.sha256(respelt.SerializeToString(deterministic=True)).hexdigest(),
+        UUID(session_id),
+    )
+    assert await stub.StartRun(respelt) == started
     report.output_tokens = 9
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await stub.ReportUsage(report)

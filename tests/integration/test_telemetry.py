@@ -1013,6 +1013,20 @@ async def test_usage_reports_measure_history_reuse_against_the_preceding_request
     five = await build(second_run)
     answer, _ = await reported(report(five, 1_500, 505))
     assert answer.reuse_ppm == 505 * 10**6 // 2_010  # four's, the run's previous request
+    # A child's requests between two of its parent's: the parent's next is measured
+    # against its own previous request (five's 2,005), not the child's.
+    child = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            child=pb.ChildSeed(parent_run_id=second_run, instruction="Look it up."),
+        )
+    )
+    for sequence in [await build(str(child.run.run_id)) for _ in range(2)]:
+        await reported(report(sequence, 100, 0))
+    six = await build(second_run)
+    answer, _ = await reported(report(six, 1_000, 1_002))
+    assert answer.reuse_ppm == 1_002 * 10**6 // 2_005
 
     stored = await pool.fetch(
         "SELECT request_sequence, reuse_ppm, response FROM usage_reports"
@@ -1020,7 +1034,8 @@ async def test_usage_reports_measure_history_reuse_against_the_preceding_request
         TENANT,
         uuid.UUID(session_id),
     )
-    assert [r["reuse_ppm"] for r in stored] == [None, 900_000, None, 10**6, 251_243]
+    # The child's two read nothing from cache: 0 each, measured (five's, then its own).
+    assert [r["reuse_ppm"] for r in stored] == [None, 900_000, None, 10**6, 251_243, 0, 0, 499_750]
     assert all("reuse_ppm" not in r["response"] for r in stored)  # migrations/0024
     events = await pool.fetch(
         "SELECT payload FROM session_events WHERE tenant_id = $1 AND session_id = $2"
@@ -1034,6 +1049,9 @@ async def test_usage_reports_measure_history_reuse_against_the_preceding_request
         900_000,
         10**6,
         251_243,
+        0,
+        0,
+        499_750,
     ]
 
 

@@ -9,6 +9,13 @@ ReportUsage; every idempotent write hashed the spelling). A request already in c
 spelling hashes as it did before this rule, so keys stored then still match.
 Rule 2: ids are named by their dotted path from the request ("child.parent_run_id"); an
 unset one (a run id the server chose) is hashed as sent.
+Rule 3 (a fleet mid-upgrade): a key stored by a version before Rule 1 holds the hash of
+the bytes as sent, so the digest carries that too (`RequestDigest.as_sent`), and a stored
+hash matching either is the same request (store/idempotency.py `same_request`): a
+byte-identical retry of a request spelt otherwise than canonically still replays where
+its first call was stored by an older replica (a review). What is stored is the canonical
+hash. The other direction, a first call stored here and its retry on an older replica,
+is refused there (IDEMPOTENCY_KEY_REUSED) for such a request; docs/operations.md says so.
 """
 
 from __future__ import annotations
@@ -17,26 +24,44 @@ import hashlib
 from typing import Any
 from uuid import UUID
 
-__all__ = ["request_sha256"]
+__all__ = ["RequestDigest", "request_sha256"]
 
 
-def request_sha256(request: Any, ids: dict[str, UUID | None] | None = None) -> str:
+class RequestDigest(str):
+    """The canonical hash (the string itself: what is stored), with the hash of the bytes
+    as sent (Rule 3). A str, so every layer that passes a request hash along passes this
+    unchanged, and the store compares both (store/idempotency.py same_request)."""
+
+    as_sent: str
+
+    def __new__(cls, canonical: str, as_sent: str) -> RequestDigest:
+        digest = super().__new__(cls, canonical)
+        digest.as_sent = as_sent
+        return digest
+
+
+def request_sha256(request: Any, ids: dict[str, UUID | None] | None = None) -> RequestDigest:
     """sha256 hex of `request` with each of `ids` (dotted path -> parsed id) canonical."""
+    as_sent = _sha256(request)
     respelled = {
         path: str(value)
         for path, value in (ids or {}).items()
         if value is not None and _get(request, path) != str(value)
     }
-    if respelled:
-        copy = type(request)()
-        copy.CopyFrom(request)
-        for path, value in respelled.items():
-            *parents, name = path.split(".")
-            message = copy
-            for parent in parents:
-                message = getattr(message, parent)
-            setattr(message, name, value)
-        request = copy
+    if not respelled:
+        return RequestDigest(as_sent, as_sent)
+    copy = type(request)()
+    copy.CopyFrom(request)
+    for path, value in respelled.items():
+        *parents, name = path.split(".")
+        message = copy
+        for parent in parents:
+            message = getattr(message, parent)
+        setattr(message, name, value)
+    return RequestDigest(_sha256(copy), as_sent)
+
+
+def _sha256(request: Any) -> str:
     return hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
 
 

@@ -7,7 +7,14 @@ from uuid import UUID
 
 from ..core.errors import InvalidFieldError
 
-__all__ = ["recall_response", "remember_response"]
+__all__ = ["recall_response", "remember_response", "same_request"]
+
+
+def same_request(stored: str, digest: str) -> bool:
+    """Whether a stored request hash is `digest`'s request: its canonical hash, or (an
+    api/request_hash.py RequestDigest) the hash of its bytes as sent, which a version
+    before canonical ids stored (that module's Rule 3)."""
+    return stored == digest or stored == getattr(digest, "as_sent", digest)
 
 
 async def recall_response(
@@ -30,7 +37,7 @@ async def recall_response(
     )
     if row is None:
         return None
-    if row["operation"] != operation or row["request_sha256"] != request_sha256:
+    if row["operation"] != operation or not same_request(row["request_sha256"], request_sha256):
         raise InvalidFieldError(
             "idempotency key was already used for a different request",
             field="idempotency_key",

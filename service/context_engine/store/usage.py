@@ -15,6 +15,7 @@ from uuid import UUID
 
 from ..core.errors import InvalidFieldError
 from ..core.estimator import Correction
+from .idempotency import same_request
 
 __all__ = [
     "ReportContext",
@@ -125,14 +126,14 @@ _REPORT_CONTEXT = (
     "WITH req AS (SELECT e.payload, coalesce((e.payload->>'epoch')::bigint, 0) AS epoch,"
     "  e.run_id FROM session_events e WHERE e.tenant_id = $1 AND e.session_id = $2"
     "  AND e.sequence = $3 AND e.type = 'model.request.started'),"
-    # Each max() an index scan backward on session_events_by_type: the run's previous
-    # request is almost always the session's latest one before it, and none lies before
-    # the run's seed (which bounds the scan for a run's first request).
+    # Each max() one backward index read (session_events_requests_by_run, then
+    # session_events_by_type), not a join: PostgreSQL reads a max() so only without one,
+    # and with `req` joined it read every earlier request of the run (a review: 9 ms at
+    # 10,000, 41 ms at 50,000, under the session lock).
     " preceding AS (SELECT coalesce("
-    "  (SELECT max(b.sequence) FROM session_events b, req WHERE b.tenant_id = $1"
+    "  (SELECT max(b.sequence) FROM session_events b WHERE b.tenant_id = $1"
     "   AND b.session_id = $2 AND b.type = 'model.request.started' AND b.sequence < $3"
-    "   AND b.run_id = req.run_id AND b.sequence > coalesce((SELECT r.seed_event_sequence"
-    "    FROM runs r WHERE r.tenant_id = $1 AND r.run_id = req.run_id), 0)),"
+    "   AND b.run_id = (SELECT req.run_id FROM req)),"
     "  (SELECT max(b.sequence) FROM session_events b WHERE b.tenant_id = $1"
     "   AND b.session_id = $2 AND b.type = 'model.request.started' AND b.sequence < $3)"
     " ) AS sequence)"
@@ -172,7 +173,9 @@ async def read_report_context(
         InvalidFieldError: IDEMPOTENCY_KEY_REUSED when the key came with another report.
     """
     row = await conn.fetchrow(_REPORT_CONTEXT, tenant_id, session_id, request_sequence, key)
-    if row["request_sha256"] is not None and row["request_sha256"] != request_sha256:
+    if row["request_sha256"] is not None and not same_request(
+        row["request_sha256"], request_sha256
+    ):
         raise InvalidFieldError(
             "this request's usage was already reported under this idempotency key with"
             " different figures",
