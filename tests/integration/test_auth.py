@@ -615,6 +615,14 @@ async def test_the_size_limit_measures_the_request_as_sent(pool: Any) -> None:
         await running.stop(0)
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes([*out, n])
+
+
 async def test_oversize_request_is_resource_exhausted_and_writes_nothing(pool: Any) -> None:
     limit = 64 * 1024
     running = await build_server(build_engine(pool), "127.0.0.1:0", max_message_bytes=limit)
@@ -638,6 +646,19 @@ async def test_oversize_request_is_resource_exhausted_and_writes_nothing(pool: A
                 assert reason == "REQUEST_TOO_LARGE"
                 assert metadata["limit_bytes"] == str(limit)
                 assert int(metadata["request_bytes"]) > limit
+        # Bytes that do not decode (a string field of invalid UTF-8) are refused for their
+        # size first, as decodable ones are; they answered INVALID_ARGUMENT (an audit).
+        raw = channel.unary_unary("/context_engine.v1.ContextEngine/AppendItems")
+        undecodable = b"\x0a" + _varint(limit + 10) + b"\xff" * (limit + 10)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await raw(undecodable)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        reason, _, metadata = details(info.value)
+        assert reason == "REQUEST_TOO_LARGE"
+        assert metadata["request_bytes"] == str(len(undecodable))
+        with pytest.raises(grpc.aio.AioRpcError) as info:  # under the limit: the decode
+            await raw(b"\x0a\x02\xff\xff")
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         # Nothing was written: version 1 is still the latest.
         ok = await stub.AppendItems(
             pb.AppendItemsRequest(

@@ -519,9 +519,9 @@ class SizeLimitInterceptor(Layer):
         limit = self._max
 
         async def limited(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            # A request that failed to decode arrives as a placeholder that measures 0 bytes:
-            # the registration answers it with INVALID_ARGUMENT after this check, over the
-            # limit or not (under twice it, where the transport refuses first).
+            # A request that failed to decode arrives as a placeholder measuring the bytes
+            # received (api/registration.py): over the limit it is refused here, like any
+            # other; under it, the registration answers INVALID_ARGUMENT.
             size = request.ByteSize() if hasattr(request, "ByteSize") else 0
             if size > limit:
                 await abort_with(

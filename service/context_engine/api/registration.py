@@ -29,14 +29,20 @@ SERVICE_NAME = "context_engine.v1.ContextEngine"
 class _Undecodable:
     """Stands in for a request that failed to decode. Interceptors that run before the
     handler see an empty message of the right type (every attribute read and write
-    delegates to one: auth fills in an empty tenant_id); the handler sees this class and
-    answers INVALID_ARGUMENT."""
+    delegates to one: auth fills in an empty tenant_id), except that it measures the bytes
+    received (ByteSize), so the size limit refuses an oversize one REQUEST_TOO_LARGE
+    first, as it does a decodable one; the handler sees this class and answers
+    INVALID_ARGUMENT."""
 
-    __slots__ = ("_empty", "message_name")
+    __slots__ = ("_empty", "_size", "message_name")
 
-    def __init__(self, cls: Any) -> None:
+    def __init__(self, cls: Any, size: int) -> None:
         object.__setattr__(self, "_empty", cls())
+        object.__setattr__(self, "_size", size)
         object.__setattr__(self, "message_name", cls.DESCRIPTOR.name)
+
+    def ByteSize(self) -> int:  # noqa: N802 (protobuf's name)
+        return int(self._size)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._empty, name)
@@ -50,7 +56,7 @@ def _decoder(cls: Any) -> Callable[[bytes], Any]:
         try:
             return cls.FromString(data)
         except (DecodeError, ValueError, RecursionError):
-            return _Undecodable(cls)
+            return _Undecodable(cls, len(data))
 
     return decode
 
