@@ -41,7 +41,7 @@ class _Undecodable:
         object.__setattr__(self, "_size", size)
         object.__setattr__(self, "message_name", cls.DESCRIPTOR.name)
 
-    def ByteSize(self) -> int:  # noqa: N802 (protobuf's name)
+    def ByteSize(self) -> int:  # protobuf's name: what the size limit reads
         return int(self._size)
 
     def __getattr__(self, name: str) -> Any:
