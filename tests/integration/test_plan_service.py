@@ -1025,6 +1025,130 @@ async def test_a_rotate_without_spec_that_cannot_carry_the_loaded_bodies_is_refu
         await wide_server.stop(0)
 
 
+def _mail_spec() -> pb.PlanSpec:
+    """_skills_spec with a large tool only a `mail.send` grant brings in."""
+    out = _skills_spec()
+    out.tools.append(
+        tool(
+            "mail.send",
+            scopes=("mail.send",),
+            description="Send an email on the owner's behalf. " + "Mind the recipients. " * 200,
+        )
+    )
+    return out
+
+
+async def test_a_plan_after_an_erasure_whose_snapshot_crowds_out_the_loaded_bodies_is_refused(
+    stub: Any, grpc_server: Any, pool: Any
+) -> None:
+    """A Plan after an erasure rotates to the snapshot it sends, which takes room from the
+    body the loaded skill bodies hold (a review: the Plan rotated, and every Build failed
+    BUDGET_EXCEEDED). It is SKILL_LIMIT naming `spec.snapshot`, and nothing rotates."""
+    count = grpc_server.engine.count_tokens_for("claude-sonnet-4-5")
+    person = f"ana-{new_id()}"
+    base = _skills_spec()
+    base.snapshot.items.add(item_id="m1", text="Ana likes nuts.", person_ids=[person])
+    probe = await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=base))
+    base.policy_cap_tokens = 8_192 + probe.plan.prefix_tokens + 2_200
+    session_id, _ = await _open(stub, base)
+    await _load(stub, session_id, "triage", _words(count, 1_300))
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    crowded = pb.PlanSpec()
+    crowded.CopyFrom(base)
+    del crowded.snapshot.items[:]
+    for n in range(20):
+        crowded.snapshot.items.add(item_id=f"m{n}", text=_words(count, 45, f"fact{n} "))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=crowded))
+    assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    reason, fields, metadata = details(caught.value)
+    assert (reason, fields, metadata["limit"]) == ("SKILL_LIMIT", ["spec.snapshot"], "body")
+    assert await _rotations(pool, session_id) == []
+    del crowded.snapshot.items[2:]  # a snapshot that leaves them room
+    replanned = await stub.Plan(
+        pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=crowded)
+    )
+    run = await _start(stub, session_id)
+    await _build(stub, session_id, run.run.run_id)
+    assert replanned.plan.epoch == 2
+
+
+async def test_a_lineage_continued_on_a_plan_that_cannot_carry_the_bodies_is_refused(
+    pool: Any,
+) -> None:
+    """A Rotate without spec measures the lineage current then; another run's lineage (a
+    grant's, with a large tool) is rebuilt when that run next builds, and was not measured:
+    the rotation was written and the Build failed BUDGET_EXCEEDED (a review). It is the
+    session's state, SKILL_LIMIT naming `session_id`, with nothing rotated; a run on a
+    lineage that fits builds."""
+    wide, wide_channel, wide_server = await _replica_with_window(pool, 200_000)
+    try:
+        count = wide_server.engine.count_tokens_for("claude-window")
+        base = _mail_spec()
+        base.model_id = "claude-window"
+        session_id, _ = await _open(wide, base)
+        await _load(wide, session_id, "triage", _words(count, 1_300))
+        granted = await _start(wide, session_id, scopes=["calendar.read", "web.read", "mail.send"])
+        other = await _start(wide, session_id, scopes=["calendar.read", "web.read", "notes.read"])
+        assert (granted.run.epoch, other.run.epoch) == (2, 3)  # two lineages, C current
+        current = await _current(wide, session_id)
+        narrow, narrow_channel, narrow_server = await _replica_with_window(
+            pool, 8_192 + current.prefix_tokens + 2_200
+        )
+        try:
+            rotated = await narrow.Rotate(
+                pb.RotateRequest(
+                    tenant_id=TENANT,
+                    session_id=session_id,
+                    from_epoch=3,
+                    reason=pb.PLAN_REASON_BUILDER_UPGRADED,
+                )
+            )
+            before = await _rotations(pool, session_id)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await _build(narrow, session_id, granted.run.run_id)
+            assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            reason, fields, metadata = details(caught.value)
+            assert (reason, fields, metadata["spec_field"]) == (
+                "SKILL_LIMIT",
+                ["session_id"],
+                "spec",
+            )
+            assert await _rotations(pool, session_id) == before  # nothing continued
+            await _build(narrow, session_id, other.run.run_id)  # its lineage fits
+            assert rotated.plan.epoch == 4
+        finally:
+            await narrow_channel.close()
+            await narrow_server.stop(0)
+    finally:
+        await wide_channel.close()
+        await wide_server.stop(0)
+
+
+async def test_a_load_is_measured_beside_every_plan_the_sessions_runs_build_on(
+    stub: Any, grpc_server: Any, pool: Any
+) -> None:
+    """A run admitted with a grant is on a lineage of its own, whose tools take room the
+    current plan leaves. LoadSkill measured the current plan only, so the body loaded and
+    that run's Builds all failed BUDGET_EXCEEDED (a review). It is SKILL_LIMIT naming
+    `body`, and nothing is loaded."""
+    count = grpc_server.engine.count_tokens_for("claude-sonnet-4-5")
+    base = _mail_spec()
+    probe = await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=base))
+    base.policy_cap_tokens = 8_192 + probe.plan.prefix_tokens + 2_200
+    session_id, _ = await _open(stub, base)
+    granted = await _start(stub, session_id, scopes=["calendar.read", "web.read", "mail.send"])
+    other = await _start(stub, session_id, scopes=["calendar.read", "web.read", "notes.read"])
+    assert (granted.run.epoch, other.run.epoch) == (2, 3)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _load(stub, session_id, "triage", _words(count, 1_300))
+    reason, fields, metadata = details(caught.value)
+    assert (reason, fields, metadata["limit"]) == ("SKILL_LIMIT", ["body"], "body")
+    assert await _events(pool, session_id, "skill.loaded") == []
+    assert (await _load(stub, session_id, "triage", _words(count, 300))).newly_loaded
+    await _build(stub, session_id, granted.run.run_id)
+
+
 async def test_a_body_is_held_to_the_cap_as_build_sends_it(
     stub: Any, grpc_server: Any, pool: Any
 ) -> None:

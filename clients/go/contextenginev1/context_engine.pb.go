@@ -592,9 +592,11 @@ const (
 	// compact), or StartRun's run_id is taken.
 	ErrorReason_ERROR_REASON_RUN_STATE ErrorReason = 14
 	// A third skill load, or skill bodies over their class cap or what the plan's body
-	// holds beside its runtime row (LoadSkill, naming body; a Rotate whose spec's plan
-	// cannot carry the loaded bodies, naming spec, or session_id without a spec; a StartRun
-	// whose admission's plan cannot, naming admission).
+	// holds beside its runtime row (LoadSkill, naming body, for every plan the session's
+	// runs build on). Every rotation is measured against the loaded bodies: a Rotate whose
+	// spec's plan cannot carry them names spec; the pinned spec rebuilt (a Rotate without a
+	// spec, a lineage continued at Build or a child's StartRun) names session_id; a StartRun
+	// admission names admission; a Plan after an erasure names spec.snapshot.
 	ErrorReason_ERROR_REASON_SKILL_LIMIT ErrorReason = 15
 	// The skill is not in the plan's pinned catalog.
 	ErrorReason_ERROR_REASON_SKILL_NOT_IN_CATALOG ErrorReason = 16
@@ -5698,8 +5700,8 @@ type LoadSkillRequest struct {
 	Name string `protobuf:"bytes,3,opt,name=name,proto3" json:"name,omitempty"`
 	// The skill's full instructions. With the bodies loaded before, at most 6,000 tokens in
 	// the largest form Build can send it in (escaped bare, or enveloped at a lower trust a
-	// Rotate may give its entry), and no more than the plan's body holds beside the runtime
-	// row; over either, SKILL_LIMIT naming this field.
+	// Rotate may give its entry), and no more than the body of each plan the session's runs
+	// build on holds beside the runtime row; over either, SKILL_LIMIT naming this field.
 	Body string `protobuf:"bytes,4,opt,name=body,proto3" json:"body,omitempty"`
 	// Trust of the body as the worker knows it. The body takes the less trusted of this and
 	// its catalog entry's trust (a load can lower trust, never raise it); unspecified keeps

@@ -39,7 +39,8 @@ type ContextEngineClient interface {
 	// succeeds; the others get ABORTED. A retry with the rotation's idempotency_key answers
 	// with the plan it made. A spec whose plan cannot carry the session's loaded skill bodies
 	// (they never yield) is SKILL_LIMIT naming spec, and nothing is written; without a spec,
-	// the pinned spec rebuilt so is SKILL_LIMIT naming session_id.
+	// the pinned spec rebuilt so is SKILL_LIMIT naming session_id (as is another lineage
+	// continued so when its run next builds).
 	Rotate(ctx context.Context, in *RotateRequest, opts ...grpc.CallOption) (*RotateResponse, error)
 	// Starts a run (one turn). A top-level run appends its user.message.created event and
 	// pins seed_event_sequence to that event's sequence in the same transaction; a child run
@@ -260,7 +261,8 @@ type ContextEngineServer interface {
 	// succeeds; the others get ABORTED. A retry with the rotation's idempotency_key answers
 	// with the plan it made. A spec whose plan cannot carry the session's loaded skill bodies
 	// (they never yield) is SKILL_LIMIT naming spec, and nothing is written; without a spec,
-	// the pinned spec rebuilt so is SKILL_LIMIT naming session_id.
+	// the pinned spec rebuilt so is SKILL_LIMIT naming session_id (as is another lineage
+	// continued so when its run next builds).
 	Rotate(context.Context, *RotateRequest) (*RotateResponse, error)
 	// Starts a run (one turn). A top-level run appends its user.message.created event and
 	// pins seed_event_sequence to that event's sequence in the same transaction; a child run

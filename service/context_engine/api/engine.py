@@ -330,6 +330,13 @@ class Engine:
             except RequestError as exc:
                 # The caller's spec made a plan (candidate): the pinned rest is at fault.
                 raise _as_state(exc, "with the snapshot sent after an erasure") from None
+            try:
+                # A larger snapshot takes room the loaded bodies hold (they never yield).
+                await skills_api.check_loaded_fit(self, conn, tenant, session_id, rotated)
+            except RequestError as exc:
+                raise PreconditionError(
+                    exc.message, field="spec.snapshot", reason=exc.reason, metadata=exc.metadata
+                ) from None
         # Its response says created=false, so only this call knows it started an epoch.
         _count_rotation(rotated)
         return rotated, False, _same_meaning(rotated.spec, spec)
@@ -731,7 +738,7 @@ class Engine:
                 # have) failed every Build of the lineage, which stayed behind (an audit).
                 reason = PlanReason.BUILDER_UPGRADED
         current = await plans.lineage_of(conn, tenant, session_id, epoch)
-        return await self._rotate_locked(
+        continued = await self._rotate_locked(
             conn,
             tenant,
             session_id,
@@ -741,6 +748,11 @@ class Engine:
             f"lineage {head.lineage} {detail}",
             makes_current=head.lineage == current,
         )
+        # A sweep measured only the lineage current then (Engine.rotate): this one's plan,
+        # rebuilt now (a grant's tools, this replica's registry), must carry the loaded
+        # bodies too, or its Builds would fail after the rotation was written (a review).
+        await skills_api.check_loaded_fit(self, conn, tenant, session_id, continued)
+        return continued
 
     async def _bring_up_to_date(
         self, tenant: str, session_id: UUID, run_id: UUID

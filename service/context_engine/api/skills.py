@@ -21,7 +21,7 @@ context.requests.redacted per affected session.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
@@ -111,6 +111,13 @@ async def load_skill(
         )
         room = skill_room(current.plan, current.spec, count, factor)
         admit_tokens(loaded, skill, room, factor)
+        # And beside every plan a run of the session builds on: a run admitted with a grant
+        # is on a lineage of its own, whose tools take room the current plan leaves (a
+        # review: such a run's Builds all failed after the load).
+        for epoch in await runs.epochs_built_on(conn, tenant, session_id):
+            if epoch != current.plan.epoch:
+                other = await plans.read_plan(conn, tenant, session_id, epoch)
+                await _admit_beside(engine, conn, tenant, other, loaded, skill)
         payload = {
             "name": name,
             "version": version,
@@ -126,6 +133,36 @@ async def load_skill(
             conn, tenant, session_id, len(loaded), skill, run_id, sequence
         )
     return [*names, name], True
+
+
+async def _admit_beside(
+    engine: Engine,
+    conn: Any,
+    tenant: str,
+    stored: plans.StoredPlan,
+    loaded: Sequence[LoadedSkill],
+    skill: LoadedSkill,
+) -> None:
+    """admit_tokens for `skill` beside `loaded`, all measured with `stored`'s counter and
+    costed in its room, as that plan's Builds would pay them.
+
+    Raises:
+        PreconditionError: SKILL_LIMIT naming `body`.
+    """
+    plan = stored.plan
+    count = engine.count_tokens_for(plan.model_id)
+    held = [await _measured(s, stored.secret, count) for s in loaded]
+    new = await _measured(skill, stored.secret, count)
+    factor = await usage_api.pinned_factor(conn, tenant, plan.model_id, engine.tokenizer_of)
+    admit_tokens(held, new, skill_room(plan, stored.spec, count, factor), factor)
+
+
+async def _measured(skill: LoadedSkill, secret: bytes, count: Callable[[str], int]) -> LoadedSkill:
+    """`skill` with its tokens measured again under a plan's secret and counter."""
+    tokens = await asyncio.to_thread(
+        _body_tokens, skill.name, skill.version, skill.body, skill.trust, secret, count
+    )
+    return replace(skill, tokens=tokens)
 
 
 async def check_loaded_fit(
@@ -146,15 +183,7 @@ async def check_loaded_fit(
         return
     plan = stored.plan
     count = engine.count_tokens_for(plan.model_id)
-    measured = [
-        replace(
-            s,
-            tokens=await asyncio.to_thread(
-                _body_tokens, s.name, s.version, s.body, s.trust, stored.secret, count
-            ),
-        )
-        for s in loaded
-    ]
+    measured = [await _measured(s, stored.secret, count) for s in loaded]
     factor = await usage_api.pinned_factor(conn, tenant, plan.model_id, engine.tokenizer_of)
     still_fit(measured, skill_room(plan, stored.spec, count, factor), factor)
 

@@ -179,7 +179,8 @@ class ContextEngineServicer:
         succeeds; the others get ABORTED. A retry with the rotation's idempotency_key answers
         with the plan it made. A spec whose plan cannot carry the session's loaded skill bodies
         (they never yield) is SKILL_LIMIT naming spec, and nothing is written; without a spec,
-        the pinned spec rebuilt so is SKILL_LIMIT naming session_id.
+        the pinned spec rebuilt so is SKILL_LIMIT naming session_id (as is another lineage
+        continued so when its run next builds).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
