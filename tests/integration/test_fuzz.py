@@ -651,10 +651,10 @@ def _mutated(
 def _expected(method: str, payload: bytes, auth: bool) -> set[grpc.StatusCode] | None:
     """The answers an input must get when it is pinned down (None: any proper status):
     over twice the limit the transport refuses it, over the limit the size interceptor
-    does (before auth: it measures the request as sent); with auth, a decodable message
-    naming another tenant is PERMISSION_DENIED; a string of invalid UTF-8 does not
-    decode."""
-    if len(payload) > 2 * MAX_REQUEST_BYTES:
+    does (before auth, and whether or not it decodes: it measures the bytes as sent);
+    with auth, a decodable message naming another tenant is PERMISSION_DENIED; a string
+    of invalid UTF-8 does not decode."""
+    if len(payload) > MAX_REQUEST_BYTES:
         return {grpc.StatusCode.RESOURCE_EXHAUSTED}
     if _BAD_UTF8 in payload:
         return {grpc.StatusCode.INVALID_ARGUMENT}
@@ -663,8 +663,6 @@ def _expected(method: str, payload: bytes, auth: bool) -> set[grpc.StatusCode] |
         message.ParseFromString(payload)
     except DecodeError:
         return {grpc.StatusCode.INVALID_ARGUMENT}
-    if len(payload) > MAX_REQUEST_BYTES:
-        return {grpc.StatusCode.RESOURCE_EXHAUSTED}
     other = getattr(message, "tenant_id", "") not in ("", TENANT)
     if auth and other:
         return {grpc.StatusCode.PERMISSION_DENIED}

@@ -1025,7 +1025,7 @@ async def test_a_rotate_without_spec_that_cannot_carry_the_loaded_bodies_is_refu
         await wide_server.stop(0)
 
 
-def _mail_spec() -> pb.PlanSpec:
+def _skills_mail_spec() -> pb.PlanSpec:
     """_skills_spec with a large tool only a `mail.send` grant brings in."""
     out = _skills_spec()
     out.tools.append(
@@ -1084,7 +1084,7 @@ async def test_a_lineage_continued_on_a_plan_that_cannot_carry_the_bodies_is_ref
     wide, wide_channel, wide_server = await _replica_with_window(pool, 200_000)
     try:
         count = wide_server.engine.count_tokens_for("claude-window")
-        base = _mail_spec()
+        base = _skills_mail_spec()
         base.model_id = "claude-window"
         session_id, _ = await _open(wide, base)
         await _load(wide, session_id, "triage", _words(count, 1_300))
@@ -1133,7 +1133,7 @@ async def test_a_load_is_measured_beside_every_plan_the_sessions_runs_build_on(
     that run's Builds all failed BUDGET_EXCEEDED (a review). It is SKILL_LIMIT naming
     `body`, and nothing is loaded."""
     count = grpc_server.engine.count_tokens_for("claude-sonnet-4-5")
-    base = _mail_spec()
+    base = _skills_mail_spec()
     probe = await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=base))
     base.policy_cap_tokens = 8_192 + probe.plan.prefix_tokens + 2_200
     session_id, _ = await _open(stub, base)
