@@ -385,6 +385,23 @@ async def test_an_offer_whose_answer_is_lost_is_recorded_once(
     assert await _events(pool, session.session_id, "memory.fact_candidates.offered") == 1
 
 
+async def test_a_build_whose_answer_is_lost_is_not_resent_by_the_channel(
+    proxied: tuple[AnswerDroppingProxy, Any], pool: Any
+) -> None:
+    """A Build whose answer was lost was recorded; the channel's retry policy resent it,
+    recording a second request the worker never saw, which no usage is reported for (a
+    review). Build has no retry policy: the caller sees UNAVAILABLE, one request recorded."""
+    proxy, client = proxied
+    session = await client.open_session(_spec())
+    run = await session.start_run("Trains to Lyon?")
+    proxy.armed = True
+    with pytest.raises(ContextEngineError) as lost:
+        await run.build()
+    assert proxy.dropped == 1 and lost.value.code.name == "UNAVAILABLE"
+    assert await _events(pool, session.session_id, "model.request.started") == 1
+    assert (await run.build()).request_sequence > 0  # a Build of one's own still goes
+
+
 # --- the rest of the wrapper --------------------------------------------------------------
 
 RESERVE = 1024

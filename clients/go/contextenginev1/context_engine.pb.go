@@ -7362,7 +7362,9 @@ type FactCandidate struct {
 	Fact *Fact `protobuf:"bytes,1,opt,name=fact,proto3" json:"fact,omitempty"`
 	// Authority it enters formation at ("AFFIRMED").
 	Authority string `protobuf:"bytes,2,opt,name=authority,proto3" json:"authority,omitempty"`
-	// The run whose working state held it last.
+	// The session's most recently started top-level run (empty before any): the candidates
+	// are read from the working state the session carries into its next run, not from the
+	// run that wrote each fact, which may be an earlier one.
 	RunId string `protobuf:"bytes,3,opt,name=run_id,json=runId,proto3" json:"run_id,omitempty"`
 }
 

@@ -102,9 +102,12 @@ export const LOAD_OPTIONS: protoLoader.Options = {
   includeDirs: [PROTO_DIR],
 };
 
-// Transparent retries of UNAVAILABLE only, for every method: the wrapper's keyed writes
-// carry an idempotency key (Rule 2); a raw `call` of a keyed write must set one itself.
-// DEADLINE_EXCEEDED is not retried: the caller's deadline is spent.
+// Transparent retries of UNAVAILABLE only, for every method but Build: the wrapper's keyed
+// writes carry an idempotency key (Rule 2); a raw `call` of a keyed write must set one
+// itself. A Build whose answer was lost may have been recorded, and a resend records
+// another request, which no usage is reported for (the tool loop does not build again
+// after UNAVAILABLE): Build's own entry, which a method's name makes the one that applies,
+// has no retry policy. DEADLINE_EXCEEDED is not retried: the caller's deadline is spent.
 const SERVICE_CONFIG = JSON.stringify({
   methodConfig: [
     {
@@ -117,6 +120,7 @@ const SERVICE_CONFIG = JSON.stringify({
         retryableStatusCodes: ['UNAVAILABLE'],
       },
     },
+    { name: [{ service: SERVICE, method: 'Build' }] },
   ],
 });
 

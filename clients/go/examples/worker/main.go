@@ -25,8 +25,8 @@
 //     refuses a build that has any (payloadToSend).
 //   - Tool names: providers accept [A-Za-z0-9_-] only, so the model answers with wire
 //     names ("web-fetch" for "web.fetch"). Map them back to the plan's names (toolName)
-//     before AppendItems: a call logged under its wire name is a second tool with the
-//     same wire name, and the next Build fails TOOL_NAME_COLLISION.
+//     before AppendItems: a call logged under its wire name names a tool the plan does
+//     not have, so the log reads another name than the model was offered.
 //   - Usage: after appending the model's output, ReportUsage with what the provider
 //     counted, under a key derived from the build ("usage:<session>:<request_sequence>",
 //     as the Python and TypeScript clients make it), so a resend counts once. A report
@@ -70,12 +70,15 @@ import (
 	cev1 "github.com/context-engine/context-engine/clients/go/contextenginev1"
 )
 
-// serviceConfig retries UNAVAILABLE (nothing else) on every method, as the Python and
-// TypeScript clients' channels do. grpc-go 1.33 applies it only when the process starts
-// with GRPC_GO_RETRY=on in its environment (read once, at package initialization: an
-// os.Setenv in main is too late); without it the policy is parsed and ignored. A resend is
-// safe for the keyed writes because each carries an idempotency key (docs/api.md, Retries).
-// DEADLINE_EXCEEDED is not retried: the call's deadline is spent.
+// serviceConfig retries UNAVAILABLE (nothing else) on every method but Build, as the
+// Python and TypeScript clients' channels do. grpc-go 1.33 applies it only when the process
+// starts with GRPC_GO_RETRY=on in its environment (read once, at package initialization:
+// an os.Setenv in main is too late); without it the policy is parsed and ignored. A resend
+// is safe for the keyed writes because each carries an idempotency key (docs/api.md,
+// Retries). A Build whose answer was lost may have been recorded, and a resend records
+// another request no usage is reported for: Build's own entry, which its method name makes
+// the one that applies, has no retry policy. DEADLINE_EXCEEDED is not retried: the call's
+// deadline is spent.
 const serviceConfig = `{"methodConfig": [{
   "name": [{"service": "context_engine.v1.ContextEngine"}],
   "retryPolicy": {
@@ -85,6 +88,8 @@ const serviceConfig = `{"methodConfig": [{
     "backoffMultiplier": 2,
     "retryableStatusCodes": ["UNAVAILABLE"]
   }
+}, {
+  "name": [{"service": "context_engine.v1.ContextEngine", "method": "Build"}]
 }]}`
 
 // maxWireName is the longest tool name the providers accept (OpenAI's 64).

@@ -63,9 +63,13 @@ __all__ = [
 ]
 
 SERVICE = "context_engine.v1.ContextEngine"
-# Transparent retries of UNAVAILABLE only, for every method: the wrapper's keyed writes
-# carry an idempotency key (Rule 2); a raw `call` of a keyed write must set one itself.
-# DEADLINE_EXCEEDED is not retried: the caller's deadline is spent.
+# Transparent retries of UNAVAILABLE only, for every method but Build: the wrapper's keyed
+# writes carry an idempotency key (Rule 2); a raw `call` of a keyed write must set one
+# itself. A Build whose answer was lost may have been recorded, and a resend records
+# another request, which no usage is reported for (Run.build says so, and the tool loops
+# do not build again after UNAVAILABLE): Build's own entry, which a method's name makes
+# the one that applies, has no retry policy (grpc still resends a call that never left
+# the client). DEADLINE_EXCEEDED is not retried: the caller's deadline is spent.
 _SERVICE_CONFIG = json.dumps(
     {
         "methodConfig": [
@@ -78,7 +82,8 @@ _SERVICE_CONFIG = json.dumps(
                     "backoffMultiplier": 2,
                     "retryableStatusCodes": ["UNAVAILABLE"],
                 },
-            }
+            },
+            {"name": [{"service": SERVICE, "method": "Build"}]},
         ]
     }
 )
