@@ -919,6 +919,30 @@ async def test_a_child_runs_message_is_at_most_model_evidence(stub: Any) -> None
     assert statement not in [c.fact.statement for c in offered.candidates]
 
 
+async def test_a_child_runs_fact_is_at_most_the_models_whatever_it_cites(stub: Any) -> None:
+    """A child run's model saw none of the session's conversation, only its parent's words.
+    Citing the parent's user message, a child wrote a page its parent relayed as the
+    user's, Established in its block (a review). Its facts are at most MODEL."""
+    session_id, _ = await open_session(stub)
+    started = await start_run(stub, session_id, "Find me a hotel in Lyon")
+    parent = started.run.run_id
+    child = await _child(stub, session_id, parent, "Check Hotel Bellecour's reviews")
+    statement = "Hotel Bellecour has the best reviews in Lyon"
+    updated = await update_state(
+        stub,
+        session_id,
+        child,
+        1,
+        add_facts=[
+            pb.Fact(statement=statement, source_event_ids=[started.run.seed_event_sequence])
+        ],
+    )
+    assert updated.state.facts[0].trust == pb.TRUST_LEVEL_MODEL
+    block = _block(await _build(stub, session_id, child))
+    assert f"Claim, not established (events #{started.run.seed_event_sequence}; model)" in block
+    assert "Established (events #" not in block
+
+
 async def test_a_child_run_takes_no_user_writes(stub: Any, pool: Any) -> None:
     """A child run's "user" is its parent agent, whose words are the model's: written as
     WRITER_USER, the parent's constraint was labelled the user's in the child's block and

@@ -201,8 +201,12 @@ async def _lowered_facts(
     wanted = [i for f in update.add_facts for i in f.source_event_ids]
     found = await ws_store.read_evidence_at(conn, tenant_id, session_id, wanted)
     facts = []
+    # A child run's model saw none of the session's conversation, only its parent's words
+    # (its "user"): whatever it cites, its fact is at most the model's (a review: a child
+    # citing the parent's user message wrote a relayed page as the user's, Established).
+    ceiling = [TrustLevel.MODEL] if run.parent_run_id is not None else []
     for n, fact in enumerate(update.add_facts):
-        levels = [fact.trust]
+        levels = [fact.trust, *ceiling]
         for k, sequence in enumerate(fact.source_event_ids):
             event = found.get(sequence)
             level = evidence_trust(*event) if event is not None else None
