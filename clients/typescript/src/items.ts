@@ -134,8 +134,16 @@ export interface Usage {
   cacheCreationInputTokens?: number;
 }
 
-/** From an Anthropic Messages response's `usage` object. */
-export function usageFromAnthropic(usage: Record<string, number | undefined>): Usage {
+/**
+ * From an Anthropic Messages response's `usage` object: the SDK's `Usage` type is taken as
+ * it is (its counts nullable; an index signature would refuse an interface without one).
+ */
+export function usageFromAnthropic(usage: {
+  input_tokens?: number | null;
+  output_tokens?: number | null;
+  cache_read_input_tokens?: number | null;
+  cache_creation_input_tokens?: number | null;
+}): Usage {
   return {
     inputTokens: usage.input_tokens ?? 0,
     outputTokens: usage.output_tokens ?? 0,
@@ -146,9 +154,9 @@ export function usageFromAnthropic(usage: Record<string, number | undefined>): U
 
 /** From an OpenAI Responses response's `usage` object. */
 export function usageFromOpenAI(usage: {
-  input_tokens?: number;
-  output_tokens?: number;
-  input_tokens_details?: { cached_tokens?: number };
+  input_tokens?: number | null;
+  output_tokens?: number | null;
+  input_tokens_details?: { cached_tokens?: number | null } | null;
 }): Usage {
   const cached = usage.input_tokens_details?.cached_tokens ?? 0;
   return {

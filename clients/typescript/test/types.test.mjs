@@ -19,7 +19,7 @@ import { fileURLToPath } from 'node:url';
 
 const PACKAGE = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..');
 
-const MISUSE = `import { ContextEngineClient, type ConversationItem, type PlanSpec } from '@context-engine/client';
+const MISUSE = `import { ContextEngineClient, type ConversationItem, type PlanSpec, usageFromAnthropic } from '@context-engine/client';
 
 const engine = new ContextEngineClient({ target: '127.0.0.1:50051', tenantId: 'acme' });
 // @ts-expect-error: the field is model_id (the proto's snake_case names).
@@ -32,7 +32,17 @@ const epoch: string = session.plan.epoch;
 // @ts-expect-error: rotate takes a PlanReason name.
 await session.rotate('AGENT_CHANGED');
 await session.rotate('PLAN_REASON_AGENT_CHANGED', { idempotencyKey: 'rotate-1' });
-export { item, epoch, misspelled };
+// The Anthropic SDK's Usage as it is: an interface (no index signature), counts nullable.
+interface SdkUsage {
+  input_tokens: number;
+  output_tokens: number;
+  cache_read_input_tokens: number | null;
+  cache_creation_input_tokens: number | null;
+  server_tool_use: { web_search_requests: number } | null;
+}
+declare const sdkUsage: SdkUsage;
+const reported = usageFromAnthropic(sdkUsage);
+export { item, epoch, misspelled, reported };
 `;
 
 /** The first ```ts block of the package's README. */
