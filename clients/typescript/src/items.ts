@@ -69,6 +69,16 @@ function attribution(source: string): string {
     : source;
 }
 
+// Half a surrogate pair: what `.slice()` leaves when it cuts an emoji in two (an output cut
+// to an excerpt, say). protobufjs encodes it as invalid UTF-8, and the engine refuses the
+// whole request as undecodable, naming no field (a review); TextEncoder sends U+FFFD for
+// it, and so does toolResult. Python cannot cut a code point in two.
+const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/g;
+
+function wellFormed(text: string): string {
+  return text.replace(LONE_SURROGATE, '\uFFFD');
+}
+
 export function toolResult(
   callId: string,
   name: string,
@@ -80,14 +90,14 @@ export function toolResult(
     tool_result: {
       call_id: callId,
       tool_name: name,
-      content,
+      content: wellFormed(content),
       trust: opts.trust ?? 'TRUST_LEVEL_EXTERNAL_UNTRUSTED',
       // An empty source too, as in Python; an empty name takes its call's on the server,
       // which then names the source by it.
       source: attribution(opts.source || (name ? `tool:${name}` : '')),
       is_error: opts.isError ?? false,
       artifact_ref: opts.artifactRef ?? '',
-      context_content: opts.contextContent ?? '',
+      context_content: wellFormed(opts.contextContent ?? ''),
     },
   };
 }

@@ -94,6 +94,21 @@ test('plan, run, tool pair, two builds: one prefix, same bytes', async () => {
   assert.ok(kinds.indexOf('tool_call') < kinds.indexOf('tool_result'));
 });
 
+test('a result cut through an emoji is sent, its half pair as U+FFFD', async () => {
+  // '🚄' is a surrogate pair; slice(0, 3) keeps 'ab' and its first half only. Encoded as
+  // it was, the request did not decode and the engine refused it naming no field.
+  const cut = 'ab🚄 08:04'.slice(0, 3);
+  const session = await engine.openSession(spec);
+  const run = await session.startRun('Trains?');
+  await run.append([
+    toolCall('call-1', 'web.fetch', { url: 'https://trains.example' }),
+    toolResult('call-1', 'web.fetch', 'ab🚄 08:04', { contextContent: cut }),
+  ]);
+  const built = await run.build({ now: NOW });
+  const results = built.request.messages.flatMap((m) => m.blocks).filter((b) => b.tool_result);
+  assert.ok(results[0].tool_result.content.includes('ab\uFFFD'));
+});
+
 test('attachments are placed beside their message in the payload', async () => {
   const session = await engine.openSession(spec);
   const run = await session.startRun('What is in this picture?', {
