@@ -316,6 +316,36 @@ def test_constraints_that_alone_overflow_the_block_fail() -> None:
     assert render_block(state, secret=SECRET, count_tokens=count_tokens) is not None
 
 
+def test_a_state_carried_over_the_block_may_shrink_but_not_grow() -> None:
+    """Two overlapping runs' constraints, each admitted, carry over the block together;
+    clearing the next action or restating the objective, which grow nothing, were refused
+    WORKING_STATE_CAP (a review). They pass; anything that grows the block still fails."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa " * 12
+    log = [
+        LoggedUpdate(
+            10 + n,
+            f"run-{tag}",
+            Writer.USER,
+            WorkingStateUpdate(
+                objective="Plan the offsite",
+                add_constraints=tuple(f"{tag} rule {k}: {words}" for k in range(5)),
+                next_action="look",
+            ),
+        )
+        for n, tag in enumerate("AB")
+    ]
+    carried = carry(log)
+    assert len(carried.constraints) == 10
+    cleared = _update(Writer.USER, carried, WorkingStateUpdate(next_action=""), 20)
+    assert cleared.next_action is None or not cleared.next_action.text
+    restated = _update(Writer.USER, cleared, WorkingStateUpdate(objective="Plan the offsite"), 21)
+    assert restated.objective is not None
+    with pytest.raises(PreconditionError) as refused:
+        _update(Writer.USER, restated, WorkingStateUpdate(next_action="book the venue now"), 22)
+    assert _reason(refused) == "WORKING_STATE_CAP"
+    assert refused.value.field == "update.next_action"
+
+
 # --- bounds and eviction (property) -------------------------------------------------------
 
 _POOL = [f"entry {n}" for n in range(30)]

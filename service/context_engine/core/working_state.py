@@ -780,7 +780,9 @@ def apply_update(
     """Apply one typed transition. All or nothing: on any error the state is unchanged.
 
     With `count_tokens`, a transition that grows the never-hiding part of the block
-    (objective, constraints, next_action) past BLOCK_TOKENS fails. `folding` (the log fold,
+    (objective, constraints, next_action) past BLOCK_TOKENS fails; one that leaves it over
+    the cap but no larger passes (a state two overlapping runs carried over it: clearing
+    the next action or restating the objective was refused, a review). `folding` (the log fold,
     `carry`) replays a write that was admitted: no cap or ceiling refuses its constraints
     again (Rule 6). `pending`: the questions whose ask_user call in the run awaits its
     answer, which the model may not resolve (`pending_questions`).
@@ -789,15 +791,13 @@ def apply_update(
         InvalidFieldError: a field the writer may not touch, or a malformed value.
         PreconditionError: WORKING_STATE_CAP or CONSTRAINT_PROTECTED.
     """
-    before = state.objective
+    original, before = state, state.objective
     state = _merged(state, update, _Ctx(writer, sequence, folding, pending))
     state, evicted = _bound_lists(state, _upserted(update))
     grown = [f for f in _FIXED_FIELDS if f in update.touched()]
     if count_tokens is not None and grown and not folding:
-        # With room for the longest note of what is hidden: the evictable entries must
-        # always be hideable, or one added task could make every Build of the run fail.
-        tokens = count_tokens(_render_text(_fixed_part(state), b"\0" * 32, _ALL_HIDDEN))
-        if tokens > BLOCK_TOKENS:
+        tokens = _fixed_tokens(state, count_tokens)
+        if tokens > BLOCK_TOKENS and tokens > _fixed_tokens(original, count_tokens):
             raise PreconditionError(
                 f"objective, constraints and next action alone would take {tokens} tokens;"
                 f" the working-state block holds {BLOCK_TOKENS} and they never evict",
@@ -814,6 +814,13 @@ def apply_update(
         else None
     )
     return Transition(state, evicted, superseded)
+
+
+def _fixed_tokens(state: WorkingState, count_tokens: TokenCounter) -> int:
+    """What the never-hiding part of the block costs, with room for the longest note of
+    what is hidden: the evictable entries must always be hideable, or one added task could
+    make every Build of the run fail."""
+    return count_tokens(_render_text(_fixed_part(state), b"\0" * 32, _ALL_HIDDEN))
 
 
 # --- carry ---------------------------------------------------------------------------------
