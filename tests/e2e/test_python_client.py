@@ -1074,17 +1074,28 @@ async def test_a_busy_session_is_retryable_and_the_loop_resends_and_keeps_the_an
     assert run.checkpoint_version == 3
 
 
-@pytest.mark.parametrize("reason", ["SESSION_BUSY", "EPOCH_CONFLICT"])
-async def test_a_build_refused_for_a_passing_cause_is_built_again(client: Any, reason: str) -> None:
-    """A Build refused ABORTED SESSION_BUSY (retryable) or EPOCH_CONFLICT (an erasure raced
-    it: docs/api.md says build again) wrote nothing: the loop builds once more and goes on
-    to the answer. It ended the loop on either (a client audit; the Go example rebuilt).
-    A second refusal in a row is the caller's to see."""
+@pytest.mark.parametrize(
+    ("kind", "code", "reason"),
+    [
+        (Aborted, grpc.StatusCode.ABORTED, "SESSION_BUSY"),
+        (Aborted, grpc.StatusCode.ABORTED, "EPOCH_CONFLICT"),
+        (Unavailable, grpc.StatusCode.UNAVAILABLE, "SHUTTING_DOWN"),
+    ],
+)
+async def test_a_build_refused_for_a_passing_cause_is_built_again(
+    client: Any, kind: Any, code: Any, reason: str
+) -> None:
+    """A Build refused ABORTED SESSION_BUSY (retryable), EPOCH_CONFLICT (an erasure raced
+    it: docs/api.md says build again) or UNAVAILABLE SHUTTING_DOWN (a draining replica,
+    before its handler ran; the channel does not resend a Build) wrote nothing: the loop
+    builds once more and goes on to the answer. It ended the loop on each (a client
+    audit; the Go example rebuilt; a review for the drain). A second refusal in a row is
+    the caller's to see."""
     session = await client.open_session(_spec())
     run = await session.start_run("Trains from Paris to Lyon tomorrow?")
     real_call = client.call
     builds: list[int] = []
-    refused = Aborted(grpc.StatusCode.ABORTED, "refused", reason=reason)
+    refused = kind(code, "refused", reason=reason)
 
     async def racing(method: str, request: Any, *, timeout: Any = None) -> Any:
         if method == "Build":
@@ -1104,7 +1115,7 @@ async def test_a_build_refused_for_a_passing_cause_is_built_again(client: Any, r
         return await real_call(method, request, timeout=timeout)
 
     client.call = refusing
-    with pytest.raises(Aborted) as caught:
+    with pytest.raises(kind) as caught:
         await (await session.start_run("And back?")).tool_loop(ScriptedModel(), _fetch, now=NOW)
     client.call = real_call
     assert caught.value.reason == reason

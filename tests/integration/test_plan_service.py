@@ -1125,13 +1125,13 @@ async def test_a_lineage_continued_on_a_plan_that_cannot_carry_the_bodies_is_ref
         await wide_server.stop(0)
 
 
-async def test_a_load_is_measured_beside_every_plan_the_sessions_runs_build_on(
+async def test_a_load_is_measured_beside_the_plan_its_run_builds_on(
     stub: Any, grpc_server: Any, pool: Any
 ) -> None:
     """A run admitted with a grant is on a lineage of its own, whose tools take room the
-    current plan leaves. LoadSkill measured the current plan only, so the body loaded and
-    that run's Builds all failed BUDGET_EXCEEDED (a review). It is SKILL_LIMIT naming
-    `body`, and nothing is loaded."""
+    current plan leaves. LoadSkill measured the current plan only, so a body that run
+    loaded was admitted and its Builds all failed BUDGET_EXCEEDED (a review). Named as
+    the loading run, its plan is measured too: SKILL_LIMIT naming `body`, nothing loaded."""
     count = grpc_server.engine.count_tokens_for("claude-sonnet-4-5")
     base = _skills_mail_spec()
     probe = await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=base))
@@ -1140,12 +1140,20 @@ async def test_a_load_is_measured_beside_every_plan_the_sessions_runs_build_on(
     granted = await _start(stub, session_id, scopes=["calendar.read", "web.read", "mail.send"])
     other = await _start(stub, session_id, scopes=["calendar.read", "web.read", "notes.read"])
     assert (granted.run.epoch, other.run.epoch) == (2, 3)
+    request = pb.LoadSkillRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        name="triage",
+        body=_words(count, 1_300),
+        run_id=granted.run.run_id,
+    )
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await _load(stub, session_id, "triage", _words(count, 1_300))
+        await stub.LoadSkill(request)
     reason, fields, metadata = details(caught.value)
     assert (reason, fields, metadata["limit"]) == ("SKILL_LIMIT", ["body"], "body")
     assert await _events(pool, session_id, "skill.loaded") == []
-    assert (await _load(stub, session_id, "triage", _words(count, 300))).newly_loaded
+    request.body = _words(count, 300)
+    assert (await stub.LoadSkill(request)).newly_loaded
     await _build(stub, session_id, granted.run.run_id)
 
 

@@ -592,8 +592,8 @@ const (
 	// compact), or StartRun's run_id is taken.
 	ErrorReason_ERROR_REASON_RUN_STATE ErrorReason = 14
 	// A third skill load, or skill bodies over their class cap or what the plan's body
-	// holds beside its runtime row (LoadSkill, naming body, for every plan the session's
-	// runs build on). Every rotation is measured against the loaded bodies: a Rotate whose
+	// holds beside its runtime row (LoadSkill, naming body, for the current plan and the
+	// plan the loading run builds on). Every rotation is measured against the loaded bodies: a Rotate whose
 	// spec's plan cannot carry them names spec; the pinned spec rebuilt (a Rotate without a
 	// spec, a lineage continued at Build or a child's StartRun) names session_id; a StartRun
 	// admission names admission; a Plan after an erasure names spec.snapshot.
@@ -5700,15 +5700,17 @@ type LoadSkillRequest struct {
 	Name string `protobuf:"bytes,3,opt,name=name,proto3" json:"name,omitempty"`
 	// The skill's full instructions. With the bodies loaded before, at most 6,000 tokens in
 	// the largest form Build can send it in (escaped bare, or enveloped at a lower trust a
-	// Rotate may give its entry), and no more than the body of each plan the session's runs
-	// build on holds beside the runtime row; over either, SKILL_LIMIT naming this field.
+	// Rotate may give its entry), and no more than the body of the current plan, and of the
+	// plan run_id builds on, holds beside the runtime row; over either, SKILL_LIMIT naming
+	// this field.
 	Body string `protobuf:"bytes,4,opt,name=body,proto3" json:"body,omitempty"`
 	// Trust of the body as the worker knows it. The body takes the less trusted of this and
 	// its catalog entry's trust (a load can lower trust, never raise it); unspecified keeps
 	// the entry's. PLATFORM and MODEL are refused (INVALID_FIELD). Below
 	// TRUSTED_CONFIGURATION the body renders enveloped.
 	Trust TrustLevel `protobuf:"varint,5,opt,name=trust,proto3,enum=context_engine.v1.TrustLevel" json:"trust,omitempty"`
-	// The run that loaded it (recorded on the skill.loaded event).
+	// The run that loaded it (recorded on the skill.loaded event); the body is measured
+	// beside the plan it builds on too. Empty: the session's current plan only.
 	RunId string `protobuf:"bytes,6,opt,name=run_id,json=runId,proto3" json:"run_id,omitempty"`
 }
 

@@ -251,7 +251,7 @@ function movedOn(error: unknown, request: AppendItemsRequest): number | undefine
 const APPEND_ATTEMPTS = 3;
 const APPEND_BACKOFF_MS = 200;
 // Refusals of a Build that recorded nothing: the tool loop builds once more (buildStep).
-const BUILD_AGAIN = new Set(['SESSION_BUSY', 'EPOCH_CONFLICT']);
+const BUILD_AGAIN = new Set(['SESSION_BUSY', 'EPOCH_CONFLICT', 'SHUTTING_DOWN']);
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
 
 /** Longest tool name the providers accept (OpenAI's 64; Anthropic allows 128). */
@@ -1127,9 +1127,11 @@ export class Run {
   /**
    * A tool loop's Build, built again once after a refusal that recorded nothing
    * (BUILD_AGAIN): ABORTED EPOCH_CONFLICT (an erasure invalidated the plan meanwhile:
-   * docs/api.md says build again) or SESSION_BUSY. Either ended the loop though nothing
-   * was lost (an audit). Not after UNAVAILABLE or DEADLINE_EXCEEDED: that Build may have
-   * been recorded, and another would leave it a request no usage is reported for (a review).
+   * docs/api.md says build again), SESSION_BUSY, or UNAVAILABLE SHUTTING_DOWN (a draining
+   * replica refused it before its handler ran; the channel does not resend a Build). Each
+   * ended the loop though nothing was lost (an audit). Not after any other UNAVAILABLE or
+   * DEADLINE_EXCEEDED: that Build may have been recorded, and another would leave it a
+   * request no usage is reported for (a review).
    */
   private async buildStep(opts: BuildOptions): Promise<BuildResult> {
     try {

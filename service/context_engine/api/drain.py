@@ -8,8 +8,9 @@ that queue has been worked off. After SIGTERM (health is NOT_SERVING by then):
 1. **Linger**: every call that arrives is served as usual, until none has arrived for
    QUIET seconds (clients that watch health have gone) or `linger` seconds have passed.
 2. **Refuse**: a call that still arrives gets UNAVAILABLE with ErrorInfo reason
-   SHUTTING_DOWN before its handler runs (nothing is read or written; the client's retry
-   policy retries it). Calls already running finish. Once none has been running for
+   SHUTTING_DOWN before its handler runs (nothing is read or written; the clients' retry
+   policy retries it, and their tool loops send a Build, which the policy leaves out,
+   again). Calls already running finish. Once none has been running for
    QUIET seconds, the queue behind them has been dispatched and refused too, and the
    phase ends, however many retries keep arriving (each is refused in microseconds; what
    moves a client to another replica is the listener closing, not more refusals).

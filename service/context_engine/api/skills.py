@@ -89,8 +89,11 @@ async def load_skill(
                 field="session_id",
                 reason="PLAN_NOT_FOUND",
             )
-        if run_id is not None:
-            await runs.read_run(conn, tenant, session_id, run_id)
+        head = (
+            await runs.read_run_head(conn, tenant, session_id, run_id)
+            if run_id is not None
+            else None
+        )
         current = await plans.read_plan(conn, tenant, session_id)
         loaded = await skill_store.read_loaded(conn, tenant, session_id)
         names = [s.name for s in loaded]
@@ -111,13 +114,17 @@ async def load_skill(
         )
         room = skill_room(current.plan, current.spec, count, factor)
         admit_tokens(loaded, skill, room, factor)
-        # And beside every plan a run of the session builds on: a run admitted with a grant
-        # is on a lineage of its own, whose tools take room the current plan leaves (a
-        # review: such a run's Builds all failed after the load).
-        for epoch in await runs.epochs_built_on(conn, tenant, session_id):
-            if epoch != current.plan.epoch:
-                other = await plans.read_plan(conn, tenant, session_id, epoch)
-                await _admit_beside(engine, conn, tenant, other, loaded, skill)
+        # And beside the plan the loading run builds on: a run admitted with a grant is on a
+        # lineage of its own, whose tools take room the current plan leaves (a review: the
+        # load was admitted and that run's Builds all failed). Only that run's: measuring
+        # every lineage a session ever forked cost a load seconds under the session lock
+        # after a few hundred forks, and refused loads for lineages no run builds on again
+        # or that the next Build rebuilds (another review). Another run whose lineage
+        # cannot carry the bodies fails its own Builds BUDGET_EXCEEDED, as a stale lineage
+        # does (docs/architecture.md, Epochs).
+        if head is not None and head.effective_epoch != current.plan.epoch and not head.behind:
+            own = await plans.read_plan(conn, tenant, session_id, head.effective_epoch)
+            await _admit_beside(engine, conn, tenant, own, loaded, skill)
         payload = {
             "name": name,
             "version": version,

@@ -16,7 +16,6 @@ __all__ = [
     "RUN_HEADS",
     "RunHead",
     "RunRow",
-    "epochs_built_on",
     "insert_checkpoint",
     "insert_run",
     "read_checkpoint",
@@ -191,23 +190,6 @@ _HEAD_COLUMNS = (
     " (SELECT max(w.epoch) FROM context_plans w"
     "  WHERE w.tenant_id = r.tenant_id AND w.session_id = r.session_id AND w.sweep) AS sweep"
 )
-# The plan epochs the session's runs build on ($1 tenant, $2 session), each once.
-_BUILT_ON = (
-    "SELECT DISTINCT coalesce((SELECT max(p.epoch) FROM context_plans p"
-    "  WHERE p.tenant_id = r.tenant_id AND p.session_id = r.session_id"
-    "  AND coalesce(p.lineage, p.epoch) = " + RUN_LINEAGE + "), r.epoch) AS effective"
-    " FROM runs r WHERE r.tenant_id = $1 AND r.session_id = $2 ORDER BY effective"
-)
-
-
-async def epochs_built_on(conn: Any, tenant_id: str, session_id: UUID) -> list[int]:
-    """The plan epochs the session's runs build on (each run's RunHead.effective_epoch),
-    ascending, each once: what a loaded skill body is shown beside. One statement over the
-    session's runs (runs_by_session), each an index probe as read_run_head's."""
-    rows = await conn.fetch(_BUILT_ON, tenant_id, session_id)
-    return [int(r["effective"]) for r in rows]
-
-
 # One run's head ($1 tenant, $2 run id).
 RUN_HEAD = "SELECT " + _HEAD_COLUMNS + " FROM runs r WHERE r.tenant_id = $1 AND r.run_id = $2"
 # Many runs' heads ($1 tenants, $2 run ids, pairwise), each row with `n`, the 1-based

@@ -347,19 +347,24 @@ func (w *worker) adopt(p *cev1.ContextPlan) {
 	}
 }
 
+// buildAgain names the refusals after which a Build is sent once more (worker.build).
+var buildAgain = map[string]bool{"EPOCH_CONFLICT": true, "SESSION_BUSY": true, "SHUTTING_DOWN": true}
+
 func (w *worker) build(ctx context.Context, now *timestamppb.Timestamp) (*cev1.BuildResponse, error) {
 	request := &cev1.BuildRequest{
 		TenantId: w.tenant, SessionId: w.session, RunId: w.runID, CheckpointVersion: w.version, Now: now,
 	}
-	// Built once more after a refusal that recorded nothing: ABORTED SESSION_BUSY, or
+	// Built once more after a refusal that recorded nothing: ABORTED SESSION_BUSY,
 	// EPOCH_CONFLICT (an erasure invalidated the plan while the request was built:
-	// docs/api.md says build again). Not after UNAVAILABLE or DEADLINE_EXCEEDED, which may
+	// docs/api.md says build again), or UNAVAILABLE SHUTTING_DOWN (a draining replica
+	// refused it before its handler ran; the channel does not resend a Build). Not after
+	// any other UNAVAILABLE or DEADLINE_EXCEEDED, which may
 	// come after the record: another Build would leave it a request no usage is reported
 	// for, first of its epoch in the record while the one sent is not.
 	for compactions := 0; ; compactions++ {
 		built, err := call(ctx, w.timeout, w.client.Build, request)
 		var engineErr *EngineError
-		if errors.As(err, &engineErr) && (engineErr.Reason == "EPOCH_CONFLICT" || engineErr.Reason == "SESSION_BUSY") {
+		if errors.As(err, &engineErr) && buildAgain[engineErr.Reason] {
 			built, err = call(ctx, w.timeout, w.client.Build, request)
 		}
 		if err != nil {

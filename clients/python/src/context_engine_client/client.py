@@ -186,7 +186,7 @@ def _one_loopback(target: str) -> bool:
 # deadline the attempt before it had (docs/api.md: retry with a longer deadline).
 _APPEND_ATTEMPTS = 3
 # Refusals of a Build that recorded nothing: the tool loop builds once more (_build_step).
-_BUILD_AGAIN = frozenset({"SESSION_BUSY", "EPOCH_CONFLICT"})
+_BUILD_AGAIN = frozenset({"SESSION_BUSY", "EPOCH_CONFLICT", "SHUTTING_DOWN"})
 _APPEND_BACKOFF_S = 0.2
 
 
@@ -933,9 +933,11 @@ class Run:
     ) -> BuildResult:
         """A tool loop's Build of the run's latest checkpoint, built again once after a
         refusal that recorded nothing (_BUILD_AGAIN): ABORTED EPOCH_CONFLICT (an erasure
-        invalidated the plan meanwhile: docs/api.md says build again) or SESSION_BUSY.
-        Either ended the loop though nothing was lost (an audit; the Go example builds
-        again). Not after UNAVAILABLE or DEADLINE_EXCEEDED: that Build may have been
+        invalidated the plan meanwhile: docs/api.md says build again), SESSION_BUSY, or
+        UNAVAILABLE SHUTTING_DOWN (a draining replica refused it before its handler ran;
+        the channel does not resend a Build). Each ended the loop though nothing was lost
+        (an audit; the Go example builds again). Not after any other UNAVAILABLE or
+        DEADLINE_EXCEEDED: that Build may have been
         recorded, and another would leave it a request no usage is reported for, first of
         its epoch in the record while the one sent is not (a review)."""
         try:
