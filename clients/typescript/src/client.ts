@@ -21,6 +21,7 @@ import * as protoLoader from '@grpc/proto-loader';
 
 import { unknownEnumValue } from './enums.js';
 import {
+  ClientError,
   ContextEngineError,
   DeadlineExceededError,
   InvalidArgumentError,
@@ -362,14 +363,20 @@ export class ContextEngineClient {
       callback: grpc.requestCallback<ResponseOf<K>>,
     ) => grpc.ClientUnaryCall;
     return new Promise((resolve, reject) => {
-      rpc.call(this.raw, request, metadata, { deadline }, (error, response) => {
-        if (!error) return resolve(response as ResponseOf<K>);
-        const typed = fromServiceError(error);
-        // The key a wrapper made for this write, for a resend that must reuse it.
-        const key = (request as { idempotency_key?: unknown }).idempotency_key;
-        typed.idempotencyKey = typeof key === 'string' ? key : '';
-        reject(typed);
-      });
+      try {
+        rpc.call(this.raw, request, metadata, { deadline }, (error, response) => {
+          if (!error) return resolve(response as ResponseOf<K>);
+          const typed = fromServiceError(error);
+          // The key a wrapper made for this write, for a resend that must reuse it.
+          const key = (request as { idempotency_key?: unknown }).idempotency_key;
+          typed.idempotencyKey = typeof key === 'string' ? key : '';
+          reject(typed);
+        });
+      } catch (error) {
+        // grpc-js throws before sending on a closed channel: a ClientError, as Python's
+        // client raises, not a plain Error (a review).
+        reject(new ClientError(`${method}: ${(error as Error).message}`));
+      }
     });
   }
 

@@ -13,6 +13,7 @@ import { after, before, test } from 'node:test';
 import {
   AbortedError,
   AuthError,
+  ClientError,
   BuildResult,
   ContextEngineClient,
   ContextEngineError,
@@ -92,6 +93,16 @@ test('plan, run, tool pair, two builds: one prefix, same bytes', async () => {
   assert.ok(again.requestSequence > built.requestSequence);
   const kinds = blockKinds(built);
   assert.ok(kinds.indexOf('tool_call') < kinds.indexOf('tool_result'));
+});
+
+test('a call on a closed client rejects with a ClientError', async () => {
+  // grpc-js throws before sending on a closed channel; it surfaced as a plain Error.
+  const closed = new ContextEngineClient({ target, tenantId: 't' });
+  closed.close();
+  await assert.rejects(
+    closed.call('GetPlan', { tenant_id: 't', session_id: randomUUID() }),
+    (error) => error instanceof ClientError && /GetPlan/.test(error.message),
+  );
 });
 
 test('a result cut through an emoji is sent, its half pair as U+FFFD', async () => {
