@@ -175,11 +175,11 @@ async def _measured(skill: LoadedSkill, secret: bytes, count: Callable[[str], in
 async def check_loaded_fit(
     engine: Engine, conn: Any, tenant: str, session_id: UUID, stored: plans.StoredPlan
 ) -> None:
-    """Whether the session's loaded skill bodies fit `stored`, a plan a Rotate (with a spec
-    or without) or a run's admission is about to start: each measured again with its
-    counter (in every form Build can send it in, as LoadSkill measured it) and costed at
-    the factor its Builds pin (core/skills.py still_fit). In the rotation's transaction: a
-    refusal writes nothing.
+    """Whether the session's loaded skill bodies fit `stored`, a plan a rotation is about to
+    start (a Rotate with a spec or without, a run's admission, a lineage's continuation, a
+    Plan after an erasure): each measured again with its counter (in every form Build can
+    send it in, as LoadSkill measured it) and costed at the factor its Builds pin
+    (core/skills.py still_fit). In the rotation's transaction: a refusal writes nothing.
 
     Raises:
         PreconditionError: SKILL_LIMIT naming `spec` (the engine names the session's state
