@@ -316,6 +316,36 @@ def test_constraints_that_alone_overflow_the_block_fail() -> None:
     assert render_block(state, secret=SECRET, count_tokens=count_tokens) is not None
 
 
+def test_an_entry_is_named_by_its_text_as_written_or_as_the_block_shows_it() -> None:
+    """The block shows `<` as `&lt;` and indents continuation lines; the model, sending back
+    what it read, could not remove its constraint or resolve its question (a review)."""
+    tagged, lines = "Only reply in <user> tags", "Line one\nline two"
+    state = _update(
+        Writer.MODEL, WorkingState(), WorkingStateUpdate(add_constraints=(tagged, lines))
+    )
+    state = _update(Writer.RUNTIME, state, WorkingStateUpdate(add_questions=(tagged, lines)), 11)
+    block = render_block(state, secret=SECRET, count_tokens=count_tokens)
+    assert block is not None
+    shown = ("Only reply in &lt;user> tags", "Line one\n    line two")
+    assert all(text in block.text for text in shown)
+    cleared = _update(
+        Writer.MODEL,
+        state,
+        WorkingStateUpdate(remove_constraints=shown, resolve_questions=shown),
+        12,
+    )
+    assert cleared.constraints == () and cleared.open_questions == ()
+    # The text as written still names it, and one entry is resolved once only.
+    assert (
+        not _update(Writer.MODEL, state, WorkingStateUpdate(resolve_questions=(tagged,)), 12)
+        .open_questions[0]
+        .text.startswith("Only")
+    )
+    with pytest.raises(InvalidFieldError) as twice:
+        _update(Writer.MODEL, state, WorkingStateUpdate(resolve_questions=(tagged, shown[0])), 13)
+    assert twice.value.field == "update.resolve_questions[1]"
+
+
 def test_a_state_carried_over_the_block_may_shrink_but_not_grow() -> None:
     """Two overlapping runs' constraints, each admitted, carry over the block together;
     clearing the next action or restating the objective, which grow nothing, were refused

@@ -419,7 +419,9 @@ def _remove_constraints(state: WorkingState, values: tuple[str, ...], ctx: _Ctx)
     kept = list(state.constraints)
     for n, text in enumerate(values):
         field = f"update.remove_constraints[{n}]"
-        found = next((c for c in kept if c.text == text), None)
+        found = next((c for c in kept if c.text == text), None) or next(
+            (c for c in kept if _one(c.text) == text), None
+        )
         if found is None:
             raise InvalidFieldError("no such constraint (exact text required)", field=field)
         if _outranks(found.writer, ctx.writer):
@@ -531,6 +533,15 @@ class _Written:
     trust: TrustLevel
 
 
+def _take(slots: deque[int] | None, gone: set[int]) -> int | None:
+    """The first of `slots` not taken yet (`gone`), taken; None when there is none."""
+    while slots:
+        at = slots.popleft()
+        if at not in gone:
+            return at
+    return None
+
+
 def _positions(keys: Iterable[str]) -> dict[str, deque[int]]:
     """Each key's positions in `keys`, first first: the entry a text names without a scan."""
     where: dict[str, deque[int]] = {}
@@ -606,15 +617,18 @@ def _resolve_questions(state: WorkingState, values: tuple[str, ...], ctx: _Ctx) 
     # The runtime adds and resolves in one transition (asked and answered in one append),
     # so the list may be long: find each question by its text, not by a scan.
     where = _positions(q.text for q in questions)
+    shown: dict[str, deque[int]] | None = None  # by the text as the block shows it
     gone: set[int] = set()
     for n, text in enumerate(values):
-        slots = where.get(text)
-        if not slots:
+        at = _take(where.get(text), gone)
+        if at is None:
+            shown = shown if shown is not None else _positions(_one(q.text) for q in questions)
+            at = _take(shown.get(text), gone)
+        if at is None:
             raise InvalidFieldError(
                 "no such open question (exact text required)",
                 field=f"update.resolve_questions[{n}]",
             )
-        at = slots.popleft()
         if not ctx.folding:
             _may_resolve(questions[at], ctx, n)
         gone.add(at)
