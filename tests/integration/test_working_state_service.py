@@ -11,6 +11,7 @@ from uuid import UUID
 
 import grpc
 import pytest
+from google.protobuf import json_format
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 
@@ -619,6 +620,138 @@ async def test_facts_take_the_trust_of_their_evidence_and_only_trusted_ones_are_
     )
     assert event["type"] == "memory.fact_candidates.offered"
     assert event["payload"]["offered"] == 1
+
+
+async def _start_seeded(stub: Any, session_id: str, text: str, item_id: str) -> pb.StartRunResponse:
+    """StartRun whose user message has the item id `item_id`."""
+    message = pb.UserMessage(text=text)
+    return await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=TENANT, session_id=session_id, user_message=message, seed_item_id=item_id
+        )
+    )
+
+
+def _envelope_ids(response: pb.BuildResponse) -> list[str]:
+    """The item ids the request's envelopes show the model, in order (not the framing's
+    `id="..."` that describes them)."""
+    payload = response.request.SerializeToString().decode("utf-8", "replace")
+    return re.findall(r'<(?:user|untrusted) source=\\?"[^"\\]*\\?" id=\\?"([^".\\]+)', payload)
+
+
+async def test_a_fact_cites_the_items_the_model_reads_by_their_envelope_ids(stub: Any) -> None:
+    """The model reads item ids in its envelopes, never a session sequence: the control
+    tool cites those (an audit: asked for sequences, a model could only guess, and a
+    guessed user message made its conclusion USER trust). Its input, parsed as the
+    proto's JSON, resolves each id to its event."""
+    session_id, _ = await open_session(stub)
+    started = await _start_seeded(stub, session_id, "I live in Paris", "u-1")
+    run_id, user_seq = started.run.run_id, started.run.seed_event_sequence
+    fetched = pb.ConversationItem(
+        item_id="r-1", tool_result=result("c1", "Lyon is sunny").tool_result
+    )
+    appended = await append_items(stub, session_id, run_id, 1, call("c1"), fetched)
+    shown = _envelope_ids(await _build(stub, session_id, run_id))
+    assert shown == ["u-1", "r-1"]
+    tool = (await stub.ListControlTools(pb.ListControlToolsRequest())).tools[0]
+    fact_schema = json.loads(tool.input_schema_json)["properties"]["add_facts"]["items"]
+    assert fact_schema["required"] == ["statement", "source_item_ids"]
+    model_input = {
+        "add_facts": [
+            {"statement": "The user lives in Paris", "source_item_ids": ["u-1"]},
+            {"statement": "Lyon is sunny", "source_item_ids": ["r-1", "u-1"]},
+        ]
+    }
+    update = json_format.ParseDict(model_input, pb.WorkingStateUpdate())
+    updated = await stub.UpdateWorkingState(
+        pb.UpdateWorkingStateRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            run_id=run_id,
+            expected_checkpoint_version=appended.checkpoint_version,
+            writer=pb.WRITER_MODEL,
+            update=update,
+        )
+    )
+    page_seq = appended.sequences[1]
+    facts = [
+        (list(f.source_event_ids), f.trust, list(f.source_item_ids)) for f in updated.state.facts
+    ]
+    assert facts == [
+        ([user_seq], pb.TRUST_LEVEL_USER, []),
+        ([user_seq, page_seq], pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED, []),
+    ]
+    block = _block(await _build(stub, session_id, run_id))
+    assert f"Established (events #{user_seq}): The user lives in Paris" in block
+
+
+async def test_an_item_id_names_the_runs_own_item_else_the_newest_it_carries(stub: Any) -> None:
+    """An id is unique only within its run: a worker numbering each run's items alike has
+    "u-1" in every run. A run's own item of an id is taken first, else the newest earlier
+    one it carries; a child's items and a later run's are not its to cite."""
+    session_id, _ = await open_session(stub)
+    first = await _start_seeded(stub, session_id, "Book a hotel", "u-1")
+    page = pb.ConversationItem(
+        item_id="r-9", tool_result=result("c1", "Hotel A: 90 EUR").tool_result
+    )
+    old = await append_items(stub, session_id, first.run.run_id, 1, call("c1"), page)
+    child = await _child(stub, session_id, first.run.run_id, "Compare prices")
+    note = pb.ConversationItem(item_id="n-1", user_message=pb.UserMessage(text="Hotel B: 80"))
+    await append_items(stub, session_id, child, 1, note)
+    second = await _start_seeded(stub, session_id, "I need it for two nights", "u-1")
+    run_id = second.run.run_id
+
+    versions = {run_id: 1, first.run.run_id: old.checkpoint_version}
+
+    async def cite(*ids: str, run: str = run_id) -> pb.UpdateWorkingStateResponse:
+        fact = pb.Fact(statement="It is for two nights", source_item_ids=list(ids))
+        updated = await update_state(stub, session_id, run, versions[run], add_facts=[fact])
+        versions[run] = updated.checkpoint_version
+        return updated
+
+    own = await cite("u-1", "r-9")
+    # The state keeps a fact's evidence in session order.
+    assert list(own.state.facts[0].source_event_ids) == [
+        old.sequences[1],
+        second.run.seed_event_sequence,
+    ]
+    for ids, bad in ((("u-1", "n-1"), 1), (("nope",), 0)):
+        code, reason, fields = await _refused(cite(*ids))
+        assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD")
+        assert fields == [f"update.add_facts[0].source_item_ids[{bad}]"]
+    # The first run was seeded before the second: the second's "u-1" is not its to cite.
+    earlier = await cite("u-1", run=first.run.run_id)
+    assert list(earlier.state.facts[0].source_event_ids) == [first.run.seed_event_sequence]
+
+
+@pytest.mark.parametrize(
+    ("fact", "field"),
+    [
+        (pb.Fact(statement="x", source_item_ids=[""]), "source_item_ids[0]"),
+        (pb.Fact(statement="x", source_item_ids=["a" * 201]), "source_item_ids[0]"),
+        (pb.Fact(statement="x", source_item_ids=["a", "a"]), "source_item_ids"),
+        (
+            pb.Fact(statement="x", source_event_ids=range(1, 31), source_item_ids=["a", "b", "c"]),
+            "source_item_ids",
+        ),
+        (pb.Fact(statement="x"), "source_event_ids"),
+    ],
+)
+async def test_a_facts_item_ids_are_bounded_and_one_list_is_needed(
+    stub: Any, pool: Any, fact: pb.Fact, field: str
+) -> None:
+    session_id, _ = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "hi")).run.run_id
+    before = await _writes(pool, session_id)
+    code, reason, fields = await _refused(
+        update_state(stub, session_id, run_id, 1, add_facts=[fact])
+    )
+    assert (code, reason, fields) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_FIELD",
+        [f"update.add_facts[0].{field}"],
+    )
+    assert await _writes(pool, session_id) == before
 
 
 @pytest.mark.parametrize("output", ["writer", "source_sequence"])

@@ -36,6 +36,7 @@ from context_engine.core.working_state import (
     COMPLETED,
     LIST_CAPS,
     MAX_ENTRY_CHARS,
+    MAX_FACT_SOURCES,
     MAX_TASK_ID_CHARS,
     MAX_UPDATE_ENTRIES,
     SOURCE_TRUST_OF_EVENT,
@@ -1235,7 +1236,9 @@ def test_the_control_tool_mirrors_the_typed_update() -> None:
     statuses = schema["properties"]["upsert_tasks"]["items"]["properties"]["status"]["enum"]
     assert statuses == [s.name.lower() for s in TaskStatus]
     fact = schema["properties"]["add_facts"]["items"]
-    assert fact["required"] == ["statement", "source_event_ids"]
+    # Cited by the ids the model reads in its envelopes, never a session sequence.
+    assert fact["required"] == ["statement", "source_item_ids"]
+    assert fact["properties"]["source_item_ids"]["maxItems"] == MAX_FACT_SOURCES
     json.dumps(schema)  # a JSON document, as the plan will canonicalize it
 
 
@@ -1409,7 +1412,8 @@ def _ref_add_facts(state: WorkingState, values: tuple[NewFact, ...], ctx: _Ctx) 
         _text(new.statement, f"{field}.statement")
         if not new.source_event_ids or any(i < 1 for i in new.source_event_ids):
             raise InvalidFieldError(
-                "a fact needs the session sequences of the events it rests on",
+                "a fact needs the events it rests on: source_item_ids (the ids its items'"
+                " envelopes show) or source_event_ids (their session sequences)",
                 field=f"{field}.source_event_ids",
             )
         ids = tuple(sorted(set(new.source_event_ids)))

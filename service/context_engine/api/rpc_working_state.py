@@ -52,8 +52,17 @@ __all__ = [
 CONTROL_TOOLS: tuple[ToolSpec, ...] = (UPDATE_TOOL,)
 
 
-def update_from_proto(update: pb.WorkingStateUpdate, field: str = "update") -> WorkingStateUpdate:
-    """Raises InvalidFieldError naming the field (`update.upsert_tasks[1].status`, ...).
+# Per fact of an update, in order, the item ids it cites (`Fact.source_item_ids`): the
+# model's way to name evidence, resolved to sequences under the session lock (ws_api).
+CitedItems = tuple[tuple[str, ...], ...]
+
+
+def update_from_proto(
+    update: pb.WorkingStateUpdate, field: str = "update"
+) -> tuple[WorkingStateUpdate, CitedItems]:
+    """-> (the update, the item ids each of its facts cites besides its source_event_ids).
+
+    Raises InvalidFieldError naming the field (`update.upsert_tasks[1].status`, ...).
 
     A list field longer than MAX_UPDATE_ENTRIES is refused before anything is converted.
     """
@@ -75,6 +84,7 @@ def update_from_proto(update: pb.WorkingStateUpdate, field: str = "update") -> W
         for n, t in enumerate(update.upsert_tasks)
     ]
     facts = []
+    cited: list[tuple[str, ...]] = []
     for n, f in enumerate(update.add_facts):
         path = f"{field}.add_facts[{n}]"
         for output in ("writer", "source_sequence"):
@@ -84,6 +94,12 @@ def update_from_proto(update: pb.WorkingStateUpdate, field: str = "update") -> W
                     field=f"{path}.{output}",
                 )
         check_fact_sources(f.source_event_ids, f"{path}.source_event_ids")
+        items = tuple(
+            convert.require_id(item_id, f"{path}.source_item_ids[{k}]")
+            for k, item_id in enumerate(f.source_item_ids)
+        )
+        check_fact_sources(items, f"{path}.source_item_ids", also=len(f.source_event_ids))
+        cited.append(items)
         facts.append(
             NewFact(
                 statement=f.statement,
@@ -94,7 +110,7 @@ def update_from_proto(update: pb.WorkingStateUpdate, field: str = "update") -> W
                 else TrustLevel.PLATFORM,
             )
         )
-    return WorkingStateUpdate(
+    typed = WorkingStateUpdate(
         objective=update.objective if update.HasField("objective") else None,
         remove_constraints=tuple(update.remove_constraints),
         add_constraints=tuple(update.add_constraints),
@@ -104,6 +120,7 @@ def update_from_proto(update: pb.WorkingStateUpdate, field: str = "update") -> W
         resolve_questions=tuple(update.resolve_questions),
         next_action=update.next_action if update.HasField("next_action") else None,
     )
+    return typed, tuple(cited)
 
 
 def _entry(entry: Entry) -> pb.WorkingStateEntry:
@@ -182,7 +199,7 @@ class WorkingStateRpcs:
         writer = convert.known_enum(Writer, request.writer, "writer")
         if not request.HasField("update"):
             raise InvalidFieldError("update is required", field="update")
-        update = update_from_proto(request.update)
+        update, cited = update_from_proto(request.update)
         if not update.touched():
             raise InvalidFieldError("update changes nothing", field="update")
         result = await ws_api.update_working_state(
@@ -195,6 +212,7 @@ class WorkingStateRpcs:
             update,
             convert.require_id(request.idempotency_key, "idempotency_key", required=False),
             request_sha256(request, {"session_id": session_id, "run_id": run_id}),
+            cited,
         )
         return pb.UpdateWorkingStateResponse(
             checkpoint_version=result["checkpoint_version"],

@@ -184,39 +184,48 @@ async def _lowered_facts(
     conn: Any,
     tenant_id: str,
     session_id: UUID,
+    run_id: UUID,
     run: runs.RunRow,
     checkpoint: Checkpoint,
     update: WorkingStateUpdate,
+    cited: Sequence[Sequence[str]] = (),
 ) -> WorkingStateUpdate:
-    """Each new fact's trust, lowered to the least trusted of its claim, its evidence and
-    what it quotes of the memory lines and untrusted content the run was shown that its
-    evidence does not say (`_quoted_trust`): its requests' step lines and plans' entries,
-    its own untrusted items (a fetched page, an email) and the state's claims below USER.
+    """Each new fact's evidence, the events of the item ids it cites (`cited`, one list per
+    fact) added to its source_event_ids, and its trust, lowered to the least trusted of its
+    claim, its evidence and what it quotes of the memory lines and untrusted content the
+    run was shown that its evidence does not say (`_quoted_trust`): its requests' step
+    lines and plans' entries, its own untrusted items (a fetched page, an email) and the
+    state's claims below USER.
 
     Raises:
-        InvalidFieldError: evidence that is not a conversation event of this session.
+        InvalidFieldError: evidence that is not a conversation event of this session, or
+            an item id naming no conversation item the run was shown.
     """
     if not update.add_facts:
         return update
-    wanted = [i for f in update.add_facts for i in f.source_event_ids]
+    named = await _named_evidence(conn, tenant_id, session_id, run_id, run, update, cited)
+    wanted = [sequence for pairs in named for sequence, _ in pairs]
     found = await ws_store.read_evidence_at(conn, tenant_id, session_id, wanted)
     facts = []
     # A child run's model saw none of the session's conversation, only its parent's words
     # (its "user"): whatever it cites, its fact is at most the model's (a review: a child
     # citing the parent's user message wrote a relayed page as the user's, Established).
     ceiling = [TrustLevel.MODEL] if run.parent_run_id is not None else []
-    for n, fact in enumerate(update.add_facts):
+    for fact, pairs in zip(update.add_facts, named, strict=True):
         levels = [fact.trust, *ceiling]
-        for k, sequence in enumerate(fact.source_event_ids):
+        for sequence, field in pairs:
             event = found.get(sequence)
             level = evidence_trust(*event) if event is not None else None
             if level is None:
                 raise InvalidFieldError(
                     f"event {sequence} is not a conversation event of this session",
-                    field=f"update.add_facts[{n}].source_event_ids[{k}]",
+                    field=field,
                 )
             levels.append(level)
-        facts.append(fact.model_copy(update={"trust": lowest_trust(levels)}))
+        evidence = tuple(dict.fromkeys(sequence for sequence, _ in pairs))
+        facts.append(
+            fact.model_copy(update={"source_event_ids": evidence, "trust": lowest_trust(levels)})
+        )
     if any(f.trust in SUMMARIZABLE for f in facts):
         shown, erased = await _shown_sources(conn, tenant_id, session_id, run)
         # The run's own items and the state's claims: a fact restating the page the run
@@ -251,6 +260,46 @@ Source = tuple[str, TrustLevel]
 # How many earlier runs' requests a new fact's check reads the step lines of, newest first:
 # a bound like CARRIED_SOURCES' on what an update adding a fact reads under the lock.
 SHOWN_RUNS = 16
+
+
+async def _named_evidence(
+    conn: Any,
+    tenant_id: str,
+    session_id: UUID,
+    run_id: UUID,
+    run: runs.RunRow,
+    update: WorkingStateUpdate,
+    cited: Sequence[Sequence[str]],
+) -> list[list[tuple[int, str]]]:
+    """Per fact, each event it cites with the field that names it: its source_event_ids,
+    then the events its source_item_ids name for this run (store `resolve_item_ids`). The
+    model reads item ids in its envelopes, never a session sequence, so item ids are how
+    the control tool cites (an audit: it was asked for sequences it could only guess, and a
+    guessed user message made its conclusion USER trust).
+
+    Raises:
+        InvalidFieldError: an item id naming no conversation item the run was shown.
+    """
+    ids = [item_id for items in cited for item_id in items]
+    resolved = await ws_store.resolve_item_ids(
+        conn, tenant_id, session_id, run_id, run.seed_event_sequence, ids
+    )
+    named = []
+    for n, fact in enumerate(update.add_facts):
+        path = f"update.add_facts[{n}]"
+        pairs = [(s, f"{path}.source_event_ids[{k}]") for k, s in enumerate(fact.source_event_ids)]
+        for k, item_id in enumerate(cited[n] if n < len(cited) else ()):
+            field = f"{path}.source_item_ids[{k}]"
+            if item_id not in resolved:
+                raise InvalidFieldError(
+                    f"item {item_id!r} is not a conversation item this run was shown (its"
+                    " own, or one of the earlier conversation it carries): cite the ids of"
+                    " the user messages and tool results the fact rests on",
+                    field=field,
+                )
+            pairs.append((resolved[item_id], field))
+        named.append(pairs)
+    return named
 
 
 async def _shown_sources(
@@ -421,8 +470,10 @@ async def update_working_state(
     update: WorkingStateUpdate,
     idempotency_key: str,
     request_sha256: str,
+    cited: Sequence[Sequence[str]] = (),
 ) -> dict[str, Any]:
-    """UpdateWorkingState: one typed transition -> checkpoint + event.
+    """UpdateWorkingState: one typed transition -> checkpoint + event. `cited`: per fact of
+    the update, the item ids it cites (resolved here, under the session lock).
 
     -> {"checkpoint_version", "event_sequence", "state"} (state as JSON).
     """
@@ -446,7 +497,9 @@ async def update_working_state(
             )
         checkpoint = await runs.read_checkpoint(conn, tenant_id, run_id)
         require_version(checkpoint, expected_version)
-        update = await _lowered_facts(conn, tenant_id, session_id, run, checkpoint, update)
+        update = await _lowered_facts(
+            conn, tenant_id, session_id, run_id, run, checkpoint, update, cited
+        )
         version = checkpoint.version + 1
         transition, sequence = await record_transition(
             conn,

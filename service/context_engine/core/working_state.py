@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import Any, TypeVar
@@ -76,6 +76,7 @@ __all__ = [
     "COMPLETED",
     "LIST_CAPS",
     "MAX_ENTRY_CHARS",
+    "MAX_FACT_SOURCES",
     "MAX_UPDATE_ENTRIES",
     "SOURCE_TRUST_OF_EVENT",
     "UPDATE_TOOL",
@@ -353,19 +354,21 @@ def check_update_sizes(sizes: Mapping[str, int], field: str = "update") -> None:
             )
 
 
-def check_fact_sources(ids: Sequence[int], field: str) -> None:
-    """Refuse a fact citing more than MAX_FACT_SOURCES events, or one event twice (`field`:
-    the fact's source_event_ids). At input only, as check_update_sizes: the log fold
-    replays what was accepted before.
+def check_fact_sources(ids: Sequence[Hashable], field: str, *, also: int = 0) -> None:
+    """Refuse a fact citing more than MAX_FACT_SOURCES events in all (`also`: how many it
+    cites in its other list), or one twice (`field`: the fact's source_event_ids or
+    source_item_ids). At input only, as check_update_sizes: the log fold replays what was
+    accepted before.
 
     Raises:
         InvalidFieldError: naming `field`.
     """
-    if len(ids) > MAX_FACT_SOURCES:
+    if len(ids) + also > MAX_FACT_SOURCES:
         raise InvalidFieldError(
-            f"{field} cites {len(ids)} events; a fact cites at most {MAX_FACT_SOURCES}",
+            f"{field} cites {len(ids) + also} events in all; a fact cites at most"
+            f" {MAX_FACT_SOURCES}",
             field=field,
-            metadata={"limit": str(MAX_FACT_SOURCES), "entries": str(len(ids))},
+            metadata={"limit": str(MAX_FACT_SOURCES), "entries": str(len(ids) + also)},
         )
     if len(set(ids)) != len(ids):
         raise InvalidFieldError(f"{field} cites an event twice", field=field)
@@ -561,7 +564,8 @@ def _add_facts(state: WorkingState, values: tuple[NewFact, ...], ctx: _Ctx) -> W
         _text(new.statement, f"{field}.statement")
         if not new.source_event_ids or any(i < 1 for i in new.source_event_ids):
             raise InvalidFieldError(
-                "a fact needs the session sequences of the events it rests on",
+                "a fact needs the events it rests on: source_item_ids (the ids its items'"
+                " envelopes show) or source_event_ids (their session sequences)",
                 field=f"{field}.source_event_ids",
             )
         written = _Written(new.statement, set(new.source_event_ids), new.trust)
@@ -1233,8 +1237,9 @@ UPDATE_TOOL = ToolSpec(
         " facts, resolved questions and your next action. Use it instead of restating state"
         " in prose; the platform shows the result in every later request. Constraints are"
         " append-only: you may remove only constraints you added, never the user's. A fact"
-        " must name the session event ids it rests on; a fact resting on external content is"
-        " shown as an attributed claim, never as established. No approval is needed."
+        ' must name the items it rests on by the id their envelopes show (id="..."); a'
+        " fact resting on external content is shown as an attributed claim, never as"
+        " established. No approval is needed."
     ),
     input_schema={
         "type": "object",
@@ -1275,15 +1280,20 @@ UPDATE_TOOL = ToolSpec(
                     "additionalProperties": False,
                     "properties": {
                         "statement": {"type": "string"},
-                        "source_event_ids": {
+                        "source_item_ids": {
                             "type": "array",
-                            "items": {"type": "integer", "minimum": 1},
+                            "items": {"type": "string", "minLength": 1},
                             "minItems": 1,
+                            "maxItems": MAX_FACT_SOURCES,
+                            "uniqueItems": True,
                         },
                     },
-                    "required": ["statement", "source_event_ids"],
+                    "required": ["statement", "source_item_ids"],
                 },
-                "description": "Facts the session established, with the events they rest on.",
+                "description": (
+                    "Facts the session established, each with the ids of the items it rests"
+                    ' on, as their envelopes show them (id="...").'
+                ),
             },
             "resolve_questions": {
                 "type": "array",

@@ -1,5 +1,6 @@
 """Log reads for working state and compaction: the working-state events a carry folds,
-fact evidence and elided spans by sequence, and the session's next sequence."""
+fact evidence and elided spans by sequence, fact evidence by item id, and the session's
+next sequence."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ __all__ = [
     "read_events_at",
     "read_evidence_at",
     "read_working_state_updates",
+    "resolve_item_ids",
 ]
 
 WORKING_STATE_UPDATED = "context.working_state.updated"
@@ -78,6 +80,42 @@ async def read_evidence_at(
         sorted(set(sequences)),
     )
     return {r["sequence"]: (r["type"], r["payload"], r["in_history"]) for r in rows}
+
+
+# Per id, the newest item the run was shown of it: its own items, and the conversation
+# below its seed (what it carries; a child run, with no seed, carries none). Its own come
+# after its seed, so its own item of an id is taken first. An id is unique only within its
+# run, so several earlier runs may hold it (a worker numbering each run's items alike).
+_ITEMS_BY_ID = (
+    "SELECT DISTINCT ON (item_id) item_id, sequence FROM session_events"
+    " WHERE tenant_id = $1 AND session_id = $2 AND item_id = ANY($3::text[])"
+    " AND (run_id = $4 OR (in_history AND sequence < $5))"
+    " ORDER BY item_id, sequence DESC"
+)
+
+
+async def resolve_item_ids(
+    conn: Any,
+    tenant_id: str,
+    session_id: UUID,
+    run_id: UUID,
+    seed_event_sequence: int | None,
+    item_ids: list[str],
+) -> dict[str, int]:
+    """item id -> the sequence of the event it names for the run: its own item of that id,
+    else the newest of that id in the conversation below its seed. Ids naming neither are
+    omitted. An index range per id (migrations/0025)."""
+    if not item_ids:
+        return {}
+    rows = await conn.fetch(
+        _ITEMS_BY_ID,
+        tenant_id,
+        session_id,
+        sorted(set(item_ids)),
+        run_id,
+        seed_event_sequence or 0,
+    )
+    return {r["item_id"]: int(r["sequence"]) for r in rows}
 
 
 async def next_sequence(conn: Any, tenant_id: str, session_id: UUID) -> int:

@@ -1023,18 +1023,20 @@ class TaskState(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., title: _Optional[str] = ..., status: _Optional[_Union[TaskStatus, str]] = ...) -> None: ...
 
 class Fact(_message.Message):
-    __slots__ = ("statement", "source_event_ids", "trust", "writer", "source_sequence")
+    __slots__ = ("statement", "source_event_ids", "trust", "writer", "source_sequence", "source_item_ids")
     STATEMENT_FIELD_NUMBER: _ClassVar[int]
     SOURCE_EVENT_IDS_FIELD_NUMBER: _ClassVar[int]
     TRUST_FIELD_NUMBER: _ClassVar[int]
     WRITER_FIELD_NUMBER: _ClassVar[int]
     SOURCE_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ITEM_IDS_FIELD_NUMBER: _ClassVar[int]
     statement: str
     source_event_ids: _containers.RepeatedScalarFieldContainer[int]
     trust: TrustLevel
     writer: Writer
     source_sequence: int
-    def __init__(self, statement: _Optional[str] = ..., source_event_ids: _Optional[_Iterable[int]] = ..., trust: _Optional[_Union[TrustLevel, str]] = ..., writer: _Optional[_Union[Writer, str]] = ..., source_sequence: _Optional[int] = ...) -> None: ...
+    source_item_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, statement: _Optional[str] = ..., source_event_ids: _Optional[_Iterable[int]] = ..., trust: _Optional[_Union[TrustLevel, str]] = ..., writer: _Optional[_Union[Writer, str]] = ..., source_sequence: _Optional[int] = ..., source_item_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkingStateUpdate(_message.Message):
     __slots__ = ("objective", "add_constraints", "upsert_tasks", "add_facts", "resolve_questions", "next_action", "remove_constraints", "add_questions")
