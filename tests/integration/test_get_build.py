@@ -1192,6 +1192,43 @@ async def test_an_erasure_committing_during_the_rebuild_is_not_served(
     assert "CAROL_SECRET" not in (refused.value.details() or "")
 
 
+async def test_a_record_not_rebuilt_whose_skipped_memory_was_erased_is_not_redacted(
+    stub: Any, pool: Any
+) -> None:
+    """A record this assembler does not reproduce, on a plan an erasure invalidated for a
+    memory the snapshot's cap had skipped: the bytes sent never held it. It was answered
+    REQUEST_REDACTED ("held the erased memories", "ask again"), losing the assembler
+    versions REQUEST_NOT_FOUND names (an audit)."""
+    person = f"pia-{new_id()}"
+    snapshot = pb.MemorySnapshot(
+        snapshot_id="snap",
+        items=[
+            pb.MemoryItem(item_id="m1", text="The office is in Lyon."),
+            pb.MemoryItem(item_id="big", text="PIA_DETAIL " * 1400, person_ids=[person]),
+        ],
+    )
+    session_id, plan = await open_session(stub, snapshot=snapshot)
+    assert b"PIA_DETAIL" not in plan.prefix_document  # left out by the snapshot's cap
+    run_id = (await start_run(stub, session_id, "Where is the office?")).run.run_id
+    built = await stub.Build(
+        pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id)
+    )
+    # As a record an earlier assembler built looks to this one: its hash is not ours.
+    await pool.execute(
+        "UPDATE session_events SET payload = payload || jsonb_build_object('request_sha256',"
+        " 'f' || substr(payload ->> 'request_sha256', 2))"
+        " WHERE session_id = $1 AND sequence = $2",
+        UUID(session_id),
+        built.request_sequence,
+    )
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await _get(stub, session_id, built.request_sequence)
+    reason, fields, metadata = details(refused.value)
+    assert (reason, fields) == ("REQUEST_NOT_FOUND", ["request_sequence"])
+    assert "assembler_version" in metadata and "recorded_assembler_version" in metadata
+
+
 async def test_a_request_that_never_held_the_erased_memory_is_still_served(stub: Any) -> None:
     """docs/security.md: a request built on a plan whose snapshot an erasure redacted, but
     which never rendered the erased memory (the snapshot's cap left it out), still rebuilds

@@ -54,6 +54,7 @@ from ..core.build_record import (
     whole_request_hash,
 )
 from ..core.errors import EngineError, InvalidFieldError, NotFoundError, PreconditionError
+from ..core.snapshot import erased_from_prefix
 from ..store import events, sessions
 from ..store.db import acquire
 from . import convert
@@ -128,9 +129,12 @@ class BuildsRpcs:
         if whole_request_hash(payload):
             result = _hashed_whole(result)  # the hash an older assembler recorded
         if not _same_bytes(result, payload):
-            if result.plan.invalidated:
-                # An erasure redacted the plan's snapshot since: the recorded bytes held the
-                # erased memories, and they are not served again (core/snapshot.py).
+            if erased_from_prefix(result.plan):
+                # An erasure took blocks out of the plan's snapshot since: the recorded bytes
+                # held the erased memories, and they are not served again (core/snapshot.py).
+                # Not one whose memories the cap had skipped (an audit: a record another
+                # assembler built was answered REQUEST_REDACTED, "ask again", and lost the
+                # versions REQUEST_NOT_FOUND names).
                 raise _redacted(sequence, f"epoch {result.plan.epoch}'s snapshot")
             why = "the rebuild differs from the recorded bytes"
             if counted is not None:

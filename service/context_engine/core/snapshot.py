@@ -19,7 +19,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .canonical import canonical_bytes
+from .canonical import canonical_bytes, sha256_hex
 from .caps import CLASS_CAPS
 from .roster import fit_in_order
 from .rows import Row
@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # plan.py pins snapshots with this module; the import goes on
     from .plan import ContextPlan
 
 __all__ = [
+    "erased_from_prefix",
     "first_naming",
     "memory_item_id",
     "named_people",
@@ -71,6 +72,13 @@ def first_naming(spec: PlanSpec, people: Sequence[str]) -> int | None:
 def nonempty(plan: ContextPlan) -> bool:
     """Rule 2."""
     return any(b.row is Row.MEMORY_SNAPSHOT for b in plan.system)
+
+
+def erased_from_prefix(plan: ContextPlan) -> bool:
+    """Whether an erasure took a rendered block out of the plan's prefix (Rule 3): its
+    document no longer hashes to the prefix_sha256 it keeps. An erasure whose memories the
+    snapshot's cap had skipped invalidates the plan but leaves the bytes sent unchanged."""
+    return plan.invalidated and sha256_hex(plan.prefix_document.encode()) != plan.prefix_sha256
 
 
 def redact_person(
