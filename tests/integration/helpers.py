@@ -122,29 +122,38 @@ def details(error: grpc.aio.AioRpcError) -> tuple[str, list[str], dict[str, str]
     return reason, fields, metadata
 
 
-async def open_session(stub: Any, **spec_kw: Any) -> tuple[str, pb.ContextPlan]:
+async def open_session(
+    stub: Any, *, tenant: str = TENANT, **spec_kw: Any
+) -> tuple[str, pb.ContextPlan]:
     session_id = new_id()
     response = await stub.Plan(
-        pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=spec(**spec_kw))
+        pb.PlanRequest(tenant_id=tenant, session_id=session_id, spec=spec(**spec_kw))
     )
     return session_id, response.plan
 
 
-async def start_run(stub: Any, session_id: str, text: str) -> pb.StartRunResponse:
+async def start_run(
+    stub: Any, session_id: str, text: str, *, tenant: str = TENANT
+) -> pb.StartRunResponse:
     return await stub.StartRun(
         pb.StartRunRequest(
-            tenant_id=TENANT, session_id=session_id, user_message=pb.UserMessage(text=text)
+            tenant_id=tenant, session_id=session_id, user_message=pb.UserMessage(text=text)
         )
     )
 
 
 async def append_items(
-    stub: Any, session_id: str, run_id: str, version: int, *items: pb.ConversationItem
+    stub: Any,
+    session_id: str,
+    run_id: str,
+    version: int,
+    *items: pb.ConversationItem,
+    tenant: str = TENANT,
 ) -> pb.AppendItemsResponse:
     """AppendItems on a run at checkpoint `version`."""
     return await stub.AppendItems(
         pb.AppendItemsRequest(
-            tenant_id=TENANT,
+            tenant_id=tenant,
             session_id=session_id,
             run_id=run_id,
             expected_checkpoint_version=version,

@@ -15,6 +15,7 @@ import pytest
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 from context_engine.core.budget import PPM, SAFETY_MARGIN_PPM
 from context_engine.core.build_record import INPUTS_KEY, SHOWN_FIELDS
+from context_engine.core.estimator import heuristic_count
 from context_engine.store import events, plans
 
 from .helpers import (
@@ -45,8 +46,10 @@ PAGE = (
 )
 
 
-async def _build(stub: Any, session_id: str, run_id: str, now: datetime) -> pb.BuildResponse:
-    request = pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id)
+async def _build(
+    stub: Any, session_id: str, run_id: str, now: datetime, *, tenant: str = TENANT
+) -> pb.BuildResponse:
+    request = pb.BuildRequest(tenant_id=tenant, session_id=session_id, run_id=run_id)
     request.now.FromDatetime(now)
     return await stub.Build(request)
 
@@ -1169,6 +1172,31 @@ async def test_a_commit_checks_its_result_without_holding_the_session(
     assert checks == ["written", "written", "written", "under the lock"]
 
 
+async def _calendar_days(
+    stub: Any, session_id: str, run_id: str, days: int, *, tenant: str = TENANT
+) -> tuple[int, int]:
+    """`days` trusted calendar exchanges of about 600 tokens each, appended to the run
+    from checkpoint 1: (the checkpoint version after them, the first one's sequence)."""
+    version, first = 1, 0
+    for day in range(days):
+        appended = await append_items(
+            stub,
+            session_id,
+            run_id,
+            version,
+            call(f"s{day}", name="calendar.list"),
+            result(
+                f"s{day}",
+                f"Day {day}: " + "free " * 600,
+                trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION,
+                name="calendar.list",
+            ),
+            tenant=tenant,
+        )
+        version, first = appended.checkpoint_version, first or appended.sequences[0]
+    return version, first
+
+
 async def test_the_engines_cut_and_a_summarys_size_follow_the_plans_body(
     stub: Any, pool: Any
 ) -> None:
@@ -1183,23 +1211,7 @@ async def test_the_engines_cut_and_a_summarys_size_follow_the_plans_body(
         earlier = (await start_run(stub, session_id, f"Tell me about city {n}")).run.run_id
         await append_items(stub, session_id, earlier, 1, assistant(f"City {n}: " + "fine " * 2000))
     run_id = (await start_run(stub, session_id, "Now plan the trip")).run.run_id
-    version, first_of_run = 1, 0
-    for step in range(6):
-        appended = await append_items(
-            stub,
-            session_id,
-            run_id,
-            version,
-            call(f"s{step}", name="calendar.list"),
-            result(
-                f"s{step}",
-                f"Day {step}: " + "free " * 600,
-                trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION,
-                name="calendar.list",
-            ),
-        )
-        version = appended.checkpoint_version
-        first_of_run = first_of_run or appended.sequences[0]
+    _, first_of_run = await _calendar_days(stub, session_id, run_id, 6)
     prepared = await _prepare(stub, session_id, run_id)
     # The cut falls in the run's own exchanges: its older steps are summarized.
     assert prepared.replaced_through_sequence >= first_of_run
@@ -1335,3 +1347,100 @@ async def test_prose_in_a_citation_or_a_results_source_is_held_like_its_text(stu
     await _commit(
         stub, session_id, two, prepared, "The user read https://handbook.example/refunds."
     )
+
+
+async def test_a_summarys_size_is_weighed_as_build_costs_it_under_the_estimator_factor(
+    stub: Any, pool: Any
+) -> None:
+    """Build costs the summary row under the estimator correction the checkpoint pins
+    (learned from usage reports, up to 4x). Weighed raw, a summary accepted at just under
+    half the body cost 2.5 times that in the next Build: past the body, which then needed
+    a compaction nothing could answer (an audit). It is weighed as Build costs it. A
+    tenant of its own: the factor is learned per tenant and model."""
+    tenant = f"factor-{new_id()}"
+    session_id, plan = await open_session(stub, policy_cap_tokens=16_000, tenant=tenant)
+    run_id = (await start_run(stub, session_id, "Now plan the trip", tenant=tenant)).run.run_id
+    first = await _build(stub, session_id, run_id, START, tenant=tenant)
+    reported = await stub.ReportUsage(
+        pb.ReportUsageRequest(
+            tenant_id=tenant,
+            session_id=session_id,
+            request_sequence=first.request_sequence,
+            model_id=plan.model_id,
+            input_tokens=first.estimated_input_tokens * 5 // 2,
+            output_tokens=10,
+        )
+    )
+    assert reported.factor_ppm > 2 * PPM
+    await _calendar_days(stub, session_id, run_id, 12, tenant=tenant)  # pinning the factor
+    prepared = await _prepare(stub, session_id, run_id, through_sequence=10**6, tenant=tenant)
+
+    async def refused(summary: str) -> dict[str, str]:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await _commit(stub, session_id, run_id, prepared, summary, tenant=tenant)
+        reason, fields, metadata = details(error.value)
+        assert (reason, fields) == ("INVALID_FIELD", ["result.summary"])
+        return metadata
+
+    sentence = "The user plans a trip; calendar days one to six are all free. "
+
+    def summary_of(raw_tokens: int) -> str:
+        text = ""
+        while heuristic_count(text + sentence) <= raw_tokens:
+            text += sentence
+        return text
+
+    # Half of what it replaces: over half the body, however it is weighed.
+    most = int((await refused(summary_of(prepared.tokens_before // 2)))["most_tokens"])
+    assert prepared.tokens_before > most
+    before = await _writes(pool, session_id)
+    # Under half the body by the raw count: 2.5 times that as Build costs it.
+    metadata = await refused(summary_of(most - 20))
+    assert int(metadata["summary_tokens"]) > most == int(metadata["most_tokens"])
+    assert await _writes(pool, session_id) == before
+    # What fits under the factor is taken, and the next Build fits.
+    fitting = summary_of(most * 2 // 5 - 20)
+    committed = await _commit(stub, session_id, run_id, prepared, fitting, tenant=tenant)
+    built = await _build(stub, session_id, run_id, START, tenant=tenant)
+    assert committed.checkpoint_version and not built.needs_compaction
+
+
+async def test_a_body_nothing_left_can_compact_fails_budget_exceeded_not_needs_compaction(
+    stub: Any,
+) -> None:
+    """Everything before the active turn summarized, a large active turn beside a summary
+    of up to half the body does not fit. Build answered needs_compaction, and
+    PrepareCompaction then RUN_STATE, nothing compactable: no step of the protocol
+    followed (an audit). Build answers BUDGET_EXCEEDED, as for any never-yield overflow."""
+    session_id, _ = await open_session(stub, policy_cap_tokens=16_000)
+    run_id = (await start_run(stub, session_id, "Now plan the trip")).run.run_id
+    version, _ = await _calendar_days(stub, session_id, run_id, 6)
+    answered = await append_items(stub, session_id, run_id, version, assistant("All free."))
+    version = answered.checkpoint_version
+    prepared = await _prepare(stub, session_id, run_id, through_sequence=10**6)
+    summary = "The user plans a trip; calendar days one to six are all free. " * 150
+    committed = await _commit(stub, session_id, run_id, prepared, summary)
+    assert not (await _build(stub, session_id, run_id, START)).needs_compaction
+    await append_items(
+        stub,
+        session_id,
+        run_id,
+        committed.checkpoint_version,
+        call("week", name="calendar.list"),
+        result(
+            "week",
+            "Week: " + "busy " * 4500,
+            trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION,
+            name="calendar.list",
+        ),
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await _build(stub, session_id, run_id, START)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    reason, _, metadata = details(refused.value)
+    assert (reason, metadata["class"]) == ("BUDGET_EXCEEDED", "tool_results")
+    assert int(metadata["body_tokens"]) > int(metadata["body_budget_tokens"])
+    # Compaction indeed has nothing to take.
+    with pytest.raises(grpc.aio.AioRpcError) as nothing:
+        await _prepare(stub, session_id, run_id)
+    assert details(nothing.value)[0] == "RUN_STATE"

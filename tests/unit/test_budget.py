@@ -50,6 +50,7 @@ from context_engine.core.caps import (
     PREFIX_CEILING_TOKENS,
     SAFETY_MARGIN_PPM,
 )
+from context_engine.core.compaction import compactable
 from context_engine.core.enums import SideEffect
 from context_engine.core.errors import InvalidFieldError
 from context_engine.core.estimator import IMAGE_TOKENS, heuristic_count, image_tokens_for
@@ -479,6 +480,15 @@ def test_budget_conformance_and_pair_integrity_on_every_path(session: Session) -
     try:
         built = assemble(inputs)
     except BudgetExceededError as exc:
+        if "never_yield_tokens" not in exc.metadata:
+            # Or when no yield makes the body fit and nothing is left to compact (the run's
+            # pending pair beside a summary, say): a needs_compaction no compaction could
+            # answer (an audit).
+            assert not compactable(inputs.checkpoint, inputs.carried)
+            assert _never_yield_tokens(session, fixed) <= budget.body_tokens
+            need, body = int(exc.metadata["body_tokens"]), int(exc.metadata["body_budget_tokens"])
+            assert need > body == budget.body_tokens
+            return
         # Only when the never-yield set alone exceeds the body, as measured here: the gate
         # took the engine's own sum, and a sum inflated by half passed it (an audit).
         claimed = int(exc.metadata["never_yield_tokens"])
@@ -507,6 +517,8 @@ def test_budget_conformance_and_pair_integrity_on_every_path(session: Session) -
     if built.needs_compaction:
         assert built.request is None and built.request_sha256 == "" and not pressure.fits
         assert names[-1] == "compact"
+        # A compaction can answer it: there is something to compact.
+        assert compactable(inputs.checkpoint, inputs.carried)
         return
     request = built.request
     assert request is not None and pressure.fits and "compact" not in names

@@ -33,6 +33,7 @@ from context_engine.core.compaction import (
     ElidedSpan,
     Prepared,
     check_result,
+    compactable,
     compacted_checkpoint,
     group_pointer,
     pointer,
@@ -44,7 +45,6 @@ from context_engine.core.compaction import (
     require_shrink,
     summary_item,
 )
-from context_engine.core.compaction import _compactable as compactable
 from context_engine.core.compaction import _line as line_of
 from context_engine.core.compaction import _round_up as round_up
 from context_engine.core.enums import PlanReason
@@ -639,6 +639,28 @@ def test_a_summary_may_take_no_more_than_half_the_body() -> None:
         "summary_tokens": str(tokens),
         "most_tokens": str((2 * tokens - 2) * SUMMARY_BODY_PPM // 1_000_000),
     }
+
+
+def test_a_summary_is_weighed_escaped_and_under_the_estimator_factor() -> None:
+    """Build shows the summary escaped, costed under the checkpoint's estimator correction:
+    weighed raw, one accepted at half the body took far more of it (an audit)."""
+    carried = [
+        UserMessage(item_id=f"u{n}", text="word " * 40, sequence=n, run_id="a")
+        for n in range(1, 21)
+    ]
+    checkpoint = Checkpoint(run_id="b", version=1, items=())
+    prepared = prepare(checkpoint, carried, through_sequence=0, count_tokens=count_tokens)
+    summary = "See </untrusted:00> and <user source=u> there. " * 20
+    record = _result(prepared, summary)
+    shown = count_tokens(escape_content(summary))
+    assert shown > count_tokens(summary)
+    require_room(record, count_tokens, 2 * shown)
+    with pytest.raises(InvalidFieldError) as escaped:
+        require_room(record, count_tokens, 2 * shown - 2)
+    assert escaped.value.metadata["summary_tokens"] == str(shown)
+    with pytest.raises(InvalidFieldError) as factored:
+        require_room(record, count_tokens, 2 * shown, factor_ppm=2_500_000)
+    assert factored.value.metadata["summary_tokens"] == str(-(-shown * 5 // 2))
 
 
 def _call(call_id: str, seq: int, run_id: str = "b") -> ToolCall:

@@ -6796,10 +6796,11 @@ type CompactionResult struct {
 
 	// The summary text written by the worker's model call. It must count fewer tokens
 	// than the transcript of what it replaces (tokens_before; else INVALID_FIELD, metadata
-	// tokens_before, summary_tokens), and no more than half the request body of the plan
-	// the run builds on (else INVALID_FIELD, metadata summary_tokens, most_tokens): a larger
-	// one would leave the requests after it still needing compaction. Both weigh it
-	// without the retained constraints, open questions and pointer lines it carries.
+	// tokens_before, summary_tokens), and cost no more than half the request body of the
+	// plan the run builds on as Build costs it, escaped and under the run's estimator
+	// correction (else INVALID_FIELD, metadata summary_tokens, most_tokens): a larger one
+	// would leave the requests after it still needing compaction. Both weigh it without the
+	// retained constraints, open questions and pointer lines it carries.
 	Summary string `protobuf:"bytes,1,opt,name=summary,proto3" json:"summary,omitempty"`
 	// Union of the source event ids the summary covers: PrepareCompaction's, required (else
 	// INVALID_FIELD) and compared (COMPACTION_MISMATCH). It pins the range the summary was

@@ -24,7 +24,7 @@ from uuid import UUID
 
 from ..core.budget import allocate
 from ..core.build_record import INPUTS_KEY, SHOWN_FIELDS, shown_items
-from ..core.checkpoint import Checkpoint, require_version
+from ..core.checkpoint import Checkpoint, applied_factor, require_version
 from ..core.compaction import (
     CompactionResult,
     Prepared,
@@ -204,6 +204,7 @@ async def prepare_compaction(
         tool_names=inputs.tool_names,
         child=inputs.child,
         body_tokens=body_tokens,
+        factor_ppm=applied_factor(inputs.checkpoint, inputs.plan.model_id),
     )
 
 
@@ -272,7 +273,7 @@ async def commit_compaction(
                     return Committed(stored, 0, replayed=True)
                 mark = await sessions.session_mark(conn, tenant_id, session_id, run_id)
                 inputs = await _inputs(conn, tenant_id, session_id, run_id, 0)
-            record = await _checked(engine, inputs, expected_version, result)
+            record, retained = await _checked(engine, inputs, expected_version, result)
         async with engine.gates.held(tenant_id, session_id), transaction(engine.pool) as conn:
             epoch = await sessions.lock_session(conn, tenant_id, session_id)
             stored = await _stored(conn, tenant_id, session_id, idempotency_key, request_sha256)
@@ -280,9 +281,18 @@ async def commit_compaction(
                 return Committed(stored, 0, replayed=True)
             if under_lock:
                 inputs = await _inputs(conn, tenant_id, session_id, run_id, 0)
-                record = await _checked(engine, inputs, expected_version, result)
+                record, retained = await _checked(engine, inputs, expected_version, result)
             elif await sessions.session_mark(conn, tenant_id, session_id, run_id) != mark:
                 continue  # the session moved: let it go, and check again
+            pinned = await engine.pinned_factor(conn, tenant_id, session_id, epoch)
+            # The checkpoint written pins the factor current now, which a usage report
+            # since the run's last write may have raised: the summary must fit under it.
+            factor = applied_factor(
+                inputs.checkpoint.model_copy(update=pinned), inputs.plan.model_id
+            )
+            if factor > applied_factor(inputs.checkpoint, inputs.plan.model_id):
+                count_tokens, body_tokens = _plan_facts(engine, inputs.plan)
+                require_room(record, count_tokens, body_tokens, retained, factor)
             response, written = await _write(
                 conn,
                 tenant_id,
@@ -292,7 +302,7 @@ async def commit_compaction(
                 record,
                 idempotency_key,
                 request_sha256,
-                await engine.pinned_factor(conn, tenant_id, session_id, epoch),
+                pinned,
             )
         # Kept once the transaction has committed.
         engine.checkpoint_written(tenant_id, session_id, written, expected_version)
@@ -341,10 +351,11 @@ async def _write(
 
 async def _checked(
     engine: Engine, inputs: _Inputs, expected_version: int, result: CompactionResult
-) -> CompactionResult:
+) -> tuple[CompactionResult, tuple[str, ...]]:
     """The record `result` commits over `inputs`, or the refusal (a version conflict, a
     mismatch with what prepare gives now, a summary that launders, does not shrink, or
-    takes more than half the run's plan's body)."""
+    takes more than half the run's plan's body as Build costs it under the checkpoint's
+    estimator correction), with the texts it retains verbatim (require_room's `retained`)."""
     count_tokens, body_tokens = _plan_facts(engine, inputs.plan)
     require_version(inputs.checkpoint, expected_version, "; prepare again")
     prepared = await asyncio.to_thread(
@@ -353,5 +364,6 @@ async def _checked(
     record = await asyncio.to_thread(check_result, prepared, result, count_tokens)
     retained = (*prepared.retained_constraints, *prepared.open_questions)
     require_shrink(record, count_tokens, retained)
-    require_room(record, count_tokens, body_tokens, retained)
-    return record
+    factor = applied_factor(inputs.checkpoint, inputs.plan.model_id)
+    require_room(record, count_tokens, body_tokens, retained, factor)
+    return record, retained

@@ -40,9 +40,10 @@ from .budget import ContextBudget, allocate
 from .cache_hints import cache_breakpoints
 from .carried import CarriedView, carried_view
 from .checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint, applied_factor
+from .compaction import compactable
 from .content_key import ContentMemo
 from .envelope import escape_content, wrap
-from .errors import EngineError
+from .errors import BudgetExceededError, EngineError
 from .estimator import ATTACHMENT_TOKEN_BUDGET, IMAGE_TOKENS, heuristic_count
 from .excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
 from .identity_memo import IdentityMemo
@@ -216,6 +217,8 @@ def assemble(inputs: BuildInputs) -> Assembled:
         skipped=view.skipped(inputs.carried, floor) + inputs.carried_before,
     )
     if not fitted.fits:
+        if not inputs.carried_before and not compactable(inputs.checkpoint, inputs.carried):
+            raise _nothing_to_compact(fitted, budget)
         return _outcome(inputs, budget, fitted, None, "")
     messages, runs, repeated = _messages(fitted, inputs.secret)
     validate_block_runs(runs)
@@ -238,6 +241,27 @@ def assemble(inputs: BuildInputs) -> Assembled:
     digest = request.request_sha256()
     sends = attachment_sends(request, _attached(fitted), inputs.image_tokens)
     return _outcome(inputs, budget, fitted, request, digest, sends)
+
+
+def _nothing_to_compact(fitted: Fitted, budget: ContextBudget) -> BudgetExceededError:
+    """BUDGET_EXCEEDED for a body that fits after no yield when nothing is left to compact:
+    what stays is the never-yield set with the summary (and the run's own user messages,
+    which compaction keeps verbatim). Asked for a compaction, a worker was told by
+    PrepareCompaction that nothing is compactable, an answer no protocol step follows (an
+    audit: a large active turn beside a summary of half the body). Names the largest class
+    of the request's need (`history` holds the summary)."""
+    largest = max(fitted.usage, key=lambda u: (u.tokens, u.class_name))
+    return BudgetExceededError(
+        f"the body needs {fitted.body_tokens} tokens but has {budget.body_tokens}, and"
+        " nothing is left to compact (everything before the active turn is summarized);"
+        f" {largest.class_name} takes {largest.tokens}",
+        metadata={
+            "class": largest.class_name,
+            "class_tokens": str(largest.tokens),
+            "body_tokens": str(fitted.body_tokens),
+            "body_budget_tokens": str(budget.body_tokens),
+        },
+    )
 
 
 def carried_reaches(inputs: BuildInputs) -> bool:

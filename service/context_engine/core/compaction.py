@@ -103,6 +103,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .envelope import escape_content
 from .errors import InvalidFieldError, PreconditionError
+from .estimator import PPM, apply_factor
 from .invisible import blanks_as_spaces, drop_invisible
 from .items import (
     AssistantMessage,
@@ -142,6 +143,7 @@ __all__ = [
     "ElidedSpan",
     "Prepared",
     "check_result",
+    "compactable",
     "compacted_checkpoint",
     "elided_content",
     "group_pointer",
@@ -661,7 +663,7 @@ def elided_content(event_type: str, payload: Mapping[str, Any]) -> str:
 # --- prepare -------------------------------------------------------------------------------
 
 
-def _compactable(
+def compactable(
     checkpoint: Checkpoint, carried: Sequence[ConversationItem]
 ) -> list[ConversationItem]:
     """Rule 2: the candidates, oldest first. Every call among them has its result among
@@ -730,7 +732,11 @@ def _round_up(items: Sequence[ConversationItem], cut: int) -> int:
 
 
 def _choose_cut(
-    items: Sequence[ConversationItem], through: int, count_tokens: TokenCounter, body_tokens: int
+    items: Sequence[ConversationItem],
+    through: int,
+    count_tokens: TokenCounter,
+    body_tokens: int,
+    factor_ppm: int,
 ) -> int:
     if through > 0:
         cut = sum(1 for i in items if i.sequence <= through)
@@ -738,7 +744,11 @@ def _choose_cut(
         costs = [count_tokens(_line(i)) for i in items]
         keep_budget = sum(costs) * RETAIN_PPM // 1_000_000
         if body_tokens > 0:
-            keep_budget = min(keep_budget, body_tokens * KEEP_BODY_PPM // 1_000_000)
+            # In the counter's own tokens: Build costs what is kept under the checkpoint's
+            # estimator correction (a review: at 2.5 a quarter of the body kept verbatim
+            # took most of it).
+            most = body_tokens * KEEP_BODY_PPM // 1_000_000
+            keep_budget = min(keep_budget, most * PPM // max(factor_ppm, 1))
         kept, cut = 0, len(items)
         while cut > 0 and kept + costs[cut - 1] <= keep_budget:
             cut -= 1
@@ -764,6 +774,7 @@ def prepare(
     tool_names: Collection[str] = (),
     child: bool = False,
     body_tokens: int = 0,
+    factor_ppm: int = PPM,
 ) -> Prepared:
     """The summarizer input for compacting the run's oldest body items.
 
@@ -777,7 +788,8 @@ def prepare(
     name licenses itself only when it is one of them).
     `child`: the run is a child run, whose user messages are its parent's words.
     `body_tokens`: the plan's body, which bounds what the engine's own cut keeps
-    (KEEP_BODY_PPM; 0: unbounded).
+    (KEEP_BODY_PPM; 0: unbounded), as Build costs it: under `factor_ppm`, the estimator
+    correction Build applies to the checkpoint (checkpoint.applied_factor).
 
     Raises:
         PreconditionError: COMPACTION_DEPTH_EXCEEDED (a third compaction: escalate to a
@@ -800,14 +812,14 @@ def prepare(
             f"through_sequence must be above the current floor ({floor})",
             field="through_sequence",
         )
-    candidates = _compactable(checkpoint, carried)
+    candidates = compactable(checkpoint, carried)
     if not candidates:
         raise PreconditionError(
             "nothing is compactable: no completed item above the current floor before the"
             " active loop's turn (its text, reasoning and tool pairs)",
             reason="RUN_STATE",
         )
-    cut = _choose_cut(candidates, through_sequence, count_tokens, body_tokens)
+    cut = _choose_cut(candidates, through_sequence, count_tokens, body_tokens, factor_ppm)
     if cut == 0:
         raise InvalidFieldError(
             f"no compactable item at or below through_sequence {through_sequence}",
@@ -1104,22 +1116,28 @@ def require_room(
     count_tokens: TokenCounter,
     body_tokens: int,
     retained: Sequence[str] = (),
+    factor_ppm: int = PPM,
 ) -> None:
     """A summary must fit in half the plan's body (SUMMARY_BODY_PPM; 0: no plan to hold
     it to), weighed as require_shrink weighs it: without the `retained` constraints and
     open questions it keeps verbatim and the pointer lines, which it was asked to carry
-    (a review: counted, they could leave no compliant summary on a small window).
+    (a review: counted, they could leave no compliant summary on a small window). And as
+    Build costs it: escaped as the summary row shows it (summary_item), under `factor_ppm`,
+    the estimator correction the checkpoint it is written to applies (an audit: weighed
+    raw, a summary accepted at half the body took 90% of it at a factor of 1.8, and past
+    the body at 2.5, so the next Build needed a compaction nothing could answer).
 
     Raises:
         InvalidFieldError: field result.summary, metadata summary_tokens and most_tokens.
     """
     most = body_tokens * SUMMARY_BODY_PPM // 1_000_000
-    summary_tokens = count_tokens(_weighed(record, retained))
+    raw = count_tokens(escape_content(_weighed(record, retained)))
+    summary_tokens = apply_factor(raw, factor_ppm)
     if body_tokens > 0 and summary_tokens > most:
         raise InvalidFieldError(
-            f"the summary counts {summary_tokens} tokens, more than the {most} it may take"
-            " (half the request body): the requests after it would not fit; summarize"
-            " more briefly",
+            f"the summary costs {summary_tokens} tokens as the request shows it, more than"
+            f" the {most} it may take (half the request body): the requests after it would"
+            " not fit; summarize more briefly",
             field="result.summary",
             metadata={"summary_tokens": str(summary_tokens), "most_tokens": str(most)},
         )
