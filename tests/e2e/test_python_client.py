@@ -11,6 +11,7 @@ import copy
 import inspect
 import json
 import pickle
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -48,6 +49,7 @@ from context_engine_client import (
     tool_call,
     tool_result,
     user_message,
+    wire_tool_name,
 )
 from context_engine_client.client import _timestamp
 
@@ -905,6 +907,46 @@ async def test_rotate_load_skill_update_working_state_and_a_child_run(client: An
     assert [t.name for t in tools] == ["context.update_working_state"]
 
 
+def _texts(build: BuildResult) -> str:
+    """Every text the request carries, as one string (its serialized bytes)."""
+    return build.request.SerializeToString().decode("utf-8", "replace")
+
+
+async def test_the_tool_loop_relays_the_models_control_calls_itself(client: Any) -> None:
+    """The model's context.update_working_state calls go to the engine as the model sent
+    them; a refusal comes back to the model as the call's error result, which it corrects.
+    The worker's run_tool never sees them."""
+    spec = _spec()
+    spec.tools.extend(await client.control_tools())
+    session = await client.open_session(spec)
+    run = await session.start_run("Trains to Lyon, never at night.")
+    wire = wire_tool_name("context.update_working_state")
+    seen: list[BuildResult] = []
+
+    async def model(build: BuildResult) -> ModelTurn:
+        seen.append(build)
+        user_id = re.findall(r'<user source="user" id="([^"]+)"', _texts(build))[0]
+        fact = {"statement": "The user avoids night trains"}
+        if len(seen) == 1:  # cites what it cannot: an id no envelope shows
+            arguments = {"add_facts": [{**fact, "source_item_ids": ["u-99"]}]}
+        elif len(seen) == 2:
+            arguments = {"add_facts": [{**fact, "source_item_ids": [user_id]}]}
+        else:
+            return ModelTurn(text="Noted: day trains only.")
+        return ModelTurn(tool_calls=[ToolCallRequest(f"c{len(seen)}", wire, arguments)])
+
+    async def run_tool(call: ToolCallRequest) -> ToolOutput:
+        raise AssertionError(f"{call.name} is the engine's to run")
+
+    result = await run.tool_loop(model, run_tool, now=NOW)
+    assert result.final.text == "Noted: day trains only."
+    # The refusal reached the model as the call's error result, naming the id.
+    assert "INVALID_FIELD" in _texts(seen[1]) and "u-99" in _texts(seen[1])
+    block = _texts(seen[2])
+    assert "Established" in block and "The user avoids night trains" in block
+    assert "Established" in _texts(await run.build(now=NOW))  # the state holds it
+
+
 def _spec_with_mail() -> pb.PlanSpec:
     """The spec, with a tool only a run admitted with the mail.send scope gets (its
     admission rotates the session)."""
@@ -1294,6 +1336,9 @@ DEADLINE_WRAPPERS: dict[str, Any] = {
     ),
     "Run.update_working_state": lambda c, s, r, **kw: r.update_working_state(
         pb.WorkingStateUpdate(objective="x"), **kw
+    ),
+    "Run.apply_control_call": lambda c, s, r, **kw: r.apply_control_call(
+        ToolCallRequest("c1", "context.update_working_state", {"objective": "x"}), **kw
     ),
     "Run.compact": lambda c, s, r, **kw: r.compact(_summarize, **kw),
     "Run.tool_loop": lambda c, s, r, **kw: r.tool_loop(_answering("m"), _no_tool, **kw),

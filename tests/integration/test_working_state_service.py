@@ -754,6 +754,107 @@ async def test_a_facts_item_ids_are_bounded_and_one_list_is_needed(
     assert await _writes(pool, session_id) == before
 
 
+def _relayed(session_id: str, run_id: str, version: int, arguments: str, **kw: Any) -> Any:
+    """UpdateWorkingState relaying a context.update_working_state call's arguments."""
+    return pb.UpdateWorkingStateRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        run_id=run_id,
+        expected_checkpoint_version=version,
+        tool_arguments_json=arguments,
+        **kw,
+    )
+
+
+async def test_a_control_call_is_relayed_as_the_model_sent_its_arguments(stub: Any) -> None:
+    """A worker in any language relays the model's call as it came: the engine reads its
+    arguments by the tool's schema (statuses by their lowercase names, null leaving a
+    field), as the model's."""
+    session_id, _ = await open_session(stub)
+    started = await _start_seeded(stub, session_id, "Trains to Lyon, no night trains", "u-1")
+    run_id = started.run.run_id
+    arguments = {
+        "objective": "Find a train to Lyon",
+        "add_constraints": ["No night trains"],
+        "upsert_tasks": [{"task_id": "t1", "title": "Search trains", "status": "in_progress"}],
+        "add_facts": [{"statement": "The user goes to Lyon", "source_item_ids": ["u-1"]}],
+        "next_action": None,
+    }
+    updated = await stub.UpdateWorkingState(
+        _relayed(session_id, run_id, 1, json.dumps(arguments), idempotency_key="call-1")
+    )
+    state = updated.state
+    assert (state.objective.text, state.objective.writer) == (
+        "Find a train to Lyon",
+        pb.WRITER_MODEL,
+    )
+    assert [c.text for c in state.constraints] == ["No night trains"]
+    assert [(t.task_id, t.status) for t in state.tasks] == [("t1", pb.TASK_STATUS_IN_PROGRESS)]
+    fact = state.facts[0]
+    assert (list(fact.source_event_ids), fact.trust) == (
+        [started.run.seed_event_sequence],
+        pb.TRUST_LEVEL_USER,
+    )
+    assert state.next_action == ""
+    # The relayed call is retried safely under its key.
+    again = await stub.UpdateWorkingState(
+        _relayed(session_id, run_id, 1, json.dumps(arguments), idempotency_key="call-1")
+    )
+    assert again.checkpoint_version == updated.checkpoint_version
+
+
+@pytest.mark.parametrize(
+    ("arguments", "extra", "field", "said"),
+    [
+        ("{not json", {}, "tool_arguments_json", "JSON object"),
+        ("[1]", {}, "tool_arguments_json", "JSON object"),
+        ('{"add_questions": ["Why?"]}', {}, "tool_arguments_json", "add_questions"),
+        (
+            '{"add_facts": [{"statement": "x", "source_item_ids": ["u"], "trust": 3}]}',
+            {},
+            "tool_arguments_json",
+            "add_facts[0].trust",
+        ),
+        (
+            '{"upsert_tasks": [{"task_id": "t", "status": "finished"}]}',
+            {},
+            "tool_arguments_json",
+            "upsert_tasks[0].status",
+        ),
+        ('{"add_constraints": "No planes"}', {}, "tool_arguments_json", "add_constraints"),
+        (
+            '{"objective": "x"}',
+            {"update": pb.WorkingStateUpdate(objective="y")},
+            "tool_arguments_json",
+            "not both",
+        ),
+        ('{"objective": "x"}', {"writer": pb.WRITER_USER}, "writer", "model"),
+        (
+            '{"add_facts": [{"statement": "x", "source_item_ids": ["nope"]}]}',
+            {},
+            "update.add_facts[0].source_item_ids[0]",
+            "nope",
+        ),
+    ],
+)
+async def test_a_relayed_call_the_schema_does_not_read_writes_nothing(
+    stub: Any, pool: Any, arguments: str, extra: dict[str, Any], field: str, said: str
+) -> None:
+    session_id, _ = await open_session(stub)
+    run_id = (await start_run(stub, session_id, "hi")).run.run_id
+    before = await _writes(pool, session_id)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.UpdateWorkingState(_relayed(session_id, run_id, 1, arguments, **extra))
+    reason, fields, _ = details(refused.value)
+    assert (refused.value.code(), reason, fields) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_FIELD",
+        [field],
+    )
+    assert said in (refused.value.details() or "")
+    assert await _writes(pool, session_id) == before
+
+
 @pytest.mark.parametrize("output", ["writer", "source_sequence"])
 async def test_a_fact_in_an_update_may_not_set_what_the_engine_sets(stub: Any, output: str) -> None:
     session_id, _ = await open_session(stub)

@@ -14,7 +14,7 @@
 // 3. Every failed RPC rejects with a typed ContextEngineError (reason + field violations).
 // 4. Build is pure on the server: the same checkpoint and clock return the same bytes.
 
-import { randomUUID } from 'node:crypto';
+import { createHash, randomUUID } from 'node:crypto';
 import * as net from 'node:net';
 import * as grpc from '@grpc/grpc-js';
 import * as protoLoader from '@grpc/proto-loader';
@@ -253,6 +253,11 @@ const APPEND_ATTEMPTS = 3;
 const APPEND_BACKOFF_MS = 200;
 // Refusals of a Build that recorded nothing: the tool loop builds once more (buildStep).
 const BUILD_AGAIN = new Set(['SESSION_BUSY', 'EPOCH_CONFLICT', 'SHUTTING_DOWN']);
+/** The engine's control tools (ListControlTools), whose calls toolLoop relays itself. */
+export const CONTROL_TOOL_NAMES: ReadonlySet<string> = new Set(['context.update_working_state']);
+// Refusals of a control call's arguments the model can act on: relayed to it as the call's
+// error result (applyControlCall), not thrown.
+const MODEL_CORRECTS = new Set(['INVALID_FIELD', 'CONSTRAINT_PROTECTED', 'WORKING_STATE_CAP']);
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
 
 /** Longest tool name the providers accept (OpenAI's 64; Anthropic allows 128). */
@@ -1016,6 +1021,44 @@ export class Run {
     return response;
   }
 
+  /**
+   * The model's context.update_working_state call, relayed as it came (UpdateWorkingState's
+   * `tool_arguments_json`, as the model's write) under a key of the run and call id, so a
+   * resend replays its first answer. Resolves to the call's result for the model: that the
+   * state changed (the next request shows it), or, where the engine refuses the arguments
+   * (INVALID_FIELD, CONSTRAINT_PROTECTED, WORKING_STATE_CAP), the refusal as an error result
+   * the model can act on. Any other error rejects. toolLoop calls it for the control tools'
+   * calls (CONTROL_TOOL_NAMES).
+   */
+  async applyControlCall(toolCall: ToolCallRequest, opts: CallOptions = {}): Promise<ToolOutput> {
+    const key = createHash('sha256').update(`${this.runId}\0${toolCall.callId}`).digest('hex');
+    const source = `engine:${toolCall.name}`;
+    let response: UpdateWorkingStateResponse;
+    try {
+      response = await this.client.call(
+        'UpdateWorkingState',
+        {
+          ...this.ids,
+          expected_checkpoint_version: this.checkpointVersion,
+          writer: 'WRITER_MODEL',
+          tool_arguments_json:
+            typeof toolCall.arguments === 'string'
+              ? toolCall.arguments
+              : JSON.stringify(toolCall.arguments),
+          idempotency_key: `control-${key}`.slice(0, 64),
+        },
+        opts,
+      );
+    } catch (error) {
+      if (!(error instanceof ContextEngineError) || !MODEL_CORRECTS.has(error.reason)) throw error;
+      const content = `Not applied (${error.reason}): ${error.message}`;
+      return { content, trust: 'TRUST_LEVEL_TRUSTED_CONFIGURATION', isError: true, source };
+    }
+    this.checkpointVersion = Math.max(this.checkpointVersion, response.checkpoint_version);
+    const content = 'Working state updated; the next request shows it.';
+    return { content, trust: 'TRUST_LEVEL_TRUSTED_CONFIGURATION', source };
+  }
+
   /** Session.reportUsage: `opts.model` is the model that answered (absent: the planned). */
   reportUsage(
     build: BuildResult,
@@ -1181,7 +1224,11 @@ export class Run {
       try {
         const items = turnItems(turn);
         for (const toolCall of turn.toolCalls ?? []) {
-          items.push(resultItem(toolCall, await opts.runTool(toolCall)));
+          // The engine's own tools are the engine's to run (applyControlCall).
+          const output = CONTROL_TOOL_NAMES.has(toolCall.name)
+            ? await this.applyControlCall(toolCall, call)
+            : await opts.runTool(toolCall);
+          items.push(resultItem(toolCall, output));
         }
         if (items.length) await this.appendStep(items, final, call);
       } catch (error) {

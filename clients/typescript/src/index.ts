@@ -3,6 +3,7 @@
 
 export {
   BuildResult,
+  CONTROL_TOOL_NAMES,
   ContextEngineClient,
   LOAD_OPTIONS,
   MAX_WIRE_NAME,

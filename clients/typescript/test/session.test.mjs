@@ -32,6 +32,7 @@ import {
   toolCall,
   toolResult,
   userMessage,
+  wireToolName,
 } from '../dist/src/index.js';
 
 const target = process.env.CONTEXT_ENGINE_TARGET;
@@ -214,6 +215,33 @@ test('the tool loop appends each step and ends on a plain answer', async () => {
     [0, 1_000_000],
   );
   assert.ok(typeof result.builds[0].payload() === 'object', 'provider payload is JSON');
+});
+
+test("the tool loop relays the model's control calls itself; a refusal goes back to the model", async () => {
+  const controls = await engine.listControlTools();
+  const session = await engine.openSession({ ...spec, tools: [...spec.tools, ...controls] });
+  const run = await session.startRun('Trains to Lyon, never at night.');
+  const wire = wireToolName('context.update_working_state');
+  const seen = [];
+  const text = (build) => JSON.stringify(build.request);
+  const result = await run.toolLoop({
+    now: NOW,
+    callModel: async (build) => {
+      seen.push(build);
+      const userId = /<user source=\\"user\\" id=\\"([^"\\]+)/.exec(text(build))[1];
+      const fact = { statement: 'The user avoids night trains' };
+      if (seen.length === 3) return { text: 'Noted: day trains only.' };
+      // First an id no envelope shows, then the user's message's.
+      const ids = seen.length === 1 ? ['u-99'] : [userId];
+      const args = { add_facts: [{ ...fact, source_item_ids: ids }] };
+      return { toolCalls: [{ callId: `c${seen.length}`, name: wire, arguments: args }] };
+    },
+    runTool: async (call) => assert.fail(`${call.name} is the engine's to run`),
+  });
+  assert.equal(result.final.text, 'Noted: day trains only.');
+  assert.match(text(seen[1]), /INVALID_FIELD/);
+  assert.match(text(seen[1]), /u-99/);
+  assert.match(text(seen[2]), /Established[^\n]*The user avoids night trains/);
 });
 
 test('a usage report that fails does not lose the final answer', async () => {
@@ -1050,6 +1078,8 @@ test("every wrapper sends its deadline; absent or 0, the client's", async () => 
     'Run.resendAppend': (e, s, r, o) => r.resendAppend(appendRequest, o),
     'Run.build': (e, s, r, o) => r.build(o),
     'Run.updateWorkingState': (e, s, r, o) => r.updateWorkingState({ objective: 'x' }, o),
+    'Run.applyControlCall': (e, s, r, o) =>
+      r.applyControlCall({ callId: 'c1', name: 'context.update_working_state', arguments: {} }, o),
     'Run.reportUsage': (e, s, r, o) => r.reportUsage(build, usage, undefined, o),
     'Run.compact': (e, s, r, o) => r.compact(async () => 'Summary.', o),
     'Run.toolLoop': (e, s, r, o) =>

@@ -12,9 +12,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf import json_format
 
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
-from ..core.canonical import canonical_json_text
+from ..core.canonical import canonical_json_text, parse_json_object
 from ..core.errors import InvalidFieldError
 from ..core.spec import ToolSpec
 from ..core.trust import TrustLevel
@@ -123,6 +124,58 @@ def update_from_proto(
     return typed, tuple(cited)
 
 
+TOOL_ARGUMENTS = "tool_arguments_json"
+
+
+def update_from_tool_arguments(text: str) -> pb.WorkingStateUpdate:
+    """The update a context.update_working_state call's arguments (as the model sent them)
+    ask for, read by the tool's input schema: its keys only, task statuses by their
+    lowercase names. The proto's JSON form otherwise, which the schema's keys are.
+
+    Raises:
+        InvalidFieldError: naming tool_arguments_json, the message saying where.
+    """
+    try:
+        arguments = parse_json_object(text)
+    except (ValueError, RecursionError) as exc:  # the parser's words, never content
+        raise InvalidFieldError(
+            f"{TOOL_ARGUMENTS} must be a JSON object: {exc}", field=TOOL_ARGUMENTS
+        ) from None
+    _check_arguments(arguments, UPDATE_TOOL.input_schema, "")
+    for task in arguments.get("upsert_tasks") or ():
+        if isinstance(task, dict) and isinstance(task.get("status"), str):
+            task["status"] = f"TASK_STATUS_{task['status'].upper()}"
+    update = pb.WorkingStateUpdate()
+    try:
+        json_format.ParseDict(arguments, update)
+    except json_format.ParseError as exc:
+        raise InvalidFieldError(f"{TOOL_ARGUMENTS}: {exc}", field=TOOL_ARGUMENTS) from None
+    return update
+
+
+def _check_arguments(value: Any, schema: Mapping[str, Any], path: str) -> None:
+    """Refuse what the tool's schema does not define: a key of an object (which the proto
+    would take: a fact's trust, add_questions, which the tool does not offer the model) or
+    a value outside an enum. Types are the proto parser's to check."""
+    if "enum" in schema and isinstance(value, str) and value not in schema["enum"]:
+        raise InvalidFieldError(
+            f"{TOOL_ARGUMENTS}: {path} is {value!r}, not one of {', '.join(schema['enum'])}",
+            field=TOOL_ARGUMENTS,
+        )
+    if isinstance(value, dict) and "properties" in schema:
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else key
+            if key not in schema["properties"]:
+                raise InvalidFieldError(
+                    f"{TOOL_ARGUMENTS}: {where} is not an argument of {UPDATE_TOOL.name}",
+                    field=TOOL_ARGUMENTS,
+                )
+            _check_arguments(item, schema["properties"][key], where)
+    elif isinstance(value, list) and isinstance(schema.get("items"), Mapping):
+        for n, item in enumerate(value):
+            _check_arguments(item, schema["items"], f"{path}[{n}]")
+
+
 def _entry(entry: Entry) -> pb.WorkingStateEntry:
     return pb.WorkingStateEntry(
         text=entry.text,
@@ -196,10 +249,25 @@ class WorkingStateRpcs:
         session_id = convert.require_uuid(request.session_id, "session_id")
         run_id = convert.require_uuid(request.run_id, "run_id")
         convert.require_expected_version(request.expected_checkpoint_version)
-        writer = convert.known_enum(Writer, request.writer, "writer")
-        if not request.HasField("update"):
-            raise InvalidFieldError("update is required", field="update")
-        update, cited = update_from_proto(request.update)
+        if request.tool_arguments_json:
+            if request.HasField("update"):
+                raise InvalidFieldError(
+                    f"send update or {TOOL_ARGUMENTS}, not both", field=TOOL_ARGUMENTS
+                )
+            # A tool call's arguments are the model's words, whoever relays them.
+            if request.writer not in (pb.WRITER_UNSPECIFIED, pb.WRITER_MODEL):
+                raise InvalidFieldError(
+                    f"{TOOL_ARGUMENTS} are the model's: writer must be WRITER_MODEL",
+                    field="writer",
+                )
+            writer = Writer.MODEL
+            sent = update_from_tool_arguments(request.tool_arguments_json)
+        elif request.HasField("update"):
+            writer = convert.known_enum(Writer, request.writer, "writer")
+            sent = request.update
+        else:
+            raise InvalidFieldError(f"update (or {TOOL_ARGUMENTS}) is required", field="update")
+        update, cited = update_from_proto(sent)
         if not update.touched():
             raise InvalidFieldError("update changes nothing", field="update")
         result = await ws_api.update_working_state(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import ipaddress
 import json
 import math
@@ -187,6 +188,11 @@ def _one_loopback(target: str) -> bool:
 _APPEND_ATTEMPTS = 3
 # Refusals of a Build that recorded nothing: the tool loop builds once more (_build_step).
 _BUILD_AGAIN = frozenset({"SESSION_BUSY", "EPOCH_CONFLICT", "SHUTTING_DOWN"})
+# The engine's control tools (ListControlTools), whose calls tool_loop relays itself.
+CONTROL_TOOL_NAMES = frozenset({"context.update_working_state"})
+# Refusals of a control call's arguments the model can act on: relayed to it as the call's
+# error result (apply_control_call), not raised.
+_MODEL_CORRECTS = frozenset({"INVALID_FIELD", "CONSTRAINT_PROTECTED", "WORKING_STATE_CAP"})
 _APPEND_BACKOFF_S = 0.2
 
 
@@ -1073,6 +1079,46 @@ class Run:
         self.checkpoint_version = max(self.checkpoint_version, response.checkpoint_version)
         return response
 
+    async def apply_control_call(
+        self, call: ToolCallRequest, *, timeout: float | None = None
+    ) -> ToolOutput:
+        """The model's context.update_working_state call, relayed as it came
+        (UpdateWorkingState's `tool_arguments_json`, as the model's write) under a key of
+        the run and call id, so a resend replays its first answer. -> the call's result
+        for the model: that the state changed (the next request shows it), or, where the
+        engine refuses the arguments (INVALID_FIELD, CONSTRAINT_PROTECTED,
+        WORKING_STATE_CAP), the refusal as an error result the model can act on. Any
+        other error raises. `tool_loop` calls it for the control tools' calls."""
+        key = "control-" + hashlib.sha256(f"{self.run_id}\0{call.call_id}".encode()).hexdigest()
+        request = pb.UpdateWorkingStateRequest(
+            tenant_id=self.tenant_id,
+            session_id=self.session_id,
+            run_id=self.run_id,
+            expected_checkpoint_version=self.checkpoint_version,
+            writer=pb.WRITER_MODEL,
+            tool_arguments_json=call.arguments_json(),
+            idempotency_key=key[:64],
+        )
+        try:
+            response: pb.UpdateWorkingStateResponse = await self.client.call(
+                "UpdateWorkingState", request, timeout=timeout
+            )
+        except ContextEngineError as exc:
+            if exc.reason not in _MODEL_CORRECTS:
+                raise
+            return ToolOutput(
+                f"Not applied ({exc.reason}): {exc.message}",
+                trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION,
+                is_error=True,
+                source=f"engine:{call.name}",
+            )
+        self.checkpoint_version = max(self.checkpoint_version, response.checkpoint_version)
+        return ToolOutput(
+            "Working state updated; the next request shows it.",
+            trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION,
+            source=f"engine:{call.name}",
+        )
+
     async def compact(
         self,
         summarize: Summarize,
@@ -1154,7 +1200,9 @@ class Run:
 
         Each step: build from the run's latest checkpoint (compacting first when the body
         does not fit and `summarize` is given), call the model with the build, map its tool
-        calls' wire names back to tool names, run the requested tools in order, append the
+        calls' wire names back to tool names, run the requested tools in order (the engine's
+        control tools, CONTROL_TOOL_NAMES, through apply_control_call: `run_tool` never
+        sees them), append the
         model's items and the tool results in one write (so the log never holds a call
         without its result), then report the model's usage, under the model that answered
         (`ModelTurn.model`). `now` may be a datetime or a clock; `timeout` is each RPC's
@@ -1260,7 +1308,13 @@ class Run:
             try:
                 items = turn.items()
                 for call in turn.tool_calls:
-                    items.append(_result_item(call, await run_tool(call)))
+                    output: ToolOutput | str
+                    # The engine's own tools are the engine's to run (apply_control_call).
+                    if call.name in CONTROL_TOOL_NAMES:
+                        output = await self.apply_control_call(call, timeout=timeout)
+                    else:
+                        output = await run_tool(call)
+                    items.append(_result_item(call, output))
                 if items:
                     await self._append_step(items, final=final, timeout=timeout)
             except BaseException as exc:

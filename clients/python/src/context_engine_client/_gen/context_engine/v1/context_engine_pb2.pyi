@@ -1087,7 +1087,7 @@ class WorkingState(_message.Message):
     def __init__(self, objective: _Optional[_Union[WorkingStateEntry, _Mapping]] = ..., constraints: _Optional[_Iterable[_Union[WorkingStateEntry, _Mapping]]] = ..., tasks: _Optional[_Iterable[_Union[TaskState, _Mapping]]] = ..., facts: _Optional[_Iterable[_Union[Fact, _Mapping]]] = ..., open_questions: _Optional[_Iterable[_Union[WorkingStateEntry, _Mapping]]] = ..., next_action: _Optional[str] = ...) -> None: ...
 
 class UpdateWorkingStateRequest(_message.Message):
-    __slots__ = ("tenant_id", "session_id", "run_id", "expected_checkpoint_version", "writer", "update", "idempotency_key")
+    __slots__ = ("tenant_id", "session_id", "run_id", "expected_checkpoint_version", "writer", "update", "idempotency_key", "tool_arguments_json")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -1095,6 +1095,7 @@ class UpdateWorkingStateRequest(_message.Message):
     WRITER_FIELD_NUMBER: _ClassVar[int]
     UPDATE_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    TOOL_ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
     tenant_id: str
     session_id: str
     run_id: str
@@ -1102,7 +1103,8 @@ class UpdateWorkingStateRequest(_message.Message):
     writer: Writer
     update: WorkingStateUpdate
     idempotency_key: str
-    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., run_id: _Optional[str] = ..., expected_checkpoint_version: _Optional[int] = ..., writer: _Optional[_Union[Writer, str]] = ..., update: _Optional[_Union[WorkingStateUpdate, _Mapping]] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+    tool_arguments_json: str
+    def __init__(self, tenant_id: _Optional[str] = ..., session_id: _Optional[str] = ..., run_id: _Optional[str] = ..., expected_checkpoint_version: _Optional[int] = ..., writer: _Optional[_Union[Writer, str]] = ..., update: _Optional[_Union[WorkingStateUpdate, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., tool_arguments_json: _Optional[str] = ...) -> None: ...
 
 class UpdateWorkingStateResponse(_message.Message):
     __slots__ = ("checkpoint_version", "state", "event_sequence")
