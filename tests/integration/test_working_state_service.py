@@ -685,10 +685,13 @@ async def test_a_fact_cites_the_items_the_model_reads_by_their_envelope_ids(stub
     assert f"Established (events #{user_seq}): The user lives in Paris" in block
 
 
-async def test_an_item_id_names_the_runs_own_item_else_the_newest_it_carries(stub: Any) -> None:
+async def test_an_item_id_names_every_item_of_it_the_run_may_have_been_shown(stub: Any) -> None:
     """An id is unique only within its run: a worker numbering each run's items alike has
-    "u-1" in every run. A run's own item of an id is taken first, else the newest earlier
-    one it carries; a child's items and a later run's are not its to cite."""
+    "u-1" in every run, and the model cannot tell which of two shown items it meant. Each
+    is evidence, so the least trusted decides (a review: the run's own user message took
+    the citation of an earlier run's page of the same id, and the page's paraphrase was
+    USER); of one kind, the newest (the run's own "u-1"). A child's items and a later
+    run's are not the run's to cite."""
     session_id, _ = await open_session(stub)
     first = await _start_seeded(stub, session_id, "Book a hotel", "u-1")
     page = pb.ConversationItem(
@@ -700,28 +703,46 @@ async def test_an_item_id_names_the_runs_own_item_else_the_newest_it_carries(stu
     await append_items(stub, session_id, child, 1, note)
     second = await _start_seeded(stub, session_id, "I need it for two nights", "u-1")
     run_id = second.run.run_id
+    said = pb.ConversationItem(item_id="r-9", user_message=pb.UserMessage(text="Hotel A it is"))
+    mine = await append_items(stub, session_id, run_id, 1, said)
 
-    versions = {run_id: 1, first.run.run_id: old.checkpoint_version}
+    versions = {run_id: mine.checkpoint_version, first.run.run_id: old.checkpoint_version}
 
-    async def cite(*ids: str, run: str = run_id) -> pb.UpdateWorkingStateResponse:
-        fact = pb.Fact(statement="It is for two nights", source_item_ids=list(ids))
+    async def cite(*ids: str, run: str = run_id) -> pb.Fact:
+        # A statement of its own: a statement restated merges its evidence.
+        fact = pb.Fact(statement=f"Cites {', '.join(ids)}", source_item_ids=list(ids))
         updated = await update_state(stub, session_id, run, versions[run], add_facts=[fact])
         versions[run] = updated.checkpoint_version
-        return updated
+        return updated.state.facts[-1]
 
-    own = await cite("u-1", "r-9")
-    # The state keeps a fact's evidence in session order.
-    assert list(own.state.facts[0].source_event_ids) == [
-        old.sequences[1],
-        second.run.seed_event_sequence,
-    ]
+    own = await cite("u-1")
+    assert (list(own.source_event_ids), own.trust) == (
+        [second.run.seed_event_sequence],
+        pb.TRUST_LEVEL_USER,
+    )
+    # "r-9": the earlier run's page and this run's message, both shown: the page decides.
+    both = await cite("r-9")
+    assert list(both.source_event_ids) == [old.sequences[1], mine.sequences[0]]
+    assert both.trust == pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED
     for ids, bad in ((("u-1", "n-1"), 1), (("nope",), 0)):
         code, reason, fields = await _refused(cite(*ids))
         assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD")
         assert fields == [f"update.add_facts[0].source_item_ids[{bad}]"]
-    # The first run was seeded before the second: the second's "u-1" is not its to cite.
+    # The first run was seeded before the second: the second's items are not its to cite.
     earlier = await cite("u-1", run=first.run.run_id)
-    assert list(earlier.state.facts[0].source_event_ids) == [first.run.seed_event_sequence]
+    assert list(earlier.source_event_ids) == [first.run.seed_event_sequence]
+
+
+async def test_an_item_id_is_cited_as_its_envelope_shows_it(stub: Any) -> None:
+    """An envelope writes `&` in an id as `&amp;` (core/envelope.py): a model copying the
+    id as shown names the item."""
+    session_id, _ = await open_session(stub)
+    started = await _start_seeded(stub, session_id, "Q&A: trains to Lyon?", "q&a")
+    run_id = started.run.run_id
+    assert "q&amp;a" in _envelope_ids(await _build(stub, session_id, run_id))
+    fact = pb.Fact(statement="The user asks about Lyon", source_item_ids=["q&amp;a"])
+    updated = await update_state(stub, session_id, run_id, 1, add_facts=[fact])
+    assert list(updated.state.facts[0].source_event_ids) == [started.run.seed_event_sequence]
 
 
 @pytest.mark.parametrize(
@@ -801,6 +822,14 @@ async def test_a_control_call_is_relayed_as_the_model_sent_its_arguments(stub: A
         _relayed(session_id, run_id, 1, json.dumps(arguments), idempotency_key="call-1")
     )
     assert again.checkpoint_version == updated.checkpoint_version
+    # A plan pinned before facts cited item ids offers the model source_event_ids.
+    older = {
+        "add_facts": [{"statement": "Lyon it is", "source_event_ids": [fact.source_event_ids[0]]}]
+    }
+    relayed = await stub.UpdateWorkingState(
+        _relayed(session_id, run_id, updated.checkpoint_version, json.dumps(older))
+    )
+    assert [f.statement for f in relayed.state.facts][-1] == "Lyon it is"
 
 
 @pytest.mark.parametrize(

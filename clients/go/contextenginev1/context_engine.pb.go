@@ -586,7 +586,9 @@ const (
 	ErrorReason_ERROR_REASON_UNKNOWN_MODEL ErrorReason = 12
 	// The never-yield set alone (recall's floor included) does not fit the body; metadata
 	// "class" names its largest class (recall for the floor, active_turn for the active
-	// turn), or working_state with cap_tokens when the state outgrows its block.
+	// turn), or working_state with cap_tokens when the state outgrows its block. Or the
+	// body does not fit after every yield and nothing is left to compact (metadata class,
+	// the largest class of the need, with body_tokens).
 	ErrorReason_ERROR_REASON_BUDGET_EXCEEDED ErrorReason = 13
 	// FAILED_PRECONDITION: the run is not in a state that allows this call (nothing to
 	// compact), or StartRun's run_id is taken.
@@ -4869,7 +4871,9 @@ type BuildResponse struct {
 	RequestSequence int64 `protobuf:"varint,7,opt,name=request_sequence,json=requestSequence,proto3" json:"request_sequence,omitempty"`
 	// True when the body does not fit even after every cheaper yield: no request is
 	// returned. Compact (PrepareCompaction -> your model call -> CommitCompaction) and
-	// build again. Build never compacts inline.
+	// build again. Build never compacts inline. Only while something is left to compact
+	// (with nothing, Build fails BUDGET_EXCEEDED instead); a run compacted twice already
+	// gets COMPACTION_DEPTH_EXCEEDED from PrepareCompaction: escalate to a child run.
 	NeedsCompaction bool `protobuf:"varint,8,opt,name=needs_compaction,json=needsCompaction,proto3" json:"needs_compaction,omitempty"`
 	// What yielded and whether the result fits. Present whenever a yield ran.
 	Pressure *PressureReport `protobuf:"bytes,9,opt,name=pressure,proto3" json:"pressure,omitempty"`
@@ -6076,14 +6080,15 @@ type Fact struct {
 	// INVALID_FIELD.
 	SourceSequence int64 `protobuf:"varint,5,opt,name=source_sequence,json=sourceSequence,proto3" json:"source_sequence,omitempty"`
 	// Input only: the conversation items it rests on, by the id their envelopes show
-	// (`id="u-1"`): what the model sees, so what the control tool's `add_facts` cites (the
-	// model never sees a session sequence). Each names the run's own item of that id, else
-	// the newest item of that id in the conversation the run carries (an id is unique only
-	// within its run); an id naming neither (a memory line's, another run's child items, a
-	// later run's) is INVALID_FIELD naming update.add_facts[N].source_item_ids[K]. Each at
-	// most 200 characters, not empty. Resolved to its event's sequence before anything is
-	// written: the logged update and the state hold source_event_ids only, and an output
-	// fact leaves this empty.
+	// (`id="u-1"`, as written or as shown: `&amp;` for `&`): what the model reads, so what
+	// the control tool's `add_facts` cites (sequences it sees only in the working-state
+	// block's labels). An id is unique only within its run, so each names every item of
+	// that id the run may have been shown (its own, and the conversation below its seed),
+	// the newest of each kind: all are evidence, and the least trusted decides. An id
+	// naming none (a memory line's, a child run's item cited by its parent, a later run's)
+	// is INVALID_FIELD naming update.add_facts[N].source_item_ids[K]. Each at most 200
+	// characters, not empty. Resolved to sequences before anything is written: the logged
+	// update and the state hold source_event_ids only, and an output fact leaves this empty.
 	SourceItemIds []string `protobuf:"bytes,6,rep,name=source_item_ids,json=sourceItemIds,proto3" json:"source_item_ids,omitempty"`
 }
 
@@ -6471,7 +6476,8 @@ type UpdateWorkingStateRequest struct {
 	IdempotencyKey string `protobuf:"bytes,7,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
 	// Instead of update: the arguments of the model's context.update_working_state call as
 	// it sent them (its ToolCall.arguments_json), read by the tool's input schema
-	// (ListControlTools), so a worker in any language relays the call without mapping it.
+	// (ListControlTools, or an earlier version a plan pinned: a fact's source_event_ids), so
+	// a worker in any language relays the call without mapping it.
 	// The writer is the model's (WRITER_MODEL, or unspecified for it; another writer is
 	// INVALID_FIELD naming writer). Not a JSON object, a key the schema does not define, a
 	// task status outside its names or a value of the wrong type is INVALID_FIELD naming

@@ -1477,8 +1477,9 @@ class Engine:
         checkpoint: Checkpoint,
         step: StepContext,
     ) -> None:
-        """context.budget.exceeded: the never-yield set alone did not fit the body, or the
-        working state's never-yield fields did not fit its block. A recall naming a person
+        """context.budget.exceeded: the never-yield set alone did not fit the body, the body
+        did not fit after every yield with nothing left to compact, or the working state's
+        never-yield fields did not fit its block. A recall naming a person
         erased from the tenant (`step`'s, under the erasure fence) is PERSON_ERASED instead,
         recording nothing, as a Build that sends a request (an audit).
 

@@ -7,6 +7,7 @@ first: a malformed request names its field and writes nothing.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -127,6 +128,20 @@ def update_from_proto(
 TOOL_ARGUMENTS = "tool_arguments_json"
 
 
+def _arguments_schema() -> dict[str, Any]:
+    """The tool's input schema, as every version of it the engine advertised reads: a plan
+    pins the definition ListControlTools gave when it was made, and before facts cited item
+    ids its `add_facts` cited `source_event_ids` (a review: relayed, such a session's calls
+    were refused)."""
+    schema = copy.deepcopy(UPDATE_TOOL.input_schema)
+    fact = schema["properties"]["add_facts"]["items"]["properties"]
+    fact["source_event_ids"] = {"type": "array", "items": {"type": "integer"}}
+    return schema
+
+
+_ARGUMENTS_SCHEMA = _arguments_schema()
+
+
 def update_from_tool_arguments(text: str) -> pb.WorkingStateUpdate:
     """The update a context.update_working_state call's arguments (as the model sent them)
     ask for, read by the tool's input schema: its keys only, task statuses by their
@@ -141,7 +156,7 @@ def update_from_tool_arguments(text: str) -> pb.WorkingStateUpdate:
         raise InvalidFieldError(
             f"{TOOL_ARGUMENTS} must be a JSON object: {exc}", field=TOOL_ARGUMENTS
         ) from None
-    _check_arguments(arguments, UPDATE_TOOL.input_schema, "")
+    _check_arguments(arguments, _ARGUMENTS_SCHEMA, "")
     for task in arguments.get("upsert_tasks") or ():
         if isinstance(task, dict) and isinstance(task.get("status"), str):
             task["status"] = f"TASK_STATUS_{task['status'].upper()}"

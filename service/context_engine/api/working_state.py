@@ -9,6 +9,7 @@ run's state is a fold over the log (core.working_state.carry), never a checkpoin
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
@@ -272,15 +273,17 @@ async def _named_evidence(
     cited: Sequence[Sequence[str]],
 ) -> list[list[tuple[int, str]]]:
     """Per fact, each event it cites with the field that names it: its source_event_ids,
-    then the events its source_item_ids name for this run (store `resolve_item_ids`). The
-    model reads item ids in its envelopes, never a session sequence, so item ids are how
-    the control tool cites (an audit: it was asked for sequences it could only guess, and a
-    guessed user message made its conclusion USER trust).
+    then the events its source_item_ids name for this run (store `resolve_item_ids`: every
+    item of the id the run may have been shown, so the least trusted decides). The model
+    reads item ids in its envelopes (sequences only in the working-state block's labels),
+    so item ids are how the control tool cites (an audit: it was asked for sequences of
+    events it could only guess, and a guessed user message made its conclusion USER
+    trust). An id is taken as written and as its envelope shows it (`&amp;` for `&`).
 
     Raises:
         InvalidFieldError: an item id naming no conversation item the run was shown.
     """
-    ids = [item_id for items in cited for item_id in items]
+    ids = [form for items in cited for item_id in items for form in _id_forms(item_id)]
     resolved = await ws_store.resolve_item_ids(
         conn, tenant_id, session_id, run_id, run.seed_event_sequence, ids
     )
@@ -290,16 +293,39 @@ async def _named_evidence(
         pairs = [(s, f"{path}.source_event_ids[{k}]") for k, s in enumerate(fact.source_event_ids)]
         for k, item_id in enumerate(cited[n] if n < len(cited) else ()):
             field = f"{path}.source_item_ids[{k}]"
-            if item_id not in resolved:
+            found = sorted({s for form in _id_forms(item_id) for s in resolved.get(form, ())})
+            if not found:
                 raise InvalidFieldError(
                     f"item {item_id!r} is not a conversation item this run was shown (its"
                     " own, or one of the earlier conversation it carries): cite the ids of"
                     " the user messages and tool results the fact rests on",
                     field=field,
                 )
-            pairs.append((resolved[item_id], field))
+            pairs += [(sequence, field) for sequence in found]
         named.append(pairs)
     return named
+
+
+# The character references an envelope writes an id's attribute with (core/envelope.py,
+# _ATTR_ESCAPES), read back as their ASCII characters; their lookalikes are not guessed.
+_ATTR_REFERENCE = re.compile(r"&(?:(amp|quot|lt|gt)|#(\d{1,7}));")
+_NAMED = {"amp": "&", "quot": '"', "lt": "<", "gt": ">"}
+
+
+def _id_forms(item_id: str) -> tuple[str, ...]:
+    """The id as written, and as read back from its envelope's attribute where it differs."""
+
+    def read(match: re.Match[str]) -> str:
+        name, number = match.groups()
+        if name:
+            return _NAMED[name]
+        code = int(number)
+        # Only what an id can hold: no U+0000, no surrogate, nothing past Unicode's range.
+        valid = 0 < code <= 0x10FFFF and not 0xD800 <= code <= 0xDFFF
+        return chr(code) if valid else match.group(0)
+
+    shown = _ATTR_REFERENCE.sub(read, item_id)
+    return (item_id,) if shown == item_id else (item_id, shown)
 
 
 async def _shown_sources(

@@ -14,7 +14,9 @@ Rule 5 (budget): the prefix is the plan's exact count; only the body is estimate
 the correction factor pinned on the checkpoint. Carried results over the inline limit get
 legacy excerpts first; then pressure.fit_body pays the never-yield set, runs the yield
 ladder and cuts history. A body that does not fit after every cheaper yield is reported as
-needs_compaction with no request: Build never compacts inline.
+needs_compaction with no request: Build never compacts inline. Only while something is left
+to compact (core/compaction.py compactable): with nothing, it is BUDGET_EXCEEDED, as a
+never-yield set over the body is, since no compaction could answer it.
 Rule 6 (versioned): this module and what it calls (the estimator, pressure, the yield
 ladder, the renderers after it) are the body assembler, named by core/build_record.py
 ASSEMBLER_VERSION in every request's record. A change that gives other bytes or cuts for
@@ -142,8 +144,9 @@ class BuildInputs:
 
 @dataclass(frozen=True, slots=True)
 class Assembled:
-    """Build's result. When the body does not fit even after every cheaper yield,
-    `needs_compaction` is true and there is no request (`request` None, hash empty)."""
+    """Build's result. When the body does not fit even after every cheaper yield, and
+    something is left to compact, `needs_compaction` is true and there is no request
+    (`request` None, hash empty)."""
 
     request: ModelRequest | None
     request_sha256: str
@@ -184,7 +187,8 @@ def assemble(inputs: BuildInputs) -> Assembled:
         EngineError: an item type without a declared region, or in the wrong row; or
             `carried` stops short of what a fitting request can reach (carried_reaches).
         PreconditionError: the request would carry an orphaned tool call or result.
-        BudgetExceededError: the never-yield set alone exceeds the body.
+        BudgetExceededError: the never-yield set alone exceeds the body, or the body does
+            not fit after every yield and nothing is left to compact.
     """
     plan = inputs.plan
     budget = _budget(inputs)

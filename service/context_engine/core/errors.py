@@ -57,7 +57,8 @@ class PreconditionError(RequestError):
 
 
 class BudgetExceededError(PreconditionError):
-    """The never-yield set alone does not fit its class (FAILED_PRECONDITION)."""
+    """The never-yield set alone does not fit its class, or the body does not fit after
+    every yield with nothing left to compact (FAILED_PRECONDITION)."""
 
     reason = "BUDGET_EXCEEDED"
 

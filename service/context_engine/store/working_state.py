@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 from uuid import UUID
 
-from ..core.working_state import LoggedUpdate, WorkingStateUpdate, Writer
+from ..core.working_state import SOURCE_TRUST_OF_EVENT, LoggedUpdate, WorkingStateUpdate, Writer
 
 __all__ = [
     "WORKING_STATE_UPDATED",
@@ -82,15 +82,20 @@ async def read_evidence_at(
     return {r["sequence"]: (r["type"], r["payload"], r["in_history"]) for r in rows}
 
 
-# Per id, the newest item the run was shown of it: its own items, and the conversation
-# below its seed (what it carries; a child run, with no seed, carries none). Its own come
-# after its seed, so its own item of an id is taken first. An id is unique only within its
-# run, so several earlier runs may hold it (a worker numbering each run's items alike).
+# Every item of an id the run may have been shown: its own, and the conversation below its
+# seed (what it carries; a child run, with no seed, carries none). An id is unique only
+# within its run, so several runs may hold it (a worker numbering each run's items alike),
+# and the model cannot tell which it meant: each is evidence, so the least trusted decides
+# (a review: the run's own user message "3" took the citation of an earlier run's page "3",
+# and the page's paraphrase was USER, Established, offered to formation). One of each kind
+# of evidence (type, conversation or not, trust), the newest: the fact's trust is the same,
+# and a worker numbering alike adds one per kind, not one per run.
 _ITEMS_BY_ID = (
-    "SELECT DISTINCT ON (item_id) item_id, sequence FROM session_events"
+    "SELECT DISTINCT ON (item_id, type, in_history, payload ->> 'trust') item_id, sequence"
+    " FROM session_events"
     " WHERE tenant_id = $1 AND session_id = $2 AND item_id = ANY($3::text[])"
-    " AND (run_id = $4 OR (in_history AND sequence < $5))"
-    " ORDER BY item_id, sequence DESC"
+    " AND type = ANY($6::text[]) AND (run_id = $4 OR (in_history AND sequence < $5))"
+    " ORDER BY item_id, type, in_history, payload ->> 'trust', sequence DESC"
 )
 
 
@@ -101,10 +106,11 @@ async def resolve_item_ids(
     run_id: UUID,
     seed_event_sequence: int | None,
     item_ids: list[str],
-) -> dict[str, int]:
-    """item id -> the sequence of the event it names for the run: its own item of that id,
-    else the newest of that id in the conversation below its seed. Ids naming neither are
-    omitted. An index range per id (migrations/0025)."""
+) -> dict[str, list[int]]:
+    """item id -> the sequences of the conversation events of that id the run may have
+    been shown (its own, and those below its seed), the newest of each kind of evidence,
+    in session order. Ids naming none are omitted. An index range per id
+    (migrations/0025)."""
     if not item_ids:
         return {}
     rows = await conn.fetch(
@@ -114,8 +120,12 @@ async def resolve_item_ids(
         sorted(set(item_ids)),
         run_id,
         seed_event_sequence or 0,
+        sorted(SOURCE_TRUST_OF_EVENT),
     )
-    return {r["item_id"]: int(r["sequence"]) for r in rows}
+    found: dict[str, list[int]] = {}
+    for row in rows:
+        found.setdefault(row["item_id"], []).append(int(row["sequence"]))
+    return {item_id: sorted(sequences) for item_id, sequences in found.items()}
 
 
 async def next_sequence(conn: Any, tenant_id: str, session_id: UUID) -> int:
