@@ -532,8 +532,12 @@ def record_usage(
     *,
     first_of_epoch: bool = False,
     reuse_ppm: int | None = None,
+    measures_estimate: bool = True,
 ) -> None:
     """A usage report: estimator error and prefix cache share of one request.
+
+    The estimator's error only from a report that measures the estimate
+    (`measures_estimate`: the request's first report, by the model it was estimated for).
 
     The cached prefix ratio is measured after the first request of an epoch (which writes
     the cache); pass first_of_epoch=True for that request and only the estimator is fed.
@@ -542,12 +546,16 @@ def record_usage(
     """
 
     def fn(t: Telemetry) -> None:
-        t.record("context_engine.estimator.ratio", 1 + signed_error_ppm / 1_000_000, model=model_id)
-        t.set_gauge(
-            "context_engine.estimator.signed_error", signed_error_ppm / 1_000_000, model=model_id
-        )
-        if signed_error_ppm < UNDERESTIMATE_PPM:
-            t.add("context_engine.estimator.underestimates", 1, model=model_id)
+        if measures_estimate:
+            ratio = 1 + signed_error_ppm / 1_000_000
+            t.record("context_engine.estimator.ratio", ratio, model=model_id)
+            t.set_gauge(
+                "context_engine.estimator.signed_error",
+                signed_error_ppm / 1_000_000,
+                model=model_id,
+            )
+            if signed_error_ppm < UNDERESTIMATE_PPM:
+                t.add("context_engine.estimator.underestimates", 1, model=model_id)
         if not first_of_epoch:
             t.record(
                 "context_engine.prefix.cached_ratio", cached_prefix_ppm / 1_000_000, model=model_id

@@ -65,6 +65,7 @@ class UsageRpcs:
                 outcome.cached_prefix_ppm,
                 first_of_epoch=outcome.first_of_epoch,
                 reuse_ppm=outcome.reuse_ppm,
+                measures_estimate=outcome.measures_estimate,
             )
         return pb.ReportUsageResponse(
             factor_ppm=outcome.factor_ppm,

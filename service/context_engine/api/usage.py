@@ -105,10 +105,15 @@ class UsageOutcome:
     # Not stored with the answer (to_json): whether this call only replayed an earlier
     # report's answer (Rule 3). It recorded nothing, so telemetry records nothing.
     replayed: bool = False
+    # Not stored either: whether the report measures the request's estimate, so the
+    # estimator's metrics take it: the first report of the request, by the model it was
+    # estimated for (an audit: another model's answer was recorded under that model's
+    # label against this estimate, and a second report under another key counted twice).
+    measures_estimate: bool = True
 
     def to_json(self) -> dict[str, Any]:
         stored = asdict(self)
-        del stored["replayed"], stored["reuse_ppm"]
+        del stored["replayed"], stored["reuse_ppm"], stored["measures_estimate"]
         return stored
 
     @classmethod
@@ -285,6 +290,7 @@ async def _reconcile(
         estimated_input_tokens=estimated,
         actual_input_tokens=actual,
         absorbed=absorbed,
+        measures_estimate=not learned and same_model(report.model_id, planned_model),
     )
     return outcome, correction
 
