@@ -94,7 +94,7 @@ demo: $(STAMP)
 bench: install
 	.venv-bench/bin/python -m pip --version >/dev/null 2>&1 \
 	  || { rm -rf .venv-bench && $(PY) -m venv .venv-bench; }
-	.venv-bench/bin/python -m pip install --quiet -e '.[dev]' langchain-core
+	.venv-bench/bin/python -m pip install --quiet -e '.[dev]' langchain-core langchain-openai
 	.venv-bench/bin/python -m bench $(BENCH_ARGS)
 
 ## What install and the tests leave behind. The sessions of the embedded database `make run`

@@ -26,6 +26,12 @@ LangChain has no memo: it gets a fresh, equal message list every call. Bar: ours
 than their trimming alone, evaluated on each figure (the same BuildInputs object repeated,
 which this benchmark timed before, is a memo hit on every call and is not measured).
 
+Informational, not the bar: where langchain-openai is installed (`make bench` installs it),
+their trimming with the exact counter LangChain offers for this model as well,
+`ChatOpenAI.get_num_tokens_from_messages` (tiktoken o200k_base, read from the rank file the
+engine ships, never downloaded): the same exactness as ours, against which each of our
+figures is printed as a ratio too. The bar stays the estimate's, the faster of the two.
+
 LangChain is installed only in the bench environment (`make bench` creates .venv-bench).
 """
 
@@ -33,11 +39,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
+import hashlib
 import itertools
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import context_engine.core as core
@@ -208,7 +219,8 @@ def their_messages(turns: int) -> Iterator[list[Any]]:
         yield messages
 
 
-def their_trim(budget: int) -> Callable[[list[Any]], list[Any]]:
+def their_trim(budget: int, counter: Any = None) -> Callable[[list[Any]], list[Any]]:
+    """trim_messages to `budget` with `counter` (count_tokens_approximately by default)."""
     from langchain_core.messages import trim_messages
     from langchain_core.messages.utils import count_tokens_approximately
 
@@ -217,12 +229,34 @@ def their_trim(budget: int) -> Callable[[list[Any]], list[Any]]:
             messages,
             max_tokens=budget,
             strategy="last",
-            token_counter=count_tokens_approximately,
+            token_counter=counter or count_tokens_approximately,
             include_system=True,
             start_on="human",
         )
 
     return trim
+
+
+def their_exact_trim(budget: int) -> Callable[[list[Any]], list[Any]] | None:
+    """trim_messages with ChatOpenAI's exact counter, or None without langchain-openai. Its
+    tiktoken reads o200k_base from a cache filled from the engine's rank file: tiktoken would
+    download it, and nothing here does."""
+    try:
+        from langchain_openai import ChatOpenAI
+    except ImportError:
+        return None
+    from context_engine.tokenizers import default_tiktoken_dir
+
+    ranks = default_tiktoken_dir()
+    if ranks is None:
+        return None
+    cache = Path(tempfile.mkdtemp(prefix="tiktoken-"))
+    url = "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken"
+    data = gzip.decompress((ranks / "o200k_base.tiktoken.gz").read_bytes())
+    (cache / hashlib.sha1(url.encode()).hexdigest()).write_bytes(data)
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(cache)
+    # Counts locally; never called.
+    return their_trim(budget, ChatOpenAI(model=MODEL, api_key="unused"))
 
 
 def per_call_ms(inputs: Iterator[Any], call: Callable[[Any], object], seconds: float) -> float:
@@ -301,6 +335,17 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  bar evaluated on each figure: {'PASS' if not failed else 'FAIL: ' + ', '.join(failed)}"
     )
+    exact = their_exact_trim(args.budget)
+    if exact is None:
+        print("  (langchain-openai not installed: no exact-counter comparison)")
+    else:
+        exact_ms = per_call_ms(their_messages(args.turns), exact, args.seconds)
+        print(
+            f"  informational: LangChain trim_messages + ChatOpenAI's exact counter: {exact_ms:.3f}"
+            " ms/call"
+        )
+        for name, ms in (("next step", step_ms), ("cold", cold_ms), ("first sight", first_ms)):
+            print(f"  ours ({name}) / theirs, exact counter = {ms / exact_ms:.2f}")
     return 0 if not failed else 1
 
 
