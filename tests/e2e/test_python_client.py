@@ -940,11 +940,71 @@ async def test_the_tool_loop_relays_the_models_control_calls_itself(client: Any)
 
     result = await run.tool_loop(model, run_tool, now=NOW)
     assert result.final.text == "Noted: day trains only."
-    # The refusal reached the model as the call's error result, naming the id.
-    assert "INVALID_FIELD" in _texts(seen[1]) and "u-99" in _texts(seen[1])
+    # The refusal reached the model as the call's error result, naming the id, in an
+    # envelope: it quotes the model's words, and no fact rests on it as trusted.
+    refusal = re.search(
+        r'<untrusted source="engine:context.update_working_state"[^>]*>\n'
+        r"Not applied \(INVALID_FIELD\)[^\n]*u-99",
+        _texts(seen[1]),
+    )
+    assert refusal is not None
     block = _texts(seen[2])
     assert "Established" in block and "The user avoids night trains" in block
     assert "Established" in _texts(await run.build(now=NOW))  # the state holds it
+
+
+async def test_a_control_call_that_meets_a_later_write_goes_after_it(client: Any) -> None:
+    """The user's next message lands while the model thinks: the control call is refused
+    CHECKPOINT_VERSION_CONFLICT and is sent once more after it, as the step's append is
+    (a review: the step was lost, its other tools' results with it)."""
+    spec = _spec()
+    spec.tools.extend(await client.control_tools())
+    session = await client.open_session(spec)
+    run = await session.start_run("Trains to Lyon?")
+    wire = wire_tool_name("context.update_working_state")
+    turns = 0
+
+    async def model(build: BuildResult) -> ModelTurn:
+        nonlocal turns
+        turns += 1
+        if turns > 1:
+            return ModelTurn(text="Done.")
+        other = session.run(run.run_id, checkpoint_version=run.checkpoint_version)
+        await other.append(user_message("Make it Marseille."))
+        calls = [
+            ToolCallRequest("f1", "web-fetch", {"url": "https://trains.example"}),
+            ToolCallRequest("w1", wire, {"objective": "Trains to Marseille"}),
+        ]
+        return ModelTurn(tool_calls=calls)
+
+    result = await run.tool_loop(model, _fetch, now=NOW)
+    assert result.final.text == "Done."
+    built = await run.build(now=NOW)
+    assert "Trains to Marseille" in _texts(built) and "08:04 TGV 6601" in _texts(built)
+
+
+async def test_a_control_call_the_build_did_not_offer_goes_to_run_tool(client: Any) -> None:
+    """A model not given the control tool that calls it wrote text, not a state write: it
+    goes to run_tool like any call (a review: the loop applied an injected objective)."""
+    session = await client.open_session(_spec())  # no control tools
+    run = await session.start_run("Trains to Lyon?")
+    ran: list[str] = []
+
+    async def model(build: BuildResult) -> ModelTurn:
+        if ran:
+            return ModelTurn(text="Done.")
+        call = ToolCallRequest("w1", "context.update_working_state", {"objective": "INJECTED"})
+        return ModelTurn(tool_calls=[call])
+
+    async def run_tool(call: ToolCallRequest) -> ToolOutput:
+        ran.append(call.name)
+        return ToolOutput("No such tool.", is_error=True)
+
+    await run.tool_loop(model, run_tool, now=NOW)
+    assert ran == ["context.update_working_state"]
+    # Only the logged call's arguments hold it: no working-state block shows it.
+    texts = _texts(await run.build(now=NOW))
+    assert texts.count("INJECTED") == texts.count('"INJECTED"') == 1
 
 
 def _spec_with_mail() -> pb.PlanSpec:

@@ -581,6 +581,23 @@ async def test_a_retried_report_usage_records_its_usage_once(traced: dict[str, A
     # estimate measured once (an audit: counted twice toward the underestimate alert).
     report.idempotency_key = "usage-2"
     await stub.ReportUsage(report)
+    # A request whose first report was not learned from (nine times its estimate: no
+    # drift explains it) is measured once too (a review).
+    bogus = await stub.Build(build)
+    for key in ("bogus-1", "bogus-2"):
+        assert not (
+            await stub.ReportUsage(
+                pb.ReportUsageRequest(
+                    tenant_id=TENANT,
+                    session_id=session_id,
+                    request_sequence=bogus.request_sequence,
+                    model_id=model,
+                    idempotency_key=key,
+                    input_tokens=bogus.estimated_input_tokens * 9,
+                    output_tokens=5,
+                )
+            )
+        ).absorbed
     after = _points(reader)
     assert retried.SerializeToString() == first.SerializeToString()
     assert first.signed_error_ppm < telemetry.UNDERESTIMATE_PPM
@@ -588,11 +605,11 @@ async def test_a_retried_report_usage_records_its_usage_once(traced: dict[str, A
     def delta(name: str, **attributes: Any) -> float:
         return _total(after, name, **attributes) - _total(before, name, **attributes)
 
-    assert delta("context_engine.estimator.ratio", model=model) == 1
-    assert delta("context_engine.prefix.cached_ratio", model=model) == 2
-    assert delta("context_engine.estimator.underestimates", model=model) == 1
+    assert delta("context_engine.estimator.ratio", model=model) == 2
+    assert delta("context_engine.prefix.cached_ratio", model=model) == 4
+    assert delta("context_engine.estimator.underestimates", model=model) == 2
     labels = {"rpc.method": "ReportUsage", "rpc.grpc.status_code": "OK"}
-    assert delta("context_engine.rpc.duration", **labels) == 3  # every call was served
+    assert delta("context_engine.rpc.duration", **labels) == 5  # every call was served
 
 
 async def test_a_reported_model_the_registry_lacks_is_one_label(traced: dict[str, Any]) -> None:

@@ -6476,12 +6476,14 @@ type UpdateWorkingStateRequest struct {
 	IdempotencyKey string `protobuf:"bytes,7,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
 	// Instead of update: the arguments of the model's context.update_working_state call as
 	// it sent them (its ToolCall.arguments_json), read by the tool's input schema
-	// (ListControlTools, or an earlier version a plan pinned: a fact's source_event_ids), so
-	// a worker in any language relays the call without mapping it.
+	// (ListControlTools), so a worker in any language relays the call without mapping it;
+	// only where the session's plan offers the tool (else INVALID_FIELD naming
+	// tool_arguments_json: the model was not given it).
 	// The writer is the model's (WRITER_MODEL, or unspecified for it; another writer is
 	// INVALID_FIELD naming writer). Not a JSON object, a key the schema does not define, a
-	// task status outside its names or a value of the wrong type is INVALID_FIELD naming
-	// tool_arguments_json, the message saying where; the update it reads is then checked
+	// value of another type than the schema's, a task status outside its names or a
+	// required key missing is INVALID_FIELD naming tool_arguments_json, the message saying
+	// where; the update it reads is then checked
 	// as update is, its errors naming the update's fields (update.add_facts[0].statement):
 	// the arguments' own keys.
 	ToolArgumentsJson string `protobuf:"bytes,8,opt,name=tool_arguments_json,json=toolArgumentsJson,proto3" json:"tool_arguments_json,omitempty"`

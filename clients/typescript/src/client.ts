@@ -579,6 +579,10 @@ export class BuildResult {
     const tool = this.request?.tools.find((t) => wireToolName(t.name) === wireName);
     return tool?.name ?? wireName;
   }
+  /** Whether the request defines the tool `name` (not the wire name) for the model. */
+  offers(name: string): boolean {
+    return this.request?.tools.some((t) => t.name === name) ?? false;
+  }
 }
 
 /**
@@ -1027,36 +1031,48 @@ export class Run {
    * resend replays its first answer. Resolves to the call's result for the model: that the
    * state changed (the next request shows it), or, where the engine refuses the arguments
    * (INVALID_FIELD, CONSTRAINT_PROTECTED, WORKING_STATE_CAP), the refusal as an error result
-   * the model can act on. Any other error rejects. toolLoop calls it for the control tools'
-   * calls (CONTROL_TOOL_NAMES).
+   * the model can act on; either logged as untrusted content, in an envelope. Refused
+   * because another write landed first, it is sent once more at the version the refusal
+   * names; any other error rejects. toolLoop calls it for a control tool's call where the
+   * build offered the tool (CONTROL_TOOL_NAMES).
    */
   async applyControlCall(toolCall: ToolCallRequest, opts: CallOptions = {}): Promise<ToolOutput> {
     const key = createHash('sha256').update(`${this.runId}\0${toolCall.callId}`).digest('hex');
     const source = `engine:${toolCall.name}`;
-    let response: UpdateWorkingStateResponse;
-    try {
-      response = await this.client.call(
-        'UpdateWorkingState',
-        {
-          ...this.ids,
-          expected_checkpoint_version: this.checkpointVersion,
-          writer: 'WRITER_MODEL',
-          tool_arguments_json:
-            typeof toolCall.arguments === 'string'
-              ? toolCall.arguments
-              : JSON.stringify(toolCall.arguments),
-          idempotency_key: `control-${key}`.slice(0, 64),
-        },
-        opts,
-      );
-    } catch (error) {
-      if (!(error instanceof ContextEngineError) || !MODEL_CORRECTS.has(error.reason)) throw error;
-      const content = `Not applied (${error.reason}): ${error.message}`;
-      return { content, trust: 'TRUST_LEVEL_TRUSTED_CONFIGURATION', isError: true, source };
+    const args = toolCall.arguments ?? {};
+    const request = {
+      ...this.ids,
+      expected_checkpoint_version: this.checkpointVersion,
+      writer: 'WRITER_MODEL' as const,
+      tool_arguments_json: typeof args === 'string' ? args : JSON.stringify(args),
+      idempotency_key: `control-${key}`.slice(0, 64),
+    };
+    let response: UpdateWorkingStateResponse | undefined;
+    for (const rebased of [false, true]) {
+      try {
+        response = await this.client.call('UpdateWorkingState', request, opts);
+        break;
+      } catch (error) {
+        if (!(error instanceof ContextEngineError)) throw error;
+        const latest = Number(error.metadata.latest_version ?? '');
+        if (
+          !rebased &&
+          error.reason === 'CHECKPOINT_VERSION_CONFLICT' &&
+          latest > request.expected_checkpoint_version
+        ) {
+          // Another write landed first: once more after it, as the step's append is.
+          request.expected_checkpoint_version = latest;
+          continue;
+        }
+        if (!MODEL_CORRECTS.has(error.reason)) throw error;
+        // Untrusted, in an envelope: it quotes the model's words, and no fact may rest on
+        // the engine's reply as trusted (a review).
+        return { content: `Not applied (${error.reason}): ${error.message}`, isError: true, source };
+      }
     }
+    if (response === undefined) throw new ClientError('UpdateWorkingState gave no answer');
     this.checkpointVersion = Math.max(this.checkpointVersion, response.checkpoint_version);
-    const content = 'Working state updated; the next request shows it.';
-    return { content, trust: 'TRUST_LEVEL_TRUSTED_CONFIGURATION', source };
+    return { content: 'Working state updated; the next request shows it.', source };
   }
 
   /** Session.reportUsage: `opts.model` is the model that answered (absent: the planned). */
@@ -1225,9 +1241,12 @@ export class Run {
         const items = turnItems(turn);
         for (const toolCall of turn.toolCalls ?? []) {
           // The engine's own tools are the engine's to run (applyControlCall).
-          const output = CONTROL_TOOL_NAMES.has(toolCall.name)
-            ? await this.applyControlCall(toolCall, call)
-            : await opts.runTool(toolCall);
+          // Where the build offered the tool: a call of a tool the model was not given is
+          // its runTool's to refuse (a review: an injected objective was applied).
+          const output =
+            CONTROL_TOOL_NAMES.has(toolCall.name) && built.offers(toolCall.name)
+              ? await this.applyControlCall(toolCall, call)
+              : await opts.runTool(toolCall);
           items.push(resultItem(toolCall, output));
         }
         if (items.length) await this.appendStep(items, final, call);

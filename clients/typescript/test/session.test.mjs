@@ -239,9 +239,27 @@ test("the tool loop relays the model's control calls itself; a refusal goes back
     runTool: async (call) => assert.fail(`${call.name} is the engine's to run`),
   });
   assert.equal(result.final.text, 'Noted: day trains only.');
-  assert.match(text(seen[1]), /INVALID_FIELD/);
-  assert.match(text(seen[1]), /u-99/);
+  // In an envelope: the refusal quotes the model's words, and no fact rests on it as trusted.
+  assert.match(text(seen[1]), /<untrusted source=\\"engine:context.update_working_state\\"[^>]*>\\nNot applied \(INVALID_FIELD\)[^\\]*u-99/);
   assert.match(text(seen[2]), /Established[^\n]*The user avoids night trains/);
+});
+
+test('a control call the build did not offer goes to runTool', async () => {
+  const session = await engine.openSession(spec); // no control tools
+  const run = await session.startRun('Trains to Lyon?');
+  const ran = [];
+  await run.toolLoop({
+    now: NOW,
+    callModel: async () =>
+      ran.length
+        ? { text: 'Done.' }
+        : { toolCalls: [{ callId: 'w1', name: 'context.update_working_state', arguments: { objective: 'INJECTED' } }] },
+    runTool: async (call) => {
+      ran.push(call.name);
+      return { content: 'No such tool.', isError: true };
+    },
+  });
+  assert.deepEqual(ran, ['context.update_working_state']);
 });
 
 test('a usage report that fails does not lose the final answer', async () => {

@@ -7,10 +7,9 @@ first: a malformed request names its field and writes nothing.
 
 from __future__ import annotations
 
-import copy
 import json
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 from google.protobuf import json_format
@@ -128,20 +127,6 @@ def update_from_proto(
 TOOL_ARGUMENTS = "tool_arguments_json"
 
 
-def _arguments_schema() -> dict[str, Any]:
-    """The tool's input schema, as every version of it the engine advertised reads: a plan
-    pins the definition ListControlTools gave when it was made, and before facts cited item
-    ids its `add_facts` cited `source_event_ids` (a review: relayed, such a session's calls
-    were refused)."""
-    schema = copy.deepcopy(UPDATE_TOOL.input_schema)
-    fact = schema["properties"]["add_facts"]["items"]["properties"]
-    fact["source_event_ids"] = {"type": "array", "items": {"type": "integer"}}
-    return schema
-
-
-_ARGUMENTS_SCHEMA = _arguments_schema()
-
-
 def update_from_tool_arguments(text: str) -> pb.WorkingStateUpdate:
     """The update a context.update_working_state call's arguments (as the model sent them)
     ask for, read by the tool's input schema: its keys only, task statuses by their
@@ -156,7 +141,7 @@ def update_from_tool_arguments(text: str) -> pb.WorkingStateUpdate:
         raise InvalidFieldError(
             f"{TOOL_ARGUMENTS} must be a JSON object: {exc}", field=TOOL_ARGUMENTS
         ) from None
-    _check_arguments(arguments, _ARGUMENTS_SCHEMA, "")
+    _check_arguments(arguments, UPDATE_TOOL.input_schema, "")
     for task in arguments.get("upsert_tasks") or ():
         if isinstance(task, dict) and isinstance(task.get("status"), str):
             task["status"] = f"TASK_STATUS_{task['status'].upper()}"
@@ -168,27 +153,57 @@ def update_from_tool_arguments(text: str) -> pb.WorkingStateUpdate:
     return update
 
 
+# JSON Schema's types as Python's (json.loads): a bool is no integer, though Python's is.
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+}
+
+
 def _check_arguments(value: Any, schema: Mapping[str, Any], path: str) -> None:
-    """Refuse what the tool's schema does not define: a key of an object (which the proto
-    would take: a fact's trust, add_questions, which the tool does not offer the model) or
-    a value outside an enum. Types are the proto parser's to check."""
-    if "enum" in schema and isinstance(value, str) and value not in schema["enum"]:
-        raise InvalidFieldError(
-            f"{TOOL_ARGUMENTS}: {path} is {value!r}, not one of {', '.join(schema['enum'])}",
-            field=TOOL_ARGUMENTS,
-        )
-    if isinstance(value, dict) and "properties" in schema:
+    """Refuse what the tool's schema does not admit: a key it does not define (which the
+    proto would take: a fact's trust, add_questions, which the tool does not offer the
+    model), a value of another type (a status given as a number, a string as null), one
+    outside an enum, a required key missing, a list shorter than its minimum. The subset
+    of JSON Schema the control tool's own schema uses."""
+    where = path or "the arguments"
+    kinds = schema.get("type")
+    if kinds is not None:
+        allowed = [kinds] if isinstance(kinds, str) else list(kinds)
+        if not any(_JSON_TYPES[kind](value) for kind in allowed):
+            _refuse(f"{where} must be {' or '.join(allowed)}")
+    if "enum" in schema and value not in schema["enum"]:
+        _refuse(f"{where} is not one of {', '.join(map(str, schema['enum']))}")
+    if isinstance(value, dict):
+        properties = schema.get("properties", {})
         for key, item in value.items():
-            where = f"{path}.{key}" if path else key
-            if key not in schema["properties"]:
-                raise InvalidFieldError(
-                    f"{TOOL_ARGUMENTS}: {where} is not an argument of {UPDATE_TOOL.name}",
-                    field=TOOL_ARGUMENTS,
-                )
-            _check_arguments(item, schema["properties"][key], where)
-    elif isinstance(value, list) and isinstance(schema.get("items"), Mapping):
-        for n, item in enumerate(value):
-            _check_arguments(item, schema["items"], f"{path}[{n}]")
+            inner = f"{path}.{key}" if path else key
+            if key not in properties:
+                hint = _INSTEAD.get(key, "")
+                _refuse(f"{inner} is not an argument of {UPDATE_TOOL.name}{hint}")
+            _check_arguments(item, properties[key], inner)
+        for key in schema.get("required", ()):
+            if key not in value:
+                _refuse(f"{where} lacks {key}")
+    elif isinstance(value, list):
+        if len(value) < schema.get("minItems", 0):
+            _refuse(f"{where} needs at least {schema['minItems']} entries")
+        if isinstance(schema.get("items"), Mapping):
+            for n, item in enumerate(value):
+                _check_arguments(item, schema["items"], f"{path}[{n}]")
+
+
+# What a model reading an earlier definition of the tool (a plan pins the one it was made
+# with) sends, and what the message tells it to send instead.
+_INSTEAD = {"source_event_ids": ": cite source_item_ids, the ids the envelopes show"}
+
+
+def _refuse(message: str) -> NoReturn:
+    raise InvalidFieldError(f"{TOOL_ARGUMENTS}: {message}", field=TOOL_ARGUMENTS)
 
 
 def _entry(entry: Entry) -> pb.WorkingStateEntry:
@@ -296,6 +311,7 @@ class WorkingStateRpcs:
             convert.require_id(request.idempotency_key, "idempotency_key", required=False),
             request_sha256(request, {"session_id": session_id, "run_id": run_id}),
             cited,
+            relayed=bool(request.tool_arguments_json),
         )
         return pb.UpdateWorkingStateResponse(
             checkpoint_version=result["checkpoint_version"],

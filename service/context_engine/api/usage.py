@@ -106,9 +106,10 @@ class UsageOutcome:
     # report's answer (Rule 3). It recorded nothing, so telemetry records nothing.
     replayed: bool = False
     # Not stored either: whether the report measures the request's estimate, so the
-    # estimator's metrics take it: the first report of the request, by the model it was
-    # estimated for (an audit: another model's answer was recorded under that model's
-    # label against this estimate, and a second report under another key counted twice).
+    # estimator's metrics take it: the request's first report (any earlier one, absorbed
+    # or not), by the model it was estimated for (an audit: another model's answer was
+    # recorded under that model's label against this estimate, and a second report under
+    # another key counted twice).
     measures_estimate: bool = True
 
     def to_json(self) -> dict[str, Any]:
@@ -189,6 +190,9 @@ async def report_usage(
         )
         outcome = replace(
             outcome,
+            # A request's first report only, absorbed or not (a review: a refused first
+            # report and a second under another key counted twice).
+            measures_estimate=outcome.measures_estimate and not read.reported,
             first_of_epoch=not warm,
             reuse_ppm=None
             if read.preceding_input is None
@@ -290,7 +294,7 @@ async def _reconcile(
         estimated_input_tokens=estimated,
         actual_input_tokens=actual,
         absorbed=absorbed,
-        measures_estimate=not learned and same_model(report.model_id, planned_model),
+        measures_estimate=same_model(report.model_id, planned_model),
     )
     return outcome, correction
 

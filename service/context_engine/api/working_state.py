@@ -9,7 +9,6 @@ run's state is a fold over the log (core.working_state.carry), never a checkpoin
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
@@ -23,6 +22,7 @@ from ..core.compaction import (
     quoted_sources,
     shown_texts,
 )
+from ..core.envelope import attribute_readings
 from ..core.errors import EngineError, InvalidFieldError
 from ..core.items import (
     ConversationItem,
@@ -37,6 +37,7 @@ from ..core.skills import body_trust, pinned_entry
 from ..core.trust import TrustLevel
 from ..core.working_state import (
     ASK_USER_TOOL,
+    UPDATE_TOOL_NAME,
     Fact,
     Folded,
     NewFact,
@@ -278,12 +279,17 @@ async def _named_evidence(
     reads item ids in its envelopes (sequences only in the working-state block's labels),
     so item ids are how the control tool cites (an audit: it was asked for sequences of
     events it could only guess, and a guessed user message made its conclusion USER
-    trust). An id is taken as written and as its envelope shows it (`&amp;` for `&`).
+    trust). An id is taken as written and as every id its envelope would show alike.
 
     Raises:
         InvalidFieldError: an item id naming no conversation item the run was shown.
     """
-    ids = [form for items in cited for item_id in items for form in _id_forms(item_id)]
+    forms = {
+        (n, k): _id_forms(item_id, f"update.add_facts[{n}].source_item_ids[{k}]")
+        for n, items in enumerate(cited)
+        for k, item_id in enumerate(items)
+    }
+    ids = [form for readings in forms.values() for form in readings]
     resolved = await ws_store.resolve_item_ids(
         conn, tenant_id, session_id, run_id, run.seed_event_sequence, ids
     )
@@ -293,7 +299,7 @@ async def _named_evidence(
         pairs = [(s, f"{path}.source_event_ids[{k}]") for k, s in enumerate(fact.source_event_ids)]
         for k, item_id in enumerate(cited[n] if n < len(cited) else ()):
             field = f"{path}.source_item_ids[{k}]"
-            found = sorted({s for form in _id_forms(item_id) for s in resolved.get(form, ())})
+            found = sorted({s for form in forms[n, k] for s in resolved.get(form, ())})
             if not found:
                 raise InvalidFieldError(
                     f"item {item_id!r} is not a conversation item this run was shown (its"
@@ -306,26 +312,28 @@ async def _named_evidence(
     return named
 
 
-# The character references an envelope writes an id's attribute with (core/envelope.py,
-# _ATTR_ESCAPES), read back as their ASCII characters; their lookalikes are not guessed.
-_ATTR_REFERENCE = re.compile(r"&(?:(amp|quot|lt|gt)|#(\d{1,7}));")
-_NAMED = {"amp": "&", "quot": '"', "lt": "<", "gt": ">"}
+# How many texts one cited id may stand for, read as its envelope shows it: an id holding
+# three `&lt;` (each any of 13 openers) is past it.
+ID_READINGS = 64
 
 
-def _id_forms(item_id: str) -> tuple[str, ...]:
-    """The id as written, and as read back from its envelope's attribute where it differs."""
+def _id_forms(item_id: str, field: str) -> list[str]:
+    """The id as written, and every id its envelope would show alike (core/envelope.py
+    attribute_readings: `&amp;` is `&`, U+FE60 or U+FF06): all of them are candidates, so
+    the least trusted decides (a review: a page's `a＆b` and a user message's `a&b` both
+    show as `a&amp;b`, and only the message was found).
 
-    def read(match: re.Match[str]) -> str:
-        name, number = match.groups()
-        if name:
-            return _NAMED[name]
-        code = int(number)
-        # Only what an id can hold: no U+0000, no surrogate, nothing past Unicode's range.
-        valid = 0 < code <= 0x10FFFF and not 0xD800 <= code <= 0xDFFF
-        return chr(code) if valid else match.group(0)
-
-    shown = _ATTR_REFERENCE.sub(read, item_id)
-    return (item_id,) if shown == item_id else (item_id, shown)
+    Raises:
+        InvalidFieldError: more readings than ID_READINGS.
+    """
+    readings = attribute_readings(item_id, ID_READINGS)
+    if readings is None:
+        raise InvalidFieldError(
+            f"the id reads as more than {ID_READINGS} ids (its character references):"
+            " cite the item by another id",
+            field=field,
+        )
+    return readings
 
 
 async def _shown_sources(
@@ -497,14 +505,26 @@ async def update_working_state(
     idempotency_key: str,
     request_sha256: str,
     cited: Sequence[Sequence[str]] = (),
+    *,
+    relayed: bool = False,
 ) -> dict[str, Any]:
     """UpdateWorkingState: one typed transition -> checkpoint + event. `cited`: per fact of
-    the update, the item ids it cites (resolved here, under the session lock).
+    the update, the item ids it cites (resolved here, under the session lock). `relayed`:
+    the update is a model's control call, which only a plan offering the tool admits.
 
     -> {"checkpoint_version", "event_sequence", "state"} (state as JSON).
     """
     stored_plan = await engine.get_plan(tenant_id, session_id)
-    count_tokens = engine.count_tokens_for(stored_plan.plan.model_id)
+    plan = stored_plan.plan
+    if relayed and UPDATE_TOOL_NAME not in (*plan.tool_names, *plan.deferred_tool_names):
+        # The model was not given the tool: a call of it is text it wrote, not the engine's
+        # to apply (a review: a tool loop applied an injected objective and constraint).
+        raise InvalidFieldError(
+            f"the session's plan does not offer {UPDATE_TOOL_NAME}: a call the model was"
+            " not given the tool for is not applied",
+            field="tool_arguments_json",
+        )
+    count_tokens = engine.count_tokens_for(plan.model_id)
     async with engine.gates.held(tenant_id, session_id), transaction(engine.pool) as conn:
         epoch = await sessions.lock_session(conn, tenant_id, session_id)
         stored = await idempotency.recall_response(

@@ -38,7 +38,7 @@ from functools import lru_cache
 from .invisible import BLANKS, CONTROLS, is_invisible
 from .trust import DELIMITER_TAGS, TrustLevel, envelope_tag
 
-__all__ = ["NONCE_HEX_CHARS", "escape_content", "item_nonce", "wrap"]
+__all__ = ["NONCE_HEX_CHARS", "attribute_readings", "escape_content", "item_nonce", "wrap"]
 
 NONCE_HEX_CHARS = 16  # 64 bits: unguessable per item, short enough to cost few tokens.
 
@@ -126,6 +126,33 @@ _ATTR_ESCAPES = str.maketrans(
         **{c: f"&#{ord(c)};" for c in "\t\n\x0b\x0c\r\x85\u2028\u2029"},
     }
 )
+
+
+# Each reference an attribute shows, with every character it stands for (several read alike).
+_ATTR_READINGS: dict[str, tuple[str, ...]] = {
+    shown: tuple(chr(c) for c, s in sorted(_ATTR_ESCAPES.items()) if s == shown)
+    for shown in sorted({str(s) for s in _ATTR_ESCAPES.values()})
+}
+_ATTR_REFERENCE = re.compile(
+    "|".join(map(re.escape, sorted(_ATTR_READINGS, key=len, reverse=True)))
+)
+
+
+def attribute_readings(shown: str, limit: int) -> list[str] | None:
+    """Every text that an envelope's attribute shows as `shown` (Rule 3 writes several
+    characters alike: `&amp;` is `&`, U+FE60 or U+FF06), `shown` itself first; None when
+    there are more than `limit`."""
+    parts = _ATTR_REFERENCE.split(shown)
+    choices = [_ATTR_READINGS[m] for m in _ATTR_REFERENCE.findall(shown)]
+    count = 1
+    for options in choices:
+        count *= len(options)
+        if count > limit:
+            return None
+    readings = [parts[0]]
+    for options, after in zip(choices, parts[1:], strict=True):
+        readings = [text + option + after for text in readings for option in options]
+    return [shown, *(r for r in readings if r != shown)]
 
 
 def item_nonce(secret: bytes, item_id: str) -> str:

@@ -116,6 +116,9 @@ class ReportContext:
     # Whether a report of this request, under another key, was absorbed already: one
     # response is one sample (api/usage.py).
     learned: bool = False
+    # Whether any report of this request, under another key, was made already (absorbed
+    # or not): the estimator's metrics take a request's first report only.
+    reported: bool = False
     # The full input (actual_input_tokens) the preceding request was reported to read:
     # the run's request before this one or, for a run's first, the session's; its first
     # report. None when there is none, or it is not reported yet (api/usage.py, Rule 6).
@@ -147,6 +150,8 @@ _REPORT_CONTEXT = (
     "  AND (e.payload->>'epoch')::bigint = req.epoch) AS warm,"
     " EXISTS (SELECT 1 FROM usage_reports a WHERE a.tenant_id = $1 AND a.session_id = $2"
     "  AND a.request_sequence = $3 AND a.absorbed) AS learned,"
+    " EXISTS (SELECT 1 FROM usage_reports a WHERE a.tenant_id = $1 AND a.session_id = $2"
+    "  AND a.request_sequence = $3) AS reported,"
     " (SELECT p.actual_input_tokens FROM usage_reports p, preceding"
     "  WHERE p.tenant_id = $1 AND p.session_id = $2 AND p.request_sequence = preceding.sequence"
     "  ORDER BY p.created_at, p.idempotency_key LIMIT 1) AS preceding_input"
@@ -189,6 +194,7 @@ async def read_report_context(
         recorded=row["payload"],
         warm=bool(row["warm"]),
         learned=bool(row["learned"]),
+        reported=bool(row["reported"]),
         preceding_input=row["preceding_input"],
     )
 

@@ -598,6 +598,10 @@ class BuildResult:
         table: dict[str, str] = {wire_tool_name(t.name): t.name for t in self.request.tools}
         return table.get(wire_name, wire_name)
 
+    def offers(self, name: str) -> bool:
+        """Whether the request defines the tool `name` (not the wire name) for the model."""
+        return any(t.name == name for t in self.request.tools)
+
     def __reduce__(self) -> tuple[Any, tuple[bytes]]:
         # Pickled as the response's bytes: the generated message classes' __module__
         # names no importable module, so pickling the message itself fails.
@@ -1087,8 +1091,13 @@ class Run:
         the run and call id, so a resend replays its first answer. -> the call's result
         for the model: that the state changed (the next request shows it), or, where the
         engine refuses the arguments (INVALID_FIELD, CONSTRAINT_PROTECTED,
-        WORKING_STATE_CAP), the refusal as an error result the model can act on. Any
-        other error raises. `tool_loop` calls it for the control tools' calls."""
+        WORKING_STATE_CAP), the refusal as an error result the model can act on. Either is
+        logged as untrusted content, in an envelope: it is no source a fact can rest on as
+        trusted, and a refusal quotes the model's own words (a review: labelled trusted, the
+        engine's reply was cited to make a claim Established). Refused because another
+        write landed first, it is sent once more at the version the refusal names, after
+        that write (as tool_loop's append is); any other error raises. `tool_loop` calls it
+        for a control tool's call where the build offered the tool."""
         key = "control-" + hashlib.sha256(f"{self.run_id}\0{call.call_id}".encode()).hexdigest()
         request = pb.UpdateWorkingStateRequest(
             tenant_id=self.tenant_id,
@@ -1099,25 +1108,30 @@ class Run:
             tool_arguments_json=call.arguments_json(),
             idempotency_key=key[:64],
         )
-        try:
-            response: pb.UpdateWorkingStateResponse = await self.client.call(
-                "UpdateWorkingState", request, timeout=timeout
-            )
-        except ContextEngineError as exc:
-            if exc.reason not in _MODEL_CORRECTS:
-                raise
-            return ToolOutput(
-                f"Not applied ({exc.reason}): {exc.message}",
-                trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION,
-                is_error=True,
-                source=f"engine:{call.name}",
-            )
+        source = f"engine:{call.name}"
+        for rebased in (False, True):
+            try:
+                response: pb.UpdateWorkingStateResponse = await self.client.call(
+                    "UpdateWorkingState", request, timeout=timeout
+                )
+                break
+            except ContextEngineError as exc:
+                latest = exc.metadata.get("latest_version", "")
+                if (
+                    not rebased
+                    and exc.reason == "CHECKPOINT_VERSION_CONFLICT"
+                    and latest.isdigit()
+                    and int(latest) > request.expected_checkpoint_version
+                ):
+                    request.expected_checkpoint_version = int(latest)
+                    continue
+                if exc.reason not in _MODEL_CORRECTS:
+                    raise
+                return ToolOutput(
+                    f"Not applied ({exc.reason}): {exc.message}", is_error=True, source=source
+                )
         self.checkpoint_version = max(self.checkpoint_version, response.checkpoint_version)
-        return ToolOutput(
-            "Working state updated; the next request shows it.",
-            trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION,
-            source=f"engine:{call.name}",
-        )
+        return ToolOutput("Working state updated; the next request shows it.", source=source)
 
     async def compact(
         self,
@@ -1309,8 +1323,11 @@ class Run:
                 items = turn.items()
                 for call in turn.tool_calls:
                     output: ToolOutput | str
-                    # The engine's own tools are the engine's to run (apply_control_call).
-                    if call.name in CONTROL_TOOL_NAMES:
+                    # The engine's own tools are the engine's to run (apply_control_call),
+                    # where the build offered them: a call of a tool the model was not
+                    # given is its run_tool's to refuse (a review: an injected objective
+                    # was applied).
+                    if call.name in CONTROL_TOOL_NAMES and built.offers(call.name):
                         output = await self.apply_control_call(call, timeout=timeout)
                     else:
                         output = await run_tool(call)
