@@ -237,10 +237,11 @@ def their_trim(budget: int, counter: Any = None) -> Callable[[list[Any]], list[A
     return trim
 
 
-def their_exact_trim(budget: int) -> Callable[[list[Any]], list[Any]] | None:
-    """trim_messages with ChatOpenAI's exact counter, or None without langchain-openai. Its
-    tiktoken reads o200k_base from a cache filled from the engine's rank file: tiktoken would
-    download it, and nothing here does."""
+def exact_counter() -> Any:
+    """ChatOpenAI for the model, whose get_num_tokens_from_messages is the exact counter
+    LangChain offers for it, or None without langchain-openai. Its tiktoken reads
+    o200k_base from a cache filled from the engine's rank file: tiktoken would download it,
+    and nothing here does. It counts locally; the model is never called."""
     try:
         from langchain_openai import ChatOpenAI
     except ImportError:
@@ -255,8 +256,7 @@ def their_exact_trim(budget: int) -> Callable[[list[Any]], list[Any]] | None:
     data = gzip.decompress((ranks / "o200k_base.tiktoken.gz").read_bytes())
     (cache / hashlib.sha1(url.encode()).hexdigest()).write_bytes(data)
     os.environ["TIKTOKEN_CACHE_DIR"] = str(cache)
-    # Counts locally; never called.
-    return their_trim(budget, ChatOpenAI(model=MODEL, api_key="unused"))
+    return ChatOpenAI(model=MODEL, api_key="unused")
 
 
 def per_call_ms(inputs: Iterator[Any], call: Callable[[Any], object], seconds: float) -> float:
@@ -335,15 +335,20 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  bar evaluated on each figure: {'PASS' if not failed else 'FAIL: ' + ', '.join(failed)}"
     )
-    exact = their_exact_trim(args.budget)
-    if exact is None:
+    counter = exact_counter()
+    if counter is None:
         print("  (langchain-openai not installed: no exact-counter comparison)")
     else:
-        exact_ms = per_call_ms(their_messages(args.turns), exact, args.seconds)
+        exact = their_trim(args.budget, counter)
+        messages = next(their_messages(args.turns))
+        estimated = trim(messages)
         print(
-            f"  informational: LangChain trim_messages + ChatOpenAI's exact counter: {exact_ms:.3f}"
-            " ms/call"
+            f"  informational: with ChatOpenAI's exact counter LangChain keeps"
+            f" {len(exact(messages))} of {len(messages)} messages; the {len(estimated)} its"
+            f" estimate keeps count {counter.get_num_tokens_from_messages(estimated):,} tokens"
         )
+        exact_ms = per_call_ms(their_messages(args.turns), exact, args.seconds)
+        print(f"  LangChain trim_messages + ChatOpenAI's exact counter: {exact_ms:.3f} ms/call")
         for name, ms in (("next step", step_ms), ("cold", cold_ms), ("first sight", first_ms)):
             print(f"  ours ({name}) / theirs, exact counter = {ms / exact_ms:.2f}")
     return 0 if not failed else 1
