@@ -953,10 +953,14 @@ async def test_the_tool_loop_relays_the_models_control_calls_itself(client: Any)
     assert "Established" in _texts(await run.build(now=NOW))  # the state holds it
 
 
-async def test_a_control_call_that_meets_a_later_write_goes_after_it(client: Any) -> None:
+async def test_a_control_call_that_meets_a_later_write_is_told_and_the_step_is_kept(
+    client: Any,
+) -> None:
     """The user's next message lands while the model thinks: the control call is refused
-    CHECKPOINT_VERSION_CONFLICT and is sent once more after it, as the step's append is
-    (a review: the step was lost, its other tools' results with it)."""
+    CHECKPOINT_VERSION_CONFLICT. The model decided without that message, so its update is
+    not sent again after it (a review: a resend overruled the user's newer write); the
+    call's result says so, and the step, its other tools' results too, goes after the
+    message (a review: the step was lost)."""
     spec = _spec()
     spec.tools.extend(await client.control_tools())
     session = await client.open_session(spec)
@@ -979,8 +983,10 @@ async def test_a_control_call_that_meets_a_later_write_goes_after_it(client: Any
 
     result = await run.tool_loop(model, _fetch, now=NOW)
     assert result.final.text == "Done."
-    built = await run.build(now=NOW)
-    assert "Trains to Marseille" in _texts(built) and "08:04 TGV 6601" in _texts(built)
+    told = _texts(result.builds[1])
+    assert "Make it Marseille." in told and "08:04 TGV 6601" in told
+    assert "Not applied: the run moved on" in told
+    assert told.count("Trains to Marseille") == 1  # the call's arguments, not the state
 
 
 async def test_a_control_call_the_build_did_not_offer_goes_to_run_tool(client: Any) -> None:

@@ -29,6 +29,7 @@ from .helpers import (
     result,
     spec,
     start_run,
+    tool,
     update_state,
 )
 
@@ -757,6 +758,12 @@ async def test_an_item_id_is_cited_as_its_envelope_shows_it(stub: Any) -> None:
     cited = both.state.facts[-1]
     assert list(cited.source_event_ids) == [started.run.seed_event_sequence, appended.sequences[1]]
     assert cited.trust == pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED
+    # Cited as decoded, "q&a": the page is found all the same (a review).
+    fact = pb.Fact(statement="Lyon is rainy", source_item_ids=["q&a"])
+    decoded = await update_state(
+        stub, session_id, run_id, both.checkpoint_version, add_facts=[fact]
+    )
+    assert decoded.state.facts[-1].trust == pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED
 
 
 @pytest.mark.parametrize(
@@ -929,6 +936,56 @@ async def test_a_relayed_call_of_a_tool_the_plan_does_not_offer_is_not_applied(
     assert details(refused.value)[:2] == ("INVALID_FIELD", ["tool_arguments_json"])
     assert "does not offer" in (refused.value.details() or "")
     assert await _writes(pool, session_id) == before
+
+
+async def test_a_relayed_call_needs_the_plan_its_run_builds_on_to_offer_the_tool(
+    stub: Any,
+) -> None:
+    """A run keeps its plan across another run's admission: the tool that admission grants
+    is not its model's (a review: the session's current plan was read, and an injected
+    call for a run never given the tool was applied). A call of the run given it is
+    applied, and a resend of it replays after the session has moved on."""
+    base = spec()
+    control = (await stub.ListControlTools(pb.ListControlToolsRequest())).tools[0]
+    control.required_scopes.append("state.write")
+    base.tools.append(control)
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=base))
+    without = (await start_run(stub, session_id, "hi")).run.run_id
+    admitted = pb.StartRunRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        user_message=pb.UserMessage(text="and you may keep notes"),
+        admission=pb.RunAdmission(scopes=["state.write"]),
+    )
+    given = (await stub.StartRun(admitted)).run.run_id
+    arguments = '{"objective": "Plan the trip"}'
+    refused = await _refused(stub.UpdateWorkingState(_relayed(session_id, without, 1, arguments)))
+    assert refused[1:] == ("INVALID_FIELD", ["tool_arguments_json"])
+    relayed = _relayed(session_id, given, 1, arguments, idempotency_key="call-9")
+    applied = await stub.UpdateWorkingState(relayed)
+    assert applied.state.objective.text == "Plan the trip"
+    ids = {"tenant_id": TENANT, "session_id": session_id}
+    current = (await stub.GetPlan(pb.GetPlanRequest(**ids))).plan.epoch
+    await stub.Rotate(
+        pb.RotateRequest(**ids, from_epoch=current, reason=pb.PLAN_REASON_AGENT_CHANGED)
+    )
+    assert (await stub.UpdateWorkingState(relayed)) == applied
+
+
+async def test_a_tool_a_server_lists_under_the_control_tools_name_is_not_the_engines(
+    stub: Any,
+) -> None:
+    """Offered by name alone, a discovered tool named context.update_working_state (its
+    server's definition) had its calls applied by the engine (a review)."""
+    base = spec()
+    base.tools.append(tool("context.update_working_state", server="mcp:notes"))
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=base))
+    run_id = (await start_run(stub, session_id, "hi")).run.run_id
+    arguments = '{"objective": "Plan the trip"}'
+    refused = await _refused(stub.UpdateWorkingState(_relayed(session_id, run_id, 1, arguments)))
+    assert refused[1:] == ("INVALID_FIELD", ["tool_arguments_json"])
 
 
 @pytest.mark.parametrize("output", ["writer", "source_sequence"])

@@ -6080,7 +6080,8 @@ type Fact struct {
 	// INVALID_FIELD.
 	SourceSequence int64 `protobuf:"varint,5,opt,name=source_sequence,json=sourceSequence,proto3" json:"source_sequence,omitempty"`
 	// Input only: the conversation items it rests on, by the id their envelopes show
-	// (`id="u-1"`, as written or as shown: `&amp;` for `&`): what the model reads, so what
+	// (`id="u-1"`; as written, as shown or decoded, each standing for every id its envelope
+	// shows alike: `&amp;` is `&`, U+FE60 or U+FF06): what the model reads, so what
 	// the control tool's `add_facts` cites (sequences it sees only in the working-state
 	// block's labels). An id is unique only within its run, so each names every item of
 	// that id the run may have been shown (its own, and the conversation below its seed),
@@ -6477,7 +6478,7 @@ type UpdateWorkingStateRequest struct {
 	// Instead of update: the arguments of the model's context.update_working_state call as
 	// it sent them (its ToolCall.arguments_json), read by the tool's input schema
 	// (ListControlTools), so a worker in any language relays the call without mapping it;
-	// only where the session's plan offers the tool (else INVALID_FIELD naming
+	// only where the plan the run builds on offers the tool (else INVALID_FIELD naming
 	// tool_arguments_json: the model was not given it).
 	// The writer is the model's (WRITER_MODEL, or unspecified for it; another writer is
 	// INVALID_FIELD naming writer). Not a JSON object, a key the schema does not define, a

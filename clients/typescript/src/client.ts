@@ -258,6 +258,9 @@ export const CONTROL_TOOL_NAMES: ReadonlySet<string> = new Set(['context.update_
 // Refusals of a control call's arguments the model can act on: relayed to it as the call's
 // error result (applyControlCall), not thrown.
 const MODEL_CORRECTS = new Set(['INVALID_FIELD', 'CONSTRAINT_PROTECTED', 'WORKING_STATE_CAP']);
+const STATE_MOVED =
+  'Not applied: the run moved on while you decided (another write landed first). The next ' +
+  'request shows the run as it is now; call again if the update still applies.';
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
 
 /** Longest tool name the providers accept (OpenAI's 64; Anthropic allows 128). */
@@ -1032,9 +1035,10 @@ export class Run {
    * state changed (the next request shows it), or, where the engine refuses the arguments
    * (INVALID_FIELD, CONSTRAINT_PROTECTED, WORKING_STATE_CAP), the refusal as an error result
    * the model can act on; either logged as untrusted content, in an envelope. Refused
-   * because another write landed first, it is sent once more at the version the refusal
-   * names; any other error rejects. toolLoop calls it for a control tool's call where the
-   * build offered the tool (CONTROL_TOOL_NAMES).
+   * because another write landed first (CHECKPOINT_VERSION_CONFLICT), it is not sent again
+   * after that write, which the model decided without: the result says so, and the step's
+   * append goes after that write as usual. Any other error rejects. toolLoop calls it for a
+   * control tool's call where the build defines the tool (CONTROL_TOOL_NAMES).
    */
   async applyControlCall(toolCall: ToolCallRequest, opts: CallOptions = {}): Promise<ToolOutput> {
     const key = createHash('sha256').update(`${this.runId}\0${toolCall.callId}`).digest('hex');
@@ -1047,30 +1051,19 @@ export class Run {
       tool_arguments_json: typeof args === 'string' ? args : JSON.stringify(args),
       idempotency_key: `control-${key}`.slice(0, 64),
     };
-    let response: UpdateWorkingStateResponse | undefined;
-    for (const rebased of [false, true]) {
-      try {
-        response = await this.client.call('UpdateWorkingState', request, opts);
-        break;
-      } catch (error) {
-        if (!(error instanceof ContextEngineError)) throw error;
-        const latest = Number(error.metadata.latest_version ?? '');
-        if (
-          !rebased &&
-          error.reason === 'CHECKPOINT_VERSION_CONFLICT' &&
-          latest > request.expected_checkpoint_version
-        ) {
-          // Another write landed first: once more after it, as the step's append is.
-          request.expected_checkpoint_version = latest;
-          continue;
-        }
-        if (!MODEL_CORRECTS.has(error.reason)) throw error;
-        // Untrusted, in an envelope: it quotes the model's words, and no fact may rest on
-        // the engine's reply as trusted (a review).
-        return { content: `Not applied (${error.reason}): ${error.message}`, isError: true, source };
-      }
+    let response: UpdateWorkingStateResponse;
+    try {
+      response = await this.client.call('UpdateWorkingState', request, opts);
+    } catch (error) {
+      if (!(error instanceof ContextEngineError)) throw error;
+      // Another write landed first (the user's next message, say): the model decided
+      // without it, so it is told, not overruled by a resend (a review).
+      if (error.reason === 'CHECKPOINT_VERSION_CONFLICT') return { content: STATE_MOVED, isError: true, source };
+      if (!MODEL_CORRECTS.has(error.reason)) throw error;
+      // Untrusted, in an envelope: it quotes the model's words, and no fact may rest on
+      // the engine's reply as trusted (a review).
+      return { content: `Not applied (${error.reason}): ${error.message}`, isError: true, source };
     }
-    if (response === undefined) throw new ClientError('UpdateWorkingState gave no answer');
     this.checkpointVersion = Math.max(this.checkpointVersion, response.checkpoint_version);
     return { content: 'Working state updated; the next request shows it.', source };
   }

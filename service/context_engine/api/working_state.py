@@ -22,7 +22,7 @@ from ..core.compaction import (
     quoted_sources,
     shown_texts,
 )
-from ..core.envelope import attribute_readings
+from ..core.envelope import attribute_readings, shown_attribute
 from ..core.errors import EngineError, InvalidFieldError
 from ..core.items import (
     ConversationItem,
@@ -290,6 +290,13 @@ async def _named_evidence(
         for k, item_id in enumerate(items)
     }
     ids = [form for readings in forms.values() for form in readings]
+    if len(ids) > UPDATE_READINGS:
+        raise InvalidFieldError(
+            f"the item ids the update cites read as {len(ids)} ids (the characters an"
+            f" envelope shows alike); at most {UPDATE_READINGS}",
+            field="update.add_facts",
+            metadata={"limit": str(UPDATE_READINGS), "entries": str(len(ids))},
+        )
     resolved = await ws_store.resolve_item_ids(
         conn, tenant_id, session_id, run_id, run.seed_event_sequence, ids
     )
@@ -312,28 +319,37 @@ async def _named_evidence(
     return named
 
 
-# How many texts one cited id may stand for, read as its envelope shows it: an id holding
-# three `&lt;` (each any of 13 openers) is past it.
-ID_READINGS = 64
+# How many ids one cited id may stand for, and all the cited ids of an update together:
+# an envelope shows several characters alike (`&lt;` is any of 20), so an id holding two
+# of them reads as 400, three as 8,000; and the ids an update cites are looked up
+# together, under the session's lock (a review: 148,000 of them took 0.8 s).
+ID_READINGS = 1024
+UPDATE_READINGS = 4096
 
 
 def _id_forms(item_id: str, field: str) -> list[str]:
-    """The id as written, and every id its envelope would show alike (core/envelope.py
-    attribute_readings: `&amp;` is `&`, U+FE60 or U+FF06): all of them are candidates, so
-    the least trusted decides (a review: a page's `a＆b` and a user message's `a&b` both
-    show as `a&amp;b`, and only the message was found).
+    """Every id the cited one may be: the id as written, and every id whose envelope shows
+    what the cited one's shows, or what the cited one is if it was copied as shown
+    (core/envelope.py attribute_readings: `&amp;` is `&`, U+FE60 or U+FF06). All of them
+    are candidates, so the least trusted decides (a review: a page's `q＆a` and a user
+    message's `q&a` both show as `q&amp;a`, and only the message was found, cited as shown
+    or as decoded).
 
     Raises:
         InvalidFieldError: more readings than ID_READINGS.
     """
-    readings = attribute_readings(item_id, ID_READINGS)
-    if readings is None:
-        raise InvalidFieldError(
-            f"the id reads as more than {ID_READINGS} ids (its character references):"
-            " cite the item by another id",
-            field=field,
-        )
-    return readings
+    forms: dict[str, None] = {}
+    for text in (item_id, shown_attribute(item_id)):
+        readings = attribute_readings(text, ID_READINGS)
+        if readings is None:
+            raise InvalidFieldError(
+                f"the id reads as more than {ID_READINGS} ids (the characters an envelope"
+                " shows alike): cite the item's other evidence, or none",
+                field=field,
+                metadata={"limit": str(ID_READINGS)},
+            )
+        forms.update(dict.fromkeys(readings))
+    return list(forms)
 
 
 async def _shown_sources(
@@ -515,16 +531,7 @@ async def update_working_state(
     -> {"checkpoint_version", "event_sequence", "state"} (state as JSON).
     """
     stored_plan = await engine.get_plan(tenant_id, session_id)
-    plan = stored_plan.plan
-    if relayed and UPDATE_TOOL_NAME not in (*plan.tool_names, *plan.deferred_tool_names):
-        # The model was not given the tool: a call of it is text it wrote, not the engine's
-        # to apply (a review: a tool loop applied an injected objective and constraint).
-        raise InvalidFieldError(
-            f"the session's plan does not offer {UPDATE_TOOL_NAME}: a call the model was"
-            " not given the tool for is not applied",
-            field="tool_arguments_json",
-        )
-    count_tokens = engine.count_tokens_for(plan.model_id)
+    count_tokens = engine.count_tokens_for(stored_plan.plan.model_id)
     async with engine.gates.held(tenant_id, session_id), transaction(engine.pool) as conn:
         epoch = await sessions.lock_session(conn, tenant_id, session_id)
         stored = await idempotency.recall_response(
@@ -541,6 +548,8 @@ async def update_working_state(
                 "a child run's user is its parent agent: write its state as WRITER_MODEL",
                 field="writer",
             )
+        if relayed:
+            await _require_offered(conn, tenant_id, session_id, run_id)
         checkpoint = await runs.read_checkpoint(conn, tenant_id, run_id)
         require_version(checkpoint, expected_version)
         update = await _lowered_facts(
@@ -583,6 +592,29 @@ async def update_working_state(
         )
     engine.checkpoint_written(tenant_id, session_id, written, expected_version)
     return result
+
+
+async def _require_offered(conn: Any, tenant_id: str, session_id: UUID, run_id: UUID) -> None:
+    """A relayed control call needs the plan the run builds on to offer the tool: the model
+    was not given it otherwise, and a call of it is text it wrote, not the engine's to apply
+    (a review: a tool loop applied an injected objective and constraint). The run's plan,
+    not the session's current one: a run keeps its epoch across another run's admission.
+
+    Raises:
+        InvalidFieldError: naming tool_arguments_json.
+    """
+    head = await runs.read_run_head(conn, tenant_id, session_id, run_id)
+    stored = await plans.read_plan(conn, tenant_id, session_id, head.effective_epoch)
+    plan = stored.plan
+    # The engine's own definition (builtin): a tool of that name a server lists is its own
+    # (a review), whose calls are not the engine's to apply.
+    builtin = any(t.name == UPDATE_TOOL_NAME and t.builtin for t in stored.spec.tools)
+    if not builtin or UPDATE_TOOL_NAME not in (*plan.tool_names, *plan.deferred_tool_names):
+        raise InvalidFieldError(
+            f"the plan this run builds on does not offer the engine's {UPDATE_TOOL_NAME}: a"
+            " call the model was not given the tool for is not applied",
+            field="tool_arguments_json",
+        )
 
 
 def _trusted_candidate(fact: Fact, evidence: dict[int, tuple[str, dict[str, Any], bool]]) -> bool:

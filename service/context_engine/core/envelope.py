@@ -38,7 +38,14 @@ from functools import lru_cache
 from .invisible import BLANKS, CONTROLS, is_invisible
 from .trust import DELIMITER_TAGS, TrustLevel, envelope_tag
 
-__all__ = ["NONCE_HEX_CHARS", "attribute_readings", "escape_content", "item_nonce", "wrap"]
+__all__ = [
+    "NONCE_HEX_CHARS",
+    "attribute_readings",
+    "escape_content",
+    "item_nonce",
+    "shown_attribute",
+    "wrap",
+]
 
 NONCE_HEX_CHARS = 16  # 64 bits: unguessable per item, short enough to cost few tokens.
 
@@ -136,6 +143,11 @@ _ATTR_READINGS: dict[str, tuple[str, ...]] = {
 _ATTR_REFERENCE = re.compile(
     "|".join(map(re.escape, sorted(_ATTR_READINGS, key=len, reverse=True)))
 )
+
+
+def shown_attribute(value: str) -> str:
+    """`value` as an envelope's attribute shows it (Rule 3)."""
+    return value.translate(_ATTR_ESCAPES)
 
 
 def attribute_readings(shown: str, limit: int) -> list[str] | None:
@@ -237,7 +249,7 @@ def wrap(
     if tag is None:
         return text
     nonce = item_nonce(secret, item_id)
-    attrs = f'source="{source.translate(_ATTR_ESCAPES)}" id="{item_id.translate(_ATTR_ESCAPES)}"'
+    attrs = f'source="{shown_attribute(source)}" id="{shown_attribute(item_id)}"'
     if truncated:
         attrs += ' truncated="true"'
     return f'<{tag} {attrs} nonce="{nonce}">\n{escape_content(text)}\n</{tag}:{nonce}>'

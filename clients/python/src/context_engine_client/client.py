@@ -193,6 +193,10 @@ CONTROL_TOOL_NAMES = frozenset({"context.update_working_state"})
 # Refusals of a control call's arguments the model can act on: relayed to it as the call's
 # error result (apply_control_call), not raised.
 _MODEL_CORRECTS = frozenset({"INVALID_FIELD", "CONSTRAINT_PROTECTED", "WORKING_STATE_CAP"})
+_STATE_MOVED = (
+    "Not applied: the run moved on while you decided (another write landed first). The"
+    " next request shows the run as it is now; call again if the update still applies."
+)
 _APPEND_BACKOFF_S = 0.2
 
 
@@ -1095,9 +1099,10 @@ class Run:
         logged as untrusted content, in an envelope: it is no source a fact can rest on as
         trusted, and a refusal quotes the model's own words (a review: labelled trusted, the
         engine's reply was cited to make a claim Established). Refused because another
-        write landed first, it is sent once more at the version the refusal names, after
-        that write (as tool_loop's append is); any other error raises. `tool_loop` calls it
-        for a control tool's call where the build offered the tool."""
+        write landed first (CHECKPOINT_VERSION_CONFLICT), it is not sent again after that
+        write, which the model decided without: the result says so, and the step's append
+        goes after that write as usual. Any other error raises. `tool_loop` calls it for a
+        control tool's call where the build defines the tool."""
         key = "control-" + hashlib.sha256(f"{self.run_id}\0{call.call_id}".encode()).hexdigest()
         request = pb.UpdateWorkingStateRequest(
             tenant_id=self.tenant_id,
@@ -1109,27 +1114,20 @@ class Run:
             idempotency_key=key[:64],
         )
         source = f"engine:{call.name}"
-        for rebased in (False, True):
-            try:
-                response: pb.UpdateWorkingStateResponse = await self.client.call(
-                    "UpdateWorkingState", request, timeout=timeout
-                )
-                break
-            except ContextEngineError as exc:
-                latest = exc.metadata.get("latest_version", "")
-                if (
-                    not rebased
-                    and exc.reason == "CHECKPOINT_VERSION_CONFLICT"
-                    and latest.isdigit()
-                    and int(latest) > request.expected_checkpoint_version
-                ):
-                    request.expected_checkpoint_version = int(latest)
-                    continue
-                if exc.reason not in _MODEL_CORRECTS:
-                    raise
-                return ToolOutput(
-                    f"Not applied ({exc.reason}): {exc.message}", is_error=True, source=source
-                )
+        try:
+            response: pb.UpdateWorkingStateResponse = await self.client.call(
+                "UpdateWorkingState", request, timeout=timeout
+            )
+        except ContextEngineError as exc:
+            if exc.reason == "CHECKPOINT_VERSION_CONFLICT":
+                # Another write landed first (the user's next message, say): the model
+                # decided without it, so it is told, not overruled by a resend (a review).
+                return ToolOutput(_STATE_MOVED, is_error=True, source=source)
+            if exc.reason not in _MODEL_CORRECTS:
+                raise
+            return ToolOutput(
+                f"Not applied ({exc.reason}): {exc.message}", is_error=True, source=source
+            )
         self.checkpoint_version = max(self.checkpoint_version, response.checkpoint_version)
         return ToolOutput("Working state updated; the next request shows it.", source=source)
 
