@@ -13,7 +13,10 @@
 # entry point takes no flags that would override the environment.
 # tests/e2e/test_dockerfile_steps.py keeps this file honest without a Docker engine: it
 # runs these RUN steps' equivalents (build the wheel, install it into a fresh venv, check
-# the packaged migrations and data, run `context-engine --help` and `migrate`).
+# the packaged migrations and data, run `context-engine --help` and `migrate`), then the
+# ENTRYPOINT and the HEALTHCHECK's command from that venv. Not run there: the dependency
+# wheels' RUN, the `useradd` RUN and its uid, and the probe against 0.0.0.0:50051 (the
+# test listens on 127.0.0.1, a free port).
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 

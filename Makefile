@@ -20,10 +20,16 @@ install: $(STAMP) $(TS)/node_modules/.installed install-go
 ## that failed half way (Debian and Ubuntu without python3-venv) leaves .venv/bin/python
 ## behind with no pip, and one made by an older python3 kept being used after the README's
 ## `PY=python3.11` (an audit); either is removed and made again rather than used.
+## Debian and Ubuntu ship venv apart (python3-venv, python3.X-venv): it is installed where
+## `$(PY) -m venv` fails and root or passwordless sudo can (scripts/apt-install.sh), and the
+## venv made again.
 NEW_ENOUGH := -c 'import sys; sys.exit(sys.version_info < (3, 11))'
+PY_VENV_DEB = python$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])')-venv
 $(STAMP): pyproject.toml
 	{ $(BIN)/python $(NEW_ENOUGH) && $(BIN)/python -m pip --version; } >/dev/null 2>&1 \
 	  || { rm -rf $(VENV) && $(PY) -m venv $(VENV); } \
+	  || { rm -rf $(VENV) && scripts/apt-install.sh python3-venv $(PY_VENV_DEB) \
+	       && $(PY) -m venv $(VENV); } \
 	  || { rm -rf $(VENV); echo "$(PY) -m venv failed: is $(PY) installed? On Debian/Ubuntu" \
 	       "install python3-venv (python3.11-venv for PY=python3.11)" >&2; exit 1; }
 	$(BIN)/python $(NEW_ENOUGH) \
@@ -35,18 +41,18 @@ $(STAMP): pyproject.toml
 	touch $@
 
 ## The TypeScript client's packages (npm ci also builds it); tests/e2e/test_node_client.py.
+## Node.js and npm from Debian's packages (Node 18 on Debian 12) where npm is missing and
+## root or passwordless sudo can install them.
 $(TS)/node_modules/.installed: $(TS)/package.json $(TS)/package-lock.json
+	@command -v npm >/dev/null 2>&1 || scripts/apt-install.sh nodejs npm || true
 	@if command -v npm >/dev/null 2>&1; then \
 	  cd $(TS) && npm ci --no-audit --no-fund && touch node_modules/.installed; \
 	else echo "npm not found: install Node.js >= 18 and npm for the TypeScript client" >&2; fi
 
-## The Go client's toolchain (tests/e2e/test_go_client.py), installed as root where missing.
+## The Go client's toolchain (tests/e2e/test_go_client.py), installed where missing as root
+## or through passwordless sudo (scripts/apt-install.sh); else it says what to install.
 install-go:
-	@if dpkg -s $(GO_DEBS) >/dev/null 2>&1; then :; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	    apt-get install -y -qq --no-install-recommends $(GO_DEBS) >/dev/null; \
-	else echo "the Go client check needs: apt-get install $(GO_DEBS)" >&2; fi
+	@scripts/apt-install.sh $(GO_DEBS) || echo "the Go client check needs: apt-get install $(GO_DEBS)" >&2
 
 ## Run the service; with no DATABASE_URL it starts an embedded PostgreSQL under .context-engine/.
 run: $(STAMP)

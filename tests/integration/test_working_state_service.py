@@ -973,19 +973,40 @@ async def test_a_relayed_call_needs_the_plan_its_run_builds_on_to_offer_the_tool
     assert (await stub.UpdateWorkingState(relayed)) == applied
 
 
-async def test_a_tool_a_server_lists_under_the_control_tools_name_is_not_the_engines(
-    stub: Any,
-) -> None:
-    """Offered by name alone, a discovered tool named context.update_working_state (its
-    server's definition) had its calls applied by the engine (a review)."""
+async def test_a_tool_a_server_lists_cannot_take_the_control_tools_name(stub: Any) -> None:
+    """The engine applies that tool's calls: a discovered tool of that name (its server's
+    definition) never saw its own (a review). Plan refuses it, naming the tool."""
     base = spec()
     base.tools.append(tool("context.update_working_state", server="mcp:notes"))
-    session_id = new_id()
-    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=base))
+    request = pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=base)
+    code, reason, fields = await _refused(stub.Plan(request))
+    assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD")
+    assert fields == [f"spec.tools[{len(base.tools) - 1}].name"]
+
+
+async def test_cited_ids_standing_for_too_many_are_refused_before_any_is_read(
+    stub: Any, pool: Any
+) -> None:
+    """An envelope shows 20 characters as `&lt;`: an id holding three stands for 8,000 ids.
+    Made one by one and then refused, 3.7 million of them held the replica's event loop
+    5.6 s (a review): they are counted first, and refused, writing nothing."""
+    session_id, _ = await open_session(stub)
     run_id = (await start_run(stub, session_id, "hi")).run.run_id
-    arguments = '{"objective": "Plan the trip"}'
-    refused = await _refused(stub.UpdateWorkingState(_relayed(session_id, run_id, 1, arguments)))
-    assert refused[1:] == ("INVALID_FIELD", ["tool_arguments_json"])
+    before = await _writes(pool, session_id)
+    fact = pb.Fact(statement="x", source_item_ids=["<<<a"])
+    code, reason, fields = await _refused(
+        update_state(stub, session_id, run_id, 1, add_facts=[fact])
+    )
+    assert (code, reason, fields) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_FIELD",
+        ["update.add_facts"],
+    )
+    assert await _writes(pool, session_id) == before
+    # Two such characters stand for 400: looked up, and named as missing.
+    fact = pb.Fact(statement="x", source_item_ids=["<<a"])
+    missing = await _refused(update_state(stub, session_id, run_id, 1, add_facts=[fact]))
+    assert missing[2] == ["update.add_facts[0].source_item_ids[0]"]
 
 
 @pytest.mark.parametrize("output", ["writer", "source_sequence"])

@@ -1228,7 +1228,9 @@ type ToolSpec struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Unique tool name as the model calls it.
+	// Unique tool name as the model calls it. context.update_working_state is the engine's
+	// control tool's (ListControlTools): a tool of that name must be builtin, else
+	// INVALID_FIELD (the engine applies its calls, which a server would never see).
 	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// Description shown to the model.
 	Description string `protobuf:"bytes,2,opt,name=description,proto3" json:"description,omitempty"`

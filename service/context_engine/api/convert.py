@@ -48,6 +48,7 @@ from ..core.spec import (
 )
 from ..core.tool_schema import input_schema_problem
 from ..core.trust import TrustLevel
+from ..core.working_state import UPDATE_TOOL_NAME
 
 __all__ = [
     "block_from_proto",
@@ -366,6 +367,14 @@ def plan_spec_from_proto(
             raise InvalidFieldError(f"{path}.name is required", field=f"{path}.name")
         if tool.name in names:
             raise InvalidFieldError(f"tool {tool.name!r} is listed twice", field=f"{path}.name")
+        if tool.name == UPDATE_TOOL_NAME and not tool.builtin:
+            # The engine applies that tool's calls (a relayed call, the clients' tool loops):
+            # a server's tool of that name would never see its own (a review).
+            raise InvalidFieldError(
+                f"{tool.name!r} is the engine's control tool (ListControlTools): a tool a"
+                " server provides cannot take its name",
+                field=f"{path}.name",
+            )
         names.add(tool.name)
         tools.append(_tool_spec(tool, path))
     skills = []

@@ -111,6 +111,14 @@ def update_from_proto(
                 else TrustLevel.PLATFORM,
             )
         )
+    readings = ws_api.cited_readings([i for items in cited for i in items])
+    if readings > ws_api.UPDATE_READINGS:
+        raise InvalidFieldError(
+            f"the item ids {field}.add_facts cites stand for {readings} ids (an envelope"
+            f" shows several characters alike); at most {ws_api.UPDATE_READINGS} together",
+            field=f"{field}.add_facts",
+            metadata={"limit": str(ws_api.UPDATE_READINGS), "entries": str(readings)},
+        )
     typed = WorkingStateUpdate(
         objective=update.objective if update.HasField("objective") else None,
         remove_constraints=tuple(update.remove_constraints),

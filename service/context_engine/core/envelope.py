@@ -40,6 +40,7 @@ from .trust import DELIMITER_TAGS, TrustLevel, envelope_tag
 
 __all__ = [
     "NONCE_HEX_CHARS",
+    "attribute_reading_count",
     "attribute_readings",
     "escape_content",
     "item_nonce",
@@ -148,6 +149,14 @@ _ATTR_REFERENCE = re.compile(
 def shown_attribute(value: str) -> str:
     """`value` as an envelope's attribute shows it (Rule 3)."""
     return value.translate(_ATTR_ESCAPES)
+
+
+def attribute_reading_count(shown: str) -> int:
+    """How many texts attribute_readings(shown) gives at most, counted without making them."""
+    count = 1
+    for reference in _ATTR_REFERENCE.findall(shown):
+        count *= len(_ATTR_READINGS[reference])
+    return count
 
 
 def attribute_readings(shown: str, limit: int) -> list[str] | None:
