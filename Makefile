@@ -28,8 +28,8 @@ PY_VENV_DEB = python$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2
 $(STAMP): pyproject.toml
 	{ $(BIN)/python $(NEW_ENOUGH) && $(BIN)/python -m pip --version; } >/dev/null 2>&1 \
 	  || { rm -rf $(VENV) && $(PY) -m venv $(VENV); } \
-	  || { rm -rf $(VENV) && scripts/apt-install.sh python3-venv $(PY_VENV_DEB) \
-	       && $(PY) -m venv $(VENV); } \
+	  || { rm -rf $(VENV) && command -v $(PY) >/dev/null \
+	       && scripts/apt-install.sh python3-venv $(PY_VENV_DEB) && $(PY) -m venv $(VENV); } \
 	  || { rm -rf $(VENV); echo "$(PY) -m venv failed: is $(PY) installed? On Debian/Ubuntu" \
 	       "install python3-venv (python3.11-venv for PY=python3.11)" >&2; exit 1; }
 	$(BIN)/python $(NEW_ENOUGH) \
@@ -41,13 +41,14 @@ $(STAMP): pyproject.toml
 	touch $@
 
 ## The TypeScript client's packages (npm ci also builds it); tests/e2e/test_node_client.py.
-## Node.js and npm from Debian's packages (Node 18 on Debian 12) where npm is missing and
-## root or passwordless sudo can install them.
+## Node.js and npm from Debian's packages (Node 18 on Debian 12; older releases ship older
+## ones, which are not used) where npm is missing and root or passwordless sudo can.
+NODE_18 := node -e 'process.exit(parseInt(process.versions.node, 10) < 18 ? 1 : 0)'
 $(TS)/node_modules/.installed: $(TS)/package.json $(TS)/package-lock.json
 	@command -v npm >/dev/null 2>&1 || scripts/apt-install.sh nodejs npm || true
-	@if command -v npm >/dev/null 2>&1; then \
+	@if command -v npm >/dev/null 2>&1 && $(NODE_18) 2>/dev/null; then \
 	  cd $(TS) && npm ci --no-audit --no-fund && touch node_modules/.installed; \
-	else echo "npm not found: install Node.js >= 18 and npm for the TypeScript client" >&2; fi
+	else echo "no npm with Node.js >= 18: install them for the TypeScript client" >&2; fi
 
 ## The Go client's toolchain (tests/e2e/test_go_client.py), installed where missing as root
 ## or through passwordless sudo (scripts/apt-install.sh); else it says what to install.

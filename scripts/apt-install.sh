@@ -4,7 +4,12 @@
 # caller can decide whether that stops it. Used by the Makefile's install steps.
 #   scripts/apt-install.sh PACKAGE...
 set -eu
-dpkg -s "$@" >/dev/null 2>&1 && exit 0
+# Installed, each of them: not merely known to dpkg (a removed package keeps its config).
+installed=1
+for package in "$@"; do
+  [ "$(dpkg-query -W -f='${db:Status-Status}' "$package" 2>/dev/null)" = installed ] || installed=0
+done
+[ "$installed" = 1 ] && exit 0
 if ! command -v apt-get >/dev/null 2>&1; then
   echo "install these packages (no apt-get here): $*" >&2
   exit 1

@@ -987,7 +987,7 @@ async def test_a_tool_a_server_lists_cannot_take_the_control_tools_name(stub: An
 async def test_cited_ids_standing_for_too_many_are_refused_before_any_is_read(
     stub: Any, pool: Any
 ) -> None:
-    """An envelope shows 20 characters as `&lt;`: an id holding three stands for 8,000 ids.
+    """An envelope shows 19 characters as `&lt;`: an id holding three stands for 6,860 ids.
     Made one by one and then refused, 3.7 million of them held the replica's event loop
     5.6 s (a review): they are counted first, and refused, writing nothing."""
     session_id, _ = await open_session(stub)
@@ -1003,7 +1003,7 @@ async def test_cited_ids_standing_for_too_many_are_refused_before_any_is_read(
         ["update.add_facts"],
     )
     assert await _writes(pool, session_id) == before
-    # Two such characters stand for 400: looked up, and named as missing.
+    # Two such characters stand for 362: looked up, and named as missing.
     fact = pb.Fact(statement="x", source_item_ids=["<<a"])
     missing = await _refused(update_state(stub, session_id, run_id, 1, add_facts=[fact]))
     assert missing[2] == ["update.add_facts[0].source_item_ids[0]"]

@@ -114,10 +114,11 @@ def update_from_proto(
     readings = ws_api.cited_readings([i for items in cited for i in items])
     if readings > ws_api.UPDATE_READINGS:
         raise InvalidFieldError(
-            f"the item ids {field}.add_facts cites stand for {readings} ids (an envelope"
-            f" shows several characters alike); at most {ws_api.UPDATE_READINGS} together",
+            f"the item ids {field}.add_facts cites stand for more than"
+            f" {ws_api.UPDATE_READINGS} ids together (an envelope shows several characters"
+            " alike)",
             field=f"{field}.add_facts",
-            metadata={"limit": str(ws_api.UPDATE_READINGS), "entries": str(readings)},
+            metadata={"limit": str(ws_api.UPDATE_READINGS)},
         )
     typed = WorkingStateUpdate(
         objective=update.objective if update.HasField("objective") else None,

@@ -315,8 +315,8 @@ async def _named_evidence(
 
 
 # How many ids the item ids an update cites may stand for together: an envelope shows
-# several characters alike (`&lt;` is any of 20), so an id holding two of them reads as
-# 400, three as 8,000. Counted before the request takes the session's lock, and before any
+# several characters alike (`&lt;` is any of 19), so an id holding two of them reads as
+# 362, three as 6,860. Counted before the request takes the session's lock, and before any
 # reading is made (cited_readings; a review: 3.7 million made, then refused, held the
 # replica's event loop 5.6 s and 1.6 GB).
 UPDATE_READINGS = 4096
@@ -324,12 +324,15 @@ UPDATE_READINGS = 4096
 
 def cited_readings(item_ids: Sequence[str]) -> int:
     """How many ids `item_ids` stand for together at most (_id_forms), counted: a plain id
-    (its envelope shows it as it is) stands for itself alone."""
+    (its envelope shows it as it is) stands for itself alone; UPDATE_READINGS + 1 once past
+    the bound."""
     total = 0
     for item_id in item_ids:
         shown = shown_attribute(item_id)
-        total += attribute_reading_count(item_id)
-        total += attribute_reading_count(shown) if shown != item_id else 0
+        total += attribute_reading_count(item_id, UPDATE_READINGS)
+        total += attribute_reading_count(shown, UPDATE_READINGS) if shown != item_id else 0
+        if total > UPDATE_READINGS:
+            return UPDATE_READINGS + 1  # past the bound: how far past is not counted
     return total
 
 

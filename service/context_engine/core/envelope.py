@@ -151,12 +151,16 @@ def shown_attribute(value: str) -> str:
     return value.translate(_ATTR_ESCAPES)
 
 
-def attribute_reading_count(shown: str) -> int:
-    """How many texts attribute_readings(shown) gives at most, counted without making them."""
+def attribute_reading_count(shown: str, limit: int) -> int:
+    """How many texts attribute_readings(shown) gives (`shown` itself among them), counted
+    without making them; `limit` + 1 once past `limit`."""
+    references = _ATTR_REFERENCE.findall(shown)
     count = 1
-    for reference in _ATTR_REFERENCE.findall(shown):
+    for reference in references:
         count *= len(_ATTR_READINGS[reference])
-    return count
+        if count > limit:
+            return limit + 1
+    return min(count + 1, limit + 1) if references else 1
 
 
 def attribute_readings(shown: str, limit: int) -> list[str] | None:
