@@ -248,7 +248,8 @@ def assemble(inputs: BuildInputs) -> Assembled:
 
 
 def _nothing_to_compact(fitted: Fitted, budget: ContextBudget) -> BudgetExceededError:
-    """BUDGET_EXCEEDED for a body that fits after no yield when nothing is left to compact:
+    """BUDGET_EXCEEDED for a body that does not fit after every yield when nothing is left
+    to compact (every request that fits is as before, so the assembler version stands):
     what stays is the never-yield set with the summary (and the run's own user messages,
     which compaction keeps verbatim). Asked for a compaction, a worker was told by
     PrepareCompaction that nothing is compactable, an answer no protocol step follows (an
