@@ -60,6 +60,36 @@ def spec(**kw: Any) -> pb.PlanSpec:
     return out
 
 
+def spec_with_skill(
+    trust: int, name: str = "vendor", description: str = "Vendor help."
+) -> pb.PlanSpec:
+    """spec() with one skill in its catalog at `trust` (version "1")."""
+    out = spec()
+    out.skills.append(
+        pb.SkillCatalogEntry(name=name, description=description, version="1", trust=trust)
+    )
+    return out
+
+
+async def plan_with_skill(stub: Any, session_id: str, trust: int) -> pb.ContextPlan:
+    """A new session's plan, spec_with_skill(trust)."""
+    planned = pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=spec_with_skill(trust))
+    return (await stub.Plan(planned)).plan
+
+
+async def lower_skill(stub: Any, session_id: str, from_epoch: int) -> pb.RotateResponse:
+    """An operator's Rotate lowering plan_with_skill's entry to EXTERNAL_UNTRUSTED."""
+    return await stub.Rotate(
+        pb.RotateRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            from_epoch=from_epoch,
+            reason=pb.PLAN_REASON_OPERATOR_REVOCATION,
+            spec=spec_with_skill(pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED),
+        )
+    )
+
+
 def user(text: str, item_id: str = "") -> pb.ConversationItem:
     return pb.ConversationItem(item_id=item_id, user_message=pb.UserMessage(text=text))
 

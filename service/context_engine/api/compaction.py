@@ -125,7 +125,7 @@ async def _inputs(
         in_view=in_view,
     )
     skills = await skill_store.read_loaded(conn, tenant_id, session_id)
-    epochs = sorted({*shown.epochs, run.epoch})
+    epochs = sorted({*shown.epochs, *head.plan_epochs})
     shown_plans = await plans.read_distinct_prefixes(conn, tenant_id, session_id, epochs)
     prefix = [entry for p in shown_plans for entry in prefix_data(p.plan, p.spec)]
     # Each body as the least trusted Build showed it: a plan whose pinned entry a Rotate

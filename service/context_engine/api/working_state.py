@@ -378,12 +378,13 @@ async def _shown_sources(
         if run.parent_run_id is None
         else []
     )
-    runs = [run.run_id, *earlier]
+    head = await runs.read_run_head(conn, tenant_id, session_id, run.run_id)
+    in_view = [run.run_id, *earlier]
     shown = await events.read_runs_shown(
         conn,
         tenant_id,
         session_id,
-        runs,
+        in_view,
         inputs_key=INPUTS_KEY,
         fields=SHOWN_FIELDS,
     )
@@ -393,7 +394,7 @@ async def _shown_sources(
         if isinstance(item, KnowledgePassageItem | RecallLineItem | CorrectionLineItem)
         for text in shown_texts(item)
     ]
-    epochs = sorted({*shown.epochs, run.epoch})
+    epochs = sorted({*shown.epochs, *head.plan_epochs})
     prefixes = await plans.read_distinct_prefixes(conn, tenant_id, session_id, epochs)
     for stored in prefixes:
         sources += [(e.text, e.trust) for e in prefix_data(stored.plan, stored.spec)]
@@ -403,7 +404,10 @@ async def _shown_sources(
             for p in prefixes
         ]
         sources.append((skill.body, max(shown_at, default=skill.trust)))
-    erased = await events.run_saw_erased(conn, tenant_id, session_id, runs, epochs)
+    # What an erasure took out of a plan counts only where the model was shown it: the
+    # plans of its requests (and its own, as before), not one it has yet to build on.
+    seen = sorted({*shown.epochs, run.epoch})
+    erased = await events.run_saw_erased(conn, tenant_id, session_id, in_view, seen)
     return [(text, trust) for text, trust in sources if trust not in SUMMARIZABLE], erased
 
 

@@ -227,6 +227,18 @@ class RunHead:
         """Whether a sweep has not reached the run's lineage yet (store/plans.py)."""
         return self.sweep_epoch > self.effective_epoch
 
+    @property
+    def plan_epochs(self) -> tuple[int, ...]:
+        """The plans the run's model is shown from now on, besides those its recorded
+        requests were built on: its own, the one it builds on, and when behind the sweep
+        its lineage continues with (the continuation shows that sweep's snapshot; its
+        catalog, another lineage's, is read too, which can only hold a text lower). What
+        the run may restate is held at the least trust any of them shows it (a review: a
+        Rotate that lowered a loaded skill reached summaries and facts only once the run
+        had built on the new plan)."""
+        behind = (self.sweep_epoch,) if self.behind else ()
+        return tuple(dict.fromkeys((self.run.epoch, self.effective_epoch, *behind)))
+
 
 async def read_run_head(conn: Any, tenant_id: str, session_id: UUID, run_id: UUID) -> RunHead:
     """The run, its latest checkpoint version, the plan epoch it builds on, how many skills
