@@ -904,6 +904,45 @@ async def test_a_skill_body_over_6000_tokens_fails(stub: Any, grpc_server: Any) 
     assert list((await _load(stub, session_id, "triage", fits)).loaded) == ["triage"]
 
 
+async def test_a_load_measures_the_bodies_held_with_the_plan_it_loads_into(
+    stub: Any, grpc_server: Any, pool: Any
+) -> None:
+    """The bodies already loaded were summed at the counts stored when each was loaded,
+    under the plan of then: after a Rotate to a model whose counter counts them higher, a
+    second body was admitted past the class's 6,000 tokens, and every later Rotate that
+    kept the model was refused SKILL_LIMIT (a review). They are measured again with the
+    plan the load goes into, and nothing is written."""
+    gpt, claude = (grpc_server.engine.count_tokens_for(m) for m in ("gpt-4o", "claude-sonnet-4-5"))
+    first = "hello world " * 1000
+    second = _words(claude, 3_000)
+    assert gpt(first) + claude(second) < 6_000 < claude(first) + claude(second)
+    session_id, plan = await _open(stub, _skills_spec_for("gpt-4o"))
+    await _load(stub, session_id, "triage", first)
+    rotated = await _rotate(
+        stub,
+        session_id,
+        plan.epoch,
+        pb.PLAN_REASON_AGENT_CHANGED,
+        spec=_skills_spec_for("claude-sonnet-4-5"),
+    )
+    before = await _events(pool, session_id)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _load(stub, session_id, "refunds", second)
+    reason, fields, metadata = details(caught.value)
+    assert (reason, fields, metadata["limit"]) == ("SKILL_LIMIT", ["body"], "tokens")
+    assert int(metadata["used_tokens"]) >= claude(first)
+    assert await _events(pool, session_id) == before
+    changed = _skills_spec_for("claude-sonnet-4-5")
+    changed.agent.version = "4"
+    await _rotate(stub, session_id, rotated.plan.epoch, pb.PLAN_REASON_AGENT_CHANGED, spec=changed)
+
+
+def _skills_spec_for(model_id: str) -> pb.PlanSpec:
+    out = _skills_spec()
+    out.model_id = model_id
+    return out
+
+
 async def test_a_body_the_plans_body_cannot_hold_is_refused(
     stub: Any, grpc_server: Any, pool: Any
 ) -> None:

@@ -108,12 +108,17 @@ async def load_skill(
             _body_tokens, name, version, body, effective, current.secret, count
         )
         skill = replace(skill, tokens=tokens)
+        # The bodies held, measured again as this plan's Builds pay them: a stored count is
+        # its load's, with the plan of then (a review: after a Rotate to a model whose
+        # tokenizer counts more, a second body was admitted past the class cap, and every
+        # later Rotate keeping the model was refused SKILL_LIMIT).
+        held = [await _measured(s, current.secret, count) for s in loaded]
         # The room as the session's Builds pay it: at the correction they pin now.
         factor = await usage_api.pinned_factor(
             conn, tenant, current.plan.model_id, engine.tokenizer_of
         )
         room = skill_room(current.plan, current.spec, count, factor)
-        admit_tokens(loaded, skill, room, factor)
+        admit_tokens(held, skill, room, factor)
         # And beside the plan the loading run builds on: a run admitted with a grant is on a
         # lineage of its own, whose tools take room the current plan leaves (a review: the
         # load was admitted and that run's Builds all failed). Only that run's: measuring
