@@ -187,8 +187,9 @@ def admit_tokens(
     loaded: Sequence[LoadedSkill], skill: LoadedSkill, room: int, factor_ppm: int = PPM
 ) -> None:
     """Rule 4's tokens, for a load `admit_load` admitted: the class cap (the bodies'
-    counts, `loaded` measured with the same plan's counter as `skill`), and `room`, what the plan's body leaves beside the runtime row at
-    `factor_ppm` (core/plan.py skill_room), which the bodies' costs (skill_cost) must fit.
+    counts, `loaded` measured with the same plan's counter as `skill`), and `room`, what
+    the plan's body leaves beside the runtime row at `factor_ppm` (core/plan.py
+    skill_room), which the bodies' costs (skill_cost) must fit.
     A user message never yields either and is not known here: a body that fits the room
     can still leave a long one none.
 
