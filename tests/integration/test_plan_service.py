@@ -1164,13 +1164,18 @@ async def test_a_lineage_continued_on_a_plan_that_cannot_carry_the_bodies_is_ref
         await wide_server.stop(0)
 
 
+@pytest.mark.parametrize("behind", [False, True])
 async def test_a_load_is_measured_beside_the_plan_its_run_builds_on(
-    stub: Any, grpc_server: Any, pool: Any
+    stub: Any, grpc_server: Any, pool: Any, behind: bool
 ) -> None:
     """A run admitted with a grant is on a lineage of its own, whose tools take room the
     current plan leaves. LoadSkill measured the current plan only, so a body that run
     loaded was admitted and its Builds all failed BUDGET_EXCEEDED (a review). Named as
-    the loading run, its plan is measured too: SKILL_LIMIT naming `body`, nothing loaded."""
+    the loading run, its plan is measured too: SKILL_LIMIT naming `body`, nothing loaded.
+    Behind a sweep (a builder upgrade since), the run's lineage was not measured at all,
+    and its Builds, continuing it, all failed SKILL_LIMIT (another review): it is
+    continued by the load, as its next Build would, and that plan measured; a refused load
+    writes neither."""
     count = grpc_server.engine.count_tokens_for("claude-sonnet-4-5")
     base = _skills_mail_spec()
     probe = await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=new_id(), spec=base))
@@ -1179,6 +1184,9 @@ async def test_a_load_is_measured_beside_the_plan_its_run_builds_on(
     granted = await _start(stub, session_id, scopes=["calendar.read", "web.read", "mail.send"])
     other = await _start(stub, session_id, scopes=["calendar.read", "web.read", "notes.read"])
     assert (granted.run.epoch, other.run.epoch) == (2, 3)
+    if behind:
+        await _rotate(stub, session_id, 3, pb.PLAN_REASON_BUILDER_UPGRADED)
+    before = await _events(pool, session_id)
     request = pb.LoadSkillRequest(
         tenant_id=TENANT,
         session_id=session_id,
@@ -1190,9 +1198,11 @@ async def test_a_load_is_measured_beside_the_plan_its_run_builds_on(
         await stub.LoadSkill(request)
     reason, fields, metadata = details(caught.value)
     assert (reason, fields, metadata["limit"]) == ("SKILL_LIMIT", ["body"], "body")
-    assert await _events(pool, session_id, "skill.loaded") == []
+    assert await _events(pool, session_id) == before
     request.body = _words(count, 300)
     assert (await stub.LoadSkill(request)).newly_loaded
+    added = [e["type"] for e in (await _events(pool, session_id))[len(before) :]]
+    assert added == ["context.epoch.rotated"] * behind + ["skill.loaded"]
     await _build(stub, session_id, granted.run.run_id)
 
 

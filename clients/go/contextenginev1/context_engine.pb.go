@@ -5716,7 +5716,9 @@ type LoadSkillRequest struct {
 	// TRUSTED_CONFIGURATION the body renders enveloped.
 	Trust TrustLevel `protobuf:"varint,5,opt,name=trust,proto3,enum=context_engine.v1.TrustLevel" json:"trust,omitempty"`
 	// The run that loaded it (recorded on the skill.loaded event); the body is measured
-	// beside the plan it builds on too. Empty: the session's current plan only.
+	// beside the plan it builds on too (its lineage continued first, in the load's
+	// transaction, when behind a sweep, as its next Build would). Empty: the session's
+	// current plan only.
 	RunId string `protobuf:"bytes,6,opt,name=run_id,json=runId,proto3" json:"run_id,omitempty"`
 }
 

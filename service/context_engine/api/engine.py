@@ -754,6 +754,34 @@ class Engine:
         await skills_api.check_loaded_fit(self, conn, tenant, session_id, continued)
         return continued
 
+    async def continue_behind(
+        self,
+        conn: Any,
+        tenant: str,
+        session_id: UUID,
+        head: runs.RunHead,
+        epoch: int,
+        revision: int,
+    ) -> tuple[plans.StoredPlan, plans.StoredPlan | None]:
+        """The plan the run of `head` builds on next, inside the caller's transaction
+        (session locked; `epoch` and `revision` the session's, read under the lock): its
+        lineage's own, or, when it is
+        behind a sweep, its continuation, started here as its next Build would start it
+        (_catch_up). -> (that plan, the plan started or None). The caller counts a
+        rotation once its transaction commits (_count_rotation).
+
+        Raises:
+            RequestError: the continuation's refusal, as the session's state (_as_state).
+        """
+        own = await plans.read_plan(conn, tenant, session_id, head.effective_epoch)
+        if not head.behind:
+            return own, None
+        try:
+            continued = await self._catch_up(conn, tenant, session_id, own, epoch, revision)
+        except RequestError as exc:
+            raise _as_state(exc, "to continue this run's plan lineage") from None
+        return continued or own, continued
+
     async def _bring_up_to_date(
         self, tenant: str, session_id: UUID, run_id: UUID
     ) -> plans.StoredPlan:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
+from .. import telemetry
 from ..core.assemble import skill_body_texts
 from ..core.build_record import redact_record
 from ..core.errors import PreconditionError
@@ -81,8 +82,9 @@ async def load_skill(
         InvalidFieldError: a trust no body may carry.
         NotFoundError: an unknown session or run.
     """
+    continued: plans.StoredPlan | None = None
     async with engine.gates.held(tenant, session_id), transaction(engine.pool) as conn:
-        epoch = await sessions.lock_session(conn, tenant, session_id)
+        epoch, revision = await sessions.lock_session_plans(conn, tenant, session_id)
         if epoch == 0:
             raise PreconditionError(
                 f"session {session_id} has no plan; call Plan first",
@@ -126,10 +128,16 @@ async def load_skill(
         # after a few hundred forks, and refused loads for lineages no run builds on again
         # or that the next Build rebuilds (another review). Another run whose lineage
         # cannot carry the bodies fails its own Builds BUDGET_EXCEEDED, as a stale lineage
-        # does (docs/architecture.md, Epochs).
-        if head is not None and head.effective_epoch != current.plan.epoch and not head.behind:
-            own = await plans.read_plan(conn, tenant, session_id, head.effective_epoch)
-            await _admit_beside(engine, conn, tenant, own, loaded, skill)
+        # does (docs/architecture.md, Epochs). A lineage behind a sweep is continued here,
+        # as the run's next Build would continue it, and that plan measured (a review: the
+        # plan went unmeasured, and the run's Builds all failed SKILL_LIMIT); a refused
+        # load writes neither.
+        if head is not None:
+            own, continued = await engine.continue_behind(
+                conn, tenant, session_id, head, epoch, revision
+            )
+            if own.plan.epoch != current.plan.epoch:
+                await _admit_beside(engine, conn, tenant, own, loaded, skill)
         payload = {
             "name": name,
             "version": version,
@@ -144,6 +152,8 @@ async def load_skill(
         await skill_store.insert_loaded(
             conn, tenant, session_id, len(loaded), skill, run_id, sequence
         )
+    if continued is not None:  # counted once committed, as Build counts its own
+        telemetry.record_rotation(continued.plan.reason.name.lower())
     return [*names, name], True
 
 
