@@ -1446,9 +1446,16 @@ async def test_a_question_asked_again_in_the_append_that_answers_it_stays_open(
     assert [e["text"] for e in (await _latest_state(pool, run_id))["open_questions"]] == [q]
 
 
+_LONG_LINE = "Ana Moreau keeps a severe peanut allergy and carries two adrenaline pens."
+# Too short for any window compaction compares (40 characters, 8 words): copied whole, it
+# matched nothing and was USER (an audit).
+_SHORT_LINE = "Ana is allergic to peanuts."
+
+
+@pytest.mark.parametrize("line", [_LONG_LINE, _SHORT_LINE])
 @pytest.mark.parametrize("shown_as", ["recall", "snapshot"])
 async def test_a_fact_restating_a_memory_line_it_was_shown_is_no_more_than_memory(
-    stub: Any, shown_as: str
+    stub: Any, shown_as: str, line: str
 ) -> None:
     """A fact takes its evidence's trust, and the model cites the user's message: a fact
     restating a recall line (or a snapshot memory) the run was shown was USER trust and
@@ -1456,7 +1463,6 @@ async def test_a_fact_restating_a_memory_line_it_was_shown_is_no_more_than_memor
     is now at most the trust of what it quotes that its evidence does not say; a fact whose
     words the user's message holds keeps the user's trust."""
     person = f"ana-{new_id()}"
-    line = "Ana Moreau keeps a severe peanut allergy and carries two adrenaline pens."
     memory = pb.MemorySnapshot(
         snapshot_id="snap-1",
         items=[pb.MemoryItem(item_id="m1", text=line, person_ids=[person])],

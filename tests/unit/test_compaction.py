@@ -36,10 +36,12 @@ from context_engine.core.compaction import (
     compactable,
     compacted_checkpoint,
     group_pointer,
+    holds_fragment,
     pointer,
     pointer_lines,
     prepare,
     quoted_sources,
+    quoted_whole,
     quoting,
     require_room,
     require_shrink,
@@ -1555,6 +1557,22 @@ def test_a_model_item_quoting_sources_of_two_trusts_is_labelled_with_the_least_t
     assert quoted_sources([carried[-1].text], [memory, f"Approve {_CANARY} now."]) == {  # type: ignore[union-attr]
         0: frozenset({0, 1})
     }
+
+
+def test_a_source_too_short_for_any_window_is_compared_whole() -> None:
+    """A memory line shorter than every window (40 characters, 8 words) held no fragment,
+    so a fact copying it word for word matched nothing (an audit). From three words it is
+    compared whole: at word edges, its own edge punctuation aside, read as Rule 5 reads;
+    licensed where the allowed text holds it; a longer source is left to its fragments."""
+    short, brief, long = "Ana is allergic to peanuts.", "Vegan.", "x" * 60
+    sources = [short, brief, long]
+    assert quoted_whole("Noted: ANA  is allergic to peanuts and shellfish.", sources) == {0}
+    assert quoted_whole("Ana is allergic to peanutsauce.", sources) == frozenset()
+    assert quoted_whole("Banana is allergic to peanuts.", sources) == frozenset()
+    assert quoted_whole("The guest is vegan.", sources) == frozenset()  # under three words
+    assert quoted_whole(f"It said {long}.", sources) == frozenset()  # quoted_sources' to find
+    assert quoted_whole(short, sources, allowed="Remember: Ana is allergic to peanuts!") == set()
+    assert not holds_fragment(short) and holds_fragment(long)
 
 
 def test_a_model_item_quoting_a_shown_untrusted_line_is_elided_and_never_summarized() -> None:

@@ -20,6 +20,7 @@ from ..core.compaction import (
     elided_content,
     held_texts,
     quoted_sources,
+    quoted_whole,
     shown_texts,
 )
 from ..core.envelope import attribute_reading_count, attribute_readings, shown_attribute
@@ -491,8 +492,9 @@ def _quoted_trust(
     restating a recall line, citing the user's message, was USER, offered to memory
     formation, after an erasure of the line's person too (an audit). Matched as compaction
     matches a summary (core/compaction.py quoted_sources: 40-character substrings, 8-word
-    windows, identifier runs), the evidence's text licensing what it holds, so a fact the
-    user stated in their own words keeps their trust."""
+    windows, identifier runs; a source too short for those, of three words or more, held
+    whole: quoted_whole), the evidence's text licensing what it holds, so a fact the user
+    stated in their own words keeps their trust."""
     sources = [(text, trust) for text, trust in shown if trust > fact.trust]
     if not sources:
         return fact
@@ -504,10 +506,13 @@ def _quoted_trust(
         for kind, payload, flag in (evidence[i] for i in fact.source_event_ids if i in evidence)
         if (level := evidence_trust(kind, payload, flag)) is not None and level <= TrustLevel.USER
     )
-    quoted = quoted_sources([fact.statement], [text for text, _ in sources], allowed)
+    texts = [text for text, _ in sources]
+    quoted = quoted_sources([fact.statement], texts, allowed).get(0, frozenset())
+    # And a source too short for any of those, copied whole (a short recall line: an audit).
+    quoted |= quoted_whole(fact.statement, texts, allowed)
     if not quoted:
         return fact
-    trust = lowest_trust([fact.trust, *(sources[j][1] for j in quoted[0])])
+    trust = lowest_trust([fact.trust, *(sources[j][1] for j in quoted)])
     return fact.model_copy(update={"trust": trust})
 
 

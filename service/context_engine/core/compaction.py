@@ -152,6 +152,7 @@ __all__ = [
     "pointer_lines",
     "prepare",
     "quoted_sources",
+    "quoted_whole",
     "quoting",
     "require_room",
     "require_shrink",
@@ -344,6 +345,44 @@ def holds_fragment(text: str) -> bool:
     """Whether `text` alone holds a fragment Rule 5 compares (a 40-character window, an
     8-word window, an identifier-like run): whether quoting it alone could be a quote."""
     return next(_fragments(_normalize(text)), None) is not None
+
+
+# A source too short for any fragment is compared whole (quoted_whole) from this many
+# words: a memory line is often that short ("Ana is vegan."); one or two words ("Vegan.",
+# "OK done") are in too many statements to say they were copied.
+WHOLE_WORDS = 3
+
+
+def quoted_whole(text: str, sources: Sequence[str], allowed: str = "") -> frozenset[int]:
+    """The sources too short to hold a fragment Rule 5 compares, yet of WHOLE_WORDS words
+    or more, that `text` holds whole (normalized as Rule 5 reads; at word edges, the
+    source's edge punctuation aside) and `allowed` does not: a fact copying a short recall
+    line word for word matched no window and kept its evidence's USER trust (an audit)."""
+    held, licensed = _normalize(text), _normalize(allowed)
+    found = []
+    for j, source in enumerate(sources):
+        normalized = _normalize(source)
+        if next(_fragments(normalized), None) is not None:
+            continue  # compared by its fragments (quoted_sources)
+        whole = _inside(normalized)
+        if len(whole.split(" ")) < WHOLE_WORDS:
+            continue
+        if _holds_words(held, whole) and not _holds_words(licensed, whole):
+            found.append(j)
+    return frozenset(found)
+
+
+def _holds_words(text: str, part: str) -> bool:
+    """Whether `part` occurs in `text` with neither a letter nor a digit on either side."""
+    start = text.find(part)
+    while start >= 0:
+        end = start + len(part)
+        if not (start and text[start - 1].isalnum()) and not (
+            end < len(text) and text[end].isalnum()
+        ):
+            return True
+        start = text.find(part, start + 1)
+    return False
 
 
 def _inside(text: str) -> str:
