@@ -17,6 +17,7 @@ import asyncio
 import itertools
 import uuid
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
@@ -50,6 +51,7 @@ from .helpers import (
     start_run,
 )
 
+NOW = datetime(2026, 9, 21, tzinfo=UTC)
 PROPERTY = settings(
     max_examples=60,
     deadline=None,
@@ -305,6 +307,45 @@ async def test_a_fresh_replica_reading_a_few_events_at_a_time_builds_what_a_whol
         if key[0] == "carried" and str(key[2]) == session_id
     ]
     assert min(t.before for t in tails) > 100  # the pages stopped far short of the start
+
+
+async def test_a_rebuild_with_unmarked_excerpts_reads_back_as_far_as_they_reach(
+    stub: Any, grpc_server: Any, pool: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record of context-assembler@8 or older is rebuilt with its excerpts unmarked, which
+    cost less than marked ones: the shell read the log back until the marked history
+    reached the window and only then unmarked it, so the window reached past what a replica
+    paging the log had read, and the rebuild was refused there while a replica holding the
+    whole range served it (a review). The reach is measured on the history as sent: every
+    page size builds the bytes the whole range builds."""
+    from context_engine.api.server import build_engine
+    from context_engine.core.assemble import StepContext
+
+    session_id, _ = await open_session(stub, policy_cap_tokens=16_000, reserve_output_tokens=4_096)
+    for turn in range(90):
+        started = await start_run(stub, session_id, _words(f"Q{turn}", 20))
+        excerpted = pb.ConversationItem(
+            tool_result=pb.ToolResult(
+                call_id="c1",
+                tool_name="web.fetch",
+                content=_words(f"full {turn}", 400),
+                context_content=f"excerpt {turn}",
+                trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED,
+            )
+        )
+        await append_items(
+            stub, session_id, started.run.run_id, 1, call("c1"), excerpted, assistant("ok")
+        )
+    run_id = (await start_run(stub, session_id, "Now?")).run.run_id
+    arguments = (TENANT, UUID(session_id), UUID(run_id), 1, NOW, StepContext())
+    monkeypatch.setattr(log_tail, "FIRST_PAGE", 100_000)  # the whole range at once
+    whole = await grpc_server.engine.build(*arguments, record=False, marked_excerpts=False)
+    assert whole.assembled.pressure.history_items_dropped > 100  # the window cuts
+    monkeypatch.setattr(log_tail, "GROWTH", 1)
+    for page in range(1, 7):
+        monkeypatch.setattr(log_tail, "FIRST_PAGE", page)
+        paged = await build_engine(pool).build(*arguments, record=False, marked_excerpts=False)
+        assert paged.assembled.request_sha256 == whole.assembled.request_sha256, page
 
 
 async def test_a_run_compacted_mid_session_builds_the_same_from_a_fresh_replica(

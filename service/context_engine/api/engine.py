@@ -1076,11 +1076,17 @@ class Engine:
         return tail, weight
 
     async def _carried_reaching(
-        self, tenant: str, session_id: UUID, inputs: BuildInputs, kept: tuple[LogTail, int]
+        self,
+        tenant: str,
+        session_id: UUID,
+        inputs: BuildInputs,
+        kept: tuple[LogTail, int],
+        as_sent: Callable[[tuple[ConversationItem, ...]], tuple[ConversationItem, ...]],
     ) -> BuildInputs:
         """`inputs` with the carried history read back as far as a fitting request can
         reach (core/assemble.py, carried_reaches): a page at a time, each larger, and kept,
-        so the run's later Builds read nothing."""
+        so the run's later Builds read nothing. `as_sent`: the history as the request
+        sends it (its excerpts marked or not), which is what the reach is measured on."""
         tail, weight = kept
         page = log_tail.FIRST_PAGE
         while not carried_reaches(inputs):
@@ -1095,7 +1101,7 @@ class Engine:
                 self._kept.put(prefix_key, (older, weight), weight)
             self._kept.put(carried_key, (older, weight), weight)
             tail = older
-            inputs = replace(inputs, carried=tail.history, carried_before=tail.before)
+            inputs = replace(inputs, carried=as_sent(tail.history), carried_before=tail.before)
         return inputs
 
     # --- build ------------------------------------------------------------------------
@@ -1320,13 +1326,23 @@ class Engine:
         # The working-state block refuses never-yield fields over its cap (only a changed
         # token counter gets there) with the same BUDGET_EXCEEDED as assemble, so it is
         # rendered inside the try: either refusal is recorded as context.budget.exceeded.
+        # Excerpts as the record's assembler sent them: marked, or unmarked as
+        # context-assembler@8 and older sent them. Before the window is read back, which
+        # measures the items as sent (a review: measured marked and then unmarked, a rebuild
+        # reached past what a replica paging the log had read, and was refused there only).
+        as_sent = _same if marked_excerpts else unmarked_excerpts
+        sent_checkpoint = (
+            checkpoint
+            if marked_excerpts
+            else checkpoint.model_copy(update={"items": as_sent(checkpoint.items)})
+        )
         try:
             inputs = BuildInputs(
                 tenant_id=tenant,
                 plan=plan,
                 secret=stored.secret,
-                checkpoint=checkpoint,
-                carried=carried[0].history,
+                checkpoint=sent_checkpoint,
+                carried=as_sent(carried[0].history),
                 carried_before=carried[0].before,
                 now=clock,
                 # Bare passages as @15 and older sent them: without their citations.
@@ -1349,15 +1365,7 @@ class Engine:
                 refuse_floor_over_cap=record,
             )
             if inputs.carried_before:  # with nothing before it, what was read reaches
-                inputs = await self._carried_reaching(tenant, session_id, inputs, carried)
-            if not marked_excerpts:  # as context-assembler@8 and older sent excerpts
-                inputs = replace(
-                    inputs,
-                    carried=unmarked_excerpts(inputs.carried),
-                    checkpoint=inputs.checkpoint.model_copy(
-                        update={"items": unmarked_excerpts(inputs.checkpoint.items)}
-                    ),
-                )
+                inputs = await self._carried_reaching(tenant, session_id, inputs, carried, as_sent)
             # Past OFF_LOOP_BYTES of the run's own items and step lines, which assembly
             # renders whole, the CPU work is a worker thread's (off_loop).
             heavy = checkpoint_bytes + _step_bytes(step) > OFF_LOOP_BYTES
@@ -1550,6 +1558,11 @@ def _attachment_paths(
     if missing:
         raise EngineError(f"user messages with attachments sent no text block: {missing}")
     return tuple(found[key] for key in keys)
+
+
+def _same(items: tuple[ConversationItem, ...]) -> tuple[ConversationItem, ...]:
+    """The items as they are (excerpts marked: the current assembler's form)."""
+    return items
 
 
 def _count_rotation(stored: plans.StoredPlan) -> None:
