@@ -42,6 +42,7 @@ from context_engine_client import (
     Unavailable,
     UnreportedUsage,
     Usage,
+    arguments_problem,
     assistant_message,
     channel_options,
     pb,
@@ -951,6 +952,43 @@ async def test_the_tool_loop_relays_the_models_control_calls_itself(client: Any)
     block = _texts(seen[2])
     assert "Established" in block and "The user avoids night trains" in block
     assert "Established" in _texts(await run.build(now=NOW))  # the state holds it
+
+
+async def test_a_call_the_engine_cannot_log_is_answered_not_run(client: Any) -> None:
+    """Arguments the engine refuses to log (cut off, not an object, a 64-bit integer), and
+    a tool output holding U+0000, failed the step's append after its tools had run, and
+    the loop's retry ran them again (a review). Such a call is logged with no arguments
+    and answered as an error, never run; U+0000 is sent as U+FFFD; the step lands."""
+    session = await client.open_session(_spec())
+    run = await session.start_run("Trains to Lyon?")
+    wire = wire_tool_name("web.fetch")
+    ran: list[str] = []
+    turns = 0
+
+    async def model(build: BuildResult) -> ModelTurn:
+        nonlocal turns
+        turns += 1
+        if turns > 1:
+            return ModelTurn(text="Done.")
+        calls = [
+            ToolCallRequest("cut", wire, '{"url": "https://tra'),
+            ToolCallRequest("list", wire, '["https://trains.example"]'),
+            ToolCallRequest("big", wire, '{"url": "x", "id": 18446744073709551615}'),
+            ToolCallRequest("ok", wire, {"url": "https://trains.example"}),
+        ]
+        return ModelTurn(tool_calls=calls)
+
+    async def run_tool(call: ToolCallRequest) -> ToolOutput:
+        ran.append(call.call_id)
+        return ToolOutput("08:04 TGV\x006601", source="tool:web.fetch")
+
+    assert arguments_problem({"url": "x"}) == ""
+    result = await run.tool_loop(model, run_tool, now=NOW)
+    assert result.final.text == "Done." and ran == ["ok"]
+    told = _texts(result.builds[1])
+    assert told.count("Not run: the call's arguments") == 3
+    assert "are not a JSON object" in told and "beyond 2^53 - 1" in told
+    assert "08:04 TGV\ufffd6601" in told
 
 
 async def test_a_control_call_that_meets_a_later_write_is_told_and_the_step_is_kept(

@@ -48,7 +48,14 @@ from .errors import (
     ToolLoopLimit,
     from_rpc_error,
 )
-from .items import ModelTurn, ToolCallRequest, ToolOutput, Usage, tool_result
+from .items import (
+    ModelTurn,
+    ToolCallRequest,
+    ToolOutput,
+    Usage,
+    arguments_problem,
+    tool_result,
+)
 
 __all__ = [
     "BuildResult",
@@ -1315,17 +1322,30 @@ class Run:
             turn = await call_model(built)
             # Tool calls arrive under the provider's wire names; log and run the real ones.
             calls = [replace(c, name=built.tool_name(c.name)) for c in turn.tool_calls]
+            # Arguments the engine cannot log (cut off, not an object, a 64-bit integer)
+            # would fail the step's append after its tools ran, and a retry would run them
+            # again (a review): such a call is logged with none and answered, not run.
+            problems = [arguments_problem(c.arguments) for c in calls]
+            calls = [
+                replace(c, arguments={}) if p else c for c, p in zip(calls, problems, strict=True)
+            ]
             turn = replace(turn, tool_calls=calls)
             final = not turn.tool_calls
             try:
                 items = turn.items()
-                for call in turn.tool_calls:
+                for call, problem in zip(turn.tool_calls, problems, strict=True):
                     output: ToolOutput | str
                     # The engine's own tools are the engine's to run (apply_control_call),
                     # where the build offered them: a call of a tool the model was not
                     # given is its run_tool's to refuse (a review: an injected objective
                     # was applied).
-                    if call.name in CONTROL_TOOL_NAMES and built.offers(call.name):
+                    if problem:
+                        output = ToolOutput(
+                            f"Not run: the call's arguments {problem}; call it again with a"
+                            " JSON object.",
+                            is_error=True,
+                        )
+                    elif call.name in CONTROL_TOOL_NAMES and built.offers(call.name):
                         output = await self.apply_control_call(call, timeout=timeout)
                     else:
                         output = await run_tool(call)

@@ -18,6 +18,7 @@ __all__ = [
     "ToolCallRequest",
     "ToolOutput",
     "Usage",
+    "arguments_problem",
     "assistant_message",
     "reasoning",
     "tool",
@@ -29,6 +30,54 @@ __all__ = [
 
 def _json(value: Mapping[str, Any] | str) -> str:
     return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+
+
+# What the engine logs of a call's arguments (its canonical JSON, RFC 8785): an object, at
+# most 64 levels deep, whose numbers read back exactly and whose strings hold no U+0000.
+_MAX_DEPTH = 64
+_MAX_SAFE_INTEGER = 2**53 - 1
+_EXPONENT_FROM = 1e21  # RFC 8785 writes a double below it as an integer literal
+
+
+def arguments_problem(arguments: Mapping[str, Any] | str) -> str:
+    """Why the engine would refuse to log a call with these arguments (AppendItems'
+    INVALID_FIELD naming arguments_json), or "" when it would take them: a model's cut-off
+    or non-object arguments, an integer past 2^53 such as a 64-bit id. The tool loop checks
+    before it runs a tool, as a step it cannot log would be run again (a review)."""
+    try:
+        value = json.loads(_json(arguments), parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as exc:
+        return f"are not JSON ({exc})" if isinstance(exc, ValueError) else "nest too deeply"
+    if not isinstance(value, dict):
+        return "are not a JSON object"
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > _MAX_DEPTH:
+            return f"nest deeper than {_MAX_DEPTH} levels"
+        if isinstance(node, dict):
+            if any("\x00" in key for key in node):
+                return "hold U+0000"
+            node = list(node.values())
+        if isinstance(node, list):
+            stack.extend((child, depth + 1) for child in node)
+        elif isinstance(node, str) and "\x00" in node:
+            return "hold U+0000"
+        elif isinstance(node, int) and not isinstance(node, bool):
+            if abs(node) > _MAX_SAFE_INTEGER:
+                return "hold an integer beyond 2^53 - 1 (send large ids as strings)"
+        elif isinstance(node, float) and _MAX_SAFE_INTEGER < abs(node) < _EXPONENT_FROM:
+            return "hold a number JSON cannot carry exactly"
+    return ""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _loggable(text: str) -> str:
+    """`text` with U+0000, which the engine cannot store, read as U+FFFD."""
+    return text.replace("\x00", "\ufffd")
 
 
 def user_message(text: str, *, item_id: str = "") -> pb.ConversationItem:
@@ -93,8 +142,10 @@ def tool_result(
     excerpt the request sends in place of `content` (marked truncated), which the log keeps
     whole; a large output needs one, as a result the model is about to read never yields
     (one larger than the request's body fails every Build of its run). An empty `name`
-    takes its call's on the server, which then names the source by it too."""
-    source = source or (f"tool:{name}" if name else "")
+    takes its call's on the server, which then names the source by it too. U+0000, which
+    the engine cannot store, is sent as U+FFFD (a tool's output holding one failed the
+    whole step)."""
+    source = _loggable(source or (f"tool:{name}" if name else ""))
     if len(source) > MAX_SOURCE_CHARS:
         source = source[: MAX_SOURCE_CHARS - 1] + "…"
     return pb.ConversationItem(
@@ -102,12 +153,12 @@ def tool_result(
         tool_result=pb.ToolResult(
             call_id=call_id,
             tool_name=name,
-            content=content,
+            content=_loggable(content),
             trust=trust,  # type: ignore[arg-type]
             source=source,
             is_error=is_error,
             artifact_ref=artifact_ref,
-            context_content=context_content,
+            context_content=_loggable(context_content),
         ),
     )
 
