@@ -1387,6 +1387,18 @@ async def test_every_method_takes_a_deadline_of_its_own(client: Any) -> None:
     assert (await run.build(now=NOW, timeout=0)).checkpoint_version == 1
 
 
+async def test_a_client_timeout_of_zero_is_no_deadline(grpc_server: Any) -> None:
+    """The client's own timeout 0 went to grpc as a deadline already past, and every call
+    failed DEADLINE_EXCEEDED; the TypeScript client's timeoutMs 0 is no deadline (a
+    review). It is no deadline here too; a negative one is refused when made."""
+    target = f"127.0.0.1:{grpc_server.port}"
+    async with ContextEngineClient(target, TENANT, timeout=0) as unbounded:
+        assert unbounded.timeout is None
+        assert await unbounded.control_tools()
+    with pytest.raises(ValueError, match="timeout"):
+        ContextEngineClient(target, TENANT, timeout=-1)
+
+
 class RecordingStub:
     """Stands in for the generated stub: answers every RPC with its empty response and
     records the deadline each was sent with, as `call` resolved it."""

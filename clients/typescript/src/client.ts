@@ -34,6 +34,7 @@ import {
   type ToolCallRequest,
   type ToolOutput,
   type Usage,
+  argumentsProblem,
   toolResult,
   turnItems,
 } from './items.js';
@@ -1062,7 +1063,9 @@ export class Run {
       if (!MODEL_CORRECTS.has(error.reason)) throw error;
       // Untrusted, in an envelope: it quotes the model's words, and no fact may rest on
       // the engine's reply as trusted (a review).
-      return { content: `Not applied (${error.reason}): ${error.message}`, isError: true, source };
+      // The server's message, as the Python client relays it: the result is logged, and
+      // the clients' requests for one step should be the same bytes (a review).
+      return { content: `Not applied (${error.reason}): ${error.statusMessage}`, isError: true, source };
     }
     this.checkpointVersion = Math.max(this.checkpointVersion, response.checkpoint_version);
     return { content: 'Working state updated; the next request shows it.', source };
@@ -1225,19 +1228,31 @@ export class Run {
       builds.push(built);
       const answered = await opts.callModel(built);
       // Tool calls arrive under the provider's wire names; log and run the real ones.
+      // Arguments the engine cannot log (cut off, not an object, a 64-bit integer) would
+      // fail the step's append after its tools ran, and a retry would run them again (a
+      // review): such a call is logged with none and answered, not run.
+      const problems = (answered.toolCalls ?? []).map((c) => argumentsProblem(c.arguments));
       const turn: ModelTurn = {
         ...answered,
-        toolCalls: answered.toolCalls?.map((c) => ({ ...c, name: built.toolName(c.name) })),
+        toolCalls: answered.toolCalls?.map((c, n) => ({
+          ...c,
+          name: built.toolName(c.name),
+          arguments: problems[n] ? {} : c.arguments,
+        })),
       };
       const final = !turn.toolCalls?.length;
       try {
         const items = turnItems(turn);
-        for (const toolCall of turn.toolCalls ?? []) {
+        for (const [n, toolCall] of (turn.toolCalls ?? []).entries()) {
           // The engine's own tools are the engine's to run (applyControlCall).
           // Where the build offered the tool: a call of a tool the model was not given is
           // its runTool's to refuse (a review: an injected objective was applied).
-          const output =
-            CONTROL_TOOL_NAMES.has(toolCall.name) && built.offers(toolCall.name)
+          const output: ToolOutput | string = problems[n]
+            ? {
+                content: `Not run: the call's arguments ${problems[n]}; call it again with a JSON object.`,
+                isError: true,
+              }
+            : CONTROL_TOOL_NAMES.has(toolCall.name) && built.offers(toolCall.name)
               ? await this.applyControlCall(toolCall, call)
               : await opts.runTool(toolCall);
           items.push(resultItem(toolCall, output));

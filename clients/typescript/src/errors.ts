@@ -26,13 +26,14 @@ export class ContextEngineError extends ClientError {
   override name = 'ContextEngineError';
   constructor(
     readonly code: Status,
-    message: string,
+    /** The server's own message, as Python's `ContextEngineError.message` holds it. */
+    readonly statusMessage: string,
     readonly reason: string = '',
     readonly domain: string = '',
     readonly metadata: Record<string, string> = {},
     readonly fieldViolations: FieldViolation[] = [],
   ) {
-    super(`${Status[code]}: ${message}${reason ? ` [${reason}]` : ''}`);
+    super(`${Status[code]}: ${statusMessage}${reason ? ` [${reason}]` : ''}`);
   }
 
   /**

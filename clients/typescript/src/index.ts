@@ -44,6 +44,7 @@ export {
   type FieldViolation,
 } from './errors.js';
 export {
+  argumentsProblem,
   assistantMessage,
   tool,
   toolCall,

@@ -75,8 +75,54 @@ function attribution(source: string): string {
 // it, and so does toolResult. Python cannot cut a code point in two.
 const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/g;
 
+// U+0000 too, which the engine cannot store: an output holding one failed the whole step
+// after its tools had run (a review).
 function wellFormed(text: string): string {
-  return text.replace(LONE_SURROGATE, '\uFFFD');
+  return text.replace(LONE_SURROGATE, '\uFFFD').replaceAll('\0', '\uFFFD');
+}
+
+// What the engine logs of a call's arguments (its canonical JSON, RFC 8785): an object, at
+// most 64 levels deep, whose numbers read back exactly and whose strings hold no U+0000
+// and no half of a surrogate pair.
+const MAX_DEPTH = 64;
+
+/**
+ * Why the engine would refuse to log a call with these arguments (AppendItems'
+ * INVALID_FIELD naming arguments_json), or '' when it would take them: a model's cut-off
+ * or non-object arguments, an integer past 2^53 such as a 64-bit id (here any number past
+ * it: JSON.parse has already rounded one). The tool loop checks before it runs a tool, as
+ * a step it cannot log would be run again (a review).
+ */
+export function argumentsProblem(args: Json | string): string {
+  let value: unknown;
+  try {
+    value = JSON.parse(asJson(args));
+  } catch (error) {
+    return `are not JSON (${(error as Error).message})`;
+  }
+  if (typeof value !== 'object' || value === null || Array.isArray(value)) {
+    return 'are not a JSON object';
+  }
+  const stack: [unknown, number][] = [[value, 1]];
+  while (stack.length) {
+    const [node, depth] = stack.pop()!;
+    if (depth > MAX_DEPTH) return `nest deeper than ${MAX_DEPTH} levels`;
+    if (typeof node === 'string') {
+      if (node.includes('\0')) return 'hold U+0000';
+      if (new RegExp(LONE_SURROGATE.source).test(node)) return 'hold half a surrogate pair';
+    } else if (typeof node === 'number') {
+      if (Math.abs(node) > Number.MAX_SAFE_INTEGER) {
+        return 'hold an integer beyond 2^53 - 1 (send large ids as strings)';
+      }
+    } else if (Array.isArray(node)) {
+      for (const child of node) stack.push([child, depth + 1]);
+    } else if (typeof node === 'object' && node !== null) {
+      for (const [key, child] of Object.entries(node)) {
+        stack.push([key, depth], [child, depth + 1]);
+      }
+    }
+  }
+  return '';
 }
 
 export function toolResult(
@@ -94,7 +140,7 @@ export function toolResult(
       trust: opts.trust ?? 'TRUST_LEVEL_EXTERNAL_UNTRUSTED',
       // An empty source too, as in Python; an empty name takes its call's on the server,
       // which then names the source by it.
-      source: attribution(opts.source || (name ? `tool:${name}` : '')),
+      source: wellFormed(attribution(opts.source || (name ? `tool:${name}` : ''))),
       is_error: opts.isError ?? false,
       artifact_ref: opts.artifactRef ?? '',
       context_content: wellFormed(opts.contextContent ?? ''),

@@ -26,6 +26,7 @@ import {
   Run,
   Session,
   UnavailableError,
+  argumentsProblem,
   assistantMessage,
   protoPackage,
   tool,
@@ -173,6 +174,43 @@ test('a payload with attachments keeps the bytes of a schema with integer-like k
   assert.ok(built.payloadWithAttachments(() => []).equals(built.providerPayload));
 });
 
+test('a call the engine cannot log is answered, not run', async () => {
+  // Arguments the engine refuses to log (cut off, not an object, a 64-bit integer) and a
+  // tool output holding U+0000 failed the step's append after its tools had run, and the
+  // loop's retry ran them again (a review). Such a call is logged with no arguments and
+  // answered as an error, never run; U+0000 is sent as U+FFFD; the step lands.
+  const session = await engine.openSession(spec);
+  const run = await session.startRun('Trains to Lyon?');
+  const ran = [];
+  let turns = 0;
+  const result = await run.toolLoop({
+    now: NOW,
+    callModel: async () => {
+      turns += 1;
+      if (turns > 1) return { text: 'Done.' };
+      return {
+        toolCalls: [
+          { callId: 'cut', name: 'web-fetch', arguments: '{"url": "https://tra' },
+          { callId: 'list', name: 'web-fetch', arguments: '["https://trains.example"]' },
+          { callId: 'big', name: 'web-fetch', arguments: '{"url": "x", "id": 18446744073709551615}' },
+          { callId: 'ok', name: 'web-fetch', arguments: { url: 'https://trains.example' } },
+        ],
+      };
+    },
+    runTool: async (call) => {
+      ran.push(call.callId);
+      return { content: '08:04 TGV\u00006601', source: 'tool:web.fetch' };
+    },
+  });
+  assert.equal(argumentsProblem({ url: 'x' }), '');
+  assert.equal(result.final.text, 'Done.');
+  assert.deepEqual(ran, ['ok']);
+  const told = JSON.stringify(result.builds[1].request);
+  assert.equal(told.split("Not run: the call's arguments").length - 1, 3);
+  assert.ok(told.includes('are not a JSON object') && told.includes('beyond 2^53 - 1'));
+  assert.ok(told.includes('08:04 TGV\uFFFD6601'));
+});
+
 test('the tool loop appends each step and ends on a plain answer', async () => {
   const session = await engine.openSession(spec);
   const run = await session.startRun('And back on Sunday?');
@@ -241,6 +279,9 @@ test("the tool loop relays the model's control calls itself; a refusal goes back
   assert.equal(result.final.text, 'Noted: day trains only.');
   // In an envelope: the refusal quotes the model's words, and no fact rests on it as trusted.
   assert.match(text(seen[1]), /<untrusted source=\\"engine:context.update_working_state\\"[^>]*>\\nNot applied \(INVALID_FIELD\)[^\\]*u-99/);
+  // The server's own words, as the Python client relays them (a review: the code name and
+  // the reason were added, so the two clients logged different bytes).
+  assert.match(text(seen[1]), /Not applied \(INVALID_FIELD\): item 'u-99'/);
   assert.match(text(seen[2]), /Established[^\n]*The user avoids night trains/);
 });
 

@@ -290,8 +290,12 @@ class ContextEngineClient:
                 f"token= would cross the network in clear to {target}: give credentials="
                 " (TLS), use a loopback target, or pass allow_insecure_token=True"
             )
+        if timeout is not None and not timeout >= 0:
+            raise ValueError("timeout must be None or 0 (no deadline), or more")
         self.tenant_id = tenant_id
-        self.timeout = timeout
+        # 0 is no deadline, as the TypeScript client's timeoutMs 0 (a review: sent to grpc,
+        # it was a deadline already past, and every call failed DEADLINE_EXCEEDED).
+        self.timeout = timeout or None
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ()
         )

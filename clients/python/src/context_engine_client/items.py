@@ -7,6 +7,7 @@ so a worker can mix these helpers with hand-built protos freely.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +34,8 @@ def _json(value: Mapping[str, Any] | str) -> str:
 
 
 # What the engine logs of a call's arguments (its canonical JSON, RFC 8785): an object, at
-# most 64 levels deep, whose numbers read back exactly and whose strings hold no U+0000.
+# most 64 levels deep, whose numbers read back exactly and whose strings hold no U+0000
+# and no half of a surrogate pair.
 _MAX_DEPTH = 64
 _MAX_SAFE_INTEGER = 2**53 - 1
 _EXPONENT_FROM = 1e21  # RFC 8785 writes a double below it as an integer literal
@@ -56,17 +58,21 @@ def arguments_problem(arguments: Mapping[str, Any] | str) -> str:
         if depth > _MAX_DEPTH:
             return f"nest deeper than {_MAX_DEPTH} levels"
         if isinstance(node, dict):
-            if any("\x00" in key for key in node):
-                return "hold U+0000"
+            stack.extend((key, depth) for key in node)  # a key is a string, checked as one
             node = list(node.values())
         if isinstance(node, list):
             stack.extend((child, depth + 1) for child in node)
-        elif isinstance(node, str) and "\x00" in node:
-            return "hold U+0000"
+        elif isinstance(node, str):
+            if "\x00" in node:
+                return "hold U+0000"
+            if any("\ud800" <= c <= "\udfff" for c in node):
+                return "hold half a surrogate pair"
         elif isinstance(node, int) and not isinstance(node, bool):
             if abs(node) > _MAX_SAFE_INTEGER:
                 return "hold an integer beyond 2^53 - 1 (send large ids as strings)"
-        elif isinstance(node, float) and _MAX_SAFE_INTEGER < abs(node) < _EXPONENT_FROM:
+        elif isinstance(node, float) and not (
+            math.isfinite(node) and not _MAX_SAFE_INTEGER < abs(node) < _EXPONENT_FROM
+        ):
             return "hold a number JSON cannot carry exactly"
     return ""
 
