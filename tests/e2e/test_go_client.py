@@ -138,3 +138,30 @@ async def test_go_example_sends_no_token_over_plaintext_to_another_host(tmp_path
     code, out = await _run(binary, "-target", "10.0.0.5:50051", "-token", "t", "-timeout", "1s")
     assert code != 0
     assert "a -token is not sent over plaintext to 10.0.0.5:50051: use -tls or -ca-file" in out
+
+
+async def test_go_example_takes_the_loopback_targets_the_other_clients_take(
+    tmp_path: Path,
+) -> None:
+    """The example read host:port only and refused a token to the Unix socket, dns:/// and
+    ipv4: targets the Python and TypeScript clients take as loopback (a review). It
+    applies their rule: the table the Python client and `context-engine explain` share."""
+    from context_engine_client.client import is_loopback
+
+    _require_toolchain()
+    binary = tmp_path / "worker"
+    code, out = await _run(GO / "check.sh", binary)
+    assert code == 0, out
+    targets = [
+        "127.0.0.1:1", "127.8.9.10:1", "localhost:1", "LOCALHOST:1", "[::1]:1",
+        "ipv4:127.0.0.1:1,127.0.0.2:1", "ipv4:127.0.0.1:1,10.0.0.1:1", "ipv6:[::1]:1",
+        "dns:///localhost:1", "unix:/nonexistent/ce.sock", "unix-abstract:ce-none",
+        "10.0.0.1:1", "engine:1", "[2001:db8::1]:1", "dns:///engine.example:443",
+    ]  # fmt: skip
+    refused = []
+    for target in targets:
+        _, out = await _run(binary, "-target", target, "-token", "t", "-timeout", "1s")
+        if "is not sent over plaintext" in out:
+            refused.append(target)
+    assert refused == [t for t in targets if not is_loopback(t)]
+    assert len(refused) == 5

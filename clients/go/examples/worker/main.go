@@ -736,14 +736,48 @@ func transportFor(target, caFile string, useTLS bool, token string) (grpc.DialOp
 	return grpc.WithInsecure(), nil //nolint:staticcheck
 }
 
-// loopback: whether target (host:port) names this host.
+// loopback: whether a gRPC target names this host, by the Python and TypeScript clients'
+// rule: a loopback address, localhost (any case), or a Unix socket; for an ipv4:/ipv6:
+// list, every address; a dns: scheme is read past. A name is not (it may resolve
+// elsewhere). It read host:port only, and refused a token to unix: and dns:/// targets the
+// other clients take (a review).
 func loopback(target string) bool {
-	host, _, err := net.SplitHostPort(target)
-	if err != nil {
-		host = target
+	if strings.HasPrefix(target, "unix:") || strings.HasPrefix(target, "unix-abstract:") {
+		return true
+	}
+	for _, scheme := range []string{"ipv4:", "ipv6:"} {
+		if strings.HasPrefix(target, scheme) {
+			for _, address := range strings.Split(strings.TrimPrefix(target, scheme), ",") {
+				if !oneLoopback(address) {
+					return false
+				}
+			}
+			return true
+		}
+	}
+	for _, scheme := range []string{"dns:///", "dns:"} {
+		target = strings.TrimPrefix(target, scheme)
+	}
+	return oneLoopback(target)
+}
+
+// oneLoopback: whether one address (host, host:port, [v6]:port) names this host.
+func oneLoopback(target string) bool {
+	host := target
+	if strings.Count(target, ":") == 1 {
+		host = target[:strings.LastIndex(target, ":")]
+	}
+	if strings.HasPrefix(host, "[") {
+		host = strings.TrimPrefix(host, "[")
+		if end := strings.Index(host, "]"); end >= 0 {
+			host = host[:end]
+		}
+	}
+	if strings.EqualFold(host, "localhost") {
+		return true
 	}
 	ip := net.ParseIP(host)
-	return host == "localhost" || ip != nil && ip.IsLoopback()
+	return ip != nil && ip.IsLoopback()
 }
 
 // run returns its error rather than exiting, so the deferred Close runs.
