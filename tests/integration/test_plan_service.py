@@ -971,6 +971,28 @@ async def test_a_body_the_plans_body_cannot_hold_is_refused(
     await _build(stub, session_id, run.run.run_id)  # the session still builds
 
 
+async def test_a_rotate_to_another_principal_is_refused(stub: Any, pool: Any) -> None:
+    """A session's log, facts and snapshot are its principal's: a Rotate naming another
+    principal_id handed them to another, and OfferFactCandidates offered one user's stated
+    facts as the next one's (a review). It is INVALID_FIELD naming the field, and nothing
+    is written; the same principal with other scopes rotates."""
+    session_id, plan = await _open(stub, spec())
+    before = await _events(pool, session_id)
+    other = spec()
+    other.principal.principal_id = "p2"
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _rotate(stub, session_id, plan.epoch, pb.PLAN_REASON_AGENT_CHANGED, spec=other)
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert details(caught.value)[:2] == ("INVALID_FIELD", ["spec.principal.principal_id"])
+    assert await _events(pool, session_id) == before
+    narrower = spec()
+    del narrower.principal.scopes[1:]
+    rotated = await _rotate(
+        stub, session_id, plan.epoch, pb.PLAN_REASON_OPERATOR_REVOCATION, spec=narrower
+    )
+    assert rotated.plan.epoch == plan.epoch + 1
+
+
 async def test_a_rotate_whose_plan_cannot_carry_the_loaded_bodies_is_refused(
     stub: Any, grpc_server: Any, pool: Any
 ) -> None:

@@ -1158,7 +1158,8 @@ type Principal struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Stable principal identifier.
+	// Stable principal identifier. Fixed for the session: a Rotate naming another is
+	// INVALID_FIELD (the session's log, facts and snapshot are this principal's).
 	PrincipalId string `protobuf:"bytes,1,opt,name=principal_id,json=principalId,proto3" json:"principal_id,omitempty"`
 	// Granted scopes; a tool is advertised only when its required_scopes are all granted. At
 	// most 1,024, none empty, else INVALID_FIELD.

@@ -505,6 +505,8 @@ class Engine:
                     metadata={"current_epoch": str(epoch)},
                 )
             current = await plans.read_plan(conn, tenant, session_id)
+            if spec is not None:
+                _require_same_principal(current.spec, spec)
             try:
                 # A spec is refused for a canonicalizing rotation (_rotate_locked).
                 rotated = await self._rotate_locked(
@@ -1558,6 +1560,25 @@ def _attachment_paths(
     if missing:
         raise EngineError(f"user messages with attachments sent no text block: {missing}")
     return tuple(found[key] for key in keys)
+
+
+def _require_same_principal(pinned: PlanSpec, sent: PlanSpec) -> None:
+    """A session belongs to one principal: its log, its working state's facts (offered to
+    that principal's memory formation, their evidence the principal's own words) and its
+    snapshot are theirs. A Rotate naming another principal_id would have handed them to
+    another (a review: OfferFactCandidates offered one user's stated facts as the next's).
+    Scopes and label may change; the identity may not.
+
+    Raises:
+        InvalidFieldError: naming spec.principal.principal_id.
+    """
+    was, now = pinned.principal.principal_id, sent.principal.principal_id
+    if now != was:
+        raise InvalidFieldError(
+            f"spec.principal.principal_id {now!r} is not the session's principal {was!r}:"
+            " a session belongs to one principal; open a new session for another",
+            field="spec.principal.principal_id",
+        )
 
 
 def _same(items: tuple[ConversationItem, ...]) -> tuple[ConversationItem, ...]:
