@@ -378,6 +378,8 @@ def _problem(error: Mapping[str, Any], source: Mapping[str, str]) -> str:
     if not loc:
         return message
     name = str(loc[0])
-    if name not in Settings.model_fields:
-        return f"{name}: {message}"
-    return f"{name} ({source.get(name, _ENV_PREFIX + name.upper())}): {message}"
+    # A name that is no setting comes only from the config file, which `source` names (a
+    # review: the line left it out).
+    default = _ENV_PREFIX + name.upper() if name in Settings.model_fields else ""
+    where = source.get(name, default)
+    return f"{name} ({where}): {message}" if where else f"{name}: {message}"

@@ -551,6 +551,16 @@ async def test_bad_configuration_stops_the_real_process(tmp_path: Path) -> None:
     assert "pool_min_size (5) must not exceed pool_max_size (2)" in stderr.decode()
 
 
+def test_an_unknown_key_in_the_config_file_is_named_with_the_file(tmp_path: Path) -> None:
+    """A key of the config file that names no setting was reported without the file it
+    came from, as every other problem names its source (a review)."""
+    config = tmp_path / "config.json"
+    config.write_text('{"bogus": 1}', encoding="utf-8")
+    with pytest.raises(ConfigError) as caught:
+        load_settings(environ={"CONTEXT_ENGINE_CONFIG": str(config)})
+    assert f"bogus (CONTEXT_ENGINE_CONFIG={config}): " in str(caught.value)
+
+
 @pytest.mark.parametrize("content", ["[1]", "null", "42"])
 def test_a_config_file_that_is_not_an_object_exits_2_in_one_line(
     tmp_path: Path,
