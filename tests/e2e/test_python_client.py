@@ -15,7 +15,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 from uuid import UUID
 
@@ -974,9 +974,12 @@ async def test_a_call_the_engine_cannot_log_is_answered_not_run(client: Any) -> 
             ToolCallRequest("cut", wire, '{"url": "https://tra'),
             ToolCallRequest("list", wire, '["https://trains.example"]'),
             ToolCallRequest("big", wire, '{"url": "x", "id": 18446744073709551615}'),
+            ToolCallRequest("date", wire, {"on": date(2026, 3, 15)}),
             ToolCallRequest("ok", wire, {"url": "https://trains.example"}),
+            # None, as providers send it for a tool without parameters: the engine's {}.
+            ToolCallRequest("none", wire, ""),
         ]
-        return ModelTurn(tool_calls=calls)
+        return ModelTurn(text="Checking\x00 now.", tool_calls=calls)
 
     async def run_tool(call: ToolCallRequest) -> ToolOutput:
         ran.append(call.call_id)
@@ -984,11 +987,12 @@ async def test_a_call_the_engine_cannot_log_is_answered_not_run(client: Any) -> 
 
     assert arguments_problem({"url": "x"}) == ""
     result = await run.tool_loop(model, run_tool, now=NOW)
-    assert result.final.text == "Done." and ran == ["ok"]
+    assert result.final.text == "Done." and ran == ["ok", "none"]
     told = _texts(result.builds[1])
-    assert told.count("Not run: the call's arguments") == 3
+    assert told.count("Not run: the call's arguments") == 4
     assert "are not a JSON object" in told and "beyond 2^53 - 1" in told
-    assert "08:04 TGV\ufffd6601" in told
+    assert "are not JSON-serializable" in told
+    assert "08:04 TGV\ufffd6601" in told and "Checking\ufffd now." in told
 
 
 async def test_a_control_call_that_meets_a_later_write_is_told_and_the_step_is_kept(

@@ -1151,6 +1151,41 @@ async def test_a_rotation_lowering_a_skill_holds_it_before_the_run_builds_on_it(
     )
 
 
+async def test_the_tools_of_the_sweep_a_run_continues_with_are_not_its_own(
+    stub: Any, pool: Any
+) -> None:
+    """A lineage behind a sweep is held to the sweep's plan too, for what the run may
+    restate; the sweep is another lineage's (here a grant's fork), and its tools licensed
+    their names in the run's summary as if the run had been given them (a review)."""
+    from context_engine.api.compaction import _inputs
+
+    planned = spec()
+    planned.tools.append(tool("mail.send", scopes=("mail.send",)))
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=planned))
+    base = (await start_run(stub, session_id, "hello")).run.run_id
+    await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            user_message=pb.UserMessage(text="mail"),
+            admission=pb.RunAdmission(scopes=["calendar.read", "web.read", "mail.send"]),
+        )
+    )
+    current = (await stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session_id))).plan
+    await stub.Rotate(
+        pb.RotateRequest(
+            tenant_id=TENANT,
+            session_id=session_id,
+            from_epoch=current.epoch,
+            reason=pb.PLAN_REASON_BUILDER_UPGRADED,
+        )
+    )
+    async with pool.acquire() as conn:
+        inputs = await _inputs(conn, TENANT, UUID(session_id), UUID(base), 0)
+    assert "web.fetch" in inputs.tool_names and "mail.send" not in inputs.tool_names
+
+
 async def test_a_commit_checks_its_result_without_holding_the_session(
     stub: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

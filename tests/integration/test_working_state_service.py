@@ -1520,6 +1520,29 @@ async def test_a_fact_restating_a_memory_line_it_was_shown_is_no_more_than_memor
     assert all(line not in c.fact.statement for c in offered.candidates)
 
 
+async def test_a_short_untrusted_phrase_in_a_users_fact_is_not_taken_for_a_quote(
+    stub: Any,
+) -> None:
+    """Only a memory too short for any window is compared whole: a tool result of a few
+    words ("Create a calendar event") is in too many of the user's own requests, and a
+    fact the user stated holding it was held untrusted and not offered (a review)."""
+    session_id, _ = await open_session(stub)
+    started = await start_run(stub, session_id, "Put lunch with Bob on Friday in my diary.")
+    run_id, user_seq = started.run.run_id, started.run.seed_event_sequence
+    appended = await append_items(
+        stub, session_id, run_id, 1, call("c1"), result("c1", "Create a calendar event.")
+    )
+    statement = "The user asked me to create a calendar event for lunch with Bob on Friday."
+    updated = await update_state(
+        stub,
+        session_id,
+        run_id,
+        appended.checkpoint_version,
+        add_facts=[pb.Fact(statement=statement, source_event_ids=[user_seq])],
+    )
+    assert updated.state.facts[-1].trust == pb.TRUST_LEVEL_USER
+
+
 async def test_a_later_run_restating_a_line_an_erasure_took_from_an_earlier_one_is_memory(
     stub: Any,
 ) -> None:

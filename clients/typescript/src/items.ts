@@ -89,14 +89,21 @@ const MAX_DEPTH = 64;
 /**
  * Why the engine would refuse to log a call with these arguments (AppendItems'
  * INVALID_FIELD naming arguments_json), or '' when it would take them: a model's cut-off
- * or non-object arguments, an integer past 2^53 such as a 64-bit id (here any number past
- * it: JSON.parse has already rounded one). The tool loop checks before it runs a tool, as
- * a step it cannot log would be run again (a review).
+ * or non-object arguments, an integer past 2^53 such as a 64-bit id. None ('') is taken,
+ * as the engine reads it as {}. The tool loop checks before it runs a tool, as a step it
+ * cannot log would be run again (a review).
  */
 export function argumentsProblem(args: Json | string): string {
   let value: unknown;
+  let text: string;
   try {
-    value = JSON.parse(asJson(args));
+    text = asJson(args);
+  } catch (error) {
+    return `are not JSON-serializable (${(error as Error).message})`; // a BigInt, a cycle
+  }
+  if (text === '') return ''; // the engine reads no arguments as {} (a tool without parameters)
+  try {
+    value = JSON.parse(text);
   } catch (error) {
     return `are not JSON (${(error as Error).message})`;
   }
@@ -111,7 +118,13 @@ export function argumentsProblem(args: Json | string): string {
       if (node.includes('\0')) return 'hold U+0000';
       if (new RegExp(LONE_SURROGATE.source).test(node)) return 'hold half a surrogate pair';
     } else if (typeof node === 'number') {
-      if (Math.abs(node) > Number.MAX_SAFE_INTEGER) {
+      // As the engine reads numbers (core/canonical.py): a double past 2^53 - 1 and below
+      // 1e21 is written as an integer no parser reads back exactly. JSON.parse has already
+      // rounded a larger integer, so one written out in 22 digits or more passes here and
+      // not there (Python, which reads it exactly, refuses it).
+      const size = Math.abs(node);
+      if (!Number.isFinite(node)) return 'hold a number JSON cannot carry exactly';
+      if (size > Number.MAX_SAFE_INTEGER && size < 1e21) {
         return 'hold an integer beyond 2^53 - 1 (send large ids as strings)';
       }
     } else if (Array.isArray(node)) {
@@ -272,7 +285,9 @@ export function turnItems(turn: ModelTurn): ConversationItem[] {
   const items: ConversationItem[] = (turn.reasoning ?? []).map((r) => ({
     reasoning: { provider: r.provider, opaque: Buffer.from(r.opaque) },
   }));
-  if (turn.text) items.push(assistantMessage(turn.text, '', turn.textItemId ?? ''));
+  // U+0000 (and half a surrogate pair), which the engine cannot take, as U+FFFD: the
+  // step's append failed after its tools ran (a review).
+  if (turn.text) items.push(assistantMessage(wellFormed(turn.text), '', turn.textItemId ?? ''));
   for (const call of turn.toolCalls ?? []) {
     items.push(
       toolCall(call.callId, call.name, call.arguments, {

@@ -189,11 +189,14 @@ test('a call the engine cannot log is answered, not run', async () => {
       turns += 1;
       if (turns > 1) return { text: 'Done.' };
       return {
+        text: 'Checking\u0000 now.',
         toolCalls: [
           { callId: 'cut', name: 'web-fetch', arguments: '{"url": "https://tra' },
           { callId: 'list', name: 'web-fetch', arguments: '["https://trains.example"]' },
           { callId: 'big', name: 'web-fetch', arguments: '{"url": "x", "id": 18446744073709551615}' },
           { callId: 'ok', name: 'web-fetch', arguments: { url: 'https://trains.example' } },
+          // None, as providers send it for a tool without parameters: the engine's {}.
+          { callId: 'none', name: 'web-fetch', arguments: '' },
         ],
       };
     },
@@ -203,12 +206,13 @@ test('a call the engine cannot log is answered, not run', async () => {
     },
   });
   assert.equal(argumentsProblem({ url: 'x' }), '');
+  assert.equal(argumentsProblem('{"a": 1e300}'), '', 'as the engine reads it');
   assert.equal(result.final.text, 'Done.');
-  assert.deepEqual(ran, ['ok']);
+  assert.deepEqual(ran, ['ok', 'none']);
   const told = JSON.stringify(result.builds[1].request);
   assert.equal(told.split("Not run: the call's arguments").length - 1, 3);
   assert.ok(told.includes('are not a JSON object') && told.includes('beyond 2^53 - 1'));
-  assert.ok(told.includes('08:04 TGV\uFFFD6601'));
+  assert.ok(told.includes('08:04 TGV\uFFFD6601') && told.includes('Checking\uFFFD now.'));
 });
 
 test('the tool loop appends each step and ends on a plain answer', async () => {

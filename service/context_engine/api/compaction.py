@@ -141,7 +141,10 @@ async def _inputs(
         )
         for s in skills
     ]
-    tool_names = await plans.read_tool_names(conn, tenant_id, session_id, epochs)
+    # The tools the run is or will be given, not the sweep's: another lineage's (a grant's
+    # fork) would license a tool's name this run never had (a review).
+    given = sorted({*shown.epochs, run.epoch, head.effective_epoch})
+    tool_names = await plans.read_tool_names(conn, tenant_id, session_id, given)
     return _Inputs(
         checkpoint,
         carried_history(logged),

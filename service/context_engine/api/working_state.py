@@ -492,7 +492,7 @@ def _quoted_trust(
     restating a recall line, citing the user's message, was USER, offered to memory
     formation, after an erasure of the line's person too (an audit). Matched as compaction
     matches a summary (core/compaction.py quoted_sources: 40-character substrings, 8-word
-    windows, identifier runs; a source too short for those, of three words or more, held
+    windows, identifier runs; a memory too short for those, of three words or more, held
     whole: quoted_whole), the evidence's text licensing what it holds, so a fact the user
     stated in their own words keeps their trust."""
     sources = [(text, trust) for text, trust in shown if trust > fact.trust]
@@ -508,8 +508,12 @@ def _quoted_trust(
     )
     texts = [text for text, _ in sources]
     quoted = quoted_sources([fact.statement], texts, allowed).get(0, frozenset())
-    # And a source too short for any of those, copied whole (a short recall line: an audit).
-    quoted |= quoted_whole(fact.statement, texts, allowed)
+    # And a memory too short for any of those, copied whole (a short recall line: an
+    # audit). Memories only: a tool's or a skill's short description ("Create a calendar
+    # event") is in too many of the user's own requests (a review).
+    memories = [j for j, (_, trust) in enumerate(sources) if trust is TrustLevel.MEMORY]
+    whole = quoted_whole(fact.statement, [texts[j] for j in memories], allowed)
+    quoted |= {memories[k] for k in whole}
     if not quoted:
         return fact
     trust = lowest_trust([fact.trust, *(sources[j][1] for j in quoted)])

@@ -19,8 +19,9 @@ A rotation every run follows but made from the pinned specs (a Rotate without sp
 builder upgrade or canonicalization at an admission, a Plan after an erasure) is a sweep
 (`sweep`): it continues the session's current lineage at once, and every other lineage is
 continued lazily, from its own head, with the sweep's reason (and the sweep's snapshot,
-the session's memory, which every lineage shares), the first time a run on it builds or a
-child is pinned to it, under the session lock (api/engine.py, _catch_up). A lineage is
+the session's memory, which every lineage shares), the first time a run on it builds, a
+child is pinned to it or a LoadSkill names a run on it, under the session lock
+(api/engine.py, _catch_up). A lineage is
 behind while its head is older than the session's latest sweep. Continued, it takes the
 latest sweep's reason, except that a canonicalization (a copy) does not hide a rebuild:
 when a rebuilding sweep (a builder upgrade, a Plan after an erasure with its fresh

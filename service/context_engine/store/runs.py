@@ -231,11 +231,12 @@ class RunHead:
     def plan_epochs(self) -> tuple[int, ...]:
         """The plans the run's model is shown from now on, besides those its recorded
         requests were built on: its own, the one it builds on, and when behind the sweep
-        its lineage continues with (the continuation shows that sweep's snapshot; its
-        catalog, another lineage's, is read too, which can only hold a text lower). What
+        its lineage continues with (the continuation shows that sweep's snapshot). What
         the run may restate is held at the least trust any of them shows it (a review: a
         Rotate that lowered a loaded skill reached summaries and facts only once the run
-        had built on the new plan)."""
+        had built on the new plan). The sweep's plan is another lineage's, so its catalog
+        may hold a text lower than the run will see it, never higher; its tools are not
+        the run's (compaction reads the tools a run was given without it)."""
         behind = (self.sweep_epoch,) if self.behind else ()
         return tuple(dict.fromkeys((self.run.epoch, self.effective_epoch, *behind)))
 

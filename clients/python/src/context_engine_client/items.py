@@ -47,7 +47,13 @@ def arguments_problem(arguments: Mapping[str, Any] | str) -> str:
     or non-object arguments, an integer past 2^53 such as a 64-bit id. The tool loop checks
     before it runs a tool, as a step it cannot log would be run again (a review)."""
     try:
-        value = json.loads(_json(arguments), parse_constant=_refuse_constant)
+        text = _json(arguments)
+    except (TypeError, ValueError) as exc:  # a date, a Decimal, a set, NaN in a mapping
+        return f"are not JSON-serializable ({exc})"
+    if not text:
+        return ""  # the engine reads no arguments as {} (a tool without parameters)
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as exc:
         return f"are not JSON ({exc})" if isinstance(exc, ValueError) else "nest too deeply"
     if not isinstance(value, dict):
@@ -254,7 +260,9 @@ class ToolCallRequest:
         return _json(self.arguments)
 
     def parsed_arguments(self) -> Any:
-        return json.loads(self.arguments_json())
+        """The arguments as JSON values; none ("", as providers send them for a tool
+        without parameters) is {}, as the engine reads it."""
+        return json.loads(self.arguments_json() or "{}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,7 +306,10 @@ class ModelTurn:
         """The turn as conversation items: reasoning, text, then tool calls."""
         out = [reasoning(provider, opaque) for provider, opaque in self.reasoning]
         if self.text:
-            out.append(assistant_message(self.text, provider_item_id=self.text_item_id))
+            # U+0000, which the engine cannot store, as U+FFFD: the step's append failed
+            # after its tools ran (a review).
+            text = _loggable(self.text)
+            out.append(assistant_message(text, provider_item_id=self.text_item_id))
         out += [
             tool_call(
                 c.call_id,
