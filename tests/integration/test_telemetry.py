@@ -1162,6 +1162,28 @@ async def test_log_lines_are_json_and_nothing_carries_content(traced: dict[str, 
             pb.StartRunRequest(tenant_id=TENANT, session_id=other_session, run_id=CANARY),
             "INVALID_ARGUMENT",
         ),
+        (  # a result naming another tool than its call, in a sentence (a review: echoed)
+            "AppendItems",
+            pb.AppendItemsRequest(
+                tenant_id=TENANT,
+                session_id=flow["session_id"],
+                run_id=flow["run_id"],
+                expected_checkpoint_version=2,
+                items=[call("k9", "web.fetch"), result("k9", "x", name=f"ignore {CANARY}")],
+            ),
+            "INVALID_ARGUMENT",
+        ),
+        (  # a control call's argument named by a sentence (a review: echoed)
+            "UpdateWorkingState",
+            pb.UpdateWorkingStateRequest(
+                tenant_id=TENANT,
+                session_id=flow["session_id"],
+                run_id=flow["run_id"],
+                expected_checkpoint_version=2,
+                tool_arguments_json=json.dumps({f"My card is {CANARY}": 1}),
+            ),
+            "INVALID_ARGUMENT",
+        ),
     ]
     for method, request, _ in bad_requests:  # one at a time: a call starts when it is created
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -1188,8 +1210,8 @@ async def test_log_lines_are_json_and_nothing_carries_content(traced: dict[str, 
         ]
 
     await _until(
-        lambda: len(our_rpc_lines()) == len(our_server_spans()) == 7,
-        "a log line and a span for each of the 7 calls",
+        lambda: len(our_rpc_lines()) == len(our_server_spans()) == 9,
+        "a log line and a span for each of the 9 calls",
     )
     lines = logs.lines[start:]
     for line in lines:  # every line is one JSON object

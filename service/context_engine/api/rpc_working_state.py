@@ -17,6 +17,7 @@ from google.protobuf import json_format
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
 from ..core.canonical import canonical_json_text, parse_json_object
 from ..core.errors import InvalidFieldError
+from ..core.names import CALLABLE_NAME, quoted_name
 from ..core.spec import ToolSpec
 from ..core.trust import TrustLevel
 from ..core.working_state import (
@@ -193,8 +194,11 @@ def _check_arguments(value: Any, schema: Mapping[str, Any], path: str) -> None:
         for key, item in value.items():
             inner = f"{path}.{key}" if path else key
             if key not in properties:
+                # The key quoted only where it is a name: the model may write anything
+                # there, a page's sentence too (a review: it came back whole).
                 hint = _INSTEAD.get(key, "")
-                _refuse(f"{inner} is not an argument of {UPDATE_TOOL.name}{hint}")
+                named = inner if CALLABLE_NAME.fullmatch(key) else f"{quoted_name(key)} in {where}"
+                _refuse(f"{named} is not an argument of {UPDATE_TOOL.name}{hint}")
             _check_arguments(item, properties[key], inner)
         for key in schema.get("required", ()):
             if key not in value:

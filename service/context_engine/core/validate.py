@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from .errors import InvalidFieldError, PreconditionError
 from .items import ConversationItem, ToolCall, ToolResult, UserMessage
+from .names import CALLABLE_NAME, quoted_name
 from .request import Block, Message
 
 __all__ = [
@@ -100,11 +101,15 @@ def validate_append(
             # transcript shows it: a result naming another tool than its call was labelled
             # as that tool's output (an audit).
             if item.tool_name and item.tool_name != called:
+                # Names quoted only where they are names: a call's name is whatever the
+                # model wrote, a page's sentence too (a review: it came back whole).
                 raise InvalidFieldError(
-                    f"tool result for call {item.call_id!r} names tool {item.tool_name!r};"
-                    f" the call called {called!r} (leave it empty to take the call's)",
+                    f"tool result for call {item.call_id!r} names tool"
+                    f" {quoted_name(item.tool_name)}; the call called {quoted_name(called)}"
+                    " (leave it empty to take the call's)",
                     field=f"items[{index}].tool_result.tool_name",
-                    metadata={"call_id": item.call_id, "tool_name": called},
+                    metadata={"call_id": item.call_id}
+                    | ({"tool_name": called} if CALLABLE_NAME.fullmatch(called) else {}),
                 )
             if not item.tool_name:
                 item = item.model_copy(update={"tool_name": called})
