@@ -767,10 +767,9 @@ class Engine:
     ) -> tuple[plans.StoredPlan, plans.StoredPlan | None]:
         """The plan the run of `head` builds on next, inside the caller's transaction
         (session locked; `epoch` and `revision` the session's, read under the lock): its
-        lineage's own, or, when it is
-        behind a sweep, its continuation, started here as its next Build would start it
-        (_catch_up). -> (that plan, the plan started or None). The caller counts a
-        rotation once its transaction commits (_count_rotation).
+        lineage's own, or, when it is behind a sweep, its continuation, started here as its
+        next Build would start it (_catch_up). -> (that plan, the plan started or None).
+        The caller counts a rotation once its transaction commits (_count_rotation).
 
         Raises:
             RequestError: the continuation's refusal, as the session's state (_as_state).
@@ -1565,8 +1564,8 @@ def _attachment_paths(
 def _require_same_principal(pinned: PlanSpec, sent: PlanSpec) -> None:
     """A session belongs to one principal: its log, its working state's facts (offered to
     that principal's memory formation, their evidence the principal's own words) and its
-    snapshot are theirs. A Rotate naming another principal_id would have handed them to
-    another (a review: OfferFactCandidates offered one user's stated facts as the next's).
+    snapshot are theirs. A Rotate naming another principal_id handed them to another
+    (OfferFactCandidates would offer one user's stated facts as the next one's: a review).
     Scopes and label may change; the identity may not.
 
     Raises:
