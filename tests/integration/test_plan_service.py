@@ -1099,6 +1099,31 @@ def _skills_mail_spec() -> pb.PlanSpec:
     return out
 
 
+async def test_a_plan_after_an_erasure_takes_no_other_principals_snapshot(
+    stub: Any, pool: Any
+) -> None:
+    """A Plan after an erasure takes the snapshot it sends: sent with another principal's
+    spec, that principal's memories were pinned in this session's prefix, which a Rotate
+    refuses (a review). It is INVALID_FIELD naming the field, and nothing rotates; the
+    session's own principal's snapshot is taken."""
+    person = f"ana-{new_id()}"
+    base = spec()
+    base.snapshot.items.add(item_id="m1", text="Ana likes nuts.", person_ids=[person])
+    session_id, _ = await _open(stub, base)
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    theirs = spec()
+    theirs.principal.principal_id = "p2"
+    theirs.snapshot.items.add(item_id="b1", text="Bob's bank is Northwind.")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=theirs))
+    assert details(caught.value)[:2] == ("INVALID_FIELD", ["spec.principal.principal_id"])
+    assert await _rotations(pool, session_id) == []
+    ours = spec()
+    ours.snapshot.items.add(item_id="m2", text="The user likes trains.")
+    replanned = await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=ours))
+    assert replanned.plan.epoch == 2
+
+
 async def test_a_plan_after_an_erasure_whose_snapshot_crowds_out_the_loaded_bodies_is_refused(
     stub: Any, grpc_server: Any, pool: Any
 ) -> None:

@@ -315,6 +315,10 @@ class Engine:
             # now, every other from its own spec, with this snapshot, when next used; so
             # which of Plan and Build comes first after an erasure hands no run another's
             # authority.
+            # The snapshot of the session's own principal only: another's memories were
+            # pinned in this session's prefix, which a Rotate refuses (a review). Refused
+            # here, in the transaction, nothing is written.
+            _require_same_principal(current.spec, spec)
             fresh = current.spec.model_copy(update={"snapshot": spec.snapshot})
             try:
                 rotated = await self._rotate_locked(
