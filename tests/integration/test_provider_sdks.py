@@ -364,3 +364,43 @@ async def test_overlapping_runs_are_accepted_in_every_later_run(
         assert not _tool_blocks(payload)
         texts = [b["text"] for m in payload["messages"] for b in m["content"]]
         assert any(t.startswith("(Result of call toolu_01)\n") and "06:04 TGV" in t for t in texts)
+
+
+@pytest.mark.parametrize("nudged", [False, True])
+async def test_a_turn_of_thinking_alone_keeps_the_tool_loops_thinking(
+    stub: Any, claude: anthropic.Anthropic, nudged: bool
+) -> None:
+    """A model turn that sent thinking alone (cut off at max_tokens, or an empty end_turn
+    with blank text) after a tool loop's turn: that turn's thinking was dropped, and with
+    thinking on the API refused every later request of the run, its tool_use leading an
+    assistant turn without the thinking block that must lead it (a review). The payload,
+    sent with thinking on, is accepted."""
+
+    def thinking(signature: str) -> pb.ConversationItem:
+        block = {"type": "thinking", "thinking": f"Plan {signature}.", "signature": signature}
+        opaque = json.dumps(block).encode()
+        return pb.ConversationItem(
+            reasoning=pb.ReasoningItem(provider=pb.PROVIDER_ANTHROPIC, opaque=opaque)
+        )
+
+    session_id, _ = await open_session(stub, model_id=MODELS["anthropic"], policy=POLICY)
+    started = await start_run(stub, session_id, "Find trains to Lyon.")
+    worker = Worker(stub, "anthropic", claude)
+    worker.session_id, worker.run_id = session_id, started.run.run_id
+    worker.version = started.checkpoint_version
+    await worker.append([thinking("s1"), call("toolu_1"), result("toolu_1", "TGV 07:04")])
+    alone = (
+        [
+            thinking("s2"),
+            assistant("  "),
+            pb.ConversationItem(user_message=pb.UserMessage(text="Please go on.")),
+        ]
+        if nudged
+        else [thinking("s2")]
+    )
+    await worker.append(alone)
+    payload = json.loads((await worker.build()).provider_payload)
+    payload["thinking"] = {"type": "enabled", "budget_tokens": 1024}
+    payload["max_tokens"] = max(payload["max_tokens"], 4096)
+    message = claude.messages.create(**payload)
+    assert message.content

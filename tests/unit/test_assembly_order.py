@@ -274,17 +274,29 @@ def test_split_run_items_keeps_only_the_unanswered_suffix_as_trailing_input() ->
 
 
 def _latest_turn_reasoning(items: tuple[ConversationItem, ...]) -> list[str]:
-    """The reasoning ids of the latest model turn: the last contiguous stretch of model
-    output in the run's completed items."""
+    """The reasoning ids replayed: those of the latest model turn that sent output (a
+    call, or text that is not blank) and of the turns after it (reasoning alone), a model
+    turn being a contiguous stretch of model output in the run's completed items; with no
+    turn that sent output, the latest turn's."""
     completed, _ = split_run_items(items)
-    outputs = [n for n, i in enumerate(completed) if isinstance(i, _MODEL_OUTPUT)]
-    if not outputs:
+    turns: list[tuple[int, int]] = []
+    for n, item in enumerate(completed):
+        if isinstance(item, _MODEL_OUTPUT):
+            if turns and turns[-1][1] == n:
+                turns[-1] = (turns[-1][0], n + 1)
+            else:
+                turns.append((n, n + 1))
+    if not turns:
         return []
-    end = outputs[-1]
-    start = end
-    while start > 0 and isinstance(completed[start - 1], _MODEL_OUTPUT):
-        start -= 1
-    return [i.item_id for i in completed[start : end + 1] if isinstance(i, ReasoningItem)]
+
+    def sent(turn: tuple[int, int]) -> bool:
+        return any(
+            isinstance(i, ToolCall) or (isinstance(i, AssistantMessage) and i.text.strip())
+            for i in completed[turn[0] : turn[1]]
+        )
+
+    start = next((t[0] for t in reversed(turns) if sent(t)), turns[-1][0])
+    return [i.item_id for i in completed[start:] if isinstance(i, ReasoningItem)]
 
 
 @SCENARIO_SETTINGS
@@ -298,6 +310,30 @@ def test_only_the_latest_model_turns_reasoning_is_replayed(sc: Scenario) -> None
     for block in _blocks(assembled):
         if block.kind == "reasoning":
             assert block.trust is TrustLevel.MODEL and block.opaque and not block.text
+
+
+def test_a_turn_of_reasoning_alone_keeps_the_reasoning_of_the_turn_before_it() -> None:
+    """A model turn that sent reasoning alone (thinking cut off at max_tokens, an empty
+    end_turn) was taken for the latest, and the tool loop's turn before it lost its
+    reasoning: its call went to Anthropic without the thinking that must lead it, and every
+    later request of the run was refused (a review). The turn that sent output keeps it;
+    blank text is no output."""
+
+    def thinking(item_id: str) -> ReasoningItem:
+        return ReasoningItem(
+            item_id=item_id,
+            provider="anthropic",
+            opaque=f'{{"type":"thinking","thinking":"t","signature":"{item_id}"}}',
+        )
+
+    blank = AssistantMessage(item_id="blank", text="  ", sequence=16)
+    for items in (
+        (_U1, thinking("s1"), _C1, _R1, thinking("s2")),
+        (_U1, thinking("s1"), _C1, _R1, thinking("s2"), blank, _U2),
+    ):
+        assembled = assemble(_scenario(items).inputs())
+        assert [b.item_id for b in _blocks(assembled) if b.kind == "reasoning"] == ["s1", "s2"]
+        assert _latest_turn_reasoning(items) == ["s1", "s2"]
 
 
 def test_reasoning_of_earlier_turns_and_earlier_runs_is_dropped() -> None:

@@ -514,15 +514,35 @@ def _latest_turn_reasoning_only(items: tuple[ConversationItem, ...]) -> list[Con
     """Drop reasoning items except those of the latest model turn (ADR-0007).
 
     The latest model turn is the last run of model output (assistant text, tool calls,
-    reasoning) before any trailing inputs (user messages, tool results).
+    reasoning) before any trailing inputs (user messages, tool results) that sent output:
+    a turn of reasoning alone (thinking cut off at max_tokens, an empty end_turn), which no
+    provider replays, keeps the reasoning of the turn before it too. Taken as the latest,
+    it dropped that turn's reasoning, and a tool loop's call went to Anthropic without the
+    thinking that must lead it: every later request of the run was refused (a review;
+    context-assembler@26).
     """
-    end = len(items)
+    start, end = _turn_before(items, len(items))
+    while start > 0 and not any(_sends_output(i) for i in items[start:end]):
+        start, end = _turn_before(items, start)
+    return [i for n, i in enumerate(items) if not isinstance(i, ReasoningItem) or n >= start]
+
+
+def _turn_before(items: tuple[ConversationItem, ...], end: int) -> tuple[int, int]:
+    """(start, end) of the last model turn of items[:end]: a run of model output, the
+    inputs after it left out."""
     while end > 0 and isinstance(items[end - 1], _INPUT_TYPES):
         end -= 1
     start = end
     while start > 0 and not isinstance(items[start - 1], _INPUT_TYPES):
         start -= 1
-    return [i for n, i in enumerate(items) if not isinstance(i, ReasoningItem) or n >= start]
+    return start, end
+
+
+def _sends_output(item: ConversationItem) -> bool:
+    """A model item a provider replays as output: a tool call, or text that is not blank."""
+    return isinstance(item, ToolCall) or (
+        isinstance(item, AssistantMessage) and bool(item.text.strip())
+    )
 
 
 # English names by ISO weekday index: strftime("%A") would follow the process locale.

@@ -293,7 +293,13 @@ __all__ = [
 # and the fit decide as minimal truncation would. A request under no cap is
 # cut as before; GetBuild refuses an older record that was cut otherwise (it is not
 # rebuilt: the older rule is not kept).
-ASSEMBLER_VERSION = "context-assembler@25"
+# @26: a model turn that sent reasoning alone (thinking cut off at max_tokens, an empty
+# end_turn) is not the latest turn whose reasoning is replayed: the turn before it that sent
+# output keeps its reasoning (core/assemble.py _latest_turn_reasoning_only). Taken as the
+# latest, it dropped the tool loop's thinking, and Anthropic with thinking on refused every
+# later request of the run (a call must follow its thinking). A request without such a turn
+# renders as before; GetBuild refuses an older record that held one (it is not rebuilt).
+ASSEMBLER_VERSION = "context-assembler@26"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})
