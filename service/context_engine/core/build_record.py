@@ -299,10 +299,6 @@ __all__ = [
 # latest, it dropped the tool loop's thinking, and Anthropic with thinking on refused every
 # later request of the run (a call must follow its thinking). A request without such a turn
 # renders as before; GetBuild refuses an older record that held one (it is not rebuilt).
-# And OpenAI gets a user message's tool results first (providers/openai.py, Rule 3), as
-# Anthropic does: a message the user wrote while a tool ran was sent between the call and
-# its output. A request without one renders as before; GetBuild refuses an older record
-# that held one.
 ASSEMBLER_VERSION = "context-assembler@26"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.

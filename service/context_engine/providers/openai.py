@@ -4,12 +4,8 @@ Rule 1 (order): ``instructions`` (the Region A system blocks, joined by a blank 
 then ``tools``, then ``input``: the order the prompt is cached in.
 Rule 2 (bytes): RFC 8785 JSON, as for Anthropic; schemas, arguments and reasoning items are
 re-parsed from their canonical or opaque JSON.
-Rule 3 (items): one input item per neutral block, in order, but for a user message's tool
-results, which go first, as Anthropic requires and its renderer sends them (since
-context-assembler@26: a message the user wrote while the tool ran came between a
-``function_call`` and its ``function_call_output``, which some public reports say the API
-refuses; its docs state no rule either way): user text -> a ``message`` with one
-``input_text`` part; assistant text -> a ``message`` with string content; a tool call ->
+Rule 3 (items): one input item per neutral block, in order: user text -> a ``message`` with
+one ``input_text`` part; assistant text -> a ``message`` with string content; a tool call ->
 ``function_call``; a tool result -> ``function_call_output`` whose ``output`` is the
 enveloped content, verbatim, after ``TOOL_ERROR_AS_TEXT`` (core/fixed_texts.py) on its own
 line when the call failed (the item has no error field; Anthropic's no-tools text form
@@ -217,8 +213,6 @@ def _render_message(message: Message, moved: tuple[str, ...] = ()) -> _MessageIt
         piece = _input_item(message.role, block, call_id)
         if piece is not None:
             sent.append((block, call_id, piece))
-    if message.role == "user":  # Rule 3: the results first, each right after its call
-        sent.sort(key=lambda s: s[0].kind != "tool_result")
     pieces = tuple(_paired(message.role, sent, _followed_reasoning(sent)))
     return _MessageItems(
         pieces,
