@@ -28,6 +28,7 @@ from context_engine.core import (
     assemble,
     split_run_items,
 )
+from context_engine.core.assemble import active_turn
 from context_engine.core.envelope import item_nonce
 from context_engine.core.items import (
     AssistantMessage,
@@ -275,9 +276,9 @@ def test_split_run_items_keeps_only_the_unanswered_suffix_as_trailing_input() ->
 
 def _latest_turn_reasoning(items: tuple[ConversationItem, ...]) -> list[str]:
     """The reasoning ids replayed: those of the latest model turn that sent output (a
-    call, or text that is not blank) and of the turns after it (reasoning alone), a model
-    turn being a contiguous stretch of model output in the run's completed items; with no
-    turn that sent output, the latest turn's."""
+    call, or text that is not blank) and of the latest model turn, a model turn being a
+    contiguous stretch of model output in the run's completed items; with no turn that
+    sent output, the latest turn's."""
     completed, _ = split_run_items(items)
     turns: list[tuple[int, int]] = []
     for n, item in enumerate(completed):
@@ -295,8 +296,9 @@ def _latest_turn_reasoning(items: tuple[ConversationItem, ...]) -> list[str]:
             for i in completed[turn[0] : turn[1]]
         )
 
-    start = next((t[0] for t in reversed(turns) if sent(t)), turns[-1][0])
-    return [i.item_id for i in completed[start:] if isinstance(i, ReasoningItem)]
+    output = next((t for t in reversed(turns) if sent(t)), turns[-1])
+    kept = sorted({*range(*output), *range(turns[-1][0], len(completed))})
+    return [completed[n].item_id for n in kept if isinstance(completed[n], ReasoningItem)]
 
 
 @SCENARIO_SETTINGS
@@ -327,13 +329,20 @@ def test_a_turn_of_reasoning_alone_keeps_the_reasoning_of_the_turn_before_it() -
         )
 
     blank = AssistantMessage(item_id="blank", text="  ", sequence=16)
-    for items in (
-        (_U1, thinking("s1"), _C1, _R1, thinking("s2")),
-        (_U1, thinking("s1"), _C1, _R1, thinking("s2"), blank, _U2),
+    nudge = UserMessage(item_id="u3", text="Go on.", sequence=17)
+    for items, replayed in (
+        ((_U1, thinking("s1"), _C1, _R1, thinking("s2")), ["s1", "s2"]),
+        ((_U1, thinking("s1"), _C1, _R1, thinking("s2"), blank, _U2), ["s1", "s2"]),
+        # The turns between keep none: no provider replays them (a review: counted, they
+        # filled the body for good).
+        ((_U1, thinking("s1"), _C1, _R1, thinking("s2"), nudge, thinking("s3")), ["s1", "s3"]),
     ):
         assembled = assemble(_scenario(items).inputs())
-        assert [b.item_id for b in _blocks(assembled) if b.kind == "reasoning"] == ["s1", "s2"]
-        assert _latest_turn_reasoning(items) == ["s1", "s2"]
+        assert [b.item_id for b in _blocks(assembled) if b.kind == "reasoning"] == replayed
+        assert _latest_turn_reasoning(items) == replayed
+        # The tool loop's turn stays the active one: compaction stops before it (a review:
+        # a cut through it dropped the thinking its call must follow).
+        assert active_turn(items)[:2] == (items[1], _C1)
 
 
 def test_reasoning_of_earlier_turns_and_earlier_runs_is_dropped() -> None:

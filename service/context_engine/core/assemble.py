@@ -395,17 +395,16 @@ def _outcome(
 
 
 def active_turn(items: Sequence[ConversationItem]) -> tuple[ConversationItem, ...]:
-    """The latest model turn (its text, reasoning and tool calls) and the inputs after it,
-    when that turn called tools; () otherwise. It never yields: Build pays it first (its
+    """The latest model turn that sent output (its text, reasoning and tool calls) and
+    everything after it (inputs, and turns of reasoning alone), when that turn called
+    tools; () otherwise. It never yields: Build pays it first (its
     pending pairs are the results the model is about to read) and compaction stops before
     it (its reasoning must stay with its calls: a provider replays the turn whole)."""
     completed, _ = split_run_items(items)
-    end = len(completed)
-    while end > 0 and isinstance(completed[end - 1], _INPUT_TYPES):
-        end -= 1
-    start = end
-    while start > 0 and not isinstance(completed[start - 1], _INPUT_TYPES):
-        start -= 1
+    # The latest turn that sent output (_output_turn): a turn of reasoning alone after a
+    # tool loop's left that turn unprotected, and a compaction through it dropped the
+    # thinking its call must follow (a review).
+    start, end, _ = _output_turn(completed)
     if not any(isinstance(i, ToolCall) for i in completed[start:end]):
         return ()
     return tuple(completed[start:])
@@ -519,15 +518,29 @@ def _latest_turn_reasoning_only(items: tuple[ConversationItem, ...]) -> list[Con
     provider replays, keeps the reasoning of the turn before it too. Taken as the latest,
     it dropped that turn's reasoning, and a tool loop's call went to Anthropic without the
     thinking that must lead it: every later request of the run was refused (a review;
-    context-assembler@26).
+    context-assembler@26). The latest turn's own reasoning stays, as before.
     """
+    start, end, latest = _output_turn(items)
+    # Not the reasoning of the turns between the two, which no provider replays (each ends
+    # its message) and which, kept, were counted against the body (a review).
+    return [
+        i
+        for n, i in enumerate(items)
+        if not isinstance(i, ReasoningItem) or start <= n < end or n >= latest
+    ]
+
+
+def _output_turn(items: Sequence[ConversationItem]) -> tuple[int, int, int]:
+    """(start, end) of the latest model turn that sent output (_sends_output), skipping
+    back over turns of reasoning alone, and the start of the latest model turn."""
     start, end = _turn_before(items, len(items))
+    latest = start
     while start > 0 and not any(_sends_output(i) for i in items[start:end]):
         start, end = _turn_before(items, start)
-    return [i for n, i in enumerate(items) if not isinstance(i, ReasoningItem) or n >= start]
+    return start, end, latest
 
 
-def _turn_before(items: tuple[ConversationItem, ...], end: int) -> tuple[int, int]:
+def _turn_before(items: Sequence[ConversationItem], end: int) -> tuple[int, int]:
     """(start, end) of the last model turn of items[:end]: a run of model output, the
     inputs after it left out."""
     while end > 0 and isinstance(items[end - 1], _INPUT_TYPES):

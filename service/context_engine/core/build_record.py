@@ -297,8 +297,10 @@ __all__ = [
 # end_turn) is not the latest turn whose reasoning is replayed: the turn before it that sent
 # output keeps its reasoning (core/assemble.py _latest_turn_reasoning_only). Taken as the
 # latest, it dropped the tool loop's thinking, and Anthropic with thinking on refused every
-# later request of the run (a call must follow its thinking). A request without such a turn
-# renders as before; GetBuild refuses an older record that held one (it is not rebuilt).
+# later request of the run (a call must follow its thinking). The latest turn keeps its own
+# reasoning as before, the turns between keep none, and the tool loop's turn stays the
+# active one (never yielding, never compacted). A request without such a turn renders as
+# before; GetBuild refuses an older record that held one (it is not rebuilt).
 ASSEMBLER_VERSION = "context-assembler@26"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.

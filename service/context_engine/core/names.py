@@ -23,4 +23,4 @@ def quoted_name(name: str) -> str:
     back whole in the refusal)."""
     if CALLABLE_NAME.fullmatch(name):
         return repr(name)
-    return f"a name of {len(name)} characters that is not one (letters, digits, _ . -)"
+    return f"a name of {len(name)} characters that is not one (at most 64 letters, digits, _ . -)"
