@@ -397,9 +397,9 @@ def _outcome(
 def active_turn(items: Sequence[ConversationItem]) -> tuple[ConversationItem, ...]:
     """The latest model turn that sent output (its text, reasoning and tool calls) and
     everything after it (inputs, and turns of reasoning alone), when that turn called
-    tools; () otherwise. It never yields: Build pays it first (its
-    pending pairs are the results the model is about to read) and compaction stops before
-    it (its reasoning must stay with its calls: a provider replays the turn whole)."""
+    tools; () otherwise. It never yields: Build pays it first (its pending pairs are the
+    results the model is about to read) and compaction stops before it (its reasoning
+    must stay with its calls: a provider replays the turn whole)."""
     completed, _ = split_run_items(items)
     # The latest turn that sent output (_output_turn): a turn of reasoning alone after a
     # tool loop's left that turn unprotected, and a compaction through it dropped the
@@ -512,13 +512,13 @@ def _place(
 def _latest_turn_reasoning_only(items: tuple[ConversationItem, ...]) -> list[ConversationItem]:
     """Drop reasoning items except those of the latest model turn (ADR-0007).
 
-    The latest model turn is the last run of model output (assistant text, tool calls,
-    reasoning) before any trailing inputs (user messages, tool results) that sent output:
-    a turn of reasoning alone (thinking cut off at max_tokens, an empty end_turn), which no
-    provider replays, keeps the reasoning of the turn before it too. Taken as the latest,
-    it dropped that turn's reasoning, and a tool loop's call went to Anthropic without the
+    A model turn is a run of model output (assistant text, tool calls, reasoning) between
+    inputs (user messages, tool results). The latest turn keeps its reasoning; where it
+    sent reasoning alone (thinking cut off at max_tokens, an empty end_turn), so does the
+    latest turn that sent output (_output_turn). Taken as the only one, a turn of reasoning
+    alone dropped the tool loop's reasoning, and its call went to Anthropic without the
     thinking that must lead it: every later request of the run was refused (a review;
-    context-assembler@26). The latest turn's own reasoning stays, as before.
+    context-assembler@26).
     """
     start, end, latest = _output_turn(items)
     # Not the reasoning of the turns between the two, which no provider replays (each ends
