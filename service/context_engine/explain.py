@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import codecs
 import ipaddress
 import re
 import sys
@@ -291,6 +292,10 @@ def load_build_response(path: Path) -> pb.BuildResponse:
         ValueError: it holds no BuildResponse (its message is one line naming the file).
     """
     data = path.read_bytes()
+    # A byte-order mark before JSON, as PowerShell's `Out-File -Encoding utf8` writes it (an
+    # audit: read as binary and refused as corrupt). No binary message starts with one: its
+    # first byte, 0xEF, would be a field of wire type 7, which does not exist.
+    data = data.removeprefix(codecs.BOM_UTF8)
     response = pb.BuildResponse()
     try:
         if data.lstrip()[:1] == b"{":
@@ -388,10 +393,14 @@ async def fetch_builds(
             " or use a loopback target"
         )
     metadata = (("authorization", f"Bearer {token}"),) if token else None
+    # No receive limit: a Build for a long-window model can pass gRPC's 4 MiB default, and
+    # the server sends it whole (an audit: explain failed RESOURCE_EXHAUSTED on such a
+    # session while GetBuild served it), as the Python client allows.
+    options = [("grpc.max_receive_message_length", -1)]
     channel = (
-        grpc.aio.secure_channel(target, credentials)
+        grpc.aio.secure_channel(target, credentials, options=options)
         if credentials is not None
-        else grpc.aio.insecure_channel(target)
+        else grpc.aio.insecure_channel(target, options=options)
     )
     async with channel:
         stub = pb_grpc.ContextEngineStub(channel)  # type: ignore[no-untyped-call]  # no .pyi for _grpc

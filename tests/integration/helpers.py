@@ -314,7 +314,7 @@ async def wait_for(condition: Any, *, timeout: float = 20.0, what: str = "condit
 
 _ENVELOPE_HEADER = re.compile(
     r'<(?P<tag>untrusted|memory|user|delegated) source="[^"]*" id="[^"]*"(?: truncated="true")?'
-    r' nonce="(?P<nonce>[0-9a-f]{16})">\n'
+    r' nonce="(?P<nonce>[0-9a-f]{16}|[0-9]{20})">\n'
 )
 
 

@@ -15,6 +15,7 @@ import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
+from context_engine._gen.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from context_engine.api.convert import request_from_proto, request_to_proto
 from context_engine.api.rpc_builds import rebuild
 from context_engine.api.server import build_engine
@@ -153,6 +154,27 @@ async def test_the_explain_command_reads_a_session_through_get_build(
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("context-engine explain: GetBuild failed: NOT_FOUND: "), line
     assert line.endswith(" not found [SESSION_NOT_FOUND]"), line  # an unknown session
+
+
+async def test_explain_reads_a_build_over_grpcs_default_receive_limit(
+    grpc_server: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Build for a long-window model can pass gRPC's 4 MiB receive default, and the server
+    sends it whole: explain's own channel refused it RESOURCE_EXHAUSTED while GetBuild
+    served it (an audit)."""
+    options = [("grpc.max_receive_message_length", -1)]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_server.port}", options=options) as ch:
+        big = pb_grpc.ContextEngineStub(ch)  # type: ignore[no-untyped-call]
+        session_id, _ = await open_session(big, model_id="gpt-4.1")
+        words = [f"station{n % 997} ticket{n % 991}" for n in range(150_000)]
+        run_id = (await start_run(big, session_id, " ".join(words))).run.run_id
+        sequences = []
+        for _ in range(2):
+            built = await big.Build(build_request(session_id, run_id))
+            assert built.ByteSize() > 4 * 1024 * 1024
+            sequences.append(str(built.request_sequence))
+    assert await _explain(grpc_server.port, session_id, *sequences) == 0, capsys.readouterr()
+    assert "identical" in capsys.readouterr().out
 
 
 async def _explain(port: int, session_id: str, *argv: str) -> int:
@@ -429,7 +451,7 @@ async def test_a_build_records_its_assembler_and_payload_hash(stub: Any, pool: A
     from one it does not."""
     session_id, built = await _failed_result_build(stub, "gpt-5")
     payload = await _recorded(pool, session_id, built.request_sequence)
-    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@26"
+    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@27"
     assert payload[PAYLOAD_KEY] == hashlib.sha256(built.provider_payload).hexdigest()
     assert isinstance(payload[IMAGE_KEY], int) and isinstance(payload[INLINE_KEY], int)
     assert TOOL_ERROR_AS_TEXT.encode() in built.provider_payload

@@ -33,7 +33,7 @@ from context_engine.core import (
 )
 from context_engine.core.assemble import runtime_row_tokens
 from context_engine.core.body_estimate import request_framing
-from context_engine.core.envelope import item_nonce
+from context_engine.core.envelope import item_nonce, new_plan_secret
 from context_engine.core.items import (
     AssistantMessage,
     ConversationItem,
@@ -209,7 +209,10 @@ _SLASH = st.sampled_from(
 _COLON = st.sampled_from([":"] * 4 + ["\u02d0", "\ua4fd"])
 _FULLWIDTH = str.maketrans({c: chr(ord(c) + 0xFEE0) for c in string.ascii_letters})
 
-secrets = st.binary(min_size=16, max_size=32)
+# Both forms: a secret new_plan_secret made (decimal nonces) and an older plan's (hex).
+secrets = st.binary(min_size=16, max_size=32).flatmap(
+    lambda key: st.sampled_from([new_plan_secret(key), key])
+)
 
 
 # Placeholders for the real nonce of the item a text ends up in; filled after drawing, so

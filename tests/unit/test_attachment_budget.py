@@ -29,6 +29,7 @@ from context_engine.core.estimator import (
     ATTACHMENT_TOKEN_BUDGET,
     IMAGE_TOKENS,
     PDF_PAGE_TOKENS,
+    apply_factor,
 )
 from context_engine.core.items import AssistantMessage, Attachment, ConversationItem, UserMessage
 from context_engine.core.request import ModelRequest
@@ -329,3 +330,20 @@ def test_a_pdf_past_the_budget_leaves_older_messages_their_labels_only() -> None
     )
     label = count(older.attachments[0].ref) + ATTACHMENT_BLOCK_TOKENS
     assert with_older.body_estimated_tokens - without.body_estimated_tokens == turn_text + label
+
+
+def test_an_attachments_label_is_scaled_by_the_pinned_factor() -> None:
+    """core/body_estimate.py Rules 2 and 3: a label is text, scaled by the factor as the
+    message's text is. It was counted raw: at a factor of 4 a label was a quarter of its
+    scaled figure (an audit)."""
+    label = "quarterly-revenue-breakdown-by-region-and-product-line-2026.pdf"
+    plain = UserMessage(item_id="u", text="See the report.", sequence=1, run_id="r")
+    attached = plain.model_copy(
+        update={"attachments": (Attachment(kind="pdf", ref=label, pages=1),)}
+    )
+    for factor in (1_000_000, 4_000_000):
+        added = block_tokens(_block_of(attached), attached, count, factor) - block_tokens(
+            _block_of(plain), plain, count, factor
+        )
+        scaled = apply_factor(count(label), factor)
+        assert added == scaled + ATTACHMENT_BLOCK_TOKENS + PDF_PAGE_TOKENS

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import rfc8785
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from context_engine.core import (
@@ -30,8 +30,19 @@ from context_engine.core import (
     canonical_bytes,
     sha256_hex,
 )
+from context_engine.core.enums import PlanReason
+from context_engine.core.envelope import new_plan_secret
+from context_engine.core.estimator import heuristic_count
 from context_engine.core.items import KnowledgePassageItem, RuntimeMetadataItem
+from context_engine.core.plan import ModelFacts, make_plan
 from context_engine.core.rows import ROW_TABLE, Region
+from context_engine.core.spec import (
+    AgentSpec,
+    MemoryItemSpec,
+    MemorySnapshotSpec,
+    PlatformPolicySpec,
+)
+from context_engine.tokenizers import build_counters
 
 from .strategies import (
     FIXED_ZONES,
@@ -449,3 +460,71 @@ def test_a_tool_blocks_run_id_is_not_hashed() -> None:
 
     assert call("run-a").canonical() == call("").canonical()
     assert "run_id" not in call("run-a").canonical()
+
+
+# --- the plan's secret -------------------------------------------------------------------
+
+_O200K = build_counters()["o200k_base"].count_text
+
+
+def _plan_under(spec: PlanSpec, secret: bytes, count: Any = _O200K) -> ContextPlan:
+    return make_plan(
+        spec,
+        session_id="s",
+        epoch=1,
+        reason=PlanReason.SESSION_OPENED,
+        secret=secret,
+        model=ModelFacts("gpt-4o", "openai", 128_000, 4_096),
+        count_tokens=count,
+    )
+
+
+def test_a_snapshot_at_its_cap_pins_the_same_memories_under_every_secret() -> None:
+    """core/envelope.py Rule 1: which memories fit the snapshot's 1,500 tokens does not
+    depend on the plan's secret. With hex nonces the same spec pinned other memories after
+    a rebuilding rotation (an audit: one short memory's envelope counted 33 to 52 tokens
+    under o200k, by its nonce)."""
+    items = tuple(
+        MemoryItemSpec(item_id=f"m{n}", text=f"Memory {n}: the client prefers train {n * 7}.")
+        for n in range(60)
+    )
+    spec = PlanSpec(
+        model_id="gpt-4o",
+        agent=AgentSpec(agent_id="a", version="1", instructions="Be brief."),
+        policy=PlatformPolicySpec(version="v1", text="Platform policy."),
+        snapshot=MemorySnapshotSpec(snapshot_id="snap", items=items),
+    )
+    plans = [_plan_under(spec, new_plan_secret(bytes([n]) * 32)) for n in range(12)]
+    assert plans[0].skipped_memory_ids  # the cap binds
+    for plan in plans[1:]:
+        assert plan.skipped_memory_ids == plans[0].skipped_memory_ids
+        assert plan.prefix_tokens == plans[0].prefix_tokens
+        assert plan.prefix_classes == plans[0].prefix_classes
+        assert plan.prefix_sha256 != plans[0].prefix_sha256  # the nonces differ
+
+
+@SCENARIO_SETTINGS
+@given(scenarios(), st.binary(min_size=16, max_size=32), st.sampled_from(["o200k", "heuristic"]))
+def test_the_same_inputs_under_another_secret_cut_and_count_the_same(
+    sc: Scenario, other: bytes, counter: str
+) -> None:
+    """Under secrets new_plan_secret makes, a Build's plan and body count the same tokens,
+    keep the same items and yield the same under every secret: only the nonces differ."""
+    count = {"o200k": _O200K, "heuristic": heuristic_count}[counter]
+    one, two = new_plan_secret(sc.secret), new_plan_secret(other)
+    assume(one != two)
+    plans = [_plan_under(sc.spec, s, count) for s in (one, two)]
+    first, second = (
+        assemble(dataclasses.replace(sc.inputs(plan), secret=secret, count_tokens=count))
+        for plan, secret in zip(plans, (one, two), strict=True)
+    )
+    assert plans[0].prefix_tokens == plans[1].prefix_tokens
+    assert plans[0].skipped_memory_ids == plans[1].skipped_memory_ids
+    assert plans[0].skill_pins == plans[1].skill_pins
+    assert first.needs_compaction == second.needs_compaction
+    assert first.estimated_input_tokens == second.estimated_input_tokens
+    assert first.budget == second.budget
+    assert [(row, item.item_id) for row, item in first.placed] == [
+        (row, item.item_id) for row, item in second.placed
+    ]
+    assert first.pressure == second.pressure

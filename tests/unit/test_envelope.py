@@ -15,7 +15,17 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from context_engine.core import BuildInputs, TrustLevel, assemble
-from context_engine.core.envelope import NONCE_HEX_CHARS, _fold, escape_content, item_nonce, wrap
+from context_engine.core.envelope import (
+    DECIMAL_NONCE_TAG,
+    NONCE_DECIMAL_DIGITS,
+    NONCE_HEX_CHARS,
+    _fold,
+    escape_content,
+    item_nonce,
+    new_plan_secret,
+    wrap,
+)
+from context_engine.core.estimator import heuristic_count
 from context_engine.core.items import (
     AssistantMessage,
     CorrectionLineItem,
@@ -26,6 +36,7 @@ from context_engine.core.items import (
     ToolCall,
     UserMessage,
 )
+from context_engine.tokenizers import build_counters
 
 from .strategies import (
     DELEGATED,
@@ -35,6 +46,7 @@ from .strategies import (
     TAGS,
     Scenario,
     adversarial_text,
+    any_text,
     as_read,
     scenarios,
     secrets,
@@ -55,7 +67,7 @@ def _only_openers_replaced(escaped: str, content: str) -> bool:
 
 _HEADER = re.compile(
     r'<(?P<tag>untrusted|memory|user|delegated) source="(?P<source>[^"]*)" id="(?P<id>[^"]*)"'
-    r'(?P<truncated> truncated="true")? nonce="(?P<nonce>[0-9a-f]{16})">\n'
+    r'(?P<truncated> truncated="true")? nonce="(?P<nonce>[0-9a-f]{16}|[0-9]{20})">\n'
 )
 
 _item_ids = st.text(st.characters(codec="utf-8"), max_size=24)
@@ -429,12 +441,78 @@ def test_a_quotation_mark_that_reads_as_a_quote_cannot_forge_an_attribute() -> N
 @SETTINGS
 @given(secrets, _item_ids)
 def test_nonce_is_the_truncated_hmac_of_the_item_id(secret: bytes, item_id: str) -> None:
+    """Rule 1: 64 bits of the HMAC, in 20 decimal digits under a secret new_plan_secret
+    made, in 16 hex characters under an older plan's."""
     nonce = item_nonce(secret, item_id)
     assert nonce == item_nonce(secret, item_id)
-    assert re.fullmatch(r"[0-9a-f]{16}", nonce)
-    assert len(nonce) == NONCE_HEX_CHARS
-    expected = hmac.new(secret, item_id.encode("utf-8"), hashlib.sha256).hexdigest()[:16]
-    assert nonce == expected
+    digest = hmac.new(secret, item_id.encode("utf-8"), hashlib.sha256).digest()
+    if secret.startswith(DECIMAL_NONCE_TAG):
+        assert re.fullmatch(r"[0-9]{20}", nonce)
+        assert len(nonce) == NONCE_DECIMAL_DIGITS
+        assert int(nonce) == int.from_bytes(digest[:8], "big")
+    else:
+        assert re.fullmatch(r"[0-9a-f]{16}", nonce)
+        assert len(nonce) == NONCE_HEX_CHARS
+        assert nonce == digest.hex()[:16]
+
+
+def test_a_stored_plans_secret_keeps_its_hex_nonces() -> None:
+    """A plan made before context-builder@5 has an untagged secret: its Builds and records
+    render the nonces they always did (a pinned example, so a change shows)."""
+    assert (
+        item_nonce(b"k" * 32, "memory:m1")
+        == (hmac.new(b"k" * 32, b"memory:m1", hashlib.sha256).hexdigest()[:16])
+    )
+    assert new_plan_secret(b"k" * 32) == DECIMAL_NONCE_TAG + b"k" * 32
+    assert item_nonce(new_plan_secret(b"k" * 32), "memory:m1").isdigit()
+
+
+_EXACT = {name: counter.count_text for name, counter in build_counters().items()}
+_COUNTERS = {**_EXACT, "heuristic": heuristic_count}
+
+
+@SETTINGS
+@given(
+    st.binary(min_size=16, max_size=32),
+    st.binary(min_size=16, max_size=32),
+    _item_ids,
+    st.sampled_from(sorted(_COUNTERS)),
+    st.sampled_from([TrustLevel.USER, TrustLevel.MEMORY, TrustLevel.EXTERNAL_UNTRUSTED]),
+    st.booleans(),
+    any_text,
+)
+def test_a_decimal_nonce_counts_the_same_tokens_under_every_secret(
+    key_a: bytes,
+    key_b: bytes,
+    item_id: str,
+    counter: str,
+    trust: TrustLevel,
+    truncated: bool,
+    text: str,
+) -> None:
+    """Rule 1: under secrets new_plan_secret made, an envelope counts the same tokens by
+    every counter the engine ships, whatever the secret, so no fit or cut depends on it.
+    (In hex, one short memory's envelope counted 33 to 52 tokens under o200k.)"""
+    count = _COUNTERS[counter]
+
+    def tokens(key: bytes) -> int:
+        secret = new_plan_secret(key)
+        rendered = wrap(
+            text,
+            trust=trust,
+            item_id=item_id,
+            source="tool:web.fetch",
+            secret=secret,
+            truncated=truncated,
+        )
+        return count(rendered)
+
+    assert tokens(key_a) == tokens(key_b)
+
+
+def test_both_exact_counters_are_checked() -> None:
+    """The test above must not pass on the heuristic alone (a missing rank file)."""
+    assert {"o200k_base", "cl100k_base"} <= set(_EXACT)
 
 
 @SETTINGS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import replace
 from pathlib import Path
 
@@ -200,7 +201,7 @@ def test_explain_finds_the_block_any_single_edit_lands_in(data: st.DataObject) -
     assert e.offset == _first_difference(_stream(a), _stream(b))
 
 
-@pytest.mark.parametrize("form", ["json", "binary"])
+@pytest.mark.parametrize("form", ["json", "json-bom", "binary"])
 def test_the_command_reads_files_and_exits_1_on_a_defect(
     tmp_path: Path, form: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -213,6 +214,8 @@ def test_the_command_reads_files_and_exits_1_on_a_defect(
         path = tmp_path / f"{name}.{form}"
         if form == "json":
             path.write_text(json_format.MessageToJson(response))
+        elif form == "json-bom":  # PowerShell's `Out-File -Encoding utf8` (an audit)
+            path.write_bytes(codecs.BOM_UTF8 + json_format.MessageToJson(response).encode())
         else:
             path.write_bytes(response.SerializeToString())
         assert load_build_response(path) == response

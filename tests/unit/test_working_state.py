@@ -85,7 +85,7 @@ CANARY = "CANARY7f3a9c2e11d0"
 
 _ENVELOPE = re.compile(
     r'<(?P<tag>untrusted|memory|user|delegated) source="[^"]*" id="[^"]*"(?: truncated="true")?'
-    r' nonce="(?P<nonce>[0-9a-f]{16})">\n'
+    r' nonce="(?P<nonce>[0-9a-f]{16}|[0-9]{20})">\n'
 )
 _ANY_DELIMITER = re.compile(r"<[\s/\\]*(?:untrusted|memory|user|delegated)\b", re.IGNORECASE)
 

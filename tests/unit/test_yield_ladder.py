@@ -621,6 +621,33 @@ def test_the_quanta_leave_the_history_cut_where_minimal_truncation_puts_it(
     assert quanta[0] == quanta[1]
 
 
+def test_what_the_quanta_hold_back_is_spent_before_anything_yields_for_the_fit() -> None:
+    """Rule 6: a result the cap's quantum truncated past its need is a pointer already;
+    paid whole, it made a body that fitted as sent ask for a compaction (an audit: budget
+    40,000, 32,000 fixed, four run results of 12,000 and 9,000 tokens over a 10,000 cap,
+    all four pointers: 32,040 as sent, and `compact`)."""
+    spec = Spec(
+        budget=40_000,
+        fixed=32_000,
+        floor=0,
+        cap=10_000,
+        knowledge=[],
+        recall=[],
+        recall_floor=0,
+        carried=[],
+        run=[(12_000, 10), (9_000, 10), (9_000, 10), (9_000, 10)],
+    )
+    body = spec.body()
+    assert run_ladder(body)
+    assert all(t.truncated for t in body.run_results)  # what the cap took, no more
+    assert [s.step for s in body.steps] == ["truncate_tool_results"]
+    # The same with a passage: it is not dropped for what the quantum holds back.
+    spec = replace(spec, budget=40_500, knowledge=[400])
+    body = spec.body()
+    assert run_ladder(body)
+    assert body.knowledge_kept == 1 and [s.step for s in body.steps] == ["truncate_tool_results"]
+
+
 def test_recall_over_its_cap_is_trimmed_before_knowledge_yields() -> None:
     """Recall's cap is absolute too: lines over it are trimmed whatever else happens, so
     the passage that fits once they are must not drop first (recall used to be measured

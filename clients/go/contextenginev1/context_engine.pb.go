@@ -5597,8 +5597,8 @@ type ReportUsageResponse struct {
 	CachedPrefixPpm int64 `protobuf:"varint,4,opt,name=cached_prefix_ppm,json=cachedPrefixPpm,proto3" json:"cached_prefix_ppm,omitempty"`
 	// Whether this report corrected the factor. False when another model answered than the
 	// request was estimated for (a gateway's fallback: its tokens say nothing of this
-	// tokenizer; a dated snapshot of the planned model, "claude-sonnet-4-5-20250929" or
-	// "gpt-4o-2024-08-06", counts as the planned model), when another tokenizer counted the
+	// tokenizer; a dated snapshot of the planned model, "claude-sonnet-4-5-20250929",
+	// "gpt-4o-2024-08-06" or "gpt-4-0613", counts as the planned model), when another tokenizer counted the
 	// request's estimate than this replica counts the model with, when the input tokens are
 	// outside 0.1-4 times the estimate divided by the factor it was built under (no drift
 	// explains them), when the request sent attachment content (counted at fixed figures

@@ -35,6 +35,7 @@ from grpc_reflection.v1alpha import reflection
 from .._gen.context_engine.v1 import context_engine_pb2 as pb
 from ..config import Settings
 from ..core import memo_budget
+from ..core.envelope import new_plan_secret
 from ..core.framing import DEFAULT_POLICY_TEXT, DEFAULT_POLICY_VERSION
 from ..core.spec import PlatformPolicySpec
 from ..models import ModelCatalog
@@ -93,7 +94,7 @@ def build_engine(
         default_policy=PlatformPolicySpec(version=DEFAULT_POLICY_VERSION, text=DEFAULT_POLICY_TEXT),
         clock=lambda: datetime.now(UTC),
         new_id=lambda: str(uuid.uuid4()),
-        new_secret=lambda: os.urandom(32),
+        new_secret=lambda: new_plan_secret(os.urandom(32)),
     )
 
 

@@ -299,8 +299,10 @@ async def _reconcile(
     return outcome, correction
 
 
-# A provider's dated snapshot of a model: Anthropic's "-20250929", OpenAI's "-2024-08-06".
-_SNAPSHOT = re.compile(r"-(?:\d{8}|\d{4}-\d{2}-\d{2})")
+# A provider's dated snapshot of a model: Anthropic's "-20250929", OpenAI's "-2024-08-06"
+# and its older month-and-day form, "gpt-4-0613" and "gpt-3.5-turbo-0125" (an audit: those
+# two models never learned a factor from the response.model the docs say will do).
+_SNAPSHOT = re.compile(r"-(?:\d{8}|\d{4}-\d{2}-\d{2}|(?:0[1-9]|1[0-2])(?:0[1-9]|[12]\d|3[01]))")
 
 
 def same_model(reported: str, planned: str) -> bool:

@@ -5,10 +5,11 @@ the model's counter (exact for OpenAI tokenizers, the conservative heuristic els
 Rule 2: text counts are scaled by the correction factor pinned on the checkpoint and
 rounded up (estimator.apply_factor); message framing is added unscaled.
 Rule 3: attachments in a user message cost what the adapter sends (ADR-0120): labels for
-every reference plus a figure per image (the model's: estimator.image_tokens_for, the flat
-IMAGE_TOKENS raised by the registry's image_tokens), a flat figure per PDF page and the
-inlined length of a text file. block_tokens caps that content at the request-wide
-attachment budget (ATTACHMENT_TOKEN_BUDGET), as if the message were the request's only one.
+every reference (text, scaled as Rule 2 says) plus a figure per image (the model's:
+estimator.image_tokens_for, the flat IMAGE_TOKENS raised by the registry's image_tokens),
+a flat figure per PDF page and the inlined length of a text file. block_tokens caps that
+content at the request-wide attachment budget (ATTACHMENT_TOKEN_BUDGET), as if the message
+were the request's only one.
 Rule 4: the budget is the request's, not each message's: the adapter sends markers for
 content beyond it, wherever that content lies. share_attachment_budget divides it newest
 first: each message's content counts up to what the newer messages of the request left,
@@ -163,8 +164,12 @@ def block_tokens(
     )
     tokens = apply_factor(raw, factor_ppm) + MESSAGE_FRAMING_TOKENS
     if isinstance(item, UserMessage) and item.attachments:
+        # A label is text: scaled as the block's is (Rule 2; an audit: counted raw, every
+        # label was under its scaled figure at a factor above 1, since context-assembler@27).
         tokens += estimate_attachment_tokens(
-            attachment_refs(item.attachments), count, image_tokens=image_tokens
+            attachment_refs(item.attachments),
+            lambda label: apply_factor(count(label), factor_ppm),
+            image_tokens=image_tokens,
         )
     return tokens
 

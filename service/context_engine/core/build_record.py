@@ -301,7 +301,17 @@ __all__ = [
 # reasoning as before, the turns between keep none, and the tool loop's turn stays the
 # active one (never yielding, never compacted). A request without such a turn renders as
 # before; GetBuild refuses an older record that held one (it is not rebuilt).
-ASSEMBLER_VERSION = "context-assembler@26"
+# @27: under a plan secret made by context-builder@5 and later, a nonce is 20 decimal
+# digits (core/envelope.py, Rule 1), whose token count is the same under every secret, so a
+# history cut or a fit no longer moves with the secret. A Build on an older plan, and every
+# older record, renders its hex nonces as before (its secret carries no tag). And an
+# attachment's label is scaled by the pinned factor as other text is (core/body_estimate.py
+# Rule 3): GetBuild refuses an older record whose labels were counted at a factor above 1
+# (its figures differ). And what the tool-result cap's quanta hold back is spent before
+# anything yields for the fit (core/yield_ladder.py _release_holds): a body that fitted as
+# sent dropped a passage, truncated a newer result or asked for a compaction. GetBuild
+# refuses an older record cut otherwise (it is not rebuilt).
+ASSEMBLER_VERSION = "context-assembler@27"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})

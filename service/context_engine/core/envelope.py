@@ -4,7 +4,15 @@
 
 Rule 1: the nonce is HMAC-SHA256(plan secret, item id), truncated. It is deterministic
 (two builds give the same bytes) and unguessable (the secret never enters a prompt), so
-content cannot predict its own closing marker.
+content cannot predict its own closing marker. Under a secret `new_plan_secret` made
+(context-builder@5 and later) it is 64 bits written as 20 decimal digits: every such
+nonce counts the same tokens under every counter the engine ships (a digit run splits
+into groups of three), so what fits a cap or a budget never depends on the secret. As 16
+hex characters it did: one short memory's envelope counted 33 to 52 tokens under o200k
+(36 in decimal), so which memories a snapshot pinned changed with the secret of a
+rebuilding rotation (an audit of Plan's caps), and it cost 4.5 tokens more on average.
+A secret without the tag (every plan made before) keeps the hex form, so a stored plan,
+its Builds and their records render as they did.
 Rule 2: any occurrence of envelope delimiter syntax inside content is escaped at render
 time, including one carrying the right nonce; a closing marker inside content is content.
 Delimiters are matched as a model reads them: in any case, with whitespace, slashes and
@@ -39,16 +47,23 @@ from .invisible import BLANKS, CONTROLS, is_invisible
 from .trust import DELIMITER_TAGS, TrustLevel, envelope_tag
 
 __all__ = [
+    "DECIMAL_NONCE_TAG",
+    "NONCE_DECIMAL_DIGITS",
     "NONCE_HEX_CHARS",
     "attribute_reading_count",
     "attribute_readings",
     "escape_content",
     "item_nonce",
+    "new_plan_secret",
     "shown_attribute",
     "wrap",
 ]
 
 NONCE_HEX_CHARS = 16  # 64 bits: unguessable per item, short enough to cost few tokens.
+NONCE_DECIMAL_DIGITS = 20  # the same 64 bits in decimal (2**64 has 20 digits)
+# What starts a plan secret whose nonces are decimal (Rule 1). Part of the HMAC key, as the
+# rest of the secret is; it makes nothing guessable, the random bytes after it are secret.
+DECIMAL_NONCE_TAG = b"context-engine nonce: decimal\n"
 
 _TAGS = DELIMITER_TAGS  # the delegated tag too (core/trust.py, Rule 2)
 
@@ -180,10 +195,19 @@ def attribute_readings(shown: str, limit: int) -> list[str] | None:
     return [shown, *(r for r in readings if r != shown)]
 
 
+def new_plan_secret(key: bytes) -> bytes:
+    """A new plan's secret from `key`, the shell's unguessable bytes: decimal nonces
+    (Rule 1)."""
+    return DECIMAL_NONCE_TAG + key
+
+
 def item_nonce(secret: bytes, item_id: str) -> str:
-    """The item's envelope nonce under the plan's secret."""
-    digest = hmac.new(secret, item_id.encode("utf-8"), hashlib.sha256).hexdigest()
-    return digest[:NONCE_HEX_CHARS]
+    """The item's envelope nonce under the plan's secret (Rule 1: decimal under a secret
+    new_plan_secret made, hex under an older one)."""
+    digest = hmac.new(secret, item_id.encode("utf-8"), hashlib.sha256).digest()
+    if secret.startswith(DECIMAL_NONCE_TAG):
+        return f"{int.from_bytes(digest[:8], 'big'):0{NONCE_DECIMAL_DIGITS}d}"
+    return digest.hex()[:NONCE_HEX_CHARS]
 
 
 def escape_content(text: str) -> str:

@@ -18,7 +18,10 @@ __all__ = ["BUILDER_VERSION", "DEFAULT_POLICY_TEXT", "DEFAULT_POLICY_VERSION", "
 # prefix: an audit); a prefix entry's escaping reads delimiters through control characters
 # (core/envelope.py, context-assembler@19). A plan of @3 whose bytes @4 reproduces stays
 # current; the others rotate once, builder_upgraded.
-BUILDER_VERSION = "context-builder@4"
+# @5: a new plan's secret is tagged for decimal nonces (core/envelope.py, Rule 1), whose
+# token count is the same under every secret, so its caps' fits are too. A plan of @4 keeps
+# its secret, its hex nonces and its bytes, which @5 reproduces: it stays current.
+BUILDER_VERSION = "context-builder@5"
 
 DEFAULT_POLICY_VERSION = "platform-policy@1"
 
