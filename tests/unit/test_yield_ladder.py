@@ -621,22 +621,38 @@ def test_the_quanta_leave_the_history_cut_where_minimal_truncation_puts_it(
     assert quanta[0] == quanta[1]
 
 
+# Four run results over a 10,000 cap, all four pointers: 32,040 as sent (an audit).
+HELD_FITS = Spec(
+    budget=40_000,
+    fixed=32_000,
+    floor=0,
+    cap=10_000,
+    knowledge=[],
+    recall=[],
+    recall_floor=0,
+    carried=[],
+    run=[(12_000, 10), (9_000, 10), (9_000, 10), (9_000, 10)],
+)
+# Fits with the quantum's hold once knowledge is within its cap of three passages (a review).
+HELD_OVER_KNOWLEDGE_CAP = Spec(
+    budget=25_500,
+    fixed=10_000,
+    floor=8_000,
+    cap=5_000,
+    knowledge=[1_000] * 4,
+    recall=[],
+    recall_floor=0,
+    carried=[(500, None)] * 30,
+    run=[(2_000, 10)] * 5,
+)
+
+
 def test_what_the_quanta_hold_back_is_spent_before_anything_yields_for_the_fit() -> None:
     """Rule 6: a result the cap's quantum truncated past its need is a pointer already;
     paid whole, it made a body that fitted as sent ask for a compaction (an audit: budget
     40,000, 32,000 fixed, four run results of 12,000 and 9,000 tokens over a 10,000 cap,
     all four pointers: 32,040 as sent, and `compact`)."""
-    spec = Spec(
-        budget=40_000,
-        fixed=32_000,
-        floor=0,
-        cap=10_000,
-        knowledge=[],
-        recall=[],
-        recall_floor=0,
-        carried=[],
-        run=[(12_000, 10), (9_000, 10), (9_000, 10), (9_000, 10)],
-    )
+    spec = HELD_FITS
     body = spec.body()
     assert run_ladder(body)
     assert all(t.truncated for t in body.run_results)  # what the cap took, no more
@@ -646,6 +662,23 @@ def test_what_the_quanta_hold_back_is_spent_before_anything_yields_for_the_fit()
     body = spec.body()
     assert run_ladder(body)
     assert body.knowledge_kept == 1 and [s.step for s in body.steps] == ["truncate_tool_results"]
+
+
+def test_a_passage_over_knowledges_cap_releases_no_hold() -> None:
+    """The hold is released only where the body does not fit with it as the request can
+    carry it: a fourth passage, which knowledge's cap drops anyway, released it and moved
+    the cut (a review: top-five retrieval did so on every Build)."""
+    capped, three = (
+        spec.body()
+        for spec in (
+            HELD_OVER_KNOWLEDGE_CAP,
+            replace(HELD_OVER_KNOWLEDGE_CAP, knowledge=[1_000] * 3),
+        )
+    )
+    assert run_ladder(capped) and run_ladder(three)
+    assert any(t.held for t in three.run_results)
+    assert [t.held for t in capped.run_results] == [t.held for t in three.run_results]
+    assert capped.cut() == three.cut() and capped.knowledge_kept == 3
 
 
 def test_recall_over_its_cap_is_trimmed_before_knowledge_yields() -> None:
@@ -799,9 +832,16 @@ def _reference_ladder(body: Body) -> bool:
     while body.recall_kept > body.recall_floor and body.recall_tokens() > RECALL.cap_tokens:
         body.recall_kept -= 1
         recall_capped.append(body.recall[body.recall_kept][0].item_id)
+    knowledge_capped: list[str] = []
+    while body.knowledge_kept > 0 and _knowledge_over_cap(body):
+        body.knowledge_kept -= 1
+        knowledge_capped.append(body.knowledge[body.knowledge_kept][0].item_id)
+    for t in body.run_results:  # what the quanta hold back, before anything yields
+        if t.held and not body.fits():
+            t.held = False
     given_up: dict[str, tuple[int, list[str]]] = {}
     for name, units in (("drop_knowledge", body.knowledge), ("trim_recall", body.recall)):
-        ids = recall_capped if name == "trim_recall" else []
+        ids = recall_capped if name == "trim_recall" else knowledge_capped
         freed = sum(c for item, c in units if item.item_id in ids)
         while True:
             if name == "drop_knowledge":
@@ -981,6 +1021,9 @@ def test_a_body_that_fits_holds_its_results_within_the_cap_or_none_is_left_to_tr
 @example(CARRIED_BROUGHT_IN_BY_THE_CAP)
 @example(TAKEN_BACK)
 @example(CAPPED_LATE)
+@example(HELD_FITS)
+@example(replace(HELD_FITS, budget=0, fixed=0, cap=1, run=[(1, 0), (1, 0)]))
+@example(HELD_OVER_KNOWLEDGE_CAP)
 def test_the_ladder_takes_exactly_the_steps_of_re_measuring_after_every_unit(
     spec: Spec,
 ) -> None:

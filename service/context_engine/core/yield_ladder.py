@@ -359,8 +359,9 @@ def run_ladder(body: Body) -> bool:
         return True  # most Builds: every rung would stop before it starts
     results = _cap_run_results(body)
     recall = _cap_recall(body)
+    knowledge = _cap_knowledge(body)
     _release_holds(body)
-    knowledge = _drop_knowledge(body)
+    _drop_knowledge(body, knowledge)
     _trim_recall(body, recall)
     _truncate_for_fit(body, results)
     if body.fits():
@@ -405,21 +406,35 @@ def _nothing_yields(body: Body) -> bool:
     return not body.tool_results_over_cap()
 
 
-def _drop_knowledge(body: Body) -> _Yielded:
+def _cap_knowledge(body: Body) -> _Yielded:
+    """Drop the lowest-ranked passages until knowledge is within its class cap, which is
+    absolute: what _release_holds then judges is the body as the request can carry it (a
+    review: top-five retrieval released the holds for two passages the cap dropped anyway,
+    and the cut moved). Reported with the knowledge rung's step."""
     cap = CLASS_CAPS["knowledge"]
     dropped = _Yielded()
-    # Running totals, not the measures: only knowledge_kept moves here, and re-summing the
-    # kept passages per dropped one made the rung quadratic. Same integers, same answer.
     kept = body.knowledge_tokens()
-    rest = body.need() - kept  # what fits() counts besides the kept passages
     while body.knowledge_kept > 0 and (
-        body.knowledge_kept > cap.cap_items or kept > cap.cap_tokens or rest + kept > body.budget
+        body.knowledge_kept > cap.cap_items or kept > cap.cap_tokens
     ):
         body.knowledge_kept -= 1
         item, cost = body.knowledge[body.knowledge_kept]
         kept -= cost
         dropped.add(item.item_id, cost)
     return dropped
+
+
+def _drop_knowledge(body: Body, dropped: _Yielded) -> None:
+    """For the fit, adding to what _cap_knowledge dropped: one step reports both."""
+    # Running totals, not the measures: only knowledge_kept moves here, and re-summing the
+    # kept passages per dropped one made the rung quadratic. Same integers, same answer.
+    kept = body.knowledge_tokens()
+    rest = body.need() - kept  # what fits() counts besides the kept passages
+    while body.knowledge_kept > 0 and rest + kept > body.budget:
+        body.knowledge_kept -= 1
+        item, cost = body.knowledge[body.knowledge_kept]
+        kept -= cost
+        dropped.add(item.item_id, cost)
 
 
 def _cap_recall(body: Body) -> _Yielded:
