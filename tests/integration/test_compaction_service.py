@@ -31,6 +31,7 @@ from .helpers import (
     open_session,
     outside_envelopes,
     plan_with_skill,
+    replica_with_model,
     result,
     spec,
     start_child,
@@ -1497,3 +1498,68 @@ async def test_a_body_nothing_left_can_compact_fails_budget_exceeded_not_needs_c
     with pytest.raises(grpc.aio.AioRpcError) as nothing:
         await _prepare(stub, session_id, run_id)
     assert details(nothing.value)[0] == "RUN_STATE"
+
+
+async def test_the_engines_cut_leaves_room_for_what_no_compaction_takes(pool: Any) -> None:
+    """The engine's own cut keeps a quarter of what the body holds beside what stays
+    whatever is compacted (the active turn, the run's user messages). A quarter of the
+    whole body, kept beside a large active turn, left the next Build needing compaction
+    again, then a level deeper, until COMPACTION_DEPTH_EXCEEDED, where one compaction of
+    more fitted (an audit)."""
+    words = [
+        "alpha",
+        "bravo",
+        "charlie",
+        "delta",
+        "echo",
+        "foxtrot",
+        "golf",
+        "hotel",
+        "india",
+        "juliet",
+        "kilo",
+        "lima",
+    ]
+
+    def text(n: int, seed: int) -> str:
+        return " ".join(f"{words[(seed * 7 + k) % len(words)]}{seed}x{k}" for k in range(n))
+
+    stub, channel, running = await replica_with_model(
+        pool, "small-window", context_window=12_000, default_output_reserve=1_000
+    )
+    try:
+        session_id = new_id()
+        await stub.Plan(
+            pb.PlanRequest(
+                tenant_id=TENANT, session_id=session_id, spec=spec(model_id="small-window")
+            )
+        )
+        run_id = (await start_run(stub, session_id, "Plan my trip please")).run.run_id
+        version = 1
+        trusted = pb.TRUST_LEVEL_TRUSTED_CONFIGURATION
+        for n in range(1, 41):
+            exchange = (
+                assistant(text(40, n)),
+                call(f"c{n}", name="calendar.list"),
+                result(f"c{n}", "ok", trust=trusted, name="calendar.list"),
+            )
+            version = (
+                await append_items(stub, session_id, run_id, version, *exchange)
+            ).checkpoint_version
+        await append_items(
+            stub,
+            session_id,
+            run_id,
+            version,
+            assistant("Fetching the itinerary."),
+            call("big", name="calendar.list"),
+            result("big", text(1_295, 99), trust=trusted, name="calendar.list"),
+        )
+        assert (await stub.Build(build_request(session_id, run_id))).needs_compaction
+        prepared = await _prepare(stub, session_id, run_id)
+        await _commit(stub, session_id, run_id, prepared, "The user is planning a trip.")
+        built = await stub.Build(build_request(session_id, run_id))
+        assert not built.needs_compaction and prepared.depth == 1
+    finally:
+        await channel.close()
+        await running.stop(0)

@@ -6966,7 +6966,8 @@ type PrepareCompactionRequest struct {
 	CheckpointVersion int64 `protobuf:"varint,4,opt,name=checkpoint_version,json=checkpointVersion,proto3" json:"checkpoint_version,omitempty"`
 	// Compact history through this session sequence; 0: the engine chooses, keeping the
 	// newest quarter of the compactable transcript's tokens verbatim, but no more than a
-	// quarter of the plan's request body, and summarizing the rest. The engine does not
+	// quarter of what the plan's request body holds beside what no compaction takes (the
+	// run's own user messages, the active turn), and summarizing the rest. The engine does not
 	// know the next Build's step lines: when one compaction does not make it fit, Build
 	// asks again (needs_compaction) and the summaries merge once.
 	ThroughSequence int64 `protobuf:"varint,5,opt,name=through_sequence,json=throughSequence,proto3" json:"through_sequence,omitempty"`

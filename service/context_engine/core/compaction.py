@@ -99,7 +99,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from .envelope import escape_content
 from .errors import InvalidFieldError, PreconditionError
@@ -257,6 +257,10 @@ class CompactionResult(_Frozen):
     compactor_version: str = ""
     prompt_version: str = PROMPT_VERSION
     retained_constraints: tuple[str, ...] = ()
+    # The open questions the summary was asked to keep open, so a merge can say which the
+    # user has answered since. Stored only when set: a replica that predates the field
+    # reads every checkpoint compacted without one (extra="forbid" would refuse the key).
+    retained_questions: tuple[str, ...] = Field((), exclude_if=lambda value: not value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -564,14 +568,24 @@ def _line(item: ConversationItem) -> str:
     head = f"#{item.sequence} {_KIND[item.kind]}"
     match item:
         case ToolCall():
-            head += f" {_inline(item.tool_name)} {_inline(item.call_id)}"
+            head += f" {_tool_name(item.tool_name)} {_inline(item.call_id)}"
         case ToolResult():
             error = ", error" if item.is_error else ""
             head += (
-                f" {_inline(item.tool_name)} {_inline(item.call_id)}"
+                f" {_tool_name(item.tool_name)} {_inline(item.call_id)}"
                 f" ({trust_of(item).name.lower()}{error})"
             )
     return f"[{head}] {escape_content(_content(item))}"
+
+
+def _tool_name(name: str) -> str:
+    """A call's tool name as the summarizer reads it: the name when it has a name's shape
+    (core/names.py), else what it is, none of its text. The model writes it: a page's
+    sentence "called" as a tool reached the summarizer whole in the call's and the result's
+    headers, where no quoting check reads (an audit)."""
+    if CALLABLE_NAME.fullmatch(name):
+        return name
+    return f"(a tool name of {len(name)} characters that is not one)"
 
 
 def _span(item: ConversationItem, trust: TrustLevel) -> ElidedSpan:
@@ -794,6 +808,20 @@ def _choose_cut(
     return _round_up(items, cut)
 
 
+def _staying(
+    checkpoint: Checkpoint,
+    candidates: Sequence[ConversationItem],
+    count_tokens: TokenCounter,
+    factor_ppm: int,
+) -> int:
+    """What the run's items above the floor that no compaction takes cost, as _choose_cut
+    costs items and under Build's correction (`factor_ppm`)."""
+    compactable_ids = {id(i) for i in candidates}
+    floor = checkpoint.replaced_through_sequence
+    staying = [i for i in checkpoint.items if i.sequence > floor and id(i) not in compactable_ids]
+    return apply_factor(sum(count_tokens(_line(i)) for i in staying), factor_ppm)
+
+
 def _unique(values: Iterable[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(values))
 
@@ -825,8 +853,9 @@ def prepare(
     name licenses itself only when it is one of them).
     `child`: the run is a child run, whose user messages are its parent's words.
     `body_tokens`: the plan's body, which bounds what the engine's own cut keeps
-    (KEEP_BODY_PPM; 0: unbounded), as Build costs it: under `factor_ppm`, the estimator
-    correction Build applies to the checkpoint (checkpoint.applied_factor).
+    (KEEP_BODY_PPM of what the run's items no compaction takes leave of it; 0: unbounded),
+    as Build costs it: under `factor_ppm`, the estimator correction Build applies to the
+    checkpoint (checkpoint.applied_factor).
 
     Raises:
         PreconditionError: COMPACTION_DEPTH_EXCEEDED (a third compaction: escalate to a
@@ -856,7 +885,14 @@ def prepare(
             " active loop's turn (its text, reasoning and tool pairs)",
             reason="RUN_STATE",
         )
-    cut = _choose_cut(candidates, through_sequence, count_tokens, body_tokens, factor_ppm)
+    room = body_tokens
+    if body_tokens > 0 and not through_sequence:
+        # What stays whatever is compacted (the run's own user messages, the active turn)
+        # takes its room first: a quarter of the whole body kept beside a large active
+        # turn left the next Build needing compaction again, until the depth ran out
+        # where one compaction of more would have fitted (an audit).
+        room = max(1, body_tokens - _staying(checkpoint, candidates, count_tokens, factor_ppm))
+    cut = _choose_cut(candidates, through_sequence, count_tokens, room, factor_ppm)
     if cut == 0:
         raise InvalidFieldError(
             f"no compactable item at or below through_sequence {through_sequence}",
@@ -878,6 +914,9 @@ def prepare(
     # Likewise questions: the model's own (an ask_user question may quote what it read) are
     # neither retained nor licensing; they stay open in the working-state block.
     questions = tuple(q.text for q in state.open_questions if q.trust in VETTED)
+    # Those the earlier summary was asked to keep open and the user has answered since (an
+    # audit: the merge restated one as open, beside the state that showed it answered).
+    answered = [q for q in (record.retained_questions if record else ()) if q not in questions]
 
     untrusted = [i for i in compacted if trust_of(i) not in SUMMARIZABLE]
     # Keyed by session sequence, not item id: an item id is unique within its run only,
@@ -972,6 +1011,12 @@ def prepare(
                 "Constraints the user has removed since (no longer in force; do not"
                 " restate them as in force):",
                 *(f"- {escape_content(c)}" for c in lifted),
+            ]
+        if answered:
+            sections += [
+                "Questions the earlier summary kept open that have been answered since (do"
+                " not restate them as open):",
+                *(f"- {escape_content(q)}" for q in answered),
             ]
         sections += [
             f"Earlier summary (depth {summary.depth}, through event #{floor}):",
@@ -1110,6 +1155,7 @@ def check_result(
         compactor_version=result.compactor_version,
         prompt_version=prepared.prompt_version,
         retained_constraints=prepared.retained_constraints,
+        retained_questions=prepared.open_questions,
     )
     # The row as Build renders it (escaped summary and every pointer line), as tokens_before
     # counts what it replaced as rendered: the figure an operator compares with it.
