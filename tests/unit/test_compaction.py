@@ -8,6 +8,7 @@ envelope-closing attempts (in tool output and in the summary) never escape.
 
 from __future__ import annotations
 
+import json
 import string
 import unicodedata
 from collections.abc import Sequence
@@ -963,7 +964,7 @@ def test_a_question_answered_since_is_named_for_the_merge() -> None:
         earlier_contents={4: "x" * 4214},
     )
     assert second.open_questions == ("Budget?",)
-    answered = second.summarizer_input.partition("answered since")[2].partition("Earlier")[0]
+    answered = second.summarizer_input.partition("no longer open")[2].partition("Earlier")[0]
     assert "- Which hotel in Lyon?" in answered and "Budget?" not in answered
     # Stored only when set: a checkpoint compacted without questions reads as before.
     assert "retained_questions" not in record.model_copy(
@@ -2417,3 +2418,94 @@ def test_prefix_data_gives_a_discovered_deferred_tools_first_sentence_not_a_buil
     _assert_prefix_content(
         spec, entries, [b for b in plan.system if b.item_id == "tool:mail.search"]
     )
+
+
+def _loop(items: list[ConversationItem], exchanges: int, start: int) -> int:
+    """Append `exchanges` trusted tool exchanges of about 50 tokens from sequence `start`;
+    the next sequence."""
+    for n in range(exchanges):
+        seq = start + 3 * n
+        items += [
+            AssistantMessage(item_id=f"a{n}", text=f"step {n} " + "word " * 40, sequence=seq),
+            ToolCall(
+                item_id=f"c{n}",
+                call_id=f"k{n}",
+                tool_name="calendar.list",
+                arguments_json="{}",
+                sequence=seq + 1,
+            ),
+            ToolResult(
+                item_id=f"r{n}",
+                call_id=f"k{n}",
+                tool_name="calendar.list",
+                content="ok",
+                trust=TrustLevel.TRUSTED_CONFIGURATION,
+                sequence=seq + 2,
+            ),
+        ]
+    return start + 3 * exchanges
+
+
+def _kept_verbatim(checkpoint: Checkpoint, body: int) -> int:
+    prepared = prepare(
+        checkpoint, [], through_sequence=0, count_tokens=count_tokens, body_tokens=body
+    )
+    kept = compactable(checkpoint, [])
+    return sum(
+        count_tokens(line_of(i)) for i in kept if i.sequence > prepared.replaced_through_sequence
+    )
+
+
+def test_the_engines_cut_sizes_itself_beside_what_stays_at_every_level() -> None:
+    """The engine's cut keeps a quarter of what the body holds beside the run's items no
+    compaction takes: its user messages at the second level too, below the first one's
+    floor, where a compaction keeps them verbatim, and the thinking Build replays with the
+    active turn (a review: both were left out, so the cut kept too much)."""
+    itinerary = UserMessage(item_id="u1", text="Plan around this: " + "leg " * 3_000, sequence=1)
+    items: list[ConversationItem] = [itinerary]
+    after = _loop(items, 200, 2)
+    items += [
+        AssistantMessage(item_id="act", text="Fetching.", sequence=after),
+        ToolCall(
+            item_id="cz",
+            call_id="kz",
+            tool_name="calendar.list",
+            arguments_json="{}",
+            sequence=after + 1,
+        ),
+    ]
+    checkpoint = Checkpoint(
+        run_id="b", version=2, items=tuple(i.model_copy(update={"run_id": "b"}) for i in items)
+    )
+    body = count_tokens(line_of(itinerary)) + 4_000
+    assert _kept_verbatim(checkpoint, body) <= 4_000 * KEEP_BODY_PPM // 1_000_000
+    first = prepare(checkpoint, [], through_sequence=10, count_tokens=count_tokens)
+    once = compacted_checkpoint(
+        checkpoint, check_result(first, _result(first, "Trip planning began."), count_tokens)
+    )
+    assert "u1" in {i.item_id for i in once.items}  # kept verbatim, below the floor
+    assert _kept_verbatim(once, body) <= 4_000 * KEEP_BODY_PPM // 1_000_000
+    # The active turn's thinking, which Build replays with its call.
+    thinking = ReasoningItem(
+        item_id="think",
+        provider="anthropic",
+        opaque=json.dumps({"type": "thinking", "thinking": "x " * 10_000, "signature": "s"}),
+        run_id="b",
+    )
+    short = [UserMessage(item_id="u1", text="Go.", sequence=1)]
+    after = _loop(short, 200, 2)
+    short += [
+        thinking,
+        ToolCall(
+            item_id="cz",
+            call_id="kz",
+            tool_name="calendar.list",
+            arguments_json="{}",
+            sequence=after,
+        ),
+    ]
+    thought = Checkpoint(
+        run_id="b", version=2, items=tuple(i.model_copy(update={"run_id": "b"}) for i in short)
+    )
+    body = count_tokens(thinking.opaque) + 4_000
+    assert _kept_verbatim(thought, body) <= 4_000 * KEEP_BODY_PPM // 1_000_000

@@ -257,8 +257,8 @@ class CompactionResult(_Frozen):
     compactor_version: str = ""
     prompt_version: str = PROMPT_VERSION
     retained_constraints: tuple[str, ...] = ()
-    # The open questions the summary was asked to keep open, so a merge can say which the
-    # user has answered since. Stored only when set: a replica that predates the field
+    # The open questions the summary was asked to keep open, so a merge can say which are
+    # no longer open. Stored only when set: a replica that predates the field
     # reads every checkpoint compacted without one (extra="forbid" would refuse the key).
     retained_questions: tuple[str, ...] = Field((), exclude_if=lambda value: not value)
 
@@ -814,12 +814,24 @@ def _staying(
     count_tokens: TokenCounter,
     factor_ppm: int,
 ) -> int:
-    """What the run's items above the floor that no compaction takes cost, as _choose_cut
-    costs items and under Build's correction (`factor_ppm`)."""
+    """What the run's items Build sends and no compaction takes cost, as _choose_cut costs
+    items (reasoning by its payload) and under Build's correction (`factor_ppm`): the run's
+    user messages, below the floor too (a compaction keeps them verbatim: a review found
+    the second level sizing its cut without them), and the active turn with the reasoning
+    Build replays (a review: its thinking was left out, its sequence 0 below every floor)."""
+    # assemble imports checkpoint, which imports this module: import at call time.
+    from .assemble import _latest_turn_reasoning_only
+
     compactable_ids = {id(i) for i in candidates}
-    floor = checkpoint.replaced_through_sequence
-    staying = [i for i in checkpoint.items if i.sequence > floor and id(i) not in compactable_ids]
-    return apply_factor(sum(count_tokens(_line(i)) for i in staying), factor_ppm)
+    sent = _latest_turn_reasoning_only(checkpoint.items)
+    return apply_factor(
+        sum(
+            count_tokens(i.opaque if isinstance(i, ReasoningItem) else _line(i))
+            for i in sent
+            if id(i) not in compactable_ids
+        ),
+        factor_ppm,
+    )
 
 
 def _unique(values: Iterable[str]) -> tuple[str, ...]:
@@ -914,8 +926,9 @@ def prepare(
     # Likewise questions: the model's own (an ask_user question may quote what it read) are
     # neither retained nor licensing; they stay open in the working-state block.
     questions = tuple(q.text for q in state.open_questions if q.trust in VETTED)
-    # Those the earlier summary was asked to keep open and the user has answered since (an
-    # audit: the merge restated one as open, beside the state that showed it answered).
+    # Those the earlier summary was asked to keep open and the working state no longer holds
+    # open (an audit: the merge restated an answered one as open, beside the state that
+    # showed it answered). Not "answered": the state's cap drops the oldest too (a review).
     answered = [q for q in (record.retained_questions if record else ()) if q not in questions]
 
     untrusted = [i for i in compacted if trust_of(i) not in SUMMARIZABLE]
@@ -1014,8 +1027,9 @@ def prepare(
             ]
         if answered:
             sections += [
-                "Questions the earlier summary kept open that have been answered since (do"
-                " not restate them as open):",
+                "Questions the earlier summary kept open that are no longer open in the"
+                " working state (answered, or dropped at its cap; do not restate them as"
+                " open):",
                 *(f"- {escape_content(q)}" for q in answered),
             ]
         sections += [
