@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -53,13 +54,27 @@ def _serve(args: argparse.Namespace) -> int:
         uvloop.install()
     except ImportError:
         pass
+    # Until serve's own handlers are in (after the database, the migrations and the port),
+    # SIGTERM ends the process by an exception, so the embedded database's exit hooks run:
+    # killed outright, it left that PostgreSQL running for good (an audit).
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         asyncio.run(serve(settings))
     except StartupError as exc:
         logging.getLogger("context_engine.server").error("cannot start: %s", exc)
         print(f"context-engine: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C before serve's handlers were in: no traceback
+        print("context-engine: interrupted while starting", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    """SIGTERM while starting: exit as the signal's conventional status, 128 + 15."""
+    raise SystemExit(128 + signum)
 
 
 def _session_id(text: str) -> str:

@@ -182,6 +182,10 @@ class Settings(BaseModel):
                 f"pool_min_size ({self.pool_min_size}) must not exceed"
                 f" pool_max_size ({self.pool_max_size})"
             )
+        if self.metrics_listen and self.metrics_listen == self.listen:
+            # Caught here, not after the migrations as "the address is in use" by its own
+            # metrics endpoint (an audit).
+            raise ValueError(f"metrics_listen must differ from listen ({self.listen})")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file must be set together")
         for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file"):

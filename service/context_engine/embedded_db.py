@@ -4,6 +4,7 @@ run and local use; production points DATABASE_URL at a real server."""
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import warnings
@@ -41,10 +42,46 @@ def start_embedded(data_dir: str) -> tuple[str, Any]:
     path = Path(data_dir).resolve()
     try:
         path.mkdir(parents=True, exist_ok=True)
+        _forget_exited_users(pgserver, path)
         server = pgserver.get_server(str(path), cleanup_mode="stop")
     except (OSError, subprocess.SubprocessError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
         raise StoreUnavailableError(
-            f"cannot start the embedded PostgreSQL in {path}: {why}"
+            f"cannot start the embedded PostgreSQL in {path}: {_reason(exc)}"
         ) from None
     return server.get_uri(), server
+
+
+def _forget_exited_users(pgserver: Any, path: Path) -> None:
+    """Take the processes that have exited off pgserver's list of the server's users
+    (`.handle_pids.json`, under its own lock), before this one joins it. pgserver stops the
+    server when the last listed process exits; one killed (SIGKILL, the OOM killer, a
+    SIGTERM before the service's handlers were in) never took itself off, so the server
+    was never stopped again, by any later clean exit either (an audit)."""
+    import psutil  # type: ignore[import-untyped]  # pgserver's own dependency; no stubs
+
+    listed = path / ".handle_pids.json"
+    with pgserver.PostgresServer._lock:
+        try:
+            pids = json.loads(listed.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return  # none yet, or not pgserver's: it makes its own
+        if not isinstance(pids, list):
+            return
+        running = [p for p in pids if isinstance(p, int) and psutil.pid_exists(p)]
+        if running != pids:
+            listed.write_text(json.dumps(running), encoding="utf-8")
+
+
+def _reason(exc: OSError | subprocess.SubprocessError) -> str:
+    """Why the server did not start, in a line: the OS's words, or which command failed
+    (initdb, pg_ctl) and where its own words are: pgserver logs a failed command's output
+    and raises without it (an audit: "CalledProcessError" alone named nothing)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    if isinstance(exc, subprocess.CalledProcessError):
+        command = exc.cmd[0] if isinstance(exc.cmd, list | tuple) and exc.cmd else exc.cmd
+        return (
+            f"{Path(str(command)).name} exited with status {exc.returncode} (its output is in"
+            " the pgserver error logged above)"
+        )
+    return type(exc).__name__

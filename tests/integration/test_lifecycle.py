@@ -394,6 +394,8 @@ _TLS = {"tls_cert_file": "@pem", "tls_key_file": "@pem", "tls_client_ca_file": "
         ({}, {"log_level": "chatty"}, "CONTEXT_ENGINE_LOG_LEVEL"),
         ({"tls_cert_file": "/nonexistent/cert.pem"}, {}, "tls_cert_file"),
         ({}, {"metrics_listen": "9464"}, "CONTEXT_ENGINE_METRICS_LISTEN"),
+        # Its own metrics endpoint took the port after the migrations (an audit).
+        ({"listen": "127.0.0.1:7071", "metrics_listen": "127.0.0.1:7071"}, {}, "must differ"),
         ({}, {"gc_thresholds": "often"}, "CONTEXT_ENGINE_GC_THRESHOLDS"),
         ({"gc_thresholds": [700, -1, 10]}, {}, "gc_thresholds"),
         ({"gc_thresholds": [700, 10]}, {}, "gc_thresholds"),
@@ -973,6 +975,89 @@ async def test_an_embedded_database_that_cannot_start_exits_1_in_one_line(
     assert code == 2
     assert f"no embedded database in {data_dir}" in line, line
     assert not Path(data_dir).exists()
+
+
+async def test_a_killed_user_of_the_embedded_database_does_not_keep_it_running(
+    tmp_path: Path,
+) -> None:
+    """pgserver stops the embedded PostgreSQL when the last process it lists as using it
+    exits. A `serve` killed outright never took itself off that list, so the server kept
+    running after every later clean exit too (an audit). The dead are taken off it first."""
+    data_dir = str(tmp_path / "pgdata")
+    env = _env(log_format="text")
+    killed = await _cli("serve", "--listen", "127.0.0.1:0", "--data-dir", data_dir, env=env)
+    await _listening_port(killed)
+    killed.kill()
+    await killed.wait()
+    assert (tmp_path / "pgdata" / "postmaster.pid").exists()  # left running, as listed
+    server = await _cli("serve", "--listen", "127.0.0.1:0", "--data-dir", data_dir, env=env)
+    await _listening_port(server)
+    server.send_signal(signal.SIGTERM)
+    await asyncio.wait_for(server.communicate(), 60)
+    assert server.returncode == 0
+    assert not (tmp_path / "pgdata" / "postmaster.pid").exists()
+
+
+async def test_sigterm_while_starting_exits_143_without_a_traceback(own_database: str) -> None:
+    """Before serve's handlers are in (here: waiting for another process's migration lock),
+    SIGTERM ends the process by an exception, so exit hooks run (the embedded database's
+    stop among them); it killed the process outright."""
+    from context_engine.store.migrate import _LOCK_KEY
+
+    holder = await asyncpg.connect(own_database)
+    try:
+        await holder.execute("SELECT pg_advisory_lock($1)", _LOCK_KEY)
+        env = _env(log_format="text")
+        proc = await _cli(
+            "serve", "--listen", "127.0.0.1:0", "--database-url", own_database, env=env
+        )
+        await _waiting_for_the_migration_lock(holder)
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 143, err.decode()
+        assert "Traceback" not in err.decode(), err.decode()
+    finally:
+        await holder.close()
+
+
+async def test_a_connection_lost_while_migrating_exits_1_in_one_line(own_database: str) -> None:
+    """A database lost while `serve` checks its migrations (a failover, a stall past the
+    command timeout) is one line and exit 1, as an unreachable one at start is; it was a
+    traceback (an audit)."""
+    from context_engine.store.migrate import _LOCK_KEY
+
+    holder = await asyncpg.connect(own_database)
+    try:
+        await holder.execute("SELECT pg_advisory_lock($1)", _LOCK_KEY)
+        env = _env(log_format="text")
+        env.pop("XDG_RUNTIME_DIR", None)
+        proc = await _cli(
+            "serve", "--listen", "127.0.0.1:0", "--database-url", own_database, env=env
+        )
+        waiting = await _waiting_for_the_migration_lock(holder)
+        await holder.execute("SELECT pg_terminate_backend($1)", waiting)
+        _, raw = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        await holder.close()
+    err = raw.decode()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("context-engine: lost the database while checking migrations"), err
+
+
+async def _waiting_for_the_migration_lock(holder: asyncpg.Connection) -> int:
+    """The pid of the backend that waits for the advisory lock `holder` holds."""
+    for _ in range(600):
+        pid = await holder.fetchval(
+            "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND wait_event = 'advisory' AND datname = current_database() AND pid <> $1",
+            await holder.fetchval("SELECT pg_backend_pid()"),
+        )
+        if pid is not None:
+            return int(pid)
+        await asyncio.sleep(0.1)
+    raise AssertionError("serve never waited for the migration lock")
 
 
 async def test_without_a_database_url_serve_inspect_and_migrate_share_the_embedded_database(

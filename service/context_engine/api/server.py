@@ -344,6 +344,16 @@ def server_options(settings: Settings) -> dict[str, Any]:
     return options
 
 
+async def _migrated(pool: asyncpg.Pool, migrate: bool) -> list[str]:
+    """Apply the migrations (`migrate`) or list those pending; returns the pending ones."""
+    async with pool.acquire() as conn:
+        if not migrate:
+            return await pending_migrations(conn)
+        if applied := await apply_migrations(conn):
+            _log.info("applied migrations %s", ", ".join(applied))
+        return []
+
+
 async def serve(settings: Settings) -> None:
     """Run until SIGTERM/SIGINT: connect (or start the embedded database), migrate, serve."""
     dsn = settings.database_url
@@ -361,24 +371,19 @@ async def serve(settings: Settings) -> None:
         )
     except StoreUnavailableError as exc:
         raise StartupError(str(exc)) from None
-    failed: MigrationError | None = None
-    async with pool.acquire() as conn:
-        if settings.migrate_on_start:
-            try:
-                applied = await apply_migrations(conn)
-            except MigrationError as exc:
-                failed, applied = exc, []
-            if applied:
-                _log.info("applied migrations %s", ", ".join(applied))
-            pending = []
-        else:
-            try:
-                pending = await pending_migrations(conn)
-            except MigrationError as exc:
-                failed, pending = exc, []
-    if failed is not None:
+    try:
+        pending = await _migrated(pool, settings.migrate_on_start)
+    except MigrationError as exc:
         await pool.close()
-        raise StartupError(str(failed))
+        raise StartupError(str(exc)) from None
+    except (OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError) as exc:
+        # Lost or stalled mid-way (a failover, a lock held past the command timeout): one
+        # line, as an unreachable database at start is (an audit: a traceback). What was
+        # applied before stays; the rest is applied at the next start. Terminated: a graceful
+        # close would wait on the database that stopped answering.
+        pool.terminate()
+        why = str(exc) or type(exc).__name__
+        raise StartupError(f"lost the database while checking migrations: {why}") from None
     if pending:
         await pool.close()
         raise StartupError(
