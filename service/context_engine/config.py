@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -380,7 +381,12 @@ def _problem(error: Mapping[str, Any], source: Mapping[str, str]) -> str:
     loc = error["loc"]
     message = str(error["msg"]).removeprefix("Value error, ")
     if not loc:
-        return message
+        # A check across settings: where each setting it names was given (an audit: "the
+        # line names where its value came from" did not hold for these).
+        given = [n for n in source if re.search(rf"\b{n}\b", message)]
+        return (
+            f"{message} ({', '.join(f'{n} from {source[n]}' for n in given)})" if given else message
+        )
     name = str(loc[0])
     # A name that is no setting comes only from the config file, which `source` names (a
     # review: the line left it out).

@@ -388,6 +388,12 @@ _TLS = {"tls_cert_file": "@pem", "tls_key_file": "@pem", "tls_client_ca_file": "
     ("file_settings", "env_settings", "named"),
     [
         ({}, {"pool_min_size": "0"}, "CONTEXT_ENGINE_POOL_MIN_SIZE"),
+        # A check across settings names where each came from (an audit).
+        (
+            {"pool_min_size": 5},
+            {"pool_max_size": "3"},
+            "pool_max_size from CONTEXT_ENGINE_POOL_MAX_SIZE",
+        ),
         ({"max_request_bytes": "lots"}, {}, "max_request_bytes"),
         ({"listne": "127.0.0.1:1"}, {}, "listne"),
         ({"auth": "bearer"}, {}, "auth_tokens"),

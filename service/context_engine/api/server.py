@@ -305,7 +305,10 @@ async def build_server(
     if port == 0:
         why = "the address is in use or not available"
         if credentials is not None:  # grpc refuses a certificate it cannot load the same way
-            why += ", or the TLS certificate and key were refused (not a matching PEM pair)"
+            why += (
+                ", or the TLS files were refused (the certificate and key not a matching PEM"
+                " pair, or tls_client_ca_file no CA certificate)"
+            )
         raise OSError(f"cannot listen on {listen}: {why}")
     await server.start()
     for name in (SERVICE_NAME, ""):
