@@ -2408,6 +2408,33 @@ async def test_an_admitted_browser_profile_without_browser_tools_names_the_admis
     assert (await _start(stub, session_id)).run.epoch == 1  # without the profile, it starts
 
 
+async def test_a_scope_no_tool_needs_rotates_nothing_and_a_grant_names_the_scopes(
+    stub: Any, pool: Any
+) -> None:
+    """core/epochs.py Rule 3: an admission's scope that admits no tool ("openid") is no
+    grant: it rotated (a re-cache of Region A under a new secret) and, rebuilt under the
+    run's scopes, refused a run asking for the session's own browser profile, naming the
+    profile (an audit). A real grant whose run lacks the browser tools' scope is refused as
+    the session's state, not as the profile's."""
+    browser = spec(
+        environment=pb.SessionEnvironment(
+            surface="chat", browser_profile_id="P", allowed_origins=["https://shop.example"]
+        )
+    )
+    browser.principal.scopes.append("browser.use")
+    for name in ("browser.navigate", "browser.observe", "browser.act"):
+        browser.tools.append(tool(name, builtin=True, scopes=("browser.use",)))
+    browser.tools.append(tool("mail.send", scopes=("mail.send",)))
+    session_id, plan = await _open(stub, browser)
+    started = await _start(stub, session_id, scopes=["calendar.read", "openid"], profile="P")
+    assert started.run.epoch == plan.epoch and not started.HasField("rotated_plan")
+    assert await _rotations(pool, session_id) == []
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _start(stub, session_id, scopes=["calendar.read", "mail.send"], profile="P")
+    assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert details(caught.value)[1] != ["admission.browser_profile_id"]
+
+
 # --- lineages continued when used ---------------------------------------------------------
 
 

@@ -162,6 +162,17 @@ ADMISSIONS = (
         spec_kw=(("environment", SessionEnvironment(kind=SessionKind.OPERATIONAL)),),
     ),
     AdmissionCase(
+        "a scope no tool needs is no grant (an OAuth openid): the prefix keeps",
+        Admission(("mail.read", "web", "openid")),
+        (),
+    ),
+    AdmissionCase(
+        "an operational session's prefix no profile changes: a new profile keeps the plan",
+        Admission(("mail.read", "web"), browser_profile_id="profile-2"),
+        (),
+        spec_kw=(("environment", SessionEnvironment(kind=SessionKind.OPERATIONAL)),),
+    ),
+    AdmissionCase(
         "a changed browser profile rotates even with unchanged scopes",
         Admission(("mail.read", "web"), browser_profile_id="profile-2"),
         (PlanReason.BROWSER_PROFILE_CHANGED,),
@@ -326,17 +337,26 @@ def test_revocation_keeps_the_hash_and_the_tool() -> None:
     assert pinned["web.fetch"].required_scopes == ("web",)  # what the call-time check needs
 
 
+_SCOPES = st.sets(st.sampled_from(["a", "b", "c", "d"]))
+
+
 @settings(max_examples=200, deadline=None)
-@given(
-    st.sets(st.sampled_from(["a", "b", "c", "d"])),
-    st.sets(st.sampled_from(["a", "b", "c", "d"])),
-)
-def test_only_a_new_scope_rotates(pinned: set[str], run: set[str]) -> None:
-    spec = _spec(principal=Principal(scopes=tuple(pinned)), tools=(), snapshot=MemorySnapshotSpec())
+@given(_SCOPES, _SCOPES, st.lists(_SCOPES, max_size=3))
+def test_only_a_new_scope_that_admits_a_tool_rotates(
+    pinned: set[str], run: set[str], needs: list[set[str]]
+) -> None:
+    """Rule 3: a grant rotates where the run's scopes admit a tool the pinned ones do not;
+    a scope no tool needs changes no byte of the prefix and rotates nothing (an audit: an
+    "openid" in the admission re-cached Region A at every run)."""
+    tools = tuple(_tool(f"t{n}.x", tuple(sorted(need))) for n, need in enumerate(needs))
+    spec = _spec(
+        principal=Principal(scopes=tuple(pinned)), tools=tools, snapshot=MemorySnapshotSpec()
+    )
     plan = _plan(spec)
     decision = admit_run(plan, spec, Admission(tuple(run)), builder_reproduces=_never)
     rotates = decision.reason is PlanReason.RUN_AUTHORITY_CHANGED
-    assert rotates == (not run <= pinned)
+    admits = any(need <= run and not need <= pinned for need in needs)
+    assert rotates == (not run <= pinned and admits)
 
 
 # --- the canonicalizing copy --------------------------------------------------------------
@@ -395,6 +415,7 @@ def test_a_legacy_plan_is_copied_with_canonical_hashes_and_the_same_bytes() -> N
 def test_a_rebuild_reason_supersedes_the_copy() -> None:
     spec = _two_scope_spec()
     legacy = _legacy(_plan(spec))
+    spec = spec.model_copy(update={"tools": (*spec.tools, _tool("mail.send", ("new",)))})
     decision = admit_run(
         legacy, spec, Admission(("mail.read", "mail.list", "web", "new")), builder_reproduces=_never
     )

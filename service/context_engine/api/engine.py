@@ -692,6 +692,9 @@ class Engine:
                     admission is not None
                     and admission.browser_profile_id
                     and exc.metadata.get("missing")
+                    # The profile's: where the rebuild is the grant's, the run's scopes took
+                    # the browser tools away (an audit: named the profile the session has).
+                    and PlanReason.BROWSER_PROFILE_CHANGED in decision.reasons
                 ):
                     raise _profile_not_served(exc, admission.browser_profile_id) from None
                 raise _as_state(exc, rebuilt) from None

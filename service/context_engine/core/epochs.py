@@ -24,11 +24,17 @@ its pinned authority (every other invalidated lineage at its next use), and the 
 change is then decided again on the rebuilt current plan: a second, admission rotation
 (the same epochs a Build after the erasure and then the admission would give).
 Rule 3: newly granted scopes (a SHA-256 not in plan.authority_scope_hashes) rotate with
-run_authority_changed; scope reduction alone keeps the prefix, because revocation is
-enforced at call time. A legacy plan without hashes rebuilds once. A session kind that
-pins no tools has no advertisement for authority to change.
+run_authority_changed where they take effect: where the run's scopes admit a tool of the
+pinned spec that the pinned scopes do not (`admitted_by_grant`). A scope no tool needs
+(an OAuth "openid", "email") changes no byte of the prefix: rotating for it re-cached
+Region A under a new secret, alternating admissions rotated at every run, and the
+rebuild under the run's scopes refused a run that asked for the pinned browser profile
+(an audit). Scope reduction alone keeps the prefix, because revocation is enforced at
+call time. A legacy plan without hashes rebuilds once. A session kind that pins no tools
+has no advertisement for authority to change.
 Rule 4: a changed selected browser profile rotates with browser_profile_changed, even with
-unchanged scopes.
+unchanged scopes; not for a session kind that pins no tools, whose prefix no profile
+changes (an audit: an operational session rotated at every profile change).
 Rule 5: an invalidated snapshot (erasure) rotates with snapshot_invalidated.
 Rule 6: a plan recorded by another builder version stays current when the current builder
 reproduces its bytes; otherwise it rotates once with builder_upgraded.
@@ -59,6 +65,7 @@ __all__ = [
     "Admission",
     "Decision",
     "admit_run",
+    "admitted_by_grant",
     "canonical_document",
     "canonicalized_copy",
     "copyable",
@@ -141,6 +148,7 @@ def admit_run(
     if (
         admission.browser_profile_id is not None
         and admission.browser_profile_id != spec.environment.browser_profile_id
+        and spec.environment.kind is not SessionKind.OPERATIONAL  # Rule 4
     ):
         found.add(PlanReason.BROWSER_PROFILE_CHANGED)
     if plan.builder_version != BUILDER_VERSION and not builder_reproduces():
@@ -162,7 +170,19 @@ def _authority_changed(plan: ContextPlan, spec: PlanSpec, admission: Admission) 
         return False  # its kind pins an empty set whatever the scopes (Rule 3)
     if plan.authority_scope_hashes is None:
         return True  # a legacy plan rebuilds once, at the next unpinned run
-    return admission.scopes is not None and bool(newly_granted(plan, admission.scopes))
+    if admission.scopes is None or not newly_granted(plan, admission.scopes):
+        return False
+    return bool(admitted_by_grant(spec, admission.scopes))
+
+
+def admitted_by_grant(spec: PlanSpec, scopes: tuple[str, ...]) -> tuple[str, ...]:
+    """Rule 3: the tools of `spec` that `scopes` admit and its pinned scopes do not."""
+    run, pinned = set(scopes), set(spec.principal.scopes)
+    return tuple(
+        t.name
+        for t in spec.tools
+        if run.issuperset(t.required_scopes) and not pinned.issuperset(t.required_scopes)
+    )
 
 
 def _rebuilt_spec(
