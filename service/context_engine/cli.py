@@ -67,14 +67,22 @@ def _serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C before serve's handlers were in: no traceback
         print("context-engine: interrupted while starting", file=sys.stderr)
         return 130
+    except _Terminated as exc:
+        print("context-engine: terminated while starting", file=sys.stderr)
+        return int(exc.code or 0)
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
 
 
+class _Terminated(SystemExit):
+    """SIGTERM while starting (a SystemExit: what catches Exception lets it through)."""
+
+
 def _terminated(signum: int, frame: Any) -> None:
-    """SIGTERM while starting: exit as the signal's conventional status, 128 + 15."""
-    raise SystemExit(128 + signum)
+    """SIGTERM while starting: exit as the signal's conventional status, 128 + 15. While
+    the embedded database starts it is held back until that is done (embedded_db.py)."""
+    raise _Terminated(128 + signum)
 
 
 def _session_id(text: str) -> str:

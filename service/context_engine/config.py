@@ -383,7 +383,8 @@ def _problem(error: Mapping[str, Any], source: Mapping[str, str]) -> str:
     if not loc:
         # A check across settings: where each setting it names was given (an audit: "the
         # line names where its value came from" did not hold for these).
-        given = [n for n in source if re.search(rf"\b{n}\b", message)]
+        # As a name, not inside a path or another name ("listen" in ".../listen.pem").
+        given = [n for n in source if re.search(rf"(?<![\w./-]){n}(?![\w./-])", message)]
         return (
             f"{message} ({', '.join(f'{n} from {source[n]}' for n in given)})" if given else message
         )

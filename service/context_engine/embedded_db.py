@@ -4,10 +4,15 @@ run and local use; production points DATABASE_URL at a real server."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import signal
 import subprocess
+import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +47,37 @@ def start_embedded(data_dir: str) -> tuple[str, Any]:
     path = Path(data_dir).resolve()
     try:
         path.mkdir(parents=True, exist_ok=True)
-        _forget_exited_users(pgserver, path)
-        server = pgserver.get_server(str(path), cleanup_mode="stop")
+        with _sigterm_deferred():
+            _forget_exited_users(pgserver, path)
+            server = pgserver.get_server(str(path), cleanup_mode="stop")
     except (OSError, subprocess.SubprocessError) as exc:
         raise StoreUnavailableError(
             f"cannot start the embedded PostgreSQL in {path}: {_reason(exc)}"
         ) from None
     return server.get_uri(), server
+
+
+@contextlib.contextmanager
+def _sigterm_deferred() -> Iterator[None]:
+    """Hold SIGTERM back while pgserver creates or starts the server, then act on it. Taken
+    at once, the exception it raises (cli.py) killed initdb half way, and every later start
+    found a data directory it could not use (a review); the list of the server's users,
+    half written, broke every later start too. Off the main thread (no handler can be set
+    there) nothing is held back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if held:  # as it would have been taken: the handler, or the default action
+        if callable(previous):
+            previous(signal.SIGTERM, None)
+        elif previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _forget_exited_users(pgserver: Any, path: Path) -> None:
@@ -62,14 +91,21 @@ def _forget_exited_users(pgserver: Any, path: Path) -> None:
     listed = path / ".handle_pids.json"
     with pgserver.PostgresServer._lock:
         try:
-            pids = json.loads(listed.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return  # none yet, or not pgserver's: it makes its own
+            text = listed.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return  # none yet: pgserver makes it
+        try:
+            pids = json.loads(text)
+        except ValueError:
+            pids = None
         if not isinstance(pids, list):
-            return
+            pids = []  # cut short (a write interrupted): pgserver failed on it at every start
         running = [p for p in pids if isinstance(p, int) and psutil.pid_exists(p)]
-        if running != pids:
-            listed.write_text(json.dumps(running), encoding="utf-8")
+        if json.dumps(running) != text:
+            # Whole or not at all: a write cut short is what broke every later start.
+            partial = listed.with_name(listed.name + ".tmp")
+            partial.write_text(json.dumps(running), encoding="utf-8")
+            os.replace(partial, listed)
 
 
 def _reason(exc: OSError | subprocess.SubprocessError) -> str:

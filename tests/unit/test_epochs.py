@@ -412,6 +412,19 @@ def test_a_legacy_plan_is_copied_with_canonical_hashes_and_the_same_bytes() -> N
     assert admit_run(copy, spec, None, builder_reproduces=_never).reason is None
 
 
+def test_a_scope_only_a_tool_the_roster_never_shows_needs_is_no_grant() -> None:
+    """Rule 3 reads the tools as the roster does: one hidden from the model, or bound to a
+    capability the session does not select, is never advertised, so a scope only it needs
+    changes no byte (a review: it rotated for nothing)."""
+    hidden = _tool("mail.sync", ("mail.sync",)).model_copy(update={"model_visible": False})
+    unbound = _tool("mail.bind", ("mail.bind",)).model_copy(update={"session_binding": "imap"})
+    spec = _spec(tools=(*_spec().tools, hidden, unbound))
+    plan = _plan(spec)
+    for scope in ("mail.sync", "mail.bind"):
+        grant = Admission(("mail.read", "web", scope))
+        assert admit_run(plan, spec, grant, builder_reproduces=_never).reason is None
+
+
 def test_a_rebuild_reason_supersedes_the_copy() -> None:
     spec = _two_scope_spec()
     legacy = _legacy(_plan(spec))

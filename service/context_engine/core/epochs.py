@@ -176,12 +176,18 @@ def _authority_changed(plan: ContextPlan, spec: PlanSpec, admission: Admission) 
 
 
 def admitted_by_grant(spec: PlanSpec, scopes: tuple[str, ...]) -> tuple[str, ...]:
-    """Rule 3: the tools of `spec` that `scopes` admit and its pinned scopes do not."""
+    """Rule 3: the tools of `spec` that `scopes` admit and its pinned scopes do not, of
+    those the roster could advertise at all (model-visible, bound where a binding is asked:
+    core/roster.py Rule 1; a review: a hidden tool's scope rotated for nothing)."""
     run, pinned = set(scopes), set(spec.principal.scopes)
+    bound = set(spec.environment.bound_capabilities)
     return tuple(
         t.name
         for t in spec.tools
-        if run.issuperset(t.required_scopes) and not pinned.issuperset(t.required_scopes)
+        if t.model_visible
+        and (not t.session_binding or t.session_binding in bound)
+        and run.issuperset(t.required_scopes)
+        and not pinned.issuperset(t.required_scopes)
     )
 
 
