@@ -609,10 +609,10 @@ async def second_replica(pool: Any) -> AsyncIterator[Any]:
 async def test_two_replicas_rotating_at_once_make_one_epoch(
     stub: Any, second_replica: Any, pool: Any
 ) -> None:
-    session_id, _ = await _open(stub, spec())
+    session_id, _ = await _open(stub, _mail_spec())
 
     def rotate(on: Any) -> Any:
-        changed = spec()
+        changed = _mail_spec()
         changed.agent.version = "4"
         return on.Rotate(_rotation(session_id, pb.PLAN_REASON_AGENT_CHANGED, changed))
 
@@ -1087,7 +1087,8 @@ async def test_a_rotate_without_spec_that_cannot_carry_the_loaded_bodies_is_refu
 
 
 def _skills_mail_spec() -> pb.PlanSpec:
-    """_skills_spec with a large tool only a `mail.send` grant brings in."""
+    """_skills_spec with a large tool only a `mail.send` grant brings in, and a small one
+    only a `notes.read` grant does (a scope no tool needs grants nothing)."""
     out = _skills_spec()
     out.tools.append(
         tool(
@@ -1096,6 +1097,7 @@ def _skills_mail_spec() -> pb.PlanSpec:
             description="Send an email on the owner's behalf. " + "Mind the recipients. " * 200,
         )
     )
+    out.tools.append(tool("notes.search", scopes=("notes.read",)))
     return out
 
 

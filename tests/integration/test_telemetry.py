@@ -1373,7 +1373,9 @@ async def test_a_request_on_an_epoch_an_interleaved_run_left_is_not_first(
     stub, reader = traced["stub"], traced["reader"]
     model = spec().model_id
     session_id = new_id()
-    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=spec()))
+    mail = spec()
+    mail.tools.append(tool("mail.search", scopes=("mail.read",)))  # what B's grant admits
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=mail))
 
     async def start(text: str, **admission: Any) -> str:
         request = pb.StartRunRequest(
