@@ -317,6 +317,21 @@ def test_constraints_that_alone_overflow_the_block_fail() -> None:
     assert render_block(state, secret=SECRET, count_tokens=count_tokens) is not None
 
 
+def test_the_cap_names_the_field_that_grows_the_block_most() -> None:
+    """A one-character constraint beside a long next action: the refusal named the
+    constraint, the first of a fixed order (an audit); it names what grew the block."""
+    state = _update(Writer.USER, WorkingState(), WorkingStateUpdate(objective="o " * 900), 1)
+    with pytest.raises(PreconditionError) as refused:
+        _update(
+            Writer.MODEL,
+            state,
+            WorkingStateUpdate(add_constraints=("x",), next_action="step " * 400),
+            2,
+        )
+    assert _reason(refused) == "WORKING_STATE_CAP"
+    assert refused.value.field == "update.next_action"
+
+
 def test_an_entry_is_named_by_its_text_as_written_or_as_the_block_shows_it() -> None:
     """The block shows `<` as `&lt;` and indents continuation lines; the model, sending back
     what it read, could not remove its constraint or resolve its question (a review)."""

@@ -30,6 +30,7 @@ from ..core.items import (
     CorrectionLineItem,
     KnowledgePassageItem,
     RecallLineItem,
+    UserMessage,
     trust_of,
 )
 from ..core.plan import prefix_data
@@ -52,6 +53,7 @@ from ..core.working_state import (
     fold,
     lowest_trust,
     pending_questions,
+    require_writer_fields,
     runtime_update,
 )
 from ..store import events, idempotency, plans, runs, sessions
@@ -232,17 +234,7 @@ async def _lowered_facts(
             fact.model_copy(update={"source_event_ids": evidence, "trust": lowest_trust(levels)})
         )
     if any(f.trust in SUMMARIZABLE for f in facts):
-        shown, erased = await _shown_sources(conn, tenant_id, session_id, run)
-        # The run's own items and the state's claims: a fact restating the page the run
-        # fetched, citing the user's message, was USER, shown bare and offered (an audit).
-        shown += _run_sources(checkpoint)
-        # Those a compaction took out of the checkpoint: the model saw them before the
-        # summary replaced them (an audit: a page the run fetched, compacted away, was
-        # restated as the user's).
-        shown += await _elided_sources(conn, tenant_id, session_id, checkpoint)
-        # And the earlier runs' results it carried: a page fetched a turn before was
-        # restated the same way (an audit).
-        shown += await _carried_sources(conn, tenant_id, session_id, run)
+        shown, erased = await _everything_shown(conn, tenant_id, session_id, run, checkpoint)
         # Matching scans every source for each fact: CPU work, off the event loop (a
         # review: seconds of it held every tenant's calls on the replica).
         facts = await asyncio.to_thread(lambda: [_quoted_trust(f, shown, found) for f in facts])
@@ -260,6 +252,80 @@ async def _lowered_facts(
 
 # A source the run was shown: (its text, its trust), below what a fact may restate freely.
 Source = tuple[str, TrustLevel]
+
+
+async def _everything_shown(
+    conn: Any, tenant_id: str, session_id: UUID, run: runs.RunRow, checkpoint: Checkpoint
+) -> tuple[list[Source], bool]:
+    """What the run's model was shown below what it may restate freely, and whether an
+    erasure has since taken some of it out (_shown_sources)."""
+    shown, erased = await _shown_sources(conn, tenant_id, session_id, run)
+    # The run's own items and the state's claims: a fact restating the page the run
+    # fetched, citing the user's message, was USER, shown bare and offered (an audit).
+    shown += _run_sources(checkpoint)
+    # Those a compaction took out of the checkpoint: the model saw them before the summary
+    # replaced them (an audit: a page the run fetched, compacted away, was restated as the
+    # user's).
+    shown += await _elided_sources(conn, tenant_id, session_id, checkpoint)
+    # And the earlier runs' results it carried: a page fetched a turn before was restated
+    # the same way (an audit).
+    shown += await _carried_sources(conn, tenant_id, session_id, run)
+    return shown, erased
+
+
+def _model_entries(update: WorkingStateUpdate) -> list[tuple[str, str]]:
+    """(field, text) of what the update states that is not a fact: shown bare in the block,
+    at its writer's trust, the objective and constraints in force in every later run."""
+    entries = [("update.objective", update.objective or "")]
+    entries += [(f"update.add_constraints[{k}]", c) for k, c in enumerate(update.add_constraints)]
+    entries += [
+        (f"update.upsert_tasks[{k}].title", t.title) for k, t in enumerate(update.upsert_tasks)
+    ]
+    entries.append(("update.next_action", update.next_action or ""))
+    return [(field, text) for field, text in entries if text]
+
+
+async def _refuse_quoted_entries(
+    conn: Any,
+    tenant_id: str,
+    session_id: UUID,
+    run: runs.RunRow,
+    checkpoint: Checkpoint,
+    update: WorkingStateUpdate,
+) -> None:
+    """The model's (or the runtime's) objective, constraints, task titles and next action
+    quote nothing less trusted than the model that the run was shown. A fact restating a
+    page is held at the page's trust; these take their writer's alone, so a page's
+    instruction copied into a constraint was shown bare, in force, in every later run (an
+    audit). Matched as facts are (_quoted_trust), the run's user messages licensing what
+    they hold.
+
+    Raises:
+        InvalidFieldError: naming the entry that quotes such a source.
+    """
+    entries = _model_entries(update)
+    if not entries:
+        return
+    shown, _ = await _everything_shown(conn, tenant_id, session_id, run, checkpoint)
+    sources = [(text, trust) for text, trust in shown if trust > TrustLevel.MODEL]
+    if not sources:
+        return
+    allowed = "\n".join(
+        i.text
+        for i in checkpoint.items
+        if isinstance(i, UserMessage) and trust_of(i) <= TrustLevel.USER
+    )
+    texts = [text for _, text in entries]
+    quoted = await asyncio.to_thread(quoted_sources, texts, [text for text, _ in sources], allowed)
+    for n, (field, _) in enumerate(entries):
+        if quoted.get(n):
+            level = lowest_trust([sources[j][1] for j in quoted[n]])
+            raise InvalidFieldError(
+                f"{field} restates {level.name} content the run was shown; it would be"
+                " shown bare, at the writer's trust: state it as a fact citing its source,"
+                " which keeps that content's trust",
+                field=field,
+            )
 
 
 # How many earlier runs' requests a new fact's check reads the step lines of, newest first:
@@ -296,10 +362,28 @@ async def _named_evidence(
     resolved = await ws_store.resolve_item_ids(
         conn, tenant_id, session_id, run_id, run.seed_event_sequence, ids
     )
+    # By sequence, the same view as by item id: a later run's message, or another run's
+    # turn, named by its sequence was taken as evidence the run never saw (an audit: a fact
+    # resting on another run's user message was Established and offered).
+    unseen = await ws_store.unseen_by_run(
+        conn,
+        tenant_id,
+        session_id,
+        run_id,
+        run.seed_event_sequence,
+        [s for fact in update.add_facts for s in fact.source_event_ids],
+    )
     named = []
     for n, fact in enumerate(update.add_facts):
         path = f"update.add_facts[{n}]"
         pairs = [(s, f"{path}.source_event_ids[{k}]") for k, s in enumerate(fact.source_event_ids)]
+        for sequence, field in pairs:
+            if sequence in unseen:
+                raise InvalidFieldError(
+                    f"event {sequence} is not one this run was shown (its own, or the earlier"
+                    " conversation it carries): cite the events the fact rests on",
+                    field=field,
+                )
         for k, item_id in enumerate(cited[n] if n < len(cited) else ()):
             field = f"{path}.source_item_ids[{k}]"
             found = sorted({s for form in forms[n, k] for s in resolved.get(form, ())})
@@ -562,6 +646,11 @@ async def update_working_state(
             await _require_offered(conn, tenant_id, session_id, run_id)
         checkpoint = await runs.read_checkpoint(conn, tenant_id, run_id)
         require_version(checkpoint, expected_version)
+        # Before the facts' evidence is read and compared: a writer that may not set a
+        # field was told about a fact's evidence instead (an audit), after that work.
+        require_writer_fields(update, writer)
+        if writer is not Writer.USER:
+            await _refuse_quoted_entries(conn, tenant_id, session_id, run, checkpoint, update)
         update = await _lowered_facts(
             conn, tenant_id, session_id, run_id, run, checkpoint, update, cited
         )

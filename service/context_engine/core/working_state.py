@@ -106,6 +106,7 @@ __all__ = [
     "lowest_trust",
     "pending_questions",
     "render_block",
+    "require_writer_fields",
     "runtime_update",
     "source_trust",
 ]
@@ -534,6 +535,10 @@ class _Written:
     statement: str
     ids: set[int]
     trust: TrustLevel
+    # The writer of the fact it restates where that writer ranks above this transition's:
+    # restating never lowers a fact's writer, as for the other entries (an audit: the
+    # model restating the user's fact made it the model's, offered as its conclusion).
+    owner: Writer | None = None
 
 
 def _take(slots: deque[int] | None, gone: set[int]) -> int | None:
@@ -576,9 +581,12 @@ def _add_facts(state: WorkingState, values: tuple[NewFact, ...], ctx: _Ctx) -> W
             old = live.pop(slots.popleft())
             if isinstance(old, Fact):
                 written.ids.update(old.source_event_ids)
+                if _outranks(old.writer, ctx.writer):
+                    written.owner = old.writer
             else:  # written earlier in this transition: merge into it, not a copy of it
                 old.ids.update(written.ids)
                 written.ids = old.ids
+                written.owner = old.owner
             written.trust = lowest_trust((old.trust, new.trust))
         slot = len(state.facts) + n
         live[slot] = written
@@ -590,7 +598,7 @@ def _add_facts(state: WorkingState, values: tuple[NewFact, ...], ctx: _Ctx) -> W
             statement=fact.statement,
             source_event_ids=tuple(sorted(fact.ids)),
             trust=fact.trust,
-            writer=ctx.writer,
+            writer=fact.owner or ctx.writer,
             source_sequence=ctx.sequence,
         )
         for fact in live.values()
@@ -766,18 +774,42 @@ def _merged(state: WorkingState, update: WorkingStateUpdate, ctx: _Ctx) -> Worki
     Raises:
         InvalidFieldError, PreconditionError: as apply_update.
     """
-    forbidden = sorted(update.touched() - WRITER_FIELDS[ctx.writer])
-    if forbidden:
-        raise InvalidFieldError(
-            f"the {ctx.writer.name.lower()} writer may not set {forbidden[0]}",
-            field=f"update.{forbidden[0]}",
-        )
+    require_writer_fields(update, ctx.writer)
     for name, step in _STEPS:
         value = getattr(update, name)
         if value is None or value == ():
             continue
         state = step(state, value, ctx)
     return state
+
+
+def _largest(
+    update: WorkingStateUpdate, grown: list[str], count_tokens: Callable[[str], int]
+) -> str:
+    """Of the fixed fields `update` grows, the one that adds the most: what the cap's
+    refusal names (an audit: it named a one-character constraint beside a long next
+    action, the first of a fixed order)."""
+
+    def added(name: str) -> int:
+        value = getattr(update, name)
+        texts = value if isinstance(value, tuple) else (value or "",)
+        return sum(count_tokens(t) for t in texts)
+
+    return max(grown, key=added)
+
+
+def require_writer_fields(update: WorkingStateUpdate, writer: Writer) -> None:
+    """Rule 1: `writer` may set every field `update` touches.
+
+    Raises:
+        InvalidFieldError: naming the first field it may not set.
+    """
+    forbidden = sorted(update.touched() - WRITER_FIELDS[writer])
+    if forbidden:
+        raise InvalidFieldError(
+            f"the {writer.name.lower()} writer may not set {forbidden[0]}",
+            field=f"update.{forbidden[0]}",
+        )
 
 
 def _upserted(update: WorkingStateUpdate) -> frozenset[str]:
@@ -819,7 +851,7 @@ def apply_update(
             raise PreconditionError(
                 f"objective, constraints and next action alone would take {tokens} tokens;"
                 f" the working-state block holds {BLOCK_TOKENS} and they never evict",
-                field=f"update.{grown[0]}",
+                field=f"update.{_largest(update, grown, count_tokens)}",
                 reason="WORKING_STATE_CAP",
                 metadata={"class": "working_state", "cap_tokens": str(BLOCK_TOKENS)},
             )

@@ -17,6 +17,7 @@ __all__ = [
     "read_evidence_at",
     "read_working_state_updates",
     "resolve_item_ids",
+    "unseen_by_run",
 ]
 
 WORKING_STATE_UPDATED = "context.working_state.updated"
@@ -126,6 +127,32 @@ async def resolve_item_ids(
     for row in rows:
         found.setdefault(row["item_id"], []).append(int(row["sequence"]))
     return {item_id: sorted(sequences) for item_id, sequences in found.items()}
+
+
+async def unseen_by_run(
+    conn: Any,
+    tenant_id: str,
+    session_id: UUID,
+    run_id: UUID,
+    seed_event_sequence: int | None,
+    sequences: list[int],
+) -> set[int]:
+    """Those of `sequences` that are events of the session the run was not shown: neither
+    its own nor the conversation below its seed (resolve_item_ids' view, for evidence
+    named by sequence)."""
+    if not sequences:
+        return set()
+    rows = await conn.fetch(
+        "SELECT sequence FROM session_events"
+        " WHERE tenant_id = $1 AND session_id = $2 AND sequence = ANY($3::bigint[])"
+        " AND run_id IS DISTINCT FROM $4 AND NOT (in_history AND sequence < $5)",
+        tenant_id,
+        session_id,
+        sorted(set(sequences)),
+        run_id,
+        seed_event_sequence or 0,
+    )
+    return {int(r["sequence"]) for r in rows}
 
 
 async def next_sequence(conn: Any, tenant_id: str, session_id: UUID) -> int:
