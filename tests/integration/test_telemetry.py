@@ -1462,3 +1462,47 @@ async def _joins_the_callers_trace(server: dict[str, Any], *, tracing: bool) -> 
     assert joined["trace_id"] == trace_id
     if not tracing:
         assert "trace_id" not in plain and "trace_id" not in malformed
+
+
+async def test_a_start_cancelled_after_its_commit_is_counted_once(pool: Any) -> None:
+    """StartRun counted the run and its rotation after reading the rotated plan: a call
+    whose deadline passed in that read, after the commit, was counted by neither it nor
+    its retry, which replays (an audit: 58 of 60 runs counted). Counted once."""
+    reader = InMemoryMetricReader()
+    tel = Telemetry(TracerProvider(), MeterProvider(metric_readers=[reader]))
+    engine = build_engine(pool)
+    running = await build_server(engine, "127.0.0.1:0", telemetry=tel)
+    read_plan = engine.get_plan
+
+    async def slow_plan(*args: Any, **kw: Any) -> Any:
+        await asyncio.sleep(1.0)  # past the call's deadline, after the commit
+        return await read_plan(*args, **kw)
+
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = pb_grpc.ContextEngineStub(channel)
+            session_id = new_id()
+            mail = spec()
+            mail.tools.append(tool("mail.search", scopes=("mail.read",)))
+            await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=mail))
+            request = pb.StartRunRequest(
+                tenant_id=TENANT,
+                session_id=session_id,
+                user_message=pb.UserMessage(text="hello"),
+                idempotency_key="start-1",
+                admission=pb.RunAdmission(scopes=["calendar.read", "web.read", "mail.read"]),
+            )
+            engine.get_plan = slow_plan  # type: ignore[method-assign]
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await stub.StartRun(request, timeout=0.5)
+            assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            await asyncio.sleep(1.0)  # the handler, cancelled, is done
+            engine.get_plan = read_plan  # type: ignore[method-assign]
+            retried = await stub.StartRun(request)
+            assert retried.rotated_plan.epoch == 2
+        points = _points(reader)
+        assert _total(points, "context_engine.runs.started") == 1
+        assert _total(points, "context_engine.epochs.rotated") == 1
+    finally:
+        await running.stop(0)
+        tel.shutdown()

@@ -182,6 +182,17 @@ class ContextEngineServicer(
             ),
             admission,
         )
+        # Counted here, not derived from the response: a replay answers with the first
+        # call's response (rotated_plan included) but started and rotated nothing. Counted
+        # before anything else is awaited: a call cancelled after its commit (its deadline
+        # passing in the plan's read below) was counted by neither it nor its retry, which
+        # replays (an audit).
+        if started.replayed:
+            telemetry.record_replay("run")
+        else:
+            telemetry.record_run_started()
+            for reason in started.rotations:
+                telemetry.record_rotation(reason.name.lower())
         # A rotation at the admission, or a child pinning its parent's lineage, moves other
         # runs' heads: the session's next Builds here read them.
         self.engine.forget_heads(tenant, session_id)
@@ -197,14 +208,6 @@ class ContextEngineServicer(
         if started.rotated_epoch is not None:  # admission rotated: the plan the run pins
             rotated = await self.engine.get_plan(tenant, session_id, started.rotated_epoch)
             response.rotated_plan.CopyFrom(convert.plan_to_proto(rotated.plan, rotated.created_at))
-        # Counted here, not derived from the response: a replay answers with the first
-        # call's response (rotated_plan included) but started and rotated nothing.
-        if started.replayed:
-            telemetry.record_replay("run")
-        else:
-            telemetry.record_run_started()
-            for reason in started.rotations:
-                telemetry.record_rotation(reason.name.lower())
         return response
 
     @grpc_errors
