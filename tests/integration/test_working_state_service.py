@@ -1978,43 +1978,52 @@ _INSTRUCTION = (
 
 
 async def test_a_page_copied_into_a_constraint_or_the_objective_is_refused(stub: Any) -> None:
-    """A fact restating a fetched page is held at the page's trust; the objective, a
-    constraint, a task's title and the next action take their writer's, so the page's
-    instruction copied there was shown bare, in force, in every later run (an audit). The
-    model's are refused, naming the field; the user's own words are not checked."""
+    """A fact restating a fetched page is held at the page's trust; the objective and a
+    constraint take their writer's, so the page's instruction copied there was shown bare,
+    in force, in every later run (an audit). The model's are refused, naming the field.
+    What the user wrote licenses its words, in this run or one it carries, and what the
+    state holds already is not checked again; nor are task titles and next actions (a
+    review: the model's own search terms, echoed by the page, were refused at every step);
+    nor the user's own updates."""
     session_id = await _offering_the_control_tool(stub)
-    started = await start_run(stub, session_id, "Find a hotel in Lyon")
-    run_id = started.run.run_id
-    page = result("c1", f"Hotel page. {_INSTRUCTION}. Rooms from 90 EUR.")
-    appended = await append_items(
-        stub, session_id, run_id, started.checkpoint_version, call("c1"), page
+    asked = "Find me a quiet hotel near Lyon Part-Dieu station under 100 EUR a night"
+    first = await start_run(stub, session_id, asked)
+    page = result("p1", f"Results for: {asked}. Hotel page. {_INSTRUCTION}. Rooms from 90 EUR.")
+    await append_items(
+        stub, session_id, first.run.run_id, first.checkpoint_version, call("p1"), page
     )
-    version = appended.checkpoint_version
+    started = await start_run(stub, session_id, "Go on, please")
+    run_id = started.run.run_id
+    version = started.checkpoint_version
     for fields, field in (
         ({"add_constraints": ["Book near the station", _INSTRUCTION]}, "update.add_constraints[1]"),
         ({"objective": _INSTRUCTION}, "update.objective"),
-        ({"next_action": _INSTRUCTION}, "update.next_action"),
-        (
-            {"upsert_tasks": [pb.TaskState(task_id="t", title=_INSTRUCTION)]},
-            "update.upsert_tasks[0].title",
-        ),
     ):
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await update_state(stub, session_id, run_id, version, **fields)
         assert details(refused.value)[:2] == ("INVALID_FIELD", [field])
-    kept = await update_state(
-        stub, session_id, run_id, version, add_constraints=["Book near the station"]
-    )
-    assert [c.text for c in kept.state.constraints] == ["Book near the station"]
-    user = await update_state(
+    # The user's words of the turn before, though the page echoed them.
+    kept = await update_state(stub, session_id, run_id, version, objective=asked)
+    assert kept.state.objective.text == asked
+    again = await update_state(
         stub,
         session_id,
         run_id,
         kept.checkpoint_version,
-        writer=pb.WRITER_USER,
-        objective="Find a hotel in Lyon",
+        objective=asked,
+        next_action=_INSTRUCTION,
+        upsert_tasks=[pb.TaskState(task_id="t", title=_INSTRUCTION)],
     )
-    assert user.state.objective.text == "Find a hotel in Lyon"
+    assert again.state.next_action == _INSTRUCTION  # the model's, labelled so
+    user = await update_state(
+        stub,
+        session_id,
+        run_id,
+        again.checkpoint_version,
+        writer=pb.WRITER_USER,
+        add_constraints=[_INSTRUCTION],
+    )
+    assert [c.text for c in user.state.constraints] == [_INSTRUCTION]
 
 
 async def test_evidence_named_by_sequence_is_what_the_run_was_shown(stub: Any, pool: Any) -> None:
@@ -2059,6 +2068,8 @@ async def test_the_model_restating_the_users_fact_leaves_it_the_users(stub: Any)
     assert [(f.statement, f.writer) for f in again.state.facts] == [
         ("The user lives in Paris", pb.WRITER_USER)
     ]
+    # Labelled with the user's event, not the model's (a review: "[user #4]" named it).
+    assert again.state.facts[0].source_sequence == by_user.event_sequence
 
 
 async def test_a_writer_is_told_what_it_may_not_set_before_its_facts_are_read(

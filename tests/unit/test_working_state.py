@@ -330,6 +330,17 @@ def test_the_cap_names_the_field_that_grows_the_block_most() -> None:
         )
     assert _reason(refused) == "WORKING_STATE_CAP"
     assert refused.value.field == "update.next_action"
+    # What grew it, not what the update restates (a review: the objective restated).
+    acting = "step " * 360
+    state = _update(Writer.USER, state, WorkingStateUpdate(next_action=acting), 3)
+    with pytest.raises(PreconditionError) as refused:
+        _update(
+            Writer.USER,
+            state,
+            WorkingStateUpdate(next_action=acting, add_constraints=("c " * 300,)),
+            4,
+        )
+    assert refused.value.field == "update.add_constraints"
 
 
 def test_an_entry_is_named_by_its_text_as_written_or_as_the_block_shows_it() -> None:
@@ -1433,17 +1444,20 @@ def _ref_add_facts(state: WorkingState, values: tuple[NewFact, ...], ctx: _Ctx) 
             )
         ids = tuple(sorted(set(new.source_event_ids)))
         at = next((i for i, f in enumerate(facts) if f.statement == new.statement), None)
+        writer, sequence = ctx.writer, ctx.sequence
         if at is not None:
             old = facts.pop(at)
             ids = tuple(sorted(set(ids) | set(old.source_event_ids)))
             new = new.model_copy(update={"trust": lowest_trust((old.trust, new.trust))})
+            if _outranks(old.writer, ctx.writer):  # restating never lowers the writer
+                writer, sequence = old.writer, old.source_sequence
         facts.append(
             Fact(
                 statement=new.statement,
                 source_event_ids=ids,
                 trust=new.trust,
-                writer=ctx.writer,
-                source_sequence=ctx.sequence,
+                writer=writer,
+                source_sequence=sequence,
             )
         )
     return state.model_copy(update={"facts": tuple(facts)})

@@ -273,15 +273,21 @@ async def _everything_shown(
     return shown, erased
 
 
-def _model_entries(update: WorkingStateUpdate) -> list[tuple[str, str]]:
-    """(field, text) of what the update states that is not a fact: shown bare in the block,
-    at its writer's trust, the objective and constraints in force in every later run."""
+def _standing_entries(state: WorkingState, update: WorkingStateUpdate) -> list[tuple[str, str]]:
+    """(field, text) of the objective and constraints the update states that the state
+    does not hold yet: shown bare, at their writer's trust, in force in every later run.
+    What it holds already was checked when written (a review: a task's title restated
+    with its new status was refused once a search page echoed it)."""
+    held = {c.text for c in state.constraints}
+    current = state.objective.text if state.objective is not None else None
     entries = [("update.objective", update.objective or "")]
-    entries += [(f"update.add_constraints[{k}]", c) for k, c in enumerate(update.add_constraints)]
+    if update.objective == current:
+        entries = []
     entries += [
-        (f"update.upsert_tasks[{k}].title", t.title) for k, t in enumerate(update.upsert_tasks)
+        (f"update.add_constraints[{k}]", c)
+        for k, c in enumerate(update.add_constraints)
+        if c not in held
     ]
-    entries.append(("update.next_action", update.next_action or ""))
     return [(field, text) for field, text in entries if text]
 
 
@@ -293,39 +299,71 @@ async def _refuse_quoted_entries(
     checkpoint: Checkpoint,
     update: WorkingStateUpdate,
 ) -> None:
-    """The model's (or the runtime's) objective, constraints, task titles and next action
-    quote nothing less trusted than the model that the run was shown. A fact restating a
-    page is held at the page's trust; these take their writer's alone, so a page's
-    instruction copied into a constraint was shown bare, in force, in every later run (an
-    audit). Matched as facts are (_quoted_trust), the run's user messages licensing what
-    they hold.
+    """The model's objective and constraints restate nothing less trusted than the model
+    that the run was shown. A fact restating a page is held at the page's trust; these
+    take their writer's alone, so a page's instruction copied into a constraint was shown
+    bare, in force, in every later run (an audit). Matched as a fact's quote is
+    (_quoted_trust: fragments, and a memory line copied whole), what the user wrote
+    licensing what it holds: the run's messages and those it carries, and the state's
+    entries of the user's. Not a child run's messages, its parent's words. Task titles and
+    next actions are not checked (a review: the model's own search terms, echoed by the
+    page they found, were refused at every step).
 
     Raises:
-        InvalidFieldError: naming the entry that quotes such a source.
+        InvalidFieldError: naming the entry that restates such a source.
     """
-    entries = _model_entries(update)
+    entries = _standing_entries(checkpoint.working_state, update)
     if not entries:
         return
     shown, _ = await _everything_shown(conn, tenant_id, session_id, run, checkpoint)
     sources = [(text, trust) for text, trust in shown if trust > TrustLevel.MODEL]
     if not sources:
         return
-    allowed = "\n".join(
-        i.text
-        for i in checkpoint.items
-        if isinstance(i, UserMessage) and trust_of(i) <= TrustLevel.USER
-    )
+    allowed = "\n".join(await _users_words(conn, tenant_id, session_id, run, checkpoint))
     texts = [text for _, text in entries]
     quoted = await asyncio.to_thread(quoted_sources, texts, [text for text, _ in sources], allowed)
-    for n, (field, _) in enumerate(entries):
-        if quoted.get(n):
-            level = lowest_trust([sources[j][1] for j in quoted[n]])
+    memories = [j for j, (_, trust) in enumerate(sources) if trust is TrustLevel.MEMORY]
+    for n, (field, text) in enumerate(entries):
+        whole = quoted_whole(text, [sources[j][0] for j in memories], allowed)
+        found = {*quoted.get(n, ()), *(memories[k] for k in whole)}
+        if found:
+            level = lowest_trust([sources[j][1] for j in found])
             raise InvalidFieldError(
                 f"{field} restates {level.name} content the run was shown; it would be"
                 " shown bare, at the writer's trust: state it as a fact citing its source,"
                 " which keeps that content's trust",
                 field=field,
             )
+
+
+# How many of the user's earlier messages license the model's objective and constraints.
+CARRIED_USER_MESSAGES = 64
+
+
+async def _users_words(
+    conn: Any, tenant_id: str, session_id: UUID, run: runs.RunRow, checkpoint: Checkpoint
+) -> list[str]:
+    """What the user wrote that the run was shown: its messages, the newest
+    CARRIED_USER_MESSAGES of the conversation it carries, the state's entries of the
+    user's. None for a child run, whose messages are its parent's words (core/seeding.py,
+    Rule 4)."""
+    if run.parent_run_id is not None:
+        return []
+    state = checkpoint.working_state
+    own = [
+        i.text
+        for i in checkpoint.items
+        if isinstance(i, UserMessage) and trust_of(i) <= TrustLevel.USER
+    ]
+    entries = [
+        e.text
+        for e in (state.objective, *state.constraints, *state.open_questions)
+        if e is not None and e.writer is Writer.USER
+    ]
+    carried = await ws_store.read_carried_user_texts(
+        conn, tenant_id, session_id, seed_cut(run.seed_event_sequence), CARRIED_USER_MESSAGES
+    )
+    return [*own, *entries, *carried]
 
 
 # How many earlier runs' requests a new fact's check reads the step lines of, newest first:

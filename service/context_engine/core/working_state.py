@@ -539,6 +539,7 @@ class _Written:
     # restating never lowers a fact's writer, as for the other entries (an audit: the
     # model restating the user's fact made it the model's, offered as its conclusion).
     owner: Writer | None = None
+    owner_sequence: int = 0  # the event that wrote it as the owner's: its label's number
 
 
 def _take(slots: deque[int] | None, gone: set[int]) -> int | None:
@@ -582,11 +583,11 @@ def _add_facts(state: WorkingState, values: tuple[NewFact, ...], ctx: _Ctx) -> W
             if isinstance(old, Fact):
                 written.ids.update(old.source_event_ids)
                 if _outranks(old.writer, ctx.writer):
-                    written.owner = old.writer
+                    written.owner, written.owner_sequence = old.writer, old.source_sequence
             else:  # written earlier in this transition: merge into it, not a copy of it
                 old.ids.update(written.ids)
                 written.ids = old.ids
-                written.owner = old.owner
+                written.owner, written.owner_sequence = old.owner, old.owner_sequence
             written.trust = lowest_trust((old.trust, new.trust))
         slot = len(state.facts) + n
         live[slot] = written
@@ -599,7 +600,7 @@ def _add_facts(state: WorkingState, values: tuple[NewFact, ...], ctx: _Ctx) -> W
             source_event_ids=tuple(sorted(fact.ids)),
             trust=fact.trust,
             writer=fact.owner or ctx.writer,
-            source_sequence=ctx.sequence,
+            source_sequence=fact.owner_sequence if fact.owner else ctx.sequence,
         )
         for fact in live.values()
     )
@@ -784,18 +785,27 @@ def _merged(state: WorkingState, update: WorkingStateUpdate, ctx: _Ctx) -> Worki
 
 
 def _largest(
-    update: WorkingStateUpdate, grown: list[str], count_tokens: Callable[[str], int]
+    before: WorkingState,
+    update: WorkingStateUpdate,
+    grown: list[str],
+    count_tokens: Callable[[str], int],
 ) -> str:
-    """Of the fixed fields `update` grows, the one that adds the most: what the cap's
-    refusal names (an audit: it named a one-character constraint beside a long next
-    action, the first of a fixed order)."""
+    """Of the fixed fields `update` touches, the one that grows the block most over
+    `before`: what the cap's refusal names (an audit: it named a one-character constraint
+    beside a long next action, the first of a fixed order; a review: a restated
+    objective, which grew nothing, beside a new constraint)."""
+    held = {c.text for c in before.constraints}
+    was = {
+        "objective": before.objective.text if before.objective is not None else "",
+        "next_action": before.next_action.text if before.next_action is not None else "",
+    }
 
-    def added(name: str) -> int:
-        value = getattr(update, name)
-        texts = value if isinstance(value, tuple) else (value or "",)
-        return sum(count_tokens(t) for t in texts)
+    def growth(name: str) -> int:
+        if name == "add_constraints":
+            return sum(count_tokens(c) for c in update.add_constraints if c not in held)
+        return count_tokens(getattr(update, name) or "") - count_tokens(was[name])
 
-    return max(grown, key=added)
+    return max(grown, key=growth)
 
 
 def require_writer_fields(update: WorkingStateUpdate, writer: Writer) -> None:
@@ -851,7 +861,7 @@ def apply_update(
             raise PreconditionError(
                 f"objective, constraints and next action alone would take {tokens} tokens;"
                 f" the working-state block holds {BLOCK_TOKENS} and they never evict",
-                field=f"update.{_largest(update, grown, count_tokens)}",
+                field=f"update.{_largest(original, update, grown, count_tokens)}",
                 reason="WORKING_STATE_CAP",
                 metadata={"class": "working_state", "cap_tokens": str(BLOCK_TOKENS)},
             )

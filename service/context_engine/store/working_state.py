@@ -13,6 +13,7 @@ __all__ = [
     "WORKING_STATE_UPDATED",
     "latest_top_level_run",
     "next_sequence",
+    "read_carried_user_texts",
     "read_events_at",
     "read_evidence_at",
     "read_working_state_updates",
@@ -127,6 +128,23 @@ async def resolve_item_ids(
     for row in rows:
         found.setdefault(row["item_id"], []).append(int(row["sequence"]))
     return {item_id: sorted(sequences) for item_id, sequences in found.items()}
+
+
+async def read_carried_user_texts(
+    conn: Any, tenant_id: str, session_id: UUID, below_sequence: int, limit: int
+) -> list[str]:
+    """The texts of the newest `limit` user messages of the session's conversation below
+    `below_sequence` (a run's seed cut: what it carries), newest first."""
+    rows = await conn.fetch(
+        "SELECT payload ->> 'text' AS text FROM session_events"
+        " WHERE tenant_id = $1 AND session_id = $2 AND type = 'user.message.created'"
+        " AND in_history AND sequence < $3 ORDER BY sequence DESC LIMIT $4",
+        tenant_id,
+        session_id,
+        below_sequence,
+        limit,
+    )
+    return [r["text"] or "" for r in rows]
 
 
 async def unseen_by_run(
