@@ -317,6 +317,32 @@ def test_constraints_that_alone_overflow_the_block_fail() -> None:
     assert render_block(state, secret=SECRET, count_tokens=count_tokens) is not None
 
 
+def test_a_restated_fact_the_update_keeps_its_owner_for_is_not_evicted_by_it() -> None:
+    """The model restating the user's fact keeps the user's label and sequence, the oldest:
+    by age alone the same update then evicted it at the cap (a review)."""
+    state = _update(
+        Writer.USER,
+        WorkingState(),
+        WorkingStateUpdate(
+            add_facts=(NewFact(statement="F", source_event_ids=(1,), trust=TrustLevel.USER),)
+        ),
+        2,
+    )
+    for n in range(LIST_CAPS["facts"] - 1):
+        fact = NewFact(statement=f"m{n}", source_event_ids=(1,), trust=TrustLevel.MODEL)
+        state = _update(Writer.MODEL, state, WorkingStateUpdate(add_facts=(fact,)), 3 + n)
+    restated = WorkingStateUpdate(
+        add_facts=(
+            NewFact(statement="F", source_event_ids=(5,), trust=TrustLevel.USER),
+            NewFact(statement="new", source_event_ids=(5,), trust=TrustLevel.MODEL),
+        )
+    )
+    state = _update(Writer.MODEL, state, restated, 100)
+    kept = {f.statement: f for f in state.facts}
+    assert kept["F"].writer is Writer.USER and kept["F"].source_sequence == 2
+    assert "new" in kept and "m0" not in kept
+
+
 def test_the_cap_names_the_field_that_grows_the_block_most() -> None:
     """A one-character constraint beside a long next action: the refusal named the
     constraint, the first of a fixed order (an audit); it names what grew the block."""
@@ -330,7 +356,7 @@ def test_the_cap_names_the_field_that_grows_the_block_most() -> None:
         )
     assert _reason(refused) == "WORKING_STATE_CAP"
     assert refused.value.field == "update.next_action"
-    # What grew it, not what the update restates (a review: the objective restated).
+    # What grew it, not what the update restates (a review: the next action restated).
     acting = "step " * 360
     state = _update(Writer.USER, state, WorkingStateUpdate(next_action=acting), 3)
     with pytest.raises(PreconditionError) as refused:
@@ -1556,7 +1582,8 @@ def _ref_apply_update(
     tasks, gone_tasks = _ref_evict(
         state.tasks, LIST_CAPS["tasks"], lambda t: _task_eviction_age(t, written)
     )
-    facts, gone_facts = _ref_evict(state.facts, LIST_CAPS["facts"], _fact_age)
+    stated = frozenset(f.statement for f in update.add_facts)
+    facts, gone_facts = _ref_evict(state.facts, LIST_CAPS["facts"], lambda f: _fact_age(f, stated))
     questions, gone_q = _ref_evict(state.open_questions, LIST_CAPS["open_questions"], _question_age)
     evicted = {
         name: values

@@ -734,8 +734,11 @@ def _task_eviction_age(t: Task, written: frozenset[str]) -> tuple[int, int]:
     return (2 if working else 1, t.source_sequence)
 
 
-def _fact_age(f: Fact) -> tuple[int, int]:
-    return (1, f.source_sequence)
+def _fact_age(f: Fact, stated: frozenset[str] = frozenset()) -> tuple[int, int]:
+    """A fact the update being applied states (its statement in `stated`) after every
+    other: one restated keeps its owner's sequence (_Written.owner), so by age alone the
+    update that restated it evicted it (a review)."""
+    return (2 if f.statement in stated else 1, f.source_sequence)
 
 
 def _question_age(e: Entry) -> tuple[int, int]:
@@ -743,13 +746,14 @@ def _question_age(e: Entry) -> tuple[int, int]:
 
 
 def _bound_lists(
-    state: WorkingState, written: frozenset[str]
+    state: WorkingState, written: frozenset[str], stated: frozenset[str] = frozenset()
 ) -> tuple[WorkingState, dict[str, list[str]]]:
-    """Rule 3 for the evicting lists, after an update upserting the tasks `written`."""
+    """Rule 3 for the evicting lists, after an update upserting the tasks `written` and
+    stating the facts `stated`."""
     tasks, gone_tasks = _evict(
         state.tasks, LIST_CAPS["tasks"], lambda t: _task_eviction_age(t, written)
     )
-    facts, gone_facts = _evict(state.facts, LIST_CAPS["facts"], _fact_age)
+    facts, gone_facts = _evict(state.facts, LIST_CAPS["facts"], lambda f: _fact_age(f, stated))
     questions, gone_q = _evict(state.open_questions, LIST_CAPS["open_questions"], _question_age)
     evicted = {
         name: values
@@ -801,8 +805,10 @@ def _largest(
     }
 
     def growth(name: str) -> int:
-        if name == "add_constraints":
-            return sum(count_tokens(c) for c in update.add_constraints if c not in held)
+        if name == "add_constraints":  # net of the held ones the update removes
+            added = sum(count_tokens(c) for c in update.add_constraints if c not in held)
+            gone = {c for c in update.remove_constraints if c in held}
+            return added - sum(count_tokens(c) for c in gone - set(update.add_constraints))
         return count_tokens(getattr(update, name) or "") - count_tokens(was[name])
 
     return max(grown, key=growth)
@@ -820,6 +826,11 @@ def require_writer_fields(update: WorkingStateUpdate, writer: Writer) -> None:
             f"the {writer.name.lower()} writer may not set {forbidden[0]}",
             field=f"update.{forbidden[0]}",
         )
+
+
+def _stated(update: WorkingStateUpdate) -> frozenset[str]:
+    """The fact statements an update writes, which its own caps do not evict (_fact_age)."""
+    return frozenset(f.statement for f in update.add_facts)
 
 
 def _upserted(update: WorkingStateUpdate) -> frozenset[str]:
@@ -853,7 +864,7 @@ def apply_update(
     """
     original, before = state, state.objective
     state = _merged(state, update, _Ctx(writer, sequence, folding, pending))
-    state, evicted = _bound_lists(state, _upserted(update))
+    state, evicted = _bound_lists(state, _upserted(update), _stated(update))
     grown = [f for f in _FIXED_FIELDS if f in update.touched()]
     if count_tokens is not None and grown and not folding:
         tokens = _fixed_tokens(state, count_tokens)
@@ -1012,7 +1023,7 @@ def _replay(state: WorkingState, logged: LoggedUpdate) -> WorkingState:
             elif isinstance(value, tuple):  # a list field: entry by entry
                 for entry in value:
                     state = merged(state, WorkingStateUpdate(**{name: (entry,)})) or state
-    return _bound_lists(state, _upserted(logged.update))[0]
+    return _bound_lists(state, _upserted(logged.update), _stated(logged.update))[0]
 
 
 # --- runtime writes ----------------------------------------------------------------------
