@@ -912,6 +912,17 @@ def test_summaries_merge_once_then_escalate() -> None:
     assert MAX_DEPTH == 2
 
 
+def _merged_over(once: Checkpoint, carried: list[ConversationItem]) -> Prepared:
+    """The second level's prepare over _history's checkpoint compacted through 4."""
+    return prepare(
+        once,
+        [i for i in carried if i.sequence > 4],
+        through_sequence=7,
+        count_tokens=count_tokens,
+        earlier_contents={4: "x" * 4214},
+    )
+
+
 def test_a_constraint_the_user_removed_is_not_retained_by_the_merge() -> None:
     """A constraint the first summary retained and the user has since removed is no longer
     in force: the merge neither lists it for the summarizer nor retains it."""
@@ -926,13 +937,7 @@ def test_a_constraint_the_user_removed_is_not_retained_by_the_merge() -> None:
     )
     lifted = WorkingState(constraints=(_entry("Second class only"),))
     once = once.model_copy(update={"working_state": lifted})
-    second = prepare(
-        once,
-        [i for i in carried if i.sequence > 4],
-        through_sequence=7,
-        count_tokens=count_tokens,
-        earlier_contents={4: "x" * 4214},
-    )
+    second = _merged_over(once, carried)
     assert second.retained_constraints == ("Second class only",)
     # Named as lifted, not in force: the earlier summary still states it.
     in_force, _, rest = second.summarizer_input.partition("Constraints the user has removed")
@@ -941,11 +946,11 @@ def test_a_constraint_the_user_removed_is_not_retained_by_the_merge() -> None:
     assert "- Do not email Bob" in removed
 
 
-def test_a_question_answered_since_is_named_for_the_merge() -> None:
-    """A question the first summary kept open and the user has answered since: the merge is
-    told so, as it is told of a removed constraint. It was not, and the earlier summary
-    still called it open (an audit: the merged summary restated it as open beside the
-    working state that showed it answered)."""
+def test_a_question_no_longer_open_is_named_for_the_merge() -> None:
+    """A question the first summary kept open that the state no longer holds open (answered,
+    or dropped at its cap): the merge is told so, as it is told of a removed constraint.
+    It was not, and the earlier summary still called it open (an audit: the merged summary
+    restated it as open beside the working state that showed it answered)."""
     carried, checkpoint = _history()
     asked = WorkingState(open_questions=(_entry("Which hotel in Lyon?"), _entry("Budget?")))
     checkpoint = checkpoint.model_copy(update={"working_state": asked})
@@ -956,13 +961,7 @@ def test_a_question_answered_since_is_named_for_the_merge() -> None:
     once = once.model_copy(
         update={"working_state": WorkingState(open_questions=(_entry("Budget?"),))}
     )
-    second = prepare(
-        once,
-        [i for i in carried if i.sequence > 4],
-        through_sequence=7,
-        count_tokens=count_tokens,
-        earlier_contents={4: "x" * 4214},
-    )
+    second = _merged_over(once, carried)
     assert second.open_questions == ("Budget?",)
     answered = second.summarizer_input.partition("no longer open")[2].partition("Earlier")[0]
     assert "- Which hotel in Lyon?" in answered and "Budget?" not in answered
