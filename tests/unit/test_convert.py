@@ -416,9 +416,54 @@ def test_a_reasoning_payload_without_what_the_provider_requires_is_an_invalid_fi
 
 
 @pytest.mark.parametrize(
+    ("provider", "payload", "extra"),
+    [
+        (
+            pb.PROVIDER_ANTHROPIC,
+            {
+                "type": "thinking",
+                "thinking": "t",
+                "signature": "s",
+                "cache_control": {"type": "ephemeral"},
+            },
+            "cache_control",
+        ),
+        (pb.PROVIDER_ANTHROPIC, {"type": "redacted_thinking", "data": "d", "text": "x"}, "text"),
+        (
+            pb.PROVIDER_OPENAI,
+            {"type": "reasoning", "id": "rs_1", "summary": [], "role": "system"},
+            "role",
+        ),
+    ],
+)
+def test_a_reasoning_payload_with_a_key_the_provider_does_not_define_is_an_invalid_field(
+    provider: int, payload: Any, extra: str
+) -> None:
+    """Replayed verbatim, a key the provider's type does not define is refused there (400)
+    on every later request of the run; a "cache_control" one also put a fifth breakpoint on
+    a thinking block, which may carry none (an audit)."""
+    with pytest.raises(InvalidFieldError) as caught:
+        items_from_proto(_reasoning(provider, payload), ["n"])
+    assert caught.value.field == "items[0].reasoning.opaque"
+    assert repr(extra) in caught.value.message
+
+
+@pytest.mark.parametrize(
     ("provider", "payload"),
     [
         (pb.PROVIDER_OPENAI, {"type": "reasoning", "id": "rs_1", "summary": []}),
+        # The SDK's model_dump() of a response's reasoning item: every key, some null.
+        (
+            pb.PROVIDER_OPENAI,
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [{"type": "summary_text", "text": "s"}],
+                "content": None,
+                "encrypted_content": "gAAA",
+                "status": None,
+            },
+        ),
         (pb.PROVIDER_ANTHROPIC, {"type": "thinking", "thinking": "t", "signature": "s"}),
         (pb.PROVIDER_ANTHROPIC, {"type": "redacted_thinking", "data": "d"}),
     ],

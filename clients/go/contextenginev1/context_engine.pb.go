@@ -3458,7 +3458,10 @@ type ReasoningItem struct {
 	// provider's reasoning type (OpenAI "reasoning"; Anthropic "thinking" or
 	// "redacted_thinking"). Anything else would replay as a message or call the hashed
 	// request does not show: INVALID_FIELD. So is one without the fields the provider takes
-	// it back with: "thinking" and "signature"; "data"; "id" and a "summary" array.
+	// it back with: "thinking" and "signature"; "data"; "id" and a "summary" array. So is
+	// one holding a key the provider's type does not define (the provider refuses it):
+	// "thinking" holds type, thinking, signature; "redacted_thinking" type, data;
+	// "reasoning" type, id, summary, content, encrypted_content, status.
 	Opaque []byte `protobuf:"bytes,2,opt,name=opaque,proto3" json:"opaque,omitempty"`
 }
 

@@ -670,6 +670,15 @@ def item_from_proto(item: pb.ConversationItem, field: str, new_id: str) -> ci.Co
                     " it: replayed without it, every later request of the run is refused",
                     field=f"{path}.opaque",
                 )
+        unknown = sorted(payload.keys() - ci.REASONING_KEYS[kind])
+        if unknown:
+            raise InvalidFieldError(
+                f"{path}.opaque: a {kind!r} item holds {unknown[0]!r}, which the provider's"
+                f" {kind!r} type does not define (it holds only"
+                f" {', '.join(sorted(ci.REASONING_KEYS[kind]))}): replayed with it, every"
+                " later request of the run is refused",
+                field=f"{path}.opaque",
+            )
         return ci.ReasoningItem(item_id=item_id, provider=provider, opaque=opaque)
     raise InvalidFieldError(
         f"{field} has an unknown kind {kind!r}", field=field, reason="UNKNOWN_ITEM_KIND"

@@ -21,6 +21,7 @@ from .trust import TrustLevel
 
 __all__ = [
     "REASONING_FIELDS",
+    "REASONING_KEYS",
     "REASONING_TYPES",
     "AgentInstructionsItem",
     "AssistantMessage",
@@ -291,6 +292,14 @@ REASONING_FIELDS: dict[str, dict[str, type]] = {
     "thinking": {"thinking": str, "signature": str},
     "redacted_thinking": {"data": str},
     "reasoning": {"id": str, "summary": list},
+}
+# Every key each type may hold (the same request types): a key the provider does not define
+# is refused there (400), on every later request of the run, and a "cache_control" one
+# carried a fifth breakpoint onto a thinking block, which may carry none (an audit).
+REASONING_KEYS: dict[str, frozenset[str]] = {
+    "thinking": frozenset({"type", "thinking", "signature"}),
+    "redacted_thinking": frozenset({"type", "data"}),
+    "reasoning": frozenset({"type", "id", "summary", "content", "encrypted_content", "status"}),
 }
 
 
