@@ -1656,6 +1656,7 @@ async def test_an_erasure_removes_recall_lines_from_recorded_requests(stub: Any,
     erased = await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
     assert (erased.redacted_requests, erased.redacted_items) == (1, 0)
     assert list(erased.invalidated_session_ids) == []
+    assert list(erased.redacted_request_run_ids) == [run_id]
     (recorded,) = await _events(pool, session_id, "model.request.started")
     assert recorded["payload"]["redacted"] is True
     assert "allergic" not in json.dumps(recorded["payload"]) and "Lyon" in json.dumps(
@@ -1687,6 +1688,37 @@ async def test_an_erasure_removes_recall_lines_from_recorded_requests(stub: Any,
     assert len(await _events(pool, session_id, "model.request.started")) == 1
     fresh = pb.StepContext(recall=[pb.RecallLine(item_id="r2", text="The office is in Lyon.")])
     assert "Lyon" in _text(await stub.Build(_build_with(session_id, run_id, fresh)))
+
+
+async def test_a_line_removed_for_one_person_leaves_nothing_to_erase_for_the_other(
+    stub: Any, pool: Any
+) -> None:
+    """A recall line naming two people, removed by the first one's erasure: the second's
+    erasure finds nothing, writes nothing, and answers the same when resent (an audit: the
+    record stayed indexed under the second, and every erasure of them rewrote it, logged
+    an event of no lines and counted it once more)."""
+    ana, bo = f"ana-{new_id()}", f"bo-{new_id()}"
+    session_id, _ = await _open(stub, spec())
+    run_id = (await _start(stub, session_id)).run.run_id
+    step = pb.StepContext(
+        recall=[pb.RecallLine(item_id="r1", text="Ana met Bo in Lyon.", person_ids=[ana, bo])]
+    )
+    await stub.Build(_build_with(session_id, run_id, step))
+    first = await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=ana))
+    assert (first.redacted_requests, list(first.redacted_request_run_ids)) == (1, [run_id])
+    (recorded,) = await _events(pool, session_id, "model.request.started")
+    assert recorded["payload"]["people"] == []
+    written = "SELECT xmin::text FROM session_events WHERE session_id = $1 AND sequence = $2"
+    before = await pool.fetchval(written, UUID(session_id), recorded["sequence"])
+    answers = [
+        await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=bo))
+        for _ in range(3)
+    ]
+    assert [(a.redacted_requests, list(a.redacted_request_run_ids)) for a in answers] == [
+        (0, [])
+    ] * 3
+    assert len(await _events(pool, session_id, "context.requests.redacted")) == 1
+    assert await pool.fetchval(written, UUID(session_id), recorded["sequence"]) == before
 
 
 async def test_a_request_recorded_during_an_erasure_is_found_by_it(stub: Any, pool: Any) -> None:

@@ -59,4 +59,5 @@ class SkillsRpcs:
             bound_run_ids=[str(r) for r in erasure.bound_run_ids],
             redacted_items=erasure.redacted_items,
             redacted_requests=erasure.redacted_requests,
+            redacted_request_run_ids=[str(r) for r in erasure.redacted_request_run_ids],
         )

@@ -63,6 +63,8 @@ class Erasure:
     bound_run_ids: tuple[UUID, ...]
     redacted_items: int
     redacted_requests: int
+    # The runs whose recorded requests lost a line: those requests were already sent.
+    redacted_request_run_ids: tuple[UUID, ...]
 
 
 async def load_skill(
@@ -278,7 +280,7 @@ async def erase_subject(engine: Engine, tenant: str, person_id: str) -> Erasure:
     return erasure
 
 
-_NOTHING_FOUND = Erasure((), (), 0, 0)
+_NOTHING_FOUND = Erasure((), (), 0, 0, ())
 
 
 async def _erase_in_session(conn: Any, tenant: str, person_id: str, session_id: UUID) -> Erasure:
@@ -313,15 +315,30 @@ async def _erase_in_session(conn: Any, tenant: str, person_id: str, session_id: 
         }
         news.append(NewEvent(SNAPSHOT_INVALIDATED, payload))
     lines = 0
-    for sequence, recorded_payload in recorded:
+    sequences: list[int] = []
+    sent_by: list[UUID] = []
+    for sequence, run_id, recorded_payload in recorded:
         rewritten, removed = redact_record(recorded_payload, person_id)
-        await snapshots.rewrite_request(conn, tenant, session_id, sequence, rewritten)
-        lines += removed
-    if recorded:
-        sequences = [sequence for sequence, _ in recorded]
+        # Only what changed is written, and only what lost a line counted: a record found
+        # by the person's id alone (its lines removed for someone else) is not redacted
+        # again, and a resend finds nothing (an audit).
+        if rewritten is not recorded_payload:
+            await snapshots.rewrite_request(conn, tenant, session_id, sequence, rewritten)
+        if removed:
+            lines += removed
+            sequences.append(sequence)
+            if run_id is not None:  # every Build's record names its run
+                sent_by.append(run_id)
+    if sequences:
         news.append(NewEvent(REQUESTS_REDACTED, {"sequences": sequences, "lines": lines}))
     await events.append_events(conn, tenant, session_id, news)
-    return Erasure((session_id,) if invalidated else (), tuple(bound), redacted, len(recorded))
+    return Erasure(
+        (session_id,) if invalidated else (),
+        tuple(bound),
+        redacted,
+        len(sequences),
+        tuple(dict.fromkeys(sent_by)),
+    )
 
 
 def _outcome_json(erasure: Erasure) -> dict[str, Any]:
@@ -330,6 +347,7 @@ def _outcome_json(erasure: Erasure) -> dict[str, Any]:
         "bound_run_ids": [str(r) for r in erasure.bound_run_ids],
         "redacted_items": erasure.redacted_items,
         "redacted_requests": erasure.redacted_requests,
+        "redacted_request_run_ids": [str(r) for r in erasure.redacted_request_run_ids],
     }
 
 
@@ -346,4 +364,7 @@ def _with_earlier(now: Erasure, earlier: dict[str, Any] | None) -> Erasure:
         merged(earlier["bound_run_ids"], now.bound_run_ids),
         int(earlier["redacted_items"]) + now.redacted_items,
         int(earlier["redacted_requests"]) + now.redacted_requests,
+        # Not in an outcome recorded before the field was (a resend then lists only what
+        # it finds itself).
+        merged(earlier.get("redacted_request_run_ids", []), now.redacted_request_run_ids),
     )

@@ -219,11 +219,11 @@ async def bound_runs(
 
 async def requests_naming(
     conn: Any, tenant_id: str, person_id: str, session_id: UUID | None = None
-) -> dict[UUID, list[tuple[int, dict[str, Any]]]]:
-    """Session -> (sequence, payload) of the recorded requests whose recall or correction
-    lines name the person (core/build_record.py, Rule 4; of one session when given)."""
+) -> dict[UUID, list[tuple[int, UUID, dict[str, Any]]]]:
+    """Session -> (sequence, run id, payload) of the recorded requests whose people index
+    names the person (core/build_record.py, Rule 4; of one session when given)."""
     rows = await conn.fetch(
-        "SELECT session_id, sequence, payload FROM session_events"
+        "SELECT session_id, sequence, run_id, payload FROM session_events"
         " WHERE tenant_id = $1 AND type = 'model.request.started'"
         " AND payload -> 'people' ? $2 AND ($3::uuid IS NULL OR session_id = $3)"
         " ORDER BY session_id, sequence",
@@ -231,9 +231,10 @@ async def requests_naming(
         person_id,
         session_id,
     )
-    out: dict[UUID, list[tuple[int, dict[str, Any]]]] = {}
+    out: dict[UUID, list[tuple[int, UUID, dict[str, Any]]]] = {}
     for r in rows:
-        out.setdefault(r["session_id"], []).append((int(r["sequence"]), r["payload"]))
+        found = (int(r["sequence"]), r["run_id"], r["payload"])
+        out.setdefault(r["session_id"], []).append(found)
     return out
 
 

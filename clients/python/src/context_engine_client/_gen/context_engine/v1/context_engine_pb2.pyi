@@ -1001,16 +1001,18 @@ class EraseSubjectRequest(_message.Message):
     def __init__(self, tenant_id: _Optional[str] = ..., person_id: _Optional[str] = ...) -> None: ...
 
 class EraseSubjectResponse(_message.Message):
-    __slots__ = ("invalidated_session_ids", "bound_run_ids", "redacted_items", "redacted_requests")
+    __slots__ = ("invalidated_session_ids", "bound_run_ids", "redacted_items", "redacted_requests", "redacted_request_run_ids")
     INVALIDATED_SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     BOUND_RUN_IDS_FIELD_NUMBER: _ClassVar[int]
     REDACTED_ITEMS_FIELD_NUMBER: _ClassVar[int]
     REDACTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REDACTED_REQUEST_RUN_IDS_FIELD_NUMBER: _ClassVar[int]
     invalidated_session_ids: _containers.RepeatedScalarFieldContainer[str]
     bound_run_ids: _containers.RepeatedScalarFieldContainer[str]
     redacted_items: int
     redacted_requests: int
-    def __init__(self, invalidated_session_ids: _Optional[_Iterable[str]] = ..., bound_run_ids: _Optional[_Iterable[str]] = ..., redacted_items: _Optional[int] = ..., redacted_requests: _Optional[int] = ...) -> None: ...
+    redacted_request_run_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, invalidated_session_ids: _Optional[_Iterable[str]] = ..., bound_run_ids: _Optional[_Iterable[str]] = ..., redacted_items: _Optional[int] = ..., redacted_requests: _Optional[int] = ..., redacted_request_run_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TaskState(_message.Message):
     __slots__ = ("task_id", "title", "status")
