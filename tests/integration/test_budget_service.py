@@ -17,7 +17,16 @@ import pytest
 
 from context_engine._gen.context_engine.v1 import context_engine_pb2 as pb
 
-from .helpers import assistant, call, compaction_result, details, new_id, result, spec
+from .helpers import (
+    assistant,
+    call,
+    compaction_result,
+    details,
+    new_id,
+    result,
+    spec,
+    spec_with_skill,
+)
 
 MODEL = "gpt-4o"  # exact o200k_base counts: sizes below are predictable
 RESERVE = 1_000
@@ -629,6 +638,95 @@ async def test_a_capacity_with_no_room_for_a_body_fails_plan_and_rotate(stub: An
         "INVALID_FIELD",
         ["spec.reserve_output_tokens"],
     )
+
+
+async def _least_accepted(accepts: Any, low: int, high: int) -> int:
+    """The least value in [low, high] that `accepts` (monotone), which `high` must be."""
+    assert await accepts(high)
+    while low < high:
+        mid = (low + high) // 2
+        if await accepts(mid):
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+# A Wednesday, whose row 14 is the widest (assemble.runtime_row_cost), and a Monday.
+_WEDNESDAY = 1_790_164_800  # 2026-09-23 12:00 UTC
+_MONDAY = 1_789_992_000  # 2026-09-21 12:00 UTC
+
+
+async def _build_at(stub: Any, tenant: str, session_id: str, run_id: str, seconds: int) -> Any:
+    request = pb.BuildRequest(tenant_id=tenant, session_id=session_id, run_id=run_id)
+    request.now.FromSeconds(seconds)
+    return await stub.Build(request)
+
+
+async def test_the_least_capacity_plan_accepts_builds_the_shortest_run_on_any_day(
+    stub: Any,
+) -> None:
+    """Plan refuses a capacity whose every Build would fail: its body must hold the
+    runtime row on any day and the least run seed, a one-character message under the id
+    the server assigns. An audit found the least capacity Plan took failing every Build:
+    the row was counted undated, the seed not at all."""
+    tenant = _tenant()
+
+    def capped(cap: int) -> pb.PlanSpec:
+        return spec(model_id=MODEL, policy_cap_tokens=cap, reserve_output_tokens=RESERVE)
+
+    async def accepts(cap: int) -> bool:
+        request = pb.PlanRequest(tenant_id=tenant, session_id=new_id(), spec=capped(cap))
+        try:
+            await stub.Plan(request)
+        except grpc.aio.AioRpcError as refused:
+            assert details(refused)[1] == ["spec.policy_cap_tokens"]
+            return False
+        return True
+
+    least = await _least_accepted(accepts, RESERVE, RESERVE + 4_000)
+    for seconds in (_WEDNESDAY, _MONDAY):  # a session each: a second run carries the first
+        session_id = new_id()
+        opened = pb.PlanRequest(tenant_id=tenant, session_id=session_id, spec=capped(least))
+        await stub.Plan(opened)
+        run_id = await _start(stub, tenant, session_id, ".")
+        built = await _build_at(stub, tenant, session_id, run_id, seconds)
+        assert built.provider_payload and not built.needs_compaction
+
+
+async def test_a_skill_loaded_at_the_edge_of_its_room_leaves_the_shortest_run_a_build(
+    stub: Any,
+) -> None:
+    """LoadSkill's room is what the body leaves beside the runtime row and the least run
+    seed: a body admitted at its edge still lets a one-character message under the
+    server's id build (an audit: the seed was left out, and every such Build failed)."""
+    tenant = _tenant()
+    capped = spec_with_skill(pb.TRUST_LEVEL_TRUSTED_CONFIGURATION)
+    capped.model_id = MODEL
+    capped.policy_cap_tokens, capped.reserve_output_tokens = 4_000, RESERVE
+    loaded: dict[int, str] = {}
+
+    async def refuses(words: int) -> bool:
+        session_id = new_id()
+        await stub.Plan(pb.PlanRequest(tenant_id=tenant, session_id=session_id, spec=capped))
+        load = pb.LoadSkillRequest(
+            tenant_id=tenant, session_id=session_id, name="vendor", body=_words(words)
+        )
+        try:
+            await stub.LoadSkill(load)
+        except grpc.aio.AioRpcError as refused:
+            assert details(refused)[0] == "SKILL_LIMIT"
+            return True
+        loaded[words] = session_id
+        return False
+
+    largest = await _least_accepted(refuses, 1, 4_000) - 1
+    for seconds in (_WEDNESDAY, _MONDAY):  # a session each: a second run carries the first
+        assert not await refuses(largest)
+        session_id = loaded[largest]
+        run_id = await _start(stub, tenant, session_id, ".")
+        built = await _build_at(stub, tenant, session_id, run_id, seconds)
+        assert built.provider_payload and not built.needs_compaction
 
 
 # --- ReportUsage and the pinned factor -------------------------------------------------

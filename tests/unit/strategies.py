@@ -31,7 +31,7 @@ from context_engine.core import (
     TrustLevel,
     make_plan,
 )
-from context_engine.core.assemble import runtime_row_tokens
+from context_engine.core.assemble import least_seed_cost, runtime_row_tokens
 from context_engine.core.body_estimate import request_framing
 from context_engine.core.envelope import item_nonce, new_plan_secret
 from context_engine.core.items import (
@@ -119,7 +119,8 @@ def count_tokens(text: str) -> int:
 
 def least_room(count: Callable[[str], int] = count_tokens) -> int:
     """The least room above prefix and reserve that small_plan accepts as its policy cap:
-    a body that holds the runtime metadata row (core/plan.py _check_capacity) after the
+    a body that holds the runtime metadata row and the least run seed (core/plan.py
+    _check_capacity) after the
     request's framing (core/budget.py Rule 7, at the neutral factor a new plan's checks
     use) and the 5% margin."""
     framing = request_framing(count, 1_000_000)
@@ -131,15 +132,17 @@ def least_room(count: Callable[[str], int] = count_tokens) -> int:
 
 
 def least_body(count: Callable[[str], int] = count_tokens) -> int:
-    """The least body small_plan accepts: its runtime metadata row, dated nothing."""
+    """The least body small_plan accepts: its runtime metadata row on any day, and the
+    least run seed (a one-character message under a server-assigned id)."""
     environment = SessionEnvironment()  # small_plan's
-    return runtime_row_tokens(
+    row = runtime_row_tokens(
         environment.time_zone,
         "",
         environment.surface,
         environment.allowed_origins,
         count,
     )
+    return row + least_seed_cost(count, 1_000_000)
 
 
 def small_plan(

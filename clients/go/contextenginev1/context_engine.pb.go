@@ -652,8 +652,8 @@ const (
 	// FAILED_PRECONDITION (StartRun admission, Build after an erasure, Rotate without a
 	// spec): a plan the engine rebuilt from the session's own spec (a run's admission granted
 	// scopes whose tools join the roster; the rotation after an erasure; a Rotate that sends
-	// no spec) leaves no room for a request body (its runtime metadata row, which every
-	// request carries) beside its prefix, its output reserve, the body's 5% margin and the
+	// no spec) leaves no room for a request body (its runtime metadata row and the least
+	// run seed, a one-character message, which every request carries) beside its prefix, its output reserve, the body's 5% margin and the
 	// request's framing (the reply priming and the placeholder turn, about 20 tokens;
 	// metadata capacity_tokens, context_window, reserve_output_tokens, prefix_tokens,
 	// framing_tokens, least_body_tokens). Nothing is written; rotate
@@ -935,8 +935,9 @@ type PlanSpec struct {
 	// Optional cap on the total context, below the model's window. 0: the model's window.
 	// Capacity (min(window, cap)) less the output reserve, the prefix, the body's 5% margin
 	// and the request's framing (the reply priming and the placeholder turn, about 20
-	// tokens) must leave a body that holds the runtime metadata row every request carries
-	// (metadata least_body_tokens): else Plan and Rotate refuse it (INVALID_FIELD).
+	// tokens) must leave a body that holds the runtime metadata row (on any day) and the
+	// least run seed (a one-character message under a server-assigned id) every request
+	// carries (metadata least_body_tokens): else Plan and Rotate refuse it (INVALID_FIELD).
 	PolicyCapTokens int64 `protobuf:"varint,10,opt,name=policy_cap_tokens,json=policyCapTokens,proto3" json:"policy_cap_tokens,omitempty"`
 	// Output tokens reserved off the top, and sent as the request's output limit (Anthropic's
 	// max_tokens, OpenAI's max_output_tokens). 0: the model's default from the registry. A

@@ -44,7 +44,7 @@ from .carried import CarriedView, carried_view
 from .checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint, applied_factor
 from .compaction import compactable
 from .content_key import ContentMemo
-from .envelope import escape_content, wrap
+from .envelope import escape_content, new_plan_secret, wrap
 from .errors import BudgetExceededError, EngineError
 from .estimator import ATTACHMENT_TOKEN_BUDGET, IMAGE_TOKENS, heuristic_count
 from .excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
@@ -623,12 +623,13 @@ def runtime_row_tokens(
     allowed_origins: Sequence[str],
     count_tokens: Callable[[str], int],
 ) -> int:
-    """Row 14's least cost for a plan of these values, at the neutral factor: counted
-    without its date and weekday, so no day's row costs less. Every request carries the
-    row and it never yields, so a body smaller than this builds nothing (Plan refuses such
-    a capacity: core/plan.py _check_capacity)."""
-    return _runtime_row_cost(
-        ("", ""), time_zone, principal_scope, surface, allowed_origins, count_tokens
+    """Row 14's cost for a plan of these values on any day, at the neutral factor: dated
+    with the widest date and weekday, as runtime_row_cost. Every request carries the row
+    and it never yields, so a body smaller than this fails its Builds on some day (Plan
+    refuses such a capacity: core/plan.py _check_capacity). Counted undated, it passed a
+    body no day's row fitted (an audit)."""
+    return runtime_row_cost(
+        time_zone, principal_scope, surface, allowed_origins, count_tokens, NEUTRAL_FACTOR_PPM
     )
 
 
@@ -652,6 +653,25 @@ def runtime_row_cost(
         count_tokens,
         factor_ppm,
     )
+
+
+# The costliest id the server can give a seed message sent without one: a UUID whose
+# letters and digits alternate counts 35 tokens under o200k and cl100k and 36 heuristic
+# ones, where 20,000 random ones counted 15 to 31 and 19 to 36.
+_SERVER_SEED_ID = "a0b1c2d3-e4f5-4a6b-8c7d-9e0f1a2b3c4d"
+
+
+def least_seed_cost(count_tokens: Callable[[str], int], factor_ppm: int) -> int:
+    """What a top-level run's seed costs at least, as Build pays it at `factor_ppm`: a
+    one-character message under any id the server assigns (the usual case; a shorter id
+    of the worker's costs up to 20 tokens less), in a new plan's envelope, whose decimal nonce
+    counts the same under every secret (an older plan's hex one can cost a few tokens
+    more). Every request of the run carries it and it never yields (an audit: Plan took a
+    body that held the runtime row alone, and the shortest run then failed every Build; a
+    child's seed, in its delegated envelope and under its run-derived id, costs more)."""
+    item = UserMessage(item_id=_SERVER_SEED_ID, text=".")
+    block = _render(Row.CONVERSATION, item, new_plan_secret(b""))
+    return block_tokens(block, item, count_tokens, factor_ppm)
 
 
 def _runtime_row_cost(

@@ -749,13 +749,15 @@ def _check_prefix_caps(classes: tuple[ClassUsage, ...]) -> None:
 def skill_room(
     plan: ContextPlan, spec: PlanSpec, count_tokens: TokenCounter, factor_ppm: int
 ) -> int:
-    """What the plan's body leaves beside the runtime row every request carries, as Build
-    pays both at `factor_ppm` (the tenant's learned correction, which checkpoints written
-    now pin): the most its loaded skill bodies, which never yield, can cost
-    (core/skills.py Rule 4, skill_cost). A load past it would fail every later Build of the
-    session (an audit: one loaded at 5,500 tokens into a 3,936-token body). By Build's own
-    arithmetic (assemble._budget), the runtime row at its widest date."""
-    from .assemble import runtime_row_cost  # assemble imports this module
+    """What the plan's body leaves beside the runtime row and the least run seed every
+    request carries, as Build pays them at `factor_ppm` (the tenant's learned correction,
+    which checkpoints written now pin): the most its loaded skill bodies, which never
+    yield, can cost (core/skills.py Rule 4, skill_cost). A load past it would fail every
+    later Build of the session (an audit: one loaded at 5,500 tokens into a 3,936-token
+    body; another, with the seed left out, failed a one-character message under the
+    server's id). By Build's own arithmetic (assemble._budget), the runtime row at its
+    widest date and the seed at its least (assemble.least_seed_cost)."""
+    from .assemble import least_seed_cost, runtime_row_cost  # assemble imports this module
 
     body = allocate(
         context_window=plan.context_window,
@@ -772,21 +774,23 @@ def skill_room(
         count_tokens,
         factor_ppm,
     )
-    return body - row
+    return body - row - least_seed_cost(count_tokens, factor_ppm)
 
 
 def _least_body(spec: PlanSpec, origins: Sequence[str], count_tokens: TokenCounter) -> int:
-    """What every request's body holds, whatever its step: at least row 14 (runtime
-    metadata, never yields), at the neutral factor (assemble.runtime_row_tokens)."""
-    from .assemble import runtime_row_tokens  # assemble imports this module
+    """What every request's body holds, whatever its step, at the neutral factor: row 14
+    (runtime metadata) on any day (assemble.runtime_row_tokens), and the run's seed, at
+    least a one-character message (assemble.least_seed_cost). Neither yields."""
+    from .assemble import least_seed_cost, runtime_row_tokens  # assemble imports this module
 
-    return runtime_row_tokens(
+    row = runtime_row_tokens(
         spec.environment.time_zone,
         spec.principal.scope_label,
         spec.environment.surface,
         origins,
         count_tokens,
     )
+    return row + least_seed_cost(count_tokens, PPM)
 
 
 def _check_capacity(
@@ -800,9 +804,10 @@ def _check_capacity(
     """Refuse a plan whose every Build would fail: capacity (min(window, policy cap)) less
     the output reserve, the exact prefix, the body's safety margin and the request's
     framing (core/budget.py Rule 7) must leave the body at least `least_body`, the runtime
-    metadata row every request carries (an audit: a 1-token body was accepted, and every
-    Build failed BUDGET_EXCEEDED naming runtime_metadata, which no caller can shrink), by
-    the allocator's own arithmetic (budget.allocate). A body smaller than the history
+    metadata row and the least run seed every request carries (an audit: a 1-token body
+    was accepted, and every Build failed BUDGET_EXCEEDED naming runtime_metadata, which no
+    caller can shrink; a later one: a body holding the row alone failed the shortest
+    run), by the allocator's own arithmetic (budget.allocate). A body smaller than the history
     floor is accepted: history and the yielding classes give way, and what else never
     yields is checked per request (BUDGET_EXCEEDED).
 
