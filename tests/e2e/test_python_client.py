@@ -20,6 +20,7 @@ from typing import Any
 from uuid import UUID
 
 import grpc
+import grpc.experimental
 import pytest
 
 from context_engine_client import (
@@ -685,6 +686,29 @@ async def test_a_token_is_checked_before_it_is_sent(grpc_server: Any) -> None:
     ContextEngineClient("127.0.0.1:1", "", token)
 
 
+def test_insecure_credentials_are_plaintext_for_a_token() -> None:
+    """grpc.experimental.insecure_channel_credentials() given as credentials= skipped the
+    check, and grpc.aio opened a plaintext channel with them: the token went in clear to
+    any target (an audit)."""
+    token, insecure = "t" * 32, grpc.experimental.insecure_channel_credentials()
+    with pytest.raises(ValueError, match="in clear"):
+        ContextEngineClient("10.1.2.3:50051", TENANT, token, credentials=insecure)
+    ContextEngineClient(
+        "10.1.2.3:50051", TENANT, token, credentials=insecure, allow_insecure_token=True
+    )
+    ContextEngineClient("127.0.0.1:1", TENANT, token, credentials=insecure)
+
+
+def test_an_ipv4_mapped_loopback_is_loopback_as_in_typescript_and_go() -> None:
+    """ipaddress finds ::ffff:127.0.0.1 loopback from Python 3.13 only; Node's BlockList
+    and Go's net.IP always did, so the clients disagreed on it (an audit)."""
+    from context_engine_client.client import is_loopback
+
+    mapped = ["[::ffff:127.0.0.1]:1", "::ffff:127.8.9.10", "ipv6:[::ffff:127.0.0.1]:1"]
+    assert all(map(is_loopback, mapped))
+    assert not any(map(is_loopback, ["[::ffff:10.0.0.1]:1", "ipv6:[::ffff:127.0.0.1]:1,[::2]:1"]))
+
+
 def test_the_client_and_explain_agree_on_loopback() -> None:
     from context_engine.explain import is_loopback as engines
     from context_engine_client.client import is_loopback
@@ -993,6 +1017,38 @@ async def test_a_call_the_engine_cannot_log_is_answered_not_run(client: Any) -> 
     assert "are not a JSON object" in told and "beyond 2^53 - 1" in told
     assert "are not JSON-serializable" in told
     assert "08:04 TGV\ufffd6601" in told and "Checking\ufffd now." in told
+
+
+async def test_half_a_surrogate_pair_in_a_tools_output_is_sent_as_u_fffd(client: Any) -> None:
+    """json.loads gives half a surrogate pair for "\\ud83d" (an emoji an API cut in
+    UTF-16); protobuf cannot encode it, so the step raised UnicodeEncodeError after its
+    tool had run, with nothing to resend, and every retry ran the tool again (an audit).
+    It is sent as U+FFFD, as the TypeScript client sends it."""
+    half = json.loads('"\\ud83d"')
+    session = await client.open_session(_spec())
+    run = await session.start_run("Trains to Lyon?")
+    ran: list[str] = []
+    turns = 0
+
+    async def model(build: BuildResult) -> ModelTurn:
+        nonlocal turns
+        turns += 1
+        if turns > 1:
+            return ModelTurn(text=f"Done {half}.")
+        call = ToolCallRequest("c1", wire_tool_name("web.fetch"), {"url": "https://t"})
+        return ModelTurn(text=f"Checking{half}.", tool_calls=[call])
+
+    async def run_tool(call: ToolCallRequest) -> ToolOutput:
+        ran.append(call.call_id)
+        return ToolOutput(f"Caf\u00e9 {half}", source=f"tool:{half}")
+
+    result = await run.tool_loop(model, run_tool, now=NOW)
+    assert ran == ["c1"] and result.final.text == f"Done {half}."
+    assert "Caf\u00e9 \ufffd" in _texts(result.builds[1])
+    assert "Checking\ufffd." in _texts(result.builds[1])
+    item = tool_result("c2", "web.fetch", "\udc00x", source=half, context_content=half)
+    assert (item.tool_result.content, item.tool_result.source) == ("\ufffdx", "\ufffd")
+    assert item.tool_result.context_content == "\ufffd"
 
 
 async def test_a_control_call_that_meets_a_later_write_is_told_and_the_step_is_kept(

@@ -147,10 +147,11 @@ export interface ClientOptions {
   tenantId: string;
   /**
    * Bearer token, sent as `authorization: Bearer <token>`: over plaintext (no
-   * `credentials`) only to a loopback target (a sidecar), unless `allowInsecureToken`.
+   * `credentials`, or `grpc.credentials.createInsecure()`) only to a loopback target (a
+   * sidecar), unless `allowInsecureToken`.
    */
   token?: string;
-  /** TLS or mTLS credentials; plaintext when absent. */
+  /** TLS or mTLS credentials; plaintext when absent (or createInsecure()). */
   credentials?: grpc.ChannelCredentials;
   /**
    * Per-call deadline in milliseconds (default 30 s; 0 or Infinity: none); `deadlineMs`
@@ -184,8 +185,8 @@ export function isLoopback(target: string): boolean {
   return oneLoopback(target);
 }
 
-// Loopback addresses as Python's ipaddress sees them (127.0.0.0/8 and ::1 alone; a mapped
-// ::ffff:127.x is not), so the three clients agree.
+// Loopback addresses: 127.0.0.0/8 and ::1, and an IPv4-mapped ::ffff:127.x (BlockList
+// checks a mapped address against the IPv4 rules), as the Python and Go clients see them.
 const LOOPBACK = new net.BlockList();
 LOOPBACK.addSubnet('127.0.0.0', 8, 'ipv4');
 LOOPBACK.addAddress('::1', 'ipv6');
@@ -202,6 +203,7 @@ function oneLoopback(target: string): boolean {
 export interface CallOptions {
   /**
    * This call's deadline, in milliseconds from now; absent or 0: the client's `timeoutMs`.
+   * Negative or NaN: the call rejects with a TypeError, as `timeoutMs` does.
    */
   deadlineMs?: number;
 }
@@ -277,6 +279,9 @@ export function wireToolName(name: string): string {
   return Array.from(replaced).slice(0, MAX_WIRE_NAME).join('') || '-';
 }
 
+// A deadline in milliseconds: 0 (none), more, or Infinity (none); NaN or negative is not.
+const validMs = (ms: number): boolean => !Number.isNaN(ms) && ms >= 0;
+
 function timestamp(date: Date): { seconds: number; nanos: number } {
   const ms = date.getTime();
   const seconds = Math.floor(ms / 1000);
@@ -299,9 +304,12 @@ export class ContextEngineClient {
       // Refused here: grpc-js threw its own error at the first call, synchronously.
       throw new TypeError('token is not a header value (printable ASCII, no line ending)');
     }
+    // Explicitly insecure credentials are plaintext too: they sent the token in clear to
+    // any target (an audit).
+    const plaintext = !options.credentials?._isSecure();
     if (
       options.token &&
-      !options.credentials &&
+      plaintext &&
       !options.allowInsecureToken &&
       !isLoopback(options.target)
     ) {
@@ -311,9 +319,7 @@ export class ContextEngineClient {
       );
     }
     const timeoutMs = options.timeoutMs ?? 30_000;
-    if (Number.isNaN(timeoutMs) || timeoutMs < 0) {
-      throw new TypeError('timeoutMs must be 0 (no deadline) or more');
-    }
+    if (!validMs(timeoutMs)) throw new TypeError('timeoutMs must be 0 (no deadline) or more');
     this.tenantId = options.tenantId;
     this.token = options.token;
     this.timeoutMs = timeoutMs;
@@ -359,6 +365,10 @@ export class ContextEngineClient {
         ),
       );
     }
+    if (opts.deadlineMs !== undefined && !validMs(opts.deadlineMs)) {
+      // Refused as the client's timeoutMs is: a negative one was a deadline already past.
+      return Promise.reject(new TypeError('deadlineMs must be 0 (no deadline) or more'));
+    }
     const metadata = new grpc.Metadata();
     if (this.token) metadata.set('authorization', `Bearer ${this.token}`);
     // 0 is no deadline of the call's own, as absent is (never an expired one); the client's
@@ -394,7 +404,8 @@ export class ContextEngineClient {
     spec: PlanSpec,
     opts: { sessionId?: string } & CallOptions = {},
   ): Promise<Session> {
-    const sessionId = opts.sessionId ?? newKey();
+    // '' too, as in Python: the engine would refuse an empty id after the round trip.
+    const sessionId = opts.sessionId || newKey();
     let response;
     try {
       response = await this.call(

@@ -70,9 +70,10 @@ function attribution(source: string): string {
 }
 
 // Half a surrogate pair: what `.slice()` leaves when it cuts an emoji in two (an output cut
-// to an excerpt, say). protobufjs encodes it as invalid UTF-8, and the engine refuses the
-// whole request as undecodable, naming no field (a review); TextEncoder sends U+FFFD for
-// it, and so does toolResult. Python cannot cut a code point in two.
+// to an excerpt, say), or JSON.parse of an escaped half ("\ud83d", from an API that cut
+// one in UTF-16). protobufjs encodes it as invalid UTF-8, and the engine refuses the whole
+// request as undecodable, naming no field (a review); TextEncoder sends U+FFFD for it, and
+// so do toolResult and the Python client.
 const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/g;
 
 // U+0000 too, which the engine cannot store: an output holding one failed the whole step
@@ -85,6 +86,41 @@ function wellFormed(text: string): string {
 // most 64 levels deep, whose numbers read back exactly and whose strings hold no U+0000
 // and no half of a surrogate pair.
 const MAX_DEPTH = 64;
+
+const UNSAFE_INTEGER = 'hold an integer beyond 2^53 - 1 (send large ids as strings)';
+const MAX_SAFE = BigInt(Number.MAX_SAFE_INTEGER);
+const DIGIT = /[0-9]/;
+const NUMBER_CHAR = /[0-9.eE+-]/;
+
+/**
+ * Whether JSON text holds an integer literal (no fraction, no exponent) past 2^53 - 1 in
+ * magnitude, outside its strings. The engine reads such a literal exactly and refuses it;
+ * JSON.parse rounds it to a double, and one of 22 digits or more (a 24-digit order id)
+ * came out at 1e21 or above, which the engine takes as a double: the check passed, the
+ * tool ran, and then every append of its step was refused (an audit). `text` is JSON.
+ */
+function hasUnsafeIntegerLiteral(text: string): boolean {
+  let i = 0;
+  while (i < text.length) {
+    if (text[i] === '"') {
+      i += 1;
+      while (i < text.length && text[i] !== '"') i += text[i] === '\\' ? 2 : 1; // \" is two
+      i += 1;
+    } else if (text[i] === '-' || DIGIT.test(text[i])) {
+      const start = i;
+      while (i < text.length && NUMBER_CHAR.test(text[i])) i += 1;
+      const literal = text.slice(start, i);
+      // 16 digits at least (2^53 - 1 has 16); a fraction or an exponent makes a double.
+      if (literal.length >= 16 && !/[.eE]/.test(literal)) {
+        const integer = BigInt(literal);
+        if (integer > MAX_SAFE || -integer > MAX_SAFE) return true;
+      }
+    } else {
+      i += 1;
+    }
+  }
+  return false;
+}
 
 /**
  * Why the engine would refuse to log a call with these arguments (AppendItems'
@@ -110,6 +146,7 @@ export function argumentsProblem(args: Json | string): string {
   if (typeof value !== 'object' || value === null || Array.isArray(value)) {
     return 'are not a JSON object';
   }
+  if (hasUnsafeIntegerLiteral(text)) return UNSAFE_INTEGER;
   const stack: [unknown, number][] = [[value, 1]];
   while (stack.length) {
     const [node, depth] = stack.pop()!;
@@ -119,14 +156,12 @@ export function argumentsProblem(args: Json | string): string {
       if (new RegExp(LONE_SURROGATE.source).test(node)) return 'hold half a surrogate pair';
     } else if (typeof node === 'number') {
       // As the engine reads numbers (core/canonical.py): a double past 2^53 - 1 and below
-      // 1e21 is written as an integer no parser reads back exactly. JSON.parse has already
-      // rounded a larger integer, so one written out in 22 digits or more passes here and
-      // not there (Python, which reads it exactly, refuses it).
+      // 1e21 is written as an integer no parser reads back exactly; 1e400 is an infinity.
+      // A double of 1e21 or more is taken, unless it was written as an integer literal
+      // (hasUnsafeIntegerLiteral).
       const size = Math.abs(node);
       if (!Number.isFinite(node)) return 'hold a number JSON cannot carry exactly';
-      if (size > Number.MAX_SAFE_INTEGER && size < 1e21) {
-        return 'hold an integer beyond 2^53 - 1 (send large ids as strings)';
-      }
+      if (size > Number.MAX_SAFE_INTEGER && size < 1e21) return UNSAFE_INTEGER;
     } else if (Array.isArray(node)) {
       for (const child of node) stack.push([child, depth + 1]);
     } else if (typeof node === 'object' && node !== null) {

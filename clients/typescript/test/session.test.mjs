@@ -10,6 +10,8 @@ import { randomUUID } from 'node:crypto';
 import net from 'node:net';
 import { after, before, test } from 'node:test';
 
+import * as grpc from '@grpc/grpc-js';
+
 import {
   AbortedError,
   AuthError,
@@ -213,6 +215,50 @@ test('a call the engine cannot log is answered, not run', async () => {
   assert.equal(told.split("Not run: the call's arguments").length - 1, 3);
   assert.ok(told.includes('are not a JSON object') && told.includes('beyond 2^53 - 1'));
   assert.ok(told.includes('08:04 TGV\uFFFD6601') && told.includes('Checking\uFFFD now.'));
+});
+
+test('an integer literal past 2^53 - 1 is refused as written, as the engine refuses it', async () => {
+  // JSON.parse rounds a 24-digit order id to a double of 1e21 or more, which the check
+  // passed: the tool ran, the engine (reading the literal exactly) refused the step's
+  // append, and each retry ran the tool again (an audit). Each row is appended as it is,
+  // so the engine itself says which it takes.
+  const rows = [
+    '{"order_id":123456789012345678901234}',
+    '{"a":[1,-12345678901234567890123]}',
+    '{"a":9007199254740992}',
+    '{"a":1e400}',
+    '{"a":9007199254740991,"b":-9007199254740991}',
+    '{"a":123456789012345678901234.0,"b":1.5e300,"c":-1E+22}',
+    '{"id":"123456789012345678901234","q":"\\"123456789012345678901234"}',
+    '{"123456789012345678901234":0}',
+  ];
+  const session = await engine.openSession(spec);
+  const run = await session.startRun('Refund order 123456789012345678901234?');
+  for (const [n, args] of rows.entries()) {
+    const problem = argumentsProblem(args);
+    const appended = await run
+      .append([toolCall(`c${n}`, 'web.fetch', args), toolResult(`c${n}`, 'web.fetch', 'ok')])
+      .then(() => '', (error) => `${error.reason} ${error.field}`);
+    const refused = appended ? 'INVALID_FIELD items[0].tool_call.arguments_json' : '';
+    assert.equal(appended, refused, args);
+    assert.equal(problem !== '', refused !== '', `${args}: ${problem || 'taken'}`);
+  }
+  assert.match(argumentsProblem(rows[0]), /beyond 2\^53 - 1/);
+  const ran = [];
+  let turns = 0;
+  const result = await run.toolLoop({
+    now: NOW,
+    callModel: async () =>
+      (turns += 1) > 1
+        ? { text: 'Done.' }
+        : { toolCalls: [{ callId: 'big', name: 'web-fetch', arguments: rows[0] }] },
+    runTool: async (call) => {
+      ran.push(call.callId);
+      return { content: 'Refunded.' };
+    },
+  });
+  assert.deepEqual(ran, [], 'answered, not run');
+  assert.equal(result.final.text, 'Done.');
 });
 
 test('the tool loop appends each step and ends on a plain answer', async () => {
@@ -479,6 +525,10 @@ test('a token is checked before it is sent, and no deadline is no deadline', asy
   for (const local of ['127.0.0.1:1', 'localhost:1', '[::1]:1', 'unix:/tmp/engine.sock']) {
     new ContextEngineClient({ target: local, tenantId: 't', token }).close();
   }
+  // IPv4-mapped loopback is loopback, as in the Python and Go clients.
+  for (const mapped of ['[::ffff:127.0.0.1]:1', 'ipv6:[::ffff:127.0.0.1]:1']) {
+    new ContextEngineClient({ target: mapped, tenantId: 't', token }).close();
+  }
   assert.throws(
     () => new ContextEngineClient({ target: '127.0.0.1:1', tenantId: 't', token: `${token}\n` }),
     /header value/,
@@ -494,6 +544,49 @@ test('a token is checked before it is sent, and no deadline is no deadline', asy
       unbounded.close();
     }
   }
+});
+
+test('insecure credentials are plaintext: a token goes over them to a loopback target only', () => {
+  // createInsecure() passed as credentials skipped the check, and the token went in clear
+  // to any target (an audit).
+  const token = 't'.repeat(32);
+  const credentials = grpc.credentials.createInsecure();
+  const remote = '10.1.2.3:50051';
+  assert.throws(
+    () => new ContextEngineClient({ target: remote, tenantId: 't', token, credentials }),
+    /in clear/,
+  );
+  for (const options of [
+    { target: remote, allowInsecureToken: true, credentials },
+    { target: '127.0.0.1:1', credentials },
+    { target: remote, credentials: grpc.credentials.createSsl() },
+  ]) {
+    new ContextEngineClient({ tenantId: 't', token, ...options }).close();
+  }
+});
+
+test('a negative or NaN deadline of a call is refused, as the client-wide one is', async () => {
+  // A negative deadlineMs was a deadline already past (DEADLINE_EXCEEDED), and NaN fell
+  // back to the client's, where timeoutMs -1 or NaN throws (an audit).
+  for (const deadlineMs of [-1, NaN]) {
+    for (const call of [
+      () => engine.call('ListControlTools', {}, { deadlineMs }),
+      () => engine.openSession(spec, { deadlineMs }),
+    ]) {
+      await assert.rejects(call(), (error) => {
+        assert.ok(error instanceof TypeError, error.name);
+        assert.match(error.message, /deadlineMs must be 0 \(no deadline\) or more/);
+        return true;
+      });
+    }
+  }
+});
+
+test("openSession with sessionId '' opens a session under a new id, as Python's does", async () => {
+  // It sent the empty id, which the engine refused (an audit).
+  const session = await engine.openSession(spec, { sessionId: '' });
+  assert.match(session.sessionId, /^[0-9a-f-]{36}$/);
+  assert.ok(session.created);
 });
 
 test('a resend of an old append does not take the version back; openSession errors carry the id', async () => {

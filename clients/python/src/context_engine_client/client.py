@@ -35,6 +35,7 @@ from types import TracebackType
 from typing import Any
 
 import grpc
+import grpc.experimental
 import rfc8785
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -162,10 +163,12 @@ _HEADER_VALUE = re.compile(r"[\x20-\x7e]+")
 
 
 def is_loopback(target: str) -> bool:
-    """Whether a gRPC target names this host: a loopback address, localhost, or a Unix
-    socket; for an ipv4:/ipv6: list, every address. A name is not (it may resolve
-    elsewhere). The engine's `context-engine explain` applies the same rule
-    (tests/e2e/test_python_client.py holds the two to one table)."""
+    """Whether a gRPC target names this host: a loopback address (an IPv4-mapped one
+    too, ::ffff:127.0.0.1), localhost, or a Unix socket; for an ipv4:/ipv6: list, every
+    address. A name is not (it may resolve elsewhere). The TypeScript and Go clients apply
+    the same rule, and so does the engine's `context-engine explain`, but for a mapped
+    address below Python 3.13 (tests/e2e/test_python_client.py holds the client and
+    explain to one table)."""
     if target.startswith(("unix:", "unix-abstract:")):
         return True
     for scheme in ("ipv4:", "ipv6:"):
@@ -183,9 +186,22 @@ def _one_loopback(target: str) -> bool:
     if host.lower() == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
         return False
+    # ipaddress finds ::ffff:127.0.0.1 loopback from Python 3.13 only (gh-117566); Node's
+    # BlockList and Go's net.IP always did, and the client's rule was the odd one out.
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
+
+
+def _insecure(credentials: grpc.ChannelCredentials) -> bool:
+    """Whether `credentials` are grpc.experimental.insecure_channel_credentials(): grpc.aio
+    opens a plaintext channel with them, which sent a token in clear to any target (an
+    audit). grpc's own secure_channel tells them apart by the same object."""
+    insecure = grpc.experimental.insecure_channel_credentials()
+    return getattr(credentials, "_credentials", None) is insecure._credentials
 
 
 # A tool loop step's append, resent by the loop itself while the engine cannot be reached:
@@ -233,8 +249,9 @@ class ContextEngineClient:
             authenticated identity, or be "" (with `token` or `credentials`) for the server
             to take the identity's.
         token: bearer token, sent as `authorization: Bearer <token>` metadata. Over a
-            plaintext channel (no `credentials`) only to a loopback target (a sidecar), as
-            `context-engine explain` allows, unless `allow_insecure_token`.
+            plaintext channel (no `credentials`, or
+            `grpc.experimental.insecure_channel_credentials()`) only to a loopback target
+            (a sidecar), as `context-engine explain` allows, unless `allow_insecure_token`.
         credentials: TLS (or mTLS) channel credentials; None for a plaintext channel.
         timeout: per-call deadline in seconds (None: no deadline); every method takes a
             `timeout=` of its own for one call (None or 0 there: this one).
@@ -284,7 +301,7 @@ class ContextEngineClient:
         if token is not None and not _HEADER_VALUE.fullmatch(token):
             # Refused here: grpc raised its own batch error at the first call (Rule 3).
             raise ValueError("token is not a header value (printable ASCII, no line ending)")
-        plaintext = credentials is None and channel is None
+        plaintext = (credentials is None or _insecure(credentials)) and channel is None
         if token and plaintext and not allow_insecure_token and not is_loopback(target):
             raise ValueError(
                 f"token= would cross the network in clear to {target}: give credentials="

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,9 +88,15 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+# U+0000, which the engine cannot store, and half a surrogate pair (json.loads gives one
+# for "\ud83d", an emoji an API cut in UTF-16), which protobuf cannot encode as UTF-8:
+# either failed the step after its tools had run, and every retry ran them again (audits).
+_UNLOGGABLE = re.compile(r"[\x00\ud800-\udfff]")
+
+
 def _loggable(text: str) -> str:
-    """`text` with U+0000, which the engine cannot store, read as U+FFFD."""
-    return text.replace("\x00", "\ufffd")
+    """`text` with U+0000 and any half of a surrogate pair read as U+FFFD."""
+    return _UNLOGGABLE.sub("\ufffd", text)
 
 
 def user_message(text: str, *, item_id: str = "") -> pb.ConversationItem:
@@ -155,8 +162,8 @@ def tool_result(
     whole; a large output needs one, as a result the model is about to read never yields
     (one larger than the request's body fails every Build of its run). An empty `name`
     takes its call's on the server, which then names the source by it too. U+0000, which
-    the engine cannot store, is sent as U+FFFD (a tool's output holding one failed the
-    whole step)."""
+    the engine cannot store, and half a surrogate pair, which protobuf cannot encode, are
+    sent as U+FFFD (a tool's output holding one failed the whole step)."""
     source = _loggable(source or (f"tool:{name}" if name else ""))
     if len(source) > MAX_SOURCE_CHARS:
         source = source[: MAX_SOURCE_CHARS - 1] + "…"
@@ -306,8 +313,8 @@ class ModelTurn:
         """The turn as conversation items: reasoning, text, then tool calls."""
         out = [reasoning(provider, opaque) for provider, opaque in self.reasoning]
         if self.text:
-            # U+0000, which the engine cannot store, as U+FFFD: the step's append failed
-            # after its tools ran (a review).
+            # U+0000 (and half a surrogate pair), which the engine cannot take, as
+            # U+FFFD: the step's append failed after its tools ran (a review).
             text = _loggable(self.text)
             out.append(assistant_message(text, provider_item_id=self.text_item_id))
         out += [
