@@ -2469,6 +2469,46 @@ async def test_a_scope_no_tool_needs_rotates_nothing_and_a_grant_names_the_scope
     assert details(caught.value)[1] != ["admission.browser_profile_id"]
 
 
+def _grants_the_roster_leaves_out() -> dict[str, tuple[pb.PlanSpec, str]]:
+    """Specs, each with a scope that admits a tool the roster still never advertises."""
+    skill_load = spec()  # Rule 4: no catalog
+    skill_load.tools.append(tool("skill.load", scopes=("skills.use",), builtin=True))
+    tool_call = spec()  # Rule 4: nothing deferred
+    tool_call.tools.append(tool("tool.call", scopes=("tools.defer",), builtin=True))
+    tool_call.agent.enabled_tools.append("tool.call")
+    deferred = spec()  # Rule 7: deferred without tool.call
+    deferred.tools.append(tool("mail.send", scopes=("mail.send",)))
+    deferred.agent.deferred_tools.append("mail.send")
+    full = spec()  # Rule 6: past the thirty definitions, and nothing indexes it
+    full.tools.extend(tool(f"read.t{n:02d}") for n in range(30))
+    full.tools.append(
+        tool("crm.update", scopes=("crm.write",), side_effect=pb.SIDE_EFFECT_NETWORK_WRITE)
+    )
+    return {
+        "skill.load without a catalog": (skill_load, "skills.use"),
+        "tool.call with nothing deferred": (tool_call, "tools.defer"),
+        "a deferral without tool.call": (deferred, "mail.send"),
+        "a tool past a full roster": (full, "crm.write"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_grants_the_roster_leaves_out()))
+async def test_a_grant_whose_tool_the_roster_leaves_out_rotates_nothing(
+    stub: Any, pool: Any, case: str
+) -> None:
+    """core/epochs.py Rule 3: a grant rotates where a plan under it advertises other tools.
+    One admitting a tool the roster's later rules leave out changed no tool and rotated,
+    re-caching Region A under a new secret (an audit); it keeps the plan, at every run."""
+    granted_spec, scope = _grants_the_roster_leaves_out()[case]
+    granted_spec.snapshot.items.append(pb.MemoryItem(item_id="m1", text="Aisle seats."))
+    session_id, plan = await _open(stub, granted_spec)
+    scopes = [*granted_spec.principal.scopes, scope]
+    for _ in range(2):
+        started = await _start(stub, session_id, scopes=scopes)
+        assert not started.HasField("rotated_plan") and started.run.epoch == plan.epoch
+    assert await _rotations(pool, session_id) == []
+
+
 # --- lineages continued when used ---------------------------------------------------------
 
 

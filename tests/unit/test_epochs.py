@@ -19,6 +19,7 @@ from context_engine.core.epochs import (
     ADMISSION_REASONS,
     REASON_PRIORITY,
     Admission,
+    Advertised,
     admit_run,
     canonicalized_copy,
     is_canonical,
@@ -113,6 +114,15 @@ def _plan(spec: PlanSpec, secret: bytes = SECRET, epoch: int = 1) -> ContextPlan
 
 def _never() -> bool:
     raise AssertionError("the builder check ran for a plan of the current builder")
+
+
+def _advertises(spec: PlanSpec) -> Advertised:
+    """What the shell's Engine._advertises answers: the tools a plan of `spec` shows."""
+    try:
+        plan = _plan(spec)
+    except (InvalidFieldError, PreconditionError):
+        return None
+    return plan.tool_names, plan.deferred_tool_names
 
 
 # --- admission ----------------------------------------------------------------------------
@@ -250,7 +260,9 @@ ADMISSIONS = (
 def test_admission(case: AdmissionCase) -> None:
     spec = _spec(**dict(case.spec_kw))
     plan = _plan(spec).model_copy(update=dict(case.plan_change))
-    decision = admit_run(plan, spec, case.admission, builder_reproduces=case.reproduces)
+    decision = admit_run(
+        plan, spec, case.admission, builder_reproduces=case.reproduces, advertises=_advertises
+    )
     assert decision.reasons == case.expect
     assert list(decision.reasons) == sorted(decision.reasons, key=REASON_PRIORITY.index)
     if not case.expect:
@@ -285,13 +297,24 @@ def test_a_builder_upgrade_at_a_reduced_admission_is_one_epoch_for_every_run() -
     run, with the session's own scopes, finds nothing new: one epoch for one upgrade."""
     spec = _spec()
     old = _plan(spec).model_copy(update={"builder_version": "context-builder@0"})
-    decision = admit_run(old, spec, Admission(("mail.read",)), builder_reproduces=lambda: False)
+    decision = admit_run(
+        old,
+        spec,
+        Admission(("mail.read",)),
+        builder_reproduces=lambda: False,
+        advertises=_advertises,
+    )
     assert decision.reasons == (PlanReason.BUILDER_UPGRADED,)
     assert decision.spec is not None
     rebuilt = _rebuilt(decision.spec, PlanReason.BUILDER_UPGRADED)
     assert "web.fetch" in rebuilt.tool_names
     owner = Admission(("mail.read", "web"))
-    assert admit_run(rebuilt, decision.spec, owner, builder_reproduces=_never).reason is None
+    assert (
+        admit_run(
+            rebuilt, decision.spec, owner, builder_reproduces=_never, advertises=_advertises
+        ).reason
+        is None
+    )
 
 
 def test_after_an_erasure_the_runs_own_grant_is_a_second_admission_rotation() -> None:
@@ -301,16 +324,21 @@ def test_after_an_erasure_the_runs_own_grant_is_a_second_admission_rotation() ->
     spec = _spec()
     invalidated = _plan(spec).model_copy(update={"invalidated": True})
     grant = Admission(("mail.read", "mail.send", "web"))
-    first = admit_run(invalidated, spec, grant, builder_reproduces=_never)
+    first = admit_run(invalidated, spec, grant, builder_reproduces=_never, advertises=_advertises)
     assert first.reasons == (PlanReason.SNAPSHOT_INVALIDATED,) and first.spec is not None
     erased = _rebuilt(first.spec, PlanReason.SNAPSHOT_INVALIDATED)
     assert "mail.send" not in erased.tool_names
-    second = admit_run(erased, first.spec, grant, builder_reproduces=_never)
+    second = admit_run(erased, first.spec, grant, builder_reproduces=_never, advertises=_advertises)
     assert second.reasons == (PlanReason.RUN_AUTHORITY_CHANGED,)
     assert second.reason in ADMISSION_REASONS and second.spec is not None
     granted = _rebuilt(second.spec, PlanReason.RUN_AUTHORITY_CHANGED, epoch=3)
     assert "mail.send" in granted.tool_names
-    assert admit_run(granted, second.spec, grant, builder_reproduces=_never).reason is None
+    assert (
+        admit_run(
+            granted, second.spec, grant, builder_reproduces=_never, advertises=_advertises
+        ).reason
+        is None
+    )
 
 
 def test_a_rebuild_advertises_what_the_run_was_newly_granted() -> None:
@@ -318,7 +346,11 @@ def test_a_rebuild_advertises_what_the_run_was_newly_granted() -> None:
     plan = _plan(spec)
     assert "mail.send" not in plan.tool_names
     decision = admit_run(
-        plan, spec, Admission(("mail.read", "mail.send", "web")), builder_reproduces=_never
+        plan,
+        spec,
+        Admission(("mail.read", "mail.send", "web")),
+        builder_reproduces=_never,
+        advertises=_advertises,
     )
     assert decision.spec is not None
     rebuilt = _plan(decision.spec, epoch=2)
@@ -331,7 +363,9 @@ def test_revocation_keeps_the_hash_and_the_tool() -> None:
     spec = _spec()
     plan = _plan(spec)
     assert "web.fetch" in plan.tool_names
-    decision = admit_run(plan, spec, Admission(("mail.read",)), builder_reproduces=_never)
+    decision = admit_run(
+        plan, spec, Admission(("mail.read",)), builder_reproduces=_never, advertises=_advertises
+    )
     assert decision.reason is None  # the plan, its hash and its advertised tools stay
     pinned = {p.name: p for p in plan.pinned_tools}
     assert pinned["web.fetch"].required_scopes == ("web",)  # what the call-time check needs
@@ -353,7 +387,9 @@ def test_only_a_new_scope_that_admits_a_tool_rotates(
         principal=Principal(scopes=tuple(pinned)), tools=tools, snapshot=MemorySnapshotSpec()
     )
     plan = _plan(spec)
-    decision = admit_run(plan, spec, Admission(tuple(run)), builder_reproduces=_never)
+    decision = admit_run(
+        plan, spec, Admission(tuple(run)), builder_reproduces=_never, advertises=_advertises
+    )
     rotates = decision.reason is PlanReason.RUN_AUTHORITY_CHANGED
     admits = any(need <= run and not need <= pinned for need in needs)
     assert rotates == (not run <= pinned and admits)
@@ -396,7 +432,7 @@ def test_a_legacy_plan_is_copied_with_canonical_hashes_and_the_same_bytes() -> N
     legacy = _legacy(canonical)
     assert is_canonical(canonical) and not is_canonical(legacy)
     assert legacy.prefix_sha256 != canonical.prefix_sha256
-    decision = admit_run(legacy, spec, None, builder_reproduces=_never)
+    decision = admit_run(legacy, spec, None, builder_reproduces=_never, advertises=_advertises)
     assert decision.reasons == (PlanReason.PREFIX_HASH_CANONICALIZED,)
     assert decision.copy and decision.spec is None
     copy = canonicalized_copy(legacy, epoch=2)
@@ -409,7 +445,10 @@ def test_a_legacy_plan_is_copied_with_canonical_hashes_and_the_same_bytes() -> N
     assert rendered_identity(copy) == rendered_identity(legacy)
     assert copy.system == legacy.system and copy.tools == legacy.tools
     # And the copy is current: the next admission keeps it.
-    assert admit_run(copy, spec, None, builder_reproduces=_never).reason is None
+    assert (
+        admit_run(copy, spec, None, builder_reproduces=_never, advertises=_advertises).reason
+        is None
+    )
 
 
 def test_a_scope_only_a_tool_the_roster_never_shows_needs_is_no_grant() -> None:
@@ -422,7 +461,10 @@ def test_a_scope_only_a_tool_the_roster_never_shows_needs_is_no_grant() -> None:
     plan = _plan(spec)
     for scope in ("mail.sync", "mail.bind"):
         grant = Admission(("mail.read", "web", scope))
-        assert admit_run(plan, spec, grant, builder_reproduces=_never).reason is None
+        assert (
+            admit_run(plan, spec, grant, builder_reproduces=_never, advertises=_advertises).reason
+            is None
+        )
 
 
 def test_a_rebuild_reason_supersedes_the_copy() -> None:
@@ -430,7 +472,11 @@ def test_a_rebuild_reason_supersedes_the_copy() -> None:
     legacy = _legacy(_plan(spec))
     spec = spec.model_copy(update={"tools": (*spec.tools, _tool("mail.send", ("new",)))})
     decision = admit_run(
-        legacy, spec, Admission(("mail.read", "mail.list", "web", "new")), builder_reproduces=_never
+        legacy,
+        spec,
+        Admission(("mail.read", "mail.list", "web", "new")),
+        builder_reproduces=_never,
+        advertises=_advertises,
     )
     assert decision.reasons == (PlanReason.RUN_AUTHORITY_CHANGED,)
 
@@ -438,7 +484,10 @@ def test_a_rebuild_reason_supersedes_the_copy() -> None:
 def test_a_plan_whose_hash_matches_nothing_is_not_copied() -> None:
     spec = _two_scope_spec()
     broken = _legacy(_plan(spec)).model_copy(update={"prefix_sha256": "0" * 64})
-    assert admit_run(broken, spec, None, builder_reproduces=_never).reason is None
+    assert (
+        admit_run(broken, spec, None, builder_reproduces=_never, advertises=_advertises).reason
+        is None
+    )
     with pytest.raises(InvalidFieldError) as caught:  # the Rotate's reason is what is wrong
         canonicalized_copy(broken, epoch=2)
     assert caught.value.field == "reason"
@@ -736,9 +785,9 @@ def test_erasure_redacts_the_persisted_snapshot_and_invalidates_its_plan() -> No
     assert all("Ana prefers" not in b.text for b in redacted.system)
     assert [m.item_id for m in redacted_spec.snapshot.items] == ["m2"]
     assert redacted.prefix_sha256 == plan.prefix_sha256  # the bytes a bound run received
-    assert admit_run(redacted, redacted_spec, None, builder_reproduces=_never).reasons == (
-        PlanReason.SNAPSHOT_INVALIDATED,
-    )
+    assert admit_run(
+        redacted, redacted_spec, None, builder_reproduces=_never, advertises=_advertises
+    ).reasons == (PlanReason.SNAPSHOT_INVALIDATED,)
     again = _plan(redacted_spec, epoch=2)  # the rotation recalls from what remains
     assert "Office is in Lyon." in again.prefix_document and not again.invalidated
     untouched = redact_person(plan, spec, "bruno")

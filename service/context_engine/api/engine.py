@@ -620,6 +620,26 @@ class Engine:
         self._kept.put(key, reproduces, _HEADS_WEIGHT)
         return reproduces
 
+    def _advertises(
+        self, session_id: UUID, stored: plans.StoredPlan, spec: PlanSpec
+    ) -> epoch_rules.Advertised:
+        """The (defined, deferred) tool names a plan of `spec` in the stored plan's place
+        advertises, or None when none can be made (core/epochs.py Rule 3: whether a grant
+        changes them). Kept per spec: a run admitted with scopes that change nothing finds
+        them new again at every admission, since the plan keeps its pinned ones."""
+        plan = stored.plan
+        key = ("advertises", session_id, plan.epoch, spec.sha256())
+        known: epoch_rules.Advertised | bool | None = self._kept.get(key)
+        if known is not None:
+            return None if known is False else known  # False: kept as "none can be made"
+        try:
+            made = self._make_plan(spec, session_id, plan.epoch, plan.reason, stored.secret)
+            found: epoch_rules.Advertised = (made.tool_names, made.deferred_tool_names)
+        except (InvalidFieldError, PreconditionError):
+            found = None
+        self._kept.put(key, False if found is None else found, _HEADS_WEIGHT)
+        return found
+
     async def _plan_locked(
         self, conn: Any, tenant: str, session_id: UUID, epoch: int, revision: int
     ) -> plans.StoredPlan:
@@ -662,6 +682,7 @@ class Engine:
                 current.spec,
                 admission,
                 builder_reproduces=partial(self._builder_reproduces, session_id, current),
+                advertises=partial(self._advertises, session_id, current),
             )
             if decision.reason is None:
                 break

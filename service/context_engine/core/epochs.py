@@ -25,7 +25,10 @@ change is then decided again on the rebuilt current plan: a second, admission ro
 (the same epochs a Build after the erasure and then the admission would give).
 Rule 3: newly granted scopes (a SHA-256 not in plan.authority_scope_hashes) rotate with
 run_authority_changed where they take effect: where the run's scopes admit a tool of the
-pinned spec that the pinned scopes do not (`admitted_by_grant`). A scope no tool needs
+pinned spec that the pinned scopes do not (`admitted_by_grant`), and a plan under them
+advertises other tools than one under the pinned scopes (the roster's later rules can
+still leave it out: skill.load without a catalog, tool.call with nothing deferred, a tool
+past the definition cap that nothing indexes; an audit found each rotating for nothing). A scope no tool needs
 (an OAuth "openid", "email") changes no byte of the prefix: rotating for it re-cached
 Region A under a new secret, alternating admissions rotated at every run, and the
 rebuild under the run's scopes refused a run that asked for the pinned browser profile
@@ -126,24 +129,31 @@ def newly_granted(plan: ContextPlan, scopes: tuple[str, ...]) -> tuple[str, ...]
     return tuple(h for h in scope_hashes(scopes) if h not in pinned)
 
 
+# The (defined, deferred) tool names a plan of a spec advertises, or None when no plan of
+# it can be made now: the shell renders plans (api/engine.py), and keeps what it found.
+Advertised = tuple[tuple[str, ...], tuple[str, ...]] | None
+
+
 def admit_run(
     plan: ContextPlan,
     spec: PlanSpec,
     admission: Admission | None,
     *,
     builder_reproduces: Callable[[], bool],
+    advertises: Callable[[PlanSpec], Advertised],
 ) -> Decision:
     """Decide, before a new run pins its tools, whether the session's plan rotates.
 
     `spec` is the plan's pinned spec; `builder_reproduces` re-renders the plan with the
     current builder and says whether its bytes are the plan's (called only when the plan
-    records another builder version).
+    records another builder version); `advertises` says what a plan of a spec advertises
+    (called only for a grant that admits a tool, Rule 3).
     """
     admission = admission or Admission()
     found: set[PlanReason] = set()
     if plan.invalidated:
         found.add(PlanReason.SNAPSHOT_INVALIDATED)
-    if _authority_changed(plan, spec, admission):
+    if _authority_changed(plan, spec, admission, advertises):
         found.add(PlanReason.RUN_AUTHORITY_CHANGED)
     if (
         admission.browser_profile_id is not None
@@ -165,14 +175,25 @@ def admit_run(
     return Decision(reasons, _rebuilt_spec(spec, admission, reasons))
 
 
-def _authority_changed(plan: ContextPlan, spec: PlanSpec, admission: Admission) -> bool:
+def _authority_changed(
+    plan: ContextPlan,
+    spec: PlanSpec,
+    admission: Admission,
+    advertises: Callable[[PlanSpec], Advertised],
+) -> bool:
     if spec.environment.kind is SessionKind.OPERATIONAL:
         return False  # its kind pins an empty set whatever the scopes (Rule 3)
     if plan.authority_scope_hashes is None:
         return True  # a legacy plan rebuilds once, at the next unpinned run
     if admission.scopes is None or not newly_granted(plan, admission.scopes):
         return False
-    return bool(admitted_by_grant(spec, admission.scopes))
+    if not admitted_by_grant(spec, admission.scopes):
+        return False
+    # Compared with the pinned spec's roster as the builder resolves it now, not the
+    # plan's names: a builder change is BUILDER_UPGRADED's to decide. A grant whose plan
+    # cannot be made rotates, so that its rotation's refusal says why.
+    granted = advertises(_with_scopes(spec, admission.scopes))
+    return granted is None or granted != advertises(spec)
 
 
 def admitted_by_grant(spec: PlanSpec, scopes: tuple[str, ...]) -> tuple[str, ...]:
@@ -195,21 +216,23 @@ def _rebuilt_spec(
     spec: PlanSpec, admission: Admission, reasons: tuple[PlanReason, ...]
 ) -> PlanSpec:
     """The pinned spec, with the admitted run's permissions applied only when they were
-    newly granted and its browser profile only when it changed (Rule 2).
-
-    Validated again (not model_copy'd) so the scopes are stored sorted.
-    """
-    principal = spec.principal
+    newly granted and its browser profile only when it changed (Rule 2), each validated
+    again (not model_copy'd) so the scopes are stored sorted."""
     if PlanReason.RUN_AUTHORITY_CHANGED in reasons and admission.scopes is not None:
-        principal = Principal.model_validate(
-            {**principal.model_dump(), "scopes": list(admission.scopes)}
-        )
+        spec = _with_scopes(spec, admission.scopes)
     environment = spec.environment
     if PlanReason.BROWSER_PROFILE_CHANGED in reasons and admission.browser_profile_id is not None:
         environment = SessionEnvironment.model_validate(
             {**environment.model_dump(), "browser_profile_id": admission.browser_profile_id}
         )
-    return spec.model_copy(update={"principal": principal, "environment": environment})
+    return spec.model_copy(update={"environment": environment})
+
+
+def _with_scopes(spec: PlanSpec, scopes: tuple[str, ...]) -> PlanSpec:
+    """The spec under a run's scopes, validated again (not model_copy'd) so they are stored
+    sorted."""
+    principal = Principal.model_validate({**spec.principal.model_dump(), "scopes": list(scopes)})
+    return spec.model_copy(update={"principal": principal})
 
 
 # --- builder identity -------------------------------------------------------------------
