@@ -28,11 +28,11 @@ run_authority_changed where they take effect: where the run's scopes admit a too
 pinned spec that the pinned scopes do not (`admitted_by_grant`), and a plan under them
 advertises other tools than one under the pinned scopes (the roster's later rules can
 still leave it out: skill.load without a catalog, tool.call with nothing deferred, a tool
-past the definition cap that nothing indexes; an audit found each rotating for nothing). A scope no tool needs
-(an OAuth "openid", "email") changes no byte of the prefix: rotating for it re-cached
-Region A under a new secret, alternating admissions rotated at every run, and the
-rebuild under the run's scopes refused a run that asked for the pinned browser profile
-(an audit). Scope reduction alone keeps the prefix, because revocation is enforced at
+past the definition cap that nothing indexes; an audit found each rotating for nothing).
+A scope no tool needs (an OAuth "openid", "email") changes no byte of the prefix:
+rotating for it re-cached Region A under a new secret, alternating admissions rotated at
+every run, and the rebuild under the run's scopes refused a run that asked for the pinned
+browser profile (an audit). Scope reduction alone keeps the prefix, because revocation is enforced at
 call time. A legacy plan without hashes rebuilds once. A session kind that pins no tools
 has no advertisement for authority to change.
 Rule 4: a changed selected browser profile rotates with browser_profile_changed, even with
