@@ -32,9 +32,9 @@ past the definition cap that nothing indexes; an audit found each rotating for n
 A scope no tool needs (an OAuth "openid", "email") changes no byte of the prefix:
 rotating for it re-cached Region A under a new secret, alternating admissions rotated at
 every run, and the rebuild under the run's scopes refused a run that asked for the pinned
-browser profile (an audit). Scope reduction alone keeps the prefix, because revocation is enforced at
-call time. A legacy plan without hashes rebuilds once. A session kind that pins no tools
-has no advertisement for authority to change.
+browser profile (an audit). Scope reduction alone keeps the prefix, because revocation
+is enforced at call time. A legacy plan without hashes rebuilds once. A session kind that
+pins no tools has no advertisement for authority to change.
 Rule 4: a changed selected browser profile rotates with browser_profile_changed, even with
 unchanged scopes; not for a session kind that pins no tools, whose prefix no profile
 changes (an audit: an operational session rotated at every profile change).
