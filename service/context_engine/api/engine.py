@@ -629,15 +629,15 @@ class Engine:
         them new again at every admission, since the plan keeps its pinned ones."""
         plan = stored.plan
         key = ("advertises", session_id, plan.epoch, spec.sha256())
-        known: epoch_rules.Advertised | bool | None = self._kept.get(key)
+        known: tuple[epoch_rules.Advertised] | None = self._kept.get(key)  # None: not kept
         if known is not None:
-            return None if known is False else known  # False: kept as "none can be made"
+            return known[0]
         try:
             made = self._make_plan(spec, session_id, plan.epoch, plan.reason, stored.secret)
             found: epoch_rules.Advertised = (made.tool_names, made.deferred_tool_names)
         except (InvalidFieldError, PreconditionError):
             found = None
-        self._kept.put(key, False if found is None else found, _HEADS_WEIGHT)
+        self._kept.put(key, (found,), _HEADS_WEIGHT)
         return found
 
     async def _plan_locked(
