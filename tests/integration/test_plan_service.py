@@ -235,6 +235,37 @@ async def test_a_canonicalizing_rotation_takes_no_spec(stub: Any) -> None:
     assert details(caught.value)[1] == ["spec"]
 
 
+async def test_a_canonicalizing_rotation_of_a_plan_an_erasure_redacted_is_its_state(
+    stub: Any, pool: Any
+) -> None:
+    """An erasure redacts the plan's document, which its hash then matches no more, so it
+    cannot be copied: the refusal was INVALID_ARGUMENT, as if the request were at fault
+    (an audit). It is FAILED_PRECONDITION naming `reason`, and nothing is written; a
+    rebuilding reason rotates."""
+    person = f"bob-{new_id()}"
+    erased = spec()
+    erased.snapshot.items.append(
+        pb.MemoryItem(item_id="m1", text="Bob likes tea.", person_ids=[person])
+    )
+    session_id, _ = await _open(stub, erased)
+    await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=person))
+    before = await _events(pool, session_id)
+    request = pb.RotateRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        from_epoch=1,
+        reason=pb.PLAN_REASON_PREFIX_HASH_CANONICALIZED,
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Rotate(request)
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert details(caught.value)[:2] == ("INVALID_FIELD", ["reason"])
+    assert "builder_upgraded" in (caught.value.details() or "")
+    assert await _events(pool, session_id) == before
+    request.reason = pb.PLAN_REASON_BUILDER_UPGRADED
+    assert (await stub.Rotate(request)).plan.epoch == 2
+
+
 # --- rotation reasons through StartRun admission -------------------------------------------
 
 

@@ -471,7 +471,9 @@ const (
 	PlanReason_PLAN_REASON_RUN_AUTHORITY_CHANGED PlanReason = 7
 	// The selected browser profile changed at a new run's admission.
 	PlanReason_PLAN_REASON_BROWSER_PROFILE_CHANGED PlanReason = 8
-	// Same prefix bytes, new canonical hashes; nothing is re-cached.
+	// Same prefix bytes, new canonical hashes; nothing is re-cached. A Rotate with it of a
+	// plan whose hash matches no recorded document (an erasure redacted it) is
+	// FAILED_PRECONDITION INVALID_FIELD naming reason: rotate with BUILDER_UPGRADED.
 	PlanReason_PLAN_REASON_PREFIX_HASH_CANONICALIZED PlanReason = 9
 	// The builder was upgraded and no longer reproduces the plan's bytes.
 	PlanReason_PLAN_REASON_BUILDER_UPGRADED PlanReason = 10

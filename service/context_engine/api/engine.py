@@ -511,6 +511,8 @@ class Engine:
             current = await plans.read_plan(conn, tenant, session_id)
             if spec is not None:
                 _require_same_principal(current.spec, spec)
+            elif reason is PlanReason.PREFIX_HASH_CANONICALIZED:
+                _require_to_canonicalize(current.plan)
             try:
                 # A spec is refused for a canonicalizing rotation (_rotate_locked).
                 rotated = await self._rotate_locked(
@@ -1715,6 +1717,28 @@ def _same_meaning(pinned: PlanSpec, sent: PlanSpec) -> bool:
     """Plan's spec_matches: `sent` means what the session's pinned spec means (PlanSpec.
     meaning_sha256), whatever order it lists its tools in."""
     return pinned.meaning_sha256() == sent.meaning_sha256()
+
+
+def _require_to_canonicalize(plan: ContextPlan) -> None:
+    """A canonicalizing Rotate copies the current plan (core/epochs.py Rule 7), which its
+    hash must match the recorded document of. Of one whose hash matches none (an erasure
+    redacted it) the copy's refusal was INVALID_ARGUMENT, as if the request were at fault
+    (an audit): it is the plan's state, FAILED_PRECONDITION naming `reason`, and nothing
+    is written. (A canonical current plan is copied: the sweep's purpose may be the other
+    lineages' heads, which are canonicalized when next used.)
+
+    Raises:
+        PreconditionError: INVALID_FIELD naming `reason`.
+    """
+    if epoch_rules.copyable(plan):
+        return
+    raise PreconditionError(
+        f"epoch {plan.epoch} cannot be copied with canonical hashes: its prefix_sha256"
+        " matches no recorded document (an erasure redacted it, or it was written before"
+        " the document was recorded); rotate with a rebuilding reason (builder_upgraded)",
+        field="reason",
+        reason="INVALID_FIELD",
+    )
 
 
 def _as_state(exc: RequestError, rebuilt: str) -> RequestError:
