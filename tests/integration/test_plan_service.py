@@ -2421,6 +2421,29 @@ async def test_a_plan_states_when_it_was_stored_and_the_region_a_markers_it_send
     assert rotated.cache_breakpoints == opened.cache_breakpoints
 
 
+async def test_plan_refuses_an_ungranted_tool_whose_wire_name_a_listed_one_has(
+    stub: Any,
+) -> None:
+    """A tool a run's grant may bring in is checked for wire-name collisions as its schema
+    is: Plan took "lookup.item" (scope x) beside "lookup-item", and the admission granting
+    x then failed TOOL_NAME_COLLISION, where Plan could have told the caller (an audit). A
+    hidden twin is never sent, and passes."""
+    twins = spec()
+    twins.tools.append(tool("lookup-item"))
+    twins.tools.append(tool("lookup.item", scopes=("x",)))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _open(stub, twins)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    reason, fields, metadata = details(caught.value)
+    assert (reason, fields, metadata["wire_name"]) == (
+        "INVALID_FIELD",
+        ["spec.tools"],
+        "lookup-item",
+    )
+    twins.tools[-1].model_visible = False
+    await _open(stub, twins)
+
+
 # --- rebuilds of the pinned spec: every refusal is the session's state ---------------------
 
 
@@ -2431,11 +2454,23 @@ async def test_a_grant_bringing_a_wire_colliding_tool_is_the_sessions_state(
     collides with one already in the roster ("lookup-item"). The admission's rebuild of the
     pinned spec failed INVALID_ARGUMENT INVALID_FIELD naming `spec.tools`, which StartRun
     never sent: it is the session's state, TOOL_NAME_COLLISION naming the session (metadata
-    spec_field, wire_name); nothing is written."""
+    spec_field, wire_name); nothing is written. Plan refuses such a spec now (the test
+    below): the session's is one an older replica planned, written here as it stored it."""
     withheld = spec()
     withheld.tools.append(tool("lookup-item"))
-    withheld.tools.append(tool("lookup.item", scopes=("reports.read",)))
     session_id, plan = await _open(stub, withheld)
+    await pool.execute(  # the pinned spec with the ungranted twin an older Plan took
+        "UPDATE context_plans SET spec = jsonb_set(spec, '{tools}', (spec -> 'tools')"
+        " || jsonb_build_array(jsonb_set(jsonb_set(spec -> 'tools' -> -1, '{name}',"
+        " '\"lookup.item\"'), '{required_scopes}', '[\"reports.read\"]')))"
+        " WHERE session_id = $1",
+        UUID(session_id),
+    )
+    await pool.execute(
+        "UPDATE sessions SET plans_revision = plans_revision + 1 WHERE session_id = $1",
+        UUID(session_id),
+    )
+    withheld.tools.append(tool("lookup.item", scopes=("reports.read",)))
     assert "lookup.item" not in plan.tool_names
     before = await _events(pool, session_id)
     with pytest.raises(grpc.aio.AioRpcError) as caught:

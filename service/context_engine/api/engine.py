@@ -59,6 +59,7 @@ from ..core.excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
 from ..core.items import ConversationItem, ToolCall, ToolResult, UserMessage
 from ..core.log_tail import LogTail
 from ..core.plan import CapacityError, ContextPlan, ModelFacts, make_plan
+from ..core.roster import advertisable
 from ..core.seeding import delegated, instruction_item_id, seed_cut
 from ..core.skills import body_items
 from ..core.snapshot import first_naming, named_people
@@ -288,6 +289,7 @@ class Engine:
         candidate = await asyncio.to_thread(
             self._make_plan, spec, session_id, 1, PlanReason.SESSION_OPENED, secret
         )
+        _check_grantable_wire_names(spec)
         async with self.gates.held(tenant, session_id), transaction(self.pool) as conn:
             await _fence_snapshot(conn, tenant, spec)
             await sessions.ensure_session(conn, tenant, session_id)
@@ -511,6 +513,7 @@ class Engine:
             current = await plans.read_plan(conn, tenant, session_id)
             if spec is not None:
                 _require_same_principal(current.spec, spec)
+                _check_grantable_wire_names(spec)
             elif reason is PlanReason.PREFIX_HASH_CANONICALIZED:
                 _require_to_canonicalize(current.plan)
             try:
@@ -1820,6 +1823,19 @@ def _check_roster_wire_names(plan: ContextPlan) -> None:
     of the plan would fail rendering, so the spec is wrong, not the session's state."""
     try:
         check_wire_names([*plan.tool_names, *plan.deferred_tool_names])
+    except PreconditionError as exc:
+        raise _WireNameCollision(exc.message, field="spec.tools", metadata=exc.metadata) from None
+
+
+def _check_grantable_wire_names(spec: PlanSpec) -> None:
+    """Refuse a caller's spec whose tools would collide on the wire once a run's grant
+    brings one in (core/roster.py advertisable), as Plan checks their schemas (core/plan.py
+    _definable): an ungranted tool named onto a listed one's wire name passed Plan and
+    failed the admission that granted it (an audit). Not on a rebuild of a pinned spec,
+    which a grant has not reached: a session an older version planned so keeps working
+    until such a grant."""
+    try:
+        check_wire_names([t.name for t in advertisable(spec)])
     except PreconditionError as exc:
         raise _WireNameCollision(exc.message, field="spec.tools", metadata=exc.metadata) from None
 

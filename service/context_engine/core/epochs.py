@@ -59,7 +59,7 @@ from .enums import PlanReason, SessionKind
 from .errors import InvalidFieldError
 from .framing import BUILDER_VERSION
 from .plan import ContextPlan
-from .roster import PinnedTool, scope_hashes
+from .roster import PinnedTool, advertisable, scope_hashes
 from .spec import PlanSpec, Principal, SessionEnvironment
 
 __all__ = [
@@ -201,14 +201,10 @@ def admitted_by_grant(spec: PlanSpec, scopes: tuple[str, ...]) -> tuple[str, ...
     those the roster could advertise at all (model-visible, bound where a binding is asked:
     core/roster.py Rule 1; a review: a hidden tool's scope rotated for nothing)."""
     run, pinned = set(scopes), set(spec.principal.scopes)
-    bound = set(spec.environment.bound_capabilities)
     return tuple(
         t.name
-        for t in spec.tools
-        if t.model_visible
-        and (not t.session_binding or t.session_binding in bound)
-        and run.issuperset(t.required_scopes)
-        and not pinned.issuperset(t.required_scopes)
+        for t in advertisable(spec)
+        if run.issuperset(t.required_scopes) and not pinned.issuperset(t.required_scopes)
     )
 
 

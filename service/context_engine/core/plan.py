@@ -49,6 +49,7 @@ from .request import Block, ToolDefinition
 from .roster import (
     PinnedTool,
     Roster,
+    advertisable,
     first_sentence,
     index_line,
     pinned_tools,
@@ -869,17 +870,8 @@ def _definable(spec: PlanSpec, roster: Roster) -> set[str]:
     tools, nor a tool bound to a capability the session does not select: no admission
     sends them, only a Rotate with a new spec, which is checked again (an audit: they
     failed a Plan that could never send them)."""
-    if spec.environment.kind is SessionKind.OPERATIONAL:
-        return set()
     deferred = set(spec.agent.deferred_tools)
-    bound = set(spec.environment.bound_capabilities)
-    named = {
-        t.name
-        for t in spec.tools
-        if t.model_visible
-        and t.name not in deferred
-        and (not t.session_binding or t.session_binding in bound)
-    }
+    named = {t.name for t in advertisable(spec) if t.name not in deferred}
     return named | {t.name for t in roster.defined}
 
 

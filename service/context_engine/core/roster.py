@@ -49,6 +49,7 @@ __all__ = [
     "TOOL_CALL",
     "PinnedTool",
     "Roster",
+    "advertisable",
     "first_sentence",
     "fit_in_order",
     "index_line",
@@ -183,6 +184,20 @@ def unknown_tool_names(spec: PlanSpec) -> tuple[str, ...]:
     defined = {t.name for t in spec.tools}
     named = (*spec.agent.enabled_tools, *spec.agent.deferred_tools)
     return tuple(n for n in dict.fromkeys(named) if n not in defined)
+
+
+def advertisable(spec: PlanSpec) -> tuple[ToolSpec, ...]:
+    """The tools a plan of `spec` could advertise under some grant (Rules 1-3): the
+    model-visible ones, bound where a binding is asked, none in an operational session.
+    What a run's grant can bring in, so what Plan checks beside the roster it resolves."""
+    if spec.environment.kind is SessionKind.OPERATIONAL:
+        return ()
+    bound = set(spec.environment.bound_capabilities)
+    return tuple(
+        t
+        for t in spec.tools
+        if t.model_visible and (not t.session_binding or t.session_binding in bound)
+    )
 
 
 def resolve_roster(
