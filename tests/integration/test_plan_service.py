@@ -1721,13 +1721,14 @@ async def test_an_erasure_removes_recall_lines_from_recorded_requests(stub: Any,
     assert "Lyon" in _text(await stub.Build(_build_with(session_id, run_id, fresh)))
 
 
-async def test_a_line_removed_for_one_person_leaves_nothing_to_erase_for_the_other(
+async def test_a_line_naming_two_people_is_reported_once_to_each_erasure(
     stub: Any, pool: Any
 ) -> None:
-    """A recall line naming two people, removed by the first one's erasure: the second's
-    erasure finds nothing, writes nothing, and answers the same when resent (an audit: the
-    record stayed indexed under the second, and every erasure of them rewrote it, logged
-    an event of no lines and counted it once more)."""
+    """A recall line naming two people, sent in one run: each one's erasure reports that
+    run, and resent answers the same and writes nothing. An audit found the second
+    person's erasure rewriting the record, logging an event and counting it once more at
+    every resend; a review found the first fix leaving that person without the run that
+    sent their memory."""
     ana, bo = f"ana-{new_id()}", f"bo-{new_id()}"
     session_id, _ = await _open(stub, spec())
     run_id = (await _start(stub, session_id)).run.run_id
@@ -1738,17 +1739,18 @@ async def test_a_line_removed_for_one_person_leaves_nothing_to_erase_for_the_oth
     first = await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=ana))
     assert (first.redacted_requests, list(first.redacted_request_run_ids)) == (1, [run_id])
     (recorded,) = await _events(pool, session_id, "model.request.started")
+    assert recorded["payload"]["people"] == [bo]
+    erase_bo = pb.EraseSubjectRequest(tenant_id=TENANT, person_id=bo)
+    second = await stub.EraseSubject(erase_bo)
+    assert (second.redacted_requests, list(second.redacted_request_run_ids)) == (1, [run_id])
+    (recorded,) = await _events(pool, session_id, "model.request.started")
     assert recorded["payload"]["people"] == []
     written = "SELECT xmin::text FROM session_events WHERE session_id = $1 AND sequence = $2"
     before = await pool.fetchval(written, UUID(session_id), recorded["sequence"])
-    answers = [
-        await stub.EraseSubject(pb.EraseSubjectRequest(tenant_id=TENANT, person_id=bo))
-        for _ in range(3)
-    ]
-    assert [(a.redacted_requests, list(a.redacted_request_run_ids)) for a in answers] == [
-        (0, [])
-    ] * 3
-    assert len(await _events(pool, session_id, "context.requests.redacted")) == 1
+    for _ in range(2):
+        assert await stub.EraseSubject(erase_bo) == second
+    noted = await _events(pool, session_id, "context.requests.redacted")
+    assert [e["payload"]["lines"] for e in noted] == [1, 0]
     assert await pool.fetchval(written, UUID(session_id), recorded["sequence"]) == before
 
 

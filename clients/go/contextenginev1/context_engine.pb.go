@@ -5937,8 +5937,8 @@ type EraseSubjectResponse struct {
 	RedactedItems int64 `protobuf:"varint,3,opt,name=redacted_items,json=redactedItems,proto3" json:"redacted_items,omitempty"`
 	// Recorded requests (model.request.started) whose recall or correction lines named the
 	// person: those lines are removed from the record, and GetBuild refuses the request
-	// (REQUEST_REDACTED). A request whose lines naming the person an earlier erasure of
-	// someone else removed is not counted: nothing of the person is left in it.
+	// (REQUEST_REDACTED). A request whose line naming the person an earlier erasure of
+	// someone else (the line named both) removed counts too: it was sent with their memory.
 	RedactedRequests int64 `protobuf:"varint,4,opt,name=redacted_requests,json=redactedRequests,proto3" json:"redacted_requests,omitempty"`
 	// The runs of those requests, once each, first found first: the requests were already
 	// sent with the person's lines, so the caller can act on the provider's copies. An

@@ -315,29 +315,19 @@ async def _erase_in_session(conn: Any, tenant: str, person_id: str, session_id: 
         }
         news.append(NewEvent(SNAPSHOT_INVALIDATED, payload))
     lines = 0
-    sequences: list[int] = []
-    sent_by: list[UUID] = []
-    for sequence, run_id, recorded_payload in recorded:
+    for sequence, _, recorded_payload in recorded:
+        # Out of the people index too: a resend finds nothing (redact_record).
         rewritten, removed = redact_record(recorded_payload, person_id)
-        # Only what changed is written, and only what lost a line counted: a record found
-        # by the person's id alone (its lines removed for someone else) is not redacted
-        # again, and a resend finds nothing (an audit).
-        if rewritten is not recorded_payload:
-            await snapshots.rewrite_request(conn, tenant, session_id, sequence, rewritten)
-        if removed:
-            lines += removed
-            sequences.append(sequence)
-            if run_id is not None:  # every Build's record names its run
-                sent_by.append(run_id)
-    if sequences:
+        await snapshots.rewrite_request(conn, tenant, session_id, sequence, rewritten)
+        lines += removed
+    if recorded:
+        sequences = [sequence for sequence, _, _ in recorded]
         news.append(NewEvent(REQUESTS_REDACTED, {"sequences": sequences, "lines": lines}))
     await events.append_events(conn, tenant, session_id, news)
+    # Every Build's record names its run.
+    sent_by = dict.fromkeys(run_id for _, run_id, _ in recorded if run_id is not None)
     return Erasure(
-        (session_id,) if invalidated else (),
-        tuple(bound),
-        redacted,
-        len(sequences),
-        tuple(dict.fromkeys(sent_by)),
+        (session_id,) if invalidated else (), tuple(bound), redacted, len(recorded), tuple(sent_by)
     )
 
 

@@ -46,7 +46,7 @@ from .compaction import compactable
 from .content_key import ContentMemo
 from .envelope import escape_content, new_plan_secret, wrap
 from .errors import BudgetExceededError, EngineError
-from .estimator import ATTACHMENT_TOKEN_BUDGET, IMAGE_TOKENS, heuristic_count
+from .estimator import ATTACHMENT_TOKEN_BUDGET, IMAGE_TOKENS, apply_factor, heuristic_count
 from .excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
 from .identity_memo import IdentityMemo
 from .items import (
@@ -655,23 +655,28 @@ def runtime_row_cost(
     )
 
 
-# The costliest id the server can give a seed message sent without one: a UUID whose
-# letters and digits alternate counts 35 tokens under o200k and cl100k and 36 heuristic
-# ones, where 20,000 random ones counted 15 to 31 and 19 to 36.
+# A costly id the server can give a seed message sent without one: a UUID whose letters
+# and digits alternate counts 35 tokens under o200k and cl100k and 36 heuristic ones, where
+# 20,000 random ones counted 15 to 31 and 19 to 36. Not the costliest: a review's search
+# found one a token dearer, and a one-character message other than "." costs up to 5 more
+# (an emoji), so the seed is charged _SEED_MARGIN_TOKENS beyond it.
 _SERVER_SEED_ID = "a0b1c2d3-e4f5-4a6b-8c7d-9e0f1a2b3c4d"
+_SEED_MARGIN_TOKENS = 8
 
 
 def least_seed_cost(count_tokens: Callable[[str], int], factor_ppm: int) -> int:
-    """What a top-level run's seed costs at least, as Build pays it at `factor_ppm`: a
+    """What a top-level run's seed can cost at least, as Build pays it at `factor_ppm`: a
     one-character message under any id the server assigns (the usual case; a shorter id
-    of the worker's costs up to 20 tokens less), in a new plan's envelope, whose decimal nonce
-    counts the same under every secret (an older plan's hex one can cost a few tokens
+    of the worker's costs up to 20 tokens less), in a new plan's envelope, whose decimal
+    nonce counts the same under every secret (an older plan's hex one can cost a few tokens
     more). Every request of the run carries it and it never yields (an audit: Plan took a
     body that held the runtime row alone, and the shortest run then failed every Build; a
     child's seed, in its delegated envelope and under its run-derived id, costs more)."""
     item = UserMessage(item_id=_SERVER_SEED_ID, text=".")
     block = _render(Row.CONVERSATION, item, new_plan_secret(b""))
-    return block_tokens(block, item, count_tokens, factor_ppm)
+    return block_tokens(block, item, count_tokens, factor_ppm) + apply_factor(
+        _SEED_MARGIN_TOKENS, factor_ppm
+    )
 
 
 def _runtime_row_cost(

@@ -624,31 +624,24 @@ def recalled_people(step: StepContext) -> list[str]:
 
 
 def redact_record(payload: dict[str, Any], person_id: str) -> tuple[dict[str, Any], int]:
-    """Rule 4: (the payload without the person's lines, how many lines were removed).
+    """Rule 4: (the payload without the person's lines and out of its people index, how
+    many lines were removed). A record that lost a line is marked redacted.
 
-    The people index keeps only those the remaining lines name: a line naming two people,
-    removed for one, left the other indexed, and every erasure of that other found the
-    record again, rewrote it and counted it, with nothing of theirs left in it, and kept
-    their raw id in the log for good (an audit). With no line naming the person, nothing
-    is marked redacted: the payload is returned as it is (the same object) or, where the
-    index still names them (a record without its inputs), without them in the index."""
-    people = payload.get(PEOPLE_KEY, [])
-    inputs = payload.get(INPUTS_KEY)
-    if inputs is None:
-        unnamed = [p for p in people if p != person_id]
-        return (payload if unnamed == people else {**payload, PEOPLE_KEY: unnamed}), 0
-    step = dict(inputs.get("step", {}))
+    A line naming two people is removed by the first one's erasure, and the record stays
+    indexed under the other, who was sent in it too: their erasure finds it, reports it
+    and takes them out of the index, with no line left to remove. Kept in the index for
+    good, they were found, rewritten and counted at every erasure of theirs (an audit);
+    taken out with the line, their erasure never learned the run that sent their memory (a
+    review)."""
+    people = [p for p in payload.get(PEOPLE_KEY, []) if p != person_id]
+    step = dict(payload.get(INPUTS_KEY, {}).get("step", {}))
     removed = 0
     for name in _LINES:
         lines = step.get(name, [])
         kept = [line for line in lines if person_id not in line.get("person_ids", [])]
         removed += len(lines) - len(kept)
         step[name] = kept
-    named = {
-        p for name in _LINES for line in step.get(name, []) for p in line.get("person_ids", [])
-    }
-    left = [p for p in people if p in named]
     if not removed:
-        return (payload if left == people else {**payload, PEOPLE_KEY: left}), 0
-    inputs = {**inputs, "step": step}
-    return {**payload, INPUTS_KEY: inputs, PEOPLE_KEY: left, REDACTED_KEY: True}, removed
+        return {**payload, PEOPLE_KEY: people}, 0
+    inputs = {**payload[INPUTS_KEY], "step": step}
+    return {**payload, INPUTS_KEY: inputs, PEOPLE_KEY: people, REDACTED_KEY: True}, removed

@@ -202,7 +202,13 @@ def admit_tokens(
     costs = [skill_cost(t, factor_ppm) for t in (*held, skill.tokens)]
     for limit, used, needs, bound, why in (
         ("tokens", sum(held), skill.tokens, _BODIES.cap_tokens, "skill bodies are capped at"),
-        ("body", sum(costs[:-1]), costs[-1], room, "the plan's body holds beside its runtime row"),
+        (
+            "body",
+            sum(costs[:-1]),
+            costs[-1],
+            room,
+            "the plan's body holds beside its runtime row and a run's seed",
+        ),
     ):
         if used + needs > bound:
             _refuse(
@@ -233,7 +239,12 @@ def still_fit(loaded: Sequence[LoadedSkill], room: int, factor_ppm: int) -> None
     costs = sum(skill_cost(t, factor_ppm) for t in counts)
     for limit, used, bound, why in (
         ("tokens", sum(counts), _BODIES.cap_tokens, "over the class cap of"),
-        ("body", costs, room, "more than this plan's body holds beside its runtime row,"),
+        (
+            "body",
+            costs,
+            room,
+            "more than this plan's body holds beside its runtime row and a run's seed,",
+        ),
     ):
         if used > bound:
             raise PreconditionError(
