@@ -26,10 +26,12 @@ from ..core.compaction import (
 from ..core.envelope import attribute_reading_count, attribute_readings, shown_attribute
 from ..core.errors import EngineError, InvalidFieldError
 from ..core.items import (
+    ContextItem,
     ConversationItem,
     CorrectionLineItem,
     KnowledgePassageItem,
     RecallLineItem,
+    ToolResult,
     UserMessage,
     trust_of,
 )
@@ -252,6 +254,28 @@ async def _lowered_facts(
 
 # A source the run was shown: (its text, its trust), below what a fact may restate freely.
 Source = tuple[str, TrustLevel]
+
+# Trusted labels that say nothing of who wrote the text: a tool's result or a knowledge
+# passage at TRUSTED_CONFIGURATION or USER is the worker's to render bare, not the user's
+# words. Restated in a fact citing the user's message, it was USER and offered to memory
+# formation as the user's statement (an audit: a calendar entry, a page labelled USER, a
+# passage), though a fact citing it is not offered. Held as the model's: such a fact is the
+# model's restatement, no user source (_trusted_candidate).
+_VOUCHED = frozenset({TrustLevel.TRUSTED_CONFIGURATION, TrustLevel.USER})
+
+
+def _quoting_trust(item: ContextItem) -> TrustLevel | None:
+    """The trust a fact quoting `item` is held at, or None where quoting it is free (a
+    trust core/compaction.py SUMMARIZABLE holds): MODEL for a vouched-for tool result or
+    passage (_VOUCHED), which is no user source (conversation.ask_user's answer is the
+    user's)."""
+    trust = trust_of(item)
+    vouched = isinstance(item, KnowledgePassageItem) or (
+        isinstance(item, ToolResult) and item.tool_name != ASK_USER_TOOL
+    )
+    if trust in _VOUCHED and vouched:
+        return TrustLevel.MODEL
+    return None if trust in SUMMARIZABLE else trust
 
 
 async def _everything_shown(
@@ -481,7 +505,8 @@ async def _shown_sources(
     bodies, each at the least trust a plan shown showed it at (core/skills.py, Rule 6):
     where their trust is one a fact may not launder (core/compaction.py SUMMARIZABLE), as
     compaction holds them (an audit: a fact restating an untrusted skill body or a
-    passage's citation, citing the user's message, was USER and offered). And whether an
+    passage's citation, citing the user's message, was USER and offered), and the
+    passages vouched for, held as the model's (_quoting_trust). And whether an
     erasure has since taken some of what it was shown out (events.run_saw_erased). Read
     from the requests of the run and of the SHOWN_RUNS newest earlier runs whose requests
     its carried history follows (their items may quote what those showed: an audit found
@@ -511,12 +536,16 @@ async def _shown_sources(
         inputs_key=INPUTS_KEY,
         fields=SHOWN_FIELDS,
     )
-    sources = [
-        (text, trust_of(item))
+    lines = [
+        (text, trust)
         for item in shown_items(shown.lines)
         if isinstance(item, KnowledgePassageItem | RecallLineItem | CorrectionLineItem)
-        for text in shown_texts(item)
+        and (trust := _quoting_trust(item)) is not None
+        # A vouched-for passage's text (shown_texts holds none at a trust a summary may
+        # repeat: it is the worker's, not the user's, that a fact may not claim).
+        for text in (shown_texts(item) or [item.text])
     ]
+    sources: list[Source] = []
     epochs = sorted({*shown.epochs, *head.plan_epochs})
     prefixes = await plans.read_distinct_prefixes(conn, tenant_id, session_id, epochs)
     for stored in prefixes:
@@ -531,17 +560,18 @@ async def _shown_sources(
     # plans of its requests (and its own, as before), not one it has yet to build on.
     seen = sorted({*shown.epochs, run.epoch})
     erased = await events.run_saw_erased(conn, tenant_id, session_id, in_view, seen)
-    return [(text, trust) for text, trust in sources if trust not in SUMMARIZABLE], erased
+    held = [(text, trust) for text, trust in sources if trust not in SUMMARIZABLE]
+    return lines + held, erased
 
 
 def _run_sources(checkpoint: Checkpoint) -> list[Source]:
     """The run's items below what a fact may restate freely (their texts, as compaction
-    holds them: content, excerpt, prose attribution), and the state's facts below USER,
-    each at its trust."""
+    holds them: content, excerpt, prose attribution), its vouched-for tool results held as
+    the model's (_quoting_trust), and the state's facts below USER, each at its trust."""
     items = [
-        (text, trust_of(i))
+        (text, trust)
         for i in checkpoint.items
-        if trust_of(i) not in SUMMARIZABLE
+        if (trust := _quoting_trust(i)) is not None
         for text in held_texts(i)
     ]
     claims = [
@@ -584,26 +614,30 @@ async def _elided_sources(
 CARRIED_SOURCES = 500
 CARRIED_SOURCE_CHARS = 1_000_000
 _UNTRUSTED = [int(level) for level in TrustLevel if level not in SUMMARIZABLE]
+_VOUCHED_LEVELS = sorted(int(level) for level in _VOUCHED)
 
 
 async def _carried_sources(
     conn: Any, tenant_id: str, session_id: UUID, run: runs.RunRow
 ) -> list[Source]:
     """The tool results of earlier runs that the run carries below what a fact may restate
-    freely, as _run_sources holds the run's own: the newest CARRIED_SOURCES of them, and
-    no more once CARRIED_SOURCE_CHARS characters are read. A child run carries none."""
+    freely, and those vouched for (held as the model's: _quoting_trust), as _run_sources
+    holds the run's own: of each, the newest CARRIED_SOURCES, and no more once
+    CARRIED_SOURCE_CHARS characters are read. A child run carries none."""
     if run.parent_run_id is not None:
         return []
-    carried = await events.read_carried_results(
-        conn,
-        tenant_id,
-        session_id,
-        seed_cut(run.seed_event_sequence),
-        _UNTRUSTED,
-        CARRIED_SOURCES,
-        CARRIED_SOURCE_CHARS,
-    )
-    return [(text, trust_of(i)) for i in carried for text in held_texts(i)]
+    below = seed_cut(run.seed_event_sequence)
+    carried = []
+    for levels in (_UNTRUSTED, _VOUCHED_LEVELS):  # apart: neither crowds the other out
+        carried += await events.read_carried_results(
+            conn, tenant_id, session_id, below, levels, CARRIED_SOURCES, CARRIED_SOURCE_CHARS
+        )
+    return [
+        (text, trust)
+        for i in carried
+        if (trust := _quoting_trust(i)) is not None
+        for text in held_texts(i)
+    ]
 
 
 def _quoted_trust(
