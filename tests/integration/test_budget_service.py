@@ -283,6 +283,8 @@ async def test_an_image_is_costed_at_the_models_registry_figure(stub: Any) -> No
         ("pdf", "pages", 0),  # counted as one page, sent whole
         ("text_file", "text_length", 0),  # counted as nothing, sent whole
         ("pdf", "pages", 2**53 - 1),  # its tokens overflowed the placement's int64
+        ("pdf", "pages", -5),  # refused naming the attachment, not the field (an audit)
+        ("image", "text_length", -1),  # a count its kind does not use
     ],
 )
 async def test_an_attachment_needs_a_size_its_content_can_be_counted_by(

@@ -705,8 +705,11 @@ def user_message_from_proto(message: pb.UserMessage, item_id: str, field: str) -
             raise InvalidFieldError(
                 f"{path}.kind must be image, pdf or text_file", field=f"{path}.kind"
             )
-        if a.pages < 0 or a.text_length < 0:
-            raise InvalidFieldError(f"{path} counts must not be negative", field=path)
+        for count in ("pages", "text_length"):
+            if getattr(a, count) < 0:  # named as the range check below names it (an audit)
+                raise InvalidFieldError(
+                    f"{path}.{count} must not be negative", field=f"{path}.{count}"
+                )
         size, most = _SIZE_OF_KIND[a.kind]
         if size and not 1 <= getattr(a, size) <= most:
             raise InvalidFieldError(
