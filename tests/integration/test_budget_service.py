@@ -325,6 +325,33 @@ def _types(value: Any) -> set[str]:
     return set()
 
 
+async def test_a_pdf_past_the_budget_costs_its_label_and_builds_on_a_small_window(
+    stub: Any,
+) -> None:
+    """A 21-page PDF (67,200 tokens) is larger than the whole 64,000-token attachment
+    budget, so it is always sent as its marker. It was charged that budget all the same,
+    and on gpt-3.5-turbo's 16,385-token window every Build of its run failed
+    BUDGET_EXCEEDED naming user_message (an audit). It costs its label alone."""
+    tenant = _tenant()
+    session_id = new_id()
+    opened = pb.PlanRequest(
+        tenant_id=tenant, session_id=session_id, spec=spec(model_id="gpt-3.5-turbo")
+    )
+    await stub.Plan(opened)
+    pdf = pb.Attachment(kind="pdf", ref="store://annual-report.pdf", pages=21)
+    started = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=tenant,
+            session_id=session_id,
+            user_message=pb.UserMessage(text="Summarize this.", attachments=[pdf]),
+        )
+    )
+    built = await _build(stub, tenant, session_id, str(started.run.run_id))
+    assert built.provider_payload and built.estimated_input_tokens < 16_385
+    (placed,) = built.attachment_placements
+    assert [(a.content_tokens, a.content) for a in placed.attachments] == [(67_200, False)]
+
+
 @pytest.mark.parametrize(
     ("model_id", "api"),
     [("claude-sonnet-4-5", "anthropic.messages"), ("gpt-4o-mini", "openai.responses")],

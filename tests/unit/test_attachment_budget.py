@@ -233,7 +233,9 @@ def test_each_message_is_told_to_send_its_share_of_the_budget_and_no_more(
         assert isinstance(item, UserMessage)
         assert (placed.item_id, placed.source_sequence) == (item.item_id, item.sequence)
         assert tuple(a.attachment for a in placed.sends) == item.attachments
-        content = sum(a.content_tokens for a in placed.sends)
+        # Counted: what fits the budget alone (core/body_estimate.py Rule 3).
+        counted = [a.content_tokens for a in placed.sends]
+        content = sum(c for c in counted if c <= ATTACHMENT_TOKEN_BUDGET)
         assert content == attached_content(item, session.image_tokens)
         assert placed.share_tokens == min(content, room)  # newest first
         room -= placed.share_tokens
@@ -299,9 +301,12 @@ def test_three_gpt_4o_mini_images_cost_one_budget_not_three() -> None:
     assert built.body_estimated_tokens < ATTACHMENT_TOKEN_BUDGET + 1_000
 
 
-def test_a_pdf_past_the_budget_leaves_older_messages_their_labels_only() -> None:
-    """A 30-page PDF in the new message (96,000 tokens of content) takes the whole budget:
-    an older message's image then costs its label and block alone."""
+def test_a_pdf_past_the_budget_costs_its_label_and_leaves_older_messages_the_budget() -> None:
+    """A 30-page PDF in the new message (96,000 tokens of content) never fits the budget,
+    so it is sent as its marker and costs its label alone: an older message's image then
+    costs its label, its block and its content. It was charged the whole budget it never
+    sent, and the older image its label alone (an audit: a 21-page PDF failed every Build
+    of a small window)."""
     pdf = Attachment(kind="pdf", ref="report.pdf", pages=30)
     assert 30 * PDF_PAGE_TOKENS > ATTACHMENT_TOKEN_BUDGET
     older = _image_message("u0", 1, "r0")
@@ -323,13 +328,18 @@ def test_a_pdf_past_the_budget_leaves_older_messages_their_labels_only() -> None
     with_older = assemble(inputs)
     without = assemble(replace(inputs, carried=()))
     assert with_older.request is not None and without.request is not None
-    # The older turn adds its text and its image's label, and no image content.
+    # The older turn adds its text, its image's label and its content.
     turn_text = sum(
         block_tokens(_block_of(i), AssistantMessage(text=""), count, 1_000_000)
         for i in session.carried
     )
     label = count(older.attachments[0].ref) + ATTACHMENT_BLOCK_TOKENS
-    assert with_older.body_estimated_tokens - without.body_estimated_tokens == turn_text + label
+    added = with_older.body_estimated_tokens - without.body_estimated_tokens
+    assert added == turn_text + label + IMAGE_TOKENS
+    # And the PDF costs its label alone: sent as its marker, never its content.
+    (placed,) = [p for p in without.attachments if p.item_id == "c0"]
+    assert [(a.content_tokens, a.content) for a in placed.sends] == [(30 * PDF_PAGE_TOKENS, False)]
+    assert without.body_estimated_tokens < ATTACHMENT_TOKEN_BUDGET
 
 
 def test_an_attachments_label_is_scaled_by_the_pinned_factor() -> None:

@@ -5154,8 +5154,9 @@ type AttachmentSend struct {
 
 	// The reference, as the message carries it.
 	Attachment *Attachment `protobuf:"bytes,1,opt,name=attachment,proto3" json:"attachment,omitempty"`
-	// Tokens Build counts its content at (per image the model's figure, per PDF page 3,200,
-	// per text file its length).
+	// Its content's tokens (per image the model's figure, per PDF page 3,200, per text
+	// file its length), which Build counts unless they alone are over the 64,000-token
+	// budget: such an attachment is always sent as its marker and costs its label alone.
 	ContentTokens int64 `protobuf:"varint,2,opt,name=content_tokens,json=contentTokens,proto3" json:"content_tokens,omitempty"`
 	// True: send its content. False: send its marker (its label) instead: its content is
 	// more than what is left of the message's share (the newer messages and the

@@ -12,8 +12,10 @@ divided newest first, exactly as Build costed it (core/body_estimate.py Rule 4):
 message's share is its content up to what the newer messages left.
 Rule 3 (content or marker): within a message, in order, an attachment whose content fits
 in what is left of the share sends its content and spends it; any other sends its marker
-(its label) and spends nothing. So the content sent never exceeds what Build counted, and
-every label was counted (block_tokens counts each reference's label whichever is sent).
+(its label) and spends nothing, as does one whose content alone is over the budget
+(Build counts no content of it: core/body_estimate.py Rule 3). So the content sent never
+exceeds what Build counted, and every label was counted (block_tokens counts each
+reference's label whichever is sent).
 Rule 4: pure, and a function of the request, its placed items and the per-image figure:
 GetBuild's rebuild answers the same.
 """
@@ -63,10 +65,11 @@ def attachment_sends(
         return ()
     found = _located(request, attached)
     contents = [_content(item, image_tokens) for _, _, item in found]
-    lowered, _ = share_attachment_budget([sum(c) for c in contents])
+    totals = [sum(tokens for tokens, counted in each if counted) for each in contents]
+    lowered, _ = share_attachment_budget(totals)
     out = []
-    for (n, k, item), each, less in zip(found, contents, lowered, strict=True):
-        share = min(sum(each), ATTACHMENT_TOKEN_BUDGET) - less
+    for (n, k, item), each, total, less in zip(found, contents, totals, lowered, strict=True):
+        share = min(total, ATTACHMENT_TOKEN_BUDGET) - less
         out.append(
             MessageAttachments(n, k, item.item_id, item.sequence, share, _sends(item, each, share))
         )
@@ -122,17 +125,25 @@ def with_attachments(placed: Sequence[tuple[Row, ContextItem]]) -> list[UserMess
     return [i for _, i in placed if isinstance(i, UserMessage) and i.attachments]
 
 
-def _content(item: UserMessage, image_tokens: int) -> list[int]:
-    """Each attachment's content as Build counts it (core/body_estimate.py Rule 3)."""
-    return [
-        attachment_content_tokens([ref], image_tokens) for ref in attachment_refs(item.attachments)
-    ]
+def _content(item: UserMessage, image_tokens: int) -> list[tuple[int, bool]]:
+    """Each attachment's content tokens (core/body_estimate.py Rule 3), and whether Build
+    counts them: not for one whose content alone is over the budget."""
+    out = []
+    for ref in attachment_refs(item.attachments):
+        size = attachment_content_tokens([ref.model_copy(update=_WITHIN)], image_tokens)
+        out.append((size, ref.within_item_limits))
+    return out
 
 
-def _sends(item: UserMessage, contents: list[int], share: int) -> tuple[AttachmentSend, ...]:
+_WITHIN = {"within_item_limits": True}  # its size, whether counted or not
+
+
+def _sends(
+    item: UserMessage, contents: list[tuple[int, bool]], share: int
+) -> tuple[AttachmentSend, ...]:
     sends = []
-    for attachment, tokens in zip(item.attachments, contents, strict=True):
-        fits = tokens <= share
+    for attachment, (tokens, counted) in zip(item.attachments, contents, strict=True):
+        fits = counted and tokens <= share
         share -= tokens if fits else 0
         sends.append(AttachmentSend(attachment, tokens, fits))
     return tuple(sends)

@@ -7,9 +7,12 @@ rounded up (estimator.apply_factor); message framing is added unscaled.
 Rule 3: attachments in a user message cost what the adapter sends (ADR-0120): labels for
 every reference (text, scaled as Rule 2 says) plus a figure per image (the model's:
 estimator.image_tokens_for, the flat IMAGE_TOKENS raised by the registry's image_tokens),
-a flat figure per PDF page and the inlined length of a text file. block_tokens caps that
-content at the request-wide attachment budget (ATTACHMENT_TOKEN_BUDGET), as if the message
-were the request's only one.
+a flat figure per PDF page and the inlined length of a text file; no content for a PDF or
+text file whose content alone is over the request-wide attachment budget
+(ATTACHMENT_TOKEN_BUDGET), which never fits a share and is always sent as its marker
+(core/attachment_sends.py Rule 3: an audit found a 21-page PDF charged 64,000 tokens it
+never sent, and a small window's every Build refused). block_tokens caps that content at
+the budget, as if the message were the request's only one.
 Rule 4: the budget is the request's, not each message's: the adapter sends markers for
 content beyond it, wherever that content lies. share_attachment_budget divides it newest
 first: each message's content counts up to what the newer messages of the request left,
@@ -49,7 +52,9 @@ from .estimator import (
     ATTACHMENT_TOKEN_BUDGET,
     IMAGE_TOKENS,
     MESSAGE_FRAMING_TOKENS,
+    PDF_PAGE_TOKENS,
     REQUEST_FRAMING_TOKENS,
+    TEXT_FILE_TOKENS_PER_BYTE,
     AttachmentKind,
     AttachmentRef,
     apply_factor,
@@ -195,18 +200,22 @@ def request_framing(count: TextCounter, factor_ppm: int, counted: bool = True) -
 
 
 def attachment_refs(attachments: tuple[Attachment, ...]) -> list[AttachmentRef]:
-    """The estimator's view of a message's attachments (all within the per-item limits:
-    the engine does not see the files, so it assumes the adapter sends them)."""
+    """The estimator's view of a message's attachments: within the per-item limits where
+    their content fits the request's attachment budget (Rule 3; the engine does not see
+    the files, so it assumes the adapter sends any other)."""
     refs = []
     for a in attachments:
         kind = AttachmentKind(a.kind)
+        pages = max(1, a.pages) if kind is AttachmentKind.PDF else None
+        inlined = a.text_length if kind is AttachmentKind.TEXT_FILE else None
+        content = (pages or 0) * PDF_PAGE_TOKENS + (inlined or 0) * TEXT_FILE_TOKENS_PER_BYTE
         refs.append(
             AttachmentRef(
                 kind=kind,
                 label=a.ref,
-                within_item_limits=True,
-                pages=max(1, a.pages) if kind is AttachmentKind.PDF else None,
-                inlined_bytes=a.text_length if kind is AttachmentKind.TEXT_FILE else None,
+                within_item_limits=content <= ATTACHMENT_TOKEN_BUDGET,
+                pages=pages,
+                inlined_bytes=inlined,
             )
         )
     return refs

@@ -311,7 +311,12 @@ __all__ = [
 # anything yields for the fit (core/yield_ladder.py _release_holds): a body that fitted as
 # sent dropped a passage, truncated a newer result or asked for a compaction. GetBuild
 # refuses an older record cut otherwise (it is not rebuilt).
-ASSEMBLER_VERSION = "context-assembler@27"
+# @28: a PDF or text file whose content alone is over the request's attachment budget
+# (core/body_estimate.py Rule 3), always sent as its marker, costs its label alone: it was
+# charged the whole budget, which older messages' attachments then had none of, and a
+# 21-page PDF failed every Build of a window under about 80,000 tokens (an audit). GetBuild
+# refuses an older record that held one (its figures differ; it is not rebuilt).
+ASSEMBLER_VERSION = "context-assembler@28"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})
