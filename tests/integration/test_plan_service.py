@@ -2444,6 +2444,14 @@ async def test_plan_refuses_an_ungranted_tool_whose_wire_name_a_listed_one_has(
     )
     twins.tools[-1].model_visible = False
     await _open(stub, twins)
+    # Nor a twin no grant can bring in (roster Rules 4 and 7: a review found them refused).
+    never = spec()
+    never.tools.append(tool("lookup-item"))
+    never.tools.append(tool("lookup.item"))
+    never.agent.deferred_tools.append("lookup.item")  # deferred, without tool.call
+    never.tools.append(tool("skill-load"))
+    never.tools.append(tool("skill.load", builtin=True))  # no catalog
+    await _open(stub, never)
 
 
 # --- rebuilds of the pinned spec: every refusal is the session's state ---------------------
@@ -2566,12 +2574,14 @@ async def test_a_grant_whose_tool_the_roster_leaves_out_rotates_nothing(
 ) -> None:
     """core/epochs.py Rule 3: a grant rotates where a plan under it advertises other tools.
     One admitting a tool the roster's later rules leave out changed no tool and rotated,
-    re-caching Region A under a new secret (an audit); it keeps the plan, at every run."""
+    re-caching Region A under a new secret (an audit); it keeps the plan, at every run,
+    also beside a reduction (a review: dropping a pinned scope changed the roster, and
+    runs alternating with and without the reduction rotated each time)."""
     granted_spec, scope = _grants_the_roster_leaves_out()[case]
     granted_spec.snapshot.items.append(pb.MemoryItem(item_id="m1", text="Aisle seats."))
     session_id, plan = await _open(stub, granted_spec)
-    scopes = [*granted_spec.principal.scopes, scope]
-    for _ in range(2):
+    pinned = list(granted_spec.principal.scopes)
+    for scopes in ([*pinned, scope], [*pinned[1:], scope], [*pinned, scope], [scope]):
         started = await _start(stub, session_id, scopes=scopes)
         assert not started.HasField("rotated_plan") and started.run.epoch == plan.epoch
     assert await _rotations(pool, session_id) == []

@@ -25,6 +25,7 @@ from context_engine.core.epochs import (
     is_canonical,
     newly_granted,
     rendered_identity,
+    with_scopes,
 )
 from context_engine.core.errors import InvalidFieldError, PreconditionError
 from context_engine.core.estimator import MESSAGE_FRAMING_TOKENS
@@ -116,13 +117,18 @@ def _never() -> bool:
     raise AssertionError("the builder check ran for a plan of the current builder")
 
 
-def _advertises(spec: PlanSpec) -> Advertised:
-    """What the shell's Engine._advertises answers: the tools a plan of `spec` shows."""
-    try:
-        plan = _plan(spec)
-    except (InvalidFieldError, PreconditionError):
-        return None
-    return plan.tool_names, plan.deferred_tool_names
+def _advertising(spec: PlanSpec) -> Callable[[tuple[str, ...]], Advertised]:
+    """What the shell's Engine._advertised answers: the tools a plan of `spec` under some
+    scopes shows."""
+
+    def advertises(scopes: tuple[str, ...]) -> Advertised:
+        try:
+            plan = _plan(with_scopes(spec, scopes))
+        except (InvalidFieldError, PreconditionError):
+            return None
+        return plan.tool_names, plan.deferred_tool_names
+
+    return advertises
 
 
 # --- admission ----------------------------------------------------------------------------
@@ -261,7 +267,11 @@ def test_admission(case: AdmissionCase) -> None:
     spec = _spec(**dict(case.spec_kw))
     plan = _plan(spec).model_copy(update=dict(case.plan_change))
     decision = admit_run(
-        plan, spec, case.admission, builder_reproduces=case.reproduces, advertises=_advertises
+        plan,
+        spec,
+        case.admission,
+        builder_reproduces=case.reproduces,
+        advertises=_advertising(spec),
     )
     assert decision.reasons == case.expect
     assert list(decision.reasons) == sorted(decision.reasons, key=REASON_PRIORITY.index)
@@ -302,7 +312,7 @@ def test_a_builder_upgrade_at_a_reduced_admission_is_one_epoch_for_every_run() -
         spec,
         Admission(("mail.read",)),
         builder_reproduces=lambda: False,
-        advertises=_advertises,
+        advertises=_advertising(spec),
     )
     assert decision.reasons == (PlanReason.BUILDER_UPGRADED,)
     assert decision.spec is not None
@@ -311,7 +321,11 @@ def test_a_builder_upgrade_at_a_reduced_admission_is_one_epoch_for_every_run() -
     owner = Admission(("mail.read", "web"))
     assert (
         admit_run(
-            rebuilt, decision.spec, owner, builder_reproduces=_never, advertises=_advertises
+            rebuilt,
+            decision.spec,
+            owner,
+            builder_reproduces=_never,
+            advertises=_advertising(decision.spec),
         ).reason
         is None
     )
@@ -324,18 +338,26 @@ def test_after_an_erasure_the_runs_own_grant_is_a_second_admission_rotation() ->
     spec = _spec()
     invalidated = _plan(spec).model_copy(update={"invalidated": True})
     grant = Admission(("mail.read", "mail.send", "web"))
-    first = admit_run(invalidated, spec, grant, builder_reproduces=_never, advertises=_advertises)
+    first = admit_run(
+        invalidated, spec, grant, builder_reproduces=_never, advertises=_advertising(spec)
+    )
     assert first.reasons == (PlanReason.SNAPSHOT_INVALIDATED,) and first.spec is not None
     erased = _rebuilt(first.spec, PlanReason.SNAPSHOT_INVALIDATED)
     assert "mail.send" not in erased.tool_names
-    second = admit_run(erased, first.spec, grant, builder_reproduces=_never, advertises=_advertises)
+    second = admit_run(
+        erased, first.spec, grant, builder_reproduces=_never, advertises=_advertising(first.spec)
+    )
     assert second.reasons == (PlanReason.RUN_AUTHORITY_CHANGED,)
     assert second.reason in ADMISSION_REASONS and second.spec is not None
     granted = _rebuilt(second.spec, PlanReason.RUN_AUTHORITY_CHANGED, epoch=3)
     assert "mail.send" in granted.tool_names
     assert (
         admit_run(
-            granted, second.spec, grant, builder_reproduces=_never, advertises=_advertises
+            granted,
+            second.spec,
+            grant,
+            builder_reproduces=_never,
+            advertises=_advertising(second.spec),
         ).reason
         is None
     )
@@ -350,7 +372,7 @@ def test_a_rebuild_advertises_what_the_run_was_newly_granted() -> None:
         spec,
         Admission(("mail.read", "mail.send", "web")),
         builder_reproduces=_never,
-        advertises=_advertises,
+        advertises=_advertising(spec),
     )
     assert decision.spec is not None
     rebuilt = _plan(decision.spec, epoch=2)
@@ -364,7 +386,11 @@ def test_revocation_keeps_the_hash_and_the_tool() -> None:
     plan = _plan(spec)
     assert "web.fetch" in plan.tool_names
     decision = admit_run(
-        plan, spec, Admission(("mail.read",)), builder_reproduces=_never, advertises=_advertises
+        plan,
+        spec,
+        Admission(("mail.read",)),
+        builder_reproduces=_never,
+        advertises=_advertising(spec),
     )
     assert decision.reason is None  # the plan, its hash and its advertised tools stay
     pinned = {p.name: p for p in plan.pinned_tools}
@@ -388,7 +414,7 @@ def test_only_a_new_scope_that_admits_a_tool_rotates(
     )
     plan = _plan(spec)
     decision = admit_run(
-        plan, spec, Admission(tuple(run)), builder_reproduces=_never, advertises=_advertises
+        plan, spec, Admission(tuple(run)), builder_reproduces=_never, advertises=_advertising(spec)
     )
     rotates = decision.reason is PlanReason.RUN_AUTHORITY_CHANGED
     admits = any(need <= run and not need <= pinned for need in needs)
@@ -432,7 +458,9 @@ def test_a_legacy_plan_is_copied_with_canonical_hashes_and_the_same_bytes() -> N
     legacy = _legacy(canonical)
     assert is_canonical(canonical) and not is_canonical(legacy)
     assert legacy.prefix_sha256 != canonical.prefix_sha256
-    decision = admit_run(legacy, spec, None, builder_reproduces=_never, advertises=_advertises)
+    decision = admit_run(
+        legacy, spec, None, builder_reproduces=_never, advertises=_advertising(spec)
+    )
     assert decision.reasons == (PlanReason.PREFIX_HASH_CANONICALIZED,)
     assert decision.copy and decision.spec is None
     copy = canonicalized_copy(legacy, epoch=2)
@@ -446,7 +474,7 @@ def test_a_legacy_plan_is_copied_with_canonical_hashes_and_the_same_bytes() -> N
     assert copy.system == legacy.system and copy.tools == legacy.tools
     # And the copy is current: the next admission keeps it.
     assert (
-        admit_run(copy, spec, None, builder_reproduces=_never, advertises=_advertises).reason
+        admit_run(copy, spec, None, builder_reproduces=_never, advertises=_advertising(spec)).reason
         is None
     )
 
@@ -462,7 +490,9 @@ def test_a_scope_only_a_tool_the_roster_never_shows_needs_is_no_grant() -> None:
     for scope in ("mail.sync", "mail.bind"):
         grant = Admission(("mail.read", "web", scope))
         assert (
-            admit_run(plan, spec, grant, builder_reproduces=_never, advertises=_advertises).reason
+            admit_run(
+                plan, spec, grant, builder_reproduces=_never, advertises=_advertising(spec)
+            ).reason
             is None
         )
 
@@ -476,7 +506,7 @@ def test_a_rebuild_reason_supersedes_the_copy() -> None:
         spec,
         Admission(("mail.read", "mail.list", "web", "new")),
         builder_reproduces=_never,
-        advertises=_advertises,
+        advertises=_advertising(spec),
     )
     assert decision.reasons == (PlanReason.RUN_AUTHORITY_CHANGED,)
 
@@ -485,7 +515,9 @@ def test_a_plan_whose_hash_matches_nothing_is_not_copied() -> None:
     spec = _two_scope_spec()
     broken = _legacy(_plan(spec)).model_copy(update={"prefix_sha256": "0" * 64})
     assert (
-        admit_run(broken, spec, None, builder_reproduces=_never, advertises=_advertises).reason
+        admit_run(
+            broken, spec, None, builder_reproduces=_never, advertises=_advertising(spec)
+        ).reason
         is None
     )
     with pytest.raises(InvalidFieldError) as caught:  # the Rotate's reason is what is wrong
@@ -786,7 +818,11 @@ def test_erasure_redacts_the_persisted_snapshot_and_invalidates_its_plan() -> No
     assert [m.item_id for m in redacted_spec.snapshot.items] == ["m2"]
     assert redacted.prefix_sha256 == plan.prefix_sha256  # the bytes a bound run received
     assert admit_run(
-        redacted, redacted_spec, None, builder_reproduces=_never, advertises=_advertises
+        redacted,
+        redacted_spec,
+        None,
+        builder_reproduces=_never,
+        advertises=_advertising(redacted_spec),
     ).reasons == (PlanReason.SNAPSHOT_INVALIDATED,)
     again = _plan(redacted_spec, epoch=2)  # the rotation recalls from what remains
     assert "Office is in Lyon." in again.prefix_document and not again.invalidated

@@ -625,20 +625,24 @@ class Engine:
         self._kept.put(key, reproduces, _HEADS_WEIGHT)
         return reproduces
 
-    def _advertises(
-        self, session_id: UUID, stored: plans.StoredPlan, spec: PlanSpec
+    async def _advertised(
+        self, session_id: UUID, stored: plans.StoredPlan, scopes: tuple[str, ...]
     ) -> epoch_rules.Advertised:
-        """The (defined, deferred) tool names a plan of `spec` in the stored plan's place
-        advertises, or None when none can be made (core/epochs.py Rule 3: whether a grant
-        changes them). Kept per spec: a run admitted with scopes that change nothing finds
-        them new again at every admission, since the plan keeps its pinned ones."""
+        """The (defined, deferred) tool names a plan of the stored plan's spec under
+        `scopes` advertises, or None when none can be made (core/epochs.py Rule 3: whether
+        a grant changes them). Kept per pinned spec and scopes: a run admitted with a grant
+        that changes nothing finds it new again at every admission, since the plan keeps
+        its pinned scopes."""
         plan = stored.plan
-        key = ("advertises", session_id, plan.epoch, spec.sha256())
+        key = ("advertised", session_id, plan.epoch, plan.spec_sha256, scopes)
         known: tuple[epoch_rules.Advertised] | None = self._kept.get(key)  # None: not kept
         if known is not None:
             return known[0]
+        spec = epoch_rules.with_scopes(stored.spec, scopes)
         try:
-            made = self._make_plan(spec, session_id, plan.epoch, plan.reason, stored.secret)
+            made = await asyncio.to_thread(
+                self._make_plan, spec, session_id, plan.epoch, plan.reason, stored.secret
+            )
             found: epoch_rules.Advertised = (made.tool_names, made.deferred_tool_names)
         except (InvalidFieldError, PreconditionError):
             found = None
@@ -682,12 +686,19 @@ class Engine:
         # Each rotation clears its own reasons, so a second decision finds at most the
         # run's own change; the bound makes that certain.
         for _ in range(2):
+            # What plans under a grant's scopes advertise, made off the event loop (an
+            # audit: two plan builds under the session lock stalled every other call).
+            weighed = epoch_rules.weighed_scopes(current.plan, current.spec, admission)
+            advertised = {
+                scopes: await self._advertised(session_id, current, scopes)
+                for scopes in weighed or ()
+            }
             decision = epoch_rules.admit_run(
                 current.plan,
                 current.spec,
                 admission,
                 builder_reproduces=partial(self._builder_reproduces, session_id, current),
-                advertises=partial(self._advertises, session_id, current),
+                advertises=advertised.__getitem__,
             )
             if decision.reason is None:
                 break

@@ -66,6 +66,7 @@ __all__ = [
     "ADMISSION_REASONS",
     "REASON_PRIORITY",
     "Admission",
+    "Advertised",
     "Decision",
     "admit_run",
     "admitted_by_grant",
@@ -75,6 +76,8 @@ __all__ = [
     "is_canonical",
     "newly_granted",
     "rendered_identity",
+    "weighed_scopes",
+    "with_scopes",
 ]
 
 # Rule 2: which reason names an admission's single rotation when several apply.
@@ -129,8 +132,9 @@ def newly_granted(plan: ContextPlan, scopes: tuple[str, ...]) -> tuple[str, ...]
     return tuple(h for h in scope_hashes(scopes) if h not in pinned)
 
 
-# The (defined, deferred) tool names a plan of a spec advertises, or None when no plan of
-# it can be made now: the shell renders plans (api/engine.py), and keeps what it found.
+# The (defined, deferred) tool names a plan of the pinned spec under some scopes
+# advertises, or None when no plan of it can be made now: the shell renders plans
+# (api/engine.py, off the event loop), and keeps what it found.
 Advertised = tuple[tuple[str, ...], tuple[str, ...]] | None
 
 
@@ -140,14 +144,14 @@ def admit_run(
     admission: Admission | None,
     *,
     builder_reproduces: Callable[[], bool],
-    advertises: Callable[[PlanSpec], Advertised],
+    advertises: Callable[[tuple[str, ...]], Advertised],
 ) -> Decision:
     """Decide, before a new run pins its tools, whether the session's plan rotates.
 
     `spec` is the plan's pinned spec; `builder_reproduces` re-renders the plan with the
     current builder and says whether its bytes are the plan's (called only when the plan
-    records another builder version); `advertises` says what a plan of a spec advertises
-    (called only for a grant that admits a tool, Rule 3).
+    records another builder version); `advertises` says what a plan of the pinned spec
+    under some scopes advertises (asked only for the two `weighed_scopes` names, Rule 3).
     """
     admission = admission or Admission()
     found: set[PlanReason] = set()
@@ -179,21 +183,40 @@ def _authority_changed(
     plan: ContextPlan,
     spec: PlanSpec,
     admission: Admission,
-    advertises: Callable[[PlanSpec], Advertised],
+    advertises: Callable[[tuple[str, ...]], Advertised],
 ) -> bool:
     if spec.environment.kind is SessionKind.OPERATIONAL:
         return False  # its kind pins an empty set whatever the scopes (Rule 3)
     if plan.authority_scope_hashes is None:
         return True  # a legacy plan rebuilds once, at the next unpinned run
-    if admission.scopes is None or not newly_granted(plan, admission.scopes):
-        return False
-    if not admitted_by_grant(spec, admission.scopes):
+    weighed = weighed_scopes(plan, spec, admission)
+    if weighed is None:
         return False
     # Compared with the pinned spec's roster as the builder resolves it now, not the
     # plan's names: a builder change is BUILDER_UPGRADED's to decide. A grant whose plan
     # cannot be made rotates, so that its rotation's refusal says why.
-    granted = advertises(_with_scopes(spec, admission.scopes))
-    return granted is None or granted != advertises(spec)
+    pinned, granted = weighed
+    after = advertises(granted)
+    return after is None or after != advertises(pinned)
+
+
+def weighed_scopes(
+    plan: ContextPlan, spec: PlanSpec, admission: Admission | None
+) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """Rule 3: (the pinned scopes, those with the newly granted ones added), sorted, where
+    the admission grants a scope that admits a tool the roster could show: whether plans
+    under the two advertise other tools decides the rotation. The grant alone, not the
+    run's scopes: a run also dropping a pinned scope changed the roster by the reduction
+    and rotated (a review), though reduction alone keeps the prefix. None where there is
+    no such grant to weigh (an operational session, a legacy plan: decided otherwise)."""
+    if spec.environment.kind is SessionKind.OPERATIONAL or plan.authority_scope_hashes is None:
+        return None
+    if admission is None or admission.scopes is None:
+        return None
+    if not newly_granted(plan, admission.scopes) or not admitted_by_grant(spec, admission.scopes):
+        return None
+    pinned = tuple(sorted(set(spec.principal.scopes)))
+    return pinned, tuple(sorted({*pinned, *admission.scopes}))
 
 
 def admitted_by_grant(spec: PlanSpec, scopes: tuple[str, ...]) -> tuple[str, ...]:
@@ -215,7 +238,7 @@ def _rebuilt_spec(
     newly granted and its browser profile only when it changed (Rule 2), each validated
     again (not model_copy'd) so the scopes are stored sorted."""
     if PlanReason.RUN_AUTHORITY_CHANGED in reasons and admission.scopes is not None:
-        spec = _with_scopes(spec, admission.scopes)
+        spec = with_scopes(spec, admission.scopes)
     environment = spec.environment
     if PlanReason.BROWSER_PROFILE_CHANGED in reasons and admission.browser_profile_id is not None:
         environment = SessionEnvironment.model_validate(
@@ -224,7 +247,7 @@ def _rebuilt_spec(
     return spec.model_copy(update={"environment": environment})
 
 
-def _with_scopes(spec: PlanSpec, scopes: tuple[str, ...]) -> PlanSpec:
+def with_scopes(spec: PlanSpec, scopes: tuple[str, ...]) -> PlanSpec:
     """The spec under a run's scopes, validated again (not model_copy'd) so they are stored
     sorted."""
     principal = Principal.model_validate({**spec.principal.model_dump(), "scopes": list(scopes)})

@@ -187,16 +187,24 @@ def unknown_tool_names(spec: PlanSpec) -> tuple[str, ...]:
 
 
 def advertisable(spec: PlanSpec) -> tuple[ToolSpec, ...]:
-    """The tools a plan of `spec` could advertise under some grant (Rules 1-3): the
-    model-visible ones, bound where a binding is asked, none in an operational session.
-    What a run's grant can bring in, so what Plan checks beside the roster it resolves."""
+    """The tools a plan of `spec` could advertise under some grant: the model-visible ones,
+    bound where a binding is asked, none in an operational session (Rules 1-3); not
+    skill.load without a catalog, nor tool.call the agent does not enable, nor a tool it
+    defers without tool.call, which no grant brings in (Rules 4 and 7: a review found
+    Plan refusing such a tool's wire-name twin). What a run's grant can bring in, so what
+    Plan checks beside the roster it resolves."""
     if spec.environment.kind is SessionKind.OPERATIONAL:
         return ()
     bound = set(spec.environment.bound_capabilities)
+    indexes = TOOL_CALL in spec.agent.enabled_tools
+    deferred = set(spec.agent.deferred_tools)
+    could_show: dict[str, bool] = {SKILL_LOAD: bool(spec.skills), TOOL_CALL: indexes}
     return tuple(
         t
         for t in spec.tools
-        if t.model_visible and (not t.session_binding or t.session_binding in bound)
+        if t.model_visible
+        and (not t.session_binding or t.session_binding in bound)
+        and could_show.get(t.name, indexes or t.name not in deferred)
     )
 
 
