@@ -293,7 +293,7 @@ async def _everything_shown(
     shown += await _elided_sources(conn, tenant_id, session_id, checkpoint)
     # And the earlier runs' results it carried: a page fetched a turn before was restated
     # the same way (an audit).
-    shown += await _carried_sources(conn, tenant_id, session_id, run)
+    shown += await _carried_sources(conn, tenant_id, session_id, run, checkpoint)
     return shown, erased
 
 
@@ -618,19 +618,34 @@ _VOUCHED_LEVELS = sorted(int(level) for level in _VOUCHED)
 
 
 async def _carried_sources(
-    conn: Any, tenant_id: str, session_id: UUID, run: runs.RunRow
+    conn: Any, tenant_id: str, session_id: UUID, run: runs.RunRow, checkpoint: Checkpoint
 ) -> list[Source]:
     """The tool results of earlier runs that the run carries below what a fact may restate
-    freely, and those vouched for (held as the model's: _quoting_trust), as _run_sources
-    holds the run's own: of each, the newest CARRIED_SOURCES, and no more once
-    CARRIED_SOURCE_CHARS characters are read. A child run carries none."""
+    freely, as _run_sources holds the run's own: the newest CARRIED_SOURCES of them, and
+    no more once CARRIED_SOURCE_CHARS characters are read. And, bounded alike, those
+    vouched for (held as the model's: _quoting_trust), its own a compaction summarized
+    too: a summary restates them, so they leave the checkpoint unelided (a review found a
+    fact restating one the user's again). A child run carries none."""
     if run.parent_run_id is not None:
         return []
     below = seed_cut(run.seed_event_sequence)
+    reads = (
+        (_UNTRUSTED, below, None),
+        # Apart, so neither crowds the other out; without conversation.ask_user's answers,
+        # the user's words, which crowded the vouched ones out (a review).
+        (_VOUCHED_LEVELS, max(below, checkpoint.replaced_through_sequence + 1), ASK_USER_TOOL),
+    )
     carried = []
-    for levels in (_UNTRUSTED, _VOUCHED_LEVELS):  # apart: neither crowds the other out
+    for levels, under, unless in reads:
         carried += await events.read_carried_results(
-            conn, tenant_id, session_id, below, levels, CARRIED_SOURCES, CARRIED_SOURCE_CHARS
+            conn,
+            tenant_id,
+            session_id,
+            under,
+            levels,
+            CARRIED_SOURCES,
+            CARRIED_SOURCE_CHARS,
+            except_tool=unless,
         )
     return [
         (text, trust)

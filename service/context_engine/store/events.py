@@ -129,11 +129,14 @@ async def read_carried_results(
     trust_levels: Sequence[int],
     limit: int,
     max_chars: int,
+    *,
+    except_tool: str | None = None,
 ) -> list[ConversationItem]:
     """The newest tool results of top-level runs below `below_sequence` (a run's seed cut:
-    what it carries) whose trust is one of `trust_levels`, newest first: at most `limit`
-    of them, and no more once `max_chars` characters of content (and excerpt) are read,
-    the one crossing it included. The by-type index, walked backward."""
+    what it carries) whose trust is one of `trust_levels`, and not of `except_tool`,
+    newest first: at most `limit` of them, and no more once `max_chars` characters of
+    content (and excerpt) are read, the one crossing it included. The by-type index,
+    walked backward."""
     rows = await conn.fetch(
         "SELECT sequence, run_id, payload FROM ("
         "  SELECT sequence, run_id, payload, sum(length(payload->>'content')"
@@ -143,6 +146,7 @@ async def read_carried_results(
         "      WHERE tenant_id = $1 AND session_id = $2 AND type = 'tool.result.created'"
         "      AND in_history AND sequence < $3"
         "      AND (payload->>'trust')::int = ANY($4::int[])"
+        "      AND payload->>'tool_name' IS DISTINCT FROM $7"
         "      ORDER BY sequence DESC LIMIT $5) newest"
         ") counted"
         " WHERE read - length(payload->>'content')"
@@ -154,6 +158,7 @@ async def read_carried_results(
         list(trust_levels),
         limit,
         max_chars,
+        except_tool,
     )
     return [_item(r) for r in rows]
 
