@@ -2452,6 +2452,13 @@ async def test_plan_refuses_an_ungranted_tool_whose_wire_name_a_listed_one_has(
     never.tools.append(tool("skill-load"))
     never.tools.append(tool("skill.load", builtin=True))  # no catalog
     await _open(stub, never)
+    # But a browser tool is defined at a profile's admission whatever is deferred.
+    browser = _browser_spec()
+    browser.agent.deferred_tools.append("browser.navigate")
+    browser.tools.append(tool("browser-navigate"))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _open(stub, browser)
+    assert details(caught.value)[:2] == ("INVALID_FIELD", ["spec.tools"])
 
 
 # --- rebuilds of the pinned spec: every refusal is the session's state ---------------------
@@ -2581,10 +2588,31 @@ async def test_a_grant_whose_tool_the_roster_leaves_out_rotates_nothing(
     granted_spec.snapshot.items.append(pb.MemoryItem(item_id="m1", text="Aisle seats."))
     session_id, plan = await _open(stub, granted_spec)
     pinned = list(granted_spec.principal.scopes)
-    for scopes in ([*pinned, scope], [*pinned[1:], scope], [*pinned, scope], [scope]):
+    runs = [[*pinned, scope], [*pinned, scope]]
+    if case != "a tool past a full roster":  # there a reduction makes room: the test below
+        runs += [[*pinned[1:], scope], [*pinned, scope], [scope]]
+    for scopes in runs:
         started = await _start(stub, session_id, scopes=scopes)
         assert not started.HasField("rotated_plan") and started.run.epoch == plan.epoch
     assert await _rotations(pool, session_id) == []
+
+
+async def test_a_grant_whose_tool_only_the_runs_reduction_makes_room_for_rotates(
+    stub: Any, pool: Any
+) -> None:
+    """A full roster leaves the granted tool out under the pinned scopes, but the run also
+    drops the scopes of tools that fill it: the plan under the run's scopes defines the
+    granted tool, so the run rotates and is given it (a review: weighed under the pinned
+    scopes with the grant added, the run kept tools it could not call and not its own)."""
+    full, scope = _grants_the_roster_leaves_out()["a tool past a full roster"]
+    for read in full.tools:
+        if read.name.startswith("read.t"):
+            read.required_scopes.append("web.read")  # the scope the run drops
+    session_id, plan = await _open(stub, full)
+    assert "crm.update" not in plan.tool_names
+    started = await _start(stub, session_id, scopes=["calendar.read", scope])
+    assert started.rotated_plan.reason == pb.PLAN_REASON_RUN_AUTHORITY_CHANGED
+    assert "crm.update" in started.rotated_plan.tool_names
 
 
 # --- lineages continued when used ---------------------------------------------------------

@@ -731,6 +731,35 @@ async def test_a_vouched_for_result_a_compaction_summarized_is_still_not_the_use
     assert list(offered.candidates) == []
 
 
+async def test_another_runs_vouched_for_result_past_the_seed_cut_is_not_held(
+    stub: Any,
+) -> None:
+    """Past its seed cut a run reads its own vouched-for results a compaction summarized,
+    not another run's it was never shown: a concurrent run's calendar result held the first
+    run's fact at MODEL, though its model could not have read it there (a review)."""
+    session_id, _ = await open_session(stub)
+    first = await start_run(stub, session_id, "Tell me about invoices.")
+    second = await start_run(stub, session_id, "What is on my calendar tomorrow?")
+    await append_items(stub, session_id, second.run.run_id, 1, *_calendar_pair())
+    trusted = pb.TRUST_LEVEL_TRUSTED_CONFIGURATION
+    appended = await append_items(
+        stub,
+        session_id,
+        first.run.run_id,
+        1,
+        assistant("Let me check."),
+        call("c9", "clock.now"),
+        result("c9", "12:00", trust=trusted, name="clock.now"),
+        assistant("Noted."),
+    )
+    _, version = await _compact(
+        stub, session_id, first.run.run_id, "The clock said noon.", appended.sequences[2]
+    )
+    fact = pb.Fact(statement=_RESTATED, source_event_ids=[first.run.seed_event_sequence])
+    updated = await update_state(stub, session_id, first.run.run_id, version, add_facts=[fact])
+    assert [f.trust for f in updated.state.facts] == [pb.TRUST_LEVEL_USER]
+
+
 async def test_the_users_answers_do_not_crowd_out_an_earlier_vouched_for_result(
     stub: Any,
 ) -> None:

@@ -632,7 +632,8 @@ async def _carried_sources(
     reads = (
         (_UNTRUSTED, below, None),
         # Apart, so neither crowds the other out; without conversation.ask_user's answers,
-        # the user's words, which crowded the vouched ones out (a review).
+        # the user's words, which crowded the vouched ones out (a review). Past the seed
+        # cut, the run's own only: another run's it was never shown (another review).
         (_VOUCHED_LEVELS, max(below, checkpoint.replaced_through_sequence + 1), ASK_USER_TOOL),
     )
     carried = []
@@ -646,6 +647,8 @@ async def _carried_sources(
             CARRIED_SOURCES,
             CARRIED_SOURCE_CHARS,
             except_tool=unless,
+            own_run=run.run_id,
+            others_below=below,
         )
     return [
         (text, trust)

@@ -26,7 +26,7 @@ change is then decided again on the rebuilt current plan: a second, admission ro
 Rule 3: newly granted scopes (a SHA-256 not in plan.authority_scope_hashes) rotate with
 run_authority_changed where they take effect: where the run's scopes admit a tool of the
 pinned spec that the pinned scopes do not (`admitted_by_grant`), and a plan under them
-advertises other tools than one under the pinned scopes (the roster's later rules can
+advertises a tool one under the pinned scopes does not (the roster's later rules can
 still leave it out: skill.load without a catalog, tool.call with nothing deferred, a tool
 past the definition cap that nothing indexes; an audit found each rotating for nothing).
 A scope no tool needs (an OAuth "openid", "email") changes no byte of the prefix:
@@ -195,28 +195,39 @@ def _authority_changed(
     # Compared with the pinned spec's roster as the builder resolves it now, not the
     # plan's names: a builder change is BUILDER_UPGRADED's to decide. A grant whose plan
     # cannot be made rotates, so that its rotation's refusal says why.
-    pinned, granted = weighed
-    after = advertises(granted)
-    return after is None or after != advertises(pinned)
+    pinned, run = weighed
+    after = advertises(run)
+    return after is None or _adds(after, advertises(pinned))
+
+
+def _adds(after: Advertised, before: Advertised) -> bool:
+    """Whether `after` advertises a tool `before` does not, or defines one `before` only
+    indexes. Not what it leaves out: the run's reduction, which alone keeps the prefix
+    (a review: runs alternating with and without a reduction rotated each time)."""
+    if before is None:
+        return True
+    assert after is not None
+    defined, deferred = set(before[0]), set(before[1])
+    return not (set(after[0]) <= defined and set(after[1]) <= defined | deferred)
 
 
 def weighed_scopes(
     plan: ContextPlan, spec: PlanSpec, admission: Admission | None
 ) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
-    """Rule 3: (the pinned scopes, those with the newly granted ones added), sorted, where
-    the admission grants a scope that admits a tool the roster could show: whether plans
-    under the two advertise other tools decides the rotation. The grant alone, not the
-    run's scopes: a run also dropping a pinned scope changed the roster by the reduction
-    and rotated (a review), though reduction alone keeps the prefix. None where there is
-    no such grant to weigh (an operational session, a legacy plan: decided otherwise)."""
+    """Rule 3: (the pinned scopes, the run's), sorted, where the admission grants a scope
+    that admits a tool the roster could show: whether a plan under the run's, which the
+    rotation would make, advertises a tool the one under the pinned scopes does not
+    decides (_adds). Under the pinned scopes with the grant added, a tool only the run's
+    reduction made room for was not weighed, and the run went without it (a review).
+    None where there is no such grant to weigh (an operational session, a legacy plan:
+    decided otherwise)."""
     if spec.environment.kind is SessionKind.OPERATIONAL or plan.authority_scope_hashes is None:
         return None
     if admission is None or admission.scopes is None:
         return None
     if not newly_granted(plan, admission.scopes) or not admitted_by_grant(spec, admission.scopes):
         return None
-    pinned = tuple(sorted(set(spec.principal.scopes)))
-    return pinned, tuple(sorted({*pinned, *admission.scopes}))
+    return tuple(sorted(set(spec.principal.scopes))), tuple(sorted(set(admission.scopes)))
 
 
 def admitted_by_grant(spec: PlanSpec, scopes: tuple[str, ...]) -> tuple[str, ...]:

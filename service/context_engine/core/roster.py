@@ -191,14 +191,19 @@ def advertisable(spec: PlanSpec) -> tuple[ToolSpec, ...]:
     bound where a binding is asked, none in an operational session (Rules 1-3); not
     skill.load without a catalog, nor tool.call the agent does not enable, nor a tool it
     defers without tool.call, which no grant brings in (Rules 4 and 7: a review found
-    Plan refusing such a tool's wire-name twin). What a run's grant can bring in, so what
-    Plan checks beside the roster it resolves."""
+    Plan refusing such a tool's wire-name twin), but for the browser tools, which a
+    profile's admission defines whatever is deferred (Rule 5; another review). What a
+    run's grant can bring in, so what Plan checks beside the roster it resolves."""
     if spec.environment.kind is SessionKind.OPERATIONAL:
         return ()
     bound = set(spec.environment.bound_capabilities)
     indexes = TOOL_CALL in spec.agent.enabled_tools
     deferred = set(spec.agent.deferred_tools)
-    could_show: dict[str, bool] = {SKILL_LOAD: bool(spec.skills), TOOL_CALL: indexes}
+    could_show: dict[str, bool] = {
+        SKILL_LOAD: bool(spec.skills),
+        TOOL_CALL: indexes,
+        **dict.fromkeys(BROWSER_TOOLS, True),
+    }
     return tuple(
         t
         for t in spec.tools

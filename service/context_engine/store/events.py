@@ -131,12 +131,16 @@ async def read_carried_results(
     max_chars: int,
     *,
     except_tool: str | None = None,
+    own_run: UUID | None = None,
+    others_below: int | None = None,
 ) -> list[ConversationItem]:
     """The newest tool results of top-level runs below `below_sequence` (a run's seed cut:
     what it carries) whose trust is one of `trust_levels`, and not of `except_tool`,
     newest first: at most `limit` of them, and no more once `max_chars` characters of
-    content (and excerpt) are read, the one crossing it included. The by-type index,
-    walked backward."""
+    content (and excerpt) are read, the one crossing it included. With `others_below`,
+    those at or above it only of `own_run` (a run reading past its seed cut reads its own
+    results there, not another run's it was never shown). The by-type index, walked
+    backward."""
     rows = await conn.fetch(
         "SELECT sequence, run_id, payload FROM ("
         "  SELECT sequence, run_id, payload, sum(length(payload->>'content')"
@@ -147,6 +151,7 @@ async def read_carried_results(
         "      AND in_history AND sequence < $3"
         "      AND (payload->>'trust')::int = ANY($4::int[])"
         "      AND payload->>'tool_name' IS DISTINCT FROM $7"
+        "      AND (sequence < $8 OR run_id = $9)"
         "      ORDER BY sequence DESC LIMIT $5) newest"
         ") counted"
         " WHERE read - length(payload->>'content')"
@@ -159,6 +164,8 @@ async def read_carried_results(
         limit,
         max_chars,
         except_tool,
+        below_sequence if others_below is None else others_below,
+        own_run,
     )
     return [_item(r) for r in rows]
 
