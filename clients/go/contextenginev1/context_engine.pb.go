@@ -466,8 +466,8 @@ const (
 	PlanReason_PLAN_REASON_OPERATOR_REVOCATION PlanReason = 5
 	// The memory snapshot was invalidated (erasure, missing trace); recall again.
 	PlanReason_PLAN_REASON_SNAPSHOT_INVALIDATED PlanReason = 6
-	// Newly granted scopes under which the plan advertises other tools, before a new run
-	// pins its tools.
+	// Newly granted scopes under which the plan advertises a tool the pinned one does not,
+	// before a new run pins its tools.
 	PlanReason_PLAN_REASON_RUN_AUTHORITY_CHANGED PlanReason = 7
 	// The selected browser profile changed at a new run's admission.
 	PlanReason_PLAN_REASON_BROWSER_PROFILE_CHANGED PlanReason = 8
@@ -3687,9 +3687,9 @@ type StartRunRequest struct {
 	// request with a seed_item_id is refused (INVALID_FIELD).
 	SeedItemId string `protobuf:"bytes,5,opt,name=seed_item_id,json=seedItemId,proto3" json:"seed_item_id,omitempty"`
 	// The new run's authority at admission. Newly granted scopes (beyond the plan's
-	// authority_scope_hashes) under which the plan would advertise other tools, or a
-	// changed browser profile (not on an operational session), rotate the epoch before the
-	// run pins its tools; a scope no tool needs, one whose tool the roster would still
+	// authority_scope_hashes) under which the plan would advertise a tool the pinned one
+	// does not, or a changed browser profile (not on an operational session), rotate the
+	// epoch before the run pins its tools; a scope no tool needs, one whose tool the roster would still
 	// leave out (skill.load without a catalog, tool.call with nothing deferred, a deferral
 	// without tool.call, a tool past a full roster) and scope reduction alone keep the
 	// prefix. Absent: keep the plan. Only
