@@ -142,7 +142,8 @@ def main() -> None:
     parser.add_argument("--history", type=int, default=6, help="tool pairs per Build run")
     parser.add_argument(
         "--token",
-        default=os.environ.get("CONTEXT_ENGINE_TOKEN", ""),
+        # Unset or empty: no token (an empty one is no header value, and was refused).
+        default=os.environ.get("CONTEXT_ENGINE_TOKEN") or None,
         help="bearer token of tenant ghz, when auth is on (default: $CONTEXT_ENGINE_TOKEN)",
     )
     args = parser.parse_args()

@@ -17,15 +17,20 @@ import signal
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .config import ConfigError, Settings, load_settings, unknown_variables
+if TYPE_CHECKING:
+    from .config import Settings
+
+# The settings module (pydantic) is imported in main(), once the signals that end a start
+# are held (_HELD): imported here, a Ctrl-C in its import was a traceback (an audit).
 
 __all__ = ["main"]
 
 
 def _serve(args: argparse.Namespace) -> int:
     from .api.server import StartupError, serve
+    from .config import ConfigError, load_settings, unknown_variables
     from .telemetry import (
         configure_logging,
         otel_environment_problem,
@@ -59,6 +64,8 @@ def _serve(args: argparse.Namespace) -> int:
     # killed outright, it left that PostgreSQL running for good (an audit).
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
+        # Held since main() began: one that came meanwhile is taken here, on the clean path.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)
         asyncio.run(serve(settings))
     except StartupError as exc:
         logging.getLogger("context_engine.server").error("cannot start: %s", exc)
@@ -108,6 +115,7 @@ def _width(text: str) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from .config import load_settings
     from .inspect import run_inspect
     from .store import StoreUnavailableError
     from .store.db import StoreReadError
@@ -126,6 +134,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _migrate(args: argparse.Namespace) -> int:
     import asyncpg
 
+    from .config import load_settings
     from .store import StoreUnavailableError, apply_migrations, connect_pool
     from .store.migrate import MigrationError
 
@@ -159,6 +168,8 @@ def _database(settings: Settings, *, create: bool = True) -> tuple[str, Any]:
     process using it exits). Returns (dsn, handle); keep the handle while connected.
     `create` False: an embedded database must exist already (a reader that forgot its URL
     is told so, not shown an empty database made on the spot)."""
+    from .config import ConfigError
+
     if settings.database_url:
         return settings.database_url, None
     if not create and not Path(settings.data_dir, "PG_VERSION").exists():
@@ -185,7 +196,27 @@ def _fake_provider(args: argparse.Namespace) -> int:
     return int(fake_main(["--listen", args.listen]) or 0)
 
 
+# What ends `serve` while it starts, held until its handlers are in: a Ctrl-C during the
+# first second's imports printed a traceback, and once was swallowed by the import machinery
+# and the server came up anyway; SIGTERM then killed it outright (an audit). Released for
+# the other commands at once, and before anything is spawned, which would inherit the mask.
+_HELD = {signal.SIGINT, signal.SIGTERM}
+
+
 def main(argv: list[str] | None = None) -> int:
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    try:
+        return _main(argv, held)
+    except KeyboardInterrupt:  # a Ctrl-C held until the mask was restored
+        print("context-engine: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _main(argv: list[str] | None, held: set[int | signal.Signals]) -> int:
+    from .config import ConfigError
+
     parser = argparse.ArgumentParser(prog="context-engine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -229,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     fake.set_defaults(func=_fake_provider)
 
     args = parser.parse_args(argv)
+    if args.command != "serve":
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
     if args.command == "explain":
         explain_check(explain, args)
     try:

@@ -339,7 +339,11 @@ def load_settings(
         source.update({str(k): f"{_ENV_PREFIX}CONFIG={config_file}" for k in from_file})
     for name in Settings.model_fields:
         raw = env.get(_ENV_PREFIX + name.upper())
-        if raw is not None:
+        # An empty CONTEXT_ENGINE_DATABASE_URL sets nothing (docs/operations.md): it hid
+        # the config file's database_url, and the server took the embedded database
+        # instead (an audit). Another setting's empty value is a value (metrics_listen's
+        # turns the listener off).
+        if raw or (raw is not None and name != "database_url"):
             values[name] = raw
             source[name] = _ENV_PREFIX + name.upper()
     # An empty CONTEXT_ENGINE_DATABASE_URL is no setting: it must not hide DATABASE_URL

@@ -9,8 +9,10 @@ an unknown field or enum name fails here) and sent to the method the config name
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,27 @@ def _render(prepare: Any, value: Any, number: int) -> Any:
     if isinstance(value, dict):
         return {k: _render(prepare, v, number) for k, v in value.items()}
     return value
+
+
+async def test_ghz_prepare_runs_as_its_readme_says_without_a_token(
+    grpc_server: Any, tmp_path: Path
+) -> None:
+    """deploy/ghz/README.md's first step, the script itself: with CONTEXT_ENGINE_TOKEN unset
+    or empty it sends no token. Its default was "", which the client refuses as no header
+    value, so the documented command failed every time without auth (an audit)."""
+    target = f"127.0.0.1:{grpc_server.port}"
+    for token in (None, ""):
+        env = {k: v for k, v in os.environ.items() if k != "CONTEXT_ENGINE_TOKEN"}
+        if token is not None:
+            env["CONTEXT_ENGINE_TOKEN"] = token
+        out = tmp_path / f"run-{token is None}"
+        script = [str(GHZ / "prepare.py"), "--target", target, "--total", "1", "--out", str(out)]
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, *script, env=env, stderr=asyncio.subprocess.PIPE
+        )
+        _, stderr = await process.communicate()
+        assert process.returncode == 0, stderr.decode()
+        assert {p.name for p in out.iterdir()} == {"build.json", "append_items.json"}
 
 
 async def test_ghz_configs_prepare_and_call(grpc_server: Any, tmp_path: Path) -> None:

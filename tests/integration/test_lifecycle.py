@@ -544,6 +544,23 @@ def test_an_empty_database_url_variable_does_not_hide_database_url() -> None:
     assert load_settings(environ=env).database_url == url
 
 
+def test_an_empty_database_url_variable_does_not_hide_the_config_files(tmp_path: Path) -> None:
+    """An empty CONTEXT_ENGINE_DATABASE_URL sets nothing (docs/operations.md): it hid the
+    config file's database_url, and `migrate` applied the migrations to a new embedded
+    database instead (an audit). Another setting's empty value is a value: an empty
+    CONTEXT_ENGINE_METRICS_LISTEN turns the file's metrics listener off."""
+    url = "postgresql://u@db:5432/from-file"
+    config = tmp_path / "ce.json"
+    config.write_text(json.dumps({"database_url": url, "metrics_listen": "127.0.0.1:9464"}))
+    env = {
+        "CONTEXT_ENGINE_CONFIG": str(config),
+        "CONTEXT_ENGINE_DATABASE_URL": "",
+        "CONTEXT_ENGINE_METRICS_LISTEN": "",
+    }
+    settings = load_settings(environ=env)
+    assert (settings.database_url, settings.metrics_listen) == (url, "")
+
+
 def test_a_variable_that_names_no_setting_is_reported() -> None:
     """A misspelt CONTEXT_ENGINE_* variable was silently ignored (an audit:
     ..._MIGRATE_ON_STARTUP=false migrated on start); serve logs each such name."""
@@ -1082,6 +1099,45 @@ async def test_sigterm_while_starting_exits_143_without_a_traceback(own_database
         assert err.decode().strip().splitlines()[-1] == "context-engine: terminated while starting"
     finally:
         await holder.close()
+
+
+@pytest.mark.parametrize(
+    ("signum", "code", "line"),
+    [
+        (signal.SIGINT, 130, "context-engine: interrupted while starting"),
+        (signal.SIGTERM, 143, "context-engine: terminated while starting"),
+    ],
+)
+async def test_a_signal_during_the_first_imports_is_taken_on_the_clean_path(
+    own_database: str, signum: int, code: int, line: str
+) -> None:
+    """A Ctrl-C or SIGTERM in `serve`'s first fraction of a second, while it imports, was
+    a KeyboardInterrupt traceback or a kill by the signal, and once a Ctrl-C was swallowed
+    by the import machinery and the server came up (an audit). Held until its handlers are
+    in, it ends the start as one later in starting does."""
+    env = _env(log_format="text")
+    proc = await _cli("serve", "--listen", "127.0.0.1:0", "--database-url", own_database, env=env)
+    await _holding_signals(proc.pid)  # main() has begun: its imports are under way
+    proc.send_signal(signum)
+    _, raw = await asyncio.wait_for(proc.communicate(), 60)
+    err = raw.decode()
+    assert proc.returncode == code, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == line, err
+
+
+async def _holding_signals(pid: int) -> None:
+    """Until the process blocks SIGINT and SIGTERM (cli.main's first act; /proc's SigBlk),
+    or fail."""
+    wanted = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
+    for _ in range(2_000):
+        status = Path(f"/proc/{pid}/status").read_text()
+        blocked = int(
+            next(line for line in status.splitlines() if line.startswith("SigBlk:"))[7:], 16
+        )
+        if blocked & wanted == wanted:
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError("the process never held SIGINT and SIGTERM")
 
 
 async def test_a_connection_lost_while_migrating_exits_1_in_one_line(own_database: str) -> None:
