@@ -311,10 +311,11 @@ def load_build_response(path: Path) -> pb.BuildResponse:
 
 
 def is_loopback(target: str) -> bool:
-    """Whether a gRPC target names this host: a loopback address, localhost, or a Unix
-    socket. A name that resolves elsewhere, or any other address, is not. The ipv4: and
-    ipv6: schemes take a comma-separated list, which grpc falls through: every address
-    must be loopback (an audit: only the first was checked)."""
+    """Whether a gRPC target names this host: a loopback address (an IPv4-mapped one too,
+    ::ffff:127.0.0.1), localhost, or a Unix socket. A name that resolves elsewhere, or any
+    other address, is not. The ipv4: and ipv6: schemes take a comma-separated list, which
+    grpc falls through: every address must be loopback (an audit: only the first was
+    checked)."""
     if target.startswith(("unix:", "unix-abstract:")):
         return True
     for scheme in ("ipv4:", "ipv6:"):
@@ -333,9 +334,14 @@ def _one_loopback(target: str) -> bool:
     if host.lower() == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
         return False
+    # ipaddress finds ::ffff:127.0.0.1 loopback from Python 3.13 only (gh-117566); the
+    # clients always take it as loopback, and explain refused what they allow.
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
 
 
 def channel_credentials(

@@ -699,6 +699,22 @@ def test_insecure_credentials_are_plaintext_for_a_token() -> None:
     ContextEngineClient("127.0.0.1:1", TENANT, token, credentials=insecure)
 
 
+def test_composite_insecure_credentials_are_plaintext_for_a_token() -> None:
+    """Insecure credentials composed with call credentials open a plaintext channel as
+    well, and passed the check (an audit): the token went in clear. Composed with TLS
+    credentials, or composed twice over insecure ones, each is told apart."""
+    token = "t" * 32
+    insecure = grpc.experimental.insecure_channel_credentials()
+    call = grpc.access_token_call_credentials("other")
+    once = grpc.composite_channel_credentials(insecure, call)
+    twice = grpc.composite_channel_credentials(once, call)
+    for credentials in (once, twice):
+        with pytest.raises(ValueError, match="in clear"):
+            ContextEngineClient("10.1.2.3:50051", TENANT, token, credentials=credentials)
+    tls = grpc.composite_channel_credentials(grpc.ssl_channel_credentials(), call)
+    ContextEngineClient("10.1.2.3:50051", TENANT, token, credentials=tls)
+
+
 def test_an_ipv4_mapped_loopback_is_loopback_as_in_typescript_and_go() -> None:
     """ipaddress finds ::ffff:127.0.0.1 loopback from Python 3.13 only; Node's BlockList
     and Go's net.IP always did, so the clients disagreed on it (an audit)."""
@@ -718,9 +734,11 @@ def test_the_client_and_explain_agree_on_loopback() -> None:
         "ipv4:127.0.0.1:1,127.0.0.2:1", "ipv4:127.0.0.1:1,10.0.0.1:1", "ipv6:[::1]:1",
         "dns:///localhost:1", "dns:localhost:1", "unix:/s", "unix-abstract:s",
         "10.0.0.1:1", "engine:1", "[2001:db8::1]:1", "dns:///engine.example:443", "",
+        "[::ffff:127.0.0.1]:1", "ipv6:[::ffff:127.0.0.1]:1", "[::ffff:10.0.0.1]:1",
     ]  # fmt: skip
+    # The mapped addresses too: explain took them as not loopback below Python 3.13.
     assert [is_loopback(t) for t in targets] == [engines(t) for t in targets]
-    assert sum(map(is_loopback, targets)) == 12
+    assert sum(map(is_loopback, targets)) == 14
 
 
 async def test_a_client_made_outside_the_loop_serves_in_it(grpc_server: Any) -> None:
@@ -1457,6 +1475,19 @@ async def test_a_client_timeout_of_zero_is_no_deadline(grpc_server: Any) -> None
         assert await unbounded.control_tools()
     with pytest.raises(ValueError, match="timeout"):
         ContextEngineClient(target, TENANT, timeout=-1)
+
+
+async def test_a_negative_call_timeout_is_refused_before_anything_is_sent() -> None:
+    """A method's own timeout=-1 went to grpc as a deadline already past: the call failed
+    DEADLINE_EXCEEDED without being sent, which reads as a slow engine and which the tool
+    loop resent (an audit). It is refused as the client's own negative timeout is."""
+    client = ContextEngineClient("127.0.0.1:1", TENANT)
+    client.stub = stub = RecordingStub()
+    with pytest.raises(ValueError, match="ListControlTools: timeout"):
+        await client.control_tools(timeout=-0.5)
+    assert stub.deadlines == []
+    await client.control_tools(timeout=0)
+    assert stub.deadlines == [("ListControlTools", 30.0)]
 
 
 class RecordingStub:

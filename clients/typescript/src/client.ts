@@ -350,6 +350,11 @@ export class ContextEngineClient {
     request: RequestOf<K>,
     opts: CallOptions = {},
   ): Promise<ResponseOf<K>> {
+    if (typeof request !== 'object' || request === null) {
+      // Sent, grpc-js encoded nothing, and the answer's callback threw where no caller
+      // could catch it (run.resendAppend(undefined) crashed the process: an audit).
+      return Promise.reject(new TypeError(`${method}: request must be an object (not sent)`));
+    }
     const unknown = unknownEnumValue(method, request);
     if (unknown) {
       // Refused here, as the server refuses a bad field: sent, it would go as 0.

@@ -582,6 +582,21 @@ test('a negative or NaN deadline of a call is refused, as the client-wide one is
   }
 });
 
+test('a request that is not an object is refused before it is sent, never crashing', async () => {
+  // run.resendAppend(undefined) was sent; the answer's callback then threw reading the
+  // request's key, outside any promise: the process died (an audit).
+  const session = await engine.openSession(spec);
+  const run = await session.startRun('Hello');
+  for (const request of [undefined, null, 'AppendItems']) {
+    await assert.rejects(run.resendAppend(request), (error) => {
+      assert.ok(error instanceof TypeError, error.name);
+      assert.match(error.message, /^AppendItems: request must be an object \(not sent\)$/);
+      return true;
+    });
+  }
+  assert.equal(run.checkpointVersion, 1);
+});
+
 test("openSession with sessionId '' opens a session under a new id, as Python's does", async () => {
   // It sent the empty id, which the engine refused (an audit).
   const session = await engine.openSession(spec, { sessionId: '' });

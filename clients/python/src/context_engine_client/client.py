@@ -166,9 +166,8 @@ def is_loopback(target: str) -> bool:
     """Whether a gRPC target names this host: a loopback address (an IPv4-mapped one
     too, ::ffff:127.0.0.1), localhost, or a Unix socket; for an ipv4:/ipv6: list, every
     address. A name is not (it may resolve elsewhere). The TypeScript and Go clients apply
-    the same rule, and so does the engine's `context-engine explain`, but for a mapped
-    address below Python 3.13 (tests/e2e/test_python_client.py holds the client and
-    explain to one table)."""
+    the same rule, and so does the engine's `context-engine explain`
+    (tests/e2e/test_python_client.py holds the client and explain to one table)."""
     if target.startswith(("unix:", "unix-abstract:")):
         return True
     for scheme in ("ipv4:", "ipv6:"):
@@ -200,8 +199,13 @@ def _insecure(credentials: grpc.ChannelCredentials) -> bool:
     """Whether `credentials` are grpc.experimental.insecure_channel_credentials(): grpc.aio
     opens a plaintext channel with them, which sent a token in clear to any target (an
     audit). grpc's own secure_channel tells them apart by the same object."""
-    insecure = grpc.experimental.insecure_channel_credentials()
-    return getattr(credentials, "_credentials", None) is insecure._credentials
+    insecure = grpc.experimental.insecure_channel_credentials()._credentials
+    inner: Any = getattr(credentials, "_credentials", None)
+    # grpc.composite_channel_credentials(insecure, call credentials) is plaintext too: its
+    # channel credentials, nested once per composition, are what the channel opens with.
+    while inner is not insecure and hasattr(inner, "_channel_credentials"):
+        inner = inner._channel_credentials
+    return inner is insecure
 
 
 # A tool loop step's append, resent by the loop itself while the engine cannot be reached:
@@ -371,6 +375,10 @@ class ContextEngineClient:
     async def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
         """Call any RPC by name with this client's metadata, deadline and typed errors.
         `timeout`: this call's deadline in seconds (None or 0: the client's)."""
+        if timeout is not None and not timeout >= 0:
+            # grpc took a negative deadline as one already past: DEADLINE_EXCEEDED for a
+            # call never sent, which the tool loop resent as if the engine were slow.
+            raise ValueError(f"{method}: timeout must be None or 0 (the client's), or more")
         rpc = getattr(self.stub, method)
         deadline = timeout or self.timeout
         try:
