@@ -1922,6 +1922,55 @@ async def test_a_fact_restating_a_skill_body_or_a_citation_shown_is_held_to_thei
     ]
 
 
+async def test_a_fact_restating_a_vouched_skill_body_is_held_as_the_models(stub: Any) -> None:
+    """A skill body labelled TRUSTED_CONFIGURATION is the skill author's words, as a
+    vouched-for passage is its source's: restated in a fact citing the user's message, it
+    was USER and offered to memory formation as the user's statement (an audit). It is
+    held as the model's, as such a passage is; words the user's message holds itself are
+    still the user's."""
+    plan_spec = spec()
+    plan_spec.skills.append(
+        pb.SkillCatalogEntry(
+            name="travel",
+            description="Book travel.",
+            version="1",
+            trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION,
+        )
+    )
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=plan_spec))
+    body = "Always book the refundable fare class for every traveller on this account."
+    await stub.LoadSkill(
+        pb.LoadSkillRequest(tenant_id=TENANT, session_id=session_id, name="travel", body=body)
+    )
+    said = "Book me a train to Lyon; always book the refundable fare class for me please"
+    started = await start_run(stub, session_id, said)
+    run_id, user_seq = started.run.run_id, started.run.seed_event_sequence
+    request = pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id)
+    request.now.FromDatetime(NOW)
+    await stub.Build(request)
+    updated = await update_state(
+        stub,
+        session_id,
+        run_id,
+        started.checkpoint_version,
+        add_facts=[
+            pb.Fact(statement=body, source_event_ids=[user_seq]),
+            pb.Fact(
+                statement="The user said: always book the refundable fare class for me.",
+                source_event_ids=[user_seq],
+            ),
+        ],
+    )
+    assert [f.trust for f in updated.state.facts] == [pb.TRUST_LEVEL_MODEL, pb.TRUST_LEVEL_USER]
+    offered = await stub.OfferFactCandidates(
+        pb.OfferFactCandidatesRequest(tenant_id=TENANT, session_id=session_id)
+    )
+    assert [c.fact.statement for c in offered.candidates] == [
+        "The user said: always book the refundable fare class for me."
+    ]
+
+
 async def test_a_rotation_lowering_a_skill_holds_a_fact_before_the_run_builds_on_it(
     stub: Any,
 ) -> None:

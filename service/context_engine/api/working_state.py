@@ -555,12 +555,20 @@ async def _shown_sources(
             body_trust(pinned_entry(p.spec.skills, p.plan.skill_pins, skill.name)[1], skill.trust)
             for p in prefixes
         ]
-        sources.append((skill.body, max(shown_at, default=skill.trust)))
+        level = max(shown_at, default=skill.trust)
+        # A vouched-for body is the skill author's, as a vouched-for passage is its
+        # source's: restated, citing the user's message, it was USER and offered to memory
+        # formation as the user's statement (an audit). Held as the model's, as those are.
+        sources.append((skill.body, TrustLevel.MODEL if level in _VOUCHED else level))
     # What an erasure took out of a plan counts only where the model was shown it: the
     # plans of its requests (and its own, as before), not one it has yet to build on.
     seen = sorted({*shown.epochs, run.epoch})
     erased = await events.run_saw_erased(conn, tenant_id, session_id, in_view, seen)
-    held = [(text, trust) for text, trust in sources if trust not in SUMMARIZABLE]
+    held = [
+        (text, trust)
+        for text, trust in sources
+        if trust not in SUMMARIZABLE or trust is TrustLevel.MODEL
+    ]
     return lines + held, erased
 
 
