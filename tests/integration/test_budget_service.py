@@ -692,6 +692,35 @@ async def _build_at(stub: Any, tenant: str, session_id: str, run_id: str, second
     return await stub.Build(request)
 
 
+async def _shortest_run_builds(stub: Any, tenant: str, plan_spec: pb.PlanSpec, at: int) -> str:
+    """Open a session of `plan_spec`, start a one-character run and Build it at `at`; the
+    session's id."""
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=tenant, session_id=session_id, spec=plan_spec))
+    run_id = await _start(stub, tenant, session_id, ".")
+    built = await _build_at(stub, tenant, session_id, run_id, at)
+    assert built.provider_payload and not built.needs_compaction
+    return session_id
+
+
+def _capped(cap: int) -> pb.PlanSpec:
+    return spec(model_id=MODEL, policy_cap_tokens=cap, reserve_output_tokens=RESERVE)
+
+
+async def _plan_accepts(stub: Any, tenant: str, cap: int, factor: int | None = None) -> bool:
+    """Whether Plan opens a session at policy cap `cap`; a refusal names the cap, and
+    (`factor`) the estimator factor it was checked at."""
+    request = pb.PlanRequest(tenant_id=tenant, session_id=new_id(), spec=_capped(cap))
+    try:
+        await stub.Plan(request)
+    except grpc.aio.AioRpcError as refused:
+        _, fields, metadata = details(refused)
+        assert fields == ["spec.policy_cap_tokens"]
+        assert factor is None or metadata["estimator_factor_ppm"] == str(factor)
+        return False
+    return True
+
+
 async def test_the_least_capacity_plan_accepts_builds_the_shortest_run_on_any_day(
     stub: Any,
 ) -> None:
@@ -700,27 +729,68 @@ async def test_the_least_capacity_plan_accepts_builds_the_shortest_run_on_any_da
     the server assigns. An audit found the least capacity Plan took failing every Build:
     the row was counted undated, the seed not at all."""
     tenant = _tenant()
-
-    def capped(cap: int) -> pb.PlanSpec:
-        return spec(model_id=MODEL, policy_cap_tokens=cap, reserve_output_tokens=RESERVE)
-
-    async def accepts(cap: int) -> bool:
-        request = pb.PlanRequest(tenant_id=tenant, session_id=new_id(), spec=capped(cap))
-        try:
-            await stub.Plan(request)
-        except grpc.aio.AioRpcError as refused:
-            assert details(refused)[1] == ["spec.policy_cap_tokens"]
-            return False
-        return True
-
-    least = await _least_accepted(accepts, RESERVE, RESERVE + 4_000)
+    least = await _least_accepted(
+        lambda cap: _plan_accepts(stub, tenant, cap), RESERVE, RESERVE + 4_000
+    )
     for seconds in (_WEDNESDAY, _MONDAY):  # a session each: a second run carries the first
-        session_id = new_id()
-        opened = pb.PlanRequest(tenant_id=tenant, session_id=session_id, spec=capped(least))
-        await stub.Plan(opened)
-        run_id = await _start(stub, tenant, session_id, ".")
-        built = await _build_at(stub, tenant, session_id, run_id, seconds)
-        assert built.provider_payload and not built.needs_compaction
+        await _shortest_run_builds(stub, tenant, _capped(least), seconds)
+
+
+async def test_plan_and_rotate_check_the_least_capacity_at_the_tenants_factor(
+    stub: Any,
+) -> None:
+    """A run's checkpoints pin the tenant's estimator factor, and Build scales the
+    framing, the runtime row and the seed by it; Plan checked its capacity at the neutral
+    factor, so a tenant whose provider had read twice the estimate was given a capacity
+    every Build failed (an audit). Plan and Rotate with a spec check it at the factor a
+    new run pins; a session planned before is still answered when reopened."""
+    tenant = _tenant()
+    neutral = await _least_accepted(
+        lambda cap: _plan_accepts(stub, tenant, cap, 1_000_000), RESERVE, RESERVE + 4_000
+    )
+    early = pb.PlanRequest(tenant_id=tenant, session_id=new_id(), spec=_capped(neutral))
+    assert (await stub.Plan(early)).created
+    learner = new_id()
+    plain = spec(model_id=MODEL, reserve_output_tokens=RESERVE)
+    await stub.Plan(pb.PlanRequest(tenant_id=tenant, session_id=learner, spec=plain))
+    run_id = await _start(stub, tenant, learner, _words(3_000))
+    built = await _build_at(stub, tenant, learner, run_id, _WEDNESDAY)
+    report = _usage(
+        tenant,
+        learner,
+        built.request_sequence,
+        input_tokens=2 * built.estimated_input_tokens,
+        idempotency_key="learn",
+    )
+    learned = await stub.ReportUsage(report)
+    assert learned.absorbed and learned.factor_ppm > 1_900_000
+    least = await _least_accepted(
+        lambda cap: _plan_accepts(stub, tenant, cap, learned.factor_ppm),
+        RESERVE,
+        RESERVE + 4_000,
+    )
+    assert least > neutral
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.Plan(
+            pb.PlanRequest(tenant_id=tenant, session_id=new_id(), spec=_capped(neutral))
+        )
+    assert "(scaled by the estimator's 2." in (refused.value.details() or "")
+    # The session planned before the factor was learned is answered as it is.
+    reopened = await stub.Plan(early)
+    assert not reopened.created and reopened.spec_matches
+    for seconds in (_WEDNESDAY, _MONDAY):
+        session_id = await _shortest_run_builds(stub, tenant, _capped(least), seconds)
+    # Rotate with a spec is checked alike: the capacity below the least is refused.
+    rotate = pb.RotateRequest(
+        tenant_id=tenant,
+        session_id=session_id,
+        from_epoch=1,
+        reason=pb.PLAN_REASON_AGENT_CHANGED,
+        spec=_capped(least - 1),
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.Rotate(rotate)
+    assert details(refused.value)[1] == ["spec.policy_cap_tokens"]
 
 
 async def test_a_skill_loaded_at_the_edge_of_its_room_leaves_the_shortest_run_a_build(

@@ -940,7 +940,9 @@ type PlanSpec struct {
 	// and the request's framing (the reply priming and the placeholder turn, about 20
 	// tokens) must leave a body that holds the runtime metadata row (on any day) and the
 	// least run seed (a one-character message under a server-assigned id) every request
-	// carries (metadata least_body_tokens): else Plan and Rotate refuse it (INVALID_FIELD).
+	// carries (metadata least_body_tokens), the framing, row and seed scaled by the tenant's
+	// estimator factor for the model (metadata estimator_factor_ppm), as Build scales them:
+	// else Plan and Rotate refuse it (INVALID_FIELD).
 	PolicyCapTokens int64 `protobuf:"varint,10,opt,name=policy_cap_tokens,json=policyCapTokens,proto3" json:"policy_cap_tokens,omitempty"`
 	// Output tokens reserved off the top, and sent as the request's output limit (Anthropic's
 	// max_tokens, OpenAI's max_output_tokens). 0: the model's default from the registry. A

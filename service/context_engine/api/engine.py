@@ -43,7 +43,7 @@ from ..core.build_record import (
     uncited_passages,
     unmarked_excerpts,
 )
-from ..core.checkpoint import Checkpoint, applied_factor, require_version
+from ..core.checkpoint import NEUTRAL_FACTOR_PPM, Checkpoint, applied_factor, require_version
 from ..core.enums import PlanReason
 from ..core.errors import (
     BudgetExceededError,
@@ -58,7 +58,7 @@ from ..core.estimator import IMAGE_TOKENS
 from ..core.excerpts import DEFAULT_INLINE_MAXIMUM_BYTES
 from ..core.items import ConversationItem, ToolCall, ToolResult, UserMessage
 from ..core.log_tail import LogTail
-from ..core.plan import CapacityError, ContextPlan, ModelFacts, make_plan
+from ..core.plan import CapacityError, ContextPlan, ModelFacts, make_plan, require_capacity
 from ..core.roster import advertisable
 from ..core.seeding import delegated, instruction_item_id, seed_cut
 from ..core.skills import body_items
@@ -263,8 +263,19 @@ class Engine:
     # --- plans ------------------------------------------------------------------------
 
     def _make_plan(
-        self, spec: PlanSpec, session_id: UUID, epoch: int, reason: PlanReason, secret: bytes
+        self,
+        spec: PlanSpec,
+        session_id: UUID,
+        epoch: int,
+        reason: PlanReason,
+        secret: bytes,
+        factor_ppm: int | None = NEUTRAL_FACTOR_PPM,
     ) -> ContextPlan:
+        """`factor_ppm`: the tenant's estimator factor for the model, for a caller's spec
+        (Rotate with a spec; None: Plan, which checks a new session's under its lock); a
+        rebuild of a pinned spec checks its capacity at the neutral factor, as it was
+        planned, so a factor learned since fails no session's rotations (its Builds say
+        BUDGET_EXCEEDED where they no longer fit)."""
         _zone(spec.environment.time_zone)
         facts = self._model_facts(spec.model_id)
         plan = make_plan(
@@ -275,6 +286,7 @@ class Engine:
             secret=secret,
             model=facts,
             count_tokens=self._token_counter(spec.model_id),
+            factor_ppm=factor_ppm,
         )
         _check_roster_wire_names(plan)
         return plan
@@ -287,7 +299,7 @@ class Engine:
         # Rendering and counting a large spec is CPU work: off the event loop, so other
         # sessions' RPCs keep flowing while it runs.
         candidate = await asyncio.to_thread(
-            self._make_plan, spec, session_id, 1, PlanReason.SESSION_OPENED, secret
+            self._make_plan, spec, session_id, 1, PlanReason.SESSION_OPENED, secret, None
         )
         _check_grantable_wire_names(spec)
         async with self.gates.held(tenant, session_id), transaction(self.pool) as conn:
@@ -295,6 +307,14 @@ class Engine:
             await sessions.ensure_session(conn, tenant, session_id)
             epoch = await sessions.lock_session(conn, tenant, session_id)
             if epoch == 0:
+                # Its capacity at the factor its runs will pin: an existing session is
+                # answered whatever the factor, so a worker reopening it is not refused
+                # its own plan.
+                factor = await usage_api.pinned_factor(
+                    conn, tenant, spec.model_id, self.tokenizer_of
+                )
+                counter = self._token_counter(spec.model_id)
+                require_capacity(candidate, counter, factor)
                 created_at = await plans.insert_plan(
                     conn, tenant, session_id, candidate, spec, secret, lineage=1
                 )
@@ -511,9 +531,15 @@ class Engine:
                     metadata={"current_epoch": str(epoch)},
                 )
             current = await plans.read_plan(conn, tenant, session_id)
+            factor = NEUTRAL_FACTOR_PPM
             if spec is not None:
                 _require_same_principal(current.spec, spec)
                 _check_grantable_wire_names(spec)
+                # The caller's capacity is checked as Plan checks it: at the factor the
+                # session's next run will pin.
+                factor = await usage_api.pinned_factor(
+                    conn, tenant, spec.model_id, self.tokenizer_of
+                )
             elif reason is PlanReason.PREFIX_HASH_CANONICALIZED:
                 _require_to_canonicalize(current.plan)
             try:
@@ -528,6 +554,7 @@ class Engine:
                     detail,
                     begins_lineage=spec is not None,
                     sweep=spec is None,
+                    factor_ppm=factor,
                 )
                 # Another model or capacity, or a registry overlay changed since the pinned
                 # spec was planned: the loaded bodies never yield, so a plan that cannot
@@ -562,11 +589,13 @@ class Engine:
         begins_lineage: bool = False,
         sweep: bool = False,
         makes_current: bool = True,
+        factor_ppm: int = NEUTRAL_FACTOR_PPM,
     ) -> plans.StoredPlan:
         """Start a plan after `current` inside the caller's transaction (session locked), as
         the session's next epoch, and (`makes_current`) make it the session's current plan.
         It continues `current`'s lineage, or `begins_lineage` (store/plans.py): a fork for
         an admission reason, a merge otherwise; a `sweep` is one every lineage follows.
+        `factor_ppm`: the estimator factor its capacity is checked at (_make_plan).
 
         Rebuilds from `spec` (or the pinned spec), except prefix_hash_canonicalized, which
         copies the plan with canonical hashes under the same secret (core/epochs.py).
@@ -585,7 +614,7 @@ class Engine:
         else:
             new_spec, secret = spec or current.spec, self._new_secret()
             plan = await asyncio.to_thread(
-                self._make_plan, new_spec, session_id, epoch, reason, secret
+                self._make_plan, new_spec, session_id, epoch, reason, secret, factor_ppm
             )
         created_at = await plans.insert_plan(
             conn, tenant, session_id, plan, new_spec, secret, lineage, sweep=sweep

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -208,8 +208,11 @@ def make_plan(
     secret: bytes,
     model: ModelFacts,
     count_tokens: TokenCounter,
+    factor_ppm: int | None = PPM,
 ) -> ContextPlan:
     """Resolve, render, measure and hash Region A. Pure: same arguments, same plan.
+    `factor_ppm`: the estimator factor the capacity is checked at (require_capacity; the
+    plan itself does not depend on it), or None for a caller that checks it itself.
 
     Raises:
         PreconditionError: PREFIX_CLASS_OVER_CAP naming the class (tool_definitions for a
@@ -259,16 +262,12 @@ def make_plan(
     reserve = spec.reserve_output_tokens or model.default_output_reserve
     _check_reserve(spec, model, reserve)
     prefix_tokens = sum(c.tokens for c in classes)
-    # A new plan's checkpoints pin no factor yet: its Builds count the framing unscaled.
-    framing = request_framing(count_tokens, PPM)
     offers_browser = "browser.navigate" in {t.name for t in roster.defined} | {
         t.name for t in roster.deferred
     }
     # Row 14 names the allowed origins only where the plan offers browser.navigate.
     origins = spec.environment.allowed_origins if offers_browser else ()
-    least = _least_body(spec, origins, count_tokens)
-    _check_capacity(spec, model, reserve, prefix_tokens, framing, least)
-    return ContextPlan(
+    plan = ContextPlan(
         session_id=session_id,
         epoch=epoch,
         reason=reason,
@@ -304,6 +303,9 @@ def make_plan(
         skipped_skill_names=tuple(s.name for s in left_skills),
         skipped_memory_ids=tuple(m.item_id for m in left_memories),
     )
+    if factor_ppm is not None:
+        require_capacity(plan, count_tokens, factor_ppm)
+    return plan
 
 
 # --- rendering -------------------------------------------------------------------------
@@ -778,39 +780,40 @@ def skill_room(
     return body - row - least_seed_cost(count_tokens, factor_ppm)
 
 
-def _least_body(spec: PlanSpec, origins: Sequence[str], count_tokens: TokenCounter) -> int:
-    """What every request's body holds, whatever its step, at the neutral factor: row 14
-    (runtime metadata) on any day (assemble.runtime_row_tokens), and the run's seed, at
+def _least_body(plan: ContextPlan, count_tokens: TokenCounter, factor_ppm: int) -> int:
+    """What every request's body holds, whatever its step, at `factor_ppm`: row 14
+    (runtime metadata) on any day (assemble.runtime_row_cost), and the run's seed, at
     least a one-character message (assemble.least_seed_cost). Neither yields."""
-    from .assemble import least_seed_cost, runtime_row_tokens  # assemble imports this module
+    from .assemble import least_seed_cost, runtime_row_cost  # assemble imports this module
 
-    row = runtime_row_tokens(
-        spec.environment.time_zone,
-        spec.principal.scope_label,
-        spec.environment.surface,
-        origins,
+    row = runtime_row_cost(
+        plan.time_zone,
+        plan.principal_scope,
+        plan.surface,
+        plan.allowed_origins,
         count_tokens,
+        factor_ppm,
     )
-    return row + least_seed_cost(count_tokens, PPM)
+    return row + least_seed_cost(count_tokens, factor_ppm)
 
 
-def _check_capacity(
-    spec: PlanSpec,
-    model: ModelFacts,
-    reserve: int,
-    prefix_tokens: int,
-    framing: int,
-    least_body: int,
-) -> None:
+def require_capacity(plan: ContextPlan, count_tokens: TokenCounter, factor_ppm: int) -> None:
     """Refuse a plan whose every Build would fail: capacity (min(window, policy cap)) less
     the output reserve, the exact prefix, the body's safety margin and the request's
-    framing (core/budget.py Rule 7) must leave the body at least `least_body`, the runtime
-    metadata row and the least run seed every request carries (an audit: a 1-token body
-    was accepted, and every Build failed BUDGET_EXCEEDED naming runtime_metadata, which no
-    caller can shrink; a later one: a body holding the row alone failed the shortest
-    run), by the allocator's own arithmetic (budget.allocate). A body smaller than the history
-    floor is accepted: history and the yielding classes give way, and what else never
-    yields is checked per request (BUDGET_EXCEEDED).
+    framing (core/budget.py Rule 7) must leave the body room for the runtime metadata row
+    and the least run seed every request carries (_least_body), by the allocator's own
+    arithmetic (budget.allocate). An audit found a 1-token body accepted, every Build
+    failing BUDGET_EXCEEDED naming runtime_metadata, which no caller can shrink; a later
+    one, a body holding the row alone failing the shortest run. A body smaller than the
+    history floor is accepted: history and the yielding classes give way, and what else
+    never yields is checked per request (BUDGET_EXCEEDED).
+
+    The framing, row and seed are scaled by `factor_ppm` as Build scales them: a run's
+    checkpoints pin the tenant's estimator factor when it starts (Rule 4), and checked at
+    the neutral factor, a tenant whose factor had risen was given a capacity every Build
+    failed (an audit). make_plan checks at the factor it is given; the shell's Plan checks
+    a new session's at the factor its runs will pin, read under the session's lock (an
+    existing session is answered as it is).
 
     The field at fault: the reserve when even the whole window leaves no body (the reserve
     is the model's default when the spec gives none; a smaller one is the fix), else the
@@ -819,43 +822,49 @@ def _check_capacity(
     Raises:
         CapacityError: spec.reserve_output_tokens or spec.policy_cap_tokens.
     """
+    framing = request_framing(count_tokens, factor_ppm)
+    least_body = _least_body(plan, count_tokens, factor_ppm)
+    reserve, prefix_tokens = plan.max_output_tokens, plan.prefix_tokens
 
     def body(policy_cap: int) -> int:
         return allocate(
-            context_window=model.context_window,
+            context_window=plan.context_window,
             policy_cap_tokens=policy_cap,
             reserve_output_tokens=reserve,
             prefix_tokens=prefix_tokens,
             framing_tokens=framing,
         ).body_tokens
 
-    if body(spec.policy_cap_tokens) >= least_body:
+    if body(plan.policy_cap_tokens) >= least_body:
         return
     capacity = (
-        min(model.context_window, spec.policy_cap_tokens)
-        if spec.policy_cap_tokens > 0
-        else model.context_window
+        min(plan.context_window, plan.policy_cap_tokens)
+        if plan.policy_cap_tokens > 0
+        else plan.context_window
     )
     metadata = {
         "capacity_tokens": str(capacity),
-        "context_window": str(model.context_window),
+        "context_window": str(plan.context_window),
         "reserve_output_tokens": str(reserve),
         "prefix_tokens": str(prefix_tokens),
         "framing_tokens": str(framing),
         "least_body_tokens": str(least_body),
+        "estimator_factor_ppm": str(factor_ppm),
     }
+    # The figures above are the factor's: say so where it is not the neutral one.
+    scaled = "" if factor_ppm == PPM else f" (scaled by the estimator's {factor_ppm / PPM:.2f})"
     if body(0) < least_body:
         raise CapacityError(
             f"an output reserve of {reserve:,} tokens leaves no room for the request in"
-            f" {spec.model_id}'s {model.context_window:,}-token window beside the"
-            f" {prefix_tokens:,}-token prefix and the request's framing: reserve less",
+            f" {plan.model_id}'s {plan.context_window:,}-token window beside the"
+            f" {prefix_tokens:,}-token prefix and the request's framing{scaled}: reserve less",
             field="spec.reserve_output_tokens",
             metadata=metadata,
         )
     raise CapacityError(
-        f"a policy cap of {spec.policy_cap_tokens:,} tokens leaves no room for the request"
+        f"a policy cap of {plan.policy_cap_tokens:,} tokens leaves no room for the request"
         f" beside the {reserve:,}-token output reserve, the {prefix_tokens:,}-token prefix"
-        " and the request's framing: raise it (0: the model's window)",
+        f" and the request's framing{scaled}: raise it (0: the model's window)",
         field="spec.policy_cap_tokens",
         metadata=metadata,
     )
