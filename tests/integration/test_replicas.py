@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from uuid import UUID
 
+import asyncpg
 import grpc
 import pytest
 
@@ -381,3 +382,69 @@ async def test_a_fresh_head_build_takes_the_skills_its_head_counted(
     assert bodies == {"skill-body:triage"}
     again = await a.Build(pb.BuildRequest(tenant_id=TENANT, session_id=session_id, run_id=run_id))
     assert again.epoch == 2
+
+
+async def test_a_keyed_rotate_resent_behind_an_erasure_answers_with_its_first_plan(
+    replicas: list[Any], database_dsn: str
+) -> None:
+    """A Rotate whose snapshot names a person, in flight on one replica, an erasure of that
+    person after it, and the Rotate's resend on the other replica: the resend waited for
+    the people fence behind the erasure, which the first call let through once it landed,
+    and was refused PERSON_ERASED, though its rotation exists (an audit). It answers with
+    the first call's plan; a new rotation naming the person is still refused."""
+    session_id, _ = await open_session(replicas[0])
+    named = spec()
+    named.agent.version = "4"
+    named.snapshot.CopyFrom(
+        pb.MemorySnapshot(
+            snapshot_id="snap-2",
+            recall_trace_id="t",
+            watermark=1,
+            items=[
+                pb.MemoryItem(
+                    item_id="m1", text="Lives in Berlin.", source="memory:1", person_ids=["p-x"]
+                )
+            ],
+        )
+    )
+    rotate = pb.RotateRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        from_epoch=1,
+        reason=pb.PLAN_REASON_SNAPSHOT_INVALIDATED,
+        spec=named,
+        idempotency_key="rotate-behind-erasure",
+    )
+    locker = await _lock_session(database_dsn, session_id)
+    monitor = await asyncpg.connect(database_dsn)
+    try:
+        calls = [
+            lambda: replicas[0].Rotate(rotate),  # fenced, then waits on the session's row
+            lambda: replicas[0].EraseSubject(
+                pb.EraseSubjectRequest(tenant_id=TENANT, person_id="p-x")
+            ),  # waits for the fence the Rotate holds
+            lambda: replicas[1].Rotate(rotate),  # the resend: waits behind the erasure
+        ]
+        tasks = []
+        for n, send in enumerate(calls, start=1):
+            tasks.append(asyncio.ensure_future(send()))
+
+            async def waiting(n: int = n) -> bool:
+                # Any lock, the people fence's advisory ones too, held up by another.
+                blocked = "SELECT count(DISTINCT pid) FROM pg_locks WHERE NOT granted"
+                return int(await monitor.fetchval(blocked)) >= n
+
+            await wait_for(waiting, what=f"{n} calls waiting")
+    finally:
+        await monitor.close()
+        await locker.execute("ROLLBACK")
+        await locker.close()
+    first, erased, resent = await asyncio.gather(*tasks)
+    assert first.plan.epoch == 2 and erased.redacted_items >= 1
+    assert resent.plan.epoch == 2
+    fresh = pb.RotateRequest()
+    fresh.CopyFrom(rotate)
+    fresh.from_epoch, fresh.idempotency_key = 2, "another"
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await replicas[1].Rotate(fresh)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION

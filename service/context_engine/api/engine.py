@@ -501,7 +501,7 @@ class Engine:
         without the key the retry of a rotation whose answer was lost would fail
         EPOCH_CONFLICT."""
         async with self.gates.held(tenant, session_id), transaction(self.pool) as conn:
-            stored = None
+            stored, fenced = None, None
             if spec is not None:  # the pinned spec was fenced when it was first persisted
                 # A rotation that landed answers its retry even after an erasure of a
                 # person its snapshot names: the key is looked up before the fence (a
@@ -510,13 +510,22 @@ class Engine:
                     conn, tenant, session_id, idempotency_key, "Rotate", request_sha256
                 )
                 if stored is None:
-                    await _fence_snapshot(conn, tenant, spec)
+                    try:
+                        await _fence_snapshot(conn, tenant, spec)
+                    except PreconditionError as erased:
+                        # Held until the key is looked up under the lock: a resend sent
+                        # while its first call was in flight, on another replica, waited
+                        # for the fence behind an erasure that came after that call, which
+                        # landed meanwhile; refused, it looked lost (an audit).
+                        fenced = erased
             epoch = await sessions.lock_session(conn, tenant, session_id)
             stored = stored or await idempotency.recall_response(
                 conn, tenant, session_id, idempotency_key, "Rotate", request_sha256
             )
             if stored is not None:
                 return await plans.read_plan(conn, tenant, session_id, stored["epoch"]), True
+            if fenced is not None:
+                raise fenced
             if epoch == 0:
                 raise PreconditionError(
                     f"session {session_id} has no plan to rotate; call Plan first",
