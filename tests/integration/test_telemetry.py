@@ -1506,3 +1506,148 @@ async def test_a_start_cancelled_after_its_commit_is_counted_once(pool: Any) -> 
     finally:
         await running.stop(0)
         tel.shutdown()
+
+
+class _CancelledCall:
+    """A unary call's context with `budget` seconds to its deadline when it begins (None:
+    no deadline), cancelled with `left` still on the server's copy of it."""
+
+    def __init__(self, budget: float | None, left: float | None) -> None:
+        self.remaining, self.left = budget, left
+
+    def time_remaining(self) -> float | None:
+        return self.remaining
+
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+
+async def _cancel(request: Any, context: _CancelledCall) -> None:
+    context.remaining = context.left  # the cancellation arrives with this much left
+    raise asyncio.CancelledError
+
+
+async def test_a_call_cancelled_as_its_deadline_passes_is_counted_deadline_exceeded() -> None:
+    """The client's copy of a deadline fires first: its cancel reached the handler with
+    0.3-3.3 ms left on the server's copy, and the call was counted CANCELLED while the
+    client saw DEADLINE_EXCEEDED (an audit). Within a tolerance of the deadline (50 ms
+    plus 1% of the timeout, for grpc-timeout's rounding) it is DEADLINE_EXCEEDED; a call
+    cancelled by hand well before its deadline, or without one, stays CANCELLED."""
+    reader = InMemoryMetricReader()
+    tel = Telemetry(meter_provider=MeterProvider(metric_readers=[reader]))
+    observer = RpcObserver(tel)
+    cases = {  # (seconds to the deadline at the start, at the cancellation) -> code
+        (0.3, 0.0): "DEADLINE_EXCEEDED",
+        (0.3, 0.0033): "DEADLINE_EXCEEDED",
+        (1.0, 0.0092): "DEADLINE_EXCEEDED",
+        (2.0, 0.045): "DEADLINE_EXCEEDED",
+        (30.0, 0.3): "DEADLINE_EXCEEDED",
+        (1.0, 0.5): "CANCELLED",
+        (30.0, 29.0): "CANCELLED",
+        (30.0, 0.4): "CANCELLED",
+        (None, None): "CANCELLED",
+    }
+    try:
+        for n, (budget, left) in enumerate(cases):
+            handler = observer.wrap(
+                f"{SERVICE}Case{n}", grpc.unary_unary_rpc_method_handler(_cancel)
+            )
+            with pytest.raises(asyncio.CancelledError):
+                await handler.unary_unary(pb.BuildRequest(), _CancelledCall(budget, left))
+        points = _points(reader)
+        for n, ((budget, left), code) in enumerate(cases.items()):
+            labels = {"rpc.method": f"Case{n}", "rpc.grpc.status_code": code}
+            assert _total(points, "context_engine.rpc.errors", **labels) == 1, (budget, left)
+            assert _total(points, "context_engine.rpc.duration", **labels) == 1, (budget, left)
+    finally:
+        tel.shutdown()
+
+
+async def test_calls_out_of_time_behind_a_session_lock_are_recorded_deadline_exceeded(
+    traced: dict[str, Any],
+) -> None:
+    """Builds and AppendItems queued behind a session's row lock until their deadlines
+    passed: the client saw DEADLINE_EXCEEDED, and the server counted, logged and marked
+    some CANCELLED, its copy of the deadline having a few ms left when the client's cancel
+    arrived (an audit: 1-3 of 6). Each is recorded DEADLINE_EXCEEDED; one cancelled by
+    hand long before its deadline is recorded CANCELLED."""
+    stub, reader, spans, logs, pool = (
+        traced[k] for k in ("stub", "reader", "spans", "logs", "pool")
+    )
+    session_id = new_id()
+    await stub.Plan(pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=spec()))
+    run = await stub.StartRun(
+        pb.StartRunRequest(
+            tenant_id=TENANT, session_id=session_id, user_message=pb.UserMessage(text="hi")
+        )
+    )
+    build = pb.BuildRequest(
+        tenant_id=TENANT, session_id=session_id, run_id=run.run.run_id, now=_now()
+    )
+    append = pb.AppendItemsRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        run_id=run.run.run_id,
+        expected_checkpoint_version=1,
+        items=[assistant("hello")],
+    )
+    # 1-10 s timeouts: grpc-timeout rounds them up in 10 ms steps, so the server's copy of
+    # each deadline runs some ms behind the client's.
+    timed = [(stub.Build, build, 1.0), (stub.Build, build, 1.25)]
+    timed += [(stub.AppendItems, append, 1.0), (stub.AppendItems, append, 1.25)]
+    traced["spans"].clear()
+    before = _points(reader)
+
+    async def out_of_time(method: Any, request: Any, timeout: float) -> grpc.StatusCode:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await method(request, timeout=timeout)
+        return caught.value.code()
+
+    async with pool.acquire() as holder, holder.transaction():
+        await holder.execute(
+            "SELECT 1 FROM sessions WHERE session_id = $1 FOR UPDATE", uuid.UUID(session_id)
+        )
+        by_hand = stub.AppendItems(append, timeout=60)
+        codes = asyncio.gather(*(out_of_time(*call) for call in timed))
+        await asyncio.sleep(0.3)
+        by_hand.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await by_hand
+        assert await codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * len(timed)
+
+    def errors(method: str, code: str) -> float:
+        labels = {"rpc.method": method, "rpc.grpc.status_code": code}
+        return _total(_points(reader), "context_engine.rpc.errors", **labels) - _total(
+            before, "context_engine.rpc.errors", **labels
+        )
+
+    def lines() -> list[tuple[str, str]]:
+        records = (json.loads(line) for line in list(logs.lines))
+        return sorted(
+            (r["method"], r["code"])
+            for r in records
+            if r.get("session_id") == session_id and r.get("method") in ("Build", "AppendItems")
+        )
+
+    def marked() -> list[int]:
+        return sorted(
+            span.attributes["rpc.grpc.status_code"]
+            for method in ("Build", "AppendItems")
+            for span in _server_spans(spans, method)
+        )
+
+    await _until(lambda: len(lines()) == len(timed) + 1, "a line for each call")
+    await _until(lambda: len(marked()) == len(timed) + 1, "a span for each call")
+    assert lines() == [
+        ("AppendItems", "CANCELLED"),
+        ("AppendItems", "DEADLINE_EXCEEDED"),
+        ("AppendItems", "DEADLINE_EXCEEDED"),
+        ("Build", "DEADLINE_EXCEEDED"),
+        ("Build", "DEADLINE_EXCEEDED"),
+    ]
+    assert errors("Build", "DEADLINE_EXCEEDED") == 2
+    assert errors("AppendItems", "DEADLINE_EXCEEDED") == 2
+    assert errors("AppendItems", "CANCELLED") == 1
+    assert errors("Build", "CANCELLED") == 0
+    cancelled, exceeded = grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED
+    assert marked() == sorted([cancelled.value[0]] + [exceeded.value[0]] * len(timed))
