@@ -699,22 +699,6 @@ def test_insecure_credentials_are_plaintext_for_a_token() -> None:
     ContextEngineClient("127.0.0.1:1", TENANT, token, credentials=insecure)
 
 
-def test_composite_insecure_credentials_are_plaintext_for_a_token() -> None:
-    """Insecure credentials composed with call credentials open a plaintext channel as
-    well, and passed the check (an audit): the token went in clear. Composed with TLS
-    credentials, or composed twice over insecure ones, each is told apart."""
-    token = "t" * 32
-    insecure = grpc.experimental.insecure_channel_credentials()
-    call = grpc.access_token_call_credentials("other")
-    once = grpc.composite_channel_credentials(insecure, call)
-    twice = grpc.composite_channel_credentials(once, call)
-    for credentials in (once, twice):
-        with pytest.raises(ValueError, match="in clear"):
-            ContextEngineClient("10.1.2.3:50051", TENANT, token, credentials=credentials)
-    tls = grpc.composite_channel_credentials(grpc.ssl_channel_credentials(), call)
-    ContextEngineClient("10.1.2.3:50051", TENANT, token, credentials=tls)
-
-
 def test_an_ipv4_mapped_loopback_is_loopback_as_in_typescript_and_go() -> None:
     """ipaddress finds ::ffff:127.0.0.1 loopback from Python 3.13 only; Node's BlockList
     and Go's net.IP always did, so the clients disagreed on it (an audit)."""

@@ -778,6 +778,13 @@ async def test_plan_and_rotate_check_the_least_capacity_at_the_tenants_factor(
     # The session planned before the factor was learned is answered as it is.
     reopened = await stub.Plan(early)
     assert not reopened.created and reopened.spec_matches
+    # Its spec is still validated, at the neutral factor: one leaving no body is refused.
+    bare = pb.PlanRequest(tenant_id=tenant, session_id=early.session_id, spec=_capped(RESERVE + 1))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.Plan(bare)
+    _, fields, metadata = details(refused.value)
+    assert fields == ["spec.policy_cap_tokens"]
+    assert metadata["estimator_factor_ppm"] == "1000000"
     for seconds in (_WEDNESDAY, _MONDAY):
         session_id = await _shortest_run_builds(stub, tenant, _capped(least), seconds)
     # Rotate with a spec is checked alike: the capacity below the least is refused.
@@ -1290,3 +1297,29 @@ async def test_report_usage_rejects_bad_input_and_unknown_requests(stub: Any, po
     assert foreign.value.code() == grpc.StatusCode.NOT_FOUND
     assert await _events(pool, tenant, session_id, "model.usage.reported") == []
     assert await _factor(pool, tenant) is None
+
+
+async def test_an_openai_plan_counts_its_instructions_as_sent(stub: Any) -> None:
+    """OpenAI's `instructions` join Region A's blocks with a blank line, which the plan's
+    prefix_tokens left uncounted (each block counted alone): with 20 skills, a tight
+    request went 8 tokens over its budget (an audit). The system classes now hold the
+    instructions as sent, counted by the model's own tokenizer."""
+    from context_engine.tokenizers import load_encodings
+
+    encoding = load_encodings(None)["o200k_base"]
+    plan_spec = spec(model_id=MODEL, reserve_output_tokens=RESERVE)
+    for n in range(20):
+        plan_spec.skills.append(
+            pb.SkillCatalogEntry(name=f"skill{n}", description=f"Does thing {n}", version="1")
+        )
+    tenant, session_id = _tenant(), new_id()
+    planned = await stub.Plan(
+        pb.PlanRequest(tenant_id=tenant, session_id=session_id, spec=plan_spec)
+    )
+    run_id = await _start(stub, tenant, session_id, "Hello")
+    built = await _build_at(stub, tenant, session_id, run_id, _WEDNESDAY)
+    instructions = json.loads(built.provider_payload)["instructions"]
+    sent = len(encoding.encode(instructions, disallowed_special=()))
+    classes = planned.plan.prefix_classes
+    system = sum(c.tokens for c in classes if c.class_name != "tool_definitions")
+    assert instructions.count("\n\n") >= 20 and sent <= system, (sent, system)

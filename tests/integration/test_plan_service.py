@@ -549,7 +549,7 @@ async def test_a_plan_of_context_builder_1_rotates_once_to_the_delegated_framing
 
     started = await _start(stub, session_id, "next")
     assert started.rotated_plan.reason == pb.PLAN_REASON_BUILDER_UPGRADED
-    assert started.rotated_plan.builder_version == BUILDER_VERSION == "context-builder@5"
+    assert started.rotated_plan.builder_version == BUILDER_VERSION == "context-builder@6"
     for run_id in (parent, child):
         built = await _build(stub, session_id, run_id)
         assert built.epoch == started.rotated_plan.epoch

@@ -120,7 +120,7 @@ def count_tokens(text: str) -> int:
 def least_room(count: Callable[[str], int] = count_tokens) -> int:
     """The least room above prefix and reserve that small_plan accepts as its policy cap:
     a body that holds the runtime metadata row and the least run seed (core/plan.py
-    _check_capacity) after the
+    require_capacity) after the
     request's framing (core/budget.py Rule 7, at the neutral factor a new plan's checks
     use) and the 5% margin."""
     framing = request_framing(count, 1_000_000)

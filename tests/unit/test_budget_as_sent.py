@@ -167,6 +167,15 @@ def sent_body_tokens(request: ModelRequest, factor_ppm: int) -> int:
     return scaled(raw, factor_ppm) + MESSAGE_FRAMING_TOKENS * turns
 
 
+def sent_system_tokens(request: ModelRequest) -> int:
+    """The system blocks as the payload carries them, counted raw: Anthropic's `system`
+    blocks each, OpenAI's `instructions` as the one text it joins them into."""
+    payload = json.loads(render(request).body)
+    if request.provider == "anthropic":
+        return sum(count(b["text"]) for b in payload.get("system", []))
+    return count(payload.get("instructions", ""))
+
+
 @dataclass(frozen=True)
 class Budget:
     total: int
@@ -544,6 +553,10 @@ def _check(session: Session) -> bool:
     # What is sent fits the body the allocator's spec grants, and the whole request the
     # window less the reserve.
     assert sent <= budget.body, (sent, budget.body)
+    # And the prefix's system blocks as sent within the plan's exact measure of them (an
+    # audit: OpenAI's instructions join them with separators the plan left uncounted).
+    system = sum(c.tokens for c in plan.prefix_classes if c.class_name != "tool_definitions")
+    assert sent_system_tokens(request) <= system, (sent_system_tokens(request), system)
     assert plan.prefix_tokens + budget.framing + sent + plan.max_output_tokens <= budget.total
     return True
 

@@ -350,7 +350,7 @@ export class ContextEngineClient {
     request: RequestOf<K>,
     opts: CallOptions = {},
   ): Promise<ResponseOf<K>> {
-    if (typeof request !== 'object' || request === null) {
+    if (typeof request !== 'object' || request === null || Array.isArray(request)) {
       // Sent, grpc-js encoded nothing, and the answer's callback threw where no caller
       // could catch it (run.resendAppend(undefined) crashed the process: an audit).
       return Promise.reject(new TypeError(`${method}: request must be an object (not sent)`));

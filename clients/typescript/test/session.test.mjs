@@ -587,7 +587,7 @@ test('a request that is not an object is refused before it is sent, never crashi
   // request's key, outside any promise: the process died (an audit).
   const session = await engine.openSession(spec);
   const run = await session.startRun('Hello');
-  for (const request of [undefined, null, 'AppendItems']) {
+  for (const request of [undefined, null, 'AppendItems', []]) {
     await assert.rejects(run.resendAppend(request), (error) => {
       assert.ok(error instanceof TypeError, error.name);
       assert.match(error.message, /^AppendItems: request must be an object \(not sent\)$/);

@@ -306,14 +306,12 @@ class Engine:
             await _fence_snapshot(conn, tenant, spec)
             await sessions.ensure_session(conn, tenant, session_id)
             epoch = await sessions.lock_session(conn, tenant, session_id)
+            counter = self._token_counter(spec.model_id)
             if epoch == 0:
-                # Its capacity at the factor its runs will pin: an existing session is
-                # answered whatever the factor, so a worker reopening it is not refused
-                # its own plan.
+                # Its capacity at the factor its runs will pin.
                 factor = await usage_api.pinned_factor(
                     conn, tenant, spec.model_id, self.tokenizer_of
                 )
-                counter = self._token_counter(spec.model_id)
                 require_capacity(candidate, counter, factor)
                 created_at = await plans.insert_plan(
                     conn, tenant, session_id, candidate, spec, secret, lineage=1
@@ -327,6 +325,10 @@ class Engine:
                 )
                 stored = plans.StoredPlan(candidate, spec, secret, created_at=created_at)
                 return stored, True, True
+            # The spec is validated either way (docs/api.md), an existing session's at the
+            # neutral factor: a worker reopening it is not refused its own plan because the
+            # factor rose since (a review: it was not checked at all).
+            require_capacity(candidate, counter, NEUTRAL_FACTOR_PPM)
             current = await plans.read_plan(conn, tenant, session_id)
             if not current.plan.invalidated:
                 return current, False, _same_meaning(current.spec, spec)

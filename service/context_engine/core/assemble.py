@@ -626,7 +626,7 @@ def runtime_row_tokens(
     """Row 14's cost for a plan of these values on any day, at the neutral factor: dated
     with the widest date and weekday, as runtime_row_cost. Every request carries the row
     and it never yields, so a body smaller than this fails its Builds on some day (Plan
-    refuses such a capacity: core/plan.py _check_capacity). Counted undated, it passed a
+    refuses such a capacity: core/plan.py require_capacity). Counted undated, it passed a
     body no day's row fitted (an audit)."""
     return runtime_row_cost(
         time_zone, principal_scope, surface, allowed_origins, count_tokens, NEUTRAL_FACTOR_PPM

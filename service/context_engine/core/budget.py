@@ -85,7 +85,7 @@ def allocate(
 
     A budget whose body is zero or negative is representable: the never-yield check in
     pressure.fit_body turns it into BUDGET_EXCEEDED naming the class that did not fit.
-    Plan refuses a capacity that gives a new plan such a body (plan._check_capacity).
+    Plan refuses a capacity that gives a new plan such a body (plan.require_capacity).
     """
     total = min(context_window, policy_cap_tokens) if policy_cap_tokens > 0 else context_window
     input_tokens = total - reserve_output_tokens

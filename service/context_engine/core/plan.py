@@ -171,7 +171,7 @@ class ContextPlan(BaseModel):
 
 
 class CapacityError(InvalidFieldError):
-    """A capacity that leaves no room for a body (_check_capacity). INVALID_FIELD naming
+    """A capacity that leaves no room for a body (require_capacity). INVALID_FIELD naming
     the spec's field where the spec is in the request (Plan, Rotate); where the spec is
     the session's own and the request only made the engine rebuild the plan (a run's
     admission, the rotation after an erasure) the shell answers `as_state()` instead."""
@@ -219,7 +219,7 @@ def make_plan(
             required or explicitly enabled tool over the token cap; persona).
         CapacityError: INVALID_FIELD naming spec.reserve_output_tokens or
             spec.policy_cap_tokens, when the capacity leaves no room for a body beside the
-            prefix (_check_capacity); the shell turns it into PREFIX_OVER_CAPACITY where
+            prefix (require_capacity); the shell turns it into PREFIX_OVER_CAPACITY where
             the spec is not the caller's (CapacityError.as_state).
     """
     _check_input_schemas(spec)
@@ -258,7 +258,7 @@ def make_plan(
         "tool_specs": pinned,
     }
     document_bytes = canonical_bytes(document)
-    classes = _class_usage(system, tools, count_tokens)
+    classes = _class_usage(system, tools, count_tokens, SYSTEM_JOINS.get(model.provider))
     reserve = spec.reserve_output_tokens or model.default_output_reserve
     _check_reserve(spec, model, reserve)
     prefix_tokens = sum(c.tokens for c in classes)
@@ -673,13 +673,43 @@ _FIELD_OF_CLASS: dict[str, str] = {
 }
 
 
+# The providers whose request carries Region A's blocks joined into one text, by what joins
+# them: OpenAI's `instructions` (providers/openai.py), a blank line between blocks.
+SYSTEM_JOINS: dict[str, str] = {"openai": "\n\n"}
+
+
+def _block_tokens(
+    system: tuple[PrefixBlock, ...], count: TokenCounter, joined_by: str | None
+) -> list[int]:
+    """Each system block's tokens as its provider is sent it. Joined into one text
+    (`joined_by`), a block after the first is counted with the separator before it, and
+    what the joined text costs beyond their sum, where a merge across a join makes it cost
+    more, goes to the last block: counted alone, the separators were left out, and an
+    OpenAI request with 20 skills went 8 tokens over its budget (an audit)."""
+    if joined_by is None:
+        return [count(b.text) for b in system]
+    tokens: list[int] = []
+    joined: list[str] = []
+    for block in system:
+        if block.text:  # an empty block is not joined (providers/openai.py)
+            tokens.append(count(joined_by + block.text if joined else block.text))
+            joined.append(block.text)
+        else:
+            tokens.append(0)
+    if joined:
+        tokens[-1] += max(0, count(joined_by.join(joined)) - sum(tokens))
+    return tokens
+
+
 def _class_usage(
     system: tuple[PrefixBlock, ...],
     tools: tuple[ToolDefinitionItem, ...],
     count: TokenCounter,
+    joined_by: str | None,
 ) -> tuple[ClassUsage, ...]:
     """Measure each prefix class exactly against its cap, and refuse a prefix that does
-    not fit: prefix classes never yield (no truncation, ever).
+    not fit: prefix classes never yield (no truncation, ever). System blocks are measured
+    as their provider is sent them (_block_tokens).
 
     Raises:
         PreconditionError: PREFIX_CLASS_OVER_CAP for a class over its item or token cap,
@@ -689,9 +719,9 @@ def _class_usage(
     """
     tokens: dict[str, int] = {}
     items: dict[str, int] = {}
-    for block in system:
+    for block, block_tokens in zip(system, _block_tokens(system, count, joined_by), strict=True):
         name = _CLASS_OF_ROW[block.row]
-        tokens[name] = tokens.get(name, 0) + count(block.text)
+        tokens[name] = tokens.get(name, 0) + block_tokens
         items[name] = items.get(name, 0) + 1
     # The measure the roster admitted them by (tool_schema.py, Rule 3): the largest provider
     # form plus provider framing. prefix_tokens is subtracted as exact: never the smaller one.

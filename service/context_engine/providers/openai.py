@@ -58,6 +58,7 @@ from ..core.errors import EngineError
 from ..core.identity_memo import IdentityMemo, RecentMemo
 from ..core.items import REASONING_TYPES
 from ..core.memo_budget import bounded_cache
+from ..core.plan import SYSTEM_JOINS
 from ..core.request import Block, Message, ModelRequest, ToolDefinition, repeated_run
 from ..core.rows import Row
 from .call_ids import BASE_IDS, MAX_ID_CHARS, VariantMemo, all_distinct, wire_call_ids
@@ -75,7 +76,7 @@ __all__ = [
 ]
 
 API = "openai.responses"
-INSTRUCTIONS_SEPARATOR = "\n\n"
+INSTRUCTIONS_SEPARATOR = SYSTEM_JOINS["openai"]  # what the plan measures (core/plan.py)
 _PROVIDER = "openai"
 
 

@@ -199,13 +199,10 @@ def _insecure(credentials: grpc.ChannelCredentials) -> bool:
     """Whether `credentials` are grpc.experimental.insecure_channel_credentials(): grpc.aio
     opens a plaintext channel with them, which sent a token in clear to any target (an
     audit). grpc's own secure_channel tells them apart by the same object."""
-    insecure = grpc.experimental.insecure_channel_credentials()._credentials
-    inner: Any = getattr(credentials, "_credentials", None)
-    # grpc.composite_channel_credentials(insecure, call credentials) is plaintext too: its
-    # channel credentials, nested once per composition, are what the channel opens with.
-    while inner is not insecure and hasattr(inner, "_channel_credentials"):
-        inner = inner._channel_credentials
-    return inner is insecure
+    insecure = grpc.experimental.insecure_channel_credentials()
+    # Not a composite of them with call credentials: grpc sends no call on such a channel
+    # (UNAUTHENTICATED, "does not have a sufficient security level"), the token neither.
+    return getattr(credentials, "_credentials", None) is insecure._credentials
 
 
 # A tool loop step's append, resent by the loop itself while the engine cannot be reached:
