@@ -223,20 +223,25 @@ def make_plan(
             the spec is not the caller's (CapacityError.as_state).
     """
     _check_input_schemas(spec)
+    joined_by = SYSTEM_JOINS.get(model.provider)
+    # An entry's block as sent: every one follows the policy's, so where the provider joins
+    # the blocks into one text it carries a separator (_block_tokens), which the cap that
+    # admits it counts too.
+    entry_tokens = count_tokens if joined_by is None else _joined(count_tokens, joined_by)
     catalog, left_skills = pin_catalog(
-        spec.skills, lambda s: count_tokens(_render_text(_catalog_entry(s), secret))
+        spec.skills, lambda s: entry_tokens(_render_text(_catalog_entry(s), secret))
     )
     memories, left_memories = pin_snapshot(
-        spec.snapshot.items, lambda m: count_tokens(_render_text(_memory_entry(m), secret))
+        spec.snapshot.items, lambda m: entry_tokens(_render_text(_memory_entry(m), secret))
     )
     roster = resolve_roster(
         spec,
         has_skills=bool(catalog),
         definition_tokens=lambda t: definition_tokens(definition_item(t), count_tokens),
-        index_tokens=lambda t: count_tokens(_render_text(_index_entry(t), secret)),
+        index_tokens=lambda t: entry_tokens(_render_text(_index_entry(t), secret)),
     )
     rendered = _render_rows(spec, roster, catalog, memories)
-    _check_persona(spec, rendered, secret, count_tokens)
+    _check_persona(spec, rendered, secret, entry_tokens)
     _check_input_schemas(spec, model.provider, _definable(spec, roster))
     tools = tuple(_definition(t) for t in roster.defined)
     for row, item in rendered:
@@ -258,7 +263,7 @@ def make_plan(
         "tool_specs": pinned,
     }
     document_bytes = canonical_bytes(document)
-    classes = _class_usage(system, tools, count_tokens, SYSTEM_JOINS.get(model.provider))
+    classes = _class_usage(system, tools, count_tokens, joined_by)
     reserve = spec.reserve_output_tokens or model.default_output_reserve
     _check_reserve(spec, model, reserve)
     prefix_tokens = sum(c.tokens for c in classes)
@@ -678,14 +683,21 @@ _FIELD_OF_CLASS: dict[str, str] = {
 SYSTEM_JOINS: dict[str, str] = {"openai": "\n\n"}
 
 
+def _joined(count: TokenCounter, joined_by: str) -> TokenCounter:
+    """A block's tokens after the separator that joins it to the one before."""
+    return lambda text: count(joined_by + text)
+
+
 def _block_tokens(
     system: tuple[PrefixBlock, ...], count: TokenCounter, joined_by: str | None
 ) -> list[int]:
     """Each system block's tokens as its provider is sent it. Joined into one text
     (`joined_by`), a block after the first is counted with the separator before it, and
     what the joined text costs beyond their sum, where a merge across a join makes it cost
-    more, goes to the last block: counted alone, the separators were left out, and an
-    OpenAI request with 20 skills went 8 tokens over its budget (an audit)."""
+    more, goes to the framing block (the engine's own text, its cap far above it: an entry
+    admitted to its class at its cost is not pushed over the cap). Counted alone, the
+    separators were left out, and an OpenAI request with 20 skills went 8 tokens over its
+    budget (an audit)."""
     if joined_by is None:
         return [count(b.text) for b in system]
     tokens: list[int] = []
@@ -696,8 +708,10 @@ def _block_tokens(
             joined.append(block.text)
         else:
             tokens.append(0)
-    if joined:
-        tokens[-1] += max(0, count(joined_by.join(joined)) - sum(tokens))
+    beyond = count(joined_by.join(joined)) - sum(tokens) if joined else 0
+    if beyond > 0:
+        rows = [b.row for b in system]
+        tokens[rows.index(Row.FRAMING) if Row.FRAMING in rows else -1] += beyond
     return tokens
 
 
