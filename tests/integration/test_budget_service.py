@@ -539,6 +539,46 @@ async def test_a_recall_floor_over_recalls_cap_is_refused_and_writes_nothing(
     assert recall and recall[0].tokens <= 2_000
 
 
+async def test_correction_lines_share_recalls_cap(stub: Any, pool: Any) -> None:
+    """Row 13 is in-turn recall and the correction lines, capped at 2,000 tokens; the
+    corrections never yield and were uncapped: 100 lines of 285 tokens were sent beside
+    recall at its own cap (an audit). Recall now holds what they leave, and lines over
+    the cap alone are refused naming step.corrections, recording nothing."""
+    tenant = _tenant()
+    session_id, _ = await _open(stub, tenant, room=0)
+    run_id = await _start(stub, tenant, session_id, "Plan my week.")
+    # About 230 tokens a recall line and 330 a correction line, envelopes included.
+    recall = [pb.RecallLine(item_id=f"m{n}", text=_words(100, f"fact{n}")) for n in range(6)]
+    many = [pb.RecallLine(item_id=f"c{n}", text=_words(150, f"fix{n}")) for n in range(12)]
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _build(
+            stub, tenant, session_id, run_id, step=pb.StepContext(recall=recall, corrections=many)
+        )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    reason, fields, metadata = details(caught.value)
+    assert (reason, fields) == ("INVALID_FIELD", ["step.corrections"])
+    assert int(metadata["corrections_tokens"]) > int(metadata["cap_tokens"]) == 2_000
+    assert await _events(pool, tenant, session_id, "model.request.started") == []
+    few = many[:3]
+    built = await _build(
+        stub, tenant, session_id, run_id, step=pb.StepContext(recall=recall, corrections=few)
+    )
+    usage = {u.class_name: u for u in built.budget}
+    corrections, kept = usage["corrections"], usage["recall"]
+    assert corrections.items == 3 and corrections.cap_tokens == 2_000
+    assert 0 < kept.items < 6 and corrections.tokens + kept.tokens <= 2_000
+    # With them, a floor that leaves no room beside them is the floor's to lower.
+    with pytest.raises(grpc.aio.AioRpcError) as floored:
+        await _build(
+            stub,
+            tenant,
+            session_id,
+            run_id,
+            step=pb.StepContext(recall=recall, corrections=few, recall_floor_lines=5),
+        )
+    assert details(floored.value)[1] == ["step.recall_floor_lines"]
+
+
 @pytest.fixture
 async def own_server(pool: Any) -> AsyncIterator[Any]:
     """A server of this test's own: its engine's token counter can be changed."""

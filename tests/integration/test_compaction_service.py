@@ -665,6 +665,47 @@ async def test_a_model_echo_of_an_untrusted_knowledge_passage_is_elided_and_neve
     await _commit(stub, session_id, two, prepared, "The user asked about refunds.")
 
 
+async def test_a_model_echo_of_a_short_recall_line_is_elided_and_never_summarized(
+    stub: Any,
+) -> None:
+    """A recall line too short for any fragment the check compares ("Ana is allergic to
+    peanuts.": no 40 characters, no 8 words, no code), copied by the model, was summarized,
+    and a summary carrying it was shown as the platform's record, though a fact copying it
+    is held to MEMORY (an audit). It is compared whole, as a fact is: the echo is elided to
+    a MEMORY pointer and a summary repeating it is refused. The user's own words still
+    license it, and a two-word line stays free."""
+    memory = "Ana is allergic to peanuts."
+    session_id, _ = await open_session(stub)
+    one = (await start_run(stub, session_id, "Plan a dinner for Ana and Bo")).run.run_id
+    request = pb.BuildRequest(
+        tenant_id=TENANT,
+        session_id=session_id,
+        run_id=one,
+        step=pb.StepContext(
+            recall=[
+                pb.RecallLine(item_id="m1", text=memory),
+                pb.RecallLine(item_id="m2", text="Bo cooks."),
+            ]
+        ),
+    )
+    request.now.FromDatetime(START)
+    assert not (await stub.Build(request)).needs_compaction
+    echo = await append_items(stub, session_id, one, 1, assistant(f"Noted: {memory}"))
+    cooks = await append_items(
+        stub, session_id, one, echo.checkpoint_version, assistant("Good, Bo cooks.")
+    )
+    two = (await start_run(stub, session_id, "Thanks, go ahead")).run.run_id
+    await append_items(stub, session_id, two, 1, assistant("Proceeding."))
+    prepared = await _prepare(stub, session_id, two)
+    assert prepared.replaced_through_sequence >= cooks.sequences[0]
+    assert memory not in prepared.summarizer_input
+    assert "Good, Bo cooks." in prepared.summarizer_input
+    trust = {s.event_id: s.trust for s in prepared.elided}
+    assert trust == {echo.sequences[0]: pb.TRUST_LEVEL_MEMORY}
+    await _assert_launders(stub, session_id, two, prepared, f"Ana: {memory}", "memory:m1")
+    await _commit(stub, session_id, two, prepared, "A dinner for Ana and Bo; Bo cooks.")
+
+
 async def test_a_model_echo_of_untrusted_prefix_entries_is_elided_and_never_summarized(
     stub: Any,
 ) -> None:

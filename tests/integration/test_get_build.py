@@ -451,7 +451,7 @@ async def test_a_build_records_its_assembler_and_payload_hash(stub: Any, pool: A
     from one it does not."""
     session_id, built = await _failed_result_build(stub, "gpt-5")
     payload = await _recorded(pool, session_id, built.request_sequence)
-    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@28"
+    assert payload[ASSEMBLER_KEY] == ASSEMBLER_VERSION == "context-assembler@29"
     assert payload[PAYLOAD_KEY] == hashlib.sha256(built.provider_payload).hexdigest()
     assert isinstance(payload[IMAGE_KEY], int) and isinstance(payload[INLINE_KEY], int)
     assert TOOL_ERROR_AS_TEXT.encode() in built.provider_payload

@@ -184,10 +184,11 @@ def _loop(
 
 
 @st.composite
-def sessions(draw: st.DrawFn, floor_line_chars: int = 200) -> Session:
-    """A session to build. Recall's floor lines are at most `floor_line_chars` long: at 200
-    the floor stays within recall's cap at any factor drawn (Build refuses one over it,
-    which the conformance gate draws longer lines to reach)."""
+def sessions(draw: st.DrawFn, floor_line_chars: int = 200, correction_chars: int = 80) -> Session:
+    """A session to build. Recall's floor lines are at most `floor_line_chars` long, and
+    the correction lines (two at most) `correction_chars`: at 200 and 80 they stay within
+    recall's cap together at any factor drawn (Build refuses them over it, which the
+    conformance gate draws longer lines to reach)."""
     ids = _Ids()
     carried: list[ConversationItem] = []
     runs: list[list[ConversationItem]] = []
@@ -249,7 +250,13 @@ def sessions(draw: st.DrawFn, floor_line_chars: int = 200) -> Session:
             for n in range(n_recall)
         ),
         corrections=tuple(
-            CorrectionLineItem(item_id=f"cor{n}", text=_text(80))
+            # Mostly short; where allowed, sometimes most of row 13's cap, or all of it.
+            CorrectionLineItem(
+                item_id=f"cor{n}",
+                text=_text(
+                    draw(st.sampled_from([80, 80, 80, correction_chars // 2, correction_chars]))
+                ),
+            )
             for n in range(draw(st.integers(0, 2)))
         ),
         knowledge=tuple(
@@ -461,7 +468,7 @@ def test_a_cut_among_carried_pairs_keeps_every_pair_whole() -> None:
 
 
 @GATE
-@given(sessions(floor_line_chars=3_000))
+@given(sessions(floor_line_chars=3_000, correction_chars=5_000))
 def test_budget_conformance_and_pair_integrity_on_every_path(session: Session) -> None:
     plan, inputs = _build(session)
     # What every request pays beyond its blocks (reply priming, a placeholder turn) comes
@@ -505,9 +512,15 @@ def test_budget_conformance_and_pair_integrity_on_every_path(session: Session) -
         }
         return
     except InvalidFieldError as exc:
-        # Only a recall floor over recall's cap, which would hold the class over it.
-        assert exc.field == "step.recall_floor_lines"
-        assert int(exc.metadata["floor_tokens"]) > CLASS_CAPS["recall"].cap_tokens
+        # Only row 13 over its cap where nothing of it yields: the correction lines, or
+        # they and recall's floor (which would hold the row over it for good).
+        cap = CLASS_CAPS["recall"].cap_tokens
+        corrections = int(exc.metadata["corrections_tokens"])
+        if exc.field == "step.corrections":
+            assert corrections > cap
+        else:
+            assert exc.field == "step.recall_floor_lines"
+            assert corrections + int(exc.metadata["floor_tokens"]) > cap
         return
     assert built.input_budget_tokens == budget.input_tokens
     pressure = built.pressure
@@ -553,10 +566,12 @@ def test_budget_conformance_and_pair_integrity_on_every_path(session: Session) -
     recall_kept = [r for r in session.step.recall if r.item_id in by_id]
     assert recall_kept == list(session.step.recall[: len(recall_kept)])
     assert len(recall_kept) >= session.step.recall_floor_lines
-    # Recall is within its cap however much room there is, unless only its floor is left.
+    # Row 13 (recall beside the correction lines) is within recall's cap however much room
+    # there is, unless only recall's floor is left; the corrections never yield.
     usage = {u.class_name: u for u in built.budget}
     if len(recall_kept) > session.step.recall_floor_lines:
-        assert usage["recall"].tokens <= CLASS_CAPS["recall"].cap_tokens
+        row_13 = usage["recall"].tokens + usage["corrections"].tokens
+        assert row_13 <= CLASS_CAPS["recall"].cap_tokens
     # History is a contiguous suffix of the carried candidates above the floor.
     candidates = [i.item_id for i in session.carried if i.sequence > session.floor]
     retained = [i for i in candidates if i in by_id]

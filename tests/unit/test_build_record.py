@@ -128,7 +128,7 @@ def test_only_a_record_of_context_assembler_3_on_read_a_childs_messages_as_its_p
     legacy = _record()
     assert delegated_messages(legacy) is False
     assert delegated_messages({**legacy, ASSEMBLER_KEY: "context-assembler@2"}) is False
-    assert ASSEMBLER_VERSION == "context-assembler@28"
+    assert ASSEMBLER_VERSION == "context-assembler@29"
     assert delegated_messages({**legacy, ASSEMBLER_KEY: ASSEMBLER_VERSION}) is True
 
 

@@ -4119,14 +4119,17 @@ type StepContext struct {
 	// In-turn recall lines (row 13, MEMORY).
 	Recall []*RecallLine `protobuf:"bytes,1,rep,name=recall,proto3" json:"recall,omitempty"`
 	// Correction lines that override the frozen snapshot (row 13, MEMORY). Never yield.
+	// They share recall's 2,000-token cap, and recall holds what they leave: lines costing
+	// more are INVALID_FIELD naming this field (metadata corrections_tokens, cap_tokens).
 	Corrections []*RecallLine `protobuf:"bytes,2,rep,name=corrections,proto3" json:"corrections,omitempty"`
 	// Knowledge passages (row 13), ranked best first.
 	Knowledge []*KnowledgePassage `protobuf:"bytes,3,rep,name=knowledge,proto3" json:"knowledge,omitempty"`
 	// Recall lines never trimmed under pressure (the floor), counted from the best-ranked.
 	// Recall arrives ranked best first. The floor is paid with the never-yield set: one that
 	// does not fit the body fails Build with BUDGET_EXCEEDED (class recall). Its lines must
-	// cost no more than recall's 2,000-token cap (else INVALID_FIELD naming this field, with
-	// metadata floor_tokens and cap_tokens): the cap is absolute, the floor included. They
+	// cost no more than recall's 2,000-token cap, less the correction lines (else
+	// INVALID_FIELD naming this field, with metadata floor_tokens, corrections_tokens and
+	// cap_tokens): the cap is absolute, the floor included. They
 	// are counted as the request counts them, under the estimator correction the run's
 	// checkpoint pinned, so a floor near the cap may be refused once usage raises it.
 	RecallFloorLines int32 `protobuf:"varint,4,opt,name=recall_floor_lines,json=recallFloorLines,proto3" json:"recall_floor_lines,omitempty"`

@@ -316,7 +316,12 @@ __all__ = [
 # charged the whole budget, which older messages' attachments then had none of, and a
 # 21-page PDF failed every Build of a window under about 80,000 tokens (an audit). GetBuild
 # refuses an older record that held one (its figures differ; it is not rebuilt).
-ASSEMBLER_VERSION = "context-assembler@28"
+# @29: correction lines share in-turn recall's 2,000-token cap (core/pressure.py Rule 6):
+# recall holds what they leave, and lines over it are INVALID_FIELD; they were uncapped (an
+# audit: 100 lines of 285 tokens were sent, recall trimmed beside them to its own cap), and
+# their class reports that cap. GetBuild refuses an older record whose recall they now
+# trim (it is not rebuilt).
+ASSEMBLER_VERSION = "context-assembler@29"
 LEGACY_ASSEMBLER_VERSION = "context-assembler@1"  # a record without ASSEMBLER_KEY
 # The versions that read a child run's user messages as the user's.
 _UNDELEGATED = frozenset({LEGACY_ASSEMBLER_VERSION, "context-assembler@2"})

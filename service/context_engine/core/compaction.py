@@ -57,6 +57,8 @@ contains any of that text's
       letters and digits that alternate at least three times (a short random code such
       as "zq7x4k2w"; "iso-8601" or "python3.11" alternate once, and a run of another
       script or broken by punctuation, "m5d.2xlarge", is not one),
+or, for a memory line too short for any of those but of three words or more, the
+whole line at word edges (quoted_whole, as the working-state check reads a fact),
 unless that same fragment also occurs in the trusted summarizer input, as given or as
 shown with its delimiters escaped (text the user or a trusted source supplied is not
 laundered by repeating it). A child run's user messages (its instruction among them) are
@@ -153,6 +155,7 @@ __all__ = [
     "pointer_lines",
     "prepare",
     "quoted_sources",
+    "quoted_spans",
     "quoted_whole",
     "quoting",
     "require_room",
@@ -497,6 +500,26 @@ def _held_by(
             elif i not in held:
                 out[fragment] = held | alone
     return out
+
+
+def quoted_spans(
+    texts: Sequence[str], contents: Sequence[tuple[ElidedSpan, str]], allowed: str = ""
+) -> dict[int, frozenset[int]]:
+    """quoted_sources over the spans' texts, and with it the short memories each text
+    holds whole (quoted_whole: a memory line too short for any fragment, "Ana is allergic
+    to peanuts.", copied word for word into the model's message and on into a summary,
+    passed both checks and was shown as the platform's record; the working-state check
+    already held a fact copying one: an audit). Memories only, as there: a short tool
+    description or page line is in too many of the user's own statements."""
+    found = dict(quoted_sources(texts, [text for _, text in contents], allowed))
+    memories = [j for j, (span, _) in enumerate(contents) if span.trust is TrustLevel.MEMORY]
+    if memories:
+        short = [contents[j][1] for j in memories]
+        for i, text in enumerate(texts):
+            whole = {memories[k] for k in quoted_whole(text, short, allowed)}
+            if whole:
+                found[i] = found.get(i, frozenset()) | whole
+    return dict(sorted(found.items()))
 
 
 def quoting(texts: Sequence[str], sources: Sequence[str], allowed: str = "") -> dict[int, int]:
@@ -989,7 +1012,7 @@ def prepare(
             *questions,
         ]
     )
-    quoted = quoted_sources([_content(i) for i in model], [text for _, text in contents], base)
+    quoted = quoted_spans([_content(i) for i in model], contents, base)
     for n, js in quoted.items():
         item = model[n]
         # Only what was logged before the model wrote it, or is not logged (a shown line, a
@@ -1144,11 +1167,9 @@ def check_result(
         )
     if not result.summary.strip():
         raise InvalidFieldError("result.summary must not be empty", field="result.summary")
-    found = quoting(
-        [result.summary], [text for _, text in prepared.span_contents], prepared.trusted_text
-    )
+    found = quoted_spans([result.summary], prepared.span_contents, prepared.trusted_text)
     if found:
-        span = prepared.span_contents[found[0]][0]
+        span = prepared.span_contents[min(found[0])][0]
         raise InvalidFieldError(
             f"the summary carries text from elided untrusted span {span.item_id!r} (event"
             f" #{span.event_id}); untrusted content is elided, never summarized: keep only its"

@@ -24,6 +24,10 @@ history).
 Rule 5 (purity): costs come from the `cost` argument (a pure, conservative estimate of an
 item as rendered) and, for carried history, from its Segment (core/carried.py: the same
 estimate, derived once per run); identical inputs give identical decisions.
+Rule 6 (row 13): correction lines share in-turn recall's 2,000-token cap (the spec's row
+13 is both; the caps table names recall alone). They never yield, so recall holds what
+they leave, and lines over the cap alone (or with recall's floor) are INVALID_FIELD
+(before context-assembler@29 they were uncapped: 100 lines of 285 tokens were sent).
 """
 
 from __future__ import annotations
@@ -118,19 +122,32 @@ class Fitted:
         return self.report.fits
 
 
-def _check_recall_floor(tokens: int, lines: int) -> None:
-    """Every class but history is capped absolutely, recall at 2,000 tokens. Its floor
-    never yields, so a floor over the cap would hold the class over it for good (an audit:
-    twelve floor lines took 3,312 tokens, squeezing history and tool results): refused,
-    naming the field the caller sets."""
+def _check_row_13(corrections: int, floor: int, lines: int) -> None:
+    """Every class but history is capped absolutely, row 13 (in-turn recall and correction
+    lines) at recall's 2,000 tokens. Correction lines never yield, nor does recall's
+    floor, so either over the cap would hold the row over it for good (an audit: twelve
+    floor lines took 3,312 tokens, squeezing history and tool results; another: 100
+    correction lines took 28,500 uncapped): refused, naming the field the caller sets."""
     cap = CLASS_CAPS["recall"].cap_tokens
-    if tokens > cap:
+    if corrections > cap:
         raise InvalidFieldError(
-            f"step.recall_floor_lines: the floor's {lines} recall lines cost {tokens} tokens,"
-            f" over in-turn recall's {cap}-token cap; lower the floor (the lines above it"
-            " still yield)",
+            f"step.corrections: the correction lines cost {corrections} tokens, over the"
+            f" {cap}-token cap they share with in-turn recall; send fewer or shorter ones",
+            field="step.corrections",
+            metadata={"corrections_tokens": str(corrections), "cap_tokens": str(cap)},
+        )
+    if corrections + floor > cap:
+        beside = f" beside {corrections} tokens of correction lines" if corrections else ""
+        raise InvalidFieldError(
+            f"step.recall_floor_lines: the floor's {lines} recall lines cost {floor} tokens,"
+            f"{beside} over in-turn recall's {cap}-token cap; lower the floor (the lines"
+            " above it still yield)",
             field="step.recall_floor_lines",
-            metadata={"floor_tokens": str(tokens), "cap_tokens": str(cap)},
+            metadata={
+                "floor_tokens": str(floor),
+                "corrections_tokens": str(corrections),
+                "cap_tokens": str(cap),
+            },
         )
 
 
@@ -158,9 +175,9 @@ def fit_body(
     Raises:
         BudgetExceededError: the never-yield set (recall's floor included) alone exceeds
             the body; metadata "class" names its largest class.
-        InvalidFieldError: recall's floor alone costs more than recall's cap (unless
-            `refuse_floor_over_cap` is False: a rebuild of a request sent before Build
-            refused it).
+        InvalidFieldError: the correction lines, or they and recall's floor, cost more
+            than recall's cap (Rule 6; unless `refuse_floor_over_cap` is False: a rebuild
+            of a request sent before Build refused it).
     """
     others = [*head, *tail]
     pending_ids = {id(i) for i in pending}
@@ -178,8 +195,11 @@ def fit_body(
     unyielding = list(never)
     for n in recall_at[:floor]:
         unyielding[n] = True
+    # Correction lines share row 13's cap with recall, which yields to them (Rule 6).
+    corrections = sum(c for c, kind in zip(costs, classes, strict=True) if kind == "corrections")
     if refuse_floor_over_cap:
-        _check_recall_floor(sum(costs[n] for n in recall_at[:floor]), len(recall_at[:floor]))
+        floor_tokens = sum(costs[n] for n in recall_at[:floor])
+        _check_row_13(corrections, floor_tokens, len(recall_at[:floor]))
     _check_never_yield(others, classes, costs, unyielding, pending_ids, budget)
 
     run_results: list[Truncatable] = []
@@ -226,6 +246,7 @@ def fit_body(
         history_floor=max(0, budget.history_tokens - paid_history),
         tool_result_cap=budget.tool_result_tokens,
         pending_result_tokens=counted_pending,
+        recall_cap=max(0, CLASS_CAPS["recall"].cap_tokens - corrections),
         knowledge=knowledge,
         recall=recall,
         recall_floor=floor,
@@ -408,6 +429,8 @@ def _class_usage(name: str, tokens: int, items: int, tool_result_tokens: int) ->
     cap_tokens = cap.cap_tokens if cap is not None else 0
     if name == "tool_results":
         cap_tokens = tool_result_tokens
+    elif name == "corrections":
+        cap_tokens = CLASS_CAPS["recall"].cap_tokens  # row 13's, shared with recall (Rule 6)
     return ClassUsage(
         class_name=name,
         tokens=tokens,

@@ -200,6 +200,9 @@ class Body:
     # The active turn's results (never yield, paid in `fixed`): they count toward the
     # tool-result cap, so older results yield to hold the class within it (Rule 5).
     pending_result_tokens: int = 0
+    # What of row 13's cap (in-turn recall's 2,000 tokens) recall may hold: the cap less
+    # the correction lines, which share the row and never yield (core/pressure.py).
+    recall_cap: int = CLASS_CAPS["recall"].cap_tokens
     knowledge_kept: int = 0
     recall_kept: int = 0
     steps: list[YieldStep] = field(default_factory=list)
@@ -393,10 +396,10 @@ def _nothing_yields(body: Body) -> bool:
     then no rung yields for the fit), and the results in the request within the cap (no
     cap pass). Each measure is taken once here; the rungs take them again as they go, a
     pass over the carried history each time."""
-    knowledge_cap, recall_cap = CLASS_CAPS["knowledge"], CLASS_CAPS["recall"]
+    knowledge_cap = CLASS_CAPS["knowledge"]
     run, recall = body.run_result_tokens(), body.recall_tokens()
     knowledge = body.knowledge_tokens()
-    if run + body.pending_result_tokens > body.tool_result_cap or recall > recall_cap.cap_tokens:
+    if run + body.pending_result_tokens > body.tool_result_cap or recall > body.recall_cap:
         return False
     if len(body.knowledge) > knowledge_cap.cap_items or knowledge > knowledge_cap.cap_tokens:
         return False
@@ -443,7 +446,7 @@ def _cap_recall(body: Body) -> _Yielded:
     than this: trimming first is what keeps knowledge from dropping for tokens the cap
     frees anyway (as _cap_run_results does for the run's results). Reported with the
     recall rung's step."""
-    cap = CLASS_CAPS["recall"].cap_tokens
+    cap = body.recall_cap
     kept = body.recall_tokens()
     trimmed = _Yielded()
     while body.recall_kept > body.recall_floor and kept > cap:
@@ -457,13 +460,12 @@ def _cap_recall(body: Body) -> _Yielded:
 def _trim_recall(body: Body, trimmed: _Yielded) -> None:
     """For the fit (and the cap, which _cap_recall has met already), adding to what
     _cap_recall trimmed before knowledge yielded: one step reports both."""
-    cap = CLASS_CAPS["recall"]
     # One pass with running totals (as _drop_knowledge): re-summing the kept lines for every
     # dropped one was quadratic in the recall lines, on the event loop (25,000 lines: 9 s).
     kept = body.recall_tokens()
     rest = body.need() - kept  # what fits() counts besides the kept lines
     while body.recall_kept > body.recall_floor and (
-        kept > cap.cap_tokens or rest + kept > body.budget
+        kept > body.recall_cap or rest + kept > body.budget
     ):
         body.recall_kept -= 1
         item, cost = body.recall[body.recall_kept]
@@ -547,15 +549,16 @@ def _take_back(body: Body, dropped: _Yielded, trimmed: _Yielded) -> None:
     if not (dropped.ids or trimmed.ids):
         return  # most Builds: nothing yielded, and measuring the room is a pass over the body
     room = body.budget - body.need()  # what fits() still allows
-    for units, given_up, kept_field, cap in (
-        (body.recall, trimmed, "recall_kept", CLASS_CAPS["recall"]),
-        (body.knowledge, dropped, "knowledge_kept", CLASS_CAPS["knowledge"]),
+    knowledge = CLASS_CAPS["knowledge"]
+    for units, given_up, kept_field, cap_items, cap_tokens in (
+        (body.recall, trimmed, "recall_kept", 0, body.recall_cap),
+        (body.knowledge, dropped, "knowledge_kept", knowledge.cap_items, knowledge.cap_tokens),
     ):
         kept = getattr(body, kept_field)
         tokens = sum(c for _, c in units[:kept])
-        while given_up.ids and (cap.cap_items == 0 or kept < cap.cap_items):
+        while given_up.ids and (cap_items == 0 or kept < cap_items):
             item, cost = units[kept]
-            if cost > room or tokens + cost > cap.cap_tokens:
+            if cost > room or tokens + cost > cap_tokens:
                 break
             kept, tokens, room = kept + 1, tokens + cost, room - cost
             _give_back(given_up, item.item_id, cost)
