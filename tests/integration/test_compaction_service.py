@@ -706,6 +706,34 @@ async def test_a_model_echo_of_a_short_recall_line_is_elided_and_never_summarize
     await _commit(stub, session_id, two, prepared, "A dinner for Ana and Bo; Bo cooks.")
 
 
+async def test_a_model_echo_of_a_short_snapshot_memory_with_a_source_is_elided(
+    stub: Any,
+) -> None:
+    """A snapshot memory was held as "[source] text", so a short one was never compared
+    whole: its echo passed into the summary where a recall line's did not (a review). Its
+    text and source are held apart, as a recall line's are."""
+    memory = "Ana is allergic to peanuts."
+    snapshot = pb.MemorySnapshot(
+        snapshot_id="s1", items=[pb.MemoryItem(item_id="mem1", text=memory, source="crm")]
+    )
+    session_id = new_id()
+    await stub.Plan(
+        pb.PlanRequest(tenant_id=TENANT, session_id=session_id, spec=spec(snapshot=snapshot))
+    )
+    one = (await start_run(stub, session_id, "Plan a dinner for Ana and Bo")).run.run_id
+    assert not (await _build(stub, session_id, one, START)).needs_compaction
+    echo = await append_items(stub, session_id, one, 1, assistant(f"Noted: {memory}"))
+    await append_items(stub, session_id, one, echo.checkpoint_version, assistant("Good."))
+    two = (await start_run(stub, session_id, "Thanks, go ahead")).run.run_id
+    await append_items(stub, session_id, two, 1, assistant("Proceeding."))
+    prepared = await _prepare(stub, session_id, two)
+    assert memory not in prepared.summarizer_input
+    assert {s.event_id: s.trust for s in prepared.elided} == {
+        echo.sequences[0]: pb.TRUST_LEVEL_MEMORY
+    }
+    await _assert_launders(stub, session_id, two, prepared, f"Ana: {memory}", "memory:mem1")
+
+
 async def test_a_model_echo_of_untrusted_prefix_entries_is_elided_and_never_summarized(
     stub: Any,
 ) -> None:

@@ -581,3 +581,46 @@ def test_a_cut_history_as_sent_is_within_the_budget(session: Session) -> None:
 @given(tight_sessions())
 def test_a_body_near_the_least_as_sent_is_within_the_budget(session: Session) -> None:
     assume(_check(session))
+
+
+def test_the_joins_of_openai_instructions_count_on_the_framing_class_alone() -> None:
+    """context-builder@6 counts the blank lines OpenAI's `instructions` join the system
+    blocks with. On each block's class, an instructions row at its cap failed and a
+    snapshot at its cap lost a memory once rebuilt (a review): only the framing class
+    takes them, so every other class measures as it does for Anthropic, whose blocks are
+    sent apart, and the plan's figure holds the joined text."""
+    from context_engine.core.plan import SYSTEM_JOINS
+    from context_engine.core.spec import MemoryItemSpec, MemorySnapshotSpec
+
+    memories = tuple(
+        MemoryItemSpec(item_id=f"m{n}", text=f"Memory {n} of the client.") for n in range(70)
+    )
+    spec = PlanSpec(
+        model_id="m",
+        agent=AgentSpec(agent_id="a", version="1", instructions="Be brief. " * 40),
+        policy=PlatformPolicySpec(version="v1", text="Platform policy."),
+        snapshot=MemorySnapshotSpec(snapshot_id="s", items=memories),
+    )
+
+    def plan_for(provider: str) -> ContextPlan:
+        return make_plan(
+            spec,
+            session_id="s",
+            epoch=1,
+            reason=PlanReason.SESSION_OPENED,
+            secret=SECRET,
+            model=ModelFacts("m", provider, 200_000, 8_192),
+            count_tokens=count,
+        )
+
+    anthropic, openai = plan_for("anthropic"), plan_for("openai")
+    assert openai.skipped_memory_ids == anthropic.skipped_memory_ids != ()  # the cap binds
+    by_name = {c.class_name: c for c in anthropic.prefix_classes}
+    for usage in openai.prefix_classes:
+        if usage.class_name != "framing":
+            assert usage == by_name[usage.class_name]
+    joined = SYSTEM_JOINS["openai"].join(b.text for b in openai.system if b.text)
+    assert openai.prefix_tokens - anthropic.prefix_tokens == count(joined) - sum(
+        count(b.text) for b in openai.system
+    )
+    assert openai.prefix_tokens > anthropic.prefix_tokens

@@ -4120,7 +4120,8 @@ type StepContext struct {
 	Recall []*RecallLine `protobuf:"bytes,1,rep,name=recall,proto3" json:"recall,omitempty"`
 	// Correction lines that override the frozen snapshot (row 13, MEMORY). Never yield.
 	// They share recall's 2,000-token cap, and recall holds what they leave: lines costing
-	// more are INVALID_FIELD naming this field (metadata corrections_tokens, cap_tokens).
+	// more are INVALID_FIELD naming this field (metadata corrections_tokens, cap_tokens),
+	// counted as the request counts them, under the run's estimator correction.
 	Corrections []*RecallLine `protobuf:"bytes,2,rep,name=corrections,proto3" json:"corrections,omitempty"`
 	// Knowledge passages (row 13), ranked best first.
 	Knowledge []*KnowledgePassage `protobuf:"bytes,3,rep,name=knowledge,proto3" json:"knowledge,omitempty"`

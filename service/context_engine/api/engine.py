@@ -658,7 +658,12 @@ class Engine:
         if known is not None:
             return known
         try:
-            again = self._make_plan(stored.spec, session_id, plan.epoch, plan.reason, stored.secret)
+            # Bytes only: its capacity is not in question here (a newer builder that counts
+            # a plan's prefix larger, context-builder@6's separators, kept a plan at its
+            # least capacity current rather than rotating it into a refusal: a review).
+            again = self._make_plan(
+                stored.spec, session_id, plan.epoch, plan.reason, stored.secret, None
+            )
             reproduces = epoch_rules.rendered_identity(again) == rendered
         except (InvalidFieldError, PreconditionError):
             reproduces = False

@@ -131,8 +131,9 @@ class BuildInputs:
     # max_cache_breakpoints; None: the provider's own limit). A bridge marker only where
     # there is room for it beside the run marker (core/cache_hints.py Rule 8).
     cache_marker_budget: int | None = None
-    # Whether a recall floor over recall's cap is refused (pressure.fit_body); False only
-    # to rebuild a recorded request, which may predate the refusal.
+    # Whether row 13 over recall's cap where nothing of it yields (the correction lines,
+    # they and recall's floor) is refused (pressure.fit_body Rule 6); False only to rebuild
+    # a recorded request, which may predate the refusal.
     refuse_floor_over_cap: bool = True
 
     @property

@@ -22,8 +22,9 @@ __all__ = ["BUILDER_VERSION", "DEFAULT_POLICY_TEXT", "DEFAULT_POLICY_VERSION", "
 # token count is the same under every secret, so its caps' fits are too. A plan of @4 keeps
 # its secret, its hex nonces and its bytes, which @5 reproduces: it stays current.
 # @6: an OpenAI plan's prefix_tokens counts the blank lines its `instructions` join the
-# system blocks with (core/plan.py SYSTEM_JOINS): counted alone, a tight request went a few
-# tokens over its budget. The bytes are @5's, which @6 reproduces: a plan of @5 stays
+# system blocks with (core/plan.py SYSTEM_JOINS), on the framing class: counted alone, a
+# tight request went a few tokens over its budget. No other class's figure moves, so every
+# cap admits what it did; the bytes are @5's, which @6 reproduces: a plan of @5 stays
 # current, its figures as they were made.
 BUILDER_VERSION = "context-builder@6"
 

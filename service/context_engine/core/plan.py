@@ -223,25 +223,20 @@ def make_plan(
             the spec is not the caller's (CapacityError.as_state).
     """
     _check_input_schemas(spec)
-    joined_by = SYSTEM_JOINS.get(model.provider)
-    # An entry's block as sent: every one follows the policy's, so where the provider joins
-    # the blocks into one text it carries a separator (_block_tokens), which the cap that
-    # admits it counts too.
-    entry_tokens = count_tokens if joined_by is None else _joined(count_tokens, joined_by)
     catalog, left_skills = pin_catalog(
-        spec.skills, lambda s: entry_tokens(_render_text(_catalog_entry(s), secret))
+        spec.skills, lambda s: count_tokens(_render_text(_catalog_entry(s), secret))
     )
     memories, left_memories = pin_snapshot(
-        spec.snapshot.items, lambda m: entry_tokens(_render_text(_memory_entry(m), secret))
+        spec.snapshot.items, lambda m: count_tokens(_render_text(_memory_entry(m), secret))
     )
     roster = resolve_roster(
         spec,
         has_skills=bool(catalog),
         definition_tokens=lambda t: definition_tokens(definition_item(t), count_tokens),
-        index_tokens=lambda t: entry_tokens(_render_text(_index_entry(t), secret)),
+        index_tokens=lambda t: count_tokens(_render_text(_index_entry(t), secret)),
     )
     rendered = _render_rows(spec, roster, catalog, memories)
-    _check_persona(spec, rendered, secret, entry_tokens)
+    _check_persona(spec, rendered, secret, count_tokens)
     _check_input_schemas(spec, model.provider, _definable(spec, roster))
     tools = tuple(_definition(t) for t in roster.defined)
     for row, item in rendered:
@@ -263,7 +258,7 @@ def make_plan(
         "tool_specs": pinned,
     }
     document_bytes = canonical_bytes(document)
-    classes = _class_usage(system, tools, count_tokens, joined_by)
+    classes = _class_usage(system, tools, count_tokens, SYSTEM_JOINS.get(model.provider))
     reserve = spec.reserve_output_tokens or model.default_output_reserve
     _check_reserve(spec, model, reserve)
     prefix_tokens = sum(c.tokens for c in classes)
@@ -456,19 +451,22 @@ class PrefixData:
 # (_unnamed): the model repeats them to call the tool (its own call's arguments name the
 # parameters) or load the skill, and held as untrusted text they would elide every such
 # call, or every call naming a parameter its description mentions.
-_PREFIX_CONTENT: dict[Row, Callable[[PlanSpec], dict[str, str]]] = {
+_PREFIX_CONTENT: dict[Row, Callable[[PlanSpec], dict[str, tuple[str, ...]]]] = {
     Row.DEFERRED_TOOL_INDEX: lambda spec: {
-        f"tool:{t.name}": _unnamed(
-            first_sentence(t.description), _called_names(t.name, t.input_schema)
+        f"tool:{t.name}": (
+            _unnamed(first_sentence(t.description), _called_names(t.name, t.input_schema)),
         )
         for t in spec.tools
     },
     Row.SKILL_CATALOG: lambda spec: {
-        f"skill:{s.name}": _unnamed(f"({s.version}): {s.description}", (s.name,))
+        f"skill:{s.name}": (_unnamed(f"({s.version}): {s.description}", (s.name,)),)
         for s in spec.skills
     },
+    # A memory's text and its source apart, as a recall line's (compaction.shown_texts):
+    # as one "[source] text", a short memory was never held whole (quoted_whole), and its
+    # echo passed into a summary (a review).
     Row.MEMORY_SNAPSHOT: lambda spec: {
-        memory_item_id(m.item_id): f"[{m.source}] {m.text}" if m.source else m.text
+        memory_item_id(m.item_id): (m.text, m.source) if m.source else (m.text,)
         for m in spec.snapshot.items
     },
 }
@@ -480,15 +478,15 @@ def prefix_data(plan: ContextPlan, spec: PlanSpec) -> tuple[PrefixData, ...]:
     every request on the plan shows. Compaction holds the model's answers and a summary to
     it (core/compaction.py, Rule 3). An entry of another row is given as rendered. Then
     each discovered tool's definition (_definition_data)."""
-    content: dict[Row, dict[str, str]] = {}
+    content: dict[Row, dict[str, tuple[str, ...]]] = {}
     out = []
     for block in plan.system:
         if envelope_tag(block.trust) is None:
             continue
         if block.row in _PREFIX_CONTENT and block.row not in content:
             content[block.row] = _PREFIX_CONTENT[block.row](spec)
-        text = content.get(block.row, {}).get(block.item_id, block.text)
-        out.append(PrefixData(block.item_id, block.row, block.trust, text))
+        texts = content.get(block.row, {}).get(block.item_id, (block.text,))
+        out += [PrefixData(block.item_id, block.row, block.trust, text) for text in texts]
     return (*out, *_definition_data(plan, spec))
 
 
@@ -683,32 +681,22 @@ _FIELD_OF_CLASS: dict[str, str] = {
 SYSTEM_JOINS: dict[str, str] = {"openai": "\n\n"}
 
 
-def _joined(count: TokenCounter, joined_by: str) -> TokenCounter:
-    """A block's tokens after the separator that joins it to the one before."""
-    return lambda text: count(joined_by + text)
-
-
 def _block_tokens(
     system: tuple[PrefixBlock, ...], count: TokenCounter, joined_by: str | None
 ) -> list[int]:
-    """Each system block's tokens as its provider is sent it. Joined into one text
-    (`joined_by`), a block after the first is counted with the separator before it, and
-    what the joined text costs beyond their sum, where a merge across a join makes it cost
-    more, goes to the framing block (the engine's own text, its cap far above it: an entry
-    admitted to its class at its cost is not pushed over the cap). Counted alone, the
-    separators were left out, and an OpenAI request with 20 skills went 8 tokens over its
-    budget (an audit)."""
-    if joined_by is None:
-        return [count(b.text) for b in system]
-    tokens: list[int] = []
-    joined: list[str] = []
-    for block in system:
-        if block.text:  # an empty block is not joined (providers/openai.py)
-            tokens.append(count(joined_by + block.text if joined else block.text))
-            joined.append(block.text)
-        else:
-            tokens.append(0)
-    beyond = count(joined_by.join(joined)) - sum(tokens) if joined else 0
+    """Each system block's tokens, and, where the provider joins them into one text
+    (`joined_by`), what the joined text costs beyond their sum (the separators, about a
+    token each), on the framing block. Left out, an OpenAI request with 20 skills went 8
+    tokens over its budget (an audit). On the framing block, the engine's own text far
+    under its 1,000-token cap (about 311, and a prefix has about 100 blocks at most), so
+    no class a spec fills to its cap is pushed over it, and an entry a cap admits costs
+    what it did (a review: counted on each block, an instructions row at its cap failed,
+    and a snapshot at its cap lost a memory)."""
+    tokens = [count(b.text) for b in system]
+    joined = [b.text for b in system if b.text]  # an empty block is not joined
+    if joined_by is None or len(joined) < 2:
+        return tokens
+    beyond = count(joined_by.join(joined)) - sum(tokens)
     if beyond > 0:
         rows = [b.row for b in system]
         tokens[rows.index(Row.FRAMING) if Row.FRAMING in rows else -1] += beyond
@@ -856,8 +844,8 @@ def require_capacity(plan: ContextPlan, count_tokens: TokenCounter, factor_ppm: 
     checkpoints pin the tenant's estimator factor when it starts (Rule 4), and checked at
     the neutral factor, a tenant whose factor had risen was given a capacity every Build
     failed (an audit). make_plan checks at the factor it is given; the shell's Plan checks
-    a new session's at the factor its runs will pin, read under the session's lock (an
-    existing session is answered as it is).
+    a new session's at the factor its runs will pin, read under the session's lock, and an
+    existing session's spec at the neutral factor.
 
     The field at fault: the reserve when even the whole window leaves no body (the reserve
     is the model's default when the spec gives none; a smaller one is the fix), else the
