@@ -2402,6 +2402,11 @@ async def test_a_child_run_takes_no_admission(stub: Any, pool: Any) -> None:
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert details(caught.value)[:2] == ("INVALID_FIELD", ["seed_item_id"])
     assert await _events(pool, session_id) == before
+    # A run with no seed at all names a field a caller sets, not the oneof ("seed").
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.StartRun(pb.StartRunRequest(tenant_id=TENANT, session_id=session_id))
+    assert details(caught.value)[:2] == ("INVALID_FIELD", ["user_message"])
+    assert await _events(pool, session_id) == before
 
 
 async def test_a_plan_states_when_it_was_stored_and_the_region_a_markers_it_sends(
@@ -2531,8 +2536,10 @@ async def test_a_scope_no_tool_needs_rotates_nothing_and_a_grant_names_the_scope
     """core/epochs.py Rule 3: an admission's scope that admits no tool ("openid") is no
     grant: it rotated (a re-cache of Region A under a new secret) and, rebuilt under the
     run's scopes, refused a run asking for the session's own browser profile, naming the
-    profile (an audit). A real grant whose run lacks the browser tools' scope is refused as
-    the session's state, not as the profile's."""
+    profile (an audit). A real grant whose run lacks the browser tools' scope is refused
+    naming the run's scopes, not the profile nor the session's spec (another audit: it
+    named session_id and said to Rotate with a spec, which could not help); with the scope
+    the same run starts."""
     browser = spec(
         environment=pb.SessionEnvironment(
             surface="chat", browser_profile_id="P", allowed_origins=["https://shop.example"]
@@ -2546,10 +2553,15 @@ async def test_a_scope_no_tool_needs_rotates_nothing_and_a_grant_names_the_scope
     started = await _start(stub, session_id, scopes=["calendar.read", "openid"], profile="P")
     assert started.run.epoch == plan.epoch and not started.HasField("rotated_plan")
     assert await _rotations(pool, session_id) == []
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await _start(stub, session_id, scopes=["calendar.read", "mail.send"], profile="P")
-    assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
-    assert details(caught.value)[1] != ["admission.browser_profile_id"]
+    for profile in ("P", "Q"):  # the session's profile, and another
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _start(stub, session_id, scopes=["calendar.read", "mail.send"], profile=profile)
+        assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        _, fields, metadata = details(caught.value)
+        assert fields == ["admission.scopes"], fields
+        assert metadata["missing"] == "browser.navigate,browser.observe,browser.act"
+    granted = ["calendar.read", "mail.send", "browser.use"]
+    assert (await _start(stub, session_id, scopes=granted, profile="P")).run.run_id
 
 
 def _grants_the_roster_leaves_out() -> dict[str, tuple[pb.PlanSpec, str]]:

@@ -770,6 +770,9 @@ class Engine:
                 # The session's spec, not the request's: the state forbids the run. Raised
                 # inside StartRun's transaction, so nothing of the run is written.
                 rebuilt = f"for this run's admission ({decision.detail})"
+                dropped = _scopes_drop_browser(exc, admission, current.plan)
+                if dropped is not None:
+                    raise dropped from None
                 if (
                     admission is not None
                     and admission.browser_profile_id
@@ -1850,6 +1853,30 @@ def _bodies_not_carried(exc: RequestError, detail: str) -> PreconditionError:
         field="admission",
         reason="SKILL_LIMIT",
         metadata=dict(exc.metadata),
+    )
+
+
+def _scopes_drop_browser(
+    exc: RequestError, admission: epoch_rules.Admission | None, pinned: ContextPlan
+) -> PreconditionError | None:
+    """The refusal when a run's admission scopes (which replace the principal's for the
+    run) leave out the scopes the browser tools its website profile needs, where the
+    pinned plan defines those tools: the request's scopes are at fault, not the session's
+    spec. Named as the spec's (`session_id`, "Rotate with a spec that fits"), the advice
+    could not help (an audit). None where the refusal is another's."""
+    missing = exc.metadata.get("missing", "")
+    if admission is None or not admission.scopes or not missing:
+        return None
+    names = missing.split(",")
+    if not set(names) <= set(pinned.tool_names):
+        return None  # the pinned spec does not define them either: its refusal
+    return PreconditionError(
+        f"this run's admission scopes leave out what the session's website profile needs:"
+        f" {', '.join(names)} require scopes the run does not hold. Nothing was written;"
+        " add their scopes to admission.scopes, or start the run without a browser profile",
+        field="admission.scopes",
+        reason=exc.reason,
+        metadata={**exc.metadata, "spec_field": exc.field or ""},
     )
 
 

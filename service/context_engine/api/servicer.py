@@ -164,7 +164,10 @@ class ContextEngineServicer(
                     field="seed_item_id",
                 )
         else:
-            raise InvalidFieldError("one of user_message or child is required", field="seed")
+            # Named by a field a caller sets (the oneof's name, "seed", is none: an audit).
+            raise InvalidFieldError(
+                "one of user_message or child is required", field="user_message"
+            )
         admission = (
             convert.admission_from_proto(request.admission)
             if request.HasField("admission")
