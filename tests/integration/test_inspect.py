@@ -224,9 +224,10 @@ async def test_a_needs_compaction_pressure_is_not_the_next_requests(
         )
     )
     run_id = await _start(stub, tenant, session_id, "Tell me.")
-    await _append(stub, tenant, session_id, run_id, 1, assistant(_words(2_000)))
+    await _append(stub, tenant, session_id, run_id, 1, assistant(_words(2_500)))
+    # Within row 13's 2,000-token cap (context-assembler@29), beside the run's exchange.
     step = pb.StepContext(
-        corrections=[pb.RecallLine(item_id="c1", text=_words(2_500), source="correction")]
+        corrections=[pb.RecallLine(item_id="c1", text=_words(1_500), source="correction")]
     )
     needs = await _build(stub, tenant, session_id, run_id, step=step)
     assert needs.needs_compaction and needs.request_sequence == 0
