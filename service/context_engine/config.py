@@ -270,22 +270,55 @@ class Settings(BaseModel):
         ]
 
     def bearer_tokens(self) -> dict[str, str]:
-        """Token -> tenant from auth_tokens and auth_tokens_file (validated, non-empty)."""
+        """Token -> tenant from auth_tokens and auth_tokens_file (validated, non-empty).
+
+        Raises:
+            TokenFileUnreadable: the file could not be read (a ValueError).
+            ValueError: a token or tenant that is not valid, named by the setting it is in.
+        """
+        _check_tokens(self.auth_tokens, "auth_tokens")
         tokens = dict(self.auth_tokens)
         if self.auth_tokens_file:
             try:
-                loaded = json.loads(Path(self.auth_tokens_file).read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
+                text = Path(self.auth_tokens_file).read_text(encoding="utf-8")
+            except OSError as exc:
+                raise TokenFileUnreadable(f"auth_tokens_file: {type(exc).__name__}") from None
+            try:
+                loaded = json.loads(text)
+            except ValueError as exc:
                 raise ValueError(f"auth_tokens_file: {type(exc).__name__}") from None
             if not isinstance(loaded, dict):
                 raise ValueError("auth_tokens_file: must be a JSON object of token -> tenant")
+            _check_tokens(loaded, "auth_tokens_file")
             tokens.update(loaded)
-        for token, tenant in tokens.items():
-            if not isinstance(token, str) or len(token) < 16:
-                raise ValueError("auth tokens must be strings of at least 16 characters")
-            if not isinstance(tenant, str) or not tenant or len(tenant) > 200:
-                raise ValueError("each auth token must map to a tenant id of 1-200 characters")
         return tokens
+
+
+class TokenFileUnreadable(ValueError):
+    """auth_tokens_file could not be read now (gone while a secret is swapped, no file
+    descriptor left): a reload tries again (api/token_file.py), where a file read and
+    found wrong waits for the next change."""
+
+
+# What a client can present: an HTTP/2 header value (printable ASCII), as the server reads
+# it (stripped). A token with a line ending or an edge space could never authenticate, and
+# nothing said so (an audit: `jq --rawfile` writes the file's line ending into the key).
+_HEADER_TOKEN = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
+
+
+def _check_tokens(tokens: Mapping[Any, Any], setting: str) -> None:
+    """Refuse a token a client could never present, or a tenant id out of bounds, naming
+    the setting it is in (never the token)."""
+    for token, tenant in tokens.items():
+        if not isinstance(token, str) or len(token) < 16:
+            raise ValueError(f"{setting}: tokens must be strings of at least 16 characters")
+        if not _HEADER_TOKEN.fullmatch(token):
+            raise ValueError(
+                f"{setting}: a token holds a character a header cannot carry (a line ending,"
+                " an edge space, a control or non-ASCII character): no client could send it"
+            )
+        if not isinstance(tenant, str) or not tenant or len(tenant) > 200:
+            raise ValueError(f"{setting}: each token must map to a tenant id of 1-200 characters")
 
 
 def _postgres_url(value: str) -> str:

@@ -180,6 +180,70 @@ async def test_bearer_tokens_follow_their_file_and_a_bad_file_changes_nothing(
     assert not any(TOKEN_A in w or TOKEN_B in w or "short" in w for w in warnings), warnings
 
 
+def test_a_changed_token_file_that_could_not_be_read_is_read_at_the_next_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A changed file whose read failed for a passing reason (no file descriptor left
+    under load) was stamped as read: the token it removed stayed valid until the file
+    changed again (an audit). The next check reads it."""
+    import errno
+
+    from context_engine.api.token_file import TokenFile
+
+    path = tmp_path / "tokens.json"
+    _write_tokens(path, {TOKEN_A: "tenant-a", TOKEN_B: "tenant-b"})
+    settings = load_settings(
+        environ={"CONTEXT_ENGINE_AUTH": "bearer", "CONTEXT_ENGINE_AUTH_TOKENS_FILE": str(path)}
+    )
+    auth = server_options(settings)["auth"]
+    follower = TokenFile(settings, auth)
+    _write_tokens(path, {TOKEN_A: "tenant-a"})  # TOKEN_B revoked
+    read_text = Path.read_text
+
+    def exhausted(self: Path, *args: Any, **kwargs: Any) -> str:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(Path, "read_text", exhausted)
+    assert not follower.check()
+    monkeypatch.setattr(Path, "read_text", read_text)
+    assert follower.check()
+
+    class Presenting:  # what BearerTokens reads of a call
+        def __init__(self, token: str) -> None:
+            self.token = token
+
+        def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+            return (("authorization", f"Bearer {self.token}"),)
+
+    assert auth.tenant(Presenting(TOKEN_A)) == "tenant-a"
+    assert auth.tenant(Presenting(TOKEN_B)) is None
+
+
+def test_a_token_no_client_can_send_is_refused_naming_its_setting(tmp_path: Path) -> None:
+    """A token with a line ending or an edge space (`jq --rawfile` keeps the file's line
+    ending) was accepted, and never authenticated: the server strips what a client sends,
+    and a header carries no line ending (an audit). And a bad token was blamed on `auth`,
+    not on the setting that held it."""
+    from context_engine.config import ConfigError
+
+    path = tmp_path / "tokens.json"
+    bearer = {"CONTEXT_ENGINE_AUTH": "bearer", "CONTEXT_ENGINE_AUTH_TOKENS_FILE": str(path)}
+    held = "auth_tokens_file: a token holds a character a header cannot carry"
+    for token in (TOKEN_A + "\n", " " + TOKEN_A, TOKEN_A + " ", TOKEN_A + "\u00e9"):
+        _write_tokens(path, {token: "tenant-a"})
+        with pytest.raises(ConfigError, match=held) as refused:
+            load_settings(environ=bearer)
+        assert "(auth_tokens_file from CONTEXT_ENGINE_AUTH_TOKENS_FILE)" in str(refused.value)
+        assert TOKEN_A not in str(refused.value)
+    _write_tokens(path, {"short": "tenant-a"})
+    with pytest.raises(ConfigError, match="auth_tokens_file: tokens must be strings"):
+        load_settings(environ=bearer)
+    inline = {"CONTEXT_ENGINE_AUTH": "bearer", "CONTEXT_ENGINE_AUTH_TOKENS": '{"short": "a"}'}
+    with pytest.raises(ConfigError, match="auth_tokens: tokens must be strings") as refused:
+        load_settings(environ=inline)
+    assert "auth_tokens from CONTEXT_ENGINE_AUTH_TOKENS" in str(refused.value)
+
+
 async def test_foreign_session_is_indistinguishable_from_a_missing_one(bearer_stub: Any) -> None:
     stub, _ = bearer_stub
     owned = new_id()

@@ -12,6 +12,10 @@ valid tokens, or leaves no token at all keeps the tokens in use, with one warnin
 of the file naming why (never a token). Emptying the file does not lock every worker out;
 to revoke every token, stop the replicas.
 Rule 3 (quiet when nothing changed): an unchanged file is not read again.
+Rule 4 (a failed read is tried again): a changed file that could not be read (no file
+descriptor left under load, a secret mid-swap) is looked at again at every check until it
+is read, warned about once while it stays as it is: stamped as read, a removed token
+stayed valid until the file changed again (an audit).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import asyncio
 import logging
 import os
 
-from ..config import Settings
+from ..config import Settings, TokenFileUnreadable
 from .interceptors import BearerTokens
 
 __all__ = ["TokenFile"]
@@ -28,6 +32,7 @@ __all__ = ["TokenFile"]
 _log = logging.getLogger("context_engine.server")
 
 Stamp = tuple[int, int, int, int] | None
+_NEVER = object()  # no read has failed
 
 
 class TokenFile:
@@ -40,7 +45,11 @@ class TokenFile:
         # between that read and this stamp would otherwise never be taken (a review: a
         # token removed while the replica started stayed valid).
         self._stamp = self._stamp_now()
-        self._reload()
+        self._unread: Stamp | object = _NEVER  # the file as it was when a read failed
+        try:
+            self._reload()
+        except TokenFileUnreadable:
+            self._stamp = None  # read again at the first check
 
     def _stamp_now(self) -> Stamp:
         try:
@@ -52,25 +61,37 @@ class TokenFile:
 
     def check(self) -> bool:
         """Reload the tokens if the file changed since the last check; True if they were
-        replaced (Rules 1 to 3)."""
+        replaced (Rules 1 to 4)."""
         stamp = self._stamp_now()
         if stamp == self._stamp:
             return False
-        self._stamp = stamp
-        if not self._reload():
+        before, self._stamp = self._stamp, stamp
+        try:
+            if not self._reload():
+                return False
+        except TokenFileUnreadable:
+            self._stamp = before  # Rule 4: looked at again at the next check
             return False
         _log.info("auth_tokens_file reloaded: %d tokens", self._count)
         return True
 
     def _reload(self) -> bool:
-        """Take the tokens the settings read now; False, with a warning, if they cannot be."""
+        """Take the tokens the settings read now; False, with a warning, if they cannot be.
+
+        Raises:
+            TokenFileUnreadable: the file could not be read (warned once per change)."""
         try:
             tokens = self._settings.bearer_tokens()
             self._tokens.replace(tokens)
+        except TokenFileUnreadable as exc:
+            if self._unread != self._stamp_now():
+                _log.warning("auth_tokens_file not read, the tokens in use kept: %s", exc)
+                self._unread = self._stamp_now()
+            raise
         except ValueError as exc:  # the message names the problem, never a token
             _log.warning("auth_tokens_file not reloaded, the tokens in use kept: %s", exc)
             return False
-        self._count = len(tokens)
+        self._count, self._unread = len(tokens), _NEVER
         return True
 
     async def follow(self, interval: float) -> None:
