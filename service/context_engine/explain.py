@@ -229,6 +229,16 @@ def _difference(
             )
         if same_epoch and a.prefix_sha256 != b.prefix_sha256:
             notes.append("prefix_sha256 differs within one epoch")
+    elif ub is not None and (ub.row, ub.item_id) != (ua.row, ua.item_id):
+        # B has another unit where A has this one: B's is what is new or moved there (a
+        # skill body loaded before the working state, an exchange before the fresh rows),
+        # and A's row's hint blamed what had not changed (an audit).
+        defect = False
+        verdict = (
+            f"Region B: A has row {int(ua.row)} ({ROW_TABLE[ua.row].content}) where B has row"
+            f" {int(ub.row)} ({ROW_TABLE[ub.row].content}): expected — the body is rebuilt on"
+            f" every request; B's differs there: {_ROW_HINTS.get(ub.row, '')}"
+        )
     else:
         defect = False
         hint = _ROW_HINTS.get(named.row, "")

@@ -127,6 +127,28 @@ def test_a_prompt_that_only_grows_differs_nowhere() -> None:
     assert e.offset == len(_stream(a))
 
 
+def test_where_b_has_another_unit_both_rows_and_bs_cause_are_named() -> None:
+    """Where B holds another unit than A at the first differing byte (a skill body loaded
+    before the working state; an exchange appended before the fresh rows), A's row's hint
+    blamed what had not changed: "the working state changed" for a skill load (an audit).
+    Both rows are named, with B's cause."""
+    a = load_request(LOOP)
+    last = a.messages[-1]
+    recall = next(b for b in last.blocks if b.row is Row.RECALL)
+    b = replace(
+        a,
+        messages=(
+            *a.messages[:-1],
+            replace(last, blocks=tuple(x for x in last.blocks if x is not recall)),
+        ),
+    )
+    e = explain(_response(a), _response(b))
+    assert (e.row, e.region, e.defect) == (Row.RECALL, Region.BODY, False)
+    assert "A has row 13" in e.verdict and "where B has row 14" in e.verdict
+    assert "the runtime metadata row differs" in e.verdict
+    assert "recall, corrections or knowledge changed" not in e.verdict
+
+
 def test_a_shrunk_history_names_what_was_dropped() -> None:
     a = load_request(LOOP)
     b = replace(a, messages=a.messages[1:])
