@@ -1,6 +1,7 @@
 #!/bin/sh
-# Vet the Go client and build the example worker without the Go module proxy: GOPATH mode
-# over the Go libraries Debian packages (/usr/share/gocode; `make install` installs them).
+# Vet the Go client, run the example worker's tests and build it without the Go module
+# proxy: GOPATH mode over the Go libraries Debian packages (/usr/share/gocode; `make
+# install` installs them).
 # With the proxy reachable, plain module mode works too: `go mod tidy && go vet ./...`.
 # Usage: check.sh [OUTPUT_BINARY]   (default: a temporary file, removed afterwards)
 set -eu
@@ -21,5 +22,6 @@ if [ -n "$unformatted" ]; then
 fi
 export GO111MODULE=off GOPATH="$gopath:/usr/share/gocode" GOFLAGS=
 go vet ./...
+go test ./examples/worker
 go build -o "$out" ./examples/worker
-echo "go vet and build: ok"
+echo "go vet, test and build: ok"

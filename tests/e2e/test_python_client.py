@@ -1021,6 +1021,246 @@ async def test_a_call_the_engine_cannot_log_is_answered_not_run(client: Any) -> 
     assert "08:04 TGV\ufffd6601" in told and "Checking\ufffd now." in told
 
 
+def _logged_calls(build: BuildResult, run: Run) -> list[pb.ToolCall]:
+    """The run's tool calls a build shows, in order."""
+    return [
+        block.tool_call
+        for message in build.request.messages
+        for block in message.blocks
+        if block.WhichOneof("kind") == "tool_call" and block.run_id == run.run_id
+    ]
+
+
+_THINKING = json.dumps({"type": "thinking", "thinking": "Hmm.", "signature": "s"}).encode()
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "no call id",
+        "a call id over 200 characters",
+        "a call id twice in the turn",
+        "a call id of an earlier step",
+        "no tool name",
+        "a reasoning item the engine cannot replay",
+    ],
+)
+async def test_a_turn_the_engine_cannot_log_runs_no_tool(client: Any, case: str) -> None:
+    """A call whose id the engine refuses (empty, over 200 characters, used twice in the
+    run) or that names no tool, and a reasoning item it cannot replay, ran the step's
+    tools, then the append was refused INVALID_FIELD: the results were lost, the pending
+    request could not be resent, and the next tool_loop ran the tools again (an audit).
+    Such a turn now raises ClientError before any tool of the step runs, carrying the
+    turn; its usage is reported."""
+    session = await client.open_session(_spec())
+    run = await session.start_run("Trains to Lyon?")
+    wire = wire_tool_name("web.fetch")
+    ran: list[str] = []
+    turns = 0
+
+    def call(call_id: str, url: str = "https://trains.example") -> ToolCallRequest:
+        return ToolCallRequest(call_id, wire, {"url": url})
+
+    async def model(build: BuildResult) -> ModelTurn:
+        nonlocal turns
+        turns += 1
+        usage = Usage(input_tokens=10, output_tokens=5)
+        if case == "a call id of an earlier step":
+            # Some providers number their calls per response: call_0 again at step two.
+            return ModelTurn(tool_calls=[call("call_0", f"https://t/{turns}")], usage=usage)
+        bad = {
+            "no call id": [call("ok"), call("")],
+            "a call id over 200 characters": [call("ok"), call("c" * 201)],
+            "a call id twice in the turn": [call("c1"), call("c1", "https://other")],
+            "no tool name": [call("ok"), ToolCallRequest("c2", "", {})],
+            "a reasoning item the engine cannot replay": [call("ok")],
+        }[case]
+        reasoning = [(pb.PROVIDER_ANTHROPIC, _THINKING)]
+        if case == "a reasoning item the engine cannot replay":
+            reasoning.append((pb.PROVIDER_ANTHROPIC, b'{"type": "thinking"}'))  # no signature
+        return ModelTurn(text="Looking.", tool_calls=bad, reasoning=reasoning, usage=usage)
+
+    async def run_tool(request: ToolCallRequest) -> ToolOutput:
+        ran.append(request.call_id)
+        return ToolOutput("08:04 TGV 6601", source="tool:web.fetch")
+
+    with pytest.raises(ClientError) as caught:
+        await run.tool_loop(model, run_tool, now=NOW)
+    error: Any = caught.value
+    assert not isinstance(error, ContextEngineError)
+    assert "cannot be logged" in str(error) and "no tool was run" in str(error)
+    # The earlier step's call ran and is logged; the refused step ran nothing.
+    assert ran == (["call_0"] if case == "a call id of an earlier step" else [])
+    assert error.final is False and error.turn.tool_calls
+    assert getattr(error, "pending_request", None) is None
+    assert error.unreported == [] and len(error.builds) == turns  # its usage was reported
+    logged = _logged_calls(await run.build(now=NOW), run)
+    assert [c.call_id for c in logged] == ran
+
+
+async def test_a_provider_item_id_the_engine_refuses_is_logged_as_none(client: Any) -> None:
+    """A provider item id over 200 characters or holding whitespace (the text's or a
+    call's) failed the step's append after its tools had run (an audit). It only pairs a
+    replayed reasoning item, and the model cannot correct it: the step is logged without
+    it, its tools run once, and a good id beside it is kept."""
+    session = await client.open_session(_spec())
+    run = await session.start_run("Trains to Lyon?")
+    wire = wire_tool_name("web.fetch")
+    ran: list[str] = []
+    turns = 0
+
+    async def model(build: BuildResult) -> ModelTurn:
+        nonlocal turns
+        turns += 1
+        if turns > 1:
+            return ModelTurn(text="Done.")
+        calls = [
+            ToolCallRequest("c1", wire, {"url": "a"}, provider_item_id="fc 1"),
+            ToolCallRequest("c2", wire, {"url": "b"}, provider_item_id="f" * 201),
+            ToolCallRequest("c3", wire, {"url": "c"}, provider_item_id="fc\u20283"),
+            ToolCallRequest("c4", wire, {"url": "d"}, provider_item_id="fc_4"),
+        ]
+        return ModelTurn(text="Looking.", text_item_id="msg\t1", tool_calls=calls)
+
+    async def run_tool(call: ToolCallRequest) -> ToolOutput:
+        ran.append(call.call_id)
+        return ToolOutput("page", source="tool:web.fetch")
+
+    result = await run.tool_loop(model, run_tool, now=NOW)
+    assert result.final.text == "Done." and ran == ["c1", "c2", "c3", "c4"]
+    logged = _logged_calls(result.builds[1], run)
+    assert [(c.call_id, c.provider_item_id) for c in logged] == [
+        ("c1", ""),
+        ("c2", ""),
+        ("c3", ""),
+        ("c4", "fc_4"),
+    ]
+    texts = [
+        block.provider_item_id
+        for message in result.builds[1].request.messages
+        for block in message.blocks
+        if block.WhichOneof("kind") == "text" and block.text == "Looking."
+    ]
+    assert texts == [""]
+
+
+async def test_a_task_id_of_no_task_is_dropped_and_the_results_kept(client: Any, pool: Any) -> None:
+    """A call's task_id naming no task of the run's working state (which no RPC reads
+    before the append) failed the step's append for good after its tools had run: the
+    results were lost, and the next tool_loop ran the tools again (an audit). The step is
+    sent again without it (as the proto says to), under the same key: the tools ran once,
+    the results are logged, and a task the state holds still moves."""
+    session = await client.open_session(_spec())
+    run = await session.start_run("Trains to Lyon?")
+    await run.update_working_state(
+        pb.WorkingStateUpdate(upsert_tasks=[pb.TaskState(task_id="t1", title="Find a train")])
+    )
+    wire = wire_tool_name("web.fetch")
+    ran: list[str] = []
+    turns = 0
+    keys: list[str] = []
+    real_call = run.client.call
+
+    async def counting(method: str, request: Any, *, timeout: Any = None) -> Any:
+        if method == "AppendItems":
+            keys.append(request.idempotency_key)
+        return await real_call(method, request, timeout=timeout)
+
+    async def model(build: BuildResult) -> ModelTurn:
+        nonlocal turns
+        turns += 1
+        if turns > 1:
+            return ModelTurn(text="Done.")
+        calls = [
+            ToolCallRequest("c1", wire, {"url": "a"}, task_id="t-unknown"),
+            ToolCallRequest("c2", wire, {"url": "b"}, task_id="t1"),
+            ToolCallRequest("c3", wire, {"url": "c"}, task_id="t-other"),
+        ]
+        return ModelTurn(tool_calls=calls)
+
+    async def run_tool(call: ToolCallRequest) -> ToolOutput:
+        ran.append(call.call_id)
+        return ToolOutput("page", source="tool:web.fetch")
+
+    run.client.call = counting  # type: ignore[method-assign]
+    try:
+        result = await run.tool_loop(model, run_tool, now=NOW)
+    finally:
+        run.client.call = real_call  # type: ignore[method-assign]
+    assert result.final.text == "Done." and ran == ["c1", "c2", "c3"]
+    # Refused naming c1's, then c3's; sent a third time, under the step's one key.
+    assert len(keys) == 4 and len(set(keys[:3])) == 1
+    rows = await pool.fetch(
+        "SELECT payload FROM session_events WHERE session_id = $1"
+        " AND type = 'tool.call.created' ORDER BY sequence",
+        UUID(run.session_id),
+    )
+    logged = [(r["payload"]["call_id"], r["payload"].get("task_id", "")) for r in rows]
+    assert logged == [("c1", ""), ("c2", "t1"), ("c3", "")]
+    assert 'Task "t1" (done)' in _texts(result.builds[1])
+
+
+async def test_a_cancellation_while_reporting_keeps_the_usage_and_the_steps_turn(
+    client: Any,
+) -> None:
+    """tool_loop cancelled while it reports a step's usage: the report caught Exception
+    only, so the usage was lost (not in `unreported`) and the cancellation carried
+    neither the step's turn nor, after a failed append, its pending request (an audit).
+    The usage is kept unsent with the cancellation, which carries what the step's error
+    did."""
+    session = await client.open_session(_spec())
+    run = await session.start_run("Trains from Paris to Lyon tomorrow?")
+    real_call = run.client.call
+    reporting = asyncio.Event()
+    failing_append = False
+
+    async def hanging(method: str, request: Any, *, timeout: Any = None) -> Any:
+        if method == "AppendItems" and failing_append:
+            raise Internal(grpc.StatusCode.INTERNAL, "a proxy failed")
+        if method == "ReportUsage" and (failing_append or len(model.seen) == 2):
+            reporting.set()
+            await asyncio.sleep(60)
+        return await real_call(method, request, timeout=timeout)
+
+    # The final answer's report hangs: its append landed.
+    model = ScriptedModel()
+    run.client.call = hanging  # type: ignore[method-assign]
+    task = asyncio.create_task(run.tool_loop(model, _fetch, now=NOW))
+    await reporting.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError) as caught:
+        await task
+    error: Any = caught.value
+    assert [entry[0] for entry in error.unreported] == [error.builds[1]]
+    assert isinstance(error.unreported[0][2], asyncio.CancelledError)
+    assert error.final is True and error.turn.text.startswith("The 08:04 TGV")
+    assert getattr(error, "pending_request", None) is None
+    build, usage, _ = error.unreported[0]
+    run.client.call = real_call  # type: ignore[method-assign]
+    assert (await session.report_usage(build, usage)).samples >= 1
+
+    # A step's append fails for good, and its report hangs: cancelled, the error that
+    # ends the loop still carries the request to resend.
+    other = await session.start_run("And back?")
+    model = ScriptedModel()
+    reporting.clear()
+    failing_append = True
+    run.client.call = hanging  # type: ignore[method-assign]
+    task = asyncio.create_task(other.tool_loop(model, _fetch, now=NOW))
+    await reporting.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError) as caught:
+        await task
+    run.client.call = real_call  # type: ignore[method-assign]
+    error = caught.value
+    assert isinstance(error.__context__, Internal)
+    assert error.pending_request is not None and error.final is False
+    assert error.turn.tool_calls and len(error.unreported) == 1
+    await other.resend_append(error.pending_request)
+    result = await other.tool_loop(model, _fetch, now=NOW)
+    assert result.final.text.startswith("The 08:04 TGV")
+
+
 async def test_half_a_surrogate_pair_in_a_tools_output_is_sent_as_u_fffd(client: Any) -> None:
     """json.loads gives half a surrogate pair for "\\ud83d" (an emoji an API cut in
     UTF-16); protobuf cannot encode it, so the step raised UnicodeEncodeError after its

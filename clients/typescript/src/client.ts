@@ -34,7 +34,10 @@ import {
   type ToolCallRequest,
   type ToolOutput,
   type Usage,
+  MAX_ID_CHARS,
   argumentsProblem,
+  itemIdProblem,
+  reasoningProblem,
   toolResult,
   turnItems,
 } from './items.js';
@@ -246,6 +249,87 @@ function movedOn(error: unknown, request: AppendItemsRequest): number | undefine
   const latest = Number(error.metadata.latest_version ?? '');
   const expected = Number(request.expected_checkpoint_version ?? 0);
   return Number.isSafeInteger(latest) && latest > expected ? latest : undefined;
+}
+
+/**
+ * The call ids the run has used that its build shows (the engine refuses a call id used
+ * before in the run; one a compaction took out of the request is not seen here).
+ */
+function runCallIds(built: BuildResult, runId: string): Set<string> {
+  const ids = new Set<string>();
+  for (const message of built.response.request?.messages ?? []) {
+    for (const block of message.blocks ?? []) {
+      const paired =
+        block.kind === 'tool_call'
+          ? block.tool_call
+          : block.kind === 'tool_result'
+            ? block.tool_result
+            : undefined;
+      if (paired && block.run_id === runId) ids.add(paired.call_id);
+    }
+  }
+  return ids;
+}
+
+/**
+ * Why the engine would refuse to log the model's turn whatever its tools return
+ * (AppendItems' INVALID_FIELD), or '': a call whose callId is empty, longer than
+ * MAX_ID_CHARS, repeated in the turn or already used in the run (`used`), or that names no
+ * tool; a reasoning item the engine cannot replay. The results of a turn with one could
+ * never be logged: its tools are not run.
+ */
+function unloggable(turn: ModelTurn, used: Set<string>): string {
+  const ids = new Set<string>();
+  for (const [n, call] of (turn.toolCalls ?? []).entries()) {
+    const at = `tool call ${n} (${JSON.stringify(call.name)})`;
+    const callId = call.callId ?? '';
+    const chars = Array.from(callId);
+    const shown = JSON.stringify(chars.length <= 40 ? callId : chars.slice(0, 40).join('') + '…');
+    if (!callId) return `${at} has no call_id`;
+    if (chars.length > MAX_ID_CHARS) {
+      return `${at} has a call_id longer than ${MAX_ID_CHARS} characters`;
+    }
+    if (ids.has(callId)) return `${at} has the call_id ${shown} of another call of the turn`;
+    if (used.has(callId)) return `${at} has the call_id ${shown} of an earlier call of the run`;
+    if (!call.name) return `tool call ${n} names no tool`;
+    ids.add(callId);
+  }
+  for (const [n, item] of (turn.reasoning ?? []).entries()) {
+    const problem = reasoningProblem(item.provider, item.opaque);
+    if (problem) return `reasoning item ${n} ${problem}`;
+  }
+  return '';
+}
+
+/**
+ * `turn` without the provider item ids the engine would refuse (over MAX_ID_CHARS,
+ * whitespace, a control character), the text's and each call's. They only pair a replayed
+ * reasoning item with the item after it, and the engine logs an item without one (it then
+ * replays no reasoning before it); sent, the step's append was refused after its tools had
+ * run (an audit). The model cannot correct them (the provider makes them).
+ */
+function withoutBadItemIds(turn: ModelTurn): ModelTurn {
+  return {
+    ...turn,
+    textItemId: itemIdProblem(turn.textItemId ?? '') ? '' : turn.textItemId,
+    toolCalls: turn.toolCalls?.map((c) =>
+      itemIdProblem(c.providerItemId ?? '') ? { ...c, providerItemId: '' } : c,
+    ),
+  };
+}
+
+const UNKNOWN_TASK = /^items\[(\d+)\]\.tool_call\.task_id$/;
+
+/**
+ * The index of the item whose task_id the engine refused (a task the run's working state
+ * does not hold), or undefined for any other error.
+ */
+function unknownTask(error: unknown, request: AppendItemsRequest): number | undefined {
+  if (!(error instanceof ContextEngineError) || error.reason !== 'INVALID_FIELD') return undefined;
+  const found = UNKNOWN_TASK.exec(error.field ?? '');
+  if (!found) return undefined;
+  const index = Number(found[1]);
+  return request.items?.[index]?.tool_call?.task_id ? index : undefined;
 }
 
 // A tool loop step's append, resent by the loop itself while the engine cannot be reached:
@@ -983,6 +1067,17 @@ export class Run {
         await this.resendAppend(request, { deadlineMs });
         return;
       } catch (error) {
+        const task = unknownTask(error, request);
+        if (task !== undefined) {
+          // A call's task_id names no task of the run's working state (which no RPC reads,
+          // and a control call of the step may change): refused, the step's results were
+          // lost after its tools ran (an audit). Nothing was written; the call is logged
+          // without it, under the same key, and no task moves (none could). Not an
+          // attempt: each call's goes once.
+          request.items![task].tool_call!.task_id = '';
+          attempt -= 1;
+          continue;
+        }
         const latest = rebased ? undefined : movedOn(error, request);
         if (latest !== undefined && attempt < APPEND_ATTEMPTS) {
           rebased = true;
@@ -1164,6 +1259,22 @@ export class Run {
    * none of that step's tools again. A tool that throws ends the loop before the append:
    * the step's tools that ran are then not logged.
    *
+   * Before any tool of a step runs, the model's turn is checked for what the engine would
+   * refuse to log whatever the tools return. A call whose arguments it cannot log
+   * (`argumentsProblem`) is logged with {} and answered with an error result the model can
+   * correct, not run. A provider item id it refuses (`textItemId` or a call's
+   * `providerItemId` over 200 characters, or holding whitespace or a control character) is
+   * logged as none: it only pairs replayed reasoning, and the model cannot correct it. A
+   * turn that cannot be logged at all throws a ClientError, with no tool run and the turn
+   * as `turn` (its usage reported): a call whose `callId` is empty, over 200 characters,
+   * repeated in the turn, or used by an earlier call of the run the build shows, or that
+   * names no tool, or a reasoning item the engine cannot replay. Give each call an id
+   * unique within the run (rewrite the provider's in callModel if it repeats them across
+   * steps); calling toolLoop again asks the model again. A call's `taskId` the engine
+   * refuses (no task of the run's working state has it, which only the append can tell) is
+   * dropped and the step sent again under the same key: its results are logged, and no
+   * task moves.
+   *
    * Usage is reported after the append, under the model that answered (`turn.model`), and
    * a report that fails, for any reason, is kept in the result (`unreported`, with the
    * error: its `retryable` says whether a resend can succeed) rather than thrown: the
@@ -1248,16 +1359,24 @@ export class Run {
       // fail the step's append after its tools ran, and a retry would run them again (a
       // review): such a call is logged with none and answered, not run.
       const problems = (answered.toolCalls ?? []).map((c) => argumentsProblem(c.arguments));
-      const turn: ModelTurn = {
+      const turn: ModelTurn = withoutBadItemIds({
         ...answered,
         toolCalls: answered.toolCalls?.map((c, n) => ({
           ...c,
           name: built.toolName(c.name),
           arguments: problems[n] ? {} : c.arguments,
         })),
-      };
+      });
       const final = !turn.toolCalls?.length;
       try {
+        // A turn the engine would refuse to log whatever its tools return (a call id it
+        // cannot take, a reasoning item it cannot replay) ran its tools, then failed its
+        // append for good: the results were lost, and the next toolLoop ran the tools
+        // again (an audit). Nothing runs; the error carries the turn.
+        const refused = unloggable(turn, runCallIds(built, this.runId));
+        if (refused) {
+          throw new ClientError(`the model's turn cannot be logged: ${refused}; no tool was run`);
+        }
         const items = turnItems(turn);
         for (const [n, toolCall] of (turn.toolCalls ?? []).entries()) {
           // The engine's own tools are the engine's to run (applyControlCall).

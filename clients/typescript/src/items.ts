@@ -173,6 +173,82 @@ export function argumentsProblem(args: Json | string): string {
   return '';
 }
 
+/** The longest id the engine takes (a call id, a provider's item id), in code points. */
+export const MAX_ID_CHARS = 200;
+// What a provider's item id may not hold (the engine's _provider_item_id): whitespace, as
+// Python's str.isspace() finds it, or a control character (U+0000-U+001F, U+007F-U+009F,
+// U+2028, U+2029). Together, this class, code point for code point (JavaScript's \s is
+// another set: U+FEFF in, U+001C-U+001F and U+0085 out).
+const NOT_IN_AN_ID = /[\x00-\x20\x7f-\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]/;
+
+/**
+ * Why the engine would refuse `value` as a provider's item id (AppendItems' INVALID_FIELD
+ * naming provider_item_id), or '' when it would take it.
+ */
+export function itemIdProblem(value: string): string {
+  if (Array.from(value).length > MAX_ID_CHARS) return `is longer than ${MAX_ID_CHARS} characters`;
+  if (NOT_IN_AN_ID.test(value)) return 'holds whitespace or a control character';
+  return '';
+}
+
+// What the engine replays of a provider's reasoning (core/items.py): per provider, the
+// "type"s it takes; per type, the keys it must hold (with their JSON types) and may hold.
+const REASONING_TYPES: Record<string, readonly string[]> = {
+  PROVIDER_ANTHROPIC: ['redacted_thinking', 'thinking'],
+  PROVIDER_OPENAI: ['reasoning'],
+};
+const PROVIDER_NAMES: Record<number, string> = { 1: 'PROVIDER_ANTHROPIC', 2: 'PROVIDER_OPENAI' };
+const REASONING_FIELDS: Record<string, Record<string, 'string' | 'array'>> = {
+  thinking: { thinking: 'string', signature: 'string' },
+  redacted_thinking: { data: 'string' },
+  reasoning: { id: 'string', summary: 'array' },
+};
+const REASONING_KEYS: Record<string, readonly string[]> = {
+  thinking: ['type', 'thinking', 'signature'],
+  redacted_thinking: ['type', 'data'],
+  reasoning: ['type', 'id', 'summary', 'content', 'encrypted_content', 'status'],
+};
+
+/**
+ * Why the engine would refuse to log a reasoning item (AppendItems' INVALID_FIELD naming
+ * its provider or opaque), or '' when it would take it.
+ */
+export function reasoningProblem(provider: unknown, opaque: Uint8Array): string {
+  const name = typeof provider === 'number' ? PROVIDER_NAMES[provider] : provider;
+  const types = typeof name === 'string' && Object.hasOwn(REASONING_TYPES, name)
+    ? REASONING_TYPES[name]
+    : undefined;
+  if (!types) return 'names no provider (PROVIDER_ANTHROPIC or PROVIDER_OPENAI)';
+  if (!opaque?.length) return 'is empty';
+  let text: string;
+  try {
+    // A BOM is kept, as Python's decode keeps it (and JSON then refuses it).
+    text = new TextDecoder('utf-8', { fatal: true, ignoreBOM: true }).decode(opaque);
+  } catch {
+    return 'is not UTF-8';
+  }
+  const problem = argumentsProblem(text); // the engine parses it as it parses arguments
+  if (problem) return `is no JSON object the engine can store: its bytes ${problem}`;
+  const payload = JSON.parse(text) as Record<string, unknown>;
+  const kind = Object.hasOwn(payload, 'type') ? payload.type : undefined;
+  if (typeof kind !== 'string' || !types.includes(kind)) {
+    return `has a "type" other than ${types.map((t) => `'${t}'`).join(' or ')}`;
+  }
+  for (const [key, jsonType] of Object.entries(REASONING_FIELDS[kind])) {
+    const value = Object.hasOwn(payload, key) ? payload[key] : undefined;
+    if (jsonType === 'string' ? typeof value !== 'string' : !Array.isArray(value)) {
+      return `is a '${kind}' item without "${key}"`;
+    }
+  }
+  const unknown = Object.keys(payload)
+    .filter((key) => !REASONING_KEYS[kind].includes(key))
+    .sort();
+  if (unknown.length) {
+    return `is a '${kind}' item holding '${unknown[0]}', which the provider's type lacks`;
+  }
+  return '';
+}
+
 export function toolResult(
   callId: string,
   name: string,

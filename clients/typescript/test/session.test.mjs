@@ -261,6 +261,130 @@ test('an integer literal past 2^53 - 1 is refused as written, as the engine refu
   assert.equal(result.final.text, 'Done.');
 });
 
+const THINKING = Buffer.from(JSON.stringify({ type: 'thinking', thinking: 'Hmm.', signature: 's' }));
+
+/** The run's tool calls a build shows, in order. */
+const loggedCalls = (build, run) =>
+  build.request.messages
+    .flatMap((message) => message.blocks)
+    .filter((block) => block.kind === 'tool_call' && block.run_id === run.runId)
+    .map((block) => block.tool_call);
+
+test('a turn the engine cannot log runs no tool, and throws with the turn', async () => {
+  // A call whose id the engine refuses (empty, over 200 characters, used twice in the
+  // run) or that names no tool, and a reasoning item it cannot replay, ran the step's
+  // tools, then the append was refused INVALID_FIELD: the results were lost, the pending
+  // request could not be resent, and the next toolLoop ran the tools again (an audit).
+  const call = (callId, url = 'https://trains.example') => ({
+    callId,
+    name: 'web-fetch',
+    arguments: { url },
+  });
+  const cases = {
+    'no call id': [call('ok'), call('')],
+    'a call id over 200 characters': [call('ok'), call('c'.repeat(201))],
+    'a call id twice in the turn': [call('c1'), call('c1', 'https://other')],
+    'a call id of an earlier step': null,
+    'no tool name': [call('ok'), { callId: 'c2', name: '', arguments: {} }],
+    'a reasoning item the engine cannot replay': [call('ok')],
+  };
+  for (const [name, calls] of Object.entries(cases)) {
+    const session = await engine.openSession(spec);
+    const run = await session.startRun('Trains to Lyon?');
+    const ran = [];
+    let turns = 0;
+    const error = await run
+      .toolLoop({
+        now: NOW,
+        callModel: async () => {
+          turns += 1;
+          const usage = { inputTokens: 10, outputTokens: 5 };
+          // Some providers number their calls per response: call_0 again at step two.
+          if (!calls) return { toolCalls: [call('call_0', `https://t/${turns}`)], usage };
+          const reasoning = [{ provider: 'PROVIDER_ANTHROPIC', opaque: THINKING }];
+          if (name.startsWith('a reasoning')) {
+            reasoning.push({ provider: 'PROVIDER_ANTHROPIC', opaque: Buffer.from('{"type":"thinking"}') });
+          }
+          return { text: 'Looking.', toolCalls: calls, reasoning, usage };
+        },
+        runTool: async (c) => {
+          ran.push(c.callId);
+          return { content: '08:04 TGV 6601', source: 'tool:web.fetch' };
+        },
+      })
+      .then(
+        () => assert.fail(`${name}: the loop went on`),
+        (e) => e,
+      );
+    assert.ok(error instanceof ClientError && !(error instanceof ContextEngineError), `${name}: ${error}`);
+    assert.match(error.message, /cannot be logged: .*no tool was run/, name);
+    assert.deepEqual(ran, calls ? [] : ['call_0'], name);
+    assert.equal(error.final, false, name);
+    assert.ok(error.turn.toolCalls.length, name);
+    assert.equal(error.pendingRequest, undefined, name);
+    assert.deepEqual(error.unreported, [], `${name}: its usage was reported`);
+    assert.equal(error.builds.length, turns, name);
+    const logged = loggedCalls(await run.build({ now: NOW }), run).map((c) => c.call_id);
+    assert.deepEqual(logged, ran, name);
+  }
+});
+
+test('an item id the engine refuses is logged as none; a task id of no task is dropped', async () => {
+  // A provider item id over 200 characters or holding whitespace, and a call's task id
+  // naming no task of the run's working state, failed the step's append after its tools
+  // had run (an audit). The ids only pair replayed reasoning (the model cannot correct
+  // them): logged as none. The task id, which only the append can check, is dropped and
+  // the step sent again under its key (as the proto says to): the tools run once, a task
+  // the state holds still moves.
+  const session = await engine.openSession(spec);
+  const run = await session.startRun('Trains to Lyon?');
+  await run.updateWorkingState({ upsert_tasks: [{ task_id: 't1', title: 'Find a train' }] });
+  const ran = [];
+  const keys = [];
+  let turns = 0;
+  const spy = (method, request, opts, real) => {
+    if (method === 'AppendItems') keys.push(request.idempotency_key);
+    return real(method, request, opts);
+  };
+  const result = await withCall(spy, () =>
+    run.toolLoop({
+      now: NOW,
+      callModel: async () => {
+        turns += 1;
+        if (turns > 1) return { text: 'Done.' };
+        const call = (callId, extra) => ({ callId, name: 'web-fetch', arguments: { url: callId }, ...extra });
+        return {
+          text: 'Looking.',
+          textItemId: 'msg\t1',
+          toolCalls: [
+            call('c1', { providerItemId: 'fc 1', taskId: 't-unknown' }),
+            call('c2', { providerItemId: 'f'.repeat(201), taskId: 't1' }),
+            call('c3', { providerItemId: 'fc\u20283', taskId: 't-other' }),
+            call('c4', { providerItemId: 'fc_4' }),
+          ],
+        };
+      },
+      runTool: async (c) => {
+        ran.push(c.callId);
+        return { content: 'page', source: 'tool:web.fetch' };
+      },
+    }),
+  );
+  assert.equal(result.final.text, 'Done.');
+  assert.deepEqual(ran, ['c1', 'c2', 'c3', 'c4']);
+  // Refused naming c1's task, then c3's; sent a third time, under the step's one key.
+  assert.equal(keys.length, 4);
+  assert.equal(new Set(keys.slice(0, 3)).size, 1);
+  const logged = loggedCalls(result.builds[1], run).map((c) => [c.call_id, c.provider_item_id]);
+  assert.deepEqual(logged, [['c1', ''], ['c2', ''], ['c3', ''], ['c4', 'fc_4']]);
+  const text = result.builds[1].request.messages
+    .flatMap((message) => message.blocks)
+    .filter((block) => block.kind === 'text' && block.text === 'Looking.')
+    .map((block) => block.provider_item_id);
+  assert.deepEqual(text, ['']);
+  assert.ok(JSON.stringify(result.builds[1].request).includes('Task \\"t1\\" (done)'));
+});
+
 test('the tool loop appends each step and ends on a plain answer', async () => {
   const session = await engine.openSession(spec);
   const run = await session.startRun('And back on Sunday?');

@@ -164,10 +164,15 @@ func decode(err error) error {
 
 // call makes one RPC under a deadline of its own and decodes its error. The stubs set no
 // deadline, and one for a whole run would leave each call only what the earlier ones left.
+// A timeout of 0 is no deadline, as in the Python and TypeScript clients (a deadline of 0
+// had already passed: every call failed DEADLINE_EXCEEDED without being sent).
 func call[Req, Resp any](ctx context.Context, timeout time.Duration,
 	rpc func(context.Context, Req, ...grpc.CallOption) (Resp, error), req Req) (Resp, error) {
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
+	if timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, timeout)
+		defer cancel()
+	}
 	resp, err := rpc(ctx, req)
 	return resp, decode(err)
 }
@@ -178,7 +183,8 @@ const maxAttempts = 3
 // send makes a keyed write, resending the same req (so under the key it was first sent
 // with: the first attempt may have landed with only its answer lost, and a new key would
 // write twice) while the error is Retryable, after a growing pause. After
-// DEADLINE_EXCEEDED the next attempt gets twice the deadline: the server may just be slow.
+// DEADLINE_EXCEEDED the next attempt gets twice the deadline: the server may just be slow
+// (no deadline, a timeout of 0, stays none).
 func send[Req, Resp any](ctx context.Context, timeout time.Duration,
 	rpc func(context.Context, Req, ...grpc.CallOption) (Resp, error), req Req) (Resp, error) {
 	pause := 100 * time.Millisecond
@@ -188,7 +194,7 @@ func send[Req, Resp any](ctx context.Context, timeout time.Duration,
 		if attempt == maxAttempts || !errors.As(err, &engineErr) || !engineErr.Retryable() {
 			return resp, err // nil on success
 		}
-		if engineErr.Code == codes.DeadlineExceeded {
+		if engineErr.Code == codes.DeadlineExceeded && timeout > 0 {
 			timeout *= 2
 		}
 		select {
@@ -799,11 +805,31 @@ func run(target, tenant, token, caFile string, useTLS bool, timeout time.Duratio
 	return w.turn(ctx, steps)
 }
 
+// deadlineFlag is -timeout: a duration, 0 for no deadline. A negative one is refused as
+// the flags are parsed: it was a deadline already past, and every RPC failed.
+type deadlineFlag time.Duration
+
+func (d *deadlineFlag) String() string { return time.Duration(*d).String() }
+
+func (d *deadlineFlag) Set(value string) error {
+	parsed, err := time.ParseDuration(value)
+	if err != nil {
+		return err
+	}
+	if parsed < 0 {
+		return errors.New("must not be negative (0: no deadline)")
+	}
+	*d = deadlineFlag(parsed)
+	return nil
+}
+
 func main() {
 	target := flag.String("target", envOr("CONTEXT_ENGINE_TARGET", "127.0.0.1:50051"), "engine host:port")
 	tenant := flag.String("tenant", envOr("CONTEXT_ENGINE_TENANT", "example"), "tenant id")
 	token := flag.String("token", os.Getenv("CONTEXT_ENGINE_TOKEN"), "bearer token (optional)")
-	timeout := flag.Duration("timeout", 30*time.Second, "deadline of each RPC")
+	deadline := deadlineFlag(30 * time.Second)
+	flag.Var(&deadline, "timeout", "deadline of each RPC, a `duration` (0: none)")
+	timeout := (*time.Duration)(&deadline)
 	useTLS := flag.Bool("tls", false, "TLS with the system's root certificates")
 	caFile := flag.String("ca-file", "", "TLS, trusting this PEM CA certificate")
 	steps := flag.Int("steps", 1, "tool steps of the run")

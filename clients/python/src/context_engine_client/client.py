@@ -50,10 +50,13 @@ from .errors import (
     from_rpc_error,
 )
 from .items import (
+    MAX_ID_CHARS,
     ModelTurn,
     ToolCallRequest,
     ToolOutput,
     Usage,
+    _item_id_problem,
+    _reasoning_problem,
     arguments_problem,
     tool_result,
 )
@@ -132,6 +135,85 @@ def _result_item(call: ToolCallRequest, output: ToolOutput | str) -> pb.Conversa
         artifact_ref=out.artifact_ref,
         context_content=out.context_content,
     )
+
+
+def _run_call_ids(built: BuildResult, run_id: str) -> set[str]:
+    """The call ids the run has used that its build shows (the engine refuses a call id
+    used before in the run; one a compaction took out of the request is not seen here)."""
+    return {
+        block.tool_call.call_id if kind == "tool_call" else block.tool_result.call_id
+        for message in built.request.messages
+        for block in message.blocks
+        if (kind := block.WhichOneof("kind")) in ("tool_call", "tool_result")
+        and block.run_id == run_id
+    }
+
+
+def _unloggable(turn: ModelTurn, used: set[str]) -> str:
+    """Why the engine would refuse to log the model's turn whatever its tools return
+    (AppendItems' INVALID_FIELD), or "": a call whose call_id is empty, longer than
+    MAX_ID_CHARS, repeated in the turn or already used in the run (`used`), or that names
+    no tool; a reasoning item the engine cannot replay. The results of a turn with one
+    could never be logged: its tools are not run."""
+    ids: set[str] = set()
+    for n, call in enumerate(turn.tool_calls):
+        at = f"tool call {n} ({call.name!r})"
+        shown = call.call_id if len(call.call_id) <= 40 else call.call_id[:40] + "…"
+        if not call.call_id:
+            return f"{at} has no call_id"
+        if len(call.call_id) > MAX_ID_CHARS:
+            return f"{at} has a call_id longer than {MAX_ID_CHARS} characters"
+        if call.call_id in ids:
+            return f"{at} has the call_id {shown!r} of another call of the turn"
+        if call.call_id in used:
+            return f"{at} has the call_id {shown!r} of an earlier call of the run"
+        if not call.name:
+            return f"tool call {n} names no tool"
+        ids.add(call.call_id)
+    for n, (provider, opaque) in enumerate(turn.reasoning):
+        problem = _reasoning_problem(provider, opaque)
+        if problem:
+            return f"reasoning item {n} {problem}"
+    return ""
+
+
+def _without_bad_item_ids(turn: ModelTurn) -> ModelTurn:
+    """`turn` without the provider item ids the engine would refuse (over MAX_ID_CHARS,
+    whitespace, a control character), the text's and each call's. They only pair a
+    replayed reasoning item with the item after it, and the engine logs an item without
+    one (it then replays no reasoning before it); sent, the step's append was refused after
+    its tools had run (an audit). The model cannot correct them (the provider makes them)."""
+    calls = [
+        replace(c, provider_item_id="") if _item_id_problem(c.provider_item_id) else c
+        for c in turn.tool_calls
+    ]
+    text_item_id = "" if _item_id_problem(turn.text_item_id) else turn.text_item_id
+    return replace(turn, tool_calls=calls, text_item_id=text_item_id)
+
+
+_UNKNOWN_TASK = re.compile(r"items\[(\d+)\]\.tool_call\.task_id")
+
+
+def _unknown_task(error: ContextEngineError, request: pb.AppendItemsRequest) -> int | None:
+    """The index of the item whose task_id the engine refused (a task the run's working
+    state does not hold), or None for any other error."""
+    found = _UNKNOWN_TASK.fullmatch(error.field or "")
+    if error.reason != "INVALID_FIELD" or found is None:
+        return None
+    index = int(found.group(1))
+    if index >= len(request.items) or not request.items[index].tool_call.task_id:
+        return None
+    return index
+
+
+def _carry(error: BaseException, **attributes: Any) -> None:
+    """Set what a tool loop error carries on `error` (not on one that takes no attributes);
+    a `pending_request` of None is not set."""
+    for name, value in attributes.items():
+        if name == "pending_request" and value is None:
+            continue
+        with contextlib.suppress(AttributeError):
+            setattr(error, name, value)
 
 
 def _moved_on(error: ContextEngineError, request: pb.AppendItemsRequest | None) -> bool:
@@ -1034,12 +1116,23 @@ class Run:
         """`rebase`: a step whose tools ran goes after a write that landed first; a final
         answer does not (the tool loop asks the model again)."""
         rebased = not rebase
-        for attempt in range(_APPEND_ATTEMPTS):
+        attempt = 0
+        while True:
             try:
                 await self.resend_append(request, timeout=deadline)
                 return
             except ContextEngineError as exc:
-                if not rebased and _moved_on(exc, request) and attempt + 1 < _APPEND_ATTEMPTS:
+                task = _unknown_task(exc, request)
+                if task is not None:
+                    # A call's task_id names no task of the run's working state (which no
+                    # RPC reads, and a control call of the step may change): refused, the
+                    # step's results were lost after its tools ran (an audit). Nothing was
+                    # written; the call is logged without it, under the same key, and no
+                    # task moves (none could). Not an attempt: each call's goes once.
+                    request.items[task].tool_call.task_id = ""
+                    continue
+                attempt += 1
+                if not rebased and _moved_on(exc, request) and attempt < _APPEND_ATTEMPTS:
                     rebased = True
                     # Another write landed first (the user's next message, say): the step
                     # goes after it, under the same key. Raised, its tools' results were
@@ -1047,11 +1140,11 @@ class Run:
                     request.expected_checkpoint_version = int(exc.metadata["latest_version"])
                     continue
                 # Refused for what it says (a resend fails again), or the last attempt.
-                if not exc.retryable or attempt + 1 == _APPEND_ATTEMPTS:
+                if not exc.retryable or attempt == _APPEND_ATTEMPTS:
                     raise
                 if isinstance(exc, DeadlineExceeded) and deadline:
                     deadline *= 2  # it may have been too short for this append
-            await asyncio.sleep(_APPEND_BACKOFF_S * 2**attempt)
+            await asyncio.sleep(_APPEND_BACKOFF_S * 2 ** (attempt - 1))
 
     async def build(
         self,
@@ -1269,6 +1362,22 @@ class Run:
         tools again. A tool that raises ends the loop before the append: the step's tools
         that ran are then not logged.
 
+        Before any tool of a step runs, the model's turn is checked for what the engine
+        would refuse to log whatever the tools return. A call whose arguments it cannot log
+        (`arguments_problem`) is logged with {} and answered with an error result the model
+        can correct, not run. A provider item id it refuses (the text's `text_item_id` or a
+        call's `provider_item_id` over 200 characters, or holding whitespace or a control
+        character) is logged as none: it only pairs replayed reasoning, and the model
+        cannot correct it. A turn that cannot be logged at all raises ClientError, with no
+        tool run and the turn as `turn` (its usage reported): a call whose `call_id` is
+        empty, over 200 characters, repeated in the turn, or used by an earlier call of the
+        run the build shows, or that names no tool, or a reasoning item the engine cannot
+        replay. Give each call an id unique within the run (rewrite the provider's in
+        `call_model` if it repeats them across steps); calling tool_loop again asks the
+        model again. A call's `task_id` the engine refuses (no task of the run's working
+        state has it, which only the append can tell) is dropped and the step sent again
+        under the same key: its results are logged, and no task moves.
+
         Usage is reported after the append, and a report that fails, for any reason, is
         kept in the result (`unreported`, with the error: its `retryable` says whether a
         resend can succeed) rather than raised: the step's items are in the log, and raising
@@ -1277,7 +1386,10 @@ class Run:
         error (its append failed, a tool raised) still reports the model's usage, or keeps
         it in `unreported`: unsent, with the step's error, when the engine was unreachable
         or the step was cancelled. Any exception that ends the loop carries what it kept so
-        far, `unreported` and `builds`, as attributes.
+        far, `unreported` and `builds`, as attributes. Cancelled while it reports a step's
+        usage, the loop keeps that usage unsent in `unreported` (with the cancellation) and
+        the cancellation carries the step's `turn` and `final`, and, after a failed append,
+        its `pending_request`.
 
         An append refused CHECKPOINT_VERSION_CONFLICT because another write landed first
         (the user's next message appended to the run, say) is resent once under the same
@@ -1288,8 +1400,12 @@ class Run:
         asks the model again (a step of `max_steps`).
 
         Raises:
-            NeedsCompaction: the body does not fit and no `summarize` was given.
+            NeedsCompaction: the body does not fit, and no `summarize` was given or the
+                run was compacted twice already in this call (the engine caps summary
+                depth at 2; escalate to a child run).
             ToolLoopLimit: `max_steps` model turns without a final answer.
+            ClientError: the model's turn cannot be logged (above); no tool ran, `turn`
+                holds it.
             ContextEngineError: the step's append failed; `pending_request` holds it, as
                 above (any other exception from the append carries it too).
         """
@@ -1355,9 +1471,18 @@ class Run:
             calls = [
                 replace(c, arguments={}) if p else c for c, p in zip(calls, problems, strict=True)
             ]
-            turn = replace(turn, tool_calls=calls)
+            turn = _without_bad_item_ids(replace(turn, tool_calls=calls))
             final = not turn.tool_calls
             try:
+                # A turn the engine would refuse to log whatever its tools return (a call id
+                # it cannot take, a reasoning item it cannot replay) ran its tools, then
+                # failed its append for good: the results were lost, and the next tool_loop
+                # ran the tools again (an audit). Nothing runs; the error carries the turn.
+                unloggable = _unloggable(turn, _run_call_ids(built, self.run_id))
+                if unloggable:
+                    raise ClientError(
+                        f"the model's turn cannot be logged: {unloggable}; no tool was run"
+                    )
                 items = turn.items()
                 for call, problem in zip(turn.tool_calls, problems, strict=True):
                     output: ToolOutput | str
@@ -1388,11 +1513,23 @@ class Run:
                     continue
                 # The model's tokens were spent, whatever ended the step (a tool raising,
                 # a cancellation): its usage is reported, or kept (an audit: it was lost).
-                await self._report(built, turn, exc, report_usage, timeout, kept)
-                with contextlib.suppress(AttributeError):
-                    exc.turn, exc.final = turn, final  # type: ignore[attr-defined]
+                try:
+                    await self._report(built, turn, exc, report_usage, timeout, kept)
+                except BaseException as cancelled:
+                    # Cancelled while reporting (the usage is kept unsent): the cancellation
+                    # ends the loop, and carries what the step's error did (an audit: the
+                    # failed append's request was lost with it).
+                    _carry(cancelled, pending_request=pending, turn=turn, final=final)
+                    raise
+                _carry(exc, turn=turn, final=final)
                 raise
-            await self._report(built, turn, None, report_usage, timeout, kept)
+            try:
+                await self._report(built, turn, None, report_usage, timeout, kept)
+            except BaseException as cancelled:
+                # Cancelled while reporting a step that landed: the usage is kept unsent,
+                # and the cancellation carries the step's turn (a final answer in the log).
+                _carry(cancelled, turn=turn, final=final)
+                raise
             if final:
                 return ToolLoopResult(turn, builds, reports, unreported)
         raise ToolLoopLimit(max_steps)
@@ -1410,7 +1547,8 @@ class Run:
         may be in the log, and raising after the final answer was appended lost that
         answer (an audit: a refused report did so; a review: so did a Usage protobuf
         cannot carry). After a step that `failed` with the engine unreachable, or was
-        cancelled, it is kept unsent, with that error."""
+        cancelled, it is kept unsent, with that error. Cancelled while it reports, it is
+        kept unsent with the cancellation, which is raised (an audit: the usage was lost)."""
         _, reports, unreported = kept
         if not report_usage or turn.usage is None:
             return
@@ -1423,5 +1561,7 @@ class Run:
             reports.append(
                 await self.report_usage(built, turn.usage, model=turn.model, timeout=timeout)
             )
-        except Exception as exc:
+        except BaseException as exc:
             unreported.append(UnreportedUsage(built, turn.usage, exc, turn.model))
+            if not isinstance(exc, Exception):  # a cancellation goes on, its usage kept
+                raise

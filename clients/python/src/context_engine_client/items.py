@@ -88,6 +88,71 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+# The longest id the engine takes (a call id, a provider's item id): ids are keys of its
+# indexes (api/convert.py MAX_ID_CHARS), counted in code points.
+MAX_ID_CHARS = 200
+# What a provider's item id may not hold (api/convert.py _provider_item_id): whitespace, as
+# str.isspace() finds it, or a control character (U+0000-U+001F, U+007F-U+009F, U+2028,
+# U+2029). Together, this class, code point for code point.
+_NOT_IN_AN_ID = re.compile(r"[\x00-\x20\x7f-\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]")
+
+
+def _item_id_problem(value: str) -> str:
+    """Why the engine would refuse `value` as a provider's item id (AppendItems'
+    INVALID_FIELD naming provider_item_id), or "" when it would take it."""
+    if len(value) > MAX_ID_CHARS:
+        return f"is longer than {MAX_ID_CHARS} characters"
+    if _NOT_IN_AN_ID.search(value):
+        return "holds whitespace or a control character"
+    return ""
+
+
+# What the engine replays of a provider's reasoning (core/items.py): per provider, the
+# "type"s it takes; per type, the keys it must hold (with their JSON types) and may hold.
+_REASONING_TYPES: dict[int, frozenset[str]] = {
+    pb.PROVIDER_ANTHROPIC: frozenset({"thinking", "redacted_thinking"}),
+    pb.PROVIDER_OPENAI: frozenset({"reasoning"}),
+}
+_REASONING_FIELDS: dict[str, dict[str, type]] = {
+    "thinking": {"thinking": str, "signature": str},
+    "redacted_thinking": {"data": str},
+    "reasoning": {"id": str, "summary": list},
+}
+_REASONING_KEYS: dict[str, frozenset[str]] = {
+    "thinking": frozenset({"type", "thinking", "signature"}),
+    "redacted_thinking": frozenset({"type", "data"}),
+    "reasoning": frozenset({"type", "id", "summary", "content", "encrypted_content", "status"}),
+}
+
+
+def _reasoning_problem(provider: int, opaque: bytes) -> str:
+    """Why the engine would refuse to log a reasoning item (AppendItems' INVALID_FIELD
+    naming its provider or opaque), or "" when it would take it."""
+    types = _REASONING_TYPES.get(provider)
+    if types is None:
+        return "names no provider (PROVIDER_ANTHROPIC or PROVIDER_OPENAI)"
+    if not opaque:
+        return "is empty"
+    try:
+        text = bytes(opaque).decode("utf-8")
+    except UnicodeDecodeError:
+        return "is not UTF-8"
+    problem = arguments_problem(text)  # the engine parses it as it parses arguments
+    if problem:
+        return f"is no JSON object the engine can store: its bytes {problem}"
+    payload = json.loads(text)
+    kind = payload.get("type")
+    if not isinstance(kind, str) or kind not in types:
+        return f'has a "type" other than {" or ".join(repr(t) for t in sorted(types))}'
+    for key, json_type in _REASONING_FIELDS[kind].items():
+        if not isinstance(payload.get(key), json_type):
+            return f'is a {kind!r} item without "{key}"'
+    unknown = sorted(payload.keys() - _REASONING_KEYS[kind])
+    if unknown:
+        return f"is a {kind!r} item holding {unknown[0]!r}, which the provider's type lacks"
+    return ""
+
+
 # U+0000, which the engine cannot store, and half a surrogate pair (json.loads gives one
 # for "\ud83d", an emoji an API cut in UTF-16), which protobuf cannot encode as UTF-8:
 # either failed the step after its tools had run, and every retry ran them again (audits).
