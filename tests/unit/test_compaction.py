@@ -2142,10 +2142,11 @@ def test_the_licence_check_reads_the_trusted_text_a_bounded_number_of_times(
 @SETTINGS
 @given(st.data())
 def test_prefix_data_is_the_content_of_every_enveloped_prefix_entry(data: st.DataObject) -> None:
-    """core/plan.py prefix_data, the prefix's part of Rule 3's view: one entry per
-    enveloped system block, in order, with its id, row and trust, and as text the content
-    the block shows (escaped there) without the platform's words around it: a memory's
-    text, a catalog skill's description."""
+    """core/plan.py prefix_data, the prefix's part of Rule 3's view: an entry per text of
+    each enveloped system block, in order, with its id, row and trust, and as text the
+    content the block shows (escaped there) without the platform's words around it: a
+    memory's text and then its source (apart, as a recall line's: a short memory is then
+    compared whole), a catalog skill's description."""
     secret = data.draw(secrets)
     spec = data.draw(plan_specs(secret))
     plan = make_plan(
@@ -2158,7 +2159,14 @@ def test_prefix_data_is_the_content_of_every_enveloped_prefix_entry(data: st.Dat
         count_tokens=count_tokens,
     )
     entries = prefix_data(plan, spec)
-    enveloped = [b for b in plan.system if envelope_tag(b.trust) is not None]
+    sources = {f"memory:{m.item_id}" for m in spec.snapshot.items if m.source}
+    # A memory with a source is two entries of its block: its text, then its source.
+    enveloped = [
+        b
+        for b in plan.system
+        if envelope_tag(b.trust) is not None
+        for _ in range(2 if b.item_id in sources else 1)
+    ]
     assert [(e.item_id, e.row, e.trust) for e in entries[: len(enveloped)]] == [
         (b.item_id, b.row, b.trust) for b in enveloped
     ]
@@ -2177,21 +2185,21 @@ def test_prefix_data_is_the_content_of_every_enveloped_prefix_entry(data: st.Dat
 def _assert_prefix_content(spec: PlanSpec, entries: Sequence[Any], blocks: Sequence[Any]) -> None:
     """Each entry's text is what its block shows of the spec but the names the model
     repeats to call a tool or load a skill (a deferred tool's first sentence, a skill's
-    version and description, a memory's source and text; the names cut from it), found
-    escaped in its block: whole, or where names were cut, every piece left."""
+    version and description, a memory's text then its source; the names cut from it),
+    found escaped in its block: whole, or where names were cut, every piece left."""
     shown = {
-        f"memory:{m.item_id}": (f"[{m.source}] {m.text}" if m.source else m.text, ())
+        f"memory:{m.item_id}": [(m.text, ()), *([(m.source, ())] if m.source else [])]
         for m in spec.snapshot.items
     }
     shown |= {
-        f"skill:{k.name}": (f"({k.version}): {k.description}", (k.name,)) for k in spec.skills
+        f"skill:{k.name}": [(f"({k.version}): {k.description}", (k.name,))] for k in spec.skills
     }
     shown |= {
-        f"tool:{t.name}": (first_sentence(t.description), _called_names(t.name, t.input_schema))
+        f"tool:{t.name}": [(first_sentence(t.description), _called_names(t.name, t.input_schema))]
         for t in spec.tools
     }
     for entry, block in zip(entries, blocks, strict=True):
-        whole, names = shown[entry.item_id]
+        whole, names = shown[entry.item_id].pop(0)
         assert entry.text == _unnamed(whole, names)
         pieces = entry.text.split("\n") if entry.text != whole else [whole]
         assert all(escape_content(piece) in block.text for piece in pieces)
