@@ -283,6 +283,9 @@ class Settings(BaseModel):
                 text = Path(self.auth_tokens_file).read_text(encoding="utf-8")
             except OSError as exc:
                 raise TokenFileUnreadable(f"auth_tokens_file: {type(exc).__name__}") from None
+            except UnicodeDecodeError:
+                # Its own message quotes a byte of the file, which may be a token's (a review).
+                raise ValueError("auth_tokens_file: not UTF-8") from None
             try:
                 loaded = json.loads(text)
             except ValueError as exc:

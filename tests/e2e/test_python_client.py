@@ -1098,6 +1098,17 @@ async def test_a_turn_the_engine_cannot_log_runs_no_tool(client: Any, case: str)
     assert [c.call_id for c in logged] == ran
 
 
+def test_a_reasoning_provider_by_enum_name_is_taken_as_protobuf_takes_it() -> None:
+    """protobuf takes a provider by its enum name, and the engine logs such an item; the
+    tool loop's check refused it (a review)."""
+    from context_engine_client.items import _reasoning_problem
+
+    opaque = b'{"type":"reasoning","id":"rs_1","summary":[]}'
+    assert _reasoning_problem("PROVIDER_OPENAI", opaque) == ""
+    assert _reasoning_problem(pb.PROVIDER_OPENAI, opaque) == ""
+    assert "names no provider" in _reasoning_problem("PROVIDER_NOPE", opaque)
+
+
 async def test_a_provider_item_id_the_engine_refuses_is_logged_as_none(client: Any) -> None:
     """A provider item id over 200 characters or holding whitespace (the text's or a
     call's) failed the step's append after its tools had run (an audit). It only pairs a

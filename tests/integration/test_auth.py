@@ -238,6 +238,11 @@ def test_a_token_no_client_can_send_is_refused_naming_its_setting(tmp_path: Path
     _write_tokens(path, {"short": "tenant-a"})
     with pytest.raises(ConfigError, match="auth_tokens_file: tokens must be strings"):
         load_settings(environ=bearer)
+    # Not UTF-8: named, and no byte of the file quoted (its decode error did, unnamed).
+    path.write_bytes(b'{"' + TOKEN_A.encode()[:4] + b"\xe9" + b'": "tenant-a"}')
+    with pytest.raises(ConfigError, match="auth_tokens_file: not UTF-8") as refused:
+        load_settings(environ=bearer)
+    assert "0xe9" not in str(refused.value) and "position" not in str(refused.value)
     inline = {"CONTEXT_ENGINE_AUTH": "bearer", "CONTEXT_ENGINE_AUTH_TOKENS": '{"short": "a"}'}
     with pytest.raises(ConfigError, match="auth_tokens: tokens must be strings") as refused:
         load_settings(environ=inline)

@@ -2564,6 +2564,30 @@ async def test_a_scope_no_tool_needs_rotates_nothing_and_a_grant_names_the_scope
     assert (await _start(stub, session_id, scopes=granted, profile="P")).run.run_id
 
 
+async def test_a_profile_whose_tools_the_runs_scopes_leave_out_names_the_scopes(
+    stub: Any,
+) -> None:
+    """The spec defines the browser tools, but neither the principal nor the run's scopes
+    hold their scope: the pinned plan lists none, and the refusal named the profile with
+    "Rotate with a spec that defines the browser tools", which it does (a review). The
+    run's scopes are at fault; with the scope the same run starts."""
+    browser = spec(
+        environment=pb.SessionEnvironment(surface="chat", allowed_origins=["https://shop.example"])
+    )
+    for name in ("browser.navigate", "browser.observe", "browser.act"):
+        browser.tools.append(tool(name, builtin=True, scopes=("browser.use",)))
+    browser.tools.append(tool("mail.send", scopes=("mail.send",)))
+    session_id, plan = await _open(stub, browser)
+    assert not {"browser.navigate", "browser.act"} & set(plan.tool_names)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _start(stub, session_id, scopes=["calendar.read", "mail.send"], profile="Q")
+    assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert details(caught.value)[1] == ["admission.scopes"]
+    granted = ["calendar.read", "mail.send", "browser.use"]
+    started = await _start(stub, session_id, scopes=granted, profile="Q")
+    assert "browser.navigate" in started.rotated_plan.tool_names
+
+
 def _grants_the_roster_leaves_out() -> dict[str, tuple[pb.PlanSpec, str]]:
     """Specs, each with a scope that admits a tool the roster still never advertises."""
     skill_load = spec()  # Rule 4: no catalog

@@ -770,7 +770,7 @@ class Engine:
                 # The session's spec, not the request's: the state forbids the run. Raised
                 # inside StartRun's transaction, so nothing of the run is written.
                 rebuilt = f"for this run's admission ({decision.detail})"
-                dropped = _scopes_drop_browser(exc, admission, current.plan)
+                dropped = _scopes_drop_browser(exc, admission, current.spec)
                 if dropped is not None:
                     raise dropped from None
                 if (
@@ -1857,19 +1857,23 @@ def _bodies_not_carried(exc: RequestError, detail: str) -> PreconditionError:
 
 
 def _scopes_drop_browser(
-    exc: RequestError, admission: epoch_rules.Admission | None, pinned: ContextPlan
+    exc: RequestError, admission: epoch_rules.Admission | None, pinned: PlanSpec
 ) -> PreconditionError | None:
     """The refusal when a run's admission scopes (which replace the principal's for the
     run) leave out the scopes the browser tools its website profile needs, where the
-    pinned plan defines those tools: the request's scopes are at fault, not the session's
+    pinned spec defines those tools: the request's scopes are at fault, not the session's
     spec. Named as the spec's (`session_id`, "Rotate with a spec that fits"), the advice
-    could not help (an audit). None where the refusal is another's."""
+    could not help (an audit); nor could the profile's where the principal lacks the scope
+    too (a review: the pinned plan then lists no browser tool). None where the refusal is
+    another's: a tool the spec does not define, or one the run's scopes do admit."""
     missing = exc.metadata.get("missing", "")
     if admission is None or not admission.scopes or not missing:
         return None
     names = missing.split(",")
-    if not set(names) <= set(pinned.tool_names):
-        return None  # the pinned spec does not define them either: its refusal
+    by_name = {t.name: t for t in advertisable(pinned)}
+    granted = set(admission.scopes)
+    if not all(n in by_name and not granted >= set(by_name[n].required_scopes) for n in names):
+        return None  # the spec's refusal, not the scopes'
     return PreconditionError(
         f"this run's admission scopes leave out what the session's website profile needs:"
         f" {', '.join(names)} require scopes the run does not hold. Nothing was written;"

@@ -125,10 +125,17 @@ _REASONING_KEYS: dict[str, frozenset[str]] = {
 }
 
 
-def _reasoning_problem(provider: int, opaque: bytes) -> str:
+def _reasoning_problem(provider: int | str, opaque: bytes) -> str:
     """Why the engine would refuse to log a reasoning item (AppendItems' INVALID_FIELD
-    naming its provider or opaque), or "" when it would take it."""
-    types = _REASONING_TYPES.get(provider)
+    naming its provider or opaque), or "" when it would take it. The provider as a number
+    or, as protobuf takes it too, by its enum name (a review: the name was refused)."""
+    number = provider
+    if isinstance(provider, str):
+        try:
+            number = pb.Provider.Value(provider)
+        except ValueError:
+            return "names no provider (PROVIDER_ANTHROPIC or PROVIDER_OPENAI)"
+    types = _REASONING_TYPES.get(int(number))
     if types is None:
         return "names no provider (PROVIDER_ANTHROPIC or PROVIDER_OPENAI)"
     if not opaque:
