@@ -698,6 +698,14 @@ async def _load(stub: Any, session_id: str, name: str, body: str = "") -> pb.Loa
 async def test_skill_loads_are_sticky_capped_and_never_evict(stub: Any, pool: Any) -> None:
     session_id, plan = await _open(stub, _skills_spec())
     assert "skill.load" in plan.tool_names
+    # A blank body took one of the two slots for good, to send nothing (an audit).
+    for blank in ("", " \n\t"):
+        load = pb.LoadSkillRequest(
+            tenant_id=TENANT, session_id=session_id, name="refunds", body=blank
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.LoadSkill(load)
+        assert details(refused.value)[:2] == ("INVALID_FIELD", ["body"])
     assert [(p.name, p.version) for p in plan.skill_pins] == [
         ("triage", "1"),
         ("refunds", "2"),

@@ -5727,7 +5727,7 @@ type LoadSkillRequest struct {
 	// the largest form Build can send it in (escaped bare, or enveloped at a lower trust a
 	// Rotate may give its entry), and no more than the body of the current plan, and of the
 	// plan run_id builds on, holds beside the runtime row; over either, SKILL_LIMIT naming
-	// this field.
+	// this field. Empty or blank: INVALID_FIELD naming it.
 	Body string `protobuf:"bytes,4,opt,name=body,proto3" json:"body,omitempty"`
 	// Trust of the body as the worker knows it. The body takes the less trusted of this and
 	// its catalog entry's trust (a load can lower trust, never raise it); unspecified keeps

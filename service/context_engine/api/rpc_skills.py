@@ -32,8 +32,10 @@ class SkillsRpcs:
         session_id = convert.require_uuid(request.session_id, "session_id")
         # An identifier the store indexes: bounded like every other (docs/api.md).
         name = convert.require_id(request.name, "name")
-        if not request.body:
-            raise InvalidFieldError("body is required", field="body")
+        if not request.body.strip():
+            # Blank, it took one of the session's two slots for good, to send nothing (an
+            # audit).
+            raise InvalidFieldError("body is required (and not blank)", field="body")
         trust: TrustLevel | None = None
         if request.trust:
             try:
