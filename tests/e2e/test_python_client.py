@@ -967,11 +967,12 @@ async def test_the_tool_loop_relays_the_models_control_calls_itself(client: Any)
 
     result = await run.tool_loop(model, run_tool, now=NOW)
     assert result.final.text == "Noted: day trains only."
-    # The refusal reached the model as the call's error result, naming the id, in an
-    # envelope: it quotes the model's words, and no fact rests on it as trusted.
+    # The refusal reached the model as the call's error result, naming the entry and the
+    # id, in an envelope: it quotes the model's words, and no fact rests on it as trusted.
     refusal = re.search(
         r'<untrusted source="engine:context.update_working_state"[^>]*>\n'
-        r"Not applied \(INVALID_FIELD\)[^\n]*u-99",
+        r"Not applied \(INVALID_FIELD at update\.add_facts\[0\]\.source_item_ids\[0\]\)"
+        r": [^\n]*u-99",
         _texts(seen[1]),
     )
     assert refusal is not None

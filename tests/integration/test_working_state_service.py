@@ -2297,3 +2297,63 @@ async def test_a_writer_is_told_what_it_may_not_set_before_its_facts_are_read(
             add_facts=[pb.Fact(statement="s", source_event_ids=[999])],
         )
     assert details(refused.value)[:2] == ("INVALID_FIELD", ["update.add_facts"])
+
+
+async def test_a_relayed_list_over_its_limit_is_refused_before_an_entry_is_read(
+    stub: Any,
+) -> None:
+    """docs/api.md: a list over its limit is refused naming it "before anything is read".
+    Relayed as a control call's arguments, every entry was walked, schema-checked and
+    made a protobuf first (3.9 million of them held the replica's event loop 11 s: an
+    audit); an entry the schema refuses was named instead of the list."""
+    session_id = await _offering_the_control_tool(stub)
+    run_id = (await start_run(stub, session_id, "Hello")).run.run_id
+    arguments = json.dumps({"add_constraints": [7, *(f"c{n}" for n in range(40))]})
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.UpdateWorkingState(_relayed(session_id, run_id, 1, arguments))
+    reason, fields, metadata = details(refused.value)
+    assert (reason, fields) == ("INVALID_FIELD", ["update.add_constraints"])
+    assert metadata == {"limit": "40", "entries": "41"}
+
+
+async def test_a_state_carried_over_the_constraint_cap_can_still_be_restated(
+    stub: Any,
+) -> None:
+    """Two overlapping runs' constraints together carry over the cap of 20 into a new run.
+    docs/api.md: such a state "can still shrink or restate"; the user restating the
+    model's constraint (to protect it), alone or beside a removal, was refused
+    WORKING_STATE_CAP though it adds nothing (an audit). Adding one is still refused."""
+    session_id, _ = await open_session(stub)
+    one = (await start_run(stub, session_id, "A")).run.run_id
+    two = (await start_run(stub, session_id, "B")).run.run_id
+    for run_id, prefix in ((one, "A"), (two, "B")):
+        model = [f"{prefix}{n}" for n in range(11)]
+        await update_state(
+            stub, session_id, run_id, 1, writer=pb.WRITER_MODEL, add_constraints=model
+        )
+    three = (await start_run(stub, session_id, "C")).run.run_id
+    restated = await update_state(
+        stub, session_id, three, 1, writer=pb.WRITER_USER, add_constraints=["A0"]
+    )
+    assert len(restated.state.constraints) == 22
+    assert [c.writer for c in restated.state.constraints if c.text == "A0"] == [pb.WRITER_USER]
+    shrunk = await update_state(
+        stub,
+        session_id,
+        three,
+        restated.checkpoint_version,
+        writer=pb.WRITER_USER,
+        remove_constraints=["B10"],
+        add_constraints=["A1"],
+    )
+    assert len(shrunk.state.constraints) == 21
+    with pytest.raises(grpc.aio.AioRpcError) as capped:
+        await update_state(
+            stub,
+            session_id,
+            three,
+            shrunk.checkpoint_version,
+            writer=pb.WRITER_USER,
+            add_constraints=["New"],
+        )
+    assert details(capped.value)[0] == "WORKING_STATE_CAP"

@@ -1176,7 +1176,15 @@ export class Run {
       // the engine's reply as trusted (a review).
       // The server's message, as the Python client relays it: the result is logged, and
       // the clients' requests for one step should be the same bytes (a review).
-      return { content: `Not applied (${error.reason}): ${error.statusMessage}`, isError: true, source };
+      // The field at fault where the message does not say it (which entry of a list: an
+      // audit found "no such constraint" with no hint which of four).
+      const field = error.field;
+      const where = field && !error.statusMessage.includes(field) ? ` at ${field}` : '';
+      return {
+        content: `Not applied (${error.reason}${where}): ${error.statusMessage}`,
+        isError: true,
+        source,
+      };
     }
     this.checkpointVersion = Math.max(this.checkpointVersion, response.checkpoint_version);
     return { content: 'Working state updated; the next request shows it.', source };

@@ -452,10 +452,13 @@ test("the tool loop relays the model's control calls itself; a refusal goes back
   });
   assert.equal(result.final.text, 'Noted: day trains only.');
   // In an envelope: the refusal quotes the model's words, and no fact rests on it as trusted.
-  assert.match(text(seen[1]), /<untrusted source=\\"engine:context.update_working_state\\"[^>]*>\\nNot applied \(INVALID_FIELD\)[^\\]*u-99/);
+  assert.match(text(seen[1]), /<untrusted source=\\"engine:context.update_working_state\\"[^>]*>\\nNot applied \(INVALID_FIELD at update\.add_facts\[0\]\.source_item_ids\[0\]\)[^\\]*u-99/);
   // The server's own words, as the Python client relays them (a review: the code name and
   // the reason were added, so the two clients logged different bytes).
-  assert.match(text(seen[1]), /Not applied \(INVALID_FIELD\): item 'u-99'/);
+  assert.match(
+    text(seen[1]),
+    /Not applied \(INVALID_FIELD at update\.add_facts\[0\]\.source_item_ids\[0\]\): item 'u-99'/,
+  );
   assert.match(text(seen[2]), /Established[^\n]*The user avoids night trains/);
 });
 

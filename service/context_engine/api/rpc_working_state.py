@@ -7,6 +7,7 @@ first: a malformed request names its field and writes nothing.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -145,6 +146,7 @@ def update_from_tool_arguments(text: str) -> pb.WorkingStateUpdate:
     Raises:
         InvalidFieldError: naming tool_arguments_json, the message saying where.
     """
+    _check_list_sizes(text)
     try:
         arguments = parse_json_object(text)
     except (ValueError, RecursionError) as exc:  # the parser's words, never content
@@ -161,6 +163,19 @@ def update_from_tool_arguments(text: str) -> pb.WorkingStateUpdate:
     except json_format.ParseError as exc:
         raise InvalidFieldError(f"{TOOL_ARGUMENTS}: {exc}", field=TOOL_ARGUMENTS) from None
     return update
+
+
+def _check_list_sizes(text: str) -> None:
+    """check_update_sizes on the arguments' top-level lists, before any entry is read: the
+    canonical walk, the schema check and the protobuf of 3.9 million entries took 11 s,
+    to refuse a list by its length (an audit). A text json.loads cannot read is left to
+    parse_json_object, which says why."""
+    try:
+        quick = json.loads(text)
+    except (ValueError, RecursionError):
+        return
+    if isinstance(quick, dict):
+        check_update_sizes({k: len(v) for k, v in quick.items() if isinstance(v, list)})
 
 
 # JSON Schema's types as Python's (json.loads): a bool is no integer, though Python's is.
@@ -305,7 +320,8 @@ class WorkingStateRpcs:
                     field="writer",
                 )
             writer = Writer.MODEL
-            sent = update_from_tool_arguments(request.tool_arguments_json)
+            # Off the event loop: arguments of a few megabytes are parsed and walked.
+            sent = await asyncio.to_thread(update_from_tool_arguments, request.tool_arguments_json)
         elif request.HasField("update"):
             writer = convert.known_enum(Writer, request.writer, "writer")
             sent = request.update

@@ -455,7 +455,11 @@ def _add_constraints(state: WorkingState, values: tuple[str, ...], ctx: _Ctx) ->
             # The user stating the model's constraint makes it the user's (Rule 2), in place.
             constraints[at] = ctx.entry(text)
     cap = LIST_CAPS["constraints"]
-    if len(constraints) > cap and not ctx.folding:
+    # Only an update that adds one: a state carried over the cap (two overlapping runs'
+    # constraints together) refused a restatement, the user's taking the model's over, even
+    # beside a removal (an audit), where docs/api.md says it can still shrink or restate.
+    grows = len(constraints) > len(state.constraints)
+    if len(constraints) > cap and grows and not ctx.folding:
         raise PreconditionError(
             f"working state holds at most {cap} constraints and they never evict; remove one"
             " (the user, or the model for its own) before adding another",

@@ -216,6 +216,14 @@ def _carry(error: BaseException, **attributes: Any) -> None:
             setattr(error, name, value)
 
 
+def _not_applied(error: ContextEngineError) -> str:
+    """A refused control call's result for the model: the reason, the field at fault where
+    the message does not say it (which entry of a list: an audit found "no such constraint"
+    with no hint which of four), and the message. The TypeScript client writes the same."""
+    where = f" at {error.field}" if error.field and error.field not in error.message else ""
+    return f"Not applied ({error.reason}{where}): {error.message}"
+
+
 def _moved_on(error: ContextEngineError, request: pb.AppendItemsRequest | None) -> bool:
     """A CHECKPOINT_VERSION_CONFLICT naming a later version than `request` expected."""
     latest = error.metadata.get("latest_version", "")
@@ -1251,9 +1259,7 @@ class Run:
                 return ToolOutput(_STATE_MOVED, is_error=True, source=source)
             if exc.reason not in _MODEL_CORRECTS:
                 raise
-            return ToolOutput(
-                f"Not applied ({exc.reason}): {exc.message}", is_error=True, source=source
-            )
+            return ToolOutput(_not_applied(exc), is_error=True, source=source)
         self.checkpoint_version = max(self.checkpoint_version, response.checkpoint_version)
         return ToolOutput("Working state updated; the next request shows it.", source=source)
 
