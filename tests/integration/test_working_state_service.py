@@ -2357,3 +2357,26 @@ async def test_a_state_carried_over_the_constraint_cap_can_still_be_restated(
             add_constraints=["New"],
         )
     assert details(capped.value)[0] == "WORKING_STATE_CAP"
+
+
+async def test_a_relayed_list_the_tool_does_not_define_or_a_facts_cited_ids_over_the_limit(
+    stub: Any,
+) -> None:
+    """The length check before any entry is read reads the tool's own lists: a key it does
+    not define (`add_questions`) is refused as no argument whatever its length, where a
+    long one was told its count (a review). And a fact's cited ids, a list inside a list,
+    are refused by their count too, before each is read (2.5 million were walked)."""
+    session_id = await _offering_the_control_tool(stub)
+    run_id = (await start_run(stub, session_id, "Hello")).run.run_id
+    questions = json.dumps({"add_questions": [f"q{n}" for n in range(41)]})
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.UpdateWorkingState(_relayed(session_id, run_id, 1, questions))
+    assert details(refused.value)[:2] == ("INVALID_FIELD", ["tool_arguments_json"])
+    assert "add_questions is not an argument" in (refused.value.details() or "")
+    fact = {"statement": "s", "source_item_ids": [7, *(f"u-{n}" for n in range(40))]}
+    cited = json.dumps({"add_facts": [fact]})
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.UpdateWorkingState(_relayed(session_id, run_id, 1, cited))
+    reason, fields, metadata = details(refused.value)
+    assert (reason, fields) == ("INVALID_FIELD", ["update.add_facts[0].source_item_ids"])
+    assert metadata == {"limit": "32", "entries": "41"}
